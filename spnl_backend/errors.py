@@ -1,0 +1,17 @@
+"""The exceptions a host application can catch.
+
+Every error the library raises on bad input derives from `SpnlError`, and the
+ones about bad values also derive from `ValueError`, so hosts may catch either.
+"""
+
+
+class SpnlError(Exception):
+    """Base class of every error raised by spnl-backend."""
+
+
+class SettingsError(SpnlError, ValueError):
+    """A MISTRALRS_* variable (or a setting built in code) has an invalid value."""
+
+
+class PlatformError(SpnlError, RuntimeError):
+    """The settings ask for something this machine cannot do."""

@@ -1,0 +1,1 @@
+"""Model name or path → weights, config and tokenizer → a built engine."""

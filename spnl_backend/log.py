@@ -1,0 +1,69 @@
+"""Structured logging that stays out of the host application's way.
+
+Events are structlog events with stable names (``event="platform.detected"``).
+They are delivered to the stdlib logger ``spnl_backend``, which carries only a
+`NullHandler`: nothing is printed unless the host configures logging, or the
+user asks with ``MISTRALRS_VERBOSE=1``. The global structlog configuration is
+never touched; the CLI, which owns its process, sets up console output itself.
+"""
+
+import logging
+from typing import Any
+
+import structlog
+
+LOGGER_NAME = "spnl_backend"
+
+_stdlib_logger = logging.getLogger(LOGGER_NAME)
+_stdlib_logger.addHandler(logging.NullHandler())
+_verbose = False
+
+
+def _drop_debug_unless_verbose(_logger: Any, method: str, event_dict: dict) -> dict:
+    if method == "debug" and not _verbose:
+        raise structlog.DropEvent
+    return event_dict
+
+
+def _to_stdlib_call(_logger: Any, _method: str, event_dict: dict) -> tuple[tuple, dict]:
+    """Render ``event k=v ...`` as the message and keep the fields for structured hosts."""
+    event = event_dict.pop("event")
+    fields = " ".join(f"{key}={value!r}" for key, value in event_dict.items())
+    message = f"{event} {fields}" if fields else event
+    return (message,), {"extra": {"spnl_event": event, "spnl_fields": dict(event_dict)}}
+
+
+def get_logger(**initial: Any) -> Any:
+    """A structlog logger bound to the ``spnl_backend`` stdlib logger."""
+    return structlog.wrap_logger(
+        _stdlib_logger,
+        processors=[_drop_debug_unless_verbose, _to_stdlib_call],
+        wrapper_class=structlog.stdlib.BoundLogger,
+    ).bind(**initial)
+
+
+def set_verbose(verbose: bool) -> None:
+    """Turn debug events on or off (``MISTRALRS_VERBOSE``).
+
+    When verbose output is asked for and the host has configured no handler at
+    all, a stderr handler is attached to our own logger so the events are seen.
+    """
+    global _verbose
+    _verbose = verbose
+    if not verbose:
+        return
+    if _stdlib_logger.level == logging.NOTSET or _stdlib_logger.level > logging.DEBUG:
+        _stdlib_logger.setLevel(logging.DEBUG)
+    if not _host_has_handlers():
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        _stdlib_logger.addHandler(handler)
+
+
+def _host_has_handlers() -> bool:
+    logger: logging.Logger | None = _stdlib_logger
+    while logger is not None:
+        if any(not isinstance(h, logging.NullHandler) for h in logger.handlers):
+            return True
+        logger = logger.parent if logger.propagate else None
+    return False

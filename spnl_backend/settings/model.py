@@ -1,0 +1,197 @@
+"""`BackendSettings`: every MISTRALRS_* variable, parsed once into a frozen object."""
+
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from ..errors import SettingsError
+from ..log import get_logger, set_verbose
+from . import values
+from .values import IsqType
+
+log = get_logger()
+
+ENV_PREFIX = "MISTRALRS_"
+KV_BUDGET_FIELDS = ("paged_attn_memory_mb", "paged_attn_memory_fraction", "paged_attn_context_len")
+DEFAULT_CONTEXT_LEN = 4096
+# The registry of compressors arrives with the CompressedKVCache protocol.
+KV_CACHE_COMPRESSIONS = ("none",)
+
+
+@dataclass(frozen=True)
+class KvBudget:
+    """How the paged KV cache is sized: one of the three budget variables."""
+
+    kind: Literal["memory_mb", "memory_fraction", "context_len"]
+    value: float
+    explicit: bool
+
+
+def _parse_compression(value: object) -> str:
+    name = str(value).strip().lower()
+    if name not in KV_CACHE_COMPRESSIONS:
+        raise ValueError(
+            "expected one of the registered compressors: " + ", ".join(KV_CACHE_COMPRESSIONS)
+        )
+    return name
+
+
+_PARSERS = {
+    "paged_attn": values.parse_paged_attn,
+    "paged_attn_block_size": values.parse_block_size,
+    "prefix_cache_n": values.parse_prefix_cache_n,
+    "isq": values.parse_isq,
+    "paged_attn_memory_mb": values.parse_positive_int,
+    "paged_attn_memory_fraction": values.parse_fraction,
+    "paged_attn_context_len": values.parse_positive_int,
+    "paged_cache_type": values.parse_cache_type,
+    "speculative_draft_model": values.parse_optional_name,
+    "speculative_gamma": values.parse_positive_int,
+    "speculative_draft_isq": values.parse_isq,
+    "kv_cache_compression": _parse_compression,
+    "model": values.parse_optional_name,
+    "device": values.parse_device,
+    "dtype": values.parse_dtype,
+    "verbose": values.parse_bool,
+}
+
+
+def env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+class BackendSettings(BaseSettings):
+    """The resolved, validated configuration of a backend.
+
+    Read from the environment (``MISTRALRS_<FIELD>``) or built in code with the
+    same names in lower case; both go through the same parsers, and a bad value
+    raises `SettingsError` naming the variable, the value and what is accepted.
+    An empty variable counts as unset.
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_ignore_empty=True,
+        frozen=True,
+        extra="forbid",
+        protected_namespaces=(),
+    )
+
+    paged_attn: bool | Literal["auto"] = "auto"
+    paged_attn_block_size: int = 32
+    prefix_cache_n: int = 16
+    isq: IsqType | None = None
+    paged_attn_memory_mb: int | None = None
+    paged_attn_memory_fraction: float | None = None
+    paged_attn_context_len: int | None = None
+    paged_cache_type: Literal["auto", "f8e4m3"] = "auto"
+    speculative_draft_model: str | None = None
+    # Provisional until the speculative-decoding benchmark picks the default.
+    speculative_gamma: int = 4
+    speculative_draft_isq: IsqType | None = None
+    kv_cache_compression: str = "none"
+    model: str | None = None
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    verbose: bool = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        try:
+            super().__init__(**kwargs)
+        except ValidationError as exc:
+            raise SettingsError(_describe(exc, given_in_code=set(kwargs))) from None
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _parse(cls, value: object, info: ValidationInfo) -> object:
+        if value is None and cls.model_fields[info.field_name].default is None:
+            return None
+        return _PARSERS[info.field_name](value)
+
+    @model_validator(mode="after")
+    def _one_kv_budget(self) -> "BackendSettings":
+        chosen = [f for f in KV_BUDGET_FIELDS if getattr(self, f) is not None]
+        if len(chosen) > 1:
+            raise ValueError(
+                "at most one KV-cache budget may be set, but "
+                + " and ".join(f"{env_name(f)}={getattr(self, f)}" for f in chosen)
+                + " are; keep one of "
+                + ", ".join(env_name(f) for f in KV_BUDGET_FIELDS)
+            )
+        return self
+
+    @property
+    def kv_budget(self) -> KvBudget:
+        for field in KV_BUDGET_FIELDS:
+            value = getattr(self, field)
+            if value is not None:
+                kind = field.removeprefix("paged_attn_")
+                return KvBudget(kind=kind, value=value, explicit=True)  # type: ignore[arg-type]
+        return KvBudget(kind="context_len", value=DEFAULT_CONTEXT_LEN, explicit=False)
+
+    @property
+    def prefix_cache_enabled(self) -> bool:
+        return self.prefix_cache_n > 0
+
+    @classmethod
+    def sources(cls) -> dict[str, str]:
+        """For each field, whether the environment sets it (``env``) or not (``default``)."""
+        return {
+            name: "env" if os.environ.get(env_name(name), "").strip() else "default"
+            for name in cls.model_fields
+        }
+
+
+def unknown_env_variables() -> list[str]:
+    """MISTRALRS_* variables that match no setting (typos are reported, not ignored)."""
+    known = {env_name(f) for f in BackendSettings.model_fields}
+    return sorted(
+        k for k in os.environ if k.upper().startswith(ENV_PREFIX) and k.upper() not in known
+    )
+
+
+def _describe(exc: ValidationError, given_in_code: set[str]) -> str:
+    problems = []
+    for error in exc.errors(include_url=False):
+        field = str(error["loc"][0]) if error["loc"] else None
+        reason = str(error.get("ctx", {}).get("error", error["msg"]))
+        if field is None:
+            problems.append(reason)
+        elif error["type"] == "extra_forbidden":
+            problems.append(
+                f"unknown setting {field!r}; known settings: "
+                + ", ".join(BackendSettings.model_fields)
+            )
+        elif field in given_in_code:
+            problems.append(f"{field}={error['input']!r} ({env_name(field)}) is invalid: {reason}")
+        else:
+            problems.append(f"{env_name(field)}={error['input']!r} is invalid: {reason}")
+    return "; ".join(problems)
+
+
+def load_settings(**overrides: Any) -> BackendSettings:
+    """Read the environment (plus any overrides given in code), log the result.
+
+    Applies ``MISTRALRS_VERBOSE`` to the library's logging and reports
+    MISTRALRS_* variables that match no setting.
+    """
+    settings = BackendSettings(**overrides)
+    set_verbose(settings.verbose)
+    for name in unknown_env_variables():
+        log.warning(
+            "settings.unknown_variable",
+            variable=name,
+            hint="not a setting of spnl-backend; check the spelling",
+        )
+    log.info(
+        "settings.resolved",
+        **{
+            k: v
+            for k, v in settings.model_dump().items()
+            if v != BackendSettings.model_fields[k].default
+        },
+    )
+    return settings

@@ -1,0 +1,288 @@
+"""Platform detection: what this machine has, and what the backend will do on it.
+
+`probe_platform()` gathers the facts (OS, GPUs, Triton); `decide_platform()`
+turns facts and settings into `PlatformDecisions`, a pure function so that tests
+can fake any machine. The loader consumes the decisions; nothing else detects.
+"""
+
+import os
+import platform as _platform
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from ..errors import PlatformError
+from ..log import get_logger
+from .model import BackendSettings
+
+log = get_logger()
+
+DeviceType = Literal["cpu", "cuda", "mps"]
+
+# Paged attention on by default where mistral.rs turns it on; CPU stays off until
+# the paged engine's benchmark shows it pays there.
+_PAGED_BY_DEFAULT: dict[DeviceType, bool] = {"cuda": True, "mps": False, "cpu": False}
+_FP8_NATIVE_CAPABILITY = (8, 9)
+_BF16_CAPABILITY = (8, 0)
+
+
+@dataclass(frozen=True)
+class CudaDevice:
+    index: int
+    name: str
+    capability: tuple[int, int]
+    total_memory: int
+
+
+@dataclass(frozen=True)
+class PlatformProbe:
+    """The facts about a machine that the decisions depend on."""
+
+    os: str
+    torch_version: str
+    cuda_devices: tuple[CudaDevice, ...] = ()
+    mps_available: bool = False
+    mps_bf16: bool = False
+    mps_fp8: bool = False
+    cpu_capability: str = ""
+    triton_version: str | None = None
+    triton_error: str | None = "not installed"
+    triton_interpret: bool = False
+
+
+@dataclass(frozen=True)
+class PlatformDecisions:
+    """What the backend does on this machine; the one object the loader consumes."""
+
+    os: str
+    device: str
+    device_type: DeviceType
+    device_name: str
+    paged_attn: bool
+    paged_attn_supported: bool
+    paged_attn_reason: str
+    kernels: Literal["triton", "torch"]
+    kernels_reason: str
+    triton_importable: bool
+    triton_usable: bool
+    fp8_kv: Literal["native", "emulated"] | None
+    kv_cache_dtype: Literal["auto", "float8_e4m3fn"]
+    bf16: bool
+    dtype: Literal["auto", "float32", "float16", "bfloat16"]
+    torch_version: str
+    notes: tuple[str, ...] = field(default=())
+
+    def resolve_dtype(self, config_dtype: str | None = None) -> str:
+        """The compute dtype: the setting, else the model's own where the device runs it well.
+
+        CPU computes in float32: torch's half-precision CPU paths are slower and
+        less exact. Accelerators keep a half-precision config dtype they support.
+        """
+        if self.dtype != "auto":
+            return self.dtype
+        if self.device_type == "cpu":
+            return "float32"
+        if config_dtype == "float16" or (config_dtype == "bfloat16" and self.bf16):
+            return config_dtype
+        return "bfloat16" if self.bf16 else "float16"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def probe_platform() -> PlatformProbe:
+    """Look at this machine."""
+    triton_version, triton_error = _probe_triton()
+    mps = _mps_available()
+    return PlatformProbe(
+        os=_platform.system().lower(),
+        torch_version=torch.__version__,
+        cuda_devices=_cuda_devices(),
+        mps_available=mps,
+        mps_bf16=mps and _mps_supports(torch.bfloat16),
+        mps_fp8=mps and _mps_supports(torch.float8_e4m3fn),
+        cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        triton_version=triton_version,
+        triton_error=triton_error,
+        triton_interpret=os.environ.get("TRITON_INTERPRET", "") == "1",
+    )
+
+
+def detect_platform(settings: BackendSettings) -> PlatformDecisions:
+    """Probe this machine and decide; logs ``platform.detected``."""
+    decisions = decide_platform(settings, probe_platform())
+    log.info(
+        "platform.detected",
+        device=decisions.device,
+        paged_attn=decisions.paged_attn,
+        kernels=decisions.kernels,
+        fp8_kv=decisions.fp8_kv,
+        bf16=decisions.bf16,
+    )
+    for note in decisions.notes:
+        log.warning("platform.note", note=note)
+    return decisions
+
+
+def decide_platform(settings: BackendSettings, probe: PlatformProbe) -> PlatformDecisions:
+    """Turn the settings and the machine's facts into decisions (pure; raises PlatformError)."""
+    device, device_type, device_name = _choose_device(settings.device, probe)
+    paged, paged_supported, paged_reason = _decide_paged(settings.paged_attn, probe.os, device_type)
+    triton_usable = probe.triton_version is not None and (
+        device_type == "cuda" or probe.triton_interpret
+    )
+    kernels, kernels_reason, notes = _decide_kernels(device_type, triton_usable, probe)
+    fp8 = _fp8_support(device, device_type, probe)
+    bf16 = _bf16_support(device, device_type, probe)
+    _check_cache_type(settings.paged_cache_type, paged, fp8, device)
+    _check_dtype(settings.dtype, bf16, device)
+    return PlatformDecisions(
+        os=probe.os,
+        device=device,
+        device_type=device_type,
+        device_name=device_name,
+        paged_attn=paged,
+        paged_attn_supported=paged_supported,
+        paged_attn_reason=paged_reason,
+        kernels=kernels,
+        kernels_reason=kernels_reason,
+        triton_importable=probe.triton_version is not None,
+        triton_usable=triton_usable,
+        fp8_kv=fp8,
+        kv_cache_dtype="float8_e4m3fn" if settings.paged_cache_type == "f8e4m3" else "auto",
+        bf16=bf16,
+        dtype=settings.dtype,
+        torch_version=probe.torch_version,
+        notes=notes,
+    )
+
+
+def _choose_device(requested: str, probe: PlatformProbe) -> tuple[str, DeviceType, str]:
+    kind, _, index_text = requested.partition(":")
+    if kind == "auto":
+        kind = "cuda" if probe.cuda_devices else "mps" if probe.mps_available else "cpu"
+    if kind == "cpu":
+        return "cpu", "cpu", f"CPU ({probe.cpu_capability or 'unknown ISA'})"
+    if kind == "mps":
+        if not probe.mps_available:
+            raise PlatformError(
+                f"MISTRALRS_DEVICE={requested!r} asks for Apple Metal (MPS), "
+                f"but torch {probe.torch_version} reports it unavailable on "
+                f"this {probe.os} machine; use cpu or auto"
+            )
+        return "mps", "mps", "Apple Metal (MPS)"
+    index = int(index_text or 0)
+    if index >= len(probe.cuda_devices):
+        seen = ", ".join(f"cuda:{d.index} ({d.name})" for d in probe.cuda_devices) or "none"
+        raise PlatformError(
+            f"MISTRALRS_DEVICE={requested!r} asks for CUDA device {index}, but "
+            f"torch {probe.torch_version} sees: {seen}; use cpu or auto"
+        )
+    gpu = probe.cuda_devices[index]
+    return f"cuda:{index}", "cuda", gpu.name
+
+
+def _decide_paged(
+    requested: bool | str, os_name: str, device_type: DeviceType
+) -> tuple[bool, bool, str]:
+    if os_name == "windows":
+        if requested is True:
+            raise PlatformError(
+                "MISTRALRS_PAGED_ATTN=true, but paged attention is not "
+                "supported on Windows (as in mistral.rs); unset it or set false"
+            )
+        return False, False, "not supported on Windows"
+    if requested is False:
+        return False, True, "disabled by MISTRALRS_PAGED_ATTN"
+    if requested is True:
+        return True, True, "enabled by MISTRALRS_PAGED_ATTN"
+    on = _PAGED_BY_DEFAULT[device_type]
+    return on, True, f"auto: {'on' if on else 'off'} by default on {device_type}"
+
+
+def _decide_kernels(
+    device_type: DeviceType, triton_usable: bool, probe: PlatformProbe
+) -> tuple[Literal["triton", "torch"], str, tuple[str, ...]]:
+    if device_type != "cuda":
+        return "torch", f"torch reference kernels on {device_type}", ()
+    if triton_usable:
+        return "triton", f"Triton {probe.triton_version} on CUDA", ()
+    reason = f"Triton unusable ({probe.triton_error}); torch reference kernels on CUDA"
+    return "torch", reason, (reason + "; install it with: pip install 'spnl-backend[triton]'",)
+
+
+def _fp8_support(
+    device: str, device_type: DeviceType, probe: PlatformProbe
+) -> Literal["native", "emulated"] | None:
+    if device_type == "cuda":
+        capability = probe.cuda_devices[int(device.split(":")[1])].capability
+        return "native" if capability >= _FP8_NATIVE_CAPABILITY else "emulated"
+    if device_type == "mps":
+        return "emulated" if probe.mps_fp8 else None
+    return "emulated"
+
+
+def _bf16_support(device: str, device_type: DeviceType, probe: PlatformProbe) -> bool:
+    if device_type == "cuda":
+        return probe.cuda_devices[int(device.split(":")[1])].capability >= _BF16_CAPABILITY
+    if device_type == "mps":
+        return probe.mps_bf16
+    return True
+
+
+def _check_cache_type(cache_type: str, paged: bool, fp8: str | None, device: str) -> None:
+    if cache_type != "f8e4m3":
+        return
+    if not paged:
+        raise PlatformError(
+            "MISTRALRS_PAGED_CACHE_TYPE='f8e4m3' needs paged attention, which "
+            "is off here; set MISTRALRS_PAGED_ATTN=true or use the auto cache type"
+        )
+    if fp8 is None:
+        raise PlatformError(
+            f"MISTRALRS_PAGED_CACHE_TYPE='f8e4m3': torch cannot store float8 "
+            f"on {device}; use the auto cache type"
+        )
+
+
+def _check_dtype(dtype: str, bf16: bool, device: str) -> None:
+    if dtype == "bfloat16" and not bf16:
+        raise PlatformError(
+            f"MISTRALRS_DTYPE='bfloat16', but {device} does not support "
+            "bfloat16; use float16, float32 or auto"
+        )
+
+
+def _probe_triton() -> tuple[str | None, str | None]:
+    try:
+        import triton
+    except ImportError:
+        return None, "not installed"
+    except Exception as exc:  # a broken install: report why rather than crash `info`
+        return None, f"import failed: {type(exc).__name__}: {exc}"
+    return triton.__version__, None
+
+
+def _cuda_devices() -> tuple[CudaDevice, ...]:
+    if not torch.cuda.is_available():
+        return ()
+    devices = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        devices.append(
+            CudaDevice(index, props.name, (props.major, props.minor), props.total_memory)
+        )
+    return tuple(devices)
+
+
+def _mps_available() -> bool:
+    return bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+
+
+def _mps_supports(dtype: torch.dtype) -> bool:
+    try:
+        torch.zeros(1, dtype=dtype, device="mps")
+    except (RuntimeError, TypeError):
+        return False
+    return True

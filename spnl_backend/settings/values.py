@@ -1,0 +1,198 @@
+"""Parsers for the values of the MISTRALRS_* variables.
+
+Each parser takes what the environment gives (a string) or what code passes (a
+native value) and returns the canonical value, or raises `ValueError` whose
+message says what is accepted. The caller adds the variable name and the value.
+"""
+
+import re
+from enum import StrEnum
+from typing import Literal
+
+_TRUE = frozenset({"true", "1", "on", "yes"})
+_FALSE = frozenset({"false", "0", "off", "no"})
+BOOL_SPELLINGS = "true/false, 1/0, on/off, yes/no (any case)"
+
+
+class IsqType(StrEnum):
+    """The GGML weight types that in-situ quantization can produce."""
+
+    Q2K = "Q2K"
+    Q3K = "Q3K"
+    Q4K = "Q4K"
+    Q5K = "Q5K"
+    Q6K = "Q6K"
+    Q4_0 = "Q4_0"
+    Q4_1 = "Q4_1"
+    Q5_0 = "Q5_0"
+    Q5_1 = "Q5_1"
+    Q8_0 = "Q8_0"
+    Q8_1 = "Q8_1"
+
+
+# What mistral.rs picks for `--isq <bits>` on CUDA and CPU.
+ISQ_BY_BITS = {
+    2: IsqType.Q2K,
+    3: IsqType.Q3K,
+    4: IsqType.Q4K,
+    5: IsqType.Q5K,
+    6: IsqType.Q6K,
+    8: IsqType.Q8_0,
+}
+_ISQ_OFF = frozenset({"none", "false", "off", "no"})
+_K_QUANT = re.compile(r"Q([2-6])_?K(?:_?[SML])?")
+_LEGACY_QUANT = re.compile(r"Q([4-8])_([01])")
+ISQ_ACCEPTED = (
+    "none/false, "
+    + ", ".join(t.value for t in IsqType)
+    + " (also spelled Q4_K, q4k, Q4_K_M, Q4_K_S, Q8), or bits "
+    + ", ".join(str(b) for b in ISQ_BY_BITS)
+)
+
+BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
+CACHE_TYPES = ("auto", "f8e4m3")
+DTYPES = {
+    "auto": "auto",
+    "float32": "float32",
+    "f32": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "f16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+}
+_DEVICE = re.compile(r"(auto|cpu|mps|metal|cuda)(?::(\d+))?")
+DEVICE_ACCEPTED = "auto, cpu, cuda, cuda:N, mps (or metal)"
+
+
+def _text(value: object) -> str:
+    return str(value).strip()
+
+
+def parse_bool(value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = _text(value).lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(f"expected a boolean: {BOOL_SPELLINGS}")
+
+
+def parse_paged_attn(value: object) -> bool | Literal["auto"]:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return parse_bool(value)
+    except ValueError:
+        raise ValueError(f"expected auto or a boolean: {BOOL_SPELLINGS}") from None
+
+
+def _parse_int(value: object, expected: str) -> int:
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError(expected)
+    if isinstance(value, int | float):
+        return int(value)
+    text = _text(value)
+    if not re.fullmatch(r"[+-]?\d+", text):
+        raise ValueError(expected)
+    return int(text)
+
+
+def parse_block_size(value: object) -> int:
+    expected = "expected a power of two from 8 to 256: " + ", ".join(map(str, BLOCK_SIZES))
+    size = _parse_int(value, expected)
+    if size not in BLOCK_SIZES:
+        raise ValueError(expected)
+    return size
+
+
+def parse_prefix_cache_n(value: object) -> int:
+    expected = "expected an integer >= 0, or false (0 and false disable prefix caching)"
+    if value is False or (isinstance(value, str) and value.strip().lower() == "false"):
+        return 0
+    count = _parse_int(value, expected)
+    if count < 0:
+        raise ValueError(expected)
+    return count
+
+
+def parse_positive_int(value: object) -> int:
+    expected = "expected a whole number greater than 0"
+    number = _parse_int(value, expected)
+    if number <= 0:
+        raise ValueError(expected)
+    return number
+
+
+def parse_fraction(value: object) -> float:
+    expected = "expected a number greater than 0 and at most 1 (a fraction of free device memory)"
+    if isinstance(value, bool):
+        raise ValueError(expected)
+    try:
+        fraction = float(_text(value)) if isinstance(value, str) else float(value)
+    except (TypeError, ValueError):
+        raise ValueError(expected) from None
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(expected)
+    return fraction
+
+
+def parse_isq(value: object) -> IsqType | None:
+    if value is None or value is False:
+        return None
+    if isinstance(value, IsqType):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    text = _text(value)
+    if text.lower() in _ISQ_OFF:
+        return None
+    if text.isdigit():
+        if int(text) in ISQ_BY_BITS:
+            return ISQ_BY_BITS[int(text)]
+        raise ValueError(f"expected {ISQ_ACCEPTED}")
+    upper = text.upper()
+    if upper == "Q8":
+        return IsqType.Q8_0
+    if match := _K_QUANT.fullmatch(upper):
+        return IsqType(f"Q{match[1]}K")
+    if (match := _LEGACY_QUANT.fullmatch(upper)) and upper in IsqType.__members__:
+        return IsqType(upper)
+    raise ValueError(f"expected {ISQ_ACCEPTED}")
+
+
+def parse_cache_type(value: object) -> str:
+    text = _text(value).lower()
+    if text not in CACHE_TYPES:
+        raise ValueError("expected one of: " + ", ".join(CACHE_TYPES))
+    return text
+
+
+def parse_dtype(value: object) -> str:
+    text = _text(value).lower().removeprefix("torch.")
+    if text not in DTYPES:
+        raise ValueError(
+            "expected one of: auto, float32 (f32), float16 (f16, half), bfloat16 (bf16)"
+        )
+    return DTYPES[text]
+
+
+def parse_device(value: object) -> str:
+    text = _text(value).lower()
+    match = _DEVICE.fullmatch(text)
+    if not match or (match[2] is not None and match[1] != "cuda"):
+        raise ValueError(f"expected one of: {DEVICE_ACCEPTED}")
+    return "mps" if match[1] == "metal" else text
+
+
+def parse_optional_name(value: object) -> str | None:
+    if value is None:
+        return None
+    text = _text(value)
+    if not text:
+        raise ValueError("expected a model name or path, not an empty string")
+    return text

@@ -1,0 +1,57 @@
+"""The library logs structured events and never configures the host's logging."""
+
+import logging
+
+import pytest
+import structlog
+
+from spnl_backend import load_settings
+from spnl_backend.log import LOGGER_NAME, get_logger, set_verbose
+
+
+@pytest.fixture
+def quiet_library():
+    """The library's logger as a host that configured nothing finds it."""
+    logger = logging.getLogger(LOGGER_NAME)
+    logger.handlers = [logging.NullHandler()]
+    logger.setLevel(logging.NOTSET)
+    logger.propagate = True
+    return logger
+
+
+def test_host_logging_and_structlog_are_left_alone(quiet_library):
+    root_handlers = list(logging.getLogger().handlers)
+    our_handlers = list(quiet_library.handlers)
+    load_settings()
+    assert logging.getLogger().handlers == root_handlers
+    assert quiet_library.handlers == our_handlers
+    assert not structlog.is_configured()
+
+
+def test_events_reach_the_stdlib_logger_with_their_fields(caplog, quiet_library):
+    with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
+        get_logger().info("prefix_cache.hit", blocks=12)
+    record = caplog.records[-1]
+    assert record.getMessage() == "prefix_cache.hit blocks=12"
+    assert record.spnl_event == "prefix_cache.hit"
+    assert record.spnl_fields == {"blocks": 12}
+
+
+def test_debug_events_need_verbose(caplog, quiet_library):
+    with caplog.at_level(logging.DEBUG, logger=LOGGER_NAME):
+        get_logger().debug("engine.step", tokens=1)
+        assert not caplog.records
+        set_verbose(True)
+        get_logger().debug("engine.step", tokens=2)
+    assert [r.getMessage() for r in caplog.records] == ["engine.step tokens=2"]
+
+
+def test_verbose_env_shows_events_when_the_host_configured_nothing(monkeypatch, quiet_library):
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    monkeypatch.setenv("MISTRALRS_VERBOSE", "1")
+    load_settings()
+    assert any(
+        isinstance(h, logging.StreamHandler) and not isinstance(h, logging.NullHandler)
+        for h in quiet_library.handlers
+    )
+    assert quiet_library.level == logging.DEBUG

@@ -1,0 +1,159 @@
+"""Platform decisions on faked machines (the platform table of DESIGN.md), and on this one."""
+
+import pytest
+import torch
+
+from spnl_backend import BackendSettings, PlatformError
+from spnl_backend.settings import PlatformProbe, decide_platform, detect_platform
+from spnl_backend.settings.platform import CudaDevice, probe_platform
+
+H100 = CudaDevice(0, "NVIDIA H100", (9, 0), 80 << 30)
+A100 = CudaDevice(1, "NVIDIA A100", (8, 0), 40 << 30)
+T4 = CudaDevice(0, "Tesla T4", (7, 5), 16 << 30)
+
+
+def machine(os="linux", cuda=(), mps=False, triton=True, **extra) -> PlatformProbe:
+    return PlatformProbe(
+        os=os,
+        torch_version="2.13.0",
+        cuda_devices=tuple(cuda),
+        mps_available=mps,
+        mps_bf16=mps,
+        mps_fp8=False,
+        cpu_capability="AVX2",
+        triton_version="3.5.0" if triton else None,
+        triton_error=None if triton else "not installed",
+        **extra,
+    )
+
+
+def decide(probe: PlatformProbe, **settings):
+    return decide_platform(BackendSettings(**settings), probe)
+
+
+def test_linux_cuda_defaults_to_paged_triton_and_bf16():
+    d = decide(machine(cuda=[H100]))
+    assert (d.device, d.device_type, d.device_name) == ("cuda:0", "cuda", "NVIDIA H100")
+    assert d.paged_attn
+    assert d.paged_attn_supported
+    assert d.kernels == "triton"
+    assert d.fp8_kv == "native"
+    assert d.bf16
+    assert d.resolve_dtype(None) == "bfloat16"
+
+
+def test_cuda_without_triton_uses_torch_kernels_and_says_how_to_fix():
+    d = decide(machine(cuda=[H100], triton=False))
+    assert d.kernels == "torch"
+    assert not d.triton_usable
+    assert any("spnl-backend[triton]" in note for note in d.notes)
+
+
+def test_older_gpu_emulates_fp8_and_lacks_bf16():
+    d = decide(machine(cuda=[T4]))
+    assert d.fp8_kv == "emulated"
+    assert not d.bf16
+    assert d.resolve_dtype("bfloat16") == "float16"
+    with pytest.raises(PlatformError, match="bfloat16"):
+        decide(machine(cuda=[T4]), dtype="bf16")
+
+
+def test_cuda_index_selects_the_device():
+    d = decide(machine(cuda=[H100, A100]), device="cuda:1")
+    assert (d.device, d.device_name, d.fp8_kv) == ("cuda:1", "NVIDIA A100", "emulated")
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "cuda:2"])
+def test_missing_cuda_device_is_a_clear_error(device):
+    probe = machine(cuda=[H100, A100]) if device == "cuda:2" else machine()
+    with pytest.raises(PlatformError, match="MISTRALRS_DEVICE") as caught:
+        decide(probe, device=device)
+    assert repr(device) in str(caught.value)
+
+
+def test_metal_is_off_by_default_but_can_be_asked_for():
+    assert decide(machine(os="darwin", mps=True, triton=False)).device == "mps"
+    d = decide(machine(os="darwin", mps=True, triton=False))
+    assert not d.paged_attn
+    assert d.paged_attn_supported
+    assert d.kernels == "torch"
+    assert decide(machine(os="darwin", mps=True), paged_attn=True).paged_attn
+
+
+def test_missing_metal_is_a_clear_error():
+    with pytest.raises(PlatformError, match="Metal"):
+        decide(machine(os="darwin"), device="metal")
+
+
+def test_metal_without_float8_rejects_fp8_cache():
+    with pytest.raises(PlatformError, match="float8"):
+        decide(machine(os="darwin", mps=True), paged_attn=True, paged_cache_type="f8e4m3")
+
+
+def test_cpu_defaults():
+    d = decide(machine(triton=False))
+    assert (d.device, d.kernels, d.fp8_kv) == ("cpu", "torch", "emulated")
+    assert not d.paged_attn
+    assert d.paged_attn_supported
+    assert d.resolve_dtype("bfloat16") == "float32"
+
+
+def test_cpu_honours_explicit_dtype_and_device_over_a_gpu():
+    d = decide(machine(cuda=[H100]), device="cpu", dtype="bf16")
+    assert d.device == "cpu"
+    assert d.resolve_dtype("float32") == "bfloat16"
+
+
+def test_windows_never_pages_and_refuses_an_explicit_request():
+    d = decide(machine(os="windows", cuda=[H100]))
+    assert not d.paged_attn
+    assert not d.paged_attn_supported
+    with pytest.raises(PlatformError, match="Windows"):
+        decide(machine(os="windows", cuda=[H100]), paged_attn=True)
+
+
+def test_paged_attn_false_wins_everywhere():
+    assert not decide(machine(cuda=[H100]), paged_attn=False).paged_attn
+
+
+def test_fp8_cache_needs_paged_attention():
+    with pytest.raises(PlatformError, match="needs paged attention"):
+        decide(machine(), paged_cache_type="f8e4m3")
+    d = decide(machine(), paged_attn=True, paged_cache_type="f8e4m3")
+    assert d.kv_cache_dtype == "float8_e4m3fn"
+
+
+def test_triton_on_cpu_is_usable_only_under_the_interpreter():
+    assert not decide(machine()).triton_usable
+    assert decide(machine(triton_interpret=True)).triton_usable
+    assert decide(machine(triton_interpret=True)).kernels == "torch"
+
+
+def test_gpu_keeps_a_half_precision_config_dtype():
+    d = decide(machine(cuda=[H100]))
+    assert d.resolve_dtype("float16") == "float16"
+    assert d.resolve_dtype("float32") == "bfloat16"
+
+
+def test_this_machine_is_probed_consistently():
+    probe = probe_platform()
+    assert probe.torch_version == torch.__version__
+    assert len(probe.cuda_devices) == (
+        torch.cuda.device_count() if torch.cuda.is_available() else 0
+    )
+    decisions = detect_platform(BackendSettings())
+    assert decisions.device_type in ("cpu", "cuda", "mps")
+
+
+@pytest.mark.cuda
+def test_real_cuda_machine_defaults_to_paged_attention():
+    decisions = detect_platform(BackendSettings())
+    assert decisions.device_type == "cuda"
+    assert decisions.paged_attn
+
+
+@pytest.mark.metal
+def test_real_metal_machine_keeps_paged_attention_off():
+    decisions = detect_platform(BackendSettings())
+    assert decisions.device_type == "mps"
+    assert not decisions.paged_attn
