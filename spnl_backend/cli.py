@@ -9,7 +9,7 @@ from typing import Any
 
 import structlog
 
-from .errors import PlatformError, SettingsError
+from .errors import SpnlError
 from .log import LOGGER_NAME
 from .settings import BackendSettings, PlatformDecisions, detect_platform, env_name, load_settings
 
@@ -22,7 +22,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _configure_console_logging(verbose=args.verbose)
     try:
         return args.run(args)
-    except (SettingsError, PlatformError) as exc:
+    except SpnlError as exc:
         print(f"spnl-backend: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:  # output piped into `head` and the like
@@ -40,7 +40,77 @@ def _build_parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="print the resolved settings and platform decisions")
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     info.set_defaults(run=_run_info)
+    generate = commands.add_parser(
+        "generate", help="complete prompts: streams one, shows progress for several"
+    )
+    generate.add_argument("prompts", nargs="+", metavar="PROMPT")
+    generate.add_argument(
+        "--model", help="model name or path (default: MISTRALRS_MODEL, else the embedded default)"
+    )
+    generate.add_argument(
+        "--max-tokens",
+        type=int,
+        default=128,
+        help="tokens to generate (default 128; 0: until EOS or the end of the context)",
+    )
+    generate.add_argument("--temperature", type=float, default=0.6, help="0 is greedy")
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--seed", type=int)
+    generate.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    generate.add_argument("--json", action="store_true", help="print results with usage as JSON")
+    generate.set_defaults(run=_run_generate)
     return parser
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from .backend import load_backend, sampling_params
+    from .loader.progress import TqdmProgress
+
+    request = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "stop": args.stop,
+    }
+    params = sampling_params(**request)  # a bad parameter fails before the model loads
+    backend = load_backend(args.model, progress=TqdmProgress())
+    if args.json:
+        results = backend.generate(args.prompts, **request)
+        print(json.dumps([_result_json(r) for r in results], indent=2))
+    elif len(args.prompts) == 1:
+        for piece in backend.stream(args.prompts[0], **request):
+            print(piece, end="", flush=True)
+        print()
+    else:
+        _generate_with_progress(backend, args.prompts, params)
+    return 0
+
+
+def _generate_with_progress(backend: Any, prompts: list[str], params: Any) -> None:
+    from tqdm import tqdm
+
+    texts: dict[int, str] = {}
+    with tqdm(total=len(prompts), desc="prompts", unit="prompt", file=sys.stderr) as bar:
+        for output in backend.run_steps(prompts, params):
+            if output.seq.is_finished:
+                texts[output.seq.seq_id] = output.seq.text
+                bar.update(1)
+    # Sequence ids follow the order the prompts were added in.
+    for number, (prompt, seq_id) in enumerate(zip(prompts, sorted(texts), strict=True), 1):
+        print(f"--- {number}: {prompt!r}")
+        print(texts[seq_id])
+
+
+def _result_json(result: Any) -> dict[str, Any]:
+    return {
+        "text": result.text,
+        "token_ids": result.token_ids,
+        "finish_reason": result.finish_reason,
+        "usage": vars(result.usage),
+    }
 
 
 def _run_info(args: argparse.Namespace) -> int:

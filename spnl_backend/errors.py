@@ -15,3 +15,19 @@ class SettingsError(SpnlError, ValueError):
 
 class PlatformError(SpnlError, RuntimeError):
     """The settings ask for something this machine cannot do."""
+
+
+class ModelNotFoundError(SpnlError, FileNotFoundError):
+    """A model name resolved to nothing; the message lists every place that was tried."""
+
+
+class ModelFileError(SpnlError, ValueError):
+    """A model file is truncated, corrupt or of a kind this library cannot run."""
+
+
+class UnsupportedArchitectureError(SpnlError, ValueError):
+    """The model's architecture is not one of the supported ones (the message lists them)."""
+
+
+class RequestError(SpnlError, ValueError):
+    """A generate/chat request has an invalid parameter or prompt."""

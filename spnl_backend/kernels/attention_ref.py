@@ -1,0 +1,87 @@
+"""Attention over one sequence's keys and values: the torch reference every kernel matches.
+
+Queries are the last ``q.shape[0]`` positions of a sequence whose first
+``context_len`` keys were already cached (a prefix hit, a chunked prefill or a
+decode step), so the causal mask is offset by ``context_len``.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    context_len: int,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``q [nq, heads, d]``, ``k``/``v [context_len + nq, kv_heads, d]`` → ``[nq, heads, d]``.
+
+    A key at position ``j`` is visible to the query at position ``i`` when
+    ``j <= i`` and, with a sliding window ``w``, ``j > i - w``. Scores are
+    ``scale * q.k``, then softcapped (``cap * tanh(s / cap)``), then biased by
+    ``slope * (j - i)`` with ALiBi, then masked; softmax is in float32.
+    """
+    nq, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    if softcap is None and alibi_slopes is None:
+        return _sdpa(q, k, v, scale, context_len, sliding_window)
+    groups = heads // kv_heads
+    qg = q.float().view(nq, kv_heads, groups, dim).permute(1, 2, 0, 3)
+    scores = qg @ k.float().permute(1, 2, 0).unsqueeze(1) * scale  # [kv, g, nq, nk]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    q_pos, k_pos = _positions(nq, k.shape[0], context_len, q.device)
+    if alibi_slopes is not None:
+        distance = (k_pos - q_pos.unsqueeze(-1)).float()
+        scores = scores + alibi_slopes.float().view(kv_heads, groups, 1, 1) * distance
+    scores = scores.masked_fill(~_visible(q_pos, k_pos, sliding_window), float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v.float().permute(1, 0, 2).unsqueeze(1)
+    return out.permute(2, 0, 1, 3).reshape(nq, heads, dim).to(q.dtype)
+
+
+def _positions(
+    nq: int, nk: int, context_len: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    q_pos = torch.arange(context_len, context_len + nq, device=device)
+    return q_pos, torch.arange(nk, device=device)
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    visible = k_pos <= q_pos.unsqueeze(-1)
+    if window is not None:
+        visible &= k_pos > q_pos.unsqueeze(-1) - window
+    return visible
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    context_len: int,
+    window: int | None,
+) -> torch.Tensor:
+    """The common case through torch's fused attention; the mask only where it cuts."""
+    nq, nk = q.shape[0], k.shape[0]
+    window_cuts = window is not None and nk > window
+    mask, causal = None, False
+    if window_cuts or (nq > 1 and context_len > 0):
+        mask = _visible(*_positions(nq, nk, context_len, q.device), window)
+    elif nq > 1:
+        causal = True
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out.transpose(0, 1)

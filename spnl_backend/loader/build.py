@@ -1,0 +1,86 @@
+"""Model source + settings + platform decisions → a model with its weights, and a tokenizer."""
+
+from dataclasses import dataclass
+
+import torch
+
+from ..log import get_logger
+from ..models.config import ModelConfig
+from ..models.transformer import CausalLM
+from ..settings import PlatformDecisions
+from .gguf_config import model_config_from_gguf
+from .gguf_file import GGUFFile
+from .hf_config import model_config_from_hf, token_ids
+from .progress import Progress
+from .resolve import ModelSource
+from .tokenizer import Tokenizer, load_gguf_tokenizer, load_text_tokenizer
+from .weights import load_into, read_gguf, read_safetensors, safetensors_files, split_fused
+
+log = get_logger()
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: CausalLM
+    tokenizer: Tokenizer
+    config: ModelConfig
+    source: ModelSource
+    dtype: torch.dtype
+    device: torch.device
+
+
+def load_model(
+    source: ModelSource, decisions: PlatformDecisions, progress: Progress
+) -> LoadedModel:
+    if source.kind == "gguf":
+        return _load_gguf(source, decisions, progress)
+    return _load_text(source, decisions, progress)
+
+
+def _load_text(
+    source: ModelSource, decisions: PlatformDecisions, progress: Progress
+) -> LoadedModel:
+    from transformers import AutoConfig, GenerationConfig
+
+    hf_config = AutoConfig.from_pretrained(source.path)
+    config = model_config_from_hf(hf_config)
+    eos = set(config.eos_token_ids)
+    if (source.path / "generation_config.json").exists():
+        eos |= set(token_ids(GenerationConfig.from_pretrained(source.path).eos_token_id))
+    tokenizer = load_text_tokenizer(source.path, sorted(eos))
+    weights = read_safetensors(safetensors_files(source.path), progress)
+    return _build(source, config, tokenizer, weights, decisions)
+
+
+def _load_gguf(
+    source: ModelSource, decisions: PlatformDecisions, progress: Progress
+) -> LoadedModel:
+    gguf = GGUFFile(source.path)
+    config = model_config_from_gguf(gguf)
+    tokenizer = load_gguf_tokenizer(source.path, config.architecture, config.eos_token_ids)
+    return _build(source, config, tokenizer, read_gguf(gguf, config, progress), decisions)
+
+
+def _build(
+    source: ModelSource,
+    config: ModelConfig,
+    tokenizer: Tokenizer,
+    weights,
+    decisions: PlatformDecisions,
+) -> LoadedModel:
+    dtype = getattr(torch, decisions.resolve_dtype(config.dtype))
+    device = torch.device(decisions.device)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    load_into(model, split_fused(weights, config), dtype=dtype, device=device, source=source.path)
+    model.to(device).eval()
+    log.info(
+        "model.loaded",
+        architecture=config.architecture,
+        kind=source.kind,
+        layers=config.num_layers,
+        dtype=str(dtype).removeprefix("torch."),
+        device=str(device),
+    )
+    return LoadedModel(model, tokenizer, config, source, dtype, device)
+

@@ -1,0 +1,122 @@
+"""Tokenizers: transformers' own for text models, and for GGUF files the one transformers
+converts from the file's vocabulary, cached after the first (slow) conversion."""
+
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from ..errors import ModelFileError, RequestError
+from ..log import get_logger
+
+log = get_logger()
+
+# Gemma's turn format, for GGUF files that carry no chat template of their own. Gemma has
+# no system role: a system message is prepended to the first user turn.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set system = messages[0]['content'] + '\n\n' if messages[0]['role'] == 'system' "
+    "else '' %}"
+    "{% for message in messages if message['role'] != 'system' %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + (system if loop.first else '') "
+    "+ message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+_FALLBACK_TEMPLATES = {"gemma3": GEMMA_CHAT_TEMPLATE}
+
+
+class Tokenizer:
+    """Text ↔ token ids, special tokens and the chat template of one model."""
+
+    def __init__(self, hf: PreTrainedTokenizerBase, eos_token_ids: Sequence[int]) -> None:
+        self.hf = hf
+        self.eos_token_ids = frozenset(eos_token_ids) | (
+            {hf.eos_token_id} if hf.eos_token_id is not None else set()
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf(text, add_special_tokens=True)["input_ids"]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        if not self.hf.chat_template:
+            raise RequestError(
+                "this model has no chat template; use generate() with a "
+                "formatted prompt instead of chat()"
+            )
+        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.hf(text, add_special_tokens=False)["input_ids"]
+
+
+def load_text_tokenizer(model_dir: Path, eos_token_ids: Sequence[int]) -> Tokenizer:
+    try:
+        hf = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as exc:
+        raise ModelFileError(f"{model_dir}: cannot load the tokenizer: {exc}") from None
+    return Tokenizer(hf, eos_token_ids)
+
+
+def load_gguf_tokenizer(
+    gguf_path: Path, architecture: str, eos_token_ids: Sequence[int]
+) -> Tokenizer:
+    cached = _cache_dir() / _cache_key(gguf_path)
+    if not (cached / "tokenizer.json").exists():
+        _convert(gguf_path, cached)
+    hf = AutoTokenizer.from_pretrained(cached)
+    if not hf.chat_template and architecture in _FALLBACK_TEMPLATES:
+        hf.chat_template = _FALLBACK_TEMPLATES[architecture]
+        log.info(
+            "tokenizer.chat_template_fallback",
+            architecture=architecture,
+            reason="the GGUF file carries no chat template",
+        )
+    return Tokenizer(hf, eos_token_ids)
+
+
+def _convert(gguf_path: Path, target: Path) -> None:
+    """transformers' GGUF vocabulary conversion (slow: seconds per 100k tokens), saved."""
+    log.info(
+        "tokenizer.converting",
+        file=str(gguf_path),
+        note="first load of this file only; the result is cached",
+    )
+    try:
+        hf = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelFileError(
+            f"{gguf_path}: cannot build a tokenizer from the file's vocabulary: {exc}"
+        ) from None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
+    try:
+        hf.save_pretrained(staging)
+        staging.rename(target)
+    except OSError:
+        if not (target / "tokenizer.json").exists():  # not a concurrent conversion's win
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _cache_key(path: Path) -> str:
+    stat = path.stat()
+    identity = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    return hashlib.sha256(identity.encode()).hexdigest()[:32]
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "spnl_backend" / "tokenizers"

@@ -1,0 +1,140 @@
+"""The building blocks every architecture shares: norms, linears, gated MLP, attention."""
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .rope import apply_rotary
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What a layer's attention needs besides q, k, v: fixed per layer."""
+
+    layer: int
+    scale: float
+    num_kv_groups: int
+    sliding_window: int | None = None
+    softcap: float | None = None
+
+
+class AttentionBackend(Protocol):
+    """The KV-cache interface the model calls: store this step's K/V, attend over the cache.
+
+    ``q [T, heads, head_dim]``, ``k`` and ``v [T, kv_heads, head_dim]`` for the T
+    tokens of this step, packed sequence after sequence; returns ``[T, heads, head_dim]``.
+    """
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
+    ) -> torch.Tensor: ...
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dim, computed in float32.
+
+    Gemma multiplies by ``(offset + w)`` in float32 before casting back (``in_float``);
+    the Llama family casts back first and multiplies by ``w`` in the model's dtype.
+    """
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0, in_float: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps, self.offset, self.in_float = eps, offset, in_float
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.in_float:
+            return (h * (self.weight.float() + self.offset)).to(x.dtype)
+        return self.weight * h.to(x.dtype)
+
+
+class Linear(nn.Linear):
+    """The projection layers' type: the seam where quantized layers replace float ones."""
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.gate_proj = Linear(hidden, inner, bias=False)
+        self.up_proj = Linear(hidden, inner, bias=False)
+        self.down_proj = Linear(inner, hidden, bias=False)
+        self.act = F.silu if config.activation == "silu" else _gelu_tanh
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = Linear(config.hidden_size, q_size, bias=config.qkv_bias)
+        self.k_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
+        self.v_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = _norm(config, self.head_dim)
+            self.k_norm = _norm(config, self.head_dim)
+        self.qk_norm = config.qk_norm
+        self.spec = AttentionSpec(
+            layer=layer,
+            scale=config.scale,
+            num_kv_groups=self.num_heads // self.num_kv_heads,
+            sliding_window=config.window_of(layer),
+            softcap=config.attn_softcap,
+        )
+
+    def forward(
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        out = backend.attend(q, k, v, self.spec)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+
+def _norm(config: ModelConfig, dim: int) -> RMSNorm:
+    return RMSNorm(dim, config.rms_norm_eps, config.norm_offset, config.norm_in_float)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block; Gemma adds norms after attention and MLP ("sandwich")."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer)
+        self.mlp = GatedMLP(config)
+        self.input_layernorm = _norm(config, config.hidden_size)
+        self.post_attention_layernorm = _norm(config, config.hidden_size)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = _norm(config, config.hidden_size)
+            self.post_feedforward_layernorm = _norm(config, config.hidden_size)
+
+    def forward(
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend
+    ) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), cos_sin, backend)
+        if not self.sandwich:
+            x = x + attn
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))

@@ -1,0 +1,73 @@
+"""`CausalLM`: the decoder-only transformer every supported architecture instantiates."""
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .layers import AttentionBackend, DecoderLayer, Linear, RMSNorm
+from .rope import RotaryEmbedding
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, config.norm_offset, config.norm_in_float
+        )
+        self.rotary = RotaryEmbedding(config.rope, config.max_position_embeddings)
+        self.rotary_local = (
+            RotaryEmbedding(config.rope_local, config.max_position_embeddings)
+            if config.rope_local
+            else None
+        )
+        self.embedding_multiplier = config.embedding_multiplier
+        self.local_layers = frozenset(
+            i for i, kind in enumerate(config.layer_types) if kind == "sliding"
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.embedding_multiplier is not None:
+            x = x * torch.tensor(self.embedding_multiplier, dtype=x.dtype)
+        cos_sin = self.rotary(positions)
+        local = self.rotary_local(positions) if self.rotary_local else cos_sin
+        for i, layer in enumerate(self.layers):
+            x = layer(x, local if i in self.local_layers else cos_sin, backend)
+        return self.norm(x)
+
+
+class CausalLM(nn.Module):
+    """Token ids in, hidden states out; logits only for the rows asked for.
+
+    Parameter names follow the Hugging Face checkpoints (``model.layers.0.self_attn
+    .q_proj.weight``), so text models load by name and GGUF tensors are renamed to them.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+    ) -> torch.Tensor:
+        """``input_ids``/``positions [T]`` (sequences packed) → hidden states ``[T, hidden]``."""
+        return self.model(input_ids, positions, backend)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states of the rows to sample from → float32 logits ``[rows, vocab]``."""
+        if self.config.tie_word_embeddings:
+            logits = torch.nn.functional.linear(hidden, self.model.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        logits = logits.float()
+        if self.config.final_softcap is not None:
+            cap = self.config.final_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -1,0 +1,1 @@
+"""GGML block formats, quantized linear layers and the ISQ plan."""

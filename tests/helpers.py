@@ -1,0 +1,51 @@
+"""Shared test helpers: tiny models loaded both ways, and full-sequence logits."""
+
+from functools import cache
+from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType
+from tiny_models import TinyModel, build_hf_model, write_gguf
+
+from spnl_backend import Backend, BackendSettings, load_backend
+from spnl_backend.engine.kv_cache import ContiguousStep, SequenceKV, StepSlice
+
+CPU = BackendSettings(device="cpu")
+PROMPT = " ".join(["The quick brown fox jumps over the lazy dog."] * 3)
+
+
+def model_logits(backend: Backend, ids: list[int]) -> torch.Tensor:
+    """Logits at every position of ``ids``, through our model and a fresh cache."""
+    model = backend._engine.runner.model
+    config = model.config
+    kv = SequenceKV(
+        config.num_layers,
+        config.num_kv_heads,
+        config.head_dim,
+        next(model.parameters()).dtype,
+        torch.device("cpu"),
+    )
+    kv.reserve(len(ids), used=0)
+    step = ContiguousStep([StepSlice(kv, 0, len(ids))])
+    with torch.inference_mode():
+        hidden = model(torch.tensor(ids), torch.arange(len(ids)), step)
+        return model.compute_logits(hidden)
+
+
+class TinyModels:
+    """Builds each architecture's tiny model once per test session."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    @cache  # noqa: B019 - one instance per session
+    def hf(self, arch: str) -> TinyModel:
+        return build_hf_model(arch, self.root / arch / "hf")
+
+    @cache  # noqa: B019
+    def backend(self, arch: str) -> Backend:
+        return load_backend(str(self.hf(arch).path), settings=CPU)
+
+    @cache  # noqa: B019
+    def gguf(self, arch: str, qtype: GGMLQuantizationType) -> Path:
+        return write_gguf(self.hf(arch), self.root / arch / f"model-{qtype.name}.gguf", qtype)

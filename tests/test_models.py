@@ -1,0 +1,78 @@
+"""Every architecture against transformers' implementation of the same tiny model, and each
+model's GGUF twin against its safetensors original."""
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from helpers import CPU, PROMPT, model_logits
+from tiny_models import ARCHITECTURES
+
+from spnl_backend import load_backend
+
+# Q8_0 keeps ~8 bits per weight: over these random models the logits move by about 2% of
+# their spread (measured: relative L2 error 0.4-1.3%); 5% bounds it with room.
+Q8_0_RELATIVE_L2 = 0.05
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_logits_match_transformers(tiny, arch):
+    model = tiny.hf(arch)
+    ids = model.tokenizer(PROMPT).input_ids
+    with torch.no_grad():
+        expected = model.hf(torch.tensor([ids])).logits[0]
+    ours = model_logits(tiny.backend(arch), ids)
+    assert expected.std() > 0.5  # peaked enough that the comparison means something
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_32_greedy_tokens_match_transformers(tiny, arch):
+    model = tiny.hf(arch)
+    ids = model.tokenizer(PROMPT).input_ids
+    expected = model.hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
+    result = tiny.backend(arch).generate(PROMPT, max_tokens=32, temperature=0)
+    assert result.token_ids == expected[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_gguf_f32_twin_has_the_same_logits(tiny, arch):
+    ids = tiny.hf(arch).tokenizer(PROMPT).input_ids
+    twin = load_backend(str(tiny.gguf(arch, Q.F32)), settings=CPU)
+    torch.testing.assert_close(
+        model_logits(twin, ids), model_logits(tiny.backend(arch), ids), atol=1e-4, rtol=1e-4
+    )
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_gguf_q8_0_twin_is_within_quantization_error(tiny, arch):
+    ids = tiny.hf(arch).tokenizer(PROMPT).input_ids
+    twin = load_backend(str(tiny.gguf(arch, Q.Q8_0)), settings=CPU)
+    reference = model_logits(tiny.backend(arch), ids)
+    error = (model_logits(twin, ids) - reference).norm() / reference.norm()
+    assert error < Q8_0_RELATIVE_L2
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a != "gemma3"])
+def test_gguf_tokenizer_matches_the_original(tiny, arch):
+    """Built from the GGUF's own vocabulary (the tiny Gemma's byte-level vocabulary is not
+    the sentencepiece kind a Gemma GGUF carries, so it is left out)."""
+    twin = load_backend(str(tiny.gguf(arch, Q.F32)), settings=CPU)
+    original = tiny.backend(arch).tokenizer
+    for text in (PROMPT, "def add(a, b):\n    return a + b", "  spaces  and\ttabs "):
+        assert twin.tokenizer.encode(text) == original.encode(text)
+        assert twin.tokenizer.decode(original.encode(text)) == text
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_chunked_prefill_gives_the_same_tokens(tiny, arch):
+    """Splitting a prompt into prefill chunks (across the sliding window) changes nothing."""
+    backend = tiny.backend(arch)
+    whole = backend.generate(PROMPT, max_tokens=12, temperature=0)
+    scheduler = backend._engine.scheduler
+    scheduler.max_num_batched_tokens = 7
+    try:
+        chunked = backend.generate(PROMPT, max_tokens=12, temperature=0)
+    finally:
+        scheduler.max_num_batched_tokens = 2048
+    assert chunked.token_ids == whole.token_ids
+    assert backend._engine.runner.caches == {}

@@ -1,0 +1,317 @@
+"""Tiny random models of every supported architecture, made through transformers, saved as
+safetensors and written as GGUF the way llama.cpp's converter writes them."""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, quants
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Once upon a time there was a little model that could.",
+    "The capital of France is Paris, and the capital of Italy is Rome.",
+    "def add(a, b):\n    return a + b\n",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000.",
+    "Tokens, tokens everywhere; caches and blocks and prefixes.",
+] * 4
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+PAD, EOS, BOS = 0, 1, 2
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS, INNER = 64, 4, 2, 16, 3, 128
+MAX_POSITIONS = 512
+WINDOW = 8  # small, so 32-token prompts cross it
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", BOS)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )
+
+
+def _common(vocab: int) -> dict:
+    return dict(
+        vocab_size=vocab,
+        hidden_size=HIDDEN,
+        intermediate_size=INNER,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        tie_word_embeddings=False,
+    )
+
+
+def hf_config(arch: str, vocab: int):
+    common = _common(vocab)
+    if arch == "llama":
+        return LlamaConfig(
+            **common,
+            head_dim=HEAD_DIM,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+    if arch == "mistral":
+        return MistralConfig(**common, head_dim=HEAD_DIM, sliding_window=WINDOW)
+    if arch == "qwen2":
+        return Qwen2Config(
+            **common,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+            },
+        )
+    if arch == "qwen3":
+        return Qwen3Config(
+            **common,
+            head_dim=HEAD_DIM,
+            rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+        )
+    if arch == "phi3":
+        half = HEAD_DIM // 4  # partial rotary: half the head dims rotate
+        return Phi3Config(
+            **common,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                "long_factor": [2.0 + 0.1 * i for i in range(half)],
+                "original_max_position_embeddings": 256,
+            },
+        )
+    if arch == "gemma3":
+        return Gemma3TextConfig(
+            **{**common, "tie_word_embeddings": True},
+            head_dim=HEAD_DIM,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=HEAD_DIM,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            final_logit_softcapping=30.0,
+            attn_logit_softcapping=50.0,
+        )
+    raise ValueError(arch)
+
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
+
+
+@dataclass
+class TinyModel:
+    arch: str
+    path: Path
+    hf: torch.nn.Module
+    tokenizer: PreTrainedTokenizerFast
+
+
+def build_hf_model(arch: str, path: Path, seed: int = 0) -> TinyModel:
+    tokenizer = build_tokenizer()
+    config = hf_config(arch, len(tokenizer))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            # Peaked distributions, so greedy choices are not near-ties.
+            if "norm" in name:  # Gemma scales by 1 + w, the others by w
+                center = 0.0 if arch == "gemma3" else 1.0
+                param.copy_(center + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.15)
+    model.generation_config.pad_token_id = PAD
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return TinyModel(arch, path, model, tokenizer)
+
+
+# ---- GGUF, as llama.cpp's converter writes it ----------------------------------------------
+
+_GGUF_ARCH = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "gemma3": "gemma3",
+}
+_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.gate_up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "post_attention_layernorm": "ffn_norm",
+}
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+def _gguf_name(name: str, arch: str) -> str:
+    top = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    if name in top:
+        return top[name]
+    _, _, index, rest = name.split(".", 3)
+    module, _, kind = rest.rpartition(".")
+    names = _GEMMA_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    return f"blk.{index}.{names[module]}.{kind}"
+
+
+def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    rows = weight.shape[0]
+    return (
+        weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def write_gguf(
+    tiny: TinyModel, path: Path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32
+) -> Path:
+    arch = _GGUF_ARCH[tiny.arch]
+    config = tiny.hf.config
+    writer = GGUFWriter(path, arch)
+    _write_metadata(writer, tiny, config)
+    for name, tensor in tiny.hf.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        data = tensor.float().numpy()
+        if tiny.arch in ("llama", "mistral") and name.endswith(("q_proj.weight", "k_proj.weight")):
+            data = _permute(data, HEADS if "q_proj" in name else KV_HEADS)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            data = data + 1.0
+        _add_tensor(writer, _gguf_name(name, arch), data, qtype)
+    _write_rope_tensors(writer, tiny)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _add_tensor(
+    writer: GGUFWriter, name: str, data: np.ndarray, qtype: GGMLQuantizationType
+) -> None:
+    if qtype == GGMLQuantizationType.F32 or data.ndim == 1 or data.shape[-1] % 32:
+        writer.add_tensor(name, data.astype(np.float32))
+    else:
+        writer.add_tensor(name, quants.quantize(data, qtype), raw_dtype=qtype)
+
+
+def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config) -> None:
+    writer.add_context_length(MAX_POSITIONS)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_block_count(LAYERS)
+    writer.add_feed_forward_length(INNER)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_key_length(HEAD_DIM)
+    writer.add_value_length(HEAD_DIM)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_rope_dimension_count(int(HEAD_DIM * rope.get("partial_rotary_factor", 1.0)))
+    if rope["rope_type"] == "linear":
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if rope["rope_type"] == "yarn":
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if rope["rope_type"] == "longrope":
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if getattr(config, "sliding_window", None):
+        writer.add_sliding_window(config.sliding_window)
+    if tiny.arch == "gemma3":
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    _write_tokenizer(writer, tiny.tokenizer)
+
+
+def _write_rope_tensors(writer: GGUFWriter, tiny: TinyModel) -> None:
+    rope = tiny.hf.config.rope_parameters
+    if rope.get("rope_type") == "llama3":
+        # llama.cpp stores Llama 3's scaling as per-dimension divisors of the frequencies.
+        rotary = tiny.hf.model.rotary_emb
+        dim = HEAD_DIM
+        base = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2).float() / dim))
+        writer.add_tensor("rope_freqs.weight", (base / rotary.inv_freq).numpy())
+    if rope.get("rope_type") == "longrope":
+        writer.add_tensor(
+            "rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32)
+        )
+        writer.add_tensor(
+            "rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32)
+        )
+
+
+def _write_tokenizer(writer: GGUFWriter, tokenizer: PreTrainedTokenizerFast) -> None:
+    vocab = tokenizer.get_vocab()
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    writer.add_bos_token_id(BOS)
+    writer.add_eos_token_id(EOS)
+    writer.add_pad_token_id(PAD)
+    writer.add_add_bos_token(True)
