@@ -76,8 +76,9 @@ def _generate(tiny, *args: str) -> list[str]:
 def test_generate_streams_one_prompt(tiny, capsys, monkeypatch):
     monkeypatch.setenv("MISTRALRS_DEVICE", "cpu")
     assert main(_generate(tiny, "--max-tokens", "6", "The capital of France is")) == 0
-    expected = tiny.backend("llama").generate("The capital of France is", max_tokens=6,
-                                              temperature=0).text
+    expected = (
+        tiny.backend("llama").generate("The capital of France is", max_tokens=6, temperature=0).text
+    )
     assert capsys.readouterr().out == expected + "\n"
 
 

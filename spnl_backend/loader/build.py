@@ -83,4 +83,3 @@ def _build(
         device=str(device),
     )
     return LoadedModel(model, tokenizer, config, source, dtype, device)
-
