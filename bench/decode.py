@@ -32,13 +32,13 @@ DECODE_TOKENS = 128
 PREFILL_TOKENS = 1024
 
 
-def long_prompt(count_tokens) -> str:
-    """The shipped text cut at the word where it reaches ~PREFILL_TOKENS tokens."""
+def long_prompt(count_tokens, tokens: int = PREFILL_TOKENS) -> str:
+    """The shipped text cut at the last word that keeps it within ``tokens`` tokens."""
     words = (HERE / "data" / "english.txt").read_text().split(" ")
     low, high = 1, len(words)
     while low < high:
         mid = (low + high + 1) // 2
-        if count_tokens(" ".join(words[:mid])) <= PREFILL_TOKENS:
+        if count_tokens(" ".join(words[:mid])) <= tokens:
             low = mid
         else:
             high = mid - 1
@@ -60,10 +60,11 @@ Probes = tuple[
 def run_ours(gguf: Path, threads: int) -> Probes:
     import torch
 
-    from spnl_backend import load_backend
+    from spnl_backend import load_backend, load_settings
 
     torch.set_num_threads(threads)
-    backend = load_backend(str(gguf))
+    # Prefix caching off: the repeated runs must not reuse each other's prompts.
+    backend = load_backend(str(gguf), settings=load_settings(prefix_cache_n=0))
     prompt = long_prompt(lambda text: len(backend.tokenizer.encode(text)))
     backend.generate(SHORT_PROMPT, max_tokens=4, temperature=0)  # warm-up
 

@@ -6,12 +6,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .engine.engine import Engine, EngineConfig, StepOutput
+from .engine.engine import Engine, StepOutput
 from .engine.sequence import SamplingParams
 from .engine.sequence import Sequence as EngineSequence
-from .errors import PlatformError, RequestError, SettingsError
+from .errors import RequestError, SettingsError
 from .loader.build import LoadedModel, load_model
 from .loader.default_model import default_model_path
+from .loader.engine import build_engine
 from .loader.progress import LogProgress, Progress
 from .loader.resolve import ModelSource, resolve_model
 from .log import get_logger, set_verbose
@@ -42,23 +43,18 @@ class Backend:
     """A loaded model behind `generate`, `stream` and `chat`; safe to share between threads."""
 
     def __init__(
-        self, loaded: LoadedModel, settings: BackendSettings, platform: PlatformDecisions
+        self,
+        loaded: LoadedModel,
+        engine: Engine,
+        settings: BackendSettings,
+        platform: PlatformDecisions,
     ) -> None:
         self.settings, self.platform = settings, platform
         self.tokenizer = loaded.tokenizer
         self.model_config: ModelConfig = loaded.config
         self.source: ModelSource = loaded.source
-        self.max_model_len = loaded.config.max_position_embeddings
-        self._engine = Engine(
-            loaded.model,
-            loaded.tokenizer,
-            EngineConfig(
-                max_model_len=self.max_model_len,
-                eos_token_ids=frozenset(loaded.tokenizer.eos_token_ids),
-            ),
-            loaded.device,
-            loaded.dtype,
-        )
+        self.max_model_len = engine.config.max_model_len
+        self._engine = engine
         self._lock = threading.Lock()
         self._pending: dict[int, list[StepOutput]] = {}
 
@@ -175,10 +171,14 @@ class Backend:
 
     def _check_length(self, ids: list[int]) -> list[int]:
         if len(ids) >= self.max_model_len:
+            if self._engine.cache.capacity_tokens == self.max_model_len:
+                holder = "the whole paged KV cache (the MISTRALRS_PAGED_ATTN_* budget)"
+                remedy = "raise MISTRALRS_PAGED_ATTN_CONTEXT_LEN or shorten it"
+            else:
+                holder, remedy = "the model's context", "shorten it"
             raise RequestError(
-                f"the prompt has {len(ids)} tokens, but the model's context holds "
-                f"{self.max_model_len} (prompt and completion together); "
-                "shorten it"
+                f"the prompt has {len(ids)} tokens, but {holder} holds "
+                f"{self.max_model_len} (prompt and completion together); {remedy}"
             )
         return ids
 
@@ -278,7 +278,7 @@ def load_backend(
     else:
         set_verbose(settings.verbose)
     decisions = detect_platform(settings)
-    _refuse_unavailable_features(settings, decisions)
+    _refuse_unavailable_features(settings)
     name = model or settings.model
     source = (
         resolve_model(name)
@@ -287,23 +287,12 @@ def load_backend(
     )
     log.info("model.resolved", name=source.name, kind=source.kind, path=str(source.path))
     loaded = load_model(source, decisions, progress or LogProgress())
-    return Backend(loaded, settings, decisions)
+    return Backend(loaded, build_engine(loaded, settings, decisions), settings, decisions)
 
 
-def _refuse_unavailable_features(settings: BackendSettings, decisions: PlatformDecisions) -> None:
+def _refuse_unavailable_features(settings: BackendSettings) -> None:
     """Features whose settings exist but whose engine parts are not in this version yet:
-    an explicit request is an error; a default that would turn one on is logged."""
-    if settings.paged_attn is True:
-        raise PlatformError(
-            "MISTRALRS_PAGED_ATTN=true: the paged KV cache is not available in "
-            "this version yet; unset it or set false"
-        )
-    if decisions.paged_attn:
-        log.warning(
-            "paged_attn.unavailable",
-            reason="the paged KV cache is not in this version "
-            "yet; contiguous per-sequence caches are used",
-        )
+    asking for one is an error, never a silent no-op."""
     for field, what in (
         ("isq", "in-situ quantization"),
         ("speculative_draft_model", "speculative decoding"),

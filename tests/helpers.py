@@ -49,3 +49,10 @@ class TinyModels:
     @cache  # noqa: B019
     def gguf(self, arch: str, qtype: GGMLQuantizationType) -> Path:
         return write_gguf(self.hf(arch), self.root / arch / f"model-{qtype.name}.gguf", qtype)
+
+
+def engine_logits(backend: Backend, ids: list[int]) -> torch.Tensor:
+    """Logits at every position of ``ids`` through the backend's own KV cache (paged or not)."""
+    from spnl_backend.engine.scoring import prompt_logits
+
+    return prompt_logits(backend._engine, ids, torch.device("cpu"))

@@ -75,4 +75,4 @@ def test_chunked_prefill_gives_the_same_tokens(tiny, arch):
     finally:
         scheduler.max_num_batched_tokens = 2048
     assert chunked.token_ids == whole.token_ids
-    assert backend._engine.runner.caches == {}
+    assert backend._engine.cache.num_holders == 0

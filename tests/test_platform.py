@@ -93,7 +93,7 @@ def test_metal_without_float8_rejects_fp8_cache():
 def test_cpu_defaults():
     d = decide(machine(triton=False))
     assert (d.device, d.kernels, d.fp8_kv) == ("cpu", "torch", "emulated")
-    assert not d.paged_attn
+    assert d.paged_attn
     assert d.paged_attn_supported
     assert d.resolve_dtype("bfloat16") == "float32"
 
@@ -118,7 +118,7 @@ def test_paged_attn_false_wins_everywhere():
 
 def test_fp8_cache_needs_paged_attention():
     with pytest.raises(PlatformError, match="needs paged attention"):
-        decide(machine(), paged_cache_type="f8e4m3")
+        decide(machine(), paged_attn=False, paged_cache_type="f8e4m3")
     d = decide(machine(), paged_attn=True, paged_cache_type="f8e4m3")
     assert d.kv_cache_dtype == "float8_e4m3fn"
 

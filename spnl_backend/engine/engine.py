@@ -1,6 +1,5 @@
 """The engine: requests in, one scheduled model step at a time, finished sequences out."""
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -8,13 +7,13 @@ import torch
 from ..models.transformer import CausalLM
 from .detokenizer import Decoder, IncrementalDetokenizer
 from .runner import ModelRunner
-from .scheduler import Scheduler
+from .scheduler import CacheManager, Scheduler
 from .sequence import SamplingParams, Sequence
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_model_len: int
+    max_model_len: int  # tokens per sequence: the model's context, or the whole KV cache
     eos_token_ids: frozenset[int]
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -34,14 +33,15 @@ class Engine:
         self,
         model: CausalLM,
         decoder: Decoder,
+        cache: CacheManager,
         config: EngineConfig,
         device: torch.device,
-        dtype: torch.dtype,
     ) -> None:
         self.config = config
         self.decoder = decoder
-        self.runner = ModelRunner(model, device, dtype)
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens)
+        self.cache = cache
+        self.runner = ModelRunner(model, cache, device)
+        self.scheduler = Scheduler(cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}
 
     def add(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -57,22 +57,17 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule()
+        if not batch:
+            return []
         sampled = self.runner.run(batch)
-        outputs = [
+        return [
             self._accept(item.seq, sampled[item.seq.seq_id])
             for item in batch
             if item.seq.seq_id in sampled
         ]
-        self.scheduler.postprocess(batch)
-        return outputs
 
     def abort(self, seq: Sequence) -> None:
-        self.scheduler.abort(seq)
         self._release(seq)
-
-    def run_until(self, done: Callable[[], bool]) -> None:
-        while not done():
-            self.step()
 
     def _accept(self, seq: Sequence, token_id: int) -> StepOutput:
         seq.append(token_id)
@@ -90,12 +85,12 @@ class Engine:
         if stopped or token_id in self.config.eos_token_ids:
             return "stop"
         max_tokens = seq.params.max_tokens
-        if (
-            max_tokens and len(seq.output_token_ids) >= max_tokens
-        ) or seq.num_tokens >= seq.max_len:
+        if (max_tokens and len(seq.output_token_ids) >= max_tokens) or (
+            seq.num_tokens >= seq.max_len
+        ):
             return "length"
         return None
 
     def _release(self, seq: Sequence) -> None:
-        self.runner.release(seq)
+        self.scheduler.finish(seq)
         self.detokenizers.pop(seq.seq_id, None)

@@ -1,16 +1,22 @@
-"""Contiguous KV caches: each sequence owns one growing buffer for all its layers.
+"""Non-paged mode: each sequence owns one growing KV buffer for all its layers.
 
-This is the non-paged mode. A step's `ContiguousStep` is the `AttentionBackend`
-the model calls: it writes each sequence's new K/V after its cached ones and
-attends over them with the torch reference attention.
+Finished sequences' buffers are kept by a sequence-level prefix cache (up to
+``MISTRALRS_PREFIX_CACHE_N`` of them, least recently used out first); a new request
+copies the K/V of the longest common prefix it shares with one of them.
 """
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from ..kernels.attention_ref import attention_ref
+from ..log import get_logger
+from ..models.config import ModelConfig
 from ..models.layers import AttentionSpec
+from .sequence import ScheduledSeq, Sequence
+
+log = get_logger()
 
 _GROWTH_QUANTUM = 256  # tokens; capacity grows to a multiple of this, at least doubling
 
@@ -26,9 +32,9 @@ class SequenceKV:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        self.shape = (num_layers, 2, 0, num_kv_heads, head_dim)
-        self.dtype, self.device = dtype, device
-        self.data = torch.empty(self.shape, dtype=dtype, device=device)
+        self.data = torch.empty(
+            (num_layers, 2, 0, num_kv_heads, head_dim), dtype=dtype, device=device
+        )
 
     @property
     def capacity(self) -> int:
@@ -39,14 +45,14 @@ class SequenceKV:
         if num_tokens <= self.capacity:
             return
         target = max(2 * self.capacity, -(-num_tokens // _GROWTH_QUANTUM) * _GROWTH_QUANTUM)
-        layers, _, _, heads, dim = self.shape
-        grown = torch.empty((layers, 2, target, heads, dim), dtype=self.dtype, device=self.device)
+        layers, two, _, heads, dim = self.data.shape
+        grown = self.data.new_empty((layers, two, target, heads, dim))
         grown[:, :, :used] = self.data[:, :, :used]
         self.data = grown
 
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+    def copy_prefix(self, source: "SequenceKV", length: int) -> None:
+        self.reserve(length, used=0)
+        self.data[:, :, :length] = source.data[:, :, :length]
 
 
 @dataclass(frozen=True)
@@ -86,3 +92,98 @@ class ContiguousStep:
             )
             start = end
         return out
+
+
+class SequencePrefixCache:
+    """Finished sequences' caches, keyed by the tokens they hold, least recently used out."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.entries: OrderedDict[int, tuple[list[int], SequenceKV]] = OrderedDict()
+
+    def insert(self, seq_id: int, token_ids: list[int], kv: SequenceKV) -> None:
+        if self.capacity == 0 or not token_ids:
+            return
+        self.entries[seq_id] = (token_ids, kv)
+        while len(self.entries) > self.capacity:
+            self.entries.popitem(last=False)
+
+    def longest_prefix(self, token_ids: list[int]) -> tuple[SequenceKV | None, int]:
+        """The entry sharing the longest prefix with ``token_ids``, and that length."""
+        best_key, best_len = None, 0
+        for key, (tokens, _) in self.entries.items():
+            length = _common_prefix(tokens, token_ids)
+            if length > best_len:
+                best_key, best_len = key, length
+        if best_key is None:
+            return None, 0
+        self.entries.move_to_end(best_key)
+        return self.entries[best_key][1], best_len
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # a[:low] == b[:low] holds, a[:high] == b[:high] does not
+    while high - low > 1:
+        mid = (low + high) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+class ContiguousCacheManager:
+    """Per-sequence buffers, and the sequence-level prefix cache over finished ones."""
+
+    capacity_tokens = None  # grows with the sequences; no fixed budget
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, prefix_cache_n: int
+    ) -> None:
+        self.shape = (config.num_layers, config.num_kv_heads, config.head_dim)
+        self.dtype, self.device = dtype, device
+        self.caches: dict[int, SequenceKV] = {}
+        self.prefix_cache = SequencePrefixCache(prefix_cache_n)
+
+    @property
+    def num_holders(self) -> int:
+        """Sequences that hold cache now."""
+        return len(self.caches)
+
+    def admit(self, seq: Sequence) -> None:
+        kv = SequenceKV(*self.shape, self.dtype, self.device)
+        self.caches[seq.seq_id] = kv
+        source, length = self.prefix_cache.longest_prefix(seq.token_ids)
+        length = min(length, seq.num_tokens - 1)  # the last token is always computed
+        if source is not None and length > 0:
+            kv.copy_prefix(source, length)
+        seq.num_computed_tokens = max(length, 0)
+        if not seq.output_token_ids:
+            seq.num_cached_tokens = seq.num_computed_tokens
+            event = "prefix_cache.hit" if length > 0 else "prefix_cache.miss"
+            log.debug(event, seq_id=seq.seq_id, cached_tokens=seq.num_cached_tokens)
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        self.caches[seq.seq_id].reserve(num_tokens, used=seq.num_computed_tokens)
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        kv = self.caches.pop(seq.seq_id, None)
+        if kv is not None:
+            self.prefix_cache.insert(seq.seq_id, seq.token_ids[: seq.num_computed_tokens], kv)
+
+    def after_step(self, batch: list[ScheduledSeq]) -> None:
+        """Nothing to register: reuse is found by comparing tokens."""
+
+    def backend(self, batch: list[ScheduledSeq], device: torch.device) -> ContiguousStep:
+        return ContiguousStep(
+            [
+                StepSlice(
+                    self.caches[item.seq.seq_id], item.seq.num_computed_tokens, item.num_new_tokens
+                )
+                for item in batch
+            ]
+        )

@@ -79,3 +79,11 @@ class Sequence:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
         self.finish_time = time.perf_counter()
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """A sequence in a step, and how many of its tokens the step computes."""
+
+    seq: Sequence
+    num_new_tokens: int

@@ -1,0 +1,131 @@
+"""The block pool of the paged KV cache, with block-level prefix caching.
+
+Blocks are either referenced (in some sequence's block table), cached (unreferenced
+but holding the K/V of a full block whose hash is known), or free. Taking a block
+prefers a free one and otherwise evicts the least recently used cached block; both
+are O(1). A full block's hash chains its parent's: ``hash(parent_hash, tokens)``,
+so equal hashes mean equal prefixes, and a new request reuses the longest chain of
+cached blocks its prompt starts with. Shared blocks are full, hence never written.
+"""
+
+import hashlib
+import struct
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+_NO_PARENT = 0
+
+
+def block_hash(parent: int, tokens: tuple[int, ...]) -> int:
+    """A stable 64-bit hash of a block's tokens and its parent's hash (not Python's salted
+    `hash`, so equal prefixes hash equally across processes)."""
+    digest = hashlib.blake2b(struct.pack(f"<Q{len(tokens)}i", parent, *tokens), digest_size=8)
+    return int.from_bytes(digest.digest(), "little")
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None  # set once the block is full and registered
+    token_ids: tuple[int, ...] = ()  # the tokens its hash covers (checked on every hit)
+
+
+@dataclass
+class BlockTable:
+    """A sequence's blocks, and the hashes of those that are full and registered."""
+
+    block_ids: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_ids: deque[int] = deque(range(num_blocks))
+        self.cached_ids: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self.hash_to_id: dict[int, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_available(self) -> int:
+        """Blocks that can be handed out now: free, or cached and evictable."""
+        return len(self.free_ids) + len(self.cached_ids)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix caching -------------------------------------------------------------------
+
+    def match_prefix(self, token_ids: list[int]) -> list[int]:
+        """Ids of the cached blocks that hold the longest full-block prefix of ``token_ids``."""
+        if not self.enable_prefix_caching:
+            return []
+        matched, parent = [], _NO_PARENT
+        for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
+            tokens = tuple(token_ids[start : start + self.block_size])
+            parent = block_hash(parent, tokens)
+            block_id = self.hash_to_id.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            matched.append(block_id)
+        return matched
+
+    def register_full_blocks(
+        self, table: BlockTable, token_ids: list[int], num_computed: int
+    ) -> None:
+        """Hash the blocks that ``num_computed`` tokens have filled, so others may share them."""
+        if not self.enable_prefix_caching:
+            return
+        while len(table.hashes) < min(num_computed // self.block_size, len(table.block_ids)):
+            index = len(table.hashes)
+            tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
+            parent = table.hashes[-1] if table.hashes else _NO_PARENT
+            digest = block_hash(parent, tokens)
+            table.hashes.append(digest)
+            block = self.blocks[table.block_ids[index]]
+            if block.hash is None and digest not in self.hash_to_id:
+                block.hash, block.token_ids = digest, tokens
+                self.hash_to_id[digest] = block.block_id
+
+    # ---- taking and returning blocks ------------------------------------------------------
+
+    def share(self, block_id: int) -> None:
+        """Reference a cached block (a prefix hit)."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.cached_ids[block_id]
+        block.ref_count += 1
+
+    def take(self) -> int:
+        """A block for new content: a free one, else the least recently used cached one."""
+        if self.free_ids:
+            block_id = self.free_ids.popleft()
+        else:
+            block_id, _ = self.cached_ids.popitem(last=False)
+            self._forget(self.blocks[block_id])
+        self.blocks[block_id].ref_count = 1
+        return block_id
+
+    def release(self, table: BlockTable) -> None:
+        """Drop a sequence's references; its tail blocks become the first to be evicted."""
+        for block_id in reversed(table.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is None:
+                    self.free_ids.append(block_id)
+                else:
+                    self.cached_ids[block_id] = None
+        table.block_ids.clear()
+        table.hashes.clear()
+
+    def _forget(self, block: Block) -> None:
+        if block.hash is not None and self.hash_to_id.get(block.hash) == block.block_id:
+            del self.hash_to_id[block.hash]
+        block.hash, block.token_ids = None, ()

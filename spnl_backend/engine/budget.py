@@ -1,0 +1,93 @@
+"""How many KV blocks the paged cache gets: from exactly one budget, checked before allocation."""
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import PlatformError, SettingsError
+from ..models.config import ModelConfig
+from ..settings.model import KvBudget, env_name
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_tokens * self.bytes_per_token
+
+
+def kv_bytes_per_token(config: ModelConfig, cache_dtype: torch.dtype) -> int:
+    """K and V of every layer, for one token."""
+    element = torch.empty((), dtype=cache_dtype).element_size()
+    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * element
+
+
+def plan_kv_cache(
+    config: ModelConfig,
+    budget: KvBudget,
+    block_size: int,
+    cache_dtype: torch.dtype,
+    available_bytes: int,
+) -> KVCachePlan:
+    """Blocks for the budget; an error if it gives none or more than ``available_bytes``."""
+    per_token = kv_bytes_per_token(config, cache_dtype)
+    per_block = per_token * block_size
+    variable = env_name(f"paged_attn_{budget.kind}")
+    if block_size > config.max_position_embeddings:
+        raise SettingsError(
+            f"MISTRALRS_PAGED_ATTN_BLOCK_SIZE={block_size} is larger than the model's "
+            f"context ({config.max_position_embeddings} tokens); use a smaller block size"
+        )
+    if budget.kind == "context_len":
+        num_blocks = -(-int(budget.value) // block_size)
+    elif budget.kind == "memory_mb":
+        num_blocks = int(budget.value * MIB) // per_block
+    else:
+        num_blocks = int(budget.value * available_bytes) // per_block
+    if num_blocks == 0:
+        raise SettingsError(
+            f"{variable}={budget.value:g} gives no KV-cache block: one block of {block_size} "
+            f"tokens needs {per_block / MIB:.2f} MB ({per_token:,} bytes per token for "
+            f"{config.num_layers} layers x {config.num_kv_heads} KV heads x "
+            f"{config.head_dim} dims x K and V); raise the budget"
+        )
+    plan = KVCachePlan(num_blocks, block_size, per_token)
+    if plan.nbytes > available_bytes:
+        raise PlatformError(
+            f"the KV cache for {variable}={budget.value:g}"
+            f"{'' if budget.explicit else ' (the default)'} needs {plan.nbytes / MIB:,.0f} MB "
+            f"({plan.num_tokens:,} tokens), but only {available_bytes / MIB:,.0f} MB are free "
+            f"on the device; lower the budget"
+        )
+    return plan
+
+
+def available_memory(device: torch.device) -> int:
+    """Free bytes on ``device`` now (after the weights are loaded)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "mps":
+        return int(torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory())
+    return _host_available_memory()
+
+
+def _host_available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass  # not Linux: fall back to the free-page count below
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

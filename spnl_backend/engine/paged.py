@@ -1,0 +1,188 @@
+"""Paged mode: the block-pool KV cache, its per-sequence block tables, and the step backend.
+
+The cache is one tensor ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``;
+each layer's K and V are ``[num_blocks, block_size, kv_heads, head_dim]`` views of it.
+New tokens are written through a slot mapping and attention reads every key through
+the block tables, via the kernels the platform picked.
+"""
+
+import torch
+
+from ..kernels import Kernels
+from ..log import get_logger
+from ..models.config import ModelConfig
+from ..models.layers import AttentionSpec
+from .block_manager import BlockManager, BlockTable
+from .sequence import ScheduledSeq, Sequence
+
+log = get_logger()
+
+# An FP8 cache without scales from the model maps the first prefill's absolute maximum
+# to 224, half of float8_e4m3fn's 448, leaving room for larger values later.
+FP8_CALIBRATION_TARGET = 224.0
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        cache_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.data = torch.zeros(shape, dtype=cache_dtype, device=device)
+        self.is_fp8 = cache_dtype == torch.float8_e4m3fn
+        self.k_scale = [1.0] * config.num_layers
+        self.v_scale = [1.0] * config.num_layers
+        self._calibrated = [not self.is_fp8] * config.num_layers
+
+    def calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Set an FP8 layer's scales from the first K/V it stores."""
+        if self._calibrated[layer]:
+            return
+        self.k_scale[layer] = max(float(k.abs().max()), 1e-6) / FP8_CALIBRATION_TARGET
+        self.v_scale[layer] = max(float(v.abs().max()), 1e-6) / FP8_CALIBRATION_TARGET
+        self._calibrated[layer] = True
+        log.debug(
+            "kv_cache.fp8_scales",
+            layer=layer,
+            k_scale=self.k_scale[layer],
+            v_scale=self.v_scale[layer],
+        )
+
+    @property
+    def bytes_per_token(self) -> int:
+        layers, _, _, _, heads, dim = self.data.shape
+        return layers * 2 * heads * dim * self.data.element_size()
+
+
+class PagedStep:
+    """The attention backend of one step: store through the slot mapping, attend paged."""
+
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        kernels: Kernels,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: list[int],
+        query_lens: list[int],
+    ) -> None:
+        self.cache, self.kernels = cache, kernels
+        self.slot_mapping, self.block_tables = slot_mapping, block_tables
+        self.seq_lens, self.query_lens = seq_lens, query_lens
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
+    ) -> torch.Tensor:
+        layer, cache = spec.layer, self.cache
+        cache.calibrate(layer, k, v)
+        key_cache, value_cache = cache.data[layer, 0], cache.data[layer, 1]
+        k_scale, v_scale = cache.k_scale[layer], cache.v_scale[layer]
+        self.kernels.store_kv(k, v, key_cache, value_cache, self.slot_mapping, k_scale, v_scale)
+        return self.kernels.paged_attention(
+            q,
+            key_cache,
+            value_cache,
+            self.block_tables,
+            self.seq_lens,
+            self.query_lens,
+            scale=spec.scale,
+            sliding_window=spec.sliding_window,
+            softcap=spec.softcap,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+
+
+class PagedCacheManager:
+    """Block tables of the running sequences over one `PagedKVCache`."""
+
+    def __init__(self, cache: PagedKVCache, blocks: BlockManager, kernels: Kernels) -> None:
+        self.cache, self.blocks, self.kernels = cache, blocks, kernels
+        self.block_size = blocks.block_size
+        self.tables: dict[int, BlockTable] = {}
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.blocks.num_blocks * self.block_size
+
+    @property
+    def num_holders(self) -> int:
+        """Sequences that hold cache now."""
+        return len(self.tables)
+
+    def admit(self, seq: Sequence) -> None:
+        """Give a waiting sequence its block table, starting with the cached blocks of its
+        longest cached prefix; at least its last token is always computed."""
+        hits = self.blocks.match_prefix(seq.token_ids)
+        if len(hits) * self.block_size >= seq.num_tokens:
+            hits = hits[:-1]  # recompute the last block rather than write into a shared one
+        for block_id in hits:
+            self.blocks.share(block_id)
+        hashes = [self.blocks.blocks[b].hash for b in hits]
+        self.tables[seq.seq_id] = BlockTable(list(hits), hashes)  # type: ignore[arg-type]
+        seq.num_computed_tokens = len(hits) * self.block_size
+        _log_prefix_lookup(seq, len(hits), self.blocks.blocks_for(seq.num_tokens))
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make sure the first ``num_tokens`` tokens of ``seq`` have slots."""
+        table = self.tables[seq.seq_id]
+        needed = self.blocks.blocks_for(num_tokens) - len(table.block_ids)
+        if needed > self.blocks.num_available:
+            return False
+        table.block_ids.extend(self.blocks.take() for _ in range(max(needed, 0)))
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        table = self.tables.pop(seq.seq_id, None)
+        if table is not None:
+            self.blocks.release(table)
+
+    def after_step(self, batch: list[ScheduledSeq]) -> None:
+        for item in batch:
+            table = self.tables.get(item.seq.seq_id)
+            if table is not None:
+                self.blocks.register_full_blocks(
+                    table, item.seq.token_ids, item.seq.num_computed_tokens
+                )
+
+    def backend(self, batch: list[ScheduledSeq], device: torch.device) -> PagedStep:
+        slots: list[int] = []
+        tables, seq_lens, query_lens = [], [], []
+        for item in batch:
+            table = self.tables[item.seq.seq_id].block_ids
+            start = item.seq.num_computed_tokens
+            slots += [
+                table[p // self.block_size] * self.block_size + p % self.block_size
+                for p in range(start, start + item.num_new_tokens)
+            ]
+            tables.append(table)
+            seq_lens.append(start + item.num_new_tokens)
+            query_lens.append(item.num_new_tokens)
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
+        return PagedStep(
+            self.cache,
+            self.kernels,
+            torch.tensor(slots, device=device),
+            block_tables,
+            seq_lens,
+            query_lens,
+        )
+
+
+def _log_prefix_lookup(seq: Sequence, hit_blocks: int, prompt_blocks: int) -> None:
+    if seq.output_token_ids:  # a preempted sequence coming back, not a new request
+        return
+    seq.num_cached_tokens = seq.num_computed_tokens
+    event = "prefix_cache.hit" if hit_blocks else "prefix_cache.miss"
+    log.debug(
+        event,
+        seq_id=seq.seq_id,
+        blocks=hit_blocks,
+        of_blocks=prompt_blocks,
+        cached_tokens=seq.num_cached_tokens,
+    )

@@ -1,0 +1,145 @@
+"""Torch reference twins of the paged-cache kernels: KV store and paged attention.
+
+The cache of one layer is ``[num_blocks, block_size, num_kv_heads, head_dim]``; token
+``t`` of a sequence lives in slot ``block_table[t // block_size] * block_size + t %
+block_size``. An FP8 cache stores ``value / scale`` as float8_e4m3fn and is read back
+as ``stored * scale`` in the compute dtype. These functions are what CPU and Metal run,
+and what the Triton kernels are tested against.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .attention_ref import attention_ref
+
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
+def store_kv_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Write ``key``/``value [T, kv_heads, head_dim]`` to their slots; slot -1 is skipped."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    _write(key_cache, slots, key[keep], k_scale)
+    _write(value_cache, slots, value[keep], v_scale)
+
+
+def _write(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, scale: float) -> None:
+    flat = cache.view(-1, *cache.shape[2:])
+    if cache.dtype == torch.float8_e4m3fn:
+        values = (values.float() / scale).clamp(-FP8_MAX, FP8_MAX)
+    flat[slots] = values.to(cache.dtype)
+
+
+def gather_kv(
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    length: int,
+    dtype: torch.dtype,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence, contiguous, in ``dtype``."""
+    blocks = -(-length // cache.shape[1])
+    return _dequantized(cache[block_table[:blocks]].flatten(0, 1)[:length], dtype, scale)
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: list[int],
+    query_lens: list[int],
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """Attention for ``q [T, heads, head_dim]``, the packed queries of several sequences.
+
+    Sequence ``i`` contributes its last ``query_lens[i]`` tokens of ``seq_lens[i]``; its
+    earlier ``seq_lens[i] - query_lens[i]`` tokens are cached context. Every key, new or
+    cached, is read from the cache (so an FP8 cache rounds them all alike).
+    """
+    if max(query_lens) == 1 and softcap is None and alibi_slopes is None:
+        return _decode_batched(
+            q,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            scale,
+            sliding_window,
+            k_scale,
+            v_scale,
+        )
+    out = torch.empty_like(q)
+    start = 0
+    for i, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        end = start + query_len
+        k = gather_kv(key_cache, block_tables[i], seq_len, q.dtype, k_scale)
+        v = gather_kv(value_cache, block_tables[i], seq_len, q.dtype, v_scale)
+        out[start:end] = attention_ref(
+            q[start:end],
+            k,
+            v,
+            scale=scale,
+            context_len=seq_len - query_len,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+        )
+        start = end
+    return out
+
+
+def _decode_batched(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: list[int],
+    scale: float,
+    window: int | None,
+    k_scale: float,
+    v_scale: float,
+) -> torch.Tensor:
+    """One query per sequence: gather every sequence's keys at once, pad, mask, one SDPA."""
+    longest = max(seq_lens)
+    blocks = -(-longest // key_cache.shape[1])
+    k = _dequantized(
+        key_cache[block_tables[:, :blocks]].flatten(1, 2)[:, :longest], q.dtype, k_scale
+    )
+    v = _dequantized(
+        value_cache[block_tables[:, :blocks]].flatten(1, 2)[:, :longest], q.dtype, v_scale
+    )
+    lengths = torch.tensor(seq_lens, device=q.device).unsqueeze(-1)
+    positions = torch.arange(longest, device=q.device)
+    visible = positions < lengths
+    if window is not None:
+        visible &= positions > lengths - 1 - window
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=visible[:, None, None, :],
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[2],
+    )
+    return out.squeeze(2)
+
+
+def _dequantized(tokens: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    if tokens.dtype == torch.float8_e4m3fn:
+        return (tokens.float() * scale).to(dtype)
+    return tokens.to(dtype)

@@ -1,0 +1,151 @@
+"""The torch paged kernels against plain attention over contiguous K/V."""
+
+import pytest
+import torch
+
+from spnl_backend.kernels.attention_ref import attention_ref
+from spnl_backend.kernels.paged_ref import FP8_MAX, paged_attention_ref, store_kv_ref
+
+HEAD_DIM = 32
+
+
+def _paged_case(seq_lens, query_lens, kv_heads, heads, block_size, dtype=torch.float32, seed=0):
+    """Random K/V for each sequence, scattered into shuffled blocks of a cache."""
+    gen = torch.Generator().manual_seed(seed)
+    per_seq_blocks = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(per_seq_blocks) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    cache_k = torch.zeros(num_blocks, block_size, kv_heads, HEAD_DIM, dtype=dtype)
+    cache_v = torch.zeros_like(cache_k)
+    tables, keys, values = [], [], []
+    for n, blocks in zip(seq_lens, per_seq_blocks, strict=True):
+        table = [order.pop() for _ in range(blocks)]
+        k = torch.randn(n, kv_heads, HEAD_DIM, generator=gen)
+        v = torch.randn(n, kv_heads, HEAD_DIM, generator=gen)
+        slots = torch.tensor(
+            [table[t // block_size] * block_size + t % block_size for t in range(n)]
+        )
+        store_kv_ref(k, v, cache_k, cache_v, slots)
+        tables.append(table)
+        keys.append(k.to(dtype))
+        values.append(v.to(dtype))
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q = torch.randn(sum(query_lens), heads, HEAD_DIM, generator=gen)
+    return q, cache_k, cache_v, block_tables, keys, values
+
+
+def _expected(q, keys, values, seq_lens, query_lens, **options):
+    outs, start = [], 0
+    for k, v, n, m in zip(keys, values, seq_lens, query_lens, strict=True):
+        outs.append(
+            attention_ref(q[start : start + m], k.float(), v.float(), context_len=n - m, **options)
+        )
+        start += m
+    return torch.cat(outs)
+
+
+CASES = {
+    "prefill": ([17], [17]),
+    "prefix hit": ([40], [9]),
+    "chunked prefill": ([64, 30], [16, 30]),
+    "decode": ([5, 33, 70], [1, 1, 1]),
+    "mixed": ([50, 7, 90], [1, 7, 12]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+    ("kv_heads", "heads"), [(4, 4), (2, 8), (1, 8), (1, 1)], ids=["mha", "gqa4", "mqa8", "single"]
+)
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_paged_attention_equals_contiguous(case, kv_heads, heads, block_size):
+    seq_lens, query_lens = CASES[case]
+    q, ck, cv, tables, keys, values = _paged_case(seq_lens, query_lens, kv_heads, heads, block_size)
+    out = paged_attention_ref(q, ck, cv, tables, seq_lens, query_lens, scale=0.17)
+    torch.testing.assert_close(
+        out, _expected(q, keys, values, seq_lens, query_lens, scale=0.17), atol=1e-5, rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize("case", ["decode", "mixed", "prefix hit"])
+@pytest.mark.parametrize(
+    "options",
+    [{"sliding_window": 6}, {"softcap": 5.0}, {"sliding_window": 4, "softcap": 3.0}],
+    ids=["window", "softcap", "both"],
+)
+def test_window_and_softcap(case, options):
+    seq_lens, query_lens = CASES[case]
+    q, ck, cv, tables, keys, values = _paged_case(seq_lens, query_lens, 2, 4, 8)
+    out = paged_attention_ref(q, ck, cv, tables, seq_lens, query_lens, scale=0.5, **options)
+    torch.testing.assert_close(
+        out,
+        _expected(q, keys, values, seq_lens, query_lens, scale=0.5, **options),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+
+
+def test_alibi_matches_explicit_bias():
+    seq_lens, query_lens = [12], [5]
+    q, ck, cv, tables, keys, values = _paged_case(seq_lens, query_lens, 2, 4, 8)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    out = paged_attention_ref(
+        q, ck, cv, tables, seq_lens, query_lens, scale=0.3, alibi_slopes=slopes
+    )
+    k, v = keys[0].repeat_interleave(2, dim=1), values[0].repeat_interleave(2, dim=1)
+    q_pos, k_pos = torch.arange(7, 12), torch.arange(12)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * 0.3
+    scores = scores + slopes.view(4, 1, 1) * (k_pos - q_pos.unsqueeze(-1))
+    scores = scores.masked_fill(k_pos > q_pos.unsqueeze(-1), float("-inf"))
+    expected = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_softcap_is_cap_times_tanh():
+    q = torch.randn(3, 1, 8) * 4
+    k, v = torch.randn(3, 1, 8) * 4, torch.randn(3, 1, 8)
+    out = attention_ref(q, k, v, scale=1.0, context_len=0, softcap=2.0)
+    scores = 2.0 * torch.tanh((q[:, 0] @ k[:, 0].T) / 2.0)
+    scores = scores.masked_fill(torch.ones(3, 3).triu(1).bool(), float("-inf"))
+    torch.testing.assert_close(out[:, 0], torch.softmax(scores, -1) @ v[:, 0])
+
+
+def test_store_skips_padding_slots():
+    cache_k = torch.zeros(2, 4, 1, 2)
+    cache_v = torch.zeros(2, 4, 1, 2)
+    k = torch.arange(6.0).view(3, 1, 2)
+    store_kv_ref(k, -k, cache_k, cache_v, torch.tensor([5, -1, 0]))
+    assert cache_k.view(8, 2)[5].tolist() == [0.0, 1.0]
+    assert cache_k.view(8, 2)[0].tolist() == [4.0, 5.0]
+    assert cache_v.view(8, 2)[0].tolist() == [-4.0, -5.0]
+    assert int((cache_k != 0).sum()) == 3  # the -1 token wrote nothing
+
+
+def test_fp8_store_scales_and_clamps():
+    cache_k = torch.zeros(1, 4, 1, 2, dtype=torch.float8_e4m3fn)
+    cache_v = torch.zeros_like(cache_k)
+    k = torch.tensor([[[1.0, -2.0]], [[1000.0, -0.5]]])
+    store_kv_ref(k, k, cache_k, cache_v, torch.tensor([0, 1]), k_scale=2.0, v_scale=0.5)
+    stored_k = cache_k.float().view(4, 2)
+    assert stored_k[0].tolist() == [0.5, -1.0]  # value / scale
+    assert stored_k[1, 0] == FP8_MAX  # clamped, not infinite
+    assert cache_v.float().view(4, 2)[0].tolist() == [2.0, -4.0]
+
+
+@pytest.mark.parametrize("case", ["decode", "mixed"])
+def test_fp8_cache_attends_like_the_rounded_values(case):
+    seq_lens, query_lens = CASES[case]
+    q, ck, cv, tables, keys, values = _paged_case(seq_lens, query_lens, 2, 4, 8)
+    fk = torch.zeros_like(ck, dtype=torch.float8_e4m3fn)
+    fv = torch.zeros_like(cv, dtype=torch.float8_e4m3fn)
+    fk.copy_((ck / 0.5).to(torch.float8_e4m3fn))
+    fv.copy_((cv / 0.25).to(torch.float8_e4m3fn))
+    out = paged_attention_ref(
+        q, fk, fv, tables, seq_lens, query_lens, scale=0.2, k_scale=0.5, v_scale=0.25
+    )
+    rounded = [(k / 0.5).to(torch.float8_e4m3fn).float() * 0.5 for k in keys]
+    rounded_v = [(v / 0.25).to(torch.float8_e4m3fn).float() * 0.25 for v in values]
+    torch.testing.assert_close(
+        out, _expected(q, rounded, rounded_v, seq_lens, query_lens, scale=0.2), atol=1e-5, rtol=1e-5
+    )
