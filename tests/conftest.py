@@ -7,6 +7,11 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import pytest
 import torch
 
+# Without a GPU the Triton kernels run under Triton's interpreter. Triton decides this
+# when its own library is imported, so it is set before anything imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     has_mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())

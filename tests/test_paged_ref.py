@@ -2,56 +2,20 @@
 
 import pytest
 import torch
+from paged_cases import CASES, contiguous_attention, paged_case
 
 from spnl_backend.kernels.attention_ref import attention_ref
 from spnl_backend.kernels.paged_ref import FP8_MAX, paged_attention_ref, store_kv_ref
 
-HEAD_DIM = 32
 
-
-def _paged_case(seq_lens, query_lens, kv_heads, heads, block_size, dtype=torch.float32, seed=0):
-    """Random K/V for each sequence, scattered into shuffled blocks of a cache."""
-    gen = torch.Generator().manual_seed(seed)
-    per_seq_blocks = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(per_seq_blocks) + 3
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    cache_k = torch.zeros(num_blocks, block_size, kv_heads, HEAD_DIM, dtype=dtype)
-    cache_v = torch.zeros_like(cache_k)
-    tables, keys, values = [], [], []
-    for n, blocks in zip(seq_lens, per_seq_blocks, strict=True):
-        table = [order.pop() for _ in range(blocks)]
-        k = torch.randn(n, kv_heads, HEAD_DIM, generator=gen)
-        v = torch.randn(n, kv_heads, HEAD_DIM, generator=gen)
-        slots = torch.tensor(
-            [table[t // block_size] * block_size + t % block_size for t in range(n)]
-        )
-        store_kv_ref(k, v, cache_k, cache_v, slots)
-        tables.append(table)
-        keys.append(k.to(dtype))
-        values.append(v.to(dtype))
-    width = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    q = torch.randn(sum(query_lens), heads, HEAD_DIM, generator=gen)
-    return q, cache_k, cache_v, block_tables, keys, values
+def _paged_case(seq_lens, query_lens, kv_heads, heads, block_size):
+    return paged_case(seq_lens, query_lens, kv_heads, heads, block_size)
 
 
 def _expected(q, keys, values, seq_lens, query_lens, **options):
-    outs, start = [], 0
-    for k, v, n, m in zip(keys, values, seq_lens, query_lens, strict=True):
-        outs.append(
-            attention_ref(q[start : start + m], k.float(), v.float(), context_len=n - m, **options)
-        )
-        start += m
-    return torch.cat(outs)
-
-
-CASES = {
-    "prefill": ([17], [17]),
-    "prefix hit": ([40], [9]),
-    "chunked prefill": ([64, 30], [16, 30]),
-    "decode": ([5, 33, 70], [1, 1, 1]),
-    "mixed": ([50, 7, 90], [1, 7, 12]),
-}
+    return contiguous_attention(
+        q, [k.float() for k in keys], [v.float() for v in values], seq_lens, query_lens, **options
+    )
 
 
 @pytest.mark.parametrize("case", list(CASES))

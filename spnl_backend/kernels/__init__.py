@@ -23,10 +23,14 @@ TORCH_KERNELS = Kernels("torch", store_kv_ref, paged_attention_ref)
 
 
 def select_kernels(kind: Literal["torch", "triton"]) -> Kernels:
-    """The kernel set for the platform's decision (``PlatformDecisions.kernels``)."""
-    if kind == "triton":
-        log.warning(
-            "kernels.triton_unavailable",
-            reason="the Triton kernels are not in this version yet; torch kernels run",
-        )
-    return TORCH_KERNELS
+    """The kernel set for the platform's decision (``PlatformDecisions.kernels``).
+
+    Triton is imported only here, so platforms without it never load it.
+    """
+    if kind == "torch":
+        return TORCH_KERNELS
+    from .triton_attention import paged_attention_triton
+    from .triton_store import store_kv_triton
+
+    log.debug("kernels.selected", kernels="triton")
+    return Kernels("triton", store_kv_triton, paged_attention_triton)

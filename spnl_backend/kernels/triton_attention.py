@@ -1,0 +1,341 @@
+"""Triton paged attention: one kernel for prefill, chunked prefill, prefix hits and decode.
+
+Twin: `paged_ref.paged_attention_ref`. Each program takes a tile of up to ``BLOCK_Q``
+query tokens of one sequence together with all the query heads of one KV head (GQA and
+MQA share every K/V tile load), and walks the sequence's keys in tiles of ``TILE``
+positions, looked up through the block table, with an online softmax. Sliding windows,
+softcapping, ALiBi and an FP8 cache are compile-time switches. Long decode contexts are
+split across ``num_splits`` programs per tile, and a second kernel merges their partial
+softmax states (split-KV), so a single sequence still fills the GPU.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_fp8 import fp8_e4m3_decode
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    out_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_starts_ptr,
+    tile_seq_ptr,
+    tile_first_ptr,
+    alibi_ptr,
+    scale,
+    softcap,
+    window,
+    k_scale,
+    v_scale,
+    num_kv_heads,
+    stride_q_token,
+    stride_q_head,
+    stride_o_token,
+    stride_o_head,
+    stride_table,
+    PAGE: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_ALIBI: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    q_tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq = tl.load(tile_seq_ptr + q_tile)
+    first = tl.load(tile_first_ptr + q_tile)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    q_begin = tl.load(query_starts_ptr + seq)
+    query_len = tl.load(query_starts_ptr + seq + 1) - q_begin
+    context_len = seq_len - query_len
+
+    rows = tl.arange(0, BLOCK_M)
+    token = first + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (token < query_len)
+    q_pos = context_len + token
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(
+        q_ptr
+        + (q_begin + token)[:, None].to(tl.int64) * stride_q_token
+        + head[:, None] * stride_q_head
+        + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
+
+    # Keys this tile can see, cut into TILE-sized steps shared out among the splits.
+    last = tl.minimum(context_len + first + BLOCK_Q - 1, seq_len - 1)
+    start = 0
+    if USE_WINDOW:
+        start = tl.maximum(context_len + first - window + 1, 0)
+    first_step = start // TILE
+    steps = last // TILE + 1 - first_step
+    per_split = tl.cdiv(steps, NUM_SPLITS)
+    step_lo = first_step + split * per_split
+    step_hi = tl.minimum(step_lo + per_split, first_step + steps)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    if USE_ALIBI:
+        slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0)
+    for step in range(step_lo, step_hi):
+        k_pos = step * TILE + tl.arange(0, TILE)
+        k_ok = k_pos < seq_len
+        page = tl.load(block_tables_ptr + seq * stride_table + k_pos // PAGE, mask=k_ok, other=0)
+        slot = page.to(tl.int64) * PAGE + k_pos % PAGE
+        offsets = (slot[:, None] * num_kv_heads + kv_head) * HEAD_DIM + dims[None, :]
+        kv_mask = k_ok[:, None] & dim_ok[None, :]
+        k = tl.load(key_cache_ptr + offsets, mask=kv_mask, other=0)
+        v = tl.load(value_cache_ptr + offsets, mask=kv_mask, other=0)
+        if IS_FP8:
+            k = (fp8_e4m3_decode(k) * k_scale).to(q.dtype)
+            v = (fp8_e4m3_decode(v) * v_scale).to(q.dtype)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale
+        if USE_SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        if USE_ALIBI:
+            s += slope[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
+        visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
+        if USE_WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # 0 only in masked rows
+        tl.store(
+            out_ptr
+            + (q_begin + token)[:, None].to(tl.int64) * stride_o_token
+            + head[:, None] * stride_o_head
+            + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & dim_ok[None, :],
+        )
+    else:
+        state = (q_tile * num_kv_heads + kv_head) * NUM_SPLITS + split
+        tl.store(m_ptr + state * BLOCK_M + rows, m_i)
+        tl.store(l_ptr + state * BLOCK_M + rows, l_i)
+        tl.store(acc_ptr + (state * BLOCK_M + rows)[:, None] * HEAD_DIM_PAD + dims[None, :], acc)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    out_ptr,
+    tile_seq_ptr,
+    tile_first_ptr,
+    query_starts_ptr,
+    num_kv_heads,
+    stride_o_token,
+    stride_o_head,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    q_tile, kv_head = tl.program_id(0), tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + q_tile)
+    first = tl.load(tile_first_ptr + q_tile)
+    q_begin = tl.load(query_starts_ptr + seq)
+    query_len = tl.load(query_starts_ptr + seq + 1) - q_begin
+    rows = tl.arange(0, BLOCK_M)
+    token = first + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (token < query_len)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    base = (q_tile * num_kv_heads + kv_head) * NUM_SPLITS
+    m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for split in range(NUM_SPLITS):
+        m_max = tl.maximum(m_max, tl.load(m_ptr + (base + split) * BLOCK_M + rows))
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    for split in range(NUM_SPLITS):
+        state = (base + split) * BLOCK_M + rows
+        weight = tl.exp(tl.load(m_ptr + state) - m_safe)
+        l_sum += tl.load(l_ptr + state) * weight
+        acc += tl.load(acc_ptr + state[:, None] * HEAD_DIM_PAD + dims[None, :]) * weight[:, None]
+    out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
+    tl.store(
+        out_ptr
+        + (q_begin + token)[:, None].to(tl.int64) * stride_o_token
+        + head[:, None] * stride_o_head
+        + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & (dims < HEAD_DIM)[None, :],
+    )
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: list[int],
+    query_lens: list[int],
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention for the packed queries ``q [T, heads, head_dim]`` of several sequences over
+    the paged cache; the same contract as `paged_attention_ref`."""
+    _, heads, head_dim = q.shape
+    num_kv_heads = key_cache.shape[2]
+    group = heads // num_kv_heads
+    plan = _Plan(group, query_lens, seq_lens, q.device)
+    splits = num_splits or plan.splits(num_kv_heads, max(seq_lens), q.device)
+    out = torch.empty_like(q)
+    is_fp8 = key_cache.dtype == torch.float8_e4m3fn
+    if is_fp8:
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+    pad = max(triton.next_power_of_2(head_dim), 16)
+    programs = len(plan.tile_seq)
+    shape = (programs * num_kv_heads * splits, plan.block_m)
+    m = torch.empty(shape if splits > 1 else (1,), dtype=torch.float32, device=q.device)
+    l_state = torch.empty_like(m)
+    acc = torch.empty((*shape, pad) if splits > 1 else (1,), dtype=torch.float32, device=q.device)
+    query_starts = torch.tensor([0, *_cumsum(query_lens)], dtype=torch.int32, device=q.device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=q.device)
+    tables = block_tables.to(device=q.device, dtype=torch.int32)
+    alibi = alibi_slopes if alibi_slopes is not None else q.new_zeros(1)
+    _attention_kernel[(programs, num_kv_heads, splits)](
+        q,
+        key_cache,
+        value_cache,
+        out,
+        m,
+        l_state,
+        acc,
+        tables,
+        lens,
+        query_starts,
+        plan.tile_seq,
+        plan.tile_first,
+        alibi.float().contiguous(),
+        float(scale),
+        float(softcap or 1.0),
+        int(sliding_window or 0),
+        float(k_scale),
+        float(v_scale),
+        num_kv_heads,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        tables.stride(0),
+        PAGE=key_cache.shape[1],
+        GROUP=group,
+        BLOCK_M=plan.block_m,
+        BLOCK_Q=plan.block_q,
+        TILE=plan.tile,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=pad,
+        USE_WINDOW=sliding_window is not None,
+        USE_SOFTCAP=softcap is not None,
+        USE_ALIBI=alibi_slopes is not None,
+        IS_FP8=is_fp8,
+        NUM_SPLITS=splits,
+        IEEE=q.dtype == torch.float32,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(programs, num_kv_heads)](
+            m,
+            l_state,
+            acc,
+            out,
+            plan.tile_seq,
+            plan.tile_first,
+            query_starts,
+            num_kv_heads,
+            out.stride(0),
+            out.stride(1),
+            GROUP=group,
+            BLOCK_M=plan.block_m,
+            BLOCK_Q=plan.block_q,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=pad,
+            NUM_SPLITS=splits,
+        )
+    return out
+
+
+class _Plan:
+    """How the queries are cut into program tiles."""
+
+    def __init__(
+        self, group: int, query_lens: list[int], seq_lens: list[int], device: torch.device
+    ) -> None:
+        prefill = max(query_lens) > 1
+        self.block_m = max(triton.next_power_of_2(group), 64 if prefill else 16)
+        self.block_q = self.block_m // group
+        self.tile = 64 if prefill else 32
+        firsts = [
+            (seq, first) for seq, n in enumerate(query_lens) for first in range(0, n, self.block_q)
+        ]
+        self.tile_seq = torch.tensor([s for s, _ in firsts], dtype=torch.int32, device=device)
+        self.tile_first = torch.tensor([f for _, f in firsts], dtype=torch.int32, device=device)
+
+    def splits(self, num_kv_heads: int, longest: int, device: torch.device) -> int:
+        """Split the keys when there are fewer programs than the GPU has room for."""
+        if device.type != "cuda":
+            return 1
+        programs = len(self.tile_seq) * num_kv_heads
+        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        by_work = math.ceil(longest / (4 * self.tile))
+        return max(1, min(math.ceil(target / programs), by_work, 32))
+
+
+def _cumsum(values: list[int]) -> list[int]:
+    total, out = 0, []
+    for value in values:
+        total += value
+        out.append(total)
+    return out
