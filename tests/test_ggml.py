@@ -8,7 +8,9 @@ from gguf import quants
 
 from spnl_backend.quant.ggml import DEQUANTIZERS, FLOAT_TYPES, dequantize, ggml_format
 
-QUANTIZED = sorted(DEQUANTIZERS, key=lambda t: t.value)
+# gguf-py dequantizes every type but Q8_1 (ggml's activation format; gguf-py lists an older
+# 40-byte layout for it and has no dequantizer).
+QUANTIZED = sorted((t for t in DEQUANTIZERS if t != Q.Q8_1), key=lambda t: t.value)
 
 
 def _edge_rows(block: int) -> np.ndarray:

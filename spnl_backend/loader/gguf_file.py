@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType
+from gguf import GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType
 from gguf import GGUFValueType as V
 
 from ..errors import ModelFileError
-from ..quant.ggml import SUPPORTED_TYPES, dequantize
+from ..quant.ggml import SUPPORTED_TYPES, dequantize, ggml_format
 
 _SCALARS = {
     V.UINT8: "<B",
@@ -182,7 +182,8 @@ class GGUFFile:
     ) -> GGUFTensorInfo:
         name, shape, type_id, relative = info
         qtype = self._qtype(name, type_id)
-        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        fmt = ggml_format(qtype)
+        block_size, type_size = fmt.block_size, fmt.type_size
         if shape[-1] % block_size:
             raise ModelFileError(
                 f"{self.path}: tensor {name!r} rows of {shape[-1]} elements "

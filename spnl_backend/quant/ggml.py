@@ -29,8 +29,13 @@ class GGMLFormat:
         return n_elements // self.block_size * self.type_size
 
 
+# ggml's block_q8_1 holds two float16s and 32 int8s (36 bytes); gguf-py 0.19 still lists
+# an older 40-byte layout.
+_SIZES = {**GGML_QUANT_SIZES, GGMLQuantizationType.Q8_1: (32, 36)}
+
+
 def ggml_format(qtype: GGMLQuantizationType) -> GGMLFormat:
-    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    block_size, type_size = _SIZES[qtype]
     return GGMLFormat(qtype, block_size, type_size)
 
 
@@ -89,6 +94,11 @@ def _dequantize_q5_1(blocks: torch.Tensor) -> torch.Tensor:
 def _dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
     d = _f16(blocks, 0)
     return blocks[:, 2:34].contiguous().view(torch.int8).float() * d
+
+
+def _dequantize_q8_1(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks, 0)
+    return blocks[:, 4:36].contiguous().view(torch.int8).float() * d
 
 
 def _dequantize_q2_k(blocks: torch.Tensor) -> torch.Tensor:
@@ -160,6 +170,7 @@ DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]]
     GGMLQuantizationType.Q5_0: _dequantize_q5_0,
     GGMLQuantizationType.Q5_1: _dequantize_q5_1,
     GGMLQuantizationType.Q8_0: _dequantize_q8_0,
+    GGMLQuantizationType.Q8_1: _dequantize_q8_1,
     GGMLQuantizationType.Q2_K: _dequantize_q2_k,
     GGMLQuantizationType.Q3_K: _dequantize_q3_k,
     GGMLQuantizationType.Q4_K: _dequantize_q4_k,
