@@ -3,6 +3,7 @@
 import torch
 
 from spnl_backend.kernels.attention_ref import attention_ref
+from spnl_backend.kernels.metadata import PagedMetadata
 from spnl_backend.kernels.paged_ref import store_kv_ref
 
 # name: (total KV length per sequence, query tokens per sequence)
@@ -20,7 +21,7 @@ def paged_case(
 ):
     """Random K/V per sequence scattered into shuffled blocks of a cache, plus queries.
 
-    Returns ``(q, key_cache, value_cache, block_tables, keys, values)``.
+    Returns ``(q, key_cache, value_cache, meta, keys, values)``.
     """
     gen = torch.Generator().manual_seed(seed)
     per_seq_blocks = [-(-n // block_size) for n in seq_lens]
@@ -36,14 +37,20 @@ def paged_case(
         slots = torch.tensor(
             [table[t // block_size] * block_size + t % block_size for t in range(n)]
         )
-        store_kv_ref(k, v, cache_k, cache_v, slots)
+        store_kv_ref(k, v, cache_k, cache_v, writes(slots, block_size))
         tables.append(table)
         keys.append(k)
         values.append(v)
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     q = torch.randn(sum(query_lens), heads, head_dim, generator=gen).to(dtype)
-    return q, cache_k, cache_v, block_tables, keys, values
+    meta = PagedMetadata(block_tables, list(seq_lens), list(query_lens), block_size)
+    return q, cache_k, cache_v, meta, keys, values
+
+
+def writes(slots: torch.Tensor, block_size: int) -> PagedMetadata:
+    """Metadata for a store of ``slots`` (a store reads nothing else)."""
+    return PagedMetadata(torch.zeros(1, 1, dtype=torch.long), [1], [1], block_size, slots)
 
 
 def contiguous_attention(q, keys, values, seq_lens, query_lens, **options):

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from paged_cases import CASES, contiguous_attention, paged_case
+from paged_cases import CASES, contiguous_attention, paged_case, writes
 
 from spnl_backend.kernels.attention_ref import attention_ref
 from spnl_backend.kernels.paged_ref import FP8_MAX, paged_attention_ref, store_kv_ref
@@ -26,7 +26,7 @@ def _expected(q, keys, values, seq_lens, query_lens, **options):
 def test_paged_attention_equals_contiguous(case, kv_heads, heads, block_size):
     seq_lens, query_lens = CASES[case]
     q, ck, cv, tables, keys, values = _paged_case(seq_lens, query_lens, kv_heads, heads, block_size)
-    out = paged_attention_ref(q, ck, cv, tables, seq_lens, query_lens, scale=0.17)
+    out = paged_attention_ref(q, ck, cv, tables, scale=0.17)
     torch.testing.assert_close(
         out, _expected(q, keys, values, seq_lens, query_lens, scale=0.17), atol=1e-5, rtol=1e-5
     )
@@ -41,7 +41,7 @@ def test_paged_attention_equals_contiguous(case, kv_heads, heads, block_size):
 def test_window_and_softcap(case, options):
     seq_lens, query_lens = CASES[case]
     q, ck, cv, tables, keys, values = _paged_case(seq_lens, query_lens, 2, 4, 8)
-    out = paged_attention_ref(q, ck, cv, tables, seq_lens, query_lens, scale=0.5, **options)
+    out = paged_attention_ref(q, ck, cv, tables, scale=0.5, **options)
     torch.testing.assert_close(
         out,
         _expected(q, keys, values, seq_lens, query_lens, scale=0.5, **options),
@@ -54,9 +54,7 @@ def test_alibi_matches_explicit_bias():
     seq_lens, query_lens = [12], [5]
     q, ck, cv, tables, keys, values = _paged_case(seq_lens, query_lens, 2, 4, 8)
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
-    out = paged_attention_ref(
-        q, ck, cv, tables, seq_lens, query_lens, scale=0.3, alibi_slopes=slopes
-    )
+    out = paged_attention_ref(q, ck, cv, tables, scale=0.3, alibi_slopes=slopes)
     k, v = keys[0].repeat_interleave(2, dim=1), values[0].repeat_interleave(2, dim=1)
     q_pos, k_pos = torch.arange(7, 12), torch.arange(12)
     scores = torch.einsum("qhd,khd->hqk", q, k) * 0.3
@@ -79,7 +77,7 @@ def test_store_skips_padding_slots():
     cache_k = torch.zeros(2, 4, 1, 2)
     cache_v = torch.zeros(2, 4, 1, 2)
     k = torch.arange(6.0).view(3, 1, 2)
-    store_kv_ref(k, -k, cache_k, cache_v, torch.tensor([5, -1, 0]))
+    store_kv_ref(k, -k, cache_k, cache_v, writes(torch.tensor([5, -1, 0]), 4))
     assert cache_k.view(8, 2)[5].tolist() == [0.0, 1.0]
     assert cache_k.view(8, 2)[0].tolist() == [4.0, 5.0]
     assert cache_v.view(8, 2)[0].tolist() == [-4.0, -5.0]
@@ -90,7 +88,7 @@ def test_fp8_store_scales_and_clamps():
     cache_k = torch.zeros(1, 4, 1, 2, dtype=torch.float8_e4m3fn)
     cache_v = torch.zeros_like(cache_k)
     k = torch.tensor([[[1.0, -2.0]], [[1000.0, -0.5]]])
-    store_kv_ref(k, k, cache_k, cache_v, torch.tensor([0, 1]), k_scale=2.0, v_scale=0.5)
+    store_kv_ref(k, k, cache_k, cache_v, writes(torch.tensor([0, 1]), 4), k_scale=2.0, v_scale=0.5)
     stored_k = cache_k.float().view(4, 2)
     assert stored_k[0].tolist() == [0.5, -1.0]  # value / scale
     assert stored_k[1, 0] == FP8_MAX  # clamped, not infinite
@@ -105,9 +103,7 @@ def test_fp8_cache_attends_like_the_rounded_values(case):
     fv = torch.zeros_like(cv, dtype=torch.float8_e4m3fn)
     fk.copy_((ck / 0.5).to(torch.float8_e4m3fn))
     fv.copy_((cv / 0.25).to(torch.float8_e4m3fn))
-    out = paged_attention_ref(
-        q, fk, fv, tables, seq_lens, query_lens, scale=0.2, k_scale=0.5, v_scale=0.25
-    )
+    out = paged_attention_ref(q, fk, fv, tables, scale=0.2, k_scale=0.5, v_scale=0.25)
     rounded = [(k / 0.5).to(torch.float8_e4m3fn).float() * 0.5 for k in keys]
     rounded_v = [(v / 0.25).to(torch.float8_e4m3fn).float() * 0.25 for v in values]
     torch.testing.assert_close(

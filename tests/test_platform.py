@@ -92,7 +92,7 @@ def test_metal_without_float8_rejects_fp8_cache():
 
 def test_cpu_defaults():
     d = decide(machine(triton=False))
-    assert (d.device, d.kernels, d.fp8_kv) == ("cpu", "torch", "emulated")
+    assert (d.device, d.kernels, d.fp8_kv) == ("cpu", "cpu", "emulated")
     assert d.paged_attn
     assert d.paged_attn_supported
     assert d.resolve_dtype("bfloat16") == "float32"
@@ -126,7 +126,7 @@ def test_fp8_cache_needs_paged_attention():
 def test_triton_on_cpu_is_usable_only_under_the_interpreter():
     assert not decide(machine()).triton_usable
     assert decide(machine(triton_interpret=True)).triton_usable
-    assert decide(machine(triton_interpret=True)).kernels == "torch"
+    assert decide(machine(triton_interpret=True)).kernels == "cpu"
 
 
 def test_gpu_keeps_a_half_precision_config_dtype():

@@ -5,8 +5,9 @@ import os
 from types import SimpleNamespace
 
 import torch
-from paged_cases import CASES, contiguous_attention, paged_case
+from paged_cases import CASES, contiguous_attention, paged_case, writes
 
+from spnl_backend.kernels.metadata import PagedMetadata
 from spnl_backend.kernels.paged_ref import paged_attention_ref, store_kv_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -40,61 +41,42 @@ def check_attention(
     **options,
 ):
     seq_lens, query_lens = CASES[case]
-    q, key_cache, value_cache, tables, keys, values = paged_case(
+    q, key_cache, value_cache, meta, keys, values = paged_case(
         seq_lens, query_lens, kv_heads, heads, block_size, head_dim, dtype
     )
-    to = {"device": device}
     out = kernels.paged_attention(
-        q.to(**to),
-        key_cache.to(**to),
-        value_cache.to(**to),
-        tables.to(**to),
-        seq_lens,
-        query_lens,
+        q.to(device),
+        key_cache.to(device),
+        value_cache.to(device),
+        on(meta, device),
         num_splits=num_splits,
         **options,
     )
-    expected = paged_attention_ref(
-        q, key_cache, value_cache, tables, seq_lens, query_lens, **options
-    )
+    expected = paged_attention_ref(q, key_cache, value_cache, meta, **options)
     torch.testing.assert_close(out.cpu(), expected, atol=atol, rtol=atol)
     if "k_scale" not in options:  # and the twin equals plain attention (FP8 is tested apart)
-        torch.testing.assert_close(
-            expected.float(),
-            contiguous_attention(
-                q.float(),
-                [k.float() for k in keys],
-                [v.float() for v in values],
-                seq_lens,
-                query_lens,
-                **options,
-            ),
-            atol=atol,
-            rtol=atol,
+        plain = contiguous_attention(
+            q.float(),
+            [k.float() for k in keys],
+            [v.float() for v in values],
+            seq_lens,
+            query_lens,
+            **options,
         )
+        torch.testing.assert_close(expected.float(), plain, atol=atol, rtol=atol)
 
 
 def fp8_case(kernels, device, case):
     """FP8 caches written by the Triton store, read by both attentions."""
     seq_lens, query_lens = CASES[case]
-    q, key_cache, value_cache, tables, _, _ = paged_case(seq_lens, query_lens, 2, 4, 8)
+    q, key_cache, value_cache, meta, _, _ = paged_case(seq_lens, query_lens, 2, 4, 8)
     k_fp8 = (key_cache / 0.5).to(torch.float8_e4m3fn)
     v_fp8 = (value_cache / 0.25).to(torch.float8_e4m3fn)
-    to = {"device": device}
+    scales = {"scale": 0.2, "k_scale": 0.5, "v_scale": 0.25}
     out = kernels.paged_attention(
-        q.to(**to),
-        k_fp8.to(**to),
-        v_fp8.to(**to),
-        tables.to(**to),
-        seq_lens,
-        query_lens,
-        scale=0.2,
-        k_scale=0.5,
-        v_scale=0.25,
+        q.to(device), k_fp8.to(device), v_fp8.to(device), on(meta, device), **scales
     )
-    expected = paged_attention_ref(
-        q, k_fp8, v_fp8, tables, seq_lens, query_lens, scale=0.2, k_scale=0.5, v_scale=0.25
-    )
+    expected = paged_attention_ref(q, k_fp8, v_fp8, meta, **scales)
     torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -108,8 +90,16 @@ def check_store(kernels, device, kv_heads, head_dim, cache_dtype, scales=(1.0, 1
     caches = [
         torch.zeros(blocks, block_size, kv_heads, head_dim, dtype=cache_dtype) for _ in range(4)
     ]
-    store_kv_ref(key, value, caches[0], caches[1], slots, *scales)
+    store_kv_ref(key, value, caches[0], caches[1], writes(slots, block_size), *scales)
     on_device = [c.to(device) for c in caches[2:]]
-    kernels.store_kv(key.to(device), value.to(device), *on_device, slots.to(device), *scales)
+    kernels.store_kv(
+        key.to(device), value.to(device), *on_device, writes(slots.to(device), block_size), *scales
+    )
     for ours, theirs in zip(on_device, caches[:2], strict=True):
         assert torch.equal(ours.cpu().view(torch.uint8), theirs.view(torch.uint8))
+
+
+def on(meta: PagedMetadata, device: str) -> PagedMetadata:
+    return PagedMetadata(
+        meta.block_tables.to(device), meta.seq_lens, meta.query_lens, meta.block_size
+    )

@@ -9,6 +9,7 @@ the block tables, via the kernels the platform picked.
 import torch
 
 from ..kernels import Kernels
+from ..kernels.metadata import PagedMetadata
 from ..log import get_logger
 from ..models.config import ModelConfig
 from ..models.layers import AttentionSpec
@@ -61,18 +62,8 @@ class PagedKVCache:
 class PagedStep:
     """The attention backend of one step: store through the slot mapping, attend paged."""
 
-    def __init__(
-        self,
-        cache: PagedKVCache,
-        kernels: Kernels,
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: list[int],
-        query_lens: list[int],
-    ) -> None:
-        self.cache, self.kernels = cache, kernels
-        self.slot_mapping, self.block_tables = slot_mapping, block_tables
-        self.seq_lens, self.query_lens = seq_lens, query_lens
+    def __init__(self, cache: PagedKVCache, kernels: Kernels, meta: PagedMetadata) -> None:
+        self.cache, self.kernels, self.meta = cache, kernels, meta
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
@@ -81,14 +72,12 @@ class PagedStep:
         cache.calibrate(layer, k, v)
         key_cache, value_cache = cache.data[layer, 0], cache.data[layer, 1]
         k_scale, v_scale = cache.k_scale[layer], cache.v_scale[layer]
-        self.kernels.store_kv(k, v, key_cache, value_cache, self.slot_mapping, k_scale, v_scale)
+        self.kernels.store_kv(k, v, key_cache, value_cache, self.meta, k_scale, v_scale)
         return self.kernels.paged_attention(
             q,
             key_cache,
             value_cache,
-            self.block_tables,
-            self.seq_lens,
-            self.query_lens,
+            self.meta,
             scale=spec.scale,
             sliding_window=spec.sliding_window,
             softcap=spec.softcap,
@@ -164,14 +153,10 @@ class PagedCacheManager:
             query_lens.append(item.num_new_tokens)
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
-        return PagedStep(
-            self.cache,
-            self.kernels,
-            torch.tensor(slots, device=device),
-            block_tables,
-            seq_lens,
-            query_lens,
+        meta = PagedMetadata(
+            block_tables, seq_lens, query_lens, self.block_size, torch.tensor(slots, device=device)
         )
+        return PagedStep(self.cache, self.kernels, meta)
 
 
 def _log_prefix_lookup(seq: Sequence, hit_blocks: int, prompt_blocks: int) -> None:

@@ -4,7 +4,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 from ..log import get_logger
+from .cpu import cpu_kernels
+from .metadata import PagedMetadata
 from .paged_ref import paged_attention_ref, store_kv_ref
 
 log = get_logger()
@@ -22,13 +26,73 @@ class Kernels:
 TORCH_KERNELS = Kernels("torch", store_kv_ref, paged_attention_ref)
 
 
-def select_kernels(kind: Literal["torch", "triton"]) -> Kernels:
+def _cpu_store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: PagedMetadata,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    native = cpu_kernels()
+    if native and key.dtype == key_cache.dtype == torch.float32:
+        native.store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+    else:
+        store_kv_ref(key, value, key_cache, value_cache, meta, k_scale, v_scale)
+
+
+def _cpu_paged_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: PagedMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    native = cpu_kernels()
+    if (
+        native
+        and meta.is_decode
+        and alibi_slopes is None
+        and q.dtype == key_cache.dtype == torch.float32
+    ):
+        lens = meta.memo("seq_lens_i64", lambda: torch.tensor(meta.seq_lens))
+        return native.paged_decode(
+            q, key_cache, value_cache, meta.decode_slots, lens, scale, sliding_window, softcap
+        )
+    return paged_attention_ref(
+        q,
+        key_cache,
+        value_cache,
+        meta,
+        scale=scale,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+
+
+# The CPU: the native decode kernels for float32 caches, the torch twins otherwise.
+CPU_KERNELS = Kernels("cpu", _cpu_store_kv, _cpu_paged_attention)
+
+
+def select_kernels(kind: Literal["torch", "cpu", "triton"]) -> Kernels:
     """The kernel set for the platform's decision (``PlatformDecisions.kernels``).
 
     Triton is imported only here, so platforms without it never load it.
     """
     if kind == "torch":
         return TORCH_KERNELS
+    if kind == "cpu":
+        return CPU_KERNELS
     from .triton_attention import paged_attention_triton
     from .triton_store import store_kv_triton
 

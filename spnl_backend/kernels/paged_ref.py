@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention_ref import attention_ref
+from .metadata import PagedMetadata
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
@@ -20,15 +21,14 @@ def store_kv_ref(
     value: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    meta: PagedMetadata,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> None:
-    """Write ``key``/``value [T, kv_heads, head_dim]`` to their slots; slot -1 is skipped."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    _write(key_cache, slots, key[keep], k_scale)
-    _write(value_cache, slots, value[keep], v_scale)
+    """Write ``key``/``value [T, kv_heads, head_dim]`` to ``meta.slot_mapping``; -1 skipped."""
+    keep, slots = meta.written_slots
+    _write(key_cache, slots, key if keep is None else key[keep], k_scale)
+    _write(value_cache, slots, value if keep is None else value[keep], v_scale)
 
 
 def _write(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, scale: float) -> None:
@@ -36,6 +36,12 @@ def _write(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, scale
     if cache.dtype == torch.float8_e4m3fn:
         values = (values.float() / scale).clamp(-FP8_MAX, FP8_MAX)
     flat[slots] = values.to(cache.dtype)
+
+
+def _dequantized(tokens: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    if tokens.dtype == torch.float8_e4m3fn:
+        return (tokens.float() * scale).to(dtype)
+    return tokens.to(dtype)
 
 
 def gather_kv(
@@ -54,9 +60,7 @@ def paged_attention_ref(
     q: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: list[int],
-    query_lens: list[int],
+    meta: PagedMetadata,
     *,
     scale: float,
     sliding_window: int | None = None,
@@ -71,24 +75,16 @@ def paged_attention_ref(
     earlier ``seq_lens[i] - query_lens[i]`` tokens are cached context. Every key, new or
     cached, is read from the cache (so an FP8 cache rounds them all alike).
     """
-    if max(query_lens) == 1 and softcap is None and alibi_slopes is None:
+    if meta.is_decode and softcap is None and alibi_slopes is None:
         return _decode_batched(
-            q,
-            key_cache,
-            value_cache,
-            block_tables,
-            seq_lens,
-            scale,
-            sliding_window,
-            k_scale,
-            v_scale,
+            q, key_cache, value_cache, meta, scale, sliding_window, k_scale, v_scale
         )
     out = torch.empty_like(q)
     start = 0
-    for i, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
+    for i, (seq_len, query_len) in enumerate(zip(meta.seq_lens, meta.query_lens, strict=True)):
         end = start + query_len
-        k = gather_kv(key_cache, block_tables[i], seq_len, q.dtype, k_scale)
-        v = gather_kv(value_cache, block_tables[i], seq_len, q.dtype, v_scale)
+        k = gather_kv(key_cache, meta.block_tables[i], seq_len, q.dtype, k_scale)
+        v = gather_kv(value_cache, meta.block_tables[i], seq_len, q.dtype, v_scale)
         out[start:end] = attention_ref(
             q[start:end],
             k,
@@ -107,39 +103,23 @@ def _decode_batched(
     q: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: list[int],
+    meta: PagedMetadata,
     scale: float,
     window: int | None,
     k_scale: float,
     v_scale: float,
 ) -> torch.Tensor:
-    """One query per sequence: gather every sequence's keys at once, pad, mask, one SDPA."""
-    longest = max(seq_lens)
-    blocks = -(-longest // key_cache.shape[1])
-    k = _dequantized(
-        key_cache[block_tables[:, :blocks]].flatten(1, 2)[:, :longest], q.dtype, k_scale
-    )
-    v = _dequantized(
-        value_cache[block_tables[:, :blocks]].flatten(1, 2)[:, :longest], q.dtype, v_scale
-    )
-    lengths = torch.tensor(seq_lens, device=q.device).unsqueeze(-1)
-    positions = torch.arange(longest, device=q.device)
-    visible = positions < lengths
-    if window is not None:
-        visible &= positions > lengths - 1 - window
+    """One query per sequence: every sequence's keys gathered at once, padded, masked, and
+    attended in one call."""
+    slots, mask = meta.decode_keys(window)
+    k = _dequantized(key_cache.flatten(0, 1)[slots], q.dtype, k_scale)
+    v = _dequantized(value_cache.flatten(0, 1)[slots], q.dtype, v_scale)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),
         k.transpose(1, 2),
         v.transpose(1, 2),
-        attn_mask=visible[:, None, None, :],
+        attn_mask=mask,
         scale=scale,
         enable_gqa=q.shape[1] != k.shape[2],
     )
     return out.squeeze(2)
-
-
-def _dequantized(tokens: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
-    if tokens.dtype == torch.float8_e4m3fn:
-        return (tokens.float() * scale).to(dtype)
-    return tokens.to(dtype)

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .metadata import PagedMetadata
 from .triton_fp8 import fp8_e4m3_decode
 
 
@@ -213,9 +214,7 @@ def paged_attention_triton(
     q: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: list[int],
-    query_lens: list[int],
+    meta: PagedMetadata,
     *,
     scale: float,
     sliding_window: int | None = None,
@@ -230,8 +229,8 @@ def paged_attention_triton(
     _, heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
     group = heads // num_kv_heads
-    plan = _Plan(group, query_lens, seq_lens, q.device)
-    splits = num_splits or plan.splits(num_kv_heads, max(seq_lens), q.device)
+    plan = meta.memo(("triton_plan", group), lambda: _Plan(group, meta.query_lens, q.device))
+    splits = num_splits or plan.splits(num_kv_heads, max(meta.seq_lens), q.device)
     out = torch.empty_like(q)
     is_fp8 = key_cache.dtype == torch.float8_e4m3fn
     if is_fp8:
@@ -242,9 +241,11 @@ def paged_attention_triton(
     m = torch.empty(shape if splits > 1 else (1,), dtype=torch.float32, device=q.device)
     l_state = torch.empty_like(m)
     acc = torch.empty((*shape, pad) if splits > 1 else (1,), dtype=torch.float32, device=q.device)
-    query_starts = torch.tensor([0, *_cumsum(query_lens)], dtype=torch.int32, device=q.device)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=q.device)
-    tables = block_tables.to(device=q.device, dtype=torch.int32)
+    query_starts = meta.query_starts
+    lens = meta.memo(
+        "seq_lens_i32", lambda: torch.tensor(meta.seq_lens, dtype=torch.int32, device=q.device)
+    )
+    tables = meta.memo("tables_i32", lambda: meta.block_tables.to(dtype=torch.int32))
     alibi = alibi_slopes if alibi_slopes is not None else q.new_zeros(1)
     _attention_kernel[(programs, num_kv_heads, splits)](
         q,
@@ -310,9 +311,7 @@ def paged_attention_triton(
 class _Plan:
     """How the queries are cut into program tiles."""
 
-    def __init__(
-        self, group: int, query_lens: list[int], seq_lens: list[int], device: torch.device
-    ) -> None:
+    def __init__(self, group: int, query_lens: list[int], device: torch.device) -> None:
         prefill = max(query_lens) > 1
         self.block_m = max(triton.next_power_of_2(group), 64 if prefill else 16)
         self.block_q = self.block_m // group
@@ -331,11 +330,3 @@ class _Plan:
         target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
         by_work = math.ceil(longest / (4 * self.tile))
         return max(1, min(math.ceil(target / programs), by_work, 32))
-
-
-def _cumsum(values: list[int]) -> list[int]:
-    total, out = 0, []
-    for value in values:
-        total += value
-        out.append(total)
-    return out

@@ -4,6 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .metadata import PagedMetadata
 from .triton_fp8 import fp8_e4m3_encode
 
 
@@ -43,11 +44,11 @@ def store_kv_triton(
     value: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    meta: PagedMetadata,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> None:
-    """Write ``key``/``value [T, kv_heads, head_dim]`` to their slots; slot -1 is skipped."""
+    """Write ``key``/``value [T, kv_heads, head_dim]`` to ``meta.slot_mapping``; -1 skipped."""
     tokens = key.shape[0]
     if tokens == 0:
         return
@@ -63,7 +64,7 @@ def store_kv_triton(
         value,
         key_cache,
         value_cache,
-        slot_mapping,
+        meta.slot_mapping,
         float(k_scale),
         float(v_scale),
         row_size,

@@ -62,7 +62,7 @@ class PlatformDecisions:
     paged_attn: bool
     paged_attn_supported: bool
     paged_attn_reason: str
-    kernels: Literal["triton", "torch"]
+    kernels: Literal["triton", "cpu", "torch"]
     kernels_reason: str
     triton_importable: bool
     triton_usable: bool
@@ -203,7 +203,9 @@ def _decide_paged(
 
 def _decide_kernels(
     device_type: DeviceType, triton_usable: bool, probe: PlatformProbe
-) -> tuple[Literal["triton", "torch"], str, tuple[str, ...]]:
+) -> tuple[Literal["triton", "cpu", "torch"], str, tuple[str, ...]]:
+    if device_type == "cpu":
+        return "cpu", "native C kernels compiled for this CPU (torch twins without a compiler)", ()
     if device_type != "cuda":
         return "torch", f"torch reference kernels on {device_type}", ()
     if triton_usable:

@@ -1,0 +1,846 @@
+// The CPU's native kernels, each the twin of a torch reference in this package.
+//
+// Quantized matrix products: y[m][n] = sum_k x[m][k] * W[n][k], with W kept in
+// its GGML blocks. Each block is dequantized in vector registers with exactly the
+// arithmetic of the torch twin (spnl_backend/quant/ggml.py) and multiplied with float32
+// activations, so results differ from the twin only in the order of the sums. Rows of W
+// are shared out among OpenMP threads; the rows of x (a decode batch) reuse each block.
+// Compiled at first use with -O3 -march=native; GCC/Clang vector extensions keep it
+// portable (AVX2, AVX-512, NEON).
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#define QK_K 256
+#define MAX_ROWS 64
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef int8_t v16i8 __attribute__((vector_size(16)));
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
+
+enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q8_1 = 9,
+       Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30 };
+
+static const v16i LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+static inline float half_to_float(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#ifdef __FLT16_MAX__
+    _Float16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, m = h & 0x3FF, bits;
+    if (exponent == 0x1F) bits = sign | 0x7F800000u | (m << 13);
+    else if (exponent) bits = sign | ((exponent + 112) << 23) | (m << 13);
+    else if (!m) bits = sign;
+    else {
+        int shift = 0;
+        while (!(m & 0x400)) { m <<= 1; shift++; }
+        bits = sign | ((uint32_t)(113 - shift) << 23) | ((m & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline v16f splat(float v) { return (v16f){0} + v; }
+static inline v16f load_f32(const float *p) { v16f v; memcpy(&v, p, 64); return v; }
+// 16 bytes widened to 16 int32 lanes. Compilers scalarise the generic conversion, so x86
+// gets the widening instructions by name.
+#if defined(__AVX512F__)
+static inline v16i load_u8(const uint8_t *p) {
+    return (v16i)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+static inline v16i load_i8(const uint8_t *p) {
+    return (v16i)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+#elif defined(__AVX2__)
+typedef union { v16i v; __m256i half[2]; } v16i_halves;
+static inline v16i load_u8(const uint8_t *p) {
+    v16i_halves r;
+    r.half[0] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    r.half[1] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+    return r.v;
+}
+static inline v16i load_i8(const uint8_t *p) {
+    v16i_halves r;
+    r.half[0] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    r.half[1] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+    return r.v;
+}
+#else
+static inline v16i load_u8(const uint8_t *p) {
+    v16u8 v;
+    memcpy(&v, p, 16);
+    return __builtin_convertvector(v, v16i);
+}
+static inline v16i load_i8(const uint8_t *p) {
+    v16i8 v;
+    memcpy(&v, p, 16);
+    return __builtin_convertvector(v, v16i);
+}
+#endif
+static inline v16f to_f32(v16i v) { return __builtin_convertvector(v, v16f); }
+static inline float hsum(v16f v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps((__m512)v);
+#else
+    float s = 0.0f;
+    for (int i = 0; i < 16; i++) s += v[i];
+    return s;
+#endif
+}
+// a * b + c with one rounding where the hardware has FMA (the sums' order differs from the
+// twin's anyway; the values themselves are dequantized exactly).
+static inline v16f fma16(v16f a, v16f b, v16f c) {
+#if defined(__AVX512F__)
+    return (v16f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    typedef union { v16f v; __m256 half[2]; } halves;
+    halves x = {a}, y = {b}, z = {c}, r;
+    r.half[0] = _mm256_fmadd_ps(x.half[0], y.half[0], z.half[0]);
+    r.half[1] = _mm256_fmadd_ps(x.half[1], y.half[1], z.half[1]);
+    return r.v;
+#else
+    return a * b + c;
+#endif
+}
+// Bit (first + lane) of a 32-bit word, per lane.
+static inline v16i bits_of(uint32_t word, int first) {
+    return ((v16i){0} + (int32_t)(word >> first)) >> LANE & 1;
+}
+
+// ---- one block → its values (as the torch twin computes them), 16 lanes at a time ---------
+//
+// With AVX-512BW the packed bits are taken apart 16 or 32 bytes at a time before widening;
+// elsewhere the same arithmetic runs on 32-bit lanes.
+
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#define BYTE_UNPACK 1
+static inline v16f widen_u8(__m128i bytes) {
+    return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+}
+static inline v16f widen_i8(__m128i bytes) {
+    return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+}
+#endif
+
+static inline void dq_q4_0(const uint8_t *b, v16f *out) {
+    const v16f d = splat(half_to_float(b));
+    const v16i q = load_u8(b + 2);
+    out[0] = (to_f32(q & 0xF) - 8.0f) * d;
+    out[1] = (to_f32(q >> 4) - 8.0f) * d;
+}
+
+static inline void dq_q4_1(const uint8_t *b, v16f *out) {
+    const v16f d = splat(half_to_float(b)), m = splat(half_to_float(b + 2));
+    const v16i q = load_u8(b + 4);
+    out[0] = to_f32(q & 0xF) * d + m;
+    out[1] = to_f32(q >> 4) * d + m;
+}
+
+#ifdef BYTE_UNPACK
+static inline void dq_q5_0(const uint8_t *b, v16f *out) {
+    const v16f d = splat(half_to_float(b));
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    const __m128i qs = _mm_loadu_si128((const __m128i *)(b + 6)), low = _mm_set1_epi8(0x0F);
+    const __m128i sixteen = _mm_set1_epi8(16);
+    const __m128i lo = _mm_or_si128(_mm_and_si128(qs, low),
+                                    _mm_maskz_mov_epi8((__mmask16)qh, sixteen));
+    const __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qs, 4), low),
+                                    _mm_maskz_mov_epi8((__mmask16)(qh >> 16), sixteen));
+    out[0] = (widen_u8(lo) - 16.0f) * d;
+    out[1] = (widen_u8(hi) - 16.0f) * d;
+}
+#else
+static inline void dq_q5_0(const uint8_t *b, v16f *out) {
+    const v16f d = splat(half_to_float(b));
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    const v16i q = load_u8(b + 6);
+    out[0] = (to_f32((q & 0xF) | (bits_of(qh, 0) << 4)) - 16.0f) * d;
+    out[1] = (to_f32((q >> 4) | (bits_of(qh, 16) << 4)) - 16.0f) * d;
+}
+
+#endif
+
+static inline void dq_q5_1(const uint8_t *b, v16f *out) {
+    const v16f d = splat(half_to_float(b)), m = splat(half_to_float(b + 2));
+    uint32_t qh;
+    memcpy(&qh, b + 4, 4);
+    const v16i q = load_u8(b + 8);
+    out[0] = to_f32((q & 0xF) | (bits_of(qh, 0) << 4)) * d + m;
+    out[1] = to_f32((q >> 4) | (bits_of(qh, 16) << 4)) * d + m;
+}
+
+static inline void dq_q8_0(const uint8_t *b, v16f *out) {
+    const v16f d = splat(half_to_float(b));
+    out[0] = to_f32(load_i8(b + 2)) * d;
+    out[1] = to_f32(load_i8(b + 18)) * d;
+}
+
+static inline void dq_q8_1(const uint8_t *b, v16f *out) {
+    const v16f d = splat(half_to_float(b));
+    out[0] = to_f32(load_i8(b + 4)) * d;
+    out[1] = to_f32(load_i8(b + 20)) * d;
+}
+
+static inline void dq_q2_k(const uint8_t *b, v16f *out) {
+    const uint8_t *scales = b, *qs = b + 16;
+    const float d = half_to_float(b + 80), dmin = half_to_float(b + 82);
+    for (int h = 0; h < 2; h++)
+        for (int part = 0; part < 2; part++) {
+            const v16i q = load_u8(qs + h * 32 + part * 16);
+            for (int j = 0; j < 4; j++) {
+                const int s = h * 8 + j * 2 + part;
+                const v16f dl = splat(d * (float)(scales[s] & 0xF));
+                const v16f ml = splat(dmin * (float)(scales[s] >> 4));
+                out[h * 8 + j * 2 + part] = dl * to_f32((q >> (2 * j)) & 3) - ml;
+            }
+        }
+}
+
+static inline void dq_q3_k(const uint8_t *b, v16f *out) {
+    const uint8_t *hmask = b, *qs = b + 32, *packed = b + 96;
+    const float d = half_to_float(b + 108);
+    for (int h = 0; h < 2; h++)
+        for (int part = 0; part < 2; part++) {
+            const v16i q = load_u8(qs + h * 32 + part * 16);
+            const v16i hm = load_u8(hmask + part * 16);
+            for (int j = 0; j < 4; j++) {
+                const int s = h * 8 + j * 2 + part;
+                const int low = s < 8 ? packed[s] & 0xF : packed[s - 8] >> 4;
+                const int high = (packed[8 + s % 4] >> (2 * (s / 4))) & 3;
+                const v16f dl = splat(d * ((float)(low | (high << 4)) - 32.0f));
+                const v16i bit = (hm >> (h * 4 + j)) & 1;
+                out[s] = dl * to_f32(((q >> (2 * j)) & 3) - ((1 - bit) << 2));
+            }
+        }
+}
+
+static inline void k4_scale_min(const uint8_t *p, float d, float dmin, float *sc, float *mn) {
+    for (int j = 0; j < 8; j++) {
+        const int s = j < 4 ? p[j] & 63 : (p[j + 4] & 0xF) | ((p[j - 4] >> 6) << 4);
+        const int m = j < 4 ? p[j + 4] & 63 : (p[j + 4] >> 4) | ((p[j] >> 6) << 4);
+        sc[j] = d * (float)s;
+        mn[j] = dmin * (float)m;
+    }
+}
+
+#ifdef BYTE_UNPACK
+static inline void dq_q4_k(const uint8_t *b, v16f *out) {
+    float sc[8], mn[8];
+    k4_scale_min(b + 4, half_to_float(b), half_to_float(b + 2), sc, mn);
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int c = 0; c < 4; c++)
+        for (int part = 0; part < 2; part++) {
+            const __m128i q = _mm_loadu_si128((const __m128i *)(b + 16 + c * 32 + part * 16));
+            out[c * 4 + part] = splat(sc[2 * c]) * widen_u8(_mm_and_si128(q, low))
+                                - splat(mn[2 * c]);
+            out[c * 4 + 2 + part] = splat(sc[2 * c + 1])
+                                    * widen_u8(_mm_and_si128(_mm_srli_epi16(q, 4), low))
+                                    - splat(mn[2 * c + 1]);
+        }
+}
+#else
+static inline void dq_q4_k(const uint8_t *b, v16f *out) {
+    float sc[8], mn[8];
+    k4_scale_min(b + 4, half_to_float(b), half_to_float(b + 2), sc, mn);
+    for (int c = 0; c < 4; c++)
+        for (int part = 0; part < 2; part++) {
+            const v16i q = load_u8(b + 16 + c * 32 + part * 16);
+            out[c * 4 + part] = splat(sc[2 * c]) * to_f32(q & 0xF) - splat(mn[2 * c]);
+            out[c * 4 + 2 + part] = splat(sc[2 * c + 1]) * to_f32(q >> 4) - splat(mn[2 * c + 1]);
+        }
+}
+
+#endif
+
+static inline void dq_q5_k(const uint8_t *b, v16f *out) {
+    float sc[8], mn[8];
+    k4_scale_min(b + 4, half_to_float(b), half_to_float(b + 2), sc, mn);
+    for (int c = 0; c < 4; c++)
+        for (int part = 0; part < 2; part++) {
+            const v16i q = load_u8(b + 48 + c * 32 + part * 16);
+            const v16i qh = load_u8(b + 16 + part * 16);
+            const v16i lo = (q & 0xF) | (((qh >> (2 * c)) & 1) << 4);
+            const v16i hi = (q >> 4) | (((qh >> (2 * c + 1)) & 1) << 4);
+            out[c * 4 + part] = splat(sc[2 * c]) * to_f32(lo) - splat(mn[2 * c]);
+            out[c * 4 + 2 + part] = splat(sc[2 * c + 1]) * to_f32(hi) - splat(mn[2 * c + 1]);
+        }
+}
+
+#ifdef BYTE_UNPACK
+static inline void dq_q6_k(const uint8_t *b, v16f *out) {
+    const int8_t *scales = (const int8_t *)(b + 192);
+    const float d = half_to_float(b + 208);
+    const __m128i low = _mm_set1_epi8(0x0F), two = _mm_set1_epi8(3), bias = _mm_set1_epi8(32);
+    for (int h = 0; h < 2; h++)
+        for (int part = 0; part < 2; part++) {
+            const __m128i a = _mm_loadu_si128((const __m128i *)(b + h * 64 + part * 16));
+            const __m128i c = _mm_loadu_si128((const __m128i *)(b + h * 64 + 32 + part * 16));
+            const __m128i hb = _mm_loadu_si128((const __m128i *)(b + 128 + h * 32 + part * 16));
+            const __m128i q[4] = {
+                _mm_or_si128(_mm_and_si128(a, low), _mm_slli_epi16(_mm_and_si128(hb, two), 4)),
+                _mm_or_si128(_mm_and_si128(c, low),
+                             _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hb, 2), two), 4)),
+                _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), low),
+                             _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hb, 4), two), 4)),
+                _mm_or_si128(_mm_and_si128(_mm_srli_epi16(c, 4), low),
+                             _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hb, 6), two), 4))};
+            for (int g = 0; g < 4; g++) {
+                const v16f ds = splat(d * (float)scales[h * 8 + 2 * g + part]);
+                out[h * 8 + g * 2 + part] = ds * widen_i8(_mm_sub_epi8(q[g], bias));
+            }
+        }
+}
+#else
+static inline void dq_q6_k(const uint8_t *b, v16f *out) {
+    const int8_t *scales = (const int8_t *)(b + 192);
+    const float d = half_to_float(b + 208);
+    for (int h = 0; h < 2; h++)
+        for (int part = 0; part < 2; part++) {
+            const v16i a = load_u8(b + h * 64 + part * 16);
+            const v16i c = load_u8(b + h * 64 + 32 + part * 16);
+            const v16i hb = load_u8(b + 128 + h * 32 + part * 16);
+            const v16i q[4] = {(a & 0xF) | ((hb & 3) << 4), (c & 0xF) | (((hb >> 2) & 3) << 4),
+                               (a >> 4) | (((hb >> 4) & 3) << 4), (c >> 4) | (((hb >> 6) & 3) << 4)};
+            for (int g = 0; g < 4; g++) {
+                const v16f ds = splat(d * (float)scales[h * 8 + 2 * g + part]);
+                out[h * 8 + g * 2 + part] = ds * to_f32(q[g] - 32);
+            }
+        }
+}
+
+#endif
+
+// ---- products with float activations: one weight row against every activation row ---------
+
+// y[m * stride + n] = sum_k x[m][k] * W[n][k]  for m < rows, n < count (consecutive weight
+// rows starting at w)
+typedef void (*row_fn)(const void *acts, int64_t rows, int64_t k_in, const uint8_t *w,
+                       int64_t count, float *y, int64_t stride);
+typedef void (*rows_fn)(const uint8_t *, const int64_t *, int64_t, int64_t, float *, int);
+
+#define DEFINE_FLOAT_KERNELS(NAME, BLOCK, BYTES, DEQUANT)                                      \
+    static void NAME##_f32(const void *acts, int64_t rows, int64_t k_in, const uint8_t *w,     \
+                           int64_t count, float *y, int64_t stride) {                          \
+        const float *x = (const float *)acts;                                                  \
+        const int64_t blocks = k_in / BLOCK, row_bytes = blocks * BYTES;                       \
+        v16f values[BLOCK / 16];                                                               \
+        for (int64_t n = 0; n < count; n++, w += row_bytes) {                                  \
+            if (rows == 1) { /* two chains: consecutive FMAs need not wait on each other */    \
+                v16f even = {0}, odd = {0};                                                    \
+                for (int64_t b = 0; b < blocks; b++) {                                         \
+                    DEQUANT(w + b * BYTES, values);                                            \
+                    for (int i = 0; i < BLOCK / 16; i += 2) {                                  \
+                        even = fma16(values[i], load_f32(x + b * BLOCK + 16 * i), even);       \
+                        odd = fma16(values[i + 1], load_f32(x + b * BLOCK + 16 * i + 16), odd); \
+                    }                                                                          \
+                }                                                                              \
+                y[n] = hsum(even + odd);                                                       \
+                continue;                                                                      \
+            }                                                                                  \
+            v16f acc[MAX_ROWS];                                                                \
+            for (int64_t m = 0; m < rows; m++) acc[m] = (v16f){0};                             \
+            for (int64_t b = 0; b < blocks; b++) {                                             \
+                DEQUANT(w + b * BYTES, values);                                                \
+                for (int64_t m = 0; m < rows; m++) {                                           \
+                    v16f a = acc[m];                                                           \
+                    for (int i = 0; i < BLOCK / 16; i++)                                       \
+                        a = fma16(values[i], load_f32(x + m * k_in + b * BLOCK + 16 * i), a);  \
+                    acc[m] = a;                                                                \
+                }                                                                              \
+            }                                                                                  \
+            for (int64_t m = 0; m < rows; m++) y[m * stride + n] = hsum(acc[m]);               \
+        }                                                                                      \
+    }                                                                                          \
+    /* out[i] = W[ids[i]] (all rows when ids is NULL), dequantized exactly */                  \
+    static void NAME##_rows(const uint8_t *w, const int64_t *ids, int64_t count, int64_t k_in, \
+                            float *out, int threads) {                                         \
+        const int64_t blocks = k_in / BLOCK, row_bytes = blocks * BYTES;                       \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                      \
+        for (int64_t i = 0; i < count; i++) {                                                  \
+            const uint8_t *row = w + (ids ? ids[i] : i) * row_bytes;                           \
+            v16f values[BLOCK / 16];                                                           \
+            for (int64_t b = 0; b < blocks; b++) {                                             \
+                DEQUANT(row + b * BYTES, values);                                              \
+                memcpy(out + i * k_in + b * BLOCK, values, sizeof values);                     \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
+DEFINE_FLOAT_KERNELS(q4_0, 32, 18, dq_q4_0)
+DEFINE_FLOAT_KERNELS(q4_1, 32, 20, dq_q4_1)
+DEFINE_FLOAT_KERNELS(q5_0, 32, 22, dq_q5_0)
+DEFINE_FLOAT_KERNELS(q5_1, 32, 24, dq_q5_1)
+DEFINE_FLOAT_KERNELS(q8_0, 32, 34, dq_q8_0)
+DEFINE_FLOAT_KERNELS(q8_1, 32, 36, dq_q8_1)
+DEFINE_FLOAT_KERNELS(q2_k, QK_K, 84, dq_q2_k)
+DEFINE_FLOAT_KERNELS(q3_k, QK_K, 110, dq_q3_k)
+DEFINE_FLOAT_KERNELS(q4_k, QK_K, 144, dq_q4_k)
+DEFINE_FLOAT_KERNELS(q5_k, QK_K, 176, dq_q5_k)
+DEFINE_FLOAT_KERNELS(q6_k, QK_K, 210, dq_q6_k)
+
+// ---- integer products on 8-bit activations (x86 with AVX2) -----------------------------------
+//
+// What llama.cpp does for its speed: each activation row is quantized to int8 in blocks of
+// 32 (one float scale per block, and the sum of every 16 values), weights are unpacked to
+// unsigned bytes, and 32 byte products at a time are summed exactly in integers
+// (VPDPBUSD with AVX512-VNNI, VPMADDUBSW otherwise). Offsets and minimums enter through
+// the activation sums. Only the activations are rounded, by at most half a step of 1/127
+// of each block's largest magnitude.
+
+#if defined(__AVX2__)
+#define INT8_PATH 1
+
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {  // 8 lanes, each a sum of 4 products
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// Signed weights times signed activations: the weights' magnitudes as the unsigned operand,
+// their signs moved onto the activations.
+static inline __m256i dot_s8s8(__m256i w, __m256i x) {
+    return dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+static inline __m256 scaled(__m256i dot, __m256 scale, __m256 acc) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc);
+}
+
+static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline __m256i low_nibbles(__m256i q) { return _mm256_and_si256(q, _mm256_set1_epi8(0x0F)); }
+static inline __m256i high_nibbles(__m256i q) {
+    return _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(0x0F));
+}
+static inline __m256i crumbs(__m256i q, int shift) {  // the 2-bit field at `shift`, per byte
+    return _mm256_and_si256(_mm256_srli_epi16(q, shift), _mm256_set1_epi8(3));
+}
+static inline __m256i nibbles_of_16(const uint8_t *p) {  // 16 bytes → low 16, then high 16
+    const __m128i q = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
+}
+static inline __m256i bits_to_16s(uint32_t bits) {  // bit i of `bits` → byte i: 16 or 0
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_maskz_mov_epi8((__mmask32)bits, _mm256_set1_epi8(16));
+#endif
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
+static inline __m256 halves(float low, float high) {  // lanes 0-3 low, 4-7 high
+    return _mm256_set_m128(_mm_set1_ps(high), _mm_set1_ps(low));
+}
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// One row's activations: int8 values, a scale per 32, and the sum of every 16 values as
+// they stand for (scale times the integer sum), for the offset and minimum terms.
+typedef struct { const int8_t *q; const float *d; const float *s; } act_block;
+
+static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, float *s) {
+    for (int64_t b = 0; b < k / 32; b++) {
+        const float *xb = x + b * 32;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+        const float scale = amax / 127.0f, inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+        d[b] = scale;
+        for (int half = 0; half < 2; half++) {
+            int32_t sum = 0;
+            for (int i = half * 16; i < half * 16 + 16; i++) {
+                const int v = (int)lrintf(xb[i] * inverse);
+                q[b * 32 + i] = (int8_t)v;
+                sum += v;
+            }
+            s[b * 2 + half] = scale * (float)sum;
+        }
+    }
+}
+
+// Each body adds one weight block's products with activations `a` (at that block) to the
+// vector accumulator `acc` and the scalar `extra`.
+#define BODY_Q8_0(b, a, acc, extra) {                                                        \
+    const __m256i dot = dot_s8s8(load32(b + 2), load32(a.q));                                \
+    acc = scaled(dot, _mm256_set1_ps(half_to_float(b) * a.d[0]), acc); }
+#define BODY_Q8_1(b, a, acc, extra) {                                                        \
+    const __m256i dot = dot_s8s8(load32(b + 4), load32(a.q));                                \
+    acc = scaled(dot, _mm256_set1_ps(half_to_float(b) * a.d[0]), acc); }
+#define BODY_Q4_0(b, a, acc, extra) {                                                        \
+    const __m256i w = _mm256_sub_epi8(nibbles_of_16(b + 2), _mm256_set1_epi8(8));            \
+    acc = scaled(dot_s8s8(w, load32(a.q)), _mm256_set1_ps(half_to_float(b) * a.d[0]), acc); }
+#define BODY_Q4_1(b, a, acc, extra) {                                                        \
+    acc = scaled(dot_u8s8(nibbles_of_16(b + 4), load32(a.q)),                                \
+                 _mm256_set1_ps(half_to_float(b) * a.d[0]), acc);                            \
+    extra += half_to_float(b + 2) * (a.s[0] + a.s[1]); }
+#define BODY_Q5_0(b, a, acc, extra) {                                                        \
+    uint32_t qh; memcpy(&qh, b + 2, 4);                                                      \
+    const __m256i w = _mm256_sub_epi8(_mm256_or_si256(nibbles_of_16(b + 6), bits_to_16s(qh)), \
+                                      _mm256_set1_epi8(16));                                 \
+    acc = scaled(dot_s8s8(w, load32(a.q)), _mm256_set1_ps(half_to_float(b) * a.d[0]), acc); }
+#define BODY_Q5_1(b, a, acc, extra) {                                                        \
+    uint32_t qh; memcpy(&qh, b + 4, 4);                                                      \
+    const __m256i u = _mm256_or_si256(nibbles_of_16(b + 8), bits_to_16s(qh));               \
+    acc = scaled(dot_u8s8(u, load32(a.q)), _mm256_set1_ps(half_to_float(b) * a.d[0]), acc);  \
+    extra += half_to_float(b + 2) * (a.s[0] + a.s[1]); }
+#define BODY_Q4_K(b, a, acc, extra) {                                                        \
+    float sc[8], mn[8];                                                                      \
+    k4_scale_min(b + 4, half_to_float(b), half_to_float(b + 2), sc, mn);                     \
+    for (int c = 0; c < 4; c++) {                                                            \
+        const __m256i q = load32(b + 16 + c * 32);                                           \
+        for (int part = 0; part < 2; part++) {                                               \
+            const int j = 2 * c + part;                                                      \
+            const __m256i u = part ? high_nibbles(q) : low_nibbles(q);                       \
+            acc = scaled(dot_u8s8(u, load32(a.q + 32 * j)), _mm256_set1_ps(sc[j] * a.d[j]),  \
+                         acc);                                                               \
+            extra -= mn[j] * (a.s[2 * j] + a.s[2 * j + 1]);                                  \
+        }                                                                                    \
+    } }
+#define BODY_Q5_K(b, a, acc, extra) {                                                        \
+    float sc[8], mn[8];                                                                      \
+    k4_scale_min(b + 4, half_to_float(b), half_to_float(b + 2), sc, mn);                     \
+    const __m256i qh = load32(b + 16);                                                       \
+    for (int c = 0; c < 4; c++) {                                                            \
+        const __m256i q = load32(b + 48 + c * 32);                                           \
+        for (int part = 0; part < 2; part++) {                                               \
+            const int j = 2 * c + part;                                                      \
+            const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(qh, j),                  \
+                                                 _mm256_set1_epi8(1));                       \
+            const __m256i u = _mm256_or_si256(part ? high_nibbles(q) : low_nibbles(q),       \
+                                              _mm256_slli_epi16(bit, 4));                    \
+            acc = scaled(dot_u8s8(u, load32(a.q + 32 * j)), _mm256_set1_ps(sc[j] * a.d[j]),  \
+                         acc);                                                               \
+            extra -= mn[j] * (a.s[2 * j] + a.s[2 * j + 1]);                                  \
+        }                                                                                    \
+    } }
+#define BODY_Q6_K(b, a, acc, extra) {                                                        \
+    const int8_t *scales = (const int8_t *)(b + 192);                                        \
+    const float d = half_to_float(b + 208);                                                  \
+    for (int h = 0; h < 2; h++) {                                                            \
+        const __m256i ql0 = load32(b + h * 64), ql1 = load32(b + h * 64 + 32);               \
+        const __m256i qh = load32(b + 128 + h * 32);                                         \
+        const __m256i u[4] = {                                                               \
+            _mm256_or_si256(low_nibbles(ql0), _mm256_slli_epi16(crumbs(qh, 0), 4)),          \
+            _mm256_or_si256(low_nibbles(ql1), _mm256_slli_epi16(crumbs(qh, 2), 4)),          \
+            _mm256_or_si256(high_nibbles(ql0), _mm256_slli_epi16(crumbs(qh, 4), 4)),         \
+            _mm256_or_si256(high_nibbles(ql1), _mm256_slli_epi16(crumbs(qh, 6), 4))};        \
+        for (int g = 0; g < 4; g++) {                                                        \
+            const int j = 4 * h + g, s0 = h * 8 + 2 * g;                                     \
+            const float lo = d * (float)scales[s0], hi = d * (float)scales[s0 + 1];          \
+            acc = scaled(dot_u8s8(u[g], load32(a.q + 32 * j)),                               \
+                         _mm256_mul_ps(halves(lo, hi), _mm256_set1_ps(a.d[j])), acc);        \
+            extra -= 32.0f * (lo * a.s[2 * j] + hi * a.s[2 * j + 1]);                        \
+        }                                                                                    \
+    } }
+#define BODY_Q2_K(b, a, acc, extra) {                                                        \
+    const float d = half_to_float(b + 80), dmin = half_to_float(b + 82);                     \
+    for (int h = 0; h < 2; h++) {                                                            \
+        const __m256i q = load32(b + 16 + h * 32);                                           \
+        for (int jj = 0; jj < 4; jj++) {                                                     \
+            const int j = 4 * h + jj, s0 = h * 8 + 2 * jj;                                   \
+            const float lo = d * (float)(b[s0] & 0xF) * a.d[j];                              \
+            const float hi = d * (float)(b[s0 + 1] & 0xF) * a.d[j];                          \
+            acc = scaled(dot_u8s8(crumbs(q, 2 * jj), load32(a.q + 32 * j)), halves(lo, hi),  \
+                         acc);                                                               \
+            extra -= dmin * ((float)(b[s0] >> 4) * a.s[2 * j]                                \
+                             + (float)(b[s0 + 1] >> 4) * a.s[2 * j + 1]);                    \
+        }                                                                                    \
+    } }
+#define BODY_Q3_K(b, a, acc, extra) {                                                        \
+    const float d = half_to_float(b + 108);                                                  \
+    const uint8_t *packed = b + 96;                                                          \
+    const __m256i hm = load32(b);                                                            \
+    for (int h = 0; h < 2; h++) {                                                            \
+        const __m256i q = load32(b + 32 + h * 32);                                           \
+        for (int jj = 0; jj < 4; jj++) {                                                     \
+            const int j = 4 * h + jj;                                                        \
+            float dl[2];                                                                     \
+            for (int part = 0; part < 2; part++) {                                           \
+                const int s = h * 8 + 2 * jj + part;                                         \
+                const int low = s < 8 ? packed[s] & 0xF : packed[s - 8] >> 4;                \
+                const int high = (packed[8 + s % 4] >> (2 * (s / 4))) & 3;                   \
+                dl[part] = d * ((float)(low | (high << 4)) - 32.0f);                         \
+            }                                                                                \
+            const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(hm, 4 * h + jj),          \
+                                                 _mm256_set1_epi8(1));                       \
+            const __m256i u = _mm256_or_si256(crumbs(q, 2 * jj), _mm256_slli_epi16(bit, 2)); \
+            acc = scaled(dot_u8s8(u, load32(a.q + 32 * j)),                                  \
+                         _mm256_mul_ps(halves(dl[0], dl[1]), _mm256_set1_ps(a.d[j])), acc);  \
+            extra -= 4.0f * (dl[0] * a.s[2 * j] + dl[1] * a.s[2 * j + 1]);                   \
+        }                                                                                    \
+    } }
+
+// Quantized activations of several rows: values [rows][k_in], scales [rows][k_in / 32],
+// scaled sums [rows][k_in / 16].
+typedef struct { const int8_t *q; const float *d; const float *s; } act_rows;
+
+#define DEFINE_INT8_KERNEL(NAME, BLOCK, BYTES, BODY)                                           \
+    static void NAME##_i8(const void *acts, int64_t rows, int64_t k_in, const uint8_t *w,      \
+                          int64_t count, float *y, int64_t stride) {                           \
+        const act_rows *x = (const act_rows *)acts;                                            \
+        const int64_t blocks = k_in / BLOCK, row_bytes = blocks * BYTES;                       \
+        for (int64_t n = 0; n < count; n++, w += row_bytes)                                    \
+            for (int64_t m = 0; m < rows; m++) {                                               \
+                /* two chains of accumulators, so one block need not wait for the last */      \
+                __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                 \
+                float extra0 = 0.0f, extra1 = 0.0f;                                            \
+                int64_t b = 0;                                                                 \
+                for (; b + 1 < blocks; b += 2) {                                               \
+                    const int64_t at = m * k_in + b * BLOCK;                                   \
+                    const act_block a0 = {x->q + at, x->d + at / 32, x->s + at / 16};          \
+                    const act_block a1 = {x->q + at + BLOCK, x->d + (at + BLOCK) / 32,         \
+                                          x->s + (at + BLOCK) / 16};                           \
+                    const uint8_t *block0 = w + b * BYTES, *block1 = block0 + BYTES;           \
+                    BODY(block0, a0, acc0, extra0)                                             \
+                    BODY(block1, a1, acc1, extra1)                                             \
+                }                                                                              \
+                if (b < blocks) {                                                              \
+                    const int64_t at = m * k_in + b * BLOCK;                                   \
+                    const act_block a0 = {x->q + at, x->d + at / 32, x->s + at / 16};          \
+                    const uint8_t *block0 = w + b * BYTES;                                     \
+                    BODY(block0, a0, acc0, extra0)                                             \
+                }                                                                              \
+                y[m * stride + n] = hsum256(_mm256_add_ps(acc0, acc1)) + extra0 + extra1;      \
+            }                                                                                  \
+    }
+
+DEFINE_INT8_KERNEL(q4_0, 32, 18, BODY_Q4_0)
+DEFINE_INT8_KERNEL(q4_1, 32, 20, BODY_Q4_1)
+DEFINE_INT8_KERNEL(q5_0, 32, 22, BODY_Q5_0)
+DEFINE_INT8_KERNEL(q5_1, 32, 24, BODY_Q5_1)
+DEFINE_INT8_KERNEL(q8_0, 32, 34, BODY_Q8_0)
+DEFINE_INT8_KERNEL(q8_1, 32, 36, BODY_Q8_1)
+DEFINE_INT8_KERNEL(q2_k, QK_K, 84, BODY_Q2_K)
+DEFINE_INT8_KERNEL(q3_k, QK_K, 110, BODY_Q3_K)
+DEFINE_INT8_KERNEL(q4_k, QK_K, 144, BODY_Q4_K)
+DEFINE_INT8_KERNEL(q5_k, QK_K, 176, BODY_Q5_K)
+DEFINE_INT8_KERNEL(q6_k, QK_K, 210, BODY_Q6_K)
+#endif
+
+// ---- the formats and the entry points ------------------------------------------------------
+
+typedef struct {
+    int qtype, block, bytes;
+    row_fn exact, fast;  // fast: int8 activations (NULL where not compiled)
+    rows_fn rows;
+} format;
+
+#ifdef INT8_PATH
+#define FORMAT(T, NAME, BLOCK, BYTES) {T, BLOCK, BYTES, NAME##_f32, NAME##_i8, NAME##_rows}
+#else
+#define FORMAT(T, NAME, BLOCK, BYTES) {T, BLOCK, BYTES, NAME##_f32, NULL, NAME##_rows}
+#endif
+
+static const format FORMATS[] = {
+    FORMAT(Q4_0, q4_0, 32, 18), FORMAT(Q4_1, q4_1, 32, 20), FORMAT(Q5_0, q5_0, 32, 22),
+    FORMAT(Q5_1, q5_1, 32, 24), FORMAT(Q8_0, q8_0, 32, 34), FORMAT(Q8_1, q8_1, 32, 36),
+    FORMAT(Q2_K, q2_k, QK_K, 84), FORMAT(Q3_K, q3_k, QK_K, 110), FORMAT(Q4_K, q4_k, QK_K, 144),
+    FORMAT(Q5_K, q5_k, QK_K, 176), FORMAT(Q6_K, q6_k, QK_K, 210),
+};
+
+static const format *format_of(int qtype, int64_t k_in) {
+    for (size_t i = 0; i < sizeof FORMATS / sizeof FORMATS[0]; i++)
+        if (FORMATS[i].qtype == qtype) return k_in % FORMATS[i].block ? NULL : &FORMATS[i];
+    return NULL;
+}
+
+int spnl_max_rows(void) { return MAX_ROWS; }
+
+int spnl_has_int8(void) {
+#ifdef INT8_PATH
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#define MAX_PRODUCTS 8
+#define TILE_ROWS 16  // weight rows per task: spreads the per-row overhead
+
+// Several products of the same activations x [rows][k_in] (q, k and v; gate and up), their
+// results side by side in y [rows][y_stride]: product i fills columns [offset_i, offset_i +
+// n_out_i) with sum_k x[m][k] * W_i[n][k]. `exact` keeps float activations; otherwise
+// (where compiled) they are quantized to int8 once for all. The rows of every product are
+// shared out among threads in one parallel region.
+int spnl_qmatmul(int count, const int *qtypes, const float *x, int64_t rows, int64_t k_in,
+                 const uint8_t *const *weights, const int64_t *n_outs, float *y,
+                 int64_t y_stride, int threads, int exact) {
+    const format *formats[MAX_PRODUCTS];
+    int64_t first[MAX_PRODUCTS + 1] = {0};
+    if (count < 1 || count > MAX_PRODUCTS || rows > MAX_ROWS) return -1;
+    int fast = !exact;
+    for (int i = 0; i < count; i++) {
+        formats[i] = format_of(qtypes[i], k_in);
+        if (!formats[i]) return -1;
+        fast = fast && formats[i]->fast && k_in % 32 == 0;
+        first[i + 1] = first[i] + n_outs[i];
+    }
+    const void *acts = x;
+#ifdef INT8_PATH
+    act_rows quantized = {NULL, NULL, NULL};
+    if (fast) {
+        int8_t *q = malloc((size_t)(rows * k_in));
+        float *d = malloc((size_t)(rows * k_in / 32) * sizeof(float));
+        float *s = malloc((size_t)(rows * k_in / 16) * sizeof(float));
+        if (!q || !d || !s) { free(q); free(d); free(s); return -2; }
+        for (int64_t m = 0; m < rows; m++)
+            quantize_row(x + m * k_in, k_in, q + m * k_in, d + m * k_in / 32, s + m * k_in / 16);
+        quantized = (act_rows){q, d, s};
+        acts = &quantized;
+    }
+#endif
+    // Tiles of consecutive weight rows within one product, shared out among the threads.
+    int64_t tile_start[MAX_PRODUCTS + 1] = {0};
+    for (int i = 0; i < count; i++)
+        tile_start[i + 1] = tile_start[i] + (n_outs[i] + TILE_ROWS - 1) / TILE_ROWS;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < tile_start[count]; t++) {
+        int i = 0;
+        while (t >= tile_start[i + 1]) i++;
+        const format *f = formats[i];
+        const int64_t n = (t - tile_start[i]) * TILE_ROWS;
+        const int64_t rows_here = n_outs[i] - n < TILE_ROWS ? n_outs[i] - n : TILE_ROWS;
+        const int64_t row_bytes = k_in / f->block * f->bytes;
+        (fast ? f->fast : f->exact)(acts, rows, k_in, weights[i] + n * row_bytes, rows_here,
+                                    y + first[i] + n, y_stride);
+    }
+#ifdef INT8_PATH
+    if (fast) {
+        free((void *)quantized.q); free((void *)quantized.d); free((void *)quantized.s);
+    }
+#endif
+    return 0;
+}
+
+// out[r] = W[r] in float32 for every row (prefill dequantizes a matrix, then multiplies).
+int spnl_dequantize(int qtype, const uint8_t *w, int64_t n_rows, int64_t k_in, float *out,
+                    int threads) {
+    const format *f = format_of(qtype, k_in);
+    if (!f) return -1;
+    f->rows(w, NULL, n_rows, k_in, out, threads);
+    return 0;
+}
+
+// out[i] = W[ids[i]]: embedding rows.
+int spnl_gather_rows(int qtype, const uint8_t *w, const int64_t *ids, int64_t count,
+                     int64_t k_in, float *out) {
+    const format *f = format_of(qtype, k_in);
+    if (!f) return -1;
+    f->rows(w, ids, count, k_in, out, 1);
+    return 0;
+}
+
+// ---- the small per-layer operations of a decode step -----------------------------------------
+
+// out[r] = x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * scale  (RMSNorm; twin: models/layers.py)
+void spnl_rms_norm(const float *x, const float *scale, float *out, int64_t rows, int64_t dim,
+                   float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        float sum = 0.0f;
+        #pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < dim; i++) sum += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+        float *o = out + r * dim;
+        #pragma omp simd
+        for (int64_t i = 0; i < dim; i++) o[i] = xr[i] * inv * scale[i];
+    }
+}
+
+// Rotate-half RoPE in place (twin: RotaryTables.apply): for each token and head,
+// x[i] = x[i] * cos[i] + x[i + half] * sin[i] and x[i + half] = x[i + half] * cos[i + half]
+// + x[i] * sin[i + half], with the tables laid out as [cos, cos] and [-sin, sin].
+void spnl_rope(float *x, const float *cos, const float *sin, int64_t tokens, int64_t heads,
+               int64_t head_dim, int64_t rotary_dim) {
+    const int64_t half = rotary_dim / 2;
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos + t * rotary_dim, *s = sin + t * rotary_dim;
+        for (int64_t h = 0; h < heads; h++) {
+            float *v = x + (t * heads + h) * head_dim;
+            #pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float a = v[i], b = v[i + half];
+                v[i] = a * c[i] + b * s[i];
+                v[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
+}
+
+// New K/V rows into their cache slots; slot -1 writes nothing (twin: store_kv_ref).
+void spnl_store_kv(const float *k, const float *v, float *k_cache, float *v_cache,
+                   const int64_t *slots, int64_t tokens, int64_t row) {
+    for (int64_t t = 0; t < tokens; t++) {
+        if (slots[t] < 0) continue;
+        memcpy(k_cache + slots[t] * row, k + t * row, row * sizeof(float));
+        memcpy(v_cache + slots[t] * row, v + t * row, row * sizeof(float));
+    }
+}
+
+// One query per sequence over its cached keys (twin: paged_attention_ref's decode path).
+// slots[s][j]: cache slot of key j of sequence s; keys [first, lens[s]) are visible, with
+// first = lens[s] - window for a sliding window. Softcap 0 means none.
+int spnl_paged_decode(const float *q, const float *k_cache, const float *v_cache,
+                      const int64_t *slots, int64_t slot_stride, const int64_t *lens,
+                      int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
+                      int64_t window, float softcap, float *out, int threads) {
+    const int64_t group = heads / kv_heads, row = kv_heads * dim;
+    int64_t longest = 0;
+    for (int64_t s = 0; s < seqs; s++) longest = lens[s] > longest ? lens[s] : longest;
+    float *scores_all = malloc((size_t)(seqs * heads) * (size_t)longest * sizeof(float));
+    if (!scores_all) return -1;
+    #pragma omp parallel for schedule(static) num_threads(threads) collapse(2)
+    for (int64_t s = 0; s < seqs; s++) {
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t len = lens[s], first = window > 0 && len > window ? len - window : 0;
+            const int64_t kvh = h / group;
+            const float *qh = q + (s * heads + h) * dim;
+            float *scores = scores_all + (s * heads + h) * longest;
+            float peak = -INFINITY;
+            for (int64_t j = first; j < len; j++) {
+                const float *kj = k_cache + slots[s * slot_stride + j] * row + kvh * dim;
+                float dot = 0.0f;
+                #pragma omp simd reduction(+ : dot)
+                for (int64_t i = 0; i < dim; i++) dot += qh[i] * kj[i];
+                dot *= scale;
+                if (softcap > 0.0f) dot = softcap * tanhf(dot / softcap);
+                scores[j] = dot;
+                peak = dot > peak ? dot : peak;
+            }
+            float total = 0.0f;
+            for (int64_t j = first; j < len; j++) {
+                scores[j] = expf(scores[j] - peak);
+                total += scores[j];
+            }
+            float *o = out + (s * heads + h) * dim;
+            for (int64_t i = 0; i < dim; i++) o[i] = 0.0f;
+            for (int64_t j = first; j < len; j++) {
+                const float *vj = v_cache + slots[s * slot_stride + j] * row + kvh * dim;
+                const float p = scores[j] / total;
+                #pragma omp simd
+                for (int64_t i = 0; i < dim; i++) o[i] += p * vj[i];
+            }
+        }
+    }
+    free(scores_all);
+    return 0;
+}
