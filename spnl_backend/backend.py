@@ -286,7 +286,7 @@ def load_backend(
         else ModelSource("gguf", default_model_path(), "embedded default")
     )
     log.info("model.resolved", name=source.name, kind=source.kind, path=str(source.path))
-    loaded = load_model(source, decisions, progress or LogProgress())
+    loaded = load_model(source, settings, decisions, progress or LogProgress())
     return Backend(loaded, build_engine(loaded, settings, decisions), settings, decisions)
 
 
@@ -294,7 +294,6 @@ def _refuse_unavailable_features(settings: BackendSettings) -> None:
     """Features whose settings exist but whose engine parts are not in this version yet:
     asking for one is an error, never a silent no-op."""
     for field, what in (
-        ("isq", "in-situ quantization"),
         ("speculative_draft_model", "speculative decoding"),
         ("speculative_draft_isq", "speculative decoding"),
     ):

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 from gguf import GGMLQuantizationType
-from tiny_models import TinyModel, build_hf_model, write_gguf
+from tiny_models import TinyModel, build_hf_model, build_trained_model, write_gguf
 
 from spnl_backend import Backend, BackendSettings, load_backend
 from spnl_backend.engine.kv_cache import ContiguousStep, SequenceKV, StepSlice
@@ -45,6 +45,11 @@ class TinyModels:
     @cache  # noqa: B019
     def backend(self, arch: str) -> Backend:
         return load_backend(str(self.hf(arch).path), settings=CPU)
+
+    @cache  # noqa: B019
+    def trained(self) -> TinyModel:
+        """A Llama wide enough for every ISQ type, trained to be confident."""
+        return build_trained_model(self.root / "trained" / "hf")
 
     @cache  # noqa: B019
     def gguf(self, arch: str, qtype: GGMLQuantizationType) -> Path:

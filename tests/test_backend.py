@@ -185,7 +185,6 @@ def test_missing_default_model_says_how_to_install_it(monkeypatch):
 @pytest.mark.parametrize(
     ("settings", "error"),
     [
-        ({"isq": "Q4K"}, SettingsError),
         ({"speculative_draft_model": "draft"}, SettingsError),
     ],
 )

@@ -7,14 +7,23 @@ import torch
 from ..log import get_logger
 from ..models.config import ModelConfig
 from ..models.transformer import CausalLM
-from ..settings import PlatformDecisions
+from ..quant.isq import apply_isq
+from ..quant.linear import MATMULS, QuantEmbedding, QuantLinear
+from ..settings import BackendSettings, PlatformDecisions
 from .gguf_config import model_config_from_gguf
 from .gguf_file import GGUFFile
 from .hf_config import model_config_from_hf, token_ids
 from .progress import Progress
 from .resolve import ModelSource
 from .tokenizer import Tokenizer, load_gguf_tokenizer, load_text_tokenizer
-from .weights import load_into, read_gguf, read_safetensors, safetensors_files, split_fused
+from .weights import (
+    NamedTensors,
+    load_into,
+    read_gguf,
+    read_safetensors,
+    safetensors_files,
+    split_fused,
+)
 
 log = get_logger()
 
@@ -30,15 +39,15 @@ class LoadedModel:
 
 
 def load_model(
-    source: ModelSource, decisions: PlatformDecisions, progress: Progress
+    source: ModelSource, settings: BackendSettings, decisions: PlatformDecisions, progress: Progress
 ) -> LoadedModel:
     if source.kind == "gguf":
-        return _load_gguf(source, decisions, progress)
-    return _load_text(source, decisions, progress)
+        return _load_gguf(source, settings, decisions, progress)
+    return _load_text(source, settings, decisions, progress)
 
 
 def _load_text(
-    source: ModelSource, decisions: PlatformDecisions, progress: Progress
+    source: ModelSource, settings: BackendSettings, decisions: PlatformDecisions, progress: Progress
 ) -> LoadedModel:
     from transformers import AutoConfig, GenerationConfig
 
@@ -48,32 +57,48 @@ def _load_text(
     if (source.path / "generation_config.json").exists():
         eos |= set(token_ids(GenerationConfig.from_pretrained(source.path).eos_token_id))
     tokenizer = load_text_tokenizer(source.path, sorted(eos))
-    weights = read_safetensors(safetensors_files(source.path), progress)
+    weights = split_fused(read_safetensors(safetensors_files(source.path), progress), config)
+    if settings.isq is not None:
+        log.info(
+            "isq.enabled",
+            type=settings.isq.value,
+            note="projections quantized as they load; embedding and head promoted",
+        )
+        weights = apply_isq(weights, settings.isq)
     return _build(source, config, tokenizer, weights, decisions)
 
 
 def _load_gguf(
-    source: ModelSource, decisions: PlatformDecisions, progress: Progress
+    source: ModelSource, settings: BackendSettings, decisions: PlatformDecisions, progress: Progress
 ) -> LoadedModel:
+    if settings.isq is not None:
+        log.warning(
+            "isq.ignored",
+            type=settings.isq.value,
+            reason="a GGUF model runs on the quantized types its file stores",
+        )
     gguf = GGUFFile(source.path)
     config = model_config_from_gguf(gguf)
     tokenizer = load_gguf_tokenizer(source.path, config.architecture, config.eos_token_ids)
-    return _build(source, config, tokenizer, read_gguf(gguf, config, progress), decisions)
+    weights = split_fused(read_gguf(gguf, config, progress), config)
+    return _build(source, config, tokenizer, weights, decisions)
 
 
 def _build(
     source: ModelSource,
     config: ModelConfig,
     tokenizer: Tokenizer,
-    weights,
+    weights: NamedTensors,
     decisions: PlatformDecisions,
 ) -> LoadedModel:
     dtype = getattr(torch, decisions.resolve_dtype(config.dtype))
     device = torch.device(decisions.device)
     with torch.device("meta"):
         model = CausalLM(config)
-    load_into(model, split_fused(weights, config), dtype=dtype, device=device, source=source.path)
+    matmuls = MATMULS[decisions.kernels]
+    load_into(model, weights, dtype=dtype, device=device, source=source.path, matmuls=matmuls)
     model.to(device).eval()
+    quantized = [m for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding)]
     log.info(
         "model.loaded",
         architecture=config.architecture,
@@ -81,5 +106,7 @@ def _build(
         layers=config.num_layers,
         dtype=str(dtype).removeprefix("torch."),
         device=str(device),
+        quantized_layers=len(quantized),
+        quantized_matmul=decisions.kernels if quantized else None,
     )
     return LoadedModel(model, tokenizer, config, source, dtype, device)

@@ -7,8 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import ops
+from ..quant.linear import QuantLinear
 from .config import ModelConfig
-from .rope import apply_rotary
+from .rope import RotaryTables
 
 
 @dataclass(frozen=True)
@@ -45,8 +47,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps, self.offset, self.in_float = eps, offset, in_float
+        self._scale: torch.Tensor | None = None  # (offset + w) in float32, made once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # both conventions agree: fewer ops
+            if self._scale is None or self._scale.device != x.device:
+                self._scale = (self.weight.float() + self.offset).contiguous()
+            return ops.rms_norm(x, self._scale, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.in_float:
@@ -56,6 +63,13 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Linear):
     """The projection layers' type: the seam where quantized layers replace float ones."""
+
+
+def project(x: torch.Tensor, *layers: nn.Module) -> list[torch.Tensor]:
+    """Several projections of the same input; quantized ones share one pass over it."""
+    if all(isinstance(layer, QuantLinear) for layer in layers):
+        return QuantLinear.apply_many(x, list(layers))
+    return [layer(x) for layer in layers]
 
 
 class GatedMLP(nn.Module):
@@ -68,7 +82,8 @@ class GatedMLP(nn.Module):
         self.act = F.silu if config.activation == "silu" else _gelu_tanh
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, self.gate_proj, self.up_proj)
+        return self.down_proj(self.act(gate) * up)
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -98,15 +113,16 @@ class Attention(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend
+        self, x: torch.Tensor, rotary: RotaryTables, backend: AttentionBackend
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        q, k = rotary.apply(q), rotary.apply(k)
         out = backend.attend(q, k, v, self.spec)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
@@ -130,9 +146,9 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = _norm(config, config.hidden_size)
 
     def forward(
-        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend
+        self, x: torch.Tensor, rotary: RotaryTables, backend: AttentionBackend
     ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), cos_sin, backend)
+        attn = self.self_attn(self.input_layernorm(x), rotary, backend)
         if not self.sandwich:
             x = x + attn
             return x + self.mlp(self.post_attention_layernorm(x))

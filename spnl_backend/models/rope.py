@@ -5,6 +5,7 @@ import math
 import torch
 from torch import nn
 
+from ..kernels import ops
 from .config import RopeConfig
 
 
@@ -107,20 +108,30 @@ class RotaryEmbedding(nn.Module):
                 long_inv_freq, _ = inv_freq_and_scale(rope, max_position, long=True)
                 self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions [T]`` → ``(cos, sin)``, each ``[T, rotary_dim / 2]`` float32."""
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> "RotaryTables":
+        """The rotation of each of ``positions [T]``, ready to apply in ``dtype``."""
         position = positions.float().unsqueeze(-1)
         freqs = position * self.inv_freq
         if self.long_from is not None:
             long = (positions >= self.long_from).unsqueeze(-1)
             freqs = torch.where(long, position * self.long_inv_freq, freqs)
-        return freqs.cos() * self.scaling, freqs.sin() * self.scaling
+        cos, sin = freqs.cos() * self.scaling, freqs.sin() * self.scaling
+        return RotaryTables(
+            torch.cat([cos, cos], -1).to(dtype).unsqueeze(1),
+            torch.cat([-sin, sin], -1).to(dtype).unsqueeze(1),
+        )
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, heads, head_dim]``; dims past ``2 * cos.shape[-1]`` pass through."""
-    half = cos.shape[-1]
-    cos, sin = cos.to(x.dtype).unsqueeze(1), sin.to(x.dtype).unsqueeze(1)
-    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
-    rotated = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
-    return torch.cat([*rotated, rest], dim=-1) if rest.shape[-1] else torch.cat(rotated, dim=-1)
+class RotaryTables:
+    """cos/sin of one step's positions over the rotated dims, laid out for rotate-half:
+    ``x * [cos, cos] + [x2, x1] * [-sin, sin]`` is HF's ``x * cos + rotate_half(x) * sin``
+    term for term. Built once per step, applied by every layer."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.cos, self.sin = cos, sin  # [T, 1, rotary_dim]
+        self.rotary_dim = cos.shape[-1]
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x [T, heads, head_dim]`` (possibly in place; use the result); dims past
+        ``rotary_dim`` pass through."""
+        return ops.rotate(x, self.cos, self.sin)

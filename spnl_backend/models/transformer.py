@@ -8,10 +8,17 @@ from .layers import AttentionBackend, DecoderLayer, Linear, RMSNorm
 from .rope import RotaryEmbedding
 
 
+class Embedding(nn.Embedding):
+    """Token embeddings that can also serve as the output projection (tied models)."""
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden, self.weight)
+
+
 class Backbone(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, config.norm_offset, config.norm_in_float
@@ -33,10 +40,10 @@ class Backbone(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embedding_multiplier is not None:
             x = x * torch.tensor(self.embedding_multiplier, dtype=x.dtype)
-        cos_sin = self.rotary(positions)
-        local = self.rotary_local(positions) if self.rotary_local else cos_sin
+        rotary = self.rotary(positions, x.dtype)
+        local = self.rotary_local(positions, x.dtype) if self.rotary_local else rotary
         for i, layer in enumerate(self.layers):
-            x = layer(x, local if i in self.local_layers else cos_sin, backend)
+            x = layer(x, local if i in self.local_layers else rotary, backend)
         return self.norm(x)
 
 
@@ -63,7 +70,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states of the rows to sample from → float32 logits ``[rows, vocab]``."""
         if self.config.tie_word_embeddings:
-            logits = torch.nn.functional.linear(hidden, self.model.embed_tokens.weight)
+            logits = self.model.embed_tokens.project(hidden)
         else:
             logits = self.lm_head(hidden)
         logits = logits.float()

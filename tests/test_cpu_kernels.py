@@ -1,0 +1,137 @@
+"""The CPU's compiled kernels against their torch twins."""
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from paged_cases import CASES, paged_case
+
+import spnl_backend.kernels.cpu as cpu
+from spnl_backend.kernels.ops import rms_norm_ref, rotate_ref
+from spnl_backend.kernels.paged_ref import paged_attention_ref
+from spnl_backend.quant.linear import QuantizedWeight, quantized_matmuls
+from spnl_backend.quant.quantize import QUANTIZERS
+
+TYPES = sorted(QUANTIZERS, key=lambda t: t.value)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    native = cpu.cpu_kernels()
+    if native is None:
+        pytest.fail("the CPU kernels did not build: is there a C compiler?")
+    return native
+
+
+@pytest.fixture
+def exact(monkeypatch):
+    """The float-activation kernels, as SPNL_EXACT_MATMUL=1 selects them."""
+    monkeypatch.setenv("SPNL_EXACT_MATMUL", "1")
+    cpu.cpu_kernels.cache_clear()
+    yield cpu.cpu_kernels()
+    cpu.cpu_kernels.cache_clear()
+
+
+def _weights(qtype: Q, rows: int = 96, cols: int = 512, seed: int = 0) -> QuantizedWeight:
+    gen = torch.Generator().manual_seed(seed)
+    return QuantizedWeight.from_float(torch.randn(rows, cols, generator=gen), qtype)
+
+
+def _twin(x: torch.Tensor, weights: list[QuantizedWeight]) -> torch.Tensor:
+    return torch.cat([x @ w.dequantize().T for w in weights], dim=-1)
+
+
+def _int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the int8 path does to activations: blocks of 32 rounded to 1/127 of their max."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(scale > 0, 1 / torch.where(scale > 0, scale, 1), 0.0)
+    return (torch.round(blocks * inverse) * scale).reshape(x.shape)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_exact_products_equal_the_twin(exact, qtype, rows):
+    weights = [_weights(qtype), _weights(qtype, rows=40, seed=1)]
+    x = torch.randn(rows, 512)
+    torch.testing.assert_close(
+        quantized_matmuls(x, weights), _twin(x, weights), rtol=1e-5, atol=1e-4
+    )
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int8_products_equal_the_twin_on_rounded_activations(kernels, qtype, rows):
+    if kernels.exact:
+        pytest.skip("this CPU has no AVX2: the int8 kernels are not built")
+    weights = [_weights(qtype), _weights(Q.Q8_0, rows=16, seed=2)]
+    x = torch.randn(rows, 512)
+    out = quantized_matmuls(x, weights)
+    torch.testing.assert_close(out, _twin(_int8_activations(x), weights), rtol=1e-4, atol=1e-3)
+    relative = (out - _twin(x, weights)).norm() / _twin(x, weights).norm()
+    assert relative < 0.01  # what rounding the activations costs
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_and_gather_rows_are_exact(kernels, qtype):
+    weight = _weights(qtype)
+    full = kernels.dequantize(qtype.value, weight.data, *weight.shape)
+    assert torch.equal(full, weight.dequantize())
+    rows = kernels.gather_rows(qtype.value, weight.data, torch.tensor([5, 0, 95, 5]), 512)
+    assert torch.equal(rows, full[[5, 0, 95, 5]])
+
+
+def test_many_rows_dequantize_then_multiply(kernels):
+    weights = [_weights(Q.Q4_K), _weights(Q.Q6_K, rows=8, seed=3)]
+    x = torch.randn(kernels.max_rows + 7, 512)
+    torch.testing.assert_close(
+        quantized_matmuls(x, weights), _twin(x, weights), rtol=1e-5, atol=1e-4
+    )
+
+
+def test_rms_norm(kernels):
+    x, scale = torch.randn(3, 640), torch.rand(640) + 0.5
+    torch.testing.assert_close(kernels.rms_norm(x, scale, 1e-6), rms_norm_ref(x, scale, 1e-6))
+
+
+@pytest.mark.parametrize("rotary", [64, 32])
+def test_rope_is_bit_identical(kernels, rotary):
+    x = torch.randn(5, 3, 64)
+    angles = torch.randn(5, 1, rotary // 2)
+    cos = torch.cat([angles.cos(), angles.cos()], -1)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1)
+    expected = rotate_ref(x, cos, sin)
+    rotated = kernels.rope_(x.clone(), cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous())
+    assert torch.equal(rotated, expected)
+
+
+def test_store_kv_skips_padding(kernels):
+    key_cache, value_cache = torch.zeros(4, 8, 2, 16), torch.zeros(4, 8, 2, 16)
+    key, value = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    kernels.store_kv(key, value, key_cache, value_cache, torch.tensor([9, -1, 30]))
+    flat = key_cache.view(32, 2, 16)
+    assert torch.equal(flat[9], key[0])
+    assert torch.equal(flat[30], key[2])
+    assert int((flat != 0).any(-1).any(-1).sum()) == 2
+    assert torch.equal(value_cache.view(32, 2, 16)[30], value[2])
+
+
+@pytest.mark.parametrize(("kv_heads", "heads"), [(1, 4), (2, 8), (4, 4)])
+@pytest.mark.parametrize(
+    "options", [{}, {"sliding_window": 6}, {"softcap": 4.0}], ids=["plain", "window", "softcap"]
+)
+def test_paged_decode(kernels, kv_heads, heads, options):
+    seq_lens, query_lens = CASES["decode"]
+    q, key_cache, value_cache, meta, _, _ = paged_case(seq_lens, query_lens, kv_heads, heads, 8)
+    lens = torch.tensor(seq_lens)
+    out = kernels.paged_decode(
+        q,
+        key_cache,
+        value_cache,
+        meta.decode_slots,
+        lens,
+        0.25,
+        options.get("sliding_window"),
+        options.get("softcap"),
+    )
+    expected = paged_attention_ref(q, key_cache, value_cache, meta, scale=0.25, **options)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,91 @@
+"""The Triton quantized kernels against their torch twins, for every GGML format: under
+Triton's interpreter on the CPU, compiled on a GPU (where the tests carry `cuda`)."""
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from triton_support import DEVICE, load_kernels
+
+from spnl_backend import BackendSettings, load_backend
+from spnl_backend.quant.linear import (
+    QuantEmbedding,
+    QuantizedWeight,
+    QuantLinear,
+    quantized_matmul_ref,
+    quantized_matmuls_ref,
+    quantized_matmuls_triton,
+)
+from spnl_backend.quant.quantize import QUANTIZERS
+
+pytest.importorskip("triton")
+load_kernels()  # refuses to run uninterpreted without a GPU
+from spnl_backend.kernels.triton_quant import dequantize_triton, qmatmul_triton  # noqa: E402
+
+pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
+TYPES = sorted(QUANTIZERS, key=lambda t: t.value)
+
+
+def _weight(qtype: Q, rows: int, seed: int = 0) -> QuantizedWeight:
+    # Two blocks of 256 for the K-quants; 96 (three 32-blocks, not a multiple of the 64-wide
+    # tile) for the others. 70 rows: a partial tile of 64.
+    cols = 512 if qtype.value >= Q.Q2_K.value else 96
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, cols, generator=generator)
+    weight[3] = 0.0  # an all-zero row
+    weight[5, :32] = 2.5  # a block of one repeated value
+    return QuantizedWeight.from_float(weight, qtype)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_is_exact(qtype):
+    weight = _weight(qtype, rows=70)
+    out = dequantize_triton(weight.data.to(DEVICE), qtype, weight.shape)
+    torch.testing.assert_close(out.cpu(), weight.dequantize(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m_rows", [1, 3, 17])
+def test_fused_product_equals_the_twin(qtype, m_rows):
+    weight = _weight(qtype, rows=70, seed=m_rows)
+    x = torch.randn(m_rows, weight.shape[1], generator=torch.Generator().manual_seed(1))
+    out = qmatmul_triton(x.to(DEVICE), weight.data.to(DEVICE), qtype, weight.shape[0])
+    expected = quantized_matmul_ref(x, weight)
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_dequantize_into_half_precision():
+    weight = _weight(Q.Q4_K, rows=8)
+    out = dequantize_triton(weight.data.to(DEVICE), Q.Q4_K, weight.shape, torch.float16)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.cpu().float(), weight.dequantize(), rtol=1e-3, atol=1e-3)
+
+
+def test_many_rows_unpack_then_multiply():
+    weights = [_weight(Q.Q6_K, rows=70), _weight(Q.Q4_K, rows=40, seed=2)]
+    x = torch.randn(80, 512, generator=torch.Generator().manual_seed(3))
+    out = quantized_matmuls_triton(x.to(DEVICE), [w.to(DEVICE) for w in weights])
+    torch.testing.assert_close(out.cpu(), quantized_matmuls_ref(x, weights), rtol=1e-4, atol=1e-4)
+
+
+def _quantized_layers(backend) -> list:
+    model = backend._engine.runner.model
+    return [m for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding)]
+
+
+@pytest.mark.slow  # ~25 s interpreted
+def test_isq_model_through_triton_gives_the_twins_greedy_tokens(tiny):
+    path = str(tiny.trained().path)
+    prompts = ["The capital of France is", "def add(a, b):"]
+    reference = load_backend(path, settings=BackendSettings(device="cpu", isq="Q4K"))
+    for layer in _quantized_layers(reference):
+        layer.matmuls = quantized_matmuls_ref
+    expected = reference.generate(prompts, max_tokens=4, temperature=0)
+    backend = load_backend(path, settings=BackendSettings(device=DEVICE, isq="Q4K"))
+    layers = _quantized_layers(backend)
+    if DEVICE == "cpu":  # the platform picks the native kernels on the CPU; use Triton's
+        for layer in layers:
+            layer.matmuls = quantized_matmuls_triton
+    assert layers
+    assert all(layer.matmuls is quantized_matmuls_triton for layer in layers)
+    results = backend.generate(prompts, max_tokens=4, temperature=0)
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
