@@ -13,6 +13,7 @@ from .errors import RequestError, SettingsError
 from .loader.build import LoadedModel, load_model
 from .loader.default_model import default_model_path
 from .loader.engine import build_engine
+from .loader.memory import release_freed_memory
 from .loader.progress import LogProgress, Progress
 from .loader.resolve import ModelSource, resolve_model
 from .log import get_logger, set_verbose
@@ -287,7 +288,9 @@ def load_backend(
     )
     log.info("model.resolved", name=source.name, kind=source.kind, path=str(source.path))
     loaded = load_model(source, settings, decisions, progress or LogProgress())
-    return Backend(loaded, build_engine(loaded, settings, decisions), settings, decisions)
+    backend = Backend(loaded, build_engine(loaded, settings, decisions), settings, decisions)
+    release_freed_memory()
+    return backend
 
 
 def _refuse_unavailable_features(settings: BackendSettings) -> None:

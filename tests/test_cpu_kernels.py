@@ -6,9 +6,10 @@ from gguf import GGMLQuantizationType as Q
 from paged_cases import CASES, paged_case
 
 import spnl_backend.kernels.cpu as cpu
+import spnl_backend.quant.linear as linear
 from spnl_backend.kernels.ops import rms_norm_ref, rotate_ref
 from spnl_backend.kernels.paged_ref import paged_attention_ref
-from spnl_backend.quant.linear import QuantizedWeight, quantized_matmuls
+from spnl_backend.quant.linear import NATIVE_MAX_ROWS, QuantizedWeight, quantized_matmuls
 from spnl_backend.quant.quantize import QUANTIZERS
 
 TYPES = sorted(QUANTIZERS, key=lambda t: t.value)
@@ -59,7 +60,7 @@ def test_exact_products_equal_the_twin(exact, qtype, rows):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, NATIVE_MAX_ROWS])
 def test_int8_products_equal_the_twin_on_rounded_activations(kernels, qtype, rows):
     if kernels.exact:
         pytest.skip("this CPU has no AVX2: the int8 kernels are not built")
@@ -80,12 +81,30 @@ def test_dequantize_and_gather_rows_are_exact(kernels, qtype):
     assert torch.equal(rows, full[[5, 0, 95, 5]])
 
 
-def test_many_rows_dequantize_then_multiply(kernels):
+@pytest.fixture
+def small_slices(monkeypatch):
+    """Dequantize a few rows at a time, so every matrix is cut into several slices."""
+    monkeypatch.setattr(linear, "DEQUANT_SLICE_ELEMENTS", 512 * 24)
+
+
+def test_many_rows_dequantize_slices_then_multiply_exactly(exact, small_slices):
     weights = [_weights(Q.Q4_K), _weights(Q.Q6_K, rows=8, seed=3)]
-    x = torch.randn(kernels.max_rows + 7, 512)
+    x = torch.randn(exact.max_rows + 7, 512)
     torch.testing.assert_close(
         quantized_matmuls(x, weights), _twin(x, weights), rtol=1e-5, atol=1e-4
     )
+
+
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16-gemm", "f32-gemm"])
+def test_many_rows_fast_path(kernels, small_slices, monkeypatch, bf16):
+    monkeypatch.setattr(linear, "_bf16_gemm_is_fast", lambda: bf16)
+    weights = [_weights(Q.Q4_K), _weights(Q.Q6_K, rows=8, seed=3)]
+    x = torch.randn(NATIVE_MAX_ROWS + 1, 512)
+    out, twin = quantized_matmuls(x, weights), _twin(x, weights)
+    assert out.dtype == torch.float32
+    assert out.shape == twin.shape
+    relative = (out - twin).norm() / twin.norm()
+    assert relative < (0.01 if bf16 else 1e-6)
 
 
 def test_rms_norm(kernels):

@@ -4,6 +4,7 @@ model's GGUF twin against its safetensors original."""
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader, GGUFWriter
 from helpers import CPU, PROMPT, model_logits
 from tiny_models import ARCHITECTURES
 
@@ -61,6 +62,28 @@ def test_gguf_tokenizer_matches_the_original(tiny, arch):
     for text in (PROMPT, "def add(a, b):\n    return a + b", "  spaces  and\ttabs "):
         assert twin.tokenizer.encode(text) == original.encode(text)
         assert twin.tokenizer.decode(original.encode(text)) == text
+
+
+def test_gguf_chat_template_survives_the_tokenizer_cache(tiny, tmp_path):
+    """The converted tokenizer is cached; the cached copy keeps the file's chat template."""
+    source = tiny.gguf("llama", Q.F32)
+    reader = GGUFReader(source)
+    path = tmp_path / "templated.gguf"
+    writer = GGUFWriter(path, "llama")
+    for field in reader.fields.values():
+        if not field.name.startswith("GGUF.") and field.name != "general.architecture":
+            writer.add_key_value(field.name, field.contents(), field.types[0], field.types[-1])
+    writer.add_chat_template("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for _ in range(2):  # the conversion, then the cached copy
+        backend = load_backend(str(path), settings=CPU)
+        ids = backend.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+        assert backend.tokenizer.decode(ids) == "<hi>"
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

@@ -34,6 +34,7 @@ class PagedKVCache:
     ) -> None:
         shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.data = torch.zeros(shape, dtype=cache_dtype, device=device)
+        self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(config.num_layers)]
         self.is_fp8 = cache_dtype == torch.float8_e4m3fn
         self.k_scale = [1.0] * config.num_layers
         self.v_scale = [1.0] * config.num_layers
@@ -70,7 +71,7 @@ class PagedStep:
     ) -> torch.Tensor:
         layer, cache = spec.layer, self.cache
         cache.calibrate(layer, k, v)
-        key_cache, value_cache = cache.data[layer, 0], cache.data[layer, 1]
+        key_cache, value_cache = cache.layers[layer]
         k_scale, v_scale = cache.k_scale[layer], cache.v_scale[layer]
         self.kernels.store_kv(k, v, key_cache, value_cache, self.meta, k_scale, v_scale)
         return self.kernels.paged_attention(

@@ -9,11 +9,18 @@ def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> list[int]:
     """One token per row of ``logits [rows, vocab]`` (float32)."""
-    tokens = logits.argmax(dim=-1).tolist()
+    tokens = _argmax(logits)
     for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
         if not p.greedy:
             tokens[row] = _sample_row(logits[row], p, generator)
     return tokens
+
+
+def _argmax(logits: torch.Tensor) -> list[int]:
+    """First index of each row's largest value (NaN counts as largest, as in torch)."""
+    if logits.device.type == "cpu":  # numpy's is ~10x faster over a 262k vocabulary
+        return logits.numpy().argmax(-1).tolist()
+    return logits.argmax(dim=-1).tolist()
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:

@@ -2,6 +2,7 @@
 converts from the file's vocabulary, cached after the first (slow) conversion."""
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -9,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from ..errors import ModelFileError, RequestError
 from ..log import get_logger
@@ -75,7 +76,7 @@ def load_gguf_tokenizer(
     cached = _cache_dir() / _cache_key(gguf_path)
     if not (cached / "tokenizer.json").exists():
         _convert(gguf_path, cached)
-    hf = AutoTokenizer.from_pretrained(cached)
+    hf = _load_converted(cached)
     if not hf.chat_template and architecture in _FALLBACK_TEMPLATES:
         hf.chat_template = _FALLBACK_TEMPLATES[architecture]
         log.info(
@@ -84,6 +85,24 @@ def load_gguf_tokenizer(
             reason="the GGUF file carries no chat template",
         )
     return Tokenizer(hf, eos_token_ids)
+
+
+def _load_converted(directory: Path) -> PreTrainedTokenizerFast:
+    """The saved conversion as a plain fast tokenizer: the same ids as the model-specific
+    class transformers would pick, in half the time (that class rebuilds the vocabulary)."""
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    specials = {
+        key: value["content"] if isinstance(value, dict) else value
+        for key, value in config.items()
+        if key.endswith("_token") and value is not None
+    }
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"), **specials)
+    template = directory / "chat_template.jinja"
+    if template.exists():
+        hf.chat_template = template.read_text()
+    elif isinstance(config.get("chat_template"), str):
+        hf.chat_template = config["chat_template"]
+    return hf
 
 
 def _convert(gguf_path: Path, target: Path) -> None:

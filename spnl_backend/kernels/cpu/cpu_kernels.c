@@ -598,42 +598,72 @@ typedef struct { const int8_t *q; const float *d; const float *s; } act_rows;
                           int64_t count, float *y, int64_t stride) {                           \
         const act_rows *x = (const act_rows *)acts;                                            \
         const int64_t blocks = k_in / BLOCK, row_bytes = blocks * BYTES;                       \
-        for (int64_t n = 0; n < count; n++, w += row_bytes)                                    \
-            for (int64_t m = 0; m < rows; m++) {                                               \
-                /* two chains of accumulators, so one block need not wait for the last */      \
-                __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                 \
-                float extra0 = 0.0f, extra1 = 0.0f;                                            \
-                int64_t b = 0;                                                                 \
-                for (; b + 1 < blocks; b += 2) {                                               \
-                    const int64_t at = m * k_in + b * BLOCK;                                   \
-                    const act_block a0 = {x->q + at, x->d + at / 32, x->s + at / 16};          \
-                    const act_block a1 = {x->q + at + BLOCK, x->d + (at + BLOCK) / 32,         \
-                                          x->s + (at + BLOCK) / 16};                           \
-                    const uint8_t *block0 = w + b * BYTES, *block1 = block0 + BYTES;           \
-                    BODY(block0, a0, acc0, extra0)                                             \
-                    BODY(block1, a1, acc1, extra1)                                             \
-                }                                                                              \
-                if (b < blocks) {                                                              \
-                    const int64_t at = m * k_in + b * BLOCK;                                   \
-                    const act_block a0 = {x->q + at, x->d + at / 32, x->s + at / 16};          \
-                    const uint8_t *block0 = w + b * BYTES;                                     \
-                    BODY(block0, a0, acc0, extra0)                                             \
-                }                                                                              \
-                y[m * stride + n] = hsum256(_mm256_add_ps(acc0, acc1)) + extra0 + extra1;      \
+        if (rows > 1) { NAME##_i8_rows(x, rows, k_in, w, count, y, stride); return; }          \
+        for (int64_t n = 0; n < count; n++, w += row_bytes) {                                  \
+            /* two chains of accumulators, so one block need not wait for the last */          \
+            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                     \
+            float extra0 = 0.0f, extra1 = 0.0f;                                                \
+            int64_t b = 0;                                                                     \
+            for (; b + 1 < blocks; b += 2) {                                                   \
+                const int64_t at = b * BLOCK;                                                  \
+                const act_block a0 = {x->q + at, x->d + at / 32, x->s + at / 16};              \
+                const act_block a1 = {x->q + at + BLOCK, x->d + (at + BLOCK) / 32,             \
+                                      x->s + (at + BLOCK) / 16};                               \
+                const uint8_t *block0 = w + b * BYTES, *block1 = block0 + BYTES;               \
+                BODY(block0, a0, acc0, extra0)                                                 \
+                BODY(block1, a1, acc1, extra1)                                                 \
             }                                                                                  \
+            if (b < blocks) {                                                                  \
+                const int64_t at = b * BLOCK;                                                  \
+                const act_block a0 = {x->q + at, x->d + at / 32, x->s + at / 16};              \
+                const uint8_t *block0 = w + b * BYTES;                                         \
+                BODY(block0, a0, acc0, extra0)                                                 \
+            }                                                                                  \
+            y[n] = hsum256(_mm256_add_ps(acc0, acc1)) + extra0 + extra1;                       \
+        }                                                                                      \
     }
 
-DEFINE_INT8_KERNEL(q4_0, 32, 18, BODY_Q4_0)
-DEFINE_INT8_KERNEL(q4_1, 32, 20, BODY_Q4_1)
-DEFINE_INT8_KERNEL(q5_0, 32, 22, BODY_Q5_0)
-DEFINE_INT8_KERNEL(q5_1, 32, 24, BODY_Q5_1)
-DEFINE_INT8_KERNEL(q8_0, 32, 34, BODY_Q8_0)
-DEFINE_INT8_KERNEL(q8_1, 32, 36, BODY_Q8_1)
-DEFINE_INT8_KERNEL(q2_k, QK_K, 84, BODY_Q2_K)
-DEFINE_INT8_KERNEL(q3_k, QK_K, 110, BODY_Q3_K)
-DEFINE_INT8_KERNEL(q4_k, QK_K, 144, BODY_Q4_K)
-DEFINE_INT8_KERNEL(q5_k, QK_K, 176, BODY_Q5_K)
-DEFINE_INT8_KERNEL(q6_k, QK_K, 210, BODY_Q6_K)
+// Several activation rows (a prompt, a decode batch): each weight block is visited once and
+// met by every row in turn, so its unpacking is loop-invariant over the rows.
+#define DEFINE_INT8_ROWS_KERNEL(NAME, BLOCK, BYTES, BODY)                                      \
+    static void NAME##_i8_rows(const act_rows *x, int64_t rows, int64_t k_in,                 \
+                               const uint8_t *w, int64_t count, float *y, int64_t stride) {   \
+        const int64_t blocks = k_in / BLOCK, row_bytes = blocks * BYTES;                       \
+        __m256 acc[MAX_ROWS];                                                                  \
+        float extra[MAX_ROWS];                                                                 \
+        for (int64_t n = 0; n < count; n++, w += row_bytes) {                                 \
+            for (int64_t m = 0; m < rows; m++) {                                               \
+                acc[m] = _mm256_setzero_ps();                                                  \
+                extra[m] = 0.0f;                                                               \
+            }                                                                                  \
+            for (int64_t b = 0; b < blocks; b++) {                                             \
+                const uint8_t *block = w + b * BYTES;                                          \
+                for (int64_t m = 0; m < rows; m++) {                                           \
+                    const int64_t at = m * k_in + b * BLOCK;                                   \
+                    const act_block a = {x->q + at, x->d + at / 32, x->s + at / 16};           \
+                    BODY(block, a, acc[m], extra[m])                                           \
+                }                                                                              \
+            }                                                                                  \
+            for (int64_t m = 0; m < rows; m++)                                                 \
+                y[m * stride + n] = hsum256(acc[m]) + extra[m];                                \
+        }                                                                                      \
+    }
+
+#define DEFINE_INT8_KERNELS(NAME, BLOCK, BYTES, BODY)                                          \
+    DEFINE_INT8_ROWS_KERNEL(NAME, BLOCK, BYTES, BODY)                                          \
+    DEFINE_INT8_KERNEL(NAME, BLOCK, BYTES, BODY)
+
+DEFINE_INT8_KERNELS(q4_0, 32, 18, BODY_Q4_0)
+DEFINE_INT8_KERNELS(q4_1, 32, 20, BODY_Q4_1)
+DEFINE_INT8_KERNELS(q5_0, 32, 22, BODY_Q5_0)
+DEFINE_INT8_KERNELS(q5_1, 32, 24, BODY_Q5_1)
+DEFINE_INT8_KERNELS(q8_0, 32, 34, BODY_Q8_0)
+DEFINE_INT8_KERNELS(q8_1, 32, 36, BODY_Q8_1)
+DEFINE_INT8_KERNELS(q2_k, QK_K, 84, BODY_Q2_K)
+DEFINE_INT8_KERNELS(q3_k, QK_K, 110, BODY_Q3_K)
+DEFINE_INT8_KERNELS(q4_k, QK_K, 144, BODY_Q4_K)
+DEFINE_INT8_KERNELS(q5_k, QK_K, 176, BODY_Q5_K)
+DEFINE_INT8_KERNELS(q6_k, QK_K, 210, BODY_Q6_K)
 #endif
 
 // ---- the formats and the entry points ------------------------------------------------------
