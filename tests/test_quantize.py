@@ -7,6 +7,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
+import spnl_backend.quant.quantize as quantize_module
 from spnl_backend.quant.ggml import dequantize, ggml_format
 from spnl_backend.quant.quantize import QUANTIZERS, quantize
 
@@ -100,3 +101,11 @@ def test_q8_1_stores_the_scaled_sum():
 def test_rows_that_do_not_split_into_blocks_are_refused():
     with pytest.raises(ValueError, match="do not split into Q4_K blocks of 256"):
         quantize(torch.randn(4, 640), Q.Q4_K)
+
+
+@pytest.mark.parametrize("qtype", list(QUANTIZERS), ids=lambda t: t.name)
+def test_quantizing_a_slice_of_rows_at_a_time_changes_no_byte(qtype, monkeypatch):
+    weight = torch.randn(7, 512, generator=torch.Generator().manual_seed(3))
+    whole = quantize(weight, qtype)
+    monkeypatch.setattr(quantize_module, "QUANTIZE_SLICE_ELEMENTS", 2 * 512)
+    assert torch.equal(quantize(weight, qtype), whole)

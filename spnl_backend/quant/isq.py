@@ -3,7 +3,9 @@
 The attention and MLP projections take the requested type; the token embedding and the
 output head take a higher one, as mistral.rs promotes them (2-4-bit types to Q6K, 5-bit
 and 8-bit types to Q8_0); norms and biases stay as they are. A matrix whose rows do not
-split into the type's blocks stays in float, and the log says so.
+split into a K-quant's 256-value blocks takes the 32-value type mistral.rs falls back to
+(Q2K, Q3K → Q4_0; Q4K → Q4_1; Q5K → Q5_0; Q6K → Q5_1); one that fits neither stays in
+float. The log says which tensors took a fallback or stayed float, and why.
 """
 
 from collections.abc import Iterator
@@ -11,6 +13,7 @@ from collections.abc import Iterator
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from ..loader.memory import release_file_pages
 from ..log import get_logger
 from ..settings.values import IsqType
 from .ggml import ggml_format
@@ -31,6 +34,8 @@ GGML_TYPE = {
     IsqType.Q8_0: Q.Q8_0,
     IsqType.Q8_1: Q.Q8_1,
 }
+# K-quant → the 32-value type of similar size, for rows that are not a multiple of 256.
+FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q4_1, Q.Q5_K: Q.Q5_0, Q.Q6_K: Q.Q5_1}
 _PROMOTED_TO_Q6K = {IsqType.Q2K, IsqType.Q3K, IsqType.Q4K, IsqType.Q4_0, IsqType.Q4_1}
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
@@ -50,20 +55,44 @@ def apply_isq(
     tensors: Iterator[tuple[str, torch.Tensor]], isq: IsqType
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """Quantize each eligible weight as it streams past, so only one float matrix is alive."""
+    fallbacks: dict[tuple[Q, Q], list[str]] = {}
     for name, tensor in tensors:
         qtype = isq_type_for(name, isq)
         if qtype is None or tensor.ndim != 2:
             yield name, tensor
             continue
-        block = ggml_format(qtype).block_size
-        if tensor.shape[1] % block:
+        chosen = _fitting_type(qtype, tensor.shape[1])
+        if chosen is None:
             log.warning(
                 "isq.skipped",
                 tensor=name,
                 type=qtype.name,
                 reason=f"rows of {tensor.shape[1]} values do not split into blocks "
-                f"of {block}; kept in float",
+                f"of {ggml_format(qtype).block_size} (nor of 32); kept in float",
             )
             yield name, tensor
             continue
-        yield name, QuantizedWeight.from_float(tensor, qtype)
+        if chosen != qtype:
+            fallbacks.setdefault((qtype, chosen), []).append(name)
+        quantized = QuantizedWeight.from_float(tensor, chosen)
+        release_file_pages(tensor)
+        yield name, quantized
+    for (qtype, chosen), names in fallbacks.items():
+        log.info(
+            "isq.fallback",
+            type=qtype.name,
+            fallback=chosen.name,
+            tensors=len(names),
+            first=names[0],
+            reason=f"rows do not split into {qtype.name}'s blocks of "
+            f"{ggml_format(qtype).block_size} values",
+        )
+
+
+def _fitting_type(qtype: Q, cols: int) -> Q | None:
+    """``qtype`` if rows of ``cols`` values split into its blocks, else its fallback if
+    they split into that one's, else None."""
+    for candidate in (qtype, FALLBACK.get(qtype)):
+        if candidate is not None and cols % ggml_format(candidate).block_size == 0:
+            return candidate
+    return None

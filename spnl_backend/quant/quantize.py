@@ -18,6 +18,9 @@ from .ggml import QK_K, ggml_format
 _EPS = 1e-15  # llama.cpp's GROUP_MAX_EPS
 
 
+QUANTIZE_SLICE_ELEMENTS = 1 << 20
+
+
 def quantize(weight: torch.Tensor, qtype: Q) -> torch.Tensor:
     """A float matrix ``[rows, cols]`` → its blocks, ``[rows, cols / block * type_size]`` uint8."""
     fmt = ggml_format(qtype)
@@ -26,8 +29,15 @@ def quantize(weight: torch.Tensor, qtype: Q) -> torch.Tensor:
         raise ValueError(
             f"rows of {cols} values do not split into {qtype.name} blocks of {fmt.block_size}"
         )
-    blocks = weight.detach().float().reshape(-1, fmt.block_size)
-    return QUANTIZERS[qtype](blocks).reshape(rows, -1)
+    row_bytes = cols // fmt.block_size * fmt.type_size
+    out = torch.empty((rows, row_bytes), dtype=torch.uint8, device=weight.device)
+    # Blocks are independent: a slice of rows at a time bounds the search's temporaries
+    # (the K-quants' hold many copies of their input) without changing a byte.
+    step = max(1, QUANTIZE_SLICE_ELEMENTS // cols)
+    for start in range(0, rows, step):
+        blocks = weight[start : start + step].detach().float().reshape(-1, fmt.block_size)
+        out[start : start + step] = QUANTIZERS[qtype](blocks).reshape(-1, row_bytes)
+    return out
 
 
 def _half(values: torch.Tensor) -> torch.Tensor:
