@@ -263,25 +263,19 @@ def measure(engine: str, gguf: Path, threads: int, runs: int) -> dict:
     }
 
 
-def run_child(engine: str, python: str, gguf: Path, threads: int, runs: int) -> dict:
-    command = [
-        python,
-        __file__,
-        "--child",
-        engine,
-        "--gguf",
-        str(gguf),
-        "--threads",
-        str(threads),
-        "--runs",
-        str(runs),
-    ]
+def run_json_child(command: list[str]) -> dict:
+    """Run a measuring child process; its last JSON line, or ``{"error": why}``."""
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
-        reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"engine": engine, "error": reason}
+        return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
     return json.loads(lines[-1])
+
+
+def run_child(engine: str, python: str, gguf: Path, threads: int, runs: int) -> dict:
+    command = [python, __file__, "--child", engine, "--gguf", str(gguf)]
+    command += ["--threads", str(threads), "--runs", str(runs)]
+    return {"engine": engine} | run_json_child(command)
 
 
 def table(results: list[dict], threads: int, bound: dict) -> str:

@@ -30,6 +30,7 @@ from decode import (  # noqa: E402
     default_gguf,
     long_prompt,
     peak_rss_mb,
+    run_json_child,
 )
 
 ISQ_TYPES = ["none", "Q8_0", "Q6K", "Q4K", "Q4_0"]
@@ -122,12 +123,7 @@ def _resident_weight_bytes(model) -> int:
 def run_isq_child(model: str, isq: str, threads: int, runs: int) -> dict:
     command = [sys.executable, __file__, "--child-isq", isq, "--model", model]
     command += ["--threads", str(threads), "--runs", str(runs)]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"isq": isq, "error": reason}
-    return json.loads(lines[-1])
+    return {"isq": isq} | run_json_child(command)
 
 
 def isq_table(results: list[dict], threads: int) -> str:
