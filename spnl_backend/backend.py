@@ -9,9 +9,10 @@ from typing import Any
 from .engine.engine import Engine, StepOutput
 from .engine.sequence import SamplingParams
 from .engine.sequence import Sequence as EngineSequence
-from .errors import RequestError, SettingsError
+from .errors import RequestError
 from .loader.build import LoadedModel, load_model
 from .loader.default_model import default_model_path
+from .loader.draft import load_draft
 from .loader.engine import build_engine
 from .loader.memory import release_freed_memory
 from .loader.progress import LogProgress, Progress
@@ -30,6 +31,8 @@ class Usage:
     cached_tokens: int  # prompt tokens reused from the prefix cache
     ttft_s: float  # from the request to its first token
     decode_tok_s: float  # completion tokens after the first, per second
+    draft_tokens: int = 0  # proposed by the speculative draft (0 without one)
+    accepted_tokens: int = 0  # of those, accepted by the target
 
 
 @dataclass(frozen=True)
@@ -259,7 +262,15 @@ def _result(seq: EngineSequence) -> GenerateResult:
     ttft = (seq.first_token_time or seq.arrival_time) - seq.arrival_time
     decode_time = (seq.finish_time or 0.0) - (seq.first_token_time or 0.0)
     decode_rate = (completion - 1) / decode_time if completion > 1 and decode_time > 0 else 0.0
-    usage = Usage(len(seq.prompt_token_ids), completion, seq.num_cached_tokens, ttft, decode_rate)
+    usage = Usage(
+        len(seq.prompt_token_ids),
+        completion,
+        seq.num_cached_tokens,
+        ttft,
+        decode_rate,
+        seq.num_draft_tokens,
+        seq.num_accepted_tokens,
+    )
     return GenerateResult(seq.text, list(seq.output_token_ids), seq.finish_reason or "stop", usage)
 
 
@@ -279,7 +290,6 @@ def load_backend(
     else:
         set_verbose(settings.verbose)
     decisions = detect_platform(settings)
-    _refuse_unavailable_features(settings)
     name = model or settings.model
     source = (
         resolve_model(name)
@@ -287,21 +297,10 @@ def load_backend(
         else ModelSource("gguf", default_model_path(), "embedded default")
     )
     log.info("model.resolved", name=source.name, kind=source.kind, path=str(source.path))
-    loaded = load_model(source, settings, decisions, progress or LogProgress())
-    backend = Backend(loaded, build_engine(loaded, settings, decisions), settings, decisions)
+    progress = progress or LogProgress()
+    loaded = load_model(source, settings.isq, decisions, progress)
+    draft = load_draft(loaded, settings, decisions, progress)
+    engine = build_engine(loaded, settings, decisions, draft)
+    backend = Backend(loaded, engine, settings, decisions)
     release_freed_memory()
     return backend
-
-
-def _refuse_unavailable_features(settings: BackendSettings) -> None:
-    """Features whose settings exist but whose engine parts are not in this version yet:
-    asking for one is an error, never a silent no-op."""
-    for field, what in (
-        ("speculative_draft_model", "speculative decoding"),
-        ("speculative_draft_isq", "speculative decoding"),
-    ):
-        if getattr(settings, field) is not None:
-            raise SettingsError(
-                f"MISTRALRS_{field.upper()}={getattr(settings, field)!s}: "
-                f"{what} is not available in this version yet; unset it"
-            )

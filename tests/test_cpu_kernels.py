@@ -154,3 +154,47 @@ def test_paged_decode(kernels, kv_heads, heads, options):
     )
     expected = paged_attention_ref(q, key_cache, value_cache, meta, scale=0.25, **options)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("mode", ["int8", "exact"])
+def test_each_rows_product_is_bit_identical_to_that_row_alone(kernels, request, qtype, mode):
+    """What makes a speculative verification compute each token exactly as decoding it."""
+    if mode == "exact":
+        request.getfixturevalue("exact")
+    weights = [_weights(qtype, rows=40, cols=768)]
+    x = torch.randn(NATIVE_MAX_ROWS, 768)
+    together = quantized_matmuls(x, weights)
+    alone = torch.cat([quantized_matmuls(x[i : i + 1], weights) for i in range(len(x))])
+    assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize("case", ["prefill", "prefix hit", "chunked prefill", "mixed"])
+@pytest.mark.parametrize(
+    "options", [{}, {"sliding_window": 6}, {"softcap": 4.0}], ids=["plain", "window", "softcap"]
+)
+def test_short_queries_attend_as_decode_rows(kernels, case, options):
+    from spnl_backend.kernels import CPU_KERNELS, decode_rows
+
+    seq_lens, query_lens = CASES[case]
+    q, key_cache, value_cache, meta, _, _ = paged_case(seq_lens, query_lens, 2, 4, 8)
+    out = CPU_KERNELS.paged_attention(q, key_cache, value_cache, meta, scale=0.25, **options)
+    expected = paged_attention_ref(q, key_cache, value_cache, meta, scale=0.25, **options)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    rows = decode_rows(meta)  # each query row is a decode of its own position
+    single = torch.cat(
+        [
+            kernels.paged_decode(
+                q[i : i + 1],
+                key_cache,
+                value_cache,
+                rows.decode_slots[i : i + 1],
+                torch.tensor(rows.seq_lens[i : i + 1]),
+                0.25,
+                options.get("sliding_window"),
+                options.get("softcap"),
+            )
+            for i in range(len(q))
+        ]
+    )
+    assert torch.equal(out, single)

@@ -157,3 +157,35 @@ def test_isq_on_a_gguf_model_is_ignored_with_the_reason(tiny, caplog):
     assert "runs on the quantized types its file stores" in caplog.text
     down = backend._engine.runner.model.get_submodule("model.layers.0.mlp.down_proj")
     assert down.weight_q.qtype == Q.Q8_0
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K, Q.Q6_K, Q.Q8_0])
+def test_requantizing_stored_blocks_equals_quantizing_their_values(monkeypatch, qtype):
+    """How a draft is made from a GGUF: each slice dequantized, then quantized."""
+    import spnl_backend.quant.isq as isq
+
+    monkeypatch.setattr(isq, "REQUANTIZE_SLICE_ELEMENTS", 3 * 512)  # several slices
+    stored = QuantizedWeight.from_float(torch.randn(20, 512), Q.Q8_0)
+    again = isq.requantize(stored, qtype)
+    assert again.qtype == qtype
+    assert torch.equal(again.data, QuantizedWeight.from_float(stored.dequantize(), qtype).data)
+
+
+def test_draft_isq_requantizes_a_gguf(tiny, caplog):
+    from spnl_backend.loader.build import load_model
+    from spnl_backend.loader.progress import LogProgress
+    from spnl_backend.loader.resolve import resolve_model
+    from spnl_backend.settings import detect_platform
+
+    source = resolve_model(str(tiny.gguf("llama", Q.Q8_0)))
+    with caplog.at_level(logging.INFO, logger="spnl_backend"):
+        loaded = load_model(
+            source, IsqType.Q4_0, detect_platform(CPU), LogProgress(), requantize_gguf=True
+        )
+    types = {
+        m.weight_q.qtype
+        for name, m in loaded.model.named_modules()
+        if isinstance(m, QuantLinear) and name.endswith("proj")
+    }
+    assert types == {Q.Q4_0}
+    assert "isq.requantize" in caplog.text

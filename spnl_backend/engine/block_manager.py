@@ -82,7 +82,8 @@ class BlockManager:
         """Hash the blocks that ``num_computed`` tokens have filled, so others may share them."""
         if not self.enable_prefix_caching:
             return
-        while len(table.hashes) < min(num_computed // self.block_size, len(table.block_ids)):
+        full = min(num_computed, len(token_ids)) // self.block_size
+        while len(table.hashes) < min(full, len(table.block_ids)):
             index = len(table.hashes)
             tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
             parent = table.hashes[-1] if table.hashes else _NO_PARENT
@@ -114,7 +115,11 @@ class BlockManager:
 
     def release(self, table: BlockTable) -> None:
         """Drop a sequence's references; its tail blocks become the first to be evicted."""
-        for block_id in reversed(table.block_ids):
+        self.truncate(table, 0)
+
+    def truncate(self, table: BlockTable, num_blocks: int) -> None:
+        """Drop the references to the blocks after the first ``num_blocks`` of ``table``."""
+        for block_id in reversed(table.block_ids[num_blocks:]):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
@@ -122,8 +127,8 @@ class BlockManager:
                     self.free_ids.append(block_id)
                 else:
                     self.cached_ids[block_id] = None
-        table.block_ids.clear()
-        table.hashes.clear()
+        del table.block_ids[num_blocks:]
+        del table.hashes[num_blocks:]
 
     def _forget(self, block: Block) -> None:
         if block.hash is not None and self.hash_to_id.get(block.hash) == block.block_id:

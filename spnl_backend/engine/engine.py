@@ -2,12 +2,9 @@
 
 from dataclasses import dataclass
 
-import torch
-
-from ..models.transformer import CausalLM
 from .detokenizer import Decoder, IncrementalDetokenizer
-from .runner import ModelRunner
-from .scheduler import CacheManager, Scheduler
+from .runner import Runner
+from .scheduler import Scheduler
 from .sequence import SamplingParams, Sequence
 
 
@@ -29,19 +26,12 @@ class StepOutput:
 
 
 class Engine:
-    def __init__(
-        self,
-        model: CausalLM,
-        decoder: Decoder,
-        cache: CacheManager,
-        config: EngineConfig,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, runner: Runner, decoder: Decoder, config: EngineConfig) -> None:
         self.config = config
         self.decoder = decoder
-        self.cache = cache
-        self.runner = ModelRunner(model, cache, device)
-        self.scheduler = Scheduler(cache, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = runner
+        self.cache = runner.cache
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}
 
     def add(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -60,11 +50,17 @@ class Engine:
         if not batch:
             return []
         sampled = self.runner.run(batch)
-        return [
-            self._accept(item.seq, sampled[item.seq.seq_id])
-            for item in batch
-            if item.seq.seq_id in sampled
-        ]
+        outputs, finished = [], []
+        for item in batch:
+            for token_id in sampled.get(item.seq.seq_id, ()):
+                outputs.append(self._accept(item.seq, token_id))
+                if item.seq.is_finished:
+                    finished.append(item.seq)
+                    break  # accepted drafts after a stop are dropped
+        self.cache.after_step(batch)  # register full blocks now that their tokens are known
+        for seq in finished:
+            self._release(seq)
+        return outputs
 
     def abort(self, seq: Sequence) -> None:
         self._release(seq)
@@ -78,7 +74,6 @@ class Engine:
             delta += detok.flush()
             seq.text = detok.text
             seq.finish(reason)
-            self._release(seq)
         return StepOutput(seq, token_id, delta)
 
     def _finish_reason(self, seq: Sequence, token_id: int, stopped: bool) -> str | None:

@@ -175,6 +175,9 @@ class ContiguousCacheManager:
         if kv is not None:
             self.prefix_cache.insert(seq.seq_id, seq.token_ids[: seq.num_computed_tokens], kv)
 
+    def truncate(self, seq: Sequence) -> None:
+        """Nothing to return: K/V past the computed tokens are overwritten later."""
+
     def after_step(self, batch: list[ScheduledSeq]) -> None:
         """Nothing to register: reuse is found by comparing tokens."""
 

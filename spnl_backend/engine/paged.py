@@ -131,6 +131,12 @@ class PagedCacheManager:
         if table is not None:
             self.blocks.release(table)
 
+    def truncate(self, seq: Sequence) -> None:
+        """Return the blocks past the sequence's computed tokens (rejected draft slots)."""
+        table = self.tables.get(seq.seq_id)
+        if table is not None:
+            self.blocks.truncate(table, self.blocks.blocks_for(seq.num_computed_tokens))
+
     def after_step(self, batch: list[ScheduledSeq]) -> None:
         for item in batch:
             table = self.tables.get(item.seq.seq_id)

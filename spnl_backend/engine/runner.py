@@ -1,5 +1,7 @@
 """Runs one scheduled step through the model: inputs, attention backend, logits, sampling."""
 
+from typing import Protocol
+
 import torch
 
 from ..models.transformer import CausalLM
@@ -8,16 +10,25 @@ from .scheduler import CacheManager
 from .sequence import ScheduledSeq
 
 
+class Runner(Protocol):
+    """What the engine steps: a model over a cache, giving each sequence its new tokens."""
+
+    model: CausalLM
+    cache: CacheManager
+
+    def run(self, batch: list[ScheduledSeq]) -> dict[int, list[int]]: ...
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, cache: CacheManager, device: torch.device) -> None:
         self.model, self.cache, self.device = model, cache, device
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq]) -> dict[int, int]:
+    def run(self, batch: list[ScheduledSeq]) -> dict[int, list[int]]:
         """Computes the step; returns the sampled token of each sequence whose tokens are now
         all computed (a prefill chunk in the middle of a prompt samples nothing)."""
         backend = self.cache.backend(batch, self.device)
-        input_ids, positions = self._inputs(batch)
+        input_ids, positions = step_inputs(batch, self.device)
         hidden = self.model(input_ids, positions, backend)
         rows, sampling = [], []
         row = -1
@@ -27,19 +38,22 @@ class ModelRunner:
             if item.seq.num_computed_tokens == item.seq.num_tokens:
                 rows.append(row)
                 sampling.append(item.seq)
-        self.cache.after_step(batch)
         if not sampling:
             return {}
         logits = self.model.compute_logits(hidden[rows])
         tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
-        return {seq.seq_id: token for seq, token in zip(sampling, tokens, strict=True)}
+        return {seq.seq_id: [token] for seq, token in zip(sampling, tokens, strict=True)}
 
-    def _inputs(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
-        ids: list[int] = []
-        positions: list[int] = []
-        for item in batch:
-            start = item.seq.num_computed_tokens
-            end = start + item.num_new_tokens
-            ids += item.seq.token_ids[start:end]
-            positions += range(start, end)
-        return (torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device))
+
+def step_inputs(
+    batch: list[ScheduledSeq], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and positions of every scheduled token, packed sequence after sequence."""
+    ids: list[int] = []
+    positions: list[int] = []
+    for item in batch:
+        start = item.seq.num_computed_tokens
+        end = start + item.num_new_tokens
+        ids += item.seq.token_ids[start:end]
+        positions += range(start, end)
+    return torch.tensor(ids, device=device), torch.tensor(positions, device=device)

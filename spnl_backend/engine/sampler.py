@@ -9,14 +9,14 @@ def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> list[int]:
     """One token per row of ``logits [rows, vocab]`` (float32)."""
-    tokens = _argmax(logits)
+    tokens = argmax_rows(logits)
     for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
         if not p.greedy:
             tokens[row] = _sample_row(logits[row], p, generator)
     return tokens
 
 
-def _argmax(logits: torch.Tensor) -> list[int]:
+def argmax_rows(logits: torch.Tensor) -> list[int]:
     """First index of each row's largest value (NaN counts as largest, as in torch)."""
     if logits.device.type == "cpu":  # numpy's is ~10x faster over a 262k vocabulary
         return logits.numpy().argmax(-1).tolist()
@@ -24,8 +24,12 @@ def _argmax(logits: torch.Tensor) -> list[int]:
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
-    probs = torch.softmax(_filter(logits / p.temperature, p.top_k, p.top_p), dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(torch.multinomial(distribution(logits, p), 1, generator=generator))
+
+
+def distribution(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The probabilities one row of logits samples from under ``p`` (not greedy)."""
+    return torch.softmax(_filter(logits / p.temperature, p.top_k, p.top_p), dim=-1)
 
 
 def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -43,6 +43,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # of the prompt, reused from a prefix cache
+    num_draft_tokens: int = 0  # proposed by a speculative draft model
+    num_accepted_tokens: int = 0  # of those, accepted by the target
     finish_reason: str | None = None
     text: str = ""  # the completion's text, set when the sequence finishes
     arrival_time: float = field(default_factory=time.perf_counter)

@@ -9,7 +9,8 @@ from ..models.config import ModelConfig
 from ..models.transformer import CausalLM
 from ..quant.isq import apply_isq
 from ..quant.linear import MATMULS, QuantEmbedding, QuantLinear
-from ..settings import BackendSettings, PlatformDecisions
+from ..settings import PlatformDecisions
+from ..settings.values import IsqType
 from .gguf_config import model_config_from_gguf
 from .gguf_file import GGUFFile
 from .hf_config import model_config_from_hf, token_ids
@@ -39,15 +40,28 @@ class LoadedModel:
 
 
 def load_model(
-    source: ModelSource, settings: BackendSettings, decisions: PlatformDecisions, progress: Progress
+    source: ModelSource,
+    isq: IsqType | None,
+    decisions: PlatformDecisions,
+    progress: Progress,
+    *,
+    requantize_gguf: bool = False,
+    tokenizer: Tokenizer | None = None,
 ) -> LoadedModel:
+    """Load ``source`` with ``isq`` applied to a text model's float weights (and, where
+    ``requantize_gguf``, to a GGUF's stored blocks: how a draft is made from a GGUF target).
+    ``tokenizer`` reuses one already loaded for the same model."""
     if source.kind == "gguf":
-        return _load_gguf(source, settings, decisions, progress)
-    return _load_text(source, settings, decisions, progress)
+        return _load_gguf(source, isq, decisions, progress, requantize_gguf, tokenizer)
+    return _load_text(source, isq, decisions, progress, tokenizer)
 
 
 def _load_text(
-    source: ModelSource, settings: BackendSettings, decisions: PlatformDecisions, progress: Progress
+    source: ModelSource,
+    isq: IsqType | None,
+    decisions: PlatformDecisions,
+    progress: Progress,
+    tokenizer: Tokenizer | None,
 ) -> LoadedModel:
     from transformers import AutoConfig, GenerationConfig
 
@@ -56,31 +70,41 @@ def _load_text(
     eos = set(config.eos_token_ids)
     if (source.path / "generation_config.json").exists():
         eos |= set(token_ids(GenerationConfig.from_pretrained(source.path).eos_token_id))
-    tokenizer = load_text_tokenizer(source.path, sorted(eos))
+    tokenizer = tokenizer or load_text_tokenizer(source.path, sorted(eos))
     weights = split_fused(read_safetensors(safetensors_files(source.path), progress), config)
-    if settings.isq is not None:
+    if isq is not None:
         log.info(
             "isq.enabled",
-            type=settings.isq.value,
+            type=isq.value,
             note="projections quantized as they load; embedding and head promoted",
         )
-        weights = apply_isq(weights, settings.isq)
+        weights = apply_isq(weights, isq)
     return _build(source, config, tokenizer, weights, decisions)
 
 
 def _load_gguf(
-    source: ModelSource, settings: BackendSettings, decisions: PlatformDecisions, progress: Progress
+    source: ModelSource,
+    isq: IsqType | None,
+    decisions: PlatformDecisions,
+    progress: Progress,
+    requantize: bool,
+    tokenizer: Tokenizer | None,
 ) -> LoadedModel:
-    if settings.isq is not None:
+    if isq is not None and not requantize:
         log.warning(
             "isq.ignored",
-            type=settings.isq.value,
+            type=isq.value,
             reason="a GGUF model runs on the quantized types its file stores",
         )
     gguf = GGUFFile(source.path)
     config = model_config_from_gguf(gguf)
-    tokenizer = load_gguf_tokenizer(source.path, config.architecture, config.eos_token_ids)
+    tokenizer = tokenizer or load_gguf_tokenizer(
+        source.path, config.architecture, config.eos_token_ids
+    )
     weights = split_fused(read_gguf(gguf, config, progress), config)
+    if isq is not None and requantize:
+        log.info("isq.requantize", type=isq.value, note="the GGUF's blocks, for the draft")
+        weights = apply_isq(weights, isq)
     return _build(source, config, tokenizer, weights, decisions)
 
 

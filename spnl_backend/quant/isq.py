@@ -18,6 +18,7 @@ from ..log import get_logger
 from ..settings.values import IsqType
 from .ggml import ggml_format
 from .linear import QuantizedWeight
+from .quantize import quantize
 
 log = get_logger()
 
@@ -36,6 +37,7 @@ GGML_TYPE = {
 }
 # K-quant → the 32-value type of similar size, for rows that are not a multiple of 256.
 FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q4_1, Q.Q5_K: Q.Q5_0, Q.Q6_K: Q.Q5_1}
+REQUANTIZE_SLICE_ELEMENTS = 1 << 22  # 16 MB of float32 at a time
 _PROMOTED_TO_Q6K = {IsqType.Q2K, IsqType.Q3K, IsqType.Q4K, IsqType.Q4_0, IsqType.Q4_1}
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
@@ -54,11 +56,13 @@ def isq_type_for(name: str, isq: IsqType) -> Q | None:
 def apply_isq(
     tensors: Iterator[tuple[str, torch.Tensor]], isq: IsqType
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """Quantize each eligible weight as it streams past, so only one float matrix is alive."""
+    """Quantize each eligible weight as it streams past, so only one float matrix is alive.
+
+    Weights already quantized (a GGUF's) are requantized when their type differs."""
     fallbacks: dict[tuple[Q, Q], list[str]] = {}
     for name, tensor in tensors:
         qtype = isq_type_for(name, isq)
-        if qtype is None or tensor.ndim != 2:
+        if qtype is None or len(tensor.shape) != 2:
             yield name, tensor
             continue
         chosen = _fitting_type(qtype, tensor.shape[1])
@@ -74,6 +78,9 @@ def apply_isq(
             continue
         if chosen != qtype:
             fallbacks.setdefault((qtype, chosen), []).append(name)
+        if isinstance(tensor, QuantizedWeight):
+            yield name, tensor if tensor.qtype == chosen else requantize(tensor, chosen)
+            continue
         quantized = QuantizedWeight.from_float(tensor, chosen)
         release_file_pages(tensor)
         yield name, quantized
@@ -87,6 +94,16 @@ def apply_isq(
             reason=f"rows do not split into {qtype.name}'s blocks of "
             f"{ggml_format(qtype).block_size} values",
         )
+
+
+def requantize(weight: QuantizedWeight, qtype: Q) -> QuantizedWeight:
+    """``weight`` in another GGML type, a slice of rows at a time (no whole float copy)."""
+    rows = max(1, REQUANTIZE_SLICE_ELEMENTS // weight.shape[1])
+    parts = [
+        quantize(weight.rows(slice(start, start + rows)).dequantize(), qtype)
+        for start in range(0, weight.shape[0], rows)
+    ]
+    return QuantizedWeight(torch.cat(parts), qtype, weight.shape)
 
 
 def _fitting_type(qtype: Q, cols: int) -> Q | None:

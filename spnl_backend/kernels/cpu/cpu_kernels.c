@@ -351,18 +351,22 @@ typedef void (*rows_fn)(const uint8_t *, const int64_t *, int64_t, int64_t, floa
                 y[n] = hsum(even + odd);                                                       \
                 continue;                                                                      \
             }                                                                                  \
-            v16f acc[MAX_ROWS];                                                                \
-            for (int64_t m = 0; m < rows; m++) acc[m] = (v16f){0};                             \
+            /* the one-row path's two chains per row: each row sums as it would alone */       \
+            v16f even[MAX_ROWS], odd[MAX_ROWS];                                                \
+            for (int64_t m = 0; m < rows; m++) even[m] = odd[m] = (v16f){0};                   \
             for (int64_t b = 0; b < blocks; b++) {                                             \
                 DEQUANT(w + b * BYTES, values);                                                \
                 for (int64_t m = 0; m < rows; m++) {                                           \
-                    v16f a = acc[m];                                                           \
-                    for (int i = 0; i < BLOCK / 16; i++)                                       \
-                        a = fma16(values[i], load_f32(x + m * k_in + b * BLOCK + 16 * i), a);  \
-                    acc[m] = a;                                                                \
+                    const float *xm = x + m * k_in + b * BLOCK;                                \
+                    v16f e = even[m], o = odd[m];                                              \
+                    for (int i = 0; i < BLOCK / 16; i += 2) {                                  \
+                        e = fma16(values[i], load_f32(xm + 16 * i), e);                        \
+                        o = fma16(values[i + 1], load_f32(xm + 16 * i + 16), o);               \
+                    }                                                                          \
+                    even[m] = e, odd[m] = o;                                                   \
                 }                                                                              \
             }                                                                                  \
-            for (int64_t m = 0; m < rows; m++) y[m * stride + n] = hsum(acc[m]);               \
+            for (int64_t m = 0; m < rows; m++) y[m * stride + n] = hsum(even[m] + odd[m]);     \
         }                                                                                      \
     }                                                                                          \
     /* out[i] = W[ids[i]] (all rows when ids is NULL), dequantized exactly */                  \
@@ -629,23 +633,27 @@ typedef struct { const int8_t *q; const float *d; const float *s; } act_rows;
     static void NAME##_i8_rows(const act_rows *x, int64_t rows, int64_t k_in,                 \
                                const uint8_t *w, int64_t count, float *y, int64_t stride) {   \
         const int64_t blocks = k_in / BLOCK, row_bytes = blocks * BYTES;                       \
-        __m256 acc[MAX_ROWS];                                                                  \
-        float extra[MAX_ROWS];                                                                 \
+        /* even and odd blocks in two chains per row, as the one-row kernel sums them, so   \
+           each row's result is the same whatever rows come with it */                        \
+        __m256 acc[2][MAX_ROWS];                                                               \
+        float extra[2][MAX_ROWS];                                                              \
         for (int64_t n = 0; n < count; n++, w += row_bytes) {                                 \
             for (int64_t m = 0; m < rows; m++) {                                               \
-                acc[m] = _mm256_setzero_ps();                                                  \
-                extra[m] = 0.0f;                                                               \
+                acc[0][m] = acc[1][m] = _mm256_setzero_ps();                                   \
+                extra[0][m] = extra[1][m] = 0.0f;                                              \
             }                                                                                  \
             for (int64_t b = 0; b < blocks; b++) {                                             \
                 const uint8_t *block = w + b * BYTES;                                          \
+                const int chain = b & 1;                                                       \
                 for (int64_t m = 0; m < rows; m++) {                                           \
                     const int64_t at = m * k_in + b * BLOCK;                                   \
                     const act_block a = {x->q + at, x->d + at / 32, x->s + at / 16};           \
-                    BODY(block, a, acc[m], extra[m])                                           \
+                    BODY(block, a, acc[chain][m], extra[chain][m])                             \
                 }                                                                              \
             }                                                                                  \
             for (int64_t m = 0; m < rows; m++)                                                 \
-                y[m * stride + n] = hsum256(acc[m]) + extra[m];                                \
+                y[m * stride + n] =                                                            \
+                    hsum256(_mm256_add_ps(acc[0][m], acc[1][m])) + extra[0][m] + extra[1][m];  \
         }                                                                                      \
     }
 

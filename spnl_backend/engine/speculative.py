@@ -1,0 +1,283 @@
+"""Speculative decoding: a draft model proposes tokens, the target verifies them in one pass.
+
+In a step, every decoding sequence may take up to ``gamma`` drafts: the draft model
+first catches up on the tokens it has not seen, then proposes one token per pass, all
+such sequences batched. The target then computes the step's tokens and the drafts
+together, and each sequence keeps the drafts the target accepts plus one token of the
+target's own (a correction, or a bonus when every draft passed), so a step always
+yields at least one token. A prompt's first token comes from the prompt's own pass.
+
+Both models keep their own caches (paged or not, as configured). K/V written for
+rejected drafts are rolled back: the computed counts stop at the last accepted token
+and blocks held only for rejected positions go back to the pool. Drafts are
+opportunistic: a sequence whose caches cannot take them this step decodes plainly.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..log import get_logger
+from ..models.layers import AttentionBackend
+from ..models.transformer import CausalLM
+from .sampler import argmax_rows, distribution
+from .scheduler import CacheManager
+from .sequence import ScheduledSeq, Sequence
+from .verification import verify
+
+log = get_logger()
+
+
+@dataclass(eq=False)
+class CacheView:
+    """A sequence as the draft's cache sees it: the same tokens, its own computed count.
+
+    ``pending`` holds tokens the step accepted but the engine has not appended yet, so
+    the draft cache can register full blocks before the sequence grows."""
+
+    seq: Sequence
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    pending: list[int] = field(default_factory=list)
+
+    @property
+    def seq_id(self) -> int:
+        return self.seq.seq_id
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.seq.output_token_ids
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids + self.pending
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seq.num_tokens + len(self.pending)
+
+
+class SpeculativeCache:
+    """The target's cache manager, with the draft's beside it: whatever takes a sequence's
+    target cache away (finish, abort, preemption) takes its draft cache too."""
+
+    def __init__(self, target: CacheManager, draft: CacheManager) -> None:
+        self.target, self.draft = target, draft
+        self.views: dict[int, CacheView] = {}
+
+    @property
+    def capacity_tokens(self) -> int | None:
+        return self.target.capacity_tokens
+
+    @property
+    def num_holders(self) -> int:
+        return self.target.num_holders
+
+    def admit(self, seq: Sequence) -> None:
+        self.target.admit(seq)  # the draft's view is admitted when it first drafts
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.target.reserve(seq, num_tokens)
+
+    def release(self, seq: Sequence) -> None:
+        self.target.release(seq)
+        view = self.views.pop(seq.seq_id, None)
+        if view is not None:
+            self.draft.release(view)  # type: ignore[arg-type]
+
+    def truncate(self, seq: Sequence) -> None:
+        self.target.truncate(seq)
+
+    def after_step(self, batch: list[ScheduledSeq]) -> None:
+        self.target.after_step(batch)
+
+    def backend(self, batch: list[ScheduledSeq], device: torch.device) -> AttentionBackend:
+        return self.target.backend(batch, device)
+
+    def draft_view(self, seq: Sequence) -> CacheView:
+        view = self.views.get(seq.seq_id)
+        if view is None:
+            view = self.views[seq.seq_id] = CacheView(seq)
+            self.draft.admit(view)  # type: ignore[arg-type]
+        return view
+
+
+@dataclass
+class Proposal:
+    """A sequence's drafts and, when it samples, the draft distribution of each."""
+
+    tokens: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)
+
+
+class Drafter:
+    """The draft model: proposes up to k tokens for each of a batch of sequences."""
+
+    def __init__(
+        self, model: CausalLM, cache: SpeculativeCache, device: torch.device, max_len: int
+    ) -> None:
+        self.model, self.cache, self.device, self.max_len = model, cache, device, max_len
+
+    def reserve(self, seq: Sequence, num_drafts: int) -> bool:
+        """Room in the draft cache for the tokens before the last draft."""
+        view = self.cache.draft_view(seq)
+        return self.cache.draft.reserve(view, seq.num_tokens + num_drafts - 1)  # type: ignore[arg-type]
+
+    def unreserve(self, seq: Sequence) -> None:
+        """Give back draft slots reserved for a step that will not draft after all."""
+        self.cache.draft.truncate(self.cache.views[seq.seq_id])  # type: ignore[arg-type]
+
+    def propose(self, requests: list[tuple[Sequence, int]]) -> dict[int, Proposal]:
+        """Drafts for each ``(sequence, k)``: one batched pass per draft position."""
+        views = {seq.seq_id: self.cache.draft_view(seq) for seq, _ in requests}
+        feeds = {s.seq_id: s.token_ids[views[s.seq_id].num_computed_tokens :] for s, _ in requests}
+        proposals = {seq.seq_id: Proposal() for seq, _ in requests}
+        for position in range(max(k for _, k in requests)):
+            active = [seq for seq, k in requests if k > position]
+            logits = self._forward([(views[s.seq_id], feeds[s.seq_id]) for s in active])
+            for seq, row in zip(active, logits, strict=True):
+                token = self._draw(row, seq, proposals[seq.seq_id])
+                feeds[seq.seq_id] = [token]
+        return proposals
+
+    def settle(self, seq: Sequence, accepted: list[int], num_valid: int) -> None:
+        """After verification: keep the draft's K/V of the first ``num_valid`` tokens,
+        register its full blocks with the accepted tokens, return the rest."""
+        view = self.cache.views[seq.seq_id]
+        view.num_computed_tokens = min(view.num_computed_tokens, num_valid)
+        view.pending = accepted
+        self.cache.draft.after_step([ScheduledSeq(view, 0)])  # type: ignore[arg-type]
+        view.pending = []
+        self.cache.draft.truncate(view)  # type: ignore[arg-type]
+
+    def _forward(self, feeds: list[tuple[CacheView, list[int]]]) -> torch.Tensor:
+        """The draft's logits after each view's fed tokens; advances their computed counts."""
+        batch = [ScheduledSeq(view, len(tokens)) for view, tokens in feeds]  # type: ignore[arg-type]
+        ids, positions = [], []
+        for view, tokens in feeds:
+            ids += tokens
+            positions += range(view.num_computed_tokens, view.num_computed_tokens + len(tokens))
+        hidden = self.model(
+            torch.tensor(ids, device=self.device),
+            torch.tensor(positions, device=self.device),
+            self.cache.draft.backend(batch, self.device),
+        )
+        for view, tokens in feeds:
+            view.num_computed_tokens += len(tokens)
+        return self.model.compute_logits(hidden[_last_rows(batch)])
+
+    def _draw(self, logits: torch.Tensor, seq: Sequence, proposal: Proposal) -> int:
+        if seq.params.greedy:
+            token = argmax_rows(logits[None])[0]
+        else:
+            probs = distribution(logits, seq.params)
+            token = int(torch.multinomial(probs, 1, generator=seq.generator))
+            proposal.probs.append(probs)
+        proposal.tokens.append(token)
+        return token
+
+
+def _last_rows(batch: list[ScheduledSeq]) -> list[int]:
+    """Row of each item's last token in the packed step."""
+    rows, row = [], -1
+    for item in batch:
+        row += item.num_new_tokens
+        rows.append(row)
+    return rows
+
+
+class SpeculativeRunner:
+    """The target's step with drafts: propose, verify in one target pass, roll back."""
+
+    def __init__(self, model: CausalLM, drafter: Drafter, gamma: int, device: torch.device) -> None:
+        self.model, self.drafter, self.gamma, self.device = model, drafter, gamma, device
+        self.cache = drafter.cache
+
+    @torch.inference_mode()
+    def run(self, batch: list[ScheduledSeq]) -> dict[int, list[int]]:
+        proposals = self._propose(batch)
+        steps = [
+            ScheduledSeq(item.seq, item.num_new_tokens + len(_drafts(proposals, item.seq)))
+            for item in batch
+        ]
+        hidden = self.model(*self._inputs(batch, proposals), self.cache.backend(steps, self.device))
+        rows, verifying, row = [], [], 0
+        for item, step in zip(batch, steps, strict=True):
+            row += step.num_new_tokens
+            item.seq.num_computed_tokens += item.num_new_tokens
+            if item.seq.num_computed_tokens == item.seq.num_tokens:
+                rows += range(row - (step.num_new_tokens - item.num_new_tokens) - 1, row)
+                verifying.append(item.seq)
+        if not verifying:
+            return {}
+        logits = self.model.compute_logits(hidden[rows])
+        sampled, start = {}, 0
+        for seq in verifying:
+            proposal = proposals.get(seq.seq_id, Proposal())
+            end = start + len(proposal.tokens) + 1
+            accepted, tokens = verify(
+                logits[start:end], proposal.tokens, proposal.probs, seq.params, seq.generator
+            )
+            if proposal.tokens:
+                self._roll_back(seq, len(proposal.tokens), accepted, tokens)
+            sampled[seq.seq_id], start = tokens, end
+        return sampled
+
+    def _propose(self, batch: list[ScheduledSeq]) -> dict[int, Proposal]:
+        requests = []
+        for item in batch:
+            if _decodes(item):
+                k = self._reserve_drafts(item.seq)
+                if k:
+                    requests.append((item.seq, k))
+        return self.drafter.propose(requests) if requests else {}
+
+    def _reserve_drafts(self, seq: Sequence) -> int:
+        """How many drafts ``seq`` takes this step, with room for them in both caches."""
+        remaining = seq.max_len - seq.num_tokens
+        if seq.params.max_tokens:
+            remaining = min(remaining, seq.params.max_tokens - len(seq.output_token_ids))
+        k = min(self.gamma, remaining - 1, self.drafter.max_len - seq.num_tokens)
+        if k <= 0:
+            return 0
+        if not self.drafter.reserve(seq, k):
+            log.debug("speculative.skipped", seq_id=seq.seq_id, reason="draft cache full")
+            return 0
+        if not self.cache.reserve(seq, seq.num_tokens + k):
+            self.drafter.unreserve(seq)
+            log.debug("speculative.skipped", seq_id=seq.seq_id, reason="target cache full")
+            return 0
+        return k
+
+    def _inputs(
+        self, batch: list[ScheduledSeq], proposals: dict[int, Proposal]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's tokens with each sequence's drafts after them, and their positions."""
+        ids: list[int] = []
+        positions: list[int] = []
+        for item in batch:
+            start = item.seq.num_computed_tokens
+            tokens = item.seq.token_ids[start : start + item.num_new_tokens]
+            tokens += _drafts(proposals, item.seq)
+            ids += tokens
+            positions += range(start, start + len(tokens))
+        return torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device)
+
+    def _roll_back(self, seq: Sequence, num_drafts: int, accepted: int, tokens: list[int]) -> None:
+        """Keep the accepted drafts' K/V in both caches, return what only rejected ones held."""
+        seq.num_draft_tokens += num_drafts
+        seq.num_accepted_tokens += accepted
+        seq.num_computed_tokens += accepted
+        self.cache.truncate(seq)
+        self.drafter.settle(seq, tokens, seq.num_computed_tokens)
+
+
+def _decodes(item: ScheduledSeq) -> bool:
+    """Whether the step computes just the sequence's last token. A prompt's own pass
+    samples its first token plainly, so that pass computes what it would without drafts."""
+    return item.num_new_tokens == 1 and item.seq.num_computed_tokens + 1 == item.seq.num_tokens
+
+
+def _drafts(proposals: dict[int, Proposal], seq: Sequence) -> list[int]:
+    proposal = proposals.get(seq.seq_id)
+    return proposal.tokens if proposal else []
