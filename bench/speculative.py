@@ -355,7 +355,8 @@ def report(summaries: list[dict], threads: int, runs: int, tokens: int) -> str:
         lines += [table_line(row) for row in summary["rows"]]
     lines.append(
         f"\n{threads} threads; {tokens} decode tokens from each of {len(PROMPTS)} prompts, "
-        f"median of {runs} rounds; T=0.6 with fixed seeds. Acceptance: drafts accepted over "
+        f"median of {runs} round{'s' if runs != 1 else ''}; T>0 with fixed seeds. "
+        "Acceptance: drafts accepted over "
         "drafts proposed. tokens/step: 1 + gamma·acceptance (each step drafting gamma). "
         "Predicted: (1 + k·a)/(k·c + v) with v = 1; implied v: the verify cost that matches "
         "the measurement. Same text: greedy output equal to the target alone's.\n"
