@@ -49,11 +49,20 @@ def step_inputs(
     batch: list[ScheduledSeq], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids and positions of every scheduled token, packed sequence after sequence."""
-    ids: list[int] = []
-    positions: list[int] = []
+    feeds = []
     for item in batch:
         start = item.seq.num_computed_tokens
-        end = start + item.num_new_tokens
-        ids += item.seq.token_ids[start:end]
-        positions += range(start, end)
+        feeds.append((start, item.seq.token_ids[start : start + item.num_new_tokens]))
+    return pack_inputs(feeds, device)
+
+
+def pack_inputs(
+    feeds: list[tuple[int, list[int]]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(first position, tokens)`` of each sequence → packed token ids and positions."""
+    ids: list[int] = []
+    positions: list[int] = []
+    for start, tokens in feeds:
+        ids += tokens
+        positions += range(start, start + len(tokens))
     return torch.tensor(ids, device=device), torch.tensor(positions, device=device)

@@ -20,6 +20,7 @@ import torch
 from ..log import get_logger
 from ..models.layers import AttentionBackend
 from ..models.transformer import CausalLM
+from .runner import pack_inputs
 from .sampler import argmax_rows, distribution
 from .scheduler import CacheManager
 from .sequence import ScheduledSeq, Sequence
@@ -153,15 +154,10 @@ class Drafter:
     def _forward(self, feeds: list[tuple[CacheView, list[int]]]) -> torch.Tensor:
         """The draft's logits after each view's fed tokens; advances their computed counts."""
         batch = [ScheduledSeq(view, len(tokens)) for view, tokens in feeds]  # type: ignore[arg-type]
-        ids, positions = [], []
-        for view, tokens in feeds:
-            ids += tokens
-            positions += range(view.num_computed_tokens, view.num_computed_tokens + len(tokens))
-        hidden = self.model(
-            torch.tensor(ids, device=self.device),
-            torch.tensor(positions, device=self.device),
-            self.cache.draft.backend(batch, self.device),
+        ids, positions = pack_inputs(
+            [(view.num_computed_tokens, tokens) for view, tokens in feeds], self.device
         )
+        hidden = self.model(ids, positions, self.cache.draft.backend(batch, self.device))
         for view, tokens in feeds:
             view.num_computed_tokens += len(tokens)
         return self.model.compute_logits(hidden[_last_rows(batch)])
@@ -253,15 +249,12 @@ class SpeculativeRunner:
         self, batch: list[ScheduledSeq], proposals: dict[int, Proposal]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's tokens with each sequence's drafts after them, and their positions."""
-        ids: list[int] = []
-        positions: list[int] = []
+        feeds = []
         for item in batch:
             start = item.seq.num_computed_tokens
             tokens = item.seq.token_ids[start : start + item.num_new_tokens]
-            tokens += _drafts(proposals, item.seq)
-            ids += tokens
-            positions += range(start, start + len(tokens))
-        return torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device)
+            feeds.append((start, tokens + _drafts(proposals, item.seq)))
+        return pack_inputs(feeds, self.device)
 
     def _roll_back(self, seq: Sequence, num_drafts: int, accepted: int, tokens: list[int]) -> None:
         """Keep the accepted drafts' K/V in both caches, return what only rejected ones held."""
