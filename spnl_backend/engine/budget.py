@@ -37,11 +37,11 @@ def plan_kv_cache(
     config: ModelConfig,
     budget: KvBudget,
     block_size: int,
-    cache_dtype: torch.dtype,
+    per_token: int,
     available_bytes: int,
 ) -> KVCachePlan:
-    """Blocks for the budget; an error if it gives none or more than ``available_bytes``."""
-    per_token = kv_bytes_per_token(config, cache_dtype)
+    """Blocks for the budget, at ``per_token`` bytes of K and V per token; an error if it
+    gives none or more than ``available_bytes``."""
     per_block = per_token * block_size
     variable = env_name(f"paged_attn_{budget.kind}")
     if block_size > config.max_position_embeddings:
@@ -58,9 +58,9 @@ def plan_kv_cache(
     if num_blocks == 0:
         raise SettingsError(
             f"{variable}={budget.value:g} gives no KV-cache block: one block of {block_size} "
-            f"tokens needs {per_block / MIB:.2f} MB ({per_token:,} bytes per token for "
+            f"tokens needs {per_block / MIB:.2f} MB ({per_token:,} bytes of K and V per token for "
             f"{config.num_layers} layers x {config.num_kv_heads} KV heads x "
-            f"{config.head_dim} dims x K and V); raise the budget"
+            f"{config.head_dim} dims); raise the budget"
         )
     plan = KVCachePlan(num_blocks, block_size, per_token)
     if plan.nbytes > available_bytes:

@@ -1,12 +1,16 @@
-"""Non-paged mode: each sequence owns one growing KV buffer for all its layers.
+"""Non-paged mode: each sequence owns one growing KV store for all its layers.
 
-Finished sequences' buffers are kept by a sequence-level prefix cache (up to
-``MISTRALRS_PREFIX_CACHE_N`` of them, least recently used out first); a new request
-copies the K/V of the longest common prefix it shares with one of them.
+The store is a plain buffer (`SequenceKV`) or a compressed cache behind the protocol
+(`engine.compressed.ProtocolKV`). Finished sequences' stores are kept by a
+sequence-level prefix cache (up to ``MISTRALRS_PREFIX_CACHE_N`` of them, least recently
+used out first); a new request copies the K/V of the longest common prefix it shares
+with one of them.
 """
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -19,6 +23,24 @@ from .sequence import ScheduledSeq, Sequence
 log = get_logger()
 
 _GROWTH_QUANTUM = 256  # tokens; capacity grows to a multiple of this, at least doubling
+
+
+class SequenceStore(Protocol):
+    """One sequence's K/V for every layer, as the contiguous cache manager uses it."""
+
+    def reserve(self, num_tokens: int, used: int) -> None: ...
+    def copy_prefix(self, source: "SequenceStore", length: int) -> None: ...
+    def truncate(self, length: int) -> None: ...
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        context_len: int,
+        spec: AttentionSpec,
+    ) -> torch.Tensor:
+        """Store this step's K/V after ``context_len`` cached tokens and attend over all."""
+        ...
 
 
 class SequenceKV:
@@ -54,12 +76,37 @@ class SequenceKV:
         self.reserve(length, used=0)
         self.data[:, :, :length] = source.data[:, :, :length]
 
+    def truncate(self, length: int) -> None:
+        """Nothing to return: K/V past the computed tokens are overwritten later."""
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        context_len: int,
+        spec: AttentionSpec,
+    ) -> torch.Tensor:
+        total = context_len + q.shape[0]
+        layer = self.data[spec.layer]
+        layer[0, context_len:total] = k
+        layer[1, context_len:total] = v
+        return attention_ref(
+            q,
+            layer[0, :total],
+            layer[1, :total],
+            scale=spec.scale,
+            context_len=context_len,
+            sliding_window=spec.sliding_window,
+            softcap=spec.softcap,
+        )
+
 
 @dataclass(frozen=True)
 class StepSlice:
     """One sequence's share of a step: its cache, tokens already cached, tokens now."""
 
-    kv: SequenceKV
+    kv: SequenceStore
     context_len: int
     query_len: int
 
@@ -77,18 +124,8 @@ class ContiguousStep:
         start = 0
         for s in self.slices:
             end = start + s.query_len
-            total = s.context_len + s.query_len
-            layer = s.kv.data[spec.layer]
-            layer[0, s.context_len : total] = k[start:end]
-            layer[1, s.context_len : total] = v[start:end]
-            out[start:end] = attention_ref(
-                q[start:end],
-                layer[0, :total],
-                layer[1, :total],
-                scale=spec.scale,
-                context_len=s.context_len,
-                sliding_window=spec.sliding_window,
-                softcap=spec.softcap,
+            out[start:end] = s.kv.attend(
+                q[start:end], k[start:end], v[start:end], s.context_len, spec
             )
             start = end
         return out
@@ -99,16 +136,16 @@ class SequencePrefixCache:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.entries: OrderedDict[int, tuple[list[int], SequenceKV]] = OrderedDict()
+        self.entries: OrderedDict[int, tuple[list[int], SequenceStore]] = OrderedDict()
 
-    def insert(self, seq_id: int, token_ids: list[int], kv: SequenceKV) -> None:
+    def insert(self, seq_id: int, token_ids: list[int], kv: SequenceStore) -> None:
         if self.capacity == 0 or not token_ids:
             return
         self.entries[seq_id] = (token_ids, kv)
         while len(self.entries) > self.capacity:
             self.entries.popitem(last=False)
 
-    def longest_prefix(self, token_ids: list[int]) -> tuple[SequenceKV | None, int]:
+    def longest_prefix(self, token_ids: list[int]) -> tuple[SequenceStore | None, int]:
         """The entry sharing the longest prefix with ``token_ids``, and that length."""
         best_key, best_len = None, 0
         for key, (tokens, _) in self.entries.items():
@@ -135,17 +172,22 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return low
 
 
+def plain_stores(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> Callable[[], SequenceKV]:
+    """A factory of uncompressed per-sequence buffers for ``config``'s model."""
+    shape = (config.num_layers, config.num_kv_heads, config.head_dim)
+    return lambda: SequenceKV(*shape, dtype, device)
+
+
 class ContiguousCacheManager:
-    """Per-sequence buffers, and the sequence-level prefix cache over finished ones."""
+    """Per-sequence stores, and the sequence-level prefix cache over finished ones."""
 
     capacity_tokens = None  # grows with the sequences; no fixed budget
 
-    def __init__(
-        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, prefix_cache_n: int
-    ) -> None:
-        self.shape = (config.num_layers, config.num_kv_heads, config.head_dim)
-        self.dtype, self.device = dtype, device
-        self.caches: dict[int, SequenceKV] = {}
+    def __init__(self, new_store: Callable[[], SequenceStore], prefix_cache_n: int) -> None:
+        self.new_store = new_store
+        self.caches: dict[int, SequenceStore] = {}
         self.prefix_cache = SequencePrefixCache(prefix_cache_n)
 
     @property
@@ -154,7 +196,7 @@ class ContiguousCacheManager:
         return len(self.caches)
 
     def admit(self, seq: Sequence) -> None:
-        kv = SequenceKV(*self.shape, self.dtype, self.device)
+        kv = self.new_store()
         self.caches[seq.seq_id] = kv
         source, length = self.prefix_cache.longest_prefix(seq.token_ids)
         length = min(length, seq.num_tokens - 1)  # the last token is always computed
@@ -176,7 +218,9 @@ class ContiguousCacheManager:
             self.prefix_cache.insert(seq.seq_id, seq.token_ids[: seq.num_computed_tokens], kv)
 
     def truncate(self, seq: Sequence) -> None:
-        """Nothing to return: K/V past the computed tokens are overwritten later."""
+        kv = self.caches.get(seq.seq_id)
+        if kv is not None:
+            kv.truncate(seq.num_computed_tokens)
 
     def after_step(self, batch: list[ScheduledSeq]) -> None:
         """Nothing to register: reuse is found by comparing tokens."""

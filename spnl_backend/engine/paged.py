@@ -6,13 +6,15 @@ New tokens are written through a slot mapping and attention reads every key thro
 the block tables, via the kernels the platform picked.
 """
 
+from typing import Protocol
+
 import torch
 
 from ..kernels import Kernels
 from ..kernels.metadata import PagedMetadata
 from ..log import get_logger
 from ..models.config import ModelConfig
-from ..models.layers import AttentionSpec
+from ..models.layers import AttentionBackend, AttentionSpec
 from .block_manager import BlockManager, BlockTable
 from .sequence import ScheduledSeq, Sequence
 
@@ -59,6 +61,9 @@ class PagedKVCache:
         layers, _, _, _, heads, dim = self.data.shape
         return layers * 2 * heads * dim * self.data.element_size()
 
+    def step(self, kernels: Kernels, meta: PagedMetadata) -> "PagedStep":
+        return PagedStep(self, kernels, meta)
+
 
 class PagedStep:
     """The attention backend of one step: store through the slot mapping, attend paged."""
@@ -87,10 +92,18 @@ class PagedStep:
         )
 
 
-class PagedCacheManager:
-    """Block tables of the running sequences over one `PagedKVCache`."""
+class BlockPool(Protocol):
+    """The pool's tensors (plain `PagedKVCache` or a compressed one) and its step backend."""
 
-    def __init__(self, cache: PagedKVCache, blocks: BlockManager, kernels: Kernels) -> None:
+    bytes_per_token: int
+
+    def step(self, kernels: Kernels, meta: PagedMetadata) -> AttentionBackend: ...
+
+
+class PagedCacheManager:
+    """Block tables of the running sequences over one block pool."""
+
+    def __init__(self, cache: BlockPool, blocks: BlockManager, kernels: Kernels) -> None:
         self.cache, self.blocks, self.kernels = cache, blocks, kernels
         self.block_size = blocks.block_size
         self.tables: dict[int, BlockTable] = {}
@@ -145,7 +158,7 @@ class PagedCacheManager:
                     table, item.seq.token_ids, item.seq.num_computed_tokens
                 )
 
-    def backend(self, batch: list[ScheduledSeq], device: torch.device) -> PagedStep:
+    def backend(self, batch: list[ScheduledSeq], device: torch.device) -> AttentionBackend:
         slots: list[int] = []
         tables, seq_lens, query_lens = [], [], []
         for item in batch:
@@ -163,7 +176,7 @@ class PagedCacheManager:
         meta = PagedMetadata(
             block_tables, seq_lens, query_lens, self.block_size, torch.tensor(slots, device=device)
         )
-        return PagedStep(self.cache, self.kernels, meta)
+        return self.cache.step(self.kernels, meta)
 
 
 def _log_prefix_lookup(seq: Sequence, hit_blocks: int, prompt_blocks: int) -> None:

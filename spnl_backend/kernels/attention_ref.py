@@ -19,21 +19,25 @@ def attention_ref(
     sliding_window: int | None = None,
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    logit_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q [nq, heads, d]``, ``k``/``v [context_len + nq, kv_heads, d]`` → ``[nq, heads, d]``.
 
     A key at position ``j`` is visible to the query at position ``i`` when
     ``j <= i`` and, with a sliding window ``w``, ``j > i - w``. Scores are
-    ``scale * q.k``, then softcapped (``cap * tanh(s / cap)``), then biased by
+    ``scale * q.k`` plus ``logit_bias [heads, nq, nk]`` if given (a compressed cache's
+    correction), then softcapped (``cap * tanh(s / cap)``), then biased by
     ``slope * (j - i)`` with ALiBi, then masked; softmax is in float32.
     """
     nq, heads, dim = q.shape
     kv_heads = k.shape[1]
-    if softcap is None and alibi_slopes is None:
+    if softcap is None and alibi_slopes is None and logit_bias is None:
         return _sdpa(q, k, v, scale, context_len, sliding_window)
     groups = heads // kv_heads
     qg = q.float().view(nq, kv_heads, groups, dim).permute(1, 2, 0, 3)
     scores = qg @ k.float().permute(1, 2, 0).unsqueeze(1) * scale  # [kv, g, nq, nk]
+    if logit_bias is not None:
+        scores = scores + logit_bias.float().view(kv_heads, groups, nq, -1)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     q_pos, k_pos = _positions(nq, k.shape[0], context_len, q.device)

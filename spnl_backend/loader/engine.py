@@ -3,24 +3,29 @@
 Paged attention gets a block pool sized by the KV budget (checked against free memory
 before it is allocated) and block-level prefix caching; non-paged mode gets growing
 per-sequence caches and sequence-level prefix caching. The two are exclusive, and the
-log says which runs. A speculative draft gets a cache of its own of the same kind,
+log says which runs. A compression method (``MISTRALRS_KV_CACHE_COMPRESSION``) stores
+its records in the pool, or, for a method without a block-pool form, in protocol caches
+per sequence (non-paged). A speculative draft gets a cache of its own of the same kind,
 holding as many tokens as the target's.
 """
 
 import torch
 
+from ..compression import Compressor, KVGeometry, ResizableKVCache, get_compressor
 from ..engine.block_manager import BlockManager
-from ..engine.budget import MIB, available_memory, plan_kv_cache
+from ..engine.budget import MIB, available_memory, kv_bytes_per_token, plan_kv_cache
+from ..engine.compressed import CodedPagedKVCache, ProtocolKV
 from ..engine.engine import Engine, EngineConfig
-from ..engine.kv_cache import ContiguousCacheManager
-from ..engine.paged import PagedCacheManager, PagedKVCache
+from ..engine.kv_cache import ContiguousCacheManager, SequenceStore, plain_stores
+from ..engine.paged import BlockPool, PagedCacheManager, PagedKVCache
 from ..engine.runner import ModelRunner, Runner
 from ..engine.scheduler import CacheManager
 from ..engine.speculative import Drafter, SpeculativeCache, SpeculativeRunner
+from ..errors import SettingsError
 from ..kernels import select_kernels
 from ..log import get_logger
 from ..settings import BackendSettings, PlatformDecisions
-from ..settings.model import KvBudget
+from ..settings.model import KvBudget, env_name
 from .build import LoadedModel
 
 log = get_logger()
@@ -58,11 +63,63 @@ def _cache(
 ) -> tuple[CacheManager, int]:
     """One model's cache manager, and the longest sequence it can hold."""
     config = loaded.config
-    if not decisions.paged_attn:
-        cache = ContiguousCacheManager(config, loaded.dtype, loaded.device, settings.prefix_cache_n)
+    compressor = get_compressor(settings.kv_cache_compression)
+    paged = decisions.paged_attn
+    if paged and compressor is not None and compressor.make_codecs is None:
+        log.warning(
+            "kv_compression.paged_fallback",
+            method=compressor.name,
+            reason="the method has no block-pool form (make_codecs); its caches run per "
+            "sequence, in non-paged mode",
+        )
+        paged = False
+    if not paged:
+        cache = _contiguous_cache(loaded, settings, compressor, role)
         return cache, config.max_position_embeddings
-    paged = _paged_cache(loaded, settings, decisions, budget, role)
-    return paged, min(config.max_position_embeddings, paged.capacity_tokens)
+    pool = _paged_cache(loaded, settings, decisions, budget, role, compressor)
+    return pool, min(config.max_position_embeddings, pool.capacity_tokens)
+
+
+def _geometry(loaded: LoadedModel) -> KVGeometry:
+    c = loaded.config
+    return KVGeometry(c.num_layers, c.num_kv_heads, c.head_dim, loaded.dtype, loaded.device)
+
+
+def _contiguous_cache(
+    loaded: LoadedModel,
+    settings: BackendSettings,
+    compressor: Compressor | None,
+    role: str,
+) -> ContiguousCacheManager:
+    if compressor is None:
+        new_store = plain_stores(loaded.config, loaded.dtype, loaded.device)
+        return ContiguousCacheManager(new_store, settings.prefix_cache_n)
+    geometry = _geometry(loaded)
+
+    def new_store() -> SequenceStore:
+        return ProtocolKV(compressor.make_cache(geometry), compressor.name)
+
+    prefix_cache_n = settings.prefix_cache_n
+    if not isinstance(new_store().cache, ResizableKVCache):  # type: ignore[attr-defined]
+        _refuse_draft_without_truncate(settings, compressor)
+        if prefix_cache_n:
+            log.warning(
+                "kv_compression.prefix_cache_off",
+                method=compressor.name,
+                reason="its caches cannot copy a prefix (no truncate/copy_prefix)",
+            )
+        prefix_cache_n = 0
+    log.info("kv_compression.enabled", model=role, method=compressor.name, mode="non-paged")
+    return ContiguousCacheManager(new_store, prefix_cache_n)
+
+
+def _refuse_draft_without_truncate(settings: BackendSettings, compressor: Compressor) -> None:
+    if settings.speculative_draft_model or settings.speculative_draft_isq:
+        raise SettingsError(
+            f"{env_name('kv_cache_compression')}={compressor.name} cannot be combined with a "
+            "speculative draft: its caches cannot drop rejected draft tokens (no truncate); "
+            "use a built-in method or no draft"
+        )
 
 
 def _paged_cache(
@@ -71,14 +128,22 @@ def _paged_cache(
     decisions: PlatformDecisions,
     budget: KvBudget,
     role: str,
+    compressor: Compressor | None,
 ) -> PagedCacheManager:
     fp8 = decisions.kv_cache_dtype == "float8_e4m3fn"
     cache_dtype = torch.float8_e4m3fn if fp8 else loaded.dtype
+    pair = (
+        compressor.make_codecs(_geometry(loaded)) if compressor and compressor.make_codecs else None
+    )
+    if pair is None:
+        per_token = kv_bytes_per_token(loaded.config, cache_dtype)
+    else:
+        per_token = loaded.config.num_layers * loaded.config.num_kv_heads * pair.record_bytes
     plan = plan_kv_cache(
         loaded.config,
         budget,
         settings.paged_attn_block_size,
-        cache_dtype,
+        per_token,
         available_memory(loaded.device),
     )
     log.info(
@@ -88,12 +153,19 @@ def _paged_cache(
         block_size=plan.block_size,
         tokens=plan.num_tokens,
         mb=round(plan.nbytes / MIB, 1),
-        cache_dtype=str(cache_dtype).removeprefix("torch."),
+        cache_dtype=compressor.name if compressor else str(cache_dtype).removeprefix("torch."),
         budget=settings.kv_budget.kind,
     )
-    cache = PagedKVCache(
-        loaded.config, plan.num_blocks, plan.block_size, cache_dtype, loaded.device
-    )
+    cache: BlockPool
+    if pair is None:
+        cache = PagedKVCache(
+            loaded.config, plan.num_blocks, plan.block_size, cache_dtype, loaded.device
+        )
+    else:
+        cache = CodedPagedKVCache(
+            loaded.config, plan.num_blocks, plan.block_size, pair, loaded.device
+        )
+        log.info("kv_compression.enabled", model=role, method=compressor.name, mode="paged")
     blocks = BlockManager(plan.num_blocks, plan.block_size, settings.prefix_cache_enabled)
     return PagedCacheManager(cache, blocks, select_kernels(decisions.kernels))
 

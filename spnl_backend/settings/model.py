@@ -17,8 +17,6 @@ log = get_logger()
 ENV_PREFIX = "MISTRALRS_"
 KV_BUDGET_FIELDS = ("paged_attn_memory_mb", "paged_attn_memory_fraction", "paged_attn_context_len")
 DEFAULT_CONTEXT_LEN = 4096
-# The registry of compressors arrives with the CompressedKVCache protocol.
-KV_CACHE_COMPRESSIONS = ("none",)
 
 
 @dataclass(frozen=True)
@@ -31,10 +29,15 @@ class KvBudget:
 
 
 def _parse_compression(value: object) -> str:
+    from ..compression import compressor_names, plugin_failures  # torch, only when asked
+
     name = str(value).strip().lower()
-    if name not in KV_CACHE_COMPRESSIONS:
+    if name not in compressor_names():
+        failed = "".join(
+            f"; plugin {n!r} failed to load ({why})" for n, why in plugin_failures().items()
+        )
         raise ValueError(
-            "expected one of the registered compressors: " + ", ".join(KV_CACHE_COMPRESSIONS)
+            "expected one of the registered compressors: " + ", ".join(compressor_names()) + failed
         )
     return name
 
@@ -120,6 +123,17 @@ class BackendSettings(BaseSettings):
                 + " and ".join(f"{env_name(f)}={getattr(self, f)}" for f in chosen)
                 + " are; keep one of "
                 + ", ".join(env_name(f) for f in KV_BUDGET_FIELDS)
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _one_kv_compression(self) -> "BackendSettings":
+        if self.paged_cache_type == "f8e4m3" and self.kv_cache_compression != "none":
+            raise ValueError(
+                f"{env_name('paged_cache_type')}=f8e4m3 and "
+                f"{env_name('kv_cache_compression')}={self.kv_cache_compression} both "
+                "compress the KV cache; set one of them (the fp8 method is the same FP8 "
+                "cache through the protocol)"
             )
         return self
 

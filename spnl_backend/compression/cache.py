@@ -1,0 +1,125 @@
+"""`CodecKVCache`: the protocol's per-sequence cache for the built-in compression methods.
+
+Each layer keeps its K and V records in growing buffers under its own lock, so layers
+can be stored and read from several threads at once.
+"""
+
+import threading
+
+import torch
+
+from .attention import CodecPair, attend_records, dequantize, logit_bias
+from .protocol import AttendConfig, DequantResult, Fused, KVGeometry
+
+_GROWTH_QUANTUM = 256  # tokens; capacity grows to a multiple of this, at least doubling
+
+
+class LayerRecords:
+    """One layer's K and V records ``[capacity, kv_heads, bytes]`` and how many are used."""
+
+    def __init__(self, geometry: KVGeometry, pair: CodecPair) -> None:
+        heads, device = geometry.num_kv_heads, geometry.device
+        self.keys = torch.empty((0, heads, pair.key.record_bytes), dtype=torch.uint8, device=device)
+        self.values = torch.empty(
+            (0, heads, pair.value.record_bytes), dtype=torch.uint8, device=device
+        )
+        self.length = 0
+        self.lock = threading.Lock()
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        end = self.length + keys.shape[0]
+        self._reserve(end)
+        self.keys[self.length : end] = keys
+        self.values[self.length : end] = values
+        self.length = end
+
+    def copy_from(self, source: "LayerRecords", length: int) -> None:
+        self._reserve(length)
+        self.keys[:length] = source.keys[:length]
+        self.values[:length] = source.values[:length]
+        self.length = length
+
+    def used(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[: self.length], self.values[: self.length]
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def _reserve(self, tokens: int) -> None:
+        capacity = self.keys.shape[0]
+        if tokens <= capacity:
+            return
+        target = max(2 * capacity, -(-tokens // _GROWTH_QUANTUM) * _GROWTH_QUANTUM)
+        self.keys = _grown(self.keys, target, self.length)
+        self.values = _grown(self.values, target, self.length)
+
+
+def _grown(buffer: torch.Tensor, capacity: int, used: int) -> torch.Tensor:
+    grown = buffer.new_empty((capacity, *buffer.shape[1:]))
+    grown[:used] = buffer[:used]
+    return grown
+
+
+class CodecKVCache:
+    """`CompressedKVCache` (and `ResizableKVCache`) over a pair of vector codecs."""
+
+    def __init__(self, pair: CodecPair, geometry: KVGeometry) -> None:
+        self.pair, self.geometry = pair, geometry
+        self.layers = [LayerRecords(geometry, pair) for _ in range(geometry.num_layers)]
+
+    def prefill(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor
+    ) -> DequantResult:
+        records = self.layers[layer]
+        with records.lock:
+            self._store(layer, records, k, v)
+            keys, values = records.used()
+            k_all, v_all = dequantize(self.pair, layer, keys, values)
+            bias = logit_bias(self.pair, q, keys, 1.0)
+        return DequantResult(k_all.to(k.dtype), v_all.to(v.dtype), bias)
+
+    def decode(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, config: AttendConfig
+    ) -> Fused:
+        records = self.layers[layer]
+        with records.lock:
+            self._store(layer, records, k, v)
+            keys, values = records.used()
+            out = attend_records(
+                self.pair,
+                layer,
+                q,
+                keys,
+                values,
+                scale=config.softmax_scale,
+                context_len=records.length - q.shape[0],
+                sliding_window=config.sliding_window,
+                softcap=config.softcap,
+            )
+        return Fused(out)
+
+    def seq_len(self, layer: int) -> int:
+        return self.layers[layer].length
+
+    def reset(self) -> None:
+        for records in self.layers:
+            with records.lock:
+                records.length = 0
+
+    def memory_usage(self) -> int:
+        return sum(records.nbytes for records in self.layers)
+
+    def truncate(self, length: int) -> None:
+        for records in self.layers:
+            with records.lock:
+                records.length = min(records.length, length)
+
+    def copy_prefix(self, source: "CodecKVCache", length: int) -> None:
+        self.pair = source.pair.fork()  # read the copied records as they were written
+        for mine, theirs in zip(self.layers, source.layers, strict=True):
+            with mine.lock, theirs.lock:
+                mine.copy_from(theirs, length)
+
+    def _store(self, layer: int, records: LayerRecords, k: torch.Tensor, v: torch.Tensor) -> None:
+        records.append(self.pair.key.encode(layer, k), self.pair.value.encode(layer, v))

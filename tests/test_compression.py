@@ -1,0 +1,481 @@
+"""Compressed KV caches: codec error bounds, the protocol's attention, the engine in paged
+and non-paged mode, the registry and its entry points, and concurrent layer calls."""
+
+import logging
+import math
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+from helpers import engine_logits
+
+from spnl_backend import BackendSettings, SettingsError, load_backend
+from spnl_backend.compression import (
+    AttendConfig,
+    CodecKVCache,
+    DequantResult,
+    Fp8Codec,
+    Fused,
+    Int8Codec,
+    KVGeometry,
+    PolarCodec,
+    compressor_names,
+    get_compressor,
+    kv_bytes_per_token,
+    refresh_plugins,
+)
+from spnl_backend.compression.attention import dequantize
+from spnl_backend.compression.codecs import pack_bits, unpack_bits
+from spnl_backend.compression.polar import DISTORTION
+from spnl_backend.kernels.attention_ref import attention_ref
+
+METHODS = ["fp8", "int8", "tq4", "tq3", "tq4-qjl", "tq3-qjl"]
+CPU = torch.device("cpu")
+PROMPTS = ["The quick brown fox jumps over the lazy dog.", "hello world", "def add(a, b):"]
+
+
+def geometry(layers=2, heads=2, dim=64) -> KVGeometry:
+    return KVGeometry(layers, heads, dim, torch.float32, CPU)
+
+
+def anisotropic(tokens: int, heads: int, dim: int, seed: int = 0) -> torch.Tensor:
+    """Vectors with a few large channels, as keys after RoPE tend to have."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn((tokens, heads, dim), generator=generator)
+    return x * torch.linspace(0.2, 3.0, dim) + 8.0 * (torch.arange(dim) == 3)
+
+
+# ---- codecs ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+def test_bit_packing_round_trips(bits):
+    codes = torch.randint(0, 1 << bits, (5, 3, 64))
+    packed = pack_bits(codes, bits)
+    assert packed.shape == (5, 3, 64 * bits // 8)
+    assert packed.dtype == torch.uint8
+    assert torch.equal(unpack_bits(packed, bits), codes)
+
+
+def test_fp8_error_is_within_its_bound():
+    x = anisotropic(300, 2, 64)
+    codec = Fp8Codec(num_layers=1, head_dim=64)
+    y = codec.decode(0, codec.encode(0, x))
+    scale = codec.scales[0]
+    assert (y - x).abs().le(2**-4 * x.abs() + 2**-10 * scale).all()
+    assert x.abs().max() / scale == pytest.approx(224.0)  # calibrated on the first K/V
+
+
+def test_fp8_keeps_its_scale_and_clamps_beyond_range():
+    codec = Fp8Codec(num_layers=1, head_dim=8)
+    codec.encode(0, torch.ones(1, 1, 8))
+    huge = codec.decode(0, codec.encode(0, torch.full((1, 1, 8), 1e6)))
+    assert huge.max().item() == pytest.approx(448 * codec.scales[0])
+
+
+def test_int8_error_is_within_half_a_step():
+    x = anisotropic(300, 2, 64)
+    codec = Int8Codec(64)
+    records = codec.encode(0, x)
+    assert records.shape == (300, 2, 68)
+    bound = x.abs().amax(-1, keepdim=True) / 254 * (1 + 1e-5)
+    assert (codec.decode(0, records) - x).abs().le(bound).all()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_polar_relative_error_is_the_codebooks_distortion(bits):
+    x = anisotropic(2000, 2, 64)
+    codec = PolarCodec(64, bits, CPU)
+    y = codec.decode(0, codec.encode(0, x)) @ codec.rotation.T
+    relative = ((y - x).pow(2).sum(-1) / x.pow(2).sum(-1)).mean().item()
+    assert relative <= DISTORTION[bits] * 1.05
+    assert relative >= DISTORTION[bits] * 0.5  # the bound is tight: rotation really ran
+    assert codec.record_bytes == 64 * bits // 8 + 4
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_qjl_makes_key_products_unbiased_and_closer(bits):
+    keys, queries = anisotropic(1000, 1, 64, seed=1), anisotropic(8, 1, 64, seed=2)
+    codec = PolarCodec(64, bits, CPU, qjl=True)
+    records = codec.encode(0, keys)
+    rotated_q = queries @ codec.rotation
+    true = torch.einsum("qhd,khd->hqk", queries, keys)
+    mse_only = torch.einsum("qhd,khd->hqk", rotated_q, codec.decode(0, records))
+    corrected = mse_only + codec.logit_bias(rotated_q, records, 1.0)
+    error, plain_error = corrected - true, mse_only - true
+    assert error.pow(2).mean() < 0.75 * plain_error.pow(2).mean()
+    # unbiased: the mean error is small against its own spread
+    assert abs(error.mean().item()) < 4 * error.std().item() / math.sqrt(error.numel())
+    assert codec.record_bytes == 64 * bits // 8 + 4 + 64 // 8 + 4
+
+
+def test_bytes_per_token_of_the_default_models_shape():
+    class Gemma270M:
+        num_layers, num_kv_heads, head_dim = 18, 1, 256
+
+    sixteen_bit = kv_bytes_per_token("none", Gemma270M)
+    assert sixteen_bit == 18 * 2 * 256 * 2
+    assert kv_bytes_per_token("fp8", Gemma270M) == sixteen_bit // 2
+    assert kv_bytes_per_token("tq4", Gemma270M) / sixteen_bit < 0.30
+    assert kv_bytes_per_token("tq4-qjl", Gemma270M) / sixteen_bit < 0.30
+    assert kv_bytes_per_token("tq3", Gemma270M) / sixteen_bit < 0.20
+
+
+# ---- the protocol ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_attention_through_the_protocol_is_attention_over_the_dequantized_cache(method):
+    g = geometry()
+    cache = get_compressor(method).make_cache(g)
+    prompt_k, prompt_v, prompt_q = (
+        anisotropic(12, n, 64, seed=s) for n, s in ((2, 0), (2, 1), (4, 2))
+    )
+    result = cache.prefill(1, prompt_k, prompt_v, prompt_q)
+    assert isinstance(result, DequantResult)
+    assert result.k.shape == (12, 2, 64)
+    assert cache.seq_len(1) == 12
+    assert cache.seq_len(0) == 0
+    k, v, q = anisotropic(1, 2, 64, seed=3), anisotropic(1, 2, 64, seed=4), anisotropic(1, 4, 64, 5)
+    config = AttendConfig(softmax_scale=0.125, n_kv_groups=2, sliding_window=6)
+    output = cache.decode(1, k, v, q, config)
+    assert isinstance(output, Fused)
+    keys, values = cache.layers[1].used()
+    k_all, v_all = dequantize(cache.pair, 1, keys, values)
+    bias = _bias(cache, q, keys)
+    expected = attention_ref(
+        q, k_all, v_all, scale=0.125, context_len=12, sliding_window=6, logit_bias=bias
+    )
+    torch.testing.assert_close(output.output, expected, rtol=1e-4, atol=1e-5)
+    # and the prefill's dequantized tensors are the stored ones
+    torch.testing.assert_close(result.k, k_all[:12])
+    torch.testing.assert_close(result.v, v_all[:12])
+
+
+def _bias(cache: CodecKVCache, q, keys):
+    from spnl_backend.compression.attention import logit_bias
+
+    bias = logit_bias(cache.pair, q, keys, 1.0)
+    return None if bias is None else bias * 0.125
+
+
+@pytest.mark.parametrize("method", ["int8", "tq3-qjl"])
+def test_reset_truncate_copy_prefix_and_memory(method):
+    g = geometry()
+    cache = get_compressor(method).make_cache(g)
+    for layer in range(2):
+        cache.prefill(
+            layer, anisotropic(20, 2, 64), anisotropic(20, 2, 64, 1), anisotropic(20, 4, 64)
+        )
+    held = cache.memory_usage()
+    assert held >= 2 * 20 * 2 * cache.pair.record_bytes
+    twin = get_compressor(method).make_cache(g)
+    twin.copy_prefix(cache, 15)
+    assert [twin.seq_len(i) for i in range(2)] == [15, 15]
+    assert torch.equal(twin.layers[0].used()[0], cache.layers[0].used()[0][:15])
+    cache.truncate(7)
+    assert cache.seq_len(1) == 7
+    cache.reset()
+    assert cache.seq_len(0) == 0
+    assert cache.memory_usage() == held
+
+
+def test_layers_are_stored_and_read_concurrently():
+    g = geometry(layers=8)
+    cache = get_compressor("tq4").make_cache(g)
+    steps = [(anisotropic(1, 2, 64, s), anisotropic(1, 2, 64, s + 100)) for s in range(40)]
+    config = AttendConfig(0.125, 2)
+    errors = []
+
+    def run(layer: int) -> None:
+        try:
+            cache.prefill(layer, *steps[0], anisotropic(1, 4, 64))
+            for k, v in steps[1:]:
+                cache.decode(layer, k, v, anisotropic(1, 4, 64), config)
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(layer,)) for layer in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert [cache.seq_len(layer) for layer in range(8)] == [40] * 8
+    alone = get_compressor("tq4").make_cache(geometry(layers=1))
+    alone.prefill(0, *steps[0], anisotropic(1, 4, 64))
+    for k, v in steps[1:]:
+        alone.decode(0, k, v, anisotropic(1, 4, 64), config)
+    for layer in range(8):
+        assert torch.equal(cache.layers[layer].used()[0], alone.layers[0].used()[0])
+
+
+def test_one_layer_called_from_many_threads_loses_no_token():
+    cache = get_compressor("int8").make_cache(geometry(layers=1))
+    barrier = threading.Barrier(6)
+
+    def run() -> None:
+        barrier.wait()
+        for _ in range(25):
+            cache.prefill(0, anisotropic(2, 2, 64), anisotropic(2, 2, 64), anisotropic(2, 4, 64))
+
+    threads = [threading.Thread(target=run) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert cache.seq_len(0) == 6 * 25 * 2
+
+
+# ---- the engine, through the Backend API ---------------------------------------------
+
+
+def load(path, **settings):
+    return load_backend(str(path), settings=BackendSettings(device="cpu", **settings))
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    return tiny.trained().path
+
+
+@pytest.fixture(scope="module")
+def reference_logits(model):
+    backend = load(model, paged_attn=False)
+    ids = backend.tokenizer.encode(" ".join(PROMPTS * 3))
+    return ids, engine_logits(backend, ids)
+
+
+# How far each method may move a trained tiny model (head_dim 64) from the plain cache:
+# mean KL divergence of the next-token distributions over a 150-token text (measured
+# 0.0036, 0.0001, 0.028, 0.059, 0.062, 0.17; a codec read back in the wrong domain
+# gives several nats).
+MEAN_KL = {"fp8": 0.01, "int8": 0.001, "tq4": 0.06, "tq3": 0.12, "tq4-qjl": 0.12, "tq3-qjl": 0.3}
+
+
+def mean_kl(logits: torch.Tensor, reference: torch.Tensor) -> float:
+    log_p, log_q = reference.log_softmax(-1), logits.log_softmax(-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
+
+
+@pytest.mark.parametrize("paged", [True, False])
+@pytest.mark.parametrize("method", METHODS)
+def test_methods_run_through_the_backend_close_to_the_plain_cache(
+    model, reference_logits, method, paged
+):
+    ids, expected = reference_logits
+    backend = load(model, paged_attn=paged, kv_cache_compression=method, prefix_cache_n=0)
+    assert 0 < mean_kl(engine_logits(backend, ids), expected) <= MEAN_KL[method]
+    results = backend.generate(PROMPTS, max_tokens=12, temperature=0)
+    assert all(r.usage.completion_tokens == 12 or r.finish_reason == "stop" for r in results)
+
+
+@pytest.mark.parametrize("method", ["int8", "tq3"])
+def test_paged_and_non_paged_give_the_same_logits(model, reference_logits, method):
+    ids, _ = reference_logits
+    paged = engine_logits(load(model, paged_attn=True, kv_cache_compression=method), ids)
+    plain = engine_logits(load(model, paged_attn=False, kv_cache_compression=method), ids)
+    torch.testing.assert_close(paged, plain, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_prefix_cache_and_batching_keep_working(model, paged):
+    backend = load(model, paged_attn=paged, paged_attn_block_size=8, kv_cache_compression="tq4")
+    prompt = " ".join(PROMPTS * 2)
+    first = backend.generate(prompt, max_tokens=10, temperature=0)
+    again = backend.generate(prompt, max_tokens=10, temperature=0)
+    assert again.usage.cached_tokens > 0
+    assert again.token_ids == first.token_ids
+    alone = [backend.generate(p, max_tokens=10, temperature=0).token_ids for p in PROMPTS]
+    batched = backend.generate(PROMPTS, max_tokens=10, temperature=0)
+    assert [r.token_ids for r in batched] == alone
+
+
+def test_paged_pool_is_sized_by_the_records(model):
+    plain = load(model, paged_attn=True, paged_attn_memory_mb=1)
+    packed = load(model, paged_attn=True, paged_attn_memory_mb=1, kv_cache_compression="tq4")
+    plain_tokens = plain._engine.cache.capacity_tokens
+    packed_tokens = packed._engine.cache.capacity_tokens
+    config = plain._engine.runner.model.config
+    ratio = kv_bytes_per_token("none", config, torch.float32) / kv_bytes_per_token("tq4", config)
+    assert packed_tokens / plain_tokens == pytest.approx(ratio, rel=0.05)
+
+
+def test_a_gemma_model_with_sliding_layers_runs_compressed(tiny):
+    path = tiny.hf("gemma3").path
+    prompt = " ".join(PROMPTS * 2)  # longer than the window
+    expected = load(path, paged_attn=True, kv_cache_compression="int8").generate(
+        prompt, max_tokens=10, temperature=0
+    )
+    plain = load(path, paged_attn=False, kv_cache_compression="int8").generate(
+        prompt, max_tokens=10, temperature=0
+    )
+    assert plain.token_ids == expected.token_ids
+
+
+def test_speculative_decoding_runs_on_compressed_caches(model):
+    target = load(model, kv_cache_compression="tq4")
+    spec = load(
+        model, kv_cache_compression="tq4", speculative_draft_isq="Q8_0", speculative_gamma=3
+    )
+    for paged in (True, False):
+        target = load(model, paged_attn=paged, kv_cache_compression="tq4")
+        spec = load(
+            model,
+            paged_attn=paged,
+            kv_cache_compression="tq4",
+            speculative_draft_isq="Q8_0",
+            speculative_gamma=3,
+        )
+        expected = target.generate(PROMPTS, max_tokens=16, temperature=0)
+        got = spec.generate(PROMPTS, max_tokens=16, temperature=0)
+        assert sum(r.usage.draft_tokens for r in got) > 0
+        agree = [a.token_ids == b.token_ids for a, b in zip(got, expected, strict=True)]
+        assert sum(agree) >= 2  # near-ties may flip: verification attends several rows at once
+
+
+# ---- settings, registry, plugins ------------------------------------------------------
+
+
+def test_unknown_method_is_refused_with_the_registered_names(monkeypatch):
+    monkeypatch.setenv("MISTRALRS_KV_CACHE_COMPRESSION", "turbo")
+    with pytest.raises(SettingsError) as error:
+        BackendSettings()
+    message = str(error.value)
+    assert "MISTRALRS_KV_CACHE_COMPRESSION='turbo'" in message
+    for name in ("none", "fp8", "int8", "tq4", "tq3", "tq4-qjl"):
+        assert name in message
+
+
+def test_fp8_cache_type_and_a_method_are_exclusive():
+    with pytest.raises(SettingsError, match="both compress the KV cache"):
+        BackendSettings(paged_cache_type="f8e4m3", kv_cache_compression="int8")
+
+
+def test_names_are_case_insensitive():
+    assert BackendSettings(kv_cache_compression="TQ4-QJL").kv_cache_compression == "tq4-qjl"
+    assert set(METHODS) <= set(compressor_names())
+
+
+PLUGIN = '''
+import torch
+from spnl_backend.compression import Compressor, DequantResult, Dequantized, KVGeometry
+
+
+class RawCache:
+    """Keeps K/V as given and lets the engine attend: the least a method can do."""
+
+    def __init__(self, geometry: KVGeometry) -> None:
+        self.k = [None] * geometry.num_layers
+        self.v = [None] * geometry.num_layers
+
+    def prefill(self, layer, k, v, q):
+        self.k[layer] = k if self.k[layer] is None else torch.cat([self.k[layer], k])
+        self.v[layer] = v if self.v[layer] is None else torch.cat([self.v[layer], v])
+        return DequantResult(self.k[layer], self.v[layer])
+
+    def decode(self, layer, k, v, q, config):
+        return Dequantized(self.prefill(layer, k, v, q))
+
+    def seq_len(self, layer):
+        return 0 if self.k[layer] is None else self.k[layer].shape[0]
+
+    def reset(self):
+        self.k = [None] * len(self.k)
+        self.v = [None] * len(self.v)
+
+    def memory_usage(self):
+        return sum(t.nbytes for t in self.k + self.v if t is not None)
+
+
+described = Compressor("ignored", "raw, as a Compressor", make_cache=RawCache)
+'''
+
+
+@pytest.fixture
+def plugin(tmp_path, monkeypatch):
+    """A package installed on sys.path with entry points in our group: a factory, a
+    Compressor, one that fails to import and one of the wrong type."""
+    (tmp_path / "raw_kv_plugin.py").write_text(PLUGIN)
+    info = tmp_path / "raw_kv_plugin-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: raw-kv-plugin\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        textwrap.dedent(
+            """\
+            [spnl_backend.kv_cache_compressors]
+            raw = raw_kv_plugin:RawCache
+            Raw-Described = raw_kv_plugin:described
+            broken = raw_kv_plugin_missing:make
+            wrong = raw_kv_plugin:PLUGIN_NOT_THERE
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    refresh_plugins()
+    yield
+    monkeypatch.delitem(sys.modules, "raw_kv_plugin", raising=False)
+    monkeypatch.undo()
+    refresh_plugins()
+
+
+def test_a_plugin_method_is_found_through_its_entry_point(plugin, model, reference_logits, caplog):
+    assert {"raw", "raw-described"} <= set(compressor_names())
+    assert get_compressor("raw-described").summary == "raw, as a Compressor"
+    ids, expected = reference_logits
+    with caplog.at_level(logging.WARNING, logger="spnl_backend"):
+        backend = load(model, paged_attn=True, kv_cache_compression="raw")
+    assert "kv_compression.paged_fallback" in caplog.text  # no block-pool form
+    assert "kv_compression.prefix_cache_off" in caplog.text  # no copy_prefix
+    torch.testing.assert_close(engine_logits(backend, ids), expected, rtol=1e-4, atol=1e-4)
+    results = backend.generate(PROMPTS, max_tokens=8, temperature=0)
+    plain = load(model, paged_attn=False).generate(PROMPTS, max_tokens=8, temperature=0)
+    assert [r.token_ids for r in results] == [r.token_ids for r in plain]
+
+
+def test_broken_plugins_are_named_in_the_error(plugin, caplog):
+    with caplog.at_level(logging.WARNING, logger="spnl_backend"):
+        names = compressor_names()
+    assert "broken" not in names
+    assert "wrong" not in names
+    with pytest.raises(SettingsError) as error:
+        BackendSettings(kv_cache_compression="broken")
+    assert "plugin 'broken' failed to load" in str(error.value)
+    assert "ModuleNotFoundError" in str(error.value)
+    assert "plugin 'wrong' failed to load" in str(error.value)
+
+
+def test_a_draft_needs_a_method_that_can_truncate(plugin, model):
+    with pytest.raises(SettingsError, match="cannot drop rejected draft tokens"):
+        load(model, kv_cache_compression="raw", speculative_draft_isq="Q8_0")
+
+
+def test_a_plugin_cannot_take_a_built_in_name(tmp_path, monkeypatch):
+    (tmp_path / "shadow_plugin.py").write_text("def make(geometry):\n    raise AssertionError\n")
+    info = tmp_path / "shadow_plugin-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: shadow-plugin\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[spnl_backend.kv_cache_compressors]\ntq4 = shadow_plugin:make\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    refresh_plugins()
+    try:
+        from spnl_backend.compression import plugin_failures
+
+        assert "built-in" in plugin_failures()["tq4"]
+        assert isinstance(get_compressor("tq4").make_cache(geometry()), CodecKVCache)
+    finally:
+        monkeypatch.undo()
+        refresh_plugins()
+
+
+def test_a_cache_out_of_step_with_the_engine_gets_a_clear_error(plugin, model):
+    backend = load(model, paged_attn=False, kv_cache_compression="raw")
+    store = backend._engine.cache.new_store()
+    store.cache.prefill(0, torch.zeros(3, 2, 16), torch.zeros(3, 2, 16), torch.zeros(3, 4, 16))
+    spec = backend._engine.runner.model.model.layers[0].self_attn.spec
+    with pytest.raises(RuntimeError, match="holds 3 tokens of layer 0"):
+        store.attend(torch.zeros(1, 4, 16), torch.zeros(1, 2, 16), torch.zeros(1, 2, 16), 0, spec)
