@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from .attention import CodecPair, attend_records, dequantize, logit_bias
+from .attention import CodecPair, attend_records
 from .protocol import AttendConfig, DequantResult, Fused, KVGeometry
 
 _GROWTH_QUANTUM = 256  # tokens; capacity grows to a multiple of this, at least doubling
@@ -75,8 +75,9 @@ class CodecKVCache:
         with records.lock:
             self._store(layer, records, k, v)
             keys, values = records.used()
-            k_all, v_all = dequantize(self.pair, layer, keys, values)
-            bias = logit_bias(self.pair, q, keys, 1.0)
+            k_all = self.pair.key.dequantize(layer, keys)
+            v_all = self.pair.value.dequantize(layer, values)
+            bias = self.pair.key.logit_bias(layer, q, keys)
         return DequantResult(k_all.to(k.dtype), v_all.to(v.dtype), bias)
 
     def decode(

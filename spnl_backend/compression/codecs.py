@@ -11,6 +11,8 @@ from typing import Protocol
 
 import torch
 
+from ..kernels.attention_ref import raw_scores
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 # Per-tensor FP8 scales map the first K/V seen to half of float8's range, leaving room
@@ -27,12 +29,46 @@ class VectorCodec(Protocol):
         ...
 
     def decode(self, layer: int, records: torch.Tensor) -> torch.Tensor:
-        """Records → float32 ``[T, heads, dim]`` in the codec's domain."""
+        """Records → float32 ``[T, heads, dim]`` in the codec's domain (what values are
+        summed in)."""
+        ...
+
+    def dequantize(self, layer: int, records: torch.Tensor) -> torch.Tensor:
+        """Records → float32 ``[T, heads, dim]`` in the model's domain."""
+        ...
+
+    def scores(self, layer: int, q: torch.Tensor, records: torch.Tensor) -> torch.Tensor:
+        """Raw products of queries ``[nq, heads, dim]`` (model domain) with the stored keys:
+        float32 ``[heads, nq, T]``, corrections included."""
+        ...
+
+    def logit_bias(self, layer: int, q: torch.Tensor, records: torch.Tensor) -> torch.Tensor | None:
+        """The part of `scores` that `dequantize` does not carry (None for most codecs)."""
         ...
 
     def fork(self) -> "VectorCodec":
         """A codec that reads this one's records (shares its state as it is now)."""
         ...
+
+
+class DenseCodec:
+    """What a codec whose `decode` is the whole vector gets for free."""
+
+    rotation: torch.Tensor | None = None
+
+    def decode(self, layer: int, records: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize(self, layer: int, records: torch.Tensor) -> torch.Tensor:
+        x = self.decode(layer, records)
+        return x if self.rotation is None else x @ self.rotation.T
+
+    def scores(self, layer: int, q: torch.Tensor, records: torch.Tensor) -> torch.Tensor:
+        q = q.float() if self.rotation is None else q.float() @ self.rotation
+        return raw_scores(q, self.decode(layer, records))
+
+    def logit_bias(self, layer: int, q: torch.Tensor, records: torch.Tensor) -> torch.Tensor | None:
+        return None
 
 
 def float_bytes(x: torch.Tensor) -> torch.Tensor:
@@ -66,15 +102,13 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return codes.flatten(-2)
 
 
-class Fp8Codec:
+class Fp8Codec(DenseCodec):
     """float8_e4m3fn with one scale per layer (per tensor), set from the first K/V stored.
 
     Error: ``|x - x'| <= 2**-4 * |x| + 2**-10 * scale`` while ``|x| <= 448 * scale``
     (3 mantissa bits, round to nearest; subnormals below ``2**-6 * scale``); larger
     values are clamped.
     """
-
-    rotation = None
 
     def __init__(self, num_layers: int, head_dim: int) -> None:
         self.record_bytes = head_dim
@@ -98,13 +132,11 @@ class Fp8Codec:
         return twin
 
 
-class Int8Codec:
+class Int8Codec(DenseCodec):
     """Symmetric int8 with a float32 scale per token and head (``absmax / 127``).
 
     Error: ``|x - x'| <= absmax / 254`` for every element of a vector.
     """
-
-    rotation = None
 
     def __init__(self, head_dim: int) -> None:
         self.head_dim = head_dim

@@ -29,24 +29,55 @@ def attention_ref(
     correction), then softcapped (``cap * tanh(s / cap)``), then biased by
     ``slope * (j - i)`` with ALiBi, then masked; softmax is in float32.
     """
-    nq, heads, dim = q.shape
-    kv_heads = k.shape[1]
     if softcap is None and alibi_slopes is None and logit_bias is None:
         return _sdpa(q, k, v, scale, context_len, sliding_window)
-    groups = heads // kv_heads
-    qg = q.float().view(nq, kv_heads, groups, dim).permute(1, 2, 0, 3)
-    scores = qg @ k.float().permute(1, 2, 0).unsqueeze(1) * scale  # [kv, g, nq, nk]
+    scores = raw_scores(q, k) * scale
     if logit_bias is not None:
-        scores = scores + logit_bias.float().view(kv_heads, groups, nq, -1)
+        scores = scores + logit_bias.float()
+    out = attend_scores(
+        scores,
+        v,
+        context_len=context_len,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+    )
+    return out.to(q.dtype)
+
+
+def raw_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``q [nq, heads, d]`` . ``k [nk, kv_heads, d]`` → float32 ``[heads, nq, nk]`` (each
+    KV head serves ``heads / kv_heads`` consecutive query heads)."""
+    nq, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    qg = q.float().view(nq, kv_heads, heads // kv_heads, dim).permute(1, 2, 0, 3)
+    scores = qg @ k.float().permute(1, 2, 0).unsqueeze(1)  # [kv, groups, nq, nk]
+    return scores.flatten(0, 1)
+
+
+def attend_scores(
+    scores: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    context_len: int,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Scaled ``scores [heads, nq, nk]`` and ``v [nk, kv_heads, d]`` → float32
+    ``[nq, heads, d]``: softcap, ALiBi, the causal (and window) mask, softmax, sum."""
+    heads, nq, nk = scores.shape
+    kv_heads = v.shape[1]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    q_pos, k_pos = _positions(nq, k.shape[0], context_len, q.device)
+    q_pos, k_pos = _positions(nq, nk, context_len, scores.device)
     if alibi_slopes is not None:
         distance = (k_pos - q_pos.unsqueeze(-1)).float()
-        scores = scores + alibi_slopes.float().view(kv_heads, groups, 1, 1) * distance
+        scores = scores + alibi_slopes.float().view(heads, 1, 1) * distance
     scores = scores.masked_fill(~_visible(q_pos, k_pos, sliding_window), float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ v.float().permute(1, 0, 2).unsqueeze(1)
-    return out.permute(2, 0, 1, 3).reshape(nq, heads, dim).to(q.dtype)
+    probs = torch.softmax(scores, dim=-1).view(kv_heads, heads // kv_heads, nq, nk)
+    out = probs @ v.float().permute(1, 0, 2).unsqueeze(1)  # [kv, groups, nq, d]
+    return out.flatten(0, 1).transpose(0, 1)
 
 
 def _positions(
