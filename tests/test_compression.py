@@ -139,6 +139,36 @@ def test_bytes_per_token_of_the_default_models_shape():
     assert kv_bytes_per_token("tq3", Gemma270M) / sixteen_bit < 0.27
 
 
+@pytest.mark.parametrize("method", ["tq4", "tq3"])
+@pytest.mark.parametrize("window", [None, 40])
+def test_native_decode_matches_its_torch_twin(method, window):
+    from spnl_backend.compression.attention import attend_records, decode_records
+    from spnl_backend.kernels.cpu import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("no C compiler: the torch twin is what runs")
+    pair = get_compressor(method).make_codecs(geometry(layers=1))
+    keys = pair.key.encode(0, anisotropic(120, 2, 64))
+    values = pair.value.encode(0, anisotropic(120, 2, 64, seed=1) - 2.0)
+    q = anisotropic(3, 4, 64, seed=2)
+    lens = torch.tensor([120, 57, 1])
+    slots = torch.stack([torch.arange(120), torch.randperm(120), torch.randperm(120)])
+    got = decode_records(pair, 0, q, keys, values, slots, lens, scale=0.1, sliding_window=window)
+    for s, length in enumerate(lens.tolist()):
+        held = slots[s, :length]
+        expected = attend_records(
+            pair,
+            0,
+            q[s : s + 1],
+            keys[held],
+            values[held],
+            scale=0.1,
+            context_len=length - 1,
+            sliding_window=window,
+        )
+        torch.testing.assert_close(got[s : s + 1], expected, rtol=1e-5, atol=1e-5)
+
+
 # ---- the protocol ---------------------------------------------------------------------
 
 

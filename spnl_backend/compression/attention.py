@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.attention_ref import attend_scores
+from ..kernels.cpu import cpu_kernels
 from .codecs import VectorCodec
+from .polar import PolarCodec
 
 
 @dataclass(frozen=True)
@@ -65,3 +67,43 @@ def attend_records(
     )
     rotation = pair.value.rotation
     return (out if rotation is None else out @ rotation.T).to(q.dtype)
+
+
+def decode_records(
+    pair: CodecPair,
+    layer: int,
+    q: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    slots: torch.Tensor,
+    lens: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor | None:
+    """One query per sequence, ``q [seqs, heads, dim]``, over records ``[slots, kv_heads,
+    bytes]`` (sequence ``s``'s keys at ``slots[s, :lens[s]]``), by the CPU's native kernel;
+    None where it does not apply (the caller then runs `attend_records`)."""
+    native = cpu_kernels()
+    key, value = pair.key, pair.value
+    if not (native and q.dtype == torch.float32 and q.device.type == "cpu"):
+        return None
+    if not (isinstance(key, PolarCodec) and isinstance(value, PolarCodec)) or key.qjl:
+        return None
+    out = native.coded_decode(
+        q @ key.rotation,
+        q,
+        key_pool,
+        value_pool,
+        (key.codebook, key.bits, key.outliers),
+        (value.codebook, value.bits),
+        slots,
+        lens,
+        scale,
+        sliding_window,
+        softcap,
+    )
+    centre = value.centers[layer] @ value.rotation  # [kv_heads, dim]
+    out = out + centre.repeat_interleave(q.shape[1] // centre.shape[0], dim=0)
+    return out @ value.rotation.T

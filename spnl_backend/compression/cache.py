@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from .attention import CodecPair, attend_records
+from .attention import CodecPair, attend_records, decode_records
 from .protocol import AttendConfig, DequantResult, Fused, KVGeometry
 
 _GROWTH_QUANTUM = 256  # tokens; capacity grows to a multiple of this, at least doubling
@@ -87,6 +87,20 @@ class CodecKVCache:
         with records.lock:
             self._store(layer, records, k, v)
             keys, values = records.used()
+            out = decode_records(
+                self.pair,
+                layer,
+                q,
+                records.keys,
+                records.values,
+                torch.arange(records.length, device=q.device).unsqueeze(0),
+                torch.tensor([records.length]),
+                scale=config.softmax_scale,
+                sliding_window=config.sliding_window,
+                softcap=config.softcap,
+            )
+            if out is not None and q.shape[0] == 1:
+                return Fused(out)
             out = attend_records(
                 self.pair,
                 layer,

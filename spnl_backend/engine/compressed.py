@@ -17,7 +17,7 @@ from ..compression import (
     Fused,
     ResizableKVCache,
 )
-from ..compression.attention import attend_records, first_visible
+from ..compression.attention import attend_records, decode_records, first_visible
 from ..kernels import Kernels
 from ..kernels.attention_ref import attention_ref
 from ..kernels.metadata import PagedMetadata
@@ -143,6 +143,22 @@ class CodedPagedStep:
             k, v = k[keep], v[keep]
         keys.flatten(0, 1)[slots] = pair.key.encode(layer, k)
         values.flatten(0, 1)[slots] = pair.value.encode(layer, v)
+        if meta.is_decode:
+            lens = meta.memo("seq_lens_i64", lambda: torch.tensor(meta.seq_lens))
+            out = decode_records(
+                pair,
+                layer,
+                q,
+                keys.flatten(0, 1),
+                values.flatten(0, 1),
+                meta.decode_slots,
+                lens,
+                scale=spec.scale,
+                sliding_window=spec.sliding_window,
+                softcap=spec.softcap,
+            )
+            if out is not None:
+                return out
         out = torch.empty_like(q)
         start = 0
         for index, (seq_len, query_len) in enumerate(

@@ -43,6 +43,11 @@ _SIGNATURES = {  # name: (argument types, result type)
         [_P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _F32, _I64, _F32, _P, _I32],
         _I32,
     ),
+    "spnl_coded_decode": (
+        [*[_P] * 4, _I64, _I64, _P, _I32, _I64, _P, _I32, _P, _I64, _P, *[_I64] * 4]
+        + [_F32, _I64, _F32, _P, _I32],
+        _I32,
+    ),
 }
 
 
@@ -154,6 +159,57 @@ class CpuKernels:
                 torch.get_num_threads(),
             ),
             "paged_decode",
+        )
+        return out
+
+    def coded_decode(
+        self,
+        q_rot: torch.Tensor,
+        q: torch.Tensor,
+        key_pool: torch.Tensor,
+        value_pool: torch.Tensor,
+        key_format: tuple[torch.Tensor, int, int],
+        value_format: tuple[torch.Tensor, int],
+        slots: torch.Tensor,
+        lens: torch.Tensor,
+        scale: float,
+        window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        """One query per sequence over PolarQuant records ``[slots, kv_heads, bytes]``;
+        ``key_format`` is (codebook, bits, outliers), ``value_format`` (codebook, bits).
+        Returns the rotated value sum without the values' centre."""
+        q_rot, q = q_rot.contiguous(), q.contiguous()
+        seqs, heads, dim = q.shape
+        (k_lut, k_bits, outliers), (v_lut, v_bits) = key_format, value_format
+        out = torch.empty_like(q)
+        _check(
+            self.library.spnl_coded_decode(
+                q_rot.data_ptr(),
+                q.data_ptr(),
+                key_pool.data_ptr(),
+                value_pool.data_ptr(),
+                key_pool.shape[-1],
+                value_pool.shape[-1],
+                k_lut.data_ptr(),
+                k_bits,
+                outliers,
+                v_lut.data_ptr(),
+                v_bits,
+                slots.data_ptr(),
+                slots.stride(0),
+                lens.data_ptr(),
+                seqs,
+                heads,
+                key_pool.shape[-2],
+                dim,
+                scale,
+                window or 0,
+                softcap or 0.0,
+                out.data_ptr(),
+                torch.get_num_threads(),
+            ),
+            "coded_decode",
         )
         return out
 

@@ -12,6 +12,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -880,5 +883,116 @@ int spnl_paged_decode(const float *q, const float *k_cache, const float *v_cache
         }
     }
     free(scores_all);
+    return 0;
+}
+
+// ---- compressed KV: PolarQuant records (twin: compression.attention.attend_records) ----
+//
+// A record (compression/polar.py) is: codes, `bits` per coordinate, each group of 8 a
+// little-endian word of `bits` bytes; a float32 gain; `outliers` uint8 indices; as many
+// float16 values. A coordinate is lut[code] * gain in the rotated domain; the centre
+// is left out: it adds the same amount to every score of a query (softmax ignores it),
+// and the caller adds the values' centre after the sum (probabilities sum to one).
+
+static void unpack_codes(const uint8_t *rec, int bits, const float *lut, float gain,
+                         int64_t dim, float *out) {
+    const uint64_t mask = (1u << bits) - 1;
+    for (int64_t g = 0; g < dim / 8; g++) {
+        uint64_t word = 0;
+        memcpy(&word, rec + g * bits, (size_t)bits);
+        for (int i = 0; i < 8; i++) out[g * 8 + i] = lut[(word >> (bits * i)) & mask] * gain;
+    }
+}
+
+static float record_gain(const uint8_t *rec, int bits, int64_t dim) {
+    float gain;
+    memcpy(&gain, rec + dim * bits / 8, sizeof(float));
+    return gain;
+}
+
+static float outlier_dot(const uint8_t *rec, int bits, int64_t dim, int64_t outliers,
+                         const float *q) {
+    const uint8_t *index = rec + dim * bits / 8 + 4, *values = index + outliers;
+    float dot = 0.0f;
+    for (int64_t j = 0; j < outliers; j++) dot += q[index[j]] * half_to_float(values + 2 * j);
+    return dot;
+}
+
+// One query per sequence. q_rot [seqs][heads][dim] (rotated like the keys), q the same
+// unrotated (for the outliers); out [seqs][heads][dim]: the probability-weighted sum of
+// the value codes, rotated, centre not added. Keys [first, lens[s]) are visible.
+int spnl_coded_decode(const float *q_rot, const float *q, const uint8_t *k_pool,
+                      const uint8_t *v_pool, int64_t k_bytes, int64_t v_bytes,
+                      const float *k_lut, int k_bits, int64_t k_outliers, const float *v_lut,
+                      int v_bits, const int64_t *slots, int64_t slot_stride,
+                      const int64_t *lens, int64_t seqs, int64_t heads, int64_t kv_heads,
+                      int64_t dim, float scale, int64_t window, float softcap, float *out,
+                      int threads) {
+    const int64_t group = heads / kv_heads;
+    int64_t longest = 0;
+    for (int64_t s = 0; s < seqs; s++) longest = lens[s] > longest ? lens[s] : longest;
+    float *scores = malloc((size_t)(group * longest) * sizeof(float));
+    float *partial = calloc((size_t)(threads * group * dim), sizeof(float));
+    if (!scores || !partial) { free(scores); free(partial); return -1; }
+    for (int64_t s = 0; s < seqs; s++) {
+        const int64_t len = lens[s], first = window > 0 && len > window ? len - window : 0;
+        const int64_t *seq_slots = slots + s * slot_stride;
+        for (int64_t kvh = 0; kvh < kv_heads; kvh++) {
+            const int64_t h0 = kvh * group;
+            const float *qr = q_rot + (s * heads + h0) * dim, *qo = q + (s * heads + h0) * dim;
+            #pragma omp parallel num_threads(threads)
+            {
+                float key[dim];
+                #pragma omp for schedule(static)
+                for (int64_t j = first; j < len; j++) {
+                    const uint8_t *rec = k_pool + (seq_slots[j] * kv_heads + kvh) * k_bytes;
+                    unpack_codes(rec, k_bits, k_lut, record_gain(rec, k_bits, dim), dim, key);
+                    for (int64_t g = 0; g < group; g++) {
+                        float dot = 0.0f;
+                        #pragma omp simd reduction(+ : dot)
+                        for (int64_t i = 0; i < dim; i++) dot += qr[g * dim + i] * key[i];
+                        dot += outlier_dot(rec, k_bits, dim, k_outliers, qo + g * dim);
+                        dot *= scale;
+                        if (softcap > 0.0f) dot = softcap * tanhf(dot / softcap);
+                        scores[g * longest + j] = dot;
+                    }
+                }
+            }
+            for (int64_t g = 0; g < group; g++) {
+                float *row = scores + g * longest, peak = -INFINITY, total = 0.0f;
+                for (int64_t j = first; j < len; j++) peak = row[j] > peak ? row[j] : peak;
+                for (int64_t j = first; j < len; j++) total += row[j] = expf(row[j] - peak);
+                for (int64_t j = first; j < len; j++) row[j] /= total;
+            }
+            memset(partial, 0, (size_t)(threads * group * dim) * sizeof(float));
+            #pragma omp parallel num_threads(threads)
+            {
+                float value[dim];
+                int me = 0;
+#ifdef _OPENMP
+                me = omp_get_thread_num();
+#endif
+                float *acc = partial + me * group * dim;
+                #pragma omp for schedule(static)
+                for (int64_t j = first; j < len; j++) {
+                    const uint8_t *rec = v_pool + (seq_slots[j] * kv_heads + kvh) * v_bytes;
+                    unpack_codes(rec, v_bits, v_lut, record_gain(rec, v_bits, dim), dim, value);
+                    for (int64_t g = 0; g < group; g++) {
+                        const float p = scores[g * longest + j];
+                        #pragma omp simd
+                        for (int64_t i = 0; i < dim; i++) acc[g * dim + i] += p * value[i];
+                    }
+                }
+            }
+            float *o = out + (s * heads + h0) * dim;  // partial sums added in thread order
+            for (int64_t i = 0; i < group * dim; i++) {
+                float sum = 0.0f;
+                for (int t = 0; t < threads; t++) sum += partial[t * group * dim + i];
+                o[i] = sum;
+            }
+        }
+    }
+    free(scores);
+    free(partial);
     return 0;
 }
