@@ -99,7 +99,7 @@ class CodecKVCache:
                 sliding_window=config.sliding_window,
                 softcap=config.softcap,
             )
-            if out is not None and q.shape[0] == 1:
+            if out is not None:
                 return Fused(out)
             out = attend_records(
                 self.pair,
