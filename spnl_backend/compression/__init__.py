@@ -40,8 +40,9 @@ def kv_bytes_per_token(name: str, config, dtype: torch.dtype = torch.float16) ->
     )
     compressor = get_compressor(name)
     if compressor is None:
-        element = torch.empty((), dtype=dtype).element_size()
-        return config.num_layers * 2 * config.num_kv_heads * config.head_dim * element
+        from ..engine.budget import kv_bytes_per_token as plain_bytes_per_token
+
+        return plain_bytes_per_token(config, dtype)
     return compressor.bytes_per_token(geometry)
 
 

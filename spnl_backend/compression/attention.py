@@ -33,6 +33,10 @@ class CodecPair:
         """Bytes of one token's K and V for one KV head."""
         return self.key.record_bytes + self.value.record_bytes
 
+    def bytes_per_token(self, num_layers: int, num_kv_heads: int) -> int:
+        """K and V of every layer and KV head, for one token."""
+        return num_layers * num_kv_heads * self.record_bytes
+
     def fork(self) -> "CodecPair":
         return CodecPair(self.key.fork(), self.value.fork())
 

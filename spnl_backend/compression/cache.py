@@ -47,18 +47,21 @@ class LayerRecords:
         return self.keys.nbytes + self.values.nbytes
 
     def _reserve(self, tokens: int) -> None:
-        capacity = self.keys.shape[0]
-        if tokens <= capacity:
-            return
-        target = max(2 * capacity, -(-tokens // _GROWTH_QUANTUM) * _GROWTH_QUANTUM)
-        self.keys = _grown(self.keys, target, self.length)
-        self.values = _grown(self.values, target, self.length)
+        self.keys = grown(self.keys, tokens, self.length)
+        self.values = grown(self.values, tokens, self.length)
 
 
-def _grown(buffer: torch.Tensor, capacity: int, used: int) -> torch.Tensor:
-    grown = buffer.new_empty((capacity, *buffer.shape[1:]))
-    grown[:used] = buffer[:used]
-    return grown
+def grown(buffer: torch.Tensor, tokens: int, used: int, dim: int = 0) -> torch.Tensor:
+    """``buffer`` with room for ``tokens`` along ``dim`` (a multiple of the growth quantum,
+    at least double), its first ``used`` kept; itself if it has the room."""
+    capacity = buffer.shape[dim]
+    if tokens <= capacity:
+        return buffer
+    shape = list(buffer.shape)
+    shape[dim] = max(2 * capacity, -(-tokens // _GROWTH_QUANTUM) * _GROWTH_QUANTUM)
+    bigger = buffer.new_empty(shape)
+    bigger.narrow(dim, 0, used).copy_(buffer.narrow(dim, 0, used))
+    return bigger
 
 
 class CodecKVCache:

@@ -12,12 +12,9 @@ from typing import Protocol
 import torch
 
 from ..kernels.attention_ref import raw_scores
+from ..kernels.paged_ref import FP8_MAX, fp8_scale
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max
-# Per-tensor FP8 scales map the first K/V seen to half of float8's range, leaving room
-# for larger values later (the same rule as the paged FP8 cache).
-FP8_CALIBRATION_TARGET = 224.0
 
 
 class VectorCodec(Protocol):
@@ -117,8 +114,7 @@ class Fp8Codec(DenseCodec):
     def encode(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         scale = self.scales[layer]
         if scale is None:
-            scale = max(float(x.abs().max()), 1e-6) / FP8_CALIBRATION_TARGET
-            self.scales[layer] = scale
+            scale = self.scales[layer] = fp8_scale(x)
         scaled = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX)
         return scaled.to(FP8).view(torch.uint8)
 

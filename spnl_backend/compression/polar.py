@@ -101,7 +101,6 @@ class PolarCodec:
         if self.centers[layer] is None:
             self.centers[layer] = x.mean(0)
         x = x - self.centers[layer]
-        parts = []
         if self.outliers:
             index = x.abs().topk(self.outliers, dim=-1).indices
             kept = x.gather(-1, index)
@@ -118,7 +117,7 @@ class PolarCodec:
             residual = y - gain * unit
             signs = (residual @ self.sketch.T) >= 0
             parts += [pack_bits(signs, 1), float_bytes(residual.norm(dim=-1, keepdim=True))]
-        return torch.cat([p for p in parts], dim=-1)
+        return torch.cat(parts, dim=-1)
 
     def decode(self, layer: int, records: torch.Tensor) -> torch.Tensor:
         """The rotated codes with the centre: everything but the outliers."""

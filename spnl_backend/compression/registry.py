@@ -41,7 +41,7 @@ class Compressor:
         if self.make_codecs is None:
             return None
         pair = self.make_codecs(geometry)
-        return geometry.num_layers * geometry.num_kv_heads * pair.record_bytes
+        return pair.bytes_per_token(geometry.num_layers, geometry.num_kv_heads)
 
 
 _BUILT_IN: dict[str, Compressor] = {}

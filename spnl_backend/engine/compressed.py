@@ -121,7 +121,7 @@ class CodedPagedKVCache:
     @property
     def bytes_per_token(self) -> int:
         layers, _, _, heads = self.keys.shape[:4]
-        return layers * heads * self.pair.record_bytes
+        return self.pair.bytes_per_token(layers, heads)
 
     def step(self, kernels: Kernels, meta: PagedMetadata) -> "CodedPagedStep":
         return CodedPagedStep(self, meta)

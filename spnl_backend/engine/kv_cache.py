@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from ..compression.cache import grown
 from ..kernels.attention_ref import attention_ref
 from ..log import get_logger
 from ..models.config import ModelConfig
@@ -21,8 +22,6 @@ from ..models.layers import AttentionSpec
 from .sequence import ScheduledSeq, Sequence
 
 log = get_logger()
-
-_GROWTH_QUANTUM = 256  # tokens; capacity grows to a multiple of this, at least doubling
 
 
 class SequenceStore(Protocol):
@@ -64,13 +63,7 @@ class SequenceKV:
 
     def reserve(self, num_tokens: int, used: int) -> None:
         """Make room for ``num_tokens``, keeping the first ``used`` tokens."""
-        if num_tokens <= self.capacity:
-            return
-        target = max(2 * self.capacity, -(-num_tokens // _GROWTH_QUANTUM) * _GROWTH_QUANTUM)
-        layers, two, _, heads, dim = self.data.shape
-        grown = self.data.new_empty((layers, two, target, heads, dim))
-        grown[:, :, :used] = self.data[:, :, :used]
-        self.data = grown
+        self.data = grown(self.data, num_tokens, used, dim=2)
 
     def copy_prefix(self, source: "SequenceKV", length: int) -> None:
         self.reserve(length, used=0)

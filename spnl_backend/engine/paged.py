@@ -12,6 +12,7 @@ import torch
 
 from ..kernels import Kernels
 from ..kernels.metadata import PagedMetadata
+from ..kernels.paged_ref import fp8_scale
 from ..log import get_logger
 from ..models.config import ModelConfig
 from ..models.layers import AttentionBackend, AttentionSpec
@@ -19,10 +20,6 @@ from .block_manager import BlockManager, BlockTable
 from .sequence import ScheduledSeq, Sequence
 
 log = get_logger()
-
-# An FP8 cache without scales from the model maps the first prefill's absolute maximum
-# to 224, half of float8_e4m3fn's 448, leaving room for larger values later.
-FP8_CALIBRATION_TARGET = 224.0
 
 
 class PagedKVCache:
@@ -46,8 +43,7 @@ class PagedKVCache:
         """Set an FP8 layer's scales from the first K/V it stores."""
         if self._calibrated[layer]:
             return
-        self.k_scale[layer] = max(float(k.abs().max()), 1e-6) / FP8_CALIBRATION_TARGET
-        self.v_scale[layer] = max(float(v.abs().max()), 1e-6) / FP8_CALIBRATION_TARGET
+        self.k_scale[layer], self.v_scale[layer] = fp8_scale(k), fp8_scale(v)
         self._calibrated[layer] = True
         log.debug(
             "kv_cache.fp8_scales",

@@ -138,7 +138,7 @@ def _paged_cache(
     if pair is None:
         per_token = kv_bytes_per_token(loaded.config, cache_dtype)
     else:
-        per_token = loaded.config.num_layers * loaded.config.num_kv_heads * pair.record_bytes
+        per_token = pair.bytes_per_token(loaded.config.num_layers, loaded.config.num_kv_heads)
     plan = plan_kv_cache(
         loaded.config,
         budget,
