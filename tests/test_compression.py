@@ -92,7 +92,7 @@ def test_polar_relative_error_is_the_codebooks_distortion(bits):
     relative = ((y - x).pow(2).sum(-1) / x.pow(2).sum(-1)).mean().item()
     assert relative <= DISTORTION[bits] * 1.05
     assert relative >= DISTORTION[bits] * 0.5  # the bound is tight: rotation really ran
-    assert codec.record_bytes == 64 * bits // 8 + 4
+    assert codec.record_bytes == 64 * bits // 8 + 2
 
 
 def test_centring_and_outliers_shrink_the_error_and_keep_outliers_exact():
@@ -101,14 +101,48 @@ def test_centring_and_outliers_shrink_the_error_and_keep_outliers_exact():
     plain.centers[0] = torch.zeros(2, 64)
     refined = PolarCodec(1, 64, 4, CPU, outliers=4)
     records = refined.encode(0, x)
-    assert records.shape[-1] == 64 * 4 // 8 + 4 + 4 * 3
+    assert records.shape[-1] == 64 * 4 // 8 + 2 + 4 * 3
     torch.testing.assert_close(refined.centers[0], x.mean(0))
     error = (refined.dequantize(0, records) - x).pow(2).sum()
     assert error < 0.2 * (plain.dequantize(0, plain.encode(0, x)) - x).pow(2).sum()
     centred = x - x.mean(0)
     largest = centred.abs().argmax(-1, keepdim=True)
     kept = refined._outliers(records).gather(-1, largest)  # the field, outside the rotation
-    torch.testing.assert_close(kept, centred.gather(-1, largest).half().float())
+    # (vector 0 is the anchor, kept whole instead)
+    torch.testing.assert_close(kept[1:], centred.gather(-1, largest).half().float()[1:])
+
+
+@pytest.mark.parametrize("qjl", [False, True])
+def test_the_first_vector_is_the_anchor_kept_exactly_and_recognised_later(qjl):
+    codec = PolarCodec(1, 64, 3, CPU, qjl=qjl, outliers=2)
+    first = anisotropic(5, 2, 64)
+    later = anisotropic(6, 2, 64, seed=1)
+    later[2] = first[0] * (1 + 1e-5)  # the same vector, rounded differently
+    later[4, 1] = first[0, 1] * 1.01  # close, but another vector
+    records = torch.cat([codec.encode(0, first), codec.encode(0, later)])
+    anchored = codec.gains(records).squeeze(-1).isnan()
+    expected = torch.zeros(11, 2, dtype=torch.bool)
+    expected[0] = expected[7] = True
+    assert torch.equal(anchored, expected)
+    x = torch.cat([first, later])
+    restored = codec.dequantize(0, records)
+    torch.testing.assert_close(restored[anchored], first[0].expand(2, 2, 64).reshape(-1, 64))
+    assert (restored[~anchored] - x[~anchored]).abs().max() > 1e-3  # the rest is coded
+    q = anisotropic(3, 2, 64, seed=2)
+    exact = torch.einsum("qhd,khd->hqk", q, first[0].expand(11, 2, 64))
+    scores = codec.scores(0, q, records)
+    for t, h in anchored.nonzero().tolist():
+        torch.testing.assert_close(scores[h, :, t], exact[h, :, t], rtol=1e-5, atol=1e-4)
+
+
+def test_fixed_centres_are_kept_whatever_is_stored_first():
+    centres = torch.randn(2, 2, 64)
+    codec = PolarCodec(2, 64, 4, CPU, centers=centres)
+    codec.encode(1, anisotropic(3, 2, 64) + 40.0)
+    torch.testing.assert_close(codec.centers[1], centres[1])
+    twin = codec.fork()
+    assert twin.centers[0] is codec.centers[0]
+    torch.testing.assert_close(twin.anchors[1], codec.anchors[1])
 
 
 @pytest.mark.parametrize("bits", [2, 3])
@@ -124,7 +158,7 @@ def test_qjl_makes_key_products_unbiased_and_closer(bits):
     assert error.pow(2).mean() < 0.75 * plain_error.pow(2).mean()
     # unbiased: the mean error is small against its own spread
     assert abs(error.mean().item()) < 4 * error.std().item() / math.sqrt(error.numel())
-    assert codec.record_bytes == 64 * bits // 8 + 4 + 64 // 8 + 4
+    assert codec.record_bytes == 64 * bits // 8 + 2 + 64 // 8 + 4
 
 
 def test_bytes_per_token_of_the_default_models_shape():
@@ -140,20 +174,23 @@ def test_bytes_per_token_of_the_default_models_shape():
 
 
 @pytest.mark.parametrize("method", ["tq4", "tq3"])
-@pytest.mark.parametrize("window", [None, 40])
-def test_native_decode_matches_its_torch_twin(method, window):
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (40, None), (None, 3.0)])
+def test_native_decode_matches_its_torch_twin(method, window, softcap):
     from spnl_backend.compression.attention import attend_records, decode_records
     from spnl_backend.kernels.cpu import cpu_kernels
 
     if cpu_kernels() is None:
         pytest.skip("no C compiler: the torch twin is what runs")
     pair = get_compressor(method).make_codecs(geometry(layers=1))
-    keys = pair.key.encode(0, anisotropic(120, 2, 64))
-    values = pair.value.encode(0, anisotropic(120, 2, 64, seed=1) - 2.0)
+    k, v = anisotropic(120, 2, 64), anisotropic(120, 2, 64, seed=1) - 2.0
+    k[[30, 77]], v[[30, 77]] = k[0].clone(), v[0].clone()  # more records of the anchor
+    keys, values = pair.key.encode(0, k), pair.value.encode(0, v)
+    assert pair.key.gains(keys).isnan().sum() == pair.value.gains(values).isnan().sum() == 6
     q = anisotropic(3, 4, 64, seed=2)
     lens = torch.tensor([120, 57, 1])
     slots = torch.stack([torch.arange(120), torch.randperm(120), torch.randperm(120)])
-    got = decode_records(pair, 0, q, keys, values, slots, lens, scale=0.1, sliding_window=window)
+    attend = {"scale": 0.1, "sliding_window": window, "softcap": softcap}
+    got = decode_records(pair, 0, q, keys, values, slots, lens, **attend)
     for s, length in enumerate(lens.tolist()):
         held = slots[s, :length]
         expected = attend_records(
@@ -162,9 +199,8 @@ def test_native_decode_matches_its_torch_twin(method, window):
             q[s : s + 1],
             keys[held],
             values[held],
-            scale=0.1,
             context_len=length - 1,
-            sliding_window=window,
+            **attend,
         )
         torch.testing.assert_close(got[s : s + 1], expected, rtol=1e-5, atol=1e-5)
 
@@ -341,6 +377,51 @@ def test_paged_pool_is_sized_by_the_records(model):
     config = plain._engine.runner.model.config
     ratio = kv_bytes_per_token("none", config, torch.float32) / kv_bytes_per_token("tq4", config)
     assert packed_tokens / plain_tokens == pytest.approx(ratio, rel=0.05)
+
+
+def calibration_means(model) -> torch.Tensor:
+    """The plain cache's mean K/V per layer over the calibration text (after position 0),
+    read from what the engine stores while scoring that text."""
+    from spnl_backend.engine import kv_cache
+    from spnl_backend.loader.calibration import CALIBRATION_TEXT, MAX_CALIBRATION_TOKENS
+
+    backend = load(model, paged_attn=False, prefix_cache_n=0)
+    ids = backend.tokenizer.encode(CALIBRATION_TEXT.read_text())[:MAX_CALIBRATION_TOKENS]
+    stored: dict[int, torch.Tensor] = {}
+    attend = kv_cache.SequenceKV.attend
+
+    def spy(self, q, k, v, context_len, spec):
+        stored[spec.layer] = torch.stack([k[1:].mean(0), v[1:].mean(0)])
+        return attend(self, q, k, v, context_len, spec)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kv_cache.SequenceKV, "attend", spy)
+        engine_logits(backend, ids)
+    return torch.stack([stored[layer] for layer in sorted(stored)])
+
+
+def test_centres_come_from_the_calibration_text_not_the_first_request(model, caplog):
+    expected = calibration_means(model)
+    with caplog.at_level(logging.INFO):
+        paged = load(model, paged_attn=True, kv_cache_compression="tq4")
+    assert "kv_compression.calibrated" in caplog.text
+    paged.generate("x" * 3, max_tokens=2, temperature=0)  # a short, odd first request
+    pair = paged._engine.cache.cache.pair
+    for layer in range(expected.shape[0]):
+        torch.testing.assert_close(
+            pair.key.centers[layer], expected[layer, 0], atol=1e-5, rtol=1e-4
+        )
+        torch.testing.assert_close(
+            pair.value.centers[layer], expected[layer, 1], atol=1e-5, rtol=1e-4
+        )
+    store = load(model, paged_attn=False, kv_cache_compression="tq4")._engine.cache.new_store()
+    torch.testing.assert_close(
+        store.cache.pair.key.centers[1], expected[1, 0], atol=1e-5, rtol=1e-4
+    )
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        load(model, paged_attn=False, kv_cache_compression="int8")
+    assert "kv_compression.calibrated" not in caplog.text  # int8 does not centre: no pass
 
 
 def test_a_gemma_model_with_sliding_layers_runs_compressed(tiny):

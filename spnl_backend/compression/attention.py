@@ -98,6 +98,7 @@ def decode_records(
     out = native.coded_decode(
         q @ key.rotation,
         q,
+        _anchor_terms(pair, layer, q),
         key_pool,
         value_pool,
         (key.codebook, key.bits, key.outliers),
@@ -111,3 +112,19 @@ def decode_records(
     centre = value.centers[layer] @ value.rotation  # [kv_heads, dim]
     out = out + centre.repeat_interleave(q.shape[1] // centre.shape[0], dim=0)
     return out @ value.rotation.T
+
+
+def _anchor_terms(
+    pair: CodecPair, layer: int, q: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the native kernel needs of the codecs' centres and anchors (see
+    ``spnl_coded_decode``): ``q . key centre``, ``q . key anchor``, and the value anchor
+    less the value centre, rotated."""
+    key, value = pair.key, pair.value
+    group = q.shape[1] // key.centers[layer].shape[0]
+
+    def per_query_head(vector: torch.Tensor) -> torch.Tensor:
+        return (q * vector.repeat_interleave(group, dim=0)).sum(-1)
+
+    value_anchor = (value.anchors[layer] - value.centers[layer]) @ value.rotation
+    return per_query_head(key.centers[layer]), per_query_head(key.anchors[layer]), value_anchor

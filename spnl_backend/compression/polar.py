@@ -3,16 +3,22 @@
 After a random orthogonal rotation, the coordinates of any unit vector in ``dim``
 dimensions are close to ``N(0, 1/dim)`` whatever the data, so one precomputed Lloyd-Max
 codebook for the normal distribution is near-optimal for every model and needs no
-calibration. A record is the packed codes plus one float32 gain per vector (the
+calibration. A record is the packed codes plus one float16 gain per vector (the
 least-squares scale of the codebook vector, which is never worse than the vector's norm).
 Expected relative squared error ``|x - x'|^2 / |x|^2`` is at most the codebook's
 distortion `DISTORTION` (about 0.117, 0.035 and 0.0095 at 2, 3 and 4 bits).
 
-Two refinements aimed at keys, whose errors reach every attention score:
+Three refinements, the last aimed at keys, whose errors reach every attention score:
 
-- centring: each layer's first stored vectors set a mean per head that is subtracted
-  before quantizing (the rest is what the codes spend their precision on); any fixed
-  vector is exact to subtract, so a short first prompt costs precision, not correctness;
+- centring: a mean per layer and head is subtracted before quantizing (the rest is what
+  the codes spend their precision on). The engine gives the model's means over a short
+  reference text (`KVGeometry.kv_means`); without them, each layer's first stored
+  vectors set it. Any fixed vector is exact to subtract, so a poor centre costs
+  precision, not correctness;
+- the anchor: the first vector each layer stores (position 0, the attention sink that
+  most heads attend heavily, so that its error is not averaged away) is kept exactly,
+  and every later vector equal to it within `ANCHOR_TOLERANCE` (position 0 of every
+  sequence that starts with the same token) is stored as a reference to it: a NaN gain;
 - outliers: the ``outliers`` largest coordinates of each centred vector are kept as
   float16 with their indices, outside the rotation, which would otherwise spread them
   over all coordinates (real keys put a third to a half of their energy in 8 of 256).
@@ -35,6 +41,7 @@ from .codecs import bytes_float, float_bytes, pack_bits, unpack_bits
 # Lloyd-Max mean squared error of the unit normal at 1-4 bits (Max, 1960).
 DISTORTION = {1: 0.3634, 2: 0.1175, 3: 0.03454, 4: 0.009497}
 ROTATION_SEED = 0x5EED
+ANCHOR_TOLERANCE = 1e-3  # of the anchor's largest coordinate: rounding, not a new vector
 QJL_SEED = 0x0A11
 
 
@@ -79,7 +86,10 @@ class PolarCodec:
         *,
         qjl: bool = False,
         outliers: int = 0,
+        centers: torch.Tensor | None = None,
     ) -> None:
+        """``centers [num_layers, heads, head_dim]``: fixed centres (None: each layer's
+        first stored vectors set its own)."""
         if head_dim % 8:
             raise ValueError(f"PolarQuant packs codes in groups of 8; head_dim {head_dim} is not")
         if outliers and head_dim > 256:
@@ -90,40 +100,63 @@ class PolarCodec:
         scale = 1.0 / math.sqrt(head_dim)  # coordinates of a rotated unit vector
         self.codebook = torch.tensor(normal_codebook(bits), device=device) * scale
         self.edges = (self.codebook[1:] + self.codebook[:-1]) / 2
-        sizes = [head_dim * bits // 8, 4, outliers, 2 * outliers]
+        sizes = [head_dim * bits // 8, 2, outliers, 2 * outliers]
         sizes += [head_dim // 8, 4] if qjl else [0, 0]
         self.fields = _Fields(sizes)
         self.record_bytes = sum(sizes)
-        self.centers: list[torch.Tensor | None] = [None] * num_layers
+        self.centers: list[torch.Tensor | None] = (
+            [None] * num_layers if centers is None else [c.float().to(device) for c in centers]
+        )
+        self.anchors: list[torch.Tensor | None] = [None] * num_layers
 
     def encode(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
         if self.centers[layer] is None:
             self.centers[layer] = x.mean(0)
+        if self.anchors[layer] is None:
+            self.anchors[layer] = x[0].clone()
+        anchored = self.is_anchor(layer, x).unsqueeze(-1)
         x = x - self.centers[layer]
         if self.outliers:
             index = x.abs().topk(self.outliers, dim=-1).indices
-            kept = x.gather(-1, index)
+            kept = x.gather(-1, index).masked_fill(anchored, 0.0)
             x = x.scatter(-1, index, 0.0)
         y = x @ self.rotation
         norm = y.norm(dim=-1, keepdim=True).clamp_min(1e-30)
         codes = torch.bucketize(y / norm, self.edges)
         unit = self.codebook[codes]
         gain = (y * unit).sum(-1, keepdim=True) / (unit * unit).sum(-1, keepdim=True)
-        parts = [pack_bits(codes, self.bits), float_bytes(gain)]
+        gain = gain.masked_fill(anchored, math.nan)
+        parts = [pack_bits(codes, self.bits), gain.half().view(torch.uint8)]
         if self.outliers:
             parts += [index.to(torch.uint8), kept.half().view(torch.uint8)]
         if self.qjl:
-            residual = y - gain * unit
+            residual = (y - gain * unit).masked_fill(anchored, 0.0)
             signs = (residual @ self.sketch.T) >= 0
             parts += [pack_bits(signs, 1), float_bytes(residual.norm(dim=-1, keepdim=True))]
         return torch.cat(parts, dim=-1)
 
+    def is_anchor(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Which vectors of ``x [T, heads, dim]`` are the layer's anchor: ``[T, heads]``."""
+        anchor = self.anchors[layer]
+        if anchor is None:
+            return torch.zeros(x.shape[:-1], dtype=torch.bool, device=x.device)
+        reach = ANCHOR_TOLERANCE * anchor.abs().amax(-1)
+        return (x.float() - anchor).abs().amax(-1) <= reach
+
     def decode(self, layer: int, records: torch.Tensor) -> torch.Tensor:
-        """The rotated codes with the centre: everything but the outliers."""
+        """The rotated codes with the centre (the anchor where a record refers to it):
+        everything but the outliers."""
         codes = unpack_bits(self.fields.get(records, 0), self.bits)
-        gain = bytes_float(self.fields.get(records, 1))
-        return self.codebook[codes] * gain + self.centers[layer] @ self.rotation
+        gain = self.gains(records)
+        coded = self.codebook[codes] * gain + self.centers[layer] @ self.rotation
+        if self.anchors[layer] is None:
+            return coded
+        return torch.where(gain.isnan(), self.anchors[layer] @ self.rotation, coded)
+
+    def gains(self, records: torch.Tensor) -> torch.Tensor:
+        """float32 ``[..., 1]`` (NaN: the record is the anchor)."""
+        return self.fields.get(records, 1).contiguous().view(torch.float16).float()
 
     def dequantize(self, layer: int, records: torch.Tensor) -> torch.Tensor:
         return self.decode(layer, records) @ self.rotation.T + self._outliers(records)
@@ -157,7 +190,7 @@ class PolarCodec:
 
     def fork(self) -> "PolarCodec":
         twin = copy.copy(self)
-        twin.centers = list(self.centers)
+        twin.centers, twin.anchors = list(self.centers), list(self.anchors)
         return twin
 
 

@@ -16,7 +16,7 @@ Calls for different layers may come from different threads at once: implementati
 lock per layer.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -24,13 +24,17 @@ import torch
 
 @dataclass(frozen=True)
 class KVGeometry:
-    """What a compressed cache is made for: the model's KV shape, dtype and device."""
+    """What a compressed cache is made for: the model's KV shape, dtype and device, and,
+    for a method that asks for them (`Compressor.calibrated`), ``kv_means``: the model's
+    mean key and value per layer and KV head over a short reference text, float32
+    ``[num_layers, 2, num_kv_heads, head_dim]`` (None where nobody measured them)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
     device: torch.device
+    kv_means: torch.Tensor | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

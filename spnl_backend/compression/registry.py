@@ -35,6 +35,8 @@ class Compressor:
     summary: str
     make_cache: Callable[[KVGeometry], CompressedKVCache]
     make_codecs: Callable[[KVGeometry], CodecPair] | None = None
+    # The engine measures `KVGeometry.kv_means` for it (one forward pass at load).
+    calibrated: bool = False
 
     def bytes_per_token(self, geometry: KVGeometry) -> int | None:
         """K and V of every layer for one token, where the record size is known."""

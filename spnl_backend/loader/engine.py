@@ -27,6 +27,7 @@ from ..log import get_logger
 from ..settings import BackendSettings, PlatformDecisions
 from ..settings.model import KvBudget, env_name
 from .build import LoadedModel
+from .calibration import kv_means
 
 log = get_logger()
 
@@ -73,28 +74,32 @@ def _cache(
             "sequence, in non-paged mode",
         )
         paged = False
+    geometry = _geometry(loaded, compressor, role)
     if not paged:
-        cache = _contiguous_cache(loaded, settings, compressor, role)
+        cache = _contiguous_cache(loaded, settings, compressor, geometry, role)
         return cache, config.max_position_embeddings
-    pool = _paged_cache(loaded, settings, decisions, budget, role, compressor)
+    pool = _paged_cache(loaded, settings, decisions, budget, role, compressor, geometry)
     return pool, min(config.max_position_embeddings, pool.capacity_tokens)
 
 
-def _geometry(loaded: LoadedModel) -> KVGeometry:
+def _geometry(loaded: LoadedModel, compressor: Compressor | None, role: str) -> KVGeometry:
     c = loaded.config
-    return KVGeometry(c.num_layers, c.num_kv_heads, c.head_dim, loaded.dtype, loaded.device)
+    means = kv_means(loaded, role) if compressor is not None and compressor.calibrated else None
+    return KVGeometry(
+        c.num_layers, c.num_kv_heads, c.head_dim, loaded.dtype, loaded.device, kv_means=means
+    )
 
 
 def _contiguous_cache(
     loaded: LoadedModel,
     settings: BackendSettings,
     compressor: Compressor | None,
+    geometry: KVGeometry,
     role: str,
 ) -> ContiguousCacheManager:
     if compressor is None:
         new_store = plain_stores(loaded.config, loaded.dtype, loaded.device)
         return ContiguousCacheManager(new_store, settings.prefix_cache_n)
-    geometry = _geometry(loaded)
 
     def new_store() -> SequenceStore:
         return ProtocolKV(compressor.make_cache(geometry), compressor.name)
@@ -129,12 +134,11 @@ def _paged_cache(
     budget: KvBudget,
     role: str,
     compressor: Compressor | None,
+    geometry: KVGeometry,
 ) -> PagedCacheManager:
     fp8 = decisions.kv_cache_dtype == "float8_e4m3fn"
     cache_dtype = torch.float8_e4m3fn if fp8 else loaded.dtype
-    pair = (
-        compressor.make_codecs(_geometry(loaded)) if compressor and compressor.make_codecs else None
-    )
+    pair = compressor.make_codecs(geometry) if compressor and compressor.make_codecs else None
     if pair is None:
         per_token = kv_bytes_per_token(loaded.config, cache_dtype)
     else:

@@ -49,6 +49,9 @@ _SIGNATURES = {  # name: (argument types, result type)
             _P,
             _P,
             _P,
+            _P,
+            _P,
+            _P,
             _I64,
             _I64,
             _P,
@@ -189,6 +192,7 @@ class CpuKernels:
         self,
         q_rot: torch.Tensor,
         q: torch.Tensor,
+        anchors: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         key_pool: torch.Tensor,
         value_pool: torch.Tensor,
         key_format: tuple[torch.Tensor, int, int],
@@ -200,9 +204,12 @@ class CpuKernels:
         softcap: float | None,
     ) -> torch.Tensor:
         """One query per sequence over PolarQuant records ``[slots, kv_heads, bytes]``;
-        ``key_format`` is (codebook, bits, outliers), ``value_format`` (codebook, bits).
-        Returns the rotated value sum without the values' centre."""
+        ``key_format`` is (codebook, bits, outliers), ``value_format`` (codebook, bits);
+        ``anchors`` is (q . key centre and q . key anchor ``[seqs, heads]``, the value
+        anchor less the value centre, rotated, ``[kv_heads, dim]``). Returns the rotated
+        value sum without the values' centre."""
         q_rot, q = q_rot.contiguous(), q.contiguous()
+        k_shift, k_anchor, v_anchor = (t.float().contiguous() for t in anchors)
         seqs, heads, dim = q.shape
         (k_lut, k_bits, outliers), (v_lut, v_bits) = key_format, value_format
         out = torch.empty_like(q)
@@ -210,6 +217,9 @@ class CpuKernels:
             self.library.spnl_coded_decode(
                 q_rot.data_ptr(),
                 q.data_ptr(),
+                k_shift.data_ptr(),
+                k_anchor.data_ptr(),
+                v_anchor.data_ptr(),
                 key_pool.data_ptr(),
                 value_pool.data_ptr(),
                 key_pool.shape[-1],

@@ -9,6 +9,7 @@
 // portable (AVX2, AVX-512, NEON).
 
 #include <math.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -889,10 +890,12 @@ int spnl_paged_decode(const float *q, const float *k_cache, const float *v_cache
 // ---- compressed KV: PolarQuant records (twin: compression.attention.attend_records) ----
 //
 // A record (compression/polar.py) is: codes, `bits` per coordinate, each group of 8 a
-// little-endian word of `bits` bytes; a float32 gain; `outliers` uint8 indices; as many
-// float16 values. A coordinate is lut[code] * gain in the rotated domain; the centre
-// is left out: it adds the same amount to every score of a query (softmax ignores it),
-// and the caller adds the values' centre after the sum (probabilities sum to one).
+// little-endian word of `bits` bytes; a float16 gain (NaN: the record is the layer's
+// anchor, whose score and value the caller gives); `outliers` uint8 indices; as many
+// float16 values. A coordinate is lut[code] * gain in the rotated domain. The keys'
+// centre adds q . centre to every score (k_shift, per query head); the caller adds the
+// values' centre after the sum (probabilities sum to one), so an anchor's value is given
+// less that centre.
 
 static void unpack_codes(const uint8_t *rec, int bits, const float *lut, float gain,
                          int64_t dim, float *out) {
@@ -905,23 +908,24 @@ static void unpack_codes(const uint8_t *rec, int bits, const float *lut, float g
 }
 
 static float record_gain(const uint8_t *rec, int bits, int64_t dim) {
-    float gain;
-    memcpy(&gain, rec + dim * bits / 8, sizeof(float));
-    return gain;
+    return half_to_float(rec + dim * bits / 8);
 }
 
 static float outlier_dot(const uint8_t *rec, int bits, int64_t dim, int64_t outliers,
                          const float *q) {
-    const uint8_t *index = rec + dim * bits / 8 + 4, *values = index + outliers;
+    const uint8_t *index = rec + dim * bits / 8 + 2, *values = index + outliers;
     float dot = 0.0f;
     for (int64_t j = 0; j < outliers; j++) dot += q[index[j]] * half_to_float(values + 2 * j);
     return dot;
 }
 
 // One query per sequence. q_rot [seqs][heads][dim] (rotated like the keys), q the same
-// unrotated (for the outliers); out [seqs][heads][dim]: the probability-weighted sum of
-// the value codes, rotated, centre not added. Keys [first, lens[s]) are visible.
-int spnl_coded_decode(const float *q_rot, const float *q, const uint8_t *k_pool,
+// unrotated (for the outliers); k_shift and k_anchor [seqs][heads]: q . centre and
+// q . anchor; v_anchor [kv_heads][dim]: the values' anchor less their centre, rotated.
+// out [seqs][heads][dim]: the probability-weighted sum of the value codes, rotated,
+// centre not added. Keys [first, lens[s]) are visible.
+int spnl_coded_decode(const float *q_rot, const float *q, const float *k_shift,
+                      const float *k_anchor, const float *v_anchor, const uint8_t *k_pool,
                       const uint8_t *v_pool, int64_t k_bytes, int64_t v_bytes,
                       const float *k_lut, int k_bits, int64_t k_outliers, const float *v_lut,
                       int v_bits, const int64_t *slots, int64_t slot_stride,
@@ -946,12 +950,19 @@ int spnl_coded_decode(const float *q_rot, const float *q, const uint8_t *k_pool,
                 #pragma omp for schedule(static)
                 for (int64_t j = first; j < len; j++) {
                     const uint8_t *rec = k_pool + (seq_slots[j] * kv_heads + kvh) * k_bytes;
-                    unpack_codes(rec, k_bits, k_lut, record_gain(rec, k_bits, dim), dim, key);
+                    const float gain = record_gain(rec, k_bits, dim);
+                    const bool anchor = isnan(gain);
+                    if (!anchor) unpack_codes(rec, k_bits, k_lut, gain, dim, key);
                     for (int64_t g = 0; g < group; g++) {
                         float dot = 0.0f;
-                        #pragma omp simd reduction(+ : dot)
-                        for (int64_t i = 0; i < dim; i++) dot += qr[g * dim + i] * key[i];
-                        dot += outlier_dot(rec, k_bits, dim, k_outliers, qo + g * dim);
+                        if (anchor) {
+                            dot = k_anchor[s * heads + h0 + g];
+                        } else {
+                            #pragma omp simd reduction(+ : dot)
+                            for (int64_t i = 0; i < dim; i++) dot += qr[g * dim + i] * key[i];
+                            dot += outlier_dot(rec, k_bits, dim, k_outliers, qo + g * dim);
+                            dot += k_shift[s * heads + h0 + g];
+                        }
                         dot *= scale;
                         if (softcap > 0.0f) dot = softcap * tanhf(dot / softcap);
                         scores[g * longest + j] = dot;
@@ -976,11 +987,14 @@ int spnl_coded_decode(const float *q_rot, const float *q, const uint8_t *k_pool,
                 #pragma omp for schedule(static)
                 for (int64_t j = first; j < len; j++) {
                     const uint8_t *rec = v_pool + (seq_slots[j] * kv_heads + kvh) * v_bytes;
-                    unpack_codes(rec, v_bits, v_lut, record_gain(rec, v_bits, dim), dim, value);
+                    const float gain = record_gain(rec, v_bits, dim);
+                    const float *vj = value;
+                    if (isnan(gain)) vj = v_anchor + kvh * dim;
+                    else unpack_codes(rec, v_bits, v_lut, gain, dim, value);
                     for (int64_t g = 0; g < group; g++) {
                         const float p = scores[g * longest + j];
                         #pragma omp simd
-                        for (int64_t i = 0; i < dim; i++) acc[g * dim + i] += p * value[i];
+                        for (int64_t i = 0; i < dim; i++) acc[g * dim + i] += p * vj[i];
                     }
                 }
             }

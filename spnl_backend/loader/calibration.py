@@ -1,0 +1,51 @@
+"""The model's mean K and V over a short reference text, for compression methods that centre.
+
+A centre measured on a few hundred tokens of ordinary prose serves every later request:
+it no longer depends on which request came first (paged mode) or on how short a prompt
+is (non-paged mode). Measured once per model at load, with the plain cache.
+"""
+
+import time
+from pathlib import Path
+
+import torch
+
+from ..engine.kv_cache import ContiguousStep, SequenceKV, StepSlice
+from ..log import get_logger
+from .build import LoadedModel
+
+log = get_logger()
+
+CALIBRATION_TEXT = Path(__file__).with_name("calibration.txt")
+MAX_CALIBRATION_TOKENS = 256
+
+
+def kv_means(loaded: LoadedModel, role: str) -> torch.Tensor:
+    """float32 ``[layers, 2, kv_heads, head_dim]``: each layer's mean key and value per KV
+    head over the reference text, position 0 (the attention sink, kept apart by the
+    methods) left out."""
+    config = loaded.config
+    limit = min(MAX_CALIBRATION_TOKENS, config.max_position_embeddings)
+    ids = loaded.tokenizer.encode(CALIBRATION_TEXT.read_text())[:limit]
+    if len(ids) < 2:
+        raise ValueError(f"the calibration text encodes to {len(ids)} token(s); 2 are needed")
+    start = time.perf_counter()
+    store = SequenceKV(
+        config.num_layers, config.num_kv_heads, config.head_dim, loaded.dtype, loaded.device
+    )
+    store.reserve(len(ids), used=0)
+    step = ContiguousStep([StepSlice(store, 0, len(ids))])
+    with torch.inference_mode():
+        loaded.model(
+            torch.tensor(ids, device=loaded.device),
+            torch.arange(len(ids), device=loaded.device),
+            step,
+        )
+    means = store.data[:, :, 1 : len(ids)].float().mean(2)
+    log.info(
+        "kv_compression.calibrated",
+        model=role,
+        tokens=len(ids),
+        seconds=round(time.perf_counter() - start, 2),
+    )
+    return means
