@@ -109,9 +109,13 @@ def decode_records(
         sliding_window,
         softcap,
     )
-    centre = value.centers[layer] @ value.rotation  # [kv_heads, dim]
-    out = out + centre.repeat_interleave(q.shape[1] // centre.shape[0], dim=0)
-    return out @ value.rotation.T
+    centre = value.centers[layer] @ value.rotation
+    return (out + _per_query_head(centre, q.shape[1])) @ value.rotation.T
+
+
+def _per_query_head(vectors: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[kv_heads, dim]`` → ``[heads, dim]``: each KV head's vector for its query heads."""
+    return vectors.repeat_interleave(heads // vectors.shape[0], dim=0)
 
 
 def _anchor_terms(
@@ -121,10 +125,9 @@ def _anchor_terms(
     ``spnl_coded_decode``): ``q . key centre``, ``q . key anchor``, and the value anchor
     less the value centre, rotated."""
     key, value = pair.key, pair.value
-    group = q.shape[1] // key.centers[layer].shape[0]
 
-    def per_query_head(vector: torch.Tensor) -> torch.Tensor:
-        return (q * vector.repeat_interleave(group, dim=0)).sum(-1)
+    def products(vectors: torch.Tensor) -> torch.Tensor:
+        return (q * _per_query_head(vectors, q.shape[1])).sum(-1)
 
     value_anchor = (value.anchors[layer] - value.centers[layer]) @ value.rotation
-    return per_query_head(key.centers[layer]), per_query_head(key.anchors[layer]), value_anchor
+    return products(key.centers[layer]), products(key.anchors[layer]), value_anchor

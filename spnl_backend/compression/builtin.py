@@ -62,22 +62,28 @@ BUILT_IN = (
     _codec_method("fp8", "float8_e4m3fn, one scale per layer and tensor", _fp8),
     _codec_method("int8", "int8, one scale per token and head", _int8),
     _codec_method(
-        "tq4", "PolarQuant, values 4-bit, keys 5-bit + 5 outliers", _polar(4, False, 5), True
+        "tq4",
+        "PolarQuant, values 4-bit, keys 5-bit + 5 outliers",
+        _polar(4, False, 5),
+        calibrated=True,
     ),
     _codec_method(
-        "tq3", "PolarQuant, values 3-bit, keys 4-bit + 12 outliers", _polar(3, False, 12), True
+        "tq3",
+        "PolarQuant, values 3-bit, keys 4-bit + 12 outliers",
+        _polar(3, False, 12),
+        calibrated=True,
     ),
     _codec_method(
         "tq4-qjl",
         "TurboQuant, values 4-bit, keys 4-bit + 1-bit QJL + 2 outliers",
         _polar(4, True, 2),
-        True,
+        calibrated=True,
     ),
     _codec_method(
         "tq3-qjl",
         "TurboQuant, values 3-bit, keys 3-bit + 1-bit QJL + 12 outliers",
         _polar(3, True, 12),
-        True,
+        calibrated=True,
     ),
 )
 

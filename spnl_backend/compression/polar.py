@@ -115,7 +115,7 @@ class PolarCodec:
             self.centers[layer] = x.mean(0)
         if self.anchors[layer] is None:
             self.anchors[layer] = x[0].clone()
-        anchored = self.is_anchor(layer, x).unsqueeze(-1)
+        anchored = self._anchored(layer, x).unsqueeze(-1)
         x = x - self.centers[layer]
         if self.outliers:
             index = x.abs().topk(self.outliers, dim=-1).indices
@@ -136,13 +136,11 @@ class PolarCodec:
             parts += [pack_bits(signs, 1), float_bytes(residual.norm(dim=-1, keepdim=True))]
         return torch.cat(parts, dim=-1)
 
-    def is_anchor(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """Which vectors of ``x [T, heads, dim]`` are the layer's anchor: ``[T, heads]``."""
+    def _anchored(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Which vectors of ``x [T, heads, dim]`` (float32) are the layer's anchor, which
+        `encode` has set: ``[T, heads]``."""
         anchor = self.anchors[layer]
-        if anchor is None:
-            return torch.zeros(x.shape[:-1], dtype=torch.bool, device=x.device)
-        reach = ANCHOR_TOLERANCE * anchor.abs().amax(-1)
-        return (x.float() - anchor).abs().amax(-1) <= reach
+        return (x - anchor).abs().amax(-1) <= ANCHOR_TOLERANCE * anchor.abs().amax(-1)
 
     def decode(self, layer: int, records: torch.Tensor) -> torch.Tensor:
         """The rotated codes with the centre (the anchor where a record refers to it):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..engine.kv_cache import ContiguousStep, SequenceKV, StepSlice
+from ..engine.kv_cache import ContiguousStep, StepSlice, plain_stores
 from ..log import get_logger
 from .build import LoadedModel
 
@@ -30,9 +30,7 @@ def kv_means(loaded: LoadedModel, role: str) -> torch.Tensor:
     if len(ids) < 2:
         raise ValueError(f"the calibration text encodes to {len(ids)} token(s); 2 are needed")
     start = time.perf_counter()
-    store = SequenceKV(
-        config.num_layers, config.num_kv_heads, config.head_dim, loaded.dtype, loaded.device
-    )
+    store = plain_stores(config, loaded.dtype, loaded.device)()
     store.reserve(len(ids), used=0)
     step = ContiguousStep([StepSlice(store, 0, len(ids))])
     with torch.inference_mode():
