@@ -2,9 +2,11 @@
 
 from .backend import Backend, GenerateResult, Usage, load_backend
 from .errors import (
+    EngineError,
     ModelFileError,
     ModelNotFoundError,
     PlatformError,
+    RequestAbortedError,
     RequestError,
     SettingsError,
     SpnlError,
@@ -17,11 +19,13 @@ __version__ = "0.1.0"
 __all__ = [
     "Backend",
     "BackendSettings",
+    "EngineError",
     "GenerateResult",
     "ModelFileError",
     "ModelNotFoundError",
     "PlatformDecisions",
     "PlatformError",
+    "RequestAbortedError",
     "RequestError",
     "SettingsError",
     "SpnlError",

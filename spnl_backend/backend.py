@@ -1,15 +1,16 @@
 """`Backend`: the one interface host applications call — generate, stream, chat."""
 
-import math
 import threading
+import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .engine.engine import Engine, StepOutput
+from .engine.engine import Engine, EngineStats, StepOutput
 from .engine.sequence import SamplingParams
 from .engine.sequence import Sequence as EngineSequence
-from .errors import RequestError
+from .errors import RequestAbortedError, RequestError
 from .loader.build import LoadedModel, load_model
 from .loader.default_model import default_model_path
 from .loader.draft import load_draft
@@ -19,6 +20,7 @@ from .loader.progress import LogProgress, Progress
 from .loader.resolve import ModelSource, resolve_model
 from .log import get_logger, set_verbose
 from .models.config import ModelConfig
+from .request import check_messages, check_prompt, prompt_list, reject_unknown, sampling_params
 from .settings import BackendSettings, PlatformDecisions, detect_platform, load_settings
 
 log = get_logger()
@@ -43,8 +45,17 @@ class GenerateResult:
     usage: Usage
 
 
+# A stream runs at most this many pieces ahead of its reader, then pauses.
+STREAM_BUFFER = 64
+# A paused stream whose reader has taken nothing for this long is aborted.
+STREAM_IDLE_TIMEOUT_S = 60.0
+
+
 class Backend:
-    """A loaded model behind `generate`, `stream` and `chat`; safe to share between threads."""
+    """A loaded model behind `generate`, `stream` and `chat`; safe to share between threads.
+
+    Also a context manager: leaving the ``with`` block (or `close`) frees everything.
+    """
 
     def __init__(
         self,
@@ -58,9 +69,12 @@ class Backend:
         self.model_config: ModelConfig = loaded.config
         self.source: ModelSource = loaded.source
         self.max_model_len = engine.config.max_model_len
-        self._engine = engine
+        self._cache_holds_context = engine.cache.capacity_tokens == self.max_model_len
+        self._engine: Engine | None = engine
         self._lock = threading.Lock()
         self._pending: dict[int, list[StepOutput]] = {}
+        self._read_at: dict[int, float] = {}  # when each request's reader last took output
+        self._abandoned: deque[EngineSequence] = deque()  # left by readers; aborted next
 
     def generate(
         self,
@@ -72,14 +86,17 @@ class Backend:
         top_k: int = 0,
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
+        **unknown: object,
     ) -> GenerateResult | list[GenerateResult]:
         """Complete one prompt, or a list of prompts run together as one batch.
 
         ``max_tokens`` of 0 or None runs until EOS or the end of the context;
-        ``temperature`` 0 is greedy. Returns a list exactly when given a list.
+        ``temperature`` 0 is greedy. Returns a list exactly when given a list; if one of
+        its prompts fails, the call raises that error and the others are aborted.
         """
+        reject_unknown(unknown)
         params = sampling_params(max_tokens, temperature, top_p, top_k, seed, stop)
-        prompts = [prompt] if isinstance(prompt, str) else _prompt_list(prompt)
+        prompts = [check_prompt(prompt)] if isinstance(prompt, str) else prompt_list(prompt)
         results = self._generate_ids([self._encode(p) for p in prompts], params)
         return results[0] if isinstance(prompt, str) else results
 
@@ -93,24 +110,73 @@ class Backend:
         top_k: int = 0,
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
+        **unknown: object,
     ) -> Iterator[str]:
-        """Yield the completion's text in pieces as it is decoded."""
+        """Yield the completion's text in pieces as it is decoded.
+
+        The request starts with the first ``next()``. Closing the iterator, letting it be
+        garbage-collected or leaving the loop aborts it; one left unread pauses after
+        `STREAM_BUFFER` pieces and is aborted after `STREAM_IDLE_TIMEOUT_S` seconds.
+        """
+        reject_unknown(unknown)
         params = sampling_params(max_tokens, temperature, top_p, top_k, seed, stop)
         if not isinstance(prompt, str):
             raise RequestError(f"stream() takes one prompt string, not {type(prompt).__name__}")
-        ids = self._encode(prompt)
+        ids = self._encode(check_prompt(prompt))
         return self._stream_ids(ids, params)
 
-    def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> GenerateResult:
+    def chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        max_tokens: int | None = None,
+        temperature: float = 0.6,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        **unknown: object,
+    ) -> GenerateResult:
         """Apply the model's chat template to ``messages`` and complete the assistant turn."""
-        params = sampling_params(**sampling)
-        ids = self.tokenizer.apply_chat_template(_check_messages(messages))
+        reject_unknown(unknown)
+        params = sampling_params(max_tokens, temperature, top_p, top_k, seed, stop)
+        ids = self.tokenizer.apply_chat_template(check_messages(messages))
         return self._generate_ids([self._check_length(ids)], params)[0]
 
     def run_steps(self, prompts: list[str], params: SamplingParams) -> Iterator[StepOutput]:
         """Every step's outputs for a batch (what the CLI's progress display follows)."""
-        seqs = self._add([self._encode(p) for p in prompts], params)
+        seqs = self._add([self._encode(p) for p in prompt_list(prompts)], params)
         yield from self._run(seqs)
+
+    def close(self) -> None:
+        """Abort every unfinished request (its caller gets `RequestAbortedError`) and free the
+        model and its KV cache. Later calls raise `RequestAbortedError`; closing twice is fine."""
+        with self._lock:
+            engine, self._engine = self._engine, None
+            if engine is None:
+                return
+            for seq in engine.unfinished():
+                engine.abort(seq, RequestAbortedError("the backend was closed"))
+            self._pending.clear()
+            self._abandoned.clear()
+        del engine
+        release_freed_memory()
+        log.info("backend.closed", model=self.source.name)
+
+    def __enter__(self) -> "Backend":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._engine is None
+
+    def stats(self) -> EngineStats:
+        """Requests running, waiting and paused; block-pool usage in paged mode."""
+        with self._lock:
+            return self._open_engine().stats()
 
     def _generate_ids(
         self, prompts: list[list[int]], params: SamplingParams
@@ -127,55 +193,100 @@ class Backend:
                 yield output.text_delta
 
     def _add(self, prompts: list[list[int]], params: SamplingParams) -> list[EngineSequence]:
-        return [self._engine_add(ids, params) for ids in prompts]
-
-    def _engine_add(self, ids: list[int], params: SamplingParams) -> EngineSequence:
         with self._lock:
-            return self._engine.add(ids, params)
+            engine = self._open_engine()
+            seqs = [engine.add(ids, params) for ids in prompts]
+            now = time.monotonic()
+            self._read_at.update((seq.seq_id, now) for seq in seqs)
+            return seqs
 
     def _run(self, seqs: list[EngineSequence]) -> Iterator[StepOutput]:
         """Step the engine until ``seqs`` finish, yielding their outputs.
 
         Every caller's thread steps the one engine for all running sequences
         (continuous batching across threads); outputs are sorted per sequence so
-        each caller sees its own. Sequences are aborted if the caller stops early.
+        each caller sees its own. A sequence that failed raises its error here, after
+        the outputs it produced. Sequences are aborted if the caller stops early.
         """
         ids = {seq.seq_id for seq in seqs}
         try:
             while True:
                 with self._lock:
+                    self._abort_abandoned()
                     outputs = self._take(ids)
-                    if not outputs and not all(seq.is_finished for seq in seqs):
+                    if not outputs and not _all_finished(seqs):
                         self._step()
                         outputs = self._take(ids)
-                    done = all(seq.is_finished for seq in seqs)
+                    done = _all_finished(seqs)
                 yield from outputs
+                _raise_failure(seqs)
                 if done:
                     return
         finally:
-            with self._lock:
-                for seq in seqs:
-                    self._pending.pop(seq.seq_id, None)
-                    if not seq.is_finished:
-                        self._engine.abort(seq)
+            self._abandon(seqs)
+
+    def _abandon(self, seqs: list[EngineSequence]) -> None:
+        """The reader is gone: abort its unfinished sequences and drop their outputs. Queued
+        first, because a generator collected by the garbage collector may run this on a
+        thread that holds the lock mid-step; done at once where the lock is free, else by
+        the lock's holder before its next step."""
+        self._abandoned.extend(seqs)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._abort_abandoned()
+            finally:
+                self._lock.release()
 
     def _step(self) -> None:
-        for output in self._engine.step():
-            self._pending.setdefault(output.seq.seq_id, []).append(output)
+        engine = self._open_engine()
+        self._abort_idle(engine)
+        for output in engine.step():
+            pending = self._pending.setdefault(output.seq.seq_id, [])
+            pending.append(output)
+            if len(pending) >= STREAM_BUFFER and not output.seq.is_finished:
+                output.seq.paused = True
 
     def _take(self, ids: set[int]) -> list[StepOutput]:
-        return [o for seq_id in ids for o in self._pending.pop(seq_id, [])]
+        now = time.monotonic()
+        taken = []
+        for seq_id in ids:
+            self._read_at[seq_id] = now
+            for output in self._pending.pop(seq_id, []):
+                output.seq.paused = False
+                taken.append(output)
+        return taken
+
+    def _abort_idle(self, engine: Engine) -> None:
+        """Abort paused requests whose readers have taken nothing for too long."""
+        deadline = time.monotonic() - STREAM_IDLE_TIMEOUT_S
+        for outputs in self._pending.values():
+            seq = outputs[-1].seq
+            idle = self._read_at.get(seq.seq_id, deadline) < deadline
+            if seq.paused and idle and not seq.is_finished:
+                message = f"the stream was not read for {STREAM_IDLE_TIMEOUT_S:g} s"
+                log.warning("request.aborted", seq_id=seq.seq_id, reason=message)
+                engine.abort(seq, RequestAbortedError(message + "; it was aborted"))
+
+    def _abort_abandoned(self) -> None:
+        """Abort the sequences whose readers left (called with the lock held)."""
+        while self._abandoned:
+            seq = self._abandoned.popleft()
+            self._pending.pop(seq.seq_id, None)
+            self._read_at.pop(seq.seq_id, None)
+            if self._engine is not None and not seq.is_finished:
+                self._engine.abort(seq)
+
+    def _open_engine(self) -> Engine:
+        if self._engine is None:
+            raise RequestAbortedError("the backend is closed; load a new one")
+        return self._engine
 
     def _encode(self, prompt: str) -> list[int]:
-        if not isinstance(prompt, str):
-            raise RequestError(f"a prompt must be a string, not {type(prompt).__name__}")
-        if not prompt:
-            raise RequestError("the prompt is empty")
         return self._check_length(self.tokenizer.encode(prompt))
 
     def _check_length(self, ids: list[int]) -> list[int]:
         if len(ids) >= self.max_model_len:
-            if self._engine.cache.capacity_tokens == self.max_model_len:
+            if self._cache_holds_context:
                 holder = "the whole paged KV cache (the MISTRALRS_PAGED_ATTN_* budget)"
                 remedy = "raise MISTRALRS_PAGED_ATTN_CONTEXT_LEN or shorten it"
             else:
@@ -187,74 +298,14 @@ class Backend:
         return ids
 
 
-def sampling_params(
-    max_tokens: int | None = None,
-    temperature: float = 0.6,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int | None = None,
-    stop: str | Sequence[str] | None = None,
-) -> SamplingParams:
-    """Validated sampling parameters (a bad one is a `RequestError` naming it)."""
-    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 0):
-        raise RequestError(
-            f"max_tokens={max_tokens!r}: expected an integer >= 0 "
-            "(0 or None: until EOS or the end of the context)"
-        )
-    if not _is_number(temperature) or temperature < 0:
-        raise RequestError(f"temperature={temperature!r}: expected a number >= 0 (0 is greedy)")
-    if not _is_number(top_p) or not 0 < top_p <= 1:
-        raise RequestError(f"top_p={top_p!r}: expected a number in (0, 1]")
-    if not _is_int(top_k) or top_k < 0:
-        raise RequestError(f"top_k={top_k!r}: expected an integer >= 0 (0 disables it)")
-    if seed is not None and not _is_int(seed):
-        raise RequestError(f"seed={seed!r}: expected an integer or None")
-    return SamplingParams(
-        max_tokens=max_tokens or None,
-        temperature=float(temperature),
-        top_p=float(top_p),
-        top_k=top_k,
-        seed=seed,
-        stop=_stop_strings(stop),
-    )
+def _all_finished(seqs: list[EngineSequence]) -> bool:
+    return all(seq.is_finished for seq in seqs)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
-
-
-def _stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    stops = (stop,) if isinstance(stop, str) else tuple(stop)
-    if not all(isinstance(s, str) and s for s in stops):
-        raise RequestError(f"stop={stop!r}: expected a non-empty string or a list of them")
-    return stops
-
-
-def _prompt_list(prompts: Sequence[str]) -> list[str]:
-    if not isinstance(prompts, Sequence) or not prompts:
-        raise RequestError("expected a prompt string or a non-empty list of prompt strings")
-    return list(prompts)
-
-
-def _check_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages must be a non-empty list of {'role', 'content'} dicts")
-    for i, message in enumerate(messages):
-        if (
-            not isinstance(message, dict)
-            or not isinstance(message.get("role"), str)
-            or not isinstance(message.get("content"), str)
-        ):
-            raise RequestError(
-                f"messages[{i}] = {message!r}: expected a dict with string 'role' and 'content'"
-            )
-    return messages
+def _raise_failure(seqs: list[EngineSequence]) -> None:
+    for seq in seqs:
+        if seq.error is not None:
+            raise seq.error
 
 
 def _result(seq: EngineSequence) -> GenerateResult:

@@ -31,3 +31,13 @@ class UnsupportedArchitectureError(SpnlError, ValueError):
 
 class RequestError(SpnlError, ValueError):
     """A generate/chat request has an invalid parameter or prompt."""
+
+
+class EngineError(SpnlError, RuntimeError):
+    """A request could not be completed because a step of the engine failed (the message
+    names the cause); the backend stays usable and the other requests go on."""
+
+
+class RequestAbortedError(SpnlError):
+    """A request ended before it finished: its backend was closed, or its stream was left
+    unread too long (see the README's rule for streams)."""

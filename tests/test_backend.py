@@ -112,8 +112,8 @@ def test_abandoned_stream_frees_its_sequence(backend):
     stream = backend.stream(PROMPTS[0], max_tokens=50, temperature=0)
     next(stream)
     stream.close()
-    assert not backend._engine.has_unfinished()
-    assert backend._engine.cache.num_holders == 0
+    stats = backend.stats()
+    assert (stats.running, stats.waiting, stats.cache_holders) == (0, 0, 0)
 
 
 def test_chat_needs_a_template(backend):
@@ -145,7 +145,21 @@ BAD_REQUESTS = [
     ({"top_p": 1.5}, "top_p=1.5"),
     ({"top_k": -1}, "top_k=-1"),
     ({"seed": "x"}, "seed='x'"),
+    ({"seed": 2**70}, "seed=1180591620717411303424"),
+    ({"seed": -1}, "seed=-1"),
     ({"stop": [""]}, "stop="),
+    ({"stop": 5}, "stop=5"),
+    ({"stop": {"a": 1}}, "stop="),
+    ({"stop": "\ud800"}, "stop is not valid Unicode"),
+    ({"prompt": "hi \ud800 there"}, "the prompt is not valid Unicode.*character 3"),
+    ({"prompt": ["ok", "\udfff"]}, "the prompt is not valid Unicode"),
+    ({"prompt": ("a", 5)}, "a prompt must be a string, not int"),
+    ({"temperature": True}, "temperature=True"),
+    ({"temperature": 10**400}, "temperature=1000"),
+    ({"temperature": float("inf")}, "temperature=inf"),
+    ({"max_tokens": True}, "max_tokens=True"),
+    ({"top_k": 2.0}, "top_k=2.0"),
+    ({"temprature": 0}, "unknown parameter.*'temprature'.*accepted: max_tokens"),
 ]
 
 
@@ -162,10 +176,30 @@ def test_prompt_longer_than_the_context_is_an_error_not_a_truncation(backend):
         backend.generate(too_long, max_tokens=1)
 
 
-@pytest.mark.parametrize("messages", [[], [{"role": "user"}], ["hi"], "hi"])
+@pytest.mark.parametrize(
+    "messages",
+    [[], [{"role": "user"}], ["hi"], "hi", [{"role": "user", "content": "a\udc80"}]],
+)
 def test_bad_chat_messages(backend, messages):
     with pytest.raises(RequestError, match="messages"):
         backend.chat(messages)
+
+
+@pytest.mark.parametrize(
+    ("method", "args"),
+    [("chat", ([{"role": "user", "content": "hi"}],)), ("stream", ("hi",))],
+)
+def test_unknown_keywords_are_request_errors(backend, method, args):
+    with pytest.raises(RequestError, match=r"unknown parameter.*'max_new_tokens'"):
+        getattr(backend, method)(*args, max_new_tokens=4)
+
+
+def test_numpy_numbers_are_accepted(backend):
+    np = pytest.importorskip("numpy")
+    result = backend.generate(
+        PROMPTS[0], max_tokens=np.int64(3), temperature=np.float32(0.5), seed=np.uint64(5)
+    )
+    assert result.usage.completion_tokens == 3
 
 
 def test_model_from_the_environment(tiny, monkeypatch):

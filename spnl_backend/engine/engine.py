@@ -2,10 +2,15 @@
 
 from dataclasses import dataclass
 
+from ..errors import EngineError
+from ..log import get_logger
 from .detokenizer import Decoder, IncrementalDetokenizer
 from .runner import Runner
-from .scheduler import Scheduler
-from .sequence import SamplingParams, Sequence
+from .sampler import row_error
+from .scheduler import PoolUsage, Scheduler
+from .sequence import SamplingParams, ScheduledSeq, Sequence
+
+log = get_logger()
 
 
 @dataclass(frozen=True)
@@ -14,6 +19,18 @@ class EngineConfig:
     eos_token_ids: frozenset[int]
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine holds now: its requests and, in paged mode, its block pool."""
+
+    running: int
+    waiting: int
+    paused: int  # running or waiting, but their readers are behind
+    preemptions: int  # since the engine was built
+    cache_holders: int  # sequences that hold KV cache
+    pool: PoolUsage | None  # None in non-paged mode
 
 
 @dataclass(frozen=True)
@@ -45,15 +62,56 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def unfinished(self) -> list[Sequence]:
+        return [*self.scheduler.running, *self.scheduler.waiting]
+
+    def stats(self) -> EngineStats:
+        scheduler = self.scheduler
+        return EngineStats(
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting),
+            paused=sum(seq.paused for seq in self.unfinished()),
+            preemptions=scheduler.num_preemptions,
+            cache_holders=self.cache.num_holders,
+            pool=self.cache.pool_usage(),
+        )
+
     def step(self) -> list[StepOutput]:
-        batch = self.scheduler.schedule()
-        if not batch:
+        """One scheduled step. A request whose sampling or detokenization fails finishes
+        with its error alone; an error of the step itself fails every sequence the step
+        touched (their caches are released, so the next step starts clean), and an
+        interruption (KeyboardInterrupt, SystemExit) does the same and propagates."""
+        batch: list[ScheduledSeq] = []
+        try:
+            batch = self.scheduler.schedule()
+            if not batch:
+                return []
+            return self._run(batch)
+        except Exception as exc:
+            self._fail_step(batch, exc)
             return []
+        except BaseException as exc:
+            self._fail_step(batch, exc)
+            raise
+
+    def abort(self, seq: Sequence, error: Exception | None = None) -> None:
+        """End ``seq`` now and free its cache; ``error`` is what its caller is told."""
+        if not seq.is_finished:
+            seq.finish("abort" if error is None else "error", error)
+        self._discard(seq)
+
+    def _run(self, batch: list[ScheduledSeq]) -> list[StepOutput]:
         sampled = self.runner.run(batch)
         outputs, finished = [], []
         for item in batch:
-            for token_id in sampled.get(item.seq.seq_id, ()):
-                outputs.append(self._accept(item.seq, token_id))
+            result = sampled.get(item.seq.seq_id, ())
+            if isinstance(result, Exception):
+                self.abort(item.seq, result)
+                continue
+            for token_id in result:
+                output = self._accept_safely(item.seq, token_id)
+                if output is not None:
+                    outputs.append(output)
                 if item.seq.is_finished:
                     finished.append(item.seq)
                     break  # accepted drafts after a stop are dropped
@@ -62,8 +120,30 @@ class Engine:
             self._release(seq)
         return outputs
 
-    def abort(self, seq: Sequence) -> None:
-        self._release(seq)
+    def _accept_safely(self, seq: Sequence, token_id: int) -> StepOutput | None:
+        try:
+            return self._accept(seq, token_id)
+        except Exception as exc:  # a detokenizer or stop-string failure is this request's
+            self.abort(seq, row_error(exc))
+            return None
+
+    def _fail_step(self, batch: list[ScheduledSeq], exc: BaseException) -> None:
+        """Fail every sequence the step may have left half-updated (its batch, or every
+        running one when scheduling itself failed)."""
+        seqs = [item.seq for item in batch] or list(self.scheduler.running)
+        log.error(
+            "engine.step_failed",
+            error=f"{type(exc).__name__}: {exc}",
+            failed_requests=len(seqs),
+            exc_info=not isinstance(exc, KeyboardInterrupt | SystemExit),
+        )
+        for seq in seqs:
+            error = EngineError(f"the engine step failed: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            self.abort(seq, error)
+        for seq in self.scheduler.waiting:  # one being admitted when it failed holds cache
+            self.cache.release(seq)
+            seq.num_computed_tokens = 0
 
     def _accept(self, seq: Sequence, token_id: int) -> StepOutput:
         seq.append(token_id)
@@ -89,3 +169,9 @@ class Engine:
     def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self.detokenizers.pop(seq.seq_id, None)
+
+    def _discard(self, seq: Sequence) -> None:
+        """Release ``seq`` without offering its cache for reuse: a failed step may have
+        left it half-written."""
+        seq.num_computed_tokens = 0
+        self._release(seq)

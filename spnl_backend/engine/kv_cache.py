@@ -188,6 +188,9 @@ class ContiguousCacheManager:
         """Sequences that hold cache now."""
         return len(self.caches)
 
+    def pool_usage(self) -> None:
+        """No block pool: each sequence's cache grows on its own."""
+
     def admit(self, seq: Sequence) -> None:
         kv = self.new_store()
         self.caches[seq.seq_id] = kv

@@ -17,6 +17,7 @@ from ..log import get_logger
 from ..models.config import ModelConfig
 from ..models.layers import AttentionBackend, AttentionSpec
 from .block_manager import BlockManager, BlockTable
+from .scheduler import PoolUsage
 from .sequence import ScheduledSeq, Sequence
 
 log = get_logger()
@@ -112,6 +113,11 @@ class PagedCacheManager:
     def num_holders(self) -> int:
         """Sequences that hold cache now."""
         return len(self.tables)
+
+    def pool_usage(self) -> PoolUsage:
+        blocks = self.blocks
+        cached = len(blocks.cached_ids)
+        return PoolUsage(blocks.num_blocks, blocks.num_blocks - blocks.num_available, cached)
 
     def admit(self, seq: Sequence) -> None:
         """Give a waiting sequence its block table, starting with the cached blocks of its

@@ -9,6 +9,9 @@ from .sampler import sample
 from .scheduler import CacheManager
 from .sequence import ScheduledSeq
 
+# Each sampling sequence's new tokens, or the error that ends it alone.
+Sampled = dict[int, "list[int] | Exception"]
+
 
 class Runner(Protocol):
     """What the engine steps: a model over a cache, giving each sequence its new tokens."""
@@ -16,7 +19,7 @@ class Runner(Protocol):
     model: CausalLM
     cache: CacheManager
 
-    def run(self, batch: list[ScheduledSeq]) -> dict[int, list[int]]: ...
+    def run(self, batch: list[ScheduledSeq]) -> Sampled: ...
 
 
 class ModelRunner:
@@ -24,9 +27,10 @@ class ModelRunner:
         self.model, self.cache, self.device = model, cache, device
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq]) -> dict[int, list[int]]:
+    def run(self, batch: list[ScheduledSeq]) -> Sampled:
         """Computes the step; returns the sampled token of each sequence whose tokens are now
-        all computed (a prefill chunk in the middle of a prompt samples nothing)."""
+        all computed (a prefill chunk in the middle of a prompt samples nothing), or the
+        error of a sequence whose sampling failed."""
         backend = self.cache.backend(batch, self.device)
         input_ids, positions = step_inputs(batch, self.device)
         hidden = self.model(input_ids, positions, backend)
@@ -42,7 +46,10 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[rows])
         tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
-        return {seq.seq_id: [token] for seq, token in zip(sampling, tokens, strict=True)}
+        return {
+            seq.seq_id: token if isinstance(token, Exception) else [token]
+            for seq, token in zip(sampling, tokens, strict=True)
+        }
 
 
 def step_inputs(

@@ -1,19 +1,45 @@
-"""Next-token selection: greedy, or temperature with top-k and top-p, seeded per sequence."""
+"""Next-token selection: greedy, or temperature with top-k and top-p, seeded per sequence.
+
+Each row is chosen on its own and may fail on its own: a row whose logits are NaN, or
+whose distribution cannot be sampled, gives an `EngineError` for that sequence alone,
+never an exception that would abandon the rest of the step.
+"""
 
 import torch
 
+from ..errors import EngineError
 from .sequence import SamplingParams
+
+# Temperatures below float32's smallest normal number would divide logits by zero (or by
+# a denormal); the distribution has reached its limit long before (all mass on the tied
+# largest logits), so they compute as this.
+_MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
 
 
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> list[int]:
-    """One token per row of ``logits [rows, vocab]`` (float32)."""
-    tokens = argmax_rows(logits)
+) -> list[int | EngineError]:
+    """One token per row of ``logits [rows, vocab]`` (float32), or the row's error."""
+    choices = argmax_rows(logits)
+    tokens: list[int | EngineError] = []
     for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
-        if not p.greedy:
-            tokens[row] = _sample_row(logits[row], p, generator)
+        try:
+            if p.greedy:
+                tokens.append(_checked_greedy(logits[row], choices[row]))
+            else:
+                tokens.append(_sample_row(logits[row], p, generator))
+        except Exception as exc:  # this row's failure is its request's alone
+            tokens.append(row_error(exc))
     return tokens
+
+
+def row_error(exc: Exception) -> EngineError:
+    """``exc`` as the error of the one request whose row raised it."""
+    if isinstance(exc, EngineError):
+        return exc
+    error = EngineError(f"choosing the next token failed: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
 
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
@@ -23,17 +49,31 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     return logits.argmax(dim=-1).tolist()
 
 
+def _checked_greedy(row: torch.Tensor, token: int) -> int:
+    if torch.isnan(row[token]):  # argmax lands on a NaN whenever the row has one
+        raise EngineError(_non_finite("NaN"))
+    return token
+
+
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(distribution(logits, p), 1, generator=generator))
 
 
 def distribution(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """The probabilities one row of logits samples from under ``p`` (not greedy)."""
-    return torch.softmax(_filter(logits / p.temperature, p.top_k, p.top_p), dim=-1)
+    """The probabilities one row of logits samples from under ``p`` (not greedy).
+
+    The largest logit is subtracted before dividing by the temperature, so no temperature
+    overflows: the largest logits map to 0 and the rest to at most 0, down to -inf."""
+    peak = logits.max()
+    if not torch.isfinite(peak):
+        raise EngineError(_non_finite("NaN" if torch.isnan(peak) else "infinite"))
+    scaled = (logits - peak) / max(p.temperature, _MIN_TEMPERATURE)
+    return torch.softmax(_filter(scaled, p.top_k, p.top_p), dim=-1)
 
 
 def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask all but the ``top_k`` largest logits and the smallest set holding ``top_p`` mass."""
+    """Mask all but the ``top_k`` largest logits and the smallest set holding ``top_p``
+    mass; the largest logit always stays."""
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -41,5 +81,13 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         sorted_logits, order = torch.sort(logits, descending=True)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
         drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # the crossing token stays
+        drop[0] = False  # even where top_p rounds to 0 in float32
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     return logits
+
+
+def _non_finite(kind: str) -> str:
+    return (
+        f"the model's logits for this request are {kind}, so no token can be chosen "
+        "(the weights or the arithmetic produced non-finite values)"
+    )

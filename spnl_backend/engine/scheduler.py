@@ -5,10 +5,12 @@ its prompt takes a chunk of the step's token budget (chunked prefill). Then wait
 sequences join, first come first served, while the budget, the sequence limit and the
 cache allow. When a running sequence needs cache the cache does not have, the newest
 running sequence is preempted: its cache is released and it waits, first in line, to
-be recomputed; its generated tokens are kept.
+be recomputed; its generated tokens are kept. A paused sequence (its reader is behind)
+is skipped, and is the first to give up its cache when another needs room.
 """
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -17,11 +19,23 @@ from ..models.layers import AttentionBackend
 from .sequence import ScheduledSeq, Sequence, SequenceStatus
 
 
+@dataclass(frozen=True)
+class PoolUsage:
+    """The paged block pool: blocks in all, held by sequences, and cached (unreferenced,
+    holding a reusable prefix; evicted when needed)."""
+
+    blocks: int
+    in_use: int
+    cached: int
+
+
 class CacheManager(Protocol):
     """The KV cache as the scheduler and runner see it (paged or contiguous)."""
 
     capacity_tokens: int | None
     num_holders: int
+
+    def pool_usage(self) -> PoolUsage | None: ...
 
     def admit(self, seq: Sequence) -> None: ...
     def reserve(self, seq: Sequence, num_tokens: int) -> bool: ...
@@ -56,29 +70,46 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            if seq.paused:
+                index += 1
+                continue
             count = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if self.cache.reserve(seq, seq.num_computed_tokens + count):
                 batch.append(ScheduledSeq(seq, count))
                 budget -= count
                 index += 1
             else:
-                self.preempt(self.running[-1])  # the newest; possibly ``seq`` itself
+                victim = self._victim()  # possibly ``seq`` itself
+                if self.running.index(victim) < index:
+                    index -= 1  # a paused one before ``seq``: the rest move down
+                self.preempt(victim)
         return budget
 
     def _schedule_waiting(self, batch: list[ScheduledSeq], budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = next((s for s in self.waiting if not s.paused), None)
+            if seq is None:
+                return
             self.cache.admit(seq)
             count = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.cache.reserve(seq, seq.num_computed_tokens + count):
-                self.cache.release(seq)  # not now: running sequences are not preempted for it
+                self.cache.release(seq)
                 seq.num_computed_tokens = 0
-                return
-            self.waiting.popleft()
+                paused = [s for s in self.running if s.paused]
+                if not paused:  # running sequences are not preempted for it
+                    return
+                self.preempt(paused[-1])  # a paused one gives up its cache
+                continue
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.append(ScheduledSeq(seq, count))
             budget -= count
+
+    def _victim(self) -> Sequence:
+        """Whom to preempt for room: the newest paused sequence, else the newest one."""
+        paused = [s for s in self.running if s.paused]
+        return (paused or self.running)[-1]
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

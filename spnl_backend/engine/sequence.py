@@ -45,7 +45,9 @@ class Sequence:
     num_cached_tokens: int = 0  # of the prompt, reused from a prefix cache
     num_draft_tokens: int = 0  # proposed by a speculative draft model
     num_accepted_tokens: int = 0  # of those, accepted by the target
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop", "length", "error" or "abort"
+    error: Exception | None = None  # why it failed or was aborted: raised to its caller
+    paused: bool = False  # its reader is behind: not scheduled until it catches up
     text: str = ""  # the completion's text, set when the sequence finishes
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
@@ -77,9 +79,9 @@ class Sequence:
             self.first_token_time = time.perf_counter()
         self.output_token_ids.append(token_id)
 
-    def finish(self, reason: str) -> None:
+    def finish(self, reason: str, error: Exception | None = None) -> None:
         self.status = SequenceStatus.FINISHED
-        self.finish_reason = reason
+        self.finish_reason, self.error = reason, error
         self.finish_time = time.perf_counter()
 
 

@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import EngineError
 from ..log import get_logger
 from ..models.layers import AttentionBackend
 from ..models.transformer import CausalLM
-from .runner import pack_inputs
-from .sampler import argmax_rows, distribution
-from .scheduler import CacheManager
+from .runner import Sampled, pack_inputs
+from .sampler import argmax_rows, distribution, row_error
+from .scheduler import CacheManager, PoolUsage
 from .sequence import ScheduledSeq, Sequence
 from .verification import verify
 
@@ -73,6 +74,9 @@ class SpeculativeCache:
     @property
     def num_holders(self) -> int:
         return self.target.num_holders
+
+    def pool_usage(self) -> PoolUsage | None:
+        return self.target.pool_usage()
 
     def admit(self, seq: Sequence) -> None:
         self.target.admit(seq)  # the draft's view is admitted when it first drafts
@@ -133,12 +137,18 @@ class Drafter:
         views = {seq.seq_id: self.cache.draft_view(seq) for seq, _ in requests}
         feeds = {s.seq_id: s.token_ids[views[s.seq_id].num_computed_tokens :] for s, _ in requests}
         proposals = {seq.seq_id: Proposal() for seq, _ in requests}
+        stopped: set[int] = set()
         for position in range(max(k for _, k in requests)):
-            active = [seq for seq, k in requests if k > position]
+            active = [seq for seq, k in requests if k > position and seq.seq_id not in stopped]
+            if not active:
+                break
             logits = self._forward([(views[s.seq_id], feeds[s.seq_id]) for s in active])
             for seq, row in zip(active, logits, strict=True):
-                token = self._draw(row, seq, proposals[seq.seq_id])
-                feeds[seq.seq_id] = [token]
+                try:
+                    feeds[seq.seq_id] = [self._draw(row, seq, proposals[seq.seq_id])]
+                except EngineError as exc:  # drafts are optional: verify those drawn so far
+                    stopped.add(seq.seq_id)
+                    log.warning("speculative.draft_failed", seq_id=seq.seq_id, error=str(exc))
         return proposals
 
     def settle(self, seq: Sequence, accepted: list[int], num_valid: int) -> None:
@@ -190,7 +200,7 @@ class SpeculativeRunner:
         self.cache = drafter.cache
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq]) -> dict[int, list[int]]:
+    def run(self, batch: list[ScheduledSeq]) -> Sampled:
         proposals = self._propose(batch)
         steps = [
             ScheduledSeq(item.seq, item.num_new_tokens + len(_drafts(proposals, item.seq)))
@@ -207,17 +217,28 @@ class SpeculativeRunner:
         if not verifying:
             return {}
         logits = self.model.compute_logits(hidden[rows])
-        sampled, start = {}, 0
+        sampled: Sampled = {}
+        start = 0
         for seq in verifying:
             proposal = proposals.get(seq.seq_id, Proposal())
             end = start + len(proposal.tokens) + 1
-            accepted, tokens = verify(
-                logits[start:end], proposal.tokens, proposal.probs, seq.params, seq.generator
-            )
-            if proposal.tokens:
-                self._roll_back(seq, len(proposal.tokens), accepted, tokens)
-            sampled[seq.seq_id], start = tokens, end
+            sampled[seq.seq_id] = self._verified(seq, logits[start:end], proposal)
+            start = end
         return sampled
+
+    def _verified(
+        self, seq: Sequence, logits: torch.Tensor, proposal: Proposal
+    ) -> list[int] | Exception:
+        """The tokens the target keeps, or the error that ends this sequence alone."""
+        try:
+            accepted, tokens = verify(
+                logits, proposal.tokens, proposal.probs, seq.params, seq.generator
+            )
+        except Exception as exc:  # this sequence's failure is its own
+            return row_error(exc)
+        if proposal.tokens:
+            self._roll_back(seq, len(proposal.tokens), accepted, tokens)
+        return tokens
 
     def _propose(self, batch: list[ScheduledSeq]) -> dict[int, Proposal]:
         requests = []

@@ -1,0 +1,255 @@
+"""A failing request fails alone: its caller gets the error, its cache is freed, and the
+requests beside it finish with exactly the tokens they would have had without it."""
+
+import gc
+import threading
+
+import pytest
+from helpers import CPU
+
+from spnl_backend import BackendSettings, EngineError, RequestAbortedError, load_backend
+from spnl_backend.engine import sampler
+from spnl_backend.engine.detokenizer import IncrementalDetokenizer
+from spnl_backend.models.transformer import CausalLM
+
+PROMPTS = ["The capital of France is", "Once upon a time there was", "def add(a, b):"]
+POISON_SEED = 666  # the sampler test double fails rows with this seed
+
+
+def _greedy(backend, prompt, **kw):
+    return backend.generate(prompt, temperature=0, **kw)
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["paged", "non-paged"])
+def backend(tiny, request):
+    settings = BackendSettings(device="cpu", paged_attn=request.param)
+    return load_backend(str(tiny.hf("qwen3").path), settings=settings)
+
+
+@pytest.fixture(scope="module")
+def solo(backend):
+    return {p: _greedy(backend, p, max_tokens=24).token_ids for p in PROMPTS}
+
+
+def _assert_clean(backend):
+    stats = backend.stats()
+    assert (stats.running, stats.waiting, stats.cache_holders) == (0, 0, 0)
+    if stats.pool is not None:
+        assert stats.pool.in_use == 0
+
+
+def _stream_with(backend, failing_call, prompt=PROMPTS[0]):
+    """Start a greedy stream, run ``failing_call`` while it is mid-flight (so the two
+    share steps), then finish the stream: returns its tokens' text and the call's error."""
+    stream = backend.stream(prompt, max_tokens=24, temperature=0)
+    text = next(stream)
+    with pytest.raises(Exception) as failure:  # noqa: PT011 - the callers check the type
+        failing_call()
+    return text + "".join(stream), failure.value
+
+
+def test_a_request_whose_sampling_fails_fails_alone(backend, solo, monkeypatch):
+    real = sampler._sample_row
+
+    def fails_for_the_poison_seed(logits, p, generator):
+        if p.seed == POISON_SEED:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real(logits, p, generator)
+
+    monkeypatch.setattr(sampler, "_sample_row", fails_for_the_poison_seed)
+    text, error = _stream_with(
+        backend,
+        lambda: backend.generate(PROMPTS[1], max_tokens=8, temperature=1.0, seed=POISON_SEED),
+    )
+    assert isinstance(error, EngineError)
+    assert "choosing the next token failed" in str(error)
+    assert text == backend.tokenizer.decode(solo[PROMPTS[0]])
+    _assert_clean(backend)
+
+
+def test_a_request_whose_stop_handling_fails_fails_alone(backend, solo, monkeypatch):
+    real = IncrementalDetokenizer._cut_at_stop
+
+    def fails_for_a_marker(self, search_from):
+        if "@@" in self.stop:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+        return real(self, search_from)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "_cut_at_stop", fails_for_a_marker)
+    text, error = _stream_with(
+        backend, lambda: _greedy(backend, PROMPTS[2], max_tokens=8, stop="@@")
+    )
+    assert isinstance(error, EngineError)
+    assert text == backend.tokenizer.decode(solo[PROMPTS[0]])
+    _assert_clean(backend)
+
+
+def test_a_failing_request_in_a_list_fails_the_call_and_frees_every_prompt(backend, monkeypatch):
+    monkeypatch.setattr(sampler, "_checked_greedy", _raise_once(sampler._checked_greedy))
+    with pytest.raises(EngineError):
+        _greedy(backend, PROMPTS, max_tokens=8)
+    _assert_clean(backend)
+
+
+def _raise_once(function):
+    calls = []
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a fault")
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+def test_a_failing_step_fails_its_requests_and_the_next_call_works(backend, solo, monkeypatch):
+    real = CausalLM.forward
+    calls = []
+
+    def fails_on_the_second_step(self, *args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return real(self, *args)
+
+    monkeypatch.setattr(CausalLM, "forward", fails_on_the_second_step)
+    stream = backend.stream(PROMPTS[0], max_tokens=24, temperature=0)
+    next(stream)
+    with pytest.raises(EngineError, match="the engine step failed: RuntimeError: out of memory"):
+        _greedy(backend, PROMPTS[1], max_tokens=8)
+    with pytest.raises(EngineError, match="out of memory"):
+        list(stream)
+    _assert_clean(backend)
+    assert [_greedy(backend, p, max_tokens=24).token_ids for p in PROMPTS] == list(solo.values())
+
+
+def test_an_interrupted_step_propagates_and_leaves_the_backend_usable(backend, solo, monkeypatch):
+    real = CausalLM.forward
+    calls = []
+
+    def interrupted_on_the_second_step(self, *args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, *args)
+
+    monkeypatch.setattr(CausalLM, "forward", interrupted_on_the_second_step)
+    stream = backend.stream(PROMPTS[0], max_tokens=24, temperature=0)
+    next(stream)
+    with pytest.raises(KeyboardInterrupt):
+        _greedy(backend, PROMPTS[1], max_tokens=8)
+    with pytest.raises(EngineError, match="KeyboardInterrupt"):
+        list(stream)
+    _assert_clean(backend)
+    assert _greedy(backend, PROMPTS[2], max_tokens=24).token_ids == solo[PROMPTS[2]]
+
+
+def test_many_threads_with_bad_requests_among_them(backend, solo):
+    results, errors = {}, []
+    bad = [
+        {"temperature": 1e-45, "seed": 1},
+        {"top_p": 1e-300, "temperature": 1.0, "seed": 2},
+        {"seed": 2**70},
+        {"stop": 5},
+    ]
+
+    def good(prompt):
+        results[prompt] = _greedy(backend, prompt, max_tokens=24).token_ids
+
+    def odd(kw):
+        try:
+            backend.generate(PROMPTS[1], max_tokens=8, **kw)
+        except Exception as exc:  # the test collects what each odd request raised
+            errors.append(type(exc).__name__)
+
+    threads = [threading.Thread(target=good, args=(p,)) for p in PROMPTS]
+    threads += [threading.Thread(target=odd, args=(kw,)) for kw in bad]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == solo
+    assert sorted(errors) == ["RequestError", "RequestError"]
+    _assert_clean(backend)
+
+
+# ---- streams ---------------------------------------------------------------------------
+
+
+def test_a_closed_stream_is_aborted_and_frees_its_cache(backend):
+    stream = backend.stream(PROMPTS[0], max_tokens=50, temperature=0)
+    next(stream)
+    assert backend.stats().running == 1
+    stream.close()
+    _assert_clean(backend)
+
+
+def test_a_garbage_collected_stream_is_aborted(backend):
+    stream = backend.stream(PROMPTS[0], max_tokens=50, temperature=0)
+    next(stream)
+    del stream
+    gc.collect()
+    _assert_clean(backend)
+
+
+def test_leaving_the_loop_aborts_the_stream(backend):
+    for _ in backend.stream(PROMPTS[0], max_tokens=50, temperature=0):
+        break
+    _assert_clean(backend)
+
+
+def test_an_unread_stream_pauses_then_resumes_where_it_was(backend, solo, monkeypatch):
+    monkeypatch.setattr("spnl_backend.backend.STREAM_BUFFER", 4)
+    stream = backend.stream(PROMPTS[0], max_tokens=24, temperature=0)
+    first = next(stream)
+    _greedy(backend, PROMPTS[1], max_tokens=24)  # steps the engine while the stream waits
+    assert backend.stats().paused == 1
+    assert first + "".join(stream) == backend.tokenizer.decode(solo[PROMPTS[0]])
+    _assert_clean(backend)
+
+
+def test_a_stream_left_unread_too_long_is_aborted(backend, monkeypatch):
+    monkeypatch.setattr("spnl_backend.backend.STREAM_BUFFER", 4)
+    monkeypatch.setattr("spnl_backend.backend.STREAM_IDLE_TIMEOUT_S", 0.0)
+    stream = backend.stream(PROMPTS[0], max_tokens=24, temperature=0)
+    next(stream)
+    _greedy(backend, PROMPTS[1], max_tokens=24)
+    with pytest.raises(RequestAbortedError, match="not read"):
+        list(stream)
+    _assert_clean(backend)
+
+
+def test_a_paused_stream_gives_up_its_cache_first(tiny, monkeypatch):
+    monkeypatch.setattr("spnl_backend.backend.STREAM_BUFFER", 2)
+    settings = BackendSettings(device="cpu", paged_attn=True, paged_attn_context_len=64)
+    backend = load_backend(str(tiny.hf("qwen3").path), settings=settings)
+    alone = [_greedy(backend, p, max_tokens=40).token_ids for p in PROMPTS[:2]]
+    stream = backend.stream(PROMPTS[0], max_tokens=40, temperature=0)
+    first = next(stream)
+    other = _greedy(backend, PROMPTS[1], max_tokens=40)  # needs the paused stream's blocks
+    assert backend.stats().preemptions >= 1
+    assert other.token_ids == alone[1]
+    assert first + "".join(stream) == backend.tokenizer.decode(alone[0])
+
+
+# ---- closing ---------------------------------------------------------------------------
+
+
+def test_close_aborts_running_requests_and_refuses_new_ones(tiny):
+    backend = load_backend(str(tiny.hf("qwen3").path), settings=CPU)
+    stream = backend.stream(PROMPTS[0], max_tokens=50, temperature=0)
+    next(stream)
+    backend.close()
+    with pytest.raises(RequestAbortedError, match="closed"):
+        list(stream)
+    with pytest.raises(RequestAbortedError, match="closed"):
+        backend.generate(PROMPTS[0])
+    backend.close()  # twice is fine
+    assert backend.closed
+
+
+def test_a_backend_is_a_context_manager(tiny):
+    with load_backend(str(tiny.hf("qwen3").path), settings=CPU) as backend:
+        assert _greedy(backend, PROMPTS[0], max_tokens=4).usage.completion_tokens == 4
+    assert backend.closed
