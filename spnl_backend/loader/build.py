@@ -13,7 +13,7 @@ from ..settings import PlatformDecisions
 from ..settings.values import IsqType
 from .gguf_config import model_config_from_gguf
 from .gguf_file import GGUFFile
-from .hf_config import model_config_from_hf, token_ids
+from .hf_config import read_text_config
 from .progress import Progress
 from .resolve import ModelSource
 from .tokenizer import Tokenizer, load_gguf_tokenizer, load_text_tokenizer
@@ -63,14 +63,8 @@ def _load_text(
     progress: Progress,
     tokenizer: Tokenizer | None,
 ) -> LoadedModel:
-    from transformers import AutoConfig, GenerationConfig
-
-    hf_config = AutoConfig.from_pretrained(source.path)
-    config = model_config_from_hf(hf_config)
-    eos = set(config.eos_token_ids)
-    if (source.path / "generation_config.json").exists():
-        eos |= set(token_ids(GenerationConfig.from_pretrained(source.path).eos_token_id))
-    tokenizer = tokenizer or load_text_tokenizer(source.path, sorted(eos))
+    config, eos = read_text_config(source.path)
+    tokenizer = tokenizer or load_text_tokenizer(source.path, eos)
     weights = split_fused(read_safetensors(safetensors_files(source.path), progress), config)
     if isq is not None:
         log.info(

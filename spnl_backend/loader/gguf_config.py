@@ -5,12 +5,22 @@ architecture (Gemma 3's local rope base, its 5:1 sliding/global pattern); those
 defaults are filled in here the way llama.cpp fills them.
 """
 
+import math
 import re
+from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..errors import ModelFileError, UnsupportedArchitectureError
-from ..models.config import LayerType, ModelConfig, RopeConfig
-from .gguf_file import GGUFFile
+from ..models.config import (
+    ConfigValueError,
+    LayerType,
+    ModelConfig,
+    RopeConfig,
+    check_config_shapes,
+)
+from .gguf_file import GGUFFile, describe_value
 
 _ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
 # Tokens that end a turn; llama.cpp treats those in the vocabulary as end-of-generation.
@@ -54,7 +64,45 @@ CONFIG_TENSORS = frozenset(
 )
 
 
+# Where each `ModelConfig` field comes from, for error messages ({arch}. is prefixed).
+_FIELD_KEYS = {
+    "hidden_size": "embedding_length",
+    "intermediate_size": "feed_forward_length",
+    "num_layers": "block_count",
+    "num_heads": "attention.head_count",
+    "num_kv_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "max_position_embeddings": "context_length",
+    "sliding_window": "attention.sliding_window",
+    "layer_types": "attention.sliding_window_pattern",
+    "final_softcap": "final_logit_softcapping",
+    "rope.theta": "rope.freq_base",
+    "rope.rotary_dim": "rope.dimension_count",
+    "rope.factor": "rope.scaling.factor",
+    "rope.original_max_position": "rope.scaling.original_context_length",
+    "rope.attention_factor": "rope.scaling.attn_factor",
+    "rope.beta_fast": "rope.scaling.yarn_beta_fast",
+    "rope.beta_slow": "rope.scaling.yarn_beta_slow",
+    "rope_local.theta": "rope.freq_base_swa",
+    "rope_local.rotary_dim": "rope.dimension_count",
+}
+_FIELD_SOURCES = {
+    "vocab_size": "the vocabulary size (rows of tensor 'token_embd.weight')",
+    "rope.freq_factors": "tensor 'rope_freqs.weight'",
+    "rope.long_factor": "tensor 'rope_factors_long.weight'",
+    "rope.short_factor": "tensor 'rope_factors_short.weight'",
+    "bos_token_id": "metadata key 'tokenizer.ggml.bos_token_id'",
+    "eos_token_ids": "an end-of-sequence id (tokenizer.ggml.eos/eot/eom_token_id)",
+}
+_TOKEN_ID_KEY = re.compile(r"tokenizer\.ggml\.\w+_token_id")
+_TOKENIZER_FLAG_KEY = re.compile(r"tokenizer\.ggml\.(add|remove)_\w+")
+_MISSING = object()
+
+
 def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
+    """The file's model, checked: a key of the wrong type, a value out of range or a
+    metadata value that disagrees with the tensors is a ModelFileError naming the key."""
     arch = gguf.architecture
     if arch not in _ARCHITECTURES:
         raise UnsupportedArchitectureError(
@@ -63,37 +111,110 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
             + " (Mistral GGUFs use 'llama')"
         )
     meta = _Metadata(gguf, arch)
-    hidden, heads = meta.need("embedding_length"), meta.need("attention.head_count")
-    head_dim = meta.get("attention.key_length", hidden // heads)
-    layers = meta.need("block_count")
+    vocab = _vocab_size(gguf)
+    check_tokenizer_metadata(gguf, vocab)
+    hidden, heads = meta.count("embedding_length"), meta.count("attention.head_count")
+    head_dim = _head_dim(meta, hidden, heads)
+    layers = meta.count("block_count")
+    _check_layers(gguf, meta, layers)
     fields: dict[str, Any] = dict(
         architecture=arch,
-        vocab_size=gguf.tensors["token_embd.weight"].shape[0],
+        vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=meta.need("feed_forward_length"),
+        intermediate_size=meta.count("feed_forward_length"),
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=meta.get("attention.head_count_kv", heads),
+        num_kv_heads=meta.count("attention.head_count_kv", heads),
         head_dim=head_dim,
-        rms_norm_eps=meta.need("attention.layer_norm_rms_epsilon"),
-        max_position_embeddings=meta.need("context_length"),
+        rms_norm_eps=meta.positive("attention.layer_norm_rms_epsilon"),
+        max_position_embeddings=meta.count("context_length"),
         rope=_rope(gguf, meta, head_dim),
-        sliding_window=meta.get("attention.sliding_window"),
+        sliding_window=meta.count("attention.sliding_window", None),
         tie_word_embeddings="output.weight" not in gguf.tensors,
-        bos_token_id=gguf.metadata.get("tokenizer.ggml.bos_token_id"),
+        bos_token_id=meta.integer("tokenizer.ggml.bos_token_id", None),
         eos_token_ids=eos_token_ids(gguf),
     )
     if fields["sliding_window"]:
-        fields["layer_types"] = _swa_layer_types(
-            meta.get("attention.sliding_window_pattern"), layers
-        )
+        fields["layer_types"] = _swa_layer_types(meta, None, layers)
     if arch == "qwen2":
         fields.update(qkv_bias="blk.0.attn_q.bias" in gguf.tensors)
     if arch == "qwen3":
         fields.update(qk_norm=True)
     if arch == "gemma3":
         fields.update(_gemma3(meta, fields))
-    return ModelConfig(**fields)
+    try:
+        config = ModelConfig(**fields)
+    except ConfigValueError as exc:
+        raise meta.invalid(exc) from None
+    shapes = {hf_name(n, arch, gguf.path): info.shape for n, info in gguf.tensors.items()}
+    check_config_shapes(config, shapes, gguf.path)
+    return config
+
+
+def _head_dim(meta: "_Metadata", hidden: int, heads: int) -> int:
+    if meta.get("attention.key_length") is None and hidden % heads:
+        raise ModelFileError(
+            f"{meta.gguf.path}: metadata key {meta.key('embedding_length')!r} ({hidden}) is "
+            f"not a multiple of {meta.key('attention.head_count')!r} ({heads}), and "
+            f"{meta.key('attention.key_length')!r} is missing: the head size is unknown"
+        )
+    head_dim = meta.count("attention.key_length", hidden // heads)
+    value_dim = meta.count("attention.value_length", head_dim)
+    if value_dim != head_dim:
+        raise meta.wrong(
+            "attention.value_length",
+            value_dim,
+            f"the key length ({head_dim}); values and "
+            "keys of one head have the same size in every supported architecture",
+        )
+    return head_dim
+
+
+def _vocab_size(gguf: GGUFFile) -> int:
+    embedding = gguf.tensors.get("token_embd.weight")
+    if embedding is None:
+        raise ModelFileError(f"{gguf.path}: tensor 'token_embd.weight' is missing")
+    if len(embedding.shape) != 2:
+        raise ModelFileError(
+            f"{gguf.path}: tensor 'token_embd.weight' has shape {embedding.shape}; "
+            "expected a matrix [vocabulary, embedding_length]"
+        )
+    return embedding.shape[0]
+
+
+def _check_layers(gguf: GGUFFile, meta: "_Metadata", layers: int) -> None:
+    """The block count against the blocks the tensors belong to, before a model of that
+    many layers is built."""
+    found = {int(m[1]) for name in gguf.tensors if (m := _BLOCK.fullmatch(name))}
+    if not _is_range(found, layers):
+        held = f"blocks 0..{max(found)}" if found else "no blk.* tensors"
+        raise ModelFileError(
+            f"{gguf.path}: metadata key {meta.key('block_count')!r} is {layers:,}, but the "
+            f"file holds tensors for {len(found):,} blocks ({held})"
+        )
+
+
+def check_tokenizer_metadata(gguf: GGUFFile, vocab: int) -> None:
+    """The vocabulary and its companions: tokens (one per embedding row), scores and token
+    types of the same length, merges, special token ids within the vocabulary, flags."""
+    meta = _Metadata(gguf, gguf.architecture)
+    meta.string("tokenizer.ggml.model")
+    meta.string("tokenizer.ggml.pre", None)
+    meta.string("tokenizer.chat_template", None)
+    tokens = meta.strings("tokenizer.ggml.tokens")
+    if len(tokens) != vocab:
+        raise ModelFileError(
+            f"{gguf.path}: metadata key 'tokenizer.ggml.tokens' lists {len(tokens):,} "
+            f"tokens; expected one per row of tensor 'token_embd.weight' ({vocab:,})"
+        )
+    meta.numbers("tokenizer.ggml.scores", len(tokens), "f")
+    meta.numbers("tokenizer.ggml.token_type", len(tokens), "iu")
+    meta.strings("tokenizer.ggml.merges", None)
+    for key, value in gguf.metadata.items():
+        if _TOKEN_ID_KEY.fullmatch(key):
+            meta.token_id(key, len(tokens))
+        elif _TOKENIZER_FLAG_KEY.fullmatch(key) and not isinstance(value, bool):
+            raise meta.wrong(key, value, "a bool")
 
 
 def eos_token_ids(gguf: GGUFFile) -> tuple[int, ...]:
@@ -107,69 +228,76 @@ def eos_token_ids(gguf: GGUFFile) -> tuple[int, ...]:
 def _gemma3(meta: "_Metadata", fields: dict[str, Any]) -> dict[str, Any]:
     layers, hidden, heads = fields["num_layers"], fields["hidden_size"], fields["num_heads"]
     query_dim = hidden // heads if layers == _GEMMA3_27B_LAYERS else fields["head_dim"]
+    if query_dim < 1:
+        raise meta.wrong("embedding_length", hidden, f"at least the head count ({heads})")
     return dict(
-        layer_types=_swa_layer_types(
-            meta.get("attention.sliding_window_pattern", _GEMMA3_SWA_PATTERN), layers
-        ),
+        layer_types=_swa_layer_types(meta, _GEMMA3_SWA_PATTERN, layers),
         qk_norm=True,
         norm_offset=0.0,  # llama.cpp's converter stores Gemma's norm weights as 1 + w
         norm_in_float=True,
         sandwich_norms=True,
         embedding_multiplier=hidden**0.5,
         attn_scale=query_dim**-0.5,
-        final_softcap=meta.get("final_logit_softcapping"),
+        final_softcap=meta.positive("final_logit_softcapping", None),
         activation="gelu_tanh",
         rope_local=RopeConfig(
-            theta=float(meta.get("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE)),
+            theta=meta.positive("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE),
             rotary_dim=fields["rope"].rotary_dim,
         ),
     )
 
 
-def _swa_layer_types(pattern: Any, layers: int) -> tuple[LayerType, ...]:
+def _swa_layer_types(meta: "_Metadata", default: int | None, layers: int) -> tuple[LayerType, ...]:
     """llama.cpp's pattern: a period n (the last layer of every n is global), one flag
     per layer (true: sliding), or none (every layer slides)."""
+    key = "attention.sliding_window_pattern"
+    pattern = meta.get(key, default)
     if pattern is None:
         return ("sliding",) * layers
-    if isinstance(pattern, int):
-        return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(layers))
+    if isinstance(pattern, int) and not isinstance(pattern, bool):
+        period = meta.count(key, default)
+        return tuple("full" if (i + 1) % period == 0 else "sliding" for i in range(layers))
+    if not (isinstance(pattern, np.ndarray) and pattern.dtype == bool and len(pattern) == layers):
+        raise meta.wrong(key, pattern, f"a period (a positive integer) or {layers} bools")
     return tuple("sliding" if flag else "full" for flag in pattern)
 
 
 def _rope(gguf: GGUFFile, meta: "_Metadata", head_dim: int) -> RopeConfig:
     base = dict(
-        theta=float(meta.get("rope.freq_base", 10000.0)),
-        rotary_dim=int(meta.get("rope.dimension_count", head_dim)),
+        theta=meta.positive("rope.freq_base", 10000.0),
+        rotary_dim=meta.count("rope.dimension_count", head_dim),
     )
     if "rope_freqs.weight" in gguf.tensors:
-        base["freq_factors"] = tuple(gguf.load("rope_freqs.weight").tolist())
-    original = meta.get("rope.scaling.original_context_length")
+        base["freq_factors"] = tuple(gguf.load("rope_freqs.weight").flatten().tolist())
+    context = meta.count("context_length")
     if "rope_factors_long.weight" in gguf.tensors:
+        original = meta.count("rope.scaling.original_context_length")
         return RopeConfig(
             **base,
             kind="longrope",
             original_max_position=original,
-            factor=meta.need("context_length") / original,
-            attention_factor=meta.get("rope.scaling.attn_factor"),
-            long_factor=tuple(gguf.load("rope_factors_long.weight").tolist()),
-            short_factor=tuple(gguf.load("rope_factors_short.weight").tolist()),
+            factor=context / original,
+            attention_factor=meta.positive("rope.scaling.attn_factor", None),
+            long_factor=tuple(gguf.load("rope_factors_long.weight").flatten().tolist()),
+            short_factor=_short_factors(gguf),
         )
-    kind = meta.get("rope.scaling.type", "none")
-    if kind in ("none", None):
+    kind = meta.string("rope.scaling.type", "none")
+    if kind == "none":
         return RopeConfig(**base)
     if kind == "linear":
-        return RopeConfig(**base, kind="linear", factor=float(meta.need("rope.scaling.factor")))
+        return RopeConfig(**base, kind="linear", factor=meta.positive("rope.scaling.factor"))
     if kind == "yarn":
         extra = {
-            key: float(meta.get(f"rope.scaling.yarn_{key}"))
+            key: meta.positive(f"rope.scaling.yarn_{key}")
             for key in ("beta_fast", "beta_slow")
             if meta.get(f"rope.scaling.yarn_{key}")
         }
         return RopeConfig(
             **base,
             kind="yarn",
-            factor=float(meta.need("rope.scaling.factor")),
-            original_max_position=original,
+            factor=meta.positive("rope.scaling.factor"),
+            # llama.cpp's default: the training context is the original one
+            original_max_position=meta.count("rope.scaling.original_context_length", context),
             **extra,
         )
     raise UnsupportedArchitectureError(
@@ -177,23 +305,118 @@ def _rope(gguf: GGUFFile, meta: "_Metadata", head_dim: int) -> RopeConfig:
     )
 
 
+def _short_factors(gguf: GGUFFile) -> tuple[float, ...]:
+    if "rope_factors_short.weight" not in gguf.tensors:
+        raise ModelFileError(
+            f"{gguf.path}: tensor 'rope_factors_short.weight' is missing; LongRoPE needs it "
+            "beside 'rope_factors_long.weight'"
+        )
+    return tuple(gguf.load("rope_factors_short.weight").flatten().tolist())
+
+
 class _Metadata:
-    """``{arch}.key`` lookups with a clear error for required keys."""
+    """Typed reads of the file's metadata (``{arch}.key`` for the model's own keys): a
+    missing required key, a value of the wrong type or out of range is a ModelFileError
+    naming the file and the key. Integers may come in any GGUF integer width, numbers as
+    any integer or float type."""
 
     def __init__(self, gguf: GGUFFile, arch: str) -> None:
         self.gguf, self.arch = gguf, arch
 
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.gguf.metadata.get(f"{self.arch}.{key}", default)
+    def key(self, name: str) -> str:
+        return name if name.startswith(("tokenizer.", "general.")) else f"{self.arch}.{name}"
 
-    def need(self, key: str) -> Any:
-        value = self.get(key)
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.gguf.metadata.get(self.key(name), default)
+
+    def integer(self, name: str, default: Any = _MISSING) -> Any:
+        value = self._value(name, default)
+        if value is default or _is_int(value):
+            return value
+        raise self.wrong(name, value, "an integer")
+
+    def count(self, name: str, default: Any = _MISSING) -> Any:
+        value = self._value(name, default)
+        if value is default or (_is_int(value) and value > 0):
+            return value
+        raise self.wrong(name, value, "a positive integer")
+
+    def positive(self, name: str, default: Any = _MISSING) -> Any:
+        value = self._value(name, default)
+        if value is default:
+            return value
+        if (_is_int(value) or isinstance(value, float)) and 0 < value < math.inf:
+            return float(value)  # GGUF integers have at most 64 bits: always a float
+        raise self.wrong(name, value, "a finite number > 0")
+
+    def string(self, name: str, default: Any = _MISSING) -> Any:
+        value = self._value(name, default)
+        if value is default or isinstance(value, str):
+            return value
+        raise self.wrong(name, value, "a string")
+
+    def strings(self, name: str, default: Any = _MISSING) -> Any:
+        value = self._value(name, default)
+        if value is default or _is_strings(value):
+            return value
+        raise self.wrong(name, value, "an array of strings")
+
+    def numbers(self, name: str, length: int, kinds: str) -> None:
+        """An optional numeric array of ``length`` items of numpy kinds ``kinds``."""
+        value = self._value(name, None)
         if value is None:
-            raise ModelFileError(f"{self.gguf.path}: metadata key {self.arch}.{key!r} is missing")
-        return value
+            return
+        if not (isinstance(value, np.ndarray) and value.dtype.kind in kinds):
+            raise self.wrong(name, value, "an array of " + ("floats" if kinds == "f" else "ints"))
+        if len(value) != length:
+            raise self.wrong(name, value, f"{length:,} values, one per token")
+
+    def token_id(self, name: str, vocab: int) -> int:
+        value = self.integer(name)
+        if 0 <= value < vocab:
+            return value
+        raise self.wrong(name, value, f"a token id within the vocabulary (0 to {vocab - 1:,})")
+
+    def wrong(self, name: str, value: Any, expected: str) -> ModelFileError:
+        return ModelFileError(
+            f"{self.gguf.path}: metadata key {self.key(name)!r} is {describe_value(value)}; "
+            f"expected {expected}"
+        )
+
+    def invalid(self, exc: ConfigValueError) -> ModelFileError:
+        """A `ModelConfig` range error, told in terms of the key it came from."""
+        if exc.field in _FIELD_KEYS:
+            source = f"metadata key {self.key(_FIELD_KEYS[exc.field])!r}"
+        else:
+            source = _FIELD_SOURCES.get(exc.field, exc.field)
+        return ModelFileError(
+            f"{self.gguf.path}: {source} is {exc.found!r}; expected {exc.expected}"
+        )
+
+    def _value(self, name: str, default: Any) -> Any:
+        value = self.get(name, _MISSING)
+        if value is not _MISSING:
+            return value
+        if default is _MISSING:
+            raise ModelFileError(f"{self.gguf.path}: metadata key {self.key(name)!r} is missing")
+        return default
 
 
-def hf_name(gguf_name: str, arch: str) -> str | None:
+def _is_range(indices: set[int], count: int) -> bool:
+    """``indices == set(range(count))``, without building a range a corrupt count makes huge."""
+    return len(indices) == count and min(indices, default=0) == 0 and max(indices) == count - 1
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_strings(value: Any) -> bool:
+    # A GGUF array has one item type, so its first item tells (262k tokens: no loop).
+    return isinstance(value, list) and (not value or isinstance(value[0], str))
+
+
+def hf_name(gguf_name: str, arch: str, path: Path | str = "GGUF file") -> str | None:
     """Our parameter name for a GGUF tensor, or None for tensors that only feed the config."""
     if gguf_name in CONFIG_TENSORS:
         return None
@@ -204,4 +427,4 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
     names = _NAMES_BY_ARCH.get(arch, _COMMON_NAMES)
     if match and match[2] in names:
         return f"model.layers.{match[1]}.{names[match[2]]}.{match[3]}"
-    raise ModelFileError(f"{gguf_name!r} is not a tensor of a GGUF {arch} model")
+    raise ModelFileError(f"{path}: {gguf_name!r} is not a tensor of a GGUF {arch} model")

@@ -1,11 +1,30 @@
-"""A Hugging Face ``config.json`` (through transformers' config classes) → `ModelConfig`."""
+"""A Hugging Face ``config.json`` (through transformers' config classes) → `ModelConfig`.
 
+Every value is checked before it is used: the raw file first (transformers' config
+classes divide by the head count, build per-layer lists and fill in defaults for missing
+sizes), then what transformers made of it. A problem is a ModelFileError naming the
+file, the key, what it holds and what was expected.
+"""
+
+import json
+import math
+from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import PretrainedConfig
 
-from ..errors import UnsupportedArchitectureError
-from ..models.config import SUPPORTED_ARCHITECTURES, LayerType, ModelConfig, RopeConfig
+from ..errors import ModelFileError, UnsupportedArchitectureError
+from ..models.config import (
+    SUPPORTED_ARCHITECTURES,
+    ConfigValueError,
+    LayerType,
+    ModelConfig,
+    RopeConfig,
+    check_config_shapes,
+)
+from .resolve import unreadable
+from .weights import layer_indices, safetensors_files, safetensors_shapes
 
 _ARCHITECTURE_BY_MODEL_TYPE = {
     "llama": "llama",
@@ -22,6 +41,171 @@ _ACTIVATIONS = {
     "gelu_pytorch_tanh": "gelu_tanh",
     "gelu_tanh": "gelu_tanh",
 }
+_LAYER_TYPES: dict[str, LayerType] = {"full_attention": "full", "sliding_attention": "sliding"}
+_REQUIRED_COUNTS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+_OPTIONAL_COUNTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+_ROPE_OPTIONAL = (
+    "low_freq_factor",
+    "high_freq_factor",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "attention_factor",
+)
+_ROPE_NUMBERS = (
+    "rope_theta",
+    "factor",
+    "partial_rotary_factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "beta_fast",
+    "beta_slow",
+    "attention_factor",
+    "mscale",
+    "mscale_all_dim",
+)
+# config.json keys of the `ModelConfig` fields that are not named alike.
+_FIELD_KEYS = {
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "final_softcap": "final_logit_softcapping",
+    "attn_scale": "query_pre_attn_scalar",
+    "eos_token_ids": "eos_token_id",
+}
+_ROPE_FIELD_KEYS = {
+    "theta": "rope_theta",
+    "rotary_dim": "partial_rotary_factor (times the head size)",
+    "original_max_position": "original_max_position_embeddings",
+}
+_MISSING = object()
+
+
+def read_text_config(model_dir: Path) -> tuple[ModelConfig, tuple[int, ...]]:
+    """The model directory's ``config.json`` as a `ModelConfig`, and its end-of-sequence
+    ids (config.json's and generation_config.json's together), every value checked."""
+    path = model_dir / "config.json"
+    shapes = safetensors_shapes(safetensors_files(model_dir))
+    check_raw_config(_json_object(path), path, layer_indices(shapes))
+    config = model_config_from_hf(_transformers_config(model_dir, path), path)
+    check_config_shapes(config, shapes, model_dir)
+    generation = model_dir / "generation_config.json"
+    eos = set(config.eos_token_ids)
+    if generation.exists():
+        eos |= set(_generation_eos(model_dir, generation, config.vocab_size))
+    return config, tuple(sorted(eos))
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    try:
+        content = json.loads(path.read_bytes())
+    except OSError as exc:
+        raise unreadable(path, exc) from None
+    except ValueError as exc:  # JSON and UTF-8 errors
+        raise ModelFileError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(content, dict):
+        raise ModelFileError(f"{path}: holds a JSON {type(content).__name__}; expected an object")
+    return content
+
+
+def check_raw_config(raw: dict[str, Any], path: Path, layers: set[int] | None = None) -> None:
+    """The file as written, before transformers reads it: the architecture, the sizes it
+    needs (present, positive integers), and the layer count against the weights."""
+    model_type = raw.get("model_type")
+    if not isinstance(model_type, str):
+        raise _wrong(path, "model_type", model_type, "a string naming the architecture")
+    section, prefix = raw, ""
+    if model_type == "gemma3":  # multimodal: the language model's config is nested
+        section, prefix = raw.get("text_config", {}), "text_config."
+        if not isinstance(section, dict):
+            raise _wrong(path, "text_config", section, "an object")
+        model_type = section.get("model_type", "gemma3_text")
+    _check_architecture(model_type, path)
+    keys = _Keys(section, path, prefix)
+    for key in _REQUIRED_COUNTS:
+        keys.count(key)
+    for key in _OPTIONAL_COUNTS:
+        keys.count(key, None)
+    keys.positive("rms_norm_eps", None)
+    _check_raw_rope(keys)
+    hidden, heads = section["hidden_size"], section["num_attention_heads"]
+    if section.get("head_dim") is None and hidden % heads:
+        raise ModelFileError(
+            f"{path}: key {prefix + 'hidden_size'!r} ({hidden}) is not a multiple of key "
+            f"{prefix + 'num_attention_heads'!r} ({heads}), and {prefix + 'head_dim'!r} is "
+            "not given: the head size is unknown"
+        )
+    count = section["num_hidden_layers"]
+    if layers is not None and not _is_range(layers, count):
+        held = f"layers 0..{max(layers)}" if layers else "no model.layers.* tensors"
+        raise ModelFileError(
+            f"{path}: key {prefix + 'num_hidden_layers'!r} is {count:,}, but the weights hold "
+            f"tensors for {len(layers):,} layers ({held})"
+        )
+    _layer_types(keys)
+
+
+def _check_raw_rope(keys: "_Keys") -> None:
+    """The rope numbers as written, at the top level and in ``rope_parameters`` or
+    ``rope_scaling`` (per layer type too): transformers divides by some as it reads."""
+    keys.positive("rope_theta", None)
+    keys.positive("partial_rotary_factor", None)
+    keys.count("original_max_position_embeddings", None)
+    for section in _rope_sections(keys):
+        for key in _ROPE_NUMBERS:
+            section.positive(key, None)
+        section.count("original_max_position_embeddings", None)
+
+
+def _rope_sections(keys: "_Keys") -> list["_Keys"]:
+    sections = []
+    for name in ("rope_parameters", "rope_scaling"):
+        params = keys.get(name)
+        if params is None:
+            continue
+        if not isinstance(params, dict):
+            raise keys.wrong(name, params, "an object")
+        sections.append(keys.nested(name, params))
+        for layer_type in _LAYER_TYPES:
+            if layer_type in params:
+                if not isinstance(params[layer_type], dict):
+                    raise keys.wrong(f"{name}.{layer_type}", params[layer_type], "an object")
+                sections.append(keys.nested(f"{name}.{layer_type}", params[layer_type]))
+    return sections
+
+
+def _transformers_config(model_dir: Path, path: Path) -> PretrainedConfig:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except Exception as exc:  # its config classes raise whatever their own checks raise
+        raise ModelFileError(
+            f"{path}: transformers cannot read it: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _generation_eos(model_dir: Path, path: Path, vocab: int) -> tuple[int, ...]:
+    from transformers import GenerationConfig
+
+    try:
+        value = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except Exception as exc:  # as above, for generation_config.json
+        raise ModelFileError(
+            f"{path}: transformers cannot read it: {type(exc).__name__}: {exc}"
+        ) from exc
+    ids = token_ids(value)
+    for token in ids:
+        if not (_is_int(token) and 0 <= token < vocab):
+            raise _wrong(path, "eos_token_id", value, f"token ids from 0 to {vocab - 1:,}")
+    return ids
 
 
 def text_config(config: PretrainedConfig) -> PretrainedConfig:
@@ -29,69 +213,88 @@ def text_config(config: PretrainedConfig) -> PretrainedConfig:
     return config.text_config if config.model_type == "gemma3" else config
 
 
-def model_config_from_hf(config: PretrainedConfig) -> ModelConfig:
+def model_config_from_hf(
+    config: PretrainedConfig, source: Path = Path("config.json")
+) -> ModelConfig:
+    """``config`` as a `ModelConfig`; a value of the wrong type or out of range is a
+    ModelFileError naming ``source`` and the key."""
+    prefix = "text_config." if config.model_type == "gemma3" else ""
     config = text_config(config)
-    architecture = _ARCHITECTURE_BY_MODEL_TYPE.get(config.model_type)
-    if architecture is None:
-        raise UnsupportedArchitectureError(
-            f"model type {config.model_type!r} is not supported; supported architectures: "
-            + ", ".join(SUPPORTED_ARCHITECTURES)
-        )
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    architecture = _check_architecture(config.model_type, source)
+    keys = _Keys(config, source, prefix)
+    head_dim = _head_dim(keys)
     fields = dict(
         architecture=architecture,
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
-        num_layers=config.num_hidden_layers,
+        num_layers=keys.count("num_hidden_layers"),
         num_heads=config.num_attention_heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        num_kv_heads=keys.count("num_key_value_heads", None) or config.num_attention_heads,
         head_dim=head_dim,
-        rms_norm_eps=config.rms_norm_eps,
+        rms_norm_eps=keys.positive("rms_norm_eps"),
         max_position_embeddings=config.max_position_embeddings,
-        rope=_rope(config, _rope_parameters(config, "full_attention"), head_dim),
-        layer_types=_layer_types(config),
+        rope=_rope(keys, "full_attention", head_dim),
+        layer_types=_layer_types(keys),
         sliding_window=getattr(config, "sliding_window", None),
-        activation=_activation(config),
+        activation=_activation(keys),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         bos_token_id=config.bos_token_id,
         eos_token_ids=token_ids(config.eos_token_id),
-        dtype=_dtype_name(config),
+        dtype=_dtype_name(keys),
     )
-    fields.update(_ARCHITECTURE_FIELDS[architecture](config, head_dim))
-    return ModelConfig(**fields)
+    fields.update(_ARCHITECTURE_FIELDS[architecture](keys, head_dim))
+    try:
+        return ModelConfig(**fields)
+    except ConfigValueError as exc:
+        raise keys.invalid(exc) from None
 
 
-def _llama(config: PretrainedConfig, head_dim: int) -> dict[str, Any]:
-    bias = bool(getattr(config, "attention_bias", False))
+def _check_architecture(model_type: Any, path: Path) -> str:
+    architecture = _ARCHITECTURE_BY_MODEL_TYPE.get(model_type)
+    if architecture is None:
+        raise UnsupportedArchitectureError(
+            f"{path}: model type {model_type!r} is not supported; supported architectures: "
+            + ", ".join(SUPPORTED_ARCHITECTURES)
+        )
+    return architecture
+
+
+def _head_dim(keys: "_Keys") -> int:
+    heads = keys.count("num_attention_heads")
+    return keys.count("head_dim", None) or keys.count("hidden_size") // heads
+
+
+def _llama(keys: "_Keys", head_dim: int) -> dict[str, Any]:
+    bias = bool(keys.get("attention_bias", False))
     return {"qkv_bias": bias, "o_bias": bias}
 
 
-def _qwen2(config: PretrainedConfig, head_dim: int) -> dict[str, Any]:
+def _qwen2(keys: "_Keys", head_dim: int) -> dict[str, Any]:
     return {"qkv_bias": True, "o_bias": False}
 
 
-def _qwen3(config: PretrainedConfig, head_dim: int) -> dict[str, Any]:
-    return {**_llama(config, head_dim), "qk_norm": True}
+def _qwen3(keys: "_Keys", head_dim: int) -> dict[str, Any]:
+    return {**_llama(keys, head_dim), "qk_norm": True}
 
 
-def _phi3(config: PretrainedConfig, head_dim: int) -> dict[str, Any]:
+def _phi3(keys: "_Keys", head_dim: int) -> dict[str, Any]:
     return {}
 
 
-def _gemma3(config: PretrainedConfig, head_dim: int) -> dict[str, Any]:
+def _gemma3(keys: "_Keys", head_dim: int) -> dict[str, Any]:
     return {
-        **_llama(config, head_dim),
+        **_llama(keys, head_dim),
         "qk_norm": True,
         "norm_offset": 1.0,
         "norm_in_float": True,
         "sandwich_norms": True,
-        "embedding_multiplier": config.hidden_size**0.5,
-        "attn_scale": config.query_pre_attn_scalar**-0.5,
+        "embedding_multiplier": keys.count("hidden_size") ** 0.5,
+        "attn_scale": keys.positive("query_pre_attn_scalar") ** -0.5,
         # Gemma 3 dropped Gemma 2's attention softcapping: transformers and llama.cpp ignore
         # the config field, and so do we.
-        "final_softcap": config.final_logit_softcapping,
-        "rope_local": _rope(config, _rope_parameters(config, "sliding_attention"), head_dim),
+        "final_softcap": keys.positive("final_logit_softcapping", None),
+        "rope_local": _rope(keys, "sliding_attention", head_dim),
     }
 
 
@@ -105,77 +308,183 @@ _ARCHITECTURE_FIELDS = {
 }
 
 
-def _rope_parameters(config: PretrainedConfig, layer_type: str) -> dict[str, Any]:
-    params = dict(config.rope_parameters or {})
-    return dict(params[layer_type]) if layer_type in params else params
-
-
-def _rope(config: PretrainedConfig, params: dict[str, Any], head_dim: int) -> RopeConfig:
-    kind = params.get("rope_type", "default")
+def _rope(keys: "_Keys", layer_type: str, head_dim: int) -> RopeConfig:
+    params = keys.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise keys.wrong("rope_parameters", params, "an object")
+    name = "rope_parameters"
+    if layer_type in params:
+        params, name = params[layer_type], f"rope_parameters.{layer_type}"
+    if not isinstance(params, dict):
+        raise keys.wrong(name, params, "an object")
+    rope = keys.nested(name, params)
+    kind = rope.string("rope_type", "default")
     if kind not in _ROPE_KINDS:
         raise UnsupportedArchitectureError(
-            f"rope type {kind!r} of {config.model_type} is not supported; supported: "
+            f"{keys.path}: rope type {kind!r} is not supported; supported: "
             + ", ".join(_ROPE_KINDS)
         )
-    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    original = params.get("original_max_position_embeddings") or getattr(
-        config, "original_max_position_embeddings", None
+    partial = rope.positive("partial_rotary_factor", keys.positive("partial_rotary_factor", 1.0))
+    original = rope.count("original_max_position_embeddings", None) or keys.count(
+        "original_max_position_embeddings", None
     )
-    factor = params.get("factor")
+    factor = rope.positive("factor", None)
     if factor is None and kind in ("yarn", "longrope"):
-        factor = config.max_position_embeddings / original
-    optional = {
-        key: params[key]
-        for key in (
-            "low_freq_factor",
-            "high_freq_factor",
-            "beta_fast",
-            "beta_slow",
-            "mscale",
-            "mscale_all_dim",
-            "attention_factor",
-            "truncate",
-        )
-        if params.get(key) is not None
+        if original is None:
+            raise keys.missing(f"{name}.original_max_position_embeddings")
+        factor = keys.count("max_position_embeddings") / original
+    optional: dict[str, Any] = {
+        key: rope.positive(key) for key in _ROPE_OPTIONAL if rope.get(key) is not None
     }
+    if rope.get("truncate") is not None:
+        optional["truncate"] = bool(rope.get("truncate"))
     for key in ("short_factor", "long_factor"):
-        if params.get(key) is not None:
-            optional[key] = tuple(params[key])
+        if rope.get(key) is not None:
+            optional[key] = tuple(rope.numbers(key))
     return RopeConfig(
-        theta=float(params.get("rope_theta", 10000.0)),
+        theta=rope.positive("rope_theta", 10000.0),
         rotary_dim=int(head_dim * partial),
         kind=kind,
-        factor=float(factor or 1.0),
+        factor=factor or 1.0,
         original_max_position=original,
         **optional,
     )
 
 
-def _layer_types(config: PretrainedConfig) -> tuple[LayerType, ...]:
-    layer_types = getattr(config, "layer_types", None)
+def _layer_types(keys: "_Keys") -> tuple[LayerType, ...]:
+    layers = keys.count("num_hidden_layers")
+    layer_types = keys.get("layer_types")
     if layer_types:
-        return tuple("sliding" if kind == "sliding_attention" else "full" for kind in layer_types)
-    kind: LayerType = "sliding" if getattr(config, "sliding_window", None) else "full"
-    return (kind,) * config.num_hidden_layers
+        if not (
+            isinstance(layer_types, list)
+            and len(layer_types) == layers
+            and all(isinstance(kind, str) and kind in _LAYER_TYPES for kind in layer_types)
+        ):
+            raise keys.wrong(
+                "layer_types", layer_types, f"{layers} of " + ", ".join(map(repr, _LAYER_TYPES))
+            )
+        return tuple(_LAYER_TYPES[kind] for kind in layer_types)
+    kind: LayerType = "sliding" if keys.get("sliding_window") else "full"
+    return (kind,) * layers
 
 
-def _activation(config: PretrainedConfig) -> str:
-    name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+def _activation(keys: "_Keys") -> str:
+    key = "hidden_activation" if keys.get("hidden_activation") else "hidden_act"
+    name = keys.get(key, "silu")
+    if not isinstance(name, str):
+        raise keys.wrong(key, name, "the name of an activation function")
     if name not in _ACTIVATIONS:
         raise UnsupportedArchitectureError(
-            f"activation {name!r} of {config.model_type} is not supported; supported: "
+            f"activation {name!r} of {keys.get('model_type')} is not supported; supported: "
             + ", ".join(_ACTIVATIONS)
         )
     return _ACTIVATIONS[name]
 
 
-def token_ids(value: int | list[int] | None) -> tuple[int, ...]:
-    """A config's token id field (an id, a list of ids, or none) as a tuple."""
+def token_ids(value: Any) -> tuple[Any, ...]:
+    """A config's token id field (an id, a list of ids, or none) as a tuple; the ids are
+    checked against the vocabulary by `ModelConfig`."""
     if value is None:
         return ()
-    return (value,) if isinstance(value, int) else tuple(value)
+    return tuple(value) if isinstance(value, list | tuple) else (value,)
 
 
-def _dtype_name(config: PretrainedConfig) -> str | None:
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    return None if dtype is None else str(dtype).removeprefix("torch.")
+def _dtype_name(keys: "_Keys") -> str | None:
+    key = "dtype" if keys.get("dtype") is not None else "torch_dtype"
+    dtype = keys.get(key)
+    if dtype is None:
+        return None
+    name = str(dtype).removeprefix("torch.")
+    torch_dtype = getattr(torch, name, None)
+    if not (isinstance(torch_dtype, torch.dtype) and torch_dtype.is_floating_point):
+        raise keys.wrong(key, dtype, "the name of a floating-point dtype (e.g. 'bfloat16')")
+    return name
+
+
+class _Keys:
+    """Typed reads of a config (a dict, or transformers' config object) naming the file and
+    the key in every error."""
+
+    def __init__(self, config: Any, path: Path, prefix: str) -> None:
+        self.config, self.path, self.prefix = config, path, prefix
+
+    def get(self, key: str, default: Any = None) -> Any:
+        if isinstance(self.config, dict):
+            return self.config.get(key, default)
+        return getattr(self.config, key, default)
+
+    def count(self, key: str, default: Any = _MISSING) -> Any:
+        value = self._value(key, default)
+        if value is default or (_is_int(value) and value > 0):
+            return value
+        raise self.wrong(key, value, "a positive integer")
+
+    def positive(self, key: str, default: Any = _MISSING) -> Any:
+        value = self._value(key, default)
+        if value is default:
+            return value
+        if (_is_int(value) or isinstance(value, float)) and 0 < value < math.inf:
+            return float(value)
+        raise self.wrong(key, value, "a finite number > 0")
+
+    def string(self, key: str, default: Any = _MISSING) -> Any:
+        value = self._value(key, default)
+        if value is default or isinstance(value, str):
+            return value
+        raise self.wrong(key, value, "a string")
+
+    def numbers(self, key: str) -> list[float]:
+        value = self._value(key, _MISSING)
+        if isinstance(value, list) and all(_is_int(v) or isinstance(v, float) for v in value):
+            return value
+        raise self.wrong(key, value, "a list of numbers")
+
+    def nested(self, key: str, section: dict[str, Any]) -> "_Keys":
+        return _Keys(section, self.path, f"{self.prefix}{key}.")
+
+    def wrong(self, key: str, value: Any, expected: str) -> ModelFileError:
+        return _wrong(self.path, self.prefix + key, value, expected)
+
+    def missing(self, key: str) -> ModelFileError:
+        return ModelFileError(f"{self.path}: key {self.prefix + key!r} is missing")
+
+    def invalid(self, exc: ConfigValueError) -> ModelFileError:
+        """A `ModelConfig` range error, told in terms of the key it came from."""
+        params = self.get("rope_parameters")
+        nested = isinstance(params, dict) and "full_attention" in params
+        key = _source_key(self.prefix, exc.field, nested)
+        return ModelFileError(f"{self.path}: {key} is {exc.found!r}; expected {exc.expected}")
+
+    def _value(self, key: str, default: Any) -> Any:
+        value = self.get(key, None)
+        if value is not None:
+            return value
+        if default is _MISSING:
+            raise self.missing(key)
+        return default
+
+
+def _source_key(prefix: str, field: str, nested_rope: bool) -> str:
+    """The config.json key a `ModelConfig` field (``num_heads``, ``rope.theta`` ...) comes
+    from; ``nested_rope``: rope parameters given per layer type (Gemma 3)."""
+    section, _, name = field.rpartition(".")
+    if not section:
+        return f"key {prefix + _FIELD_KEYS.get(field, field)!r}"
+    rope = "rope_parameters"
+    if nested_rope or section == "rope_local":
+        rope += ".sliding_attention" if section == "rope_local" else ".full_attention"
+    return f"key {prefix + rope + '.' + _ROPE_FIELD_KEYS.get(name, name)!r}"
+
+
+def _wrong(path: Path, key: str, value: Any, expected: str) -> ModelFileError:
+    shown = f"{value!r}"[:80] if value is not None else "missing (null)"
+    return ModelFileError(f"{path}: key {key!r} is {shown}; expected {expected}")
+
+
+def _is_range(indices: set[int], count: int) -> bool:
+    """``indices == set(range(count))``, without building a range a corrupt count makes huge."""
+    return len(indices) == count and min(indices, default=0) == 0 and max(indices) == count - 1
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -8,12 +8,13 @@
    network allows it.
 """
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from ..errors import ModelNotFoundError
+from ..errors import ModelFileError, ModelNotFoundError
 from ..log import get_logger
 
 log = get_logger()
@@ -33,21 +34,49 @@ class ModelSource:
 def resolve_model(name: str, *, allow_download: bool = True) -> ModelSource:
     tried: list[str] = []
     path = Path(name).expanduser()
-    if path.is_file():
-        if path.suffix.lower() == ".gguf":
-            return ModelSource("gguf", path, name)
-        tried.append(f"{path}: a file, but not a .gguf file")
-    elif path.is_dir():
-        source = _from_directory(path, name, tried)
-        if source:
-            return source
-    else:
-        tried.append(f"{path}: no such file or directory")
+    try:
+        source = _from_path(path, name, tried)
+    except ModelNotFoundError:  # a FileNotFoundError too, but ours
+        raise
+    except OSError as exc:
+        raise unreadable(path, exc) from None
+    if source:
+        return source
     if _HUB_ID.fullmatch(name) and not path.exists():
         source = _from_hub(name, allow_download, tried)
         if source:
             return source
     raise ModelNotFoundError(f"model {name!r} not found; tried: " + "; ".join(tried))
+
+
+def unreadable(path: Path, exc: OSError) -> ModelFileError:
+    """A path that exists but cannot be read: the OS's reason, not "not found"."""
+    reason = exc.strerror or str(exc)
+    return ModelFileError(f"{path}: cannot be read: {reason} (errno {exc.errno})")
+
+
+def _from_path(path: Path, name: str, tried: list[str]) -> ModelSource | None:
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            _check_readable(path)
+            return ModelSource("gguf", path, name)
+        tried.append(f"{path}: a file, but not a .gguf file")
+    elif path.is_dir():
+        _check_readable(path)
+        return _from_directory(path, name, tried)
+    else:
+        tried.append(f"{path}: no such file or directory")
+    return None
+
+
+def _check_readable(path: Path) -> None:
+    """Raises the OS's error where ``path`` cannot be read (a directory whose listing is
+    denied would otherwise look empty)."""
+    if path.is_dir():
+        os.listdir(path)
+    else:
+        with path.open("rb"):
+            pass
 
 
 def _from_directory(path: Path, name: str, tried: list[str]) -> ModelSource | None:

@@ -65,8 +65,10 @@ class Tokenizer:
 def load_text_tokenizer(model_dir: Path, eos_token_ids: Sequence[int]) -> Tokenizer:
     try:
         hf = AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError) as exc:
-        raise ModelFileError(f"{model_dir}: cannot load the tokenizer: {exc}") from None
+    except Exception as exc:  # the tokenizers library raises bare Exceptions on bad files
+        raise ModelFileError(
+            f"{model_dir}: cannot load the tokenizer: {type(exc).__name__}: {exc}"
+        ) from exc
     return Tokenizer(hf, eos_token_ids)
 
 
@@ -114,10 +116,11 @@ def _convert(gguf_path: Path, target: Path) -> None:
     )
     try:
         hf = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    except (OSError, ValueError, KeyError) as exc:
+    except Exception as exc:  # transformers' GGUF conversion raises whatever odd metadata trips
         raise ModelFileError(
-            f"{gguf_path}: cannot build a tokenizer from the file's vocabulary: {exc}"
-        ) from None
+            f"{gguf_path}: cannot build a tokenizer from the file's vocabulary: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
     try:

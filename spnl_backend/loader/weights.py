@@ -4,12 +4,16 @@ Text models read safetensors shards one tensor at a time (quantized as they stre
 with ISQ); GGUF models keep their quantized matrices as the file's blocks, mapped from
 disk, and dequantize only their float tensors. Either way every tensor
 is checked against the parameter it fills, and a missing, unexpected or
-misshapen one is an error naming the file and the tensor.
+misshapen one is an error naming the file and the tensor. So is a weight holding NaN or
+infinity: such a model can only produce NaN logits, so it is refused at load.
 """
 
 import json
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -17,7 +21,7 @@ from torch import nn
 
 from ..errors import ModelFileError
 from ..models.config import ModelConfig
-from ..quant.ggml import FLOAT_TYPES
+from ..quant.ggml import FLOAT_TYPES, nonfinite_scales
 from ..quant.linear import (
     Matmuls,
     QuantEmbedding,
@@ -28,6 +32,7 @@ from ..quant.linear import (
 from .gguf_config import hf_name
 from .gguf_file import GGUFFile
 from .progress import Progress
+from .resolve import unreadable
 
 NamedTensors = Iterator[tuple[str, "torch.Tensor | QuantizedWeight"]]
 # Checkpoint tensors a text-only run does not use.
@@ -42,34 +47,122 @@ _RENAMED_PREFIXES = (
     ("language_model.model.", "model."),
     ("language_model.lm_head.", "lm_head."),
 )
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
+    """The shards: those the index names (each must exist), else every ``*.safetensors``."""
     index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [model_dir / name for name in sorted(set(weight_map.values()))]
-    return sorted(model_dir.glob("*.safetensors"))
+    if not index.exists():
+        return sorted(model_dir.glob("*.safetensors"))
+    shards = sorted(set(_weight_map(index).values()))
+    missing = [name for name in shards if not (model_dir / name).is_file()]
+    if missing:
+        raise ModelFileError(
+            f"{index}: names {len(missing)} shard(s) that are not in the directory: "
+            + ", ".join(missing[:5])
+        )
+    return [model_dir / name for name in shards]
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    try:
+        content: Any = json.loads(index.read_bytes())
+    except OSError as exc:
+        raise unreadable(index, exc) from None
+    except ValueError as exc:  # JSON and UTF-8 errors
+        raise ModelFileError(f"{index}: not valid JSON: {exc}") from None
+    weight_map = content.get("weight_map") if isinstance(content, dict) else None
+    if not (
+        isinstance(weight_map, dict)
+        and weight_map
+        and all(isinstance(v, str) and v for v in weight_map.values())
+    ):
+        raise ModelFileError(
+            f"{index}: expected an object whose 'weight_map' maps each tensor name to a "
+            "shard file name in this directory"
+        )
+    return weight_map
+
+
+def safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's name (as the model calls it) and shape, from the shards' headers."""
+    shapes = {}
+    for path in files:
+        with _opened(path) as f:
+            for name in list(f.keys()):
+                shapes[_renamed(name)] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def layer_indices(names: Iterable[str]) -> set[int]:
+    """The decoder layers that ``names`` (our parameter names) hold tensors for."""
+    return {int(m[1]) for name in names if (m := _LAYER.match(name))}
 
 
 def read_safetensors(files: list[Path], progress: Progress) -> NamedTensors:
+    """Every tensor the model uses, checked: a float type, and finite."""
     for number, path in enumerate(files, 1):
-        try:
-            with safe_open(path, framework="pt") as f:
-                names = list(f.keys())
-                for done, name in enumerate(names):
-                    progress(f"weights {number}/{len(files)}", done, len(names))
-                    yield _renamed(name), _read_tensor(f, path, name)
-                progress(f"weights {number}/{len(files)}", len(names), len(names))
-        except SafetensorError as exc:
-            raise ModelFileError(f"{path}: truncated or corrupt safetensors file: {exc}") from None
+        with _opened(path) as f:
+            names = [n for n in list(f.keys()) if not _renamed(n).startswith(_SKIPPED_PREFIXES)]
+            for done, name in enumerate(names):
+                progress(f"weights {number}/{len(files)}", done, len(names))
+                yield _renamed(name), _checked(_read_tensor(f, path, name), path, name)
+            progress(f"weights {number}/{len(files)}", len(names), len(names))
 
 
-def _read_tensor(f: object, path: Path, name: str) -> torch.Tensor:
+@contextmanager
+def _opened(path: Path) -> Iterator[Any]:
+    """``safe_open`` whose failures name the file: the OS's reason where it cannot be read
+    (safetensors reports every open failure as "No such file"), else what is corrupt."""
     try:
-        return f.get_tensor(name)  # type: ignore[attr-defined]
+        with path.open("rb"):
+            pass
+        handle = safe_open(path, framework="pt")
+    except OSError as exc:
+        raise unreadable(path, exc) from None
+    except SafetensorError as exc:
+        raise ModelFileError(f"{path}: truncated or corrupt safetensors file: {exc}") from None
+    with handle as f:
+        yield f
+
+
+def _read_tensor(f: Any, path: Path, name: str) -> torch.Tensor:
+    try:
+        return f.get_tensor(name)
     except SafetensorError as exc:
         raise ModelFileError(f"{path}: cannot read tensor {name!r}: {exc}") from None
+
+
+def _checked(tensor: torch.Tensor, path: Path, name: str) -> torch.Tensor:
+    if not tensor.dtype.is_floating_point:
+        raise ModelFileError(
+            f"{path}: tensor {name!r} is stored as {str(tensor.dtype).removeprefix('torch.')}; "
+            "expected a floating-point type"
+        )
+    check_finite(tensor, path, name)
+    return tensor
+
+
+def check_finite(tensor: torch.Tensor, path: Path, name: str) -> None:
+    """Refuse a weight holding NaN or infinity (one vectorised pass; counted only when
+    there are some)."""
+    if bool(torch.isfinite(tensor).all()):
+        return
+    bad = int((~torch.isfinite(tensor)).sum())
+    raise ModelFileError(
+        f"{path}: tensor {name!r} holds {bad:,} non-finite values (NaN or infinity) among "
+        f"{tensor.numel():,}; a model with such weights computes NaN, so it is refused"
+    )
+
+
+def _check_finite_blocks(weight: QuantizedWeight, path: Path, name: str) -> None:
+    bad = nonfinite_scales(weight.data, weight.qtype)
+    if bad:
+        raise ModelFileError(
+            f"{path}: tensor {name!r} holds {bad:,} non-finite {weight.qtype.name} block "
+            "scales (NaN or infinity); a model with such weights computes NaN, so it is refused"
+        )
 
 
 def _renamed(name: str) -> str:
@@ -85,22 +178,34 @@ def read_gguf(gguf: GGUFFile, config: ModelConfig, progress: Progress) -> NamedT
     names = list(gguf.tensors)
     for done, gguf_name in enumerate(names):
         progress("weights", done, len(names))
-        name = hf_name(gguf_name, gguf.architecture)
+        name = hf_name(gguf_name, gguf.architecture, gguf.path)
         if name is None:
             continue
         info = gguf.tensors[gguf_name]
         tensor: torch.Tensor | QuantizedWeight
         if info.qtype in FLOAT_TYPES or len(info.shape) != 2:
             tensor = gguf.load(gguf_name)
+            check_finite(tensor, gguf.path, gguf_name)
         else:
             tensor = QuantizedWeight(
                 gguf.raw(gguf_name).view(info.shape[0], -1), info.qtype, info.shape
             )
+            _check_finite_blocks(tensor, gguf.path, gguf_name)
         if gguf.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if "q_proj" in name else config.num_kv_heads
+            _check_rows(tensor, heads * config.head_dim, gguf.path, gguf_name)
             tensor = unpermute_rows(tensor, heads)
         yield name, tensor
     progress("weights", len(names), len(names))
+
+
+def _check_rows(tensor: torch.Tensor | QuantizedWeight, rows: int, path: Path, name: str) -> None:
+    """A q/k matrix's rows before they are regrouped by head (which needs them whole)."""
+    if len(tensor.shape) != 2 or tensor.shape[0] != rows:
+        raise ModelFileError(
+            f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}; the model expects "
+            f"{rows} rows (heads x head size)"
+        )
 
 
 def unpermute_rows(

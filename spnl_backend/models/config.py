@@ -5,14 +5,35 @@ is built from it alone. Every architecture difference is a field here, so the
 model code is written once.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
-from ..errors import UnsupportedArchitectureError
+from ..errors import ModelFileError, UnsupportedArchitectureError
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
 LayerType = Literal["full", "sliding"]
 RopeKind = Literal["default", "linear", "llama3", "yarn", "longrope"]
+MAX_COUNT = 2**31 - 1  # every size and count fits the int32 indices kernels use
+_COUNTS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+
+
+class ConfigValueError(ValueError):
+    """A `ModelConfig` field out of its range. The loaders name the file and the key the
+    field came from; ``expected`` is worded for either source."""
+
+    def __init__(self, field: str, found: object, expected: str) -> None:
+        super().__init__(f"{field} is {found!r}; expected {expected}")
+        self.field, self.found, self.expected = field, found, expected
 
 
 @dataclass(frozen=True)
@@ -75,13 +96,11 @@ class ModelConfig:
                 f"architecture {self.architecture!r} is not supported; supported: "
                 + ", ".join(SUPPORTED_ARCHITECTURES)
             )
+        for name in _COUNTS:
+            _check_count(name, getattr(self, name))
         if not self.layer_types:
             object.__setattr__(self, "layer_types", ("full",) * self.num_layers)
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"{self.num_heads} attention heads do not split into "
-                f"{self.num_kv_heads} KV-head groups"
-            )
+        _validate(self)
 
     @property
     def scale(self) -> float:
@@ -89,3 +108,130 @@ class ModelConfig:
 
     def window_of(self, layer: int) -> int | None:
         return self.sliding_window if self.layer_types[layer] == "sliding" else None
+
+
+def check_config_shapes(
+    config: ModelConfig, shapes: dict[str, tuple[int, ...]], source: object
+) -> None:
+    """The config's sizes against the tensors they describe (the embedding and the first
+    layer's projections), before a model of those sizes is built: a size that disagrees
+    with the file is an error naming the tensor, not a huge allocation."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    hidden, inner = config.hidden_size, config.intermediate_size
+    layer = "model.layers.0."
+    expected = {
+        "model.embed_tokens.weight": (config.vocab_size, hidden),
+        layer + "self_attn.q_proj.weight": (q, hidden),
+        layer + "self_attn.k_proj.weight": (kv, hidden),
+        layer + "self_attn.qkv_proj.weight": (q + 2 * kv, hidden),
+        layer + "mlp.down_proj.weight": (hidden, inner),
+        layer + "mlp.gate_up_proj.weight": (2 * inner, hidden),
+    }
+    for name, shape in expected.items():
+        if name in shapes and tuple(shapes[name]) != shape:
+            raise ModelFileError(
+                f"{source}: tensor {name!r} has shape {tuple(shapes[name])}, but the "
+                f"config's sizes make it {shape}"
+            )
+
+
+def _validate(config: ModelConfig) -> None:
+    """Every value in its range, so that no kernel ever sees a shape it cannot handle
+    (a rotary width past the head reads out of bounds in the native kernels)."""
+    _check_positive("rms_norm_eps", config.rms_norm_eps)
+    if config.num_heads % config.num_kv_heads:
+        raise ConfigValueError(
+            "num_kv_heads",
+            config.num_kv_heads,
+            f"a divisor of the number of attention heads ({config.num_heads})",
+        )
+    _check_rope("rope", config.rope, config.head_dim)
+    if config.rope_local is not None:
+        _check_rope("rope_local", config.rope_local, config.head_dim)
+    if len(config.layer_types) != config.num_layers or not set(config.layer_types) <= {
+        "full",
+        "sliding",
+    }:
+        raise ConfigValueError(
+            "layer_types",
+            config.layer_types,
+            f"{config.num_layers} entries (one per layer), each 'full' or 'sliding'",
+        )
+    if config.sliding_window is not None:
+        _check_count("sliding_window", config.sliding_window)
+    for name in ("embedding_multiplier", "attn_softcap", "final_softcap"):
+        if getattr(config, name) is not None:
+            _check_positive(name, getattr(config, name))
+    if not (_is_real(config.attn_scale) and config.attn_scale >= 0):
+        raise ConfigValueError("attn_scale", config.attn_scale, "a finite number >= 0")
+    _check_token_ids(config)
+
+
+def _check_rope(name: str, rope: RopeConfig, head_dim: int) -> None:
+    _check_positive(f"{name}.theta", rope.theta)
+    dim = rope.rotary_dim
+    if not (_is_int(dim) and 2 <= dim <= head_dim and dim % 2 == 0):
+        expected = f"an even number of dimensions from 2 to the head's {head_dim}"
+        raise ConfigValueError(f"{name}.rotary_dim", dim, expected)
+    _check_positive(f"{name}.factor", rope.factor)
+    for field in ("beta_fast", "beta_slow", "low_freq_factor", "high_freq_factor"):
+        _check_positive(f"{name}.{field}", getattr(rope, field))
+    for field in ("mscale", "mscale_all_dim", "attention_factor"):
+        if getattr(rope, field) is not None:
+            _check_positive(f"{name}.{field}", getattr(rope, field))
+    if rope.original_max_position is not None or rope.kind in ("llama3", "yarn", "longrope"):
+        _check_count(f"{name}.original_max_position", rope.original_max_position)
+    if rope.kind == "yarn" and rope.theta == 1:
+        raise ConfigValueError(f"{name}.theta", rope.theta, "a base other than 1 (yarn)")
+    if rope.kind == "llama3" and rope.high_freq_factor <= rope.low_freq_factor:
+        raise ConfigValueError(
+            f"{name}.high_freq_factor",
+            rope.high_freq_factor,
+            f"more than the low frequency factor ({rope.low_freq_factor})",
+        )
+    for field in ("freq_factors", "short_factor", "long_factor"):
+        _check_factors(f"{name}.{field}", getattr(rope, field), dim // 2)
+    if rope.kind == "longrope" and (rope.short_factor is None or rope.long_factor is None):
+        raise ConfigValueError(f"{name}.long_factor", None, "short and long factors (longrope)")
+
+
+def _check_factors(name: str, factors: tuple[float, ...] | None, count: int) -> None:
+    if factors is None:
+        return
+    if len(factors) != count or not all(_is_real(f) and f > 0 for f in factors):
+        shown = f"{len(factors)} values" if len(factors) != count else factors
+        raise ConfigValueError(name, shown, f"{count} finite positive numbers (one per pair)")
+
+
+def _check_token_ids(config: ModelConfig) -> None:
+    ids = {"bos_token_id": [config.bos_token_id] if config.bos_token_id is not None else []}
+    ids["eos_token_ids"] = list(config.eos_token_ids)
+    for name, values in ids.items():
+        for value in values:
+            if not (_is_int(value) and 0 <= value < config.vocab_size):
+                raise ConfigValueError(
+                    name, value, f"a token id within the vocabulary (0 to {config.vocab_size - 1})"
+                )
+
+
+def _check_count(name: str, value: object) -> None:
+    if not (_is_int(value) and 0 < value <= MAX_COUNT):
+        raise ConfigValueError(name, value, f"a positive integer up to {MAX_COUNT:,}")
+
+
+def _check_positive(name: str, value: object) -> None:
+    if not (_is_real(value) and value > 0):
+        raise ConfigValueError(name, value, "a finite number > 0")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    """A finite number torch can compute with (a Python int past int64 it cannot take)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return abs(value) < 2**63
+    return isinstance(value, float) and math.isfinite(value)

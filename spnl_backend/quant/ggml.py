@@ -9,6 +9,7 @@ reference code so the results match it bit for bit.
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -183,6 +184,34 @@ FLOAT_TYPES = {
     GGMLQuantizationType.BF16: torch.bfloat16,
 }
 SUPPORTED_TYPES = tuple(FLOAT_TYPES) + tuple(DEQUANTIZERS)
+# Where each format keeps its float16 scales in a block: d, and dmin (or Q8_1's sum s).
+SCALE_OFFSETS = {
+    GGMLQuantizationType.Q4_0: (0,),
+    GGMLQuantizationType.Q4_1: (0, 2),
+    GGMLQuantizationType.Q5_0: (0,),
+    GGMLQuantizationType.Q5_1: (0, 2),
+    GGMLQuantizationType.Q8_0: (0,),
+    GGMLQuantizationType.Q8_1: (0, 2),
+    GGMLQuantizationType.Q2_K: (80, 82),
+    GGMLQuantizationType.Q3_K: (108,),
+    GGMLQuantizationType.Q4_K: (0, 2),
+    GGMLQuantizationType.Q5_K: (0, 2),
+    GGMLQuantizationType.Q6_K: (208,),
+}
+_F16_EXPONENT = 0x7C  # in the high byte; all ones: infinity or NaN
+
+
+def nonfinite_scales(data: torch.Tensor, qtype: GGMLQuantizationType) -> int:
+    """How many float16 scales in the blocks of ``data`` (uint8, whole blocks) are NaN or
+    infinite. Every other field is a small integer, so a block dequantizes to finite
+    values exactly when its scales are finite: this checks a quantized tensor without
+    dequantizing it, reading the high byte of each scale through a strided view. (In
+    numpy: a reduction this small costs less than torch's per-op thread dispatch.)"""
+    blocks = data.detach().cpu().numpy().reshape(-1, ggml_format(qtype).type_size)
+    return sum(
+        int(np.count_nonzero((blocks[:, offset + 1] & _F16_EXPONENT) == _F16_EXPONENT))
+        for offset in SCALE_OFFSETS[qtype]
+    )
 
 
 def dequantize(
