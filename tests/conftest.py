@@ -27,10 +27,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _clean_mistralrs_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tests see only the MISTRALRS_* variables they set themselves."""
+    """Tests see only the MISTRALRS_* variables they set themselves, plus one: the suite
+    runs the native kernels with every index checked (MISTRALRS_NATIVE_CHECKS), so a
+    kernel that strays fails its test instead of corrupting memory. The unchecked build is
+    what tests/test_cpu_kernels.py and tests/test_cpu_paths.py also run."""
     for name in list(os.environ):
         if name.upper().startswith("MISTRALRS_"):
             monkeypatch.delenv(name)
+    monkeypatch.setenv("MISTRALRS_NATIVE_CHECKS", "true")
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,7 @@
 """The CPU's compiled kernels against their torch twins."""
 
+import dataclasses
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -7,29 +9,33 @@ from paged_cases import CASES, paged_case
 
 import spnl_backend.kernels.cpu as cpu
 import spnl_backend.quant.linear as linear
+from spnl_backend.kernels.cpu import KernelArgumentError
 from spnl_backend.kernels.ops import rms_norm_ref, rotate_ref
 from spnl_backend.kernels.paged_ref import paged_attention_ref
-from spnl_backend.quant.linear import NATIVE_MAX_ROWS, QuantizedWeight, quantized_matmuls
+from spnl_backend.quant.linear import NATIVE_MAX_ROWS, CpuMatmuls, QuantizedWeight
 from spnl_backend.quant.quantize import QUANTIZERS
 
 TYPES = sorted(QUANTIZERS, key=lambda t: t.value)
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    native = cpu.cpu_kernels()
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "checked"])
+def kernels(request):
+    """Both builds: as shipped, and with every index checked (MISTRALRS_NATIVE_CHECKS)."""
+    native = cpu.cpu_kernels(checks=request.param)
     if native is None:
         pytest.fail("the CPU kernels did not build: is there a C compiler?")
+    assert native.checks == request.param
     return native
 
 
 @pytest.fixture
-def exact(monkeypatch):
-    """The float-activation kernels, as SPNL_EXACT_MATMUL=1 selects them."""
-    monkeypatch.setenv("SPNL_EXACT_MATMUL", "1")
-    cpu.cpu_kernels.cache_clear()
-    yield cpu.cpu_kernels()
-    cpu.cpu_kernels.cache_clear()
+def exact(kernels):
+    """The float-activation kernels, as MISTRALRS_CPU_MATMUL=float32 selects them."""
+    return dataclasses.replace(kernels, exact=True)
+
+
+def quantized_matmuls(native, x, weights, gemm=torch.float32):
+    return CpuMatmuls(native, gemm)(x, weights)
 
 
 def _weights(qtype: Q, rows: int = 96, cols: int = 512, seed: int = 0) -> QuantizedWeight:
@@ -55,7 +61,7 @@ def test_exact_products_equal_the_twin(exact, qtype, rows):
     weights = [_weights(qtype), _weights(qtype, rows=40, seed=1)]
     x = torch.randn(rows, 512)
     torch.testing.assert_close(
-        quantized_matmuls(x, weights), _twin(x, weights), rtol=1e-5, atol=1e-4
+        quantized_matmuls(exact, x, weights), _twin(x, weights), rtol=1e-5, atol=1e-4
     )
 
 
@@ -66,7 +72,7 @@ def test_int8_products_equal_the_twin_on_rounded_activations(kernels, qtype, row
         pytest.skip("this CPU has no AVX2: the int8 kernels are not built")
     weights = [_weights(qtype), _weights(Q.Q8_0, rows=16, seed=2)]
     x = torch.randn(rows, 512)
-    out = quantized_matmuls(x, weights)
+    out = quantized_matmuls(kernels, x, weights)
     torch.testing.assert_close(out, _twin(_int8_activations(x), weights), rtol=1e-4, atol=1e-3)
     relative = (out - _twin(x, weights)).norm() / _twin(x, weights).norm()
     assert relative < 0.01  # what rounding the activations costs
@@ -91,16 +97,16 @@ def test_many_rows_dequantize_slices_then_multiply_exactly(exact, small_slices):
     weights = [_weights(Q.Q4_K), _weights(Q.Q6_K, rows=8, seed=3)]
     x = torch.randn(exact.max_rows + 7, 512)
     torch.testing.assert_close(
-        quantized_matmuls(x, weights), _twin(x, weights), rtol=1e-5, atol=1e-4
+        quantized_matmuls(exact, x, weights), _twin(x, weights), rtol=1e-5, atol=1e-4
     )
 
 
 @pytest.mark.parametrize("bf16", [True, False], ids=["bf16-gemm", "f32-gemm"])
-def test_many_rows_fast_path(kernels, small_slices, monkeypatch, bf16):
-    monkeypatch.setattr(linear, "_bf16_gemm_is_fast", lambda: bf16)
+def test_many_rows_fast_path(kernels, small_slices, bf16):
     weights = [_weights(Q.Q4_K), _weights(Q.Q6_K, rows=8, seed=3)]
     x = torch.randn(NATIVE_MAX_ROWS + 1, 512)
-    out, twin = quantized_matmuls(x, weights), _twin(x, weights)
+    gemm = torch.bfloat16 if bf16 else torch.float32
+    out, twin = quantized_matmuls(kernels, x, weights, gemm), _twin(x, weights)
     assert out.dtype == torch.float32
     assert out.shape == twin.shape
     relative = (out - twin).norm() / twin.norm()
@@ -158,14 +164,13 @@ def test_paged_decode(kernels, kv_heads, heads, options):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("mode", ["int8", "exact"])
-def test_each_rows_product_is_bit_identical_to_that_row_alone(kernels, request, qtype, mode):
+def test_each_rows_product_is_bit_identical_to_that_row_alone(kernels, qtype, mode):
     """What makes a speculative verification compute each token exactly as decoding it."""
-    if mode == "exact":
-        request.getfixturevalue("exact")
+    native = dataclasses.replace(kernels, exact=mode == "exact")
     weights = [_weights(qtype, rows=40, cols=768)]
     x = torch.randn(NATIVE_MAX_ROWS, 768)
-    together = quantized_matmuls(x, weights)
-    alone = torch.cat([quantized_matmuls(x[i : i + 1], weights) for i in range(len(x))])
+    together = quantized_matmuls(native, x, weights)
+    alone = torch.cat([quantized_matmuls(native, x[i : i + 1], weights) for i in range(len(x))])
     assert torch.equal(together, alone)
 
 
@@ -174,11 +179,13 @@ def test_each_rows_product_is_bit_identical_to_that_row_alone(kernels, request, 
     "options", [{}, {"sliding_window": 6}, {"softcap": 4.0}], ids=["plain", "window", "softcap"]
 )
 def test_short_queries_attend_as_decode_rows(kernels, case, options):
-    from spnl_backend.kernels import CPU_KERNELS, decode_rows
+    from spnl_backend.kernels import cpu_kernel_set, decode_rows
 
     seq_lens, query_lens = CASES[case]
     q, key_cache, value_cache, meta, _, _ = paged_case(seq_lens, query_lens, 2, 4, 8)
-    out = CPU_KERNELS.paged_attention(q, key_cache, value_cache, meta, scale=0.25, **options)
+    out = cpu_kernel_set(kernels).paged_attention(
+        q, key_cache, value_cache, meta, scale=0.25, **options
+    )
     expected = paged_attention_ref(q, key_cache, value_cache, meta, scale=0.25, **options)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     rows = decode_rows(meta)  # each query row is a decode of its own position
@@ -198,3 +205,98 @@ def test_short_queries_attend_as_decode_rows(kernels, case, options):
         ]
     )
     assert torch.equal(out, single)
+
+
+# ---- what the kernels refuse instead of reading or writing out of bounds ---------------
+
+
+def test_store_kv_refuses_a_slot_outside_the_pool(kernels):
+    key_cache, value_cache = torch.zeros(4, 8, 2, 16), torch.zeros(4, 8, 2, 16)
+    key, value = torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+    for bad in (32, -2, 2**40):
+        with pytest.raises(KernelArgumentError, match="out of bounds"):
+            kernels.store_kv(key, value, key_cache, value_cache, torch.tensor([3, bad]))
+    assert not key_cache.any()
+
+
+def test_gather_rows_refuses_ids_outside_the_matrix(kernels):
+    weight = _weights(Q.Q8_0)
+    with pytest.raises(KernelArgumentError, match="out of bounds"):
+        kernels.gather_rows(Q.Q8_0.value, weight.data, torch.tensor([0, 96]), 512)
+
+
+def test_rope_refuses_more_rotary_dims_than_the_head_has(kernels):
+    x, table = torch.randn(2, 3, 16), torch.ones(2, 32)
+    with pytest.raises(KernelArgumentError, match="rejected its arguments"):
+        kernels.rope_(x, table, table)
+
+
+@pytest.mark.parametrize(
+    ("x", "why"),
+    [
+        (torch.randn(2, 256), "do not hold 256 weights"),
+        (torch.randn(2, 512, dtype=torch.float64), "float64"),
+        (torch.randn(512, 2).T, "not contiguous"),
+        (torch.randn(65, 512), "65 rows"),
+    ],
+)
+def test_matmul_refuses_inputs_that_do_not_fit_the_weights(kernels, x, why):
+    products = kernels.products([(Q.Q4_K.value, _weights(Q.Q4_K).data, 96)])
+    with pytest.raises(KernelArgumentError, match=why):
+        products(x)
+
+
+def test_matmul_refuses_a_matrix_smaller_than_its_rows(kernels):
+    weight = _weights(Q.Q4_K)
+    with pytest.raises(KernelArgumentError, match="96 rows, not 97"):
+        kernels.products([(Q.Q4_K.value, weight.data, 97)])
+
+
+def test_paged_decode_refuses_lengths_past_the_slot_table(kernels):
+    q, key_cache, value_cache, meta, _, _ = paged_case(*CASES["decode"], 2, 4, 8)
+    slots = meta.decode_slots
+    lens = torch.full((len(q),), slots.shape[1] + 1)
+    with pytest.raises(KernelArgumentError, match="out of bounds"):
+        kernels.paged_decode(q, key_cache, value_cache, slots, lens, 0.25, None, None)
+
+
+def test_the_checked_build_refuses_a_slot_outside_the_pool():
+    checked = cpu.cpu_kernels(checks=True)
+    q, key_cache, value_cache, meta, _, _ = paged_case(*CASES["decode"], 2, 4, 8)
+    slots = meta.decode_slots.clone()
+    slots[0, 0] = key_cache.shape[0] * key_cache.shape[1]
+    lens = torch.tensor(meta.seq_lens)
+    with pytest.raises(KernelArgumentError, match="out of bounds"):
+        checked.paged_decode(q, key_cache, value_cache, slots, lens, 0.25, None, None)
+
+
+def test_the_cpu_kernel_set_refuses_block_tables_outside_the_pool(kernels):
+    from spnl_backend.kernels import cpu_kernel_set
+
+    q, key_cache, value_cache, meta, _, _ = paged_case(*CASES["decode"], 2, 4, 8)
+    meta.block_tables[0, 0] = key_cache.shape[0]
+    with pytest.raises(KernelArgumentError, match="outside the pool"):
+        cpu_kernel_set(kernels).paged_attention(q, key_cache, value_cache, meta, scale=0.25)
+
+
+def test_the_c_code_checks_the_extents_it_is_given(kernels):
+    """Below the Python checks: a matrix said to be smaller than its rows is refused by C."""
+    import ctypes
+
+    weight = _weights(Q.Q8_0)
+    x, out = torch.randn(1, 512), torch.empty(1, 96)
+    status = kernels.library.spnl_qmatmul(
+        1,
+        (ctypes.c_int * 1)(Q.Q8_0.value),
+        x.data_ptr(),
+        1,
+        512,
+        (ctypes.c_void_p * 1)(weight.data.data_ptr()),
+        (ctypes.c_int64 * 1)(weight.data.numel() - 1),
+        (ctypes.c_int64 * 1)(96),
+        out.data_ptr(),
+        96,
+        1,
+        0,
+    )
+    assert status == -3

@@ -6,7 +6,7 @@ import torch
 from helpers import PROMPT, engine_logits
 
 from spnl_backend import BackendSettings, PlatformError, RequestError, SettingsError, load_backend
-from spnl_backend.engine.budget import kv_bytes_per_token
+from spnl_backend.engine.budget import STEP_RESERVE_BYTES, kv_bytes_per_token
 
 PROMPTS = [
     PROMPT,
@@ -74,11 +74,20 @@ def test_repeating_a_whole_prompt_still_computes_its_last_token(tiny, reference)
     assert again.usage.cached_tokens < again.usage.prompt_tokens
 
 
+def _blocks(tokens: int, block_size: int = 8) -> int:
+    """``tokens`` rounded up to whole blocks: what a context length must be."""
+    return -(-tokens // block_size) * block_size
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_preemption_under_a_tiny_budget_loses_nothing(tiny, reference, arch):
     longest = max(len(tiny.hf(arch).tokenizer(p).input_ids) for p in PROMPTS) + TOKENS
     backend = load(
-        tiny, arch, paged_attn=True, paged_attn_block_size=8, paged_attn_context_len=longest + 16
+        tiny,
+        arch,
+        paged_attn=True,
+        paged_attn_block_size=8,
+        paged_attn_context_len=_blocks(longest + 16),
     )
     assert greedy(backend, PROMPTS) == reference[arch]
     assert backend._engine.scheduler.num_preemptions > 0
@@ -157,7 +166,26 @@ def test_budget_of_no_block_is_an_error(tiny):
 
 def test_budget_beyond_free_memory_is_an_error_before_allocation(tiny, monkeypatch):
     monkeypatch.setattr("spnl_backend.loader.engine.available_memory", lambda device: 1 << 20)
-    with pytest.raises(PlatformError, match=r"needs 3 MB \(4,096 tokens\), but only 1 MB"):
+    with pytest.raises(PlatformError, match=r"needs 3 MB \(4,096 tokens\), but .* only 1 MB"):
+        load(tiny, "llama", paged_attn=True)
+
+
+def test_a_memory_fraction_leaves_room_for_the_steps(tiny, monkeypatch):
+    free = 300 << 20
+    monkeypatch.setattr("spnl_backend.loader.engine.available_memory", lambda device: free)
+    backend = load(tiny, "llama", paged_attn=True, paged_attn_memory_fraction=1.0)
+    pool_bytes = backend.stats().pool.blocks * backend.settings.paged_attn_block_size
+    pool_bytes *= backend.model_config.num_layers * 2 * 2 * 16 * 4  # layers, K/V, heads, dims
+    assert pool_bytes <= free - STEP_RESERVE_BYTES
+    assert backend.generate(PROMPTS[0], max_tokens=4, temperature=0).usage.completion_tokens == 4
+
+
+def test_a_failed_allocation_is_an_error_not_a_crash(tiny, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate")
+
+    monkeypatch.setattr("spnl_backend.engine.paged.torch.zeros", refuse)
+    with pytest.raises(PlatformError, match=r"allocating the KV cache .* failed: DefaultCPU"):
         load(tiny, "llama", paged_attn=True)
 
 

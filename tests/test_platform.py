@@ -23,7 +23,7 @@ def machine(os="linux", cuda=(), mps=False, triton=True, **extra) -> PlatformPro
         cpu_capability="AVX2",
         triton_version="3.5.0" if triton else None,
         triton_error=None if triton else "not installed",
-        **extra,
+        **{"c_compiler": "cc", "cpu_int8": True, **extra},
     )
 
 
@@ -157,3 +157,95 @@ def test_real_metal_machine_keeps_paged_attention_off():
     decisions = detect_platform(BackendSettings())
     assert decisions.device_type == "mps"
     assert not decisions.paged_attn
+
+
+# ---- the CPU's arithmetic: every path the dispatch can pick, chosen by a setting ---------
+
+
+@pytest.mark.parametrize(
+    ("probe", "expected"),
+    [
+        ({"cpu_int8": True, "cpu_bf16_gemm": False}, ("int8", "float32")),
+        ({"cpu_int8": True, "cpu_bf16_gemm": True}, ("int8", "bfloat16")),
+        ({"cpu_int8": False, "cpu_bf16_gemm": True}, ("float32", "float32")),
+    ],
+    ids=["avx2", "avx512-bf16", "no-avx2"],
+)
+def test_auto_picks_the_cpu_arithmetic_from_the_machine(probe, expected):
+    d = decide(machine(**probe))
+    assert (d.kernels, d.cpu_matmul, d.cpu_gemm) == ("cpu", *expected)
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({"cpu_matmul": "float32"}, ("cpu", "float32", "float32")),
+        ({"cpu_gemm": "float32"}, ("cpu", "int8", "float32")),
+        ({"cpu_matmul": "float32", "cpu_gemm": "bfloat16"}, ("cpu", "float32", "bfloat16")),
+        ({"cpu_kernels": "torch"}, ("torch", None, None)),
+        ({"cpu_kernels": "native"}, ("cpu", "int8", "bfloat16")),
+    ],
+)
+def test_each_cpu_path_can_be_forced(settings, expected):
+    d = decide(machine(cpu_bf16_gemm=True), **settings)
+    assert (d.kernels, d.cpu_matmul, d.cpu_gemm) == expected
+
+
+def test_without_a_compiler_the_torch_kernels_run_with_a_note():
+    d = decide(machine(c_compiler=None))
+    assert (d.kernels, d.cpu_matmul, d.c_compiler) == ("torch", None, None)
+    assert any("no C compiler" in note for note in d.notes)
+    with pytest.raises(PlatformError, match="MISTRALRS_CPU_KERNELS=native, but no C compiler"):
+        decide(machine(c_compiler=None), cpu_kernels="native")
+
+
+def test_int8_products_need_avx2():
+    with pytest.raises(PlatformError, match="MISTRALRS_CPU_MATMUL=int8 needs an x86 CPU"):
+        decide(machine(cpu_int8=False), cpu_matmul="int8")
+
+
+def test_native_checks_apply_only_where_the_native_kernels_run():
+    assert decide(machine(), native_checks=True).native_checks
+    assert not decide(machine(), native_checks=True, cpu_kernels="torch").native_checks
+
+
+@pytest.mark.parametrize(
+    ("probe", "settings", "variables"),
+    [
+        (
+            {},
+            {"paged_attn": False, "paged_attn_block_size": 16, "paged_attn_memory_mb": 64},
+            ["MISTRALRS_PAGED_ATTN_BLOCK_SIZE", "MISTRALRS_PAGED_ATTN_MEMORY_MB"],
+        ),
+        ({}, {"prefix_cache_n": 4}, ["MISTRALRS_PREFIX_CACHE_N"]),
+        ({}, {"prefix_cache_n": 1}, []),
+        ({}, {"paged_attn": False, "prefix_cache_n": 4}, []),
+        ({}, {"speculative_gamma": 4}, ["MISTRALRS_SPECULATIVE_GAMMA"]),
+        ({}, {"speculative_gamma": 4, "speculative_draft_isq": "Q8_0"}, []),
+        (
+            {"cuda": [H100]},
+            {"cpu_matmul": "float32", "native_checks": True},
+            ["MISTRALRS_CPU_MATMUL", "MISTRALRS_NATIVE_CHECKS"],
+        ),
+        ({}, {"cpu_kernels": "torch", "cpu_gemm": "float32"}, ["MISTRALRS_CPU_GEMM"]),
+        ({}, {"cpu_matmul": "float32", "paged_attn_context_len": 1024}, []),
+    ],
+)
+def test_settings_without_effect_are_named(probe, settings, variables, monkeypatch):
+    from spnl_backend.settings.effects import ineffective_settings
+
+    monkeypatch.delenv("MISTRALRS_NATIVE_CHECKS")  # the suite's own, a setting like any other
+    full = BackendSettings(**settings)
+    found = ineffective_settings(full, decide_platform(full, machine(**probe)))
+    assert [variable for variable, _ in found] == variables
+    assert all(reason for _, reason in found)
+
+
+def test_settings_without_effect_are_logged(monkeypatch, caplog):
+    monkeypatch.setenv("MISTRALRS_PAGED_ATTN", "false")
+    monkeypatch.setenv("MISTRALRS_PAGED_ATTN_CONTEXT_LEN", "2048")
+    monkeypatch.setenv("MISTRALRS_DEVICE", "cpu")
+    with caplog.at_level("WARNING", logger="spnl_backend"):
+        detect_platform(BackendSettings())
+    assert "settings.no_effect" in caplog.text
+    assert "MISTRALRS_PAGED_ATTN_CONTEXT_LEN" in caplog.text

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from spnl_backend import load_backend
-from spnl_backend.kernels.cpu import cpu_kernels
+from spnl_backend import BackendSettings, load_backend
 from spnl_backend.quant.linear import QuantEmbedding, QuantLinear
 
 pytestmark = pytest.mark.slow
@@ -18,12 +17,10 @@ def default_backend():
     # Float activations in the quantized products, as transformers computes on the
     # dequantized file; the default int8 activations (llama.cpp's choice) move logits by
     # ~0.5% and may flip near-ties over 24 tokens.
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("SPNL_EXACT_MATMUL", "1")
-        cpu_kernels.cache_clear()
-        assert cpu_kernels() is None or cpu_kernels().exact
-        yield load_backend()
-    cpu_kernels.cache_clear()
+    backend = load_backend(settings=BackendSettings(cpu_matmul="float32"))
+    assert backend.platform.cpu_matmul in ("float32", None)
+    assert backend.platform.cpu_gemm in ("float32", None)
+    return backend
 
 
 def test_greedy_output_equals_transformers_on_the_same_gguf(default_backend):

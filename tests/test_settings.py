@@ -58,6 +58,15 @@ VALID = [
     ("SPECULATIVE_DRAFT_ISQ", "none", None),
     ("KV_CACHE_COMPRESSION", "none", "none"),
     ("KV_CACHE_COMPRESSION", "NONE", "none"),
+    ("CPU_KERNELS", "auto", "auto"),
+    ("CPU_KERNELS", "Native", "native"),
+    ("CPU_KERNELS", "torch", "torch"),
+    ("CPU_MATMUL", "int8", "int8"),
+    ("CPU_MATMUL", "FLOAT32", "float32"),
+    ("CPU_GEMM", "bfloat16", "bfloat16"),
+    ("CPU_GEMM", "float32", "float32"),
+    ("NATIVE_CHECKS", "1", True),
+    ("NATIVE_CHECKS", "off", False),
     ("MODEL", "org/Some-Model-GGUF", "org/Some-Model-GGUF"),
     ("DEVICE", "auto", "auto"),
     ("DEVICE", "cpu", "cpu"),
@@ -95,6 +104,10 @@ INVALID = [
     *[("SPECULATIVE_GAMMA", text) for text in ("0", "-1", "four")],
     ("SPECULATIVE_DRAFT_ISQ", "Q9"),
     ("KV_CACHE_COMPRESSION", "turbo"),
+    *[("CPU_KERNELS", text) for text in ("c", "triton", "1")],
+    *[("CPU_MATMUL", text) for text in ("int4", "fp32", "bf16")],
+    *[("CPU_GEMM", text) for text in ("f32", "int8")],
+    ("NATIVE_CHECKS", "debug"),
     ("MODEL", "  "),
     *[("DEVICE", text) for text in ("gpu", "cuda:x", "cpu:1", "tpu")],
     *[("DTYPE", text) for text in ("float64", "int8")],
@@ -279,3 +292,15 @@ def test_booleans_are_case_insensitive(word, data):
     flips = data.draw(st.lists(st.booleans(), min_size=len(word), max_size=len(word)))
     spelled = "".join(c.upper() if flip else c for c, flip in zip(word, flips, strict=True))
     assert BackendSettings(verbose=spelled).verbose is (word in ("true", "on", "yes"))
+
+
+@pytest.mark.parametrize(
+    ("context", "block", "suggestion"), [(1, 32, "use 32$"), (5000, 32, "use 4992 or 5024")]
+)
+def test_a_context_of_part_blocks_is_refused_not_rounded(monkeypatch, context, block, suggestion):
+    monkeypatch.setenv("MISTRALRS_PAGED_ATTN_CONTEXT_LEN", str(context))
+    monkeypatch.setenv("MISTRALRS_PAGED_ATTN_BLOCK_SIZE", str(block))
+    with pytest.raises(SettingsError, match=f"CONTEXT_LEN={context} is not a whole number.*"):
+        BackendSettings()
+    with pytest.raises(SettingsError, match=suggestion):
+        BackendSettings()

@@ -114,7 +114,7 @@ def test_preemption_under_a_tight_budget_keeps_the_output(pair):
         pair[0],
         paged_attn=True,
         paged_attn_block_size=8,
-        paged_attn_context_len=longest + 16,
+        paged_attn_context_len=-(-(longest + 16) // 8) * 8,  # whole blocks of 8
         speculative_gamma=4,
         **draft_settings(pair, "other model"),
     )
@@ -280,4 +280,5 @@ def test_gamma_without_a_draft_is_reported(tiny, monkeypatch, caplog):
     monkeypatch.setenv("MISTRALRS_DEVICE", "cpu")
     with caplog.at_level("WARNING", logger="spnl_backend"):
         load_backend(str(tiny.hf("llama").path))
-    assert "speculative.gamma_unused" in caplog.text
+    assert "settings.no_effect" in caplog.text
+    assert "MISTRALRS_SPECULATIVE_GAMMA" in caplog.text

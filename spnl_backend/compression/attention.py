@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.attention_ref import attend_scores
-from ..kernels.cpu import cpu_kernels
+from ..kernels.cpu import CpuKernels
 from .codecs import VectorCodec
 from .polar import PolarCodec
 
@@ -74,6 +74,7 @@ def attend_records(
 
 
 def decode_records(
+    native: CpuKernels | None,
     pair: CodecPair,
     layer: int,
     q: torch.Tensor,
@@ -87,9 +88,8 @@ def decode_records(
     softcap: float | None = None,
 ) -> torch.Tensor | None:
     """One query per sequence, ``q [seqs, heads, dim]``, over records ``[slots, kv_heads,
-    bytes]`` (sequence ``s``'s keys at ``slots[s, :lens[s]]``), by the CPU's native kernel;
-    None where it does not apply (the caller then runs `attend_records`)."""
-    native = cpu_kernels()
+    bytes]`` (sequence ``s``'s keys at ``slots[s, :lens[s]]``), by the CPU's native kernel
+    ``native``; None where it does not apply (the caller then runs `attend_records`)."""
     key, value = pair.key, pair.value
     if not (native and q.dtype == torch.float32 and q.device.type == "cpu"):
         return None

@@ -91,6 +91,7 @@ class CodecKVCache:
             self._store(layer, records, k, v)
             keys, values = records.used()
             out = decode_records(
+                self.geometry.native,
                 self.pair,
                 layer,
                 q,

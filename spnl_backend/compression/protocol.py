@@ -21,13 +21,17 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from ..kernels.cpu import CpuKernels
+
 
 @dataclass(frozen=True)
 class KVGeometry:
     """What a compressed cache is made for: the model's KV shape, dtype and device, and,
     for a method that asks for them (`Compressor.calibrated`), ``kv_means``: the model's
     mean key and value per layer and KV head over a short reference text, float32
-    ``[num_layers, 2, num_kv_heads, head_dim]`` (None where nobody measured them)."""
+    ``[num_layers, 2, num_kv_heads, head_dim]`` (None where nobody measured them); and
+    ``native``, the compiled CPU kernels the engine runs on, if any (the built-in methods
+    decode through them)."""
 
     num_layers: int
     num_kv_heads: int
@@ -35,6 +39,7 @@ class KVGeometry:
     dtype: torch.dtype
     device: torch.device
     kv_means: torch.Tensor | None = field(default=None, compare=False)
+    native: CpuKernels | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,17 @@
 """How many KV blocks the paged cache gets: from exactly one budget, checked before allocation."""
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import PlatformError, SettingsError
+from ..memory import MIB
 from ..models.config import ModelConfig
 from ..settings.model import KvBudget, env_name
 
-MIB = 1 << 20
+# Kept free beside the cache for what a step allocates (activations, logits, the slices a
+# prefill dequantizes): a budget may take what is free less this.
+STEP_RESERVE_BYTES = 256 * MIB
 
 
 @dataclass(frozen=True)
@@ -41,8 +43,10 @@ def plan_kv_cache(
     available_bytes: int,
 ) -> KVCachePlan:
     """Blocks for the budget, at ``per_token`` bytes of K and V per token; an error if it
-    gives none or more than ``available_bytes``."""
+    gives none, or more than ``available_bytes`` (what the process may still allocate)
+    less `STEP_RESERVE_BYTES`. A memory fraction is of that same usable memory."""
     per_block = per_token * block_size
+    usable = max(available_bytes - STEP_RESERVE_BYTES, 0)
     variable = env_name(f"paged_attn_{budget.kind}")
     if block_size > config.max_position_embeddings:
         raise SettingsError(
@@ -54,7 +58,7 @@ def plan_kv_cache(
     elif budget.kind == "memory_mb":
         num_blocks = int(budget.value * MIB) // per_block
     else:
-        num_blocks = int(budget.value * available_bytes) // per_block
+        num_blocks = int(budget.value * usable) // per_block
     if num_blocks == 0:
         raise SettingsError(
             f"{variable}={budget.value:g} gives no KV-cache block: one block of {block_size} "
@@ -63,31 +67,13 @@ def plan_kv_cache(
             f"{config.head_dim} dims); raise the budget"
         )
     plan = KVCachePlan(num_blocks, block_size, per_token)
-    if plan.nbytes > available_bytes:
+    if plan.nbytes > usable:
         raise PlatformError(
             f"the KV cache for {variable}={budget.value:g}"
             f"{'' if budget.explicit else ' (the default)'} needs {plan.nbytes / MIB:,.0f} MB "
-            f"({plan.num_tokens:,} tokens), but only {available_bytes / MIB:,.0f} MB are free "
-            f"on the device; lower the budget"
+            f"({plan.num_tokens:,} tokens), but this process may allocate only "
+            f"{available_bytes / MIB:,.0f} MB more on the device (its free memory, cgroup "
+            f"and ulimit, the least of them), of which {STEP_RESERVE_BYTES // MIB} MB are "
+            "kept for each step's activations; lower the budget"
         )
     return plan
-
-
-def available_memory(device: torch.device) -> int:
-    """Free bytes on ``device`` now (after the weights are loaded)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type == "mps":
-        return int(torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory())
-    return _host_available_memory()
-
-
-def _host_available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass  # not Linux: fall back to the free-page count below
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -20,6 +20,7 @@ from ..compression import (
 from ..compression.attention import attend_records, decode_records, first_visible
 from ..kernels import Kernels
 from ..kernels.attention_ref import attention_ref
+from ..kernels.cpu import CpuKernels
 from ..kernels.metadata import PagedMetadata
 from ..models.config import ModelConfig
 from ..models.layers import AttentionSpec
@@ -124,14 +125,16 @@ class CodedPagedKVCache:
         return self.pair.bytes_per_token(layers, heads)
 
     def step(self, kernels: Kernels, meta: PagedMetadata) -> "CodedPagedStep":
-        return CodedPagedStep(self, meta)
+        return CodedPagedStep(self, meta, kernels.native)
 
 
 class CodedPagedStep:
     """Encode this step's K/V into their slots, then attend each sequence over its blocks."""
 
-    def __init__(self, cache: CodedPagedKVCache, meta: PagedMetadata) -> None:
-        self.cache, self.meta = cache, meta
+    def __init__(
+        self, cache: CodedPagedKVCache, meta: PagedMetadata, native: CpuKernels | None
+    ) -> None:
+        self.cache, self.meta, self.native = cache, meta, native
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
@@ -146,6 +149,7 @@ class CodedPagedStep:
         if meta.is_decode:
             lens = meta.memo("seq_lens_i64", lambda: torch.tensor(meta.seq_lens))
             out = decode_records(
+                self.native,
                 pair,
                 layer,
                 q,

@@ -1,13 +1,16 @@
 """Triton kernels and their torch reference twins, chosen through one dispatch point."""
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Literal
 
 import torch
 
+from ..errors import PlatformError
 from ..log import get_logger
-from .cpu import cpu_kernels
+from ..settings import PlatformDecisions
+from .cpu import CpuKernels, KernelArgumentError, load_cpu_kernels
 from .metadata import PagedMetadata
 from .paged_ref import paged_attention_ref, store_kv_ref
 
@@ -21,17 +24,40 @@ CPU_DECODE_ROWS = 32
 
 @dataclass(frozen=True)
 class Kernels:
-    """The kernels the paged engine calls; every set has the same signatures."""
+    """The kernels the paged engine calls; every set has the same signatures. ``native``
+    is the compiled CPU library the set calls (the CPU set only)."""
 
     name: str
     store_kv: Callable[..., None]
     paged_attention: Callable[..., object]
+    native: CpuKernels | None = None
 
 
 TORCH_KERNELS = Kernels("torch", store_kv_ref, paged_attention_ref)
 
 
+def native_kernels(decisions: PlatformDecisions) -> CpuKernels | None:
+    """The compiled CPU kernels as the platform decided them (None: the torch twins run).
+
+    A compiler that was found but fails to build them falls back to the twins with a
+    warning, unless ``MISTRALRS_CPU_KERNELS=native`` asked for them."""
+    if decisions.kernels != "cpu" or decisions.c_compiler is None:
+        return None
+    native = load_cpu_kernels(decisions.c_compiler, decisions.native_checks)
+    if native is None:
+        if decisions.cpu_kernels_required:
+            raise PlatformError(
+                f"MISTRALRS_CPU_KERNELS=native, but {decisions.c_compiler} could not build "
+                "them (the log's native.unavailable event says why); use auto or torch"
+            )
+        return None
+    if decisions.cpu_matmul == "int8" and not native.has_int8:
+        raise PlatformError("the native kernels were built without the int8 products")
+    return replace(native, exact=decisions.cpu_matmul == "float32")
+
+
 def _cpu_store_kv(
+    native: CpuKernels,
     key: torch.Tensor,
     value: torch.Tensor,
     key_cache: torch.Tensor,
@@ -40,14 +66,15 @@ def _cpu_store_kv(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> None:
-    native = cpu_kernels()
-    if native and key.dtype == key_cache.dtype == torch.float32:
+    if key.dtype == key_cache.dtype == torch.float32:
+        _check_slots(meta, key_cache)
         native.store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
     else:
         store_kv_ref(key, value, key_cache, value_cache, meta, k_scale, v_scale)
 
 
 def _cpu_paged_attention(
+    native: CpuKernels,
     q: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -60,13 +87,12 @@ def _cpu_paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
-    native = cpu_kernels()
     if (
-        native
-        and max(meta.query_lens) <= CPU_DECODE_ROWS
+        max(meta.query_lens) <= CPU_DECODE_ROWS
         and alibi_slopes is None
         and q.dtype == key_cache.dtype == torch.float32
     ):
+        _check_slots(meta, key_cache)
         rows = meta.memo("decode_rows", lambda: decode_rows(meta))
         lens = meta.memo("seq_lens_i64", lambda: torch.tensor(rows.seq_lens))
         return native.paged_decode(
@@ -99,19 +125,47 @@ def decode_rows(meta: PagedMetadata) -> PagedMetadata:
     return PagedMetadata(tables, lens, [1] * len(lens), meta.block_size, meta.slot_mapping)
 
 
-# The CPU: the native decode kernels for float32 caches, the torch twins otherwise.
-CPU_KERNELS = Kernels("cpu", _cpu_store_kv, _cpu_paged_attention)
+def _check_slots(meta: PagedMetadata, key_cache: torch.Tensor) -> None:
+    """Once per step: every block table entry and slot the step uses lies in the pool, so
+    the native kernels never follow an index out of it."""
+    num_blocks, block_size = key_cache.shape[:2]
+    meta.memo(("slots_checked", num_blocks, block_size), lambda: _slots_in(meta, num_blocks))
 
 
-def select_kernels(kind: Literal["torch", "cpu", "triton"]) -> Kernels:
-    """The kernel set for the platform's decision (``PlatformDecisions.kernels``).
+def _slots_in(meta: PagedMetadata, num_blocks: int) -> bool:
+    tables, slots = meta.block_tables, meta.slot_mapping
+    if tables.numel() and not 0 <= int(tables.min()) <= int(tables.max()) < num_blocks:
+        raise KernelArgumentError(
+            f"a block table holds block {int(tables.max())} or {int(tables.min())}, "
+            f"outside the pool of {num_blocks} blocks"
+        )
+    if slots is not None and slots.numel():
+        low, high = int(slots.min()), int(slots.max())
+        if low < -1 or high >= num_blocks * meta.block_size:
+            raise KernelArgumentError(f"the slot mapping holds slot {high} or {low}")
+    if max(meta.seq_lens) > tables.shape[1] * meta.block_size:
+        raise KernelArgumentError("a sequence is longer than its block table")
+    return True
+
+
+def cpu_kernel_set(native: CpuKernels) -> Kernels:
+    """The CPU: the native decode kernels for float32 caches, the torch twins otherwise."""
+    store, attend = partial(_cpu_store_kv, native), partial(_cpu_paged_attention, native)
+    return Kernels("cpu", store, attend, native)
+
+
+def select_kernels(
+    kind: Literal["torch", "cpu", "triton"], native: CpuKernels | None = None
+) -> Kernels:
+    """The kernel set for the platform's decision (``PlatformDecisions.kernels``), over the
+    compiled CPU kernels ``native`` where they run.
 
     Triton is imported only here, so platforms without it never load it.
     """
-    if kind == "torch":
+    if kind == "cpu" and native is not None:
+        return cpu_kernel_set(native)
+    if kind in ("torch", "cpu"):
         return TORCH_KERNELS
-    if kind == "cpu":
-        return CPU_KERNELS
     from .triton_attention import paged_attention_triton
     from .triton_store import store_kv_triton
 

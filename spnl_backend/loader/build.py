@@ -4,11 +4,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import native_kernels
+from ..kernels.cpu import CpuKernels
 from ..log import get_logger
 from ..models.config import ModelConfig
 from ..models.transformer import CausalLM
 from ..quant.isq import apply_isq
-from ..quant.linear import MATMULS, QuantEmbedding, QuantLinear
+from ..quant.linear import QuantEmbedding, QuantLinear, select_matmuls
 from ..settings import PlatformDecisions
 from ..settings.values import IsqType
 from .gguf_config import model_config_from_gguf
@@ -37,6 +39,7 @@ class LoadedModel:
     source: ModelSource
     dtype: torch.dtype
     device: torch.device
+    native: CpuKernels | None = None  # the compiled CPU kernels it runs on, if any
 
 
 def load_model(
@@ -113,9 +116,11 @@ def _build(
     device = torch.device(decisions.device)
     with torch.device("meta"):
         model = CausalLM(config)
-    matmuls = MATMULS[decisions.kernels]
+    native = native_kernels(decisions)
+    matmuls = select_matmuls(decisions.kernels, native, decisions.cpu_gemm)
     load_into(model, weights, dtype=dtype, device=device, source=source.path, matmuls=matmuls)
     model.to(device).eval()
+    model.use_native_kernels(native)
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding)]
     log.info(
         "model.loaded",
@@ -126,5 +131,8 @@ def _build(
         device=str(device),
         quantized_layers=len(quantized),
         quantized_matmul=decisions.kernels if quantized else None,
+        cpu_matmul=decisions.cpu_matmul if native else None,
+        cpu_gemm=decisions.cpu_gemm if native else None,
+        native_checks=native.checks if native else None,
     )
-    return LoadedModel(model, tokenizer, config, source, dtype, device)
+    return LoadedModel(model, tokenizer, config, source, dtype, device, native)

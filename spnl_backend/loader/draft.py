@@ -25,12 +25,6 @@ def load_draft(
     """The draft model the settings ask for, or None when speculation is off."""
     name, isq = settings.speculative_draft_model, settings.speculative_draft_isq
     if name is None and isq is None:
-        if BackendSettings.sources()["speculative_gamma"] == "env":
-            log.warning(
-                "speculative.gamma_unused",
-                reason="MISTRALRS_SPECULATIVE_GAMMA is set but no draft is: set "
-                "MISTRALRS_SPECULATIVE_DRAFT_MODEL or MISTRALRS_SPECULATIVE_DRAFT_ISQ",
-            )
         return None
     try:
         source = resolve_model(name) if name else target.source

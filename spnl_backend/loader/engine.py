@@ -13,7 +13,7 @@ import torch
 
 from ..compression import Compressor, KVGeometry, ResizableKVCache, get_compressor
 from ..engine.block_manager import BlockManager
-from ..engine.budget import MIB, available_memory, kv_bytes_per_token, plan_kv_cache
+from ..engine.budget import KVCachePlan, kv_bytes_per_token, plan_kv_cache
 from ..engine.compressed import CodedPagedKVCache, ProtocolKV
 from ..engine.engine import Engine, EngineConfig
 from ..engine.kv_cache import ContiguousCacheManager, SequenceStore, plain_stores
@@ -21,9 +21,10 @@ from ..engine.paged import BlockPool, PagedCacheManager, PagedKVCache
 from ..engine.runner import ModelRunner, Runner
 from ..engine.scheduler import CacheManager
 from ..engine.speculative import Drafter, SpeculativeCache, SpeculativeRunner
-from ..errors import SettingsError
+from ..errors import PlatformError, SettingsError
 from ..kernels import select_kernels
 from ..log import get_logger
+from ..memory import MIB, available_memory
 from ..settings import BackendSettings, PlatformDecisions
 from ..settings.model import KvBudget, env_name
 from .build import LoadedModel
@@ -86,7 +87,13 @@ def _geometry(loaded: LoadedModel, compressor: Compressor | None, role: str) -> 
     c = loaded.config
     means = kv_means(loaded, role) if compressor is not None and compressor.calibrated else None
     return KVGeometry(
-        c.num_layers, c.num_kv_heads, c.head_dim, loaded.dtype, loaded.device, kv_means=means
+        c.num_layers,
+        c.num_kv_heads,
+        c.head_dim,
+        loaded.dtype,
+        loaded.device,
+        kv_means=means,
+        native=loaded.native,
     )
 
 
@@ -161,17 +168,31 @@ def _paged_cache(
         budget=settings.kv_budget.kind,
     )
     cache: BlockPool
-    if pair is None:
-        cache = PagedKVCache(
-            loaded.config, plan.num_blocks, plan.block_size, cache_dtype, loaded.device
-        )
-    else:
-        cache = CodedPagedKVCache(
-            loaded.config, plan.num_blocks, plan.block_size, pair, loaded.device
-        )
-        log.info("kv_compression.enabled", model=role, method=compressor.name, mode="paged")
+    try:
+        if pair is None:
+            cache = PagedKVCache(
+                loaded.config, plan.num_blocks, plan.block_size, cache_dtype, loaded.device
+            )
+        else:
+            cache = CodedPagedKVCache(
+                loaded.config, plan.num_blocks, plan.block_size, pair, loaded.device
+            )
+            log.info("kv_compression.enabled", model=role, method=compressor.name, mode="paged")
+    except (RuntimeError, MemoryError) as exc:  # an allocator's refusal, not a crash
+        raise _allocation_failed(plan, settings, exc) from None
     blocks = BlockManager(plan.num_blocks, plan.block_size, settings.prefix_cache_enabled)
-    return PagedCacheManager(cache, blocks, select_kernels(decisions.kernels))
+    return PagedCacheManager(cache, blocks, select_kernels(decisions.kernels, loaded.native))
+
+
+def _allocation_failed(
+    plan: KVCachePlan, settings: BackendSettings, exc: BaseException
+) -> PlatformError:
+    budget = settings.kv_budget
+    variable = env_name(f"paged_attn_{budget.kind}")
+    return PlatformError(
+        f"allocating the KV cache for {variable}={budget.value:g} ({plan.nbytes / MIB:,.0f} "
+        f"MB, {plan.num_tokens:,} tokens) failed: {str(exc).splitlines()[0]}; lower the budget"
+    )
 
 
 def _log_prefix_caching(settings: BackendSettings, paged: bool) -> None:

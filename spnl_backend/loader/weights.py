@@ -27,7 +27,7 @@ from ..quant.linear import (
     QuantEmbedding,
     QuantizedWeight,
     QuantLinear,
-    quantized_matmuls,
+    quantized_matmuls_ref,
 )
 from .gguf_config import hf_name
 from .gguf_file import GGUFFile
@@ -259,7 +259,7 @@ def load_into(
     dtype: torch.dtype,
     device: torch.device,
     source: Path,
-    matmuls: Matmuls = quantized_matmuls,
+    matmuls: Matmuls = quantized_matmuls_ref,
 ) -> None:
     """Fill every parameter of ``model`` (built on the meta device) from ``tensors``;
     quantized ones replace their layer with one that computes by ``matmuls``."""

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import ops
+from ..kernels.cpu import CpuKernels
 from ..quant.linear import QuantLinear
 from .config import ModelConfig
 from .rope import RotaryTables
@@ -48,12 +49,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps, self.offset, self.in_float = eps, offset, in_float
         self._scale: torch.Tensor | None = None  # (offset + w) in float32, made once
+        self.native: CpuKernels | None = None  # set by the loader where they run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # both conventions agree: fewer ops
             if self._scale is None or self._scale.device != x.device:
                 self._scale = (self.weight.float() + self.offset).contiguous()
-            return ops.rms_norm(x, self._scale, self.eps)
+            return ops.rms_norm(x, self._scale, self.eps, self.native)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.in_float:

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ..kernels import ops
+from ..kernels.cpu import CpuKernels
 from .config import RopeConfig
 
 
@@ -98,6 +99,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, rope: RopeConfig, max_position: int) -> None:
         super().__init__()
         self.rotary_dim = rope.rotary_dim
+        self.native: CpuKernels | None = None  # set by the loader where they run
         # Computed on the CPU even while the model is built on the meta device.
         with torch.device("cpu"):
             inv_freq, self.scaling = inv_freq_and_scale(rope, max_position)
@@ -119,6 +121,7 @@ class RotaryEmbedding(nn.Module):
         return RotaryTables(
             torch.cat([cos, cos], -1).to(dtype).unsqueeze(1),
             torch.cat([-sin, sin], -1).to(dtype).unsqueeze(1),
+            self.native,
         )
 
 
@@ -127,11 +130,14 @@ class RotaryTables:
     ``x * [cos, cos] + [x2, x1] * [-sin, sin]`` is HF's ``x * cos + rotate_half(x) * sin``
     term for term. Built once per step, applied by every layer."""
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def __init__(
+        self, cos: torch.Tensor, sin: torch.Tensor, native: CpuKernels | None = None
+    ) -> None:
         self.cos, self.sin = cos, sin  # [T, 1, rotary_dim]
         self.rotary_dim = cos.shape[-1]
+        self.native = native
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [T, heads, head_dim]`` (possibly in place; use the result); dims past
         ``rotary_dim`` pass through."""
-        return ops.rotate(x, self.cos, self.sin)
+        return ops.rotate(x, self.cos, self.sin, self.native)

@@ -3,6 +3,8 @@
 import torch
 from torch import nn
 
+from ..kernels.cpu import CpuKernels
+from ..quant.linear import QuantEmbedding
 from .config import ModelConfig
 from .layers import AttentionBackend, DecoderLayer, Linear, RMSNorm
 from .rope import RotaryEmbedding
@@ -66,6 +68,13 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """``input_ids``/``positions [T]`` (sequences packed) → hidden states ``[T, hidden]``."""
         return self.model(input_ids, positions, backend)
+
+    def use_native_kernels(self, native: CpuKernels | None) -> None:
+        """Run the norms, the rotary embeddings and quantized embedding lookups on the
+        compiled CPU kernels ``native`` (None: their torch twins)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm | RotaryEmbedding | QuantEmbedding):
+                module.native = native
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states of the rows to sample from → float32 logits ``[rows, vocab]``."""

@@ -2,21 +2,22 @@
 
 `QuantLinear` never holds a full-precision copy. On the CPU a few rows (decode, a decode
 batch) go through the compiled kernels of `kernels.cpu`; many rows (prefill) dequantize
-the matrix for that one product and use torch's float GEMM. Elsewhere, and wherever the
-kernels are unavailable, the torch twin runs: dequantize, then `F.linear`.
+the matrix for that one product and use torch's GEMM (`CpuMatmuls`). Elsewhere, and
+wherever the kernels are unavailable, the torch twin runs: dequantize, then `F.linear`.
+Which of them a model uses is decided once, from the platform decisions
+(`select_matmuls`).
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from ..kernels.cpu import cpu_kernels
-from .ggml import dequantize, ggml_format
+from ..kernels.cpu import CpuKernels
+from .ggml import dequantize
 from .quantize import quantize
 
 
@@ -53,34 +54,6 @@ class QuantizedWeight:
 TRITON_FUSED_ROWS = 64
 Matmuls = Callable[[torch.Tensor, list[QuantizedWeight], dict | None], torch.Tensor]
 
-
-def quantized_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """``x [T, cols] @ W.T`` in float32, by the fastest path for the device and ``T``."""
-    return quantized_matmuls(x, [weight])
-
-
-def quantized_matmuls(
-    x: torch.Tensor, weights: list[QuantizedWeight], prepared: dict | None = None
-) -> torch.Tensor:
-    """``x @ W.T`` for several matrices of the same input (q/k/v, gate/up), side by side in
-    one ``[T, sum of rows]`` float32 tensor. On the CPU a few rows go through one native
-    call that reads, and quantizes, the activations once (``prepared`` keeps that call's
-    arguments between steps); more rows dequantize the matrices slice by slice for torch's
-    GEMM. Other devices, or a CPU without the native kernels, take the torch twin."""
-    native = cpu_kernels() if x.device.type == "cpu" else None
-    if native is None:
-        return quantized_matmuls_ref(x, weights)
-    x = x.float().contiguous()
-    if x.shape[0] <= (native.max_rows if native.exact else NATIVE_MAX_ROWS):
-        key = tuple(id(w.data) for w in weights)
-        prepared = {} if prepared is None else prepared
-        if key not in prepared:
-            prepared[key] = native.products([(w.qtype.value, w.data, w.shape[0]) for w in weights])
-        return prepared[key](x)
-    dtype = torch.float32 if native.exact or not _bf16_gemm_is_fast() else torch.bfloat16
-    return _dequantized_gemm(native.dequantize, x, weights, dtype)
-
-
 # Rows up to which the native int8 products are at least as fast as dequantize-then-GEMM
 # (measured on the default model with AVX-512: the products re-read every weight block
 # once per row group, the GEMM's cost is the unpack). Up to here each row's result is the
@@ -92,33 +65,49 @@ NATIVE_MAX_ROWS = 24
 DEQUANT_SLICE_ELEMENTS = 1 << 22
 
 
-def _dequantized_gemm(
-    dequantize: Callable[..., torch.Tensor],
-    x: torch.Tensor,
-    weights: list[QuantizedWeight],
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """``x @ W.T`` of each matrix, unpacked a slice of rows at a time, the GEMM in ``dtype``
-    (bfloat16 where the CPU has it natively: 2.5x float32's speed, activations and weights
-    rounded to 8 mantissa bits, sums in float32)."""
-    out = torch.empty((x.shape[0], sum(w.shape[0] for w in weights)), dtype=torch.float32)
-    xg = x.to(dtype)
-    column = 0
-    for weight in weights:
-        step = max(1, DEQUANT_SLICE_ELEMENTS // weight.shape[1])
-        for start in range(0, weight.shape[0], step):
-            part = weight.rows(slice(start, start + step))
-            dense = dequantize(part.qtype.value, part.data, *part.shape).to(dtype)
-            out[:, column : column + part.shape[0]] = F.linear(xg, dense)
-            column += part.shape[0]
-    return out
+class CpuMatmuls:
+    """``x @ W.T`` for several matrices of the same input (q/k/v, gate/up), side by side in
+    one ``[T, sum of rows]`` float32 tensor, on the CPU's compiled kernels.
 
+    A few rows go through one native call that reads, and quantizes, the activations once
+    (``prepared`` keeps that call's arguments between steps); more rows dequantize the
+    matrices slice by slice for torch's GEMM in ``gemm_dtype`` (bfloat16 where the CPU
+    has it natively: 2.5x float32's speed, activations and weights rounded to 8 mantissa
+    bits, sums in float32)."""
 
-@cache
-def _bf16_gemm_is_fast() -> bool:
-    """Whether oneDNN runs bfloat16 GEMMs in hardware (AVX512-BF16, AMX) on this CPU."""
-    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return bool(torch.backends.mkldnn.is_available() and probe is not None and probe())
+    def __init__(self, native: CpuKernels, gemm_dtype: torch.dtype) -> None:
+        self.native, self.gemm_dtype = native, gemm_dtype
+        self.max_rows = native.max_rows if native.exact else NATIVE_MAX_ROWS
+
+    def __call__(
+        self, x: torch.Tensor, weights: list[QuantizedWeight], prepared: dict | None = None
+    ) -> torch.Tensor:
+        if x.device.type != "cpu":
+            return quantized_matmuls_ref(x, weights)
+        x = x.float().contiguous()
+        if x.shape[0] <= self.max_rows:
+            key = tuple(id(w.data) for w in weights)
+            prepared = {} if prepared is None else prepared
+            if key not in prepared:
+                prepared[key] = self.native.products(
+                    [(w.qtype.value, w.data, w.shape[0]) for w in weights]
+                )
+            return prepared[key](x)
+        return self._dequantized_gemm(x, weights)
+
+    def _dequantized_gemm(self, x: torch.Tensor, weights: list[QuantizedWeight]) -> torch.Tensor:
+        """Each matrix unpacked a slice of rows at a time, bounding the transient memory."""
+        out = torch.empty((x.shape[0], sum(w.shape[0] for w in weights)), dtype=torch.float32)
+        xg = x.to(self.gemm_dtype)
+        column = 0
+        for weight in weights:
+            step = max(1, DEQUANT_SLICE_ELEMENTS // weight.shape[1])
+            for start in range(0, weight.shape[0], step):
+                part = weight.rows(slice(start, start + step))
+                dense = self.native.dequantize(part.qtype.value, part.data, *part.shape)
+                out[:, column : column + part.shape[0]] = F.linear(xg, dense.to(self.gemm_dtype))
+                column += part.shape[0]
+        return out
 
 
 def quantized_matmuls_triton(
@@ -148,11 +137,13 @@ def quantized_matmul_ref(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tens
     return quantized_matmuls_ref(x, [weight])
 
 
-MATMULS: dict[str, Matmuls] = {
-    "cpu": quantized_matmuls,
-    "triton": quantized_matmuls_triton,
-    "torch": quantized_matmuls_ref,
-}
+def select_matmuls(kind: str, native: CpuKernels | None, gemm_dtype: str | None) -> Matmuls:
+    """The quantized products for the platform's kernels (``PlatformDecisions.kernels``)."""
+    if kind == "triton":
+        return quantized_matmuls_triton
+    if kind == "cpu" and native is not None:
+        return CpuMatmuls(native, getattr(torch, gemm_dtype or "float32"))
+    return quantized_matmuls_ref
 
 
 class QuantLinear(nn.Module):
@@ -160,7 +151,7 @@ class QuantLinear(nn.Module):
         self,
         weight: QuantizedWeight,
         bias: torch.Tensor | None = None,
-        matmuls: Matmuls = quantized_matmuls,
+        matmuls: Matmuls = quantized_matmuls_ref,
     ) -> None:
         super().__init__()
         self.weight_q, self.matmuls = weight, matmuls
@@ -197,15 +188,16 @@ class QuantEmbedding(nn.Module):
     """Token embeddings kept quantized; also the output projection of tied models."""
 
     def __init__(
-        self, weight: QuantizedWeight, dtype: torch.dtype, matmuls: Matmuls = quantized_matmuls
+        self, weight: QuantizedWeight, dtype: torch.dtype, matmuls: Matmuls = quantized_matmuls_ref
     ) -> None:
         super().__init__()
         self.weight_q, self.dtype, self.matmuls = weight, dtype, matmuls
         self.num_embeddings, self.embedding_dim = weight.shape
         self.prepared: dict = {}
+        self.native: CpuKernels | None = None  # set by the loader where they run
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        native = cpu_kernels() if ids.device.type == "cpu" else None
+        native = self.native if ids.device.type == "cpu" else None
         if native is not None:
             rows = native.gather_rows(
                 self.weight_q.qtype.value, self.weight_q.data, ids.reshape(-1), self.embedding_dim
@@ -219,7 +211,3 @@ class QuantEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.weight_q.qtype.name}"
-
-
-def block_size_of(qtype: GGMLQuantizationType) -> int:
-    return ggml_format(qtype).block_size

@@ -55,6 +55,10 @@ _PARSERS = {
     "speculative_gamma": values.parse_positive_int,
     "speculative_draft_isq": values.parse_isq,
     "kv_cache_compression": _parse_compression,
+    "cpu_kernels": values.choice(values.CPU_KERNELS),
+    "cpu_matmul": values.choice(values.CPU_MATMULS),
+    "cpu_gemm": values.choice(values.CPU_GEMMS),
+    "native_checks": values.parse_bool,
     "model": values.parse_optional_name,
     "device": values.parse_device,
     "dtype": values.parse_dtype,
@@ -96,6 +100,14 @@ class BackendSettings(BaseSettings):
     speculative_gamma: int = 16
     speculative_draft_isq: IsqType | None = None
     kv_cache_compression: str = "none"
+    # How the CPU computes (`info` shows what auto picked): the compiled C kernels or the
+    # torch twins; int8 or float32 activations in the quantized products of a few rows;
+    # float32 or bfloat16 GEMMs for the products of many rows (a prefill).
+    cpu_kernels: Literal["auto", "native", "torch"] = "auto"
+    cpu_matmul: Literal["auto", "int8", "float32"] = "auto"
+    cpu_gemm: Literal["auto", "float32", "bfloat16"] = "auto"
+    # Debugging: the C kernels compiled with a check of every index they follow.
+    native_checks: bool = False
     model: str | None = None
     device: str = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
@@ -123,6 +135,20 @@ class BackendSettings(BaseSettings):
                 + " and ".join(f"{env_name(f)}={getattr(self, f)}" for f in chosen)
                 + " are; keep one of "
                 + ", ".join(env_name(f) for f in KV_BUDGET_FIELDS)
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _whole_blocks(self) -> "BackendSettings":
+        """A context length the cache would have to round is refused, not changed."""
+        tokens, block = self.paged_attn_context_len, self.paged_attn_block_size
+        if tokens is not None and tokens % block:
+            below, above = tokens // block * block, (tokens // block + 1) * block
+            suggestion = f"{below} or {above}" if below else f"{above}"
+            raise ValueError(
+                f"{env_name('paged_attn_context_len')}={tokens} is not a whole number of KV "
+                f"blocks of {env_name('paged_attn_block_size')}={block} tokens (the cache "
+                f"is made of whole blocks); use {suggestion}"
             )
         return self
 

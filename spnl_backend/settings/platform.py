@@ -7,6 +7,7 @@ can fake any machine. The loader consumes the decisions; nothing else detects.
 
 import os
 import platform as _platform
+import shutil
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -49,6 +50,9 @@ class PlatformProbe:
     triton_version: str | None = None
     triton_error: str | None = "not installed"
     triton_interpret: bool = False
+    c_compiler: str | None = None  # what builds the CPU's native kernels
+    cpu_int8: bool = False  # x86 with AVX2: the native int8 products compile
+    cpu_bf16_gemm: bool = False  # oneDNN runs bfloat16 GEMMs in hardware (AVX512-BF16, AMX)
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,13 @@ class PlatformDecisions:
     bf16: bool
     dtype: Literal["auto", "float32", "float16", "bfloat16"]
     torch_version: str
+    # The CPU's arithmetic where the native kernels run (None elsewhere): activations of the
+    # quantized products of a few rows, and the GEMM dtype of products of many rows.
+    cpu_matmul: Literal["int8", "float32"] | None = None
+    cpu_gemm: Literal["float32", "bfloat16"] | None = None
+    native_checks: bool = False
+    c_compiler: str | None = None
+    cpu_kernels_required: bool = False  # MISTRALRS_CPU_KERNELS=native: no fallback
     notes: tuple[str, ...] = field(default=())
 
     def resolve_dtype(self, config_dtype: str | None = None) -> str:
@@ -106,11 +117,17 @@ def probe_platform() -> PlatformProbe:
         triton_version=triton_version,
         triton_error=triton_error,
         triton_interpret=os.environ.get("TRITON_INTERPRET", "") == "1",
+        c_compiler=find_c_compiler(),
+        cpu_int8=_cpu_has_avx2(),
+        cpu_bf16_gemm=_bf16_gemm_in_hardware(),
     )
 
 
 def detect_platform(settings: BackendSettings) -> PlatformDecisions:
-    """Probe this machine and decide; logs ``platform.detected``."""
+    """Probe this machine and decide; logs ``platform.detected``, and warns of each setting
+    that the decisions leave without effect (``settings.no_effect``)."""
+    from .effects import ineffective_settings
+
     decisions = decide_platform(settings, probe_platform())
     log.info(
         "platform.detected",
@@ -122,6 +139,8 @@ def detect_platform(settings: BackendSettings) -> PlatformDecisions:
     )
     for note in decisions.notes:
         log.warning("platform.note", note=note)
+    for variable, reason in ineffective_settings(settings, decisions):
+        log.warning("settings.no_effect", variable=variable, reason=reason)
     return decisions
 
 
@@ -132,7 +151,10 @@ def decide_platform(settings: BackendSettings, probe: PlatformProbe) -> Platform
     triton_usable = probe.triton_version is not None and (
         device_type == "cuda" or probe.triton_interpret
     )
-    kernels, kernels_reason, notes = _decide_kernels(device_type, triton_usable, probe)
+    kernels, kernels_reason, notes = _decide_kernels(
+        device_type, triton_usable, probe, settings.cpu_kernels
+    )
+    cpu_matmul, cpu_gemm = _decide_cpu_arithmetic(kernels == "cpu", settings, probe)
     fp8 = _fp8_support(device, device_type, probe)
     bf16 = _bf16_support(device, device_type, probe)
     _check_cache_type(settings.paged_cache_type, paged, fp8, device)
@@ -154,6 +176,11 @@ def decide_platform(settings: BackendSettings, probe: PlatformProbe) -> Platform
         bf16=bf16,
         dtype=settings.dtype,
         torch_version=probe.torch_version,
+        cpu_matmul=cpu_matmul,
+        cpu_gemm=cpu_gemm,
+        native_checks=settings.native_checks and kernels == "cpu",
+        c_compiler=probe.c_compiler if kernels == "cpu" else None,
+        cpu_kernels_required=settings.cpu_kernels == "native",
         notes=notes,
     )
 
@@ -202,16 +229,54 @@ def _decide_paged(
 
 
 def _decide_kernels(
-    device_type: DeviceType, triton_usable: bool, probe: PlatformProbe
+    device_type: DeviceType, triton_usable: bool, probe: PlatformProbe, cpu_kernels: str
 ) -> tuple[Literal["triton", "cpu", "torch"], str, tuple[str, ...]]:
     if device_type == "cpu":
-        return "cpu", "native C kernels compiled for this CPU (torch twins without a compiler)", ()
+        return _decide_cpu_kernels(cpu_kernels, probe.c_compiler)
     if device_type != "cuda":
         return "torch", f"torch reference kernels on {device_type}", ()
     if triton_usable:
         return "triton", f"Triton {probe.triton_version} on CUDA", ()
     reason = f"Triton unusable ({probe.triton_error}); torch reference kernels on CUDA"
     return "torch", reason, (reason + "; install it with: pip install 'spnl-backend[triton]'",)
+
+
+def _decide_cpu_kernels(
+    requested: str, compiler: str | None
+) -> tuple[Literal["cpu", "torch"], str, tuple[str, ...]]:
+    if requested == "torch":
+        return "torch", "torch reference kernels on the CPU (MISTRALRS_CPU_KERNELS=torch)", ()
+    if compiler is not None:
+        return "cpu", f"native C kernels compiled for this CPU by {compiler}", ()
+    if requested == "native":
+        raise PlatformError(
+            "MISTRALRS_CPU_KERNELS=native, but no C compiler (cc, gcc or clang, or $CC) "
+            "was found to build them; install one, or use auto or torch"
+        )
+    reason = "no C compiler (cc, gcc or clang) found; torch reference kernels on the CPU"
+    return "torch", reason, (reason + " (slower); install a C compiler for the native ones",)
+
+
+def _decide_cpu_arithmetic(
+    native: bool, settings: BackendSettings, probe: PlatformProbe
+) -> tuple[Literal["int8", "float32"] | None, Literal["float32", "bfloat16"] | None]:
+    """Activations of the native quantized products, and the dtype of the many-row GEMMs:
+    int8 where AVX2 compiles it, and bfloat16 GEMMs where they run in hardware, unless
+    float32 activations were asked for (then everything stays float32)."""
+    if not native:
+        return None, None
+    matmul = settings.cpu_matmul
+    if matmul == "int8" and not probe.cpu_int8:
+        raise PlatformError(
+            "MISTRALRS_CPU_MATMUL=int8 needs an x86 CPU with AVX2, which this one is not "
+            f"({probe.cpu_capability or 'unknown ISA'}); use auto or float32"
+        )
+    if matmul == "auto":
+        matmul = "int8" if probe.cpu_int8 else "float32"
+    gemm = settings.cpu_gemm
+    if gemm == "auto":
+        gemm = "bfloat16" if probe.cpu_bf16_gemm and matmul == "int8" else "float32"
+    return matmul, gemm  # type: ignore[return-value]
 
 
 def _fp8_support(
@@ -264,6 +329,29 @@ def _probe_triton() -> tuple[str | None, str | None]:
     except Exception as exc:  # a broken install: report why rather than crash `info`
         return None, f"import failed: {type(exc).__name__}: {exc}"
     return triton.__version__, None
+
+
+def find_c_compiler() -> str | None:
+    """The compiler the native kernels are built with: $CC, else cc, gcc or clang."""
+    candidates = (os.environ.get("CC"), "cc", "gcc", "clang")
+    return next((c for c in candidates if c and shutil.which(c)), None)
+
+
+def _cpu_has_avx2() -> bool:
+    """Whether ``-march=native`` compiles the int8 products here (x86 with AVX2)."""
+    if _platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as info:
+            flags = next((line for line in info if line.startswith("flags")), "")
+    except OSError:
+        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    return "avx2" in flags.split()
+
+
+def _bf16_gemm_in_hardware() -> bool:
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(torch.backends.mkldnn.is_available() and probe is not None and probe())
 
 
 def _cuda_devices() -> tuple[CudaDevice, ...]:

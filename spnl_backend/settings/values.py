@@ -51,6 +51,9 @@ ISQ_ACCEPTED = (
 
 BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 CACHE_TYPES = ("auto", "f8e4m3")
+CPU_KERNELS = ("auto", "native", "torch")
+CPU_MATMULS = ("auto", "int8", "float32")
+CPU_GEMMS = ("auto", "float32", "bfloat16")
 DTYPES = {
     "auto": "auto",
     "float32": "float32",
@@ -165,11 +168,19 @@ def parse_isq(value: object) -> IsqType | None:
     raise ValueError(f"expected {ISQ_ACCEPTED}")
 
 
-def parse_cache_type(value: object) -> str:
-    text = _text(value).lower()
-    if text not in CACHE_TYPES:
-        raise ValueError("expected one of: " + ", ".join(CACHE_TYPES))
-    return text
+def choice(options: tuple[str, ...]):
+    """A parser that accepts one of ``options`` (any case)."""
+
+    def parse(value: object) -> str:
+        text = _text(value).lower()
+        if text not in options:
+            raise ValueError("expected one of: " + ", ".join(options))
+        return text
+
+    return parse
+
+
+parse_cache_type = choice(CACHE_TYPES)
 
 
 def parse_dtype(value: object) -> str:

@@ -6,14 +6,18 @@ torch reference elsewhere in the package. It is compiled with the system's C com
 (``-O3 -march=native``, OpenMP where the compiler has it) into a per-user cache keyed by
 the source, compiler and flags, so later processes load it in milliseconds. Without a
 compiler everything falls back to the torch twins, with a warning that says why;
-``SPNL_NATIVE=0`` asks for that fallback on purpose.
+``MISTRALRS_CPU_KERNELS=torch`` asks for that fallback on purpose.
+
+Every wrapper checks what the C code relies on (dtypes, contiguity, shapes, extents)
+before calling it, and the C code checks the extents it is given: a violation is a
+`KernelArgumentError`, never a read or write out of bounds. ``MISTRALRS_NATIVE_CHECKS``
+builds a second library that also checks every index it follows.
 """
 
 import ctypes
 import hashlib
 import os
 import platform
-import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -21,7 +25,9 @@ from functools import cache
 from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType
 
+from ...errors import EngineError
 from ...log import get_logger
 
 log = get_logger()
@@ -29,52 +35,41 @@ log = get_logger()
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # No fused multiply-add contraction: the element-wise kernels then round exactly as torch.
 _BASE_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=off"]
+_CHECK_FLAGS = ["-DSPNL_CHECKS"]
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {  # name: (argument types, result type)
     "spnl_max_rows": ([], _I32),
     "spnl_has_int8": ([], _I32),
-    "spnl_qmatmul": ([_I32, _P, _P, _I64, _I64, _P, _P, _P, _I64, _I32, _I32], _I32),
-    "spnl_dequantize": ([_I32, _P, _I64, _I64, _P, _I32], _I32),
-    "spnl_gather_rows": ([_I32, _P, _P, _I64, _I64, _P], _I32),
-    "spnl_rms_norm": ([_P, _P, _P, _I64, _I64, _F32], None),
-    "spnl_rope": ([_P, _P, _P, _I64, _I64, _I64, _I64], None),
-    "spnl_store_kv": ([_P, _P, _P, _P, _P, _I64, _I64], None),
+    "spnl_full_checks": ([], _I32),
+    "spnl_row_bytes": ([_I32, _I64], _I64),
+    "spnl_qmatmul": ([_I32, _P, _P, _I64, _I64, _P, _P, _P, _P, _I64, _I32, _I32], _I32),
+    "spnl_dequantize": ([_I32, _P, _I64, _I64, _I64, _P, _I32], _I32),
+    "spnl_gather_rows": ([_I32, _P, _I64, _P, _I64, _I64, _P], _I32),
+    "spnl_rms_norm": ([_P, _P, _P, _I64, _I64, _F32], _I32),
+    "spnl_rope": ([_P, _P, _P, _I64, _I64, _I64, _I64], _I32),
+    "spnl_store_kv": ([_P, _P, _P, _P, _P, _I64, _I64, _I64], _I32),
     "spnl_paged_decode": (
-        [_P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _F32, _I64, _F32, _P, _I32],
+        [_P, _P, _P, _I64, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _F32, _I64, _F32, _P, _I32],
         _I32,
     ),
     "spnl_coded_decode": (
-        [
-            _P,
-            _P,
-            _P,
-            _P,
-            _P,
-            _P,
-            _P,
-            _I64,
-            _I64,
-            _P,
-            _I32,
-            _I64,
-            _P,
-            _I32,
-            _P,
-            _I64,
-            _P,
-            _I64,
-            _I64,
-            _I64,
-            _I64,
-            _F32,
-            _I64,
-            _F32,
-            _P,
-            _I32,
-        ],
+        [_P] * 7
+        + [_I64, _I64, _I64, _P, _I32, _I64, _P, _I32, _P]
+        + [_I64, _I64, _P, _I64, _I64, _I64, _I64, _F32, _I64, _F32, _P, _I32],
         _I32,
     ),
 }
+_STATUS = {
+    -1: "rejected its arguments",
+    -2: "ran out of memory",
+    -3: "found an index out of bounds",
+}
+
+
+class KernelArgumentError(EngineError):
+    """A native kernel was about to be called with arguments that break its invariants
+    (shapes, dtypes, strides, indices): the call is refused instead of reading or writing
+    memory it does not own."""
 
 
 @dataclass(frozen=True)
@@ -82,18 +77,28 @@ class CpuKernels:
     library: ctypes.CDLL
     max_rows: int
     path: Path
-    # Float activations in the quantized products (slower; SPNL_EXACT_MATMUL=1).
+    # Float activations in the quantized products (slower, and exact).
     exact: bool = False
+    # Built with -DSPNL_CHECKS: every index checked in C too.
+    checks: bool = False
+    has_int8: bool = True
 
     def products(self, weights: list[tuple[int, torch.Tensor, int]]) -> "Products":
         """A prepared call for ``x @ W.T`` of each ``(qtype, W [n_out, row_bytes], n_out)``."""
         return Products(self, weights)
 
     def dequantize(self, qtype: int, weight: torch.Tensor, n_rows: int, k_in: int) -> torch.Tensor:
+        _require(weight, torch.uint8, "dequantize: weight")
         out = torch.empty((n_rows, k_in), dtype=torch.float32)
         _check(
             self.library.spnl_dequantize(
-                qtype, weight.data_ptr(), n_rows, k_in, out.data_ptr(), torch.get_num_threads()
+                qtype,
+                weight.data_ptr(),
+                weight.numel(),
+                n_rows,
+                k_in,
+                out.data_ptr(),
+                torch.get_num_threads(),
             ),
             "dequantize",
         )
@@ -102,34 +107,65 @@ class CpuKernels:
     def gather_rows(
         self, qtype: int, weight: torch.Tensor, ids: torch.Tensor, k_in: int
     ) -> torch.Tensor:
+        _require(weight, torch.uint8, "gather_rows: weight", dims=2)
+        self.check_row_bytes(qtype, k_in, weight.shape[1], "gather_rows")
         ids = ids.to(torch.int64).contiguous()
         out = torch.empty((ids.numel(), k_in), dtype=torch.float32)
         _check(
             self.library.spnl_gather_rows(
-                qtype, weight.data_ptr(), ids.data_ptr(), ids.numel(), k_in, out.data_ptr()
+                qtype,
+                weight.data_ptr(),
+                weight.shape[0],
+                ids.data_ptr(),
+                ids.numel(),
+                k_in,
+                out.data_ptr(),
             ),
             "gather_rows",
         )
         return out
 
+    def check_row_bytes(self, qtype: int, k_in: int, row_bytes: int, what: str) -> None:
+        """That rows of ``row_bytes`` bytes hold ``k_in`` weights of ``qtype``."""
+        if self.library.spnl_row_bytes(qtype, k_in) != row_bytes:
+            name = GGMLQuantizationType(qtype).name
+            raise KernelArgumentError(
+                f"{what}: rows of {row_bytes} bytes do not hold {k_in} weights of type {name}"
+            )
+
     def rms_norm(self, x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
         x = x.contiguous()
+        _require(x, torch.float32, "rms_norm: x")
+        _require(scale, torch.float32, "rms_norm: scale", numel=x.shape[-1])
         out = torch.empty_like(x)
-        self.library.spnl_rms_norm(
-            x.data_ptr(),
-            scale.data_ptr(),
-            out.data_ptr(),
-            x.numel() // x.shape[-1],
-            x.shape[-1],
-            eps,
+        _check(
+            self.library.spnl_rms_norm(
+                x.data_ptr(),
+                scale.data_ptr(),
+                out.data_ptr(),
+                x.numel() // x.shape[-1],
+                x.shape[-1],
+                eps,
+            ),
+            "rms_norm",
         )
         return out
 
     def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [T, heads, head_dim]`` (contiguous) in place by ``[T, rotary]`` tables."""
+        _require(x, torch.float32, "rope: x", dims=3)
         tokens, heads, head_dim = x.shape
-        self.library.spnl_rope(
-            x.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, head_dim, cos.shape[-1]
+        for table, name in ((cos, "cos"), (sin, "sin")):
+            _require(table, torch.float32, f"rope: {name}", dims=2)
+            if table.shape != cos.shape or table.shape[0] != tokens:
+                raise KernelArgumentError(
+                    f"rope: tables of shape {tuple(table.shape)} for {tokens} tokens"
+                )
+        _check(
+            self.library.spnl_rope(
+                x.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, head_dim, cos.shape[-1]
+            ),
+            "rope",
         )
         return x
 
@@ -142,14 +178,22 @@ class CpuKernels:
         slots: torch.Tensor,
     ) -> None:
         key, value = key.contiguous(), value.contiguous()
-        self.library.spnl_store_kv(
-            key.data_ptr(),
-            value.data_ptr(),
-            key_cache.data_ptr(),
-            value_cache.data_ptr(),
-            slots.data_ptr(),
-            key.shape[0],
-            key.shape[1] * key.shape[2],
+        row = _pool_row(key_cache, value_cache, "store_kv")
+        for tensor, name in ((key, "key"), (value, "value")):
+            _require(tensor, torch.float32, f"store_kv: {name}", numel=slots.numel() * row)
+        _require(slots, torch.int64, "store_kv: slots", dims=1)
+        _check(
+            self.library.spnl_store_kv(
+                key.data_ptr(),
+                value.data_ptr(),
+                key_cache.data_ptr(),
+                value_cache.data_ptr(),
+                slots.data_ptr(),
+                slots.numel(),
+                row,
+                key_cache.numel() // row,
+            ),
+            "store_kv",
         )
 
     def paged_decode(
@@ -164,19 +208,29 @@ class CpuKernels:
         softcap: float | None,
     ) -> torch.Tensor:
         q = q.contiguous()
+        _require(q, torch.float32, "paged_decode: q", dims=3)
         seqs, heads, dim = q.shape
+        row = _pool_row(key_cache, value_cache, "paged_decode")
+        kv_heads = key_cache.shape[-2]
+        if key_cache.shape[-1] != dim:
+            raise KernelArgumentError(
+                f"paged_decode: q has {dim} dims, the cache {row // kv_heads}"
+            )
+        _check_keys(slots, lens, seqs, "paged_decode")
         out = torch.empty_like(q)
         _check(
             self.library.spnl_paged_decode(
                 q.data_ptr(),
                 key_cache.data_ptr(),
                 value_cache.data_ptr(),
+                key_cache.numel() // row,
                 slots.data_ptr(),
                 slots.stride(0),
+                slots.shape[1],
                 lens.data_ptr(),
                 seqs,
                 heads,
-                key_cache.shape[2],
+                kv_heads,
                 dim,
                 scale,
                 window or 0,
@@ -210,8 +264,21 @@ class CpuKernels:
         value sum without the values' centre."""
         q_rot, q = q_rot.contiguous(), q.contiguous()
         k_shift, k_anchor, v_anchor = (t.float().contiguous() for t in anchors)
+        _require(q, torch.float32, "coded_decode: q", dims=3)
         seqs, heads, dim = q.shape
         (k_lut, k_bits, outliers), (v_lut, v_bits) = key_format, value_format
+        kv_heads = key_pool.shape[-2]
+        _require(q_rot, torch.float32, "coded_decode: q_rot", numel=q.numel())
+        _require(k_shift, torch.float32, "coded_decode: key centre terms", numel=seqs * heads)
+        _require(k_anchor, torch.float32, "coded_decode: key anchor terms", numel=seqs * heads)
+        _require(v_anchor, torch.float32, "coded_decode: value anchor", numel=kv_heads * dim)
+        _require(k_lut, torch.float32, "coded_decode: key codebook", numel=1 << k_bits)
+        _require(v_lut, torch.float32, "coded_decode: value codebook", numel=1 << v_bits)
+        for pool, name in ((key_pool, "key"), (value_pool, "value")):
+            _require(pool, torch.uint8, f"coded_decode: {name} records", dims=3)
+        if value_pool.shape[:2] != key_pool.shape[:2]:
+            raise KernelArgumentError("coded_decode: key and value pools differ in shape")
+        _check_keys(slots, lens, seqs, "coded_decode")
         out = torch.empty_like(q)
         _check(
             self.library.spnl_coded_decode(
@@ -222,6 +289,7 @@ class CpuKernels:
                 v_anchor.data_ptr(),
                 key_pool.data_ptr(),
                 value_pool.data_ptr(),
+                key_pool.shape[0],
                 key_pool.shape[-1],
                 value_pool.shape[-1],
                 k_lut.data_ptr(),
@@ -231,10 +299,11 @@ class CpuKernels:
                 v_bits,
                 slots.data_ptr(),
                 slots.stride(0),
+                slots.shape[1],
                 lens.data_ptr(),
                 seqs,
                 heads,
-                key_pool.shape[-2],
+                kv_heads,
                 dim,
                 scale,
                 window or 0,
@@ -247,6 +316,49 @@ class CpuKernels:
         return out
 
 
+def _require(
+    tensor: torch.Tensor,
+    dtype: torch.dtype,
+    what: str,
+    *,
+    dims: int | None = None,
+    numel: int | None = None,
+) -> None:
+    """A tensor the C code may read as a flat array of ``dtype``: on the CPU, contiguous,
+    of the expected dimensions and size."""
+    problem = None
+    if tensor.device.type != "cpu":
+        problem = f"on {tensor.device}"
+    elif tensor.dtype != dtype:
+        problem = f"of {tensor.dtype}, not {dtype}"
+    elif not tensor.is_contiguous():
+        problem = "not contiguous"
+    elif dims is not None and tensor.dim() != dims:
+        problem = f"{tensor.dim()}-D, not {dims}-D"
+    elif numel is not None and tensor.numel() != numel:
+        problem = f"of {tensor.numel()} elements, not {numel}"
+    if problem:
+        raise KernelArgumentError(f"{what} is {problem} (shape {tuple(tensor.shape)})")
+
+
+def _pool_row(key_cache: torch.Tensor, value_cache: torch.Tensor, what: str) -> int:
+    """Elements per slot of a ``[blocks, block_size, kv_heads, head_dim]`` pool pair."""
+    for tensor, name in ((key_cache, "key"), (value_cache, "value")):
+        _require(tensor, torch.float32, f"{what}: {name} cache", dims=4)
+    if key_cache.shape != value_cache.shape:
+        raise KernelArgumentError(f"{what}: key and value caches differ in shape")
+    return key_cache.shape[-2] * key_cache.shape[-1]
+
+
+def _check_keys(slots: torch.Tensor, lens: torch.Tensor, seqs: int, what: str) -> None:
+    """The slot table ``[seqs, width]`` (rows contiguous) and the lengths ``[seqs]``."""
+    if slots.dtype != torch.int64 or slots.dim() != 2 or slots.shape[0] != seqs:
+        raise KernelArgumentError(f"{what}: slots of {slots.dtype} {tuple(slots.shape)}")
+    if slots.device.type != "cpu" or slots.stride(1) != 1:
+        raise KernelArgumentError(f"{what}: slots must be CPU rows of consecutive int64")
+    _require(lens, torch.int64, f"{what}: lengths", numel=seqs)
+
+
 class Products:
     """Several quantized products of one input, prepared once (the ctypes arrays), called
     every step: the activations are read, and on the int8 path quantized, once for all, and
@@ -254,19 +366,32 @@ class Products:
 
     def __init__(self, kernels: CpuKernels, weights: list[tuple[int, torch.Tensor, int]]) -> None:
         count = len(weights)
+        for _, w, n_out in weights:
+            _require(w, torch.uint8, "matmul: weight", dims=2)
+            if w.shape[0] != n_out:
+                raise KernelArgumentError(f"matmul: a weight of {w.shape[0]} rows, not {n_out}")
         self.kernels, self.count = kernels, count
         self.qtypes = (ctypes.c_int * count)(*(qtype for qtype, _, _ in weights))
         self.pointers = (ctypes.c_void_p * count)(*(w.data_ptr() for _, w, _ in weights))
+        self.sizes = (ctypes.c_int64 * count)(*(w.numel() for _, w, _ in weights))
         self.n_outs = (ctypes.c_int64 * count)(*(n for _, _, n in weights))
         self.widths = [n for _, _, n in weights]
         self.total = sum(self.widths)
         self.weights = [w for _, w, _ in weights]  # kept alive for the pointers
+        self.row_bytes = [(qtype, w.shape[1]) for qtype, w, _ in weights]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [rows, k]`` (float32, contiguous) → ``[rows, total]``."""
+        _require(x, torch.float32, "matmul: x", dims=2)
         rows, k_in = x.shape
-        out = torch.empty((rows, self.total), dtype=torch.float32)
         kernels = self.kernels
+        if rows == 0:
+            return torch.empty((0, self.total), dtype=torch.float32)
+        if rows > self.kernels.max_rows:
+            raise KernelArgumentError(f"matmul: {rows} rows, at most {self.kernels.max_rows}")
+        for qtype, row_bytes in self.row_bytes:
+            kernels.check_row_bytes(qtype, k_in, row_bytes, "matmul")
+        out = torch.empty((rows, self.total), dtype=torch.float32)
         _check(
             kernels.library.spnl_qmatmul(
                 self.count,
@@ -275,6 +400,7 @@ class Products:
                 rows,
                 k_in,
                 self.pointers,
+                self.sizes,
                 self.n_outs,
                 out.data_ptr(),
                 self.total,
@@ -288,26 +414,31 @@ class Products:
 
 def _check(status: int, name: str) -> None:
     if status != 0:
-        raise ValueError(f"the CPU kernel {name} rejected its arguments (status {status})")
+        what = _STATUS.get(status, f"failed with status {status}")
+        raise KernelArgumentError(f"the CPU kernel {name} {what}")
 
 
-@cache
-def cpu_kernels() -> CpuKernels | None:
-    """The compiled kernels, or None (logged) where they cannot be built or are turned off."""
-    if os.environ.get("SPNL_NATIVE", "1") == "0":
-        log.info("native.disabled", reason="SPNL_NATIVE=0")
-        return None
-    compiler = next(
-        (c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None
-    )
+def cpu_kernels(checks: bool = False) -> CpuKernels | None:
+    """The compiled kernels built by the compiler found on this machine (as `info` shows),
+    or None (logged) where there is none or the build fails."""
+    from ...settings.platform import find_c_compiler
+
+    compiler = find_c_compiler()
     if compiler is None:
         log.warning(
             "native.unavailable",
             reason="no C compiler (cc, gcc or clang) found; the CPU runs the slower torch kernels",
         )
         return None
+    return load_cpu_kernels(compiler, checks)
+
+
+@cache
+def load_cpu_kernels(compiler: str, checks: bool = False) -> CpuKernels | None:
+    """The kernels compiled by ``compiler`` (with every index checked where ``checks``),
+    or None, with a warning that says why, where the build fails."""
     try:
-        path = _build(compiler)
+        path = _build(compiler, _CHECK_FLAGS if checks else [])
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)
         log.warning(
@@ -324,13 +455,21 @@ def _load(path: Path) -> CpuKernels:
     for name, (argtypes, restype) in _SIGNATURES.items():
         function = getattr(library, name)
         function.argtypes, function.restype = argtypes, restype
-    exact = os.environ.get("SPNL_EXACT_MATMUL", "0") == "1" or not library.spnl_has_int8()
-    return CpuKernels(library, library.spnl_max_rows(), path, exact)
+    has_int8 = bool(library.spnl_has_int8())
+    return CpuKernels(
+        library,
+        library.spnl_max_rows(),
+        path,
+        exact=not has_int8,
+        checks=bool(library.spnl_full_checks()),
+        has_int8=has_int8,
+    )
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, extra_flags: list[str]) -> Path:
     source = SOURCE.read_bytes()
-    for flags in ([*_BASE_FLAGS, "-fopenmp"], _BASE_FLAGS):  # OpenMP where the compiler has it
+    base = [*_BASE_FLAGS, *extra_flags]
+    for flags in ([*base, "-fopenmp"], base):  # OpenMP where the compiler has it
         key = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_identity()]).encode())
         target = _cache_dir() / key.hexdigest()[:24] / "libspnlcpu.so"
         if target.exists():

@@ -23,6 +23,20 @@
 #define QK_K 256
 #define MAX_ROWS 64
 
+// Status codes of the entry points (0 is success): the caller turns them into exceptions.
+enum { BAD_ARGUMENT = -1, NO_MEMORY = -2, OUT_OF_BOUNDS = -3 };
+
+// Every entry point checks the extents it is given (buffer sizes, counts) before it
+// reads or writes anything. Built with -DSPNL_CHECKS (MISTRALRS_NATIVE_CHECKS=true) it
+// also checks every index it follows (each slot of each key, each row id) before use.
+#ifdef SPNL_CHECKS
+#define FULL_CHECKS 1
+#else
+#define FULL_CHECKS 0
+#endif
+
+int spnl_full_checks(void) { return FULL_CHECKS; }
+
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef int8_t v16i8 __attribute__((vector_size(16)));
@@ -707,6 +721,12 @@ static const format *format_of(int qtype, int64_t k_in) {
 
 int spnl_max_rows(void) { return MAX_ROWS; }
 
+// Bytes of one row of k_in weights of type qtype (-1: not a type, or not whole blocks).
+int64_t spnl_row_bytes(int qtype, int64_t k_in) {
+    const format *f = format_of(qtype, k_in);
+    return f && k_in > 0 ? k_in / f->block * f->bytes : -1;
+}
+
 int spnl_has_int8(void) {
 #ifdef INT8_PATH
     return 1;
@@ -724,18 +744,22 @@ int spnl_has_int8(void) {
 // (where compiled) they are quantized to int8 once for all. The rows of every product are
 // shared out among threads in one parallel region.
 int spnl_qmatmul(int count, const int *qtypes, const float *x, int64_t rows, int64_t k_in,
-                 const uint8_t *const *weights, const int64_t *n_outs, float *y,
-                 int64_t y_stride, int threads, int exact) {
+                 const uint8_t *const *weights, const int64_t *w_bytes, const int64_t *n_outs,
+                 float *y, int64_t y_stride, int threads, int exact) {
     const format *formats[MAX_PRODUCTS];
     int64_t first[MAX_PRODUCTS + 1] = {0};
-    if (count < 1 || count > MAX_PRODUCTS || rows > MAX_ROWS) return -1;
+    if (count < 1 || count > MAX_PRODUCTS || rows < 1 || rows > MAX_ROWS || k_in < 1)
+        return BAD_ARGUMENT;
     int fast = !exact;
     for (int i = 0; i < count; i++) {
         formats[i] = format_of(qtypes[i], k_in);
-        if (!formats[i]) return -1;
+        if (!formats[i] || n_outs[i] < 0) return BAD_ARGUMENT;
+        if (n_outs[i] > w_bytes[i] / (k_in / formats[i]->block * formats[i]->bytes))
+            return OUT_OF_BOUNDS;  // the matrix is smaller than n_out rows of k_in
         fast = fast && formats[i]->fast && k_in % 32 == 0;
         first[i + 1] = first[i] + n_outs[i];
     }
+    if (first[count] > y_stride) return BAD_ARGUMENT;
     const void *acts = x;
 #ifdef INT8_PATH
     act_rows quantized = {NULL, NULL, NULL};
@@ -743,7 +767,7 @@ int spnl_qmatmul(int count, const int *qtypes, const float *x, int64_t rows, int
         int8_t *q = malloc((size_t)(rows * k_in));
         float *d = malloc((size_t)(rows * k_in / 32) * sizeof(float));
         float *s = malloc((size_t)(rows * k_in / 16) * sizeof(float));
-        if (!q || !d || !s) { free(q); free(d); free(s); return -2; }
+        if (!q || !d || !s) { free(q); free(d); free(s); return NO_MEMORY; }
         for (int64_t m = 0; m < rows; m++)
             quantize_row(x + m * k_in, k_in, q + m * k_in, d + m * k_in / 32, s + m * k_in / 16);
         quantized = (act_rows){q, d, s};
@@ -774,19 +798,22 @@ int spnl_qmatmul(int count, const int *qtypes, const float *x, int64_t rows, int
 }
 
 // out[r] = W[r] in float32 for every row (prefill dequantizes a matrix, then multiplies).
-int spnl_dequantize(int qtype, const uint8_t *w, int64_t n_rows, int64_t k_in, float *out,
-                    int threads) {
+int spnl_dequantize(int qtype, const uint8_t *w, int64_t w_bytes, int64_t n_rows, int64_t k_in,
+                    float *out, int threads) {
     const format *f = format_of(qtype, k_in);
-    if (!f) return -1;
+    if (!f || n_rows < 0 || k_in < 1) return BAD_ARGUMENT;
+    if (n_rows > w_bytes / (k_in / f->block * f->bytes)) return OUT_OF_BOUNDS;
     f->rows(w, NULL, n_rows, k_in, out, threads);
     return 0;
 }
 
 // out[i] = W[ids[i]]: embedding rows.
-int spnl_gather_rows(int qtype, const uint8_t *w, const int64_t *ids, int64_t count,
-                     int64_t k_in, float *out) {
+int spnl_gather_rows(int qtype, const uint8_t *w, int64_t n_rows, const int64_t *ids,
+                     int64_t count, int64_t k_in, float *out) {
     const format *f = format_of(qtype, k_in);
-    if (!f) return -1;
+    if (!f || count < 0) return BAD_ARGUMENT;
+    for (int64_t i = 0; i < count; i++)
+        if (ids[i] < 0 || ids[i] >= n_rows) return OUT_OF_BOUNDS;
     f->rows(w, ids, count, k_in, out, 1);
     return 0;
 }
@@ -794,8 +821,9 @@ int spnl_gather_rows(int qtype, const uint8_t *w, const int64_t *ids, int64_t co
 // ---- the small per-layer operations of a decode step -----------------------------------------
 
 // out[r] = x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * scale  (RMSNorm; twin: models/layers.py)
-void spnl_rms_norm(const float *x, const float *scale, float *out, int64_t rows, int64_t dim,
-                   float eps) {
+int spnl_rms_norm(const float *x, const float *scale, float *out, int64_t rows, int64_t dim,
+                  float eps) {
+    if (rows < 0 || dim < 1) return BAD_ARGUMENT;
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * dim;
         float sum = 0.0f;
@@ -806,13 +834,16 @@ void spnl_rms_norm(const float *x, const float *scale, float *out, int64_t rows,
         #pragma omp simd
         for (int64_t i = 0; i < dim; i++) o[i] = xr[i] * inv * scale[i];
     }
+    return 0;
 }
 
 // Rotate-half RoPE in place (twin: RotaryTables.apply): for each token and head,
 // x[i] = x[i] * cos[i] + x[i + half] * sin[i] and x[i + half] = x[i + half] * cos[i + half]
 // + x[i] * sin[i + half], with the tables laid out as [cos, cos] and [-sin, sin].
-void spnl_rope(float *x, const float *cos, const float *sin, int64_t tokens, int64_t heads,
-               int64_t head_dim, int64_t rotary_dim) {
+int spnl_rope(float *x, const float *cos, const float *sin, int64_t tokens, int64_t heads,
+              int64_t head_dim, int64_t rotary_dim) {
+    if (rotary_dim < 2 || rotary_dim % 2 || rotary_dim > head_dim || tokens < 0 || heads < 0)
+        return BAD_ARGUMENT;
     const int64_t half = rotary_dim / 2;
     for (int64_t t = 0; t < tokens; t++) {
         const float *c = cos + t * rotary_dim, *s = sin + t * rotary_dim;
@@ -826,30 +857,53 @@ void spnl_rope(float *x, const float *cos, const float *sin, int64_t tokens, int
             }
         }
     }
+    return 0;
 }
 
 // New K/V rows into their cache slots; slot -1 writes nothing (twin: store_kv_ref).
-void spnl_store_kv(const float *k, const float *v, float *k_cache, float *v_cache,
-                   const int64_t *slots, int64_t tokens, int64_t row) {
+int spnl_store_kv(const float *k, const float *v, float *k_cache, float *v_cache,
+                  const int64_t *slots, int64_t tokens, int64_t row, int64_t num_slots) {
+    if (tokens < 0 || row < 1) return BAD_ARGUMENT;
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] < -1 || slots[t] >= num_slots) return OUT_OF_BOUNDS;
     for (int64_t t = 0; t < tokens; t++) {
         if (slots[t] < 0) continue;
         memcpy(k_cache + slots[t] * row, k + t * row, row * sizeof(float));
         memcpy(v_cache + slots[t] * row, v + t * row, row * sizeof(float));
     }
+    return 0;
+}
+
+// Whether sequence s's visible keys stay inside the slot table and the pool: the lengths
+// always (one per sequence), every slot in the debug build (one per key).
+static int keys_in_bounds(const int64_t *slots, int64_t slot_stride, int64_t slot_width,
+                          const int64_t *lens, int64_t seqs, int64_t num_slots) {
+    for (int64_t s = 0; s < seqs; s++) {
+        if (lens[s] < 0 || lens[s] > slot_width) return 0;
+        for (int64_t j = 0; FULL_CHECKS && j < lens[s]; j++) {
+            const int64_t slot = slots[s * slot_stride + j];
+            if (slot < 0 || slot >= num_slots) return 0;
+        }
+    }
+    return 1;
 }
 
 // One query per sequence over its cached keys (twin: paged_attention_ref's decode path).
 // slots[s][j]: cache slot of key j of sequence s; keys [first, lens[s]) are visible, with
 // first = lens[s] - window for a sliding window. Softcap 0 means none.
 int spnl_paged_decode(const float *q, const float *k_cache, const float *v_cache,
-                      const int64_t *slots, int64_t slot_stride, const int64_t *lens,
-                      int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
-                      int64_t window, float softcap, float *out, int threads) {
+                      int64_t num_slots, const int64_t *slots, int64_t slot_stride,
+                      int64_t slot_width, const int64_t *lens, int64_t seqs, int64_t heads,
+                      int64_t kv_heads, int64_t dim, float scale, int64_t window, float softcap,
+                      float *out, int threads) {
+    if (kv_heads < 1 || heads % kv_heads || dim < 1 || seqs < 0) return BAD_ARGUMENT;
+    if (!keys_in_bounds(slots, slot_stride, slot_width, lens, seqs, num_slots))
+        return OUT_OF_BOUNDS;
     const int64_t group = heads / kv_heads, row = kv_heads * dim;
     int64_t longest = 0;
     for (int64_t s = 0; s < seqs; s++) longest = lens[s] > longest ? lens[s] : longest;
-    float *scores_all = malloc((size_t)(seqs * heads) * (size_t)longest * sizeof(float));
-    if (!scores_all) return -1;
+    float *scores_all = malloc((size_t)(seqs * heads) * (size_t)longest * sizeof(float) + 1);
+    if (!scores_all) return NO_MEMORY;
     #pragma omp parallel for schedule(static) num_threads(threads) collapse(2)
     for (int64_t s = 0; s < seqs; s++) {
         for (int64_t h = 0; h < heads; h++) {
@@ -926,18 +980,32 @@ static float outlier_dot(const uint8_t *rec, int bits, int64_t dim, int64_t outl
 // centre not added. Keys [first, lens[s]) are visible.
 int spnl_coded_decode(const float *q_rot, const float *q, const float *k_shift,
                       const float *k_anchor, const float *v_anchor, const uint8_t *k_pool,
-                      const uint8_t *v_pool, int64_t k_bytes, int64_t v_bytes,
-                      const float *k_lut, int k_bits, int64_t k_outliers, const float *v_lut,
-                      int v_bits, const int64_t *slots, int64_t slot_stride,
-                      const int64_t *lens, int64_t seqs, int64_t heads, int64_t kv_heads,
-                      int64_t dim, float scale, int64_t window, float softcap, float *out,
-                      int threads) {
+                      const uint8_t *v_pool, int64_t num_slots, int64_t k_bytes,
+                      int64_t v_bytes, const float *k_lut, int k_bits, int64_t k_outliers,
+                      const float *v_lut, int v_bits, const int64_t *slots,
+                      int64_t slot_stride, int64_t slot_width, const int64_t *lens,
+                      int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
+                      int64_t window, float softcap, float *out, int threads) {
+    if (kv_heads < 1 || heads % kv_heads || dim < 8 || dim % 8 || seqs < 0) return BAD_ARGUMENT;
+    if (k_bits < 1 || k_bits > 8 || v_bits < 1 || v_bits > 8 || k_outliers < 0)
+        return BAD_ARGUMENT;
+    if (k_bytes < dim * k_bits / 8 + 2 + 3 * k_outliers || v_bytes < dim * v_bits / 8 + 2)
+        return BAD_ARGUMENT;
+    if (!keys_in_bounds(slots, slot_stride, slot_width, lens, seqs, num_slots))
+        return OUT_OF_BOUNDS;
+    for (int64_t s = 0; FULL_CHECKS && s < seqs; s++)  // outlier indices index the query
+        for (int64_t j = 0; j < lens[s]; j++)
+            for (int64_t h = 0; h < kv_heads; h++) {
+                const uint8_t *rec = k_pool + (slots[s * slot_stride + j] * kv_heads + h) * k_bytes;
+                for (int64_t o = 0; o < k_outliers; o++)
+                    if (rec[dim * k_bits / 8 + 2 + o] >= dim) return OUT_OF_BOUNDS;
+            }
     const int64_t group = heads / kv_heads;
     int64_t longest = 0;
     for (int64_t s = 0; s < seqs; s++) longest = lens[s] > longest ? lens[s] : longest;
-    float *scores = malloc((size_t)(group * longest) * sizeof(float));
+    float *scores = malloc((size_t)(group * longest) * sizeof(float) + 1);
     float *partial = calloc((size_t)(threads * group * dim), sizeof(float));
-    if (!scores || !partial) { free(scores); free(partial); return -1; }
+    if (!scores || !partial) { free(scores); free(partial); return NO_MEMORY; }
     for (int64_t s = 0; s < seqs; s++) {
         const int64_t len = lens[s], first = window > 0 && len > window ? len - window : 0;
         const int64_t *seq_slots = slots + s * slot_stride;

@@ -1,0 +1,107 @@
+"""How much memory this process may still take, on its device.
+
+On the host that is not the machine's free memory but the least of: what the kernel
+reports available, what the process's cgroup (v1 or v2, as in a container) still allows,
+and what its address-space and data limits (``ulimit -v``, ``ulimit -d``) leave.
+"""
+
+import os
+from pathlib import Path
+
+import torch
+
+try:
+    import resource
+except ImportError:  # Windows: no rlimits
+    resource = None  # type: ignore[assignment]
+
+MIB = 1 << 20
+_UNLIMITED = 1 << 62  # cgroup v1 writes "no limit" as a page-rounded 2^63 - 1
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes this process can still allocate on ``device`` now."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "mps":
+        return int(torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory())
+    return host_available_memory()
+
+
+def host_available_memory() -> int:
+    limits = [_system_available(), cgroup_headroom(), _rlimit_headroom()]
+    return max(0, min(limit for limit in limits if limit is not None))
+
+
+def _system_available() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass  # not Linux: fall back to the free-page count below
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def cgroup_headroom(
+    root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")
+) -> int | None:
+    """Limit less usage of this process's memory cgroup and of each of its ancestors, the
+    least of them; None where no cgroup limits memory."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        return None
+    headrooms = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one unified hierarchy
+            files, base = ("memory.max", "memory.current"), root
+        elif "memory" in controllers.split(","):
+            files, base = ("memory.limit_in_bytes", "memory.usage_in_bytes"), root / "memory"
+        else:
+            continue
+        headrooms += _headrooms(base, Path(path.lstrip("/")), files)
+    return min(headrooms, default=None)
+
+
+def _headrooms(base: Path, path: Path, files: tuple[str, str]) -> list[int]:
+    found = []
+    for directory in [base / path, *(base / parent for parent in path.parents)]:
+        limit, usage = (_read_bytes(directory / name) for name in files)
+        if limit is not None and usage is not None and limit < _UNLIMITED:
+            found.append(limit - usage)
+    return found
+
+
+def _read_bytes(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # v2 writes "max" for no limit
+
+
+def _rlimit_headroom() -> int | None:
+    """What ``ulimit -v`` and ``ulimit -d`` leave of this process's address space."""
+    if resource is None:
+        return None
+    headrooms = []
+    for limit, field in ((resource.RLIMIT_AS, "VmSize"), (resource.RLIMIT_DATA, "VmData")):
+        soft, _ = resource.getrlimit(limit)
+        used = _status_bytes(field)
+        if soft != resource.RLIM_INFINITY and used is not None:
+            headrooms.append(soft - used)
+    return min(headrooms, default=None)
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

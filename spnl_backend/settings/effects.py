@@ -1,0 +1,53 @@
+"""Settings that the other settings (or the platform) leave without effect.
+
+A variable set on purpose but ignored costs users hours, so each one is reported by name
+(``settings.no_effect``) with the reason; nothing here changes what runs.
+"""
+
+from .model import KV_BUDGET_FIELDS, BackendSettings, env_name
+from .platform import PlatformDecisions
+
+_PAGED_ONLY = ("paged_attn_block_size", *KV_BUDGET_FIELDS)
+_NATIVE_ONLY = ("cpu_matmul", "cpu_gemm", "native_checks")
+
+
+def ineffective_settings(
+    settings: BackendSettings, decisions: PlatformDecisions
+) -> list[tuple[str, str]]:
+    """``(variable, why it has no effect)`` for each setting given that changes nothing."""
+    fields = BackendSettings.model_fields
+    given = {f for f in settings.model_fields_set if getattr(settings, f) != fields[f].default}
+    found: list[tuple[str, str]] = []
+
+    def report(fields: tuple[str, ...], why: str) -> None:
+        found.extend((env_name(f), why) for f in fields if f in given)
+
+    if not decisions.paged_attn:
+        report(
+            _PAGED_ONLY,
+            f"it sizes the paged KV cache, and paged attention is off "
+            f"({decisions.paged_attn_reason})",
+        )
+    elif settings.prefix_cache_n > 1:
+        report(
+            ("prefix_cache_n",),
+            "with paged attention only 0 (off) or not matters: "
+            "the whole block pool caches prefixes, least recently used out first",
+        )
+    if decisions.device_type != "cpu":
+        report(
+            ("cpu_kernels", *_NATIVE_ONLY),
+            f"it steers the CPU, and the device is {decisions.device}",
+        )
+    elif decisions.kernels != "cpu":
+        report(
+            _NATIVE_ONLY,
+            f"it steers the native CPU kernels, which do not run ({decisions.kernels_reason})",
+        )
+    if settings.speculative_draft_model is None and settings.speculative_draft_isq is None:
+        report(
+            ("speculative_gamma",),
+            "no draft is set: set MISTRALRS_SPECULATIVE_DRAFT_MODEL "
+            "or MISTRALRS_SPECULATIVE_DRAFT_ISQ",
+        )
+    return found
