@@ -1,6 +1,12 @@
-"""spnl-backend: run LLMs locally, configured by the MISTRALRS_* environment variables."""
+"""spnl-backend: run LLMs locally, configured by the MISTRALRS_* environment variables.
 
-from .backend import Backend, GenerateResult, Usage, load_backend
+The names below are imported on first use, so ``import spnl_backend`` (and the command
+line, which must answer Ctrl-C even while torch loads) costs nothing until they are.
+"""
+
+from importlib import import_module
+from typing import TYPE_CHECKING
+
 from .errors import (
     EngineError,
     ModelFileError,
@@ -12,9 +18,23 @@ from .errors import (
     SpnlError,
     UnsupportedArchitectureError,
 )
-from .settings import BackendSettings, PlatformDecisions, detect_platform, load_settings
+
+if TYPE_CHECKING:
+    from .backend import Backend, GenerateResult, Usage, load_backend
+    from .settings import BackendSettings, PlatformDecisions, detect_platform, load_settings
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "Backend": ".backend",
+    "GenerateResult": ".backend",
+    "Usage": ".backend",
+    "load_backend": ".backend",
+    "BackendSettings": ".settings",
+    "PlatformDecisions": ".settings",
+    "detect_platform": ".settings",
+    "load_settings": ".settings",
+}
 
 __all__ = [
     "Backend",
@@ -35,3 +55,11 @@ __all__ = [
     "load_backend",
     "load_settings",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value

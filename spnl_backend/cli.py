@@ -1,19 +1,28 @@
-"""The ``spnl-backend`` command: ``info`` (and ``generate`` / ``bench`` as they arrive)."""
+"""The ``spnl-backend`` command: ``generate`` and ``info``.
+
+torch and the model load inside `main`'s error handling, so Ctrl-C at any moment ends the
+command with one line and exit status 130, never a traceback.
+"""
+
+from __future__ import annotations
 
 import argparse
 import json
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from .errors import SpnlError
 from .log import LOGGER_NAME
-from .settings import BackendSettings, PlatformDecisions, detect_platform, env_name, load_settings
+
+if TYPE_CHECKING:
+    from .settings import BackendSettings, PlatformDecisions
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # what shells report for a command ended by Ctrl-C (128 + SIGINT)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -25,6 +34,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SpnlError as exc:
         print(f"spnl-backend: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("spnl-backend: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stderr.close()
         return 0
@@ -64,8 +76,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from .backend import load_backend, sampling_params
+    from .backend import load_backend
     from .loader.progress import TqdmProgress
+    from .request import sampling_params
 
     request = {
         "max_tokens": args.max_tokens,
@@ -81,9 +94,11 @@ def _run_generate(args: argparse.Namespace) -> int:
         results = backend.generate(args.prompts, **request)
         print(json.dumps([_result_json(r) for r in results], indent=2))
     elif len(args.prompts) == 1:
-        for piece in backend.stream(args.prompts[0], **request):
-            print(piece, end="", flush=True)
-        print()
+        try:
+            for piece in backend.stream(args.prompts[0], **request):
+                print(piece, end="", flush=True)
+        finally:
+            print()  # the streamed line ends, even when Ctrl-C cut it short
     else:
         _generate_with_progress(backend, args.prompts, params)
     return 0
@@ -114,6 +129,8 @@ def _result_json(result: Any) -> dict[str, Any]:
 
 
 def _run_info(args: argparse.Namespace) -> int:
+    from .settings import detect_platform, load_settings
+
     settings = load_settings()
     decisions = detect_platform(settings)
     if args.json:
@@ -124,7 +141,9 @@ def _run_info(args: argparse.Namespace) -> int:
 
 
 def _info_json(settings: BackendSettings, decisions: PlatformDecisions) -> dict[str, Any]:
-    sources = BackendSettings.sources()
+    from .settings import env_name
+
+    sources = settings.sources()
     return {
         "settings": {
             env_name(name): {"value": value, "source": sources[name]}
@@ -136,7 +155,9 @@ def _info_json(settings: BackendSettings, decisions: PlatformDecisions) -> dict[
 
 
 def _info_table(settings: BackendSettings, decisions: PlatformDecisions) -> str:
-    sources = BackendSettings.sources()
+    from .settings import env_name
+
+    sources = settings.sources()
     rows = [
         (env_name(name), _show(value), sources[name])
         for name, value in settings.model_dump(mode="json").items()

@@ -1,8 +1,12 @@
 """`spnl-backend info`: the table, --json, and one-line errors with exit code 2."""
 
+import contextlib
+import io
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -101,3 +105,46 @@ def test_generate_prints_several_prompts_in_order(tiny, capsys, monkeypatch):
 def test_generate_rejects_bad_parameters_before_loading(capsys):
     assert main(["generate", "--model", "/does/not/matter", "--top-p", "2", "hi"]) == 2
     assert "top_p=2.0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("seed", [str(2**70), "-1"])
+def test_generate_refuses_a_seed_out_of_range_in_one_line(capsys, seed):
+    assert main(["generate", "--model", "/does/not/matter", "--seed", seed, "hi"]) == 2
+    err = capsys.readouterr().err
+    assert f"seed={seed}" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("delay", [0.3, 1.5, 4.0], ids=["importing", "loading", "generating"])
+def test_ctrl_c_exits_130_with_one_line(tiny, delay):
+    """Whether Ctrl-C lands while torch imports, the model loads or tokens stream."""
+    script = Path(sys.executable).parent / "spnl-backend"
+    command = [script, *_generate(tiny, "--max-tokens", "0", "Once upon a time")]
+    env = {"PATH": "/usr/bin:/bin", "MISTRALRS_DEVICE": "cpu", "HOME": str(Path.home())}
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    time.sleep(delay)
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=120)
+    if child.returncode == 0:
+        pytest.skip("the command finished before Ctrl-C")
+    assert child.returncode == 130, err.decode()
+    assert err.decode().strip().splitlines()[-1] == "spnl-backend: interrupted"
+    assert b"Traceback" not in err
+    assert out in (b"", b"\n") or out.endswith(b"\n")  # a streamed line is ended
+
+
+def test_the_load_progress_bar_ends_at_100_percent_on_its_own_line(capsys):
+    from spnl_backend.loader.progress import TqdmProgress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    with contextlib.redirect_stderr(terminal):
+        progress = TqdmProgress()
+        for done in range(237):
+            progress("weights", done, 236)
+    drawn = terminal.getvalue()
+    assert "236/236" in drawn.rsplit("\r", 1)[-1]
+    assert drawn.endswith("\n")

@@ -25,7 +25,8 @@ class LogProgress:
 
 
 class TqdmProgress:
-    """A tqdm bar per stage, on stderr (what the CLI shows)."""
+    """A tqdm bar per stage, on stderr (what the CLI shows). A finished stage's bar is
+    drawn at 100% and kept on its own line, so what follows starts on a fresh one."""
 
     def __init__(self) -> None:
         self._bars: dict = {}
@@ -35,7 +36,10 @@ class TqdmProgress:
 
         bar = self._bars.get(stage)
         if bar is None:
-            bar = self._bars[stage] = tqdm(total=total, desc=stage, unit="tensor", leave=False)
+            bar = self._bars[stage] = tqdm(total=total, desc=stage, unit="tensor", disable=None)
+        if bar.disable:
+            return
         bar.update(done - bar.n)
         if done >= total:
+            bar.refresh()  # updates within tqdm's refresh interval are not drawn
             bar.close()
