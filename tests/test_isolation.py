@@ -2,7 +2,12 @@
 requests beside it finish with exactly the tokens they would have had without it."""
 
 import gc
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 
 import pytest
 from helpers import CPU
@@ -253,3 +258,114 @@ def test_a_backend_is_a_context_manager(tiny):
     with load_backend(str(tiny.hf("qwen3").path), settings=CPU) as backend:
         assert _greedy(backend, PROMPTS[0], max_tokens=4).usage.completion_tokens == 4
     assert backend.closed
+
+
+# ---- state the native kernels must never see --------------------------------------------
+
+
+@pytest.fixture
+def quantized(tiny):
+    from gguf import GGMLQuantizationType
+
+    path = tiny.gguf("llama", GGMLQuantizationType.Q8_0)
+    return load_backend(str(path), settings=BackendSettings(device="cpu", paged_attn=True))
+
+
+def test_a_block_table_pointing_outside_the_pool_fails_the_step_not_the_process(quantized):
+    stream = quantized.stream(PROMPTS[0], max_tokens=24, temperature=0)
+    next(stream)
+    manager = quantized._engine.cache  # the one way to make the engine's state inconsistent
+    (table,) = manager.tables.values()
+    table.block_ids[0] = manager.blocks.num_blocks + 1000
+    with pytest.raises(EngineError, match="outside the pool"):
+        list(stream)
+    # Releasing that table cannot work either: the backend says so from now on.
+    with pytest.raises(EngineError, match=r"the engine is unusable.*outside the pool"):
+        _greedy(quantized, PROMPTS[1], max_tokens=12)
+
+
+def test_the_reported_crash_cannot_happen_again(tiny):
+    """The reported reproduction, in a child process so that a crash fails this test: two
+    requests on a quantized model share steps while one of them has a vanishing
+    temperature or top_p, or its sampling fails outright."""
+    from gguf import GGMLQuantizationType
+
+    path = tiny.gguf("llama", GGMLQuantizationType.Q8_0)
+    script = textwrap.dedent(
+        f"""
+        import threading
+        from spnl_backend import BackendSettings, EngineError, load_backend
+        from spnl_backend.engine import sampler
+        backend = load_backend({str(path)!r}, settings=BackendSettings(device="cpu"))
+        alone = backend.generate("The capital", max_tokens=40, temperature=0).token_ids
+        real = sampler._sample_row
+        def fails(logits, p, generator):
+            if p.seed == 13:
+                raise RuntimeError("probability tensor contains either inf, nan or < 0")
+            return real(logits, p, generator)
+        sampler._sample_row = fails
+        odd = [dict(temperature=1e-45), dict(top_p=1e-300, temperature=1.0), dict(seed=13)]
+        for kw in odd * 3:
+            stream = backend.stream("The capital", max_tokens=40, temperature=0)
+            text = next(stream)
+            try:
+                backend.generate("Once upon a time", max_tokens=8, **kw)
+            except EngineError:
+                pass
+            text += "".join(stream)
+            assert text == backend.tokenizer.decode(alone), kw
+        print("survived")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert "survived" in done.stdout
+
+
+@pytest.mark.parametrize("delay", [2.0, 3.5])
+def test_ctrl_c_among_concurrent_steps_leaves_a_consistent_backend(tiny, delay):
+    """A real SIGINT while four threads share steps on a quantized model: the main thread
+    gets KeyboardInterrupt, the others EngineError or their tokens, and the backend then
+    holds no cache and generates what it generated before."""
+    from gguf import GGMLQuantizationType
+
+    path = tiny.gguf("llama", GGMLQuantizationType.Q8_0)
+    script = textwrap.dedent(
+        f"""
+        import threading
+        from spnl_backend import BackendSettings, EngineError, load_backend
+        backend = load_backend({str(path)!r}, settings=BackendSettings(device="cpu"))
+        before = backend.generate("The capital", max_tokens=20, temperature=0).token_ids
+        print("ready", flush=True)
+        stop = threading.Event()
+        def loop():
+            while not stop.is_set():
+                try:
+                    backend.generate("Once upon a time", max_tokens=64, temperature=0)
+                except EngineError:
+                    pass
+        threads = [threading.Thread(target=loop) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        try:
+            while True:
+                backend.generate("def add(a, b):", max_tokens=64, temperature=0)
+        except KeyboardInterrupt:
+            stop.set()
+        for thread in threads:
+            thread.join()
+        stats = backend.stats()
+        assert (stats.running, stats.waiting, stats.pool.in_use) == (0, 0, 0), stats
+        assert backend.generate("The capital", max_tokens=20, temperature=0).token_ids == before
+        print("consistent")
+        """
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert child.stdout.readline().strip() == "ready"
+    time.sleep(delay)
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0, f"exit {child.returncode}: {err[-2000:]}"
+    assert "consistent" in out

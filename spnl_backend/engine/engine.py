@@ -50,8 +50,12 @@ class Engine:
         self.cache = runner.cache
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}
+        # Set when a failed step could not release its sequences' caches: the cache's
+        # bookkeeping can no longer be trusted, so every later call says so.
+        self.broken: EngineError | None = None
 
     def add(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        self._check_usable()
         seq = Sequence(prompt_ids, params, max_len=self.config.max_model_len)
         self.detokenizers[seq.seq_id] = IncrementalDetokenizer(
             self.decoder, prompt_ids, params.stop
@@ -81,6 +85,7 @@ class Engine:
         with its error alone; an error of the step itself fails every sequence the step
         touched (their caches are released, so the next step starts clean), and an
         interruption (KeyboardInterrupt, SystemExit) does the same and propagates."""
+        self._check_usable()
         batch: list[ScheduledSeq] = []
         try:
             batch = self.scheduler.schedule()
@@ -131,19 +136,43 @@ class Engine:
         """Fail every sequence the step may have left half-updated (its batch, or every
         running one when scheduling itself failed)."""
         seqs = [item.seq for item in batch] or list(self.scheduler.running)
-        log.error(
-            "engine.step_failed",
-            error=f"{type(exc).__name__}: {exc}",
-            failed_requests=len(seqs),
-            exc_info=not isinstance(exc, KeyboardInterrupt | SystemExit),
+        if isinstance(exc, Exception):
+            log.error(
+                "engine.step_failed",
+                error=f"{type(exc).__name__}: {exc}",
+                failed_requests=len(seqs),
+                exc_info=exc,
+            )
+        else:  # the host is being interrupted: its caller sees that, not an error event
+            log.info("engine.step_interrupted", cause=type(exc).__name__, requests=len(seqs))
+        try:
+            for seq in seqs:
+                error = EngineError(f"the engine step failed: {type(exc).__name__}: {exc}")
+                error.__cause__ = exc
+                self.abort(seq, error)
+            for seq in self.scheduler.waiting:  # one being admitted when it failed holds cache
+                self.cache.release(seq)
+                seq.num_computed_tokens = 0
+        except Exception as cleanup:
+            self._break(exc, cleanup)
+
+    def _break(self, cause: BaseException, cleanup: Exception) -> None:
+        """The failed step's caches could not be released: fail every request, refuse work."""
+        self.broken = EngineError(
+            f"the engine is unusable: after a failed step ({type(cause).__name__}: {cause}) "
+            f"its KV cache could not be released ({type(cleanup).__name__}: {cleanup}); "
+            "load a new backend"
         )
-        for seq in seqs:
-            error = EngineError(f"the engine step failed: {type(exc).__name__}: {exc}")
-            error.__cause__ = exc
-            self.abort(seq, error)
-        for seq in self.scheduler.waiting:  # one being admitted when it failed holds cache
-            self.cache.release(seq)
-            seq.num_computed_tokens = 0
+        log.error("engine.broken", error=str(self.broken))
+        for seq in self.unfinished():
+            if not seq.is_finished:
+                seq.finish("error", self.broken)
+        self.scheduler.running.clear()
+        self.scheduler.waiting.clear()
+
+    def _check_usable(self) -> None:
+        if self.broken is not None:
+            raise EngineError(str(self.broken))
 
     def _accept(self, seq: Sequence, token_id: int) -> StepOutput:
         seq.append(token_id)
