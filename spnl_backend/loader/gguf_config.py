@@ -5,7 +5,6 @@ architecture (Gemma 3's local rope base, its 5:1 sliding/global pattern); those
 defaults are filled in here the way llama.cpp fills them.
 """
 
-import math
 import re
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from ..models.config import (
     check_config_shapes,
 )
 from .gguf_file import GGUFFile, describe_value
+from .typed import MISSING, TypedReader
 
 _ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
 # Tokens that end a turn; llama.cpp treats those in the vocabulary as end-of-generation.
@@ -97,7 +97,6 @@ _FIELD_SOURCES = {
 }
 _TOKEN_ID_KEY = re.compile(r"tokenizer\.ggml\.\w+_token_id")
 _TOKENIZER_FLAG_KEY = re.compile(r"tokenizer\.ggml\.(add|remove)_\w+")
-_MISSING = object()
 
 
 def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
@@ -314,7 +313,7 @@ def _short_factors(gguf: GGUFFile) -> tuple[float, ...]:
     return tuple(gguf.load("rope_factors_short.weight").flatten().tolist())
 
 
-class _Metadata:
+class _Metadata(TypedReader):
     """Typed reads of the file's metadata (``{arch}.key`` for the model's own keys): a
     missing required key, a value of the wrong type or out of range is a ModelFileError
     naming the file and the key. Integers may come in any GGUF integer width, numbers as
@@ -329,33 +328,7 @@ class _Metadata:
     def get(self, name: str, default: Any = None) -> Any:
         return self.gguf.metadata.get(self.key(name), default)
 
-    def integer(self, name: str, default: Any = _MISSING) -> Any:
-        value = self._value(name, default)
-        if value is default or _is_int(value):
-            return value
-        raise self.wrong(name, value, "an integer")
-
-    def count(self, name: str, default: Any = _MISSING) -> Any:
-        value = self._value(name, default)
-        if value is default or (_is_int(value) and value > 0):
-            return value
-        raise self.wrong(name, value, "a positive integer")
-
-    def positive(self, name: str, default: Any = _MISSING) -> Any:
-        value = self._value(name, default)
-        if value is default:
-            return value
-        if (_is_int(value) or isinstance(value, float)) and 0 < value < math.inf:
-            return float(value)  # GGUF integers have at most 64 bits: always a float
-        raise self.wrong(name, value, "a finite number > 0")
-
-    def string(self, name: str, default: Any = _MISSING) -> Any:
-        value = self._value(name, default)
-        if value is default or isinstance(value, str):
-            return value
-        raise self.wrong(name, value, "a string")
-
-    def strings(self, name: str, default: Any = _MISSING) -> Any:
+    def strings(self, name: str, default: Any = MISSING) -> Any:
         value = self._value(name, default)
         if value is default or _is_strings(value):
             return value
@@ -377,6 +350,9 @@ class _Metadata:
             return value
         raise self.wrong(name, value, f"a token id within the vocabulary (0 to {vocab - 1:,})")
 
+    def missing(self, name: str) -> ModelFileError:
+        return ModelFileError(f"{self.gguf.path}: metadata key {self.key(name)!r} is missing")
+
     def wrong(self, name: str, value: Any, expected: str) -> ModelFileError:
         return ModelFileError(
             f"{self.gguf.path}: metadata key {self.key(name)!r} is {describe_value(value)}; "
@@ -393,22 +369,10 @@ class _Metadata:
             f"{self.gguf.path}: {source} is {exc.found!r}; expected {exc.expected}"
         )
 
-    def _value(self, name: str, default: Any) -> Any:
-        value = self.get(name, _MISSING)
-        if value is not _MISSING:
-            return value
-        if default is _MISSING:
-            raise ModelFileError(f"{self.gguf.path}: metadata key {self.key(name)!r} is missing")
-        return default
-
 
 def _is_range(indices: set[int], count: int) -> bool:
     """``indices == set(range(count))``, without building a range a corrupt count makes huge."""
     return len(indices) == count and min(indices, default=0) == 0 and max(indices) == count - 1
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_strings(value: Any) -> bool:

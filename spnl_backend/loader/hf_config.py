@@ -7,7 +7,6 @@ file, the key, what it holds and what was expected.
 """
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from ..models.config import (
     check_config_shapes,
 )
 from .resolve import unreadable
+from .typed import MISSING, TypedReader, is_int
 from .weights import layer_indices, safetensors_files, safetensors_shapes
 
 _ARCHITECTURE_BY_MODEL_TYPE = {
@@ -85,7 +85,6 @@ _ROPE_FIELD_KEYS = {
     "rotary_dim": "partial_rotary_factor (times the head size)",
     "original_max_position": "original_max_position_embeddings",
 }
-_MISSING = object()
 
 
 def read_text_config(model_dir: Path) -> tuple[ModelConfig, tuple[int, ...]]:
@@ -203,7 +202,7 @@ def _generation_eos(model_dir: Path, path: Path, vocab: int) -> tuple[int, ...]:
         ) from exc
     ids = token_ids(value)
     for token in ids:
-        if not (_is_int(token) and 0 <= token < vocab):
+        if not (is_int(token) and 0 <= token < vocab):
             raise _wrong(path, "eos_token_id", value, f"token ids from 0 to {vocab - 1:,}")
     return ids
 
@@ -401,7 +400,7 @@ def _dtype_name(keys: "_Keys") -> str | None:
     return name
 
 
-class _Keys:
+class _Keys(TypedReader):
     """Typed reads of a config (a dict, or transformers' config object) naming the file and
     the key in every error."""
 
@@ -413,29 +412,9 @@ class _Keys:
             return self.config.get(key, default)
         return getattr(self.config, key, default)
 
-    def count(self, key: str, default: Any = _MISSING) -> Any:
-        value = self._value(key, default)
-        if value is default or (_is_int(value) and value > 0):
-            return value
-        raise self.wrong(key, value, "a positive integer")
-
-    def positive(self, key: str, default: Any = _MISSING) -> Any:
-        value = self._value(key, default)
-        if value is default:
-            return value
-        if (_is_int(value) or isinstance(value, float)) and 0 < value < math.inf:
-            return float(value)
-        raise self.wrong(key, value, "a finite number > 0")
-
-    def string(self, key: str, default: Any = _MISSING) -> Any:
-        value = self._value(key, default)
-        if value is default or isinstance(value, str):
-            return value
-        raise self.wrong(key, value, "a string")
-
     def numbers(self, key: str) -> list[float]:
-        value = self._value(key, _MISSING)
-        if isinstance(value, list) and all(_is_int(v) or isinstance(v, float) for v in value):
+        value = self._value(key, MISSING)
+        if isinstance(value, list) and all(is_int(v) or isinstance(v, float) for v in value):
             return value
         raise self.wrong(key, value, "a list of numbers")
 
@@ -454,14 +433,6 @@ class _Keys:
         nested = isinstance(params, dict) and "full_attention" in params
         key = _source_key(self.prefix, exc.field, nested)
         return ModelFileError(f"{self.path}: {key} is {exc.found!r}; expected {exc.expected}")
-
-    def _value(self, key: str, default: Any) -> Any:
-        value = self.get(key, None)
-        if value is not None:
-            return value
-        if default is _MISSING:
-            raise self.missing(key)
-        return default
 
 
 def _source_key(prefix: str, field: str, nested_rope: bool) -> str:
@@ -484,7 +455,3 @@ def _wrong(path: Path, key: str, value: Any, expected: str) -> ModelFileError:
 def _is_range(indices: set[int], count: int) -> bool:
     """``indices == set(range(count))``, without building a range a corrupt count makes huge."""
     return len(indices) == count and min(indices, default=0) == 0 and max(indices) == count - 1
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
