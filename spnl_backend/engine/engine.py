@@ -100,10 +100,11 @@ class Engine:
             raise
 
     def abort(self, seq: Sequence, error: Exception | None = None) -> None:
-        """End ``seq`` now and free its cache; ``error`` is what its caller is told."""
+        """End ``seq`` now and free its cache (what it computed stays reusable by the prefix
+        cache); ``error`` is what its caller is told."""
         if not seq.is_finished:
             seq.finish("abort" if error is None else "error", error)
-        self._discard(seq)
+        self._release(seq)
 
     def _run(self, batch: list[ScheduledSeq]) -> list[StepOutput]:
         sampled = self.runner.run(batch)
@@ -149,7 +150,9 @@ class Engine:
             for seq in seqs:
                 error = EngineError(f"the engine step failed: {type(exc).__name__}: {exc}")
                 error.__cause__ = exc
-                self.abort(seq, error)
+                if not seq.is_finished:
+                    seq.finish("error", error)
+                self._discard(seq)
             for seq in self.scheduler.waiting:  # one being admitted when it failed holds cache
                 self.cache.release(seq)
                 seq.num_computed_tokens = 0
