@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from helpers import CPU
+from helpers import CPU, PROMPT
 
 from spnl_backend import BackendSettings, EngineError, RequestAbortedError, load_backend
 from spnl_backend.engine import sampler
@@ -263,19 +263,21 @@ def test_a_backend_is_a_context_manager(tiny):
 # ---- state the native kernels must never see --------------------------------------------
 
 
-@pytest.fixture
-def quantized(tiny):
+@pytest.fixture(params=["none", "tq4"], ids=["plain-pool", "coded-pool"])
+def quantized(tiny, request):
     from gguf import GGMLQuantizationType
 
     path = tiny.gguf("llama", GGMLQuantizationType.Q8_0)
-    return load_backend(str(path), settings=BackendSettings(device="cpu", paged_attn=True))
+    settings = BackendSettings(device="cpu", paged_attn=True, kv_cache_compression=request.param)
+    return load_backend(str(path), settings=settings)
 
 
 def test_a_block_table_pointing_outside_the_pool_fails_the_step_not_the_process(quantized):
-    stream = quantized.stream(PROMPTS[0], max_tokens=24, temperature=0)
+    stream = quantized.stream(PROMPT, max_tokens=24, temperature=0)
     next(stream)
     manager = quantized._engine.cache  # the one way to make the engine's state inconsistent
     (table,) = manager.tables.values()
+    assert len(table.block_ids) > 1  # the first block is read, not written, from now on
     table.block_ids[0] = manager.blocks.num_blocks + 1000
     with pytest.raises(EngineError, match="outside the pool"):
         list(stream)

@@ -18,7 +18,7 @@ from ..compression import (
     ResizableKVCache,
 )
 from ..compression.attention import attend_records, decode_records, first_visible
-from ..kernels import Kernels
+from ..kernels import Kernels, check_step_slots
 from ..kernels.attention_ref import attention_ref
 from ..kernels.cpu import CpuKernels
 from ..kernels.metadata import PagedMetadata
@@ -146,7 +146,8 @@ class CodedPagedStep:
             k, v = k[keep], v[keep]
         keys.flatten(0, 1)[slots] = pair.key.encode(layer, k)
         values.flatten(0, 1)[slots] = pair.value.encode(layer, v)
-        if meta.is_decode:
+        if meta.is_decode and self.native is not None:
+            check_step_slots(meta, keys)
             lens = meta.memo("seq_lens_i64", lambda: torch.tensor(meta.seq_lens))
             out = decode_records(
                 self.native,

@@ -67,7 +67,7 @@ def _cpu_store_kv(
     v_scale: float = 1.0,
 ) -> None:
     if key.dtype == key_cache.dtype == torch.float32:
-        _check_slots(meta, key_cache)
+        check_step_slots(meta, key_cache)
         native.store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
     else:
         store_kv_ref(key, value, key_cache, value_cache, meta, k_scale, v_scale)
@@ -92,7 +92,7 @@ def _cpu_paged_attention(
         and alibi_slopes is None
         and q.dtype == key_cache.dtype == torch.float32
     ):
-        _check_slots(meta, key_cache)
+        check_step_slots(meta, key_cache)
         rows = meta.memo("decode_rows", lambda: decode_rows(meta))
         lens = meta.memo("seq_lens_i64", lambda: torch.tensor(rows.seq_lens))
         return native.paged_decode(
@@ -125,10 +125,10 @@ def decode_rows(meta: PagedMetadata) -> PagedMetadata:
     return PagedMetadata(tables, lens, [1] * len(lens), meta.block_size, meta.slot_mapping)
 
 
-def _check_slots(meta: PagedMetadata, key_cache: torch.Tensor) -> None:
-    """Once per step: every block table entry and slot the step uses lies in the pool, so
-    the native kernels never follow an index out of it."""
-    num_blocks, block_size = key_cache.shape[:2]
+def check_step_slots(meta: PagedMetadata, pool: torch.Tensor) -> None:
+    """Once per step: every block table entry and slot the step uses lies in ``pool``
+    (``[blocks, block_size, ...]``), so the native kernels never follow an index out of it."""
+    num_blocks, block_size = pool.shape[:2]
     meta.memo(("slots_checked", num_blocks, block_size), lambda: _slots_in(meta, num_blocks))
 
 
