@@ -1,7 +1,8 @@
 """The ``spnl-backend`` command: ``generate`` and ``info``.
 
-torch and the model load inside `main`'s error handling, so Ctrl-C at any moment ends the
-command with one line and exit status 130, never a traceback.
+Everything but a few standard modules (torch, structlog, the model) loads inside `main`'s
+error handling, so Ctrl-C from then on ends the command with one line and exit status
+130, never a traceback.
 """
 
 from __future__ import annotations
@@ -13,10 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import structlog
-
 from .errors import SpnlError
-from .log import LOGGER_NAME
 
 if TYPE_CHECKING:
     from .settings import BackendSettings, PlatformDecisions
@@ -26,10 +24,9 @@ EXIT_INTERRUPTED = 130  # what shells report for a command ended by Ctrl-C (128 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _build_parser()
-    args = parser.parse_args(argv)
-    _configure_console_logging(verbose=args.verbose)
     try:
+        args = _build_parser().parse_args(argv)
+        _configure_console_logging(verbose=args.verbose)
         return args.run(args)
     except SpnlError as exc:
         print(f"spnl-backend: error: {exc}", file=sys.stderr)
@@ -195,6 +192,8 @@ class _ConsoleFormatter(logging.Formatter):
     """Renders the library's structured events with structlog's console renderer."""
 
     def __init__(self) -> None:
+        import structlog
+
         super().__init__()
         self._render = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
 
@@ -210,6 +209,8 @@ class _ConsoleFormatter(logging.Formatter):
 
 def _configure_console_logging(verbose: bool) -> None:
     """The CLI owns its process, so it may configure the library's logger for the console."""
+    from .log import LOGGER_NAME
+
     logger = logging.getLogger(LOGGER_NAME)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_ConsoleFormatter())

@@ -6,6 +6,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -115,16 +116,44 @@ def test_generate_refuses_a_seed_out_of_range_in_one_line(capsys, seed):
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("delay", [0.3, 1.5, 4.0], ids=["importing", "loading", "generating"])
-def test_ctrl_c_exits_130_with_one_line(tiny, delay):
-    """Whether Ctrl-C lands while torch imports, the model loads or tokens stream."""
+def _mapped(pid: int, name: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            return name in maps.read()
+    except OSError:
+        return False
+
+
+def _wait_for(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"the command never got to {what}")
+        time.sleep(0.01)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="follows the child through /proc")
+@pytest.mark.parametrize("stage", ["importing torch", "loading the weights", "generating"])
+def test_ctrl_c_exits_130_with_one_line(tiny, stage):
+    """Ctrl-C while torch imports, while the model's weights load, or while tokens stream."""
     script = Path(sys.executable).parent / "spnl-backend"
     command = [script, *_generate(tiny, "--max-tokens", "0", "Once upon a time")]
     env = {"PATH": "/usr/bin:/bin", "MISTRALRS_DEVICE": "cpu", "HOME": str(Path.home())}
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    time.sleep(delay)
+    printed = []
+    reader = threading.Thread(target=lambda: printed.append(child.stdout.read(1)))
+    reader.start()
+    ready = {
+        "importing torch": lambda: _mapped(child.pid, "libtorch"),
+        "loading the weights": lambda: _mapped(child.pid, "model.safetensors"),
+        "generating": lambda: bool(printed),
+    }[stage]
+    _wait_for(ready, stage)
     child.send_signal(signal.SIGINT)
-    out, err = child.communicate(timeout=120)
+    reader.join(timeout=120)
+    out = b"".join(printed) + child.stdout.read()
+    err = child.stderr.read()
+    child.wait(timeout=120)
     if child.returncode == 0:
         pytest.skip("the command finished before Ctrl-C")
     assert child.returncode == 130, err.decode()
