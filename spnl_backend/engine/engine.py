@@ -8,7 +8,7 @@ from .detokenizer import Decoder, IncrementalDetokenizer
 from .runner import Runner
 from .sampler import row_error
 from .scheduler import PoolUsage, Scheduler
-from .sequence import SamplingParams, ScheduledSeq, Sequence
+from .sequence import SamplingParams, ScheduledSeq, Sequence, StepOutput
 
 log = get_logger()
 
@@ -31,15 +31,6 @@ class EngineStats:
     preemptions: int  # since the engine was built
     cache_holders: int  # sequences that hold KV cache
     pool: PoolUsage | None  # None in non-paged mode
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    """What one step did for one sequence: its new token and the text it added."""
-
-    seq: Sequence
-    token_id: int
-    text_delta: str
 
 
 class Engine:
@@ -186,7 +177,9 @@ class Engine:
             delta += detok.flush()
             seq.text = detok.text
             seq.finish(reason)
-        return StepOutput(seq, token_id, delta)
+        output = StepOutput(seq, token_id, delta)
+        seq.outbox.append(output)  # within the step: a failure after it loses nothing
+        return output
 
     def _finish_reason(self, seq: Sequence, token_id: int, stopped: bool) -> str | None:
         if stopped or token_id in self.config.eos_token_ids:

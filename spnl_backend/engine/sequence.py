@@ -47,7 +47,11 @@ class Sequence:
     num_accepted_tokens: int = 0  # of those, accepted by the target
     finish_reason: str | None = None  # "stop", "length", "error" or "abort"
     error: Exception | None = None  # why it failed or was aborted: raised to its caller
-    paused: bool = False  # its reader is behind: not scheduled until it catches up
+    # What steps produced that its reader has not taken yet; while the reader is far
+    # behind the sequence is paused (not scheduled). ``read_at``: its last take.
+    outbox: "list[StepOutput]" = field(default_factory=list)
+    paused: bool = False
+    read_at: float = field(default_factory=time.monotonic)
     text: str = ""  # the completion's text, set when the sequence finishes
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
@@ -83,6 +87,15 @@ class Sequence:
         self.status = SequenceStatus.FINISHED
         self.finish_reason, self.error = reason, error
         self.finish_time = time.perf_counter()
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step did for one sequence: its new token and the text it added."""
+
+    seq: Sequence
+    token_id: int
+    text_delta: str
 
 
 @dataclass(frozen=True)

@@ -124,7 +124,12 @@ class BackendSettings(BaseSettings):
     def _parse(cls, value: object, info: ValidationInfo) -> object:
         if value is None and cls.model_fields[info.field_name].default is None:
             return None
-        return _PARSERS[info.field_name](value)
+        try:
+            return _PARSERS[info.field_name](value)
+        except ValueError:
+            raise
+        except Exception as exc:  # a value whose str() or float() raises, an int too large
+            raise ValueError(f"cannot be read as a value ({type(exc).__name__})") from None
 
     @model_validator(mode="after")
     def _one_kv_budget(self) -> "BackendSettings":
@@ -206,10 +211,20 @@ def _describe(exc: ValidationError, given_in_code: set[str]) -> str:
                 + ", ".join(BackendSettings.model_fields)
             )
         elif field in given_in_code:
-            problems.append(f"{field}={error['input']!r} ({env_name(field)}) is invalid: {reason}")
+            shown = _shown(error["input"])
+            problems.append(f"{field}={shown} ({env_name(field)}) is invalid: {reason}")
         else:
-            problems.append(f"{env_name(field)}={error['input']!r} is invalid: {reason}")
+            problems.append(f"{env_name(field)}={_shown(error['input'])} is invalid: {reason}")
     return "; ".join(problems)
+
+
+def _shown(value: object, limit: int = 80) -> str:
+    """``repr(value)`` cut short; a value whose repr raises is named by its type."""
+    try:
+        text = str.__str__(repr(value))
+    except Exception:
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def load_settings(**overrides: Any) -> BackendSettings:

@@ -123,10 +123,14 @@ def parse_prefix_cache_n(value: object) -> int:
     return count
 
 
+# Counts and sizes above this are not meant (and would not survive float arithmetic).
+MAX_COUNT = 2**53
+
+
 def parse_positive_int(value: object) -> int:
-    expected = "expected a whole number greater than 0"
+    expected = f"expected a whole number from 1 to {MAX_COUNT:,}"
     number = _parse_int(value, expected)
-    if number <= 0:
+    if not 0 < number <= MAX_COUNT:
         raise ValueError(expected)
     return number
 
@@ -137,7 +141,7 @@ def parse_fraction(value: object) -> float:
         raise ValueError(expected)
     try:
         fraction = float(_text(value)) if isinstance(value, str) else float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ValueError(expected) from None
     if not 0.0 < fraction <= 1.0:
         raise ValueError(expected)
