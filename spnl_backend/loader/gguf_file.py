@@ -1,4 +1,5 @@
-"""A fast GGUF reader: header, metadata and tensor table parsed once, tensor data memory-mapped.
+"""A fast GGUF reader: header, metadata and tensor table parsed once, tensor data read into
+memory the process owns.
 
 gguf-py's `GGUFReader` takes over ten seconds on a 262k-token vocabulary because
 it builds a numpy view per array element; this reader decodes the same format
@@ -8,9 +9,14 @@ file, aligned, and packed as GGUF writers pack them (each tensor starts where th
 before it ends, rounded up to the alignment). A truncated file, an overlapping or
 misplaced tensor, or a type or shape that does not match the data fails at open,
 naming the tensor.
+
+Tensor data is read, not memory-mapped: a mapped file that is truncated or replaced
+under the process (a download tool re-fetching it in place) would kill it with SIGBUS at
+the next read of a weight; a read that comes up short is a `ModelFileError` instead.
 """
 
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +60,11 @@ _NUMPY = {
 _MIN_ITEM_SIZE = {**{t: struct.calcsize(f) for t, f in _SCALARS.items()}, V.STRING: 8, V.ARRAY: 12}
 _MAX_DIMS = 4
 _MAX_ELEMENTS = 2**63 - 1  # ggml counts elements in int64
+_HEADER_READ = 16 << 20  # bytes read for the header at first; doubled while it is longer
+
+
+class _ShortReadError(Exception):
+    """The header continues past the bytes read so far."""
 
 
 @dataclass(frozen=True)
@@ -68,15 +79,17 @@ class GGUFTensorInfo:
 class _Cursor:
     """Reads little-endian GGUF values from a buffer, reporting where the buffer ends."""
 
-    def __init__(self, buffer: memoryview, path: Path) -> None:
-        self.buffer, self.pos, self.path = buffer, 0, path
+    def __init__(self, buffer: memoryview, path: Path, file_size: int) -> None:
+        self.buffer, self.pos, self.path, self.file_size = buffer, 0, path, file_size
 
     def take(self, size: int) -> memoryview:
-        if self.pos + size > len(self.buffer):
+        if self.pos + size > self.file_size:
             raise ModelFileError(
                 f"{self.path}: truncated or corrupt GGUF header (needs byte "
-                f"{self.pos + size:,}, the file has {len(self.buffer):,})"
+                f"{self.pos + size:,}, the file has {self.file_size:,})"
             )
+        if self.pos + size > len(self.buffer):
+            raise _ShortReadError
         view = self.buffer[self.pos : self.pos + size]
         self.pos += size
         return view
@@ -109,7 +122,7 @@ class _Cursor:
 
     def array(self) -> Any:
         item_type, count = self.value_type(), self.scalar(V.UINT64)
-        left = len(self.buffer) - self.pos
+        left = self.file_size - self.pos
         if count * _MIN_ITEM_SIZE[item_type] > left:
             raise ModelFileError(
                 f"{self.path}: truncated or corrupt GGUF header (an array of {count:,} "
@@ -137,10 +150,19 @@ class GGUFFile:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         try:
-            self._map = np.memmap(self.path, dtype=np.uint8, mode="c")
-        except (OSError, ValueError) as exc:
-            raise ModelFileError(f"{self.path}: cannot map the file: {exc}") from None
-        cursor = _Cursor(memoryview(self._map), self.path)
+            self.file_size = os.path.getsize(self.path)
+        except OSError as exc:
+            raise ModelFileError(f"{self.path}: cannot be read: {exc}") from None
+        length = min(self.file_size, _HEADER_READ)
+        while True:
+            try:
+                self._parse(self._read(0, length))
+                return
+            except _ShortReadError:
+                length = min(self.file_size, 2 * length)
+
+    def _parse(self, header: bytes) -> None:
+        cursor = _Cursor(memoryview(header), self.path, self.file_size)
         self.version = self._read_preamble(cursor)
         tensor_count, kv_count = cursor.scalar(V.UINT64), cursor.scalar(V.UINT64)
         self.metadata: dict[str, Any] = {}
@@ -157,14 +179,34 @@ class GGUFFile:
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", ""))
 
-    @property
-    def file_size(self) -> int:
-        return len(self._map)
-
     def raw(self, name: str) -> torch.Tensor:
-        """The tensor's bytes as a uint8 tensor backed by the file (copy-on-write)."""
+        """The tensor's bytes as a uint8 tensor of its own (read, not mapped)."""
         info = self.tensors[name]
-        return torch.from_numpy(self._map[info.offset : info.offset + info.nbytes])
+        data = torch.empty(info.nbytes, dtype=torch.uint8)
+        self._read(info.offset, info.nbytes, into=data.numpy())
+        return data
+
+    def _read(self, offset: int, length: int, into: np.ndarray | None = None) -> bytes:
+        """``length`` bytes at ``offset`` (into ``into`` where given): a file that has
+        shrunk or changed size since it was opened is an error, not a short read."""
+        buffer = into if into is not None else bytearray(length)
+        try:
+            with open(self.path, "rb") as file:
+                if os.fstat(file.fileno()).st_size != self.file_size:
+                    raise ModelFileError(
+                        f"{self.path}: the file changed size while it was being loaded "
+                        f"({self.file_size:,} bytes when opened); load it again"
+                    )
+                file.seek(offset)
+                got = file.readinto(memoryview(buffer).cast("B"))
+        except OSError as exc:
+            raise ModelFileError(f"{self.path}: cannot be read: {exc}") from None
+        if got != length:
+            raise ModelFileError(
+                f"{self.path}: truncated while loading: {got:,} of {length:,} bytes at "
+                f"byte {offset:,}"
+            )
+        return bytes(buffer) if into is None else b""
 
     def load(self, name: str) -> torch.Tensor:
         """The tensor dequantized to float32, in torch dimension order."""
@@ -172,7 +214,7 @@ class GGUFFile:
         return dequantize(self.raw(name), info.qtype, info.shape)
 
     def _read_preamble(self, cursor: _Cursor) -> int:
-        if len(self._map) < 8 or cursor.scalar(V.UINT32) != GGUF_MAGIC:
+        if self.file_size < 8 or cursor.scalar(V.UINT32) != GGUF_MAGIC:
             raise ModelFileError(f"{self.path}: not a GGUF file (bad magic number)")
         version = cursor.scalar(V.UINT32)
         if version not in (2, 3):

@@ -107,7 +107,7 @@ def _json_object(path: Path) -> dict[str, Any]:
         content = json.loads(path.read_bytes())
     except OSError as exc:
         raise unreadable(path, exc) from None
-    except ValueError as exc:  # JSON and UTF-8 errors
+    except (ValueError, RecursionError) as exc:  # JSON and UTF-8 errors; absurd nesting
         raise ModelFileError(f"{path}: not valid JSON: {exc}") from None
     if not isinstance(content, dict):
         raise ModelFileError(f"{path}: holds a JSON {type(content).__name__}; expected an object")

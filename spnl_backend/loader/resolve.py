@@ -10,6 +10,7 @@
 
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -33,7 +34,10 @@ class ModelSource:
 
 def resolve_model(name: str, *, allow_download: bool = True) -> ModelSource:
     tried: list[str] = []
-    path = Path(name).expanduser()
+    try:
+        path = Path(name).expanduser()
+    except RuntimeError as exc:  # "~user" of a user that does not exist
+        raise ModelNotFoundError(f"model {name!r} not found: {exc}") from None
     try:
         source = _from_path(path, name, tried)
     except ModelNotFoundError:  # a FileNotFoundError too, but ours
@@ -64,9 +68,34 @@ def _from_path(path: Path, name: str, tried: list[str]) -> ModelSource | None:
     elif path.is_dir():
         _check_readable(path)
         return _from_directory(path, name, tried)
+    elif path.exists():
+        tried.append(f"{path}: {_kind(path)}, not a regular file")
     else:
         tried.append(f"{path}: no such file or directory")
     return None
+
+
+def _kind(path: Path) -> str:
+    mode = path.stat().st_mode
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a file"
+
+
+def _only_regular_files(directory: Path) -> None:
+    """A model directory's entries are regular files or directories: reading a FIFO or a
+    device in their place would block or never end."""
+    for entry in directory.iterdir():
+        try:
+            if not (entry.is_file() or entry.is_dir()):
+                raise ModelFileError(
+                    f"{entry}: {_kind(entry)}, not a regular file; a model directory may hold "
+                    "only files and directories"
+                )
+        except FileNotFoundError:  # a dangling link: nothing will read it
+            continue
 
 
 def _check_readable(path: Path) -> None:
@@ -81,8 +110,9 @@ def _check_readable(path: Path) -> None:
 
 def _from_directory(path: Path, name: str, tried: list[str]) -> ModelSource | None:
     if (path / "config.json").exists() and any(path.glob("*.safetensors")):
+        _only_regular_files(path)
         return ModelSource("text", path, name)
-    ggufs = sorted(path.glob("*.gguf"))
+    ggufs = sorted(p for p in path.glob("*.gguf") if p.is_file())
     if ggufs:
         return ModelSource("gguf", choose_gguf(ggufs, path, tried), name)
     tried.append(f"{path}: a directory without config.json + *.safetensors or *.gguf files")

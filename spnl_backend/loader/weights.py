@@ -70,7 +70,7 @@ def _weight_map(index: Path) -> dict[str, str]:
         content: Any = json.loads(index.read_bytes())
     except OSError as exc:
         raise unreadable(index, exc) from None
-    except ValueError as exc:  # JSON and UTF-8 errors
+    except (ValueError, RecursionError) as exc:  # JSON and UTF-8 errors; absurd nesting
         raise ModelFileError(f"{index}: not valid JSON: {exc}") from None
     weight_map = content.get("weight_map") if isinstance(content, dict) else None
     if not (
@@ -101,14 +101,17 @@ def layer_indices(names: Iterable[str]) -> set[int]:
 
 
 def read_safetensors(files: list[Path], progress: Progress) -> NamedTensors:
-    """Every tensor the model uses, checked: a float type, and finite."""
+    """Every tensor the model uses, checked: a float type, and finite. The data is read into
+    tensors of their own, not mapped: a file truncated under the process would otherwise
+    kill it (SIGBUS) at the next read of a weight."""
     for number, path in enumerate(files, 1):
-        with _opened(path) as f:
+        with _opened(path) as f:  # safetensors checks the header's layout
             names = [n for n in list(f.keys()) if not _renamed(n).startswith(_SKIPPED_PREFIXES)]
-            for done, name in enumerate(names):
-                progress(f"weights {number}/{len(files)}", done, len(names))
-                yield _renamed(name), _checked(_read_tensor(f, path, name), path, name)
-            progress(f"weights {number}/{len(files)}", len(names), len(names))
+        layout = _layout(path)
+        for done, name in enumerate(names):
+            progress(f"weights {number}/{len(files)}", done, len(names))
+            yield _renamed(name), _checked(_read_tensor(path, layout, name), path, name)
+        progress(f"weights {number}/{len(files)}", len(names), len(names))
 
 
 @contextmanager
@@ -127,11 +130,59 @@ def _opened(path: Path) -> Iterator[Any]:
         yield f
 
 
-def _read_tensor(f: Any, path: Path, name: str) -> torch.Tensor:
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def _layout(path: Path) -> tuple[int, dict[str, Any]]:
+    """Where the data starts, and the header's entry of each tensor (already checked by
+    safetensors itself: dtypes, shapes and offsets that agree)."""
     try:
-        return f.get_tensor(name)
-    except SafetensorError as exc:
-        raise ModelFileError(f"{path}: cannot read tensor {name!r}: {exc}") from None
+        with path.open("rb") as file:
+            length = int.from_bytes(file.read(8), "little")
+            header = json.loads(file.read(length))
+    except OSError as exc:
+        raise unreadable(path, exc) from None
+    except (ValueError, RecursionError) as exc:
+        raise ModelFileError(f"{path}: corrupt safetensors header: {exc}") from None
+    return 8 + length, header
+
+
+def _read_tensor(path: Path, layout: tuple[int, dict[str, Any]], name: str) -> torch.Tensor:
+    start, header = layout
+    entry = header[name]
+    dtype = _DTYPES.get(entry["dtype"])
+    if dtype is None:
+        raise ModelFileError(
+            f"{path}: tensor {name!r} is stored as {entry['dtype']}; expected a floating-point type"
+        )
+    begin, end = entry["data_offsets"]
+    tensor = torch.empty(entry["shape"], dtype=dtype)
+    target = tensor.reshape(-1).view(torch.uint8).numpy()
+    try:
+        with path.open("rb") as file:
+            file.seek(start + begin)
+            got = file.readinto(memoryview(target))
+    except OSError as exc:
+        raise unreadable(path, exc) from None
+    if got != end - begin or target.nbytes != end - begin:
+        raise ModelFileError(
+            f"{path}: tensor {name!r}: read {got:,} of {end - begin:,} bytes; the file was "
+            "truncated or changed while loading"
+        )
+    return tensor
 
 
 def _checked(tensor: torch.Tensor, path: Path, name: str) -> torch.Tensor:
