@@ -1,8 +1,8 @@
 """Weights into a model built on the meta device: renamed, split, checked, placed.
 
 Text models read safetensors shards one tensor at a time (quantized as they stream past
-with ISQ); GGUF models keep their quantized matrices as the file's blocks, mapped from
-disk, and dequantize only their float tensors. Either way every tensor
+with ISQ); GGUF models keep their quantized matrices as the file's blocks, read into
+memory of their own, and dequantize only their float tensors. Either way every tensor
 is checked against the parameter it fills, and a missing, unexpected or
 misshapen one is an error naming the file and the tensor. So is a weight holding NaN or
 infinity: such a model can only produce NaN logits, so it is refused at load.
@@ -225,7 +225,7 @@ def _renamed(name: str) -> str:
 
 def read_gguf(gguf: GGUFFile, config: ModelConfig, progress: Progress) -> NamedTensors:
     """The file's tensors under our names: float ones dequantized, quantized matrices kept
-    as their blocks (views of the mapped file, no copy)."""
+    as their blocks."""
     names = list(gguf.tensors)
     for done, gguf_name in enumerate(names):
         progress("weights", done, len(names))

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from ..loader.memory import release_file_pages
 from ..log import get_logger
 from ..settings.values import IsqType
 from .ggml import ggml_format
@@ -81,9 +80,7 @@ def apply_isq(
         if isinstance(tensor, QuantizedWeight):
             yield name, tensor if tensor.qtype == chosen else requantize(tensor, chosen)
             continue
-        quantized = QuantizedWeight.from_float(tensor, chosen)
-        release_file_pages(tensor)
-        yield name, quantized
+        yield name, QuantizedWeight.from_float(tensor, chosen)
     for (qtype, chosen), names in fallbacks.items():
         log.info(
             "isq.fallback",
