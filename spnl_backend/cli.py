@@ -8,10 +8,13 @@ error handling, so Ctrl-C from then on ends the command with one line and exit s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .errors import SpnlError
@@ -19,6 +22,7 @@ from .errors import SpnlError
 if TYPE_CHECKING:
     from .settings import BackendSettings, PlatformDecisions
 
+EXIT_FAILURE = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # what shells report for a command ended by Ctrl-C (128 + SIGINT)
 
@@ -27,6 +31,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _build_parser().parse_args(argv)
         _configure_console_logging(verbose=args.verbose)
+        with _interrupts_deferred():  # torch's import aborts the process if interrupted
+            import torch  # noqa: F401
         return args.run(args)
     except SpnlError as exc:
         print(f"spnl-backend: error: {exc}", file=sys.stderr)
@@ -37,6 +43,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stderr.close()
         return 0
+    except OSError as exc:  # the output cannot be written: a full disk, say
+        print(f"spnl-backend: error: cannot write the output: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+def entry() -> None:
+    """The console script: `main`, then an exit that no second Ctrl-C and no unwritable
+    output can turn into a traceback (the interpreter's own teardown is skipped: the
+    command owns its process and has nothing left to release)."""
+    try:
+        code = main()
+    except KeyboardInterrupt:  # a second Ctrl-C while the first was being reported
+        code = EXIT_INTERRUPTED
+    while True:  # from here on Ctrl-C changes nothing: ignore it, even mid-call
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            break
+        except KeyboardInterrupt:
+            code = EXIT_INTERRUPTED
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, full, or gone
+            code = code or EXIT_FAILURE
+    os._exit(code)
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C until the block is done, then raise it: some native code (torch's
+    import) cannot be interrupted halfway without terminating the process."""
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda number, frame: received.append(number))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -105,7 +150,9 @@ def _generate_with_progress(backend: Any, prompts: list[str], params: Any) -> No
     from tqdm import tqdm
 
     texts: dict[int, str] = {}
-    with tqdm(total=len(prompts), desc="prompts", unit="prompt", file=sys.stderr) as bar:
+    with tqdm(
+        total=len(prompts), desc="prompts", unit="prompt", file=sys.stderr, disable=None
+    ) as bar:
         for output in backend.run_steps(prompts, params):
             if output.seq.is_finished:
                 texts[output.seq.seq_id] = output.seq.text
@@ -221,4 +268,4 @@ def _configure_console_logging(verbose: bool) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
