@@ -133,32 +133,37 @@ def _wait_for(condition, what: str, timeout: float = 60.0) -> None:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="follows the child through /proc")
-@pytest.mark.parametrize("stage", ["importing torch", "loading the weights", "generating"])
+@pytest.mark.parametrize("stage", ["importing torch", "loading the model", "generating"])
 def test_ctrl_c_exits_130_with_one_line(tiny, stage):
-    """Ctrl-C while torch imports, while the model's weights load, or while tokens stream."""
+    """Ctrl-C while torch imports, while the model loads, or while tokens stream."""
     script = Path(sys.executable).parent / "spnl-backend"
-    command = [script, *_generate(tiny, "--max-tokens", "0", "Once upon a time")]
+    command = [script, "-v", *_generate(tiny, "--max-tokens", "0", "Once upon a time")]
     env = {"PATH": "/usr/bin:/bin", "MISTRALRS_DEVICE": "cpu", "HOME": str(Path.home())}
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    printed = []
-    reader = threading.Thread(target=lambda: printed.append(child.stdout.read(1)))
-    reader.start()
+    printed, logged = [], []
+    readers = [
+        threading.Thread(target=lambda: printed.append(child.stdout.read(1))),
+        threading.Thread(target=lambda: logged.extend(iter(child.stderr.readline, b""))),
+    ]
+    for reader in readers:
+        reader.start()
     ready = {
         "importing torch": lambda: _mapped(child.pid, "libtorch"),
-        "loading the weights": lambda: _mapped(child.pid, "model.safetensors"),
+        "loading the model": lambda: any(b"model.resolved" in line for line in logged),
         "generating": lambda: bool(printed),
     }[stage]
     _wait_for(ready, stage)
     child.send_signal(signal.SIGINT)
-    reader.join(timeout=120)
+    for reader in readers:
+        reader.join(timeout=120)
     out = b"".join(printed) + child.stdout.read()
-    err = child.stderr.read()
+    err = b"".join(logged).decode()
     child.wait(timeout=120)
     if child.returncode == 0:
         pytest.skip("the command finished before Ctrl-C")
-    assert child.returncode == 130, err.decode()
-    assert err.decode().strip().splitlines()[-1] == "spnl-backend: interrupted"
-    assert b"Traceback" not in err
+    assert child.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "spnl-backend: interrupted"
+    assert "Traceback" not in err
     assert out in (b"", b"\n") or out.endswith(b"\n")  # a streamed line is ended
 
 
