@@ -14,6 +14,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 from ..errors import ModelFileError, RequestError
 from ..log import get_logger
+from .chat_template import ChatTemplate
 
 log = get_logger()
 
@@ -36,11 +37,16 @@ _FALLBACK_TEMPLATES = {"gemma3": GEMMA_CHAT_TEMPLATE}
 class Tokenizer:
     """Text ↔ token ids, special tokens and the chat template of one model."""
 
-    def __init__(self, hf: PreTrainedTokenizerBase, eos_token_ids: Sequence[int]) -> None:
-        self.hf = hf
+    def __init__(
+        self, hf: PreTrainedTokenizerBase, eos_token_ids: Sequence[int], where: str = "the model"
+    ) -> None:
+        self.hf, self.where = hf, where
         self.eos_token_ids = frozenset(eos_token_ids) | (
             {hf.eos_token_id} if hf.eos_token_id is not None else set()
         )
+        self._compiled: tuple[str, ChatTemplate] | None = None
+        if hf.chat_template:
+            self._chat_template()  # a template that does not compile fails the load
 
     @property
     def vocab_size(self) -> int:
@@ -58,8 +64,16 @@ class Tokenizer:
                 "this model has no chat template; use generate() with a "
                 "formatted prompt instead of chat()"
             )
-        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        specials = {k: v for k, v in self.hf.special_tokens_map.items() if isinstance(v, str)}
+        text = self._chat_template().render(messages, add_generation_prompt=True, **specials)
         return self.hf(text, add_special_tokens=False)["input_ids"]
+
+    def _chat_template(self) -> ChatTemplate:
+        """The template compiled (again only if someone set a new one)."""
+        source = self.hf.chat_template
+        if self._compiled is None or self._compiled[0] != source:
+            self._compiled = (source, ChatTemplate(source, self.where))
+        return self._compiled[1]
 
 
 def load_text_tokenizer(model_dir: Path, eos_token_ids: Sequence[int]) -> Tokenizer:
@@ -69,7 +83,7 @@ def load_text_tokenizer(model_dir: Path, eos_token_ids: Sequence[int]) -> Tokeni
         raise ModelFileError(
             f"{model_dir}: cannot load the tokenizer: {type(exc).__name__}: {exc}"
         ) from exc
-    return Tokenizer(hf, eos_token_ids)
+    return Tokenizer(hf, eos_token_ids, str(model_dir))
 
 
 def load_gguf_tokenizer(
@@ -86,7 +100,7 @@ def load_gguf_tokenizer(
             architecture=architecture,
             reason="the GGUF file carries no chat template",
         )
-    return Tokenizer(hf, eos_token_ids)
+    return Tokenizer(hf, eos_token_ids, str(gguf_path))
 
 
 def _load_converted(directory: Path) -> PreTrainedTokenizerFast:
