@@ -413,7 +413,7 @@ def test_centres_come_from_the_calibration_text_not_the_first_request(model, cap
     expected = calibration_means(model)
     with caplog.at_level(logging.INFO):
         paged = load(model, paged_attn=True, kv_cache_compression="tq4")
-    assert "kv_compression.calibrated" in caplog.text
+    assert "kv_cache.calibrated" in caplog.text
     paged.generate("x" * 3, max_tokens=2, temperature=0)  # a short, odd first request
     pair = paged._engine.cache.cache.pair
     for layer in range(expected.shape[0]):
@@ -430,7 +430,7 @@ def test_centres_come_from_the_calibration_text_not_the_first_request(model, cap
     caplog.clear()
     with caplog.at_level(logging.INFO):
         load(model, paged_attn=False, kv_cache_compression="int8")
-    assert "kv_compression.calibrated" not in caplog.text  # int8 does not centre: no pass
+    assert "kv_cache.calibrated" not in caplog.text  # int8 does not centre: no pass
 
 
 def test_a_gemma_model_with_sliding_layers_runs_compressed(tiny):

@@ -371,3 +371,24 @@ def test_ctrl_c_among_concurrent_steps_leaves_a_consistent_backend(tiny, delay):
     out, err = child.communicate(timeout=120)
     assert child.returncode == 0, f"exit {child.returncode}: {err[-2000:]}"
     assert "consistent" in out
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"paged_cache_type": "f8e4m3"}, {"kv_cache_compression": "fp8"}],
+    ids=["fp8-pool", "fp8-codec"],
+)
+def test_an_fp8_cache_does_not_depend_on_which_request_came_first(tiny, settings):
+    """The FP8 scales are measured at load; they used to come from the first prefill."""
+
+    def fresh():
+        full = BackendSettings(device="cpu", paged_attn=True, **settings)
+        return load_backend(str(tiny.hf("llama").path), settings=full)
+
+    alone = _greedy(fresh(), PROMPTS[0], max_tokens=24).token_ids
+    after_another = fresh()
+    _greedy(after_another, "x", max_tokens=1)  # a short, odd first request
+    assert _greedy(after_another, PROMPTS[0], max_tokens=24).token_ids == alone
+    scales = fresh()._engine.cache.cache
+    if settings.get("paged_cache_type"):
+        assert all(scale > 0 for scale in scales.k_scale + scales.v_scale)

@@ -21,7 +21,11 @@ from .registry import Compressor, register_compressor
 
 
 def _fp8(g: KVGeometry) -> CodecPair:
-    return CodecPair(Fp8Codec(g.num_layers, g.head_dim), Fp8Codec(g.num_layers, g.head_dim))
+    absmax = [None, None] if g.kv_absmax is None else g.kv_absmax.T.tolist()
+    return CodecPair(
+        Fp8Codec(g.num_layers, g.head_dim, absmax[0]),
+        Fp8Codec(g.num_layers, g.head_dim, absmax[1]),
+    )
 
 
 def _int8(g: KVGeometry) -> CodecPair:
@@ -59,7 +63,7 @@ def _codec_method(name: str, summary: str, make_codecs, calibrated: bool = False
 
 
 BUILT_IN = (
-    _codec_method("fp8", "float8_e4m3fn, one scale per layer and tensor", _fp8),
+    _codec_method("fp8", "float8_e4m3fn, one scale per layer and tensor", _fp8, calibrated=True),
     _codec_method("int8", "int8, one scale per token and head", _int8),
     _codec_method(
         "tq4",

@@ -100,16 +100,20 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 class Fp8Codec(DenseCodec):
-    """float8_e4m3fn with one scale per layer (per tensor), set from the first K/V stored.
+    """float8_e4m3fn with one scale per layer (per tensor): from the layer's largest
+    magnitude on the reference text where the engine measured it (`KVGeometry.kv_absmax`),
+    else from the first K/V stored.
 
     Error: ``|x - x'| <= 2**-4 * |x| + 2**-10 * scale`` while ``|x| <= 448 * scale``
     (3 mantissa bits, round to nearest; subnormals below ``2**-6 * scale``); larger
     values are clamped.
     """
 
-    def __init__(self, num_layers: int, head_dim: int) -> None:
+    def __init__(self, num_layers: int, head_dim: int, absmax: list[float] | None = None) -> None:
         self.record_bytes = head_dim
-        self.scales: list[float | None] = [None] * num_layers
+        self.scales: list[float | None] = (
+            [None] * num_layers if absmax is None else [fp8_scale(torch.tensor(m)) for m in absmax]
+        )
 
     def encode(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         scale = self.scales[layer]

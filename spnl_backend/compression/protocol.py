@@ -29,7 +29,8 @@ class KVGeometry:
     """What a compressed cache is made for: the model's KV shape, dtype and device, and,
     for a method that asks for them (`Compressor.calibrated`), ``kv_means``: the model's
     mean key and value per layer and KV head over a short reference text, float32
-    ``[num_layers, 2, num_kv_heads, head_dim]`` (None where nobody measured them); and
+    ``[num_layers, 2, num_kv_heads, head_dim]`` (None where nobody measured them), and
+    ``kv_absmax``, the largest K and V magnitude of each layer on that text; and
     ``native``, the compiled CPU kernels the engine runs on, if any (the built-in methods
     decode through them)."""
 
@@ -39,6 +40,7 @@ class KVGeometry:
     dtype: torch.dtype
     device: torch.device
     kv_means: torch.Tensor | None = field(default=None, compare=False)
+    kv_absmax: torch.Tensor | None = field(default=None, compare=False)  # [layers, 2]
     native: CpuKernels | None = field(default=None, compare=False)
 
 

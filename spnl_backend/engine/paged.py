@@ -31,27 +31,22 @@ class PagedKVCache:
         block_size: int,
         cache_dtype: torch.dtype,
         device: torch.device,
+        kv_absmax: torch.Tensor | None = None,
     ) -> None:
+        """``kv_absmax [layers, 2]``: each layer's largest K and V magnitude on the reference
+        text, from which an FP8 pool's scales are set (needed for float8)."""
         shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.data = torch.zeros(shape, dtype=cache_dtype, device=device)
         self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(config.num_layers)]
         self.is_fp8 = cache_dtype == torch.float8_e4m3fn
         self.k_scale = [1.0] * config.num_layers
         self.v_scale = [1.0] * config.num_layers
-        self._calibrated = [not self.is_fp8] * config.num_layers
-
-    def calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Set an FP8 layer's scales from the first K/V it stores."""
-        if self._calibrated[layer]:
-            return
-        self.k_scale[layer], self.v_scale[layer] = fp8_scale(k), fp8_scale(v)
-        self._calibrated[layer] = True
-        log.debug(
-            "kv_cache.fp8_scales",
-            layer=layer,
-            k_scale=self.k_scale[layer],
-            v_scale=self.v_scale[layer],
-        )
+        if self.is_fp8:
+            if kv_absmax is None:
+                raise ValueError("an FP8 pool needs the model's K/V magnitudes (kv_absmax)")
+            self.k_scale = [fp8_scale(m) for m in kv_absmax[:, 0]]
+            self.v_scale = [fp8_scale(m) for m in kv_absmax[:, 1]]
+            log.debug("kv_cache.fp8_scales", k_scale=self.k_scale, v_scale=self.v_scale)
 
     @property
     def bytes_per_token(self) -> int:
@@ -72,7 +67,6 @@ class PagedStep:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
     ) -> torch.Tensor:
         layer, cache = spec.layer, self.cache
-        cache.calibrate(layer, k, v)
         key_cache, value_cache = cache.layers[layer]
         k_scale, v_scale = cache.k_scale[layer], cache.v_scale[layer]
         self.kernels.store_kv(k, v, key_cache, value_cache, self.meta, k_scale, v_scale)

@@ -14,14 +14,15 @@ from .attention_ref import attention_ref
 from .metadata import PagedMetadata
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
-# A cache without scales from the model maps the first K/V's absolute maximum to 224,
+# An FP8 cache maps each layer's largest K (or V) magnitude on the reference text to 224,
 # half of float8_e4m3fn's 448, leaving room for larger values later.
 FP8_CALIBRATION_TARGET = 224.0
 
 
-def fp8_scale(first: torch.Tensor) -> float:
-    """The per-tensor scale set from the first values a cache stores."""
-    return max(float(first.abs().max()), 1e-6) / FP8_CALIBRATION_TARGET
+def fp8_scale(values: torch.Tensor) -> float:
+    """The per-tensor scale that maps the largest magnitude of ``values`` to the
+    calibration target (half of float8's range, leaving room for larger values later)."""
+    return max(float(values.abs().max()), 1e-6) / FP8_CALIBRATION_TARGET
 
 
 def store_kv_ref(

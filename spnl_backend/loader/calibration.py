@@ -6,6 +6,7 @@ is (non-paged mode). Measured once per model at load, with the plain cache.
 """
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,10 +21,20 @@ CALIBRATION_TEXT = Path(__file__).with_name("calibration.txt")
 MAX_CALIBRATION_TOKENS = 256
 
 
-def kv_means(loaded: LoadedModel, role: str) -> torch.Tensor:
-    """float32 ``[layers, 2, kv_heads, head_dim]``: each layer's mean key and value per KV
-    head over the reference text, position 0 (the attention sink, kept apart by the
-    methods) left out."""
+@dataclass(frozen=True)
+class KVStatistics:
+    """The model's K and V over the reference text: ``means`` float32 ``[layers, 2,
+    kv_heads, head_dim]`` (position 0, the attention sink the methods keep apart, left
+    out), ``absmax`` float32 ``[layers, 2]`` (every position)."""
+
+    means: torch.Tensor
+    absmax: torch.Tensor
+
+
+def kv_statistics(loaded: LoadedModel, role: str) -> KVStatistics:
+    """One forward pass over the reference text with a plain cache, so that what a
+    compressed or FP8 cache derives from K and V is fixed at load, whatever requests come
+    first."""
     config = loaded.config
     limit = min(MAX_CALIBRATION_TOKENS, config.max_position_embeddings)
     ids = loaded.tokenizer.encode(CALIBRATION_TEXT.read_text())[:limit]
@@ -39,11 +50,12 @@ def kv_means(loaded: LoadedModel, role: str) -> torch.Tensor:
             torch.arange(len(ids), device=loaded.device),
             step,
         )
-    means = store.data[:, :, 1 : len(ids)].float().mean(2)
+    held = store.data[:, :, : len(ids)].float()
+    stats = KVStatistics(held[:, :, 1:].mean(2), held.abs().amax(dim=(2, 3, 4)))
     log.info(
-        "kv_compression.calibrated",
+        "kv_cache.calibrated",
         model=role,
         tokens=len(ids),
         seconds=round(time.perf_counter() - start, 2),
     )
-    return means
+    return stats

@@ -28,7 +28,7 @@ from ..memory import MIB, available_memory
 from ..settings import BackendSettings, PlatformDecisions
 from ..settings.model import KvBudget, env_name
 from .build import LoadedModel
-from .calibration import kv_means
+from .calibration import KVStatistics, kv_statistics
 
 log = get_logger()
 
@@ -75,7 +75,10 @@ def _cache(
             "sequence, in non-paged mode",
         )
         paged = False
-    geometry = _geometry(loaded, compressor, role)
+    fp8_pool = paged and decisions.kv_cache_dtype == "float8_e4m3fn"
+    calibrated = fp8_pool or (compressor is not None and compressor.calibrated)
+    stats = kv_statistics(loaded, role) if calibrated else None
+    geometry = _geometry(loaded, stats)
     if not paged:
         cache = _contiguous_cache(loaded, settings, compressor, geometry, role)
         return cache, config.max_position_embeddings
@@ -83,16 +86,16 @@ def _cache(
     return pool, min(config.max_position_embeddings, pool.capacity_tokens)
 
 
-def _geometry(loaded: LoadedModel, compressor: Compressor | None, role: str) -> KVGeometry:
+def _geometry(loaded: LoadedModel, stats: KVStatistics | None) -> KVGeometry:
     c = loaded.config
-    means = kv_means(loaded, role) if compressor is not None and compressor.calibrated else None
     return KVGeometry(
         c.num_layers,
         c.num_kv_heads,
         c.head_dim,
         loaded.dtype,
         loaded.device,
-        kv_means=means,
+        kv_means=None if stats is None else stats.means,
+        kv_absmax=None if stats is None else stats.absmax,
         native=loaded.native,
     )
 
@@ -171,7 +174,12 @@ def _paged_cache(
     try:
         if pair is None:
             cache = PagedKVCache(
-                loaded.config, plan.num_blocks, plan.block_size, cache_dtype, loaded.device
+                loaded.config,
+                plan.num_blocks,
+                plan.block_size,
+                cache_dtype,
+                loaded.device,
+                kv_absmax=geometry.kv_absmax,
             )
         else:
             cache = CodedPagedKVCache(
