@@ -325,20 +325,30 @@ def _require(
     numel: int | None = None,
 ) -> None:
     """A tensor the C code may read as a flat array of ``dtype``: on the CPU, contiguous,
-    of the expected dimensions and size."""
-    problem = None
-    if tensor.device.type != "cpu":
+    of the expected dimensions and size (checked on every call, so kept cheap)."""
+    if (
+        tensor.dtype is dtype
+        and tensor.is_cpu
+        and tensor.is_contiguous()
+        and (dims is None or tensor.dim() == dims)
+        and (numel is None or tensor.numel() == numel)
+    ):
+        return
+    raise KernelArgumentError(f"{what} is {_problem(tensor, dtype, dims, numel)}")
+
+
+def _problem(tensor: torch.Tensor, dtype: torch.dtype, dims: int | None, numel: int | None) -> str:
+    if not tensor.is_cpu:
         problem = f"on {tensor.device}"
-    elif tensor.dtype != dtype:
+    elif tensor.dtype is not dtype:
         problem = f"of {tensor.dtype}, not {dtype}"
     elif not tensor.is_contiguous():
         problem = "not contiguous"
     elif dims is not None and tensor.dim() != dims:
         problem = f"{tensor.dim()}-D, not {dims}-D"
-    elif numel is not None and tensor.numel() != numel:
+    else:
         problem = f"of {tensor.numel()} elements, not {numel}"
-    if problem:
-        raise KernelArgumentError(f"{what} is {problem} (shape {tuple(tensor.shape)})")
+    return f"{problem} (shape {tuple(tensor.shape)})"
 
 
 def _pool_row(key_cache: torch.Tensor, value_cache: torch.Tensor, what: str) -> int:
@@ -379,6 +389,7 @@ class Products:
         self.total = sum(self.widths)
         self.weights = [w for _, w, _ in weights]  # kept alive for the pointers
         self.row_bytes = [(qtype, w.shape[1]) for qtype, w, _ in weights]
+        self.k_in = -1  # none checked yet
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [rows, k]`` (float32, contiguous) → ``[rows, total]``."""
@@ -389,8 +400,10 @@ class Products:
             return torch.empty((0, self.total), dtype=torch.float32)
         if rows > self.kernels.max_rows:
             raise KernelArgumentError(f"matmul: {rows} rows, at most {self.kernels.max_rows}")
-        for qtype, row_bytes in self.row_bytes:
-            kernels.check_row_bytes(qtype, k_in, row_bytes, "matmul")
+        if k_in != self.k_in:  # the one width these weights take, found on first use
+            for qtype, row_bytes in self.row_bytes:
+                kernels.check_row_bytes(qtype, k_in, row_bytes, "matmul")
+            self.k_in = k_in
         out = torch.empty((rows, self.total), dtype=torch.float32)
         _check(
             kernels.library.spnl_qmatmul(
