@@ -5,6 +5,17 @@ ones about bad values also derive from `ValueError`, so hosts may catch either.
 """
 
 
+def shown(value: object, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for messages about a caller's input:
+    a value whose repr raises (a hostile ``__repr__``, an int past Python's digit limit)
+    is named by its type."""
+    try:
+        text = str.__str__(repr(value))
+    except Exception:
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class SpnlError(Exception):
     """Base class of every error raised by spnl-backend."""
 

@@ -11,7 +11,7 @@ import operator
 from collections.abc import Sequence
 
 from .engine.sequence import SamplingParams
-from .errors import RequestError
+from .errors import RequestError, shown
 
 MAX_SEED = 2**64 - 1  # what torch's generators take
 
@@ -131,7 +131,7 @@ def check_messages(messages: object) -> list[dict[str, object]]:
         fields = _message_fields(message)
         if fields is None:
             raise RequestError(
-                f"messages[{i}] = {_shown(message)}: "
+                f"messages[{i}] = {shown(message)}: "
                 "expected a dict with string 'role' and 'content'"
             )
         role, content = fields
@@ -204,19 +204,8 @@ def _plain_str(value: object) -> str | None:
 
 
 def _bad(name: str, value: object, expected: str) -> RequestError:
-    return RequestError(f"{name}={_shown(value)}: expected {expected}")
+    return RequestError(f"{name}={shown(value)}: expected {expected}")
 
 
 def _describe(value: object) -> str:
-    return f"{type(value).__name__} {_shown(value)}"
-
-
-def _shown(value: object, limit: int = 80) -> str:
-    """``repr(value)`` cut to ``limit`` characters, for messages about caller input (an
-    int of 5,000 digits has no repr at all)."""
-    try:
-        text = repr(value)
-        text = str.__str__(text) if isinstance(text, str) else f"<{type(value).__name__}>"
-    except Exception:  # a hostile __repr__, or an int past Python's digit limit
-        text = f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"{type(value).__name__} {shown(value)}"

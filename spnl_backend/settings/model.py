@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from ..errors import SettingsError
+from ..errors import SettingsError, shown
 from ..log import get_logger, set_verbose
 from . import values
 from .values import IsqType
@@ -211,20 +211,11 @@ def _describe(exc: ValidationError, given_in_code: set[str]) -> str:
                 + ", ".join(BackendSettings.model_fields)
             )
         elif field in given_in_code:
-            shown = _shown(error["input"])
-            problems.append(f"{field}={shown} ({env_name(field)}) is invalid: {reason}")
+            value = shown(error["input"])
+            problems.append(f"{field}={value} ({env_name(field)}) is invalid: {reason}")
         else:
-            problems.append(f"{env_name(field)}={_shown(error['input'])} is invalid: {reason}")
+            problems.append(f"{env_name(field)}={shown(error['input'])} is invalid: {reason}")
     return "; ".join(problems)
-
-
-def _shown(value: object, limit: int = 80) -> str:
-    """``repr(value)`` cut short; a value whose repr raises is named by its type."""
-    try:
-        text = str.__str__(repr(value))
-    except Exception:
-        text = f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def load_settings(**overrides: Any) -> BackendSettings:
