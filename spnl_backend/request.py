@@ -9,6 +9,7 @@ import math
 import numbers
 import operator
 from collections.abc import Sequence
+from types import UnionType
 
 from .engine.sequence import SamplingParams
 from .errors import RequestError, shown
@@ -64,7 +65,7 @@ def reject_unknown(unknown: dict[str, object]) -> None:
     if unknown:
         raise RequestError(
             "unknown parameter(s) "
-            + ", ".join(map(repr, sorted(unknown)))
+            + ", ".join(map(shown, sorted(unknown)))
             + "; accepted: "
             + ", ".join(SAMPLING_NAMES)
         )
@@ -75,15 +76,7 @@ def stop_strings(stop: object) -> tuple[str, ...]:
     (read once, each copied to a plain str)."""
     if stop is None:
         return ()
-    if isinstance(stop, str):
-        items: tuple[object, ...] = (stop,)
-    elif isinstance(stop, list | tuple):
-        try:
-            items = tuple(stop)
-        except Exception:  # a list subclass whose iteration raises
-            items = (None,)
-    else:
-        items = (None,)
+    items = [stop] if isinstance(stop, str) else _read_once(stop, list | tuple) or [None]
     stops = tuple(_plain_str(item) for item in items)
     if not all(stops):
         raise _bad("stop", stop, "a non-empty string or a list of them")
@@ -102,12 +95,7 @@ def check_prompt(prompt: object) -> str:
 
 def prompt_list(prompts: object) -> list[str]:
     """A batch's prompts: a non-empty list or tuple of prompt strings."""
-    items = None
-    if isinstance(prompts, list | tuple):
-        try:
-            items = list(prompts)
-        except Exception:  # a list subclass whose iteration raises
-            items = None
+    items = _read_once(prompts, list | tuple)
     if not items:
         raise RequestError(
             "expected a prompt string or a non-empty list of prompt strings, "
@@ -118,12 +106,7 @@ def prompt_list(prompts: object) -> list[str]:
 
 def check_messages(messages: object) -> list[dict[str, object]]:
     """The chat messages as plain dicts, their ``role`` and ``content`` plain strings."""
-    items = None
-    if isinstance(messages, list):
-        try:
-            items = list(messages)
-        except Exception:  # a list subclass whose iteration raises
-            items = None
+    items = _read_once(messages, list)
     if not items:
         raise RequestError("messages must be a non-empty list of {'role', 'content'} dicts")
     checked = []
@@ -139,6 +122,17 @@ def check_messages(messages: object) -> list[dict[str, object]]:
         check_text(content, f"messages[{i}]['content']")
         checked.append({**dict.copy(message), "role": role, "content": content})
     return checked
+
+
+def _read_once(value: object, kinds: type | UnionType) -> list[object] | None:
+    """``value``'s items, read once, if it is one of ``kinds``; None where it is not, or
+    where reading it raises (a list subclass with a hostile ``__iter__``)."""
+    if not isinstance(value, kinds):
+        return None
+    try:
+        return list(value)  # type: ignore[call-overload]
+    except Exception:
+        return None
 
 
 def _message_fields(message: object) -> tuple[str, str] | None:

@@ -95,10 +95,10 @@ class Scheduler:
             if not self.cache.reserve(seq, seq.num_computed_tokens + count):
                 self.cache.release(seq)
                 seq.num_computed_tokens = 0
-                paused = [s for s in self.running if s.paused]
-                if not paused:  # running sequences are not preempted for it
+                paused = self._newest_paused()
+                if paused is None:  # running sequences are not preempted for it
                     return
-                self.preempt(paused[-1])  # a paused one gives up its cache
+                self.preempt(paused)  # a paused one gives up its cache
                 continue
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
@@ -108,8 +108,10 @@ class Scheduler:
 
     def _victim(self) -> Sequence:
         """Whom to preempt for room: the newest paused sequence, else the newest one."""
-        paused = [s for s in self.running if s.paused]
-        return (paused or self.running)[-1]
+        return self._newest_paused() or self.running[-1]
+
+    def _newest_paused(self) -> Sequence | None:
+        return next((s for s in reversed(self.running) if s.paused), None)
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
