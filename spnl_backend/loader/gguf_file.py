@@ -156,12 +156,14 @@ class GGUFFile:
         length = min(self.file_size, _HEADER_READ)
         while True:
             try:
-                self._parse(self._read(0, length))
+                header = bytearray(length)
+                self._read(0, header)
+                self._parse(header)
                 return
             except _ShortReadError:
                 length = min(self.file_size, 2 * length)
 
-    def _parse(self, header: bytes) -> None:
+    def _parse(self, header: bytearray) -> None:
         cursor = _Cursor(memoryview(header), self.path, self.file_size)
         self.version = self._read_preamble(cursor)
         tensor_count, kv_count = cursor.scalar(V.UINT64), cursor.scalar(V.UINT64)
@@ -183,13 +185,13 @@ class GGUFFile:
         """The tensor's bytes as a uint8 tensor of its own (read, not mapped)."""
         info = self.tensors[name]
         data = torch.empty(info.nbytes, dtype=torch.uint8)
-        self._read(info.offset, info.nbytes, into=data.numpy())
+        self._read(info.offset, data.numpy())
         return data
 
-    def _read(self, offset: int, length: int, into: np.ndarray | None = None) -> bytes:
-        """``length`` bytes at ``offset`` (into ``into`` where given): a file that has
-        shrunk or changed size since it was opened is an error, not a short read."""
-        buffer = into if into is not None else bytearray(length)
+    def _read(self, offset: int, buffer: bytearray | np.ndarray) -> None:
+        """Fill ``buffer`` with the bytes at ``offset``: a file that has shrunk or changed
+        size since it was opened is an error, not a short read."""
+        length = len(memoryview(buffer).cast("B"))
         try:
             with open(self.path, "rb") as file:
                 if os.fstat(file.fileno()).st_size != self.file_size:
@@ -206,7 +208,6 @@ class GGUFFile:
                 f"{self.path}: truncated while loading: {got:,} of {length:,} bytes at "
                 f"byte {offset:,}"
             )
-        return bytes(buffer) if into is None else b""
 
     def load(self, name: str) -> torch.Tensor:
         """The tensor dequantized to float32, in torch dimension order."""
