@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .engine.build import build_engine
 from .engine.engine import Engine, EngineStats
 from .engine.sequence import SamplingParams, StepOutput
 from .engine.sequence import Sequence as EngineSequence
@@ -17,11 +18,10 @@ from .errors import RequestAbortedError, RequestError, SettingsError
 from .loader.build import LoadedModel, load_model
 from .loader.default_model import default_model_path
 from .loader.draft import load_draft
-from .loader.engine import build_engine
-from .loader.memory import release_freed_memory
 from .loader.progress import LogProgress, Progress
 from .loader.resolve import ModelSource, resolve_model
 from .log import get_logger, set_verbose
+from .memory import release_freed_memory
 from .models.config import ModelConfig
 from .request import check_messages, check_prompt, prompt_list, reject_unknown, sampling_params
 from .settings import BackendSettings, PlatformDecisions, detect_platform, load_settings

@@ -23,7 +23,7 @@ from spnl_backend.compression import (
     PolarCodec,
     compressor_names,
     get_compressor,
-    kv_bytes_per_token,
+    method_bytes_per_token,
     refresh_plugins,
 )
 from spnl_backend.compression.codecs import pack_bits, unpack_bits
@@ -165,12 +165,12 @@ def test_bytes_per_token_of_the_default_models_shape():
     class Gemma270M:
         num_layers, num_kv_heads, head_dim = 18, 1, 256
 
-    sixteen_bit = kv_bytes_per_token("none", Gemma270M)
+    sixteen_bit = method_bytes_per_token("none", Gemma270M)
     assert sixteen_bit == 18 * 2 * 256 * 2
-    assert kv_bytes_per_token("fp8", Gemma270M) == sixteen_bit // 2
-    assert kv_bytes_per_token("tq4", Gemma270M) / sixteen_bit < 0.30
-    assert kv_bytes_per_token("tq4-qjl", Gemma270M) / sixteen_bit < 0.30
-    assert kv_bytes_per_token("tq3", Gemma270M) / sixteen_bit < 0.27
+    assert method_bytes_per_token("fp8", Gemma270M) == sixteen_bit // 2
+    assert method_bytes_per_token("tq4", Gemma270M) / sixteen_bit < 0.30
+    assert method_bytes_per_token("tq4-qjl", Gemma270M) / sixteen_bit < 0.30
+    assert method_bytes_per_token("tq3", Gemma270M) / sixteen_bit < 0.27
 
 
 @pytest.mark.parametrize("method", ["tq4", "tq3"])
@@ -384,7 +384,9 @@ def test_paged_pool_is_sized_by_the_records(model):
     plain_tokens = plain._engine.cache.capacity_tokens
     packed_tokens = packed._engine.cache.capacity_tokens
     config = plain._engine.runner.model.config
-    ratio = kv_bytes_per_token("none", config, torch.float32) / kv_bytes_per_token("tq4", config)
+    ratio = method_bytes_per_token("none", config, torch.float32) / method_bytes_per_token(
+        "tq4", config
+    )
     assert packed_tokens / plain_tokens == pytest.approx(ratio, rel=0.05)
 
 
@@ -392,7 +394,7 @@ def calibration_means(model) -> torch.Tensor:
     """The plain cache's mean K/V per layer over the calibration text (after position 0),
     read from what the engine stores while scoring that text."""
     from spnl_backend.engine import kv_cache
-    from spnl_backend.loader.calibration import CALIBRATION_TEXT, MAX_CALIBRATION_TOKENS
+    from spnl_backend.engine.calibration import CALIBRATION_TEXT, MAX_CALIBRATION_TOKENS
 
     backend = load(model, paged_attn=False, prefix_cache_n=0)
     ids = backend.tokenizer.encode(CALIBRATION_TEXT.read_text())[:MAX_CALIBRATION_TOKENS]

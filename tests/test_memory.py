@@ -3,7 +3,7 @@ import sys
 import pytest
 import torch
 
-from spnl_backend.loader.memory import release_freed_memory
+from spnl_backend.memory import release_freed_memory
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="malloc_trim on Linux only")
 

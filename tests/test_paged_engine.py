@@ -6,7 +6,8 @@ import torch
 from helpers import PROMPT, engine_logits
 
 from spnl_backend import BackendSettings, PlatformError, RequestError, SettingsError, load_backend
-from spnl_backend.engine.budget import STEP_RESERVE_BYTES, kv_bytes_per_token
+from spnl_backend.engine.budget import STEP_RESERVE_BYTES
+from spnl_backend.memory import kv_bytes_per_token
 
 PROMPTS = [
     PROMPT,
@@ -165,14 +166,14 @@ def test_budget_of_no_block_is_an_error(tiny):
 
 
 def test_budget_beyond_free_memory_is_an_error_before_allocation(tiny, monkeypatch):
-    monkeypatch.setattr("spnl_backend.loader.engine.available_memory", lambda device: 1 << 20)
+    monkeypatch.setattr("spnl_backend.engine.build.available_memory", lambda device: 1 << 20)
     with pytest.raises(PlatformError, match=r"needs 3 MB \(4,096 tokens\), but .* only 1 MB"):
         load(tiny, "llama", paged_attn=True)
 
 
 def test_a_memory_fraction_leaves_room_for_the_steps(tiny, monkeypatch):
     free = 300 << 20
-    monkeypatch.setattr("spnl_backend.loader.engine.available_memory", lambda device: free)
+    monkeypatch.setattr("spnl_backend.engine.build.available_memory", lambda device: free)
     backend = load(tiny, "llama", paged_attn=True, paged_attn_memory_fraction=1.0)
     pool_bytes = backend.stats().pool.blocks * backend.settings.paged_attn_block_size
     pool_bytes *= backend.model_config.num_layers * 2 * 2 * 16 * 4  # layers, K/V, heads, dims

@@ -7,14 +7,12 @@ from gguf import GGMLQuantizationType as Q
 from triton_support import DEVICE, load_kernels
 
 from spnl_backend import BackendSettings, load_backend
-from spnl_backend.quant.linear import (
-    QuantEmbedding,
-    QuantizedWeight,
-    QuantLinear,
+from spnl_backend.kernels.matmuls import (
     quantized_matmul_ref,
     quantized_matmuls_ref,
     quantized_matmuls_triton,
 )
+from spnl_backend.quant.linear import QuantEmbedding, QuantizedWeight, QuantLinear
 from spnl_backend.quant.quantize import QUANTIZERS
 
 pytest.importorskip("triton")

@@ -2,71 +2,49 @@
 
 ``MISTRALRS_KV_CACHE_COMPRESSION`` names a method (`compressor_names()`); `none` keeps
 the plain cache. See `registry` for adding a method from another package.
+
+The names below load on first use: settings check a method's name against `registry`,
+which sits below them, and importing this package must not pull the codecs and kernels
+(which themselves read settings) into that check.
 """
 
-import torch
+import importlib
 
-from . import builtin  # noqa: F401  (registers the built-in methods)
-from .attention import CodecPair
-from .cache import CodecKVCache
-from .codecs import Fp8Codec, Int8Codec, VectorCodec
-from .polar import PolarCodec
-from .protocol import (
-    AttendConfig,
-    CompressedKVCache,
-    DecodeOutput,
-    Dequantized,
-    DequantResult,
-    Fused,
-    KVGeometry,
-    ResizableKVCache,
-)
-from .registry import (
-    ENTRY_POINT_GROUP,
-    Compressor,
-    compressor_names,
-    get_compressor,
-    plugin_failures,
-    refresh_plugins,
-    register_compressor,
-)
+_EXPORTS = {
+    "CodecPair": "attention",
+    "CodecKVCache": "cache",
+    "Fp8Codec": "codecs",
+    "Int8Codec": "codecs",
+    "VectorCodec": "codecs",
+    "PolarCodec": "polar",
+    "AttendConfig": "protocol",
+    "CompressedKVCache": "protocol",
+    "DecodeOutput": "protocol",
+    "Dequantized": "protocol",
+    "DequantResult": "protocol",
+    "Fused": "protocol",
+    "KVGeometry": "protocol",
+    "ResizableKVCache": "protocol",
+    "ENTRY_POINT_GROUP": "registry",
+    "Compressor": "registry",
+    "compressor_names": "registry",
+    "get_compressor": "registry",
+    "plugin_failures": "registry",
+    "refresh_plugins": "registry",
+    "method_bytes_per_token": "sizes",
+}
 
-
-def kv_bytes_per_token(name: str, config, dtype: torch.dtype = torch.float16) -> int | None:
-    """K and V bytes per token of a model (``num_layers``, ``num_kv_heads``, ``head_dim``)
-    with method ``name``; ``none`` gives the plain cache in ``dtype`` (16-bit by default)."""
-    geometry = KVGeometry(
-        config.num_layers, config.num_kv_heads, config.head_dim, dtype, torch.device("cpu")
-    )
-    compressor = get_compressor(name)
-    if compressor is None:
-        from ..engine.budget import kv_bytes_per_token as plain_bytes_per_token
-
-        return plain_bytes_per_token(config, dtype)
-    return compressor.bytes_per_token(geometry)
+__all__ = sorted(_EXPORTS)
 
 
-__all__ = [
-    "ENTRY_POINT_GROUP",
-    "AttendConfig",
-    "CodecKVCache",
-    "CodecPair",
-    "CompressedKVCache",
-    "Compressor",
-    "DecodeOutput",
-    "DequantResult",
-    "Dequantized",
-    "Fp8Codec",
-    "Fused",
-    "Int8Codec",
-    "KVGeometry",
-    "PolarCodec",
-    "ResizableKVCache",
-    "VectorCodec",
-    "compressor_names",
-    "get_compressor",
-    "kv_bytes_per_token",
-    "plugin_failures",
-    "refresh_plugins",
-    "register_compressor",
-]
+def __getattr__(name: str) -> object:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

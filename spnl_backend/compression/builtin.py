@@ -17,7 +17,7 @@ from .cache import CodecKVCache
 from .codecs import Fp8Codec, Int8Codec
 from .polar import PolarCodec
 from .protocol import KVGeometry
-from .registry import Compressor, register_compressor
+from .registry import Compressor
 
 
 def _fp8(g: KVGeometry) -> CodecPair:
@@ -90,6 +90,3 @@ BUILT_IN = (
         calibrated=True,
     ),
 )
-
-for _compressor in BUILT_IN:
-    register_compressor(_compressor)

@@ -8,10 +8,9 @@ import threading
 
 import torch
 
+from ..memory import grown
 from .attention import CodecPair, attend_records, decode_records
 from .protocol import AttendConfig, DequantResult, Fused, KVGeometry
-
-_GROWTH_QUANTUM = 256  # tokens; capacity grows to a multiple of this, at least doubling
 
 
 class LayerRecords:
@@ -49,19 +48,6 @@ class LayerRecords:
     def _reserve(self, tokens: int) -> None:
         self.keys = grown(self.keys, tokens, self.length)
         self.values = grown(self.values, tokens, self.length)
-
-
-def grown(buffer: torch.Tensor, tokens: int, used: int, dim: int = 0) -> torch.Tensor:
-    """``buffer`` with room for ``tokens`` along ``dim`` (a multiple of the growth quantum,
-    at least double), its first ``used`` kept; itself if it has the room."""
-    capacity = buffer.shape[dim]
-    if tokens <= capacity:
-        return buffer
-    shape = list(buffer.shape)
-    shape[dim] = max(2 * capacity, -(-tokens // _GROWTH_QUANTUM) * _GROWTH_QUANTUM)
-    bigger = buffer.new_empty(shape)
-    bigger.narrow(dim, 0, used).copy_(buffer.narrow(dim, 0, used))
-    return bigger
 
 
 class CodecKVCache:

@@ -14,31 +14,40 @@ cache per sequence, in non-paged mode.
 """
 
 import dataclasses
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from importlib.metadata import entry_points
+from typing import TYPE_CHECKING
 
 from ..log import get_logger
-from .attention import CodecPair
-from .protocol import CompressedKVCache, KVGeometry
+
+if TYPE_CHECKING:
+    from .attention import CodecPair
+    from .protocol import CompressedKVCache, KVGeometry
 
 log = get_logger()
 
 ENTRY_POINT_GROUP = "spnl_backend.kv_cache_compressors"
 NONE = "none"
+# The methods that ship with the package, defined in `BUILT_IN_MODULE` and loaded on first
+# use like a plugin's: the registry imports nothing above it, so settings can check a name
+# against it without importing torch, the kernels or the codecs.
+BUILT_IN_NAMES = ("fp8", "int8", "tq4", "tq3", "tq4-qjl", "tq3-qjl")
+BUILT_IN_MODULE = "spnl_backend.compression.builtin"
 
 
 @dataclass(frozen=True)
 class Compressor:
     name: str
     summary: str
-    make_cache: Callable[[KVGeometry], CompressedKVCache]
-    make_codecs: Callable[[KVGeometry], CodecPair] | None = None
+    make_cache: Callable[["KVGeometry"], "CompressedKVCache"]
+    make_codecs: Callable[["KVGeometry"], "CodecPair"] | None = None
     # The engine measures `KVGeometry.kv_means` for it (one forward pass at load).
     calibrated: bool = False
 
-    def bytes_per_token(self, geometry: KVGeometry) -> int | None:
+    def bytes_per_token(self, geometry: "KVGeometry") -> int | None:
         """K and V of every layer for one token, where the record size is known."""
         if self.make_codecs is None:
             return None
@@ -46,15 +55,12 @@ class Compressor:
         return pair.bytes_per_token(geometry.num_layers, geometry.num_kv_heads)
 
 
-_BUILT_IN: dict[str, Compressor] = {}
-
-
-def register_compressor(compressor: Compressor) -> None:
-    """Add a built-in method (other packages use the entry point group instead)."""
-    name = compressor.name.lower()
-    if name == NONE or name in _BUILT_IN:
-        raise ValueError(f"a KV-cache compressor named {name!r} is already registered")
-    _BUILT_IN[name] = dataclasses.replace(compressor, name=name)
+@cache
+def _built_in() -> dict[str, Compressor]:
+    methods = {c.name: c for c in importlib.import_module(BUILT_IN_MODULE).BUILT_IN}
+    if tuple(methods) != BUILT_IN_NAMES:
+        raise RuntimeError(f"{BUILT_IN_MODULE} defines {tuple(methods)}, not {BUILT_IN_NAMES}")
+    return methods
 
 
 @cache
@@ -73,7 +79,7 @@ def _plugins() -> tuple[dict[str, Compressor], dict[str, str]]:
 
 
 def _as_compressor(name: str, target: str, loaded: object) -> Compressor:
-    if name == NONE or name in _BUILT_IN:
+    if name == NONE or name in BUILT_IN_NAMES:
         raise ValueError(f"{name!r} is the name of a built-in method")
     if isinstance(loaded, Compressor):
         return dataclasses.replace(loaded, name=name)
@@ -90,13 +96,9 @@ def refresh_plugins() -> None:
     _plugins.cache_clear()
 
 
-def registered() -> dict[str, Compressor]:
-    """Every usable method by name: built-in first, then plugins."""
-    return {**_BUILT_IN, **_plugins()[0]}
-
-
 def compressor_names() -> tuple[str, ...]:
-    return (NONE, *registered())
+    """Every usable method's name: none, the built-in ones, then the plugins that loaded."""
+    return (NONE, *BUILT_IN_NAMES, *_plugins()[0])
 
 
 def plugin_failures() -> dict[str, str]:
@@ -108,7 +110,7 @@ def get_compressor(name: str) -> Compressor | None:
     if name == NONE:
         return None
     try:
-        return registered()[name]
+        return _built_in()[name] if name in BUILT_IN_NAMES else _plugins()[0][name]
     except KeyError:
         raise KeyError(
             f"no KV-cache compressor named {name!r}; registered: " + ", ".join(compressor_names())

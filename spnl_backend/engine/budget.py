@@ -2,8 +2,6 @@
 
 from dataclasses import dataclass
 
-import torch
-
 from ..errors import PlatformError, SettingsError
 from ..memory import MIB
 from ..models.config import ModelConfig
@@ -27,12 +25,6 @@ class KVCachePlan:
     @property
     def nbytes(self) -> int:
         return self.num_tokens * self.bytes_per_token
-
-
-def kv_bytes_per_token(config: ModelConfig, cache_dtype: torch.dtype) -> int:
-    """K and V of every layer, for one token."""
-    element = torch.empty((), dtype=cache_dtype).element_size()
-    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * element
 
 
 def plan_kv_cache(

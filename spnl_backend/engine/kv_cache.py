@@ -14,12 +14,12 @@ from typing import Protocol
 
 import torch
 
-from ..compression.cache import grown
 from ..kernels.attention_ref import attention_ref
 from ..log import get_logger
+from ..memory import grown
 from ..models.config import ModelConfig
 from ..models.layers import AttentionSpec
-from .sequence import ScheduledSeq, Sequence
+from .sequence import CachedTokens, ScheduledSeq
 
 log = get_logger()
 
@@ -191,7 +191,7 @@ class ContiguousCacheManager:
     def pool_usage(self) -> None:
         """No block pool: each sequence's cache grows on its own."""
 
-    def admit(self, seq: Sequence) -> None:
+    def admit(self, seq: CachedTokens) -> None:
         kv = self.new_store()
         self.caches[seq.seq_id] = kv
         source, length = self.prefix_cache.longest_prefix(seq.token_ids)
@@ -204,16 +204,16 @@ class ContiguousCacheManager:
             event = "prefix_cache.hit" if length > 0 else "prefix_cache.miss"
             log.debug(event, seq_id=seq.seq_id, cached_tokens=seq.num_cached_tokens)
 
-    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+    def reserve(self, seq: CachedTokens, num_tokens: int) -> bool:
         self.caches[seq.seq_id].reserve(num_tokens, used=seq.num_computed_tokens)
         return True
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: CachedTokens) -> None:
         kv = self.caches.pop(seq.seq_id, None)
         if kv is not None:
             self.prefix_cache.insert(seq.seq_id, seq.token_ids[: seq.num_computed_tokens], kv)
 
-    def truncate(self, seq: Sequence) -> None:
+    def truncate(self, seq: CachedTokens) -> None:
         kv = self.caches.get(seq.seq_id)
         if kv is not None:
             kv.truncate(seq.num_computed_tokens)

@@ -14,11 +14,12 @@ from ..kernels import Kernels
 from ..kernels.metadata import PagedMetadata
 from ..kernels.paged_ref import fp8_scale
 from ..log import get_logger
+from ..memory import kv_bytes_per_token
 from ..models.config import ModelConfig
 from ..models.layers import AttentionBackend, AttentionSpec
 from .block_manager import BlockManager, BlockTable
 from .scheduler import PoolUsage
-from .sequence import ScheduledSeq, Sequence
+from .sequence import CachedTokens, ScheduledSeq
 
 log = get_logger()
 
@@ -37,6 +38,7 @@ class PagedKVCache:
         text, from which an FP8 pool's scales are set (needed for float8)."""
         shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.data = torch.zeros(shape, dtype=cache_dtype, device=device)
+        self.bytes_per_token = kv_bytes_per_token(config, cache_dtype)
         self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(config.num_layers)]
         self.is_fp8 = cache_dtype == torch.float8_e4m3fn
         self.k_scale = [1.0] * config.num_layers
@@ -47,11 +49,6 @@ class PagedKVCache:
             self.k_scale = [fp8_scale(m) for m in kv_absmax[:, 0]]
             self.v_scale = [fp8_scale(m) for m in kv_absmax[:, 1]]
             log.debug("kv_cache.fp8_scales", k_scale=self.k_scale, v_scale=self.v_scale)
-
-    @property
-    def bytes_per_token(self) -> int:
-        layers, _, _, _, heads, dim = self.data.shape
-        return layers * 2 * heads * dim * self.data.element_size()
 
     def step(self, kernels: Kernels, meta: PagedMetadata) -> "PagedStep":
         return PagedStep(self, kernels, meta)
@@ -113,7 +110,7 @@ class PagedCacheManager:
         cached = len(blocks.cached_ids)
         return PoolUsage(blocks.num_blocks, blocks.num_blocks - blocks.num_available, cached)
 
-    def admit(self, seq: Sequence) -> None:
+    def admit(self, seq: CachedTokens) -> None:
         """Give a waiting sequence its block table, starting with the cached blocks of its
         longest cached prefix; at least its last token is always computed."""
         hits = self.blocks.match_prefix(seq.token_ids)
@@ -126,7 +123,7 @@ class PagedCacheManager:
         seq.num_computed_tokens = len(hits) * self.block_size
         _log_prefix_lookup(seq, len(hits), self.blocks.blocks_for(seq.num_tokens))
 
-    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+    def reserve(self, seq: CachedTokens, num_tokens: int) -> bool:
         """Make sure the first ``num_tokens`` tokens of ``seq`` have slots."""
         table = self.tables[seq.seq_id]
         needed = self.blocks.blocks_for(num_tokens) - len(table.block_ids)
@@ -135,12 +132,12 @@ class PagedCacheManager:
         table.block_ids.extend(self.blocks.take() for _ in range(max(needed, 0)))
         return True
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: CachedTokens) -> None:
         table = self.tables.pop(seq.seq_id, None)
         if table is not None:
             self.blocks.release(table)
 
-    def truncate(self, seq: Sequence) -> None:
+    def truncate(self, seq: CachedTokens) -> None:
         """Return the blocks past the sequence's computed tokens (rejected draft slots)."""
         table = self.tables.get(seq.seq_id)
         if table is not None:
@@ -175,7 +172,7 @@ class PagedCacheManager:
         return self.cache.step(self.kernels, meta)
 
 
-def _log_prefix_lookup(seq: Sequence, hit_blocks: int, prompt_blocks: int) -> None:
+def _log_prefix_lookup(seq: CachedTokens, hit_blocks: int, prompt_blocks: int) -> None:
     if seq.output_token_ids:  # a preempted sequence coming back, not a new request
         return
     seq.num_cached_tokens = seq.num_computed_tokens

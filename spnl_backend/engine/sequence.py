@@ -4,6 +4,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
@@ -98,9 +99,30 @@ class StepOutput:
     text_delta: str
 
 
+class CachedTokens(Protocol):
+    """What a KV cache manager reads of a sequence: its tokens, and how many of them are
+    computed or came from the prefix cache. An engine `Sequence` is one; so is a
+    speculative draft's view of one (`speculative.CacheView`), which has its own counts."""
+
+    num_computed_tokens: int
+    num_cached_tokens: int
+
+    @property
+    def seq_id(self) -> int: ...
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def output_token_ids(self) -> list[int]: ...
+    @property
+    def num_tokens(self) -> int: ...
+
+
+S = TypeVar("S", bound=CachedTokens, covariant=True)
+
+
 @dataclass(frozen=True)
-class ScheduledSeq:
+class ScheduledSeq(Generic[S]):
     """A sequence in a step, and how many of its tokens the step computes."""
 
-    seq: Sequence
+    seq: S
     num_new_tokens: int

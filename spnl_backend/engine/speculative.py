@@ -88,7 +88,7 @@ class SpeculativeCache:
         self.target.release(seq)
         view = self.views.pop(seq.seq_id, None)
         if view is not None:
-            self.draft.release(view)  # type: ignore[arg-type]
+            self.draft.release(view)
 
     def truncate(self, seq: Sequence) -> None:
         self.target.truncate(seq)
@@ -103,7 +103,7 @@ class SpeculativeCache:
         view = self.views.get(seq.seq_id)
         if view is None:
             view = self.views[seq.seq_id] = CacheView(seq)
-            self.draft.admit(view)  # type: ignore[arg-type]
+            self.draft.admit(view)
         return view
 
 
@@ -126,11 +126,11 @@ class Drafter:
     def reserve(self, seq: Sequence, num_drafts: int) -> bool:
         """Room in the draft cache for the tokens before the last draft."""
         view = self.cache.draft_view(seq)
-        return self.cache.draft.reserve(view, seq.num_tokens + num_drafts - 1)  # type: ignore[arg-type]
+        return self.cache.draft.reserve(view, seq.num_tokens + num_drafts - 1)
 
     def unreserve(self, seq: Sequence) -> None:
         """Give back draft slots reserved for a step that will not draft after all."""
-        self.cache.draft.truncate(self.cache.views[seq.seq_id])  # type: ignore[arg-type]
+        self.cache.draft.truncate(self.cache.views[seq.seq_id])
 
     def propose(self, requests: list[tuple[Sequence, int]]) -> dict[int, Proposal]:
         """Drafts for each ``(sequence, k)``: one batched pass per draft position."""
@@ -157,13 +157,13 @@ class Drafter:
         view = self.cache.views[seq.seq_id]
         view.num_computed_tokens = min(view.num_computed_tokens, num_valid)
         view.pending = accepted
-        self.cache.draft.after_step([ScheduledSeq(view, 0)])  # type: ignore[arg-type]
+        self.cache.draft.after_step([ScheduledSeq(view, 0)])
         view.pending = []
-        self.cache.draft.truncate(view)  # type: ignore[arg-type]
+        self.cache.draft.truncate(view)
 
     def _forward(self, feeds: list[tuple[CacheView, list[int]]]) -> torch.Tensor:
         """The draft's logits after each view's fed tokens; advances their computed counts."""
-        batch = [ScheduledSeq(view, len(tokens)) for view, tokens in feeds]  # type: ignore[arg-type]
+        batch = [ScheduledSeq(view, len(tokens)) for view, tokens in feeds]
         ids, positions = pack_inputs(
             [(view.num_computed_tokens, tokens) for view, tokens in feeds], self.device
         )

@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
-from ..quant.ggml import ggml_format
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
 
@@ -174,9 +173,11 @@ def _dequantize_kernel(
     tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _format(qtype: GGMLQuantizationType) -> dict:
-    fmt = ggml_format(qtype)
-    return {"QTYPE": int(qtype), "QK": fmt.block_size, "BYTES": fmt.type_size}
+def _format(qtype: GGMLQuantizationType, k_in: int, row_bytes: int) -> dict:
+    """The block geometry `_decode` needs, from the packed rows themselves: K-quants hold
+    256 weights a block, the others 32, and a row is ``k_in`` weights' worth of blocks."""
+    block_size = 256 if qtype >= GGMLQuantizationType.Q2_K else 32
+    return {"QTYPE": int(qtype), "QK": block_size, "BYTES": row_bytes * block_size // k_in}
 
 
 def qmatmul_triton(
@@ -197,7 +198,7 @@ def qmatmul_triton(
         data.shape[1],
         x.stride(0),
         y.stride(0),
-        **_format(qtype),
+        **_format(qtype, k_in, data.shape[1]),
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
@@ -221,7 +222,7 @@ def dequantize_triton(
         n_rows,
         k_in,
         data.shape[1],
-        **_format(qtype),
+        **_format(qtype, k_in, data.shape[1]),
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
     )

@@ -4,13 +4,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import native_kernels
+from ..kernels import KernelChoice, choose_kernels
 from ..kernels.cpu import CpuKernels
 from ..log import get_logger
 from ..models.config import ModelConfig
 from ..models.transformer import CausalLM
 from ..quant.isq import apply_isq
-from ..quant.linear import QuantEmbedding, QuantLinear, select_matmuls
+from ..quant.linear import QuantEmbedding, QuantLinear
 from ..settings import PlatformDecisions
 from ..settings.values import IsqType
 from .gguf_config import model_config_from_gguf
@@ -39,7 +39,12 @@ class LoadedModel:
     source: ModelSource
     dtype: torch.dtype
     device: torch.device
-    native: CpuKernels | None = None  # the compiled CPU kernels it runs on, if any
+    kernels: KernelChoice  # what it runs on, chosen once from the platform decisions
+
+    @property
+    def native(self) -> CpuKernels | None:
+        """The compiled CPU kernels it runs on, if any."""
+        return self.kernels.native
 
 
 def load_model(
@@ -116,9 +121,11 @@ def _build(
     device = torch.device(decisions.device)
     with torch.device("meta"):
         model = CausalLM(config)
-    native = native_kernels(decisions)
-    matmuls = select_matmuls(decisions.kernels, native, decisions.cpu_gemm)
-    load_into(model, weights, dtype=dtype, device=device, source=source.path, matmuls=matmuls)
+    kernels = choose_kernels(decisions)
+    native = kernels.native
+    load_into(
+        model, weights, dtype=dtype, device=device, source=source.path, matmuls=kernels.matmuls
+    )
     model.to(device).eval()
     model.use_native_kernels(native)
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding)]
@@ -135,4 +142,4 @@ def _build(
         cpu_gemm=decisions.cpu_gemm if native else None,
         native_checks=native.checks if native else None,
     )
-    return LoadedModel(model, tokenizer, config, source, dtype, device, native)
+    return LoadedModel(model, tokenizer, config, source, dtype, device, kernels)

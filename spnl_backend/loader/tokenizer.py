@@ -3,7 +3,6 @@ converts from the file's vocabulary, cached after the first (slow) conversion.""
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -14,6 +13,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 from ..errors import ModelFileError, RequestError
 from ..log import get_logger
+from ..settings.paths import cache_dir
 from .chat_template import ChatTemplate
 
 log = get_logger()
@@ -89,7 +89,7 @@ def load_text_tokenizer(model_dir: Path, eos_token_ids: Sequence[int]) -> Tokeni
 def load_gguf_tokenizer(
     gguf_path: Path, architecture: str, eos_token_ids: Sequence[int]
 ) -> Tokenizer:
-    cached = _cache_dir() / _cache_key(gguf_path)
+    cached = cache_dir("tokenizers") / _cache_key(gguf_path)
     if not (cached / "tokenizer.json").exists():
         _convert(gguf_path, cached)
     hf = _load_converted(cached)
@@ -151,8 +151,3 @@ def _cache_key(path: Path) -> str:
     stat = path.stat()
     identity = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
     return hashlib.sha256(identity.encode()).hexdigest()[:32]
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "spnl_backend" / "tokenizers"

@@ -4,15 +4,19 @@ A variable set on purpose but ignored costs users hours, so each one is reported
 (``settings.no_effect``) with the reason; nothing here changes what runs.
 """
 
+from typing import TYPE_CHECKING
+
 from .model import KV_BUDGET_FIELDS, BackendSettings, env_name
-from .platform import PlatformDecisions
+
+if TYPE_CHECKING:  # the platform module reports through this one
+    from .platform import PlatformDecisions
 
 _PAGED_ONLY = ("paged_attn_block_size", *KV_BUDGET_FIELDS)
 _NATIVE_ONLY = ("cpu_matmul", "cpu_gemm", "native_checks")
 
 
 def ineffective_settings(
-    settings: BackendSettings, decisions: PlatformDecisions
+    settings: BackendSettings, decisions: "PlatformDecisions"
 ) -> list[tuple[str, str]]:
     """``(variable, why it has no effect)`` for each setting given that changes nothing."""
     fields = BackendSettings.model_fields

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ..compression.registry import compressor_names, plugin_failures
 from ..errors import SettingsError, shown
 from ..log import get_logger, set_verbose
 from . import values
@@ -29,8 +30,6 @@ class KvBudget:
 
 
 def _parse_compression(value: object) -> str:
-    from ..compression import compressor_names, plugin_failures  # torch, only when asked
-
     name = str(value).strip().lower()
     if name not in compressor_names():
         failed = "".join(

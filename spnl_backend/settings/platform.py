@@ -15,6 +15,7 @@ import torch
 
 from ..errors import PlatformError
 from ..log import get_logger
+from .effects import ineffective_settings
 from .model import BackendSettings
 
 log = get_logger()
@@ -126,8 +127,6 @@ def probe_platform() -> PlatformProbe:
 def detect_platform(settings: BackendSettings) -> PlatformDecisions:
     """Probe this machine and decide; logs ``platform.detected``, and warns of each setting
     that the decisions leave without effect (``settings.no_effect``)."""
-    from .effects import ineffective_settings
-
     decisions = decide_platform(settings, probe_platform())
     log.info(
         "platform.detected",

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from ..engine.kv_cache import ContiguousStep, StepSlice, plain_stores
+from ..loader.build import LoadedModel
 from ..log import get_logger
-from .build import LoadedModel
+from .kv_cache import ContiguousStep, StepSlice, plain_stores
 
 log = get_logger()
 

@@ -12,23 +12,22 @@ holding as many tokens as the target's.
 import torch
 
 from ..compression import Compressor, KVGeometry, ResizableKVCache, get_compressor
-from ..engine.block_manager import BlockManager
-from ..engine.budget import KVCachePlan, kv_bytes_per_token, plan_kv_cache
-from ..engine.compressed import CodedPagedKVCache, ProtocolKV
-from ..engine.engine import Engine, EngineConfig
-from ..engine.kv_cache import ContiguousCacheManager, SequenceStore, plain_stores
-from ..engine.paged import BlockPool, PagedCacheManager, PagedKVCache
-from ..engine.runner import ModelRunner, Runner
-from ..engine.scheduler import CacheManager
-from ..engine.speculative import Drafter, SpeculativeCache, SpeculativeRunner
 from ..errors import PlatformError, SettingsError
-from ..kernels import select_kernels
+from ..loader.build import LoadedModel
 from ..log import get_logger
-from ..memory import MIB, available_memory
+from ..memory import MIB, available_memory, kv_bytes_per_token
 from ..settings import BackendSettings, PlatformDecisions
 from ..settings.model import KvBudget, env_name
-from .build import LoadedModel
+from .block_manager import BlockManager
+from .budget import KVCachePlan, plan_kv_cache
 from .calibration import KVStatistics, kv_statistics
+from .compressed import CodedPagedKVCache, ProtocolKV
+from .engine import Engine, EngineConfig
+from .kv_cache import ContiguousCacheManager, SequenceStore, plain_stores
+from .paged import BlockPool, PagedCacheManager, PagedKVCache
+from .runner import ModelRunner, Runner
+from .scheduler import CacheManager
+from .speculative import Drafter, SpeculativeCache, SpeculativeRunner
 
 log = get_logger()
 
@@ -189,7 +188,7 @@ def _paged_cache(
     except (RuntimeError, MemoryError) as exc:  # an allocator's refusal, not a crash
         raise _allocation_failed(plan, settings, exc) from None
     blocks = BlockManager(plan.num_blocks, plan.block_size, settings.prefix_cache_enabled)
-    return PagedCacheManager(cache, blocks, select_kernels(decisions.kernels, loaded.native))
+    return PagedCacheManager(cache, blocks, loaded.kernels.attention)
 
 
 def _allocation_failed(

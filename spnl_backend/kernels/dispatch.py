@@ -1,0 +1,84 @@
+"""The one kernel decision: from the platform decisions to the kernels a model runs on.
+
+`choose_kernels` is called once per loaded model. It loads the compiled CPU kernels where
+the platform chose them, and picks the paged-attention set (`kernels.sets`) and the
+quantized products (`kernels.matmuls`) to match; the models, the caches and the engine
+take what it chose and never decide again. The row counts at which a set switches
+arithmetic live in `kernels.thresholds`.
+"""
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+
+from ..errors import PlatformError
+from ..log import get_logger
+from ..settings import PlatformDecisions
+from .cpu import CpuKernels, load_cpu_kernels
+from .matmuls import CpuMatmuls, Matmuls, quantized_matmuls_ref, quantized_matmuls_triton
+from .sets import TORCH_KERNELS, Kernels, cpu_kernel_set, triton_kernel_set
+
+log = get_logger()
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """What one model runs on: the compiled CPU kernels (None: their torch twins or
+    Triton), the paged-attention set and the quantized products."""
+
+    native: CpuKernels | None
+    attention: Kernels
+    matmuls: Matmuls
+
+
+def choose_kernels(decisions: PlatformDecisions) -> KernelChoice:
+    native = native_kernels(decisions)
+    choice = KernelChoice(
+        native,
+        select_kernels(decisions.kernels, native),
+        select_matmuls(decisions.kernels, native, decisions.cpu_gemm),
+    )
+    log.debug("kernels.selected", attention=choice.attention.name, native=native is not None)
+    return choice
+
+
+def native_kernels(decisions: PlatformDecisions) -> CpuKernels | None:
+    """The compiled CPU kernels as the platform decided them (None: the torch twins run).
+
+    A compiler that was found but fails to build them falls back to the twins with a
+    warning, unless ``MISTRALRS_CPU_KERNELS=native`` asked for them."""
+    if decisions.kernels != "cpu" or decisions.c_compiler is None:
+        return None
+    native = load_cpu_kernels(decisions.c_compiler, decisions.native_checks)
+    if native is None:
+        if decisions.cpu_kernels_required:
+            raise PlatformError(
+                f"MISTRALRS_CPU_KERNELS=native, but {decisions.c_compiler} could not build "
+                "them (the log's native.unavailable event says why); use auto or torch"
+            )
+        return None
+    if decisions.cpu_matmul == "int8" and not native.has_int8:
+        raise PlatformError("the native kernels were built without the int8 products")
+    return replace(native, exact=decisions.cpu_matmul == "float32")
+
+
+def select_kernels(
+    kind: Literal["torch", "cpu", "triton"], native: CpuKernels | None = None
+) -> Kernels:
+    """The kernel set for the platform's decision (``PlatformDecisions.kernels``), over the
+    compiled CPU kernels ``native`` where they run."""
+    if kind == "cpu" and native is not None:
+        return cpu_kernel_set(native)
+    if kind in ("torch", "cpu"):
+        return TORCH_KERNELS
+    return triton_kernel_set()
+
+
+def select_matmuls(kind: str, native: CpuKernels | None, gemm_dtype: str | None) -> Matmuls:
+    """The quantized products for the platform's kernels (``PlatformDecisions.kernels``)."""
+    if kind == "triton":
+        return quantized_matmuls_triton
+    if kind == "cpu" and native is not None:
+        return CpuMatmuls(native, getattr(torch, gemm_dtype or "float32"))
+    return quantized_matmuls_ref

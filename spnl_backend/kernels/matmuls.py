@@ -1,0 +1,112 @@
+"""Products of activations with matrices kept in GGML blocks: the kernel paths.
+
+For several matrices of the same input (q/k/v, gate/up) at once, each path returns
+``x @ W.T`` side by side in one ``[T, sum of rows]`` float32 tensor. On the CPU a few rows
+(decode, a decode batch) go through the compiled kernels of `kernels.cpu`; many rows
+(prefill) dequantize the matrix for that one product and use torch's GEMM
+(`CpuMatmuls`). On CUDA the Triton kernels run; elsewhere the torch twin: dequantize,
+then ``F.linear``. `kernels.dispatch` picks one per model.
+"""
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+
+from .cpu import CpuKernels
+from .thresholds import NATIVE_MAX_ROWS, TRITON_FUSED_ROWS
+
+
+class PackedWeight(Protocol):
+    """A ``[rows, cols]`` matrix as GGML blocks (`quant.linear.QuantizedWeight`)."""
+
+    data: torch.Tensor  # [rows, row_bytes] uint8
+    qtype: GGMLQuantizationType
+    shape: tuple[int, int]
+
+    def rows(self, index: torch.Tensor | slice) -> "PackedWeight": ...
+
+    def dequantize(self) -> torch.Tensor: ...
+
+    def to(self, device: torch.device) -> "PackedWeight": ...
+
+
+Matmuls = Callable[[torch.Tensor, list["PackedWeight"], dict | None], torch.Tensor]
+
+# Float32 elements of weight dequantized at a time: bounds the transient memory of a prefill
+# (the 262k-row head of Gemma would otherwise take 671 MB at once).
+DEQUANT_SLICE_ELEMENTS = 1 << 22
+
+
+class CpuMatmuls:
+    """``x @ W.T`` for several matrices of the same input (q/k/v, gate/up), side by side in
+    one ``[T, sum of rows]`` float32 tensor, on the CPU's compiled kernels.
+
+    A few rows go through one native call that reads, and quantizes, the activations once
+    (``prepared`` keeps that call's arguments between steps); more rows dequantize the
+    matrices slice by slice for torch's GEMM in ``gemm_dtype`` (bfloat16 where the CPU
+    has it natively: 2.5x float32's speed, activations and weights rounded to 8 mantissa
+    bits, sums in float32)."""
+
+    def __init__(self, native: CpuKernels, gemm_dtype: torch.dtype) -> None:
+        self.native, self.gemm_dtype = native, gemm_dtype
+        self.max_rows = native.max_rows if native.exact else NATIVE_MAX_ROWS
+
+    def __call__(
+        self, x: torch.Tensor, weights: list[PackedWeight], prepared: dict | None = None
+    ) -> torch.Tensor:
+        if x.device.type != "cpu":
+            return quantized_matmuls_ref(x, weights)
+        x = x.float().contiguous()
+        if x.shape[0] <= self.max_rows:
+            key = tuple(id(w.data) for w in weights)
+            prepared = {} if prepared is None else prepared
+            if key not in prepared:
+                prepared[key] = self.native.products(
+                    [(w.qtype.value, w.data, w.shape[0]) for w in weights]
+                )
+            return prepared[key](x)
+        return self._dequantized_gemm(x, weights)
+
+    def _dequantized_gemm(self, x: torch.Tensor, weights: list[PackedWeight]) -> torch.Tensor:
+        """Each matrix unpacked a slice of rows at a time, bounding the transient memory."""
+        out = torch.empty((x.shape[0], sum(w.shape[0] for w in weights)), dtype=torch.float32)
+        xg = x.to(self.gemm_dtype)
+        column = 0
+        for weight in weights:
+            step = max(1, DEQUANT_SLICE_ELEMENTS // weight.shape[1])
+            for start in range(0, weight.shape[0], step):
+                part = weight.rows(slice(start, start + step))
+                dense = self.native.dequantize(part.qtype.value, part.data, *part.shape)
+                out[:, column : column + part.shape[0]] = F.linear(xg, dense.to(self.gemm_dtype))
+                column += part.shape[0]
+        return out
+
+
+def quantized_matmuls_triton(
+    x: torch.Tensor, weights: list[PackedWeight], prepared: dict | None = None
+) -> torch.Tensor:
+    """The products through the Triton kernels (CUDA, or the interpreter)."""
+    from .triton_quant import dequantize_triton, qmatmul_triton
+
+    if x.shape[0] <= TRITON_FUSED_ROWS:
+        parts = [qmatmul_triton(x, w.data, w.qtype, w.shape[0]) for w in weights]
+    else:  # in the activations' dtype: bf16/fp16 GEMMs on the tensor cores
+        parts = [
+            F.linear(x, dequantize_triton(w.data, w.qtype, w.shape, x.dtype)).float()
+            for w in weights
+        ]
+    return torch.cat(parts, dim=-1)
+
+
+def quantized_matmuls_ref(
+    x: torch.Tensor, weights: list[PackedWeight], prepared: dict | None = None
+) -> torch.Tensor:
+    """The torch twin: dequantize each matrix, then ``F.linear`` in float32."""
+    return torch.cat([F.linear(x.float(), w.dequantize().to(x.device)) for w in weights], dim=-1)
+
+
+def quantized_matmul_ref(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    return quantized_matmuls_ref(x, [weight])

@@ -1,0 +1,135 @@
+"""The kernel sets the paged engine calls: the torch twins, the CPU's, Triton's.
+
+Every set has the same signatures (`Kernels`); `kernels.dispatch` picks one per model.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from .cpu import CpuKernels, KernelArgumentError
+from .metadata import PagedMetadata
+from .paged_ref import paged_attention_ref, store_kv_ref
+from .thresholds import CPU_DECODE_ROWS
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The kernels the paged engine calls; every set has the same signatures. ``native``
+    is the compiled CPU library the set calls (the CPU set only)."""
+
+    name: str
+    store_kv: Callable[..., None]
+    paged_attention: Callable[..., object]
+    native: CpuKernels | None = None
+
+
+TORCH_KERNELS = Kernels("torch", store_kv_ref, paged_attention_ref)
+
+
+def _cpu_store_kv(
+    native: CpuKernels,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: PagedMetadata,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    if key.dtype == key_cache.dtype == torch.float32:
+        check_step_slots(meta, key_cache)
+        native.store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+    else:
+        store_kv_ref(key, value, key_cache, value_cache, meta, k_scale, v_scale)
+
+
+def _cpu_paged_attention(
+    native: CpuKernels,
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: PagedMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    if (
+        max(meta.query_lens) <= CPU_DECODE_ROWS
+        and alibi_slopes is None
+        and q.dtype == key_cache.dtype == torch.float32
+    ):
+        check_step_slots(meta, key_cache)
+        rows = meta.memo("decode_rows", lambda: decode_rows(meta))
+        lens = meta.memo("seq_lens_i64", lambda: torch.tensor(rows.seq_lens))
+        return native.paged_decode(
+            q, key_cache, value_cache, rows.decode_slots, lens, scale, sliding_window, softcap
+        )
+    return paged_attention_ref(
+        q,
+        key_cache,
+        value_cache,
+        meta,
+        scale=scale,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+
+
+def decode_rows(meta: PagedMetadata) -> PagedMetadata:
+    """The step with each query as a sequence of its own, seeing the keys up to its
+    position: what a decode of that token alone would attend to."""
+    if meta.is_decode:
+        return meta
+    owners, lens = [], []
+    for index, (seq_len, query_len) in enumerate(zip(meta.seq_lens, meta.query_lens, strict=True)):
+        owners += [index] * query_len
+        lens += range(seq_len - query_len + 1, seq_len + 1)
+    tables = meta.block_tables[torch.tensor(owners, device=meta.device)]
+    return PagedMetadata(tables, lens, [1] * len(lens), meta.block_size, meta.slot_mapping)
+
+
+def check_step_slots(meta: PagedMetadata, pool: torch.Tensor) -> None:
+    """Once per step: every block table entry and slot the step uses lies in ``pool``
+    (``[blocks, block_size, ...]``), so the native kernels never follow an index out of it."""
+    num_blocks, block_size = pool.shape[:2]
+    meta.memo(("slots_checked", num_blocks, block_size), lambda: _slots_in(meta, num_blocks))
+
+
+def _slots_in(meta: PagedMetadata, num_blocks: int) -> bool:
+    tables, slots = meta.block_tables, meta.slot_mapping
+    if tables.numel() and not 0 <= int(tables.min()) <= int(tables.max()) < num_blocks:
+        raise KernelArgumentError(
+            f"a block table holds block {int(tables.max())} or {int(tables.min())}, "
+            f"outside the pool of {num_blocks} blocks"
+        )
+    if slots is not None and slots.numel():
+        low, high = int(slots.min()), int(slots.max())
+        if low < -1 or high >= num_blocks * meta.block_size:
+            raise KernelArgumentError(f"the slot mapping holds slot {high} or {low}")
+    if max(meta.seq_lens) > tables.shape[1] * meta.block_size:
+        raise KernelArgumentError("a sequence is longer than its block table")
+    return True
+
+
+def triton_kernel_set() -> Kernels:
+    """Triton's kernels, imported only here: platforms without Triton never load it."""
+    from .triton_attention import paged_attention_triton
+    from .triton_store import store_kv_triton
+
+    return Kernels("triton", store_kv_triton, paged_attention_triton)
+
+
+def cpu_kernel_set(native: CpuKernels) -> Kernels:
+    """The CPU: the native decode kernels for float32 caches, the torch twins otherwise."""
+    store, attend = partial(_cpu_store_kv, native), partial(_cpu_paged_attention, native)
+    return Kernels("cpu", store, attend, native)
