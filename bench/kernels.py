@@ -10,12 +10,15 @@ bandwidth = bytes of K and V read / time, as a fraction of the GPU's peak.
 Prefill: 1k and 8k tokens of one sequence, causal, in TFLOP/s.
 
 Shapes are those of an 8B-class model: 32 query heads, 8 KV heads, head dim 128,
-bfloat16, block size 32. ``--device cpu`` runs a tiny smoke version (interpreter).
+bfloat16, block size 32. ``--device cpu`` runs a tiny smoke version (Triton's interpreter).
 """
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
+import harness
 import torch
 import torch.nn.functional as F
 
@@ -24,28 +27,20 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 32
 PEAK_GBS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0, "L40S": 864.0, "RTX 4090": 1008.0}
 
 
+def _cuda_seconds(fn) -> float:
+    """GPU time of one call: the kernels run asynchronously, so wall time would not see them."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1000
+
+
 def _timed(fn, warmup: int = 3, repeats: int = 10) -> float:
     """Median seconds of ``fn`` (CUDA events where there is a GPU)."""
-    for _ in range(warmup):
-        fn()
-    if not torch.cuda.is_available():
-        import time
-
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return sorted(times)[len(times) // 2]
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    return sorted(times)[len(times) // 2]
+    timer = _cuda_seconds if torch.cuda.is_available() else harness.seconds
+    return harness.median_seconds(fn, repeats, warmup, timer)
 
 
 def _cache(batch: int, context: int, device: str, dtype: torch.dtype):
@@ -58,18 +53,21 @@ def _cache(batch: int, context: int, device: str, dtype: torch.dtype):
     return key_cache, value_cache, tables
 
 
+def _metadata(tables: torch.Tensor, seq_lens: list[int], query_lens: list[int]):
+    """One step's metadata, built once as the engine does for all the layers of a step."""
+    from spnl_backend.kernels.metadata import PagedMetadata
+
+    return PagedMetadata(tables, seq_lens, query_lens, BLOCK)
+
+
 def decode_row(batch: int, context: int, device: str, dtype: torch.dtype, peak: float) -> dict:
     from spnl_backend.kernels.triton_attention import paged_attention_triton
 
     key_cache, value_cache, tables = _cache(batch, context, device, dtype)
     q = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=dtype)
-    seq_lens, query_lens = [context] * batch, [1] * batch
+    meta = _metadata(tables, [context] * batch, [1] * batch)
     scale = HEAD_DIM**-0.5
-    triton_s = _timed(
-        lambda: paged_attention_triton(
-            q, key_cache, value_cache, tables, seq_lens, query_lens, scale=scale
-        )
-    )
+    triton_s = _timed(lambda: paged_attention_triton(q, key_cache, value_cache, meta, scale=scale))
     k = key_cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2)
     v = value_cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2)
     sdpa_s = _timed(
@@ -109,12 +107,9 @@ def prefill_row(tokens: int, device: str, dtype: torch.dtype) -> dict:
 
     key_cache, value_cache, tables = _cache(1, tokens, device, dtype)
     q = torch.randn(tokens, HEADS, HEAD_DIM, device=device, dtype=dtype)
+    meta = _metadata(tables, [tokens], [tokens])
     scale = HEAD_DIM**-0.5
-    triton_s = _timed(
-        lambda: paged_attention_triton(
-            q, key_cache, value_cache, tables, [tokens], [tokens], scale=scale
-        )
-    )
+    triton_s = _timed(lambda: paged_attention_triton(q, key_cache, value_cache, meta, scale=scale))
     k = key_cache[tables.long()].flatten(1, 2)[:, :tokens].transpose(1, 2)
     v = value_cache[tables.long()].flatten(1, 2)[:, :tokens].transpose(1, 2)
     sdpa_s = _timed(
@@ -130,14 +125,32 @@ def prefill_row(tokens: int, device: str, dtype: torch.dtype) -> dict:
     }
 
 
+DECODE_HEADER = ["batch", "context", "Triton µs", "GB/s", "of peak", "SDPA (contiguous) µs"]
+DECODE_HEADER += ["FlashInfer µs"]
+
+
+def decode_cells(r: dict) -> list:
+    return [
+        r["batch"],
+        r["context"],
+        f"{r['triton_us']:.0f}",
+        f"{r['triton_gbs']:.0f}",
+        f"{100 * r['fraction']:.0f}%" if r["fraction"] else "?",
+        f"{r['sdpa_us']:.0f}",
+        f"{r['flashinfer_us']:.0f}" if r["flashinfer_us"] else "not installed",
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--peak-gbs", type=float, help="the GPU's peak memory bandwidth")
-    parser.add_argument("--markdown")
+    parser.add_argument("--markdown", type=Path, help="also write the tables to this file")
     args = parser.parse_args()
     quick = args.device == "cpu"
-    if not quick and not torch.cuda.is_available():
+    if quick:  # Triton has no CPU backend: its interpreter, set before Triton is imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    elif not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU (or --device cpu for a smoke run)")
     dtype = torch.float32 if quick else torch.bfloat16
     name = "cpu" if quick else torch.cuda.get_device_name()
@@ -145,28 +158,20 @@ def main() -> None:
     batches, contexts = ((1, 2), (64, 128)) if quick else ((1, 32, 128), (1024, 8192, 32768))
     decode = [decode_row(b, c, args.device, dtype, peak) for b in batches for c in contexts]
     prefill = [prefill_row(t, args.device, dtype) for t in ((64,) if quick else (1024, 8192))]
-    lines = [
-        f"Device: {name}; peak {peak or '?'} GB/s",
-        "",
-        "| batch | context | Triton µs | GB/s | of peak | SDPA (contiguous) µs | FlashInfer µs |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in decode:
-        fraction = f"{100 * r['fraction']:.0f}%" if r["fraction"] else "?"
-        flashinfer = f"{r['flashinfer_us']:.0f}" if r["flashinfer_us"] else "not installed"
-        lines.append(
-            f"| {r['batch']} | {r['context']} | {r['triton_us']:.0f} | "
-            f"{r['triton_gbs']:.0f} | {fraction} | {r['sdpa_us']:.0f} | {flashinfer} |"
-        )
-    lines += ["", "| prefill tokens | Triton TFLOP/s | SDPA TFLOP/s |", "|---|---|---|"]
-    lines += [
-        f"| {r['tokens']} | {r['triton_tflops']:.1f} | {r['sdpa_tflops']:.1f} |" for r in prefill
-    ]
-    text = "\n".join(lines)
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text + "\n")
+    text = "\n\n".join(
+        [
+            f"Device: {name}; peak {peak or '?'} GB/s",
+            harness.md_table(DECODE_HEADER, [decode_cells(r) for r in decode]),
+            harness.md_table(
+                ["prefill tokens", "Triton TFLOP/s", "SDPA TFLOP/s"],
+                [
+                    [r["tokens"], f"{r['triton_tflops']:.1f}", f"{r['sdpa_tflops']:.1f}"]
+                    for r in prefill
+                ],
+            ),
+        ]
+    )
+    harness.publish(text, args.markdown)
 
 
 if __name__ == "__main__":

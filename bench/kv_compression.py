@@ -32,9 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from decode import STORY_PROMPT, default_gguf, long_prompt, run_json_child  # noqa: E402
+import harness
+from harness import STORY_PROMPT
 
 METHODS = ["none", "fp8", "int8", "tq4", "tq3", "tq4-qjl", "tq3-qjl"]
 MODES = ["paged", "nonpaged"]
@@ -45,38 +44,24 @@ GREEDY_TOKENS = 128
 OURS, LLAMA = "spnl-backend", "llama.cpp"
 
 
-def text_ids(encode, tokens: int) -> list[int]:
-    """The shipped text's first ``tokens`` token ids (fewer if the text is shorter)."""
-    return encode(long_prompt(lambda text: len(encode(text)), tokens))[:tokens]
-
-
-def sixteen_bit_bytes(layers: int, kv_heads: int, key_dim: int, value_dim: int) -> float:
-    return layers * kv_heads * (key_dim + value_dim) * 2.0
-
-
 # ---- ours -----------------------------------------------------------------------------------
 
 
-def our_settings(method: str, mode: str):
-    from spnl_backend import load_settings
-
-    paged = {"paged_attn": True, "paged_attn_context_len": PAGED_CONTEXT_LEN}
-    cache = paged if mode == "paged" else {"paged_attn": False}
-    return load_settings(prefix_cache_n=0, kv_cache_compression=method, **cache)
+def our_cache_settings(mode: str) -> dict:
+    if mode == "paged":
+        return {"paged_attn": True, "paged_attn_context_len": PAGED_CONTEXT_LEN}
+    return {"paged_attn": False}
 
 
-def our_kv_bytes(method: str, config) -> tuple[float | None, float]:
+def our_kv_bytes(method: str, config) -> tuple[int | None, int]:
     """Bytes per token of ``method`` (None: the method does not say) and of a 16-bit cache,
     for the model's config."""
-    full = sixteen_bit_bytes(
-        config.num_layers, config.num_kv_heads, config.head_dim, config.head_dim
-    )
-    if method == "none":
-        return full, full
-    from spnl_backend.compression import kv_bytes_per_token
+    import torch
 
-    method_bytes = kv_bytes_per_token(method, config)
-    return (None if method_bytes is None else float(method_bytes)), full
+    from spnl_backend.compression import method_bytes_per_token
+    from spnl_backend.memory import kv_bytes_per_token
+
+    return method_bytes_per_token(method, config), kv_bytes_per_token(config, torch.float16)
 
 
 def our_greedy(backend, prompt: list[int]) -> dict:
@@ -93,41 +78,27 @@ def our_greedy(backend, prompt: list[int]) -> dict:
     }
 
 
-def our_perplexity(backend, ids: list[int]) -> float:
-    import torch
-
-    from spnl_backend.engine.scoring import prompt_logits
-
-    engine = backend._engine
-    logits = prompt_logits(engine, ids, engine.runner.device)
-    nll = torch.nn.functional.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:]))
-    return math.exp(float(nll))
-
-
-def cache_kind(cache) -> str:
-    """The cache manager's class and, where it shows one, its storage dtype."""
-    storage = getattr(getattr(cache, "cache", None), "data", None)
-    dtype = getattr(cache, "dtype", None) or getattr(storage, "dtype", None)
-    return f"{type(cache).__name__} {dtype or ''}".strip()
+def cache_kind(info) -> str:
+    """The cache's kind and, where the backend knows it, its storage dtype."""
+    return f"{info.kind} {info.dtype or ''}".strip()
 
 
 def measure_ours(method: str, mode: str, gguf: Path, threads: int, tokens: int) -> dict:
     import torch
 
-    from spnl_backend import load_backend
-
     torch.set_num_threads(threads)
-    backend = load_backend(str(gguf), settings=our_settings(method, mode))
-    ids = text_ids(backend.tokenizer.encode, tokens)
+    cache = our_cache_settings(mode)
+    backend = harness.load_ours(gguf, prefix_cache_n=0, kv_cache_compression=method, **cache)
+    ids = harness.text_ids(backend.tokenizer.encode, tokens)
     backend.generate(STORY_PROMPT, max_tokens=4, temperature=0)  # warm-up
     greedy = our_greedy(backend, ids[:-GREEDY_TOKENS])
     kv_bytes, full = our_kv_bytes(method, backend.model_config)
     return greedy | {
         "kv_bytes": kv_bytes,
         "kv_bytes_16bit": full,
-        "perplexity": our_perplexity(backend, ids),
+        "perplexity": harness.our_perplexity(backend, ids),
         "text_tokens": len(ids),
-        "cache": cache_kind(backend._engine.cache),
+        "cache": cache_kind(backend.cache_info()),
         "ids": ids,
     }
 
@@ -153,22 +124,22 @@ def llama_load(gguf: Path, ggml_type: int, threads: int, n_ctx: int, logits_all:
 
 
 def llama_kv_bytes(llm, bytes_per_element: float) -> tuple[float, float]:
+    """llama.cpp's cache per token, from its own reading of the GGUF (spnl_backend is not
+    importable under --peers-python): its type's, and 16-bit's."""
     meta = llm.metadata
     arch = meta["general.architecture"]
-    layers, kv_heads = (
-        int(meta[f"{arch}.block_count"]),
-        int(meta[f"{arch}.attention.head_count_kv"]),
-    )
+    layers = int(meta[f"{arch}.block_count"])
+    kv_heads = int(meta[f"{arch}.attention.head_count_kv"])
     key_dim = int(meta[f"{arch}.attention.key_length"])
     value_dim = int(meta[f"{arch}.attention.value_length"])
-    full = sixteen_bit_bytes(layers, kv_heads, key_dim, value_dim)
-    return full / 2 * bytes_per_element, full
+    elements = layers * kv_heads * (key_dim + value_dim)
+    return elements * bytes_per_element, elements * 2.0
 
 
 def llama_ids(llm, ids_file: Path | None, tokens: int) -> tuple[list[int], bool | None]:
     """llama.cpp's own token ids of the text, or ours where they differ; whether they agree
     (None: ours were not there to compare with)."""
-    own = text_ids(lambda text: llm.tokenize(text.encode()), tokens)
+    own = harness.text_ids(lambda text: llm.tokenize(text.encode()), tokens)
     if ids_file is None or not ids_file.exists():
         return own, None
     ours = json.loads(ids_file.read_text())
@@ -246,14 +217,14 @@ def measure_llama(kind: str, gguf: Path, threads: int, tokens: int, ids_file) ->
 
 def run_ours_child(method: str, mode: str, gguf: Path, args) -> dict:
     command = [sys.executable, __file__, "--child-ours", method, "--mode", mode]
-    command += ["--gguf", str(gguf), "--threads", str(args.threads), "--tokens", str(args.tokens)]
-    return {"method": method, "engine": OURS, "mode": mode} | run_json_child(command)
+    command += ["--gguf", gguf, "--threads", args.threads, "--tokens", args.tokens]
+    return {"method": method, "engine": OURS, "mode": mode} | harness.run_json_child(command)
 
 
 def run_llama_child(kind: str, gguf: Path, args, ids_file: Path) -> dict:
     command = [args.peers_python, __file__, "--child-llama", kind, "--ids", str(ids_file)]
-    command += ["--gguf", str(gguf), "--threads", str(args.threads), "--tokens", str(args.tokens)]
-    return {"method": kind, "engine": LLAMA, "mode": "flash attn"} | run_json_child(command)
+    command += ["--gguf", gguf, "--threads", args.threads, "--tokens", args.tokens]
+    return {"method": kind, "engine": LLAMA, "mode": "flash attn"} | harness.run_json_child(command)
 
 
 def reference_first(chosen: list[str], reference: str) -> list[str]:
@@ -292,10 +263,10 @@ def number(value: float) -> str:
     return f"{value:,.0f}" if float(value).is_integer() else f"{value:,.1f}"
 
 
-def table_row(r: dict) -> str:
-    head = f"| {r['method']} | {r['engine']} | {r['mode']} |"
+def table_row(r: dict) -> list[str]:
+    head = [r["method"], r["engine"], r["mode"]]
     if "error" in r:
-        return head + f" not run: {r['error']} |" + " |" * 9
+        return [*head, f"not run: {r['error']}"]
     known = r["kv_bytes"] is not None
     cells = [
         number(r["kv_bytes"]) if known else "unknown",
@@ -312,17 +283,15 @@ def table_row(r: dict) -> str:
         f"{r['decode_tok_s']:.1f}",
         f"{r['prefill_s']:.2f}",
     ]
-    return head + " " + " | ".join(cells) + " |"
+    return head + cells
 
 
 def table(rows: list[dict], args, ours_mode: str | None) -> str:
-    lines = [
-        "| method | engine | mode | KV bytes/token | % of 16-bit | perplexity "
-        "| Δ perplexity vs uncompressed | greedy agreement | first divergence "
-        f"| agreement with ours none ({ours_mode or 'not run'}) | decode tok/s | prefill s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    lines += [table_row(r) for r in rows]
+    header = ["method", "engine", "mode", "KV bytes/token", "% of 16-bit", "perplexity"]
+    header += ["Δ perplexity vs uncompressed", "greedy agreement", "first divergence"]
+    header += [f"agreement with ours none ({ours_mode or 'not run'})"]
+    header += ["decode tok/s", "prefill s"]
+    lines = [harness.md_table(header, [table_row(r) for r in rows])]
     done = [r for r in rows if "error" not in r]
     text_tokens = done[0]["text_tokens"] if done else args.tokens
     prompt_tokens = done[0]["prompt_tokens"] if done else args.tokens - GREEDY_TOKENS
@@ -354,18 +323,14 @@ def report(row: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--threads", type=int, default=2)
+    parser = harness.arguments(__doc__)
     parser.add_argument("--tokens", type=int, default=4096, help="context: text tokens scored")
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     parser.add_argument("--modes", nargs="*", default=MODES, choices=MODES)
     parser.add_argument(
         "--peer-types", nargs="*", default=list(PEER_TYPES), choices=list(PEER_TYPES)
     )
-    parser.add_argument(
-        "--peers-python", default=sys.executable, help="interpreter with llama-cpp-python"
-    )
-    parser.add_argument("--markdown", type=Path, help="also write the table to this file")
+    harness.add_peers_python(parser, "llama-cpp-python")
     parser.add_argument("--child-ours", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--child-llama", choices=list(PEER_TYPES), help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
@@ -380,7 +345,7 @@ def main() -> None:
         row = measure_llama(args.child_llama, args.gguf, args.threads, args.tokens, args.ids)
         print(json.dumps(row))
         return
-    gguf = default_gguf()
+    gguf = harness.default_gguf()
     rows = []
     for mode in args.modes:
         for method in reference_first(args.methods, "none"):
@@ -399,10 +364,7 @@ def main() -> None:
     compare(rows, ours_mode)
     for row in rows:
         print(json.dumps({k: v for k, v in row.items() if k not in ("ids", "tokens")}))
-    text = table(rows, args, ours_mode)
-    print(text)
-    if args.markdown:
-        args.markdown.write_text(text + "\n")
+    harness.publish(table(rows, args, ours_mode), args.markdown)
 
 
 if __name__ == "__main__":

@@ -15,14 +15,10 @@
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from decode import default_gguf, long_prompt  # noqa: E402
+import harness
 
 SUFFIXES = [
     "Question: who wrote the ledger first? Answer:",
@@ -41,14 +37,12 @@ BATCH_TOKENS = 128
 
 
 def _backend(**settings):
-    from spnl_backend import BackendSettings, load_backend
-
-    return load_backend(str(default_gguf()), settings=BackendSettings(**settings))
+    return harness.load_ours(harness.default_gguf(), **settings)
 
 
 def prefix_cache(paged: bool, enabled: bool) -> dict:
     backend = _backend(paged_attn=paged, prefix_cache_n=16 if enabled else 0)
-    prefix = long_prompt(lambda text: len(backend.tokenizer.encode(text)), tokens=1000)
+    prefix = harness.long_prompt(backend.tokenizer.encode, tokens=1000)
     backend.generate("Warm-up.", max_tokens=2, temperature=0)
     results = [
         backend.generate(f"{prefix}\n\n{suffix}", max_tokens=1, temperature=0)
@@ -89,7 +83,7 @@ def transformers_batching() -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = default_gguf()
+    path = harness.default_gguf()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
@@ -106,7 +100,7 @@ def transformers_batching() -> dict:
 def kv_memory() -> dict:
     import torch
 
-    from spnl_backend.engine.budget import kv_bytes_per_token
+    from spnl_backend.memory import kv_bytes_per_token
 
     backend = _backend(paged_attn=True)
     config = backend.model_config
@@ -119,24 +113,16 @@ def kv_memory() -> dict:
         per_token = kv_bytes_per_token(config, dtype)
         rows[name] = {"bytes_per_token": per_token, "tokens_in_1GiB": (1 << 30) // per_token}
     sized = _backend(paged_attn=True, paged_cache_type="f8e4m3", paged_attn_memory_mb=1024)
-    rows["f8e4m3"]["allocated_tokens_1GiB"] = sized._engine.cache.capacity_tokens
+    rows["f8e4m3"]["allocated_tokens_1GiB"] = sized.cache_info().capacity_tokens
     rows["fp8_quality"] = _fp8_quality(backend)
     return rows
 
 
 def _fp8_quality(auto_backend) -> dict:
-    import torch
-
-    from spnl_backend.engine.scoring import prompt_logits
-
-    def engine_logits(backend, ids):
-        return prompt_logits(backend._engine, ids, torch.device("cpu"))
-
     fp8_backend = _backend(paged_attn=True, paged_cache_type="f8e4m3", prefix_cache_n=0)
-    text = long_prompt(lambda t: len(auto_backend.tokenizer.encode(t)), tokens=512)
-    ids = auto_backend.tokenizer.encode(text)
-    auto = engine_logits(_backend(paged_attn=True, prefix_cache_n=0), ids)
-    fp8 = engine_logits(fp8_backend, ids)
+    ids = harness.text_ids(auto_backend.tokenizer.encode, 512)
+    auto = harness.our_logits(_backend(paged_attn=True, prefix_cache_n=0), ids)
+    fp8 = harness.our_logits(fp8_backend, ids)
     agree_top1 = float((auto.argmax(-1) == fp8.argmax(-1)).float().mean())
     greedy_auto = auto_backend.generate(BATCH_PROMPTS[0], max_tokens=64, temperature=0).token_ids
     greedy_fp8 = fp8_backend.generate(BATCH_PROMPTS[0], max_tokens=64, temperature=0).token_ids
@@ -150,13 +136,12 @@ def _fp8_quality(auto_backend) -> dict:
     }
 
 
-def _child(task: str, args: list[str]) -> dict:
-    command = [sys.executable, __file__, "--child", task, *args]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    lines = [line for line in done.stdout.splitlines() if line.startswith(("{", "["))]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"{task} failed: {done.stderr[-2000:]}")
-    return json.loads(lines[-1])
+def _child(task: str, args: list[str]) -> dict | list:
+    """Every table needs every task: a failed one stops the run, with its stderr."""
+    try:
+        return harness.child_json([sys.executable, __file__, "--child", task, *args])
+    except harness.ChildError as failure:
+        raise RuntimeError(f"{task} failed: {failure}") from None
 
 
 CHILD_TASKS = {
@@ -169,67 +154,81 @@ CHILD_TASKS = {
 }
 
 
+def mode(paged: bool) -> str:
+    return "paged" if paged else "non-paged"
+
+
+def prefix_table(prefix: list[dict]) -> str:
+    header = ["mode", "prefix caching", "prompt tokens", "TTFT request 1", "TTFT requests 2-8"]
+    header += ["ratio", "cached tokens"]
+    rows = [
+        [
+            mode(r["paged"]),
+            "on" if r["prefix_cache"] else "off",
+            r["prompt_tokens"],
+            f"{r['ttft_first_ms']:.0f} ms",
+            f"{r['ttft_rest_ms']:.0f} ms",
+            f"{r['ratio']:.2f}x",
+            f"{r['cached_tokens']:.0f}",
+        ]
+        for r in prefix
+    ]
+    return harness.md_table(header, rows)
+
+
+def batch_row(r: dict) -> list[str]:
+    row = [f"spnl-backend, {mode(r['paged'])}", f"{r['batched_tok_s']:.1f}"]
+    sequential = r.get("sequential_tok_s")
+    if sequential:
+        row += [f"{sequential:.1f}", f"{r['batched_tok_s'] / sequential:.1f}x"]
+        row.append(f"{r['same_tokens']}/16")
+    return row
+
+
+def batch_table(batch: list[dict], hf: dict) -> str:
+    header = ["engine", "total tok/s", "one after another", "speed-up", "same tokens"]
+    rows = [batch_row(r) for r in batch]
+    rows.append(["transformers float32, batched `generate`", f"{hf['batched_tok_s']:.1f}"])
+    return harness.md_table(header, rows)
+
+
+def memory_table(memory: dict) -> str:
+    rows = [
+        [name, f"{memory[name]['bytes_per_token']:,}", f"{memory[name]['tokens_in_1GiB']:,}"]
+        for name in ("auto (float32)", "auto as bfloat16", "f8e4m3")
+    ]
+    return harness.md_table(["cache type", "bytes per token", "tokens in a 1 GiB budget"], rows)
+
+
 def report(prefix: list[dict], batch: list[dict], hf: dict, memory: dict) -> str:
-    lines = [
-        "**Prefix cache** (8 requests, shared ~1,000-token prefix, own suffix; "
-        "TTFT median of requests 2-8 against request 1):",
-        "",
-        "| mode | prefix caching | prompt tokens | TTFT request 1 | TTFT requests 2-8 | "
-        "ratio | cached tokens |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in prefix:
-        lines.append(
-            f"| {'paged' if r['paged'] else 'non-paged'} | "
-            f"{'on' if r['prefix_cache'] else 'off'} | {r['prompt_tokens']} | "
-            f"{r['ttft_first_ms']:.0f} ms | {r['ttft_rest_ms']:.0f} ms | "
-            f"{r['ratio']:.2f}x | {r['cached_tokens']:.0f} |"
-        )
-    lines += [
-        "",
-        f"**Batching** (16 concurrent requests x {BATCH_TOKENS} tokens, greedy):",
-        "",
-        "| engine | total tok/s | one after another | speed-up | same tokens |",
-        "|---|---|---|---|---|",
-    ]
-    for r in batch:
-        sequential = r.get("sequential_tok_s")
-        lines.append(
-            f"| spnl-backend, {'paged' if r['paged'] else 'non-paged'} | "
-            f"{r['batched_tok_s']:.1f} | {sequential:.1f} | "
-            f"{r['batched_tok_s'] / sequential:.1f}x | {r['same_tokens']}/16 |"
-            if sequential
-            else f"| spnl-backend, {'paged' if r['paged'] else 'non-paged'} | "
-            f"{r['batched_tok_s']:.1f} | | | |"
-        )
-    lines.append(f"| transformers float32, batched `generate` | {hf['batched_tok_s']:.1f} | | | |")
-    lines += [
-        "",
-        "**KV cache memory** (default model: 18 layers x 1 KV head x 256 dims):",
-        "",
-        "| cache type | bytes per token | tokens in a 1 GiB budget |",
-        "|---|---|---|",
-    ]
-    for name in ("auto (float32)", "auto as bfloat16", "f8e4m3"):
-        row = memory[name]
-        lines.append(f"| {name} | {row['bytes_per_token']:,} | {row['tokens_in_1GiB']:,} |")
     quality = memory["fp8_quality"]
-    lines += [
-        "",
-        f"`MISTRALRS_PAGED_ATTN_MEMORY_MB=1024` with f8e4m3 allocates "
-        f"{memory['f8e4m3']['allocated_tokens_1GiB']:,} tokens. FP8 against the auto "
-        f"cache over a 512-token prompt: logits relative L2 error "
-        f"{quality['logits_relative_l2']:.3f}, top-1 agreement "
-        f"{100 * quality['top1_agreement']:.1f}%, greedy output identical for the first "
-        f"{quality['greedy_tokens_identical']} of 64 tokens.",
-    ]
-    return "\n".join(lines)
+    return "\n".join(
+        [
+            "**Prefix cache** (8 requests, shared ~1,000-token prefix, own suffix; "
+            "TTFT median of requests 2-8 against request 1):",
+            "",
+            prefix_table(prefix),
+            "",
+            f"**Batching** (16 concurrent requests x {BATCH_TOKENS} tokens, greedy):",
+            "",
+            batch_table(batch, hf),
+            "",
+            "**KV cache memory** (default model: 18 layers x 1 KV head x 256 dims):",
+            "",
+            memory_table(memory),
+            "",
+            f"`MISTRALRS_PAGED_ATTN_MEMORY_MB=1024` with f8e4m3 allocates "
+            f"{memory['f8e4m3']['allocated_tokens_1GiB']:,} tokens. FP8 against the auto "
+            f"cache over a 512-token prompt: logits relative L2 error "
+            f"{quality['logits_relative_l2']:.3f}, top-1 agreement "
+            f"{100 * quality['top1_agreement']:.1f}%, greedy output identical for the first "
+            f"{quality['greedy_tokens_identical']} of 64 tokens.",
+        ]
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--markdown", type=Path)
+    parser = harness.arguments(__doc__)
     parser.add_argument(
         "--skip-sequential", action="store_true", help="skip the slow one-after-another baseline"
     )
@@ -249,9 +248,7 @@ def main() -> None:
     text = report(
         results["prefix"], results["batching"], results["transformers"], results["memory"]
     )
-    print(text)
-    if args.markdown:
-        args.markdown.write_text(text + "\n")
+    harness.publish(text, args.markdown)
 
 
 if __name__ == "__main__":

@@ -15,23 +15,14 @@
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from decode import (  # noqa: E402
-    DECODE_TOKENS,
-    STORY_PROMPT,
-    default_gguf,
-    long_prompt,
-    peak_rss_mb,
-    run_json_child,
-)
+import harness
+from harness import DECODE_TOKENS, STORY_PROMPT
 
 ISQ_TYPES = ["none", "Q8_0", "Q6K", "Q4K", "Q4_0"]
 ROUND_TRIP_TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q8_0"]
@@ -41,51 +32,15 @@ PERPLEXITY_TOKENS = 1024
 # ---- 1. ISQ on the text model -------------------------------------------------------------
 
 
-def text_model_dir(gguf: Path) -> Path:
-    """The GGUF dequantized to float32 safetensors (what an unquantized checkpoint is)."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    target = base / "spnl_backend" / "bench" / f"{gguf.stem}-text"
-    if (target / "config.json").exists():
-        return target
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    print(f"making the text model {target} (once; about a minute)", file=sys.stderr)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent))
-    # transformers will not save a GGUF-loaded model; its weights and config are plain.
-    state = {
-        name: tensor.contiguous()
-        for name, tensor in model.state_dict().items()
-        if not (name == "lm_head.weight" and model.config.tie_word_embeddings)
-    }
-    save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.config.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    staging.rename(target)
-    return target
-
-
 def measure_isq(model: str, isq: str, threads: int, runs: int) -> dict:
     """One process, one model: load, speed, memory, perplexity."""
     import statistics
 
     import torch
 
-    from spnl_backend import load_backend, load_settings
-    from spnl_backend.engine.scoring import prompt_logits
-
     torch.set_num_threads(threads)
-    settings = load_settings(prefix_cache_n=0, isq=None if isq == "none" else isq)
     start = time.perf_counter()
-    backend = load_backend(model, settings=settings)
+    backend = harness.load_ours(model, prefix_cache_n=0, isq=None if isq == "none" else isq)
     load_s = time.perf_counter() - start
     backend.generate(STORY_PROMPT, max_tokens=4, temperature=0)  # warm-up
     rates = [
@@ -94,19 +49,15 @@ def measure_isq(model: str, isq: str, threads: int, runs: int) -> dict:
         ).usage.decode_tok_s
         for _ in range(runs)
     ]
-    rss_mb = peak_rss_mb()  # before scoring, whose [1024, vocab] logits would dominate it
-    ids = backend.tokenizer.encode(long_prompt(lambda t: len(backend.tokenizer.encode(t))))
-    ids = ids[:PERPLEXITY_TOKENS]
-    engine = backend._engine
-    logits = prompt_logits(engine, ids, engine.runner.device)
-    nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
+    rss_mb = harness.peak_rss_mb()  # before scoring, whose [1024, vocab] logits would dominate
+    ids = harness.text_ids(backend.tokenizer.encode, PERPLEXITY_TOKENS)
     return {
         "isq": isq,
         "load_s": load_s,
-        "weights_mb": _resident_weight_bytes(engine.runner.model) / 1e6,
+        "weights_mb": _resident_weight_bytes(backend.model) / 1e6,
         "peak_rss_mb": rss_mb,
         "decode_tok_s": statistics.median(rates),
-        "perplexity": math.exp(float(nll)),
+        "perplexity": harness.our_perplexity(backend, ids),
         "tokens": len(ids),
     }
 
@@ -122,29 +73,31 @@ def _resident_weight_bytes(model) -> int:
 
 def run_isq_child(model: str, isq: str, threads: int, runs: int) -> dict:
     command = [sys.executable, __file__, "--child-isq", isq, "--model", model]
-    command += ["--threads", str(threads), "--runs", str(runs)]
-    return {"isq": isq} | run_json_child(command)
+    command += ["--threads", threads, "--runs", runs]
+    return {"isq": isq} | harness.run_json_child(command)
+
+
+def isq_row(r: dict) -> list[str]:
+    if "error" in r:
+        return [r["isq"], f"not run: {r['error']}"]
+    return [
+        r["isq"],
+        f"{r['weights_mb']:,.0f} MB",
+        f"{r['peak_rss_mb']:,.0f} MB",
+        f"{r['load_s']:.1f} s",
+        f"{r['decode_tok_s']:.1f}",
+        f"{r['perplexity']:.3f}",
+    ]
 
 
 def isq_table(results: list[dict], threads: int) -> str:
-    rows = [
-        "| model | weights resident | peak RSS | load | decode tok/s | perplexity |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        if "error" in r:
-            rows.append(f"| {r['isq']} | not run: {r['error']} | | | | |")
-            continue
-        rows.append(
-            f"| {r['isq']} | {r['weights_mb']:,.0f} MB | {r['peak_rss_mb']:,.0f} MB | "
-            f"{r['load_s']:.1f} s | {r['decode_tok_s']:.1f} | {r['perplexity']:.3f} |"
-        )
+    header = ["model", "weights resident", "peak RSS", "load", "decode tok/s", "perplexity"]
     tokens = next((r["tokens"] for r in results if "tokens" in r), PERPLEXITY_TOKENS)
-    rows.append(
-        f"\n{threads} threads; decode: {DECODE_TOKENS} greedy tokens, median of runs; "
+    return (
+        f"{harness.md_table(header, [isq_row(r) for r in results])}\n\n"
+        f"{threads} threads; decode: {DECODE_TOKENS} greedy tokens, median of runs; "
         f"perplexity over the first {tokens} tokens of bench/data/english.txt."
     )
-    return "\n".join(rows)
 
 
 # ---- 2. K-quant round trips against llama.cpp ---------------------------------------------
@@ -214,35 +167,31 @@ def round_trip_rows(peers_python: str) -> list[dict]:
     return rows
 
 
-def round_trip_table(rows: list[dict]) -> str:
-    lines = [
-        "| type | ours | llama.cpp | ours / llama.cpp | identical bytes |",
-        "|---|---|---|---|---|",
+def round_trip_row(r: dict) -> list[str]:
+    if "llama.cpp" not in r:
+        return [r["type"], f"{r['ours']:.5f}", "not run"]
+    return [
+        r["type"],
+        f"{r['ours']:.5f}",
+        f"{r['llama.cpp']:.5f}",
+        f"{r['ours'] / r['llama.cpp']:.4f}",
+        f"{100 * r['same_bytes']:.1f}%",
     ]
-    for r in rows:
-        if "llama.cpp" in r:
-            lines.append(
-                f"| {r['type']} | {r['ours']:.5f} | {r['llama.cpp']:.5f} | "
-                f"{r['ours'] / r['llama.cpp']:.4f} | {100 * r['same_bytes']:.1f}% |"
-            )
-        else:
-            lines.append(f"| {r['type']} | {r['ours']:.5f} | not run | | |")
-    lines.append(
-        "\nRelative RMS error of quantize-then-dequantize, standard normal 256 x 4096; "
+
+
+def round_trip_table(rows: list[dict]) -> str:
+    header = ["type", "ours", "llama.cpp", "ours / llama.cpp", "identical bytes"]
+    return (
+        f"{harness.md_table(header, [round_trip_row(r) for r in rows])}\n\n"
+        "Relative RMS error of quantize-then-dequantize, standard normal 256 x 4096; "
         "llama.cpp's bytes dequantized by gguf-py."
     )
-    return "\n".join(lines)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--runs", type=int, default=3)
+    parser = harness.arguments(__doc__, runs=True)
     parser.add_argument("--types", nargs="+", default=ISQ_TYPES, choices=ISQ_TYPES)
-    parser.add_argument(
-        "--peers-python", default=sys.executable, help="interpreter with llama-cpp-python"
-    )
-    parser.add_argument("--markdown", type=Path, help="also write the tables to this file")
+    harness.add_peers_python(parser, "llama-cpp-python")
     parser.add_argument("--child-isq", help=argparse.SUPPRESS)
     parser.add_argument("--child-llama-quantize", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -253,8 +202,8 @@ def main() -> None:
     if args.child_llama_quantize:
         llama_cpp_quantize(args.child_llama_quantize)
         return
-    gguf = default_gguf()
-    text = text_model_dir(gguf)
+    gguf = harness.default_gguf()
+    text = harness.text_model_dir(gguf)
     results = []
     for isq in args.types:
         results.append(run_isq_child(str(text), isq, args.threads, args.runs))
@@ -264,9 +213,7 @@ def main() -> None:
     print(json.dumps(results[-1]), file=sys.stderr)
     rows = round_trip_rows(args.peers_python)
     output = isq_table(results, args.threads) + "\n\n" + round_trip_table(rows)
-    print(output)
-    if args.markdown:
-        args.markdown.write_text(output + "\n")
+    harness.publish(output, args.markdown)
 
 
 if __name__ == "__main__":

@@ -39,10 +39,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from decode import STORY_PROMPT, default_gguf, peak_rss_mb, run_json_child  # noqa: E402
-from quant import text_model_dir  # noqa: E402
+import harness
+from harness import STORY_PROMPT
 
 PROMPTS = [
     STORY_PROMPT,
@@ -120,8 +118,6 @@ DEFAULT_PAIRS = ["gguf+self-Q4K", "text-f32+gguf"]
 def load(config: Config, threads: int):
     import torch
 
-    from spnl_backend import load_backend, load_settings
-
     torch.set_num_threads(threads)
     speculative = {}
     if config.gamma is not None:
@@ -131,8 +127,9 @@ def load(config: Config, threads: int):
             "speculative_gamma": config.gamma,
         }
     # Prefix caching off: the repeated rounds must not reuse each other's prompts.
-    settings = load_settings(device="cpu", prefix_cache_n=0, isq=config.isq, **speculative)
-    return load_backend(config.model, settings=settings)
+    return harness.load_ours(
+        config.model, device="cpu", prefix_cache_n=0, isq=config.isq, **speculative
+    )
 
 
 def decode_seconds(usage) -> float:
@@ -173,7 +170,7 @@ def measure(config: Config, threads: int, runs: int, tokens: int) -> dict:
         "draft_tokens": sum(getattr(u, "draft_tokens", 0) or 0 for u in usages),
         "accepted_tokens": sum(getattr(u, "accepted_tokens", 0) or 0 for u in usages),
         "digest": digest(rounds[0]),
-        "peak_rss_mb": peak_rss_mb(),
+        "peak_rss_mb": harness.peak_rss_mb(),
     }
 
 
@@ -190,7 +187,7 @@ class Runner:
     def __call__(self, config: Config) -> dict:
         if config not in self.results:
             command = [sys.executable, __file__, "--child", json.dumps(asdict(config))]
-            self.results[config] = run_json_child(command + self.options)
+            self.results[config] = harness.run_json_child(command + self.options)
             print(json.dumps(asdict(config) | self.results[config]), file=sys.stderr)
         return self.results[config]
 
@@ -256,23 +253,20 @@ def row_of(
 
 # ---- the report -----------------------------------------------------------------------------
 
-HEADER = [
-    "| pair | gamma | sampling | decode tok/s | vs target alone | acceptance "
-    "| tokens/step | predicted (v = 1) | implied v | same text | peak RSS | load |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|",
-]
+HEADER = ["pair", "gamma", "sampling", "decode tok/s", "vs target alone", "acceptance"]
+HEADER += ["tokens/step", "predicted (v = 1)", "implied v", "same text", "peak RSS", "load"]
 
 
 def fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "" if value is None else f"{value:{spec}}{suffix}"
 
 
-def table_line(row: dict) -> str:
+def table_cells(row: dict) -> list[str]:
     result = row["result"]
     gamma = "-" if row["gamma"] is None else str(row["gamma"])
-    head = f"| {row['pair']} | {gamma} | {sampling_name(row['temperature'])} |"
+    head = [row["pair"], gamma, sampling_name(row["temperature"])]
     if "error" in result:
-        return f"{head} not run: {result['error']} | | | | | | | | |"
+        return [*head, f"not run: {result['error']}"]
     same = {None: "", True: "yes", False: "no"}[row.get("same_text")]
     accept = acceptance(result) if row["gamma"] is not None else None
     cells = [
@@ -286,7 +280,7 @@ def table_line(row: dict) -> str:
         fmt(result["peak_rss_mb"], ",.0f", " MB"),
         fmt(result["load_s"], ".1f", " s"),
     ]
-    return f"{head} {' | '.join(cells)} |"
+    return head + cells
 
 
 def best_row(rows: list[dict]) -> dict | None:
@@ -350,9 +344,8 @@ def default_line(summaries: list[dict]) -> str:
 
 
 def report(summaries: list[dict], threads: int, runs: int, tokens: int) -> str:
-    lines = list(HEADER)
-    for summary in summaries:
-        lines += [table_line(row) for row in summary["rows"]]
+    rows = [table_cells(row) for summary in summaries for row in summary["rows"]]
+    lines = [harness.md_table(HEADER, rows)]
     lines.append(
         f"\n{threads} threads; {tokens} decode tokens from each of {len(PROMPTS)} prompts, "
         f"median of {runs} round{'s' if runs != 1 else ''}; T>0 with fixed seeds. "
@@ -369,7 +362,7 @@ def report(summaries: list[dict], threads: int, runs: int, tokens: int) -> str:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.arguments(__doc__, runs=True)
     parser.add_argument(
         "--pairs",
         nargs="+",
@@ -381,15 +374,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--temperatures", nargs="+", type=float, default=TEMPERATURES, help="0 is greedy"
     )
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=128, help="decode tokens per prompt")
     parser.add_argument(
         "--quick",
         action="store_true",
         help="smoke test: the first pair only, gammas 2 and 4, 1 run, 32 tokens",
     )
-    parser.add_argument("--markdown", type=Path, help="also write the table to this file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
@@ -404,14 +394,11 @@ def main() -> None:
         config = Config(**json.loads(args.child))
         print(json.dumps(measure(config, args.threads, args.runs, args.tokens)))
         return
-    gguf = default_gguf()
-    pairs = make_pairs(gguf, text_model_dir(gguf))
+    gguf = harness.default_gguf()
+    pairs = make_pairs(gguf, harness.text_model_dir(gguf))
     run = Runner(args.threads, args.runs, args.tokens)
     summaries = [pair_rows(pairs[name], args.gammas, args.temperatures, run) for name in args.pairs]
-    text = report(summaries, args.threads, args.runs, args.tokens)
-    print(text)
-    if args.markdown:
-        args.markdown.write_text(text + "\n")
+    harness.publish(report(summaries, args.threads, args.runs, args.tokens), args.markdown)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .engine.build import build_engine
+from .engine.cache import CacheInfo
 from .engine.engine import Engine, EngineStats
 from .engine.sequence import SamplingParams, StepOutput
 from .engine.sequence import Sequence as EngineSequence
@@ -23,6 +24,7 @@ from .loader.resolve import ModelSource, resolve_model
 from .log import get_logger, set_verbose
 from .memory import release_freed_memory
 from .models.config import ModelConfig
+from .models.transformer import CausalLM
 from .request import check_messages, check_prompt, prompt_list, reject_unknown, sampling_params
 from .settings import BackendSettings, PlatformDecisions, detect_platform, load_settings
 
@@ -188,9 +190,23 @@ class Backend:
         return self._engine is None
 
     def stats(self) -> EngineStats:
-        """Requests running, waiting and paused; block-pool usage in paged mode."""
+        """Requests running, waiting and paused, sequences holding cache, block-pool usage
+        in paged mode; preemptions and prefix-cache queries and hits (in prompt tokens)
+        since the model was loaded."""
         with self._lock:
             return self._open_engine().stats()
+
+    def cache_info(self) -> CacheInfo:
+        """The KV cache: paged or contiguous, its capacity, blocks, storage dtype, bytes per
+        token, compression method and attention kernels (the target's, with a draft)."""
+        with self._lock:
+            return self._open_engine().cache_info
+
+    @property
+    def model(self) -> CausalLM:
+        """The loaded torch module, for inspection (its modules, parameters and config);
+        changing it while the backend serves requests is not supported."""
+        return self._open_engine().runner.model
 
     def _generate_ids(
         self, prompts: list[list[int]], params: SamplingParams

@@ -8,6 +8,7 @@ from gguf import GGMLQuantizationType
 from tiny_models import TinyModel, build_hf_model, build_trained_model, write_gguf
 
 from spnl_backend import Backend, BackendSettings, load_backend
+from spnl_backend.engine.engine import Engine
 from spnl_backend.engine.kv_cache import ContiguousStep, SequenceKV, StepSlice
 
 CPU = BackendSettings(device="cpu")
@@ -16,7 +17,7 @@ PROMPT = " ".join(["The quick brown fox jumps over the lazy dog."] * 3)
 
 def model_logits(backend: Backend, ids: list[int]) -> torch.Tensor:
     """Logits at every position of ``ids``, through our model and a fresh cache."""
-    model = backend._engine.runner.model
+    model = backend.model
     config = model.config
     kv = SequenceKV(
         config.num_layers,
@@ -60,4 +61,15 @@ def engine_logits(backend: Backend, ids: list[int]) -> torch.Tensor:
     """Logits at every position of ``ids`` through the backend's own KV cache (paged or not)."""
     from spnl_backend.engine.scoring import prompt_logits
 
-    return prompt_logits(backend._engine, ids, torch.device("cpu"))
+    return prompt_logits(engine_internals(backend), ids, torch.device("cpu"))
+
+
+def engine_internals(backend: Backend) -> Engine:
+    """The backend's private engine: the one way tests reach it. Only for injecting faults
+    (breaking a cache, swapping its kernels or store factory) and for white-box checks that
+    no public API should offer (block tables, codec state, the draft's cache, stepping the
+    engine by hand, scoring through its cache). Everything else reads `Backend.stats()`,
+    `Backend.cache_info()` and `Backend.model`."""
+    engine = backend._engine
+    assert engine is not None, "the backend is closed"
+    return engine

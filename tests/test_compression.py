@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from helpers import engine_logits
+from helpers import engine_internals, engine_logits
 
 from spnl_backend import BackendSettings, SettingsError, load_backend
 from spnl_backend.compression import (
@@ -381,9 +381,9 @@ def test_prefix_cache_and_batching_keep_working(model, paged):
 def test_paged_pool_is_sized_by_the_records(model):
     plain = load(model, paged_attn=True, paged_attn_memory_mb=1)
     packed = load(model, paged_attn=True, paged_attn_memory_mb=1, kv_cache_compression="tq4")
-    plain_tokens = plain._engine.cache.capacity_tokens
-    packed_tokens = packed._engine.cache.capacity_tokens
-    config = plain._engine.runner.model.config
+    plain_tokens = plain.cache_info().capacity_tokens
+    packed_tokens = packed.cache_info().capacity_tokens
+    config = plain.model.config
     ratio = method_bytes_per_token("none", config, torch.float32) / method_bytes_per_token(
         "tq4", config
     )
@@ -417,7 +417,7 @@ def test_centres_come_from_the_calibration_text_not_the_first_request(model, cap
         paged = load(model, paged_attn=True, kv_cache_compression="tq4")
     assert "kv_cache.calibrated" in caplog.text
     paged.generate("x" * 3, max_tokens=2, temperature=0)  # a short, odd first request
-    pair = paged._engine.cache.cache.pair
+    pair = engine_internals(paged).cache.cache.pair
     for layer in range(expected.shape[0]):
         torch.testing.assert_close(
             pair.key.centers[layer], expected[layer, 0], atol=1e-5, rtol=1e-4
@@ -425,7 +425,8 @@ def test_centres_come_from_the_calibration_text_not_the_first_request(model, cap
         torch.testing.assert_close(
             pair.value.centers[layer], expected[layer, 1], atol=1e-5, rtol=1e-4
         )
-    store = load(model, paged_attn=False, kv_cache_compression="tq4")._engine.cache.new_store()
+    contiguous = load(model, paged_attn=False, kv_cache_compression="tq4")
+    store = engine_internals(contiguous).cache.new_store()
     torch.testing.assert_close(
         store.cache.pair.key.centers[1], expected[1, 0], atol=1e-5, rtol=1e-4
     )
@@ -604,10 +605,18 @@ def test_a_plugin_cannot_take_a_built_in_name(tmp_path, monkeypatch):
         refresh_plugins()
 
 
+def test_a_plugin_cache_is_described_as_far_as_it_is_known(plugin, model):
+    """A method without a block-pool form runs per sequence even where paged attention was
+    asked for; its storage is its own, so no dtype or size is claimed for it."""
+    info = load(model, paged_attn=True, kv_cache_compression="raw").cache_info()
+    assert (info.kind, info.compression, info.capacity_tokens) == ("contiguous", "raw", None)
+    assert (info.dtype, info.bytes_per_token, info.kernels) == (None, None, None)
+
+
 def test_a_cache_out_of_step_with_the_engine_gets_a_clear_error(plugin, model):
     backend = load(model, paged_attn=False, kv_cache_compression="raw")
-    store = backend._engine.cache.new_store()
+    store = engine_internals(backend).cache.new_store()
     store.cache.prefill(0, torch.zeros(3, 2, 16), torch.zeros(3, 2, 16), torch.zeros(3, 4, 16))
-    spec = backend._engine.runner.model.model.layers[0].self_attn.spec
+    spec = backend.model.model.layers[0].self_attn.spec
     with pytest.raises(RuntimeError, match="holds 3 tokens of layer 0"):
         store.attend(torch.zeros(1, 4, 16), torch.zeros(1, 2, 16), torch.zeros(1, 2, 16), 0, spec)

@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from helpers import CPU, PROMPT
+from helpers import CPU, PROMPT, engine_internals
 
 from spnl_backend import BackendSettings, EngineError, RequestAbortedError, load_backend
 from spnl_backend.engine import sampler
@@ -275,7 +275,7 @@ def quantized(tiny, request):
 def test_a_block_table_pointing_outside_the_pool_fails_the_step_not_the_process(quantized):
     stream = quantized.stream(PROMPT, max_tokens=24, temperature=0)
     next(stream)
-    manager = quantized._engine.cache  # the one way to make the engine's state inconsistent
+    manager = engine_internals(quantized).cache  # the one way to make its state inconsistent
     (table,) = manager.tables.values()
     assert len(table.block_ids) > 1  # the first block is read, not written, from now on
     table.block_ids[0] = manager.blocks.num_blocks + 1000
@@ -389,6 +389,6 @@ def test_an_fp8_cache_does_not_depend_on_which_request_came_first(tiny, settings
     after_another = fresh()
     _greedy(after_another, "x", max_tokens=1)  # a short, odd first request
     assert _greedy(after_another, PROMPTS[0], max_tokens=24).token_ids == alone
-    scales = fresh()._engine.cache.cache
+    scales = engine_internals(fresh()).cache.cache
     if settings.get("paged_cache_type"):
         assert all(scale > 0 for scale in scales.k_scale + scales.v_scale)

@@ -87,7 +87,7 @@ def test_q8_0_greedy_tokens_equal_the_unquantized_model_over_16_steps(trained, u
     ],
 )
 def test_projections_take_the_type_and_embeddings_are_promoted(trained, isq, projection, promoted):
-    model = _isq(trained, isq)._engine.runner.model
+    model = _isq(trained, isq).model
     layers = dict(model.named_modules())
     for name, module in layers.items():
         if name.rpartition(".")[2] in PROJECTIONS:
@@ -105,7 +105,7 @@ def test_projections_take_the_type_and_embeddings_are_promoted(trained, isq, pro
 def test_isq_from_the_environment(trained, monkeypatch):
     monkeypatch.setenv("MISTRALRS_ISQ", "q4_k_m")
     monkeypatch.setenv("MISTRALRS_DEVICE", "cpu")
-    model = load_backend(str(trained.path))._engine.runner.model
+    model = load_backend(str(trained.path)).model
     assert model.get_submodule("model.layers.0.mlp.down_proj").weight_q.qtype == Q.Q4_K
     result = load_backend(str(trained.path)).generate(PROMPTS[0], max_tokens=4)
     assert len(result.token_ids) == 4
@@ -136,7 +136,7 @@ def test_k_quants_fall_back_where_rows_do_not_split_into_256(tiny, caplog, isq, 
         backend = load_backend(
             str(tiny.hf("llama").path), settings=BackendSettings(device="cpu", isq=isq)
         )
-    model = backend._engine.runner.model
+    model = backend.model
     assert model.get_submodule("model.layers.0.mlp.down_proj").weight_q.qtype == fallback
     assert "isq.fallback" in caplog.text
     assert f"fallback='{fallback.name}'" in caplog.text
@@ -158,7 +158,7 @@ def test_isq_on_a_gguf_model_is_ignored_with_the_reason(tiny, caplog):
         backend = load_backend(str(path), settings=BackendSettings(device="cpu", isq="Q4_0"))
     assert "isq.ignored" in caplog.text
     assert "runs on the quantized types its file stores" in caplog.text
-    down = backend._engine.runner.model.get_submodule("model.layers.0.mlp.down_proj")
+    down = backend.model.get_submodule("model.layers.0.mlp.down_proj")
     assert down.weight_q.qtype == Q.Q8_0
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFWriter
-from helpers import CPU, PROMPT, model_logits
+from helpers import CPU, PROMPT, engine_internals, model_logits
 from tiny_models import ARCHITECTURES
 
 from spnl_backend import load_backend
@@ -91,11 +91,11 @@ def test_chunked_prefill_gives_the_same_tokens(tiny, arch):
     """Splitting a prompt into prefill chunks (across the sliding window) changes nothing."""
     backend = tiny.backend(arch)
     whole = backend.generate(PROMPT, max_tokens=12, temperature=0)
-    scheduler = backend._engine.scheduler
+    scheduler = engine_internals(backend).scheduler  # no setting changes the step budget
     scheduler.max_num_batched_tokens = 7
     try:
         chunked = backend.generate(PROMPT, max_tokens=12, temperature=0)
     finally:
         scheduler.max_num_batched_tokens = 2048
     assert chunked.token_ids == whole.token_ids
-    assert backend._engine.cache.num_holders == 0
+    assert backend.stats().cache_holders == 0

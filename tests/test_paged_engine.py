@@ -47,7 +47,7 @@ def reference(tiny):
 @pytest.mark.parametrize("block_size", [8, 32])
 def test_paged_batch_equals_non_paged_alone(tiny, reference, arch, block_size):
     paged = load(tiny, arch, paged_attn=True, paged_attn_block_size=block_size)
-    assert paged._engine.cache.capacity_tokens is not None
+    assert paged.cache_info().capacity_tokens is not None
     assert greedy(paged, PROMPTS) == reference[arch]
 
 
@@ -91,9 +91,9 @@ def test_preemption_under_a_tiny_budget_loses_nothing(tiny, reference, arch):
         paged_attn_context_len=_blocks(longest + 16),
     )
     assert greedy(backend, PROMPTS) == reference[arch]
-    assert backend._engine.scheduler.num_preemptions > 0
-    blocks = backend._engine.cache.blocks
-    assert blocks.num_available == blocks.num_blocks  # every block came back
+    stats = backend.stats()
+    assert stats.preemptions > 0
+    assert stats.pool.in_use == 0  # every block came back
 
 
 def test_seeded_sampling_survives_preemption(tiny):
@@ -103,7 +103,7 @@ def test_seeded_sampling_survives_preemption(tiny):
     )
     expected = [r.token_ids for r in roomy.generate(PROMPTS, max_tokens=TOKENS, seed=5)]
     assert [r.token_ids for r in tight.generate(PROMPTS, max_tokens=TOKENS, seed=5)] == expected
-    assert tight._engine.scheduler.num_preemptions > 0
+    assert tight.stats().preemptions > 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
@@ -111,7 +111,7 @@ def test_fp8_cache_logits_are_within_tolerance(tiny, arch):
     ids = tiny.hf(arch).tokenizer(PROMPT).input_ids
     auto = engine_logits(load(tiny, arch, paged_attn=True, prefix_cache_n=0), ids)
     fp8_backend = load(tiny, arch, paged_attn=True, paged_cache_type="f8e4m3", prefix_cache_n=0)
-    assert fp8_backend._engine.cache.cache.data.dtype == torch.float8_e4m3fn
+    assert fp8_backend.cache_info().dtype == torch.float8_e4m3fn
     fp8 = engine_logits(fp8_backend, ids)
     assert (fp8 - auto).norm() / auto.norm() < FP8_RELATIVE_L2
 
@@ -122,7 +122,7 @@ def test_fp8_halves_the_memory_per_token_of_a_16_bit_cache(tiny):
         config, torch.bfloat16
     )
     fp8 = load(tiny, "llama", paged_attn=True, paged_cache_type="f8e4m3")
-    assert fp8._engine.cache.cache.bytes_per_token == kv_bytes_per_token(config, torch.float16) // 2
+    assert fp8.cache_info().bytes_per_token == kv_bytes_per_token(config, torch.float16) // 2
 
 
 def test_prompt_larger_than_the_whole_cache_is_rejected_at_once(tiny):
@@ -131,7 +131,8 @@ def test_prompt_larger_than_the_whole_cache_is_rejected_at_once(tiny):
     )
     with pytest.raises(RequestError, match="whole paged KV cache"):
         backend.generate(PROMPT, max_tokens=4)
-    assert not backend._engine.has_unfinished()
+    stats = backend.stats()
+    assert (stats.running, stats.waiting) == (0, 0)
 
 
 def test_a_sequence_stops_at_the_end_of_the_cache(tiny):

@@ -48,7 +48,7 @@ def test_default_model_completes_coherently(default_backend):
 
 
 def test_resident_weights_stay_within_20_percent_of_the_file(default_backend):
-    model = default_backend._engine.runner.model
+    model = default_backend.model
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding)]
     float_linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert quantized

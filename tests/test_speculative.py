@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import model_logits
+from helpers import engine_internals, model_logits
 from tiny_models import build_hf_model
 
 from spnl_backend import (
@@ -75,6 +75,19 @@ def test_greedy_output_is_the_targets_alone_and_batched(pair, paged, draft, gamm
         assert accepted > drafted / 2  # a faithful draft is mostly right
 
 
+@pytest.mark.parametrize("paged", [True, False])
+def test_the_inspection_api_describes_the_targets_cache(pair, paged):
+    settings = dict(paged_attn=paged, paged_attn_block_size=8, paged_attn_context_len=256)
+    alone = load(pair[0], **settings)
+    spec = load(pair[0], **settings, **draft_settings(pair, "other model"))
+    assert spec.cache_info() == alone.cache_info()
+    assert torch.equal(*(next(b.model.parameters()) for b in (spec, alone)))  # not the draft
+    result = spec.generate(PROMPTS[0], max_tokens=8, temperature=0)
+    stats = spec.stats()
+    assert stats.prefix_cache_queries == result.usage.prompt_tokens
+    assert (stats.pool is None) == (not paged)
+
+
 def test_usage_counts_nothing_without_a_draft(tiny):
     result = load(tiny.hf("llama").path).generate(PROMPTS[0], max_tokens=4, temperature=0)
     assert (result.usage.draft_tokens, result.usage.accepted_tokens) == (0, 0)
@@ -90,7 +103,7 @@ def test_prefix_cache_hits_in_both_models(pair, paged):
         speculative_gamma=3,
         **draft_settings(pair, "other model"),
     )
-    draft_cache = spec._engine.cache.draft
+    draft_cache = engine_internals(spec).cache.draft
     admitted = []
     original = draft_cache.admit
 
@@ -120,10 +133,11 @@ def test_preemption_under_a_tight_budget_keeps_the_output(pair):
     )
     results = spec.generate(prompts, max_tokens=TOKENS, temperature=0)
     assert [r.token_ids for r in results] == expected
-    assert spec._engine.scheduler.num_preemptions > 0
-    cache = spec._engine.cache
-    for blocks in (cache.target.blocks, cache.draft.blocks):
-        assert blocks.num_available == blocks.num_blocks
+    stats = spec.stats()
+    assert stats.preemptions > 0
+    assert stats.pool.in_use == 0  # the target's blocks all came back; the draft's:
+    draft_blocks = engine_internals(spec).cache.draft.blocks
+    assert draft_blocks.num_available == draft_blocks.num_blocks
 
 
 def test_rejected_drafts_leak_no_blocks_over_a_thousand_steps(pair):
@@ -134,7 +148,8 @@ def test_rejected_drafts_leak_no_blocks_over_a_thousand_steps(pair):
         speculative_gamma=3,
         **draft_settings(pair, "other model"),
     )
-    engine, cache = spec._engine, spec._engine.cache
+    engine = engine_internals(spec)
+    cache = engine.cache
     rng = random.Random(0)
     ids = [spec.tokenizer.encode(p) for p in PROMPTS]
     params = [SamplingParams(max_tokens=rng.randint(5, 40), temperature=t) for t in (0.0, 0.8)]
@@ -201,7 +216,7 @@ def test_sampled_tokens_follow_the_targets_distribution(pair):
     spec = load(pair[0], speculative_gamma=2, **draft_settings(pair, "other model"))
     params = dict(max_tokens=3, temperature=1.0, top_k=6)
     prompt = spec.tokenizer.encode(PROMPTS[0])
-    engine = spec._engine
+    engine = engine_internals(spec)
     seqs = [engine.add(prompt, SamplingParams(**params, seed=i)) for i in range(3000)]
     while engine.has_unfinished():
         engine.step()

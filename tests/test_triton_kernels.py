@@ -80,7 +80,7 @@ def test_store_with_padding_slots(kv_heads, head_dim, cache_dtype):
 def test_end_to_end_greedy_equals_the_torch_path(tiny, arch):
     """A tiny model run through the Triton kernels (interpreted here, compiled on a GPU)
     gives the same greedy tokens as the CPU's torch kernels."""
-    from helpers import PROMPT
+    from helpers import PROMPT, engine_internals
 
     from spnl_backend import BackendSettings, load_backend
     from spnl_backend.kernels import select_kernels
@@ -95,7 +95,9 @@ def test_end_to_end_greedy_equals_the_torch_path(tiny, arch):
         settings=BackendSettings(device=DEVICE, paged_attn=True, paged_attn_block_size=16),
     )
     if DEVICE == "cpu":  # the platform picks torch kernels on the CPU; use Triton's anyway
-        triton_backend._engine.cache.kernels = select_kernels("triton")
-    assert triton_backend._engine.cache.kernels.name == "triton"
+        engine_internals(triton_backend).cache.kernels = select_kernels("triton")
+    else:  # chosen at load, and reported so
+        assert triton_backend.cache_info().kernels == "triton"
+    assert engine_internals(triton_backend).cache.kernels.name == "triton"
     results = triton_backend.generate([PROMPT, "The capital"], max_tokens=12, temperature=0)
     assert [r.token_ids for r in results] == [r.token_ids for r in expected]

@@ -66,7 +66,7 @@ def test_many_rows_unpack_then_multiply():
 
 
 def _quantized_layers(backend) -> list:
-    model = backend._engine.runner.model
+    model = backend.model
     return [m for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding)]
 
 

@@ -20,13 +20,13 @@ from ..settings import BackendSettings, PlatformDecisions
 from ..settings.model import KvBudget, env_name
 from .block_manager import BlockManager
 from .budget import KVCachePlan, plan_kv_cache
+from .cache import CacheInfo, CacheManager
 from .calibration import KVStatistics, kv_statistics
 from .compressed import CodedPagedKVCache, ProtocolKV
 from .engine import Engine, EngineConfig
 from .kv_cache import ContiguousCacheManager, SequenceStore, plain_stores
 from .paged import BlockPool, PagedCacheManager, PagedKVCache
 from .runner import ModelRunner, Runner
-from .scheduler import CacheManager
 from .speculative import Drafter, SpeculativeCache, SpeculativeRunner
 
 log = get_logger()
@@ -38,13 +38,13 @@ def build_engine(
     decisions: PlatformDecisions,
     draft: LoadedModel | None = None,
 ) -> Engine:
-    cache, max_len = _cache(loaded, settings, decisions, settings.kv_budget, "target")
+    cache, max_len, info = _cache(loaded, settings, decisions, settings.kv_budget, "target")
     _log_prefix_caching(settings, decisions.paged_attn)
     runner: Runner = ModelRunner(loaded.model, cache, loaded.device)
     if draft is not None:
         tokens = cache.capacity_tokens or settings.kv_budget.value
         budget = KvBudget("context_len", tokens, explicit=settings.kv_budget.explicit)
-        draft_cache, draft_len = _cache(draft, settings, decisions, budget, "draft")
+        draft_cache, draft_len, _ = _cache(draft, settings, decisions, budget, "draft")
         drafter = Drafter(
             draft.model, SpeculativeCache(cache, draft_cache), draft.device, draft_len
         )
@@ -52,7 +52,7 @@ def build_engine(
     engine_config = EngineConfig(
         max_model_len=max_len, eos_token_ids=frozenset(loaded.tokenizer.eos_token_ids)
     )
-    return Engine(runner, loaded.tokenizer, engine_config)
+    return Engine(runner, loaded.tokenizer, engine_config, info)
 
 
 def _cache(
@@ -61,8 +61,8 @@ def _cache(
     decisions: PlatformDecisions,
     budget: KvBudget,
     role: str,
-) -> tuple[CacheManager, int]:
-    """One model's cache manager, and the longest sequence it can hold."""
+) -> tuple[CacheManager, int, CacheInfo]:
+    """One model's cache manager, the longest sequence it can hold, and what it is."""
     config = loaded.config
     compressor = get_compressor(settings.kv_cache_compression)
     paged = decisions.paged_attn
@@ -79,10 +79,10 @@ def _cache(
     stats = kv_statistics(loaded, role) if calibrated else None
     geometry = _geometry(loaded, stats)
     if not paged:
-        cache = _contiguous_cache(loaded, settings, compressor, geometry, role)
-        return cache, config.max_position_embeddings
-    pool = _paged_cache(loaded, settings, decisions, budget, role, compressor, geometry)
-    return pool, min(config.max_position_embeddings, pool.capacity_tokens)
+        cache, info = _contiguous_cache(loaded, settings, compressor, geometry, role)
+        return cache, config.max_position_embeddings, info
+    pool, info = _paged_cache(loaded, settings, decisions, budget, role, compressor, geometry)
+    return pool, min(config.max_position_embeddings, pool.capacity_tokens), info
 
 
 def _geometry(loaded: LoadedModel, stats: KVStatistics | None) -> KVGeometry:
@@ -105,10 +105,12 @@ def _contiguous_cache(
     compressor: Compressor | None,
     geometry: KVGeometry,
     role: str,
-) -> ContiguousCacheManager:
+) -> tuple[ContiguousCacheManager, CacheInfo]:
     if compressor is None:
         new_store = plain_stores(loaded.config, loaded.dtype, loaded.device)
-        return ContiguousCacheManager(new_store, settings.prefix_cache_n)
+        per_token = kv_bytes_per_token(loaded.config, loaded.dtype)
+        info = CacheInfo("contiguous", None, None, None, loaded.dtype, per_token, None, None)
+        return ContiguousCacheManager(new_store, settings.prefix_cache_n), info
 
     def new_store() -> SequenceStore:
         return ProtocolKV(compressor.make_cache(geometry), compressor.name)
@@ -124,7 +126,10 @@ def _contiguous_cache(
             )
         prefix_cache_n = 0
     log.info("kv_compression.enabled", model=role, method=compressor.name, mode="non-paged")
-    return ContiguousCacheManager(new_store, prefix_cache_n)
+    per_token = compressor.bytes_per_token(geometry)  # None: a plugin's own records
+    dtype = None if per_token is None else torch.uint8
+    info = CacheInfo("contiguous", None, None, None, dtype, per_token, compressor.name, None)
+    return ContiguousCacheManager(new_store, prefix_cache_n), info
 
 
 def _refuse_draft_without_truncate(settings: BackendSettings, compressor: Compressor) -> None:
@@ -144,7 +149,7 @@ def _paged_cache(
     role: str,
     compressor: Compressor | None,
     geometry: KVGeometry,
-) -> PagedCacheManager:
+) -> tuple[PagedCacheManager, CacheInfo]:
     fp8 = decisions.kv_cache_dtype == "float8_e4m3fn"
     cache_dtype = torch.float8_e4m3fn if fp8 else loaded.dtype
     pair = compressor.make_codecs(geometry) if compressor and compressor.make_codecs else None
@@ -188,7 +193,17 @@ def _paged_cache(
     except (RuntimeError, MemoryError) as exc:  # an allocator's refusal, not a crash
         raise _allocation_failed(plan, settings, exc) from None
     blocks = BlockManager(plan.num_blocks, plan.block_size, settings.prefix_cache_enabled)
-    return PagedCacheManager(cache, blocks, loaded.kernels.attention)
+    info = CacheInfo(
+        "paged",
+        plan.num_tokens,
+        plan.block_size,
+        plan.num_blocks,
+        cache_dtype if pair is None else torch.uint8,
+        per_token,
+        compressor.name if compressor else None,
+        loaded.kernels.attention.name,
+    )
+    return PagedCacheManager(cache, blocks, loaded.kernels.attention), info
 
 
 def _allocation_failed(

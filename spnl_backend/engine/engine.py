@@ -4,10 +4,11 @@ from dataclasses import dataclass
 
 from ..errors import EngineError
 from ..log import get_logger
+from .cache import CacheInfo, PoolUsage
 from .detokenizer import Decoder, IncrementalDetokenizer
 from .runner import Runner
 from .sampler import row_error
-from .scheduler import PoolUsage, Scheduler
+from .scheduler import Scheduler
 from .sequence import SamplingParams, ScheduledSeq, Sequence, StepOutput
 
 log = get_logger()
@@ -23,7 +24,8 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """What the engine holds now: its requests and, in paged mode, its block pool."""
+    """What the engine holds now: its requests and, in paged mode, its block pool; and
+    counters since it was built."""
 
     running: int
     waiting: int
@@ -31,11 +33,18 @@ class EngineStats:
     preemptions: int  # since the engine was built
     cache_holders: int  # sequences that hold KV cache
     pool: PoolUsage | None  # None in non-paged mode
+    # Prompt tokens of the requests that reached their first token, and of those, the
+    # ones a prefix cache served (the sum of their `usage.cached_tokens`; 0 with it off).
+    prefix_cache_queries: int
+    prefix_cache_hits: int
 
 
 class Engine:
-    def __init__(self, runner: Runner, decoder: Decoder, config: EngineConfig) -> None:
+    def __init__(
+        self, runner: Runner, decoder: Decoder, config: EngineConfig, cache_info: CacheInfo
+    ) -> None:
         self.config = config
+        self.cache_info = cache_info  # what `build` made; the target's, with a draft
         self.decoder = decoder
         self.runner = runner
         self.cache = runner.cache
@@ -44,6 +53,8 @@ class Engine:
         # Set when a failed step could not release its sequences' caches: the cache's
         # bookkeeping can no longer be trusted, so every later call says so.
         self.broken: EngineError | None = None
+        self.prefix_cache_queries = 0  # see `EngineStats`
+        self.prefix_cache_hits = 0
 
     def add(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         self._check_usable()
@@ -69,6 +80,8 @@ class Engine:
             preemptions=scheduler.num_preemptions,
             cache_holders=self.cache.num_holders,
             pool=self.cache.pool_usage(),
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
         )
 
     def step(self) -> list[StepOutput]:
@@ -170,6 +183,9 @@ class Engine:
 
     def _accept(self, seq: Sequence, token_id: int) -> StepOutput:
         seq.append(token_id)
+        if len(seq.output_token_ids) == 1:  # its prompt is computed: count its lookup once
+            self.prefix_cache_queries += len(seq.prompt_token_ids)
+            self.prefix_cache_hits += seq.num_cached_tokens
         detok = self.detokenizers[seq.seq_id]
         delta = detok.add(token_id)
         reason = self._finish_reason(seq, token_id, detok.stopped)

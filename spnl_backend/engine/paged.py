@@ -18,7 +18,7 @@ from ..memory import kv_bytes_per_token
 from ..models.config import ModelConfig
 from ..models.layers import AttentionBackend, AttentionSpec
 from .block_manager import BlockManager, BlockTable
-from .scheduler import PoolUsage
+from .cache import PoolUsage
 from .sequence import CachedTokens, ScheduledSeq
 
 log = get_logger()

@@ -5,8 +5,8 @@ from typing import Protocol
 import torch
 
 from ..models.transformer import CausalLM
+from .cache import CacheManager
 from .sampler import sample
-from .scheduler import CacheManager
 from .sequence import ScheduledSeq
 
 # Each sampling sequence's new tokens, or the error that ends it alone.

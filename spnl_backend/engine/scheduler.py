@@ -10,39 +10,9 @@ is skipped, and is the first to give up its cache when another needs room.
 """
 
 from collections import deque
-from dataclasses import dataclass
-from typing import Protocol
 
-import torch
-
-from ..models.layers import AttentionBackend
-from .sequence import CachedTokens, ScheduledSeq, Sequence, SequenceStatus
-
-
-@dataclass(frozen=True)
-class PoolUsage:
-    """The paged block pool: blocks in all, held by sequences, and cached (unreferenced,
-    holding a reusable prefix; evicted when needed)."""
-
-    blocks: int
-    in_use: int
-    cached: int
-
-
-class CacheManager(Protocol):
-    """The KV cache as the scheduler and runner see it (paged or contiguous)."""
-
-    capacity_tokens: int | None
-    num_holders: int
-
-    def pool_usage(self) -> PoolUsage | None: ...
-
-    def admit(self, seq: CachedTokens) -> None: ...
-    def reserve(self, seq: CachedTokens, num_tokens: int) -> bool: ...
-    def release(self, seq: CachedTokens) -> None: ...
-    def truncate(self, seq: CachedTokens) -> None: ...
-    def after_step(self, batch: list[ScheduledSeq]) -> None: ...
-    def backend(self, batch: list[ScheduledSeq], device: torch.device) -> AttentionBackend: ...
+from .cache import CacheManager
+from .sequence import ScheduledSeq, Sequence, SequenceStatus
 
 
 class Scheduler:

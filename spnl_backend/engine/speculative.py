@@ -21,9 +21,9 @@ from ..errors import EngineError
 from ..log import get_logger
 from ..models.layers import AttentionBackend
 from ..models.transformer import CausalLM
+from .cache import CacheManager, PoolUsage
 from .runner import Sampled, pack_inputs
 from .sampler import argmax_rows, distribution, row_error
-from .scheduler import CacheManager, PoolUsage
 from .sequence import ScheduledSeq, Sequence
 from .verification import verify
 

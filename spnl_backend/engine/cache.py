@@ -1,0 +1,54 @@
+"""The KV cache as the scheduler, the runner and the engine see it, paged or contiguous:
+the manager protocol, and what a cache reports of itself."""
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+from ..models.layers import AttentionBackend
+from .sequence import CachedTokens, ScheduledSeq
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """The KV cache the engine runs on (with a speculative draft: the target's; the draft
+    keeps one of the same kind beside it)."""
+
+    kind: Literal["paged", "contiguous"]  # one block pool for all sequences, or a store each
+    capacity_tokens: int | None  # tokens the pool holds; None: contiguous stores grow
+    block_size: int | None  # tokens per block (None in contiguous mode)
+    num_blocks: int | None  # blocks in the pool (None in contiguous mode)
+    # What the storage holds: the model's dtype, float8_e4m3fn, or a compression
+    # method's uint8 records; None where a compression plugin keeps its own.
+    dtype: torch.dtype | None
+    bytes_per_token: int | None  # K and V of every layer; None: a plugin's own records
+    compression: str | None  # the MISTRALRS_KV_CACHE_COMPRESSION method; None: plain K/V
+    kernels: str | None  # the paged-attention kernel set ("torch", "cpu", "triton", ...);
+    # None in contiguous mode, which attends per sequence in torch
+
+
+@dataclass(frozen=True)
+class PoolUsage:
+    """The paged block pool: blocks in all, held by sequences, and cached (unreferenced,
+    holding a reusable prefix; evicted when needed)."""
+
+    blocks: int
+    in_use: int
+    cached: int
+
+
+class CacheManager(Protocol):
+    """The KV cache as the scheduler and runner see it (paged or contiguous)."""
+
+    capacity_tokens: int | None
+    num_holders: int
+
+    def pool_usage(self) -> PoolUsage | None: ...
+
+    def admit(self, seq: CachedTokens) -> None: ...
+    def reserve(self, seq: CachedTokens, num_tokens: int) -> bool: ...
+    def release(self, seq: CachedTokens) -> None: ...
+    def truncate(self, seq: CachedTokens) -> None: ...
+    def after_step(self, batch: list[ScheduledSeq]) -> None: ...
+    def backend(self, batch: list[ScheduledSeq], device: torch.device) -> AttentionBackend: ...
