@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
-
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
 
 
