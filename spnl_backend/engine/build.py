@@ -25,7 +25,7 @@ from .calibration import KVStatistics, kv_statistics
 from .compressed import CodedPagedKVCache, ProtocolKV
 from .engine import Engine, EngineConfig
 from .kv_cache import ContiguousCacheManager, SequenceStore, plain_stores
-from .paged import BlockPool, PagedCacheManager, PagedKVCache
+from .paged import PagedCacheManager, PagedKVCache, PagedKVStorage
 from .runner import ModelRunner, Runner
 from .speculative import Drafter, SpeculativeCache, SpeculativeRunner
 
@@ -174,7 +174,7 @@ def _paged_cache(
         cache_dtype=compressor.name if compressor else str(cache_dtype).removeprefix("torch."),
         budget=settings.kv_budget.kind,
     )
-    cache: BlockPool
+    cache: PagedKVStorage
     try:
         if pair is None:
             cache = PagedKVCache(

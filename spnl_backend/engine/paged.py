@@ -80,7 +80,7 @@ class PagedStep:
         )
 
 
-class BlockPool(Protocol):
+class PagedKVStorage(Protocol):
     """The pool's tensors (plain `PagedKVCache` or a compressed one) and its step backend."""
 
     bytes_per_token: int
@@ -91,7 +91,7 @@ class BlockPool(Protocol):
 class PagedCacheManager:
     """Block tables of the running sequences over one block pool."""
 
-    def __init__(self, cache: BlockPool, blocks: BlockManager, kernels: Kernels) -> None:
+    def __init__(self, cache: PagedKVStorage, blocks: BlockManager, kernels: Kernels) -> None:
         self.cache, self.blocks, self.kernels = cache, blocks, kernels
         self.block_size = blocks.block_size
         self.tables: dict[int, BlockTable] = {}
@@ -121,7 +121,9 @@ class PagedCacheManager:
         hashes = [self.blocks.blocks[b].hash for b in hits]
         self.tables[seq.seq_id] = BlockTable(list(hits), hashes)  # type: ignore[arg-type]
         seq.num_computed_tokens = len(hits) * self.block_size
-        _log_prefix_lookup(seq, len(hits), self.blocks.blocks_for(seq.num_tokens))
+        if not seq.output_token_ids:  # a new request, not a preempted one coming back
+            seq.num_cached_tokens = seq.num_computed_tokens
+            _log_prefix_lookup(seq, len(hits), self.blocks.blocks_for(seq.num_tokens))
 
     def reserve(self, seq: CachedTokens, num_tokens: int) -> bool:
         """Make sure the first ``num_tokens`` tokens of ``seq`` have slots."""
@@ -173,9 +175,6 @@ class PagedCacheManager:
 
 
 def _log_prefix_lookup(seq: CachedTokens, hit_blocks: int, prompt_blocks: int) -> None:
-    if seq.output_token_ids:  # a preempted sequence coming back, not a new request
-        return
-    seq.num_cached_tokens = seq.num_computed_tokens
     event = "prefix_cache.hit" if hit_blocks else "prefix_cache.miss"
     log.debug(
         event,
