@@ -8,11 +8,13 @@ from gguf import GGMLQuantizationType as Q
 from paged_cases import CASES, paged_case
 
 import spnl_backend.kernels.cpu as cpu
-import spnl_backend.quant.linear as linear
+import spnl_backend.kernels.matmuls as matmuls
 from spnl_backend.kernels.cpu import KernelArgumentError
+from spnl_backend.kernels.matmuls import CpuMatmuls
 from spnl_backend.kernels.ops import rms_norm_ref, rotate_ref
 from spnl_backend.kernels.paged_ref import paged_attention_ref
-from spnl_backend.quant.linear import NATIVE_MAX_ROWS, CpuMatmuls, QuantizedWeight
+from spnl_backend.kernels.thresholds import NATIVE_MAX_ROWS
+from spnl_backend.quant.linear import QuantizedWeight
 from spnl_backend.quant.quantize import QUANTIZERS
 
 TYPES = sorted(QUANTIZERS, key=lambda t: t.value)
@@ -90,7 +92,7 @@ def test_dequantize_and_gather_rows_are_exact(kernels, qtype):
 @pytest.fixture
 def small_slices(monkeypatch):
     """Dequantize a few rows at a time, so every matrix is cut into several slices."""
-    monkeypatch.setattr(linear, "DEQUANT_SLICE_ELEMENTS", 512 * 24)
+    monkeypatch.setattr(matmuls, "DEQUANT_SLICE_ELEMENTS", 512 * 24)
 
 
 def test_many_rows_dequantize_slices_then_multiply_exactly(exact, small_slices):
@@ -281,22 +283,11 @@ def test_the_cpu_kernel_set_refuses_block_tables_outside_the_pool(kernels):
 
 def test_the_c_code_checks_the_extents_it_is_given(kernels):
     """Below the Python checks: a matrix said to be smaller than its rows is refused by C."""
-    import ctypes
-
     weight = _weights(Q.Q8_0)
+    products = kernels.products([(Q.Q8_0.value, weight.data, 96)])
+    products.args.w_bytes[0] -= 1
     x, out = torch.randn(1, 512), torch.empty(1, 96)
     status = kernels.library.spnl_qmatmul(
-        1,
-        (ctypes.c_int * 1)(Q.Q8_0.value),
-        x.data_ptr(),
-        1,
-        512,
-        (ctypes.c_void_p * 1)(weight.data.data_ptr()),
-        (ctypes.c_int64 * 1)(weight.data.numel() - 1),
-        (ctypes.c_int64 * 1)(96),
-        out.data_ptr(),
-        96,
-        1,
-        0,
+        products.args, x.data_ptr(), 1, 512, out.data_ptr(), 96, 1, 0
     )
     assert status == -3

@@ -1,12 +1,15 @@
 """The CPU's native kernels: C compiled for this machine at first use, called through ctypes.
 
-``cpu_kernels.c`` holds the quantized matrix products and the small per-layer operations
-of a decode step (RMSNorm, RoPE, KV store, paged decode attention), each the twin of a
-torch reference elsewhere in the package. It is compiled with the system's C compiler
-(``-O3 -march=native``, OpenMP where the compiler has it) into a per-user cache keyed by
-the source, compiler and flags, so later processes load it in milliseconds. Without a
-compiler everything falls back to the torch twins, with a warning that says why;
-``MISTRALRS_CPU_KERNELS=torch`` asks for that fallback on purpose.
+One C file per kernel family, each kernel the twin of a torch reference elsewhere in the
+package: ``quant_matmul.c`` (the quantized matrix products, dequantization),
+``layer_ops.c`` (RMSNorm, RoPE), ``paged_attention.c`` (KV store, paged decode attention)
+and ``coded_decode.c`` (decode attention over compressed KV); ``common.h`` declares their
+entry points and argument structs, which the `ctypes.Structure` classes below mirror. They
+are compiled with the system's C compiler (``-O3 -march=native``, OpenMP where the compiler
+has it) into one library in a per-user cache keyed by the sources, compiler and flags, so
+later processes load it in milliseconds. Without a compiler everything falls back to the
+torch twins, with a warning that says why; ``MISTRALRS_CPU_KERNELS=torch`` asks for that
+fallback on purpose.
 
 Every wrapper checks what the C code relies on (dtypes, contiguity, shapes, extents)
 before calling it, and the C code checks the extents it is given: a violation is a
@@ -16,7 +19,6 @@ builds a second library that also checks every index it follows.
 
 import ctypes
 import hashlib
-import os
 import platform
 import subprocess
 import tempfile
@@ -29,35 +31,103 @@ from gguf import GGMLQuantizationType
 
 from ...errors import EngineError
 from ...log import get_logger
+from ...settings.paths import cache_dir
+from ...settings.platform import find_c_compiler
 
 log = get_logger()
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+HERE = Path(__file__).parent
+# The translation units, linked into one library; the cache key also covers every header.
+SOURCES = tuple(
+    HERE / name
+    for name in (
+        "quant_matmul.c",
+        "layer_ops.c",
+        "paged_attention.c",
+        "coded_decode.c",
+        "build_info.c",
+    )
+)
+HEADERS = tuple(sorted(HERE.glob("*.h")))
 # No fused multiply-add contraction: the element-wise kernels then round exactly as torch.
 _BASE_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=off"]
 _CHECK_FLAGS = ["-DSPNL_CHECKS"]
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+# The argument structs of common.h, field for field (the loader checks their sizes).
+class _Products(ctypes.Structure):
+    _fields_ = (
+        ("count", _I32),
+        ("qtypes", ctypes.POINTER(_I32)),
+        ("weights", ctypes.POINTER(_P)),
+        ("w_bytes", ctypes.POINTER(_I64)),
+        ("n_outs", ctypes.POINTER(_I64)),
+    )
+
+
+class _Attention(ctypes.Structure):
+    _fields_ = (
+        ("slots", _P),
+        ("slot_stride", _I64),
+        ("slot_width", _I64),
+        ("lens", _P),
+        ("num_slots", _I64),
+        ("seqs", _I64),
+        ("heads", _I64),
+        ("kv_heads", _I64),
+        ("dim", _I64),
+        ("scale", _F32),
+        ("softcap", _F32),
+        ("window", _I64),
+        ("out", _P),
+        ("threads", _I32),
+    )
+
+
+class _PagedDecode(ctypes.Structure):
+    _fields_ = (("at", _Attention), ("q", _P), ("k_cache", _P), ("v_cache", _P))
+
+
+class _CodedDecode(ctypes.Structure):
+    _fields_ = (
+        ("at", _Attention),
+        ("q_rot", _P),
+        ("q", _P),
+        ("k_shift", _P),
+        ("k_anchor", _P),
+        ("v_anchor", _P),
+        ("k_pool", _P),
+        ("v_pool", _P),
+        ("k_bytes", _I64),
+        ("v_bytes", _I64),
+        ("k_outliers", _I64),
+        ("k_lut", _P),
+        ("v_lut", _P),
+        ("k_bits", _I32),
+        ("v_bits", _I32),
+    )
+
+
+_STRUCTS = {  # the C function that answers each struct's size
+    "spnl_sizeof_products": _Products,
+    "spnl_sizeof_paged_decode": _PagedDecode,
+    "spnl_sizeof_coded_decode": _CodedDecode,
+}
 _SIGNATURES = {  # name: (argument types, result type)
     "spnl_max_rows": ([], _I32),
     "spnl_has_int8": ([], _I32),
     "spnl_full_checks": ([], _I32),
+    **{name: ([], _I64) for name in _STRUCTS},
     "spnl_row_bytes": ([_I32, _I64], _I64),
-    "spnl_qmatmul": ([_I32, _P, _P, _I64, _I64, _P, _P, _P, _P, _I64, _I32, _I32], _I32),
+    "spnl_qmatmul": ([ctypes.POINTER(_Products), _P, _I64, _I64, _P, _I64, _I32, _I32], _I32),
     "spnl_dequantize": ([_I32, _P, _I64, _I64, _I64, _P, _I32], _I32),
     "spnl_gather_rows": ([_I32, _P, _I64, _P, _I64, _I64, _P], _I32),
     "spnl_rms_norm": ([_P, _P, _P, _I64, _I64, _F32], _I32),
     "spnl_rope": ([_P, _P, _P, _I64, _I64, _I64, _I64], _I32),
     "spnl_store_kv": ([_P, _P, _P, _P, _P, _I64, _I64, _I64], _I32),
-    "spnl_paged_decode": (
-        [_P, _P, _P, _I64, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _F32, _I64, _F32, _P, _I32],
-        _I32,
-    ),
-    "spnl_coded_decode": (
-        [_P] * 7
-        + [_I64, _I64, _I64, _P, _I32, _I64, _P, _I32, _P]
-        + [_I64, _I64, _P, _I64, _I64, _I64, _I64, _F32, _I64, _F32, _P, _I32],
-        _I32,
-    ),
+    "spnl_paged_decode": ([ctypes.POINTER(_PagedDecode)], _I32),
+    "spnl_coded_decode": ([ctypes.POINTER(_CodedDecode)], _I32),
 }
 _STATUS = {
     -1: "rejected its arguments",
@@ -209,7 +279,7 @@ class CpuKernels:
     ) -> torch.Tensor:
         q = q.contiguous()
         _require(q, torch.float32, "paged_decode: q", dims=3)
-        seqs, heads, dim = q.shape
+        seqs, _, dim = q.shape
         row = _pool_row(key_cache, value_cache, "paged_decode")
         kv_heads = key_cache.shape[-2]
         if key_cache.shape[-1] != dim:
@@ -218,28 +288,15 @@ class CpuKernels:
             )
         _check_keys(slots, lens, seqs, "paged_decode")
         out = torch.empty_like(q)
-        _check(
-            self.library.spnl_paged_decode(
-                q.data_ptr(),
-                key_cache.data_ptr(),
-                value_cache.data_ptr(),
-                key_cache.numel() // row,
-                slots.data_ptr(),
-                slots.stride(0),
-                slots.shape[1],
-                lens.data_ptr(),
-                seqs,
-                heads,
-                kv_heads,
-                dim,
-                scale,
-                window or 0,
-                softcap or 0.0,
-                out.data_ptr(),
-                torch.get_num_threads(),
+        args = _PagedDecode(
+            at=_attention(
+                out, kv_heads, slots, lens, key_cache.numel() // row, scale, window, softcap
             ),
-            "paged_decode",
+            q=q.data_ptr(),
+            k_cache=key_cache.data_ptr(),
+            v_cache=value_cache.data_ptr(),
         )
+        _check(self.library.spnl_paged_decode(args), "paged_decode")
         return out
 
     def coded_decode(
@@ -280,39 +337,24 @@ class CpuKernels:
             raise KernelArgumentError("coded_decode: key and value pools differ in shape")
         _check_keys(slots, lens, seqs, "coded_decode")
         out = torch.empty_like(q)
-        _check(
-            self.library.spnl_coded_decode(
-                q_rot.data_ptr(),
-                q.data_ptr(),
-                k_shift.data_ptr(),
-                k_anchor.data_ptr(),
-                v_anchor.data_ptr(),
-                key_pool.data_ptr(),
-                value_pool.data_ptr(),
-                key_pool.shape[0],
-                key_pool.shape[-1],
-                value_pool.shape[-1],
-                k_lut.data_ptr(),
-                k_bits,
-                outliers,
-                v_lut.data_ptr(),
-                v_bits,
-                slots.data_ptr(),
-                slots.stride(0),
-                slots.shape[1],
-                lens.data_ptr(),
-                seqs,
-                heads,
-                kv_heads,
-                dim,
-                scale,
-                window or 0,
-                softcap or 0.0,
-                out.data_ptr(),
-                torch.get_num_threads(),
-            ),
-            "coded_decode",
+        args = _CodedDecode(
+            at=_attention(out, kv_heads, slots, lens, key_pool.shape[0], scale, window, softcap),
+            q_rot=q_rot.data_ptr(),
+            q=q.data_ptr(),
+            k_shift=k_shift.data_ptr(),
+            k_anchor=k_anchor.data_ptr(),
+            v_anchor=v_anchor.data_ptr(),
+            k_pool=key_pool.data_ptr(),
+            v_pool=value_pool.data_ptr(),
+            k_bytes=key_pool.shape[-1],
+            v_bytes=value_pool.shape[-1],
+            k_outliers=outliers,
+            k_lut=k_lut.data_ptr(),
+            v_lut=v_lut.data_ptr(),
+            k_bits=k_bits,
+            v_bits=v_bits,
         )
+        _check(self.library.spnl_coded_decode(args), "coded_decode")
         return out
 
 
@@ -360,6 +402,38 @@ def _pool_row(key_cache: torch.Tensor, value_cache: torch.Tensor, what: str) -> 
     return key_cache.shape[-2] * key_cache.shape[-1]
 
 
+def _attention(
+    out: torch.Tensor,
+    kv_heads: int,
+    slots: torch.Tensor,
+    lens: torch.Tensor,
+    num_slots: int,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> _Attention:
+    """The part both decode attentions share, for queries shaped as ``out [seqs, heads, dim]``
+    over a pool of ``num_slots`` (the tensors checked by the caller, and kept alive by it
+    until the call returns)."""
+    seqs, heads, dim = out.shape
+    return _Attention(
+        slots=slots.data_ptr(),
+        slot_stride=slots.stride(0),
+        slot_width=slots.shape[1],
+        lens=lens.data_ptr(),
+        num_slots=num_slots,
+        seqs=seqs,
+        heads=heads,
+        kv_heads=kv_heads,
+        dim=dim,
+        scale=scale,
+        softcap=softcap or 0.0,
+        window=window or 0,
+        out=out.data_ptr(),
+        threads=torch.get_num_threads(),
+    )
+
+
 def _check_keys(slots: torch.Tensor, lens: torch.Tensor, seqs: int, what: str) -> None:
     """The slot table ``[seqs, width]`` (rows contiguous) and the lengths ``[seqs]``."""
     if slots.dtype != torch.int64 or slots.dim() != 2 or slots.shape[0] != seqs:
@@ -380,11 +454,14 @@ class Products:
             _require(w, torch.uint8, "matmul: weight", dims=2)
             if w.shape[0] != n_out:
                 raise KernelArgumentError(f"matmul: a weight of {w.shape[0]} rows, not {n_out}")
-        self.kernels, self.count = kernels, count
-        self.qtypes = (ctypes.c_int * count)(*(qtype for qtype, _, _ in weights))
-        self.pointers = (ctypes.c_void_p * count)(*(w.data_ptr() for _, w, _ in weights))
-        self.sizes = (ctypes.c_int64 * count)(*(w.numel() for _, w, _ in weights))
-        self.n_outs = (ctypes.c_int64 * count)(*(n for _, _, n in weights))
+        self.kernels = kernels
+        self.args = _Products(  # the ctypes arrays are kept alive by the struct
+            count,
+            (_I32 * count)(*(qtype for qtype, _, _ in weights)),
+            (_P * count)(*(w.data_ptr() for _, w, _ in weights)),
+            (_I64 * count)(*(w.numel() for _, w, _ in weights)),
+            (_I64 * count)(*(n for _, _, n in weights)),
+        )
         self.widths = [n for _, _, n in weights]
         self.total = sum(self.widths)
         self.weights = [w for _, w, _ in weights]  # kept alive for the pointers
@@ -407,14 +484,10 @@ class Products:
         out = torch.empty((rows, self.total), dtype=torch.float32)
         _check(
             kernels.library.spnl_qmatmul(
-                self.count,
-                self.qtypes,
+                self.args,
                 x.data_ptr(),
                 rows,
                 k_in,
-                self.pointers,
-                self.sizes,
-                self.n_outs,
                 out.data_ptr(),
                 self.total,
                 torch.get_num_threads(),
@@ -434,8 +507,6 @@ def _check(status: int, name: str) -> None:
 def cpu_kernels(checks: bool = False) -> CpuKernels | None:
     """The compiled kernels built by the compiler found on this machine (as `info` shows),
     or None (logged) where there is none or the build fails."""
-    from ...settings.platform import find_c_compiler
-
     compiler = find_c_compiler()
     if compiler is None:
         log.warning(
@@ -456,7 +527,7 @@ def load_cpu_kernels(compiler: str, checks: bool = False) -> CpuKernels | None:
         detail = getattr(exc, "stderr", "") or str(exc)
         log.warning(
             "native.unavailable",
-            reason=f"compiling {SOURCE.name} failed",
+            reason=f"compiling {', '.join(path.name for path in SOURCES)} failed",
             detail=str(detail)[-2000:],
         )
         return None
@@ -468,6 +539,9 @@ def _load(path: Path) -> CpuKernels:
     for name, (argtypes, restype) in _SIGNATURES.items():
         function = getattr(library, name)
         function.argtypes, function.restype = argtypes, restype
+    for name, struct in _STRUCTS.items():  # a mirror out of step would pass garbage
+        if getattr(library, name)() != ctypes.sizeof(struct):
+            raise EngineError(f"{struct.__name__} does not match its C struct in common.h")
     has_int8 = bool(library.spnl_has_int8())
     return CpuKernels(
         library,
@@ -480,11 +554,11 @@ def _load(path: Path) -> CpuKernels:
 
 
 def _build(compiler: str, extra_flags: list[str]) -> Path:
-    source = SOURCE.read_bytes()
+    source = _source_digest()
     base = [*_BASE_FLAGS, *extra_flags]
     for flags in ([*base, "-fopenmp"], base):  # OpenMP where the compiler has it
         key = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_identity()]).encode())
-        target = _cache_dir() / key.hexdigest()[:24] / "libspnlcpu.so"
+        target = cache_dir("native") / key.hexdigest()[:24] / "libspnlcpu.so"
         if target.exists():
             return target
         try:
@@ -495,6 +569,15 @@ def _build(compiler: str, extra_flags: list[str]) -> Path:
             if "-fopenmp" not in flags:
                 raise
     raise AssertionError("unreachable")
+
+
+def _source_digest() -> bytes:
+    """Every source and header, each by name and content: a change to any one rebuilds."""
+    digest = hashlib.sha256()
+    for path in (*SOURCES, *HEADERS):
+        text = path.read_bytes()
+        digest.update(f"{path.name} {len(text)}\n".encode() + text)
+    return digest.digest()
 
 
 def _cpu_identity() -> str:
@@ -513,14 +596,9 @@ def _compile(compiler: str, flags: list[str], target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", str(built), "-lm"],
+            [compiler, *flags, *map(str, SOURCES), "-o", str(built), "-lm"],
             check=True,
             capture_output=True,
             text=True,
         )
         built.rename(target)
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "spnl_backend" / "native"

@@ -1,141 +1,19 @@
-// The CPU's native kernels, each the twin of a torch reference in this package.
-//
-// Quantized matrix products: y[m][n] = sum_k x[m][k] * W[n][k], with W kept in
-// its GGML blocks. Each block is dequantized in vector registers with exactly the
-// arithmetic of the torch twin (spnl_backend/quant/ggml.py) and multiplied with float32
-// activations, so results differ from the twin only in the order of the sums. Rows of W
-// are shared out among OpenMP threads; the rows of x (a decode batch) reuse each block.
-// Compiled at first use with -O3 -march=native; GCC/Clang vector extensions keep it
-// portable (AVX2, AVX-512, NEON).
+// Quantized matrix products: y[m][n] = sum_k x[m][k] * W[n][k], with W kept in its GGML
+// blocks (twin: spnl_backend/quant/ggml.py, then a float product). Each block is dequantized
+// in vector registers with exactly the arithmetic of the torch twin and multiplied with
+// float32 activations, so results differ from the twin only in the order of the sums; or,
+// where AVX2 compiles it, multiplied with int8 activations in integers. Rows of W are shared
+// out among OpenMP threads; the rows of x (a decode batch) reuse each block. Also the exact
+// dequantization of whole matrices (prefill) and of single rows (embeddings).
 
-#include <math.h>
-#include <stdbool.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
+#include "common.h"
 
 #define QK_K 256
 #define MAX_ROWS 64
 
-// Status codes of the entry points (0 is success): the caller turns them into exceptions.
-enum { BAD_ARGUMENT = -1, NO_MEMORY = -2, OUT_OF_BOUNDS = -3 };
-
-// Every entry point checks the extents it is given (buffer sizes, counts) before it
-// reads or writes anything. Built with -DSPNL_CHECKS (MISTRALRS_NATIVE_CHECKS=true) it
-// also checks every index it follows (each slot of each key, each row id) before use.
-#ifdef SPNL_CHECKS
-#define FULL_CHECKS 1
-#else
-#define FULL_CHECKS 0
-#endif
-
-int spnl_full_checks(void) { return FULL_CHECKS; }
-
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef int8_t v16i8 __attribute__((vector_size(16)));
-typedef uint8_t v16u8 __attribute__((vector_size(16)));
-
+// GGML's type ids (gguf.GGMLQuantizationType).
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q8_1 = 9,
        Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30 };
-
-static const v16i LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-
-static inline float half_to_float(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-#ifdef __FLT16_MAX__
-    _Float16 f;
-    memcpy(&f, &h, 2);
-    return (float)f;
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, m = h & 0x3FF, bits;
-    if (exponent == 0x1F) bits = sign | 0x7F800000u | (m << 13);
-    else if (exponent) bits = sign | ((exponent + 112) << 23) | (m << 13);
-    else if (!m) bits = sign;
-    else {
-        int shift = 0;
-        while (!(m & 0x400)) { m <<= 1; shift++; }
-        bits = sign | ((uint32_t)(113 - shift) << 23) | ((m & 0x3FF) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
-
-static inline v16f splat(float v) { return (v16f){0} + v; }
-static inline v16f load_f32(const float *p) { v16f v; memcpy(&v, p, 64); return v; }
-// 16 bytes widened to 16 int32 lanes. Compilers scalarise the generic conversion, so x86
-// gets the widening instructions by name.
-#if defined(__AVX512F__)
-static inline v16i load_u8(const uint8_t *p) {
-    return (v16i)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-}
-static inline v16i load_i8(const uint8_t *p) {
-    return (v16i)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
-}
-#elif defined(__AVX2__)
-typedef union { v16i v; __m256i half[2]; } v16i_halves;
-static inline v16i load_u8(const uint8_t *p) {
-    v16i_halves r;
-    r.half[0] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    r.half[1] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
-    return r.v;
-}
-static inline v16i load_i8(const uint8_t *p) {
-    v16i_halves r;
-    r.half[0] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    r.half[1] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
-    return r.v;
-}
-#else
-static inline v16i load_u8(const uint8_t *p) {
-    v16u8 v;
-    memcpy(&v, p, 16);
-    return __builtin_convertvector(v, v16i);
-}
-static inline v16i load_i8(const uint8_t *p) {
-    v16i8 v;
-    memcpy(&v, p, 16);
-    return __builtin_convertvector(v, v16i);
-}
-#endif
-static inline v16f to_f32(v16i v) { return __builtin_convertvector(v, v16f); }
-static inline float hsum(v16f v) {
-#if defined(__AVX512F__)
-    return _mm512_reduce_add_ps((__m512)v);
-#else
-    float s = 0.0f;
-    for (int i = 0; i < 16; i++) s += v[i];
-    return s;
-#endif
-}
-// a * b + c with one rounding where the hardware has FMA (the sums' order differs from the
-// twin's anyway; the values themselves are dequantized exactly).
-static inline v16f fma16(v16f a, v16f b, v16f c) {
-#if defined(__AVX512F__)
-    return (v16f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif defined(__FMA__)
-    typedef union { v16f v; __m256 half[2]; } halves;
-    halves x = {a}, y = {b}, z = {c}, r;
-    r.half[0] = _mm256_fmadd_ps(x.half[0], y.half[0], z.half[0]);
-    r.half[1] = _mm256_fmadd_ps(x.half[1], y.half[1], z.half[1]);
-    return r.v;
-#else
-    return a * b + c;
-#endif
-}
-// Bit (first + lane) of a 32-bit word, per lane.
-static inline v16i bits_of(uint32_t word, int first) {
-    return ((v16i){0} + (int32_t)(word >> first)) >> LANE & 1;
-}
 
 // ---- one block → its values (as the torch twin computes them), 16 lanes at a time ---------
 //
@@ -738,23 +616,43 @@ int spnl_has_int8(void) {
 #define MAX_PRODUCTS 8
 #define TILE_ROWS 16  // weight rows per task: spreads the per-row overhead
 
-// Several products of the same activations x [rows][k_in] (q, k and v; gate and up), their
-// results side by side in y [rows][y_stride]: product i fills columns [offset_i, offset_i +
-// n_out_i) with sum_k x[m][k] * W_i[n][k]. `exact` keeps float activations; otherwise
-// (where compiled) they are quantized to int8 once for all. The rows of every product are
-// shared out among threads in one parallel region.
-int spnl_qmatmul(int count, const int *qtypes, const float *x, int64_t rows, int64_t k_in,
-                 const uint8_t *const *weights, const int64_t *w_bytes, const int64_t *n_outs,
-                 float *y, int64_t y_stride, int threads, int exact) {
+#ifdef INT8_PATH
+// Every row of x [rows][k_in] as int8 activations (false: out of memory).
+static bool quantize_rows(const float *x, int64_t rows, int64_t k_in, act_rows *out) {
+    int8_t *q = malloc((size_t)(rows * k_in));
+    float *d = malloc((size_t)(rows * k_in / 32) * sizeof(float));
+    float *s = malloc((size_t)(rows * k_in / 16) * sizeof(float));
+    if (!q || !d || !s) { free(q); free(d); free(s); return false; }
+    for (int64_t m = 0; m < rows; m++)
+        quantize_row(x + m * k_in, k_in, q + m * k_in, d + m * k_in / 32, s + m * k_in / 16);
+    *out = (act_rows){q, d, s};
+    return true;
+}
+
+static void free_rows(act_rows *a) {
+    free((void *)a->q); free((void *)a->d); free((void *)a->s);
+}
+#endif
+
+// The products of p with the same activations x [rows][k_in], side by side in y
+// [rows][y_stride]: product i fills columns [offset_i, offset_i + n_out_i) with
+// sum_k x[m][k] * W_i[n][k]. `exact` keeps float activations; otherwise (where compiled)
+// they are quantized to int8 once for all. The rows of every product are shared out among
+// threads in one parallel region.
+int spnl_qmatmul(const spnl_products *p, const float *x, int64_t rows, int64_t k_in, float *y,
+                 int64_t y_stride, int threads, int exact) {
+    const int count = p->count;
+    const uint8_t *const *weights = p->weights;
+    const int64_t *n_outs = p->n_outs;
     const format *formats[MAX_PRODUCTS];
     int64_t first[MAX_PRODUCTS + 1] = {0};
     if (count < 1 || count > MAX_PRODUCTS || rows < 1 || rows > MAX_ROWS || k_in < 1)
         return BAD_ARGUMENT;
     int fast = !exact;
     for (int i = 0; i < count; i++) {
-        formats[i] = format_of(qtypes[i], k_in);
+        formats[i] = format_of(p->qtypes[i], k_in);
         if (!formats[i] || n_outs[i] < 0) return BAD_ARGUMENT;
-        if (n_outs[i] > w_bytes[i] / (k_in / formats[i]->block * formats[i]->bytes))
+        if (n_outs[i] > p->w_bytes[i] / (k_in / formats[i]->block * formats[i]->bytes))
             return OUT_OF_BOUNDS;  // the matrix is smaller than n_out rows of k_in
         fast = fast && formats[i]->fast && k_in % 32 == 0;
         first[i + 1] = first[i] + n_outs[i];
@@ -764,13 +662,7 @@ int spnl_qmatmul(int count, const int *qtypes, const float *x, int64_t rows, int
 #ifdef INT8_PATH
     act_rows quantized = {NULL, NULL, NULL};
     if (fast) {
-        int8_t *q = malloc((size_t)(rows * k_in));
-        float *d = malloc((size_t)(rows * k_in / 32) * sizeof(float));
-        float *s = malloc((size_t)(rows * k_in / 16) * sizeof(float));
-        if (!q || !d || !s) { free(q); free(d); free(s); return NO_MEMORY; }
-        for (int64_t m = 0; m < rows; m++)
-            quantize_row(x + m * k_in, k_in, q + m * k_in, d + m * k_in / 32, s + m * k_in / 16);
-        quantized = (act_rows){q, d, s};
+        if (!quantize_rows(x, rows, k_in, &quantized)) return NO_MEMORY;
         acts = &quantized;
     }
 #endif
@@ -790,9 +682,7 @@ int spnl_qmatmul(int count, const int *qtypes, const float *x, int64_t rows, int
                                     y + first[i] + n, y_stride);
     }
 #ifdef INT8_PATH
-    if (fast) {
-        free((void *)quantized.q); free((void *)quantized.d); free((void *)quantized.s);
-    }
+    if (fast) free_rows(&quantized);
 #endif
     return 0;
 }
@@ -818,263 +708,3 @@ int spnl_gather_rows(int qtype, const uint8_t *w, int64_t n_rows, const int64_t 
     return 0;
 }
 
-// ---- the small per-layer operations of a decode step -----------------------------------------
-
-// out[r] = x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * scale  (RMSNorm; twin: models/layers.py)
-int spnl_rms_norm(const float *x, const float *scale, float *out, int64_t rows, int64_t dim,
-                  float eps) {
-    if (rows < 0 || dim < 1) return BAD_ARGUMENT;
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * dim;
-        float sum = 0.0f;
-        #pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < dim; i++) sum += xr[i] * xr[i];
-        const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
-        float *o = out + r * dim;
-        #pragma omp simd
-        for (int64_t i = 0; i < dim; i++) o[i] = xr[i] * inv * scale[i];
-    }
-    return 0;
-}
-
-// Rotate-half RoPE in place (twin: RotaryTables.apply): for each token and head,
-// x[i] = x[i] * cos[i] + x[i + half] * sin[i] and x[i + half] = x[i + half] * cos[i + half]
-// + x[i] * sin[i + half], with the tables laid out as [cos, cos] and [-sin, sin].
-int spnl_rope(float *x, const float *cos, const float *sin, int64_t tokens, int64_t heads,
-              int64_t head_dim, int64_t rotary_dim) {
-    if (rotary_dim < 2 || rotary_dim % 2 || rotary_dim > head_dim || tokens < 0 || heads < 0)
-        return BAD_ARGUMENT;
-    const int64_t half = rotary_dim / 2;
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *c = cos + t * rotary_dim, *s = sin + t * rotary_dim;
-        for (int64_t h = 0; h < heads; h++) {
-            float *v = x + (t * heads + h) * head_dim;
-            #pragma omp simd
-            for (int64_t i = 0; i < half; i++) {
-                const float a = v[i], b = v[i + half];
-                v[i] = a * c[i] + b * s[i];
-                v[i + half] = b * c[i + half] + a * s[i + half];
-            }
-        }
-    }
-    return 0;
-}
-
-// New K/V rows into their cache slots; slot -1 writes nothing (twin: store_kv_ref).
-int spnl_store_kv(const float *k, const float *v, float *k_cache, float *v_cache,
-                  const int64_t *slots, int64_t tokens, int64_t row, int64_t num_slots) {
-    if (tokens < 0 || row < 1) return BAD_ARGUMENT;
-    for (int64_t t = 0; t < tokens; t++)
-        if (slots[t] < -1 || slots[t] >= num_slots) return OUT_OF_BOUNDS;
-    for (int64_t t = 0; t < tokens; t++) {
-        if (slots[t] < 0) continue;
-        memcpy(k_cache + slots[t] * row, k + t * row, row * sizeof(float));
-        memcpy(v_cache + slots[t] * row, v + t * row, row * sizeof(float));
-    }
-    return 0;
-}
-
-// Whether sequence s's visible keys stay inside the slot table and the pool: the lengths
-// always (one per sequence), every slot in the debug build (one per key).
-static int keys_in_bounds(const int64_t *slots, int64_t slot_stride, int64_t slot_width,
-                          const int64_t *lens, int64_t seqs, int64_t num_slots) {
-    for (int64_t s = 0; s < seqs; s++) {
-        if (lens[s] < 0 || lens[s] > slot_width) return 0;
-        for (int64_t j = 0; FULL_CHECKS && j < lens[s]; j++) {
-            const int64_t slot = slots[s * slot_stride + j];
-            if (slot < 0 || slot >= num_slots) return 0;
-        }
-    }
-    return 1;
-}
-
-// One query per sequence over its cached keys (twin: paged_attention_ref's decode path).
-// slots[s][j]: cache slot of key j of sequence s; keys [first, lens[s]) are visible, with
-// first = lens[s] - window for a sliding window. Softcap 0 means none.
-int spnl_paged_decode(const float *q, const float *k_cache, const float *v_cache,
-                      int64_t num_slots, const int64_t *slots, int64_t slot_stride,
-                      int64_t slot_width, const int64_t *lens, int64_t seqs, int64_t heads,
-                      int64_t kv_heads, int64_t dim, float scale, int64_t window, float softcap,
-                      float *out, int threads) {
-    if (kv_heads < 1 || heads % kv_heads || dim < 1 || seqs < 0) return BAD_ARGUMENT;
-    if (!keys_in_bounds(slots, slot_stride, slot_width, lens, seqs, num_slots))
-        return OUT_OF_BOUNDS;
-    const int64_t group = heads / kv_heads, row = kv_heads * dim;
-    int64_t longest = 0;
-    for (int64_t s = 0; s < seqs; s++) longest = lens[s] > longest ? lens[s] : longest;
-    float *scores_all = malloc((size_t)(seqs * heads) * (size_t)longest * sizeof(float) + 1);
-    if (!scores_all) return NO_MEMORY;
-    #pragma omp parallel for schedule(static) num_threads(threads) collapse(2)
-    for (int64_t s = 0; s < seqs; s++) {
-        for (int64_t h = 0; h < heads; h++) {
-            const int64_t len = lens[s], first = window > 0 && len > window ? len - window : 0;
-            const int64_t kvh = h / group;
-            const float *qh = q + (s * heads + h) * dim;
-            float *scores = scores_all + (s * heads + h) * longest;
-            float peak = -INFINITY;
-            for (int64_t j = first; j < len; j++) {
-                const float *kj = k_cache + slots[s * slot_stride + j] * row + kvh * dim;
-                float dot = 0.0f;
-                #pragma omp simd reduction(+ : dot)
-                for (int64_t i = 0; i < dim; i++) dot += qh[i] * kj[i];
-                dot *= scale;
-                if (softcap > 0.0f) dot = softcap * tanhf(dot / softcap);
-                scores[j] = dot;
-                peak = dot > peak ? dot : peak;
-            }
-            float total = 0.0f;
-            for (int64_t j = first; j < len; j++) {
-                scores[j] = expf(scores[j] - peak);
-                total += scores[j];
-            }
-            float *o = out + (s * heads + h) * dim;
-            for (int64_t i = 0; i < dim; i++) o[i] = 0.0f;
-            for (int64_t j = first; j < len; j++) {
-                const float *vj = v_cache + slots[s * slot_stride + j] * row + kvh * dim;
-                const float p = scores[j] / total;
-                #pragma omp simd
-                for (int64_t i = 0; i < dim; i++) o[i] += p * vj[i];
-            }
-        }
-    }
-    free(scores_all);
-    return 0;
-}
-
-// ---- compressed KV: PolarQuant records (twin: compression.attention.attend_records) ----
-//
-// A record (compression/polar.py) is: codes, `bits` per coordinate, each group of 8 a
-// little-endian word of `bits` bytes; a float16 gain (NaN: the record is the layer's
-// anchor, whose score and value the caller gives); `outliers` uint8 indices; as many
-// float16 values. A coordinate is lut[code] * gain in the rotated domain. The keys'
-// centre adds q . centre to every score (k_shift, per query head); the caller adds the
-// values' centre after the sum (probabilities sum to one), so an anchor's value is given
-// less that centre.
-
-static void unpack_codes(const uint8_t *rec, int bits, const float *lut, float gain,
-                         int64_t dim, float *out) {
-    const uint64_t mask = (1u << bits) - 1;
-    for (int64_t g = 0; g < dim / 8; g++) {
-        uint64_t word = 0;
-        memcpy(&word, rec + g * bits, (size_t)bits);
-        for (int i = 0; i < 8; i++) out[g * 8 + i] = lut[(word >> (bits * i)) & mask] * gain;
-    }
-}
-
-static float record_gain(const uint8_t *rec, int bits, int64_t dim) {
-    return half_to_float(rec + dim * bits / 8);
-}
-
-static float outlier_dot(const uint8_t *rec, int bits, int64_t dim, int64_t outliers,
-                         const float *q) {
-    const uint8_t *index = rec + dim * bits / 8 + 2, *values = index + outliers;
-    float dot = 0.0f;
-    for (int64_t j = 0; j < outliers; j++) dot += q[index[j]] * half_to_float(values + 2 * j);
-    return dot;
-}
-
-// One query per sequence. q_rot [seqs][heads][dim] (rotated like the keys), q the same
-// unrotated (for the outliers); k_shift and k_anchor [seqs][heads]: q . centre and
-// q . anchor; v_anchor [kv_heads][dim]: the values' anchor less their centre, rotated.
-// out [seqs][heads][dim]: the probability-weighted sum of the value codes, rotated,
-// centre not added. Keys [first, lens[s]) are visible.
-int spnl_coded_decode(const float *q_rot, const float *q, const float *k_shift,
-                      const float *k_anchor, const float *v_anchor, const uint8_t *k_pool,
-                      const uint8_t *v_pool, int64_t num_slots, int64_t k_bytes,
-                      int64_t v_bytes, const float *k_lut, int k_bits, int64_t k_outliers,
-                      const float *v_lut, int v_bits, const int64_t *slots,
-                      int64_t slot_stride, int64_t slot_width, const int64_t *lens,
-                      int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
-                      int64_t window, float softcap, float *out, int threads) {
-    if (kv_heads < 1 || heads % kv_heads || dim < 8 || dim % 8 || seqs < 0) return BAD_ARGUMENT;
-    if (k_bits < 1 || k_bits > 8 || v_bits < 1 || v_bits > 8 || k_outliers < 0)
-        return BAD_ARGUMENT;
-    if (k_bytes < dim * k_bits / 8 + 2 + 3 * k_outliers || v_bytes < dim * v_bits / 8 + 2)
-        return BAD_ARGUMENT;
-    if (!keys_in_bounds(slots, slot_stride, slot_width, lens, seqs, num_slots))
-        return OUT_OF_BOUNDS;
-    for (int64_t s = 0; FULL_CHECKS && s < seqs; s++)  // outlier indices index the query
-        for (int64_t j = 0; j < lens[s]; j++)
-            for (int64_t h = 0; h < kv_heads; h++) {
-                const uint8_t *rec = k_pool + (slots[s * slot_stride + j] * kv_heads + h) * k_bytes;
-                for (int64_t o = 0; o < k_outliers; o++)
-                    if (rec[dim * k_bits / 8 + 2 + o] >= dim) return OUT_OF_BOUNDS;
-            }
-    const int64_t group = heads / kv_heads;
-    int64_t longest = 0;
-    for (int64_t s = 0; s < seqs; s++) longest = lens[s] > longest ? lens[s] : longest;
-    float *scores = malloc((size_t)(group * longest) * sizeof(float) + 1);
-    float *partial = calloc((size_t)(threads * group * dim), sizeof(float));
-    if (!scores || !partial) { free(scores); free(partial); return NO_MEMORY; }
-    for (int64_t s = 0; s < seqs; s++) {
-        const int64_t len = lens[s], first = window > 0 && len > window ? len - window : 0;
-        const int64_t *seq_slots = slots + s * slot_stride;
-        for (int64_t kvh = 0; kvh < kv_heads; kvh++) {
-            const int64_t h0 = kvh * group;
-            const float *qr = q_rot + (s * heads + h0) * dim, *qo = q + (s * heads + h0) * dim;
-            #pragma omp parallel num_threads(threads)
-            {
-                float key[dim];
-                #pragma omp for schedule(static)
-                for (int64_t j = first; j < len; j++) {
-                    const uint8_t *rec = k_pool + (seq_slots[j] * kv_heads + kvh) * k_bytes;
-                    const float gain = record_gain(rec, k_bits, dim);
-                    const bool anchor = isnan(gain);
-                    if (!anchor) unpack_codes(rec, k_bits, k_lut, gain, dim, key);
-                    for (int64_t g = 0; g < group; g++) {
-                        float dot = 0.0f;
-                        if (anchor) {
-                            dot = k_anchor[s * heads + h0 + g];
-                        } else {
-                            #pragma omp simd reduction(+ : dot)
-                            for (int64_t i = 0; i < dim; i++) dot += qr[g * dim + i] * key[i];
-                            dot += outlier_dot(rec, k_bits, dim, k_outliers, qo + g * dim);
-                            dot += k_shift[s * heads + h0 + g];
-                        }
-                        dot *= scale;
-                        if (softcap > 0.0f) dot = softcap * tanhf(dot / softcap);
-                        scores[g * longest + j] = dot;
-                    }
-                }
-            }
-            for (int64_t g = 0; g < group; g++) {
-                float *row = scores + g * longest, peak = -INFINITY, total = 0.0f;
-                for (int64_t j = first; j < len; j++) peak = row[j] > peak ? row[j] : peak;
-                for (int64_t j = first; j < len; j++) total += row[j] = expf(row[j] - peak);
-                for (int64_t j = first; j < len; j++) row[j] /= total;
-            }
-            memset(partial, 0, (size_t)(threads * group * dim) * sizeof(float));
-            #pragma omp parallel num_threads(threads)
-            {
-                float value[dim];
-                int me = 0;
-#ifdef _OPENMP
-                me = omp_get_thread_num();
-#endif
-                float *acc = partial + me * group * dim;
-                #pragma omp for schedule(static)
-                for (int64_t j = first; j < len; j++) {
-                    const uint8_t *rec = v_pool + (seq_slots[j] * kv_heads + kvh) * v_bytes;
-                    const float gain = record_gain(rec, v_bits, dim);
-                    const float *vj = value;
-                    if (isnan(gain)) vj = v_anchor + kvh * dim;
-                    else unpack_codes(rec, v_bits, v_lut, gain, dim, value);
-                    for (int64_t g = 0; g < group; g++) {
-                        const float p = scores[g * longest + j];
-                        #pragma omp simd
-                        for (int64_t i = 0; i < dim; i++) acc[g * dim + i] += p * vj[i];
-                    }
-                }
-            }
-            float *o = out + (s * heads + h0) * dim;  // partial sums added in thread order
-            for (int64_t i = 0; i < group * dim; i++) {
-                float sum = 0.0f;
-                for (int t = 0; t < threads; t++) sum += partial[t * group * dim + i];
-                o[i] = sum;
-            }
-        }
-    }
-    free(scores);
-    free(partial);
-    return 0;
-}

@@ -1,0 +1,241 @@
+// What the CPU's native kernels share: the entry points and their argument structs (declared
+// here once; the ctypes mirrors in __init__.py follow them field for field), the status
+// codes, the index-check switch, float16, and the 16-lane vector helpers.
+//
+// One translation unit per kernel family (quant_matmul.c, layer_ops.c, paged_attention.c,
+// coded_decode.c) and build_info.c, all linked into one library compiled at first use with
+// -O3 -march=native; GCC/Clang vector extensions keep it portable (AVX2, AVX-512, NEON).
+
+#ifndef SPNL_COMMON_H
+#define SPNL_COMMON_H
+
+#include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+// Status codes of the entry points (0 is success): the caller turns them into exceptions.
+enum { BAD_ARGUMENT = -1, NO_MEMORY = -2, OUT_OF_BOUNDS = -3 };
+
+// Every entry point checks the extents it is given (buffer sizes, counts) before it
+// reads or writes anything. Built with -DSPNL_CHECKS (MISTRALRS_NATIVE_CHECKS=true) it
+// also checks every index it follows (each slot of each key, each row id) before use.
+#ifdef SPNL_CHECKS
+#define FULL_CHECKS 1
+#else
+#define FULL_CHECKS 0
+#endif
+
+// ---- the entry points ----------------------------------------------------------------------
+
+// Several quantized matrices that multiply the same activations (q, k and v; gate and up):
+// matrix i is weights[i], w_bytes[i] bytes of GGML type qtypes[i], n_outs[i] rows.
+typedef struct {
+    int count;
+    const int *qtypes;
+    const uint8_t *const *weights;
+    const int64_t *w_bytes, *n_outs;
+} spnl_products;
+
+// One decode attention, whichever the cache: a query per sequence, over the keys at
+// slots[s * slot_stride + j] for j < lens[s] (the last `window` of them where window > 0).
+typedef struct {
+    const int64_t *slots;
+    int64_t slot_stride, slot_width;  // the table's rows; lens[s] <= slot_width
+    const int64_t *lens;              // [seqs]
+    int64_t num_slots;                // slots in the pool
+    int64_t seqs, heads, kv_heads, dim;
+    float scale, softcap;  // softcap 0: none
+    int64_t window;        // 0: none
+    float *out;            // [seqs][heads][dim]
+    int threads;
+} spnl_attention;
+
+// Over a float cache: q [seqs][heads][dim], caches [num_slots][kv_heads][dim].
+typedef struct {
+    spnl_attention at;
+    const float *q, *k_cache, *v_cache;
+} spnl_paged_decode_args;
+
+// Over PolarQuant records (see coded_decode.c): pools [num_slots][kv_heads][k_bytes or
+// v_bytes], each a code per coordinate into a codebook (k_lut, v_lut) of 1 << bits entries;
+// key records also carry k_outliers exact coordinates.
+typedef struct {
+    spnl_attention at;
+    const float *q_rot, *q;              // [seqs][heads][dim]: rotated like the keys; as is
+    const float *k_shift, *k_anchor;     // [seqs][heads]: q . key centre, q . key anchor
+    const float *v_anchor;               // [kv_heads][dim]: value anchor less centre, rotated
+    const uint8_t *k_pool, *v_pool;
+    int64_t k_bytes, v_bytes, k_outliers;
+    const float *k_lut, *v_lut;
+    int k_bits, v_bits;
+} spnl_coded_decode_args;
+
+// What the loader asks of this build (build_info.c, quant_matmul.c).
+int spnl_full_checks(void);
+int spnl_has_int8(void);
+int spnl_max_rows(void);
+int64_t spnl_sizeof_products(void);
+int64_t spnl_sizeof_paged_decode(void);
+int64_t spnl_sizeof_coded_decode(void);
+
+// quant_matmul.c
+int64_t spnl_row_bytes(int qtype, int64_t k_in);
+int spnl_qmatmul(const spnl_products *p, const float *x, int64_t rows, int64_t k_in, float *y,
+                 int64_t y_stride, int threads, int exact);
+int spnl_dequantize(int qtype, const uint8_t *w, int64_t w_bytes, int64_t n_rows, int64_t k_in,
+                    float *out, int threads);
+int spnl_gather_rows(int qtype, const uint8_t *w, int64_t n_rows, const int64_t *ids,
+                     int64_t count, int64_t k_in, float *out);
+
+// layer_ops.c
+int spnl_rms_norm(const float *x, const float *scale, float *out, int64_t rows, int64_t dim,
+                  float eps);
+int spnl_rope(float *x, const float *cos, const float *sin, int64_t tokens, int64_t heads,
+              int64_t head_dim, int64_t rotary_dim);
+
+// paged_attention.c
+int spnl_store_kv(const float *k, const float *v, float *k_cache, float *v_cache,
+                  const int64_t *slots, int64_t tokens, int64_t row, int64_t num_slots);
+int spnl_paged_decode(const spnl_paged_decode_args *a);
+
+// coded_decode.c
+int spnl_coded_decode(const spnl_coded_decode_args *a);
+
+// ---- shared by the attention kernels ---------------------------------------------------------
+
+// Whether every sequence's visible keys stay inside the slot table and the pool: the
+// lengths always (one per sequence), every slot in the checked build (one per key).
+static inline bool keys_in_bounds(const spnl_attention *at) {
+    for (int64_t s = 0; s < at->seqs; s++) {
+        const int64_t len = at->lens[s];
+        if (len < 0 || len > at->slot_width) return false;
+        for (int64_t j = 0; FULL_CHECKS && j < len; j++) {
+            const int64_t slot = at->slots[s * at->slot_stride + j];
+            if (slot < 0 || slot >= at->num_slots) return false;
+        }
+    }
+    return true;
+}
+
+// The first visible key of a sequence of `len` keys.
+static inline int64_t first_key(int64_t len, int64_t window) {
+    return window > 0 && len > window ? len - window : 0;
+}
+
+// The longest sequence: the stride of the score rows.
+static inline int64_t longest_len(const spnl_attention *at) {
+    int64_t most = 0;
+    for (int64_t s = 0; s < at->seqs; s++) most = at->lens[s] > most ? at->lens[s] : most;
+    return most;
+}
+
+// ---- float16 (the blocks' scales, the records' gains and outliers) ----------------------------
+
+static inline float half_to_float(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#ifdef __FLT16_MAX__
+    _Float16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, m = h & 0x3FF, bits;
+    if (exponent == 0x1F) bits = sign | 0x7F800000u | (m << 13);
+    else if (exponent) bits = sign | ((exponent + 112) << 23) | (m << 13);
+    else if (!m) bits = sign;
+    else {
+        int shift = 0;
+        while (!(m & 0x400)) { m <<= 1; shift++; }
+        bits = sign | ((uint32_t)(113 - shift) << 23) | ((m & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+// ---- 16-lane vectors -------------------------------------------------------------------------
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef int8_t v16i8 __attribute__((vector_size(16)));
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
+
+static const v16i LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+static inline v16f splat(float v) { return (v16f){0} + v; }
+static inline v16f load_f32(const float *p) { v16f v; memcpy(&v, p, 64); return v; }
+// 16 bytes widened to 16 int32 lanes. Compilers scalarise the generic conversion, so x86
+// gets the widening instructions by name.
+#if defined(__AVX512F__)
+static inline v16i load_u8(const uint8_t *p) {
+    return (v16i)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+static inline v16i load_i8(const uint8_t *p) {
+    return (v16i)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+#elif defined(__AVX2__)
+typedef union { v16i v; __m256i half[2]; } v16i_halves;
+static inline v16i load_u8(const uint8_t *p) {
+    v16i_halves r;
+    r.half[0] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    r.half[1] = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+    return r.v;
+}
+static inline v16i load_i8(const uint8_t *p) {
+    v16i_halves r;
+    r.half[0] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    r.half[1] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+    return r.v;
+}
+#else
+static inline v16i load_u8(const uint8_t *p) {
+    v16u8 v;
+    memcpy(&v, p, 16);
+    return __builtin_convertvector(v, v16i);
+}
+static inline v16i load_i8(const uint8_t *p) {
+    v16i8 v;
+    memcpy(&v, p, 16);
+    return __builtin_convertvector(v, v16i);
+}
+#endif
+static inline v16f to_f32(v16i v) { return __builtin_convertvector(v, v16f); }
+static inline float hsum(v16f v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps((__m512)v);
+#else
+    float s = 0.0f;
+    for (int i = 0; i < 16; i++) s += v[i];
+    return s;
+#endif
+}
+// a * b + c with one rounding where the hardware has FMA (the sums' order differs from the
+// twin's anyway; the values themselves are dequantized exactly).
+static inline v16f fma16(v16f a, v16f b, v16f c) {
+#if defined(__AVX512F__)
+    return (v16f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    typedef union { v16f v; __m256 half[2]; } halves;
+    halves x = {a}, y = {b}, z = {c}, r;
+    r.half[0] = _mm256_fmadd_ps(x.half[0], y.half[0], z.half[0]);
+    r.half[1] = _mm256_fmadd_ps(x.half[1], y.half[1], z.half[1]);
+    return r.v;
+#else
+    return a * b + c;
+#endif
+}
+// Bit (first + lane) of a 32-bit word, per lane.
+static inline v16i bits_of(uint32_t word, int first) {
+    return ((v16i){0} + (int32_t)(word >> first)) >> LANE & 1;
+}
+
+#endif
