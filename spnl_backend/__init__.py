@@ -21,6 +21,8 @@ from .errors import (
 
 if TYPE_CHECKING:
     from .backend import Backend, GenerateResult, Usage, load_backend
+    from .engine.cache import CacheInfo, PoolUsage
+    from .engine.engine import EngineStats
     from .settings import BackendSettings, PlatformDecisions, detect_platform, load_settings
 
 __version__ = "0.1.0"
@@ -30,6 +32,9 @@ _LAZY = {
     "GenerateResult": ".backend",
     "Usage": ".backend",
     "load_backend": ".backend",
+    "CacheInfo": ".engine.cache",
+    "PoolUsage": ".engine.cache",
+    "EngineStats": ".engine.engine",
     "BackendSettings": ".settings",
     "PlatformDecisions": ".settings",
     "detect_platform": ".settings",
@@ -39,12 +44,15 @@ _LAZY = {
 __all__ = [
     "Backend",
     "BackendSettings",
+    "CacheInfo",
     "EngineError",
+    "EngineStats",
     "GenerateResult",
     "ModelFileError",
     "ModelNotFoundError",
     "PlatformDecisions",
     "PlatformError",
+    "PoolUsage",
     "RequestAbortedError",
     "RequestError",
     "SettingsError",

@@ -487,6 +487,12 @@ def test_fp8_cache_type_and_a_method_are_exclusive():
         BackendSettings(paged_cache_type="f8e4m3", kv_cache_compression="int8")
 
 
+def test_the_registry_lists_exactly_the_built_in_methods():
+    from spnl_backend.compression import builtin, registry
+
+    assert tuple(c.name for c in builtin.BUILT_IN) == registry.BUILT_IN_NAMES
+
+
 def test_names_are_case_insensitive():
     assert BackendSettings(kv_cache_compression="TQ4-QJL").kv_cache_compression == "tq4-qjl"
     assert set(METHODS) <= set(compressor_names())

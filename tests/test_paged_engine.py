@@ -3,7 +3,7 @@ both modes, preemption, FP8, and the KV budget's errors."""
 
 import pytest
 import torch
-from helpers import PROMPT, engine_logits
+from helpers import PROMPT, engine_internals, engine_logits
 
 from spnl_backend import BackendSettings, PlatformError, RequestError, SettingsError, load_backend
 from spnl_backend.engine.budget import STEP_RESERVE_BYTES
@@ -112,6 +112,7 @@ def test_fp8_cache_logits_are_within_tolerance(tiny, arch):
     auto = engine_logits(load(tiny, arch, paged_attn=True, prefix_cache_n=0), ids)
     fp8_backend = load(tiny, arch, paged_attn=True, paged_cache_type="f8e4m3", prefix_cache_n=0)
     assert fp8_backend.cache_info().dtype == torch.float8_e4m3fn
+    assert engine_internals(fp8_backend).cache.cache.data.dtype == torch.float8_e4m3fn
     fp8 = engine_logits(fp8_backend, ids)
     assert (fp8 - auto).norm() / auto.norm() < FP8_RELATIVE_L2
 
@@ -123,6 +124,9 @@ def test_fp8_halves_the_memory_per_token_of_a_16_bit_cache(tiny):
     )
     fp8 = load(tiny, "llama", paged_attn=True, paged_cache_type="f8e4m3")
     assert fp8.cache_info().bytes_per_token == kv_bytes_per_token(config, torch.float16) // 2
+    pool = engine_internals(fp8).cache.cache.data  # [layers, 2, blocks, block_size, ...]
+    stored_per_token = pool.nbytes // (pool.shape[2] * pool.shape[3])
+    assert stored_per_token == kv_bytes_per_token(config, torch.float16) // 2
 
 
 def test_prompt_larger_than_the_whole_cache_is_rejected_at_once(tiny):

@@ -9,7 +9,34 @@ which sits below them, and importing this package must not pull the codecs and k
 """
 
 import importlib
+from typing import TYPE_CHECKING
 
+if TYPE_CHECKING:  # what `__getattr__` hands out, for type checkers
+    from .attention import CodecPair
+    from .cache import CodecKVCache
+    from .codecs import Fp8Codec, Int8Codec, VectorCodec
+    from .polar import PolarCodec
+    from .protocol import (
+        AttendConfig,
+        CompressedKVCache,
+        DecodeOutput,
+        Dequantized,
+        DequantResult,
+        Fused,
+        KVGeometry,
+        ResizableKVCache,
+    )
+    from .registry import (
+        ENTRY_POINT_GROUP,
+        Compressor,
+        compressor_names,
+        get_compressor,
+        plugin_failures,
+        refresh_plugins,
+    )
+    from .sizes import method_bytes_per_token
+
+_SUBMODULES = ("attention", "builtin", "cache", "codecs", "polar", "protocol", "registry", "sizes")
 _EXPORTS = {
     "CodecPair": "attention",
     "CodecKVCache": "cache",
@@ -34,10 +61,34 @@ _EXPORTS = {
     "method_bytes_per_token": "sizes",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "AttendConfig",
+    "CodecKVCache",
+    "CodecPair",
+    "CompressedKVCache",
+    "Compressor",
+    "DecodeOutput",
+    "DequantResult",
+    "Dequantized",
+    "Fp8Codec",
+    "Fused",
+    "Int8Codec",
+    "KVGeometry",
+    "PolarCodec",
+    "ResizableKVCache",
+    "VectorCodec",
+    "compressor_names",
+    "get_compressor",
+    "method_bytes_per_token",
+    "plugin_failures",
+    "refresh_plugins",
+]
 
 
 def __getattr__(name: str) -> object:
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -47,4 +98,4 @@ def __getattr__(name: str) -> object:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+    return sorted({*globals(), *_EXPORTS, *_SUBMODULES})

@@ -13,6 +13,7 @@ import torch
 
 from ..compression import Compressor, KVGeometry, ResizableKVCache, get_compressor
 from ..errors import PlatformError, SettingsError
+from ..kernels import Kernels
 from ..loader.build import LoadedModel
 from ..log import get_logger
 from ..memory import MIB, available_memory, kv_bytes_per_token
@@ -201,9 +202,17 @@ def _paged_cache(
         cache_dtype if pair is None else torch.uint8,
         per_token,
         compressor.name if compressor else None,
-        loaded.kernels.attention.name,
+        _kernels_name(loaded.kernels.attention, coded=pair is not None),
     )
     return PagedCacheManager(cache, blocks, loaded.kernels.attention), info
+
+
+def _kernels_name(attention: Kernels, coded: bool) -> str:
+    """The set a pool attends through; a compressed pool decodes its records itself, on
+    the compiled CPU kernels where the set has them, else in torch."""
+    if coded:
+        return "cpu" if attention.native is not None else "torch"
+    return attention.name
 
 
 def _allocation_failed(

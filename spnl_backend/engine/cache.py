@@ -24,8 +24,10 @@ class CacheInfo:
     dtype: torch.dtype | None
     bytes_per_token: int | None  # K and V of every layer; None: a plugin's own records
     compression: str | None  # the MISTRALRS_KV_CACHE_COMPRESSION method; None: plain K/V
-    kernels: str | None  # the paged-attention kernel set ("torch", "cpu", "triton", ...);
-    # None in contiguous mode, which attends per sequence in torch
+    # The kernels the pool attends through: "cpu" (the compiled kernels, which hand a
+    # cache dtype they have no kernel for, such as FP8, to the torch twins), "triton" or
+    # "torch"; None in contiguous mode, which attends per sequence in torch.
+    kernels: str | None
 
 
 @dataclass(frozen=True)

@@ -34,12 +34,12 @@ class KernelChoice:
 
 def choose_kernels(decisions: PlatformDecisions) -> KernelChoice:
     native = native_kernels(decisions)
+    # Without paged attention no kernel set runs: Triton's then need not load.
+    attention = select_kernels(decisions.kernels, native) if decisions.paged_attn else TORCH_KERNELS
     choice = KernelChoice(
-        native,
-        select_kernels(decisions.kernels, native),
-        select_matmuls(decisions.kernels, native, decisions.cpu_gemm),
+        native, attention, select_matmuls(decisions.kernels, native, decisions.cpu_gemm)
     )
-    log.debug("kernels.selected", attention=choice.attention.name, native=native is not None)
+    log.debug("kernels.selected", kernels=attention.name, native=native is not None)
     return choice
 
 

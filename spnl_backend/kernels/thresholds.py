@@ -3,8 +3,8 @@
 Each picks, for the rows of one call, between a per-row path (every row computed alone,
 as decoding it alone would) and a batched path (faster for many rows, but its rounding
 can depend on how many rows come together). A request's tokens may therefore depend on
-what shares its step wherever a step crosses one of these; `PlatformDecisions` and the
-kernel sets read them from here and nowhere else.
+what shares its step wherever a step crosses one of these. The kernel sets and products
+that branch on them read them from here and nowhere else.
 """
 
 # Queries per sequence up to which a CPU step attends query by query with the native

@@ -172,10 +172,28 @@ def _dequantize_kernel(
     tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# The formats `_decode` knows: the K-quants hold 256 weights a block, the others 32.
+_BLOCK_SIZES = {
+    2: 32,
+    3: 32,
+    6: 32,
+    7: 32,
+    8: 32,
+    9: 32,
+    10: 256,
+    11: 256,
+    12: 256,
+    13: 256,
+    14: 256,
+}
+
+
 def _format(qtype: GGMLQuantizationType, k_in: int, row_bytes: int) -> dict:
-    """The block geometry `_decode` needs, from the packed rows themselves: K-quants hold
-    256 weights a block, the others 32, and a row is ``k_in`` weights' worth of blocks."""
-    block_size = 256 if qtype >= GGMLQuantizationType.Q2_K else 32
+    """The block geometry `_decode` needs, from the packed rows themselves (a row is
+    ``k_in`` weights' worth of whole blocks)."""
+    block_size = _BLOCK_SIZES.get(int(qtype))
+    if block_size is None or k_in % block_size or row_bytes % (k_in // block_size):
+        raise ValueError(f"{qtype.name} rows of {k_in} weights in {row_bytes} bytes")
     return {"QTYPE": int(qtype), "QK": block_size, "BYTES": row_bytes * block_size // k_in}
 
 

@@ -20,15 +20,10 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from ..errors import ModelFileError
+from ..kernels.matmuls import Matmuls, quantized_matmuls_ref
 from ..models.config import ModelConfig
 from ..quant.ggml import FLOAT_TYPES, nonfinite_scales
-from ..quant.linear import (
-    Matmuls,
-    QuantEmbedding,
-    QuantizedWeight,
-    QuantLinear,
-    quantized_matmuls_ref,
-)
+from ..quant.linear import QuantEmbedding, QuantizedWeight, QuantLinear
 from .gguf_config import hf_name
 from .gguf_file import GGUFFile
 from .progress import Progress

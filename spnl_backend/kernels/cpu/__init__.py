@@ -531,7 +531,15 @@ def load_cpu_kernels(compiler: str, checks: bool = False) -> CpuKernels | None:
             detail=str(detail)[-2000:],
         )
         return None
-    return _load(path)
+    try:
+        return _load(path)
+    except _MismatchedBuildError as exc:
+        log.warning("native.unavailable", reason=str(exc))
+        return None
+
+
+class _MismatchedBuildError(Exception):
+    """The library's argument structs are not the ones this module mirrors."""
 
 
 def _load(path: Path) -> CpuKernels:
@@ -541,7 +549,9 @@ def _load(path: Path) -> CpuKernels:
         function.argtypes, function.restype = argtypes, restype
     for name, struct in _STRUCTS.items():  # a mirror out of step would pass garbage
         if getattr(library, name)() != ctypes.sizeof(struct):
-            raise EngineError(f"{struct.__name__} does not match its C struct in common.h")
+            raise _MismatchedBuildError(
+                f"{struct.__name__} does not match its C struct in common.h ({path})"
+            )
     has_int8 = bool(library.spnl_has_int8())
     return CpuKernels(
         library,

@@ -3,7 +3,7 @@
 
 #include "common.h"
 
-// out[r] = x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * scale  (RMSNorm; twin: models/layers.py)
+// out[r] = x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * scale  (RMSNorm)
 int spnl_rms_norm(const float *x, const float *scale, float *out, int64_t rows, int64_t dim,
                   float eps) {
     if (rows < 0 || dim < 1) return BAD_ARGUMENT;
