@@ -13,6 +13,14 @@ from spnl_backend.engine.kv_cache import ContiguousStep, SequenceKV, StepSlice
 
 CPU = BackendSettings(device="cpu")
 PROMPT = " ".join(["The quick brown fox jumps over the lazy dog."] * 3)
+# Prompts of several lengths that share prefixes: batches that exercise the prefix cache.
+SHARED_PREFIX_PROMPTS = [
+    PROMPT,
+    "The capital of France is",
+    PROMPT + " And again the fox.",
+    "def add(a, b):",
+    "Numbers: 1 2 3",
+]
 
 
 def model_logits(backend: Backend, ids: list[int]) -> torch.Tensor:

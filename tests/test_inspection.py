@@ -5,20 +5,14 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import PROMPT
+from helpers import PROMPT, SHARED_PREFIX_PROMPTS
 
 from spnl_backend import BackendSettings, RequestAbortedError, load_backend
 from spnl_backend.compression.sizes import method_bytes_per_token
 from spnl_backend.memory import MIB, kv_bytes_per_token
 from spnl_backend.quant.linear import QuantLinear
 
-PROMPTS = [
-    PROMPT,
-    "The capital of France is",
-    PROMPT + " And again the fox.",
-    "def add(a, b):",
-    "Numbers: 1 2 3",
-]
+PROMPTS = SHARED_PREFIX_PROMPTS
 
 
 def load(tiny, **settings):

@@ -3,19 +3,13 @@ both modes, preemption, FP8, and the KV budget's errors."""
 
 import pytest
 import torch
-from helpers import PROMPT, engine_internals, engine_logits
+from helpers import PROMPT, SHARED_PREFIX_PROMPTS, engine_internals, engine_logits
 
 from spnl_backend import BackendSettings, PlatformError, RequestError, SettingsError, load_backend
 from spnl_backend.engine.budget import STEP_RESERVE_BYTES
 from spnl_backend.memory import kv_bytes_per_token
 
-PROMPTS = [
-    PROMPT,
-    "The capital of France is",
-    PROMPT + " And again the fox.",
-    "def add(a, b):",
-    "Numbers: 1 2 3",
-]
+PROMPTS = SHARED_PREFIX_PROMPTS
 TOKENS = 16
 # FP8 (e4m3) keeps 3 mantissa bits: over these random tiny models the logits move by
 # 3.4-8.9% of their norm (measured for the six architectures); 12% bounds it. The real
