@@ -591,6 +591,53 @@ def test_a_draft_needs_a_method_that_can_truncate(plugin, model):
         load(model, kv_cache_compression="raw", speculative_draft_isq="Q8_0")
 
 
+def _install_plugin(tmp_path, monkeypatch, name: str, source: str, entries: str) -> None:
+    """A module ``name`` on sys.path with ``entries`` in our entry point group."""
+    (tmp_path / f"{name}.py").write_text(source)
+    info = tmp_path / f"{name}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[spnl_backend.kv_cache_compressors]\n{entries}")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    refresh_plugins()
+
+
+def test_a_plugin_that_exits_on_import_is_only_a_failed_plugin(tmp_path, monkeypatch):
+    _install_plugin(
+        tmp_path,
+        monkeypatch,
+        "exit_plugin",
+        "raise SystemExit('no')\n",
+        "exits = exit_plugin:make\n",
+    )
+    try:
+        assert BackendSettings(kv_cache_compression="tq4").kv_cache_compression == "tq4"
+        from spnl_backend.compression import plugin_failures
+
+        assert "SystemExit" in plugin_failures()["exits"]
+    finally:
+        monkeypatch.undo()
+        refresh_plugins()
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [("raise RuntimeError('factory boom')", "factory boom"), ("return None", "NoneType")],
+)
+def test_a_plugin_factory_that_fails_is_an_error_naming_the_method(
+    tmp_path, monkeypatch, model, body, says
+):
+    source = f"def make(geometry):\n    {body}\n"
+    module = f"bad_factory_{says.replace(' ', '_')}"  # a fresh module for each case
+    _install_plugin(tmp_path, monkeypatch, module, source, f"badfactory = {module}:make\n")
+    try:
+        with pytest.raises(SettingsError, match=f"KV_CACHE_COMPRESSION=badfactory.*{says}"):
+            load(model, paged_attn=False, kv_cache_compression="badfactory")
+    finally:
+        monkeypatch.undo()
+        refresh_plugins()
+
+
 def test_a_plugin_cannot_take_a_built_in_name(tmp_path, monkeypatch):
     (tmp_path / "shadow_plugin.py").write_text("def make(geometry):\n    raise AssertionError\n")
     info = tmp_path / "shadow_plugin-1.0.dist-info"

@@ -291,3 +291,42 @@ def test_the_c_code_checks_the_extents_it_is_given(kernels):
         products.args, x.data_ptr(), 1, 512, out.data_ptr(), 96, 1, 0
     )
     assert status == -3
+
+
+def _coded_args(dim=16, k_bits=4, outliers=2, v_bits=4):
+    """A one-sequence, one-key coded decode call of ``dim``-wide heads."""
+    k_bytes, v_bytes = dim * k_bits // 8 + 2 + 3 * outliers, dim * v_bits // 8 + 2
+    anchors = (torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, dim))
+    return [
+        torch.randn(1, 2, dim),
+        torch.randn(1, 2, dim),
+        anchors,
+        torch.zeros(1, 1, k_bytes, dtype=torch.uint8),
+        torch.zeros(1, 1, v_bytes, dtype=torch.uint8),
+        (torch.randn(1 << min(k_bits, 8)), k_bits, outliers),
+        (torch.randn(1 << v_bits), v_bits),
+        torch.tensor([[0]]),
+        torch.tensor([1]),
+        0.25,
+        None,
+        None,
+    ]
+
+
+@pytest.mark.parametrize(
+    ("dim", "k_bits", "outliers"),
+    [(8192, 1, 0), (16, 4, 2**62), (16, 4, 17), (16, 2**36, 2), (16, 0, 2)],
+    ids=[
+        "head-wider-than-the-stack-allows",
+        "outliers-overflow",
+        "outliers-past-the-head",
+        "huge-bits",
+        "zero-bits",
+    ],
+)
+def test_coded_decode_refuses_formats_it_cannot_hold(kernels, dim, k_bits, outliers):
+    args = _coded_args(dim=dim, k_bits=min(k_bits, 8) if k_bits > 0 else 1, outliers=0)
+    args[5] = (args[5][0], k_bits, outliers)
+    with pytest.raises(KernelArgumentError, match="coded_decode"):
+        kernels.coded_decode(*args)
+    assert kernels.coded_decode(*_coded_args()).shape == (1, 2, 16)  # a sound call still works

@@ -72,7 +72,7 @@ def _plugins() -> tuple[dict[str, Compressor], dict[str, str]]:
         name = point.name.lower()
         try:
             found[name] = _as_compressor(name, point.value, point.load())
-        except Exception as exc:  # a broken plugin must not break the other methods
+        except (Exception, SystemExit) as exc:  # a broken plugin must not break the others
             failed[name] = f"{point.value}: {type(exc).__name__}: {exc}"
             log.warning("kv_compression.plugin_failed", name=name, reason=failed[name])
     return found, failed

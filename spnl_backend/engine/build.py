@@ -11,7 +11,13 @@ holding as many tokens as the target's.
 
 import torch
 
-from ..compression import Compressor, KVGeometry, ResizableKVCache, get_compressor
+from ..compression import (
+    CompressedKVCache,
+    Compressor,
+    KVGeometry,
+    ResizableKVCache,
+    get_compressor,
+)
 from ..errors import PlatformError, SettingsError
 from ..kernels import Kernels
 from ..loader.build import LoadedModel
@@ -114,7 +120,7 @@ def _contiguous_cache(
         return ContiguousCacheManager(new_store, settings.prefix_cache_n), info
 
     def new_store() -> SequenceStore:
-        return ProtocolKV(compressor.make_cache(geometry), compressor.name)
+        return ProtocolKV(_made_cache(compressor, geometry), compressor.name)
 
     prefix_cache_n = settings.prefix_cache_n
     if not isinstance(new_store().cache, ResizableKVCache):  # type: ignore[attr-defined]
@@ -131,6 +137,24 @@ def _contiguous_cache(
     dtype = None if per_token is None else torch.uint8
     info = CacheInfo("contiguous", None, None, None, dtype, per_token, compressor.name, None)
     return ContiguousCacheManager(new_store, prefix_cache_n), info
+
+
+def _made_cache(compressor: Compressor, geometry: KVGeometry) -> CompressedKVCache:
+    """A sequence's cache from the method's factory; a factory that fails, or returns
+    something other than a `CompressedKVCache`, is an error naming the method."""
+    try:
+        cache = compressor.make_cache(geometry)
+    except Exception as exc:
+        raise SettingsError(
+            f"{env_name('kv_cache_compression')}={compressor.name}: the method's make_cache "
+            f"failed ({type(exc).__name__}: {exc}); fix or remove the method"
+        ) from exc
+    if not isinstance(cache, CompressedKVCache):
+        raise SettingsError(
+            f"{env_name('kv_cache_compression')}={compressor.name}: the method's make_cache "
+            f"returned a {type(cache).__name__}, not a CompressedKVCache"
+        )
+    return cache
 
 
 def _refuse_draft_without_truncate(settings: BackendSettings, compressor: Compressor) -> None:

@@ -13,8 +13,12 @@ fallback on purpose.
 
 Every wrapper checks what the C code relies on (dtypes, contiguity, shapes, extents)
 before calling it, and the C code checks the extents it is given: a violation is a
-`KernelArgumentError`, never a read or write out of bounds. ``MISTRALRS_NATIVE_CHECKS``
-builds a second library that also checks every index it follows.
+`KernelArgumentError`. The indices the attention kernels follow (block tables, slots,
+outlier positions) are data, not extents: the engine checks each step's once before any
+kernel runs (`kernels.sets.check_step_slots`), and ``MISTRALRS_NATIVE_CHECKS`` builds a
+second library that checks every one itself. A caller of these methods outside the
+engine, with the plain build, must pass indices inside the pool. A prepared `Products`
+keeps its weights' addresses: the weights must not be replaced while it is in use.
 """
 
 import ctypes
@@ -52,6 +56,7 @@ HEADERS = tuple(sorted(HERE.glob("*.h")))
 # No fused multiply-add contraction: the element-wise kernels then round exactly as torch.
 _BASE_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=off"]
 _CHECK_FLAGS = ["-DSPNL_CHECKS"]
+MAX_HEAD_DIM = 4096  # SPNL_MAX_HEAD_DIM in common.h
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
@@ -324,6 +329,12 @@ class CpuKernels:
         _require(q, torch.float32, "coded_decode: q", dims=3)
         seqs, heads, dim = q.shape
         (k_lut, k_bits, outliers), (v_lut, v_bits) = key_format, value_format
+        if not (1 <= k_bits <= 8 and 1 <= v_bits <= 8 and 0 <= outliers <= dim <= MAX_HEAD_DIM):
+            raise KernelArgumentError(
+                f"coded_decode: {k_bits}-bit keys with {outliers} outliers and {v_bits}-bit "
+                f"values of {dim} dims; bits are 1 to 8, outliers at most the head's "
+                f"{dim} dims, and a head at most {MAX_HEAD_DIM}"
+            )
         kv_heads = key_pool.shape[-2]
         _require(q_rot, torch.float32, "coded_decode: q_rot", numel=q.numel())
         _require(k_shift, torch.float32, "coded_decode: key centre terms", numel=seqs * heads)

@@ -60,9 +60,11 @@ static bool outliers_in_bounds(const spnl_coded_decode_args *a) {
 static int check_args(const spnl_coded_decode_args *a) {
     const spnl_attention *at = &a->at;
     const int64_t dim = at->dim;
-    if (at->kv_heads < 1 || at->heads % at->kv_heads || dim < 8 || dim % 8 || at->seqs < 0)
+    if (at->kv_heads < 1 || at->heads % at->kv_heads || dim < 8 || dim % 8 || at->seqs < 0
+        || dim > SPNL_MAX_HEAD_DIM)
         return BAD_ARGUMENT;
-    if (a->k_bits < 1 || a->k_bits > 8 || a->v_bits < 1 || a->v_bits > 8 || a->k_outliers < 0)
+    if (a->k_bits < 1 || a->k_bits > 8 || a->v_bits < 1 || a->v_bits > 8 || a->k_outliers < 0
+        || a->k_outliers > dim)  // also keeps the record size below from overflowing
         return BAD_ARGUMENT;
     if (a->k_bytes < dim * a->k_bits / 8 + 2 + 3 * a->k_outliers
         || a->v_bytes < dim * a->v_bits / 8 + 2)

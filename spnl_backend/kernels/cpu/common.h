@@ -24,6 +24,10 @@
 // Status codes of the entry points (0 is success): the caller turns them into exceptions.
 enum { BAD_ARGUMENT = -1, NO_MEMORY = -2, OUT_OF_BOUNDS = -3 };
 
+// The widest head the coded decode takes: each of its threads unpacks a key and a value
+// of this many floats on its stack.
+#define SPNL_MAX_HEAD_DIM 4096
+
 // Every entry point checks the extents it is given (buffer sizes, counts) before it
 // reads or writes anything. Built with -DSPNL_CHECKS (MISTRALRS_NATIVE_CHECKS=true) it
 // also checks every index it follows (each slot of each key, each row id) before use.
