@@ -330,3 +330,24 @@ def test_coded_decode_refuses_formats_it_cannot_hold(kernels, dim, k_bits, outli
     with pytest.raises(KernelArgumentError, match="coded_decode"):
         kernels.coded_decode(*args)
     assert kernels.coded_decode(*_coded_args()).shape == (1, 2, 16)  # a sound call still works
+
+
+def test_degenerate_shapes_are_argument_errors(kernels):
+    with pytest.raises(KernelArgumentError, match="rms_norm"):
+        kernels.rms_norm(torch.randn(3, 0), torch.randn(0), 1e-5)
+    with pytest.raises(KernelArgumentError, match="rms_norm"):
+        kernels.rms_norm(torch.tensor(1.0), torch.randn(1), 1e-5)
+    empty = torch.zeros(4, 8, 0, 16)
+    with pytest.raises(KernelArgumentError, match="hold no key"):
+        kernels.paged_decode(
+            torch.randn(1, 4, 16),
+            empty,
+            empty,
+            torch.tensor([[0]]),
+            torch.tensor([1]),
+            0.25,
+            None,
+            None,
+        )
+    with pytest.raises(KernelArgumentError, match="unknown"):
+        kernels.gather_rows(999, torch.zeros(4, 34, dtype=torch.uint8), torch.tensor([0]), 32)

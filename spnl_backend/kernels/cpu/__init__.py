@@ -203,7 +203,8 @@ class CpuKernels:
     def check_row_bytes(self, qtype: int, k_in: int, row_bytes: int, what: str) -> None:
         """That rows of ``row_bytes`` bytes hold ``k_in`` weights of ``qtype``."""
         if self.library.spnl_row_bytes(qtype, k_in) != row_bytes:
-            name = GGMLQuantizationType(qtype).name
+            known = qtype in GGMLQuantizationType._value2member_map_
+            name = GGMLQuantizationType(qtype).name if known else f"number {qtype} (unknown)"
             raise KernelArgumentError(
                 f"{what}: rows of {row_bytes} bytes do not hold {k_in} weights of type {name}"
             )
@@ -211,6 +212,8 @@ class CpuKernels:
     def rms_norm(self, x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
         x = x.contiguous()
         _require(x, torch.float32, "rms_norm: x")
+        if x.dim() == 0 or x.shape[-1] == 0:
+            raise KernelArgumentError(f"rms_norm: x of shape {tuple(x.shape)} has no rows to norm")
         _require(scale, torch.float32, "rms_norm: scale", numel=x.shape[-1])
         out = torch.empty_like(x)
         _check(
@@ -410,6 +413,8 @@ def _pool_row(key_cache: torch.Tensor, value_cache: torch.Tensor, what: str) -> 
         _require(tensor, torch.float32, f"{what}: {name} cache", dims=4)
     if key_cache.shape != value_cache.shape:
         raise KernelArgumentError(f"{what}: key and value caches differ in shape")
+    if key_cache.shape[-2] == 0 or key_cache.shape[-1] == 0:
+        raise KernelArgumentError(f"{what}: caches of shape {tuple(key_cache.shape)} hold no key")
     return key_cache.shape[-2] * key_cache.shape[-1]
 
 
