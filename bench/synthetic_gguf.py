@@ -1,0 +1,316 @@
+"""Synthetic GGUF files at real model sizes, for benchmarks: realistic shapes, metadata and
+quantization mixes, filled with random but valid blocks.
+
+Every block's float16 scales are finite, normal and of realistic magnitude (the weights
+come out with a standard deviation of about 0.02-0.15); every other byte (quants, packed
+sub-block scales) is random. Blocks are written directly, not quantized from floats, so an
+8B file takes under a minute on 2 cores, and the tensors are written one at a time so
+memory stays at about one tensor.
+
+The tokenizer is the default model's (Gemma 3's SentencePiece vocabulary, 262,144 tokens).
+Shapes whose real vocabulary is smaller (Llama 3's 128,256) keep that many of its tokens
+(see `kept_token_ids`): the special and byte-fallback tokens at their own ids, and every
+single character, so text still tokenizes into words.
+
+    python bench/synthetic_gguf.py --shape llama-1b --format q4_k_m --out /tmp/l1b.gguf
+"""
+
+import argparse
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from spnl_backend.quant.ggml import SCALE_OFFSETS, ggml_format
+
+
+@dataclass(frozen=True)
+class Shape:
+    arch: str  # "llama" or "gemma3"
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    tied: bool
+    context: int
+    rope_theta: float
+    rms_eps: float
+    sliding_window: int | None = None
+    # Llama 3's rope scaling ("llama3"), stored as tensor rope_freqs.weight
+    rope_llama3_factor: float | None = None
+
+
+SHAPES = {
+    # Llama-3.2-1B
+    "llama-1b": Shape(
+        "llama",
+        2048,
+        16,
+        32,
+        8,
+        64,
+        8192,
+        128256,
+        True,
+        131072,
+        500000.0,
+        1e-5,
+        rope_llama3_factor=32.0,
+    ),
+    # Llama-3.1-8B
+    "llama-8b": Shape(
+        "llama",
+        4096,
+        32,
+        32,
+        8,
+        128,
+        14336,
+        128256,
+        False,
+        131072,
+        500000.0,
+        1e-5,
+        rope_llama3_factor=8.0,
+    ),
+    # Gemma-3-4B (text model); every 6th layer global, as llama.cpp hard-codes for gemma3
+    "gemma3-4b": Shape(
+        "gemma3",
+        2560,
+        34,
+        8,
+        4,
+        256,
+        10240,
+        262144,
+        True,
+        131072,
+        1000000.0,
+        1e-6,
+        sliding_window=1024,
+    ),
+    # for tests: seconds to write and load
+    "tiny": Shape("llama", 256, 2, 4, 2, 64, 512, 512, True, 4096, 500000.0, 1e-5),
+}
+FILE_TYPES = {"q4_k_m": 15, "q8_0": 7, "q4_0": 2}  # llama_ftype values (general.file_type)
+
+# log-uniform ranges of each float16 scale field (d, then dmin), by format: weights
+# come out with a standard deviation of roughly 0.02–0.15 given random quants and random
+# packed sub-block scales (Q4_K: 6-bit 0..63; Q6_K: int8).
+_SCALE_RANGES = {
+    Q.Q4_0: ((2e-3, 6e-3),),
+    Q.Q8_0: ((1.5e-4, 4e-4),),
+    Q.Q4_K: ((1e-4, 2e-4), (5e-4, 1.5e-3)),
+    Q.Q6_K: ((6.5e-5, 1.3e-4),),  # the smallest normal float16 is 6.1e-5
+}
+
+
+def use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp's choice of the layers Q4_K_M gives Q6_K (ffn_down, attn_v)."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def tensor_plan(shape: Shape, fmt: str, pure: bool = False) -> Iterator[tuple[str, tuple, Q]]:
+    """(name, numpy shape [rows, row length], type) of every tensor, in llama.cpp's order
+    and with llama-quantize's type choices for the format."""
+    base = {"q4_k_m": Q.Q4_K, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}[fmt]
+    # llama-quantize gives the output matrix (the embedding when tied) Q6_K unless Q8_0
+    head = base if pure or base == Q.Q8_0 else Q.Q6_K
+    h, q_dim, kv_dim = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    yield "token_embd.weight", (shape.vocab, h), head if shape.tied else base
+    if shape.rope_llama3_factor:
+        yield "rope_freqs.weight", (shape.head_dim // 2,), Q.F32
+    for i in range(shape.layers):
+        more = fmt == "q4_k_m" and not pure and use_more_bits(i, shape.layers)
+        wide = Q.Q6_K if more else base
+        blk = f"blk.{i}."
+        yield blk + "attn_norm.weight", (h,), Q.F32
+        yield blk + "attn_q.weight", (q_dim, h), base
+        yield blk + "attn_k.weight", (kv_dim, h), base
+        yield blk + "attn_v.weight", (kv_dim, h), wide
+        if shape.arch == "gemma3":
+            yield blk + "attn_q_norm.weight", (shape.head_dim,), Q.F32
+            yield blk + "attn_k_norm.weight", (shape.head_dim,), Q.F32
+        yield blk + "attn_output.weight", (h, q_dim), base
+        if shape.arch == "gemma3":
+            yield blk + "post_attention_norm.weight", (h,), Q.F32
+        yield blk + "ffn_norm.weight", (h,), Q.F32
+        yield blk + "ffn_gate.weight", (shape.ffn, h), base
+        yield blk + "ffn_up.weight", (shape.ffn, h), base
+        yield blk + "ffn_down.weight", (h, shape.ffn), wide
+        if shape.arch == "gemma3":
+            yield blk + "post_ffw_norm.weight", (h,), Q.F32
+    yield "output_norm.weight", (h,), Q.F32
+    if not shape.tied:
+        yield "output.weight", (shape.vocab, h), head
+
+
+def llama3_rope_factors(shape: Shape) -> np.ndarray:
+    """convert_hf_to_gguf.py's rope_freqs for rope_scaling type "llama3"."""
+    factor, low, high, original = shape.rope_llama3_factor, 1.0, 4.0, 8192
+    dim = shape.head_dim
+    freqs = 1.0 / shape.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
+def random_blocks(rng: np.random.Generator, qtype: Q, n_elements: int) -> np.ndarray:
+    """``n_elements`` weights of ``qtype`` as ``[n_blocks, type_size]`` uint8: random bytes,
+    then finite float16 scales of realistic magnitude written over the scale fields."""
+    fmt = ggml_format(qtype)
+    n_blocks = n_elements // fmt.block_size
+    blocks = np.frombuffer(bytearray(rng.bytes(n_blocks * fmt.type_size)), dtype=np.uint8)
+    blocks = blocks.reshape(n_blocks, fmt.type_size)
+    for offset, (lo, hi) in zip(SCALE_OFFSETS[qtype], _SCALE_RANGES[qtype], strict=True):
+        scale = np.exp(rng.uniform(math.log(lo), math.log(hi), n_blocks)).astype("<f2")
+        blocks[:, offset : offset + 2] = scale.view(np.uint8).reshape(n_blocks, 2)
+    return blocks
+
+
+def tensor_data(rng: np.random.Generator, name: str, shape: tuple, qtype: Q, model: Shape):
+    if name == "rope_freqs.weight":
+        return llama3_rope_factors(model)
+    if qtype == Q.F32:  # norm weights (Gemma's stored as 1 + w, as llama.cpp converts them)
+        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    rows, cols = shape
+    return random_blocks(rng, qtype, rows * cols).reshape(rows, -1)
+
+
+def tokenizer_metadata() -> dict:
+    """The default model's metadata (our reader: gguf.GGUFReader takes 12 s over its
+    262,144 tokens, one field part each)."""
+    from spnl_backend.loader.default_model import default_model_path
+    from spnl_backend.loader.gguf_file import GGUFFile
+
+    return GGUFFile(default_model_path()).metadata
+
+
+def kept_token_ids(tokens: list[str], types: np.ndarray, vocab: int) -> np.ndarray:
+    """Which ``vocab`` of the source's tokens to keep, in order. Gemma's vocabulary lists
+    its single characters last (ids 236,743 on), and merges need them: a smaller vocabulary
+    keeps the first tokens (the special and byte tokens among them, at their own ids) and
+    then every single character. Too small for that (the tiny shape): the first tokens."""
+    if vocab == len(tokens):
+        return np.arange(vocab)
+    singles = np.array([i for i, t in enumerate(tokens) if len(t) == 1 and types[i] == 1])
+    head = vocab - len(singles)
+    if head < 1024 or singles.min() < head:
+        return np.arange(vocab)
+    return np.concatenate([np.arange(head), singles])
+
+
+def add_tokenizer(writer: gguf.GGUFWriter, source: dict, vocab: int) -> None:
+    """The source's tokenizer.ggml.* keys, the vocabulary cut to its first ``vocab``."""
+    tokens = source["tokenizer.ggml.tokens"]
+    if vocab > len(tokens):
+        raise SystemExit(f"the tokenizer has {len(tokens):,} tokens; the shape needs {vocab:,}")
+    writer.add_tokenizer_model(source["tokenizer.ggml.model"])
+    if "tokenizer.ggml.pre" in source:
+        writer.add_tokenizer_pre(source["tokenizer.ggml.pre"])
+    ids = kept_token_ids(tokens, source["tokenizer.ggml.token_type"], vocab)
+    writer.add_token_list([tokens[i] for i in ids])
+    writer.add_token_scores(np.asarray(source["tokenizer.ggml.scores"])[ids].tolist())
+    writer.add_token_types(np.asarray(source["tokenizer.ggml.token_type"])[ids].tolist())
+    for key, value in source.items():
+        if not key.startswith("tokenizer.ggml.") or key in writer.kv_data[0]:
+            continue
+        if key.endswith(("tokens", "scores", "token_type", "merges")):
+            continue
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int) and key.endswith("_token_id"):
+            if value < vocab:  # llama.cpp's ids are uint32
+                writer.add_uint32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            raise SystemExit(f"tokenizer key {key!r}: {type(value).__name__} not copied")
+
+
+def add_metadata(writer: gguf.GGUFWriter, name: str, shape: Shape, fmt: str) -> None:
+    writer.add_name(f"synthetic {name} {fmt}")
+    writer.add_type("model")
+    writer.add_context_length(shape.context)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_block_count(shape.layers)
+    writer.add_feed_forward_length(shape.ffn)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_key_length(shape.head_dim)
+    writer.add_value_length(shape.head_dim)
+    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_rope_freq_base(shape.rope_theta)
+    writer.add_layer_norm_rms_eps(shape.rms_eps)
+    if shape.arch == "llama":
+        writer.add_vocab_size(shape.vocab)
+    if shape.sliding_window:
+        writer.add_sliding_window(shape.sliding_window)
+    writer.add_file_type(FILE_TYPES[fmt])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def write(
+    out: Path, name: str, fmt: str, seed: int = 0, pure: bool = False, vocab: int | None = None
+) -> int:
+    """Write the file; return its size in bytes."""
+    shape = SHAPES[name]
+    if vocab is not None:
+        shape = Shape(**{**shape.__dict__, "vocab": vocab})
+    rng = np.random.default_rng(seed)
+    plan = list(tensor_plan(shape, fmt, pure))
+    writer = gguf.GGUFWriter(out, shape.arch)
+    add_metadata(writer, name, shape, fmt)
+    add_tokenizer(writer, tokenizer_metadata(), shape.vocab)
+    for tensor, dims, qtype in plan:
+        if qtype == Q.F32:
+            writer.add_tensor_info(tensor, dims, np.dtype(np.float32), 4 * math.prod(dims))
+        else:
+            nbytes = ggml_format(qtype).nbytes(math.prod(dims))
+            byte_shape = (dims[0], nbytes // dims[0])
+            writer.add_tensor_info(tensor, byte_shape, np.dtype(np.uint8), nbytes, qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for tensor, dims, qtype in plan:
+        writer.write_tensor_data(tensor_data(rng, tensor, dims, qtype, shape))
+    writer.close()
+    return out.stat().st_size
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    parser.add_argument("--format", choices=sorted(FILE_TYPES), default="q4_k_m")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--pure",
+        action="store_true",
+        help="every matrix in the one format (no Q6_K output/embedding, no Q4_K_M mix)",
+    )
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    size = write(args.out, args.shape, args.format, args.seed, args.pure)
+    elapsed = time.perf_counter() - start
+    print(f"{args.out}: {size / 2**30:.2f} GiB ({size:,} bytes) in {elapsed:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
