@@ -121,6 +121,8 @@ def default_gguf() -> Path:
 def text_model_dir(gguf: Path) -> Path:
     """The GGUF dequantized to float32 safetensors (what an unquantized checkpoint is),
     made once by transformers and cached."""
+    # The rule of `spnl_backend.settings.paths.cache_dir`, restated: importing settings
+    # loads torch, and this parent process must stay light when the model is cached.
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     target = base / "spnl_backend" / "bench" / f"{gguf.stem}-text"
     if (target / "config.json").exists():

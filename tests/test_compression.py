@@ -487,6 +487,14 @@ def test_fp8_cache_type_and_a_method_are_exclusive():
         BackendSettings(paged_cache_type="f8e4m3", kv_cache_compression="int8")
 
 
+def test_the_package_hands_out_every_name_it_lists():
+    import spnl_backend.compression as compression
+
+    assert sorted(compression.__all__) == sorted(compression._EXPORTS)
+    for name in compression.__all__:
+        assert getattr(compression, name) is not None
+
+
 def test_the_registry_lists_exactly_the_built_in_methods():
     from spnl_backend.compression import builtin, registry
 

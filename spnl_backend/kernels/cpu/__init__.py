@@ -203,10 +203,9 @@ class CpuKernels:
     def check_row_bytes(self, qtype: int, k_in: int, row_bytes: int, what: str) -> None:
         """That rows of ``row_bytes`` bytes hold ``k_in`` weights of ``qtype``."""
         if self.library.spnl_row_bytes(qtype, k_in) != row_bytes:
-            known = qtype in GGMLQuantizationType._value2member_map_
-            name = GGMLQuantizationType(qtype).name if known else f"number {qtype} (unknown)"
             raise KernelArgumentError(
-                f"{what}: rows of {row_bytes} bytes do not hold {k_in} weights of type {name}"
+                f"{what}: rows of {row_bytes} bytes do not hold {k_in} weights of type "
+                f"{_qtype_name(qtype)}"
             )
 
     def rms_norm(self, x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
@@ -405,6 +404,13 @@ def _problem(tensor: torch.Tensor, dtype: torch.dtype, dims: int | None, numel: 
     else:
         problem = f"of {tensor.numel()} elements, not {numel}"
     return f"{problem} (shape {tuple(tensor.shape)})"
+
+
+def _qtype_name(qtype: int) -> str:
+    try:
+        return GGMLQuantizationType(qtype).name
+    except ValueError:
+        return f"number {qtype} (unknown)"
 
 
 def _pool_row(key_cache: torch.Tensor, value_cache: torch.Tensor, what: str) -> int:
