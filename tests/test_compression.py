@@ -488,9 +488,21 @@ def test_fp8_cache_type_and_a_method_are_exclusive():
 
 
 def test_the_package_hands_out_every_name_it_lists():
+    import ast
+    import pathlib
+
     import spnl_backend.compression as compression
 
     assert sorted(compression.__all__) == sorted(compression._EXPORTS)
+    tree = ast.parse(pathlib.Path(compression.__file__).read_text())
+    typed = {
+        alias.name
+        for node in tree.body
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+        for statement in node.body
+        for alias in statement.names
+    }
+    assert typed == set(compression._EXPORTS)
     for name in compression.__all__:
         assert getattr(compression, name) is not None
 
