@@ -172,8 +172,15 @@ def test_real_metal_machine_keeps_paged_attention_off():
     ids=["avx2", "avx512-bf16", "no-avx2"],
 )
 def test_auto_picks_the_cpu_arithmetic_from_the_machine(probe, expected):
-    d = decide(machine(**probe))
+    d = decide(machine(**probe), batch_invariant=False)
     assert (d.kernels, d.cpu_matmul, d.cpu_gemm) == ("cpu", *expected)
+
+
+@pytest.mark.parametrize("int8", [True, False])
+def test_batch_invariance_is_the_default_and_takes_no_gemm(int8):
+    d = decide(machine(cpu_int8=int8, cpu_bf16_gemm=True))
+    assert d.batch_invariant
+    assert (d.cpu_matmul, d.cpu_gemm) == ("int8" if int8 else "float32", None)
 
 
 @pytest.mark.parametrize(
@@ -187,7 +194,7 @@ def test_auto_picks_the_cpu_arithmetic_from_the_machine(probe, expected):
     ],
 )
 def test_each_cpu_path_can_be_forced(settings, expected):
-    d = decide(machine(cpu_bf16_gemm=True), **settings)
+    d = decide(machine(cpu_bf16_gemm=True), batch_invariant=False, **settings)
     assert (d.kernels, d.cpu_matmul, d.cpu_gemm) == expected
 
 
@@ -228,6 +235,8 @@ def test_native_checks_apply_only_where_the_native_kernels_run():
             ["MISTRALRS_CPU_MATMUL", "MISTRALRS_NATIVE_CHECKS"],
         ),
         ({}, {"cpu_kernels": "torch", "cpu_gemm": "float32"}, ["MISTRALRS_CPU_GEMM"]),
+        ({}, {"cpu_gemm": "bfloat16"}, ["MISTRALRS_CPU_GEMM"]),
+        ({}, {"cpu_gemm": "bfloat16", "batch_invariant": False}, []),
         ({}, {"cpu_matmul": "float32", "paged_attn_context_len": 1024}, []),
     ],
 )

@@ -65,6 +65,8 @@ VALID = [
     ("CPU_MATMUL", "FLOAT32", "float32"),
     ("CPU_GEMM", "bfloat16", "bfloat16"),
     ("CPU_GEMM", "float32", "float32"),
+    ("BATCH_INVARIANT", "false", False),
+    ("BATCH_INVARIANT", "1", True),
     ("NATIVE_CHECKS", "1", True),
     ("NATIVE_CHECKS", "off", False),
     ("MODEL", "org/Some-Model-GGUF", "org/Some-Model-GGUF"),

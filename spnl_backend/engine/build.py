@@ -114,7 +114,13 @@ def _contiguous_cache(
     role: str,
 ) -> tuple[ContiguousCacheManager, CacheInfo]:
     if compressor is None:
-        new_store = plain_stores(loaded.config, loaded.dtype, loaded.device)
+        new_store = plain_stores(
+            loaded.config,
+            loaded.dtype,
+            loaded.device,
+            loaded.native,
+            settings.batch_invariant,
+        )
         per_token = kv_bytes_per_token(loaded.config, loaded.dtype)
         info = CacheInfo("contiguous", None, None, None, loaded.dtype, per_token, None, None)
         return ContiguousCacheManager(new_store, settings.prefix_cache_n), info

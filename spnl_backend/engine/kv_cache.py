@@ -15,6 +15,9 @@ from typing import Protocol
 import torch
 
 from ..kernels.attention_ref import attention_ref
+from ..kernels.cpu import CpuKernels
+from ..kernels.sets import contiguous_attention
+from ..kernels.thresholds import CPU_DECODE_ROWS
 from ..log import get_logger
 from ..memory import grown
 from ..models.config import ModelConfig
@@ -43,7 +46,12 @@ class SequenceStore(Protocol):
 
 
 class SequenceKV:
-    """K and V of one sequence: ``[layers, 2, capacity, kv_heads, head_dim]``."""
+    """K and V of one sequence: ``[layers, 2, capacity, kv_heads, head_dim]``.
+
+    With the compiled CPU kernels (``native``) a float32 store attends through the native
+    decode kernel, query by query, as the paged cache does: the same fast path, and a
+    query's result independent of how many come with it. ``longest``: queries per step up
+    to which it does (None: all, batch invariance); longer ones take `attention_ref`."""
 
     def __init__(
         self,
@@ -52,10 +60,14 @@ class SequenceKV:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        native: CpuKernels | None = None,
+        longest: int | None = None,
     ) -> None:
         self.data = torch.empty(
             (num_layers, 2, 0, num_kv_heads, head_dim), dtype=dtype, device=device
         )
+        native_runs = native is not None and dtype == torch.float32 and device.type == "cpu"
+        self.native, self.longest = (native if native_runs else None), longest
 
     @property
     def capacity(self) -> int:
@@ -84,6 +96,17 @@ class SequenceKV:
         layer = self.data[spec.layer]
         layer[0, context_len:total] = k
         layer[1, context_len:total] = v
+        if self.native is not None and (self.longest is None or q.shape[0] <= self.longest):
+            return contiguous_attention(
+                self.native,
+                q.float().contiguous(),
+                layer[0],
+                layer[1],
+                scale=spec.scale,
+                context_len=context_len,
+                sliding_window=spec.sliding_window,
+                softcap=spec.softcap,
+            ).to(q.dtype)
         return attention_ref(
             q,
             layer[0, :total],
@@ -166,11 +189,16 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def plain_stores(
-    config: ModelConfig, dtype: torch.dtype, device: torch.device
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    native: CpuKernels | None = None,
+    batch_invariant: bool = True,
 ) -> Callable[[], SequenceKV]:
     """A factory of uncompressed per-sequence buffers for ``config``'s model."""
     shape = (config.num_layers, config.num_kv_heads, config.head_dim)
-    return lambda: SequenceKV(*shape, dtype, device)
+    longest = None if batch_invariant else CPU_DECODE_ROWS
+    return lambda: SequenceKV(*shape, dtype, device, native, longest)
 
 
 class ContiguousCacheManager:

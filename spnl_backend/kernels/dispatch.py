@@ -16,7 +16,13 @@ from ..errors import PlatformError
 from ..log import get_logger
 from ..settings import PlatformDecisions
 from .cpu import CpuKernels, load_cpu_kernels
-from .matmuls import CpuMatmuls, Matmuls, quantized_matmuls_ref, quantized_matmuls_triton
+from .matmuls import (
+    CpuMatmuls,
+    Matmuls,
+    quantized_matmuls_ref,
+    quantized_matmuls_triton,
+    quantized_matmuls_triton_fastest,
+)
 from .sets import TORCH_KERNELS, Kernels, cpu_kernel_set, triton_kernel_set
 
 log = get_logger()
@@ -35,10 +41,15 @@ class KernelChoice:
 def choose_kernels(decisions: PlatformDecisions) -> KernelChoice:
     native = native_kernels(decisions)
     # Without paged attention no kernel set runs: Triton's then need not load.
-    attention = select_kernels(decisions.kernels, native) if decisions.paged_attn else TORCH_KERNELS
-    choice = KernelChoice(
-        native, attention, select_matmuls(decisions.kernels, native, decisions.cpu_gemm)
+    attention = (
+        select_kernels(decisions.kernels, native, decisions.batch_invariant)
+        if decisions.paged_attn
+        else TORCH_KERNELS
     )
+    matmuls = select_matmuls(
+        decisions.kernels, native, decisions.cpu_gemm, decisions.batch_invariant
+    )
+    choice = KernelChoice(native, attention, matmuls)
     log.debug("kernels.selected", kernels=attention.name, native=native is not None)
     return choice
 
@@ -64,21 +75,27 @@ def native_kernels(decisions: PlatformDecisions) -> CpuKernels | None:
 
 
 def select_kernels(
-    kind: Literal["torch", "cpu", "triton"], native: CpuKernels | None = None
+    kind: Literal["torch", "cpu", "triton"],
+    native: CpuKernels | None = None,
+    batch_invariant: bool = True,
 ) -> Kernels:
     """The kernel set for the platform's decision (``PlatformDecisions.kernels``), over the
     compiled CPU kernels ``native`` where they run."""
     if kind == "cpu" and native is not None:
-        return cpu_kernel_set(native)
+        return cpu_kernel_set(native, batch_invariant)
     if kind in ("torch", "cpu"):
         return TORCH_KERNELS
     return triton_kernel_set()
 
 
-def select_matmuls(kind: str, native: CpuKernels | None, gemm_dtype: str | None) -> Matmuls:
+def select_matmuls(
+    kind: str, native: CpuKernels | None, gemm_dtype: str | None, batch_invariant: bool = True
+) -> Matmuls:
     """The quantized products for the platform's kernels (``PlatformDecisions.kernels``)."""
     if kind == "triton":
-        return quantized_matmuls_triton
+        return quantized_matmuls_triton if batch_invariant else quantized_matmuls_triton_fastest
     if kind == "cpu" and native is not None:
-        return CpuMatmuls(native, getattr(torch, gemm_dtype or "float32"))
+        return CpuMatmuls(
+            native, None if batch_invariant else getattr(torch, gemm_dtype or "float32")
+        )
     return quantized_matmuls_ref

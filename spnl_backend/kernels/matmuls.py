@@ -1,11 +1,12 @@
 """Products of activations with matrices kept in GGML blocks: the kernel paths.
 
 For several matrices of the same input (q/k/v, gate/up) at once, each path returns
-``x @ W.T`` side by side in one ``[T, sum of rows]`` float32 tensor. On the CPU a few rows
-(decode, a decode batch) go through the compiled kernels of `kernels.cpu`; many rows
-(prefill) dequantize the matrix for that one product and use torch's GEMM
-(`CpuMatmuls`). On CUDA the Triton kernels run; elsewhere the torch twin: dequantize,
-then ``F.linear``. `kernels.dispatch` picks one per model.
+``x @ W.T`` side by side in one ``[T, sum of rows]`` float32 tensor. On the CPU every row
+count goes through the compiled kernels of `kernels.cpu`, so a row's result never depends
+on the rows beside it; only where batch invariance was turned off do many rows (prefill)
+dequantize the matrix and take torch's GEMM instead (`CpuMatmuls`). On CUDA the Triton
+kernels run; elsewhere the torch twin: dequantize, then ``F.linear``. `kernels.dispatch`
+picks one per model.
 """
 
 from collections.abc import Callable
@@ -44,15 +45,16 @@ class CpuMatmuls:
     """``x @ W.T`` for several matrices of the same input (q/k/v, gate/up), side by side in
     one ``[T, sum of rows]`` float32 tensor, on the CPU's compiled kernels.
 
-    A few rows go through one native call that reads, and quantizes, the activations once
-    (``prepared`` keeps that call's arguments between steps); more rows dequantize the
-    matrices slice by slice for torch's GEMM in ``gemm_dtype`` (bfloat16 where the CPU
-    has it natively: 2.5x float32's speed, activations and weights rounded to 8 mantissa
-    bits, sums in float32)."""
+    The rows go through one native call that reads, and quantizes, the activations once
+    (``prepared`` keeps that call's arguments between steps), whatever their number: each
+    row is computed as it would be alone. With a ``gemm_dtype`` (batch invariance turned
+    off) more than `NATIVE_MAX_ROWS` rows instead dequantize the matrices slice by slice
+    for torch's GEMM in that dtype (bfloat16 where the CPU has it natively: activations
+    and weights rounded to 8 mantissa bits, sums in float32)."""
 
-    def __init__(self, native: CpuKernels, gemm_dtype: torch.dtype) -> None:
+    def __init__(self, native: CpuKernels, gemm_dtype: torch.dtype | None = None) -> None:
         self.native, self.gemm_dtype = native, gemm_dtype
-        self.max_rows = native.max_rows if native.exact else NATIVE_MAX_ROWS
+        self.max_rows = None if gemm_dtype is None else NATIVE_MAX_ROWS
 
     def __call__(
         self, x: torch.Tensor, weights: list[PackedWeight], prepared: dict | None = None
@@ -60,7 +62,7 @@ class CpuMatmuls:
         if x.device.type != "cpu":
             return quantized_matmuls_ref(x, weights)
         x = x.float().contiguous()
-        if x.shape[0] <= self.max_rows:
+        if self.max_rows is None or x.shape[0] <= self.max_rows:
             key = tuple(id(w.data) for w in weights)
             prepared = {} if prepared is None else prepared
             if key not in prepared:
@@ -88,7 +90,18 @@ class CpuMatmuls:
 def quantized_matmuls_triton(
     x: torch.Tensor, weights: list[PackedWeight], prepared: dict | None = None
 ) -> torch.Tensor:
-    """The products through the Triton kernels (CUDA, or the interpreter)."""
+    """The products through the Triton kernels (CUDA, or the interpreter), fused for every
+    row count: the fixed tiles make each row's sums independent of the others."""
+    from .triton_quant import qmatmul_triton
+
+    return torch.cat([qmatmul_triton(x, w.data, w.qtype, w.shape[0]) for w in weights], dim=-1)
+
+
+def quantized_matmuls_triton_fastest(
+    x: torch.Tensor, weights: list[PackedWeight], prepared: dict | None = None
+) -> torch.Tensor:
+    """Without batch invariance: many rows (a prefill) unpack each matrix once and take the
+    GEMM in the activations' dtype, on the tensor cores."""
     from .triton_quant import dequantize_triton, qmatmul_triton
 
     if x.shape[0] <= TRITON_FUSED_ROWS:
@@ -110,3 +123,20 @@ def quantized_matmuls_ref(
 
 def quantized_matmul_ref(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     return quantized_matmuls_ref(x, [weight])
+
+
+def int8_activations_ref(x: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """The twin of the activation rounding in the native int8 products: ``x [rows, k]`` as
+    the kernels quantize it for weights of ``qtype``, back in float32. The k-quants take
+    blocks of 256 whose largest magnitude maps to 127, scale ``1 / (127 / max)``; the
+    32-value formats blocks of 32 rounded by ``127 / max |x|``, scale ``max |x| / 127``
+    rounded to float16. Rounding is to the nearest integer, ties to even."""
+    block = 256 if qtype.name.endswith("_K") else 32
+    blocks = x.float().reshape(x.shape[0], -1, block)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    safe = torch.where(amax > 0, amax, 1.0)
+    # tensor by tensor: a number over a tensor is taken as a reciprocal times the number
+    ratio = torch.full_like(safe, 127.0) / safe
+    values = torch.round(blocks * ratio)
+    scale = torch.ones_like(ratio) / ratio if block == 256 else (safe / 127).half().float()
+    return torch.where(amax > 0, values * scale, 0.0).reshape(x.shape)

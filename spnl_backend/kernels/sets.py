@@ -48,6 +48,7 @@ def _cpu_store_kv(
 
 def _cpu_paged_attention(
     native: CpuKernels,
+    longest: int | None,
     q: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -61,7 +62,7 @@ def _cpu_paged_attention(
     v_scale: float = 1.0,
 ) -> torch.Tensor:
     if (
-        max(meta.query_lens) <= CPU_DECODE_ROWS
+        (longest is None or max(meta.query_lens) <= longest)
         and alibi_slopes is None
         and q.dtype == key_cache.dtype == torch.float32
     ):
@@ -82,6 +83,29 @@ def _cpu_paged_attention(
         alibi_slopes=alibi_slopes,
         k_scale=k_scale,
         v_scale=v_scale,
+    )
+
+
+def contiguous_attention(
+    native: CpuKernels,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    scale: float,
+    context_len: int,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """`attention_ref` over one sequence's contiguous ``keys``/``values [capacity, kv_heads,
+    dim]`` (float32), through the native decode kernel: query ``i`` is a decode over the
+    first ``context_len + i + 1`` keys, as it would be alone."""
+    nq = q.shape[0]
+    total = context_len + nq
+    slots = torch.arange(total).expand(nq, total)  # one table, shared by every query
+    lens = torch.arange(context_len + 1, total + 1)
+    return native.paged_decode(
+        q, keys[None], values[None], slots, lens, scale, sliding_window, softcap
     )
 
 
@@ -129,7 +153,11 @@ def triton_kernel_set() -> Kernels:
     return Kernels("triton", store_kv_triton, paged_attention_triton)
 
 
-def cpu_kernel_set(native: CpuKernels) -> Kernels:
-    """The CPU: the native decode kernels for float32 caches, the torch twins otherwise."""
-    store, attend = partial(_cpu_store_kv, native), partial(_cpu_paged_attention, native)
+def cpu_kernel_set(native: CpuKernels, batch_invariant: bool = True) -> Kernels:
+    """The CPU: the native decode kernels for float32 caches, the torch twins otherwise.
+    With batch invariance every query attends through the native kernel as a decode of its
+    own; without, queries longer than `CPU_DECODE_ROWS` take the torch twin."""
+    longest = None if batch_invariant else CPU_DECODE_ROWS
+    store = partial(_cpu_store_kv, native)
+    attend = partial(_cpu_paged_attention, native, longest)
     return Kernels("cpu", store, attend, native)

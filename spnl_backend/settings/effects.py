@@ -48,6 +48,12 @@ def ineffective_settings(
             _NATIVE_ONLY,
             f"it steers the native CPU kernels, which do not run ({decisions.kernels_reason})",
         )
+    if settings.batch_invariant and decisions.kernels == "cpu":
+        report(
+            ("cpu_gemm",),
+            "with batch invariance (MISTRALRS_BATCH_INVARIANT, on by default) every row "
+            "count takes the native products; set it to false for the GEMMs",
+        )
     if settings.speculative_draft_model is None and settings.speculative_draft_isq is None:
         report(
             ("speculative_gamma",),

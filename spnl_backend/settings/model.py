@@ -57,6 +57,7 @@ _PARSERS = {
     "cpu_kernels": values.choice(values.CPU_KERNELS),
     "cpu_matmul": values.choice(values.CPU_MATMULS),
     "cpu_gemm": values.choice(values.CPU_GEMMS),
+    "batch_invariant": values.parse_bool,
     "native_checks": values.parse_bool,
     "model": values.parse_optional_name,
     "device": values.parse_device,
@@ -100,11 +101,15 @@ class BackendSettings(BaseSettings):
     speculative_draft_isq: IsqType | None = None
     kv_cache_compression: str = "none"
     # How the CPU computes (`info` shows what auto picked): the compiled C kernels or the
-    # torch twins; int8 or float32 activations in the quantized products of a few rows;
-    # float32 or bfloat16 GEMMs for the products of many rows (a prefill).
+    # torch twins; int8 or float32 activations in the quantized products; and, only where
+    # batch invariance is off, float32 or bfloat16 GEMMs for products of many rows.
     cpu_kernels: Literal["auto", "native", "torch"] = "auto"
     cpu_matmul: Literal["auto", "int8", "float32"] = "auto"
     cpu_gemm: Literal["auto", "float32", "bfloat16"] = "auto"
+    # A request's tokens the same whatever shares its step: every row count and query length
+    # takes the same arithmetic. Off, many-row steps may take faster paths (a GEMM of
+    # dequantized weights, torch attention for long queries) whose rounding depends on them.
+    batch_invariant: bool = True
     # Debugging: the C kernels compiled with a check of every index they follow.
     native_checks: bool = False
     model: str | None = None

@@ -79,7 +79,8 @@ class PlatformDecisions:
     # The CPU's arithmetic where the native kernels run (None elsewhere): activations of the
     # quantized products of a few rows, and the GEMM dtype of products of many rows.
     cpu_matmul: Literal["int8", "float32"] | None = None
-    cpu_gemm: Literal["float32", "bfloat16"] | None = None
+    cpu_gemm: Literal["float32", "bfloat16"] | None = None  # None: none (batch invariance)
+    batch_invariant: bool = True
     native_checks: bool = False
     c_compiler: str | None = None
     cpu_kernels_required: bool = False  # MISTRALRS_CPU_KERNELS=native: no fallback
@@ -177,6 +178,7 @@ def decide_platform(settings: BackendSettings, probe: PlatformProbe) -> Platform
         torch_version=probe.torch_version,
         cpu_matmul=cpu_matmul,
         cpu_gemm=cpu_gemm,
+        batch_invariant=settings.batch_invariant,
         native_checks=settings.native_checks and kernels == "cpu",
         c_compiler=probe.c_compiler if kernels == "cpu" else None,
         cpu_kernels_required=settings.cpu_kernels == "native",
@@ -260,8 +262,8 @@ def _decide_cpu_arithmetic(
     native: bool, settings: BackendSettings, probe: PlatformProbe
 ) -> tuple[Literal["int8", "float32"] | None, Literal["float32", "bfloat16"] | None]:
     """Activations of the native quantized products, and the dtype of the many-row GEMMs:
-    int8 where AVX2 compiles it, and bfloat16 GEMMs where they run in hardware, unless
-    float32 activations were asked for (then everything stays float32)."""
+    int8 where AVX2 compiles it; GEMMs only without batch invariance, then bfloat16 where
+    they run in hardware, unless float32 activations were asked for (then float32)."""
     if not native:
         return None, None
     matmul = settings.cpu_matmul
@@ -273,6 +275,8 @@ def _decide_cpu_arithmetic(
     if matmul == "auto":
         matmul = "int8" if probe.cpu_int8 else "float32"
     gemm = settings.cpu_gemm
+    if settings.batch_invariant:
+        return matmul, None  # type: ignore[return-value]
     if gemm == "auto":
         gemm = "bfloat16" if probe.cpu_bf16_gemm and matmul == "int8" else "float32"
     return matmul, gemm  # type: ignore[return-value]

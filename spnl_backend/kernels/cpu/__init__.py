@@ -120,7 +120,6 @@ _STRUCTS = {  # the C function that answers each struct's size
     "spnl_sizeof_coded_decode": _CodedDecode,
 }
 _SIGNATURES = {  # name: (argument types, result type)
-    "spnl_max_rows": ([], _I32),
     "spnl_has_int8": ([], _I32),
     "spnl_full_checks": ([], _I32),
     **{name: ([], _I64) for name in _STRUCTS},
@@ -150,7 +149,6 @@ class KernelArgumentError(EngineError):
 @dataclass(frozen=True)
 class CpuKernels:
     library: ctypes.CDLL
-    max_rows: int
     path: Path
     # Float activations in the quantized products (slower, and exact).
     exact: bool = False
@@ -497,8 +495,6 @@ class Products:
         kernels = self.kernels
         if rows == 0:
             return torch.empty((0, self.total), dtype=torch.float32)
-        if rows > self.kernels.max_rows:
-            raise KernelArgumentError(f"matmul: {rows} rows, at most {self.kernels.max_rows}")
         if k_in != self.k_in:  # the one width these weights take, found on first use
             for qtype, row_bytes in self.row_bytes:
                 kernels.check_row_bytes(qtype, k_in, row_bytes, "matmul")
@@ -577,7 +573,6 @@ def _load(path: Path) -> CpuKernels:
     has_int8 = bool(library.spnl_has_int8())
     return CpuKernels(
         library,
-        library.spnl_max_rows(),
         path,
         exact=not has_int8,
         checks=bool(library.spnl_full_checks()),

@@ -85,7 +85,6 @@ typedef struct {
 // What the loader asks of this build (build_info.c, quant_matmul.c).
 int spnl_full_checks(void);
 int spnl_has_int8(void);
-int spnl_max_rows(void);
 int64_t spnl_sizeof_products(void);
 int64_t spnl_sizeof_paged_decode(void);
 int64_t spnl_sizeof_coded_decode(void);

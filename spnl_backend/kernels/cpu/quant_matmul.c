@@ -9,7 +9,7 @@
 #include "common.h"
 
 #define QK_K 256
-#define MAX_ROWS 64
+#define MAX_ROWS 64  // activation rows the float kernels meet at once
 
 // GGML's type ids (gguf.GGMLQuantizationType).
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q8_1 = 9,
@@ -292,282 +292,11 @@ DEFINE_FLOAT_KERNELS(q4_k, QK_K, 144, dq_q4_k)
 DEFINE_FLOAT_KERNELS(q5_k, QK_K, 176, dq_q5_k)
 DEFINE_FLOAT_KERNELS(q6_k, QK_K, 210, dq_q6_k)
 
-// ---- integer products on 8-bit activations (x86 with AVX2) -----------------------------------
-//
-// What llama.cpp does for its speed: each activation row is quantized to int8 in blocks of
-// 32 (one float scale per block, and the sum of every 16 values), weights are unpacked to
-// unsigned bytes, and 32 byte products at a time are summed exactly in integers
-// (VPDPBUSD with AVX512-VNNI, VPMADDUBSW otherwise). Offsets and minimums enter through
-// the activation sums. Only the activations are rounded, by at most half a step of 1/127
-// of each block's largest magnitude.
+// ---- integer products on 8-bit activations (x86 with AVX2): quant_int8.h ------------------
 
 #if defined(__AVX2__)
 #define INT8_PATH 1
-
-static inline __m256i dot_u8s8(__m256i u, __m256i s) {  // 8 lanes, each a sum of 4 products
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
-// Signed weights times signed activations: the weights' magnitudes as the unsigned operand,
-// their signs moved onto the activations.
-static inline __m256i dot_s8s8(__m256i w, __m256i x) {
-    return dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-}
-
-static inline __m256 scaled(__m256i dot, __m256 scale, __m256 acc) {
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc);
-}
-
-static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
-static inline __m256i low_nibbles(__m256i q) { return _mm256_and_si256(q, _mm256_set1_epi8(0x0F)); }
-static inline __m256i high_nibbles(__m256i q) {
-    return _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(0x0F));
-}
-static inline __m256i crumbs(__m256i q, int shift) {  // the 2-bit field at `shift`, per byte
-    return _mm256_and_si256(_mm256_srli_epi16(q, shift), _mm256_set1_epi8(3));
-}
-static inline __m256i nibbles_of_16(const uint8_t *p) {  // 16 bytes → low 16, then high 16
-    const __m128i q = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
-}
-static inline __m256i bits_to_16s(uint32_t bits) {  // bit i of `bits` → byte i: 16 or 0
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-    return _mm256_maskz_mov_epi8((__mmask32)bits, _mm256_set1_epi8(16));
-#endif
-    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
-        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
-    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201);
-    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-    return _mm256_and_si256(set, _mm256_set1_epi8(16));
-}
-static inline __m256 halves(float low, float high) {  // lanes 0-3 low, 4-7 high
-    return _mm256_set_m128(_mm_set1_ps(high), _mm_set1_ps(low));
-}
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-// One row's activations: int8 values, a scale per 32, and the sum of every 16 values as
-// they stand for (scale times the integer sum), for the offset and minimum terms.
-typedef struct { const int8_t *q; const float *d; const float *s; } act_block;
-
-static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, float *s) {
-    for (int64_t b = 0; b < k / 32; b++) {
-        const float *xb = x + b * 32;
-        float amax = 0.0f;
-        for (int i = 0; i < 32; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
-        const float scale = amax / 127.0f, inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
-        d[b] = scale;
-        for (int half = 0; half < 2; half++) {
-            int32_t sum = 0;
-            for (int i = half * 16; i < half * 16 + 16; i++) {
-                const int v = (int)lrintf(xb[i] * inverse);
-                q[b * 32 + i] = (int8_t)v;
-                sum += v;
-            }
-            s[b * 2 + half] = scale * (float)sum;
-        }
-    }
-}
-
-// Each body adds one weight block's products with activations `a` (at that block) to the
-// vector accumulator `acc` and the scalar `extra`.
-#define BODY_Q8_0(b, a, acc, extra) {                                                        \
-    const __m256i dot = dot_s8s8(load32(b + 2), load32(a.q));                                \
-    acc = scaled(dot, _mm256_set1_ps(half_to_float(b) * a.d[0]), acc); }
-#define BODY_Q8_1(b, a, acc, extra) {                                                        \
-    const __m256i dot = dot_s8s8(load32(b + 4), load32(a.q));                                \
-    acc = scaled(dot, _mm256_set1_ps(half_to_float(b) * a.d[0]), acc); }
-#define BODY_Q4_0(b, a, acc, extra) {                                                        \
-    const __m256i w = _mm256_sub_epi8(nibbles_of_16(b + 2), _mm256_set1_epi8(8));            \
-    acc = scaled(dot_s8s8(w, load32(a.q)), _mm256_set1_ps(half_to_float(b) * a.d[0]), acc); }
-#define BODY_Q4_1(b, a, acc, extra) {                                                        \
-    acc = scaled(dot_u8s8(nibbles_of_16(b + 4), load32(a.q)),                                \
-                 _mm256_set1_ps(half_to_float(b) * a.d[0]), acc);                            \
-    extra += half_to_float(b + 2) * (a.s[0] + a.s[1]); }
-#define BODY_Q5_0(b, a, acc, extra) {                                                        \
-    uint32_t qh; memcpy(&qh, b + 2, 4);                                                      \
-    const __m256i w = _mm256_sub_epi8(_mm256_or_si256(nibbles_of_16(b + 6), bits_to_16s(qh)), \
-                                      _mm256_set1_epi8(16));                                 \
-    acc = scaled(dot_s8s8(w, load32(a.q)), _mm256_set1_ps(half_to_float(b) * a.d[0]), acc); }
-#define BODY_Q5_1(b, a, acc, extra) {                                                        \
-    uint32_t qh; memcpy(&qh, b + 4, 4);                                                      \
-    const __m256i u = _mm256_or_si256(nibbles_of_16(b + 8), bits_to_16s(qh));               \
-    acc = scaled(dot_u8s8(u, load32(a.q)), _mm256_set1_ps(half_to_float(b) * a.d[0]), acc);  \
-    extra += half_to_float(b + 2) * (a.s[0] + a.s[1]); }
-#define BODY_Q4_K(b, a, acc, extra) {                                                        \
-    float sc[8], mn[8];                                                                      \
-    k4_scale_min(b + 4, half_to_float(b), half_to_float(b + 2), sc, mn);                     \
-    for (int c = 0; c < 4; c++) {                                                            \
-        const __m256i q = load32(b + 16 + c * 32);                                           \
-        for (int part = 0; part < 2; part++) {                                               \
-            const int j = 2 * c + part;                                                      \
-            const __m256i u = part ? high_nibbles(q) : low_nibbles(q);                       \
-            acc = scaled(dot_u8s8(u, load32(a.q + 32 * j)), _mm256_set1_ps(sc[j] * a.d[j]),  \
-                         acc);                                                               \
-            extra -= mn[j] * (a.s[2 * j] + a.s[2 * j + 1]);                                  \
-        }                                                                                    \
-    } }
-#define BODY_Q5_K(b, a, acc, extra) {                                                        \
-    float sc[8], mn[8];                                                                      \
-    k4_scale_min(b + 4, half_to_float(b), half_to_float(b + 2), sc, mn);                     \
-    const __m256i qh = load32(b + 16);                                                       \
-    for (int c = 0; c < 4; c++) {                                                            \
-        const __m256i q = load32(b + 48 + c * 32);                                           \
-        for (int part = 0; part < 2; part++) {                                               \
-            const int j = 2 * c + part;                                                      \
-            const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(qh, j),                  \
-                                                 _mm256_set1_epi8(1));                       \
-            const __m256i u = _mm256_or_si256(part ? high_nibbles(q) : low_nibbles(q),       \
-                                              _mm256_slli_epi16(bit, 4));                    \
-            acc = scaled(dot_u8s8(u, load32(a.q + 32 * j)), _mm256_set1_ps(sc[j] * a.d[j]),  \
-                         acc);                                                               \
-            extra -= mn[j] * (a.s[2 * j] + a.s[2 * j + 1]);                                  \
-        }                                                                                    \
-    } }
-#define BODY_Q6_K(b, a, acc, extra) {                                                        \
-    const int8_t *scales = (const int8_t *)(b + 192);                                        \
-    const float d = half_to_float(b + 208);                                                  \
-    for (int h = 0; h < 2; h++) {                                                            \
-        const __m256i ql0 = load32(b + h * 64), ql1 = load32(b + h * 64 + 32);               \
-        const __m256i qh = load32(b + 128 + h * 32);                                         \
-        const __m256i u[4] = {                                                               \
-            _mm256_or_si256(low_nibbles(ql0), _mm256_slli_epi16(crumbs(qh, 0), 4)),          \
-            _mm256_or_si256(low_nibbles(ql1), _mm256_slli_epi16(crumbs(qh, 2), 4)),          \
-            _mm256_or_si256(high_nibbles(ql0), _mm256_slli_epi16(crumbs(qh, 4), 4)),         \
-            _mm256_or_si256(high_nibbles(ql1), _mm256_slli_epi16(crumbs(qh, 6), 4))};        \
-        for (int g = 0; g < 4; g++) {                                                        \
-            const int j = 4 * h + g, s0 = h * 8 + 2 * g;                                     \
-            const float lo = d * (float)scales[s0], hi = d * (float)scales[s0 + 1];          \
-            acc = scaled(dot_u8s8(u[g], load32(a.q + 32 * j)),                               \
-                         _mm256_mul_ps(halves(lo, hi), _mm256_set1_ps(a.d[j])), acc);        \
-            extra -= 32.0f * (lo * a.s[2 * j] + hi * a.s[2 * j + 1]);                        \
-        }                                                                                    \
-    } }
-#define BODY_Q2_K(b, a, acc, extra) {                                                        \
-    const float d = half_to_float(b + 80), dmin = half_to_float(b + 82);                     \
-    for (int h = 0; h < 2; h++) {                                                            \
-        const __m256i q = load32(b + 16 + h * 32);                                           \
-        for (int jj = 0; jj < 4; jj++) {                                                     \
-            const int j = 4 * h + jj, s0 = h * 8 + 2 * jj;                                   \
-            const float lo = d * (float)(b[s0] & 0xF) * a.d[j];                              \
-            const float hi = d * (float)(b[s0 + 1] & 0xF) * a.d[j];                          \
-            acc = scaled(dot_u8s8(crumbs(q, 2 * jj), load32(a.q + 32 * j)), halves(lo, hi),  \
-                         acc);                                                               \
-            extra -= dmin * ((float)(b[s0] >> 4) * a.s[2 * j]                                \
-                             + (float)(b[s0 + 1] >> 4) * a.s[2 * j + 1]);                    \
-        }                                                                                    \
-    } }
-#define BODY_Q3_K(b, a, acc, extra) {                                                        \
-    const float d = half_to_float(b + 108);                                                  \
-    const uint8_t *packed = b + 96;                                                          \
-    const __m256i hm = load32(b);                                                            \
-    for (int h = 0; h < 2; h++) {                                                            \
-        const __m256i q = load32(b + 32 + h * 32);                                           \
-        for (int jj = 0; jj < 4; jj++) {                                                     \
-            const int j = 4 * h + jj;                                                        \
-            float dl[2];                                                                     \
-            for (int part = 0; part < 2; part++) {                                           \
-                const int s = h * 8 + 2 * jj + part;                                         \
-                const int low = s < 8 ? packed[s] & 0xF : packed[s - 8] >> 4;                \
-                const int high = (packed[8 + s % 4] >> (2 * (s / 4))) & 3;                   \
-                dl[part] = d * ((float)(low | (high << 4)) - 32.0f);                         \
-            }                                                                                \
-            const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(hm, 4 * h + jj),          \
-                                                 _mm256_set1_epi8(1));                       \
-            const __m256i u = _mm256_or_si256(crumbs(q, 2 * jj), _mm256_slli_epi16(bit, 2)); \
-            acc = scaled(dot_u8s8(u, load32(a.q + 32 * j)),                                  \
-                         _mm256_mul_ps(halves(dl[0], dl[1]), _mm256_set1_ps(a.d[j])), acc);  \
-            extra -= 4.0f * (dl[0] * a.s[2 * j] + dl[1] * a.s[2 * j + 1]);                   \
-        }                                                                                    \
-    } }
-
-// Quantized activations of several rows: values [rows][k_in], scales [rows][k_in / 32],
-// scaled sums [rows][k_in / 16].
-typedef struct { const int8_t *q; const float *d; const float *s; } act_rows;
-
-#define DEFINE_INT8_KERNEL(NAME, BLOCK, BYTES, BODY)                                           \
-    static void NAME##_i8(const void *acts, int64_t rows, int64_t k_in, const uint8_t *w,      \
-                          int64_t count, float *y, int64_t stride) {                           \
-        const act_rows *x = (const act_rows *)acts;                                            \
-        const int64_t blocks = k_in / BLOCK, row_bytes = blocks * BYTES;                       \
-        if (rows > 1) { NAME##_i8_rows(x, rows, k_in, w, count, y, stride); return; }          \
-        for (int64_t n = 0; n < count; n++, w += row_bytes) {                                  \
-            /* two chains of accumulators, so one block need not wait for the last */          \
-            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                     \
-            float extra0 = 0.0f, extra1 = 0.0f;                                                \
-            int64_t b = 0;                                                                     \
-            for (; b + 1 < blocks; b += 2) {                                                   \
-                const int64_t at = b * BLOCK;                                                  \
-                const act_block a0 = {x->q + at, x->d + at / 32, x->s + at / 16};              \
-                const act_block a1 = {x->q + at + BLOCK, x->d + (at + BLOCK) / 32,             \
-                                      x->s + (at + BLOCK) / 16};                               \
-                const uint8_t *block0 = w + b * BYTES, *block1 = block0 + BYTES;               \
-                BODY(block0, a0, acc0, extra0)                                                 \
-                BODY(block1, a1, acc1, extra1)                                                 \
-            }                                                                                  \
-            if (b < blocks) {                                                                  \
-                const int64_t at = b * BLOCK;                                                  \
-                const act_block a0 = {x->q + at, x->d + at / 32, x->s + at / 16};              \
-                const uint8_t *block0 = w + b * BYTES;                                         \
-                BODY(block0, a0, acc0, extra0)                                                 \
-            }                                                                                  \
-            y[n] = hsum256(_mm256_add_ps(acc0, acc1)) + extra0 + extra1;                       \
-        }                                                                                      \
-    }
-
-// Several activation rows (a prompt, a decode batch): each weight block is visited once and
-// met by every row in turn, so its unpacking is loop-invariant over the rows.
-#define DEFINE_INT8_ROWS_KERNEL(NAME, BLOCK, BYTES, BODY)                                      \
-    static void NAME##_i8_rows(const act_rows *x, int64_t rows, int64_t k_in,                 \
-                               const uint8_t *w, int64_t count, float *y, int64_t stride) {   \
-        const int64_t blocks = k_in / BLOCK, row_bytes = blocks * BYTES;                       \
-        /* even and odd blocks in two chains per row, as the one-row kernel sums them, so   \
-           each row's result is the same whatever rows come with it */                        \
-        __m256 acc[2][MAX_ROWS];                                                               \
-        float extra[2][MAX_ROWS];                                                              \
-        for (int64_t n = 0; n < count; n++, w += row_bytes) {                                 \
-            for (int64_t m = 0; m < rows; m++) {                                               \
-                acc[0][m] = acc[1][m] = _mm256_setzero_ps();                                   \
-                extra[0][m] = extra[1][m] = 0.0f;                                              \
-            }                                                                                  \
-            for (int64_t b = 0; b < blocks; b++) {                                             \
-                const uint8_t *block = w + b * BYTES;                                          \
-                const int chain = b & 1;                                                       \
-                for (int64_t m = 0; m < rows; m++) {                                           \
-                    const int64_t at = m * k_in + b * BLOCK;                                   \
-                    const act_block a = {x->q + at, x->d + at / 32, x->s + at / 16};           \
-                    BODY(block, a, acc[chain][m], extra[chain][m])                             \
-                }                                                                              \
-            }                                                                                  \
-            for (int64_t m = 0; m < rows; m++)                                                 \
-                y[m * stride + n] =                                                            \
-                    hsum256(_mm256_add_ps(acc[0][m], acc[1][m])) + extra[0][m] + extra[1][m];  \
-        }                                                                                      \
-    }
-
-#define DEFINE_INT8_KERNELS(NAME, BLOCK, BYTES, BODY)                                          \
-    DEFINE_INT8_ROWS_KERNEL(NAME, BLOCK, BYTES, BODY)                                          \
-    DEFINE_INT8_KERNEL(NAME, BLOCK, BYTES, BODY)
-
-DEFINE_INT8_KERNELS(q4_0, 32, 18, BODY_Q4_0)
-DEFINE_INT8_KERNELS(q4_1, 32, 20, BODY_Q4_1)
-DEFINE_INT8_KERNELS(q5_0, 32, 22, BODY_Q5_0)
-DEFINE_INT8_KERNELS(q5_1, 32, 24, BODY_Q5_1)
-DEFINE_INT8_KERNELS(q8_0, 32, 34, BODY_Q8_0)
-DEFINE_INT8_KERNELS(q8_1, 32, 36, BODY_Q8_1)
-DEFINE_INT8_KERNELS(q2_k, QK_K, 84, BODY_Q2_K)
-DEFINE_INT8_KERNELS(q3_k, QK_K, 110, BODY_Q3_K)
-DEFINE_INT8_KERNELS(q4_k, QK_K, 144, BODY_Q4_K)
-DEFINE_INT8_KERNELS(q5_k, QK_K, 176, BODY_Q5_K)
-DEFINE_INT8_KERNELS(q6_k, QK_K, 210, BODY_Q6_K)
+#include "quant_int8.h"
 #endif
 
 // ---- the formats and the entry points ------------------------------------------------------
@@ -597,8 +326,6 @@ static const format *format_of(int qtype, int64_t k_in) {
     return NULL;
 }
 
-int spnl_max_rows(void) { return MAX_ROWS; }
-
 // Bytes of one row of k_in weights of type qtype (-1: not a type, or not whole blocks).
 int64_t spnl_row_bytes(int qtype, int64_t k_in) {
     const format *f = format_of(qtype, k_in);
@@ -617,28 +344,49 @@ int spnl_has_int8(void) {
 #define TILE_ROWS 16  // weight rows per task: spreads the per-row overhead
 
 #ifdef INT8_PATH
-// Every row of x [rows][k_in] as int8 activations (false: out of memory).
-static bool quantize_rows(const float *x, int64_t rows, int64_t k_in, act_rows *out) {
-    int8_t *q = malloc((size_t)(rows * k_in));
-    float *d = malloc((size_t)(rows * k_in / 32) * sizeof(float));
-    float *s = malloc((size_t)(rows * k_in / 16) * sizeof(float));
-    if (!q || !d || !s) { free(q); free(d); free(s); return false; }
-    for (int64_t m = 0; m < rows; m++)
-        quantize_row(x + m * k_in, k_in, q + m * k_in, d + m * k_in / 32, s + m * k_in / 16);
-    *out = (act_rows){q, d, s};
+// Every row of x [rows][k_in] as int8 activations, in the blocks of 32 and/or of 256 that the
+// products ask for (false: out of memory).
+static bool quantize_rows(const float *x, int64_t rows, int64_t k_in, bool b32, bool b256,
+                          int threads, act_rows *out) {
+    const size_t n = (size_t)rows * (size_t)k_in;
+    *out = (act_rows){.k = k_in};
+    if (b32) {
+        out->q32 = malloc(n);
+        out->d32 = malloc(n / 32 * sizeof(float));
+        out->s32 = malloc(n / 32 * sizeof(float));
+    }
+    if (b256) {
+        out->q256 = malloc(n);
+        out->d256 = malloc(n / 256 * sizeof(float));
+        out->bsums = malloc(n / 16 * sizeof(int16_t));
+    }
+    if ((b32 && (!out->q32 || !out->d32 || !out->s32))
+        || (b256 && (!out->q256 || !out->d256 || !out->bsums)))
+        return false;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t m = 0; m < rows; m++) {
+        const float *xm = x + m * k_in;
+        if (b32)
+            quantize_row_32(xm, k_in, out->q32 + m * k_in, out->d32 + m * k_in / 32,
+                            out->s32 + m * k_in / 32);
+        if (b256)
+            quantize_row_256(xm, k_in, out->q256 + m * k_in, out->d256 + m * k_in / 256,
+                             out->bsums + m * k_in / 16);
+    }
     return true;
 }
 
 static void free_rows(act_rows *a) {
-    free((void *)a->q); free((void *)a->d); free((void *)a->s);
+    free(a->q32); free(a->d32); free(a->s32); free(a->q256); free(a->d256); free(a->bsums);
 }
 #endif
 
 // The products of p with the same activations x [rows][k_in], side by side in y
 // [rows][y_stride]: product i fills columns [offset_i, offset_i + n_out_i) with
 // sum_k x[m][k] * W_i[n][k]. `exact` keeps float activations; otherwise (where compiled)
-// they are quantized to int8 once for all. The rows of every product are shared out among
-// threads in one parallel region.
+// they are quantized to int8 once for all (quant_int8.h). Tiles of weight rows are shared out
+// among the threads in one parallel region; every row of x meets every weight block in the
+// same arithmetic and order, whatever the number of rows.
 int spnl_qmatmul(const spnl_products *p, const float *x, int64_t rows, int64_t k_in, float *y,
                  int64_t y_stride, int threads, int exact) {
     const int count = p->count;
@@ -646,24 +394,25 @@ int spnl_qmatmul(const spnl_products *p, const float *x, int64_t rows, int64_t k
     const int64_t *n_outs = p->n_outs;
     const format *formats[MAX_PRODUCTS];
     int64_t first[MAX_PRODUCTS + 1] = {0};
-    if (count < 1 || count > MAX_PRODUCTS || rows < 1 || rows > MAX_ROWS || k_in < 1)
-        return BAD_ARGUMENT;
+    if (count < 1 || count > MAX_PRODUCTS || rows < 1 || k_in < 1) return BAD_ARGUMENT;
     int fast = !exact;
+    bool b32 = false, b256 = false;
     for (int i = 0; i < count; i++) {
         formats[i] = format_of(p->qtypes[i], k_in);
         if (!formats[i] || n_outs[i] < 0) return BAD_ARGUMENT;
         if (n_outs[i] > p->w_bytes[i] / (k_in / formats[i]->block * formats[i]->bytes))
             return OUT_OF_BOUNDS;  // the matrix is smaller than n_out rows of k_in
-        fast = fast && formats[i]->fast && k_in % 32 == 0;
+        fast = fast && formats[i]->fast;
+        b32 = b32 || formats[i]->block == 32;
+        b256 = b256 || formats[i]->block == QK_K;
         first[i + 1] = first[i] + n_outs[i];
     }
     if (first[count] > y_stride) return BAD_ARGUMENT;
-    const void *acts = x;
 #ifdef INT8_PATH
-    act_rows quantized = {NULL, NULL, NULL};
-    if (fast) {
-        if (!quantize_rows(x, rows, k_in, &quantized)) return NO_MEMORY;
-        acts = &quantized;
+    act_rows quantized = {0};
+    if (fast && !quantize_rows(x, rows, k_in, b32, b256, threads, &quantized)) {
+        free_rows(&quantized);
+        return NO_MEMORY;
     }
 #endif
     // Tiles of consecutive weight rows within one product, shared out among the threads.
@@ -677,9 +426,16 @@ int spnl_qmatmul(const spnl_products *p, const float *x, int64_t rows, int64_t k
         const format *f = formats[i];
         const int64_t n = (t - tile_start[i]) * TILE_ROWS;
         const int64_t rows_here = n_outs[i] - n < TILE_ROWS ? n_outs[i] - n : TILE_ROWS;
-        const int64_t row_bytes = k_in / f->block * f->bytes;
-        (fast ? f->fast : f->exact)(acts, rows, k_in, weights[i] + n * row_bytes, rows_here,
-                                    y + first[i] + n, y_stride);
+        const uint8_t *w = weights[i] + n * (k_in / f->block * f->bytes);
+#ifdef INT8_PATH
+        if (fast) {
+            f->fast(&quantized, rows, k_in, w, rows_here, y + first[i] + n, y_stride);
+            continue;
+        }
+#endif
+        for (int64_t m0 = 0; m0 < rows; m0 += MAX_ROWS)
+            f->exact(x + m0 * k_in, rows - m0 < MAX_ROWS ? rows - m0 : MAX_ROWS, k_in, w,
+                     rows_here, y + m0 * y_stride + first[i] + n, y_stride);
     }
 #ifdef INT8_PATH
     if (fast) free_rows(&quantized);

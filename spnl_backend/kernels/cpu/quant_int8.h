@@ -1,0 +1,523 @@
+// Integer products of GGML weight blocks with 8-bit activations (x86 with AVX2), included by
+// quant_matmul.c.
+//
+// Each activation row is quantized as the reference engine (llama.cpp) quantizes it for the
+// weight type at hand, so the integer sums are the ones it computes:
+//  - for the 32-value formats, blocks of 32 with a scale rounded to float16 (and, for the
+//    formats with a minimum, the scaled sum of the block, kept exact where llama.cpp rounds
+//    it to float16: the product is then exactly the dequantized twin's);
+//  - for the k-quants, blocks of 256 with a float scale and the sum of every 16 values.
+// Within a weight block everything is summed exactly in integers (sub-block scales and
+// minimums included); the block then adds (weight scale x activation scale) x that integer
+// sum to a float accumulator of 8 lanes, even blocks to one chain and odd blocks to another.
+// A row's result therefore depends on that row alone: every row count, one row or a prompt,
+// runs exactly this arithmetic in this order.
+
+#ifndef SPNL_QUANT_INT8_H
+#define SPNL_QUANT_INT8_H
+
+#include "common.h"
+
+// ---- the activations ---------------------------------------------------------------------------
+
+// Row m of rows activation rows of k values: q32/d32/s32 for the 32-value formats, q256/d256/
+// bsums for the k-quants (either set NULL where no product of the call needs it).
+typedef struct {
+    int8_t *q32, *q256;
+    float *d32, *s32, *d256;  // s32: the block's scale times the sum of its values
+    int16_t *bsums;
+    int64_t k;
+} act_rows;
+
+// One weight block's activations.
+typedef struct { const int8_t *q; float d, s; const int16_t *bsums; } act_block;
+
+static inline act_block acts_32(const act_rows *x, int64_t m, int64_t b) {
+    const int64_t at = m * x->k / 32 + b;
+    return (act_block){x->q32 + at * 32, x->d32[at], x->s32[at], NULL};
+}
+
+static inline act_block acts_256(const act_rows *x, int64_t m, int64_t b) {
+    const int64_t at = m * x->k / 256 + b;
+    return (act_block){x->q256 + at * 256, x->d256[at], 0.0f, x->bsums + at * 16};
+}
+
+static inline float round_to_half(float v) {
+#if defined(__F16C__)
+    return _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT));
+#else
+    return (float)(_Float16)v;
+#endif
+}
+
+static inline float hmax256(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+// 8 floats times `by`, rounded to the nearest integer (ties to even), as int32.
+static inline __m256i rounded(const float *x, __m256 by) {
+    return _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), by));
+}
+
+// 32 int32 lanes (4 vectors of 8, in order) packed to 32 int8.
+static inline __m256i pack_i8(__m256i a, __m256i b, __m256i c, __m256i d) {
+    const __m256i ab = _mm256_packs_epi32(a, b), cd = _mm256_packs_epi32(c, d);
+    const __m256i packed = _mm256_packs_epi16(ab, cd);
+    // packs interleave the 128-bit lanes: put the 4-byte groups back in order
+    return _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+static inline int32_t sum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+// Blocks of 32: scale = max |x| / 127 (kept as float16), q = round(x * 127 / max |x|),
+// s = scale * sum(q).
+static void quantize_row_32(const float *x, int64_t k, int8_t *q, float *d, float *s) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < k / 32; b++) {
+        const float *xb = x + b * 32;
+        __m256 most = _mm256_andnot_ps(sign, _mm256_loadu_ps(xb));
+        for (int i = 8; i < 32; i += 8)
+            most = _mm256_max_ps(most, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
+        const float amax = hmax256(most), scale = amax / 127.0f;
+        const __m256 by = _mm256_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
+        const __m256i v0 = rounded(xb, by), v1 = rounded(xb + 8, by);
+        const __m256i v2 = rounded(xb + 16, by), v3 = rounded(xb + 24, by);
+        _mm256_storeu_si256((__m256i *)(q + b * 32), pack_i8(v0, v1, v2, v3));
+        const int32_t sum = sum_i32(_mm256_add_epi32(_mm256_add_epi32(v0, v1),
+                                                     _mm256_add_epi32(v2, v3)));
+        d[b] = round_to_half(scale);
+        s[b] = d[b] * (float)sum;  // exact: 12 bits of sum times 11 of a float16
+    }
+}
+
+// Blocks of 256: the value of largest magnitude (the first, on ties) maps to -127 or 127,
+// q = round(x * 127 / max), scale = 1 / (127 / max); bsums: the sum of every 16 q.
+static void quantize_row_256(const float *x, int64_t k, int8_t *q, float *d, int16_t *bsums) {
+    for (int64_t b = 0; b < k / 256; b++) {
+        const float *xb = x + b * 256;
+        float amax = 0.0f, max = 0.0f;
+        for (int i = 0; i < 256; i++) {
+            const float a = fabsf(xb[i]);
+            if (a > amax) amax = a, max = xb[i];
+        }
+        if (amax == 0.0f) {
+            d[b] = 0.0f;
+            memset(q + b * 256, 0, 256);
+            memset(bsums + b * 16, 0, 16 * sizeof(int16_t));
+            continue;
+        }
+        const float iscale = 127.0f / max;
+        const __m256 by = _mm256_set1_ps(iscale);
+        for (int i = 0; i < 256; i += 32) {
+            const __m256i v0 = rounded(xb + i, by), v1 = rounded(xb + i + 8, by);
+            const __m256i v2 = rounded(xb + i + 16, by), v3 = rounded(xb + i + 24, by);
+            _mm256_storeu_si256((__m256i *)(q + b * 256 + i), pack_i8(v0, v1, v2, v3));
+            bsums[b * 16 + i / 16] = (int16_t)sum_i32(_mm256_add_epi32(v0, v1));
+            bsums[b * 16 + i / 16 + 1] = (int16_t)sum_i32(_mm256_add_epi32(v2, v3));
+        }
+        d[b] = 1.0f / iscale;
+    }
+}
+
+// ---- integer building blocks --------------------------------------------------------------------
+
+static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+// 8 lanes, each the sum of 4 products of unsigned and signed bytes (u <= 128 and |s| <= 127,
+// so the pairs of maddubs cannot saturate).
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// Signed weights times signed activations: the weights' magnitudes as the unsigned operand,
+// their signs moved onto the activations.
+static inline __m256i dot_s8s8(__m256i w, __m256i x) {
+    return dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+// 8 lanes: products of unsigned and signed bytes summed in pairs (16 int16), then each pair
+// of those times its int16 scale and summed (the k-quants' sub-block scales).
+static inline __m256i scaled_dot(__m256i u, __m256i s, __m256i scales16) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scales16);
+}
+
+static inline __m256 add_block(__m256i sum, float scale, __m256 acc) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(scale), acc);
+}
+
+static inline __m256i low_nibbles(__m256i q) { return _mm256_and_si256(q, _mm256_set1_epi8(0x0F)); }
+static inline __m256i high_nibbles(__m256i q) {
+    return _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(0x0F));
+}
+static inline __m256i crumbs(__m256i q, int shift) {  // the 2-bit field at `shift`, per byte
+    return _mm256_and_si256(_mm256_srli_epi16(q, shift), _mm256_set1_epi8(3));
+}
+static inline __m256i bit_at(__m256i q, int shift, int to) {  // bit `shift` of each byte, at `to`
+    return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(q, shift), _mm256_set1_epi8(1)),
+                             to);
+}
+static inline __m256i nibbles_of_16(const uint8_t *p) {  // 16 bytes → low 16, then high 16
+    const __m128i q = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
+}
+static inline __m256i bits_to_16s(uint32_t bits) {  // bit i of `bits` → byte i: 16 or 0
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_maskz_mov_epi8((__mmask32)bits, _mm256_set1_epi8(16));
+#else
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    return _mm256_and_si256(set, _mm256_set1_epi8(16));
+#endif
+}
+
+// Sub-block scales as the int16 operand of scaled_dot. `words` holds 8 int16 scales in both
+// 128-bit lanes; pick(words, i, j) puts scale i in the low lane and scale j in the high one.
+static inline __m256i pick(__m256i words, int i, int j) {
+    const __m256i at = _mm256_setr_epi8(
+        2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1,
+        2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1, 2 * i, 2 * i + 1,
+        2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1,
+        2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1);
+    return _mm256_shuffle_epi8(words, at);
+}
+static inline __m256i words_u8(uint64_t eight) {  // 8 unsigned bytes → int16, in both lanes
+    return _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)eight)));
+}
+static inline __m256i words_i8(const int8_t *eight) {
+    int64_t v;
+    memcpy(&v, eight, 8);
+    return _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_cvtsi64_si128(v)));
+}
+// ---- one weight block against its activations -----------------------------------------------
+//
+// Each format has a struct of its block unpacked into registers (NAME_w), NAME_unpack to fill
+// it, and NAME_dot to add its products with one row's activations `a` to `acc` (and, for the
+// formats with a minimum per block, to `extra`). Several rows unpack a block once and meet it
+// in turn; one row does both at once. The arithmetic is the same.
+
+// The 32-value formats with signed values: |w| as the unsigned operand, w for the signs.
+typedef struct { __m256i u, w; float d; } signed_w;
+static inline __m256 signed_dot(const signed_w *w, act_block a, __m256 acc, float *extra) {
+    (void)extra;
+    return add_block(dot_u8s8(w->u, _mm256_sign_epi8(load32(a.q), w->w)), w->d * a.d, acc);
+}
+static inline void signed_from(__m256i w, float d, signed_w *out) {
+    *out = (signed_w){_mm256_sign_epi8(w, w), w, d};
+}
+typedef signed_w q8_0_w, q8_1_w, q4_0_w, q5_0_w;
+#define q8_0_dot signed_dot
+#define q8_1_dot signed_dot
+#define q4_0_dot signed_dot
+#define q5_0_dot signed_dot
+static inline void q8_0_unpack(const uint8_t *b, signed_w *w) {
+    signed_from(load32(b + 2), half_to_float(b), w);
+}
+static inline void q8_1_unpack(const uint8_t *b, signed_w *w) {
+    signed_from(load32(b + 4), half_to_float(b), w);
+}
+static inline void q4_0_unpack(const uint8_t *b, signed_w *w) {
+    signed_from(_mm256_sub_epi8(nibbles_of_16(b + 2), _mm256_set1_epi8(8)), half_to_float(b), w);
+}
+static inline void q5_0_unpack(const uint8_t *b, signed_w *w) {
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    const __m256i v = _mm256_or_si256(nibbles_of_16(b + 6), bits_to_16s(qh));
+    signed_from(_mm256_sub_epi8(v, _mm256_set1_epi8(16)), half_to_float(b), w);
+}
+
+// The 32-value formats with a minimum: value = d * u + m.
+typedef struct { __m256i u; float d, m; } offset_w;
+typedef offset_w q4_1_w, q5_1_w;
+static inline __m256 offset_dot(const offset_w *w, act_block a, __m256 acc, float *extra) {
+    *extra += w->m * a.s;
+    return add_block(dot_u8s8(w->u, load32(a.q)), w->d * a.d, acc);
+}
+#define q4_1_dot offset_dot
+#define q5_1_dot offset_dot
+static inline void q4_1_unpack(const uint8_t *b, offset_w *w) {
+    *w = (offset_w){nibbles_of_16(b + 4), half_to_float(b), half_to_float(b + 2)};
+}
+static inline void q5_1_unpack(const uint8_t *b, offset_w *w) {
+    uint32_t qh;
+    memcpy(&qh, b + 4, 4);
+    const __m256i u = _mm256_or_si256(nibbles_of_16(b + 8), bits_to_16s(qh));
+    *w = (offset_w){u, half_to_float(b), half_to_float(b + 2)};
+}
+
+// The k-quants: 8 vectors of 32 unsigned values, each with the int16 scales of its sub-blocks
+// (one for 32 values, or one per 16 in the low and high lanes), and the weights of the
+// activations' sums of 16 (the minimums, or the values' offset times the scales).
+typedef struct {
+    __m256i u[8], scales[8];
+    __m256i offsets;  // int16 weights of the 16 sums of 16
+    float d, dmin;    // dmin: the scale of the offsets
+} k_parts;
+
+static inline __m256 k_tail(__m256i sum, __m256i offsets, float d, float dmin, act_block a,
+                            __m256 acc) {
+    acc = add_block(sum, d * a.d, acc);
+    return add_block(_mm256_madd_epi16(offsets, load32(a.bsums)), dmin * a.d, acc);
+}
+
+#if defined(__AVX512BW__)
+// With AVX-512 the vectors go in pairs, 64 values per instruction (the integer sums are the
+// same; only how the 8 float lanes split them differs from the AVX2 build).
+typedef struct { __m512i u[4], scales[4]; __m256i offsets; float d, dmin; } k_w;
+
+static inline __m512i pair(__m256i low, __m256i high) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+}
+
+static inline void k_finish(const k_parts *p, k_w *w) {
+    for (int i = 0; i < 4; i++) {
+        w->u[i] = pair(p->u[2 * i], p->u[2 * i + 1]);
+        w->scales[i] = pair(p->scales[2 * i], p->scales[2 * i + 1]);
+    }
+    w->offsets = p->offsets, w->d = p->d, w->dmin = p->dmin;
+}
+
+static inline __m256 k_dot(const k_w *w, act_block a, __m256 acc, float *extra) {
+    (void)extra;
+    __m512i sum = _mm512_setzero_si512();
+    for (int i = 0; i < 4; i++) {
+        const __m512i x = _mm512_loadu_si512((const void *)(a.q + 64 * i));
+        sum = _mm512_add_epi32(sum, _mm512_madd_epi16(_mm512_maddubs_epi16(w->u[i], x),
+                                                       w->scales[i]));
+    }
+    const __m256i folded = _mm256_add_epi32(_mm512_castsi512_si256(sum),
+                                            _mm512_extracti64x4_epi64(sum, 1));
+    return k_tail(folded, w->offsets, w->d, w->dmin, a, acc);
+}
+#else
+typedef k_parts k_w;
+
+static inline void k_finish(const k_parts *p, k_w *w) { *w = *p; }
+
+static inline __m256 k_dot(const k_w *w, act_block a, __m256 acc, float *extra) {
+    (void)extra;
+    __m256i sum = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++)
+        sum = _mm256_add_epi32(sum, scaled_dot(w->u[j], load32(a.q + 32 * j), w->scales[j]));
+    return k_tail(sum, w->offsets, w->d, w->dmin, a, acc);
+}
+#endif
+typedef k_w q2_k_w, q3_k_w, q4_k_w, q5_k_w, q6_k_w;
+#define q2_k_dot k_dot
+#define q3_k_dot k_dot
+#define q4_k_dot k_dot
+#define q5_k_dot k_dot
+#define q6_k_dot k_dot
+
+// The 6-bit scales and minimums of Q4_K and Q5_K (12 bytes at p): 8 bytes each.
+static inline void k4_scales(const uint8_t *p, uint64_t *sc, uint64_t *mn) {
+    uint32_t u[3];
+    memcpy(u, p, 12);
+    const uint32_t six = 0x3F3F3F3F, four = 0x0F0F0F0F, two = 0x03030303;
+    const uint32_t s_lo = u[0] & six, s_hi = (u[2] & four) | (((u[0] >> 6) & two) << 4);
+    const uint32_t m_lo = u[1] & six, m_hi = ((u[2] >> 4) & four) | (((u[1] >> 6) & two) << 4);
+    *sc = (uint64_t)s_lo | (uint64_t)s_hi << 32;
+    *mn = (uint64_t)m_lo | (uint64_t)m_hi << 32;
+}
+
+// Q4_K and Q5_K: a 6-bit scale and minimum per 32 values; the minimums weigh pairs of sums.
+static inline void k4_common(const uint8_t *b, k_parts *w) {
+    uint64_t sc, mn;
+    k4_scales(b + 4, &sc, &mn);
+    const __m256i scales = words_u8(sc);
+    for (int j = 0; j < 8; j++) w->scales[j] = pick(scales, j, j);
+    const __m128i m = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)mn));
+    w->offsets = _mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m));
+    w->d = half_to_float(b);
+    w->dmin = -half_to_float(b + 2);
+}
+
+static inline void q4_k_parts(const uint8_t *b, k_parts *w) {
+    k4_common(b, w);
+    for (int c = 0; c < 4; c++) {
+        const __m256i q = load32(b + 16 + c * 32);
+        w->u[2 * c] = low_nibbles(q);
+        w->u[2 * c + 1] = high_nibbles(q);
+    }
+}
+
+static inline void q5_k_parts(const uint8_t *b, k_parts *w) {
+    k4_common(b, w);
+    const __m256i qh = load32(b + 16);
+    for (int c = 0; c < 4; c++) {
+        const __m256i q = load32(b + 48 + c * 32);
+        w->u[2 * c] = _mm256_or_si256(low_nibbles(q), bit_at(qh, 2 * c, 4));
+        w->u[2 * c + 1] = _mm256_or_si256(high_nibbles(q), bit_at(qh, 2 * c + 1, 4));
+    }
+}
+
+// Signed scales per 16 (Q3_K, Q6_K): the scales of vector j are 2j and 2j + 1; values carry
+// an offset `bias`, taken off through the sums of 16.
+static inline void k16_scales(const int8_t *scales, int bias, k_parts *w) {
+    for (int h = 0; h < 2; h++) {
+        const __m256i words = words_i8(scales + 8 * h);
+        for (int g = 0; g < 4; g++) w->scales[4 * h + g] = pick(words, 2 * g, 2 * g + 1);
+    }
+    w->offsets = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scales));
+    w->dmin = -(float)bias * w->d;
+}
+
+// Q6_K: values 0..63 less 32, an int8 scale per 16.
+static inline void q6_k_parts(const uint8_t *b, k_parts *w) {
+    for (int h = 0; h < 2; h++) {
+        const __m256i ql0 = load32(b + h * 64), ql1 = load32(b + h * 64 + 32);
+        const __m256i qh = load32(b + 128 + h * 32);
+        w->u[4 * h] = _mm256_or_si256(low_nibbles(ql0), _mm256_slli_epi16(crumbs(qh, 0), 4));
+        w->u[4 * h + 1] = _mm256_or_si256(low_nibbles(ql1), _mm256_slli_epi16(crumbs(qh, 2), 4));
+        w->u[4 * h + 2] = _mm256_or_si256(high_nibbles(ql0), _mm256_slli_epi16(crumbs(qh, 4), 4));
+        w->u[4 * h + 3] = _mm256_or_si256(high_nibbles(ql1), _mm256_slli_epi16(crumbs(qh, 6), 4));
+    }
+    w->d = half_to_float(b + 208);
+    k16_scales((const int8_t *)(b + 192), 32, w);
+}
+
+// Q3_K: values 0..7 less 4 (two low bits, a high bit in hmask), a 6-bit scale less 32 per 16.
+static inline void q3_k_parts(const uint8_t *b, k_parts *w) {
+    const uint8_t *packed = b + 96;
+    int8_t scales[16];
+    for (int s = 0; s < 16; s++) {
+        const int low = s < 8 ? packed[s] & 0xF : packed[s - 8] >> 4;
+        const int high = (packed[8 + s % 4] >> (2 * (s / 4))) & 3;
+        scales[s] = (int8_t)((low | (high << 4)) - 32);
+    }
+    const __m256i hm = load32(b);
+    for (int h = 0; h < 2; h++) {
+        const __m256i q = load32(b + 32 + h * 32);
+        for (int j = 0; j < 4; j++)
+            w->u[4 * h + j] = _mm256_or_si256(crumbs(q, 2 * j), bit_at(hm, 4 * h + j, 2));
+    }
+    w->d = half_to_float(b + 108);
+    k16_scales(scales, 4, w);
+}
+
+// Q2_K: values 0..3, a 4-bit scale and a 4-bit minimum per 16.
+static inline void q2_k_parts(const uint8_t *b, k_parts *w) {
+    const __m128i packed = _mm_loadu_si128((const __m128i *)b), four = _mm_set1_epi8(0x0F);
+    const __m128i scales = _mm_and_si128(packed, four);
+    for (int h = 0; h < 2; h++) {
+        const __m256i words = _mm256_broadcastsi128_si256(
+            _mm_cvtepu8_epi16(h ? _mm_srli_si128(scales, 8) : scales));
+        const __m256i q = load32(b + 16 + h * 32);
+        for (int j = 0; j < 4; j++) {
+            w->u[4 * h + j] = crumbs(q, 2 * j);
+            w->scales[4 * h + j] = pick(words, 2 * j, 2 * j + 1);
+        }
+    }
+    w->offsets = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), four));
+    w->d = half_to_float(b + 80);
+    w->dmin = -half_to_float(b + 82);
+}
+
+// Each k-quant's unpack: its parts, then (with AVX-512) paired.
+#define K_UNPACK(NAME)                                               \
+    static inline void NAME##_unpack(const uint8_t *b, k_w *w) {     \
+        k_parts p;                                                   \
+        NAME##_parts(b, &p);                                         \
+        k_finish(&p, w);                                             \
+    }
+K_UNPACK(q2_k)
+K_UNPACK(q3_k)
+K_UNPACK(q4_k)
+K_UNPACK(q5_k)
+K_UNPACK(q6_k)
+
+// ---- the kernel: weight rows against activation rows ----------------------------------------
+
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// Activation rows that meet a tile of weight rows before the next rows come: they stay in the
+// cache while the tile's rows pass.
+#define INT8_ROW_BLOCK 32
+
+// y[m * stride + n] = sum_k x[m][k] * W[n][k] for m < rows, n < count (consecutive weight rows
+// from w). Four rows at a time unpack each weight block once and meet it in turn, their
+// accumulators in registers; the rows left over go one at a time. Every row sums in the same
+// order either way: even blocks in one chain, odd blocks in another, then the two chains.
+#define DEFINE_INT8_KERNEL(NAME, BLOCK, BYTES, ACTS)                                          \
+    static inline void NAME##_one(const act_rows *x, int64_t m, int64_t blocks,               \
+                                  const uint8_t *w, float *y) {                               \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                        \
+        float extra0 = 0.0f, extra1 = 0.0f;                                                   \
+        for (int64_t b = 0; b < blocks; b += 2) {                                             \
+            NAME##_w w0;                                                                      \
+            NAME##_unpack(w + b * BYTES, &w0);                                                \
+            acc0 = NAME##_dot(&w0, ACTS(x, m, b), acc0, &extra0);                             \
+            if (b + 1 == blocks) break;                                                       \
+            NAME##_w w1;                                                                      \
+            NAME##_unpack(w + (b + 1) * BYTES, &w1);                                          \
+            acc1 = NAME##_dot(&w1, ACTS(x, m, b + 1), acc1, &extra1);                         \
+        }                                                                                     \
+        *y = hsum256(_mm256_add_ps(acc0, acc1)) + extra0 + extra1;                            \
+    }                                                                                         \
+    static inline void NAME##_four(const act_rows *x, int64_t m, int64_t blocks,              \
+                                   const uint8_t *w, float *y, int64_t stride) {              \
+        __m256 acc[2][4];                                                                     \
+        float extra[2][4] = {{0.0f}};                                                         \
+        for (int r = 0; r < 4; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();              \
+        for (int64_t b = 0; b < blocks; b += 2) {                                             \
+            NAME##_w w0;                                                                      \
+            NAME##_unpack(w + b * BYTES, &w0);                                                \
+            for (int r = 0; r < 4; r++)                                                       \
+                acc[0][r] = NAME##_dot(&w0, ACTS(x, m + r, b), acc[0][r], &extra[0][r]);      \
+            if (b + 1 == blocks) break;                                                       \
+            NAME##_w w1;                                                                      \
+            NAME##_unpack(w + (b + 1) * BYTES, &w1);                                          \
+            for (int r = 0; r < 4; r++)                                                       \
+                acc[1][r] = NAME##_dot(&w1, ACTS(x, m + r, b + 1), acc[1][r], &extra[1][r]);  \
+        }                                                                                     \
+        for (int r = 0; r < 4; r++)                                                           \
+            y[r * stride] = hsum256(_mm256_add_ps(acc[0][r], acc[1][r])) + extra[0][r]        \
+                            + extra[1][r];                                                    \
+    }                                                                                         \
+    static void NAME##_i8(const void *acts, int64_t rows, int64_t k_in, const uint8_t *w,     \
+                          int64_t count, float *y, int64_t stride) {                          \
+        const act_rows *x = (const act_rows *)acts;                                           \
+        const int64_t blocks = k_in / BLOCK, row_bytes = blocks * BYTES;                      \
+        for (int64_t m0 = 0; m0 < rows; m0 += INT8_ROW_BLOCK) {                               \
+            const int64_t end = rows - m0 < INT8_ROW_BLOCK ? rows : m0 + INT8_ROW_BLOCK;      \
+            for (int64_t n = 0; n < count; n++) {                                             \
+                const uint8_t *wn = w + n * row_bytes;                                        \
+                int64_t m = m0;                                                               \
+                for (; m + 4 <= end; m += 4)                                                  \
+                    NAME##_four(x, m, blocks, wn, y + m * stride + n, stride);                \
+                for (; m < end; m++) NAME##_one(x, m, blocks, wn, y + m * stride + n);        \
+            }                                                                                 \
+        }                                                                                     \
+    }
+
+DEFINE_INT8_KERNEL(q4_0, 32, 18, acts_32)
+DEFINE_INT8_KERNEL(q4_1, 32, 20, acts_32)
+DEFINE_INT8_KERNEL(q5_0, 32, 22, acts_32)
+DEFINE_INT8_KERNEL(q5_1, 32, 24, acts_32)
+DEFINE_INT8_KERNEL(q8_0, 32, 34, acts_32)
+DEFINE_INT8_KERNEL(q8_1, 32, 36, acts_32)
+DEFINE_INT8_KERNEL(q2_k, 256, 84, acts_256)
+DEFINE_INT8_KERNEL(q3_k, 256, 110, acts_256)
+DEFINE_INT8_KERNEL(q4_k, 256, 144, acts_256)
+DEFINE_INT8_KERNEL(q5_k, 256, 176, acts_256)
+DEFINE_INT8_KERNEL(q6_k, 256, 210, acts_256)
+
+#endif
