@@ -23,6 +23,7 @@ decode as a share of it.
 """
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -68,7 +69,25 @@ def run_ours(gguf: Path, threads: int) -> Probes:
     return ttft, prefill, decode
 
 
-def run_llama_cpp(gguf: Path, threads: int) -> Probes:
+def llama_cpp_stream_times(llm, text: str, max_tokens: int) -> tuple[float, float, int]:
+    """A greedy completion streamed by llama-cpp-python's ``llm``, from a fresh cache:
+    seconds to the first token, seconds from it to the last, and the tokens streamed."""
+    llm.reset()
+    start = time.perf_counter()
+    first = last = None
+    count = 0
+    for _ in llm.create_completion(text, max_tokens=max_tokens, temperature=0.0, stream=True):
+        last = time.perf_counter()
+        first = first or last
+        count += 1
+    return first - start, last - first, count
+
+
+StreamTimer = Callable[[object, str, int], tuple[float, float, int]]
+
+
+def run_llama_cpp(gguf: Path, threads: int, timer: StreamTimer = llama_cpp_stream_times) -> Probes:
+    """``timer``: how a completion is timed (bench/real_sizes.py times tokens instead)."""
     from llama_cpp import Llama
 
     llm = Llama(
@@ -81,16 +100,7 @@ def run_llama_cpp(gguf: Path, threads: int) -> Probes:
     )
     prompt = harness.long_prompt(lambda text: llm.tokenize(text.encode()), PREFILL_TOKENS)
 
-    def first_token_time(text: str, max_tokens: int) -> tuple[float, float, int]:
-        llm.reset()
-        start = time.perf_counter()
-        first = last = None
-        count = 0
-        for _ in llm.create_completion(text, max_tokens=max_tokens, temperature=0.0, stream=True):
-            last = time.perf_counter()
-            first = first or last
-            count += 1
-        return first - start, last - first, count
+    first_token_time = functools.partial(timer, llm)
 
     first_token_time(SHORT_PROMPT, 4)  # warm-up
 
@@ -213,9 +223,12 @@ def read_bandwidth_gb_s(threads: int, gib: int = 1, repeats: int = 7) -> float:
     return data.numel() * 4 / harness.median_seconds(data.sum, repeats) / 1e9
 
 
-def measure(engine: str, gguf: Path, threads: int, runs: int) -> dict:
+def measure(
+    engine: str, gguf: Path, threads: int, runs: int, run: Callable[..., Probes] | None = None
+) -> dict:
+    """``run``: the engine's probes, ``ENGINES[engine]`` by default."""
     start = time.perf_counter()
-    ttft, prefill, decode = ENGINES[engine](gguf, threads)
+    ttft, prefill, decode = (run or ENGINES[engine])(gguf, threads)
     load_s = time.perf_counter() - start
     ttfts = [ttft() for _ in range(runs)]
     prefills = [prefill() for _ in range(runs)]

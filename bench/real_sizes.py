@@ -1,0 +1,621 @@
+"""Ours against llama.cpp at real model sizes, side by side in one run.
+
+    python bench/real_sizes.py --peers-python PATH [--shapes llama-1b gemma3-4b llama-8b]
+        [--formats q4_k_m] [--threads 1 2 N] [--runs 1] [--dir DIR] [--default-model]
+        [--gguf FILE ...] [--batched 4 16] [--contexts 4096 16384]
+        [--skip-batched] [--skip-long] [--long-models LABEL ...] [--markdown FILE]
+
+The models are bench/synthetic_gguf.py's files: real shapes, metadata and quantization
+mixes, random but valid blocks (so the speeds are real and the text is not). They are
+written once into --dir (default $XDG_CACHE_HOME/spnl_backend/bench-gguf, else
+~/.cache/...) and reused. --default-model adds the default Gemma 3 270M GGUF, --gguf any
+file of one's own. --shapes also takes ``tiny`` (seconds; for a smoke run).
+
+1. Single sequence, per file and thread count: bench/decode.py's probes (decode tok/s,
+   prefill tok/s, TTFT, peak RSS, load time) for ours and llama.cpp, each engine in a fresh
+   process, and each one's decode as a share of the bound memory bandwidth sets (decode.py's:
+   the file's weight bytes per token over the read bandwidth measured at that thread count).
+   llama.cpp's tokens are timed as it samples them, not as its text stream delivers them
+   (see `llama_cpp_token_times`).
+2. Batched decode, ours only (llama-cpp-python decodes one sequence at a time), at 2 threads:
+   B different prompts decoded together; aggregate tok/s (generated tokens over the wall time
+   after the last first token) against the same measure for one prompt alone.
+3. Long-context decode at 2 threads: a prompt of about C-64 tokens (the shipped text,
+   repeated), then 32 greedy tokens; ours paged and non-paged, llama.cpp with flash attention
+   and its default f16 KV cache (n_ctx C+64). One run each: the prompt dominates the time.
+
+Every measurement runs in a child process. A child that fails (out of memory, an engine not
+installed) is a "not run: reason" cell, as is a long context whose estimated memory exceeds
+what is available; the run goes on.
+"""
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import decode
+import harness
+
+BENCH = Path(__file__).resolve().parent
+DEFAULT_SHAPES = ["llama-1b", "gemma3-4b", "llama-8b"]
+ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8")
+OURS, LLAMA = "spnl-backend", "llama.cpp"  # decode.ENGINES names
+FIXED_THREADS = 2  # batched and long-context runs
+BATCH_PROMPT_WORDS = 12
+BATCH_PROMPT_ROOM = 64  # tokens reserved per batched prompt in our KV budget
+LONG_MARGIN = 64  # the long prompt is this many tokens short of the context
+LONG_DECODE_TOKENS = 32
+BLOCK_SIZE = 32  # our paged KV block (the default); budgets are whole blocks
+RESERVE_BYTES = 2**30  # beside weights and KV: activations, the runtime itself
+LONG_MODES = {
+    "long-paged": "ours paged",
+    "long-contiguous": "ours non-paged",
+    "long-llama": "llama.cpp (flash attn, f16 KV)",
+}
+
+
+@dataclass(frozen=True)
+class Model:
+    label: str
+    path: Path
+
+
+# ---- command line ---------------------------------------------------------------------------
+
+
+def default_threads() -> list[int]:
+    return sorted({1, FIXED_THREADS, os.cpu_count() or 1})
+
+
+def default_dir() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "spnl_backend" / "bench-gguf"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    # Not harness.arguments: --threads is a list here, and --runs defaults to 1.
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES)
+    parser.add_argument("--formats", nargs="+", default=["q4_k_m"])
+    parser.add_argument("--threads", nargs="+", type=int, default=None)
+    parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--dir", type=Path, default=default_dir(), help="synthetic GGUFs")
+    harness.add_peers_python(parser, "llama-cpp-python")
+    parser.add_argument("--markdown", type=Path, help="also write the output to this file")
+    parser.add_argument("--default-model", action="store_true", help="add Gemma 3 270M")
+    parser.add_argument("--gguf", type=Path, action="append", default=[], help="add a file")
+    parser.add_argument("--batched", nargs="+", type=int, default=[4, 16])
+    parser.add_argument("--contexts", nargs="+", type=int, default=[4096, 16384])
+    parser.add_argument("--skip-batched", action="store_true")
+    parser.add_argument("--skip-long", action="store_true")
+    parser.add_argument(
+        "--long-models",
+        nargs="+",
+        help="long contexts only for the models whose label contains one of these "
+        "(e.g. 270M llama-1b): a 16k prompt on an 8B model takes most of an hour here",
+    )
+    parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.threads = sorted(set(args.threads or default_threads()))
+    return args
+
+
+# ---- the machine ----------------------------------------------------------------------------
+
+
+def isa_line(cpuinfo: str) -> str:
+    """The CPU's model and which of `ISA_FLAGS` the first processor's flags list."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())  # the first processor's
+    flags = set(fields.get("flags", "").split())
+    present = " ".join(f for f in ISA_FLAGS if f in flags) or "none of " + " ".join(ISA_FLAGS)
+    absent = " ".join(f for f in ISA_FLAGS if f not in flags)
+    line = f"CPU: {fields.get('model name', 'unknown')}; ISA: {present}"
+    return f"{line} (absent: {absent})" if absent and flags else line
+
+
+def read_text(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def meminfo_available(meminfo: str) -> int | None:
+    for line in meminfo.splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def available_bytes() -> int | None:
+    """What the system has available now, less where this cgroup (v2) leaves less."""
+    found = [meminfo_available(read_text("/proc/meminfo"))]
+    limit, used = (read_text(f"/sys/fs/cgroup/memory.{n}").strip() for n in ("max", "current"))
+    if limit.isdigit() and used.isdigit():
+        found.append(int(limit) - int(used))
+    known = [b for b in found if b is not None]
+    return min(known) if known else None
+
+
+# ---- children: each prints one JSON line ------------------------------------------------------
+
+
+def explained(result: dict) -> dict:
+    """A child's result, a death without a word (SIGKILL leaves no traceback) said so."""
+    if result.get("error") == "no output":
+        return result | {"error": "the child died without output (killed: out of memory?)"}
+    return result
+
+
+def child(python: str, mode: str, *arguments: object) -> dict:
+    """This script as a child in ``mode``; a failure as ``{"error": why}``."""
+    result = explained(harness.run_json_child([python, __file__, "--child", mode, *arguments]))
+    print(json.dumps({"child": mode, **result}), file=sys.stderr)
+    return result
+
+
+def child_info(args: argparse.Namespace) -> dict:
+    import llama_cpp
+
+    system = llama_cpp.llama_print_system_info().decode().strip()
+    return {"version": llama_cpp.__version__, "system_info": system}
+
+
+def gguf_field(reader, name: str):
+    field = reader.fields.get(name)
+    return None if field is None else field.contents()
+
+
+def child_plan(args: argparse.Namespace) -> dict:
+    """The file's size, weight bytes per token and KV values per token (K and V, every
+    layer): what the bound and the memory estimates need."""
+    from gguf import GGUFReader
+
+    path = args.gguf[0]
+    reader = GGUFReader(path)
+    arch = gguf_field(reader, "general.architecture")
+    heads = gguf_field(reader, f"{arch}.attention.head_count")
+    kv_heads = gguf_field(reader, f"{arch}.attention.head_count_kv") or heads
+    head_dim = gguf_field(reader, f"{arch}.embedding_length") // heads
+    key = gguf_field(reader, f"{arch}.attention.key_length") or head_dim
+    value = gguf_field(reader, f"{arch}.attention.value_length") or head_dim
+    return {
+        "file_bytes": path.stat().st_size,
+        "weight_bytes": decode.weight_bytes_per_token(path),
+        "kv_values_per_token": gguf_field(reader, f"{arch}.block_count") * kv_heads * (key + value),
+    }
+
+
+def llama_cpp_token_times(llm, text: str, max_tokens: int) -> tuple[float, float, int]:
+    """`decode.llama_cpp_stream_times`, timing tokens as llama.cpp samples them rather than
+    text chunks: its text stream holds pieces back (incomplete UTF-8, a possible stop), and
+    random weights make whole runs of tokens arrive as one chunk at the end."""
+    prompt = llm.tokenize(text.encode())
+    llm.reset()  # no prefix reuse: the whole prompt is evaluated
+    start = time.perf_counter()
+    first = last = None
+    count = 0
+    for token in llm.generate(prompt, temp=0.0):
+        last = time.perf_counter()
+        first = first or last
+        count += 1
+        if count == max_tokens or token == llm.token_eos():
+            break
+    return first - start, last - first, count
+
+
+def child_single_llama(args: argparse.Namespace) -> dict:
+    """decode.py's llama.cpp probes, with tokens timed (`llama_cpp_token_times`)."""
+    run = functools.partial(decode.run_llama_cpp, timer=llama_cpp_token_times)
+    return decode.measure(LLAMA, args.gguf[0], args.threads[0], args.runs, run=run)
+
+
+def child_bandwidth(args: argparse.Namespace) -> dict:
+    return {"gb_s": decode.read_bandwidth_gb_s(args.threads[0])}
+
+
+# ---- batched decode (ours) --------------------------------------------------------------------
+
+
+def batch_prompts(count: int) -> list[str]:
+    """``count`` different prompts: consecutive word runs of the shipped text."""
+    words = (harness.DATA / "english.txt").read_text().split()
+    spans = range(0, len(words) - BATCH_PROMPT_WORDS, BATCH_PROMPT_WORDS)
+    starts = [spans[i % len(spans)] for i in range(count)]
+    return [" ".join(words[s : s + BATCH_PROMPT_WORDS]) for s in starts]
+
+
+def check_decoded(tokens: int) -> None:
+    """A rate needs tokens after the first: a completion that stopped at EOS is an error,
+    not a rate of 0."""
+    if tokens < 1:
+        raise RuntimeError("the completion stopped (EOS) before a decode token")
+
+
+def whole_blocks(tokens: int) -> int:
+    return -(-tokens // BLOCK_SIZE) * BLOCK_SIZE
+
+
+def batched_decode(backend, prompts: list[str], max_tokens: int) -> dict:
+    """Aggregate tok/s of one batch: tokens after each first token over the wall time
+    after the last first token (prefill excluded)."""
+    start = time.perf_counter()
+    results = backend.generate(prompts, max_tokens=max_tokens, temperature=0)
+    wall = time.perf_counter() - start
+    tokens = sum(r.usage.completion_tokens - 1 for r in results)
+    check_decoded(tokens)
+    decode_s = wall - max(r.usage.ttft_s for r in results)
+    return {"tok_s": tokens / decode_s, "tokens": tokens}
+
+
+def child_batched(args: argparse.Namespace) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads[0])
+    max_tokens = harness.DECODE_TOKENS + 1
+    sizes = sorted(set(args.batched))
+    budget = whole_blocks(max(sizes) * (BATCH_PROMPT_ROOM + max_tokens))
+    backend = harness.load_ours(args.gguf[0], prefix_cache_n=0, paged_attn_context_len=budget)
+    backend.generate(batch_prompts(2), max_tokens=4, temperature=0)  # warm-up
+
+    def median(size: int) -> dict:
+        runs = [batched_decode(backend, batch_prompts(size), max_tokens) for _ in range(args.runs)]
+        return {"tok_s": statistics.median(r["tok_s"] for r in runs), "tokens": runs[0]["tokens"]}
+
+    return {"single": median(1), "batches": {str(size): median(size) for size in sizes}}
+
+
+# ---- long-context decode ------------------------------------------------------------------------
+
+
+def context_prompt(encode: Callable[[str], list], tokens: int) -> str:
+    """About ``tokens`` tokens of the shipped text: whole copies of it, then
+    `harness.long_prompt`'s cut for the rest (the text alone is ~5,000 tokens)."""
+    whole = (harness.DATA / "english.txt").read_text().strip()
+    copies = 0
+    while len(encode(" ".join([whole] * (copies + 1)))) <= tokens:
+        copies += 1
+    head = " ".join([whole] * copies)
+    rest = tokens - (len(encode(head)) if copies else 0)
+    return f"{head} {harness.long_prompt(encode, rest)}".strip() if rest > 0 else head
+
+
+def child_long_ours(args: argparse.Namespace, paged: bool) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads[0])
+    context = args.contexts[0]
+    settings: dict = {"prefix_cache_n": 0, "paged_attn": paged}
+    if paged:  # the pool holds the whole context (the default budget is 4,096 tokens)
+        settings["paged_attn_context_len"] = whole_blocks(context)
+    backend = harness.load_ours(args.gguf[0], **settings)
+    prompt = context_prompt(backend.tokenizer.encode, context - LONG_MARGIN)
+    backend.generate(decode.SHORT_PROMPT, max_tokens=4, temperature=0)  # warm-up
+    usage = backend.generate(prompt, max_tokens=LONG_DECODE_TOKENS + 1, temperature=0).usage
+    check_decoded(usage.completion_tokens - 1)
+    return {
+        "decode_tok_s": usage.decode_tok_s,
+        "decode_tokens": usage.completion_tokens - 1,
+        "prompt_tokens": usage.prompt_tokens,
+        "peak_rss_mb": harness.peak_rss_mb(),
+    }
+
+
+def child_long_llama(args: argparse.Namespace) -> dict:
+    from llama_cpp import Llama
+
+    context, threads = args.contexts[0], args.threads[0]
+    llm = Llama(
+        model_path=str(args.gguf[0]),
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_ctx=context + LONG_MARGIN,
+        flash_attn=True,
+        seed=0,
+        verbose=False,
+    )
+
+    def encode(text: str) -> list[int]:
+        return llm.tokenize(text.encode())
+
+    prompt = context_prompt(encode, context - LONG_MARGIN)
+    llama_cpp_token_times(llm, decode.SHORT_PROMPT, 4)  # warm-up
+    _, span, count = llama_cpp_token_times(llm, prompt, LONG_DECODE_TOKENS + 1)
+    check_decoded(count - 1)
+    return {
+        "decode_tok_s": (count - 1) / span,
+        "decode_tokens": count - 1,
+        "prompt_tokens": len(encode(prompt)),
+        "peak_rss_mb": harness.peak_rss_mb(),
+    }
+
+
+def long_need_bytes(plan: dict, context: int, mode: str) -> int:
+    """Estimated memory of one long-context run: the file (mapped or loaded), the KV cache
+    (ours float32 on the CPU; non-paged grows by doubling, so up to twice the context;
+    llama.cpp f16 for all n_ctx up front) and `RESERVE_BYTES`."""
+    values = plan["kv_values_per_token"]
+    kv = {
+        "long-paged": 4 * values * whole_blocks(context),
+        "long-contiguous": 4 * values * 2 * context,
+        "long-llama": 2 * values * (context + LONG_MARGIN),
+    }[mode]
+    return plan["file_bytes"] + kv + RESERVE_BYTES
+
+
+def fit_error(need: int, available: int | None) -> str | None:
+    if available is None or need <= available:
+        return None
+    return (
+        f"needs about {need / 1e9:.1f} GB (weights, KV cache, 1 GiB reserve), "
+        f"{available / 1e9:.1f} GB available"
+    )
+
+
+CHILDREN: dict[str, Callable[[argparse.Namespace], dict]] = {
+    "info": child_info,
+    "plan": child_plan,
+    "bandwidth": child_bandwidth,
+    "single-llama": child_single_llama,
+    "batched": child_batched,
+    "long-paged": lambda args: child_long_ours(args, paged=True),
+    "long-contiguous": lambda args: child_long_ours(args, paged=False),
+    "long-llama": child_long_llama,
+}
+
+
+# ---- the parent: files, then each part's children --------------------------------------------
+
+
+def synthetic_file(directory: Path, shape: str, fmt: str) -> Path:
+    """The shape's file in ``directory``, written (whole, then renamed) if absent; in a
+    child process, so that writing it leaves this parent light."""
+    path = directory / f"{shape}-{fmt}.gguf"
+    if not path.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        command = [sys.executable, BENCH / "synthetic_gguf.py", "--shape", shape]
+        command += ["--format", fmt, "--out", partial]
+        # Its report to stderr: stdout carries only the tables.
+        done = subprocess.run([str(part) for part in command], stdout=sys.stderr, check=False)
+        if done.returncode:
+            raise SystemExit(f"writing {path} failed (see above)")
+        partial.rename(path)
+    return path
+
+
+def models(args: argparse.Namespace) -> list[Model]:
+    found = [
+        Model(f"{shape} {fmt}", synthetic_file(args.dir, shape, fmt))
+        for shape in args.shapes
+        for fmt in args.formats
+    ]
+    found += [Model(path.stem, path) for path in args.gguf]
+    if args.default_model:
+        found.append(Model("gemma3-270m q4_k_m (default)", harness.default_gguf()))
+    return found
+
+
+def single_sequence(args: argparse.Namespace, model: Model, threads: int) -> dict:
+    ours = explained(decode.run_child(OURS, sys.executable, model.path, threads, args.runs))
+    print(json.dumps({"model": model.label, "threads": threads} | ours), file=sys.stderr)
+    arguments = ["--gguf", model.path, "--threads", threads, "--runs", args.runs]
+    llama = child(args.peers_python, "single-llama", *arguments)
+    return {"model": model.label, "threads": threads, OURS: ours, LLAMA: llama}
+
+
+def long_context(args: argparse.Namespace, model: Model, plan: dict, context: int) -> dict:
+    runs = {}
+    for mode in LONG_MODES:
+        python = args.peers_python if mode == "long-llama" else sys.executable
+        need = None if "error" in plan else long_need_bytes(plan, context, mode)
+        too_big = need and fit_error(need, available_bytes())
+        if too_big:
+            runs[mode] = {"error": too_big}
+            continue
+        arguments = ["--gguf", model.path, "--threads", FIXED_THREADS, "--contexts", context]
+        runs[mode] = child(python, mode, *arguments)
+    return {"model": model.label, "context": context, "runs": runs}
+
+
+def batched(args: argparse.Namespace, model: Model) -> dict:
+    arguments = ["--gguf", model.path, "--threads", FIXED_THREADS, "--runs", args.runs]
+    result = child(sys.executable, "batched", *arguments, "--batched", *args.batched)
+    return {"model": model.label, "result": result}
+
+
+def bounds(threads: list[int]) -> dict[int, dict]:
+    return {t: child(sys.executable, "bandwidth", "--threads", t) for t in threads}
+
+
+# ---- tables -----------------------------------------------------------------------------------
+
+
+def not_run(result: dict) -> str:
+    return "not run: " + result["error"].replace("|", "\\|")
+
+
+def model_cell(label: str, plan: dict) -> str:
+    return f"{label}, {plan['file_bytes'] / 1e9:.1f} GB" if "file_bytes" in plan else label
+
+
+def bound_tok_s(plan: dict, bandwidth: dict) -> float | None:
+    if "weight_bytes" not in plan or "gb_s" not in bandwidth:
+        return None
+    return bandwidth["gb_s"] * 1e9 / plan["weight_bytes"]
+
+
+def engine_cells(r: dict, bound: float | None) -> list[str]:
+    if "error" in r:
+        return [not_run(r)] + [""] * 5
+    return [
+        f"{r['decode_tok_s']:.1f}",
+        f"{100 * r['decode_tok_s'] / bound:.0f}%" if bound else "n/a",
+        f"{r['prefill_tok_s']:.0f}",
+        f"{r['ttft_ms']:.0f} ms",
+        f"{r['peak_rss_mb']:,.0f} MB",
+        f"{r['load_s']:.1f} s",
+    ]
+
+
+def ratio(ours: dict, theirs: dict, key: str) -> str:
+    if key not in ours or key not in theirs or not theirs[key]:
+        return "n/a"
+    return f"{ours[key] / theirs[key]:.2f}x"
+
+
+SINGLE_HEADER = [
+    "model",
+    "threads",
+    *(
+        f"{engine} {column}"
+        for engine in ("ours", "llama.cpp")
+        for column in ("decode tok/s", "% of bound", "prefill tok/s", "TTFT", "peak RSS", "load")
+    ),
+    "decode ours/llama.cpp",
+    "prefill ours/llama.cpp",
+]
+
+
+def single_table(rows: list[dict], plans: dict[str, dict], bandwidths: dict[int, dict]) -> str:
+    lines = []
+    for row in rows:
+        plan = plans[row["model"]]
+        bound = bound_tok_s(plan, bandwidths.get(row["threads"], {}))
+        ours, llama = row[OURS], row[LLAMA]
+        lines.append(
+            [
+                model_cell(row["model"], plan),
+                row["threads"],
+                *engine_cells(ours, bound),
+                *engine_cells(llama, bound),
+                ratio(ours, llama, "decode_tok_s"),
+                ratio(ours, llama, "prefill_tok_s"),
+            ]
+        )
+    return harness.md_table(SINGLE_HEADER, lines)
+
+
+def bound_note(plans: dict[str, dict], bandwidths: dict[int, dict]) -> str:
+    weights = ", ".join(
+        f"{label} {plan['weight_bytes'] / 1e6:,.0f} MB"
+        for label, plan in plans.items()
+        if "weight_bytes" in plan
+    )
+    reads = ", ".join(
+        f"{t} threads {b['gb_s']:.1f} GB/s" if "gb_s" in b else f"{t} threads {not_run(b)}"
+        for t, b in bandwidths.items()
+    )
+    return (
+        f"Greedy, {harness.DECODE_TOKENS} decode tokens, prefill of ~{decode.PREFILL_TOKENS} "
+        "tokens, TTFT of a 6-token prompt; median of --runs. Bound: weight bytes per token "
+        f"({weights}) over the measured read bandwidth ({reads}). llama.cpp as in "
+        "bench/decode.py (n_ctx 4096, flash attention off: llama-cpp-python's default), its "
+        "tokens timed as sampled."
+    )
+
+
+def batched_table(rows: list[dict]) -> str:
+    header = ["model", "batch", "aggregate tok/s", "single sequence tok/s", "batch / single"]
+    lines = []
+    for row in rows:
+        result = row["result"]
+        if "error" in result:
+            lines.append([row["model"], "", not_run(result)])
+            continue
+        single = result["single"]["tok_s"]
+        for size, batch in result["batches"].items():
+            cells = [f"{batch['tok_s']:.1f}", f"{single:.1f}", f"{batch['tok_s'] / single:.2f}x"]
+            lines.append([row["model"], size, *cells])
+    return harness.md_table(header, lines)
+
+
+def long_cell(result: dict) -> str:
+    return not_run(result) if "error" in result else f"{result['decode_tok_s']:.1f}"
+
+
+def long_table(rows: list[dict]) -> str:
+    header = ["model", "context", "prompt tokens", *LONG_MODES.values(), "paged / llama.cpp"]
+    lines = []
+    for row in rows:
+        runs = row["runs"]
+        prompts = sorted({str(r["prompt_tokens"]) for r in runs.values() if "error" not in r})
+        cells = [long_cell(runs[mode]) for mode in LONG_MODES]
+        paged_vs = ratio(runs["long-paged"], runs["long-llama"], "decode_tok_s")
+        lines.append([row["model"], row["context"], " / ".join(prompts), *cells, paged_vs])
+    return harness.md_table(header, lines)
+
+
+def llama_line(info: dict) -> str:
+    if "error" in info:
+        return f"llama.cpp: {not_run(info)}"
+    return (
+        f"llama.cpp: llama-cpp-python {info['version']}, built natively for this CPU; "
+        f"its system info: {info['system_info']}"
+    )
+
+
+def report(sections: list[tuple[str, str]], machine: list[str]) -> str:
+    parts = ["# spnl-backend and llama.cpp at real model sizes", "\n".join(machine)]
+    parts += [f"## {title}\n\n{body}" for title, body in sections]
+    return "\n\n".join(parts)
+
+
+def measured_sections(
+    args: argparse.Namespace, files: list[Model], plans: dict[str, dict]
+) -> list[tuple[str, str]]:
+    """Each part's children, then its table; the read bandwidth last, after the engines,
+    as in decode.py."""
+    single = [single_sequence(args, m, t) for m in files for t in args.threads]
+    batches = [] if args.skip_batched else [batched(args, m) for m in files]
+    contexts = [] if args.skip_long else args.contexts
+    chosen = [
+        m for m in files if not args.long_models or any(k in m.label for k in args.long_models)
+    ]
+    long = [long_context(args, m, plans[m.label], c) for m in chosen for c in contexts]
+    bandwidths = bounds(args.threads)
+    body = f"{single_table(single, plans, bandwidths)}\n\n{bound_note(plans, bandwidths)}"
+    found = [("Single sequence", body)]
+    if batches:
+        note = (
+            f"Ours only, {FIXED_THREADS} threads, {harness.DECODE_TOKENS + 1} tokens per "
+            "prompt, greedy; tok/s: tokens after each first token over the wall time after "
+            "the last first token. Single: one prompt alone, measured the same way."
+        )
+        found.append(("Batched decode", f"{batched_table(batches)}\n\n{note}"))
+    if long:
+        note = (
+            f"{FIXED_THREADS} threads; a prompt of about context - {LONG_MARGIN} tokens, then "
+            f"{LONG_DECODE_TOKENS} greedy tokens, decode tok/s after the first; one run. "
+            "Ours paged: a KV pool of the whole context; llama.cpp: n_ctx context + "
+            f"{LONG_MARGIN}, flash_attn=True, f16 KV."
+        )
+        found.append(("Long-context decode", f"{long_table(long)}\n\n{note}"))
+    return found
+
+
+def main() -> None:
+    args = parse_args()
+    if args.child:
+        print(json.dumps(CHILDREN[args.child](args)))
+        return
+    files = models(args)
+    info = child(args.peers_python, "info")
+    plans = {m.label: child(sys.executable, "plan", "--gguf", m.path) for m in files}
+    machine = [isa_line(read_text("/proc/cpuinfo")), llama_line(info)]
+    harness.publish(report(measured_sections(args, files, plans), machine), args.markdown)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""bench/real_sizes.py's pure parts: arguments, tables, the ISA line; no engine runs."""
+
+import re
+import sys
+from pathlib import Path
+
+# The bench scripts import their siblings (`harness`, `decode`) as top-level modules, as
+# they do when run as `python bench/real_sizes.py`.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from bench import real_sizes
+
+OURS = {
+    "decode_tok_s": 5.0,
+    "prefill_tok_s": 100.0,
+    "ttft_ms": 40.0,
+    "peak_rss_mb": 1234.0,
+    "load_s": 2.5,
+}
+
+
+def cells(line: str) -> list[str]:
+    """A markdown row's cells (an escaped pipe stays inside its cell)."""
+    return [cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]]
+
+
+PLAN = {"file_bytes": 2_000_000_000, "weight_bytes": 1_000_000_000, "kv_values_per_token": 1000}
+
+
+def test_defaults(monkeypatch, tmp_path):
+    monkeypatch.setattr(real_sizes.os, "cpu_count", lambda: 8)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    args = real_sizes.parse_args([])
+    assert args.shapes == ["llama-1b", "gemma3-4b", "llama-8b"]
+    assert args.formats == ["q4_k_m"]
+    assert args.threads == [1, 2, 8]
+    assert args.runs == 1
+    assert args.batched == [4, 16]
+    assert args.contexts == [4096, 16384]
+    assert args.dir == tmp_path / "spnl_backend" / "bench-gguf"
+    assert (args.skip_long, args.skip_batched, args.default_model, args.child) == (0, 0, 0, None)
+    monkeypatch.setattr(real_sizes.os, "cpu_count", lambda: 2)
+    assert real_sizes.parse_args([]).threads == [1, 2]
+    assert real_sizes.parse_args(["--threads", "4", "2", "4"]).threads == [2, 4]
+
+
+def test_single_table_with_a_not_run_row():
+    llama = OURS | {"decode_tok_s": 2.5, "prefill_tok_s": 200.0}
+    rows = [
+        {"model": "m", "threads": 2, "spnl-backend": OURS, "llama.cpp": llama},
+        {"model": "m", "threads": 4, "spnl-backend": OURS, "llama.cpp": {"error": "a | b"}},
+    ]
+    bandwidths = {2: {"gb_s": 10.0}, 4: {"error": "killed"}}  # bound at 2 threads: 10 tok/s
+    lines = real_sizes.single_table(rows, {"m": PLAN}, bandwidths).splitlines()
+    assert lines[0].count("|") == len(real_sizes.SINGLE_HEADER) + 1
+    ok, failed = cells(lines[2]), cells(lines[3])
+    assert ok[:8] == ["m, 2.0 GB", "2", "5.0", "50%", "100", "40 ms", "1,234 MB", "2.5 s"]
+    assert ok[8:10] == ["2.5", "25%"]
+    assert ok[-2:] == ["2.00x", "0.50x"]
+    assert len(failed) == len(real_sizes.SINGLE_HEADER)
+    assert failed[3] == "n/a"  # no bandwidth measured at 4 threads
+    assert failed[8] == "not run: a \\| b"  # escaped: a pipe would split the cell
+    assert failed[-2:] == ["n/a", "n/a"]
+
+
+def test_batched_and_long_tables():
+    batched = [
+        {"model": "a", "result": {"single": {"tok_s": 10.0}, "batches": {"4": {"tok_s": 30.0}}}},
+        {"model": "b", "result": {"error": "no llama"}},
+    ]
+    text = real_sizes.batched_table(batched)
+    assert "| a | 4 | 30.0 | 10.0 | 3.00x |" in text
+    assert "| b | | not run: no llama |" in text
+    runs = {
+        "long-paged": {"decode_tok_s": 6.0, "prompt_tokens": 4031},
+        "long-contiguous": {"error": "needs about 9.0 GB"},
+        "long-llama": {"decode_tok_s": 4.0, "prompt_tokens": 4029},
+    }
+    text = real_sizes.long_table([{"model": "a", "context": 4096, "runs": runs}])
+    assert "| a | 4096 | 4029 / 4031 | 6.0 | not run: needs about 9.0 GB | 4.0 | 1.50x |" in text
+
+
+def test_isa_line():
+    cpuinfo = (
+        "processor\t: 0\nmodel name\t: Xeon X\nflags\t\t: fpu avx2 avx512f amx_int8\n\n"
+        "processor\t: 1\nmodel name\t: Other\nflags\t\t: fpu avx512_vnni\n"
+    )
+    assert real_sizes.isa_line(cpuinfo) == (
+        "CPU: Xeon X; ISA: avx2 avx512f amx_int8 (absent: avx512_vnni avx512_bf16)"
+    )
+    assert "ISA: none of avx2" in real_sizes.isa_line("flags : fpu sse2\n")
+
+
+def test_long_context_memory_estimate():
+    need = real_sizes.long_need_bytes(PLAN, 4096, "long-llama")
+    assert need == PLAN["file_bytes"] + 2 * 1000 * (4096 + 64) + 2**30
+    assert real_sizes.fit_error(need, need) is None
+    assert real_sizes.fit_error(need, None) is None
+    assert "needs about" in real_sizes.fit_error(need, need - 1)
+    assert real_sizes.meminfo_available("MemTotal: 9 kB\nMemAvailable: 3 kB\n") == 3072
+
+
+def test_context_prompt_repeats_the_text():
+    def words(text: str) -> list[str]:
+        return text.split()
+
+    prompt = real_sizes.context_prompt(words, 10_000)  # the text is ~4,100 words
+    assert 9_950 <= len(words(prompt)) <= 10_000
