@@ -54,7 +54,15 @@ SOURCES = tuple(
 )
 HEADERS = tuple(sorted(HERE.glob("*.h")))
 # No fused multiply-add contraction: the element-wise kernels then round exactly as torch.
-_BASE_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=off"]
+_BASE_FLAGS = [
+    "-O3",
+    "-march=native",
+    "-mprefer-vector-width=256",
+    "-fPIC",
+    "-shared",
+    "-std=gnu11",
+    "-ffp-contract=off",
+]
 _CHECK_FLAGS = ["-DSPNL_CHECKS"]
 MAX_HEAD_DIM = 4096  # SPNL_MAX_HEAD_DIM in common.h
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
