@@ -1,6 +1,6 @@
 """Does a request's greedy output depend on what shares its steps?
 
-    python bench/batch_invariance.py [--tokens 32] [--settings cpu_matmul=float32 ...]
+    python bench/batch_invariance.py [--tokens 32] [--settings batch_invariant=false ...]
 
 Generates 16 prompts one at a time (the reference), then as one list, then from 16
 threads at once, then as one list under a KV budget small enough to force preemption,
@@ -63,7 +63,8 @@ def main() -> None:
     backend = load_backend(settings=_settings(args.settings))
     print(
         f"platform: {backend.platform.device_name}, kernels {backend.platform.kernels}, "
-        f"cpu_matmul {backend.platform.cpu_matmul}, cpu_gemm {backend.platform.cpu_gemm}"
+        f"cpu_matmul {backend.platform.cpu_matmul}, cpu_gemm {backend.platform.cpu_gemm}, "
+        f"batch_invariant {backend.platform.batch_invariant}"
     )
     serial = [_greedy(backend, [p], args.tokens)[0] for p in PROMPTS]
     cases = {

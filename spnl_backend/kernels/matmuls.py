@@ -138,5 +138,9 @@ def int8_activations_ref(x: torch.Tensor, qtype: GGMLQuantizationType) -> torch.
     # tensor by tensor: a number over a tensor is taken as a reciprocal times the number
     ratio = torch.full_like(safe, 127.0) / safe
     values = torch.round(blocks * ratio)
-    scale = torch.ones_like(ratio) / ratio if block == 256 else (safe / 127).half().float()
-    return torch.where(amax > 0, values * scale, 0.0).reshape(x.shape)
+    if block == 256:
+        scale = torch.ones_like(ratio) / ratio
+    else:
+        scale = (safe / torch.full_like(safe, 127.0)).half().float()
+    # blocks too small for a finite ratio (below 127 / float max) are 0, as in the kernels
+    return torch.where((amax > 0) & ratio.isfinite(), values * scale, 0.0).reshape(x.shape)

@@ -1,10 +1,12 @@
-"""The row counts at which a kernel set switches arithmetic: their one home.
+"""The row counts at which a kernel set switches arithmetic when batch invariance is off
+(``MISTRALRS_BATCH_INVARIANT=false``): their one home.
 
 Each picks, for the rows of one call, between a per-row path (every row computed alone,
 as decoding it alone would) and a batched path (faster for many rows, but its rounding
-can depend on how many rows come together). A request's tokens may therefore depend on
-what shares its step wherever a step crosses one of these. The kernel sets and products
-that branch on them read them from here and nowhere else.
+depends on how many rows come together), so a request's tokens may then depend on what
+shares its step. With batch invariance on (the default) no kernel branches on them: every
+row takes the per-row path. The kernel sets and products that branch on them read them
+from here and nowhere else.
 """
 
 # Queries per sequence up to which a CPU step attends query by query with the native
@@ -12,12 +14,10 @@ that branch on them read them from here and nowhere else.
 # verification then computes each token exactly as decoding it alone would.
 CPU_DECODE_ROWS = 32
 
-# Rows up to which the native int8 products are at least as fast as dequantize-then-GEMM
-# (measured on the default model with AVX-512: the products re-read every weight block
-# once per row group, the GEMM's cost is the unpack). Up to here each row's result is the
-# same whatever the other rows, so a speculative verification of a few tokens computes
-# each exactly as decoding it alone. The exact (float32) products take every row count
-# the library allows (`CpuKernels.max_rows`).
+# Rows up to which the native products run before dequantize-then-GEMM takes over (int8
+# or float32 activations alike; measured on the default model with AVX-512 when the GEMM
+# was bfloat16). Up to here each row's result is the same whatever the other rows, so a
+# speculative verification of a few tokens computes each exactly as decoding it alone.
 NATIVE_MAX_ROWS = 24
 
 # Rows up to which the Triton path fuses decoding into the product; more rows (a prefill)

@@ -139,7 +139,8 @@ def _qmatmul_kernel(
     BLOCK_K: tl.constexpr,
 ):
     rows_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    # int64: every row count takes this kernel, rows x width may pass 2^31
+    rows_m = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k_in, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)

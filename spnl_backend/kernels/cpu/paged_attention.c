@@ -71,7 +71,8 @@ static float exponentiate(float *scores, int64_t first, int64_t len, float peak)
 // scores) . values with scores[j] = q . k_j * scale (softcapped where asked). Each key and
 // value is read once for the whole group; each head's arithmetic is the same whatever the
 // other heads, queries or sequences of the call, so a query attends alike alone or batched.
-static void attend(const spnl_paged_decode_args *a, int64_t s, int64_t kvh, float *scores,
+// scratch: group * stride scores, then group inverse totals.
+static void attend(const spnl_paged_decode_args *a, int64_t s, int64_t kvh, float *scratch,
                    int64_t stride) {
     const int64_t heads = a->at.heads, kv_heads = a->at.kv_heads, dim = a->at.dim;
     const int64_t group = heads / kv_heads, row = kv_heads * dim;
@@ -81,6 +82,7 @@ static void attend(const spnl_paged_decode_args *a, int64_t s, int64_t kvh, floa
     const float *k_cache = a->k_cache + kvh * dim, *v_cache = a->v_cache + kvh * dim;
     const float *q = a->q + (s * heads + kvh * group) * dim;
     float *out = a->at.out + (s * heads + kvh * group) * dim;
+    float *scores = scratch, *inverse = scratch + group * stride;
     for (int64_t j = first; j < len; j++) {
         const float *kj = k_cache + slots[j] * row;
         for (int64_t g = 0; g < group; g++) {
@@ -89,7 +91,6 @@ static void attend(const spnl_paged_decode_args *a, int64_t s, int64_t kvh, floa
             scores[g * stride + j] = score;
         }
     }
-    float inverse[group];
     for (int64_t g = 0; g < group; g++) {
         float peak = -INFINITY;
         for (int64_t j = first; j < len; j++)
@@ -113,20 +114,31 @@ static void attend(const spnl_paged_decode_args *a, int64_t s, int64_t kvh, floa
 }
 
 // One query per sequence over its cached keys (paged_attention_ref's decode path), every
-// (sequence, KV head) pair a task of its own.
+// (sequence, KV head) pair a task of its own; each thread keeps one task's scratch.
 int spnl_paged_decode(const spnl_paged_decode_args *a) {
     const spnl_attention *at = &a->at;
-    if (at->kv_heads < 1 || at->heads % at->kv_heads || at->dim < 1 || at->seqs < 0)
+    if (at->heads < 1 || at->kv_heads < 1 || at->heads % at->kv_heads || at->dim < 1
+        || at->seqs < 0)
         return BAD_ARGUMENT;
     if (!keys_in_bounds(at)) return OUT_OF_BOUNDS;
     const int64_t seqs = at->seqs, kv_heads = at->kv_heads, group = at->heads / kv_heads;
-    const int64_t stride = longest_len(at) + 1, per_task = group * stride;
-    float *scores = malloc((size_t)(seqs * kv_heads) * (size_t)per_task * sizeof(float) + 1);
-    if (!scores) return NO_MEMORY;
-    #pragma omp parallel for schedule(static) num_threads(at->threads) collapse(2)
-    for (int64_t s = 0; s < seqs; s++)
-        for (int64_t h = 0; h < kv_heads; h++)
-            attend(a, s, h, scores + (s * kv_heads + h) * per_task, stride);
-    free(scores);
-    return 0;
+    const int64_t stride = longest_len(at) + 1;
+    const size_t scratch_bytes = ((size_t)group * (size_t)stride + (size_t)group) * sizeof(float);
+    int status = 0;
+    #pragma omp parallel num_threads(at->threads)
+    {
+        float *scratch = malloc(scratch_bytes);
+        if (!scratch) {
+            #pragma omp atomic write
+            status = NO_MEMORY;
+        }
+        // Round robin: a prompt's queries attend to more keys the later they come, so
+        // halves in order would leave one thread most of the work.
+        #pragma omp for schedule(static, 1) collapse(2)
+        for (int64_t s = 0; s < seqs; s++)
+            for (int64_t h = 0; h < kv_heads; h++)
+                if (scratch) attend(a, s, h, scratch, stride);
+        free(scratch);
+    }
+    return status;
 }

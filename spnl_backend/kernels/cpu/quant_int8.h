@@ -7,9 +7,11 @@
 //    formats with a minimum, the scaled sum of the block, kept exact where llama.cpp rounds
 //    it to float16: the product is then exactly the dequantized twin's);
 //  - for the k-quants, blocks of 256 with a float scale and the sum of every 16 values.
-// Within a weight block everything is summed exactly in integers (sub-block scales and
-// minimums included); the block then adds (weight scale x activation scale) x that integer
-// sum to a float accumulator of 8 lanes, even blocks to one chain and odd blocks to another.
+// Within a weight block the products are summed in integers, sub-block scales included (and,
+// apart, the minimums or offsets times the activations' sums); the block then adds (weight
+// scale x activation scale) x each integer sum to a float accumulator of 8 lanes, even
+// blocks to one chain and odd blocks to another (Q4_1/Q5_1 add their minimum terms to a
+// float of their own).
 // A row's result therefore depends on that row alone: every row count, one row or a prompt,
 // runs exactly this arithmetic in this order.
 
