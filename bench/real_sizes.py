@@ -76,8 +76,7 @@ def default_threads() -> list[int]:
 
 
 def default_dir() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "spnl_backend" / "bench-gguf"
+    return harness.bench_cache("bench-gguf")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -21,34 +21,21 @@ it (32 against 15) on one. The total keeps the comparison of the whole, the floo
 a prompt that goes wrong on its own.
 """
 
-import hashlib
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 from spnl_backend import load_backend
 
+# The bench scripts import their siblings (`harness`) as top-level modules, as they do
+# when run as `python bench/fidelity.py`.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from bench.fidelity import FIXTURE, common_prefix, sha256
+
 pytestmark = pytest.mark.slow
-
-FIXTURE = Path(__file__).resolve().parent / "data" / "fidelity.json"
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    count = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        count += 1
-    return count
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        while chunk := file.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 @pytest.fixture(scope="module")
