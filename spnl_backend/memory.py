@@ -7,7 +7,6 @@ and what its address-space and data limits (``ulimit -v``, ``ulimit -d``) leave.
 """
 
 import ctypes
-import ctypes.util
 import os
 import sys
 from functools import cache
@@ -147,10 +146,14 @@ def _status_bytes(field: str) -> int | None:
 
 @cache
 def _libc() -> ctypes.CDLL | None:
+    """The C library the process already runs on (not `find_library`, which forks
+    `ldconfig` from a process that may hold gigabytes)."""
     if not sys.platform.startswith("linux"):
         return None
-    name = ctypes.util.find_library("c")
-    return ctypes.CDLL(name) if name else None
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None
 
 
 def release_freed_memory() -> None:

@@ -165,7 +165,7 @@ def _aligned(pos: int, alignment: int) -> int:
 
 def _pack(vtype: V, value: Any, item_type: V | None = None) -> bytes:
     if vtype == V.STRING:
-        raw = value.encode()
+        raw = value if isinstance(value, bytes) else value.encode()  # bytes: written as they are
         return struct.pack("<Q", len(raw)) + raw
     if vtype == V.ARRAY:
         items = b"".join(_pack(item_type, v) for v in value)

@@ -193,6 +193,24 @@ def test_tokenizer_arrays_of_inconsistent_lengths(llama_gguf, cases):
     _refused(cases.gguf(fewer), "lists 319 tokens", "one per row of tensor 'token_embd.weight'")
 
 
+@pytest.mark.parametrize("index", [0, 5, -1])
+def test_vocabulary_string_that_is_not_utf8(llama_gguf, cases, index):
+    tokens = llama_gguf.entry("tokenizer.ggml.tokens")
+    value = list(tokens.value)
+    value[index] = b"ab\xff"
+    parts = with_value(llama_gguf, tokens.key, V.ARRAY, value, V.STRING)
+    _refused(cases.gguf(parts), "is not UTF-8", "the file is corrupt")
+
+
+def test_vocabulary_string_longer_than_the_file(llama_gguf, cases):
+    """A string length in the vocabulary that runs past the end of the file."""
+    raw = write_gguf_bytes(llama_gguf)
+    token = llama_gguf.entry("tokenizer.ggml.tokens").value[7].encode()
+    at = raw.index(struct.pack("<Q", len(token)) + token)
+    lying = raw[:at] + struct.pack("<Q", len(raw)) + raw[at + 8 :]
+    _refused(cases.gguf(lying), "truncated or corrupt GGUF header")
+
+
 def test_sliding_window_and_its_pattern(gemma_gguf, cases):
     window = with_value(gemma_gguf, "gemma3.attention.sliding_window", V.INT32, 0)
     _refused(cases.gguf(window), "'gemma3.attention.sliding_window'", "positive integer")

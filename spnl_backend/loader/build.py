@@ -7,6 +7,7 @@ import torch
 from ..kernels import KernelChoice, choose_kernels
 from ..kernels.cpu import CpuKernels
 from ..log import get_logger
+from ..memory import release_freed_memory
 from ..models.config import ModelConfig
 from ..models.transformer import CausalLM
 from ..quant.isq import apply_isq
@@ -73,6 +74,7 @@ def _load_text(
 ) -> LoadedModel:
     config, eos = read_text_config(source.path)
     tokenizer = tokenizer or load_text_tokenizer(source.path, eos)
+    release_freed_memory()  # the tokenizer's parse, before the weights land on top of it
     weights = split_fused(read_safetensors(safetensors_files(source.path), progress), config)
     if isq is not None:
         log.info(
@@ -103,6 +105,7 @@ def _load_gguf(
     tokenizer = tokenizer or load_gguf_tokenizer(
         source.path, config.architecture, config.eos_token_ids
     )
+    release_freed_memory()  # the tokenizer's parse, before the weights land on top of it
     weights = split_fused(read_gguf(gguf, config, progress), config)
     if isq is not None and requantize:
         log.info("isq.requantize", type=isq.value, note="the GGUF's blocks, for the draft")

@@ -13,6 +13,10 @@ from .rope import RotaryEmbedding
 class Embedding(nn.Embedding):
     """Token embeddings that can also serve as the output projection (tied models)."""
 
+    def reset_parameters(self) -> None:
+        """Nothing to initialise: the weights always come from the checkpoint (and the
+        random init, run on the meta device, would import torch._dynamo: 1.6 s)."""
+
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(hidden, self.weight)
 
