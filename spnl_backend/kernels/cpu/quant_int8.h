@@ -453,11 +453,18 @@ static inline float hsum256(__m256 v) {
 // Activation rows that meet a tile of weight rows before the next rows come: they stay in the
 // cache while the tile's rows pass.
 #define INT8_ROW_BLOCK 32
-// How far ahead of the weight row being read its successors are prefetched. The hardware
-// prefetchers alone leave a row's decode at 60% of what a plain sum reads; 4 KiB ahead
-// brings it to 95% (2 threads, AVX-512; 1 KiB: 77%, 8 KiB: 88%). Addresses past the
-// matrix are harmless: a prefetch never faults.
+// How far ahead of the weight block being read the weights are prefetched, a block's worth
+// of cache lines per block, as the rows stream past. The hardware prefetchers alone leave
+// a row's decode at 60% of what a plain sum reads. Addresses past the matrix are harmless:
+// a prefetch never faults.
+#ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
+#endif
+
+static inline void prefetch_block(const uint8_t *block, int bytes) {
+    const uintptr_t at = (uintptr_t)block + PREFETCH_BYTES;
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)(at + o), _MM_HINT_T0);
+}
 
 // y[m * stride + n] = sum_k x[m][k] * W[n][k] for m < rows, n < count (consecutive weight rows
 // from w). Four rows at a time unpack each weight block once and meet it in turn, their
@@ -469,6 +476,7 @@ static inline float hsum256(__m256 v) {
         __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                        \
         float extra0 = 0.0f, extra1 = 0.0f;                                                   \
         for (int64_t b = 0; b < blocks; b += 2) {                                             \
+            prefetch_block(w + b * BYTES, 2 * BYTES);                                         \
             NAME##_w w0;                                                                      \
             NAME##_unpack(w + b * BYTES, &w0);                                                \
             acc0 = NAME##_dot(&w0, ACTS(x, m, b), acc0, &extra0);                             \
@@ -485,6 +493,7 @@ static inline float hsum256(__m256 v) {
         float extra[2][4] = {{0.0f}};                                                         \
         for (int r = 0; r < 4; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();              \
         for (int64_t b = 0; b < blocks; b += 2) {                                             \
+            prefetch_block(w + b * BYTES, 2 * BYTES);                                         \
             NAME##_w w0;                                                                      \
             NAME##_unpack(w + b * BYTES, &w0);                                                \
             for (int r = 0; r < 4; r++)                                                       \
@@ -503,13 +512,10 @@ static inline float hsum256(__m256 v) {
                           int64_t count, float *y, int64_t stride) {                          \
         const act_rows *x = (const act_rows *)acts;                                           \
         const int64_t blocks = k_in / BLOCK, row_bytes = blocks * BYTES;                      \
-        const int64_t ahead = (PREFETCH_BYTES + row_bytes - 1) / row_bytes * row_bytes;       \
         for (int64_t m0 = 0; m0 < rows; m0 += INT8_ROW_BLOCK) {                               \
             const int64_t end = rows - m0 < INT8_ROW_BLOCK ? rows : m0 + INT8_ROW_BLOCK;      \
             for (int64_t n = 0; n < count; n++) {                                             \
                 const uint8_t *wn = w + n * row_bytes;                                        \
-                for (int64_t at = 0; at < row_bytes; at += 64)                                \
-                    _mm_prefetch((const char *)((uintptr_t)wn + ahead + at), _MM_HINT_T0);    \
                 int64_t m = m0;                                                               \
                 for (; m + 4 <= end; m += 4)                                                  \
                     NAME##_four(x, m, blocks, wn, y + m * stride + n, stride);                \
