@@ -159,6 +159,66 @@ def test_paged_decode(kernels, kv_heads, heads, options):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+def _long_decode_case(lens: list[int], kv_heads: int = 1, heads: int = 4, dim: int = 32):
+    """Queries over contexts past the kernel's chunk of keys, in a pool of 16-slot blocks
+    handed out in a shuffled order."""
+    generator = torch.Generator().manual_seed(5)
+    blocks_per_seq = [-(-n // 16) for n in lens]
+    order = torch.randperm(sum(blocks_per_seq), generator=generator)
+    shape = (len(order), 16, kv_heads, dim)
+    key_cache, value_cache = torch.randn(shape, generator=generator), torch.randn(shape)
+    slots = torch.full((len(lens), max(blocks_per_seq) * 16), -1, dtype=torch.int64)
+    taken = 0
+    for s, count in enumerate(blocks_per_seq):
+        for b in range(count):
+            block = int(order[taken + b])
+            slots[s, b * 16 : (b + 1) * 16] = torch.arange(block * 16, block * 16 + 16)
+        taken += count
+    q = torch.randn(len(lens), heads, dim, generator=generator)
+    return q, key_cache, value_cache, slots, torch.tensor(lens)
+
+
+def _decode_twin(q, key_cache, value_cache, slots, lens, scale, window):
+    kv_heads, dim = key_cache.shape[-2:]
+    keys, values = key_cache.view(-1, kv_heads, dim), value_cache.view(-1, kv_heads, dim)
+    out = []
+    for s, n in enumerate(lens.tolist()):
+        first = max(0, n - window) if window else 0
+        visible = slots[s, first:n]
+        k = keys[visible].repeat_interleave(q.shape[1] // kv_heads, dim=1)
+        v = values[visible].repeat_interleave(q.shape[1] // kv_heads, dim=1)
+        weights = torch.softmax(torch.einsum("hd,jhd->hj", q[s], k) * scale, dim=-1)
+        out.append(torch.einsum("hj,jhd->hd", weights, v))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("window", [None, 300])
+def test_long_contexts_attend_alike_alone_batched_and_on_any_threads(kernels, window):
+    """Past 256 keys a sequence is attended in chunks, spread over the threads when there
+    are few sequences: a query's result is the same bits alone, batched and on 1 to 3
+    threads, and close to the plain softmax."""
+    lens = [700, 5, 513, 256, 257]
+    q, key_cache, value_cache, slots, seq_lens = _long_decode_case(lens, kv_heads=1)
+
+    def decode(rows, threads):
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return kernels.paged_decode(
+                q[rows], key_cache, value_cache, slots[rows], seq_lens[rows], 0.2, window, None
+            )
+        finally:
+            torch.set_num_threads(previous)
+
+    batched = decode(slice(None), 2)
+    twin = _decode_twin(q, key_cache, value_cache, slots, seq_lens, 0.2, window)
+    torch.testing.assert_close(batched, twin, rtol=1e-5, atol=1e-5)
+    for threads in (1, 2, 3):
+        assert torch.equal(decode(slice(None), threads), batched)
+        for s in range(len(lens)):
+            assert torch.equal(decode(slice(s, s + 1), threads), batched[s : s + 1])
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("mode", ["int8", "exact"])
 def test_each_rows_product_is_bit_identical_to_that_row_alone(kernels, qtype, mode):

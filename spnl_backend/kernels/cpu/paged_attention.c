@@ -67,78 +67,193 @@ static float exponentiate(float *scores, int64_t first, int64_t len, float peak)
     return total;
 }
 
-// The query heads of sequence s that share KV head kvh, over its visible keys: out = softmax(
-// scores) . values with scores[j] = q . k_j * scale (softcapped where asked). Each key and
-// value is read once for the whole group; each head's arithmetic is the same whatever the
-// other heads, queries or sequences of the call, so a query attends alike alone or batched.
-// scratch: group * stride scores, then group inverse totals.
-static void attend(const spnl_paged_decode_args *a, int64_t s, int64_t kvh, float *scratch,
-                   int64_t stride) {
-    const int64_t heads = a->at.heads, kv_heads = a->at.kv_heads, dim = a->at.dim;
-    const int64_t group = heads / kv_heads, row = kv_heads * dim;
+// A sequence's keys are attended in chunks of KEY_CHUNK at fixed positions (multiples of
+// KEY_CHUNK), each giving a partial softmax: per query head its peak score, the sum of
+// e^(score - peak) and the values weighed by those. The chunks then combine in order. The
+// split depends on the key positions alone, so a query's arithmetic is the same whether its
+// chunks run on one thread or several, alone or batched; and a single long sequence (a
+// decode with one KV head) spreads over every thread.
+#define KEY_CHUNK 256
+
+typedef struct {
+    const spnl_paged_decode_args *a;
+    int64_t group, dim, part;  // part: floats of one chunk's partial (group x (dim + 2))
+} attention_plan;
+
+static inline int64_t chunk_of(int64_t key) { return key / KEY_CHUNK; }
+
+// The chunks of sequence s: [*c0, *c0 + count).
+static inline int64_t chunks_of(const spnl_attention *at, int64_t s, int64_t *c0) {
+    const int64_t len = at->lens[s];
+    *c0 = chunk_of(first_key(len, at->window));
+    return len > 0 ? chunk_of(len - 1) + 1 - *c0 : 0;
+}
+
+// Chunk c of the query heads of sequence s that share KV head kvh: part holds group rows of
+// dim weighed values, then (peak, total) per head. Each key and value is read once for the
+// whole group. scores: group x KEY_CHUNK.
+static void attend_chunk(const attention_plan *p, int64_t s, int64_t kvh, int64_t c,
+                         float *scores, float *part) {
+    const spnl_paged_decode_args *a = p->a;
+    const int64_t group = p->group, dim = p->dim, row = a->at.kv_heads * dim;
     const int64_t *slots = a->at.slots + s * a->at.slot_stride;
     const int64_t len = a->at.lens[s], first = first_key(len, a->at.window);
+    const int64_t lo = c * KEY_CHUNK > first ? c * KEY_CHUNK : first;
+    const int64_t hi = (c + 1) * KEY_CHUNK < len ? (c + 1) * KEY_CHUNK : len;
     const float scale = a->at.scale, softcap = a->at.softcap;
     const float *k_cache = a->k_cache + kvh * dim, *v_cache = a->v_cache + kvh * dim;
-    const float *q = a->q + (s * heads + kvh * group) * dim;
-    float *out = a->at.out + (s * heads + kvh * group) * dim;
-    float *scores = scratch, *inverse = scratch + group * stride;
-    for (int64_t j = first; j < len; j++) {
+    const float *q = a->q + (s * a->at.heads + kvh * group) * dim;
+    float *acc = part, *stats = part + group * dim;
+    for (int64_t j = lo; j < hi; j++) {
         const float *kj = k_cache + slots[j] * row;
         for (int64_t g = 0; g < group; g++) {
             float score = dot(q + g * dim, kj, dim) * scale;
             if (softcap > 0.0f) score = softcap * tanhf(score / softcap);
-            scores[g * stride + j] = score;
+            scores[g * KEY_CHUNK + j - lo] = score;
         }
     }
     for (int64_t g = 0; g < group; g++) {
-        float peak = -INFINITY;
-        for (int64_t j = first; j < len; j++)
-            peak = scores[g * stride + j] > peak ? scores[g * stride + j] : peak;
-        inverse[g] = 1.0f / exponentiate(scores + g * stride, first, len, peak);
+        float *row_scores = scores + g * KEY_CHUNK, peak = -INFINITY;
+        for (int64_t j = 0; j < hi - lo; j++) peak = row_scores[j] > peak ? row_scores[j] : peak;
+        stats[2 * g] = peak;
+        stats[2 * g + 1] = exponentiate(row_scores, 0, hi - lo, peak);
     }
-    for (int64_t i = 0; i < group * dim; i++) out[i] = 0.0f;
-    for (int64_t j = first; j < len; j++) {
+    for (int64_t i = 0; i < group * dim; i++) acc[i] = 0.0f;
+    for (int64_t j = lo; j < hi; j++) {
         const float *vj = v_cache + slots[j] * row;
         for (int64_t g = 0; g < group; g++) {
-            const float p = scores[g * stride + j] * inverse[g];
-            float *o = out + g * dim;
+            const float e = scores[g * KEY_CHUNK + j - lo];
+            float *o = acc + g * dim;
             int64_t i = 0;
             for (; i + 16 <= dim; i += 16) {
-                const v16f sum = fma16(splat(p), load_f32(vj + i), load_f32(o + i));
+                const v16f sum = fma16(splat(e), load_f32(vj + i), load_f32(o + i));
                 memcpy(o + i, &sum, sizeof sum);
             }
-            for (; i < dim; i++) o[i] += p * vj[i];
+            for (; i < dim; i++) o[i] += e * vj[i];
         }
     }
 }
 
-// One query per sequence over its cached keys (paged_attention_ref's decode path), every
-// (sequence, KV head) pair a task of its own; each thread keeps one task's scratch.
-int spnl_paged_decode(const spnl_paged_decode_args *a) {
-    const spnl_attention *at = &a->at;
-    if (at->heads < 1 || at->kv_heads < 1 || at->heads % at->kv_heads || at->dim < 1
-        || at->seqs < 0)
-        return BAD_ARGUMENT;
-    if (!keys_in_bounds(at)) return OUT_OF_BOUNDS;
-    const int64_t seqs = at->seqs, kv_heads = at->kv_heads, group = at->heads / kv_heads;
-    const int64_t stride = longest_len(at) + 1;
-    const size_t scratch_bytes = ((size_t)group * (size_t)stride + (size_t)group) * sizeof(float);
+// The chunks' partials of (s, kvh), in order, into the group's output rows.
+static void combine(const attention_plan *p, int64_t s, int64_t kvh, const float *parts,
+                    int64_t chunks) {
+    const int64_t group = p->group, dim = p->dim;
+    float *out = p->a->at.out + (s * p->a->at.heads + kvh * group) * dim;
+    for (int64_t g = 0; g < group; g++) {
+        float peak = -INFINITY, total = 0.0f;
+        for (int64_t c = 0; c < chunks; c++) {
+            const float chunk_peak = parts[c * p->part + group * dim + 2 * g];
+            peak = chunk_peak > peak ? chunk_peak : peak;
+        }
+        float *o = out + g * dim;
+        for (int64_t i = 0; i < dim; i++) o[i] = 0.0f;
+        for (int64_t c = 0; c < chunks; c++) {
+            const float *part = parts + c * p->part;
+            const float weight = expf(part[group * dim + 2 * g] - peak);
+            total += weight * part[group * dim + 2 * g + 1];
+            for (int64_t i = 0; i < dim; i++) o[i] += weight * part[g * dim + i];
+        }
+        if (chunks == 0) continue;  // no visible key: zeros
+        const float inverse = 1.0f / total;
+        for (int64_t i = 0; i < dim; i++) o[i] *= inverse;
+    }
+}
+
+// Many (sequence, KV head) pairs: each a task, its chunks in turn on one thread.
+static int by_pairs(const attention_plan *p, int64_t max_chunks) {
+    const spnl_attention *at = &p->a->at;
+    const int64_t pairs = at->seqs * at->kv_heads;
+    const size_t floats = (size_t)p->group * KEY_CHUNK + (size_t)max_chunks * (size_t)p->part;
     int status = 0;
     #pragma omp parallel num_threads(at->threads)
     {
-        float *scratch = malloc(scratch_bytes);
+        float *scratch = malloc(floats * sizeof(float));
         if (!scratch) {
             #pragma omp atomic write
             status = NO_MEMORY;
         }
+        float *parts = scratch + (size_t)p->group * KEY_CHUNK;
         // Round robin: a prompt's queries attend to more keys the later they come, so
         // halves in order would leave one thread most of the work.
-        #pragma omp for schedule(static, 1) collapse(2)
-        for (int64_t s = 0; s < seqs; s++)
-            for (int64_t h = 0; h < kv_heads; h++)
-                if (scratch) attend(a, s, h, scratch, stride);
+        #pragma omp for schedule(static, 1)
+        for (int64_t pair = 0; pair < pairs; pair++) {
+            if (!scratch) continue;
+            const int64_t s = pair / at->kv_heads, kvh = pair % at->kv_heads;
+            int64_t c0;
+            const int64_t chunks = chunks_of(at, s, &c0);
+            for (int64_t c = 0; c < chunks; c++)
+                attend_chunk(p, s, kvh, c0 + c, scratch, parts + c * p->part);
+            combine(p, s, kvh, parts, chunks);
+        }
         free(scratch);
     }
     return status;
+}
+
+// Fewer pairs than threads (a decode of one or two sequences): every chunk a task, the
+// partials kept, then combined per pair.
+static int by_chunks(const attention_plan *p) {
+    const spnl_attention *at = &p->a->at;
+    const int64_t pairs = at->seqs * at->kv_heads;
+    int64_t *first = malloc((size_t)(pairs + 1) * sizeof(int64_t));
+    if (!first) return NO_MEMORY;
+    first[0] = 0;
+    for (int64_t pair = 0; pair < pairs; pair++) {
+        int64_t c0;
+        first[pair + 1] = first[pair] + chunks_of(at, pair / at->kv_heads, &c0);
+    }
+    const int64_t tasks = first[pairs];
+    float *parts = malloc(((size_t)tasks * (size_t)p->part + 1) * sizeof(float));
+    if (!parts) {
+        free(first);
+        return NO_MEMORY;
+    }
+    int status = 0;
+    #pragma omp parallel num_threads(at->threads)
+    {
+        float *scores = malloc((size_t)p->group * KEY_CHUNK * sizeof(float));
+        if (!scores) {
+            #pragma omp atomic write
+            status = NO_MEMORY;
+        }
+        #pragma omp for schedule(static, 1)
+        for (int64_t t = 0; t < tasks; t++) {
+            if (!scores) continue;
+            int64_t pair = 0, c0;
+            while (t >= first[pair + 1]) pair++;
+            const int64_t s = pair / at->kv_heads, kvh = pair % at->kv_heads;
+            chunks_of(at, s, &c0);
+            attend_chunk(p, s, kvh, c0 + t - first[pair], scores, parts + t * p->part);
+        }
+        free(scores);
+        #pragma omp for schedule(static, 1)
+        for (int64_t pair = 0; pair < pairs; pair++)
+            if (status == 0)
+                combine(p, pair / at->kv_heads, pair % at->kv_heads, parts + first[pair] * p->part,
+                        first[pair + 1] - first[pair]);
+    }
+    free(parts);
+    free(first);
+    return status;
+}
+
+// One query per sequence over its cached keys (paged_attention_ref's decode path).
+int spnl_paged_decode(const spnl_paged_decode_args *a) {
+    const spnl_attention *at = &a->at;
+    if (at->heads < 1 || at->kv_heads < 1 || at->heads % at->kv_heads || at->dim < 1
+        || at->seqs < 0 || at->threads < 1)
+        return BAD_ARGUMENT;
+    if (!keys_in_bounds(at)) return OUT_OF_BOUNDS;
+    const int64_t group = at->heads / at->kv_heads;
+    const attention_plan plan = {a, group, at->dim, group * (at->dim + 2)};
+    if (at->seqs * at->kv_heads >= at->threads) {
+        int64_t max_chunks = 0;
+        for (int64_t s = 0; s < at->seqs; s++) {
+            int64_t c0;
+            const int64_t chunks = chunks_of(at, s, &c0);
+            max_chunks = chunks > max_chunks ? chunks : max_chunks;
+        }
+        return by_pairs(&plan, max_chunks);
+    }
+    return by_chunks(&plan);
 }
