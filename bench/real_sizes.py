@@ -3,7 +3,8 @@
     python bench/real_sizes.py --peers-python PATH [--shapes llama-1b gemma3-4b llama-8b]
         [--formats q4_k_m] [--threads 1 2 N] [--runs 1] [--dir DIR] [--default-model]
         [--gguf FILE ...] [--batched 4 16] [--contexts 4096 16384]
-        [--skip-batched] [--skip-long] [--long-models LABEL ...] [--markdown FILE]
+        [--skip-batched] [--skip-long] [--skip-invariance-cost] [--long-models LABEL ...]
+        [--markdown FILE]
 
 The models are bench/synthetic_gguf.py's files: real shapes, metadata and quantization
 mixes, random but valid blocks (so the speeds are real and the text is not). They are
@@ -17,6 +18,8 @@ file of one's own. --shapes also takes ``tiny`` (seconds; for a smoke run).
    the file's weight bytes per token over the read bandwidth measured at that thread count).
    llama.cpp's tokens are timed as it samples them, not as its text stream delivers them
    (see `llama_cpp_token_times`).
+   At 2 threads ours runs a second time with MISTRALRS_BATCH_INVARIANT=false: what the
+   default batch invariance costs against the fastest non-invariant path.
 2. Batched decode, ours only (llama-cpp-python decodes one sequence at a time), at 2 threads:
    B different prompts decoded together; aggregate tok/s (generated tokens over the wall time
    after the last first token) against the same measure for one prompt alone.
@@ -48,6 +51,8 @@ BENCH = Path(__file__).resolve().parent
 DEFAULT_SHAPES = ["llama-1b", "gemma3-4b", "llama-8b"]
 ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8")
 OURS, LLAMA = "spnl-backend", "llama.cpp"  # decode.ENGINES names
+VARIANT = "spnl-backend, batch invariance off"
+INVARIANCE_VAR = "MISTRALRS_BATCH_INVARIANT"
 FIXED_THREADS = 2  # batched and long-context runs
 BATCH_PROMPT_WORDS = 12
 BATCH_PROMPT_ROOM = 64  # tokens reserved per batched prompt in our KV budget
@@ -95,6 +100,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--contexts", nargs="+", type=int, default=[4096, 16384])
     parser.add_argument("--skip-batched", action="store_true")
     parser.add_argument("--skip-long", action="store_true")
+    parser.add_argument(
+        "--skip-invariance-cost",
+        action="store_true",
+        help=f"do not also run ours with {INVARIANCE_VAR}=false at {FIXED_THREADS} threads",
+    )
     parser.add_argument(
         "--long-models",
         nargs="+",
@@ -406,12 +416,31 @@ def models(args: argparse.Namespace) -> list[Model]:
     return found
 
 
+def ours_single(model: Model, threads: int, runs: int, invariant: bool = True) -> dict:
+    """decode.py's probes of ours in a child; ``invariant=False`` with the row-count
+    thresholds (MISTRALRS_BATCH_INVARIANT=false), the fastest non-invariant path."""
+    previous = os.environ.get(INVARIANCE_VAR)
+    os.environ[INVARIANCE_VAR] = "true" if invariant else "false"
+    try:
+        ours = explained(decode.run_child(OURS, sys.executable, model.path, threads, runs))
+    finally:
+        if previous is None:
+            del os.environ[INVARIANCE_VAR]
+        else:
+            os.environ[INVARIANCE_VAR] = previous
+    line = {"model": model.label, "threads": threads, "invariant": invariant} | ours
+    print(json.dumps(line), file=sys.stderr)
+    return ours
+
+
 def single_sequence(args: argparse.Namespace, model: Model, threads: int) -> dict:
-    ours = explained(decode.run_child(OURS, sys.executable, model.path, threads, args.runs))
-    print(json.dumps({"model": model.label, "threads": threads} | ours), file=sys.stderr)
+    ours = ours_single(model, threads, args.runs)
     arguments = ["--gguf", model.path, "--threads", threads, "--runs", args.runs]
     llama = child(args.peers_python, "single-llama", *arguments)
-    return {"model": model.label, "threads": threads, OURS: ours, LLAMA: llama}
+    row = {"model": model.label, "threads": threads, OURS: ours, LLAMA: llama}
+    if not args.skip_invariance_cost and threads == FIXED_THREADS:
+        row[VARIANT] = ours_single(model, threads, args.runs, invariant=False)
+    return row
 
 
 def long_context(args: argparse.Namespace, model: Model, plan: dict, context: int) -> dict:
@@ -525,6 +554,20 @@ def bound_note(plans: dict[str, dict], bandwidths: dict[int, dict]) -> str:
     )
 
 
+def invariance_table(rows: list[dict]) -> str:
+    header = ["model", "probe", "invariant (default)", "invariance off", "invariant / off"]
+    lines = []
+    for row in rows:
+        ours, variant = row[OURS], row[VARIANT]
+        if "error" in ours or "error" in variant:
+            lines.append([row["model"], "", not_run(ours if "error" in ours else variant)])
+            continue
+        for key, probe in (("decode_tok_s", "decode tok/s"), ("prefill_tok_s", "prefill tok/s")):
+            cells = [f"{ours[key]:.1f}", f"{variant[key]:.1f}", ratio(ours, variant, key)]
+            lines.append([row["model"], probe, *cells])
+    return harness.md_table(header, lines)
+
+
 def batched_table(rows: list[dict]) -> str:
     header = ["model", "batch", "aggregate tok/s", "single sequence tok/s", "batch / single"]
     lines = []
@@ -586,6 +629,15 @@ def measured_sections(
     bandwidths = bounds(args.threads)
     body = f"{single_table(single, plans, bandwidths)}\n\n{bound_note(plans, bandwidths)}"
     found = [("Single sequence", body)]
+    costs = [row for row in single if VARIANT in row]
+    if costs:
+        note = (
+            f"Ours at {FIXED_THREADS} threads with the default settings (every row count "
+            f"through the same int8 products and attention) and with {INVARIANCE_VAR}=false "
+            "(the fastest path for each row count: native int8 products up to 24 rows, "
+            "torch GEMMs past 32); the same probes, run one after the other."
+        )
+        found.append(("What batch invariance costs", f"{invariance_table(costs)}\n\n{note}"))
     if batches:
         note = (
             f"Ours only, {FIXED_THREADS} threads, {harness.DECODE_TOKENS + 1} tokens per "

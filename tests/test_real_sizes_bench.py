@@ -39,6 +39,7 @@ def test_defaults(monkeypatch, tmp_path):
     assert args.contexts == [4096, 16384]
     assert args.dir == tmp_path / "spnl_backend" / "bench-gguf"
     assert (args.skip_long, args.skip_batched, args.default_model, args.child) == (0, 0, 0, None)
+    assert not args.skip_invariance_cost
     monkeypatch.setattr(real_sizes.os, "cpu_count", lambda: 2)
     assert real_sizes.parse_args([]).threads == [1, 2]
     assert real_sizes.parse_args(["--threads", "4", "2", "4"]).threads == [2, 4]
@@ -106,3 +107,31 @@ def test_context_prompt_repeats_the_text():
 
     prompt = real_sizes.context_prompt(words, 10_000)  # the text is ~4,100 words
     assert 9_950 <= len(words(prompt)) <= 10_000
+
+
+def test_invariance_table():
+    off = OURS | {"decode_tok_s": 4.0, "prefill_tok_s": 200.0}
+    rows = [
+        {"model": "a", "spnl-backend": OURS, real_sizes.VARIANT: off},
+        {"model": "b", "spnl-backend": OURS, real_sizes.VARIANT: {"error": "killed"}},
+    ]
+    text = real_sizes.invariance_table(rows)
+    assert "| a | decode tok/s | 5.0 | 4.0 | 1.25x |" in text
+    assert "| a | prefill tok/s | 100.0 | 200.0 | 0.50x |" in text
+    assert "| b | | not run: killed |" in text
+
+
+def test_ours_runs_with_and_without_invariance(monkeypatch):
+    seen = []
+
+    def run_child(engine, python, path, threads, runs):
+        seen.append(real_sizes.os.environ.get(real_sizes.INVARIANCE_VAR))
+        return {"engine": engine} | OURS
+
+    monkeypatch.setattr(real_sizes.decode, "run_child", run_child)
+    monkeypatch.delenv(real_sizes.INVARIANCE_VAR, raising=False)
+    model = real_sizes.Model("m", Path("m.gguf"))
+    real_sizes.ours_single(model, 2, 1)
+    real_sizes.ours_single(model, 2, 1, invariant=False)
+    assert seen == ["true", "false"]
+    assert real_sizes.INVARIANCE_VAR not in real_sizes.os.environ
