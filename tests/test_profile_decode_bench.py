@@ -1,0 +1,45 @@
+"""bench/profile_decode.py's pure parts: the timers and the table; no engine runs."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from bench import profile_decode
+
+
+def test_timers_count_calls_and_time_even_when_the_call_raises():
+    timers = profile_decode.Timers()
+    assert timers.timed("a", lambda x: x + 1, 1) == 2
+
+    def fails():
+        raise ValueError("no")
+
+    try:
+        timers.timed("a", fails)
+    except ValueError:
+        pass
+    seconds, calls = timers.snapshot()
+    assert calls == {"a": 2}
+    assert seconds["a"] >= 0
+
+
+def test_table_puts_the_untimed_rest_under_python():
+    result = {
+        "model": "m.gguf",
+        "threads": 2,
+        "tokens": 32,
+        "ms_per_token": 20.0,
+        "parts": {
+            "product 64 x 32 (Q8_0)": {"ms": 10.0, "calls": 1.0, "gb_s": 20.0},
+            "attention": {"ms": 4.0, "calls": 18.0, "gb_s": None},
+        },
+        "bandwidth_gb_s": 25.0,
+        "weight_mb": 247.0,
+    }
+    text = profile_decode.table(result)
+    assert "| product 64 x 32 (Q8_0) | 1 | 10.00 | 50% | 20.0 GB/s |" in text
+    assert "| attention | 18 | 4.00 | 20% | |" in text
+    assert "| Python, torch ops, sampling | | 6.00 | 30% | |" in text
+    assert "| one decode token | | 20.00 | 100% | |" in text
+    assert "50.0 tok/s" in text
