@@ -1,0 +1,65 @@
+"""The CPU's quantized products alone: throughput by weight format and row count.
+
+    python bench/cpu_products.py [--threads 2] [--rows 1 16 512] [--markdown FILE]
+
+For each format the default model and the Q4_K_M files use, a random weight matrix of a
+real shape is multiplied by 1, 16 and 512 activation rows through the native int8
+products (what every row count runs with batch invariance on), in GMAC/s and, for one
+row, the weight bytes read per second; torch's float32 and bfloat16 GEMMs on the same weights
+dequantized are the last columns, at the largest row count. Median of 5 calls after one
+warm-up.
+"""
+
+import harness
+import torch
+from gguf import GGMLQuantizationType as Q
+
+# (format, output rows, input width): a 1B-like MLP's up and down projections, and the
+# default model's Q5_0 and Q8_0 shapes.
+CASES = [(Q.Q4_K, 4096, 2048), (Q.Q6_K, 2048, 4096), (Q.Q5_0, 2048, 640), (Q.Q8_0, 2048, 640)]
+
+
+def median_call(fn) -> float:
+    return harness.median_seconds(fn, repeats=5, warmup=1)
+
+
+def measure(native, qtype: Q, n_out: int, k_in: int, rows: list[int]) -> list:
+    from spnl_backend.quant.linear import QuantizedWeight
+
+    weight = QuantizedWeight.from_float(torch.randn(n_out, k_in), qtype)
+    products = native.products([(qtype.value, weight.data, n_out)])
+    cells = [f"{qtype.name} {n_out} x {k_in}"]
+    for m in rows:
+        x = torch.randn(m, k_in)
+        seconds = median_call(lambda x=x: products(x))
+        gmac = m * n_out * k_in / seconds / 1e9
+        read = f" ({weight.data.numel() / seconds / 1e9:.1f} GB/s)" if m == 1 else ""
+        cells.append(f"{gmac:.1f}{read}")
+    x = torch.randn(max(rows), k_in)
+    dense = weight.dequantize()
+    for dtype in (torch.float32, torch.bfloat16):
+        w, a = dense.to(dtype), x.to(dtype)
+        seconds = median_call(lambda w=w, a=a: a @ w.T)
+        cells.append(f"{max(rows) * n_out * k_in / seconds / 1e9:.1f}")
+    return cells
+
+
+def main() -> None:
+    parser = harness.arguments(__doc__)
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 16, 512])
+    args = parser.parse_args()
+    from spnl_backend.kernels.cpu import cpu_kernels
+
+    torch.set_num_threads(args.threads)
+    native = cpu_kernels()
+    if native is None:
+        raise SystemExit("the CPU kernels did not build (is there a C compiler?)")
+    header = ["weights", *(f"{m} rows: GMAC/s" for m in args.rows)]
+    header += [f"torch float32 GEMM, {max(args.rows)} rows", "torch bfloat16 GEMM"]
+    rows = [measure(native, *case, args.rows) for case in CASES]
+    note = f"{args.threads} threads; int8 products as batch invariance runs them."
+    harness.publish(f"{harness.md_table(header, rows)}\n\n{note}", args.markdown)
+
+
+if __name__ == "__main__":
+    main()
