@@ -219,6 +219,19 @@ def test_long_contexts_attend_alike_alone_batched_and_on_any_threads(kernels, wi
             assert torch.equal(decode(slice(s, s + 1), threads), batched[s : s + 1])
 
 
+def test_a_chunk_of_keys_out_of_reach_weighs_nothing(kernels):
+    """Scores of -inf (q . k past float32) for a whole chunk of keys: the chunk gets weight
+    0, as in one softmax over all the keys, instead of poisoning the others with NaN."""
+    q, key_cache, value_cache, slots, lens = _long_decode_case([300], kv_heads=1, heads=1)
+    q[0, 0, 0] = 10.0
+    keys = key_cache.view(-1, 1, key_cache.shape[-1])
+    keys[slots[0, :256], 0, 0] = -3e38
+    out = kernels.paged_decode(q, key_cache, value_cache, slots, lens, 1.0, None, None)
+    twin = _decode_twin(q, key_cache, value_cache, slots, lens, 1.0, None)
+    assert torch.isfinite(twin).all()
+    torch.testing.assert_close(out, twin, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("mode", ["int8", "exact"])
 def test_each_rows_product_is_bit_identical_to_that_row_alone(kernels, qtype, mode):

@@ -199,7 +199,9 @@ def test_vocabulary_string_that_is_not_utf8(llama_gguf, cases, index):
     value = list(tokens.value)
     value[index] = b"ab\xff"
     parts = with_value(llama_gguf, tokens.key, V.ARRAY, value, V.STRING)
-    _refused(cases.gguf(parts), "is not UTF-8", "the file is corrupt")
+    raw = write_gguf_bytes(parts)
+    at = raw.index(struct.pack("<Q", 3) + b"ab\xff") + 8  # where the bad string starts
+    _refused(cases.gguf(raw), f"the metadata string at byte {at:,} is not UTF-8", "corrupt")
 
 
 def test_vocabulary_string_longer_than_the_file(llama_gguf, cases):

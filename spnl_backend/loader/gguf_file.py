@@ -132,6 +132,7 @@ class _Cursor:
     def strings(self, count: int) -> list[str]:
         """``count`` strings in one tight loop: a vocabulary has 262k of them, and a call
         per string through `string` costs a second."""
+        start = self.pos
         buffer, pos, end = self.buffer, self.pos, min(len(self.buffer), self.file_size)
         length_at = _U64.unpack_from
         out = []
@@ -150,14 +151,20 @@ class _Cursor:
         try:
             return [str(raw, "utf-8") for raw in out]
         except UnicodeDecodeError:
-            return [self._utf8(raw) for raw in out]
+            at = start
+            for raw in out:  # again, one at a time, to name the string at fault
+                self._utf8(raw, at + 8)
+                at += 8 + len(raw)
+            raise
 
-    def _utf8(self, raw: memoryview) -> str:
+    def _utf8(self, raw: memoryview, at: int | None = None) -> str:
+        """``raw`` as text; ``at``: where it starts in the file (default: it ends here)."""
         try:
             return str(raw, "utf-8")
         except UnicodeDecodeError as exc:
+            where = at if at is not None else self.pos - len(raw)
             raise ModelFileError(
-                f"{self.path}: a metadata string before byte {self.pos:,} is not "
+                f"{self.path}: the metadata string at byte {where:,} is not "
                 f"UTF-8 ({exc.reason}); the file is corrupt"
             ) from None
 

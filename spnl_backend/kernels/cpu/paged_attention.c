@@ -116,6 +116,11 @@ static void attend_chunk(const attention_plan *p, int64_t s, int64_t kvh, int64_
         float *row_scores = scores + g * KEY_CHUNK, peak = -INFINITY;
         for (int64_t j = 0; j < hi - lo; j++) peak = row_scores[j] > peak ? row_scores[j] : peak;
         stats[2 * g] = peak;
+        if (peak == -INFINITY) {  // every key out of reach: weight 0, as in one softmax
+            for (int64_t j = 0; j < hi - lo; j++) row_scores[j] = 0.0f;
+            stats[2 * g + 1] = 0.0f;
+            continue;
+        }
         stats[2 * g + 1] = exponentiate(row_scores, 0, hi - lo, peak);
     }
     for (int64_t i = 0; i < group * dim; i++) acc[i] = 0.0f;
@@ -167,12 +172,13 @@ static int by_pairs(const attention_plan *p, int64_t max_chunks) {
     int status = 0;
     #pragma omp parallel num_threads(at->threads)
     {
-        float *scratch = malloc(floats * sizeof(float));
-        if (!scratch) {
+        float *scratch = malloc(floats * sizeof(float)), *parts = NULL;
+        if (scratch) {
+            parts = scratch + (size_t)p->group * KEY_CHUNK;
+        } else {
             #pragma omp atomic write
             status = NO_MEMORY;
         }
-        float *parts = scratch + (size_t)p->group * KEY_CHUNK;
         // Round robin: a prompt's queries attend to more keys the later they come, so
         // halves in order would leave one thread most of the work.
         #pragma omp for schedule(static, 1)
