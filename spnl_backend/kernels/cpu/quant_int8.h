@@ -524,16 +524,9 @@ static inline void prefetch_block(const uint8_t *block, int bytes) {
         }                                                                                     \
     }
 
-DEFINE_INT8_KERNEL(q4_0, 32, 18, acts_32)
-DEFINE_INT8_KERNEL(q4_1, 32, 20, acts_32)
-DEFINE_INT8_KERNEL(q5_0, 32, 22, acts_32)
-DEFINE_INT8_KERNEL(q5_1, 32, 24, acts_32)
-DEFINE_INT8_KERNEL(q8_0, 32, 34, acts_32)
-DEFINE_INT8_KERNEL(q8_1, 32, 36, acts_32)
-DEFINE_INT8_KERNEL(q2_k, 256, 84, acts_256)
-DEFINE_INT8_KERNEL(q3_k, 256, 110, acts_256)
-DEFINE_INT8_KERNEL(q4_k, 256, 144, acts_256)
-DEFINE_INT8_KERNEL(q5_k, 256, 176, acts_256)
-DEFINE_INT8_KERNEL(q6_k, 256, 210, acts_256)
+// One kernel per format of quant_matmul.c's BLOCK_FORMATS; the activations come in blocks
+// of the format's own size (acts_32 or acts_256).
+#define INT8_KERNEL(T, NAME, BLOCK, BYTES) DEFINE_INT8_KERNEL(NAME, BLOCK, BYTES, acts_##BLOCK)
+BLOCK_FORMATS(INT8_KERNEL)
 
 #endif

@@ -15,6 +15,14 @@
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q8_1 = 9,
        Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30 };
 
+// Every block format once: type id, name, values and bytes per block. The float kernels,
+// the int8 kernels (quant_int8.h) and the FORMATS table are each stamped out from it.
+#define BLOCK_FORMATS(X)                                                                       \
+    X(Q4_0, q4_0, 32, 18) X(Q4_1, q4_1, 32, 20) X(Q5_0, q5_0, 32, 22)                         \
+    X(Q5_1, q5_1, 32, 24) X(Q8_0, q8_0, 32, 34) X(Q8_1, q8_1, 32, 36)                         \
+    X(Q2_K, q2_k, 256, 84) X(Q3_K, q3_k, 256, 110) X(Q4_K, q4_k, 256, 144)                    \
+    X(Q5_K, q5_k, 256, 176) X(Q6_K, q6_k, 256, 210)
+
 // ---- one block → its values (as the torch twin computes them), 16 lanes at a time ---------
 //
 // With AVX-512BW the packed bits are taken apart 16 or 32 bytes at a time before widening;
@@ -280,17 +288,8 @@ typedef void (*rows_fn)(const uint8_t *, const int64_t *, int64_t, int64_t, floa
         }                                                                                      \
     }
 
-DEFINE_FLOAT_KERNELS(q4_0, 32, 18, dq_q4_0)
-DEFINE_FLOAT_KERNELS(q4_1, 32, 20, dq_q4_1)
-DEFINE_FLOAT_KERNELS(q5_0, 32, 22, dq_q5_0)
-DEFINE_FLOAT_KERNELS(q5_1, 32, 24, dq_q5_1)
-DEFINE_FLOAT_KERNELS(q8_0, 32, 34, dq_q8_0)
-DEFINE_FLOAT_KERNELS(q8_1, 32, 36, dq_q8_1)
-DEFINE_FLOAT_KERNELS(q2_k, QK_K, 84, dq_q2_k)
-DEFINE_FLOAT_KERNELS(q3_k, QK_K, 110, dq_q3_k)
-DEFINE_FLOAT_KERNELS(q4_k, QK_K, 144, dq_q4_k)
-DEFINE_FLOAT_KERNELS(q5_k, QK_K, 176, dq_q5_k)
-DEFINE_FLOAT_KERNELS(q6_k, QK_K, 210, dq_q6_k)
+#define FLOAT_KERNELS(T, NAME, BLOCK, BYTES) DEFINE_FLOAT_KERNELS(NAME, BLOCK, BYTES, dq_##NAME)
+BLOCK_FORMATS(FLOAT_KERNELS)
 
 // ---- integer products on 8-bit activations (x86 with AVX2): quant_int8.h ------------------
 
@@ -308,17 +307,12 @@ typedef struct {
 } format;
 
 #ifdef INT8_PATH
-#define FORMAT(T, NAME, BLOCK, BYTES) {T, BLOCK, BYTES, NAME##_f32, NAME##_i8, NAME##_rows}
+#define FORMAT(T, NAME, BLOCK, BYTES) {T, BLOCK, BYTES, NAME##_f32, NAME##_i8, NAME##_rows},
 #else
-#define FORMAT(T, NAME, BLOCK, BYTES) {T, BLOCK, BYTES, NAME##_f32, NULL, NAME##_rows}
+#define FORMAT(T, NAME, BLOCK, BYTES) {T, BLOCK, BYTES, NAME##_f32, NULL, NAME##_rows},
 #endif
 
-static const format FORMATS[] = {
-    FORMAT(Q4_0, q4_0, 32, 18), FORMAT(Q4_1, q4_1, 32, 20), FORMAT(Q5_0, q5_0, 32, 22),
-    FORMAT(Q5_1, q5_1, 32, 24), FORMAT(Q8_0, q8_0, 32, 34), FORMAT(Q8_1, q8_1, 32, 36),
-    FORMAT(Q2_K, q2_k, QK_K, 84), FORMAT(Q3_K, q3_k, QK_K, 110), FORMAT(Q4_K, q4_k, QK_K, 144),
-    FORMAT(Q5_K, q5_k, QK_K, 176), FORMAT(Q6_K, q6_k, QK_K, 210),
-};
+static const format FORMATS[] = {BLOCK_FORMATS(FORMAT)};
 
 static const format *format_of(int qtype, int64_t k_in) {
     for (size_t i = 0; i < sizeof FORMATS / sizeof FORMATS[0]; i++)
