@@ -17,7 +17,7 @@ import torch
 from ..kernels.attention_ref import attention_ref
 from ..kernels.cpu import CpuKernels
 from ..kernels.sets import contiguous_attention
-from ..kernels.thresholds import CPU_DECODE_ROWS
+from ..kernels.thresholds import native_attention_queries
 from ..log import get_logger
 from ..memory import grown
 from ..models.config import ModelConfig
@@ -197,7 +197,7 @@ def plain_stores(
 ) -> Callable[[], SequenceKV]:
     """A factory of uncompressed per-sequence buffers for ``config``'s model."""
     shape = (config.num_layers, config.num_kv_heads, config.head_dim)
-    longest = None if batch_invariant else CPU_DECODE_ROWS
+    longest = native_attention_queries(batch_invariant)
     return lambda: SequenceKV(*shape, dtype, device, native, longest)
 
 

@@ -94,8 +94,6 @@ def select_matmuls(
     """The quantized products for the platform's kernels (``PlatformDecisions.kernels``)."""
     if kind == "triton":
         return quantized_matmuls_triton if batch_invariant else quantized_matmuls_triton_fastest
-    if kind == "cpu" and native is not None:
-        return CpuMatmuls(
-            native, None if batch_invariant else getattr(torch, gemm_dtype or "float32")
-        )
+    if kind == "cpu" and native is not None:  # no GEMM dtype: batch invariance decided
+        return CpuMatmuls(native, getattr(torch, gemm_dtype) if gemm_dtype else None)
     return quantized_matmuls_ref

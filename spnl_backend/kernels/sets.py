@@ -12,7 +12,7 @@ import torch
 from .cpu import CpuKernels, KernelArgumentError
 from .metadata import PagedMetadata
 from .paged_ref import paged_attention_ref, store_kv_ref
-from .thresholds import CPU_DECODE_ROWS
+from .thresholds import native_attention_queries
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,6 @@ def cpu_kernel_set(native: CpuKernels, batch_invariant: bool = True) -> Kernels:
     """The CPU: the native decode kernels for float32 caches, the torch twins otherwise.
     With batch invariance every query attends through the native kernel as a decode of its
     own; without, queries longer than `CPU_DECODE_ROWS` take the torch twin."""
-    longest = None if batch_invariant else CPU_DECODE_ROWS
     store = partial(_cpu_store_kv, native)
-    attend = partial(_cpu_paged_attention, native, longest)
+    attend = partial(_cpu_paged_attention, native, native_attention_queries(batch_invariant))
     return Kernels("cpu", store, attend, native)

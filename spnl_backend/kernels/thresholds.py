@@ -14,6 +14,13 @@ from here and nowhere else.
 # verification then computes each token exactly as decoding it alone would.
 CPU_DECODE_ROWS = 32
 
+
+def native_attention_queries(batch_invariant: bool) -> int | None:
+    """Queries per sequence and step up to which CPU attention takes the native kernel
+    (None: any number, as batch invariance needs)."""
+    return None if batch_invariant else CPU_DECODE_ROWS
+
+
 # Rows up to which the native products run before dequantize-then-GEMM takes over (int8
 # or float32 activations alike; measured on the default model with AVX-512 when the GEMM
 # was bfloat16). Up to here each row's result is the same whatever the other rows, so a

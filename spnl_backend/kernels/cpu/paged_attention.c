@@ -49,21 +49,21 @@ static inline v16f exp16(v16f x) {
     return (v16f)((v16i)(p * (v16f)two_n) & ~under);
 }
 
-// scores[j] = e^(scores[j] - peak) for first <= j < len; returns their sum, in key order.
-static float exponentiate(float *scores, int64_t first, int64_t len, float peak) {
-    int64_t j = first;
-    for (; j + 16 <= len; j += 16) {
+// scores[j] = e^(scores[j] - peak) for j < count; returns their sum, in key order.
+static float exponentiate(float *scores, int64_t count, float peak) {
+    int64_t j = 0;
+    for (; j + 16 <= count; j += 16) {
         const v16f e = exp16(load_f32(scores + j) - splat(peak));
         memcpy(scores + j, &e, sizeof e);
     }
-    for (; j < len; j++) {  // the tail through the same vector code
+    for (; j < count; j++) {  // the tail through the same vector code
         float lane[16] = {0};
         lane[0] = scores[j] - peak;
         const v16f e = exp16(load_f32(lane));
         scores[j] = e[0];
     }
     float total = 0.0f;
-    for (j = first; j < len; j++) total += scores[j];
+    for (j = 0; j < count; j++) total += scores[j];
     return total;
 }
 
@@ -121,7 +121,7 @@ static void attend_chunk(const attention_plan *p, int64_t s, int64_t kvh, int64_
             stats[2 * g + 1] = 0.0f;
             continue;
         }
-        stats[2 * g + 1] = exponentiate(row_scores, 0, hi - lo, peak);
+        stats[2 * g + 1] = exponentiate(row_scores, hi - lo, peak);
     }
     for (int64_t i = 0; i < group * dim; i++) acc[i] = 0.0f;
     for (int64_t j = lo; j < hi; j++) {
