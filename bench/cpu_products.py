@@ -48,6 +48,8 @@ def main() -> None:
     parser = harness.arguments(__doc__)
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 16, 512])
     args = parser.parse_args()
+    if min(args.rows) < 1:
+        parser.error(f"--rows: every row count must be at least 1, not {min(args.rows)}")
     from spnl_backend.kernels.cpu import cpu_kernels
 
     torch.set_num_threads(args.threads)
