@@ -8,12 +8,16 @@
 //    it to float16: the product is then exactly the dequantized twin's);
 //  - for the k-quants, blocks of 256 with a float scale and the sum of every 16 values.
 // Within a weight block the products are summed in integers, sub-block scales included (and,
-// apart, the minimums or offsets times the activations' sums); the block then adds (weight
-// scale x activation scale) x each integer sum to a float accumulator of 8 lanes, even
-// blocks to one chain and odd blocks to another (Q4_1/Q5_1 add their minimum terms to a
-// float of their own).
+// apart, the minimums or offsets times the activations' sums).
+//  - The 32-value formats then add (weight scale x activation scale) x each integer sum to
+//    a float accumulator of 8 lanes, even blocks to one chain and odd blocks to another
+//    (Q4_1/Q5_1 add their minimum terms to a float of their own).
+//  - The k-quants sum each block to two integers and add them to two floats, in block order
+//    (k_dot). Many activation rows meet tiles of 16 weight rows side by side (k_tile); the
+//    integers are exact, so the tiles give the same bits as one row at a time, and the same
+//    on AVX2 as on AVX-512.
 // A row's result therefore depends on that row alone: every row count, one row or a prompt,
-// runs exactly this arithmetic in this order.
+// gets exactly the same bits.
 
 #ifndef SPNL_QUANT_INT8_H
 #define SPNL_QUANT_INT8_H
@@ -135,12 +139,18 @@ static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const _
 
 // 8 lanes, each the sum of 4 products of unsigned and signed bytes (u <= 128 and |s| <= 127,
 // so the pairs of maddubs cannot saturate).
-static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+static inline __m256i dot_u8s8_add(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
 #else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                   _mm256_set1_epi16(1)));
 #endif
+}
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+    return dot_u8s8_add(_mm256_setzero_si256(), u, s);
 }
 
 // Signed weights times signed activations: the weights' magnitudes as the unsigned operand,
@@ -269,15 +279,8 @@ typedef struct {
     float d, dmin;    // dmin: the scale of the offsets
 } k_parts;
 
-static inline __m256 k_tail(__m256i sum, __m256i offsets, float d, float dmin, act_block a,
-                            __m256 acc) {
-    acc = add_block(sum, d * a.d, acc);
-    return add_block(_mm256_madd_epi16(offsets, load32(a.bsums)), dmin * a.d, acc);
-}
-
 #if defined(__AVX512BW__)
-// With AVX-512 the vectors go in pairs, 64 values per instruction (the integer sums are the
-// same; only how the 8 float lanes split them differs from the AVX2 build).
+// With AVX-512 the vectors go in pairs, 64 values per instruction.
 typedef struct { __m512i u[4], scales[4]; __m256i offsets; float d, dmin; } k_w;
 
 static inline __m512i pair(__m256i low, __m256i high) {
@@ -292,37 +295,56 @@ static inline void k_finish(const k_parts *p, k_w *w) {
     w->offsets = p->offsets, w->d = p->d, w->dmin = p->dmin;
 }
 
-static inline __m256 k_dot(const k_w *w, act_block a, __m256 acc, float *extra) {
-    (void)extra;
+static inline __m256i k_scaled_sum(const k_w *w, const int8_t *q) {
     __m512i sum = _mm512_setzero_si512();
     for (int i = 0; i < 4; i++) {
-        const __m512i x = _mm512_loadu_si512((const void *)(a.q + 64 * i));
+        const __m512i x = _mm512_loadu_si512((const void *)(q + 64 * i));
         sum = _mm512_add_epi32(sum, _mm512_madd_epi16(_mm512_maddubs_epi16(w->u[i], x),
                                                        w->scales[i]));
     }
-    const __m256i folded = _mm256_add_epi32(_mm512_castsi512_si256(sum),
-                                            _mm512_extracti64x4_epi64(sum, 1));
-    return k_tail(folded, w->offsets, w->d, w->dmin, a, acc);
+    return _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
 }
 #else
 typedef k_parts k_w;
 
 static inline void k_finish(const k_parts *p, k_w *w) { *w = *p; }
 
-static inline __m256 k_dot(const k_w *w, act_block a, __m256 acc, float *extra) {
-    (void)extra;
+static inline __m256i k_scaled_sum(const k_w *w, const int8_t *q) {
     __m256i sum = _mm256_setzero_si256();
     for (int j = 0; j < 8; j++)
-        sum = _mm256_add_epi32(sum, scaled_dot(w->u[j], load32(a.q + 32 * j), w->scales[j]));
-    return k_tail(sum, w->offsets, w->d, w->dmin, a, acc);
+        sum = _mm256_add_epi32(sum, scaled_dot(w->u[j], load32(q + 32 * j), w->scales[j]));
+    return sum;
 }
 #endif
-typedef k_w q2_k_w, q3_k_w, q4_k_w, q5_k_w, q6_k_w;
-#define q2_k_dot k_dot
-#define q3_k_dot k_dot
-#define q4_k_dot k_dot
-#define q5_k_dot k_dot
-#define q6_k_dot k_dot
+
+// A k-quant block meets a row of activations in two exact integers: S, the products
+// weighed by their sub-block scales, and M, the offsets times the activations' sums of 16.
+// The row's result is then two float sums taken in block order and added at the end,
+//     y = sum_b S_b * (d_b * a.d_b)  +  sum_b M_b * (dmin_b * a.d_b)     (each term an FMA)
+// so any kernel that finds the same integers (one row at a time here, or a tile of weight
+// rows side by side, k_tile below) gives the same bits. One row keeps both sums in the
+// first two lanes of `acc`.
+// The sums of the 8 lanes of s and of m, in lanes 0 and 1.
+static inline __m128i two_sums(__m256i s, __m256i m) {
+    const __m256i mixed = _mm256_add_epi32(_mm256_unpacklo_epi32(s, m),
+                                           _mm256_unpackhi_epi32(s, m));
+    const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(mixed),
+                                       _mm256_extracti128_si256(mixed, 1));
+    return _mm_add_epi32(half, _mm_unpackhi_epi64(half, half));
+}
+
+static inline __m128 k_dot(const k_w *w, act_block a, __m128 acc) {
+    const __m128i both = two_sums(k_scaled_sum(w, a.q),
+                                  _mm256_madd_epi16(w->offsets, load32(a.bsums)));
+    double d_dmin;  // d and dmin, side by side in k_w
+    memcpy(&d_dmin, &w->d, sizeof d_dmin);
+    const __m128 scales = _mm_castpd_ps(_mm_set_sd(d_dmin));
+    return _mm_fmadd_ps(_mm_cvtepi32_ps(both), _mm_mul_ps(scales, _mm_set1_ps(a.d)), acc);
+}
+
+static inline float k_result(__m128 acc) {
+    return _mm_cvtss_f32(acc) + _mm_cvtss_f32(_mm_movehdup_ps(acc));
+}
 
 // The 6-bit scales and minimums of Q4_K and Q5_K (12 bytes at p): 8 bytes each.
 static inline void k4_scales(const uint8_t *p, uint64_t *sc, uint64_t *mn) {
@@ -428,6 +450,9 @@ static inline void q2_k_parts(const uint8_t *b, k_parts *w) {
     w->dmin = -half_to_float(b + 82);
 }
 
+// The values that share a scale in each k-quant.
+enum { q2_k_sub = 16, q3_k_sub = 16, q4_k_sub = 32, q5_k_sub = 32, q6_k_sub = 16 };
+
 // Each k-quant's unpack: its parts, then (with AVX-512) paired.
 #define K_UNPACK(NAME)                                               \
     static inline void NAME##_unpack(const uint8_t *b, k_w *w) {     \
@@ -440,6 +465,141 @@ K_UNPACK(q3_k)
 K_UNPACK(q4_k)
 K_UNPACK(q5_k)
 K_UNPACK(q6_k)
+
+
+// ---- k-quant tiles: the blocks of KT_ROWS weight rows side by side ----------------------------
+//
+// For many activation rows a block is unpacked once into a tile whose every int32 holds 4
+// values of one row, 16 rows to a pair of vectors: one broadcast of 4 activations then meets
+// 16 weight rows at once, and S and M come out for 16 rows in the lanes of two vectors.
+
+#define KT_ROWS 16
+#define KT_MR 4        // activation rows that meet each tile vector while it is in a register
+#define KT_CHUNK 128   // activation rows whose float sums stay in the cache while blocks pass
+
+typedef struct {
+    int32_t u[64][KT_ROWS];       // u[g][r]: values 4g..4g+3 of row r
+    int32_t scales[16][KT_ROWS];  // the scale of values 16s..16s+15
+    int32_t offsets[8][KT_ROWS];  // two int16: the weights of the sums of 16 number 2i, 2i+1
+    float d[KT_ROWS], dmin[KT_ROWS];
+} k_tile;
+
+static inline void k_tile_row(const k_parts *p, int r, k_tile *t) {
+    int32_t words[8][8];
+    int16_t scales[8][16], offsets[16];
+    for (int j = 0; j < 8; j++) {
+        _mm256_storeu_si256((__m256i *)words[j], p->u[j]);
+        _mm256_storeu_si256((__m256i *)scales[j], p->scales[j]);
+    }
+    _mm256_storeu_si256((__m256i *)offsets, p->offsets);
+    for (int j = 0; j < 8; j++) {
+        for (int g = 0; g < 8; g++) t->u[8 * j + g][r] = words[j][g];
+        t->scales[2 * j][r] = scales[j][0];
+        t->scales[2 * j + 1][r] = scales[j][8];
+    }
+    for (int i = 0; i < 8; i++)
+        t->offsets[i][r] = (int32_t)((uint32_t)(uint16_t)offsets[2 * i]
+                                     | (uint32_t)(uint16_t)offsets[2 * i + 1] << 16);
+    t->d[r] = p->d, t->dmin[r] = p->dmin;
+}
+
+// Sixteen int32 lanes, one per weight row of a tile: one AVX-512 vector, or two AVX2 ones.
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+typedef __m512i lanes16;
+static inline lanes16 l16_zero(void) { return _mm512_setzero_si512(); }
+static inline lanes16 l16_load(const int32_t *p) { return _mm512_loadu_si512((const void *)p); }
+static inline lanes16 l16_set1(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+static inline lanes16 l16_add(lanes16 a, lanes16 b) { return _mm512_add_epi32(a, b); }
+static inline lanes16 l16_mullo(lanes16 a, lanes16 b) { return _mm512_mullo_epi32(a, b); }
+// acc + the 4 products of unsigned bytes u and signed bytes x in each lane
+static inline lanes16 l16_dot_u8(lanes16 acc, lanes16 u, lanes16 x) {
+    return _mm512_dpbusd_epi32(acc, u, x);
+}
+// acc + the 2 products of int16 pairs in each lane
+static inline lanes16 l16_dot_i16(lanes16 acc, lanes16 a, lanes16 b) {
+    return _mm512_dpwssd_epi32(acc, a, b);
+}
+// acc[r] = fma(float(ints[r]), scale[r] * by, acc[r])
+static inline void l16_fma(float *acc, lanes16 ints, const float *scale, float by) {
+    const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(scale), _mm512_set1_ps(by));
+    _mm512_storeu_ps(acc, _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), s, _mm512_loadu_ps(acc)));
+}
+#else
+typedef struct { __m256i lo, hi; } lanes16;
+static inline lanes16 l16_zero(void) {
+    return (lanes16){_mm256_setzero_si256(), _mm256_setzero_si256()};
+}
+static inline lanes16 l16_load(const int32_t *p) { return (lanes16){load32(p), load32(p + 8)}; }
+static inline lanes16 l16_set1(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    const __m256i b = _mm256_set1_epi32(v);
+    return (lanes16){b, b};
+}
+static inline lanes16 l16_add(lanes16 a, lanes16 b) {
+    return (lanes16){_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)};
+}
+static inline lanes16 l16_mullo(lanes16 a, lanes16 b) {
+    return (lanes16){_mm256_mullo_epi32(a.lo, b.lo), _mm256_mullo_epi32(a.hi, b.hi)};
+}
+static inline lanes16 l16_dot_u8(lanes16 acc, lanes16 u, lanes16 x) {
+    return (lanes16){dot_u8s8_add(acc.lo, u.lo, x.lo), dot_u8s8_add(acc.hi, u.hi, x.hi)};
+}
+static inline lanes16 l16_dot_i16(lanes16 acc, lanes16 a, lanes16 b) {
+    return (lanes16){_mm256_add_epi32(acc.lo, _mm256_madd_epi16(a.lo, b.lo)),
+                     _mm256_add_epi32(acc.hi, _mm256_madd_epi16(a.hi, b.hi))};
+}
+static inline void l16_fma(float *acc, lanes16 ints, const float *scale, float by) {
+    const __m256 b = _mm256_set1_ps(by);
+    const __m256i half[2] = {ints.lo, ints.hi};
+    for (int h = 0; h < 2; h++) {
+        const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(scale + 8 * h), b);
+        _mm256_storeu_ps(acc + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(half[h]), s,
+                                                      _mm256_loadu_ps(acc + 8 * h)));
+    }
+}
+#endif
+
+// Block b of activation rows m..m+mr-1 against the tile's rows: acc[i][0][r] takes S,
+// acc[i][1][r] takes M, as k_dot. `sub`: the values that share a scale (16, or 32 where the
+// format's scales go by 32).
+static inline __attribute__((always_inline)) void k_tile_rows(const k_tile *t, const act_rows *x,
+                                                              int64_t m, int mr, int sub,
+                                                              int64_t b,
+                                                              float (*acc)[2][KT_ROWS]) {
+    const int8_t *q[KT_MR];
+    for (int i = 0; i < mr; i++) q[i] = x->q256 + ((m + i) * (x->k / 256) + b) * 256;
+    lanes16 sums[KT_MR];
+    for (int i = 0; i < mr; i++) sums[i] = l16_zero();
+    for (int s = 0; s < 256 / sub; s++) {
+        lanes16 even[KT_MR], odd[KT_MR];  // two chains: consecutive dot products need not wait
+        for (int i = 0; i < mr; i++) even[i] = odd[i] = l16_zero();
+        for (int g = s * sub / 4; g < (s + 1) * sub / 4; g += 2) {
+            const lanes16 w0 = l16_load(t->u[g]), w1 = l16_load(t->u[g + 1]);
+            for (int i = 0; i < mr; i++) {
+                even[i] = l16_dot_u8(even[i], w0, l16_set1(q[i] + 4 * g));
+                odd[i] = l16_dot_u8(odd[i], w1, l16_set1(q[i] + 4 * g + 4));
+            }
+        }
+        const lanes16 scale = l16_load(t->scales[s * sub / 16]);
+        for (int i = 0; i < mr; i++) {
+            sums[i] = l16_add(sums[i], l16_mullo(l16_add(even[i], odd[i]), scale));
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        const int64_t at = (m + i) * (x->k / 256) + b;
+        const int16_t *bsums = x->bsums + at * 16;
+        lanes16 offsets = l16_zero();
+        for (int p = 0; p < 8; p++)
+            offsets = l16_dot_i16(offsets, l16_load(t->offsets[p]), l16_set1(bsums + 2 * p));
+        l16_fma(acc[i][0], sums[i], t->d, x->d256[at]);
+        l16_fma(acc[i][1], offsets, t->dmin, x->d256[at]);
+    }
+}
 
 // ---- the kernel: weight rows against activation rows ----------------------------------------
 
@@ -524,9 +684,79 @@ static inline void prefetch_block(const uint8_t *block, int bytes) {
         }                                                                                     \
     }
 
-// One kernel per format of quant_matmul.c's BLOCK_FORMATS; the activations come in blocks
-// of the format's own size (acts_32 or acts_256).
-#define INT8_KERNEL(T, NAME, BLOCK, BYTES) DEFINE_INT8_KERNEL(NAME, BLOCK, BYTES, acts_##BLOCK)
+// The k-quants' kernel. Below KT_MIN_ROWS activation rows, or for a last tile of fewer than
+// KT_ROWS weight rows, each weight row goes alone (four activation rows sharing each
+// unpacked block); otherwise the blocks of KT_ROWS weight rows are laid side by side in a
+// k_tile and meet the activation rows in chunks. Both find the same integers and add them
+// in the same order (k_dot), so a row's result does not depend on the path.
+#define KT_MIN_ROWS 4
+#define DEFINE_K_KERNEL(NAME, BYTES, SUB)                                                          \
+    static void NAME##_rowwise(const act_rows *x, int64_t rows, int64_t blocks,                    \
+                               const uint8_t *w, float *y, int64_t stride) {                       \
+        if (rows == 1) {                                                                           \
+            __m128 acc = _mm_setzero_ps();                                                         \
+            for (int64_t b = 0; b < blocks; b++) {                                                 \
+                prefetch_block(w + b * BYTES, BYTES);                                              \
+                k_w wb;                                                                            \
+                NAME##_unpack(w + b * BYTES, &wb);                                                 \
+                acc = k_dot(&wb, acts_256(x, 0, b), acc);                                          \
+            }                                                                                      \
+            *y = k_result(acc);                                                                    \
+            return;                                                                                \
+        }                                                                                          \
+        for (int64_t m = 0; m < rows; m += 4) {                                                    \
+            const int mr = rows - m < 4 ? (int)(rows - m) : 4;                                     \
+            __m128 acc[4];                                                                         \
+            for (int r = 0; r < 4; r++) acc[r] = _mm_setzero_ps();                                 \
+            for (int64_t b = 0; b < blocks; b++) {                                                 \
+                prefetch_block(w + b * BYTES, BYTES);                                              \
+                k_w wb;                                                                            \
+                NAME##_unpack(w + b * BYTES, &wb);                                                 \
+                for (int r = 0; r < mr; r++) acc[r] = k_dot(&wb, acts_256(x, m + r, b), acc[r]);   \
+            }                                                                                      \
+            for (int r = 0; r < mr; r++) y[(m + r) * stride] = k_result(acc[r]);                   \
+        }                                                                                          \
+    }                                                                                              \
+    static void NAME##_tiled(const act_rows *x, int64_t rows, int64_t blocks,                      \
+                             const uint8_t *w, float *y, int64_t stride) {                         \
+        const int64_t row_bytes = blocks * BYTES;                                                  \
+        k_tile tile;                                                                               \
+        float acc[KT_CHUNK][2][KT_ROWS];                                                           \
+        for (int64_t m0 = 0; m0 < rows; m0 += KT_CHUNK) {                                          \
+            const int64_t end = rows - m0 < KT_CHUNK ? rows : m0 + KT_CHUNK;                       \
+            memset(acc, 0, sizeof acc);                                                            \
+            for (int64_t b = 0; b < blocks; b++) {                                                 \
+                for (int r = 0; r < KT_ROWS; r++) {                                                \
+                    k_parts p;                                                                     \
+                    NAME##_parts(w + r * row_bytes + b * BYTES, &p);                               \
+                    k_tile_row(&p, r, &tile);                                                      \
+                }                                                                                  \
+                int64_t m = m0;                                                                    \
+                for (; m + KT_MR <= end; m += KT_MR)                                               \
+                    k_tile_rows(&tile, x, m, KT_MR, SUB, b, acc + (m - m0));                       \
+                for (; m < end; m++) k_tile_rows(&tile, x, m, 1, SUB, b, acc + (m - m0));          \
+            }                                                                                      \
+            for (int64_t m = m0; m < end; m++)                                                     \
+                for (int r = 0; r < KT_ROWS; r++)                                                  \
+                    y[m * stride + r] = acc[m - m0][0][r] + acc[m - m0][1][r];                     \
+        }                                                                                          \
+    }                                                                                              \
+    static void NAME##_i8(const void *acts, int64_t rows, int64_t k_in, const uint8_t *w,          \
+                          int64_t count, float *y, int64_t stride) {                               \
+        const act_rows *x = (const act_rows *)acts;                                                \
+        const int64_t blocks = k_in / 256, row_bytes = blocks * BYTES;                             \
+        int64_t n = 0;                                                                             \
+        if (rows >= KT_MIN_ROWS)                                                                   \
+            for (; n + KT_ROWS <= count; n += KT_ROWS)                                             \
+                NAME##_tiled(x, rows, blocks, w + n * row_bytes, y + n, stride);                   \
+        for (; n < count; n++) NAME##_rowwise(x, rows, blocks, w + n * row_bytes, y + n, stride);  \
+    }
+
+// One kernel per format of quant_matmul.c's BLOCK_FORMATS: the 32-value formats' above,
+// on activations in blocks of 32, and the k-quants'.
+#define INT8_KERNEL_32(NAME, BYTES) DEFINE_INT8_KERNEL(NAME, 32, BYTES, acts_32)
+#define INT8_KERNEL_256(NAME, BYTES) DEFINE_K_KERNEL(NAME, BYTES, NAME##_sub)
+#define INT8_KERNEL(T, NAME, BLOCK, BYTES) INT8_KERNEL_##BLOCK(NAME, BYTES)
 BLOCK_FORMATS(INT8_KERNEL)
 
 #endif
