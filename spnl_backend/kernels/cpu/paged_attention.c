@@ -29,6 +29,88 @@ static inline float dot(const float *q, const float *k, int64_t dim) {
     return sum;
 }
 
+// sums[t] = dot(q, keys[t], dim) for t < n (n <= DOTS). With AVX-512 and whole vectors of
+// dim, the 16 dot products run side by side and their lanes are summed together: each by
+// the tree of _mm512_reduce_add_ps (lanes i and i + 8, then i + 4, i + 2, i + 1), so every
+// sum has dot's bits, whatever keys share the call.
+#define DOTS 16
+#if defined(__AVX512F__)
+static inline __m512 fold_pairs(__m512 a, __m512 b, int level) {
+    switch (level) {
+    case 0:  // lanes 0-7: a_i + a_(i+8); lanes 8-15: the same of b
+        return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    case 1:  // within each half: i + (i + 4)
+        return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+    case 2: {  // within each 128 bits: i + (i + 2)
+        const __m512d x = _mm512_castps_pd(a), y = _mm512_castps_pd(b);
+        return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    default:  // i + (i + 1)
+        return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+    }
+}
+
+static void dots(const float *q, const float *const *keys, int64_t n, int64_t dim, float *sums) {
+    if (dim % 16) {
+        for (int64_t t = 0; t < n; t++) sums[t] = dot(q, keys[t], dim);
+        return;
+    }
+    __m512 acc[DOTS];
+    for (int t = 0; t < DOTS; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < dim; i += 16) {
+        const __m512 qi = _mm512_loadu_ps(q + i);
+        for (int t = 0; t < DOTS; t++)
+            acc[t] = _mm512_fmadd_ps(qi, _mm512_loadu_ps(keys[t] + i), acc[t]);
+    }
+    for (int level = 0, width = DOTS; level < 4; level++, width /= 2)
+        for (int t = 0; t < width / 2; t++) acc[t] = fold_pairs(acc[2 * t], acc[2 * t + 1], level);
+    float lanes[16];
+    _mm512_storeu_ps(lanes, acc[0]);
+    for (int64_t t = 0; t < n; t++) sums[t] = lanes[(t % 4) * 4 + t / 4];  // the tree's order
+}
+#else
+static void dots(const float *q, const float *const *keys, int64_t n, int64_t dim, float *sums) {
+    for (int64_t t = 0; t < n; t++) sums[t] = dot(q, keys[t], dim);
+}
+#endif
+
+// out[i] = sum over j < count, in key order, of e[j] * value j [i]: 64 floats of the head at
+// a time held in registers while the keys pass.
+static void weigh_values(const float *v_cache, int64_t row, const int64_t *slots, int64_t count,
+                         const float *e, int64_t dim, float *out) {
+    int64_t i = 0;
+    for (; i + 64 <= dim; i += 64) {
+        v16f o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0};
+        for (int64_t j = 0; j < count; j++) {
+            const float *vj = v_cache + slots[j] * row + i;
+            const v16f w = splat(e[j]);
+            o0 = fma16(w, load_f32(vj), o0);
+            o1 = fma16(w, load_f32(vj + 16), o1);
+            o2 = fma16(w, load_f32(vj + 32), o2);
+            o3 = fma16(w, load_f32(vj + 48), o3);
+        }
+        memcpy(out + i, &o0, sizeof o0);
+        memcpy(out + i + 16, &o1, sizeof o1);
+        memcpy(out + i + 32, &o2, sizeof o2);
+        memcpy(out + i + 48, &o3, sizeof o3);
+    }
+    for (; i + 16 <= dim; i += 16) {
+        v16f o = {0};
+        for (int64_t j = 0; j < count; j++)
+            o = fma16(splat(e[j]), load_f32(v_cache + slots[j] * row + i), o);
+        memcpy(out + i, &o, sizeof o);
+    }
+    for (; i < dim; i++) {
+        float o = 0.0f;
+        for (int64_t j = 0; j < count; j++) o = fmaf(e[j], v_cache[slots[j] * row + i], o);
+        out[i] = o;
+    }
+}
+
 // e^x for x <= 0, 16 lanes: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by a degree-7 polynomial
 // (within 2 ulp of expf), times 2^n; below -87.3 (where e^x is under float's normal range)
 // it is 0.
@@ -104,12 +186,18 @@ static void attend_chunk(const attention_plan *p, int64_t s, int64_t kvh, int64_
     const float *k_cache = a->k_cache + kvh * dim, *v_cache = a->v_cache + kvh * dim;
     const float *q = a->q + (s * a->at.heads + kvh * group) * dim;
     float *acc = part, *stats = part + group * dim;
-    for (int64_t j = lo; j < hi; j++) {
-        const float *kj = k_cache + slots[j] * row;
+    for (int64_t j = lo; j < hi; j += DOTS) {
+        const int64_t n = hi - j < DOTS ? hi - j : DOTS;
+        const float *keys[DOTS];
+        for (int64_t t = 0; t < DOTS; t++) keys[t] = k_cache + slots[j + (t < n ? t : 0)] * row;
         for (int64_t g = 0; g < group; g++) {
-            float score = dot(q + g * dim, kj, dim) * scale;
-            if (softcap > 0.0f) score = softcap * tanhf(score / softcap);
-            scores[g * KEY_CHUNK + j - lo] = score;
+            float sums[DOTS];
+            dots(q + g * dim, keys, n, dim, sums);
+            for (int64_t t = 0; t < n; t++) {
+                float score = sums[t] * scale;
+                if (softcap > 0.0f) score = softcap * tanhf(score / softcap);
+                scores[g * KEY_CHUNK + j - lo + t] = score;
+            }
         }
     }
     for (int64_t g = 0; g < group; g++) {
@@ -123,20 +211,9 @@ static void attend_chunk(const attention_plan *p, int64_t s, int64_t kvh, int64_
         }
         stats[2 * g + 1] = exponentiate(row_scores, hi - lo, peak);
     }
-    for (int64_t i = 0; i < group * dim; i++) acc[i] = 0.0f;
-    for (int64_t j = lo; j < hi; j++) {
-        const float *vj = v_cache + slots[j] * row;
-        for (int64_t g = 0; g < group; g++) {
-            const float e = scores[g * KEY_CHUNK + j - lo];
-            float *o = acc + g * dim;
-            int64_t i = 0;
-            for (; i + 16 <= dim; i += 16) {
-                const v16f sum = fma16(splat(e), load_f32(vj + i), load_f32(o + i));
-                memcpy(o + i, &sum, sizeof sum);
-            }
-            for (; i < dim; i++) o[i] += e * vj[i];
-        }
-    }
+    for (int64_t g = 0; g < group; g++)
+        weigh_values(v_cache, row, slots + lo, hi - lo, scores + g * KEY_CHUNK, dim,
+                     acc + g * dim);
 }
 
 // The chunks' partials of (s, kvh), in order, into the group's output rows.
