@@ -1,6 +1,8 @@
-"""Where one decode token's time goes, in our engine on the CPU.
+"""Where one decode token's time goes, in our engine on the CPU (or, with --prefill N,
+where the time of an N-token prompt's prefill goes).
 
-    python bench/profile_decode.py [--gguf FILE] [--threads 2] [--tokens 32] [--markdown FILE]
+    python bench/profile_decode.py [--gguf FILE] [--threads 2] [--tokens 32] [--prefill N]
+                                   [--markdown FILE]
 
 Timers around every native call (each quantized product, by its weight shape; attention;
 the norms, RoPE, the KV store and embedding lookups), over a greedy generation of
@@ -8,7 +10,9 @@ the norms, RoPE, the KV store and embedding lookups), over a greedy generation o
 alone, against the engine's own decode time. Each product's rate is its weight bytes
 over its time; the read bandwidth (a torch sum over 1 GiB at the same thread count) is
 measured after, for comparison. What the timers do not cover is Python and torch's small
-operations between the kernels, and sampling. The default model unless --gguf.
+operations between the kernels, and sampling. With --prefill, the parts are those of one
+generation of a single token from an N-token prompt (the shipped English text), against
+its wall time. The default model unless --gguf.
 """
 
 import collections
@@ -29,6 +33,7 @@ class Timers:
         self.seconds: dict[str, float] = collections.defaultdict(float)
         self.calls: dict[str, int] = collections.defaultdict(int)
         self.bytes: dict[str, int] = {}
+        self.macs: dict[str, int] = collections.defaultdict(int)
 
     def timed(self, label: str, fn, *args, **kwargs):
         start = time.perf_counter()
@@ -65,6 +70,7 @@ def installed(timers: Timers):
     def products(self, x):
         label = product_label(self, x.shape[1])
         timers.bytes[label] = sum(w.numel() for w in self.weights)
+        timers.macs[label] += x.shape[0] * x.shape[1] * sum(self.widths)
         return timers.timed(label, products_call, self, x)
 
     try:
@@ -118,18 +124,69 @@ def profile(gguf: Path, threads: int, tokens: int) -> dict:
     }
 
 
-def table(result: dict) -> str:
-    total = result["ms_per_token"]
+def profile_prefill(gguf: Path, threads: int, prompt_tokens: int) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    backend = harness.load_ours(gguf, prefix_cache_n=0)
+    prompt = harness.long_prompt(backend.tokenizer.encode, prompt_tokens)
+    backend.generate(prompt, max_tokens=1, temperature=0)  # warm-up
+    timers = Timers()
+    with installed(timers):
+        start = time.perf_counter()
+        result = backend.generate(prompt, max_tokens=1, temperature=0)
+        wall = time.perf_counter() - start
+    return {
+        "model": gguf.name,
+        "threads": threads,
+        "prompt_tokens": result.usage.prompt_tokens,
+        "ms": 1000 * wall,
+        "parts": {
+            label: {
+                "ms": 1000 * s,
+                "calls": timers.calls[label],
+                "gmac_s": timers.macs[label] / s / 1e9 if label in timers.macs and s > 0 else None,
+            }
+            for label, s in timers.seconds.items()
+        },
+    }
+
+
+def part_rows(result: dict, total: float, rate, digits: int, whole: str) -> list[list[str]]:
+    """A row per timed part, largest first (``rate(part)``: its last cell), then the untimed
+    rest and the whole; ``total`` ms is the whole."""
     parts = sorted(result["parts"].items(), key=lambda item: -item[1]["ms"])
     rows = []
     for label, part in parts:
-        rate = f"{part['gb_s']:.1f} GB/s" if part["gb_s"] else ""
         share = f"{100 * part['ms'] / total:.0f}%"
-        rows.append([label, f"{part['calls']:.0f}", f"{part['ms']:.2f}", share, rate])
-    timed = sum(part["ms"] for _, part in parts)
-    rest = total - timed
-    rows.append(["Python, torch ops, sampling", "", f"{rest:.2f}", f"{100 * rest / total:.0f}%"])
-    rows.append(["one decode token", "", f"{total:.2f}", "100%"])
+        rows.append([label, f"{part['calls']:.0f}", f"{part['ms']:.{digits}f}", share, rate(part)])
+    rest = total - sum(part["ms"] for _, part in parts)
+    rows.append(
+        ["Python, torch ops, sampling", "", f"{rest:.{digits}f}", f"{100 * rest / total:.0f}%"]
+    )
+    rows.append([whole, "", f"{total:.{digits}f}", "100%"])
+    return rows
+
+
+def prefill_table(result: dict) -> str:
+    total = result["ms"]
+    rows = part_rows(
+        result, total, lambda p: f"{p['gmac_s']:.1f}" if p["gmac_s"] else "", 1, "the whole prefill"
+    )
+    header = ["part", "calls", "ms", "share", "GMAC/s"]
+    tok_s = result["prompt_tokens"] / (total / 1000)
+    note = (
+        f"{result['model']}, {result['threads']} threads, a {result['prompt_tokens']}-token "
+        f"prompt to its first token ({tok_s:.1f} tok/s with the timers in)."
+    )
+    return f"{harness.md_table(header, rows)}\n\n{note}"
+
+
+def table(result: dict) -> str:
+    total = result["ms_per_token"]
+    rows = part_rows(
+        result, total, lambda p: f"{p['gb_s']:.1f} GB/s" if p["gb_s"] else "", 2, "one decode token"
+    )
     header = ["part", "calls per token", "ms per token", "share", "weights read at"]
     note = (
         f"{result['model']}, {result['threads']} threads, {result['tokens']} greedy decode "
@@ -144,8 +201,15 @@ def main() -> None:
     parser = harness.arguments(__doc__)
     parser.add_argument("--gguf", type=Path, help="a GGUF file (default: the default model)")
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--prefill", type=int, metavar="N", help="profile an N-token prefill")
     args = parser.parse_args()
     gguf = args.gguf or harness.default_gguf()
+    if args.prefill is not None:
+        if args.prefill < 1:
+            parser.error(f"--prefill: a prompt of at least 1 token, not {args.prefill}")
+        result = profile_prefill(gguf, args.threads, args.prefill)
+        harness.publish(prefill_table(result), args.markdown)
+        return
     result = profile(gguf, args.threads, args.tokens)
     harness.publish(table(result), args.markdown)
 

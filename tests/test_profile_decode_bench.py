@@ -43,3 +43,30 @@ def test_table_puts_the_untimed_rest_under_python():
     assert "| Python, torch ops, sampling | | 6.00 | 30% | |" in text
     assert "| one decode token | | 20.00 | 100% | |" in text
     assert "50.0 tok/s" in text
+
+
+def test_prefill_table_shares_the_prefill_and_rates_the_products():
+    result = {
+        "model": "m.gguf",
+        "threads": 2,
+        "prompt_tokens": 1000,
+        "ms": 2000.0,
+        "parts": {
+            "product 64 x 32 (Q4_K)": {"ms": 1000.0, "calls": 4, "gmac_s": 150.0},
+            "attention": {"ms": 500.0, "calls": 4, "gmac_s": None},
+        },
+    }
+    text = profile_decode.prefill_table(result)
+    assert "| product 64 x 32 (Q4_K) | 4 | 1000.0 | 50% | 150.0 |" in text
+    assert "| attention | 4 | 500.0 | 25% | |" in text
+    assert "| Python, torch ops, sampling | | 500.0 | 25% | |" in text
+    assert "| the whole prefill | | 2000.0 | 100% | |" in text
+    assert "a 1000-token prompt" in text
+    assert "500.0 tok/s" in text
+
+
+def test_a_prefill_of_no_tokens_is_refused(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["profile_decode.py", "--prefill", "0"])
+    with pytest.raises(SystemExit):
+        profile_decode.main()
+    assert "at least 1 token" in capsys.readouterr().err
