@@ -484,24 +484,75 @@ typedef struct {
     float d[KT_ROWS], dmin[KT_ROWS];
 } k_tile;
 
-static inline void k_tile_row(const k_parts *p, int r, k_tile *t) {
-    int32_t words[8][8];
-    int16_t scales[8][16], offsets[16];
-    for (int j = 0; j < 8; j++) {
-        _mm256_storeu_si256((__m256i *)words[j], p->u[j]);
-        _mm256_storeu_si256((__m256i *)scales[j], p->scales[j]);
+// The tile from the parts of its KT_ROWS rows' blocks (p[r]: row r's).
+#if defined(__AVX512F__)
+// Columns of 8 int32 words from 16 rows at once: word g of every row, for g < 8, into
+// out[g] (row r in lane r). rows[r] holds row r in its low half and row r + 8 in its high
+// half; each half goes through the same 8 x 8 transposition.
+static inline void transpose_words(const __m512i rows[8], __m512i out[8]) {
+    __m512i pairs[8], quads[8];
+    for (int k = 0; k < 4; k++) {  // words 0, 1 | 4, 5 of two rows, and 2, 3 | 6, 7
+        pairs[2 * k] = _mm512_unpacklo_epi32(rows[2 * k], rows[2 * k + 1]);
+        pairs[2 * k + 1] = _mm512_unpackhi_epi32(rows[2 * k], rows[2 * k + 1]);
     }
-    _mm256_storeu_si256((__m256i *)offsets, p->offsets);
-    for (int j = 0; j < 8; j++) {
-        for (int g = 0; g < 8; g++) t->u[8 * j + g][r] = words[j][g];
-        t->scales[2 * j][r] = scales[j][0];
-        t->scales[2 * j + 1][r] = scales[j][8];
+    for (int k = 0; k < 2; k++)  // per group of 4 rows: words g | g + 4 for g < 4
+        for (int h = 0; h < 2; h++) {
+            const __m512i x = pairs[4 * k + h], y = pairs[4 * k + 2 + h];
+            quads[4 * k + 2 * h] = _mm512_unpacklo_epi64(x, y);
+            quads[4 * k + 2 * h + 1] = _mm512_unpackhi_epi64(x, y);
+        }
+    const __m512i low = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+    const __m512i high = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    for (int g = 0; g < 4; g++) {  // rows 0-3 beside rows 4-7, in each half
+        out[g] = _mm512_permutex2var_epi64(quads[g], low, quads[4 + g]);
+        out[g + 4] = _mm512_permutex2var_epi64(quads[g], high, quads[4 + g]);
     }
-    for (int i = 0; i < 8; i++)
-        t->offsets[i][r] = (int32_t)((uint32_t)(uint16_t)offsets[2 * i]
-                                     | (uint32_t)(uint16_t)offsets[2 * i + 1] << 16);
-    t->d[r] = p->d, t->dmin[r] = p->dmin;
 }
+
+static inline void words_of(const k_parts *p, size_t field, __m512i rows[8]) {
+    for (int r = 0; r < 8; r++) {
+        const __m256i lo = load32((const char *)&p[r] + field);
+        const __m256i hi = load32((const char *)&p[r + 8] + field);
+        rows[r] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    }
+}
+
+static inline void k_tile_fill(const k_parts *p, k_tile *t) {
+    __m512i rows[8], cols[8];
+    for (int j = 0; j < 8; j++) {
+        words_of(p, offsetof(k_parts, u) + j * sizeof(__m256i), rows);
+        transpose_words(rows, cols);
+        for (int g = 0; g < 8; g++) _mm512_storeu_si512((void *)t->u[8 * j + g], cols[g]);
+        // the scales fill each 128-bit lane: words 0 and 4 hold two copies of each
+        words_of(p, offsetof(k_parts, scales) + j * sizeof(__m256i), rows);
+        transpose_words(rows, cols);
+        _mm512_storeu_si512((void *)t->scales[2 * j], _mm512_srai_epi32(cols[0], 16));
+        _mm512_storeu_si512((void *)t->scales[2 * j + 1], _mm512_srai_epi32(cols[4], 16));
+    }
+    words_of(p, offsetof(k_parts, offsets), rows);  // word i: the pair of weights 2i, 2i + 1
+    transpose_words(rows, cols);
+    for (int i = 0; i < 8; i++) _mm512_storeu_si512((void *)t->offsets[i], cols[i]);
+    for (int r = 0; r < KT_ROWS; r++) t->d[r] = p[r].d, t->dmin[r] = p[r].dmin;
+}
+#else
+static inline void k_tile_fill(const k_parts *p, k_tile *t) {
+    for (int r = 0; r < KT_ROWS; r++) {
+        int32_t words[8][8], scales[8][8], offsets[8];
+        for (int j = 0; j < 8; j++) {
+            _mm256_storeu_si256((__m256i *)words[j], p[r].u[j]);
+            _mm256_storeu_si256((__m256i *)scales[j], p[r].scales[j]);
+        }
+        _mm256_storeu_si256((__m256i *)offsets, p[r].offsets);
+        for (int j = 0; j < 8; j++) {
+            for (int g = 0; g < 8; g++) t->u[8 * j + g][r] = words[j][g];
+            t->scales[2 * j][r] = scales[j][0] >> 16;  // two copies of each scale in a word
+            t->scales[2 * j + 1][r] = scales[j][4] >> 16;
+        }
+        for (int i = 0; i < 8; i++) t->offsets[i][r] = offsets[i];
+        t->d[r] = p[r].d, t->dmin[r] = p[r].dmin;
+    }
+}
+#endif
 
 // Sixteen int32 lanes, one per weight row of a tile: one AVX-512 vector, or two AVX2 ones.
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -721,16 +772,15 @@ static inline void prefetch_block(const uint8_t *block, int bytes) {
                              const uint8_t *w, float *y, int64_t stride) {                         \
         const int64_t row_bytes = blocks * BYTES;                                                  \
         k_tile tile;                                                                               \
+        k_parts parts[KT_ROWS];                                                                    \
         float acc[KT_CHUNK][2][KT_ROWS];                                                           \
         for (int64_t m0 = 0; m0 < rows; m0 += KT_CHUNK) {                                          \
             const int64_t end = rows - m0 < KT_CHUNK ? rows : m0 + KT_CHUNK;                       \
             memset(acc, 0, sizeof acc);                                                            \
             for (int64_t b = 0; b < blocks; b++) {                                                 \
-                for (int r = 0; r < KT_ROWS; r++) {                                                \
-                    k_parts p;                                                                     \
-                    NAME##_parts(w + r * row_bytes + b * BYTES, &p);                               \
-                    k_tile_row(&p, r, &tile);                                                      \
-                }                                                                                  \
+                for (int r = 0; r < KT_ROWS; r++)                                                  \
+                    NAME##_parts(w + r * row_bytes + b * BYTES, &parts[r]);                        \
+                k_tile_fill(parts, &tile);                                                         \
                 int64_t m = m0;                                                                    \
                 for (; m + KT_MR <= end; m += KT_MR)                                               \
                     k_tile_rows(&tile, x, m, KT_MR, SUB, b, acc + (m - m0));                       \
