@@ -255,7 +255,7 @@ static inline void q5_0_unpack(const uint8_t *b, signed_w *w) {
 typedef struct { __m256i u; float d, m; } offset_w;
 typedef offset_w q4_1_w, q5_1_w;
 static inline __m256 offset_dot(const offset_w *w, act_block a, __m256 acc, float *extra) {
-    *extra += w->m * a.s;
+    *extra = fmaf(w->m, a.s, *extra);  // as the tiles below: one rounding
     return add_block(dot_u8s8(w->u, load32(a.q)), w->d * a.d, acc);
 }
 #define q4_1_dot offset_dot
@@ -652,6 +652,119 @@ static inline __attribute__((always_inline)) void k_tile_rows(const k_tile *t, c
     }
 }
 
+
+// ---- 32-value tiles (AVX-512 with VNNI): KT_ROWS weight rows, all their blocks side by side
+//
+// Each int32 of the tile holds 4 values of one row as unsigned bytes (the value plus the
+// format's bias, taken off again through the activations' sums of 4), so one broadcast of
+// 4 activations meets 16 rows in one dpbusd. Its lanes are then the integers of the
+// one-row kernel's 8 lanes, and each row's 8 float lanes (two chains, even and odd blocks)
+// are kept as 16 vectors and summed in hsum256's order: the same bits as one row at a time.
+
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define T32_TILES 1
+
+// Each 32-value format's values as unsigned bytes, and what was added to make them so.
+static inline __m256i q4_0_values(const uint8_t *b) { return nibbles_of_16(b + 2); }
+static inline __m256i q4_1_values(const uint8_t *b) { return nibbles_of_16(b + 4); }
+static inline __m256i q5_0_values(const uint8_t *b) {
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    return _mm256_or_si256(nibbles_of_16(b + 6), bits_to_16s(qh));
+}
+static inline __m256i q5_1_values(const uint8_t *b) {
+    uint32_t qh;
+    memcpy(&qh, b + 4, 4);
+    return _mm256_or_si256(nibbles_of_16(b + 8), bits_to_16s(qh));
+}
+static inline __m256i q8_0_values(const uint8_t *b) {
+    return _mm256_xor_si256(load32(b + 2), _mm256_set1_epi8((char)0x80));
+}
+static inline __m256i q8_1_values(const uint8_t *b) {
+    return _mm256_xor_si256(load32(b + 4), _mm256_set1_epi8((char)0x80));
+}
+// log2 of the bias (-1: none, the offset formats, whose minimum is a term of its own)
+enum { q4_0_bias = 3, q5_0_bias = 4, q8_0_bias = 7, q8_1_bias = 7, q4_1_bias = -1,
+       q5_1_bias = -1 };
+static inline float q4_1_min(const uint8_t *b) { return half_to_float(b + 2); }
+static inline float q5_1_min(const uint8_t *b) { return half_to_float(b + 2); }
+#define q4_0_min(b) 0.0f
+#define q5_0_min(b) 0.0f
+#define q8_0_min(b) 0.0f
+#define q8_1_min(b) 0.0f
+
+typedef struct {
+    int32_t (*u)[8][KT_ROWS];  // [block][group g][row]: values 4g..4g+3, biased
+    float (*d)[KT_ROWS], (*m)[KT_ROWS];
+} t32_tile;
+
+static inline bool t32_alloc(int64_t blocks, t32_tile *t) {
+    t->u = malloc((size_t)blocks * sizeof *t->u);
+    t->d = malloc((size_t)blocks * sizeof *t->d);
+    t->m = malloc((size_t)blocks * sizeof *t->m);
+    return t->u && t->d && t->m;
+}
+static inline void t32_free(t32_tile *t) { free(t->u); free(t->d); free(t->m); }
+
+// One activation row against the tile: y[r] for its KT_ROWS rows.
+static inline void t32_row(const t32_tile *t, const act_rows *x, int64_t m, int64_t blocks,
+                           int bias, float *y) {
+    __m512 acc[2][8], extra[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int c = 0; c < 2; c++)
+        for (int l = 0; l < 8; l++) acc[c][l] = _mm512_setzero_ps();
+    const __m256i ones = _mm256_set1_epi8(1);
+    for (int64_t b = 0; b < blocks; b++) {
+        const act_block a = acts_32(x, m, b);
+        const int c = (int)(b & 1);
+        const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(t->d[b]), _mm512_set1_ps(a.d));
+        const __m256i q = load32(a.q);
+        int32_t start[8];  // each lane's sum starts at minus the bias times its activations
+        const __m256i sums4 = dot_u8s8_add(_mm256_setzero_si256(), ones, q);
+        _mm256_storeu_si256((__m256i *)start,
+                            bias < 0 ? _mm256_setzero_si256()
+                                     : _mm256_sub_epi32(_mm256_setzero_si256(),
+                                                        _mm256_slli_epi32(sums4, bias)));
+        for (int l = 0; l < 8; l++) {
+            int32_t x4;
+            memcpy(&x4, a.q + 4 * l, 4);
+            const __m512i lane = _mm512_dpbusd_epi32(_mm512_set1_epi32(start[l]),
+                                                     _mm512_loadu_si512((const void *)t->u[b][l]),
+                                                     _mm512_set1_epi32(x4));
+            acc[c][l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lane), scale, acc[c][l]);
+        }
+        if (bias < 0)
+            extra[c] = _mm512_fmadd_ps(_mm512_loadu_ps(t->m[b]), _mm512_set1_ps(a.s), extra[c]);
+    }
+    __m512 lanes[8];
+    for (int l = 0; l < 8; l++) lanes[l] = _mm512_add_ps(acc[0][l], acc[1][l]);
+    for (int l = 0; l < 4; l++) lanes[l] = _mm512_add_ps(lanes[l], lanes[l + 4]);
+    const __m512 even = _mm512_add_ps(lanes[0], lanes[2]), odd = _mm512_add_ps(lanes[1], lanes[3]);
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(even, odd), extra[0]);
+    _mm512_storeu_ps(y, _mm512_add_ps(sum, extra[1]));
+}
+
+// The blocks of KT_ROWS rows (row_bytes apart) into the tile.
+#define DEFINE_T32_FILL(NAME, BYTES)                                                          \
+    static void NAME##_t32_fill(const uint8_t *w, int64_t row_bytes, int64_t blocks,         \
+                                t32_tile *t) {                                               \
+        for (int64_t b = 0; b < blocks; b++) {                                               \
+            __m512i rows[8], cols[8];                                                        \
+            for (int r = 0; r < 8; r++) {                                                    \
+                const uint8_t *lo = w + r * row_bytes + b * BYTES;                           \
+                const uint8_t *hi = lo + 8 * row_bytes;                                      \
+                rows[r] = _mm512_inserti64x4(_mm512_castsi256_si512(NAME##_values(lo)),      \
+                                             NAME##_values(hi), 1);                          \
+            }                                                                                \
+            transpose_words(rows, cols);                                                     \
+            for (int g = 0; g < 8; g++) _mm512_storeu_si512((void *)t->u[b][g], cols[g]);    \
+            for (int r = 0; r < KT_ROWS; r++) {                                              \
+                t->d[b][r] = half_to_float(w + r * row_bytes + b * BYTES);                   \
+                t->m[b][r] = NAME##_min(w + r * row_bytes + b * BYTES);                      \
+            }                                                                                \
+        }                                                                                    \
+    }
+#endif
+
 // ---- the kernel: weight rows against activation rows ----------------------------------------
 
 static inline float hsum256(__m256 v) {
@@ -677,11 +790,44 @@ static inline void prefetch_block(const uint8_t *block, int bytes) {
     for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)(at + o), _MM_HINT_T0);
 }
 
+// Rows [0, returned) of count weight rows done in whole tiles of KT_ROWS (none with fewer
+// than T32_MIN_ROWS activation rows, where each weight row alone is faster, or where the
+// tiles are not built or their memory is not to be had: the other kernel gives the same bits).
+#define T32_MIN_ROWS 6
+#ifdef T32_TILES
+#define T32_TILES_OF(NAME, BYTES)                                                             \
+    DEFINE_T32_FILL(NAME, BYTES)                                                              \
+    static int64_t NAME##_tiles(const act_rows *x, int64_t rows, int64_t blocks,             \
+                                const uint8_t *w, int64_t count, float *y, int64_t stride) {  \
+        t32_tile tile = {0};                                                                  \
+        if (rows < T32_MIN_ROWS || count < KT_ROWS || !t32_alloc(blocks, &tile)) {           \
+            t32_free(&tile);                                                                  \
+            return 0;                                                                         \
+        }                                                                                     \
+        int64_t n = 0;                                                                        \
+        for (; n + KT_ROWS <= count; n += KT_ROWS) {                                          \
+            NAME##_t32_fill(w + n * blocks * BYTES, blocks * BYTES, blocks, &tile);           \
+            for (int64_t m = 0; m < rows; m++)                                                \
+                t32_row(&tile, x, m, blocks, NAME##_bias, y + m * stride + n);                \
+        }                                                                                     \
+        t32_free(&tile);                                                                      \
+        return n;                                                                             \
+    }
+#else
+#define T32_TILES_OF(NAME, BYTES)                                                             \
+    static int64_t NAME##_tiles(const act_rows *x, int64_t rows, int64_t blocks,             \
+                                const uint8_t *w, int64_t count, float *y, int64_t stride) {  \
+        (void)x, (void)rows, (void)blocks, (void)w, (void)count, (void)y, (void)stride;       \
+        return 0;                                                                             \
+    }
+#endif
+
 // y[m * stride + n] = sum_k x[m][k] * W[n][k] for m < rows, n < count (consecutive weight rows
 // from w). Four rows at a time unpack each weight block once and meet it in turn, their
 // accumulators in registers; the rows left over go one at a time. Every row sums in the same
 // order either way: even blocks in one chain, odd blocks in another, then the two chains.
 #define DEFINE_INT8_KERNEL(NAME, BLOCK, BYTES, ACTS)                                          \
+    T32_TILES_OF(NAME, BYTES)                                                                 \
     static inline void NAME##_one(const act_rows *x, int64_t m, int64_t blocks,               \
                                   const uint8_t *w, float *y) {                               \
         __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                        \
@@ -723,6 +869,8 @@ static inline void prefetch_block(const uint8_t *block, int bytes) {
                           int64_t count, float *y, int64_t stride) {                          \
         const act_rows *x = (const act_rows *)acts;                                           \
         const int64_t blocks = k_in / BLOCK, row_bytes = blocks * BYTES;                      \
+        const int64_t tiled = NAME##_tiles(x, rows, blocks, w, count, y, stride);             \
+        w += tiled * row_bytes, y += tiled, count -= tiled;                                   \
         for (int64_t m0 = 0; m0 < rows; m0 += INT8_ROW_BLOCK) {                               \
             const int64_t end = rows - m0 < INT8_ROW_BLOCK ? rows : m0 + INT8_ROW_BLOCK;      \
             for (int64_t n = 0; n < count; n++) {                                             \
