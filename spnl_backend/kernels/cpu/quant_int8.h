@@ -752,6 +752,8 @@ static inline void t32_row(const t32_tile *t, const act_rows *x, int64_t m, int6
             for (int r = 0; r < 8; r++) {                                                    \
                 const uint8_t *lo = w + r * row_bytes + b * BYTES;                           \
                 const uint8_t *hi = lo + 8 * row_bytes;                                      \
+                prefetch_ahead(lo, KT_ROWS * row_bytes, BYTES);                              \
+                prefetch_ahead(hi, KT_ROWS * row_bytes, BYTES);                              \
                 rows[r] = _mm512_inserti64x4(_mm512_castsi256_si512(NAME##_values(lo)),      \
                                              NAME##_values(hi), 1);                          \
             }                                                                                \
@@ -784,6 +786,15 @@ static inline float hsum256(__m256 v) {
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
 #endif
+
+// The cache lines of [at, at + bytes): a tile's fill asks for the next tile's rows (the
+// same thread's next task, most often) while it unpacks its own.
+// The address is formed as an integer: past the matrix, it is harmless.
+static inline void prefetch_ahead(const uint8_t *base, int64_t offset, int bytes) {
+    const uintptr_t at = (uintptr_t)base + (uintptr_t)offset;
+    for (int o = 0; o < bytes; o += 64)
+        _mm_prefetch((const char *)(at + (uintptr_t)o), _MM_HINT_T0);
+}
 
 static inline void prefetch_block(const uint8_t *block, int bytes) {
     const uintptr_t at = (uintptr_t)block + PREFETCH_BYTES;
@@ -926,8 +937,10 @@ static inline void prefetch_block(const uint8_t *block, int bytes) {
             const int64_t end = rows - m0 < KT_CHUNK ? rows : m0 + KT_CHUNK;                       \
             memset(acc, 0, sizeof acc);                                                            \
             for (int64_t b = 0; b < blocks; b++) {                                                 \
-                for (int r = 0; r < KT_ROWS; r++)                                                  \
+                for (int r = 0; r < KT_ROWS; r++) {                                                \
+                    prefetch_ahead(w, (KT_ROWS + r) * row_bytes + b * BYTES, BYTES);               \
                     NAME##_parts(w + r * row_bytes + b * BYTES, &parts[r]);                        \
+                }                                                                                  \
                 k_tile_fill(parts, &tile);                                                         \
                 int64_t m = m0;                                                                    \
                 for (; m + KT_MR <= end; m += KT_MR)                                               \
