@@ -9,13 +9,14 @@
 //  - for the k-quants, blocks of 256 with a float scale and the sum of every 16 values.
 // Within a weight block the products are summed in integers, sub-block scales included (and,
 // apart, the minimums or offsets times the activations' sums).
-//  - The 32-value formats then add (weight scale x activation scale) x each integer sum to
-//    a float accumulator of 8 lanes, even blocks to one chain and odd blocks to another
-//    (Q4_1/Q5_1 add their minimum terms to a float of their own).
+//  - The 32-value formats sum each block to one integer and add it, times (weight scale x
+//    activation scale), to one of 4 float chains, block b to chain b mod 4 (Q4_1/Q5_1 add
+//    their minimum terms to 4 chains of their own); the chains are summed at the end.
 //  - The k-quants sum each block to two integers and add them to two floats, in block order
-//    (k_dot). Many activation rows meet tiles of 16 weight rows side by side (k_tile); the
-//    integers are exact, so the tiles give the same bits as one row at a time, and the same
-//    on AVX2 as on AVX-512.
+//    (k_dot).
+// Many activation rows meet tiles of 16 weight rows side by side (k_tile, t32_tile). The
+// integers are exact, so the tiles give the same bits as one row at a time, and the same on
+// AVX2 as on AVX-512.
 // A row's result therefore depends on that row alone: every row count, one row or a prompt,
 // gets exactly the same bits.
 
@@ -31,7 +32,7 @@
 typedef struct {
     int8_t *q32, *q256;
     float *d32, *s32, *d256;  // s32: the block's scale times the sum of its values
-    int16_t *bsums;
+    int16_t *sums32, *bsums;  // sums32: the sum of a block of 32; bsums: of every 16 of 256
     int64_t k;
 } act_rows;
 
@@ -84,8 +85,9 @@ static inline int32_t sum_i32(__m256i v) {
 }
 
 // Blocks of 32: scale = max |x| / 127 (kept as float16), q = round(x * 127 / max |x|),
-// s = scale * sum(q).
-static void quantize_row_32(const float *x, int64_t k, int8_t *q, float *d, float *s) {
+// s = scale * sum(q), sums = sum(q).
+static void quantize_row_32(const float *x, int64_t k, int8_t *q, float *d, float *s,
+                            int16_t *sums) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t b = 0; b < k / 32; b++) {
         const float *xb = x + b * 32;
@@ -101,6 +103,7 @@ static void quantize_row_32(const float *x, int64_t k, int8_t *q, float *d, floa
                                                      _mm256_add_epi32(v2, v3)));
         d[b] = round_to_half(scale);
         s[b] = d[b] * (float)sum;  // exact: 12 bits of sum times 11 of a float16
+        sums[b] = (int16_t)sum;
     }
 }
 
@@ -165,9 +168,6 @@ static inline __m256i scaled_dot(__m256i u, __m256i s, __m256i scales16) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scales16);
 }
 
-static inline __m256 add_block(__m256i sum, float scale, __m256 acc) {
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(scale), acc);
-}
 
 static inline __m256i low_nibbles(__m256i q) { return _mm256_and_si256(q, _mm256_set1_epi8(0x0F)); }
 static inline __m256i high_nibbles(__m256i q) {
@@ -216,25 +216,36 @@ static inline __m256i words_i8(const int8_t *eight) {
 }
 // ---- one weight block against its activations -----------------------------------------------
 //
-// Each format has a struct of its block unpacked into registers (NAME_w), NAME_unpack to fill
-// it, and NAME_dot to add its products with one row's activations `a` to `acc` (and, for the
-// formats with a minimum per block, to `extra`). Several rows unpack a block once and meet it
-// in turn; one row does both at once. The arithmetic is the same.
+// Each format has a struct of its block unpacked into registers (NAME_w) and NAME_unpack to
+// fill it. The 32-value formats' NAME_ints give a block's products with one row of
+// activations as 8 int32 lanes (and NAME_min its minimum, 0 where it has none); the
+// k-quants' k_dot adds a block to a row's sums (below). Several rows unpack a block once
+// and meet it in turn; one row does both at once. The arithmetic is the same.
+
+// What the 32-value tiles add to each value to make it an unsigned byte, as log2 (-1: the
+// formats with a minimum, whose values are unsigned already and whose minimum is a term
+// of its own).
+enum { q4_0_bias = 3, q5_0_bias = 4, q8_0_bias = 7, q8_1_bias = 7, q4_1_bias = -1,
+       q5_1_bias = -1 };
 
 // The 32-value formats with signed values: |w| as the unsigned operand, w for the signs.
 typedef struct { __m256i u, w; float d; } signed_w;
-static inline __m256 signed_dot(const signed_w *w, act_block a, __m256 acc, float *extra) {
-    (void)extra;
-    return add_block(dot_u8s8(w->u, _mm256_sign_epi8(load32(a.q), w->w)), w->d * a.d, acc);
+static inline __m256i signed_ints(const signed_w *w, const int8_t *q) {
+    return dot_u8s8(w->u, _mm256_sign_epi8(load32(q), w->w));
 }
+static inline float signed_min(const signed_w *w) { (void)w; return 0.0f; }
 static inline void signed_from(__m256i w, float d, signed_w *out) {
     *out = (signed_w){_mm256_sign_epi8(w, w), w, d};
 }
 typedef signed_w q8_0_w, q8_1_w, q4_0_w, q5_0_w;
-#define q8_0_dot signed_dot
-#define q8_1_dot signed_dot
-#define q4_0_dot signed_dot
-#define q5_0_dot signed_dot
+#define q8_0_ints signed_ints
+#define q8_1_ints signed_ints
+#define q4_0_ints signed_ints
+#define q5_0_ints signed_ints
+#define q8_0_wmin signed_min
+#define q8_1_wmin signed_min
+#define q4_0_wmin signed_min
+#define q5_0_wmin signed_min
 static inline void q8_0_unpack(const uint8_t *b, signed_w *w) {
     signed_from(load32(b + 2), half_to_float(b), w);
 }
@@ -254,12 +265,14 @@ static inline void q5_0_unpack(const uint8_t *b, signed_w *w) {
 // The 32-value formats with a minimum: value = d * u + m.
 typedef struct { __m256i u; float d, m; } offset_w;
 typedef offset_w q4_1_w, q5_1_w;
-static inline __m256 offset_dot(const offset_w *w, act_block a, __m256 acc, float *extra) {
-    *extra = fmaf(w->m, a.s, *extra);  // as the tiles below: one rounding
-    return add_block(dot_u8s8(w->u, load32(a.q)), w->d * a.d, acc);
+static inline __m256i offset_ints(const offset_w *w, const int8_t *q) {
+    return dot_u8s8(w->u, load32(q));
 }
-#define q4_1_dot offset_dot
-#define q5_1_dot offset_dot
+static inline float offset_min(const offset_w *w) { return w->m; }
+#define q4_1_ints offset_ints
+#define q5_1_ints offset_ints
+#define q4_1_wmin offset_min
+#define q5_1_wmin offset_min
 static inline void q4_1_unpack(const uint8_t *b, offset_w *w) {
     *w = (offset_w){nibbles_of_16(b + 4), half_to_float(b), half_to_float(b + 2)};
 }
@@ -656,10 +669,11 @@ static inline __attribute__((always_inline)) void k_tile_rows(const k_tile *t, c
 // ---- 32-value tiles (AVX-512 with VNNI): KT_ROWS weight rows, all their blocks side by side
 //
 // Each int32 of the tile holds 4 values of one row as unsigned bytes (the value plus the
-// format's bias, taken off again through the activations' sums of 4), so one broadcast of
-// 4 activations meets 16 rows in one dpbusd. Its lanes are then the integers of the
-// one-row kernel's 8 lanes, and each row's 8 float lanes (two chains, even and odd blocks)
-// are kept as 16 vectors and summed in hsum256's order: the same bits as one row at a time.
+// format's bias, taken off again through the activations' sum), so one broadcast of 4
+// activations meets 16 rows in one dpbusd and a block's integer comes out for 16 rows in
+// one vector. Each row's 4 float chains (block b in chain b mod 4, as NAME_by_rows keeps
+// them) are 4 vectors, summed at the end in sum_chains' order: the same bits as one row at
+// a time.
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define T32_TILES 1
@@ -683,9 +697,6 @@ static inline __m256i q8_0_values(const uint8_t *b) {
 static inline __m256i q8_1_values(const uint8_t *b) {
     return _mm256_xor_si256(load32(b + 4), _mm256_set1_epi8((char)0x80));
 }
-// log2 of the bias (-1: none, the offset formats, whose minimum is a term of its own)
-enum { q4_0_bias = 3, q5_0_bias = 4, q8_0_bias = 7, q8_1_bias = 7, q4_1_bias = -1,
-       q5_1_bias = -1 };
 static inline float q4_1_min(const uint8_t *b) { return half_to_float(b + 2); }
 static inline float q5_1_min(const uint8_t *b) { return half_to_float(b + 2); }
 #define q4_0_min(b) 0.0f
@@ -706,42 +717,38 @@ static inline bool t32_alloc(int64_t blocks, t32_tile *t) {
 }
 static inline void t32_free(t32_tile *t) { free(t->u); free(t->d); free(t->m); }
 
+// The 4 chains of 16 rows summed as sum_chains sums the lanes of one row's chains.
+static inline __m512 hsum_chains(const __m512 c[4]) {
+    return _mm512_add_ps(_mm512_add_ps(c[0], c[2]), _mm512_add_ps(c[1], c[3]));
+}
+
 // One activation row against the tile: y[r] for its KT_ROWS rows.
 static inline void t32_row(const t32_tile *t, const act_rows *x, int64_t m, int64_t blocks,
                            int bias, float *y) {
-    __m512 acc[2][8], extra[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int c = 0; c < 2; c++)
-        for (int l = 0; l < 8; l++) acc[c][l] = _mm512_setzero_ps();
-    const __m256i ones = _mm256_set1_epi8(1);
+    __m512 acc[4], extra[4];
+    for (int c = 0; c < 4; c++) acc[c] = extra[c] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        const act_block a = acts_32(x, m, b);
-        const int c = (int)(b & 1);
-        const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(t->d[b]), _mm512_set1_ps(a.d));
-        const __m256i q = load32(a.q);
-        int32_t start[8];  // each lane's sum starts at minus the bias times its activations
-        const __m256i sums4 = dot_u8s8_add(_mm256_setzero_si256(), ones, q);
-        _mm256_storeu_si256((__m256i *)start,
-                            bias < 0 ? _mm256_setzero_si256()
-                                     : _mm256_sub_epi32(_mm256_setzero_si256(),
-                                                        _mm256_slli_epi32(sums4, bias)));
+        const int64_t at = m * (x->k / 32) + b;
+        const int8_t *q = x->q32 + at * 32;
+        const int c = (int)(b % 4);
+        __m512i sum = _mm512_set1_epi32(bias < 0 ? 0 : -((int32_t)x->sums32[at] << bias));
         for (int l = 0; l < 8; l++) {
             int32_t x4;
-            memcpy(&x4, a.q + 4 * l, 4);
-            const __m512i lane = _mm512_dpbusd_epi32(_mm512_set1_epi32(start[l]),
-                                                     _mm512_loadu_si512((const void *)t->u[b][l]),
-                                                     _mm512_set1_epi32(x4));
-            acc[c][l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lane), scale, acc[c][l]);
+            memcpy(&x4, q + 4 * l, 4);
+            sum = _mm512_dpbusd_epi32(sum, _mm512_loadu_si512((const void *)t->u[b][l]),
+                                      _mm512_set1_epi32(x4));
         }
+        const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(t->d[b]), _mm512_set1_ps(x->d32[at]));
+        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[c]);
         if (bias < 0)
-            extra[c] = _mm512_fmadd_ps(_mm512_loadu_ps(t->m[b]), _mm512_set1_ps(a.s), extra[c]);
+            extra[c] = _mm512_fmadd_ps(_mm512_loadu_ps(t->m[b]), _mm512_set1_ps(x->s32[at]),
+                                       extra[c]);
     }
-    __m512 lanes[8];
-    for (int l = 0; l < 8; l++) lanes[l] = _mm512_add_ps(acc[0][l], acc[1][l]);
-    for (int l = 0; l < 4; l++) lanes[l] = _mm512_add_ps(lanes[l], lanes[l + 4]);
-    const __m512 even = _mm512_add_ps(lanes[0], lanes[2]), odd = _mm512_add_ps(lanes[1], lanes[3]);
-    const __m512 sum = _mm512_add_ps(_mm512_add_ps(even, odd), extra[0]);
-    _mm512_storeu_ps(y, _mm512_add_ps(sum, extra[1]));
+    __m512 sum = hsum_chains(acc);
+    if (bias < 0) sum = _mm512_add_ps(sum, hsum_chains(extra));
+    _mm512_storeu_ps(y, sum);
 }
+
 
 // The blocks of KT_ROWS rows (row_bytes apart) into the tile.
 #define DEFINE_T32_FILL(NAME, BYTES)                                                          \
@@ -833,48 +840,83 @@ static inline void prefetch_block(const uint8_t *block, int bytes) {
     }
 #endif
 
-// y[m * stride + n] = sum_k x[m][k] * W[n][k] for m < rows, n < count (consecutive weight rows
-// from w). Four rows at a time unpack each weight block once and meet it in turn, their
-// accumulators in registers; the rows left over go one at a time. Every row sums in the same
-// order either way: even blocks in one chain, odd blocks in another, then the two chains.
+// The 32-value formats: a row's blocks give one integer each (their 8 lanes summed, exact),
+// and block b adds integer x (weight scale x activation scale) to float chain b mod 4 (and
+// its minimum x the activations' scaled sum to a chain of minimums, for the formats that
+// have one); the chains are summed at the end, (0 + 2) + (1 + 3). Four blocks at a time:
+// their lanes are summed together, and their scales multiply in one vector.
+#define CHAINS 4
+
+// Lane i: the sum of the 8 lanes of s[i].
+static inline __m128i sum_lanes4(const __m256i s[4]) {
+    const __m256i ab = _mm256_hadd_epi32(s[0], s[1]), cd = _mm256_hadd_epi32(s[2], s[3]);
+    const __m256i all = _mm256_hadd_epi32(ab, cd);
+    return _mm_add_epi32(_mm256_castsi256_si128(all), _mm256_extracti128_si256(all, 1));
+}
+
+// n <= 4 floats, the rest 0.
+static inline __m128 load_floats(const float *p, int n) {
+    if (n == CHAINS) return _mm_loadu_ps(p);
+    float v[CHAINS] = {0};
+    memcpy(v, p, (size_t)n * sizeof(float));
+    return _mm_loadu_ps(v);
+}
+
+// The chains' sum: (0 + 2) + (1 + 3).
+static inline float sum_chains(__m128 v) {
+    const __m128 half = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+
+// y[r * stride] for activation rows m..m+mr-1 (mr <= 4) against one weight row, each
+// unpacked block meeting the rows in turn.
 #define DEFINE_INT8_KERNEL(NAME, BLOCK, BYTES, ACTS)                                          \
     T32_TILES_OF(NAME, BYTES)                                                                 \
-    static inline void NAME##_one(const act_rows *x, int64_t m, int64_t blocks,               \
-                                  const uint8_t *w, float *y) {                               \
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                        \
-        float extra0 = 0.0f, extra1 = 0.0f;                                                   \
-        for (int64_t b = 0; b < blocks; b += 2) {                                             \
-            prefetch_block(w + b * BYTES, 2 * BYTES);                                         \
-            NAME##_w w0;                                                                      \
-            NAME##_unpack(w + b * BYTES, &w0);                                                \
-            acc0 = NAME##_dot(&w0, ACTS(x, m, b), acc0, &extra0);                             \
-            if (b + 1 == blocks) break;                                                       \
-            NAME##_w w1;                                                                      \
-            NAME##_unpack(w + (b + 1) * BYTES, &w1);                                          \
-            acc1 = NAME##_dot(&w1, ACTS(x, m, b + 1), acc1, &extra1);                         \
+    /* blocks b0..b0+n-1 (n <= CHAINS) into the chains of rows m..m+mr-1 */                  \
+    static inline __attribute__((always_inline)) void NAME##_group(                           \
+        const act_rows *x, int64_t m, int mr, int64_t b0, int n, const uint8_t *w,            \
+        __m128 *acc, __m128 *extra) {                                                         \
+        const int64_t per_row = x->k / 32;                                                    \
+        __m256i ints[4][CHAINS];                                                              \
+        float d[CHAINS] = {0}, mins[CHAINS] = {0};                                            \
+        /* the builtin by name: GCC 12 dropped prefetch_block's prefetch here */              \
+        for (int o = 0; o < CHAINS * BYTES; o += 64)                                          \
+            __builtin_prefetch((const void *)((uintptr_t)w + (uintptr_t)(b0 * BYTES + o)      \
+                                              + PREFETCH_BYTES), 0, 3);                       \
+        for (int i = 0; i < CHAINS; i++) {                                                    \
+            if (i >= n) {                                                                     \
+                for (int r = 0; r < mr; r++) ints[r][i] = _mm256_setzero_si256();             \
+                continue;                                                                     \
+            }                                                                                 \
+            const uint8_t *block = w + (b0 + i) * BYTES;                                      \
+            NAME##_w wb;                                                                      \
+            NAME##_unpack(block, &wb);                                                        \
+            d[i] = wb.d, mins[i] = NAME##_wmin(&wb);                                          \
+            for (int r = 0; r < mr; r++)                                                      \
+                ints[r][i] = NAME##_ints(&wb, x->q32 + ((m + r) * per_row + b0 + i) * 32);    \
         }                                                                                     \
-        *y = hsum256(_mm256_add_ps(acc0, acc1)) + extra0 + extra1;                            \
+        const __m128 dv = _mm_loadu_ps(d), mv = _mm_loadu_ps(mins);                           \
+        for (int r = 0; r < mr; r++) {                                                        \
+            const int64_t at = (m + r) * per_row + b0;                                        \
+            const __m128 scale = _mm_mul_ps(dv, load_floats(x->d32 + at, n));                 \
+            acc[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(sum_lanes4(ints[r])), scale, acc[r]);       \
+            if (NAME##_bias < 0)                                                              \
+                extra[r] = _mm_fmadd_ps(mv, load_floats(x->s32 + at, n), extra[r]);           \
+        }                                                                                     \
     }                                                                                         \
-    static inline void NAME##_four(const act_rows *x, int64_t m, int64_t blocks,              \
-                                   const uint8_t *w, float *y, int64_t stride) {              \
-        __m256 acc[2][4];                                                                     \
-        float extra[2][4] = {{0.0f}};                                                         \
-        for (int r = 0; r < 4; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();              \
-        for (int64_t b = 0; b < blocks; b += 2) {                                             \
-            prefetch_block(w + b * BYTES, 2 * BYTES);                                         \
-            NAME##_w w0;                                                                      \
-            NAME##_unpack(w + b * BYTES, &w0);                                                \
-            for (int r = 0; r < 4; r++)                                                       \
-                acc[0][r] = NAME##_dot(&w0, ACTS(x, m + r, b), acc[0][r], &extra[0][r]);      \
-            if (b + 1 == blocks) break;                                                       \
-            NAME##_w w1;                                                                      \
-            NAME##_unpack(w + (b + 1) * BYTES, &w1);                                          \
-            for (int r = 0; r < 4; r++)                                                       \
-                acc[1][r] = NAME##_dot(&w1, ACTS(x, m + r, b + 1), acc[1][r], &extra[1][r]);  \
-        }                                                                                     \
-        for (int r = 0; r < 4; r++)                                                           \
-            y[r * stride] = hsum256(_mm256_add_ps(acc[0][r], acc[1][r])) + extra[0][r]        \
-                            + extra[1][r];                                                    \
+    /* y[r * stride] for activation rows m..m+mr-1 (mr <= 4) against one weight row */       \
+    static inline __attribute__((always_inline)) void NAME##_by_rows(                         \
+        const act_rows *x, int64_t m, int mr, int64_t blocks, const uint8_t *w, float *y,    \
+        int64_t stride) {                                                                     \
+        __m128 acc[4], extra[4];                                                              \
+        for (int r = 0; r < mr; r++) acc[r] = extra[r] = _mm_setzero_ps();                   \
+        int64_t b0 = 0;                                                                       \
+        for (; b0 + CHAINS <= blocks; b0 += CHAINS)                                           \
+            NAME##_group(x, m, mr, b0, CHAINS, w, acc, extra);                                \
+        if (b0 < blocks) NAME##_group(x, m, mr, b0, (int)(blocks - b0), w, acc, extra);      \
+        for (int r = 0; r < mr; r++)                                                          \
+            y[r * stride] = NAME##_bias < 0 ? sum_chains(acc[r]) + sum_chains(extra[r])       \
+                                            : sum_chains(acc[r]);                             \
     }                                                                                         \
     static void NAME##_i8(const void *acts, int64_t rows, int64_t k_in, const uint8_t *w,     \
                           int64_t count, float *y, int64_t stride) {                          \
@@ -884,13 +926,17 @@ static inline void prefetch_block(const uint8_t *block, int bytes) {
         w += tiled * row_bytes, y += tiled, count -= tiled;                                   \
         for (int64_t m0 = 0; m0 < rows; m0 += INT8_ROW_BLOCK) {                               \
             const int64_t end = rows - m0 < INT8_ROW_BLOCK ? rows : m0 + INT8_ROW_BLOCK;      \
-            for (int64_t n = 0; n < count; n++) {                                             \
-                const uint8_t *wn = w + n * row_bytes;                                        \
-                int64_t m = m0;                                                               \
-                for (; m + 4 <= end; m += 4)                                                  \
-                    NAME##_four(x, m, blocks, wn, y + m * stride + n, stride);                \
-                for (; m < end; m++) NAME##_one(x, m, blocks, wn, y + m * stride + n);        \
-            }                                                                                 \
+            for (int64_t n = 0; n < count; n++)                                               \
+                for (int64_t m = m0; m < end; m += 4) {                                       \
+                    const uint8_t *wn = w + n * row_bytes;                                    \
+                    float *ym = y + m * stride + n;                                           \
+                    switch (end - m) { /* a constant row count: registers, not arrays */      \
+                    case 1: NAME##_by_rows(x, m, 1, blocks, wn, ym, stride); break;           \
+                    case 2: NAME##_by_rows(x, m, 2, blocks, wn, ym, stride); break;           \
+                    case 3: NAME##_by_rows(x, m, 3, blocks, wn, ym, stride); break;           \
+                    default: NAME##_by_rows(x, m, 4, blocks, wn, ym, stride);                 \
+                    }                                                                         \
+                }                                                                             \
         }                                                                                     \
     }
 

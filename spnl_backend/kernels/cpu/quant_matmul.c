@@ -348,13 +348,14 @@ static bool quantize_rows(const float *x, int64_t rows, int64_t k_in, bool b32, 
         out->q32 = malloc(n);
         out->d32 = malloc(n / 32 * sizeof(float));
         out->s32 = malloc(n / 32 * sizeof(float));
+        out->sums32 = malloc(n / 32 * sizeof(int16_t));
     }
     if (b256) {
         out->q256 = malloc(n);
         out->d256 = malloc(n / 256 * sizeof(float));
         out->bsums = malloc(n / 16 * sizeof(int16_t));
     }
-    if ((b32 && (!out->q32 || !out->d32 || !out->s32))
+    if ((b32 && (!out->q32 || !out->d32 || !out->s32 || !out->sums32))
         || (b256 && (!out->q256 || !out->d256 || !out->bsums)))
         return false;
     #pragma omp parallel for schedule(static) num_threads(threads)
@@ -362,7 +363,7 @@ static bool quantize_rows(const float *x, int64_t rows, int64_t k_in, bool b32, 
         const float *xm = x + m * k_in;
         if (b32)
             quantize_row_32(xm, k_in, out->q32 + m * k_in, out->d32 + m * k_in / 32,
-                            out->s32 + m * k_in / 32);
+                            out->s32 + m * k_in / 32, out->sums32 + m * k_in / 32);
         if (b256)
             quantize_row_256(xm, k_in, out->q256 + m * k_in, out->d256 + m * k_in / 256,
                              out->bsums + m * k_in / 16);
@@ -371,7 +372,8 @@ static bool quantize_rows(const float *x, int64_t rows, int64_t k_in, bool b32, 
 }
 
 static void free_rows(act_rows *a) {
-    free(a->q32); free(a->d32); free(a->s32); free(a->q256); free(a->d256); free(a->bsums);
+    free(a->q32); free(a->d32); free(a->s32); free(a->sums32);
+    free(a->q256); free(a->d256); free(a->bsums);
 }
 #endif
 
