@@ -731,7 +731,7 @@ static inline void t32_row(const t32_tile *t, const act_rows *x, int64_t m, int6
         const int64_t at = m * (x->k / 32) + b;
         const int8_t *q = x->q32 + at * 32;
         const int c = (int)(b % 4);
-        __m512i sum = _mm512_set1_epi32(bias < 0 ? 0 : -((int32_t)x->sums32[at] << bias));
+        __m512i sum = _mm512_set1_epi32(bias < 0 ? 0 : -(int32_t)x->sums32[at] * (1 << bias));
         for (int l = 0; l < 8; l++) {
             int32_t x4;
             memcpy(&x4, q + 4 * l, 4);
