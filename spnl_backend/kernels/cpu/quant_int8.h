@@ -479,12 +479,12 @@ K_UNPACK(q4_k)
 K_UNPACK(q5_k)
 K_UNPACK(q6_k)
 
-
 // ---- k-quant tiles: the blocks of KT_ROWS weight rows side by side ----------------------------
 //
 // For many activation rows a block is unpacked once into a tile whose every int32 holds 4
-// values of one row, 16 rows to a pair of vectors: one broadcast of 4 activations then meets
-// 16 weight rows at once, and S and M come out for 16 rows in the lanes of two vectors.
+// values of one row, 16 rows to a vector (lanes16: two with AVX2): one broadcast of 4
+// activations then meets 16 weight rows at once, and S and M come out for 16 rows in the
+// lanes of one vector each.
 
 #define KT_ROWS 16
 #define KT_MR 4        // activation rows that meet each tile vector while it is in a register
