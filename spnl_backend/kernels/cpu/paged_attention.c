@@ -53,30 +53,29 @@ static inline __m512 fold_pairs(__m512 a, __m512 b, int level) {
                              _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
     }
 }
+#endif
 
 static void dots(const float *q, const float *const *keys, int64_t n, int64_t dim, float *sums) {
-    if (dim % 16) {
-        for (int64_t t = 0; t < n; t++) sums[t] = dot(q, keys[t], dim);
+#if defined(__AVX512F__)
+    if (dim % 16 == 0) {
+        __m512 acc[DOTS];
+        for (int t = 0; t < DOTS; t++) acc[t] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < dim; i += 16) {
+            const __m512 qi = _mm512_loadu_ps(q + i);
+            for (int t = 0; t < DOTS; t++)
+                acc[t] = _mm512_fmadd_ps(qi, _mm512_loadu_ps(keys[t] + i), acc[t]);
+        }
+        for (int level = 0, width = DOTS; level < 4; level++, width /= 2)
+            for (int t = 0; t < width / 2; t++)
+                acc[t] = fold_pairs(acc[2 * t], acc[2 * t + 1], level);
+        float lanes[16];
+        _mm512_storeu_ps(lanes, acc[0]);
+        for (int64_t t = 0; t < n; t++) sums[t] = lanes[(t % 4) * 4 + t / 4];  // the tree's order
         return;
     }
-    __m512 acc[DOTS];
-    for (int t = 0; t < DOTS; t++) acc[t] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < dim; i += 16) {
-        const __m512 qi = _mm512_loadu_ps(q + i);
-        for (int t = 0; t < DOTS; t++)
-            acc[t] = _mm512_fmadd_ps(qi, _mm512_loadu_ps(keys[t] + i), acc[t]);
-    }
-    for (int level = 0, width = DOTS; level < 4; level++, width /= 2)
-        for (int t = 0; t < width / 2; t++) acc[t] = fold_pairs(acc[2 * t], acc[2 * t + 1], level);
-    float lanes[16];
-    _mm512_storeu_ps(lanes, acc[0]);
-    for (int64_t t = 0; t < n; t++) sums[t] = lanes[(t % 4) * 4 + t / 4];  // the tree's order
-}
-#else
-static void dots(const float *q, const float *const *keys, int64_t n, int64_t dim, float *sums) {
+#endif
     for (int64_t t = 0; t < n; t++) sums[t] = dot(q, keys[t], dim);
 }
-#endif
 
 // out[i] = sum over j < count, in key order, of e[j] * value j [i]: 64 floats of the head at
 // a time held in registers while the keys pass.

@@ -36,17 +36,12 @@ typedef struct {
     int64_t k;
 } act_rows;
 
-// One weight block's activations.
-typedef struct { const int8_t *q; float d, s; const int16_t *bsums; } act_block;
+// One k-quant block's activations.
+typedef struct { const int8_t *q; float d; const int16_t *bsums; } act_block;
 
-static inline act_block acts_32(const act_rows *x, int64_t m, int64_t b) {
-    const int64_t at = m * x->k / 32 + b;
-    return (act_block){x->q32 + at * 32, x->d32[at], x->s32[at], NULL};
-}
-
-static inline act_block acts_256(const act_rows *x, int64_t m, int64_t b) {
-    const int64_t at = m * x->k / 256 + b;
-    return (act_block){x->q256 + at * 256, x->d256[at], 0.0f, x->bsums + at * 16};
+// Block `at` of the activations, counting from row 0's first.
+static inline act_block acts_256(const act_rows *x, int64_t at) {
+    return (act_block){x->q256 + at * 256, x->d256[at], x->bsums + at * 16};
 }
 
 static inline float round_to_half(float v) {
@@ -168,7 +163,6 @@ static inline __m256i scaled_dot(__m256i u, __m256i s, __m256i scales16) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scales16);
 }
 
-
 static inline __m256i low_nibbles(__m256i q) { return _mm256_and_si256(q, _mm256_set1_epi8(0x0F)); }
 static inline __m256i high_nibbles(__m256i q) {
     return _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(0x0F));
@@ -228,6 +222,30 @@ static inline __m256i words_i8(const int8_t *eight) {
 enum { q4_0_bias = 3, q5_0_bias = 4, q8_0_bias = 7, q8_1_bias = 7, q4_1_bias = -1,
        q5_1_bias = -1 };
 
+// The float chains of a 32-value format's row: block b goes to chain b mod CHAINS.
+#define CHAINS 4
+
+// Each 32-value format's values as unsigned bytes (the value plus 2^bias): what the
+// tiles hold, and what the one-row unpacking starts from.
+static inline __m256i q4_0_values(const uint8_t *b) { return nibbles_of_16(b + 2); }
+static inline __m256i q4_1_values(const uint8_t *b) { return nibbles_of_16(b + 4); }
+static inline __m256i q5_0_values(const uint8_t *b) {
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    return _mm256_or_si256(nibbles_of_16(b + 6), bits_to_16s(qh));
+}
+static inline __m256i q5_1_values(const uint8_t *b) {
+    uint32_t qh;
+    memcpy(&qh, b + 4, 4);
+    return _mm256_or_si256(nibbles_of_16(b + 8), bits_to_16s(qh));
+}
+static inline __m256i q8_0_values(const uint8_t *b) {
+    return _mm256_xor_si256(load32(b + 2), _mm256_set1_epi8((char)0x80));
+}
+static inline __m256i q8_1_values(const uint8_t *b) {
+    return _mm256_xor_si256(load32(b + 4), _mm256_set1_epi8((char)0x80));
+}
+
 // The 32-value formats with signed values: |w| as the unsigned operand, w for the signs.
 typedef struct { __m256i u, w; float d; } signed_w;
 static inline __m256i signed_ints(const signed_w *w, const int8_t *q) {
@@ -253,13 +271,10 @@ static inline void q8_1_unpack(const uint8_t *b, signed_w *w) {
     signed_from(load32(b + 4), half_to_float(b), w);
 }
 static inline void q4_0_unpack(const uint8_t *b, signed_w *w) {
-    signed_from(_mm256_sub_epi8(nibbles_of_16(b + 2), _mm256_set1_epi8(8)), half_to_float(b), w);
+    signed_from(_mm256_sub_epi8(q4_0_values(b), _mm256_set1_epi8(8)), half_to_float(b), w);
 }
 static inline void q5_0_unpack(const uint8_t *b, signed_w *w) {
-    uint32_t qh;
-    memcpy(&qh, b + 2, 4);
-    const __m256i v = _mm256_or_si256(nibbles_of_16(b + 6), bits_to_16s(qh));
-    signed_from(_mm256_sub_epi8(v, _mm256_set1_epi8(16)), half_to_float(b), w);
+    signed_from(_mm256_sub_epi8(q5_0_values(b), _mm256_set1_epi8(16)), half_to_float(b), w);
 }
 
 // The 32-value formats with a minimum: value = d * u + m.
@@ -274,13 +289,10 @@ static inline float offset_min(const offset_w *w) { return w->m; }
 #define q4_1_wmin offset_min
 #define q5_1_wmin offset_min
 static inline void q4_1_unpack(const uint8_t *b, offset_w *w) {
-    *w = (offset_w){nibbles_of_16(b + 4), half_to_float(b), half_to_float(b + 2)};
+    *w = (offset_w){q4_1_values(b), half_to_float(b), half_to_float(b + 2)};
 }
 static inline void q5_1_unpack(const uint8_t *b, offset_w *w) {
-    uint32_t qh;
-    memcpy(&qh, b + 4, 4);
-    const __m256i u = _mm256_or_si256(nibbles_of_16(b + 8), bits_to_16s(qh));
-    *w = (offset_w){u, half_to_float(b), half_to_float(b + 2)};
+    *w = (offset_w){q5_1_values(b), half_to_float(b), half_to_float(b + 2)};
 }
 
 // The k-quants: 8 vectors of 32 unsigned values, each with the int16 scales of its sub-blocks
@@ -665,7 +677,6 @@ static inline __attribute__((always_inline)) void k_tile_rows(const k_tile *t, c
     }
 }
 
-
 // ---- 32-value tiles (AVX-512 with VNNI): KT_ROWS weight rows, all their blocks side by side
 //
 // Each int32 of the tile holds 4 values of one row as unsigned bytes (the value plus the
@@ -678,25 +689,6 @@ static inline __attribute__((always_inline)) void k_tile_rows(const k_tile *t, c
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define T32_TILES 1
 
-// Each 32-value format's values as unsigned bytes, and what was added to make them so.
-static inline __m256i q4_0_values(const uint8_t *b) { return nibbles_of_16(b + 2); }
-static inline __m256i q4_1_values(const uint8_t *b) { return nibbles_of_16(b + 4); }
-static inline __m256i q5_0_values(const uint8_t *b) {
-    uint32_t qh;
-    memcpy(&qh, b + 2, 4);
-    return _mm256_or_si256(nibbles_of_16(b + 6), bits_to_16s(qh));
-}
-static inline __m256i q5_1_values(const uint8_t *b) {
-    uint32_t qh;
-    memcpy(&qh, b + 4, 4);
-    return _mm256_or_si256(nibbles_of_16(b + 8), bits_to_16s(qh));
-}
-static inline __m256i q8_0_values(const uint8_t *b) {
-    return _mm256_xor_si256(load32(b + 2), _mm256_set1_epi8((char)0x80));
-}
-static inline __m256i q8_1_values(const uint8_t *b) {
-    return _mm256_xor_si256(load32(b + 4), _mm256_set1_epi8((char)0x80));
-}
 static inline float q4_1_min(const uint8_t *b) { return half_to_float(b + 2); }
 static inline float q5_1_min(const uint8_t *b) { return half_to_float(b + 2); }
 #define q4_0_min(b) 0.0f
@@ -718,19 +710,19 @@ static inline bool t32_alloc(int64_t blocks, t32_tile *t) {
 static inline void t32_free(t32_tile *t) { free(t->u); free(t->d); free(t->m); }
 
 // The 4 chains of 16 rows summed as sum_chains sums the lanes of one row's chains.
-static inline __m512 hsum_chains(const __m512 c[4]) {
+static inline __m512 hsum_chains(const __m512 c[CHAINS]) {
     return _mm512_add_ps(_mm512_add_ps(c[0], c[2]), _mm512_add_ps(c[1], c[3]));
 }
 
 // One activation row against the tile: y[r] for its KT_ROWS rows.
 static inline void t32_row(const t32_tile *t, const act_rows *x, int64_t m, int64_t blocks,
                            int bias, float *y) {
-    __m512 acc[4], extra[4];
-    for (int c = 0; c < 4; c++) acc[c] = extra[c] = _mm512_setzero_ps();
+    __m512 acc[CHAINS], extra[CHAINS];
+    for (int c = 0; c < CHAINS; c++) acc[c] = extra[c] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t at = m * (x->k / 32) + b;
         const int8_t *q = x->q32 + at * 32;
-        const int c = (int)(b % 4);
+        const int c = (int)(b % CHAINS);
         __m512i sum = _mm512_set1_epi32(bias < 0 ? 0 : -(int32_t)x->sums32[at] * (1 << bias));
         for (int l = 0; l < 8; l++) {
             int32_t x4;
@@ -748,7 +740,6 @@ static inline void t32_row(const t32_tile *t, const act_rows *x, int64_t m, int6
     if (bias < 0) sum = _mm512_add_ps(sum, hsum_chains(extra));
     _mm512_storeu_ps(y, sum);
 }
-
 
 // The blocks of KT_ROWS rows (row_bytes apart) into the tile.
 #define DEFINE_T32_FILL(NAME, BYTES)                                                          \
@@ -776,13 +767,6 @@ static inline void t32_row(const t32_tile *t, const act_rows *x, int64_t m, int6
 
 // ---- the kernel: weight rows against activation rows ----------------------------------------
 
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 // Activation rows that meet a tile of weight rows before the next rows come: they stay in the
 // cache while the tile's rows pass.
 #define INT8_ROW_BLOCK 32
@@ -796,16 +780,15 @@ static inline float hsum256(__m256 v) {
 
 // The cache lines of [at, at + bytes): a tile's fill asks for the next tile's rows (the
 // same thread's next task, most often) while it unpacks its own.
-// The address is formed as an integer: past the matrix, it is harmless.
+// The address is formed as an integer: past the matrix, it is harmless. The builtin by
+// name: GCC 12 drops _mm_prefetch inside the always-inline row loops below, and keeps it.
 static inline void prefetch_ahead(const uint8_t *base, int64_t offset, int bytes) {
     const uintptr_t at = (uintptr_t)base + (uintptr_t)offset;
-    for (int o = 0; o < bytes; o += 64)
-        _mm_prefetch((const char *)(at + (uintptr_t)o), _MM_HINT_T0);
+    for (int o = 0; o < bytes; o += 64) __builtin_prefetch((const void *)(at + (uintptr_t)o), 0, 3);
 }
 
 static inline void prefetch_block(const uint8_t *block, int bytes) {
-    const uintptr_t at = (uintptr_t)block + PREFETCH_BYTES;
-    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)(at + o), _MM_HINT_T0);
+    prefetch_ahead(block, PREFETCH_BYTES, bytes);
 }
 
 // Rows [0, returned) of count weight rows done in whole tiles of KT_ROWS (none with fewer
@@ -840,13 +823,21 @@ static inline void prefetch_block(const uint8_t *block, int bytes) {
     }
 #endif
 
+// FN(mr, ...) for the next min(left, 4) activation rows, mr a constant in each call: the
+// rows' sums then stay in registers.
+#define FOUR_ROWS(FN, left, ...)                                                              \
+    switch (left) {                                                                           \
+    case 1: FN(1, __VA_ARGS__); break;                                                        \
+    case 2: FN(2, __VA_ARGS__); break;                                                        \
+    case 3: FN(3, __VA_ARGS__); break;                                                        \
+    default: FN(4, __VA_ARGS__);                                                              \
+    }
+
 // The 32-value formats: a row's blocks give one integer each (their 8 lanes summed, exact),
 // and block b adds integer x (weight scale x activation scale) to float chain b mod 4 (and
 // its minimum x the activations' scaled sum to a chain of minimums, for the formats that
 // have one); the chains are summed at the end, (0 + 2) + (1 + 3). Four blocks at a time:
 // their lanes are summed together, and their scales multiply in one vector.
-#define CHAINS 4
-
 // Lane i: the sum of the 8 lanes of s[i].
 static inline __m128i sum_lanes4(const __m256i s[4]) {
     const __m256i ab = _mm256_hadd_epi32(s[0], s[1]), cd = _mm256_hadd_epi32(s[2], s[3]);
@@ -870,7 +861,7 @@ static inline float sum_chains(__m128 v) {
 
 // y[r * stride] for activation rows m..m+mr-1 (mr <= 4) against one weight row, each
 // unpacked block meeting the rows in turn.
-#define DEFINE_INT8_KERNEL(NAME, BLOCK, BYTES, ACTS)                                          \
+#define DEFINE_INT8_KERNEL(NAME, BLOCK, BYTES)                                          \
     T32_TILES_OF(NAME, BYTES)                                                                 \
     /* blocks b0..b0+n-1 (n <= CHAINS) into the chains of rows m..m+mr-1 */                  \
     static inline __attribute__((always_inline)) void NAME##_group(                           \
@@ -879,10 +870,7 @@ static inline float sum_chains(__m128 v) {
         const int64_t per_row = x->k / 32;                                                    \
         __m256i ints[4][CHAINS];                                                              \
         float d[CHAINS] = {0}, mins[CHAINS] = {0};                                            \
-        /* the builtin by name: GCC 12 dropped prefetch_block's prefetch here */              \
-        for (int o = 0; o < CHAINS * BYTES; o += 64)                                          \
-            __builtin_prefetch((const void *)((uintptr_t)w + (uintptr_t)(b0 * BYTES + o)      \
-                                              + PREFETCH_BYTES), 0, 3);                       \
+        prefetch_ahead(w, b0 * BYTES + PREFETCH_BYTES, CHAINS * BYTES);                       \
         for (int i = 0; i < CHAINS; i++) {                                                    \
             if (i >= n) {                                                                     \
                 for (int r = 0; r < mr; r++) ints[r][i] = _mm256_setzero_si256();             \
@@ -906,7 +894,7 @@ static inline float sum_chains(__m128 v) {
     }                                                                                         \
     /* y[r * stride] for activation rows m..m+mr-1 (mr <= 4) against one weight row */       \
     static inline __attribute__((always_inline)) void NAME##_by_rows(                         \
-        const act_rows *x, int64_t m, int mr, int64_t blocks, const uint8_t *w, float *y,    \
+        int mr, const act_rows *x, int64_t m, int64_t blocks, const uint8_t *w, float *y,    \
         int64_t stride) {                                                                     \
         __m128 acc[4], extra[4];                                                              \
         for (int r = 0; r < mr; r++) acc[r] = extra[r] = _mm_setzero_ps();                   \
@@ -927,16 +915,9 @@ static inline float sum_chains(__m128 v) {
         for (int64_t m0 = 0; m0 < rows; m0 += INT8_ROW_BLOCK) {                               \
             const int64_t end = rows - m0 < INT8_ROW_BLOCK ? rows : m0 + INT8_ROW_BLOCK;      \
             for (int64_t n = 0; n < count; n++)                                               \
-                for (int64_t m = m0; m < end; m += 4) {                                       \
-                    const uint8_t *wn = w + n * row_bytes;                                    \
-                    float *ym = y + m * stride + n;                                           \
-                    switch (end - m) { /* a constant row count: registers, not arrays */      \
-                    case 1: NAME##_by_rows(x, m, 1, blocks, wn, ym, stride); break;           \
-                    case 2: NAME##_by_rows(x, m, 2, blocks, wn, ym, stride); break;           \
-                    case 3: NAME##_by_rows(x, m, 3, blocks, wn, ym, stride); break;           \
-                    default: NAME##_by_rows(x, m, 4, blocks, wn, ym, stride);                 \
-                    }                                                                         \
-                }                                                                             \
+                for (int64_t m = m0; m < end; m += 4)                                         \
+                    FOUR_ROWS(NAME##_by_rows, end - m, x, m, blocks, w + n * row_bytes,       \
+                              y + m * stride + n, stride)                                     \
         }                                                                                     \
     }
 
@@ -947,31 +928,29 @@ static inline float sum_chains(__m128 v) {
 // in the same order (k_dot), so a row's result does not depend on the path.
 #define KT_MIN_ROWS 4
 #define DEFINE_K_KERNEL(NAME, BYTES, SUB)                                                          \
+    /* y[r * stride] for activation rows m..m+mr-1 (mr <= 4) against one weight row */            \
+    static inline __attribute__((always_inline)) void NAME##_by_rows(                              \
+        int mr, const act_rows *x, int64_t m, int64_t blocks, const uint8_t *w, float *y,         \
+        int64_t stride) {                                                                          \
+        __m128 acc[4];                                                                             \
+        int64_t first[4]; /* each row's first block */                                             \
+        for (int r = 0; r < mr; r++) acc[r] = _mm_setzero_ps(), first[r] = (m + r) * blocks;      \
+        for (int64_t b = 0; b < blocks; b++) {                                                     \
+            prefetch_block(w + b * BYTES, BYTES);                                                  \
+            k_w wb;                                                                                \
+            NAME##_unpack(w + b * BYTES, &wb);                                                     \
+            for (int r = 0; r < mr; r++) acc[r] = k_dot(&wb, acts_256(x, first[r] + b), acc[r]);  \
+        }                                                                                          \
+        for (int r = 0; r < mr; r++) y[r * stride] = k_result(acc[r]);                             \
+    }                                                                                              \
     static void NAME##_rowwise(const act_rows *x, int64_t rows, int64_t blocks,                    \
                                const uint8_t *w, float *y, int64_t stride) {                       \
-        if (rows == 1) {                                                                           \
-            __m128 acc = _mm_setzero_ps();                                                         \
-            for (int64_t b = 0; b < blocks; b++) {                                                 \
-                prefetch_block(w + b * BYTES, BYTES);                                              \
-                k_w wb;                                                                            \
-                NAME##_unpack(w + b * BYTES, &wb);                                                 \
-                acc = k_dot(&wb, acts_256(x, 0, b), acc);                                          \
-            }                                                                                      \
-            *y = k_result(acc);                                                                    \
+        if (rows == 1) { /* a decode, called straight: through the switch, 5% slower */          \
+            NAME##_by_rows(1, x, 0, blocks, w, y, stride);                                         \
             return;                                                                                \
         }                                                                                          \
-        for (int64_t m = 0; m < rows; m += 4) {                                                    \
-            const int mr = rows - m < 4 ? (int)(rows - m) : 4;                                     \
-            __m128 acc[4];                                                                         \
-            for (int r = 0; r < 4; r++) acc[r] = _mm_setzero_ps();                                 \
-            for (int64_t b = 0; b < blocks; b++) {                                                 \
-                prefetch_block(w + b * BYTES, BYTES);                                              \
-                k_w wb;                                                                            \
-                NAME##_unpack(w + b * BYTES, &wb);                                                 \
-                for (int r = 0; r < mr; r++) acc[r] = k_dot(&wb, acts_256(x, m + r, b), acc[r]);   \
-            }                                                                                      \
-            for (int r = 0; r < mr; r++) y[(m + r) * stride] = k_result(acc[r]);                   \
-        }                                                                                          \
+        for (int64_t m = 0; m < rows; m += 4)                                                      \
+            FOUR_ROWS(NAME##_by_rows, rows - m, x, m, blocks, w, y + m * stride, stride)           \
     }                                                                                              \
     static void NAME##_tiled(const act_rows *x, int64_t rows, int64_t blocks,                      \
                              const uint8_t *w, float *y, int64_t stride) {                         \
@@ -1011,7 +990,7 @@ static inline float sum_chains(__m128 v) {
 
 // One kernel per format of quant_matmul.c's BLOCK_FORMATS: the 32-value formats' above,
 // on activations in blocks of 32, and the k-quants'.
-#define INT8_KERNEL_32(NAME, BYTES) DEFINE_INT8_KERNEL(NAME, 32, BYTES, acts_32)
+#define INT8_KERNEL_32(NAME, BYTES) DEFINE_INT8_KERNEL(NAME, 32, BYTES)
 #define INT8_KERNEL_256(NAME, BYTES) DEFINE_K_KERNEL(NAME, BYTES, NAME##_sub)
 #define INT8_KERNEL(T, NAME, BLOCK, BYTES) INT8_KERNEL_##BLOCK(NAME, BYTES)
 BLOCK_FORMATS(INT8_KERNEL)
