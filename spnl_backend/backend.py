@@ -1,21 +1,21 @@
 """`Backend`: the one interface host applications call — generate, stream, chat."""
 
 import atexit
+import dataclasses
 import os
 import threading
-import time
 import weakref
-from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .engine.build import build_engine
 from .engine.cache import CacheInfo
 from .engine.engine import Engine, EngineStats
+from .engine.loop import AsyncChannel, EngineLoop, Finished, Item, LoopRequest, ThreadChannel
 from .engine.sequence import SamplingParams, StepOutput
 from .engine.sequence import Sequence as EngineSequence
-from .errors import RequestAbortedError, RequestError, SettingsError
+from .errors import ContextLengthError, RequestAbortedError, RequestError, SettingsError
 from .loader.build import LoadedModel, load_model
 from .loader.default_model import default_model_path
 from .loader.draft import load_draft
@@ -25,7 +25,15 @@ from .log import get_logger, set_verbose
 from .memory import release_freed_memory
 from .models.config import ModelConfig
 from .models.transformer import CausalLM
-from .request import check_messages, check_prompt, prompt_list, reject_unknown, sampling_params
+from .request import (
+    MAX_SEED,
+    check_messages,
+    check_prompt,
+    prompt_list,
+    reject_unknown,
+    sampling_params,
+    token_id_prompts,
+)
 from .settings import BackendSettings, PlatformDecisions, detect_platform, load_settings
 
 log = get_logger()
@@ -50,8 +58,8 @@ class GenerateResult:
     usage: Usage
 
 
-# Backends not closed yet: closed at interpreter exit, so that no thread of the host is
-# still inside a step while the interpreter tears torch down.
+# Backends not closed yet: closed at interpreter exit, so that no engine thread is still
+# inside a step while the interpreter tears torch down.
 _OPEN: "weakref.WeakSet[Backend]" = weakref.WeakSet()
 
 
@@ -61,16 +69,17 @@ def _close_open_backends() -> None:
         backend.close()
 
 
-# A stream runs at most this many pieces ahead of its reader, then pauses.
-STREAM_BUFFER = 64
-# A paused stream whose reader has taken nothing for this long is aborted.
-STREAM_IDLE_TIMEOUT_S = 60.0
+Prompt = str | Sequence[str] | None
+TokenIds = Sequence[int] | Sequence[Sequence[int]] | None
 
 
 class Backend:
-    """A loaded model behind `generate`, `stream` and `chat`; safe to share between threads.
+    """A loaded model behind `generate`, `stream` and `chat` (and their asyncio twins
+    `agenerate`, `astream`, `achat`); safe to share between threads and event loops.
 
-    Also a context manager: leaving the ``with`` block (or `close`) frees everything.
+    One background thread (the engine loop) steps the model for every caller, so
+    concurrent requests batch together. Also a context manager: leaving the ``with`` block
+    (or `close`) frees everything.
     """
 
     def __init__(
@@ -85,16 +94,19 @@ class Backend:
         self.model_config: ModelConfig = loaded.config
         self.source: ModelSource = loaded.source
         self.max_model_len = engine.config.max_model_len
+        self.max_num_seqs = engine.config.max_num_seqs  # sequences one step runs at most
         self._cache_holds_context = engine.cache.capacity_tokens == self.max_model_len
-        self._engine: Engine | None = engine
-        self._lock = threading.Lock()
-        self._abandoned: deque[EngineSequence] = deque()  # left by readers; aborted next
+        self._loop: EngineLoop | None = EngineLoop(engine)
+        self._closing = threading.Lock()
         _OPEN.add(self)
+
+    # ---- blocking calls -------------------------------------------------------------------
 
     def generate(
         self,
-        prompt: str | Sequence[str],
+        prompt: Prompt = None,
         *,
+        prompt_token_ids: TokenIds = None,
         max_tokens: int | None = None,
         temperature: float = 0.6,
         top_p: float = 1.0,
@@ -105,21 +117,21 @@ class Backend:
     ) -> GenerateResult | list[GenerateResult]:
         """Complete one prompt, or a list of prompts run together as one batch.
 
-        ``max_tokens`` of 0 or None runs until EOS or the end of the context;
-        ``temperature`` 0 is greedy. Returns a list exactly when given a list; if one of
-        its prompts fails, the call raises that error and the others are aborted.
+        The prompt is text, or token ids (``prompt_token_ids``: a list of ids, or a list
+        of such lists), never both. ``max_tokens`` of 0 or None runs until EOS or the end
+        of the context; ``temperature`` 0 is greedy. Returns a list exactly when given a
+        list; if one of its prompts fails, the call raises that error and the others are
+        aborted.
         """
-        reject_unknown(unknown)
-        self._open_engine()
-        params = sampling_params(max_tokens, temperature, top_p, top_k, seed, stop)
-        prompts = [check_prompt(prompt)] if isinstance(prompt, str) else prompt_list(prompt)
-        results = self._generate_ids([self._encode(p) for p in prompts], params)
-        return results[0] if isinstance(prompt, str) else results
+        params = self._checked(unknown, (max_tokens, temperature, top_p, top_k, seed, stop))
+        prompts, single = self.prompt_ids(prompt, prompt_token_ids)
+        return _results(self.submit(prompts, params), single)
 
     def stream(
         self,
-        prompt: str,
+        prompt: str | None = None,
         *,
+        prompt_token_ids: Sequence[int] | None = None,
         max_tokens: int | None = None,
         temperature: float = 0.6,
         top_p: float = 1.0,
@@ -134,12 +146,10 @@ class Backend:
         garbage-collected or leaving the loop aborts it; one left unread pauses after
         `STREAM_BUFFER` pieces and is aborted after `STREAM_IDLE_TIMEOUT_S` seconds.
         """
-        reject_unknown(unknown)
-        self._open_engine()
-        params = sampling_params(max_tokens, temperature, top_p, top_k, seed, stop)
-        if not isinstance(prompt, str):
-            raise RequestError(f"stream() takes one prompt string, not {type(prompt).__name__}")
-        return Stream(self, self._encode(check_prompt(prompt)), params)
+        ids, params = self._one_stream(
+            prompt, prompt_token_ids, unknown, (max_tokens, temperature, top_p, top_k, seed, stop)
+        )
+        return Stream(self, ids, params)
 
     def chat(
         self,
@@ -154,28 +164,120 @@ class Backend:
         **unknown: object,
     ) -> GenerateResult:
         """Apply the model's chat template to ``messages`` and complete the assistant turn."""
-        reject_unknown(unknown)
-        self._open_engine()
-        params = sampling_params(max_tokens, temperature, top_p, top_k, seed, stop)
-        ids = self.tokenizer.apply_chat_template(check_messages(messages))
-        return self._generate_ids([self._check_length(ids)], params)[0]
+        params = self._checked(unknown, (max_tokens, temperature, top_p, top_k, seed, stop))
+        return _results(self.submit([self.chat_prompt_ids(messages)], params), single=True)
+
+    # ---- asyncio --------------------------------------------------------------------------
+
+    async def agenerate(
+        self,
+        prompt: Prompt = None,
+        *,
+        prompt_token_ids: TokenIds = None,
+        max_tokens: int | None = None,
+        temperature: float = 0.6,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        **unknown: object,
+    ) -> GenerateResult | list[GenerateResult]:
+        """`generate` for asyncio: the event loop runs on while the engine works."""
+        params = self._checked(unknown, (max_tokens, temperature, top_p, top_k, seed, stop))
+        prompts, single = self.prompt_ids(prompt, prompt_token_ids)
+        return await _aresults(self.submit(prompts, params, asynchronous=True), single)
+
+    def astream(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        max_tokens: int | None = None,
+        temperature: float = 0.6,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        **unknown: object,
+    ) -> AsyncIterator[str]:
+        """`stream` for asyncio (``async for piece in backend.astream(...)``). Bad
+        parameters raise here; the request starts with the first piece asked for.
+        Cancelling the task that reads it, or closing it, aborts the request."""
+        ids, params = self._one_stream(
+            prompt, prompt_token_ids, unknown, (max_tokens, temperature, top_p, top_k, seed, stop)
+        )
+        return self._astream(ids, params)
+
+    async def achat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        max_tokens: int | None = None,
+        temperature: float = 0.6,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        **unknown: object,
+    ) -> GenerateResult:
+        """`chat` for asyncio."""
+        params = self._checked(unknown, (max_tokens, temperature, top_p, top_k, seed, stop))
+        request = self.submit([self.chat_prompt_ids(messages)], params, asynchronous=True)
+        return await _aresults(request, single=True)  # type: ignore[return-value]
+
+    async def _astream(self, ids: list[int], params: SamplingParams) -> AsyncIterator[str]:
+        request = self.submit([ids], params, pieces=True, asynchronous=True)
+        async for item in request.aitems():
+            _raise_failure(item)
+            if isinstance(item, StepOutput) and item.text_delta:
+                yield item.text_delta
+
+    # ---- the lower level: what the server and the CLI build on ------------------------------
+
+    def submit(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        n: int = 1,
+        pieces: bool = False,
+        asynchronous: bool = False,
+    ) -> LoopRequest:
+        """Hand checked token-id prompts to the engine loop: ``n`` completions of each (the
+        prompt computed once, its blocks shared; a seeded request's completion ``i`` draws
+        with ``seed + i``), in that order. ``pieces``: every step's outputs are delivered,
+        not only each sequence's end. Read the request from this thread (`items`) or, with
+        ``asynchronous``, from this event loop (`aitems`)."""
+        loop = self._open_loop()
+        channel = AsyncChannel(pieces) if asynchronous else ThreadChannel(pieces)
+        seqs = [seq for ids in prompts for seq in _completions(loop.engine, ids, params, n)]
+        loop.submit(seqs, channel)
+        return LoopRequest(loop, seqs, channel)
 
     def run_steps(self, prompts: list[str], params: SamplingParams) -> Iterator[StepOutput]:
         """Every step's outputs for a batch (what the CLI's progress display follows)."""
-        seqs = self._add([self._encode(p) for p in prompt_list(prompts)], params)
-        yield from self._run(seqs)
+        request = self.submit([self._encode(p) for p in prompt_list(prompts)], params, pieces=True)
+        for item in request.items():
+            _raise_failure(item)
+            if isinstance(item, StepOutput):
+                yield item
+
+    def chat_prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """``messages`` through the model's chat template, checked against the context."""
+        return self._check_length(self.tokenizer.apply_chat_template(check_messages(messages)))
+
+    # ---- state ----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Abort every unfinished request (its caller gets `RequestAbortedError`) and free the
-        model and its KV cache. Later calls raise `RequestAbortedError`; closing twice is fine."""
-        with self._lock:
-            engine, self._engine = self._engine, None
-            if engine is None:
-                return
-            for seq in engine.unfinished():
-                engine.abort(seq, RequestAbortedError("the backend was closed"))
-            self._abandoned.clear()
-        del engine
+        """Abort every unfinished request (its caller gets `RequestAbortedError`), stop the
+        engine loop and free the model and its KV cache. Later calls raise
+        `RequestAbortedError`; closing twice is fine."""
+        with self._closing:
+            loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        loop.close(RequestAbortedError("the backend was closed"))
+        del loop
         release_freed_memory()
         log.info("backend.closed", model=self.source.name)
 
@@ -187,117 +289,71 @@ class Backend:
 
     @property
     def closed(self) -> bool:
-        return self._engine is None
+        return self._loop is None
 
     def stats(self) -> EngineStats:
         """Requests running, waiting and paused, sequences holding cache, block-pool usage
         in paged mode; preemptions and prefix-cache queries and hits (in prompt tokens)
-        since the model was loaded."""
-        with self._lock:
-            return self._open_engine().stats()
+        since the model was loaded. Taken between two steps, after every earlier call's
+        request or abort has reached the engine."""
+        return self._open_loop().call(Engine.stats)
 
     def cache_info(self) -> CacheInfo:
         """The KV cache: paged or contiguous, its capacity, blocks, storage dtype, bytes per
         token, compression method and attention kernels (the target's, with a draft)."""
-        with self._lock:
-            return self._open_engine().cache_info
+        return self._open_loop().engine.cache_info
 
     @property
     def model(self) -> CausalLM:
         """The loaded torch module, for inspection (its modules, parameters and config);
         changing it while the backend serves requests is not supported."""
-        return self._open_engine().runner.model
+        return self._open_loop().engine.runner.model
 
-    def _generate_ids(
-        self, prompts: list[list[int]], params: SamplingParams
-    ) -> list[GenerateResult]:
-        seqs = self._add(prompts, params)
-        for _ in self._run(seqs):
-            pass
-        return [_result(seq) for seq in seqs]
+    # ---- helpers --------------------------------------------------------------------------
 
-    def _stream_pieces(
-        self, ids: list[int], params: SamplingParams
-    ) -> Iterator["EngineSequence | str"]:
-        """The request's sequence first (the `Stream` keeps it), then its text pieces."""
-        (seq,) = self._add([ids], params)
-        yield seq
-        for output in self._run([seq]):
-            if output.text_delta:
-                yield output.text_delta
+    def _checked(self, unknown: dict[str, object], sampling: tuple[Any, ...]) -> SamplingParams:
+        """The sampling parameters, once the backend is known open and no keyword unknown."""
+        reject_unknown(unknown)
+        self._open_loop()
+        return sampling_params(*sampling)
 
-    def _add(self, prompts: list[list[int]], params: SamplingParams) -> list[EngineSequence]:
-        with self._lock:
-            engine = self._open_engine()
-            return [engine.add(ids, params) for ids in prompts]
+    def _one_stream(
+        self,
+        prompt: object,
+        prompt_token_ids: object,
+        unknown: dict[str, object],
+        sampling: tuple[Any, ...],
+    ) -> tuple[list[int], SamplingParams]:
+        params = self._checked(unknown, sampling)
+        if prompt is not None and not isinstance(prompt, str):
+            raise RequestError(f"a stream takes one prompt string, not {type(prompt).__name__}")
+        prompts, single = self.prompt_ids(prompt, prompt_token_ids)
+        if not single:
+            raise RequestError("a stream takes one prompt: a list of token ids, not of lists")
+        return prompts[0], params
 
-    def _run(self, seqs: list[EngineSequence]) -> Iterator[StepOutput]:
-        """Step the engine until ``seqs`` finish, yielding their outputs.
+    def prompt_ids(
+        self, prompt: object = None, token_ids: object = None
+    ) -> tuple[list[list[int]], bool]:
+        """The prompts as checked token ids (text encoded, ids checked against the
+        vocabulary, each against the context), and whether one was given, not a list."""
+        if (prompt is None) == (token_ids is None):
+            raise RequestError(
+                "give a prompt (a string or a list of strings) or prompt_token_ids "
+                "(a list of token ids, or a list of such lists): exactly one of them"
+            )
+        if token_ids is not None:
+            prompts, single = token_id_prompts(token_ids, self.model_config.vocab_size)
+            return [self._check_length(ids) for ids in prompts], single
+        if isinstance(prompt, str):
+            return [self._encode(check_prompt(prompt))], True
+        return [self._encode(p) for p in prompt_list(prompt)], False
 
-        Every caller's thread steps the one engine for all running sequences
-        (continuous batching across threads); outputs are sorted per sequence so
-        each caller sees its own. A sequence that failed raises its error here, after
-        the outputs it produced. Sequences are aborted if the caller stops early.
-        """
-        try:
-            while True:
-                with self._lock:
-                    self._abort_abandoned()
-                    outputs = _take(seqs)
-                    if not outputs and not _all_finished(seqs):
-                        self._step()
-                        outputs = _take(seqs)
-                    done = _all_finished(seqs)
-                yield from outputs
-                _raise_failure(seqs)
-                if done:
-                    return
-        finally:
-            self._abandon(seqs)
-
-    def _abandon(self, seqs: list[EngineSequence]) -> None:
-        """The reader is gone: abort its unfinished sequences and drop their outputs. Queued
-        first, because a generator collected by the garbage collector may run this on a
-        thread that holds the lock mid-step; done at once where the lock is free, else by
-        the lock's holder before its next step."""
-        self._abandoned.extend(seqs)
-        if self._lock.acquire(blocking=False):
-            try:
-                self._abort_abandoned()
-            finally:
-                self._lock.release()
-
-    def _step(self) -> None:
-        """One engine step; its outputs wait in each sequence's outbox for its reader, and a
-        sequence whose reader is `STREAM_BUFFER` outputs behind pauses."""
-        engine = self._open_engine()
-        self._abort_idle(engine)
-        engine.step()
-        for seq in engine.unfinished():
-            if len(seq.outbox) >= STREAM_BUFFER:
-                seq.paused = True
-
-    def _abort_idle(self, engine: Engine) -> None:
-        """Abort paused requests whose readers have taken nothing for too long."""
-        deadline = time.monotonic() - STREAM_IDLE_TIMEOUT_S
-        for seq in engine.unfinished():
-            if seq.paused and seq.read_at < deadline:
-                message = f"the stream was not read for {STREAM_IDLE_TIMEOUT_S:g} s"
-                log.warning("request.aborted", seq_id=seq.seq_id, reason=message)
-                engine.abort(seq, RequestAbortedError(message + "; it was aborted"))
-
-    def _abort_abandoned(self) -> None:
-        """Abort the sequences whose readers left (called with the lock held)."""
-        while self._abandoned:
-            seq = self._abandoned.popleft()
-            seq.outbox.clear()
-            if self._engine is not None and not seq.is_finished:
-                self._engine.abort(seq)
-
-    def _open_engine(self) -> Engine:
-        if self._engine is None:
+    def _open_loop(self) -> EngineLoop:
+        loop = self._loop
+        if loop is None:
             raise RequestAbortedError("the backend is closed; load a new one")
-        return self._engine
+        return loop
 
     def _encode(self, prompt: str) -> list[int]:
         return self._check_length(self.tokenizer.encode(prompt))
@@ -309,7 +365,7 @@ class Backend:
                 remedy = "raise MISTRALRS_PAGED_ATTN_CONTEXT_LEN or shorten it"
             else:
                 holder, remedy = "the model's context", "shorten it"
-            raise RequestError(
+            raise ContextLengthError(
                 f"the prompt has {len(ids)} tokens, but {holder} holds "
                 f"{self.max_model_len} (prompt and completion together); {remedy}"
             )
@@ -323,51 +379,79 @@ class Stream(Iterator[str]):
     leaving the loop aborts the request."""
 
     def __init__(self, backend: Backend, ids: list[int], params: SamplingParams) -> None:
-        self.seq: EngineSequence | None = None  # once the first piece is asked for
-        self._backend = backend
-        self._pieces = backend._stream_pieces(ids, params)
+        self.request: LoopRequest | None = None  # once the first piece is asked for
+        self._backend, self._ids, self._params = backend, ids, params
+        self._items: Iterator[Item] | None = None
         self._reading = threading.Lock()
+
+    @property
+    def seq(self) -> EngineSequence | None:
+        return None if self.request is None else self.request.seqs[0]
 
     def __next__(self) -> str:
         if not self._reading.acquire(blocking=False):
             raise RequestError("this stream is being read by another thread; read it from one")
         try:
-            if self.seq is None:
-                self.seq = next(self._pieces)  # type: ignore[assignment]
-            return next(self._pieces)  # type: ignore[return-value]
+            if self._items is None:
+                self.request = self._backend.submit([self._ids], self._params, pieces=True)
+                self._items = self.request.items()
+            for item in self._items:
+                _raise_failure(item)
+                if isinstance(item, StepOutput) and item.text_delta:
+                    return item.text_delta
+            raise StopIteration
         finally:
             self._reading.release()
 
     def close(self) -> None:
-        """Abort the request; a thread reading the stream meanwhile sees it end."""
+        """Abort the request, and return once its cache is free; a thread reading the
+        stream meanwhile sees it end."""
+        if self.request is None:
+            return
         if self._reading.acquire(blocking=False):
             try:
-                self._pieces.close()
+                if self._items is not None:
+                    self._items.close()
             finally:
                 self._reading.release()
-        elif self.seq is not None:
-            self._backend._abandon([self.seq])
+        else:
+            self.request.abort()
+        self.request.loop.barrier()
 
 
-def _take(seqs: list[EngineSequence]) -> list[StepOutput]:
-    """The outputs waiting for this reader (called with the lock held)."""
-    now = time.monotonic()
-    taken: list[StepOutput] = []
-    for seq in seqs:
-        taken += seq.outbox
-        seq.outbox.clear()
-        seq.paused, seq.read_at = False, now
-    return taken
+def _completions(
+    engine: Engine, ids: list[int], params: SamplingParams, n: int
+) -> list[EngineSequence]:
+    leader = engine.new_sequence(ids, params)
+    others = [engine.new_sequence(ids, _nth_seed(params, i), leader=leader) for i in range(1, n)]
+    return [leader, *others]
 
 
-def _all_finished(seqs: list[EngineSequence]) -> bool:
-    return all(seq.is_finished for seq in seqs)
+def _nth_seed(params: SamplingParams, i: int) -> SamplingParams:
+    if params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + i) % (MAX_SEED + 1))
 
 
-def _raise_failure(seqs: list[EngineSequence]) -> None:
-    for seq in seqs:
-        if seq.error is not None:
-            raise seq.error
+def _results(request: LoopRequest, single: bool) -> Any:
+    """Wait for ``request`` on this thread: its results (one, or a list)."""
+    for item in request.items():
+        _raise_failure(item)
+    results = [_result(seq) for seq in request.seqs]
+    return results[0] if single else results
+
+
+async def _aresults(request: LoopRequest, single: bool) -> Any:
+    """`_results` on the event loop."""
+    async for item in request.aitems():
+        _raise_failure(item)
+    results = [_result(seq) for seq in request.seqs]
+    return results[0] if single else results
+
+
+def _raise_failure(item: Item) -> None:
+    if isinstance(item, Finished) and item.seq.error is not None:
+        raise item.seq.error
 
 
 def _result(seq: EngineSequence) -> GenerateResult:

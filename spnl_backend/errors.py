@@ -44,6 +44,10 @@ class RequestError(SpnlError, ValueError):
     """A generate/chat request has an invalid parameter or prompt."""
 
 
+class ContextLengthError(RequestError):
+    """The prompt does not fit the context (with room for at least one generated token)."""
+
+
 class EngineError(SpnlError, RuntimeError):
     """A request could not be completed because a step of the engine failed (the message
     names the cause); the backend stays usable and the other requests go on."""

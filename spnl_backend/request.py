@@ -104,6 +104,29 @@ def prompt_list(prompts: object) -> list[str]:
     return [check_prompt(p) for p in items]
 
 
+def token_id_prompts(token_ids: object, vocab_size: int) -> tuple[list[list[int]], bool]:
+    """``prompt_token_ids`` as plain lists of ids within the vocabulary: one list of ids
+    (then True) or a non-empty list of them (then False)."""
+    items = _read_once(token_ids, list | tuple)
+    if not items:
+        raise _bad(
+            "prompt_token_ids", token_ids, "a non-empty list of token ids, or a list of such lists"
+        )
+    if all(isinstance(item, list | tuple) for item in items):
+        return [
+            _token_ids(item, vocab_size, f"prompt_token_ids[{i}]") for i, item in enumerate(items)
+        ], False
+    return [_token_ids(token_ids, vocab_size, "prompt_token_ids")], True
+
+
+def _token_ids(value: object, vocab_size: int, name: str) -> list[int]:
+    items = _read_once(value, list | tuple) or []
+    ids = [_plain_int(item) for item in items]
+    if not ids or any(i is None or not 0 <= i < vocab_size for i in ids):
+        raise _bad(name, value, f"a non-empty list of token ids from 0 to {vocab_size - 1}")
+    return ids  # type: ignore[return-value]
+
+
 def check_messages(messages: object) -> list[dict[str, object]]:
     """The chat messages as plain dicts, their ``role`` and ``content`` plain strings."""
     items = _read_once(messages, list)

@@ -1,5 +1,9 @@
 """Shared test helpers: tiny models loaded both ways, and full-sequence logits."""
 
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
 
@@ -78,6 +82,48 @@ def engine_internals(backend: Backend) -> Engine:
     no public API should offer (block tables, codec state, the draft's cache, stepping the
     engine by hand, scoring through its cache). Everything else reads `Backend.stats()`,
     `Backend.cache_info()` and `Backend.model`."""
-    engine = backend._engine
-    assert engine is not None, "the backend is closed"
-    return engine
+    loop = backend._loop
+    assert loop is not None, "the backend is closed"
+    return loop.engine
+
+
+@contextlib.contextmanager
+def loop_held(backend: Backend) -> Iterator[None]:
+    """Hold the backend's engine loop between two steps: what is submitted meanwhile
+    reaches the engine together when the block ends (so it shares its first step), and
+    the engine's state may be read or changed (fault injection) without a step running."""
+    loop = backend._loop
+    assert loop is not None, "the backend is closed"
+    entered, release = threading.Event(), threading.Event()
+    loop._commands.append(lambda: (entered.set(), release.wait()))
+    loop.wake.set()
+    entered.wait()
+    try:
+        yield
+    finally:
+        release.set()
+
+
+def run_together(backend: Backend, *calls: Callable[[], object]) -> list[object]:
+    """Run each call in a thread of its own, their requests submitted while the loop is
+    held so that all of them share the first step: each call's result or exception."""
+    results: list[object] = [None] * len(calls)
+
+    def run(index: int, call: Callable[[], object]) -> None:
+        try:
+            results[index] = call()
+        except Exception as exc:  # handed to the test, which checks it
+            results[index] = exc
+
+    loop = backend._loop
+    threads = [threading.Thread(target=run, args=item) for item in enumerate(calls)]
+    with loop_held(backend):
+        queued = len(loop._commands)
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while len(loop._commands) < queued + len(calls) and time.monotonic() < deadline:
+            time.sleep(0.001)
+    for thread in threads:
+        thread.join()
+    return results

@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from helpers import CPU, PROMPT, engine_internals
+from helpers import CPU, PROMPT, engine_internals, loop_held, run_together
 
 from spnl_backend import BackendSettings, EngineError, RequestAbortedError, load_backend
 from spnl_backend.engine import sampler
@@ -44,13 +44,13 @@ def _assert_clean(backend):
 
 
 def _stream_with(backend, failing_call, prompt=PROMPTS[0]):
-    """Start a greedy stream, run ``failing_call`` while it is mid-flight (so the two
-    share steps), then finish the stream: returns its tokens' text and the call's error."""
-    stream = backend.stream(prompt, max_tokens=24, temperature=0)
-    text = next(stream)
-    with pytest.raises(Exception) as failure:  # noqa: PT011 - the callers check the type
-        failing_call()
-    return text + "".join(stream), failure.value
+    """Run a greedy stream and ``failing_call`` together (they share steps): returns the
+    stream's text and the call's error."""
+    text, error = run_together(
+        backend, lambda: "".join(backend.stream(prompt, max_tokens=24, temperature=0)), failing_call
+    )
+    assert isinstance(error, Exception), f"the call did not fail: {error!r}"
+    return text, error
 
 
 def test_a_request_whose_sampling_fails_fails_alone(backend, solo, monkeypatch):
@@ -108,44 +108,45 @@ def _raise_once(function):
     return wrapper
 
 
-def test_a_failing_step_fails_its_requests_and_the_next_call_works(backend, solo, monkeypatch):
+def _fail_second_forward(monkeypatch, error):
     real = CausalLM.forward
     calls = []
 
     def fails_on_the_second_step(self, *args):
         calls.append(1)
         if len(calls) == 2:
-            raise RuntimeError("out of memory")
+            raise error
         return real(self, *args)
 
     monkeypatch.setattr(CausalLM, "forward", fails_on_the_second_step)
-    stream = backend.stream(PROMPTS[0], max_tokens=24, temperature=0)
-    next(stream)
-    with pytest.raises(EngineError, match="the engine step failed: RuntimeError: out of memory"):
-        _greedy(backend, PROMPTS[1], max_tokens=8)
-    with pytest.raises(EngineError, match="out of memory"):
-        list(stream)
+
+
+def _stream_and_call(backend):
+    return run_together(
+        backend,
+        lambda: list(backend.stream(PROMPTS[0], max_tokens=24, temperature=0)),
+        lambda: _greedy(backend, PROMPTS[1], max_tokens=8),
+    )
+
+
+def test_a_failing_step_fails_its_requests_and_the_next_call_works(backend, solo, monkeypatch):
+    _fail_second_forward(monkeypatch, RuntimeError("out of memory"))
+    for outcome in _stream_and_call(backend):
+        assert isinstance(outcome, EngineError)
+        assert "the engine step failed: RuntimeError: out of memory" in str(outcome)
     _assert_clean(backend)
     assert [_greedy(backend, p, max_tokens=24).token_ids for p in PROMPTS] == list(solo.values())
 
 
-def test_an_interrupted_step_propagates_and_leaves_the_backend_usable(backend, solo, monkeypatch):
-    real = CausalLM.forward
-    calls = []
-
-    def interrupted_on_the_second_step(self, *args):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(self, *args)
-
-    monkeypatch.setattr(CausalLM, "forward", interrupted_on_the_second_step)
-    stream = backend.stream(PROMPTS[0], max_tokens=24, temperature=0)
-    next(stream)
-    with pytest.raises(KeyboardInterrupt):
-        _greedy(backend, PROMPTS[1], max_tokens=8)
-    with pytest.raises(EngineError, match="KeyboardInterrupt"):
-        list(stream)
+def test_an_interrupted_step_fails_its_requests_and_leaves_the_backend_usable(
+    backend, solo, monkeypatch
+):
+    """An interruption inside a step (on the engine thread) fails the step's requests,
+    not the loop: the next call works."""
+    _fail_second_forward(monkeypatch, KeyboardInterrupt())
+    for outcome in _stream_and_call(backend):
+        assert isinstance(outcome, EngineError)
+        assert "KeyboardInterrupt" in str(outcome)
     _assert_clean(backend)
     assert _greedy(backend, PROMPTS[2], max_tokens=24).token_ids == solo[PROMPTS[2]]
 
@@ -205,7 +206,7 @@ def test_leaving_the_loop_aborts_the_stream(backend):
 
 
 def test_an_unread_stream_pauses_then_resumes_where_it_was(backend, solo, monkeypatch):
-    monkeypatch.setattr("spnl_backend.backend.STREAM_BUFFER", 4)
+    monkeypatch.setattr("spnl_backend.engine.loop.STREAM_BUFFER", 4)
     stream = backend.stream(PROMPTS[0], max_tokens=24, temperature=0)
     first = next(stream)
     _greedy(backend, PROMPTS[1], max_tokens=24)  # steps the engine while the stream waits
@@ -215,8 +216,8 @@ def test_an_unread_stream_pauses_then_resumes_where_it_was(backend, solo, monkey
 
 
 def test_a_stream_left_unread_too_long_is_aborted(backend, monkeypatch):
-    monkeypatch.setattr("spnl_backend.backend.STREAM_BUFFER", 4)
-    monkeypatch.setattr("spnl_backend.backend.STREAM_IDLE_TIMEOUT_S", 0.0)
+    monkeypatch.setattr("spnl_backend.engine.loop.STREAM_BUFFER", 4)
+    monkeypatch.setattr("spnl_backend.engine.loop.STREAM_IDLE_TIMEOUT_S", 0.0)
     stream = backend.stream(PROMPTS[0], max_tokens=24, temperature=0)
     next(stream)
     _greedy(backend, PROMPTS[1], max_tokens=24)
@@ -226,7 +227,7 @@ def test_a_stream_left_unread_too_long_is_aborted(backend, monkeypatch):
 
 
 def test_a_paused_stream_gives_up_its_cache_first(tiny, monkeypatch):
-    monkeypatch.setattr("spnl_backend.backend.STREAM_BUFFER", 2)
+    monkeypatch.setattr("spnl_backend.engine.loop.STREAM_BUFFER", 2)
     settings = BackendSettings(device="cpu", paged_attn=True, paged_attn_context_len=64)
     backend = load_backend(str(tiny.hf("qwen3").path), settings=settings)
     alone = [_greedy(backend, p, max_tokens=40).token_ids for p in PROMPTS[:2]]
@@ -272,13 +273,17 @@ def quantized(tiny, request):
     return load_backend(str(path), settings=settings)
 
 
-def test_a_block_table_pointing_outside_the_pool_fails_the_step_not_the_process(quantized):
+def test_a_block_table_pointing_outside_the_pool_fails_the_step_not_the_process(
+    quantized, monkeypatch
+):
+    monkeypatch.setattr("spnl_backend.engine.loop.STREAM_BUFFER", 2)  # it waits for us
     stream = quantized.stream(PROMPT, max_tokens=24, temperature=0)
     next(stream)
-    manager = engine_internals(quantized).cache  # the one way to make its state inconsistent
-    (table,) = manager.tables.values()
-    assert len(table.block_ids) > 1  # the first block is read, not written, from now on
-    table.block_ids[0] = manager.blocks.num_blocks + 1000
+    with loop_held(quantized):
+        manager = engine_internals(quantized).cache  # the one way to break its state
+        (table,) = manager.tables.values()
+        assert len(table.block_ids) > 1  # the first block is read, not written, from now on
+        table.block_ids[0] = manager.blocks.num_blocks + 1000
     with pytest.raises(EngineError, match="outside the pool"):
         list(stream)
     # Releasing that table cannot work either: the backend says so from now on.

@@ -55,15 +55,25 @@ class Engine:
         self.broken: EngineError | None = None
         self.prefix_cache_queries = 0  # see `EngineStats`
         self.prefix_cache_hits = 0
+        self.last_batch_size = 0  # sequences the last step ran (0: nothing was schedulable)
 
     def add(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        seq = self.new_sequence(prompt_ids, params)
+        self.add_sequence(seq)
+        return seq
+
+    def new_sequence(
+        self, prompt_ids: list[int], params: SamplingParams, leader: Sequence | None = None
+    ) -> Sequence:
+        """A sequence for this engine, not yet added (safe from any thread)."""
+        return Sequence(prompt_ids, params, max_len=self.config.max_model_len, leader=leader)
+
+    def add_sequence(self, seq: Sequence) -> None:
         self._check_usable()
-        seq = Sequence(prompt_ids, params, max_len=self.config.max_model_len)
         self.detokenizers[seq.seq_id] = IncrementalDetokenizer(
-            self.decoder, prompt_ids, params.stop
+            self.decoder, seq.prompt_token_ids, seq.params.stop
         )
         self.scheduler.add(seq)
-        return seq
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -91,8 +101,10 @@ class Engine:
         interruption (KeyboardInterrupt, SystemExit) does the same and propagates."""
         self._check_usable()
         batch: list[ScheduledSeq] = []
+        self.last_batch_size = 0
         try:
             batch = self.scheduler.schedule()
+            self.last_batch_size = len(batch)
             if not batch:
                 return []
             return self._run(batch)

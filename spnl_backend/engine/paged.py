@@ -113,17 +113,31 @@ class PagedCacheManager:
     def admit(self, seq: CachedTokens) -> None:
         """Give a waiting sequence its block table, starting with the cached blocks of its
         longest cached prefix; at least its last token is always computed."""
-        hits = self.blocks.match_prefix(seq.token_ids)
+        hits, hashes = self._shareable(seq)
         if len(hits) * self.block_size >= seq.num_tokens:
             hits = hits[:-1]  # recompute the last block rather than write into a shared one
         for block_id in hits:
             self.blocks.share(block_id)
-        hashes = [self.blocks.blocks[b].hash for b in hits]
-        self.tables[seq.seq_id] = BlockTable(list(hits), hashes)  # type: ignore[arg-type]
+        self.tables[seq.seq_id] = BlockTable(list(hits), hashes[: len(hits)])
         seq.num_computed_tokens = len(hits) * self.block_size
         if not seq.output_token_ids:  # a new request, not a preempted one coming back
             seq.num_cached_tokens = seq.num_computed_tokens
             _log_prefix_lookup(seq, len(hits), self.blocks.blocks_for(seq.num_tokens))
+
+    def _shareable(self, seq: CachedTokens) -> tuple[list[int], list[int]]:
+        """The blocks ``seq`` may start with, and the hashes known of them: its longest
+        cached prefix, or its leader's full prompt blocks (another completion of the same
+        prompt, shared by reference even with prefix caching off), whichever is longer."""
+        hits = self.blocks.match_prefix(seq.token_ids)
+        hashes = [self.blocks.blocks[b].hash for b in hits]
+        leader = getattr(seq, "leader", None)
+        table = None if leader is None else self.tables.get(leader.seq_id)
+        if table is not None and leader.prompt_token_ids == seq.prompt_token_ids:
+            computed = min(leader.num_computed_tokens, len(leader.prompt_token_ids))
+            full = computed // self.block_size
+            if full > len(hits):
+                return table.block_ids[:full], table.hashes[:full]
+        return hits, hashes  # type: ignore[return-value]
 
     def reserve(self, seq: CachedTokens, num_tokens: int) -> bool:
         """Make sure the first ``num_tokens`` tokens of ``seq`` have slots."""

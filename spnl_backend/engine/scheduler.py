@@ -6,7 +6,9 @@ sequences join, first come first served, while the budget, the sequence limit an
 cache allow. When a running sequence needs cache the cache does not have, the newest
 running sequence is preempted: its cache is released and it waits, first in line, to
 be recomputed; its generated tokens are kept. A paused sequence (its reader is behind)
-is skipped, and is the first to give up its cache when another needs room.
+is skipped, and is the first to give up its cache when another needs room. Another
+completion of a prompt waits until its leader has computed the prompt, whose blocks it
+then shares.
 """
 
 from collections import deque
@@ -57,7 +59,7 @@ class Scheduler:
 
     def _schedule_waiting(self, batch: list[ScheduledSeq], budget: int) -> None:
         while budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = next((s for s in self.waiting if not s.paused), None)
+            seq = next((s for s in self.waiting if not (s.paused or s.waits_for_leader)), None)
             if seq is None:
                 return
             self.cache.admit(seq)

@@ -58,6 +58,9 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     generator: torch.Generator | None = None
+    # Another completion of the same prompt (a request's ``n``): this one waits until the
+    # leader's prompt is computed, then shares its full prompt blocks instead of computing.
+    leader: "Sequence | None" = None
 
     def __post_init__(self) -> None:
         if not self.params.greedy:
@@ -74,6 +77,15 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def waits_for_leader(self) -> bool:
+        leader = self.leader
+        return (
+            leader is not None
+            and not leader.is_finished
+            and leader.num_computed_tokens < len(leader.prompt_token_ids)
+        )
 
     @property
     def is_finished(self) -> bool:

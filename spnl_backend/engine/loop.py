@@ -1,0 +1,330 @@
+"""The engine loop: one background thread owns the engine and steps it while any request
+is unfinished.
+
+Callers on any thread, or on an asyncio event loop, never touch the engine: they post
+commands (add these sequences, abort those, run this function) to the loop's queue, and
+read each request's outputs from the request's own channel. Between two steps the loop
+runs the commands that came in, then hands every sequence's new outputs to its channel.
+A reader that falls `STREAM_BUFFER` outputs behind pauses its sequences (they are not
+scheduled and give up their cache first), and one that reads nothing for
+`STREAM_IDLE_TIMEOUT_S` seconds while paused is aborted.
+"""
+
+import asyncio
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TypeVar
+
+from ..errors import EngineError, RequestAbortedError
+from ..log import get_logger
+from .engine import Engine
+from .sequence import Sequence, StepOutput
+
+log = get_logger()
+
+# A stream runs at most this many outputs ahead of its reader, then pauses.
+STREAM_BUFFER = 64
+# A paused stream whose reader has taken nothing for this long is aborted.
+STREAM_IDLE_TIMEOUT_S = 60.0
+# How long the loop sleeps with nothing to run before it looks at the clock again
+# (paused streams' idle time); commands and readers wake it at once.
+_IDLE_WAIT_S = 0.5
+# How often a blocked reader checks that the loop thread is still alive.
+_READER_CHECK_S = 1.0
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last item a sequence sends: it has finished (``seq.error`` says if it failed)."""
+
+    seq: Sequence
+
+
+Item = StepOutput | Finished
+
+
+class Channel:
+    """Where one request's items go: a list per step, in order. ``pieces`` False: only
+    `Finished` items are sent (a caller who waits for the whole result). The loop thread
+    counts what it sent and the reader what it took; the difference is what waits."""
+
+    def __init__(self, pieces: bool) -> None:
+        self.pieces = pieces
+        self.sent = 0
+        self.taken = 0
+        self.read_at = time.monotonic()
+
+    @property
+    def unread(self) -> int:
+        return self.sent - self.taken
+
+    def put(self, items: list[Item]) -> bool:
+        """Deliver ``items`` (on the loop thread); False when the reader is gone."""
+        raise NotImplementedError
+
+    def _took(self, items: list[Item], wake: threading.Event) -> None:
+        outputs = sum(isinstance(item, StepOutput) for item in items)
+        was_full = self.unread >= STREAM_BUFFER
+        self.taken += outputs
+        self.read_at = time.monotonic()
+        if was_full:
+            wake.set()  # its sequences may run again
+
+
+class ThreadChannel(Channel):
+    """A channel read by blocking calls from any thread."""
+
+    def __init__(self, pieces: bool) -> None:
+        super().__init__(pieces)
+        self._items: deque[list[Item]] = deque()
+        self._ready = threading.Condition(threading.Lock())
+
+    def put(self, items: list[Item]) -> bool:
+        with self._ready:
+            self._items.append(items)
+            self._ready.notify()
+        return True
+
+    def get(self, loop: "EngineLoop") -> list[Item]:
+        with self._ready:
+            while not self._items:
+                if not self._ready.wait(_READER_CHECK_S):
+                    loop.check_alive()
+            items = self._items.popleft()
+        self._took(items, loop.wake)
+        return items
+
+
+class AsyncChannel(Channel):
+    """A channel read by ``await`` on the event loop that created it."""
+
+    def __init__(self, pieces: bool) -> None:
+        super().__init__(pieces)
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[list[Item]] = asyncio.Queue()
+
+    def put(self, items: list[Item]) -> bool:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, items)
+        except RuntimeError:  # its event loop is closed: nobody will read this
+            return False
+        return True
+
+    async def get(self, loop: "EngineLoop") -> list[Item]:
+        # No polling: the loop thread only ends after delivering every request's end.
+        items = await self._queue.get()
+        self._took(items, loop.wake)
+        return items
+
+
+class EngineLoop:
+    """The thread that steps ``engine``; every method is safe from any thread."""
+
+    def __init__(self, engine: Engine, name: str = "spnl-engine") -> None:
+        self.engine = engine
+        self.wake = threading.Event()
+        self._commands: deque[Callable[[], None]] = deque()
+        self._live: dict[int, tuple[Sequence, Channel]] = {}  # by seq_id, on the loop thread
+        self._stopping = False
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    # ---- what callers post ------------------------------------------------------------
+
+    def submit(self, seqs: list[Sequence], channel: Channel) -> None:
+        """Add ``seqs`` to the engine; their outputs go to ``channel``."""
+        self._post(lambda: self._add(seqs, channel))
+
+    def abort(self, seqs: list[Sequence], error: Exception | None = None) -> None:
+        """Abort the unfinished ones of ``seqs`` (their readers get a last `Finished`); a
+        no-op once the loop has stopped, which ended every request already. Safe from a
+        finalizer on any thread: it only queues the command."""
+        if self._thread.is_alive():
+            self._commands.append(lambda: self._abort(seqs, error))
+            self.wake.set()
+
+    def barrier(self) -> None:
+        """Return once every command posted so far has run (no-op once stopped)."""
+        if self._thread.is_alive():
+            self.call(lambda engine: None)
+
+    def call(self, function: Callable[[Engine], T]) -> T:
+        """``function(engine)`` run on the loop thread between two steps (after every
+        command posted before it), its result returned here."""
+        if threading.current_thread() is self._thread:
+            return function(self.engine)
+        future: Future[T] = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(function(self.engine))
+            except Exception as exc:
+                future.set_exception(exc)
+
+        self._post(run)
+        while True:
+            try:
+                return future.result(_READER_CHECK_S)
+            except TimeoutError:
+                self.check_alive()
+
+    def close(self, error: Exception) -> None:
+        """Abort every request with ``error``, then stop the thread and wait for it."""
+        self._commands.append(lambda: self._close(error))
+        self.wake.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def check_alive(self) -> None:
+        if not self._thread.is_alive():
+            raise EngineError("the engine loop has stopped; load a new backend")
+
+    def _post(self, command: Callable[[], None]) -> None:
+        self.check_alive()
+        self._commands.append(command)
+        self.wake.set()
+
+    # ---- the loop thread ----------------------------------------------------------------
+
+    def _main(self) -> None:
+        while not self._stopping:
+            self.wake.clear()
+            try:
+                self._run_commands()
+                if self._stopping:
+                    break
+                if self._runnable():
+                    self._step()
+                    if self.engine.last_batch_size == 0:  # nothing fit: do not spin
+                        self.wake.wait(_IDLE_WAIT_S / 10)
+                else:
+                    self.wake.wait(_IDLE_WAIT_S)
+            except BaseException as exc:  # the loop itself failed: nobody is left hanging
+                self._fail_all(exc)
+        log.debug("engine_loop.stopped")
+
+    def _step(self) -> None:
+        try:
+            self.engine.step()
+        except BaseException as exc:  # an interruption: the step failed its own batch
+            log.warning("engine_loop.step_interrupted", cause=type(exc).__name__)
+        self._deliver()
+
+    def _run_commands(self) -> None:
+        while self._commands:
+            self._commands.popleft()()
+
+    def _add(self, seqs: list[Sequence], channel: Channel) -> None:
+        try:
+            for seq in seqs:
+                self.engine.add_sequence(seq)
+                self._live[seq.seq_id] = (seq, channel)
+        except EngineError as exc:  # the engine is broken: this request fails alone
+            for seq in seqs:
+                if seq.seq_id in self._live:
+                    self.engine.abort(seq, exc)
+                else:
+                    seq.finish("error", exc)
+                    self._live[seq.seq_id] = (seq, channel)
+        self._deliver()
+
+    def _abort(self, seqs: list[Sequence], error: Exception | None) -> None:
+        for seq in seqs:
+            if seq.seq_id in self._live:
+                self.engine.abort(seq, error)
+        self._deliver()
+
+    def _close(self, error: Exception) -> None:
+        for seq, _ in list(self._live.values()):
+            self.engine.abort(seq, error)
+        self._deliver()
+        self._stopping = True
+
+    def _runnable(self) -> bool:
+        """Pause the sequences whose readers are behind (aborting those idle too long);
+        True when some unfinished sequence may run."""
+        deadline = time.monotonic() - STREAM_IDLE_TIMEOUT_S
+        runnable = False
+        for seq, channel in list(self._live.values()):
+            seq.paused = channel.pieces and channel.unread >= STREAM_BUFFER
+            if seq.paused and channel.read_at < deadline:
+                message = f"the stream was not read for {STREAM_IDLE_TIMEOUT_S:g} s"
+                log.warning("request.aborted", seq_id=seq.seq_id, reason=message)
+                self.engine.abort(seq, RequestAbortedError(message + "; it was aborted"))
+            runnable = runnable or not (seq.paused or seq.is_finished)
+        self._deliver()
+        return runnable
+
+    def _deliver(self) -> None:
+        """Hand every sequence's new outputs, and its end, to its channel."""
+        for seq_id, (seq, channel) in list(self._live.items()):
+            items: list[Item] = list(seq.outbox) if channel.pieces else []
+            seq.outbox.clear()
+            if seq.is_finished:
+                items.append(Finished(seq))
+                del self._live[seq_id]
+            if not items:
+                continue
+            channel.sent += len(items) - seq.is_finished
+            if not channel.put(items) and not seq.is_finished:
+                self.engine.abort(seq)  # its reader is gone (a closed event loop)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        log.error("engine_loop.failed", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+        error = EngineError(f"the engine loop failed: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        for seq, _ in list(self._live.values()):
+            try:
+                self.engine.abort(seq, error)
+            except Exception:  # the engine is past saving: its readers still hear of it
+                seq.finish("error", error)
+        try:
+            self._deliver()
+        except Exception:
+            log.exception("engine_loop.deliver_failed")
+            self._live.clear()
+
+
+class LoopRequest:
+    """One submitted request: its sequences (several completions of a prompt, or several
+    prompts) and the channel they report to. Read it once, with `items` or `aitems`;
+    leaving either early aborts what has not finished."""
+
+    def __init__(self, loop: EngineLoop, seqs: list[Sequence], channel: Channel) -> None:
+        self.loop, self.seqs, self.channel = loop, seqs, channel
+        self._unfinished = len(seqs)
+
+    @property
+    def done(self) -> bool:
+        return self._unfinished == 0
+
+    def items(self) -> Iterator[Item]:
+        assert isinstance(self.channel, ThreadChannel)
+        try:
+            while not self.done:
+                for item in self.channel.get(self.loop):
+                    self._unfinished -= isinstance(item, Finished)
+                    yield item
+        finally:
+            self.abort()
+
+    async def aitems(self) -> AsyncIterator[Item]:
+        assert isinstance(self.channel, AsyncChannel)
+        try:
+            while not self.done:
+                for item in await self.channel.get(self.loop):
+                    self._unfinished -= isinstance(item, Finished)
+                    yield item
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Abort what has not finished (a no-op once all has)."""
+        if not self.done:
+            self.loop.abort(self.seqs)
