@@ -1,4 +1,4 @@
-"""The ``spnl-backend`` command: ``generate`` and ``info``.
+"""The ``spnl-backend`` command: ``generate``, ``serve`` and ``info``.
 
 Everything but a few standard modules (torch, structlog, the model) loads inside `main`'s
 error handling, so Ctrl-C from then on ends the command with one line and exit status
@@ -114,7 +114,59 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--stop", action="append", help="a stop string (repeatable)")
     generate.add_argument("--json", action="store_true", help="print results with usage as JSON")
     generate.set_defaults(run=_run_generate)
+    _add_serve(commands)
     return parser
+
+
+def _add_serve(commands: Any) -> None:
+    serve = commands.add_parser(
+        "serve", help="serve the model over an OpenAI-compatible HTTP API (SSE streaming)"
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free)")
+    serve.add_argument(
+        "--model", help="model name or path (default: MISTRALRS_MODEL, else the embedded default)"
+    )
+    serve.add_argument(
+        "--served-model-name",
+        help="the name clients use (default: the model file's or directory's name)",
+    )
+    serve.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' (default: SPNL_BACKEND_API_KEY; unset: none)",
+    )
+    serve.add_argument(
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="sequences that may wait beyond those running before requests get 503 (256)",
+    )
+    serve.add_argument(
+        "--max-body-bytes", type=int, default=8 * 1024 * 1024, help="largest request body"
+    )
+    serve.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        help="seconds running requests get to finish on SIGINT/SIGTERM (default 30)",
+    )
+    serve.set_defaults(run=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from .server.run import serve
+
+    return serve(
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        max_waiting=args.max_waiting,
+        max_body_bytes=args.max_body_bytes,
+        grace_s=args.grace,
+        verbose=args.verbose,
+    )
 
 
 def _run_generate(args: argparse.Namespace) -> int:

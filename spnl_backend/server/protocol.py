@@ -1,0 +1,278 @@
+"""OpenAI request bodies → checked engine requests, and the API's error shape.
+
+Every field a body may carry is either used, accepted at a value that asks for nothing
+(``logprobs: false``, ``presence_penalty: 0``), accepted and documented as without
+effect (``reasoning_effort``, ``user``), or refused with a 400 naming it: nothing is
+silently ignored.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine.sequence import SamplingParams
+from ..errors import ContextLengthError, RequestError, shown
+from ..request import check_text, sampling_params
+
+MAX_N = 64  # completions per prompt (the engine runs 64 sequences at once)
+
+
+class ApiError(Exception):
+    """An error a client gets in OpenAI's shape (``{"error": {...}}``) with its status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+        self.param, self.code, self.headers = param, code, headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def from_request_error(exc: RequestError, param: str | None = None) -> ApiError:
+    if isinstance(exc, ContextLengthError):
+        return bad_request(
+            str(exc), "messages" if param == "messages" else "prompt", "context_length_exceeded"
+        )
+    return bad_request(str(exc), param)
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """What a completions or chat body asks of the engine."""
+
+    model: str
+    params: SamplingParams
+    n: int
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    prompts: list[str] | list[list[int]] | None = None  # completions
+    messages: list[dict[str, Any]] | None = None  # chat
+
+
+# Fields read for their value (the sampling ones below, and the per-endpoint ones).
+_SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop")
+_COMMON = ("model", "n", "stream", "stream_options", *_SAMPLING)
+# Accepted, with no effect: metadata, or a mode this engine's models do not have.
+_NO_EFFECT = ("user", "reasoning_effort", "store", "metadata", "service_tier")
+
+
+def _neutral(value: object, *allowed: object) -> bool:
+    return any(value is a or (value == a and type(value) is type(a)) for a in allowed)
+
+
+# Accepted only at the value that asks for nothing; any other value is a 400 naming it.
+_NEUTRAL: dict[str, Callable[[object], bool]] = {
+    "logprobs": lambda v: _neutral(v, None, False),
+    "top_logprobs": lambda v: _neutral(v, None, 0),
+    "echo": lambda v: _neutral(v, None, False),
+    "best_of": lambda v: _neutral(v, None, 1),
+    "suffix": lambda v: _neutral(v, None, ""),
+    "presence_penalty": lambda v: _neutral(v, None, 0, 0.0),
+    "frequency_penalty": lambda v: _neutral(v, None, 0, 0.0),
+    "logit_bias": lambda v: v is None or v == {},
+    "tools": lambda v: v is None or v == [],
+    "tool_choice": lambda v: _neutral(v, None, "none"),
+    "parallel_tool_calls": lambda v: v is None or isinstance(v, bool),
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "modalities": lambda v: v is None or v == ["text"],
+}
+
+
+def parse_completion(body: object) -> EngineRequest:
+    fields = _fields(body, {*_COMMON, "prompt", "max_tokens"})
+    prompts = _prompts(fields.get("prompt"))
+    return _engine_request(fields, fields.get("max_tokens"), "max_tokens", prompts=prompts)
+
+
+def parse_chat(body: object) -> EngineRequest:
+    fields = _fields(body, {*_COMMON, "messages", "max_tokens", "max_completion_tokens"})
+    if fields.get("max_completion_tokens") is not None and fields.get("max_tokens") is not None:
+        raise bad_request(
+            "give max_completion_tokens or max_tokens (its older name), not both",
+            "max_completion_tokens",
+        )
+    name = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
+    return _engine_request(fields, fields.get(name), name, messages=_messages(fields))
+
+
+def _fields(body: object, used: set[str]) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, not {_json_kind(body)}")
+    for name, value in body.items():
+        if name in used or name in _NO_EFFECT:
+            continue
+        if name in _NEUTRAL:
+            if not _NEUTRAL[name](value):
+                raise bad_request(
+                    f"{name}={shown(value)} is not supported by this server yet "
+                    "(only its default, which asks for nothing, is accepted)",
+                    name,
+                    "unsupported_parameter",
+                )
+            continue
+        raise bad_request(
+            f"unknown or unsupported parameter {shown(name)}", name, "unsupported_parameter"
+        )
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise bad_request(
+            "model is required: the name of the served model (GET /v1/models)", "model"
+        )
+    return body
+
+
+def _engine_request(
+    fields: dict[str, Any], max_tokens: object, max_name: str, **prompt: Any
+) -> EngineRequest:
+    params = _sampling(fields, max_tokens, max_name)
+    n = fields.get("n", 1)
+    if n is None:
+        n = 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise bad_request(f"n={shown(n)}: expected an integer from 1 to {MAX_N}", "n")
+    stream = fields.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise bad_request(f"stream={shown(stream)}: expected true or false", "stream")
+    return EngineRequest(
+        model=fields["model"],
+        params=params,
+        n=n,
+        stream=bool(stream),
+        include_usage=_include_usage(fields.get("stream_options"), bool(stream)),
+        **prompt,
+    )
+
+
+def _sampling(fields: dict[str, Any], max_tokens: object, max_name: str) -> SamplingParams:
+    """The sampling parameters, OpenAI's defaults where a field is absent or null
+    (temperature 1, top_p 1; no max_tokens: until EOS or the end of the context)."""
+    values = {name: fields.get(name) for name in _SAMPLING}
+    if values["temperature"] is None:
+        values["temperature"] = 1.0
+    if values["top_p"] is None:
+        values["top_p"] = 1.0
+    if values["top_k"] is None or values["top_k"] == -1:  # -1: vLLM's "off"
+        values["top_k"] = 0
+    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens < 1:
+        raise bad_request(f"{max_name}={max_tokens}: expected an integer >= 1", max_name)
+    try:
+        return sampling_params(max_tokens=max_tokens, **values)  # type: ignore[arg-type]
+    except RequestError as exc:
+        message = str(exc)
+        name = message.split("=", 1)[0]
+        if name == "max_tokens":
+            message = max_name + message[len(name) :]
+        return_param = max_name if name == "max_tokens" else name
+        raise bad_request(message, return_param) from None
+
+
+def _include_usage(options: object, stream: bool) -> bool:
+    if options is None:
+        return False
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise bad_request(
+            f"stream_options={shown(options)}: expected {{'include_usage': true|false}}",
+            "stream_options",
+        )
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise bad_request("stream_options.include_usage: expected true or false", "stream_options")
+    if not stream:
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+    return include
+
+
+def _prompts(prompt: object) -> list[str] | list[list[int]]:
+    """A string, a list of strings, a list of token ids, or a list of such lists."""
+    expected = "a string, a list of strings, a list of token ids, or a list of such lists"
+    if isinstance(prompt, str):
+        return [_prompt_text(prompt, "prompt")]
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_request(f"prompt: expected {expected} (non-empty)", "prompt")
+    if all(isinstance(item, str) for item in prompt):
+        return [_prompt_text(item, f"prompt[{i}]") for i, item in enumerate(prompt)]
+    if all(_is_id(item) for item in prompt):
+        return [list(prompt)]
+    if all(isinstance(item, list) and item and all(map(_is_id, item)) for item in prompt):
+        return [list(item) for item in prompt]
+    raise bad_request(f"prompt: expected {expected}", "prompt")
+
+
+def _prompt_text(text: str, name: str) -> str:
+    if not text:
+        raise bad_request(f"{name} is empty", "prompt")
+    try:
+        return check_text(text, name)
+    except RequestError as exc:
+        raise bad_request(str(exc), "prompt") from None
+
+
+def _is_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _messages(fields: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chat messages, content given as a string or as a list of text parts."""
+    messages = fields.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages: expected a non-empty list of messages", "messages")
+    return [_message(message, i) for i, message in enumerate(messages)]
+
+
+def _message(message: object, index: int) -> dict[str, Any]:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise bad_request(f"{where}: expected an object with a string 'role'", "messages")
+    unsupported = set(message) - {"role", "content", "name"}
+    if unsupported:
+        raise bad_request(
+            f"{where}: {', '.join(sorted(map(shown, unsupported)))} not supported "
+            "(tool calls, audio and refusals are not served yet)",
+            "messages",
+            "unsupported_parameter",
+        )
+    return {"role": message["role"], "content": _content(message.get("content"), where)}
+
+
+def _content(content: object, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = [
+            part.get("text")
+            for part in content
+            if isinstance(part, dict) and part.get("type") == "text"
+        ]
+        if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
+            return "".join(texts)  # type: ignore[arg-type]
+        raise bad_request(
+            f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) are served",
+            "messages",
+            "unsupported_parameter",
+        )
+    raise bad_request(f"{where}.content: expected a string or a list of text parts", "messages")
+
+
+def _json_kind(value: object) -> str:
+    kinds = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    return kinds.get(type(value), "a number")

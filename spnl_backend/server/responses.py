@@ -1,0 +1,104 @@
+"""OpenAI's response bodies and stream chunks for completions and chat, built from the
+engine's sequences. A request's choices are its sequences in order: for a list of
+prompts with ``n`` completions each, choice ``p * n + i`` is prompt ``p``'s ``i``-th."""
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ..engine.sequence import Sequence
+
+Endpoint = Literal["completions", "chat"]
+
+
+@dataclass
+class Reply:
+    """One response's identity and the sequences behind its choices."""
+
+    endpoint: Endpoint
+    model: str
+    seqs: list[Sequence]
+    n: int
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        prefix = "cmpl" if self.endpoint == "completions" else "chatcmpl"
+        self.id = self.id or f"{prefix}-{uuid.uuid4().hex}"
+        self.index = {seq.seq_id: i for i, seq in enumerate(self.seqs)}
+
+    # ---- whole responses --------------------------------------------------------------
+
+    def body(self) -> dict[str, Any]:
+        return {
+            **self._head(""),
+            "choices": [self._choice(s) for s in self.seqs],
+            "usage": self.usage(),
+        }
+
+    def _choice(self, seq: Sequence) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": self.index[seq.seq_id]}
+        if self.endpoint == "completions":
+            choice["text"] = seq.text
+        else:
+            choice["message"] = {"role": "assistant", "content": seq.text}
+        return {**choice, "logprobs": None, "finish_reason": finish_reason(seq)}
+
+    def usage(self) -> dict[str, Any]:
+        """Each prompt counted once (its first completion's), every completion's tokens."""
+        leaders = self.seqs[:: self.n]
+        prompt = sum(len(seq.prompt_token_ids) for seq in leaders)
+        completion = sum(len(seq.output_token_ids) for seq in self.seqs)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {
+                "cached_tokens": sum(seq.num_cached_tokens for seq in leaders)
+            },
+        }
+
+    # ---- stream chunks ----------------------------------------------------------------
+
+    def text_chunk(self, seq: Sequence, text: str, first: bool) -> dict[str, Any]:
+        return self._chunk(seq, text, first, None)
+
+    def end_chunk(self, seq: Sequence, first: bool) -> dict[str, Any]:
+        return self._chunk(seq, "", first, finish_reason(seq))
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {**self._head(".chunk"), "choices": [], "usage": self.usage()}
+
+    def _chunk(self, seq: Sequence, text: str, first: bool, reason: str | None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": self.index[seq.seq_id]}
+        if self.endpoint == "completions":
+            choice["text"] = text
+        else:
+            choice["delta"] = (
+                {"role": "assistant", "content": text}
+                if first
+                else {"content": text}
+                if text or reason is None
+                else {}
+            )
+        return {
+            **self._head(".chunk"),
+            "choices": [{**choice, "logprobs": None, "finish_reason": reason}],
+        }
+
+    def _head(self, suffix: str) -> dict[str, Any]:
+        kind = "text_completion" if self.endpoint == "completions" else "chat.completion" + suffix
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+
+def finish_reason(seq: Sequence) -> str:
+    """OpenAI's reasons: "stop" (EOS or a stop string) or "length"."""
+    return "length" if seq.finish_reason == "length" else "stop"
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {text}\n\n".encode()

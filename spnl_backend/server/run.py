@@ -1,0 +1,154 @@
+"""`serve`: listen first, load the model in the background (``/health`` says 503 until
+it is ready), serve until SIGINT or SIGTERM, then stop gracefully.
+
+Stopping: the listening socket closes at once; requests in flight get up to
+``grace_s`` seconds to finish; what is left then is aborted (its streams end, its
+blocks are freed), the backend is closed, and `serve` returns 0.
+"""
+
+import math
+import signal
+import socket
+import threading
+from pathlib import Path
+from types import FrameType
+
+import uvicorn
+
+from ..backend import Backend, load_backend
+from ..errors import SettingsError
+from ..loader.default_model import DEFAULT_MODEL_NAME
+from ..log import get_logger
+from ..settings import BackendSettings, load_settings
+from ..settings.serving import api_key_from_env
+from .app import MAX_BODY_BYTES, MAX_WAITING, ServerConfig, ServerState, create_app
+
+log = get_logger()
+
+GRACE_S = 30.0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that a stopping signal is not raised again once it has
+    stopped: a server stopped on purpose exits with status 0."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True
+
+
+def serve(
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    model: str | None = None,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    max_waiting: int = MAX_WAITING,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    grace_s: float = GRACE_S,
+    verbose: bool = False,
+) -> int:
+    """Run the server until it is told to stop; returns the exit status. ``grace_s`` is
+    rounded up to whole seconds (at least 1), as uvicorn counts them."""
+    api_key = api_key if api_key is not None else api_key_from_env()
+    _check_options(port, max_waiting, max_body_bytes, grace_s)
+    settings = load_settings()  # a bad MISTRALRS_* variable fails before anything starts
+    model = model or settings.model or None
+    sock = _listen(host, port)
+    name = served_model_name or _model_name(model)
+    state = ServerState()
+    config = ServerConfig(name, api_key, max_body_bytes, max_waiting)
+    server = _Server(
+        uvicorn.Config(
+            create_app(config, state),
+            log_level="info" if verbose else "warning",
+            access_log=verbose,
+            timeout_graceful_shutdown=max(1, math.ceil(grace_s)),
+            lifespan="off",
+        )
+    )
+    failure: list[BaseException] = []
+    loader = threading.Thread(
+        target=_load, args=(model, settings, state, server, failure), name="spnl-load", daemon=True
+    )
+    loader.start()
+    log.warning(
+        "server.listening",
+        url=f"http://{_url_host(host)}:{sock.getsockname()[1]}/v1",
+        model=name,
+        api_key=api_key is not None,
+    )
+    try:
+        server.run(sockets=[sock])
+    finally:
+        backend = state.backend
+        if backend is not None:
+            backend.close()  # aborts what the grace period left
+        log.warning("server.stopped")
+    if failure:
+        raise failure[0]
+    return 0
+
+
+def _load(
+    model: str | None,
+    settings: BackendSettings,
+    state: ServerState,
+    server: _Server,
+    failure: list[BaseException],
+) -> None:
+    try:
+        backend: Backend = load_backend(model, settings)
+    except BaseException as exc:  # reported by `serve` once the server has stopped
+        failure.append(exc)
+        server.should_exit = True
+        return
+    if server.should_exit:  # stopped while loading
+        backend.close()
+        return
+    state.backend = backend
+    log.warning("server.ready", model=backend.source.name)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind before the model loads, so that a port in use fails at once and clearly."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise SettingsError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _model_name(model: str | None) -> str:
+    """The name clients use: a file's or directory's name without .gguf, a hub id as
+    given, or the embedded default's file name."""
+    if not model:
+        return DEFAULT_MODEL_NAME
+    path = Path(model)
+    if path.exists():
+        return path.name.removesuffix(".gguf")
+    return model
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _check_options(port: int, max_waiting: int, max_body_bytes: int, grace_s: float) -> None:
+    checks = [
+        (0 <= port <= 65535, f"--port {port}: expected 0 to 65535 (0: any free port)"),
+        (max_waiting >= 0, f"--max-waiting {max_waiting}: expected an integer >= 0"),
+        (max_body_bytes >= 1024, f"--max-body-bytes {max_body_bytes}: expected >= 1024"),
+        (grace_s >= 0, f"--grace {grace_s}: expected seconds >= 0"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise SettingsError(message)

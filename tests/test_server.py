@@ -1,0 +1,339 @@
+"""The OpenAI-compatible server, driven by the official `openai` client and by raw HTTP:
+its answers equal the Python API's, and every bad request gets OpenAI's error shape."""
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from helpers import loop_held
+from live_server import MODEL, PROMPTS, LiveServer, served_backend
+
+
+@pytest.fixture(scope="module")
+def backend(tiny):
+    backend = served_backend(tiny)
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def live(backend):
+    server = LiveServer(backend)
+    yield server
+    server.stop()
+
+
+def _greedy(backend, prompt, max_tokens=12):
+    return backend.generate(prompt, max_tokens=max_tokens, temperature=0)
+
+
+def _assert_pool_clean(backend, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = backend.stats()
+        if (stats.running, stats.waiting, stats.cache_holders) == (0, 0, 0):
+            assert stats.pool is None or stats.pool.in_use == 0
+            return
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.02)
+
+
+# ---- answers equal the Python API's ---------------------------------------------------
+
+
+def test_health_and_models(live):
+    assert httpx.get(live.url + "/health").json()["status"] == "ok"
+    assert [m.id for m in live.client().models.list()] == [MODEL]
+
+
+def test_completion_equals_generate(live, backend):
+    expected = _greedy(backend, PROMPTS[0])
+    reply = live.client().completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0
+    )
+    assert reply.choices[0].text == expected.text
+    assert reply.choices[0].finish_reason == expected.finish_reason
+    assert reply.usage.prompt_tokens == expected.usage.prompt_tokens
+    assert reply.usage.completion_tokens == expected.usage.completion_tokens
+
+
+def test_streamed_completion_equals_generate(live, backend):
+    expected = _greedy(backend, PROMPTS[1])
+    chunks = list(
+        live.client().completions.create(
+            model=MODEL,
+            prompt=PROMPTS[1],
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12
+    assert all(isinstance(c.created, int) and c.id == chunks[0].id for c in chunks)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_equals_backend_chat(live, backend, stream):
+    messages = [{"role": "user", "content": "The capital"}]
+    expected = backend.chat(messages, max_tokens=10, temperature=0)
+    reply = live.client().chat.completions.create(
+        model=f"openai/{MODEL}",  # as spnl names it
+        messages=messages,
+        max_completion_tokens=10,
+        temperature=0,
+        stream=stream,
+        reasoning_effort="low",
+    )
+    if stream:
+        chunks = list(reply)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    else:
+        text = reply.choices[0].message.content
+    assert text == expected.text
+
+
+def test_a_list_of_prompts_and_token_ids(live, backend):
+    expected = [_greedy(backend, p).text for p in PROMPTS]
+    reply = live.client().completions.create(
+        model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0
+    )
+    assert [(c.index, c.text) for c in reply.choices] == list(enumerate(expected))
+    ids = backend.tokenizer.encode(PROMPTS[2])
+    by_ids = live.post(
+        "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 12, "temperature": 0}
+    )
+    assert by_ids.json()["choices"][0]["text"] == expected[2]
+
+
+def test_n_completions_share_the_prompt_and_are_reproducible(live, backend):
+    greedy = live.client().completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0, n=3
+    )
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert {c.text for c in greedy.choices} == {_greedy(backend, PROMPTS[0], 8).text}
+    assert greedy.usage.prompt_tokens == len(backend.tokenizer.encode(PROMPTS[0]))
+
+    def sampled():
+        reply = live.client().completions.create(
+            model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=1.0, seed=7, n=3
+        )
+        return [c.text for c in reply.choices]
+
+    texts = sampled()
+    assert texts == sampled()
+    alone = [
+        backend.generate(PROMPTS[1], max_tokens=8, temperature=1.0, seed=7 + i).text
+        for i in range(3)
+    ]
+    assert texts == alone  # completion i draws with seed + i
+
+
+def test_n_streams_interleave_by_index(live):
+    chunks = list(
+        live.client().chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_completion_tokens=6,
+            temperature=0,
+            n=2,
+            stream=True,
+        )
+    )
+    texts = ["", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts[0] == texts[1] != ""
+
+
+def test_32_concurrent_streams_equal_their_serial_runs(live, backend):
+    prompts = [f"{PROMPTS[i % 3]} {i}" for i in range(32)]
+    expected = [_greedy(backend, p, 16).text for p in prompts]
+
+    async def one(client, prompt):
+        stream = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True
+        )
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def all_of_them():
+        client = openai.AsyncOpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+        async with client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    assert asyncio.run(all_of_them()) == expected
+    _assert_pool_clean(backend)
+
+
+def test_a_client_that_hangs_up_leaves_the_pool_as_it_was(live, backend):
+    before = backend.stats().pool
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=30) as reply:
+        lines = reply.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+    _assert_pool_clean(backend)
+    after = backend.stats().pool
+    assert (after.in_use, after.blocks) == (before.in_use, before.blocks)
+
+
+# ---- errors -----------------------------------------------------------------------------
+
+
+def _error(reply: httpx.Response, status: int) -> dict:
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"prompt": "hi"}, "model", "model is required"),
+        ({"model": MODEL, "prompt": 5}, "prompt", "expected a string"),
+        ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, "temperature", "temperature="),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens", ">= 1"),
+        ({"model": MODEL, "prompt": "hi", "n": 0}, "n", "from 1 to"),
+        ({"model": MODEL, "prompt": "hi", "logprobs": 3}, "logprobs", "not supported"),
+        ({"model": MODEL, "prompt": "hi", "frobnicate": 1}, "frobnicate", "unknown"),
+        ({"model": MODEL, "prompt": [1, "a"]}, "prompt", "expected a string"),
+        ({"model": MODEL, "prompt": [10**9]}, "prompt", "prompt_token_ids"),
+        (
+            {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}},
+            "stream_options",
+            "only allowed with stream",
+        ),
+    ],
+)
+def test_bad_completion_requests(live, body, param, words):
+    error = _error(live.post("/v1/completions", body), 400)
+    assert error["param"] == param
+    assert words in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ({"model": MODEL, "messages": []}, "non-empty list"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": 3}]}, "content"),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_object"},
+            },
+            "response_format",
+        ),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "function"}],
+            },
+            "tools",
+        ),
+    ],
+)
+def test_bad_chat_requests(live, body, words):
+    assert words in _error(live.post("/v1/chat/completions", body), 400)["message"]
+
+
+def test_invalid_json_unknown_model_and_too_long_prompt(live, backend):
+    raw = httpx.post(live.url + "/v1/completions", content=b"{not json", timeout=30)
+    assert "not valid JSON" in _error(raw, 400)["message"]
+    unknown = _error(live.post("/v1/completions", {"model": "gpt-4", "prompt": "x"}), 404)
+    assert unknown["code"] == "model_not_found"
+    long = " ".join(["word"] * (backend.max_model_len + 10))
+    too_long = _error(live.post("/v1/completions", {"model": MODEL, "prompt": long}), 400)
+    assert too_long["code"] == "context_length_exceeded"
+    assert _error(httpx.get(live.url + "/v2/nothing"), 404)["code"] == "not_found"
+
+
+def test_the_openai_client_raises_on_a_400(live):
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        live.client().completions.create(model=MODEL, prompt="x", logprobs=2)
+
+
+def test_api_key_oversized_body_and_a_full_queue(backend):
+    server = LiveServer(backend, api_key="s3cret", max_body_bytes=4096, max_waiting=0)
+    try:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        assert _error(server.post("/v1/completions", body), 401)["code"] == "invalid_api_key"
+        wrong = {"Authorization": "Bearer nope"}
+        assert server.post("/v1/completions", body, headers=wrong).status_code == 401
+        assert httpx.get(server.url + "/v1/models").status_code == 401
+        right = {"Authorization": "Bearer s3cret"}
+        assert server.post("/v1/completions", body, headers=right).status_code == 200
+        big = {**body, "prompt": "x" * 5000}
+        assert _error(server.post("/v1/completions", big, headers=right), 413)
+        # 64 completions in flight fill the running batch (the loop is held, so they
+        # stay there); with no room to wait, the next request is turned away.
+        held = {**body, "n": backend.max_num_seqs, "max_tokens": 50, "stream": True}
+        with (
+            loop_held(backend),
+            httpx.stream(
+                "POST", server.url + "/v1/completions", json=held, headers=right, timeout=30
+            ),
+        ):
+            full = server.post("/v1/completions", body, headers=right)
+            assert _error(full, 503)["code"] == "server_overloaded"
+            assert full.headers["Retry-After"] == "1"
+        _assert_pool_clean(backend)
+    finally:
+        server.stop()
+
+
+def test_health_is_503_until_a_model_is_loaded(backend):
+    server = LiveServer(None)
+    try:
+        assert httpx.get(server.url + "/health").status_code == 503
+        reply = server.post("/v1/completions", {"model": MODEL, "prompt": "x"})
+        assert _error(reply, 503)["code"] == "model_not_ready"
+        server.state.backend = backend
+        assert httpx.get(server.url + "/health").status_code == 200
+    finally:
+        server.stop()
+
+
+def test_metrics_count_what_happened(live):
+    live.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 3})
+    live.post("/v1/completions", {"model": MODEL, "prompt": "x", "bogus": 1})
+    text = httpx.get(live.url + "/metrics").text
+    samples = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+    assert samples['spnl_requests_total{endpoint="completions",outcome="ok"}'] >= 1
+    assert samples['spnl_requests_total{endpoint="completions",outcome="rejected"}'] >= 1
+    assert samples["spnl_completion_tokens_total"] >= 3
+    assert samples["spnl_time_to_first_token_seconds_count"] >= 1
+    for name in (
+        "spnl_running_sequences",
+        "spnl_kv_blocks_used",
+        "spnl_kv_blocks_free",
+        "spnl_prefix_cache_hits_total",
+        "spnl_preemptions_total",
+        "spnl_spec_accepted_tokens_total",
+        "spnl_inter_token_latency_seconds_count",
+    ):
+        assert name in samples, name
+
+
+def test_sse_framing(live):
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=30) as reply:
+        assert reply.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in reply.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    for event in events[:-1]:
+        chunk = json.loads(event.removeprefix("data: "))
+        assert chunk["object"] == "text_completion"
+        assert isinstance(chunk["choices"][0]["text"], str)
