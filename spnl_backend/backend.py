@@ -85,10 +85,11 @@ class Backend:
     def __init__(
         self,
         loaded: LoadedModel,
-        engine: Engine,
+        loop: EngineLoop,
         settings: BackendSettings,
         platform: PlatformDecisions,
     ) -> None:
+        engine = loop.engine
         self.settings, self.platform = settings, platform
         self.tokenizer = loaded.tokenizer
         self.model_config: ModelConfig = loaded.config
@@ -96,7 +97,7 @@ class Backend:
         self.max_model_len = engine.config.max_model_len
         self.max_num_seqs = engine.config.max_num_seqs  # sequences one step runs at most
         self._cache_holds_context = engine.cache.capacity_tokens == self.max_model_len
-        self._loop: EngineLoop | None = EngineLoop(engine)
+        self._loop: EngineLoop | None = loop
         self._closing = threading.Lock()
         _OPEN.add(self)
 
@@ -480,7 +481,8 @@ def load_backend(
     """Load a model (the argument, else ``MISTRALRS_MODEL``, else the embedded default).
 
     ``settings`` default to the MISTRALRS_* environment; ``progress`` receives loading
-    progress (by default ``load.progress`` log events).
+    progress (by default ``load.progress`` log events), called from the backend's engine
+    thread, which loads the model while this call waits.
     """
     _check_load_arguments(model, settings, progress)
     if settings is None:
@@ -496,10 +498,15 @@ def load_backend(
     )
     log.info("model.resolved", name=source.name, kind=source.kind, path=str(source.path))
     progress = progress or LogProgress()
-    loaded = load_model(source, settings.isq, decisions, progress)
-    draft = load_draft(loaded, settings, decisions, progress)
-    engine = build_engine(loaded, settings, decisions, draft)
-    backend = Backend(loaded, engine, settings, decisions)
+
+    def build() -> tuple[Engine, LoadedModel]:
+        loaded = load_model(source, settings.isq, decisions, progress)
+        draft = load_draft(loaded, settings, decisions, progress)
+        engine = build_engine(loaded, settings, decisions, draft)
+        return engine, loaded
+
+    loop, loaded = EngineLoop.start(build)  # built on the thread that will step it
+    backend = Backend(loaded, loop, settings, decisions)
     release_freed_memory()
     return backend
 

@@ -124,16 +124,41 @@ class AsyncChannel(Channel):
 
 
 class EngineLoop:
-    """The thread that steps ``engine``; every method is safe from any thread."""
+    """The thread that builds the engine and then steps it; every method is safe from any
+    thread.
 
-    def __init__(self, engine: Engine, name: str = "spnl-engine") -> None:
-        self.engine = engine
+    The build runs on the loop's own thread because the OpenMP runtimes (torch's and the
+    compiled kernels') keep a pool of workers per thread that starts parallel work: a
+    second pool on a second thread leaves more workers than cores, and the runtimes then
+    put their workers to sleep between parallel regions instead of letting them spin,
+    which halved decode speed on 2 cores. With one thread for the build and every step,
+    there is one pool per runtime.
+    """
+
+    def __init__(self, name: str = "spnl-engine") -> None:
+        self.engine: Engine = None  # type: ignore[assignment]  # set by `start`
         self.wake = threading.Event()
         self._commands: deque[Callable[[], None]] = deque()
         self._live: dict[int, tuple[Sequence, Channel]] = {}  # by seq_id, on the loop thread
         self._stopping = False
-        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self._thread.start()
+        self._thread = threading.Thread(target=lambda: None, name=name, daemon=True)
+
+    @classmethod
+    def start(cls, build: Callable[[], tuple[Engine, T]]) -> tuple["EngineLoop", T]:
+        """Run ``build`` on a new loop thread, then the loop: the loop and what ``build``
+        returned beside the engine. ``build``'s exception is raised here; an interruption
+        while waiting leaves the thread to finish the build and discard it."""
+        loop = cls()
+        built: Future[T] = Future()
+        loop._thread = threading.Thread(
+            target=loop._main, args=(build, built), name=loop._thread.name, daemon=True
+        )
+        loop._thread.start()
+        try:
+            return loop, built.result()
+        except BaseException:
+            loop._stopping = True
+            raise
 
     # ---- what callers post ------------------------------------------------------------
 
@@ -192,7 +217,18 @@ class EngineLoop:
 
     # ---- the loop thread ----------------------------------------------------------------
 
-    def _main(self) -> None:
+    def _main(self, build: Callable[[], tuple[Engine, T]], built: "Future[T]") -> None:
+        try:
+            self.engine, extra = build()
+        except BaseException as exc:  # raised in the caller of `start`
+            built.set_exception(exc)
+            return
+        built.set_result(extra)
+        self._serve()
+        if self._stopping and not self._live:
+            self.engine = None  # type: ignore[assignment]  # frees the model and cache
+
+    def _serve(self) -> None:
         while not self._stopping:
             self.wake.clear()
             try:
