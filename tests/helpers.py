@@ -73,7 +73,8 @@ def engine_logits(backend: Backend, ids: list[int]) -> torch.Tensor:
     """Logits at every position of ``ids`` through the backend's own KV cache (paged or not)."""
     from spnl_backend.engine.scoring import prompt_logits
 
-    return prompt_logits(engine_internals(backend), ids, torch.device("cpu"))
+    engine_internals(backend)  # open
+    return backend._loop.call(lambda engine: prompt_logits(engine, ids, torch.device("cpu")))
 
 
 def engine_internals(backend: Backend) -> Engine:
