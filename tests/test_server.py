@@ -245,6 +245,31 @@ def test_bad_chat_requests(live, body, words):
     assert words in _error(live.post("/v1/chat/completions", body), 400)["message"]
 
 
+def test_hostile_bodies_are_400s(live):
+    deep = b'{"model": "x", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    raw = httpx.post(live.url + "/v1/completions", content=deep, timeout=30)
+    assert "not valid JSON" in _error(raw, 400)["message"]
+    huge = b'{"model": "m", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}"
+    raw = httpx.post(live.url + "/v1/completions", content=huge, timeout=30)
+    assert "not valid JSON" in _error(raw, 400)["message"]
+    bad_stop = b'{"model": "' + MODEL.encode() + b'", "prompt": "Hi", "stop": "\\ud800"}'
+    raw = httpx.post(live.url + "/v1/completions", content=bad_stop, timeout=30)
+    assert _error(raw, 400)["param"] == "stop"
+    never_fits = {"model": MODEL, "prompt": [[1]] * 400, "max_tokens": 1}
+    assert _error(live.post("/v1/completions", never_fits), 400)["param"] == "n"
+
+
+def test_a_null_max_completion_tokens_falls_back_to_max_tokens(live):
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "x"}],
+        "max_completion_tokens": None,
+        "max_tokens": 3,
+        "temperature": 0,
+    }
+    assert live.post("/v1/chat/completions", body).json()["usage"]["completion_tokens"] == 3
+
+
 def test_invalid_json_unknown_model_and_too_long_prompt(live, backend):
     raw = httpx.post(live.url + "/v1/completions", content=b"{not json", timeout=30)
     assert "not valid JSON" in _error(raw, 400)["message"]

@@ -17,7 +17,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -27,7 +27,14 @@ from ..engine.sequence import Sequence, StepOutput
 from ..errors import RequestAbortedError, RequestError
 from ..log import get_logger
 from .metrics import ServerMetrics
-from .protocol import ApiError, EngineRequest, from_request_error, parse_chat, parse_completion
+from .protocol import (
+    ApiError,
+    EngineRequest,
+    bad_request,
+    from_request_error,
+    parse_chat,
+    parse_completion,
+)
 from .responses import Endpoint, Reply, sse
 
 log = get_logger()
@@ -114,6 +121,9 @@ class _Api:
         except ApiError as exc:
             self._count(endpoint, "rejected" if exc.status < 500 else "unavailable")
             return _error_response(exc)
+        except ClientDisconnect:  # gone while sending its body: nobody to answer
+            self._count(endpoint, "aborted")
+            return Response(status_code=499)
         except Exception as exc:  # a fault of ours: logged, and a 500 without internals
             return self._internal_error(endpoint, exc)
         reply = Reply(endpoint, self.config.model_name, submitted.seqs, asked.n)
@@ -171,6 +181,12 @@ class _Api:
             raise from_request_error(exc, "messages" if asked.messages else "prompt") from None
         wanted = len(prompts) * asked.n
         limit = backend.max_num_seqs + self.config.max_waiting
+        if wanted > limit:  # would never fit: not worth a retry
+            raise bad_request(
+                f"the request asks for {wanted} sequences (prompts x n); this server takes at "
+                f"most {limit} at once",
+                "n",
+            )
         if self.state.in_flight + wanted > limit:
             raise ApiError(
                 503,
@@ -304,8 +320,10 @@ async def _read_json(request: Request, limit: int) -> Any:
             raise _too_large(limit)
     try:
         return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as exc:
+        # RecursionError: nested too deep; ValueError: an integer past Python's digit limit
+        reason = str(exc)[:200] or type(exc).__name__
+        raise ApiError(400, f"the request body is not valid JSON: {reason}") from None
 
 
 def _too_large(limit: int) -> ApiError:

@@ -112,7 +112,8 @@ def parse_chat(body: object) -> EngineRequest:
             "give max_completion_tokens or max_tokens (its older name), not both",
             "max_completion_tokens",
         )
-    name = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
+    given = fields.get("max_completion_tokens") is not None
+    name = "max_completion_tokens" if given else "max_tokens"
     return _engine_request(fields, fields.get(name), name, messages=_messages(fields))
 
 
@@ -179,11 +180,10 @@ def _sampling(fields: dict[str, Any], max_tokens: object, max_name: str) -> Samp
         return sampling_params(max_tokens=max_tokens, **values)  # type: ignore[arg-type]
     except RequestError as exc:
         message = str(exc)
-        name = message.split("=", 1)[0]
+        name = next((n for n in ("max_tokens", *_SAMPLING) if message.startswith(n)), None)
         if name == "max_tokens":
             message = max_name + message[len(name) :]
-        return_param = max_name if name == "max_tokens" else name
-        raise bad_request(message, return_param) from None
+        raise bad_request(message, max_name if name == "max_tokens" else name) from None
 
 
 def _include_usage(options: object, stream: bool) -> bool:
