@@ -135,24 +135,28 @@ class EngineLoop:
     there is one pool per runtime.
     """
 
-    def __init__(self, name: str = "spnl-engine") -> None:
-        self.engine: Engine = None  # type: ignore[assignment]  # set by `start`
+    def __init__(
+        self,
+        build: Callable[[], tuple[Engine, T]],
+        built: "Future[T]",
+        name: str = "spnl-engine",
+    ) -> None:
+        self.engine: Engine = None  # type: ignore[assignment]  # set by `build`, on the thread
         self.wake = threading.Event()
         self._commands: deque[Callable[[], None]] = deque()
         self._live: dict[int, tuple[Sequence, Channel]] = {}  # by seq_id, on the loop thread
         self._stopping = False
-        self._thread = threading.Thread(target=lambda: None, name=name, daemon=True)
+        self._thread = threading.Thread(
+            target=self._main, args=(build, built), name=name, daemon=True
+        )
 
     @classmethod
     def start(cls, build: Callable[[], tuple[Engine, T]]) -> tuple["EngineLoop", T]:
         """Run ``build`` on a new loop thread, then the loop: the loop and what ``build``
         returned beside the engine. ``build``'s exception is raised here; an interruption
         while waiting leaves the thread to finish the build and discard it."""
-        loop = cls()
         built: Future[T] = Future()
-        loop._thread = threading.Thread(
-            target=loop._main, args=(build, built), name=loop._thread.name, daemon=True
-        )
+        loop = cls(build, built)
         loop._thread.start()
         try:
             return loop, built.result()
@@ -286,15 +290,17 @@ class EngineLoop:
         """Pause the sequences whose readers are behind (aborting those idle too long);
         True when some unfinished sequence may run."""
         deadline = time.monotonic() - STREAM_IDLE_TIMEOUT_S
-        runnable = False
+        runnable = aborted = False
         for seq, channel in list(self._live.values()):
             seq.paused = channel.pieces and channel.unread >= STREAM_BUFFER
             if seq.paused and channel.read_at < deadline:
                 message = f"the stream was not read for {STREAM_IDLE_TIMEOUT_S:g} s"
                 log.warning("request.aborted", seq_id=seq.seq_id, reason=message)
                 self.engine.abort(seq, RequestAbortedError(message + "; it was aborted"))
+                aborted = True
             runnable = runnable or not (seq.paused or seq.is_finished)
-        self._deliver()
+        if aborted:  # their readers hear of it now; otherwise the step delivers
+            self._deliver()
         return runnable
 
     def _deliver(self) -> None:
