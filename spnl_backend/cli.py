@@ -299,11 +299,14 @@ class _ConsoleFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         event = getattr(record, "spnl_event", record.getMessage())
         fields = getattr(record, "spnl_fields", {})
-        return self._render(
+        line = self._render(
             None,
             record.levelname.lower(),
             {"event": event, "level": record.levelname.lower(), **fields},
         )
+        if record.exc_info:  # a plain traceback: no local variables, which hold prompts
+            line += "\n" + self.formatException(record.exc_info)
+        return line
 
 
 def _configure_console_logging(verbose: bool) -> None:

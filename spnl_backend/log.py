@@ -26,11 +26,15 @@ def _drop_debug_unless_verbose(_logger: Any, method: str, event_dict: dict) -> d
 
 
 def _to_stdlib_call(_logger: Any, _method: str, event_dict: dict) -> tuple[tuple, dict]:
-    """Render ``event k=v ...`` as the message and keep the fields for structured hosts."""
+    """Render ``event k=v ...`` as the message and keep the fields for structured hosts.
+    An ``exc_info`` goes to the stdlib record as such, so that handlers print a plain
+    traceback (never the frames' local variables, which hold prompts)."""
     event = event_dict.pop("event")
+    exc_info = event_dict.pop("exc_info", None)
     fields = " ".join(f"{key}={value!r}" for key, value in event_dict.items())
     message = f"{event} {fields}" if fields else event
-    return (message,), {"extra": {"spnl_event": event, "spnl_fields": dict(event_dict)}}
+    extra = {"spnl_event": event, "spnl_fields": dict(event_dict)}
+    return (message,), {"extra": extra, "exc_info": exc_info}
 
 
 def get_logger(**initial: Any) -> Any:

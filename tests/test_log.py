@@ -37,6 +37,27 @@ def test_events_reach_the_stdlib_logger_with_their_fields(caplog, quiet_library)
     assert record.spnl_fields == {"blocks": 12}
 
 
+def test_an_exception_is_a_plain_traceback_without_local_variables(caplog, quiet_library):
+    from spnl_backend.cli import _ConsoleFormatter
+
+    def fails(prompt):
+        raise ValueError("boom")
+
+    with caplog.at_level(logging.ERROR, logger=LOGGER_NAME):
+        try:
+            fails("".join(["a secret", " prompt"]))  # the source line shows no prompt
+        except ValueError as exc:
+            get_logger().error("server.internal_error", exc_info=exc)
+    record = caplog.records[-1]
+    assert record.getMessage() == "server.internal_error"
+    assert record.exc_info[0] is ValueError
+    console = _ConsoleFormatter().format(record)
+    assert "ValueError: boom" in console
+    assert "in fails" in console
+    assert "secret prompt" not in console
+    assert "secret prompt" not in caplog.text
+
+
 def test_debug_events_need_verbose(caplog, quiet_library):
     with caplog.at_level(logging.DEBUG, logger=LOGGER_NAME):
         get_logger().debug("engine.step", tokens=1)

@@ -80,17 +80,25 @@ def test_sigterm_lets_running_requests_finish_then_exits_0(model):
         child.kill()
 
 
-def test_after_the_grace_period_what_is_left_is_aborted(model):
+def test_after_the_grace_period_what_is_left_is_aborted_with_an_error(model):
     child, url = _start(model, "--grace", "1")
     try:
         _wait_ready(child, url)
-        body = {"model": model.name, "prompt": "Once", "max_tokens": 400, "stream": True}
+        prompts = ["Once"] * 64  # 64 x 400 tokens: far more than a second's work
+        body = {"model": model.name, "prompt": prompts, "max_tokens": 400, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as reply:
-            reply.iter_lines()  # headers only: a client that never reads
+            lines = reply.iter_lines()
+            assert next(lines).startswith("data:")
             started = time.monotonic()
             child.send_signal(signal.SIGTERM)
             assert child.wait(60) == 0
+            events = [line for line in lines if line.startswith("data:")]
         assert time.monotonic() - started < 30
+        last = json.loads(events[-1].removeprefix("data: "))
+        assert last["error"]["code"] == "aborted", events[-3:]
+        err = child.communicate()[1]
+        assert "Traceback" not in err, err[-3000:]
+        assert "server.grace_expired" in err, err[-3000:]
     finally:
         child.kill()
 

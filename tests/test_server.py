@@ -3,7 +3,10 @@ its answers equal the Python API's, and every bad request gets OpenAI's error sh
 
 import asyncio
 import json
+import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -313,6 +316,52 @@ def test_api_key_oversized_body_and_a_full_queue(backend):
         _assert_pool_clean(backend)
     finally:
         server.stop()
+
+
+def test_only_json_bodies_are_taken(live):
+    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2}).encode()
+    for media in ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"]:
+        raw = httpx.post(
+            live.url + "/v1/completions", content=body, headers={"Content-Type": media}
+        )
+        assert _error(raw, 415)["code"] == "unsupported_media_type", media
+    typed = {"Content-Type": "application/json; charset=utf-8"}
+    assert httpx.post(live.url + "/v1/completions", content=body, headers=typed).status_code == 200
+
+
+def test_a_body_that_never_arrives_is_a_408(live, monkeypatch):
+    from spnl_backend.server import app
+
+    monkeypatch.setattr(app, "BODY_TIMEOUT_S", 0.5)
+    host, port = live.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"
+        sock.sendall(head.encode())
+        reply = sock.recv(65536).decode()
+    assert reply.startswith("HTTP/1.1 408"), reply
+    assert '"code":"timeout"' in reply, reply
+
+
+def test_tokenizing_does_not_hold_up_the_server(live, backend, monkeypatch):
+    """A prompt of megabytes takes seconds to tokenize; meanwhile the server answers."""
+    entered, release = threading.Event(), threading.Event()
+    tokenize = backend.prompt_ids
+
+    def slow(*args, **kw):
+        entered.set()
+        release.wait(30)
+        return tokenize(*args, **kw)
+
+    monkeypatch.setattr(backend, "prompt_ids", slow)
+    with ThreadPoolExecutor(1) as pool:
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0}
+        pending = pool.submit(live.post, "/v1/completions", body)
+        assert entered.wait(30)
+        try:
+            assert httpx.get(live.url + "/health", timeout=10).status_code == 200
+        finally:
+            release.set()
+        assert pending.result().json()["usage"]["completion_tokens"] == 3
 
 
 def test_health_is_503_until_a_model_is_loaded(backend):

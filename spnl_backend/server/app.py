@@ -3,10 +3,11 @@
 Routes: ``GET /health``, ``GET /metrics``, ``GET /v1/models``, ``POST /v1/completions``
 and ``POST /v1/chat/completions`` (streamed as server-sent events with ``stream: true``).
 Every request to ``/v1/`` passes the same gate, in this order: the API key (401), a
-loaded model (503), the body's size (413) and JSON (400), its fields (400), the model's
-name (404), the prompt's length (400, ``context_length_exceeded``), the queue's bound
-(503 with ``Retry-After``). A failure past the gate is logged with its cause and reaches
-the client as OpenAI's error body, never as a stack trace.
+loaded model (503), the body's type (415), size (413), arrival (408) and JSON (400),
+its fields (400), the model's name (404), the prompt's length (400,
+``context_length_exceeded``), the queue's bound (503 with ``Retry-After``). A failure
+past the gate is logged with its cause and reaches the client as OpenAI's error body,
+never as a stack trace.
 """
 
 import asyncio
@@ -42,6 +43,7 @@ log = get_logger()
 MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_WAITING = 256  # sequences waiting beyond those the engine runs at once
 RETRY_AFTER_S = 1
+BODY_TIMEOUT_S = 30.0  # from the headers to the body's last byte
 _DISCONNECT_POLL_S = 0.25
 
 
@@ -117,7 +119,8 @@ class _Api:
     async def _serve(self, request: Request, endpoint: Endpoint) -> Response:
         try:
             backend, asked = await self._admit(request, endpoint)
-            submitted = self._submit(backend, asked)
+            prompts = await asyncio.to_thread(_prompt_ids, backend, asked)
+            submitted = self._submit(backend, asked, prompts)
         except ApiError as exc:
             self._count(endpoint, "rejected" if exc.status < 500 else "unavailable")
             return _error_response(exc)
@@ -170,15 +173,11 @@ class _Api:
                 code="invalid_api_key",
             )
 
-    def _submit(self, backend: Backend, asked: EngineRequest) -> LoopRequest:
-        try:
-            if asked.messages is not None:
-                prompts = [backend.chat_prompt_ids(asked.messages)]
-            else:
-                texts = asked.prompts if isinstance(asked.prompts[0], str) else None
-                prompts, _ = backend.prompt_ids(texts, None if texts else asked.prompts)
-        except RequestError as exc:
-            raise from_request_error(exc, "messages" if asked.messages else "prompt") from None
+    def _submit(
+        self, backend: Backend, asked: EngineRequest, prompts: list[list[int]]
+    ) -> LoopRequest:
+        """Checked against the queue's bound and submitted with no await in between, so
+        that concurrent requests cannot both take the last places."""
         wanted = len(prompts) * asked.n
         limit = backend.max_num_seqs + self.config.max_waiting
         if wanted > limit:  # would never fit: not worth a retry
@@ -309,21 +308,59 @@ class _Api:
         return _error_response(error)
 
 
+def _prompt_ids(backend: Backend, asked: EngineRequest) -> list[list[int]]:
+    """Tokenized (and chat-templated) off the event loop: a prompt of megabytes takes
+    seconds, which would stall every other stream."""
+    try:
+        if asked.messages is not None:
+            return [backend.chat_prompt_ids(asked.messages)]
+        texts = asked.prompts if isinstance(asked.prompts[0], str) else None
+        prompts, _ = backend.prompt_ids(texts, None if texts else asked.prompts)
+        return prompts
+    except RequestError as exc:
+        raise from_request_error(exc, "messages" if asked.messages else "prompt") from None
+
+
 async def _read_json(request: Request, limit: int) -> Any:
+    _check_content_type(request.headers.get("content-type"))
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise _too_large(limit)
+    try:
+        body = await asyncio.wait_for(_read_body(request, limit), BODY_TIMEOUT_S)
+    except TimeoutError:
+        raise ApiError(
+            408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s", code="timeout"
+        ) from None
     try:
         return json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as exc:
         # RecursionError: nested too deep; ValueError: an integer past Python's digit limit
         reason = str(exc)[:200] or type(exc).__name__
         raise ApiError(400, f"the request body is not valid JSON: {reason}") from None
+
+
+async def _read_body(request: Request, limit: int) -> bytearray:
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise _too_large(limit)
+    return body
+
+
+def _check_content_type(content_type: str | None) -> None:
+    """JSON only (a missing type is taken as JSON): a web page may POST a form or plain
+    text to a local server without the browser asking first, but not JSON."""
+    if content_type is None:
+        return
+    media = content_type.partition(";")[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise ApiError(
+            415,
+            f"the request body must be JSON (Content-Type: application/json), not {media!r}",
+            code="unsupported_media_type",
+        )
 
 
 def _too_large(limit: int) -> ApiError:

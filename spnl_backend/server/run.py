@@ -2,10 +2,12 @@
 it is ready), serve until SIGINT or SIGTERM, then stop gracefully.
 
 Stopping: the listening socket closes at once; requests in flight get up to
-``grace_s`` seconds to finish; what is left then is aborted (its streams end, its
-blocks are freed), the backend is closed, and `serve` returns 0.
+``grace_s`` seconds to finish; what is left then is aborted through the backend (a
+stream ends with an error event, a whole answer is a 503 error body, the blocks are
+freed), and `serve` returns 0.
 """
 
+import asyncio
 import math
 import signal
 import socket
@@ -26,16 +28,37 @@ from .app import MAX_BODY_BYTES, MAX_WAITING, ServerConfig, ServerState, create_
 log = get_logger()
 
 GRACE_S = 30.0
+ABORT_DRAIN_S = 5  # after the grace period: for aborted requests to send their errors
 
 
 class _Server(uvicorn.Server):
     """uvicorn's server, except that a stopping signal is not raised again once it has
-    stopped: a server stopped on purpose exits with status 0."""
+    stopped (a server stopped on purpose exits with status 0), and that when the grace
+    period ends the requests left are aborted through the backend, so that they answer
+    with an error, before uvicorn would cancel their handlers mid-answer."""
+
+    def __init__(self, config: uvicorn.Config, grace_s: float, state: ServerState) -> None:
+        super().__init__(config)
+        self.grace_s, self.state = grace_s, state
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.should_exit and sig == signal.SIGINT:
             self.force_exit = True
         self.should_exit = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        expiry = asyncio.ensure_future(self._abort_after_grace())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            expiry.cancel()
+
+    async def _abort_after_grace(self) -> None:
+        await asyncio.sleep(self.grace_s)
+        backend = self.state.backend
+        if backend is not None and self.state.in_flight:
+            log.warning("server.grace_expired", aborted=self.state.in_flight)
+            await asyncio.to_thread(backend.close)
 
 
 def serve(
@@ -50,8 +73,7 @@ def serve(
     grace_s: float = GRACE_S,
     verbose: bool = False,
 ) -> int:
-    """Run the server until it is told to stop; returns the exit status. ``grace_s`` is
-    rounded up to whole seconds (at least 1), as uvicorn counts them."""
+    """Run the server until it is told to stop; returns the exit status."""
     api_key = api_key if api_key is not None else api_key_from_env()
     _check_options(port, max_waiting, max_body_bytes, grace_s)
     settings = load_settings()  # a bad MISTRALRS_* variable fails before anything starts
@@ -65,9 +87,11 @@ def serve(
             create_app(config, state),
             log_level="info" if verbose else "warning",
             access_log=verbose,
-            timeout_graceful_shutdown=max(1, math.ceil(grace_s)),
+            timeout_graceful_shutdown=math.ceil(grace_s) + ABORT_DRAIN_S,
             lifespan="off",
-        )
+        ),
+        grace_s,
+        state,
     )
     failure: list[BaseException] = []
     loader = threading.Thread(
