@@ -193,12 +193,13 @@ def _decode_twin(q, key_cache, value_cache, slots, lens, scale, window):
 
 
 @pytest.mark.parametrize("window", [None, 300])
-def test_long_contexts_attend_alike_alone_batched_and_on_any_threads(kernels, window):
+@pytest.mark.parametrize("dim", [32, 84, 256])  # 84: 64-float strips, 16-float ones, a tail
+def test_long_contexts_attend_alike_alone_batched_and_on_any_threads(kernels, window, dim):
     """Past 256 keys a sequence is attended in chunks, spread over the threads when there
     are few sequences: a query's result is the same bits alone, batched and on 1 to 3
     threads, and close to the plain softmax."""
     lens = [700, 5, 513, 256, 257]
-    q, key_cache, value_cache, slots, seq_lens = _long_decode_case(lens, kv_heads=1)
+    q, key_cache, value_cache, slots, seq_lens = _long_decode_case(lens, kv_heads=1, dim=dim)
 
     def decode(rows, threads):
         previous = torch.get_num_threads()

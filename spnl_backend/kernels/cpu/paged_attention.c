@@ -74,7 +74,33 @@ static void dots(const float *q, const float *const *keys, int64_t n, int64_t di
         return;
     }
 #endif
-    for (int64_t t = 0; t < n; t++) sums[t] = dot(q, keys[t], dim);
+    int64_t t = 0;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    // Four keys side by side, each in dot's own lanes, chain and order (8-lane registers
+    // hold its 16 lanes as two halves): the same bits as dot, four chains in flight.
+    const int64_t whole = dim - dim % 16;
+    for (; t + 4 <= n; t += 4) {
+        __m256 acc[4][2];
+        for (int u = 0; u < 4; u++) acc[u][0] = acc[u][1] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < whole; i += 16) {
+            const __m256 q0 = _mm256_loadu_ps(q + i), q1 = _mm256_loadu_ps(q + i + 8);
+            for (int u = 0; u < 4; u++) {
+                acc[u][0] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(keys[t + u] + i), acc[u][0]);
+                acc[u][1] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(keys[t + u] + i + 8), acc[u][1]);
+            }
+        }
+        for (int u = 0; u < 4; u++) {
+            float lanes[16];
+            _mm256_storeu_ps(lanes, acc[u][0]);
+            _mm256_storeu_ps(lanes + 8, acc[u][1]);
+            float sum = 0.0f;  // hsum's order
+            for (int l = 0; l < 16; l++) sum += lanes[l];
+            for (int64_t i = whole; i < dim; i++) sum += q[i] * keys[t + u][i];
+            sums[t + u] = sum;
+        }
+    }
+#endif
+    for (; t < n; t++) sums[t] = dot(q, keys[t], dim);
 }
 
 // out[i] = sum over j < count, in key order, of e[j] * value j [i]: 64 floats of the head at
@@ -82,6 +108,20 @@ static void dots(const float *q, const float *const *keys, int64_t n, int64_t di
 static void weigh_values(const float *v_cache, int64_t row, const int64_t *slots, int64_t count,
                          const float *e, int64_t dim, float *out) {
     int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    // The same FMAs lane for lane in 8-lane registers: GCC keeps 16-lane vectors on the
+    // stack where the hardware has no 16-lane registers.
+    for (; i + 64 <= dim; i += 64) {
+        __m256 o[8];
+        for (int h = 0; h < 8; h++) o[h] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < count; j++) {
+            const float *vj = v_cache + slots[j] * row + i;
+            const __m256 w = _mm256_set1_ps(e[j]);
+            for (int h = 0; h < 8; h++) o[h] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj + 8 * h), o[h]);
+        }
+        for (int h = 0; h < 8; h++) _mm256_storeu_ps(out + i + 8 * h, o[h]);
+    }
+#endif
     for (; i + 64 <= dim; i += 64) {
         v16f o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0};
         for (int64_t j = 0; j < count; j++) {
