@@ -1,7 +1,7 @@
 """KV-cache compression on the default model: memory, perplexity, greedy agreement, speed.
 
     python bench/kv_compression.py [--peers-python PATH] [--threads 2] [--tokens 4096]
-        [--methods none fp8 int8 tq4 tq3 tq4-qjl tq3-qjl] [--modes paged nonpaged]
+        [--methods none f32 fp8 int8 tq4 tq3 tq4-qjl tq3-qjl] [--modes paged nonpaged]
         [--peer-types f16 q8_0 q4_0] [--markdown FILE]
 
 Each row is one fresh process that loads the default GGUF (Gemma 3 270M Q4_K_M) with one
@@ -17,7 +17,9 @@ KV-cache compression method and measures, with the same thread count:
   token).
 
 Ours (spnl-backend) runs every method of MISTRALRS_KV_CACHE_COMPRESSION with the paged
-cache (``paged_attn_context_len`` 8192) and with the contiguous one, prefix caching off.
+cache (``paged_attn_context_len`` 8192) and with the contiguous one, prefix caching off
+(``none``: uncompressed, float16 on the CPU, the default; ``f32``: uncompressed with
+MISTRALRS_PAGED_CACHE_TYPE=f32, K and V kept exactly).
 The peer is llama.cpp (llama-cpp-python, run by --peers-python) with flash attention and
 its f16, q8_0 and q4_0 cache types; it is fed the same token ids as ours, and its greedy
 tokens are also compared with ours uncompressed. The uncompressed runs (ours ``none`` and
@@ -35,7 +37,7 @@ from pathlib import Path
 import harness
 from harness import STORY_PROMPT
 
-METHODS = ["none", "fp8", "int8", "tq4", "tq3", "tq4-qjl", "tq3-qjl"]
+METHODS = ["none", "f32", "fp8", "int8", "tq4", "tq3", "tq4-qjl", "tq3-qjl"]
 MODES = ["paged", "nonpaged"]
 PAGED_CONTEXT_LEN = 8192
 # llama.cpp cache types: ggml type id, bytes per element (blocks of 32 for the quantized).
@@ -53,15 +55,22 @@ def our_cache_settings(mode: str) -> dict:
     return {"paged_attn": False}
 
 
-def our_kv_bytes(method: str, config) -> tuple[int | None, int]:
-    """Bytes per token of ``method`` (None: the method does not say) and of a 16-bit cache,
-    for the model's config."""
+def our_method_settings(method: str) -> dict:
+    """``f32`` is the uncompressed cache kept in float32; the rest are compression methods."""
+    if method == "f32":
+        return {"kv_cache_compression": "none", "paged_cache_type": "f32"}
+    return {"kv_cache_compression": method}
+
+
+def our_kv_bytes(backend) -> tuple[int | None, int]:
+    """Bytes per token of the backend's cache (None: a method that does not say) and of a
+    16-bit cache, for the model's config."""
     import torch
 
-    from spnl_backend.compression import method_bytes_per_token
     from spnl_backend.memory import kv_bytes_per_token
 
-    return method_bytes_per_token(method, config), kv_bytes_per_token(config, torch.float16)
+    full = kv_bytes_per_token(backend.model_config, torch.float16)
+    return backend.cache_info().bytes_per_token, full
 
 
 def our_greedy(backend, prompt: list[int]) -> dict:
@@ -88,11 +97,11 @@ def measure_ours(method: str, mode: str, gguf: Path, threads: int, tokens: int) 
 
     torch.set_num_threads(threads)
     cache = our_cache_settings(mode)
-    backend = harness.load_ours(gguf, prefix_cache_n=0, kv_cache_compression=method, **cache)
+    backend = harness.load_ours(gguf, prefix_cache_n=0, **our_method_settings(method), **cache)
     ids = harness.text_ids(backend.tokenizer.encode, tokens)
     backend.generate(STORY_PROMPT, max_tokens=4, temperature=0)  # warm-up
     greedy = our_greedy(backend, ids[:-GREEDY_TOKENS])
-    kv_bytes, full = our_kv_bytes(method, backend.model_config)
+    kv_bytes, full = our_kv_bytes(backend)
     return greedy | {
         "kv_bytes": kv_bytes,
         "kv_bytes_16bit": full,

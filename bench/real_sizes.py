@@ -61,8 +61,9 @@ LONG_DECODE_TOKENS = 32
 BLOCK_SIZE = 32  # our paged KV block (the default); budgets are whole blocks
 RESERVE_BYTES = 2**30  # beside weights and KV: activations, the runtime itself
 LONG_MODES = {
-    "long-paged": "ours paged",
-    "long-contiguous": "ours non-paged",
+    "long-paged": "ours paged (f16 KV)",
+    "long-contiguous": "ours non-paged (f16 KV)",
+    "long-paged-f32": "ours paged, f32 KV",
     "long-llama": "llama.cpp (flash attn, f16 KV)",
 }
 
@@ -300,12 +301,12 @@ def context_prompt(encode: Callable[[str], list], tokens: int) -> str:
     return f"{head} {harness.long_prompt(encode, rest)}".strip() if rest > 0 else head
 
 
-def child_long_ours(args: argparse.Namespace, paged: bool) -> dict:
+def child_long_ours(args: argparse.Namespace, paged: bool, cache_type: str = "auto") -> dict:
     import torch
 
     torch.set_num_threads(args.threads[0])
     context = args.contexts[0]
-    settings: dict = {"prefix_cache_n": 0, "paged_attn": paged}
+    settings: dict = {"prefix_cache_n": 0, "paged_attn": paged, "paged_cache_type": cache_type}
     if paged:  # the pool holds the whole context (the default budget is 4,096 tokens)
         settings["paged_attn_context_len"] = whole_blocks(context)
     backend = harness.load_ours(args.gguf[0], **settings)
@@ -352,12 +353,13 @@ def child_long_llama(args: argparse.Namespace) -> dict:
 
 def long_need_bytes(plan: dict, context: int, mode: str) -> int:
     """Estimated memory of one long-context run: the file (mapped or loaded), the KV cache
-    (ours float32 on the CPU; non-paged grows by doubling, so up to twice the context;
-    llama.cpp f16 for all n_ctx up front) and `RESERVE_BYTES`."""
+    (ours float16 on the CPU by default; non-paged grows by doubling, so up to twice the
+    context; llama.cpp f16 for all n_ctx up front) and `RESERVE_BYTES`."""
     values = plan["kv_values_per_token"]
     kv = {
-        "long-paged": 4 * values * whole_blocks(context),
-        "long-contiguous": 4 * values * 2 * context,
+        "long-paged": 2 * values * whole_blocks(context),
+        "long-contiguous": 2 * values * 2 * context,
+        "long-paged-f32": 4 * values * whole_blocks(context),
         "long-llama": 2 * values * (context + LONG_MARGIN),
     }[mode]
     return plan["file_bytes"] + kv + RESERVE_BYTES
@@ -380,6 +382,7 @@ CHILDREN: dict[str, Callable[[argparse.Namespace], dict]] = {
     "batched": child_batched,
     "long-paged": lambda args: child_long_ours(args, paged=True),
     "long-contiguous": lambda args: child_long_ours(args, paged=False),
+    "long-paged-f32": lambda args: child_long_ours(args, paged=True, cache_type="f32"),
     "long-llama": child_long_llama,
 }
 
@@ -649,7 +652,8 @@ def measured_sections(
         note = (
             f"{FIXED_THREADS} threads; a prompt of about context - {LONG_MARGIN} tokens, then "
             f"{LONG_DECODE_TOKENS} greedy tokens, decode tok/s after the first; one run. "
-            "Ours paged: a KV pool of the whole context; llama.cpp: n_ctx context + "
+            "Ours paged: a KV pool of the whole context, float16 by default (the f32 column: "
+            "MISTRALRS_PAGED_CACHE_TYPE=f32); llama.cpp: n_ctx context + "
             f"{LONG_MARGIN}, flash_attn=True, f16 KV."
         )
         found.append(("Long-context decode", f"{long_table(long)}\n\n{note}"))

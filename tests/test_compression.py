@@ -320,7 +320,7 @@ def model(tiny):
 
 @pytest.fixture(scope="module")
 def reference_logits(model):
-    backend = load(model, paged_attn=False)
+    backend = load(model, paged_attn=False, paged_cache_type="f32")  # K and V kept exactly
     ids = backend.tokenizer.encode(" ".join(PROMPTS * 3))
     return ids, engine_logits(backend, ids)
 
@@ -384,7 +384,8 @@ def test_paged_pool_is_sized_by_the_records(model):
     plain_tokens = plain.cache_info().capacity_tokens
     packed_tokens = packed.cache_info().capacity_tokens
     config = plain.model.config
-    ratio = method_bytes_per_token("none", config, torch.float32) / method_bytes_per_token(
+    plain_dtype = plain.cache_info().dtype
+    ratio = method_bytes_per_token("none", config, plain_dtype) / method_bytes_per_token(
         "tq4", config
     )
     assert packed_tokens / plain_tokens == pytest.approx(ratio, rel=0.05)
@@ -396,7 +397,8 @@ def calibration_means(model) -> torch.Tensor:
     from spnl_backend.engine import kv_cache
     from spnl_backend.engine.calibration import CALIBRATION_TEXT, MAX_CALIBRATION_TOKENS
 
-    backend = load(model, paged_attn=False, prefix_cache_n=0)
+    # float32 K/V, as the calibration's own plain store keeps them
+    backend = load(model, paged_attn=False, prefix_cache_n=0, paged_cache_type="f32")
     ids = backend.tokenizer.encode(CALIBRATION_TEXT.read_text())[:MAX_CALIBRATION_TOKENS]
     stored: dict[int, torch.Tensor] = {}
     attend = kv_cache.SequenceKV.attend
@@ -590,7 +592,8 @@ def test_a_plugin_method_is_found_through_its_entry_point(plugin, model, referen
     assert "kv_compression.prefix_cache_off" in caplog.text  # no copy_prefix
     torch.testing.assert_close(engine_logits(backend, ids), expected, rtol=1e-4, atol=1e-4)
     results = backend.generate(PROMPTS, max_tokens=8, temperature=0)
-    plain = load(model, paged_attn=False).generate(PROMPTS, max_tokens=8, temperature=0)
+    plain = load(model, paged_attn=False, paged_cache_type="f32")
+    plain = plain.generate(PROMPTS, max_tokens=8, temperature=0)
     assert [r.token_ids for r in results] == [r.token_ids for r in plain]
 
 

@@ -12,7 +12,7 @@ import spnl_backend.kernels.matmuls as matmuls
 from spnl_backend.kernels.cpu import KernelArgumentError
 from spnl_backend.kernels.matmuls import CpuMatmuls, int8_activations_ref
 from spnl_backend.kernels.ops import rms_norm_ref, rotate_ref
-from spnl_backend.kernels.paged_ref import paged_attention_ref
+from spnl_backend.kernels.paged_ref import paged_attention_ref, to_cache
 from spnl_backend.kernels.thresholds import NATIVE_MAX_ROWS
 from spnl_backend.quant.linear import QuantizedWeight
 from spnl_backend.quant.quantize import QUANTIZERS
@@ -137,6 +137,57 @@ def test_store_kv_skips_padding(kernels):
     assert torch.equal(value_cache.view(32, 2, 16)[30], value[2])
 
 
+def test_store_kv_into_a_float16_pool_rounds_and_saturates_as_the_twin(kernels):
+    """Round to nearest, ties to even; past float16's range the largest finite value, never
+    infinity; NaN stays NaN; and nothing but the written slots changes."""
+    key_cache, value_cache = (
+        torch.zeros(4, 8, 2, 24, dtype=torch.float16),
+        torch.zeros(4, 8, 2, 24, dtype=torch.float16),
+    )
+    key, value = torch.randn(3, 2, 24) * 1000, torch.randn(3, 2, 24)
+    key[0, 0, :6] = torch.tensor([7e4, -1e6, float("inf"), float("-inf"), 65519.0, 65520.0])
+    key[2, 1, 3] = float("nan")
+    value[2, 0, :2] = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11])  # ties: to even
+    kernels.store_kv(key, value, key_cache, value_cache, torch.tensor([9, -1, 30]))
+    flat_k, flat_v = key_cache.view(32, 2, 24), value_cache.view(32, 2, 24)
+    for slot, token in ((9, 0), (30, 2)):
+        twin_k, twin_v = to_cache(key[token], torch.float16), to_cache(value[token], torch.float16)
+        assert torch.equal(flat_k[slot].isnan(), twin_k.isnan())
+        assert torch.equal(flat_k[slot].nan_to_num(), twin_k.nan_to_num())
+        assert torch.equal(flat_v[slot], twin_v)
+    assert flat_k[9, 0, :6].tolist() == [65504.0, -65504.0, 65504.0, -65504.0, 65504.0, 65504.0]
+    assert flat_v[30, 0, :2].tolist() == [1.0, 1 + 4 * 2**-11]
+    assert int((flat_k != 0).any(-1).any(-1).sum()) == 2
+
+
+@pytest.mark.parametrize("window", [None, 300])
+@pytest.mark.parametrize("dim", [32, 84, 256])
+def test_a_float16_pool_attends_as_its_values_widened_to_float32(kernels, window, dim):
+    """The float16 kernels widen each key and value exactly and then do what the float32
+    ones do: the same bits as the float32 pool holding the same values, and close to the
+    torch twin over the float16 pool."""
+    lens = [700, 5, 513, 256, 257]
+    q, key_cache, value_cache, slots, seq_lens = _long_decode_case(lens, kv_heads=2, dim=dim)
+    halves = key_cache.half(), value_cache.half()
+    out = kernels.paged_decode(q, *halves, slots, seq_lens, 0.2, window, None)
+    widened = kernels.paged_decode(
+        q, halves[0].float(), halves[1].float(), slots, seq_lens, 0.2, window, None
+    )
+    assert torch.equal(out, widened)
+    twin = _decode_twin(q, halves[0].float(), halves[1].float(), slots, seq_lens, 0.2, window)
+    torch.testing.assert_close(out, twin, rtol=1e-5, atol=1e-5)
+
+
+def test_a_pool_of_mixed_dtypes_is_refused(kernels):
+    q, key_cache, value_cache, slots, lens = _long_decode_case([20])
+    with pytest.raises(KernelArgumentError, match=r"value cache is of torch\.float32"):
+        kernels.paged_decode(q, key_cache.half(), value_cache, slots, lens, 1.0, None, None)
+    with pytest.raises(KernelArgumentError, match=r"key cache is of torch\.bfloat16"):
+        kernels.paged_decode(
+            q, key_cache.bfloat16(), value_cache.bfloat16(), slots, lens, 1.0, None, None
+        )
+
+
 @pytest.mark.parametrize(("kv_heads", "heads"), [(1, 4), (2, 8), (4, 4)])
 @pytest.mark.parametrize(
     "options", [{}, {"sliding_window": 6}, {"softcap": 4.0}], ids=["plain", "window", "softcap"]
@@ -246,15 +297,17 @@ def test_each_rows_product_is_bit_identical_to_that_row_alone(kernels, qtype, mo
     assert torch.equal(together, alone)
 
 
+@pytest.mark.parametrize("pool", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("case", ["prefill", "prefix hit", "chunked prefill", "mixed"])
 @pytest.mark.parametrize(
     "options", [{}, {"sliding_window": 6}, {"softcap": 4.0}], ids=["plain", "window", "softcap"]
 )
-def test_short_queries_attend_as_decode_rows(kernels, case, options):
+def test_short_queries_attend_as_decode_rows(kernels, case, options, pool):
     from spnl_backend.kernels import cpu_kernel_set, decode_rows
 
     seq_lens, query_lens = CASES[case]
     q, key_cache, value_cache, meta, _, _ = paged_case(seq_lens, query_lens, 2, 4, 8)
+    key_cache, value_cache = key_cache.to(pool), value_cache.to(pool)
     out = cpu_kernel_set(kernels).paged_attention(
         q, key_cache, value_cache, meta, scale=0.25, **options
     )

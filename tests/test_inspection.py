@@ -57,7 +57,7 @@ def test_a_contiguous_cache_has_no_pool(tiny):
     info = backend.cache_info()
     assert info.kind == "contiguous"
     assert (info.capacity_tokens, info.block_size, info.num_blocks, info.kernels) == (None,) * 4
-    assert info.dtype == model_dtype(backend)
+    assert info.dtype == torch.float16  # the CPU's auto cache type, as in paged mode
     assert info.bytes_per_token == kv_bytes_per_token(backend.model_config, info.dtype)
     assert info.compression is None
     assert backend.stats().pool is None
@@ -132,3 +132,18 @@ def test_a_closed_backend_has_nothing_to_inspect(tiny):
     for inspect in (backend.stats, backend.cache_info, lambda: backend.model):
         with pytest.raises(RequestAbortedError, match="closed"):
             inspect()
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+def test_the_cache_type_sets_how_k_and_v_are_stored(tiny, paged):
+    """float16 by default where the native CPU kernels attend; f32 and f16 on request."""
+    stored = {
+        cache_type: load(tiny, paged_attn=paged, paged_cache_type=cache_type).cache_info()
+        for cache_type in ("auto", "f16", "f32")
+    }
+    assert [info.dtype for info in stored.values()] == [torch.float16] * 2 + [torch.float32]
+    assert stored["f32"].bytes_per_token == 2 * stored["auto"].bytes_per_token
+    on_torch = load(tiny, paged_attn=paged, cpu_kernels="torch", paged_cache_type="f16")
+    assert on_torch.cache_info().dtype == torch.float16  # the torch twins store it too
+    result = on_torch.generate("The capital", max_tokens=4, temperature=0)
+    assert result.usage.completion_tokens == 4

@@ -123,6 +123,25 @@ def test_fp8_cache_needs_paged_attention():
     assert d.kv_cache_dtype == "float8_e4m3fn"
 
 
+def test_kv_cache_dtype_auto_is_float16_where_the_native_cpu_kernels_attend():
+    assert decide(machine()).kv_cache_dtype == "float16"
+    assert decide(machine(), paged_attn=False).kv_cache_dtype == "float16"
+    assert decide(machine(), cpu_kernels="torch").kv_cache_dtype == "auto"
+    assert decide(machine(c_compiler=None)).kv_cache_dtype == "auto"
+    assert decide(machine(cuda=[H100])).kv_cache_dtype == "auto"
+    assert decide(machine(), paged_cache_type="f32").kv_cache_dtype == "float32"
+    assert decide(machine(), cpu_kernels="torch", paged_cache_type="f16").kv_cache_dtype == (
+        "float16"
+    )
+
+
+def test_explicit_float_cache_types_are_refused_with_triton():
+    for cache_type in ("f16", "f32"):
+        with pytest.raises(PlatformError, match=f"'{cache_type}': the Triton kernels"):
+            decide(machine(cuda=[H100]), paged_cache_type=cache_type)
+    assert decide(machine(cuda=[H100], triton=False), paged_cache_type="f16").kernels == "torch"
+
+
 def test_triton_on_cpu_is_usable_only_under_the_interpreter():
     assert not decide(machine()).triton_usable
     assert decide(machine(triton_interpret=True)).triton_usable

@@ -75,10 +75,12 @@ def test_batched_and_long_tables():
     runs = {
         "long-paged": {"decode_tok_s": 6.0, "prompt_tokens": 4031},
         "long-contiguous": {"error": "needs about 9.0 GB"},
+        "long-paged-f32": {"decode_tok_s": 5.0, "prompt_tokens": 4031},
         "long-llama": {"decode_tok_s": 4.0, "prompt_tokens": 4029},
     }
     text = real_sizes.long_table([{"model": "a", "context": 4096, "runs": runs}])
-    assert "| a | 4096 | 4029 / 4031 | 6.0 | not run: needs about 9.0 GB | 4.0 | 1.50x |" in text
+    expected = "| a | 4096 | 4029 / 4031 | 6.0 | not run: needs about 9.0 GB | 5.0 | 4.0 | 1.50x |"
+    assert expected in text
 
 
 def test_isa_line():
@@ -95,6 +97,10 @@ def test_isa_line():
 def test_long_context_memory_estimate():
     need = real_sizes.long_need_bytes(PLAN, 4096, "long-llama")
     assert need == PLAN["file_bytes"] + 2 * 1000 * (4096 + 64) + 2**30
+    paged = real_sizes.long_need_bytes(PLAN, 4096, "long-paged")
+    assert real_sizes.long_need_bytes(PLAN, 4096, "long-paged-f32") - paged == paged - (
+        PLAN["file_bytes"] + 2**30
+    )  # float32 K/V: twice float16's
     assert real_sizes.fit_error(need, need) is None
     assert real_sizes.fit_error(need, None) is None
     assert "needs about" in real_sizes.fit_error(need, need - 1)

@@ -85,14 +85,18 @@ def test_end_to_end_greedy_equals_the_torch_path(tiny, arch):
     from spnl_backend import BackendSettings, load_backend
     from spnl_backend.kernels import select_kernels
 
+    # float32 pools: the Triton kernels store the model's dtype (float32 on the CPU)
     reference = load_backend(
         str(tiny.hf(arch).path),
-        settings=BackendSettings(device="cpu", paged_attn=True, paged_attn_block_size=16),
+        settings=BackendSettings(
+            device="cpu", paged_attn=True, paged_attn_block_size=16, paged_cache_type="f32"
+        ),
     )
     expected = reference.generate([PROMPT, "The capital"], max_tokens=12, temperature=0)
+    pool = {"paged_cache_type": "f32"} if DEVICE == "cpu" else {}
     triton_backend = load_backend(
         str(tiny.hf(arch).path),
-        settings=BackendSettings(device=DEVICE, paged_attn=True, paged_attn_block_size=16),
+        settings=BackendSettings(device=DEVICE, paged_attn=True, paged_attn_block_size=16, **pool),
     )
     if DEVICE == "cpu":  # the platform picks torch kernels on the CPU; use Triton's anyway
         engine_internals(triton_backend).cache.kernels = select_kernels("triton")

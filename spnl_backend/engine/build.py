@@ -86,7 +86,9 @@ def _cache(
     stats = kv_statistics(loaded, role) if calibrated else None
     geometry = _geometry(loaded, stats)
     if not paged:
-        cache, info = _contiguous_cache(loaded, settings, compressor, geometry, role)
+        cache, info = _contiguous_cache(
+            loaded, settings, compressor, geometry, role, _cache_dtype(loaded, decisions)
+        )
         return cache, config.max_position_embeddings, info
     pool, info = _paged_cache(loaded, settings, decisions, budget, role, compressor, geometry)
     return pool, min(config.max_position_embeddings, pool.capacity_tokens), info
@@ -106,23 +108,31 @@ def _geometry(loaded: LoadedModel, stats: KVStatistics | None) -> KVGeometry:
     )
 
 
+def _cache_dtype(loaded: LoadedModel, decisions: PlatformDecisions) -> torch.dtype:
+    """How K and V are stored: the platform's choice, or the model's dtype (auto)."""
+    if decisions.kv_cache_dtype == "auto":
+        return loaded.dtype
+    return getattr(torch, decisions.kv_cache_dtype)
+
+
 def _contiguous_cache(
     loaded: LoadedModel,
     settings: BackendSettings,
     compressor: Compressor | None,
     geometry: KVGeometry,
     role: str,
+    cache_dtype: torch.dtype,
 ) -> tuple[ContiguousCacheManager, CacheInfo]:
     if compressor is None:
         new_store = plain_stores(
             loaded.config,
-            loaded.dtype,
+            cache_dtype,
             loaded.device,
             loaded.native,
             settings.batch_invariant,
         )
-        per_token = kv_bytes_per_token(loaded.config, loaded.dtype)
-        info = CacheInfo("contiguous", None, None, None, loaded.dtype, per_token, None, None)
+        per_token = kv_bytes_per_token(loaded.config, cache_dtype)
+        info = CacheInfo("contiguous", None, None, None, cache_dtype, per_token, None, None)
         return ContiguousCacheManager(new_store, settings.prefix_cache_n), info
 
     def new_store() -> SequenceStore:
@@ -181,8 +191,7 @@ def _paged_cache(
     compressor: Compressor | None,
     geometry: KVGeometry,
 ) -> tuple[PagedCacheManager, CacheInfo]:
-    fp8 = decisions.kv_cache_dtype == "float8_e4m3fn"
-    cache_dtype = torch.float8_e4m3fn if fp8 else loaded.dtype
+    cache_dtype = _cache_dtype(loaded, decisions)
     pair = compressor.make_codecs(geometry) if compressor and compressor.make_codecs else None
     if pair is None:
         per_token = kv_bytes_per_token(loaded.config, cache_dtype)

@@ -15,7 +15,8 @@ from typing import Protocol
 import torch
 
 from ..kernels.attention_ref import attention_ref
-from ..kernels.cpu import CpuKernels
+from ..kernels.cpu import POOL_DTYPES, CpuKernels
+from ..kernels.paged_ref import to_cache
 from ..kernels.sets import contiguous_attention
 from ..kernels.thresholds import native_attention_queries
 from ..log import get_logger
@@ -46,11 +47,12 @@ class SequenceStore(Protocol):
 
 
 class SequenceKV:
-    """K and V of one sequence: ``[layers, 2, capacity, kv_heads, head_dim]``.
+    """K and V of one sequence: ``[layers, 2, capacity, kv_heads, head_dim]``, of ``dtype``
+    (the cache's, which may be narrower than the queries').
 
-    With the compiled CPU kernels (``native``) a float32 store attends through the native
-    decode kernel, query by query, as the paged cache does: the same fast path, and a
-    query's result independent of how many come with it. ``longest``: queries per step up
+    With the compiled CPU kernels (``native``) a float32 or float16 store attends through
+    the native decode kernel, query by query, as the paged cache does: the same fast path,
+    and a query's result independent of how many come with it. ``longest``: queries per step up
     to which it does (None: all, batch invariance); longer ones take `attention_ref`."""
 
     def __init__(
@@ -66,7 +68,7 @@ class SequenceKV:
         self.data = torch.empty(
             (num_layers, 2, 0, num_kv_heads, head_dim), dtype=dtype, device=device
         )
-        native_runs = native is not None and dtype == torch.float32 and device.type == "cpu"
+        native_runs = native is not None and dtype in POOL_DTYPES and device.type == "cpu"
         self.native, self.longest = (native if native_runs else None), longest
 
     @property
@@ -94,8 +96,8 @@ class SequenceKV:
     ) -> torch.Tensor:
         total = context_len + q.shape[0]
         layer = self.data[spec.layer]
-        layer[0, context_len:total] = k
-        layer[1, context_len:total] = v
+        layer[0, context_len:total] = to_cache(k, layer.dtype)
+        layer[1, context_len:total] = to_cache(v, layer.dtype)
         if self.native is not None and (self.longest is None or q.shape[0] <= self.longest):
             return contiguous_attention(
                 self.native,
@@ -109,8 +111,8 @@ class SequenceKV:
             ).to(q.dtype)
         return attention_ref(
             q,
-            layer[0, :total],
-            layer[1, :total],
+            layer[0, :total].to(q.dtype),
+            layer[1, :total].to(q.dtype),
             scale=spec.scale,
             context_len=context_len,
             sliding_window=spec.sliding_window,
@@ -195,7 +197,8 @@ def plain_stores(
     native: CpuKernels | None = None,
     batch_invariant: bool = True,
 ) -> Callable[[], SequenceKV]:
-    """A factory of uncompressed per-sequence buffers for ``config``'s model."""
+    """A factory of uncompressed per-sequence buffers of ``dtype`` (the cache's) for
+    ``config``'s model."""
     shape = (config.num_layers, config.num_kv_heads, config.head_dim)
     longest = native_attention_queries(batch_invariant)
     return lambda: SequenceKV(*shape, dtype, device, native, longest)

@@ -40,11 +40,22 @@ def store_kv_ref(
     _write(value_cache, slots, value if keep is None else value[keep], v_scale)
 
 
+HALF_MAX = torch.finfo(torch.float16).max
+
+
+def to_cache(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` as a float cache of ``dtype`` stores them: rounded to nearest; for
+    float16, saturated at its largest finite value rather than turned into infinity."""
+    if dtype == torch.float16 and values.dtype != torch.float16:
+        values = values.clamp(-HALF_MAX, HALF_MAX)
+    return values.to(dtype)
+
+
 def _write(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, scale: float) -> None:
     flat = cache.view(-1, *cache.shape[2:])
     if cache.dtype == torch.float8_e4m3fn:
         values = (values.float() / scale).clamp(-FP8_MAX, FP8_MAX)
-    flat[slots] = values.to(cache.dtype)
+    flat[slots] = to_cache(values, cache.dtype)
 
 
 def _dequantized(tokens: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:

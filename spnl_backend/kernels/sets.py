@@ -9,7 +9,7 @@ from functools import partial
 
 import torch
 
-from .cpu import CpuKernels, KernelArgumentError
+from .cpu import POOL_DTYPES, CpuKernels, KernelArgumentError
 from .metadata import PagedMetadata
 from .paged_ref import paged_attention_ref, store_kv_ref
 from .thresholds import native_attention_queries
@@ -39,7 +39,7 @@ def _cpu_store_kv(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> None:
-    if key.dtype == key_cache.dtype == torch.float32:
+    if key.dtype == torch.float32 and key_cache.dtype in POOL_DTYPES:
         check_step_slots(meta, key_cache)
         native.store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
     else:
@@ -64,7 +64,8 @@ def _cpu_paged_attention(
     if (
         (longest is None or max(meta.query_lens) <= longest)
         and alibi_slopes is None
-        and q.dtype == key_cache.dtype == torch.float32
+        and q.dtype == torch.float32
+        and key_cache.dtype in POOL_DTYPES
     ):
         check_step_slots(meta, key_cache)
         rows = meta.memo("decode_rows", lambda: decode_rows(meta))
@@ -98,7 +99,7 @@ def contiguous_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """`attention_ref` over one sequence's contiguous ``keys``/``values [capacity, kv_heads,
-    dim]`` (float32), through the native decode kernel: query ``i`` is a decode over the
+    dim]`` (float32 or float16), through the native decode kernel: query ``i`` is a decode over the
     first ``context_len + i + 1`` keys, as it would be alone."""
     nq = q.shape[0]
     total = context_len + nq
@@ -154,7 +155,8 @@ def triton_kernel_set() -> Kernels:
 
 
 def cpu_kernel_set(native: CpuKernels, batch_invariant: bool = True) -> Kernels:
-    """The CPU: the native decode kernels for float32 caches, the torch twins otherwise.
+    """The CPU: the native decode kernels for float32 and float16 caches, the torch twins
+    otherwise.
     With batch invariance every query attends through the native kernel as a decode of its
     own; without, queries longer than `CPU_DECODE_ROWS` take the torch twin."""
     store = partial(_cpu_store_kv, native)

@@ -54,6 +54,12 @@ def ineffective_settings(
             "with batch invariance (MISTRALRS_BATCH_INVARIANT, on by default) every row "
             "count takes the native products; set it to false for the GEMMs",
         )
+    if settings.paged_cache_type in ("f16", "f32") and settings.kv_cache_compression != "none":
+        report(
+            ("paged_cache_type",),
+            f"the compression method {settings.kv_cache_compression!r} stores K and V "
+            "in its own records",
+        )
     if settings.speculative_draft_model is None and settings.speculative_draft_isq is None:
         report(
             ("speculative_gamma",),

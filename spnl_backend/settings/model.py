@@ -94,7 +94,9 @@ class BackendSettings(BaseSettings):
     paged_attn_memory_mb: int | None = None
     paged_attn_memory_fraction: float | None = None
     paged_attn_context_len: int | None = None
-    paged_cache_type: Literal["auto", "f8e4m3"] = "auto"
+    # How K and V are stored: auto is float16 where the native CPU kernels attend (half the
+    # bytes, read back exactly and computed in float32), else the model's dtype.
+    paged_cache_type: Literal["auto", "f8e4m3", "f16", "f32"] = "auto"
     speculative_draft_model: str | None = None
     # bench/speculative.py: where a draft pays at all, 16 drafts per step paid best.
     speculative_gamma: int = 16

@@ -72,7 +72,7 @@ class PlatformDecisions:
     triton_importable: bool
     triton_usable: bool
     fp8_kv: Literal["native", "emulated"] | None
-    kv_cache_dtype: Literal["auto", "float8_e4m3fn"]
+    kv_cache_dtype: "KvCacheDtype"
     bf16: bool
     dtype: Literal["auto", "float32", "float16", "bfloat16"]
     torch_version: str
@@ -157,7 +157,7 @@ def decide_platform(settings: BackendSettings, probe: PlatformProbe) -> Platform
     cpu_matmul, cpu_gemm = _decide_cpu_arithmetic(kernels == "cpu", settings, probe)
     fp8 = _fp8_support(device, device_type, probe)
     bf16 = _bf16_support(device, device_type, probe)
-    _check_cache_type(settings.paged_cache_type, paged, fp8, device)
+    _check_cache_type(settings.paged_cache_type, paged, fp8, device, kernels)
     _check_dtype(settings.dtype, bf16, device)
     return PlatformDecisions(
         os=probe.os,
@@ -172,7 +172,7 @@ def decide_platform(settings: BackendSettings, probe: PlatformProbe) -> Platform
         triton_importable=probe.triton_version is not None,
         triton_usable=triton_usable,
         fp8_kv=fp8,
-        kv_cache_dtype="float8_e4m3fn" if settings.paged_cache_type == "f8e4m3" else "auto",
+        kv_cache_dtype=_kv_cache_dtype(settings.paged_cache_type, kernels),
         bf16=bf16,
         dtype=settings.dtype,
         torch_version=probe.torch_version,
@@ -301,7 +301,31 @@ def _bf16_support(device: str, device_type: DeviceType, probe: PlatformProbe) ->
     return True
 
 
-def _check_cache_type(cache_type: str, paged: bool, fp8: str | None, device: str) -> None:
+# How K and V are stored ("auto": in the model's dtype).
+KvCacheDtype = Literal["auto", "float8_e4m3fn", "float16", "float32"]
+_CACHE_DTYPES: dict[str, KvCacheDtype] = {
+    "f8e4m3": "float8_e4m3fn",
+    "f16": "float16",
+    "f32": "float32",
+}
+
+
+def _kv_cache_dtype(cache_type: str, kernels: str) -> KvCacheDtype:
+    """The KV storage dtype; auto is float16 where the native CPU kernels attend (they
+    widen it exactly as they read it), else the model's own."""
+    if cache_type == "auto":
+        return "float16" if kernels == "cpu" else "auto"
+    return _CACHE_DTYPES[cache_type]
+
+
+def _check_cache_type(
+    cache_type: str, paged: bool, fp8: str | None, device: str, kernels: str
+) -> None:
+    if cache_type in ("f16", "f32") and kernels == "triton":
+        raise PlatformError(
+            f"MISTRALRS_PAGED_CACHE_TYPE={cache_type!r}: the Triton kernels on {device} "
+            "store K and V in the model's dtype (auto) or as f8e4m3; use one of those"
+        )
     if cache_type != "f8e4m3":
         return
     if not paged:

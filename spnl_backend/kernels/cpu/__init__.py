@@ -99,7 +99,7 @@ class _Attention(ctypes.Structure):
 
 
 class _PagedDecode(ctypes.Structure):
-    _fields_ = (("at", _Attention), ("q", _P), ("k_cache", _P), ("v_cache", _P))
+    _fields_ = (("at", _Attention), ("q", _P), ("k_cache", _P), ("v_cache", _P), ("half", _I32))
 
 
 class _CodedDecode(ctypes.Structure):
@@ -137,7 +137,7 @@ _SIGNATURES = {  # name: (argument types, result type)
     "spnl_gather_rows": ([_I32, _P, _I64, _P, _I64, _I64, _P], _I32),
     "spnl_rms_norm": ([_P, _P, _P, _I64, _I64, _F32], _I32),
     "spnl_rope": ([_P, _P, _P, _I64, _I64, _I64, _I64], _I32),
-    "spnl_store_kv": ([_P, _P, _P, _P, _P, _I64, _I64, _I64], _I32),
+    "spnl_store_kv": ([_P, _P, _P, _P, _P, _I64, _I64, _I64, _I32], _I32),
     "spnl_paged_decode": ([ctypes.POINTER(_PagedDecode)], _I32),
     "spnl_coded_decode": ([ctypes.POINTER(_CodedDecode)], _I32),
 }
@@ -275,6 +275,7 @@ class CpuKernels:
                 slots.numel(),
                 row,
                 key_cache.numel() // row,
+                key_cache.dtype is torch.float16,
             ),
             "store_kv",
         )
@@ -308,6 +309,7 @@ class CpuKernels:
             q=q.data_ptr(),
             k_cache=key_cache.data_ptr(),
             v_cache=value_cache.data_ptr(),
+            half=key_cache.dtype is torch.float16,
         )
         _check(self.library.spnl_paged_decode(args), "paged_decode")
         return out
@@ -419,10 +421,16 @@ def _qtype_name(qtype: int) -> str:
         return f"number {qtype} (unknown)"
 
 
+# The dtypes a float pool may hold: read back exactly, computed in float32.
+POOL_DTYPES = (torch.float32, torch.float16)
+
+
 def _pool_row(key_cache: torch.Tensor, value_cache: torch.Tensor, what: str) -> int:
-    """Elements per slot of a ``[blocks, block_size, kv_heads, head_dim]`` pool pair."""
+    """Elements per slot of a ``[blocks, block_size, kv_heads, head_dim]`` pool pair of
+    float32 or float16."""
+    dtype = key_cache.dtype if key_cache.dtype in POOL_DTYPES else torch.float32
     for tensor, name in ((key_cache, "key"), (value_cache, "value")):
-        _require(tensor, torch.float32, f"{what}: {name} cache", dims=4)
+        _require(tensor, dtype, f"{what}: {name} cache", dims=4)
     if key_cache.shape != value_cache.shape:
         raise KernelArgumentError(f"{what}: key and value caches differ in shape")
     if key_cache.shape[-2] == 0 or key_cache.shape[-1] == 0:

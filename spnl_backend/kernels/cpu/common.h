@@ -63,10 +63,13 @@ typedef struct {
     int threads;
 } spnl_attention;
 
-// Over a float cache: q [seqs][heads][dim], caches [num_slots][kv_heads][dim].
+// Over a float cache: q [seqs][heads][dim], caches [num_slots][kv_heads][dim] of float32,
+// or of float16 where half is 1 (read back exactly, computed in float32).
 typedef struct {
     spnl_attention at;
-    const float *q, *k_cache, *v_cache;
+    const float *q;
+    const void *k_cache, *v_cache;
+    int half;
 } spnl_paged_decode_args;
 
 // Over PolarQuant records (see coded_decode.c): pools [num_slots][kv_heads][k_bytes or
@@ -106,8 +109,8 @@ int spnl_rope(float *x, const float *cos, const float *sin, int64_t tokens, int6
               int64_t head_dim, int64_t rotary_dim);
 
 // paged_attention.c
-int spnl_store_kv(const float *k, const float *v, float *k_cache, float *v_cache,
-                  const int64_t *slots, int64_t tokens, int64_t row, int64_t num_slots);
+int spnl_store_kv(const float *k, const float *v, void *k_cache, void *v_cache,
+                  const int64_t *slots, int64_t tokens, int64_t row, int64_t num_slots, int half);
 int spnl_paged_decode(const spnl_paged_decode_args *a);
 
 // coded_decode.c
@@ -170,6 +173,40 @@ static inline float half_to_float(const uint8_t *p) {
 #endif
 }
 
+// float32 to float16, rounded to nearest (ties to even), saturating: a value past float16's
+// range is stored as its largest finite value, never as infinity (twin: paged_ref.to_cache).
+#define HALF_MAX 65504.0f
+static inline uint16_t float_to_half(float v) {
+    v = v > HALF_MAX ? HALF_MAX : v < -HALF_MAX ? -HALF_MAX : v;  // NaN stays NaN
+#if defined(__F16C__)
+    return _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+#else
+    _Float16 h = (_Float16)v;
+    uint16_t bits;
+    memcpy(&bits, &h, 2);
+    return bits;
+#endif
+}
+
+static inline void floats_to_half(const float *x, uint16_t *out, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 top = _mm512_set1_ps(HALF_MAX), bottom = _mm512_set1_ps(-HALF_MAX);
+    for (; i + 16 <= n; i += 16) {
+        // max/min return their second operand where either is NaN: x goes second, so NaN stays
+        const __m512 v = _mm512_min_ps(top, _mm512_max_ps(bottom, _mm512_loadu_ps(x + i)));
+        _mm256_storeu_si256((__m256i *)(out + i), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    }
+#elif defined(__F16C__)
+    const __m256 top = _mm256_set1_ps(HALF_MAX), bottom = _mm256_set1_ps(-HALF_MAX);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_min_ps(top, _mm256_max_ps(bottom, _mm256_loadu_ps(x + i)));
+        _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    }
+#endif
+    for (; i < n; i++) out[i] = float_to_half(x[i]);
+}
+
 // ---- 16-lane vectors -------------------------------------------------------------------------
 
 typedef float v16f __attribute__((vector_size(64)));
@@ -181,6 +218,22 @@ static const v16i LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 static inline v16f splat(float v) { return (v16f){0} + v; }
 static inline v16f load_f32(const float *p) { v16f v; memcpy(&v, p, 64); return v; }
+// 16 float16 values, widened exactly.
+static inline v16f load_f16(const uint16_t *p) {
+#if defined(__AVX512F__)
+    return (v16f)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__F16C__)
+    typedef union { v16f v; __m256 half[2]; } halves;
+    halves r;
+    r.half[0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    r.half[1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
+    return r.v;
+#else
+    v16f v;
+    for (int i = 0; i < 16; i++) v[i] = half_to_float((const uint8_t *)(p + i));
+    return v;
+#endif
+}
 // 16 bytes widened to 16 int32 lanes. Compilers scalarise the generic conversion, so x86
 // gets the widening instructions by name.
 #if defined(__AVX512F__)

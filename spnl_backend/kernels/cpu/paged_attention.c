@@ -1,33 +1,67 @@
 // The paged float KV cache (twins: store_kv_ref and paged_attention_ref in
 // spnl_backend/kernels/paged_ref.py): a pool of slots [num_slots][kv_heads][dim], written
-// a token's row at a time and read by one query per sequence at decode.
+// a token's row at a time and read by one query per sequence at decode. The pool holds
+// float32 or float16 (`half`); float16 is widened exactly as it is read, so the arithmetic
+// is float32 over the stored values either way. The functions that read the pool take
+// `half` as a constant from the two instances of attend_chunk, and are inlined into them.
 
 #include "common.h"
 
+#define INLINE static inline __attribute__((always_inline))
+
 // New K/V rows into their cache slots; slot -1 writes nothing (twin: store_kv_ref).
-int spnl_store_kv(const float *k, const float *v, float *k_cache, float *v_cache,
-                  const int64_t *slots, int64_t tokens, int64_t row, int64_t num_slots) {
+int spnl_store_kv(const float *k, const float *v, void *k_cache, void *v_cache,
+                  const int64_t *slots, int64_t tokens, int64_t row, int64_t num_slots,
+                  int half) {
     if (tokens < 0 || row < 1) return BAD_ARGUMENT;
     for (int64_t t = 0; t < tokens; t++)
         if (slots[t] < -1 || slots[t] >= num_slots) return OUT_OF_BOUNDS;
+    const size_t width = half ? sizeof(uint16_t) : sizeof(float);
     for (int64_t t = 0; t < tokens; t++) {
         if (slots[t] < 0) continue;
-        memcpy(k_cache + slots[t] * row, k + t * row, row * sizeof(float));
-        memcpy(v_cache + slots[t] * row, v + t * row, row * sizeof(float));
+        char *kd = (char *)k_cache + slots[t] * row * width;
+        char *vd = (char *)v_cache + slots[t] * row * width;
+        if (half) {
+            floats_to_half(k + t * row, (uint16_t *)kd, row);
+            floats_to_half(v + t * row, (uint16_t *)vd, row);
+        } else {
+            memcpy(kd, k + t * row, row * sizeof(float));
+            memcpy(vd, v + t * row, row * sizeof(float));
+        }
     }
     return 0;
 }
 
+// Element i of a pool row, and 16 of them from i on.
+INLINE float kv_at(const void *p, int64_t i, bool half) {
+    return half ? half_to_float((const uint8_t *)((const uint16_t *)p + i)) : ((const float *)p)[i];
+}
+INLINE v16f kv_load(const void *p, int64_t i, bool half) {
+    return half ? load_f16((const uint16_t *)p + i) : load_f32((const float *)p + i);
+}
+// A pool row's address: `slot` rows of `row` elements in.
+INLINE const void *kv_row(const void *pool, int64_t slot, int64_t row, bool half) {
+    return (const char *)pool + slot * row * (half ? 2 : 4);
+}
+
 // q . k over dim floats: 16 lanes at a time in one chain, then the lanes, then the tail. The
 // same order for every query, whatever else the call attends.
-static inline float dot(const float *q, const float *k, int64_t dim) {
+INLINE float dot(const float *q, const void *k, int64_t dim, bool half) {
     v16f acc = {0};
     int64_t i = 0;
-    for (; i + 16 <= dim; i += 16) acc = fma16(load_f32(q + i), load_f32(k + i), acc);
+    for (; i + 16 <= dim; i += 16) acc = fma16(load_f32(q + i), kv_load(k, i, half), acc);
     float sum = hsum(acc);
-    for (; i < dim; i++) sum += q[i] * k[i];
+    for (; i < dim; i++) sum += q[i] * kv_at(k, i, half);
     return sum;
 }
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// 8 elements of a pool row from i on (F16C comes with every AVX2 CPU).
+INLINE __m256 load8(const void *p, int64_t i, bool half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
+                : _mm256_loadu_ps((const float *)p + i);
+}
+#endif
 
 // sums[t] = dot(q, keys[t], dim) for t < n (n <= DOTS). With AVX-512 and whole vectors of
 // dim, the 16 dot products run side by side and their lanes are summed together: each by
@@ -55,7 +89,8 @@ static inline __m512 fold_pairs(__m512 a, __m512 b, int level) {
 }
 #endif
 
-static void dots(const float *q, const float *const *keys, int64_t n, int64_t dim, float *sums) {
+INLINE void dots(const float *q, const void *const *keys, int64_t n, int64_t dim, float *sums,
+                 bool half) {
 #if defined(__AVX512F__)
     if (dim % 16 == 0) {
         __m512 acc[DOTS];
@@ -63,7 +98,7 @@ static void dots(const float *q, const float *const *keys, int64_t n, int64_t di
         for (int64_t i = 0; i < dim; i += 16) {
             const __m512 qi = _mm512_loadu_ps(q + i);
             for (int t = 0; t < DOTS; t++)
-                acc[t] = _mm512_fmadd_ps(qi, _mm512_loadu_ps(keys[t] + i), acc[t]);
+                acc[t] = _mm512_fmadd_ps(qi, (__m512)kv_load(keys[t], i, half), acc[t]);
         }
         for (int level = 0, width = DOTS; level < 4; level++, width /= 2)
             for (int t = 0; t < width / 2; t++)
@@ -85,8 +120,8 @@ static void dots(const float *q, const float *const *keys, int64_t n, int64_t di
         for (int64_t i = 0; i < whole; i += 16) {
             const __m256 q0 = _mm256_loadu_ps(q + i), q1 = _mm256_loadu_ps(q + i + 8);
             for (int u = 0; u < 4; u++) {
-                acc[u][0] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(keys[t + u] + i), acc[u][0]);
-                acc[u][1] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(keys[t + u] + i + 8), acc[u][1]);
+                acc[u][0] = _mm256_fmadd_ps(q0, load8(keys[t + u], i, half), acc[u][0]);
+                acc[u][1] = _mm256_fmadd_ps(q1, load8(keys[t + u], i + 8, half), acc[u][1]);
             }
         }
         for (int u = 0; u < 4; u++) {
@@ -95,18 +130,18 @@ static void dots(const float *q, const float *const *keys, int64_t n, int64_t di
             _mm256_storeu_ps(lanes + 8, acc[u][1]);
             float sum = 0.0f;  // hsum's order
             for (int l = 0; l < 16; l++) sum += lanes[l];
-            for (int64_t i = whole; i < dim; i++) sum += q[i] * keys[t + u][i];
+            for (int64_t i = whole; i < dim; i++) sum += q[i] * kv_at(keys[t + u], i, half);
             sums[t + u] = sum;
         }
     }
 #endif
-    for (; t < n; t++) sums[t] = dot(q, keys[t], dim);
+    for (; t < n; t++) sums[t] = dot(q, keys[t], dim, half);
 }
 
 // out[i] = sum over j < count, in key order, of e[j] * value j [i]: 64 floats of the head at
 // a time held in registers while the keys pass.
-static void weigh_values(const float *v_cache, int64_t row, const int64_t *slots, int64_t count,
-                         const float *e, int64_t dim, float *out) {
+INLINE void weigh_values(const void *v_cache, int64_t row, const int64_t *slots, int64_t count,
+                         const float *e, int64_t dim, float *out, bool half) {
     int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
     // The same FMAs lane for lane in 8-lane registers: GCC keeps 16-lane vectors on the
@@ -115,9 +150,9 @@ static void weigh_values(const float *v_cache, int64_t row, const int64_t *slots
         __m256 o[8];
         for (int h = 0; h < 8; h++) o[h] = _mm256_setzero_ps();
         for (int64_t j = 0; j < count; j++) {
-            const float *vj = v_cache + slots[j] * row + i;
+            const void *vj = kv_row(v_cache, slots[j], row, half);
             const __m256 w = _mm256_set1_ps(e[j]);
-            for (int h = 0; h < 8; h++) o[h] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj + 8 * h), o[h]);
+            for (int h = 0; h < 8; h++) o[h] = _mm256_fmadd_ps(w, load8(vj, i + 8 * h, half), o[h]);
         }
         for (int h = 0; h < 8; h++) _mm256_storeu_ps(out + i + 8 * h, o[h]);
     }
@@ -125,12 +160,12 @@ static void weigh_values(const float *v_cache, int64_t row, const int64_t *slots
     for (; i + 64 <= dim; i += 64) {
         v16f o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0};
         for (int64_t j = 0; j < count; j++) {
-            const float *vj = v_cache + slots[j] * row + i;
+            const void *vj = kv_row(v_cache, slots[j], row, half);
             const v16f w = splat(e[j]);
-            o0 = fma16(w, load_f32(vj), o0);
-            o1 = fma16(w, load_f32(vj + 16), o1);
-            o2 = fma16(w, load_f32(vj + 32), o2);
-            o3 = fma16(w, load_f32(vj + 48), o3);
+            o0 = fma16(w, kv_load(vj, i, half), o0);
+            o1 = fma16(w, kv_load(vj, i + 16, half), o1);
+            o2 = fma16(w, kv_load(vj, i + 32, half), o2);
+            o3 = fma16(w, kv_load(vj, i + 48, half), o3);
         }
         memcpy(out + i, &o0, sizeof o0);
         memcpy(out + i + 16, &o1, sizeof o1);
@@ -140,12 +175,13 @@ static void weigh_values(const float *v_cache, int64_t row, const int64_t *slots
     for (; i + 16 <= dim; i += 16) {
         v16f o = {0};
         for (int64_t j = 0; j < count; j++)
-            o = fma16(splat(e[j]), load_f32(v_cache + slots[j] * row + i), o);
+            o = fma16(splat(e[j]), kv_load(kv_row(v_cache, slots[j], row, half), i, half), o);
         memcpy(out + i, &o, sizeof o);
     }
     for (; i < dim; i++) {
         float o = 0.0f;
-        for (int64_t j = 0; j < count; j++) o = fmaf(e[j], v_cache[slots[j] * row + i], o);
+        for (int64_t j = 0; j < count; j++)
+            o = fmaf(e[j], kv_at(kv_row(v_cache, slots[j], row, half), i, half), o);
         out[i] = o;
     }
 }
@@ -213,8 +249,8 @@ static inline int64_t chunks_of(const spnl_attention *at, int64_t s, int64_t *c0
 // Chunk c of the query heads of sequence s that share KV head kvh: part holds group rows of
 // dim weighed values, then (peak, total) per head. Each key and value is read once for the
 // whole group. scores: group x KEY_CHUNK.
-static void attend_chunk(const attention_plan *p, int64_t s, int64_t kvh, int64_t c,
-                         float *scores, float *part) {
+INLINE void attend_chunk_of(const attention_plan *p, int64_t s, int64_t kvh, int64_t c,
+                            float *scores, float *part, bool half) {
     const spnl_paged_decode_args *a = p->a;
     const int64_t group = p->group, dim = p->dim, row = a->at.kv_heads * dim;
     const int64_t *slots = a->at.slots + s * a->at.slot_stride;
@@ -222,16 +258,18 @@ static void attend_chunk(const attention_plan *p, int64_t s, int64_t kvh, int64_
     const int64_t lo = c * KEY_CHUNK > first ? c * KEY_CHUNK : first;
     const int64_t hi = (c + 1) * KEY_CHUNK < len ? (c + 1) * KEY_CHUNK : len;
     const float scale = a->at.scale, softcap = a->at.softcap;
-    const float *k_cache = a->k_cache + kvh * dim, *v_cache = a->v_cache + kvh * dim;
+    const void *k_cache = kv_row(a->k_cache, kvh, dim, half);
+    const void *v_cache = kv_row(a->v_cache, kvh, dim, half);
     const float *q = a->q + (s * a->at.heads + kvh * group) * dim;
     float *acc = part, *stats = part + group * dim;
     for (int64_t j = lo; j < hi; j += DOTS) {
         const int64_t n = hi - j < DOTS ? hi - j : DOTS;
-        const float *keys[DOTS];
-        for (int64_t t = 0; t < DOTS; t++) keys[t] = k_cache + slots[j + (t < n ? t : 0)] * row;
+        const void *keys[DOTS];
+        for (int64_t t = 0; t < DOTS; t++)
+            keys[t] = kv_row(k_cache, slots[j + (t < n ? t : 0)], row, half);
         for (int64_t g = 0; g < group; g++) {
             float sums[DOTS];
-            dots(q + g * dim, keys, n, dim, sums);
+            dots(q + g * dim, keys, n, dim, sums, half);
             for (int64_t t = 0; t < n; t++) {
                 float score = sums[t] * scale;
                 if (softcap > 0.0f) score = softcap * tanhf(score / softcap);
@@ -252,7 +290,21 @@ static void attend_chunk(const attention_plan *p, int64_t s, int64_t kvh, int64_
     }
     for (int64_t g = 0; g < group; g++)
         weigh_values(v_cache, row, slots + lo, hi - lo, scores + g * KEY_CHUNK, dim,
-                     acc + g * dim);
+                     acc + g * dim, half);
+}
+
+// The two instances: a float32 pool and a float16 one.
+static void attend_chunk_f32(const attention_plan *p, int64_t s, int64_t kvh, int64_t c,
+                             float *scores, float *part) {
+    attend_chunk_of(p, s, kvh, c, scores, part, false);
+}
+static void attend_chunk_f16(const attention_plan *p, int64_t s, int64_t kvh, int64_t c,
+                             float *scores, float *part) {
+    attend_chunk_of(p, s, kvh, c, scores, part, true);
+}
+static void attend_chunk(const attention_plan *p, int64_t s, int64_t kvh, int64_t c,
+                         float *scores, float *part) {
+    (p->a->half ? attend_chunk_f16 : attend_chunk_f32)(p, s, kvh, c, scores, part);
 }
 
 // The chunks' partials of (s, kvh), in order, into the group's output rows.
