@@ -5,18 +5,26 @@
 For each format the default model and the Q4_K_M files use, a random weight matrix of a
 real shape is multiplied by 1, 16 and 512 activation rows through the native int8
 products (what every row count runs with batch invariance on), in GMAC/s and, for one
-row, the weight bytes read per second; torch's float32 and bfloat16 GEMMs on the same weights
+row, the weight bytes read per second; then one row again with the same weights held on
+small pages (torch's allocator) instead of the huge pages the loader gives them
+(`memory.host_tensor`); torch's float32 and bfloat16 GEMMs on the same weights
 dequantized are the last columns, at the largest row count. Median of 5 calls after one
-warm-up.
+warm-up (of 15 for the one-row page comparison, which alternates the two).
 """
 
 import harness
 import torch
 from gguf import GGMLQuantizationType as Q
 
-# (format, output rows, input width): a 1B-like MLP's up and down projections, and the
-# default model's Q5_0 and Q8_0 shapes.
-CASES = [(Q.Q4_K, 4096, 2048), (Q.Q6_K, 2048, 4096), (Q.Q5_0, 2048, 640), (Q.Q8_0, 2048, 640)]
+# (format, output rows, input width): a 1B-like MLP's up and down projections, the
+# default model's Q5_0 and Q8_0 shapes, and its output layer.
+CASES = [
+    (Q.Q4_K, 4096, 2048),
+    (Q.Q6_K, 2048, 4096),
+    (Q.Q5_0, 2048, 640),
+    (Q.Q8_0, 2048, 640),
+    (Q.Q8_0, 262144, 640),
+]
 
 
 def median_call(fn) -> float:
@@ -24,10 +32,13 @@ def median_call(fn) -> float:
 
 
 def measure(native, qtype: Q, n_out: int, k_in: int, rows: list[int]) -> list:
+    from spnl_backend.memory import host_tensor
     from spnl_backend.quant.linear import QuantizedWeight
 
     weight = QuantizedWeight.from_float(torch.randn(n_out, k_in), qtype)
-    products = native.products([(qtype.value, weight.data, n_out)])
+    huge = host_tensor(tuple(weight.data.shape), torch.uint8).copy_(weight.data)
+    small = torch.empty_like(weight.data).copy_(weight.data)
+    products = native.products([(qtype.value, huge, n_out)])
     cells = [f"{qtype.name} {n_out} x {k_in}"]
     for m in rows:
         x = torch.randn(m, k_in)
@@ -35,6 +46,7 @@ def measure(native, qtype: Q, n_out: int, k_in: int, rows: list[int]) -> list:
         gmac = m * n_out * k_in / seconds / 1e9
         read = f" ({weight.data.numel() / seconds / 1e9:.1f} GB/s)" if m == 1 else ""
         cells.append(f"{gmac:.1f}{read}")
+    cells.append(page_comparison(native, qtype, n_out, k_in, huge, small))
     x = torch.randn(max(rows), k_in)
     dense = weight.dequantize()
     for dtype in (torch.float32, torch.bfloat16):
@@ -42,6 +54,21 @@ def measure(native, qtype: Q, n_out: int, k_in: int, rows: list[int]) -> list:
         seconds = median_call(lambda w=w, a=a: a @ w.T)
         cells.append(f"{max(rows) * n_out * k_in / seconds / 1e9:.1f}")
     return cells
+
+
+def page_comparison(native, qtype: Q, n_out: int, k_in: int, huge, small) -> str:
+    """One row's time with the weights on huge pages and on small ones, calls alternated."""
+    calls = {
+        "huge": native.products([(qtype.value, huge, n_out)]),
+        "small": native.products([(qtype.value, small, n_out)]),
+    }
+    x = torch.randn(1, k_in)
+    times: dict[str, list[float]] = {"huge": [], "small": []}
+    for _ in range(16):
+        for name, call in calls.items():
+            times[name].append(harness.seconds(lambda call=call: call(x)))
+    huge_s, small_s = (sorted(times[n][1:])[7] for n in ("huge", "small"))
+    return f"{small_s * 1e3:.2f} / {huge_s * 1e3:.2f} ms ({small_s / huge_s:.2f}x)"
 
 
 def main() -> None:
@@ -57,6 +84,7 @@ def main() -> None:
     if native is None:
         raise SystemExit("the CPU kernels did not build (is there a C compiler?)")
     header = ["weights", *(f"{m} rows: GMAC/s" for m in args.rows)]
+    header += ["1 row, small / huge pages"]
     header += [f"torch float32 GEMM, {max(args.rows)} rows", "torch bfloat16 GEMM"]
     rows = [measure(native, *case, args.rows) for case in CASES]
     note = f"{args.threads} threads; int8 products as batch invariance runs them."

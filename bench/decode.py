@@ -10,7 +10,8 @@ measures, with the same thread count and greedy decoding:
 - decode tok/s: 128 tokens after the first, from the short prompt;
 - peak RSS of the process.
 
-Engines: ours (spnl-backend), llama.cpp (llama-cpp-python) and mistral.rs (mistralrs), both
+Engines: ours (spnl-backend; and "spnl-backend, small pages", the same with its weights and KV
+pool on the allocator's 4 KB pages instead of huge pages), llama.cpp (llama-cpp-python) and mistral.rs (mistralrs), both
 run with the interpreter given by --peers-python since they usually live in their own venv,
 and transformers (float32, the GGUF dequantized). An engine that is not installed is
 reported as such. The children inherit the environment, so ``PYTHONPATH=CHECKOUT python
@@ -46,9 +47,15 @@ Probes = tuple[
 ]
 
 
-def run_ours(gguf: Path, threads: int) -> Probes:
+def run_ours(gguf: Path, threads: int, small_pages: bool = False) -> Probes:
+    """``small_pages``: the weights and the KV pool on the allocator's small pages, not on
+    the huge pages the library asks for (what that choice is worth)."""
     import torch
 
+    if small_pages:
+        import spnl_backend.memory
+
+        spnl_backend.memory.HUGE_PAGE_MIN_BYTES = 1 << 62
     torch.set_num_threads(threads)
     # Prefix caching off: the repeated runs must not reuse each other's prompts.
     backend = harness.load_ours(gguf, prefix_cache_n=0)
@@ -200,6 +207,7 @@ def run_transformers(gguf: Path, threads: int) -> Probes:
 PEERS_IN_OWN_VENV = ("llama.cpp", "mistral.rs")
 ENGINES = {
     "spnl-backend": run_ours,
+    "spnl-backend, small pages": functools.partial(run_ours, small_pages=True),
     "llama.cpp": run_llama_cpp,
     "mistral.rs": run_mistralrs,
     "transformers fp32": run_transformers,

@@ -184,7 +184,7 @@ def test_a_failed_allocation_is_an_error_not_a_crash(tiny, monkeypatch):
     def refuse(*args, **kwargs):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate")
 
-    monkeypatch.setattr("spnl_backend.engine.paged.torch.zeros", refuse)
+    monkeypatch.setattr("spnl_backend.engine.paged.host_tensor", refuse)
     with pytest.raises(PlatformError, match=r"allocating the KV cache .* failed: DefaultCPU"):
         load(tiny, "llama", paged_attn=True)
 

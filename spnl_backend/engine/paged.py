@@ -14,7 +14,7 @@ from ..kernels import Kernels
 from ..kernels.metadata import PagedMetadata
 from ..kernels.paged_ref import fp8_scale
 from ..log import get_logger
-from ..memory import kv_bytes_per_token
+from ..memory import host_tensor, kv_bytes_per_token
 from ..models.config import ModelConfig
 from ..models.layers import AttentionBackend, AttentionSpec
 from .block_manager import BlockManager, BlockTable
@@ -37,7 +37,10 @@ class PagedKVCache:
         """``kv_absmax [layers, 2]``: each layer's largest K and V magnitude on the reference
         text, from which an FP8 pool's scales are set (needed for float8)."""
         shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.data = torch.zeros(shape, dtype=cache_dtype, device=device)
+        if device.type == "cpu":
+            self.data = host_tensor(shape, cache_dtype)
+        else:
+            self.data = torch.zeros(shape, dtype=cache_dtype, device=device)
         self.bytes_per_token = kv_bytes_per_token(config, cache_dtype)
         self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(config.num_layers)]
         self.is_fp8 = cache_dtype == torch.float8_e4m3fn

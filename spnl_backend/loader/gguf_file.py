@@ -28,6 +28,7 @@ from gguf import GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType
 from gguf import GGUFValueType as V
 
 from ..errors import ModelFileError
+from ..memory import host_tensor
 from ..quant.ggml import SUPPORTED_TYPES, dequantize, ggml_format
 
 _SCALARS = {
@@ -219,7 +220,7 @@ class GGUFFile:
     def raw(self, name: str) -> torch.Tensor:
         """The tensor's bytes as a uint8 tensor of its own (read, not mapped)."""
         info = self.tensors[name]
-        data = torch.empty(info.nbytes, dtype=torch.uint8)
+        data = host_tensor((info.nbytes,), torch.uint8)
         self._read(info.offset, data.numpy())
         return data
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..errors import ModelFileError
 from ..kernels.matmuls import Matmuls, quantized_matmuls_ref
+from ..memory import host_tensor
 from ..models.config import ModelConfig
 from ..quant.ggml import FLOAT_TYPES, nonfinite_scales
 from ..quant.linear import QuantEmbedding, QuantizedWeight, QuantLinear
@@ -164,7 +165,7 @@ def _read_tensor(path: Path, layout: tuple[int, dict[str, Any]], name: str) -> t
             f"{path}: tensor {name!r} is stored as {entry['dtype']}; expected a floating-point type"
         )
     begin, end = entry["data_offsets"]
-    tensor = torch.empty(entry["shape"], dtype=dtype)
+    tensor = host_tensor(tuple(entry["shape"]), dtype)
     target = tensor.reshape(-1).view(torch.uint8).numpy()
     try:
         with path.open("rb") as file:

@@ -14,6 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from ..log import get_logger
+from ..memory import on_host_pages
 from ..settings.values import IsqType
 from .ggml import ggml_format
 from .linear import QuantizedWeight
@@ -80,7 +81,7 @@ def apply_isq(
         if isinstance(tensor, QuantizedWeight):
             yield name, tensor if tensor.qtype == chosen else requantize(tensor, chosen)
             continue
-        yield name, QuantizedWeight.from_float(tensor, chosen)
+        yield name, _on_host_pages(QuantizedWeight.from_float(tensor, chosen))
     for (qtype, chosen), names in fallbacks.items():
         log.info(
             "isq.fallback",
@@ -100,7 +101,11 @@ def requantize(weight: QuantizedWeight, qtype: Q) -> QuantizedWeight:
         quantize(weight.rows(slice(start, start + rows)).dequantize(), qtype)
         for start in range(0, weight.shape[0], rows)
     ]
-    return QuantizedWeight(torch.cat(parts), qtype, weight.shape)
+    return QuantizedWeight(on_host_pages(torch.cat(parts)), qtype, weight.shape)
+
+
+def _on_host_pages(weight: QuantizedWeight) -> QuantizedWeight:
+    return QuantizedWeight(on_host_pages(weight.data), weight.qtype, weight.shape)
 
 
 def _fitting_type(qtype: Q, cols: int) -> Q | None:
