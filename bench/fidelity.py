@@ -1,8 +1,9 @@
 """Greedy fidelity on the default model: how long ours agrees with llama.cpp, and transformers.
 
     python bench/fidelity.py [--peers-python PATH] [--threads 2] [--tokens 32] [--markdown FILE]
-    python bench/fidelity.py --check [--threads 2] [--settings cpu_gemm=float32 ...]
+    python bench/fidelity.py --check [--threads 2] [--settings cpu_matmul=float32 ...]
         [--markdown FILE]
+    python bench/fidelity.py --perturb 1e-7 [--settings ...]
 
 Without --check it records the peers' greedy tokens into tests/data/fidelity.json (the
 fixture tests/test_fidelity.py checks ours against; CI has neither llama.cpp nor the time
@@ -14,14 +15,23 @@ itself and the fixture says whether that gave the same ids (the run warns where 
 - llama.cpp (llama-cpp-python, run by --peers-python in a fresh process): --tokens greedy
   tokens, each the argmax of its logits (seed 0, temperature 0, --threads threads);
 - transformers (float32, the GGUF dequantized, in a fresh process): ``generate`` with
-  ``do_sample=False``.
+  ``do_sample=False``, and the argmax at each position of llama.cpp's own tokens
+  (teacher-forced: the prompt and llama.cpp's first j tokens give the (j+1)-th).
 
 Each stops early at an end-of-generation token, which it keeps. --check loads the fixture
 and ours (``harness.load_ours`` on the default GGUF, default settings), generates each
 prompt greedily on its own, and prints per prompt the common-prefix lengths of ours and
 llama.cpp, of transformers and llama.cpp, and of ours and transformers, with the totals.
+It also prints the teacher-forced agreement: at how many of llama.cpp's positions ours,
+and transformers, pick llama.cpp's token when fed llama.cpp's own prefix (one token's
+arithmetic at a time, without the cascade a greedy divergence sets off).
 --settings (field=value, as in code) loads ours with other settings, to see what moves it.
-The criterion the test asserts is in tests/test_fidelity.py.
+The criteria the tests assert are in tests/test_fidelity.py.
+
+--perturb EPS generates the prompts twice with ours, the second time with every
+embedding multiplied by (1 + EPS * noise) (standard normal noise, seeded per prompt): how
+far greedy output moves when the arithmetic moves by a rounding error. It runs that for
+ours as loaded (with --settings) and with float32 activations (cpu_matmul=float32).
 """
 
 import argparse
@@ -110,7 +120,12 @@ def transformers_greedy(gguf: Path, threads: int, prompts: list[dict], tokens: i
             )
         generated = out[0, ids.shape[1] :].tolist()
         own = tokenizer(prompt["text"]).input_ids
-        outputs.append({"own_ids": own, "generated": generated})
+        llama = prompt["llama_cpp"]
+        forced = torch.tensor([prompt["ids"] + llama[:-1]])
+        with torch.inference_mode():
+            logits = model(forced).logits[0, -len(llama) :]
+        on_llama = logits.argmax(-1).tolist()
+        outputs.append({"own_ids": own, "generated": generated, "on_llama": on_llama})
     version = f"transformers {transformers.__version__}, torch {torch.__version__}, float32"
     return {"version": version, "outputs": outputs}
 
@@ -149,10 +164,14 @@ def record(args, backend, gguf: Path) -> dict:
         prompts_file = Path(tmp) / "prompts.json"
         prompts_file.write_text(json.dumps(prompts))
         peers = {}
-        for peer in PEERS:
+        for peer in PEERS:  # llama.cpp first: transformers is also fed its tokens
             python = args.peers_python if peer == "llama.cpp" else sys.executable
             print(f"running {peer} ...", file=sys.stderr)
             peers[peer] = run_peer(peer, python, gguf, args, prompts_file)
+            if peer == "llama.cpp":
+                for prompt, output in zip(prompts, peers[peer]["outputs"], strict=True):
+                    prompt["llama_cpp"] = output["generated"]
+                prompts_file.write_text(json.dumps(prompts))
     tokenization = []
     for peer, result in peers.items():
         for prompt, output in zip(prompts, result["outputs"], strict=True):
@@ -185,6 +204,7 @@ def record(args, backend, gguf: Path) -> dict:
                 "prompt_ids": prompt["ids"],
                 "llama_cpp": peers["llama.cpp"]["outputs"][i]["generated"],
                 "transformers": peers["transformers"]["outputs"][i]["generated"],
+                "transformers_on_llama_cpp": peers["transformers"]["outputs"][i]["on_llama"],
             }
             for i, prompt in enumerate(prompts)
         ],
@@ -198,11 +218,29 @@ def record(args, backend, gguf: Path) -> dict:
 # ---- checking ours --------------------------------------------------------------------------
 
 
+def teacher_forced(backend, case: dict) -> list[int]:
+    """Ours' argmax at each of llama.cpp's positions, fed the prompt and llama.cpp's tokens
+    before it. Run before any generation of the prompt: a prefix-cache hit would leave out
+    the first rows."""
+    llama = case["llama_cpp"]
+    logits = harness.our_logits(backend, case["prompt_ids"] + llama[:-1])
+    if logits.shape[0] < len(llama):
+        raise RuntimeError(f"{case['prompt']!r}: the prefix cache served llama.cpp's positions")
+    return logits[-len(llama) :].argmax(-1).tolist()
+
+
+def agreeing(picks: list[int], tokens: list[int]) -> int:
+    """At how many positions ``picks`` chose ``tokens``' token."""
+    return sum(a == b for a, b in zip(picks, tokens, strict=True))
+
+
 def check(backend, fixture: dict, settings: list[str]) -> str:
+    cases = fixture["prompts"]
+    forced = [teacher_forced(backend, case) for case in cases]  # before any generation
     rows = []
-    totals = [0, 0, 0, 0]
+    totals = [0] * 6
     at_least = 0
-    for i, case in enumerate(fixture["prompts"]):
+    for i, case in enumerate(cases):
         ids = backend.tokenizer.encode(case["prompt"])
         if ids != case["prompt_ids"]:
             print(f"warning: ours now tokenizes {case['prompt']!r} as {ids}", file=sys.stderr)
@@ -215,21 +253,110 @@ def check(backend, fixture: dict, settings: list[str]) -> str:
             common_prefix(ours, llama),
             common_prefix(hf, llama),
             common_prefix(ours, hf),
+            agreeing(forced[i], llama),
+            agreeing(case["transformers_on_llama_cpp"], llama),
         ]
         at_least += counts[1] >= counts[2]
         totals = [t + c for t, c in zip(totals, counts, strict=True)]
         rows.append([i, repr(case["prompt"]).replace("|", "\\|"), *counts])
     rows.append(["total", "", *totals])
-    header = ["#", "prompt", "llama.cpp tokens", "ours~llama", "hf~llama", "ours~hf"]
+    header = [
+        "#",
+        "prompt",
+        "llama.cpp tokens",
+        "ours~llama",
+        "hf~llama",
+        "ours~hf",
+        "ours on llama's",
+        "hf on llama's",
+    ]
     platform = backend.platform
     return (
         f"{harness.md_table(header, rows)}\n\n"
         f"Common-prefix lengths of the greedy tokens (a~b: how many leading tokens a and b "
         f"share); hf: transformers float32. Ours agrees with llama.cpp at least as long as "
-        f"transformers does on {at_least} of {len(fixture['prompts'])} prompts. Fixture "
-        f"of {fixture['date']}: {', '.join(fixture['engines'].values())}. Ours: "
+        f"transformers does on {at_least} of {len(cases)} prompts. Teacher-forced (the last "
+        f"two columns): at how many of llama.cpp's positions the engine, fed llama.cpp's "
+        f"own prefix, picks llama.cpp's token. Fixture of {fixture['date']}: "
+        f"{', '.join(fixture['engines'].values())}. Ours: "
         f"{' '.join(settings) or 'default settings'}; kernels {platform.kernels}, "
         f"cpu_matmul {platform.cpu_matmul}, cpu_gemm {platform.cpu_gemm}."
+    )
+
+
+# ---- how far a rounding error moves greedy output -------------------------------------------
+
+
+def perturbed(backend, eps: float):
+    """A context in which ``backend``'s embeddings are multiplied by (1 + eps * noise),
+    the noise seeded by the step's token ids (the same for a prompt every time)."""
+    import contextlib
+
+    import torch
+
+    def hook(module, inputs, output):
+        (ids,) = inputs
+        generator = torch.Generator().manual_seed(int(ids.sum()) + ids.numel())
+        noise = torch.randn(output.shape, generator=generator, dtype=output.dtype)
+        return output * (1 + eps * noise)
+
+    @contextlib.contextmanager
+    def applied():
+        handle = backend.model.model.embed_tokens.register_forward_hook(hook)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    return applied()
+
+
+def perturbation(gguf: Path, fixture: dict, eps: float, settings: dict) -> list:
+    """Common-prefix totals of ours against ours perturbed, and of each against llama.cpp."""
+    backend = harness.load_ours(gguf, prefix_cache_n=0, **settings)
+    cases = fixture["prompts"]
+
+    def greedy() -> list[list[int]]:
+        return [
+            backend.generate(c["prompt"], max_tokens=len(c["llama_cpp"]), temperature=0).token_ids
+            for c in cases
+        ]
+
+    plain = greedy()
+    with perturbed(backend, eps):
+        moved = greedy()
+    backend.close()
+    shared = [common_prefix(a, b) for a, b in zip(plain, moved, strict=True)]
+    to_llama = [
+        sum(common_prefix(out, c["llama_cpp"]) for out, c in zip(outs, cases, strict=True))
+        for outs in (plain, moved)
+    ]
+    return [
+        sum(shared),
+        sum(s == len(c["llama_cpp"]) for s, c in zip(shared, cases, strict=True)),
+        *to_llama,
+    ]
+
+
+def perturbation_report(gguf: Path, fixture: dict, eps: float, settings: list[str]) -> str:
+    pairs = dict(pair.split("=", 1) for pair in settings)
+    rows = []
+    for label, extra in (("as loaded", {}), ("float32 activations", {"cpu_matmul": "float32"})):
+        chosen = {**pairs, **extra}
+        named = " ".join(f"{k}={v}" for k, v in chosen.items()) or "default settings"
+        rows.append([f"{label} ({named})", *perturbation(gguf, fixture, eps, chosen)])
+    total = sum(len(c["llama_cpp"]) for c in fixture["prompts"])
+    header = [
+        "ours",
+        f"ours~ours perturbed (of {total})",
+        f"prompts unchanged (of {len(fixture['prompts'])})",
+        "ours~llama",
+        "perturbed~llama",
+    ]
+    return (
+        f"{harness.md_table(header, rows)}\n\n"
+        f"Greedy common-prefix totals on the fixture's prompts, ours against ours with every "
+        f"embedding multiplied by (1 + {eps:g} * noise), and each against llama.cpp."
     )
 
 
@@ -239,6 +366,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=TOKENS)
     parser.add_argument("--check", action="store_true", help="only check ours on the fixture")
     parser.add_argument("--settings", nargs="*", default=[], help="ours: field=value, as in code")
+    parser.add_argument(
+        "--perturb", type=float, metavar="EPS", help="how far a relative error EPS moves ours"
+    )
     parser.add_argument("--child", choices=list(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--prompts", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--gguf", type=Path, help=argparse.SUPPRESS)
@@ -251,6 +381,11 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     gguf = harness.default_gguf()
+    if args.perturb is not None:
+        fixture = json.loads(FIXTURE.read_text())
+        report = perturbation_report(gguf, fixture, args.perturb, args.settings)
+        harness.publish(report, args.markdown)
+        return
     backend = harness.load_ours(gguf, **dict(pair.split("=", 1) for pair in args.settings))
     if args.check:
         fixture = json.loads(FIXTURE.read_text())

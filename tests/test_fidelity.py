@@ -1,24 +1,31 @@
-"""Greedy fidelity to llama.cpp on the default model, against a recorded fixture.
+"""Greedy fidelity to llama.cpp and transformers on the default model, against a fixture.
 
 tests/data/fidelity.json holds, for 16 short prompts, 32 greedy tokens of llama.cpp and of
 transformers (float32, the GGUF dequantized), each fed the prompt's token ids (the raw
-prompt with the BOS our tokenizer adds). ``python bench/fidelity.py --peers-python PATH``
-records it (CI has neither llama.cpp nor the time for transformers); ``--check`` prints
-the table this test judges.
+prompt with the BOS our tokenizer adds), and transformers' argmax at each of llama.cpp's
+positions when fed llama.cpp's own tokens. ``python bench/fidelity.py --peers-python
+PATH`` records it (CI has neither llama.cpp nor the time for transformers); ``--check``
+prints the table these tests judge, ``--perturb`` what a rounding error does.
 
-The criterion, with ``ours`` and ``hf`` each prompt's common-prefix length with llama.cpp
-(how many leading greedy tokens agree):
+What the measurements say (bench/fidelity.py, 2026-11-25):
 
-- in total over the prompts, ours agrees with llama.cpp at least as long as transformers:
-  ``sum(ours) >= sum(hf)``;
-- and on every prompt, at least half as long: ``ours >= hf // 2``.
+- With float32 activations (``MISTRALRS_CPU_MATMUL=float32``) ours computes what
+  transformers computes: the same greedy tokens, 512 of 512, and a relative error of
+  1e-7 in the embeddings moves none of them.
+- With int8 activations (the default, as llama.cpp's), greedy text is chaotic: the
+  rounding of each activation to 8 bits turns an error of 1e-7 into a different rounding
+  somewhere, and that, layers later, into a logit error of the size of the rounding itself
+  (RMS 0.21 over these positions, as large as ours against llama.cpp). Ours against itself
+  so perturbed keeps 306-353 of 512 greedy tokens, fewer than it shares with llama.cpp
+  (328). How long two int8 engines agree is a matter of where near-ties fall, unless every
+  float operation of one is the other's.
+- Token by token (teacher-forced, without the cascade a first divergence sets off) ours
+  picks llama.cpp's token at 495 of its 512 positions, transformers at 501.
 
-Not ``ours >= hf`` on every prompt: greedy decoding on a 270M model meets near-ties, which
-any change of arithmetic (llama.cpp's int8 activations, ours, transformers' float32) may
-flip, a few tokens earlier or later; on the fixture of 2026-11-23 transformers agrees with
-llama.cpp for only 2 to 19 tokens on 6 prompts, and ours with int8 activations has beaten
-it (32 against 15) on one. The total keeps the comparison of the whole, the floor catches
-a prompt that goes wrong on its own.
+So the tests check what can be promised: the exact path reproduces transformers; the
+default path agrees with llama.cpp token by token nearly as often as exact arithmetic;
+and the greedy common-prefix criterion of the issue stays an expected failure, strict, so
+that it is looked at again should it ever pass.
 """
 
 import json
@@ -28,12 +35,13 @@ from pathlib import Path
 import pytest
 
 from spnl_backend import load_backend
+from spnl_backend.settings import load_settings
 
 # The bench scripts import their siblings (`harness`) as top-level modules, as they do
 # when run as `python bench/fidelity.py`.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from bench.fidelity import FIXTURE, common_prefix, sha256
+from bench.fidelity import FIXTURE, agreeing, common_prefix, sha256, teacher_forced
 
 pytestmark = pytest.mark.slow
 
@@ -58,15 +66,40 @@ def test_fixture_is_of_the_default_model(fixture, default_backend):
     for case in fixture["prompts"]:
         assert default_backend.tokenizer.encode(case["prompt"]) == case["prompt_ids"]
         assert len(case["llama_cpp"]) == len(case["transformers"]) == 32
+        assert len(case["transformers_on_llama_cpp"]) == len(case["llama_cpp"])
+
+
+def test_float32_activations_give_transformers_greedy_tokens(fixture):
+    """The exact path: every greedy token of transformers' float32 run of the same file."""
+    backend = load_backend(settings=load_settings(cpu_matmul="float32"))
+    try:
+        for case in fixture["prompts"]:
+            hf = case["transformers"]
+            ours = backend.generate(case["prompt"], max_tokens=len(hf), temperature=0)
+            assert ours.token_ids == hf, case["prompt"]
+    finally:
+        backend.close()
+
+
+def test_token_by_token_ours_picks_llama_cpps_token_nearly_as_often_as_transformers(
+    fixture, default_backend
+):
+    """Fed llama.cpp's own tokens, ours (int8 activations, an independent rounding of the
+    same arithmetic) may pick another token only where transformers nearly does: at most
+    3% of the positions fewer than transformers' agreement (measured: 495 against 501)."""
+    cases = fixture["prompts"]
+    ours = sum(agreeing(teacher_forced(default_backend, c), c["llama_cpp"]) for c in cases)
+    hf = sum(agreeing(c["transformers_on_llama_cpp"], c["llama_cpp"]) for c in cases)
+    positions = sum(len(c["llama_cpp"]) for c in cases)
+    assert ours >= hf - 0.03 * positions, (ours, hf, positions)
 
 
 @pytest.mark.xfail(
     strict=True,
-    reason="not met yet (issue 19): with int8 activations ours agrees with llama.cpp for "
-    "328 of 512 tokens against transformers' 382 (2026-11-23, each block's integer sum "
-    "added in one float; 294 when lanes were added apart); the torch twin with the same "
-    "activation rounding gave 281, with blocks of 32 for every type 329, with float32 "
-    "activations 382. Strict: when it passes, this mark must go.",
+    reason="int8 activations make greedy text chaotic (see the module's docstring): ours "
+    "agrees with llama.cpp for 320 of 512 greedy tokens (float16 KV cache; 328 with "
+    "float32), transformers for 382, ours with a 1e-7 relative error against itself "
+    "for 306-353. Strict: should it pass, look again and remove the mark.",
 )
 def test_greedy_agrees_with_llama_cpp_at_least_as_long_as_transformers(fixture, default_backend):
     rows = []
