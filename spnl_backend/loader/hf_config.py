@@ -8,10 +8,9 @@ file, the key, what it holds and what was expected.
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PretrainedConfig
 
 from ..errors import ModelFileError, UnsupportedArchitectureError
 from ..models.config import (
@@ -25,6 +24,9 @@ from ..models.config import (
 from .resolve import unreadable
 from .typed import MISSING, TypedReader, is_int
 from .weights import layer_indices, safetensors_files, safetensors_shapes
+
+if TYPE_CHECKING:  # transformers takes half a second to import: text models only
+    from transformers import PretrainedConfig
 
 _ARCHITECTURE_BY_MODEL_TYPE = {
     "llama": "llama",
@@ -180,7 +182,7 @@ def _rope_sections(keys: "_Keys") -> list["_Keys"]:
     return sections
 
 
-def _transformers_config(model_dir: Path, path: Path) -> PretrainedConfig:
+def _transformers_config(model_dir: Path, path: Path) -> "PretrainedConfig":
     from transformers import AutoConfig
 
     try:
@@ -207,13 +209,13 @@ def _generation_eos(model_dir: Path, path: Path, vocab: int) -> tuple[int, ...]:
     return ids
 
 
-def text_config(config: PretrainedConfig) -> PretrainedConfig:
+def text_config(config: "PretrainedConfig") -> "PretrainedConfig":
     """The language model's config (multimodal Gemma 3 wraps it in ``text_config``)."""
     return config.text_config if config.model_type == "gemma3" else config
 
 
 def model_config_from_hf(
-    config: PretrainedConfig, source: Path = Path("config.json")
+    config: "PretrainedConfig", source: Path = Path("config.json")
 ) -> ModelConfig:
     """``config`` as a `ModelConfig`; a value of the wrong type or out of range is a
     ModelFileError naming ``source`` and the key."""

@@ -1,5 +1,7 @@
 """Tokenizers: transformers' own for text models, and for GGUF files the one transformers
-converts from the file's vocabulary, cached after the first (slow) conversion."""
+converts from the file's vocabulary, cached after the first (slow) conversion and then
+read by the tokenizers library directly (`VocabTokenizer`): importing transformers and
+building its wrapper took longer than reading the vocabulary itself."""
 
 import hashlib
 import json
@@ -7,9 +9,9 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from tokenizers import Tokenizer as RustTokenizer
 
 from ..errors import ModelFileError, RequestError
 from ..log import get_logger
@@ -34,11 +36,51 @@ GEMMA_CHAT_TEMPLATE = (
 _FALLBACK_TEMPLATES = {"gemma3": GEMMA_CHAT_TEMPLATE}
 
 
+class HFTokenizer(Protocol):
+    """What `Tokenizer` uses of transformers' tokenizers (and `VocabTokenizer` provides)."""
+
+    chat_template: str | None
+    eos_token_id: int | None
+
+    @property
+    def special_tokens_map(self) -> dict[str, Any]: ...
+    def __call__(self, text: str, add_special_tokens: bool = True) -> Any: ...
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str: ...
+    def get_vocab(self) -> dict[str, int]: ...
+    def __len__(self) -> int: ...
+
+
+class VocabTokenizer:
+    """A GGUF file's converted vocabulary through the tokenizers library: the same ids and
+    text as transformers' fast tokenizer over the same file (its encode and decode are
+    this library's, with the special tokens of its config), without transformers."""
+
+    def __init__(
+        self, rust: RustTokenizer, specials: dict[str, str], chat_template: str | None
+    ) -> None:
+        self.rust, self.chat_template = rust, chat_template
+        self.special_tokens_map = specials
+        ids = {name: rust.token_to_id(token) for name, token in specials.items()}
+        self.eos_token_id = ids.get("eos_token")
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": self.rust.encode(text, add_special_tokens=add_special_tokens).ids}
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.rust.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.rust.get_vocab(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self.rust.get_vocab_size(with_added_tokens=True)
+
+
 class Tokenizer:
     """Text ↔ token ids, special tokens and the chat template of one model."""
 
     def __init__(
-        self, hf: PreTrainedTokenizerBase, eos_token_ids: Sequence[int], where: str = "the model"
+        self, hf: HFTokenizer, eos_token_ids: Sequence[int], where: str = "the model"
     ) -> None:
         self.hf, self.where = hf, where
         self.eos_token_ids = frozenset(eos_token_ids) | (
@@ -77,6 +119,8 @@ class Tokenizer:
 
 
 def load_text_tokenizer(model_dir: Path, eos_token_ids: Sequence[int]) -> Tokenizer:
+    from transformers import AutoTokenizer  # half a second to import: only where needed
+
     try:
         hf = AutoTokenizer.from_pretrained(model_dir)
     except Exception as exc:  # the tokenizers library raises bare Exceptions on bad files
@@ -103,22 +147,29 @@ def load_gguf_tokenizer(
     return Tokenizer(hf, eos_token_ids, str(gguf_path))
 
 
-def _load_converted(directory: Path) -> PreTrainedTokenizerFast:
-    """The saved conversion as a plain fast tokenizer: the same ids as the model-specific
-    class transformers would pick, in half the time (that class rebuilds the vocabulary)."""
+def _load_converted(directory: Path) -> VocabTokenizer:
+    """The saved conversion, read by the tokenizers library: the same ids as the
+    model-specific class transformers would pick."""
     config = json.loads((directory / "tokenizer_config.json").read_text())
     specials = {
         key: value["content"] if isinstance(value, dict) else value
         for key, value in config.items()
         if key.endswith("_token") and value is not None
     }
-    hf = PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"), **specials)
+    try:
+        rust = RustTokenizer.from_file(str(directory / "tokenizer.json"))
+    except Exception as exc:  # the library raises bare Exceptions on a damaged file
+        raise ModelFileError(
+            f"{directory / 'tokenizer.json'}: the cached conversion cannot be read "
+            f"({type(exc).__name__}: {exc}); delete {directory} to convert again"
+        ) from exc
     template = directory / "chat_template.jinja"
+    chat_template = None
     if template.exists():
-        hf.chat_template = template.read_text()
+        chat_template = template.read_text()
     elif isinstance(config.get("chat_template"), str):
-        hf.chat_template = config["chat_template"]
-    return hf
+        chat_template = config["chat_template"]
+    return VocabTokenizer(rust, specials, chat_template)
 
 
 def _convert(gguf_path: Path, target: Path) -> None:
@@ -128,6 +179,8 @@ def _convert(gguf_path: Path, target: Path) -> None:
         file=str(gguf_path),
         note="first load of this file only; the result is cached",
     )
+    from transformers import AutoTokenizer
+
     try:
         hf = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     except Exception as exc:  # transformers' GGUF conversion raises whatever odd metadata trips
