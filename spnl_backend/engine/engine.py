@@ -20,6 +20,9 @@ class EngineConfig:
     eos_token_ids: frozenset[int]
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # A prompt's chunk while other sequences decode: bounds how long one step holds up
+    # their next tokens (bench/serve.py: inter-token latency p99).
+    prefill_chunk_while_decoding: int = 256
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,12 @@ class Engine:
         self.decoder = decoder
         self.runner = runner
         self.cache = runner.cache
-        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.cache,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.prefill_chunk_while_decoding,
+        )
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}
         # Set when a failed step could not release its sequences' caches: the cache's
         # bookkeeping can no longer be trusted, so every later call says so.
