@@ -53,8 +53,8 @@ def host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     mapping of its own marked for transparent huge pages (Linux's MADV_HUGEPAGE, which
     the kernel honours where its THP setting is ``madvise`` or ``always``): the products
     and attention stream weights and caches with a 2 MB page per TLB entry instead of
-    4 KB, and the default model's 178 MB output layer is read 20% faster at 2 threads,
-    35% at 1. Elsewhere, or where the mapping is refused, torch's allocator."""
+    4 KB (bench/decode.py: the default model decodes 11% faster at 2 threads). Elsewhere,
+    or where the mapping is refused, torch's allocator."""
     nbytes = dtype.itemsize * math.prod(shape)
     if nbytes < HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype)

@@ -473,3 +473,31 @@ def test_degenerate_shapes_are_argument_errors(kernels):
         )
     with pytest.raises(KernelArgumentError, match="unknown"):
         kernels.gather_rows(999, torch.zeros(4, 34, dtype=torch.uint8), torch.tensor([0]), 32)
+
+
+@pytest.mark.slow
+def test_a_compiler_without_link_time_optimisation_still_builds_the_same_kernels(
+    kernels, tmp_path, monkeypatch
+):
+    """The build asks for -flto first; a compiler that refuses it gets the plain build,
+    which computes the same bits, and later loads find that build without compiling."""
+    from spnl_backend.settings.platform import find_c_compiler
+
+    wrapper = tmp_path / "cc-without-lto"
+    calls = tmp_path / "calls"
+    wrapper.write_text(
+        f'#!/bin/sh\necho "$@" >> {calls}\n'
+        'for a in "$@"; do [ "$a" = -flto ] && exit 1; done\n'
+        f'exec {find_c_compiler()} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    plain = cpu.load_cpu_kernels.__wrapped__(str(wrapper), kernels.checks)
+    assert plain is not None
+    assert plain.path != kernels.path
+    assert len(calls.read_text().splitlines()) == 2  # -flto refused, then the plain build
+    assert cpu.load_cpu_kernels.__wrapped__(str(wrapper), kernels.checks).path == plain.path
+    assert len(calls.read_text().splitlines()) == 2  # found, not compiled again
+    weights = [_weights(Q.Q4_K), _weights(Q.Q5_0, rows=16, seed=1)]
+    x = torch.randn(3, 512)
+    assert torch.equal(quantized_matmuls(plain, x, weights), quantized_matmuls(kernels, x, weights))

@@ -56,10 +56,16 @@ INLINE float dot(const float *q, const void *k, int64_t dim, bool half) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// 8 elements of a pool row from i on (F16C comes with every AVX2 CPU).
+// 8 elements of a pool row from i on.
 INLINE __m256 load8(const void *p, int64_t i, bool half) {
-    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
-                : _mm256_loadu_ps((const float *)p + i);
+    if (!half) return _mm256_loadu_ps((const float *)p + i);
+#if defined(__F16C__)  // every AVX2 CPU has it; a build told otherwise widens one by one
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+#else
+    float wide[8];
+    for (int k = 0; k < 8; k++) wide[k] = kv_at(p, i + k, true);
+    return _mm256_loadu_ps(wide);
+#endif
 }
 #endif
 
