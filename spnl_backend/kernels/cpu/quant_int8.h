@@ -33,8 +33,22 @@ typedef struct {
     int8_t *q32, *q256;
     float *d32, *s32, *d256;  // s32: the block's scale times the sum of its values
     int16_t *sums32, *bsums;  // sums32: the sum of a block of 32; bsums: of every 16 of 256
+    int8_t *q256_k4;          // q256 in Q4_K's value order (k4_order), for one-row products
     int64_t k;
 } act_rows;
+
+// Q4_K (and Q5_K) keep a block's values as 4 chunks of 32 bytes, each byte two values: the
+// low nibbles are values 64c..64c+31, the high ones 64c+32..64c+63. Two chunks loaded as
+// one 64-byte vector give, as low nibbles, values [0, 32) and [64, 96), so the one-row
+// product reads the activations in that order: the 32-value runs of a block as
+// K4_ORDER lists them.
+static const int K4_ORDER[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+
+static void k4_order(const int8_t *q, int64_t blocks, int8_t *out) {
+    for (int64_t b = 0; b < blocks; b++)
+        for (int i = 0; i < 8; i++)
+            memcpy(out + b * 256 + i * 32, q + b * 256 + K4_ORDER[i] * 32, 32);
+}
 
 // One k-quant block's activations.
 typedef struct { const int8_t *q; float d; const int16_t *bsums; } act_block;
@@ -921,6 +935,125 @@ static inline float sum_chains(__m128 v) {
         }                                                                                     \
     }
 
+// ---- one activation row against one weight row: a decode's products -------------------------
+//
+// The same integers S and M per block as k_dot, found with fewer instructions for the two
+// formats of Q4_K_M files: 64 values per vector in the order the block stores them (the
+// activations reordered to match, for Q4_K), the sub-block scales widened once and
+// spread by a permutation per vector. The float sums are k_dot's, in its order: the same
+// bits as every other path.
+#if defined(__AVX512BW__)
+// 16-bit scales for 64 values: scale index[i] for the pair of values 2i, 2i + 1.
+static inline __m512i spread(__m512i words, const int16_t index[32]) {
+    return _mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)index), words);
+}
+
+// A block's sums S (16 lanes) and M (8) into k_dot's two float sums, as k_dot adds them.
+static inline __m128 k_add(__m512i s, __m256i m, float d, float dmin, float ad, __m128 acc) {
+    const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+    const __m128 scales = _mm_setr_ps(d, dmin, 0.0f, 0.0f);
+    return _mm_fmadd_ps(_mm_cvtepi32_ps(two_sums(s8, m)), _mm_mul_ps(scales, _mm_set1_ps(ad)), acc);
+}
+
+// Q4_K against activations in K4_ORDER: vector v holds sub-blocks K4_ORDER[2v], [2v + 1].
+static inline float q4_k_reordered(const act_rows *x, int64_t blocks, const uint8_t *w) {
+    static const int16_t at[4][32] = {
+        {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2},
+        {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3},
+        {4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6},
+        {5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7}};
+    static const int16_t mins_at[16] = {8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m128 acc = _mm_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = w + b * 144;
+        prefetch_block(block, 144);
+        uint64_t sc, mn;
+        k4_scales(block + 4, &sc, &mn);
+        const __m256i words = _mm256_cvtepu8_epi16(_mm_set_epi64x((int64_t)mn, (int64_t)sc));
+        const __m512i wide = _mm512_castsi256_si512(words);
+        const int8_t *a = x->q256_k4 + b * 256;
+        __m512i s = _mm512_setzero_si512();
+        for (int h = 0; h < 2; h++) {
+            const __m512i q = _mm512_loadu_si512((const void *)(block + 16 + 64 * h));
+            const __m512i lo = _mm512_and_si512(q, low);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+            const __m512i x0 = _mm512_loadu_si512((const void *)(a + 128 * h));
+            const __m512i x1 = _mm512_loadu_si512((const void *)(a + 128 * h + 64));
+            s = _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(lo, x0),
+                                                      spread(wide, at[2 * h])));
+            s = _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(hi, x1),
+                                                      spread(wide, at[2 * h + 1])));
+        }
+        const __m256i offsets = _mm256_permutexvar_epi16(load32(mins_at), words);
+        const __m256i m = _mm256_madd_epi16(offsets, load32(x->bsums + b * 16));
+        acc = k_add(s, m, half_to_float(block), -half_to_float(block + 2), x->d256[b], acc);
+    }
+    return k_result(acc);
+}
+
+// Q6_K: its low nibbles of 64 bytes are 64 consecutive values, so the activations go as they are.
+static inline float q6_k_wide(const act_rows *x, int64_t blocks, const uint8_t *w) {
+    static const int16_t at[4][32] = {
+        {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
+        {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
+        {8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9,
+         10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
+        {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13,
+         14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15}};
+    // qh's 2-bit fields: shifts 0 and 2 for values [0, 32) and [32, 64) of a half, 4 and 6
+    // for [64, 96) and [96, 128)
+    static const int16_t shifts[2][32] = {
+        {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2},
+        {4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6}};
+    const __m512i low = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3);
+    const __m512i shift_a = _mm512_loadu_si512((const void *)shifts[0]);
+    const __m512i shift_b = _mm512_loadu_si512((const void *)shifts[1]);
+    __m128 acc = _mm_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = w + b * 210;
+        prefetch_block(block, 210);
+        const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(block + 192)));
+        const __m512i wide = _mm512_castsi256_si512(scales);
+        const int8_t *a = x->q256 + b * 256;
+        __m512i s = _mm512_setzero_si512();
+        for (int h = 0; h < 2; h++) {  // values [128h, 128h + 128)
+            const __m512i ql = _mm512_loadu_si512((const void *)(block + 64 * h));
+            const __m512i qh = _mm512_broadcast_i64x4(load32(block + 128 + 32 * h));
+            const __m512i ha = _mm512_and_si512(_mm512_srlv_epi16(qh, shift_a), two);
+            const __m512i hb = _mm512_and_si512(_mm512_srlv_epi16(qh, shift_b), two);
+            const __m512i ua = _mm512_or_si512(_mm512_and_si512(ql, low), _mm512_slli_epi16(ha, 4));
+            const __m512i ub = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low),
+                                               _mm512_slli_epi16(hb, 4));
+            const __m512i x0 = _mm512_loadu_si512((const void *)(a + 128 * h));
+            const __m512i x1 = _mm512_loadu_si512((const void *)(a + 128 * h + 64));
+            s = _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(ua, x0),
+                                                      spread(wide, at[2 * h])));
+            s = _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(ub, x1),
+                                                      spread(wide, at[2 * h + 1])));
+        }
+        const __m256i m = _mm256_madd_epi16(scales, load32(x->bsums + b * 16));
+        const float d = half_to_float(block + 208);
+        acc = k_add(s, m, d, -32.0f * d, x->d256[b], acc);
+    }
+    return k_result(acc);
+}
+#endif
+
+// The one-row kernel each k-quant takes (`by_dot`: one row through k_dot, for the formats
+// without one of their own, and for Q4_K where its activations were not reordered).
+#if defined(__AVX512BW__)
+#define ONE_ROW_q4_k(x, blocks, w, by_dot) \
+    ((x)->q256_k4 ? q4_k_reordered(x, blocks, w) : by_dot(x, blocks, w))
+#define ONE_ROW_q6_k(x, blocks, w, by_dot) q6_k_wide(x, blocks, w)
+#else
+#define ONE_ROW_q4_k(x, blocks, w, by_dot) by_dot(x, blocks, w)
+#define ONE_ROW_q6_k(x, blocks, w, by_dot) by_dot(x, blocks, w)
+#endif
+#define ONE_ROW_q2_k(x, blocks, w, by_dot) by_dot(x, blocks, w)
+#define ONE_ROW_q3_k(x, blocks, w, by_dot) by_dot(x, blocks, w)
+#define ONE_ROW_q5_k(x, blocks, w, by_dot) by_dot(x, blocks, w)
+
 // The k-quants' kernel. Below KT_MIN_ROWS activation rows, or for a last tile of fewer than
 // KT_ROWS weight rows, each weight row goes alone (four activation rows sharing each
 // unpacked block); otherwise the blocks of KT_ROWS weight rows are laid side by side in a
@@ -943,10 +1076,15 @@ static inline float sum_chains(__m128 v) {
         }                                                                                          \
         for (int r = 0; r < mr; r++) y[r * stride] = k_result(acc[r]);                             \
     }                                                                                              \
+    static inline float NAME##_by_dot(const act_rows *x, int64_t blocks, const uint8_t *w) {     \
+        float y;                                                                                   \
+        NAME##_by_rows(1, x, 0, blocks, w, &y, 1);                                                 \
+        return y;                                                                                  \
+    }                                                                                              \
     static void NAME##_rowwise(const act_rows *x, int64_t rows, int64_t blocks,                    \
                                const uint8_t *w, float *y, int64_t stride) {                       \
-        if (rows == 1) { /* a decode, called straight: through the switch, 5% slower */          \
-            NAME##_by_rows(1, x, 0, blocks, w, y, stride);                                         \
+        if (rows == 1) { /* a decode: its own kernel, the same bits */                            \
+            y[0] = ONE_ROW_##NAME(x, blocks, w, NAME##_by_dot);                                    \
             return;                                                                                \
         }                                                                                          \
         for (int64_t m = 0; m < rows; m += 4)                                                      \

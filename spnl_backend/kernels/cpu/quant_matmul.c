@@ -339,9 +339,10 @@ int spnl_has_int8(void) {
 
 #ifdef INT8_PATH
 // Every row of x [rows][k_in] as int8 activations, in the blocks of 32 and/or of 256 that the
-// products ask for (false: out of memory).
+// products ask for, and (k4, one row only) the blocks of 256 also in Q4_K's order for its
+// one-row kernel (false: out of memory).
 static bool quantize_rows(const float *x, int64_t rows, int64_t k_in, bool b32, bool b256,
-                          int threads, act_rows *out) {
+                          bool k4, int threads, act_rows *out) {
     const size_t n = (size_t)rows * (size_t)k_in;
     *out = (act_rows){.k = k_in};
     if (b32) {
@@ -355,8 +356,10 @@ static bool quantize_rows(const float *x, int64_t rows, int64_t k_in, bool b32, 
         out->d256 = malloc(n / 256 * sizeof(float));
         out->bsums = malloc(n / 16 * sizeof(int16_t));
     }
+    if (k4 && b256 && rows == 1) out->q256_k4 = malloc(n);
     if ((b32 && (!out->q32 || !out->d32 || !out->s32 || !out->sums32))
-        || (b256 && (!out->q256 || !out->d256 || !out->bsums)))
+        || (b256 && (!out->q256 || !out->d256 || !out->bsums))
+        || (k4 && b256 && rows == 1 && !out->q256_k4))
         return false;
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t m = 0; m < rows; m++) {
@@ -368,12 +371,13 @@ static bool quantize_rows(const float *x, int64_t rows, int64_t k_in, bool b32, 
             quantize_row_256(xm, k_in, out->q256 + m * k_in, out->d256 + m * k_in / 256,
                              out->bsums + m * k_in / 16);
     }
+    if (out->q256_k4) k4_order(out->q256, k_in / 256, out->q256_k4);
     return true;
 }
 
 static void free_rows(act_rows *a) {
     free(a->q32); free(a->d32); free(a->s32); free(a->sums32);
-    free(a->q256); free(a->d256); free(a->bsums);
+    free(a->q256); free(a->d256); free(a->bsums); free(a->q256_k4);
 }
 #endif
 
@@ -392,7 +396,7 @@ int spnl_qmatmul(const spnl_products *p, const float *x, int64_t rows, int64_t k
     int64_t first[MAX_PRODUCTS + 1] = {0};
     if (count < 1 || count > MAX_PRODUCTS || rows < 1 || k_in < 1) return BAD_ARGUMENT;
     int fast = !exact;
-    bool b32 = false, b256 = false;
+    bool b32 = false, b256 = false, k4 = false;
     for (int i = 0; i < count; i++) {
         formats[i] = format_of(p->qtypes[i], k_in);
         if (!formats[i] || n_outs[i] < 0) return BAD_ARGUMENT;
@@ -401,12 +405,13 @@ int spnl_qmatmul(const spnl_products *p, const float *x, int64_t rows, int64_t k
         fast = fast && formats[i]->fast;
         b32 = b32 || formats[i]->block == 32;
         b256 = b256 || formats[i]->block == QK_K;
+        k4 = k4 || formats[i]->qtype == Q4_K;
         first[i + 1] = first[i] + n_outs[i];
     }
     if (first[count] > y_stride) return BAD_ARGUMENT;
 #ifdef INT8_PATH
     act_rows quantized = {0};
-    if (fast && !quantize_rows(x, rows, k_in, b32, b256, threads, &quantized)) {
+    if (fast && !quantize_rows(x, rows, k_in, b32, b256, k4, threads, &quantized)) {
         free_rows(&quantized);
         return NO_MEMORY;
     }
