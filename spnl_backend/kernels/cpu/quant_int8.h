@@ -948,6 +948,17 @@ static inline __m512i spread(__m512i words, const int16_t index[32]) {
     return _mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)index), words);
 }
 
+// s plus 128 values (u0 then u1, 64 each) times the activations at a, each pair of products
+// weighed by its sub-block's scale (spread by index0, index1).
+static inline __m512i scaled_128(__m512i s, __m512i u0, __m512i u1, const int8_t *a,
+                                 __m512i wide, const int16_t index0[32],
+                                 const int16_t index1[32]) {
+    const __m512i x0 = _mm512_loadu_si512((const void *)a);
+    const __m512i x1 = _mm512_loadu_si512((const void *)(a + 64));
+    s = _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(u0, x0), spread(wide, index0)));
+    return _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(u1, x1), spread(wide, index1)));
+}
+
 // A block's sums S (16 lanes) and M (8) into k_dot's two float sums, as k_dot adds them.
 static inline __m128 k_add(__m512i s, __m256i m, float d, float dmin, float ad, __m128 acc) {
     const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
@@ -978,12 +989,7 @@ static inline float q4_k_reordered(const act_rows *x, int64_t blocks, const uint
             const __m512i q = _mm512_loadu_si512((const void *)(block + 16 + 64 * h));
             const __m512i lo = _mm512_and_si512(q, low);
             const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
-            const __m512i x0 = _mm512_loadu_si512((const void *)(a + 128 * h));
-            const __m512i x1 = _mm512_loadu_si512((const void *)(a + 128 * h + 64));
-            s = _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(lo, x0),
-                                                      spread(wide, at[2 * h])));
-            s = _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(hi, x1),
-                                                      spread(wide, at[2 * h + 1])));
+            s = scaled_128(s, lo, hi, a + 128 * h, wide, at[2 * h], at[2 * h + 1]);
         }
         const __m256i offsets = _mm256_permutexvar_epi16(load32(mins_at), words);
         const __m256i m = _mm256_madd_epi16(offsets, load32(x->bsums + b * 16));
@@ -1025,12 +1031,7 @@ static inline float q6_k_wide(const act_rows *x, int64_t blocks, const uint8_t *
             const __m512i ua = _mm512_or_si512(_mm512_and_si512(ql, low), _mm512_slli_epi16(ha, 4));
             const __m512i ub = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low),
                                                _mm512_slli_epi16(hb, 4));
-            const __m512i x0 = _mm512_loadu_si512((const void *)(a + 128 * h));
-            const __m512i x1 = _mm512_loadu_si512((const void *)(a + 128 * h + 64));
-            s = _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(ua, x0),
-                                                      spread(wide, at[2 * h])));
-            s = _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(ub, x1),
-                                                      spread(wide, at[2 * h + 1])));
+            s = scaled_128(s, ua, ub, a + 128 * h, wide, at[2 * h], at[2 * h + 1]);
         }
         const __m256i m = _mm256_madd_epi16(scales, load32(x->bsums + b * 16));
         const float d = half_to_float(block + 208);
