@@ -10,12 +10,13 @@ measures, with the same thread count and greedy decoding:
 - decode tok/s: 128 tokens after the first, from the short prompt;
 - peak RSS of the process.
 
-Engines: ours (spnl-backend; and "spnl-backend, small pages", the same with its weights and KV
-pool on the allocator's 4 KB pages instead of huge pages), llama.cpp (llama-cpp-python) and mistral.rs (mistralrs), both
-run with the interpreter given by --peers-python since they usually live in their own venv,
-and transformers (float32, the GGUF dequantized). An engine that is not installed is
-reported as such. The children inherit the environment, so ``PYTHONPATH=CHECKOUT python
-bench/decode.py`` measures the spnl_backend of another checkout (a before/after pair).
+Engines: ours (spnl-backend; and "spnl-backend, small pages", the same with its weights and
+KV pool on the allocator's 4 KB pages instead of huge pages), llama.cpp (llama-cpp-python)
+and mistral.rs (mistralrs), both run with the interpreter given by --peers-python since they
+usually live in their own venv, and transformers (float32, the GGUF dequantized). An engine
+that is not installed is reported as such. The children inherit the environment, so
+``PYTHONPATH=CHECKOUT python bench/decode.py`` measures the spnl_backend of another checkout
+(a before/after pair).
 
 The table also gives the bound that memory bandwidth sets on decode: the weight bytes one
 token reads (every tensor once; the tied embedding once, as the output layer) over the read

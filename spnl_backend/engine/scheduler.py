@@ -32,9 +32,9 @@ class StepBudget:
         one, a prompt a chunk (0: none left for prompts)."""
         return 1 if remaining == 1 else min(remaining, self.tokens, self.prefill)
 
-    def take(self, count: int) -> None:
+    def take(self, count: int, remaining: int) -> None:
         self.tokens -= count
-        if count > 1:
+        if remaining > 1:  # a prompt's chunk
             self.prefill -= count
 
 
@@ -75,13 +75,14 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget.tokens > 0:
             seq = self.running[index]
-            count = budget.count(seq.num_tokens - seq.num_computed_tokens)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            count = budget.count(remaining)
             if seq.paused or count == 0:
                 index += 1
                 continue
             if self.cache.reserve(seq, seq.num_computed_tokens + count):
                 batch.append(ScheduledSeq(seq, count))
-                budget.take(count)
+                budget.take(count, remaining)
                 index += 1
             else:
                 victim = self._victim()  # possibly ``seq`` itself
@@ -95,7 +96,8 @@ class Scheduler:
             if seq is None:
                 return
             self.cache.admit(seq)
-            count = budget.count(seq.num_tokens - seq.num_computed_tokens)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            count = budget.count(remaining)
             if not self.cache.reserve(seq, seq.num_computed_tokens + count):
                 self.cache.release(seq)
                 seq.num_computed_tokens = 0
@@ -108,7 +110,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.append(ScheduledSeq(seq, count))
-            budget.take(count)
+            budget.take(count, remaining)
 
     def _victim(self) -> Sequence:
         """Whom to preempt for room: the newest paused sequence, else the newest one."""

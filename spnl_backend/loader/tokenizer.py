@@ -60,8 +60,8 @@ class VocabTokenizer:
     ) -> None:
         self.rust, self.chat_template = rust, chat_template
         self.special_tokens_map = specials
-        ids = {name: rust.token_to_id(token) for name, token in specials.items()}
-        self.eos_token_id = ids.get("eos_token")
+        eos = specials.get("eos_token")
+        self.eos_token_id = None if eos is None else rust.token_to_id(eos)
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
         return {"input_ids": self.rust.encode(text, add_special_tokens=add_special_tokens).ids}
