@@ -11,7 +11,12 @@ import spnl_backend.kernels.cpu as cpu
 import spnl_backend.kernels.matmuls as matmuls
 from spnl_backend.kernels.cpu import KernelArgumentError
 from spnl_backend.kernels.matmuls import CpuMatmuls, int8_activations_ref
-from spnl_backend.kernels.ops import rms_norm_ref, rotate_ref
+from spnl_backend.kernels.ops import (
+    add_rms_norm_ref,
+    qk_norm_rope_ref,
+    rms_norm_ref,
+    rotate_ref,
+)
 from spnl_backend.kernels.paged_ref import paged_attention_ref, to_cache
 from spnl_backend.kernels.thresholds import NATIVE_MAX_ROWS
 from spnl_backend.quant.linear import QuantizedWeight
@@ -124,6 +129,55 @@ def test_rope_is_bit_identical(kernels, rotary):
     expected = rotate_ref(x, cos, sin)
     rotated = kernels.rope_(x.clone(), cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous())
     assert torch.equal(rotated, expected)
+
+
+@pytest.mark.parametrize("post_norm", [False, True], ids=["plain", "normed-delta"])
+def test_add_rms_norm_is_the_unfused_kernels_bit_for_bit(kernels, post_norm):
+    x, delta = torch.randn(3, 640), torch.randn(3, 640) * 4
+    scale, delta_scale = torch.rand(640) + 0.5, torch.rand(640) + 0.5
+    delta_norm = (delta_scale, 1e-5) if post_norm else None
+    added = x + (kernels.rms_norm(delta, delta_scale, 1e-5) if post_norm else delta)
+    residual = x.clone()
+    out = kernels.add_rms_norm(residual, delta, delta_norm, scale, 1e-6)
+    assert torch.equal(residual, added)  # updated in place
+    assert torch.equal(out, kernels.rms_norm(added, scale, 1e-6))
+    twin_x, twin_out = add_rms_norm_ref(x, delta, delta_norm, scale, 1e-6)
+    torch.testing.assert_close(residual, twin_x)
+    torch.testing.assert_close(out, twin_out)
+
+
+@pytest.mark.parametrize("normed", [False, True], ids=["rope", "norm-rope"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_qk_norm_rope_on_a_qkv_row_is_the_unfused_kernels_bit_for_bit(kernels, normed, tokens):
+    heads, kv_heads, dim, rotary = 4, 2, 32, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    angles = torch.randn(tokens, 1, rotary // 2)
+    cos = torch.cat([angles.cos(), angles.cos()], -1)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1)
+    q_scale, k_scale = torch.rand(dim) + 0.5, torch.rand(dim) + 0.5
+    norms = (q_scale, k_scale, 1e-6) if normed else None
+    tables = cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous()
+    expected = []
+    for part, scale in ((q, q_scale), (k, k_scale)):
+        part = kernels.rms_norm(part, scale, 1e-6) if normed else part.contiguous()
+        expected.append(kernels.rope_(part.clone(), *tables))
+    v_before = qkv[:, (heads + kv_heads) * dim :].clone()
+    twin_q, twin_k = qk_norm_rope_ref(q.clone(), k.clone(), norms, cos, sin)
+    kernels.qk_norm_rope_(q, k, norms, *tables)
+    assert torch.equal(q, expected[0])
+    assert torch.equal(k, expected[1])
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)  # v untouched
+    torch.testing.assert_close(q, twin_q)
+    torch.testing.assert_close(k, twin_k)
+
+
+def test_qk_norm_rope_refuses_heads_that_are_not_consecutive(kernels):
+    q = torch.randn(2, 8, 4).transpose(1, 2)  # [2, 4 heads, 8 dims], heads interleaved
+    table = torch.ones(2, 8)
+    with pytest.raises(KernelArgumentError, match="heads consecutive"):
+        kernels.qk_norm_rope_(q, torch.randn(2, 1, 8), None, table, table)
 
 
 def test_store_kv_skips_padding(kernels):

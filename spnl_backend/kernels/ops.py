@@ -1,4 +1,5 @@
-"""Per-layer operations with a native CPU kernel: RMSNorm and RoPE.
+"""Per-layer operations with a native CPU kernel: RMSNorm and RoPE, alone or fused (the
+residual add with the norm after it; per-head q/k norms with the rotation).
 
 Each runs the compiled kernel ``native`` (where the layer was given one) for float32 CPU
 tensors and the torch reference (its twin) everywhere else.
@@ -10,7 +11,7 @@ from .cpu import CpuKernels
 
 
 def _native(x: torch.Tensor, native: CpuKernels | None) -> CpuKernels | None:
-    if native is not None and x.device.type == "cpu" and x.dtype == torch.float32:
+    if native is not None and x.is_cpu and x.dtype is torch.float32:
         return native
     return None
 
@@ -48,3 +49,68 @@ def rotate(
     if native is None:
         return rotate_ref(x, cos, sin)
     return native.rope_(x.contiguous(), cos.squeeze(1), sin.squeeze(1))
+
+
+# A norm given as (float32 scale, eps).
+Norm = tuple[torch.Tensor, float]
+
+
+def add_rms_norm_ref(
+    x: torch.Tensor, delta: torch.Tensor, delta_norm: Norm | None, scale: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + delta, rms_norm(x + delta))``, ``delta`` normed first where ``delta_norm``."""
+    if delta_norm is not None:
+        delta = rms_norm_ref(delta, *delta_norm)
+    x = x + delta
+    return x, rms_norm_ref(x, scale, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    delta_norm: Norm | None,
+    scale: torch.Tensor,
+    eps: float,
+    native: CpuKernels | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm_ref` in one native call, which updates ``x`` in place (use the result)."""
+    native = _native(x, native)
+    if native is None or delta.dtype is not torch.float32 or not x.is_contiguous():
+        return add_rms_norm_ref(x, delta, delta_norm, scale, eps)
+    return x, native.add_rms_norm(x, delta, delta_norm, scale, eps)
+
+
+def qk_norm_rope_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor, float] | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each head of ``q`` and ``k`` normed by ``norms = (q scale, k scale, eps)`` where
+    given, then both rotated (`rotate_ref`, tables ``[T, 1, rotary_dim]``)."""
+    if norms is not None:
+        q_scale, k_scale, eps = norms
+        q, k = rms_norm_ref(q, q_scale, eps), rms_norm_ref(k, k_scale, eps)
+    return rotate_ref(q, cos, sin), rotate_ref(k, cos, sin)
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor, float] | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    native: CpuKernels | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`qk_norm_rope_ref`, in place in one native call where ``q`` and ``k`` allow it (use
+    the result)."""
+    native = _native(q, native)
+    if native is None or k.dtype is not torch.float32 or not _heads_consecutive(q, k):
+        return qk_norm_rope_ref(q, k, norms, cos, sin)
+    native.qk_norm_rope_(q, k, norms, cos.squeeze(1), sin.squeeze(1))
+    return q, k
+
+
+def _heads_consecutive(*tensors: torch.Tensor) -> bool:
+    return all(t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in tensors)

@@ -51,11 +51,15 @@ class RMSNorm(nn.Module):
         self._scale: torch.Tensor | None = None  # (offset + w) in float32, made once
         self.native: CpuKernels | None = None  # set by the loader where they run
 
+    def float_norm(self, x: torch.Tensor) -> ops.Norm:
+        """``(scale, eps)`` of this norm for float32 ``x``, where both conventions agree."""
+        if self._scale is None or self._scale.device != x.device:
+            self._scale = (self.weight.float() + self.offset).contiguous()
+        return self._scale, self.eps
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # both conventions agree: fewer ops
-            if self._scale is None or self._scale.device != x.device:
-                self._scale = (self.weight.float() + self.offset).contiguous()
-            return ops.rms_norm(x, self._scale, self.eps, self.native)
+            return ops.rms_norm(x, *self.float_norm(x), self.native)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.in_float:
@@ -85,7 +89,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(x, self.gate_proj, self.up_proj)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act(gate).mul_(up))
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -122,9 +126,16 @@ class Attention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary.apply(q), rotary.apply(k)
+        if x.dtype != torch.float32:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = rotary.apply(q), rotary.apply(k)
+        else:  # one fused call on the CPU
+            norms = None
+            if self.qk_norm:
+                q_scale, eps = self.q_norm.float_norm(q)
+                norms = (q_scale, self.k_norm.float_norm(k)[0], eps)
+            q, k = rotary.apply_qk(q, k, norms)
         out = backend.attend(q, k, v, self.spec)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
@@ -148,11 +159,32 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = _norm(config, config.hidden_size)
 
     def forward(
-        self, x: torch.Tensor, rotary: RotaryTables, backend: AttentionBackend
-    ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), rotary, backend)
+        self,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        rotary: RotaryTables,
+        backend: AttentionBackend,
+        next_norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` the residual stream, ``h`` its normed copy (this layer's input norm) →
+        the new residual stream and its norm by ``next_norm`` (the next layer's input norm
+        or the final one). Each residual add and the norm after it are one step
+        (`add_norm`); ``x`` may be updated in place."""
+        attn = self.self_attn(h, rotary, backend)
         if not self.sandwich:
-            x = x + attn
-            return x + self.mlp(self.post_attention_layernorm(x))
-        x = x + self.post_attention_layernorm(attn)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            x, h = add_norm(x, attn, None, self.post_attention_layernorm)
+            return add_norm(x, self.mlp(h), None, next_norm)
+        x, h = add_norm(x, attn, self.post_attention_layernorm, self.pre_feedforward_layernorm)
+        return add_norm(x, self.mlp(h), self.post_feedforward_layernorm, next_norm)
+
+
+def add_norm(
+    x: torch.Tensor, delta: torch.Tensor, delta_norm: RMSNorm | None, norm: RMSNorm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x + delta_norm(delta)`` (or ``x + delta``) and its norm by ``norm``: one native
+    call on the CPU in float32, which updates ``x`` in place."""
+    if x.dtype != torch.float32 or delta.dtype != torch.float32:
+        x = x + (delta if delta_norm is None else delta_norm(delta))
+        return x, norm(x)
+    pre = None if delta_norm is None else delta_norm.float_norm(delta)
+    return ops.add_rms_norm(x, delta, pre, *norm.float_norm(x), norm.native)

@@ -137,6 +137,17 @@ class RotaryTables:
         self.rotary_dim = cos.shape[-1]
         self.native = native
 
+    def apply_qk(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries and keys normed per head by ``norms = (q scale, k scale, eps)`` where
+        given, then rotated, in one call where it runs natively (possibly in place; use
+        the result)."""
+        return ops.qk_norm_rope(q, k, norms, self.cos, self.sin, self.native)
+
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [T, heads, head_dim]`` (possibly in place; use the result); dims past
         ``rotary_dim`` pass through."""

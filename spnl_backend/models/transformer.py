@@ -48,9 +48,12 @@ class Backbone(nn.Module):
             x = x * torch.tensor(self.embedding_multiplier, dtype=x.dtype)
         rotary = self.rotary(positions, x.dtype)
         local = self.rotary_local(positions, x.dtype) if self.rotary_local else rotary
-        for i, layer in enumerate(self.layers):
-            x = layer(x, local if i in self.local_layers else rotary, backend)
-        return self.norm(x)
+        layers = self.layers
+        h = layers[0].input_layernorm(x) if len(layers) else self.norm(x)
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+            x, h = layer(x, h, local if i in self.local_layers else rotary, backend, next_norm)
+        return h
 
 
 class CausalLM(nn.Module):

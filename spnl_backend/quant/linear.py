@@ -58,7 +58,8 @@ class QuantLinear(nn.Module):
         self.prepared: dict = {}  # native calls this layer leads, by the weights they take
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return QuantLinear.apply_many(x, [self])[0]
+        flat = x.reshape(-1, self.in_features)
+        return _finish(self.matmuls(flat, [self.weight_q], self.prepared), self, x)
 
     @staticmethod
     def apply_many(x: torch.Tensor, layers: list["QuantLinear"]) -> list[torch.Tensor]:
@@ -66,7 +67,8 @@ class QuantLinear(nn.Module):
         flat = x.reshape(-1, layers[0].in_features)
         weights = [layer.weight_q for layer in layers]
         out = layers[0].matmuls(flat, weights, layers[0].prepared)
-        parts = out.split([layer.out_features for layer in layers], dim=-1)
+        # the tensor method itself: Tensor.split's Python wrapper costs more than the views
+        parts = out.split_with_sizes([layer.out_features for layer in layers], dim=-1)
         return [_finish(part, layer, x) for part, layer in zip(parts, layers, strict=True)]
 
     def extra_repr(self) -> str:

@@ -122,10 +122,30 @@ class _CodedDecode(ctypes.Structure):
     )
 
 
+class _QK(ctypes.Structure):
+    _fields_ = (
+        ("q", _P),
+        ("k", _P),
+        ("q_row", _I64),
+        ("k_row", _I64),
+        ("tokens", _I64),
+        ("heads", _I64),
+        ("kv_heads", _I64),
+        ("head_dim", _I64),
+        ("rotary_dim", _I64),
+        ("q_scale", _P),
+        ("k_scale", _P),
+        ("eps", _F32),
+        ("cos", _P),
+        ("sin", _P),
+    )
+
+
 _STRUCTS = {  # the C function that answers each struct's size
     "spnl_sizeof_products": _Products,
     "spnl_sizeof_paged_decode": _PagedDecode,
     "spnl_sizeof_coded_decode": _CodedDecode,
+    "spnl_sizeof_qk": _QK,
 }
 _SIGNATURES = {  # name: (argument types, result type)
     "spnl_has_int8": ([], _I32),
@@ -137,6 +157,8 @@ _SIGNATURES = {  # name: (argument types, result type)
     "spnl_gather_rows": ([_I32, _P, _I64, _P, _I64, _I64, _P], _I32),
     "spnl_rms_norm": ([_P, _P, _P, _I64, _I64, _F32], _I32),
     "spnl_rope": ([_P, _P, _P, _I64, _I64, _I64, _I64], _I32),
+    "spnl_add_rms_norm": ([_P, _P, _P, _F32, _P, _F32, _P, _I64, _I64], _I32),
+    "spnl_qk_norm_rope": ([ctypes.POINTER(_QK)], _I32),
     "spnl_store_kv": ([_P, _P, _P, _P, _P, _I64, _I64, _I64, _I32], _I32),
     "spnl_paged_decode": ([ctypes.POINTER(_PagedDecode)], _I32),
     "spnl_coded_decode": ([ctypes.POINTER(_CodedDecode)], _I32),
@@ -233,6 +255,103 @@ class CpuKernels:
             "rms_norm",
         )
         return out
+
+    def add_rms_norm(
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor,
+        delta_norm: tuple[torch.Tensor, float] | None,
+        scale: torch.Tensor,
+        eps: float,
+    ) -> torch.Tensor:
+        """``x += delta`` (``delta`` normed first by ``delta_norm = (scale, eps)`` where
+        given), in place, then the RMSNorm of the new ``x``; ``x`` must be contiguous."""
+        _require(x, torch.float32, "add_rms_norm: x")
+        dim = x.shape[-1] if x.dim() else 0
+        if dim == 0:
+            raise KernelArgumentError(f"add_rms_norm: x of shape {tuple(x.shape)} has no rows")
+        delta = delta.contiguous()
+        _require(delta, torch.float32, "add_rms_norm: delta", numel=x.numel())
+        _require(scale, torch.float32, "add_rms_norm: scale", numel=dim)
+        delta_scale, delta_eps = (None, 0.0) if delta_norm is None else delta_norm
+        if delta_scale is not None:
+            _require(delta_scale, torch.float32, "add_rms_norm: delta scale", numel=dim)
+        out = torch.empty_like(x)
+        _check(
+            self.library.spnl_add_rms_norm(
+                x.data_ptr(),
+                delta.data_ptr(),
+                None if delta_scale is None else delta_scale.data_ptr(),
+                delta_eps,
+                scale.data_ptr(),
+                eps,
+                out.data_ptr(),
+                x.numel() // dim,
+                dim,
+            ),
+            "add_rms_norm",
+        )
+        return out
+
+    def qk_norm_rope_(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        norms: tuple[torch.Tensor, torch.Tensor, float] | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> None:
+        """Norm each head of ``q [T, heads, dim]`` and ``k [T, kv_heads, dim]`` by ``norms =
+        (q scale, k scale, eps)`` where given, then rotate both, in place. Each token's
+        heads must be consecutive (rows may be parts of one wider row: a q/k/v product)."""
+        for t, name in ((q, "q"), (k, "k")):
+            if not (
+                t.dtype is torch.float32
+                and t.is_cpu
+                and t.dim() == 3
+                and t.stride(2) == 1
+                and t.stride(1) == t.shape[2]
+                and (t.shape[0] <= 1 or t.stride(0) >= t.shape[1] * t.shape[2])
+            ):
+                raise KernelArgumentError(
+                    f"qk_norm_rope: {name} of {t.dtype}, shape {tuple(t.shape)} and strides "
+                    f"{t.stride()} is not [tokens, heads, dim] float32 with each token's "
+                    "heads consecutive"
+                )
+        tokens, heads, dim = q.shape
+        if k.shape[0] != tokens or k.shape[2] != dim:
+            raise KernelArgumentError(
+                f"qk_norm_rope: q of shape {tuple(q.shape)} and k of shape {tuple(k.shape)}"
+            )
+        for table, name in ((cos, "cos"), (sin, "sin")):
+            _require(table, torch.float32, f"qk_norm_rope: {name}", dims=2)
+            if table.shape != cos.shape or table.shape[0] != tokens:
+                raise KernelArgumentError(
+                    f"qk_norm_rope: tables of shape {tuple(table.shape)} for {tokens} tokens"
+                )
+        q_scale = k_scale = None
+        eps = 0.0
+        if norms is not None:
+            q_scale, k_scale, eps = norms
+            for scale, name in ((q_scale, "q scale"), (k_scale, "k scale")):
+                _require(scale, torch.float32, f"qk_norm_rope: {name}", numel=dim)
+        args = _QK(
+            q=q.data_ptr(),
+            k=k.data_ptr(),
+            q_row=q.stride(0) if tokens > 1 else heads * dim,
+            k_row=k.stride(0) if tokens > 1 else k.shape[1] * dim,
+            tokens=tokens,
+            heads=heads,
+            kv_heads=k.shape[1],
+            head_dim=dim,
+            rotary_dim=cos.shape[-1],
+            q_scale=None if q_scale is None else q_scale.data_ptr(),
+            k_scale=None if k_scale is None else k_scale.data_ptr(),
+            eps=eps,
+            cos=cos.data_ptr(),
+            sin=sin.data_ptr(),
+        )
+        _check(self.library.spnl_qk_norm_rope(args), "qk_norm_rope")
 
     def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [T, heads, head_dim]`` (contiguous) in place by ``[T, rotary]`` tables."""

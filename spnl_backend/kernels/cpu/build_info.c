@@ -7,3 +7,4 @@ int spnl_full_checks(void) { return FULL_CHECKS; }
 int64_t spnl_sizeof_products(void) { return sizeof(spnl_products); }
 int64_t spnl_sizeof_paged_decode(void) { return sizeof(spnl_paged_decode_args); }
 int64_t spnl_sizeof_coded_decode(void) { return sizeof(spnl_coded_decode_args); }
+int64_t spnl_sizeof_qk(void) { return sizeof(spnl_qk_args); }

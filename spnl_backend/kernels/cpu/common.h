@@ -86,12 +86,24 @@ typedef struct {
     int k_bits, v_bits;
 } spnl_coded_decode_args;
 
+// One step's queries and keys to norm (per head, where a scale is given) and rotate in
+// place: q [tokens][q_row] with the heads first in each row, k [tokens][k_row] likewise;
+// tables [tokens][rotary_dim].
+typedef struct {
+    float *q, *k;
+    int64_t q_row, k_row, tokens, heads, kv_heads, head_dim, rotary_dim;
+    const float *q_scale, *k_scale;  // NULL: no norm
+    float eps;
+    const float *cos, *sin;
+} spnl_qk_args;
+
 // What the loader asks of this build (build_info.c, quant_matmul.c).
 int spnl_full_checks(void);
 int spnl_has_int8(void);
 int64_t spnl_sizeof_products(void);
 int64_t spnl_sizeof_paged_decode(void);
 int64_t spnl_sizeof_coded_decode(void);
+int64_t spnl_sizeof_qk(void);
 
 // quant_matmul.c
 int64_t spnl_row_bytes(int qtype, int64_t k_in);
@@ -107,6 +119,9 @@ int spnl_rms_norm(const float *x, const float *scale, float *out, int64_t rows, 
                   float eps);
 int spnl_rope(float *x, const float *cos, const float *sin, int64_t tokens, int64_t heads,
               int64_t head_dim, int64_t rotary_dim);
+int spnl_add_rms_norm(float *x, const float *delta, const float *delta_scale, float delta_eps,
+                      const float *scale, float eps, float *out, int64_t rows, int64_t dim);
+int spnl_qk_norm_rope(const spnl_qk_args *a);
 
 // paged_attention.c
 int spnl_store_kv(const float *k, const float *v, void *k_cache, void *v_cache,
