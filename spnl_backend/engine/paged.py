@@ -13,6 +13,7 @@ import torch
 from ..kernels import Kernels
 from ..kernels.metadata import PagedMetadata
 from ..kernels.paged_ref import fp8_scale
+from ..kernels.sets import NativeKeys, native_keys
 from ..log import get_logger
 from ..memory import host_tensor, kv_bytes_per_token
 from ..models.config import ModelConfig
@@ -81,6 +82,15 @@ class PagedStep:
             k_scale=k_scale,
             v_scale=v_scale,
         )
+
+    def native_keys(self) -> tuple[NativeKeys, list[tuple[torch.Tensor, torch.Tensor]]] | None:
+        """The step's keys and each layer's (key, value) pool for the native layer blocks,
+        where the CPU set runs this step's store and attention natively (else None)."""
+        cache = self.cache
+        if cache.is_fp8:
+            return None
+        keys = native_keys(self.kernels, self.meta, cache.layers[0][0])
+        return None if keys is None else (keys, cache.layers)
 
 
 class PagedKVStorage(Protocol):

@@ -24,6 +24,9 @@ class Kernels:
     store_kv: Callable[..., None]
     paged_attention: Callable[..., object]
     native: CpuKernels | None = None
+    # Every query of a float pool attends through ``native``'s decode kernel (the CPU set
+    # with batch invariance): what the native layer blocks rely on.
+    every_query_native: bool = False
 
 
 TORCH_KERNELS = Kernels("torch", store_kv_ref, paged_attention_ref)
@@ -85,6 +88,38 @@ def _cpu_paged_attention(
         k_scale=k_scale,
         v_scale=v_scale,
     )
+
+
+@dataclass(frozen=True)
+class NativeKeys:
+    """Where one step's keys go and which each query sees, for the native layer blocks:
+    the same slots, tables and lengths the CPU set's store and attention take."""
+
+    slot_mapping: torch.Tensor  # [tokens] int64
+    slots: torch.Tensor  # [queries, width] int64, rows contiguous
+    lens: torch.Tensor  # [queries] int64
+    num_slots: int
+
+
+def native_keys(kernels: Kernels, meta: PagedMetadata, pool: torch.Tensor) -> NativeKeys | None:
+    """The step's `NativeKeys` where the CPU set would store and attend natively for every
+    query of every layer (a float pool, every query through the decode kernel), else None.
+    ``pool`` is one layer's key cache (they all share its shape)."""
+    if not (
+        kernels.every_query_native
+        and pool.dtype in POOL_DTYPES
+        and pool.is_cpu
+        and meta.slot_mapping is not None
+    ):
+        return None
+    check_step_slots(meta, pool)
+    rows = meta.memo("decode_rows", lambda: decode_rows(meta))
+    lens = meta.memo("seq_lens_i64", lambda: torch.tensor(rows.seq_lens))
+    slots = rows.decode_slots
+    if slots.stride(1) != 1:
+        slots = slots.contiguous()
+    num_slots = pool.shape[0] * pool.shape[1]
+    return NativeKeys(meta.slot_mapping.to(torch.int64).contiguous(), slots, lens, num_slots)
 
 
 def contiguous_attention(
@@ -160,5 +195,6 @@ def cpu_kernel_set(native: CpuKernels, batch_invariant: bool = True) -> Kernels:
     With batch invariance every query attends through the native kernel as a decode of its
     own; without, queries longer than `CPU_DECODE_ROWS` take the torch twin."""
     store = partial(_cpu_store_kv, native)
-    attend = partial(_cpu_paged_attention, native, native_attention_queries(batch_invariant))
-    return Kernels("cpu", store, attend, native)
+    longest = native_attention_queries(batch_invariant)
+    attend = partial(_cpu_paged_attention, native, longest)
+    return Kernels("cpu", store, attend, native, every_query_native=longest is None)

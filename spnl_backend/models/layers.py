@@ -85,14 +85,14 @@ class GatedMLP(nn.Module):
         self.gate_proj = Linear(hidden, inner, bias=False)
         self.up_proj = Linear(hidden, inner, bias=False)
         self.down_proj = Linear(inner, hidden, bias=False)
-        self.act = F.silu if config.activation == "silu" else _gelu_tanh
+        self.act = F.silu if config.activation == "silu" else gelu_tanh
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(x, self.gate_proj, self.up_proj)
         return self.down_proj(self.act(gate).mul_(up))
 
 
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 

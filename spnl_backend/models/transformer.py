@@ -7,6 +7,7 @@ from ..kernels.cpu import CpuKernels
 from ..quant.linear import QuantEmbedding
 from .config import ModelConfig
 from .layers import AttentionBackend, DecoderLayer, Linear, RMSNorm
+from .native_blocks import LayerBlocks
 from .rope import RotaryEmbedding
 
 
@@ -39,6 +40,26 @@ class Backbone(nn.Module):
         self.local_layers = frozenset(
             i for i, kind in enumerate(config.layer_types) if kind == "sliding"
         )
+        # Whether steps may run on the native layer blocks where they can (False: always
+        # the per-op path, their twin); the blocks are built on first use.
+        self.use_layer_blocks = True
+        self._blocks: LayerBlocks | None = None
+
+    def _native_step(self, x: torch.Tensor, backend: AttentionBackend):
+        """The layer blocks, the step's keys and the pools, where this step runs on the
+        native layer blocks (`models.native_blocks`), else None."""
+        if not self.use_layer_blocks or x.dtype != torch.float32 or not x.is_cpu:
+            return None
+        native_keys = getattr(backend, "native_keys", None)
+        found = native_keys() if native_keys is not None else None
+        if found is None:
+            return None
+        if self._blocks is None:
+            self._blocks = LayerBlocks.build(list(self.layers), self.norm, self.local_layers)
+            if self._blocks is None:
+                self.use_layer_blocks = False
+                return None
+        return (self._blocks, *found)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
@@ -50,6 +71,10 @@ class Backbone(nn.Module):
         local = self.rotary_local(positions, x.dtype) if self.rotary_local else rotary
         layers = self.layers
         h = layers[0].input_layernorm(x) if len(layers) else self.norm(x)
+        native = self._native_step(x, backend)
+        if native is not None:
+            blocks, keys, pools = native
+            return blocks.run(x.contiguous(), h, (rotary, local), keys, pools)
         for i, layer in enumerate(layers):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
             x, h = layer(x, h, local if i in self.local_layers else rotary, backend, next_norm)

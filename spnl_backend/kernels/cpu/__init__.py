@@ -2,8 +2,10 @@
 
 One C file per kernel family, each kernel the twin of a torch reference elsewhere in the
 package: ``quant_matmul.c`` (the quantized matrix products, dequantization),
-``layer_ops.c`` (RMSNorm, RoPE), ``paged_attention.c`` (KV store, paged decode attention)
-and ``coded_decode.c`` (decode attention over compressed KV); ``common.h`` declares their
+``layer_ops.c`` (RMSNorm, RoPE, and each fused with its neighbour), ``paged_attention.c``
+(KV store, paged decode attention), ``coded_decode.c`` (decode attention over compressed
+KV) and ``layer_blocks.c`` (a decoder layer as two calls of the kernels above, whose twin
+is the per-op path of `models.layers`); ``common.h`` declares their
 entry points and argument structs, which the `ctypes.Structure` classes below mirror. They
 are compiled with the system's C compiler (``-O3 -march=native``, OpenMP where the compiler
 has it) into one library in a per-user cache keyed by the sources, compiler and flags, so
@@ -49,6 +51,7 @@ SOURCES = tuple(
         "layer_ops.c",
         "paged_attention.c",
         "coded_decode.c",
+        "layer_blocks.c",
         "build_info.c",
     )
 )
@@ -141,11 +144,68 @@ class _QK(ctypes.Structure):
     )
 
 
+class StepArgs(ctypes.Structure):
+    """What every layer of one step shares (``spnl_step_args``, layer_blocks.c)."""
+
+    _fields_ = (
+        ("tokens", _I64),
+        ("x", _P),
+        ("h", _P),
+        ("qkv", _P),
+        ("q", _P),
+        ("kv", _P),
+        ("attn", _P),
+        ("out", _P),
+        ("gate_up", _P),
+        ("act", _P),
+        ("slot_mapping", _P),
+        ("num_slots", _I64),
+        ("at", _Attention),
+        ("cos", _P * 2),
+        ("sin", _P * 2),
+        ("rotary_dim", _I64 * 2),
+        ("threads", _I32),
+        ("exact", _I32),
+    )
+
+
+class LayerArgs(ctypes.Structure):
+    """One layer's fixed part (``spnl_layer_args``, layer_blocks.c)."""
+
+    _fields_ = (
+        ("qkv", ctypes.POINTER(_Products)),
+        ("o", ctypes.POINTER(_Products)),
+        ("gate_up", ctypes.POINTER(_Products)),
+        ("down", ctypes.POINTER(_Products)),
+        ("hidden", _I64),
+        ("inner", _I64),
+        ("heads", _I64),
+        ("kv_heads", _I64),
+        ("head_dim", _I64),
+        ("q_norm", _P),
+        ("k_norm", _P),
+        ("attn_delta_norm", _P),
+        ("attn_out_norm", _P),
+        ("mlp_delta_norm", _P),
+        ("mlp_out_norm", _P),
+        ("eps", _F32),
+        ("k_cache", _P),
+        ("v_cache", _P),
+        ("half", _I32),
+        ("local", _I32),
+        ("scale", _F32),
+        ("softcap", _F32),
+        ("window", _I64),
+    )
+
+
 _STRUCTS = {  # the C function that answers each struct's size
     "spnl_sizeof_products": _Products,
     "spnl_sizeof_paged_decode": _PagedDecode,
     "spnl_sizeof_coded_decode": _CodedDecode,
     "spnl_sizeof_qk": _QK,
+    "spnl_sizeof_step": StepArgs,
+    "spnl_sizeof_layer": LayerArgs,
 }
 _SIGNATURES = {  # name: (argument types, result type)
     "spnl_has_int8": ([], _I32),
@@ -159,6 +219,8 @@ _SIGNATURES = {  # name: (argument types, result type)
     "spnl_rope": ([_P, _P, _P, _I64, _I64, _I64, _I64], _I32),
     "spnl_add_rms_norm": ([_P, _P, _P, _F32, _P, _F32, _P, _I64, _I64], _I32),
     "spnl_qk_norm_rope": ([ctypes.POINTER(_QK)], _I32),
+    "spnl_attention_block": ([ctypes.POINTER(StepArgs), ctypes.POINTER(LayerArgs)], _I32),
+    "spnl_mlp_block": ([ctypes.POINTER(StepArgs), ctypes.POINTER(LayerArgs)], _I32),
     "spnl_store_kv": ([_P, _P, _P, _P, _P, _I64, _I64, _I64, _I32], _I32),
     "spnl_paged_decode": ([ctypes.POINTER(_PagedDecode)], _I32),
     "spnl_coded_decode": ([ctypes.POINTER(_CodedDecode)], _I32),
@@ -352,6 +414,14 @@ class CpuKernels:
             sin=sin.data_ptr(),
         )
         _check(self.library.spnl_qk_norm_rope(args), "qk_norm_rope")
+
+    def attention_block(self, step: "StepArgs", layer: "LayerArgs") -> None:
+        """A layer's attention block (layer_blocks.c) over arguments the caller checked."""
+        _check(self.library.spnl_attention_block(step, layer), "attention_block")
+
+    def mlp_block(self, step: "StepArgs", layer: "LayerArgs") -> None:
+        """A layer's MLP block (layer_blocks.c) over arguments the caller checked."""
+        _check(self.library.spnl_mlp_block(step, layer), "mlp_block")
 
     def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [T, heads, head_dim]`` (contiguous) in place by ``[T, rotary]`` tables."""

@@ -97,6 +97,40 @@ typedef struct {
     const float *cos, *sin;
 } spnl_qk_args;
 
+// What every layer of one step shares (layer_blocks.c): the residual stream x and its
+// normed copy h [tokens][hidden] (updated), scratch rows, the activation the caller
+// writes between the blocks, where this step's keys go and which keys each query sees
+// (at: slots, lens and seqs, one per query; the rest is set per layer), the rotary
+// tables (0: global, 1: local layers).
+typedef struct {
+    int64_t tokens;
+    float *x, *h;
+    float *qkv, *q, *kv, *attn, *out, *gate_up;  // scratch
+    const float *act;                             // [tokens][inner]
+    const int64_t *slot_mapping;
+    int64_t num_slots;
+    spnl_attention at;
+    const float *cos[2], *sin[2];
+    int64_t rotary_dim[2];
+    int threads, exact;
+} spnl_step_args;
+
+// One layer's fixed part: its products, norms (scales, one eps; NULL: none), cache and
+// attention settings. attn_delta_norm/mlp_delta_norm norm a sublayer's output before the
+// residual add (Gemma's post-norms); attn_out_norm/mlp_out_norm norm the sum (the MLP's
+// input norm, and the next layer's input norm or the final one).
+typedef struct {
+    const spnl_products *qkv, *o, *gate_up, *down;
+    int64_t hidden, inner, heads, kv_heads, head_dim;
+    const float *q_norm, *k_norm;
+    const float *attn_delta_norm, *attn_out_norm, *mlp_delta_norm, *mlp_out_norm;
+    float eps;
+    void *k_cache, *v_cache;
+    int half, local;
+    float scale, softcap;
+    int64_t window;
+} spnl_layer_args;
+
 // What the loader asks of this build (build_info.c, quant_matmul.c).
 int spnl_full_checks(void);
 int spnl_has_int8(void);
@@ -104,6 +138,8 @@ int64_t spnl_sizeof_products(void);
 int64_t spnl_sizeof_paged_decode(void);
 int64_t spnl_sizeof_coded_decode(void);
 int64_t spnl_sizeof_qk(void);
+int64_t spnl_sizeof_step(void);
+int64_t spnl_sizeof_layer(void);
 
 // quant_matmul.c
 int64_t spnl_row_bytes(int qtype, int64_t k_in);
@@ -130,6 +166,10 @@ int spnl_paged_decode(const spnl_paged_decode_args *a);
 
 // coded_decode.c
 int spnl_coded_decode(const spnl_coded_decode_args *a);
+
+// layer_blocks.c
+int spnl_attention_block(const spnl_step_args *s, const spnl_layer_args *l);
+int spnl_mlp_block(const spnl_step_args *s, const spnl_layer_args *l);
 
 // ---- shared by the attention kernels ---------------------------------------------------------
 

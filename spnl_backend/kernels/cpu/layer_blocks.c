@@ -1,0 +1,72 @@
+// A decoder layer as two calls (twin: DecoderLayer.forward in spnl_backend/models/layers.py,
+// the per-op path): the attention block, from the normed residual to the gate/up product,
+// and the MLP block, from the activated product to the next layer's normed input. Between
+// them the caller applies the activation (torch's, so both paths round it alike). Each
+// step is the very kernel the per-op path calls, in the same order on the same values, so
+// the two paths give the same bits; this one just leaves Python out of the layer.
+
+#include "common.h"
+
+static int add_norm(const spnl_step_args *s, const spnl_layer_args *l, const float *delta,
+                    const float *delta_scale, const float *scale) {
+    return spnl_add_rms_norm(s->x, delta, delta_scale, l->eps, scale, l->eps, s->h, s->tokens,
+                             l->hidden);
+}
+
+// h (the input norm's output) -> attention -> x += ..., h = the MLP's input norm ->
+// gate_up = the gate and up products of h.
+int spnl_attention_block(const spnl_step_args *s, const spnl_layer_args *l) {
+    const int64_t tokens = s->tokens, q_size = l->heads * l->head_dim;
+    const int64_t kv_size = l->kv_heads * l->head_dim, width = q_size + 2 * kv_size;
+    if (tokens < 1 || l->hidden < 1 || l->inner < 1 || l->heads < 1 || l->kv_heads < 1 ||
+        l->head_dim < 1 || l->local < 0 || l->local > 1)
+        return BAD_ARGUMENT;
+    int status = spnl_qmatmul(l->qkv, s->h, tokens, l->hidden, s->qkv, width, s->threads,
+                              s->exact);
+    if (status) return status;
+    const spnl_qk_args qk = {
+        .q = s->qkv, .k = s->qkv + q_size, .q_row = width, .k_row = width, .tokens = tokens,
+        .heads = l->heads, .kv_heads = l->kv_heads, .head_dim = l->head_dim,
+        .rotary_dim = s->rotary_dim[l->local], .q_scale = l->q_norm, .k_scale = l->k_norm,
+        .eps = l->eps, .cos = s->cos[l->local], .sin = s->sin[l->local],
+    };
+    if ((status = spnl_qk_norm_rope(&qk))) return status;
+    // q, k and v each made contiguous, as the per-op path's views are before their kernels
+    float *q = s->q, *k = s->kv, *v = s->kv + tokens * kv_size;
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *row = s->qkv + t * width;
+        memcpy(q + t * q_size, row, q_size * sizeof(float));
+        memcpy(k + t * kv_size, row + q_size, kv_size * sizeof(float));
+        memcpy(v + t * kv_size, row + q_size + kv_size, kv_size * sizeof(float));
+    }
+    status = spnl_store_kv(k, v, l->k_cache, l->v_cache, s->slot_mapping, tokens, kv_size,
+                           s->num_slots, l->half);
+    if (status) return status;
+    spnl_paged_decode_args attention = {
+        .at = s->at, .q = q, .k_cache = l->k_cache, .v_cache = l->v_cache, .half = l->half};
+    attention.at.heads = l->heads;
+    attention.at.kv_heads = l->kv_heads;
+    attention.at.dim = l->head_dim;
+    attention.at.num_slots = s->num_slots;
+    attention.at.scale = l->scale;
+    attention.at.softcap = l->softcap;
+    attention.at.window = l->window;
+    attention.at.out = s->attn;
+    attention.at.threads = s->threads;
+    if ((status = spnl_paged_decode(&attention))) return status;
+    status = spnl_qmatmul(l->o, s->attn, tokens, q_size, s->out, l->hidden, s->threads,
+                          s->exact);
+    if (status) return status;
+    if ((status = add_norm(s, l, s->out, l->attn_delta_norm, l->attn_out_norm))) return status;
+    return spnl_qmatmul(l->gate_up, s->h, tokens, l->hidden, s->gate_up, 2 * l->inner,
+                        s->threads, s->exact);
+}
+
+// act (the activated gate times up) -> the down product -> x += ..., h = the next norm.
+int spnl_mlp_block(const spnl_step_args *s, const spnl_layer_args *l) {
+    if (s->tokens < 1 || l->hidden < 1 || l->inner < 1) return BAD_ARGUMENT;
+    const int status = spnl_qmatmul(l->down, s->act, s->tokens, l->inner, s->out, l->hidden,
+                                    s->threads, s->exact);
+    if (status) return status;
+    return add_norm(s, l, s->out, l->mlp_delta_norm, l->mlp_out_norm);
+}

@@ -1,0 +1,279 @@
+"""A decoder's layers as two native calls each on the CPU: the attention block and the MLP
+block of ``layer_blocks.c``, with the activation applied by torch between them.
+
+The per-op path (`DecoderLayer.forward`) is the twin: each block runs the very kernels
+that path calls, in the same order on the same values, so the two give the same bits (a
+test checks it); this path only leaves Python out of the layer, a tenth of a decode
+token at 1B sizes. It runs where every product, store and attention of the step would be
+native anyway: float32 activations on the CPU, quantized projections without bias on the
+per-row products (batch invariance), and a float paged pool whose every query attends
+through the decode kernel (`AttentionBackend.native_keys`). Anything else takes the
+per-op path.
+"""
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.cpu import POOL_DTYPES, CpuKernels, KernelArgumentError, LayerArgs, StepArgs
+from ..kernels.matmuls import CpuMatmuls
+from ..kernels.sets import NativeKeys
+from ..quant.linear import QuantLinear
+from .layers import DecoderLayer, RMSNorm, gelu_tanh
+from .rope import RotaryTables
+
+ACTIVATIONS = (F.silu, gelu_tanh)
+
+
+class LayerBlocks:
+    """The native layer blocks of one backbone: each layer's fixed arguments, built once."""
+
+    def __init__(
+        self,
+        native: CpuKernels,
+        layers: list[DecoderLayer],
+        final_norm: RMSNorm,
+        local_layers: frozenset[int],
+    ) -> None:
+        first = layers[0]
+        attn = first.self_attn
+        self.native = native
+        self.hidden = attn.q_proj.in_features
+        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.inner = first.mlp.gate_proj.out_features
+        self.keep: list = []  # what the structs point into
+        self.layers = [
+            (self._layer_args(layer, nxt, i in local_layers), layer.mlp.act)
+            for i, (layer, nxt) in enumerate(
+                zip(layers, [*(lay.input_layernorm for lay in layers[1:]), final_norm], strict=True)
+            )
+        ]
+        self.pool_ptr: tuple | None = None  # the first pool's address, dtype and shape
+
+    @classmethod
+    def build(
+        cls, layers: list[DecoderLayer], final_norm: RMSNorm, local_layers: frozenset[int]
+    ) -> "LayerBlocks | None":
+        """The blocks of ``layers``, or None where a layer is not one they run."""
+        native = _native_of(layers, final_norm)
+        if native is None:
+            return None
+        return cls(native, layers, final_norm, local_layers)
+
+    def _layer_args(self, layer: DecoderLayer, next_norm: RMSNorm, local: bool) -> LayerArgs:
+        attn, mlp = layer.self_attn, layer.mlp
+        products = [
+            self._products([attn.q_proj, attn.k_proj, attn.v_proj]),
+            self._products([attn.o_proj]),
+            self._products([mlp.gate_proj, mlp.up_proj]),
+            self._products([mlp.down_proj]),
+        ]
+        if layer.sandwich:
+            norms = (
+                layer.post_attention_layernorm,
+                layer.pre_feedforward_layernorm,
+                layer.post_feedforward_layernorm,
+                next_norm,
+            )
+        else:
+            norms = (None, layer.post_attention_layernorm, None, next_norm)
+        qk = (attn.q_norm, attn.k_norm) if attn.qk_norm else (None, None)
+        spec = attn.spec
+        return LayerArgs(
+            *(ctypes.pointer(p.args) for p in products),
+            hidden=self.hidden,
+            inner=self.inner,
+            heads=self.heads,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            q_norm=self._scale(qk[0]),
+            k_norm=self._scale(qk[1]),
+            attn_delta_norm=self._scale(norms[0]),
+            attn_out_norm=self._scale(norms[1]),
+            mlp_delta_norm=self._scale(norms[2]),
+            mlp_out_norm=self._scale(norms[3]),
+            eps=layer.input_layernorm.eps,
+            local=int(local),
+            scale=spec.scale,
+            softcap=spec.softcap or 0.0,
+            window=spec.sliding_window or 0,
+        )
+
+    def _products(self, linears: list[QuantLinear]):
+        k_in = linears[0].in_features
+        weights = [
+            (lin.weight_q.qtype.value, lin.weight_q.data, lin.out_features) for lin in linears
+        ]
+        for qtype, data, _ in weights:
+            self.native.check_row_bytes(qtype, k_in, data.shape[1], "layer block")
+        products = self.native.products(weights)
+        self.keep.append(products)
+        return products
+
+    def _scale(self, norm: RMSNorm | None) -> int | None:
+        if norm is None:
+            return None
+        scale, _ = norm.float_norm(torch.empty(0))
+        self.keep.append(scale)
+        return scale.data_ptr()
+
+    def run(
+        self,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        tables: tuple[RotaryTables, RotaryTables],
+        keys: NativeKeys,
+        pools: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Every layer over ``x`` (the residual stream, updated in place) and ``h`` (its norm
+        by the first layer's input norm) → the final norm's output."""
+        tokens = x.shape[0]
+        self._check_step(x, h, tables, keys)
+        self._set_pools(pools)
+        empty = lambda *shape: torch.empty(shape, dtype=torch.float32)  # noqa: E731
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        buffers = {
+            "qkv": empty(tokens, q_size + 2 * kv_size),
+            "q": empty(tokens, q_size),
+            "kv": empty(2, tokens, kv_size),
+            "attn": empty(tokens, q_size),
+            "out": empty(tokens, self.hidden),
+            "gate_up": empty(tokens, 2 * self.inner),
+            "act": empty(tokens, self.inner),
+        }
+        step = StepArgs(
+            tokens=tokens,
+            x=x.data_ptr(),
+            h=h.data_ptr(),
+            **{name: t.data_ptr() for name, t in buffers.items()},
+            slot_mapping=keys.slot_mapping.data_ptr(),
+            num_slots=keys.num_slots,
+            threads=torch.get_num_threads(),
+            exact=int(self.native.exact),
+        )
+        at = step.at
+        at.slots, at.slot_stride, at.slot_width = (
+            keys.slots.data_ptr(),
+            keys.slots.stride(0),
+            keys.slots.shape[1],
+        )
+        at.lens, at.seqs = keys.lens.data_ptr(), tokens
+        for i, table in enumerate(tables):
+            step.cos[i], step.sin[i] = table.cos.data_ptr(), table.sin.data_ptr()
+            step.rotary_dim[i] = table.cos.shape[-1]
+        gate_up, act = buffers["gate_up"], buffers["act"]
+        gate, up = gate_up[:, : self.inner], gate_up[:, self.inner :]
+        native = self.native
+        for args, activation in self.layers:
+            native.attention_block(step, args)
+            torch.mul(activation(gate), up, out=act)
+            native.mlp_block(step, args)
+        return h
+
+    def _check_step(self, x, h, tables, keys: NativeKeys) -> None:
+        tokens = x.shape[0]
+        for tensor, name in ((x, "x"), (h, "h")):
+            if not (
+                tensor.dtype is torch.float32
+                and tensor.is_cpu
+                and tensor.is_contiguous()
+                and tensor.shape == (tokens, self.hidden)
+            ):
+                raise KernelArgumentError(
+                    f"layer blocks: {name} of {tensor.dtype} {tuple(tensor.shape)}"
+                )
+        for table in tables:
+            for t in (table.cos, table.sin):
+                if not (
+                    t.dtype is torch.float32
+                    and t.is_contiguous()
+                    and t.shape[0] == tokens
+                    and t.shape[-1] <= self.head_dim
+                ):
+                    raise KernelArgumentError(f"layer blocks: rotary table {tuple(t.shape)}")
+        slots, lens = keys.slots, keys.lens
+        if not (
+            slots.dtype is torch.int64
+            and slots.dim() == 2
+            and slots.stride(1) == 1
+            and slots.shape[0] == tokens
+            and lens.dtype is torch.int64
+            and lens.is_contiguous()
+            and lens.numel() == tokens
+            and keys.slot_mapping.numel() == tokens
+        ):
+            raise KernelArgumentError("layer blocks: the step's key tables do not match its tokens")
+
+    def _set_pools(self, pools: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Each layer's pool pair, set again only when the pool is another."""
+        first = (pools[0][0].data_ptr(), pools[0][0].dtype, tuple(pools[0][0].shape))
+        if first == self.pool_ptr:
+            return
+        if len(pools) != len(self.layers):
+            raise KernelArgumentError(
+                f"layer blocks: {len(pools)} pools for {len(self.layers)} layers"
+            )
+        for (args, _), (key, value) in zip(self.layers, pools, strict=True):
+            for pool in (key, value):
+                if not (
+                    pool.dtype in POOL_DTYPES
+                    and pool.dtype is key.dtype
+                    and pool.is_cpu
+                    and pool.is_contiguous()
+                    and pool.dim() == 4
+                    and pool.shape[2:] == (self.kv_heads, self.head_dim)
+                    and pool.shape == key.shape
+                ):
+                    raise KernelArgumentError(
+                        f"layer blocks: a pool of {pool.dtype} {tuple(pool.shape)}"
+                    )
+            args.k_cache, args.v_cache = key.data_ptr(), value.data_ptr()
+            args.half = int(key.dtype is torch.float16)
+        self.pool_ptr = first
+
+
+def _native_of(layers: list[DecoderLayer], final_norm: RMSNorm) -> CpuKernels | None:
+    """The CPU kernels every projection of ``layers`` runs on, per row, where every layer
+    is one the blocks run (same shapes, no biases, a known activation, one eps)."""
+    natives, shapes, eps = set(), set(), {final_norm.eps}
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = [
+            attn.q_proj,
+            attn.k_proj,
+            attn.v_proj,
+            attn.o_proj,
+            mlp.gate_proj,
+            mlp.up_proj,
+            mlp.down_proj,
+        ]
+        for linear in linears:
+            if not (
+                isinstance(linear, QuantLinear)
+                and linear.bias is None
+                and isinstance(linear.matmuls, CpuMatmuls)
+                and linear.matmuls.max_rows is None
+            ):
+                return None
+            natives.add(linear.matmuls.native)
+        if mlp.act not in ACTIVATIONS:
+            return None
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if layer.sandwich:
+            norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
+        if attn.qk_norm:
+            norms += [attn.q_norm, attn.k_norm]
+        eps.update(norm.eps for norm in norms)
+        shapes.add(
+            (
+                attn.num_heads,
+                attn.num_kv_heads,
+                attn.head_dim,
+                attn.q_proj.in_features,
+                mlp.gate_proj.out_features,
+            )
+        )
+    if len(natives) != 1 or len(shapes) != 1 or len(eps) != 1:
+        return None
+    return natives.pop()

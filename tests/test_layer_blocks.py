@@ -1,0 +1,73 @@
+"""The native layer blocks (`models.native_blocks`) against their twin, the per-op path:
+the same bits for every architecture they run, prefill and decode, both float pools; the
+per-op path wherever a step or a model is not theirs."""
+
+import pytest
+import torch
+from helpers import SHARED_PREFIX_PROMPTS, engine_logits
+from tiny_models import ARCHITECTURES
+
+from spnl_backend import BackendSettings, load_backend
+from spnl_backend.models import native_blocks
+
+# qwen2's projections carry biases: the blocks leave it to the per-op path.
+NOT_RUN = {"qwen2"}
+
+
+@pytest.fixture
+def block_runs(monkeypatch):
+    """How many steps the blocks ran."""
+    runs = [0]
+    run = native_blocks.LayerBlocks.run
+
+    def counted(self, *args):
+        runs[0] += 1
+        return run(self, *args)
+
+    monkeypatch.setattr(native_blocks.LayerBlocks, "run", counted)
+    return runs
+
+
+def _load(tiny, arch, cache_type):
+    settings = BackendSettings(device="cpu", isq="Q8_0", paged_cache_type=cache_type)
+    return load_backend(str(tiny.hf(arch).path), settings=settings)
+
+
+def _generate(backend, blocks: bool):
+    backend.model.model.use_layer_blocks = blocks
+    ids = backend.tokenizer.encode(SHARED_PREFIX_PROMPTS[0])
+    logits = engine_logits(backend, ids)
+    results = backend.generate(SHARED_PREFIX_PROMPTS, max_tokens=12, temperature=0)
+    return logits, [r.text for r in results]
+
+
+@pytest.mark.parametrize("cache_type", ["f16", "f32"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_the_blocks_give_the_per_op_paths_bits(tiny, arch, cache_type, block_runs):
+    with _load(tiny, arch, cache_type) as per_op, _load(tiny, arch, cache_type) as blocks:
+        expected_logits, expected_texts = _generate(per_op, blocks=False)
+        assert block_runs[0] == 0
+        logits, texts = _generate(blocks, blocks=True)
+    if arch in NOT_RUN:
+        assert block_runs[0] == 0
+    else:
+        assert block_runs[0] > 0
+    assert torch.equal(logits, expected_logits)
+    assert texts == expected_texts
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"paged_attn": False},  # the contiguous cache
+        {"batch_invariant": False},  # many rows take torch's GEMM
+        {"paged_cache_type": "f8e4m3"},  # a pool the native kernels do not read
+        {"cpu_kernels": "torch"},  # no native kernels at all
+    ],
+    ids=lambda setting: "-".join(f"{k}={v}" for k, v in setting.items()),
+)
+def test_a_step_that_is_not_theirs_takes_the_per_op_path(tiny, block_runs, setting):
+    settings = BackendSettings(device="cpu", isq="Q8_0", **setting)
+    with load_backend(str(tiny.hf("llama").path), settings=settings) as backend:
+        backend.generate("The capital of France is", max_tokens=4, temperature=0)
+    assert block_runs[0] == 0
