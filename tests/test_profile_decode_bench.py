@@ -43,6 +43,10 @@ def test_table_puts_the_untimed_rest_under_python():
     assert "| Python, torch ops, sampling | | 6.00 | 30% | |" in text
     assert "| one decode token | | 20.00 | 100% | |" in text
     assert "50.0 tok/s" in text
+    assert "native layer blocks" not in text  # not measured: not claimed
+    text = profile_decode.table({**result, "blocks_ms_per_token": 15.0})
+    assert "with the native layer blocks" in text
+    assert "a token took 15.00 ms" in text
 
 
 def test_prefill_table_shares_the_prefill_and_rates_the_products():
