@@ -4,10 +4,11 @@ per-op path wherever a step or a model is not theirs."""
 
 import pytest
 import torch
-from helpers import SHARED_PREFIX_PROMPTS, engine_logits
+from helpers import SHARED_PREFIX_PROMPTS, engine_internals, engine_logits
 from tiny_models import ARCHITECTURES
 
 from spnl_backend import BackendSettings, load_backend
+from spnl_backend.kernels.cpu import KernelArgumentError
 from spnl_backend.models import native_blocks
 
 # qwen2's projections carry biases: the blocks leave it to the per-op path.
@@ -71,3 +72,19 @@ def test_a_step_that_is_not_theirs_takes_the_per_op_path(tiny, block_runs, setti
     with load_backend(str(tiny.hf("llama").path), settings=settings) as backend:
         backend.generate("The capital of France is", max_tokens=4, temperature=0)
     assert block_runs[0] == 0
+
+
+def test_pools_refused_by_the_blocks_leave_every_layer_on_the_pools_it_had(tiny):
+    settings = BackendSettings(device="cpu", isq="Q8_0")
+    with load_backend(str(tiny.hf("llama").path), settings=settings) as backend:
+        before = backend.generate("The capital of France is", max_tokens=8, temperature=0)
+        blocks = backend.model.model._blocks
+        pools = engine_internals(backend).cache.cache.layers
+        num_slots = pools[0][0].shape[0] * pools[0][0].shape[1]
+        bad = [tuple(t.clone() for t in pair) for pair in pools]
+        bad[1] = tuple(t.to(torch.bfloat16) for t in bad[1])  # refused, after layer 0
+        with pytest.raises(KernelArgumentError, match=r"a pool of torch\.bfloat16"):
+            blocks._set_pools(bad, num_slots)
+        del bad
+        after = backend.generate("The capital of France is", max_tokens=8, temperature=0)
+    assert after.text == before.text

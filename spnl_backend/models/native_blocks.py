@@ -49,7 +49,7 @@ class LayerBlocks:
                 zip(layers, [*(lay.input_layernorm for lay in layers[1:]), final_norm], strict=True)
             )
         ]
-        self.pool_ptr: tuple | None = None  # the first pool's address, dtype and shape
+        self.pools_key: tuple | None = None  # every pool's address, their dtype and shape
 
     @classmethod
     def build(
@@ -130,7 +130,7 @@ class LayerBlocks:
         by the first layer's input norm) → the final norm's output."""
         tokens = x.shape[0]
         self._check_step(x, h, tables, keys)
-        self._set_pools(pools)
+        self._set_pools(pools, keys.num_slots)
         empty = lambda *shape: torch.empty(shape, dtype=torch.float32)  # noqa: E731
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         buffers = {
@@ -188,6 +188,7 @@ class LayerBlocks:
                 if not (
                     t.dtype is torch.float32
                     and t.is_contiguous()
+                    and t.shape == table.cos.shape
                     and t.shape[0] == tokens
                     and t.shape[-1] <= self.head_dim
                 ):
@@ -201,36 +202,42 @@ class LayerBlocks:
             and lens.dtype is torch.int64
             and lens.is_contiguous()
             and lens.numel() == tokens
+            and keys.slot_mapping.dtype is torch.int64
+            and keys.slot_mapping.is_contiguous()
             and keys.slot_mapping.numel() == tokens
         ):
             raise KernelArgumentError("layer blocks: the step's key tables do not match its tokens")
 
-    def _set_pools(self, pools: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Each layer's pool pair, set again only when the pool is another."""
-        first = (pools[0][0].data_ptr(), pools[0][0].dtype, tuple(pools[0][0].shape))
-        if first == self.pool_ptr:
-            return
+    def _set_pools(self, pools: list[tuple[torch.Tensor, torch.Tensor]], num_slots: int) -> None:
+        """Each layer's pool pair, set again only when the pools are others; every pool is
+        checked before any layer's pointers change."""
         if len(pools) != len(self.layers):
             raise KernelArgumentError(
                 f"layer blocks: {len(pools)} pools for {len(self.layers)} layers"
             )
-        for (args, _), (key, value) in zip(self.layers, pools, strict=True):
-            for pool in (key, value):
-                if not (
-                    pool.dtype in POOL_DTYPES
-                    and pool.dtype is key.dtype
-                    and pool.is_cpu
-                    and pool.is_contiguous()
-                    and pool.dim() == 4
-                    and pool.shape[2:] == (self.kv_heads, self.head_dim)
-                    and pool.shape == key.shape
-                ):
-                    raise KernelArgumentError(
-                        f"layer blocks: a pool of {pool.dtype} {tuple(pool.shape)}"
-                    )
-            args.k_cache, args.v_cache = key.data_ptr(), value.data_ptr()
-            args.half = int(key.dtype is torch.float16)
-        self.pool_ptr = first
+        first = pools[0][0]
+        if num_slots != first.shape[0] * first.shape[1]:
+            raise KernelArgumentError(f"layer blocks: {num_slots} slots in a pool {first.shape}")
+        key = tuple((k.data_ptr(), v.data_ptr()) for k, v in pools), first.dtype, first.shape
+        if key == self.pools_key:
+            return
+        for pool in (t for pair in pools for t in pair):
+            if not (
+                pool.dtype in POOL_DTYPES
+                and pool.dtype is first.dtype
+                and pool.is_cpu
+                and pool.is_contiguous()
+                and pool.dim() == 4
+                and pool.shape[2:] == (self.kv_heads, self.head_dim)
+                and pool.shape == first.shape
+            ):
+                raise KernelArgumentError(
+                    f"layer blocks: a pool of {pool.dtype} {tuple(pool.shape)}"
+                )
+        for (args, _), (k_cache, v_cache) in zip(self.layers, pools, strict=True):
+            args.k_cache, args.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+            args.half = int(first.dtype is torch.float16)
+        self.pools_key = key
 
 
 def _native_of(layers: list[DecoderLayer], final_norm: RMSNorm) -> CpuKernels | None:
@@ -265,15 +272,13 @@ def _native_of(layers: list[DecoderLayer], final_norm: RMSNorm) -> CpuKernels | 
         if attn.qk_norm:
             norms += [attn.q_norm, attn.k_norm]
         eps.update(norm.eps for norm in norms)
-        shapes.add(
-            (
-                attn.num_heads,
-                attn.num_kv_heads,
-                attn.head_dim,
-                attn.q_proj.in_features,
-                mlp.gate_proj.out_features,
-            )
-        )
+        hidden, inner = attn.q_proj.in_features, mlp.gate_proj.out_features
+        q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        expected = [(hidden, q_size), (hidden, kv_size), (hidden, kv_size), (q_size, hidden)]
+        expected += [(hidden, inner), (hidden, inner), (inner, hidden)]
+        if [(lin.in_features, lin.out_features) for lin in linears] != expected:
+            return None
+        shapes.add((attn.num_heads, attn.num_kv_heads, attn.head_dim, hidden, inner))
     if len(natives) != 1 or len(shapes) != 1 or len(eps) != 1:
         return None
     return natives.pop()
