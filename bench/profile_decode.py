@@ -23,7 +23,7 @@ from pathlib import Path
 import decode
 import harness
 
-OTHER_KERNELS = ("rms_norm", "add_rms_norm", "qk_norm_rope_", "rope_", "store_kv", "gather_rows")
+OTHER_KERNELS = ("rms_norm", "add_rms_norm", "qk_norm_rope_", "store_kv", "gather_rows")
 
 
 class Timers:

@@ -120,15 +120,21 @@ def test_rms_norm(kernels):
     torch.testing.assert_close(kernels.rms_norm(x, scale, 1e-6), rms_norm_ref(x, scale, 1e-6))
 
 
+def _tables(tokens: int, rotary: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[tokens, 1, rotary]`` laid out for rotate-half, as RotaryTables."""
+    angles = torch.randn(tokens, 1, rotary // 2)
+    cos = torch.cat([angles.cos(), angles.cos()], -1)
+    return cos, torch.cat([-angles.sin(), angles.sin()], -1)
+
+
 @pytest.mark.parametrize("rotary", [64, 32])
 def test_rope_is_bit_identical(kernels, rotary):
-    x = torch.randn(5, 3, 64)
-    angles = torch.randn(5, 1, rotary // 2)
-    cos = torch.cat([angles.cos(), angles.cos()], -1)
-    sin = torch.cat([-angles.sin(), angles.sin()], -1)
-    expected = rotate_ref(x, cos, sin)
-    rotated = kernels.rope_(x.clone(), cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous())
-    assert torch.equal(rotated, expected)
+    q, k = torch.randn(5, 3, 64), torch.randn(5, 1, 64)
+    cos, sin = _tables(5, rotary)
+    expected = rotate_ref(q, cos, sin), rotate_ref(k, cos, sin)
+    kernels.qk_norm_rope_(q, k, None, cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous())
+    assert torch.equal(q, expected[0])
+    assert torch.equal(k, expected[1])
 
 
 @pytest.mark.parametrize("post_norm", [False, True], ids=["plain", "normed-delta"])
@@ -148,21 +154,19 @@ def test_add_rms_norm_is_the_unfused_kernels_bit_for_bit(kernels, post_norm):
 
 @pytest.mark.parametrize("normed", [False, True], ids=["rope", "norm-rope"])
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_qk_norm_rope_on_a_qkv_row_is_the_unfused_kernels_bit_for_bit(kernels, normed, tokens):
+def test_qk_norm_rope_on_a_qkv_row_is_norm_then_rotation_bit_for_bit(kernels, normed, tokens):
     heads, kv_heads, dim, rotary = 4, 2, 32, 16
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
     q = qkv[:, : heads * dim].view(tokens, heads, dim)
     k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
-    angles = torch.randn(tokens, 1, rotary // 2)
-    cos = torch.cat([angles.cos(), angles.cos()], -1)
-    sin = torch.cat([-angles.sin(), angles.sin()], -1)
+    cos, sin = _tables(tokens, rotary)
     q_scale, k_scale = torch.rand(dim) + 0.5, torch.rand(dim) + 0.5
     norms = (q_scale, k_scale, 1e-6) if normed else None
     tables = cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous()
     expected = []
     for part, scale in ((q, q_scale), (k, k_scale)):
-        part = kernels.rms_norm(part, scale, 1e-6) if normed else part.contiguous()
-        expected.append(kernels.rope_(part.clone(), *tables))
+        part = kernels.rms_norm(part, scale, 1e-6) if normed else part
+        expected.append(rotate_ref(part, cos, sin))  # the rotation is exact: bit for bit
     v_before = qkv[:, (heads + kv_heads) * dim :].clone()
     twin_q, twin_k = qk_norm_rope_ref(q.clone(), k.clone(), norms, cos, sin)
     kernels.qk_norm_rope_(q, k, norms, *tables)
@@ -405,9 +409,9 @@ def test_gather_rows_refuses_ids_outside_the_matrix(kernels):
 
 
 def test_rope_refuses_more_rotary_dims_than_the_head_has(kernels):
-    x, table = torch.randn(2, 3, 16), torch.ones(2, 32)
+    q, k, table = torch.randn(2, 3, 16), torch.randn(2, 1, 16), torch.ones(2, 32)
     with pytest.raises(KernelArgumentError, match="rejected its arguments"):
-        kernels.rope_(x, table, table)
+        kernels.qk_norm_rope_(q, k, None, table, table)
 
 
 @pytest.mark.parametrize(

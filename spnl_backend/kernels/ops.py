@@ -1,5 +1,5 @@
-"""Per-layer operations with a native CPU kernel: RMSNorm and RoPE, alone or fused (the
-residual add with the norm after it; per-head q/k norms with the rotation).
+"""Per-layer operations with a native CPU kernel: RMSNorm, alone or fused with its
+neighbours (the residual add before it; for queries and keys, the rotation after it).
 
 Each runs the compiled kernel ``native`` (where the layer was given one) for float32 CPU
 tensors and the torch reference (its twin) everywhere else.
@@ -39,16 +39,6 @@ def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if rotary == x.shape[-1]:
         return rotated
     return torch.cat([rotated, x[..., rotary:]], dim=-1)
-
-
-def rotate(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, native: CpuKernels | None = None
-) -> torch.Tensor:
-    """`rotate_ref`, but ``x`` may be rotated in place: use the result, not ``x``."""
-    native = _native(x, native)
-    if native is None:
-        return rotate_ref(x, cos, sin)
-    return native.rope_(x.contiguous(), cos.squeeze(1), sin.squeeze(1))
 
 
 # A norm given as (float32 scale, eps).

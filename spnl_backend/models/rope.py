@@ -149,6 +149,6 @@ class RotaryTables:
         return ops.qk_norm_rope(q, k, norms, self.cos, self.sin, self.native)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x [T, heads, head_dim]`` (possibly in place; use the result); dims past
-        ``rotary_dim`` pass through."""
-        return ops.rotate(x, self.cos, self.sin, self.native)
+        """Rotate ``x [T, heads, head_dim]`` with torch (the float32 CPU path rotates
+        through `apply_qk`); dims past ``rotary_dim`` pass through."""
+        return ops.rotate_ref(x, self.cos, self.sin)

@@ -216,7 +216,6 @@ _SIGNATURES = {  # name: (argument types, result type)
     "spnl_dequantize": ([_I32, _P, _I64, _I64, _I64, _P, _I32], _I32),
     "spnl_gather_rows": ([_I32, _P, _I64, _P, _I64, _I64, _P], _I32),
     "spnl_rms_norm": ([_P, _P, _P, _I64, _I64, _F32], _I32),
-    "spnl_rope": ([_P, _P, _P, _I64, _I64, _I64, _I64], _I32),
     "spnl_add_rms_norm": ([_P, _P, _P, _F32, _P, _F32, _P, _I64, _I64], _I32),
     "spnl_qk_norm_rope": ([ctypes.POINTER(_QK)], _I32),
     "spnl_attention_block": ([ctypes.POINTER(StepArgs), ctypes.POINTER(LayerArgs)], _I32),
@@ -422,24 +421,6 @@ class CpuKernels:
     def mlp_block(self, step: "StepArgs", layer: "LayerArgs") -> None:
         """A layer's MLP block (layer_blocks.c) over arguments the caller checked."""
         _check(self.library.spnl_mlp_block(step, layer), "mlp_block")
-
-    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x [T, heads, head_dim]`` (contiguous) in place by ``[T, rotary]`` tables."""
-        _require(x, torch.float32, "rope: x", dims=3)
-        tokens, heads, head_dim = x.shape
-        for table, name in ((cos, "cos"), (sin, "sin")):
-            _require(table, torch.float32, f"rope: {name}", dims=2)
-            if table.shape != cos.shape or table.shape[0] != tokens:
-                raise KernelArgumentError(
-                    f"rope: tables of shape {tuple(table.shape)} for {tokens} tokens"
-                )
-        _check(
-            self.library.spnl_rope(
-                x.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, head_dim, cos.shape[-1]
-            ),
-            "rope",
-        )
-        return x
 
     def store_kv(
         self,

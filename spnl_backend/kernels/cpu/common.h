@@ -153,8 +153,6 @@ int spnl_gather_rows(int qtype, const uint8_t *w, int64_t n_rows, const int64_t 
 // layer_ops.c
 int spnl_rms_norm(const float *x, const float *scale, float *out, int64_t rows, int64_t dim,
                   float eps);
-int spnl_rope(float *x, const float *cos, const float *sin, int64_t tokens, int64_t heads,
-              int64_t head_dim, int64_t rotary_dim);
 int spnl_add_rms_norm(float *x, const float *delta, const float *delta_scale, float delta_eps,
                       const float *scale, float eps, float *out, int64_t rows, int64_t dim);
 int spnl_qk_norm_rope(const spnl_qk_args *a);

@@ -1,6 +1,6 @@
 // The element-wise operations of a layer, RMSNorm and RoPE (twins: rms_norm_ref,
-// rotate_ref, add_rms_norm_ref and qk_norm_rope_ref in spnl_backend/kernels/ops.py): one
-// call each where torch runs several ops. The fused calls run the same per-row arithmetic
+// add_rms_norm_ref and qk_norm_rope_ref in spnl_backend/kernels/ops.py): one call each
+// where torch runs several ops. The fused calls run the same per-row arithmetic
 // as the single ones, so fusing changes no bit.
 
 #include "common.h"
@@ -16,7 +16,9 @@ static inline void norm_row(const float *x, const float *scale, float *out, int6
     for (int64_t i = 0; i < dim; i++) out[i] = x[i] * inv * scale[i];
 }
 
-// Rotate-half RoPE of one head in place, tables laid out as [cos, cos] and [-sin, sin].
+// Rotate-half RoPE of one head in place (twin: rotate_ref), tables laid out as [cos, cos]
+// and [-sin, sin]: x[i] = x[i] * cos[i] + x[i + half] * sin[i] and x[i + half] =
+// x[i + half] * cos[i + half] + x[i] * sin[i + half].
 static inline void rope_head(float *v, const float *c, const float *s, int64_t half) {
     #pragma omp simd
     for (int64_t i = 0; i < half; i++) {
@@ -56,20 +58,6 @@ int spnl_add_rms_norm(float *x, const float *delta, const float *delta_scale, fl
         }
         norm_row(xr, scale, out + r * dim, dim, eps);
     }
-    return 0;
-}
-
-// Rotate-half RoPE in place (twin: RotaryTables.apply): for each token and head,
-// x[i] = x[i] * cos[i] + x[i + half] * sin[i] and x[i + half] = x[i + half] * cos[i + half]
-// + x[i] * sin[i + half], with the tables laid out as [cos, cos] and [-sin, sin].
-int spnl_rope(float *x, const float *cos, const float *sin, int64_t tokens, int64_t heads,
-              int64_t head_dim, int64_t rotary_dim) {
-    if (rotary_dim < 2 || rotary_dim % 2 || rotary_dim > head_dim || tokens < 0 || heads < 0)
-        return BAD_ARGUMENT;
-    for (int64_t t = 0; t < tokens; t++)
-        for (int64_t h = 0; h < heads; h++)
-            rope_head(x + (t * heads + h) * head_dim, cos + t * rotary_dim, sin + t * rotary_dim,
-                      rotary_dim / 2);
     return 0;
 }
 
