@@ -2,11 +2,11 @@
 
 One C file per kernel family, each kernel the twin of a torch reference elsewhere in the
 package: ``quant_matmul.c`` (the quantized matrix products, dequantization),
-``layer_ops.c`` (RMSNorm, RoPE, and each fused with its neighbour), ``paged_attention.c``
-(KV store, paged decode attention), ``coded_decode.c`` (decode attention over compressed
-KV) and ``layer_blocks.c`` (a decoder layer as two calls of the kernels above, whose twin
-is the per-op path of `models.layers`); ``common.h`` declares their
-entry points and argument structs, which the `ctypes.Structure` classes below mirror. They
+``layer_ops.c`` (RMSNorm, alone or with the residual add; q/k norms with RoPE),
+``paged_attention.c`` (KV store, paged decode attention), ``coded_decode.c`` (decode
+attention over compressed KV) and ``layer_blocks.c`` (a decoder layer as two calls of the
+kernels above, whose twin is the per-op path of `models.layers`); ``common.h`` declares
+their entry points and argument structs, which the `ctypes.Structure` classes below mirror. They
 are compiled with the system's C compiler (``-O3 -march=native``, OpenMP where the compiler
 has it) into one library in a per-user cache keyed by the sources, compiler and flags, so
 later processes load it in milliseconds. Without a compiler everything falls back to the
