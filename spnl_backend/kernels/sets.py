@@ -71,10 +71,9 @@ def _cpu_paged_attention(
         and key_cache.dtype in POOL_DTYPES
     ):
         check_step_slots(meta, key_cache)
-        rows = meta.memo("decode_rows", lambda: decode_rows(meta))
-        lens = meta.memo("seq_lens_i64", lambda: torch.tensor(rows.seq_lens))
+        slots, lens = _decode_keys(meta)
         return native.paged_decode(
-            q, key_cache, value_cache, rows.decode_slots, lens, scale, sliding_window, softcap
+            q, key_cache, value_cache, slots, lens, scale, sliding_window, softcap
         )
     return paged_attention_ref(
         q,
@@ -113,9 +112,7 @@ def native_keys(kernels: Kernels, meta: PagedMetadata, pool: torch.Tensor) -> Na
     ):
         return None
     check_step_slots(meta, pool)
-    rows = meta.memo("decode_rows", lambda: decode_rows(meta))
-    lens = meta.memo("seq_lens_i64", lambda: torch.tensor(rows.seq_lens))
-    slots = rows.decode_slots
+    slots, lens = _decode_keys(meta)
     if slots.stride(1) != 1:
         slots = slots.contiguous()
     num_slots = pool.shape[0] * pool.shape[1]
@@ -143,6 +140,13 @@ def contiguous_attention(
     return native.paged_decode(
         q, keys[None], values[None], slots, lens, scale, sliding_window, softcap
     )
+
+
+def _decode_keys(meta: PagedMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's key slots ``[queries, width]`` and key counts ``[queries]`` as a decode
+    of its own (`decode_rows`), made once per step."""
+    rows = meta.memo("decode_rows", lambda: decode_rows(meta))
+    return rows.decode_slots, meta.memo("seq_lens_i64", lambda: torch.tensor(rows.seq_lens))
 
 
 def decode_rows(meta: PagedMetadata) -> PagedMetadata:

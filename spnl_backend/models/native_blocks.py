@@ -16,7 +16,15 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from ..kernels.cpu import POOL_DTYPES, CpuKernels, KernelArgumentError, LayerArgs, StepArgs
+from ..kernels.cpu import (
+    CpuKernels,
+    KernelArgumentError,
+    LayerArgs,
+    StepArgs,
+    check_keys,
+    pool_row,
+    require,
+)
 from ..kernels.matmuls import CpuMatmuls
 from ..kernels.sets import NativeKeys
 from ..quant.linear import QuantLinear
@@ -172,41 +180,23 @@ class LayerBlocks:
         return h
 
     def _check_step(self, x, h, tables, keys: NativeKeys) -> None:
+        """What the C code relies on, with the checks the single kernels make."""
         tokens = x.shape[0]
         for tensor, name in ((x, "x"), (h, "h")):
-            if not (
-                tensor.dtype is torch.float32
-                and tensor.is_cpu
-                and tensor.is_contiguous()
-                and tensor.shape == (tokens, self.hidden)
-            ):
-                raise KernelArgumentError(
-                    f"layer blocks: {name} of {tensor.dtype} {tuple(tensor.shape)}"
-                )
+            require(
+                tensor, torch.float32, f"layer blocks: {name}", dims=2, numel=tokens * self.hidden
+            )
         for table in tables:
             for t in (table.cos, table.sin):
+                require(t, torch.float32, "layer blocks: rotary table")
                 if not (
-                    t.dtype is torch.float32
-                    and t.is_contiguous()
-                    and t.shape == table.cos.shape
+                    t.shape == table.cos.shape
                     and t.shape[0] == tokens
                     and t.shape[-1] <= self.head_dim
                 ):
                     raise KernelArgumentError(f"layer blocks: rotary table {tuple(t.shape)}")
-        slots, lens = keys.slots, keys.lens
-        if not (
-            slots.dtype is torch.int64
-            and slots.dim() == 2
-            and slots.stride(1) == 1
-            and slots.shape[0] == tokens
-            and lens.dtype is torch.int64
-            and lens.is_contiguous()
-            and lens.numel() == tokens
-            and keys.slot_mapping.dtype is torch.int64
-            and keys.slot_mapping.is_contiguous()
-            and keys.slot_mapping.numel() == tokens
-        ):
-            raise KernelArgumentError("layer blocks: the step's key tables do not match its tokens")
+        check_keys(keys.slots, keys.lens, tokens, "layer blocks")
+        require(keys.slot_mapping, torch.int64, "layer blocks: slot mapping", numel=tokens)
 
     def _set_pools(self, pools: list[tuple[torch.Tensor, torch.Tensor]], num_slots: int) -> None:
         """Each layer's pool pair, set again only when the pools are others; every pool is
@@ -221,19 +211,17 @@ class LayerBlocks:
         key = tuple((k.data_ptr(), v.data_ptr()) for k, v in pools), first.dtype, first.shape
         if key == self.pools_key:
             return
-        for pool in (t for pair in pools for t in pair):
-            if not (
-                pool.dtype in POOL_DTYPES
-                and pool.dtype is first.dtype
-                and pool.is_cpu
-                and pool.is_contiguous()
-                and pool.dim() == 4
-                and pool.shape[2:] == (self.kv_heads, self.head_dim)
-                and pool.shape == first.shape
-            ):
-                raise KernelArgumentError(
-                    f"layer blocks: a pool of {pool.dtype} {tuple(pool.shape)}"
-                )
+        for pair in pools:
+            for pool in pair:  # every layer's pools alike: one slot count, one element type
+                if not (
+                    pool.dtype is first.dtype
+                    and pool.shape == first.shape
+                    and pool.shape[2:] == (self.kv_heads, self.head_dim)
+                ):
+                    raise KernelArgumentError(
+                        f"layer blocks: a pool of {pool.dtype} {tuple(pool.shape)}"
+                    )
+            pool_row(*pair, "layer blocks")  # each a float pool the kernels read
         for (args, _), (k_cache, v_cache) in zip(self.layers, pools, strict=True):
             args.k_cache, args.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
             args.half = int(first.dtype is torch.float16)

@@ -252,7 +252,7 @@ class CpuKernels:
         return Products(self, weights)
 
     def dequantize(self, qtype: int, weight: torch.Tensor, n_rows: int, k_in: int) -> torch.Tensor:
-        _require(weight, torch.uint8, "dequantize: weight")
+        require(weight, torch.uint8, "dequantize: weight")
         out = torch.empty((n_rows, k_in), dtype=torch.float32)
         _check(
             self.library.spnl_dequantize(
@@ -271,7 +271,7 @@ class CpuKernels:
     def gather_rows(
         self, qtype: int, weight: torch.Tensor, ids: torch.Tensor, k_in: int
     ) -> torch.Tensor:
-        _require(weight, torch.uint8, "gather_rows: weight", dims=2)
+        require(weight, torch.uint8, "gather_rows: weight", dims=2)
         self.check_row_bytes(qtype, k_in, weight.shape[1], "gather_rows")
         ids = ids.to(torch.int64).contiguous()
         out = torch.empty((ids.numel(), k_in), dtype=torch.float32)
@@ -299,10 +299,10 @@ class CpuKernels:
 
     def rms_norm(self, x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
         x = x.contiguous()
-        _require(x, torch.float32, "rms_norm: x")
+        require(x, torch.float32, "rms_norm: x")
         if x.dim() == 0 or x.shape[-1] == 0:
             raise KernelArgumentError(f"rms_norm: x of shape {tuple(x.shape)} has no rows to norm")
-        _require(scale, torch.float32, "rms_norm: scale", numel=x.shape[-1])
+        require(scale, torch.float32, "rms_norm: scale", numel=x.shape[-1])
         out = torch.empty_like(x)
         _check(
             self.library.spnl_rms_norm(
@@ -327,16 +327,16 @@ class CpuKernels:
     ) -> torch.Tensor:
         """``x += delta`` (``delta`` normed first by ``delta_norm = (scale, eps)`` where
         given), in place, then the RMSNorm of the new ``x``; ``x`` must be contiguous."""
-        _require(x, torch.float32, "add_rms_norm: x")
+        require(x, torch.float32, "add_rms_norm: x")
         dim = x.shape[-1] if x.dim() else 0
         if dim == 0:
             raise KernelArgumentError(f"add_rms_norm: x of shape {tuple(x.shape)} has no rows")
         delta = delta.contiguous()
-        _require(delta, torch.float32, "add_rms_norm: delta", numel=x.numel())
-        _require(scale, torch.float32, "add_rms_norm: scale", numel=dim)
+        require(delta, torch.float32, "add_rms_norm: delta", numel=x.numel())
+        require(scale, torch.float32, "add_rms_norm: scale", numel=dim)
         delta_scale, delta_eps = (None, 0.0) if delta_norm is None else delta_norm
         if delta_scale is not None:
-            _require(delta_scale, torch.float32, "add_rms_norm: delta scale", numel=dim)
+            require(delta_scale, torch.float32, "add_rms_norm: delta scale", numel=dim)
         out = torch.empty_like(x)
         _check(
             self.library.spnl_add_rms_norm(
@@ -385,7 +385,7 @@ class CpuKernels:
                 f"qk_norm_rope: q of shape {tuple(q.shape)} and k of shape {tuple(k.shape)}"
             )
         for table, name in ((cos, "cos"), (sin, "sin")):
-            _require(table, torch.float32, f"qk_norm_rope: {name}", dims=2)
+            require(table, torch.float32, f"qk_norm_rope: {name}", dims=2)
             if table.shape != cos.shape or table.shape[0] != tokens:
                 raise KernelArgumentError(
                     f"qk_norm_rope: tables of shape {tuple(table.shape)} for {tokens} tokens"
@@ -395,7 +395,7 @@ class CpuKernels:
         if norms is not None:
             q_scale, k_scale, eps = norms
             for scale, name in ((q_scale, "q scale"), (k_scale, "k scale")):
-                _require(scale, torch.float32, f"qk_norm_rope: {name}", numel=dim)
+                require(scale, torch.float32, f"qk_norm_rope: {name}", numel=dim)
         args = _QK(
             q=q.data_ptr(),
             k=k.data_ptr(),
@@ -431,10 +431,10 @@ class CpuKernels:
         slots: torch.Tensor,
     ) -> None:
         key, value = key.contiguous(), value.contiguous()
-        row = _pool_row(key_cache, value_cache, "store_kv")
+        row = pool_row(key_cache, value_cache, "store_kv")
         for tensor, name in ((key, "key"), (value, "value")):
-            _require(tensor, torch.float32, f"store_kv: {name}", numel=slots.numel() * row)
-        _require(slots, torch.int64, "store_kv: slots", dims=1)
+            require(tensor, torch.float32, f"store_kv: {name}", numel=slots.numel() * row)
+        require(slots, torch.int64, "store_kv: slots", dims=1)
         _check(
             self.library.spnl_store_kv(
                 key.data_ptr(),
@@ -462,15 +462,15 @@ class CpuKernels:
         softcap: float | None,
     ) -> torch.Tensor:
         q = q.contiguous()
-        _require(q, torch.float32, "paged_decode: q", dims=3)
+        require(q, torch.float32, "paged_decode: q", dims=3)
         seqs, _, dim = q.shape
-        row = _pool_row(key_cache, value_cache, "paged_decode")
+        row = pool_row(key_cache, value_cache, "paged_decode")
         kv_heads = key_cache.shape[-2]
         if key_cache.shape[-1] != dim:
             raise KernelArgumentError(
                 f"paged_decode: q has {dim} dims, the cache {row // kv_heads}"
             )
-        _check_keys(slots, lens, seqs, "paged_decode")
+        check_keys(slots, lens, seqs, "paged_decode")
         out = torch.empty_like(q)
         args = _PagedDecode(
             at=_attention(
@@ -506,7 +506,7 @@ class CpuKernels:
         value sum without the values' centre."""
         q_rot, q = q_rot.contiguous(), q.contiguous()
         k_shift, k_anchor, v_anchor = (t.float().contiguous() for t in anchors)
-        _require(q, torch.float32, "coded_decode: q", dims=3)
+        require(q, torch.float32, "coded_decode: q", dims=3)
         seqs, heads, dim = q.shape
         (k_lut, k_bits, outliers), (v_lut, v_bits) = key_format, value_format
         if not (1 <= k_bits <= 8 and 1 <= v_bits <= 8 and 0 <= outliers <= dim <= MAX_HEAD_DIM):
@@ -516,17 +516,17 @@ class CpuKernels:
                 f"{dim} dims, and a head at most {MAX_HEAD_DIM}"
             )
         kv_heads = key_pool.shape[-2]
-        _require(q_rot, torch.float32, "coded_decode: q_rot", numel=q.numel())
-        _require(k_shift, torch.float32, "coded_decode: key centre terms", numel=seqs * heads)
-        _require(k_anchor, torch.float32, "coded_decode: key anchor terms", numel=seqs * heads)
-        _require(v_anchor, torch.float32, "coded_decode: value anchor", numel=kv_heads * dim)
-        _require(k_lut, torch.float32, "coded_decode: key codebook", numel=1 << k_bits)
-        _require(v_lut, torch.float32, "coded_decode: value codebook", numel=1 << v_bits)
+        require(q_rot, torch.float32, "coded_decode: q_rot", numel=q.numel())
+        require(k_shift, torch.float32, "coded_decode: key centre terms", numel=seqs * heads)
+        require(k_anchor, torch.float32, "coded_decode: key anchor terms", numel=seqs * heads)
+        require(v_anchor, torch.float32, "coded_decode: value anchor", numel=kv_heads * dim)
+        require(k_lut, torch.float32, "coded_decode: key codebook", numel=1 << k_bits)
+        require(v_lut, torch.float32, "coded_decode: value codebook", numel=1 << v_bits)
         for pool, name in ((key_pool, "key"), (value_pool, "value")):
-            _require(pool, torch.uint8, f"coded_decode: {name} records", dims=3)
+            require(pool, torch.uint8, f"coded_decode: {name} records", dims=3)
         if value_pool.shape[:2] != key_pool.shape[:2]:
             raise KernelArgumentError("coded_decode: key and value pools differ in shape")
-        _check_keys(slots, lens, seqs, "coded_decode")
+        check_keys(slots, lens, seqs, "coded_decode")
         out = torch.empty_like(q)
         args = _CodedDecode(
             at=_attention(out, kv_heads, slots, lens, key_pool.shape[0], scale, window, softcap),
@@ -549,7 +549,7 @@ class CpuKernels:
         return out
 
 
-def _require(
+def require(
     tensor: torch.Tensor,
     dtype: torch.dtype,
     what: str,
@@ -595,12 +595,12 @@ def _qtype_name(qtype: int) -> str:
 POOL_DTYPES = (torch.float32, torch.float16)
 
 
-def _pool_row(key_cache: torch.Tensor, value_cache: torch.Tensor, what: str) -> int:
+def pool_row(key_cache: torch.Tensor, value_cache: torch.Tensor, what: str) -> int:
     """Elements per slot of a ``[blocks, block_size, kv_heads, head_dim]`` pool pair of
     float32 or float16."""
     dtype = key_cache.dtype if key_cache.dtype in POOL_DTYPES else torch.float32
     for tensor, name in ((key_cache, "key"), (value_cache, "value")):
-        _require(tensor, dtype, f"{what}: {name} cache", dims=4)
+        require(tensor, dtype, f"{what}: {name} cache", dims=4)
     if key_cache.shape != value_cache.shape:
         raise KernelArgumentError(f"{what}: key and value caches differ in shape")
     if key_cache.shape[-2] == 0 or key_cache.shape[-1] == 0:
@@ -640,13 +640,13 @@ def _attention(
     )
 
 
-def _check_keys(slots: torch.Tensor, lens: torch.Tensor, seqs: int, what: str) -> None:
+def check_keys(slots: torch.Tensor, lens: torch.Tensor, seqs: int, what: str) -> None:
     """The slot table ``[seqs, width]`` (rows contiguous) and the lengths ``[seqs]``."""
     if slots.dtype != torch.int64 or slots.dim() != 2 or slots.shape[0] != seqs:
         raise KernelArgumentError(f"{what}: slots of {slots.dtype} {tuple(slots.shape)}")
     if slots.device.type != "cpu" or slots.stride(1) != 1:
         raise KernelArgumentError(f"{what}: slots must be CPU rows of consecutive int64")
-    _require(lens, torch.int64, f"{what}: lengths", numel=seqs)
+    require(lens, torch.int64, f"{what}: lengths", numel=seqs)
 
 
 class Products:
@@ -657,7 +657,7 @@ class Products:
     def __init__(self, kernels: CpuKernels, weights: list[tuple[int, torch.Tensor, int]]) -> None:
         count = len(weights)
         for _, w, n_out in weights:
-            _require(w, torch.uint8, "matmul: weight", dims=2)
+            require(w, torch.uint8, "matmul: weight", dims=2)
             if w.shape[0] != n_out:
                 raise KernelArgumentError(f"matmul: a weight of {w.shape[0]} rows, not {n_out}")
         self.kernels = kernels
@@ -676,7 +676,7 @@ class Products:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [rows, k]`` (float32, contiguous) → ``[rows, total]``."""
-        _require(x, torch.float32, "matmul: x", dims=2)
+        require(x, torch.float32, "matmul: x", dims=2)
         rows, k_in = x.shape
         kernels = self.kernels
         if rows == 0:
