@@ -25,6 +25,8 @@ from .log import get_logger, set_verbose
 from .memory import release_freed_memory
 from .models.config import ModelConfig
 from .models.transformer import CausalLM
+from .pic.layout import PicPrompt
+from .pic.requests import block_pieces, chat_pieces, has_marker, make_prompt, split_sentinels
 from .request import (
     MAX_SEED,
     check_messages,
@@ -33,8 +35,10 @@ from .request import (
     reject_unknown,
     sampling_params,
     token_id_prompts,
+    token_id_prompts_one,
 )
 from .settings import BackendSettings, PlatformDecisions, detect_platform, load_settings
+from .settings.pic import pic_sentinels
 
 log = get_logger()
 
@@ -48,6 +52,10 @@ class Usage:
     decode_tok_s: float  # completion tokens after the first, per second
     draft_tokens: int = 0  # proposed by the speculative draft (0 without one)
     accepted_tokens: int = 0  # of those, accepted by the target
+    # Of a PIC prompt's plus tokens, those whose K/V the pool had (reused) and those
+    # computed (0 and 0 for a plain prompt).
+    pic_hit_tokens: int = 0
+    pic_miss_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,8 @@ def _close_open_backends() -> None:
 
 Prompt = str | Sequence[str] | None
 TokenIds = Sequence[int] | Sequence[Sequence[int]] | None
+Blocks = Sequence[tuple[str, str | Sequence[int]]] | None
+PromptIds = list[int] | PicPrompt  # a checked prompt: token ids, or a PIC prompt
 
 
 class Backend:
@@ -97,6 +107,11 @@ class Backend:
         self.max_model_len = engine.config.max_model_len
         self.max_num_seqs = engine.config.max_num_seqs  # sequences one step runs at most
         self._cache_holds_context = engine.cache.capacity_tokens == self.max_model_len
+        self._block_size = engine.cache_info.block_size or 1
+        self._pic_refusal = _pic_refusal(engine, settings)
+        self._sentinels = pic_sentinels()
+        if self._sentinels is not None:
+            self._sentinels.check_vocabulary(loaded.config.vocab_size)
         self._loop: EngineLoop | None = loop
         self._closing = threading.Lock()
         _OPEN.add(self)
@@ -108,6 +123,7 @@ class Backend:
         prompt: Prompt = None,
         *,
         prompt_token_ids: TokenIds = None,
+        blocks: Blocks = None,
         max_tokens: int | None = None,
         temperature: float = 0.6,
         top_p: float = 1.0,
@@ -119,13 +135,15 @@ class Backend:
         """Complete one prompt, or a list of prompts run together as one batch.
 
         The prompt is text, or token ids (``prompt_token_ids``: a list of ids, or a list
-        of such lists), never both. ``max_tokens`` of 0 or None runs until EOS or the end
+        of such lists), or ``blocks`` (a PIC prompt: a list of ``("cross" | "plus", text
+        or token ids)``), exactly one of them; token ids with the ``SPNL_PIC_*`` sentinels
+        in them are a PIC prompt too. ``max_tokens`` of 0 or None runs until EOS or the end
         of the context; ``temperature`` 0 is greedy. Returns a list exactly when given a
         list; if one of its prompts fails, the call raises that error and the others are
         aborted.
         """
         params = self._checked(unknown, (max_tokens, temperature, top_p, top_k, seed, stop))
-        prompts, single = self.prompt_ids(prompt, prompt_token_ids)
+        prompts, single = self.prompt_ids(prompt, prompt_token_ids, blocks)
         return _results(self.submit(prompts, params), single)
 
     def stream(
@@ -133,6 +151,7 @@ class Backend:
         prompt: str | None = None,
         *,
         prompt_token_ids: Sequence[int] | None = None,
+        blocks: Blocks = None,
         max_tokens: int | None = None,
         temperature: float = 0.6,
         top_p: float = 1.0,
@@ -148,7 +167,11 @@ class Backend:
         `STREAM_BUFFER` pieces and is aborted after `STREAM_IDLE_TIMEOUT_S` seconds.
         """
         ids, params = self._one_stream(
-            prompt, prompt_token_ids, unknown, (max_tokens, temperature, top_p, top_k, seed, stop)
+            prompt,
+            prompt_token_ids,
+            blocks,
+            unknown,
+            (max_tokens, temperature, top_p, top_k, seed, stop),
         )
         return Stream(self, ids, params)
 
@@ -175,6 +198,7 @@ class Backend:
         prompt: Prompt = None,
         *,
         prompt_token_ids: TokenIds = None,
+        blocks: Blocks = None,
         max_tokens: int | None = None,
         temperature: float = 0.6,
         top_p: float = 1.0,
@@ -185,7 +209,7 @@ class Backend:
     ) -> GenerateResult | list[GenerateResult]:
         """`generate` for asyncio: the event loop runs on while the engine works."""
         params = self._checked(unknown, (max_tokens, temperature, top_p, top_k, seed, stop))
-        prompts, single = self.prompt_ids(prompt, prompt_token_ids)
+        prompts, single = self.prompt_ids(prompt, prompt_token_ids, blocks)
         return await _aresults(self.submit(prompts, params, asynchronous=True), single)
 
     def astream(
@@ -193,6 +217,7 @@ class Backend:
         prompt: str | None = None,
         *,
         prompt_token_ids: Sequence[int] | None = None,
+        blocks: Blocks = None,
         max_tokens: int | None = None,
         temperature: float = 0.6,
         top_p: float = 1.0,
@@ -205,7 +230,11 @@ class Backend:
         parameters raise here; the request starts with the first piece asked for.
         Cancelling the task that reads it, or closing it, aborts the request."""
         ids, params = self._one_stream(
-            prompt, prompt_token_ids, unknown, (max_tokens, temperature, top_p, top_k, seed, stop)
+            prompt,
+            prompt_token_ids,
+            blocks,
+            unknown,
+            (max_tokens, temperature, top_p, top_k, seed, stop),
         )
         return self._astream(ids, params)
 
@@ -237,7 +266,7 @@ class Backend:
 
     def submit(
         self,
-        prompts: list[list[int]],
+        prompts: list["PromptIds"],
         params: SamplingParams,
         *,
         n: int = 1,
@@ -263,9 +292,56 @@ class Backend:
             if isinstance(item, StepOutput):
                 yield item
 
-    def chat_prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        """``messages`` through the model's chat template, checked against the context."""
+    def chat_prompt_ids(self, messages: list[Any]) -> "PromptIds":
+        """``messages`` through the model's chat template, checked against the context: a
+        PIC prompt where a message is marked plus or messages are grouped (a list)."""
+        if isinstance(messages, list) and has_marker(messages):
+            tokenizer = self.tokenizer
+            pieces = chat_pieces(
+                messages, tokenizer.render_chat, tokenizer.encode_plain, check_messages
+            )
+            if pieces is not None:
+                return self._pic_prompt(pieces)
         return self._check_length(self.tokenizer.apply_chat_template(check_messages(messages)))
+
+    # ---- PIC prompts ----------------------------------------------------------------------
+
+    def _block_pieces(self, blocks: object) -> list[tuple[str, list[int]]]:
+        """``generate(blocks=...)``: each block's text tokenized alone (no special tokens),
+        after the BOS the tokenizer starts a prompt with, which is cross."""
+        vocab = self.model_config.vocab_size
+
+        def ids(value: object, name: str) -> list[int]:
+            return token_id_prompts_one(value, vocab, name)
+
+        pieces = block_pieces(blocks, self.tokenizer.encode_plain, ids)
+        start = self.tokenizer.encode("")
+        if start and isinstance(blocks, list | tuple) and isinstance(next(iter(blocks))[1], str):
+            return [("cross", start), *pieces]
+        return pieces
+
+    def _split_sentinels(self, ids: list[int]) -> "PromptIds":
+        sentinels = self._sentinels
+        scheme = self.settings.pic_positions
+        found = None if sentinels is None else split_sentinels(ids, sentinels, scheme)
+        return self._check_length(ids) if found is None else self._checked_pic(found)
+
+    def _pic_prompt(self, pieces: list[tuple[str, list[int]]]) -> PicPrompt:
+        return self._checked_pic(make_prompt(pieces, self.settings.pic_positions))  # type: ignore[arg-type]
+
+    def _checked_pic(self, prompt: PicPrompt) -> PicPrompt:
+        """A PIC prompt this backend can run, whose spans (each from a new block) fit."""
+        if self._pic_refusal is not None:
+            raise RequestError(f"this backend cannot run PIC prompts: {self._pic_refusal}")
+        size = self._block_size
+        slots = sum(-(-span.length // size) * size for span in prompt.layout.spans)
+        if slots + size >= self.max_model_len:
+            raise ContextLengthError(
+                f"the PIC prompt has {len(prompt.token_ids)} tokens, {slots} with each span "
+                f"starting a new block of {size}, but a sequence holds {self.max_model_len} "
+                "(prompt and completion together); shorten it"
+            )
+        return prompt
 
     # ---- state ----------------------------------------------------------------------------
 
@@ -322,30 +398,35 @@ class Backend:
         self,
         prompt: object,
         prompt_token_ids: object,
+        blocks: object,
         unknown: dict[str, object],
         sampling: tuple[Any, ...],
-    ) -> tuple[list[int], SamplingParams]:
+    ) -> tuple["PromptIds", SamplingParams]:
         params = self._checked(unknown, sampling)
         if prompt is not None and not isinstance(prompt, str):
             raise RequestError(f"a stream takes one prompt string, not {type(prompt).__name__}")
-        prompts, single = self.prompt_ids(prompt, prompt_token_ids)
+        prompts, single = self.prompt_ids(prompt, prompt_token_ids, blocks)
         if not single:
             raise RequestError("a stream takes one prompt: a list of token ids, not of lists")
         return prompts[0], params
 
     def prompt_ids(
-        self, prompt: object = None, token_ids: object = None
-    ) -> tuple[list[list[int]], bool]:
+        self, prompt: object = None, token_ids: object = None, blocks: object = None
+    ) -> tuple[list["PromptIds"], bool]:
         """The prompts as checked token ids (text encoded, ids checked against the
-        vocabulary, each against the context), and whether one was given, not a list."""
-        if (prompt is None) == (token_ids is None):
+        vocabulary, each against the context; PIC prompts with their layouts), and whether
+        one was given, not a list."""
+        if sum(given is not None for given in (prompt, token_ids, blocks)) != 1:
             raise RequestError(
-                "give a prompt (a string or a list of strings) or prompt_token_ids "
-                "(a list of token ids, or a list of such lists): exactly one of them"
+                "give a prompt (a string or a list of strings), prompt_token_ids (a list of "
+                "token ids, or a list of such lists) or blocks (a list of (kind, content) "
+                "pairs): exactly one of them"
             )
+        if blocks is not None:
+            return [self._pic_prompt(self._block_pieces(blocks))], True
         if token_ids is not None:
             prompts, single = token_id_prompts(token_ids, self.model_config.vocab_size)
-            return [self._check_length(ids) for ids in prompts], single
+            return [self._split_sentinels(ids) for ids in prompts], single
         if isinstance(prompt, str):
             return [self._encode(check_prompt(prompt))], True
         return [self._encode(p) for p in prompt_list(prompt)], False
@@ -421,11 +502,33 @@ class Stream(Iterator[str]):
 
 
 def _completions(
-    engine: Engine, ids: list[int], params: SamplingParams, n: int
+    engine: Engine, prompt: "PromptIds", params: SamplingParams, n: int
 ) -> list[EngineSequence]:
-    leader = engine.new_sequence(ids, params)
-    others = [engine.new_sequence(ids, _nth_seed(params, i), leader=leader) for i in range(1, n)]
+    """``n`` completions: the first leads, the others wait for its prompt and share it (a
+    PIC prompt's through the pool's keys, where prefix caching is on)."""
+    ids, pic = (
+        (prompt.token_ids, prompt.layout) if isinstance(prompt, PicPrompt) else (prompt, None)
+    )
+    leader = engine.new_sequence(ids, params, pic=pic)
+    others = [
+        engine.new_sequence(ids, _nth_seed(params, i), leader=leader, pic=pic) for i in range(1, n)
+    ]
     return [leader, *others]
+
+
+def _pic_refusal(engine: Engine, settings: BackendSettings) -> str | None:
+    """Why PIC prompts cannot run on this engine's cache, or None where they can."""
+    info = engine.cache_info
+    if info.kind != "paged":
+        return (
+            "it runs without paged attention (MISTRALRS_PAGED_ATTN=false, or the platform's "
+            "default); PIC lives in the paged pool"
+        )
+    if info.compression is not None:
+        return f"its KV cache is compressed (MISTRALRS_KV_CACHE_COMPRESSION={info.compression})"
+    if settings.speculative_draft_model:
+        return "it decodes with a speculative draft model (MISTRALRS_SPECULATIVE_DRAFT_MODEL)"
+    return None
 
 
 def _nth_seed(params: SamplingParams, i: int) -> SamplingParams:
@@ -468,6 +571,8 @@ def _result(seq: EngineSequence) -> GenerateResult:
         decode_rate,
         seq.num_draft_tokens,
         seq.num_accepted_tokens,
+        seq.num_pic_hit_tokens,
+        seq.num_pic_miss_tokens,
     )
     return GenerateResult(seq.text, list(seq.output_token_ids), seq.finish_reason or "stop", usage)
 

@@ -119,6 +119,11 @@ def token_id_prompts(token_ids: object, vocab_size: int) -> tuple[list[list[int]
     return [_token_ids(token_ids, vocab_size, "prompt_token_ids")], True
 
 
+def token_id_prompts_one(value: object, vocab_size: int, name: str) -> list[int]:
+    """One non-empty list of token ids within the vocabulary, named ``name`` in errors."""
+    return _token_ids(value, vocab_size, name)
+
+
 def _token_ids(value: object, vocab_size: int, name: str) -> list[int]:
     items = _read_once(value, list | tuple) or []
     ids = [_plain_int(item) for item in items]

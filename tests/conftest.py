@@ -62,3 +62,13 @@ def tiny(tmp_path_factory: pytest.TempPathFactory):
     from helpers import TinyModels
 
     return TinyModels(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def live(backend):
+    """The server over the test module's own ``backend`` fixture."""
+    from live_server import LiveServer
+
+    server = LiveServer(backend)
+    yield server
+    server.stop()

@@ -30,6 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "=spnl_backend.compression",
     ),
     ("spnl_backend.settings",),
+    ("spnl_backend.pic",),
     ("spnl_backend.kernels",),
     ("spnl_backend.quant",),
     ("spnl_backend.models",),

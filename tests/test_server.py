@@ -22,13 +22,6 @@ def backend(tiny):
     backend.close()
 
 
-@pytest.fixture(scope="module")
-def live(backend):
-    server = LiveServer(backend)
-    yield server
-    server.stop()
-
-
 def _greedy(backend, prompt, max_tokens=12):
     return backend.generate(prompt, max_tokens=max_tokens, temperature=0)
 

@@ -9,7 +9,7 @@ import textwrap
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from live_server import MODEL, LiveServer, served_backend
+from live_server import MODEL, served_backend
 
 pytest.importorskip("spnl")
 
@@ -28,13 +28,6 @@ def backend(tiny):
     backend = served_backend(tiny)
     yield backend
     backend.close()
-
-
-@pytest.fixture(scope="module")
-def live(backend):
-    server = LiveServer(backend)
-    yield server
-    server.stop()
 
 
 def _execute(live, query: dict) -> str:

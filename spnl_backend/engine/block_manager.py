@@ -5,7 +5,9 @@ but holding the K/V of a full block whose hash is known), or free. Taking a bloc
 prefers a free one and otherwise evicts the least recently used cached block; both
 are O(1). A full block's hash chains its parent's: ``hash(parent_hash, tokens)``,
 so equal hashes mean equal prefixes, and a new request reuses the longest chain of
-cached blocks its prompt starts with. Shared blocks are full, hence never written.
+cached blocks its prompt starts with. Shared blocks are full, hence never written (a PIC
+element's partial last block is shared too: nothing follows it in its block, see
+`engine.pic_blocks`).
 """
 
 import hashlib
@@ -14,6 +16,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 _NO_PARENT = 0
+UNTAKEN = -1  # a block table entry whose block is not taken yet (PIC sequences' misses)
 
 
 def block_hash(parent: int, tokens: tuple[int, ...]) -> int:
@@ -70,11 +73,25 @@ class BlockManager:
         for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
             tokens = tuple(token_ids[start : start + self.block_size])
             parent = block_hash(parent, tokens)
-            block_id = self.hash_to_id.get(parent)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            block_id = self.lookup(parent, tokens)
+            if block_id is None:
                 break
             matched.append(block_id)
         return matched
+
+    def lookup(self, digest: int, tokens: tuple[int, ...]) -> int | None:
+        """The block registered under ``digest``, if it holds exactly ``tokens``."""
+        block_id = self.hash_to_id.get(digest)
+        if block_id is None or self.blocks[block_id].token_ids != tokens:
+            return None
+        return block_id
+
+    def register(self, block_id: int, digest: int, tokens: tuple[int, ...]) -> None:
+        """Offer a computed block to later lookups (unless one is registered already)."""
+        block = self.blocks[block_id]
+        if block.hash is None and digest not in self.hash_to_id:
+            block.hash, block.token_ids = digest, tokens
+            self.hash_to_id[digest] = block_id
 
     def register_full_blocks(
         self, table: BlockTable, token_ids: list[int], num_computed: int
@@ -89,10 +106,7 @@ class BlockManager:
             parent = table.hashes[-1] if table.hashes else _NO_PARENT
             digest = block_hash(parent, tokens)
             table.hashes.append(digest)
-            block = self.blocks[table.block_ids[index]]
-            if block.hash is None and digest not in self.hash_to_id:
-                block.hash, block.token_ids = digest, tokens
-                self.hash_to_id[digest] = block.block_id
+            self.register(table.block_ids[index], digest, tokens)
 
     # ---- taking and returning blocks ------------------------------------------------------
 
@@ -120,6 +134,8 @@ class BlockManager:
     def truncate(self, table: BlockTable, num_blocks: int) -> None:
         """Drop the references to the blocks after the first ``num_blocks`` of ``table``."""
         for block_id in reversed(table.block_ids[num_blocks:]):
+            if block_id == UNTAKEN:
+                continue
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:

@@ -243,7 +243,8 @@ def _paged_cache(
         compressor.name if compressor else None,
         _kernels_name(loaded.kernels.attention, coded=pair is not None),
     )
-    return PagedCacheManager(cache, blocks, loaded.kernels.attention), info
+    manager = PagedCacheManager(cache, blocks, loaded.kernels.attention, settings.pic_reuse)
+    return manager, info
 
 
 def _kernels_name(attention: Kernels, coded: bool) -> str:

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 from ..errors import EngineError
 from ..log import get_logger
+from ..pic.layout import PicLayout
 from .cache import CacheInfo, PoolUsage
 from .detokenizer import Decoder, IncrementalDetokenizer
 from .runner import Runner
@@ -40,6 +41,10 @@ class EngineStats:
     # ones a prefix cache served (the sum of their `usage.cached_tokens`; 0 with it off).
     prefix_cache_queries: int
     prefix_cache_hits: int
+    # Plus tokens of the PIC prompts that reached their first token: reused from the pool,
+    # and computed.
+    pic_hit_tokens: int = 0
+    pic_miss_tokens: int = 0
 
 
 class Engine:
@@ -63,6 +68,8 @@ class Engine:
         self.broken: EngineError | None = None
         self.prefix_cache_queries = 0  # see `EngineStats`
         self.prefix_cache_hits = 0
+        self.pic_hit_tokens = 0
+        self.pic_miss_tokens = 0
         self.last_batch_size = 0  # sequences the last step ran (0: nothing was schedulable)
 
     def add(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -71,10 +78,19 @@ class Engine:
         return seq
 
     def new_sequence(
-        self, prompt_ids: list[int], params: SamplingParams, leader: Sequence | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        leader: Sequence | None = None,
+        pic: PicLayout | None = None,
     ) -> Sequence:
-        """A sequence for this engine, not yet added (safe from any thread)."""
-        return Sequence(prompt_ids, params, max_len=self.config.max_model_len, leader=leader)
+        """A sequence for this engine, not yet added (safe from any thread). A PIC one's
+        context is less the padding its spans' block alignment takes."""
+        max_len = self.config.max_model_len
+        if pic is not None and self.cache_info.block_size:
+            size = self.cache_info.block_size
+            max_len -= sum(-span.length % size for span in pic.spans) + size
+        return Sequence(prompt_ids, params, max_len=max_len, leader=leader, pic=pic)
 
     def add_sequence(self, seq: Sequence) -> None:
         self._check_usable()
@@ -100,6 +116,8 @@ class Engine:
             pool=self.cache.pool_usage(),
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
+            pic_hit_tokens=self.pic_hit_tokens,
+            pic_miss_tokens=self.pic_miss_tokens,
         )
 
     def step(self) -> list[StepOutput]:
@@ -206,6 +224,8 @@ class Engine:
         if len(seq.output_token_ids) == 1:  # its prompt is computed: count its lookup once
             self.prefix_cache_queries += len(seq.prompt_token_ids)
             self.prefix_cache_hits += seq.num_cached_tokens
+            self.pic_hit_tokens += seq.num_pic_hit_tokens
+            self.pic_miss_tokens += seq.num_pic_miss_tokens
         detok = self.detokenizers[seq.seq_id]
         delta = detok.add(token_id)
         reason = self._finish_reason(seq, token_id, detok.stopped)

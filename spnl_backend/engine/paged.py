@@ -13,13 +13,16 @@ import torch
 from ..kernels import Kernels
 from ..kernels.metadata import PagedMetadata
 from ..kernels.paged_ref import fp8_scale
+from ..kernels.pic import PicKeys
 from ..kernels.sets import NativeKeys, native_keys
 from ..log import get_logger
 from ..memory import host_tensor, kv_bytes_per_token
 from ..models.config import ModelConfig
 from ..models.layers import AttentionBackend, AttentionSpec
-from .block_manager import BlockManager, BlockTable
+from ..pic.layout import PicLayout
+from .block_manager import UNTAKEN, BlockManager, BlockTable
 from .cache import PoolUsage
+from .pic_blocks import PicProgress, PlannedBlock
 from .sequence import CachedTokens, ScheduledSeq
 
 log = get_logger()
@@ -104,10 +107,18 @@ class PagedKVStorage(Protocol):
 class PagedCacheManager:
     """Block tables of the running sequences over one block pool."""
 
-    def __init__(self, cache: PagedKVStorage, blocks: BlockManager, kernels: Kernels) -> None:
+    def __init__(
+        self,
+        cache: PagedKVStorage,
+        blocks: BlockManager,
+        kernels: Kernels,
+        pic_reuse: str = "exact",
+    ) -> None:
         self.cache, self.blocks, self.kernels = cache, blocks, kernels
         self.block_size = blocks.block_size
         self.tables: dict[int, BlockTable] = {}
+        self.pic_reuse = pic_reuse  # `engine.pic_blocks.REUSE_MODES`
+        self.pic: dict[int, PicProgress] = {}  # the PIC sequences holding cache
 
     @property
     def capacity_tokens(self) -> int:
@@ -126,6 +137,10 @@ class PagedCacheManager:
     def admit(self, seq: CachedTokens) -> None:
         """Give a waiting sequence its block table, starting with the cached blocks of its
         longest cached prefix; at least its last token is always computed."""
+        layout = getattr(seq, "pic", None)
+        if layout is not None:
+            self._admit_pic(seq, layout)
+            return
         hits, hashes = self._shareable(seq)
         if len(hits) * self.block_size >= seq.num_tokens:
             hits = hits[:-1]  # recompute the last block rather than write into a shared one
@@ -152,8 +167,38 @@ class PagedCacheManager:
                 return table.block_ids[:full], table.hashes[:full]
         return hits, hashes  # type: ignore[return-value]
 
+    def _admit_pic(self, seq: CachedTokens, layout: PicLayout) -> None:
+        """A PIC sequence's table: every block whose key the pool has, wherever it lies,
+        mapped in (the block holding the last token excepted); the rest untaken."""
+        progress = PicProgress(layout, self.block_size, self.pic_reuse)
+        tokens = seq.token_ids
+        planned = progress.plan(tokens)
+        hits: dict[int, PlannedBlock] = {}
+        found: dict[int, int] = {}
+        if self.blocks.enable_prefix_caching:
+            for block in planned:
+                block_id = self.blocks.lookup(block.digest, block.tokens) if block.closed else None
+                if block_id is not None and block.last != len(tokens) - 1:
+                    hits[block.index], found[block.index] = block, block_id
+        width = max(hits, default=-1) + 1
+        table = BlockTable([found.get(index, UNTAKEN) for index in range(width)])
+        for block_id in found.values():
+            self.blocks.share(block_id)
+        progress.admit(hits, len(tokens))
+        self.tables[seq.seq_id], self.pic[seq.seq_id] = table, progress
+        seq.num_computed_tokens = progress.num_hit
+        if not seq.output_token_ids:  # a new request, not a preempted one coming back
+            seq.num_cached_tokens = progress.num_hit
+            plus_hit = sum(b.last + 1 - b.first for b in hits.values() if b.plus)
+            seq.num_pic_hit_tokens = plus_hit  # type: ignore[attr-defined]
+            seq.num_pic_miss_tokens = layout.num_plus_tokens - plus_hit  # type: ignore[attr-defined]
+            _log_pic_lookup(seq, planned, hits)
+
     def reserve(self, seq: CachedTokens, num_tokens: int) -> bool:
         """Make sure the first ``num_tokens`` tokens of ``seq`` have slots."""
+        progress = self.pic.get(seq.seq_id)
+        if progress is not None:
+            return self._reserve_pic(seq, progress, num_tokens)
         table = self.tables[seq.seq_id]
         needed = self.blocks.blocks_for(num_tokens) - len(table.block_ids)
         if needed > self.blocks.num_available:
@@ -161,7 +206,24 @@ class PagedCacheManager:
         table.block_ids.extend(self.blocks.take() for _ in range(max(needed, 0)))
         return True
 
+    def _reserve_pic(self, seq: CachedTokens, progress: PicProgress, num_tokens: int) -> bool:
+        """Take blocks for the untaken entries up to the one holding the last token of the
+        first ``num_tokens`` (hits first, then the computed ones in order)."""
+        rank = num_tokens - progress.num_hit - 1
+        if rank < 0:
+            return True
+        last = progress.slot(progress.indices(rank, 1)[0]) // self.block_size
+        ids = self.tables[seq.seq_id].block_ids
+        missing = [i for i in range(last + 1) if i >= len(ids) or ids[i] == UNTAKEN]
+        if len(missing) > self.blocks.num_available:
+            return False
+        ids.extend([UNTAKEN] * (last + 1 - len(ids)))
+        for index in missing:
+            ids[index] = self.blocks.take()
+        return True
+
     def release(self, seq: CachedTokens) -> None:
+        self.pic.pop(seq.seq_id, None)
         table = self.tables.pop(seq.seq_id, None)
         if table is not None:
             self.blocks.release(table)
@@ -175,30 +237,96 @@ class PagedCacheManager:
     def after_step(self, batch: list[ScheduledSeq]) -> None:
         for item in batch:
             table = self.tables.get(item.seq.seq_id)
-            if table is not None:
+            progress = self.pic.get(item.seq.seq_id)
+            if progress is not None and table is not None:
+                self._register_pic(item.seq, table, progress)
+            elif table is not None:
                 self.blocks.register_full_blocks(
                     table, item.seq.token_ids, item.seq.num_computed_tokens
                 )
 
+    def _register_pic(self, seq: CachedTokens, table: BlockTable, progress: PicProgress) -> None:
+        """Offer the blocks of a PIC sequence that are closed and computed to others."""
+        if not self.blocks.enable_prefix_caching:
+            return
+        for block in progress.ready(seq.token_ids, seq.num_computed_tokens):
+            self.blocks.register(table.block_ids[block.index], block.digest, block.tokens)
+
+    def pic_feed(self, seq: CachedTokens, count: int) -> tuple[list[int], list[int]]:
+        """The prompt-order indices and positions of a PIC sequence's next ``count``
+        tokens to compute."""
+        progress = self.pic[seq.seq_id]
+        indices = progress.indices(seq.num_computed_tokens - progress.num_hit, count)
+        return indices, [progress.layout.position(i) for i in indices]
+
     def backend(self, batch: list[ScheduledSeq], device: torch.device) -> AttentionBackend:
         slots: list[int] = []
         tables, seq_lens, query_lens = [], [], []
+        pic: list[PicKeys | None] = []
         for item in batch:
             table = self.tables[item.seq.seq_id].block_ids
             start = item.seq.num_computed_tokens
-            slots += [
-                table[p // self.block_size] * self.block_size + p % self.block_size
-                for p in range(start, start + item.num_new_tokens)
-            ]
+            progress = self.pic.get(item.seq.seq_id)
+            if progress is None:
+                logical = range(start, start + item.num_new_tokens)
+                seq_lens.append(start + item.num_new_tokens)
+                pic.append(None)
+            else:
+                indices = self.pic_feed(item.seq, item.num_new_tokens)[0]
+                keys = self._pic_keys(progress, table, indices)
+                logical = keys.key_slots[keys.q_index].tolist()
+                seq_lens.append(len(table) * self.block_size)
+                pic.append(keys.to(device))
+            if progress is None:
+                size = self.block_size
+                slots += [table[p // size] * size + p % size for p in logical]
+            else:
+                slots += logical
             tables.append(table)
-            seq_lens.append(start + item.num_new_tokens)
             query_lens.append(item.num_new_tokens)
         width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
+        block_tables = torch.tensor(
+            [[max(b, 0) for b in t] + [0] * (width - len(t)) for t in tables], device=device
+        )
         meta = PagedMetadata(
-            block_tables, seq_lens, query_lens, self.block_size, torch.tensor(slots, device=device)
+            block_tables,
+            seq_lens,
+            query_lens,
+            self.block_size,
+            torch.tensor(slots, device=device),
+            pic=pic if any(p is not None for p in pic) else None,
         )
         return self.cache.step(self.kernels, meta)
+
+    def _pic_keys(self, progress: PicProgress, table: list[int], indices: list[int]) -> PicKeys:
+        """The keys a PIC sequence's queries ``indices`` may see, in prompt order, with
+        their pool slots (on the CPU)."""
+        count = max(indices) + 1
+        logical = progress.slots(count)
+        blocks = torch.tensor(table)[logical // self.block_size]
+        key_blocks, key_positions = progress.layout.key_tensors(count)
+        slots = blocks * self.block_size + logical % self.block_size
+        return PicKeys(slots, key_blocks, key_positions, torch.tensor(indices))
+
+
+def _log_pic_lookup(
+    seq: CachedTokens, planned: list[PlannedBlock], hits: dict[int, PlannedBlock]
+) -> None:
+    """One event per plus element: how many of its blocks the pool had."""
+    elements: dict[int, list[PlannedBlock]] = {}
+    for block in planned:
+        if block.plus:
+            elements.setdefault(block.element, []).append(block)
+    for number, blocks in elements.items():
+        hit = sum(block.index in hits for block in blocks)
+        log.debug(
+            "pic.hit" if hit == len(blocks) else "pic.miss",
+            seq_id=seq.seq_id,
+            element=number,
+            blocks=hit,
+            of_blocks=len(blocks),
+            tokens=blocks[-1].last + 1 - blocks[0].first,
+        )
 
 
 def _log_prefix_lookup(seq: CachedTokens, hit_blocks: int, prompt_blocks: int) -> None:

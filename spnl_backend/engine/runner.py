@@ -32,7 +32,7 @@ class ModelRunner:
         all computed (a prefill chunk in the middle of a prompt samples nothing), or the
         error of a sequence whose sampling failed."""
         backend = self.cache.backend(batch, self.device)
-        input_ids, positions = step_inputs(batch, self.device)
+        input_ids, positions = step_inputs(batch, self.device, self.cache)
         hidden = self.model(input_ids, positions, backend)
         rows, sampling = [], []
         row = -1
@@ -53,14 +53,23 @@ class ModelRunner:
 
 
 def step_inputs(
-    batch: list[ScheduledSeq], device: torch.device
+    batch: list[ScheduledSeq], device: torch.device, cache: CacheManager | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and positions of every scheduled token, packed sequence after sequence."""
-    feeds = []
+    """Token ids and positions of every scheduled token, packed sequence after sequence
+    (a PIC sequence's from its cache, which knows which of its tokens come next)."""
+    ids: list[int] = []
+    positions: list[int] = []
     for item in batch:
-        start = item.seq.num_computed_tokens
-        feeds.append((start, item.seq.token_ids[start : start + item.num_new_tokens]))
-    return pack_inputs(feeds, device)
+        start, count = item.seq.num_computed_tokens, item.num_new_tokens
+        if getattr(item.seq, "pic", None) is not None and cache is not None:
+            indices, places = cache.pic_feed(item.seq, count)  # type: ignore[attr-defined]
+            tokens = item.seq.token_ids
+            ids += [tokens[i] for i in indices]
+            positions += places
+        else:
+            ids += item.seq.token_ids[start : start + count]
+            positions += range(start, start + count)
+    return torch.tensor(ids, device=device), torch.tensor(positions, device=device)
 
 
 def pack_inputs(

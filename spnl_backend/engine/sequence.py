@@ -8,6 +8,8 @@ from typing import Generic, Protocol, TypeVar
 
 import torch
 
+from ..pic.layout import PicLayout
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -61,6 +63,11 @@ class Sequence:
     # Another completion of the same prompt (a request's ``n``): this one waits until the
     # leader's prompt is computed, then shares its full prompt blocks instead of computing.
     leader: "Sequence | None" = None
+    # Its plus and cross spans where the prompt is a PIC prompt (`pic.layout`), and of its
+    # plus tokens, those the pool had and those computed.
+    pic: "PicLayout | None" = None
+    num_pic_hit_tokens: int = 0
+    num_pic_miss_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.params.greedy:

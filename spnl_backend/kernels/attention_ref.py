@@ -67,14 +67,21 @@ def attend_scores(
     """Scaled ``scores [heads, nq, nk]`` and ``v [nk, kv_heads, d]`` → float32
     ``[nq, heads, d]``: softcap, ALiBi, the causal (and window) mask, softmax, sum."""
     heads, nq, nk = scores.shape
-    kv_heads = v.shape[1]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     q_pos, k_pos = _positions(nq, nk, context_len, scores.device)
     if alibi_slopes is not None:
         distance = (k_pos - q_pos.unsqueeze(-1)).float()
         scores = scores + alibi_slopes.float().view(heads, 1, 1) * distance
-    scores = scores.masked_fill(~_visible(q_pos, k_pos, sliding_window), float("-inf"))
+    return softmax_sum(scores, v, _visible(q_pos, k_pos, sliding_window))
+
+
+def softmax_sum(scores: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Final ``scores [heads, nq, nk]``, ``v [nk, kv_heads, d]`` and which keys each query
+    sees ``[nq, nk]`` → float32 ``[nq, heads, d]``: the masked softmax and the weighed sum."""
+    heads, nq, nk = scores.shape
+    kv_heads = v.shape[1]
+    scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(kv_heads, heads // kv_heads, nq, nk)
     out = probs @ v.float().permute(1, 0, 2).unsqueeze(1)  # [kv, groups, nq, d]
     return out.flatten(0, 1).transpose(0, 1)

@@ -3,9 +3,12 @@
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
+
+if TYPE_CHECKING:
+    from .pic import PicKeys
 
 T = TypeVar("T")
 
@@ -25,6 +28,10 @@ class PagedMetadata:
     query_lens: list[int]
     block_size: int
     slot_mapping: torch.Tensor | None = None
+    # Per sequence, its keys and queries where it is a PIC sequence (`kernels.pic`), else
+    # None; None when no sequence of the step is. A PIC sequence's ``seq_lens`` entry is
+    # the slots its block table spans, and only its `PicKeys` say which keys it sees.
+    pic: "list[PicKeys | None] | None" = None
     _memo: dict = field(default_factory=dict, repr=False)
 
     def memo(self, key: object, make: Callable[[], T]) -> T:
@@ -36,6 +43,9 @@ class PagedMetadata:
     @property
     def device(self) -> torch.device:
         return self.block_tables.device
+
+    def pic_of(self, index: int) -> "PicKeys | None":
+        return None if self.pic is None else self.pic[index]
 
     @cached_property
     def is_decode(self) -> bool:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from .attention_ref import attention_ref
 from .metadata import PagedMetadata
+from .pic import PicKeys, pic_attention_ref
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 # An FP8 cache maps each layer's largest K (or V) magnitude on the reference text to 224,
@@ -95,7 +96,7 @@ def paged_attention_ref(
     earlier ``seq_lens[i] - query_lens[i]`` tokens are cached context. Every key, new or
     cached, is read from the cache (so an FP8 cache rounds them all alike).
     """
-    if meta.is_decode and softcap is None and alibi_slopes is None:
+    if meta.is_decode and softcap is None and alibi_slopes is None and meta.pic is None:
         return _decode_batched(
             q, key_cache, value_cache, meta, scale, sliding_window, k_scale, v_scale
         )
@@ -103,6 +104,21 @@ def paged_attention_ref(
     start = 0
     for i, (seq_len, query_len) in enumerate(zip(meta.seq_lens, meta.query_lens, strict=True)):
         end = start + query_len
+        pic = meta.pic_of(i)
+        if pic is not None:
+            out[start:end] = _pic_attention(
+                q[start:end],
+                key_cache,
+                value_cache,
+                pic,
+                scale,
+                sliding_window,
+                softcap,
+                k_scale,
+                v_scale,
+            )
+            start = end
+            continue
         k = gather_kv(key_cache, meta.block_tables[i], seq_len, q.dtype, k_scale)
         v = gather_kv(value_cache, meta.block_tables[i], seq_len, q.dtype, v_scale)
         out[start:end] = attention_ref(
@@ -117,6 +133,23 @@ def paged_attention_ref(
         )
         start = end
     return out
+
+
+def _pic_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    pic: PicKeys,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    k_scale: float,
+    v_scale: float,
+) -> torch.Tensor:
+    """One PIC sequence: its keys read in prompt order, attended under its mask."""
+    k = _dequantized(key_cache.flatten(0, 1)[pic.key_slots], q.dtype, k_scale)
+    v = _dequantized(value_cache.flatten(0, 1)[pic.key_slots], q.dtype, v_scale)
+    return pic_attention_ref(q, k, v, pic, scale=scale, sliding_window=window, softcap=softcap)
 
 
 def _decode_batched(

@@ -71,6 +71,10 @@ def _cpu_paged_attention(
         and key_cache.dtype in POOL_DTYPES
     ):
         check_step_slots(meta, key_cache)
+        if meta.pic is not None:
+            return _cpu_pic_attention(
+                native, q, key_cache, value_cache, meta, scale, sliding_window, softcap
+            )
         slots, lens = _decode_keys(meta)
         return native.paged_decode(
             q, key_cache, value_cache, slots, lens, scale, sliding_window, softcap
@@ -89,6 +93,59 @@ def _cpu_paged_attention(
     )
 
 
+def _cpu_pic_attention(
+    native: CpuKernels,
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: PagedMetadata,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """A step with PIC sequences: their queries attend over the key lists their mask
+    gives (the window already applied, by position), the others' exactly as in a step
+    without them; two calls of the same kernel, each row's arithmetic its own."""
+    plain, pic = meta.memo("pic_query_rows", lambda: _query_rows(meta))
+    out = torch.empty_like(q)
+    if plain.numel():
+        slots, lens = _decode_keys(meta)
+        out[plain] = native.paged_decode(
+            q[plain],
+            key_cache,
+            value_cache,
+            slots[plain].contiguous(),
+            lens[plain],
+            scale,
+            window,
+            softcap,
+        )
+    slots, lens = meta.memo(("pic_rows", window), lambda: _pic_rows(meta, window))
+    out[pic] = native.paged_decode(
+        q[pic], key_cache, value_cache, slots, lens, scale, None, softcap
+    )
+    return out
+
+
+def _pic_rows(meta: PagedMetadata, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every PIC query's key slots ``[queries, width]`` and counts, in step order."""
+    rows = [keys.rows(window) for keys in meta.pic or () if keys is not None]
+    width = max(r[0].shape[1] for r in rows)
+    slots = torch.cat([torch.nn.functional.pad(r[0], (0, width - r[0].shape[1])) for r in rows])
+    return slots, torch.cat([r[1] for r in rows])
+
+
+def _query_rows(meta: PagedMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's query rows of plain sequences and of PIC ones (each in step order)."""
+    plain: list[int] = []
+    pic: list[int] = []
+    start = 0
+    for index, count in enumerate(meta.query_lens):
+        (plain if meta.pic_of(index) is None else pic).extend(range(start, start + count))
+        start += count
+    return torch.tensor(plain, dtype=torch.int64), torch.tensor(pic, dtype=torch.int64)
+
+
 @dataclass(frozen=True)
 class NativeKeys:
     """Where one step's keys go and which each query sees, for the native layer blocks:
@@ -105,7 +162,8 @@ def native_keys(kernels: Kernels, meta: PagedMetadata, pool: torch.Tensor) -> Na
     query of every layer (a float pool, every query through the decode kernel), else None.
     ``pool`` is one layer's key cache (they all share its shape)."""
     if not (
-        kernels.every_query_native
+        meta.pic is None
+        and kernels.every_query_native
         and pool.dtype in POOL_DTYPES
         and pool.is_cpu
         and meta.slot_mapping is not None

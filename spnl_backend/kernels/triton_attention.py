@@ -7,6 +7,12 @@ positions, looked up through the block table, with an online softmax. Sliding wi
 softcapping, ALiBi and an FP8 cache are compile-time switches. Long decode contexts are
 split across ``num_splits`` programs per tile, and a second kernel merges their partial
 softmax states (split-KV), so a single sequence still fills the GPU.
+
+PIC sequences (`kernels.pic`, another compile-time switch) walk their keys in prompt order
+instead of through the block table: each key's pool slot, block id and position, and each
+query's prompt index, block id and position, come in flat arrays, and the mask is the rule
+itself (a key at or before the query, cross on either side or the same element; a window
+by position). No mask is materialised.
 """
 
 import math
@@ -39,6 +45,11 @@ def _attention_kernel(
     tile_seq_ptr,
     tile_first_ptr,
     alibi_ptr,
+    pic_start_ptr,
+    pic_slots_ptr,
+    pic_blocks_ptr,
+    pic_places_ptr,
+    pic_q_ptr,
     scale,
     softcap,
     window,
@@ -63,6 +74,7 @@ def _attention_kernel(
     IS_FP8: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     IEEE: tl.constexpr,
+    USE_PIC: tl.constexpr,
 ):
     q_tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq = tl.load(tile_seq_ptr + q_tile)
@@ -93,6 +105,17 @@ def _attention_kernel(
     start = 0
     if USE_WINDOW:
         start = tl.maximum(context_len + first - window + 1, 0)
+    if USE_PIC:
+        # A PIC sequence: seq_len counts its keys in prompt order, and queries carry their
+        # prompt index, block id and position (three int32 per token).
+        key_start = tl.load(pic_start_ptr + seq)
+        is_pic = key_start >= 0
+        pic_row = (q_begin + token).to(tl.int64) * 3
+        q_index = tl.load(pic_q_ptr + pic_row, mask=row_ok, other=0)
+        q_block = tl.load(pic_q_ptr + pic_row + 1, mask=row_ok, other=0)
+        q_place = tl.load(pic_q_ptr + pic_row + 2, mask=row_ok, other=0)
+        last = tl.where(is_pic, seq_len - 1, last)
+        start = tl.where(is_pic, 0, start)
     first_step = start // TILE
     steps = last // TILE + 1 - first_step
     per_split = tl.cdiv(steps, NUM_SPLITS)
@@ -107,8 +130,15 @@ def _attention_kernel(
     for step in range(step_lo, step_hi):
         k_pos = step * TILE + tl.arange(0, TILE)
         k_ok = k_pos < seq_len
-        page = tl.load(block_tables_ptr + seq * stride_table + k_pos // PAGE, mask=k_ok, other=0)
+        paged = k_ok
+        if USE_PIC:
+            pic_ok = k_ok & (k_pos * 0 + key_start >= 0)
+            paged = k_ok & (k_pos * 0 + key_start < 0)
+        page = tl.load(block_tables_ptr + seq * stride_table + k_pos // PAGE, mask=paged, other=0)
         slot = page.to(tl.int64) * PAGE + k_pos % PAGE
+        if USE_PIC:
+            pic_slot = tl.load(pic_slots_ptr + key_start + k_pos, mask=pic_ok, other=0)
+            slot = tl.where(is_pic, pic_slot, slot)
         offsets = (slot[:, None] * num_kv_heads + kv_head) * HEAD_DIM + dims[None, :]
         kv_mask = k_ok[:, None] & dim_ok[None, :]
         k = tl.load(key_cache_ptr + offsets, mask=kv_mask, other=0)
@@ -128,6 +158,16 @@ def _attention_kernel(
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
         if USE_WINDOW:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+        if USE_PIC:
+            k_block = tl.load(pic_blocks_ptr + key_start + k_pos, mask=pic_ok, other=0)
+            k_place = tl.load(pic_places_ptr + key_start + k_pos, mask=pic_ok, other=0)
+            same = k_block[None, :] == q_block[:, None]
+            cross = (k_block[None, :] == 0) | (q_block[:, None] == 0)
+            seen = (k_pos[None, :] <= q_index[:, None]) & (same | cross)
+            seen = seen & k_ok[None, :] & row_ok[:, None]
+            if USE_WINDOW:
+                seen = seen & (q_place[:, None] - k_place[None, :] < window)
+            visible = tl.where(is_pic, seen, visible)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -247,6 +287,13 @@ def paged_attention_triton(
     )
     tables = meta.memo("tables_i32", lambda: meta.block_tables.to(dtype=torch.int32))
     alibi = alibi_slopes if alibi_slopes is not None else q.new_zeros(1)
+    pic = None
+    if meta.pic is not None:
+        if alibi_slopes is not None:
+            raise ValueError("PIC sequences do not take ALiBi: their positions overlap")
+        pic = meta.memo("triton_pic", lambda: _PicArrays(meta, q.device))
+        lens = pic.lens
+    none = lens[:1]
     _attention_kernel[(programs, num_kv_heads, splits)](
         q,
         key_cache,
@@ -261,6 +308,9 @@ def paged_attention_triton(
         plan.tile_seq,
         plan.tile_first,
         alibi.float().contiguous(),
+        *(none,) * 5
+        if pic is None
+        else (pic.start, pic.slots, pic.blocks, pic.places, pic.queries),
         float(scale),
         float(softcap or 1.0),
         int(sliding_window or 0),
@@ -285,6 +335,7 @@ def paged_attention_triton(
         IS_FP8=is_fp8,
         NUM_SPLITS=splits,
         IEEE=q.dtype == torch.float32,
+        USE_PIC=pic is not None,
     )
     if splits > 1:
         _merge_splits_kernel[(programs, num_kv_heads)](
@@ -330,3 +381,38 @@ class _Plan:
         target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
         by_work = math.ceil(longest / (4 * self.tile))
         return max(1, min(math.ceil(target / programs), by_work, 32))
+
+
+class _PicArrays:
+    """A step's PIC sequences as the kernel reads them: per sequence the offset of its keys
+    in the flat arrays (-1: a plain sequence) and its key count in place of its length;
+    per key its pool slot (int64), block id and position; per query token its prompt index,
+    block id and position (zeros for a plain sequence's tokens)."""
+
+    def __init__(self, meta: PagedMetadata, device: torch.device) -> None:
+        starts, lens, slots, blocks, places = [], [], [], [], []
+        queries = torch.zeros((sum(meta.query_lens), 3), dtype=torch.int32)
+        offset, row = 0, 0
+        for index, (seq_len, count) in enumerate(zip(meta.seq_lens, meta.query_lens, strict=True)):
+            keys = meta.pic_of(index)
+            if keys is None:
+                starts.append(-1)
+                lens.append(seq_len)
+            else:
+                starts.append(offset)
+                lens.append(keys.key_slots.numel())
+                offset += keys.key_slots.numel()
+                slots.append(keys.key_slots.cpu())
+                blocks.append(keys.key_blocks.cpu())
+                places.append(keys.key_positions.cpu())
+                q = keys.q_index.cpu()
+                queries[row : row + count] = torch.stack(
+                    [q, keys.key_blocks.cpu()[q], keys.key_positions.cpu()[q]], dim=1
+                )
+            row += count
+        self.start = torch.tensor(starts, dtype=torch.int32, device=device)
+        self.lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        self.slots = torch.cat(slots).to(device=device, dtype=torch.int64)
+        self.blocks = torch.cat(blocks).to(device=device, dtype=torch.int32)
+        self.places = torch.cat(places).to(device=device, dtype=torch.int32)
+        self.queries = queries.to(device)

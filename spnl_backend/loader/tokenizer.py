@@ -100,15 +100,24 @@ class Tokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=True)
 
+    def encode_plain(self, text: str) -> list[int]:
+        """``text``'s tokens alone: no BOS or other special token added."""
+        return self.hf(text, add_special_tokens=False)["input_ids"]
+
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.encode_plain(self.render_chat(messages, add_generation_prompt=True))
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        """The chat template's text for ``messages``."""
         if not self.hf.chat_template:
             raise RequestError(
                 "this model has no chat template; use generate() with a "
                 "formatted prompt instead of chat()"
             )
         specials = {k: v for k, v in self.hf.special_tokens_map.items() if isinstance(v, str)}
-        text = self._chat_template().render(messages, add_generation_prompt=True, **specials)
-        return self.hf(text, add_special_tokens=False)["input_ids"]
+        return self._chat_template().render(
+            messages, add_generation_prompt=add_generation_prompt, **specials
+        )
 
     def _chat_template(self) -> ChatTemplate:
         """The template compiled (again only if someone set a new one)."""

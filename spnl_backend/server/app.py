@@ -22,7 +22,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..backend import Backend
+from ..backend import Backend, PromptIds
 from ..engine.loop import Finished, LoopRequest
 from ..engine.sequence import Sequence, StepOutput
 from ..errors import RequestAbortedError, RequestError
@@ -308,7 +308,7 @@ class _Api:
         return _error_response(error)
 
 
-def _prompt_ids(backend: Backend, asked: EngineRequest) -> list[list[int]]:
+def _prompt_ids(backend: Backend, asked: EngineRequest) -> list[PromptIds]:
     """Tokenized (and chat-templated) off the event loop: a prompt of megabytes takes
     seconds, which would stall every other stream."""
     try:

@@ -81,6 +81,16 @@ class _EngineCollector:
             "Prompt tokens served by the prefix cache",
             stats.prefix_cache_hits,
         )
+        yield _counter(
+            "spnl_pic_hit_tokens",
+            "Plus-block tokens of PIC prompts whose KV the pool had",
+            stats.pic_hit_tokens,
+        )
+        yield _counter(
+            "spnl_pic_miss_tokens",
+            "Plus-block tokens of PIC prompts that were computed",
+            stats.pic_miss_tokens,
+        )
 
 
 def _gauge(name: str, doc: str, value: float) -> Metric:

@@ -56,7 +56,9 @@ class Reply:
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {
-                "cached_tokens": sum(seq.num_cached_tokens for seq in leaders)
+                "cached_tokens": sum(seq.num_cached_tokens for seq in leaders),
+                "pic_hit_tokens": sum(seq.num_pic_hit_tokens for seq in leaders),
+                "pic_miss_tokens": sum(seq.num_pic_miss_tokens for seq in leaders),
             },
         }
 

@@ -58,6 +58,8 @@ _PARSERS = {
     "cpu_matmul": values.choice(values.CPU_MATMULS),
     "cpu_gemm": values.choice(values.CPU_GEMMS),
     "batch_invariant": values.parse_bool,
+    "pic_reuse": values.choice(("exact", "relaxed")),
+    "pic_positions": values.choice(("after_prefix", "local")),
     "native_checks": values.parse_bool,
     "model": values.parse_optional_name,
     "device": values.parse_device,
@@ -112,6 +114,11 @@ class BackendSettings(BaseSettings):
     # takes the same arithmetic. Off, many-row steps may take faster paths (a GEMM of
     # dequantized weights, torch attention for long queries) whose rounding depends on them.
     batch_invariant: bool = True
+    # Position-independent caching of plus blocks (`pic`): exact reuses an element's K/V
+    # only after the same tokens (bit for bit a recompute); relaxed after any (as spnl's
+    # engine does: approximate). How elements' positions are numbered: `pic.layout`.
+    pic_reuse: Literal["exact", "relaxed"] = "exact"
+    pic_positions: Literal["after_prefix", "local"] = "after_prefix"
     # Debugging: the C kernels compiled with a check of every index they follow.
     native_checks: bool = False
     model: str | None = None

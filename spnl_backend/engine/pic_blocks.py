@@ -1,0 +1,204 @@
+"""A PIC prompt in the paged pool: where its tokens live, the keys of its blocks, and the
+order in which the tokens the pool did not have are computed.
+
+**Layout.** Every span starts a new block, so that an element's blocks can be mapped into
+any other sequence's block table: an element's last block is partly empty and, once the
+element is computed, never written again (what follows it starts a block of its own).
+Generated tokens continue the last span if it is cross, else start a block after it.
+Padding costs less than a block per span.
+
+**Keys.** A block's key chains the keys of the blocks before it in its span from the
+span's root, as the prefix cache chains a prompt's (`block_manager.block_hash`): the
+prompt's first cross span starts from the prefix cache's own root, so plain prompts and
+PIC prompts share those blocks. An element's root is everything before its group (the
+context: every token and span boundary before it), so equal keys mean equal K/V bit for
+bit; with ``relaxed`` reuse it is only the element's first position, as spnl keys its
+blocks (a hit then need not equal a recompute). A cross span after a group is rooted in
+the context, which takes in the group's elements in their order. The pool belongs to one
+model, dtype and cache codec, so those are parts of every key implicitly.
+
+**Order.** The blocks whose keys the pool has are mapped in at admission; the other
+tokens are computed in prompt order. A query sees only keys at or before it, which are
+then in the pool: hits anywhere, and the misses computed before it.
+"""
+
+import bisect
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+from ..pic.layout import PicLayout, Span
+from .block_manager import block_hash
+
+REUSE_MODES = ("exact", "relaxed")
+_ROOT = 0  # the prefix cache's root: a prompt's first cross span chains from it
+
+
+def _mix(tag: bytes, *values: int) -> int:
+    data = tag + b"".join(v.to_bytes(8, "little") for v in values)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+@dataclass(frozen=True)
+class PlannedBlock:
+    """One block of a PIC sequence: its place in the block table, the tokens it holds
+    (prompt order, ``[first, last]``) and its key. ``closed``: no token will be added to
+    it (full, or the partial last block of a span that another follows)."""
+
+    index: int
+    first: int
+    last: int
+    digest: int
+    tokens: tuple[int, ...]
+    closed: bool
+    element: int  # the plus element it belongs to (1, 2, ...), 0 for cross
+
+    @property
+    def plus(self) -> bool:
+        return self.element != 0
+
+
+@dataclass
+class _Segment:
+    span: Span  # the tokens; the open last segment's end grows with generated tokens
+    base: int  # its first token's slot in the sequence's logical slots (block aligned)
+    root: int  # the key its first block chains from
+
+
+def _segments(layout: PicLayout, tokens: list[int], block_size: int, reuse: str) -> list[_Segment]:
+    """The spans as block-aligned segments with their roots; generated tokens extend the
+    last one (cross) or a cross segment of their own after a final plus span."""
+    spans = list(layout.spans)
+    last = spans[-1]
+    if len(tokens) > last.end or last.kind == "plus":
+        if last.kind == "cross":
+            spans[-1] = Span("cross", last.start, len(tokens))
+        else:
+            spans.append(Span("cross", last.end, max(len(tokens), last.end)))
+    segments: list[_Segment] = []
+    context, base, group = _ROOT, 0, [0]
+    for index, span in enumerate(spans):
+        if span.kind == "plus":
+            if reuse == "exact":
+                root = _mix(b"plus", context)
+            else:
+                root = _mix(b"plus-relaxed", layout.position(span.start))
+        else:
+            root = _ROOT if index == 0 else _mix(b"cross", context)
+        segments.append(_Segment(span, base, root))
+        base += -(-max(span.length, 1) // block_size) * block_size
+        end_digest = _chain_end(root, tokens[span.start : span.end], block_size)
+        if span.kind == "plus":
+            group.append(end_digest)
+            if index + 1 == len(spans) or spans[index + 1].kind != "plus":
+                context, group = _mix(b"group", *group), [0]
+        else:
+            context = end_digest
+    return segments
+
+
+def _chain_end(root: int, tokens: list[int], block_size: int) -> int:
+    digest = root
+    for start in range(0, len(tokens), block_size):
+        digest = block_hash(digest, tuple(tokens[start : start + block_size]))
+    return digest
+
+
+@dataclass
+class PicProgress:
+    """A PIC sequence's place in the pool: its segments, the blocks whose keys it knows,
+    and, once admitted, the tokens the pool had (``num_hit``) and the order of the rest."""
+
+    layout: PicLayout
+    block_size: int
+    reuse: str
+    segments: list[_Segment] = field(default_factory=list)
+    todo: list[int] = field(default_factory=list)  # prompt order of the missing tokens
+    num_hit: int = 0
+    admitted_len: int = 0  # tokens at admission; later ones are computed after ``todo``
+    hit_blocks: list[int] = field(default_factory=list)  # logical indices mapped in
+    registered: set[int] = field(default_factory=set)  # logical indices offered to others
+    # The closed blocks not offered yet, as planned for ``_planned_for`` open-segment blocks.
+    _pending: list[PlannedBlock] = field(default_factory=list)
+    _planned_for: int = -1
+
+    def plan(self, tokens: list[int]) -> list[PlannedBlock]:
+        """Every block of the sequence's ``tokens`` (prompt and generated) with its key."""
+        self.segments = _segments(self.layout, tokens, self.block_size, self.reuse)
+        blocks: list[PlannedBlock] = []
+        for number, segment in enumerate(self.segments):
+            span, digest = segment.span, segment.root
+            is_last = number + 1 == len(self.segments)
+            for start in range(span.start, span.end, self.block_size):
+                end = min(start + self.block_size, span.end)
+                chunk = tuple(tokens[start:end])
+                digest = block_hash(digest, chunk)
+                closed = len(chunk) == self.block_size or not is_last
+                index = (segment.base + start - span.start) // self.block_size
+                element = self.layout.block_ids[span.start] if span.kind == "plus" else 0
+                blocks.append(PlannedBlock(index, start, end - 1, digest, chunk, closed, element))
+        return blocks
+
+    def admit(self, hits: dict[int, PlannedBlock], num_tokens: int) -> None:
+        """Record the blocks mapped in (by logical index) and the tokens left to compute."""
+        self.hit_blocks = sorted(hits)
+        covered = [False] * num_tokens
+        for block in hits.values():
+            covered[block.first : block.last + 1] = [True] * (block.last + 1 - block.first)
+        self.todo = [i for i in range(num_tokens) if not covered[i]]
+        self.num_hit = num_tokens - len(self.todo)
+        self.admitted_len = num_tokens
+        self.registered = set(hits)
+
+    def ready(self, tokens: list[int], num_computed: int) -> list[PlannedBlock]:
+        """The closed blocks whose tokens are all computed and that were not offered yet
+        (planned again only when the open last segment has filled another block)."""
+        last = self.segments[-1]
+        filled = (len(tokens) - last.span.start) // self.block_size
+        if filled != self._planned_for:
+            self._planned_for = filled
+            self._pending = [
+                b for b in self.plan(tokens) if b.closed and b.index not in self.registered
+            ]
+        ready = [b for b in self._pending if self.computed(b.last, num_computed)]
+        if ready:
+            self.registered.update(b.index for b in ready)
+            self._pending = [b for b in self._pending if b.index not in self.registered]
+        return ready
+
+    def indices(self, rank: int, count: int) -> list[int]:
+        """Prompt-order indices of the computed tokens ``rank .. rank + count - 1`` (ranks
+        count the tokens computed since admission)."""
+        todo = self.todo
+        return [todo[r] if r < len(todo) else self.num_hit + r for r in range(rank, rank + count)]
+
+    def slot(self, index: int) -> int:
+        """Token ``index``'s slot in the sequence's logical slots (padding skipped)."""
+        segments = self.segments
+        number = bisect.bisect_right([s.span.start for s in segments], index) - 1
+        if number + 1 == len(segments) or index < segments[number].span.end:
+            segment = segments[number]
+            return segment.base + index - segment.span.start
+        raise IndexError(f"token {index} lies in no segment")
+
+    def slots(self, num_tokens: int) -> torch.Tensor:
+        """Logical slots of tokens ``0 .. num_tokens - 1`` (int64)."""
+        parts, covered = [], 0
+        for number, segment in enumerate(self.segments):
+            span = segment.span
+            end = num_tokens if number + 1 == len(self.segments) else min(span.end, num_tokens)
+            if end > span.start:
+                parts.append(torch.arange(segment.base, segment.base + end - span.start))
+                covered = end
+        if covered < num_tokens:
+            raise IndexError(f"tokens {covered}..{num_tokens - 1} lie in no segment")
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+    def computed(self, index: int, num_computed: int) -> bool:
+        """Whether token ``index`` is in the pool when ``num_computed`` tokens are."""
+        if index >= self.admitted_len:  # generated since admission: computed in order
+            return index < num_computed
+        position = bisect.bisect_left(self.todo, index)
+        missing = position < len(self.todo) and self.todo[position] == index
+        return not missing or position < num_computed - self.num_hit

@@ -1,0 +1,86 @@
+"""Attention of a PIC sequence's queries in the paged pool (`pic.layout` for the rule).
+
+The step gives each PIC sequence's keys in prompt order: their pool slots, block ids and
+positions, and the prompt-order index of each of its queries (`PicKeys`). From them the
+CPU set builds each query's list of visible key slots, what its decode kernel reads
+(`PicKeys.rows`), and the torch twin its mask (`pic_attention_ref`); no kernel reads a
+sequence's keys in pool order, so padding and blocks mapped in from other sequences are
+never seen.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..pic.layout import visible
+from .attention_ref import raw_scores, softmax_sum
+
+
+@dataclass
+class PicKeys:
+    """One PIC sequence in a step: its keys ``0 .. K - 1`` in prompt order (``K``: one past
+    the last query) and its queries, in the step's order."""
+
+    key_slots: torch.Tensor  # [K] int64 pool slots
+    key_blocks: torch.Tensor  # [K] int64 block ids (0: cross)
+    key_positions: torch.Tensor  # [K] int64
+    q_index: torch.Tensor  # [queries] int64 prompt-order indices
+    _rows: dict = field(default_factory=dict, repr=False)
+
+    def to(self, device: torch.device) -> "PicKeys":
+        if self.key_slots.device == device:
+            return self
+        return PicKeys(
+            self.key_slots.to(device),
+            self.key_blocks.to(device),
+            self.key_positions.to(device),
+            self.q_index.to(device),
+        )
+
+    def visible(self, window: int | None) -> torch.Tensor:
+        """``[queries, K]``: which keys each query sees."""
+        q = self.q_index
+        return visible(
+            q,
+            self.key_blocks[q],
+            self.key_positions[q],
+            self.key_blocks,
+            self.key_positions,
+            window,
+        )
+
+    def rows(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each query's visible key slots in prompt order ``[queries, width]`` (rows padded
+        with slot 0) and their counts ``[queries]``: the keys of a decode of its own."""
+        if window not in self._rows:
+            self._rows[window] = key_rows(self.visible(window), self.key_slots)
+        return self._rows[window]
+
+
+def key_rows(seen: torch.Tensor, key_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``seen [queries, K]`` compacted: each row's seen keys' slots, in key order."""
+    lens = seen.sum(1)
+    width = max(int(lens.max()), 1) if lens.numel() else 1
+    rows = torch.zeros((seen.shape[0], width), dtype=torch.int64)
+    query, key = seen.nonzero(as_tuple=True)
+    column = (seen.cumsum(1) - 1)[query, key]
+    rows[query, column] = key_slots[key]
+    return rows, lens.to(torch.int64)
+
+
+def pic_attention_ref(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pic: PicKeys,
+    *,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """The torch twin for one PIC sequence: ``q [queries, heads, d]`` over its ``keys`` and
+    ``values [K, kv_heads, d]`` (prompt order, read from the pool) under its mask."""
+    scores = raw_scores(q, keys) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    return softmax_sum(scores, values, pic.visible(sliding_window)).to(q.dtype)

@@ -1,0 +1,176 @@
+"""A PIC prompt's spans, and what follows from them: which keys each token sees, and the
+positions its rotary embedding takes.
+
+Every token belongs to the cross side (block id 0) or to one plus element (block ids 1,
+2, ... in prompt order). A query sees a key at or before it (in prompt order) when either
+is cross or both are of the same element: so an element sees the cross tokens before its
+group and itself, a cross token everything before it. Generated tokens are cross.
+
+Positions, two schemes (`POSITION_SCHEMES`):
+
+- ``after_prefix`` (the block-attention paper's): a group's elements all start right after
+  the cross tokens before it; the cross tokens after a group continue after its longest
+  element. ``[c c c | p p | q q q q | c c]`` (one group of two) → ``0 1 2 | 3 4 | 3 4 5 6 |
+  7 8``.
+- ``local`` (spnl's own engine): each element counts from 0; cross tokens count the cross
+  tokens only. The same prompt → ``0 1 2 | 0 1 | 0 1 2 3 | 3 4``.
+
+Either way an element's positions depend only on what came before its group and on
+itself, never on its order in the group, so its K (stored rotated) can be reused as is.
+"""
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Literal
+
+import torch
+
+Kind = Literal["cross", "plus"]
+POSITION_SCHEMES = ("after_prefix", "local")
+CROSS = 0  # the block id of every cross token
+
+
+@dataclass(frozen=True)
+class Span:
+    """Tokens ``[start, end)`` of a prompt, all cross or all one plus element."""
+
+    kind: Kind
+    start: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class PicLayout:
+    """The spans of a prompt (in order, none empty, adjacent cross spans merged) and each
+    prompt token's block id and position under ``scheme``."""
+
+    spans: tuple[Span, ...]
+    scheme: str
+    block_ids: tuple[int, ...]
+    positions: tuple[int, ...]
+    next_position: int  # of the first token after the prompt (then one more per token)
+
+    @classmethod
+    def build(cls, pieces: list[tuple[Kind, int]], scheme: str = "after_prefix") -> "PicLayout":
+        """The layout of a prompt made of ``(kind, length)`` pieces, in order (lengths >=
+        1; adjacent cross pieces merge, adjacent plus pieces are elements of one group)."""
+        if scheme not in POSITION_SCHEMES:
+            raise ValueError(f"position scheme {scheme!r}: expected one of {POSITION_SCHEMES}")
+        spans: list[Span] = []
+        start = 0
+        for kind, length in pieces:
+            if length < 1:
+                raise ValueError(f"an empty {kind} span")
+            if kind == "cross" and spans and spans[-1].kind == "cross":
+                spans[-1] = Span("cross", spans[-1].start, start + length)
+            else:
+                spans.append(Span(kind, start, start + length))
+            start += length
+        block_ids, positions, next_position = _number(spans, scheme)
+        return cls(tuple(spans), scheme, block_ids, positions, next_position)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.block_ids)
+
+    @property
+    def num_plus_tokens(self) -> int:
+        return sum(span.length for span in self.spans if span.kind == "plus")
+
+    def groups(self) -> list[list[int]]:
+        """Indices into ``spans`` of each group's elements (runs of plus spans)."""
+        groups: list[list[int]] = []
+        for index, span in enumerate(self.spans):
+            if span.kind == "plus":
+                if index and self.spans[index - 1].kind == "plus":
+                    groups[-1].append(index)
+                else:
+                    groups.append([index])
+        return groups
+
+    def position(self, index: int) -> int:
+        """The position of token ``index`` (a generated one past the prompt too)."""
+        if index < self.num_prompt_tokens:
+            return self.positions[index]
+        return self.next_position + index - self.num_prompt_tokens
+
+    def key_tensors(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(block ids, positions)`` int64 ``[num_tokens]`` of the first ``num_tokens``
+        tokens (generated ones included: cross, positions counting on)."""
+        prompt = self.num_prompt_tokens
+        blocks, positions = self._prompt_tensors
+        if num_tokens <= prompt:
+            return blocks[:num_tokens], positions[:num_tokens]
+        extra = num_tokens - prompt
+        tail = torch.arange(self.next_position, self.next_position + extra)
+        return (
+            torch.cat([blocks, torch.zeros(extra, dtype=torch.int64)]),
+            torch.cat([positions, tail]),
+        )
+
+    @cached_property
+    def _prompt_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tensor(self.block_ids), torch.tensor(self.positions)
+
+
+def _number(spans: list[Span], scheme: str) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    block_ids: list[int] = []
+    positions: list[int] = []
+    counter = 0  # the next cross position
+    element = 0
+    index = 0
+    while index < len(spans):
+        span = spans[index]
+        if span.kind == "cross":
+            block_ids += [CROSS] * span.length
+            positions += range(counter, counter + span.length)
+            counter += span.length
+            index += 1
+            continue
+        start = counter if scheme == "after_prefix" else 0
+        longest = 0
+        while index < len(spans) and spans[index].kind == "plus":
+            element += 1
+            length = spans[index].length
+            block_ids += [element] * length
+            positions += range(start, start + length)
+            longest = max(longest, length)
+            index += 1
+        if scheme == "after_prefix":
+            counter += longest
+    return tuple(block_ids), tuple(positions), counter
+
+
+@dataclass(frozen=True)
+class PicPrompt:
+    """A prompt's token ids with its PIC layout (marker and sentinel tokens removed)."""
+
+    token_ids: list[int]
+    layout: PicLayout
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != self.layout.num_prompt_tokens:
+            raise ValueError("a PIC prompt's layout does not cover its tokens")
+
+
+def visible(
+    q_index: torch.Tensor,
+    q_block: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_block: torch.Tensor,
+    k_pos: torch.Tensor,
+    window: int | None,
+) -> torch.Tensor:
+    """``[queries, keys]``: which of the keys ``0 .. len(k_block) - 1`` (prompt order) each
+    query at ``q_index`` sees: at or before it, cross on either side or the same element,
+    and with a sliding window ``w``, less than ``w`` positions behind it."""
+    k_index = torch.arange(k_block.shape[0])
+    seen = k_index <= q_index[:, None]
+    seen &= (q_block[:, None] == CROSS) | (k_block == CROSS) | (k_block == q_block[:, None])
+    if window is not None:
+        seen &= q_pos[:, None] - k_pos < window
+    return seen

@@ -1,0 +1,184 @@
+"""The three ways a request marks its plus spans, turned into a `PicPrompt`.
+
+1. **Blocks**: ``generate(blocks=[("cross", text or ids), ("plus", ...), ...])``.
+2. **Sentinel token ids** in ``prompt_token_ids`` (``SPNL_PIC_PLUS_TOKEN`` and
+   ``SPNL_PIC_CROSS_TOKEN``): each sentinel ends the span before it and opens a plus or a
+   cross span; tokens before the first are cross. Sentinels are not part of the prompt.
+3. **Chat messages**: a message whose content starts with `PLUS_MARKER` (how spnl tags
+   the messages of a ``plus``), or a list of messages in place of one (each a plus
+   element of one group). The marker is stripped before templating; a plus message's
+   span is its whole turn as the template renders it (role header, content, end of turn),
+   so turns commute as a whole.
+
+Every malformed request (an empty span, a marker with nothing after it, bad kinds) is a
+`RequestError` saying what was wrong and what is accepted.
+"""
+
+from collections.abc import Callable, Sequence
+
+from ..errors import RequestError, shown
+from ..settings.pic import CROSS_SENTINEL_ENV, PLUS_SENTINEL_ENV, PicSentinels
+from .layout import Kind, PicLayout, PicPrompt
+
+PLUS_MARKER = "\0PIC_PLUS\0"
+KINDS = ("cross", "plus")
+
+
+def split_sentinels(ids: list[int], sentinels: PicSentinels, scheme: str) -> PicPrompt | None:
+    """``ids`` as a PIC prompt if a sentinel is in it, else None (a plain prompt)."""
+    if sentinels.plus not in ids and sentinels.cross not in ids:
+        return None
+    pieces: list[tuple[Kind, list[int]]] = [("cross", [])]
+    for position, token in enumerate(ids):
+        if token in (sentinels.plus, sentinels.cross):
+            if position and not pieces[-1][1]:
+                raise RequestError(
+                    _empty_after_sentinel(sentinels, ids[position - 1], position - 1)
+                )
+            pieces.append(("plus" if token == sentinels.plus else "cross", []))
+        else:
+            pieces[-1][1].append(token)
+    if not pieces[-1][1]:
+        raise RequestError(_empty_after_sentinel(sentinels, ids[-1], len(ids) - 1))
+    return make_prompt([(kind, tokens) for kind, tokens in pieces if tokens], scheme)
+
+
+def _empty_after_sentinel(sentinels: PicSentinels, token: int, position: int) -> str:
+    name = PLUS_SENTINEL_ENV if token == sentinels.plus else CROSS_SENTINEL_ENV
+    return (
+        f"prompt_token_ids: the {name} sentinel ({token}) at index {position} opens an "
+        "empty span; each sentinel must be followed by at least one token before the next "
+        "sentinel or the end"
+    )
+
+
+def make_prompt(pieces: list[tuple[Kind, list[int]]], scheme: str) -> PicPrompt:
+    """A PIC prompt from ``(kind, token ids)`` pieces (none empty)."""
+    if not any(kind == "plus" for kind, _ in pieces):
+        raise RequestError("a PIC prompt needs at least one plus block")
+    layout = PicLayout.build([(kind, len(tokens)) for kind, tokens in pieces], scheme)
+    return PicPrompt([t for _, tokens in pieces for t in tokens], layout)
+
+
+def block_pieces(
+    blocks: object,
+    encode: Callable[[str], list[int]],
+    check_ids: Callable[[object, str], list[int]],
+) -> list[tuple[Kind, list[int]]]:
+    """``generate(blocks=...)``: a non-empty list of ``(kind, text or token ids)``."""
+    items = list(blocks) if isinstance(blocks, list | tuple) else None
+    if not items:
+        raise RequestError(
+            f"blocks={shown(blocks)}: expected a non-empty list of (kind, content) pairs, kind "
+            "'cross' or 'plus', content a string or a list of token ids"
+        )
+    pieces: list[tuple[Kind, list[int]]] = []
+    for index, item in enumerate(items):
+        pair = list(item) if isinstance(item, list | tuple) else []
+        kind = pair[0] if len(pair) == 2 and isinstance(pair[0], str) else None
+        if kind not in KINDS:
+            raise RequestError(
+                f"blocks[{index}] = {shown(item)}: expected a pair (kind, content) with kind "
+                "'cross' or 'plus'"
+            )
+        content = pair[1]
+        if isinstance(content, str):
+            tokens = encode(content) if content else []
+        else:
+            tokens = check_ids(content, f"blocks[{index}] content")
+        if not tokens:
+            raise RequestError(
+                f"blocks[{index}]: the {kind} block is empty; every block needs some text "
+                "or token ids"
+            )
+        pieces.append((kind, tokens))  # type: ignore[arg-type]
+    return pieces
+
+
+def chat_pieces(
+    messages: list[object],
+    render: Callable[[list[dict], bool], str],
+    encode: Callable[[str], list[int]],
+    check: Callable[[object], list[dict]],
+) -> list[tuple[Kind, list[int]]] | None:
+    """Marked chat messages as ``(kind, token ids)`` pieces, or None where none is plus.
+
+    ``render(messages, add_generation_prompt)`` is the chat template's text and ``encode``
+    tokenizes text without adding special tokens. Each message's turn is the text its
+    rendering adds to the conversation before it, which the template must render as a
+    prefix of the whole (as templates do turn by turn)."""
+    flat, kinds = _flatten(messages, check)
+    if "plus" not in kinds:
+        return None
+    full = render(flat, True)
+    ends = [_preamble(render, full)] + [
+        len(render(flat[:count], False)) for count in range(1, len(flat) + 1)
+    ]
+    for count in range(1, len(flat) + 1):
+        if not full.startswith(render(flat[:count], False)) or ends[count] < ends[count - 1]:
+            raise RequestError(
+                "this model's chat template does not render the conversation turn by turn "
+                f"(messages[:{count}] is not a prefix of the whole), so a plus message's "
+                "turn cannot be told apart; send the prompt as generate(blocks=...) instead"
+            )
+    pieces: list[tuple[Kind, list[int]]] = []
+    if ends[0]:
+        pieces.append(("cross", encode(full[: ends[0]])))
+    for index, kind in enumerate(kinds):
+        text = full[ends[index] : ends[index + 1]]
+        if text:
+            pieces.append((kind, encode(text)))
+        elif kind == "plus":
+            raise RequestError(f"plus message {index} renders as nothing in this chat template")
+    if len(full) > ends[-1]:
+        pieces.append(("cross", encode(full[ends[-1] :])))
+    return [(kind, tokens) for kind, tokens in pieces if tokens]
+
+
+def _flatten(
+    messages: list[object], check: Callable[[object], list[dict]]
+) -> tuple[list[dict], list[Kind]]:
+    """The messages in order with each one's kind; groups (lists) are plus, and so is a
+    message whose content starts with the marker (stripped here)."""
+    flat: list[dict] = []
+    kinds: list[Kind] = []
+    for index, entry in enumerate(messages):
+        group = isinstance(entry, list)
+        if group and not entry:
+            raise RequestError(f"messages[{index}] is an empty group; a group lists plus messages")
+        members = check(entry) if group else check([entry])
+        for member in members:
+            content = member["content"]
+            marked = isinstance(content, str) and content.startswith(PLUS_MARKER)
+            if marked:
+                content = content[len(PLUS_MARKER) :]
+                if not content:
+                    raise RequestError(
+                        f"messages[{index}]: the plus marker is followed by nothing; a plus "
+                        "message needs content after the marker"
+                    )
+            flat.append({**member, "content": content})
+            kinds.append("plus" if group or marked else "cross")
+    return flat, kinds
+
+
+def _preamble(render: Callable[[list[dict], bool], str], full: str) -> int:
+    """The length of what the template renders before any message (a BOS token's text),
+    which stays cross; 0 where it renders nothing, or refuses an empty conversation."""
+    try:
+        before = render([], False)
+    except RequestError:
+        return 0
+    return len(before) if full.startswith(before) else 0
+
+
+def has_marker(messages: Sequence[object]) -> bool:
+    """Whether any message is marked plus or grouped (cheap: before any checking)."""
+    for entry in messages:
+        if isinstance(entry, list):
+            return True
+        if isinstance(entry, dict):
+            content = dict.get(entry, "content")
+            if isinstance(content, str) and content.startswith(PLUS_MARKER):
+                return True
+    return False

@@ -1,0 +1,81 @@
+"""A direct reference for PIC prompts, written from the rule alone: the whole sequence
+recomputed every token, attention under a dense mask, positions counted here."""
+
+import torch
+
+from spnl_backend.models.transformer import CausalLM
+
+
+def reference_layout(pieces: list[tuple[str, int]], scheme: str) -> tuple[list[int], list[int]]:
+    """Each token's element (0: cross) and position, for ``(kind, length)`` pieces."""
+    elements: list[int] = []
+    positions: list[int] = []
+    cross = 0  # the next cross position
+    element = 0
+    group_start, longest, in_group = 0, 0, False
+    for kind, length in pieces:
+        if kind == "plus":
+            if not in_group:
+                in_group, group_start, longest = True, cross, 0
+            element += 1
+            first = group_start if scheme == "after_prefix" else 0
+            elements += [element] * length
+            positions += list(range(first, first + length))
+            longest = max(longest, length)
+            continue
+        if in_group and scheme == "after_prefix":
+            cross += longest
+        in_group = False
+        elements += [0] * length
+        positions += list(range(cross, cross + length))
+        cross += length
+    if in_group and scheme == "after_prefix":
+        cross += longest
+    return elements, positions
+
+
+class DenseMask:
+    """An attention backend over the whole sequence at once, with an explicit mask."""
+
+    def __init__(self, elements: list[int], positions: list[int]) -> None:
+        n = len(elements)
+        self.positions = torch.tensor(positions)
+        element = torch.tensor(elements)
+        order = torch.arange(n)
+        same = element[:, None] == element[None, :]
+        cross = (element[:, None] == 0) | (element[None, :] == 0)
+        self.mask = (order[None, :] <= order[:, None]) & (same | cross)
+
+    def attend(self, q, k, v, spec):
+        mask = self.mask
+        if spec.sliding_window is not None:
+            distance = self.positions[:, None] - self.positions[None, :]
+            mask = mask & (distance < spec.sliding_window)
+        group = q.shape[1] // k.shape[1]
+        k = k.float().repeat_interleave(group, dim=1)
+        v = v.float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q.float(), k) * spec.scale
+        if spec.softcap is not None:
+            scores = torch.tanh(scores / spec.softcap) * spec.softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+        return out.to(q.dtype)
+
+
+@torch.inference_mode()
+def reference_greedy(
+    model: CausalLM, pieces: list[tuple[str, list[int]]], scheme: str, count: int
+) -> tuple[list[int], torch.Tensor]:
+    """``count`` greedy tokens after the PIC prompt, and the logits of the first."""
+    prompt = [t for _, ids in pieces for t in ids]
+    lengths = [(kind, len(ids)) for kind, ids in pieces]
+    out: list[int] = []
+    first = None
+    for _ in range(count):
+        generated = [("cross", len(out))] if out else []
+        backend = DenseMask(*reference_layout(lengths + generated, scheme))
+        hidden = model(torch.tensor(prompt + out), backend.positions, backend)
+        logits = model.compute_logits(hidden[-1:])[0]
+        first = logits if first is None else first
+        out.append(int(logits.argmax()))
+    return out, first
