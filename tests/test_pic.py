@@ -378,3 +378,37 @@ def test_malformed_chat_messages_are_request_errors(trained, messages, says):
 def test_backends_that_cannot_run_pic_say_why(trained, extra, says):
     with _fresh(trained, **extra) as backend, pytest.raises(RequestError, match=says):
         backend.generate(blocks=[("plus", "a document")], max_tokens=2)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_pic_steps_on_the_layer_blocks_give_the_per_op_bits(tiny, arch, monkeypatch):
+    """The native layer blocks read PIC key lists too (a second table for the layers with a
+    window): the same bits as the per-op path, alone and beside a plain request."""
+    from spnl_backend.models import native_blocks
+
+    runs = [0]
+    run = native_blocks.LayerBlocks.run
+
+    def counted(self, *args):
+        runs[0] += 1
+        return run(self, *args)
+
+    monkeypatch.setattr(native_blocks.LayerBlocks, "run", counted)
+    path = str(tiny.hf(arch).path)
+    results = []
+    for blocks in (False, True):
+        with _fresh(path) as backend:
+            backend.model.model.use_layer_blocks = blocks
+            pieces = _pieces(backend, DOCS[:3])
+            tokens, logits, _ = _run(backend, pieces)
+            both = run_together(
+                backend,
+                lambda b=backend: b.generate(PREFIX, max_tokens=TOKENS, temperature=0),
+                lambda b=backend, p=pieces: b.generate(blocks=p, max_tokens=TOKENS, temperature=0),
+            )
+            results.append((tokens, logits, [r.token_ids for r in both]))
+    assert (runs[0] > 0) == (arch != "qwen2")  # qwen2's biases keep it on the per-op path
+    assert torch.equal(results[0][1], results[1][1])
+    assert results[0][0] == results[1][0]
+    assert results[0][2] == results[1][2]
+    assert results[1][2][1] == results[1][0]

@@ -86,13 +86,16 @@ class PagedStep:
             v_scale=v_scale,
         )
 
-    def native_keys(self) -> tuple[NativeKeys, list[tuple[torch.Tensor, torch.Tensor]]] | None:
+    def native_keys(
+        self, windows: tuple[int, ...] = ()
+    ) -> tuple[NativeKeys, list[tuple[torch.Tensor, torch.Tensor]]] | None:
         """The step's keys and each layer's (key, value) pool for the native layer blocks,
-        where the CPU set runs this step's store and attention natively (else None)."""
+        where the CPU set runs this step's store and attention natively (else None);
+        ``windows``: the model's sliding windows."""
         cache = self.cache
         if cache.is_fp8:
             return None
-        keys = native_keys(self.kernels, self.meta, cache.layers[0][0])
+        keys = native_keys(self.kernels, self.meta, cache.layers[0][0], windows)
         return None if keys is None else (keys, cache.layers)
 
 

@@ -103,78 +103,94 @@ def _cpu_pic_attention(
     window: int | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    """A step with PIC sequences: their queries attend over the key lists their mask
-    gives (the window already applied, by position), the others' exactly as in a step
-    without them; two calls of the same kernel, each row's arithmetic its own."""
-    plain, pic = meta.memo("pic_query_rows", lambda: _query_rows(meta))
-    out = torch.empty_like(q)
-    if plain.numel():
-        slots, lens = _decode_keys(meta)
-        out[plain] = native.paged_decode(
-            q[plain],
-            key_cache,
-            value_cache,
-            slots[plain].contiguous(),
-            lens[plain],
-            scale,
-            window,
-            softcap,
-        )
-    slots, lens = meta.memo(("pic_rows", window), lambda: _pic_rows(meta, window))
-    out[pic] = native.paged_decode(
-        q[pic], key_cache, value_cache, slots, lens, scale, None, softcap
+    """A step with PIC sequences, in one call: their queries attend over the key lists
+    their mask gives (windowed by position already, from their first key), the others'
+    over their lists as in a step without them (the last ``window``): each row's own."""
+    slots, lens, firsts = pic_step_keys(meta, window)
+    return native.paged_decode(
+        q, key_cache, value_cache, slots, lens, scale, window, softcap, firsts
     )
-    return out
 
 
-def _pic_rows(meta: PagedMetadata, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every PIC query's key slots ``[queries, width]`` and counts, in step order."""
-    rows = [keys.rows(window) for keys in meta.pic or () if keys is not None]
-    width = max(r[0].shape[1] for r in rows)
-    slots = torch.cat([torch.nn.functional.pad(r[0], (0, width - r[0].shape[1])) for r in rows])
-    return slots, torch.cat([r[1] for r in rows])
+def pic_step_keys(
+    meta: PagedMetadata, window: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Every query's ``(slots [queries, width], lens, first keys)`` in a step with PIC
+    sequences, for layers with ``window`` (made once per step and window): a plain query's
+    row as `decode_rows` gives it, first key the window's; a PIC query's its visible keys,
+    first key 0. No first keys without a window (every row from its start)."""
+    return meta.memo(("pic_step_keys", window), lambda: _pic_step_keys(meta, window))
 
 
-def _query_rows(meta: PagedMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's query rows of plain sequences and of PIC ones (each in step order)."""
-    plain: list[int] = []
-    pic: list[int] = []
-    start = 0
+def _pic_step_keys(meta: PagedMetadata, window: int | None):
+    plain_slots, plain_lens = _decode_keys(meta)
+    pic = [keys.rows(window) for keys in meta.pic or () if keys is not None]
+    width = max(plain_slots.shape[1], *(rows.shape[1] for rows, _ in pic))
+    slots = torch.nn.functional.pad(plain_slots, (0, width - plain_slots.shape[1]))
+    lens = plain_lens.clone()
+    start, found = 0, iter(pic)
     for index, count in enumerate(meta.query_lens):
-        (plain if meta.pic_of(index) is None else pic).extend(range(start, start + count))
+        if meta.pic_of(index) is not None:
+            rows, row_lens = next(found)
+            slots[start : start + count] = 0
+            slots[start : start + count, : rows.shape[1]] = rows
+            lens[start : start + count] = row_lens
         start += count
-    return torch.tensor(plain, dtype=torch.int64), torch.tensor(pic, dtype=torch.int64)
+    if window is None:
+        return slots, lens, None
+    firsts = (plain_lens - window).clamp(min=0)
+    for index, count in enumerate(meta.query_lens):
+        if meta.pic_of(index) is not None:
+            begin = sum(meta.query_lens[:index])
+            firsts[begin : begin + count] = 0
+    return slots, lens, firsts
 
 
 @dataclass(frozen=True)
 class NativeKeys:
     """Where one step's keys go and which each query sees, for the native layer blocks:
-    the same slots, tables and lengths the CPU set's store and attention take."""
+    the same slots, tables and lengths the CPU set's store and attention take. In a step
+    with PIC sequences the layers with a window read ``windowed`` (slots, lens, first
+    keys): their PIC queries' lists are windowed by position, so they differ."""
 
     slot_mapping: torch.Tensor  # [tokens] int64
     slots: torch.Tensor  # [queries, width] int64, rows contiguous
     lens: torch.Tensor  # [queries] int64
     num_slots: int
+    windowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
-def native_keys(kernels: Kernels, meta: PagedMetadata, pool: torch.Tensor) -> NativeKeys | None:
+def native_keys(
+    kernels: Kernels, meta: PagedMetadata, pool: torch.Tensor, windows: tuple[int, ...] = ()
+) -> NativeKeys | None:
     """The step's `NativeKeys` where the CPU set would store and attend natively for every
     query of every layer (a float pool, every query through the decode kernel), else None.
-    ``pool`` is one layer's key cache (they all share its shape)."""
+    ``pool`` is one layer's key cache (they all share its shape); ``windows`` the model's
+    sliding windows (a step with PIC sequences takes the blocks with at most one)."""
     if not (
-        meta.pic is None
-        and kernels.every_query_native
+        kernels.every_query_native
         and pool.dtype in POOL_DTYPES
         and pool.is_cpu
         and meta.slot_mapping is not None
+        and (meta.pic is None or len(windows) <= 1)
     ):
         return None
     check_step_slots(meta, pool)
-    slots, lens = _decode_keys(meta)
-    if slots.stride(1) != 1:
-        slots = slots.contiguous()
+    windowed = None
+    if meta.pic is None:
+        slots, lens = _decode_keys(meta)
+    else:
+        slots, lens, _ = pic_step_keys(meta, None)
+        if windows:
+            windowed = _contiguous_rows(pic_step_keys(meta, windows[0]))  # type: ignore[arg-type]
     num_slots = pool.shape[0] * pool.shape[1]
-    return NativeKeys(meta.slot_mapping.to(torch.int64).contiguous(), slots, lens, num_slots)
+    slot_mapping = meta.slot_mapping.to(torch.int64).contiguous()
+    slots = slots if slots.stride(1) == 1 else slots.contiguous()
+    return NativeKeys(slot_mapping, slots, lens, num_slots, windowed)
+
+
+def _contiguous_rows(keys: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(k if k.is_contiguous() else k.contiguous() for k in keys)
 
 
 def contiguous_attention(

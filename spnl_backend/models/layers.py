@@ -30,7 +30,7 @@ class AttentionBackend(Protocol):
 
     ``q [T, heads, head_dim]``, ``k`` and ``v [T, kv_heads, head_dim]`` for the T
     tokens of this step, packed sequence after sequence; returns ``[T, heads, head_dim]``.
-    A backend may also offer ``native_keys()`` (the paged one does): the step's
+    A backend may also offer ``native_keys(windows)`` (the paged one does): the step's
     `kernels.sets.NativeKeys` and each layer's pool pair where the native layer blocks
     may run the step (`models.native_blocks`), else None.
     """

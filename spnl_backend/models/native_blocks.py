@@ -58,6 +58,10 @@ class LayerBlocks:
             )
         ]
         self.pools_key: tuple | None = None  # every pool's address, their dtype and shape
+        # The layers' sliding windows (a step with PIC queries reads one table for them).
+        self.windows = tuple(
+            sorted({w for layer in layers if (w := layer.self_attn.spec.sliding_window)})
+        )
 
     @classmethod
     def build(
@@ -167,6 +171,17 @@ class LayerBlocks:
             keys.slots.shape[1],
         )
         at.lens, at.seqs = keys.lens.data_ptr(), tokens
+        if keys.windowed is not None:
+            slots, lens, firsts = keys.windowed
+            windowed = step.at_windowed
+            windowed.slots, windowed.slot_stride, windowed.slot_width = (
+                slots.data_ptr(),
+                slots.stride(0),
+                slots.shape[1],
+            )
+            windowed.lens, windowed.seqs = lens.data_ptr(), tokens
+            windowed.firsts = firsts.data_ptr()
+            step.windowed = 1
         for i, table in enumerate(tables):
             step.cos[i], step.sin[i] = table.cos.data_ptr(), table.sin.data_ptr()
             step.rotary_dim[i] = table.cos.shape[-1]
@@ -196,6 +211,8 @@ class LayerBlocks:
                 ):
                     raise KernelArgumentError(f"layer blocks: rotary table {tuple(t.shape)}")
         check_keys(keys.slots, keys.lens, tokens, "layer blocks")
+        if keys.windowed is not None:
+            check_keys(*keys.windowed[:2], tokens, "layer blocks", keys.windowed[2])
         require(keys.slot_mapping, torch.int64, "layer blocks: slot mapping", numel=tokens)
 
     def _set_pools(self, pools: list[tuple[torch.Tensor, torch.Tensor]], num_slots: int) -> None:

@@ -51,15 +51,15 @@ class Backbone(nn.Module):
         if not self.use_layer_blocks or x.dtype != torch.float32 or not x.is_cpu:
             return None
         native_keys = getattr(backend, "native_keys", None)
-        found = native_keys() if native_keys is not None else None
-        if found is None:
+        if native_keys is None:
             return None
         if self._blocks is None:
             self._blocks = LayerBlocks.build(list(self.layers), self.norm, self.local_layers)
             if self._blocks is None:
                 self.use_layer_blocks = False
                 return None
-        return (self._blocks, *found)
+        found = native_keys(self._blocks.windows)
+        return None if found is None else (self._blocks, *found)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend

@@ -98,6 +98,7 @@ class _Attention(ctypes.Structure):
         ("window", _I64),
         ("out", _P),
         ("threads", _I32),
+        ("firsts", _P),
     )
 
 
@@ -166,6 +167,8 @@ class StepArgs(ctypes.Structure):
         ("rotary_dim", _I64 * 2),
         ("threads", _I32),
         ("exact", _I32),
+        ("at_windowed", _Attention),
+        ("windowed", _I32),
     )
 
 
@@ -460,7 +463,10 @@ class CpuKernels:
         scale: float,
         window: int | None,
         softcap: float | None,
+        firsts: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Each query ``q[s]`` over the keys at ``slots[s, j]`` for ``j < lens[s]``: from
+        ``firsts[s]`` on where given, else the last ``window`` of them."""
         q = q.contiguous()
         require(q, torch.float32, "paged_decode: q", dims=3)
         seqs, _, dim = q.shape
@@ -470,11 +476,19 @@ class CpuKernels:
             raise KernelArgumentError(
                 f"paged_decode: q has {dim} dims, the cache {row // kv_heads}"
             )
-        check_keys(slots, lens, seqs, "paged_decode")
+        check_keys(slots, lens, seqs, "paged_decode", firsts)
         out = torch.empty_like(q)
         args = _PagedDecode(
             at=_attention(
-                out, kv_heads, slots, lens, key_cache.numel() // row, scale, window, softcap
+                out,
+                kv_heads,
+                slots,
+                lens,
+                key_cache.numel() // row,
+                scale,
+                window,
+                softcap,
+                firsts,
             ),
             q=q.data_ptr(),
             k_cache=key_cache.data_ptr(),
@@ -617,6 +631,7 @@ def _attention(
     scale: float,
     window: int | None,
     softcap: float | None,
+    firsts: torch.Tensor | None = None,
 ) -> _Attention:
     """The part both decode attentions share, for queries shaped as ``out [seqs, heads, dim]``
     over a pool of ``num_slots`` (the tensors checked by the caller, and kept alive by it
@@ -637,16 +652,26 @@ def _attention(
         window=window or 0,
         out=out.data_ptr(),
         threads=torch.get_num_threads(),
+        firsts=None if firsts is None else firsts.data_ptr(),
     )
 
 
-def check_keys(slots: torch.Tensor, lens: torch.Tensor, seqs: int, what: str) -> None:
-    """The slot table ``[seqs, width]`` (rows contiguous) and the lengths ``[seqs]``."""
+def check_keys(
+    slots: torch.Tensor,
+    lens: torch.Tensor,
+    seqs: int,
+    what: str,
+    firsts: torch.Tensor | None = None,
+) -> None:
+    """The slot table ``[seqs, width]`` (rows contiguous), the lengths ``[seqs]`` and, where
+    given, the first keys ``[seqs]`` (each checked against its length in C)."""
     if slots.dtype != torch.int64 or slots.dim() != 2 or slots.shape[0] != seqs:
         raise KernelArgumentError(f"{what}: slots of {slots.dtype} {tuple(slots.shape)}")
     if slots.device.type != "cpu" or slots.stride(1) != 1:
         raise KernelArgumentError(f"{what}: slots must be CPU rows of consecutive int64")
     require(lens, torch.int64, f"{what}: lengths", numel=seqs)
+    if firsts is not None:
+        require(firsts, torch.int64, f"{what}: first keys", numel=seqs)
 
 
 class Products:

@@ -182,7 +182,7 @@ int spnl_coded_decode(const spnl_coded_decode_args *a) {
     float *partial = calloc((size_t)(threads * group * dim), sizeof(float));
     if (!scores || !partial) { free(scores); free(partial); return NO_MEMORY; }
     for (int64_t s = 0; s < at->seqs; s++) {
-        const int64_t len = at->lens[s], first = first_key(len, at->window);
+        const int64_t len = at->lens[s], first = first_of(at, s);
         for (int64_t kvh = 0; kvh < kv_heads; kvh++) {
             const head_group hg = {at->slots + s * at->slot_stride, first, len, kvh,
                                    s * heads + kvh * group};

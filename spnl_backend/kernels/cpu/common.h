@@ -50,7 +50,8 @@ typedef struct {
 } spnl_products;
 
 // One decode attention, whichever the cache: a query per sequence, over the keys at
-// slots[s * slot_stride + j] for j < lens[s] (the last `window` of them where window > 0).
+// slots[s * slot_stride + j] for firsts[s] <= j < lens[s]; without firsts, the last
+// `window` of them where window > 0 (all where it is 0).
 typedef struct {
     const int64_t *slots;
     int64_t slot_stride, slot_width;  // the table's rows; lens[s] <= slot_width
@@ -61,6 +62,7 @@ typedef struct {
     int64_t window;        // 0: none
     float *out;            // [seqs][heads][dim]
     int threads;
+    const int64_t *firsts;  // [seqs] or NULL (a PIC query's keys are listed already windowed)
 } spnl_attention;
 
 // Over a float cache: q [seqs][heads][dim], caches [num_slots][kv_heads][dim] of float32,
@@ -113,6 +115,10 @@ typedef struct {
     const float *cos[2], *sin[2];
     int64_t rotary_dim[2];
     int threads, exact;
+    // Where windowed is 1, the keys of the layers with a window (a step with PIC queries,
+    // whose windows are by position: their lists differ from the other layers').
+    spnl_attention at_windowed;
+    int windowed;
 } spnl_step_args;
 
 // One layer's fixed part: its products, norms (scales, one eps; NULL: none), cache and
@@ -177,6 +183,7 @@ static inline bool keys_in_bounds(const spnl_attention *at) {
     for (int64_t s = 0; s < at->seqs; s++) {
         const int64_t len = at->lens[s];
         if (len < 0 || len > at->slot_width) return false;
+        if (at->firsts && (at->firsts[s] < 0 || at->firsts[s] > len)) return false;
         for (int64_t j = 0; FULL_CHECKS && j < len; j++) {
             const int64_t slot = at->slots[s * at->slot_stride + j];
             if (slot < 0 || slot >= at->num_slots) return false;
@@ -188,6 +195,11 @@ static inline bool keys_in_bounds(const spnl_attention *at) {
 // The first visible key of a sequence of `len` keys.
 static inline int64_t first_key(int64_t len, int64_t window) {
     return window > 0 && len > window ? len - window : 0;
+}
+
+// The first visible key of sequence s.
+static inline int64_t first_of(const spnl_attention *at, int64_t s) {
+    return at->firsts ? at->firsts[s] : first_key(at->lens[s], at->window);
 }
 
 // The longest sequence: the stride of the score rows.

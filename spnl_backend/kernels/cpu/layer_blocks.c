@@ -43,7 +43,8 @@ int spnl_attention_block(const spnl_step_args *s, const spnl_layer_args *l) {
                            s->num_slots, l->half);
     if (status) return status;
     spnl_paged_decode_args attention = {
-        .at = s->at, .q = q, .k_cache = l->k_cache, .v_cache = l->v_cache, .half = l->half};
+        .at = s->windowed && l->window > 0 ? s->at_windowed : s->at,
+        .q = q, .k_cache = l->k_cache, .v_cache = l->v_cache, .half = l->half};
     attention.at.heads = l->heads;
     attention.at.kv_heads = l->kv_heads;
     attention.at.dim = l->head_dim;

@@ -248,7 +248,7 @@ static inline int64_t chunk_of(int64_t key) { return key / KEY_CHUNK; }
 // The chunks of sequence s: [*c0, *c0 + count).
 static inline int64_t chunks_of(const spnl_attention *at, int64_t s, int64_t *c0) {
     const int64_t len = at->lens[s];
-    *c0 = chunk_of(first_key(len, at->window));
+    *c0 = chunk_of(first_of(at, s));
     return len > 0 ? chunk_of(len - 1) + 1 - *c0 : 0;
 }
 
@@ -260,7 +260,7 @@ INLINE void attend_chunk_of(const attention_plan *p, int64_t s, int64_t kvh, int
     const spnl_paged_decode_args *a = p->a;
     const int64_t group = p->group, dim = p->dim, row = a->at.kv_heads * dim;
     const int64_t *slots = a->at.slots + s * a->at.slot_stride;
-    const int64_t len = a->at.lens[s], first = first_key(len, a->at.window);
+    const int64_t len = a->at.lens[s], first = first_of(&a->at, s);
     const int64_t lo = c * KEY_CHUNK > first ? c * KEY_CHUNK : first;
     const int64_t hi = (c + 1) * KEY_CHUNK < len ? (c + 1) * KEY_CHUNK : len;
     const float scale = a->at.scale, softcap = a->at.softcap;
