@@ -31,6 +31,7 @@ from .request import (
     MAX_SEED,
     check_messages,
     check_prompt,
+    check_text,
     prompt_list,
     reject_unknown,
     sampling_params,
@@ -314,11 +315,10 @@ class Backend:
         def ids(value: object, name: str) -> list[int]:
             return token_id_prompts_one(value, vocab, name)
 
-        pieces = block_pieces(blocks, self.tokenizer.encode_plain, ids)
-        start = self.tokenizer.encode("")
-        if start and isinstance(blocks, list | tuple) and isinstance(next(iter(blocks))[1], str):
-            return [("cross", start), *pieces]
-        return pieces
+        def text(value: str, name: str) -> list[int]:
+            return self.tokenizer.encode_plain(check_text(value, name))
+
+        return block_pieces(blocks, text, ids, self.tokenizer.encode(""))
 
     def _split_sentinels(self, ids: list[int]) -> "PromptIds":
         sentinels = self._sentinels

@@ -298,6 +298,13 @@ def test_the_async_api_and_streams_take_blocks(trained):
 # ---- malformed input ------------------------------------------------------------------------
 
 
+class Hostile(list):
+    """A list whose iteration raises."""
+
+    def __iter__(self):
+        raise RuntimeError("no")
+
+
 @pytest.mark.parametrize(
     ("blocks", "says"),
     [
@@ -309,6 +316,10 @@ def test_the_async_api_and_streams_take_blocks(trained):
         ([("plus",)], "pair"),
         ([("plus", [10**9])], "token ids from 0"),
         ([("cross", "only cross")], "at least one plus"),
+        ([("plus", "a lone \ud800 surrogate")], "not valid Unicode"),
+        ([("plus", 3.5)], "token ids"),
+        ([Hostile([("plus", "x")])], "'cross' or 'plus'"),
+        (Hostile([("plus", "x")]), "non-empty list"),
     ],
 )
 def test_malformed_blocks_are_request_errors(trained, blocks, says):
@@ -316,6 +327,25 @@ def test_malformed_blocks_are_request_errors(trained, blocks, says):
     with pytest.raises(RequestError, match=says):
         backend.generate(blocks=blocks, max_tokens=2)
     assert backend.generate("Lazy dogs", max_tokens=2).token_ids  # nothing lost
+
+
+def test_a_prompt_of_plus_token_ids_alone_runs_and_hits(trained):
+    backend = _backend(trained)
+    ids = backend.tokenizer.encode_plain(DOCS[0])
+    first = backend.generate(blocks=[("plus", ids)], max_tokens=4, temperature=0)
+    again = backend.generate(blocks=[("plus", ids), ("plus", ids)], max_tokens=4, temperature=0)
+    assert first.usage.pic_miss_tokens == len(ids)
+    assert again.usage.pic_hit_tokens >= len(ids)  # one copy, or both: the same element
+
+
+def test_a_chat_of_too_many_messages_is_refused(trained):
+    from spnl_backend.pic.requests import MAX_PIC_MESSAGES
+
+    with _fresh(trained) as backend:
+        backend.tokenizer.hf.chat_template = TEMPLATE
+        many = [{"role": "user", "content": PLUS_MARKER + "x"}] * (MAX_PIC_MESSAGES + 1)
+        with pytest.raises(RequestError, match="at most"):
+            backend.chat(many, max_tokens=1)
 
 
 def test_blocks_and_a_prompt_together_are_refused(trained):

@@ -257,6 +257,13 @@ def test_native_checks_apply_only_where_the_native_kernels_run():
         ({}, {"cpu_gemm": "bfloat16"}, ["MISTRALRS_CPU_GEMM"]),
         ({}, {"cpu_gemm": "bfloat16", "batch_invariant": False}, []),
         ({}, {"cpu_matmul": "float32", "paged_attn_context_len": 1024}, []),
+        (
+            {},
+            {"paged_attn": False, "pic_reuse": "relaxed", "pic_positions": "local"},
+            ["MISTRALRS_PIC_REUSE", "MISTRALRS_PIC_POSITIONS"],
+        ),
+        ({}, {"pic_reuse": "relaxed", "prefix_cache_n": 0}, ["MISTRALRS_PIC_REUSE"]),
+        ({}, {"pic_reuse": "relaxed", "pic_positions": "local"}, []),
     ],
 )
 def test_settings_without_effect_are_named(probe, settings, variables, monkeypatch):

@@ -22,6 +22,7 @@ from .layout import Kind, PicLayout, PicPrompt
 
 PLUS_MARKER = "\0PIC_PLUS\0"
 KINDS = ("cross", "plus")
+MAX_PIC_MESSAGES = 512
 
 
 def split_sentinels(ids: list[int], sentinels: PicSentinels, scheme: str) -> PicPrompt | None:
@@ -62,11 +63,15 @@ def make_prompt(pieces: list[tuple[Kind, list[int]]], scheme: str) -> PicPrompt:
 
 def block_pieces(
     blocks: object,
-    encode: Callable[[str], list[int]],
+    encode: Callable[[str, str], list[int]],
     check_ids: Callable[[object, str], list[int]],
+    bos: list[int],
 ) -> list[tuple[Kind, list[int]]]:
-    """``generate(blocks=...)``: a non-empty list of ``(kind, text or token ids)``."""
-    items = list(blocks) if isinstance(blocks, list | tuple) else None
+    """``generate(blocks=...)``: a non-empty list of ``(kind, text or token ids)``, read
+    once. Text is checked and tokenized block by block (``encode(text, its name)``);
+    where the first block is text, the ``bos`` tokens a prompt starts with come first,
+    as a cross span."""
+    items = _items(blocks)
     if not items:
         raise RequestError(
             f"blocks={shown(blocks)}: expected a non-empty list of (kind, content) pairs, kind "
@@ -74,8 +79,8 @@ def block_pieces(
         )
     pieces: list[tuple[Kind, list[int]]] = []
     for index, item in enumerate(items):
-        pair = list(item) if isinstance(item, list | tuple) else []
-        kind = pair[0] if len(pair) == 2 and isinstance(pair[0], str) else None
+        pair = _items(item) or []
+        kind = str.__str__(pair[0]) if len(pair) == 2 and isinstance(pair[0], str) else None
         if kind not in KINDS:
             raise RequestError(
                 f"blocks[{index}] = {shown(item)}: expected a pair (kind, content) with kind "
@@ -83,7 +88,10 @@ def block_pieces(
             )
         content = pair[1]
         if isinstance(content, str):
-            tokens = encode(content) if content else []
+            text = str.__str__(content)
+            tokens = encode(text, f"blocks[{index}] content") if text else []
+            if index == 0 and bos:
+                pieces.append(("cross", list(bos)))
         else:
             tokens = check_ids(content, f"blocks[{index}] content")
         if not tokens:
@@ -93,6 +101,16 @@ def block_pieces(
             )
         pieces.append((kind, tokens))  # type: ignore[arg-type]
     return pieces
+
+
+def _items(value: object) -> list[object] | None:
+    """A list's or tuple's items, read once; None for anything else or a failing read."""
+    if not isinstance(value, list | tuple):
+        return None
+    try:
+        return list(value)
+    except Exception:  # a hostile __iter__
+        return None
 
 
 def chat_pieces(
@@ -110,6 +128,12 @@ def chat_pieces(
     flat, kinds = _flatten(messages, check)
     if "plus" not in kinds:
         return None
+    if len(flat) > MAX_PIC_MESSAGES:
+        raise RequestError(
+            f"a PIC chat of {len(flat)} messages: at most {MAX_PIC_MESSAGES} (each turn's "
+            "span is found by rendering the conversation up to it); send more as "
+            "generate(blocks=...)"
+        )
     full = render(flat, True)
     ends = [_preamble(render, full)] + [
         len(render(flat[:count], False)) for count in range(1, len(flat) + 1)
@@ -173,8 +197,9 @@ def _preamble(render: Callable[[list[dict], bool], str], full: str) -> int:
 
 
 def has_marker(messages: Sequence[object]) -> bool:
-    """Whether any message is marked plus or grouped (cheap: before any checking)."""
-    for entry in messages:
+    """Whether any message is marked plus or grouped (cheap: before any checking; a list
+    that cannot be read is left to the checks)."""
+    for entry in _items(messages) or []:
         if isinstance(entry, list):
             return True
         if isinstance(entry, dict):

@@ -12,6 +12,7 @@ if TYPE_CHECKING:  # the platform module reports through this one
     from .platform import PlatformDecisions
 
 _PAGED_ONLY = ("paged_attn_block_size", *KV_BUDGET_FIELDS)
+_PIC = ("pic_reuse", "pic_positions")
 _NATIVE_ONLY = ("cpu_matmul", "cpu_gemm", "native_checks")
 
 
@@ -31,6 +32,17 @@ def ineffective_settings(
             _PAGED_ONLY,
             f"it sizes the paged KV cache, and paged attention is off "
             f"({decisions.paged_attn_reason})",
+        )
+        report(
+            _PIC,
+            "PIC prompts run in the paged pool, and paged attention is off "
+            f"({decisions.paged_attn_reason})",
+        )
+    elif settings.pic_reuse != "exact" and not settings.prefix_cache_enabled:
+        report(
+            ("pic_reuse",),
+            "PIC reuses blocks through the prefix cache's keys, and prefix caching is off "
+            "(MISTRALRS_PREFIX_CACHE_N)",
         )
     elif settings.prefix_cache_n > 1:
         report(
