@@ -15,6 +15,7 @@ from .engine.engine import Engine, EngineStats
 from .engine.loop import AsyncChannel, EngineLoop, Finished, Item, LoopRequest, ThreadChannel
 from .engine.sequence import SamplingParams, StepOutput
 from .engine.sequence import Sequence as EngineSequence
+from .engine.speculative import SpeculativeRunner
 from .errors import ContextLengthError, RequestAbortedError, RequestError, SettingsError
 from .loader.build import LoadedModel, load_model
 from .loader.default_model import default_model_path
@@ -32,11 +33,11 @@ from .request import (
     check_messages,
     check_prompt,
     check_text,
+    checked_token_ids,
     prompt_list,
     reject_unknown,
     sampling_params,
     token_id_prompts,
-    token_id_prompts_one,
 )
 from .settings import BackendSettings, PlatformDecisions, detect_platform, load_settings
 from .settings.pic import pic_sentinels
@@ -82,6 +83,9 @@ Prompt = str | Sequence[str] | None
 TokenIds = Sequence[int] | Sequence[Sequence[int]] | None
 Blocks = Sequence[tuple[str, str | Sequence[int]]] | None
 PromptIds = list[int] | PicPrompt  # a checked prompt: token ids, or a PIC prompt
+# More characters than any token takes: a PIC chat with more content than this many per
+# token of the context cannot fit, and is refused before its turns are rendered.
+MAX_CHARS_PER_TOKEN = 64
 
 
 class Backend:
@@ -109,7 +113,7 @@ class Backend:
         self.max_num_seqs = engine.config.max_num_seqs  # sequences one step runs at most
         self._cache_holds_context = engine.cache.capacity_tokens == self.max_model_len
         self._block_size = engine.cache_info.block_size or 1
-        self._pic_refusal = _pic_refusal(engine, settings)
+        self._pic_refusal = _pic_refusal(engine)
         self._sentinels = pic_sentinels()
         if self._sentinels is not None:
             self._sentinels.check_vocabulary(loaded.config.vocab_size)
@@ -299,7 +303,11 @@ class Backend:
         if isinstance(messages, list) and has_marker(messages):
             tokenizer = self.tokenizer
             pieces = chat_pieces(
-                messages, tokenizer.render_chat, tokenizer.encode_plain, check_messages
+                messages,
+                tokenizer.render_chat,
+                tokenizer.encode_plain,
+                check_messages,
+                max_chars=MAX_CHARS_PER_TOKEN * self.max_model_len,
             )
             if pieces is not None:
                 return self._pic_prompt(pieces)
@@ -313,7 +321,7 @@ class Backend:
         vocab = self.model_config.vocab_size
 
         def ids(value: object, name: str) -> list[int]:
-            return token_id_prompts_one(value, vocab, name)
+            return checked_token_ids(value, vocab, name)
 
         def text(value: str, name: str) -> list[int]:
             return self.tokenizer.encode_plain(check_text(value, name))
@@ -334,7 +342,7 @@ class Backend:
         if self._pic_refusal is not None:
             raise RequestError(f"this backend cannot run PIC prompts: {self._pic_refusal}")
         size = self._block_size
-        slots = sum(-(-span.length // size) * size for span in prompt.layout.spans)
+        slots = prompt.layout.padded_slots(size)
         if slots + size >= self.max_model_len:
             raise ContextLengthError(
                 f"the PIC prompt has {len(prompt.token_ids)} tokens, {slots} with each span "
@@ -504,19 +512,21 @@ class Stream(Iterator[str]):
 def _completions(
     engine: Engine, prompt: "PromptIds", params: SamplingParams, n: int
 ) -> list[EngineSequence]:
-    """``n`` completions: the first leads, the others wait for its prompt and share it (a
-    PIC prompt's through the pool's keys, where prefix caching is on)."""
+    """``n`` completions: the first leads, the others wait for its prompt and share it. A
+    PIC prompt's blocks are shared through the pool's keys: only with prefix caching on
+    do the others wait (without it they would wait to compute it all the same)."""
     ids, pic = (
         (prompt.token_ids, prompt.layout) if isinstance(prompt, PicPrompt) else (prompt, None)
     )
     leader = engine.new_sequence(ids, params, pic=pic)
+    follows = leader if pic is None or engine.config.prefix_caching else None
     others = [
-        engine.new_sequence(ids, _nth_seed(params, i), leader=leader, pic=pic) for i in range(1, n)
+        engine.new_sequence(ids, _nth_seed(params, i), leader=follows, pic=pic) for i in range(1, n)
     ]
     return [leader, *others]
 
 
-def _pic_refusal(engine: Engine, settings: BackendSettings) -> str | None:
+def _pic_refusal(engine: Engine) -> str | None:
     """Why PIC prompts cannot run on this engine's cache, or None where they can."""
     info = engine.cache_info
     if info.kind != "paged":
@@ -526,8 +536,11 @@ def _pic_refusal(engine: Engine, settings: BackendSettings) -> str | None:
         )
     if info.compression is not None:
         return f"its KV cache is compressed (MISTRALRS_KV_CACHE_COMPRESSION={info.compression})"
-    if settings.speculative_draft_model:
-        return "it decodes with a speculative draft model (MISTRALRS_SPECULATIVE_DRAFT_MODEL)"
+    if isinstance(engine.runner, SpeculativeRunner):
+        return (
+            "it decodes with a speculative draft (MISTRALRS_SPECULATIVE_DRAFT_MODEL or "
+            "MISTRALRS_SPECULATIVE_DRAFT_ISQ)"
+        )
     return None
 
 

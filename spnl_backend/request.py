@@ -114,17 +114,14 @@ def token_id_prompts(token_ids: object, vocab_size: int) -> tuple[list[list[int]
         )
     if all(isinstance(item, list | tuple) for item in items):
         return [
-            _token_ids(item, vocab_size, f"prompt_token_ids[{i}]") for i, item in enumerate(items)
+            checked_token_ids(item, vocab_size, f"prompt_token_ids[{i}]")
+            for i, item in enumerate(items)
         ], False
-    return [_token_ids(token_ids, vocab_size, "prompt_token_ids")], True
+    return [checked_token_ids(token_ids, vocab_size, "prompt_token_ids")], True
 
 
-def token_id_prompts_one(value: object, vocab_size: int, name: str) -> list[int]:
+def checked_token_ids(value: object, vocab_size: int, name: str) -> list[int]:
     """One non-empty list of token ids within the vocabulary, named ``name`` in errors."""
-    return _token_ids(value, vocab_size, name)
-
-
-def _token_ids(value: object, vocab_size: int, name: str) -> list[int]:
     items = _read_once(value, list | tuple) or []
     ids = [_plain_int(item) for item in items]
     if not ids or any(i is None or not 0 <= i < vocab_size for i in ids):
@@ -132,22 +129,25 @@ def _token_ids(value: object, vocab_size: int, name: str) -> list[int]:
     return ids  # type: ignore[return-value]
 
 
-def check_messages(messages: object) -> list[dict[str, object]]:
-    """The chat messages as plain dicts, their ``role`` and ``content`` plain strings."""
+def check_messages(
+    messages: object, where: str = "messages", offset: int = 0
+) -> list[dict[str, object]]:
+    """The chat messages as plain dicts, their ``role`` and ``content`` plain strings;
+    errors name message ``i`` as ``where[offset + i]``."""
     items = _read_once(messages, list)
     if not items:
-        raise RequestError("messages must be a non-empty list of {'role', 'content'} dicts")
+        raise RequestError(f"{where} must be a non-empty list of {{'role', 'content'}} dicts")
     checked = []
-    for i, message in enumerate(items):
+    for index, message in enumerate(items):
+        name = f"{where}[{offset + index}]"
         fields = _message_fields(message)
         if fields is None:
             raise RequestError(
-                f"messages[{i}] = {shown(message)}: "
-                "expected a dict with string 'role' and 'content'"
+                f"{name} = {shown(message)}: expected a dict with string 'role' and 'content'"
             )
         role, content = fields
-        check_text(role, f"messages[{i}]['role']")
-        check_text(content, f"messages[{i}]['content']")
+        check_text(role, f"{name}['role']")
+        check_text(content, f"{name}['content']")
         checked.append({**dict.copy(message), "role": role, "content": content})
     return checked
 

@@ -6,7 +6,7 @@ from functools import cache
 
 import pytest
 import torch
-from helpers import engine_internals, run_together
+from helpers import engine_internals, engine_logits, run_together
 from pic_reference import reference_greedy
 from tiny_models import ARCHITECTURES
 
@@ -123,8 +123,13 @@ def test_the_plain_prompt_is_what_pic_without_plus_would_be(trained):
 # ---- reuse, exact -------------------------------------------------------------------------
 
 
-def test_a_hit_equals_a_miss_bit_for_bit(trained):
-    with _fresh(trained) as backend:
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"paged_cache_type": "f32", "cpu_matmul": "float32"}],
+    ids=["defaults", "float activations and cache"],  # the latter round nothing away
+)
+def test_a_hit_equals_a_miss_bit_for_bit(trained, extra):
+    with _fresh(trained, **extra) as backend:
         pieces = _pieces(backend, DOCS[:3])
         cold_tokens, cold_logits, cold = _run(backend, pieces)
         warm_tokens, warm_logits, warm = _run(backend, pieces)
@@ -136,12 +141,15 @@ def test_a_hit_equals_a_miss_bit_for_bit(trained):
     assert warm_tokens == cold_tokens
 
 
-def test_shuffled_documents_hit_and_equal_a_cold_run(trained):
-    with _fresh(trained) as backend:
+@pytest.mark.parametrize(
+    "extra", [{}, {"paged_cache_type": "f32", "cpu_matmul": "float32"}], ids=["defaults", "floats"]
+)
+def test_shuffled_documents_hit_and_equal_a_cold_run(trained, extra):
+    with _fresh(trained, **extra) as backend:
         _run(backend, _pieces(backend, DOCS[:3]))
         shuffled = _pieces(backend, [DOCS[2], DOCS[0], DOCS[1]])
         tokens, logits, usage = _run(backend, shuffled)
-    with _fresh(trained) as cold:
+    with _fresh(trained, **extra) as cold:
         cold_tokens, cold_logits, _ = _run(cold, shuffled)
     assert usage.pic_miss_tokens == 0
     assert torch.equal(logits, cold_logits)
@@ -442,3 +450,70 @@ def test_pic_steps_on_the_layer_blocks_give_the_per_op_bits(tiny, arch, monkeypa
     assert results[0][0] == results[1][0]
     assert results[0][2] == results[1][2]
     assert results[1][2][1] == results[1][0]
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+def test_a_plain_prompt_hitting_a_pic_prompts_prefix_gets_its_own_bits(tiny, arch):
+    """The first cross span of a PIC prompt shares the prefix cache's keys, so its tokens
+    attend exactly as a plain prompt's would (key lists chunked alike, past the window)."""
+    path = str(tiny.hf(arch).path)
+    # Float activations and cache: int8 and float16 would round the difference away.
+    exact = {"paged_cache_type": "f32", "cpu_matmul": "float32"}
+    with _fresh(path, **exact) as backend:
+        words = backend.tokenizer.encode_plain(" ".join(DOCS * 12))
+        # Past 256 keys (the kernel's chunk) a window's keys straddle two chunks: tokens
+        # 257-263 here, whose differences would reach the plain prompt's first queries.
+        head, tail = words[:280], words[280:292]
+        backend.generate(blocks=[("cross", head), ("plus", words[320:330])], max_tokens=1)
+        plain = backend.generate(prompt_token_ids=head + tail, max_tokens=TOKENS, temperature=0)
+        logits = engine_logits(backend, head + tail)
+    with _fresh(path, **exact) as cold:
+        expected = cold.generate(prompt_token_ids=head + tail, max_tokens=TOKENS, temperature=0)
+        expected_logits = engine_logits(cold, head + tail)
+    assert plain.usage.cached_tokens == 272  # the full blocks the PIC prompt computed
+    assert plain.token_ids == expected.token_ids
+    assert torch.equal(logits, expected_logits)
+
+
+def test_relaxed_reuse_keys_what_follows_a_group_exactly(trained):
+    """Relaxed reuse loosens the elements' keys only: a cross span after a group that came
+    after another prefix is computed, not taken from the first request."""
+    with _fresh(trained, pic_reuse="relaxed") as backend:
+        words = backend.tokenizer.encode_plain(" ".join(DOCS * 3))
+        doc, question = words[:20], words[20:70]
+        first = [("cross", words[70:90]), ("plus", doc), ("cross", question)]
+        backend.generate(blocks=first, max_tokens=1)
+        other = [("cross", words[90:110]), ("plus", doc), ("cross", question)]
+        usage = backend.generate(blocks=other, max_tokens=1).usage
+    assert usage.pic_hit_tokens == len(doc)
+    assert usage.cached_tokens == len(doc)  # nothing of the question
+
+
+def test_a_self_drafted_backend_refuses_pic_prompts(trained):
+    refused = pytest.raises(RequestError, match="speculative draft")
+    with _fresh(trained, speculative_draft_isq="Q4_0") as backend, refused:
+        backend.generate(blocks=[("plus", "a document")], max_tokens=2)
+
+
+def test_a_first_plus_message_after_an_unknown_preamble_is_refused(trained):
+    injecting = (
+        "{% if messages[0]['role'] != 'system' %}<system>Be brief.</turn>{% endif %}" + TEMPLATE
+    )
+    with _fresh(trained) as backend:
+        backend.tokenizer.hf.chat_template = injecting
+        doc = {"role": "user", "content": PLUS_MARKER + DOCS[0]}
+        question = {"role": "user", "content": QUESTION}
+        with pytest.raises(RequestError, match="first message cannot be plus"):
+            backend.chat([doc, question], max_tokens=2)
+        result = backend.chat([question, doc, question], max_tokens=2)
+    assert result.usage.pic_miss_tokens > 0
+
+
+def test_chat_errors_name_the_message_they_are_about(trained):
+    with _fresh(trained) as backend:
+        backend.tokenizer.hf.chat_template = TEMPLATE
+        good = {"role": "user", "content": PLUS_MARKER + "x"}
+        with pytest.raises(RequestError, match=r"messages\[2\] = "):
+            backend.chat([good, good, {"role": 1}], max_tokens=1)
+        with pytest.raises(RequestError, match=r"messages\[1\]\[0\]"):
+            backend.chat([good, [{"content": "x"}]], max_tokens=1)

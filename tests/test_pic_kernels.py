@@ -33,7 +33,8 @@ def test_layout_numbers_both_schemes():
     assert after.positions == (0, 1, 2, 3, 4, 3, 4, 5, 6, 7, 8)
     assert local.positions == (0, 1, 2, 0, 1, 0, 1, 2, 3, 3, 4)
     assert (after.next_position, local.next_position) == (9, 5)
-    assert after.groups() == [[1, 2]]
+    assert after.first_plus == 3
+    assert after.padded_slots(4) == 4 + 4 + 4 + 4
     assert after.position(12) == 10
 
 
@@ -122,6 +123,25 @@ def test_pic_attention_equals_the_dense_rule(native, scheme, queries, options, p
     twin = paged_attention_ref(q, pool_k, pool_v, meta, scale=0.25, **options)
     cpu = cpu_kernel_set(native).paged_attention(q, pool_k, pool_v, meta, scale=0.25, **options)
     torch.testing.assert_close(twin, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cpu, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 3}], ids=["plain", "window"])
+def test_queries_before_the_first_plus_list_their_keys_as_a_plain_prompt(native, options):
+    """Their rows are the plain path's (every key from the start, the window as a first
+    key), so their chunks, and bits, are a plain prompt's."""
+    layout, keys, q, pool_k, pool_v, k, v = _pic_case("after_prefix", QUERIES["prefill"])
+    keys.plain_until = layout.first_plus
+    window = options.get("sliding_window")
+    slots, lens, firsts = keys.rows(window)
+    for row in range(layout.first_plus):
+        assert lens[row] == row + 1
+        assert slots[row, : row + 1].tolist() == keys.key_slots[: row + 1].tolist()
+        assert firsts[row] == (max(row + 1 - window, 0) if window else 0)
+    assert not firsts[layout.first_plus :].any()
+    meta = _meta(keys, pool_k)
+    cpu = cpu_kernel_set(native).paged_attention(q, pool_k, pool_v, meta, scale=0.25, **options)
+    expected = _expected(layout, keys, q, k, v, window, None)
     torch.testing.assert_close(cpu, expected, atol=1e-5, rtol=1e-5)
 
 

@@ -57,7 +57,9 @@ def build_engine(
         )
         runner = SpeculativeRunner(loaded.model, drafter, settings.speculative_gamma, loaded.device)
     engine_config = EngineConfig(
-        max_model_len=max_len, eos_token_ids=frozenset(loaded.tokenizer.eos_token_ids)
+        max_model_len=max_len,
+        eos_token_ids=frozenset(loaded.tokenizer.eos_token_ids),
+        prefix_caching=settings.prefix_cache_enabled,
     )
     return Engine(runner, loaded.tokenizer, engine_config, info)
 

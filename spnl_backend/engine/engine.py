@@ -24,6 +24,7 @@ class EngineConfig:
     # A prompt's chunk while other sequences decode: bounds how long one step holds up
     # their next tokens (bench/serve.py: inter-token latency p99).
     prefill_chunk_while_decoding: int = 256
+    prefix_caching: bool = True  # MISTRALRS_PREFIX_CACHE_N > 0
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class Engine:
         max_len = self.config.max_model_len
         if pic is not None and self.cache_info.block_size:
             size = self.cache_info.block_size
-            max_len -= sum(-span.length % size for span in pic.spans) + size
+            max_len -= pic.padded_slots(size) - pic.num_prompt_tokens + size
         return Sequence(prompt_ids, params, max_len=max_len, leader=leader, pic=pic)
 
     def add_sequence(self, seq: Sequence) -> None:

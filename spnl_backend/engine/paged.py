@@ -10,6 +10,7 @@ from typing import Protocol
 
 import torch
 
+from ..errors import EngineError
 from ..kernels import Kernels
 from ..kernels.metadata import PagedMetadata
 from ..kernels.paged_ref import fp8_scale
@@ -87,7 +88,7 @@ class PagedStep:
         )
 
     def native_keys(
-        self, windows: tuple[int, ...] = ()
+        self, windows: tuple[int, ...]
     ) -> tuple[NativeKeys, list[tuple[torch.Tensor, torch.Tensor]]] | None:
         """The step's keys and each layer's (key, value) pool for the native layer blocks,
         where the CPU set runs this step's store and attention natively (else None);
@@ -185,10 +186,10 @@ class PagedCacheManager:
                     hits[block.index], found[block.index] = block, block_id
         width = max(hits, default=-1) + 1
         table = BlockTable([found.get(index, UNTAKEN) for index in range(width)])
-        for block_id in found.values():
-            self.blocks.share(block_id)
         progress.admit(hits, len(tokens))
         self.tables[seq.seq_id], self.pic[seq.seq_id] = table, progress
+        for block_id in found.values():
+            self.blocks.share(block_id)
         seq.num_computed_tokens = progress.num_hit
         if not seq.output_token_ids:  # a new request, not a preempted one coming back
             seq.num_cached_tokens = progress.num_hit
@@ -233,6 +234,8 @@ class PagedCacheManager:
 
     def truncate(self, seq: CachedTokens) -> None:
         """Return the blocks past the sequence's computed tokens (rejected draft slots)."""
+        if seq.seq_id in self.pic:  # its blocks are not in token order: never drafted
+            raise EngineError("a PIC sequence's blocks cannot be truncated (no drafts)")
         table = self.tables.get(seq.seq_id)
         if table is not None:
             self.blocks.truncate(table, self.blocks.blocks_for(seq.num_computed_tokens))
@@ -274,17 +277,14 @@ class PagedCacheManager:
                 logical = range(start, start + item.num_new_tokens)
                 seq_lens.append(start + item.num_new_tokens)
                 pic.append(None)
-            else:
-                indices = self.pic_feed(item.seq, item.num_new_tokens)[0]
-                keys = self._pic_keys(progress, table, indices)
-                logical = keys.key_slots[keys.q_index].tolist()
-                seq_lens.append(len(table) * self.block_size)
-                pic.append(keys.to(device))
-            if progress is None:
                 size = self.block_size
                 slots += [table[p // size] * size + p % size for p in logical]
             else:
-                slots += logical
+                indices = self.pic_feed(item.seq, item.num_new_tokens)[0]
+                keys = self._pic_keys(progress, table, indices)
+                slots += keys.key_slots[keys.q_index].tolist()
+                seq_lens.append(len(table) * self.block_size)
+                pic.append(keys.to(device))
             tables.append(table)
             query_lens.append(item.num_new_tokens)
         width = max(len(t) for t in tables)
@@ -309,7 +309,10 @@ class PagedCacheManager:
         blocks = torch.tensor(table)[logical // self.block_size]
         key_blocks, key_positions = progress.layout.key_tensors(count)
         slots = blocks * self.block_size + logical % self.block_size
-        return PicKeys(slots, key_blocks, key_positions, torch.tensor(indices))
+        if int(slots.min()) < 0:  # an untaken block: reserve missed one (never expected)
+            raise EngineError("a PIC sequence's keys reach a block it has not taken")
+        first_plus = progress.layout.first_plus
+        return PicKeys(slots, key_blocks, key_positions, torch.tensor(indices), first_plus)
 
 
 def _log_pic_lookup(

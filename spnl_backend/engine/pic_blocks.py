@@ -80,15 +80,15 @@ def _segments(layout: PicLayout, tokens: list[int], block_size: int, reuse: str)
     context, base, group = _ROOT, 0, [0]
     for index, span in enumerate(spans):
         if span.kind == "plus":
-            if reuse == "exact":
-                root = _mix(b"plus", context)
-            else:
-                root = _mix(b"plus-relaxed", layout.position(span.start))
+            exact = _mix(b"plus", context)
+            root = exact if reuse == "exact" else _mix(b"relaxed", layout.position(span.start))
         else:
-            root = _ROOT if index == 0 else _mix(b"cross", context)
+            exact = root = _ROOT if index == 0 else _mix(b"cross", context)
         segments.append(_Segment(span, base, root))
         base += -(-max(span.length, 1) // block_size) * block_size
-        end_digest = _chain_end(root, tokens[span.start : span.end], block_size)
+        # The context chains exact keys whatever the reuse: what follows a group is keyed by
+        # everything before it, even where the group's own elements are reused loosely.
+        end_digest = _chain_end(exact, tokens[span.start : span.end], block_size)
         if span.kind == "plus":
             group.append(end_digest)
             if index + 1 == len(spans) or spans[index + 1].kind != "plus":

@@ -57,28 +57,26 @@ def step_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids and positions of every scheduled token, packed sequence after sequence
     (a PIC sequence's from its cache, which knows which of its tokens come next)."""
-    ids: list[int] = []
-    positions: list[int] = []
+    feeds: list[tuple[int | list[int], list[int]]] = []
     for item in batch:
         start, count = item.seq.num_computed_tokens, item.num_new_tokens
         if getattr(item.seq, "pic", None) is not None and cache is not None:
             indices, places = cache.pic_feed(item.seq, count)  # type: ignore[attr-defined]
             tokens = item.seq.token_ids
-            ids += [tokens[i] for i in indices]
-            positions += places
+            feeds.append((places, [tokens[i] for i in indices]))
         else:
-            ids += item.seq.token_ids[start : start + count]
-            positions += range(start, start + count)
-    return torch.tensor(ids, device=device), torch.tensor(positions, device=device)
+            feeds.append((start, item.seq.token_ids[start : start + count]))
+    return pack_inputs(feeds, device)
 
 
 def pack_inputs(
-    feeds: list[tuple[int, list[int]]], device: torch.device
+    feeds: list[tuple[int | list[int], list[int]]], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(first position, tokens)`` of each sequence → packed token ids and positions."""
+    """``(first position or every position, tokens)`` of each sequence → packed token ids
+    and positions."""
     ids: list[int] = []
     positions: list[int] = []
     for start, tokens in feeds:
         ids += tokens
-        positions += range(start, start + len(tokens))
+        positions += range(start, start + len(tokens)) if isinstance(start, int) else start
     return torch.tensor(ids, device=device), torch.tensor(positions, device=device)

@@ -105,6 +105,8 @@ def paged_attention_ref(
     for i, (seq_len, query_len) in enumerate(zip(meta.seq_lens, meta.query_lens, strict=True)):
         end = start + query_len
         pic = meta.pic_of(i)
+        if pic is not None and alibi_slopes is not None:
+            raise ValueError("PIC sequences do not take ALiBi: their positions overlap")
         if pic is not None:
             out[start:end] = _pic_attention(
                 q[start:end],

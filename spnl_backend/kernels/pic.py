@@ -25,6 +25,9 @@ class PicKeys:
     key_blocks: torch.Tensor  # [K] int64 block ids (0: cross)
     key_positions: torch.Tensor  # [K] int64
     q_index: torch.Tensor  # [queries] int64 prompt-order indices
+    # Tokens before the first plus one: they attend as in a plain prompt, whose blocks they
+    # share through the prefix cache, so their key lists are a plain prompt's (same chunks).
+    plain_until: int = 0
     _rows: dict = field(default_factory=dict, repr=False)
 
     def to(self, device: torch.device) -> "PicKeys":
@@ -35,6 +38,7 @@ class PicKeys:
             self.key_blocks.to(device),
             self.key_positions.to(device),
             self.q_index.to(device),
+            self.plain_until,
         )
 
     def visible(self, window: int | None) -> torch.Tensor:
@@ -49,12 +53,29 @@ class PicKeys:
             window,
         )
 
-    def rows(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each query's visible key slots in prompt order ``[queries, width]`` (rows padded
-        with slot 0) and their counts ``[queries]``: the keys of a decode of its own."""
+    def rows(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each query's key slots in prompt order ``[queries, width]`` (padded with slot 0),
+        their counts and each query's first key ``[queries]``: a query before the first
+        plus token lists its keys as a plain prompt's decode would (from the start, the
+        window as a first key); any other lists just its visible keys (first key 0)."""
         if window not in self._rows:
-            self._rows[window] = key_rows(self.visible(window), self.key_slots)
+            self._rows[window] = self._make_rows(window)
         return self._rows[window]
+
+    def _make_rows(self, window: int | None):
+        plain = int((self.q_index < self.plain_until).sum())
+        rows, lens = key_rows(self.visible(window)[plain:], self.key_slots)
+        firsts = torch.zeros(self.q_index.numel(), dtype=torch.int64)
+        if plain:
+            lead = self.q_index[:plain] + 1  # queries come in prompt order
+            width = max(rows.shape[1], int(lead.max()))
+            head = self.key_slots[:width].expand(plain, width)
+            head = torch.where(torch.arange(width) < lead[:, None], head, 0)
+            rows = torch.cat([head, torch.nn.functional.pad(rows, (0, width - rows.shape[1]))])
+            lens = torch.cat([lead, lens])
+            if window is not None:
+                firsts[:plain] = (lead - window).clamp(min=0)
+        return rows, lens, firsts
 
 
 def key_rows(seen: torch.Tensor, key_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

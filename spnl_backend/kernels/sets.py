@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 
 from .cpu import POOL_DTYPES, CpuKernels, KernelArgumentError
 from .metadata import PagedMetadata
@@ -123,27 +124,37 @@ def pic_step_keys(
 
 
 def _pic_step_keys(meta: PagedMetadata, window: int | None):
-    plain_slots, plain_lens = _decode_keys(meta)
-    pic = [keys.rows(window) for keys in meta.pic or () if keys is not None]
-    width = max(plain_slots.shape[1], *(rows.shape[1] for rows, _ in pic))
-    slots = torch.nn.functional.pad(plain_slots, (0, width - plain_slots.shape[1]))
-    lens = plain_lens.clone()
-    start, found = 0, iter(pic)
-    for index, count in enumerate(meta.query_lens):
-        if meta.pic_of(index) is not None:
-            rows, row_lens = next(found)
-            slots[start : start + count] = 0
-            slots[start : start + count, : rows.shape[1]] = rows
-            lens[start : start + count] = row_lens
-        start += count
-    if window is None:
-        return slots, lens, None
-    firsts = (plain_lens - window).clamp(min=0)
-    for index, count in enumerate(meta.query_lens):
-        if meta.pic_of(index) is not None:
-            begin = sum(meta.query_lens[:index])
-            firsts[begin : begin + count] = 0
+    pic = [keys.rows(window) if keys is not None else None for keys in meta.pic or ()]
+    plain_index = [i for i, rows in enumerate(pic) if rows is None]
+    plain = _decode_keys(_only(meta, plain_index)) if plain_index else None
+    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    start = 0  # into the plain sequences' rows
+    for index, rows in enumerate(pic):
+        if rows is None:
+            count = meta.query_lens[index]
+            slots, lens = plain[0][start : start + count], plain[1][start : start + count]
+            first = (lens - window).clamp(min=0) if window else torch.zeros_like(lens)
+            parts.append((slots, lens, first))
+            start += count
+        else:
+            parts.append(rows)
+    width = max(part[0].shape[1] for part in parts)
+    slots = torch.cat([F.pad(part[0], (0, width - part[0].shape[1])) for part in parts])
+    lens = torch.cat([part[1] for part in parts])
+    firsts = torch.cat([part[2] for part in parts]) if window else None
     return slots, lens, firsts
+
+
+def _only(meta: PagedMetadata, index: list[int]) -> PagedMetadata:
+    """The step's sequences ``index`` alone (their rows are what the step's would be)."""
+    pick = torch.tensor(index, device=meta.device)
+    return PagedMetadata(
+        meta.block_tables[pick],
+        [meta.seq_lens[i] for i in index],
+        [meta.query_lens[i] for i in index],
+        meta.block_size,
+        None,
+    )
 
 
 @dataclass(frozen=True)
@@ -161,7 +172,7 @@ class NativeKeys:
 
 
 def native_keys(
-    kernels: Kernels, meta: PagedMetadata, pool: torch.Tensor, windows: tuple[int, ...] = ()
+    kernels: Kernels, meta: PagedMetadata, pool: torch.Tensor, windows: tuple[int, ...]
 ) -> NativeKeys | None:
     """The step's `NativeKeys` where the CPU set would store and attend natively for every
     query of every layer (a float pool, every query through the decode kernel), else None.

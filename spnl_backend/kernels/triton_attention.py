@@ -387,32 +387,31 @@ class _PicArrays:
     """A step's PIC sequences as the kernel reads them: per sequence the offset of its keys
     in the flat arrays (-1: a plain sequence) and its key count in place of its length;
     per key its pool slot (int64), block id and position; per query token its prompt index,
-    block id and position (zeros for a plain sequence's tokens)."""
+    block id and position (zeros for a plain sequence's tokens). Built where the step's
+    `PicKeys` are (the device), without a round trip to the host."""
 
     def __init__(self, meta: PagedMetadata, device: torch.device) -> None:
-        starts, lens, slots, blocks, places = [], [], [], [], []
-        queries = torch.zeros((sum(meta.query_lens), 3), dtype=torch.int32)
-        offset, row = 0, 0
+        starts, lens, slots, blocks, places, queries = [], [], [], [], [], []
+        offset = 0
         for index, (seq_len, count) in enumerate(zip(meta.seq_lens, meta.query_lens, strict=True)):
             keys = meta.pic_of(index)
             if keys is None:
                 starts.append(-1)
                 lens.append(seq_len)
-            else:
-                starts.append(offset)
-                lens.append(keys.key_slots.numel())
-                offset += keys.key_slots.numel()
-                slots.append(keys.key_slots.cpu())
-                blocks.append(keys.key_blocks.cpu())
-                places.append(keys.key_positions.cpu())
-                q = keys.q_index.cpu()
-                queries[row : row + count] = torch.stack(
-                    [q, keys.key_blocks.cpu()[q], keys.key_positions.cpu()[q]], dim=1
-                )
-            row += count
+                queries.append(torch.zeros((count, 3), dtype=torch.int64, device=device))
+                continue
+            keys = keys.to(device)
+            starts.append(offset)
+            lens.append(keys.key_slots.numel())
+            offset += keys.key_slots.numel()
+            slots.append(keys.key_slots)
+            blocks.append(keys.key_blocks)
+            places.append(keys.key_positions)
+            q = keys.q_index
+            queries.append(torch.stack([q, keys.key_blocks[q], keys.key_positions[q]], dim=1))
         self.start = torch.tensor(starts, dtype=torch.int32, device=device)
         self.lens = torch.tensor(lens, dtype=torch.int32, device=device)
-        self.slots = torch.cat(slots).to(device=device, dtype=torch.int64)
-        self.blocks = torch.cat(blocks).to(device=device, dtype=torch.int32)
-        self.places = torch.cat(places).to(device=device, dtype=torch.int32)
-        self.queries = queries.to(device)
+        self.slots = torch.cat(slots).to(torch.int64)
+        self.blocks = torch.cat(blocks).to(torch.int32)
+        self.places = torch.cat(places).to(torch.int32)
+        self.queries = torch.cat(queries).to(torch.int32).contiguous()

@@ -81,16 +81,14 @@ class PicLayout:
     def num_plus_tokens(self) -> int:
         return sum(span.length for span in self.spans if span.kind == "plus")
 
-    def groups(self) -> list[list[int]]:
-        """Indices into ``spans`` of each group's elements (runs of plus spans)."""
-        groups: list[list[int]] = []
-        for index, span in enumerate(self.spans):
-            if span.kind == "plus":
-                if index and self.spans[index - 1].kind == "plus":
-                    groups[-1].append(index)
-                else:
-                    groups.append([index])
-        return groups
+    @property
+    def first_plus(self) -> int:
+        """The index of the first plus token (the tokens before it form a plain prompt)."""
+        return next(span.start for span in self.spans if span.kind == "plus")
+
+    def padded_slots(self, block_size: int) -> int:
+        """The slots the prompt takes with each span starting a new block."""
+        return sum(-(-span.length // block_size) * block_size for span in self.spans)
 
     def position(self, index: int) -> int:
         """The position of token ``index`` (a generated one past the prompt too)."""
@@ -100,7 +98,8 @@ class PicLayout:
 
     def key_tensors(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(block ids, positions)`` int64 ``[num_tokens]`` of the first ``num_tokens``
-        tokens (generated ones included: cross, positions counting on)."""
+        tokens (generated ones included: cross, positions counting on); read-only (views
+        of tensors the layout keeps)."""
         prompt = self.num_prompt_tokens
         blocks, positions = self._prompt_tensors
         if num_tokens <= prompt:

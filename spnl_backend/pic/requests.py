@@ -114,17 +114,20 @@ def _items(value: object) -> list[object] | None:
 
 
 def chat_pieces(
-    messages: list[object],
+    messages: object,
     render: Callable[[list[dict], bool], str],
     encode: Callable[[str], list[int]],
-    check: Callable[[object], list[dict]],
+    check: Callable[..., list[dict]],
+    max_chars: int,
 ) -> list[tuple[Kind, list[int]]] | None:
     """Marked chat messages as ``(kind, token ids)`` pieces, or None where none is plus.
 
     ``render(messages, add_generation_prompt)`` is the chat template's text and ``encode``
     tokenizes text without adding special tokens. Each message's turn is the text its
     rendering adds to the conversation before it, which the template must render as a
-    prefix of the whole (as templates do turn by turn)."""
+    prefix of the whole (as templates do turn by turn). Finding the turns renders the
+    conversation once per message, so at most `MAX_PIC_MESSAGES` and ``max_chars`` of
+    content (more than the context could hold) are taken."""
     flat, kinds = _flatten(messages, check)
     if "plus" not in kinds:
         return None
@@ -134,12 +137,17 @@ def chat_pieces(
             "span is found by rendering the conversation up to it); send more as "
             "generate(blocks=...)"
         )
+    chars = sum(len(message["content"]) for message in flat)
+    if chars > max_chars:
+        raise RequestError(
+            f"a PIC chat of {chars:,} characters of content: more than the context can hold "
+            f"(at most {max_chars:,} are taken); shorten it"
+        )
     full = render(flat, True)
-    ends = [_preamble(render, full)] + [
-        len(render(flat[:count], False)) for count in range(1, len(flat) + 1)
-    ]
-    for count in range(1, len(flat) + 1):
-        if not full.startswith(render(flat[:count], False)) or ends[count] < ends[count - 1]:
+    prefixes = [render(flat[:count], False) for count in range(1, len(flat) + 1)]
+    ends = [_preamble(render, full, kinds[0])] + [len(text) for text in prefixes]
+    for count, text in enumerate(prefixes, start=1):
+        if not full.startswith(text) or ends[count] < ends[count - 1]:
             raise RequestError(
                 "this model's chat template does not render the conversation turn by turn "
                 f"(messages[:{count}] is not a prefix of the whole), so a plus message's "
@@ -159,18 +167,21 @@ def chat_pieces(
     return [(kind, tokens) for kind, tokens in pieces if tokens]
 
 
-def _flatten(
-    messages: list[object], check: Callable[[object], list[dict]]
-) -> tuple[list[dict], list[Kind]]:
+def _flatten(messages: object, check: Callable[..., list[dict]]) -> tuple[list[dict], list[Kind]]:
     """The messages in order with each one's kind; groups (lists) are plus, and so is a
-    message whose content starts with the marker (stripped here)."""
+    message whose content starts with the marker (stripped here). Adjacent plus messages
+    are one group, however they were given."""
+    entries = _items(messages)
+    if not entries:
+        raise RequestError("messages must be a non-empty list of {'role', 'content'} dicts")
     flat: list[dict] = []
     kinds: list[Kind] = []
-    for index, entry in enumerate(messages):
+    for index, entry in enumerate(entries):
         group = isinstance(entry, list)
         if group and not entry:
             raise RequestError(f"messages[{index}] is an empty group; a group lists plus messages")
-        members = check(entry) if group else check([entry])
+        where = (entry, f"messages[{index}]") if group else ([entry], "messages", index)
+        members = check(*where)
         for member in members:
             content = member["content"]
             marked = isinstance(content, str) and content.startswith(PLUS_MARKER)
@@ -186,14 +197,25 @@ def _flatten(
     return flat, kinds
 
 
-def _preamble(render: Callable[[list[dict], bool], str], full: str) -> int:
+def _preamble(render: Callable[[list[dict], bool], str], full: str, first: Kind) -> int:
     """The length of what the template renders before any message (a BOS token's text),
-    which stays cross; 0 where it renders nothing, or refuses an empty conversation."""
+    which stays cross. Where the template refuses an empty conversation (or renders it as
+    something else), that is unknown: harmless when the first message is cross, whose
+    span takes it; a first plus message would take it into its element, so that is
+    refused."""
     try:
         before = render([], False)
     except RequestError:
-        return 0
-    return len(before) if full.startswith(before) else 0
+        before = None
+    if before is not None and full.startswith(before):
+        return len(before)
+    if first == "plus":
+        raise RequestError(
+            "this model's chat template renders something before the first message that "
+            "cannot be told apart from it, so the first message cannot be plus: begin with "
+            "a cross message (a system or user turn), or send generate(blocks=...)"
+        )
+    return 0
 
 
 def has_marker(messages: Sequence[object]) -> bool:

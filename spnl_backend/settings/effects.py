@@ -38,6 +38,15 @@ def ineffective_settings(
             "PIC prompts run in the paged pool, and paged attention is off "
             f"({decisions.paged_attn_reason})",
         )
+    elif (
+        settings.kv_cache_compression != "none"
+        or settings.speculative_draft_model
+        or (settings.speculative_draft_isq)
+    ):
+        report(
+            _PIC,
+            "PIC prompts do not run with a compressed KV cache or a speculative draft",
+        )
     elif settings.pic_reuse != "exact" and not settings.prefix_cache_enabled:
         report(
             ("pic_reuse",),
