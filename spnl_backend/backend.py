@@ -284,6 +284,13 @@ class Backend:
         not only each sequence's end. Read the request from this thread (`items`) or, with
         ``asynchronous``, from this event loop (`aitems`)."""
         loop = self._open_loop()
+        for prompt in prompts if isinstance(prompts, list) else [None]:
+            ids = prompt.token_ids if isinstance(prompt, PicPrompt) else prompt
+            if not (isinstance(ids, list) and ids and all(type(t) is int for t in ids)):
+                raise RequestError(
+                    "submit takes a list of checked prompts (lists of token ids, or PIC "
+                    "prompts): see prompt_ids and chat_prompt_ids"
+                )
         channel = AsyncChannel(pieces) if asynchronous else ThreadChannel(pieces)
         seqs = [seq for ids in prompts for seq in _completions(loop.engine, ids, params, n)]
         loop.submit(seqs, channel)

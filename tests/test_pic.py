@@ -356,6 +356,17 @@ def test_a_chat_of_too_many_messages_is_refused(trained):
             backend.chat(many, max_tokens=1)
 
 
+def test_submit_refuses_what_is_not_a_checked_prompt(trained):
+    from spnl_backend.request import sampling_params
+
+    backend = _backend(trained)
+    prompt = backend.prompt_ids(None, None, [("plus", "a document")])[0][0]
+    for wrong in ([[prompt]], [["x"]], "ids", [[]]):
+        with pytest.raises(RequestError, match="checked prompts"):
+            backend.submit(wrong, sampling_params(max_tokens=1))
+    assert backend.generate("Lazy dogs", max_tokens=2).token_ids
+
+
 def test_blocks_and_a_prompt_together_are_refused(trained):
     with pytest.raises(RequestError, match="exactly one"):
         _backend(trained).generate("x", blocks=[("plus", "y")])
@@ -507,6 +518,33 @@ def test_a_first_plus_message_after_an_unknown_preamble_is_refused(trained):
             backend.chat([doc, question], max_tokens=2)
         result = backend.chat([question, doc, question], max_tokens=2)
     assert result.usage.pic_miss_tokens > 0
+
+
+class HostileText(str):
+    def startswith(self, *args):
+        raise RuntimeError("no")
+
+
+class HostileLength(list):
+    def __len__(self):
+        raise RuntimeError("no")
+
+
+def test_hostile_chat_objects_are_read_as_plain_values(trained):
+    with _fresh(trained) as backend:
+        backend.tokenizer.hf.chat_template = TEMPLATE
+        plain = backend.chat([{"role": "user", "content": HostileText("x")}], max_tokens=2)
+        marked = HostileText(PLUS_MARKER + "a document")
+        pic = backend.chat(
+            [{"role": "user", "content": "q"}, {"role": "user", "content": marked}], max_tokens=2
+        )
+        with pytest.raises(RequestError, match="group"):
+            backend.chat(
+                [{"role": "user", "content": "q"}, HostileLength([{"role": "user"}])],
+                max_tokens=2,
+            )
+    assert plain.usage.pic_miss_tokens == 0
+    assert pic.usage.pic_miss_tokens > 0
 
 
 def test_chat_errors_name_the_message_they_are_about(trained):

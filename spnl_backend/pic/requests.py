@@ -178,10 +178,16 @@ def _flatten(messages: object, check: Callable[..., list[dict]]) -> tuple[list[d
     kinds: list[Kind] = []
     for index, entry in enumerate(entries):
         group = isinstance(entry, list)
-        if group and not entry:
-            raise RequestError(f"messages[{index}] is an empty group; a group lists plus messages")
-        where = (entry, f"messages[{index}]") if group else ([entry], "messages", index)
-        members = check(*where)
+        if group:
+            items = _items(entry)  # read once, whatever the list's own methods do
+            if not items:
+                raise RequestError(
+                    f"messages[{index}] is an empty group (or one that cannot be read); a "
+                    "group is a non-empty list of plus messages"
+                )
+            members = check(items, f"messages[{index}]")
+        else:
+            members = check([entry], "messages", index)
         for member in members:
             content = member["content"]
             marked = isinstance(content, str) and content.startswith(PLUS_MARKER)
@@ -226,6 +232,6 @@ def has_marker(messages: Sequence[object]) -> bool:
             return True
         if isinstance(entry, dict):
             content = dict.get(entry, "content")
-            if isinstance(content, str) and content.startswith(PLUS_MARKER):
+            if isinstance(content, str) and str.startswith(content, PLUS_MARKER):
                 return True
     return False
