@@ -114,7 +114,9 @@ def _attention_kernel(
         q_index = tl.load(pic_q_ptr + pic_row, mask=row_ok, other=0)
         q_block = tl.load(pic_q_ptr + pic_row + 1, mask=row_ok, other=0)
         q_place = tl.load(pic_q_ptr + pic_row + 2, mask=row_ok, other=0)
-        last = tl.where(is_pic, seq_len - 1, last)
+        # A PIC tile's keys end at its last query's prompt index (its queries come in
+        # prompt order, each seeing keys at or before it).
+        last = tl.where(is_pic, tl.max(tl.where(row_ok, q_index, 0), 0), last)
         start = tl.where(is_pic, 0, start)
     first_step = start // TILE
     steps = last // TILE + 1 - first_step
