@@ -139,13 +139,19 @@ def load_text_tokenizer(model_dir: Path, eos_token_ids: Sequence[int]) -> Tokeni
     return Tokenizer(hf, eos_token_ids, str(model_dir))
 
 
-def load_gguf_tokenizer(
-    gguf_path: Path, architecture: str, eos_token_ids: Sequence[int]
-) -> Tokenizer:
+def gguf_tokenizer_dir(gguf_path: Path) -> Path:
+    """The directory holding a GGUF file's tokenizer as transformers saves it (converted
+    on first use, then cached): what libraries that want a transformers tokenizer read."""
     cached = cache_dir("tokenizers") / _cache_key(gguf_path)
     if not (cached / "tokenizer.json").exists():
         _convert(gguf_path, cached)
-    hf = _load_converted(cached)
+    return cached
+
+
+def load_gguf_tokenizer(
+    gguf_path: Path, architecture: str, eos_token_ids: Sequence[int]
+) -> Tokenizer:
+    hf = _load_converted(gguf_tokenizer_dir(gguf_path))
     if not hf.chat_template and architecture in _FALLBACK_TEMPLATES:
         hf.chat_template = _FALLBACK_TEMPLATES[architecture]
         log.info(
