@@ -32,8 +32,6 @@ from .request import (
     MAX_SEED,
     check_messages,
     check_prompt,
-    check_text,
-    checked_token_ids,
     prompt_list,
     reject_unknown,
     sampling_params,
@@ -313,7 +311,6 @@ class Backend:
                 messages,
                 tokenizer.render_chat,
                 tokenizer.encode_plain,
-                check_messages,
                 max_chars=MAX_CHARS_PER_TOKEN * self.max_model_len,
             )
             if pieces is not None:
@@ -325,15 +322,9 @@ class Backend:
     def _block_pieces(self, blocks: object) -> list[tuple[str, list[int]]]:
         """``generate(blocks=...)``: each block's text tokenized alone (no special tokens),
         after the BOS the tokenizer starts a prompt with, which is cross."""
+        tokenizer = self.tokenizer
         vocab = self.model_config.vocab_size
-
-        def ids(value: object, name: str) -> list[int]:
-            return checked_token_ids(value, vocab, name)
-
-        def text(value: str, name: str) -> list[int]:
-            return self.tokenizer.encode_plain(check_text(value, name))
-
-        return block_pieces(blocks, text, ids, self.tokenizer.encode(""))
+        return block_pieces(blocks, tokenizer.encode_plain, vocab, tokenizer.encode(""))
 
     def _split_sentinels(self, ids: list[int]) -> "PromptIds":
         sentinels = self._sentinels

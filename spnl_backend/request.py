@@ -76,7 +76,7 @@ def stop_strings(stop: object) -> tuple[str, ...]:
     (read once, each copied to a plain str)."""
     if stop is None:
         return ()
-    items = [stop] if isinstance(stop, str) else _read_once(stop, list | tuple) or [None]
+    items = [stop] if isinstance(stop, str) else read_once(stop, list | tuple) or [None]
     stops = tuple(_plain_str(item) for item in items)
     if not all(stops):
         raise _bad("stop", stop, "a non-empty string or a list of them")
@@ -95,7 +95,7 @@ def check_prompt(prompt: object) -> str:
 
 def prompt_list(prompts: object) -> list[str]:
     """A batch's prompts: a non-empty list or tuple of prompt strings."""
-    items = _read_once(prompts, list | tuple)
+    items = read_once(prompts, list | tuple)
     if not items:
         raise RequestError(
             "expected a prompt string or a non-empty list of prompt strings, "
@@ -107,7 +107,7 @@ def prompt_list(prompts: object) -> list[str]:
 def token_id_prompts(token_ids: object, vocab_size: int) -> tuple[list[list[int]], bool]:
     """``prompt_token_ids`` as plain lists of ids within the vocabulary: one list of ids
     (then True) or a non-empty list of them (then False)."""
-    items = _read_once(token_ids, list | tuple)
+    items = read_once(token_ids, list | tuple)
     if not items:
         raise _bad(
             "prompt_token_ids", token_ids, "a non-empty list of token ids, or a list of such lists"
@@ -122,7 +122,7 @@ def token_id_prompts(token_ids: object, vocab_size: int) -> tuple[list[list[int]
 
 def checked_token_ids(value: object, vocab_size: int, name: str) -> list[int]:
     """One non-empty list of token ids within the vocabulary, named ``name`` in errors."""
-    items = _read_once(value, list | tuple) or []
+    items = read_once(value, list | tuple) or []
     ids = [_plain_int(item) for item in items]
     if not ids or any(i is None or not 0 <= i < vocab_size for i in ids):
         raise _bad(name, value, f"a non-empty list of token ids from 0 to {vocab_size - 1}")
@@ -134,7 +134,7 @@ def check_messages(
 ) -> list[dict[str, object]]:
     """The chat messages as plain dicts, their ``role`` and ``content`` plain strings;
     errors name message ``i`` as ``where[offset + i]``."""
-    items = _read_once(messages, list)
+    items = read_once(messages, list)
     if not items:
         raise RequestError(f"{where} must be a non-empty list of {{'role', 'content'}} dicts")
     checked = []
@@ -152,7 +152,7 @@ def check_messages(
     return checked
 
 
-def _read_once(value: object, kinds: type | UnionType) -> list[object] | None:
+def read_once(value: object, kinds: type | UnionType) -> list[object] | None:
     """``value``'s items, read once, if it is one of ``kinds``; None where it is not, or
     where reading it raises (a list subclass with a hostile ``__iter__``)."""
     if not isinstance(value, kinds):

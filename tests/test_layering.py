@@ -37,7 +37,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("spnl_backend.compression",),
     ("spnl_backend.loader",),
     ("spnl_backend.engine",),
-    ("spnl_backend.request", "spnl_backend.backend", "=spnl_backend"),
+    # a request's checks, and PIC's three ways in (request parsing, beside them)
+    ("spnl_backend.request", "spnl_backend.pic.requests", "spnl_backend.backend", "=spnl_backend"),
     ("spnl_backend.server",),
     ("spnl_backend.cli",),
 )

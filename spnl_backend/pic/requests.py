@@ -17,6 +17,7 @@ Every malformed request (an empty span, a marker with nothing after it, bad kind
 from collections.abc import Callable, Sequence
 
 from ..errors import RequestError, shown
+from ..request import check_messages, check_text, checked_token_ids, read_once
 from ..settings.pic import CROSS_SENTINEL_ENV, PLUS_SENTINEL_ENV, PicSentinels
 from .layout import Kind, PicLayout, PicPrompt
 
@@ -62,16 +63,13 @@ def make_prompt(pieces: list[tuple[Kind, list[int]]], scheme: str) -> PicPrompt:
 
 
 def block_pieces(
-    blocks: object,
-    encode: Callable[[str, str], list[int]],
-    check_ids: Callable[[object, str], list[int]],
-    bos: list[int],
+    blocks: object, encode: Callable[[str], list[int]], vocab_size: int, bos: list[int]
 ) -> list[tuple[Kind, list[int]]]:
     """``generate(blocks=...)``: a non-empty list of ``(kind, text or token ids)``, read
-    once. Text is checked and tokenized block by block (``encode(text, its name)``);
-    where the first block is text, the ``bos`` tokens a prompt starts with come first,
-    as a cross span."""
-    items = _items(blocks)
+    once. Text is checked and tokenized block by block (``encode``: no special tokens);
+    where the first block is text, the ``bos`` tokens a prompt starts with come first, as
+    a cross span."""
+    items = read_once(blocks, list | tuple)
     if not items:
         raise RequestError(
             f"blocks={shown(blocks)}: expected a non-empty list of (kind, content) pairs, kind "
@@ -79,21 +77,21 @@ def block_pieces(
         )
     pieces: list[tuple[Kind, list[int]]] = []
     for index, item in enumerate(items):
-        pair = _items(item) or []
+        pair = read_once(item, list | tuple) or []
         kind = str.__str__(pair[0]) if len(pair) == 2 and isinstance(pair[0], str) else None
         if kind not in KINDS:
             raise RequestError(
                 f"blocks[{index}] = {shown(item)}: expected a pair (kind, content) with kind "
                 "'cross' or 'plus'"
             )
-        content = pair[1]
+        content, name = pair[1], f"blocks[{index}] content"
         if isinstance(content, str):
-            text = str.__str__(content)
-            tokens = encode(text, f"blocks[{index}] content") if text else []
+            text = check_text(str.__str__(content), name)
+            tokens = encode(text) if text else []
             if index == 0 and bos:
                 pieces.append(("cross", list(bos)))
         else:
-            tokens = check_ids(content, f"blocks[{index}] content")
+            tokens = checked_token_ids(content, vocab_size, name)
         if not tokens:
             raise RequestError(
                 f"blocks[{index}]: the {kind} block is empty; every block needs some text "
@@ -103,21 +101,10 @@ def block_pieces(
     return pieces
 
 
-def _items(value: object) -> list[object] | None:
-    """A list's or tuple's items, read once; None for anything else or a failing read."""
-    if not isinstance(value, list | tuple):
-        return None
-    try:
-        return list(value)
-    except Exception:  # a hostile __iter__
-        return None
-
-
 def chat_pieces(
     messages: object,
     render: Callable[[list[dict], bool], str],
     encode: Callable[[str], list[int]],
-    check: Callable[..., list[dict]],
     max_chars: int,
 ) -> list[tuple[Kind, list[int]]] | None:
     """Marked chat messages as ``(kind, token ids)`` pieces, or None where none is plus.
@@ -128,7 +115,7 @@ def chat_pieces(
     prefix of the whole (as templates do turn by turn). Finding the turns renders the
     conversation once per message, so at most `MAX_PIC_MESSAGES` and ``max_chars`` of
     content (more than the context could hold) are taken."""
-    flat, kinds = _flatten(messages, check)
+    flat, kinds = _flatten(messages)
     if "plus" not in kinds:
         return None
     if len(flat) > MAX_PIC_MESSAGES:
@@ -167,11 +154,11 @@ def chat_pieces(
     return [(kind, tokens) for kind, tokens in pieces if tokens]
 
 
-def _flatten(messages: object, check: Callable[..., list[dict]]) -> tuple[list[dict], list[Kind]]:
+def _flatten(messages: object) -> tuple[list[dict], list[Kind]]:
     """The messages in order with each one's kind; groups (lists) are plus, and so is a
     message whose content starts with the marker (stripped here). Adjacent plus messages
     are one group, however they were given."""
-    entries = _items(messages)
+    entries = read_once(messages, list | tuple)
     if not entries:
         raise RequestError("messages must be a non-empty list of {'role', 'content'} dicts")
     flat: list[dict] = []
@@ -179,15 +166,15 @@ def _flatten(messages: object, check: Callable[..., list[dict]]) -> tuple[list[d
     for index, entry in enumerate(entries):
         group = isinstance(entry, list)
         if group:
-            items = _items(entry)  # read once, whatever the list's own methods do
+            items = read_once(entry, list)  # whatever the list's own methods do
             if not items:
                 raise RequestError(
                     f"messages[{index}] is an empty group (or one that cannot be read); a "
                     "group is a non-empty list of plus messages"
                 )
-            members = check(items, f"messages[{index}]")
+            members = check_messages(items, f"messages[{index}]")
         else:
-            members = check([entry], "messages", index)
+            members = check_messages([entry], "messages", index)
         for member in members:
             content = member["content"]
             marked = isinstance(content, str) and content.startswith(PLUS_MARKER)
@@ -227,7 +214,7 @@ def _preamble(render: Callable[[list[dict], bool], str], full: str, first: Kind)
 def has_marker(messages: Sequence[object]) -> bool:
     """Whether any message is marked plus or grouped (cheap: before any checking; a list
     that cannot be read is left to the checks)."""
-    for entry in _items(messages) or []:
+    for entry in read_once(messages, list | tuple) or []:
         if isinstance(entry, list):
             return True
         if isinstance(entry, dict):
