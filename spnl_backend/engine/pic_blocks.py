@@ -63,7 +63,7 @@ class PlannedBlock:
 class _Segment:
     span: Span  # the tokens; the open last segment's end grows with generated tokens
     base: int  # its first token's slot in the sequence's logical slots (block aligned)
-    root: int  # the key its first block chains from
+    digests: list[int]  # its blocks' keys, each chaining the one before from its root
 
 
 def _segments(layout: PicLayout, tokens: list[int], block_size: int, reuse: str) -> list[_Segment]:
@@ -84,11 +84,13 @@ def _segments(layout: PicLayout, tokens: list[int], block_size: int, reuse: str)
             root = exact if reuse == "exact" else _mix(b"relaxed", layout.position(span.start))
         else:
             exact = root = _ROOT if index == 0 else _mix(b"cross", context)
-        segments.append(_Segment(span, base, root))
+        chunks = tokens[span.start : span.end]
+        digests = _chain(root, chunks, block_size)
+        segments.append(_Segment(span, base, digests))
         base += -(-max(span.length, 1) // block_size) * block_size
         # The context chains exact keys whatever the reuse: what follows a group is keyed by
         # everything before it, even where the group's own elements are reused loosely.
-        end_digest = _chain_end(exact, tokens[span.start : span.end], block_size)
+        end_digest = (digests if exact == root else _chain(exact, chunks, block_size))[-1]
         if span.kind == "plus":
             group.append(end_digest)
             if index + 1 == len(spans) or spans[index + 1].kind != "plus":
@@ -98,11 +100,13 @@ def _segments(layout: PicLayout, tokens: list[int], block_size: int, reuse: str)
     return segments
 
 
-def _chain_end(root: int, tokens: list[int], block_size: int) -> int:
-    digest = root
+def _chain(root: int, tokens: list[int], block_size: int) -> list[int]:
+    """The keys of ``tokens``' blocks chained from ``root`` (``[root]`` for no tokens)."""
+    digests, digest = [], root
     for start in range(0, len(tokens), block_size):
         digest = block_hash(digest, tuple(tokens[start : start + block_size]))
-    return digest
+        digests.append(digest)
+    return digests or [root]
 
 
 @dataclass
@@ -117,7 +121,6 @@ class PicProgress:
     todo: list[int] = field(default_factory=list)  # prompt order of the missing tokens
     num_hit: int = 0
     admitted_len: int = 0  # tokens at admission; later ones are computed after ``todo``
-    hit_blocks: list[int] = field(default_factory=list)  # logical indices mapped in
     registered: set[int] = field(default_factory=set)  # logical indices offered to others
     # The closed blocks not offered yet, as planned for ``_planned_for`` open-segment blocks.
     _pending: list[PlannedBlock] = field(default_factory=list)
@@ -128,12 +131,12 @@ class PicProgress:
         self.segments = _segments(self.layout, tokens, self.block_size, self.reuse)
         blocks: list[PlannedBlock] = []
         for number, segment in enumerate(self.segments):
-            span, digest = segment.span, segment.root
+            span = segment.span
             is_last = number + 1 == len(self.segments)
-            for start in range(span.start, span.end, self.block_size):
+            for block, start in enumerate(range(span.start, span.end, self.block_size)):
                 end = min(start + self.block_size, span.end)
                 chunk = tuple(tokens[start:end])
-                digest = block_hash(digest, chunk)
+                digest = segment.digests[block]
                 closed = len(chunk) == self.block_size or not is_last
                 index = (segment.base + start - span.start) // self.block_size
                 element = self.layout.block_ids[span.start] if span.kind == "plus" else 0
@@ -142,7 +145,6 @@ class PicProgress:
 
     def admit(self, hits: dict[int, PlannedBlock], num_tokens: int) -> None:
         """Record the blocks mapped in (by logical index) and the tokens left to compute."""
-        self.hit_blocks = sorted(hits)
         covered = [False] * num_tokens
         for block in hits.values():
             covered[block.first : block.last + 1] = [True] * (block.last + 1 - block.first)
