@@ -41,9 +41,9 @@ class PicKeys:
             self.plain_until,
         )
 
-    def visible(self, window: int | None) -> torch.Tensor:
-        """``[queries, K]``: which keys each query sees."""
-        q = self.q_index
+    def visible(self, window: int | None, first: int = 0) -> torch.Tensor:
+        """``[queries, K]``: which keys each query (from the ``first``) sees."""
+        q = self.q_index[first:]
         return visible(
             q,
             self.key_blocks[q],
@@ -64,7 +64,7 @@ class PicKeys:
 
     def _make_rows(self, window: int | None):
         plain = int((self.q_index < self.plain_until).sum())
-        rows, lens = key_rows(self.visible(window)[plain:], self.key_slots)
+        rows, lens = key_rows(self.visible(window, plain), self.key_slots)
         firsts = torch.zeros(self.q_index.numel(), dtype=torch.int64)
         if plain:
             lead = self.q_index[:plain] + 1  # queries come in prompt order
@@ -73,9 +73,14 @@ class PicKeys:
             head = torch.where(torch.arange(width) < lead[:, None], head, 0)
             rows = torch.cat([head, torch.nn.functional.pad(rows, (0, width - rows.shape[1]))])
             lens = torch.cat([lead, lens])
-            if window is not None:
-                firsts[:plain] = (lead - window).clamp(min=0)
+            firsts[:plain] = first_keys(lead, window)
         return rows, lens, firsts
+
+
+def first_keys(lens: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Each list's first key under a sliding ``window`` (the last ``window`` of ``lens``
+    keys; all without one): what the decode kernel takes from its window itself."""
+    return (lens - window).clamp(min=0) if window else torch.zeros_like(lens)
 
 
 def key_rows(seen: torch.Tensor, key_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from .cpu import POOL_DTYPES, CpuKernels, KernelArgumentError
 from .metadata import PagedMetadata
 from .paged_ref import paged_attention_ref, store_kv_ref
+from .pic import first_keys
 from .thresholds import native_attention_queries
 
 
@@ -133,8 +134,7 @@ def _pic_step_keys(meta: PagedMetadata, window: int | None):
         if rows is None:
             count = meta.query_lens[index]
             slots, lens = plain[0][start : start + count], plain[1][start : start + count]
-            first = (lens - window).clamp(min=0) if window else torch.zeros_like(lens)
-            parts.append((slots, lens, first))
+            parts.append((slots, lens, first_keys(lens, window)))
             start += count
         else:
             parts.append(rows)
