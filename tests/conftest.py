@@ -72,3 +72,19 @@ def live(backend):
     server = LiveServer(backend)
     yield server
     server.stop()
+
+
+@pytest.fixture
+def block_runs(monkeypatch):
+    """How many steps the native layer blocks ran."""
+    from spnl_backend.models import native_blocks
+
+    runs = [0]
+    run = native_blocks.LayerBlocks.run
+
+    def counted(self, *args):
+        runs[0] += 1
+        return run(self, *args)
+
+    monkeypatch.setattr(native_blocks.LayerBlocks, "run", counted)
+    return runs

@@ -9,24 +9,9 @@ from tiny_models import ARCHITECTURES
 
 from spnl_backend import BackendSettings, load_backend
 from spnl_backend.kernels.cpu import KernelArgumentError
-from spnl_backend.models import native_blocks
 
 # qwen2's projections carry biases: the blocks leave it to the per-op path.
 NOT_RUN = {"qwen2"}
-
-
-@pytest.fixture
-def block_runs(monkeypatch):
-    """How many steps the blocks ran."""
-    runs = [0]
-    run = native_blocks.LayerBlocks.run
-
-    def counted(self, *args):
-        runs[0] += 1
-        return run(self, *args)
-
-    monkeypatch.setattr(native_blocks.LayerBlocks, "run", counted)
-    return runs
 
 
 def _load(tiny, arch, cache_type):

@@ -430,19 +430,9 @@ def test_backends_that_cannot_run_pic_say_why(trained, extra, says):
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_pic_steps_on_the_layer_blocks_give_the_per_op_bits(tiny, arch, monkeypatch):
+def test_pic_steps_on_the_layer_blocks_give_the_per_op_bits(tiny, arch, block_runs):
     """The native layer blocks read PIC key lists too (a second table for the layers with a
     window): the same bits as the per-op path, alone and beside a plain request."""
-    from spnl_backend.models import native_blocks
-
-    runs = [0]
-    run = native_blocks.LayerBlocks.run
-
-    def counted(self, *args):
-        runs[0] += 1
-        return run(self, *args)
-
-    monkeypatch.setattr(native_blocks.LayerBlocks, "run", counted)
     path = str(tiny.hf(arch).path)
     results = []
     for blocks in (False, True):
@@ -456,7 +446,7 @@ def test_pic_steps_on_the_layer_blocks_give_the_per_op_bits(tiny, arch, monkeypa
                 lambda b=backend, p=pieces: b.generate(blocks=p, max_tokens=TOKENS, temperature=0),
             )
             results.append((tokens, logits, [r.token_ids for r in both]))
-    assert (runs[0] > 0) == (arch != "qwen2")  # qwen2's biases keep it on the per-op path
+    assert (block_runs[0] > 0) == (arch != "qwen2")  # qwen2's biases keep it on the per-op path
     assert torch.equal(results[0][1], results[1][1])
     assert results[0][0] == results[1][0]
     assert results[0][2] == results[1][2]
