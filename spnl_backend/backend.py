@@ -9,10 +9,13 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .constrain.grammar import GrammarCompiler
+from .constrain.healing import back_off
 from .engine.build import build_engine
 from .engine.cache import CacheInfo
 from .engine.engine import Engine, EngineStats
 from .engine.loop import AsyncChannel, EngineLoop, Finished, Item, LoopRequest, ThreadChannel
+from .engine.sampler import TokenLogprobs
 from .engine.sequence import SamplingParams, StepOutput
 from .engine.sequence import Sequence as EngineSequence
 from .engine.speculative import SpeculativeRunner
@@ -33,7 +36,6 @@ from .request import (
     check_messages,
     check_prompt,
     prompt_list,
-    reject_unknown,
     sampling_params,
     token_id_prompts,
 )
@@ -62,8 +64,11 @@ class Usage:
 class GenerateResult:
     text: str
     token_ids: list[int]  # the completion's tokens (an EOS that ended it included)
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    finish_reason: str  # "stop" (EOS, a stop string or a stop token) or "length"
     usage: Usage
+    # With ``logprobs=True``: each token's log-probability and its ``top_logprobs``
+    # likeliest alternatives (`TokenLogprobs`), one per entry of ``token_ids``.
+    logprobs: list[TokenLogprobs] | None = None
 
 
 # Backends not closed yet: closed at interpreter exit, so that no engine thread is still
@@ -115,6 +120,9 @@ class Backend:
         self._sentinels = pic_sentinels()
         if self._sentinels is not None:
             self._sentinels.check_vocabulary(loaded.config.vocab_size)
+        self._grammars = GrammarCompiler(
+            self.tokenizer.definition, loaded.config.vocab_size, engine.config.eos_token_ids
+        )
         self._loop: EngineLoop | None = loop
         self._closing = threading.Lock()
         _OPEN.add(self)
@@ -191,7 +199,7 @@ class Backend:
         **unknown: object,
     ) -> GenerateResult:
         """Apply the model's chat template to ``messages`` and complete the assistant turn."""
-        params = self._checked(unknown, (max_tokens, temperature, top_p, top_k, seed, stop))
+        params = self._chat_params(unknown, (max_tokens, temperature, top_p, top_k, seed, stop))
         return _results(self.submit([self.chat_prompt_ids(messages)], params), single=True)
 
     # ---- asyncio --------------------------------------------------------------------------
@@ -254,7 +262,7 @@ class Backend:
         **unknown: object,
     ) -> GenerateResult:
         """`chat` for asyncio."""
-        params = self._checked(unknown, (max_tokens, temperature, top_p, top_k, seed, stop))
+        params = self._chat_params(unknown, (max_tokens, temperature, top_p, top_k, seed, stop))
         request = self.submit([self.chat_prompt_ids(messages)], params, asynchronous=True)
         return await _aresults(request, single=True)  # type: ignore[return-value]
 
@@ -289,10 +297,52 @@ class Backend:
                     "submit takes a list of checked prompts (lists of token ids, or PIC "
                     "prompts): see prompt_ids and chat_prompt_ids"
                 )
+        seqs = [
+            seq for prompt in prompts for seq in self._sequences(loop.engine, prompt, params, n)
+        ]
         channel = AsyncChannel(pieces) if asynchronous else ThreadChannel(pieces)
-        seqs = [seq for ids in prompts for seq in _completions(loop.engine, ids, params, n)]
         loop.submit(seqs, channel)
         return LoopRequest(loop, seqs, channel)
+
+    def _sequences(
+        self, engine: Engine, prompt: "PromptIds", params: SamplingParams, n: int
+    ) -> list[EngineSequence]:
+        """``n`` completions of ``prompt``, each with its own constraint: its grammar's
+        matcher, or with token healing (a plain prompt only), the first token's."""
+        healed = None
+        if params.token_healing and isinstance(prompt, list):
+            healed = back_off(prompt, self._grammars.prefix_index(), self.tokenizer.decode)
+        seqs = _completions(engine, healed.kept_ids if healed else prompt, params, n)
+        for seq in seqs:
+            if params.constraint is not None:
+                seq.constraint = self._grammars.compile(params.constraint)
+            elif healed is not None:
+                seq.constraint, seq.healed_text = healed.constraint(), healed.text
+        return seqs
+
+    def prepare(self, params: SamplingParams) -> None:
+        """Check ``params`` against this model and build what they need, in the calling
+        thread: the vocabulary's view for a constraint, token healing or log-probabilities
+        (seconds, once per backend), and the constraint compiled once (a `RequestError`
+        where it does not compile). `submit` does the same; the server calls this first,
+        off its event loop."""
+        vocab = self.model_config.vocab_size
+        if any(token >= vocab for token, _ in params.logit_bias) or any(
+            token >= vocab for token in params.stop_token_ids
+        ):
+            raise RequestError(
+                f"logit_bias and stop_token_ids take token ids from 0 to {vocab - 1}"
+            )
+        if params.constraint is not None:
+            self._grammars.compile(params.constraint)
+        elif params.token_healing:
+            self._grammars.prefix_index()
+        elif params.logprobs:
+            self._grammars.tokenizer  # noqa: B018  # built now, not in a response
+
+    def token_bytes(self, token_ids: list[int]) -> list[bytes]:
+        """Each token's bytes as the model's vocabulary has them (what logprobs name)."""
+        return self._grammars.token_bytes(token_ids)
 
     def run_steps(self, prompts: list[str], params: SamplingParams) -> Iterator[StepOutput]:
         """Every step's outputs for a batch (what the CLI's progress display follows)."""
@@ -394,11 +444,30 @@ class Backend:
 
     # ---- helpers --------------------------------------------------------------------------
 
-    def _checked(self, unknown: dict[str, object], sampling: tuple[Any, ...]) -> SamplingParams:
-        """The sampling parameters, once the backend is known open and no keyword unknown."""
-        reject_unknown(unknown)
+    def _checked(self, options: dict[str, object], sampling: tuple[Any, ...]) -> SamplingParams:
+        """The sampling parameters, once the backend is known open (``options``: the
+        keywords beyond the common six, `request.OPTION_NAMES`)."""
         self._open_loop()
-        return sampling_params(*sampling)
+        params = sampling_params(*sampling, vocab_size=self.model_config.vocab_size, **options)
+        return params if options.get("token_healing") is not None else self.default_healing(params)
+
+    def default_healing(self, params: SamplingParams) -> SamplingParams:
+        """``params`` of a completion that did not say whether to heal its prompt: healed
+        where MISTRALRS_TOKEN_HEALING says so and no constraint takes the first token."""
+        if self.settings.token_healing and params.constraint is None:
+            return dataclasses.replace(params, token_healing=True)
+        return params
+
+    def _chat_params(self, options: dict[str, object], sampling: tuple[Any, ...]) -> SamplingParams:
+        """A chat's parameters: never healed (its prompt ends with the template's own
+        generation prompt, not text cut short)."""
+        if options.get("token_healing"):
+            raise RequestError(
+                "token_healing applies to completions: a chat prompt ends with the chat "
+                "template's turn marker, not with text cut short"
+            )
+        self._open_loop()
+        return sampling_params(*sampling, vocab_size=self.model_config.vocab_size, **options)
 
     def _one_stream(
         self,
@@ -585,7 +654,13 @@ def _result(seq: EngineSequence) -> GenerateResult:
         seq.num_pic_hit_tokens,
         seq.num_pic_miss_tokens,
     )
-    return GenerateResult(seq.text, list(seq.output_token_ids), seq.finish_reason or "stop", usage)
+    return GenerateResult(
+        seq.text,
+        list(seq.output_token_ids),
+        seq.finish_reason or "stop",
+        usage,
+        list(seq.logprobs) if seq.params.logprobs else None,
+    )
 
 
 def load_backend(

@@ -24,14 +24,20 @@ def sampling_params(
     top_k: int = 0,
     seed: int | None = None,
     stop: str | Sequence[str] | None = None,
+    *,
+    vocab_size: int | None = None,
+    **options: object,
 ) -> SamplingParams:
     """Validated sampling parameters (a bad one is a `RequestError` naming it).
 
     Each value is first copied to a plain int, float or str (so a subclass cannot change
     its mind between the check and the use), then checked. Any temperature > 0 samples;
     one so small that dividing the logits by it would overflow gives the limit of the
-    distribution (the tied largest logits).
+    distribution (the tied largest logits). ``options``: the names in `OPTION_NAMES`
+    (penalties, filters, log-probabilities, an output constraint, token healing);
+    ``vocab_size`` bounds the token ids they name (unchecked where None).
     """
+    reject_unknown({k: v for k, v in options.items() if k not in OPTION_NAMES})
     tokens = None if max_tokens is None else _plain_int(max_tokens)
     if max_tokens is not None and (tokens is None or tokens < 0):
         raise _bad("max_tokens", max_tokens, "an integer >= 0 (0 or None: until EOS or the end)")
@@ -54,10 +60,138 @@ def sampling_params(
         top_k=k,
         seed=plain_seed,
         stop=stop_strings(stop),
+        **_options(options, vocab_size),
     )
 
 
 SAMPLING_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+CONSTRAINT_NAMES = ("response_format", "json_schema", "regex", "grammar", "choice")
+OPTION_NAMES = (
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "stop_token_ids",
+    "ignore_eos",
+    "logprobs",
+    "top_logprobs",
+    *CONSTRAINT_NAMES,
+    "token_healing",
+)
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 4096  # entries
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def _options(options: dict[str, object], vocab_size: int | None) -> dict[str, object]:
+    """The checked ``options``, as `SamplingParams` fields (those not given left out)."""
+    from .constrain.spec import constraint_spec
+
+    checked: dict[str, object] = {}
+    for name, (low, high, expected) in _RANGES.items():
+        if options.get(name) is not None:
+            value = _plain_float(options[name])
+            if (
+                value is None
+                or not low <= value <= high
+                or (name == "repetition_penalty" and value == 0)
+            ):
+                raise _bad(name, options[name], expected)
+            checked[name] = value
+    for name in ("ignore_eos", "logprobs", "token_healing"):
+        if options.get(name) is not None:
+            checked[name] = _plain_bool(options[name], name)
+    top = options.get("top_logprobs")
+    if top is not None:
+        count = _plain_int(top)
+        if count is None or not 0 <= count <= MAX_TOP_LOGPROBS:
+            raise _bad("top_logprobs", top, f"an integer from 0 to {MAX_TOP_LOGPROBS}")
+        if count and not checked.get("logprobs"):
+            raise RequestError("top_logprobs needs logprobs=True")
+        checked["top_logprobs"] = count
+    if options.get("logit_bias") is not None:
+        checked["logit_bias"] = _logit_bias(options["logit_bias"], vocab_size)
+    if options.get("stop_token_ids") is not None:
+        checked["stop_token_ids"] = _stop_token_ids(options["stop_token_ids"], vocab_size)
+    spec = constraint_spec(**{name: options.get(name) for name in CONSTRAINT_NAMES})
+    if spec is not None:
+        checked["constraint"] = spec
+        for clash in ("ignore_eos", "token_healing"):
+            if checked.get(clash):
+                raise RequestError(
+                    f"{clash}=True cannot be combined with {spec.kind.replace('_', ' ')} output: "
+                    + _CLASHES[clash]
+                )
+    return checked
+
+
+_RANGES = {
+    "min_p": (0.0, 1.0, "a number in [0, 1] (0 disables it)"),
+    "presence_penalty": (-2.0, 2.0, "a number in [-2, 2] (0 disables it)"),
+    "frequency_penalty": (-2.0, 2.0, "a number in [-2, 2] (0 disables it)"),
+    "repetition_penalty": (0.0, 100.0, "a number in (0, 100] (1 disables it)"),
+}
+_CLASHES = {
+    "ignore_eos": "the constraint ends the output with EOS once it is complete",
+    "token_healing": "the constraint applies from the completion's first character",
+}
+
+
+def _logit_bias(value: object, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    """``{token id: bias}`` (ids as ints or, as JSON has them, digit strings), each bias
+    in [-100, 100], added to the logit."""
+    expected = (
+        f"a dict of at most {MAX_LOGIT_BIAS} token ids"
+        + ("" if vocab_size is None else f" (0 to {vocab_size - 1})")
+        + " to numbers in [-100, 100]"
+    )
+    if not isinstance(value, dict):
+        raise _bad("logit_bias", value, expected)
+    try:
+        items = list(dict.items(value))
+    except Exception:
+        raise _bad("logit_bias", value, expected) from None
+    if len(items) > MAX_LOGIT_BIAS:
+        raise _bad("logit_bias", value, expected)
+    biases: dict[int, float] = {}
+    for key, bias in items:
+        token = _plain_int(key)
+        text = _plain_str(key)
+        if token is None and text is not None and text.isascii() and text.isdigit():
+            token = int(text)
+        amount = _plain_float(bias)
+        if (
+            token is None
+            or token < 0
+            or (vocab_size is not None and token >= vocab_size)
+            or amount is None
+            or not -100 <= amount <= 100
+        ):
+            raise RequestError(f"logit_bias entry {shown(key)}: {shown(bias)}: expected {expected}")
+        biases[token] = amount
+    return tuple(sorted(biases.items()))
+
+
+def _stop_token_ids(value: object, vocab_size: int | None) -> frozenset[int]:
+    items = read_once(value, list | tuple)
+    ids = [] if items is None else [_plain_int(item) for item in items]
+    bound = "" if vocab_size is None else f" from 0 to {vocab_size - 1}"
+    if (
+        items is None
+        or len(ids) > MAX_STOP_TOKEN_IDS
+        or any(i is None or i < 0 or (vocab_size is not None and i >= vocab_size) for i in ids)
+    ):
+        raise _bad(
+            "stop_token_ids", value, f"a list of at most {MAX_STOP_TOKEN_IDS} token ids{bound}"
+        )
+    return frozenset(ids)  # type: ignore[arg-type]
+
+
+def _plain_bool(value: object, name: str) -> bool:
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    raise _bad(name, value, "True or False")
 
 
 def reject_unknown(unknown: dict[str, object]) -> None:
@@ -67,7 +201,7 @@ def reject_unknown(unknown: dict[str, object]) -> None:
             "unknown parameter(s) "
             + ", ".join(map(shown, sorted(unknown)))
             + "; accepted: "
-            + ", ".join(SAMPLING_NAMES)
+            + ", ".join((*SAMPLING_NAMES, *OPTION_NAMES))
         )
 
 

@@ -37,8 +37,15 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("spnl_backend.compression",),
     ("spnl_backend.loader",),
     ("spnl_backend.engine",),
-    # a request's checks, and PIC's three ways in (request parsing, beside them)
-    ("spnl_backend.request", "spnl_backend.pic.requests", "spnl_backend.backend", "=spnl_backend"),
+    # a request's checks, PIC's three ways in (request parsing, beside them), and its
+    # output constraints (their specs are request checks; their matchers the engine's)
+    (
+        "spnl_backend.request",
+        "spnl_backend.pic.requests",
+        "spnl_backend.constrain",
+        "spnl_backend.backend",
+        "=spnl_backend",
+    ),
     ("spnl_backend.server",),
     ("spnl_backend.cli",),
 )

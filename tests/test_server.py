@@ -197,7 +197,12 @@ def _error(reply: httpx.Response, status: int) -> dict:
         ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, "temperature", "temperature="),
         ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens", ">= 1"),
         ({"model": MODEL, "prompt": "hi", "n": 0}, "n", "from 1 to"),
-        ({"model": MODEL, "prompt": "hi", "logprobs": 3}, "logprobs", "not supported"),
+        ({"model": MODEL, "prompt": "hi", "logprobs": 30}, "top_logprobs", "from 0 to 20"),
+        ({"model": MODEL, "prompt": "hi", "logprobs": True}, "logprobs", "expected an integer"),
+        ({"model": MODEL, "prompt": "hi", "echo": True}, "echo", "not supported"),
+        ({"model": MODEL, "prompt": "hi", "guided_regex": "("}, "guided_regex", "does not compile"),
+        ({"model": MODEL, "prompt": "hi", "logit_bias": {"999999": 1}}, "logit_bias", "token ids"),
+        ({"model": MODEL, "prompt": "hi", "min_p": 2}, "min_p", "[0, 1]"),
         ({"model": MODEL, "prompt": "hi", "frobnicate": 1}, "frobnicate", "unknown"),
         ({"model": MODEL, "prompt": [1, "a"]}, "prompt", "expected a string"),
         ({"model": MODEL, "prompt": [10**9]}, "prompt", "prompt_token_ids"),
@@ -223,9 +228,17 @@ def test_bad_completion_requests(live, body, param, words):
             {
                 "model": MODEL,
                 "messages": [{"role": "user", "content": "x"}],
-                "response_format": {"type": "json_object"},
+                "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 7}}},
             },
-            "response_format",
+            "JSON schema does not compile",
+        ),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "token_healing": True,
+            },
+            "token_healing applies to completions",
         ),
         (
             {
@@ -278,8 +291,8 @@ def test_invalid_json_unknown_model_and_too_long_prompt(live, backend):
 
 
 def test_the_openai_client_raises_on_a_400(live):
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        live.client().completions.create(model=MODEL, prompt="x", logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        live.client().completions.create(model=MODEL, prompt="x", presence_penalty=3)
 
 
 def test_api_key_oversized_body_and_a_full_queue(backend):

@@ -53,7 +53,11 @@ def build_engine(
         budget = KvBudget("context_len", tokens, explicit=settings.kv_budget.explicit)
         draft_cache, draft_len, _ = _cache(draft, settings, decisions, budget, "draft")
         drafter = Drafter(
-            draft.model, SpeculativeCache(cache, draft_cache), draft.device, draft_len
+            draft.model,
+            SpeculativeCache(cache, draft_cache),
+            draft.device,
+            draft_len,
+            vocab_size=loaded.config.vocab_size,
         )
         runner = SpeculativeRunner(loaded.model, drafter, settings.speculative_gamma, loaded.device)
     engine_config = EngineConfig(

@@ -15,10 +15,14 @@ class IncrementalDetokenizer:
 
     Incomplete UTF-8 sequences are held back until complete, and so are the last
     characters that could still begin a stop string, so a streamed delta never
-    has to be taken back. ``text`` ends before the first stop string found.
+    has to be taken back. ``text`` ends before the first stop string found. ``skip``:
+    text the completion starts with that is not its own (token healing's backed-off
+    prompt text), left out of ``text``.
     """
 
-    def __init__(self, decoder: Decoder, prompt_ids: list[int], stop: tuple[str, ...]) -> None:
+    def __init__(
+        self, decoder: Decoder, prompt_ids: list[int], stop: tuple[str, ...], skip: str = ""
+    ) -> None:
         self.decoder = decoder
         self.token_ids = list(prompt_ids)
         self.prefix_offset = max(len(prompt_ids) - _CONTEXT_TOKENS, 0)
@@ -26,6 +30,7 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""
+        self.skip = len(skip)
         self.sent = 0
         self.stopped = False
 
@@ -55,7 +60,10 @@ class IncrementalDetokenizer:
             return
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         before = len(self.text)
-        self.text += full[len(prefix) :]
+        piece = full[len(prefix) :]
+        cut = min(self.skip, len(piece))
+        self.skip -= cut
+        self.text += piece[cut:]
         self._cut_at_stop(search_from=max(before - self.holdback, 0))
 
     def _cut_at_stop(self, search_from: int) -> None:

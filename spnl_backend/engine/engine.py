@@ -8,7 +8,7 @@ from ..pic.layout import PicLayout
 from .cache import CacheInfo, PoolUsage
 from .detokenizer import Decoder, IncrementalDetokenizer
 from .runner import Runner
-from .sampler import row_error
+from .sampler import TokenLogprobs, row_error
 from .scheduler import Scheduler
 from .sequence import SamplingParams, ScheduledSeq, Sequence, StepOutput
 
@@ -96,7 +96,7 @@ class Engine:
     def add_sequence(self, seq: Sequence) -> None:
         self._check_usable()
         self.detokenizers[seq.seq_id] = IncrementalDetokenizer(
-            self.decoder, seq.prompt_token_ids, seq.params.stop
+            self.decoder, seq.prompt_token_ids, seq.params.stop, seq.healed_text
         )
         self.scheduler.add(seq)
 
@@ -153,12 +153,15 @@ class Engine:
         sampled = self.runner.run(batch)
         outputs, finished = [], []
         for item in batch:
-            result = sampled.get(item.seq.seq_id, ())
+            result = sampled.get(item.seq.seq_id)
             if isinstance(result, Exception):
                 self.abort(item.seq, result)
                 continue
-            for token_id in result:
-                output = self._accept_safely(item.seq, token_id)
+            if result is None:  # a prefill chunk that did not reach the prompt's end
+                continue
+            logprobs = result.logprobs or [None] * len(result.tokens)
+            for token_id, token_logprobs in zip(result.tokens, logprobs, strict=True):
+                output = self._accept_safely(item.seq, token_id, token_logprobs)
                 if output is not None:
                     outputs.append(output)
                 if item.seq.is_finished:
@@ -169,9 +172,11 @@ class Engine:
             self._release(seq)
         return outputs
 
-    def _accept_safely(self, seq: Sequence, token_id: int) -> StepOutput | None:
+    def _accept_safely(
+        self, seq: Sequence, token_id: int, logprobs: TokenLogprobs | None
+    ) -> StepOutput | None:
         try:
-            return self._accept(seq, token_id)
+            return self._accept(seq, token_id, logprobs)
         except Exception as exc:  # a detokenizer or stop-string failure is this request's
             self.abort(seq, row_error(exc))
             return None
@@ -220,8 +225,14 @@ class Engine:
         if self.broken is not None:
             raise EngineError(str(self.broken))
 
-    def _accept(self, seq: Sequence, token_id: int) -> StepOutput:
+    def _accept(
+        self, seq: Sequence, token_id: int, logprobs: TokenLogprobs | None = None
+    ) -> StepOutput:
+        if seq.constraint is not None and seq.constraint.active:
+            seq.constraint.accept(token_id)  # before the append: a refused token is not kept
         seq.append(token_id)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
         if len(seq.output_token_ids) == 1:  # its prompt is computed: count its lookup once
             self.prefix_cache_queries += len(seq.prompt_token_ids)
             self.prefix_cache_hits += seq.num_cached_tokens
@@ -234,14 +245,17 @@ class Engine:
             delta += detok.flush()
             seq.text = detok.text
             seq.finish(reason)
-        output = StepOutput(seq, token_id, delta)
+        output = StepOutput(seq, token_id, delta, logprobs)
         seq.outbox.append(output)  # within the step: a failure after it loses nothing
         return output
 
     def _finish_reason(self, seq: Sequence, token_id: int, stopped: bool) -> str | None:
-        if stopped or token_id in self.config.eos_token_ids:
+        params = seq.params
+        if stopped or token_id in params.stop_token_ids:
             return "stop"
-        max_tokens = seq.params.max_tokens
+        if token_id in self.config.eos_token_ids and not params.ignore_eos:
+            return "stop"
+        max_tokens = params.max_tokens
         if (max_tokens and len(seq.output_token_ids) >= max_tokens) or (
             seq.num_tokens >= seq.max_len
         ):

@@ -1,16 +1,27 @@
 """Runs one scheduled step through the model: inputs, attention backend, logits, sampling."""
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from ..models.transformer import CausalLM
 from .cache import CacheManager
-from .sampler import sample
-from .sequence import ScheduledSeq
+from .logits import RowHistory, adjust, fill_masks
+from .sampler import TokenLogprobs, row_error, sample, token_logprobs
+from .sequence import ScheduledSeq, Sequence
+
+
+@dataclass(frozen=True)
+class Picked:
+    """A sequence's new tokens in one step, and their log-probabilities where asked for."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+
 
 # Each sampling sequence's new tokens, or the error that ends it alone.
-Sampled = dict[int, "list[int] | Exception"]
+Sampled = dict[int, "Picked | Exception"]
 
 
 class Runner(Protocol):
@@ -44,12 +55,32 @@ class ModelRunner:
                 sampling.append(item.seq)
         if not sampling:
             return {}
-        logits = self.model.compute_logits(hidden[rows])
-        tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
-        return {
-            seq.seq_id: token if isinstance(token, Exception) else [token]
-            for seq, token in zip(sampling, tokens, strict=True)
-        }
+        return pick_next(self.model.compute_logits(hidden[rows]), sampling)
+
+
+def pick_next(logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
+    """Each sequence's next token from its row of ``logits``, after its penalties,
+    biases and constraint (`logits.adjust`), with its log-probabilities if asked for."""
+    bitmask, errors = fill_masks([seq.constraint for seq in seqs], logits.shape[-1])
+    histories = [RowHistory(s.params, s.prompt_token_ids, s.output_token_ids) for s in seqs]
+    logits = adjust(logits, histories, bitmask)
+    tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+    picked: Sampled = {}
+    for row, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
+        if row in errors or isinstance(token, Exception):
+            picked[seq.seq_id] = row_error(errors.get(row) or token)  # type: ignore[arg-type]
+        else:
+            picked[seq.seq_id] = Picked([token], logprobs_of(seq, logits[row : row + 1], [token]))
+    return picked
+
+
+def logprobs_of(
+    seq: Sequence, logits: torch.Tensor, tokens: list[int]
+) -> list[TokenLogprobs] | None:
+    """``tokens``' log-probabilities under the rows of ``logits`` where ``seq`` asks for them."""
+    if not seq.params.logprobs:
+        return None
+    return token_logprobs(logits, tokens, seq.params.top_logprobs)
 
 
 def step_inputs(

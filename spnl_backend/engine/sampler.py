@@ -1,9 +1,13 @@
-"""Next-token selection: greedy, or temperature with top-k and top-p, seeded per sequence.
+"""Next-token selection: greedy, or temperature with top-k, top-p and min-p, seeded per
+sequence; and the log-probabilities a request asks for.
 
 Each row is chosen on its own and may fail on its own: a row whose logits are NaN, or
 whose distribution cannot be sampled, gives an `EngineError` for that sequence alone,
 never an exception that would abandon the rest of the step.
 """
+
+import math
+from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +35,37 @@ def sample(
         except Exception as exc:  # this row's failure is its request's alone
             tokens.append(row_error(exc))
     return tokens
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A chosen token's log-probability and the ``top_logprobs`` likeliest tokens at its
+    position (``(token id, log-probability)``, likeliest first), from the logits the
+    sampler saw (`logits.adjust`), before temperature and the top-k/p and min-p filters."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprobs]:
+    """The log-probabilities of ``tokens[i]`` under row ``i`` of ``logits``, each with the
+    row's ``top`` likeliest."""
+    logprobs = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
+    index = torch.tensor(tokens, device=logits.device)[:, None]
+    chosen = logprobs.gather(1, index)[:, 0].tolist()
+    if top:  # a token a constraint forbids (-inf) is no alternative: the list is shorter
+        values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]), dim=-1)
+        tops = [
+            tuple((i, v) for i, v in zip(row_ids, row_values, strict=True) if v != -math.inf)
+            for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)
+        ]
+    else:
+        tops = [()] * len(tokens)
+    return [
+        TokenLogprobs(token, logprob, best)
+        for token, logprob, best in zip(tokens, chosen, tops, strict=True)
+    ]
 
 
 def row_error(exc: Exception) -> EngineError:
@@ -68,12 +103,15 @@ def distribution(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if not torch.isfinite(peak):
         raise EngineError(_non_finite("NaN" if torch.isnan(peak) else "infinite"))
     scaled = (logits - peak) / max(p.temperature, _MIN_TEMPERATURE)
-    return torch.softmax(_filter(scaled, p.top_k, p.top_p), dim=-1)
+    return torch.softmax(_filter(scaled, p.top_k, p.top_p, p.min_p), dim=-1)
 
 
-def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask all but the ``top_k`` largest logits and the smallest set holding ``top_p``
-    mass; the largest logit always stays."""
+def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """Mask all but the ``top_k`` largest logits, the smallest set holding ``top_p``
+    mass, and those whose probability is below ``min_p`` times the largest one's (these
+    logits are already shifted so that the largest is 0); the largest always stays."""
+    if min_p > 0.0:
+        logits = logits.masked_fill(logits < math.log(min_p), float("-inf"))
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -4,11 +4,16 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import torch
 
 from ..pic.layout import PicLayout
+
+if TYPE_CHECKING:
+    from ..constrain.spec import ConstraintSpec
+    from .constraint import Constraint
+    from .sampler import TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -21,10 +26,35 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    min_p: float = 0.0  # drop tokens below this fraction of the likeliest one's probability
+    # OpenAI's: subtracted once a token occurs in the completion, and per occurrence.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # CTRL's, over prompt and completion: a positive logit divided by it, a negative one
+    # multiplied (1 is off).
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    stop_token_ids: frozenset[int] = frozenset()  # end the completion like EOS does
+    ignore_eos: bool = False  # EOS is a token like any other: only length ends it
+    logprobs: bool = False  # each token's log-probability, and its ``top_logprobs`` likeliest
+    top_logprobs: int = 0
+    # What the output must match (`constrain.spec`), compiled per sequence at admission.
+    constraint: "ConstraintSpec | None" = None
+    token_healing: bool = False
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits are changed before sampling (penalties or biases)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
 
 
 class SequenceStatus(Enum):
@@ -68,6 +98,13 @@ class Sequence:
     pic: "PicLayout | None" = None
     num_pic_hit_tokens: int = 0
     num_pic_miss_tokens: int = 0
+    # Where the output is constrained (a grammar, or token healing's first token): the
+    # matcher, advanced with every accepted token.
+    constraint: "Constraint | None" = None
+    # Token healing: the text of the prompt tokens backed off, which the completion's
+    # first token starts with and its returned text leaves out.
+    healed_text: str = ""
+    logprobs: "list[TokenLogprobs]" = field(default_factory=list)  # with params.logprobs
 
     def __post_init__(self) -> None:
         if not self.params.greedy:
@@ -116,6 +153,7 @@ class StepOutput:
     seq: Sequence
     token_id: int
     text_delta: str
+    logprobs: "TokenLogprobs | None" = None  # where the request asks for them
 
 
 class CachedTokens(Protocol):

@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import EngineError
 from ..log import get_logger
 from ..models.layers import AttentionBackend
 from ..models.transformer import CausalLM
 from .cache import CacheManager, PoolUsage
-from .runner import Sampled, pack_inputs
+from .constraint import Constraint, apply_bitmask, constraint_row
+from .logits import RowHistory, adjust
+from .runner import Picked, Sampled, logprobs_of, pack_inputs
 from .sampler import argmax_rows, distribution, row_error
 from .sequence import ScheduledSeq, Sequence
 from .verification import verify
@@ -109,19 +110,29 @@ class SpeculativeCache:
 
 @dataclass
 class Proposal:
-    """A sequence's drafts and, when it samples, the draft distribution of each."""
+    """A sequence's drafts and, when it samples, the draft distribution of each; for a
+    constrained sequence, the bitmask row at each position (before each draft, and after
+    the last), which the target's rows are verified under as well."""
 
     tokens: list[int] = field(default_factory=list)
     probs: list[torch.Tensor] = field(default_factory=list)
+    masks: list[torch.Tensor] = field(default_factory=list)
 
 
 class Drafter:
     """The draft model: proposes up to k tokens for each of a batch of sequences."""
 
     def __init__(
-        self, model: CausalLM, cache: SpeculativeCache, device: torch.device, max_len: int
+        self,
+        model: CausalLM,
+        cache: SpeculativeCache,
+        device: torch.device,
+        max_len: int,
+        vocab_size: int | None = None,
     ) -> None:
         self.model, self.cache, self.device, self.max_len = model, cache, device, max_len
+        # The target's vocabulary, which constraint masks are built for.
+        self.vocab_size = vocab_size or model.config.vocab_size
 
     def reserve(self, seq: Sequence, num_drafts: int) -> bool:
         """Room in the draft cache for the tokens before the last draft."""
@@ -137,6 +148,11 @@ class Drafter:
         views = {seq.seq_id: self.cache.draft_view(seq) for seq, _ in requests}
         feeds = {s.seq_id: s.token_ids[views[s.seq_id].num_computed_tokens :] for s, _ in requests}
         proposals = {seq.seq_id: Proposal() for seq, _ in requests}
+        forks = {  # drafts advance a copy: the sequence's matcher sees only kept tokens
+            seq.seq_id: seq.constraint.fork()
+            for seq, _ in requests
+            if seq.constraint is not None and seq.constraint.active
+        }
         stopped: set[int] = set()
         for position in range(max(k for _, k in requests)):
             active = [seq for seq, k in requests if k > position and seq.seq_id not in stopped]
@@ -145,10 +161,13 @@ class Drafter:
             logits = self._forward([(views[s.seq_id], feeds[s.seq_id]) for s in active])
             for seq, row in zip(active, logits, strict=True):
                 try:
-                    feeds[seq.seq_id] = [self._draw(row, seq, proposals[seq.seq_id])]
-                except EngineError as exc:  # drafts are optional: verify those drawn so far
+                    proposal, fork = proposals[seq.seq_id], forks.get(seq.seq_id)
+                    feeds[seq.seq_id] = [self._draw(row, seq, proposal, fork)]
+                except Exception as exc:  # drafts are optional: verify those drawn so far
                     stopped.add(seq.seq_id)
                     log.warning("speculative.draft_failed", seq_id=seq.seq_id, error=str(exc))
+        for seq_id, fork in forks.items():
+            self._close_masks(proposals[seq_id], fork)
         return proposals
 
     def settle(self, seq: Sequence, accepted: list[int], num_valid: int) -> None:
@@ -172,14 +191,42 @@ class Drafter:
             view.num_computed_tokens += len(tokens)
         return self.model.compute_logits(hidden[_last_rows(batch)])
 
-    def _draw(self, logits: torch.Tensor, seq: Sequence, proposal: Proposal) -> int:
+    def _draw(
+        self,
+        logits: torch.Tensor,
+        seq: Sequence,
+        proposal: Proposal,
+        constraint: Constraint | None,
+    ) -> int:
+        """A draft under the constraint's mask (``constraint``: the sequence's matcher
+        forked for this step, advanced past each draft); the target's penalties are not
+        applied to drafts: verification keeps the output the target's all the same."""
+        if constraint is not None:  # a row for every position, inactive ones all ones
+            mask = constraint_row(constraint, self.vocab_size)
+            logits = logits.clone()[None]
+            apply_bitmask(logits, mask[None])
+            logits = logits[0]
+            proposal.masks.append(mask)
+        token = self._choose(logits, seq, proposal)
+        if constraint is not None and constraint.active:
+            constraint.accept(token)
+        proposal.tokens.append(token)
+        return token
+
+    def _close_masks(self, proposal: Proposal, fork: Constraint) -> None:
+        """The mask after the last draft (the target's row for its bonus token)."""
+        drafted = len(proposal.tokens)
+        proposal.masks = proposal.masks[: drafted + 1]
+        if len(proposal.masks) == drafted:
+            proposal.masks.append(constraint_row(fork, self.vocab_size))
+
+    def _choose(self, logits: torch.Tensor, seq: Sequence, proposal: Proposal) -> int:
         if seq.params.greedy:
             token = argmax_rows(logits[None])[0]
         else:
             probs = distribution(logits, seq.params)
             token = int(torch.multinomial(probs, 1, generator=seq.generator))
             proposal.probs.append(probs)
-        proposal.tokens.append(token)
         return token
 
 
@@ -228,17 +275,34 @@ class SpeculativeRunner:
 
     def _verified(
         self, seq: Sequence, logits: torch.Tensor, proposal: Proposal
-    ) -> list[int] | Exception:
+    ) -> Picked | Exception:
         """The tokens the target keeps, or the error that ends this sequence alone."""
         try:
+            logits = self._adjusted(seq, logits, proposal)
             accepted, tokens = verify(
                 logits, proposal.tokens, proposal.probs, seq.params, seq.generator
             )
+            logprobs = logprobs_of(seq, logits, tokens)
         except Exception as exc:  # this sequence's failure is its own
             return row_error(exc)
         if proposal.tokens:
             self._roll_back(seq, len(proposal.tokens), accepted, tokens)
-        return tokens
+        return Picked(tokens, logprobs)
+
+    def _adjusted(self, seq: Sequence, logits: torch.Tensor, proposal: Proposal) -> torch.Tensor:
+        """The target's rows with the penalties of the tokens before each (the drafts
+        before it included) and the constraint's mask at each position."""
+        drafts = proposal.tokens
+        rows = [
+            RowHistory(seq.params, seq.prompt_token_ids, seq.output_token_ids, drafts[:i])
+            for i in range(len(drafts) + 1)
+        ]
+        bitmask = None
+        if proposal.masks:
+            bitmask = torch.stack(proposal.masks)
+        elif seq.constraint is not None and seq.constraint.active:
+            bitmask = constraint_row(seq.constraint, self.drafter.vocab_size)[None]
+        return adjust(logits, rows, bitmask)
 
     def _propose(self, batch: list[ScheduledSeq]) -> dict[int, Proposal]:
         requests = []

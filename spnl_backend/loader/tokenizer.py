@@ -100,6 +100,17 @@ class Tokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=True)
 
+    def definition(self) -> str:
+        """The tokenizers library's JSON definition of this tokenizer (what constrained
+        decoding builds its view of the vocabulary from)."""
+        rust = getattr(self.hf, "rust", None) or getattr(self.hf, "backend_tokenizer", None)
+        if rust is None:
+            raise RequestError(
+                f"{self.where} has no fast (tokenizers-library) tokenizer, which structured "
+                "output and token healing need"
+            )
+        return rust.to_str()
+
     def encode_plain(self, text: str) -> list[int]:
         """``text``'s tokens alone: no BOS or other special token added."""
         return self.hf(text, add_special_tokens=False)["input_ids"]

@@ -11,6 +11,7 @@ never as a stack trace.
 """
 
 import asyncio
+import dataclasses
 import hmac
 import json
 from dataclasses import dataclass, field
@@ -120,6 +121,7 @@ class _Api:
         try:
             backend, asked = await self._admit(request, endpoint)
             prompts = await asyncio.to_thread(_prompt_ids, backend, asked)
+            asked = await asyncio.to_thread(_prepared, backend, asked)
             submitted = self._submit(backend, asked, prompts)
         except ApiError as exc:
             self._count(endpoint, "rejected" if exc.status < 500 else "unavailable")
@@ -129,7 +131,9 @@ class _Api:
             return Response(status_code=499)
         except Exception as exc:  # a fault of ours: logged, and a 500 without internals
             return self._internal_error(endpoint, exc)
-        reply = Reply(endpoint, self.config.model_name, submitted.seqs, asked.n)
+        reply = Reply(
+            endpoint, self.config.model_name, submitted.seqs, asked.n, backend.token_bytes
+        )
         if asked.stream:
             events = self._events(submitted, reply, asked.include_usage)
             return StreamingResponse(
@@ -195,9 +199,12 @@ class _Api:
                 code="server_overloaded",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
-        submitted = backend.submit(
-            prompts, asked.params, n=asked.n, pieces=asked.stream, asynchronous=True
-        )
+        try:
+            submitted = backend.submit(
+                prompts, asked.params, n=asked.n, pieces=asked.stream, asynchronous=True
+            )
+        except RequestError as exc:  # a constraint that did not compile
+            raise from_request_error(exc, _param_of(exc, asked)) from None
         self.state.in_flight += wanted
         return submitted
 
@@ -209,6 +216,8 @@ class _Api:
         try:
             async for item in submitted.aitems():
                 if isinstance(item, StepOutput):
+                    if item.logprobs is not None:
+                        reply.pending(item.seq).append(item.logprobs)
                     if item.text_delta:
                         yield sse(
                             reply.text_chunk(
@@ -306,6 +315,27 @@ class _Api:
             kind="server_error",
         )
         return _error_response(error)
+
+
+def _prepared(backend: Backend, asked: EngineRequest) -> EngineRequest:
+    """``asked`` with the server's token-healing default for a completion, checked against
+    the model and with what it needs built, off the event loop (`Backend.prepare`)."""
+    params = asked.params
+    if asked.messages is None and asked.token_healing is None:
+        params = backend.default_healing(params)
+    try:
+        backend.prepare(params)
+    except RequestError as exc:
+        raise from_request_error(exc, _param_of(exc, asked)) from None
+    return dataclasses.replace(asked, params=params)
+
+
+def _param_of(exc: RequestError, asked: EngineRequest) -> str | None:
+    """The field a preparation error is about: token ids' or the constraint's."""
+    message = str(exc)
+    if message.startswith("logit_bias"):
+        return "logit_bias"
+    return asked.constraint_field
 
 
 def _prompt_ids(backend: Backend, asked: EngineRequest) -> list[PromptIds]:

@@ -1,9 +1,11 @@
 """OpenAI request bodies → checked engine requests, and the API's error shape.
 
 Every field a body may carry is either used, accepted at a value that asks for nothing
-(``logprobs: false``, ``presence_penalty: 0``), accepted and documented as without
-effect (``reasoning_effort``, ``user``), or refused with a 400 naming it: nothing is
-silently ignored.
+(``echo: false``, ``best_of: 1``), accepted and documented as without effect
+(``reasoning_effort``, ``user``), or refused with a 400 naming it: nothing is silently
+ignored. Beyond OpenAI's fields, vLLM's names for the same extensions are read
+(``repetition_penalty``, ``min_p``, ``stop_token_ids``, ``ignore_eos``, ``guided_json``,
+``guided_regex``, ``guided_grammar``, ``guided_choice``), and ``token_healing``.
 """
 
 from collections.abc import Callable
@@ -68,11 +70,32 @@ class EngineRequest:
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     prompts: list[str] | list[list[int]] | None = None  # completions
     messages: list[dict[str, Any]] | None = None  # chat
+    token_healing: bool | None = None  # None: the server's MISTRALRS_TOKEN_HEALING
+    constraint_field: str | None = None  # the field that asked for one, named in its errors
 
 
 # Fields read for their value (the sampling ones below, and the per-endpoint ones).
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop")
-_COMMON = ("model", "n", "stream", "stream_options", *_SAMPLING)
+# Passed on under the same name (`request.OPTION_NAMES`).
+_OPTIONS = (
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "logit_bias",
+    "stop_token_ids",
+    "ignore_eos",
+    "response_format",
+    "token_healing",
+)
+# vLLM's names for the output constraints → the Python API's.
+_GUIDED = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_grammar": "grammar",
+    "guided_choice": "choice",
+}
+_COMMON = ("model", "n", "stream", "stream_options", "logprobs", *_SAMPLING, *_OPTIONS, *_GUIDED)
 # Accepted, with no effect: metadata, or a mode this engine's models do not have.
 _NO_EFFECT = ("user", "reasoning_effort", "store", "metadata", "service_tier")
 
@@ -83,18 +106,12 @@ def _neutral(value: object, *allowed: object) -> bool:
 
 # Accepted only at the value that asks for nothing; any other value is a 400 naming it.
 _NEUTRAL: dict[str, Callable[[object], bool]] = {
-    "logprobs": lambda v: _neutral(v, None, False),
-    "top_logprobs": lambda v: _neutral(v, None, 0),
     "echo": lambda v: _neutral(v, None, False),
     "best_of": lambda v: _neutral(v, None, 1),
     "suffix": lambda v: _neutral(v, None, ""),
-    "presence_penalty": lambda v: _neutral(v, None, 0, 0.0),
-    "frequency_penalty": lambda v: _neutral(v, None, 0, 0.0),
-    "logit_bias": lambda v: v is None or v == {},
     "tools": lambda v: v is None or v == [],
     "tool_choice": lambda v: _neutral(v, None, "none"),
     "parallel_tool_calls": lambda v: v is None or isinstance(v, bool),
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "modalities": lambda v: v is None or v == ["text"],
 }
 
@@ -106,7 +123,9 @@ def parse_completion(body: object) -> EngineRequest:
 
 
 def parse_chat(body: object) -> EngineRequest:
-    fields = _fields(body, {*_COMMON, "messages", "max_tokens", "max_completion_tokens"})
+    fields = _fields(
+        body, {*_COMMON, "messages", "max_tokens", "max_completion_tokens", "top_logprobs"}
+    )
     if fields.get("max_completion_tokens") is not None and fields.get("max_tokens") is not None:
         raise bad_request(
             "give max_completion_tokens or max_tokens (its older name), not both",
@@ -145,7 +164,7 @@ def _fields(body: object, used: set[str]) -> dict[str, Any]:
 def _engine_request(
     fields: dict[str, Any], max_tokens: object, max_name: str, **prompt: Any
 ) -> EngineRequest:
-    params = _sampling(fields, max_tokens, max_name)
+    params = _sampling(fields, max_tokens, max_name, chat="messages" in prompt)
     n = fields.get("n", 1)
     if n is None:
         n = 1
@@ -160,14 +179,29 @@ def _engine_request(
         n=n,
         stream=bool(stream),
         include_usage=_include_usage(fields.get("stream_options"), bool(stream)),
+        token_healing=fields.get("token_healing"),
+        constraint_field=next(
+            (f for f in ("response_format", *_GUIDED) if fields.get(f) is not None), None
+        ),
         **prompt,
     )
 
 
-def _sampling(fields: dict[str, Any], max_tokens: object, max_name: str) -> SamplingParams:
+def _sampling(
+    fields: dict[str, Any], max_tokens: object, max_name: str, chat: bool
+) -> SamplingParams:
     """The sampling parameters, OpenAI's defaults where a field is absent or null
     (temperature 1, top_p 1; no max_tokens: until EOS or the end of the context)."""
     values = {name: fields.get(name) for name in _SAMPLING}
+    options = {name: fields.get(name) for name in _OPTIONS}
+    options.update({ours: fields.get(theirs) for theirs, ours in _GUIDED.items()})
+    options.update(_logprobs(fields, chat))
+    if chat and options["token_healing"]:
+        raise bad_request(
+            "token_healing applies to completions: a chat prompt ends with the chat "
+            "template's turn marker, not with text cut short",
+            "token_healing",
+        )
     if values["temperature"] is None:
         values["temperature"] = 1.0
     if values["top_p"] is None:
@@ -177,13 +211,36 @@ def _sampling(fields: dict[str, Any], max_tokens: object, max_name: str) -> Samp
     if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens < 1:
         raise bad_request(f"{max_name}={max_tokens}: expected an integer >= 1", max_name)
     try:
-        return sampling_params(max_tokens=max_tokens, **values)  # type: ignore[arg-type]
+        return sampling_params(max_tokens=max_tokens, **values, **options)  # type: ignore[arg-type]
     except RequestError as exc:
         message = str(exc)
-        name = next((n for n in ("max_tokens", *_SAMPLING) if message.startswith(n)), None)
+        names = ("max_tokens", *_SAMPLING, *_OPTIONS, "top_logprobs", "logprobs")
+        name = next((n for n in names if message.startswith(n)), None)
         if name == "max_tokens":
             message = max_name + message[len(name) :]
-        raise bad_request(message, max_name if name == "max_tokens" else name) from None
+        param = max_name if name == "max_tokens" else name
+        for theirs, ours in _GUIDED.items():
+            if fields.get(theirs) is not None and ours in message.split(":")[0]:
+                param = theirs
+        raise bad_request(message, param) from None
+
+
+def _logprobs(fields: dict[str, Any], chat: bool) -> dict[str, object]:
+    """Chat's ``logprobs`` (a boolean) and ``top_logprobs``; the completions endpoint's
+    ``logprobs`` (how many likeliest tokens to list, 0 to 20: its presence asks for
+    them)."""
+    given = fields.get("logprobs")
+    if chat:
+        return {"logprobs": given, "top_logprobs": fields.get("top_logprobs")}
+    if given is None:
+        return {}
+    if isinstance(given, bool) or not isinstance(given, int):
+        raise bad_request(
+            f"logprobs={shown(given)}: expected an integer from 0 to 20 (how many likeliest "
+            "tokens to list with each token's log-probability)",
+            "logprobs",
+        )
+    return {"logprobs": True, "top_logprobs": given}
 
 
 def _include_usage(options: object, stream: bool) -> bool:

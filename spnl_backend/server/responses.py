@@ -5,9 +5,11 @@ prompts with ``n`` completions each, choice ``p * n + i`` is prompt ``p``'s ``i`
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..engine.sampler import TokenLogprobs
 from ..engine.sequence import Sequence
 
 Endpoint = Literal["completions", "chat"]
@@ -21,6 +23,8 @@ class Reply:
     model: str
     seqs: list[Sequence]
     n: int
+    # Token ids → their bytes, for the log-probabilities' token names.
+    token_bytes: Callable[[list[int]], list[bytes]] = lambda ids: [b"" for _ in ids]
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -28,6 +32,11 @@ class Reply:
         prefix = "cmpl" if self.endpoint == "completions" else "chatcmpl"
         self.id = self.id or f"{prefix}-{uuid.uuid4().hex}"
         self.index = {seq.seq_id: i for i, seq in enumerate(self.seqs)}
+        self._pending: dict[int, list[TokenLogprobs]] = {}
+
+    def pending(self, seq: Sequence) -> list[TokenLogprobs]:
+        """A stream's log-probabilities not yet sent: they go with its next chunk."""
+        return self._pending.setdefault(seq.seq_id, [])
 
     # ---- whole responses --------------------------------------------------------------
 
@@ -44,7 +53,8 @@ class Reply:
             choice["text"] = seq.text
         else:
             choice["message"] = {"role": "assistant", "content": seq.text}
-        return {**choice, "logprobs": None, "finish_reason": finish_reason(seq)}
+        entries = seq.logprobs if seq.params.logprobs else None
+        return {**choice, "logprobs": self._logprobs(entries), "finish_reason": finish_reason(seq)}
 
     def usage(self) -> dict[str, Any]:
         """Each prompt counted once (its first completion's), every completion's tokens."""
@@ -85,14 +95,54 @@ class Reply:
                 if text or reason is None
                 else {}
             )
+        entries = self._pending.pop(seq.seq_id, None) if seq.params.logprobs else None
+        if seq.params.logprobs and entries is None:
+            entries = []
         return {
             **self._head(".chunk"),
-            "choices": [{**choice, "logprobs": None, "finish_reason": reason}],
+            "choices": [{**choice, "logprobs": self._logprobs(entries), "finish_reason": reason}],
+        }
+
+    def _logprobs(self, entries: list[TokenLogprobs] | None) -> dict[str, Any] | None:
+        """OpenAI's shape: chat's ``{"content": [...]}`` of token objects; the completions
+        endpoint's parallel lists (``text_offset`` counts from the completion's start)."""
+        if entries is None:
+            return None
+        ids = [e.token_id for e in entries] + [t for e in entries for t, _ in e.top]
+        names = dict(zip(ids, self.token_bytes(ids), strict=True))
+        if self.endpoint == "chat":
+            return {
+                "content": [
+                    {
+                        **_token(names[e.token_id], e.logprob),
+                        "top_logprobs": [_token(names[t], lp) for t, lp in e.top],
+                    }
+                    for e in entries
+                ]
+            }
+        tokens = [_text(names[e.token_id]) for e in entries]
+        offsets, at = [], 0
+        for token in tokens:
+            offsets.append(at)
+            at += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{_text(names[t]): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets,
         }
 
     def _head(self, suffix: str) -> dict[str, Any]:
         kind = "text_completion" if self.endpoint == "completions" else "chat.completion" + suffix
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8", errors="replace")
+
+
+def _token(raw: bytes, logprob: float) -> dict[str, Any]:
+    return {"token": _text(raw), "logprob": logprob, "bytes": list(raw)}
 
 
 def finish_reason(seq: Sequence) -> str:

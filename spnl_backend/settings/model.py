@@ -61,6 +61,7 @@ _PARSERS = {
     "pic_reuse": values.choice(("exact", "relaxed")),
     "pic_positions": values.choice(("after_prefix", "local")),
     "native_checks": values.parse_bool,
+    "token_healing": values.parse_bool,
     "model": values.parse_optional_name,
     "device": values.parse_device,
     "dtype": values.parse_dtype,
@@ -121,6 +122,8 @@ class BackendSettings(BaseSettings):
     pic_positions: Literal["after_prefix", "local"] = "after_prefix"
     # Debugging: the C kernels compiled with a check of every index they follow.
     native_checks: bool = False
+    # Token healing for completions whose request does not say (`constrain.healing`).
+    token_healing: bool = False
     model: str | None = None
     device: str = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"

@@ -1,0 +1,185 @@
+"""What a request asks its output to match, checked before it reaches the engine.
+
+One of: any JSON object (OpenAI's ``{"type": "json_object"}``), a JSON schema, a regular
+expression, a grammar (Lark, or GBNF as llama.cpp writes it) or a choice among fixed
+strings. A `ConstraintSpec` holds it as llguidance's grammar text; compiling it against
+the model's vocabulary is `grammar.GrammarCompiler`'s job.
+"""
+
+import json
+import re
+from dataclasses import dataclass
+
+from ..errors import RequestError, shown
+
+# Beyond this a grammar's source is refused before anything parses it.
+MAX_SOURCE_CHARS = 1_000_000
+MAX_CHOICES = 1024
+KINDS = ("json_object", "json_schema", "regex", "grammar", "choice")
+
+
+@dataclass(frozen=True)
+class ConstraintSpec:
+    """A checked constraint: its kind (one of `KINDS`) and llguidance's grammar text."""
+
+    kind: str
+    grammar: str
+
+
+def constraint_spec(
+    response_format: object = None,
+    json_schema: object = None,
+    regex: object = None,
+    grammar: object = None,
+    choice: object = None,
+) -> ConstraintSpec | None:
+    """The one constraint given, as a spec (None where none is); two or more, or one that
+    is malformed, is a `RequestError` naming it."""
+    given = {
+        name: value
+        for name, value in (
+            ("response_format", response_format),
+            ("json_schema", json_schema),
+            ("regex", regex),
+            ("grammar", grammar),
+            ("choice", choice),
+        )
+        if value is not None
+    }
+    if len(given) > 1:
+        raise RequestError(
+            f"give at most one of response_format, json_schema, regex, grammar and choice, "
+            f"not {' and '.join(given)}"
+        )
+    if not given:
+        return None
+    ((name, value),) = given.items()
+    if name == "response_format":
+        return _response_format(value)
+    if name == "json_schema":
+        return schema_spec(value, "json_schema")
+    if name == "regex":
+        return regex_spec(value)
+    if name == "grammar":
+        return grammar_spec(value)
+    return choice_spec(value)
+
+
+def _response_format(value: object) -> ConstraintSpec | None:
+    """OpenAI's ``response_format``: ``{"type": "text" | "json_object" | "json_schema"}``,
+    the last with ``"json_schema": {"schema": {...}, "name": ..., "strict": ...}``."""
+    if not isinstance(value, dict):
+        raise _bad("response_format", value, _FORMATS)
+    kind = dict.get(value, "type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ConstraintSpec("json_object", _json_grammar({"type": "object"}))
+    if kind == "json_schema":
+        inner = dict.get(value, "json_schema")
+        if not isinstance(inner, dict) or "schema" not in inner:
+            raise _bad(
+                "response_format['json_schema']",
+                inner,
+                "a dict with the schema under 'schema' (and optionally 'name', 'strict')",
+            )
+        return schema_spec(dict.get(inner, "schema"), "response_format['json_schema']['schema']")
+    raise _bad("response_format", value, _FORMATS)
+
+
+_FORMATS = (
+    "{'type': 'text'}, {'type': 'json_object'} or "
+    "{'type': 'json_schema', 'json_schema': {'schema': {...}}}"
+)
+
+
+def schema_spec(schema: object, name: str) -> ConstraintSpec:
+    """A JSON schema: a dict, a bool, or its JSON text."""
+    if isinstance(schema, str):
+        _check_size(schema, name)
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise RequestError(f"{name} is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict | bool):
+        raise _bad(name, schema, "a JSON schema: a dict (or its JSON text)")
+    try:
+        text = json.dumps(schema)
+    except (TypeError, ValueError) as exc:
+        raise RequestError(f"{name} cannot be written as JSON: {exc}") from None
+    _check_size(text, name)
+    return ConstraintSpec("json_schema", _json_grammar(schema))
+
+
+def regex_spec(pattern: object) -> ConstraintSpec:
+    """A regular expression the whole output matches (Rust's regex syntax, anchored)."""
+    if not isinstance(pattern, str) or not pattern:
+        raise _bad("regex", pattern, "a non-empty regular expression string")
+    _check_size(pattern, "regex")
+    return ConstraintSpec("regex", _regex_grammar(pattern))
+
+
+def grammar_spec(source: object) -> ConstraintSpec:
+    """A grammar in Lark's syntax (llguidance's dialect), or GBNF (``root ::= ...``)."""
+    if not isinstance(source, str) or not source.strip():
+        raise _bad("grammar", source, "a non-empty Lark or GBNF grammar string")
+    _check_size(source, "grammar")
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        lark = any_to_lark(source)
+    except Exception as exc:  # the converter's own errors, whatever their class
+        raise RequestError(f"grammar: {exc}") from None
+    return ConstraintSpec("grammar", lark)
+
+
+def choice_spec(choices: object) -> ConstraintSpec:
+    """One of a list of fixed strings, exactly."""
+    items = _items(choices)
+    if (
+        not items
+        or len(items) > MAX_CHOICES
+        or not all(isinstance(item, str) and item for item in items)
+    ):
+        raise _bad("choice", choices, f"a list of 1 to {MAX_CHOICES} non-empty strings")
+    _check_size("".join(items), "choice")  # type: ignore[arg-type]
+    alternatives = "|".join(re.escape(item) for item in items)  # type: ignore[arg-type]
+    return ConstraintSpec("choice", _regex_grammar(alternatives))
+
+
+# JSON is written compactly, as Python's json.dumps does (", " and ": "), with no other
+# whitespace: a model free to add whitespace can add it until max_tokens runs out.
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _items(value: object) -> list[object] | None:
+    """A list's or tuple's items, read once (None for anything else, or a hostile one)."""
+    if not isinstance(value, list | tuple):
+        return None
+    try:
+        return list(value)
+    except Exception:
+        return None
+
+
+def _json_grammar(schema: object) -> str:
+    from llguidance import LLMatcher
+
+    return LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_LAYOUT)  # type: ignore[arg-type]
+
+
+def _regex_grammar(pattern: str) -> str:
+    from llguidance import LLMatcher
+
+    return LLMatcher.grammar_from_regex(pattern)
+
+
+def _check_size(text: str, name: str) -> None:
+    if len(text) > MAX_SOURCE_CHARS:
+        raise RequestError(
+            f"{name} has {len(text):,} characters; at most {MAX_SOURCE_CHARS:,} are accepted"
+        )
+
+
+def _bad(name: str, value: object, expected: str) -> RequestError:
+    return RequestError(f"{name}={shown(value)}: expected {expected}")
