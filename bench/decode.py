@@ -96,16 +96,7 @@ StreamTimer = Callable[[object, str, int], tuple[float, float, int]]
 
 def run_llama_cpp(gguf: Path, threads: int, timer: StreamTimer = llama_cpp_stream_times) -> Probes:
     """``timer``: how a completion is timed (bench/real_sizes.py times tokens instead)."""
-    from llama_cpp import Llama
-
-    llm = Llama(
-        model_path=str(gguf),
-        n_threads=threads,
-        n_threads_batch=threads,
-        n_ctx=4096,
-        seed=0,
-        verbose=False,
-    )
+    llm = harness.load_llama_cpp(gguf, threads)
     prompt = harness.long_prompt(lambda text: llm.tokenize(text.encode()), PREFILL_TOKENS)
 
     first_token_time = functools.partial(timer, llm)

@@ -67,16 +67,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def llama_cpp_greedy(gguf: Path, threads: int, prompts: list[dict], tokens: int) -> dict:
     import llama_cpp
     import numpy as np
-    from llama_cpp import Llama
 
-    llm = Llama(
-        model_path=str(gguf),
-        n_ctx=512,
-        n_threads=threads,
-        n_threads_batch=threads,
-        seed=0,
-        verbose=False,
-    )
+    llm = harness.load_llama_cpp(gguf, threads, 512)
     vocab = llama_cpp.llama_model_get_vocab(llm.model)
 
     def next_token() -> int:  # temperature 0: the argmax of the last position's logits

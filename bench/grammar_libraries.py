@@ -356,9 +356,7 @@ def cold_run(library, compiled, tokens: list[int], vocab: int) -> tuple[float, f
 
 
 def cold(name: str, threads: int) -> dict:
-    """One library measured cold in this (fresh) process; printed as a JSON line."""
-    # torch.compile's cache on disk would carry a kernel over from an earlier process.
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="grammar-bench-")
+    """One library measured cold in this (fresh) process."""
     import torch
 
     torch.set_num_threads(threads)
@@ -401,7 +399,7 @@ def cold(name: str, threads: int) -> dict:
     return result
 
 
-def least_result(results: list[dict]) -> dict:
+def least_result(results: list):
     """Each number the least of its values over ``results`` (alike in everything else)."""
     first = results[0]
     if isinstance(first, dict):
@@ -502,7 +500,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--child", choices=sorted(LIBRARIES), help="(internal) one cold run")
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(cold(args.child, args.threads)))
+        # torch.compile's cache on disk would carry a kernel over from an earlier process.
+        with tempfile.TemporaryDirectory(prefix="grammar-bench-") as compiled:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = compiled
+            print(json.dumps(cold(args.child, args.threads)))
         return
     # The cold children first, before this process loads anything.
     command = [sys.executable, __file__, "--threads", args.threads, "--child"]

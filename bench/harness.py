@@ -180,6 +180,22 @@ def text_ids(encode: Callable[[str], list], tokens: int) -> list[int]:
 # ---- our backend --------------------------------------------------------------------------
 
 
+def load_llama_cpp(gguf: Path, threads: int, n_ctx: int = 4096, **options: object):
+    """llama-cpp-python's ``Llama`` on ``gguf`` with ``threads`` for decode and prefill,
+    seeded and quiet (run by the peers' interpreter)."""
+    from llama_cpp import Llama
+
+    return Llama(
+        model_path=str(gguf),
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_ctx=n_ctx,
+        seed=0,
+        verbose=False,
+        **options,
+    )
+
+
 def load_ours(model: Path | str, **settings):
     """spnl_backend's backend for ``model`` with ``settings`` over the environment's."""
     from spnl_backend import load_backend, load_settings

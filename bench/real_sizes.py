@@ -323,18 +323,9 @@ def child_long_ours(args: argparse.Namespace, paged: bool, cache_type: str = "au
 
 
 def child_long_llama(args: argparse.Namespace) -> dict:
-    from llama_cpp import Llama
 
     context, threads = args.contexts[0], args.threads[0]
-    llm = Llama(
-        model_path=str(args.gguf[0]),
-        n_threads=threads,
-        n_threads_batch=threads,
-        n_ctx=context + LONG_MARGIN,
-        flash_attn=True,
-        seed=0,
-        verbose=False,
-    )
+    llm = harness.load_llama_cpp(args.gguf[0], threads, context + LONG_MARGIN, flash_attn=True)
 
     def encode(text: str) -> list[int]:
         return llm.tokenize(text.encode())

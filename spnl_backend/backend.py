@@ -1,5 +1,6 @@
 """`Backend`: the one interface host applications call — generate, stream, chat."""
 
+import asyncio
 import atexit
 import dataclasses
 import os
@@ -221,6 +222,7 @@ class Backend:
         """`generate` for asyncio: the event loop runs on while the engine works."""
         params = self._checked(unknown, (max_tokens, temperature, top_p, top_k, seed, stop))
         prompts, single = self.prompt_ids(prompt, prompt_token_ids, blocks)
+        await self._aprepare(params)
         return await _aresults(self.submit(prompts, params, asynchronous=True), single)
 
     def astream(
@@ -263,10 +265,13 @@ class Backend:
     ) -> GenerateResult:
         """`chat` for asyncio."""
         params = self._chat_params(unknown, (max_tokens, temperature, top_p, top_k, seed, stop))
-        request = self.submit([self.chat_prompt_ids(messages)], params, asynchronous=True)
+        prompt = self.chat_prompt_ids(messages)
+        await self._aprepare(params)
+        request = self.submit([prompt], params, asynchronous=True)
         return await _aresults(request, single=True)  # type: ignore[return-value]
 
     async def _astream(self, ids: list[int], params: SamplingParams) -> AsyncIterator[str]:
+        await self._aprepare(params)
         request = self.submit([ids], params, pieces=True, asynchronous=True)
         async for item in request.aitems():
             _raise_failure(item)
@@ -339,6 +344,12 @@ class Backend:
             self._grammars.prefix_index()
         elif params.logprobs:
             self._grammars.tokenizer  # noqa: B018  # built now, not in a response
+
+    async def _aprepare(self, params: SamplingParams) -> None:
+        """`prepare` off the event loop where ``params`` need anything built (a grammar
+        compiles, the vocabulary's view is built: seconds the loop must not stall for)."""
+        if params.constraint is not None or params.token_healing or params.logprobs:
+            await asyncio.to_thread(self.prepare, params)
 
     def token_bytes(self, token_ids: list[int]) -> list[bytes]:
         """Each token's bytes as the model's vocabulary has them (what logprobs name)."""

@@ -5,14 +5,11 @@ so a bad request fails in its caller's thread and never inside a step that other
 requests share.
 """
 
-import math
-import numbers
-import operator
 from collections.abc import Sequence
-from types import UnionType
 
 from .engine.sequence import SamplingParams
 from .errors import RequestError, shown
+from .plain import check_text, plain_float, plain_int, plain_str, read_once
 
 MAX_SEED = 2**64 - 1  # what torch's generators take
 
@@ -38,19 +35,19 @@ def sampling_params(
     ``vocab_size`` bounds the token ids they name (unchecked where None).
     """
     reject_unknown({k: v for k, v in options.items() if k not in OPTION_NAMES})
-    tokens = None if max_tokens is None else _plain_int(max_tokens)
+    tokens = None if max_tokens is None else plain_int(max_tokens)
     if max_tokens is not None and (tokens is None or tokens < 0):
         raise _bad("max_tokens", max_tokens, "an integer >= 0 (0 or None: until EOS or the end)")
-    heat = _plain_float(temperature)
+    heat = plain_float(temperature)
     if heat is None or heat < 0:
         raise _bad("temperature", temperature, "a finite number >= 0 (0 is greedy)")
-    mass = _plain_float(top_p)
+    mass = plain_float(top_p)
     if mass is None or not 0 < mass <= 1:
         raise _bad("top_p", top_p, "a number in (0, 1]")
-    k = _plain_int(top_k)
+    k = plain_int(top_k)
     if k is None or k < 0:
         raise _bad("top_k", top_k, "an integer >= 0 (0 disables it)")
-    plain_seed = None if seed is None else _plain_int(seed)
+    plain_seed = None if seed is None else plain_int(seed)
     if seed is not None and (plain_seed is None or not 0 <= plain_seed <= MAX_SEED):
         raise _bad("seed", seed, "None or an integer from 0 to 2**64 - 1")
     return SamplingParams(
@@ -91,12 +88,8 @@ def _options(options: dict[str, object], vocab_size: int | None) -> dict[str, ob
     checked: dict[str, object] = {}
     for name, (low, high, expected) in _RANGES.items():
         if options.get(name) is not None:
-            value = _plain_float(options[name])
-            if (
-                value is None
-                or not low <= value <= high
-                or (name == "repetition_penalty" and value == 0)
-            ):
+            value = plain_float(options[name])
+            if value is None or not low <= value <= high:
                 raise _bad(name, options[name], expected)
             checked[name] = value
     for name in ("ignore_eos", "logprobs", "token_healing"):
@@ -104,7 +97,7 @@ def _options(options: dict[str, object], vocab_size: int | None) -> dict[str, ob
             checked[name] = _plain_bool(options[name], name)
     top = options.get("top_logprobs")
     if top is not None:
-        count = _plain_int(top)
+        count = plain_int(top)
         if count is None or not 0 <= count <= MAX_TOP_LOGPROBS:
             raise _bad("top_logprobs", top, f"an integer from 0 to {MAX_TOP_LOGPROBS}")
         if count and not checked.get("logprobs"):
@@ -130,7 +123,8 @@ _RANGES = {
     "min_p": (0.0, 1.0, "a number in [0, 1] (0 disables it)"),
     "presence_penalty": (-2.0, 2.0, "a number in [-2, 2] (0 disables it)"),
     "frequency_penalty": (-2.0, 2.0, "a number in [-2, 2] (0 disables it)"),
-    "repetition_penalty": (0.0, 100.0, "a number in (0, 100] (1 disables it)"),
+    # Not near 0: a logit multiplied by 1/1e-300 is infinite, and no token can be drawn.
+    "repetition_penalty": (0.01, 100.0, "a number in [0.01, 100] (1 disables it)"),
 }
 _CLASHES = {
     "ignore_eos": "the constraint ends the output with EOS once it is complete",
@@ -156,11 +150,11 @@ def _logit_bias(value: object, vocab_size: int | None) -> tuple[tuple[int, float
         raise _bad("logit_bias", value, expected)
     biases: dict[int, float] = {}
     for key, bias in items:
-        token = _plain_int(key)
-        text = _plain_str(key)
-        if token is None and text is not None and text.isascii() and text.isdigit():
+        token = plain_int(key)
+        text = plain_str(key)
+        if token is None and text and len(text) <= 12 and text.isascii() and text.isdigit():
             token = int(text)
-        amount = _plain_float(bias)
+        amount = plain_float(bias)
         if (
             token is None
             or token < 0
@@ -169,13 +163,15 @@ def _logit_bias(value: object, vocab_size: int | None) -> tuple[tuple[int, float
             or not -100 <= amount <= 100
         ):
             raise RequestError(f"logit_bias entry {shown(key)}: {shown(bias)}: expected {expected}")
+        if token in biases:
+            raise RequestError(f"logit_bias names token {token} twice; give each token once")
         biases[token] = amount
     return tuple(sorted(biases.items()))
 
 
 def _stop_token_ids(value: object, vocab_size: int | None) -> frozenset[int]:
     items = read_once(value, list | tuple)
-    ids = [] if items is None else [_plain_int(item) for item in items]
+    ids = [] if items is None else [plain_int(item) for item in items]
     bound = "" if vocab_size is None else f" from 0 to {vocab_size - 1}"
     if (
         items is None
@@ -211,7 +207,7 @@ def stop_strings(stop: object) -> tuple[str, ...]:
     if stop is None:
         return ()
     items = [stop] if isinstance(stop, str) else read_once(stop, list | tuple) or [None]
-    stops = tuple(_plain_str(item) for item in items)
+    stops = tuple(plain_str(item) for item in items)
     if not all(stops):
         raise _bad("stop", stop, "a non-empty string or a list of them")
     return tuple(check_text(text, "stop") for text in stops)  # type: ignore[arg-type]
@@ -219,7 +215,7 @@ def stop_strings(stop: object) -> tuple[str, ...]:
 
 def check_prompt(prompt: object) -> str:
     """``prompt`` as a plain, non-empty str that can be encoded as UTF-8."""
-    text = _plain_str(prompt)
+    text = plain_str(prompt)
     if text is None:
         raise RequestError(f"a prompt must be a string, not {type(prompt).__name__}")
     if not text:
@@ -257,7 +253,7 @@ def token_id_prompts(token_ids: object, vocab_size: int) -> tuple[list[list[int]
 def checked_token_ids(value: object, vocab_size: int, name: str) -> list[int]:
     """One non-empty list of token ids within the vocabulary, named ``name`` in errors."""
     items = read_once(value, list | tuple) or []
-    ids = [_plain_int(item) for item in items]
+    ids = [plain_int(item) for item in items]
     if not ids or any(i is None or not 0 <= i < vocab_size for i in ids):
         raise _bad(name, value, f"a non-empty list of token ids from 0 to {vocab_size - 1}")
     return ids  # type: ignore[return-value]
@@ -286,17 +282,6 @@ def check_messages(
     return checked
 
 
-def read_once(value: object, kinds: type | UnionType) -> list[object] | None:
-    """``value``'s items, read once, if it is one of ``kinds``; None where it is not, or
-    where reading it raises (a list subclass with a hostile ``__iter__``)."""
-    if not isinstance(value, kinds):
-        return None
-    try:
-        return list(value)  # type: ignore[call-overload]
-    except Exception:
-        return None
-
-
 def _message_fields(message: object) -> tuple[str, str] | None:
     if not isinstance(message, dict):
         return None
@@ -304,59 +289,8 @@ def _message_fields(message: object) -> tuple[str, str] | None:
         role, content = dict.get(message, "role"), dict.get(message, "content")
     except Exception:  # an unhashable or hostile key lookup
         return None
-    role, content = _plain_str(role), _plain_str(content)
+    role, content = plain_str(role), plain_str(content)
     return None if role is None or content is None else (role, content)
-
-
-def check_text(text: str, what: str) -> str:
-    """``text`` if it can be encoded as UTF-8 (a lone surrogate cannot)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise RequestError(
-            f"{what} is not valid Unicode text: {exc.reason} at character {exc.start} "
-            f"({text[exc.start : exc.end]!r}); expected text that can be encoded as UTF-8"
-        ) from None
-    return text
-
-
-def _plain_int(value: object) -> int | None:
-    """``value`` as a plain int if it is an integer (numpy's too; not a bool), else None."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
-        return None
-    try:
-        if isinstance(value, int):
-            return int.__index__(value)  # the int itself, whatever a subclass overrides
-        if isinstance(value, numbers.Integral):
-            plain = operator.index(value)
-            return int.__index__(plain) if isinstance(plain, int) else None
-    except Exception:  # a hostile __index__
-        return None
-    return None
-
-
-def _plain_float(value: object) -> float | None:
-    """``value`` as a plain finite float if it is a real number (not a bool), else None."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
-        return None
-    try:
-        if isinstance(value, float):
-            plain = float.__float__(value)  # the float itself, whatever a subclass overrides
-        elif isinstance(value, int):
-            plain = float(int.__index__(value))
-        elif isinstance(value, numbers.Real):
-            plain = float(value)
-            plain = float.__float__(plain) if isinstance(plain, float) else math.nan
-        else:
-            return None
-    except Exception:  # an int too large for a float, a hostile __float__
-        return None
-    return plain if math.isfinite(plain) else None
-
-
-def _plain_str(value: object) -> str | None:
-    """``value`` as a plain str if it is a str (a subclass's own methods not called)."""
-    return str.__str__(value) if isinstance(value, str) else None
 
 
 def _bad(name: str, value: object, expected: str) -> RequestError:

@@ -41,6 +41,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # output constraints (their specs are request checks; their matchers the engine's)
     (
         "spnl_backend.request",
+        "spnl_backend.plain",
         "spnl_backend.pic.requests",
         "spnl_backend.constrain",
         "spnl_backend.backend",

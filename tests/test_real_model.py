@@ -57,3 +57,49 @@ def test_resident_weights_stay_within_20_percent_of_the_file(default_backend):
     resident += sum(t.numel() * t.element_size() for t in model.parameters())
     file_size = default_backend.source.path.stat().st_size
     assert resident <= 1.2 * file_size, (resident, file_size)
+
+
+def test_structured_output_on_the_default_model(default_backend):
+    import json
+
+    import jsonschema
+
+    ask = 'Give me a JSON object with the keys "name" and "age" for Alice, who is 30.'
+    anything = default_backend.chat(
+        [{"role": "user", "content": ask}],
+        max_tokens=120,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    assert anything.finish_reason == "stop"
+    assert json.loads(anything.text) == {"name": "Alice", "age": 30}
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 30},
+            "country": {"type": "string", "maxLength": 30},
+            # Bounded: unbounded, this model writes digits until max_tokens.
+            "population": {"type": "integer", "minimum": 0, "maximum": 10**8},
+        },
+        "required": ["city", "country", "population"],
+        "additionalProperties": False,
+    }
+    results = default_backend.generate(
+        ["Paris as JSON: ", "Tokyo as JSON: "],
+        max_tokens=60,
+        temperature=1.0,
+        seed=1,
+        json_schema=schema,
+    )
+    for result in results:
+        assert result.finish_reason == "stop"
+        jsonschema.validate(json.loads(result.text), schema)
+
+
+def test_token_healing_mends_a_prompt_cut_after_a_space(default_backend):
+    prompt = 'def hello_world():\n  print("Hello, '
+    unhealed = default_backend.generate(prompt, max_tokens=3, temperature=0, token_healing=False)
+    healed = default_backend.generate(prompt, max_tokens=3, temperature=0, token_healing=True)
+    assert not unhealed.text.startswith("World")  # a word after the lone space token: "2020"
+    assert healed.text.startswith("World")
+    assert healed.usage.prompt_tokens == unhealed.usage.prompt_tokens - 1

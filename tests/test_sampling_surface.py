@@ -138,7 +138,9 @@ def test_stop_token_ids_and_ignore_eos(llama):
     [
         ({"presence_penalty": 2.5}, "presence_penalty=2.5: expected a number in [-2, 2]"),
         ({"frequency_penalty": float("nan")}, "frequency_penalty="),
-        ({"repetition_penalty": 0}, "repetition_penalty=0: expected a number in (0, 100]"),
+        ({"repetition_penalty": 0}, "repetition_penalty=0: expected a number in [0.01, 100]"),
+        ({"logit_bias": {5: 1, "5": 2}}, "names token 5 twice"),
+        ({"logit_bias": {"1" * 5000: 1}}, "logit_bias entry"),
         ({"min_p": -0.1}, "min_p=-0.1"),
         ({"logit_bias": {"5": 200}}, "logit_bias entry '5': 200"),
         ({"logit_bias": {"x": 1}}, "logit_bias entry 'x'"),
@@ -231,3 +233,34 @@ def test_the_sampling_params_defaults_ask_for_nothing():
     assert params.constraint is None
     assert not params.logprobs
     assert not params.token_healing
+
+
+def test_prefix_runs_are_found_at_every_byte_boundary():
+    from spnl_backend.constrain.healing import TokenPrefixIndex
+
+    tokens = [b"a", b"ab", b"a\xff", b"a\xff\xff", b"b", b"\xff", b"\xff\xfe", b"", b"abc"]
+    index = TokenPrefixIndex(tokens, special={8}, vocab_size=len(tokens))
+    for prefix in (b"a", b"ab", b"a\xff", b"\xff", b"b", b"c", b"\xff\xff"):
+        expected = {i for i, t in enumerate(tokens) if t and i != 8 and t.startswith(prefix)}
+        assert set(index.starting_with(prefix)) == expected, prefix
+
+
+def test_speculative_decoding_keeps_penalties_and_logprobs(tiny, llama):
+    from spnl_backend import BackendSettings, load_backend
+
+    spec = load_backend(
+        str(tiny.hf("llama").path),
+        settings=BackendSettings(device="cpu", speculative_draft_isq="Q8_0", speculative_gamma=4),
+    )
+    options = {"repetition_penalty": 1.5, "frequency_penalty": 0.7, "logit_bias": {40: 2.0}}
+    expected = llama.generate(
+        PROMPT, max_tokens=TOKENS, temperature=0, logprobs=True, top_logprobs=2, **options
+    )
+    result = spec.generate(
+        PROMPT, max_tokens=TOKENS, temperature=0, logprobs=True, top_logprobs=2, **options
+    )
+    assert result.token_ids == expected.token_ids
+    assert result.usage.accepted_tokens > 0  # drafts were verified under the penalties
+    assert [e.logprob for e in result.logprobs] == pytest.approx(
+        [e.logprob for e in expected.logprobs], abs=1e-3
+    )

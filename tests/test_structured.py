@@ -218,6 +218,13 @@ def test_eos_only_where_the_grammar_accepts(llama):
         ({"regex": "a", "choice": ["a"]}, "at most one of"),
         ({"regex": "a", "ignore_eos": True}, "ignore_eos=True cannot be combined"),
         ({"regex": "a", "token_healing": True}, "token_healing=True cannot be combined"),
+        ({"json_schema": False}, "a schema that no value matches"),
+        ({"json_schema": {"type": "number", "minimum": float("nan")}}, "cannot be written as JSON"),
+        ({"json_schema": '{"minimum": NaN}'}, "is not valid JSON"),
+        ({"json_schema": "[" * 5000}, "is not valid JSON"),
+        ({"regex": "\ud800"}, "regex is not valid Unicode text"),
+        ({"choice": ["ok", "\ud800"]}, "choice is not valid Unicode text"),
+        ({"json_schema": {"pattern": "\ud800"}}, "json_schema is not valid Unicode text"),
     ],
 )
 def test_a_bad_constraint_is_a_clear_request_error(llama, kind, message):
@@ -239,3 +246,45 @@ def test_stream_and_async_take_constraints(llama):
     assert streamed in CHOICES
     whole = asyncio.run(llama.agenerate("hello", max_tokens=TOKENS, temperature=0, choice=CHOICES))
     assert whole.text == streamed
+
+
+@pytest.mark.parametrize("compression", ["int8", "tq4"])
+def test_compressed_caches_take_constraints(tiny, compression):
+    backend = load_backend(
+        str(tiny.hf("llama").path),
+        settings=BackendSettings(device="cpu", kv_cache_compression=compression),
+    )
+    results = backend.generate(PROMPTS, max_tokens=TOKENS, temperature=1.0, seed=5, **KINDS[0][0])
+    _valid(results, KINDS[0][1])
+    choice = backend.generate(PROMPTS[0], max_tokens=TOKENS, temperature=0, choice=CHOICES)
+    assert choice.text in CHOICES
+
+
+def test_a_schema_of_true_is_any_json_value(llama):
+    result = llama.generate("hello", max_tokens=TOKENS, temperature=0, json_schema=True)
+    if result.finish_reason == "stop":
+        json.loads(result.text)
+
+
+def test_a_long_chain_of_rules_is_compiled_not_a_crash(llama):
+    """llguidance's checks recurse once per rule of a chain: thousands of them overflowed
+    a default thread stack and killed the process."""
+    rules = 20_000
+    chain = "\n".join(f'r{i}: "x" r{i + 1}' for i in range(rules))
+    grammar = f'start: r0\n{chain}\nr{rules}: "y"'
+    result = llama.generate("hello", max_tokens=5, temperature=0, grammar=grammar)
+    assert result.text == "xxxxx"
+
+
+def test_a_grammar_past_llguidances_limits_fails_its_request_alone(llama):
+    """No base case: every token adds parser items until llguidance's limit, mid-way."""
+    plain = llama.generate(PROMPTS, max_tokens=12, temperature=0)
+    ids = [llama.tokenizer.encode(p) for p in PROMPTS]
+    endless = llama.submit(
+        [ids[0]], sampling_params(max_tokens=60, temperature=0, grammar='start: a\na: "x" a')
+    )
+    free = llama.submit(ids, sampling_params(max_tokens=12, temperature=0))
+    with pytest.raises(RequestError, match="the output's constraint"):
+        _results(endless, single=True)
+    assert [r.token_ids for r in _results(free, single=False)] == [r.token_ids for r in plain]
+    assert llama.stats().running == 0

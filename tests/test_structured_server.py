@@ -120,3 +120,18 @@ def test_penalties_and_token_healing_through_the_server(live, backend):
     )
     assert reply["choices"][0]["text"] == expected.text
     assert reply["usage"]["prompt_tokens"] == expected.usage.prompt_tokens
+
+
+def test_a_grammar_that_fails_mid_way_is_a_400_and_bad_constraints_name_their_field(live):
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 60, "temperature": 0}
+    endless = live.post("/v1/completions", {**body, "guided_grammar": 'start: a\na: "x" a'})
+    assert endless.status_code == 400
+    assert "<state>" not in endless.json()["error"]["message"]  # llguidance's dump left out
+    for field, value in [
+        ("guided_json", '{"type": "number", "minimum": 1e400}'),
+        ("guided_regex", "(unclosed"),
+        ("response_format", {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}),
+    ]:
+        reply = live.post("/v1/completions", {**body, field: value})
+        assert reply.status_code == 400, (field, reply.text)
+        assert reply.json()["error"]["param"] == field

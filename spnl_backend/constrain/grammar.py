@@ -9,17 +9,26 @@ the tokenizer is built once per backend, on the first constrained request (about
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from ..engine.constraint import new_bitmask
-from ..errors import EngineError, RequestError
+from ..errors import RequestError
 from ..log import get_logger
 from .healing import TokenPrefixIndex
 from .spec import ConstraintSpec
 
 log = get_logger()
+
+COMPILED_KEPT = 64  # compiled specs kept, each forked for the sequences that use it
+# 1 GiB of address space: a chain of rules as long as MAX_SOURCE_CHARS allows (about
+# 3 KB of stack per rule) fits. Only what the recursion touches is ever mapped.
+COMPILE_STACK_BYTES = 1 << 30
+_STACK_SIZE_SET = threading.Lock()  # threading.stack_size is process-wide
+T = TypeVar("T")
 
 
 class GrammarConstraint:
@@ -55,23 +64,25 @@ class GrammarConstraint:
         for constraint, row in members:
             try:
                 constraint._check()
-            except EngineError as exc:
+            except RequestError as exc:
                 errors[row] = exc
         return errors
 
     def accept(self, token_id: int) -> None:
         if not self.matcher.consume_token(token_id):  # type: ignore[attr-defined]
-            raise EngineError(
-                f"the output's constraint refused token {token_id}: "
-                f"{self.matcher.get_error() or 'it cannot follow the output so far'}"  # type: ignore[attr-defined]
-            )
+            error = self.matcher.get_error() or "it cannot follow the output so far"  # type: ignore[attr-defined]
+            raise RequestError(f"the output's constraint refused token {token_id}: {_brief(error)}")
 
     def fork(self) -> "GrammarConstraint":
         return GrammarConstraint(self.matcher.deep_copy())  # type: ignore[attr-defined]
 
     def _check(self) -> None:
+        """A matcher in error (a grammar past llguidance's limits: too many items, a lexer
+        too complex) fails its request with a `RequestError`: the grammar is the cause."""
         if self.matcher.is_error():  # type: ignore[attr-defined]
-            raise EngineError(f"the output's constraint failed: {self.matcher.get_error()}")  # type: ignore[attr-defined]
+            raise RequestError(
+                f"the output's constraint failed: {_brief(self.matcher.get_error())}"  # type: ignore[attr-defined]
+            )
 
 
 class GrammarCompiler:
@@ -85,6 +96,7 @@ class GrammarCompiler:
         self.eos_token_ids = sorted(eos_token_ids)
         self._tokenizer: object | None = None
         self._prefixes: TokenPrefixIndex | None = None
+        self._compiled: OrderedDict[ConstraintSpec, GrammarConstraint] = OrderedDict()
         self._building = threading.Lock()
 
     @property
@@ -110,26 +122,36 @@ class GrammarCompiler:
             return self._prefixes
 
     def compile(self, spec: ConstraintSpec) -> GrammarConstraint:
-        """A fresh matcher for ``spec``; a grammar that does not compile is a
+        """A matcher of its own for ``spec``, forked from one compiled once (the last
+        `COMPILED_KEPT` specs are kept); a grammar that does not compile is a
         `RequestError` with llguidance's message."""
+        with self._building:
+            compiled = self._compiled.get(spec)
+            if compiled is not None:
+                self._compiled.move_to_end(spec)
+        if compiled is None:
+            compiled = on_a_large_stack(lambda: self._compile(spec))
+            with self._building:
+                self._compiled[spec] = compiled
+                while len(self._compiled) > COMPILED_KEPT:
+                    self._compiled.popitem(last=False)
+        return compiled.fork()
+
+    def _compile(self, spec: ConstraintSpec) -> GrammarConstraint:
         from llguidance import LLMatcher
 
         tokenizer = self.tokenizer
+        what = _NAMES[spec.kind]
         problem = LLMatcher.validate_grammar(spec.grammar, tokenizer)
         if problem:
-            raise RequestError(f"the {_NAMES[spec.kind]} does not compile: {problem.strip()}")
-        matcher = LLMatcher(tokenizer, spec.grammar, log_level=0)
-        constraint = GrammarConstraint(matcher)
+            raise RequestError(f"the {what} does not compile: {_brief(problem)}")
+        constraint = GrammarConstraint(LLMatcher(tokenizer, spec.grammar, log_level=0))
         # The first mask here, not in the engine's step: llguidance builds parts of its
         # lexer lazily (seconds for a first JSON schema), which would stall every request.
         try:
             constraint.fill(new_bitmask(1, self.vocab_size), 0)
-        except EngineError as exc:
-            raise RequestError(f"the {_NAMES[spec.kind]} does not compile: {exc}") from None
-        if matcher.is_error():
-            raise RequestError(
-                f"the {_NAMES[spec.kind]} does not compile: {matcher.get_error().strip()}"
-            )
+        except RequestError as exc:
+            raise RequestError(f"the {what} does not compile: {exc}") from None
         return constraint
 
     def token_bytes(self, token_ids: list[int]) -> list[bytes]:
@@ -146,6 +168,39 @@ class GrammarCompiler:
         )
         log.info("grammar.tokenizer_ready", seconds=round(time.perf_counter() - start, 2))
         return tokenizer
+
+
+def on_a_large_stack(compile_grammar: Callable[[], T]) -> T:
+    """``compile_grammar()`` run on a thread with a `COMPILE_STACK_BYTES` stack, its
+    result or exception returned here: llguidance's grammar checks recurse natively once
+    per rule a chain of rules reaches, and a few thousand (a 50 KB grammar) overflowed a
+    default 8 MB stack, which kills the process. The stack is address space, touched only
+    as deep as the recursion goes."""
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(compile_grammar())
+        except BaseException as exc:  # raised in the caller's thread below
+            outcome.append(exc)
+
+    with _STACK_SIZE_SET:
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="spnl-grammar-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    (result,) = outcome
+    if isinstance(result, BaseException):
+        raise result
+    return result  # type: ignore[return-value]
+
+
+def _brief(message: str) -> str:
+    """llguidance's message without the parser-state dump it may append."""
+    return message.split("<state>")[0].strip()
 
 
 _NAMES = {

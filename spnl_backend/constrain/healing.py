@@ -8,6 +8,7 @@ chooses among the tokens that start with the space (" Paris", ...).
 """
 
 import bisect
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,13 +30,31 @@ class TokenPrefixIndex:
         self._order = ordinary
         self._sorted = [token_bytes[i] for i in ordinary]
 
+    @functools.lru_cache(maxsize=256)  # noqa: B019  # one index per backend, kept for its life
+    def first_tokens(self, token_id: int) -> tuple[torch.Tensor, frozenset[int]]:
+        """The packed bitmask row and the ids of the tokens that start with the bytes of
+        ``token_id`` (a prompt's last token, backed off)."""
+        allowed = self.starting_with(self.token_bytes[token_id])
+        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+        mask[allowed] = True
+        return pack(mask), frozenset(allowed)
+
     def starting_with(self, prefix: bytes) -> list[int]:
         """The ids of the tokens whose bytes start with ``prefix``."""
         start = bisect.bisect_left(self._sorted, prefix)
-        end = start
-        while end < len(self._sorted) and self._sorted[end].startswith(prefix):
-            end += 1
+        after = _successor(prefix)  # the first bytes past every one that starts with it
+        end = len(self._sorted) if after is None else bisect.bisect_left(self._sorted, after)
         return self._order[start:end]
+
+
+_CONTEXT_TOKENS = 8
+
+
+def _successor(prefix: bytes) -> bytes | None:
+    """The least bytes greater than every bytes starting with ``prefix`` (None: there are
+    none, a prefix of 0xff bytes alone)."""
+    stem = prefix.rstrip(b"\xff")
+    return stem[:-1] + bytes([stem[-1] + 1]) if stem else None
 
 
 @dataclass
@@ -89,12 +108,11 @@ def back_off(
     last = ids[-1]
     removed = index.token_bytes[last] if last < len(index.token_bytes) else b""
     kept = ids[:-1]
-    text = decode(ids)[len(decode(kept)) :]
+    tail = ids[-_CONTEXT_TOKENS:]  # enough before it for the decoder to keep its spaces
+    text = decode(tail)[len(decode(tail[:-1])) :]
     if not removed or text.encode("utf-8") != removed:
         return None
-    allowed_ids = index.starting_with(removed)
+    allowed, allowed_ids = index.first_tokens(last)
     if last not in allowed_ids:  # a special token: not among the ordinary ones
         return None
-    mask = torch.zeros(index.vocab_size, dtype=torch.bool)
-    mask[allowed_ids] = True
-    return Healed(kept, text, pack(mask), frozenset(allowed_ids))
+    return Healed(kept, text, allowed, allowed_ids)

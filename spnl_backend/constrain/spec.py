@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import RequestError, shown
+from ..plain import check_text, plain_str, read_once
 
 # Beyond this a grammar's source is refused before anything parses it.
 MAX_SOURCE_CHARS = 1_000_000
@@ -70,11 +71,11 @@ def _response_format(value: object) -> ConstraintSpec | None:
     the last with ``"json_schema": {"schema": {...}, "name": ..., "strict": ...}``."""
     if not isinstance(value, dict):
         raise _bad("response_format", value, _FORMATS)
-    kind = dict.get(value, "type")
+    kind = plain_str(dict.get(value, "type"))
     if kind == "text":
         return None
     if kind == "json_object":
-        return ConstraintSpec("json_object", _json_grammar({"type": "object"}))
+        return ConstraintSpec("json_object", _json_grammar('{"type": "object"}'))
     if kind == "json_schema":
         inner = dict.get(value, "json_schema")
         if not isinstance(inner, dict) or "schema" not in inner:
@@ -94,40 +95,53 @@ _FORMATS = (
 
 
 def schema_spec(schema: object, name: str) -> ConstraintSpec:
-    """A JSON schema: a dict, a bool, or its JSON text."""
-    if isinstance(schema, str):
-        _check_size(schema, name)
+    """A JSON schema: a dict, True (any JSON value), or its JSON text."""
+    text = plain_str(schema)
+    if text is not None:
+        _check_size(text, name)
         try:
-            schema = json.loads(schema)
-        except ValueError as exc:
-            raise RequestError(f"{name} is not valid JSON: {exc}") from None
-    if not isinstance(schema, dict | bool):
-        raise _bad(name, schema, "a JSON schema: a dict (or its JSON text)")
-    try:
-        text = json.dumps(schema)
-    except (TypeError, ValueError) as exc:
-        raise RequestError(f"{name} cannot be written as JSON: {exc}") from None
-    _check_size(text, name)
-    return ConstraintSpec("json_schema", _json_grammar(schema))
+            schema = json.loads(text, parse_constant=_no_constant)
+        except Exception as exc:  # bad JSON, NaN, nesting too deep for the parser
+            raise RequestError(f"{name} is not valid JSON: {type(exc).__name__}: {exc}") from None
+    if schema is True:
+        schema = {}
+    if schema is False:
+        raise RequestError(f"{name}=False: a schema that no value matches")
+    if not isinstance(schema, dict):
+        raise _bad(name, schema, "a JSON schema: a dict, True, or its JSON text")
+    try:  # once, to plain JSON text: what a dict subclass does is not read again
+        text = json.dumps(schema, allow_nan=False, ensure_ascii=False)
+    except Exception as exc:  # a cycle, NaN, a non-JSON value, nesting, a hostile dict
+        raise RequestError(
+            f"{name} cannot be written as JSON: {type(exc).__name__}: {exc}"
+        ) from None
+    _check_size(check_text(text, name), name)
+    return ConstraintSpec("json_schema", _json_grammar(text))
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def regex_spec(pattern: object) -> ConstraintSpec:
     """A regular expression the whole output matches (Rust's regex syntax, anchored)."""
-    if not isinstance(pattern, str) or not pattern:
+    text = plain_str(pattern)
+    if not text:
         raise _bad("regex", pattern, "a non-empty regular expression string")
-    _check_size(pattern, "regex")
-    return ConstraintSpec("regex", _regex_grammar(pattern))
+    _check_size(check_text(text, "regex"), "regex")
+    return ConstraintSpec("regex", _regex_grammar(text))
 
 
 def grammar_spec(source: object) -> ConstraintSpec:
     """A grammar in Lark's syntax (llguidance's dialect), or GBNF (``root ::= ...``)."""
-    if not isinstance(source, str) or not source.strip():
+    text = plain_str(source)
+    if not text or not text.strip():
         raise _bad("grammar", source, "a non-empty Lark or GBNF grammar string")
-    _check_size(source, "grammar")
+    _check_size(check_text(text, "grammar"), "grammar")
     from llguidance.gbnf_to_lark import any_to_lark
 
     try:
-        lark = any_to_lark(source)
+        lark = any_to_lark(text)
     except Exception as exc:  # the converter's own errors, whatever their class
         raise RequestError(f"grammar: {exc}") from None
     return ConstraintSpec("grammar", lark)
@@ -135,16 +149,17 @@ def grammar_spec(source: object) -> ConstraintSpec:
 
 def choice_spec(choices: object) -> ConstraintSpec:
     """One of a list of fixed strings, exactly."""
-    items = _items(choices)
-    if (
-        not items
-        or len(items) > MAX_CHOICES
-        or not all(isinstance(item, str) and item for item in items)
-    ):
+    items = [plain_str(item) for item in read_once(choices, list | tuple) or ()]
+    if not items or len(items) > MAX_CHOICES or not all(items):
         raise _bad("choice", choices, f"a list of 1 to {MAX_CHOICES} non-empty strings")
-    _check_size("".join(items), "choice")  # type: ignore[arg-type]
+    _check_size(check_text("".join(items), "choice"), "choice")  # type: ignore[arg-type]
     alternatives = "|".join(re.escape(item) for item in items)  # type: ignore[arg-type]
     return ConstraintSpec("choice", _regex_grammar(alternatives))
+
+
+# JSON is written compactly, as Python's json.dumps does (", " and ": "), with no other
+# whitespace: a model free to add whitespace can add it until max_tokens runs out.
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 # JSON is written compactly, as Python's json.dumps does (", " and ": "), with no other
@@ -162,10 +177,10 @@ def _items(value: object) -> list[object] | None:
         return None
 
 
-def _json_grammar(schema: object) -> str:
+def _json_grammar(schema: str) -> str:
     from llguidance import LLMatcher
 
-    return LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_LAYOUT)  # type: ignore[arg-type]
+    return LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_LAYOUT)
 
 
 def _regex_grammar(pattern: str) -> str:

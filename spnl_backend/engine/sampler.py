@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import EngineError
+from ..errors import EngineError, RequestError
 from .sequence import SamplingParams
 
 # Temperatures below float32's smallest normal number would divide logits by zero (or by
@@ -68,9 +68,10 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
     ]
 
 
-def row_error(exc: Exception) -> EngineError:
-    """``exc`` as the error of the one request whose row raised it."""
-    if isinstance(exc, EngineError):
+def row_error(exc: Exception) -> EngineError | RequestError:
+    """``exc`` as the error of the one request whose row raised it (a `RequestError`
+    stays one: the request itself was the cause, as a grammar past its limits is)."""
+    if isinstance(exc, EngineError | RequestError):
         return exc
     error = EngineError(f"choosing the next token failed: {type(exc).__name__}: {exc}")
     error.__cause__ = exc

@@ -251,7 +251,7 @@ class _Api:
             failed = collecting.result()
             if failed is not None:
                 outcome = self._failed(reply.endpoint, failed)
-                status = 503 if isinstance(failed.error, RequestAbortedError) else 500
+                status = _failure_status(failed.error)
                 return JSONResponse(_error_body(failed.error), status)
             outcome = "ok"
             return JSONResponse(reply.body())
@@ -285,6 +285,14 @@ class _Api:
                 metrics.itl.observe((seq.finish_time - seq.first_token_time) / (tokens - 1))
 
     def _failed(self, endpoint: Endpoint, seq: Sequence) -> str:
+        if isinstance(seq.error, RequestError):  # the request's own doing: not our failure
+            log.info(
+                "server.request_rejected",
+                endpoint=endpoint,
+                seq_id=seq.seq_id,
+                error=str(seq.error),
+            )
+            return "rejected"
         log.error(
             "server.request_failed",
             endpoint=endpoint,
@@ -315,6 +323,14 @@ class _Api:
             kind="server_error",
         )
         return _error_response(error)
+
+
+def _failure_status(error: Exception | None) -> int:
+    """A request that failed while it ran: 400 where the request was the cause (its
+    grammar failed mid-way), 503 where it was aborted, else 500."""
+    if isinstance(error, RequestAbortedError):
+        return 503
+    return 400 if isinstance(error, RequestError) else 500
 
 
 def _prepared(backend: Backend, asked: EngineRequest) -> EngineRequest:
@@ -405,6 +421,8 @@ def _bare_name(model: str) -> str:
 def _error_body(error: Exception | None) -> dict[str, Any]:
     if isinstance(error, RequestAbortedError):
         return ApiError(503, str(error), kind="server_error", code="aborted").body()
+    if isinstance(error, RequestError):  # its own grammar failed mid-way
+        return bad_request(str(error)).body()
     return ApiError(500, str(error), kind="server_error").body()
 
 

@@ -215,7 +215,8 @@ def _sampling(
     except RequestError as exc:
         message = str(exc)
         names = ("max_tokens", *_SAMPLING, *_OPTIONS, "top_logprobs", "logprobs")
-        name = next((n for n in names if message.startswith(n)), None)
+        longest_first = sorted(names, key=len, reverse=True)  # stop_token_ids before stop
+        name = next((n for n in longest_first if message.startswith(n)), None)
         if name == "max_tokens":
             message = max_name + message[len(name) :]
         param = max_name if name == "max_tokens" else name
@@ -234,7 +235,7 @@ def _logprobs(fields: dict[str, Any], chat: bool) -> dict[str, object]:
         return {"logprobs": given, "top_logprobs": fields.get("top_logprobs")}
     if given is None:
         return {}
-    if isinstance(given, bool) or not isinstance(given, int):
+    if isinstance(given, bool) or not isinstance(given, int) or not 0 <= given <= 20:
         raise bad_request(
             f"logprobs={shown(given)}: expected an integer from 0 to 20 (how many likeliest "
             "tokens to list with each token's log-probability)",

@@ -1,0 +1,72 @@
+"""Plain values from what a caller passes: each read once and copied to a plain int, float
+or str (so that a subclass cannot change its mind between a check and a use), or None
+where it is not one; and text checked to be encodable as UTF-8."""
+
+import math
+import numbers
+import operator
+from types import UnionType
+
+from .errors import RequestError
+
+
+def read_once(value: object, kinds: type | UnionType) -> list[object] | None:
+    """``value``'s items, read once, if it is one of ``kinds``; None where it is not, or
+    where reading it raises (a list subclass with a hostile ``__iter__``)."""
+    if not isinstance(value, kinds):
+        return None
+    try:
+        return list(value)  # type: ignore[call-overload]
+    except Exception:
+        return None
+
+
+def check_text(text: str, what: str) -> str:
+    """``text`` if it can be encoded as UTF-8 (a lone surrogate cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(
+            f"{what} is not valid Unicode text: {exc.reason} at character {exc.start} "
+            f"({text[exc.start : exc.end]!r}); expected text that can be encoded as UTF-8"
+        ) from None
+    return text
+
+
+def plain_int(value: object) -> int | None:
+    """``value`` as a plain int if it is an integer (numpy's too; not a bool), else None."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return None
+    try:
+        if isinstance(value, int):
+            return int.__index__(value)  # the int itself, whatever a subclass overrides
+        if isinstance(value, numbers.Integral):
+            plain = operator.index(value)
+            return int.__index__(plain) if isinstance(plain, int) else None
+    except Exception:  # a hostile __index__
+        return None
+    return None
+
+
+def plain_float(value: object) -> float | None:
+    """``value`` as a plain finite float if it is a real number (not a bool), else None."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return None
+    try:
+        if isinstance(value, float):
+            plain = float.__float__(value)  # the float itself, whatever a subclass overrides
+        elif isinstance(value, int):
+            plain = float(int.__index__(value))
+        elif isinstance(value, numbers.Real):
+            plain = float(value)
+            plain = float.__float__(plain) if isinstance(plain, float) else math.nan
+        else:
+            return None
+    except Exception:  # an int too large for a float, a hostile __float__
+        return None
+    return plain if math.isfinite(plain) else None
+
+
+def plain_str(value: object) -> str | None:
+    """``value`` as a plain str if it is a str (a subclass's own methods not called)."""
+    return str.__str__(value) if isinstance(value, str) else None
