@@ -177,6 +177,10 @@ ENGINES = {"spnl-backend": run_ours, "llama.cpp": run_llama_cpp}
 # ---- the table ----------------------------------------------------------------------------
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds >= 1 else f"{1000 * seconds:.1f} ms"
+
+
 def _overhead(free: float, schema: float) -> str:
     return f"{100 * (schema / free - 1):+.1f}%"
 
@@ -209,7 +213,7 @@ def table(results: list[dict], threads: int) -> str:
                     f"{free:.1f}",
                     f"{schema:.1f}",
                     _overhead(free, schema),
-                    f"{r['first_compile_s']:.2f} s",
+                    _duration(r["first_compile_s"]),
                     f"{r['compile_ms']:.1f} ms",
                     f"{r['ended']}, {r['valid']}",
                 ]

@@ -288,3 +288,16 @@ def test_a_grammar_past_llguidances_limits_fails_its_request_alone(llama):
         _results(endless, single=True)
     assert [r.token_ids for r in _results(free, single=False)] == [r.token_ids for r in plain]
     assert llama.stats().running == 0
+
+
+def test_n_completions_and_pic_prompts_take_constraints(llama):
+    request = llama.submit(
+        [llama.tokenizer.encode("hello")],
+        sampling_params(max_tokens=TOKENS, temperature=1.0, seed=2, choice=CHOICES),
+        n=3,
+    )
+    assert all(r.text in CHOICES for r in _results(request, single=False))
+    blocks = [("cross", "answer from these"), ("plus", "alpha beta"), ("plus", "gamma")]
+    pic = llama.generate(blocks=blocks, max_tokens=TOKENS, temperature=0, regex=REGEX)
+    assert pic.finish_reason == "stop"
+    assert re.fullmatch(REGEX, pic.text)

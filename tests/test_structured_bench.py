@@ -39,3 +39,8 @@ def test_the_table_gives_the_change_per_batch_and_a_missing_batch_as_such():
     assert "| spnl-backend | 1 | 60.0 | 57.0 | -5.0% | 4.00 s | 1.2 ms | 16, 15 |" in text
     assert "| llama.cpp | 16 | single-sequence API |" in text
     assert "not run: boom" in text
+
+
+def test_durations_under_a_second_are_in_milliseconds():
+    assert structured._duration(0.0003) == "0.3 ms"
+    assert structured._duration(4.084) == "4.08 s"
