@@ -14,10 +14,13 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    OlmoeConfig,
     Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 CORPUS = [
@@ -130,10 +133,27 @@ def hf_config(arch: str, vocab: int):
             final_logit_softcapping=30.0,
             attn_logit_softcapping=50.0,
         )
+    if arch == "qwen3_moe":  # renormalised top-k; layer 1 dense (mlp_only_layers)
+        return Qwen3MoeConfig(
+            **common,
+            head_dim=HEAD_DIM,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        )
+    if arch == "mixtral":
+        return MixtralConfig(
+            **common, head_dim=HEAD_DIM, num_local_experts=4, num_experts_per_tok=2
+        )
+    if arch == "olmoe":  # top-k weights as they come; q, k, v clamped
+        return OlmoeConfig(**common, num_experts=8, num_experts_per_tok=3, clip_qkv=4.0)
     raise ValueError(arch)
 
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "olmoe")
 
 
 @dataclass

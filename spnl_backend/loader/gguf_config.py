@@ -99,10 +99,19 @@ _TOKEN_ID_KEY = re.compile(r"tokenizer\.ggml\.\w+_token_id")
 _TOKENIZER_FLAG_KEY = re.compile(r"tokenizer\.ggml\.(add|remove)_\w+")
 
 
+_MOE_ARCHITECTURES = ("qwen3moe", "olmoe", "qwen2moe", "mixtral")
+
+
 def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     """The file's model, checked: a key of the wrong type, a value out of range or a
     metadata value that disagrees with the tensors is a ModelFileError naming the key."""
     arch = gguf.architecture
+    if arch in _MOE_ARCHITECTURES or "blk.0.ffn_gate_inp.weight" in gguf.tensors:
+        raise UnsupportedArchitectureError(
+            f"{gguf.path}: a mixture-of-experts GGUF ({arch!r}, stacked expert tensors); "
+            "GGUF experts are not supported yet: Qwen3-MoE, Mixtral and OLMoE load from "
+            "safetensors directories"
+        )
     if arch not in _ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"{gguf.path}: GGUF architecture {arch!r} is not supported; supported: "

@@ -6,6 +6,7 @@ sizes), then what transformers made of it. A problem is a ModelFileError naming 
 file, the key, what it holds and what was expected.
 """
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,7 @@ from ..models.config import (
     ConfigValueError,
     LayerType,
     ModelConfig,
+    MoeConfig,
     RopeConfig,
     check_config_shapes,
 )
@@ -35,6 +37,9 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "qwen3": "qwen3",
     "phi3": "phi3",
     "gemma3_text": "gemma3",
+    "qwen3_moe": "qwen3_moe",
+    "mixtral": "mixtral",
+    "olmoe": "olmoe",
 }
 _ROPE_KINDS = ("default", "linear", "llama3", "yarn", "longrope")
 _ACTIVATIONS = {
@@ -299,6 +304,46 @@ def _gemma3(keys: "_Keys", head_dim: int) -> dict[str, Any]:
     }
 
 
+def _experts(keys: "_Keys", inner_key: str, renormalize: bool) -> MoeConfig:
+    """The experts' counts, under either name transformers writes them."""
+    name = "num_experts" if keys.get("num_experts") is not None else "num_local_experts"
+    return MoeConfig(
+        num_experts=keys.count(name),
+        top_k=keys.count("num_experts_per_tok"),
+        intermediate_size=keys.count(inner_key),
+        renormalize=renormalize,
+    )
+
+
+def _qwen3_moe(keys: "_Keys", head_dim: int) -> dict[str, Any]:
+    """Qwen3's attention; a layer is sparse unless listed in ``mlp_only_layers`` or off the
+    ``decoder_sparse_step`` (transformers' rule)."""
+    layers = keys.count("num_hidden_layers")
+    step = keys.count("decoder_sparse_step", None) or 1
+    dense = keys.get("mlp_only_layers") or []
+    if not (isinstance(dense, list) and all(isinstance(i, int) for i in dense)):
+        raise keys.wrong("mlp_only_layers", dense, "a list of layer indices")
+    experts = _experts(keys, "moe_intermediate_size", bool(keys.get("norm_topk_prob", False)))
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
+    return {**_qwen3(keys, head_dim), "moe": dataclasses.replace(experts, sparse=sparse)}
+
+
+def _mixtral(keys: "_Keys", head_dim: int) -> dict[str, Any]:
+    """Llama's attention; top-k weights always renormalised, and kept in float32."""
+    experts = _experts(keys, "intermediate_size", renormalize=True)
+    return {"moe": dataclasses.replace(experts, float_weights=True)}
+
+
+def _olmoe(keys: "_Keys", head_dim: int) -> dict[str, Any]:
+    """q and k normed over their whole projections; q, k, v optionally clamped."""
+    return {
+        **_llama(keys, head_dim),
+        "qk_norm_full": True,
+        "clip_qkv": keys.positive("clip_qkv", None),
+        "moe": _experts(keys, "intermediate_size", bool(keys.get("norm_topk_prob", False))),
+    }
+
+
 _ARCHITECTURE_FIELDS = {
     "llama": _llama,
     "mistral": _llama,
@@ -306,6 +351,9 @@ _ARCHITECTURE_FIELDS = {
     "qwen3": _qwen3,
     "phi3": _phi3,
     "gemma3": _gemma3,
+    "qwen3_moe": _qwen3_moe,
+    "mixtral": _mixtral,
+    "olmoe": _olmoe,
 }
 
 

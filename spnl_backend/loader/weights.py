@@ -44,6 +44,8 @@ _RENAMED_PREFIXES = (
     ("language_model.lm_head.", "lm_head."),
 )
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_MIXTRAL_EXPERT = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.(.+)")
+_MIXTRAL_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -215,7 +217,14 @@ def _check_finite_blocks(weight: QuantizedWeight, path: Path, name: str) -> None
 def _renamed(name: str) -> str:
     for old, new in _RENAMED_PREFIXES:
         if name.startswith(old):
-            return new + name.removeprefix(old)
+            name = new + name.removeprefix(old)
+            break
+    match = _MIXTRAL_EXPERT.fullmatch(name)
+    if match:  # Mixtral's names for the gated MLP's three projections
+        layer, rest = match.groups()
+        name = f"model.layers.{layer}.mlp.{rest}"
+        for old, new in _MIXTRAL_PROJECTIONS.items():
+            name = name.replace(f".{old}.", f".{new}.")
     return name
 
 
@@ -287,8 +296,27 @@ def split_fused(tensors: NamedTensors, config: ModelConfig) -> NamedTensors:
             half = tensor.shape[0] // 2
             yield name.replace("gate_up_proj", "gate_proj"), _rows(tensor, 0, half)
             yield name.replace("gate_up_proj", "up_proj"), _rows(tensor, half, 2 * half)
+        elif name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            yield from _split_experts(name, tensor)
         else:
             yield name, tensor
+
+
+def _split_experts(
+    name: str, tensor: torch.Tensor | QuantizedWeight
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """transformers' fused experts (``experts.gate_up_proj [E, 2I, H]``, gate rows first;
+    ``experts.down_proj [E, H, I]``) as each expert's own projections."""
+    if isinstance(tensor, QuantizedWeight) or tensor.dim() != 3:
+        raise ModelFileError(f"tensor {name!r}: expected a float [experts, rows, columns] stack")
+    stem = name.rpartition(".")[0]
+    for expert, weight in enumerate(tensor.unbind(0)):
+        if name.endswith("gate_up_proj"):
+            half = weight.shape[0] // 2
+            yield f"{stem}.{expert}.gate_proj.weight", weight[:half]
+            yield f"{stem}.{expert}.up_proj.weight", weight[half:]
+        else:
+            yield f"{stem}.{expert}.down_proj.weight", weight
 
 
 def _rows(

@@ -5,13 +5,24 @@ is built from it alone. Every architecture difference is a field here, so the
 model code is written once.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import ModelFileError, UnsupportedArchitectureError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
+SUPPORTED_ARCHITECTURES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gemma3",
+    "qwen3_moe",
+    "mixtral",
+    "olmoe",
+)
 LayerType = Literal["full", "sliding"]
 RopeKind = Literal["default", "linear", "llama3", "yarn", "longrope"]
 MAX_COUNT = 2**31 - 1  # every size and count fits the int32 indices kernels use
@@ -59,6 +70,23 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts feed-forward: a router picks ``top_k`` of ``num_experts``
+    gated MLPs per token. Routing follows transformers: a float32 softmax over the
+    router's logits, the top-k probabilities, renormalised to sum to 1 where
+    ``renormalize``; Mixtral weighs the experts' outputs in float32 (``float_weights``),
+    the others in the model's dtype. ``sparse``: which layers are MoE layers (Qwen3-MoE
+    may keep some dense, with the model's ``intermediate_size``)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    float_weights: bool = False
+    sparse: tuple[bool, ...] = ()
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -85,6 +113,11 @@ class ModelConfig:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     activation: Literal["silu", "gelu_tanh"] = "silu"
+    # OLMoE: q and k normed over the whole projection (before the heads are split), and
+    # q, k and v clamped to [-clip_qkv, clip_qkv] after it.
+    qk_norm_full: bool = False
+    clip_qkv: float | None = None
+    moe: "MoeConfig | None" = None  # mixture-of-experts layers, where the model has them
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -100,7 +133,13 @@ class ModelConfig:
             _check_count(name, getattr(self, name))
         if not self.layer_types:
             object.__setattr__(self, "layer_types", ("full",) * self.num_layers)
+        if self.moe is not None and not self.moe.sparse:
+            sparse = (True,) * self.num_layers
+            object.__setattr__(self, "moe", dataclasses.replace(self.moe, sparse=sparse))
         _validate(self)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.sparse[layer]
 
     @property
     def scale(self) -> float:
@@ -164,7 +203,22 @@ def _validate(config: ModelConfig) -> None:
             _check_positive(name, getattr(config, name))
     if not (_is_real(config.attn_scale) and config.attn_scale >= 0):
         raise ConfigValueError("attn_scale", config.attn_scale, "a finite number >= 0")
+    if config.clip_qkv is not None:
+        _check_positive("clip_qkv", config.clip_qkv)
+    if config.moe is not None:
+        _check_moe(config.moe, config.num_layers)
     _check_token_ids(config)
+
+
+def _check_moe(moe: MoeConfig, layers: int) -> None:
+    _check_count("num_experts", moe.num_experts)
+    _check_count("moe_intermediate_size", moe.intermediate_size)
+    if not (_is_int(moe.top_k) and 1 <= moe.top_k <= moe.num_experts):
+        raise ConfigValueError(
+            "num_experts_per_tok", moe.top_k, f"an integer from 1 to the {moe.num_experts} experts"
+        )
+    if len(moe.sparse) != layers:
+        raise ConfigValueError("moe.sparse", moe.sparse, f"{layers} entries (one per layer)")
 
 
 def _check_rope(name: str, rope: RopeConfig, head_dim: int) -> None:

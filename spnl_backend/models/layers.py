@@ -82,9 +82,9 @@ def project(x: torch.Tensor, *layers: nn.Module) -> list[torch.Tensor]:
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, inner: int | None = None) -> None:
         super().__init__()
-        hidden, inner = config.hidden_size, config.intermediate_size
+        hidden, inner = config.hidden_size, inner or config.intermediate_size
         self.gate_proj = Linear(hidden, inner, bias=False)
         self.up_proj = Linear(hidden, inner, bias=False)
         self.down_proj = Linear(inner, hidden, bias=False)
@@ -93,6 +93,56 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(x, self.gate_proj, self.up_proj)
         return self.down_proj(self.act(gate).mul_(up))
+
+
+class SparseMoE(nn.Module):
+    """A router and its experts (`MoeConfig`): each token runs through its ``top_k``
+    experts, weighted by the router's probabilities. Tokens are grouped by expert, so a
+    step reads each chosen expert's weights once for all its tokens and never reads an
+    idle expert's. A token's sum runs over its experts in id order, each expert's rows
+    computed as the dense projections compute any rows: its output does not depend on
+    what else shares the step."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        moe = config.moe
+        assert moe is not None
+        self.top_k, self.renormalize, self.float_weights = (
+            moe.top_k,
+            moe.renormalize,
+            moe.float_weights,
+        )
+        self.gate = Linear(config.hidden_size, moe.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            GatedMLP(config, moe.intermediate_size) for _ in range(moe.num_experts)
+        )
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts ``[T, top_k]`` and their weights (float32 where the
+        architecture weighs in float32, else ``x``'s dtype)."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights if self.float_weights else weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.route(x)
+        out = torch.zeros(x.shape, dtype=weights.dtype, device=x.device)
+        slots = experts.flatten()
+        order = torch.argsort(slots, stable=True)  # by expert, tokens in order within one
+        counts = torch.bincount(slots, minlength=len(self.experts)).tolist()
+        tokens = order // self.top_k
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            rows = tokens[start : start + count]
+            slot_weights = weights.flatten()[order[start : start + count]]
+            y = self.experts[expert](x[rows]).to(out.dtype) * slot_weights[:, None]
+            out.index_add_(0, rows, y)
+            start += count
+        return out.to(x.dtype)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -109,10 +159,14 @@ class Attention(nn.Module):
         self.k_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.v_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
-        if config.qk_norm:
+        if config.qk_norm_full:  # OLMoE: over the whole projections, before the heads
+            self.q_norm = _norm(config, q_size)
+            self.k_norm = _norm(config, kv_size)
+        elif config.qk_norm:
             self.q_norm = _norm(config, self.head_dim)
             self.k_norm = _norm(config, self.head_dim)
-        self.qk_norm = config.qk_norm
+        self.qk_norm = config.qk_norm and not config.qk_norm_full
+        self.qk_norm_full, self.clip_qkv = config.qk_norm_full, config.clip_qkv
         self.spec = AttentionSpec(
             layer=layer,
             scale=config.scale,
@@ -126,6 +180,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        if self.qk_norm_full:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
@@ -153,7 +211,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer)
-        self.mlp = GatedMLP(config)
+        self.mlp: nn.Module = SparseMoE(config) if config.is_moe_layer(layer) else GatedMLP(config)
         self.input_layernorm = _norm(config, config.hidden_size)
         self.post_attention_layernorm = _norm(config, config.hidden_size)
         self.sandwich = config.sandwich_norms

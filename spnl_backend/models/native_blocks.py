@@ -28,7 +28,7 @@ from ..kernels.cpu import (
 from ..kernels.matmuls import CpuMatmuls
 from ..kernels.sets import NativeKeys
 from ..quant.linear import QuantLinear
-from .layers import DecoderLayer, RMSNorm, gelu_tanh
+from .layers import DecoderLayer, GatedMLP, RMSNorm, gelu_tanh
 from .rope import RotaryTables
 
 ACTIVATIONS = (F.silu, gelu_tanh)
@@ -251,6 +251,8 @@ def _native_of(layers: list[DecoderLayer], final_norm: RMSNorm) -> CpuKernels | 
     natives, shapes, eps = set(), set(), {final_norm.eps}
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
+        if not isinstance(mlp, GatedMLP) or attn.qk_norm_full or attn.clip_qkv is not None:
+            return None  # experts, and OLMoE's attention, run on the per-op path
         linears = [
             attn.q_proj,
             attn.k_proj,

@@ -1,0 +1,133 @@
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral, OLMoE) from safetensors: each against
+transformers on the same tiny random model, its routing rule included."""
+
+import shutil
+
+import pytest
+import torch
+from helpers import CPU, model_logits
+from tiny_models import MOE_ARCHITECTURES
+
+from spnl_backend import BackendSettings, UnsupportedArchitectureError, load_backend
+from spnl_backend.models.layers import GatedMLP, SparseMoE
+from spnl_backend.quant.linear import QuantLinear
+
+PROMPT = "the cat sat on the mat and the dog"
+TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def moe(tiny):
+    return {arch: (tiny.hf(arch), tiny.backend(arch)) for arch in MOE_ARCHITECTURES}
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+def test_logits_and_greedy_tokens_equal_transformers(moe, arch):
+    reference, backend = moe[arch]
+    ids = reference.tokenizer(PROMPT).input_ids
+    with torch.no_grad():
+        expected = reference.hf(torch.tensor([ids])).logits[0]
+        greedy = reference.hf.generate(
+            torch.tensor([ids]), max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False
+        )[0, len(ids) :]
+    assert torch.allclose(model_logits(backend, ids), expected, atol=1e-4)
+    result = backend.generate(prompt_token_ids=ids, max_tokens=TOKENS, temperature=0)
+    assert result.token_ids == greedy.tolist()[: len(result.token_ids)]
+    assert len(result.token_ids) == TOKENS or result.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+def test_the_router_chooses_as_transformers_does(moe, arch):
+    reference, backend = moe[arch]
+    ours = next(m for m in backend.model.modules() if isinstance(m, SparseMoE))
+    theirs = reference.hf.model.layers[0].mlp.gate
+    x = torch.randn(64, reference.hf.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    experts, weights = ours.route(x)
+    with torch.no_grad():
+        _, their_weights, their_experts = theirs(x)
+    assert torch.equal(experts, their_experts)
+    assert torch.allclose(weights.float(), their_weights.float(), atol=1e-6)
+
+
+def test_qwen3_moe_keeps_its_dense_layers(moe):
+    layers = moe["qwen3_moe"][1].model.model.layers
+    assert [type(layer.mlp) for layer in layers] == [SparseMoE, GatedMLP, SparseMoE]
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+def test_batched_paged_or_not_and_fused_files_give_the_same_tokens(moe, arch, tmp_path):
+    reference, backend = moe[arch]
+    prompts = [PROMPT, "once upon a time", "x = 1"]
+    alone = [backend.generate(p, max_tokens=12, temperature=0).token_ids for p in prompts]
+    batched = backend.generate(prompts, max_tokens=12, temperature=0)
+    assert [r.token_ids for r in batched] == alone
+    plain = load_backend(
+        str(reference.path), settings=BackendSettings(device="cpu", paged_attn=False)
+    )
+    assert [plain.generate(p, max_tokens=12, temperature=0).token_ids for p in prompts] == alone
+    fused = tmp_path / "fused"  # transformers' own layout: experts stacked [E, 2I, H]
+    reference.hf.save_pretrained(fused, save_original_format=False)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(reference.path / name, fused / name)
+    from_fused = load_backend(str(fused), settings=CPU)
+    ids = reference.tokenizer(PROMPT).input_ids
+    assert torch.equal(model_logits(from_fused, ids), model_logits(backend, ids))
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+def test_isq_quantizes_every_expert_and_computes_with_its_blocks(moe, arch):
+    """Float activations in the products, so the quantized model must compute exactly
+    what the same model with each block dequantized into a float projection computes."""
+    reference, _ = moe[arch]
+    settings = BackendSettings(device="cpu", isq="Q8_0", cpu_matmul="float32")
+    quantized = load_backend(str(reference.path), settings=settings)
+    moe_layer = next(m for m in quantized.model.modules() if isinstance(m, SparseMoE))
+    assert all(isinstance(e.gate_proj, QuantLinear) for e in moe_layer.experts)
+    assert not isinstance(moe_layer.gate, QuantLinear)  # the router stays in float
+    ids = reference.tokenizer(PROMPT).input_ids
+    expected = model_logits(quantized, ids)
+    for name, module in list(quantized.model.named_modules()):
+        if isinstance(module, QuantLinear):
+            parent, _, attr = name.rpartition(".")
+            dense = torch.nn.Linear(module.in_features, module.out_features, bias=False)
+            dense.weight = torch.nn.Parameter(module.weight_q.dequantize().float())
+            setattr(quantized.model.get_submodule(parent), attr, dense)
+    assert torch.allclose(model_logits(quantized, ids), expected, atol=1e-4)
+
+
+def test_speculative_decoding_with_an_moe_target(moe, tiny):
+    reference, backend = moe["mixtral"]
+    expected = backend.generate(PROMPT, max_tokens=16, temperature=0).token_ids
+    for draft in (
+        {"speculative_draft_isq": "Q8_0"},
+        {"speculative_draft_model": str(tiny.hf("llama").path)},
+    ):
+        spec = load_backend(
+            str(reference.path),
+            settings=BackendSettings(device="cpu", speculative_gamma=4, **draft),
+        )
+        result = spec.generate(PROMPT, max_tokens=16, temperature=0)
+        assert result.token_ids == expected
+        assert result.usage.draft_tokens > 0
+
+
+def test_an_unsupported_moe_variant_names_the_supported_ones(tmp_path, tiny):
+    import json
+
+    source = tiny.hf("qwen3_moe").path
+    other = tmp_path / "qwen2moe"
+    shutil.copytree(source, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "qwen2_moe"}))
+    with pytest.raises(UnsupportedArchitectureError, match="qwen3_moe, mixtral, olmoe"):
+        load_backend(str(other), settings=CPU)
+
+
+def test_a_compressed_cache_and_a_constraint_run_an_moe_model(moe):
+    reference, _ = moe["olmoe"]
+    settings = BackendSettings(device="cpu", kv_cache_compression="int8")
+    compressed = load_backend(str(reference.path), settings=settings)
+    result = compressed.generate(PROMPT, max_tokens=8, temperature=0, ignore_eos=True)
+    assert len(result.token_ids) == 8
+    chat = compressed.generate(PROMPT, max_tokens=8, temperature=0, choice=["yes", "no"])
+    assert chat.text in ("yes", "no")
