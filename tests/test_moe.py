@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 from helpers import CPU, model_logits
 from tiny_models import MOE_ARCHITECTURES
 
@@ -86,12 +87,7 @@ def test_isq_quantizes_every_expert_and_computes_with_its_blocks(moe, arch):
     assert not isinstance(moe_layer.gate, QuantLinear)  # the router stays in float
     ids = reference.tokenizer(PROMPT).input_ids
     expected = model_logits(quantized, ids)
-    for name, module in list(quantized.model.named_modules()):
-        if isinstance(module, QuantLinear):
-            parent, _, attr = name.rpartition(".")
-            dense = torch.nn.Linear(module.in_features, module.out_features, bias=False)
-            dense.weight = torch.nn.Parameter(module.weight_q.dequantize().float())
-            setattr(quantized.model.get_submodule(parent), attr, dense)
+    _dequantize_in_place(quantized)
     assert torch.allclose(model_logits(quantized, ids), expected, atol=1e-4)
 
 
@@ -131,3 +127,43 @@ def test_a_compressed_cache_and_a_constraint_run_an_moe_model(moe):
     assert len(result.token_ids) == 8
     chat = compressed.generate(PROMPT, max_tokens=8, temperature=0, choice=["yes", "no"])
     assert chat.text in ("yes", "no")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_gguf_twins_with_stacked_experts(moe, tiny, arch):
+    """llama.cpp's layout: ``ffn_gate_inp`` and the experts stacked per projection
+    (``ffn_gate_exps`` ...). Float: the same logits as the safetensors model. Q8_0: each
+    expert keeps its own blocks (close to its float weights) and the model computes
+    exactly what those blocks dequantized compute."""
+    reference, backend = moe[arch]
+    ids = reference.tokenizer(PROMPT).input_ids
+    float_twin = load_backend(str(tiny.gguf(arch, GGMLQuantizationType.F32)), settings=CPU)
+    assert float_twin.model_config.architecture == arch
+    assert torch.allclose(model_logits(float_twin, ids), model_logits(backend, ids), atol=1e-5)
+    settings = BackendSettings(device="cpu", cpu_matmul="float32")
+    quantized = load_backend(str(tiny.gguf(arch, GGMLQuantizationType.Q8_0)), settings=settings)
+    layer = quantized.model.model.layers[0].mlp
+    stacked = reference.hf.model.layers[0].mlp.experts.gate_up_proj.detach()
+    inner = stacked.shape[1] // 2
+    for expert, mlp in enumerate(layer.experts):
+        blocks = mlp.gate_proj.weight_q.dequantize().float()
+        assert torch.allclose(blocks, stacked[expert, :inner], atol=0.02)
+    expected = model_logits(quantized, ids)
+    _dequantize_in_place(quantized)
+    assert torch.allclose(model_logits(quantized, ids), expected, atol=1e-4)
+
+
+def test_an_olmoe_gguf_is_refused_with_the_supported_ones(tiny):
+    path = tiny.gguf("olmoe", GGMLQuantizationType.F32)
+    with pytest.raises(UnsupportedArchitectureError, match="'olmoe' is not supported"):
+        load_backend(str(path), settings=CPU)
+
+
+def _dequantize_in_place(backend) -> None:
+    """Every quantized projection replaced by a float one holding its blocks' values."""
+    for name, module in list(backend.model.named_modules()):
+        if isinstance(module, QuantLinear):
+            parent, _, attr = name.rpartition(".")
+            dense = torch.nn.Linear(module.in_features, module.out_features, bias=False)
+            dense.weight = torch.nn.Parameter(module.weight_q.dequantize().float())
+            setattr(backend.model.get_submodule(parent), attr, dense)

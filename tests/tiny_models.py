@@ -220,6 +220,9 @@ _GGUF_ARCH = {
     "qwen3": "qwen3",
     "phi3": "phi3",
     "gemma3": "gemma3",
+    "qwen3_moe": "qwen3moe",
+    "mixtral": "llama",
+    "olmoe": "olmoe",
 }
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -235,6 +238,7 @@ _LAYER_NAMES = {
     "mlp.gate_up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
     "post_attention_layernorm": "ffn_norm",
+    "mlp.gate": "ffn_gate_inp",
 }
 _GEMMA_LAYER_NAMES = {
     **_LAYER_NAMES,
@@ -274,11 +278,16 @@ def write_gguf(
     config = tiny.hf.config
     writer = GGUFWriter(path, arch)
     _write_metadata(writer, tiny, config)
-    for name, tensor in tiny.hf.state_dict().items():
+    for name, tensor in _stacked_experts(tiny.hf.state_dict()):
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
+        if name.startswith("blk."):  # already GGUF's: stacked experts
+            _add_tensor(writer, name, tensor.float().numpy(), qtype)
+            continue
         data = tensor.float().numpy()
-        if tiny.arch in ("llama", "mistral") and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if tiny.arch in ("llama", "mistral", "mixtral") and name.endswith(
+            ("q_proj.weight", "k_proj.weight")
+        ):
             data = _permute(data, HEADS if "q_proj" in name else KV_HEADS)
         if arch == "gemma3" and name.endswith("norm.weight"):
             data = data + 1.0
@@ -289,6 +298,22 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _stacked_experts(state: dict[str, torch.Tensor]):
+    """transformers' fused experts (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``)
+    as llama.cpp stores them: ``ffn_gate_exps``, ``ffn_up_exps`` ``[E, I, H]`` and
+    ``ffn_down_exps``."""
+    for name, tensor in state.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            index = name.split(".")[2]
+            gate, up = tensor.chunk(2, dim=1)
+            yield f"blk.{index}.ffn_gate_exps.weight", gate
+            yield f"blk.{index}.ffn_up_exps.weight", up
+        elif name.endswith(".mlp.experts.down_proj"):
+            yield f"blk.{name.split('.')[2]}.ffn_down_exps.weight", tensor
+        else:
+            yield name, tensor
 
 
 def _add_tensor(
@@ -324,6 +349,14 @@ def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config) -> None:
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if getattr(config, "moe_intermediate_size", None):
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if getattr(config, "clip_qkv", None):
+        writer.add_clamp_kqv(config.clip_qkv)
     if tiny.arch == "gemma3":
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)

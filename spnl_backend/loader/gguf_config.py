@@ -16,13 +16,16 @@ from ..models.config import (
     ConfigValueError,
     LayerType,
     ModelConfig,
+    MoeConfig,
     RopeConfig,
     check_config_shapes,
 )
 from .gguf_file import GGUFFile, describe_value
 from .typed import MISSING, TypedReader
 
-_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
+_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "qwen3moe")
+# GGUF's names → ours, where they differ (a llama file with experts is Mixtral).
+_OUR_ARCHITECTURE = {"qwen3moe": "qwen3_moe"}
 # Tokens that end a turn; llama.cpp treats those in the vocabulary as end-of-generation.
 END_OF_TURN_TOKENS = (
     "<end_of_turn>",
@@ -48,6 +51,12 @@ _COMMON_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_norm": "post_attention_layernorm",
+    # Mixtures of experts: the router, and each projection's experts stacked [E, rows,
+    # columns] (`weights.read_gguf` splits them into each expert's own).
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 _GEMMA_NAMES = {
     **_COMMON_NAMES,
@@ -77,6 +86,9 @@ _FIELD_KEYS = {
     "sliding_window": "attention.sliding_window",
     "layer_types": "attention.sliding_window_pattern",
     "final_softcap": "final_logit_softcapping",
+    "num_experts": "expert_count",
+    "num_experts_per_tok": "expert_used_count",
+    "moe_intermediate_size": "expert_feed_forward_length",
     "rope.theta": "rope.freq_base",
     "rope.rotary_dim": "rope.dimension_count",
     "rope.factor": "rope.scaling.factor",
@@ -99,24 +111,15 @@ _TOKEN_ID_KEY = re.compile(r"tokenizer\.ggml\.\w+_token_id")
 _TOKENIZER_FLAG_KEY = re.compile(r"tokenizer\.ggml\.(add|remove)_\w+")
 
 
-_MOE_ARCHITECTURES = ("qwen3moe", "olmoe", "qwen2moe", "mixtral")
-
-
 def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     """The file's model, checked: a key of the wrong type, a value out of range or a
     metadata value that disagrees with the tensors is a ModelFileError naming the key."""
     arch = gguf.architecture
-    if arch in _MOE_ARCHITECTURES or "blk.0.ffn_gate_inp.weight" in gguf.tensors:
-        raise UnsupportedArchitectureError(
-            f"{gguf.path}: a mixture-of-experts GGUF ({arch!r}, stacked expert tensors); "
-            "GGUF experts are not supported yet: Qwen3-MoE, Mixtral and OLMoE load from "
-            "safetensors directories"
-        )
     if arch not in _ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"{gguf.path}: GGUF architecture {arch!r} is not supported; supported: "
             + ", ".join(_ARCHITECTURES)
-            + " (Mistral GGUFs use 'llama')"
+            + " (Mistral and Mixtral GGUFs use 'llama')"
         )
     meta = _Metadata(gguf, arch)
     vocab = _vocab_size(gguf)
@@ -125,8 +128,10 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     head_dim = _head_dim(meta, hidden, heads)
     layers = meta.count("block_count")
     _check_layers(gguf, meta, layers)
+    moe = _moe(gguf, meta, arch, layers)
     fields: dict[str, Any] = dict(
-        architecture=arch,
+        architecture=_OUR_ARCHITECTURE.get(arch, arch if moe is None else "mixtral"),
+        moe=moe,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=meta.count("feed_forward_length"),
@@ -146,7 +151,7 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         fields["layer_types"] = _swa_layer_types(meta, None, layers)
     if arch == "qwen2":
         fields.update(qkv_bias="blk.0.attn_q.bias" in gguf.tensors)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3moe"):
         fields.update(qk_norm=True)
     if arch == "gemma3":
         fields.update(_gemma3(meta, fields))
@@ -157,6 +162,27 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     shapes = {hf_name(n, arch, gguf.path): info.shape for n, info in gguf.tensors.items()}
     check_config_shapes(config, shapes, gguf.path)
     return config
+
+
+def _moe(gguf: GGUFFile, meta: "_Metadata", arch: str, layers: int) -> MoeConfig | None:
+    """The experts, where the file has a router (``ffn_gate_inp``) in some block; a block
+    without one is dense. Renormalising the top-k weights: the file's
+    ``expert_weights_norm`` where it says, else llama.cpp's rule for the architecture
+    (Qwen3-MoE and Mixtral do)."""
+    sparse = tuple(f"blk.{i}.ffn_gate_inp.weight" in gguf.tensors for i in range(layers))
+    if not any(sparse):
+        return None
+    norm = meta.get("expert_weights_norm")
+    return MoeConfig(
+        num_experts=meta.count("expert_count"),
+        top_k=meta.count("expert_used_count"),
+        intermediate_size=meta.count(
+            "expert_feed_forward_length", meta.count("feed_forward_length")
+        ),
+        renormalize=True if norm is None else bool(norm),
+        float_weights=arch == "llama",  # Mixtral
+        sparse=sparse,
+    )
 
 
 def _head_dim(meta: "_Metadata", hidden: int, heads: int) -> int:

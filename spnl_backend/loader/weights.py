@@ -46,6 +46,7 @@ _RENAMED_PREFIXES = (
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _MIXTRAL_EXPERT = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.(.+)")
 _MIXTRAL_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_STACKED_EXPERTS = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(gate|up|down)_proj\.weight")
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -238,6 +239,9 @@ def read_gguf(gguf: GGUFFile, config: ModelConfig, progress: Progress) -> NamedT
         if name is None:
             continue
         info = gguf.tensors[gguf_name]
+        if _STACKED_EXPERTS.fullmatch(name):
+            yield from _gguf_experts(gguf, gguf_name, name)
+            continue
         tensor: torch.Tensor | QuantizedWeight
         if info.qtype in FLOAT_TYPES or len(info.shape) != 2:
             tensor = gguf.load(gguf_name)
@@ -253,6 +257,33 @@ def read_gguf(gguf: GGUFFile, config: ModelConfig, progress: Progress) -> NamedT
             tensor = unpermute_rows(tensor, heads)
         yield name, tensor
     progress("weights", len(names), len(names))
+
+
+def _gguf_experts(gguf: GGUFFile, gguf_name: str, name: str) -> NamedTensors:
+    """A stacked expert tensor ``[E, rows, columns]`` as each expert's projection: the
+    quantized ones as their own blocks (each expert's rows are one contiguous run of the
+    data), the float ones as slices."""
+    info = gguf.tensors[gguf_name]
+    if len(info.shape) != 3:
+        raise ModelFileError(
+            f"{gguf.path}: tensor {gguf_name!r} has shape {info.shape}; expected "
+            "[experts, rows, columns]"
+        )
+    experts, rows, cols = info.shape
+    stem, _, proj = name.removesuffix(".weight").rpartition(".")
+    if info.qtype in FLOAT_TYPES:
+        stacked = gguf.load(gguf_name)
+        check_finite(stacked, gguf.path, gguf_name)
+        for expert, weight in enumerate(stacked.unbind(0)):
+            yield f"{stem}.{expert}.{proj}.weight", weight
+        return
+    blocks = gguf.raw(gguf_name).view(experts * rows, -1)
+    for expert in range(experts):
+        weight = QuantizedWeight(
+            blocks[expert * rows : (expert + 1) * rows], info.qtype, (rows, cols)
+        )
+        _check_finite_blocks(weight, gguf.path, gguf_name)
+        yield f"{stem}.{expert}.{proj}.weight", weight
 
 
 def _check_rows(tensor: torch.Tensor | QuantizedWeight, rows: int, path: Path, name: str) -> None:
