@@ -31,7 +31,7 @@ from spnl_backend.quant.ggml import SCALE_OFFSETS, ggml_format
 
 @dataclass(frozen=True)
 class Shape:
-    arch: str  # "llama" or "gemma3"
+    arch: str  # "llama", "gemma3" or "qwen3moe"
     hidden: int
     layers: int
     heads: int
@@ -46,6 +46,10 @@ class Shape:
     sliding_window: int | None = None
     # Llama 3's rope scaling ("llama3"), stored as tensor rope_freqs.weight
     rope_llama3_factor: float | None = None
+    # A mixture of experts (every layer): ``experts`` feed-forwards of ``ffn`` rows,
+    # ``experts_used`` per token.
+    experts: int = 0
+    experts_used: int = 0
 
 
 SHAPES = {
@@ -97,8 +101,42 @@ SHAPES = {
         1e-6,
         sliding_window=1024,
     ),
+    # OLMoE-1B-7B's sizes (64 experts of 1,024, 8 per token, 16 layers) as llama.cpp's
+    # qwen3moe (its q/k norms per head): llama.cpp and we run that architecture from GGUF
+    "olmoe-7b": Shape(
+        "qwen3moe",
+        2048,
+        16,
+        16,
+        16,
+        128,
+        1024,
+        50304,
+        False,
+        4096,
+        10000.0,
+        1e-5,
+        experts=64,
+        experts_used=8,
+    ),
     # for tests: seconds to write and load
     "tiny": Shape("llama", 256, 2, 4, 2, 64, 512, 512, True, 4096, 500000.0, 1e-5),
+    "tiny-moe": Shape(
+        "qwen3moe",
+        256,
+        2,
+        4,
+        2,
+        64,
+        256,
+        512,
+        False,
+        4096,
+        10000.0,
+        1e-5,
+        experts=8,
+        experts_used=2,
+    ),
 }
 FILE_TYPES = {"q4_k_m": 15, "q8_0": 7, "q4_0": 2}  # llama_ftype values (general.file_type)
 
@@ -136,13 +174,20 @@ def tensor_plan(shape: Shape, fmt: str, pure: bool = False) -> Iterator[tuple[st
         yield blk + "attn_q.weight", (q_dim, h), base
         yield blk + "attn_k.weight", (kv_dim, h), base
         yield blk + "attn_v.weight", (kv_dim, h), wide
-        if shape.arch == "gemma3":
+        if shape.arch in ("gemma3", "qwen3moe"):
             yield blk + "attn_q_norm.weight", (shape.head_dim,), Q.F32
             yield blk + "attn_k_norm.weight", (shape.head_dim,), Q.F32
         yield blk + "attn_output.weight", (h, q_dim), base
         if shape.arch == "gemma3":
             yield blk + "post_attention_norm.weight", (h,), Q.F32
         yield blk + "ffn_norm.weight", (h,), Q.F32
+        if shape.experts:  # llama-quantize keeps the router in float
+            e = shape.experts
+            yield blk + "ffn_gate_inp.weight", (e, h), Q.F32
+            yield blk + "ffn_gate_exps.weight", (e, shape.ffn, h), base
+            yield blk + "ffn_up_exps.weight", (e, shape.ffn, h), base
+            yield blk + "ffn_down_exps.weight", (e, h, shape.ffn), wide
+            continue
         yield blk + "ffn_gate.weight", (shape.ffn, h), base
         yield blk + "ffn_up.weight", (shape.ffn, h), base
         yield blk + "ffn_down.weight", (h, shape.ffn), wide
@@ -187,10 +232,11 @@ def random_blocks(rng: np.random.Generator, qtype: Q, n_elements: int) -> np.nda
 def tensor_data(rng: np.random.Generator, name: str, shape: tuple, qtype: Q, model: Shape):
     if name == "rope_freqs.weight":
         return llama3_rope_factors(model)
+    if name.endswith("ffn_gate_inp.weight"):  # a router: logits of a few units
+        return (0.05 * rng.standard_normal(shape)).astype(np.float32)
     if qtype == Q.F32:  # norm weights (Gemma's stored as 1 + w, as llama.cpp converts them)
         return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
-    rows, cols = shape
-    return random_blocks(rng, qtype, rows * cols).reshape(rows, -1)
+    return random_blocks(rng, qtype, math.prod(shape)).reshape(*shape[:-1], -1)
 
 
 def tokenizer_metadata() -> dict:
@@ -262,6 +308,10 @@ def add_metadata(writer: gguf.GGUFWriter, name: str, shape: Shape, fmt: str) -> 
         writer.add_vocab_size(shape.vocab)
     if shape.sliding_window:
         writer.add_sliding_window(shape.sliding_window)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
+        writer.add_expert_feed_forward_length(shape.ffn)
     writer.add_file_type(FILE_TYPES[fmt])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
@@ -283,7 +333,8 @@ def write(
             writer.add_tensor_info(tensor, dims, np.dtype(np.float32), 4 * math.prod(dims))
         else:
             nbytes = ggml_format(qtype).nbytes(math.prod(dims))
-            byte_shape = (dims[0], nbytes // dims[0])
+            rows = math.prod(dims[:-1])
+            byte_shape = (*dims[:-1], nbytes // rows)
             writer.add_tensor_info(tensor, byte_shape, np.dtype(np.uint8), nbytes, qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

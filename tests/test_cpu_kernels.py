@@ -559,3 +559,22 @@ def test_a_compiler_without_link_time_optimisation_still_builds_the_same_kernels
     weights = [_weights(Q.Q4_K), _weights(Q.Q5_0, rows=16, seed=1)]
     x = torch.randn(3, 512)
     assert torch.equal(quantized_matmuls(plain, x, weights), quantized_matmuls(kernels, x, weights))
+
+
+@pytest.mark.parametrize("mode", ["int8", "exact"])
+def test_rowwise_products_are_each_rows_one_row_product(kernels, mode):
+    """A token's experts, each with its own input row, in one call (`spnl_qmatmul_rowwise`):
+    product i on row i, bit for bit what a one-row call gives, and the twin's numbers."""
+    native = dataclasses.replace(kernels, exact=mode == "exact")
+    weights = [_weights(qtype, rows=40, cols=768, seed=i) for i, qtype in enumerate(TYPES)]
+    x = torch.randn(len(weights), 768, generator=torch.Generator().manual_seed(1))
+    call = native.products([(w.qtype.value, w.data, w.shape[0]) for w in weights])
+    together = call.rowwise(x)
+    alone = torch.cat(
+        [quantized_matmuls(native, x[i : i + 1], [w]) for i, w in enumerate(weights)], dim=-1
+    )
+    assert torch.equal(together, alone)
+    twin = torch.cat([x[i : i + 1] @ w.dequantize().T for i, w in enumerate(weights)], dim=-1)
+    torch.testing.assert_close(together, twin, rtol=0.05, atol=0.5 if mode == "int8" else 1e-3)
+    with pytest.raises(KernelArgumentError, match="rows for"):
+        call.rowwise(x[:2])

@@ -167,3 +167,23 @@ def _dequantize_in_place(backend) -> None:
             dense = torch.nn.Linear(module.in_features, module.out_features, bias=False)
             dense.weight = torch.nn.Parameter(module.weight_q.dequantize().float())
             setattr(backend.model.get_submodule(parent), attr, dense)
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+def test_a_decode_step_of_quantized_experts_equals_the_grouped_path(moe, arch):
+    """One token takes a shortcut (its experts' gate and up in one native pass): the same
+    numbers as the grouped path, so a sequence's tokens do not depend on its batch."""
+    reference, _ = moe[arch]
+    quantized = load_backend(
+        str(reference.path), settings=BackendSettings(device="cpu", isq="Q8_0")
+    )
+    layer = next(m for m in quantized.model.modules() if isinstance(m, SparseMoE))
+    x = torch.randn(5, reference.hf.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        together = layer(x)  # the grouped path
+        alone = torch.cat([layer(row[None]) for row in x])  # the shortcut, row by row
+    assert torch.equal(alone, together)
+    prompts = [PROMPT, "once upon a time", "x = 1"]
+    singly = [quantized.generate(p, max_tokens=10, temperature=0).token_ids for p in prompts]
+    batched = quantized.generate(prompts, max_tokens=10, temperature=0)
+    assert [r.token_ids for r in batched] == singly

@@ -47,3 +47,24 @@ def test_tiny_synthetic_file_loads_and_decodes(tmp_path, fmt):
     assert result.usage.completion_tokens == 4
     assert logits
     assert all(bool(torch.isfinite(row).all()) for row in logits)
+
+
+def test_tiny_synthetic_moe_file_loads_its_stacked_experts(tmp_path):
+    from spnl_backend.models.layers import SparseMoE
+
+    path = tmp_path / "tiny-moe.gguf"
+    synthetic_gguf.write(path, "tiny-moe", "q4_k_m")
+    types = {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+    assert types["blk.0.ffn_gate_inp.weight"] == "F32"  # the router stays in float
+    assert types["blk.0.ffn_gate_exps.weight"] == "Q4_K"
+    backend = load_backend(str(path), settings=CPU)
+    layers = backend.model.model.layers
+    assert all(isinstance(layer.mlp, SparseMoE) for layer in layers)
+    assert len(layers[0].mlp.experts) == 8
+    layer = layers[0].mlp  # Q4_K and Q6_K experts: the one-row product's own order
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert torch.equal(torch.cat([layer(row[None]) for row in x]), layer(x))
+    result = backend.generate("Hello", max_tokens=4, temperature=0, ignore_eos=True)
+    assert result.usage.completion_tokens == 4
+    backend.close()

@@ -1,5 +1,6 @@
 """The building blocks every architecture shares: norms, linears, gated MLP, attention."""
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -9,6 +10,7 @@ from torch import nn
 
 from ..kernels import ops
 from ..kernels.cpu import CpuKernels
+from ..kernels.matmuls import CpuMatmuls
 from ..quant.linear import QuantLinear
 from .config import ModelConfig
 from .rope import RotaryTables
@@ -95,6 +97,22 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate).mul_(up))
 
 
+MAX_EXPERT_SETS = 512  # per MoE layer: a few MB of argument arrays at most
+
+
+class RecentCalls(OrderedDict):
+    """A dict that keeps its ``limit`` newest entries (the expert sets vary by token)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def __setitem__(self, key: object, value: object) -> None:
+        super().__setitem__(key, value)
+        if len(self) > self.limit:
+            self.popitem(last=False)
+
+
 class SparseMoE(nn.Module):
     """A router and its experts (`MoeConfig`): each token runs through its ``top_k``
     experts, weighted by the router's probabilities. Tokens are grouped by expert, so a
@@ -116,18 +134,35 @@ class SparseMoE(nn.Module):
         self.experts = nn.ModuleList(
             GatedMLP(config, moe.intermediate_size) for _ in range(moe.num_experts)
         )
+        # The native calls of the expert sets that decode steps met lately (a set's call
+        # keeps its arguments ready, as a dense layer's does).
+        self._prepared: dict = RecentCalls(MAX_EXPERT_SETS)
+        self._all_quantized: bool | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts ``[T, top_k]`` and their weights (float32 where the
         architecture weighs in float32, else ``x``'s dtype)."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        probs = torch.softmax(self._router_logits(x).float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return experts, weights if self.float_weights else weights.to(x.dtype)
 
+    def _router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The router's logits, each row computed alone (a matrix-vector product): a
+        float GEMM rounds differently with the number of rows, and a token's experts must
+        not depend on what shares its step. A quantized router's rows already are."""
+        if isinstance(self.gate, QuantLinear):
+            return self.gate(x)
+        weight = self.gate.weight
+        if not len(x):
+            return x @ weight.T
+        return torch.stack([torch.mv(weight, row) for row in x])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
+        if x.shape[0] == 1 and self._quantized():
+            return self._one_token(x, experts[0], weights[0])
         out = torch.zeros(x.shape, dtype=weights.dtype, device=x.device)
         slots = experts.flatten()
         order = torch.argsort(slots, stable=True)  # by expert, tokens in order within one
@@ -142,6 +177,41 @@ class SparseMoE(nn.Module):
             y = self.experts[expert](x[rows]).to(out.dtype) * slot_weights[:, None]
             out.index_add_(0, rows, y)
             start += count
+        return out.to(x.dtype)
+
+    def _quantized(self) -> bool:
+        """Whether every expert's gate and up run on quantized products (looked at once:
+        the layers are set when the weights load, before the first step)."""
+        if self._all_quantized is None:
+            self._all_quantized = all(
+                isinstance(p, QuantLinear) for e in self.experts for p in (e.gate_proj, e.up_proj)
+            )
+        return self._all_quantized
+
+    def _one_token(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """One token (a sequence's decode step): its experts' gate and up projections in
+        one native pass over the activations, then each expert's down projection; summed
+        in expert order, as `forward` sums any token's, so the output is the same."""
+        ids, order = torch.sort(experts)
+        mlps = [self.experts[e] for e in ids.tolist()]
+        layers = [p for mlp in mlps for p in (mlp.gate_proj, mlp.up_proj)]
+        both = layers[0].matmuls(x, [layer.weight_q for layer in layers], self._prepared)
+        pairs = both.split_with_sizes([layer.out_features for layer in layers], dim=-1)
+        inner = torch.cat(
+            [mlp.act(pairs[2 * i]).mul_(pairs[2 * i + 1]) for i, mlp in enumerate(mlps)]
+        )
+        downs = [mlp.down_proj for mlp in mlps]
+        matmuls = downs[0].matmuls
+        if isinstance(matmuls, CpuMatmuls) and x.is_cpu:  # every expert's down in one call
+            y = matmuls.rowwise(inner, [d.weight_q for d in downs], self._prepared)
+            y = y.view(len(downs), -1)
+        else:
+            y = torch.cat([down(inner[i : i + 1]) for i, down in enumerate(downs)])
+        out = torch.zeros(x.shape, dtype=weights.dtype, device=x.device)
+        for i, weight in enumerate(weights[order]):
+            out += y[i : i + 1].to(out.dtype) * weight
         return out.to(x.dtype)
 
 

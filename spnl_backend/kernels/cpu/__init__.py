@@ -216,6 +216,7 @@ _SIGNATURES = {  # name: (argument types, result type)
     **{name: ([], _I64) for name in _STRUCTS},
     "spnl_row_bytes": ([_I32, _I64], _I64),
     "spnl_qmatmul": ([ctypes.POINTER(_Products), _P, _I64, _I64, _P, _I64, _I32, _I32], _I32),
+    "spnl_qmatmul_rowwise": ([ctypes.POINTER(_Products), _P, _I64, _P, _I32, _I32], _I32),
     "spnl_dequantize": ([_I32, _P, _I64, _I64, _I64, _P, _I32], _I32),
     "spnl_gather_rows": ([_I32, _P, _I64, _P, _I64, _I64, _P], _I32),
     "spnl_rms_norm": ([_P, _P, _P, _I64, _I64, _F32], _I32),
@@ -706,10 +707,7 @@ class Products:
         kernels = self.kernels
         if rows == 0:
             return torch.empty((0, self.total), dtype=torch.float32)
-        if k_in != self.k_in:  # the one width these weights take, found on first use
-            for qtype, row_bytes in self.row_bytes:
-                kernels.check_row_bytes(qtype, k_in, row_bytes, "matmul")
-            self.k_in = k_in
+        self._check_width(k_in)
         out = torch.empty((rows, self.total), dtype=torch.float32)
         _check(
             kernels.library.spnl_qmatmul(
@@ -725,6 +723,34 @@ class Products:
             "matmul",
         )
         return out
+
+    def rowwise(self, x: torch.Tensor) -> torch.Tensor:
+        """Product ``i`` with row ``i`` of ``x [count, k]`` alone, each row computed as a
+        one-row call computes it → ``[1, total]``."""
+        require(x, torch.float32, "matmul: x", dims=2)
+        count, k_in = x.shape
+        if count != len(self.widths):
+            raise KernelArgumentError(f"matmul: {count} rows for {len(self.widths)} products")
+        self._check_width(k_in)
+        out = torch.empty((1, self.total), dtype=torch.float32)
+        _check(
+            self.kernels.library.spnl_qmatmul_rowwise(
+                self.args,
+                x.data_ptr(),
+                k_in,
+                out.data_ptr(),
+                torch.get_num_threads(),
+                self.kernels.exact,
+            ),
+            "matmul",
+        )
+        return out
+
+    def _check_width(self, k_in: int) -> None:
+        if k_in != self.k_in:  # the one width these weights take, found on first use
+            for qtype, row_bytes in self.row_bytes:
+                self.kernels.check_row_bytes(qtype, k_in, row_bytes, "matmul")
+            self.k_in = k_in
 
 
 def _check(status: int, name: str) -> None:

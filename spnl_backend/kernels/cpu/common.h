@@ -151,6 +151,8 @@ int64_t spnl_sizeof_layer(void);
 int64_t spnl_row_bytes(int qtype, int64_t k_in);
 int spnl_qmatmul(const spnl_products *p, const float *x, int64_t rows, int64_t k_in, float *y,
                  int64_t y_stride, int threads, int exact);
+int spnl_qmatmul_rowwise(const spnl_products *p, const float *x, int64_t k_in, float *y,
+                         int threads, int exact);
 int spnl_dequantize(int qtype, const uint8_t *w, int64_t w_bytes, int64_t n_rows, int64_t k_in,
                     float *out, int threads);
 int spnl_gather_rows(int qtype, const uint8_t *w, int64_t n_rows, const int64_t *ids,

@@ -334,7 +334,7 @@ int spnl_has_int8(void) {
 #endif
 }
 
-#define MAX_PRODUCTS 8
+#define MAX_PRODUCTS 64  // a mixture of experts: gate and up of each of up to 32 experts
 #define TILE_ROWS 16  // weight rows per task: spreads the per-row overhead
 
 #ifdef INT8_PATH
@@ -381,6 +381,43 @@ static void free_rows(act_rows *a) {
 }
 #endif
 
+// What a set of products needs: every format's fast (int8) path, and which activation
+// blocks (32, 256, Q4_K's order).
+typedef struct { int fast; bool b32, b256, k4; } needs;
+
+// The products' formats, their columns in the output (first) and their tiles of
+// consecutive weight rows, shared out among the threads (tile_start); 0 or the error.
+static int plan_products(const spnl_products *p, int64_t k_in, const format **formats,
+                         int64_t *first, int64_t *tile_start, needs *need) {
+    const int count = p->count;
+    if (count < 1 || count > MAX_PRODUCTS || k_in < 1) return BAD_ARGUMENT;
+    for (int i = 0; i < count; i++) {
+        formats[i] = format_of(p->qtypes[i], k_in);
+        if (!formats[i] || p->n_outs[i] < 0) return BAD_ARGUMENT;
+        if (p->n_outs[i] > p->w_bytes[i] / (k_in / formats[i]->block * formats[i]->bytes))
+            return OUT_OF_BOUNDS;  // the matrix is smaller than n_out rows of k_in
+        need->fast = need->fast && formats[i]->fast;
+        need->b32 = need->b32 || formats[i]->block == 32;
+        need->b256 = need->b256 || formats[i]->block == QK_K;
+        need->k4 = need->k4 || formats[i]->qtype == Q4_K;
+        first[i + 1] = first[i] + p->n_outs[i];
+        tile_start[i + 1] = tile_start[i] + (p->n_outs[i] + TILE_ROWS - 1) / TILE_ROWS;
+    }
+    return 0;
+}
+
+// Tile t: its product, its first weight row and row count, and where its rows start.
+typedef struct { int product; int64_t first_row, rows; const uint8_t *w; } tile;
+
+static inline tile tile_of(int64_t t, const int64_t *tile_start, const format **formats,
+                           const int64_t *n_outs, const uint8_t *const *weights, int64_t k_in) {
+    int i = 0;
+    while (t >= tile_start[i + 1]) i++;
+    const int64_t n = (t - tile_start[i]) * TILE_ROWS;
+    const int64_t rows = n_outs[i] - n < TILE_ROWS ? n_outs[i] - n : TILE_ROWS;
+    return (tile){i, n, rows, weights[i] + n * (k_in / formats[i]->block * formats[i]->bytes)};
+}
+
 // The products of p with the same activations x [rows][k_in], side by side in y
 // [rows][y_stride]: product i fills columns [offset_i, offset_i + n_out_i) with
 // sum_k x[m][k] * W_i[n][k]. `exact` keeps float activations; otherwise (where compiled)
@@ -393,53 +430,104 @@ int spnl_qmatmul(const spnl_products *p, const float *x, int64_t rows, int64_t k
     const uint8_t *const *weights = p->weights;
     const int64_t *n_outs = p->n_outs;
     const format *formats[MAX_PRODUCTS];
-    int64_t first[MAX_PRODUCTS + 1] = {0};
-    if (count < 1 || count > MAX_PRODUCTS || rows < 1 || k_in < 1) return BAD_ARGUMENT;
-    int fast = !exact;
-    bool b32 = false, b256 = false, k4 = false;
-    for (int i = 0; i < count; i++) {
-        formats[i] = format_of(p->qtypes[i], k_in);
-        if (!formats[i] || n_outs[i] < 0) return BAD_ARGUMENT;
-        if (n_outs[i] > p->w_bytes[i] / (k_in / formats[i]->block * formats[i]->bytes))
-            return OUT_OF_BOUNDS;  // the matrix is smaller than n_out rows of k_in
-        fast = fast && formats[i]->fast;
-        b32 = b32 || formats[i]->block == 32;
-        b256 = b256 || formats[i]->block == QK_K;
-        k4 = k4 || formats[i]->qtype == Q4_K;
-        first[i + 1] = first[i] + n_outs[i];
-    }
+    int64_t first[MAX_PRODUCTS + 1] = {0}, tile_start[MAX_PRODUCTS + 1] = {0};
+    if (rows < 1) return BAD_ARGUMENT;
+    needs need = {.fast = !exact};
+    int status = plan_products(p, k_in, formats, first, tile_start, &need);
+    if (status) return status;
     if (first[count] > y_stride) return BAD_ARGUMENT;
 #ifdef INT8_PATH
     act_rows quantized = {0};
-    if (fast && !quantize_rows(x, rows, k_in, b32, b256, k4, threads, &quantized)) {
+    const int fast = need.fast;
+    if (fast && !quantize_rows(x, rows, k_in, need.b32, need.b256, need.k4, threads, &quantized)) {
         free_rows(&quantized);
         return NO_MEMORY;
     }
 #endif
-    // Tiles of consecutive weight rows within one product, shared out among the threads.
-    int64_t tile_start[MAX_PRODUCTS + 1] = {0};
-    for (int i = 0; i < count; i++)
-        tile_start[i + 1] = tile_start[i] + (n_outs[i] + TILE_ROWS - 1) / TILE_ROWS;
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < tile_start[count]; t++) {
-        int i = 0;
-        while (t >= tile_start[i + 1]) i++;
-        const format *f = formats[i];
-        const int64_t n = (t - tile_start[i]) * TILE_ROWS;
-        const int64_t rows_here = n_outs[i] - n < TILE_ROWS ? n_outs[i] - n : TILE_ROWS;
-        const uint8_t *w = weights[i] + n * (k_in / f->block * f->bytes);
+        const tile at = tile_of(t, tile_start, formats, n_outs, weights, k_in);
+        const format *f = formats[at.product];
+        float *out = y + first[at.product] + at.first_row;
 #ifdef INT8_PATH
         if (fast) {
-            f->fast(&quantized, rows, k_in, w, rows_here, y + first[i] + n, y_stride);
+            f->fast(&quantized, rows, k_in, at.w, at.rows, out, y_stride);
             continue;
         }
 #endif
         for (int64_t m0 = 0; m0 < rows; m0 += MAX_ROWS)
-            f->exact(x + m0 * k_in, rows - m0 < MAX_ROWS ? rows - m0 : MAX_ROWS, k_in, w,
-                     rows_here, y + m0 * y_stride + first[i] + n, y_stride);
+            f->exact(x + m0 * k_in, rows - m0 < MAX_ROWS ? rows - m0 : MAX_ROWS, k_in, at.w,
+                     at.rows, out + m0 * y_stride, y_stride);
     }
 #ifdef INT8_PATH
     if (fast) free_rows(&quantized);
+#endif
+    return 0;
+}
+
+// Product i with row i of x [count][k_in] alone (each expert of a token its own input: the
+// down products of a mixture of experts), side by side in y [first[count]]. Each row is
+// computed exactly as a one-row spnl_qmatmul computes it (the same quantized activations,
+// Q4_K's one-row order included), in one parallel region for all.
+int spnl_qmatmul_rowwise(const spnl_products *p, const float *x, int64_t k_in, float *y,
+                         int threads, int exact) {
+    const int count = p->count;
+    const uint8_t *const *weights = p->weights;
+    const int64_t *n_outs = p->n_outs;
+    const format *formats[MAX_PRODUCTS];
+    int64_t first[MAX_PRODUCTS + 1] = {0}, tile_start[MAX_PRODUCTS + 1] = {0};
+    needs need = {.fast = !exact};
+    int status = plan_products(p, k_in, formats, first, tile_start, &need);
+    if (status) return status;
+#ifdef INT8_PATH
+    act_rows quantized = {0};
+    int8_t *ordered = NULL;  // each row's Q4_K order, as a one-row call makes it
+    const int fast = need.fast;
+    if (fast) {
+        bool ok = quantize_rows(x, count, k_in, need.b32, need.b256, false, threads, &quantized);
+        if (ok && need.k4 && need.b256) {
+            ordered = malloc((size_t)count * (size_t)k_in);
+            ok = ordered != NULL;
+            for (int64_t m = 0; ok && m < count; m++)
+                k4_order(quantized.q256 + m * k_in, k_in / QK_K, ordered + m * k_in);
+        }
+        if (!ok) {
+            free(ordered);
+            free_rows(&quantized);
+            return NO_MEMORY;
+        }
+    }
+#endif
+    const int64_t stride = first[count];  // y is one row of every product's columns
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < tile_start[count]; t++) {
+        const tile at = tile_of(t, tile_start, formats, n_outs, weights, k_in);
+        const int64_t m = at.product;  // its row of x
+        float *out = y + first[m] + at.first_row;
+#ifdef INT8_PATH
+        if (fast) {
+            const act_rows row = {
+                .q32 = quantized.q32 ? quantized.q32 + m * k_in : NULL,
+                .q256 = quantized.q256 ? quantized.q256 + m * k_in : NULL,
+                .d32 = quantized.d32 ? quantized.d32 + m * k_in / 32 : NULL,
+                .s32 = quantized.s32 ? quantized.s32 + m * k_in / 32 : NULL,
+                .d256 = quantized.d256 ? quantized.d256 + m * k_in / QK_K : NULL,
+                .sums32 = quantized.sums32 ? quantized.sums32 + m * k_in / 32 : NULL,
+                .bsums = quantized.bsums ? quantized.bsums + m * k_in / 16 : NULL,
+                .q256_k4 = ordered ? ordered + m * k_in : NULL,
+                .k = k_in,
+            };
+            formats[m]->fast(&row, 1, k_in, at.w, at.rows, out, stride);
+            continue;
+        }
+#endif
+        formats[m]->exact(x + m * k_in, 1, k_in, at.w, at.rows, out, stride);
+    }
+#ifdef INT8_PATH
+    if (fast) {
+        free(ordered);
+        free_rows(&quantized);
+    }
 #endif
     return 0;
 }
