@@ -7,6 +7,7 @@ take what it chose and never decide again. The row counts at which a set switche
 arithmetic live in `kernels.thresholds`.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -36,6 +37,8 @@ class KernelChoice:
     native: CpuKernels | None
     attention: Kernels
     matmuls: Matmuls
+    # Float mixture-of-experts layers in one fused kernel (Triton's, on CUDA), or None.
+    fused_moe: Callable | None = None
 
 
 def choose_kernels(decisions: PlatformDecisions) -> KernelChoice:
@@ -49,9 +52,17 @@ def choose_kernels(decisions: PlatformDecisions) -> KernelChoice:
     matmuls = select_matmuls(
         decisions.kernels, native, decisions.cpu_gemm, decisions.batch_invariant
     )
-    choice = KernelChoice(native, attention, matmuls)
+    choice = KernelChoice(native, attention, matmuls, _fused_moe(decisions.kernels))
     log.debug("kernels.selected", kernels=attention.name, native=native is not None)
     return choice
+
+
+def _fused_moe(kernels: str) -> Callable | None:
+    if kernels != "triton":
+        return None
+    from .triton_moe import fused_moe_triton
+
+    return fused_moe_triton
 
 
 def native_kernels(decisions: PlatformDecisions) -> CpuKernels | None:

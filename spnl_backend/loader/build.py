@@ -131,6 +131,7 @@ def _build(
     )
     model.to(device).eval()
     model.use_native_kernels(native)
+    model.use_fused_moe(kernels.fused_moe)
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding)]
     log.info(
         "model.loaded",

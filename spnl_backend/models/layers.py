@@ -1,6 +1,7 @@
 """The building blocks every architecture shares: norms, linears, gated MLP, attention."""
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -97,6 +98,10 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate).mul_(up))
 
 
+# (x, w13 [E, 2I, H], w2 [E, H, I], topk ids [T, k], topk weights [T, k]) -> [T, H]
+FusedMoe = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
 MAX_EXPERT_SETS = 512  # per MoE layer: a few MB of argument arrays at most
 
 
@@ -138,6 +143,10 @@ class SparseMoE(nn.Module):
         # keeps its arguments ready, as a dense layer's does).
         self._prepared: dict = RecentCalls(MAX_EXPERT_SETS)
         self._all_quantized: bool | None = None
+        # A fused kernel for float experts (`kernels.triton_moe` on CUDA), set at load by
+        # `use_fused`; its experts then live stacked, each expert's weights views of them.
+        self.fused: FusedMoe | None = None
+        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts ``[T, top_k]`` and their weights (float32 where the
@@ -159,8 +168,29 @@ class SparseMoE(nn.Module):
             return x @ weight.T
         return torch.stack([torch.mv(weight, row) for row in x])
 
+    def use_fused(self, fused: "FusedMoe") -> None:
+        """Run float experts through ``fused``: their weights stacked once into
+        ``[E, 2I, H]`` (gate rows, then up) and ``[E, H, I]``, each expert's projections
+        left as views of them (no second copy); quantized experts keep their own path."""
+        if self._quantized() or self._stacked is not None:
+            self.fused = fused if self._stacked is not None else None
+            return
+        with torch.no_grad():
+            w13 = torch.stack(
+                [torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts]
+            )
+            w2 = torch.stack([e.down_proj.weight for e in self.experts])
+            inner = w13.shape[1] // 2
+            for i, e in enumerate(self.experts):
+                e.gate_proj.weight = nn.Parameter(w13[i, :inner], requires_grad=False)
+                e.up_proj.weight = nn.Parameter(w13[i, inner:], requires_grad=False)
+                e.down_proj.weight = nn.Parameter(w2[i], requires_grad=False)
+        self._stacked, self.fused = (w13, w2), fused
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
+        if self.fused is not None and self._stacked is not None:
+            return self.fused(x, *self._stacked, experts, weights.float()).to(x.dtype)
         if x.shape[0] == 1 and self._quantized():
             return self._one_token(x, experts[0], weights[0])
         out = torch.zeros(x.shape, dtype=weights.dtype, device=x.device)

@@ -6,7 +6,7 @@ from torch import nn
 from ..kernels.cpu import CpuKernels
 from ..quant.linear import QuantEmbedding
 from .config import ModelConfig
-from .layers import AttentionBackend, DecoderLayer, Linear, RMSNorm
+from .layers import AttentionBackend, DecoderLayer, FusedMoe, Linear, RMSNorm, SparseMoE
 from .native_blocks import LayerBlocks
 from .rope import RotaryEmbedding
 
@@ -107,6 +107,14 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm | RotaryEmbedding | QuantEmbedding):
                 module.native = native
+
+    def use_fused_moe(self, fused: FusedMoe | None) -> None:
+        """Run the float experts of every MoE layer through ``fused`` (None: as they are)."""
+        if fused is None:
+            return
+        for module in self.modules():
+            if isinstance(module, SparseMoE):
+                module.use_fused(fused)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states of the rows to sample from → float32 logits ``[rows, vocab]``."""
