@@ -90,35 +90,41 @@ def sort_pairs(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
     return pairs.to(torch.int32), block_expert.to(torch.int32)
 
 
-def fused_moe_triton(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-) -> torch.Tensor:
-    """`moe_ref.fused_moe_ref`'s contract, on the GPU (or Triton's interpreter)."""
-    tokens, top_k = topk_ids.shape
-    num_experts, two_inner, hidden = w13.shape
-    inner = two_inner // 2
+Tensor = torch.Tensor
+
+
+def fused_moe_triton(x: Tensor, w13: Tensor, w2: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+    """`moe_ref.fused_moe_ref`'s contract (``ids``, ``weights``: each token's experts and
+    their weights), on the GPU (or Triton's interpreter)."""
+    tokens, top_k = ids.shape
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    pairs, block_expert = sort_pairs(topk_ids, num_experts)
-    num_pairs, num_blocks = tokens * top_k, block_expert.numel()
-    ieee = x.dtype == torch.float32
-    h = torch.empty(num_pairs, two_inner, dtype=torch.float32, device=x.device)
-    _grouped_matmul[(num_blocks, triton.cdiv(two_inner, BLOCK_N))](
-        x, w13, h, pairs, block_expert, topk_weights, num_pairs, two_inner, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        TOP_K=top_k, A_BY_TOKEN=True, WEIGH=False, IEEE=ieee,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-    )  # fmt: skip
+    inner = w13.shape[1] // 2
+    sorted_pairs = sort_pairs(ids, w13.shape[0])
+    h = _grouped(x, w13, sorted_pairs, weights, top_k, by_token=True)
     act = (F.silu(h[:, :inner]) * h[:, inner:]).to(x.dtype).contiguous()
-    out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
-    weights = topk_weights.contiguous().view(-1)
-    _grouped_matmul[(num_blocks, triton.cdiv(hidden, BLOCK_N))](
-        act, w2, out, pairs, block_expert, weights, num_pairs, hidden, inner,
-        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        TOP_K=top_k, A_BY_TOKEN=False, WEIGH=True, IEEE=ieee,
+    out = _grouped(act, w2, sorted_pairs, weights, top_k, by_token=False)
+    return out.view(tokens, top_k, -1).sum(dim=1)
+
+
+def _grouped(
+    a: Tensor,
+    w: Tensor,
+    sorted_pairs: tuple[Tensor, Tensor],
+    weights: Tensor,
+    top_k: int,
+    by_token: bool,
+) -> Tensor:
+    """Every pair's row of ``a`` (its token's, ``by_token``; else its own) times its
+    expert's ``w [n, k]``, weighted by the router where ``a`` is not by token: ``[pairs, n]``
+    in float32."""
+    pairs, block_expert = sorted_pairs
+    num_pairs, n, k = weights.numel(), w.shape[1], w.shape[2]
+    out = torch.empty(num_pairs, n, dtype=torch.float32, device=a.device)
+    grid = (block_expert.numel(), triton.cdiv(n, BLOCK_N))
+    _grouped_matmul[grid](
+        a, w, out, pairs, block_expert, weights.contiguous().view(-1), num_pairs, n, k,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        TOP_K=top_k, A_BY_TOKEN=by_token, WEIGH=not by_token, IEEE=a.dtype == torch.float32,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
     )  # fmt: skip
-    return out.view(tokens, top_k, hidden).sum(dim=1)
+    return out
