@@ -302,12 +302,25 @@ class Backend:
                     "submit takes a list of checked prompts (lists of token ids, or PIC "
                     "prompts): see prompt_ids and chat_prompt_ids"
                 )
+        self._check_token_ids(params)
         seqs = [
             seq for prompt in prompts for seq in self._sequences(loop.engine, prompt, params, n)
         ]
         channel = AsyncChannel(pieces) if asynchronous else ThreadChannel(pieces)
         loop.submit(seqs, channel)
         return LoopRequest(loop, seqs, channel)
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        """The ids ``params`` name within this model's vocabulary: parameters checked
+        without it (the server's, or built by hand for `submit`) must not reach a step,
+        where an id past the logits would fail every request in it."""
+        vocab = self.model_config.vocab_size
+        if any(token >= vocab for token, _ in params.logit_bias) or any(
+            token >= vocab for token in params.stop_token_ids
+        ):
+            raise RequestError(
+                f"logit_bias and stop_token_ids take token ids from 0 to {vocab - 1}"
+            )
 
     def _sequences(
         self, engine: Engine, prompt: "PromptIds", params: SamplingParams, n: int
@@ -326,18 +339,10 @@ class Backend:
         return seqs
 
     def prepare(self, params: SamplingParams) -> None:
-        """Check ``params`` against this model and build what they need, in the calling
-        thread: the vocabulary's view for a constraint, token healing or log-probabilities
-        (seconds, once per backend), and the constraint compiled once (a `RequestError`
-        where it does not compile). `submit` does the same; the server calls this first,
-        off its event loop."""
-        vocab = self.model_config.vocab_size
-        if any(token >= vocab for token, _ in params.logit_bias) or any(
-            token >= vocab for token in params.stop_token_ids
-        ):
-            raise RequestError(
-                f"logit_bias and stop_token_ids take token ids from 0 to {vocab - 1}"
-            )
+        """Build what ``params`` need, in the calling thread: the vocabulary's view for a
+        constraint, token healing or log-probabilities (seconds, once per backend), and
+        the constraint compiled once (a `RequestError` where it does not compile).
+        `submit` does the same; the server calls this first, off its event loop."""
         if params.constraint is not None:
             self._grammars.compile(params.constraint)
         elif params.token_healing:
@@ -477,8 +482,7 @@ class Backend:
                 "token_healing applies to completions: a chat prompt ends with the chat "
                 "template's turn marker, not with text cut short"
             )
-        self._open_loop()
-        return sampling_params(*sampling, vocab_size=self.model_config.vocab_size, **options)
+        return self._checked({**options, "token_healing": False}, sampling)
 
     def _one_stream(
         self,

@@ -187,3 +187,20 @@ def test_a_decode_step_of_quantized_experts_equals_the_grouped_path(moe, arch):
     singly = [quantized.generate(p, max_tokens=10, temperature=0).token_ids for p in prompts]
     batched = quantized.generate(prompts, max_tokens=10, temperature=0)
     assert [r.token_ids for r in batched] == singly
+
+
+def test_a_top_k_wider_than_one_native_call_decodes_on_the_grouped_path(tmp_path):
+    """33 experts a token: more gate and up products than one native call takes (64)."""
+    from tiny_models import _common, build_tokenizer
+    from transformers import AutoModelForCausalLM, OlmoeConfig
+
+    tokenizer = build_tokenizer()
+    config = OlmoeConfig(**_common(len(tokenizer)), num_experts=36, num_experts_per_tok=33)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    backend = load_backend(str(tmp_path), settings=BackendSettings(device="cpu", isq="Q8_0"))
+    alone = backend.generate(PROMPT, max_tokens=4, temperature=0, ignore_eos=True)
+    batched = backend.generate([PROMPT, "x = 1"], max_tokens=4, temperature=0, ignore_eos=True)
+    assert batched[0].token_ids == alone.token_ids
+    assert len(alone.token_ids) == 4

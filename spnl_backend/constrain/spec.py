@@ -162,21 +162,6 @@ def choice_spec(choices: object) -> ConstraintSpec:
 _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-# JSON is written compactly, as Python's json.dumps does (", " and ": "), with no other
-# whitespace: a model free to add whitespace can add it until max_tokens runs out.
-_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-def _items(value: object) -> list[object] | None:
-    """A list's or tuple's items, read once (None for anything else, or a hostile one)."""
-    if not isinstance(value, list | tuple):
-        return None
-    try:
-        return list(value)
-    except Exception:
-        return None
-
-
 def _json_grammar(schema: str) -> str:
     from llguidance import LLMatcher
 

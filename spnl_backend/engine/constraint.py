@@ -18,7 +18,7 @@ class Constraint(Protocol):
         """Write the tokens allowed next into ``bitmask[row]``."""
 
     def accept(self, token_id: int) -> None:
-        """Advance past ``token_id``; an `EngineError` where it was not allowed."""
+        """Advance past ``token_id``; an error of its request's where it was not allowed."""
 
     def fork(self) -> "Constraint":
         """An independent copy in the same state: speculative drafts advance a fork, so

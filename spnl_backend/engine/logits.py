@@ -8,6 +8,7 @@ not depend on how the token was then drawn.
 """
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -15,25 +16,15 @@ from .constraint import Constraint, apply_bitmask, new_bitmask
 from .sequence import SamplingParams
 
 
+@dataclass(frozen=True, slots=True)
 class RowHistory:
     """The tokens one row of logits follows: a sequence's prompt and output, and, for a
     speculative verification row, the drafts before it."""
 
-    __slots__ = ("after", "output_ids", "params", "prompt_ids")
-
-    def __init__(
-        self,
-        params: SamplingParams,
-        prompt_ids: list[int],
-        output_ids: list[int],
-        after: Sequence[int] = (),
-    ) -> None:
-        self.params, self.prompt_ids, self.output_ids, self.after = (
-            params,
-            prompt_ids,
-            output_ids,
-            after,
-        )
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    after: Sequence[int] = ()
 
     def completion(self) -> list[int]:
         return [*self.output_ids, *self.after]

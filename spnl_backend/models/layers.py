@@ -103,6 +103,9 @@ FusedMoe = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
 ]
 MAX_EXPERT_SETS = 512  # per MoE layer: a few MB of argument arrays at most
+# The most experts a decode step's two native calls take (one call's 64 products: the
+# gate and up of each); a wider top-k takes the grouped path.
+ONE_CALL_EXPERTS = 32
 
 
 class RecentCalls(OrderedDict):
@@ -172,9 +175,13 @@ class SparseMoE(nn.Module):
         """Run float experts through ``fused``: their weights stacked once into
         ``[E, 2I, H]`` (gate rows, then up) and ``[E, H, I]``, each expert's projections
         left as views of them (no second copy); quantized experts keep their own path."""
-        if self._quantized() or self._stacked is not None:
-            self.fused = fused if self._stacked is not None else None
+        if self._quantized():
             return
+        if self._stacked is None:
+            self._stacked = self._stack()
+        self.fused = fused
+
+    def _stack(self) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
             w13 = torch.stack(
                 [torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts]
@@ -185,13 +192,13 @@ class SparseMoE(nn.Module):
                 e.gate_proj.weight = nn.Parameter(w13[i, :inner], requires_grad=False)
                 e.up_proj.weight = nn.Parameter(w13[i, inner:], requires_grad=False)
                 e.down_proj.weight = nn.Parameter(w2[i], requires_grad=False)
-        self._stacked, self.fused = (w13, w2), fused
+        return w13, w2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
         if self.fused is not None and self._stacked is not None:
             return self.fused(x, *self._stacked, experts, weights.float()).to(x.dtype)
-        if x.shape[0] == 1 and self._quantized():
+        if x.shape[0] == 1 and self.top_k <= ONE_CALL_EXPERTS and self._quantized():
             return self._one_token(x, experts[0], weights[0])
         out = torch.zeros(x.shape, dtype=weights.dtype, device=x.device)
         slots = experts.flatten()
