@@ -285,6 +285,8 @@ def write_gguf(
             _add_tensor(writer, name, tensor.float().numpy(), qtype)
             continue
         data = tensor.float().numpy()
+        # Of these architectures llama.cpp's converter permutes q and k for its llama files
+        # (NORM rope) only; the others, OLMoE's included (NEOX rope), keep their rows.
         if tiny.arch in ("llama", "mistral", "mixtral") and name.endswith(
             ("q_proj.weight", "k_proj.weight")
         ):
@@ -334,6 +336,7 @@ def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config) -> None:
     writer.add_head_count_kv(KV_HEADS)
     writer.add_key_length(HEAD_DIM)
     writer.add_value_length(HEAD_DIM)
+    # (llama.cpp's converter writes 1e-5 for every OLMoE: the tiny one's own value)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)
     writer.add_rope_freq_base(rope["rope_theta"])
@@ -356,6 +359,8 @@ def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config) -> None:
         if getattr(config, "moe_intermediate_size", None):
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if getattr(config, "clip_qkv", None):
+        # llama.cpp's converter writes this key for OLMo but not for OLMoE (whose graph does
+        # not clamp); written here so that the tiny OLMoE's twin is the same model.
         writer.add_clamp_kqv(config.clip_qkv)
     if tiny.arch == "gemma3":
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])

@@ -23,9 +23,13 @@ from ..models.config import (
 from .gguf_file import GGUFFile, describe_value
 from .typed import MISSING, TypedReader
 
-_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "qwen3moe")
+_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "qwen3moe", "olmoe")
 # GGUF's names → ours, where they differ (a llama file with experts is Mixtral).
-_OUR_ARCHITECTURE = {"qwen3moe": "qwen3_moe"}
+_OUR_ARCHITECTURE = {"qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+# Whether llama.cpp renormalises the top-k weights (the `norm_w` argument its graph passes
+# to `build_moe_ffn`): Qwen3-MoE and Mixtral do; OLMoE does not (src/models/olmoe.cpp
+# passes `norm_w` false, and its converter writes no `expert_weights_norm`).
+_RENORMALIZES_TOP_K = {"qwen3moe": True, "llama": True, "olmoe": False}
 # Tokens that end a turn; llama.cpp treats those in the vocabulary as end-of-generation.
 END_OF_TURN_TOKENS = (
     "<end_of_turn>",
@@ -86,6 +90,7 @@ _FIELD_KEYS = {
     "sliding_window": "attention.sliding_window",
     "layer_types": "attention.sliding_window_pattern",
     "final_softcap": "final_logit_softcapping",
+    "clip_qkv": "attention.clamp_kqv",
     "num_experts": "expert_count",
     "num_experts_per_tok": "expert_used_count",
     "moe_intermediate_size": "expert_feed_forward_length",
@@ -155,6 +160,8 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         fields.update(qk_norm=True)
     if arch == "gemma3":
         fields.update(_gemma3(meta, fields))
+    if arch == "olmoe":
+        fields.update(_olmoe(meta))
     try:
         config = ModelConfig(**fields)
     except ConfigValueError as exc:
@@ -168,7 +175,7 @@ def _moe(gguf: GGUFFile, meta: "_Metadata", arch: str, layers: int) -> MoeConfig
     """The experts, where the file has a router (``ffn_gate_inp``) in some block; a block
     without one is dense. Renormalising the top-k weights: the file's
     ``expert_weights_norm`` where it says, else llama.cpp's rule for the architecture
-    (Qwen3-MoE and Mixtral do)."""
+    (Qwen3-MoE and Mixtral do, OLMoE does not)."""
     sparse = tuple(f"blk.{i}.ffn_gate_inp.weight" in gguf.tensors for i in range(layers))
     if not any(sparse):
         return None
@@ -179,7 +186,7 @@ def _moe(gguf: GGUFFile, meta: "_Metadata", arch: str, layers: int) -> MoeConfig
         intermediate_size=meta.count(
             "expert_feed_forward_length", meta.count("feed_forward_length")
         ),
-        renormalize=True if norm is None else bool(norm),
+        renormalize=_RENORMALIZES_TOP_K.get(arch, True) if norm is None else bool(norm),
         float_weights=arch == "llama",  # Mixtral
         sparse=sparse,
     )
@@ -279,6 +286,17 @@ def _gemma3(meta: "_Metadata", fields: dict[str, Any]) -> dict[str, Any]:
             rotary_dim=fields["rope"].rotary_dim,
         ),
     )
+
+
+def _olmoe(meta: "_Metadata") -> dict[str, Any]:
+    """OLMoE norms q and k over their whole projections (``attn_q_norm`` and
+    ``attn_k_norm`` hold heads x head size weights), before the heads are split; q, k and v
+    are clamped where the file has ``attention.clamp_kqv`` (the key llama.cpp's converter
+    writes for OLMo's ``clip_qkv``; for OLMoE neither its converter nor its graph clamps,
+    so a file without the key runs unclamped, as llama.cpp runs it). Its rope is
+    llama.cpp's NEOX kind (rotate-half) and the converter does not permute q and k as it
+    does Llama's, so their rows are read as they are."""
+    return dict(qk_norm_full=True, clip_qkv=meta.positive("attention.clamp_kqv", None))
 
 
 def _swa_layer_types(meta: "_Metadata", default: int | None, layers: int) -> tuple[LayerType, ...]:

@@ -17,6 +17,7 @@ from ..errors import ModelFileError, RequestError
 from ..log import get_logger
 from ..settings.paths import cache_dir
 from .chat_template import ChatTemplate
+from .gguf_file import GGUFFile
 
 log = get_logger()
 
@@ -34,6 +35,13 @@ GEMMA_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
 _FALLBACK_TEMPLATES = {"gemma3": GEMMA_CHAT_TEMPLATE}
+# GGUF architectures whose vocabularies transformers' AutoTokenizer converts, as it always
+# has here (so their cached conversions stay byte for byte what they were). AutoTokenizer
+# parses the file's model config first, to pick a tokenizer class, and refuses an
+# architecture transformers does not model ("GGUF model with architecture olmoe is not
+# supported yet"); every other architecture's vocabulary goes to the generic fast
+# tokenizer, which reads only the file's tokenizer metadata.
+_AUTO_TOKENIZER_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3", "phi3", "gemma3", "qwen3moe"})
 
 
 class HFTokenizer(Protocol):
@@ -205,10 +213,9 @@ def _convert(gguf_path: Path, target: Path) -> None:
         file=str(gguf_path),
         note="first load of this file only; the result is cached",
     )
-    from transformers import AutoTokenizer
-
+    converter = _vocabulary_converter(GGUFFile(gguf_path).architecture)
     try:
-        hf = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        hf = converter.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     except Exception as exc:  # transformers' GGUF conversion raises whatever odd metadata trips
         raise ModelFileError(
             f"{gguf_path}: cannot build a tokenizer from the file's vocabulary: "
@@ -224,6 +231,15 @@ def _convert(gguf_path: Path, target: Path) -> None:
             raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _vocabulary_converter(architecture: str) -> Any:
+    """The transformers class that converts a GGUF vocabulary of ``architecture``."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if architecture in _AUTO_TOKENIZER_ARCHITECTURES:
+        return AutoTokenizer
+    return PreTrainedTokenizerFast
 
 
 def _cache_key(path: Path) -> str:
