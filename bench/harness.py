@@ -123,7 +123,9 @@ def bench_cache(name: str) -> Path:
     # The rule of `spnl_backend.settings.paths.cache_dir`, restated: importing settings
     # loads torch, and the parent processes of the benches must stay light.
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "spnl_backend" / name
+    path = base / "spnl_backend" / name
+    path.mkdir(parents=True, exist_ok=True)  # a fresh machine has none of it yet
+    return path
 
 
 def text_model_dir(gguf: Path) -> Path:
