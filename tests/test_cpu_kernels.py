@@ -562,19 +562,102 @@ def test_a_compiler_without_link_time_optimisation_still_builds_the_same_kernels
 
 
 @pytest.mark.parametrize("mode", ["int8", "exact"])
-def test_rowwise_products_are_each_rows_one_row_product(kernels, mode):
-    """A token's experts, each with its own input row, in one call (`spnl_qmatmul_rowwise`):
-    product i on row i, bit for bit what a one-row call gives, and the twin's numbers."""
+def test_grouped_products_are_each_rows_one_row_product(kernels, mode):
+    """Products on their own rows in one call (`spnl_qmatmul_groups`: an expert with its
+    tokens): each row bit for bit what a one-row call gives, the twin's numbers, and the
+    rows no group writes left at zero."""
     native = dataclasses.replace(kernels, exact=mode == "exact")
     weights = [_weights(qtype, rows=40, cols=768, seed=i) for i, qtype in enumerate(TYPES)]
-    x = torch.randn(len(weights), 768, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(6, 768, generator=torch.Generator().manual_seed(1))
+    # (x_row, y_row, rows, col): one row, several, none, shared inputs, side by side
+    layout = [(0, 0, 1, 0), (1, 1, 3, 0), (0, 4, 0, 0), (5, 4, 1, 40), (2, 5, 1, 0)]
+    groups = [layout[i % len(layout)] for i in range(len(weights))]
+    groups = [(xr, (yr + 6 * i) % 24, n, col) for i, (xr, yr, n, col) in enumerate(groups)]
     call = native.products([(w.qtype.value, w.data, w.shape[0]) for w in weights])
-    together = call.rowwise(x)
-    alone = torch.cat(
-        [quantized_matmuls(native, x[i : i + 1], [w]) for i, w in enumerate(weights)], dim=-1
+    together = call.groups(x, groups, y_rows=24)
+    expected = torch.zeros_like(together)
+    twin = torch.zeros_like(together)
+    for w, (x_row, y_row, rows, col) in zip(weights, groups, strict=True):
+        for r in range(rows):
+            row = x[x_row + r : x_row + r + 1]
+            expected[y_row + r, col : col + 40] = quantized_matmuls(native, row, [w])[0]
+            twin[y_row + r, col : col + 40] = (row @ w.dequantize().T)[0]
+    assert torch.equal(together, expected)
+    # int8 activations: values near 27 in magnitude, each block rounded to 1/127 of its top
+    torch.testing.assert_close(together, twin, rtol=0.05, atol=1.0 if mode == "int8" else 1e-3)
+    with pytest.raises(KernelArgumentError, match="groups for"):
+        call.groups(x, groups[:2], y_rows=24)
+    for bad in [(5, 0, 2, 0), (0, 23, 2, 0), (-1, 0, 1, 0), (0, 0, -1, 0)]:
+        with pytest.raises(KernelArgumentError, match="rejected"):
+            call.groups(x, [bad, *groups[1:]], y_rows=24)
+
+
+def _experts(count: int, hidden: int, inner: int, qtypes: tuple[Q, Q], seed: int = 0):
+    """``count`` experts' (gate, up, down) as GGML blocks, and the same stacked in float
+    (``w13 [E, 2I, H]``, ``w2 [E, H, I]``) for the twin."""
+    gate_up_type, down_type = qtypes
+    experts, w13, w2 = [], [], []
+    for e in range(count):
+        gate, up = (_weights(gate_up_type, inner, hidden, seed + 3 * e + i) for i in (0, 1))
+        down = _weights(down_type, hidden, inner, seed + 3 * e + 2)
+        experts.append(tuple((w.qtype.value, w.data, w.shape[0]) for w in (gate, up, down)))
+        w13.append(torch.cat([gate.dequantize(), up.dequantize()]).float())
+        w2.append(down.dequantize().float())
+    return experts, torch.stack(w13), torch.stack(w2)
+
+
+@pytest.mark.parametrize("mode", ["int8", "exact"])
+@pytest.mark.parametrize(
+    ("tokens", "count", "top_k", "renormalize", "qtypes"),
+    [
+        (1, 8, 2, True, (Q.Q8_0, Q.Q8_0)),
+        (7, 16, 4, False, (Q.Q4_K, Q.Q6_K)),
+        (300, 4, 1, True, (Q.Q4_0, Q.Q5_K)),  # more than one chunk of 256 tokens
+    ],
+)
+def test_the_moe_layer_against_its_twin(kernels, mode, tokens, count, top_k, renormalize, qtypes):
+    """`spnl_moe` (routing, the experts' grouped products, SiLU, the weighted sum) against
+    torch: softmax, top-k and renormalising, then the fused-MoE twin on the dequantized
+    experts; and every row as it would be alone."""
+    from spnl_backend.kernels.cpu.moe import NativeMoe
+    from spnl_backend.kernels.moe_ref import fused_moe_ref
+
+    native = dataclasses.replace(kernels, exact=mode == "exact")
+    hidden, inner = 256, 512
+    experts, w13, w2 = _experts(count, hidden, inner, qtypes)
+    gen = torch.Generator().manual_seed(5)
+    router = torch.randn(count, hidden, generator=gen) / 8
+    x = torch.randn(tokens, hidden, generator=gen)
+    layer = NativeMoe(native, router, experts, top_k, renormalize)
+    out = layer(x)
+    weights, ids = torch.topk(torch.softmax(x @ router.T, dim=-1), top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    twin = fused_moe_ref(x, w13, w2, ids, weights)
+    scale = twin.abs().max().item()
+    tolerance = 0.05 * scale if mode == "int8" else 1e-4 * scale
+    torch.testing.assert_close(out, twin, rtol=0, atol=tolerance)
+    assert torch.equal(torch.cat([layer(row[None]) for row in x[:3]]), out[:3])
+
+
+def test_the_moe_layer_refuses_what_it_cannot_run(kernels):
+    from spnl_backend.kernels.cpu.moe import NativeMoe
+
+    experts, _, _ = _experts(2, 256, 256, (Q.Q8_0, Q.Q8_0))
+    router = torch.randn(2, 256)
+    with pytest.raises(KernelArgumentError, match="top 3"):
+        NativeMoe(kernels, router, experts, 3, True)
+    with pytest.raises(KernelArgumentError, match="router"):
+        NativeMoe(kernels, router.half(), experts, 1, True)
+    other = _experts(1, 256, 512, (Q.Q8_0, Q.Q8_0))[0]
+    with pytest.raises(KernelArgumentError, match="shapes"):
+        NativeMoe(kernels, router, [experts[0], other[0]], 1, True)
+    layer = NativeMoe(kernels, router, experts, 1, True)
+    with pytest.raises(KernelArgumentError, match="columns"):
+        layer(torch.randn(3, 128))
+    x, out = torch.randn(2, 256), torch.empty(2, 256)
+    small = torch.empty(layer.scratch_bytes(2) - 64, dtype=torch.uint8)
+    status = kernels.library.spnl_moe(
+        layer.args, x.data_ptr(), 2, out.data_ptr(), small.data_ptr(), small.numel(), 1, 0
     )
-    assert torch.equal(together, alone)
-    twin = torch.cat([x[i : i + 1] @ w.dequantize().T for i, w in enumerate(weights)], dim=-1)
-    torch.testing.assert_close(together, twin, rtol=0.05, atol=0.5 if mode == "int8" else 1e-3)
-    with pytest.raises(KernelArgumentError, match="rows for"):
-        call.rowwise(x[:2])
+    assert status == -1  # too little scratch: refused before anything is written

@@ -1,11 +1,12 @@
 """The native layer blocks (`models.native_blocks`) against their twin, the per-op path:
-the same bits for every architecture they run, prefill and decode, both float pools; the
-per-op path wherever a step or a model is not theirs."""
+the same bits for every architecture they run (experts and OLMoE's attention included),
+prefill and decode, both float pools; the per-op path wherever a step or a model is not
+theirs."""
 
 import pytest
 import torch
 from helpers import SHARED_PREFIX_PROMPTS, engine_internals, engine_logits
-from tiny_models import ARCHITECTURES
+from tiny_models import ARCHITECTURES, MOE_ARCHITECTURES
 
 from spnl_backend import BackendSettings, load_backend
 from spnl_backend.kernels.cpu import KernelArgumentError
@@ -28,7 +29,7 @@ def _generate(backend, blocks: bool):
 
 
 @pytest.mark.parametrize("cache_type", ["f16", "f32"])
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", [*ARCHITECTURES, *MOE_ARCHITECTURES])
 def test_the_blocks_give_the_per_op_paths_bits(tiny, arch, cache_type, block_runs):
     with _load(tiny, arch, cache_type) as per_op, _load(tiny, arch, cache_type) as blocks:
         expected_logits, expected_texts = _generate(per_op, blocks=False)
@@ -73,3 +74,19 @@ def test_pools_refused_by_the_blocks_leave_every_layer_on_the_pools_it_had(tiny)
         del bad
         after = backend.generate("The capital of France is", max_tokens=8, temperature=0)
     assert after.text == before.text
+
+
+def test_olmoe_clamps_q_k_and_v_alike_on_both_paths(tiny, block_runs):
+    """OLMoE's clip (q, k and v clamped after the whole-projection norms), tight enough
+    to bite: the blocks clamp as the per-op path does."""
+    runs = []
+    for clip, blocks in ((None, False), (0.5, False), (0.5, True)):
+        with _load(tiny, "olmoe", "f32") as backend:
+            for layer in backend.model.model.layers:  # before the first step builds them
+                layer.self_attn.clip_qkv = clip
+            runs.append(_generate(backend, blocks=blocks))
+    (free, _), (clipped, texts), (in_blocks, block_texts) = runs
+    assert block_runs[0] > 0
+    assert not torch.allclose(free, clipped, atol=1e-3)  # the clip changed something
+    assert torch.equal(in_blocks, clipped)
+    assert block_texts == texts

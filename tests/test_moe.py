@@ -1,12 +1,15 @@
 """Mixture-of-experts models (Qwen3-MoE, Mixtral, OLMoE) from safetensors: each against
-transformers on the same tiny random model, its routing rule included."""
+transformers on the same tiny random model, its routing rule included; and their GGUF
+twins, as llama.cpp's converter writes them, against the safetensors models."""
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFValueType
 from helpers import CPU, model_logits
+from model_file_mutations import parse_gguf, with_value, without_key, write_gguf_bytes
 from tiny_models import MOE_ARCHITECTURES
 
 from spnl_backend import BackendSettings, UnsupportedArchitectureError, load_backend
@@ -87,8 +90,9 @@ def test_isq_quantizes_every_expert_and_computes_with_its_blocks(moe, arch):
     assert not isinstance(moe_layer.gate, QuantLinear)  # the router stays in float
     ids = reference.tokenizer(PROMPT).input_ids
     expected = model_logits(quantized, ids)
-    _dequantize_in_place(quantized)
-    assert torch.allclose(model_logits(quantized, ids), expected, atol=1e-4)
+    dequantized = load_backend(str(reference.path), settings=settings)
+    _dequantize_in_place(dequantized)
+    assert torch.allclose(model_logits(dequantized, ids), expected, atol=1e-4)
 
 
 def test_speculative_decoding_with_an_moe_target(moe, tiny):
@@ -129,7 +133,7 @@ def test_a_compressed_cache_and_a_constraint_run_an_moe_model(moe):
     assert chat.text in ("yes", "no")
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
 def test_gguf_twins_with_stacked_experts(moe, tiny, arch):
     """llama.cpp's layout: ``ffn_gate_inp`` and the experts stacked per projection
     (``ffn_gate_exps`` ...). Float: the same logits as the safetensors model. Q8_0: each
@@ -149,18 +153,73 @@ def test_gguf_twins_with_stacked_experts(moe, tiny, arch):
         blocks = mlp.gate_proj.weight_q.dequantize().float()
         assert torch.allclose(blocks, stacked[expert, :inner], atol=0.02)
     expected = model_logits(quantized, ids)
-    _dequantize_in_place(quantized)
-    assert torch.allclose(model_logits(quantized, ids), expected, atol=1e-4)
+    dequantized = load_backend(str(tiny.gguf(arch, GGMLQuantizationType.Q8_0)), settings=settings)
+    _dequantize_in_place(dequantized)
+    assert torch.allclose(model_logits(dequantized, ids), expected, atol=1e-4)
 
 
-def test_an_olmoe_gguf_is_refused_with_the_supported_ones(tiny):
-    path = tiny.gguf("olmoe", GGMLQuantizationType.F32)
-    with pytest.raises(UnsupportedArchitectureError, match="'olmoe' is not supported"):
+def test_an_olmoe_gguf_generates_and_tokenizes_as_its_safetensors_model(moe, tiny):
+    """llama.cpp's OLMoE file: q and k normed over their whole projections and not
+    permuted (NEOX rope), the top-k weights as they come, q, k, v clamped by
+    ``clamp_kqv``; its vocabulary converted without transformers' model config, which
+    does not know the architecture."""
+    reference, backend = moe["olmoe"]
+    twin = load_backend(str(tiny.gguf("olmoe", GGMLQuantizationType.F32)), settings=CPU)
+    config = twin.model_config
+    assert (config.qk_norm_full, config.clip_qkv, config.moe.renormalize) == (True, 4.0, False)
+    expected = backend.generate(PROMPT, max_tokens=TOKENS, temperature=0, ignore_eos=True)
+    result = twin.generate(PROMPT, max_tokens=TOKENS, temperature=0, ignore_eos=True)
+    assert result.token_ids == expected.token_ids
+    assert len(result.token_ids) == TOKENS
+    for text in (PROMPT, "def add(a, b):\n    return a + b", "  spaces  and\ttabs ", "é 中文 😀"):
+        ids = reference.tokenizer(text).input_ids
+        assert twin.tokenizer.encode(text) == ids
+        assert twin.tokenizer.decode(ids) == reference.tokenizer.decode(
+            ids, skip_special_tokens=True
+        )
+
+
+@pytest.mark.parametrize("clamp", [None, 1.0])
+def test_an_olmoe_gguf_clamps_q_k_v_where_its_clamp_kqv_says(moe, tiny, tmp_path, clamp):
+    """At 1.0 the clamp bites (the tiny model's q, k, v reach about 3.9, so its own 4.0
+    never does): the same logits as transformers with that ``clip_qkv``. Without the key,
+    as llama.cpp's converter writes OLMoE files, nothing is clamped."""
+    reference, _ = moe["olmoe"]
+    key = "olmoe.attention.clamp_kqv"
+    source = parse_gguf(tiny.gguf("olmoe", GGMLQuantizationType.F32).read_bytes())
+    if clamp is None:
+        source = without_key(source, key)
+    else:
+        source = with_value(source, key, GGUFValueType.FLOAT32, clamp)
+    path = tmp_path / "clamped.gguf"
+    path.write_bytes(write_gguf_bytes(source))
+    twin = load_backend(str(path), settings=CPU)
+    assert twin.model_config.clip_qkv == clamp
+    ids = reference.tokenizer(PROMPT).input_ids
+    own, reference.hf.config.clip_qkv = reference.hf.config.clip_qkv, clamp
+    try:
+        with torch.no_grad():
+            expected = reference.hf(torch.tensor([ids])).logits[0]
+    finally:
+        reference.hf.config.clip_qkv = own
+    assert torch.allclose(model_logits(twin, ids), expected, atol=1e-4)
+
+
+def test_an_unsupported_gguf_architecture_names_the_supported_ones(tiny, tmp_path):
+    source = parse_gguf(tiny.gguf("olmoe", GGMLQuantizationType.F32).read_bytes())
+    path = tmp_path / "dbrx.gguf"
+    dbrx = with_value(source, "general.architecture", GGUFValueType.STRING, "dbrx")
+    path.write_bytes(write_gguf_bytes(dbrx))
+    with pytest.raises(
+        UnsupportedArchitectureError,
+        match=r"'dbrx' is not supported; supported: llama, .*, qwen3moe, olmoe",
+    ):
         load_backend(str(path), settings=CPU)
 
 
 def _dequantize_in_place(backend) -> None:
-    """Every quantized projection replaced by a float one holding its blocks' values."""
+    """Every quantized projection replaced by a float one holding its blocks' values (before
+    the backend's first step: its layers' native calls are made then, and kept)."""
     for name, module in list(backend.model.named_modules()):
         if isinstance(module, QuantLinear):
             parent, _, attr = name.rpartition(".")
@@ -170,37 +229,108 @@ def _dequantize_in_place(backend) -> None:
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
-def test_a_decode_step_of_quantized_experts_equals_the_grouped_path(moe, arch):
-    """One token takes a shortcut (its experts' gate and up in one native pass): the same
-    numbers as the grouped path, so a sequence's tokens do not depend on its batch."""
+def test_quantized_experts_run_natively_row_by_row_as_their_twin(moe, arch):
+    """On the CPU a layer of quantized experts is one native call: each row computed as it
+    would be alone (one row, five, or more than one chunk of 256), close to the torch twin
+    (`SparseMoE.grouped`), and a sequence's tokens the same alone and in a batch."""
     reference, _ = moe[arch]
     quantized = load_backend(
         str(reference.path), settings=BackendSettings(device="cpu", isq="Q8_0")
     )
     layer = next(m for m in quantized.model.modules() if isinstance(m, SparseMoE))
-    x = torch.randn(5, reference.hf.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    assert layer.native_layer() is not None
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(300, reference.hf.config.hidden_size, generator=gen)
     with torch.inference_mode():
-        together = layer(x)  # the grouped path
-        alone = torch.cat([layer(row[None]) for row in x])  # the shortcut, row by row
-    assert torch.equal(alone, together)
+        together = layer(x)
+        alone = torch.cat([layer(row[None]) for row in x[:5]])
+        twin = layer.grouped(x, *layer.route(x))
+    assert torch.equal(alone, together[:5])
+    assert torch.equal(layer(x[:5]), together[:5])
+    torch.testing.assert_close(together, twin, rtol=1e-4, atol=1e-5)
     prompts = [PROMPT, "once upon a time", "x = 1"]
     singly = [quantized.generate(p, max_tokens=10, temperature=0).token_ids for p in prompts]
     batched = quantized.generate(prompts, max_tokens=10, temperature=0)
     assert [r.token_ids for r in batched] == singly
 
 
-def test_a_top_k_wider_than_one_native_call_decodes_on_the_grouped_path(tmp_path):
-    """33 experts a token: more gate and up products than one native call takes (64)."""
+@pytest.mark.parametrize(
+    ("experts", "top_k", "native"), [(36, 33, True), (260, 2, False)], ids=["wide-top-k", "260"]
+)
+def test_expert_counts_at_the_edges(tmp_path, experts, top_k, native):
+    """33 of 36 experts a token runs natively; more experts than the native layer takes
+    (256) run on the torch path. Either way a sequence's tokens do not depend on its batch."""
     from tiny_models import _common, build_tokenizer
     from transformers import AutoModelForCausalLM, OlmoeConfig
 
     tokenizer = build_tokenizer()
-    config = OlmoeConfig(**_common(len(tokenizer)), num_experts=36, num_experts_per_tok=33)
+    config = OlmoeConfig(**_common(len(tokenizer)), num_experts=experts, num_experts_per_tok=top_k)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     backend = load_backend(str(tmp_path), settings=BackendSettings(device="cpu", isq="Q8_0"))
+    layer = next(m for m in backend.model.modules() if isinstance(m, SparseMoE))
+    assert (layer.native_layer() is not None) == native
     alone = backend.generate(PROMPT, max_tokens=4, temperature=0, ignore_eos=True)
     batched = backend.generate([PROMPT, "x = 1"], max_tokens=4, temperature=0, ignore_eos=True)
     assert batched[0].token_ids == alone.token_ids
     assert len(alone.token_ids) == 4
+
+
+_PEAK_CHILD = """
+import json, sys, torch
+from spnl_backend import BackendSettings, load_backend
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key)) * 1024
+
+settings = BackendSettings(device="cpu", isq="Q4_K", paged_attn_context_len=256)
+load_backend(sys.argv[2], settings=settings).close()  # kernels built, modules imported
+torch.set_num_threads(1)
+before = status("VmRSS:")
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the high-water mark restarts from the current RSS
+backend = load_backend(sys.argv[1], settings=settings)
+print(json.dumps({"before": before, "peak": status("VmHWM:")}))
+"""
+
+
+@pytest.mark.slow
+def test_isq_quantizes_the_experts_as_they_load(tmp_path, moe):
+    """ISQ of a model whose float experts are 12 times one layer's: the load's peak stays
+    near one layer's float experts plus the quantized model, far below the float model."""
+    import json
+    import subprocess
+    import sys
+
+    from tiny_models import _common, build_tokenizer
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("no resettable /proc high-water mark here")
+    tokenizer = build_tokenizer()
+    config = Qwen3MoeConfig(
+        **{**_common(len(tokenizer)), "hidden_size": 256, "num_hidden_layers": 12},
+        head_dim=64,
+        num_experts=32,
+        num_experts_per_tok=2,
+        moe_intermediate_size=512,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    experts = 12 * 32 * 3 * 256 * 512 * 4  # float32 bytes of every expert: 604 MB
+    warm_up = str(moe["qwen3_moe"][0].path)
+    child = subprocess.run(
+        [sys.executable, "-c", _PEAK_CHILD, str(tmp_path), warm_up],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    sizes = json.loads(child.stdout.strip().splitlines()[-1])
+    grew = sizes["peak"] - sizes["before"]
+    # a layer's float experts read while the last one's go (100 MB at most) and the
+    # quantized model (85 MB): 205 MB measured; the float experts alone would be 604 MB
+    assert grew < experts / 2, f"the load's peak grew {grew / 1e6:.0f} MB"

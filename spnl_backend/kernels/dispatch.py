@@ -37,7 +37,8 @@ class KernelChoice:
     native: CpuKernels | None
     attention: Kernels
     matmuls: Matmuls
-    # Float mixture-of-experts layers in one fused kernel (Triton's, on CUDA), or None.
+    # Mixture-of-experts layers, float or GGML-quantized, in one fused kernel (Triton's,
+    # on CUDA), or None.
     fused_moe: Callable | None = None
 
 

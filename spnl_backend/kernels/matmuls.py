@@ -72,17 +72,6 @@ class CpuMatmuls:
             return prepared[key](x)
         return self._dequantized_gemm(x, weights)
 
-    def rowwise(self, x: torch.Tensor, weights: list[PackedWeight], prepared: dict) -> torch.Tensor:
-        """Weight ``i`` with row ``i`` of ``x`` alone (a token's experts, each with its own
-        input), side by side in ``[1, sum of rows]``: each row exactly as a one-row call
-        computes it, all in one native call."""
-        key = ("rowwise", *(id(w.data) for w in weights))
-        if key not in prepared:
-            prepared[key] = self.native.products(
-                [(w.qtype.value, w.data, w.shape[0]) for w in weights]
-            )
-        return prepared[key].rowwise(x.float().contiguous())
-
     def _dequantized_gemm(self, x: torch.Tensor, weights: list[PackedWeight]) -> torch.Tensor:
         """Each matrix unpacked a slice of rows at a time, bounding the transient memory."""
         out = torch.empty((x.shape[0], sum(w.shape[0] for w in weights)), dtype=torch.float32)

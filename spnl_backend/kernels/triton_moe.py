@@ -4,8 +4,12 @@ The (token, slot) pairs are sorted by expert and each expert's run padded to who
 of `BLOCK_M`, so that every block belongs to one expert: one grouped GEMM then computes
 each block against its expert's gate and up rows (reading the token's activations), and a
 second its down rows, the router's weight applied in its epilogue. Each token's slots are
-summed afterwards, in slot order. Float experts (float32, float16, bfloat16); the products
-accumulate in float32.
+summed afterwards, in slot order. The products accumulate in float32.
+
+Experts are float (``[E, rows, cols]`` tensors: float32, float16, bfloat16) or GGML blocks
+(`moe_ref.PackedExperts`: ``[E, rows, row_bytes]`` uint8, one type per projection): a
+``QTYPE`` constexpr then has the grouped GEMM decode each weight tile inside the kernel
+with `triton_quant`'s block decoder, in float32, the activations widened to float32 too.
 """
 
 import torch
@@ -13,7 +17,40 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .moe_ref import Experts, sum_slots
+from .triton_quant import block_format, weight_tile
+
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
+# GGML experts: the tiles of `triton_quant`'s fused product, which decodes the same way.
+PACKED_BLOCK_N, PACKED_BLOCK_K = 64, 64
+
+
+@triton.jit
+def _expert_tile(
+    w_ptr,
+    expert,
+    cols,
+    ks,
+    n,
+    k,
+    stride_we,
+    stride_wn,
+    QTYPE: tl.constexpr,
+    QK: tl.constexpr,
+    BYTES: tl.constexpr,
+):
+    """The expert's ``W[cols, ks]`` transposed, ``[BLOCK_K, BLOCK_N]`` (zero outside the
+    matrix): loaded as it is, or decoded from GGML blocks (``QTYPE`` > 0) into float32."""
+    base = w_ptr + expert.to(tl.int64) * stride_we  # int64: E x rows x cols may pass 2^31
+    if QTYPE == 0:
+        w = tl.load(
+            base + cols[None, :] * stride_wn + ks[:, None],
+            mask=(cols[None, :] < n) & (ks[:, None] < k),
+            other=0.0,
+        )
+    else:
+        w = tl.trans(weight_tile(base, cols, ks, n, k, stride_wn, QTYPE, QK, BYTES))
+    return w
 
 
 @triton.jit
@@ -35,6 +72,9 @@ def _grouped_matmul(
     A_BY_TOKEN: tl.constexpr,
     WEIGH: tl.constexpr,
     IEEE: tl.constexpr,
+    QTYPE: tl.constexpr,
+    QK: tl.constexpr,
+    BYTES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -54,11 +94,7 @@ def _grouped_matmul(
             mask=valid[:, None] & (ks[None, :] < k),
             other=0.0,
         )
-        w = tl.load(
-            w_ptr + expert * stride_we + cols[None, :] * stride_wn + ks[:, None],
-            mask=(cols[None, :] < n) & (ks[:, None] < k),
-            other=0.0,
-        )
+        w = _expert_tile(w_ptr, expert, cols, ks, n, k, stride_we, stride_wn, QTYPE, QK, BYTES)
         if IEEE:
             acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
@@ -93,22 +129,31 @@ def sort_pairs(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
 Tensor = torch.Tensor
 
 
-def fused_moe_triton(x: Tensor, w13: Tensor, w2: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+def fused_moe_triton(x: Tensor, w13: Experts, w2: Experts, ids: Tensor, weights: Tensor) -> Tensor:
     """`moe_ref.fused_moe_ref`'s contract (``ids``, ``weights``: each token's experts and
     their weights), on the GPU (or Triton's interpreter)."""
-    tokens, top_k = ids.shape
-    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    inner = w13.shape[1] // 2
-    sorted_pairs = sort_pairs(ids, w13.shape[0])
+    top_k = ids.shape[1]
+    x = x.contiguous()
+    inner = _shape(w13)[0] // 2
+    sorted_pairs = sort_pairs(ids, _num_experts(w13))
     h = _grouped(x, w13, sorted_pairs, weights, top_k, by_token=True)
     act = (F.silu(h[:, :inner]) * h[:, inner:]).to(x.dtype).contiguous()
     out = _grouped(act, w2, sorted_pairs, weights, top_k, by_token=False)
-    return out.view(tokens, top_k, -1).sum(dim=1)
+    return sum_slots(out, top_k)
+
+
+def _shape(w: Experts) -> tuple[int, int]:
+    """One expert's ``(rows, cols)``."""
+    return tuple(w.shape[1:]) if isinstance(w, Tensor) else w.shape
+
+
+def _num_experts(w: Experts) -> int:
+    return (w if isinstance(w, Tensor) else w.data).shape[0]
 
 
 def _grouped(
     a: Tensor,
-    w: Tensor,
+    w: Experts,
     sorted_pairs: tuple[Tensor, Tensor],
     weights: Tensor,
     top_k: int,
@@ -118,13 +163,25 @@ def _grouped(
     expert's ``w [n, k]``, weighted by the router where ``a`` is not by token: ``[pairs, n]``
     in float32."""
     pairs, block_expert = sorted_pairs
-    num_pairs, n, k = weights.numel(), w.shape[1], w.shape[2]
+    num_pairs, (n, k) = weights.numel(), _shape(w)
+    data, meta = _weight_args(w, a.dtype)
     out = torch.empty(num_pairs, n, dtype=torch.float32, device=a.device)
-    grid = (block_expert.numel(), triton.cdiv(n, BLOCK_N))
+    grid = (block_expert.numel(), triton.cdiv(n, meta["BLOCK_N"]))
     _grouped_matmul[grid](
-        a, w, out, pairs, block_expert, weights.contiguous().view(-1), num_pairs, n, k,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        TOP_K=top_k, A_BY_TOKEN=by_token, WEIGH=not by_token, IEEE=a.dtype == torch.float32,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        a, data, out, pairs, block_expert, weights.contiguous().view(-1), num_pairs, n, k,
+        a.stride(0), data.stride(0), data.stride(1), out.stride(0),
+        TOP_K=top_k, A_BY_TOKEN=by_token, WEIGH=not by_token, BLOCK_M=BLOCK_M, **meta,
     )  # fmt: skip
     return out
+
+
+def _weight_args(w: Experts, dtype: torch.dtype) -> tuple[Tensor, dict]:
+    """The experts' tensor and the kernel's constexprs for it: float tiles as they are
+    (half precision on the tensor cores), GGML blocks decoded into float32, and the product
+    then in float32 too."""
+    if isinstance(w, Tensor):
+        float_tiles = {"QTYPE": 0, "QK": 1, "BYTES": 1, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K}
+        return w.contiguous(), {**float_tiles, "IEEE": dtype == torch.float32}
+    data = w.data.contiguous()
+    fmt = block_format(w.qtype, w.shape[1], data.shape[2])
+    return data, {**fmt, "BLOCK_N": PACKED_BLOCK_N, "BLOCK_K": PACKED_BLOCK_K, "IEEE": True}

@@ -113,8 +113,9 @@ def _decode(block, j, mask, QTYPE: tl.constexpr):
 
 
 @triton.jit
-def _weight_tile(w_ptr, rows, cols, n_rows, k_in, row_bytes, QTYPE, QK, BYTES):
-    """``W[rows, cols]`` in float32 (zero outside the matrix)."""
+def weight_tile(w_ptr, rows, cols, n_rows, k_in, row_bytes, QTYPE, QK, BYTES):
+    """``W[rows, cols]`` in float32 (zero outside the matrix); `triton_moe` decodes its
+    experts' tiles with it too."""
     mask = (rows[:, None] < n_rows) & (cols[None, :] < k_in)
     block = w_ptr + rows[:, None].to(tl.int64) * row_bytes + (cols[None, :] // QK) * BYTES
     return tl.where(mask, _decode(block, cols[None, :] % QK, mask, QTYPE), 0.0)
@@ -144,7 +145,7 @@ def _qmatmul_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k_in, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
-        w = _weight_tile(w_ptr, rows_n, cols, n_rows, k_in, row_bytes, QTYPE, QK, BYTES)
+        w = weight_tile(w_ptr, rows_n, cols, n_rows, k_in, row_bytes, QTYPE, QK, BYTES)
         x_mask = (rows_m[:, None] < m_rows) & (cols[None, :] < k_in)
         x = tl.load(x_ptr + rows_m[:, None] * stride_x + cols[None, :], mask=x_mask, other=0.0)
         acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
@@ -167,7 +168,7 @@ def _dequantize_kernel(
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    w = _weight_tile(w_ptr, rows, cols, n_rows, k_in, row_bytes, QTYPE, QK, BYTES)
+    w = weight_tile(w_ptr, rows, cols, n_rows, k_in, row_bytes, QTYPE, QK, BYTES)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < k_in)
     out = out_ptr + rows[:, None].to(tl.int64) * k_in + cols[None, :]
     tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask)
@@ -189,7 +190,7 @@ _BLOCK_SIZES = {
 }
 
 
-def _format(qtype: GGMLQuantizationType, k_in: int, row_bytes: int) -> dict:
+def block_format(qtype: GGMLQuantizationType, k_in: int, row_bytes: int) -> dict:
     """The block geometry `_decode` needs, from the packed rows themselves (a row is
     ``k_in`` weights' worth of whole blocks)."""
     block_size = _BLOCK_SIZES.get(int(qtype))
@@ -216,7 +217,7 @@ def qmatmul_triton(
         data.shape[1],
         x.stride(0),
         y.stride(0),
-        **_format(qtype, k_in, data.shape[1]),
+        **block_format(qtype, k_in, data.shape[1]),
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
@@ -240,7 +241,7 @@ def dequantize_triton(
         n_rows,
         k_in,
         data.shape[1],
-        **_format(qtype, k_in, data.shape[1]),
+        **block_format(qtype, k_in, data.shape[1]),
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
     )

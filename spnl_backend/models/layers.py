@@ -1,6 +1,5 @@
 """The building blocks every architecture shares: norms, linears, gated MLP, attention."""
 
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -11,8 +10,10 @@ from torch import nn
 
 from ..kernels import ops
 from ..kernels.cpu import CpuKernels
+from ..kernels.cpu.moe import MAX_EXPERTS, NativeMoe
 from ..kernels.matmuls import CpuMatmuls
-from ..quant.linear import QuantLinear
+from ..kernels.moe_ref import Experts
+from ..quant.linear import QuantizedExperts, QuantLinear
 from .config import ModelConfig
 from .rope import RotaryTables
 
@@ -98,27 +99,10 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate).mul_(up))
 
 
-# (x, w13 [E, 2I, H], w2 [E, H, I], topk ids [T, k], topk weights [T, k]) -> [T, H]
-FusedMoe = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
-]
-MAX_EXPERT_SETS = 512  # per MoE layer: a few MB of argument arrays at most
-# The most experts a decode step's two native calls take (one call's 64 products: the
-# gate and up of each); a wider top-k takes the grouped path.
-ONE_CALL_EXPERTS = 32
-
-
-class RecentCalls(OrderedDict):
-    """A dict that keeps its ``limit`` newest entries (the expert sets vary by token)."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__()
-        self.limit = limit
-
-    def __setitem__(self, key: object, value: object) -> None:
-        super().__setitem__(key, value)
-        if len(self) > self.limit:
-            self.popitem(last=False)
+# (x, w13 [E, 2I, H], w2 [E, H, I], topk ids [T, k], topk weights [T, k]) -> [T, H]; the
+# experts float tensors or `QuantizedExperts` (GGML blocks)
+FusedMoe = Callable[[torch.Tensor, Experts, Experts, torch.Tensor, torch.Tensor], torch.Tensor]
+Stacked = tuple[torch.Tensor, torch.Tensor] | tuple[QuantizedExperts, QuantizedExperts]
 
 
 class SparseMoE(nn.Module):
@@ -142,14 +126,14 @@ class SparseMoE(nn.Module):
         self.experts = nn.ModuleList(
             GatedMLP(config, moe.intermediate_size) for _ in range(moe.num_experts)
         )
-        # The native calls of the expert sets that decode steps met lately (a set's call
-        # keeps its arguments ready, as a dense layer's does).
-        self._prepared: dict = RecentCalls(MAX_EXPERT_SETS)
-        self._all_quantized: bool | None = None
-        # A fused kernel for float experts (`kernels.triton_moe` on CUDA), set at load by
-        # `use_fused`; its experts then live stacked, each expert's weights views of them.
+        # The layer on the CPU's native kernels (`kernels.cpu.moe`), made on first use
+        # where the experts run there (None: they do not).
+        self._native: NativeMoe | None = None
+        self._native_made = False
+        # A fused kernel (`kernels.triton_moe` on CUDA), set at load by `use_fused`; its
+        # experts then live stacked, each expert's weights views of them.
         self.fused: FusedMoe | None = None
-        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._stacked: Stacked | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts ``[T, top_k]`` and their weights (float32 where the
@@ -172,16 +156,24 @@ class SparseMoE(nn.Module):
         return torch.stack([torch.mv(weight, row) for row in x])
 
     def use_fused(self, fused: "FusedMoe") -> None:
-        """Run float experts through ``fused``: their weights stacked once into
-        ``[E, 2I, H]`` (gate rows, then up) and ``[E, H, I]``, each expert's projections
-        left as views of them (no second copy); quantized experts keep their own path."""
-        if self._quantized():
-            return
+        """Run the experts through ``fused``: their weights stacked once, float ones into
+        ``[E, 2I, H]`` (gate rows, then up) and ``[E, H, I]``, quantized ones as the same
+        stacks of GGML blocks (`QuantizedExperts`), each expert's projections left as views
+        of them (no second copy). Experts that do not stack (float beside quantized, GGML
+        types that differ within a projection, a gelu MLP) keep the per-expert path."""
         if self._stacked is None:
             self._stacked = self._stack()
-        self.fused = fused
+        if self._stacked is not None:
+            self.fused = fused
 
-    def _stack(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _stack(self) -> Stacked | None:
+        layers = [p for e in self.experts for p in (e.gate_proj, e.up_proj, e.down_proj)]
+        quantized = {isinstance(layer, QuantLinear) for layer in layers}
+        if self.experts[0].act is not F.silu or len(quantized) > 1:
+            return None  # the kernels' activation is SiLU; one kind of weight per stack
+        return self._stack_quantized() if quantized == {True} else self._stack_float()
+
+    def _stack_float(self) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
             w13 = torch.stack(
                 [torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts]
@@ -194,12 +186,30 @@ class SparseMoE(nn.Module):
                 e.down_proj.weight = nn.Parameter(w2[i], requires_grad=False)
         return w13, w2
 
+    def _stack_quantized(self) -> tuple[QuantizedExperts, QuantizedExperts] | None:
+        gate_up = [[e.gate_proj.weight_q, e.up_proj.weight_q] for e in self.experts]
+        down = [[e.down_proj.weight_q] for e in self.experts]
+        if not (QuantizedExperts.stackable(gate_up) and QuantizedExperts.stackable(down)):
+            return None
+        for e in self.experts:  # native calls kept for the blocks that are about to move
+            for layer in (e.gate_proj, e.up_proj, e.down_proj):
+                layer.prepared.clear()
+        self._native, self._native_made = None, False
+        return QuantizedExperts.stack(gate_up), QuantizedExperts.stack(down)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        native = None if self.fused is not None else self._native_for(x)
+        if native is not None:
+            return native(x)
         experts, weights = self.route(x)
         if self.fused is not None and self._stacked is not None:
             return self.fused(x, *self._stacked, experts, weights.float()).to(x.dtype)
-        if x.shape[0] == 1 and self.top_k <= ONE_CALL_EXPERTS and self._quantized():
-            return self._one_token(x, experts[0], weights[0])
+        return self.grouped(x, experts, weights)
+
+    def grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
+        """The torch path (and the twin of the native and fused ones): each expert's
+        tokens through its projections, weighted, summed over a token's experts in id
+        order."""
         out = torch.zeros(x.shape, dtype=weights.dtype, device=x.device)
         slots = experts.flatten()
         order = torch.argsort(slots, stable=True)  # by expert, tokens in order within one
@@ -216,40 +226,49 @@ class SparseMoE(nn.Module):
             start += count
         return out.to(x.dtype)
 
-    def _quantized(self) -> bool:
-        """Whether every expert's gate and up run on quantized products (looked at once:
-        the layers are set when the weights load, before the first step)."""
-        if self._all_quantized is None:
-            self._all_quantized = all(
-                isinstance(p, QuantLinear) for e in self.experts for p in (e.gate_proj, e.up_proj)
-            )
-        return self._all_quantized
+    def _native_for(self, x: torch.Tensor) -> NativeMoe | None:
+        """The native layer where this step runs on it: float32 on the CPU, each row on the
+        per-row products (every row count, or up to the products' ``max_rows``)."""
+        if x.dtype is not torch.float32 or not x.is_cpu:
+            return None
+        native = self.native_layer()
+        if native is None:
+            return None
+        max_rows = self.experts[0].gate_proj.matmuls.max_rows
+        return native if max_rows is None or len(x) <= max_rows else None
 
-    def _one_token(
-        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
-    ) -> torch.Tensor:
-        """One token (a sequence's decode step): its experts' gate and up projections in
-        one native pass over the activations, then each expert's down projection; summed
-        in expert order, as `forward` sums any token's, so the output is the same."""
-        ids, order = torch.sort(experts)
-        mlps = [self.experts[e] for e in ids.tolist()]
-        layers = [p for mlp in mlps for p in (mlp.gate_proj, mlp.up_proj)]
-        both = layers[0].matmuls(x, [layer.weight_q for layer in layers], self._prepared)
-        pairs = both.split_with_sizes([layer.out_features for layer in layers], dim=-1)
-        inner = torch.cat(
-            [mlp.act(pairs[2 * i]).mul_(pairs[2 * i + 1]) for i, mlp in enumerate(mlps)]
-        )
-        downs = [mlp.down_proj for mlp in mlps]
-        matmuls = downs[0].matmuls
-        if isinstance(matmuls, CpuMatmuls) and x.is_cpu:  # every expert's down in one call
-            y = matmuls.rowwise(inner, [d.weight_q for d in downs], self._prepared)
-            y = y.view(len(downs), -1)
-        else:
-            y = torch.cat([down(inner[i : i + 1]) for i, down in enumerate(downs)])
-        out = torch.zeros(x.shape, dtype=weights.dtype, device=x.device)
-        for i, weight in enumerate(weights[order]):
-            out += y[i : i + 1].to(out.dtype) * weight
-        return out.to(x.dtype)
+    def native_layer(self) -> NativeMoe | None:
+        """This layer on the CPU's native kernels (one call: routing, the experts' grouped
+        products, the weighted sum), where its experts are quantized projections on them
+        with SiLU and its router is float; else None (the torch path)."""
+        if not self._native_made:
+            self._native, self._native_made = self._make_native(), True
+        return self._native
+
+    def _make_native(self) -> NativeMoe | None:
+        layers = [p for e in self.experts for p in (e.gate_proj, e.up_proj, e.down_proj)]
+        if (
+            self.experts[0].act is not F.silu
+            or isinstance(self.gate, QuantLinear)
+            or len(self.experts) > MAX_EXPERTS
+            or not all(
+                isinstance(p, QuantLinear) and p.bias is None and isinstance(p.matmuls, CpuMatmuls)
+                for p in layers
+            )
+        ):
+            return None
+        natives = {p.matmuls.native for p in layers}
+        if len(natives) != 1 or len({p.matmuls.max_rows for p in layers}) != 1:
+            return None
+
+        def weight(p: QuantLinear) -> tuple[int, torch.Tensor, int]:
+            return p.weight_q.qtype.value, p.weight_q.data, p.out_features
+
+        experts = [
+            (weight(e.gate_proj), weight(e.up_proj), weight(e.down_proj)) for e in self.experts
+        ]
+        router = self.gate.weight.detach().float().contiguous()
+        return NativeMoe(natives.pop(), router, experts, self.top_k, self.renormalize)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

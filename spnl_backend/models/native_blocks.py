@@ -7,8 +7,9 @@ test checks it); this path only leaves Python out of the layer, a tenth of a dec
 token at 1B sizes. It runs where every product, store and attention of the step would be
 native anyway: float32 activations on the CPU, quantized projections without bias on the
 per-row products (batch invariance), and a float paged pool whose every query attends
-through the decode kernel (`AttentionBackend.native_keys`). Anything else takes the
-per-op path.
+through the decode kernel (`AttentionBackend.native_keys`). A layer with experts runs
+them as the MoE block: the one native call (`kernels.cpu.moe`) the per-op path makes too.
+Anything else takes the per-op path.
 """
 
 import ctypes
@@ -25,10 +26,11 @@ from ..kernels.cpu import (
     pool_row,
     require,
 )
+from ..kernels.cpu.moe import NativeMoe, scratch
 from ..kernels.matmuls import CpuMatmuls
 from ..kernels.sets import NativeKeys
 from ..quant.linear import QuantLinear
-from .layers import DecoderLayer, GatedMLP, RMSNorm, gelu_tanh
+from .layers import Attention, DecoderLayer, GatedMLP, RMSNorm, SparseMoE, gelu_tanh
 from .rope import RotaryTables
 
 ACTIVATIONS = (F.silu, gelu_tanh)
@@ -44,15 +46,17 @@ class LayerBlocks:
         final_norm: RMSNorm,
         local_layers: frozenset[int],
     ) -> None:
-        first = layers[0]
-        attn = first.self_attn
+        attn = layers[0].self_attn
         self.native = native
         self.hidden = attn.q_proj.in_features
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        self.inner = first.mlp.gate_proj.out_features
+        dense = [layer.mlp for layer in layers if isinstance(layer.mlp, GatedMLP)]
+        self.inner = dense[0].gate_proj.out_features if dense else 0
         self.keep: list = []  # what the structs point into
+        self.moe: NativeMoe | None = None  # one MoE layer: the scratch all of them take
+        # Each layer's arguments and its MLP's activation (None: experts, the MoE block).
         self.layers = [
-            (self._layer_args(layer, nxt, i in local_layers), layer.mlp.act)
+            (self._layer_args(layer, nxt, i in local_layers), _activation(layer))
             for i, (layer, nxt) in enumerate(
                 zip(layers, [*(lay.input_layernorm for lay in layers[1:]), final_norm], strict=True)
             )
@@ -78,9 +82,14 @@ class LayerBlocks:
         products = [
             self._products([attn.q_proj, attn.k_proj, attn.v_proj]),
             self._products([attn.o_proj]),
-            self._products([mlp.gate_proj, mlp.up_proj]),
-            self._products([mlp.down_proj]),
         ]
+        moe = None
+        if isinstance(mlp, SparseMoE):
+            moe = self.moe = mlp.native_layer()
+            self.keep.append(moe)
+        else:
+            products += [self._products([mlp.gate_proj, mlp.up_proj])]
+            products += [self._products([mlp.down_proj])]
         if layer.sandwich:
             norms = (
                 layer.post_attention_layernorm,
@@ -90,10 +99,11 @@ class LayerBlocks:
             )
         else:
             norms = (None, layer.post_attention_layernorm, None, next_norm)
-        qk = (attn.q_norm, attn.k_norm) if attn.qk_norm else (None, None)
+        qk = (attn.q_norm, attn.k_norm) if attn.qk_norm or attn.qk_norm_full else (None, None)
         spec = attn.spec
         return LayerArgs(
             *(ctypes.pointer(p.args) for p in products),
+            *([None, None] if moe else []),
             hidden=self.hidden,
             inner=self.inner,
             heads=self.heads,
@@ -110,6 +120,10 @@ class LayerBlocks:
             scale=spec.scale,
             softcap=spec.softcap or 0.0,
             window=spec.sliding_window or 0,
+            qk_full=int(attn.qk_norm_full),
+            has_clip=int(attn.clip_qkv is not None),
+            clip=attn.clip_qkv or 0.0,
+            moe=None if moe is None else ctypes.pointer(moe.args),
         )
 
     def _products(self, linears: list[QuantLinear]):
@@ -164,6 +178,8 @@ class LayerBlocks:
             threads=torch.get_num_threads(),
             exact=int(self.native.exact),
         )
+        if self.moe is not None:  # every MoE layer has the same shapes (checked at build)
+            step.scratch, step.scratch_bytes = scratch(self.moe.scratch_bytes(tokens))
         at = step.at
         at.slots, at.slot_stride, at.slot_width = (
             keys.slots.data_ptr(),
@@ -190,6 +206,9 @@ class LayerBlocks:
         native = self.native
         for args, activation in self.layers:
             native.attention_block(step, args)
+            if activation is None:
+                native.moe_block(step, args)
+                continue
             torch.mul(activation(gate), up, out=act)
             native.mlp_block(step, args)
         return h
@@ -247,45 +266,67 @@ class LayerBlocks:
 
 def _native_of(layers: list[DecoderLayer], final_norm: RMSNorm) -> CpuKernels | None:
     """The CPU kernels every projection of ``layers`` runs on, per row, where every layer
-    is one the blocks run (same shapes, no biases, a known activation, one eps)."""
-    natives, shapes, eps = set(), set(), {final_norm.eps}
+    is one the blocks run (same shapes, no biases, a known activation or experts on the
+    native MoE layer, one eps)."""
+    natives, shapes, inners, moes, eps = set(), set(), set(), set(), {final_norm.eps}
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if not isinstance(mlp, GatedMLP) or attn.qk_norm_full or attn.clip_qkv is not None:
-            return None  # experts, and OLMoE's attention, run on the per-op path
-        linears = [
-            attn.q_proj,
-            attn.k_proj,
-            attn.v_proj,
-            attn.o_proj,
-            mlp.gate_proj,
-            mlp.up_proj,
-            mlp.down_proj,
-        ]
-        for linear in linears:
-            if not (
-                isinstance(linear, QuantLinear)
-                and linear.bias is None
-                and isinstance(linear.matmuls, CpuMatmuls)
-                and linear.matmuls.max_rows is None
-            ):
+        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+        if isinstance(mlp, SparseMoE):
+            moe = mlp.native_layer()
+            if moe is None or moe.hidden != attn.q_proj.in_features:
                 return None
-            natives.add(linear.matmuls.native)
-        if mlp.act not in ACTIVATIONS:
+            natives.add(moe.kernels)
+            moes.add((moe.args.experts, moe.args.top_k, moe.args.inner))
+        elif isinstance(mlp, GatedMLP) and mlp.act in ACTIVATIONS:
+            linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+            inners.add(mlp.gate_proj.out_features)
+        else:
             return None
-        norms = [layer.input_layernorm, layer.post_attention_layernorm]
-        if layer.sandwich:
-            norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
-        if attn.qk_norm:
-            norms += [attn.q_norm, attn.k_norm]
-        eps.update(norm.eps for norm in norms)
-        hidden, inner = attn.q_proj.in_features, mlp.gate_proj.out_features
-        q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-        expected = [(hidden, q_size), (hidden, kv_size), (hidden, kv_size), (q_size, hidden)]
-        expected += [(hidden, inner), (hidden, inner), (inner, hidden)]
-        if [(lin.in_features, lin.out_features) for lin in linears] != expected:
+        if not all(_per_row(linear) for linear in linears):
             return None
-        shapes.add((attn.num_heads, attn.num_kv_heads, attn.head_dim, hidden, inner))
-    if len(natives) != 1 or len(shapes) != 1 or len(eps) != 1:
+        natives.update(linear.matmuls.native for linear in linears)
+        eps.update(norm.eps for norm in _norms(layer))
+        hidden = attn.q_proj.in_features
+        if [(lin.in_features, lin.out_features) for lin in linears] != _expected(attn, linears):
+            return None
+        shapes.add((attn.num_heads, attn.num_kv_heads, attn.head_dim, hidden))
+    if len(natives) != 1 or len(shapes) != 1 or len(inners) > 1 or len(moes) > 1 or len(eps) != 1:
         return None
     return natives.pop()
+
+
+def _activation(layer: DecoderLayer):
+    """The activation of a dense layer's MLP; None for experts (the MoE block's own)."""
+    return None if isinstance(layer.mlp, SparseMoE) else layer.mlp.act
+
+
+def _per_row(linear) -> bool:
+    """A quantized projection without bias on the native per-row products."""
+    return (
+        isinstance(linear, QuantLinear)
+        and linear.bias is None
+        and isinstance(linear.matmuls, CpuMatmuls)
+        and linear.matmuls.max_rows is None
+    )
+
+
+def _norms(layer: DecoderLayer) -> list[RMSNorm]:
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    if layer.sandwich:
+        norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
+    if layer.self_attn.qk_norm or layer.self_attn.qk_norm_full:
+        norms += [layer.self_attn.q_norm, layer.self_attn.k_norm]
+    return norms
+
+
+def _expected(attn: Attention, linears: list) -> list[tuple[int, int]]:
+    """The (in, out) features a layer's projections must have: q, k, v, o, then the MLP's
+    gate, up and down where it has them (an MoE layer's experts are checked by their call)."""
+    hidden = attn.q_proj.in_features
+    q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+    expected = [(hidden, q_size), (hidden, kv_size), (hidden, kv_size), (q_size, hidden)]
+    if len(linears) > 4:
+        inner = linears[4].out_features
+        expected += [(hidden, inner), (hidden, inner), (inner, hidden)]
+    return expected

@@ -109,7 +109,7 @@ class CausalLM(nn.Module):
                 module.native = native
 
     def use_fused_moe(self, fused: FusedMoe | None) -> None:
-        """Run the float experts of every MoE layer through ``fused`` (None: as they are)."""
+        """Run the experts of every MoE layer through ``fused`` (None: as they are)."""
         if fused is None:
             return
         for module in self.modules():

@@ -44,6 +44,52 @@ class QuantizedWeight:
         return QuantizedWeight(self.data.to(device), self.qtype, self.shape)
 
 
+@dataclass
+class QuantizedExperts:
+    """One projection of every expert as GGML blocks of one type, for the fused
+    mixture-of-experts kernel: ``data`` is ``[experts, rows, row_bytes]`` uint8, ``shape``
+    one expert's matrix (its weights' rows one after another: gate, then up)."""
+
+    data: torch.Tensor
+    qtype: GGMLQuantizationType
+    shape: tuple[int, int]
+
+    @staticmethod
+    def stackable(experts: list[list[QuantizedWeight]]) -> bool:
+        """Whether the weights share one type and width, and the experts one row count."""
+        first = experts[0][0]
+        same = all(
+            w.qtype == first.qtype and w.shape[1] == first.shape[1]
+            for weights in experts
+            for w in weights
+        )
+        return same and len({sum(w.shape[0] for w in weights) for weights in experts}) == 1
+
+    @classmethod
+    def stack(cls, experts: list[list[QuantizedWeight]]) -> "QuantizedExperts":
+        """Each expert's weights moved into one stack, and left as views of it: one expert
+        at a time, so its old blocks can go before the next is copied (no second full
+        copy of the experts at any moment). Check `stackable` first."""
+        first = experts[0][0]
+        rows = sum(w.shape[0] for w in experts[0])
+        row_bytes = first.data.reshape(first.shape[0], -1).shape[1]
+        data = torch.empty(
+            (len(experts), rows, row_bytes), dtype=torch.uint8, device=first.data.device
+        )
+        for i, weights in enumerate(experts):
+            start = 0
+            for w in weights:
+                end = start + w.shape[0]
+                data[i, start:end] = w.data.reshape(w.shape[0], row_bytes)
+                w.data = data[i, start:end]
+                start = end
+        return cls(data, first.qtype, (rows, first.shape[1]))
+
+    def dequantize(self) -> torch.Tensor:
+        """The torch twin: every expert's matrix in float32, ``[experts, rows, cols]``."""
+        return dequantize(self.data.reshape(-1), self.qtype, (len(self.data), *self.shape))
+
+
 class QuantLinear(nn.Module):
     def __init__(
         self,

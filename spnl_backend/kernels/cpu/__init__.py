@@ -4,8 +4,10 @@ One C file per kernel family, each kernel the twin of a torch reference elsewher
 package: ``quant_matmul.c`` (the quantized matrix products, dequantization),
 ``layer_ops.c`` (RMSNorm, alone or with the residual add; q/k norms with RoPE),
 ``paged_attention.c`` (KV store, paged decode attention), ``coded_decode.c`` (decode
-attention over compressed KV) and ``layer_blocks.c`` (a decoder layer as two calls of the
-kernels above, whose twin is the per-op path of `models.layers`); ``common.h`` declares
+attention over compressed KV), ``moe.c`` (a mixture-of-experts layer: routing, the experts'
+grouped products, their weighted sum; bound in `kernels.cpu.moe`) and ``layer_blocks.c`` (a
+decoder layer as two calls of the kernels above, whose twin is the per-op path of
+`models.layers`); ``common.h`` declares
 their entry points and argument structs, which the `ctypes.Structure` classes below mirror. They
 are compiled with the system's C compiler (``-O3 -march=native``, OpenMP where the compiler
 has it) into one library in a per-user cache keyed by the sources, compiler and flags, so
@@ -51,6 +53,7 @@ SOURCES = tuple(
         "layer_ops.c",
         "paged_attention.c",
         "coded_decode.c",
+        "moe.c",
         "layer_blocks.c",
         "build_info.c",
     )
@@ -79,6 +82,27 @@ class _Products(ctypes.Structure):
         ("weights", ctypes.POINTER(_P)),
         ("w_bytes", ctypes.POINTER(_I64)),
         ("n_outs", ctypes.POINTER(_I64)),
+    )
+
+
+class Group(ctypes.Structure):
+    """Which rows one product of a grouped call takes (``spnl_group``)."""
+
+    _fields_ = (("x_row", _I64), ("y_row", _I64), ("rows", _I64), ("col", _I64))
+
+
+class MoeArgs(ctypes.Structure):
+    """A mixture-of-experts layer (``spnl_moe_args``, moe.c)."""
+
+    _fields_ = (
+        ("router", _P),
+        ("gate_up", ctypes.POINTER(_Products)),
+        ("down", ctypes.POINTER(_Products)),
+        ("experts", _I64),
+        ("top_k", _I64),
+        ("hidden", _I64),
+        ("inner", _I64),
+        ("renormalize", _I32),
     )
 
 
@@ -169,6 +193,8 @@ class StepArgs(ctypes.Structure):
         ("exact", _I32),
         ("at_windowed", _Attention),
         ("windowed", _I32),
+        ("scratch", _P),
+        ("scratch_bytes", _I64),
     )
 
 
@@ -199,6 +225,10 @@ class LayerArgs(ctypes.Structure):
         ("scale", _F32),
         ("softcap", _F32),
         ("window", _I64),
+        ("qk_full", _I32),
+        ("has_clip", _I32),
+        ("clip", _F32),
+        ("moe", ctypes.POINTER(MoeArgs)),
     )
 
 
@@ -209,6 +239,8 @@ _STRUCTS = {  # the C function that answers each struct's size
     "spnl_sizeof_qk": _QK,
     "spnl_sizeof_step": StepArgs,
     "spnl_sizeof_layer": LayerArgs,
+    "spnl_sizeof_group": Group,
+    "spnl_sizeof_moe": MoeArgs,
 }
 _SIGNATURES = {  # name: (argument types, result type)
     "spnl_has_int8": ([], _I32),
@@ -216,7 +248,12 @@ _SIGNATURES = {  # name: (argument types, result type)
     **{name: ([], _I64) for name in _STRUCTS},
     "spnl_row_bytes": ([_I32, _I64], _I64),
     "spnl_qmatmul": ([ctypes.POINTER(_Products), _P, _I64, _I64, _P, _I64, _I32, _I32], _I32),
-    "spnl_qmatmul_rowwise": ([ctypes.POINTER(_Products), _P, _I64, _P, _I32, _I32], _I32),
+    "spnl_qmatmul_groups": (
+        [ctypes.POINTER(_Products), _P, _P, _I64, _I64, _P, _I64, _I64, _I32, _I32],
+        _I32,
+    ),
+    "spnl_moe_scratch_bytes": ([ctypes.POINTER(MoeArgs), _I64], _I64),
+    "spnl_moe": ([ctypes.POINTER(MoeArgs), _P, _I64, _P, _P, _I64, _I32, _I32], _I32),
     "spnl_dequantize": ([_I32, _P, _I64, _I64, _I64, _P, _I32], _I32),
     "spnl_gather_rows": ([_I32, _P, _I64, _P, _I64, _I64, _P], _I32),
     "spnl_rms_norm": ([_P, _P, _P, _I64, _I64, _F32], _I32),
@@ -224,6 +261,7 @@ _SIGNATURES = {  # name: (argument types, result type)
     "spnl_qk_norm_rope": ([ctypes.POINTER(_QK)], _I32),
     "spnl_attention_block": ([ctypes.POINTER(StepArgs), ctypes.POINTER(LayerArgs)], _I32),
     "spnl_mlp_block": ([ctypes.POINTER(StepArgs), ctypes.POINTER(LayerArgs)], _I32),
+    "spnl_moe_block": ([ctypes.POINTER(StepArgs), ctypes.POINTER(LayerArgs)], _I32),
     "spnl_store_kv": ([_P, _P, _P, _P, _P, _I64, _I64, _I64, _I32], _I32),
     "spnl_paged_decode": ([ctypes.POINTER(_PagedDecode)], _I32),
     "spnl_coded_decode": ([ctypes.POINTER(_CodedDecode)], _I32),
@@ -425,6 +463,10 @@ class CpuKernels:
     def mlp_block(self, step: "StepArgs", layer: "LayerArgs") -> None:
         """A layer's MLP block (layer_blocks.c) over arguments the caller checked."""
         _check(self.library.spnl_mlp_block(step, layer), "mlp_block")
+
+    def moe_block(self, step: "StepArgs", layer: "LayerArgs") -> None:
+        """A layer's experts as its MLP block (layer_blocks.c) over checked arguments."""
+        _check(self.library.spnl_moe_block(step, layer), "moe_block")
 
     def store_kv(
         self,
@@ -724,21 +766,30 @@ class Products:
         )
         return out
 
-    def rowwise(self, x: torch.Tensor) -> torch.Tensor:
-        """Product ``i`` with row ``i`` of ``x [count, k]`` alone, each row computed as a
-        one-row call computes it → ``[1, total]``."""
+    def groups(self, x: torch.Tensor, groups: list[tuple[int, int, int, int]], y_rows: int):
+        """Product ``i`` on its own rows of ``x [rows, k]``: ``groups[i] = (x_row, y_row,
+        rows, col)`` takes that many rows from ``x_row`` into rows from ``y_row`` of the
+        result ``[y_rows, width]`` (width: the widest group's ``col`` plus its product's
+        rows), each row computed as a one-row call computes it; rows no group writes are 0."""
         require(x, torch.float32, "matmul: x", dims=2)
-        count, k_in = x.shape
-        if count != len(self.widths):
-            raise KernelArgumentError(f"matmul: {count} rows for {len(self.widths)} products")
-        self._check_width(k_in)
-        out = torch.empty((1, self.total), dtype=torch.float32)
+        if len(groups) != len(self.widths):
+            raise KernelArgumentError(
+                f"matmul: {len(groups)} groups for {len(self.widths)} products"
+            )
+        self._check_width(x.shape[1])
+        width = max(g[3] + n for g, n in zip(groups, self.widths, strict=True))
+        out = torch.zeros((y_rows, width), dtype=torch.float32)
+        array = (Group * len(groups))(*(Group(*g) for g in groups))
         _check(
-            self.kernels.library.spnl_qmatmul_rowwise(
+            self.kernels.library.spnl_qmatmul_groups(
                 self.args,
+                array,
                 x.data_ptr(),
-                k_in,
+                x.shape[0],
+                x.shape[1],
                 out.data_ptr(),
+                y_rows,
+                width,
                 torch.get_num_threads(),
                 self.kernels.exact,
             ),

@@ -10,3 +10,5 @@ int64_t spnl_sizeof_coded_decode(void) { return sizeof(spnl_coded_decode_args); 
 int64_t spnl_sizeof_qk(void) { return sizeof(spnl_qk_args); }
 int64_t spnl_sizeof_step(void) { return sizeof(spnl_step_args); }
 int64_t spnl_sizeof_layer(void) { return sizeof(spnl_layer_args); }
+int64_t spnl_sizeof_group(void) { return sizeof(spnl_group); }
+int64_t spnl_sizeof_moe(void) { return sizeof(spnl_moe_args); }

@@ -49,6 +49,22 @@ typedef struct {
     const int64_t *w_bytes, *n_outs;
 } spnl_products;
 
+// Which rows a product of spnl_qmatmul_groups takes: x rows x_row .. x_row + rows - 1, written
+// to the same number of y rows from y_row, from column col.
+typedef struct {
+    int64_t x_row, y_row, rows, col;
+} spnl_group;
+
+// A mixture-of-experts layer (moe.c): a float32 router [experts][hidden] and each expert's
+// products, gate_up[e] (its gate and its up, inner rows each) and down[e] (hidden rows); each
+// token takes its top_k experts by softmax, weights renormalised over them where renormalize.
+typedef struct {
+    const float *router;
+    const spnl_products *gate_up, *down;
+    int64_t experts, top_k, hidden, inner;
+    int renormalize;
+} spnl_moe_args;
+
 // One decode attention, whichever the cache: a query per sequence, over the keys at
 // slots[s * slot_stride + j] for firsts[s] <= j < lens[s]; without firsts, the last
 // `window` of them where window > 0 (all where it is 0).
@@ -119,6 +135,9 @@ typedef struct {
     // whose windows are by position: their lists differ from the other layers').
     spnl_attention at_windowed;
     int windowed;
+    // The MoE layers' working memory (spnl_moe_scratch_bytes for this step's tokens).
+    void *scratch;
+    int64_t scratch_bytes;
 } spnl_step_args;
 
 // One layer's fixed part: its products, norms (scales, one eps; NULL: none), cache and
@@ -135,6 +154,11 @@ typedef struct {
     int half, local;
     float scale, softcap;
     int64_t window;
+    // OLMoE: q_norm and k_norm over the whole projections (not per head), and q, k and v
+    // clamped to [-clip, clip] where has_clip.
+    int qk_full, has_clip;
+    float clip;
+    const spnl_moe_args *moe;  // NULL: a dense MLP (gate_up and down)
 } spnl_layer_args;
 
 // What the loader asks of this build (build_info.c, quant_matmul.c).
@@ -146,13 +170,16 @@ int64_t spnl_sizeof_coded_decode(void);
 int64_t spnl_sizeof_qk(void);
 int64_t spnl_sizeof_step(void);
 int64_t spnl_sizeof_layer(void);
+int64_t spnl_sizeof_group(void);
+int64_t spnl_sizeof_moe(void);
 
 // quant_matmul.c
 int64_t spnl_row_bytes(int qtype, int64_t k_in);
 int spnl_qmatmul(const spnl_products *p, const float *x, int64_t rows, int64_t k_in, float *y,
                  int64_t y_stride, int threads, int exact);
-int spnl_qmatmul_rowwise(const spnl_products *p, const float *x, int64_t k_in, float *y,
-                         int threads, int exact);
+int spnl_qmatmul_groups(const spnl_products *p, const spnl_group *g, const float *x,
+                        int64_t x_rows, int64_t k_in, float *y, int64_t y_rows, int64_t y_stride,
+                        int threads, int exact);
 int spnl_dequantize(int qtype, const uint8_t *w, int64_t w_bytes, int64_t n_rows, int64_t k_in,
                     float *out, int threads);
 int spnl_gather_rows(int qtype, const uint8_t *w, int64_t n_rows, const int64_t *ids,
@@ -176,6 +203,12 @@ int spnl_coded_decode(const spnl_coded_decode_args *a);
 // layer_blocks.c
 int spnl_attention_block(const spnl_step_args *s, const spnl_layer_args *l);
 int spnl_mlp_block(const spnl_step_args *s, const spnl_layer_args *l);
+int spnl_moe_block(const spnl_step_args *s, const spnl_layer_args *l);
+
+// moe.c
+int64_t spnl_moe_scratch_bytes(const spnl_moe_args *m, int64_t tokens);
+int spnl_moe(const spnl_moe_args *m, const float *x, int64_t tokens, float *out, void *scratch,
+             int64_t scratch_bytes, int threads, int exact);
 
 // ---- shared by the attention kernels ---------------------------------------------------------
 
@@ -361,6 +394,26 @@ static inline v16f fma16(v16f a, v16f b, v16f c) {
     return a * b + c;
 #endif
 }
+// e^x for x <= 0, 16 lanes: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by a degree-7 polynomial
+// (within 2 ulp of expf), times 2^n; below -87.3 (where e^x is under float's normal range)
+// it is 0.
+static inline v16f exp16(v16f x) {
+    const v16f low = splat(-87.3f), magic = splat(12582912.0f);  // 1.5 * 2^23: rounds
+    const v16i under = x < low;
+    x = (v16f)((v16i)x & ~under) + (v16f)((v16i)low & under);
+    const v16f n = (x * splat(1.44269504f) + magic) - magic;
+    const v16f r = (x - n * splat(0.693359375f)) - n * splat(-2.12194440e-4f);
+    v16f p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = p * r * r + r + splat(1.0f);
+    const v16i two_n = (__builtin_convertvector(n, v16i) + 127) << 23;
+    return (v16f)((v16i)(p * (v16f)two_n) & ~under);
+}
+
 // Bit (first + lane) of a 32-bit word, per lane.
 static inline v16i bits_of(uint32_t word, int first) {
     return ((v16i){0} + (int32_t)(word >> first)) >> LANE & 1;

@@ -1,9 +1,11 @@
 // A decoder layer as two calls (twin: DecoderLayer.forward in spnl_backend/models/layers.py,
 // the per-op path): the attention block, from the normed residual to the gate/up product,
 // and the MLP block, from the activated product to the next layer's normed input. Between
-// them the caller applies the activation (torch's, so both paths round it alike). Each
-// step is the very kernel the per-op path calls, in the same order on the same values, so
-// the two paths give the same bits; this one just leaves Python out of the layer.
+// them the caller applies the activation (torch's, so both paths round it alike). A layer
+// with experts instead ends its attention block at the MLP's input norm and runs its
+// experts as the MoE block (spnl_moe, which the per-op path calls too). Each step is the
+// very kernel the per-op path calls, in the same order on the same values, so the two paths
+// give the same bits; this one just leaves Python out of the layer.
 
 #include "common.h"
 
@@ -13,21 +15,41 @@ static int add_norm(const spnl_step_args *s, const spnl_layer_args *l, const flo
                              l->hidden);
 }
 
+// OLMoE's q and k normed over their whole projections, then q, k and v clamped, in place
+// in the q/k/v product rows (as the per-op path norms and clamps its q, k and v).
+static int full_norms_and_clip(const spnl_step_args *s, const spnl_layer_args *l,
+                               int64_t q_size, int64_t kv_size) {
+    const int64_t width = q_size + 2 * kv_size;
+    for (int64_t t = 0; l->qk_full && t < s->tokens; t++) {
+        float *q = s->qkv + t * width, *k = q + q_size;
+        int status = spnl_rms_norm(q, l->q_norm, q, 1, q_size, l->eps);
+        if (status || (status = spnl_rms_norm(k, l->k_norm, k, 1, kv_size, l->eps))) return status;
+    }
+    const float top = l->clip, bottom = -l->clip;
+    for (int64_t i = 0; l->has_clip && i < s->tokens * width; i++) {
+        const float v = s->qkv[i];
+        s->qkv[i] = v < bottom ? bottom : v > top ? top : v;  // NaN stays NaN, as torch's clamp
+    }
+    return 0;
+}
+
 // h (the input norm's output) -> attention -> x += ..., h = the MLP's input norm ->
-// gate_up = the gate and up products of h.
+// gate_up = the gate and up products of h (a dense layer's).
 int spnl_attention_block(const spnl_step_args *s, const spnl_layer_args *l) {
     const int64_t tokens = s->tokens, q_size = l->heads * l->head_dim;
     const int64_t kv_size = l->kv_heads * l->head_dim, width = q_size + 2 * kv_size;
-    if (tokens < 1 || l->hidden < 1 || l->inner < 1 || l->heads < 1 || l->kv_heads < 1 ||
-        l->head_dim < 1 || l->local < 0 || l->local > 1)
+    if (tokens < 1 || l->hidden < 1 || (!l->moe && l->inner < 1) || l->heads < 1 ||
+        l->kv_heads < 1 || l->head_dim < 1 || l->local < 0 || l->local > 1)
         return BAD_ARGUMENT;
     int status = spnl_qmatmul(l->qkv, s->h, tokens, l->hidden, s->qkv, width, s->threads,
                               s->exact);
     if (status) return status;
+    if ((status = full_norms_and_clip(s, l, q_size, kv_size))) return status;
     const spnl_qk_args qk = {
         .q = s->qkv, .k = s->qkv + q_size, .q_row = width, .k_row = width, .tokens = tokens,
         .heads = l->heads, .kv_heads = l->kv_heads, .head_dim = l->head_dim,
-        .rotary_dim = s->rotary_dim[l->local], .q_scale = l->q_norm, .k_scale = l->k_norm,
+        .rotary_dim = s->rotary_dim[l->local], .q_scale = l->qk_full ? NULL : l->q_norm,
+        .k_scale = l->qk_full ? NULL : l->k_norm,
         .eps = l->eps, .cos = s->cos[l->local], .sin = s->sin[l->local],
     };
     if ((status = spnl_qk_norm_rope(&qk))) return status;
@@ -59,15 +81,25 @@ int spnl_attention_block(const spnl_step_args *s, const spnl_layer_args *l) {
                           s->exact);
     if (status) return status;
     if ((status = add_norm(s, l, s->out, l->attn_delta_norm, l->attn_out_norm))) return status;
+    if (l->moe) return 0;
     return spnl_qmatmul(l->gate_up, s->h, tokens, l->hidden, s->gate_up, 2 * l->inner,
                         s->threads, s->exact);
 }
 
 // act (the activated gate times up) -> the down product -> x += ..., h = the next norm.
 int spnl_mlp_block(const spnl_step_args *s, const spnl_layer_args *l) {
-    if (s->tokens < 1 || l->hidden < 1 || l->inner < 1) return BAD_ARGUMENT;
+    if (s->tokens < 1 || l->hidden < 1 || l->inner < 1 || l->moe) return BAD_ARGUMENT;
     const int status = spnl_qmatmul(l->down, s->act, s->tokens, l->inner, s->out, l->hidden,
                                     s->threads, s->exact);
+    if (status) return status;
+    return add_norm(s, l, s->out, l->mlp_delta_norm, l->mlp_out_norm);
+}
+
+// h (the MLP's input norm) -> the experts -> x += ..., h = the next norm.
+int spnl_moe_block(const spnl_step_args *s, const spnl_layer_args *l) {
+    if (!l->moe || l->moe->hidden != l->hidden) return BAD_ARGUMENT;
+    const int status = spnl_moe(l->moe, s->h, s->tokens, s->out, s->scratch, s->scratch_bytes,
+                                s->threads, s->exact);
     if (status) return status;
     return add_norm(s, l, s->out, l->mlp_delta_norm, l->mlp_out_norm);
 }

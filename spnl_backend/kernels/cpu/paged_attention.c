@@ -192,26 +192,6 @@ INLINE void weigh_values(const void *v_cache, int64_t row, const int64_t *slots,
     }
 }
 
-// e^x for x <= 0, 16 lanes: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by a degree-7 polynomial
-// (within 2 ulp of expf), times 2^n; below -87.3 (where e^x is under float's normal range)
-// it is 0.
-static inline v16f exp16(v16f x) {
-    const v16f low = splat(-87.3f), magic = splat(12582912.0f);  // 1.5 * 2^23: rounds
-    const v16i under = x < low;
-    x = (v16f)((v16i)x & ~under) + (v16f)((v16i)low & under);
-    const v16f n = (x * splat(1.44269504f) + magic) - magic;
-    const v16f r = (x - n * splat(0.693359375f)) - n * splat(-2.12194440e-4f);
-    v16f p = splat(1.9875691500e-4f);
-    p = p * r + splat(1.3981999507e-3f);
-    p = p * r + splat(8.3334519073e-3f);
-    p = p * r + splat(4.1665795894e-2f);
-    p = p * r + splat(1.6666665459e-1f);
-    p = p * r + splat(5.0000001201e-1f);
-    p = p * r * r + r + splat(1.0f);
-    const v16i two_n = (__builtin_convertvector(n, v16i) + 127) << 23;
-    return (v16f)((v16i)(p * (v16f)two_n) & ~under);
-}
-
 // scores[j] = e^(scores[j] - peak) for j < count; returns their sum, in key order.
 static float exponentiate(float *scores, int64_t count, float peak) {
     int64_t j = 0;

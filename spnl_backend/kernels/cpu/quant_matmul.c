@@ -334,7 +334,7 @@ int spnl_has_int8(void) {
 #endif
 }
 
-#define MAX_PRODUCTS 64  // a mixture of experts: gate and up of each of up to 32 experts
+#define MAX_PRODUCTS 512  // a mixture of experts: gate and up of each of up to 256 experts
 #define TILE_ROWS 16  // weight rows per task: spreads the per-row overhead
 
 #ifdef INT8_PATH
@@ -465,66 +465,121 @@ int spnl_qmatmul(const spnl_products *p, const float *x, int64_t rows, int64_t k
     return 0;
 }
 
-// Product i with row i of x [count][k_in] alone (each expert of a token its own input: the
-// down products of a mixture of experts), side by side in y [first[count]]. Each row is
-// computed exactly as a one-row spnl_qmatmul computes it (the same quantized activations,
-// Q4_K's one-row order included), in one parallel region for all.
-int spnl_qmatmul_rowwise(const spnl_products *p, const float *x, int64_t k_in, float *y,
-                         int threads, int exact) {
+#ifdef INT8_PATH
+// Rows first.. of the quantized activations a, and of k4 (Q4_K's one-row order, or NULL).
+static act_rows rows_from(const act_rows *a, int64_t first, const int8_t *k4) {
+    const int64_t k = a->k;
+    return (act_rows){
+        .q32 = a->q32 ? a->q32 + first * k : NULL,
+        .q256 = a->q256 ? a->q256 + first * k : NULL,
+        .d32 = a->d32 ? a->d32 + first * k / 32 : NULL,
+        .s32 = a->s32 ? a->s32 + first * k / 32 : NULL,
+        .d256 = a->d256 ? a->d256 + first * k / QK_K : NULL,
+        .sums32 = a->sums32 ? a->sums32 + first * k / 32 : NULL,
+        .bsums = a->bsums ? a->bsums + first * k / 16 : NULL,
+        .q256_k4 = k4 ? (int8_t *)k4 + first * k : NULL,
+        .k = k,
+    };
+}
+#endif
+
+// Whether the groups stay inside x [x_rows] and y [y_rows][y_stride].
+static bool groups_in_bounds(const spnl_products *p, const spnl_group *g, int64_t x_rows,
+                             int64_t y_rows, int64_t y_stride) {
+    for (int i = 0; i < p->count; i++)
+        if (g[i].rows < 0 || g[i].x_row < 0 || g[i].y_row < 0 || g[i].col < 0
+            || g[i].x_row + g[i].rows > x_rows || g[i].y_row + g[i].rows > y_rows
+            || g[i].col + p->n_outs[i] > y_stride)
+            return false;
+    return true;
+}
+
+// One grouped call, as each of its tiles needs it.
+typedef struct {
+    const spnl_products *p;
+    const spnl_group *g;
+    const format **formats;
+    const int64_t *tile_start;
+    const float *x;
+    int64_t k_in, y_stride;
+    float *y;
+#ifdef INT8_PATH
+    int fast;
+    const act_rows *quantized;
+    const int8_t *ordered;  // every row in Q4_K's one-row order (NULL: none needed)
+#endif
+} group_call;
+
+// Tile t: its weight rows against its product's rows of x.
+static void group_tile(const group_call *c, int64_t t) {
+    const tile at = tile_of(t, c->tile_start, c->formats, c->p->n_outs, c->p->weights, c->k_in);
+    const spnl_group *group = &c->g[at.product];
+    const format *f = c->formats[at.product];
+    const int64_t stride = c->y_stride;
+    float *out = c->y + group->y_row * stride + group->col + at.first_row;
+    if (!group->rows) return;
+#ifdef INT8_PATH
+    if (c->fast) {
+        const act_rows rows =
+            rows_from(c->quantized, group->x_row, group->rows == 1 ? c->ordered : NULL);
+        f->fast(&rows, group->rows, c->k_in, at.w, at.rows, out, stride);
+        return;
+    }
+#endif
+    const float *xg = c->x + group->x_row * c->k_in;
+    for (int64_t m0 = 0; m0 < group->rows; m0 += MAX_ROWS)
+        f->exact(xg + m0 * c->k_in, group->rows - m0 < MAX_ROWS ? group->rows - m0 : MAX_ROWS,
+                 c->k_in, at.w, at.rows, out + m0 * stride, stride);
+}
+
+// Product i with its own rows of x [x_rows][k_in] (an expert with the tokens routed to it):
+// rows g[i].x_row .. + g[i].rows, into rows g[i].y_row .. of y [y_rows][y_stride] from
+// column g[i].col. The activations are read, and on the int8 path quantized, once for all;
+// each row is computed exactly as a one-row spnl_qmatmul computes it (a group of one row
+// takes the one-row kernel, Q4_K's order included), in one parallel region for all.
+int spnl_qmatmul_groups(const spnl_products *p, const spnl_group *g, const float *x,
+                        int64_t x_rows, int64_t k_in, float *y, int64_t y_rows, int64_t y_stride,
+                        int threads, int exact) {
     const int count = p->count;
-    const uint8_t *const *weights = p->weights;
-    const int64_t *n_outs = p->n_outs;
     const format *formats[MAX_PRODUCTS];
     int64_t first[MAX_PRODUCTS + 1] = {0}, tile_start[MAX_PRODUCTS + 1] = {0};
     needs need = {.fast = !exact};
     int status = plan_products(p, k_in, formats, first, tile_start, &need);
     if (status) return status;
+    if (x_rows < 1 || !groups_in_bounds(p, g, x_rows, y_rows, y_stride)) return BAD_ARGUMENT;
+    group_call call = {.p = p, .g = g, .formats = formats, .tile_start = tile_start, .x = x,
+                       .k_in = k_in, .y_stride = y_stride, .y = y};
+    bool lone_rows = true;  // a decode: every product on one row at most
+    for (int i = 0; i < count; i++) lone_rows = lone_rows && g[i].rows <= 1;
 #ifdef INT8_PATH
     act_rows quantized = {0};
-    int8_t *ordered = NULL;  // each row's Q4_K order, as a one-row call makes it
-    const int fast = need.fast;
-    if (fast) {
-        bool ok = quantize_rows(x, count, k_in, need.b32, need.b256, false, threads, &quantized);
+    int8_t *ordered = NULL;
+    call.fast = need.fast;
+    call.quantized = &quantized;
+    if (call.fast) {
+        bool ok = quantize_rows(x, x_rows, k_in, need.b32, need.b256, false, threads, &quantized);
         if (ok && need.k4 && need.b256) {
-            ordered = malloc((size_t)count * (size_t)k_in);
+            ordered = malloc((size_t)x_rows * (size_t)k_in);
             ok = ordered != NULL;
-            for (int64_t m = 0; ok && m < count; m++)
-                k4_order(quantized.q256 + m * k_in, k_in / QK_K, ordered + m * k_in);
+            if (ok) k4_order(quantized.q256, x_rows * k_in / QK_K, ordered);
         }
         if (!ok) {
             free(ordered);
             free_rows(&quantized);
             return NO_MEMORY;
         }
+        call.ordered = ordered;
     }
 #endif
-    const int64_t stride = first[count];  // y is one row of every product's columns
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t t = 0; t < tile_start[count]; t++) {
-        const tile at = tile_of(t, tile_start, formats, n_outs, weights, k_in);
-        const int64_t m = at.product;  // its row of x
-        float *out = y + first[m] + at.first_row;
-#ifdef INT8_PATH
-        if (fast) {
-            const act_rows row = {
-                .q32 = quantized.q32 ? quantized.q32 + m * k_in : NULL,
-                .q256 = quantized.q256 ? quantized.q256 + m * k_in : NULL,
-                .d32 = quantized.d32 ? quantized.d32 + m * k_in / 32 : NULL,
-                .s32 = quantized.s32 ? quantized.s32 + m * k_in / 32 : NULL,
-                .d256 = quantized.d256 ? quantized.d256 + m * k_in / QK_K : NULL,
-                .sums32 = quantized.sums32 ? quantized.sums32 + m * k_in / 32 : NULL,
-                .bsums = quantized.bsums ? quantized.bsums + m * k_in / 16 : NULL,
-                .q256_k4 = ordered ? ordered + m * k_in : NULL,
-                .k = k_in,
-            };
-            formats[m]->fast(&row, 1, k_in, at.w, at.rows, out, stride);
-            continue;
-        }
-#endif
-        formats[m]->exact(x + m * k_in, 1, k_in, at.w, at.rows, out, stride);
+    if (lone_rows) {  // tiles alike: each thread one run of them, its weights read in order
+        #pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t t = 0; t < tile_start[count]; t++) group_tile(&call, t);
+    } else {  // groups of different rows: tiles handed out as threads free up
+        #pragma omp parallel for schedule(dynamic, 4) num_threads(threads)
+        for (int64_t t = 0; t < tile_start[count]; t++) group_tile(&call, t);
     }
 #ifdef INT8_PATH
-    if (fast) {
+    if (call.fast) {
         free(ordered);
         free_rows(&quantized);
     }
