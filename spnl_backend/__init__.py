@@ -8,6 +8,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING
 
 from .errors import (
+    DistributedError,
     EngineError,
     ModelFileError,
     ModelNotFoundError,
@@ -45,6 +46,7 @@ __all__ = [
     "Backend",
     "BackendSettings",
     "CacheInfo",
+    "DistributedError",
     "EngineError",
     "EngineStats",
     "GenerateResult",

@@ -42,6 +42,12 @@ from .request import (
 )
 from .settings import BackendSettings, PlatformDecisions, detect_platform, load_settings
 from .settings.pic import pic_sentinels
+from .settings.topology import (
+    Topology,
+    check_distributed_settings,
+    decide_topology,
+    launch_environment,
+)
 
 log = get_logger()
 
@@ -704,6 +710,11 @@ def load_backend(
     )
     log.info("model.resolved", name=source.name, kind=source.kind, path=str(source.path))
     progress = progress or LogProgress()
+    topology = decide_topology(
+        settings, decisions.device_type, decisions.cuda_device_count, launch_environment()
+    )
+    if topology.distributed:
+        return _load_distributed(source, settings, decisions, topology, progress)
 
     def build() -> tuple[Engine, LoadedModel]:
         loaded = load_model(source, settings.isq, decisions, progress)
@@ -712,6 +723,47 @@ def load_backend(
         return engine, loaded
 
     loop, loaded = EngineLoop.start(build)  # built on the thread that will step it
+    backend = Backend(loaded, loop, settings, decisions)
+    release_freed_memory()
+    return backend
+
+
+def _load_distributed(
+    source: ModelSource,
+    settings: BackendSettings,
+    decisions: PlatformDecisions,
+    topology: Topology,
+    progress: Progress,
+) -> Backend:
+    """A model over several ranks (`distributed`): this process is its machine's first.
+    Rank 0 returns the backend; any other first rank follows rank 0's steps until rank 0
+    closes, then ends its process (under torchrun, every rank but 0)."""
+    from .distributed.driver import check_model_splits, start_ranks
+    from .distributed.worker import follow
+
+    check_distributed_settings(settings, decisions)
+    check_model_splits(source, topology.world_size)
+    log.info("distributed.topology", why=topology.why, rank=topology.rank)
+
+    def build() -> tuple[Engine, LoadedModel]:
+        split, ranks = start_ranks(source, settings, decisions, topology)
+        try:
+            loaded = load_model(source, settings.isq, decisions, progress, split=split)
+            engine = build_engine(loaded, settings, decisions)
+            ranks.attach(engine)
+        except BaseException:
+            ranks.stop()
+            raise
+        return engine, loaded
+
+    if topology.rank != 0:
+        split, ranks = start_ranks(source, settings, decisions, topology)
+        try:
+            follow(load_model(source, settings.isq, decisions, progress, split=split), ranks.tp)
+        finally:
+            ranks.stop()
+        raise SystemExit(0)
+    loop, loaded = EngineLoop.start(build)
     backend = Backend(loaded, loop, settings, decisions)
     release_freed_memory()
     return backend

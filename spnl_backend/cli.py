@@ -236,6 +236,23 @@ def _run_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _topology(settings: BackendSettings, decisions: PlatformDecisions) -> dict[str, Any]:
+    """The processes a backend loaded with these settings would span, and why (or the
+    error that loading would raise)."""
+    from dataclasses import asdict
+
+    from .errors import SettingsError
+    from .settings.topology import decide_topology, launch_environment
+
+    try:
+        topology = decide_topology(
+            settings, decisions.device_type, decisions.cuda_device_count, launch_environment()
+        )
+    except SettingsError as exc:
+        return {"error": str(exc)}
+    return asdict(topology)
+
+
 def _info_json(settings: BackendSettings, decisions: PlatformDecisions) -> dict[str, Any]:
     from .settings import env_name
 
@@ -247,6 +264,7 @@ def _info_json(settings: BackendSettings, decisions: PlatformDecisions) -> dict[
         },
         "kv_budget": vars(settings.kv_budget),
         "platform": decisions.as_dict(),
+        "topology": _topology(settings, decisions),
     }
 
 
@@ -268,6 +286,8 @@ def _info_table(settings: BackendSettings, decisions: PlatformDecisions) -> str:
         "platform",
     ]
     lines += _format_rows(platform_rows)
+    topology_rows = [(key, _show(value)) for key, value in _topology(settings, decisions).items()]
+    lines += ["", "topology", *_format_rows(topology_rows)]
     return "\n".join(lines)
 
 

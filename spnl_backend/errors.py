@@ -53,6 +53,12 @@ class EngineError(SpnlError, RuntimeError):
     names the cause); the backend stays usable and the other requests go on."""
 
 
+class DistributedError(EngineError):
+    """A rank of a tensor-parallel group stopped, or stopped answering within the
+    collective timeout (the message names what is known of it): the group cannot go on,
+    and its backend refuses further work; load a new one."""
+
+
 class RequestAbortedError(SpnlError):
     """A request ended before it finished: its backend was closed, or its stream was left
     unread too long (see the README's rule for streams)."""

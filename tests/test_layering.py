@@ -37,6 +37,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("spnl_backend.compression",),
     ("spnl_backend.loader",),
     ("spnl_backend.engine",),
+    # a model over several ranks: the group, each rank's share, starting and following
+    ("spnl_backend.distributed",),
     # a request's checks, PIC's three ways in (request parsing, beside them), and its
     # output constraints (their specs are request checks; their matchers the engine's)
     (

@@ -1,8 +1,9 @@
 """The engine: requests in, one scheduled model step at a time, finished sequences out."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import EngineError
+from ..errors import DistributedError, EngineError
 from ..log import get_logger
 from ..pic.layout import PicLayout
 from .cache import CacheInfo, PoolUsage
@@ -72,6 +73,27 @@ class Engine:
         self.pic_hit_tokens = 0
         self.pic_miss_tokens = 0
         self.last_batch_size = 0  # sequences the last step ran (0: nothing was schedulable)
+        # Called by the loop while it waits for work, and when it stops (a tensor-parallel
+        # model's heartbeat to its other ranks, and their stop).
+        self.on_idle: list[Callable[[], None]] = []
+        self.on_close: list[Callable[[], None]] = []
+
+    def idle(self) -> None:
+        try:
+            for hook in self.on_idle:
+                hook()
+        except DistributedError as exc:  # the other ranks are gone: nothing can run
+            self.broken = exc
+            log.error("engine.broken", error=str(exc))
+
+    def close(self) -> None:
+        """Run the close hooks (each once; one that fails does not stop the others)."""
+        hooks, self.on_close = self.on_close, []
+        for hook in hooks:
+            try:
+                hook()
+            except Exception as exc:  # closing: log it, let the rest close
+                log.warning("engine.close_hook_failed", error=f"{type(exc).__name__}: {exc}")
 
     def add(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         seq = self.new_sequence(prompt_ids, params)
@@ -185,6 +207,8 @@ class Engine:
         """Fail every sequence the step may have left half-updated (its batch, or every
         running one when scheduling itself failed)."""
         seqs = [item.seq for item in batch] or list(self.scheduler.running)
+        if isinstance(exc, DistributedError):  # the other ranks are gone: nothing can run
+            self.broken = exc
         if isinstance(exc, Exception):
             log.error(
                 "engine.step_failed",
@@ -196,8 +220,7 @@ class Engine:
             log.info("engine.step_interrupted", cause=type(exc).__name__, requests=len(seqs))
         try:
             for seq in seqs:
-                error = EngineError(f"the engine step failed: {type(exc).__name__}: {exc}")
-                error.__cause__ = exc
+                error = _step_error(exc)
                 if not seq.is_finished:
                     seq.finish("error", error)
                 self._discard(seq)
@@ -223,7 +246,7 @@ class Engine:
 
     def _check_usable(self) -> None:
         if self.broken is not None:
-            raise EngineError(str(self.broken))
+            raise type(self.broken)(str(self.broken))  # a DistributedError stays one
 
     def _accept(
         self, seq: Sequence, token_id: int, logprobs: TokenLogprobs | None = None
@@ -271,3 +294,13 @@ class Engine:
         left it half-written."""
         seq.num_computed_tokens = 0
         self._release(seq)
+
+
+def _step_error(exc: BaseException) -> EngineError:
+    """What a request of a failed step is told: the group's own error where the other
+    ranks of a tensor-parallel model are gone (it names them), else the step's failure."""
+    if isinstance(exc, DistributedError):
+        return exc
+    error = EngineError(f"the engine step failed: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error

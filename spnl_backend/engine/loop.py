@@ -229,6 +229,7 @@ class EngineLoop:
             return
         built.set_result(extra)
         self._serve()
+        self.engine.close()
         if self._stopping and not self._live:
             self.engine = None  # type: ignore[assignment]  # frees the model and cache
 
@@ -243,8 +244,8 @@ class EngineLoop:
                     self._step()
                     if self.engine.last_batch_size == 0:  # nothing fit: do not spin
                         self.wake.wait(_IDLE_WAIT_S / 10)
-                else:
-                    self.wake.wait(_IDLE_WAIT_S)
+                elif not self.wake.wait(_IDLE_WAIT_S):
+                    self.engine.idle()
             except BaseException as exc:  # the loop itself failed: nobody is left hanging
                 self._fail_all(exc)
         log.debug("engine_loop.stopped")

@@ -1,6 +1,7 @@
 """Model source + settings + platform decisions → a model with its weights, and a tokenizer."""
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -9,6 +10,7 @@ from ..kernels.cpu import CpuKernels
 from ..log import get_logger
 from ..memory import release_freed_memory
 from ..models.config import ModelConfig
+from ..models.layers import Collectives
 from ..models.transformer import CausalLM
 from ..quant.isq import apply_isq
 from ..quant.linear import QuantEmbedding, QuantLinear
@@ -30,6 +32,17 @@ from .weights import (
 )
 
 log = get_logger()
+
+
+class ModelSplit(Protocol):
+    """This rank's share of a tensor-parallel model (`distributed.split.RankSplit`): its
+    config (its heads, its rows of the MLPs), its part of each weight as they stream in,
+    and the group its layers sum over."""
+
+    collectives: Collectives
+
+    def local_config(self, config: ModelConfig) -> ModelConfig: ...
+    def weights(self, config: ModelConfig, weights: NamedTensors) -> NamedTensors: ...
 
 
 @dataclass(frozen=True)
@@ -56,13 +69,15 @@ def load_model(
     *,
     requantize_gguf: bool = False,
     tokenizer: Tokenizer | None = None,
+    split: ModelSplit | None = None,
 ) -> LoadedModel:
     """Load ``source`` with ``isq`` applied to a text model's float weights (and, where
     ``requantize_gguf``, to a GGUF's stored blocks: how a draft is made from a GGUF target).
-    ``tokenizer`` reuses one already loaded for the same model."""
+    ``tokenizer`` reuses one already loaded for the same model; ``split``: this rank's
+    share of a tensor-parallel model (its config is then the share's)."""
     if source.kind == "gguf":
-        return _load_gguf(source, isq, decisions, progress, requantize_gguf, tokenizer)
-    return _load_text(source, isq, decisions, progress, tokenizer)
+        return _load_gguf(source, isq, decisions, progress, requantize_gguf, tokenizer, split)
+    return _load_text(source, isq, decisions, progress, tokenizer, split)
 
 
 def _load_text(
@@ -71,11 +86,14 @@ def _load_text(
     decisions: PlatformDecisions,
     progress: Progress,
     tokenizer: Tokenizer | None,
+    split: ModelSplit | None,
 ) -> LoadedModel:
     config, eos = read_text_config(source.path)
     tokenizer = tokenizer or load_text_tokenizer(source.path, eos)
     release_freed_memory()  # the tokenizer's parse, before the weights land on top of it
     weights = split_fused(read_safetensors(safetensors_files(source.path), progress), config)
+    if split is not None:  # cut before ISQ: each rank quantizes its share alone
+        weights = split.weights(config, weights)
     if isq is not None:
         log.info(
             "isq.enabled",
@@ -83,7 +101,7 @@ def _load_text(
             note="projections quantized as they load; embedding and head promoted",
         )
         weights = apply_isq(weights, isq)
-    return _build(source, config, tokenizer, weights, decisions)
+    return _build(source, config, tokenizer, weights, decisions, split)
 
 
 def _load_gguf(
@@ -93,6 +111,7 @@ def _load_gguf(
     progress: Progress,
     requantize: bool,
     tokenizer: Tokenizer | None,
+    split: ModelSplit | None,
 ) -> LoadedModel:
     if isq is not None and not requantize:
         log.warning(
@@ -107,10 +126,12 @@ def _load_gguf(
     )
     release_freed_memory()  # the tokenizer's parse, before the weights land on top of it
     weights = split_fused(read_gguf(gguf, config, progress), config)
+    if split is not None:
+        weights = split.weights(config, weights)
     if isq is not None and requantize:
         log.info("isq.requantize", type=isq.value, note="the GGUF's blocks, for the draft")
         weights = apply_isq(weights, isq)
-    return _build(source, config, tokenizer, weights, decisions)
+    return _build(source, config, tokenizer, weights, decisions, split)
 
 
 def _build(
@@ -119,11 +140,15 @@ def _build(
     tokenizer: Tokenizer,
     weights: NamedTensors,
     decisions: PlatformDecisions,
+    split: ModelSplit | None = None,
 ) -> LoadedModel:
     dtype = getattr(torch, decisions.resolve_dtype(config.dtype))
     device = torch.device(decisions.device)
+    tp = None
+    if split is not None:
+        config, tp = split.local_config(config), split.collectives
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = CausalLM(config, tp)
     kernels = choose_kernels(decisions)
     native = kernels.native
     load_into(

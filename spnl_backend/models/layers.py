@@ -44,6 +44,30 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
+class Collectives(Protocol):
+    """A tensor-parallel group as the model uses it (`distributed.parallel`): this rank's
+    place, the sum of a tensor over the ranks, every rank's columns side by side, and the
+    hooks where the first rank tells the others which step to run with it."""
+
+    rank: int
+    world: int
+    kv_replicas: int  # ranks that hold each key/value head (1 unless fewer heads than ranks)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+    def gather_columns(self, x: torch.Tensor, total: int) -> torch.Tensor: ...
+    def before_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+    ) -> None: ...
+    def before_logits(self, hidden: torch.Tensor) -> None: ...
+
+
+def shard_range(size: int, rank: int, world: int) -> tuple[int, int]:
+    """``[start, end)`` of rank ``rank``'s share of ``size`` rows split ``world`` ways:
+    equal shares of ``ceil(size / world)``, the last one shorter where it does not divide."""
+    share = -(-size // world)
+    return min(size, rank * share), min(size, (rank + 1) * share)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last dim, computed in float32.
 
@@ -276,8 +300,12 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    """Self-attention over this rank's heads (all of them without tensor parallelism:
+    ``config`` is already this rank's share, `distributed.sharding.local_config`)."""
+
+    def __init__(self, config: ModelConfig, layer: int, tp: Collectives | None = None) -> None:
         super().__init__()
+        self.tp = tp
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -306,7 +334,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
-        if self.qk_norm_full:
+        if self.qk_norm_full and self.tp is not None:
+            q, k = self._sharded_norm(self.q_norm, q), self._sharded_norm(self.k_norm, k)
+        elif self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
@@ -326,17 +356,32 @@ class Attention(nn.Module):
         out = backend.attend(q, k, v, self.spec)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
+    def _sharded_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """OLMoE's norm over a whole projection when each rank holds some of its heads:
+        the squares summed over the ranks, a key head that several ranks hold (where there
+        are fewer key heads than ranks) counted once."""
+        tp = self.tp
+        assert tp is not None
+        replicas = tp.kv_replicas if norm is self.k_norm else 1
+        squares = tp.all_reduce(x.float().pow(2).sum(-1, keepdim=True).contiguous()) / replicas
+        count = x.shape[-1] * tp.world // replicas  # the whole projection's elements
+        normed = x.float() * torch.rsqrt(squares / count + norm.eps)
+        return (normed * (norm.weight.float() + norm.offset)).to(x.dtype)
+
 
 def _norm(config: ModelConfig, dim: int) -> RMSNorm:
     return RMSNorm(dim, config.rms_norm_eps, config.norm_offset, config.norm_in_float)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block; Gemma adds norms after attention and MLP ("sandwich")."""
+    """Pre-norm residual block; Gemma adds norms after attention and MLP ("sandwich").
+    With tensor parallelism (``tp``) its attention and MLP each give this rank's part of
+    their output (its heads, its rows of the MLP), summed over the ranks before the add."""
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, tp: Collectives | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer)
+        self.tp = tp
+        self.self_attn = Attention(config, layer, tp)
         self.mlp: nn.Module = SparseMoE(config) if config.is_moe_layer(layer) else GatedMLP(config)
         self.input_layernorm = _norm(config, config.hidden_size)
         self.post_attention_layernorm = _norm(config, config.hidden_size)
@@ -357,12 +402,15 @@ class DecoderLayer(nn.Module):
         the new residual stream and its norm by ``next_norm`` (the next layer's input norm
         or the final one). Each residual add and the norm after it are one step
         (`add_norm`); ``x`` may be updated in place."""
-        attn = self.self_attn(h, rotary, backend)
+        attn = self._summed(self.self_attn(h, rotary, backend))
         if not self.sandwich:
             x, h = add_norm(x, attn, None, self.post_attention_layernorm)
-            return add_norm(x, self.mlp(h), None, next_norm)
+            return add_norm(x, self._summed(self.mlp(h)), None, next_norm)
         x, h = add_norm(x, attn, self.post_attention_layernorm, self.pre_feedforward_layernorm)
-        return add_norm(x, self.mlp(h), self.post_feedforward_layernorm, next_norm)
+        return add_norm(x, self._summed(self.mlp(h)), self.post_feedforward_layernorm, next_norm)
+
+    def _summed(self, part: torch.Tensor) -> torch.Tensor:
+        return part if self.tp is None else self.tp.all_reduce(part)
 
 
 def add_norm(

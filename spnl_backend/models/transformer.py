@@ -6,7 +6,16 @@ from torch import nn
 from ..kernels.cpu import CpuKernels
 from ..quant.linear import QuantEmbedding
 from .config import ModelConfig
-from .layers import AttentionBackend, DecoderLayer, FusedMoe, Linear, RMSNorm, SparseMoE
+from .layers import (
+    AttentionBackend,
+    Collectives,
+    DecoderLayer,
+    FusedMoe,
+    Linear,
+    RMSNorm,
+    SparseMoE,
+    shard_range,
+)
 from .native_blocks import LayerBlocks
 from .rope import RotaryEmbedding
 
@@ -23,10 +32,16 @@ class Embedding(nn.Embedding):
 
 
 class Backbone(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: Collectives | None = None) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.tp = tp
+        # With tensor parallelism each rank holds a share of the vocabulary's rows.
+        self.vocab_range = (0, config.vocab_size)
+        if tp is not None:
+            self.vocab_range = shard_range(config.vocab_size, tp.rank, tp.world)
+        start, end = self.vocab_range
+        self.embed_tokens = Embedding(end - start, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, config.norm_offset, config.norm_in_float
         )
@@ -50,6 +65,8 @@ class Backbone(nn.Module):
         native layer blocks (`models.native_blocks`), else None."""
         if not self.use_layer_blocks or x.dtype != torch.float32 or not x.is_cpu:
             return None
+        if self.tp is not None:  # the ranks' sums come between a layer's two calls
+            return None
         native_keys = getattr(backend, "native_keys", None)
         if native_keys is None:
             return None
@@ -64,7 +81,7 @@ class Backbone(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         if self.embedding_multiplier is not None:
             x = x * torch.tensor(self.embedding_multiplier, dtype=x.dtype)
         rotary = self.rotary(positions, x.dtype)
@@ -80,6 +97,16 @@ class Backbone(nn.Module):
             x, h = layer(x, h, local if i in self.local_layers else rotary, backend, next_norm)
         return h
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Each token's embedding; with tensor parallelism the rank holding its row gives
+        it, the others zeros, summed over the ranks."""
+        if self.tp is None:
+            return self.embed_tokens(input_ids)
+        start, end = self.vocab_range
+        ours = (input_ids >= start) & (input_ids < end)
+        rows = self.embed_tokens(torch.where(ours, input_ids - start, 0))
+        return self.tp.all_reduce(torch.where(ours[:, None], rows, 0).contiguous())
+
 
 class CausalLM(nn.Module):
     """Token ids in, hidden states out; logits only for the rows asked for.
@@ -88,17 +115,22 @@ class CausalLM(nn.Module):
     .q_proj.weight``), so text models load by name and GGUF tensors are renamed to them.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: Collectives | None = None) -> None:
+        """``tp``: the tensor-parallel group this rank's share of the model runs in
+        (``config`` is then its share's, `distributed.sharding.local_config`)."""
         super().__init__()
-        self.config = config
-        self.model = Backbone(config)
+        self.config, self.tp = config, tp
+        self.model = Backbone(config, tp)
         if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+            start, end = self.model.vocab_range
+            self.lm_head = Linear(config.hidden_size, end - start, bias=False)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
     ) -> torch.Tensor:
         """``input_ids``/``positions [T]`` (sequences packed) → hidden states ``[T, hidden]``."""
+        if self.tp is not None:
+            self.tp.before_forward(input_ids, positions, backend)
         return self.model(input_ids, positions, backend)
 
     def use_native_kernels(self, native: CpuKernels | None) -> None:
@@ -117,12 +149,17 @@ class CausalLM(nn.Module):
                 module.use_fused(fused)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Hidden states of the rows to sample from → float32 logits ``[rows, vocab]``."""
+        """Hidden states of the rows to sample from → float32 logits ``[rows, vocab]``
+        (with tensor parallelism: each rank's share of the vocabulary, gathered)."""
+        if self.tp is not None:
+            self.tp.before_logits(hidden)
         if self.config.tie_word_embeddings:
             logits = self.model.embed_tokens.project(hidden)
         else:
             logits = self.lm_head(hidden)
         logits = logits.float()
+        if self.tp is not None:
+            logits = self.tp.gather_columns(logits.contiguous(), self.config.vocab_size)
         if self.config.final_softcap is not None:
             cap = self.config.final_softcap
             logits = torch.tanh(logits / cap) * cap

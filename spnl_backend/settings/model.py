@@ -62,6 +62,14 @@ _PARSERS = {
     "pic_positions": values.choice(("after_prefix", "local")),
     "native_checks": values.parse_bool,
     "token_healing": values.parse_bool,
+    "no_nccl": values.parse_bool,
+    "mn_global_world_size": values.parse_positive_int,
+    "mn_local_world_size": values.parse_positive_int,
+    "mn_head_num_workers": values.parse_count,
+    "mn_head_port": values.parse_port,
+    "mn_worker_server_addr": values.parse_host_port,
+    "mn_worker_id": values.parse_count,
+    "collective_timeout_s": values.parse_seconds,
     "model": values.parse_optional_name,
     "device": values.parse_device,
     "dtype": values.parse_dtype,
@@ -124,6 +132,18 @@ class BackendSettings(BaseSettings):
     native_checks: bool = False
     # Token healing for completions whose request does not say (`constrain.healing`).
     token_healing: bool = False
+    # Beyond one device (`settings.topology`), with mistral.rs's meanings: no tensor
+    # parallelism; the ranks of every node and of this one; the head node's worker count
+    # and port; a worker node's head address and its id.
+    no_nccl: bool = False
+    mn_global_world_size: int | None = None
+    mn_local_world_size: int | None = None
+    mn_head_num_workers: int | None = None
+    mn_head_port: int | None = None
+    mn_worker_server_addr: str | None = None
+    mn_worker_id: int | None = None
+    # How long a rank waits for the others in one collective before it gives them up.
+    collective_timeout_s: float = 60.0
     model: str | None = None
     device: str = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"

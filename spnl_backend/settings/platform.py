@@ -85,6 +85,7 @@ class PlatformDecisions:
     c_compiler: str | None = None
     cpu_kernels_required: bool = False  # MISTRALRS_CPU_KERNELS=native: no fallback
     notes: tuple[str, ...] = field(default=())
+    cuda_device_count: int = 0  # visible CUDA GPUs (tensor parallelism spans them)
 
     def resolve_dtype(self, config_dtype: str | None = None) -> str:
         """The compute dtype: the setting, else the model's own where the device runs it well.
@@ -183,6 +184,7 @@ def decide_platform(settings: BackendSettings, probe: PlatformProbe) -> Platform
         c_compiler=probe.c_compiler if kernels == "cpu" else None,
         cpu_kernels_required=settings.cpu_kernels == "native",
         notes=notes,
+        cuda_device_count=len(probe.cuda_devices),
     )
 
 

@@ -135,17 +135,22 @@ def parse_positive_int(value: object) -> int:
     return number
 
 
-def parse_fraction(value: object) -> float:
-    expected = "expected a number greater than 0 and at most 1 (a fraction of free device memory)"
+def _parse_positive_float(value: object, top: float, expected: str) -> float:
+    """A number greater than 0 and at most ``top``."""
     if isinstance(value, bool):
         raise ValueError(expected)
     try:
-        fraction = float(_text(value)) if isinstance(value, str) else float(value)
+        number = float(_text(value)) if isinstance(value, str) else float(value)
     except (TypeError, ValueError, OverflowError):
         raise ValueError(expected) from None
-    if not 0.0 < fraction <= 1.0:
+    if not 0.0 < number <= top:
         raise ValueError(expected)
-    return fraction
+    return number
+
+
+def parse_fraction(value: object) -> float:
+    expected = "expected a number greater than 0 and at most 1 (a fraction of free device memory)"
+    return _parse_positive_float(value, 1.0, expected)
 
 
 def parse_isq(value: object) -> IsqType | None:
@@ -211,3 +216,37 @@ def parse_optional_name(value: object) -> str | None:
     if not text:
         raise ValueError("expected a model name or path, not an empty string")
     return text
+
+
+def parse_port(value: object) -> int:
+    expected = "expected a TCP port number from 1 to 65535"
+    port = _parse_int(value, expected)
+    if not 0 < port < 65536:
+        raise ValueError(expected)
+    return port
+
+
+def parse_count(value: object) -> int:
+    """A whole number >= 0 (an index)."""
+    expected = f"expected a whole number from 0 to {MAX_COUNT:,}"
+    number = _parse_int(value, expected)
+    if not 0 <= number <= MAX_COUNT:
+        raise ValueError(expected)
+    return number
+
+
+_HOST_PORT = re.compile(r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):(\d+)")
+
+
+def parse_host_port(value: object) -> str:
+    expected = "expected host:port (a name or address, then a port from 1 to 65535)"
+    text = _text(value)
+    match = _HOST_PORT.fullmatch(text)
+    if not match or not 0 < int(match[2]) < 65536:
+        raise ValueError(expected)
+    return text
+
+
+def parse_seconds(value: object) -> float:
+    expected = "expected a number of seconds greater than 0 (at most a day)"
+    return _parse_positive_float(value, 86400.0, expected)

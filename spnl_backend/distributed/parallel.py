@@ -1,0 +1,101 @@
+"""A tensor-parallel model's rank: the collectives its layers call, and the messages by
+which rank 0 (which schedules, samples and answers the API) has the other ranks run each
+step with it.
+
+Rank 0 runs the engine as one process would; its model, whose every forward pass and every
+logits call is also the others', announces each (the step's tokens, positions and paged
+metadata; the rows to take logits of) before running it. The other ranks hold no
+sequences: they run what they are told, over their own pools, in the same order, and
+never sample. Their logits reach rank 0 as its share of the vocabulary gathered. While
+idle, rank 0 sends a heartbeat now and then, so that a rank waiting for the next step
+never mistakes a quiet engine for a dead one.
+"""
+
+import dataclasses
+import enum
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..models.layers import AttentionBackend
+from .group import Group
+
+LOAD_TIMEOUT_S = 3600.0  # how long ranks wait for each other to load (not a step's timeout)
+
+
+class Op(enum.IntEnum):
+    FORWARD = 1  # (input_ids, positions, paged metadata)
+    LOGITS = 2  # the hidden rows to take logits of
+    HEARTBEAT = 3
+    STOP = 4
+    POOL = 5  # the paged pool's blocks, block size and dtype, decided by rank 0
+
+
+@dataclass
+class TensorParallel:
+    """This rank's place in the group, as the model's layers use it (`models.layers.
+    Collectives`); ``drives``: rank 0, which announces each step to the others."""
+
+    group: Group
+    kv_replicas: int
+    drives: bool
+    heartbeat_s: float
+    last_sent: float = 0.0
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    @property
+    def world(self) -> int:
+        return self.group.world
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce_(x.contiguous())
+
+    def gather_columns(self, x: torch.Tensor, total: int) -> torch.Tensor:
+        """Every rank's columns of ``x`` side by side, cut to ``total`` (the last rank's
+        share may be short: each is padded to the first's width to travel)."""
+        share = -(-total // self.world)
+        if x.shape[-1] < share:
+            x = torch.nn.functional.pad(x, (0, share - x.shape[-1]))
+        return torch.cat(self.group.all_gather(x.contiguous()), dim=-1)[..., :total]
+
+    def before_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+    ) -> None:
+        if self.drives:
+            meta = getattr(backend, "meta", None)
+            if meta is None:
+                raise TypeError("tensor parallelism runs on the paged cache's steps")
+            self.send(Op.FORWARD, (input_ids.cpu(), positions.cpu(), _portable(meta)))
+
+    def before_logits(self, hidden: torch.Tensor) -> None:
+        if self.drives:
+            self.send(Op.LOGITS, hidden.cpu())
+
+    def send(self, op: Op, payload: object = None, timeout_s: float | None = None) -> None:
+        self.group.send_object((int(op), payload), timeout_s)
+        self.last_sent = time.monotonic()
+
+    def idle(self) -> None:
+        """Rank 0 between steps: a heartbeat when the others have heard nothing lately
+        (nothing once the group has failed: its error was raised already)."""
+        if self.group.failed is not None or not self.drives:
+            return
+        if time.monotonic() - self.last_sent >= self.heartbeat_s:
+            self.send(Op.HEARTBEAT)
+
+    def receive(self, timeout_s: float | None = None) -> tuple[Op, object]:
+        op, payload = self.group.receive_object(timeout_s)  # type: ignore[misc]
+        return Op(op), payload
+
+
+def _portable(meta):
+    """The step's metadata without what one rank computed for itself (its memo of kernel
+    plans), on the CPU for the trip."""
+    fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta) if f.init}
+    fields.pop("_memo", None)
+    moved = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
+    return type(meta)(**moved)

@@ -1,0 +1,166 @@
+"""A model split over the ranks of a tensor-parallel group: each rank's share of the
+config, and each weight's rows or columns as the weights stream in from the file.
+
+Attention heads split across the ranks (key/value heads too, or each rank holds the one
+its query heads read where there are fewer key/value heads than ranks): q, k and v are
+split by rows (column-parallel), o by columns (row-parallel, its output summed over the
+ranks). The MLP's gate and up (each expert's too) by rows, down by columns. The embedding
+and the LM head by vocabulary rows. Norms, the router and the rotary tables are whole on
+every rank. Quantized weights split along whole GGML blocks and are never dequantized: a
+row split takes whole rows, a column split whole blocks of every row.
+"""
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterator
+
+import torch
+
+from ..errors import SettingsError
+from ..models.config import ModelConfig
+from ..models.layers import shard_range
+from ..quant.ggml import ggml_format
+from ..quant.linear import QuantizedWeight
+
+Weight = torch.Tensor | QuantizedWeight
+NamedWeights = Iterator[tuple[str, Weight]]
+
+_LAYER = r"model\.layers\.\d+\."
+_EXPERT = r"mlp\.experts\.\d+\."
+_BY_ROWS = re.compile(
+    _LAYER + rf"(self_attn\.(?P<qkv>[qkv])_proj|(?:{_EXPERT}|mlp\.)(gate|up)_proj)\.(weight|bias)"
+)
+_BY_COLUMNS = re.compile(_LAYER + rf"(self_attn\.o_proj|(?:{_EXPERT}|mlp\.)down_proj)\.weight")
+_O_BIAS = re.compile(_LAYER + r"self_attn\.o_proj\.bias")
+_FULL_NORM = re.compile(_LAYER + r"self_attn\.(?P<which>[qk])_norm\.weight")
+_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """Rank ``rank`` of ``world``'s share of a model described by ``config``."""
+
+    config: ModelConfig
+    rank: int
+    world: int
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads this rank holds."""
+        return max(1, self.config.num_kv_heads // self.world)
+
+    @property
+    def kv_replicas(self) -> int:
+        """Ranks that hold each key/value head."""
+        return self.kv_heads * self.world // self.config.num_kv_heads
+
+    def local_config(self) -> ModelConfig:
+        """This rank's model: its heads, its rows of every MLP (the vocabulary's split is
+        the model's own: `models.layers.shard_range`)."""
+        c, world = self.config, self.world
+        moe = c.moe
+        if moe is not None:
+            moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // world)
+        return dataclasses.replace(
+            c,
+            num_heads=c.num_heads // world,
+            num_kv_heads=self.kv_heads,
+            intermediate_size=c.intermediate_size // world,
+            moe=moe,
+        )
+
+    def weights(self, weights: NamedWeights) -> NamedWeights:
+        """Each weight of the stream cut to this rank's share, as it streams past."""
+        for name, weight in weights:
+            yield name, self.cut(name, weight)
+
+    def cut(self, name: str, weight: Weight) -> Weight:
+        if name in _VOCAB:
+            return _rows(weight, *shard_range(weight.shape[0], self.rank, self.world))
+        if match := _BY_ROWS.fullmatch(name):
+            which = match["qkv"]
+            if which in ("k", "v"):
+                return _rows(weight, *self._kv_rows())
+            return _rows(weight, *_even(weight.shape[0], self.rank, self.world))
+        if _BY_COLUMNS.fullmatch(name):
+            return _columns(weight, *_even(weight.shape[1], self.rank, self.world), name)
+        if _O_BIAS.fullmatch(name):  # added once: by the first rank
+            return weight if self.rank == 0 else torch.zeros_like(weight)
+        if self.config.qk_norm_full and (match := _FULL_NORM.fullmatch(name)):
+            if match["which"] == "k":
+                return weight[slice(*self._kv_rows())]
+            return weight[slice(*_even(weight.shape[0], self.rank, self.world))]
+        return weight
+
+    def _kv_rows(self) -> tuple[int, int]:
+        c, dim = self.config, self.config.head_dim
+        first = self.rank * c.num_kv_heads // self.world  # where several ranks share one
+        if c.num_kv_heads >= self.world:
+            first = self.rank * self.kv_heads
+        return first * dim, (first + self.kv_heads) * dim
+
+
+def check_shardable(
+    config: ModelConfig, world: int, split_block: Callable[[str], int] = lambda _: 1
+) -> None:
+    """That ``config`` splits ``world`` ways, before any weight loads: heads, key/value
+    heads, the MLPs' rows, and the columns of the weights split by columns into whole
+    blocks of their stored type (``split_block(kind)``: the block size of the "o" or
+    "down" weights as stored, 1 for float)."""
+    c = config
+    problems = []
+    if c.num_heads % world:
+        problems.append(f"its {c.num_heads} attention heads do not divide by {world}")
+    if c.num_kv_heads % world and world % c.num_kv_heads:
+        problems.append(
+            f"its {c.num_kv_heads} key/value heads neither divide by {world} nor divide it"
+        )
+    inners = [("MLP", c.intermediate_size)]
+    if c.moe is not None:
+        inners.append(("experts' MLP", c.moe.intermediate_size))
+    for what, rows in inners:
+        if rows % world:
+            problems.append(f"its {what} of {rows} rows does not divide by {world}")
+    columns = {"o": c.num_heads * c.head_dim, "down": c.intermediate_size}
+    if c.moe is not None:
+        columns["down"] = c.moe.intermediate_size  # dense layers beside experts: checked too
+    for kind, width in columns.items():
+        block = split_block(kind)
+        if block > 1 and not problems and (width // world) % block:
+            problems.append(
+                f"its {kind} projection's {width} columns split {world} ways give "
+                f"{width // world}, not a whole number of its stored blocks of {block}"
+            )
+    if problems:
+        raise SettingsError(
+            f"this {c.architecture} model cannot be split over {world} ranks: "
+            + "; ".join(problems)
+            + "; choose a world size that divides them (or one rank)"
+        )
+
+
+def block_size(qtype) -> int:
+    """Values per block of a stored type (1: float)."""
+    return 1 if qtype is None else ggml_format(qtype).block_size
+
+
+def _even(size: int, rank: int, world: int) -> tuple[int, int]:
+    share = size // world
+    return rank * share, (rank + 1) * share
+
+
+def _rows(weight: Weight, start: int, end: int) -> Weight:
+    if isinstance(weight, QuantizedWeight):
+        return weight.rows(slice(start, end))
+    return weight[start:end]
+
+
+def _columns(weight: Weight, start: int, end: int, name: str) -> Weight:
+    if not isinstance(weight, QuantizedWeight):
+        return weight[:, start:end]
+    fmt = ggml_format(weight.qtype)
+    block, nbytes = fmt.block_size, fmt.type_size
+    if start % block or end % block:  # check_shardable refuses such models first
+        raise SettingsError(f"{name}: columns {start}:{end} cut {weight.qtype.name} blocks")
+    data = weight.data[:, start // block * nbytes : end // block * nbytes]
+    return QuantizedWeight(data.contiguous(), weight.qtype, (weight.shape[0], end - start))

@@ -1,0 +1,275 @@
+"""Tensor parallelism on the CPU: local ranks over gloo on 127.0.0.1, each with a share of
+the heads, the MLPs' rows and the vocabulary, against one process on the same weights."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from helpers import PROMPT, SHARED_PREFIX_PROMPTS, engine_internals, engine_logits
+from tiny_models import ARCHITECTURES, MOE_ARCHITECTURES
+
+from spnl_backend import BackendSettings, DistributedError, SettingsError, load_backend
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="local ranks on Linux")
+TOKENS = 32
+TIMEOUT_S = 20.0  # the collective timeout of these groups: what a failure waits at most
+# Each rank sums its share of a row-parallel product, and the shares are summed across
+# the ranks: float32 sums in another order, whose differences grow through the layers
+# (up to 2e-4 seen on logits of magnitude 1-5 over 90 positions).
+SUM_ORDER_ATOL = 1e-3
+
+
+def _settings(world: int = 1, **extra) -> BackendSettings:
+    if world > 1:
+        extra = {"mn_local_world_size": world, "collective_timeout_s": TIMEOUT_S} | extra
+    return BackendSettings(device="cpu", prefix_cache_n=0, **extra)
+
+
+def _run(path, world: int, prompts=(PROMPT,), **extra):
+    """Logits of the first prompt and every prompt's greedy tokens, then the backend closed."""
+    with load_backend(str(path), settings=_settings(world, **extra)) as backend:
+        ids = backend.tokenizer.encode(prompts[0])
+        logits = engine_logits(backend, ids)
+        results = backend.generate(list(prompts), max_tokens=TOKENS, temperature=0, ignore_eos=True)
+        return logits, [r.token_ids for r in results]
+
+
+@pytest.mark.parametrize("arch", [*ARCHITECTURES, *MOE_ARCHITECTURES])
+def test_two_ranks_compute_what_one_process_does(tiny, arch):
+    path = tiny.hf(arch).path
+    logits, tokens = _run(path, 1)
+    split_logits, split_tokens = _run(path, 2)
+    torch.testing.assert_close(split_logits, logits, rtol=0, atol=SUM_ORDER_ATOL)
+    assert split_tokens == tokens
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "olmoe"])
+def test_four_ranks_with_fewer_key_heads_than_ranks(tiny, arch):
+    """The tiny models have 2 key/value heads: with 4 ranks each holds the one its query
+    head reads (OLMoE's whole-projection k norm then counts each head once)."""
+    path = tiny.hf(arch).path
+    logits, tokens = _run(path, 1)
+    split_logits, split_tokens = _run(path, 4)
+    torch.testing.assert_close(split_logits, logits, rtol=0, atol=SUM_ORDER_ATOL)
+    assert split_tokens == tokens
+
+
+def test_a_quantized_gguf_splits_along_its_blocks(tiny):
+    """Q8_0 blocks of 32: o and down are split by columns into whole blocks, never
+    dequantized; the ranks compute what one process computes on the same blocks."""
+    path = tiny.gguf("llama", GGMLQuantizationType.Q8_0)
+    logits, tokens = _run(path, 1, SHARED_PREFIX_PROMPTS[:3])
+    with load_backend(str(path), settings=_settings(2)) as backend:
+        attention = backend.model.model.layers[0].self_attn
+        assert attention.o_proj.weight_q.qtype == GGMLQuantizationType.Q8_0
+        assert (attention.o_proj.in_features, attention.num_heads) == (32, 2)  # half of each
+        split_logits = engine_logits(backend, backend.tokenizer.encode(PROMPT))
+        results = backend.generate(
+            SHARED_PREFIX_PROMPTS[:3], max_tokens=TOKENS, temperature=0, ignore_eos=True
+        )
+    torch.testing.assert_close(split_logits, logits, rtol=0, atol=SUM_ORDER_ATOL)
+    assert [r.token_ids for r in results] == tokens
+
+
+def test_prefix_hits_preemption_and_mixed_batches_keep_each_requests_tokens(tiny):
+    """Rank 0 schedules: prefix-cache hits, preemption under a small pool and a batch of
+    prompts of every length change no request's tokens, as in one process."""
+    path = str(tiny.hf("qwen3").path)
+    budget = {"paged_attn_block_size": 8, "paged_attn_context_len": 160, "prefix_cache_n": 16}
+    expected = []
+    with load_backend(path, settings=BackendSettings(device="cpu", **budget)) as one:
+        for prompt in SHARED_PREFIX_PROMPTS:
+            expected.append(one.generate(prompt, max_tokens=24, temperature=0).token_ids)
+    settings = BackendSettings(
+        device="cpu", mn_local_world_size=2, collective_timeout_s=TIMEOUT_S, **budget
+    )
+    with load_backend(path, settings=settings) as split:
+        together = split.generate(SHARED_PREFIX_PROMPTS, max_tokens=24, temperature=0)
+        again = split.generate(SHARED_PREFIX_PROMPTS, max_tokens=24, temperature=0)
+        stats = split.stats()
+    assert [r.token_ids for r in together] == expected
+    assert [r.token_ids for r in again] == expected
+    assert stats.preemptions > 0
+    assert stats.prefix_cache_hits > 0
+
+
+def test_the_server_answers_from_rank_0(tiny):
+    from live_server import LiveServer
+
+    path = str(tiny.hf("llama").path)
+    with load_backend(path, settings=_settings(1)) as one:
+        expected = one.generate("The capital of France is", max_tokens=8, temperature=0).text
+    with load_backend(path, settings=_settings(2)) as split:
+        server = LiveServer(split)
+        try:
+            client = server.client()
+            answer = client.completions.create(
+                model="tiny-llama", prompt="The capital of France is", max_tokens=8, temperature=0
+            )
+        finally:
+            server.stop()
+    assert answer.choices[0].text == expected
+
+
+def _local_ranks(backend):
+    """The processes rank 0 started (white box: for killing one)."""
+    engine = engine_internals(backend)
+    ranks = next(hook.__self__ for hook in engine.on_close if hasattr(hook, "__self__"))
+    return ranks.local.processes
+
+
+def test_a_rank_killed_mid_generation_fails_its_requests_within_the_timeout(tiny):
+    path = str(tiny.hf("llama").path)
+    backend = load_backend(path, settings=_settings(2, collective_timeout_s=5.0))
+    processes = _local_ranks(backend)
+    stream = backend.stream(PROMPT, max_tokens=4000, temperature=0, ignore_eos=True)
+    next(iter(stream))
+    start = time.monotonic()
+    processes[1].send_signal(signal.SIGKILL)
+    with pytest.raises(DistributedError, match=r"rank 1 \(pid \d+\) exited with signal 9"):
+        for _ in stream:
+            pass
+    assert time.monotonic() - start < 5.0 + 10.0
+    with pytest.raises(DistributedError, match="load a new backend"):
+        backend.generate("x", max_tokens=2)
+    backend.close()
+    assert all(p.poll() is not None for p in processes.values())
+
+
+_HOST = """
+import sys, time
+from spnl_backend import BackendSettings, load_backend
+settings = BackendSettings(device="cpu", mn_local_world_size=2, collective_timeout_s=5)
+backend = load_backend(sys.argv[1], settings=settings)
+backend.generate("x", max_tokens=2)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_other_ranks_end_when_rank_0_is_killed(tiny, tmp_path):
+    path = str(tiny.hf("llama").path)
+    host = subprocess.Popen(
+        [sys.executable, "-c", _HOST, path], stdout=subprocess.PIPE, text=True, cwd=tmp_path
+    )
+    try:
+        assert host.stdout.readline().strip() == "ready"
+        children = _children(host.pid)
+        assert children, "rank 0 started no other rank"
+        host.send_signal(signal.SIGKILL)
+        host.wait()
+        deadline = time.monotonic() + 5.0 + 15.0
+        while time.monotonic() < deadline and any(_alive(pid) for pid in children):
+            time.sleep(0.2)
+        assert not any(_alive(pid) for pid in children)
+    finally:
+        host.kill()
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_torchrun_ranks_start_each_other(tiny, monkeypatch, tmp_path):
+    """Under torchrun every rank runs the same script: rank 0's load_backend returns the
+    backend; every other rank's follows it and ends its process when rank 0 closes."""
+    import socket
+
+    path = str(tiny.hf("llama").path)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    env |= {"MASTER_PORT": port, "MISTRALRS_DEVICE": "cpu", "MISTRALRS_PREFIX_CACHE_N": "0"}
+    script = "import sys; from spnl_backend import load_backend; load_backend(sys.argv[1])"
+    other = subprocess.Popen(
+        [sys.executable, "-c", script, path], env={**os.environ, **env, "RANK": "1"}
+    )
+    try:
+        for name, value in {**env, "RANK": "0", "MISTRALRS_COLLECTIVE_TIMEOUT_S": "20"}.items():
+            monkeypatch.setenv(name, value)
+        with load_backend(path) as backend:
+            result = backend.generate(PROMPT, max_tokens=TOKENS, temperature=0, ignore_eos=True)
+        assert other.wait(30) == 0
+    finally:
+        other.kill()
+    for name in env:
+        monkeypatch.delenv(name)
+    _, expected = _run(tiny.hf("llama").path, 1)
+    assert [result.token_ids] == expected
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"mn_local_world_size": 8}, "cannot be split over 8 ranks: its 4 attention heads"),
+        ({"mn_local_world_size": 3}, "must be a power of two"),
+        ({"mn_local_world_size": 2, "paged_cache_type": "f8e4m3"}, "does not run with"),
+        ({"mn_local_world_size": 2, "speculative_draft_isq": "Q8_0"}, "does not run with"),
+        ({"mn_local_world_size": 2, "no_nccl": True}, None),  # one process: loads
+    ],
+)
+def test_settings_that_do_not_fit_are_refused_before_any_rank_starts(tiny, extra, message):
+    path = str(tiny.hf("llama").path)
+    before = _children(os.getpid())
+    if message is None:
+        with load_backend(path, settings=BackendSettings(device="cpu", **extra)) as backend:
+            assert backend.generate("x", max_tokens=1).token_ids
+        return
+    with pytest.raises(SettingsError, match=message):
+        load_backend(path, settings=BackendSettings(device="cpu", **extra))
+    assert _children(os.getpid()) == before
+
+
+def test_a_head_port_in_use_is_refused_before_any_rank_starts(tiny):
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        settings = BackendSettings(
+            device="cpu",
+            mn_global_world_size=2,
+            mn_local_world_size=1,
+            mn_head_num_workers=1,
+            mn_head_port=port,
+        )
+        with pytest.raises(SettingsError, match=f"port {port} cannot be listened on"):
+            load_backend(str(tiny.hf("llama").path), settings=settings)
+
+
+def test_threads_are_shared_out_and_given_back(tiny):
+    before = torch.get_num_threads()
+    seen = []
+    with load_backend(str(tiny.hf("llama").path), settings=_settings(2)) as backend:
+        thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        backend.generate("x", max_tokens=1)
+    assert seen == [max(1, (os.cpu_count() or 1) // 2)]
+    assert torch.get_num_threads() == before
