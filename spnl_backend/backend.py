@@ -749,8 +749,9 @@ def _load_distributed(
         split, ranks = start_ranks(source, settings, decisions, topology)
         try:
             loaded = load_model(source, settings.isq, decisions, progress, split=split)
-            engine = build_engine(loaded, settings, decisions)
-            ranks.attach(engine)
+            draft = load_draft(loaded, settings, decisions, progress)  # whole, on rank 0
+            engine = build_engine(loaded, settings, decisions, draft)
+            ranks.attach(engine, settings)
         except BaseException:
             ranks.stop()
             raise
@@ -759,7 +760,8 @@ def _load_distributed(
     if topology.rank != 0:
         split, ranks = start_ranks(source, settings, decisions, topology)
         try:
-            follow(load_model(source, settings.isq, decisions, progress, split=split), ranks.tp)
+            loaded = load_model(source, settings.isq, decisions, progress, split=split)
+            follow(loaded, ranks.tp, settings, decisions)
         finally:
             ranks.stop()
         raise SystemExit(0)

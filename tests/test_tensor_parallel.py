@@ -28,7 +28,7 @@ SUM_ORDER_ATOL = 1e-3
 def _settings(world: int = 1, **extra) -> BackendSettings:
     if world > 1:
         extra = {"mn_local_world_size": world, "collective_timeout_s": TIMEOUT_S} | extra
-    return BackendSettings(device="cpu", prefix_cache_n=0, **extra)
+    return BackendSettings(**({"device": "cpu", "prefix_cache_n": 0} | extra))
 
 
 def _run(path, world: int, prompts=(PROMPT,), **extra):
@@ -97,6 +97,44 @@ def test_prefix_hits_preemption_and_mixed_batches_keep_each_requests_tokens(tiny
     assert [r.token_ids for r in again] == expected
     assert stats.preemptions > 0
     assert stats.prefix_cache_hits > 0
+
+
+def test_a_speculative_draft_and_pic_prompts_under_tensor_parallelism(tiny):
+    """The draft (the target under ISQ, whole on rank 0) proposes, the split target
+    verifies; PIC prompts reuse their plus blocks' KV from every rank's pool. Each gives
+    the tokens one process gives."""
+    path = str(tiny.hf("llama").path)
+    draft = {"speculative_draft_isq": "Q8_0", "speculative_gamma": 4}
+    blocks = [
+        ("cross", "Answer from these."),
+        ("plus", "the cat sat on the mat"),
+        ("plus", "the dog ran off"),
+        ("cross", "What do they say?"),
+    ]
+    runs = []
+    for world in (1, 2):
+        with load_backend(path, settings=_settings(world, **draft)) as backend:
+            speculated = backend.generate(PROMPT, max_tokens=TOKENS, temperature=0)
+        with load_backend(path, settings=_settings(world, prefix_cache_n=16)) as backend:
+            pic = [backend.generate(blocks=blocks, max_tokens=16, temperature=0) for _ in "ab"]
+        runs.append((speculated, pic))
+    (speculated, pic), (split_speculated, split_pic) = runs
+    assert split_speculated.token_ids == speculated.token_ids
+    assert split_speculated.usage.accepted_tokens > 0
+    assert [r.token_ids for r in split_pic] == [r.token_ids for r in pic]
+    assert split_pic[1].usage.pic_hit_tokens > 0
+
+
+@pytest.mark.parametrize(
+    "pool", [{"paged_cache_type": "f8e4m3"}, {"kv_cache_compression": "int8"}], ids=str
+)
+def test_an_fp8_or_compressed_pool_on_every_rank(tiny, pool):
+    """Each rank calibrates its pool on its own heads in the same pass (an FP8 scale takes
+    the largest magnitude of every rank's heads, as one process's does)."""
+    path = tiny.hf("llama").path
+    _, tokens = _run(path, 1, **pool)
+    _, split_tokens = _run(path, 2, **pool)
+    assert split_tokens == tokens
 
 
 def test_the_server_answers_from_rank_0(tiny):
@@ -228,8 +266,7 @@ def test_torchrun_ranks_start_each_other(tiny, monkeypatch, tmp_path):
     [
         ({"mn_local_world_size": 8}, "cannot be split over 8 ranks: its 4 attention heads"),
         ({"mn_local_world_size": 3}, "must be a power of two"),
-        ({"mn_local_world_size": 2, "paged_cache_type": "f8e4m3"}, "does not run with"),
-        ({"mn_local_world_size": 2, "speculative_draft_isq": "Q8_0"}, "does not run with"),
+        ({"mn_local_world_size": 2, "paged_attn": False}, "paged attention is off"),
         ({"mn_local_world_size": 2, "no_nccl": True}, None),  # one process: loads
     ],
 )
@@ -273,3 +310,43 @@ def test_threads_are_shared_out_and_given_back(tiny):
         backend.generate("x", max_tokens=1)
     assert seen == [max(1, (os.cpu_count() or 1) // 2)]
     assert torch.get_num_threads() == before
+
+
+def test_two_machines_with_mistral_rs_variables(tiny, monkeypatch):
+    """The MISTRALRS_MN_* set, both "machines" on 127.0.0.1: the head serves, the worker
+    machine's load_backend follows it and ends its process when the head closes."""
+    import socket
+
+    path = str(tiny.hf("qwen3").path)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    common = {
+        "MISTRALRS_MN_GLOBAL_WORLD_SIZE": "2",
+        "MISTRALRS_MN_LOCAL_WORLD_SIZE": "1",
+        "MISTRALRS_DEVICE": "cpu",
+        "MISTRALRS_PREFIX_CACHE_N": "0",
+        "MISTRALRS_COLLECTIVE_TIMEOUT_S": str(TIMEOUT_S),
+        "GLOO_SOCKET_IFNAME": "lo",
+    }
+    worker_env = {
+        "MISTRALRS_MN_WORKER_SERVER_ADDR": f"127.0.0.1:{port}",
+        "MISTRALRS_MN_WORKER_ID": "0",
+    }
+    script = "import sys; from spnl_backend import load_backend; load_backend(sys.argv[1])"
+    worker = subprocess.Popen(
+        [sys.executable, "-c", script, path], env={**os.environ, **common, **worker_env}
+    )
+    try:
+        head_env = {"MISTRALRS_MN_HEAD_NUM_WORKERS": "1", "MISTRALRS_MN_HEAD_PORT": str(port)}
+        for name, value in {**common, **head_env}.items():
+            monkeypatch.setenv(name, value)
+        with load_backend(path) as backend:
+            result = backend.generate(PROMPT, max_tokens=TOKENS, temperature=0, ignore_eos=True)
+        assert worker.wait(30) == 0
+    finally:
+        worker.kill()
+    for name in [*common, *head_env]:
+        monkeypatch.delenv(name)
+    _, expected = _run(tiny.hf("qwen3").path, 1)
+    assert [result.token_ids] == expected

@@ -20,9 +20,9 @@ from ..log import get_logger
 from ..settings import BackendSettings, PlatformDecisions
 from ..settings.topology import Topology
 from .launch import LocalRanks, store_port, threads_per_rank
-from .parallel import LOAD_TIMEOUT_S, Op, TensorParallel
+from .parallel import Op, TensorParallel
 from .sharding import block_size, check_shardable
-from .split import RankSplit, join_group
+from .split import RankSplit, join_group, serving
 
 log = get_logger()
 
@@ -35,13 +35,17 @@ class Ranks:
     local: LocalRanks | None
     threads_before: int  # this process's torch threads before it took its share
 
-    def attach(self, engine: Engine) -> None:
-        """Rank 0, its engine built: the others build the same pool, then follow."""
+    def attach(self, engine: Engine, settings: BackendSettings) -> None:
+        """Rank 0, its engine built (the others built their pools meanwhile): they hear
+        how many blocks it schedules, then follow its steps."""
         info = engine.cache_info
-        if info.kind != "paged" or info.dtype is None or info.compression is not None:
-            raise DistributedError("tensor parallelism runs on the plain paged KV cache")
-        dtype = str(info.dtype).removeprefix("torch.")
-        self.tp.send(Op.POOL, (info.num_blocks, info.block_size, dtype), LOAD_TIMEOUT_S)
+        if info.kind != "paged" or info.num_blocks is None:
+            raise DistributedError(
+                "tensor parallelism runs on the paged KV cache, and this backend's cache is "
+                f"{info.kind} (a compression method without a block-pool form?)"
+            )
+        self.tp.send(Op.POOL, info.num_blocks)
+        serving(self.tp, settings)
         engine.on_idle.append(self.tp.idle)
         engine.on_close.append(self.stop)
         log.info("distributed.ready", world=self.tp.world, blocks=info.num_blocks)

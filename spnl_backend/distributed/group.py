@@ -51,11 +51,19 @@ class Group:
         self.store = dist.PrefixStore(_STORE_PREFIX, store)
         self.pg = self._guarded(lambda: _process_group(topology, self.store, self.timeout))
 
+    def set_timeout(self, seconds: float) -> None:
+        """How long each later collective waits (loading waits longer than a step)."""
+        self.timeout = timedelta(seconds=seconds)
+
     # ---- collectives -------------------------------------------------------------------
 
-    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` summed over the ranks, in place (contiguous)."""
-        self._wait(lambda: self.pg.allreduce([tensor]))
+    def all_reduce_(
+        self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> torch.Tensor:
+        """``tensor`` summed (or reduced by ``op``) over the ranks, in place (contiguous)."""
+        options = dist.AllreduceOptions()
+        options.reduceOp = op
+        self._wait(lambda: self.pg.allreduce([tensor], options))
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed
 
 from ..models.layers import AttentionBackend
 from .group import Group
@@ -42,6 +43,9 @@ class TensorParallel:
     drives: bool
     heartbeat_s: float
     last_sent: float = 0.0
+    # Off while the ranks load and build in lockstep (each runs its own calibration pass
+    # at the same point); on once rank 0 serves and the others follow what it announces.
+    announcing: bool = False
 
     @property
     def rank(self) -> int:
@@ -54,6 +58,9 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce_(x.contiguous())
 
+    def all_max(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce_(x.contiguous(), torch.distributed.ReduceOp.MAX)
+
     def gather_columns(self, x: torch.Tensor, total: int) -> torch.Tensor:
         """Every rank's columns of ``x`` side by side, cut to ``total`` (the last rank's
         share may be short: each is padded to the first's width to travel)."""
@@ -65,14 +72,14 @@ class TensorParallel:
     def before_forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
     ) -> None:
-        if self.drives:
+        if self.drives and self.announcing:
             meta = getattr(backend, "meta", None)
             if meta is None:
                 raise TypeError("tensor parallelism runs on the paged cache's steps")
             self.send(Op.FORWARD, (input_ids.cpu(), positions.cpu(), _portable(meta)))
 
     def before_logits(self, hidden: torch.Tensor) -> None:
-        if self.drives:
+        if self.drives and self.announcing:
             self.send(Op.LOGITS, hidden.cpu())
 
     def send(self, op: Op, payload: object = None, timeout_s: float | None = None) -> None:

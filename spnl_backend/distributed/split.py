@@ -7,7 +7,7 @@ from ..models.config import ModelConfig
 from ..settings import BackendSettings
 from ..settings.topology import Topology
 from .group import Group
-from .parallel import TensorParallel
+from .parallel import LOAD_TIMEOUT_S, TensorParallel
 from .sharding import NamedWeights, Shard
 
 # Rank 0 sends a heartbeat when idle this share of the collective timeout.
@@ -24,9 +24,17 @@ def join_group(
     """This rank in its model's group (waits for every rank to join)."""
     timeout = settings.collective_timeout_s
     group = Group(topology, port, timeout, device, describe)
+    group.set_timeout(max(timeout, LOAD_TIMEOUT_S))  # until the ranks serve: see `serving`
     return TensorParallel(
         group, kv_replicas=1, drives=topology.rank == 0, heartbeat_s=timeout * HEARTBEAT_SHARE
     )
+
+
+def serving(tp: TensorParallel, settings: BackendSettings) -> None:
+    """The ranks have loaded and built: steps run under the collective timeout, and rank
+    0 announces each."""
+    tp.group.set_timeout(settings.collective_timeout_s)
+    tp.announcing = True
 
 
 class RankSplit:

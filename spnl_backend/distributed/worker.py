@@ -12,30 +12,43 @@ from pathlib import Path
 
 import torch
 
-from ..engine.paged import PagedKVCache
+from ..engine.build import build_cache
 from ..errors import DistributedError, SpnlError
 from ..loader.build import LoadedModel, load_model
 from ..loader.resolve import ModelSource
 from ..log import get_logger
-from ..settings import BackendSettings, detect_platform
+from ..settings import BackendSettings, PlatformDecisions, detect_platform
 from ..settings.topology import Topology
-from .parallel import LOAD_TIMEOUT_S, Op, TensorParallel
-from .split import RankSplit, join_group
+from .parallel import Op, TensorParallel
+from .split import RankSplit, join_group, serving
 
 log = get_logger()
 
 
-def follow(loaded: LoadedModel, tp: TensorParallel) -> None:
-    """Run rank 0's steps on this rank's share of the model until it says stop."""
-    op, payload = tp.receive(LOAD_TIMEOUT_S)
+def follow(
+    loaded: LoadedModel,
+    tp: TensorParallel,
+    settings: BackendSettings,
+    decisions: PlatformDecisions,
+) -> None:
+    """Build this rank's pool as rank 0 builds its own (in lockstep: a calibrated pool's
+    pass over the reference text is the group's), then run rank 0's steps on it until it
+    says stop."""
+    cache, info = build_cache(loaded, settings, decisions)
+    op, payload = tp.receive()
     if op is Op.STOP:
         return
     if op is not Op.POOL:
-        raise DistributedError(f"rank {tp.rank}: expected the pool's plan first, got {op.name}")
-    num_blocks, block_size, dtype = payload  # type: ignore[misc]
-    pool = PagedKVCache(loaded.config, num_blocks, block_size, getattr(torch, dtype), loaded.device)
-    kernels, model = loaded.kernels.attention, loaded.model
-    log.info("distributed.following", rank=tp.rank, blocks=num_blocks)
+        raise DistributedError(f"rank {tp.rank}: expected the pool's size first, got {op.name}")
+    if info.num_blocks is None or info.num_blocks < payload:  # type: ignore[operator]
+        raise DistributedError(
+            f"rank {tp.rank}'s KV pool holds {info.num_blocks} blocks, fewer than the "
+            f"{payload} rank 0 schedules: set the budget in tokens "
+            "(MISTRALRS_PAGED_ATTN_CONTEXT_LEN) so that every rank holds the same"
+        )
+    serving(tp, settings)
+    storage, kernels, model = cache.cache, cache.kernels, loaded.model  # type: ignore[attr-defined]
+    log.info("distributed.following", rank=tp.rank, blocks=info.num_blocks)
     with torch.inference_mode():
         while True:
             op, payload = tp.receive()
@@ -43,7 +56,7 @@ def follow(loaded: LoadedModel, tp: TensorParallel) -> None:
                 input_ids, positions, meta = payload  # type: ignore[misc]
                 device = loaded.device
                 meta = _on(meta, device)
-                model(input_ids.to(device), positions.to(device), pool.step(kernels, meta))
+                model(input_ids.to(device), positions.to(device), storage.step(kernels, meta))
             elif op is Op.LOGITS:
                 model.compute_logits(payload.to(loaded.device))  # type: ignore[union-attr]
             elif op is Op.STOP:
@@ -71,7 +84,7 @@ def main(spec_path: str) -> int:
     tp = join_group(topology, spec["port"], settings, torch.device(decisions.device))
     try:
         loaded = load_model(source, settings.isq, decisions, lambda *_: None, split=RankSplit(tp))
-        follow(loaded, tp)
+        follow(loaded, tp, settings, decisions)
     except SpnlError as exc:
         print(f"rank {topology.rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

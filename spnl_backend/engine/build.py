@@ -68,6 +68,16 @@ def build_engine(
     return Engine(runner, loaded.tokenizer, engine_config, info)
 
 
+def build_cache(
+    loaded: LoadedModel, settings: BackendSettings, decisions: PlatformDecisions
+) -> tuple[CacheManager, CacheInfo]:
+    """The cache the engine would build for ``loaded``, alone: what a tensor-parallel
+    rank other than 0 builds over its share, at the same point of its load as rank 0
+    (a calibrated pool's forward pass is one of the group's)."""
+    cache, _, info = _cache(loaded, settings, decisions, settings.kv_budget, "target")
+    return cache, info
+
+
 def _cache(
     loaded: LoadedModel,
     settings: BackendSettings,

@@ -51,7 +51,11 @@ def kv_statistics(loaded: LoadedModel, role: str) -> KVStatistics:
             step,
         )
     held = store.data[:, :, : len(ids)].float()
-    stats = KVStatistics(held[:, :, 1:].mean(2), held.abs().amax(dim=(2, 3, 4)))
+    absmax = held.abs().amax(dim=(2, 3, 4))
+    tp = loaded.model.tp
+    if tp is not None:  # each rank holds some heads: an FP8 scale fits all of a layer's
+        absmax = tp.all_max(absmax)
+    stats = KVStatistics(held[:, :, 1:].mean(2), absmax)
     log.info(
         "kv_cache.calibrated",
         model=role,

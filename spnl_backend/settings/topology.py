@@ -287,20 +287,10 @@ def _whole(launch: Mapping[str, str], name: str) -> int:
 
 
 def check_distributed_settings(settings: BackendSettings, decisions: "PlatformDecisions") -> None:
-    """What tensor parallelism does not run yet, refused by name before anything starts."""
-    refused = []
+    """What tensor parallelism does not run with, refused before anything starts."""
     if not decisions.paged_attn:
-        refused.append(f"paged attention is off ({decisions.paged_attn_reason}); it needs it")
-    if decisions.kv_cache_dtype == "float8_e4m3fn":
-        refused.append(f"{env_name('paged_cache_type')}=f8e4m3")
-    if settings.kv_cache_compression != "none":
-        refused.append(f"{env_name('kv_cache_compression')}={settings.kv_cache_compression}")
-    for field in ("speculative_draft_model", "speculative_draft_isq"):
-        if getattr(settings, field) is not None:
-            refused.append(f"{env_name(field)}={getattr(settings, field)}")
-    if refused:
         raise SettingsError(
-            "tensor parallelism does not run with "
-            + "; ".join(refused)
-            + f" (set {env_name('no_nccl')}=1 for one process)"
+            "tensor parallelism runs on the paged KV cache (each rank keeps its heads' "
+            f"pool), and paged attention is off ({decisions.paged_attn_reason}); turn it on, "
+            f"or set {env_name('no_nccl')}=1 for one process"
         )
