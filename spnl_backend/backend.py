@@ -45,6 +45,8 @@ from .settings.pic import pic_sentinels
 from .settings.topology import (
     Topology,
     check_distributed_settings,
+    check_layer_map_settings,
+    decide_layer_map,
     decide_topology,
     launch_environment,
 )
@@ -713,11 +715,16 @@ def load_backend(
     topology = decide_topology(
         settings, decisions.device_type, decisions.cuda_device_count, launch_environment()
     )
+    layer_map = decide_layer_map(
+        settings, topology, decisions.device_type, decisions.cuda_device_count
+    )
     if topology.distributed:
         return _load_distributed(source, settings, decisions, topology, progress)
+    if layer_map is not None:
+        check_layer_map_settings(settings, decisions)
 
     def build() -> tuple[Engine, LoadedModel]:
-        loaded = load_model(source, settings.isq, decisions, progress)
+        loaded = load_model(source, settings.isq, decisions, progress, layer_map=layer_map)
         draft = load_draft(loaded, settings, decisions, progress)
         engine = build_engine(loaded, settings, decisions, draft)
         return engine, loaded

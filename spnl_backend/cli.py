@@ -237,20 +237,24 @@ def _run_info(args: argparse.Namespace) -> int:
 
 
 def _topology(settings: BackendSettings, decisions: PlatformDecisions) -> dict[str, Any]:
-    """The processes a backend loaded with these settings would span, and why (or the
-    error that loading would raise)."""
+    """The processes a backend loaded with these settings would span and its layers'
+    devices, and why (or the error that loading would raise)."""
     from dataclasses import asdict
 
     from .errors import SettingsError
-    from .settings.topology import decide_topology, launch_environment
+    from .settings.topology import decide_layer_map, decide_topology, launch_environment
 
+    devices = decisions.device_type, decisions.cuda_device_count
     try:
-        topology = decide_topology(
-            settings, decisions.device_type, decisions.cuda_device_count, launch_environment()
-        )
+        topology = decide_topology(settings, *devices, launch_environment())
+        layer_map = decide_layer_map(settings, topology, *devices)
     except SettingsError as exc:
         return {"error": str(exc)}
-    return asdict(topology)
+    mapped = None
+    if layer_map is not None:  # counts of 0: shared out evenly once the model is known
+        spans = "; ".join(f"{d}: {n or 'even share'}" for d, n in layer_map.spans)
+        mapped = f"{spans} ({layer_map.why})"
+    return {**asdict(topology), "layer_map": mapped}
 
 
 def _info_json(settings: BackendSettings, decisions: PlatformDecisions) -> dict[str, Any]:

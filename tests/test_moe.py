@@ -334,3 +334,34 @@ def test_isq_quantizes_the_experts_as_they_load(tmp_path, moe):
     # a layer's float experts read while the last one's go (100 MB at most) and the
     # quantized model (85 MB): 205 MB measured; the float experts alone would be 604 MB
     assert grew < experts / 2, f"the load's peak grew {grew / 1e6:.0f} MB"
+
+
+def test_malformed_moe_metadata_is_a_clear_error(tiny, tmp_path):
+    """A renormalisation flag that is not a boolean, and a block with experts but no
+    router, are ModelFileErrors naming what is wrong, never a silent guess."""
+    from model_file_mutations import with_tensor_field
+
+    from spnl_backend import ModelFileError
+
+    source = parse_gguf(tiny.gguf("qwen3_moe", GGMLQuantizationType.F32).read_bytes())
+    flag = with_value(source, "qwen3moe.expert_weights_norm", GGUFValueType.STRING, "false")
+    path = tmp_path / "flag.gguf"
+    path.write_bytes(write_gguf_bytes(flag))
+    with pytest.raises(ModelFileError, match=r"expert_weights_norm.*a boolean"):
+        load_backend(str(path), settings=CPU)
+    router = next(i for i, t in enumerate(source.tensors) if t.name == "blk.0.ffn_gate_inp.weight")
+    renamed = with_tensor_field(source, router, name="blk.0.ffn_gate_inq.weight")
+    path = tmp_path / "router.gguf"
+    path.write_bytes(write_gguf_bytes(renamed))
+    with pytest.raises(ModelFileError, match=r"block 0 has experts .* no router"):
+        load_backend(str(path), settings=CPU)
+
+
+def test_gguf_experts_run_on_the_native_layer(tiny):
+    """A GGUF keeps its router in float (as llama.cpp's quantizer does): its quantized
+    experts run as one native call, in the layer blocks too."""
+    backend = load_backend(str(tiny.gguf("olmoe", GGMLQuantizationType.Q8_0)), settings=CPU)
+    layer = next(m for m in backend.model.modules() if isinstance(m, SparseMoE))
+    assert layer.native_layer() is not None
+    backend.generate(PROMPT, max_tokens=2, temperature=0)
+    assert backend.model.model._blocks is not None

@@ -126,3 +126,25 @@ def test_inconsistent_settings_are_refused(kwargs, message):
     launch = kwargs.pop("launch", None)
     with pytest.raises(SettingsError, match=message):
         _decide(device, gpus, launch, **kwargs)
+
+
+def _map(device_type="cpu", gpus=0, **settings):
+    from spnl_backend.settings.topology import Topology, decide_layer_map
+
+    return decide_layer_map(BackendSettings(**settings), Topology(), device_type, gpus)
+
+
+def test_layer_maps():
+    from spnl_backend.settings.topology import even_spans
+
+    assert _map() is None
+    assert _map(device_layers="0:2;1:6").spans == (("cpu", 2), ("cpu", 6))
+    assert _map("cuda", 2, device_layers="1:4;0:4").spans == (("cuda:1", 4), ("cuda:0", 4))
+    automatic = _map("cuda", 3, no_nccl=True)
+    assert automatic.why == "MISTRALRS_NO_NCCL=1 with 3 visible CUDA GPUs"
+    assert even_spans(automatic, 8).spans == (("cuda:0", 3), ("cuda:1", 3), ("cuda:2", 2))
+    assert _map("cuda", 3) is None  # tensor parallelism's case, not mapping's
+    with pytest.raises(SettingsError, match=r"names device\(s\) \[2\]"):
+        _map("cuda", 2, device_layers="0:4;2:4")
+    with pytest.raises(SettingsError, match="Metal has one device"):
+        _map("mps", device_layers="0:4;1:4")

@@ -321,7 +321,9 @@ def _stacked_experts(state: dict[str, torch.Tensor]):
 def _add_tensor(
     writer: GGUFWriter, name: str, data: np.ndarray, qtype: GGMLQuantizationType
 ) -> None:
-    if qtype == GGMLQuantizationType.F32 or data.ndim == 1 or data.shape[-1] % 32:
+    # llama.cpp's quantizer keeps the router (ffn_gate_inp) in float, as here.
+    router = name.endswith("ffn_gate_inp.weight")
+    if qtype == GGMLQuantizationType.F32 or data.ndim == 1 or data.shape[-1] % 32 or router:
         writer.add_tensor(name, data.astype(np.float32))
     else:
         writer.add_tensor(name, quants.quantize(data, qtype), raw_dtype=qtype)

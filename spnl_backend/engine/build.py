@@ -218,7 +218,7 @@ def _paged_cache(
         budget,
         settings.paged_attn_block_size,
         per_token,
-        available_memory(loaded.device),
+        _available(loaded),
     )
     log.info(
         "kv_cache.budget",
@@ -240,6 +240,7 @@ def _paged_cache(
                 cache_dtype,
                 loaded.device,
                 kv_absmax=geometry.kv_absmax,
+                layer_spans=loaded.model.model.layer_spans,
             )
         else:
             cache = CodedPagedKVCache(
@@ -261,6 +262,17 @@ def _paged_cache(
     )
     manager = PagedCacheManager(cache, blocks, loaded.kernels.attention, settings.pic_reuse)
     return manager, info
+
+
+def _available(loaded: LoadedModel) -> int:
+    """What the pool may take: the device's free memory, or under layer mapping what the
+    tightest device allows for the whole pool, each holding its layers' share."""
+    devices = loaded.model.model.layer_devices
+    if devices is None or len(set(devices)) == 1:
+        return available_memory(loaded.device)
+    return min(
+        available_memory(device) * len(devices) // devices.count(device) for device in set(devices)
+    )
 
 
 def _kernels_name(attention: Kernels, coded: bool) -> str:

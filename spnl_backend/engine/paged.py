@@ -38,16 +38,20 @@ class PagedKVCache:
         cache_dtype: torch.dtype,
         device: torch.device,
         kv_absmax: torch.Tensor | None = None,
+        layer_spans: list[tuple[torch.device, int]] | None = None,
     ) -> None:
         """``kv_absmax [layers, 2]``: each layer's largest K and V magnitude on the reference
-        text, from which an FP8 pool's scales are set (needed for float8)."""
-        shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        if device.type == "cpu":
-            self.data = host_tensor(shape, cache_dtype)
-        else:
-            self.data = torch.zeros(shape, dtype=cache_dtype, device=device)
+        text, from which an FP8 pool's scales are set (needed for float8).
+        ``layer_spans``: layer mapping's devices, each with its consecutive layers (a pool
+        tensor each), else all layers on ``device``."""
+        per_layer = (2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        spans = layer_spans or [(device, config.num_layers)]
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.parts = [_pool_tensor((count, *per_layer), cache_dtype, at) for at, count in spans]
+        for part in self.parts:
+            self.layers += [(part[i, 0], part[i, 1]) for i in range(part.shape[0])]
+        self.data = self.parts[0] if len(self.parts) == 1 else None  # the whole pool
         self.bytes_per_token = kv_bytes_per_token(config, cache_dtype)
-        self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(config.num_layers)]
         self.is_fp8 = cache_dtype == torch.float8_e4m3fn
         self.k_scale = [1.0] * config.num_layers
         self.v_scale = [1.0] * config.num_layers
@@ -62,11 +66,18 @@ class PagedKVCache:
         return PagedStep(self, kernels, meta)
 
 
+def _pool_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return host_tensor(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 class PagedStep:
     """The attention backend of one step: store through the slot mapping, attend paged."""
 
     def __init__(self, cache: PagedKVCache, kernels: Kernels, meta: PagedMetadata) -> None:
         self.cache, self.kernels, self.meta = cache, kernels, meta
+        self._metas = {meta.device: meta}  # the step's metadata on each device it reaches
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
@@ -74,18 +85,26 @@ class PagedStep:
         layer, cache = spec.layer, self.cache
         key_cache, value_cache = cache.layers[layer]
         k_scale, v_scale = cache.k_scale[layer], cache.v_scale[layer]
-        self.kernels.store_kv(k, v, key_cache, value_cache, self.meta, k_scale, v_scale)
+        meta = self._meta_on(key_cache.device)
+        self.kernels.store_kv(k, v, key_cache, value_cache, meta, k_scale, v_scale)
         return self.kernels.paged_attention(
             q,
             key_cache,
             value_cache,
-            self.meta,
+            meta,
             scale=spec.scale,
             sliding_window=spec.sliding_window,
             softcap=spec.softcap,
             k_scale=k_scale,
             v_scale=v_scale,
         )
+
+    def _meta_on(self, device: torch.device) -> PagedMetadata:
+        """The step's metadata on ``device`` (a layer-mapping device other than the
+        first), moved once per step."""
+        if device not in self._metas:
+            self._metas[device] = self.meta.to(device)
+        return self._metas[device]
 
     def native_keys(
         self, windows: tuple[int, ...]

@@ -44,6 +44,17 @@ class PagedMetadata:
     def device(self) -> torch.device:
         return self.block_tables.device
 
+    def to(self, device: torch.device) -> "PagedMetadata":
+        """The same step on ``device`` (its derived values computed there afresh)."""
+        return PagedMetadata(
+            self.block_tables.to(device),
+            self.seq_lens,
+            self.query_lens,
+            self.block_size,
+            None if self.slot_mapping is None else self.slot_mapping.to(device),
+            pic=None if self.pic is None else [p if p is None else p.to(device) for p in self.pic],
+        )
+
     def pic_of(self, index: int) -> "PicKeys | None":
         return None if self.pic is None else self.pic[index]
 

@@ -11,10 +11,11 @@ from ..log import get_logger
 from ..memory import release_freed_memory
 from ..models.config import ModelConfig
 from ..models.layers import Collectives
-from ..models.transformer import CausalLM
+from ..models.transformer import CausalLM, device_of_weight
 from ..quant.isq import apply_isq
 from ..quant.linear import QuantEmbedding, QuantLinear
 from ..settings import PlatformDecisions
+from ..settings.topology import LayerMap, even_spans
 from ..settings.values import IsqType
 from .gguf_config import model_config_from_gguf
 from .gguf_file import GGUFFile
@@ -70,14 +71,25 @@ def load_model(
     requantize_gguf: bool = False,
     tokenizer: Tokenizer | None = None,
     split: ModelSplit | None = None,
+    layer_map: LayerMap | None = None,
 ) -> LoadedModel:
     """Load ``source`` with ``isq`` applied to a text model's float weights (and, where
     ``requantize_gguf``, to a GGUF's stored blocks: how a draft is made from a GGUF target).
     ``tokenizer`` reuses one already loaded for the same model; ``split``: this rank's
-    share of a tensor-parallel model (its config is then the share's)."""
+    share of a tensor-parallel model (its config is then the share's); ``layer_map``:
+    consecutive layers on each of several devices."""
+    place = _Placement(split, layer_map)
     if source.kind == "gguf":
-        return _load_gguf(source, isq, decisions, progress, requantize_gguf, tokenizer, split)
-    return _load_text(source, isq, decisions, progress, tokenizer, split)
+        return _load_gguf(source, isq, decisions, progress, requantize_gguf, tokenizer, place)
+    return _load_text(source, isq, decisions, progress, tokenizer, place)
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where a model's weights go beyond one device: a rank's share, or layer mapping."""
+
+    split: ModelSplit | None = None
+    layer_map: LayerMap | None = None
 
 
 def _load_text(
@@ -86,14 +98,14 @@ def _load_text(
     decisions: PlatformDecisions,
     progress: Progress,
     tokenizer: Tokenizer | None,
-    split: ModelSplit | None,
+    place: _Placement,
 ) -> LoadedModel:
     config, eos = read_text_config(source.path)
     tokenizer = tokenizer or load_text_tokenizer(source.path, eos)
     release_freed_memory()  # the tokenizer's parse, before the weights land on top of it
     weights = split_fused(read_safetensors(safetensors_files(source.path), progress), config)
-    if split is not None:  # cut before ISQ: each rank quantizes its share alone
-        weights = split.weights(config, weights)
+    if place.split is not None:  # cut before ISQ: each rank quantizes its share alone
+        weights = place.split.weights(config, weights)
     if isq is not None:
         log.info(
             "isq.enabled",
@@ -101,7 +113,7 @@ def _load_text(
             note="projections quantized as they load; embedding and head promoted",
         )
         weights = apply_isq(weights, isq)
-    return _build(source, config, tokenizer, weights, decisions, split)
+    return _build(source, config, tokenizer, weights, decisions, place)
 
 
 def _load_gguf(
@@ -111,7 +123,7 @@ def _load_gguf(
     progress: Progress,
     requantize: bool,
     tokenizer: Tokenizer | None,
-    split: ModelSplit | None,
+    place: _Placement,
 ) -> LoadedModel:
     if isq is not None and not requantize:
         log.warning(
@@ -126,12 +138,12 @@ def _load_gguf(
     )
     release_freed_memory()  # the tokenizer's parse, before the weights land on top of it
     weights = split_fused(read_gguf(gguf, config, progress), config)
-    if split is not None:
-        weights = split.weights(config, weights)
+    if place.split is not None:
+        weights = place.split.weights(config, weights)
     if isq is not None and requantize:
         log.info("isq.requantize", type=isq.value, note="the GGUF's blocks, for the draft")
         weights = apply_isq(weights, isq)
-    return _build(source, config, tokenizer, weights, decisions, split)
+    return _build(source, config, tokenizer, weights, decisions, place)
 
 
 def _build(
@@ -140,21 +152,38 @@ def _build(
     tokenizer: Tokenizer,
     weights: NamedTensors,
     decisions: PlatformDecisions,
-    split: ModelSplit | None = None,
+    place: _Placement,
 ) -> LoadedModel:
     dtype = getattr(torch, decisions.resolve_dtype(config.dtype))
     device = torch.device(decisions.device)
     tp = None
-    if split is not None:
-        config, tp = split.local_config(config), split.collectives
+    if place.split is not None:
+        config, tp = place.split.local_config(config), place.split.collectives
+    devices = spans = None
+    if place.layer_map is not None:
+        layer_map = even_spans(place.layer_map, config.num_layers)
+        devices = [torch.device(d) for d in layer_map.layer_devices(config.num_layers)]
+        spans = [(torch.device(d), count) for d, count in layer_map.spans]
+        device = devices[0]  # where a step's inputs start
     with torch.device("meta"):
         model = CausalLM(config, tp)
     kernels = choose_kernels(decisions)
     native = kernels.native
     load_into(
-        model, weights, dtype=dtype, device=device, source=source.path, matmuls=kernels.matmuls
+        model,
+        weights,
+        dtype=dtype,
+        device=device,
+        source=source.path,
+        matmuls=kernels.matmuls,
+        device_of=None if devices is None else lambda name: device_of_weight(name, devices),
     )
-    model.to(device).eval()
+    if devices is None:
+        model.to(device)
+    else:
+        model.place(spans)
+        log.info("layers.mapped", devices=[str(d) for d in devices], why=place.layer_map.why)
+    model.eval()
     model.use_native_kernels(native)
     model.use_fused_moe(kernels.fused_moe)
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding)]

@@ -177,9 +177,15 @@ def _moe(gguf: GGUFFile, meta: "_Metadata", arch: str, layers: int) -> MoeConfig
     ``expert_weights_norm`` where it says, else llama.cpp's rule for the architecture
     (Qwen3-MoE and Mixtral do, OLMoE does not)."""
     sparse = tuple(f"blk.{i}.ffn_gate_inp.weight" in gguf.tensors for i in range(layers))
+    for i, routed in enumerate(sparse):
+        if not routed and f"blk.{i}.ffn_gate_exps.weight" in gguf.tensors:
+            raise ModelFileError(
+                f"{gguf.path}: block {i} has experts (blk.{i}.ffn_gate_exps.weight) but no "
+                f"router: tensor 'blk.{i}.ffn_gate_inp.weight' is missing"
+            )
     if not any(sparse):
         return None
-    norm = meta.get("expert_weights_norm")
+    norm = meta.boolean("expert_weights_norm", None)
     return MoeConfig(
         num_experts=meta.count("expert_count"),
         top_k=meta.count("expert_used_count"),

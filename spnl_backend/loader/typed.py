@@ -53,6 +53,12 @@ class TypedReader:
             return value
         raise self.wrong(key, value, "a string")
 
+    def boolean(self, key: str, default: Any = MISSING) -> Any:
+        value = self._value(key, default)
+        if value is default or isinstance(value, bool):
+            return value
+        raise self.wrong(key, value, "a boolean")
+
     def _value(self, key: str, default: Any) -> Any:
         value = self.get(key)
         if value is not None:

@@ -10,7 +10,7 @@ infinity: such a model can only produce NaN logits, so it is refused at load.
 
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -366,9 +366,11 @@ def load_into(
     device: torch.device,
     source: Path,
     matmuls: Matmuls = quantized_matmuls_ref,
+    device_of: Callable[[str], torch.device] | None = None,
 ) -> None:
     """Fill every parameter of ``model`` (built on the meta device) from ``tensors``;
-    quantized ones replace their layer with one that computes by ``matmuls``."""
+    quantized ones replace their layer with one that computes by ``matmuls``. Each goes
+    to ``device``, or to ``device_of(name)`` where given (layer mapping)."""
     params = dict(model.named_parameters())
     tied = getattr(model.config, "tie_word_embeddings", False)
     for name, tensor in tensors:
@@ -387,10 +389,11 @@ def load_into(
                 f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                 f"the model expects {tuple(expected)}"
             )
+        target = device if device_of is None else device_of(name)
         if isinstance(tensor, QuantizedWeight):
-            _set_quantized(model, name, tensor.to(device), dtype, source, matmuls)
+            _set_quantized(model, name, tensor.to(target), dtype, source, matmuls)
         else:
-            _set_parameter(model, name, tensor.to(device=device, dtype=dtype))
+            _set_parameter(model, name, tensor.to(device=target, dtype=dtype))
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ModelFileError(

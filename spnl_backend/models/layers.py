@@ -265,7 +265,8 @@ class SparseMoE(nn.Module):
     def native_layer(self) -> NativeMoe | None:
         """This layer on the CPU's native kernels (one call: routing, the experts' grouped
         products, the weighted sum), where its experts are quantized projections on them
-        with SiLU and its router is float; else None (the torch path)."""
+        with SiLU (a quantized router's values taken once in float); else None (the torch
+        path)."""
         if not self._native_made:
             self._native, self._native_made = self._make_native(), True
         return self._native
@@ -274,7 +275,6 @@ class SparseMoE(nn.Module):
         layers = [p for e in self.experts for p in (e.gate_proj, e.up_proj, e.down_proj)]
         if (
             self.experts[0].act is not F.silu
-            or isinstance(self.gate, QuantLinear)
             or len(self.experts) > MAX_EXPERTS
             or not all(
                 isinstance(p, QuantLinear) and p.bias is None and isinstance(p.matmuls, CpuMatmuls)
@@ -292,7 +292,10 @@ class SparseMoE(nn.Module):
         experts = [
             (weight(e.gate_proj), weight(e.up_proj), weight(e.down_proj)) for e in self.experts
         ]
-        router = self.gate.weight.detach().float().contiguous()
+        if isinstance(self.gate, QuantLinear):  # a small matrix: its values once, in float
+            router = self.gate.weight_q.dequantize().float().contiguous()
+        else:
+            router = self.gate.weight.detach().float().contiguous()
         return NativeMoe(natives.pop(), router, experts, self.top_k, self.renormalize)
 
 

@@ -137,6 +137,10 @@ class RotaryTables:
         self.rotary_dim = cos.shape[-1]
         self.native = native
 
+    def to(self, device: torch.device) -> "RotaryTables":
+        """The same tables on ``device`` (a layer-mapping boundary)."""
+        return RotaryTables(self.cos.to(device), self.sin.to(device), self.native)
+
     def apply_qk(
         self,
         q: torch.Tensor,

@@ -59,6 +59,11 @@ class Backbone(nn.Module):
         # the per-op path, their twin); the blocks are built on first use.
         self.use_layer_blocks = True
         self._blocks: LayerBlocks | None = None
+        # Layer mapping (`CausalLM.place`): each layer's device, None on one device; and
+        # the mapping's devices as (device, consecutive layers), which the KV pool follows
+        # (the CPU's "devices" are one torch device, each with its own part of the pool).
+        self.layer_devices: list[torch.device] | None = None
+        self.layer_spans: list[tuple[torch.device, int]] | None = None
 
     def _native_step(self, x: torch.Tensor, backend: AttentionBackend):
         """The layer blocks, the step's keys and the pools, where this step runs on the
@@ -92,7 +97,13 @@ class Backbone(nn.Module):
         if native is not None:
             blocks, keys, pools = native
             return blocks.run(x.contiguous(), h, (rotary, local), keys, pools)
+        tables = {x.device: (rotary, local)}
         for i, layer in enumerate(layers):
+            if self.layer_devices is not None:  # a boundary: the activations move on
+                x, h, device = *_moved((x, h), self.layer_devices[i]), self.layer_devices[i]
+                if device not in tables:
+                    tables[device] = (rotary.to(device), local.to(device))
+                rotary, local = tables[device]
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
             x, h = layer(x, h, local if i in self.local_layers else rotary, backend, next_norm)
         return h
@@ -106,6 +117,26 @@ class Backbone(nn.Module):
         ours = (input_ids >= start) & (input_ids < end)
         rows = self.embed_tokens(torch.where(ours, input_ids - start, 0))
         return self.tp.all_reduce(torch.where(ours[:, None], rows, 0).contiguous())
+
+
+def _moved(tensors: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    return tuple(t if t.device == device else t.to(device) for t in tensors)
+
+
+def device_of_weight(name: str, devices: list[torch.device]) -> torch.device:
+    """Where a weight lives under layer mapping (``devices``: each layer's): the embedding
+    on the first device, the final norm and LM head on the last, a layer's weights on its
+    own, except its input norm, which the layer before applies (its output's norm) and so
+    lives on that layer's device."""
+    parts = name.split(".")
+    if parts[:2] == ["model", "layers"]:
+        layer = int(parts[2])
+        if parts[3] == "input_layernorm" and layer > 0:
+            return devices[layer - 1]
+        return devices[layer]
+    if parts[0] == "lm_head" or parts[:2] == ["model", "norm"]:
+        return devices[-1]
+    return devices[0]
 
 
 class CausalLM(nn.Module):
@@ -133,6 +164,18 @@ class CausalLM(nn.Module):
             self.tp.before_forward(input_ids, positions, backend)
         return self.model(input_ids, positions, backend)
 
+    def place(self, spans: list[tuple[torch.device, int]]) -> None:
+        """Layer mapping over ``spans`` (each device and its consecutive layers): every
+        weight and buffer moved to its device (`device_of_weight`), each layer run on its
+        own."""
+        devices = [device for device, count in spans for _ in range(count)]
+        for name, module in self.named_modules():
+            own = list(module.named_parameters(recurse=False))
+            own += list(module.named_buffers(recurse=False))
+            if own:
+                module.to(device_of_weight(f"{name}.{own[0][0]}", devices))
+        self.model.layer_devices, self.model.layer_spans = devices, spans
+
     def use_native_kernels(self, native: CpuKernels | None) -> None:
         """Run the norms, the rotary embeddings and quantized embedding lookups on the
         compiled CPU kernels ``native`` (None: their torch twins)."""
@@ -154,6 +197,8 @@ class CausalLM(nn.Module):
         if self.tp is not None:
             self.tp.before_logits(hidden)
         if self.config.tie_word_embeddings:
+            if self.model.layer_devices is not None:  # the embedding is on the first device
+                hidden = hidden.to(self.model.layer_devices[0])
             logits = self.model.embed_tokens.project(hidden)
         else:
             logits = self.lm_head(hidden)

@@ -67,9 +67,10 @@ class QuantizedExperts:
 
     @classmethod
     def stack(cls, experts: list[list[QuantizedWeight]]) -> "QuantizedExperts":
-        """Each expert's weights moved into one stack, and left as views of it: one expert
-        at a time, so its old blocks can go before the next is copied (no second full
-        copy of the experts at any moment). Check `stackable` first."""
+        """Each expert's weights moved into one stack, and left as views of it. The stack is
+        allocated whole and the old blocks go as nothing refers to them any more (where
+        they are slices of one tensor, a GGUF's, only once the last expert has moved): at
+        most this projection's experts twice, never the model's. Check `stackable` first."""
         first = experts[0][0]
         rows = sum(w.shape[0] for w in experts[0])
         row_bytes = first.data.reshape(first.shape[0], -1).shape[1]

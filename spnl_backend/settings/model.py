@@ -2,10 +2,10 @@
 
 import os
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ValidationError, ValidationInfo, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from ..compression.registry import compressor_names, plugin_failures
 from ..errors import SettingsError, shown
@@ -70,6 +70,7 @@ _PARSERS = {
     "mn_worker_server_addr": values.parse_host_port,
     "mn_worker_id": values.parse_count,
     "collective_timeout_s": values.parse_seconds,
+    "device_layers": values.parse_device_layers,
     "model": values.parse_optional_name,
     "device": values.parse_device,
     "dtype": values.parse_dtype,
@@ -144,6 +145,8 @@ class BackendSettings(BaseSettings):
     mn_worker_id: int | None = None
     # How long a rank waits for the others in one collective before it gives them up.
     collective_timeout_s: float = 60.0
+    # Layer mapping (`settings.topology.LayerMap`): consecutive layers on each device.
+    device_layers: Annotated[tuple[tuple[int, int], ...] | None, NoDecode] = None
     model: str | None = None
     device: str = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"

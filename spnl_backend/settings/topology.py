@@ -294,3 +294,90 @@ def check_distributed_settings(settings: BackendSettings, decisions: "PlatformDe
             f"pool), and paged attention is off ({decisions.paged_attn_reason}); turn it on, "
             f"or set {env_name('no_nccl')}=1 for one process"
         )
+
+
+@dataclass(frozen=True)
+class LayerMap:
+    """Layer mapping: consecutive layers on each device, the embedding on the first and
+    the final norm and LM head on the last; activations move at the boundaries, and each
+    device's KV pool holds its layers."""
+
+    spans: tuple[tuple[str, int], ...]  # (device, layers), in order
+    why: str
+
+    def layer_devices(self, num_layers: int) -> list[str]:
+        """Each layer's device (the counts must add up to the model's layers)."""
+        devices = [device for device, count in self.spans for _ in range(count)]
+        if len(devices) != num_layers:
+            raise SettingsError(
+                f"{env_name('device_layers')} maps {len(devices)} layers "
+                f"({_spans(self.spans)}), but the model has {num_layers}"
+            )
+        return devices
+
+
+def decide_layer_map(
+    settings: BackendSettings, topology: Topology, device_type: str, cuda_count: int
+) -> LayerMap | None:
+    """The layer mapping the settings ask for, if any (pure): ``MISTRALRS_DEVICE_LAYERS``,
+    or with ``MISTRALRS_NO_NCCL=1`` every visible GPU (layers shared out evenly), as
+    mistral.rs maps them when tensor parallelism is off."""
+    asked = settings.device_layers
+    if asked is not None and topology.distributed:
+        raise SettingsError(
+            f"{env_name('device_layers')} maps layers to devices, and {topology.why}: "
+            f"layer mapping runs in one process (set {env_name('no_nccl')}=1)"
+        )
+    if asked is None:
+        pinned = settings.device not in ("auto", "cuda")
+        if settings.no_nccl and device_type == "cuda" and cuda_count > 1 and not pinned:
+            return LayerMap(
+                tuple((f"cuda:{i}", 0) for i in range(cuda_count)),
+                f"{env_name('no_nccl')}=1 with {cuda_count} visible CUDA GPUs",
+            )
+        return None
+    if device_type == "cuda":
+        beyond = [ordinal for ordinal, _ in asked if ordinal >= cuda_count]
+        if beyond:
+            raise SettingsError(
+                f"{env_name('device_layers')} names device(s) {beyond}, but this machine "
+                f"has {cuda_count} visible CUDA GPU(s)"
+            )
+        spans = tuple((f"cuda:{ordinal}", count) for ordinal, count in asked)
+    elif device_type == "mps" and len(asked) > 1:
+        raise SettingsError(f"{env_name('device_layers')}: Metal has one device")
+    else:  # the CPU's "devices" are one memory: each keeps its own layers and pool
+        spans = tuple((device_type, count) for _, count in asked)
+    return LayerMap(spans, f"{env_name('device_layers')}={_spans(asked)}")
+
+
+def even_spans(layer_map: LayerMap, num_layers: int) -> LayerMap:
+    """An automatic map (counts 0) with the model's layers shared out evenly, the first
+    devices taking one more where they do not divide."""
+    if any(count for _, count in layer_map.spans):
+        return layer_map
+    devices = len(layer_map.spans)
+    counts = [num_layers // devices + (i < num_layers % devices) for i in range(devices)]
+    spans = tuple((device, n) for (device, _), n in zip(layer_map.spans, counts, strict=True))
+    return LayerMap(tuple(span for span in spans if span[1]), layer_map.why)
+
+
+def _spans(spans) -> str:
+    return ";".join(f"{device}:{count}" for device, count in spans)
+
+
+def check_layer_map_settings(settings: BackendSettings, decisions: "PlatformDecisions") -> None:
+    """Layer mapping keeps each device's layers in its own part of the paged pool: a
+    cache of another kind is refused by name before anything loads."""
+    if not decisions.paged_attn:
+        raise SettingsError(
+            f"layer mapping ({env_name('device_layers')}, or {env_name('no_nccl')}=1 over "
+            f"several GPUs) runs on the paged KV cache, and paged attention is off "
+            f"({decisions.paged_attn_reason})"
+        )
+    if settings.kv_cache_compression != "none":
+        raise SettingsError(
+            f"layer mapping does not run with {env_name('kv_cache_compression')}="
+            f"{settings.kv_cache_compression} (its pool is on one device); use the plain "
+            "or FP8 pool"
+        )

@@ -250,3 +250,35 @@ def parse_host_port(value: object) -> str:
 def parse_seconds(value: object) -> float:
     expected = "expected a number of seconds greater than 0 (at most a day)"
     return _parse_positive_float(value, 86400.0, expected)
+
+
+_DEVICE_LAYERS = re.compile(r"\d+:\d+(;\d+:\d+)*;?")
+
+
+def parse_device_layers(value: object) -> tuple[tuple[int, int], ...] | None:
+    """``ORD:LAYERS;ORD:LAYERS...`` (mistral.rs's ``--num-device-layers``): that many
+    consecutive layers on each device, in order."""
+    expected = (
+        "expected ORDINAL:LAYERS pairs joined by ';' (for example 0:16;1:16), each device "
+        "once, each with at least one layer"
+    )
+    if value is None:
+        return None
+    if isinstance(value, tuple | list):
+        pairs = tuple(tuple(pair) for pair in value)
+    else:
+        text = _text(value).replace(" ", "")
+        if not _DEVICE_LAYERS.fullmatch(text):
+            raise ValueError(expected)
+        pairs = tuple(
+            tuple(int(n) for n in part.split(":")) for part in text.rstrip(";").split(";")
+        )
+    if not all(
+        len(pair) == 2 and all(isinstance(n, int) and not isinstance(n, bool) for n in pair)
+        for pair in pairs
+    ):
+        raise ValueError(expected)
+    ordinals = [ordinal for ordinal, _ in pairs]
+    if len(set(ordinals)) != len(ordinals) or any(n < 1 or o < 0 for o, n in pairs):
+        raise ValueError(expected)
+    return pairs  # type: ignore[return-value]

@@ -5,8 +5,8 @@
 //
 // The (token, expert) pairs are sorted by expert, so each chosen expert's weights are read
 // once for all its tokens and an idle expert's not at all, and both products run as one
-// grouped call each (spnl_qmatmul_groups): two parallel regions a layer, whatever the number
-// of tokens. Every row of those products is computed as it would be alone, and the router's
+// grouped call each (spnl_qmatmul_groups): each reads the weights in one parallel region,
+// whatever the number of tokens (the routing, SiLU and the sums run in regions of their own). Every row of those products is computed as it would be alone, and the router's
 // and the sum's arithmetic is per token, so a token's output does not depend on its step.
 
 #include "common.h"

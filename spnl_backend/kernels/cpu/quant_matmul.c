@@ -483,13 +483,15 @@ static act_rows rows_from(const act_rows *a, int64_t first, const int8_t *k4) {
 }
 #endif
 
-// Whether the groups stay inside x [x_rows] and y [y_rows][y_stride].
+// Whether the groups stay inside x [x_rows] and y [y_rows][y_stride] (compared by
+// subtraction: a sum of two huge extents would wrap and pass).
 static bool groups_in_bounds(const spnl_products *p, const spnl_group *g, int64_t x_rows,
                              int64_t y_rows, int64_t y_stride) {
     for (int i = 0; i < p->count; i++)
         if (g[i].rows < 0 || g[i].x_row < 0 || g[i].y_row < 0 || g[i].col < 0
-            || g[i].x_row + g[i].rows > x_rows || g[i].y_row + g[i].rows > y_rows
-            || g[i].col + p->n_outs[i] > y_stride)
+            || g[i].x_row > x_rows || g[i].rows > x_rows - g[i].x_row
+            || g[i].y_row > y_rows || g[i].rows > y_rows - g[i].y_row
+            || g[i].col > y_stride || p->n_outs[i] > y_stride - g[i].col)
             return false;
     return true;
 }
