@@ -49,7 +49,7 @@ def test_two_ranks_compute_what_one_process_does(tiny, arch):
     assert split_tokens == tokens
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("arch", [*ARCHITECTURES, *MOE_ARCHITECTURES])
 def test_four_ranks_with_fewer_key_heads_than_ranks(tiny, arch):
     """The tiny models have 2 key/value heads: with 4 ranks each holds the one its query
     head reads (OLMoE's whole-projection k norm then counts each head once)."""
@@ -350,3 +350,27 @@ def test_two_machines_with_mistral_rs_variables(tiny, monkeypatch):
         monkeypatch.delenv(name)
     _, expected = _run(tiny.hf("qwen3").path, 1)
     assert [result.token_ids] == expected
+
+
+two_gpus = pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (NCCL, layer mapping)"
+)
+
+
+@pytest.mark.cuda
+@two_gpus
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_two_gpus_over_nccl_and_mapped_compute_what_one_gpu_does(tiny, arch):
+    """Every visible GPU is a rank by default; MISTRALRS_NO_NCCL=1 maps the layers over
+    them instead. Float32, so the tokens must match one GPU's."""
+    path = str(tiny.hf(arch).path)
+    base = {"dtype": "float32", "prefix_cache_n": 0, "collective_timeout_s": TIMEOUT_S}
+    results = []
+    for extra in ({"device": "cuda:0"}, {"device": "cuda"}, {"device": "cuda", "no_nccl": True}):
+        with load_backend(path, settings=BackendSettings(**base, **extra)) as backend:
+            results.append(
+                backend.generate(PROMPT, max_tokens=TOKENS, temperature=0, ignore_eos=True)
+            )
+    one, split, mapped = (r.token_ids for r in results)
+    assert split == one
+    assert mapped == one

@@ -11,7 +11,6 @@ idle, rank 0 sends a heartbeat now and then, so that a rank waiting for the next
 never mistakes a quiet engine for a dead one.
 """
 
-import dataclasses
 import enum
 import time
 from dataclasses import dataclass
@@ -100,9 +99,6 @@ class TensorParallel:
 
 
 def _portable(meta):
-    """The step's metadata without what one rank computed for itself (its memo of kernel
-    plans), on the CPU for the trip."""
-    fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta) if f.init}
-    fields.pop("_memo", None)
-    moved = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
-    return type(meta)(**moved)
+    """The step's metadata on the CPU for the trip, without what this rank computed for
+    itself (its memo of kernel plans)."""
+    return meta.to(torch.device("cpu"))

@@ -23,6 +23,8 @@ def join_group(
 ) -> TensorParallel:
     """This rank in its model's group (waits for every rank to join)."""
     timeout = settings.collective_timeout_s
+    if device.type == "cuda":  # NCCL works on the current device: this rank's GPU
+        torch.cuda.set_device(device)
     group = Group(topology, port, timeout, device, describe)
     group.set_timeout(max(timeout, LOAD_TIMEOUT_S))  # until the ranks serve: see `serving`
     return TensorParallel(

@@ -55,21 +55,12 @@ def follow(
             if op is Op.FORWARD:
                 input_ids, positions, meta = payload  # type: ignore[misc]
                 device = loaded.device
-                meta = _on(meta, device)
-                model(input_ids.to(device), positions.to(device), storage.step(kernels, meta))
+                step = storage.step(kernels, meta.to(device))
+                model(input_ids.to(device), positions.to(device), step)
             elif op is Op.LOGITS:
                 model.compute_logits(payload.to(loaded.device))  # type: ignore[union-attr]
             elif op is Op.STOP:
                 return
-
-
-def _on(meta, device: torch.device):
-    if device.type == "cpu":
-        return meta
-    meta.block_tables = meta.block_tables.to(device)
-    if meta.slot_mapping is not None:
-        meta.slot_mapping = meta.slot_mapping.to(device)
-    return meta
 
 
 def main(spec_path: str) -> int:
