@@ -745,17 +745,24 @@ def _load_distributed(
     """A model over several ranks (`distributed`): this process is its machine's first.
     Rank 0 returns the backend; any other first rank follows rank 0's steps until rank 0
     closes, then ends its process (under torchrun, every rank but 0)."""
-    from .distributed.driver import check_model_splits, start_ranks
+    from .distributed.driver import Ranks, check_model_splits, start_ranks
     from .distributed.worker import follow
 
     check_distributed_settings(settings, decisions)
     check_model_splits(source, topology.world_size)
     log.info("distributed.topology", why=topology.why, rank=topology.rank)
 
-    def build() -> tuple[Engine, LoadedModel]:
+    def load_share() -> tuple[LoadedModel, Ranks]:
         split, ranks = start_ranks(source, settings, decisions, topology)
         try:
-            loaded = load_model(source, settings.isq, decisions, progress, split=split)
+            return load_model(source, settings.isq, decisions, progress, split=split), ranks
+        except BaseException:
+            ranks.stop()
+            raise
+
+    def build() -> tuple[Engine, LoadedModel]:
+        loaded, ranks = load_share()
+        try:
             draft = load_draft(loaded, settings, decisions, progress)  # whole, on rank 0
             engine = build_engine(loaded, settings, decisions, draft)
             ranks.attach(engine, settings)
@@ -765,9 +772,8 @@ def _load_distributed(
         return engine, loaded
 
     if topology.rank != 0:
-        split, ranks = start_ranks(source, settings, decisions, topology)
+        loaded, ranks = load_share()
         try:
-            loaded = load_model(source, settings.isq, decisions, progress, split=split)
             follow(loaded, ranks.tp, settings, decisions)
         finally:
             ranks.stop()

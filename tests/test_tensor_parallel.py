@@ -232,33 +232,47 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_torchrun_ranks_start_each_other(tiny, monkeypatch, tmp_path):
-    """Under torchrun every rank runs the same script: rank 0's load_backend returns the
-    backend; every other rank's follows it and ends its process when rank 0 closes."""
+def _free_port() -> int:
     import socket
 
-    path = str(tiny.hf("llama").path)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = str(probe.getsockname()[1])
-    env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
-    env |= {"MASTER_PORT": port, "MISTRALRS_DEVICE": "cpu", "MISTRALRS_PREFIX_CACHE_N": "0"}
-    script = "import sys; from spnl_backend import load_backend; load_backend(sys.argv[1])"
+        return probe.getsockname()[1]
+
+
+_FOLLOWER = "import sys; from spnl_backend import load_backend; load_backend(sys.argv[1])"
+
+
+def _head_with_a_follower(path: str, head_env: dict, follower_env: dict) -> list[int]:
+    """Rank 0 here (``head_env`` set while it loads and generates), the other rank a
+    process whose load_backend follows it: rank 0's greedy tokens, once the other has
+    ended its process cleanly on rank 0's close."""
     other = subprocess.Popen(
-        [sys.executable, "-c", script, path], env={**os.environ, **env, "RANK": "1"}
+        [sys.executable, "-c", _FOLLOWER, path], env={**os.environ, **follower_env}
     )
     try:
-        for name, value in {**env, "RANK": "0", "MISTRALRS_COLLECTIVE_TIMEOUT_S": "20"}.items():
-            monkeypatch.setenv(name, value)
-        with load_backend(path) as backend:
-            result = backend.generate(PROMPT, max_tokens=TOKENS, temperature=0, ignore_eos=True)
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in head_env.items():
+                patch.setenv(name, value)
+            with load_backend(path) as backend:
+                result = backend.generate(PROMPT, max_tokens=TOKENS, temperature=0, ignore_eos=True)
         assert other.wait(30) == 0
     finally:
         other.kill()
-    for name in env:
-        monkeypatch.delenv(name)
+    return result.token_ids
+
+
+def test_torchrun_ranks_start_each_other(tiny):
+    """Under torchrun every rank runs the same script: rank 0's load_backend returns the
+    backend; every other rank's follows it and ends its process when rank 0 closes."""
+    path = str(tiny.hf("llama").path)
+    env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    env |= {"MASTER_PORT": str(_free_port()), "MISTRALRS_DEVICE": "cpu"}
+    env |= {"MISTRALRS_PREFIX_CACHE_N": "0"}
+    head = {**env, "RANK": "0", "MISTRALRS_COLLECTIVE_TIMEOUT_S": "20"}
+    tokens = _head_with_a_follower(path, head, {**env, "RANK": "1"})
     _, expected = _run(tiny.hf("llama").path, 1)
-    assert [result.token_ids] == expected
+    assert [tokens] == expected
 
 
 @pytest.mark.parametrize(
@@ -283,7 +297,7 @@ def test_settings_that_do_not_fit_are_refused_before_any_rank_starts(tiny, extra
 
 
 def test_a_head_port_in_use_is_refused_before_any_rank_starts(tiny):
-    import socket
+    import socket  # a port held, not a free one
 
     with socket.socket() as held:
         held.bind(("", 0))
@@ -312,15 +326,11 @@ def test_threads_are_shared_out_and_given_back(tiny):
     assert torch.get_num_threads() == before
 
 
-def test_two_machines_with_mistral_rs_variables(tiny, monkeypatch):
+def test_two_machines_with_mistral_rs_variables(tiny):
     """The MISTRALRS_MN_* set, both "machines" on 127.0.0.1: the head serves, the worker
     machine's load_backend follows it and ends its process when the head closes."""
-    import socket
-
     path = str(tiny.hf("qwen3").path)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = _free_port()
     common = {
         "MISTRALRS_MN_GLOBAL_WORLD_SIZE": "2",
         "MISTRALRS_MN_LOCAL_WORLD_SIZE": "1",
@@ -329,27 +339,15 @@ def test_two_machines_with_mistral_rs_variables(tiny, monkeypatch):
         "MISTRALRS_COLLECTIVE_TIMEOUT_S": str(TIMEOUT_S),
         "GLOO_SOCKET_IFNAME": "lo",
     }
-    worker_env = {
+    head = {**common, "MISTRALRS_MN_HEAD_NUM_WORKERS": "1", "MISTRALRS_MN_HEAD_PORT": str(port)}
+    worker = {
+        **common,
         "MISTRALRS_MN_WORKER_SERVER_ADDR": f"127.0.0.1:{port}",
         "MISTRALRS_MN_WORKER_ID": "0",
     }
-    script = "import sys; from spnl_backend import load_backend; load_backend(sys.argv[1])"
-    worker = subprocess.Popen(
-        [sys.executable, "-c", script, path], env={**os.environ, **common, **worker_env}
-    )
-    try:
-        head_env = {"MISTRALRS_MN_HEAD_NUM_WORKERS": "1", "MISTRALRS_MN_HEAD_PORT": str(port)}
-        for name, value in {**common, **head_env}.items():
-            monkeypatch.setenv(name, value)
-        with load_backend(path) as backend:
-            result = backend.generate(PROMPT, max_tokens=TOKENS, temperature=0, ignore_eos=True)
-        assert worker.wait(30) == 0
-    finally:
-        worker.kill()
-    for name in [*common, *head_env]:
-        monkeypatch.delenv(name)
+    tokens = _head_with_a_follower(path, head, worker)
     _, expected = _run(tiny.hf("qwen3").path, 1)
-    assert [result.token_ids] == expected
+    assert [tokens] == expected
 
 
 two_gpus = pytest.mark.skipif(
@@ -374,3 +372,21 @@ def test_two_gpus_over_nccl_and_mapped_compute_what_one_gpu_does(tiny, arch):
     one, split, mapped = (r.token_ids for r in results)
     assert split == one
     assert mapped == one
+
+
+def test_a_split_checks_the_dense_downs_beside_experts(tiny):
+    """Qwen3-MoE keeps dense layers beside its experts: both kinds of down projection are
+    cut by columns, so each must split into whole stored blocks."""
+    import dataclasses
+
+    from spnl_backend.distributed.sharding import check_shardable
+    from spnl_backend.loader.hf_config import read_text_config
+
+    config, _ = read_text_config(tiny.hf("qwen3_moe").path)
+    moe = dataclasses.replace(config.moe, intermediate_size=512)
+    wide = dataclasses.replace(config, intermediate_size=512, moe=moe)
+    blocks = {"o": 1, "down": 256}.__getitem__  # float attention, k-quant downs
+    check_shardable(wide, 2, blocks)  # 256 columns each: whole blocks
+    narrow_dense = dataclasses.replace(wide, intermediate_size=256)
+    with pytest.raises(SettingsError, match="down projection's 256 columns split 2 ways"):
+        check_shardable(narrow_dense, 2, blocks)

@@ -17,11 +17,12 @@ from ..loader.gguf_file import GGUFFile
 from ..loader.hf_config import read_text_config
 from ..loader.resolve import ModelSource
 from ..log import get_logger
+from ..quant.ggml import ggml_format
 from ..settings import BackendSettings, PlatformDecisions
 from ..settings.topology import Topology
 from .launch import LocalRanks, store_port, threads_per_rank
 from .parallel import Op, TensorParallel
-from .sharding import block_size, check_shardable
+from .sharding import check_shardable
 from .split import RankSplit, join_group, serving
 
 log = get_logger()
@@ -84,16 +85,8 @@ def _stored_blocks(gguf: GGUFFile) -> dict[str, int]:
     for name, info in gguf.tensors.items():
         kind = "o" if ".attn_output." in name else "down" if ".ffn_down" in name else None
         if kind is not None:
-            blocks[kind] = max(blocks[kind], block_size(_qtype(info)))
+            blocks[kind] = max(blocks[kind], ggml_format(info.qtype).block_size)
     return blocks
-
-
-def _qtype(info):
-    from gguf import GGMLQuantizationType
-
-    qtype = info.qtype
-    floats = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
-    return None if qtype in floats else qtype
 
 
 def start_ranks(

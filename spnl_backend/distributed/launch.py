@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from ..errors import DistributedError, SettingsError
+from ..errors import SettingsError
 from ..log import get_logger
 from ..settings import BackendSettings
 from ..settings.topology import LOCALHOST, Topology
@@ -61,7 +61,6 @@ class LocalRanks:
         settings: BackendSettings,
         threads: int,
     ) -> None:
-        self.topology = topology
         self.workdir = Path(tempfile.mkdtemp(prefix="spnl-ranks-"))
         first = topology.rank
         self.ranks = list(range(first + 1, first + topology.local_world_size))
@@ -115,12 +114,6 @@ class LocalRanks:
                 return f.read().decode(errors="replace").strip()[-_TAIL_BYTES:]
         except OSError:
             return ""
-
-    def check(self) -> None:
-        """Raise if one has exited (a failed load)."""
-        for rank, process in self.processes.items():
-            if process.poll() is not None:
-                raise DistributedError(f"rank {rank} stopped while loading: {self.describe()}")
 
     def stop(self) -> None:
         """Stop every one still running (asked first, then killed), and wait for them."""

@@ -29,7 +29,7 @@ class Op(enum.IntEnum):
     LOGITS = 2  # the hidden rows to take logits of
     HEARTBEAT = 3
     STOP = 4
-    POOL = 5  # the paged pool's blocks, block size and dtype, decided by rank 0
+    POOL = 5  # how many blocks rank 0 schedules (each rank built its own pool meanwhile)
 
 
 @dataclass
@@ -75,7 +75,8 @@ class TensorParallel:
             meta = getattr(backend, "meta", None)
             if meta is None:
                 raise TypeError("tensor parallelism runs on the paged cache's steps")
-            self.send(Op.FORWARD, (input_ids.cpu(), positions.cpu(), _portable(meta)))
+            cpu = torch.device("cpu")  # the trip's (and without rank 0's memo of plans)
+            self.send(Op.FORWARD, (input_ids.cpu(), positions.cpu(), meta.to(cpu)))
 
     def before_logits(self, hidden: torch.Tensor) -> None:
         if self.drives and self.announcing:
@@ -96,9 +97,3 @@ class TensorParallel:
     def receive(self, timeout_s: float | None = None) -> tuple[Op, object]:
         op, payload = self.group.receive_object(timeout_s)  # type: ignore[misc]
         return Op(op), payload
-
-
-def _portable(meta):
-    """The step's metadata on the CPU for the trip, without what this rank computed for
-    itself (its memo of kernel plans)."""
-    return meta.to(torch.device("cpu"))

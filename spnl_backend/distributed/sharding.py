@@ -94,9 +94,10 @@ class Shard:
 
     def _kv_rows(self) -> tuple[int, int]:
         c, dim = self.config, self.config.head_dim
-        first = self.rank * c.num_kv_heads // self.world  # where several ranks share one
         if c.num_kv_heads >= self.world:
             first = self.rank * self.kv_heads
+        else:  # several ranks share each head: the one their query heads read
+            first = self.rank * c.num_kv_heads // self.world
         return first * dim, (first + self.kv_heads) * dim
 
 
@@ -121,10 +122,10 @@ def check_shardable(
     for what, rows in inners:
         if rows % world:
             problems.append(f"its {what} of {rows} rows does not divide by {world}")
-    columns = {"o": c.num_heads * c.head_dim, "down": c.intermediate_size}
-    if c.moe is not None:
-        columns["down"] = c.moe.intermediate_size  # dense layers beside experts: checked too
-    for kind, width in columns.items():
+    columns = [("o", c.num_heads * c.head_dim), ("down", c.intermediate_size)]
+    if c.moe is not None:  # the experts' downs, and any dense layers' beside them
+        columns.append(("down", c.moe.intermediate_size))
+    for kind, width in columns:
         block = split_block(kind)
         if block > 1 and not problems and (width // world) % block:
             problems.append(
@@ -137,11 +138,6 @@ def check_shardable(
             + "; ".join(problems)
             + "; choose a world size that divides them (or one rank)"
         )
-
-
-def block_size(qtype) -> int:
-    """Values per block of a stored type (1: float)."""
-    return 1 if qtype is None else ggml_format(qtype).block_size
 
 
 def _even(size: int, rank: int, world: int) -> tuple[int, int]:

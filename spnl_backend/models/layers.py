@@ -369,8 +369,8 @@ class Attention(nn.Module):
         replicas = tp.kv_replicas if norm is self.k_norm else 1
         squares = tp.all_reduce(x.float().pow(2).sum(-1, keepdim=True).contiguous()) / replicas
         count = x.shape[-1] * tp.world // replicas  # the whole projection's elements
-        normed = x.float() * torch.rsqrt(squares / count + norm.eps)
-        return (normed * (norm.weight.float() + norm.offset)).to(x.dtype)
+        scale, eps = norm.float_norm(x)
+        return (x.float() * torch.rsqrt(squares / count + eps) * scale).to(x.dtype)
 
 
 def _norm(config: ModelConfig, dim: int) -> RMSNorm:
