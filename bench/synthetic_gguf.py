@@ -263,7 +263,11 @@ def kept_token_ids(tokens: list[str], types: np.ndarray, vocab: int) -> np.ndarr
 
 
 def add_tokenizer(writer: gguf.GGUFWriter, source: dict, vocab: int) -> None:
-    """The source's tokenizer.ggml.* keys, the vocabulary cut to its first ``vocab``."""
+    """The source's tokenizer.ggml.* keys, the vocabulary cut to its first ``vocab``, and
+    the vocabulary's own chat format (Gemma's, which the default file leaves to the
+    reader), so that chats and span queries run on every shape."""
+    from spnl_backend.loader.tokenizer import GEMMA_CHAT_TEMPLATE
+
     tokens = source["tokenizer.ggml.tokens"]
     if vocab > len(tokens):
         raise SystemExit(f"the tokenizer has {len(tokens):,} tokens; the shape needs {vocab:,}")
@@ -288,6 +292,7 @@ def add_tokenizer(writer: gguf.GGUFWriter, source: dict, vocab: int) -> None:
             writer.add_string(key, value)
         else:
             raise SystemExit(f"tokenizer key {key!r}: {type(value).__name__} not copied")
+    writer.add_chat_template(source.get("tokenizer.chat_template", GEMMA_CHAT_TEMPLATE))
 
 
 def add_metadata(writer: gguf.GGUFWriter, name: str, shape: Shape, fmt: str) -> None:

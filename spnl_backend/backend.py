@@ -31,7 +31,17 @@ from .memory import release_freed_memory
 from .models.config import ModelConfig
 from .models.transformer import CausalLM
 from .pic.layout import PicPrompt
-from .pic.requests import block_pieces, chat_pieces, has_marker, make_prompt, split_sentinels
+from .pic.query import Repeat, SpanQuery, parse_query, query_text
+from .pic.requests import (
+    block_pieces,
+    chat_pieces,
+    has_marker,
+    make_prompt,
+    query_pieces,
+    split_sentinels,
+)
+from .pic.spans import SpanTokenizer
+from .pic.turns import ModelTurns, SpnlTurns, Turns
 from .request import (
     MAX_SEED,
     check_messages,
@@ -127,6 +137,7 @@ class Backend:
         self._block_size = engine.cache_info.block_size or 1
         self._pic_refusal = _pic_refusal(engine)
         self._sentinels = pic_sentinels()
+        self._spans: SpanTokenizer | None = None
         if self._sentinels is not None:
             self._sentinels.check_vocabulary(loaded.config.vocab_size)
         self._grammars = GrammarCompiler(
@@ -210,6 +221,16 @@ class Backend:
         """Apply the model's chat template to ``messages`` and complete the assistant turn."""
         params = self._chat_params(unknown, (max_tokens, temperature, top_p, top_k, seed, stop))
         return _results(self.submit([self.chat_prompt_ids(messages)], params), single=True)
+
+    def query(self, query: "str | dict | SpanQuery") -> list[GenerateResult]:
+        """Run one of spnl's span queries (its JSON text, as spnl's ``spnl/`` provider
+        posts it to ``/v1/query/execute``, that JSON as a dict, or a parsed `SpanQuery`):
+        a ``repeat``'s
+        ``n`` completions of its input, or a ``map``'s completion of each input, in
+        order. Tokenized as spnl tokenizes it (`pic.spans`); plus elements reused under
+        ``MISTRALRS_SPAN_QUERY_REUSE`` (spnl's rule by default)."""
+        prompts, params, n = self.span_query_request(query)
+        return _results(self.submit(prompts, params, n=n), single=False)
 
     # ---- asyncio --------------------------------------------------------------------------
 
@@ -380,16 +401,49 @@ class Backend:
         """``messages`` through the model's chat template, checked against the context: a
         PIC prompt where a message is marked plus or messages are grouped (a list)."""
         if isinstance(messages, list) and has_marker(messages):
-            tokenizer = self.tokenizer
-            pieces = chat_pieces(
-                messages,
-                tokenizer.render_chat,
-                tokenizer.encode_plain,
-                max_chars=MAX_CHARS_PER_TOKEN * self.max_model_len,
-            )
+            max_chars = MAX_CHARS_PER_TOKEN * self.max_model_len
+            pieces = chat_pieces(messages, self._span_tokenizer(), max_chars)
             if pieces is not None:
                 return self._pic_prompt(pieces)
         return self._check_length(self.tokenizer.apply_chat_template(check_messages(messages)))
+
+    def span_query_request(
+        self, query: "str | dict | SpanQuery"
+    ) -> tuple[list["PromptIds"], SamplingParams, int]:
+        """spnl's span query (its JSON text, that JSON as a dict, or a parsed `SpanQuery`)
+        as what `submit` takes: its prompts, sampling parameters and completions per
+        prompt."""
+        if isinstance(query, dict):
+            query = query_text(query)
+        parsed = parse_query(query) if isinstance(query, str) else query
+        meta = parsed.metadata
+        params = sampling_params(meta.max_tokens, meta.temperature)
+        n = parsed.n if isinstance(parsed, Repeat) else 1
+        return self.span_query_prompts(parsed), params, n
+
+    def span_query_prompts(self, query: SpanQuery) -> list["PromptIds"]:
+        """spnl's span query (`pic.query`) as checked prompts, tokenized as spnl does
+        (`pic.spans`): a generate's input, or each input of a map. A prompt with a plus
+        element is a PIC prompt under ``MISTRALRS_SPAN_QUERY_REUSE`` (spnl's rule by
+        default); one without, plain token ids."""
+        prompts: list[PromptIds] = []
+        for pieces in query_pieces(query, self._span_tokenizer()):
+            if any(kind == "plus" for kind, _ in pieces):
+                prompts.append(self._pic_prompt(pieces, self.settings.span_query_reuse))
+            else:
+                prompts.append(self._check_length([t for _, ids in pieces for t in ids]))
+        return prompts
+
+    def _span_tokenizer(self) -> SpanTokenizer:
+        """How span queries and plus chat messages are tokenized (made once)."""
+        if self._spans is None:
+            turns: Turns
+            if self.settings.span_template == "spnl":
+                turns = SpnlTurns(self.source.name)
+            else:
+                turns = ModelTurns(self.tokenizer.render_chat)
+            self._spans = SpanTokenizer(turns, self.tokenizer.encode_plain, self._block_size)
+        return self._spans
 
     # ---- PIC prompts ----------------------------------------------------------------------
 
@@ -401,13 +455,19 @@ class Backend:
         return block_pieces(blocks, tokenizer.encode_plain, vocab, tokenizer.encode(""))
 
     def _split_sentinels(self, ids: list[int]) -> "PromptIds":
-        sentinels = self._sentinels
-        scheme = self.settings.pic_positions
-        found = None if sentinels is None else split_sentinels(ids, sentinels, scheme)
+        sentinels, settings = self._sentinels, self.settings
+        found = None
+        if sentinels is not None:
+            found = split_sentinels(ids, sentinels, settings.pic_positions, settings.pic_reuse)
         return self._check_length(ids) if found is None else self._checked_pic(found)
 
-    def _pic_prompt(self, pieces: list[tuple[str, list[int]]]) -> PicPrompt:
-        return self._checked_pic(make_prompt(pieces, self.settings.pic_positions))  # type: ignore[arg-type]
+    def _pic_prompt(
+        self, pieces: list[tuple[str, list[int]]], reuse: str | None = None
+    ) -> PicPrompt:
+        """A PIC prompt under ``reuse`` (``MISTRALRS_PIC_REUSE`` where None)."""
+        settings = self.settings
+        prompt = make_prompt(pieces, settings.pic_positions, reuse or settings.pic_reuse)  # type: ignore[arg-type]
+        return self._checked_pic(prompt)
 
     def _checked_pic(self, prompt: PicPrompt) -> PicPrompt:
         """A PIC prompt this backend can run, whose spans (each from a new block) fit."""
@@ -454,6 +514,13 @@ class Backend:
         since the model was loaded. Taken between two steps, after every earlier call's
         request or abort has reached the engine."""
         return self._open_loop().call(Engine.stats)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix and PIC element (what ``/reset_prefix_cache`` does):
+        the next requests compute from scratch, while the running ones go on with what
+        they hold. Returns how many blocks (or, without paged attention, sequences) were
+        forgotten."""
+        return self._open_loop().call(Engine.reset_prefix_cache)
 
     def cache_info(self) -> CacheInfo:
         """The KV cache: paged or contiguous, its capacity, blocks, storage dtype, bytes per

@@ -128,3 +128,14 @@ def run_together(backend: Backend, *calls: Callable[[], object]) -> list[object]
     for thread in threads:
         thread.join()
     return results
+
+
+def plus_chat_usage(backend: Backend, docs: list[str], order: list[int], question: str):
+    """The usage of a chat as spnl's RAG sends it: a system prompt, the documents in
+    ``order`` as plus messages, a question (one greedy token)."""
+    from spnl_backend.pic.requests import PLUS_MARKER
+
+    messages = [{"role": "system", "content": "Answer from the documents."}]
+    messages += [{"role": "user", "content": PLUS_MARKER + docs[i]} for i in order]
+    messages.append({"role": "user", "content": question})
+    return backend.chat(messages, max_tokens=1, temperature=0).usage

@@ -39,12 +39,16 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("spnl_backend.engine",),
     # a model over several ranks: the group, each rank's share, starting and following
     ("spnl_backend.distributed",),
-    # a request's checks, PIC's three ways in (request parsing, beside them), and its
-    # output constraints (their specs are request checks; their matchers the engine's)
+    # a request's checks, PIC's ways in (request parsing, beside them: spnl's span queries
+    # read and tokenized, their messages templated), and its output constraints (their
+    # specs are request checks; their matchers the engine's)
     (
         "spnl_backend.request",
         "spnl_backend.plain",
         "spnl_backend.pic.requests",
+        "spnl_backend.pic.query",
+        "spnl_backend.pic.spans",
+        "spnl_backend.pic.turns",
         "spnl_backend.constrain",
         "spnl_backend.backend",
         "=spnl_backend",

@@ -496,7 +496,10 @@ def test_a_self_drafted_backend_refuses_pic_prompts(trained):
         backend.generate(blocks=[("plus", "a document")], max_tokens=2)
 
 
-def test_a_first_plus_message_after_an_unknown_preamble_is_refused(trained):
+def test_what_a_template_renders_before_the_first_turn_stays_cross(trained):
+    """A template that starts a conversation with its own system turn (when the first
+    message is not one) puts it in the preamble, never in a plus message's span: each
+    message is templated alone, so the document's element is the same wherever it is."""
     injecting = (
         "{% if messages[0]['role'] != 'system' %}<system>Be brief.</turn>{% endif %}" + TEMPLATE
     )
@@ -504,10 +507,11 @@ def test_a_first_plus_message_after_an_unknown_preamble_is_refused(trained):
         backend.tokenizer.hf.chat_template = injecting
         doc = {"role": "user", "content": PLUS_MARKER + DOCS[0]}
         question = {"role": "user", "content": QUESTION}
-        with pytest.raises(RequestError, match="first message cannot be plus"):
-            backend.chat([doc, question], max_tokens=2)
-        result = backend.chat([question, doc, question], max_tokens=2)
-    assert result.usage.pic_miss_tokens > 0
+        first = backend.chat([doc, question], max_tokens=2)
+        second = backend.chat([doc, {"role": "user", "content": "Who?"}], max_tokens=2)
+    assert first.usage.pic_miss_tokens > 0
+    assert second.usage.pic_hit_tokens == first.usage.pic_miss_tokens
+    assert second.usage.pic_miss_tokens == 0
 
 
 class HostileText(str):

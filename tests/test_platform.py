@@ -264,6 +264,11 @@ def test_native_checks_apply_only_where_the_native_kernels_run():
         ),
         ({}, {"pic_reuse": "relaxed", "prefix_cache_n": 0}, ["MISTRALRS_PIC_REUSE"]),
         ({}, {"pic_reuse": "relaxed", "pic_positions": "local"}, []),
+        (
+            {},
+            {"kv_cache_compression": "int8", "span_query_reuse": "exact", "span_template": "spnl"},
+            ["MISTRALRS_SPAN_QUERY_REUSE", "MISTRALRS_SPAN_TEMPLATE"],
+        ),
     ],
 )
 def test_settings_without_effect_are_named(probe, settings, variables, monkeypatch):

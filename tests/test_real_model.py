@@ -103,3 +103,33 @@ def test_token_healing_mends_a_prompt_cut_after_a_space(default_backend):
     assert not unhealed.text.startswith("World")  # a word after the lone space token: "2020"
     assert healed.text.startswith("World")
     assert healed.usage.prompt_tokens == unhealed.usage.prompt_tokens - 1
+
+
+def test_the_default_templates_plus_messages_are_reused_in_any_order(default_backend):
+    """Gemma's template folds the system prompt into the first user turn; plus messages
+    are templated alone, so every document is reused whichever comes first (spnl's RAG
+    chat: a system prompt, the documents, a question)."""
+    from helpers import plus_chat_usage
+
+    default_backend.reset_prefix_cache()
+    docs = [f"Document {i}: the {w} archive opened in {1990 + i}." for i, w in
+            enumerate(["Halvorsen", "Quintero", "Abernathy", "Okonkwo"])]  # fmt: skip
+    question = "When did the Okonkwo archive open?"
+    first = plus_chat_usage(default_backend, docs, [0, 1, 2, 3], question)
+    for order in ([2, 0, 3, 1], [3, 2, 1, 0]):
+        again = plus_chat_usage(default_backend, docs, order, question)
+        assert again.pic_miss_tokens == 0
+        assert again.pic_hit_tokens == first.pic_miss_tokens
+
+
+def test_spnls_warm_up_makes_the_rag_query_hit_every_fragment(default_backend):
+    default_backend.reset_prefix_cache()
+    docs = [f"Relevant Document {i}: the depot at gate {i} opens at {i + 6} am." for i in range(5)]
+    meta = {"model": "spnl/x", "max_tokens": 1, "temperature": 0}
+    default_backend.query({"map": {"metadata": meta, "inputs": docs}})
+    plus = {"plus": [{"user": doc} for doc in reversed(docs)]}
+    question = {"user": "When does the depot at gate 3 open?"}
+    g = {**meta, "max_tokens": 8, "input": {"cross": [{"system": "Answer."}, plus, question]}}
+    answer = default_backend.query({"repeat": {"n": 1, "g": g}})[0]
+    assert answer.usage.pic_miss_tokens == 0
+    assert answer.usage.pic_hit_tokens > 0

@@ -32,6 +32,7 @@ class Block:
     ref_count: int = 0
     hash: int | None = None  # set once the block is full and registered
     token_ids: tuple[int, ...] = ()  # the tokens its hash covers (checked on every hit)
+    position: int | None = None  # a PIC block's first position (its keys' rotation)
 
 
 @dataclass
@@ -86,12 +87,24 @@ class BlockManager:
             return None
         return block_id
 
-    def register(self, block_id: int, digest: int, tokens: tuple[int, ...]) -> None:
+    def register(
+        self, block_id: int, digest: int, tokens: tuple[int, ...], position: int | None = None
+    ) -> None:
         """Offer a computed block to later lookups (unless one is registered already)."""
         block = self.blocks[block_id]
         if block.hash is None and digest not in self.hash_to_id:
-            block.hash, block.token_ids = digest, tokens
+            block.hash, block.token_ids, block.position = digest, tokens, position
             self.hash_to_id[digest] = block_id
+
+    def reset_cache(self) -> int:
+        """Forget every cached block (prefix and PIC): unreferenced ones become free, those
+        sequences hold are freed when they let go of them. How many were forgotten."""
+        cached = [block for block in self.blocks if block.hash is not None]
+        for block in cached:
+            self._forget(block)
+        self.free_ids.extend(self.cached_ids)
+        self.cached_ids.clear()
+        return len(cached)
 
     def register_full_blocks(
         self, table: BlockTable, token_ids: list[int], num_computed: int
@@ -117,6 +130,10 @@ class BlockManager:
             del self.cached_ids[block_id]
         block.ref_count += 1
 
+    def unshare(self, block_id: int) -> None:
+        """Drop one reference taken with `share` (a cached block goes back to the cache)."""
+        self._drop(self.blocks[block_id])
+
     def take(self) -> int:
         """A block for new content: a free one, else the least recently used cached one."""
         if self.free_ids:
@@ -134,19 +151,20 @@ class BlockManager:
     def truncate(self, table: BlockTable, num_blocks: int) -> None:
         """Drop the references to the blocks after the first ``num_blocks`` of ``table``."""
         for block_id in reversed(table.block_ids[num_blocks:]):
-            if block_id == UNTAKEN:
-                continue
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.hash is None:
-                    self.free_ids.append(block_id)
-                else:
-                    self.cached_ids[block_id] = None
+            if block_id != UNTAKEN:
+                self._drop(self.blocks[block_id])
         del table.block_ids[num_blocks:]
         del table.hashes[num_blocks:]
+
+    def _drop(self, block: Block) -> None:
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is None:
+                self.free_ids.append(block.block_id)
+            else:
+                self.cached_ids[block.block_id] = None
 
     def _forget(self, block: Block) -> None:
         if block.hash is not None and self.hash_to_id.get(block.hash) == block.block_id:
             del self.hash_to_id[block.hash]
-        block.hash, block.token_ids = None, ()
+        block.hash, block.token_ids, block.position = None, (), None

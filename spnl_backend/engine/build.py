@@ -32,6 +32,7 @@ from .calibration import KVStatistics, kv_statistics
 from .compressed import CodedPagedKVCache, ProtocolKV
 from .engine import Engine, EngineConfig
 from .kv_cache import ContiguousCacheManager, SequenceStore, plain_stores
+from .kv_shift import KeyShift
 from .paged import PagedCacheManager, PagedKVCache, PagedKVStorage
 from .runner import ModelRunner, Runner
 from .speculative import Drafter, SpeculativeCache, SpeculativeRunner
@@ -260,7 +261,12 @@ def _paged_cache(
         compressor.name if compressor else None,
         _kernels_name(loaded.kernels.attention, coded=pair is not None),
     )
-    manager = PagedCacheManager(cache, blocks, loaded.kernels.attention, settings.pic_reuse)
+    # Moving a block's keys happens in this process's pool alone: not under tensor
+    # parallelism, whose other ranks hold pools of their own.
+    shift = None
+    if isinstance(cache, PagedKVCache) and loaded.model.tp is None:
+        shift = KeyShift(loaded.config, cache.move_block)
+    manager = PagedCacheManager(cache, blocks, loaded.kernels.attention, shift)
     return manager, info
 
 

@@ -143,6 +143,12 @@ class Engine:
             pic_miss_tokens=self.pic_miss_tokens,
         )
 
+    def reset_prefix_cache(self) -> int:
+        """Empty the prefix and PIC caches; running requests keep what they hold."""
+        dropped = self.cache.reset_prefix_cache()
+        log.info("prefix_cache.reset", dropped=dropped)
+        return dropped
+
     def step(self) -> list[StepOutput]:
         """One scheduled step. A request whose sampling or detokenization fails finishes
         with its error alone; an error of the step itself fails every sequence the step

@@ -163,6 +163,12 @@ class SequencePrefixCache:
         while len(self.entries) > self.capacity:
             self.entries.popitem(last=False)
 
+    def clear(self) -> int:
+        """Forget every entry; how many there were."""
+        count = len(self.entries)
+        self.entries.clear()
+        return count
+
     def longest_prefix(self, token_ids: list[int]) -> tuple[SequenceStore | None, int]:
         """The entry sharing the longest prefix with ``token_ids``, and that length."""
         best_key, best_len = None, 0
@@ -243,6 +249,10 @@ class ContiguousCacheManager:
         kv = self.caches.pop(seq.seq_id, None)
         if kv is not None:
             self.prefix_cache.insert(seq.seq_id, seq.token_ids[: seq.num_computed_tokens], kv)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget the finished sequences' caches (running ones keep theirs)."""
+        return self.prefix_cache.clear()
 
     def truncate(self, seq: CachedTokens) -> None:
         kv = self.caches.get(seq.seq_id)

@@ -13,7 +13,7 @@ import torch
 from ..errors import EngineError
 from ..kernels import Kernels
 from ..kernels.metadata import PagedMetadata
-from ..kernels.paged_ref import fp8_scale
+from ..kernels.paged_ref import copy_block_rotated, fp8_scale
 from ..kernels.pic import PicKeys
 from ..kernels.sets import NativeKeys, native_keys
 from ..log import get_logger
@@ -23,6 +23,7 @@ from ..models.layers import AttentionBackend, AttentionSpec
 from ..pic.layout import PicLayout
 from .block_manager import UNTAKEN, BlockManager, BlockTable
 from .cache import PoolUsage
+from .kv_shift import Angles, KeyShift
 from .pic_blocks import PicProgress, PlannedBlock
 from .sequence import CachedTokens, ScheduledSeq
 
@@ -64,6 +65,13 @@ class PagedKVCache:
 
     def step(self, kernels: Kernels, meta: PagedMetadata) -> "PagedStep":
         return PagedStep(self, kernels, meta)
+
+    def move_block(self, src: int, dst: int, angles: Angles) -> None:
+        """Block ``dst`` of every layer set to block ``src``, its keys turned by each
+        layer's ``angles`` (`engine.kv_shift`)."""
+        for layer, (keys, values) in enumerate(self.layers):
+            cos, sin = angles[layer]
+            copy_block_rotated(keys, values, src, dst, cos, sin, self.k_scale[layer])
 
 
 def _pool_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -135,12 +143,14 @@ class PagedCacheManager:
         cache: PagedKVStorage,
         blocks: BlockManager,
         kernels: Kernels,
-        pic_reuse: str = "exact",
+        shift: KeyShift | None = None,
     ) -> None:
+        """``shift``: moves a block's keys to other positions, where the pool can (a PIC
+        hit under spnl's reuse rule computed elsewhere is a miss without it)."""
         self.cache, self.blocks, self.kernels = cache, blocks, kernels
         self.block_size = blocks.block_size
+        self.shift = shift
         self.tables: dict[int, BlockTable] = {}
-        self.pic_reuse = pic_reuse  # `engine.pic_blocks.REUSE_MODES`
         self.pic: dict[int, PicProgress] = {}  # the PIC sequences holding cache
 
     @property
@@ -193,29 +203,55 @@ class PagedCacheManager:
     def _admit_pic(self, seq: CachedTokens, layout: PicLayout) -> None:
         """A PIC sequence's table: every block whose key the pool has, wherever it lies,
         mapped in (the block holding the last token excepted); the rest untaken."""
-        progress = PicProgress(layout, self.block_size, self.pic_reuse)
+        progress = PicProgress(layout, self.block_size)
         tokens = seq.token_ids
         planned = progress.plan(tokens)
         hits: dict[int, PlannedBlock] = {}
         found: dict[int, int] = {}
+        moved = 0
         if self.blocks.enable_prefix_caching:
             for block in planned:
                 block_id = self.blocks.lookup(block.digest, block.tokens) if block.closed else None
                 if block_id is not None and block.last != len(tokens) - 1:
                     hits[block.index], found[block.index] = block, block_id
+                    self.blocks.share(block_id)
+            moved = self._move_shifted(hits, found)
         width = max(hits, default=-1) + 1
         table = BlockTable([found.get(index, UNTAKEN) for index in range(width)])
         progress.admit(hits, len(tokens))
         self.tables[seq.seq_id], self.pic[seq.seq_id] = table, progress
-        for block_id in found.values():
-            self.blocks.share(block_id)
         seq.num_computed_tokens = progress.num_hit
         if not seq.output_token_ids:  # a new request, not a preempted one coming back
             seq.num_cached_tokens = progress.num_hit
             plus_hit = sum(b.last + 1 - b.first for b in hits.values() if b.plus)
             seq.num_pic_hit_tokens = plus_hit  # type: ignore[attr-defined]
             seq.num_pic_miss_tokens = layout.num_plus_tokens - plus_hit  # type: ignore[attr-defined]
-            _log_pic_lookup(seq, planned, hits)
+            _log_pic_lookup(seq, planned, hits, moved)
+
+    def _move_shifted(self, hits: dict[int, PlannedBlock], found: dict[int, int]) -> int:
+        """Hits whose keys the pool holds for other positions (spnl's reuse rule keys an
+        element by its tokens alone), copied into blocks of the sequence's own with their
+        keys moved to where they now stand; dropped (computed) where that cannot be. The
+        tokens moved."""
+        moved = 0
+        for index, block in list(hits.items()):
+            source = found[index]
+            stored = self.blocks.blocks[source].position
+            if stored is None or stored == block.position:
+                continue
+            length = block.last + 1 - block.first
+            if (
+                self.shift is None
+                or not self.shift.possible(stored, block.position, length)
+                or not self.blocks.num_available
+            ):
+                del hits[index], found[index]
+            else:
+                found[index] = self.blocks.take()
+                self.shift.move(source, found[index], block.position - stored)
+                moved += length
+            self.blocks.unshare(source)
+        return moved
 
     def reserve(self, seq: CachedTokens, num_tokens: int) -> bool:
         """Make sure the first ``num_tokens`` tokens of ``seq`` have slots."""
@@ -251,6 +287,11 @@ class PagedCacheManager:
         if table is not None:
             self.blocks.release(table)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block, prefix and PIC alike, without touching the running
+        sequences: blocks they hold stay theirs until they let go. Blocks forgotten."""
+        return self.blocks.reset_cache()
+
     def truncate(self, seq: CachedTokens) -> None:
         """Return the blocks past the sequence's computed tokens (rejected draft slots)."""
         if seq.seq_id in self.pic:  # its blocks are not in token order: never drafted
@@ -275,7 +316,8 @@ class PagedCacheManager:
         if not self.blocks.enable_prefix_caching:
             return
         for block in progress.ready(seq.token_ids, seq.num_computed_tokens):
-            self.blocks.register(table.block_ids[block.index], block.digest, block.tokens)
+            block_id = table.block_ids[block.index]
+            self.blocks.register(block_id, block.digest, block.tokens, block.position)
 
     def pic_feed(self, seq: CachedTokens, count: int) -> tuple[list[int], list[int]]:
         """The prompt-order indices and positions of a PIC sequence's next ``count``
@@ -335,9 +377,12 @@ class PagedCacheManager:
 
 
 def _log_pic_lookup(
-    seq: CachedTokens, planned: list[PlannedBlock], hits: dict[int, PlannedBlock]
+    seq: CachedTokens, planned: list[PlannedBlock], hits: dict[int, PlannedBlock], moved: int
 ) -> None:
-    """One event per plus element: how many of its blocks the pool had."""
+    """One event per plus element: how many of its blocks the pool had; and how many of
+    the hits' tokens had their keys moved to other positions."""
+    if moved:
+        log.debug("pic.moved", seq_id=seq.seq_id, tokens=moved)
     elements: dict[int, list[PlannedBlock]] = {}
     for block in planned:
         if block.plus:

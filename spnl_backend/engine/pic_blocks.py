@@ -10,11 +10,16 @@ Padding costs less than a block per span.
 **Keys.** A block's key chains the keys of the blocks before it in its span from the
 span's root, as the prefix cache chains a prompt's (`block_manager.block_hash`): the
 prompt's first cross span starts from the prefix cache's own root, so plain prompts and
-PIC prompts share those blocks. An element's root is everything before its group (the
-context: every token and span boundary before it), so equal keys mean equal K/V bit for
-bit; with ``relaxed`` reuse it is only the element's first position, as spnl keys its
-blocks (a hit then need not equal a recompute). A cross span after a group is rooted in
-the context, which takes in the group's elements in their order. The pool belongs to one
+PIC prompts share those blocks. An element's root depends on the layout's reuse rule:
+everything before its group (``exact``: the context, every token and span boundary
+before it), so equal keys mean equal K/V bit for bit; only the element's first position
+(``relaxed``); or nothing at all (``tokens``, spnl's rule: the element's tokens are its
+key, and a hit computed at other positions has its keys moved, `engine.kv_shift`). A
+hit under the last two need not equal a recompute. A cross span after a group is rooted in
+the context, which takes in the group's elements in their order; but under ``tokens``
+the last span, where the completion goes, is keyed as an element is (spnl's nested
+generates put a completion into a later query as an assistant message, whose turn is the
+generation prompt and the completion's tokens: its blocks then hit). The pool belongs to one
 model, dtype and cache codec, so those are parts of every key implicitly.
 
 **Order.** The blocks whose keys the pool has are mapped in at admission; the other
@@ -31,7 +36,6 @@ import torch
 from ..pic.layout import PicLayout, Span
 from .block_manager import block_hash
 
-REUSE_MODES = ("exact", "relaxed")
 _ROOT = 0  # the prefix cache's root: a prompt's first cross span chains from it
 
 
@@ -53,6 +57,7 @@ class PlannedBlock:
     tokens: tuple[int, ...]
     closed: bool
     element: int  # the plus element it belongs to (1, 2, ...), 0 for cross
+    position: int  # its first token's position (where its keys are rotated for)
 
     @property
     def plus(self) -> bool:
@@ -66,7 +71,7 @@ class _Segment:
     digests: list[int]  # its blocks' keys, each chaining the one before from its root
 
 
-def _segments(layout: PicLayout, tokens: list[int], block_size: int, reuse: str) -> list[_Segment]:
+def _segments(layout: PicLayout, tokens: list[int], block_size: int) -> list[_Segment]:
     """The spans as block-aligned segments with their roots; generated tokens extend the
     last one (cross) or a cross segment of their own after a final plus span."""
     spans = list(layout.spans)
@@ -81,9 +86,11 @@ def _segments(layout: PicLayout, tokens: list[int], block_size: int, reuse: str)
     for index, span in enumerate(spans):
         if span.kind == "plus":
             exact = _mix(b"plus", context)
-            root = exact if reuse == "exact" else _mix(b"relaxed", layout.position(span.start))
+            root = _element_root(layout, span, exact)
         else:
             exact = root = _ROOT if index == 0 else _mix(b"cross", context)
+            if layout.reuse == "tokens" and index == len(spans) - 1 and index:
+                root = _mix(b"tokens")  # a completion after a group: reusable as an element
         chunks = tokens[span.start : span.end]
         digests = _chain(root, chunks, block_size)
         segments.append(_Segment(span, base, digests))
@@ -98,6 +105,12 @@ def _segments(layout: PicLayout, tokens: list[int], block_size: int, reuse: str)
         else:
             context = end_digest
     return segments
+
+
+def _element_root(layout: PicLayout, span: Span, exact: int) -> int:
+    if layout.reuse == "relaxed":
+        return _mix(b"relaxed", layout.position(span.start))
+    return _mix(b"tokens") if layout.reuse == "tokens" else exact
 
 
 def _chain(root: int, tokens: list[int], block_size: int) -> list[int]:
@@ -116,7 +129,6 @@ class PicProgress:
 
     layout: PicLayout
     block_size: int
-    reuse: str
     segments: list[_Segment] = field(default_factory=list)
     todo: list[int] = field(default_factory=list)  # prompt order of the missing tokens
     num_hit: int = 0
@@ -128,7 +140,7 @@ class PicProgress:
 
     def plan(self, tokens: list[int]) -> list[PlannedBlock]:
         """Every block of the sequence's ``tokens`` (prompt and generated) with its key."""
-        self.segments = _segments(self.layout, tokens, self.block_size, self.reuse)
+        self.segments = _segments(self.layout, tokens, self.block_size)
         blocks: list[PlannedBlock] = []
         for number, segment in enumerate(self.segments):
             span = segment.span
@@ -140,7 +152,10 @@ class PicProgress:
                 closed = len(chunk) == self.block_size or not is_last
                 index = (segment.base + start - span.start) // self.block_size
                 element = self.layout.block_ids[span.start] if span.kind == "plus" else 0
-                blocks.append(PlannedBlock(index, start, end - 1, digest, chunk, closed, element))
+                position = self.layout.position(start)
+                blocks.append(
+                    PlannedBlock(index, start, end - 1, digest, chunk, closed, element, position)
+                )
         return blocks
 
     def admit(self, hits: dict[int, PlannedBlock], num_tokens: int) -> None:

@@ -97,6 +97,9 @@ class SpeculativeCache:
     def after_step(self, batch: list[ScheduledSeq]) -> None:
         self.target.after_step(batch)
 
+    def reset_prefix_cache(self) -> int:
+        return self.target.reset_prefix_cache() + self.draft.reset_prefix_cache()
+
     def backend(self, batch: list[ScheduledSeq], device: torch.device) -> AttentionBackend:
         return self.target.backend(batch, device)
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from .attention_ref import attention_ref
 from .metadata import PagedMetadata
+from .ops import rotate_ref
 from .pic import PicKeys, pic_attention_ref
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
@@ -178,3 +179,27 @@ def _decode_batched(
         enable_gqa=q.shape[1] != k.shape[2],
     )
     return out.squeeze(2)
+
+
+def copy_block_rotated(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    src: int,
+    dst: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_scale: float = 1.0,
+) -> None:
+    """Block ``dst`` of a layer's pool set to block ``src``, its keys rotated on by the
+    angles ``cos``/``sin [rotary_dim / 2]`` (float32): keys stored rotated for positions
+    ``p`` become those for ``p + d`` where the angles are ``d`` times the inverse
+    frequencies. Computed in float32, stored as the pool stores keys."""
+    keys = key_cache[src].float()
+    if key_cache.dtype == torch.float8_e4m3fn:
+        keys = keys * k_scale
+    both = (torch.cat([cos, cos]), torch.cat([-sin, sin]))
+    rotated = rotate_ref(keys, *(t.to(keys.device).view(1, 1, -1) for t in both))
+    if key_cache.dtype == torch.float8_e4m3fn:
+        rotated = (rotated / k_scale).clamp(-FP8_MAX, FP8_MAX)
+    key_cache[dst] = to_cache(rotated, key_cache.dtype)
+    value_cache[dst] = value_cache[src]

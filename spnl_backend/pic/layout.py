@@ -25,6 +25,8 @@ from typing import Literal
 
 import torch
 
+from ..settings.pic import REUSE_RULES
+
 Kind = Literal["cross", "plus"]
 POSITION_SCHEMES = ("after_prefix", "local")
 CROSS = 0  # the block id of every cross token
@@ -45,21 +47,27 @@ class Span:
 
 @dataclass(frozen=True)
 class PicLayout:
-    """The spans of a prompt (in order, none empty, adjacent cross spans merged) and each
-    prompt token's block id and position under ``scheme``."""
+    """The spans of a prompt (in order, none empty, adjacent cross spans merged), each
+    prompt token's block id and position under ``scheme``, and the rule its elements are
+    reused by (`REUSE_RULES`)."""
 
     spans: tuple[Span, ...]
     scheme: str
     block_ids: tuple[int, ...]
     positions: tuple[int, ...]
     next_position: int  # of the first token after the prompt (then one more per token)
+    reuse: str = "exact"
 
     @classmethod
-    def build(cls, pieces: list[tuple[Kind, int]], scheme: str = "after_prefix") -> "PicLayout":
+    def build(
+        cls, pieces: list[tuple[Kind, int]], scheme: str = "after_prefix", reuse: str = "exact"
+    ) -> "PicLayout":
         """The layout of a prompt made of ``(kind, length)`` pieces, in order (lengths >=
         1; adjacent cross pieces merge, adjacent plus pieces are elements of one group)."""
         if scheme not in POSITION_SCHEMES:
             raise ValueError(f"position scheme {scheme!r}: expected one of {POSITION_SCHEMES}")
+        if reuse not in REUSE_RULES:
+            raise ValueError(f"reuse rule {reuse!r}: expected one of {REUSE_RULES}")
         spans: list[Span] = []
         start = 0
         for kind, length in pieces:
@@ -71,7 +79,7 @@ class PicLayout:
                 spans.append(Span(kind, start, start + length))
             start += length
         block_ids, positions, next_position = _number(spans, scheme)
-        return cls(tuple(spans), scheme, block_ids, positions, next_position)
+        return cls(tuple(spans), scheme, block_ids, positions, next_position, reuse)
 
     @property
     def num_prompt_tokens(self) -> int:

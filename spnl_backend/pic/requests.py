@@ -1,4 +1,4 @@
-"""The three ways a request marks its plus spans, turned into a `PicPrompt`.
+"""The ways a request marks its plus spans, turned into a `PicPrompt`.
 
 1. **Blocks**: ``generate(blocks=[("cross", text or ids), ("plus", ...), ...])``.
 2. **Sentinel token ids** in ``prompt_token_ids`` (``SPNL_PIC_PLUS_TOKEN`` and
@@ -6,9 +6,11 @@
    cross span; tokens before the first are cross. Sentinels are not part of the prompt.
 3. **Chat messages**: a message whose content starts with `PLUS_MARKER` (how spnl tags
    the messages of a ``plus``), or a list of messages in place of one (each a plus
-   element of one group). The marker is stripped before templating; a plus message's
-   span is its whole turn as the template renders it (role header, content, end of turn),
-   so turns commute as a whole.
+   element of one group). The marker is stripped; every message is templated alone, as
+   spnl templates a span query's messages (`pic.spans`), so a plus message's span is its
+   whole turn (role header, content, end of turn) whatever the conversation around it.
+4. **spnl's span queries** (`pic.query`, served at ``/v1/query/execute``): the same
+   rule, on spnl's query tree.
 
 Every malformed request (an empty span, a marker with nothing after it, bad kinds) is a
 `RequestError` saying what was wrong and what is accepted.
@@ -20,13 +22,17 @@ from ..errors import RequestError, shown
 from ..request import check_messages, check_text, checked_token_ids, read_once
 from ..settings.pic import CROSS_SENTINEL_ENV, PLUS_SENTINEL_ENV, PicSentinels
 from .layout import Kind, PicLayout, PicPrompt
+from .query import Group, MapQuery, Message, Node, SpanQuery
+from .spans import Pieces, SpanTokenizer
 
 PLUS_MARKER = "\0PIC_PLUS\0"
 KINDS = ("cross", "plus")
-MAX_PIC_MESSAGES = 512
+MAX_PIC_MESSAGES = 4096
 
 
-def split_sentinels(ids: list[int], sentinels: PicSentinels, scheme: str) -> PicPrompt | None:
+def split_sentinels(
+    ids: list[int], sentinels: PicSentinels, scheme: str, reuse: str = "exact"
+) -> PicPrompt | None:
     """``ids`` as a PIC prompt if a sentinel is in it, else None (a plain prompt)."""
     if sentinels.plus not in ids and sentinels.cross not in ids:
         return None
@@ -42,7 +48,7 @@ def split_sentinels(ids: list[int], sentinels: PicSentinels, scheme: str) -> Pic
             pieces[-1][1].append(token)
     if not pieces[-1][1]:
         raise RequestError(_empty_after_sentinel(sentinels, ids[-1], len(ids) - 1))
-    return make_prompt([(kind, tokens) for kind, tokens in pieces if tokens], scheme)
+    return make_prompt([(kind, tokens) for kind, tokens in pieces if tokens], scheme, reuse)
 
 
 def _empty_after_sentinel(sentinels: PicSentinels, token: int, position: int) -> str:
@@ -54,11 +60,13 @@ def _empty_after_sentinel(sentinels: PicSentinels, token: int, position: int) ->
     )
 
 
-def make_prompt(pieces: list[tuple[Kind, list[int]]], scheme: str) -> PicPrompt:
+def make_prompt(
+    pieces: list[tuple[Kind, list[int]]], scheme: str, reuse: str = "exact"
+) -> PicPrompt:
     """A PIC prompt from ``(kind, token ids)`` pieces (none empty)."""
     if not any(kind == "plus" for kind, _ in pieces):
         raise RequestError("a PIC prompt needs at least one plus block")
-    layout = PicLayout.build([(kind, len(tokens)) for kind, tokens in pieces], scheme)
+    layout = PicLayout.build([(kind, len(tokens)) for kind, tokens in pieces], scheme, reuse)
     return PicPrompt([t for _, tokens in pieces for t in tokens], layout)
 
 
@@ -102,26 +110,21 @@ def block_pieces(
 
 
 def chat_pieces(
-    messages: object,
-    render: Callable[[list[dict], bool], str],
-    encode: Callable[[str], list[int]],
-    max_chars: int,
+    messages: object, spans: SpanTokenizer, max_chars: int
 ) -> list[tuple[Kind, list[int]]] | None:
     """Marked chat messages as ``(kind, token ids)`` pieces, or None where none is plus.
 
-    ``render(messages, add_generation_prompt)`` is the chat template's text and ``encode``
-    tokenizes text without adding special tokens. Each message's turn is the text its
-    rendering adds to the conversation before it, which the template must render as a
-    prefix of the whole (as templates do turn by turn). Finding the turns renders the
-    conversation once per message, so at most `MAX_PIC_MESSAGES` and ``max_chars`` of
+    As spnl tokenizes a span query (`pic.spans`): every message templated alone, each plus
+    message an element of its own (adjacent ones one group), the generation prompt last;
+    so an element's tokens never depend on the messages around it, whatever the template
+    does with a conversation. At most `MAX_PIC_MESSAGES` messages and ``max_chars`` of
     content (more than the context could hold) are taken."""
     flat, kinds = _flatten(messages)
     if "plus" not in kinds:
         return None
     if len(flat) > MAX_PIC_MESSAGES:
         raise RequestError(
-            f"a PIC chat of {len(flat)} messages: at most {MAX_PIC_MESSAGES} (each turn's "
-            "span is found by rendering the conversation up to it); send more as "
+            f"a PIC chat of {len(flat)} messages: at most {MAX_PIC_MESSAGES}; send more as "
             "generate(blocks=...)"
         )
     chars = sum(len(message["content"]) for message in flat)
@@ -130,28 +133,16 @@ def chat_pieces(
             f"a PIC chat of {chars:,} characters of content: more than the context can hold "
             f"(at most {max_chars:,} are taken); shorten it"
         )
-    full = render(flat, True)
-    prefixes = [render(flat[:count], False) for count in range(1, len(flat) + 1)]
-    ends = [_preamble(render, full, kinds[0])] + [len(text) for text in prefixes]
-    for count, text in enumerate(prefixes, start=1):
-        if not full.startswith(text) or ends[count] < ends[count - 1]:
-            raise RequestError(
-                "this model's chat template does not render the conversation turn by turn "
-                f"(messages[:{count}] is not a prefix of the whole), so a plus message's "
-                "turn cannot be told apart; send the prompt as generate(blocks=...) instead"
-            )
-    pieces: list[tuple[Kind, list[int]]] = []
-    if ends[0]:
-        pieces.append(("cross", encode(full[: ends[0]])))
-    for index, kind in enumerate(kinds):
-        text = full[ends[index] : ends[index + 1]]
-        if text:
-            pieces.append((kind, encode(text)))
-        elif kind == "plus":
-            raise RequestError(f"plus message {index} renders as nothing in this chat template")
-    if len(full) > ends[-1]:
-        pieces.append(("cross", encode(full[ends[-1] :])))
-    return [(kind, tokens) for kind, tokens in pieces if tokens]
+    nodes: list[Node] = []
+    for message, kind in zip(flat, kinds, strict=True):
+        node = Message(message["role"], message["content"])  # type: ignore[arg-type]
+        if kind == "cross":
+            nodes.append(node)
+        elif nodes and isinstance(nodes[-1], Group):
+            nodes[-1] = Group("plus", (*nodes[-1].children, node))
+        else:
+            nodes.append(Group("plus", (node,)))
+    return spans.generate_pieces(Group("seq", tuple(nodes)))
 
 
 def _flatten(messages: object) -> tuple[list[dict], list[Kind]]:
@@ -190,27 +181,6 @@ def _flatten(messages: object) -> tuple[list[dict], list[Kind]]:
     return flat, kinds
 
 
-def _preamble(render: Callable[[list[dict], bool], str], full: str, first: Kind) -> int:
-    """The length of what the template renders before any message (a BOS token's text),
-    which stays cross. Where the template refuses an empty conversation (or renders it as
-    something else), that is unknown: harmless when the first message is cross, whose
-    span takes it; a first plus message would take it into its element, so that is
-    refused."""
-    try:
-        before = render([], False)
-    except RequestError:
-        before = None
-    if before is not None and full.startswith(before):
-        return len(before)
-    if first == "plus":
-        raise RequestError(
-            "this model's chat template renders something before the first message that "
-            "cannot be told apart from it, so the first message cannot be plus: begin with "
-            "a cross message (a system or user turn), or send generate(blocks=...)"
-        )
-    return 0
-
-
 def has_marker(messages: Sequence[object]) -> bool:
     """Whether any message is marked plus or grouped (cheap: before any checking; a list
     that cannot be read is left to the checks)."""
@@ -222,3 +192,10 @@ def has_marker(messages: Sequence[object]) -> bool:
             if isinstance(content, str) and str.startswith(content, PLUS_MARKER):
                 return True
     return False
+
+
+def query_pieces(query: SpanQuery, spans: SpanTokenizer) -> list[Pieces]:
+    """A span query's prompts as pieces: a map's inputs each, or a generate's input."""
+    if isinstance(query, MapQuery):
+        return [spans.map_pieces(text) for text in query.inputs]
+    return [spans.generate_pieces(query.input)]

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API over one `Backend` (a Starlette app).
 
 Routes: ``GET /health``, ``GET /metrics``, ``GET /v1/models``, ``POST /v1/completions``
-and ``POST /v1/chat/completions`` (streamed as server-sent events with ``stream: true``).
+and ``POST /v1/chat/completions`` (streamed as server-sent events with ``stream: true``);
+spnl's ``POST /v1/query/execute?stream=true|false`` (its span queries, `pic.query`, as
+spnl's ``spnl/`` provider posts them) and ``POST /reset_prefix_cache``.
 Every request to ``/v1/`` passes the same gate, in this order: the API key (401), a
 loaded model (503), the body's type (415), size (413), arrival (408) and JSON (400),
 its fields (400), the model's name (404), the prompt's length (400,
@@ -28,6 +30,7 @@ from ..engine.loop import Finished, LoopRequest
 from ..engine.sequence import Sequence, StepOutput
 from ..errors import RequestAbortedError, RequestError
 from ..log import get_logger
+from ..pic.query import MapQuery, parse_query
 from .metrics import ServerMetrics
 from .protocol import (
     ApiError,
@@ -75,6 +78,8 @@ def create_app(config: ServerConfig, state: ServerState) -> Starlette:
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/v1/query/execute", api.query, methods=["POST"]),
+        Route("/reset_prefix_cache", api.reset_prefix_cache, methods=["POST"]),
     ]
     return Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed})
 
@@ -115,6 +120,35 @@ class _Api:
     async def chat(self, request: Request) -> Response:
         return await self._serve(request, "chat")
 
+    async def query(self, request: Request) -> Response:
+        """spnl's span query: streamed as completion chunks (``stream=true``), else a
+        ``repeat`` answered as a chat completion and a ``map`` as a completion."""
+        label = "query"
+        try:
+            stream = _stream_param(request.query_params.get("stream"))
+            backend = self._backend(request)
+            text = await _read_text(request, self.config.max_body_bytes, plain=True)
+            query = await asyncio.to_thread(_parsed_query, text)
+            self._check_model(query.metadata.model)
+            prompts, params, n = await asyncio.to_thread(_query_request, backend, query)
+            asked = EngineRequest(query.metadata.model, params, n, stream, include_usage=True)
+            submitted = self._submit(backend, asked, prompts)
+        except Exception as exc:
+            return self._refused(label, exc)
+        endpoint: Endpoint = "completions" if stream or isinstance(query, MapQuery) else "chat"
+        reply = Reply(endpoint, self.config.model_name, submitted.seqs, n, backend.token_bytes)
+        return await self._answer(request, submitted, reply, asked, label)
+
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        """Forget every cached prefix and PIC element (spnl's benchmark calls this before
+        each run); running requests go on with what they hold."""
+        try:
+            backend = self._backend(request)
+            forgotten = await asyncio.to_thread(backend.reset_prefix_cache)
+        except Exception as exc:
+            return self._refused("reset_prefix_cache", exc)
+        return JSONResponse({"status": "ok", "forgotten": forgotten})
+
     # ---- the gate ---------------------------------------------------------------------
 
     async def _serve(self, request: Request, endpoint: Endpoint) -> Response:
@@ -123,25 +157,47 @@ class _Api:
             prompts = await asyncio.to_thread(_prompt_ids, backend, asked)
             asked = await asyncio.to_thread(_prepared, backend, asked)
             submitted = self._submit(backend, asked, prompts)
-        except ApiError as exc:
-            self._count(endpoint, "rejected" if exc.status < 500 else "unavailable")
-            return _error_response(exc)
-        except ClientDisconnect:  # gone while sending its body: nobody to answer
-            self._count(endpoint, "aborted")
-            return Response(status_code=499)
-        except Exception as exc:  # a fault of ours: logged, and a 500 without internals
-            return self._internal_error(endpoint, exc)
+        except Exception as exc:
+            return self._refused(endpoint, exc)
         reply = Reply(
             endpoint, self.config.model_name, submitted.seqs, asked.n, backend.token_bytes
         )
+        return await self._answer(request, submitted, reply, asked, endpoint)
+
+    def _refused(self, label: str, exc: Exception) -> Response:
+        """The answer to a request that failed before it was queued."""
+        if isinstance(exc, ApiError):
+            self._count(label, "rejected" if exc.status < 500 else "unavailable")
+            return _error_response(exc)
+        if isinstance(exc, ClientDisconnect):  # gone while sending its body: nobody to answer
+            self._count(label, "aborted")
+            return Response(status_code=499)
+        return self._internal_error(label, exc)  # a fault of ours: logged, a 500 without internals
+
+    async def _answer(
+        self,
+        request: Request,
+        submitted: LoopRequest,
+        reply: Reply,
+        asked: EngineRequest,
+        label: str,
+    ) -> Response:
         if asked.stream:
-            events = self._events(submitted, reply, asked.include_usage)
+            events = self._events(submitted, reply, asked.include_usage, label)
             return StreamingResponse(
                 events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
-        return await self._whole(request, submitted, reply)
+        return await self._whole(request, submitted, reply, label)
 
     async def _admit(self, request: Request, endpoint: Endpoint) -> tuple[Backend, EngineRequest]:
+        backend = self._backend(request)
+        body = await _read_json(request, self.config.max_body_bytes)
+        asked = parse_completion(body) if endpoint == "completions" else parse_chat(body)
+        self._check_model(asked.model)
+        return backend, asked
+
+    def _backend(self, request: Request) -> Backend:
+        """The loaded backend, for a request whose key is right."""
         self._check_key(request)
         backend = self.state.backend
         if backend is None or backend.closed:
@@ -152,17 +208,17 @@ class _Api:
                 code="model_not_ready",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
-        body = await _read_json(request, self.config.max_body_bytes)
-        asked = parse_completion(body) if endpoint == "completions" else parse_chat(body)
-        if _bare_name(asked.model) != self.config.model_name:
+        return backend
+
+    def _check_model(self, model: str) -> None:
+        if _bare_name(model) != self.config.model_name:
             raise ApiError(
                 404,
-                f"the model {asked.model!r} does not exist here; this server "
+                f"the model {model!r} does not exist here; this server "
                 f"serves {self.config.model_name!r}",
                 param="model",
                 code="model_not_found",
             )
-        return backend, asked
 
     def _check_key(self, request: Request) -> None:
         if self.config.api_key is None:
@@ -210,7 +266,7 @@ class _Api:
 
     # ---- answers ------------------------------------------------------------------------
 
-    async def _events(self, submitted: LoopRequest, reply: Reply, include_usage: bool):
+    async def _events(self, submitted: LoopRequest, reply: Reply, include_usage: bool, label: str):
         started: set[int] = set()
         outcome = "aborted"  # until the stream ends: a client that hung up
         try:
@@ -228,7 +284,7 @@ class _Api:
                 seq = item.seq
                 self._observe(seq)
                 if seq.error is not None:
-                    outcome = self._failed(reply.endpoint, seq)
+                    outcome = self._failed(label, seq)
                     yield sse(_error_body(seq.error))
                     return
                 yield sse(reply.end_chunk(seq, self._first(started, seq)))
@@ -237,9 +293,11 @@ class _Api:
             yield sse("[DONE]")
             outcome = "ok"
         finally:
-            self._finish(reply, outcome)
+            self._finish(reply, outcome, label)
 
-    async def _whole(self, request: Request, submitted: LoopRequest, reply: Reply) -> Response:
+    async def _whole(
+        self, request: Request, submitted: LoopRequest, reply: Reply, label: str
+    ) -> Response:
         outcome = "aborted"
         try:
             collecting = asyncio.ensure_future(self._collect(submitted))
@@ -250,13 +308,13 @@ class _Api:
                     return Response(status_code=499)
             failed = collecting.result()
             if failed is not None:
-                outcome = self._failed(reply.endpoint, failed)
+                outcome = self._failed(label, failed)
                 status = _failure_status(failed.error)
                 return JSONResponse(_error_body(failed.error), status)
             outcome = "ok"
             return JSONResponse(reply.body())
         finally:
-            self._finish(reply, outcome)
+            self._finish(reply, outcome, label)
 
     async def _collect(self, submitted: LoopRequest) -> Sequence | None:
         """Wait for every sequence; the first that failed (the others are then aborted)."""
@@ -284,7 +342,7 @@ class _Api:
             if tokens > 1 and seq.finish_time is not None:
                 metrics.itl.observe((seq.finish_time - seq.first_token_time) / (tokens - 1))
 
-    def _failed(self, endpoint: Endpoint, seq: Sequence) -> str:
+    def _failed(self, endpoint: str, seq: Sequence) -> str:
         if isinstance(seq.error, RequestError):  # the request's own doing: not our failure
             log.info(
                 "server.request_rejected",
@@ -301,15 +359,15 @@ class _Api:
         )
         return "failed"
 
-    def _finish(self, reply: Reply, outcome: str) -> None:
+    def _finish(self, reply: Reply, outcome: str, label: str) -> None:
         self.state.in_flight -= len(reply.seqs)
         self.state.metrics.prompt_tokens.inc(reply.usage()["prompt_tokens"])
-        self._count(reply.endpoint, outcome)
+        self._count(label, outcome)
 
-    def _count(self, endpoint: Endpoint, outcome: str) -> None:
+    def _count(self, endpoint: str, outcome: str) -> None:
         self.state.metrics.requests.labels(endpoint, outcome).inc()
 
-    def _internal_error(self, endpoint: Endpoint, exc: Exception) -> Response:
+    def _internal_error(self, endpoint: str, exc: Exception) -> Response:
         log.error(
             "server.internal_error",
             endpoint=endpoint,
@@ -368,7 +426,19 @@ def _prompt_ids(backend: Backend, asked: EngineRequest) -> list[PromptIds]:
 
 
 async def _read_json(request: Request, limit: int) -> Any:
-    _check_content_type(request.headers.get("content-type"))
+    text = await _read_text(request, limit, plain=False)
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError, ValueError) as exc:
+        # RecursionError: nested too deep; ValueError: an integer past Python's digit limit
+        reason = str(exc)[:200] or type(exc).__name__
+        raise ApiError(400, f"the request body is not valid JSON: {reason}") from None
+
+
+async def _read_text(request: Request, limit: int, plain: bool) -> str:
+    """The body as text, JSON by its type (``plain``: or text/plain, as spnl sends its
+    queries, from a client that is no web page)."""
+    _check_content_type(request.headers.get("content-type"), plain, request.headers)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
@@ -379,11 +449,9 @@ async def _read_json(request: Request, limit: int) -> Any:
             408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s", code="timeout"
         ) from None
     try:
-        return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as exc:
-        # RecursionError: nested too deep; ValueError: an integer past Python's digit limit
-        reason = str(exc)[:200] or type(exc).__name__
-        raise ApiError(400, f"the request body is not valid JSON: {reason}") from None
+        return body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"the request body is not UTF-8 text: {exc}") from None
 
 
 async def _read_body(request: Request, limit: int) -> bytearray:
@@ -395,16 +463,29 @@ async def _read_body(request: Request, limit: int) -> bytearray:
     return body
 
 
-def _check_content_type(content_type: str | None) -> None:
+def _check_content_type(content_type: str | None, plain: bool, headers: Any) -> None:
     """JSON only (a missing type is taken as JSON): a web page may POST a form or plain
-    text to a local server without the browser asking first, but not JSON."""
+    text to a local server without the browser asking first, but not JSON. Where
+    ``plain`` text is taken too (spnl's queries), a request that a browser sent (it names
+    its page's ``Origin``) is refused."""
     if content_type is None:
         return
     media = content_type.partition(";")[0].strip().lower()
+    if media == "text/plain" and plain:
+        if "origin" in headers:
+            raise ApiError(
+                403,
+                "a text/plain body from a web page (the request has an Origin header) is "
+                "refused; send the query as application/json, or from a client that is no "
+                "browser",
+                code="origin_refused",
+            )
+        return
     if media != "application/json" and not media.endswith("+json"):
+        accepted = "application/json or text/plain" if plain else "application/json"
         raise ApiError(
             415,
-            f"the request body must be JSON (Content-Type: application/json), not {media!r}",
+            f"the request body must be JSON (Content-Type: {accepted}), not {media!r}",
             code="unsupported_media_type",
         )
 
@@ -414,8 +495,35 @@ def _too_large(limit: int) -> ApiError:
 
 
 def _bare_name(model: str) -> str:
-    """A model named the way spnl names it (``openai/<name>``) is the same model."""
-    return model.removeprefix("openai/")
+    """A model named the way spnl names it (``openai/<name>``, ``spnl/<name>``) is the
+    same model."""
+    return model.removeprefix("openai/").removeprefix("spnl/")
+
+
+def _stream_param(value: str | None) -> bool:
+    """``?stream=``: absent is false, as in spnl's server."""
+    if value is None:
+        return False
+    answer = {"true": True, "1": True, "yes": True, "on": True}
+    answer |= {"false": False, "0": False, "no": False, "off": False}
+    if value.strip().lower() not in answer:
+        raise bad_request(f"stream={value!r}: expected true or false", "stream")
+    return answer[value.strip().lower()]
+
+
+def _parsed_query(text: str) -> Any:
+    try:
+        return parse_query(text)
+    except RequestError as exc:
+        raise from_request_error(exc, "query") from None
+
+
+def _query_request(backend: Backend, query: Any) -> tuple[list[PromptIds], Any, int]:
+    """The query's prompts tokenized and its sampling checked, off the event loop."""
+    try:
+        return backend.span_query_request(query)
+    except RequestError as exc:
+        raise from_request_error(exc, "query") from None
 
 
 def _error_body(error: Exception | None) -> dict[str, Any]:

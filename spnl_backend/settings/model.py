@@ -11,6 +11,7 @@ from ..compression.registry import compressor_names, plugin_failures
 from ..errors import SettingsError, shown
 from ..log import get_logger, set_verbose
 from . import values
+from .pic import REUSE_RULES
 from .values import IsqType
 
 log = get_logger()
@@ -58,8 +59,10 @@ _PARSERS = {
     "cpu_matmul": values.choice(values.CPU_MATMULS),
     "cpu_gemm": values.choice(values.CPU_GEMMS),
     "batch_invariant": values.parse_bool,
-    "pic_reuse": values.choice(("exact", "relaxed")),
+    "pic_reuse": values.choice(REUSE_RULES),
+    "span_query_reuse": values.choice(REUSE_RULES),
     "pic_positions": values.choice(("after_prefix", "local")),
+    "span_template": values.choice(("model", "spnl")),
     "native_checks": values.parse_bool,
     "token_healing": values.parse_bool,
     "no_nccl": values.parse_bool,
@@ -125,10 +128,15 @@ class BackendSettings(BaseSettings):
     # dequantized weights, torch attention for long queries) whose rounding depends on them.
     batch_invariant: bool = True
     # Position-independent caching of plus blocks (`pic`): exact reuses an element's K/V
-    # only after the same tokens (bit for bit a recompute); relaxed after any (as spnl's
-    # engine does: approximate). How elements' positions are numbered: `pic.layout`.
-    pic_reuse: Literal["exact", "relaxed"] = "exact"
+    # only after the same tokens (bit for bit a recompute); relaxed after any at the same
+    # position; tokens (spnl's rule) after any, wherever it stands (approximate). spnl's
+    # span queries (/v1/query/execute) follow their own rule, spnl's by default. How
+    # elements' positions are numbered: `pic.layout`; how a span query's (or a plus
+    # chat message's) messages are templated, each alone: `pic.turns`.
+    pic_reuse: Literal["exact", "relaxed", "tokens"] = "exact"
+    span_query_reuse: Literal["exact", "relaxed", "tokens"] = "tokens"
     pic_positions: Literal["after_prefix", "local"] = "after_prefix"
+    span_template: Literal["model", "spnl"] = "model"
     # Debugging: the C kernels compiled with a check of every index they follow.
     native_checks: bool = False
     # Token healing for completions whose request does not say (`constrain.healing`).

@@ -1,5 +1,6 @@
 """The sentinel token ids of raw-token PIC prompts: spnl's ``SPNL_PIC_PLUS_TOKEN`` and
-``SPNL_PIC_CROSS_TOKEN`` (not ``MISTRALRS_*``: spnl sets them for every engine it drives)."""
+``SPNL_PIC_CROSS_TOKEN`` (not ``MISTRALRS_*``: spnl sets them for every engine it drives);
+and the rules by which plus elements are reused."""
 
 import os
 from collections.abc import Mapping
@@ -8,6 +9,10 @@ from dataclasses import dataclass
 from ..errors import SettingsError, shown
 
 PLUS_SENTINEL_ENV, CROSS_SENTINEL_ENV = "SPNL_PIC_PLUS_TOKEN", "SPNL_PIC_CROSS_TOKEN"
+# How a plus element's blocks are keyed in the pool (`engine.pic_blocks`): by everything
+# before its group (exact), by its first position (relaxed), or by its tokens alone
+# (tokens: spnl's rule; a hit elsewhere has its keys moved to where it now stands).
+REUSE_RULES = ("exact", "relaxed", "tokens")
 
 
 @dataclass(frozen=True)

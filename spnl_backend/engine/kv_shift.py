@@ -1,0 +1,59 @@
+"""Moving a pool block's keys to other positions.
+
+Under spnl's reuse rule (``tokens``) a plus element is keyed by its tokens alone, so the
+pool may hold it computed where it stood at other positions (a map warm-up computes a
+document after the BOS; the query that reuses it puts it after a system prompt). Keys
+are stored rotated, and a rotation by ``p`` followed by one by ``d`` is a rotation by
+``p + d``, so the element's keys are rotated on by the difference into a block of the
+request's own (the pooled block stays as it is): what spnl's engine gets by rotating
+every key as it reads it. Values do not depend on positions.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+from ..models.config import ModelConfig, RopeConfig
+from ..models.rope import inv_freq_and_scale
+
+Angles = list[tuple[torch.Tensor, torch.Tensor]]  # each layer's (cos, sin) of one shift
+# Copies a pool block (``src`` to ``dst``), its keys turned by the angles.
+MoveBlock = Callable[[int, int, Angles], None]
+
+
+class KeyShift:
+    """A pool's block mover with each layer's inverse frequencies."""
+
+    def __init__(self, config: ModelConfig, move_block: MoveBlock) -> None:
+        self._move_block = move_block
+        max_position = config.max_position_embeddings
+        main = _inv_freq(config.rope, max_position)
+        local = _inv_freq(config.rope_local, max_position) if config.rope_local else main
+        self.inv_freqs = [local if kind == "sliding" else main for kind in config.layer_types]
+        ropes = [config.rope, config.rope_local]
+        # LongRoPE changes its frequencies past its original context: no shift across it.
+        limits = [r.original_max_position for r in ropes if r is not None and r.kind == "longrope"]
+        self.limit = min(limits, default=None)
+
+    def possible(self, old: int, new: int, length: int) -> bool:
+        """Whether ``length`` keys from position ``old`` can move to ``new``."""
+        if old < 0 or new < 0:
+            return False
+        return self.limit is None or max(old, new) + length <= self.limit
+
+    def move(self, src: int, dst: int, delta: int) -> None:
+        """Block ``dst`` set to block ``src`` with its keys ``delta`` positions on."""
+        self._move_block(src, dst, self.angles(delta))
+
+    def angles(self, delta: int) -> Angles:
+        """Each layer's ``(cos, sin)`` of a shift by ``delta`` positions (float32)."""
+        cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for inv_freq in self.inv_freqs:
+            if id(inv_freq) not in cache:
+                turned = inv_freq.double() * delta  # exact enough for any context length
+                cache[id(inv_freq)] = (turned.cos().float(), turned.sin().float())
+        return [cache[id(inv_freq)] for inv_freq in self.inv_freqs]
+
+
+def _inv_freq(rope: RopeConfig, max_position: int) -> torch.Tensor:
+    return inv_freq_and_scale(rope, max_position)[0]
