@@ -83,9 +83,9 @@ def moves(monkeypatch):
     seen = []
     original = KeyShift.move
 
-    def record(self, src, dst, delta):
-        seen.append((src, dst, delta))
-        original(self, src, dst, delta)
+    def record(self, sources, targets, delta):
+        seen.extend((src, dst, delta) for src, dst in zip(sources, targets, strict=True))
+        original(self, sources, targets, delta)
 
     monkeypatch.setattr(KeyShift, "move", record)
     return seen

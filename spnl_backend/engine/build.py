@@ -265,7 +265,7 @@ def _paged_cache(
     # parallelism, whose other ranks hold pools of their own.
     shift = None
     if isinstance(cache, PagedKVCache) and loaded.model.tp is None:
-        shift = KeyShift(loaded.config, cache.move_block)
+        shift = KeyShift(loaded.config, cache.move_blocks)
     manager = PagedCacheManager(cache, blocks, loaded.kernels.attention, shift)
     return manager, info
 

@@ -17,15 +17,15 @@ from ..models.config import ModelConfig, RopeConfig
 from ..models.rope import inv_freq_and_scale
 
 Angles = list[tuple[torch.Tensor, torch.Tensor]]  # each layer's (cos, sin) of one shift
-# Copies a pool block (``src`` to ``dst``), its keys turned by the angles.
-MoveBlock = Callable[[int, int, Angles], None]
+# Copies pool blocks (sources to targets), their keys turned by the angles.
+MoveBlocks = Callable[[list[int], list[int], Angles], None]
 
 
 class KeyShift:
     """A pool's block mover with each layer's inverse frequencies."""
 
-    def __init__(self, config: ModelConfig, move_block: MoveBlock) -> None:
-        self._move_block = move_block
+    def __init__(self, config: ModelConfig, move_blocks: MoveBlocks) -> None:
+        self._move_blocks = move_blocks
         max_position = config.max_position_embeddings
         main = _inv_freq(config.rope, max_position)
         local = _inv_freq(config.rope_local, max_position) if config.rope_local else main
@@ -41,9 +41,9 @@ class KeyShift:
             return False
         return self.limit is None or max(old, new) + length <= self.limit
 
-    def move(self, src: int, dst: int, delta: int) -> None:
-        """Block ``dst`` set to block ``src`` with its keys ``delta`` positions on."""
-        self._move_block(src, dst, self.angles(delta))
+    def move(self, sources: list[int], targets: list[int], delta: int) -> None:
+        """Blocks ``targets`` set to blocks ``sources``, their keys ``delta`` positions on."""
+        self._move_blocks(sources, targets, self.angles(delta))
 
     def angles(self, delta: int) -> Angles:
         """Each layer's ``(cos, sin)`` of a shift by ``delta`` positions (float32)."""

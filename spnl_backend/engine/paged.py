@@ -66,11 +66,12 @@ class PagedKVCache:
     def step(self, kernels: Kernels, meta: PagedMetadata) -> "PagedStep":
         return PagedStep(self, kernels, meta)
 
-    def move_block(self, src: int, dst: int, angles: Angles) -> None:
-        """Block ``dst`` of every layer set to block ``src``, its keys turned by each
-        layer's ``angles`` (`engine.kv_shift`)."""
+    def move_blocks(self, sources: list[int], targets: list[int], angles: Angles) -> None:
+        """Blocks ``targets`` of every layer set to blocks ``sources``, their keys turned by
+        each layer's ``angles`` (`engine.kv_shift`)."""
         for layer, (keys, values) in enumerate(self.layers):
             cos, sin = angles[layer]
+            src, dst = (torch.tensor(ids, device=keys.device) for ids in (sources, targets))
             copy_block_rotated(keys, values, src, dst, cos, sin, self.k_scale[layer])
 
 
@@ -233,6 +234,7 @@ class PagedCacheManager:
         element by its tokens alone), copied into blocks of the sequence's own with their
         keys moved to where they now stand; dropped (computed) where that cannot be. The
         tokens moved."""
+        moves: dict[int, list[tuple[int, int]]] = {}  # by distance: (source, target)
         moved = 0
         for index, block in list(hits.items()):
             source = found[index]
@@ -246,11 +248,16 @@ class PagedCacheManager:
                 or not self.blocks.num_available
             ):
                 del hits[index], found[index]
+                self.blocks.unshare(source)
             else:
                 found[index] = self.blocks.take()
-                self.shift.move(source, found[index], block.position - stored)
+                moves.setdefault(block.position - stored, []).append((source, found[index]))
                 moved += length
-            self.blocks.unshare(source)
+        for delta, pairs in moves.items():
+            sources, targets = zip(*pairs, strict=True)
+            self.shift.move(list(sources), list(targets), delta)  # type: ignore[union-attr]
+            for source in sources:
+                self.blocks.unshare(source)
         return moved
 
     def reserve(self, seq: CachedTokens, num_tokens: int) -> bool:

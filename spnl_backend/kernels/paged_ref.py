@@ -184,16 +184,17 @@ def _decode_batched(
 def copy_block_rotated(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    src: int,
-    dst: int,
+    src: int | torch.Tensor,
+    dst: int | torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     k_scale: float = 1.0,
 ) -> None:
-    """Block ``dst`` of a layer's pool set to block ``src``, its keys rotated on by the
-    angles ``cos``/``sin [rotary_dim / 2]`` (float32): keys stored rotated for positions
-    ``p`` become those for ``p + d`` where the angles are ``d`` times the inverse
-    frequencies. Computed in float32, stored as the pool stores keys."""
+    """Block ``dst`` of a layer's pool set to block ``src`` (or blocks: int64 tensors of
+    ids), its keys rotated on by the angles ``cos``/``sin [rotary_dim / 2]`` (float32):
+    keys stored rotated for positions ``p`` become those for ``p + d`` where the angles
+    are ``d`` times the inverse frequencies. Computed in float32, stored as the pool
+    stores keys."""
     keys = key_cache[src].float()
     if key_cache.dtype == torch.float8_e4m3fn:
         keys = keys * k_scale

@@ -125,8 +125,8 @@ class _Api:
         ``repeat`` answered as a chat completion and a ``map`` as a completion."""
         label = "query"
         try:
-            stream = _stream_param(request.query_params.get("stream"))
             backend = self._backend(request)
+            stream = _stream_param(request.query_params.get("stream"))
             text = await _read_text(request, self.config.max_body_bytes, plain=True)
             query = await asyncio.to_thread(_parsed_query, text)
             self._check_model(query.metadata.model)
