@@ -65,21 +65,22 @@ class ChildError(RuntimeError):
         self.last_line = (stderr.strip().splitlines() or ["no output"])[-1]
 
 
-def child_json(command: list) -> dict | list:
+def child_json(command: list, env: dict | None = None) -> dict | list:
     """Run a measuring child and return the last JSON line it printed. The child inherits
-    this environment (PYTHONPATH included), so it imports the same spnl_backend."""
+    this environment (PYTHONPATH included), so it imports the same spnl_backend, or runs
+    in ``env``."""
     command = [str(part) for part in command]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith(("{", "["))]
     if done.returncode != 0 or not lines:
         raise ChildError(done.stderr)
     return json.loads(lines[-1])
 
 
-def run_json_child(command: list) -> dict:
+def run_json_child(command: list, env: dict | None = None) -> dict:
     """`child_json`, a failure reported as ``{"error": its last line}`` for the table."""
     try:
-        return child_json(command)
+        return child_json(command, env)
     except ChildError as failure:
         return {"error": failure.last_line}
 

@@ -4,6 +4,7 @@ import asyncio
 import atexit
 import dataclasses
 import os
+import sys
 import threading
 import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -24,7 +25,7 @@ from .errors import ContextLengthError, RequestAbortedError, RequestError, Setti
 from .loader.build import LoadedModel, load_model
 from .loader.default_model import default_model_path
 from .loader.draft import load_draft
-from .loader.progress import LogProgress, Progress
+from .loader.progress import LogProgress, Progress, TqdmProgress
 from .loader.resolve import ModelSource, resolve_model
 from .log import get_logger, set_verbose
 from .memory import release_freed_memory
@@ -762,8 +763,9 @@ def load_backend(
     """Load a model (the argument, else ``MISTRALRS_MODEL``, else the embedded default).
 
     ``settings`` default to the MISTRALRS_* environment; ``progress`` receives loading
-    progress (by default ``load.progress`` log events), called from the backend's engine
-    thread, which loads the model while this call waits.
+    progress (by default progress bars where stderr is a terminal, else ``load.progress``
+    log events), called from the backend's engine thread, which loads the model while
+    this call waits. A load that fails or is interrupted ends the bars' lines first.
     """
     _check_load_arguments(model, settings, progress)
     if settings is None:
@@ -778,7 +780,22 @@ def load_backend(
         else ModelSource("gguf", default_model_path(), "embedded default")
     )
     log.info("model.resolved", name=source.name, kind=source.kind, path=str(source.path))
-    progress = progress or LogProgress()
+    progress = progress or (TqdmProgress() if sys.stderr.isatty() else LogProgress())
+    try:
+        return _load(source, settings, decisions, progress)
+    except BaseException:
+        close = getattr(progress, "close", None)
+        if close is not None:
+            close()
+        raise
+
+
+def _load(
+    source: ModelSource,
+    settings: BackendSettings,
+    decisions: PlatformDecisions,
+    progress: Progress,
+) -> Backend:
     topology = decide_topology(
         settings, decisions.device_type, decisions.cuda_device_count, launch_environment()
     )
@@ -813,10 +830,12 @@ def _load_distributed(
     Rank 0 returns the backend; any other first rank follows rank 0's steps until rank 0
     closes, then ends its process (under torchrun, every rank but 0)."""
     from .distributed.driver import Ranks, check_model_splits, start_ranks
+    from .distributed.launch import rank_decisions
     from .distributed.worker import follow
 
     check_distributed_settings(settings, decisions)
     check_model_splits(source, topology.world_size)
+    decisions = rank_decisions(decisions, topology)
     log.info("distributed.topology", why=topology.why, rank=topology.rank)
 
     def load_share() -> tuple[LoadedModel, Ranks]:

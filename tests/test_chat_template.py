@@ -1,8 +1,6 @@
 """Chat templates come with model files: they render as transformers renders them, and no
 template can hang or crash its caller (it fails the call with the library's error)."""
 
-import time
-
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -75,11 +73,10 @@ def test_the_templates_own_refusal_is_a_request_error():
     ],
 )
 def test_no_template_hangs_or_escapes(source, message):
+    """Each limit is counted (iterations, sizes), not timed: it holds on any machine."""
     template = ChatTemplate(source, "test")
-    start = time.perf_counter()
     with pytest.raises(RequestError, match=message):
         template.render(MESSAGES)
-    assert time.perf_counter() - start < 30  # bounded: the limits hold, whatever the machine
 
 
 def test_the_iteration_budget_is_per_rendering():

@@ -3,6 +3,7 @@
 import contextlib
 import io
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -167,14 +168,17 @@ def test_ctrl_c_exits_130_with_one_line(tiny, stage):
     assert out in (b"", b"\n") or out.endswith(b"\n")  # a streamed line is ended
 
 
+class _Terminal(io.StringIO):
+    """A stderr that says it is a terminal (tqdm then draws)."""
+
+    def isatty(self):
+        return True
+
+
 def test_the_load_progress_bar_ends_at_100_percent_on_its_own_line(capsys):
     from spnl_backend.loader.progress import TqdmProgress
 
-    class Terminal(io.StringIO):
-        def isatty(self):
-            return True
-
-    terminal = Terminal()
+    terminal = _Terminal()
     with contextlib.redirect_stderr(terminal):
         progress = TqdmProgress()
         for done in range(237):
@@ -182,3 +186,83 @@ def test_the_load_progress_bar_ends_at_100_percent_on_its_own_line(capsys):
     drawn = terminal.getvalue()
     assert "236/236" in drawn.rsplit("\r", 1)[-1]
     assert drawn.endswith("\n")
+
+
+def test_a_step_with_nothing_to_count_shows_its_time_and_ends_its_line(monkeypatch):
+    from spnl_backend.loader import progress as module
+
+    monkeypatch.setattr(module, "TICK_S", 0.01)
+    terminal = _Terminal()
+    with contextlib.redirect_stderr(terminal):
+        progress = module.TqdmProgress()
+        with module.step(progress, "compiling the CPU kernels"):
+            time.sleep(0.1)  # the bar redraws meanwhile: its time runs
+        with module.step(progress, "converting the tokenizer", happens=False):
+            pass
+    drawn = terminal.getvalue()
+    assert drawn.count("compiling the CPU kernels") > 2
+    assert drawn.rsplit("\r", 1)[-1].startswith("compiling the CPU kernels: 00:00")
+    assert drawn.endswith("\n")
+    assert "converting" not in drawn  # a cached step draws nothing
+
+
+def test_closing_the_progress_ends_open_lines_and_draws_no_more():
+    from spnl_backend.loader.progress import TqdmProgress
+
+    terminal = _Terminal()
+    with contextlib.redirect_stderr(terminal):
+        progress = TqdmProgress()
+        progress("compiling the CPU kernels", 0, 1)
+        progress("weights", 10, 236)
+        progress.close()  # an interruption: its message starts on a line of its own
+        after = len(terminal.getvalue())
+        progress("weights", 20, 236)
+    drawn = terminal.getvalue()
+    assert drawn.endswith("\n")
+    assert len(drawn) == after
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="a pseudo-terminal")
+def test_a_first_run_shows_its_steps_and_ctrl_c_ends_the_bar_first(tiny, tmp_path):
+    """On a terminal, a first run (nothing cached) shows the kernel compile as a bar; Ctrl-C
+    during it ends the bar's line before the one-line message."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    script = Path(sys.executable).parent / "spnl-backend"
+    command = [str(script), *_generate(tiny, "--max-tokens", "2", "Once upon a time")]
+    env = {"PATH": "/usr/bin:/bin", "MISTRALRS_DEVICE": "cpu", "HOME": str(Path.home())}
+    env["XDG_CACHE_HOME"] = str(tmp_path)  # nothing compiled yet
+    main_fd, terminal = pty.openpty()
+    # A terminal of 30 x 100 (a new pseudo-terminal has no size, and tqdm then draws nothing).
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    child = subprocess.Popen(command, stdin=terminal, stdout=terminal, stderr=terminal, env=env)
+    os.close(terminal)
+    drawn = b""
+    deadline = time.monotonic() + 300
+    while b"compiling the CPU kernels" not in drawn and time.monotonic() < deadline:
+        try:
+            drawn += os.read(main_fd, 4096)
+        except OSError:
+            break
+    assert b"compiling the CPU kernels" in drawn, drawn[-2000:]
+    child.send_signal(signal.SIGINT)
+    while True:
+        try:
+            chunk = os.read(main_fd, 4096)
+        except OSError:  # the child has closed the terminal
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    child.wait(timeout=120)
+    os.close(main_fd)
+    text = drawn.decode(errors="replace")
+    assert child.returncode == 130, text[-2000:]
+    message = "spnl-backend: interrupted"
+    assert message in text
+    before = text[: text.rindex(message)]
+    assert before.endswith("\n"), repr(text[-400:])

@@ -311,14 +311,10 @@ def test_long_contexts_attend_alike_alone_batched_and_on_any_threads(kernels, wi
     q, key_cache, value_cache, slots, seq_lens = _long_decode_case(lens, kv_heads=1, dim=dim)
 
     def decode(rows, threads):
-        previous = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            return kernels.paged_decode(
-                q[rows], key_cache, value_cache, slots[rows], seq_lens[rows], 0.2, window, None
-            )
-        finally:
-            torch.set_num_threads(previous)
+        on = dataclasses.replace(kernels, threads=threads)
+        return on.paged_decode(
+            q[rows], key_cache, value_cache, slots[rows], seq_lens[rows], 0.2, window, None
+        )
 
     batched = decode(slice(None), 2)
     twin = _decode_twin(q, key_cache, value_cache, slots, seq_lens, 0.2, window)

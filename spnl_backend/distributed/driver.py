@@ -20,7 +20,7 @@ from ..log import get_logger
 from ..quant.ggml import ggml_format
 from ..settings import BackendSettings, PlatformDecisions
 from ..settings.topology import Topology
-from .launch import LocalRanks, store_port, threads_per_rank
+from .launch import LocalRanks, store_port
 from .parallel import Op, TensorParallel
 from .sharding import check_shardable
 from .split import RankSplit, join_group, serving
@@ -98,7 +98,7 @@ def start_ranks(
     """Start this machine's other ranks and join the group with them (call on the thread
     that will run the model: the collectives keep one order)."""
     port = store_port(topology)
-    threads, before = threads_per_rank(topology), torch.get_num_threads()
+    threads, before = decisions.threads, torch.get_num_threads()
     torch.set_num_threads(threads)  # this process takes its share of the cores too
     local = None
     if topology.launcher == "spawn" and topology.local_world_size > 1:

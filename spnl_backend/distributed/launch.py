@@ -5,18 +5,17 @@ exits is named in the error of the collective that missed it, and closing the ba
 stops them all."""
 
 import json
-import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from ..errors import SettingsError
 from ..log import get_logger
-from ..settings import BackendSettings
+from ..settings import BackendSettings, PlatformDecisions
 from ..settings.topology import LOCALHOST, Topology
 
 log = get_logger()
@@ -45,9 +44,14 @@ def store_port(topology: Topology) -> int:
     return port
 
 
-def threads_per_rank(topology: Topology) -> int:
-    """Each local rank's share of the machine's cores."""
-    return max(1, (os.cpu_count() or 1) // topology.local_world_size)
+def rank_decisions(decisions: PlatformDecisions, topology: Topology) -> PlatformDecisions:
+    """``decisions`` for one of this machine's ranks: its share of the process's threads."""
+    ranks = topology.local_world_size
+    if ranks == 1:
+        return decisions
+    threads = max(1, decisions.threads // ranks)
+    why = f"{decisions.threads_reason}, shared by {ranks} local ranks"
+    return replace(decisions, threads=threads, threads_reason=why)
 
 
 class LocalRanks:
@@ -71,7 +75,7 @@ class LocalRanks:
                 json.dumps(
                     {
                         "source": source,
-                        "settings": _rank_settings(settings, topology, rank),
+                        "settings": _rank_settings(settings, topology, rank, threads),
                         "topology": asdict(topology.for_rank(rank)),
                         "port": port,
                         "threads": threads,
@@ -135,9 +139,10 @@ class LocalRanks:
         self.stop()
 
 
-def _rank_settings(settings: BackendSettings, topology: Topology, rank: int) -> dict:
-    """``settings`` for ``rank``: the same, on its own GPU where there are GPUs."""
-    values = settings.model_dump(mode="json", exclude_defaults=True)
+def _rank_settings(settings: BackendSettings, topology: Topology, rank: int, threads: int) -> dict:
+    """``settings`` for ``rank``: the same, its share of the threads, on its own GPU where
+    there are GPUs."""
+    values = settings.model_dump(mode="json", exclude_defaults=True) | {"num_threads": threads}
     if topology.backend == "nccl":
         values["device"] = f"cuda:{rank % topology.local_world_size}"
     return values

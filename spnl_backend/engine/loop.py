@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from ..errors import EngineError, RequestAbortedError
+from ..kernels.threads import torch_on_this_thread_alone
 from ..log import get_logger
 from .engine import Engine
 from .sequence import Sequence, StepOutput
@@ -127,12 +128,10 @@ class EngineLoop:
     """The thread that builds the engine and then steps it; every method is safe from any
     thread.
 
-    The build runs on the loop's own thread because the OpenMP runtimes (torch's and the
-    compiled kernels') keep a pool of workers per thread that starts parallel work: a
-    second pool on a second thread leaves more workers than cores, and the runtimes then
-    put their workers to sleep between parallel regions instead of letting them spin,
-    which halved decode speed on 2 cores. With one thread for the build and every step,
-    there is one pool per runtime.
+    The build runs on the loop's own thread too. The steps compute on the native kernels'
+    pool (`kernels.cpu`); the thread's own torch operations run on it alone
+    (`kernels.threads`), so that no second team of threads contends for the cores and
+    their sums do not depend on the machine's thread count.
     """
 
     def __init__(
@@ -228,6 +227,7 @@ class EngineLoop:
             built.set_exception(exc)
             return
         built.set_result(extra)
+        torch_on_this_thread_alone()
         self._serve()
         self.engine.close()
         if self._stopping and not self._live:

@@ -83,7 +83,7 @@ def native_kernels(decisions: PlatformDecisions) -> CpuKernels | None:
         return None
     if decisions.cpu_matmul == "int8" and not native.has_int8:
         raise PlatformError("the native kernels were built without the int8 products")
-    return replace(native, exact=decisions.cpu_matmul == "float32")
+    return replace(native, exact=decisions.cpu_matmul == "float32", threads=decisions.threads)
 
 
 def select_kernels(

@@ -6,7 +6,7 @@ from typing import Protocol
 import torch
 
 from ..kernels import KernelChoice, choose_kernels
-from ..kernels.cpu import CpuKernels
+from ..kernels.cpu import CpuKernels, built_before
 from ..log import get_logger
 from ..memory import release_freed_memory
 from ..models.config import ModelConfig
@@ -20,9 +20,9 @@ from ..settings.values import IsqType
 from .gguf_config import model_config_from_gguf
 from .gguf_file import GGUFFile
 from .hf_config import read_text_config
-from .progress import Progress
+from .progress import Progress, step
 from .resolve import ModelSource
-from .tokenizer import Tokenizer, load_gguf_tokenizer, load_text_tokenizer
+from .tokenizer import Tokenizer, converted_before, load_gguf_tokenizer, load_text_tokenizer
 from .weights import (
     NamedTensors,
     load_into,
@@ -113,7 +113,7 @@ def _load_text(
             note="projections quantized as they load; embedding and head promoted",
         )
         weights = apply_isq(weights, isq)
-    return _build(source, config, tokenizer, weights, decisions, place)
+    return _build(source, config, tokenizer, weights, decisions, place, progress)
 
 
 def _load_gguf(
@@ -133,9 +133,10 @@ def _load_gguf(
         )
     gguf = GGUFFile(source.path)
     config = model_config_from_gguf(gguf)
-    tokenizer = tokenizer or load_gguf_tokenizer(
-        source.path, config.architecture, config.eos_token_ids
-    )
+    if tokenizer is None:
+        fresh = not converted_before(source.path)
+        with step(progress, "converting the tokenizer (first load of this file)", fresh):
+            tokenizer = load_gguf_tokenizer(source.path, config.architecture, config.eos_token_ids)
     release_freed_memory()  # the tokenizer's parse, before the weights land on top of it
     weights = split_fused(read_gguf(gguf, config, progress), config)
     if place.split is not None:
@@ -143,7 +144,7 @@ def _load_gguf(
     if isq is not None and requantize:
         log.info("isq.requantize", type=isq.value, note="the GGUF's blocks, for the draft")
         weights = apply_isq(weights, isq)
-    return _build(source, config, tokenizer, weights, decisions, place)
+    return _build(source, config, tokenizer, weights, decisions, place, progress)
 
 
 def _build(
@@ -153,6 +154,7 @@ def _build(
     weights: NamedTensors,
     decisions: PlatformDecisions,
     place: _Placement,
+    progress: Progress,
 ) -> LoadedModel:
     dtype = getattr(torch, decisions.resolve_dtype(config.dtype))
     device = torch.device(decisions.device)
@@ -167,7 +169,10 @@ def _build(
         device = devices[0]  # where a step's inputs start
     with torch.device("meta"):
         model = CausalLM(config, tp)
-    kernels = choose_kernels(decisions)
+    compiles = decisions.kernels == "cpu" and decisions.c_compiler is not None
+    compiles = compiles and not built_before(decisions.c_compiler, decisions.native_checks)
+    with step(progress, "compiling the CPU kernels (first run on this machine)", compiles):
+        kernels = choose_kernels(decisions)
     native = kernels.native
     load_into(
         model,

@@ -158,6 +158,11 @@ def load_text_tokenizer(model_dir: Path, eos_token_ids: Sequence[int]) -> Tokeni
     return Tokenizer(hf, eos_token_ids, str(model_dir))
 
 
+def converted_before(gguf_path: Path) -> bool:
+    """Whether the GGUF file's tokenizer is converted already (cached)."""
+    return (cache_dir("tokenizers") / _cache_key(gguf_path) / "tokenizer.json").exists()
+
+
 def gguf_tokenizer_dir(gguf_path: Path) -> Path:
     """The directory holding a GGUF file's tokenizer as transformers saves it (converted
     on first use, then cached): what libraries that want a transformers tokenizer read."""

@@ -175,7 +175,7 @@ class LayerBlocks:
             **{name: t.data_ptr() for name, t in buffers.items()},
             slot_mapping=keys.slot_mapping.data_ptr(),
             num_slots=keys.num_slots,
-            threads=torch.get_num_threads(),
+            threads=self.native.threads,
             exact=int(self.native.exact),
         )
         if self.moe is not None:  # every MoE layer has the same shapes (checked at build)

@@ -59,6 +59,7 @@ _PARSERS = {
     "cpu_matmul": values.choice(values.CPU_MATMULS),
     "cpu_gemm": values.choice(values.CPU_GEMMS),
     "batch_invariant": values.parse_bool,
+    "num_threads": values.parse_num_threads,
     "pic_reuse": values.choice(REUSE_RULES),
     "span_query_reuse": values.choice(REUSE_RULES),
     "pic_positions": values.choice(("after_prefix", "local")),
@@ -127,6 +128,10 @@ class BackendSettings(BaseSettings):
     # takes the same arithmetic. Off, many-row steps may take faster paths (a GEMM of
     # dequantized weights, torch attention for long queries) whose rounding depends on them.
     batch_invariant: bool = True
+    # The CPU threads the kernels compute on (one pool for the process's native kernels;
+    # the engine's own torch operations run on its thread alone): auto sizes it to the
+    # CPUs the process may use (affinity, cgroup quota), or OMP_NUM_THREADS where set.
+    num_threads: int | Literal["auto"] = "auto"
     # Position-independent caching of plus blocks (`pic`): exact reuses an element's K/V
     # only after the same tokens (bit for bit a recompute); relaxed after any at the same
     # position; tokens (spnl's rule) after any, wherever it stands (approximate). spnl's

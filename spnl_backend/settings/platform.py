@@ -5,18 +5,21 @@ turns facts and settings into `PlatformDecisions`, a pure function so that tests
 can fake any machine. The loader consumes the decisions; nothing else detects.
 """
 
+import math
 import os
 import platform as _platform
 import shutil
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from ..errors import PlatformError
+from ..errors import PlatformError, SettingsError
 from ..log import get_logger
 from .effects import ineffective_settings
 from .model import BackendSettings
+from .values import MAX_THREADS
 
 log = get_logger()
 
@@ -54,6 +57,9 @@ class PlatformProbe:
     c_compiler: str | None = None  # what builds the CPU's native kernels
     cpu_int8: bool = False  # x86 with AVX2: the native int8 products compile
     cpu_bf16_gemm: bool = False  # oneDNN runs bfloat16 GEMMs in hardware (AVX512-BF16, AMX)
+    cpus_allowed: int = 1  # the CPUs this process may run on (its affinity)
+    cpu_quota: float | None = None  # its cgroup's CPU limit in CPUs (None: unlimited)
+    omp_num_threads: str | None = None  # OMP_NUM_THREADS as set
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,8 @@ class PlatformDecisions:
     cpu_kernels_required: bool = False  # MISTRALRS_CPU_KERNELS=native: no fallback
     notes: tuple[str, ...] = field(default=())
     cuda_device_count: int = 0  # visible CUDA GPUs (tensor parallelism spans them)
+    threads: int = 1  # the native kernels' pool (the CPU's compute threads)
+    threads_reason: str = ""
 
     def resolve_dtype(self, config_dtype: str | None = None) -> str:
         """The compute dtype: the setting, else the model's own where the device runs it well.
@@ -123,6 +131,9 @@ def probe_platform() -> PlatformProbe:
         c_compiler=find_c_compiler(),
         cpu_int8=_cpu_has_avx2(),
         cpu_bf16_gemm=_bf16_gemm_in_hardware(),
+        cpus_allowed=_cpus_allowed(),
+        cpu_quota=_cgroup_cpu_quota(),
+        omp_num_threads=os.environ.get("OMP_NUM_THREADS") or None,
     )
 
 
@@ -156,6 +167,7 @@ def decide_platform(settings: BackendSettings, probe: PlatformProbe) -> Platform
         device_type, triton_usable, probe, settings.cpu_kernels
     )
     cpu_matmul, cpu_gemm = _decide_cpu_arithmetic(kernels == "cpu", settings, probe)
+    threads, threads_reason = _decide_threads(settings.num_threads, probe)
     fp8 = _fp8_support(device, device_type, probe)
     bf16 = _bf16_support(device, device_type, probe)
     _check_cache_type(settings.paged_cache_type, paged, fp8, device, kernels)
@@ -185,7 +197,55 @@ def decide_platform(settings: BackendSettings, probe: PlatformProbe) -> Platform
         cpu_kernels_required=settings.cpu_kernels == "native",
         notes=notes,
         cuda_device_count=len(probe.cuda_devices),
+        threads=threads,
+        threads_reason=threads_reason,
     )
+
+
+def _decide_threads(requested: int | str, probe: PlatformProbe) -> tuple[int, str]:
+    """The pool's size: the setting, else OMP_NUM_THREADS (honoured, as torch honours it),
+    else the CPUs the process may use: its affinity, within its cgroup's quota."""
+    if requested != "auto":
+        return int(requested), f"MISTRALRS_NUM_THREADS={requested}"
+    if probe.omp_num_threads is not None:
+        first = probe.omp_num_threads.split(",")[0].strip()
+        if not first.isdecimal() or not 0 < int(first) <= MAX_THREADS:
+            raise SettingsError(
+                f"OMP_NUM_THREADS={probe.omp_num_threads!r}: expected a whole number from 1 to "
+                f"{MAX_THREADS} (or unset it and set MISTRALRS_NUM_THREADS)"
+            )
+        return int(first), f"OMP_NUM_THREADS={probe.omp_num_threads}"
+    allowed = (
+        f"{probe.cpus_allowed} CPU{'s' if probe.cpus_allowed != 1 else ''} this process may run on"
+    )
+    if probe.cpu_quota is not None and probe.cpu_quota < probe.cpus_allowed:
+        quota = max(1, math.ceil(probe.cpu_quota - 1e-9))
+        return quota, f"its cgroup's CPU quota of {probe.cpu_quota:g} ({allowed})"
+    return min(probe.cpus_allowed, MAX_THREADS), allowed
+
+
+def _cpus_allowed() -> int:
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no affinity on macOS or Windows
+        return os.cpu_count() or 1
+
+
+def _cgroup_cpu_quota() -> float | None:
+    """The CPUs this process's cgroup may use (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``),
+    None where there is no limit or no cgroup to read."""
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        v1 = Path("/sys/fs/cgroup/cpu")
+        quota_us = int((v1 / "cpu.cfs_quota_us").read_text())
+        period_us = int((v1 / "cpu.cfs_period_us").read_text())
+        return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
+    except (OSError, ValueError):
+        return None
 
 
 def _choose_device(requested: str, probe: PlatformProbe) -> tuple[str, DeviceType, str]:

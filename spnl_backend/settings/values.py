@@ -135,6 +135,20 @@ def parse_positive_int(value: object) -> int:
     return number
 
 
+MAX_THREADS = 256  # the native kernels' pool: the caller and 255 workers
+
+
+def parse_num_threads(value: object) -> int | str:
+    """``auto`` or a thread count from 1 to `MAX_THREADS`."""
+    expected = f"expected auto or a whole number from 1 to {MAX_THREADS}"
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    number = _parse_int(value, expected)
+    if not 0 < number <= MAX_THREADS:
+        raise ValueError(expected)
+    return number
+
+
 def _parse_positive_float(value: object, top: float, expected: str) -> float:
     """A number greater than 0 and at most ``top``."""
     if isinstance(value, bool):

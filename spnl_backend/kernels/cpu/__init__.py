@@ -55,6 +55,7 @@ SOURCES = tuple(
         "coded_decode.c",
         "moe.c",
         "layer_blocks.c",
+        "pool.c",
         "build_info.c",
     )
 )
@@ -288,6 +289,9 @@ class CpuKernels:
     # Built with -DSPNL_CHECKS: every index checked in C too.
     checks: bool = False
     has_int8: bool = True
+    # The threads a call computes on (pool.c's pool, shared by the process's calls): the
+    # platform's decision (`PlatformDecisions.threads`).
+    threads: int = 1
 
     def products(self, weights: list[tuple[int, torch.Tensor, int]]) -> "Products":
         """A prepared call for ``x @ W.T`` of each ``(qtype, W [n_out, row_bytes], n_out)``."""
@@ -304,7 +308,7 @@ class CpuKernels:
                 n_rows,
                 k_in,
                 out.data_ptr(),
-                torch.get_num_threads(),
+                self.threads,
             ),
             "dequantize",
         )
@@ -531,6 +535,7 @@ class CpuKernels:
                 scale,
                 window,
                 softcap,
+                self.threads,
                 firsts,
             ),
             q=q.data_ptr(),
@@ -586,7 +591,17 @@ class CpuKernels:
         check_keys(slots, lens, seqs, "coded_decode")
         out = torch.empty_like(q)
         args = _CodedDecode(
-            at=_attention(out, kv_heads, slots, lens, key_pool.shape[0], scale, window, softcap),
+            at=_attention(
+                out,
+                kv_heads,
+                slots,
+                lens,
+                key_pool.shape[0],
+                scale,
+                window,
+                softcap,
+                self.threads,
+            ),
             q_rot=q_rot.data_ptr(),
             q=q.data_ptr(),
             k_shift=k_shift.data_ptr(),
@@ -674,6 +689,7 @@ def _attention(
     scale: float,
     window: int | None,
     softcap: float | None,
+    threads: int,
     firsts: torch.Tensor | None = None,
 ) -> _Attention:
     """The part both decode attentions share, for queries shaped as ``out [seqs, heads, dim]``
@@ -694,7 +710,7 @@ def _attention(
         softcap=softcap or 0.0,
         window=window or 0,
         out=out.data_ptr(),
-        threads=torch.get_num_threads(),
+        threads=threads,
         firsts=None if firsts is None else firsts.data_ptr(),
     )
 
@@ -759,7 +775,7 @@ class Products:
                 k_in,
                 out.data_ptr(),
                 self.total,
-                torch.get_num_threads(),
+                kernels.threads,
                 kernels.exact,
             ),
             "matmul",
@@ -790,7 +806,7 @@ class Products:
                 out.data_ptr(),
                 y_rows,
                 width,
-                torch.get_num_threads(),
+                self.kernels.threads,
                 self.kernels.exact,
             ),
             "matmul",
@@ -828,7 +844,7 @@ def load_cpu_kernels(compiler: str, checks: bool = False) -> CpuKernels | None:
     """The kernels compiled by ``compiler`` (with every index checked where ``checks``),
     or None, with a warning that says why, where the build fails."""
     try:
-        path = _build(compiler, _CHECK_FLAGS if checks else [])
+        path = _build(compiler, checks)
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)
         log.warning(
@@ -868,14 +884,27 @@ def _load(path: Path) -> CpuKernels:
     )
 
 
-def _build(compiler: str, extra_flags: list[str]) -> Path:
+def built_before(compiler: str, checks: bool = False) -> bool:
+    """Whether this machine's cache holds a build of these sources by ``compiler`` (so
+    loading them compiles nothing)."""
+    return any(target.exists() for _, target in _targets(compiler, checks))
+
+
+def _targets(compiler: str, checks: bool) -> list[tuple[list[str], Path]]:
+    """Each way to build, best first: its flags and where its build is cached."""
     source = _source_digest()
-    base = [*_BASE_FLAGS, *extra_flags]
-    # Link-time optimisation and OpenMP where the compiler has them. Link-time
-    # optimisation changes no result (no fast-math, no contraction) but the speed: GCC 12
-    # runs the one-row k-quant products 40% faster with it (bench/cpu_products.py).
-    candidates = [[*base, "-flto", "-fopenmp"], [*base, "-fopenmp"], base]
-    targets = [(flags, _target(source, compiler, flags)) for flags in candidates]
+    base = [*_BASE_FLAGS, *(_CHECK_FLAGS if checks else [])]
+    # Link-time optimisation and OpenMP's simd pragmas where the compiler has them (the
+    # threads are pool.c's, not OpenMP's runtime). Link-time optimisation changes no
+    # result (no fast-math, no contraction) but the speed: GCC 12 runs the one-row k-quant
+    # products 40% faster with it (bench/cpu_products.py).
+    candidates = [[*base, "-flto", "-fopenmp-simd"], [*base, "-fopenmp-simd"], base]
+    return [(flags, _target(source, compiler, flags)) for flags in candidates]
+
+
+def _build(compiler: str, checks: bool) -> Path:
+    targets = _targets(compiler, checks)
+    base = targets[-1][0]
     for _, target in targets:  # a build made before, the first that the compiler took
         if target.exists():
             return target
@@ -885,7 +914,7 @@ def _build(compiler: str, extra_flags: list[str]) -> Path:
             log.info(
                 "native.compiled",
                 path=str(target),
-                openmp="-fopenmp" in flags,
+                openmp_simd="-fopenmp-simd" in flags,
                 lto="-flto" in flags,
             )
             return target
@@ -925,7 +954,7 @@ def _compile(compiler: str, flags: list[str], target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         subprocess.run(
-            [compiler, *flags, *map(str, SOURCES), "-o", str(built), "-lm"],
+            [compiler, *flags, *map(str, SOURCES), "-o", str(built), "-lm", "-pthread"],
             check=True,
             capture_output=True,
             text=True,

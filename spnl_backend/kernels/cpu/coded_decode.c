@@ -74,42 +74,47 @@ static int check_args(const spnl_coded_decode_args *a) {
     return 0;
 }
 
-// scores[g * stride + j]: query head g of the group against key j, scaled and softcapped.
-// The keys are shared out among the threads, each unpacked once for the whole group.
-static void score_keys(const spnl_coded_decode_args *a, const head_group *hg, float *scores,
-                       int64_t stride) {
+#define VALUE_CHUNK 64  // keys per partial sum of the values: fixed, whatever the threads
+
+// What the tasks of one (sequence, KV head) share.
+typedef struct {
+    const spnl_coded_decode_args *a;
+    const head_group *hg;
+    float *scores;
+    int64_t stride;
+    float *partial;  // [chunks][group][dim]
+} coded_call;
+
+// Task j - first: query head g of the group against key j (unpacked once for the group),
+// scaled and softcapped, into scores[g * stride + j].
+static void score_key(void *ctx, int64_t task, int worker) {
+    (void)worker;
+    const coded_call *c = ctx;
+    const spnl_coded_decode_args *a = c->a;
+    const head_group *hg = c->hg;
     const int64_t dim = a->at.dim, kv_heads = a->at.kv_heads, group = a->at.heads / kv_heads;
-    const int64_t k_bytes = a->k_bytes, k_outliers = a->k_outliers, kvh = hg->kvh;
-    const int64_t *slots = hg->slots, first = hg->first, len = hg->len;
-    const int k_bits = a->k_bits;
-    const float scale = a->at.scale, softcap = a->at.softcap, *k_lut = a->k_lut;
+    const int64_t j = hg->first + task, k_outliers = a->k_outliers;
+    const float scale = a->at.scale, softcap = a->at.softcap;
     const float *qr = a->q_rot + hg->head * dim, *qo = a->q + hg->head * dim;
     const float *k_shift = a->k_shift + hg->head, *k_anchor = a->k_anchor + hg->head;
-    const uint8_t *k_pool = a->k_pool;
-    #pragma omp parallel num_threads(a->at.threads)
-    {
-        float key[dim];
-        #pragma omp for schedule(static)
-        for (int64_t j = first; j < len; j++) {
-            const uint8_t *rec = k_pool + (slots[j] * kv_heads + kvh) * k_bytes;
-            const float gain = record_gain(rec, k_bits, dim);
-            const bool anchor = isnan(gain);
-            if (!anchor) unpack_codes(rec, k_bits, k_lut, gain, dim, key);
-            for (int64_t g = 0; g < group; g++) {
-                float dot = 0.0f;
-                if (anchor) {
-                    dot = k_anchor[g];
-                } else {
-                    #pragma omp simd reduction(+ : dot)
-                    for (int64_t i = 0; i < dim; i++) dot += qr[g * dim + i] * key[i];
-                    dot += outlier_dot(rec, k_bits, dim, k_outliers, qo + g * dim);
-                    dot += k_shift[g];
-                }
-                dot *= scale;
-                if (softcap > 0.0f) dot = softcap * tanhf(dot / softcap);
-                scores[g * stride + j] = dot;
-            }
+    const uint8_t *rec = a->k_pool + (hg->slots[j] * kv_heads + hg->kvh) * a->k_bytes;
+    const float gain = record_gain(rec, a->k_bits, dim);
+    const bool anchor = isnan(gain);
+    float key[dim];
+    if (!anchor) unpack_codes(rec, a->k_bits, a->k_lut, gain, dim, key);
+    for (int64_t g = 0; g < group; g++) {
+        float dot = 0.0f;
+        if (anchor) {
+            dot = k_anchor[g];
+        } else {
+            #pragma omp simd reduction(+ : dot)
+            for (int64_t i = 0; i < dim; i++) dot += qr[g * dim + i] * key[i];
+            dot += outlier_dot(rec, a->k_bits, dim, k_outliers, qo + g * dim);
+            dot += k_shift[g];
         }
+        dot *= scale;
+        if (softcap > 0.0f) dot = softcap * tanhf(dot / softcap);
+        c->scores[g * c->stride + j] = dot;
     }
 }
 
@@ -124,46 +129,38 @@ static void softmax_rows(float *scores, int64_t group, int64_t stride, int64_t f
     }
 }
 
-// Each thread's share of sum_j p_j * value_j, into its own [group][dim] of partial
-// [threads][group][dim] (so the sum's order depends on the thread count only).
-static void sum_values(const spnl_coded_decode_args *a, const head_group *hg,
-                       const float *scores, int64_t stride, float *partial) {
+// Task c: sum_j p_j * value_j over the keys of chunk c, into its own [group][dim] of the
+// partials (so the sum's order never depends on the threads).
+static void sum_chunk(void *ctx, int64_t chunk, int worker) {
+    (void)worker;
+    const coded_call *c = ctx;
+    const spnl_coded_decode_args *a = c->a;
+    const head_group *hg = c->hg;
     const int64_t dim = a->at.dim, kv_heads = a->at.kv_heads, group = a->at.heads / kv_heads;
-    const int64_t v_bytes = a->v_bytes, kvh = hg->kvh;
-    const int64_t *slots = hg->slots, first = hg->first, len = hg->len;
-    const int v_bits = a->v_bits, threads = a->at.threads;
-    const float *v_lut = a->v_lut, *v_anchor = a->v_anchor + kvh * dim;
-    const uint8_t *v_pool = a->v_pool;
-    memset(partial, 0, (size_t)(threads * group * dim) * sizeof(float));
-    #pragma omp parallel num_threads(threads)
-    {
-        float value[dim];
-        int me = 0;
-#ifdef _OPENMP
-        me = omp_get_thread_num();
-#endif
-        float *acc = partial + me * group * dim;
-        #pragma omp for schedule(static)
-        for (int64_t j = first; j < len; j++) {
-            const uint8_t *rec = v_pool + (slots[j] * kv_heads + kvh) * v_bytes;
-            const float gain = record_gain(rec, v_bits, dim);
-            const float *vj = value;
-            if (isnan(gain)) vj = v_anchor;
-            else unpack_codes(rec, v_bits, v_lut, gain, dim, value);
-            for (int64_t g = 0; g < group; g++) {
-                const float p = scores[g * stride + j];
-                #pragma omp simd
-                for (int64_t i = 0; i < dim; i++) acc[g * dim + i] += p * vj[i];
-            }
+    const int64_t start = hg->first + chunk * VALUE_CHUNK;
+    const int64_t end = start + VALUE_CHUNK < hg->len ? start + VALUE_CHUNK : hg->len;
+    const float *v_anchor = a->v_anchor + hg->kvh * dim;
+    float *acc = c->partial + chunk * group * dim, value[dim];
+    memset(acc, 0, (size_t)(group * dim) * sizeof(float));
+    for (int64_t j = start; j < end; j++) {
+        const uint8_t *rec = a->v_pool + (hg->slots[j] * kv_heads + hg->kvh) * a->v_bytes;
+        const float gain = record_gain(rec, a->v_bits, dim);
+        const float *vj = value;
+        if (isnan(gain)) vj = v_anchor;
+        else unpack_codes(rec, a->v_bits, a->v_lut, gain, dim, value);
+        for (int64_t g = 0; g < group; g++) {
+            const float p = c->scores[g * c->stride + j];
+            #pragma omp simd
+            for (int64_t i = 0; i < dim; i++) acc[g * dim + i] += p * vj[i];
         }
     }
 }
 
-// out[i] = the threads' partial sums [threads][size] of element i, added in thread order.
-static void add_partials(const float *partial, int threads, int64_t size, float *out) {
+// out[i] = the chunks' partial sums [chunks][size] of element i, added in chunk order.
+static void add_partials(const float *partial, int64_t chunks, int64_t size, float *out) {
     for (int64_t i = 0; i < size; i++) {
         float sum = 0.0f;
-        for (int t = 0; t < threads; t++) sum += partial[t * size + i];
+        for (int64_t c = 0; c < chunks; c++) sum += partial[c * size + i];
         out[i] = sum;
     }
 }
@@ -177,19 +174,21 @@ int spnl_coded_decode(const spnl_coded_decode_args *a) {
     const spnl_attention *at = &a->at;
     const int64_t heads = at->heads, kv_heads = at->kv_heads, dim = at->dim;
     const int64_t group = heads / kv_heads, stride = longest_len(at);
-    const int threads = at->threads;
+    const int64_t most_chunks = (stride + VALUE_CHUNK - 1) / VALUE_CHUNK;
     float *scores = malloc((size_t)(group * stride) * sizeof(float) + 1);
-    float *partial = calloc((size_t)(threads * group * dim), sizeof(float));
+    float *partial = malloc((size_t)(most_chunks * group * dim) * sizeof(float) + 1);
     if (!scores || !partial) { free(scores); free(partial); return NO_MEMORY; }
     for (int64_t s = 0; s < at->seqs; s++) {
         const int64_t len = at->lens[s], first = first_of(at, s);
+        const int64_t chunks = (len - first + VALUE_CHUNK - 1) / VALUE_CHUNK;
         for (int64_t kvh = 0; kvh < kv_heads; kvh++) {
             const head_group hg = {at->slots + s * at->slot_stride, first, len, kvh,
                                    s * heads + kvh * group};
-            score_keys(a, &hg, scores, stride);
+            coded_call call = {a, &hg, scores, stride, partial};
+            spnl_parallel(len - first, score_key, &call, at->threads);
             softmax_rows(scores, group, stride, first, len);
-            sum_values(a, &hg, scores, stride, partial);
-            add_partials(partial, threads, group * dim, at->out + hg.head * dim);
+            spnl_parallel(chunks, sum_chunk, &call, at->threads);
+            add_partials(partial, chunks, group * dim, at->out + hg.head * dim);
         }
     }
     free(scores);

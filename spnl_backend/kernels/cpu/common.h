@@ -15,15 +15,19 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
 
 // Status codes of the entry points (0 is success): the caller turns them into exceptions.
 enum { BAD_ARGUMENT = -1, NO_MEMORY = -2, OUT_OF_BOUNDS = -3 };
+
+// The thread pool (pool.c): tasks 0 .. tasks - 1 of fn, each called once as fn(ctx, task,
+// worker) on up to `threads` threads, the caller among them; worker is 0 .. threads - 1
+// (for per-thread scratch). Returns when every task has run. Tasks must be independent:
+// which thread runs one, and how many there are, never changes what it computes.
+typedef void (*spnl_task)(void *ctx, int64_t task, int worker);
+void spnl_parallel(int64_t tasks, spnl_task fn, void *ctx, int threads);
 
 // The widest head the coded decode takes: each of its threads unpacks a key and a value
 // of this many floats on its stack.

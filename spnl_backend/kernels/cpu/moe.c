@@ -5,9 +5,10 @@
 //
 // The (token, expert) pairs are sorted by expert, so each chosen expert's weights are read
 // once for all its tokens and an idle expert's not at all, and both products run as one
-// grouped call each (spnl_qmatmul_groups): each reads the weights in one parallel region,
-// whatever the number of tokens (the routing, SiLU and the sums run in regions of their own). Every row of those products is computed as it would be alone, and the router's
-// and the sum's arithmetic is per token, so a token's output does not depend on its step.
+// grouped call each (spnl_qmatmul_groups): each reads the weights in one pool job, whatever
+// the number of tokens (the routing, SiLU and the sums are jobs of their own). Every row of
+// those products is computed as it would be alone, and the router's and the sum's
+// arithmetic is per token, so a token's output does not depend on its step.
 
 #include "common.h"
 
@@ -131,13 +132,50 @@ static size_t lay_out(const spnl_moe_args *m, int64_t tokens, char *base, moe_sc
 
 // Each token's experts and weights, and each pair's row: pairs sorted by expert, an
 // expert's tokens in order.
+// What the element-wise tasks of one layer share.
+typedef struct {
+    const spnl_moe_args *m;
+    const float *x;
+    moe_scratch *s;
+    float *out;
+} moe_call;
+
+// Task i: token i / experts's router logit for expert i % experts.
+static void logit_task(void *ctx, int64_t i, int worker) {
+    (void)worker;
+    const moe_call *c = ctx;
+    const int64_t experts = c->m->experts, hidden = c->m->hidden;
+    c->s->logits[i] = dot(c->m->router + (i % experts) * hidden, c->x + (i / experts) * hidden,
+                          hidden);
+}
+
+// Task i: pair i's SiLU(gate) * up.
+static void act_task(void *ctx, int64_t i, int worker) {
+    (void)worker;
+    const moe_call *c = ctx;
+    const int64_t inner = c->m->inner;
+    silu_mul(c->s->gate_up + i * 2 * inner, c->s->gate_up + i * 2 * inner + inner,
+             c->s->act + i * inner, inner);
+}
+
+// Task t: token t's weighted sum over its experts, in id order.
+static void sum_task(void *ctx, int64_t t, int worker) {
+    (void)worker;
+    const moe_call *c = ctx;
+    const int64_t k = c->m->top_k, hidden = c->m->hidden;
+    float *o = c->out + t * hidden;
+    memset(o, 0, hidden * sizeof(float));
+    for (int64_t j = 0; j < k; j++) {  // experts in id order
+        const float w = c->s->weights[t * k + j], *y = c->s->y + c->s->pair[t * k + j] * hidden;
+        for (int64_t i = 0; i < hidden; i++) o[i] = o[i] + w * y[i];
+    }
+}
+
 static void route_tokens(const spnl_moe_args *m, const float *x, int64_t tokens,
                          moe_scratch *s, int threads) {
     const int64_t experts = m->experts, k = m->top_k;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t i = 0; i < tokens * experts; i++)
-        s->logits[i] = dot(m->router + (i % experts) * m->hidden, x + (i / experts) * m->hidden,
-                           m->hidden);
+    moe_call call = {m, x, s, NULL};
+    spnl_parallel(tokens * experts, logit_task, &call, threads);
     int64_t fill[MAX_EXPERTS] = {0};
     for (int64_t t = 0; t < tokens; t++) {
         route(m, s->logits + t * experts, s->ids + t * k, s->weights + t * k);
@@ -189,23 +227,14 @@ static int moe_chunk(const spnl_moe_args *m, const float *x, int64_t tokens, flo
     int status = spnl_qmatmul_groups(&p, s.groups, lone ? x : s.xs, lone ? 1 : pairs, hidden,
                                      s.gate_up, pairs, 2 * inner, threads, exact);
     if (status) return status;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (pairs >= PARALLEL_PAIRS)
-    for (int64_t i = 0; i < pairs; i++)
-        silu_mul(s.gate_up + i * 2 * inner, s.gate_up + i * 2 * inner + inner,
-                 s.act + i * inner, inner);
+    const int elementwise = pairs >= PARALLEL_PAIRS ? threads : 1;
+    moe_call call = {m, x, &s, out};
+    spnl_parallel(pairs, act_task, &call, elementwise);
     plan_experts(m, m->down, &s, 0, &p);
     status = spnl_qmatmul_groups(&p, s.groups, s.act, pairs, inner, s.y, pairs, hidden, threads,
                                  exact);
     if (status) return status;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (pairs >= PARALLEL_PAIRS)
-    for (int64_t t = 0; t < tokens; t++) {
-        float *o = out + t * hidden;
-        memset(o, 0, hidden * sizeof(float));
-        for (int64_t j = 0; j < k; j++) {  // experts in id order
-            const float w = s.weights[t * k + j], *y = s.y + s.pair[t * k + j] * hidden;
-            for (int64_t i = 0; i < hidden; i++) o[i] = o[i] + w * y[i];
-        }
-    }
+    spnl_parallel(tokens, sum_task, &call, elementwise);
     return 0;
 }
 

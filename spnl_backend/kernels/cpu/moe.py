@@ -88,7 +88,7 @@ class NativeMoe:
                 x.shape[0],
                 out.data_ptr(),
                 *scratch(self.scratch_bytes(x.shape[0])),
-                torch.get_num_threads(),
+                self.kernels.threads,
                 self.kernels.exact,
             ),
             "moe",

@@ -318,36 +318,64 @@ static void combine(const attention_plan *p, int64_t s, int64_t kvh, const float
     }
 }
 
+// What the tasks of one attention share: the plan, each worker's scratch (`floats` each),
+// and, chunk by chunk, where each pair's chunks start (first) and their partials (parts).
+typedef struct {
+    const attention_plan *p;
+    float *scratch;
+    size_t floats;
+    const int64_t *first;
+    float *parts;
+} attention_call;
+
+// Pair task: its chunks in turn, then combined (scratch: the scores, then the partials).
+static void pair_task(void *ctx, int64_t pair, int worker) {
+    const attention_call *c = ctx;
+    const attention_plan *p = c->p;
+    const spnl_attention *at = &p->a->at;
+    float *scores = c->scratch + (size_t)worker * c->floats;
+    float *parts = scores + (size_t)p->group * KEY_CHUNK;
+    const int64_t s = pair / at->kv_heads, kvh = pair % at->kv_heads;
+    int64_t c0;
+    const int64_t chunks = chunks_of(at, s, &c0);
+    for (int64_t k = 0; k < chunks; k++) attend_chunk(p, s, kvh, c0 + k, scores, parts + k * p->part);
+    combine(p, s, kvh, parts, chunks);
+}
+
+// Chunk task t: one chunk of keys of one pair, its partial kept.
+static void chunk_task(void *ctx, int64_t t, int worker) {
+    const attention_call *c = ctx;
+    const attention_plan *p = c->p;
+    const spnl_attention *at = &p->a->at;
+    int64_t pair = 0, c0;
+    while (t >= c->first[pair + 1]) pair++;
+    const int64_t s = pair / at->kv_heads, kvh = pair % at->kv_heads;
+    chunks_of(at, s, &c0);
+    attend_chunk(p, s, kvh, c0 + t - c->first[pair], c->scratch + (size_t)worker * c->floats,
+                 c->parts + t * p->part);
+}
+
+// Combine task: a pair's chunk partials, in chunk order.
+static void combine_task(void *ctx, int64_t pair, int worker) {
+    (void)worker;
+    const attention_call *c = ctx;
+    const int64_t kv_heads = c->p->a->at.kv_heads;
+    combine(c->p, pair / kv_heads, pair % kv_heads, c->parts + c->first[pair] * c->p->part,
+            c->first[pair + 1] - c->first[pair]);
+}
+
 // Many (sequence, KV head) pairs: each a task, its chunks in turn on one thread.
 static int by_pairs(const attention_plan *p, int64_t max_chunks) {
     const spnl_attention *at = &p->a->at;
     const int64_t pairs = at->seqs * at->kv_heads;
+    const int threads = at->threads < pairs ? at->threads : (int)pairs;
     const size_t floats = (size_t)p->group * KEY_CHUNK + (size_t)max_chunks * (size_t)p->part;
-    int status = 0;
-    #pragma omp parallel num_threads(at->threads)
-    {
-        float *scratch = malloc(floats * sizeof(float)), *parts = NULL;
-        if (scratch) {
-            parts = scratch + (size_t)p->group * KEY_CHUNK;
-        } else {
-            #pragma omp atomic write
-            status = NO_MEMORY;
-        }
-        // Round robin: a prompt's queries attend to more keys the later they come, so
-        // halves in order would leave one thread most of the work.
-        #pragma omp for schedule(static, 1)
-        for (int64_t pair = 0; pair < pairs; pair++) {
-            if (!scratch) continue;
-            const int64_t s = pair / at->kv_heads, kvh = pair % at->kv_heads;
-            int64_t c0;
-            const int64_t chunks = chunks_of(at, s, &c0);
-            for (int64_t c = 0; c < chunks; c++)
-                attend_chunk(p, s, kvh, c0 + c, scratch, parts + c * p->part);
-            combine(p, s, kvh, parts, chunks);
-        }
-        free(scratch);
-    }
-    return status;
+    attention_call call = {.p = p, .scratch = malloc(floats * (size_t)threads * sizeof(float)),
+                           .floats = floats};
+    if (!call.scratch) return NO_MEMORY;
+    spnl_parallel(pairs, pair_task, &call, threads);
+    free(call.scratch);
+    return 0;
 }
 
 // Fewer pairs than threads (a decode of one or two sequences): every chunk a task, the
@@ -363,36 +391,18 @@ static int by_chunks(const attention_plan *p) {
         first[pair + 1] = first[pair] + chunks_of(at, pair / at->kv_heads, &c0);
     }
     const int64_t tasks = first[pairs];
-    float *parts = malloc(((size_t)tasks * (size_t)p->part + 1) * sizeof(float));
-    if (!parts) {
-        free(first);
-        return NO_MEMORY;
-    }
+    const size_t floats = (size_t)p->group * KEY_CHUNK;
+    attention_call call = {p, malloc(floats * (size_t)at->threads * sizeof(float)), floats,
+                           first, malloc(((size_t)tasks * (size_t)p->part + 1) * sizeof(float))};
     int status = 0;
-    #pragma omp parallel num_threads(at->threads)
-    {
-        float *scores = malloc((size_t)p->group * KEY_CHUNK * sizeof(float));
-        if (!scores) {
-            #pragma omp atomic write
-            status = NO_MEMORY;
-        }
-        #pragma omp for schedule(static, 1)
-        for (int64_t t = 0; t < tasks; t++) {
-            if (!scores) continue;
-            int64_t pair = 0, c0;
-            while (t >= first[pair + 1]) pair++;
-            const int64_t s = pair / at->kv_heads, kvh = pair % at->kv_heads;
-            chunks_of(at, s, &c0);
-            attend_chunk(p, s, kvh, c0 + t - first[pair], scores, parts + t * p->part);
-        }
-        free(scores);
-        #pragma omp for schedule(static, 1)
-        for (int64_t pair = 0; pair < pairs; pair++)
-            if (status == 0)
-                combine(p, pair / at->kv_heads, pair % at->kv_heads, parts + first[pair] * p->part,
-                        first[pair + 1] - first[pair]);
+    if (call.scratch && call.parts) {
+        spnl_parallel(tasks, chunk_task, &call, at->threads);
+        spnl_parallel(pairs, combine_task, &call, at->threads);
+    } else {
+        status = NO_MEMORY;
     }
-    free(parts);
+    free(call.scratch);
+    free(call.parts);
     free(first);
     return status;
 }

@@ -2,8 +2,8 @@
 // blocks (twin: spnl_backend/quant/ggml.py, then a float product). Each block is dequantized
 // in vector registers with exactly the arithmetic of the torch twin and multiplied with
 // float32 activations, so results differ from the twin only in the order of the sums; or,
-// where AVX2 compiles it, multiplied with int8 activations in integers. Rows of W are shared
-// out among OpenMP threads; the rows of x (a decode batch) reuse each block. Also the exact
+// where AVX2 compiles it, multiplied with int8 activations in integers. Tiles of rows of W
+// are the pool's tasks (pool.c); the rows of x (a decode batch) reuse each block. Also the exact
 // dequantization of whole matrices (prefill) and of single rows (embeddings).
 
 #include "common.h"
@@ -236,6 +236,14 @@ typedef void (*row_fn)(const void *acts, int64_t rows, int64_t k_in, const uint8
                        int64_t count, float *y, int64_t stride);
 typedef void (*rows_fn)(const uint8_t *, const int64_t *, int64_t, int64_t, float *, int);
 
+// Dequantized rows, each a task of the pool: which (ids, or all in order) and where.
+typedef struct {
+    const uint8_t *w;
+    const int64_t *ids;
+    int64_t k_in;
+    float *out;
+} rows_call;
+
 #define DEFINE_FLOAT_KERNELS(NAME, BLOCK, BYTES, DEQUANT)                                      \
     static void NAME##_f32(const void *acts, int64_t rows, int64_t k_in, const uint8_t *w,     \
                            int64_t count, float *y, int64_t stride) {                          \
@@ -274,18 +282,21 @@ typedef void (*rows_fn)(const uint8_t *, const int64_t *, int64_t, int64_t, floa
         }                                                                                      \
     }                                                                                          \
     /* out[i] = W[ids[i]] (all rows when ids is NULL), dequantized exactly */                  \
+    static void NAME##_row(void *ctx, int64_t i, int worker) {                                 \
+        (void)worker;                                                                          \
+        const rows_call *c = ctx;                                                              \
+        const int64_t blocks = c->k_in / BLOCK, row_bytes = blocks * BYTES;                    \
+        const uint8_t *row = c->w + (c->ids ? c->ids[i] : i) * row_bytes;                      \
+        v16f values[BLOCK / 16];                                                               \
+        for (int64_t b = 0; b < blocks; b++) {                                                 \
+            DEQUANT(row + b * BYTES, values);                                                  \
+            memcpy(c->out + i * c->k_in + b * BLOCK, values, sizeof values);                   \
+        }                                                                                      \
+    }                                                                                          \
     static void NAME##_rows(const uint8_t *w, const int64_t *ids, int64_t count, int64_t k_in, \
                             float *out, int threads) {                                         \
-        const int64_t blocks = k_in / BLOCK, row_bytes = blocks * BYTES;                       \
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")                      \
-        for (int64_t i = 0; i < count; i++) {                                                  \
-            const uint8_t *row = w + (ids ? ids[i] : i) * row_bytes;                           \
-            v16f values[BLOCK / 16];                                                           \
-            for (int64_t b = 0; b < blocks; b++) {                                             \
-                DEQUANT(row + b * BYTES, values);                                              \
-                memcpy(out + i * k_in + b * BLOCK, values, sizeof values);                     \
-            }                                                                                  \
-        }                                                                                      \
+        rows_call call = {w, ids, k_in, out};                                                  \
+        spnl_parallel(count, NAME##_row, &call, threads);                                      \
     }
 
 #define FLOAT_KERNELS(T, NAME, BLOCK, BYTES) DEFINE_FLOAT_KERNELS(NAME, BLOCK, BYTES, dq_##NAME)
@@ -338,6 +349,28 @@ int spnl_has_int8(void) {
 #define TILE_ROWS 16  // weight rows per task: spreads the per-row overhead
 
 #ifdef INT8_PATH
+typedef struct {
+    const float *x;
+    int64_t k_in;
+    bool b32, b256;
+    act_rows *out;
+} quantize_call;
+
+// Row m of x as int8 activations, in the blocks the products ask for.
+static void quantize_row(void *ctx, int64_t m, int worker) {
+    (void)worker;
+    const quantize_call *c = ctx;
+    const int64_t k_in = c->k_in;
+    const float *xm = c->x + m * k_in;
+    act_rows *out = c->out;
+    if (c->b32)
+        quantize_row_32(xm, k_in, out->q32 + m * k_in, out->d32 + m * k_in / 32,
+                        out->s32 + m * k_in / 32, out->sums32 + m * k_in / 32);
+    if (c->b256)
+        quantize_row_256(xm, k_in, out->q256 + m * k_in, out->d256 + m * k_in / 256,
+                         out->bsums + m * k_in / 16);
+}
+
 // Every row of x [rows][k_in] as int8 activations, in the blocks of 32 and/or of 256 that the
 // products ask for, and (k4, one row only) the blocks of 256 also in Q4_K's order for its
 // one-row kernel (false: out of memory).
@@ -361,16 +394,8 @@ static bool quantize_rows(const float *x, int64_t rows, int64_t k_in, bool b32, 
         || (b256 && (!out->q256 || !out->d256 || !out->bsums))
         || (k4 && b256 && rows == 1 && !out->q256_k4))
         return false;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t m = 0; m < rows; m++) {
-        const float *xm = x + m * k_in;
-        if (b32)
-            quantize_row_32(xm, k_in, out->q32 + m * k_in, out->d32 + m * k_in / 32,
-                            out->s32 + m * k_in / 32, out->sums32 + m * k_in / 32);
-        if (b256)
-            quantize_row_256(xm, k_in, out->q256 + m * k_in, out->d256 + m * k_in / 256,
-                             out->bsums + m * k_in / 16);
-    }
+    quantize_call call = {x, k_in, b32, b256, out};
+    spnl_parallel(rows, quantize_row, &call, threads);
     if (out->q256_k4) k4_order(out->q256, k_in / 256, out->q256_k4);
     return true;
 }
@@ -418,6 +443,39 @@ static inline tile tile_of(int64_t t, const int64_t *tile_start, const format **
     return (tile){i, n, rows, weights[i] + n * (k_in / formats[i]->block * formats[i]->bytes)};
 }
 
+// One spnl_qmatmul call, as each of its tiles needs it.
+typedef struct {
+    const spnl_products *p;
+    const format **formats;
+    const int64_t *first, *tile_start;
+    const float *x;
+    int64_t rows, k_in;
+    float *y;
+    int64_t y_stride;
+#ifdef INT8_PATH
+    const act_rows *fast;  // the quantized activations (NULL: the exact products)
+#endif
+} product_call;
+
+// Tile t: its weight rows against every row of x.
+static void product_tile(void *ctx, int64_t t, int worker) {
+    (void)worker;
+    const product_call *c = ctx;
+    const tile at = tile_of(t, c->tile_start, c->formats, c->p->n_outs, c->p->weights, c->k_in);
+    const format *f = c->formats[at.product];
+    const int64_t rows = c->rows, k_in = c->k_in, stride = c->y_stride;
+    float *out = c->y + c->first[at.product] + at.first_row;
+#ifdef INT8_PATH
+    if (c->fast) {
+        f->fast(c->fast, rows, k_in, at.w, at.rows, out, stride);
+        return;
+    }
+#endif
+    for (int64_t m0 = 0; m0 < rows; m0 += MAX_ROWS)
+        f->exact(c->x + m0 * k_in, rows - m0 < MAX_ROWS ? rows - m0 : MAX_ROWS, k_in, at.w,
+                 at.rows, out + m0 * stride, stride);
+}
+
 // The products of p with the same activations x [rows][k_in], side by side in y
 // [rows][y_stride]: product i fills columns [offset_i, offset_i + n_out_i) with
 // sum_k x[m][k] * W_i[n][k]. `exact` keeps float activations; otherwise (where compiled)
@@ -427,8 +485,6 @@ static inline tile tile_of(int64_t t, const int64_t *tile_start, const format **
 int spnl_qmatmul(const spnl_products *p, const float *x, int64_t rows, int64_t k_in, float *y,
                  int64_t y_stride, int threads, int exact) {
     const int count = p->count;
-    const uint8_t *const *weights = p->weights;
-    const int64_t *n_outs = p->n_outs;
     const format *formats[MAX_PRODUCTS];
     int64_t first[MAX_PRODUCTS + 1] = {0}, tile_start[MAX_PRODUCTS + 1] = {0};
     if (rows < 1) return BAD_ARGUMENT;
@@ -444,21 +500,12 @@ int spnl_qmatmul(const spnl_products *p, const float *x, int64_t rows, int64_t k
         return NO_MEMORY;
     }
 #endif
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t t = 0; t < tile_start[count]; t++) {
-        const tile at = tile_of(t, tile_start, formats, n_outs, weights, k_in);
-        const format *f = formats[at.product];
-        float *out = y + first[at.product] + at.first_row;
+    product_call call = {.p = p, .formats = formats, .first = first, .tile_start = tile_start,
+                         .x = x, .rows = rows, .k_in = k_in, .y = y, .y_stride = y_stride};
 #ifdef INT8_PATH
-        if (fast) {
-            f->fast(&quantized, rows, k_in, at.w, at.rows, out, y_stride);
-            continue;
-        }
+    call.fast = fast ? &quantized : NULL;
 #endif
-        for (int64_t m0 = 0; m0 < rows; m0 += MAX_ROWS)
-            f->exact(x + m0 * k_in, rows - m0 < MAX_ROWS ? rows - m0 : MAX_ROWS, k_in, at.w,
-                     at.rows, out + m0 * y_stride, y_stride);
-    }
+    spnl_parallel(tile_start[count], product_tile, &call, threads);
 #ifdef INT8_PATH
     if (fast) free_rows(&quantized);
 #endif
@@ -513,7 +560,9 @@ typedef struct {
 } group_call;
 
 // Tile t: its weight rows against its product's rows of x.
-static void group_tile(const group_call *c, int64_t t) {
+static void group_tile(void *ctx, int64_t t, int worker) {
+    (void)worker;
+    const group_call *c = ctx;
     const tile at = tile_of(t, c->tile_start, c->formats, c->p->n_outs, c->p->weights, c->k_in);
     const spnl_group *group = &c->g[at.product];
     const format *f = c->formats[at.product];
@@ -551,8 +600,6 @@ int spnl_qmatmul_groups(const spnl_products *p, const spnl_group *g, const float
     if (x_rows < 1 || !groups_in_bounds(p, g, x_rows, y_rows, y_stride)) return BAD_ARGUMENT;
     group_call call = {.p = p, .g = g, .formats = formats, .tile_start = tile_start, .x = x,
                        .k_in = k_in, .y_stride = y_stride, .y = y};
-    bool lone_rows = true;  // a decode: every product on one row at most
-    for (int i = 0; i < count; i++) lone_rows = lone_rows && g[i].rows <= 1;
 #ifdef INT8_PATH
     act_rows quantized = {0};
     int8_t *ordered = NULL;
@@ -573,13 +620,7 @@ int spnl_qmatmul_groups(const spnl_products *p, const spnl_group *g, const float
         call.ordered = ordered;
     }
 #endif
-    if (lone_rows) {  // tiles alike: each thread one run of them, its weights read in order
-        #pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t t = 0; t < tile_start[count]; t++) group_tile(&call, t);
-    } else {  // groups of different rows: tiles handed out as threads free up
-        #pragma omp parallel for schedule(dynamic, 4) num_threads(threads)
-        for (int64_t t = 0; t < tile_start[count]; t++) group_tile(&call, t);
-    }
+    spnl_parallel(tile_start[count], group_tile, &call, threads);
 #ifdef INT8_PATH
     if (call.fast) {
         free(ordered);
