@@ -133,3 +133,16 @@ def test_spnls_warm_up_makes_the_rag_query_hit_every_fragment(default_backend):
     answer = default_backend.query({"repeat": {"n": 1, "g": g}})[0]
     assert answer.usage.pic_miss_tokens == 0
     assert answer.usage.pic_hit_tokens > 0
+
+
+def test_the_default_models_16_prompts_give_the_same_tokens_at_1_and_2_threads():
+    """The default arithmetic (int8 activations, float16 cache), its 16 prompts batched:
+    the same greedy tokens whether one thread computes them or two."""
+    from bench.batch_invariance import PROMPTS
+
+    runs = []
+    for threads in (1, 2):
+        with load_backend(settings=BackendSettings(num_threads=threads)) as backend:
+            results = backend.generate(PROMPTS, max_tokens=32, temperature=0)
+            runs.append([result.token_ids for result in results])
+    assert runs[0] == runs[1]

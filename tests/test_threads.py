@@ -100,6 +100,23 @@ def test_the_pool_serves_several_callers_at_once(kernels):
     assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True))
 
 
+@pytest.mark.parametrize(("tasks", "threads"), [(1, 4), (7, 3), (1000, 2), (100_000, 5)])
+def test_every_task_runs_once_however_many_jobs(kernels, tasks, threads):
+    counts = torch.zeros(tasks, dtype=torch.int64)
+    assert kernels.library.spnl_pool_check(tasks, threads, 200, counts.data_ptr()) == 0
+    assert bool((counts == 200).all())
+
+
+def test_jobs_from_several_threads_at_once_each_run_every_task_once(kernels):
+    counts = [torch.zeros(5000, dtype=torch.int64) for _ in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        codes = list(pool.map(
+            lambda c: kernels.library.spnl_pool_check(5000, 3, 100, c.data_ptr()), counts
+        ))  # fmt: skip
+    assert codes == [0, 0, 0, 0]
+    assert all(bool((c == 100).all()) for c in counts)
+
+
 def test_a_forked_child_starts_a_pool_of_its_own(kernels):
     weights = [_weights(Q.Q8_0, 64, 256, 6)]
     args = [(w.qtype.value, w.data, w.shape[0]) for w in weights]

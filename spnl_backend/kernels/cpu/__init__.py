@@ -266,6 +266,7 @@ _SIGNATURES = {  # name: (argument types, result type)
     "spnl_store_kv": ([_P, _P, _P, _P, _P, _I64, _I64, _I64, _I32], _I32),
     "spnl_paged_decode": ([ctypes.POINTER(_PagedDecode)], _I32),
     "spnl_coded_decode": ([ctypes.POINTER(_CodedDecode)], _I32),
+    "spnl_pool_check": ([_I64, _I32, _I32, _P], _I32),
 }
 _STATUS = {
     -1: "rejected its arguments",
