@@ -8,6 +8,7 @@ kernels: tens of seconds, once per machine) reports ``(stage, 0, 1)`` when it st
 """
 
 import contextlib
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Protocol
@@ -72,10 +73,11 @@ class TqdmProgress:
         if bar is None:
             # A step that counts nothing shows its time alone: "compiling ...: 00:12".
             shape = {"bar_format": "{desc}: {elapsed}"} if total == 1 else {"unit": "tensor"}
+            self._open.add(stage)  # first: a Ctrl-C while tqdm draws the bar still ends it
             bar = self._bars[stage] = tqdm(total=total, desc=stage, disable=None, **shape)
             if bar.disable:
+                self._open.discard(stage)
                 return
-            self._open.add(stage)
             if total == 1 and done == 0:
                 self._tick(stage, bar)
         if stage not in self._open:
@@ -98,7 +100,10 @@ class TqdmProgress:
         ticking = self._ticking.pop(stage, None)
         if ticking is not None:
             ticking.set()
-        bar = self._bars[stage]
+        bar = self._bars.get(stage)
+        if bar is None:  # interrupted while tqdm drew it: its line ended here
+            sys.stderr.write("\n")
+            return
         bar.refresh()  # updates within tqdm's refresh interval are not drawn
         bar.close()
 
