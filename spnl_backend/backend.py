@@ -61,6 +61,9 @@ from .settings.topology import (
     decide_topology,
     launch_environment,
 )
+from .tools.calls import CallReader, ToolCall
+from .tools.chat import ToolChat, template_messages, tool_chat
+from .tools.spec import ToolRequest, tool_request
 
 log = get_logger()
 
@@ -89,6 +92,10 @@ class GenerateResult:
     # With ``logprobs=True``: each token's log-probability and its ``top_logprobs``
     # likeliest alternatives (`TokenLogprobs`), one per entry of ``token_ids``.
     logprobs: list[TokenLogprobs] | None = None
+    # A chat with tools whose answer called them: the calls (its ``text`` is then the
+    # calls as the model wrote them, and ``finish_reason`` "tool_calls"; cut short by
+    # max_tokens, the calls made whole before the cut and "length").
+    tool_calls: list[ToolCall] | None = None
 
 
 # Backends not closed yet: closed at interpreter exit, so that no engine thread is still
@@ -217,11 +224,25 @@ class Backend:
         top_k: int = 0,
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
         **unknown: object,
     ) -> GenerateResult:
-        """Apply the model's chat template to ``messages`` and complete the assistant turn."""
+        """Apply the model's chat template to ``messages`` and complete the assistant turn.
+
+        ``tools`` (OpenAI's function tools), ``tool_choice`` (``"auto"``, ``"none"``,
+        ``"required"`` or ``{"type": "function", "function": {"name": ...}}``) and
+        ``parallel_tool_calls``: the model may answer with calls, held to its own call
+        syntax and each tool's parameter schema; they come back in ``tool_calls``."""
         params = self._chat_params(unknown, (max_tokens, temperature, top_p, top_k, seed, stop))
-        return _results(self.submit([self.chat_prompt_ids(messages)], params), single=True)
+        asked = tool_request(tools, tool_choice, parallel_tool_calls)
+        prompt = self.chat_prompt_ids(messages, asked)
+        chat = self.tool_chat(asked, params) if asked is not None else ToolChat(None, None)
+        if chat.constraint is not None:
+            params = dataclasses.replace(params, constraint=chat.constraint)
+        result = _results(self.submit([prompt], params), single=True)
+        return _with_calls(result, chat)
 
     def query(self, query: "str | dict | SpanQuery") -> list[GenerateResult]:
         """Run one of spnl's span queries (its JSON text, as spnl's ``spnl/`` provider
@@ -398,15 +419,37 @@ class Backend:
             if isinstance(item, StepOutput):
                 yield item
 
-    def chat_prompt_ids(self, messages: list[Any]) -> "PromptIds":
-        """``messages`` through the model's chat template, checked against the context: a
-        PIC prompt where a message is marked plus or messages are grouped (a list)."""
+    def chat_prompt_ids(self, messages: list[Any], tools: ToolRequest | None = None) -> "PromptIds":
+        """``messages`` through the model's chat template (with the ``tools`` offered),
+        checked against the context: a PIC prompt where a message is marked plus or
+        messages are grouped (a list)."""
+        if tools is not None:
+            checked = check_messages(template_messages(messages))
+            definitions = [tool.definition() for tool in tools.tools]
+            return self._check_length(self.tokenizer.apply_chat_template(checked, definitions))
         if isinstance(messages, list) and has_marker(messages):
             max_chars = MAX_CHARS_PER_TOKEN * self.max_model_len
             pieces = chat_pieces(messages, self._span_tokenizer(), max_chars)
             if pieces is not None:
                 return self._pic_prompt(pieces)
         return self._check_length(self.tokenizer.apply_chat_template(check_messages(messages)))
+
+    def tool_chat(self, tools: ToolRequest, params: SamplingParams) -> ToolChat:
+        """How an answer with ``tools`` is read and held (a `RequestError` where this
+        model's template has no tool calls, or ``params`` constrain the output already)."""
+        chat = tool_chat(tools, self.tokenizer.hf.chat_template, self._special_id)
+        if chat.constraint is not None and params.constraint is not None:
+            raise RequestError(
+                "tools that may be called constrain the answer to their calls' syntax: give "
+                "tool_choice 'none' to constrain a text answer's format instead"
+            )
+        return chat
+
+    def _special_id(self, text: str) -> int | None:
+        """``text``'s token where the vocabulary has it as one special token."""
+        token = self.tokenizer.hf.get_vocab().get(text)
+        special = self._grammars.tokenizer.is_special_token  # type: ignore[attr-defined]
+        return token if token is not None and special(token) else None
 
     def span_query_request(
         self, query: "str | dict | SpanQuery"
@@ -722,6 +765,21 @@ async def _aresults(request: LoopRequest, single: bool) -> Any:
         _raise_failure(item)
     results = [_result(seq) for seq in request.seqs]
     return results[0] if single else results
+
+
+def _with_calls(result: GenerateResult, chat: ToolChat) -> GenerateResult:
+    """``result`` with the calls its text makes, where it was read for them."""
+    if chat.format is None:
+        return result
+    reader = CallReader(chat.format)
+    reader.feed(result.text)
+    reader.finish()
+    if reader.content is not None:
+        return result
+    calls = [call for call in reader.calls if call.whole]
+    if result.finish_reason == "length":  # cut short: the calls made whole, the text kept
+        return dataclasses.replace(result, tool_calls=calls)
+    return dataclasses.replace(result, tool_calls=calls, finish_reason="tool_calls")
 
 
 def _raise_failure(item: Item) -> None:

@@ -50,6 +50,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "spnl_backend.pic.spans",
         "spnl_backend.pic.turns",
         "spnl_backend.constrain",
+        "spnl_backend.tools",
         "spnl_backend.backend",
         "=spnl_backend",
     ),

@@ -209,4 +209,5 @@ _NAMES = {
     "regex": "regex",
     "grammar": "grammar",
     "choice": "choice",
+    "tools": "tool-call grammar",
 }

@@ -123,19 +123,31 @@ class Tokenizer:
         """``text``'s tokens alone: no BOS or other special token added."""
         return self.hf(text, add_special_tokens=False)["input_ids"]
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.encode_plain(self.render_chat(messages, add_generation_prompt=True))
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        return self.encode_plain(self.render_chat(messages, True, tools))
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        """The chat template's text for ``messages``."""
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The chat template's text for ``messages`` (and the ``tools`` they may call:
+        only where given, as templates test whether it is defined)."""
         if not self.hf.chat_template:
             raise RequestError(
                 "this model has no chat template; use generate() with a "
                 "formatted prompt instead of chat()"
             )
-        specials = {k: v for k, v in self.hf.special_tokens_map.items() if isinstance(v, str)}
+        variables: dict[str, Any] = {
+            k: v for k, v in self.hf.special_tokens_map.items() if isinstance(v, str)
+        }
+        if tools is not None:
+            variables["tools"] = tools
         return self._chat_template().render(
-            messages, add_generation_prompt=add_generation_prompt, **specials
+            messages, add_generation_prompt=add_generation_prompt, **variables
         )
 
     def _chat_template(self) -> ChatTemplate:

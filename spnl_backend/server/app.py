@@ -160,7 +160,12 @@ class _Api:
         except Exception as exc:
             return self._refused(endpoint, exc)
         reply = Reply(
-            endpoint, self.config.model_name, submitted.seqs, asked.n, backend.token_bytes
+            endpoint,
+            self.config.model_name,
+            submitted.seqs,
+            asked.n,
+            backend.token_bytes,
+            tools=asked.tool_format,
         )
         return await self._answer(request, submitted, reply, asked, endpoint)
 
@@ -267,7 +272,6 @@ class _Api:
     # ---- answers ------------------------------------------------------------------------
 
     async def _events(self, submitted: LoopRequest, reply: Reply, include_usage: bool, label: str):
-        started: set[int] = set()
         outcome = "aborted"  # until the stream ends: a client that hung up
         try:
             async for item in submitted.aitems():
@@ -275,11 +279,9 @@ class _Api:
                     if item.logprobs is not None:
                         reply.pending(item.seq).append(item.logprobs)
                     if item.text_delta:
-                        yield sse(
-                            reply.text_chunk(
-                                item.seq, item.text_delta, self._first(started, item.seq)
-                            )
-                        )
+                        chunk = reply.text_chunk(item.seq, item.text_delta)
+                        if chunk is not None:
+                            yield sse(chunk)
                     continue
                 seq = item.seq
                 self._observe(seq)
@@ -287,7 +289,7 @@ class _Api:
                     outcome = self._failed(label, seq)
                     yield sse(_error_body(seq.error))
                     return
-                yield sse(reply.end_chunk(seq, self._first(started, seq)))
+                yield sse(reply.end_chunk(seq))
             if include_usage:
                 yield sse(reply.usage_chunk())
             yield sse("[DONE]")
@@ -324,12 +326,6 @@ class _Api:
                 if item.seq.error is not None:
                     return item.seq
         return None
-
-    @staticmethod
-    def _first(started: set[int], seq: Sequence) -> bool:
-        first = seq.seq_id not in started
-        started.add(seq.seq_id)
-        return first
 
     def _observe(self, seq: Sequence) -> None:
         metrics = self.state.metrics
@@ -394,14 +390,22 @@ def _failure_status(error: Exception | None) -> int:
 def _prepared(backend: Backend, asked: EngineRequest) -> EngineRequest:
     """``asked`` with the server's token-healing default for a completion, checked against
     the model and with what it needs built, off the event loop (`Backend.prepare`)."""
-    params = asked.params
+    params, tool_format = asked.params, None
     if asked.messages is None and asked.token_healing is None:
         params = backend.default_healing(params)
+    try:
+        if asked.tools is not None:
+            chat = backend.tool_chat(asked.tools, params)
+            tool_format = chat.format
+            if chat.constraint is not None:
+                params = dataclasses.replace(params, constraint=chat.constraint)
+    except RequestError as exc:
+        raise from_request_error(exc, "tools") from None
     try:
         backend.prepare(params)
     except RequestError as exc:
         raise from_request_error(exc, _param_of(exc, asked)) from None
-    return dataclasses.replace(asked, params=params)
+    return dataclasses.replace(asked, params=params, tool_format=tool_format)
 
 
 def _param_of(exc: RequestError, asked: EngineRequest) -> str | None:
@@ -417,7 +421,7 @@ def _prompt_ids(backend: Backend, asked: EngineRequest) -> list[PromptIds]:
     seconds, which would stall every other stream."""
     try:
         if asked.messages is not None:
-            return [backend.chat_prompt_ids(asked.messages)]
+            return [backend.chat_prompt_ids(asked.messages, asked.tools)]
         texts = asked.prompts if isinstance(asked.prompts[0], str) else None
         prompts, _ = backend.prompt_ids(texts, None if texts else asked.prompts)
         return prompts

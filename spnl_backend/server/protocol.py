@@ -15,6 +15,8 @@ from typing import Any
 from ..engine.sequence import SamplingParams
 from ..errors import ContextLengthError, RequestError, shown
 from ..request import check_text, sampling_params
+from ..tools.formats import ToolFormat
+from ..tools.spec import ToolRequest, tool_request
 
 MAX_N = 64  # completions per prompt (the engine runs 64 sequences at once)
 
@@ -72,6 +74,8 @@ class EngineRequest:
     messages: list[dict[str, Any]] | None = None  # chat
     token_healing: bool | None = None  # None: the server's MISTRALRS_TOKEN_HEALING
     constraint_field: str | None = None  # the field that asked for one, named in its errors
+    tools: ToolRequest | None = None  # chat: the tools it offers
+    tool_format: ToolFormat | None = None  # how its answer is read for calls, once known
 
 
 # Fields read for their value (the sampling ones below, and the per-endpoint ones).
@@ -95,6 +99,7 @@ _GUIDED = {
     "guided_grammar": "grammar",
     "guided_choice": "choice",
 }
+_TOOLS = ("tools", "tool_choice", "parallel_tool_calls")
 _COMMON = ("model", "n", "stream", "stream_options", "logprobs", *_SAMPLING, *_OPTIONS, *_GUIDED)
 # Accepted, with no effect: metadata, or a mode this engine's models do not have.
 _NO_EFFECT = ("user", "reasoning_effort", "store", "metadata", "service_tier")
@@ -124,7 +129,15 @@ def parse_completion(body: object) -> EngineRequest:
 
 def parse_chat(body: object) -> EngineRequest:
     fields = _fields(
-        body, {*_COMMON, "messages", "max_tokens", "max_completion_tokens", "top_logprobs"}
+        body,
+        {
+            *_COMMON,
+            *_TOOLS,
+            "messages",
+            "max_tokens",
+            "max_completion_tokens",
+            "top_logprobs",
+        },
     )
     if fields.get("max_completion_tokens") is not None and fields.get("max_tokens") is not None:
         raise bad_request(
@@ -133,7 +146,16 @@ def parse_chat(body: object) -> EngineRequest:
         )
     given = fields.get("max_completion_tokens") is not None
     name = "max_completion_tokens" if given else "max_tokens"
-    return _engine_request(fields, fields.get(name), name, messages=_messages(fields))
+    try:
+        tools = tool_request(*(fields.get(f) for f in _TOOLS))
+    except RequestError as exc:
+        raise bad_request(str(exc), _named(str(exc), _TOOLS) or "tools") from None
+    return _engine_request(fields, fields.get(name), name, messages=_messages(fields), tools=tools)
+
+
+def _named(message: str, names: tuple[str, ...]) -> str | None:
+    """The field an error message starts with."""
+    return next((n for n in sorted(names, key=len, reverse=True) if message.startswith(n)), None)
 
 
 def _fields(body: object, used: set[str]) -> dict[str, Any]:
@@ -301,15 +323,18 @@ def _message(message: object, index: int) -> dict[str, Any]:
     where = f"messages[{index}]"
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise bad_request(f"{where}: expected an object with a string 'role'", "messages")
-    unsupported = set(message) - {"role", "content", "name"}
+    unsupported = set(message) - {"role", "content", "name", "tool_calls", "tool_call_id"}
     if unsupported:
         raise bad_request(
             f"{where}: {', '.join(sorted(map(shown, unsupported)))} not supported "
-            "(tool calls, audio and refusals are not served yet)",
+            "(audio and refusals are not served)",
             "messages",
             "unsupported_parameter",
         )
-    return {"role": message["role"], "content": _content(message.get("content"), where)}
+    content = message.get("content")
+    if content is None and message.get("tool_calls") is not None:
+        return {**message, "content": ""}  # an assistant turn that only calls tools
+    return {**message, "content": _content(content, where)}
 
 
 def _content(content: object, where: str) -> str:

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from ..engine.sampler import TokenLogprobs
 from ..engine.sequence import Sequence
+from ..tools.calls import CallReader, Delta
+from ..tools.formats import ToolFormat
 
 Endpoint = Literal["completions", "chat"]
 
@@ -27,12 +29,15 @@ class Reply:
     token_bytes: Callable[[list[int]], list[bytes]] = lambda ids: [b"" for _ in ids]
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    tools: ToolFormat | None = None  # a chat answer read for tool calls in this format
 
     def __post_init__(self) -> None:
         prefix = "cmpl" if self.endpoint == "completions" else "chatcmpl"
         self.id = self.id or f"{prefix}-{uuid.uuid4().hex}"
         self.index = {seq.seq_id: i for i, seq in enumerate(self.seqs)}
         self._pending: dict[int, list[TokenLogprobs]] = {}
+        self._started: set[int] = set()  # streams that sent their first chunk
+        self._readers: dict[int, CallReader] = {}  # a stream's calls read so far
 
     def pending(self, seq: Sequence) -> list[TokenLogprobs]:
         """A stream's log-probabilities not yet sent: they go with its next chunk."""
@@ -52,9 +57,36 @@ class Reply:
         if self.endpoint == "completions":
             choice["text"] = seq.text
         else:
-            choice["message"] = {"role": "assistant", "content": seq.text}
+            choice["message"] = self._message(seq)
         entries = seq.logprobs if seq.params.logprobs else None
-        return {**choice, "logprobs": self._logprobs(entries), "finish_reason": finish_reason(seq)}
+        reason = self._finish_reason(seq)
+        return {**choice, "logprobs": self._logprobs(entries), "finish_reason": reason}
+
+    def _message(self, seq: Sequence) -> dict[str, Any]:
+        reader = self._read(seq)
+        if reader is None or reader.content is not None:
+            return {"role": "assistant", "content": seq.text}
+        calls = [call.body() for call in reader.calls if call.whole]
+        # Cut short by max_tokens: the whole calls, and the text, so nothing is lost.
+        content = seq.text if seq.finish_reason == "length" else None
+        return {"role": "assistant", "content": content, "tool_calls": calls}
+
+    def _read(self, seq: Sequence) -> CallReader | None:
+        """The sequence's answer read for calls (None where it is not read for them)."""
+        if self.tools is None:
+            return None
+        reader = self._readers.get(seq.seq_id)
+        if reader is None:
+            reader = CallReader(self.tools)
+            reader.feed(seq.text)
+            reader.finish()
+        return reader
+
+    def _finish_reason(self, seq: Sequence) -> str:
+        reader = self._read(seq)
+        if reader is not None and reader.content is None and seq.finish_reason != "length":
+            return "tool_calls"
+        return finish_reason(seq)
 
     def usage(self) -> dict[str, Any]:
         """Each prompt counted once (its first completion's), every completion's tokens."""
@@ -74,19 +106,33 @@ class Reply:
 
     # ---- stream chunks ----------------------------------------------------------------
 
-    def text_chunk(self, seq: Sequence, text: str, first: bool) -> dict[str, Any]:
-        return self._chunk(seq, text, first, None)
+    def text_chunk(self, seq: Sequence, text: str) -> dict[str, Any] | None:
+        """A stream's chunk for ``text``; None where it adds nothing to send yet (a tool
+        call's opening still being read)."""
+        if self.endpoint == "chat" and self.tools is not None:
+            reader = self._readers.setdefault(seq.seq_id, CallReader(self.tools))
+            calls = reader.feed(text)
+            return self._chunk(seq, "", None, calls) if calls else None
+        return self._chunk(seq, text, None)
 
-    def end_chunk(self, seq: Sequence, first: bool) -> dict[str, Any]:
-        return self._chunk(seq, "", first, finish_reason(seq))
+    def end_chunk(self, seq: Sequence) -> dict[str, Any]:
+        reader = self._readers.get(seq.seq_id)
+        rest = reader.finish() if reader is not None else None
+        return self._chunk(seq, "", self._finish_reason(seq), rest)
 
     def usage_chunk(self) -> dict[str, Any]:
         return {**self._head(".chunk"), "choices": [], "usage": self.usage()}
 
-    def _chunk(self, seq: Sequence, text: str, first: bool, reason: str | None) -> dict[str, Any]:
+    def _chunk(
+        self, seq: Sequence, text: str, reason: str | None, calls: Delta | None = None
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": self.index[seq.seq_id]}
+        first = seq.seq_id not in self._started
+        self._started.add(seq.seq_id)
         if self.endpoint == "completions":
             choice["text"] = text
+        elif calls is not None:
+            choice["delta"] = _calls_delta(calls, first)
         else:
             choice["delta"] = (
                 {"role": "assistant", "content": text}
@@ -135,6 +181,25 @@ class Reply:
     def _head(self, suffix: str) -> dict[str, Any]:
         kind = "text_completion" if self.endpoint == "completions" else "chat.completion" + suffix
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+
+def _calls_delta(calls: Delta, first: bool) -> dict[str, Any]:
+    """A chat chunk's delta for what a tool-calling answer added: its text, or its calls'
+    openings (id and name) and argument fragments, by call index."""
+    delta: dict[str, Any] = {"role": "assistant"} if first else {}
+    if calls.content or (first and not calls.started):
+        delta["content"] = calls.content
+    entries: dict[int, dict[str, Any]] = {}
+    for call in calls.started:
+        function = {"name": call.name, "arguments": ""}
+        entries[call.index] = {"index": call.index, "id": call.id, "type": "function"}
+        entries[call.index]["function"] = function
+    for index, fragment in calls.arguments:
+        entry = entries.setdefault(index, {"index": index, "function": {"arguments": ""}})
+        entry["function"]["arguments"] += fragment
+    if entries:
+        delta["tool_calls"] = list(entries.values())
+    return delta
 
 
 def _text(raw: bytes) -> str:

@@ -1,0 +1,77 @@
+"""How a model family writes its tool calls, known from its chat template.
+
+Every family writes a call as one JSON object, ``{"name": ..., "<arguments>": {...}}``,
+between fixed texts; the families differ in those texts, in the arguments' key and in
+whether the opening is a special token (which the output's text leaves out):
+
+- Hermes (Qwen 2.5/3, Hermes, many fine-tunes): ``<tool_call>\\n{...}\\n</tool_call>``,
+  one block per call;
+- Mistral: ``[TOOL_CALLS][{...}, {...}]``, ``[TOOL_CALLS]`` a special token;
+- Llama 3.x: ``{"name": ..., "parameters": {...}}``, several joined by ``; ``.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from ..errors import RequestError
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    family: str
+    opening: str  # before the first call, as the output's text has it
+    call_open: str  # before each call's object
+    call_close: str  # after each call's object
+    separator: str  # between two calls
+    closing: str  # after the last call
+    arguments_key: str
+    marker: str = ""  # a text that opens the calls and may be one special token
+    marker_id: int | None = None  # that token, where it is special (not in the text)
+
+    @property
+    def trigger(self) -> str:
+        """What a text answer may not start with: the calls' first fixed text, or a
+        call's opening brace where there is none (where a text answer and a call could
+        share a longer start, the lexer would have to take back what it read)."""
+        return self.opening + self.call_open or "{"
+
+
+HERMES = ToolFormat("hermes", "", "<tool_call>\n", "\n</tool_call>", "\n", "", "arguments")
+MISTRAL = ToolFormat("mistral", "[", "", "", ", ", "]", "arguments", marker="[TOOL_CALLS]")
+LLAMA3 = ToolFormat("llama3", "", "", "", "; ", "", "parameters")
+FAMILIES = (HERMES, MISTRAL, LLAMA3)
+
+
+def template_format(template: str | None, special_id: Callable[[str], int | None]) -> ToolFormat:
+    """The format a model with this chat template calls tools in; a `RequestError` saying
+    why where it has none (``special_id``: a text's token where it is a special one)."""
+    if not template:
+        raise RequestError("tools need a chat template, and this model has none")
+    if "tools" not in template:
+        raise RequestError(
+            "this model's chat template does not render tools (it never reads 'tools'), so "
+            "the model was not trained to call them; use a model whose template does"
+        )
+    found = _family(template)
+    if found is None:
+        raise RequestError(
+            "this model's chat template renders tools, but in a call syntax this server does "
+            "not parse; supported: Hermes/Qwen <tool_call>, Mistral [TOOL_CALLS], Llama 3.x "
+            "JSON"
+        )
+    if not found.marker:
+        return found
+    marker_id = special_id(found.marker)
+    if marker_id is not None:
+        return replace(found, marker_id=marker_id)
+    return replace(found, opening=found.marker + found.opening, marker="")  # written as text
+
+
+def _family(template: str) -> ToolFormat | None:
+    if "<tool_call>" in template:
+        return HERMES
+    if "[TOOL_CALLS]" in template:
+        return MISTRAL
+    if "<|start_header_id|>" in template:
+        return LLAMA3
+    return None
