@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from .constrain.grammar import GrammarCompiler
 from .constrain.healing import back_off
 from .engine.build import build_engine
@@ -96,6 +98,19 @@ class GenerateResult:
     # calls as the model wrote them, and ``finish_reason`` "tool_calls"; cut short by
     # max_tokens, the calls made whole before the cut and "length").
     tool_calls: list[ToolCall] | None = None
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    vectors: "torch.Tensor"  # [texts, hidden] float32, each row of unit length
+    token_counts: list[int]  # each text's tokens
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(self.token_counts)
+
+
+EMBED_PASS_TOKENS = 8192  # tokens one embedding pass packs at most
 
 
 # Backends not closed yet: closed at interpreter exit, so that no engine thread is still
@@ -451,6 +466,19 @@ class Backend:
         special = self._grammars.tokenizer.is_special_token  # type: ignore[attr-defined]
         return token if token is not None and special(token) else None
 
+    def embed(self, texts: str | list[str] | list[int] | list[list[int]]) -> "Embeddings":
+        """The embeddings of ``texts`` (a string, a list of strings, a list of token ids,
+        or a list of such lists): the model's last hidden states pooled as its config says
+        (`engine.embed`), each of unit length, run on the engine's thread between steps in
+        passes of at most `EMBED_PASS_TOKENS` tokens (so that running requests go on)."""
+        if self.model.tp is not None:
+            raise RequestError("embeddings are not served under tensor parallelism yet")
+        prompts = _embedding_inputs(texts, self)
+        loop, vectors = self._open_loop(), []
+        for batch in _passes(prompts, EMBED_PASS_TOKENS):
+            vectors.append(loop.call(lambda engine, batch=batch: engine.embed(batch)))
+        return Embeddings(torch.cat(vectors), [len(ids) for ids in prompts])
+
     def span_query_request(
         self, query: "str | dict | SpanQuery"
     ) -> tuple[list["PromptIds"], SamplingParams, int]:
@@ -765,6 +793,32 @@ async def _aresults(request: LoopRequest, single: bool) -> Any:
         _raise_failure(item)
     results = [_result(seq) for seq in request.seqs]
     return results[0] if single else results
+
+
+def _embedding_inputs(texts: object, backend: "Backend") -> list[list[int]]:
+    """The texts as token ids, each non-empty and within the context."""
+    if isinstance(texts, list) and texts and not isinstance(texts[0], str):
+        prompts, _ = token_id_prompts(texts, backend.model_config.vocab_size)
+    else:
+        items = [texts] if isinstance(texts, str) else prompt_list(texts)
+        prompts = [backend.tokenizer.encode(check_prompt(text)) for text in items]
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise RequestError(f"input[{i}] has no tokens; give some text")
+        backend._check_length(ids)
+    return prompts
+
+
+def _passes(prompts: list[list[int]], budget: int) -> Iterator[list[list[int]]]:
+    """``prompts`` in order, in groups of at most ``budget`` tokens (a longer one alone)."""
+    group: list[list[int]] = []
+    for ids in prompts:
+        if group and sum(map(len, group)) + len(ids) > budget:
+            yield group
+            group = []
+        group.append(ids)
+    if group:
+        yield group
 
 
 def _with_calls(result: GenerateResult, chat: ToolChat) -> GenerateResult:

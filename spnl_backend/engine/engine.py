@@ -2,16 +2,21 @@
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import DistributedError, EngineError
 from ..log import get_logger
 from ..pic.layout import PicLayout
 from .cache import CacheInfo, PoolUsage
 from .detokenizer import Decoder, IncrementalDetokenizer
+from .embed import embed
 from .runner import Runner
 from .sampler import TokenLogprobs, row_error
 from .scheduler import Scheduler
 from .sequence import SamplingParams, ScheduledSeq, Sequence, StepOutput
+
+if TYPE_CHECKING:
+    import torch
 
 log = get_logger()
 
@@ -148,6 +153,13 @@ class Engine:
         dropped = self.cache.reset_prefix_cache()
         log.info("prefix_cache.reset", dropped=dropped)
         return dropped
+
+    def embed(self, texts: list[list[int]]) -> "torch.Tensor":
+        """The texts' embeddings (`embed.embed`), pooled as the model's config says; run
+        between two steps, beside the cache."""
+        self._check_usable()
+        runner = self.runner
+        return embed(runner.model, runner.device, texts, runner.model.config.pooling)
 
     def step(self) -> list[StepOutput]:
         """One scheduled step. A request whose sampling or detokenization fails finishes

@@ -29,6 +29,7 @@ class Runner(Protocol):
 
     model: CausalLM
     cache: CacheManager
+    device: torch.device
 
     def run(self, batch: list[ScheduledSeq]) -> Sampled: ...
 

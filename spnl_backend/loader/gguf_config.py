@@ -77,6 +77,10 @@ CONFIG_TENSORS = frozenset(
 )
 
 
+# llama.cpp's pooling types (1 mean, 2 cls, 3 last; 0 none and 4 rank have no single
+# vector per text here, and take the last token's).
+_POOLING = {1: "mean", 2: "first", 3: "last"}
+
 # Where each `ModelConfig` field comes from, for error messages ({arch}. is prefixed).
 _FIELD_KEYS = {
     "hidden_size": "embedding_length",
@@ -151,6 +155,7 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         tie_word_embeddings="output.weight" not in gguf.tensors,
         bos_token_id=meta.integer("tokenizer.ggml.bos_token_id", None),
         eos_token_ids=eos_token_ids(gguf),
+        pooling=_POOLING.get(meta.integer("pooling_type", 0), "last"),
     )
     if fields["sliding_window"]:
         fields["layer_types"] = _swa_layer_types(meta, None, layers)

@@ -122,6 +122,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str | None = None  # as the checkpoint stores it
+    # How /v1/embeddings pools the last hidden states (`engine.embed`): a GGUF's
+    # pooling_type where it has one; the last token's state otherwise.
+    pooling: Literal["last", "mean", "first"] = "last"
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:

@@ -39,8 +39,9 @@ from .protocol import (
     from_request_error,
     parse_chat,
     parse_completion,
+    parse_embeddings,
 )
-from .responses import Endpoint, Reply, sse
+from .responses import Endpoint, Reply, embedding_body, sse
 
 log = get_logger()
 
@@ -78,6 +79,7 @@ def create_app(config: ServerConfig, state: ServerState) -> Starlette:
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/v1/embeddings", api.embeddings, methods=["POST"]),
         Route("/v1/query/execute", api.query, methods=["POST"]),
         Route("/reset_prefix_cache", api.reset_prefix_cache, methods=["POST"]),
     ]
@@ -119,6 +121,28 @@ class _Api:
 
     async def chat(self, request: Request) -> Response:
         return await self._serve(request, "chat")
+
+    async def embeddings(self, request: Request) -> Response:
+        """OpenAI's embeddings: each input's vector (`Backend.embed`), as floats or base64."""
+        label = "embeddings"
+        try:
+            backend = self._backend(request)
+            asked = parse_embeddings(await _read_json(request, self.config.max_body_bytes))
+            self._check_model(asked.model)
+            if asked.dimensions is not None and asked.dimensions > backend.model_config.hidden_size:
+                raise bad_request(
+                    f"dimensions={asked.dimensions}: this model's embeddings have "
+                    f"{backend.model_config.hidden_size}",
+                    "dimensions",
+                )
+            result = await asyncio.to_thread(backend.embed, asked.inputs)
+        except RequestError as exc:
+            return self._refused(label, from_request_error(exc, "input"))
+        except Exception as exc:
+            return self._refused(label, exc)
+        self.state.metrics.prompt_tokens.inc(result.prompt_tokens)
+        self._count(label, "ok")
+        return JSONResponse(embedding_body(result, asked, self.config.model_name))
 
     async def query(self, request: Request) -> Response:
         """spnl's span query: streamed as completion chunks (``stream=true``), else a

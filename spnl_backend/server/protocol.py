@@ -359,3 +359,37 @@ def _content(content: object, where: str) -> str:
 def _json_kind(value: object) -> str:
     kinds = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
     return kinds.get(type(value), "a number")
+
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's bound on one request's inputs
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    model: str
+    inputs: str | list[str] | list[int] | list[list[int]]
+    base64: bool  # encoding_format "base64": each vector's float32 bytes, little-endian
+    dimensions: int | None  # the first this many, normalized again (None: all)
+
+
+def parse_embeddings(body: object) -> EmbeddingRequest:
+    fields = _fields(body, {"model", "input", "encoding_format", "dimensions"})
+    try:
+        prompts = _prompts(fields.get("input"))
+    except ApiError as exc:
+        raise bad_request(exc.message.replace("prompt", "input"), "input") from None
+    if len(prompts) > MAX_EMBEDDING_INPUTS:
+        raise bad_request(
+            f"input: {len(prompts)} inputs; at most {MAX_EMBEDDING_INPUTS} are accepted", "input"
+        )
+    encoding = fields.get("encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise bad_request(
+            f"encoding_format={shown(encoding)}: expected 'float' or 'base64'", "encoding_format"
+        )
+    dimensions = fields.get("dimensions")
+    if dimensions is not None and (
+        isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1
+    ):
+        raise bad_request(f"dimensions={shown(dimensions)}: expected an integer >= 1", "dimensions")
+    return EmbeddingRequest(fields["model"], prompts, encoding == "base64", dimensions)

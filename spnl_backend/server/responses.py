@@ -2,6 +2,7 @@
 engine's sequences. A request's choices are its sequences in order: for a list of
 prompts with ``n`` completions each, choice ``p * n + i`` is prompt ``p``'s ``i``-th."""
 
+import base64
 import json
 import time
 import uuid
@@ -9,10 +10,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
+
+from ..backend import Embeddings
 from ..engine.sampler import TokenLogprobs
 from ..engine.sequence import Sequence
 from ..tools.calls import CallReader, Delta
 from ..tools.formats import ToolFormat
+from .protocol import EmbeddingRequest
 
 Endpoint = Literal["completions", "chat"]
 
@@ -213,6 +218,25 @@ def _token(raw: bytes, logprob: float) -> dict[str, Any]:
 def finish_reason(seq: Sequence) -> str:
     """OpenAI's reasons: "stop" (EOS or a stop string) or "length"."""
     return "length" if seq.finish_reason == "length" else "stop"
+
+
+def embedding_body(result: Embeddings, asked: EmbeddingRequest, model: str) -> dict[str, Any]:
+    """OpenAI's embeddings list for `Backend.embed`'s ``result`` (an `EmbeddingRequest`'s
+    ``dimensions`` taken first and normalized again)."""
+    vectors = result.vectors
+    if asked.dimensions is not None:
+        vectors = torch.nn.functional.normalize(vectors[:, : asked.dimensions], dim=-1)
+    data = []
+    for index, vector in enumerate(vectors):
+        if asked.base64:
+            raw = vector.numpy().astype("<f4").tobytes()
+            embedding: Any = base64.b64encode(raw).decode("ascii")
+        else:
+            embedding = vector.tolist()
+        data.append({"object": "embedding", "index": index, "embedding": embedding})
+    tokens = result.prompt_tokens
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+    return {"object": "list", "data": data, "model": model, "usage": usage}
 
 
 def sse(data: dict[str, Any] | str) -> bytes:

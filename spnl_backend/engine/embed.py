@@ -1,0 +1,69 @@
+"""Text embeddings: the model's last hidden states over each text, pooled and normalized.
+
+The texts of a batch run as one forward pass packed sequence after sequence, with no KV
+cache: each attends causally within itself only (`SelfAttention`), and every row of the
+model's layers is computed as a one-row pass computes it (the engine's batch invariance),
+so a text's embedding does not depend on what it came with. Pooling: ``last`` (the last
+token's state, which has seen the whole text: what causal embedding models such as
+e5-mistral and Qwen3-Embedding use), ``mean`` over the tokens, or ``first`` (a
+classification token); a GGUF's ``pooling_type`` says which, ``last`` otherwise.
+"""
+
+from typing import Literal
+
+import torch
+
+from ..kernels.attention_ref import attention_ref
+from ..models.layers import AttentionSpec
+from ..models.transformer import CausalLM
+
+Pooling = Literal["last", "mean", "first"]
+POOLINGS: tuple[Pooling, ...] = ("last", "mean", "first")
+
+
+class SelfAttention:
+    """The attention backend of a cache-free pass: each packed text attends causally over
+    its own tokens alone."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.lengths = lengths
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
+    ) -> torch.Tensor:
+        outputs, start = [], 0
+        for length in self.lengths:
+            rows = slice(start, start + length)
+            outputs.append(
+                attention_ref(
+                    q[rows],
+                    k[rows],
+                    v[rows],
+                    scale=spec.scale,
+                    context_len=0,
+                    sliding_window=spec.sliding_window,
+                    softcap=spec.softcap,
+                )
+            )
+            start += length
+        return torch.cat(outputs)
+
+
+@torch.inference_mode()
+def embed(
+    model: CausalLM, device: torch.device, texts: list[list[int]], pooling: Pooling
+) -> torch.Tensor:
+    """``texts`` (token ids, none empty) → their embeddings ``[len(texts), hidden]`` in
+    float32 on the CPU, each of unit length."""
+    lengths = [len(ids) for ids in texts]
+    input_ids = torch.tensor([t for ids in texts for t in ids], dtype=torch.long, device=device)
+    positions = torch.cat([torch.arange(n, device=device) for n in lengths])
+    hidden = model(input_ids, positions, SelfAttention(lengths)).float()
+    pooled = torch.stack([_pool(part, pooling) for part in hidden.split(lengths)])
+    return torch.nn.functional.normalize(pooled, dim=-1).cpu()
+
+
+def _pool(states: torch.Tensor, pooling: Pooling) -> torch.Tensor:
+    if pooling == "mean":
+        return states.mean(dim=0)
+    return states[0] if pooling == "first" else states[-1]
