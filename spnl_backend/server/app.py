@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import hmac
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,15 +26,18 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..backend import Backend, PromptIds
+from ..backend import Backend, Embeddings, PromptIds
 from ..engine.loop import Finished, LoopRequest
 from ..engine.sequence import Sequence, StepOutput
 from ..errors import RequestAbortedError, RequestError
 from ..log import get_logger
 from ..pic.query import MapQuery, parse_query
+from ..tools.calls import CallReader
+from . import ollama
 from .metrics import ServerMetrics
 from .protocol import (
     ApiError,
+    EmbeddingRequest,
     EngineRequest,
     bad_request,
     from_request_error,
@@ -81,6 +85,13 @@ def create_app(config: ServerConfig, state: ServerState) -> Starlette:
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/embeddings", api.embeddings, methods=["POST"]),
         Route("/v1/query/execute", api.query, methods=["POST"]),
+        Route("/api/chat", api.ollama_chat, methods=["POST"]),
+        Route("/api/generate", api.ollama_generate, methods=["POST"]),
+        Route("/api/embed", api.ollama_embed, methods=["POST"]),
+        Route("/api/tags", api.ollama_tags, methods=["GET"]),
+        Route("/api/ps", api.ollama_ps, methods=["GET"]),
+        Route("/api/show", api.ollama_show, methods=["POST"]),
+        Route("/api/version", api.ollama_version, methods=["GET"]),
         Route("/reset_prefix_cache", api.reset_prefix_cache, methods=["POST"]),
     ]
     return Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed})
@@ -129,20 +140,22 @@ class _Api:
             backend = self._backend(request)
             asked = parse_embeddings(await _read_json(request, self.config.max_body_bytes))
             self._check_model(asked.model)
-            if asked.dimensions is not None and asked.dimensions > backend.model_config.hidden_size:
-                raise bad_request(
-                    f"dimensions={asked.dimensions}: this model's embeddings have "
-                    f"{backend.model_config.hidden_size}",
-                    "dimensions",
-                )
-            result = await asyncio.to_thread(backend.embed, asked.inputs)
-        except RequestError as exc:
-            return self._refused(label, from_request_error(exc, "input"))
+            result = await self._embedded(backend, asked)
         except Exception as exc:
             return self._refused(label, exc)
-        self.state.metrics.prompt_tokens.inc(result.prompt_tokens)
-        self._count(label, "ok")
         return JSONResponse(embedding_body(result, asked, self.config.model_name))
+
+    async def _embedded(self, backend: Backend, asked: EmbeddingRequest) -> Embeddings:
+        hidden = backend.model_config.hidden_size
+        if asked.dimensions is not None and asked.dimensions > hidden:
+            raise bad_request(
+                f"dimensions={asked.dimensions}: this model's embeddings have {hidden}",
+                "dimensions",
+            )
+        result = await asyncio.to_thread(backend.embed, asked.inputs)
+        self.state.metrics.prompt_tokens.inc(result.prompt_tokens)
+        self._count("embeddings", "ok")
+        return result
 
     async def query(self, request: Request) -> Response:
         """spnl's span query: streamed as completion chunks (``stream=true``), else a
@@ -162,6 +175,149 @@ class _Api:
         endpoint: Endpoint = "completions" if stream or isinstance(query, MapQuery) else "chat"
         reply = Reply(endpoint, self.config.model_name, submitted.seqs, n, backend.token_bytes)
         return await self._answer(request, submitted, reply, asked, label)
+
+    # ---- Ollama's API ---------------------------------------------------------------------
+
+    async def ollama_chat(self, request: Request) -> Response:
+        return await self._ollama(request, chat=True)
+
+    async def ollama_generate(self, request: Request) -> Response:
+        return await self._ollama(request, chat=False)
+
+    async def _ollama(self, request: Request, chat: bool) -> Response:
+        label = "ollama_chat" if chat else "ollama_generate"
+        parse = ollama.parse_chat if chat else ollama.parse_generate
+        try:
+            backend = self._backend(request)
+            body = await _read_json(request, self.config.max_body_bytes)
+            asked = parse(body, backend.max_model_len)
+            if asked is None:  # a generate with no prompt: Ollama's way to load a model
+                self._check_model(ollama.bare_model(body["model"]))
+                loaded = {"model": body["model"], "created_at": ollama.stamp(), "response": ""}
+                return JSONResponse({**loaded, "done": True, "done_reason": "load"})
+            self._check_model(asked.model)
+            prompts = await asyncio.to_thread(_prompt_ids, backend, asked)
+            asked = await asyncio.to_thread(_prepared, backend, asked)
+            submitted = self._submit(backend, asked, prompts)
+        except Exception as exc:
+            return self._refused(label, exc, ollama_shape=True)
+        endpoint: Endpoint = "chat" if chat else "completions"
+        reply = Reply(endpoint, self.config.model_name, submitted.seqs, 1, tools=asked.tool_format)
+        if asked.stream:
+            lines = self._ndjson(submitted, reply, chat, label)
+            return StreamingResponse(lines, media_type="application/x-ndjson")
+        seq = submitted.seqs[0]
+        return await self._whole(
+            request,
+            submitted,
+            reply,
+            label,
+            lambda: ollama.done(reply.model, chat, seq, seq.text, reply.tools),
+            ollama_shape=True,
+        )
+
+    async def _ndjson(self, submitted: LoopRequest, reply: Reply, chat: bool, label: str):
+        reader = CallReader(reply.tools) if chat and reply.tools is not None else None
+        outcome = "aborted"
+        try:
+            async for item in submitted.aitems():
+                if isinstance(item, StepOutput):
+                    text = item.text_delta
+                    if text and reader is not None:
+                        text = reader.feed(text).content
+                    if text:
+                        yield _line(ollama.chunk(reply.model, chat, text))
+                    continue
+                seq = item.seq
+                self._observe(seq)
+                if seq.error is not None:
+                    outcome = self._failed(label, seq)
+                    yield _line({"error": str(seq.error)})
+                    return
+                rest = reader.finish().content if reader is not None else ""
+                yield _line(ollama.done(reply.model, chat, seq, rest, reply.tools))
+            outcome = "ok"
+        finally:
+            self._finish(reply, outcome, label)
+
+    async def ollama_embed(self, request: Request) -> Response:
+        label = "ollama_embed"
+        try:
+            backend = self._backend(request)
+            asked = ollama.parse_embed(await _read_json(request, self.config.max_body_bytes))
+            self._check_model(ollama.bare_model(asked.model))
+            result = await self._embedded(backend, asked)
+        except Exception as exc:
+            return self._refused(label, exc, ollama_shape=True)
+        body = embedding_body(result, asked, self.config.model_name)
+        vectors = [entry["embedding"] for entry in body["data"]]
+        return JSONResponse(
+            {
+                "model": asked.model,
+                "embeddings": vectors,
+                "total_duration": 0,
+                "load_duration": 0,
+                "prompt_eval_count": result.prompt_tokens,
+            }
+        )
+
+    async def ollama_tags(self, request: Request) -> Response:
+        return self._ollama_models(request, running=False)
+
+    async def ollama_ps(self, request: Request) -> Response:
+        return self._ollama_models(request, running=True)
+
+    def _ollama_models(self, request: Request, running: bool) -> Response:
+        try:
+            self._check_key(request)
+        except ApiError as exc:
+            return _error_response(exc, ollama_shape=True)
+        backend = self.state.backend
+        if running and not _ready(self.state):
+            return JSONResponse({"models": []})
+        name = self.config.model_name
+        entry: dict[str, Any] = {"name": name, "model": name, "digest": "", "size": 0}
+        if backend is not None:
+            source = backend.source
+            entry["size"] = _file_size(source.path)
+            entry["details"] = ollama.details(backend.model_config.architecture, source.kind)
+        if running:
+            entry |= {"expires_at": "9999-12-31T23:59:59Z", "size_vram": 0}
+            entry["context_length"] = backend.max_model_len if backend is not None else 0
+        else:
+            entry["modified_at"] = ollama.stamp()
+        return JSONResponse({"models": [entry]})
+
+    async def ollama_show(self, request: Request) -> Response:
+        try:
+            backend = self._backend(request)
+            name = ollama.parse_name(await _read_json(request, self.config.max_body_bytes))
+            self._check_model(ollama.bare_model(name))
+        except Exception as exc:
+            return self._refused("ollama_show", exc, ollama_shape=True)
+        config = backend.model_config
+        template = backend.tokenizer.hf.chat_template or ""
+        capabilities = ["completion", "embedding"] + (["tools"] if "tools" in template else [])
+        info = {
+            "general.architecture": config.architecture,
+            f"{config.architecture}.context_length": backend.max_model_len,
+            f"{config.architecture}.embedding_length": config.hidden_size,
+            f"{config.architecture}.block_count": config.num_layers,
+        }
+        return JSONResponse(
+            {
+                "modelfile": "",
+                "parameters": "",
+                "template": template,
+                "details": ollama.details(config.architecture, backend.source.kind),
+                "model_info": info,
+                "capabilities": capabilities,
+                "modified_at": ollama.stamp(),
+            }
+        )
+
+    async def ollama_version(self, request: Request) -> Response:
+        return JSONResponse({"version": ollama.VERSION})
 
     async def reset_prefix_cache(self, request: Request) -> Response:
         """Forget every cached prefix and PIC element (spnl's benchmark calls this before
@@ -193,11 +349,14 @@ class _Api:
         )
         return await self._answer(request, submitted, reply, asked, endpoint)
 
-    def _refused(self, label: str, exc: Exception) -> Response:
-        """The answer to a request that failed before it was queued."""
+    def _refused(self, label: str, exc: Exception, ollama_shape: bool = False) -> Response:
+        """The answer to a request that failed before it was queued (in Ollama's error
+        shape, ``{"error": message}``, for its routes)."""
+        if isinstance(exc, RequestError):
+            exc = from_request_error(exc, "input")
         if isinstance(exc, ApiError):
             self._count(label, "rejected" if exc.status < 500 else "unavailable")
-            return _error_response(exc)
+            return _error_response(exc, ollama_shape)
         if isinstance(exc, ClientDisconnect):  # gone while sending its body: nobody to answer
             self._count(label, "aborted")
             return Response(status_code=499)
@@ -322,8 +481,16 @@ class _Api:
             self._finish(reply, outcome, label)
 
     async def _whole(
-        self, request: Request, submitted: LoopRequest, reply: Reply, label: str
+        self,
+        request: Request,
+        submitted: LoopRequest,
+        reply: Reply,
+        label: str,
+        body: Callable[[], dict[str, Any]] | None = None,
+        ollama_shape: bool = False,
     ) -> Response:
+        """The whole answer once every sequence is done (``body``: its JSON, OpenAI's
+        by default); a client gone meanwhile aborts it."""
         outcome = "aborted"
         try:
             collecting = asyncio.ensure_future(self._collect(submitted))
@@ -336,9 +503,12 @@ class _Api:
             if failed is not None:
                 outcome = self._failed(label, failed)
                 status = _failure_status(failed.error)
-                return JSONResponse(_error_body(failed.error), status)
+                error = _error_body(failed.error)
+                if ollama_shape:
+                    error = {"error": error["error"]["message"]}
+                return JSONResponse(error, status)
             outcome = "ok"
-            return JSONResponse(reply.body())
+            return JSONResponse((body or reply.body)())
         finally:
             self._finish(reply, outcome, label)
 
@@ -562,8 +732,21 @@ def _error_body(error: Exception | None) -> dict[str, Any]:
     return ApiError(500, str(error), kind="server_error").body()
 
 
-def _error_response(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), exc.status, exc.headers)
+def _error_response(exc: ApiError, ollama_shape: bool = False) -> JSONResponse:
+    body = {"error": exc.message} if ollama_shape else exc.body()
+    return JSONResponse(body, exc.status, exc.headers)
+
+
+def _line(data: dict[str, Any]) -> bytes:
+    """One line of newline-delimited JSON (Ollama's stream)."""
+    return (json.dumps(data, ensure_ascii=False) + "\n").encode()
+
+
+def _file_size(path: Any) -> int:
+    try:
+        return path.stat().st_size if path.is_file() else 0
+    except OSError:
+        return 0
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:

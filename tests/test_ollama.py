@@ -1,0 +1,156 @@
+"""Ollama's API through the official ``ollama`` client: chat and generate, streamed and
+not, with the same tokens as the Python API; format through the grammar engine; tool
+calls; embeddings; the listings; and its errors."""
+
+import json
+
+import jsonschema
+import ollama
+import pytest
+from helpers import CPU
+from live_server import MODEL
+from test_tools import ASK, SCHEMAS, TOOL_TEMPLATE, TOOLS
+
+from spnl_backend import load_backend
+
+OPTIONS = {"temperature": 0, "num_predict": 12, "seed": 3}
+
+
+@pytest.fixture(scope="module")
+def backend(tiny):
+    backend = load_backend(str(tiny.hf("llama").path), settings=CPU)
+    backend.tokenizer.hf.chat_template = TOOL_TEMPLATE
+    yield backend
+    backend.close()
+
+
+@pytest.fixture
+def client(live):
+    return ollama.Client(host=live.url)
+
+
+def test_chat_streamed_and_not_equals_the_python_api(client, backend):
+    expected = backend.chat(ASK, max_tokens=12, temperature=0)
+    whole = client.chat(model=MODEL, messages=ASK, options=OPTIONS, stream=False)
+    assert whole.message.content == expected.text
+    assert whole.done
+    assert whole.done_reason == "length"
+    assert whole.eval_count == 12
+    assert whole.prompt_eval_count == expected.usage.prompt_tokens
+    parts = list(client.chat(model=MODEL + ":latest", messages=ASK, options=OPTIONS, stream=True))
+    assert "".join(p.message.content for p in parts) == expected.text
+    assert [p.done for p in parts][-1]
+    assert not any(p.done for p in parts[:-1])
+
+
+def test_generate_templated_raw_and_load(client, backend):
+    templated = client.generate(
+        model=MODEL, prompt="what is the weather in Paris?", options=OPTIONS
+    )
+    assert templated.response == backend.chat(ASK, max_tokens=12, temperature=0).text
+    raw = client.generate(model=MODEL, prompt="Once upon a time", raw=True, options=OPTIONS)
+    assert raw.response == backend.generate("Once upon a time", max_tokens=12, temperature=0).text
+    streamed = client.generate(
+        model=MODEL, prompt="Once upon a time", raw=True, stream=True, options=OPTIONS
+    )
+    assert "".join(p.response for p in streamed) == raw.response
+    loaded = client.generate(model=MODEL)
+    assert loaded.done_reason == "load"
+
+
+def test_format_json_schema(client):
+    schema = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}, "ok": {"type": "boolean"}},
+        "required": ["city", "ok"],
+        "additionalProperties": False,
+    }
+    reply = client.chat(
+        model=MODEL, messages=ASK, format=schema, options={"temperature": 0, "num_predict": 60}
+    )
+    jsonschema.validate(json.loads(reply.message.content), schema)
+    anything = client.chat(
+        model=MODEL, messages=ASK, format="json", options={"temperature": 0, "num_predict": 60}
+    )
+    # Any object: the tiny model may write strings until num_predict runs out.
+    assert anything.message.content.startswith("{")
+    if anything.done_reason == "stop":
+        assert isinstance(json.loads(anything.message.content), dict)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_calls(client, stream):
+    options = {"temperature": 0, "num_predict": 120, "stop": []}
+    forced = [{**TOOLS[0]}]  # one tool: Ollama has no tool_choice; the model picks
+    reply = client.chat(model=MODEL, messages=ASK, tools=forced, options=options, stream=stream)
+    parts = list(reply) if stream else [reply]
+    calls = [c for p in parts for c in (p.message.tool_calls or [])]
+    text = "".join(p.message.content or "" for p in parts)
+    if calls:
+        for call in calls:
+            jsonschema.validate(dict(call.function.arguments), SCHEMAS[call.function.name])
+    else:
+        assert not text.startswith("<tool_call>")
+    follow_up = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"function": {"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}}
+            ],
+        },
+        {"role": "tool", "content": "rain", "tool_name": "get_weather"},
+    ]
+    answer = client.chat(model=MODEL, messages=follow_up, options=OPTIONS)
+    assert answer.done
+
+
+def test_embed_equals_the_python_api(client, backend):
+    reply = client.embed(model=MODEL, input=["a fox", "a dog"])
+    expected = backend.embed(["a fox", "a dog"]).vectors
+    assert len(reply.embeddings) == 2
+    for got, want in zip(reply.embeddings, expected.tolist(), strict=True):
+        assert got == pytest.approx(want, abs=1e-6)
+
+
+def test_listings_and_version(client, live, backend):
+    (tag,) = client.list().models
+    assert tag.model == MODEL
+    assert tag.details.family == "llama"
+    (running,) = client.ps().models
+    assert running.model == MODEL
+    shown = client.show(MODEL)
+    assert "tools" in shown.capabilities
+    assert shown.template == TOOL_TEMPLATE
+    assert live.post("/api/version", {}).status_code == 405
+    assert "version" in __import__("httpx").get(live.url + "/api/version").json()
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ({"model": "nope", "messages": ASK}, "does not exist"),
+        ({"model": MODEL, "messages": ASK, "options": {"mirostat": 1}}, "options.mirostat"),
+        ({"model": MODEL, "messages": ASK, "options": {"num_ctx": 10**6}}, "num_ctx"),
+        ({"model": MODEL, "messages": ASK, "keep_alive": "soon"}, "keep_alive"),
+        ({"model": MODEL, "messages": ASK, "format": "xml"}, "format"),
+        ({"model": MODEL, "messages": ASK, "think": True}, "think"),
+        ({"model": MODEL, "messages": [{"role": "user", "images": ["x"]}]}, "images"),
+        ({"model": MODEL, "messages": ASK, "template": "{{ x }}"}, "template"),
+    ],
+)
+def test_bad_requests_get_ollamas_error_shape(live, body, words):
+    reply = live.post("/api/chat", body)
+    assert reply.status_code in (400, 404), reply.text
+    assert words in reply.json()["error"]
+
+
+def test_the_client_raises_the_servers_message(client):
+    with pytest.raises(ollama.ResponseError, match="does not exist"):
+        client.chat(model="nope", messages=ASK)
+    durations = [("5m", 300), ("1h30m", 5400), (0, 0), (-1, -1), ("250ms", 0.25)]
+    from spnl_backend.server.ollama import keep_alive_s
+
+    for given, seconds in durations:
+        assert keep_alive_s(given) == seconds
