@@ -49,7 +49,7 @@ class LiveServer:
         self.thread.join(30)
 
 
-def served_backend(tiny) -> Backend:
+def served_backend(tiny, template: str = TEMPLATE) -> Backend:
     backend = load_backend(str(tiny.hf("llama").path), settings=CPU)
-    backend.tokenizer.hf.chat_template = TEMPLATE
+    backend.tokenizer.hf.chat_template = template
     return backend

@@ -7,19 +7,15 @@ import json
 import jsonschema
 import ollama
 import pytest
-from helpers import CPU
-from live_server import MODEL
+from live_server import MODEL, served_backend
 from test_tools import ASK, SCHEMAS, TOOL_TEMPLATE, TOOLS
-
-from spnl_backend import load_backend
 
 OPTIONS = {"temperature": 0, "num_predict": 12, "seed": 3}
 
 
 @pytest.fixture(scope="module")
 def backend(tiny):
-    backend = load_backend(str(tiny.hf("llama").path), settings=CPU)
-    backend.tokenizer.hf.chat_template = TOOL_TEMPLATE
+    backend = served_backend(tiny, TOOL_TEMPLATE)
     yield backend
     backend.close()
 

@@ -7,12 +7,10 @@ import json
 
 import jsonschema
 import pytest
-from helpers import CPU
-from live_server import MODEL
+from live_server import MODEL, served_backend
 from llguidance import LLMatcher, LLTokenizer
 from tiny_models import EOS, build_tokenizer
 
-from spnl_backend import load_backend
 from spnl_backend.errors import RequestError
 from spnl_backend.tools.calls import CallReader
 from spnl_backend.tools.formats import HERMES, LLAMA3, MISTRAL, template_format
@@ -213,8 +211,7 @@ def test_a_call_cut_short_is_not_whole():
 
 @pytest.fixture(scope="module")
 def backend(tiny):
-    backend = load_backend(str(tiny.hf("llama").path), settings=CPU)
-    backend.tokenizer.hf.chat_template = TOOL_TEMPLATE
+    backend = served_backend(tiny, TOOL_TEMPLATE)
     yield backend
     backend.close()
 
