@@ -115,7 +115,36 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--json", action="store_true", help="print results with usage as JSON")
     generate.set_defaults(run=_run_generate)
     _add_serve(commands)
+    _add_chat(commands)
     return parser
+
+
+def _add_chat(commands: Any) -> None:
+    chat = commands.add_parser(
+        "chat", help="talk with the model in the terminal (streamed, the conversation kept)"
+    )
+    chat.add_argument(
+        "--model", help="model name or path (default: MISTRALRS_MODEL, else the embedded default)"
+    )
+    chat.add_argument("--system", help="a system prompt")
+    chat.add_argument(
+        "--max-tokens", type=int, default=0, help="tokens per answer at most (0: until EOS)"
+    )
+    chat.add_argument("--temperature", type=float, default=0.6, help="0 is greedy")
+    chat.add_argument("--seed", type=int)
+    chat.set_defaults(run=_run_chat)
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    from .backend import load_backend
+    from .loader.progress import TqdmProgress
+    from .request import sampling_params
+    from .terminal_chat import run_chat
+
+    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
+    sampling_params(**sampling)  # a bad parameter fails before the model loads
+    backend = load_backend(args.model, progress=TqdmProgress())
+    return run_chat(backend, sampling, args.system)
 
 
 def _add_serve(commands: Any) -> None:

@@ -55,7 +55,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "=spnl_backend",
     ),
     ("spnl_backend.server",),
-    ("spnl_backend.cli",),
+    ("spnl_backend.cli", "spnl_backend.terminal_chat"),
 )
 
 
