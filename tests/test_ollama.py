@@ -150,3 +150,16 @@ def test_the_client_raises_the_servers_message(client):
 
     for given, seconds in durations:
         assert keep_alive_s(given) == seconds
+
+
+def test_untyped_bodies_as_curl_posts_them_but_not_from_a_page(live):
+    body = json.dumps({"model": MODEL, "prompt": "Once", "raw": True, "stream": False})
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    import httpx
+
+    reply = httpx.post(live.url + "/api/generate", content=body, headers=form, timeout=60)
+    assert reply.status_code == 200
+    page = {**form, "Origin": "http://evil.example"}
+    refused = httpx.post(live.url + "/api/generate", content=body, headers=page, timeout=60)
+    assert refused.status_code == 403
+    assert "web page" in refused.json()["error"]

@@ -221,8 +221,11 @@ def test_a_text_body_from_a_web_page_is_refused(live):
         timeout=60,
     )
     assert as_json.status_code == 200
-    form = _post(live, "a=b", headers={"Content-Type": "application/x-www-form-urlencoded"})
-    assert form.status_code == 415
+    form_type = {"Content-Type": "application/x-www-form-urlencoded"}
+    form = _post(live, "a=b", headers=form_type)  # from no browser: read, and not JSON
+    assert form.status_code == 400
+    page_form = _post(live, "a=b", headers={**form_type, "Origin": "http://evil.example"})
+    assert page_form.status_code == 403
 
 
 def test_reset_prefix_cache_leaves_running_requests_alone(live, backend):

@@ -164,7 +164,7 @@ class _Api:
         try:
             backend = self._backend(request)
             stream = _stream_param(request.query_params.get("stream"))
-            text = await _read_text(request, self.config.max_body_bytes, plain=True)
+            text = await _read_text(request, self.config.max_body_bytes, lenient=True)
             query = await asyncio.to_thread(_parsed_query, text)
             self._check_model(query.metadata.model)
             prompts, params, n = await asyncio.to_thread(_query_request, backend, query)
@@ -189,7 +189,7 @@ class _Api:
         parse = ollama.parse_chat if chat else ollama.parse_generate
         try:
             backend = self._backend(request)
-            body = await _read_json(request, self.config.max_body_bytes)
+            body = await _read_json(request, self.config.max_body_bytes, lenient=True)
             asked = parse(body, backend.max_model_len)
             if asked is None:  # a generate with no prompt: Ollama's way to load a model
                 self._check_model(ollama.bare_model(body["model"]))
@@ -244,7 +244,7 @@ class _Api:
         label = "ollama_embed"
         try:
             backend = self._backend(request)
-            asked = ollama.parse_embed(await _read_json(request, self.config.max_body_bytes))
+            asked = ollama.parse_embed(await _read_json(request, self.config.max_body_bytes, True))
             self._check_model(ollama.bare_model(asked.model))
             result = await self._embedded(backend, asked)
         except Exception as exc:
@@ -291,7 +291,7 @@ class _Api:
     async def ollama_show(self, request: Request) -> Response:
         try:
             backend = self._backend(request)
-            name = ollama.parse_name(await _read_json(request, self.config.max_body_bytes))
+            name = ollama.parse_name(await _read_json(request, self.config.max_body_bytes, True))
             self._check_model(ollama.bare_model(name))
         except Exception as exc:
             return self._refused("ollama_show", exc, ollama_shape=True)
@@ -623,8 +623,8 @@ def _prompt_ids(backend: Backend, asked: EngineRequest) -> list[PromptIds]:
         raise from_request_error(exc, "messages" if asked.messages else "prompt") from None
 
 
-async def _read_json(request: Request, limit: int) -> Any:
-    text = await _read_text(request, limit, plain=False)
+async def _read_json(request: Request, limit: int, lenient: bool = False) -> Any:
+    text = await _read_text(request, limit, lenient)
     try:
         return json.loads(text)
     except (json.JSONDecodeError, RecursionError, ValueError) as exc:
@@ -633,10 +633,10 @@ async def _read_json(request: Request, limit: int) -> Any:
         raise ApiError(400, f"the request body is not valid JSON: {reason}") from None
 
 
-async def _read_text(request: Request, limit: int, plain: bool) -> str:
-    """The body as text, JSON by its type (``plain``: or text/plain, as spnl sends its
-    queries, from a client that is no web page)."""
-    _check_content_type(request.headers.get("content-type"), plain, request.headers)
+async def _read_text(request: Request, limit: int, lenient: bool) -> str:
+    """The body as text, JSON by its type (``lenient``: of any type from a client that is
+    no web page, `_check_content_type`)."""
+    _check_content_type(request.headers.get("content-type"), lenient, request.headers)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
@@ -661,29 +661,28 @@ async def _read_body(request: Request, limit: int) -> bytearray:
     return body
 
 
-def _check_content_type(content_type: str | None, plain: bool, headers: Any) -> None:
+def _check_content_type(content_type: str | None, lenient: bool, headers: Any) -> None:
     """JSON only (a missing type is taken as JSON): a web page may POST a form or plain
-    text to a local server without the browser asking first, but not JSON. Where
-    ``plain`` text is taken too (spnl's queries), a request that a browser sent (it names
-    its page's ``Origin``) is refused."""
+    text to a local server without the browser asking first, but not JSON. Where the
+    route is ``lenient`` (spnl's queries, posted as text/plain; Ollama's API, which curl
+    users post untyped), any type is taken from a client that is no browser; a request
+    that a browser sent (it names its page's ``Origin``) is refused."""
     if content_type is None:
         return
     media = content_type.partition(";")[0].strip().lower()
-    if media == "text/plain" and plain:
-        if "origin" in headers:
-            raise ApiError(
-                403,
-                "a text/plain body from a web page (the request has an Origin header) is "
-                "refused; send the query as application/json, or from a client that is no "
-                "browser",
-                code="origin_refused",
-            )
+    if media == "application/json" or media.endswith("+json"):
         return
-    if media != "application/json" and not media.endswith("+json"):
-        accepted = "application/json or text/plain" if plain else "application/json"
+    if lenient and "origin" in headers:
+        raise ApiError(
+            403,
+            f"a {media} body from a web page (the request has an Origin header) is refused; "
+            "send it as application/json, or from a client that is no browser",
+            code="origin_refused",
+        )
+    if not lenient:
         raise ApiError(
             415,
-            f"the request body must be JSON (Content-Type: {accepted}), not {media!r}",
+            f"the request body must be JSON (Content-Type: application/json), not {media!r}",
             code="unsupported_media_type",
         )
 
