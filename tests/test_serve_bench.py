@@ -153,11 +153,46 @@ def test_levels_default_requests_and_soak():
 
 
 def test_llama_cpp_runs_without_interruption(tmp_path):
-    argv, _ = serve.server_command("llama.cpp", tmp_path / "m.gguf", 1234, 2, "py")
+    argv, _ = serve.server_command(
+        "llama.cpp", tmp_path / "m.gguf", 1234, 2, serve.Peers("py", None)
+    )
     assert argv[:3] == ["py", "-m", "llama_cpp.server"]
     assert argv[argv.index("--interrupt_requests") + 1] == "False"
     assert argv[argv.index("--n_threads") + 1] == "2"
     assert argv[argv.index("--port") + 1] == "1234"
+
+
+def test_llama_server_batches_over_slots_and_says_how_to_build_it(tmp_path):
+    binary = tmp_path / "llama-server"
+    binary.write_text("")
+    argv, _ = serve.server_command(
+        "llama-server", tmp_path / "m.gguf", 1, 2, serve.Peers("py", binary)
+    )
+    assert argv[argv.index("-np") + 1] == str(serve.SLOTS)
+    assert argv[argv.index("-c") + 1] == str(serve.SLOTS * serve.LLAMA_N_CTX)
+    assert argv[argv.index("-t") + 1] == "2"
+    with pytest.raises(serve.ServerError, match="cmake --build build --target llama-server"):
+        serve.server_command("llama-server", tmp_path / "m.gguf", 1, 2, serve.Peers("py", None))
+
+
+def test_ours_gets_llama_servers_kv_room_unless_a_budget_is_set(tmp_path, monkeypatch):
+    peers = serve.Peers("py", None)
+    monkeypatch.delenv("MISTRALRS_PAGED_ATTN_CONTEXT_LEN", raising=False)
+    monkeypatch.delenv("MISTRALRS_PAGED_ATTN_MEMORY_FRACTION", raising=False)
+    monkeypatch.delenv("MISTRALRS_PAGED_ATTN_MEMORY_MB", raising=False)
+    _, env = serve.server_command("ours", tmp_path / "m.gguf", 1, 2, peers)
+    assert env["MISTRALRS_PAGED_ATTN_CONTEXT_LEN"] == str(serve.SLOTS * serve.LLAMA_N_CTX)
+    monkeypatch.setenv("MISTRALRS_PAGED_ATTN_MEMORY_MB", "512")
+    _, env = serve.server_command("ours", tmp_path / "m.gguf", 1, 2, peers)
+    assert "MISTRALRS_PAGED_ATTN_CONTEXT_LEN" not in env
+
+
+def test_ratios_against_llama_server():
+    ours = {"engine": "spnl-backend", "levels": [summary(16, tok_s=300.0, ttft_p99_s=1.0)]}
+    peer = {"engine": "llama-server -np 16", "levels": [summary(16, tok_s=150.0, ttft_p99_s=4.0)]}
+    assert serve.ratios([ours, peer]) == [
+        "16 clients: 2.00x llama-server's output tok/s; p99 TTFT 0.25x its."
+    ]
 
 
 def summary(clients: int, **overrides) -> dict:
@@ -168,7 +203,7 @@ def summary(clients: int, **overrides) -> dict:
 def test_table_rows_notes_and_a_not_run_row():
     results = [
         {"engine": "spnl-backend", "levels": [summary(1), summary(4)], "rss": 900.0},
-        {"engine": "llama.cpp", "error": "not ready after 300 s (a \\| b)"},
+        {"engine": "llama-cpp-python", "error": "not ready after 300 s (a \\| b)"},
     ]
     text = serve.table(results, soak=False, threads=2, max_tokens=MAX, endpoint="completions")
     lines = text.splitlines()
@@ -177,7 +212,10 @@ def test_table_rows_notes_and_a_not_run_row():
     assert row[:4] == ["spnl-backend", "1", "4", "256.0"]
     assert row[4:9] == ["500 ms", "500 ms", "10.0 ms", "10.0 ms", "100.0"]
     assert row[9:] == ["128.0", "0", "0", "0"]
-    assert cells(lines[4])[:2] == ["llama.cpp", "not run: not ready after 300 s (a \\| b)"]
+    assert cells(lines[4])[:2] == [
+        "llama-cpp-python",
+        "not run: not ready after 300 s (a \\| b)",
+    ]
     assert "tokens counted from usage, server peak RSS 900 MB" in text
     assert "--interrupt_requests False" in text
     assert "First problems" not in text
