@@ -10,7 +10,8 @@ grammar engine), ``stream``, ``keep_alive``, ``think: false``, and the ``options
 else is a 400 naming it. Ollama's sampling defaults apply where an option is absent
 (temperature 0.8, top_k 40, top_p 0.9). ``num_ctx`` cannot resize this server's context:
 a value up to it is accepted, a larger one refused. ``keep_alive`` is checked; one model
-stays loaded for the server's life.
+stays loaded for the server's life. A message's ``thinking`` (a past turn's reasoning, as
+Ollama's clients send it back) is accepted and not templated.
 """
 
 import json
