@@ -352,3 +352,23 @@ def test_tools_on_a_template_without_them_and_with_a_format_are_400(live, backen
     assert plain.status_code == 400
     assert "does not render tools" in plain.json()["error"]["message"]
     assert plain.json()["error"]["param"] == "tools"
+
+
+@pytest.mark.parametrize("size", [1, 2, 7])
+def test_braces_and_quotes_inside_strings_do_not_end_the_arguments(size):
+    arguments = {"note": 'a } and { and \\" and ]', "list": [1, {"deep": "}"}]}
+    text = _hermes(("add", arguments), ("add", {"a": 1}))
+    reader, _, read, _ = _read_in_pieces(HERMES, text, size)
+    assert [json.loads(read[i]) for i in (0, 1)] == [arguments, {"a": 1}]
+    assert [c.whole for c in reader.calls] == [True, True]
+
+
+def test_a_schema_the_grammar_engine_cannot_compile_is_a_400_on_tools(live, backend):
+    bad = {"type": "object", "properties": {"x": {"type": "string", "pattern": "(?<=a)b"}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": bad}}]
+    reply = live.post(
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": ASK, "tools": tools, "tool_choice": "required"},
+    )
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "tools"

@@ -593,6 +593,7 @@ def _prepared(backend: Backend, asked: EngineRequest) -> EngineRequest:
             tool_format = chat.format
             if chat.constraint is not None:
                 params = dataclasses.replace(params, constraint=chat.constraint)
+                asked = dataclasses.replace(asked, constraint_field="tools")
     except RequestError as exc:
         raise from_request_error(exc, "tools") from None
     try:

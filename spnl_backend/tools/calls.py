@@ -3,8 +3,8 @@ as soon as it is whole and its arguments fragment by fragment.
 
 The output was held to `grammar.tool_grammar`, so its layout is fixed: a text answer
 never opens as the calls do, and each call is ``{"name": "<name>", "<key>": {...}}``
-written compactly. What is read so far is read again on each delta (outputs are short);
-what was already reported is not reported again.
+written compactly. Reading goes on from where the last delta stopped, so a long answer
+costs time in proportion to its length, not its square.
 """
 
 import json
@@ -49,6 +49,9 @@ class CallReader:
         self.mode: str | None = None  # "text" or "calls", once the output says which
         self.calls: list[ToolCall] = []
         self._sent = 0  # characters of a text answer reported
+        self._at = 0  # where reading the calls goes on
+        self._expect = "opening"  # what the calls' layout has next
+        self._scan = _ObjectScan(0)  # the arguments being read
         self._head = re.compile(
             r'\{"name": "([A-Za-z0-9_-]*)", ' + re.escape(json.dumps(fmt.arguments_key)) + ": "
         )
@@ -84,56 +87,77 @@ class CallReader:
         return delta
 
     def _read_calls(self) -> Delta:
+        """Read on from where the last delta stopped: each character is scanned once."""
         delta = Delta()
-        fmt, text = self.fmt, self.text
-        at = len(fmt.opening)
-        for index in range(len(text)):  # bounded: each round reads one call onwards
-            if index > 0:
-                if not text.startswith(fmt.separator, at):
-                    break
-                at += len(fmt.separator)
-            if not text.startswith(fmt.call_open, at):
-                break
-            at += len(fmt.call_open)
-            head = self._head.match(text, at)
-            if head is None:
-                break
-            if index == len(self.calls):
-                call = ToolCall(index, "call_" + secrets.token_hex(12), head.group(1))
-                self.calls.append(call)
-                delta.started.append(call)
-            end = _value_end(text, head.end())
-            arguments = text[head.end() : end]
-            call = self.calls[index]
-            if len(arguments) > len(call.arguments):
-                delta.arguments.append((index, arguments[len(call.arguments) :]))
-                call.arguments = arguments
-            if end is None:
-                break
-            call.whole = True
-            at = end + 1 + len(fmt.call_close)  # the object's closing brace, then the call's
+        while self._advance(delta):
+            pass
         return delta
 
+    def _advance(self, delta: Delta) -> bool:
+        """One step of the calls' layout; False where the text read so far ends first."""
+        fmt, text, at = self.fmt, self.text, self._at
+        if self._expect in ("opening", "call_open", "separator", "close"):
+            fixed = {
+                "opening": fmt.opening,
+                "call_open": fmt.call_open,
+                "separator": fmt.separator,
+                "close": "}" + fmt.call_close,
+            }[self._expect]
+            if not text.startswith(fixed, at):
+                return False  # not yet there (the grammar allows nothing else)
+            self._at += len(fixed)
+            following = {"opening": "call_open", "call_open": "head", "close": "separator"}
+            self._expect = following.get(self._expect, "call_open")
+            return True
+        if self._expect == "head":
+            head = self._head.match(text, at)
+            if head is None:
+                return False
+            call = ToolCall(len(self.calls), "call_" + secrets.token_hex(12), head.group(1))
+            self.calls.append(call)
+            delta.started.append(call)
+            self._at, self._expect, self._scan = head.end(), "arguments", _ObjectScan(head.end())
+            return True
+        return self._read_arguments(delta)
 
-def _value_end(text: str, start: int) -> int | None:
-    """Where the JSON object at ``start`` ends (just past its closing brace); None where
-    it is not whole yet."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        char = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
+    def _read_arguments(self, delta: Delta) -> bool:
+        call, scan = self.calls[-1], self._scan
+        end = scan.feed(self.text)
+        fragment = self.text[self._at : end if end is not None else len(self.text)]
+        if fragment:
+            delta.arguments.append((call.index, fragment))
+            call.arguments += fragment
+            self._at += len(fragment)
+        if end is None:
+            return False
+        call.whole, self._expect = True, "close"
+        return True
+
+
+class _ObjectScan:
+    """Finds where a JSON object ends, reading each character once across calls."""
+
+    def __init__(self, start: int) -> None:
+        self.pos, self.depth, self.in_string, self.escaped = start, 0, False, False
+
+    def feed(self, text: str) -> int | None:
+        """Just past the object's closing brace, once ``text`` has it; else None."""
+        while self.pos < len(text):
+            char = text[self.pos]
+            self.pos += 1
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
             elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "{[":
-            depth += 1
-        elif char in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return self.pos
+        return None
