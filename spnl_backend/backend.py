@@ -96,7 +96,7 @@ class GenerateResult:
     logprobs: list[TokenLogprobs] | None = None
     # A chat with tools whose answer called them: the calls (its ``text`` is then the
     # calls as the model wrote them, and ``finish_reason`` "tool_calls"; cut short by
-    # max_tokens, the calls made whole before the cut and "length").
+    # max_tokens, the calls made whole before the cut, and "length").
     tool_calls: list[ToolCall] | None = None
 
 
@@ -438,9 +438,10 @@ class Backend:
         """``messages`` through the model's chat template (with the ``tools`` offered),
         checked against the context: a PIC prompt where a message is marked plus or
         messages are grouped (a list)."""
+        messages = template_messages(messages) if isinstance(messages, list) else messages
         if tools is not None:
-            checked = check_messages(template_messages(messages))
             definitions = [tool.definition() for tool in tools.tools]
+            checked = check_messages(messages)
             return self._check_length(self.tokenizer.apply_chat_template(checked, definitions))
         if isinstance(messages, list) and has_marker(messages):
             max_chars = MAX_CHARS_PER_TOKEN * self.max_model_len
@@ -831,7 +832,7 @@ def _with_calls(result: GenerateResult, chat: ToolChat) -> GenerateResult:
     if reader.content is not None:
         return result
     calls = [call for call in reader.calls if call.whole]
-    if result.finish_reason == "length":  # cut short: the calls made whole, the text kept
+    if result.finish_reason == "length":  # cut short: the calls made whole before the cut
         return dataclasses.replace(result, tool_calls=calls)
     return dataclasses.replace(result, tool_calls=calls, finish_reason="tool_calls")
 

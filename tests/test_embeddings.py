@@ -108,6 +108,7 @@ def test_openai_client_floats_base64_and_dimensions(live, backend):
         ({"input": "x", "dimensions": 100000}, "dimensions"),
         ({"input": ["x"] * 2049}, "input"),
         ({"input": "x", "truncate": True}, "truncate"),
+        ({"input": "word " * 3000}, "input"),
     ],
 )
 def test_bad_embedding_requests_are_400_naming_the_field(live, body, param):

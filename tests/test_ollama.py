@@ -134,6 +134,11 @@ def test_listings_and_version(client, live, backend):
         ({"model": MODEL, "messages": ASK, "think": True}, "think"),
         ({"model": MODEL, "messages": [{"role": "user", "images": ["x"]}]}, "images"),
         ({"model": MODEL, "messages": ASK, "template": "{{ x }}"}, "template"),
+        ({"model": MODEL, "messages": ASK, "keep_alive": 10**400}, "keep_alive"),
+        ({"model": MODEL, "messages": ASK, "options": {"stop": 5}}, "options.stop"),
+        ({"model": MODEL, "messages": ASK, "options": {"repeat_penalty": -1}}, "repeat_penalty"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": 0}]}, "content"),
+        ({"model": MODEL, "messages": [{"role": "tool", "content": "x", "tool_name": 5}]}, "tool"),
     ],
 )
 def test_bad_requests_get_ollamas_error_shape(live, body, words):
@@ -163,3 +168,20 @@ def test_untyped_bodies_as_curl_posts_them_but_not_from_a_page(live):
     refused = httpx.post(live.url + "/api/generate", content=body, headers=page, timeout=60)
     assert refused.status_code == 403
     assert "web page" in refused.json()["error"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "words"),
+    [
+        ("/api/generate", {"prompt": "hi", "raw": "yes"}, "raw"),
+        ("/api/embed", {"input": "hi", "options": {"zz": 1}}, "options.zz"),
+        ("/api/embed", {"input": "hi", "format": 5}, "format"),
+        ("/api/embed", {"input": "hi", "truncate": "yes"}, "truncate"),
+        ("/api/embed", {"input": "hi", "dimensions": True}, "dimensions"),
+        ("/api/embed", {"input": "hi", "keep_alive": 10**400}, "keep_alive"),
+    ],
+)
+def test_generate_and_embed_check_their_fields(live, path, body, words):
+    reply = live.post(path, {"model": MODEL, **body})
+    assert reply.status_code == 400, reply.text
+    assert words in reply.json()["error"]

@@ -272,7 +272,7 @@ def test_parallel_calls_each_validate(live, backend):
     assert len(choice.message.tool_calls) >= 2
     for call in choice.message.tool_calls:
         _valid(call)
-    assert choice.message.content.startswith("<tool_call>\n")  # cut short: the text kept
+    assert choice.message.content is None  # cut short: no call markup as content
 
 
 def test_a_named_tool_and_auto(live, backend):
@@ -372,3 +372,53 @@ def test_a_schema_the_grammar_engine_cannot_compile_is_a_400_on_tools(live, back
     )
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == "tools"
+
+
+def test_a_schema_with_defs_and_refs_resolves_in_its_own_grammar():
+    unit = {"enum": ["c", "f"], "type": "string"}
+    parameters = {
+        "$defs": {"Unit": unit},
+        "type": "object",
+        "properties": {"unit": {"$ref": "#/$defs/Unit"}},
+        "required": ["unit"],
+    }
+    tools = [{"type": "function", "function": {"name": "temp", "parameters": parameters}}]
+    grammar = tool_grammar(HERMES, tool_request(tools, "required"))
+    assert _accepts(grammar, _hermes(("temp", {"unit": "c"})))
+    assert not _accepts(grammar, _hermes(("temp", {"unit": "k"})))
+
+
+@pytest.mark.parametrize(
+    ("choice", "parallel", "message"),
+    [
+        ({"type": "bogus", "function": {"name": "add"}}, None, "tool_choice"),
+        (None, "x", "parallel_tool_calls"),
+    ],
+)
+def test_choice_type_and_parallel_are_checked_with_or_without_tools(choice, parallel, message):
+    with pytest.raises(RequestError, match=message):
+        tool_request(TOOLS, choice, parallel)
+    if parallel is not None:
+        with pytest.raises(RequestError, match=message):
+            tool_request(None, None, parallel)
+
+
+def test_a_numeric_tool_name_is_shown_as_given():
+    with pytest.raises(RequestError, match=r"\['name'\]=5"):
+        tool_request([{"type": "function", "function": {"name": 5}}])
+
+
+@pytest.mark.parametrize(
+    "calls",
+    [
+        [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}],
+        [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1, 2]"}}],
+        5,
+        [{"function": {}}],
+    ],
+)
+def test_assistant_calls_are_checked_without_tools_too(live, calls):
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": calls}]
+    reply = live.post("/v1/chat/completions", {"model": MODEL, "messages": messages})
+    assert reply.status_code == 400, reply.text
+    assert "tool_calls" in reply.json()["error"]["message"]

@@ -360,7 +360,7 @@ class _Api:
         if isinstance(exc, ClientDisconnect):  # gone while sending its body: nobody to answer
             self._count(label, "aborted")
             return Response(status_code=499)
-        return self._internal_error(label, exc)  # a fault of ours: logged, a 500 without internals
+        return self._internal_error(label, exc, ollama_shape)  # ours: logged, no internals
 
     async def _answer(
         self,
@@ -557,7 +557,9 @@ class _Api:
     def _count(self, endpoint: str, outcome: str) -> None:
         self.state.metrics.requests.labels(endpoint, outcome).inc()
 
-    def _internal_error(self, endpoint: str, exc: Exception) -> Response:
+    def _internal_error(
+        self, endpoint: str, exc: Exception, ollama_shape: bool = False
+    ) -> Response:
         log.error(
             "server.internal_error",
             endpoint=endpoint,
@@ -570,7 +572,7 @@ class _Api:
             "the server failed to handle the request; its log has the cause",
             kind="server_error",
         )
-        return _error_response(error)
+        return _error_response(error, ollama_shape)
 
 
 def _failure_status(error: Exception | None) -> int:

@@ -15,6 +15,7 @@ Ollama's clients send it back) is accepted and not templated.
 """
 
 import json
+import math
 import re
 import time
 from datetime import UTC, datetime
@@ -72,7 +73,10 @@ def parse_generate(body: object, max_model_len: int) -> EngineRequest | None:
         raise bad_request(f"prompt={shown(prompt)}: expected a string", "prompt")
     if system is not None and not isinstance(system, str):
         raise bad_request(f"system={shown(system)}: expected a string", "system")
-    if fields.get("raw") is True:
+    raw = fields.get("raw")
+    if raw is not None and not isinstance(raw, bool):
+        raise bad_request(f"raw={shown(raw)}: expected true or false", "raw")
+    if raw:
         if system:
             raise bad_request("system is templated: with raw, put it in the prompt", "system")
         return _engine_request(fields, max_model_len, prompts=[prompt])
@@ -83,6 +87,9 @@ def parse_generate(body: object, max_model_len: int) -> EngineRequest | None:
 
 def parse_embed(body: object) -> EmbeddingRequest:
     fields = _fields(body, {"input", "truncate", "dimensions"})
+    if fields.get("format") not in (None, ""):
+        raise bad_request("format applies to generated text, not to embeddings", "format")
+    _params(fields.get("options"), None, 1 << 62)  # the options are checked, and none used
     inputs = fields.get("input")
     if isinstance(inputs, str):
         inputs = [inputs]
@@ -90,14 +97,19 @@ def parse_embed(body: object) -> EmbeddingRequest:
         raise bad_request("input: expected a string or a non-empty list of strings", "input")
     if not all(inputs):
         raise bad_request("input: an empty string has no embedding", "input")
-    if fields.get("truncate") is True:
+    truncate = fields.get("truncate")
+    if truncate is not None and not isinstance(truncate, bool):
+        raise bad_request(f"truncate={shown(truncate)}: expected true or false", "truncate")
+    if truncate is True:
         raise bad_request(
             "truncate: true is not served; inputs longer than the context are refused "
             "(send truncate: false)",
             "truncate",
         )
     dimensions = fields.get("dimensions")
-    if dimensions is not None and (not isinstance(dimensions, int) or dimensions < 1):
+    if dimensions is not None and (
+        isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1
+    ):
         raise bad_request(f"dimensions={shown(dimensions)}: expected an integer >= 1", "dimensions")
     return EmbeddingRequest(fields["model"], inputs, False, dimensions)
 
@@ -122,19 +134,30 @@ def keep_alive_s(value: object) -> float | None:
     seconds or a duration such as ``"5m"`` or ``"1h30m"``; None where absent."""
     if value is None:
         return None
+    seconds = None
     if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):
+        seconds = _finite(value)
+    elif isinstance(value, str):
         text = value.strip()
-        if re.fullmatch(r"-?\d+(\.\d+)?", text):
-            return float(text)
         parts = _DURATION.findall(text)
-        if parts and "".join(n + u for n, u in parts) == text:
-            return sum(float(n) * _UNIT_S[u] for n, u in parts)
-    raise bad_request(
-        f"keep_alive={shown(value)}: expected seconds or a duration such as '5m' or '1h'",
-        "keep_alive",
-    )
+        if re.fullmatch(r"-?\d+(\.\d+)?", text):
+            seconds = _finite(text)
+        elif parts and "".join(n + u for n, u in parts) == text:
+            seconds = _finite(sum(float(n) * _UNIT_S[u] for n, u in parts))
+    if seconds is None:
+        raise bad_request(
+            f"keep_alive={shown(value)}: expected seconds or a duration such as '5m' or '1h'",
+            "keep_alive",
+        )
+    return seconds
+
+
+def _finite(value: object) -> float | None:
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (OverflowError, ValueError):
+        return None
+    return seconds if math.isfinite(seconds) else None
 
 
 # ---- answers --------------------------------------------------------------------------
@@ -272,7 +295,14 @@ def _params(options: object, output_format: object, max_model_len: int) -> Sampl
             **values,
         )
     except RequestError as exc:
-        raise bad_request(str(exc), "options") from None
+        message = str(exc)
+        for theirs, ours in _OPTIONS.items():
+            if message.startswith(ours):
+                message = f"options.{theirs}{message[len(ours) :]}"
+                break
+        raise bad_request(
+            message, "format" if message.startswith("response_format") else "options"
+        ) from None
 
 
 def _max_tokens(value: object) -> int | None:
@@ -317,9 +347,11 @@ def _message(message: object, index: int) -> dict[str, Any]:
     unknown = set(message) - {"role", "content", "images", "tool_calls", "tool_name", "thinking"}
     if unknown:
         raise bad_request(f"{where}: unknown field {shown(sorted(unknown)[0])}", "messages")
-    content = message.get("content") or ""
-    if not isinstance(content, str):
-        raise bad_request(f"{where}.content: expected a string", "messages")
+    content = message.get("content")
+    content = "" if content is None else content
+    for name in ("content", "tool_name", "thinking"):
+        if not isinstance(message.get(name, ""), str):
+            raise bad_request(f"{where}.{name}: expected a string", "messages")
     out: dict[str, Any] = {"role": message["role"], "content": content}
     if message.get("tool_name"):
         out["name"] = message["tool_name"]

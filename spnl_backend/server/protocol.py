@@ -55,9 +55,8 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def from_request_error(exc: RequestError, param: str | None = None) -> ApiError:
     if isinstance(exc, ContextLengthError):
-        return bad_request(
-            str(exc), "messages" if param == "messages" else "prompt", "context_length_exceeded"
-        )
+        named = param if param in ("messages", "input") else "prompt"
+        return bad_request(str(exc), named, "context_length_exceeded")
     return bad_request(str(exc), param)
 
 

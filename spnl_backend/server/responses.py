@@ -71,10 +71,10 @@ class Reply:
         reader = self._read(seq)
         if reader is None or reader.content is not None:
             return {"role": "assistant", "content": seq.text}
+        # Cut short by max_tokens: the calls made whole before the cut (a stream has sent
+        # the cut one's fragments too), and no call markup as content.
         calls = [call.body() for call in reader.calls if call.whole]
-        # Cut short by max_tokens: the whole calls, and the text, so nothing is lost.
-        content = seq.text if seq.finish_reason == "length" else None
-        return {"role": "assistant", "content": content, "tool_calls": calls}
+        return {"role": "assistant", "content": None, "tool_calls": calls}
 
     def _read(self, seq: Sequence) -> CallReader | None:
         """The sequence's answer read for calls (None where it is not read for them)."""

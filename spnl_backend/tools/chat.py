@@ -47,9 +47,9 @@ def _templated(message: object, index: int) -> Any:
     if calls is None:
         return message
     where = f"messages[{index}]['tool_calls']"
-    if message.get("role") != "assistant" or not isinstance(calls, list):
+    if dict.get(message, "role") != "assistant" or not isinstance(calls, list):
         raise RequestError(f"{where}: only an assistant message calls tools, as a list")
-    content = message.get("content")
+    content = dict.get(message, "content")
     return {**message, "content": content or "", "tool_calls": [_call(c, where) for c in calls]}
 
 

@@ -12,7 +12,7 @@ import json
 import re
 
 from .formats import ToolFormat
-from .spec import ToolRequest
+from .spec import Tool, ToolRequest
 
 # The layout structured output uses too (constrain.spec): no whitespace the model could
 # pad with until max_tokens runs out.
@@ -20,12 +20,14 @@ LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator":
 
 
 def tool_grammar(fmt: ToolFormat, request: ToolRequest) -> str:
-    call = _literal(fmt.call_open) + " " + _call_json(fmt, request) + " " + _literal(fmt.call_close)
+    tools = request.callable()
     opening = (f"<[{fmt.marker_id}]> " if fmt.marker_id is not None else "") + _literal(fmt.opening)
     more = f" ({_literal(fmt.separator)} call)*" if request.parallel else ""
     rules = [
         f"calls: {opening} call{more} {_literal(fmt.closing)}",
-        f"call: {call}",
+        f"call: {_literal(fmt.call_open)} ({' | '.join(f'call_{i}' for i in range(len(tools)))})"
+        f" {_literal(fmt.call_close)}",
+        *(f"call_{i}: {_call(fmt, tool)}" for i, tool in enumerate(tools)),
     ]
     if request.choice == "auto":
         trigger = re.escape(fmt.trigger)
@@ -36,23 +38,12 @@ def tool_grammar(fmt: ToolFormat, request: ToolRequest) -> str:
     return "%llguidance {}\n" + "\n".join(rules) + "\n"
 
 
-def _call_json(fmt: ToolFormat, request: ToolRequest) -> str:
-    """A call's object: the schema of each callable tool's call, any one of them."""
-    calls = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": tool.name},
-                fmt.arguments_key: json.loads(tool.parameters),
-            },
-            "required": ["name", fmt.arguments_key],
-            "additionalProperties": False,
-        }
-        for tool in request.callable()
-    ]
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    schema = {**schema, "x-guidance": LAYOUT}
-    return "%json " + json.dumps(schema, ensure_ascii=False)
+def _call(fmt: ToolFormat, tool: Tool) -> str:
+    """One tool's call object: its name and key written out, its arguments a JSON
+    sub-grammar of their own (so that the schema's ``#`` references resolve in it)."""
+    head = f'{{"name": "{tool.name}", {json.dumps(fmt.arguments_key)}: '
+    schema = {**json.loads(tool.parameters), "x-guidance": LAYOUT}
+    return f"{_literal(head)} %json {json.dumps(schema, ensure_ascii=False)} {_literal('}')}"
 
 
 def _literal(text: str) -> str:

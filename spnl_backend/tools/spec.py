@@ -57,6 +57,10 @@ def tool_request(
     items = read_once(tools, list | tuple)
     if tools is not None and items is None:
         raise RequestError(f"tools={shown(tools)}: expected a list of function tools")
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+        raise RequestError(
+            f"parallel_tool_calls={shown(parallel_tool_calls)}: expected true or false"
+        )
     if not items:
         if tool_choice not in (None, "none", "auto"):
             raise RequestError(f"tool_choice={shown(tool_choice)} needs tools to choose from")
@@ -69,10 +73,6 @@ def tool_request(
         twice = sorted({n for n in names if names.count(n) > 1})
         raise RequestError(f"tools: the names {twice} are given more than once")
     choice = _choice(tool_choice, set(names))
-    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
-        raise RequestError(
-            f"parallel_tool_calls={shown(parallel_tool_calls)}: expected true or false"
-        )
     return ToolRequest(checked, choice, parallel_tool_calls is not False)
 
 
@@ -86,10 +86,11 @@ def _tool(item: object, index: int) -> Tool:
     function = dict.get(item, "function")
     if not isinstance(function, dict):
         raise RequestError(f"{where}['function']={shown(function)}: expected a dict")
-    name = plain_str(dict.get(function, "name"))
+    given = dict.get(function, "name")
+    name = plain_str(given)
     if name is None or not NAME.fullmatch(name):
         raise RequestError(
-            f"{where}['function']['name']={shown(name)}: expected 1 to 64 letters, digits, "
+            f"{where}['function']['name']={shown(given)}: expected 1 to 64 letters, digits, "
             "'_' or '-'"
         )
     description = dict.get(function, "description", "")
@@ -133,7 +134,7 @@ def _choice(value: object, names: set[str]) -> str:
         )
     function = dict.get(value, "function") if isinstance(value, dict) else None
     name = plain_str(dict.get(function, "name")) if isinstance(function, dict) else None
-    if name is None:
+    if name is None or dict.get(value, "type", "function") != "function":  # type: ignore[arg-type]
         raise RequestError(
             f"tool_choice={shown(value)}: expected {{'type': 'function', 'function': "
             "{'name': ...}}"
