@@ -179,6 +179,11 @@ def _add_serve(commands: Any) -> None:
         default=30.0,
         help="seconds running requests get to finish on SIGINT/SIGTERM (default 30)",
     )
+    serve.add_argument(
+        "--open-metrics",
+        action="store_true",
+        help="serve /metrics without the API key (for a scraper); by default it needs the key",
+    )
     serve.set_defaults(run=_run_serve)
 
 
@@ -195,6 +200,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         grace_s=args.grace,
         verbose=args.verbose,
+        open_metrics=args.open_metrics,
     )
 
 

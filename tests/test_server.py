@@ -296,6 +296,22 @@ def test_the_openai_client_raises_on_a_400(live):
         live.client().completions.create(model=MODEL, prompt="x", presence_penalty=3)
 
 
+def test_metrics_follow_the_key_unless_opened(backend):
+    right = {"Authorization": "Bearer s3cret"}
+    closed = LiveServer(backend, api_key="s3cret")
+    try:
+        assert _error(httpx.get(closed.url + "/metrics"), 401)["code"] == "invalid_api_key"
+        assert httpx.get(closed.url + "/metrics", headers=right).status_code == 200
+        assert httpx.get(closed.url + "/health").status_code == 200  # orchestrators' probe
+    finally:
+        closed.stop()
+    opened = LiveServer(backend, api_key="s3cret", open_metrics=True)
+    try:
+        assert "spnl_requests_total" in httpx.get(opened.url + "/metrics").text
+    finally:
+        opened.stop()
+
+
 def test_api_key_oversized_body_and_a_full_queue(backend):
     server = LiveServer(backend, api_key="s3cret", max_body_bytes=4096, max_waiting=0)
     try:

@@ -62,6 +62,9 @@ class ServerConfig:
     api_key: str | None = None  # None: any bearer, or none, is accepted
     max_body_bytes: int = MAX_BODY_BYTES
     max_waiting: int = MAX_WAITING
+    # /metrics without the key where one is set (a scraper that cannot send it); by
+    # default it follows the key: it names the model and sizes the cache's contents.
+    open_metrics: bool = False
 
 
 @dataclass
@@ -111,6 +114,11 @@ class _Api:
         return JSONResponse({"status": "loading"}, 503, {"Retry-After": str(RETRY_AFTER_S)})
 
     async def metrics(self, request: Request) -> Response:
+        if not self.config.open_metrics:
+            try:
+                self._check_key(request)
+            except ApiError as exc:
+                return _error_response(exc)
         body = await asyncio.to_thread(generate_latest, self.state.metrics.registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 

@@ -72,6 +72,7 @@ def serve(
     max_body_bytes: int = MAX_BODY_BYTES,
     grace_s: float = GRACE_S,
     verbose: bool = False,
+    open_metrics: bool = False,
 ) -> int:
     """Run the server until it is told to stop; returns the exit status."""
     api_key = api_key if api_key is not None else api_key_from_env()
@@ -81,7 +82,7 @@ def serve(
     sock = _listen(host, port)
     name = served_model_name or _model_name(model)
     state = ServerState()
-    config = ServerConfig(name, api_key, max_body_bytes, max_waiting)
+    config = ServerConfig(name, api_key, max_body_bytes, max_waiting, open_metrics)
     server = _Server(
         uvicorn.Config(
             create_app(config, state),
