@@ -17,7 +17,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .errors import SpnlError
+from .errors import SettingsError, SpnlError
 
 if TYPE_CHECKING:
     from .settings import BackendSettings, PlatformDecisions
@@ -154,7 +154,21 @@ def _add_serve(commands: Any) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free)")
     serve.add_argument(
-        "--model", help="model name or path (default: MISTRALRS_MODEL, else the embedded default)"
+        "--model",
+        action="append",
+        help="model name or path (default: MISTRALRS_MODEL, else the embedded default); "
+        "repeat it (PATH or NAME=PATH) to serve several, each loaded on its first request",
+    )
+    serve.add_argument(
+        "--keep-alive",
+        default="5m",
+        help="with several models: how long one stays loaded once idle, as Ollama takes it "
+        "(seconds, or a duration such as 5m or 1h; negative: for ever; default 5m)",
+    )
+    serve.add_argument(
+        "--memory-budget-mb",
+        type=int,
+        help="with several models: the memory they may hold together (default: no bound)",
     )
     serve.add_argument(
         "--served-model-name",
@@ -201,7 +215,20 @@ def _run_serve(args: argparse.Namespace) -> int:
         grace_s=args.grace,
         verbose=args.verbose,
         open_metrics=args.open_metrics,
+        keep_alive_s=_keep_alive(args.keep_alive),
+        memory_budget_mb=args.memory_budget_mb,
     )
+
+
+def _keep_alive(value: str) -> float:
+    from .server.ollama import keep_alive_s
+    from .server.protocol import ApiError
+
+    try:
+        seconds = keep_alive_s(value)
+    except ApiError as exc:
+        raise SettingsError(f"--keep-alive: {exc.message}") from None
+    return 300.0 if seconds is None else seconds
 
 
 def _run_generate(args: argparse.Namespace) -> int:

@@ -169,6 +169,11 @@ def _rlimit_headroom() -> int | None:
     return min(headrooms, default=None)
 
 
+def resident_bytes() -> int:
+    """The process's resident memory (Linux's VmRSS); 0 where there is no /proc."""
+    return _status_bytes("VmRSS") or 0
+
+
 def _status_bytes(field: str) -> int | None:
     try:
         with open("/proc/self/status") as status:

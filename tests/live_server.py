@@ -24,8 +24,8 @@ TEMPLATE = (
 class LiveServer:
     """The app on a free 127.0.0.1 port, served by uvicorn in a thread."""
 
-    def __init__(self, backend, **config) -> None:
-        self.state = ServerState(backend=backend)
+    def __init__(self, backend, models=None, **config) -> None:
+        self.state = ServerState(backend=backend, models=models)
         app = create_app(ServerConfig(MODEL, **config), self.state)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))

@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import hmac
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,7 @@ from ..pic.query import MapQuery, parse_query
 from ..tools.calls import CallReader
 from . import ollama
 from .metrics import ServerMetrics
+from .models import ModelSet
 from .protocol import (
     ApiError,
     EmbeddingRequest,
@@ -73,6 +75,7 @@ class ServerState:
     flight (for the queue's bound), the metrics."""
 
     backend: Backend | None = None
+    models: ModelSet | None = None  # a server of several models (then no `backend`)
     in_flight: int = 0
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
 
@@ -109,6 +112,10 @@ class _Api:
         self.config, self.state = config, state
 
     async def health(self, request: Request) -> Response:
+        models = self.state.models
+        if models is not None:  # each loads on its first request
+            loaded = [m.name for m in models.loaded()]
+            return JSONResponse({"status": "ok", "models": models.names, "loaded": loaded})
         if _ready(self.state):
             return JSONResponse({"status": "ok", "model": self.config.model_name})
         return JSONResponse({"status": "loading"}, 503, {"Retry-After": str(RETRY_AFTER_S)})
@@ -127,13 +134,13 @@ class _Api:
             self._check_key(request)
         except ApiError as exc:
             return _error_response(exc)
-        model = {
-            "id": self.config.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "spnl-backend",
-        }
-        return JSONResponse({"object": "list", "data": [model]})
+        owned = {"object": "model", "created": 0, "owned_by": "spnl-backend"}
+        data = [{"id": name, **owned} for name in self._names()]
+        return JSONResponse({"object": "list", "data": data})
+
+    def _names(self) -> list[str]:
+        models = self.state.models
+        return models.names if models is not None else [self.config.model_name]
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, "completions")
@@ -145,22 +152,27 @@ class _Api:
         """OpenAI's embeddings: each input's vector (`Backend.embed`), as floats or base64."""
         label = "embeddings"
         try:
-            backend = self._backend(request)
+            self._gate(request)
             asked = parse_embeddings(await _read_json(request, self.config.max_body_bytes))
-            self._check_model(asked.model)
-            result = await self._embedded(backend, asked)
+            result = await self._embedded(request, asked)
         except Exception as exc:
             return self._refused(label, exc)
-        return JSONResponse(embedding_body(result, asked, self.config.model_name))
+        return JSONResponse(embedding_body(result, asked, self._served(asked.model)))
 
-    async def _embedded(self, backend: Backend, asked: EmbeddingRequest) -> Embeddings:
-        hidden = backend.model_config.hidden_size
-        if asked.dimensions is not None and asked.dimensions > hidden:
-            raise bad_request(
-                f"dimensions={asked.dimensions}: this model's embeddings have {hidden}",
-                "dimensions",
-            )
-        result = await asyncio.to_thread(backend.embed, asked.inputs)
+    async def _embedded(
+        self, request: Request, asked: EmbeddingRequest, keep_alive: float | None = None
+    ) -> Embeddings:
+        backend = await self._acquire(request, asked.model, keep_alive)
+        try:
+            hidden = backend.model_config.hidden_size
+            if asked.dimensions is not None and asked.dimensions > hidden:
+                raise bad_request(
+                    f"dimensions={asked.dimensions}: this model's embeddings have {hidden}",
+                    "dimensions",
+                )
+            result = await asyncio.to_thread(backend.embed, asked.inputs)
+        finally:
+            self._release(asked.model, keep_alive)
         self.state.metrics.prompt_tokens.inc(result.prompt_tokens)
         self._count("embeddings", "ok")
         return result
@@ -170,18 +182,23 @@ class _Api:
         ``repeat`` answered as a chat completion and a ``map`` as a completion."""
         label = "query"
         try:
-            backend = self._backend(request)
+            self._gate(request)
             stream = _stream_param(request.query_params.get("stream"))
             text = await _read_text(request, self.config.max_body_bytes, lenient=True)
             query = await asyncio.to_thread(_parsed_query, text)
-            self._check_model(query.metadata.model)
-            prompts, params, n = await asyncio.to_thread(_query_request, backend, query)
-            asked = EngineRequest(query.metadata.model, params, n, stream, include_usage=True)
-            submitted = self._submit(backend, asked, prompts)
+            name = query.metadata.model
+            backend = await self._acquire(request, name)
         except Exception as exc:
             return self._refused(label, exc)
+        try:
+            prompts, params, n = await asyncio.to_thread(_query_request, backend, query)
+            asked = EngineRequest(name, params, n, stream, include_usage=True)
+            submitted = self._submit(backend, asked, prompts)
+        except Exception as exc:
+            self._release(name)
+            return self._refused(label, exc)
         endpoint: Endpoint = "completions" if stream or isinstance(query, MapQuery) else "chat"
-        reply = Reply(endpoint, self.config.model_name, submitted.seqs, n, backend.token_bytes)
+        reply = Reply(endpoint, self._served(name), submitted.seqs, n, backend.token_bytes)
         return await self._answer(request, submitted, reply, asked, label)
 
     # ---- Ollama's API ---------------------------------------------------------------------
@@ -196,21 +213,29 @@ class _Api:
         label = "ollama_chat" if chat else "ollama_generate"
         parse = ollama.parse_chat if chat else ollama.parse_generate
         try:
-            backend = self._backend(request)
+            self._gate(request)
             body = await _read_json(request, self.config.max_body_bytes, lenient=True)
+            name = ollama.parse_model(body)
+            keep_alive = ollama.keep_alive_s(body.get("keep_alive"))
+            backend = await self._acquire(request, name, keep_alive)
+        except Exception as exc:
+            return self._refused(label, exc, ollama_shape=True)
+        try:
             asked = parse(body, backend.max_model_len)
-            if asked is None:  # a generate with no prompt: Ollama's way to load a model
-                self._check_model(ollama.bare_model(body["model"]))
+            if asked is None:  # a generate with no prompt: Ollama's way to (un)load a model
+                self._release(name, keep_alive)
                 loaded = {"model": body["model"], "created_at": ollama.stamp(), "response": ""}
-                return JSONResponse({**loaded, "done": True, "done_reason": "load"})
-            self._check_model(asked.model)
+                reason = "unload" if keep_alive == 0 else "load"
+                return JSONResponse({**loaded, "done": True, "done_reason": reason})
             prompts = await asyncio.to_thread(_prompt_ids, backend, asked)
             asked = await asyncio.to_thread(_prepared, backend, asked)
             submitted = self._submit(backend, asked, prompts)
         except Exception as exc:
+            self._release(name, keep_alive)
             return self._refused(label, exc, ollama_shape=True)
         endpoint: Endpoint = "chat" if chat else "completions"
-        reply = Reply(endpoint, self.config.model_name, submitted.seqs, 1, tools=asked.tool_format)
+        reply = Reply(endpoint, self._served(name), submitted.seqs, 1, tools=asked.tool_format)
+        reply.keep_alive = keep_alive
         if asked.stream:
             lines = self._ndjson(submitted, reply, chat, label)
             return StreamingResponse(lines, media_type="application/x-ndjson")
@@ -251,13 +276,14 @@ class _Api:
     async def ollama_embed(self, request: Request) -> Response:
         label = "ollama_embed"
         try:
-            backend = self._backend(request)
-            asked = ollama.parse_embed(await _read_json(request, self.config.max_body_bytes, True))
-            self._check_model(ollama.bare_model(asked.model))
-            result = await self._embedded(backend, asked)
+            self._gate(request)
+            body = await _read_json(request, self.config.max_body_bytes, True)
+            asked = ollama.parse_embed(body)
+            keep_alive = ollama.keep_alive_s(body.get("keep_alive"))
+            result = await self._embedded(request, asked, keep_alive)
         except Exception as exc:
             return self._refused(label, exc, ollama_shape=True)
-        body = embedding_body(result, asked, self.config.model_name)
+        body = embedding_body(result, asked, self._served(asked.model))
         vectors = [entry["embedding"] for entry in body["data"]]
         return JSONResponse(
             {
@@ -280,27 +306,25 @@ class _Api:
             self._check_key(request)
         except ApiError as exc:
             return _error_response(exc, ollama_shape=True)
-        backend = self.state.backend
-        if running and not _ready(self.state):
-            return JSONResponse({"models": []})
-        name = self.config.model_name
-        entry: dict[str, Any] = {"name": name, "model": name, "digest": "", "size": 0}
-        if backend is not None:
-            source = backend.source
-            entry["size"] = _file_size(source.path)
-            entry["details"] = ollama.details(backend.model_config.architecture, source.kind)
-        if running:
-            entry |= {"expires_at": "9999-12-31T23:59:59Z", "size_vram": 0}
-            entry["context_length"] = backend.max_model_len if backend is not None else 0
+        models = self.state.models
+        if models is None:
+            backend = self.state.backend
+            if running and not _ready(self.state):
+                return JSONResponse({"models": []})
+            shown = [(self.config.model_name, backend, None)]
+        elif running:
+            shown = [(m.name, m.backend, m) for m in models.loaded()]
         else:
-            entry["modified_at"] = ollama.stamp()
-        return JSONResponse({"models": [entry]})
+            shown = [(m.name, m.backend, m) for m in models.models.values()]
+        entries = [_ollama_entry(n, b, m, running) for n, b, m in shown]
+        return JSONResponse({"models": entries})
 
     async def ollama_show(self, request: Request) -> Response:
         try:
-            backend = self._backend(request)
+            self._gate(request)
             name = ollama.parse_name(await _read_json(request, self.config.max_body_bytes, True))
-            self._check_model(ollama.bare_model(name))
+            backend = await self._acquire(request, ollama.bare_model(name))
+            self._release(ollama.bare_model(name))  # what it says is read from the loaded model
         except Exception as exc:
             return self._refused("ollama_show", exc, ollama_shape=True)
         config = backend.model_config
@@ -331,8 +355,10 @@ class _Api:
         """Forget every cached prefix and PIC element (spnl's benchmark calls this before
         each run); running requests go on with what they hold."""
         try:
-            backend = self._backend(request)
-            forgotten = await asyncio.to_thread(backend.reset_prefix_cache)
+            self._gate(request)
+            forgotten = 0
+            for backend in self._loaded_backends():
+                forgotten += await asyncio.to_thread(backend.reset_prefix_cache)
         except Exception as exc:
             return self._refused("reset_prefix_cache", exc)
         return JSONResponse({"status": "ok", "forgotten": forgotten})
@@ -342,14 +368,18 @@ class _Api:
     async def _serve(self, request: Request, endpoint: Endpoint) -> Response:
         try:
             backend, asked = await self._admit(request, endpoint)
+        except Exception as exc:
+            return self._refused(endpoint, exc)
+        try:
             prompts = await asyncio.to_thread(_prompt_ids, backend, asked)
             asked = await asyncio.to_thread(_prepared, backend, asked)
             submitted = self._submit(backend, asked, prompts)
         except Exception as exc:
+            self._release(asked.model)
             return self._refused(endpoint, exc)
         reply = Reply(
             endpoint,
-            self.config.model_name,
+            self._served(asked.model),
             submitted.seqs,
             asked.n,
             backend.token_bytes,
@@ -386,11 +416,44 @@ class _Api:
         return await self._whole(request, submitted, reply, label)
 
     async def _admit(self, request: Request, endpoint: Endpoint) -> tuple[Backend, EngineRequest]:
-        backend = self._backend(request)
+        self._gate(request)
         body = await _read_json(request, self.config.max_body_bytes)
         asked = parse_completion(body) if endpoint == "completions" else parse_chat(body)
-        self._check_model(asked.model)
-        return backend, asked
+        return await self._acquire(request, asked.model), asked
+
+    # ---- models -----------------------------------------------------------------------
+
+    def _gate(self, request: Request) -> None:
+        """The key; with one model, that it is loaded (several load on demand)."""
+        if self.state.models is None:
+            self._backend(request)
+        else:
+            self._check_key(request)
+
+    async def _acquire(
+        self, request: Request, name: str, keep_alive: float | None = None
+    ) -> Backend:
+        """The named model's backend, held for this request until `_release` (several
+        models: loaded first where it is not, off the event loop)."""
+        models = self.state.models
+        if models is None:
+            self._check_model(name)
+            return self._backend(request)
+        return await asyncio.to_thread(models.acquire, _served_name(name), keep_alive)
+
+    def _release(self, name: str, keep_alive: float | None = None) -> None:
+        if self.state.models is not None:
+            self.state.models.release(_served_name(name), keep_alive)
+
+    def _served(self, name: str) -> str:
+        """The name answers carry: the served model's (one), or the one asked for."""
+        return self.config.model_name if self.state.models is None else _served_name(name)
+
+    def _loaded_backends(self) -> list[Backend]:
+        models = self.state.models
+        if models is None:
+            return [b for b in (self.state.backend,) if b is not None and not b.closed]
+        return [m.backend for m in models.loaded() if m.backend is not None]
 
     def _backend(self, request: Request) -> Backend:
         """The loaded backend, for a request whose key is right."""
@@ -558,6 +621,9 @@ class _Api:
         return "failed"
 
     def _finish(self, reply: Reply, outcome: str, label: str) -> None:
+        if self.state.models is not None:
+            self._release(reply.model, reply.keep_alive)
+            self.state.metrics.model_requests.labels(reply.model, outcome).inc()
         self.state.in_flight -= len(reply.seqs)
         self.state.metrics.prompt_tokens.inc(reply.usage()["prompt_tokens"])
         self._count(label, outcome)
@@ -702,6 +768,11 @@ def _too_large(limit: int) -> ApiError:
     return ApiError(413, f"the request body is over {limit} bytes", code="request_too_large")
 
 
+def _served_name(model: str) -> str:
+    """A name as clients write it (spnl's ``openai/``, Ollama's ``:latest``) → ours."""
+    return _bare_name(model).removesuffix(":latest")
+
+
 def _bare_name(model: str) -> str:
     """A model named the way spnl names it (``openai/<name>``, ``spnl/<name>``) is the
     same model."""
@@ -745,6 +816,23 @@ def _error_body(error: Exception | None) -> dict[str, Any]:
 def _error_response(exc: ApiError, ollama_shape: bool = False) -> JSONResponse:
     body = {"error": exc.message} if ollama_shape else exc.body()
     return JSONResponse(body, exc.status, exc.headers)
+
+
+def _ollama_entry(name: str, backend: Backend | None, model: Any, running: bool) -> dict:
+    """A model as /api/tags (``running``: /api/ps) lists it."""
+    entry: dict[str, Any] = {"name": name, "model": name, "digest": "", "size": 0}
+    if backend is not None:
+        entry["size"] = _file_size(backend.source.path)
+        entry["details"] = ollama.details(backend.model_config.architecture, backend.source.kind)
+    elif model is not None:
+        entry["size"] = model.estimate()
+    if not running:
+        return {**entry, "modified_at": ollama.stamp()}
+    expires = "9999-12-31T23:59:59Z"
+    if model is not None and model.keep_alive_s >= 0:
+        expires = ollama.stamp(model.keep_alive_s - (time.monotonic() - model.last_used))
+    context = backend.max_model_len if backend is not None else 0
+    return {**entry, "expires_at": expires, "size_vram": 0, "context_length": context}
 
 
 def _line(data: dict[str, Any]) -> bytes:

@@ -24,6 +24,12 @@ class ServerMetrics:
             ["endpoint", "outcome"],
             registry=reg,
         )
+        self.model_requests = Counter(
+            "spnl_model_requests",
+            "Requests by model and outcome (a server of several models)",
+            ["model", "outcome"],
+            registry=reg,
+        )
         self.prompt_tokens = Counter("spnl_prompt_tokens", "Prompt tokens", registry=reg)
         self.completion_tokens = Counter("spnl_completion_tokens", "Generated tokens", registry=reg)
         self.ttft = Histogram(

@@ -9,8 +9,9 @@ grammar engine), ``stream``, ``keep_alive``, ``think: false``, and the ``options
 ``repeat_penalty``, ``presence_penalty``, ``frequency_penalty`` and ``num_ctx``. Anything
 else is a 400 naming it. Ollama's sampling defaults apply where an option is absent
 (temperature 0.8, top_k 40, top_p 0.9). ``num_ctx`` cannot resize this server's context:
-a value up to it is accepted, a larger one refused. ``keep_alive`` is checked; one model
-stays loaded for the server's life. A message's ``thinking`` (a past turn's reasoning, as
+a value up to it is accepted, a larger one refused. ``keep_alive`` is a model's time
+loaded once idle, in a server of several (`models.ModelSet`); one model stays loaded for
+the server's life. A message's ``thinking`` (a past turn's reasoning, as
 Ollama's clients send it back) is accepted and not templated.
 """
 
@@ -18,7 +19,7 @@ import json
 import math
 import re
 import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from ..engine.sequence import SamplingParams, Sequence
@@ -114,6 +115,15 @@ def parse_embed(body: object) -> EmbeddingRequest:
     return EmbeddingRequest(fields["model"], inputs, False, dimensions)
 
 
+def parse_model(body: object) -> str:
+    """A body's ``model``, checked before anything else is read from it."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise bad_request("model is required: a name from /api/tags", "model")
+    return bare_model(body["model"])
+
+
 def parse_name(body: object) -> str:
     """``/api/show``'s model name (``model``, or its older ``name``)."""
     if not isinstance(body, dict):
@@ -163,8 +173,10 @@ def _finite(value: object) -> float | None:
 # ---- answers --------------------------------------------------------------------------
 
 
-def stamp() -> str:
-    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+def stamp(later_s: float = 0.0) -> str:
+    """The time now (or ``later_s`` seconds from now) as Ollama writes it."""
+    at = datetime.now(UTC) + timedelta(seconds=max(later_s, 0.0))
+    return at.isoformat().replace("+00:00", "Z")
 
 
 def chunk(model: str, chat: bool, text: str, calls: list[dict] | None = None) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import math
 import signal
 import socket
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 
@@ -24,11 +25,13 @@ from ..log import get_logger
 from ..settings import BackendSettings, load_settings
 from ..settings.serving import api_key_from_env
 from .app import MAX_BODY_BYTES, MAX_WAITING, ServerConfig, ServerState, create_app
+from .models import DEFAULT_KEEP_ALIVE_S, ModelSet
 
 log = get_logger()
 
 GRACE_S = 30.0
-ABORT_DRAIN_S = 5  # after the grace period: for aborted requests to send their errors
+ABORT_DRAIN_S = 5
+REAP_EVERY_S = 1.0  # after the grace period: for aborted requests to send their errors
 
 
 class _Server(uvicorn.Server):
@@ -55,17 +58,20 @@ class _Server(uvicorn.Server):
 
     async def _abort_after_grace(self) -> None:
         await asyncio.sleep(self.grace_s)
-        backend = self.state.backend
-        if backend is not None and self.state.in_flight:
-            log.warning("server.grace_expired", aborted=self.state.in_flight)
-            await asyncio.to_thread(backend.close)
+        if not self.state.in_flight:
+            return
+        log.warning("server.grace_expired", aborted=self.state.in_flight)
+        if self.state.models is not None:
+            await asyncio.to_thread(self.state.models.close)
+        elif self.state.backend is not None:
+            await asyncio.to_thread(self.state.backend.close)
 
 
 def serve(
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
-    model: str | None = None,
+    model: str | list[str] | None = None,
     api_key: str | None = None,
     served_model_name: str | None = None,
     max_waiting: int = MAX_WAITING,
@@ -73,15 +79,23 @@ def serve(
     grace_s: float = GRACE_S,
     verbose: bool = False,
     open_metrics: bool = False,
+    keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
+    memory_budget_mb: int | None = None,
 ) -> int:
-    """Run the server until it is told to stop; returns the exit status."""
+    """Run the server until it is told to stop; returns the exit status. ``model``: one
+    model (loaded at once, kept for the server's life), or a list of several (each
+    ``PATH`` or ``NAME=PATH``, loaded on its first request and unloaded once idle for
+    ``keep_alive_s``, within ``memory_budget_mb``)."""
     api_key = api_key if api_key is not None else api_key_from_env()
     _check_options(port, max_waiting, max_body_bytes, grace_s)
     settings = load_settings()  # a bad MISTRALRS_* variable fails before anything starts
-    model = model or settings.model or None
+    several = _several(model, served_model_name, keep_alive_s, memory_budget_mb, settings)
+    if isinstance(model, list):  # one given (several are the model set's)
+        model = model[0] if len(model) == 1 else None
+    model = None if several is not None else model or settings.model or None
     sock = _listen(host, port)
     name = served_model_name or _model_name(model)
-    state = ServerState()
+    state = ServerState(models=several)
     config = ServerConfig(name, api_key, max_body_bytes, max_waiting, open_metrics)
     server = _Server(
         uvicorn.Config(
@@ -95,22 +109,31 @@ def serve(
         state,
     )
     failure: list[BaseException] = []
-    loader = threading.Thread(
-        target=_load, args=(model, settings, state, server, failure), name="spnl-load", daemon=True
-    )
-    loader.start()
+    if several is None:
+        loader = threading.Thread(
+            target=_load,
+            args=(model, settings, state, server, failure),
+            name="spnl-load",
+            daemon=True,
+        )
+        loader.start()
+    else:
+        threading.Thread(
+            target=_reap, args=(several, server), name="spnl-reap", daemon=True
+        ).start()
     log.warning(
         "server.listening",
         url=f"http://{_url_host(host)}:{sock.getsockname()[1]}/v1",
-        model=name,
+        model=several.names if several is not None else name,
         api_key=api_key is not None,
     )
     try:
         server.run(sockets=[sock])
     finally:
-        backend = state.backend
-        if backend is not None:
-            backend.close()  # aborts what the grace period left
+        if several is not None:
+            several.close()
+        elif state.backend is not None:
+            state.backend.close()  # aborts what the grace period left
         log.warning("server.stopped")
     if failure:
         raise failure[0]
@@ -135,6 +158,41 @@ def _load(
         return
     state.backend = backend
     log.warning("server.ready", model=backend.source.name)
+
+
+def _several(
+    models: str | list[str] | None,
+    served_model_name: str | None,
+    keep_alive_s: float,
+    memory_budget_mb: int | None,
+    settings: BackendSettings,
+) -> ModelSet | None:
+    """The model set where several models are given (None for one)."""
+    if not isinstance(models, list) or len(models) < 2:
+        return None
+    if served_model_name:
+        raise SettingsError("--served-model-name names one model; with several, give NAME=PATH")
+    if memory_budget_mb is not None and memory_budget_mb < 1:
+        raise SettingsError(f"--memory-budget-mb {memory_budget_mb}: expected an integer >= 1")
+    sources: dict[str, str] = {}
+    for given in models:
+        name, _, path = given.rpartition("=") if "=" in given else ("", "", given)
+        name = name or _model_name(path)
+        if not path or name in sources:
+            raise SettingsError(f"--model {given!r}: expected PATH or NAME=PATH, each name once")
+        sources[name] = path
+    budget = memory_budget_mb << 20 if memory_budget_mb is not None else None
+    return ModelSet(sources, lambda path: load_backend(path, settings), keep_alive_s, budget)
+
+
+def _reap(models: ModelSet, server: "_Server") -> None:
+    """Unload idle models, once a second, until the server stops."""
+    while not server.should_exit:
+        time.sleep(REAP_EVERY_S)
+        try:
+            models.reap()
+        except Exception as exc:  # a backend that fails to close: logged, the loop goes on
+            log.error("models.reap_failed", error=f"{type(exc).__name__}: {exc}")
 
 
 def _listen(host: str, port: int) -> socket.socket:

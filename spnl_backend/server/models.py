@@ -1,0 +1,221 @@
+"""Several models behind one server: each loaded on its first request and let go once idle
+for its keep-alive, all within one memory budget.
+
+A model's footprint is its file's size until it has loaded once, then what its load
+added to the process's resident memory (weights, KV pool, compiled state). A load that
+would pass the budget first unloads the least recently used models no request holds; a
+request whose model cannot fit even then gets a 503 saying so. A load that fails fails
+the requests waiting for it with its error (a 500 naming the model); the next request
+tries again. ``keep_alive`` is Ollama's: seconds after a model's last request ends (0:
+unload at once; negative: keep).
+
+Every method is safe from any thread; the server calls `acquire` off its event loop,
+since a load takes seconds.
+"""
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..backend import Backend
+from ..log import get_logger
+from ..memory import release_freed_memory, resident_bytes
+from .protocol import ApiError
+
+log = get_logger()
+
+DEFAULT_KEEP_ALIVE_S = 300.0
+RETRY_AFTER_S = 5
+
+
+@dataclass
+class ServedModel:
+    name: str
+    source: str  # what load_backend takes
+    backend: Backend | None = None
+    loading: threading.Event | None = None  # set when a load in progress ends
+    error: str | None = None  # the last load's failure, for the requests that waited
+    users: int = 0  # requests holding it
+    last_used: float = field(default_factory=time.monotonic)
+    keep_alive_s: float = DEFAULT_KEEP_ALIVE_S
+    footprint: int = 0  # bytes, measured at its last load (0: never loaded)
+
+    def estimate(self) -> int:
+        if self.footprint:
+            return self.footprint
+        path = Path(self.source)
+        try:
+            return path.stat().st_size if path.is_file() else 0
+        except OSError:
+            return 0
+
+
+class ModelSet:
+    def __init__(
+        self,
+        sources: dict[str, str],
+        load: Callable[[str], Backend],
+        keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
+        budget_bytes: int | None = None,
+    ) -> None:
+        self.models = {
+            name: ServedModel(name, source, keep_alive_s=keep_alive_s)
+            for name, source in sources.items()
+        }
+        self._load, self.budget_bytes = load, budget_bytes
+        self._lock = threading.Lock()
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.models)
+
+    def loaded(self) -> list[ServedModel]:
+        with self._lock:
+            return [m for m in self.models.values() if m.backend is not None]
+
+    def acquire(self, name: str, keep_alive_s: float | None = None) -> Backend:
+        """The model's backend, loaded if it is not, held until `release`."""
+        model = self.models.get(name)
+        if model is None:
+            raise ApiError(
+                404,
+                f"the model {name!r} does not exist here; this server serves "
+                + ", ".join(repr(n) for n in self.models),
+                param="model",
+                code="model_not_found",
+            )
+        while True:
+            with self._lock:
+                if model.backend is not None and not model.backend.closed:
+                    model.users += 1
+                    model.last_used = time.monotonic()
+                    if keep_alive_s is not None:
+                        model.keep_alive_s = keep_alive_s
+                    return model.backend
+                waiting = model.loading
+                if waiting is None:
+                    evicted = self._make_room(model)
+                    model.loading, model.error = threading.Event(), None
+            if waiting is not None:
+                waiting.wait()
+                if model.error is not None and model.backend is None:
+                    raise _load_failed(model)
+                continue
+            self._close(evicted)
+            self._load_now(model)
+
+    def release(self, name: str, keep_alive_s: float | None = None) -> None:
+        """A request is done with the model; unloaded at once if its keep-alive is 0."""
+        model = self.models[name]
+        with self._lock:
+            model.users -= 1
+            model.last_used = time.monotonic()
+            if keep_alive_s is not None:
+                model.keep_alive_s = keep_alive_s
+            expired = self._take_if_expired(model, time.monotonic())
+        self._close(expired)
+
+    def reap(self) -> None:
+        """Unload every model idle past its keep-alive."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [b for m in self.models.values() for b in self._take_if_expired(m, now)]
+        self._close(expired)
+
+    def unload(self, name: str) -> bool:
+        """Unload a model no request holds (Ollama's keep_alive 0 with no prompt)."""
+        model = self.models[name]
+        with self._lock:
+            if model.backend is None or model.users:
+                return False
+            taken = [model.backend]
+            model.backend = None
+        self._close(taken)
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            taken = [m.backend for m in self.models.values() if m.backend is not None]
+            for model in self.models.values():
+                model.backend = None
+        self._close(taken)
+
+    # ---- internals --------------------------------------------------------------------
+
+    def _load_now(self, model: ServedModel) -> None:
+        before = resident_bytes()
+        try:
+            backend = self._load(model.source)
+        except Exception as exc:
+            log.error("models.load_failed", model=model.name, error=f"{type(exc).__name__}: {exc}")
+            with self._lock:
+                model.error = f"{type(exc).__name__}: {exc}"
+                done, model.loading = model.loading, None
+            done.set()  # type: ignore[union-attr]
+            raise _load_failed(model) from None
+        grown = resident_bytes() - before
+        with self._lock:
+            model.backend, model.footprint = backend, max(grown, model.estimate())
+            done, model.loading = model.loading, None
+        done.set()  # type: ignore[union-attr]
+        log.info("models.loaded", model=model.name, footprint_mb=model.footprint >> 20)
+
+    def _make_room(self, model: ServedModel) -> list[Backend]:
+        """Under the lock: take the least recently used idle models out until ``model``
+        fits the budget (their backends, to close outside the lock); a 503 where it
+        cannot fit even then."""
+        if self.budget_bytes is None:
+            return []
+        need = model.estimate()
+        held = [m for m in self.models.values() if m.backend is not None or m.loading]
+        used = sum(m.estimate() for m in held)
+        idle = sorted(
+            (m for m in held if m.backend is not None and not m.users), key=lambda m: m.last_used
+        )
+        taken: list[Backend] = []
+        while used + need > self.budget_bytes and idle:
+            victim = idle.pop(0)
+            taken.append(victim.backend)  # type: ignore[arg-type]
+            victim.backend = None
+            used -= victim.estimate()
+            log.info("models.evicted", model=victim.name, for_model=model.name)
+        if used + need > self.budget_bytes:
+            busy = [m.name for m in held if m.backend is not None and m.backend not in taken]
+            raise ApiError(
+                503,
+                f"the model {model.name!r} needs about {need >> 20} MB and the memory budget "
+                f"({self.budget_bytes >> 20} MB) is held by models in use ({', '.join(busy)}); "
+                "retry when they finish",
+                kind="server_error",
+                code="model_does_not_fit",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        return taken
+
+    def _take_if_expired(self, model: ServedModel, now: float) -> list[Backend]:
+        idle_for = now - model.last_used
+        if model.backend is None or model.users or model.keep_alive_s < 0:
+            return []
+        if idle_for < model.keep_alive_s:
+            return []
+        taken, model.backend = [model.backend], None
+        log.info("models.unloaded", model=model.name, idle_s=round(idle_for, 1))
+        return taken
+
+    @staticmethod
+    def _close(backends: list[Backend]) -> None:
+        for backend in backends:
+            backend.close()
+        if backends:
+            release_freed_memory()
+
+
+def _load_failed(model: ServedModel) -> ApiError:
+    return ApiError(
+        500,
+        f"the model {model.name!r} failed to load: {model.error}",
+        kind="server_error",
+        code="model_load_failed",
+    )
