@@ -138,7 +138,10 @@ def test_a_server_of_several_models(two):
         assert reply.json()["choices"][0]["text"] == expected
     running = httpx.get(server.url + "/api/ps").json()["models"]
     assert sorted(m["name"] for m in running) == ["llama", "qwen"]
-    assert "spnl_model_requests_total" in httpx.get(server.url + "/metrics").text
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'spnl_model_requests_total{model="llama",outcome="ok"}' in metrics
+    assert 'spnl_running_sequences{model="qwen"}' in metrics
+    assert 'spnl_kv_blocks_free{model="llama"}' in metrics
 
 
 def test_a_model_that_fails_to_load_fails_alone(two):

@@ -82,7 +82,7 @@ class ServerState:
 
 def create_app(config: ServerConfig, state: ServerState) -> Starlette:
     api = _Api(config, state)
-    state.metrics.watch(lambda: state.backend.stats() if _ready(state) else None)
+    state.metrics.watch(lambda: _engine_stats(state))
     routes = [
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
@@ -101,6 +101,14 @@ def create_app(config: ServerConfig, state: ServerState) -> Starlette:
         Route("/reset_prefix_cache", api.reset_prefix_cache, methods=["POST"]),
     ]
     return Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed})
+
+
+def _engine_stats(state: ServerState) -> list[tuple[str | None, Any]]:
+    """What /metrics reports of the engines: the one model's, or each loaded model's."""
+    if state.models is not None:
+        loaded = [(m.name, m.backend) for m in state.models.loaded()]
+        return [(name, b.stats()) for name, b in loaded if b is not None and not b.closed]
+    return [(None, state.backend.stats())] if _ready(state) else []  # type: ignore[union-attr]
 
 
 def _ready(state: ServerState) -> bool:

@@ -51,61 +51,79 @@ class ServerMetrics:
             "spnl_spec_accepted_tokens", "Draft tokens the target accepted", registry=reg
         )
 
-    def watch(self, stats: Callable[[], EngineStats | None]) -> None:
-        """Report the engine's state, read by ``stats`` (None: no model yet) at scrapes."""
+    def watch(self, stats: Callable[[], list[tuple[str | None, EngineStats]]]) -> None:
+        """Report the engines' state, read by ``stats`` at scrapes: one unnamed engine
+        (a one-model server: no label), or each loaded model's, labelled ``model``."""
         self.registry.register(_EngineCollector(stats))
 
 
+_Read = Callable[[EngineStats], float | None]
+# (kind, name, help, value) of each engine metric; a value of None is left out.
+_ENGINE_METRICS: tuple[tuple[str, str, str, _Read], ...] = (
+    ("gauge", "spnl_running_sequences", "Sequences in the running batch", lambda s: s.running),
+    ("gauge", "spnl_waiting_sequences", "Sequences waiting to run", lambda s: s.waiting),
+    ("gauge", "spnl_paused_sequences", "Sequences whose readers are behind", lambda s: s.paused),
+    (
+        "gauge",
+        "spnl_kv_blocks_used",
+        "KV blocks held by sequences",
+        lambda s: s.pool.in_use if s.pool else None,
+    ),
+    (
+        "gauge",
+        "spnl_kv_blocks_free",
+        "KV blocks free or cached",
+        lambda s: s.pool.blocks - s.pool.in_use if s.pool else None,
+    ),
+    (
+        "gauge",
+        "spnl_kv_blocks_cached",
+        "Free KV blocks holding a reusable prefix",
+        lambda s: s.pool.cached if s.pool else None,
+    ),
+    ("counter", "spnl_preemptions", "Sequences preempted for room", lambda s: s.preemptions),
+    (
+        "counter",
+        "spnl_prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache",
+        lambda s: s.prefix_cache_queries,
+    ),
+    (
+        "counter",
+        "spnl_prefix_cache_hits",
+        "Prompt tokens served by the prefix cache",
+        lambda s: s.prefix_cache_hits,
+    ),
+    (
+        "counter",
+        "spnl_pic_hit_tokens",
+        "Plus-block tokens of PIC prompts whose KV the pool had",
+        lambda s: s.pic_hit_tokens,
+    ),
+    (
+        "counter",
+        "spnl_pic_miss_tokens",
+        "Plus-block tokens of PIC prompts that were computed",
+        lambda s: s.pic_miss_tokens,
+    ),
+)
+
+
 class _EngineCollector:
-    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, stats: Callable[[], list[tuple[str | None, EngineStats]]]) -> None:
         self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._stats()
-        if stats is None:
+        engines = self._stats()
+        if not engines:
             return
-        yield _gauge("spnl_running_sequences", "Sequences in the running batch", stats.running)
-        yield _gauge("spnl_waiting_sequences", "Sequences waiting to run", stats.waiting)
-        yield _gauge("spnl_paused_sequences", "Sequences whose readers are behind", stats.paused)
-        if stats.pool is not None:
-            yield _gauge("spnl_kv_blocks_used", "KV blocks held by sequences", stats.pool.in_use)
-            free = stats.pool.blocks - stats.pool.in_use
-            yield _gauge("spnl_kv_blocks_free", "KV blocks free or cached", free)
-            yield _gauge(
-                "spnl_kv_blocks_cached",
-                "Free KV blocks holding a reusable prefix",
-                stats.pool.cached,
-            )
-        yield _counter("spnl_preemptions", "Sequences preempted for room", stats.preemptions)
-        yield _counter(
-            "spnl_prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache",
-            stats.prefix_cache_queries,
-        )
-        yield _counter(
-            "spnl_prefix_cache_hits",
-            "Prompt tokens served by the prefix cache",
-            stats.prefix_cache_hits,
-        )
-        yield _counter(
-            "spnl_pic_hit_tokens",
-            "Plus-block tokens of PIC prompts whose KV the pool had",
-            stats.pic_hit_tokens,
-        )
-        yield _counter(
-            "spnl_pic_miss_tokens",
-            "Plus-block tokens of PIC prompts that were computed",
-            stats.pic_miss_tokens,
-        )
-
-
-def _gauge(name: str, doc: str, value: float) -> Metric:
-    metric = GaugeMetricFamily(name, doc)
-    metric.add_metric([], value)
-    return metric
-
-
-def _counter(name: str, doc: str, value: float) -> Metric:
-    metric = CounterMetricFamily(name, doc)
-    metric.add_metric([], value)
-    return metric
+        labels = ["model"] if engines[0][0] is not None else []
+        for kind, name, doc, read in _ENGINE_METRICS:
+            family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            metric = family(name, doc, labels=labels)
+            samples = [(model, read(stats)) for model, stats in engines]
+            for model, value in samples:
+                if value is not None:
+                    metric.add_metric([model] if labels else [], value)
+            if any(value is not None for _, value in samples):
+                yield metric
