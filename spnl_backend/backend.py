@@ -63,7 +63,7 @@ from .settings.topology import (
     decide_topology,
     launch_environment,
 )
-from .tools.calls import CallReader, ToolCall
+from .tools.calls import ToolCall, read_whole
 from .tools.chat import ToolChat, template_messages, tool_chat
 from .tools.spec import ToolRequest, tool_request
 
@@ -161,6 +161,7 @@ class Backend:
         self._pic_refusal = _pic_refusal(engine)
         self._sentinels = pic_sentinels()
         self._spans: SpanTokenizer | None = None
+        self._special_ids: dict[str, int | None] = {}  # tool-call markers, once looked up
         if self._sentinels is not None:
             self._sentinels.check_vocabulary(loaded.config.vocab_size)
         self._grammars = GrammarCompiler(
@@ -463,6 +464,11 @@ class Backend:
 
     def _special_id(self, text: str) -> int | None:
         """``text``'s token where the vocabulary has it as one special token."""
+        if text not in self._special_ids:  # get_vocab builds a dict of the whole vocabulary
+            self._special_ids[text] = self._find_special(text)
+        return self._special_ids[text]
+
+    def _find_special(self, text: str) -> int | None:
         token = self.tokenizer.hf.get_vocab().get(text)
         special = self._grammars.tokenizer.is_special_token  # type: ignore[attr-defined]
         return token if token is not None and special(token) else None
@@ -826,12 +832,9 @@ def _with_calls(result: GenerateResult, chat: ToolChat) -> GenerateResult:
     """``result`` with the calls its text makes, where it was read for them."""
     if chat.format is None:
         return result
-    reader = CallReader(chat.format)
-    reader.feed(result.text)
-    reader.finish()
-    if reader.content is not None:
+    calls = read_whole(chat.format, result.text)
+    if calls is None:
         return result
-    calls = [call for call in reader.calls if call.whole]
     if result.finish_reason == "length":  # cut short: the calls made whole before the cut
         return dataclasses.replace(result, tool_calls=calls)
     return dataclasses.replace(result, tool_calls=calls, finish_reason="tool_calls")

@@ -61,16 +61,20 @@ def _model_with_template(tiny, tmp_path: Path) -> Path:
     return model
 
 
-def test_a_conversation_in_a_real_terminal(tiny, tmp_path):
-    model = _model_with_template(tiny, tmp_path)
+def _chat(model: Path, tmp_path: Path, options: str) -> Tmux:
+    """``spnl-backend chat`` in a tmux terminal; its exit status shown after it."""
     script = Path(sys.executable).parent / "spnl-backend"
-    saved = tmp_path / "conversation.json"
     command = (
         f"MISTRALRS_DEVICE=cpu XDG_CACHE_HOME={tmp_path / 'cache'} {script} chat "
-        f"--model {model} --temperature 0 --max-tokens 6 --system 'be brief'; "
-        "echo EXIT=$?; sleep 60"
+        f"--model {model} {options}; echo EXIT=$?; sleep 60"
     )
-    tmux = Tmux(tmp_path / "tmux.sock", command)
+    return Tmux(tmp_path / "tmux.sock", command)
+
+
+def test_a_conversation_in_a_real_terminal(tiny, tmp_path):
+    model = _model_with_template(tiny, tmp_path)
+    saved = tmp_path / "conversation.json"
+    tmux = _chat(model, tmp_path, "--temperature 0 --max-tokens 6 --system 'be brief'")
     try:
         prompts = lambda n: lambda s: s.count(">>>") >= n  # noqa: E731
         tmux.wait_for(prompts(1), "the first prompt")
@@ -105,13 +109,8 @@ def test_a_conversation_in_a_real_terminal(tiny, tmp_path):
 
 def test_ctrl_c_stops_an_answer_and_keeps_its_start(tiny, tmp_path):
     model = _model_with_template(tiny, tmp_path)
-    script = Path(sys.executable).parent / "spnl-backend"
     saved = tmp_path / "conversation.json"
-    command = (
-        f"MISTRALRS_DEVICE=cpu XDG_CACHE_HOME={tmp_path / 'cache'} {script} chat "
-        f"--model {model} --temperature 0 --max-tokens 0; echo EXIT=$?; sleep 60"
-    )
-    tmux = Tmux(tmp_path / "tmux.sock", command)
+    tmux = _chat(model, tmp_path, "--temperature 0 --max-tokens 0")
     try:
         tmux.wait_for(lambda s: ">>>" in s, "the prompt")
         tmux.keys("Once upon a time", "Enter")

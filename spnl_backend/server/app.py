@@ -162,13 +162,17 @@ class _Api:
         try:
             self._gate(request)
             asked = parse_embeddings(await _read_json(request, self.config.max_body_bytes))
-            result = await self._embedded(request, asked)
+            result = await self._embedded(request, asked, label)
         except Exception as exc:
             return self._refused(label, exc)
         return JSONResponse(embedding_body(result, asked, self._served(asked.model)))
 
     async def _embedded(
-        self, request: Request, asked: EmbeddingRequest, keep_alive: float | None = None
+        self,
+        request: Request,
+        asked: EmbeddingRequest,
+        label: str,
+        keep_alive: float | None = None,
     ) -> Embeddings:
         backend = await self._acquire(request, asked.model, keep_alive)
         try:
@@ -182,7 +186,7 @@ class _Api:
         finally:
             self._release(asked.model, keep_alive)
         self.state.metrics.prompt_tokens.inc(result.prompt_tokens)
-        self._count("embeddings", "ok")
+        self._count(label, "ok")
         return result
 
     async def query(self, request: Request) -> Response:
@@ -288,7 +292,7 @@ class _Api:
             body = await _read_json(request, self.config.max_body_bytes, True)
             asked = ollama.parse_embed(body)
             keep_alive = ollama.keep_alive_s(body.get("keep_alive"))
-            result = await self._embedded(request, asked, keep_alive)
+            result = await self._embedded(request, asked, label, keep_alive)
         except Exception as exc:
             return self._refused(label, exc, ollama_shape=True)
         body = embedding_body(result, asked, self._served(asked.model))

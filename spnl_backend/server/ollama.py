@@ -25,10 +25,10 @@ from typing import Any
 from ..engine.sequence import SamplingParams, Sequence
 from ..errors import RequestError, shown
 from ..request import sampling_params
-from ..tools.calls import CallReader
+from ..tools.calls import read_whole
 from ..tools.formats import ToolFormat
 from ..tools.spec import tool_request
-from .protocol import EmbeddingRequest, EngineRequest, bad_request
+from .protocol import EmbeddingRequest, EngineRequest, bad_request, checked_dimensions
 
 VERSION = "0.12.0"  # the Ollama API version whose shapes these are
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
@@ -107,11 +107,7 @@ def parse_embed(body: object) -> EmbeddingRequest:
             "(send truncate: false)",
             "truncate",
         )
-    dimensions = fields.get("dimensions")
-    if dimensions is not None and (
-        isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1
-    ):
-        raise bad_request(f"dimensions={shown(dimensions)}: expected an integer >= 1", "dimensions")
+    dimensions = checked_dimensions(fields.get("dimensions"))
     return EmbeddingRequest(fields["model"], inputs, False, dimensions)
 
 
@@ -205,12 +201,9 @@ def done(model: str, chat: bool, seq: Sequence, text: str, tools: ToolFormat | N
 def read_calls(tools: ToolFormat, text: str) -> list[dict] | None:
     """The whole calls an answer made, arguments as objects (Ollama's shape); None where it
     answered in text."""
-    reader = CallReader(tools)
-    reader.feed(text)
-    reader.finish()
-    if reader.content is not None:
+    whole = read_whole(tools, text)
+    if whole is None:
         return None
-    whole = [c for c in reader.calls if c.whole]
     return [{"function": {"name": c.name, "arguments": json.loads(c.arguments)}} for c in whole]
 
 

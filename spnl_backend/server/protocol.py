@@ -386,9 +386,12 @@ def parse_embeddings(body: object) -> EmbeddingRequest:
         raise bad_request(
             f"encoding_format={shown(encoding)}: expected 'float' or 'base64'", "encoding_format"
         )
-    dimensions = fields.get("dimensions")
-    if dimensions is not None and (
-        isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1
-    ):
-        raise bad_request(f"dimensions={shown(dimensions)}: expected an integer >= 1", "dimensions")
+    dimensions = checked_dimensions(fields.get("dimensions"))
     return EmbeddingRequest(fields["model"], prompts, encoding == "base64", dimensions)
+
+
+def checked_dimensions(value: object) -> int | None:
+    """An embeddings request's ``dimensions``: an integer >= 1, or None."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise bad_request(f"dimensions={shown(value)}: expected an integer >= 1", "dimensions")
+    return value

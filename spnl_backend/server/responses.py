@@ -15,7 +15,7 @@ import torch
 from ..backend import Embeddings
 from ..engine.sampler import TokenLogprobs
 from ..engine.sequence import Sequence
-from ..tools.calls import CallReader, Delta
+from ..tools.calls import CallReader, Delta, ToolCall, read_whole
 from ..tools.formats import ToolFormat
 from .protocol import EmbeddingRequest
 
@@ -60,39 +60,27 @@ class Reply:
 
     def _choice(self, seq: Sequence) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": self.index[seq.seq_id]}
+        calls = self._calls(seq)
         if self.endpoint == "completions":
             choice["text"] = seq.text
+        elif calls is None:
+            choice["message"] = {"role": "assistant", "content": seq.text}
         else:
-            choice["message"] = self._message(seq)
+            # Cut short by max_tokens: the calls made whole before the cut (a stream has
+            # sent the cut one's fragments too), and no call markup as content.
+            bodies = [call.body() for call in calls]
+            choice["message"] = {"role": "assistant", "content": None, "tool_calls": bodies}
         entries = seq.logprobs if seq.params.logprobs else None
-        reason = self._finish_reason(seq)
+        reason = _finish_reason(seq, calls)
         return {**choice, "logprobs": self._logprobs(entries), "finish_reason": reason}
 
-    def _message(self, seq: Sequence) -> dict[str, Any]:
-        reader = self._read(seq)
-        if reader is None or reader.content is not None:
-            return {"role": "assistant", "content": seq.text}
-        # Cut short by max_tokens: the calls made whole before the cut (a stream has sent
-        # the cut one's fragments too), and no call markup as content.
-        calls = [call.body() for call in reader.calls if call.whole]
-        return {"role": "assistant", "content": None, "tool_calls": calls}
-
-    def _read(self, seq: Sequence) -> CallReader | None:
-        """The sequence's answer read for calls (None where it is not read for them)."""
+    def _calls(self, seq: Sequence) -> list[ToolCall] | None:
+        """The whole calls the sequence's answer made (its stream's reader where it
+        streamed); None where it answered in text or was not read for calls."""
         if self.tools is None:
             return None
         reader = self._readers.get(seq.seq_id)
-        if reader is None:
-            reader = CallReader(self.tools)
-            reader.feed(seq.text)
-            reader.finish()
-        return reader
-
-    def _finish_reason(self, seq: Sequence) -> str:
-        reader = self._read(seq)
-        if reader is not None and reader.content is None and seq.finish_reason != "length":
-            return "tool_calls"
-        return finish_reason(seq)
+        return read_whole(self.tools, seq.text) if reader is None else reader.whole_calls()
 
     def usage(self) -> dict[str, Any]:
         """Each prompt counted once (its first completion's), every completion's tokens."""
@@ -124,7 +112,7 @@ class Reply:
     def end_chunk(self, seq: Sequence) -> dict[str, Any]:
         reader = self._readers.get(seq.seq_id)
         rest = reader.finish() if reader is not None else None
-        return self._chunk(seq, "", self._finish_reason(seq), rest)
+        return self._chunk(seq, "", _finish_reason(seq, self._calls(seq)), rest)
 
     def usage_chunk(self) -> dict[str, Any]:
         return {**self._head(".chunk"), "choices": [], "usage": self.usage()}
@@ -187,6 +175,12 @@ class Reply:
     def _head(self, suffix: str) -> dict[str, Any]:
         kind = "text_completion" if self.endpoint == "completions" else "chat.completion" + suffix
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+
+def _finish_reason(seq: Sequence, calls: list[ToolCall] | None) -> str:
+    if calls is not None and seq.finish_reason != "length":
+        return "tool_calls"
+    return finish_reason(seq)
 
 
 def _calls_delta(calls: Delta, first: bool) -> dict[str, Any]:

@@ -81,6 +81,10 @@ class CallReader:
     def content(self) -> str | None:
         return self.text if self.mode != "calls" else None
 
+    def whole_calls(self) -> list[ToolCall] | None:
+        """The calls made whole so far; None where the answer is text."""
+        return None if self.content is not None else [c for c in self.calls if c.whole]
+
     def _content(self) -> Delta:
         delta = Delta(content=self.text[self._sent :])
         self._sent = len(self.text)
@@ -132,6 +136,14 @@ class CallReader:
             return False
         call.whole, self._expect = True, "close"
         return True
+
+
+def read_whole(fmt: ToolFormat, text: str) -> list[ToolCall] | None:
+    """A finished answer's whole calls, read at once; None where it answered in text."""
+    reader = CallReader(fmt)
+    reader.feed(text)
+    reader.finish()
+    return reader.whole_calls()
 
 
 class _ObjectScan:
