@@ -121,7 +121,7 @@ def test_the_call_syntax_comes_from_the_template():
     with pytest.raises(RequestError, match="has none"):
         template_format(None, no_special)
     with pytest.raises(RequestError, match="call syntax this server does not parse"):
-        template_format("{{ tools }}<start_function_call>", no_special)
+        template_format("{{ tools }}<|im_start|>", no_special)
 
 
 # ---- the grammar ------------------------------------------------------------------------

@@ -38,7 +38,8 @@ MAX_POSITIONS = 512
 WINDOW = 8  # small, so 32-token prompts cross it
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
+def build_tokenizer(specials: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+    """The corpus's byte-level BPE; ``specials``: more special tokens, after its 320."""
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -52,13 +53,16 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tok.post_processor = processors.TemplateProcessing(
         single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", BOS)]
     )
-    return PreTrainedTokenizerFast(
+    hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<bos>",
         eos_token="<eos>",
         pad_token="<pad>",
         unk_token="<unk>",
     )
+    if specials:
+        hf.add_special_tokens({"additional_special_tokens": list(specials)})
+    return hf
 
 
 def _common(vocab: int) -> dict:
@@ -164,8 +168,10 @@ class TinyModel:
     tokenizer: PreTrainedTokenizerFast
 
 
-def build_hf_model(arch: str, path: Path, seed: int = 0) -> TinyModel:
-    tokenizer = build_tokenizer()
+def build_hf_model(
+    arch: str, path: Path, seed: int = 0, specials: tuple[str, ...] = ()
+) -> TinyModel:
+    tokenizer = build_tokenizer(specials)
     config = hf_config(arch, len(tokenizer))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(

@@ -21,10 +21,13 @@ KINDS = ("json_object", "json_schema", "regex", "grammar", "choice")
 
 @dataclass(frozen=True)
 class ConstraintSpec:
-    """A checked constraint: its kind (one of `KINDS`) and llguidance's grammar text."""
+    """A checked constraint: its kind (one of `KINDS`) and llguidance's grammar text;
+    ``kept_token_ids``: special tokens the grammar writes that the output's text keeps
+    (where they are part of what is read back, as Gemma's call delimiters are)."""
 
     kind: str
     grammar: str
+    kept_token_ids: tuple[int, ...] = ()
 
 
 def constraint_spec(

@@ -7,6 +7,16 @@ class Decoder(Protocol):
     def decode(self, token_ids: list[int]) -> str: ...
 
 
+class KeptTokens:
+    """A decoder that writes out some special tokens (``kept``) the inner one leaves out."""
+
+    def __init__(self, decoder: Decoder, kept: tuple[int, ...]) -> None:
+        self.decoder, self.kept = decoder, frozenset(kept)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.decoder.decode_keeping(token_ids, self.kept)  # type: ignore[attr-defined]
+
+
 _CONTEXT_TOKENS = 5  # decoded before the new ones, so tokenizers keep leading spaces
 
 

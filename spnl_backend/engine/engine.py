@@ -8,7 +8,7 @@ from ..errors import DistributedError, EngineError
 from ..log import get_logger
 from ..pic.layout import PicLayout
 from .cache import CacheInfo, PoolUsage
-from .detokenizer import Decoder, IncrementalDetokenizer
+from .detokenizer import Decoder, IncrementalDetokenizer, KeptTokens
 from .embed import embed
 from .runner import Runner
 from .sampler import TokenLogprobs, row_error
@@ -122,8 +122,11 @@ class Engine:
 
     def add_sequence(self, seq: Sequence) -> None:
         self._check_usable()
+        constraint = seq.params.constraint
+        kept = constraint.kept_token_ids if constraint is not None else ()
+        decoder = KeptTokens(self.decoder, kept) if kept else self.decoder
         self.detokenizers[seq.seq_id] = IncrementalDetokenizer(
-            self.decoder, seq.prompt_token_ids, seq.params.stop, seq.healed_text
+            decoder, seq.prompt_token_ids, seq.params.stop, seq.healed_text
         )
         self.scheduler.add(seq)
 

@@ -95,6 +95,7 @@ class Tokenizer:
             {hf.eos_token_id} if hf.eos_token_id is not None else set()
         )
         self._compiled: tuple[str, ChatTemplate] | None = None
+        self._special_ids: frozenset[int] | None = None
         if hf.chat_template:
             self._chat_template()  # a template that does not compile fails the load
 
@@ -107,6 +108,16 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=True)
+
+    def decode_keeping(self, token_ids: list[int], kept: frozenset[int]) -> str:
+        """`decode`, but the ``kept`` special tokens written out as their text."""
+        if self._special_ids is None:
+            added = self.hf.added_tokens_decoder.items()
+            special = {i for i, token in added if token.special}
+            self._special_ids = frozenset(special | set(self.hf.all_special_ids))
+        dropped = self._special_ids - kept
+        shown = [t for t in token_ids if t not in dropped]
+        return self.hf.decode(shown, skip_special_tokens=False)
 
     def definition(self) -> str:
         """The tokenizers library's JSON definition of this tokenizer (what constrained

@@ -33,7 +33,7 @@ from ..engine.sequence import Sequence, StepOutput
 from ..errors import RequestAbortedError, RequestError
 from ..log import get_logger
 from ..pic.query import MapQuery, parse_query
-from ..tools.calls import CallReader
+from ..tools.calls import call_reader
 from . import ollama
 from .metrics import ServerMetrics
 from .models import ModelSet
@@ -262,7 +262,7 @@ class _Api:
         )
 
     async def _ndjson(self, submitted: LoopRequest, reply: Reply, chat: bool, label: str):
-        reader = CallReader(reply.tools) if chat and reply.tools is not None else None
+        reader = call_reader(reply.tools) if chat and reply.tools is not None else None
         outcome = "aborted"
         try:
             async for item in submitted.aitems():

@@ -15,7 +15,7 @@ import torch
 from ..backend import Embeddings
 from ..engine.sampler import TokenLogprobs
 from ..engine.sequence import Sequence
-from ..tools.calls import CallReader, Delta, ToolCall, read_whole
+from ..tools.calls import CallReader, Delta, ToolCall, call_reader, read_whole
 from ..tools.formats import ToolFormat
 from .protocol import EmbeddingRequest
 
@@ -104,7 +104,7 @@ class Reply:
         """A stream's chunk for ``text``; None where it adds nothing to send yet (a tool
         call's opening still being read)."""
         if self.endpoint == "chat" and self.tools is not None:
-            reader = self._readers.setdefault(seq.seq_id, CallReader(self.tools))
+            reader = self._readers.setdefault(seq.seq_id, call_reader(self.tools))
             calls = reader.feed(text)
             return self._chunk(seq, "", None, calls) if calls else None
         return self._chunk(seq, text, None)

@@ -13,6 +13,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from .formats import ToolFormat
+from .gemma import call_end, read_value
 
 
 @dataclass
@@ -117,12 +118,15 @@ class CallReader:
             head = self._head.match(text, at)
             if head is None:
                 return False
-            call = ToolCall(len(self.calls), "call_" + secrets.token_hex(12), head.group(1))
-            self.calls.append(call)
-            delta.started.append(call)
+            self._start(head.group(1), delta)
             self._at, self._expect, self._scan = head.end(), "arguments", _ObjectScan(head.end())
             return True
         return self._read_arguments(delta)
+
+    def _start(self, name: str, delta: Delta) -> None:
+        call = ToolCall(len(self.calls), "call_" + secrets.token_hex(12), name)
+        self.calls.append(call)
+        delta.started.append(call)
 
     def _read_arguments(self, delta: Delta) -> bool:
         call, scan = self.calls[-1], self._scan
@@ -138,9 +142,48 @@ class CallReader:
         return True
 
 
+class GemmaReader(CallReader):
+    """Gemma's calls (`tools.gemma`): a call's name as soon as it is whole, its arguments
+    as one JSON fragment once their object closes (Gemma's layout is no JSON to pass on
+    piece by piece)."""
+
+    _name = re.compile(r"([A-Za-z0-9_-]+)\{")
+
+    def _advance(self, delta: Delta) -> bool:
+        fmt, text, at = self.fmt, self.text, self._at
+        if self._expect in ("opening", "call_open", "close"):
+            fixed = fmt.call_close if self._expect == "close" else fmt.call_open
+            if not text.startswith(fixed, at):
+                return False
+            self._at += len(fixed)
+            self._expect = "call_open" if self._expect == "close" else "head"
+            return True
+        if self._expect == "head":
+            head = self._name.match(text, at)
+            if head is None:
+                return False
+            self._start(head.group(1), delta)
+            self._at, self._expect = head.end() - 1, "arguments"
+            return True
+        end = call_end(text, at)  # scanned again as it grows: arguments are short
+        if end is None:
+            return False
+        call = self.calls[-1]
+        value, _ = read_value(text[at:end])
+        call.arguments, call.whole = json.dumps(value, ensure_ascii=False), True
+        delta.arguments.append((call.index, call.arguments))
+        self._at, self._expect = end, "close"
+        return True
+
+
+def call_reader(fmt: ToolFormat) -> CallReader:
+    """A reader for ``fmt``'s calls."""
+    return GemmaReader(fmt) if fmt.syntax == "gemma" else CallReader(fmt)
+
+
 def read_whole(fmt: ToolFormat, text: str) -> list[ToolCall] | None:
     """A finished answer's whole calls, read at once; None where it answered in text."""
-    reader = CallReader(fmt)
+    reader = call_reader(fmt)
     reader.feed(text)
     reader.finish()
     return reader.whole_calls()

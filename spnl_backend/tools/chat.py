@@ -30,7 +30,8 @@ def tool_chat(
     fmt = template_format(template, special_id)
     if not request.constrained:
         return ToolChat(None, None)
-    return ToolChat(fmt, ConstraintSpec("tools", tool_grammar(fmt, request)))
+    kept = tuple(token for _, token in fmt.kept)
+    return ToolChat(fmt, ConstraintSpec("tools", tool_grammar(fmt, request), kept))
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

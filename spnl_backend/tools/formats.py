@@ -7,7 +7,9 @@ whether the opening is a special token (which the output's text leaves out):
 - Hermes (Qwen 2.5/3, Hermes, many fine-tunes): ``<tool_call>\\n{...}\\n</tool_call>``,
   one block per call;
 - Mistral: ``[TOOL_CALLS][{...}, {...}]``, ``[TOOL_CALLS]`` a special token;
-- Llama 3.x: ``{"name": ..., "parameters": {...}}``, several joined by ``; ``.
+- Llama 3.x: ``{"name": ..., "parameters": {...}}``, several joined by ``; ``;
+- Gemma (FunctionGemma): ``<start_function_call>call:NAME{key:value,...}<end_function_call>``
+  per call, not JSON: keys bare, strings between ``<escape>`` tokens (`tools.gemma`).
 """
 
 from collections.abc import Callable
@@ -27,6 +29,9 @@ class ToolFormat:
     arguments_key: str
     marker: str = ""  # a text that opens the calls and may be one special token
     marker_id: int | None = None  # that token, where it is special (not in the text)
+    syntax: str = "json"  # how a call is written: a JSON object, or "gemma"
+    kept: tuple[tuple[str, int], ...] = ()  # fixed texts that are one special token each,
+    # kept in the output's text (the reader needs them; Gemma's <escape> delimits strings)
 
     @property
     def trigger(self) -> str:
@@ -39,7 +44,9 @@ class ToolFormat:
 HERMES = ToolFormat("hermes", "", "<tool_call>\n", "\n</tool_call>", "\n", "", "arguments")
 MISTRAL = ToolFormat("mistral", "[", "", "", ", ", "]", "arguments", marker="[TOOL_CALLS]")
 LLAMA3 = ToolFormat("llama3", "", "", "", "; ", "", "parameters")
-FAMILIES = (HERMES, MISTRAL, LLAMA3)
+GEMMA_CALL, GEMMA_END, GEMMA_ESCAPE = "<start_function_call>", "<end_function_call>", "<escape>"
+GEMMA = ToolFormat("gemma", "", GEMMA_CALL + "call:", GEMMA_END, "", "", "", syntax="gemma")
+FAMILIES = (HERMES, MISTRAL, LLAMA3, GEMMA)
 
 
 def template_format(template: str | None, special_id: Callable[[str], int | None]) -> ToolFormat:
@@ -57,8 +64,12 @@ def template_format(template: str | None, special_id: Callable[[str], int | None
         raise RequestError(
             "this model's chat template renders tools, but in a call syntax this server does "
             "not parse; supported: Hermes/Qwen <tool_call>, Mistral [TOOL_CALLS], Llama 3.x "
-            "JSON"
+            "JSON, Gemma <start_function_call>"
         )
+    if found.syntax == "gemma":
+        texts = (GEMMA_CALL, GEMMA_END, GEMMA_ESCAPE)
+        kept = tuple((text, i) for text in texts if (i := special_id(text)) is not None)
+        return replace(found, kept=kept)
     if not found.marker:
         return found
     marker_id = special_id(found.marker)
@@ -68,6 +79,8 @@ def template_format(template: str | None, special_id: Callable[[str], int | None
 
 
 def _family(template: str) -> ToolFormat | None:
+    if GEMMA_CALL in template:
+        return GEMMA
     if "<tool_call>" in template:
         return HERMES
     if "[TOOL_CALLS]" in template:

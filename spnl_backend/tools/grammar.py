@@ -12,6 +12,7 @@ import json
 import re
 
 from .formats import ToolFormat
+from .gemma import gemma_grammar
 from .spec import Tool, ToolRequest
 
 # The layout structured output uses too (constrain.spec): no whitespace the model could
@@ -20,6 +21,8 @@ LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator":
 
 
 def tool_grammar(fmt: ToolFormat, request: ToolRequest) -> str:
+    if fmt.syntax == "gemma":
+        return gemma_grammar(fmt, request)
     tools = request.callable()
     opening = (f"<[{fmt.marker_id}]> " if fmt.marker_id is not None else "") + _literal(fmt.opening)
     more = f" ({_literal(fmt.separator)} call)*" if request.parallel else ""
