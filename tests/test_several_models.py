@@ -2,6 +2,9 @@
 their keep-alive, within one memory budget; a model that fails to load fails its own
 requests only."""
 
+import asyncio
+import json
+import socket
 import threading
 import time
 
@@ -194,3 +197,52 @@ def test_the_cli_reads_keep_alive_as_ollama_does():
     assert _keep_alive("-1") == -1
     with pytest.raises(SettingsError, match="--keep-alive"):
         _keep_alive("soon")
+
+
+async def _gone_at_the_first_send(app, path: str, payload: bytes) -> None:
+    """One request through the app itself, its client gone while the response's head is
+    being sent: the stream is cancelled before its body's generator starts."""
+    messages = [{"type": "http.request", "body": payload, "more_body": False}]
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message):
+        await asyncio.sleep(0.05)
+
+    headers = [(b"content-type", b"application/json"), (b"host", b"x")]
+    scope = {"type": "http", "method": "POST", "path": path, "headers": headers}
+    scope.update(asgi={"version": "3.0", "spec_version": "2.3"}, query_string=b"")
+    scope.update(scheme="http", server=("x", 80), client=("127.0.0.1", 1), root_path="")
+    await app(scope, receive, send)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 400, "stream": True}),
+        ("/api/generate", {"prompt": "Once upon a time", "options": {"num_predict": 400}}),
+    ],
+)
+def test_a_stream_whose_client_leaves_at_once_lets_its_model_go(two, path, body):
+    # Gone before the first byte: the answer's generator never starts, so its own cleanup
+    # cannot be what releases the model, the in-flight count and the engine's sequence.
+    server, models, _ = two
+    server.post("/v1/completions", {"model": "llama", "prompt": "x", "max_tokens": 1})
+    payload = json.dumps({"model": "llama", **body}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    for _ in range(3):
+        with socket.create_connection((host, int(port))) as sock:
+            head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    asyncio.run(_gone_at_the_first_send(server.server.config.app, path, payload))
+    (llama,) = [m for m in models.loaded() if m.name == "llama"]
+
+    def held():
+        stats = llama.backend.stats()
+        return llama.users, server.state.in_flight, stats.running + stats.waiting
+
+    deadline = time.monotonic() + 60  # the sequences would run 400 tokens each if left
+    while time.monotonic() < deadline and held() != (0, 0, 0):
+        time.sleep(0.05)
+    assert held() == (0, 0, 0)

@@ -17,7 +17,7 @@ import dataclasses
 import hmac
 import json
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,7 @@ from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from ..backend import Backend, Embeddings, PromptIds
 from ..engine.loop import Finished, LoopRequest
@@ -250,7 +251,8 @@ class _Api:
         reply.keep_alive = keep_alive
         if asked.stream:
             lines = self._ndjson(submitted, reply, chat, label)
-            return StreamingResponse(lines, media_type="application/x-ndjson")
+            let_go = lambda: self._let_go(submitted, reply, label)  # noqa: E731
+            return _LettingGo(lines, let_go, media_type="application/x-ndjson")
         seq = submitted.seqs[0]
         return await self._whole(
             request,
@@ -422,8 +424,11 @@ class _Api:
     ) -> Response:
         if asked.stream:
             events = self._events(submitted, reply, asked.include_usage, label)
-            return StreamingResponse(
-                events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            return _LettingGo(
+                events,
+                lambda: self._let_go(submitted, reply, label),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
             )
         return await self._whole(request, submitted, reply, label)
 
@@ -632,7 +637,17 @@ class _Api:
         )
         return "failed"
 
+    def _let_go(self, submitted: LoopRequest, reply: Reply, label: str) -> None:
+        """A stream's response has ended: where its body did not finish the request (a
+        client gone before the first chunk), abort it and let its model go."""
+        if not reply.finished:
+            submitted.abort()
+            self._finish(reply, "aborted", label)
+
     def _finish(self, reply: Reply, outcome: str, label: str) -> None:
+        if reply.finished:  # once, whichever of the body and the response ends it first
+            return
+        reply.finished = True
         if self.state.models is not None:
             self._release(reply.model, reply.keep_alive)
             self.state.metrics.model_requests.labels(reply.model, outcome).inc()
@@ -667,6 +682,22 @@ def _failure_status(error: Exception | None) -> int:
     if isinstance(error, RequestAbortedError):
         return 503
     return 400 if isinstance(error, RequestError) else 500
+
+
+class _LettingGo(StreamingResponse):
+    """A stream that lets its request go however the response ends. A client gone while
+    the head is sent cancels the stream before its body's generator starts, and a
+    generator never started never runs its own ``finally``."""
+
+    def __init__(self, body: AsyncIterator[str], let_go: Callable[[], None], **kw: Any) -> None:
+        super().__init__(body, **kw)
+        self._let_go = let_go
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._let_go()
 
 
 def _prepared(backend: Backend, asked: EngineRequest) -> EngineRequest:

@@ -36,6 +36,7 @@ class Reply:
     created: int = field(default_factory=lambda: int(time.time()))
     tools: ToolFormat | None = None  # a chat answer read for tool calls in this format
     keep_alive: float | None = None  # Ollama's, for the model once the answer is done
+    finished: bool = False  # its request let go (model, in-flight count, metrics)
 
     def __post_init__(self) -> None:
         prefix = "cmpl" if self.endpoint == "completions" else "chatcmpl"
