@@ -31,7 +31,7 @@ from serve import (
     free_port,
     log_tail,
     model_id,
-    ours_executable,
+    pair_command,
     started,
     wait_ready,
 )
@@ -55,15 +55,8 @@ def texts(count: int) -> list[str]:
 
 
 def command(engine: str, gguf: Path, port: int, threads: int, llama_server: Path | None):
-    if engine == "ours":
-        argv = [ours_executable(), "serve", "--host", "127.0.0.1", "--port", port, "--model", gguf]
-        return [str(a) for a in argv], {"OMP_NUM_THREADS": str(threads)}
-    if llama_server is None or not llama_server.is_file():
-        raise ServerError(f"--llama-server PATH is needed; build it: {BUILD_LLAMA_SERVER}")
-    argv = [llama_server, "-m", gguf, "--host", "127.0.0.1", "--port", port, "--embeddings"]
-    argv += ["--pooling", "last", "-np", SLOTS, "-c", SLOTS * LLAMA_N_CTX]
-    argv += ["-t", threads, "-tb", threads]
-    return [str(a) for a in argv], {}
+    flags = ("--embeddings", "--pooling", "last")
+    return pair_command(engine, gguf, port, threads, llama_server, LLAMA_N_CTX, flags)
 
 
 async def embed_all(base: str, inputs: list[str], batch: int) -> tuple[float, list[list[float]]]:

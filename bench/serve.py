@@ -441,6 +441,28 @@ def server_command(
     return [str(part) for part in argv], env
 
 
+def pair_command(
+    engine: str,
+    gguf: Path,
+    port: int,
+    threads: int,
+    llama_server: Path | None,
+    slot_ctx: int,
+    flags: tuple[str, ...] = (),
+) -> tuple[list[str], dict]:
+    """A two-engine bench's server: ours (``spnl-backend serve``), or llama-server with
+    ``flags``, -np SLOTS slots of ``slot_ctx`` tokens; the argv and the environment's
+    additions."""
+    if engine == "ours":
+        argv = [ours_executable(), "serve", "--host", "127.0.0.1", "--port", port, "--model", gguf]
+        return [str(a) for a in argv], {"OMP_NUM_THREADS": str(threads)}
+    if llama_server is None or not llama_server.is_file():
+        raise ServerError(f"--llama-server PATH is needed; build it: {BUILD_LLAMA_SERVER}")
+    argv = [llama_server, "-m", gguf, "--host", "127.0.0.1", "--port", port, *flags]
+    argv += ["-np", SLOTS, "-c", SLOTS * slot_ctx, "-t", threads, "-tb", threads]
+    return [str(a) for a in argv], {}
+
+
 def stop(process: subprocess.Popen) -> None:
     """SIGTERM to the server's process group, SIGKILL if it outstays the grace."""
     with contextlib.suppress(ProcessLookupError):
