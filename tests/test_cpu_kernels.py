@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from paged_cases import CASES, paged_case
 
@@ -348,6 +349,19 @@ def test_each_rows_product_is_bit_identical_to_that_row_alone(kernels, qtype, mo
     x = torch.randn(150, 768)  # past the kernels' chunks of rows (32 and 64; 128 for tiles)
     together = quantized_matmuls(native, x, weights)
     alone = torch.cat([quantized_matmuls(native, x[i : i + 1], weights) for i in range(len(x))])
+    assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize("qtype", [t for t in TYPES if GGML_QUANT_SIZES[t][0] == 32], ids=str)
+@pytest.mark.parametrize("rows", [6, 7, 13])
+def test_tiles_of_32_value_blocks_give_each_row_alone_bits(kernels, qtype, rows):
+    # 25 blocks a row: the blocks' chains end mid-group; 6, 7 and 13 activation rows: the
+    # tiles' groups of 4 rows end with 2, 3 and 1 (6 is the fewest that take the tiles).
+    weights = [_weights(qtype, rows=33, cols=800)]
+    x = torch.randn(rows, 800)
+    native = dataclasses.replace(kernels, exact=False)  # the int8 products, where the tiles are
+    together = quantized_matmuls(native, x, weights)
+    alone = torch.cat([quantized_matmuls(native, x[i : i + 1], weights) for i in range(rows)])
     assert torch.equal(together, alone)
 
 

@@ -728,31 +728,69 @@ static inline __m512 hsum_chains(const __m512 c[CHAINS]) {
     return _mm512_add_ps(_mm512_add_ps(c[0], c[2]), _mm512_add_ps(c[1], c[3]));
 }
 
-// One activation row against the tile: y[r] for its KT_ROWS rows.
-static inline void t32_row(const t32_tile *t, const act_rows *x, int64_t m, int64_t blocks,
-                           int bias, float *y) {
-    __m512 acc[CHAINS], extra[CHAINS];
-    for (int c = 0; c < CHAINS; c++) acc[c] = extra[c] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t at = m * (x->k / 32) + b;
-        const int8_t *q = x->q32 + at * 32;
-        const int c = (int)(b % CHAINS);
-        __m512i sum = _mm512_set1_epi32(bias < 0 ? 0 : -(int32_t)x->sums32[at] * (1 << bias));
-        for (int l = 0; l < 8; l++) {
-            int32_t x4;
-            memcpy(&x4, q + 4 * l, 4);
-            sum = _mm512_dpbusd_epi32(sum, _mm512_loadu_si512((const void *)t->u[b][l]),
-                                      _mm512_set1_epi32(x4));
-        }
-        const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(t->d[b]), _mm512_set1_ps(x->d32[at]));
-        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[c]);
-        if (bias < 0)
-            extra[c] = _mm512_fmadd_ps(_mm512_loadu_ps(t->m[b]), _mm512_set1_ps(x->s32[at]),
-                                       extra[c]);
+// Block b of the tile against activation rows m..m+mr-1, into their chain acc[r] (and
+// extra[r], for the formats with a minimum). Each row's integers are summed in two halves
+// (exact: the same integer), so that 2 * mr chains of dpbusd run side by side rather than
+// one chain of 8 dependent ones; each tile vector, loaded once, meets every row.
+static inline __attribute__((always_inline)) void t32_block(int mr, const t32_tile *t,
+                                                            const act_rows *x, int64_t m,
+                                                            int64_t b, int bias, __m512 *acc,
+                                                            __m512 *extra) {
+    const int64_t per_row = x->k / 32;
+    __m512i even[4], odd[4];
+    for (int r = 0; r < mr; r++) {
+        const int64_t at = (m + r) * per_row + b;
+        even[r] = _mm512_set1_epi32(bias < 0 ? 0 : -(int32_t)x->sums32[at] * (1 << bias));
+        odd[r] = _mm512_setzero_si512();
     }
-    __m512 sum = hsum_chains(acc);
-    if (bias < 0) sum = _mm512_add_ps(sum, hsum_chains(extra));
-    _mm512_storeu_ps(y, sum);
+    for (int l = 0; l < 8; l += 2) {
+        const __m512i u0 = _mm512_loadu_si512((const void *)t->u[b][l]);
+        const __m512i u1 = _mm512_loadu_si512((const void *)t->u[b][l + 1]);
+        for (int r = 0; r < mr; r++) {
+            const int8_t *q = x->q32 + ((m + r) * per_row + b) * 32 + 4 * l;
+            int32_t x0, x1;
+            memcpy(&x0, q, 4);
+            memcpy(&x1, q + 4, 4);
+            even[r] = _mm512_dpbusd_epi32(even[r], u0, _mm512_set1_epi32(x0));
+            odd[r] = _mm512_dpbusd_epi32(odd[r], u1, _mm512_set1_epi32(x1));
+        }
+    }
+    const __m512 d = _mm512_loadu_ps(t->d[b]);
+    for (int r = 0; r < mr; r++) {
+        const int64_t at = (m + r) * per_row + b;
+        const __m512i sum = _mm512_add_epi32(even[r], odd[r]);
+        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(x->d32[at]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r]);
+        if (bias < 0)
+            extra[r] = _mm512_fmadd_ps(_mm512_loadu_ps(t->m[b]), _mm512_set1_ps(x->s32[at]),
+                                       extra[r]);
+    }
+}
+
+// Activation rows m..m+mr-1 (mr <= 4, a constant where inlined) against the tile: y[r] for
+// its KT_ROWS rows, row i's at y + i * stride. Blocks go to chain b mod CHAINS in groups of
+// CHAINS, so that each chain is a register. A row's float sums are those of one row alone,
+// in the same order: the same bits.
+static inline __attribute__((always_inline)) void t32_rows(int mr, const t32_tile *t,
+                                                           const act_rows *x, int64_t m,
+                                                           int64_t blocks, int bias, float *y,
+                                                           int64_t stride) {
+    __m512 acc[CHAINS][4], extra[CHAINS][4];
+    for (int c = 0; c < CHAINS; c++)
+        for (int r = 0; r < mr; r++) acc[c][r] = extra[c][r] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + CHAINS <= blocks; b += CHAINS)
+        for (int c = 0; c < CHAINS; c++) t32_block(mr, t, x, m, b + c, bias, acc[c], extra[c]);
+    for (int c = 0; b < blocks; b++, c++) t32_block(mr, t, x, m, b, bias, acc[c], extra[c]);
+    for (int r = 0; r < mr; r++) {
+        const __m512 chains[CHAINS] = {acc[0][r], acc[1][r], acc[2][r], acc[3][r]};
+        __m512 sum = hsum_chains(chains);
+        if (bias < 0) {
+            const __m512 mins[CHAINS] = {extra[0][r], extra[1][r], extra[2][r], extra[3][r]};
+            sum = _mm512_add_ps(sum, hsum_chains(mins));
+        }
+        _mm512_storeu_ps(y + r * stride, sum);
+    }
 }
 
 // The blocks of KT_ROWS rows (row_bytes apart) into the tile.
@@ -822,8 +860,9 @@ static inline void prefetch_block(const uint8_t *block, int bytes) {
         int64_t n = 0;                                                                        \
         for (; n + KT_ROWS <= count; n += KT_ROWS) {                                          \
             NAME##_t32_fill(w + n * blocks * BYTES, blocks * BYTES, blocks, &tile);           \
-            for (int64_t m = 0; m < rows; m++)                                                \
-                t32_row(&tile, x, m, blocks, NAME##_bias, y + m * stride + n);                \
+            for (int64_t m = 0; m < rows; m += 4)                                             \
+                FOUR_ROWS(t32_rows, rows - m, &tile, x, m, blocks, NAME##_bias,                \
+                          y + m * stride + n, stride)                                         \
         }                                                                                     \
         t32_free(&tile);                                                                      \
         return n;                                                                             \
