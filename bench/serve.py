@@ -362,9 +362,12 @@ async def drive(base: str, plan: Plan, process: subprocess.Popen | None = None) 
     """Wait for the server, warm it up and run ``plan``'s levels; a summary per level."""
     most = max(clients for clients, _ in plan.levels)
     headers = {"Authorization": f"Bearer {plan.api_key}"} if plan.api_key else {}
+    # A new connection per request: a server may close an idle kept-alive connection as
+    # the client sends on it, and the request is lost ("Server disconnected") through no
+    # fault of the server's serving (llama-server does, a few times in a thousand).
     async with httpx.AsyncClient(
         timeout=httpx.Timeout(plan.request_timeout_s, connect=10),
-        limits=httpx.Limits(max_connections=most, max_keepalive_connections=most),
+        limits=httpx.Limits(max_connections=most, max_keepalive_connections=0),
         headers=headers,
     ) as client:
         await wait_ready(client, base, plan.ready_timeout_s, process)

@@ -77,6 +77,26 @@ def engine_logits(backend: Backend, ids: list[int]) -> torch.Tensor:
     return backend._loop.call(lambda engine: prompt_logits(engine, ids, torch.device("cpu")))
 
 
+def greedy_with_logits(backend: Backend, tokens: int, **prompt):
+    """Greedy tokens, the first token's logits and the usage of one request (``prompt``:
+    `Backend.generate`'s prompt keywords)."""
+    model = backend.model
+    seen = []
+    original = type(model).compute_logits
+
+    def capture(hidden):
+        logits = original(model, hidden)
+        seen.append(logits.clone())
+        return logits
+
+    model.compute_logits = capture
+    try:
+        result = backend.generate(**prompt, max_tokens=tokens, temperature=0)
+    finally:
+        del model.compute_logits
+    return result.token_ids, seen[0][-1], result.usage
+
+
 def engine_internals(backend: Backend) -> Engine:
     """The backend's private engine: the one way tests reach it. Only for injecting faults
     (breaking a cache, swapping its kernels or store factory) and for white-box checks that

@@ -6,7 +6,7 @@ from functools import cache
 
 import pytest
 import torch
-from helpers import engine_internals, engine_logits, run_together
+from helpers import engine_internals, engine_logits, greedy_with_logits, run_together
 from pic_reference import reference_greedy
 from tiny_models import ARCHITECTURES
 
@@ -55,21 +55,7 @@ def _pieces(backend, docs, prefix=PREFIX, question=QUESTION):
 
 def _run(backend, pieces, tokens=TOKENS):
     """Greedy tokens, the first token's logits and the usage of one PIC request."""
-    model = backend.model
-    seen = []
-    original = type(model).compute_logits
-
-    def capture(hidden):
-        logits = original(model, hidden)
-        seen.append(logits.clone())
-        return logits
-
-    model.compute_logits = capture
-    try:
-        result = backend.generate(blocks=pieces, max_tokens=tokens, temperature=0)
-    finally:
-        del model.compute_logits
-    return result.token_ids, seen[0][-1], result.usage
+    return greedy_with_logits(backend, tokens, blocks=pieces)
 
 
 @pytest.fixture(scope="module")

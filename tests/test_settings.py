@@ -1,6 +1,7 @@
 """Every row of the MISTRALRS_* table, valid and invalid, from the environment and from code."""
 
 import logging
+import os
 
 import pytest
 from hypothesis import given
@@ -114,6 +115,9 @@ VALID = [
     ("VERBOSE", "1", True),
     ("VERBOSE", "yes", True),
     ("VERBOSE", "off", False),
+    ("KV_TIER_DIR", "/var/tmp/spnl-kv-tier", "/var/tmp/spnl-kv-tier"),
+    ("KV_TIER_DIR", "~/kv-tier", os.path.expanduser("~/kv-tier")),
+    ("KV_TIER_MB", "512", 512),
 ]
 
 INVALID = [
@@ -156,6 +160,8 @@ INVALID = [
     *[("DEVICE", text) for text in ("gpu", "cuda:x", "cpu:1", "tpu")],
     *[("DTYPE", text) for text in ("float64", "int8")],
     ("VERBOSE", "maybe"),
+    ("KV_TIER_DIR", __file__),  # a file, not a directory
+    *[("KV_TIER_MB", text) for text in ("0", "-1", "lots")],
 ]
 
 

@@ -70,11 +70,9 @@ class BlockManager:
         """Ids of the cached blocks that hold the longest full-block prefix of ``token_ids``."""
         if not self.enable_prefix_caching:
             return []
-        matched, parent = [], _NO_PARENT
-        for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
-            tokens = tuple(token_ids[start : start + self.block_size])
-            parent = block_hash(parent, tokens)
-            block_id = self.lookup(parent, tokens)
+        matched = []
+        for digest, tokens in self.prefix_keys(token_ids):
+            block_id = self.lookup(digest, tokens)
             if block_id is None:
                 break
             matched.append(block_id)
@@ -89,12 +87,15 @@ class BlockManager:
 
     def register(
         self, block_id: int, digest: int, tokens: tuple[int, ...], position: int | None = None
-    ) -> None:
-        """Offer a computed block to later lookups (unless one is registered already)."""
+    ) -> bool:
+        """Offer a computed block to later lookups (unless one is registered already);
+        whether it was."""
         block = self.blocks[block_id]
         if block.hash is None and digest not in self.hash_to_id:
             block.hash, block.token_ids, block.position = digest, tokens, position
             self.hash_to_id[digest] = block_id
+            return True
+        return False
 
     def reset_cache(self) -> int:
         """Forget every cached block (prefix and PIC): unreferenced ones become free, those
@@ -108,18 +109,31 @@ class BlockManager:
 
     def register_full_blocks(
         self, table: BlockTable, token_ids: list[int], num_computed: int
-    ) -> None:
-        """Hash the blocks that ``num_computed`` tokens have filled, so others may share them."""
+    ) -> list[int]:
+        """Hash the blocks that ``num_computed`` tokens have filled, so others may share
+        them; the ids of those newly registered."""
         if not self.enable_prefix_caching:
-            return
+            return []
         full = min(num_computed, len(token_ids)) // self.block_size
+        registered = []
         while len(table.hashes) < min(full, len(table.block_ids)):
             index = len(table.hashes)
             tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
             parent = table.hashes[-1] if table.hashes else _NO_PARENT
             digest = block_hash(parent, tokens)
             table.hashes.append(digest)
-            self.register(table.block_ids[index], digest, tokens)
+            if self.register(table.block_ids[index], digest, tokens):
+                registered.append(table.block_ids[index])
+        return registered
+
+    def prefix_keys(self, token_ids: list[int]) -> list[tuple[int, tuple[int, ...]]]:
+        """The digest and tokens of every full block of ``token_ids``, in order."""
+        keys, parent = [], _NO_PARENT
+        for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
+            tokens = tuple(token_ids[start : start + self.block_size])
+            parent = block_hash(parent, tokens)
+            keys.append((parent, tokens))
+        return keys
 
     # ---- taking and returning blocks ------------------------------------------------------
 

@@ -34,6 +34,7 @@ from .engine import Engine, EngineConfig
 from .kv_cache import ContiguousCacheManager, SequenceStore, plain_stores
 from .kv_shift import KeyShift
 from .paged import PagedCacheManager, PagedKVCache, PagedKVStorage
+from .pool_tier import attach_tier
 from .runner import ModelRunner, Runner
 from .speculative import Drafter, SpeculativeCache, SpeculativeRunner
 
@@ -66,7 +67,12 @@ def build_engine(
         eos_token_ids=frozenset(loaded.tokenizer.eos_token_ids),
         prefix_caching=settings.prefix_cache_enabled,
     )
-    return Engine(runner, loaded.tokenizer, engine_config, info)
+    engine = Engine(runner, loaded.tokenizer, engine_config, info)
+    if settings.kv_tier_dir is not None:
+        tier = attach_tier(loaded, settings, cache, info, speculative=draft is not None)
+        if tier is not None:
+            engine.on_close.append(tier.close)
+    return engine
 
 
 def build_cache(

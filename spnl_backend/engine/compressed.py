@@ -7,6 +7,8 @@ through the slot mapping like the plain pool, so block tables, prefix caching,
 preemption and batching are the same as without compression.
 """
 
+import hashlib
+
 import torch
 
 from ..compression import (
@@ -127,6 +129,29 @@ class CodedPagedKVCache:
     def step(self, kernels: Kernels, meta: PagedMetadata) -> "CodedPagedStep":
         return CodedPagedStep(self, meta, kernels.native)
 
+    def tier_layout(self) -> dict[str, object]:
+        """What a block's bytes are (`block_bytes`), for the KV tier's fingerprint: the
+        records' shapes and each codec's whole state (a `ValueError` where a codec's state
+        is not fixed yet: set by the first vectors this process stores, its records would
+        mean something else to another process)."""
+        shapes = [list(self.keys[:, 0].shape), list(self.values[:, 0].shape)]
+        return {
+            "records": shapes,
+            "codecs": [_state_digest(self.pair.key), _state_digest(self.pair.value)],
+        }
+
+    def block_bytes(self, block_id: int) -> torch.Tensor:
+        """A copy of block ``block_id``'s K and V records, every layer's."""
+        keys, values = self.keys[:, block_id], self.values[:, block_id]
+        return torch.cat([keys.reshape(-1), values.reshape(-1)]).cpu()
+
+    def load_block(self, block_id: int, data: torch.Tensor) -> None:
+        """Block ``block_id`` set from `block_bytes`'s bytes."""
+        keys, values = self.keys[:, block_id], self.values[:, block_id]
+        split = keys.numel()
+        keys.copy_(data[:split].reshape(keys.shape).to(keys.device))
+        values.copy_(data[split:].reshape(values.shape).to(values.device))
+
 
 class CodedPagedStep:
     """Encode this step's K/V into their slots, then attend each sequence over its blocks."""
@@ -187,3 +212,22 @@ class CodedPagedStep:
             )
             start = end
         return out
+
+
+def _state_digest(codec: object) -> str:
+    """SHA-256 of a codec's type and every attribute (tensors by their bytes)."""
+    digest = hashlib.sha256(type(codec).__qualname__.encode())
+    for name, value in sorted(vars(codec).items()):
+        items = value if isinstance(value, list | tuple) else [value]
+        if any(item is None for item in items) and isinstance(value, list):
+            raise ValueError(f"{type(codec).__name__}.{name} is set by the first stored vectors")
+        digest.update(name.encode())
+        for item in items:
+            if isinstance(item, torch.Tensor):
+                digest.update(str(item.dtype).encode() + str(tuple(item.shape)).encode())
+                digest.update(
+                    item.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+                )
+            else:
+                digest.update(repr(item).encode())
+    return digest.hexdigest()

@@ -10,6 +10,7 @@ from ..pic.layout import PicLayout
 from .cache import CacheInfo, PoolUsage
 from .detokenizer import Decoder, IncrementalDetokenizer, KeptTokens
 from .embed import embed
+from .kv_tier import TierStats, tier_stats
 from .runner import Runner
 from .sampler import TokenLogprobs, row_error
 from .scheduler import Scheduler
@@ -52,6 +53,10 @@ class EngineStats:
     # and computed.
     pic_hit_tokens: int = 0
     pic_miss_tokens: int = 0
+    # Prompt tokens of those requests whose K/V the KV tier read back (within the cached
+    # ones above), and the tier's own counters; None where there is no tier.
+    tier_hit_tokens: int = 0
+    tier: "TierStats | None" = None
 
 
 class Engine:
@@ -77,6 +82,7 @@ class Engine:
         self.prefix_cache_hits = 0
         self.pic_hit_tokens = 0
         self.pic_miss_tokens = 0
+        self.tier_hit_tokens = 0
         self.last_batch_size = 0  # sequences the last step ran (0: nothing was schedulable)
         # Called by the loop while it waits for work, and when it stops (a tensor-parallel
         # model's heartbeat to its other ranks, and their stop).
@@ -149,6 +155,8 @@ class Engine:
             prefix_cache_hits=self.prefix_cache_hits,
             pic_hit_tokens=self.pic_hit_tokens,
             pic_miss_tokens=self.pic_miss_tokens,
+            tier_hit_tokens=self.tier_hit_tokens,
+            tier=tier_stats(getattr(self.cache, "tier", None)),
         )
 
     def reset_prefix_cache(self) -> int:
@@ -282,6 +290,7 @@ class Engine:
             self.prefix_cache_hits += seq.num_cached_tokens
             self.pic_hit_tokens += seq.num_pic_hit_tokens
             self.pic_miss_tokens += seq.num_pic_miss_tokens
+            self.tier_hit_tokens += seq.num_tier_hit_tokens
         detok = self.detokenizers[seq.seq_id]
         delta = detok.add(token_id)
         reason = self._finish_reason(seq, token_id, detok.stopped)

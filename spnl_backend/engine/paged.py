@@ -6,7 +6,7 @@ New tokens are written through a slot mapping and attention reads every key thro
 the block tables, via the kernels the platform picked.
 """
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -26,6 +26,9 @@ from .cache import PoolUsage
 from .kv_shift import Angles, KeyShift
 from .pic_blocks import PicProgress, PlannedBlock
 from .sequence import CachedTokens, ScheduledSeq
+
+if TYPE_CHECKING:
+    from .pool_tier import PoolTier
 
 log = get_logger()
 
@@ -65,6 +68,26 @@ class PagedKVCache:
 
     def step(self, kernels: Kernels, meta: PagedMetadata) -> "PagedStep":
         return PagedStep(self, kernels, meta)
+
+    def tier_layout(self) -> dict[str, object]:
+        """What a block's bytes are (`block_bytes`), for the KV tier's fingerprint."""
+        shapes = [(list(part[:, :, 0].shape), str(part.dtype)) for part in self.parts]
+        return {"tensors": shapes, "k_scale": self.k_scale, "v_scale": self.v_scale}
+
+    def block_bytes(self, block_id: int) -> torch.Tensor:
+        """A copy of block ``block_id``'s K and V, every layer's, as uint8 on the host."""
+        parts = [part[:, :, block_id].reshape(-1).view(torch.uint8) for part in self.parts]
+        return torch.cat([p.cpu() for p in parts]) if len(parts) > 1 else parts[0].cpu().clone()
+
+    def load_block(self, block_id: int, data: torch.Tensor) -> None:
+        """Block ``block_id`` set from `block_bytes`'s bytes."""
+        at = 0
+        for part in self.parts:
+            target = part[:, :, block_id]
+            size = target.numel() * target.element_size()
+            source = data[at : at + size].view(target.dtype).reshape(target.shape)
+            target.copy_(source.to(target.device))
+            at += size
 
     def move_blocks(self, sources: list[int], targets: list[int], angles: Angles) -> None:
         """Blocks ``targets`` of every layer set to blocks ``sources``, their keys turned by
@@ -129,11 +152,18 @@ class PagedStep:
 
 
 class PagedKVStorage(Protocol):
-    """The pool's tensors (plain `PagedKVCache` or a compressed one) and its step backend."""
+    """The pool's tensors (plain `PagedKVCache` or a compressed one), its step backend,
+    and a block's bytes read and written whole (the KV tier's)."""
 
     bytes_per_token: int
 
     def step(self, kernels: Kernels, meta: PagedMetadata) -> AttentionBackend: ...
+
+    def block_bytes(self, block_id: int) -> torch.Tensor: ...
+
+    def tier_layout(self) -> dict[str, object]: ...
+
+    def load_block(self, block_id: int, data: torch.Tensor) -> None: ...
 
 
 class PagedCacheManager:
@@ -151,6 +181,7 @@ class PagedCacheManager:
         self.cache, self.blocks, self.kernels = cache, blocks, kernels
         self.block_size = blocks.block_size
         self.shift = shift
+        self.tier: PoolTier | None = None  # the KV tier under the pool, where it is on
         self.tables: dict[int, BlockTable] = {}
         self.pic: dict[int, PicProgress] = {}  # the PIC sequences holding cache
 
@@ -175,6 +206,7 @@ class PagedCacheManager:
         if layout is not None:
             self._admit_pic(seq, layout)
             return
+        promoted = self._promote(self.blocks.prefix_keys(seq.token_ids), prefix=True)
         hits, hashes = self._shareable(seq)
         if len(hits) * self.block_size >= seq.num_tokens:
             hits = hits[:-1]  # recompute the last block rather than write into a shared one
@@ -184,6 +216,8 @@ class PagedCacheManager:
         seq.num_computed_tokens = len(hits) * self.block_size
         if not seq.output_token_ids:  # a new request, not a preempted one coming back
             seq.num_cached_tokens = seq.num_computed_tokens
+            from_tier = sum(block_id in promoted for block_id in hits) * self.block_size
+            seq.num_tier_hit_tokens = from_tier  # type: ignore[attr-defined]
             _log_prefix_lookup(seq, len(hits), self.blocks.blocks_for(seq.num_tokens))
 
     def _shareable(self, seq: CachedTokens) -> tuple[list[int], list[int]]:
@@ -209,13 +243,16 @@ class PagedCacheManager:
         planned = progress.plan(tokens)
         hits: dict[int, PlannedBlock] = {}
         found: dict[int, int] = {}
-        moved = 0
+        moved = from_tier = 0
         if self.blocks.enable_prefix_caching:
+            closed = [(block.digest, block.tokens) for block in planned if block.closed]
+            promoted = self._promote(closed, prefix=False)
             for block in planned:
                 block_id = self.blocks.lookup(block.digest, block.tokens) if block.closed else None
                 if block_id is not None and block.last != len(tokens) - 1:
                     hits[block.index], found[block.index] = block, block_id
                     self.blocks.share(block_id)
+                    from_tier += (block.last + 1 - block.first) * (block_id in promoted)
             moved = self._move_shifted(hits, found)
         width = max(hits, default=-1) + 1
         table = BlockTable([found.get(index, UNTAKEN) for index in range(width)])
@@ -227,7 +264,14 @@ class PagedCacheManager:
             plus_hit = sum(b.last + 1 - b.first for b in hits.values() if b.plus)
             seq.num_pic_hit_tokens = plus_hit  # type: ignore[attr-defined]
             seq.num_pic_miss_tokens = layout.num_plus_tokens - plus_hit  # type: ignore[attr-defined]
+            seq.num_tier_hit_tokens = from_tier  # type: ignore[attr-defined]
             _log_pic_lookup(seq, planned, hits, moved)
+
+    def _promote(self, wanted: list[tuple[int, tuple[int, ...]]], prefix: bool) -> set[int]:
+        """Blocks of ``wanted`` the KV tier has read into the pool (`PoolTier.promote`)."""
+        if self.tier is None or not self.blocks.enable_prefix_caching:
+            return set()
+        return self.tier.promote(wanted, prefix)
 
     def _move_shifted(self, hits: dict[int, PlannedBlock], found: dict[int, int]) -> int:
         """Hits whose keys the pool holds for other positions (spnl's reuse rule keys an
@@ -311,20 +355,29 @@ class PagedCacheManager:
         for item in batch:
             table = self.tables.get(item.seq.seq_id)
             progress = self.pic.get(item.seq.seq_id)
+            registered: list[int] = []
             if progress is not None and table is not None:
-                self._register_pic(item.seq, table, progress)
+                registered = self._register_pic(item.seq, table, progress)
             elif table is not None:
-                self.blocks.register_full_blocks(
+                registered = self.blocks.register_full_blocks(
                     table, item.seq.token_ids, item.seq.num_computed_tokens
                 )
+            if registered and self.tier is not None:
+                self.tier.offer(registered)
 
-    def _register_pic(self, seq: CachedTokens, table: BlockTable, progress: PicProgress) -> None:
-        """Offer the blocks of a PIC sequence that are closed and computed to others."""
+    def _register_pic(
+        self, seq: CachedTokens, table: BlockTable, progress: PicProgress
+    ) -> list[int]:
+        """Offer the blocks of a PIC sequence that are closed and computed to others; the
+        ids of those newly registered."""
         if not self.blocks.enable_prefix_caching:
-            return
+            return []
+        registered = []
         for block in progress.ready(seq.token_ids, seq.num_computed_tokens):
             block_id = table.block_ids[block.index]
-            self.blocks.register(block_id, block.digest, block.tokens, block.position)
+            if self.blocks.register(block_id, block.digest, block.tokens, block.position):
+                registered.append(block_id)
+        return registered
 
     def pic_feed(self, seq: CachedTokens, count: int) -> tuple[list[int], list[int]]:
         """The prompt-order indices and positions of a PIC sequence's next ``count``

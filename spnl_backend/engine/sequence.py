@@ -98,6 +98,7 @@ class Sequence:
     pic: "PicLayout | None" = None
     num_pic_hit_tokens: int = 0
     num_pic_miss_tokens: int = 0
+    num_tier_hit_tokens: int = 0  # of the prompt's reused tokens, those the KV tier read back
     # Where the output is constrained (a grammar, or token healing's first token): the
     # matcher, advanced with every accepted token.
     constraint: "Constraint | None" = None

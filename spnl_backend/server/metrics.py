@@ -58,6 +58,13 @@ class ServerMetrics:
 
 
 _Read = Callable[[EngineStats], float | None]
+
+
+def _tier(name: str) -> _Read:
+    """A KV tier counter's reader (None where there is no tier)."""
+    return lambda s: None if s.tier is None else float(getattr(s.tier, name))
+
+
 # (kind, name, help, value) of each engine metric; a value of None is left out.
 _ENGINE_METRICS: tuple[tuple[str, str, str, _Read], ...] = (
     ("gauge", "spnl_running_sequences", "Sequences in the running batch", lambda s: s.running),
@@ -106,6 +113,30 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, _Read], ...] = (
         "Plus-block tokens of PIC prompts that were computed",
         lambda s: s.pic_miss_tokens,
     ),
+    (
+        "counter",
+        "spnl_kv_tier_hit_tokens",
+        "Reused prompt tokens whose KV the KV tier read back",
+        lambda s: s.tier_hit_tokens if s.tier else None,
+    ),
+    *(
+        ("counter", f"spnl_kv_tier_{name}", doc, _tier(name))
+        for name, doc in (
+            ("hits", "KV tier entries read back into the pool"),
+            ("misses", "KV tier lookups with no entry"),
+            ("bytes_read", "Bytes the KV tier read"),
+            ("bytes_written", "Bytes the KV tier wrote"),
+            ("evictions", "KV tier entries removed to stay within its budget"),
+            ("dropped", "Blocks the KV tier did not write: its writer was behind"),
+        )
+    ),
+    (
+        "gauge",
+        "spnl_kv_tier_write_queue",
+        "Blocks waiting for the KV tier's writer",
+        _tier("write_queue"),
+    ),
+    ("gauge", "spnl_kv_tier_enabled", "1 while the KV tier is on", _tier("enabled")),
 )
 
 
@@ -127,3 +158,18 @@ class _EngineCollector:
                     metric.add_metric([model] if labels else [], value)
             if any(value is not None for _, value in samples):
                 yield metric
+        yield from _tier_rejections(engines, labels)
+
+
+def _tier_rejections(engines: list[tuple[str | None, EngineStats]], labels: list[str]):
+    """KV tier entries refused, by reason (an entry that was not the block asked for)."""
+    tiers = [(model, stats.tier) for model, stats in engines if stats.tier is not None]
+    if not tiers:
+        return
+    metric = CounterMetricFamily(
+        "spnl_kv_tier_rejected", "KV tier entries refused, by reason", labels=[*labels, "reason"]
+    )
+    for model, tier in tiers:
+        for reason, count in sorted(tier.rejected.items()):  # type: ignore[union-attr]
+            metric.add_metric([*([model] if labels else []), reason], count)
+    yield metric

@@ -79,6 +79,8 @@ _PARSERS = {
     "device": values.parse_device,
     "dtype": values.parse_dtype,
     "verbose": values.parse_bool,
+    "kv_tier_dir": values.parse_directory,
+    "kv_tier_mb": values.parse_positive_int,
 }
 
 
@@ -164,6 +166,11 @@ class BackendSettings(BaseSettings):
     device: str = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     verbose: bool = False
+    # The KV tier (`engine.kv_tier`): the pool's registered blocks also kept on disk in this
+    # directory, read back where the pool misses (after an eviction, a restart, or by
+    # another process on the same directory), within a byte budget; off where unset.
+    kv_tier_dir: str | None = None
+    kv_tier_mb: int = 8192
 
     def __init__(self, **kwargs: Any) -> None:
         try:

@@ -5,6 +5,7 @@ native value) and returns the canonical value, or raises `ValueError` whose
 message says what is accepted. The caller adds the variable name and the value.
 """
 
+import os
 import re
 from enum import StrEnum
 from typing import Literal
@@ -230,6 +231,18 @@ def parse_optional_name(value: object) -> str | None:
     if not text:
         raise ValueError("expected a model name or path, not an empty string")
     return text
+
+
+def parse_directory(value: object) -> str | None:
+    """A directory's path (``~`` expanded); it need not exist yet, but nothing else may be
+    there."""
+    text = _text(value).strip()
+    if not text:
+        return None
+    path = os.path.expanduser(text)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{text!r} exists and is not a directory; expected a directory's path")
+    return path
 
 
 def parse_port(value: object) -> int:
