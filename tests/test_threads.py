@@ -2,10 +2,12 @@
 may use; results that never depend on how many threads compute them; the engine's own
 torch operations on its thread alone."""
 
+import ctypes
 import dataclasses
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,19 +170,34 @@ def test_a_bad_omp_num_threads_is_an_error_naming_it(value):
         decide_platform(BackendSettings(device="cpu"), _probe(omp_num_threads=value))
 
 
+def _mkl_max_threads():
+    """MKL's thread count for the calling thread, where torch carries MKL; else None."""
+    library = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+    getter = getattr(library, "MKL_Get_Max_Threads", None)
+    return None if getter is None else getter()
+
+
 def test_the_engine_threads_torch_operations_run_on_it_alone():
     seen = {}
 
     def engine_thread() -> None:
         seen["set"] = torch_on_this_thread_alone()
         seen["there"] = torch.get_num_threads()
+        seen["mkl"] = _mkl_max_threads()
 
     before = torch.get_num_threads()
-    thread = threading.Thread(target=engine_thread)
-    thread.start()
-    thread.join()
-    assert seen == {"set": True, "there": 1}
-    assert torch.get_num_threads() == before  # the host's other threads keep theirs
+    torch.set_num_threads(2)  # as a host may, before loading: MKL's count is the process's
+    try:
+        thread = threading.Thread(target=engine_thread)
+        thread.start()
+        thread.join()
+        host_mkl = _mkl_max_threads()
+    finally:
+        torch.set_num_threads(before)
+    assert seen["set"] is True
+    assert seen["there"] == 1
+    assert seen["mkl"] in (1, None)  # MKL's vector math (torch.cos, exp) on it alone too
+    assert host_mkl in (2, None)  # the host's other threads keep theirs
 
 
 # ---- whole models ------------------------------------------------------------------------

@@ -9,6 +9,10 @@ same cores. torch's thread count is the process's (`torch.set_num_threads` would
 the host's too), but OpenMP keeps the count each thread's parallel regions take per
 thread: setting it on the engine's thread leaves every other thread as it was. One
 thread also makes those operations' sums the same whatever the machine's thread count.
+MKL, which torch calls for some element-wise functions (its vector math: cos, exp), keeps
+a count of its own, which a host's `torch.set_num_threads` sets for the whole process: its
+thread-local count is set too (else every step's RoPE angles start an MKL team of the
+host's size, whose spinning threads take the cores from the pool's: a third slower).
 """
 
 import ctypes
@@ -33,7 +37,23 @@ def torch_on_this_thread_alone() -> bool:
         return False
     torch.zeros(1 << 16).sum()  # torch sets a thread's count on its first parallel work
     setter(1)
+    mkl_local = _mkl_set_num_threads_local()
+    if mkl_local is not None:
+        mkl_local(1)
     return True
+
+
+def _mkl_set_num_threads_local():
+    """MKL's per-thread count setter, where torch carries MKL (linked into its CPU
+    library) or the process has loaded it; else None."""
+    libraries = [Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"]
+    libraries += [Path(p) for p in _loaded(re.compile(r"libmkl_rt[^/]*\.so[.0-9]*$"))]
+    for path in libraries:
+        try:
+            return ctypes.CDLL(str(path)).MKL_Set_Num_Threads_Local  # the C API: by value
+        except (OSError, AttributeError):
+            continue
+    return None
 
 
 def _omp_set_num_threads():
@@ -45,14 +65,19 @@ def _omp_set_num_threads():
     return None
 
 
+def _loaded(pattern: re.Pattern[str]) -> list[str]:
+    """The libraries this process has loaded whose paths match (Linux's map of it)."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+        return [line.split()[-1] for line in lines if pattern.search(line.split()[-1])]
+    except (OSError, IndexError):
+        return []
+
+
 def _loaded_runtimes() -> list[str]:
     """The OpenMP runtimes this process has loaded (Linux's map of it), else those beside
     torch's libraries."""
-    try:
-        lines = Path("/proc/self/maps").read_text().splitlines()
-        found = [line.split()[-1] for line in lines if _RUNTIMES.search(line.split()[-1])]
-    except (OSError, IndexError):
-        found = []
+    found = _loaded(_RUNTIMES)
     if not found:
         beside = (Path(torch.__file__).parent / "lib").glob("*")
         found = [str(path) for path in beside if _RUNTIMES.search(path.name)]
