@@ -7,6 +7,7 @@ import errno
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -107,6 +108,24 @@ def test_codecs_that_learn_from_the_first_vectors_run_without_the_tier(trained, 
     assert "kv_tier.off" in caplog.text
     assert "anchors" in caplog.text
     assert tokens
+
+
+def test_reads_start_when_the_request_arrives_on_the_reader_thread(trained, tmp_path, monkeypatch):
+    with _load(trained, tmp_path) as first:
+        _logits_and_tokens(first, LONG)
+    readers = []
+    real_fetch = KvTier.fetch
+
+    def fetch(self, *args):
+        readers.append(threading.current_thread().name)
+        return real_fetch(self, *args)
+
+    monkeypatch.setattr(KvTier, "fetch", fetch)
+    with _load(trained, tmp_path) as second:
+        _, _, usage = _logits_and_tokens(second, LONG)
+    assert usage.tier_hit_tokens > 0
+    assert readers
+    assert all(name.startswith("kv-tier-read") for name in readers)  # not the engine's
 
 
 def test_evicted_blocks_come_back_from_the_tier(trained, tmp_path):

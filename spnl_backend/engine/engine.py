@@ -134,6 +134,7 @@ class Engine:
         self.detokenizers[seq.seq_id] = IncrementalDetokenizer(
             decoder, seq.prompt_token_ids, seq.params.stop, seq.healed_text
         )
+        self.cache.arriving(seq)
         self.scheduler.add(seq)
 
     def has_unfinished(self) -> bool:

@@ -228,6 +228,9 @@ class ContiguousCacheManager:
     def pool_usage(self) -> None:
         """No block pool: each sequence's cache grows on its own."""
 
+    def arriving(self, seq: CachedTokens) -> None:
+        """A request was added: nothing to read ahead (no KV tier here)."""
+
     def admit(self, seq: CachedTokens) -> None:
         kv = self.new_store()
         self.caches[seq.seq_id] = kv

@@ -199,6 +199,19 @@ class PagedCacheManager:
         cached = len(blocks.cached_ids)
         return PoolUsage(blocks.num_blocks, blocks.num_blocks - blocks.num_available, cached)
 
+    def arriving(self, seq: CachedTokens) -> None:
+        """A request was added: the KV tier starts reading the blocks it may reuse that the
+        pool lacks, while other sequences step (`PoolTier.read_ahead`)."""
+        if self.tier is None or not self.blocks.enable_prefix_caching:
+            return
+        layout = getattr(seq, "pic", None)
+        if layout is None:
+            self.tier.read_ahead(self.blocks.prefix_keys(seq.token_ids), prefix=True)
+            return
+        planned = PicProgress(layout, self.block_size).plan(seq.token_ids)
+        closed = [(block.digest, block.tokens) for block in planned if block.closed]
+        self.tier.read_ahead(closed, prefix=False)
+
     def admit(self, seq: CachedTokens) -> None:
         """Give a waiting sequence its block table, starting with the cached blocks of its
         longest cached prefix; at least its last token is always computed."""

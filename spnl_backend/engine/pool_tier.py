@@ -2,6 +2,8 @@
 and the blocks a lookup misses read back in before the lookup is made."""
 
 import json
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import RequestError
@@ -18,10 +20,70 @@ from .tier_fingerprint import tier_fingerprint
 log = get_logger()
 
 
+READ_AHEAD_BYTES = 256 * MIB  # blocks read ahead and not yet taken, at most
+
+
 class PoolTier:
+    """Reads are started when a request arrives (`read_ahead`), on a reader thread, so
+    that they overlap the steps before its admission; `promote` takes what they read (or
+    waits for a read under way) and reads itself what was not read ahead."""
+
     def __init__(self, tier: KvTier, cache: PagedKVStorage, blocks: BlockManager) -> None:
         self.tier, self.cache, self.blocks = tier, cache, blocks
         self.block_nbytes = int(cache.block_bytes(0).numel())
+        self._reads: OrderedDict[int, Future[TierEntry | None]] = OrderedDict()
+        self._most_reads = max(1, READ_AHEAD_BYTES // self.block_nbytes)
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-read")
+
+    def read_ahead(self, wanted: list[tuple[int, tuple[int, ...]]], prefix: bool) -> None:
+        """Start reading the blocks of ``wanted`` the pool lacks (a ``prefix``: stop at the
+        first the tier lacks too), at most `READ_AHEAD_BYTES` of them waiting."""
+        if not self.tier.enabled:
+            return
+        keys = [
+            (digest, tokens)
+            for digest, tokens in wanted
+            if not self._reading(digest) and self.blocks.lookup(digest, tokens) is None
+        ]
+        while self._reads and len(self._reads) + len(keys) > self._most_reads:
+            self._reads.popitem(last=False)  # the oldest, whose request never came in
+        keys = keys[: self._most_reads]
+        if not keys:
+            return
+        futures: list[Future[TierEntry | None]] = [Future() for _ in keys]
+        for (digest, _), future in zip(keys, futures, strict=True):
+            self._reads[digest] = future
+        self._reader.submit(self._read_in_order, keys, futures, prefix)
+
+    def _reading(self, digest: int) -> bool:
+        """Whether a read of the block is under way or has found it (a read that found
+        nothing is done again: another process may have written it since)."""
+        future = self._reads.get(digest)
+        return future is not None and (not future.done() or future.result() is not None)
+
+    def _read_in_order(self, keys, futures, prefix: bool) -> None:
+        stop = False
+        for (digest, tokens), future in zip(keys, futures, strict=True):
+            try:
+                entry = None if stop else self.tier.fetch(digest, tokens, self.block_nbytes)
+            except Exception:  # the tier is best effort: a failed read is a miss
+                entry = None
+            future.set_result(entry)
+            stop = stop or (prefix and entry is None)
+
+    def _entry(self, digest: int, tokens: tuple[int, ...]) -> TierEntry | None:
+        """The block's entry: read ahead (waited for, if under way), else read now."""
+        future = self._reads.pop(digest, None)
+        if future is not None:
+            entry = future.result()
+            return entry if entry is not None and entry.tokens == tokens else None
+        return self.tier.fetch(digest, tokens, self.block_nbytes)
+
+    def close(self) -> None:
+        """Stop reading ahead; write what is queued."""
+        self._reader.shutdown(wait=True, cancel_futures=True)
+        self._reads.clear()
+        self.tier.close()
 
     def offer(self, block_ids: list[int]) -> None:
         """Registered blocks, copied now (the writer takes them later: by then the pool
@@ -49,7 +111,7 @@ class PoolTier:
                     continue
                 entry = None
                 if self.blocks.num_available and self.tier.enabled:
-                    entry = self.tier.fetch(digest, tokens, self.block_nbytes)
+                    entry = self._entry(digest, tokens)
                 if entry is None:
                     if prefix:
                         break
@@ -62,6 +124,8 @@ class PoolTier:
         finally:
             for block_id in held:
                 self.blocks.unshare(block_id)
+            for digest, _ in wanted:  # what was read ahead for this request is taken or moot
+                self._reads.pop(digest, None)
         return promoted
 
 
@@ -71,7 +135,7 @@ def attach_tier(
     cache: CacheManager,
     info: CacheInfo,
     speculative: bool,
-) -> KvTier | None:
+) -> "PoolTier | None":
     """The KV tier under ``cache``'s pool, in ``MISTRALRS_KV_TIER_DIR``; None, with a
     warning saying why, where it cannot be (the engine runs on without it)."""
     root = Path(settings.kv_tier_dir or "")
@@ -99,14 +163,15 @@ def attach_tier(
     except OSError as exc:
         log.warning("kv_tier.off", reason=f"{exc.strerror or exc}", directory=str(root))
         return None
-    cache.tier = PoolTier(tier, cache.cache, cache.blocks)  # type: ignore[union-attr]
+    pool_tier = PoolTier(tier, cache.cache, cache.blocks)  # type: ignore[union-attr]
+    cache.tier = pool_tier  # type: ignore[union-attr]
     log.info(
         "kv_tier.enabled",
         directory=str(tier.dir),
         budget_mb=settings.kv_tier_mb,
         entries=len(tier.written),
     )
-    return tier
+    return pool_tier
 
 
 def _unsupported(

@@ -79,6 +79,9 @@ class SpeculativeCache:
     def pool_usage(self) -> PoolUsage | None:
         return self.target.pool_usage()
 
+    def arriving(self, seq: Sequence) -> None:
+        self.target.arriving(seq)
+
     def admit(self, seq: Sequence) -> None:
         self.target.admit(seq)  # the draft's view is admitted when it first drafts
 
