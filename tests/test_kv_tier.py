@@ -268,6 +268,11 @@ def test_an_entry_is_checked_against_the_key_tokens_and_size(tmp_path):
     assert tier.fetch(8, (1, 2, 3), 64) is None  # no entry
     assert tier.stats().rejected == {"key": 1, "size": 1}
     assert tier.stats().misses == 1
+    reused = bytearray(KvTier.entry_size(3, 64))
+    again = tier.fetch(7, (1, 2, 3), 64, reused)
+    assert again.buffer is reused  # read into the memory given
+    assert torch.equal(again.payload, torch.arange(64, dtype=torch.uint8))
+    assert tier.fetch(7, (1, 2, 3), 64, bytearray(10)).buffer is not None  # a fresh one
     tier.close()
 
 

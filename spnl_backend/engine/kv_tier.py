@@ -87,6 +87,7 @@ class TierEntry:
     tokens: tuple[int, ...]
     position: int | None  # a PIC block's first position
     payload: torch.Tensor  # uint8, the pool's bytes for the block
+    buffer: bytearray | None = None  # the memory a read payload views (to read into again)
 
 
 class KvTier:
@@ -118,29 +119,35 @@ class KvTier:
             with self._lock:
                 self.counters.dropped += 1
 
-    def fetch(self, key: int, tokens: tuple[int, ...], nbytes: int) -> TierEntry | None:
+    def fetch(
+        self, key: int, tokens: tuple[int, ...], nbytes: int, buffer: bytearray | None = None
+    ) -> TierEntry | None:
         """The entry for ``key`` holding exactly ``tokens`` and ``nbytes`` of payload, or
-        None (no entry, or one refused: counted by reason)."""
+        None (no entry, or one refused: counted by reason). ``buffer``: memory to read
+        into where it is the entry's size (a fresh one's pages are faulted in as it is
+        first written: a third of a read's time)."""
         if not self.enabled:
             return None
         path = self._path(key)
         try:
-            with path.open("rb") as file:
-                data = file.read()
+            with path.open("rb", buffering=0) as file:
+                size = os.fstat(file.fileno()).st_size
+                data = buffer if buffer is not None and len(buffer) == size else bytearray(size)
+                got = file.readinto(data)  # the payload's tensor shares this memory
         except FileNotFoundError:
             self._count(misses=1)
             return None
         except OSError as exc:
             self._reject("unreadable", path, exc)
             return None
-        entry, reason = self._parse(data, key, tokens, nbytes)
+        entry, reason = self._parse(data, got, key, tokens, nbytes)
         if entry is None:
             self._reject(reason, path)
             return None
         with contextlib.suppress(OSError):
             os.utime(path)  # read: the last to go
         self.written.add(key)
-        self._count(hits=1, bytes_read=len(data))
+        self._count(hits=1, bytes_read=got)
         return entry
 
     @property
@@ -166,6 +173,11 @@ class KvTier:
 
     # ---- entries -------------------------------------------------------------------------
 
+    @staticmethod
+    def entry_size(tokens: int, nbytes: int) -> int:
+        """The bytes of an entry of ``tokens`` tokens and ``nbytes`` of payload."""
+        return _HEAD.size + 4 * tokens + _TAIL.size + nbytes
+
     def _path(self, key: int) -> Path:
         return self.dir / f"{key:016x}{SUFFIX}"
 
@@ -178,9 +190,10 @@ class KvTier:
         return head + tokens + _TAIL.pack(payload.nbytes, zlib.crc32(payload)), payload
 
     def _parse(
-        self, data: bytes, key: int, tokens: tuple[int, ...], nbytes: int
+        self, data: bytearray, got: int, key: int, tokens: tuple[int, ...], nbytes: int
     ) -> tuple[TierEntry | None, str]:
-        if len(data) < _HEAD.size:
+        """The entry in ``data[:got]``, else None and why."""
+        if got < _HEAD.size:
             return None, "truncated"
         magic, fingerprint, stored_key, position, count = _HEAD.unpack_from(data)
         if magic != MAGIC:
@@ -188,19 +201,21 @@ class KvTier:
         if fingerprint != self.fingerprint:
             return None, "fingerprint"
         tail_at = _HEAD.size + 4 * count
-        if len(data) < tail_at + _TAIL.size:
+        if got < tail_at + _TAIL.size:
             return None, "truncated"
         stored_tokens = struct.unpack_from(f"<{count}i", data, _HEAD.size)
         if stored_key != key or stored_tokens != tokens:
             return None, "key"
         length, checksum = _TAIL.unpack_from(data, tail_at)
-        payload = memoryview(data)[tail_at + _TAIL.size :]
+        start = tail_at + _TAIL.size
+        payload = memoryview(data)[start:got]
         if len(payload) != length or length != nbytes:
             return None, "truncated" if len(payload) < length else "size"
         if zlib.crc32(payload) != checksum:
             return None, "checksum"
-        tensor = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        return TierEntry(key, tokens, None if position < 0 else position, tensor), ""
+        tensor = torch.frombuffer(data, dtype=torch.uint8, offset=start, count=length)
+        entry = TierEntry(key, tokens, None if position < 0 else position, tensor, data)
+        return entry, ""
 
     # ---- the writer's side ---------------------------------------------------------------
 

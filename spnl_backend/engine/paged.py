@@ -206,11 +206,11 @@ class PagedCacheManager:
             return
         layout = getattr(seq, "pic", None)
         if layout is None:
-            self.tier.read_ahead(self.blocks.prefix_keys(seq.token_ids), prefix=True)
+            self.tier.read_ahead(self.blocks.prefix_keys(seq.token_ids))
             return
         planned = PicProgress(layout, self.block_size).plan(seq.token_ids)
         closed = [(block.digest, block.tokens) for block in planned if block.closed]
-        self.tier.read_ahead(closed, prefix=False)
+        self.tier.read_ahead(closed)
 
     def admit(self, seq: CachedTokens) -> None:
         """Give a waiting sequence its block table, starting with the cached blocks of its

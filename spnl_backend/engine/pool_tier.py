@@ -2,6 +2,7 @@
 and the blocks a lookup misses read back in before the lookup is made."""
 
 import json
+import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -21,6 +22,8 @@ log = get_logger()
 
 
 READ_AHEAD_BYTES = 256 * MIB  # blocks read ahead and not yet taken, at most
+READERS = 2  # threads reading ahead: their checksums free the GIL and take both cores
+SPARE_BYTES = 32 * MIB  # read buffers kept, their pages faulted in at start, for reuse
 
 
 class PoolTier:
@@ -33,11 +36,32 @@ class PoolTier:
         self.block_nbytes = int(cache.block_bytes(0).numel())
         self._reads: OrderedDict[int, Future[TierEntry | None]] = OrderedDict()
         self._most_reads = max(1, READ_AHEAD_BYTES // self.block_nbytes)
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-read")
+        self._reader = ThreadPoolExecutor(READERS, thread_name_prefix="kv-tier-read")
+        self._spares: list[bytearray] = []  # read buffers to reuse (`KvTier.fetch`)
+        self._spares_lock = threading.Lock()
+        self._reader.submit(self._fault_in_spares)
 
-    def read_ahead(self, wanted: list[tuple[int, tuple[int, ...]]], prefix: bool) -> None:
-        """Start reading the blocks of ``wanted`` the pool lacks (a ``prefix``: stop at the
-        first the tier lacks too), at most `READ_AHEAD_BYTES` of them waiting."""
+    def _fault_in_spares(self) -> None:
+        """Buffers for a first request's reads, written once so their pages are there."""
+        size = self.tier.entry_size(self.blocks.block_size, self.block_nbytes)
+        for _ in range(max(1, SPARE_BYTES // size)):
+            buffer = bytearray(size)
+            buffer[::4096] = b"\1" * len(buffer[::4096])
+            self._give_back(buffer)
+
+    def _give_back(self, buffer: bytearray | None) -> None:
+        with self._spares_lock:
+            if buffer is not None and len(self._spares) * len(buffer) < SPARE_BYTES:
+                self._spares.append(buffer)
+
+    def _spare(self) -> bytearray | None:
+        with self._spares_lock:
+            return self._spares.pop() if self._spares else None
+
+    def read_ahead(self, wanted: list[tuple[int, tuple[int, ...]]]) -> None:
+        """Start reading the blocks of ``wanted`` the pool lacks, at most
+        `READ_AHEAD_BYTES` of them waiting (a prefix's blocks past one the tier lacks are
+        read too, and left: the readers do not wait for each other)."""
         if not self.tier.enabled:
             return
         keys = [
@@ -50,10 +74,10 @@ class PoolTier:
         keys = keys[: self._most_reads]
         if not keys:
             return
-        futures: list[Future[TierEntry | None]] = [Future() for _ in keys]
-        for (digest, _), future in zip(keys, futures, strict=True):
+        for digest, tokens in keys:
+            future: Future[TierEntry | None] = Future()
             self._reads[digest] = future
-        self._reader.submit(self._read_in_order, keys, futures, prefix)
+            self._reader.submit(self._read, digest, tokens, future)
 
     def _reading(self, digest: int) -> bool:
         """Whether a read of the block is under way or has found it (a read that found
@@ -61,15 +85,15 @@ class PoolTier:
         future = self._reads.get(digest)
         return future is not None and (not future.done() or future.result() is not None)
 
-    def _read_in_order(self, keys, futures, prefix: bool) -> None:
-        stop = False
-        for (digest, tokens), future in zip(keys, futures, strict=True):
-            try:
-                entry = None if stop else self.tier.fetch(digest, tokens, self.block_nbytes)
-            except Exception:  # the tier is best effort: a failed read is a miss
-                entry = None
-            future.set_result(entry)
-            stop = stop or (prefix and entry is None)
+    def _read(self, digest: int, tokens: tuple[int, ...], future: Future) -> None:
+        buffer = self._spare()
+        try:
+            entry = self.tier.fetch(digest, tokens, self.block_nbytes, buffer)
+        except Exception:  # the tier is best effort: a failed read is a miss
+            entry = None
+        if entry is None or entry.buffer is not buffer:
+            self._give_back(buffer)  # not read into
+        future.set_result(entry)
 
     def _entry(self, digest: int, tokens: tuple[int, ...]) -> TierEntry | None:
         """The block's entry: read ahead (waited for, if under way), else read now."""
@@ -119,6 +143,7 @@ class PoolTier:
                 block_id = self.blocks.take()
                 held.append(block_id)
                 self.cache.load_block(block_id, entry.payload)
+                self._give_back(entry.buffer)
                 if self.blocks.register(block_id, digest, tokens, entry.position):
                     promoted.add(block_id)
         finally:
