@@ -78,7 +78,7 @@ def _response_format(value: object) -> ConstraintSpec | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return ConstraintSpec("json_object", _json_grammar('{"type": "object"}'))
+        return ConstraintSpec("json_object", _json_grammar('{"type": "object"}', "response_format"))
     if kind == "json_schema":
         inner = dict.get(value, "json_schema")
         if not isinstance(inner, dict) or "schema" not in inner:
@@ -119,7 +119,7 @@ def schema_spec(schema: object, name: str) -> ConstraintSpec:
             f"{name} cannot be written as JSON: {type(exc).__name__}: {exc}"
         ) from None
     _check_size(check_text(text, name), name)
-    return ConstraintSpec("json_schema", _json_grammar(text))
+    return ConstraintSpec("json_schema", _json_grammar(text, name))
 
 
 def _no_constant(name: str) -> object:
@@ -132,7 +132,7 @@ def regex_spec(pattern: object) -> ConstraintSpec:
     if not text:
         raise _bad("regex", pattern, "a non-empty regular expression string")
     _check_size(check_text(text, "regex"), "regex")
-    return ConstraintSpec("regex", _regex_grammar(text))
+    return ConstraintSpec("regex", _regex_grammar(text, "regex"))
 
 
 def grammar_spec(source: object) -> ConstraintSpec:
@@ -157,7 +157,7 @@ def choice_spec(choices: object) -> ConstraintSpec:
         raise _bad("choice", choices, f"a list of 1 to {MAX_CHOICES} non-empty strings")
     _check_size(check_text("".join(items), "choice"), "choice")  # type: ignore[arg-type]
     alternatives = "|".join(re.escape(item) for item in items)  # type: ignore[arg-type]
-    return ConstraintSpec("choice", _regex_grammar(alternatives))
+    return ConstraintSpec("choice", _regex_grammar(alternatives, "choice"))
 
 
 # JSON is written compactly, as Python's json.dumps does (", " and ": "), with no other
@@ -165,16 +165,30 @@ def choice_spec(choices: object) -> ConstraintSpec:
 _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def _json_grammar(schema: str) -> str:
+def _json_grammar(schema: str, name: str) -> str:
     from llguidance import LLMatcher
 
-    return LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_LAYOUT)
+    try:
+        return LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_LAYOUT)
+    except ValueError as exc:  # the library's limits, e.g. its JSON reader's nesting
+        raise RequestError(f"{name}: the grammar engine cannot take it: {_limit(exc)}") from None
 
 
-def _regex_grammar(pattern: str) -> str:
+def _regex_grammar(pattern: str, name: str) -> str:
     from llguidance import LLMatcher
 
-    return LLMatcher.grammar_from_regex(pattern)
+    try:
+        return LLMatcher.grammar_from_regex(pattern)
+    except ValueError as exc:
+        raise RequestError(f"{name}: the grammar engine cannot take it: {_limit(exc)}") from None
+
+
+def _limit(exc: ValueError) -> str:
+    """The library's message, with the limit it means where that is known."""
+    message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if "recursion limit" in message:
+        return f"{message} (it reads JSON nested at most 127 levels deep)"
+    return message
 
 
 def _check_size(text: str, name: str) -> None:

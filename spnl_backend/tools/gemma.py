@@ -26,6 +26,7 @@ _HELD = {
 }  # fmt: skip
 _KEY = re.compile(r"[A-Za-z0-9_.-]+")  # a key Gemma's layout can write bare and read back
 _NUMBER_LAYOUT = {"whitespace_flexible": False}
+MAX_DEPTH = 64  # schema levels translated (each a rule; Python's recursion is the bound)
 
 
 def gemma_grammar(fmt: ToolFormat, request: ToolRequest) -> str:
@@ -74,6 +75,8 @@ class _Rules:
         return f"<[{token}]>" if token is not None else json.dumps(text)
 
     def value(self, schema: object, where: str) -> str:
+        if where.count(".") + where.count("[") > MAX_DEPTH:
+            raise _UnheldError(f"{where}: nesting deeper than {MAX_DEPTH} levels")
         if schema is True or schema == {}:
             raise _UnheldError(f"{where}: a schema that allows any value")
         if not isinstance(schema, dict):

@@ -1,0 +1,120 @@
+"""No request can make the server answer 5xx through a grammar: every limit the grammar
+engine has (its JSON reader's nesting, its regex and grammar parsers) or the tools'
+translation has is a 400 naming the parameter, for schemas, regexes, grammars and tool
+parameters drawn by hypothesis as well as for the deep nestings that once gave a 500."""
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from live_server import MODEL, served_backend
+from test_tools import TOOL_TEMPLATE
+
+CI = settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+ASK = [{"role": "user", "content": "go"}]
+
+
+@pytest.fixture(scope="module")
+def backend(tiny):
+    backend = served_backend(tiny, TOOL_TEMPLATE)
+    yield backend
+    backend.close()
+
+
+def _nested(depth: int, kind: str) -> str:
+    """A schema nested ``depth`` deep, as JSON text (too deep for json.dumps to write)."""
+    opening = {
+        "array": '{"type": "array", "items": ',
+        "object": '{"type": "object", "required": ["a"], "properties": {"a": ',
+        "anyOf": '{"anyOf": [{"type": "null"}, ',
+    }[kind]
+    closing = {"array": "}", "object": "}}", "anyOf": "]}"}[kind]
+    return opening * depth + '{"type": "string"}' + closing * depth
+
+
+def _raw(live, path: str, head: str, schema: str, tail: str) -> httpx.Response:
+    body = head + schema + tail
+    headers = {"Content-Type": "application/json"}
+    return httpx.post(live.url + path, content=body.encode(), headers=headers, timeout=60)
+
+
+def _post(live, body: dict) -> httpx.Response:
+    return live.post("/v1/chat/completions", {"model": MODEL, "messages": ASK, **body})
+
+
+def _schema_format(schema: object) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}}
+
+
+@pytest.mark.parametrize("kind", ["array", "object", "anyOf"])
+@pytest.mark.parametrize("depth", [127, 301, 2000])
+def test_deeply_nested_schemas_are_400s_naming_the_parameter(live, kind, depth):
+    head = (
+        f'{{"model": "{MODEL}", "max_tokens": 4, "messages": [{{"role": "user", '
+        '"content": "go"}], "response_format": {"type": "json_schema", "json_schema": '
+        '{"schema": '
+    )
+    reply = _raw(live, "/v1/chat/completions", head, _nested(depth, kind), "}}}")
+    assert reply.status_code in (200, 400), reply.text
+    if reply.status_code == 400:
+        error = reply.json()["error"]
+        assert "response_format" in error["message"] or "JSON" in error["message"]
+        assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("depth", [301, 2000])
+def test_deeply_nested_tool_parameters_are_400s(live, depth):
+    head = (
+        f'{{"model": "{MODEL}", "max_tokens": 4, "messages": [{{"role": "user", '
+        '"content": "go"}], "tool_choice": "required", "tools": [{"type": "function", '
+        '"function": {"name": "f", "parameters": '
+    )
+    reply = _raw(live, "/v1/chat/completions", head, _nested(depth, "object"), "}}]}")
+    assert reply.status_code == 400, reply.text
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner),
+    max_leaves=12,
+)
+SCHEMA_WORDS = st.sampled_from(
+    ["type", "items", "properties", "required", "anyOf", "enum", "const", "pattern", "$ref"]
+)
+SCHEMAS = st.recursive(
+    st.sampled_from(
+        [{"type": t} for t in ("string", "integer", "number", "boolean", "null", "object")]
+    ),
+    lambda inner: st.dictionaries(SCHEMA_WORDS, inner | JSON_VALUES, max_size=3),
+    max_leaves=10,
+)
+
+
+@CI
+@given(schema=SCHEMAS | JSON_VALUES)
+def test_any_schema_is_answered_or_refused_never_a_5xx(live, schema):
+    reply = _post(live, {**_schema_format(schema), "max_tokens": 2})
+    assert reply.status_code < 500, reply.text
+
+
+@CI
+@given(pattern=st.text(max_size=40))
+def test_any_regex_or_grammar_is_answered_or_refused_never_a_5xx(live, pattern):
+    for body in ({"regex": pattern}, {"grammar": pattern}, {"guided_regex": pattern}):
+        reply = live.post(
+            "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, **body}
+        )
+        assert reply.status_code < 500, reply.text
+
+
+@CI
+@given(parameters=SCHEMAS)
+def test_any_tool_parameters_are_answered_or_refused_never_a_5xx(live, parameters):
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    reply = _post(live, {"tools": [tool], "tool_choice": "required", "max_tokens": 2})
+    assert reply.status_code < 500, reply.text
