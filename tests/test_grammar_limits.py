@@ -118,3 +118,14 @@ def test_any_tool_parameters_are_answered_or_refused_never_a_5xx(live, parameter
     tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
     reply = _post(live, {"tools": [tool], "tool_choice": "required", "max_tokens": 2})
     assert reply.status_code < 500, reply.text
+
+
+def test_an_unknown_model_is_a_404_before_its_schema_is_read(live):
+    head = (
+        '{"model": "no-such-model", "max_tokens": 4, "messages": [{"role": "user", '
+        '"content": "go"}], "response_format": {"type": "json_schema", "json_schema": '
+        '{"schema": '
+    )
+    reply = _raw(live, "/v1/chat/completions", head, _nested(301, "array"), "}}}")
+    assert reply.status_code == 404, reply.text
+    assert reply.json()["error"]["code"] == "model_not_found"

@@ -435,6 +435,7 @@ class _Api:
     async def _admit(self, request: Request, endpoint: Endpoint) -> tuple[Backend, EngineRequest]:
         self._gate(request)
         body = await _read_json(request, self.config.max_body_bytes)
+        self._known(body.get("model") if isinstance(body, dict) else None)
         asked = parse_completion(body) if endpoint == "completions" else parse_chat(body)
         return await self._acquire(request, asked.model), asked
 
@@ -485,6 +486,17 @@ class _Api:
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
         return backend
+
+    def _known(self, model: object) -> None:
+        """A model name the server does not serve is a 404 before anything else of the
+        request is read (its schema compiled, its prompt tokenized); the rest of the
+        checks of the name come with the body's."""
+        if not isinstance(model, str):
+            return
+        if self.state.models is None:
+            self._check_model(model)
+        else:
+            self.state.models.served(_served_name(model))
 
     def _check_model(self, model: str) -> None:
         if _bare_name(model) != self.config.model_name:

@@ -75,8 +75,8 @@ class ModelSet:
         with self._lock:
             return [m for m in self.models.values() if m.backend is not None]
 
-    def acquire(self, name: str, keep_alive_s: float | None = None) -> Backend:
-        """The model's backend, loaded if it is not, held until `release`."""
+    def served(self, name: str) -> ServedModel:
+        """The model of that name; a 404 naming the served ones where there is none."""
         model = self.models.get(name)
         if model is None:
             raise ApiError(
@@ -86,6 +86,11 @@ class ModelSet:
                 param="model",
                 code="model_not_found",
             )
+        return model
+
+    def acquire(self, name: str, keep_alive_s: float | None = None) -> Backend:
+        """The model's backend, loaded if it is not, held until `release`."""
+        model = self.served(name)
         while True:
             with self._lock:
                 if model.backend is not None and not model.backend.closed:
