@@ -561,9 +561,20 @@ class Backend:
             raise ContextLengthError(
                 f"the PIC prompt has {len(prompt.token_ids)} tokens, {slots} with each span "
                 f"starting a new block of {size}, but a sequence holds {self.max_model_len} "
-                "(prompt and completion together); shorten it"
+                f"(prompt and completion together); {self._pic_remedy(prompt, size)}"
             )
         return prompt
+
+    def _pic_remedy(self, prompt: PicPrompt, size: int) -> str:
+        """What would let a PIC prompt that does not fit run: the largest smaller block
+        size it fits with (many short spans each pad a block), else shortening it."""
+        for smaller in (s for s in (64, 32, 16, 8) if s < size):
+            if prompt.layout.padded_slots(smaller) + smaller < self.max_model_len:
+                return (
+                    f"with blocks of {smaller} it takes {prompt.layout.padded_slots(smaller)}"
+                    f": set MISTRALRS_PAGED_ATTN_BLOCK_SIZE={smaller}, or shorten it"
+                )
+        return "shorten it"
 
     # ---- state ----------------------------------------------------------------------------
 

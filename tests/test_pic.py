@@ -11,7 +11,7 @@ from pic_reference import reference_greedy
 from tiny_models import ARCHITECTURES
 
 from spnl_backend import BackendSettings, load_backend
-from spnl_backend.errors import RequestError, SettingsError
+from spnl_backend.errors import ContextLengthError, RequestError, SettingsError
 from spnl_backend.pic.requests import PLUS_MARKER
 
 PREFIX = "The quick brown fox jumps over the lazy dog."
@@ -31,7 +31,9 @@ TEMPLATE = (
 
 
 def _settings(**extra) -> BackendSettings:
-    return BackendSettings(device="cpu", isq="Q8_0", paged_attn_block_size=BLOCK, **extra)
+    return BackendSettings(
+        **{"device": "cpu", "isq": "Q8_0", "paged_attn_block_size": BLOCK, **extra}
+    )
 
 
 @cache
@@ -330,6 +332,16 @@ def test_a_prompt_of_plus_token_ids_alone_runs_and_hits(trained):
     again = backend.generate(blocks=[("plus", ids), ("plus", ids)], max_tokens=4, temperature=0)
     assert first.usage.pic_miss_tokens == len(ids)
     assert again.usage.pic_hit_tokens >= len(ids)  # one copy, or both: the same element
+
+
+def test_many_tiny_documents_that_do_not_fit_name_the_block_size_that_would(trained):
+    # 40 documents of a few tokens: 40 blocks of 16 (640 slots) do not fit 512; of 8 do.
+    with _fresh(trained, paged_attn_context_len=512) as backend:
+        pieces = _pieces(backend, ["a b c"] * 40)
+        with pytest.raises(ContextLengthError, match="MISTRALRS_PAGED_ATTN_BLOCK_SIZE=8"):
+            backend.generate(blocks=pieces, max_tokens=1)
+    with _fresh(trained, paged_attn_context_len=512, paged_attn_block_size=8) as backend:
+        assert backend.generate(blocks=pieces, max_tokens=1).usage.pic_miss_tokens > 0
 
 
 def test_a_chat_of_too_many_messages_is_refused(trained):
