@@ -43,6 +43,7 @@ _TAIL = struct.Struct("<QI")  # payload bytes, CRC-32
 SUFFIX = ".kv"
 WRITE_QUEUE = 256  # blocks waiting for the writer; more are dropped (counted), not waited on
 STALE_TEMP_S = 600.0  # a temporary file this old was left by a writer that died
+EVICT_TO = 0.9  # of the budget, once past it
 _OFF_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
 
 
@@ -262,8 +263,9 @@ class KvTier:
             self._scan()
 
     def _scan(self, remove_stale: bool = False) -> None:
-        """Measure the directory; remove the least recently used entries past the budget
-        (and, at start, temporary files a dead writer left)."""
+        """Measure the directory; past the budget, remove the least recently used entries
+        down to `EVICT_TO` of it, so that the writes that follow do not each rescan a
+        full directory (and, at start, temporary files a dead writer left)."""
         entries, now = [], time.time()
         with os.scandir(self.dir) as listing:
             for item in listing:
@@ -278,8 +280,9 @@ class KvTier:
         entries.sort()
         used = sum(size for _, size, _, _ in entries)
         known = {int(name[: -len(SUFFIX)], 16) for *_, name in entries if _is_key(name)}
+        target = self.budget_bytes if used <= self.budget_bytes else self.budget_bytes * EVICT_TO
         for _, size, path, name in entries:
-            if used <= self.budget_bytes:
+            if used <= target:
                 break
             with contextlib.suppress(OSError):
                 os.unlink(path)
