@@ -165,15 +165,28 @@ def _corrupt_each(entries: list[Path], how: str, other: Path | None) -> None:
             data = data[: len(data) // 2]
         elif how == "flipped":
             data[-100] ^= 0x10
-        elif how == "other model":
-            data = bytearray(other.read_bytes())  # a header the fingerprint does not match
+        elif how == "other model's file":
+            data = bytearray(other.read_bytes())  # another model's entry, another size
+        elif how == "other fingerprint":
+            data[8:40] = bytes(range(32))  # the same size, another model's fingerprint
+        elif how == "position":
+            data[48] ^= 0x01  # the stored position (a PIC block's), outside the payload
         entry.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("how", ["truncated", "flipped", "other model"])
+CORRUPTIONS = {
+    "truncated": "size",
+    "flipped": "checksum",
+    "other model's file": "size",
+    "other fingerprint": "fingerprint",
+    "position": "checksum",
+}
+
+
+@pytest.mark.parametrize("how", list(CORRUPTIONS))
 def test_a_corrupt_entry_is_a_miss_never_a_wrong_answer(trained, tiny, tmp_path, how):
     other = None
-    if how == "other model":  # a llama of other weights, same shapes: its entries' bytes
+    if how == "other model's file":  # a llama of other weights: its entries' bytes
         with _load(str(tiny.hf("llama").path), tmp_path / "other") as stranger:
             _logits_and_tokens(stranger, LONG)
             _flush(stranger)
@@ -188,8 +201,11 @@ def test_a_corrupt_entry_is_a_miss_never_a_wrong_answer(trained, tiny, tmp_path,
     assert usage.tier_hit_tokens == 0
     assert tokens == expected
     assert torch.equal(logits, expected_logits)
-    reason = {"truncated": "truncated", "flipped": "checksum", "other model": "fingerprint"}
-    assert stats.tier.rejected.get(reason[how], 0) >= 1
+    assert stats.tier.rejected.get(CORRUPTIONS[how], 0) >= 1
+    with _load(trained, tmp_path / "tier") as third:  # removed, then written again
+        tokens, _, usage = _logits_and_tokens(third, LONG)
+    assert usage.tier_hit_tokens > 0
+    assert tokens == expected
 
 
 def test_another_dtypes_entries_are_not_read(trained, tmp_path):
@@ -219,15 +235,15 @@ def test_a_read_only_directory_turns_the_tier_off_and_answers_go_on(trained, tmp
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS], ids=["full", "read-only"])
 def test_a_full_or_read_only_disk_turns_the_tier_off(trained, tmp_path, monkeypatch, code):
-    real_open = Path.open
+    real_open = os.open
 
-    def refused(self, mode="r", *args, **kwargs):
-        if "w" in mode and self.name.endswith(".tmp"):  # the writer's entries alone
+    def refused(path, flags, *args, **kwargs):
+        if flags & os.O_CREAT and str(path).endswith(".tmp"):  # the writer's entries alone
             raise OSError(code, os.strerror(code))
-        return real_open(self, mode, *args, **kwargs)
+        return real_open(path, flags, *args, **kwargs)
 
     with _load(trained, tmp_path) as backend:
-        monkeypatch.setattr(Path, "open", refused)
+        monkeypatch.setattr(os, "open", refused)
         tokens, _, _ = _logits_and_tokens(backend, LONG)
         _flush(backend)
         monkeypatch.undo()
@@ -258,21 +274,39 @@ def test_a_budget_smaller_than_an_entry_writes_nothing_and_a_small_one_evicts(tm
 
 def test_an_entry_is_checked_against_the_key_tokens_and_size(tmp_path):
     tier = KvTier(tmp_path, 1 << 20, bytes(32))
-    tier.offer(TierEntry(7, (1, 2, 3), 40, torch.arange(64, dtype=torch.uint8)))
-    tier.flush()
+    block = torch.arange(64, dtype=torch.uint8)
+
+    def put() -> None:
+        tier.offer(TierEntry(7, (1, 2, 3), 40, block))
+        tier.flush()
+
+    put()
     entry = tier.fetch(7, (1, 2, 3), 64)
     assert entry.position == 40
-    assert torch.equal(entry.payload, torch.arange(64, dtype=torch.uint8))
-    assert tier.fetch(7, (1, 2, 4), 64) is None  # other tokens under the same key
-    assert tier.fetch(7, (1, 2, 3), 32) is None  # another pool's block size
-    assert tier.fetch(8, (1, 2, 3), 64) is None  # no entry
-    assert tier.stats().rejected == {"key": 1, "size": 1}
-    assert tier.stats().misses == 1
+    assert torch.equal(entry.payload, block)
     reused = bytearray(KvTier.entry_size(3, 64))
     again = tier.fetch(7, (1, 2, 3), 64, reused)
     assert again.buffer is reused  # read into the memory given
-    assert torch.equal(again.payload, torch.arange(64, dtype=torch.uint8))
+    assert torch.equal(again.payload, block)
     assert tier.fetch(7, (1, 2, 3), 64, bytearray(10)).buffer is not None  # a fresh one
+    assert tier.fetch(8, (1, 2, 3), 64) is None  # no entry
+    assert tier.fetch(7, (1, 2, 4), 64) is None  # other tokens under the same key
+    put()  # a refused entry was removed: written again
+    assert tier.fetch(7, (1, 2, 3), 32) is None  # another pool's block size
+    assert tier.stats().rejected == {"key": 1, "size": 1}
+    assert tier.stats().misses == 1
+    tier.close()
+
+
+def test_a_file_that_is_not_an_entry_is_refused_before_it_is_read(tmp_path):
+    tier = KvTier(tmp_path, 1 << 20, bytes(32))
+    os.mkfifo(tier.dir / f"{9:016x}{SUFFIX}")  # opening it for reading would block
+    (tier.dir / f"{10:016x}{SUFFIX}").symlink_to("/dev/zero")
+    with open(tier.dir / f"{11:016x}{SUFFIX}", "wb") as huge:
+        huge.truncate(1 << 40)  # sparse: a terabyte that costs nothing on disk
+    for key in (9, 10, 11):
+        assert tier.fetch(key, (1,), 64) is None
+    assert tier.stats().rejected == {"not_a_file": 1, "unreadable": 1, "size": 1}
     tier.close()
 
 

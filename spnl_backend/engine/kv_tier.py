@@ -24,12 +24,14 @@ import contextlib
 import errno
 import os
 import queue
+import secrets
 import struct
 import threading
 import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from stat import S_ISREG
 
 import torch
 
@@ -37,13 +39,14 @@ from ..log import get_logger
 
 log = get_logger()
 
-MAGIC = b"SPNLKV1\n"
+MAGIC = b"SPNLKV2\n"
 _HEAD = struct.Struct("<8s32sQqI")  # magic, fingerprint, key, position (-1: none), tokens
 _TAIL = struct.Struct("<QI")  # payload bytes, CRC-32
 SUFFIX = ".kv"
 WRITE_QUEUE = 256  # blocks waiting for the writer; more are dropped (counted), not waited on
 STALE_TEMP_S = 600.0  # a temporary file this old was left by a writer that died
 EVICT_TO = 0.9  # of the budget, once past it
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _OFF_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
 
 
@@ -124,23 +127,36 @@ class KvTier:
         self, key: int, tokens: tuple[int, ...], nbytes: int, buffer: bytearray | None = None
     ) -> TierEntry | None:
         """The entry for ``key`` holding exactly ``tokens`` and ``nbytes`` of payload, or
-        None (no entry, or one refused: counted by reason). ``buffer``: memory to read
-        into where it is the entry's size (a fresh one's pages are faulted in as it is
+        None (no entry, or one refused: counted by reason, and removed). Only a regular
+        file of exactly that entry's size is read (a FIFO, a device, a link or a file of
+        another size is refused before anything is allocated for it). ``buffer``: memory
+        to read into where it is that size (a fresh one's pages are faulted in as it is
         first written: a third of a read's time)."""
         if not self.enabled:
             return None
         path = self._path(key)
+        expected = self.entry_size(len(tokens), nbytes)
         try:
-            with path.open("rb", buffering=0) as file:
-                size = os.fstat(file.fileno()).st_size
-                data = buffer if buffer is not None and len(buffer) == size else bytearray(size)
-                got = file.readinto(data)  # the payload's tensor shares this memory
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW)
         except FileNotFoundError:
             self._count(misses=1)
             return None
         except OSError as exc:
             self._reject("unreadable", path, exc)
             return None
+        try:
+            stat = os.fstat(fd)
+            if not S_ISREG(stat.st_mode) or stat.st_size != expected:
+                reason = "size" if S_ISREG(stat.st_mode) else "not_a_file"
+                self._reject(reason, path)
+                return None
+            data = buffer if buffer is not None and len(buffer) == expected else bytearray(expected)
+            got = _read_into(fd, data)  # the payload's tensor shares this memory
+        except OSError as exc:
+            self._reject("unreadable", path, exc)
+            return None
+        finally:
+            os.close(fd)
         entry, reason = self._parse(data, got, key, tokens, nbytes)
         if entry is None:
             self._reject(reason, path)
@@ -188,7 +204,8 @@ class KvTier:
         head = _HEAD.pack(MAGIC, self.fingerprint, entry.key, position, len(entry.tokens))
         tokens = struct.pack(f"<{len(entry.tokens)}i", *entry.tokens)
         payload = memoryview(entry.payload.numpy()).cast("B")
-        return head + tokens + _TAIL.pack(payload.nbytes, zlib.crc32(payload)), payload
+        checksum = zlib.crc32(payload, zlib.crc32(head + tokens))  # the header's fields too
+        return head + tokens + _TAIL.pack(payload.nbytes, checksum), payload
 
     def _parse(
         self, data: bytearray, got: int, key: int, tokens: tuple[int, ...], nbytes: int
@@ -201,18 +218,20 @@ class KvTier:
             return None, "format"
         if fingerprint != self.fingerprint:
             return None, "fingerprint"
+        if stored_key != key or count != len(tokens):
+            return None, "key"
         tail_at = _HEAD.size + 4 * count
         if got < tail_at + _TAIL.size:
             return None, "truncated"
-        stored_tokens = struct.unpack_from(f"<{count}i", data, _HEAD.size)
-        if stored_key != key or stored_tokens != tokens:
+        if struct.unpack_from(f"<{count}i", data, _HEAD.size) != tokens:
             return None, "key"
         length, checksum = _TAIL.unpack_from(data, tail_at)
         start = tail_at + _TAIL.size
-        payload = memoryview(data)[start:got]
+        view = memoryview(data)
+        payload = view[start:got]
         if len(payload) != length or length != nbytes:
             return None, "truncated" if len(payload) < length else "size"
-        if zlib.crc32(payload) != checksum:
+        if zlib.crc32(payload, zlib.crc32(view[:tail_at])) != checksum:
             return None, "checksum"
         tensor = torch.frombuffer(data, dtype=torch.uint8, offset=start, count=length)
         entry = TierEntry(key, tokens, None if position < 0 else position, tensor, data)
@@ -243,11 +262,15 @@ class KvTier:
         if size > self.budget_bytes:
             self._reject("over_budget", path)
             return
-        temp = self.dir / f".{entry.key:016x}.{os.getpid()}.{threading.get_ident()}.tmp"
+        temp = self.dir / f".{entry.key:016x}.{secrets.token_hex(8)}.tmp"
         try:
-            with temp.open("wb") as file:
+            # Created here, never an existing file or a link someone placed under the name.
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+            with os.fdopen(fd, "wb") as file:
                 file.write(head)
                 file.write(payload)
+                file.flush()
+                os.fsync(file.fileno())  # whole on disk before it has its name
             os.replace(temp, path)
         except OSError as exc:
             with contextlib.suppress(OSError):
@@ -299,9 +322,15 @@ class KvTier:
                 setattr(self.counters, name, getattr(self.counters, name) + amount)
 
     def _reject(self, reason: str, path: Path, exc: OSError | None = None) -> None:
+        """Count a refused entry; one that is there and is not this block is removed (and
+        its key forgotten), so that the block is written again."""
         with self._lock:
             self.counters.rejected[reason] = self.counters.rejected.get(reason, 0) + 1
         log.debug("kv_tier.rejected", reason=reason, entry=path.name, error=exc and str(exc))
+        if reason not in ("unreadable", "over_budget") and path.parent == self.dir:
+            with contextlib.suppress(OSError, ValueError):
+                os.unlink(path)
+                self.written.discard(int(path.name[: -len(SUFFIX)], 16))
 
     def _turn_off(self, why: str) -> None:
         if self.enabled:
@@ -312,3 +341,14 @@ class KvTier:
 def _is_key(name: str) -> bool:
     stem = name[: -len(SUFFIX)]
     return len(stem) == 16 and all(c in "0123456789abcdef" for c in stem)
+
+
+def _read_into(fd: int, data: bytearray) -> int:
+    """Bytes read into ``data`` from ``fd``, until it is full or the file ends."""
+    view, got = memoryview(data), 0
+    while got < len(data):
+        count = os.readv(fd, [view[got:]])
+        if count == 0:
+            break
+        got += count
+    return got

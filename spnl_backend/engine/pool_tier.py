@@ -2,9 +2,10 @@
 and the blocks a lookup misses read back in before the lookup is made."""
 
 import json
+import queue
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, TimeoutError
 from pathlib import Path
 
 from ..errors import RequestError
@@ -24,22 +25,99 @@ log = get_logger()
 READ_AHEAD_BYTES = 256 * MIB  # blocks read ahead and not yet taken, at most
 READERS = 2  # threads reading ahead: their checksums free the GIL and take both cores
 SPARE_BYTES = 32 * MIB  # read buffers kept, their pages faulted in at start, for reuse
+READ_WAIT_S = 10.0  # a read not done by then (a stuck disk or mount) is a miss
 
 
 class PoolTier:
-    """Reads are started when a request arrives (`read_ahead`), on a reader thread, so
-    that they overlap the steps before its admission; `promote` takes what they read (or
-    waits for a read under way) and reads itself what was not read ahead."""
+    """Reads are started when a request arrives (`read_ahead`), on reader threads, so
+    that they overlap the steps before its admission; `promote` takes what they read,
+    waiting at most `READ_WAIT_S` for a read under way. Every read happens on a reader
+    thread (daemons: a read that never returns holds up neither the engine nor the
+    process's exit)."""
 
     def __init__(self, tier: KvTier, cache: PagedKVStorage, blocks: BlockManager) -> None:
         self.tier, self.cache, self.blocks = tier, cache, blocks
         self.block_nbytes = int(cache.block_bytes(0).numel())
         self._reads: OrderedDict[int, Future[TierEntry | None]] = OrderedDict()
         self._most_reads = max(1, READ_AHEAD_BYTES // self.block_nbytes)
-        self._reader = ThreadPoolExecutor(READERS, thread_name_prefix="kv-tier-read")
         self._spares: list[bytearray] = []  # read buffers to reuse (`KvTier.fetch`)
         self._spares_lock = threading.Lock()
-        self._reader.submit(self._fault_in_spares)
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._readers = [
+            threading.Thread(target=self._read_loop, name=f"kv-tier-read-{i}", daemon=True)
+            for i in range(READERS)
+        ]
+        for reader in self._readers:
+            reader.start()
+        self._tasks.put(self._fault_in_spares)
+
+    # ---- reading ahead --------------------------------------------------------------------
+
+    def read_ahead(self, wanted: list[tuple[int, tuple[int, ...]]]) -> None:
+        """Start reading the blocks of ``wanted`` the pool lacks, at most
+        `READ_AHEAD_BYTES` of them waiting (a prefix's blocks past one the tier lacks are
+        read too, and left: the readers do not wait for each other)."""
+        if not self.tier.enabled:
+            return
+        keys = [
+            (digest, tokens)
+            for digest, tokens in wanted
+            if not self._reading(digest) and self.blocks.lookup(digest, tokens) is None
+        ]
+        while self._reads and len(self._reads) + len(keys) > self._most_reads:
+            self._forget(next(iter(self._reads)))  # the oldest, whose request never came in
+        for digest, tokens in keys[: self._most_reads]:
+            self._reads[digest] = self._submit(digest, tokens)
+
+    def _submit(self, digest: int, tokens: tuple[int, ...]) -> "Future[TierEntry | None]":
+        future: Future[TierEntry | None] = Future()
+        self._tasks.put(lambda: self._read(digest, tokens, future))
+        return future
+
+    def _reading(self, digest: int) -> bool:
+        """Whether a read of the block is under way or has found it (a read that found
+        nothing is done again: another process may have written it since)."""
+        future = self._reads.get(digest)
+        return future is not None and (not future.done() or future.result() is not None)
+
+    def _forget(self, digest: int) -> None:
+        """Drop a read ahead: cancelled if it has not started (a reader then skips it)."""
+        future = self._reads.pop(digest, None)
+        if future is not None and future.cancel() is False and future.done():
+            entry = future.result()
+            self._give_back(entry.buffer if entry is not None else None)
+
+    def _read_loop(self) -> None:
+        while True:
+            task = self._tasks.get()
+            if task is None:
+                return
+            task()
+
+    def _read(self, digest: int, tokens: tuple[int, ...], future: Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return  # dropped before it started
+        buffer = self._spare()
+        try:
+            entry = self.tier.fetch(digest, tokens, self.block_nbytes, buffer)
+        except Exception:  # the tier is best effort: a failed read is a miss
+            entry = None
+        if entry is None or entry.buffer is not buffer:
+            self._give_back(buffer)  # not read into
+        future.set_result(entry)
+
+    def _entry(self, digest: int, tokens: tuple[int, ...]) -> TierEntry | None:
+        """The block's entry: read ahead, or read now (on a reader thread either way),
+        waited for at most `READ_WAIT_S`."""
+        future = self._reads.pop(digest, None) or self._submit(digest, tokens)
+        try:
+            entry = future.result(timeout=READ_WAIT_S)
+        except TimeoutError:
+            future.cancel()
+            return None
+        return entry if entry is not None and entry.tokens == tokens else None
+
+    # ---- spare buffers --------------------------------------------------------------------
 
     def _fault_in_spares(self) -> None:
         """Buffers for a first request's reads, written once so their pages are there."""
@@ -58,55 +136,15 @@ class PoolTier:
         with self._spares_lock:
             return self._spares.pop() if self._spares else None
 
-    def read_ahead(self, wanted: list[tuple[int, tuple[int, ...]]]) -> None:
-        """Start reading the blocks of ``wanted`` the pool lacks, at most
-        `READ_AHEAD_BYTES` of them waiting (a prefix's blocks past one the tier lacks are
-        read too, and left: the readers do not wait for each other)."""
-        if not self.tier.enabled:
-            return
-        keys = [
-            (digest, tokens)
-            for digest, tokens in wanted
-            if not self._reading(digest) and self.blocks.lookup(digest, tokens) is None
-        ]
-        while self._reads and len(self._reads) + len(keys) > self._most_reads:
-            self._reads.popitem(last=False)  # the oldest, whose request never came in
-        keys = keys[: self._most_reads]
-        if not keys:
-            return
-        for digest, tokens in keys:
-            future: Future[TierEntry | None] = Future()
-            self._reads[digest] = future
-            self._reader.submit(self._read, digest, tokens, future)
-
-    def _reading(self, digest: int) -> bool:
-        """Whether a read of the block is under way or has found it (a read that found
-        nothing is done again: another process may have written it since)."""
-        future = self._reads.get(digest)
-        return future is not None and (not future.done() or future.result() is not None)
-
-    def _read(self, digest: int, tokens: tuple[int, ...], future: Future) -> None:
-        buffer = self._spare()
-        try:
-            entry = self.tier.fetch(digest, tokens, self.block_nbytes, buffer)
-        except Exception:  # the tier is best effort: a failed read is a miss
-            entry = None
-        if entry is None or entry.buffer is not buffer:
-            self._give_back(buffer)  # not read into
-        future.set_result(entry)
-
-    def _entry(self, digest: int, tokens: tuple[int, ...]) -> TierEntry | None:
-        """The block's entry: read ahead (waited for, if under way), else read now."""
-        future = self._reads.pop(digest, None)
-        if future is not None:
-            entry = future.result()
-            return entry if entry is not None and entry.tokens == tokens else None
-        return self.tier.fetch(digest, tokens, self.block_nbytes)
+    # ---- the engine's calls ---------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop reading ahead; write what is queued."""
-        self._reader.shutdown(wait=True, cancel_futures=True)
-        self._reads.clear()
+        """Stop reading (a read under way is left to finish on its daemon thread); write
+        what is queued."""
+        for digest in list(self._reads):
+            self._forget(digest)
+        for _ in self._readers:
+            self._tasks.put(None)
         self.tier.close()
 
     def offer(self, block_ids: list[int]) -> None:
@@ -123,15 +161,18 @@ class PoolTier:
         """The blocks of ``wanted`` (digest and tokens, in order) that the pool lacks and
         the tier has, read into pool blocks and registered as cached blocks, so that the
         lookup that follows finds them: their ids. A ``prefix`` stops at the first block
-        neither has (what follows it cannot be used). The blocks the pool had are held
-        meanwhile, so that taking blocks for the others cannot evict them."""
-        held, promoted = [], set()
+        neither has (what follows it cannot be used). Every block of ``wanted`` the pool
+        has is held first, so that taking blocks for the others cannot evict it."""
+        held = []
+        in_pool = [self.blocks.lookup(digest, tokens) for digest, tokens in wanted]
+        for block_id in in_pool:
+            if block_id is not None:
+                self.blocks.share(block_id)
+                held.append(block_id)
+        promoted: set[int] = set()
         try:
-            for digest, tokens in wanted:
-                block_id = self.blocks.lookup(digest, tokens)
+            for (digest, tokens), block_id in zip(wanted, in_pool, strict=True):
                 if block_id is not None:
-                    self.blocks.share(block_id)
-                    held.append(block_id)
                     continue
                 entry = None
                 if self.blocks.num_available and self.tier.enabled:
@@ -150,7 +191,7 @@ class PoolTier:
             for block_id in held:
                 self.blocks.unshare(block_id)
             for digest, _ in wanted:  # what was read ahead for this request is taken or moot
-                self._reads.pop(digest, None)
+                self._forget(digest)
         return promoted
 
 
@@ -183,6 +224,8 @@ def attach_tier(
             info,
             layout,
             root,
+            loaded.dtype,
+            loaded.device.type,
         )
         tier = KvTier(root, settings.kv_tier_mb * MIB, fingerprint)
     except OSError as exc:

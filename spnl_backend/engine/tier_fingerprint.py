@@ -8,13 +8,14 @@ import dataclasses
 import hashlib
 import json
 import os
+import secrets
 from pathlib import Path
 from typing import Any
 
 from ..settings import BackendSettings
 from .cache import CacheInfo
 
-FORMAT = 1  # of the entries' bytes (`kv_tier`)
+FORMAT = 2  # of the entries' bytes (`kv_tier`)
 _CHUNK = 1 << 20
 _DIGESTS = ".weights-digests.json"  # in the tier's root: files already hashed
 
@@ -27,6 +28,8 @@ def tier_fingerprint(
     info: CacheInfo,
     storage: dict[str, Any],
     root: Path,
+    dtype: object = None,
+    device: str = "cpu",
 ) -> bytes:
     """``source``: the model's file or directory, whose bytes are hashed (once per file
     version: the digests are kept in ``root``); ``storage``: how the pool lays a block's
@@ -35,6 +38,16 @@ def tier_fingerprint(
         "format": FORMAT,
         "weights": weights_digest(source, root),
         "isq": str(settings.isq),
+        # What decides a block's bits besides the weights: the compute's dtype and device
+        # and the CPU's paths (int8 or float activations; batch invariance's fixed orders).
+        "compute": {
+            "dtype": str(dtype),
+            "device": device,
+            "cpu_kernels": settings.cpu_kernels,
+            "cpu_matmul": settings.cpu_matmul,
+            "cpu_gemm": settings.cpu_gemm,
+            "batch_invariant": settings.batch_invariant,
+        },
         "config": dataclasses.asdict(config),  # type: ignore[call-overload]
         "tokenizer": hashlib.sha256(tokenizer_definition.encode()).hexdigest(),
         "cache": {
@@ -63,8 +76,10 @@ def weights_digest(source: Path, root: Path) -> str:
     for path in files:
         if path.name.startswith("."):
             continue
-        stat = path.stat()
-        stamp = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+        stat = path.stat()  # ctime and inode too: a copy that kept the mtime is new
+        stamp = (
+            f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ctime_ns}|{stat.st_ino}"
+        )
         if stamp not in known:
             known[stamp] = _file_digest(path)
         total.update(f"{path.name}:{known[stamp]}\n".encode())
@@ -90,7 +105,10 @@ def _read_digests(root: Path) -> dict[str, str]:
 
 def _write_digests(root: Path, known: dict[str, str]) -> None:
     """Best effort (a read-only directory only costs the next start a rehash)."""
-    temp = root / f"{_DIGESTS}.{os.getpid()}.tmp"
+    temp = root / f"{_DIGESTS}.{secrets.token_hex(8)}.tmp"
     with contextlib.suppress(OSError):
-        temp.write_text(json.dumps(known))
+        # Created here, never an existing file or a link someone placed under the name.
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "w") as file:
+            file.write(json.dumps(known))
         os.replace(temp, root / _DIGESTS)
