@@ -3,6 +3,8 @@ engine has (its JSON reader's nesting, its regex and grammar parsers) or the too
 translation has is a 400 naming the parameter, for schemas, regexes, grammars and tool
 parameters drawn by hypothesis as well as for the deep nestings that once gave a 500."""
 
+import json
+
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -129,3 +131,25 @@ def test_an_unknown_model_is_a_404_before_its_schema_is_read(live):
     reply = _raw(live, "/v1/chat/completions", head, _nested(301, "array"), "}}}")
     assert reply.status_code == 404, reply.text
     assert reply.json()["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "integer", "maximum": 10**400},
+        {"enum": [10**400]},
+        {"const": -(10**400)},
+    ],
+    ids=["maximum", "enum", "const"],
+)
+def test_integers_too_large_for_the_engine_are_400s(live, schema):
+    reply = _post(live, {**_schema_format(schema), "max_tokens": 2})
+    assert reply.status_code == 400, reply.text
+    assert "out of range" in reply.json()["error"]["message"]
+
+
+def test_the_python_api_raises_the_librarys_own_error(backend):
+    from spnl_backend.errors import RequestError
+
+    with pytest.raises(RequestError, match="nested at most 127 levels"):
+        backend.generate("x", max_tokens=2, json_schema=json.loads(_nested(200, "array")))
