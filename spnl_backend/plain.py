@@ -33,9 +33,18 @@ def check_text(text: str, what: str) -> str:
     return text
 
 
+def is_bool(value: object) -> bool:
+    """A Python bool or numpy's (``numpy.bool_``; under numpy 2 its type is named
+    ``numpy.bool``)."""
+    kind = type(value)
+    return isinstance(value, bool) or (
+        kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool")
+    )
+
+
 def plain_int(value: object) -> int | None:
     """``value`` as a plain int if it is an integer (numpy's too; not a bool), else None."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
+    if is_bool(value):
         return None
     try:
         if isinstance(value, int):
@@ -50,7 +59,7 @@ def plain_int(value: object) -> int | None:
 
 def plain_float(value: object) -> float | None:
     """``value`` as a plain finite float if it is a real number (not a bool), else None."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
+    if is_bool(value):
         return None
     try:
         if isinstance(value, float):

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from .engine.sequence import SamplingParams
 from .errors import RequestError, shown
-from .plain import check_text, plain_float, plain_int, plain_str, read_once
+from .plain import check_text, is_bool, plain_float, plain_int, plain_str, read_once
 
 MAX_SEED = 2**64 - 1  # what torch's generators take
 
@@ -185,7 +185,7 @@ def _stop_token_ids(value: object, vocab_size: int | None) -> frozenset[int]:
 
 
 def _plain_bool(value: object, name: str) -> bool:
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
+    if is_bool(value):
         return bool(value)
     raise _bad(name, value, "True or False")
 

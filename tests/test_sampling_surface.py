@@ -264,3 +264,16 @@ def test_speculative_decoding_keeps_penalties_and_logprobs(tiny, llama):
     assert [e.logprob for e in result.logprobs] == pytest.approx(
         [e.logprob for e in expected.logprobs], abs=1e-3
     )
+
+
+def test_numpys_booleans_and_integers_are_taken_as_plain_ones():
+    import numpy
+
+    from spnl_backend.plain import is_bool, plain_int
+    from spnl_backend.request import sampling_params
+
+    params = sampling_params(logprobs=numpy.bool_(True), top_logprobs=numpy.int64(2))
+    assert params.logprobs is True
+    assert params.top_logprobs == 2
+    assert is_bool(numpy.bool_(False))  # numpy 2 names its type numpy.bool
+    assert plain_int(numpy.bool_(True)) is None  # a bool is not a count
