@@ -291,6 +291,14 @@ def test_invalid_json_unknown_model_and_too_long_prompt(live, backend):
     assert _error(httpx.get(live.url + "/v2/nothing"), 404)["code"] == "not_found"
 
 
+def test_a_method_a_route_does_not_take_is_a_405_that_says_which_it_does(live):
+    for method, path in (("OPTIONS", "/v1/completions"), ("GET", "/v1/chat/completions")):
+        reply = httpx.request(method, live.url + path, timeout=30)
+        assert _error(reply, 405)["code"] == "method_not_allowed"
+        assert "POST" in reply.headers["Allow"]
+        assert "it takes" in reply.json()["error"]["message"]
+
+
 def test_the_openai_client_raises_on_a_400(live):
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
         live.client().completions.create(model=MODEL, prompt="x", presence_penalty=3)

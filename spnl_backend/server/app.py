@@ -907,8 +907,16 @@ async def _not_found(request: Request, exc: Exception) -> Response:
 
 
 async def _not_allowed(request: Request, exc: Exception) -> Response:
-    return _error_response(
+    """A 405 that says, as HTTP asks, which methods the route takes (`Allow`)."""
+    allowed = (getattr(exc, "headers", None) or {}).get("Allow")
+    response = _error_response(
         ApiError(
-            405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed"
+            405,
+            f"{request.method} is not allowed on {request.url.path}"
+            + (f"; it takes {allowed}" if allowed else ""),
+            code="method_not_allowed",
         )
     )
+    if allowed:
+        response.headers["Allow"] = allowed
+    return response
