@@ -8,7 +8,7 @@ The server (`spnl-backend serve`, the default model unless ``--gguf``) runs as a
 127.0.0.1. Request ``i`` is kind ``i mod 10`` of the mix: four short completions (two
 streamed), a chat held to a small JSON schema (a new one each time: the compiled-grammar
 cache is exercised past its size), a stream whose client leaves after its first chunk, a
-completion with 64 long stop strings and 256 logit biases, spnl's span query with three
+completion with four long stop strings and 256 logit biases, spnl's span query with three
 plus documents, a body that is not JSON, and a chat with a schema nested past the
 grammar engine's limit. Every ``--every`` requests: the server's RSS (VmRSS), open file
 descriptors and threads (from /proc), and the pool's blocks in use (`/metrics`).
@@ -73,7 +73,7 @@ def body(kind: str, i: int, model: str) -> tuple[str, dict | bytes]:
             "response_format": {"type": "json_schema", "json_schema": {"schema": schema}},
         }
     if kind == "stops_and_bias":
-        stops = [f"stop {j} " + "x" * 44 for j in range(4)]  # the API's limit is 4
+        stops = [f"stop {j} " + "x" * 44 for j in range(4)]
         bias = {str(token): -1.0 for token in range(1000, 1256)}
         return "/v1/completions", {
             "model": model,

@@ -79,6 +79,11 @@ OPTION_NAMES = (
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 4096  # entries
 MAX_STOP_TOKEN_IDS = 1024
+# Every stop string is looked for after every token, on the engine's thread: a request's
+# list is bounded so that it cannot slow the others (100,000 strings made a neighbour's
+# request 3.6x slower).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 16384  # all of a request's stop strings together
 
 
 def _options(options: dict[str, object], vocab_size: int | None) -> dict[str, object]:
@@ -207,9 +212,19 @@ def stop_strings(stop: object) -> tuple[str, ...]:
     if stop is None:
         return ()
     items = [stop] if isinstance(stop, str) else read_once(stop, list | tuple) or [None]
+    if len(items) > MAX_STOP_STRINGS:
+        raise RequestError(
+            f"stop: {len(items)} strings; at most {MAX_STOP_STRINGS} are taken (each is "
+            "looked for after every token)"
+        )
     stops = tuple(plain_str(item) for item in items)
     if not all(stops):
         raise _bad("stop", stop, "a non-empty string or a list of them")
+    total = sum(len(text) for text in stops)  # type: ignore[arg-type]
+    if total > MAX_STOP_CHARS:
+        raise RequestError(
+            f"stop: {total:,} characters in all; at most {MAX_STOP_CHARS:,} are taken"
+        )
     return tuple(check_text(text, "stop") for text in stops)  # type: ignore[arg-type]
 
 

@@ -277,3 +277,14 @@ def test_numpys_booleans_and_integers_are_taken_as_plain_ones():
     assert params.top_logprobs == 2
     assert is_bool(numpy.bool_(False))  # numpy 2 names its type numpy.bool
     assert plain_int(numpy.bool_(True)) is None  # a bool is not a count
+
+
+def test_a_stop_list_is_bounded_in_count_and_characters():
+    from spnl_backend.errors import RequestError
+    from spnl_backend.request import MAX_STOP_CHARS, MAX_STOP_STRINGS, stop_strings
+
+    assert len(stop_strings([f"s{i}" for i in range(MAX_STOP_STRINGS)])) == MAX_STOP_STRINGS
+    with pytest.raises(RequestError, match=f"at most {MAX_STOP_STRINGS} are taken"):
+        stop_strings([f"s{i}" for i in range(MAX_STOP_STRINGS + 1)])
+    with pytest.raises(RequestError, match="characters in all"):
+        stop_strings(["x" * (MAX_STOP_CHARS // 2 + 1)] * 2)
