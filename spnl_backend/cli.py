@@ -198,6 +198,12 @@ def _add_serve(commands: Any) -> None:
         action="store_true",
         help="serve /metrics without the API key (for a scraper); by default it needs the key",
     )
+    serve.add_argument(
+        "--allowed-hosts",
+        type=lambda text: text.split(","),
+        help="Host names requests may carry, comma-separated ('*': any); default: on a "
+        "loopback address its own names (localhost, 127.0.0.1, ::1), elsewhere any",
+    )
     serve.set_defaults(run=_run_serve)
 
 
@@ -215,6 +221,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         grace_s=args.grace,
         verbose=args.verbose,
         open_metrics=args.open_metrics,
+        allowed_hosts=args.allowed_hosts,
         keep_alive_s=_keep_alive(args.keep_alive),
         memory_budget_mb=args.memory_budget_mb,
     )

@@ -299,6 +299,42 @@ def test_a_method_a_route_does_not_take_is_a_405_that_says_which_it_does(live):
         assert "it takes" in reply.json()["error"]["message"]
 
 
+def test_an_untyped_body_from_a_web_page_is_refused(live):
+    # fetch(url, {method: "POST", mode: "no-cors", body: new Blob([json])}): no type, no
+    # preflight, and the browser names the page.
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode()
+    page = httpx.post(
+        live.url + "/v1/completions", content=body, headers={"Origin": "http://evil.example"}
+    )
+    assert _error(page, 403)["code"] == "origin_refused"
+    assert httpx.post(live.url + "/v1/completions", content=body, timeout=60).status_code == 200
+
+
+def test_a_loopback_server_answers_only_to_its_own_names(backend):
+    from spnl_backend.server.app import LOOPBACK_NAMES, host_name
+    from spnl_backend.server.run import _allowed_hosts
+
+    assert _allowed_hosts("127.0.0.1", None) == (*LOOPBACK_NAMES, "127.0.0.1")
+    assert _allowed_hosts("0.0.0.0", None) is None  # exposed by its operator: any name
+    assert _allowed_hosts("0.0.0.0", ["api.example", " *"]) == ("api.example", "*")
+    assert [host_name(h) for h in ("[::1]:80", "LocalHost:8000", "::1", "a.b")] == [
+        "::1",
+        "localhost",
+        "::1",
+        "a.b",
+    ]
+    server = LiveServer(backend, allowed_hosts=_allowed_hosts("127.0.0.1", None))
+    try:
+        port = server.url.rsplit(":", 1)[1]
+        ours = httpx.get(server.url + "/health", headers={"Host": f"localhost:{port}"})
+        assert ours.status_code == 200
+        rebound = httpx.get(server.url + "/health", headers={"Host": f"evil.example:{port}"})
+        assert _error(rebound, 403)["code"] == "host_refused"
+        assert "--allowed-hosts" in rebound.json()["error"]["message"]
+    finally:
+        server.stop()
+
+
 def test_the_openai_client_raises_on_a_400(live):
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
         live.client().completions.create(model=MODEL, prompt="x", presence_penalty=3)

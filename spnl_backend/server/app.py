@@ -68,6 +68,10 @@ class ServerConfig:
     # /metrics without the key where one is set (a scraper that cannot send it); by
     # default it follows the key: it names the model and sizes the cache's contents.
     open_metrics: bool = False
+    # The Host names requests may carry (`HostCheck`); None: any. A server on a loopback
+    # address takes its own names alone by default, so that a web page whose name was
+    # rebound to this machine cannot reach it.
+    allowed_hosts: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -101,7 +105,45 @@ def create_app(config: ServerConfig, state: ServerState) -> Starlette:
         Route("/api/version", api.ollama_version, methods=["GET"]),
         Route("/reset_prefix_cache", api.reset_prefix_cache, methods=["POST"]),
     ]
-    return Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed})
+    app = Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed})
+    if config.allowed_hosts is not None:
+        app.add_middleware(HostCheck, allowed=config.allowed_hosts)
+    return app
+
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+class HostCheck:
+    """Requests whose ``Host`` names none of ``allowed`` get a 403 (``*`` allows any):
+    DNS rebinding gives a web page this server's address under the page's own name, and
+    the name is what gives it away."""
+
+    def __init__(self, app: Any, allowed: tuple[str, ...]) -> None:
+        self.app, self.allowed = app, {name.lower() for name in allowed}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and "*" not in self.allowed:
+            host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+            if host_name(host) not in self.allowed:
+                error = ApiError(
+                    403,
+                    f"the Host {host!r} is not one this server answers to ("
+                    + ", ".join(sorted(self.allowed))
+                    + "); serve --allowed-hosts adds names",
+                    code="host_refused",
+                )
+                await _error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def host_name(host: str) -> str:
+    """A Host header's name, without its port (``[::1]:8000`` -> ``::1``)."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
 def _engine_stats(state: ServerState) -> list[tuple[str | None, Any]]:
@@ -794,12 +836,20 @@ async def _read_body(request: Request, limit: int) -> bytearray:
 
 
 def _check_content_type(content_type: str | None, lenient: bool, headers: Any) -> None:
-    """JSON only (a missing type is taken as JSON): a web page may POST a form or plain
-    text to a local server without the browser asking first, but not JSON. Where the
+    """JSON only (a missing type is taken as JSON, except from a web page): a web page
+    may POST a form, plain text or an untyped Blob to a local server without the browser
+    asking first, but not JSON. Where the
     route is ``lenient`` (spnl's queries, posted as text/plain; Ollama's API, which curl
     users post untyped), any type is taken from a client that is no browser; a request
     that a browser sent (it names its page's ``Origin``) is refused."""
     if content_type is None:
+        if "origin" in headers:  # a page's fetch of an untyped Blob: no preflight asked
+            raise ApiError(
+                403,
+                "an untyped body from a web page (the request has an Origin header) is "
+                "refused; send it as application/json",
+                code="origin_refused",
+            )
         return
     media = content_type.partition(";")[0].strip().lower()
     if media == "application/json" or media.endswith("+json"):

@@ -24,7 +24,15 @@ from ..loader.default_model import DEFAULT_MODEL_NAME
 from ..log import get_logger
 from ..settings import BackendSettings, load_settings
 from ..settings.serving import api_key_from_env
-from .app import MAX_BODY_BYTES, MAX_WAITING, ServerConfig, ServerState, create_app
+from .app import (
+    LOOPBACK_NAMES,
+    MAX_BODY_BYTES,
+    MAX_WAITING,
+    ServerConfig,
+    ServerState,
+    create_app,
+    host_name,
+)
 from .models import DEFAULT_KEEP_ALIVE_S, ModelSet
 
 log = get_logger()
@@ -79,6 +87,7 @@ def serve(
     grace_s: float = GRACE_S,
     verbose: bool = False,
     open_metrics: bool = False,
+    allowed_hosts: list[str] | None = None,
     keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
     memory_budget_mb: int | None = None,
 ) -> int:
@@ -96,7 +105,8 @@ def serve(
     sock = _listen(host, port)
     name = served_model_name or _model_name(model)
     state = ServerState(models=several)
-    config = ServerConfig(name, api_key, max_body_bytes, max_waiting, open_metrics)
+    hosts = _allowed_hosts(host, allowed_hosts)
+    config = ServerConfig(name, api_key, max_body_bytes, max_waiting, open_metrics, hosts)
     server = _Server(
         uvicorn.Config(
             create_app(config, state),
@@ -235,3 +245,13 @@ def _check_options(port: int, max_waiting: int, max_body_bytes: int, grace_s: fl
     for ok, message in checks:
         if not ok:
             raise SettingsError(message)
+
+
+def _allowed_hosts(bound: str, given: list[str] | None) -> tuple[str, ...] | None:
+    """The Host names requests may carry: those given (``*``: any); else, on a loopback
+    address, the machine's own names; else (a server its operator exposed) any."""
+    if given:
+        return tuple(name.strip() for name in given if name.strip())
+    if host_name(bound) in LOOPBACK_NAMES:
+        return (*LOOPBACK_NAMES, host_name(bound))
+    return None
