@@ -7,7 +7,7 @@ import json
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from live_server import MODEL, served_backend
 from test_tools import TOOL_TEMPLATE
@@ -116,6 +116,17 @@ def test_any_regex_or_grammar_is_answered_or_refused_never_a_5xx(live, pattern):
 
 @CI
 @given(parameters=SCHEMAS)
+@example(  # once a panic of the library's, formatting its message (a 500 then)
+    parameters={
+        "required": {
+            "": None,
+            "0": -1000000000000000000,
+            "0\x80\u0800\U00010000\U00010000\U00010000": None,
+            "00\x17\U00010000": "000\x17\x80\U00010000",
+            "00\\\U00010000": "\x80\x80",
+        }
+    }
+)
 def test_any_tool_parameters_are_answered_or_refused_never_a_5xx(live, parameters):
     tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
     reply = _post(live, {"tools": [tool], "tool_choice": "required", "max_tokens": 2})

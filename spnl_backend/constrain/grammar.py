@@ -19,7 +19,7 @@ from ..engine.constraint import new_bitmask
 from ..errors import RequestError
 from ..log import get_logger
 from .healing import TokenPrefixIndex
-from .spec import ConstraintSpec
+from .spec import ConstraintSpec, library_failure
 
 log = get_logger()
 
@@ -142,10 +142,17 @@ class GrammarCompiler:
 
         tokenizer = self.tokenizer
         what = _NAMES[spec.kind]
-        problem = LLMatcher.validate_grammar(spec.grammar, tokenizer)
+        try:
+            problem = LLMatcher.validate_grammar(spec.grammar, tokenizer)
+            if not problem:
+                matcher = LLMatcher(tokenizer, spec.grammar, log_level=0)
+        except BaseException as exc:  # a panic of the library's (pyo3: a BaseException)
+            if not library_failure(exc):
+                raise
+            problem = f"the grammar engine failed on it: {str(exc).splitlines()[0][:200]}"
         if problem:
             raise RequestError(f"the {what} does not compile: {_brief(problem)}")
-        constraint = GrammarConstraint(LLMatcher(tokenizer, spec.grammar, log_level=0))
+        constraint = GrammarConstraint(matcher)
         # The first mask here, not in the engine's step: llguidance builds parts of its
         # lexer lazily (seconds for a first JSON schema), which would stall every request.
         try:

@@ -145,7 +145,9 @@ def grammar_spec(source: object) -> ConstraintSpec:
 
     try:
         lark = any_to_lark(text)
-    except Exception as exc:  # the converter's own errors, whatever their class
+    except BaseException as exc:  # the converter's own errors, whatever their class
+        if not library_failure(exc):
+            raise
         raise RequestError(f"grammar: {exc}") from None
     return ConstraintSpec("grammar", lark)
 
@@ -165,12 +167,21 @@ def choice_spec(choices: object) -> ConstraintSpec:
 _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+def library_failure(exc: BaseException) -> bool:
+    """A failure of the grammar library's own making: an exception, or a panic of its
+    Rust code, which pyo3 raises as a BaseException (so that `except Exception` misses
+    it); not an interrupt or an exit."""
+    return isinstance(exc, Exception) or type(exc).__name__ == "PanicException"
+
+
 def _json_grammar(schema: str, name: str) -> str:
     from llguidance import LLMatcher
 
     try:
         return LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_LAYOUT)
-    except ValueError as exc:  # the library's limits, e.g. its JSON reader's nesting
+    except BaseException as exc:  # the library's limits, e.g. its JSON reader's nesting
+        if not library_failure(exc):
+            raise
         raise RequestError(f"{name}: the grammar engine cannot take it: {_limit(exc)}") from None
 
 
@@ -179,11 +190,13 @@ def _regex_grammar(pattern: str, name: str) -> str:
 
     try:
         return LLMatcher.grammar_from_regex(pattern)
-    except ValueError as exc:
+    except BaseException as exc:
+        if not library_failure(exc):
+            raise
         raise RequestError(f"{name}: the grammar engine cannot take it: {_limit(exc)}") from None
 
 
-def _limit(exc: ValueError) -> str:
+def _limit(exc: BaseException) -> str:
     """The library's message, with the limit it means where that is known."""
     message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if "recursion limit" in message:
