@@ -106,7 +106,9 @@ class Reply:
         """A stream's chunk for ``text``; None where it adds nothing to send yet (a tool
         call's opening still being read)."""
         if self.endpoint == "chat" and self.tools is not None:
-            reader = self._readers.setdefault(seq.seq_id, call_reader(self.tools))
+            reader = self._readers.get(seq.seq_id)
+            if reader is None:  # once per stream: setdefault would build one per chunk
+                reader = self._readers[seq.seq_id] = call_reader(self.tools)
             calls = reader.feed(text)
             return self._chunk(seq, "", None, calls) if calls else None
         return self._chunk(seq, text, None)
