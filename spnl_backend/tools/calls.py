@@ -53,6 +53,7 @@ class CallReader:
         self._at = 0  # where reading the calls goes on
         self._expect = "opening"  # what the calls' layout has next
         self._scan = _ObjectScan(0)  # the arguments being read
+        self._close = "}" + fmt.call_close  # after a call's arguments: its object's end
         self._head = re.compile(
             r'\{"name": "([A-Za-z0-9_-]*)", ' + re.escape(json.dumps(fmt.arguments_key)) + ": "
         )
@@ -106,7 +107,7 @@ class CallReader:
                 "opening": fmt.opening,
                 "call_open": fmt.call_open,
                 "separator": fmt.separator,
-                "close": "}" + fmt.call_close,
+                "close": self._close,
             }[self._expect]
             if not text.startswith(fixed, at):
                 return False  # not yet there (the grammar allows nothing else)
@@ -115,13 +116,16 @@ class CallReader:
             self._expect = following.get(self._expect, "call_open")
             return True
         if self._expect == "head":
-            head = self._head.match(text, at)
-            if head is None:
-                return False
-            self._start(head.group(1), delta)
-            self._at, self._expect, self._scan = head.end(), "arguments", _ObjectScan(head.end())
-            return True
+            return self._read_head(delta)
         return self._read_arguments(delta)
+
+    def _read_head(self, delta: Delta) -> bool:
+        head = self._head.match(self.text, self._at)
+        if head is None:
+            return False
+        self._start(head.group(1), delta)
+        self._at, self._expect, self._scan = head.end(), "arguments", _ObjectScan(head.end())
+        return True
 
     def _start(self, name: str, delta: Delta) -> None:
         call = ToolCall(len(self.calls), "call_" + secrets.token_hex(12), name)
@@ -149,22 +153,20 @@ class GemmaReader(CallReader):
 
     _name = re.compile(r"([A-Za-z0-9_-]+)\{")
 
-    def _advance(self, delta: Delta) -> bool:
-        fmt, text, at = self.fmt, self.text, self._at
-        if self._expect in ("opening", "call_open", "close"):
-            fixed = fmt.call_close if self._expect == "close" else fmt.call_open
-            if not text.startswith(fixed, at):
-                return False
-            self._at += len(fixed)
-            self._expect = "call_open" if self._expect == "close" else "head"
-            return True
-        if self._expect == "head":
-            head = self._name.match(text, at)
-            if head is None:
-                return False
-            self._start(head.group(1), delta)
-            self._at, self._expect = head.end() - 1, "arguments"
-            return True
+    def __init__(self, fmt: ToolFormat) -> None:
+        super().__init__(fmt)
+        self._close = fmt.call_close  # the arguments' closing brace is theirs
+
+    def _read_head(self, delta: Delta) -> bool:
+        head = self._name.match(self.text, self._at)
+        if head is None:
+            return False
+        self._start(head.group(1), delta)
+        self._at, self._expect = head.end() - 1, "arguments"
+        return True
+
+    def _read_arguments(self, delta: Delta) -> bool:
+        text, at = self.text, self._at
         end = call_end(text, at)  # scanned again as it grows: arguments are short
         if end is None:
             return False
