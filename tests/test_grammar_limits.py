@@ -164,3 +164,101 @@ def test_the_python_api_raises_the_librarys_own_error(backend):
 
     with pytest.raises(RequestError, match="nested at most 127 levels"):
         backend.generate("x", max_tokens=2, json_schema=json.loads(_nested(200, "array")))
+
+
+# ---- GBNF grammars: converted in linear time, off the event loop ----------------------
+
+GBNF_JSON = r"""
+root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+object ::=
+  "{" ws (
+            string ":" ws value
+    ("," ws string ":" ws value)*
+  )? "}" ws
+array  ::= "[" ws ( value ("," ws value)* )? "]" ws
+string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" (["\\bfnrt] | "u" [0-9a-fA-F]{4}) )* "\"" ws
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9]+)? ws
+# a comment the Lark text keeps
+ws ::= | " " | "\n" [ \t]{0,20}
+"""
+
+
+def _chain(rules: int, loop_back: bool = False) -> str:
+    """``rules`` rules each using the next: terminals all, or (``loop_back``) none."""
+    tail = '"end" root' if loop_back else '"end"'
+    body = "".join(f'r{i} ::= "x{i}" r{i + 1} | "y"\n' for i in range(rules))
+    return f"root ::= r0\n{body}r{rules} ::= {tail}\n"
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        'root ::= "(" digit+ ")"\ndigit ::= [0-9]',
+        GBNF_JSON,
+        _chain(60),
+        _chain(60, loop_back=True),
+        'root ::= fooBar my-rule\nfooBar ::= "a"*\nmy-rule ::= ( "b" | "c" ){2,5} .\n',
+    ],
+    ids=["digits", "json", "terminal-chain", "cycle", "names"],
+)
+def test_gbnf_converts_to_the_lark_llguidances_converter_writes(grammar):
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    from spnl_backend.constrain.gbnf import to_lark
+
+    assert to_lark(grammar) == any_to_lark(grammar)
+
+
+@pytest.mark.parametrize(
+    ("grammar", "message"),
+    [
+        ('root ::= "a" missing', "rule 'missing' is used but never defined"),
+        ('top ::= "a"\n', "needs a 'root' rule"),
+        ('root ::= foo-bar foo_bar\nfoo-bar ::= "a"\nfoo_bar ::= "b"', "both named 'FOO_BAR'"),
+        ('root ::= "a', "Unexpected end of input"),
+    ],
+)
+def test_a_gbnf_grammar_that_does_not_link_is_a_request_error(grammar, message):
+    from spnl_backend.constrain.spec import grammar_spec
+    from spnl_backend.errors import RequestError
+
+    with pytest.raises(RequestError, match=message):
+        grammar_spec(grammar)
+
+
+def test_an_8000_rule_gbnf_grammar_is_answered(live):
+    # 182 KB: llguidance's own converter took 104 s on it (quadratic in the rules).
+    grammar = _chain(8000)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "guided_grammar": grammar}
+    reply = live.post("/v1/completions", body)
+    assert reply.status_code == 200, reply.text
+
+
+def test_health_answers_while_a_request_is_being_prepared(live, monkeypatch):
+    """A grammar's conversion is held until /health has answered: were the request read
+    on the event loop, /health could not answer and the conversion would run out."""
+    import threading
+
+    from spnl_backend.constrain import spec
+
+    converting, answered = threading.Event(), threading.Event()
+    convert = spec.to_lark
+
+    def held(text: str) -> str:
+        converting.set()
+        assert answered.wait(30), "/health did not answer while a grammar was converted"
+        return convert(text)
+
+    monkeypatch.setattr(spec, "to_lark", held)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "guided_grammar": _chain(3)}
+    outcome: list[httpx.Response] = []
+    sender = threading.Thread(target=lambda: outcome.append(live.post("/v1/completions", body)))
+    sender.start()
+    assert converting.wait(30)
+    health = httpx.get(live.url + "/health", timeout=20)
+    answered.set()
+    sender.join(60)
+    assert health.status_code == 200
+    (reply,) = outcome
+    assert reply.status_code == 200, reply.text

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ..errors import RequestError, shown
 from ..plain import check_text, plain_str, read_once
+from .gbnf import to_lark
 
 # Beyond this a grammar's source is refused before anything parses it.
 MAX_SOURCE_CHARS = 1_000_000
@@ -141,11 +142,11 @@ def grammar_spec(source: object) -> ConstraintSpec:
     if not text or not text.strip():
         raise _bad("grammar", source, "a non-empty Lark or GBNF grammar string")
     _check_size(check_text(text, "grammar"), "grammar")
-    from llguidance.gbnf_to_lark import any_to_lark
-
     try:
-        lark = any_to_lark(text)
-    except BaseException as exc:  # the converter's own errors, whatever their class
+        lark = to_lark(text)
+    except RequestError:
+        raise
+    except BaseException as exc:  # the parser's own errors (nesting too deep), whatever their class
         if not library_failure(exc):
             raise
         raise RequestError(f"grammar: {exc}") from None

@@ -56,6 +56,9 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_WAITING = 256  # sequences waiting beyond those the engine runs at once
 RETRY_AFTER_S = 1
 BODY_TIMEOUT_S = 30.0  # from the headers to the body's last byte
+# A body up to this size is parsed on the event loop (well under a millisecond); a larger
+# one (up to MAX_BODY_BYTES: a tenth of a second or more) on a worker thread.
+INLINE_JSON_CHARS = 64 * 1024
 _DISCONNECT_POLL_S = 0.25
 
 
@@ -276,7 +279,7 @@ class _Api:
         except Exception as exc:
             return self._refused(label, exc, ollama_shape=True)
         try:
-            asked = parse(body, backend.max_model_len)
+            asked = await asyncio.to_thread(parse, body, backend.max_model_len)
             if asked is None:  # a generate with no prompt: Ollama's way to (un)load a model
                 self._release(name, keep_alive)
                 loaded = {"model": body["model"], "created_at": ollama.stamp(), "response": ""}
@@ -478,7 +481,8 @@ class _Api:
         self._gate(request)
         body = await _read_json(request, self.config.max_body_bytes)
         self._known(body.get("model") if isinstance(body, dict) else None)
-        asked = parse_completion(body) if endpoint == "completions" else parse_chat(body)
+        parse = parse_completion if endpoint == "completions" else parse_chat
+        asked = await asyncio.to_thread(parse, body)  # grammars convert here: off the loop
         return await self._acquire(request, asked.model), asked
 
     # ---- models -----------------------------------------------------------------------
@@ -800,7 +804,9 @@ def _prompt_ids(backend: Backend, asked: EngineRequest) -> list[PromptIds]:
 async def _read_json(request: Request, limit: int, lenient: bool = False) -> Any:
     text = await _read_text(request, limit, lenient)
     try:
-        return json.loads(text)
+        if len(text) <= INLINE_JSON_CHARS:
+            return json.loads(text)
+        return await asyncio.to_thread(json.loads, text)
     except (json.JSONDecodeError, RecursionError, ValueError) as exc:
         # RecursionError: nested too deep; ValueError: an integer past Python's digit limit
         reason = str(exc)[:200] or type(exc).__name__
