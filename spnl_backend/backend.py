@@ -15,6 +15,7 @@ import torch
 
 from .constrain.grammar import GrammarCompiler
 from .constrain.healing import back_off
+from .constrain.spec import check_stops
 from .engine.build import build_engine
 from .engine.cache import CacheInfo
 from .engine.engine import Engine, EngineStats
@@ -384,6 +385,7 @@ class Backend:
         """The ids ``params`` name within this model's vocabulary: parameters checked
         without it (the server's, or built by hand for `submit`) must not reach a step,
         where an id past the logits would fail every request in it."""
+        check_stops(params.constraint, params.stop, params.stop_token_ids)
         vocab = self.model_config.vocab_size
         if any(token >= vocab for token, _ in params.logit_bias) or any(
             token >= vocab for token in params.stop_token_ids
@@ -413,6 +415,7 @@ class Backend:
         constraint, token healing or log-probabilities (seconds, once per backend), and
         the constraint compiled once (a `RequestError` where it does not compile).
         `submit` does the same; the server calls this first, off its event loop."""
+        check_stops(params.constraint, params.stop, params.stop_token_ids)
         if params.constraint is not None:
             self._grammars.compile(params.constraint)
         elif params.token_healing:

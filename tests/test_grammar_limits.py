@@ -262,3 +262,48 @@ def test_health_answers_while_a_request_is_being_prepared(live, monkeypatch):
     assert health.status_code == 200
     (reply,) = outcome
     assert reply.status_code == 200, reply.text
+
+
+# ---- a constrained output is never cut by a stop --------------------------------------
+
+OBJECT = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+
+
+@pytest.mark.parametrize(
+    "stops", [{"stop": [", "]}, {"stop": '"'}, {"stop_token_ids": [0]}], ids=str
+)
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        {"guided_json": OBJECT},
+        _schema_format(OBJECT),
+        {"response_format": {"type": "json_object"}},
+        {"guided_regex": "[a-z]+"},
+        {"guided_choice": ["yes", "no"]},
+    ],
+    ids=["guided_json", "json_schema", "json_object", "regex", "choice"],
+)
+def test_a_stop_with_a_constraint_is_a_400(live, constraint, stops):
+    reply = _post(live, {**constraint, **stops, "max_tokens": 4})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert "cannot be combined with a constrained output" in error["message"]
+    assert error["param"] == next(iter(constraint))
+
+
+def test_a_stop_with_a_tool_call_grammar_is_a_400(live):
+    tool = {"type": "function", "function": {"name": "f", "parameters": OBJECT}}
+    body = {"tools": [tool], "tool_choice": "required", "stop": ["}"], "max_tokens": 4}
+    reply = _post(live, body)
+    assert reply.status_code == 400, reply.text
+    assert "tool-call grammar" in reply.json()["error"]["message"]
+
+
+def test_the_python_api_refuses_a_stop_with_a_constraint(backend):
+    from spnl_backend.errors import RequestError
+
+    with pytest.raises(RequestError, match="stop cannot be combined .* JSON schema"):
+        backend.generate("x", max_tokens=4, json_schema=OBJECT, stop=", ")
+    with pytest.raises(RequestError, match="stop_token_ids cannot be combined .* regex"):
+        backend.generate("x", max_tokens=4, regex="[a-z]+", stop_token_ids=[0])
+    assert backend.generate("x", max_tokens=4, stop=", ").finish_reason in ("stop", "length")

@@ -19,7 +19,7 @@ from ..engine.constraint import new_bitmask
 from ..errors import RequestError
 from ..log import get_logger
 from .healing import TokenPrefixIndex
-from .spec import ConstraintSpec, library_failure
+from .spec import KIND_NAMES, ConstraintSpec, library_failure
 
 log = get_logger()
 
@@ -141,7 +141,7 @@ class GrammarCompiler:
         from llguidance import LLMatcher
 
         tokenizer = self.tokenizer
-        what = _NAMES[spec.kind]
+        what = KIND_NAMES[spec.kind]
         try:
             problem = LLMatcher.validate_grammar(spec.grammar, tokenizer)
             if not problem:
@@ -208,13 +208,3 @@ def on_a_large_stack(compile_grammar: Callable[[], T]) -> T:
 def _brief(message: str) -> str:
     """llguidance's message without the parser-state dump it may append."""
     return message.split("<state>")[0].strip()
-
-
-_NAMES = {
-    "json_object": "JSON-object format",
-    "json_schema": "JSON schema",
-    "regex": "regex",
-    "grammar": "grammar",
-    "choice": "choice",
-    "tools": "tool-call grammar",
-}

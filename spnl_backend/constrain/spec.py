@@ -175,6 +175,30 @@ def library_failure(exc: BaseException) -> bool:
     return isinstance(exc, Exception) or type(exc).__name__ == "PanicException"
 
 
+def check_stops(spec: ConstraintSpec | None, stop: tuple[str, ...], stop_token_ids) -> None:
+    """A constrained output is not also cut by stop strings or stop tokens: a stop could
+    end it inside the grammar, where the text does not match, and it would be reported as
+    finished ("stop") all the same. The two together are a `RequestError`."""
+    given = [name for name, value in (("stop", stop), ("stop_token_ids", stop_token_ids)) if value]
+    if spec is None or not given:
+        return
+    raise RequestError(
+        f"{' and '.join(given)} cannot be combined with a constrained output (here a "
+        f"{KIND_NAMES[spec.kind]}): a stop could cut it where it does not match the grammar; "
+        "end the output in the grammar itself (the model stops where the grammar ends)"
+    )
+
+
+KIND_NAMES = {
+    "json_object": "JSON-object format",
+    "json_schema": "JSON schema",
+    "regex": "regex",
+    "grammar": "grammar",
+    "choice": "choice",
+    "tools": "tool-call grammar",
+}
+
+
 def _json_grammar(schema: str, name: str) -> str:
     from llguidance import LLMatcher
 
