@@ -591,6 +591,7 @@ class Backend:
             return
         loop.close(RequestAbortedError("the backend was closed"))
         del loop
+        self._grammars.clear()
         release_freed_memory()
         log.info("backend.closed", model=self.source.name)
 

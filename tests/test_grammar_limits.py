@@ -302,8 +302,50 @@ def test_a_stop_with_a_tool_call_grammar_is_a_400(live):
 def test_the_python_api_refuses_a_stop_with_a_constraint(backend):
     from spnl_backend.errors import RequestError
 
-    with pytest.raises(RequestError, match="stop cannot be combined .* JSON schema"):
+    with pytest.raises(RequestError, match=r"stop cannot be combined .* JSON schema"):
         backend.generate("x", max_tokens=4, json_schema=OBJECT, stop=", ")
-    with pytest.raises(RequestError, match="stop_token_ids cannot be combined .* regex"):
+    with pytest.raises(RequestError, match=r"stop_token_ids cannot be combined .* regex"):
         backend.generate("x", max_tokens=4, regex="[a-z]+", stop_token_ids=[0])
     assert backend.generate("x", max_tokens=4, stop=", ").finish_reason in ("stop", "length")
+
+
+# ---- the compiled-grammar cache: bounded by its grammars' size, freed by close() ------
+
+
+def _choices(count: int, width: int) -> list[str]:
+    return [f"{i:0{width}d}" for i in range(count)]
+
+
+def test_the_compiled_grammar_cache_is_bounded_by_grammar_size(backend, monkeypatch):
+    from spnl_backend.constrain import grammar
+    from spnl_backend.constrain.spec import choice_spec
+
+    compiler = backend._grammars
+    compiler.clear()
+    specs = [choice_spec(_choices(100, 4 + i)) for i in range(4)]
+    size = max(len(spec.grammar) for spec in specs)
+    monkeypatch.setattr(grammar, "COMPILED_KEPT_CHARS", 2 * size + 1)
+    for spec in specs:
+        compiler.compile(spec)
+        count, chars = compiler.kept()
+        assert chars <= 2 * size + 1
+    assert count == 2  # the two most recent
+    assert list(compiler._compiled) == specs[2:]
+    huge = choice_spec(_choices(300, 8))
+    assert len(huge.grammar) > 2 * size + 1
+    constraint = compiler.compile(huge)  # compiled for its request, not kept
+    assert constraint.matcher is not None
+    assert compiler.kept() == (count, chars)
+
+
+def test_close_releases_the_compiled_grammars(tiny):
+    from spnl_backend.constrain.spec import regex_spec
+
+    backend = served_backend(tiny)
+    backend.generate("x", max_tokens=2, regex="[a-z]+")
+    compiler = backend._grammars
+    compiler.compile(regex_spec("[0-9]+"))
+    assert compiler.kept()[0] == 2
+    backend.close()
+    assert compiler.kept() == (0, 0)
+    assert compiler._tokenizer is None

@@ -24,6 +24,11 @@ from .spec import KIND_NAMES, ConstraintSpec, library_failure
 log = get_logger()
 
 COMPILED_KEPT = 64  # compiled specs kept, each forked for the sequences that use it
+# ... and at most this much grammar text among them. A compiled grammar holds about 100
+# bytes per character of its text (a 10,000-property schema, 259,000 characters: 27 MB;
+# a 100,000-alternative regex, 789,000: 70 MB), so this keeps about 100 MB at most; a
+# grammar longer than it is compiled for its request and not kept.
+COMPILED_KEPT_CHARS = 1_000_000
 # 1 GiB of address space: a chain of rules as long as MAX_SOURCE_CHARS allows (about
 # 3 KB of stack per rule) fits. Only what the recursion touches is ever mapped.
 COMPILE_STACK_BYTES = 1 << 30
@@ -97,6 +102,7 @@ class GrammarCompiler:
         self._tokenizer: object | None = None
         self._prefixes: TokenPrefixIndex | None = None
         self._compiled: OrderedDict[ConstraintSpec, GrammarConstraint] = OrderedDict()
+        self._compiled_chars = 0
         self._building = threading.Lock()
 
     @property
@@ -123,19 +129,41 @@ class GrammarCompiler:
 
     def compile(self, spec: ConstraintSpec) -> GrammarConstraint:
         """A matcher of its own for ``spec``, forked from one compiled once (the last
-        `COMPILED_KEPT` specs are kept); a grammar that does not compile is a
-        `RequestError` with llguidance's message."""
+        `COMPILED_KEPT` specs are kept, with at most `COMPILED_KEPT_CHARS` of grammar text
+        among them); a grammar that does not compile is a `RequestError` with
+        llguidance's message."""
         with self._building:
             compiled = self._compiled.get(spec)
             if compiled is not None:
                 self._compiled.move_to_end(spec)
         if compiled is None:
             compiled = on_a_large_stack(lambda: self._compile(spec))
-            with self._building:
-                self._compiled[spec] = compiled
-                while len(self._compiled) > COMPILED_KEPT:
-                    self._compiled.popitem(last=False)
+            self._keep(spec, compiled)
         return compiled.fork()
+
+    def _keep(self, spec: ConstraintSpec, compiled: GrammarConstraint) -> None:
+        """``compiled`` kept, the least recently used dropped beyond either bound."""
+        if len(spec.grammar) > COMPILED_KEPT_CHARS:
+            return
+        with self._building:
+            if spec not in self._compiled:
+                self._compiled_chars += len(spec.grammar)
+            self._compiled[spec] = compiled
+            while len(self._compiled) > COMPILED_KEPT or self._compiled_chars > COMPILED_KEPT_CHARS:
+                dropped, _ = self._compiled.popitem(last=False)
+                self._compiled_chars -= len(dropped.grammar)
+
+    def kept(self) -> tuple[int, int]:
+        """How many compiled grammars are kept, and their grammar text's characters."""
+        with self._building:
+            return len(self._compiled), self._compiled_chars
+
+    def clear(self) -> None:
+        """Drop every compiled grammar and the vocabulary's views (a closed backend's)."""
+        with self._building:
+            self._compiled.clear()
+            self._compiled_chars = 0
+            self._tokenizer = self._prefixes = None
 
     def _compile(self, spec: ConstraintSpec) -> GrammarConstraint:
         from llguidance import LLMatcher
