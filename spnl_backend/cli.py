@@ -204,6 +204,12 @@ def _add_serve(commands: Any) -> None:
         help="Host names requests may carry, comma-separated ('*': any); default: on a "
         "loopback address its own names (localhost, 127.0.0.1, ::1), elsewhere any",
     )
+    serve.add_argument(
+        "--allowed-origins",
+        type=lambda text: text.split(","),
+        help="web pages whose scripts may call the API and read its answers (CORS), as "
+        "origins, comma-separated (https://app.example; '*': any); default: none",
+    )
     serve.set_defaults(run=_run_serve)
 
 
@@ -222,6 +228,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         verbose=args.verbose,
         open_metrics=args.open_metrics,
         allowed_hosts=args.allowed_hosts,
+        allowed_origins=args.allowed_origins,
         keep_alive_s=_keep_alive(args.keep_alive),
         memory_budget_mb=args.memory_budget_mb,
     )

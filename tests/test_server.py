@@ -335,6 +335,48 @@ def test_a_loopback_server_answers_only_to_its_own_names(backend):
         server.stop()
 
 
+def test_no_web_page_may_read_answers_unless_its_origin_is_allowed(live):
+    page = {"Origin": "https://app.example"}
+    preflight = {**page, "Access-Control-Request-Method": "POST"}
+    refused = httpx.options(live.url + "/v1/completions", headers=preflight)
+    assert _error(refused, 405)["code"] == "method_not_allowed"
+    assert refused.headers["Allow"] == "POST"
+    answered = httpx.get(live.url + "/v1/models", headers=page)
+    assert answered.status_code == 200
+    assert "access-control-allow-origin" not in answered.headers
+
+
+def test_allowed_origins_get_cors_answers_and_preflights(backend):
+    from spnl_backend.cli import _build_parser
+
+    args = _build_parser().parse_args(["serve", "--allowed-origins", "https://app.example"])
+    assert args.allowed_origins == ["https://app.example"]
+    server = LiveServer(backend, allowed_origins=("https://app.example",))
+    ours, theirs = {"Origin": "https://app.example"}, {"Origin": "https://evil.example"}
+    asks = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
+    try:
+        url = server.url + "/v1/completions"
+        preflight = httpx.options(url, headers={**ours, **asks})
+        assert preflight.status_code == 200, preflight.text
+        assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+        assert "POST" in preflight.headers["access-control-allow-methods"]
+        assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+        other = httpx.options(url, headers={**theirs, **asks})
+        assert other.status_code == 400
+        assert "access-control-allow-origin" not in other.headers
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+        answered = httpx.post(url, json=body, headers=ours, timeout=60)
+        assert answered.status_code == 200
+        assert answered.headers["access-control-allow-origin"] == "https://app.example"
+        unread = httpx.post(url, json=body, headers=theirs, timeout=60)
+        assert "access-control-allow-origin" not in unread.headers
+    finally:
+        server.stop()
+
+
 def test_the_openai_client_raises_on_a_400(live):
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
         live.client().completions.create(model=MODEL, prompt="x", presence_penalty=3)

@@ -23,6 +23,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -59,6 +60,7 @@ BODY_TIMEOUT_S = 30.0  # from the headers to the body's last byte
 # A body up to this size is parsed on the event loop (well under a millisecond); a larger
 # one (up to MAX_BODY_BYTES: a tenth of a second or more) on a worker thread.
 INLINE_JSON_CHARS = 64 * 1024
+CORS_MAX_AGE_S = 600  # how long a browser may keep a preflight's answer
 _DISCONNECT_POLL_S = 0.25
 
 
@@ -75,6 +77,9 @@ class ServerConfig:
     # address takes its own names alone by default, so that a web page whose name was
     # rebound to this machine cannot reach it.
     allowed_hosts: tuple[str, ...] | None = None
+    # The web pages (origins, ``https://app.example``; ``*``: any) whose scripts may call
+    # the API and read its answers (CORS). None, the default: no page's.
+    allowed_origins: tuple[str, ...] = ()
 
 
 @dataclass
@@ -109,7 +114,15 @@ def create_app(config: ServerConfig, state: ServerState) -> Starlette:
         Route("/reset_prefix_cache", api.reset_prefix_cache, methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed})
-    if config.allowed_hosts is not None:
+    if config.allowed_origins:  # preflights answered, and answers readable, for these alone
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+            max_age=CORS_MAX_AGE_S,
+        )
+    if config.allowed_hosts is not None:  # outermost: a rebound name is refused first
         app.add_middleware(HostCheck, allowed=config.allowed_hosts)
     return app
 

@@ -88,6 +88,7 @@ def serve(
     verbose: bool = False,
     open_metrics: bool = False,
     allowed_hosts: list[str] | None = None,
+    allowed_origins: list[str] | None = None,
     keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
     memory_budget_mb: int | None = None,
 ) -> int:
@@ -106,7 +107,8 @@ def serve(
     name = served_model_name or _model_name(model)
     state = ServerState(models=several)
     hosts = _allowed_hosts(host, allowed_hosts)
-    config = ServerConfig(name, api_key, max_body_bytes, max_waiting, open_metrics, hosts)
+    origins = tuple(origin.strip() for origin in allowed_origins or () if origin.strip())
+    config = ServerConfig(name, api_key, max_body_bytes, max_waiting, open_metrics, hosts, origins)
     server = _Server(
         uvicorn.Config(
             create_app(config, state),
