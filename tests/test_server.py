@@ -525,3 +525,55 @@ def test_sse_framing(live):
         chunk = json.loads(event.removeprefix("data: "))
         assert chunk["object"] == "text_completion"
         assert isinstance(chunk["choices"][0]["text"], str)
+
+
+# ---- nothing a request says is dropped silently ---------------------------------------
+
+
+def _chat_reply(live, **body) -> httpx.Response:
+    return live.post("/v1/chat/completions", {"model": MODEL, "max_tokens": 2, **body})
+
+
+def test_a_text_part_with_other_keys_is_refused(live):
+    part = {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}
+    reply = _chat_reply(live, messages=[{"role": "user", "content": [part]}])
+    error = _error(reply, 400)
+    assert error["code"] == "unsupported_parameter"
+    assert "no other keys" in error["message"]
+    plain = {"type": "text", "text": "hi"}
+    assert _chat_reply(live, messages=[{"role": "user", "content": [plain]}]).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("response_format", "named"),
+    [
+        ({"type": "json_object", "schema": {}}, "'schema'"),
+        ({"type": "text", "strict": True}, "'strict'"),
+        ({"type": "json_schema", "json_schema": {"schema": {}}, "x": 1}, "'x'"),
+        ({"type": "json_schema", "json_schema": {"schema": {}, "description": "d"}}, "desc"),
+    ],
+)
+def test_unknown_keys_in_response_format_are_refused(live, response_format, named):
+    ask = [{"role": "user", "content": "hi"}]
+    error = _error(_chat_reply(live, messages=ask, response_format=response_format), 400)
+    assert named in error["message"]
+    assert "nothing is silently ignored" in error["message"]
+    kept = {"type": "json_schema", "json_schema": {"schema": {}, "name": "n", "strict": True}}
+    assert _chat_reply(live, messages=ask, response_format=kept).status_code == 200
+
+
+def test_a_message_name_is_refused_where_the_template_drops_it(live, backend):
+    named = [{"role": "user", "content": "hi", "name": "ada"}]
+    error = _error(_chat_reply(live, messages=named), 400)
+    assert error["code"] == "unsupported_parameter"
+    assert "messages[0]" in error["message"]
+    assert "'name'" in error["message"]
+    hf = backend.tokenizer.hf
+    template = hf.chat_template
+    hf.chat_template = template.replace("{{ m['role'] }}", "{{ m['role'] }} {{ m.name }}")
+    try:
+        assert _chat_reply(live, messages=named).status_code == 200
+        rendered = backend.tokenizer.render_chat(named, True)
+        assert "user ada: hi" in rendered
+    finally:
+        hf.chat_template = template

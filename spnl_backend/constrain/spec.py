@@ -76,11 +76,13 @@ def _response_format(value: object) -> ConstraintSpec | None:
     if not isinstance(value, dict):
         raise _bad("response_format", value, _FORMATS)
     kind = plain_str(dict.get(value, "type"))
-    if kind == "text":
-        return None
-    if kind == "json_object":
+    if kind in ("text", "json_object"):
+        _only_keys(value, ("type",), "response_format")
+        if kind == "text":
+            return None
         return ConstraintSpec("json_object", _json_grammar('{"type": "object"}', "response_format"))
     if kind == "json_schema":
+        _only_keys(value, ("type", "json_schema"), "response_format")
         inner = dict.get(value, "json_schema")
         if not isinstance(inner, dict) or "schema" not in inner:
             raise _bad(
@@ -88,8 +90,24 @@ def _response_format(value: object) -> ConstraintSpec | None:
                 inner,
                 "a dict with the schema under 'schema' (and optionally 'name', 'strict')",
             )
+        _only_keys(inner, _SCHEMA_KEYS, "response_format['json_schema']")
         return schema_spec(dict.get(inner, "schema"), "response_format['json_schema']['schema']")
     raise _bad("response_format", value, _FORMATS)
+
+
+# What a json_schema response format may say: its name (a label) and strict (the schema
+# is always held to: strict or not, the output matches it). OpenAI's 'description' is
+# shown to its model; this server has no place to show it, so it is refused, not dropped.
+_SCHEMA_KEYS = ("schema", "name", "strict")
+
+
+def _only_keys(value: dict, known: tuple[str, ...], name: str) -> None:
+    unknown = [key for key in value if key not in known]
+    if unknown:
+        raise RequestError(
+            f"{name}: {', '.join(map(shown, unknown))} not supported (it takes "
+            f"{', '.join(map(repr, known))}; nothing is silently ignored)"
+        )
 
 
 _FORMATS = (

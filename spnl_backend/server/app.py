@@ -36,6 +36,7 @@ from ..errors import RequestAbortedError, RequestError
 from ..log import get_logger
 from ..pic.query import MapQuery, parse_query
 from ..tools.calls import call_reader
+from ..tools.chat import template_messages
 from . import ollama
 from .metrics import ServerMetrics
 from .models import ModelSet
@@ -806,12 +807,50 @@ def _prompt_ids(backend: Backend, asked: EngineRequest) -> list[PromptIds]:
     seconds, which would stall every other stream."""
     try:
         if asked.messages is not None:
+            _check_names_read(backend, asked)
             return [backend.chat_prompt_ids(asked.messages, asked.tools)]
         texts = asked.prompts if isinstance(asked.prompts[0], str) else None
         prompts, _ = backend.prompt_ids(texts, None if texts else asked.prompts)
         return prompts
     except RequestError as exc:
         raise from_request_error(exc, "messages" if asked.messages else "prompt") from None
+
+
+def _check_names_read(backend: Backend, asked: EngineRequest) -> None:
+    """A participant's ``name`` on a message reaches the model only through the chat
+    template: where the template writes the same prompt without the names, they would be
+    dropped silently, so the request is refused (400) instead. (A tool result's ``name``,
+    the function it answers, is not a participant's and is passed on as it is.)"""
+    messages = asked.messages or []
+    named = [i for i, m in enumerate(messages) if _participant_named(m)]
+    if not named:
+        return
+    tools = [tool.definition() for tool in asked.tools.tools] if asked.tools else None
+    nameless = [
+        {k: v for k, v in m.items() if k != "name"} if _participant_named(m) else m
+        for m in messages
+    ]
+    try:
+        render = backend.tokenizer.render_chat
+        read = render(template_messages(messages), True, tools)
+        unread = render(template_messages(nameless), True, tools)
+    except RequestError:
+        return  # the template fails on these messages: chat_prompt_ids says how
+    if read == unread:
+        raise bad_request(
+            f"messages[{named[0]}]: this model's chat template does not use a message's "
+            "'name', so it would be dropped; put it in the message's content instead",
+            "messages",
+            "unsupported_parameter",
+        )
+
+
+def _participant_named(message: object) -> bool:
+    return (
+        isinstance(message, dict)
+        and message.get("name") is not None
+        and message.get("role") != "tool"
+    )
 
 
 async def _read_json(request: Request, limit: int, lenient: bool = False) -> Any:

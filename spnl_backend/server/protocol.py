@@ -336,6 +336,9 @@ def _message(message: object, index: int) -> dict[str, Any]:
     return {**message, "content": _content(content, where)}
 
 
+_TEXT_PART = {"type", "text"}
+
+
 def _content(content: object, where: str) -> str:
     if isinstance(content, str):
         return content
@@ -343,12 +346,13 @@ def _content(content: object, where: str) -> str:
         texts = [
             part.get("text")
             for part in content
-            if isinstance(part, dict) and part.get("type") == "text"
+            if isinstance(part, dict) and part.get("type") == "text" and set(part) <= _TEXT_PART
         ]
         if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
             return "".join(texts)  # type: ignore[arg-type]
         raise bad_request(
-            f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) are served",
+            f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}, no other "
+            "keys) are served",
             "messages",
             "unsupported_parameter",
         )
