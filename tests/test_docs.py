@@ -37,7 +37,7 @@ import subprocess
 import sys
 import time
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -67,8 +67,13 @@ def _not_run(text: str, env: dict[str, str], cwd: Path) -> None:
     pass
 
 
-def _parsed(parse):
-    return lambda text, env, cwd: parse(text)
+def _parsed(parse: Callable[[str], object]) -> Callable[[str, dict[str, str], Path], None]:
+    """A check that only parses the block."""
+
+    def check(text: str, env: dict[str, str], cwd: Path) -> None:
+        parse(text)
+
+    return check
 
 
 CHECKS = {
