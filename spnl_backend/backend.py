@@ -423,6 +423,13 @@ class Backend:
         elif params.logprobs:
             self._grammars.tokenizer  # noqa: B018  # built now, not in a response
 
+    def prepare_constraints(self) -> None:
+        """Build the grammar library's view of the vocabulary now rather than on the first
+        constrained request: its native code holds the GIL throughout (about 4 s for the
+        default model's 262,144 tokens), which would stall the host's other threads
+        (a server's event loop) in the middle of its work."""
+        self._grammars.tokenizer  # noqa: B018  # built now
+
     async def _aprepare(self, params: SamplingParams) -> None:
         """`prepare` off the event loop where ``params`` need anything built (a grammar
         compiles, the vocabulary's view is built: seconds the loop must not stall for)."""

@@ -349,3 +349,16 @@ def test_close_releases_the_compiled_grammars(tiny):
     backend.close()
     assert compiler.kept() == (0, 0)
     assert compiler._tokenizer is None
+
+
+def test_a_served_model_has_its_vocabulary_view_built_before_it_serves(tiny):
+    # Built on the first constrained request, it held the GIL for seconds mid-service.
+    from helpers import CPU
+
+    from spnl_backend.server.run import _served_backend
+
+    backend = _served_backend(str(tiny.hf("llama").path), CPU)
+    try:
+        assert backend._grammars._tokenizer is not None
+    finally:
+        backend.close()

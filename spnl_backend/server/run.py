@@ -160,7 +160,7 @@ def _load(
     failure: list[BaseException],
 ) -> None:
     try:
-        backend: Backend = load_backend(model, settings)
+        backend = _served_backend(model, settings)
     except BaseException as exc:  # reported by `serve` once the server has stopped
         failure.append(exc)
         server.should_exit = True
@@ -194,7 +194,19 @@ def _several(
             raise SettingsError(f"--model {given!r}: expected PATH or NAME=PATH, each name once")
         sources[name] = path
     budget = memory_budget_mb << 20 if memory_budget_mb is not None else None
-    return ModelSet(sources, lambda path: load_backend(path, settings), keep_alive_s, budget)
+    return ModelSet(sources, lambda path: _served_backend(path, settings), keep_alive_s, budget)
+
+
+def _served_backend(model: str | None, settings: BackendSettings) -> Backend:
+    """The backend loaded with the grammar library's view of its vocabulary built: seconds
+    that hold the GIL, spent before the model is served rather than under a request."""
+    backend = load_backend(model, settings)
+    try:
+        backend.prepare_constraints()
+    except BaseException:
+        backend.close()
+        raise
+    return backend
 
 
 def _reap(models: ModelSet, server: "_Server") -> None:
