@@ -11,15 +11,13 @@ largest latency while it was in flight. Target (issue 44): `/health` within 100 
 
 import argparse
 import asyncio
-import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import harness
 import httpx
-from serve import free_port, model_id, ours_executable, started, wait_ready
+from serve import model_id, serving_ours, wait_ready
 
 POLL_S = 0.02
 
@@ -104,13 +102,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
-    gguf = args.gguf or harness.default_gguf()
-    port = free_port()
-    argv = [ours_executable(), "serve", "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["--model", str(gguf)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    base = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory() as tmp, started(argv, env, Path(tmp) / "log") as process:
+    with serving_ours(args.gguf or harness.default_gguf(), args.threads) as (base, process):
         results = asyncio.run(run(base, args.rules, process))
     harness.publish(report(results), args.markdown)
 

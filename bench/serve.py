@@ -478,6 +478,18 @@ def stop(process: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
+def serving_ours(gguf: Path, threads: int) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`spnl-backend serve` of ``gguf`` on a free 127.0.0.1 port, with ``threads``
+    threads: its address and process (not yet ready: see `wait_ready`)."""
+    port = free_port()
+    argv = [ours_executable(), "serve", "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--model", str(gguf)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    with tempfile.TemporaryDirectory() as tmp, started(argv, env, Path(tmp) / "log") as process:
+        yield f"http://127.0.0.1:{port}", process
+
+
+@contextlib.contextmanager
 def started(argv: list[str], env: dict, log: Path) -> Iterator[subprocess.Popen]:
     """The server running in a session of its own (a Ctrl-C here does not reach it: it is
     stopped here, whatever happened)."""

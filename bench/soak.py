@@ -24,13 +24,12 @@ import json
 import os
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import harness
 import httpx
-from serve import free_port, ours_executable, started, wait_ready
+from serve import serving_ours, wait_ready
 
 HEALTHY = {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
 KINDS = (
@@ -219,13 +218,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
-    gguf = args.gguf or harness.default_gguf()
-    port = free_port()
-    argv = [ours_executable(), "serve", "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["--model", str(gguf)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    with tempfile.TemporaryDirectory() as tmp, started(argv, env, Path(tmp) / "log") as process:
-        result = asyncio.run(soak(f"http://127.0.0.1:{port}", process.pid, args, process))
+    with serving_ours(args.gguf or harness.default_gguf(), args.threads) as (base, process):
+        result = asyncio.run(soak(base, process.pid, args, process))
     harness.publish(report(result, args), args.markdown)
 
 
