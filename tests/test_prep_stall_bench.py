@@ -6,7 +6,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from bench import prep_stall
-
 from spnl_backend.constrain.gbnf import to_lark
 
 
