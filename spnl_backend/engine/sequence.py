@@ -158,12 +158,19 @@ class StepOutput:
 
 
 class CachedTokens(Protocol):
-    """What a KV cache manager reads of a sequence: its tokens, and how many of them are
-    computed or came from the prefix cache. An engine `Sequence` is one; so is a
-    speculative draft's view of one (`speculative.CacheView`), which has its own counts."""
+    """What a KV cache manager reads of a sequence: its tokens (and PIC spans), and how
+    many of them are computed or came from the prefix cache, the KV tier or, for a PIC
+    prompt, the pool. An engine `Sequence` is one; so is a speculative draft's view of one
+    (`speculative.CacheView`), which has its own counts."""
 
     num_computed_tokens: int
     num_cached_tokens: int
+    num_tier_hit_tokens: int
+    num_pic_hit_tokens: int
+    num_pic_miss_tokens: int
+
+    @property
+    def pic(self) -> PicLayout | None: ...
 
     @property
     def seq_id(self) -> int: ...

@@ -20,7 +20,7 @@ import torch
 from ..log import get_logger
 from ..models.layers import AttentionBackend
 from ..models.transformer import CausalLM
-from .cache import CacheManager, PoolUsage
+from .cache import CacheManager, Feed, PoolUsage
 from .constraint import Constraint, apply_bitmask, constraint_row
 from .logits import RowHistory, adjust
 from .runner import Picked, Sampled, logprobs_of, pack_inputs
@@ -41,7 +41,15 @@ class CacheView:
     seq: Sequence
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
+    num_tier_hit_tokens: int = 0
+    num_pic_hit_tokens: int = 0
+    num_pic_miss_tokens: int = 0
     pending: list[int] = field(default_factory=list)
+
+    @property
+    def pic(self) -> None:
+        """None: a backend with a draft refuses PIC prompts, so its draft never sees one."""
+        return None
 
     @property
     def seq_id(self) -> int:
@@ -99,6 +107,9 @@ class SpeculativeCache:
 
     def after_step(self, batch: list[ScheduledSeq]) -> None:
         self.target.after_step(batch)
+
+    def feed(self, seq: Sequence, count: int) -> Feed:
+        return self.target.feed(seq, count)
 
     def reset_prefix_cache(self) -> int:
         return self.target.reset_prefix_cache() + self.draft.reset_prefix_cache()
