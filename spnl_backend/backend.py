@@ -15,8 +15,8 @@ from .constrain.healing import back_off
 from .engine.cache import CacheInfo
 from .engine.engine import Engine, EngineStats
 from .engine.loop import AsyncChannel, EngineLoop, LoopRequest, ThreadChannel
-from .engine.sequence import SamplingParams, StepOutput
 from .engine.sequence import Sequence as EngineSequence
+from .engine.sequence import StepOutput
 from .errors import RequestAbortedError, RequestError
 from .loader.build import LoadedModel
 from .loader.resolve import ModelSource
@@ -46,6 +46,7 @@ from .results import (
     read_results,
     with_calls,
 )
+from .sampling import SamplingParams
 from .settings import BackendSettings, PlatformDecisions
 from .tools.chat import ToolChat, template_messages, tool_chat
 from .tools.spec import ToolRequest, tool_request

@@ -8,10 +8,10 @@ requests share.
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .engine.sequence import SamplingParams
 from .errors import ContextLengthError, RequestError, shown
 from .pic.layout import PicPrompt
 from .plain import check_text, is_bool, plain_float, plain_int, plain_str, read_once
+from .sampling import SamplingParams
 
 MAX_SEED = 2**64 - 1  # what torch's generators take
 PromptIds = list[int] | PicPrompt  # a checked prompt: token ids, or a PIC prompt

@@ -10,10 +10,11 @@ import torch
 
 from .engine.loop import Finished, Item, LoopRequest
 from .engine.sampler import TokenLogprobs
-from .engine.sequence import SamplingParams, StepOutput
 from .engine.sequence import Sequence as EngineSequence
+from .engine.sequence import StepOutput
 from .errors import RequestError
 from .request import PromptIds
+from .sampling import SamplingParams
 from .tools.calls import ToolCall, read_whole
 from .tools.chat import ToolChat
 

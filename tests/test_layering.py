@@ -19,13 +19,15 @@ PACKAGE = Path(__file__).resolve().parent.parent / "spnl_backend"
 # Lowest first. A module belongs to the layer of its longest listed prefix; a name
 # starting with "=" is that one module only (a package's __init__, not its modules).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    # what everything may use: errors, logging, memory arithmetic, and the catalogue of
-    # compression methods' names that settings validate against (with the compression
-    # package's __init__, which imports nothing until a name is asked for)
+    # what everything may use: errors, logging, memory arithmetic, a request's sampling
+    # parameters (which the engine reads), and the catalogue of compression methods'
+    # names that settings validate against (with the compression package's __init__,
+    # which imports nothing until a name is asked for)
     (
         "spnl_backend.errors",
         "spnl_backend.log",
         "spnl_backend.memory",
+        "spnl_backend.sampling",
         "spnl_backend.compression.registry",
         "=spnl_backend.compression",
     ),

@@ -6,8 +6,9 @@ distribution at each position, computed the way generation computes it.
 
 import torch
 
+from ..sampling import SamplingParams
 from .engine import Engine
-from .sequence import SamplingParams, ScheduledSeq, Sequence
+from .sequence import ScheduledSeq, Sequence
 
 
 def prompt_logits(engine: Engine, ids: list[int], device: torch.device) -> torch.Tensor:

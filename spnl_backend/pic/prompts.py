@@ -5,11 +5,11 @@ run and hold, so that `Backend` only hands the prompt on."""
 from typing import Any
 
 from ..engine.engine import Engine
-from ..engine.sequence import SamplingParams
 from ..engine.speculative import SpeculativeRunner
 from ..errors import ContextLengthError, RequestError
 from ..loader.tokenizer import Tokenizer
 from ..request import ContextLimit, PromptIds, sampling_params
+from ..sampling import SamplingParams
 from ..settings import BackendSettings
 from ..settings.pic import pic_sentinels
 from .layout import PicPrompt
