@@ -269,7 +269,7 @@ class ContiguousCacheManager:
     def feed(self, seq: CachedTokens, count: int) -> Feed:
         return in_order(seq, count)
 
-    def backend(self, batch: list[ScheduledSeq], device: torch.device) -> ContiguousStep:
+    def attention(self, batch: list[ScheduledSeq], device: torch.device) -> ContiguousStep:
         return ContiguousStep(
             [
                 StepSlice(

@@ -406,7 +406,7 @@ class PagedCacheManager:
         """The prompt-order indices of a PIC sequence's next ``count`` tokens to compute."""
         return progress.indices(seq.num_computed_tokens - progress.num_hit, count)
 
-    def backend(self, batch: list[ScheduledSeq], device: torch.device) -> AttentionBackend:
+    def attention(self, batch: list[ScheduledSeq], device: torch.device) -> AttentionBackend:
         slots: list[int] = []
         tables, seq_lens, query_lens = [], [], []
         pic: list[PicKeys | None] = []

@@ -43,9 +43,9 @@ class ModelRunner:
         """Computes the step; returns the sampled token of each sequence whose tokens are now
         all computed (a prefill chunk in the middle of a prompt samples nothing), or the
         error of a sequence whose sampling failed."""
-        backend = self.cache.backend(batch, self.device)
+        attention = self.cache.attention(batch, self.device)
         input_ids, positions = step_inputs(batch, self.device, self.cache)
-        hidden = self.model(input_ids, positions, backend)
+        hidden = self.model(input_ids, positions, attention)
         rows, sampling = [], []
         row = -1
         for item in batch:

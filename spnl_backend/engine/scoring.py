@@ -20,7 +20,7 @@ def prompt_logits(engine: Engine, ids: list[int], device: torch.device) -> torch
     try:
         if not engine.cache.reserve(seq, len(ids)):
             raise RuntimeError(f"{len(ids)} tokens do not fit the KV cache now")
-        step = engine.cache.backend([ScheduledSeq(seq, len(ids) - start)], device)
+        step = engine.cache.attention([ScheduledSeq(seq, len(ids) - start)], device)
         model = engine.runner.model
         with torch.inference_mode():
             hidden = model(

@@ -114,8 +114,8 @@ class SpeculativeCache:
     def reset_prefix_cache(self) -> int:
         return self.target.reset_prefix_cache() + self.draft.reset_prefix_cache()
 
-    def backend(self, batch: list[ScheduledSeq], device: torch.device) -> AttentionBackend:
-        return self.target.backend(batch, device)
+    def attention(self, batch: list[ScheduledSeq], device: torch.device) -> AttentionBackend:
+        return self.target.attention(batch, device)
 
     def draft_view(self, seq: Sequence) -> CacheView:
         view = self.views.get(seq.seq_id)
@@ -203,7 +203,7 @@ class Drafter:
         ids, positions = pack_inputs(
             [(view.num_computed_tokens, tokens) for view, tokens in feeds], self.device
         )
-        hidden = self.model(ids, positions, self.cache.draft.backend(batch, self.device))
+        hidden = self.model(ids, positions, self.cache.draft.attention(batch, self.device))
         for view, tokens in feeds:
             view.num_computed_tokens += len(tokens)
         return self.model.compute_logits(hidden[_last_rows(batch)])
@@ -270,7 +270,9 @@ class SpeculativeRunner:
             ScheduledSeq(item.seq, item.num_new_tokens + len(_drafts(proposals, item.seq)))
             for item in batch
         ]
-        hidden = self.model(*self._inputs(batch, proposals), self.cache.backend(steps, self.device))
+        hidden = self.model(
+            *self._inputs(batch, proposals), self.cache.attention(steps, self.device)
+        )
         rows, verifying, row = [], [], 0
         for item, step in zip(batch, steps, strict=True):
             row += step.num_new_tokens
