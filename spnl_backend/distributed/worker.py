@@ -19,8 +19,8 @@ from ..loader.resolve import ModelSource
 from ..log import get_logger
 from ..settings import BackendSettings, PlatformDecisions, detect_platform
 from ..settings.topology import Topology
-from .parallel import Op, TensorParallel
-from .split import RankSplit, join_group, serving
+from .sharding import RankSplit
+from .tensor_parallel import Op, TensorParallel, join_group, serving
 
 log = get_logger()
 
