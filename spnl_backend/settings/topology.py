@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from ..errors import SettingsError
-from .model import BackendSettings, env_name
+from .backend_settings import BackendSettings, env_name
 
 if TYPE_CHECKING:
     from .platform import PlatformDecisions
