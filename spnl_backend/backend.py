@@ -18,7 +18,7 @@ from .engine.loop import AsyncChannel, EngineLoop, LoopRequest, ThreadChannel
 from .engine.sequence import Sequence as EngineSequence
 from .engine.sequence import StepOutput
 from .errors import RequestAbortedError, RequestError
-from .loader.build import LoadedModel
+from .loader.model import LoadedModel
 from .loader.resolve import ModelSource
 from .log import get_logger
 from .memory import release_freed_memory

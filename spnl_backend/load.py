@@ -13,9 +13,9 @@ from .engine.build import build_engine
 from .engine.engine import Engine
 from .engine.loop import EngineLoop
 from .errors import SettingsError
-from .loader.build import LoadedModel, load_model
 from .loader.default_model import default_model_path
 from .loader.draft import load_draft
+from .loader.model import LoadedModel, load_model
 from .loader.progress import LogProgress, Progress, TqdmProgress
 from .loader.resolve import ModelSource, resolve_model
 from .log import get_logger, set_verbose

@@ -1,6 +1,6 @@
 """A model split over the ranks of a tensor-parallel group: each rank's share of the
 config, and each weight's rows or columns as the weights stream in from the file (as the
-loader takes them: `RankSplit`, a `loader.build.ModelSplit`).
+loader takes them: `RankSplit`, a `loader.model.ModelSplit`).
 
 Attention heads split across the ranks (key/value heads too, or each rank holds the one
 its query heads read where there are fewer key/value heads than ranks): q, k and v are

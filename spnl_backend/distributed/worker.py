@@ -14,7 +14,7 @@ import torch
 
 from ..engine.build import build_cache
 from ..errors import DistributedError, SpnlError
-from ..loader.build import LoadedModel, load_model
+from ..loader.model import LoadedModel, load_model
 from ..loader.resolve import ModelSource
 from ..log import get_logger
 from ..settings import BackendSettings, PlatformDecisions, detect_platform

@@ -20,7 +20,7 @@ from ..compression import (
 )
 from ..errors import PlatformError, SettingsError
 from ..kernels import Kernels
-from ..loader.build import LoadedModel
+from ..loader.model import LoadedModel
 from ..log import get_logger
 from ..memory import MIB, available_memory, kv_bytes_per_token
 from ..settings import BackendSettings, PlatformDecisions
