@@ -71,7 +71,7 @@ class TinyModels:
 
 def engine_logits(backend: Backend, ids: list[int]) -> torch.Tensor:
     """Logits at every position of ``ids`` through the backend's own KV cache (paged or not)."""
-    from spnl_backend.engine.scoring import prompt_logits
+    from spnl_backend.engine.prompt_logits import prompt_logits
 
     engine_internals(backend)  # open
     return backend._loop.call(lambda engine: prompt_logits(engine, ids, torch.device("cpu")))

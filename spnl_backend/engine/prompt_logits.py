@@ -1,7 +1,8 @@
 """Logits at every position of a token sequence, through an engine's own KV cache.
 
 What perplexity measurements and the exactness tests need: the model's full
-distribution at each position, computed the way generation computes it.
+distribution at each position, computed the way generation computes it. No request
+reaches it; the benchmarks (`bench/harness.py`) and tests (`tests/helpers.py`) call it.
 """
 
 import torch
