@@ -158,7 +158,7 @@ class Backend:
             unknown,
             (max_tokens, temperature, top_p, top_k, seed, stop),
         )
-        return Stream(self, ids, params)
+        return Stream(lambda: self.submit([ids], params, pieces=True))
 
     def chat(
         self,

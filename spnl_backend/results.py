@@ -2,9 +2,9 @@
 whole, or its text as a stream of pieces; and embeddings."""
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -13,13 +13,8 @@ from .engine.sampler import TokenLogprobs
 from .engine.sequence import Sequence as EngineSequence
 from .engine.sequence import StepOutput
 from .errors import RequestError
-from .request import PromptIds
-from .sampling import SamplingParams
 from .tools.calls import ToolCall, read_whole
 from .tools.chat import ToolChat
-
-if TYPE_CHECKING:
-    from .backend import Backend
 
 
 @dataclass(frozen=True)
@@ -71,9 +66,11 @@ class Stream(Iterator[str]):
     Read from one thread at a time; `close` (from any thread), garbage collection or
     leaving the loop aborts the request."""
 
-    def __init__(self, backend: "Backend", ids: PromptIds, params: SamplingParams) -> None:
+    def __init__(self, start: Callable[[], LoopRequest]) -> None:
+        """``start``: submits the request (with every step's pieces), on the first piece
+        asked for."""
         self.request: LoopRequest | None = None  # once the first piece is asked for
-        self._backend, self._ids, self._params = backend, ids, params
+        self._start = start
         self._items: Iterator[Item] | None = None
         self._reading = threading.Lock()
 
@@ -86,7 +83,7 @@ class Stream(Iterator[str]):
             raise RequestError("this stream is being read by another thread; read it from one")
         try:
             if self._items is None:
-                self.request = self._backend.submit([self._ids], self._params, pieces=True)
+                self.request = self._start()
                 self._items = self.request.items()
             for item in self._items:
                 raise_failure(item)
