@@ -210,7 +210,7 @@ def our_logits(backend, ids: list[int]):
     """float32 logits at every position of ``ids``, through the engine's own KV cache (the
     backend has no public scoring call, so this reaches into its engine loop and scores
     on the loop's thread, between two steps)."""
-    from spnl_backend.engine.scoring import prompt_logits
+    from spnl_backend.engine.prompt_logits import prompt_logits
 
     return backend._loop.call(lambda engine: prompt_logits(engine, ids, engine.runner.device))
 

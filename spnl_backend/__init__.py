@@ -21,18 +21,20 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .backend import Backend, GenerateResult, Usage, load_backend
+    from .backend import Backend
     from .engine.cache import CacheInfo, PoolUsage
     from .engine.engine import EngineStats
+    from .load import load_backend
+    from .results import GenerateResult, Usage
     from .settings import BackendSettings, PlatformDecisions, detect_platform, load_settings
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "Backend": ".backend",
-    "GenerateResult": ".backend",
-    "Usage": ".backend",
-    "load_backend": ".backend",
+    "GenerateResult": ".results",
+    "Usage": ".results",
+    "load_backend": ".load",
     "CacheInfo": ".engine.cache",
     "PoolUsage": ".engine.cache",
     "EngineStats": ".engine.engine",

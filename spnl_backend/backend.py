@@ -1,14 +1,11 @@
-"""`Backend`: the one interface host applications call — generate, stream, chat."""
+"""`Backend`: the one interface host applications call — generate, stream, chat, query,
+embed and their asyncio twins; each request checked, its prompt made (`pic.prompts` for a
+PIC prompt) and handed to the engine loop."""
 
 import asyncio
-import atexit
 import dataclasses
-import os
-import sys
 import threading
-import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,125 +13,52 @@ import torch
 from .constrain.grammar import GrammarCompiler
 from .constrain.healing import back_off
 from .constrain.spec import check_stops
-from .engine.build import build_engine
 from .engine.cache import CacheInfo
 from .engine.engine import Engine, EngineStats
-from .engine.loop import AsyncChannel, EngineLoop, Finished, Item, LoopRequest, ThreadChannel
-from .engine.sampler import TokenLogprobs
-from .engine.sequence import SamplingParams, StepOutput
+from .engine.loop import AsyncChannel, EngineLoop, LoopRequest, ThreadChannel
 from .engine.sequence import Sequence as EngineSequence
-from .engine.speculative import SpeculativeRunner
-from .errors import ContextLengthError, RequestAbortedError, RequestError, SettingsError
-from .loader.build import LoadedModel, load_model
-from .loader.default_model import default_model_path
-from .loader.draft import load_draft
-from .loader.progress import LogProgress, Progress, TqdmProgress
-from .loader.resolve import ModelSource, resolve_model
-from .log import get_logger, set_verbose
+from .engine.sequence import StepOutput
+from .errors import RequestAbortedError, RequestError
+from .loader.model import LoadedModel
+from .loader.resolve import ModelSource
+from .log import get_logger
 from .memory import release_freed_memory
 from .models.config import ModelConfig
 from .models.transformer import CausalLM
 from .pic.layout import PicPrompt
-from .pic.query import Repeat, SpanQuery, parse_query, query_text
-from .pic.requests import (
-    block_pieces,
-    chat_pieces,
-    has_marker,
-    make_prompt,
-    query_pieces,
-    split_sentinels,
-)
-from .pic.spans import SpanTokenizer
-from .pic.turns import ModelTurns, SpnlTurns, Turns
+from .pic.prompts import PicPrompts, pic_refusal
+from .pic.query import SpanQuery
 from .request import (
     MAX_SEED,
+    ContextLimit,
+    PromptIds,
     check_messages,
     check_prompt,
     prompt_list,
     sampling_params,
     token_id_prompts,
 )
-from .settings import BackendSettings, PlatformDecisions, detect_platform, load_settings
-from .settings.pic import pic_sentinels
-from .settings.topology import (
-    Topology,
-    check_distributed_settings,
-    check_layer_map_settings,
-    decide_layer_map,
-    decide_topology,
-    launch_environment,
+from .results import (
+    Embeddings,
+    GenerateResult,
+    Stream,
+    aread_results,
+    raise_failure,
+    read_results,
+    with_calls,
 )
-from .tools.calls import ToolCall, read_whole
+from .sampling import SamplingParams
+from .settings import BackendSettings, PlatformDecisions
 from .tools.chat import ToolChat, template_messages, tool_chat
 from .tools.spec import ToolRequest, tool_request
 
 log = get_logger()
 
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int  # prompt tokens reused from the prefix cache
-    ttft_s: float  # from the request to its first token
-    decode_tok_s: float  # completion tokens after the first, per second
-    draft_tokens: int = 0  # proposed by the speculative draft (0 without one)
-    accepted_tokens: int = 0  # of those, accepted by the target
-    # Of a PIC prompt's plus tokens, those whose K/V the pool had (reused) and those
-    # computed (0 and 0 for a plain prompt).
-    pic_hit_tokens: int = 0
-    pic_miss_tokens: int = 0
-    # Of the reused prompt tokens (cached ones and PIC hits), those whose K/V the KV tier
-    # read back from disk (0 without a tier).
-    tier_hit_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class GenerateResult:
-    text: str
-    token_ids: list[int]  # the completion's tokens (an EOS that ended it included)
-    finish_reason: str  # "stop" (EOS, a stop string or a stop token) or "length"
-    usage: Usage
-    # With ``logprobs=True``: each token's log-probability and its ``top_logprobs``
-    # likeliest alternatives (`TokenLogprobs`), one per entry of ``token_ids``.
-    logprobs: list[TokenLogprobs] | None = None
-    # A chat with tools whose answer called them: the calls (its ``text`` is then the
-    # calls as the model wrote them, and ``finish_reason`` "tool_calls"; cut short by
-    # max_tokens, the calls made whole before the cut, and "length").
-    tool_calls: list[ToolCall] | None = None
-
-
-@dataclass(frozen=True)
-class Embeddings:
-    vectors: "torch.Tensor"  # [texts, hidden] float32, each row of unit length
-    token_counts: list[int]  # each text's tokens
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(self.token_counts)
-
-
 EMBED_PASS_TOKENS = 8192  # tokens one embedding pass packs at most
-
-
-# Backends not closed yet: closed at interpreter exit, so that no engine thread is still
-# inside a step while the interpreter tears torch down.
-_OPEN: "weakref.WeakSet[Backend]" = weakref.WeakSet()
-
-
-@atexit.register
-def _close_open_backends() -> None:
-    for backend in list(_OPEN):
-        backend.close()
-
 
 Prompt = str | Sequence[str] | None
 TokenIds = Sequence[int] | Sequence[Sequence[int]] | None
 Blocks = Sequence[tuple[str, str | Sequence[int]]] | None
-PromptIds = list[int] | PicPrompt  # a checked prompt: token ids, or a PIC prompt
-# More characters than any token takes: a PIC chat with more content than this many per
-# token of the context cannot fit, and is refused before its turns are rendered.
-MAX_CHARS_PER_TOKEN = 64
 
 
 class Backend:
@@ -160,20 +84,23 @@ class Backend:
         self.source: ModelSource = loaded.source
         self.max_model_len = engine.config.max_model_len
         self.max_num_seqs = engine.config.max_num_seqs  # sequences one step runs at most
-        self._cache_holds_context = engine.cache.capacity_tokens == self.max_model_len
-        self._block_size = engine.cache_info.block_size or 1
-        self._pic_refusal = _pic_refusal(engine)
-        self._sentinels = pic_sentinels()
-        self._spans: SpanTokenizer | None = None
+        whole_cache = engine.cache.capacity_tokens == self.max_model_len
+        self._limit = ContextLimit(self.max_model_len, whole_cache)
+        self._pic = PicPrompts(
+            loaded.tokenizer,
+            settings,
+            loaded.source.name,
+            loaded.config.vocab_size,
+            self._limit,
+            engine.cache_info.block_size or 1,
+            pic_refusal(engine),
+        )
         self._special_ids: dict[str, int | None] = {}  # tool-call markers, once looked up
-        if self._sentinels is not None:
-            self._sentinels.check_vocabulary(loaded.config.vocab_size)
         self._grammars = GrammarCompiler(
             self.tokenizer.definition, loaded.config.vocab_size, engine.config.eos_token_ids
         )
         self._loop: EngineLoop | None = loop
         self._closing = threading.Lock()
-        _OPEN.add(self)
 
     # ---- blocking calls -------------------------------------------------------------------
 
@@ -203,7 +130,7 @@ class Backend:
         """
         params = self._checked(unknown, (max_tokens, temperature, top_p, top_k, seed, stop))
         prompts, single = self.prompt_ids(prompt, prompt_token_ids, blocks)
-        return _results(self.submit(prompts, params), single)
+        return read_results(self.submit(prompts, params), single)
 
     def stream(
         self,
@@ -232,7 +159,7 @@ class Backend:
             unknown,
             (max_tokens, temperature, top_p, top_k, seed, stop),
         )
-        return Stream(self, ids, params)
+        return Stream(lambda: self.submit([ids], params, pieces=True))
 
     def chat(
         self,
@@ -261,8 +188,8 @@ class Backend:
         chat = self.tool_chat(asked, params) if asked is not None else ToolChat(None, None)
         if chat.constraint is not None:
             params = dataclasses.replace(params, constraint=chat.constraint)
-        result = _results(self.submit([prompt], params), single=True)
-        return _with_calls(result, chat)
+        result = read_results(self.submit([prompt], params), single=True)
+        return with_calls(result, chat)
 
     def query(self, query: "str | dict | SpanQuery") -> list[GenerateResult]:
         """Run one of spnl's span queries (its JSON text, as spnl's ``spnl/`` provider
@@ -272,7 +199,7 @@ class Backend:
         order. Tokenized as spnl tokenizes it (`pic.spans`); plus elements reused under
         ``MISTRALRS_SPAN_QUERY_REUSE`` (spnl's rule by default)."""
         prompts, params, n = self.span_query_request(query)
-        return _results(self.submit(prompts, params, n=n), single=False)
+        return read_results(self.submit(prompts, params, n=n), single=False)
 
     # ---- asyncio --------------------------------------------------------------------------
 
@@ -294,7 +221,7 @@ class Backend:
         params = self._checked(unknown, (max_tokens, temperature, top_p, top_k, seed, stop))
         prompts, single = self.prompt_ids(prompt, prompt_token_ids, blocks)
         await self._aprepare(params)
-        return await _aresults(self.submit(prompts, params, asynchronous=True), single)
+        return await aread_results(self.submit(prompts, params, asynchronous=True), single)
 
     def astream(
         self,
@@ -339,13 +266,13 @@ class Backend:
         prompt = self.chat_prompt_ids(messages)
         await self._aprepare(params)
         request = self.submit([prompt], params, asynchronous=True)
-        return await _aresults(request, single=True)  # type: ignore[return-value]
+        return await aread_results(request, single=True)  # type: ignore[return-value]
 
     async def _astream(self, ids: list[int], params: SamplingParams) -> AsyncIterator[str]:
         await self._aprepare(params)
         request = self.submit([ids], params, pieces=True, asynchronous=True)
         async for item in request.aitems():
-            _raise_failure(item)
+            raise_failure(item)
             if isinstance(item, StepOutput) and item.text_delta:
                 yield item.text_delta
 
@@ -353,7 +280,7 @@ class Backend:
 
     def submit(
         self,
-        prompts: list["PromptIds"],
+        prompts: list[PromptIds],
         params: SamplingParams,
         *,
         n: int = 1,
@@ -395,7 +322,7 @@ class Backend:
             )
 
     def _sequences(
-        self, engine: Engine, prompt: "PromptIds", params: SamplingParams, n: int
+        self, engine: Engine, prompt: PromptIds, params: SamplingParams, n: int
     ) -> list[EngineSequence]:
         """``n`` completions of ``prompt``, each with its own constraint: its grammar's
         matcher, or with token healing (a plain prompt only), the first token's."""
@@ -444,11 +371,11 @@ class Backend:
         """Every step's outputs for a batch (what the CLI's progress display follows)."""
         request = self.submit([self._encode(p) for p in prompt_list(prompts)], params, pieces=True)
         for item in request.items():
-            _raise_failure(item)
+            raise_failure(item)
             if isinstance(item, StepOutput):
                 yield item
 
-    def chat_prompt_ids(self, messages: list[Any], tools: ToolRequest | None = None) -> "PromptIds":
+    def chat_prompt_ids(self, messages: list[Any], tools: ToolRequest | None = None) -> PromptIds:
         """``messages`` through the model's chat template (with the ``tools`` offered),
         checked against the context: a PIC prompt where a message is marked plus or
         messages are grouped (a list)."""
@@ -456,13 +383,11 @@ class Backend:
         if tools is not None:
             definitions = [tool.definition() for tool in tools.tools]
             checked = check_messages(messages)
-            return self._check_length(self.tokenizer.apply_chat_template(checked, definitions))
-        if isinstance(messages, list) and has_marker(messages):
-            max_chars = MAX_CHARS_PER_TOKEN * self.max_model_len
-            pieces = chat_pieces(messages, self._span_tokenizer(), max_chars)
-            if pieces is not None:
-                return self._pic_prompt(pieces)
-        return self._check_length(self.tokenizer.apply_chat_template(check_messages(messages)))
+            return self._limit.check(self.tokenizer.apply_chat_template(checked, definitions))
+        pic = self._pic.from_chat(messages) if isinstance(messages, list) else None
+        if pic is not None:
+            return pic
+        return self._limit.check(self.tokenizer.apply_chat_template(check_messages(messages)))
 
     def tool_chat(self, tools: ToolRequest, params: SamplingParams) -> ToolChat:
         """How an answer with ``tools`` is read and held (a `RequestError` where this
@@ -501,90 +426,15 @@ class Backend:
 
     def span_query_request(
         self, query: "str | dict | SpanQuery"
-    ) -> tuple[list["PromptIds"], SamplingParams, int]:
+    ) -> tuple[list[PromptIds], SamplingParams, int]:
         """spnl's span query (its JSON text, that JSON as a dict, or a parsed `SpanQuery`)
         as what `submit` takes: its prompts, sampling parameters and completions per
-        prompt."""
-        if isinstance(query, dict):
-            query = query_text(query)
-        parsed = parse_query(query) if isinstance(query, str) else query
-        meta = parsed.metadata
-        params = sampling_params(meta.max_tokens, meta.temperature)
-        n = parsed.n if isinstance(parsed, Repeat) else 1
-        return self.span_query_prompts(parsed), params, n
+        prompt (`PicPrompts.query_request`)."""
+        return self._pic.query_request(query)
 
-    def span_query_prompts(self, query: SpanQuery) -> list["PromptIds"]:
-        """spnl's span query (`pic.query`) as checked prompts, tokenized as spnl does
-        (`pic.spans`): a generate's input, or each input of a map. A prompt with a plus
-        element is a PIC prompt under ``MISTRALRS_SPAN_QUERY_REUSE`` (spnl's rule by
-        default); one without, plain token ids."""
-        prompts: list[PromptIds] = []
-        for pieces in query_pieces(query, self._span_tokenizer()):
-            if any(kind == "plus" for kind, _ in pieces):
-                prompts.append(self._pic_prompt(pieces, self.settings.span_query_reuse))
-            else:
-                prompts.append(self._check_length([t for _, ids in pieces for t in ids]))
-        return prompts
-
-    def _span_tokenizer(self) -> SpanTokenizer:
-        """How span queries and plus chat messages are tokenized (made once)."""
-        if self._spans is None:
-            turns: Turns
-            if self.settings.span_template == "spnl":
-                turns = SpnlTurns(self.source.name)
-            else:
-                turns = ModelTurns(self.tokenizer.render_chat)
-            self._spans = SpanTokenizer(turns, self.tokenizer.encode_plain, self._block_size)
-        return self._spans
-
-    # ---- PIC prompts ----------------------------------------------------------------------
-
-    def _block_pieces(self, blocks: object) -> list[tuple[str, list[int]]]:
-        """``generate(blocks=...)``: each block's text tokenized alone (no special tokens),
-        after the BOS the tokenizer starts a prompt with, which is cross."""
-        tokenizer = self.tokenizer
-        vocab = self.model_config.vocab_size
-        return block_pieces(blocks, tokenizer.encode_plain, vocab, tokenizer.encode(""))
-
-    def _split_sentinels(self, ids: list[int]) -> "PromptIds":
-        sentinels, settings = self._sentinels, self.settings
-        found = None
-        if sentinels is not None:
-            found = split_sentinels(ids, sentinels, settings.pic_positions, settings.pic_reuse)
-        return self._check_length(ids) if found is None else self._checked_pic(found)
-
-    def _pic_prompt(
-        self, pieces: list[tuple[str, list[int]]], reuse: str | None = None
-    ) -> PicPrompt:
-        """A PIC prompt under ``reuse`` (``MISTRALRS_PIC_REUSE`` where None)."""
-        settings = self.settings
-        prompt = make_prompt(pieces, settings.pic_positions, reuse or settings.pic_reuse)  # type: ignore[arg-type]
-        return self._checked_pic(prompt)
-
-    def _checked_pic(self, prompt: PicPrompt) -> PicPrompt:
-        """A PIC prompt this backend can run, whose spans (each from a new block) fit."""
-        if self._pic_refusal is not None:
-            raise RequestError(f"this backend cannot run PIC prompts: {self._pic_refusal}")
-        size = self._block_size
-        slots = prompt.layout.padded_slots(size)
-        if slots + size >= self.max_model_len:
-            raise ContextLengthError(
-                f"the PIC prompt has {len(prompt.token_ids)} tokens, {slots} with each span "
-                f"starting a new block of {size}, but a sequence holds {self.max_model_len} "
-                f"(prompt and completion together); {self._pic_remedy(prompt, size)}"
-            )
-        return prompt
-
-    def _pic_remedy(self, prompt: PicPrompt, size: int) -> str:
-        """What would let a PIC prompt that does not fit run: the largest smaller block
-        size it fits with (many short spans each pad a block), else shortening it."""
-        for smaller in (s for s in (64, 32, 16, 8) if s < size):
-            if prompt.layout.padded_slots(smaller) + smaller < self.max_model_len:
-                return (
-                    f"with blocks of {smaller} it takes {prompt.layout.padded_slots(smaller)}"
-                    f": set MISTRALRS_PAGED_ATTN_BLOCK_SIZE={smaller}, or shorten it"
-                )
-        return "shorten it"
+    def span_query_prompts(self, query: SpanQuery) -> list[PromptIds]:
+        """spnl's span query as checked prompts (`PicPrompts.from_query`)."""
+        return self._pic.from_query(query)
 
     # ---- state ----------------------------------------------------------------------------
 
@@ -670,7 +520,7 @@ class Backend:
         blocks: object,
         unknown: dict[str, object],
         sampling: tuple[Any, ...],
-    ) -> tuple["PromptIds", SamplingParams]:
+    ) -> tuple[PromptIds, SamplingParams]:
         params = self._checked(unknown, sampling)
         if prompt is not None and not isinstance(prompt, str):
             raise RequestError(f"a stream takes one prompt string, not {type(prompt).__name__}")
@@ -681,7 +531,7 @@ class Backend:
 
     def prompt_ids(
         self, prompt: object = None, token_ids: object = None, blocks: object = None
-    ) -> tuple[list["PromptIds"], bool]:
+    ) -> tuple[list[PromptIds], bool]:
         """The prompts as checked token ids (text encoded, ids checked against the
         vocabulary, each against the context; PIC prompts with their layouts), and whether
         one was given, not a list."""
@@ -692,10 +542,10 @@ class Backend:
                 "pairs): exactly one of them"
             )
         if blocks is not None:
-            return [self._pic_prompt(self._block_pieces(blocks))], True
+            return [self._pic.from_blocks(blocks)], True
         if token_ids is not None:
             prompts, single = token_id_prompts(token_ids, self.model_config.vocab_size)
-            return [self._split_sentinels(ids) for ids in prompts], single
+            return [self._pic.from_token_ids(ids) for ids in prompts], single
         if isinstance(prompt, str):
             return [self._encode(check_prompt(prompt))], True
         return [self._encode(p) for p in prompt_list(prompt)], False
@@ -707,71 +557,11 @@ class Backend:
         return loop
 
     def _encode(self, prompt: str) -> list[int]:
-        return self._check_length(self.tokenizer.encode(prompt))
-
-    def _check_length(self, ids: list[int]) -> list[int]:
-        if len(ids) >= self.max_model_len:
-            if self._cache_holds_context:
-                holder = "the whole paged KV cache (the MISTRALRS_PAGED_ATTN_* budget)"
-                remedy = "raise MISTRALRS_PAGED_ATTN_CONTEXT_LEN or shorten it"
-            else:
-                holder, remedy = "the model's context", "shorten it"
-            raise ContextLengthError(
-                f"the prompt has {len(ids)} tokens, but {holder} holds "
-                f"{self.max_model_len} (prompt and completion together); {remedy}"
-            )
-        return ids
-
-
-class Stream(Iterator[str]):
-    """The text pieces of one completion as it is decoded (what `Backend.stream` returns).
-
-    Read from one thread at a time; `close` (from any thread), garbage collection or
-    leaving the loop aborts the request."""
-
-    def __init__(self, backend: Backend, ids: list[int], params: SamplingParams) -> None:
-        self.request: LoopRequest | None = None  # once the first piece is asked for
-        self._backend, self._ids, self._params = backend, ids, params
-        self._items: Iterator[Item] | None = None
-        self._reading = threading.Lock()
-
-    @property
-    def seq(self) -> EngineSequence | None:
-        return None if self.request is None else self.request.seqs[0]
-
-    def __next__(self) -> str:
-        if not self._reading.acquire(blocking=False):
-            raise RequestError("this stream is being read by another thread; read it from one")
-        try:
-            if self._items is None:
-                self.request = self._backend.submit([self._ids], self._params, pieces=True)
-                self._items = self.request.items()
-            for item in self._items:
-                _raise_failure(item)
-                if isinstance(item, StepOutput) and item.text_delta:
-                    return item.text_delta
-            raise StopIteration
-        finally:
-            self._reading.release()
-
-    def close(self) -> None:
-        """Abort the request, and return once its cache is free; a thread reading the
-        stream meanwhile sees it end."""
-        if self.request is None:
-            return
-        if self._reading.acquire(blocking=False):
-            try:
-                if self._items is not None:
-                    self._items.close()
-            finally:
-                self._reading.release()
-        else:
-            self.request.abort()
-        self.request.loop.barrier()
+        return self._limit.check(self.tokenizer.encode(prompt))
 
 
 def _completions(
-    engine: Engine, prompt: "PromptIds", params: SamplingParams, n: int
+    engine: Engine, prompt: PromptIds, params: SamplingParams, n: int
 ) -> list[EngineSequence]:
     """``n`` completions: the first leads, the others wait for its prompt and share it. A
     PIC prompt's blocks are shared through the pool's keys: only with prefix caching on
@@ -787,44 +577,10 @@ def _completions(
     return [leader, *others]
 
 
-def _pic_refusal(engine: Engine) -> str | None:
-    """Why PIC prompts cannot run on this engine's cache, or None where they can."""
-    info = engine.cache_info
-    if info.kind != "paged":
-        return (
-            "it runs without paged attention (MISTRALRS_PAGED_ATTN=false, or the platform's "
-            "default); PIC lives in the paged pool"
-        )
-    if info.compression is not None:
-        return f"its KV cache is compressed (MISTRALRS_KV_CACHE_COMPRESSION={info.compression})"
-    if isinstance(engine.runner, SpeculativeRunner):
-        return (
-            "it decodes with a speculative draft (MISTRALRS_SPECULATIVE_DRAFT_MODEL or "
-            "MISTRALRS_SPECULATIVE_DRAFT_ISQ)"
-        )
-    return None
-
-
 def _nth_seed(params: SamplingParams, i: int) -> SamplingParams:
     if params.seed is None:
         return params
     return dataclasses.replace(params, seed=(params.seed + i) % (MAX_SEED + 1))
-
-
-def _results(request: LoopRequest, single: bool) -> Any:
-    """Wait for ``request`` on this thread: its results (one, or a list)."""
-    for item in request.items():
-        _raise_failure(item)
-    results = [_result(seq) for seq in request.seqs]
-    return results[0] if single else results
-
-
-async def _aresults(request: LoopRequest, single: bool) -> Any:
-    """`_results` on the event loop."""
-    async for item in request.aitems():
-        _raise_failure(item)
-    results = [_result(seq) for seq in request.seqs]
-    return results[0] if single else results
 
 
 def _embedding_inputs(texts: object, backend: "Backend") -> list[list[int]]:
@@ -837,7 +593,7 @@ def _embedding_inputs(texts: object, backend: "Backend") -> list[list[int]]:
     for i, ids in enumerate(prompts):
         if not ids:
             raise RequestError(f"input[{i}] has no tokens; give some text")
-        backend._check_length(ids)
+        backend._limit.check(ids)
     return prompts
 
 
@@ -851,180 +607,3 @@ def _passes(prompts: list[list[int]], budget: int) -> Iterator[list[list[int]]]:
         group.append(ids)
     if group:
         yield group
-
-
-def _with_calls(result: GenerateResult, chat: ToolChat) -> GenerateResult:
-    """``result`` with the calls its text makes, where it was read for them."""
-    if chat.format is None:
-        return result
-    calls = read_whole(chat.format, result.text)
-    if calls is None:
-        return result
-    if result.finish_reason == "length":  # cut short: the calls made whole before the cut
-        return dataclasses.replace(result, tool_calls=calls)
-    return dataclasses.replace(result, tool_calls=calls, finish_reason="tool_calls")
-
-
-def _raise_failure(item: Item) -> None:
-    if isinstance(item, Finished) and item.seq.error is not None:
-        raise item.seq.error
-
-
-def _result(seq: EngineSequence) -> GenerateResult:
-    completion = len(seq.output_token_ids)
-    ttft = (seq.first_token_time or seq.arrival_time) - seq.arrival_time
-    decode_time = (seq.finish_time or 0.0) - (seq.first_token_time or 0.0)
-    decode_rate = (completion - 1) / decode_time if completion > 1 and decode_time > 0 else 0.0
-    usage = Usage(
-        len(seq.prompt_token_ids),
-        completion,
-        seq.num_cached_tokens,
-        ttft,
-        decode_rate,
-        seq.num_draft_tokens,
-        seq.num_accepted_tokens,
-        seq.num_pic_hit_tokens,
-        seq.num_pic_miss_tokens,
-        seq.num_tier_hit_tokens,
-    )
-    return GenerateResult(
-        seq.text,
-        list(seq.output_token_ids),
-        seq.finish_reason or "stop",
-        usage,
-        list(seq.logprobs) if seq.params.logprobs else None,
-    )
-
-
-def load_backend(
-    model: str | os.PathLike[str] | None = None,
-    settings: BackendSettings | None = None,
-    *,
-    progress: Progress | None = None,
-) -> Backend:
-    """Load a model (the argument, else ``MISTRALRS_MODEL``, else the embedded default).
-
-    ``settings`` default to the MISTRALRS_* environment; ``progress`` receives loading
-    progress (by default progress bars where stderr is a terminal, else ``load.progress``
-    log events), called from the backend's engine thread, which loads the model while
-    this call waits. A load that fails or is interrupted ends the bars' lines first.
-    """
-    _check_load_arguments(model, settings, progress)
-    if settings is None:
-        settings = load_settings()
-    else:
-        set_verbose(settings.verbose)
-    decisions = detect_platform(settings)
-    name = os.fspath(model) if model is not None else settings.model
-    source = (
-        resolve_model(name)
-        if name
-        else ModelSource("gguf", default_model_path(), "embedded default")
-    )
-    log.info("model.resolved", name=source.name, kind=source.kind, path=str(source.path))
-    progress = progress or (TqdmProgress() if sys.stderr.isatty() else LogProgress())
-    try:
-        return _load(source, settings, decisions, progress)
-    except BaseException:
-        close = getattr(progress, "close", None)
-        if close is not None:
-            close()
-        raise
-
-
-def _load(
-    source: ModelSource,
-    settings: BackendSettings,
-    decisions: PlatformDecisions,
-    progress: Progress,
-) -> Backend:
-    topology = decide_topology(
-        settings, decisions.device_type, decisions.cuda_device_count, launch_environment()
-    )
-    layer_map = decide_layer_map(
-        settings, topology, decisions.device_type, decisions.cuda_device_count
-    )
-    if topology.distributed:
-        return _load_distributed(source, settings, decisions, topology, progress)
-    if layer_map is not None:
-        check_layer_map_settings(settings, decisions)
-
-    def build() -> tuple[Engine, LoadedModel]:
-        loaded = load_model(source, settings.isq, decisions, progress, layer_map=layer_map)
-        draft = load_draft(loaded, settings, decisions, progress)
-        engine = build_engine(loaded, settings, decisions, draft)
-        return engine, loaded
-
-    loop, loaded = EngineLoop.start(build)  # built on the thread that will step it
-    backend = Backend(loaded, loop, settings, decisions)
-    release_freed_memory()
-    return backend
-
-
-def _load_distributed(
-    source: ModelSource,
-    settings: BackendSettings,
-    decisions: PlatformDecisions,
-    topology: Topology,
-    progress: Progress,
-) -> Backend:
-    """A model over several ranks (`distributed`): this process is its machine's first.
-    Rank 0 returns the backend; any other first rank follows rank 0's steps until rank 0
-    closes, then ends its process (under torchrun, every rank but 0)."""
-    from .distributed.driver import Ranks, check_model_splits, start_ranks
-    from .distributed.launch import rank_decisions
-    from .distributed.worker import follow
-
-    check_distributed_settings(settings, decisions)
-    check_model_splits(source, topology.world_size)
-    decisions = rank_decisions(decisions, topology)
-    log.info("distributed.topology", why=topology.why, rank=topology.rank)
-
-    def load_share() -> tuple[LoadedModel, Ranks]:
-        split, ranks = start_ranks(source, settings, decisions, topology)
-        try:
-            return load_model(source, settings.isq, decisions, progress, split=split), ranks
-        except BaseException:
-            ranks.stop()
-            raise
-
-    def build() -> tuple[Engine, LoadedModel]:
-        loaded, ranks = load_share()
-        try:
-            draft = load_draft(loaded, settings, decisions, progress)  # whole, on rank 0
-            engine = build_engine(loaded, settings, decisions, draft)
-            ranks.attach(engine, settings)
-        except BaseException:
-            ranks.stop()
-            raise
-        return engine, loaded
-
-    if topology.rank != 0:
-        loaded, ranks = load_share()
-        try:
-            follow(loaded, ranks.tp, settings, decisions)
-        finally:
-            ranks.stop()
-        raise SystemExit(0)
-    loop, loaded = EngineLoop.start(build)
-    backend = Backend(loaded, loop, settings, decisions)
-    release_freed_memory()
-    return backend
-
-
-def _check_load_arguments(model: object, settings: object, progress: object) -> None:
-    if (model is not None and not isinstance(model, str | os.PathLike)) or (
-        isinstance(model, os.PathLike) and not isinstance(os.fspath(model), str)
-    ):
-        raise SettingsError(
-            f"model={type(model).__name__}: expected a model name or path (str or os.PathLike)"
-        )
-    if settings is not None and not isinstance(settings, BackendSettings):
-        raise SettingsError(
-            f"settings={type(settings).__name__}: expected a BackendSettings "
-            "(build one with BackendSettings(field=value, ...))"
-        )
-    if progress is not None and not callable(progress):
-        raise SettingsError(
-            f"progress={type(progress).__name__}: expected a callable (stage, done, total)"
-        )

@@ -136,7 +136,7 @@ def _add_chat(commands: Any) -> None:
 
 
 def _run_chat(args: argparse.Namespace) -> int:
-    from .backend import load_backend
+    from .load import load_backend
     from .loader.progress import TqdmProgress
     from .request import sampling_params
     from .terminal_chat import run_chat
@@ -246,7 +246,7 @@ def _keep_alive(value: str) -> float:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from .backend import load_backend
+    from .load import load_backend
     from .loader.progress import TqdmProgress
     from .request import sampling_params
 

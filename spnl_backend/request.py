@@ -6,12 +6,15 @@ requests share.
 """
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from .engine.sequence import SamplingParams
-from .errors import RequestError, shown
+from .errors import ContextLengthError, RequestError, shown
+from .pic.layout import PicPrompt
 from .plain import check_text, is_bool, plain_float, plain_int, plain_str, read_once
+from .sampling import SamplingParams
 
 MAX_SEED = 2**64 - 1  # what torch's generators take
+PromptIds = list[int] | PicPrompt  # a checked prompt: token ids, or a PIC prompt
 
 
 def sampling_params(
@@ -272,6 +275,30 @@ def checked_token_ids(value: object, vocab_size: int, name: str) -> list[int]:
     if not ids or any(i is None or not 0 <= i < vocab_size for i in ids):
         raise _bad(name, value, f"a non-empty list of token ids from 0 to {vocab_size - 1}")
     return ids  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class ContextLimit:
+    """The tokens a sequence holds, prompt and completion together (``max_model_len``),
+    and whether that is the whole paged KV cache's budget rather than the model's context
+    (which says what would let a longer prompt run)."""
+
+    max_model_len: int
+    whole_cache: bool
+
+    def check(self, ids: list[int]) -> list[int]:
+        """``ids``, where a completion of them fits; else a `ContextLengthError`."""
+        if len(ids) >= self.max_model_len:
+            if self.whole_cache:
+                holder = "the whole paged KV cache (the MISTRALRS_PAGED_ATTN_* budget)"
+                remedy = "raise MISTRALRS_PAGED_ATTN_CONTEXT_LEN or shorten it"
+            else:
+                holder, remedy = "the model's context", "shorten it"
+            raise ContextLengthError(
+                f"the prompt has {len(ids)} tokens, but {holder} holds "
+                f"{self.max_model_len} (prompt and completion together); {remedy}"
+            )
+        return ids
 
 
 def check_messages(

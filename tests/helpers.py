@@ -71,7 +71,7 @@ class TinyModels:
 
 def engine_logits(backend: Backend, ids: list[int]) -> torch.Tensor:
     """Logits at every position of ``ids`` through the backend's own KV cache (paged or not)."""
-    from spnl_backend.engine.scoring import prompt_logits
+    from spnl_backend.engine.prompt_logits import prompt_logits
 
     engine_internals(backend)  # open
     return backend._loop.call(lambda engine: prompt_logits(engine, ids, torch.device("cpu")))
@@ -153,7 +153,7 @@ def run_together(backend: Backend, *calls: Callable[[], object]) -> list[object]
 def plus_chat_usage(backend: Backend, docs: list[str], order: list[int], question: str):
     """The usage of a chat as spnl's RAG sends it: a system prompt, the documents in
     ``order`` as plus messages, a question (one greedy token)."""
-    from spnl_backend.pic.requests import PLUS_MARKER
+    from spnl_backend.pic.pieces import PLUS_MARKER
 
     messages = [{"role": "system", "content": "Answer from the documents."}]
     messages += [{"role": "user", "content": PLUS_MARKER + docs[i]} for i in order]

@@ -9,7 +9,7 @@ from helpers import CPU
 from live_server import TEMPLATE
 
 from spnl_backend import BackendSettings, RequestError, load_backend
-from spnl_backend.engine.sequence import SamplingParams
+from spnl_backend.sampling import SamplingParams
 
 PROMPTS = ["The capital of France is", "Once upon a time there was", "def add(a, b):"]
 

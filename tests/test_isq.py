@@ -175,7 +175,7 @@ def test_requantizing_stored_blocks_equals_quantizing_their_values(monkeypatch, 
 
 
 def test_draft_isq_requantizes_a_gguf(tiny, caplog):
-    from spnl_backend.loader.build import load_model
+    from spnl_backend.loader.model import load_model
     from spnl_backend.loader.progress import LogProgress
     from spnl_backend.loader.resolve import resolve_model
     from spnl_backend.settings import detect_platform

@@ -19,13 +19,15 @@ PACKAGE = Path(__file__).resolve().parent.parent / "spnl_backend"
 # Lowest first. A module belongs to the layer of its longest listed prefix; a name
 # starting with "=" is that one module only (a package's __init__, not its modules).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    # what everything may use: errors, logging, memory arithmetic, and the catalogue of
-    # compression methods' names that settings validate against (with the compression
-    # package's __init__, which imports nothing until a name is asked for)
+    # what everything may use: errors, logging, memory arithmetic, a request's sampling
+    # parameters (which the engine reads), and the catalogue of compression methods'
+    # names that settings validate against (with the compression package's __init__,
+    # which imports nothing until a name is asked for)
     (
         "spnl_backend.errors",
         "spnl_backend.log",
         "spnl_backend.memory",
+        "spnl_backend.sampling",
         "spnl_backend.compression.registry",
         "=spnl_backend.compression",
     ),
@@ -40,18 +42,22 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # a model over several ranks: the group, each rank's share, starting and following
     ("spnl_backend.distributed",),
     # a request's checks, PIC's ways in (request parsing, beside them: spnl's span queries
-    # read and tokenized, their messages templated), and its output constraints (their
-    # specs are request checks; their matchers the engine's)
+    # read and tokenized, their messages templated; a backend's PIC prompts made and
+    # checked), its output constraints (their specs are request checks; their matchers the
+    # engine's), its results, the backend, and loading one
     (
         "spnl_backend.request",
         "spnl_backend.plain",
-        "spnl_backend.pic.requests",
+        "spnl_backend.pic.pieces",
+        "spnl_backend.pic.prompts",
         "spnl_backend.pic.query",
         "spnl_backend.pic.spans",
         "spnl_backend.pic.turns",
         "spnl_backend.constrain",
         "spnl_backend.tools",
+        "spnl_backend.results",
         "spnl_backend.backend",
+        "spnl_backend.load",
         "=spnl_backend",
     ),
     ("spnl_backend.server",),

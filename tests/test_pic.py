@@ -12,7 +12,7 @@ from tiny_models import ARCHITECTURES
 
 from spnl_backend import BackendSettings, load_backend
 from spnl_backend.errors import ContextLengthError, RequestError, SettingsError
-from spnl_backend.pic.requests import PLUS_MARKER
+from spnl_backend.pic.pieces import PLUS_MARKER
 
 PREFIX = "The quick brown fox jumps over the lazy dog."
 DOCS = [
@@ -345,7 +345,7 @@ def test_many_tiny_documents_that_do_not_fit_name_the_block_size_that_would(trai
 
 
 def test_a_chat_of_too_many_messages_is_refused(trained):
-    from spnl_backend.pic.requests import MAX_PIC_MESSAGES
+    from spnl_backend.pic.pieces import MAX_PIC_MESSAGES
 
     with _fresh(trained) as backend:
         backend.tokenizer.hf.chat_template = TEMPLATE

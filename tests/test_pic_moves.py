@@ -152,7 +152,7 @@ def test_the_rules_never_share_keys(tiny):
         words = backend.tokenizer.encode_plain(" ".join(["the capital of France"] * 20))
         pieces = [("cross", words[:5]), ("plus", words[5:45]), ("cross", words[45:50])]
         backend.generate(blocks=pieces, max_tokens=1)
-        request = backend.submit([backend._pic_prompt(pieces, "tokens")], sampling_params(1))
+        request = backend.submit([backend._pic.from_pieces(pieces, "tokens")], sampling_params(1))
         for _ in request.items():
             pass
         assert request.seqs[0].num_pic_hit_tokens == 0

@@ -6,7 +6,7 @@ import pytest
 from live_server import MODEL, TEMPLATE
 
 from spnl_backend import BackendSettings, load_backend
-from spnl_backend.pic.requests import PLUS_MARKER
+from spnl_backend.pic.pieces import PLUS_MARKER
 
 PLUS, CROSS = 5, 6
 DOCS = ["Once upon a time there was a little model.", "The capital of France is Paris."]

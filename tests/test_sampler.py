@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spnl_backend.engine.sampler import distribution, sample
-from spnl_backend.engine.sequence import SamplingParams
 from spnl_backend.errors import EngineError
+from spnl_backend.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
 

@@ -8,8 +8,8 @@ from helpers import model_logits, run_together
 from spnl_backend import RequestError
 from spnl_backend.constrain.healing import back_off
 from spnl_backend.engine.sampler import distribution
-from spnl_backend.engine.sequence import SamplingParams
 from spnl_backend.request import sampling_params
+from spnl_backend.sampling import SamplingParams
 
 PROMPT = "the cat sat on the mat and the dog"
 TOKENS = 12

@@ -4,7 +4,8 @@ shared out between decoding sequences and prompts."""
 from helpers import PROMPT, engine_internals
 
 from spnl_backend.engine.scheduler import Scheduler
-from spnl_backend.engine.sequence import SamplingParams, Sequence
+from spnl_backend.engine.sequence import Sequence
+from spnl_backend.sampling import SamplingParams
 
 
 class RoomyCache:

@@ -12,8 +12,8 @@ from helpers import plus_chat_usage
 from live_server import TEMPLATE
 
 from spnl_backend.errors import RequestError
+from spnl_backend.pic.pieces import query_pieces
 from spnl_backend.pic.query import MapQuery, parse_query
-from spnl_backend.pic.requests import query_pieces
 from spnl_backend.pic.spans import SpanTokenizer
 from spnl_backend.pic.turns import ModelTurns, SpnlTurns
 

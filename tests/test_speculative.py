@@ -21,8 +21,8 @@ from spnl_backend import (
     load_backend,
 )
 from spnl_backend.engine.sampler import distribution
-from spnl_backend.engine.sequence import SamplingParams
 from spnl_backend.engine.verification import verify_sampled
+from spnl_backend.sampling import SamplingParams
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -12,8 +12,8 @@ from helpers import engine_internals
 from tiny_models import build_hf_model
 
 from spnl_backend import BackendSettings, RequestError, load_backend
-from spnl_backend.backend import _results
 from spnl_backend.request import sampling_params
+from spnl_backend.results import read_results
 
 SCHEMAS = [
     {  # nested objects, optional fields, bounded strings and integers
@@ -120,7 +120,7 @@ def test_free_requests_beside_constrained_ones_are_untouched(llama, temperature)
             ids, sampling_params(max_tokens=24, temperature=temperature, seed=9, choice=CHOICES)
         ),
     ]
-    results = [_results(request, single=False) for request in requests]
+    results = [read_results(request, single=False) for request in requests]
     assert [r.token_ids for r in results[1]] == expected
 
 
@@ -285,8 +285,8 @@ def test_a_grammar_past_llguidances_limits_fails_its_request_alone(llama):
     )
     free = llama.submit(ids, sampling_params(max_tokens=12, temperature=0))
     with pytest.raises(RequestError, match="the output's constraint"):
-        _results(endless, single=True)
-    assert [r.token_ids for r in _results(free, single=False)] == [r.token_ids for r in plain]
+        read_results(endless, single=True)
+    assert [r.token_ids for r in read_results(free, single=False)] == [r.token_ids for r in plain]
     assert llama.stats().running == 0
 
 
@@ -296,7 +296,7 @@ def test_n_completions_and_pic_prompts_take_constraints(llama):
         sampling_params(max_tokens=TOKENS, temperature=1.0, seed=2, choice=CHOICES),
         n=3,
     )
-    assert all(r.text in CHOICES for r in _results(request, single=False))
+    assert all(r.text in CHOICES for r in read_results(request, single=False))
     blocks = [("cross", "answer from these"), ("plus", "alpha beta"), ("plus", "gamma")]
     pic = llama.generate(blocks=blocks, max_tokens=TOKENS, temperature=0, regex=REGEX)
     assert pic.finish_reason == "stop"

@@ -9,8 +9,8 @@ import pytest
 from live_server import MODEL, served_backend
 from test_structured import CHOICES, SCHEMAS
 
-from spnl_backend.backend import _results
 from spnl_backend.request import sampling_params
+from spnl_backend.results import read_results
 
 CHAT = [{"role": "user", "content": "describe a person"}]
 
@@ -73,7 +73,7 @@ def test_chat_logprobs_in_openais_shape_each_completion_its_own(live, backend):
     )
     params = sampling_params(max_tokens=6, temperature=1.0, seed=3, logprobs=True, top_logprobs=4)
     request = backend.submit([backend.chat_prompt_ids(CHAT)], params, n=2)
-    results = _results(request, single=False)
+    results = read_results(request, single=False)
     for choice, result in zip(reply.choices, results, strict=True):
         content = choice.logprobs.content
         assert [c.logprob for c in content] == pytest.approx(

@@ -29,9 +29,9 @@ def test_one_process_unless_asked():
 def test_local_ranks_on_the_cpu_and_every_visible_gpu():
     cpu = _decide(mn_local_world_size=4)
     assert (cpu.world_size, cpu.local_world_size, cpu.rank) == (4, 4, 0)
-    assert (cpu.backend, cpu.launcher) == ("gloo", "spawn")
+    assert (cpu.dist_backend, cpu.launcher) == ("gloo", "spawn")
     gpus = _decide("cuda", 2)
-    assert (gpus.world_size, gpus.backend) == (2, "nccl")
+    assert (gpus.world_size, gpus.dist_backend) == (2, "nccl")
     assert gpus.why.startswith("2 visible CUDA GPUs")
 
 

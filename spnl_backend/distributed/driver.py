@@ -21,9 +21,8 @@ from ..quant.ggml import ggml_format
 from ..settings import BackendSettings, PlatformDecisions
 from ..settings.topology import Topology
 from .launch import LocalRanks, store_port
-from .parallel import Op, TensorParallel
-from .sharding import check_shardable
-from .split import RankSplit, join_group, serving
+from .sharding import RankSplit, check_shardable
+from .tensor_parallel import Op, TensorParallel, join_group, serving
 
 log = get_logger()
 

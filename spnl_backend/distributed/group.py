@@ -128,7 +128,7 @@ class Group:
 
 
 def _process_group(topology: Topology, store: dist.Store, timeout: timedelta):
-    if topology.backend == "nccl":
+    if topology.dist_backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, topology.rank, topology.world_size, options)

@@ -143,7 +143,7 @@ def _rank_settings(settings: BackendSettings, topology: Topology, rank: int, thr
     """``settings`` for ``rank``: the same, its share of the threads, on its own GPU where
     there are GPUs."""
     values = settings.model_dump(mode="json", exclude_defaults=True) | {"num_threads": threads}
-    if topology.backend == "nccl":
+    if topology.dist_backend == "nccl":
         values["device"] = f"cuda:{rank % topology.local_world_size}"
     return values
 

@@ -1,5 +1,6 @@
 """A model split over the ranks of a tensor-parallel group: each rank's share of the
-config, and each weight's rows or columns as the weights stream in from the file.
+config, and each weight's rows or columns as the weights stream in from the file (as the
+loader takes them: `RankSplit`, a `loader.model.ModelSplit`).
 
 Attention heads split across the ranks (key/value heads too, or each rank holds the one
 its query heads read where there are fewer key/value heads than ranks): q, k and v are
@@ -21,6 +22,7 @@ from ..models.config import ModelConfig
 from ..models.layers import shard_range
 from ..quant.ggml import ggml_format
 from ..quant.linear import QuantizedWeight
+from .tensor_parallel import TensorParallel
 
 Weight = torch.Tensor | QuantizedWeight
 NamedWeights = Iterator[tuple[str, Weight]]
@@ -160,3 +162,19 @@ def _columns(weight: Weight, start: int, end: int, name: str) -> Weight:
         raise SettingsError(f"{name}: columns {start}:{end} cut {weight.qtype.name} blocks")
     data = weight.data[:, start // block * nbytes : end // block * nbytes]
     return QuantizedWeight(data.contiguous(), weight.qtype, (weight.shape[0], end - start))
+
+
+class RankSplit:
+    """How this rank takes its share: the model's config cut to its heads and rows, each
+    weight cut as it streams in, and the group its layers sum over."""
+
+    def __init__(self, tp: TensorParallel) -> None:
+        self.collectives = tp
+
+    def local_config(self, config: ModelConfig) -> ModelConfig:
+        shard = Shard(config, self.collectives.rank, self.collectives.world)
+        self.collectives.kv_replicas = shard.kv_replicas
+        return shard.local_config()
+
+    def weights(self, config: ModelConfig, weights: NamedWeights) -> NamedWeights:
+        return Shard(config, self.collectives.rank, self.collectives.world).weights(weights)

@@ -14,13 +14,13 @@ import torch
 
 from ..engine.build import build_cache
 from ..errors import DistributedError, SpnlError
-from ..loader.build import LoadedModel, load_model
+from ..loader.model import LoadedModel, load_model
 from ..loader.resolve import ModelSource
 from ..log import get_logger
 from ..settings import BackendSettings, PlatformDecisions, detect_platform
 from ..settings.topology import Topology
-from .parallel import Op, TensorParallel
-from .split import RankSplit, join_group, serving
+from .sharding import RankSplit
+from .tensor_parallel import Op, TensorParallel, join_group, serving
 
 log = get_logger()
 

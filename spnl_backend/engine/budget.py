@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from ..errors import PlatformError, SettingsError
 from ..memory import MIB
 from ..models.config import ModelConfig
-from ..settings.model import KvBudget, env_name
+from ..settings.backend_settings import KvBudget, env_name
 
 # Kept free beside the cache for what a step allocates (activations, logits, the slices a
 # prefill dequantizes): a budget may take what is free less this.

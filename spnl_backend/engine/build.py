@@ -20,11 +20,11 @@ from ..compression import (
 )
 from ..errors import PlatformError, SettingsError
 from ..kernels import Kernels
-from ..loader.build import LoadedModel
+from ..loader.model import LoadedModel
 from ..log import get_logger
 from ..memory import MIB, available_memory, kv_bytes_per_token
 from ..settings import BackendSettings, PlatformDecisions
-from ..settings.model import KvBudget, env_name
+from ..settings.backend_settings import KvBudget, env_name
 from .block_manager import BlockManager
 from .budget import KVCachePlan, plan_kv_cache
 from .cache import CacheInfo, CacheManager

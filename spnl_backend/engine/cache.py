@@ -9,6 +9,10 @@ import torch
 from ..models.layers import AttentionBackend
 from .sequence import CachedTokens, ScheduledSeq
 
+# A sequence's next tokens to compute: their first position (consecutive ones) or each
+# one's position, and their ids.
+Feed = tuple[int | list[int], list[int]]
+
 
 @dataclass(frozen=True)
 class CacheInfo:
@@ -54,5 +58,13 @@ class CacheManager(Protocol):
     def release(self, seq: CachedTokens) -> None: ...
     def truncate(self, seq: CachedTokens) -> None: ...
     def after_step(self, batch: list[ScheduledSeq]) -> None: ...
-    def backend(self, batch: list[ScheduledSeq], device: torch.device) -> AttentionBackend: ...
+    def feed(self, seq: CachedTokens, count: int) -> Feed: ...
+    def attention(self, batch: list[ScheduledSeq], device: torch.device) -> AttentionBackend: ...
     def reset_prefix_cache(self) -> int: ...
+
+
+def in_order(seq: CachedTokens, count: int) -> Feed:
+    """The next ``count`` tokens of a sequence computed in token order (every sequence
+    but a PIC one, whose cache picks its order)."""
+    start = seq.num_computed_tokens
+    return start, seq.token_ids[start : start + count]

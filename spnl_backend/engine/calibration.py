@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..loader.build import LoadedModel
+from ..loader.model import LoadedModel
 from ..log import get_logger
 from .kv_cache import ContiguousStep, StepSlice, plain_stores
 

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from ..errors import DistributedError, EngineError
 from ..log import get_logger
 from ..pic.layout import PicLayout
+from ..sampling import SamplingParams
 from .cache import CacheInfo, PoolUsage
 from .detokenizer import Decoder, IncrementalDetokenizer, KeptTokens
 from .embed import embed
@@ -14,7 +15,7 @@ from .kv_tier import TierStats, tier_stats
 from .runner import Runner
 from .sampler import TokenLogprobs, row_error
 from .scheduler import Scheduler
-from .sequence import SamplingParams, ScheduledSeq, Sequence, StepOutput
+from .sequence import ScheduledSeq, Sequence, StepOutput
 
 if TYPE_CHECKING:
     import torch

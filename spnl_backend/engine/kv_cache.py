@@ -23,6 +23,7 @@ from ..log import get_logger
 from ..memory import grown
 from ..models.config import ModelConfig
 from ..models.layers import AttentionSpec
+from .cache import Feed, in_order
 from .sequence import CachedTokens, ScheduledSeq
 
 log = get_logger()
@@ -265,7 +266,10 @@ class ContiguousCacheManager:
     def after_step(self, batch: list[ScheduledSeq]) -> None:
         """Nothing to register: reuse is found by comparing tokens."""
 
-    def backend(self, batch: list[ScheduledSeq], device: torch.device) -> ContiguousStep:
+    def feed(self, seq: CachedTokens, count: int) -> Feed:
+        return in_order(seq, count)
+
+    def attention(self, batch: list[ScheduledSeq], device: torch.device) -> ContiguousStep:
         return ContiguousStep(
             [
                 StepSlice(

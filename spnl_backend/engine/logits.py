@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..sampling import SamplingParams
 from .constraint import Constraint, apply_bitmask, new_bitmask
-from .sequence import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ from ..models.config import ModelConfig
 from ..models.layers import AttentionBackend, AttentionSpec
 from ..pic.layout import PicLayout
 from .block_manager import UNTAKEN, BlockManager, BlockTable
-from .cache import PoolUsage
+from .cache import Feed, PoolUsage, in_order
 from .kv_shift import Angles, KeyShift
 from .pic_blocks import PicProgress, PlannedBlock
 from .sequence import CachedTokens, ScheduledSeq
@@ -204,7 +204,7 @@ class PagedCacheManager:
         pool lacks, while other sequences step (`PoolTier.read_ahead`)."""
         if self.tier is None or not self.blocks.enable_prefix_caching:
             return
-        layout = getattr(seq, "pic", None)
+        layout = seq.pic
         if layout is None:
             self.tier.read_ahead(self.blocks.prefix_keys(seq.token_ids))
             return
@@ -215,7 +215,7 @@ class PagedCacheManager:
     def admit(self, seq: CachedTokens) -> None:
         """Give a waiting sequence its block table, starting with the cached blocks of its
         longest cached prefix; at least its last token is always computed."""
-        layout = getattr(seq, "pic", None)
+        layout = seq.pic
         if layout is not None:
             self._admit_pic(seq, layout)
             return
@@ -230,7 +230,7 @@ class PagedCacheManager:
         if not seq.output_token_ids:  # a new request, not a preempted one coming back
             seq.num_cached_tokens = seq.num_computed_tokens
             from_tier = sum(block_id in promoted for block_id in hits) * self.block_size
-            seq.num_tier_hit_tokens = from_tier  # type: ignore[attr-defined]
+            seq.num_tier_hit_tokens = from_tier
             _log_prefix_lookup(seq, len(hits), self.blocks.blocks_for(seq.num_tokens))
 
     def _shareable(self, seq: CachedTokens) -> tuple[list[int], list[int]]:
@@ -275,9 +275,9 @@ class PagedCacheManager:
         if not seq.output_token_ids:  # a new request, not a preempted one coming back
             seq.num_cached_tokens = progress.num_hit
             plus_hit = sum(b.last + 1 - b.first for b in hits.values() if b.plus)
-            seq.num_pic_hit_tokens = plus_hit  # type: ignore[attr-defined]
-            seq.num_pic_miss_tokens = layout.num_plus_tokens - plus_hit  # type: ignore[attr-defined]
-            seq.num_tier_hit_tokens = from_tier  # type: ignore[attr-defined]
+            seq.num_pic_hit_tokens = plus_hit
+            seq.num_pic_miss_tokens = layout.num_plus_tokens - plus_hit
+            seq.num_tier_hit_tokens = from_tier
             _log_pic_lookup(seq, planned, hits, moved)
 
     def _promote(self, wanted: list[tuple[int, tuple[int, ...]]], prefix: bool) -> set[int]:
@@ -392,14 +392,21 @@ class PagedCacheManager:
                 registered.append(block_id)
         return registered
 
-    def pic_feed(self, seq: CachedTokens, count: int) -> tuple[list[int], list[int]]:
-        """The prompt-order indices and positions of a PIC sequence's next ``count``
-        tokens to compute."""
-        progress = self.pic[seq.seq_id]
-        indices = progress.indices(seq.num_computed_tokens - progress.num_hit, count)
-        return indices, [progress.layout.position(i) for i in indices]
+    def feed(self, seq: CachedTokens, count: int) -> Feed:
+        """A sequence's next ``count`` tokens to compute: in token order, or a PIC
+        sequence's in the order its progress keeps (hits skipped), at their positions."""
+        progress = self.pic.get(seq.seq_id)
+        if progress is None:
+            return in_order(seq, count)
+        indices = self._pic_indices(seq, progress, count)
+        tokens = seq.token_ids
+        return [progress.layout.position(i) for i in indices], [tokens[i] for i in indices]
 
-    def backend(self, batch: list[ScheduledSeq], device: torch.device) -> AttentionBackend:
+    def _pic_indices(self, seq: CachedTokens, progress: PicProgress, count: int) -> list[int]:
+        """The prompt-order indices of a PIC sequence's next ``count`` tokens to compute."""
+        return progress.indices(seq.num_computed_tokens - progress.num_hit, count)
+
+    def attention(self, batch: list[ScheduledSeq], device: torch.device) -> AttentionBackend:
         slots: list[int] = []
         tables, seq_lens, query_lens = [], [], []
         pic: list[PicKeys | None] = []
@@ -414,7 +421,7 @@ class PagedCacheManager:
                 size = self.block_size
                 slots += [table[p // size] * size + p % size for p in logical]
             else:
-                indices = self.pic_feed(item.seq, item.num_new_tokens)[0]
+                indices = self._pic_indices(item.seq, progress, item.num_new_tokens)
                 keys = self._pic_keys(progress, table, indices)
                 slots += keys.key_slots[keys.q_index].tolist()
                 seq_lens.append(len(table) * self.block_size)

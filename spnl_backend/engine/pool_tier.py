@@ -9,7 +9,7 @@ from concurrent.futures import Future, TimeoutError
 from pathlib import Path
 
 from ..errors import RequestError
-from ..loader.build import LoadedModel
+from ..loader.model import LoadedModel
 from ..log import get_logger
 from ..memory import MIB
 from ..settings import BackendSettings

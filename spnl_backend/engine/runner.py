@@ -6,7 +6,7 @@ from typing import Protocol
 import torch
 
 from ..models.transformer import CausalLM
-from .cache import CacheManager
+from .cache import CacheManager, Feed
 from .logits import RowHistory, adjust, fill_masks
 from .sampler import TokenLogprobs, row_error, sample, token_logprobs
 from .sequence import ScheduledSeq, Sequence
@@ -43,9 +43,9 @@ class ModelRunner:
         """Computes the step; returns the sampled token of each sequence whose tokens are now
         all computed (a prefill chunk in the middle of a prompt samples nothing), or the
         error of a sequence whose sampling failed."""
-        backend = self.cache.backend(batch, self.device)
+        attention = self.cache.attention(batch, self.device)
         input_ids, positions = step_inputs(batch, self.device, self.cache)
-        hidden = self.model(input_ids, positions, backend)
+        hidden = self.model(input_ids, positions, attention)
         rows, sampling = [], []
         row = -1
         for item in batch:
@@ -85,27 +85,15 @@ def logprobs_of(
 
 
 def step_inputs(
-    batch: list[ScheduledSeq], device: torch.device, cache: CacheManager | None = None
+    batch: list[ScheduledSeq], device: torch.device, cache: CacheManager
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and positions of every scheduled token, packed sequence after sequence
-    (a PIC sequence's from its cache, which knows which of its tokens come next)."""
-    feeds: list[tuple[int | list[int], list[int]]] = []
-    for item in batch:
-        start, count = item.seq.num_computed_tokens, item.num_new_tokens
-        if getattr(item.seq, "pic", None) is not None and cache is not None:
-            indices, places = cache.pic_feed(item.seq, count)  # type: ignore[attr-defined]
-            tokens = item.seq.token_ids
-            feeds.append((places, [tokens[i] for i in indices]))
-        else:
-            feeds.append((start, item.seq.token_ids[start : start + count]))
-    return pack_inputs(feeds, device)
+    """Token ids and positions of every scheduled token, packed sequence after sequence,
+    in the order the cache computes each sequence's tokens (`CacheManager.feed`)."""
+    return pack_inputs([cache.feed(item.seq, item.num_new_tokens) for item in batch], device)
 
 
-def pack_inputs(
-    feeds: list[tuple[int | list[int], list[int]]], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(first position or every position, tokens)`` of each sequence → packed token ids
-    and positions."""
+def pack_inputs(feeds: list[Feed], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's `Feed` → packed token ids and positions."""
     ids: list[int] = []
     positions: list[int] = []
     for start, tokens in feeds:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import EngineError, RequestError
-from .sequence import SamplingParams
+from ..sampling import SamplingParams
 
 # Temperatures below float32's smallest normal number would divide logits by zero (or by
 # a denormal); the distribution has reached its limit long before (all mass on the tied

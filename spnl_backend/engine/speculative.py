@@ -20,7 +20,7 @@ import torch
 from ..log import get_logger
 from ..models.layers import AttentionBackend
 from ..models.transformer import CausalLM
-from .cache import CacheManager, PoolUsage
+from .cache import CacheManager, Feed, PoolUsage
 from .constraint import Constraint, apply_bitmask, constraint_row
 from .logits import RowHistory, adjust
 from .runner import Picked, Sampled, logprobs_of, pack_inputs
@@ -41,7 +41,15 @@ class CacheView:
     seq: Sequence
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
+    num_tier_hit_tokens: int = 0
+    num_pic_hit_tokens: int = 0
+    num_pic_miss_tokens: int = 0
     pending: list[int] = field(default_factory=list)
+
+    @property
+    def pic(self) -> None:
+        """None: a backend with a draft refuses PIC prompts, so its draft never sees one."""
+        return None
 
     @property
     def seq_id(self) -> int:
@@ -100,11 +108,14 @@ class SpeculativeCache:
     def after_step(self, batch: list[ScheduledSeq]) -> None:
         self.target.after_step(batch)
 
+    def feed(self, seq: Sequence, count: int) -> Feed:
+        return self.target.feed(seq, count)
+
     def reset_prefix_cache(self) -> int:
         return self.target.reset_prefix_cache() + self.draft.reset_prefix_cache()
 
-    def backend(self, batch: list[ScheduledSeq], device: torch.device) -> AttentionBackend:
-        return self.target.backend(batch, device)
+    def attention(self, batch: list[ScheduledSeq], device: torch.device) -> AttentionBackend:
+        return self.target.attention(batch, device)
 
     def draft_view(self, seq: Sequence) -> CacheView:
         view = self.views.get(seq.seq_id)
@@ -192,7 +203,7 @@ class Drafter:
         ids, positions = pack_inputs(
             [(view.num_computed_tokens, tokens) for view, tokens in feeds], self.device
         )
-        hidden = self.model(ids, positions, self.cache.draft.backend(batch, self.device))
+        hidden = self.model(ids, positions, self.cache.draft.attention(batch, self.device))
         for view, tokens in feeds:
             view.num_computed_tokens += len(tokens)
         return self.model.compute_logits(hidden[_last_rows(batch)])
@@ -259,7 +270,9 @@ class SpeculativeRunner:
             ScheduledSeq(item.seq, item.num_new_tokens + len(_drafts(proposals, item.seq)))
             for item in batch
         ]
-        hidden = self.model(*self._inputs(batch, proposals), self.cache.backend(steps, self.device))
+        hidden = self.model(
+            *self._inputs(batch, proposals), self.cache.attention(steps, self.device)
+        )
         rows, verifying, row = [], [], 0
         for item, step in zip(batch, steps, strict=True):
             row += step.num_new_tokens

@@ -10,8 +10,8 @@ from the position after the last draft), so each token has the target's distribu
 
 import torch
 
+from ..sampling import SamplingParams
 from .sampler import argmax_rows, distribution
-from .sequence import SamplingParams
 
 
 def verify(

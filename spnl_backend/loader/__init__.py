@@ -1,1 +1,1 @@
-"""Model name or path → weights, config and tokenizer: a `LoadedModel` (`build.load_model`)."""
+"""Model name or path → weights, config and tokenizer: a `LoadedModel` (`model.load_model`)."""

@@ -8,7 +8,7 @@ itself (a GGUF target's blocks are requantized). Both models must share a vocabu
 from ..errors import ModelFileError, SettingsError, SpnlError
 from ..log import get_logger
 from ..settings import BackendSettings, PlatformDecisions
-from .build import LoadedModel, load_model
+from .model import LoadedModel, load_model
 from .progress import Progress
 from .resolve import ModelSource, resolve_model
 from .tokenizer import Tokenizer

@@ -22,9 +22,10 @@ import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from ..engine.sequence import SamplingParams, Sequence
+from ..engine.sequence import Sequence
 from ..errors import RequestError, shown
 from ..request import sampling_params
+from ..sampling import SamplingParams
 from ..tools.calls import read_whole
 from ..tools.formats import ToolFormat
 from ..tools.spec import tool_request

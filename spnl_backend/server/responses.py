@@ -12,9 +12,9 @@ from typing import Any, Literal
 
 import torch
 
-from ..backend import Embeddings
 from ..engine.sampler import TokenLogprobs
 from ..engine.sequence import Sequence
+from ..results import Embeddings
 from ..tools.calls import CallReader, Delta, ToolCall, call_reader, read_whole
 from ..tools.formats import ToolFormat
 from .protocol import EmbeddingRequest

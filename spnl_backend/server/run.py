@@ -18,8 +18,9 @@ from types import FrameType
 
 import uvicorn
 
-from ..backend import Backend, load_backend
+from ..backend import Backend
 from ..errors import SettingsError
+from ..load import load_backend
 from ..loader.default_model import DEFAULT_MODEL_NAME
 from ..log import get_logger
 from ..settings import BackendSettings, load_settings

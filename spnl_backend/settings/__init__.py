@@ -1,7 +1,13 @@
 """MISTRALRS_* environment → one frozen, validated `BackendSettings`, and the
 platform decisions (device, paged attention, kernels, FP8, dtype) derived from it."""
 
-from .model import BackendSettings, KvBudget, env_name, load_settings, unknown_env_variables
+from .backend_settings import (
+    BackendSettings,
+    KvBudget,
+    env_name,
+    load_settings,
+    unknown_env_variables,
+)
 from .platform import PlatformDecisions, PlatformProbe, decide_platform, detect_platform
 from .values import IsqType
 

@@ -6,7 +6,7 @@ A variable set on purpose but ignored costs users hours, so each one is reported
 
 from typing import TYPE_CHECKING
 
-from .model import KV_BUDGET_FIELDS, BackendSettings, env_name
+from .backend_settings import KV_BUDGET_FIELDS, BackendSettings, env_name
 
 if TYPE_CHECKING:  # the platform module reports through this one
     from .platform import PlatformDecisions

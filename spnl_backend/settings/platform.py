@@ -17,8 +17,8 @@ import torch
 
 from ..errors import PlatformError, SettingsError
 from ..log import get_logger
+from .backend_settings import BackendSettings
 from .effects import ineffective_settings
-from .model import BackendSettings
 from .values import MAX_THREADS
 
 log = get_logger()

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from ..errors import SettingsError
-from .model import BackendSettings, env_name
+from .backend_settings import BackendSettings, env_name
 
 if TYPE_CHECKING:
     from .platform import PlatformDecisions
@@ -45,7 +45,7 @@ class Topology:
     rank: int = 0
     local_world_size: int = 1
     node: int = 0  # this machine: 0 is the head, whose first rank serves the API
-    backend: Literal["gloo", "nccl"] | None = None
+    dist_backend: Literal["gloo", "nccl"] | None = None  # torch.distributed's collectives
     master_addr: str = LOCALHOST
     master_port: int | None = None  # None: a free port, chosen when the ranks start
     launcher: Launcher = "none"
@@ -84,18 +84,18 @@ def decide_topology(
     launch: Mapping[str, str],
 ) -> Topology:
     """The topology (pure): raises SettingsError naming the variables that disagree."""
-    backend = "nccl" if device_type == "cuda" else "gloo"
+    dist_backend = "nccl" if device_type == "cuda" else "gloo"
     multi_node = settings.mn_global_world_size is not None
     torchrun = int(launch.get("WORLD_SIZE", "1") or 1) > 1
     if settings.no_nccl:
         _check_no_parallelism(settings, torchrun)
         return Topology(why=f"{env_name('no_nccl')}=1: one process, no tensor parallelism")
     if torchrun:
-        topology = _torchrun(settings, launch, backend)
+        topology = _torchrun(settings, launch, dist_backend)
     elif multi_node:
-        topology = _multi_node(settings, backend)
+        topology = _multi_node(settings, dist_backend)
     else:
-        topology = _one_machine(settings, backend, device_type, cuda_count)
+        topology = _one_machine(settings, dist_backend, device_type, cuda_count)
     _check_devices(topology, device_type, cuda_count)
     return dataclasses.replace(
         topology,
@@ -117,7 +117,7 @@ def _check_no_parallelism(settings: BackendSettings, torchrun: bool) -> None:
         )
 
 
-def _torchrun(settings: BackendSettings, launch: Mapping[str, str], backend: str) -> Topology:
+def _torchrun(settings: BackendSettings, launch: Mapping[str, str], dist_backend: str) -> Topology:
     if settings.mn_global_world_size is not None:
         raise SettingsError(
             f"torchrun started this process (WORLD_SIZE={launch['WORLD_SIZE']}) and "
@@ -147,7 +147,7 @@ def _torchrun(settings: BackendSettings, launch: Mapping[str, str], backend: str
         rank=rank,
         local_world_size=local,
         node=rank // local,
-        backend=backend,  # type: ignore[arg-type]
+        dist_backend=dist_backend,  # type: ignore[arg-type]
         master_addr=launch["MASTER_ADDR"],
         master_port=port,
         launcher="torchrun",
@@ -157,7 +157,7 @@ def _torchrun(settings: BackendSettings, launch: Mapping[str, str], backend: str
     return topology
 
 
-def _multi_node(settings: BackendSettings, backend: str) -> Topology:
+def _multi_node(settings: BackendSettings, dist_backend: str) -> Topology:
     world = settings.mn_global_world_size
     local = settings.mn_local_world_size
     assert world is not None
@@ -182,7 +182,9 @@ def _multi_node(settings: BackendSettings, backend: str) -> Topology:
             f"({env_name('mn_worker_server_addr')} and {env_name('mn_worker_id')}), "
             + ("not both" if head else "and neither is set")
         )
-    common = dict(world_size=world, local_world_size=local, backend=backend, launcher="spawn")
+    common = dict(
+        world_size=world, local_world_size=local, dist_backend=dist_backend, launcher="spawn"
+    )
     if head:
         return _head(settings, nodes, common)
     return _worker(settings, nodes, common)
@@ -235,7 +237,7 @@ def _both(settings: BackendSettings, who: str, first: str, second: str) -> tuple
 
 
 def _one_machine(
-    settings: BackendSettings, backend: str, device_type: str, cuda_count: int
+    settings: BackendSettings, dist_backend: str, device_type: str, cuda_count: int
 ) -> Topology:
     local = settings.mn_local_world_size
     why = f"{env_name('mn_local_world_size')}={local}"
@@ -251,9 +253,9 @@ def _one_machine(
     return Topology(
         world_size=local,
         local_world_size=local,
-        backend=backend,  # type: ignore[arg-type]
+        dist_backend=dist_backend,  # type: ignore[arg-type]
         launcher="spawn",
-        why=f"{why}: tensor parallelism over {local} local ranks ({backend})",
+        why=f"{why}: tensor parallelism over {local} local ranks ({dist_backend})",
     )
 
 

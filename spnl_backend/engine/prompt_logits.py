@@ -1,13 +1,15 @@
 """Logits at every position of a token sequence, through an engine's own KV cache.
 
 What perplexity measurements and the exactness tests need: the model's full
-distribution at each position, computed the way generation computes it.
+distribution at each position, computed the way generation computes it. No request
+reaches it; the benchmarks (`bench/harness.py`) and tests (`tests/helpers.py`) call it.
 """
 
 import torch
 
+from ..sampling import SamplingParams
 from .engine import Engine
-from .sequence import SamplingParams, ScheduledSeq, Sequence
+from .sequence import ScheduledSeq, Sequence
 
 
 def prompt_logits(engine: Engine, ids: list[int], device: torch.device) -> torch.Tensor:
@@ -19,7 +21,7 @@ def prompt_logits(engine: Engine, ids: list[int], device: torch.device) -> torch
     try:
         if not engine.cache.reserve(seq, len(ids)):
             raise RuntimeError(f"{len(ids)} tokens do not fit the KV cache now")
-        step = engine.cache.backend([ScheduledSeq(seq, len(ids) - start)], device)
+        step = engine.cache.attention([ScheduledSeq(seq, len(ids) - start)], device)
         model = engine.runner.model
         with torch.inference_mode():
             hidden = model(

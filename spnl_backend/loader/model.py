@@ -36,7 +36,7 @@ log = get_logger()
 
 
 class ModelSplit(Protocol):
-    """This rank's share of a tensor-parallel model (`distributed.split.RankSplit`): its
+    """This rank's share of a tensor-parallel model (`distributed.sharding.RankSplit`): its
     config (its heads, its rows of the MLPs), its part of each weight as they stream in,
     and the group its layers sum over."""
 

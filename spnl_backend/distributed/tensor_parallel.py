@@ -1,6 +1,6 @@
-"""A tensor-parallel model's rank: the collectives its layers call, and the messages by
-which rank 0 (which schedules, samples and answers the API) has the other ranks run each
-step with it.
+"""A tensor-parallel model's rank: joining its group, the collectives its layers call, and
+the messages by which rank 0 (which schedules, samples and answers the API) has the other
+ranks run each step with it.
 
 Rank 0 runs the engine as one process would; its model, whose every forward pass and every
 logits call is also the others', announces each (the step's tokens, positions and paged
@@ -19,9 +19,13 @@ import torch
 import torch.distributed
 
 from ..models.layers import AttentionBackend
+from ..settings import BackendSettings
+from ..settings.topology import Topology
 from .group import Group
 
 LOAD_TIMEOUT_S = 3600.0  # how long ranks wait for each other to load (not a step's timeout)
+# Rank 0 sends a heartbeat when idle this share of the collective timeout.
+HEARTBEAT_SHARE = 0.25
 
 
 class Op(enum.IntEnum):
@@ -97,3 +101,28 @@ class TensorParallel:
     def receive(self, timeout_s: float | None = None) -> tuple[Op, object]:
         op, payload = self.group.receive_object(timeout_s)  # type: ignore[misc]
         return Op(op), payload
+
+
+def join_group(
+    topology: Topology,
+    port: int,
+    settings: BackendSettings,
+    device: torch.device,
+    describe=lambda: "",
+) -> TensorParallel:
+    """This rank in its model's group (waits for every rank to join)."""
+    timeout = settings.collective_timeout_s
+    if device.type == "cuda":  # NCCL works on the current device: this rank's GPU
+        torch.cuda.set_device(device)
+    group = Group(topology, port, timeout, device, describe)
+    group.set_timeout(max(timeout, LOAD_TIMEOUT_S))  # until the ranks serve: see `serving`
+    return TensorParallel(
+        group, kv_replicas=1, drives=topology.rank == 0, heartbeat_s=timeout * HEARTBEAT_SHARE
+    )
+
+
+def serving(tp: TensorParallel, settings: BackendSettings) -> None:
+    """The ranks have loaded and built: steps run under the collective timeout, and rank
+    0 announces each."""
+    tp.group.set_timeout(settings.collective_timeout_s)
+    tp.announcing = True
