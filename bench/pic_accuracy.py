@@ -14,8 +14,11 @@ on the default model (or ``--gguf``), greedy, 16 tokens:
 - the plain prompt: the instruction, the documents in a shuffled order and the question,
   as one causal prompt of the same tokens, computed whole (no cache);
 - for each reuse rule (``MISTRALRS_PIC_REUSE``: ``exact``, ``tokens`` (spnl's),
-  ``relaxed``): the documents first sent with another question in another order (so the
-  pool holds them), then this question's PIC prompt, its documents reused.
+  ``relaxed``): the documents first sent after another instruction, with another
+  question, in another order (so the pool holds them, as spnl's queries leave them),
+  then this question's PIC prompt: spnl's rule and relaxed reuse take the documents from
+  the pool; exact reuse, whose keys chain the instruction, computes them again (PIC
+  attention all the same).
 
 Reported per size and rule: the answer equal to the plain prompt's (the greedy text's
 first sentence, which completes the primed answer, exact match: the model babbles on
@@ -38,6 +41,7 @@ from pic import blocks, f1, flat, pic, plain
 
 RULES = ("exact", "tokens", "relaxed")
 SYSTEM = "Answer the question from the documents. Be brief."
+OTHER_SYSTEM = "You are a careful assistant. Use only the documents given below."
 SYLLABLES = ("var", "nol", "quil", "bre", "tam", "ost", "ivo", "sen", "dra", "mek", "ul", "zor")
 FILLER = (
     "the committee met again on tuesday to review the harbor schedule and the new budget",
@@ -124,7 +128,9 @@ def answers(backends: dict, cold, asked: Question, tokens: int) -> dict:
     found = {"plain": plain(cold, flat(pieces), tokens)}
     other = "Which documents mention a ferry?"
     for rule, backend in backends.items():
-        pic(backend, blocks(backend, asked.docs[::-1], other, "", SYSTEM))  # now in the pool
+        # In the pool now, after another instruction: spnl's rule and relaxed reuse take
+        # them as they are; exact reuse computes them again (its keys chain the prefix).
+        pic(backend, blocks(backend, asked.docs[::-1], other, "", OTHER_SYSTEM))
         found[rule] = pic(
             backend, blocks(backend, asked.docs, asked.question, asked.answer_start, SYSTEM), tokens
         )
