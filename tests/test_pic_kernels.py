@@ -45,12 +45,15 @@ def test_adjacent_cross_pieces_merge_and_empty_ones_are_refused():
         PicLayout.build([("plus", 0)])
 
 
-def _dense(layout: PicLayout, queries: list[int], window: int | None) -> torch.Tensor:
-    """The rule written out token by token."""
+def _dense(
+    layout: PicLayout, queries: list[int], window: int | None, recomputed: frozenset = frozenset()
+) -> torch.Tensor:
+    """The rule written out token by token: a ``recomputed`` element token attends as a
+    cross token (every key before it), its key still its element's."""
     seen = torch.zeros(len(queries), max(queries) + 1, dtype=torch.bool)
     for row, q in enumerate(queries):
         for k in range(q + 1):
-            qb, kb = layout.block_ids[q], layout.block_ids[k]
+            qb, kb = 0 if q in recomputed else layout.block_ids[q], layout.block_ids[k]
             near = window is None or layout.positions[q] - layout.positions[k] < window
             seen[row, k] = (qb == 0 or kb == 0 or qb == kb) and near
     return seen
@@ -73,8 +76,8 @@ def _pic_case(scheme: str, queries: list[int], dtype=torch.float32, seed=1):
     return layout, keys, q, pool_k, pool_v, k.to(dtype).float(), v.to(dtype).float()
 
 
-def _expected(layout, keys, q, k, v, window, softcap):
-    seen = _dense(layout, keys.q_index.tolist(), window)
+def _expected(layout, keys, q, k, v, window, softcap, recomputed=frozenset()):
+    seen = _dense(layout, keys.q_index.tolist(), window, recomputed)
     kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, kk) * 0.25
     if softcap is not None:
@@ -189,3 +192,48 @@ def test_the_triton_kernel_reads_pic_keys(queries, options):
     alone = triton_attention(q_plain, pk, pv, plain_meta, scale=0.25, **options)
     torch.testing.assert_close(both[q_plain.shape[0] :], expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(both[: q_plain.shape[0]], alone, atol=1e-6, rtol=1e-6)
+
+
+# The first two tokens of every element (EPIC's link tokens), recomputed over all before.
+RECOMPUTED = frozenset({5, 6, 14, 15, 17, 18, 31, 32})
+
+
+def _recomputing(keys: PicKeys) -> None:
+    blocks = keys.key_blocks[keys.q_index].clone()
+    for row, index in enumerate(keys.q_index.tolist()):
+        if index in RECOMPUTED:
+            blocks[row] = 0
+    keys.q_blocks = blocks
+
+
+@pytest.mark.parametrize("scheme", ["after_prefix", "local"])
+@pytest.mark.parametrize("queries", ["prefill", "elements"])
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 4}], ids=["plain", "window"])
+def test_recomputed_element_tokens_see_every_key_before_them(native, scheme, queries, options):
+    layout, keys, q, pool_k, pool_v, k, v = _pic_case(scheme, QUERIES[queries])
+    _recomputing(keys)
+    window = options.get("sliding_window")
+    expected = _expected(layout, keys, q, k, v, window, None, RECOMPUTED)
+    assert not torch.equal(expected, _expected(layout, keys, q, k, v, window, None))
+    meta = _meta(keys, pool_k)
+    twin = paged_attention_ref(q, pool_k, pool_v, meta, scale=0.25, **options)
+    cpu = cpu_kernel_set(native).paged_attention(q, pool_k, pool_v, meta, scale=0.25, **options)
+    torch.testing.assert_close(twin, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cpu, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_triton_kernel_reads_recomputed_queries():
+    pytest.importorskip("triton")
+    from triton_support import load_kernels
+
+    triton_attention = load_kernels().paged_attention
+    layout, keys, q, _, _, _, _ = _pic_case("after_prefix", QUERIES["prefill"])
+    _recomputing(keys)
+    q_plain, pk, pv, plain_meta, _, _ = paged_case([40, 9], [9, 1], 2, 4, BLOCK, head_dim=16)
+    keys.key_slots = torch.randperm(pk.shape[0] * BLOCK)[: keys.key_slots.numel()]
+    pool_k, pool_v = pk.flatten(0, 1)[keys.key_slots], pv.flatten(0, 1)[keys.key_slots]
+    expected = _expected(layout, keys, q, pool_k, pool_v, None, None, RECOMPUTED)
+    both = triton_attention(
+        torch.cat([q_plain, q]), pk, pv, _meta(keys, pk, plain_meta), scale=0.25
+    )
+    torch.testing.assert_close(both[q_plain.shape[0] :], expected, atol=1e-5, rtol=1e-5)

@@ -28,6 +28,10 @@ class PicKeys:
     # Tokens before the first plus one: they attend as in a plain prompt, whose blocks they
     # share through the prefix cache, so their key lists are a plain prompt's (same chunks).
     plain_until: int = 0
+    # [queries] the block id each query attends as (None: its own key's). A recomputed
+    # element token attends as cross (0), over every key before it, while its key stays
+    # its element's.
+    q_blocks: torch.Tensor | None = None
     _rows: dict = field(default_factory=dict, repr=False)
 
     def to(self, device: torch.device) -> "PicKeys":
@@ -39,14 +43,19 @@ class PicKeys:
             self.key_positions.to(device),
             self.q_index.to(device),
             self.plain_until,
+            None if self.q_blocks is None else self.q_blocks.to(device),
         )
+
+    def query_blocks(self) -> torch.Tensor:
+        """``[queries]``: the block id each query attends as."""
+        return self.key_blocks[self.q_index] if self.q_blocks is None else self.q_blocks
 
     def visible(self, window: int | None, first: int = 0) -> torch.Tensor:
         """``[queries, K]``: which keys each query (from the ``first``) sees."""
         q = self.q_index[first:]
         return visible(
             q,
-            self.key_blocks[q],
+            self.query_blocks()[first:],
             self.key_positions[q],
             self.key_blocks,
             self.key_positions,

@@ -410,7 +410,7 @@ class _PicArrays:
             blocks.append(keys.key_blocks)
             places.append(keys.key_positions)
             q = keys.q_index
-            queries.append(torch.stack([q, keys.key_blocks[q], keys.key_positions[q]], dim=1))
+            queries.append(torch.stack([q, keys.query_blocks(), keys.key_positions[q]], dim=1))
         self.start = torch.tensor(starts, dtype=torch.int32, device=device)
         self.lens = torch.tensor(lens, dtype=torch.int32, device=device)
         self.slots = torch.cat(slots).to(torch.int64)
