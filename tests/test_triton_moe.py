@@ -122,6 +122,16 @@ def test_half_precision_activations_with_packed_experts():
     torch.testing.assert_close(out.cpu(), fused_moe_ref(*case).cpu(), rtol=1e-2, atol=1e-2)
 
 
+def _fuse(model) -> None:
+    """What a model built with `KernelChoice.fused_moe` does on its first step: every MoE
+    layer takes the fused kernel."""
+    from spnl_backend.models.layers import SparseMoE
+
+    for module in model.modules():
+        if isinstance(module, SparseMoE):
+            module.use_fused(fused_moe_triton)
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe"])
 def test_a_model_runs_its_float_experts_through_the_fused_kernel(tiny, arch):
     """What loading on CUDA does (`KernelChoice.fused_moe`), here through the interpreter:
@@ -136,7 +146,7 @@ def test_a_model_runs_its_float_experts_through_the_fused_kernel(tiny, arch):
     ids = tiny.hf(arch).tokenizer("the cat sat on the mat").input_ids
     expected = model_logits(load_backend(path, settings=CPU), ids)
     fused = load_backend(path, settings=CPU)
-    fused.model.use_fused_moe(fused_moe_triton)
+    _fuse(fused.model)
     layers = [m for m in fused.model.modules() if isinstance(m, SparseMoE)]
     assert all(layer.fused is fused_moe_triton for layer in layers)
     w13, _ = layers[0]._stacked
@@ -163,7 +173,7 @@ def test_a_model_runs_its_quantized_experts_through_the_fused_kernel(tiny):
     ids = tiny.hf("qwen3_moe").tokenizer("the cat sat on the mat").input_ids
     expected = model_logits(load_backend(path, settings=settings), ids)
     fused = load_backend(path, settings=settings)
-    fused.model.use_fused_moe(fused_moe_triton)
+    _fuse(fused.model)
     layers = [m for m in fused.model.modules() if isinstance(m, SparseMoE)]
     assert layers
     assert all(layer.fused is fused_moe_triton for layer in layers)
@@ -184,7 +194,7 @@ def test_experts_of_mixed_types_keep_the_per_expert_path(tiny):
     layers = [m for m in backend.model.modules() if isinstance(m, SparseMoE)]
     down = layers[0].experts[2].down_proj
     down.weight_q = QuantizedWeight.from_float(down.weight_q.dequantize(), Q.Q4_0)
-    backend.model.use_fused_moe(fused_moe_triton)
+    _fuse(backend.model)
     assert layers[0].fused is None
     assert layers[0]._stacked is None
     assert all(layer.fused is fused_moe_triton for layer in layers[1:])

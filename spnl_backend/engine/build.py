@@ -95,15 +95,7 @@ def _cache(
     """One model's cache manager, the longest sequence it can hold, and what it is."""
     config = loaded.config
     compressor = get_compressor(settings.kv_cache_compression)
-    paged = decisions.paged_attn
-    if paged and compressor is not None and compressor.make_codecs is None:
-        log.warning(
-            "kv_compression.paged_fallback",
-            method=compressor.name,
-            reason="the method has no block-pool form (make_codecs); its caches run per "
-            "sequence, in non-paged mode",
-        )
-        paged = False
+    paged = loaded.kernels.pages(compressor)
     fp8_pool = paged and decisions.kv_cache_dtype == "float8_e4m3fn"
     calibrated = fp8_pool or (compressor is not None and compressor.calibrated)
     stats = kv_statistics(loaded, role) if calibrated else None

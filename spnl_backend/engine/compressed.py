@@ -25,7 +25,7 @@ from ..kernels.attention_ref import attention_ref
 from ..kernels.cpu import CpuKernels
 from ..kernels.metadata import PagedMetadata
 from ..models.config import ModelConfig
-from ..models.layers import AttentionSpec
+from ..models.layers import AttentionSpec, WithoutLayerBlocks
 
 
 class ProtocolKV:
@@ -153,7 +153,7 @@ class CodedPagedKVCache:
         values.copy_(data[split:].reshape(values.shape).to(values.device))
 
 
-class CodedPagedStep:
+class CodedPagedStep(WithoutLayerBlocks):
     """Encode this step's K/V into their slots, then attend each sequence over its blocks."""
 
     def __init__(

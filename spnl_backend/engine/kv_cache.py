@@ -15,14 +15,14 @@ from typing import Protocol
 import torch
 
 from ..kernels.attention_ref import attention_ref
-from ..kernels.cpu import POOL_DTYPES, CpuKernels
+from ..kernels.cpu import CpuKernels
 from ..kernels.paged_ref import to_cache
-from ..kernels.sets import contiguous_attention
+from ..kernels.sets import contiguous_attention, contiguous_kernels
 from ..kernels.thresholds import native_attention_queries
 from ..log import get_logger
 from ..memory import grown
 from ..models.config import ModelConfig
-from ..models.layers import AttentionSpec
+from ..models.layers import AttentionSpec, WithoutLayerBlocks
 from .sequence import CachedTokens, ScheduledSeq
 
 log = get_logger()
@@ -68,8 +68,7 @@ class SequenceKV:
         self.data = torch.empty(
             (num_layers, 2, 0, num_kv_heads, head_dim), dtype=dtype, device=device
         )
-        native_runs = native is not None and dtype in POOL_DTYPES and device.type == "cpu"
-        self.native, self.longest = (native if native_runs else None), longest
+        self.native, self.longest = contiguous_kernels(native, dtype, device), longest
 
     @property
     def capacity(self) -> int:
@@ -129,7 +128,7 @@ class StepSlice:
     query_len: int
 
 
-class ContiguousStep:
+class ContiguousStep(WithoutLayerBlocks):
     """The attention backend for one forward step over contiguous caches."""
 
     def __init__(self, slices: list[StepSlice]) -> None:

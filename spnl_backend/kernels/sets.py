@@ -204,6 +204,14 @@ def _contiguous_rows(keys: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]
     return tuple(k if k.is_contiguous() else k.contiguous() for k in keys)
 
 
+def contiguous_kernels(
+    native: CpuKernels | None, dtype: torch.dtype, device: torch.device
+) -> CpuKernels | None:
+    """The compiled kernels where a contiguous store of ``dtype`` on ``device`` attends
+    through them (`contiguous_attention`): a float pool on the CPU."""
+    return native if dtype in POOL_DTYPES and device.type == "cpu" else None
+
+
 def contiguous_attention(
     native: CpuKernels,
     q: torch.Tensor,

@@ -10,9 +10,10 @@ from torch import nn
 
 from ..kernels import ops
 from ..kernels.cpu import CpuKernels
-from ..kernels.cpu.moe import MAX_EXPERTS, NativeMoe
-from ..kernels.matmuls import CpuMatmuls
+from ..kernels.cpu.moe import NativeMoe
+from ..kernels.dispatch import TORCH_CHOICE, KernelChoice
 from ..kernels.moe_ref import Experts
+from ..kernels.sets import NativeKeys
 from ..quant.linear import QuantizedExperts, QuantLinear
 from .config import ModelConfig
 from .rope import RotaryTables
@@ -34,14 +35,27 @@ class AttentionBackend(Protocol):
 
     ``q [T, heads, head_dim]``, ``k`` and ``v [T, kv_heads, head_dim]`` for the T
     tokens of this step, packed sequence after sequence; returns ``[T, heads, head_dim]``.
-    A backend may also offer ``native_keys(windows)`` (the paged one does): the step's
-    `kernels.sets.NativeKeys` and each layer's pool pair where the native layer blocks
-    may run the step (`models.native_blocks`), else None.
     """
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
     ) -> torch.Tensor: ...
+
+    def native_keys(
+        self, windows: tuple[int, ...]
+    ) -> tuple[NativeKeys, list[tuple[torch.Tensor, torch.Tensor]]] | None:
+        """The step's keys and each layer's (key, value) pool where the native layer blocks
+        may run the step (`models.native_blocks`: the paged pool on the CPU's kernels), else
+        None; ``windows``: the model's sliding windows."""
+        ...
+
+
+class WithoutLayerBlocks:
+    """An attention backend whose steps never run as the native layer blocks (their keys
+    are not in the paged pool): every step takes the per-op path."""
+
+    def native_keys(self, windows: tuple[int, ...]) -> None:
+        return None
 
 
 class Collectives(Protocol):
@@ -76,12 +90,19 @@ class RMSNorm(nn.Module):
     the Llama family casts back first and multiplies by ``w`` in the model's dtype.
     """
 
-    def __init__(self, dim: int, eps: float, offset: float = 0.0, in_float: bool = False) -> None:
+    def __init__(
+        self,
+        dim: int,
+        eps: float,
+        offset: float = 0.0,
+        in_float: bool = False,
+        native: CpuKernels | None = None,
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps, self.offset, self.in_float = eps, offset, in_float
         self._scale: torch.Tensor | None = None  # (offset + w) in float32, made once
-        self.native: CpuKernels | None = None  # set by the loader where they run
+        self.native = native  # the model's compiled kernels (`KernelChoice.native`)
 
     def float_norm(self, x: torch.Tensor) -> ops.Norm:
         """``(scale, eps)`` of this norm for float32 ``x``, where both conventions agree."""
@@ -138,8 +159,9 @@ class SparseMoE(nn.Module):
     computed as the dense projections compute any rows: its output does not depend on
     what else shares the step."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kernels: KernelChoice = TORCH_CHOICE) -> None:
         super().__init__()
+        self.kernels = kernels
         moe = config.moe
         assert moe is not None
         self.top_k, self.renormalize, self.float_weights = (
@@ -155,10 +177,12 @@ class SparseMoE(nn.Module):
         # where the experts run there (None: they do not).
         self._native: NativeMoe | None = None
         self._native_made = False
-        # A fused kernel (`kernels.triton_moe` on CUDA), set at load by `use_fused`; its
-        # experts then live stacked, each expert's weights views of them.
+        # A fused kernel (`kernels.triton_moe` on CUDA, the choice's `fused_moe`), taken
+        # on first use by `use_fused`; its experts then live stacked, each expert's weights
+        # views of them.
         self.fused: FusedMoe | None = None
         self._stacked: Stacked | None = None
+        self._fused_tried = False
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts ``[T, top_k]`` and their weights (float32 where the
@@ -223,6 +247,11 @@ class SparseMoE(nn.Module):
         return QuantizedExperts.stack(gate_up), QuantizedExperts.stack(down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._fused_tried:
+            self._fused_tried = True
+            if self.kernels.fused_moe is not None:
+                with torch.inference_mode(False):  # the stacks are weights, kept for good
+                    self.use_fused(self.kernels.fused_moe)
         native = None if self.fused is not None else self._native_for(x)
         if native is not None:
             return native(x)
@@ -252,38 +281,23 @@ class SparseMoE(nn.Module):
         return out.to(x.dtype)
 
     def _native_for(self, x: torch.Tensor) -> NativeMoe | None:
-        """The native layer where this step runs on it: float32 on the CPU, each row on the
-        per-row products (every row count, or up to the products' ``max_rows``)."""
-        if x.dtype is not torch.float32 or not x.is_cpu:
-            return None
-        native = self.native_layer()
-        if native is None:
-            return None
-        max_rows = self.experts[0].gate_proj.matmuls.max_rows
-        return native if max_rows is None or len(x) <= max_rows else None
+        """The native layer where this step runs on it (`KernelChoice.native_rows`)."""
+        return None if self.kernels.native_rows(x) is None else self.native_layer()
 
     def native_layer(self) -> NativeMoe | None:
         """This layer on the CPU's native kernels (one call: routing, the experts' grouped
-        products, the weighted sum), where its experts are quantized projections on them
-        with SiLU (a quantized router's values taken once in float); else None (the torch
-        path)."""
+        products, the weighted sum), where its experts are quantized projections without
+        bias with SiLU and the model's kernels take them (`KernelChoice.moe_layer`; a
+        quantized router's values taken once in float); else None (the torch path)."""
         if not self._native_made:
             self._native, self._native_made = self._make_native(), True
         return self._native
 
     def _make_native(self) -> NativeMoe | None:
         layers = [p for e in self.experts for p in (e.gate_proj, e.up_proj, e.down_proj)]
-        if (
-            self.experts[0].act is not F.silu
-            or len(self.experts) > MAX_EXPERTS
-            or not all(
-                isinstance(p, QuantLinear) and p.bias is None and isinstance(p.matmuls, CpuMatmuls)
-                for p in layers
-            )
+        if self.experts[0].act is not F.silu or not all(
+            isinstance(p, QuantLinear) and p.bias is None for p in layers
         ):
-            return None
-        natives = {p.matmuls.native for p in layers}
-        if len(natives) != 1 or len({p.matmuls.max_rows for p in layers}) != 1:
             return None
 
         def weight(p: QuantLinear) -> tuple[int, torch.Tensor, int]:
@@ -296,7 +310,7 @@ class SparseMoE(nn.Module):
             router = self.gate.weight_q.dequantize().float().contiguous()
         else:
             router = self.gate.weight.detach().float().contiguous()
-        return NativeMoe(natives.pop(), router, experts, self.top_k, self.renormalize)
+        return self.kernels.moe_layer(router, experts, self.top_k, self.renormalize)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -307,7 +321,13 @@ class Attention(nn.Module):
     """Self-attention over this rank's heads (all of them without tensor parallelism:
     ``config`` is already this rank's share, `distributed.sharding.local_config`)."""
 
-    def __init__(self, config: ModelConfig, layer: int, tp: Collectives | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        tp: Collectives | None = None,
+        native: CpuKernels | None = None,
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
@@ -318,11 +338,11 @@ class Attention(nn.Module):
         self.v_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
         if config.qk_norm_full:  # OLMoE: over the whole projections, before the heads
-            self.q_norm = _norm(config, q_size)
-            self.k_norm = _norm(config, kv_size)
+            self.q_norm = _norm(config, q_size, native)
+            self.k_norm = _norm(config, kv_size, native)
         elif config.qk_norm:
-            self.q_norm = _norm(config, self.head_dim)
-            self.k_norm = _norm(config, self.head_dim)
+            self.q_norm = _norm(config, self.head_dim, native)
+            self.k_norm = _norm(config, self.head_dim, native)
         self.qk_norm = config.qk_norm and not config.qk_norm_full
         self.qk_norm_full, self.clip_qkv = config.qk_norm_full, config.clip_qkv
         self.spec = AttentionSpec(
@@ -373,8 +393,8 @@ class Attention(nn.Module):
         return (x.float() * torch.rsqrt(squares / count + eps) * scale).to(x.dtype)
 
 
-def _norm(config: ModelConfig, dim: int) -> RMSNorm:
-    return RMSNorm(dim, config.rms_norm_eps, config.norm_offset, config.norm_in_float)
+def _norm(config: ModelConfig, dim: int, native: CpuKernels | None) -> RMSNorm:
+    return RMSNorm(dim, config.rms_norm_eps, config.norm_offset, config.norm_in_float, native)
 
 
 class DecoderLayer(nn.Module):
@@ -382,17 +402,25 @@ class DecoderLayer(nn.Module):
     With tensor parallelism (``tp``) its attention and MLP each give this rank's part of
     their output (its heads, its rows of the MLP), summed over the ranks before the add."""
 
-    def __init__(self, config: ModelConfig, layer: int, tp: Collectives | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        tp: Collectives | None = None,
+        kernels: KernelChoice = TORCH_CHOICE,
+    ) -> None:
         super().__init__()
         self.tp = tp
-        self.self_attn = Attention(config, layer, tp)
-        self.mlp: nn.Module = SparseMoE(config) if config.is_moe_layer(layer) else GatedMLP(config)
-        self.input_layernorm = _norm(config, config.hidden_size)
-        self.post_attention_layernorm = _norm(config, config.hidden_size)
+        native, hidden = kernels.native, config.hidden_size
+        self.self_attn = Attention(config, layer, tp, native)
+        moe = config.is_moe_layer(layer)
+        self.mlp: nn.Module = SparseMoE(config, kernels) if moe else GatedMLP(config)
+        self.input_layernorm = _norm(config, hidden, native)
+        self.post_attention_layernorm = _norm(config, hidden, native)
         self.sandwich = config.sandwich_norms
         if self.sandwich:
-            self.pre_feedforward_layernorm = _norm(config, config.hidden_size)
-            self.post_feedforward_layernorm = _norm(config, config.hidden_size)
+            self.pre_feedforward_layernorm = _norm(config, hidden, native)
+            self.post_feedforward_layernorm = _norm(config, hidden, native)
 
     def forward(
         self,

@@ -27,7 +27,6 @@ from ..kernels.cpu import (
     require,
 )
 from ..kernels.cpu.moe import NativeMoe, scratch
-from ..kernels.matmuls import CpuMatmuls
 from ..kernels.sets import NativeKeys
 from ..quant.linear import QuantLinear
 from .layers import Attention, DecoderLayer, GatedMLP, RMSNorm, SparseMoE, gelu_tanh
@@ -69,11 +68,15 @@ class LayerBlocks:
 
     @classmethod
     def build(
-        cls, layers: list[DecoderLayer], final_norm: RMSNorm, local_layers: frozenset[int]
+        cls,
+        native: CpuKernels,
+        layers: list[DecoderLayer],
+        final_norm: RMSNorm,
+        local_layers: frozenset[int],
     ) -> "LayerBlocks | None":
-        """The blocks of ``layers``, or None where a layer is not one they run."""
-        native = _native_of(layers, final_norm)
-        if native is None:
+        """The blocks of ``layers`` on ``native`` (`KernelChoice.layer_blocks`), or None
+        where a layer is not one they run."""
+        if not _blocks_run(layers, final_norm):
             return None
         return cls(native, layers, final_norm, local_layers)
 
@@ -264,51 +267,37 @@ class LayerBlocks:
         self.pools_key = key
 
 
-def _native_of(layers: list[DecoderLayer], final_norm: RMSNorm) -> CpuKernels | None:
-    """The CPU kernels every projection of ``layers`` runs on, per row, where every layer
-    is one the blocks run (same shapes, no biases, a known activation or experts on the
-    native MoE layer, one eps)."""
-    natives, shapes, inners, moes, eps = set(), set(), set(), set(), {final_norm.eps}
+def _blocks_run(layers: list[DecoderLayer], final_norm: RMSNorm) -> bool:
+    """Whether every layer is one the blocks run: quantized projections without bias (on
+    the model's per-row products), the same shapes, a known activation or experts on the
+    native MoE layer, one eps."""
+    shapes, inners, moes, eps = set(), set(), set(), {final_norm.eps}
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
         if isinstance(mlp, SparseMoE):
             moe = mlp.native_layer()
             if moe is None or moe.hidden != attn.q_proj.in_features:
-                return None
-            natives.add(moe.kernels)
+                return False
             moes.add((moe.args.experts, moe.args.top_k, moe.args.inner))
         elif isinstance(mlp, GatedMLP) and mlp.act in ACTIVATIONS:
             linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
             inners.add(mlp.gate_proj.out_features)
         else:
-            return None
-        if not all(_per_row(linear) for linear in linears):
-            return None
-        natives.update(linear.matmuls.native for linear in linears)
+            return False
+        if not all(isinstance(lin, QuantLinear) and lin.bias is None for lin in linears):
+            return False
         eps.update(norm.eps for norm in _norms(layer))
         hidden = attn.q_proj.in_features
         if [(lin.in_features, lin.out_features) for lin in linears] != _expected(attn, linears):
-            return None
+            return False
         shapes.add((attn.num_heads, attn.num_kv_heads, attn.head_dim, hidden))
-    if len(natives) != 1 or len(shapes) != 1 or len(inners) > 1 or len(moes) > 1 or len(eps) != 1:
-        return None
-    return natives.pop()
+    return len(shapes) == 1 and len(inners) <= 1 and len(moes) <= 1 and len(eps) == 1
 
 
 def _activation(layer: DecoderLayer):
     """The activation of a dense layer's MLP; None for experts (the MoE block's own)."""
     return None if isinstance(layer.mlp, SparseMoE) else layer.mlp.act
-
-
-def _per_row(linear) -> bool:
-    """A quantized projection without bias on the native per-row products."""
-    return (
-        isinstance(linear, QuantLinear)
-        and linear.bias is None
-        and isinstance(linear.matmuls, CpuMatmuls)
-        and linear.matmuls.max_rows is None
-    )
 
 
 def _norms(layer: DecoderLayer) -> list[RMSNorm]:

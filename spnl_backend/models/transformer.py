@@ -3,19 +3,9 @@
 import torch
 from torch import nn
 
-from ..kernels.cpu import CpuKernels
-from ..quant.linear import QuantEmbedding
+from ..kernels.dispatch import TORCH_CHOICE, KernelChoice
 from .config import ModelConfig
-from .layers import (
-    AttentionBackend,
-    Collectives,
-    DecoderLayer,
-    FusedMoe,
-    Linear,
-    RMSNorm,
-    SparseMoE,
-    shard_range,
-)
+from .layers import AttentionBackend, Collectives, DecoderLayer, Linear, RMSNorm, shard_range
 from .native_blocks import LayerBlocks
 from .rope import RotaryEmbedding
 
@@ -32,22 +22,34 @@ class Embedding(nn.Embedding):
 
 
 class Backbone(nn.Module):
-    def __init__(self, config: ModelConfig, tp: Collectives | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: Collectives | None = None,
+        kernels: KernelChoice = TORCH_CHOICE,
+    ) -> None:
         super().__init__()
-        self.tp = tp
+        self.tp, self.kernels = tp, kernels
+        native = kernels.native
         # With tensor parallelism each rank holds a share of the vocabulary's rows.
         self.vocab_range = (0, config.vocab_size)
         if tp is not None:
             self.vocab_range = shard_range(config.vocab_size, tp.rank, tp.world)
         start, end = self.vocab_range
         self.embed_tokens = Embedding(end - start, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
-        self.norm = RMSNorm(
-            config.hidden_size, config.rms_norm_eps, config.norm_offset, config.norm_in_float
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, tp, kernels) for i in range(config.num_layers)
         )
-        self.rotary = RotaryEmbedding(config.rope, config.max_position_embeddings)
+        self.norm = RMSNorm(
+            config.hidden_size,
+            config.rms_norm_eps,
+            config.norm_offset,
+            config.norm_in_float,
+            native,
+        )
+        self.rotary = RotaryEmbedding(config.rope, config.max_position_embeddings, native)
         self.rotary_local = (
-            RotaryEmbedding(config.rope_local, config.max_position_embeddings)
+            RotaryEmbedding(config.rope_local, config.max_position_embeddings, native)
             if config.rope_local
             else None
         )
@@ -67,20 +69,21 @@ class Backbone(nn.Module):
 
     def _native_step(self, x: torch.Tensor, backend: AttentionBackend):
         """The layer blocks, the step's keys and the pools, where this step runs on the
-        native layer blocks (`models.native_blocks`), else None."""
-        if not self.use_layer_blocks or x.dtype != torch.float32 or not x.is_cpu:
+        native layer blocks (`models.native_blocks`: the kernels allow it for ``x``, and the
+        attention backend for its keys), else None."""
+        native = self.kernels.layer_blocks(x)
+        if native is None or not self.use_layer_blocks:
             return None
         if self.tp is not None:  # the ranks' sums come between a layer's two calls
             return None
-        native_keys = getattr(backend, "native_keys", None)
-        if native_keys is None:
-            return None
         if self._blocks is None:
-            self._blocks = LayerBlocks.build(list(self.layers), self.norm, self.local_layers)
+            self._blocks = LayerBlocks.build(
+                native, list(self.layers), self.norm, self.local_layers
+            )
             if self._blocks is None:
                 self.use_layer_blocks = False
                 return None
-        found = native_keys(self._blocks.windows)
+        found = backend.native_keys(self._blocks.windows)
         return None if found is None else (self._blocks, *found)
 
     def forward(
@@ -146,12 +149,19 @@ class CausalLM(nn.Module):
     .q_proj.weight``), so text models load by name and GGUF tensors are renamed to them.
     """
 
-    def __init__(self, config: ModelConfig, tp: Collectives | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: Collectives | None = None,
+        kernels: KernelChoice = TORCH_CHOICE,
+    ) -> None:
         """``tp``: the tensor-parallel group this rank's share of the model runs in
-        (``config`` is then its share's, `distributed.sharding.local_config`)."""
+        (``config`` is then its share's, `distributed.sharding.local_config`); ``kernels``:
+        what it runs on (`kernels.dispatch.choose_kernels`), the one route by which that
+        choice reaches its layers."""
         super().__init__()
-        self.config, self.tp = config, tp
-        self.model = Backbone(config, tp)
+        self.config, self.tp, self.kernels = config, tp, kernels
+        self.model = Backbone(config, tp, kernels)
         if not config.tie_word_embeddings:
             start, end = self.model.vocab_range
             self.lm_head = Linear(config.hidden_size, end - start, bias=False)
@@ -175,21 +185,6 @@ class CausalLM(nn.Module):
             if own:
                 module.to(device_of_weight(f"{name}.{own[0][0]}", devices))
         self.model.layer_devices, self.model.layer_spans = devices, spans
-
-    def use_native_kernels(self, native: CpuKernels | None) -> None:
-        """Run the norms, the rotary embeddings and quantized embedding lookups on the
-        compiled CPU kernels ``native`` (None: their torch twins)."""
-        for module in self.modules():
-            if isinstance(module, RMSNorm | RotaryEmbedding | QuantEmbedding):
-                module.native = native
-
-    def use_fused_moe(self, fused: FusedMoe | None) -> None:
-        """Run the experts of every MoE layer through ``fused`` (None: as they are)."""
-        if fused is None:
-            return
-        for module in self.modules():
-            if isinstance(module, SparseMoE):
-                module.use_fused(fused)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states of the rows to sample from → float32 logits ``[rows, vocab]``
