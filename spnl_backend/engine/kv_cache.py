@@ -14,10 +14,9 @@ from typing import Protocol
 
 import torch
 
-from ..kernels.attention_ref import attention_ref
 from ..kernels.cpu import CpuKernels
 from ..kernels.paged_ref import to_cache
-from ..kernels.sets import contiguous_attention, contiguous_kernels
+from ..kernels.sets import attend_contiguous, contiguous_kernels
 from ..kernels.thresholds import native_attention_queries
 from ..log import get_logger
 from ..memory import grown
@@ -97,21 +96,12 @@ class SequenceKV:
         layer = self.data[spec.layer]
         layer[0, context_len:total] = to_cache(k, layer.dtype)
         layer[1, context_len:total] = to_cache(v, layer.dtype)
-        if self.native is not None and (self.longest is None or q.shape[0] <= self.longest):
-            return contiguous_attention(
-                self.native,
-                q.float().contiguous(),
-                layer[0],
-                layer[1],
-                scale=spec.scale,
-                context_len=context_len,
-                sliding_window=spec.sliding_window,
-                softcap=spec.softcap,
-            ).to(q.dtype)
-        return attention_ref(
+        return attend_contiguous(
+            self.native,
+            self.longest,
             q,
-            layer[0, :total].to(q.dtype),
-            layer[1, :total].to(q.dtype),
+            layer[0],
+            layer[1],
             scale=spec.scale,
             context_len=context_len,
             sliding_window=spec.sliding_window,

@@ -2,8 +2,13 @@
 neighbours (the residual add before it; for queries and keys, the rotation after it).
 
 Each runs the compiled kernel ``native`` (where the layer was given one) for float32 CPU
-tensors and the torch reference (its twin) everywhere else.
+tensors and the torch reference (its twin) everywhere else. The layers' forms
+(`rms_norm_layer`, `add_rms_norm_layer`, `qk_norm_rotate`) also choose the arithmetic by
+dtype: in float32 the conventions agree and the fused calls run; in a narrower dtype the
+model's own order of rounding is kept.
 """
+
+from typing import Protocol
 
 import torch
 
@@ -104,3 +109,74 @@ def qk_norm_rope(
 
 def _heads_consecutive(*tensors: torch.Tensor) -> bool:
     return all(t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in tensors)
+
+
+class NormLayer(Protocol):
+    """An RMSNorm layer as these operations read it (`models.layers.RMSNorm`)."""
+
+    weight: torch.Tensor
+    eps: float
+    offset: float
+    in_float: bool
+    native: CpuKernels | None
+
+    def float_norm(self, x: torch.Tensor) -> Norm: ...
+
+
+class Rotation(Protocol):
+    """One step's rotary tables (`models.rope.RotaryTables`)."""
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def apply_qk(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def rms_norm_layer(x: torch.Tensor, layer: NormLayer) -> torch.Tensor:
+    """``layer``'s norm of ``x``. In float32 both conventions agree: one op (`rms_norm`).
+    Otherwise the rows are normed in float32; Gemma then multiplies by ``(offset + w)`` in
+    float32 before casting back (``in_float``), the Llama family casts back first and
+    multiplies by ``w`` in the model's dtype."""
+    if x.dtype is torch.float32:
+        return rms_norm(x, *layer.float_norm(x), layer.native)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + layer.eps)
+    if layer.in_float:
+        return (h * (layer.weight.float() + layer.offset)).to(x.dtype)
+    return layer.weight * h.to(x.dtype)
+
+
+def add_rms_norm_layer(
+    x: torch.Tensor, delta: torch.Tensor, delta_norm: NormLayer | None, norm: NormLayer
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x + delta_norm(delta)`` (or ``x + delta``) and its norm by ``norm``: one native
+    call on the CPU in float32 (`add_rms_norm`, which updates ``x`` in place)."""
+    if x.dtype is not torch.float32 or delta.dtype is not torch.float32:
+        x = x + (delta if delta_norm is None else rms_norm_layer(delta, delta_norm))
+        return x, rms_norm_layer(x, norm)
+    pre = None if delta_norm is None else delta_norm.float_norm(delta)
+    return add_rms_norm(x, delta, pre, *norm.float_norm(x), norm.native)
+
+
+def qk_norm_rotate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    norms: tuple[NormLayer, NormLayer] | None,
+    rotation: Rotation,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries and keys ``[T, heads, head_dim]`` normed per head by ``norms`` where given,
+    then rotated: in float32 one fused call (`qk_norm_rope`, native on the CPU; possibly in
+    place, use the result), otherwise layer by layer in the model's dtype."""
+    if q.dtype is not torch.float32:
+        if norms is not None:
+            q, k = rms_norm_layer(q, norms[0]), rms_norm_layer(k, norms[1])
+        return rotation.apply(q), rotation.apply(k)
+    fused = None
+    if norms is not None:
+        q_scale, eps = norms[0].float_norm(q)
+        fused = (q_scale, norms[1].float_norm(k)[0], eps)
+    return rotation.apply_qk(q, k, fused)

@@ -10,6 +10,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from .attention_ref import attention_ref
 from .cpu import POOL_DTYPES, CpuKernels, KernelArgumentError
 from .metadata import PagedMetadata
 from .paged_ref import paged_attention_ref, store_kv_ref
@@ -210,6 +211,31 @@ def contiguous_kernels(
     """The compiled kernels where a contiguous store of ``dtype`` on ``device`` attends
     through them (`contiguous_attention`): a float pool on the CPU."""
     return native if dtype in POOL_DTYPES and device.type == "cpu" else None
+
+
+def attend_contiguous(
+    native: CpuKernels | None,
+    longest: int | None,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    scale: float,
+    context_len: int,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """One sequence's queries over its contiguous ``keys``/``values [capacity, kv_heads,
+    dim]`` (the first ``context_len + len(q)`` written): through the native decode kernel
+    (`contiguous_attention`) where ``native`` runs (`contiguous_kernels`) and the step has
+    at most ``longest`` queries (None: any number), else `attention_ref` in ``q``'s dtype."""
+    args = {"scale": scale, "context_len": context_len}
+    args |= {"sliding_window": sliding_window, "softcap": softcap}
+    if native is not None and (longest is None or q.shape[0] <= longest):
+        out = contiguous_attention(native, q.float().contiguous(), keys, values, **args)
+        return out.to(q.dtype)
+    total = context_len + q.shape[0]
+    return attention_ref(q, keys[:total].to(q.dtype), values[:total].to(q.dtype), **args)
 
 
 def contiguous_attention(

@@ -111,13 +111,7 @@ class RMSNorm(nn.Module):
         return self._scale, self.eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # both conventions agree: fewer ops
-            return ops.rms_norm(x, *self.float_norm(x), self.native)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.in_float:
-            return (h * (self.weight.float() + self.offset)).to(x.dtype)
-        return self.weight * h.to(x.dtype)
+        return ops.rms_norm_layer(x, self)
 
 
 class Linear(nn.Linear):
@@ -367,16 +361,9 @@ class Attention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if x.dtype != torch.float32:
-            if self.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = rotary.apply(q), rotary.apply(k)
-        else:  # one fused call on the CPU
-            norms = None
-            if self.qk_norm:
-                q_scale, eps = self.q_norm.float_norm(q)
-                norms = (q_scale, self.k_norm.float_norm(k)[0], eps)
-            q, k = rotary.apply_qk(q, k, norms)
+        q, k = ops.qk_norm_rotate(
+            q, k, (self.q_norm, self.k_norm) if self.qk_norm else None, rotary
+        )
         out = backend.attend(q, k, v, self.spec)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
@@ -433,8 +420,9 @@ class DecoderLayer(nn.Module):
         """``x`` the residual stream, ``h`` its normed copy (this layer's input norm) →
         the new residual stream and its norm by ``next_norm`` (the next layer's input norm
         or the final one). Each residual add and the norm after it are one step
-        (`add_norm`); ``x`` may be updated in place."""
+        (`ops.add_rms_norm_layer`); ``x`` may be updated in place."""
         attn = self._summed(self.self_attn(h, rotary, backend))
+        add_norm = ops.add_rms_norm_layer
         if not self.sandwich:
             x, h = add_norm(x, attn, None, self.post_attention_layernorm)
             return add_norm(x, self._summed(self.mlp(h)), None, next_norm)
@@ -443,15 +431,3 @@ class DecoderLayer(nn.Module):
 
     def _summed(self, part: torch.Tensor) -> torch.Tensor:
         return part if self.tp is None else self.tp.all_reduce(part)
-
-
-def add_norm(
-    x: torch.Tensor, delta: torch.Tensor, delta_norm: RMSNorm | None, norm: RMSNorm
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x + delta_norm(delta)`` (or ``x + delta``) and its norm by ``norm``: one native
-    call on the CPU in float32, which updates ``x`` in place."""
-    if x.dtype != torch.float32 or delta.dtype != torch.float32:
-        x = x + (delta if delta_norm is None else delta_norm(delta))
-        return x, norm(x)
-    pre = None if delta_norm is None else delta_norm.float_norm(delta)
-    return ops.add_rms_norm(x, delta, pre, *norm.float_norm(x), norm.native)
