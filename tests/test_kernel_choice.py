@@ -5,7 +5,6 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-import spnl_backend.kernels.cpu as cpu
 from spnl_backend import BackendSettings, load_backend
 from spnl_backend.compressors import Compressor
 from spnl_backend.kernels.cpu.moe import MAX_EXPERTS
@@ -18,11 +17,8 @@ from spnl_backend.quant.linear import QuantEmbedding, QuantizedWeight, QuantLine
 
 
 @pytest.fixture(scope="module")
-def native():
-    kernels = cpu.cpu_kernels()
-    if kernels is None:
-        pytest.fail("the CPU kernels did not build: is there a C compiler?")
-    return kernels
+def native(native_kernels):
+    return native_kernels
 
 
 def test_native_kernels_take_float32_cpu_tensors_alone(native):

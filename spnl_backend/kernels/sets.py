@@ -209,7 +209,7 @@ def contiguous_kernels(
     native: CpuKernels | None, dtype: torch.dtype, device: torch.device
 ) -> CpuKernels | None:
     """The compiled kernels where a contiguous store of ``dtype`` on ``device`` attends
-    through them (`contiguous_attention`): a float pool on the CPU."""
+    through them (`attend_contiguous`): a float pool on the CPU."""
     return native if dtype in POOL_DTYPES and device.type == "cpu" else None
 
 
@@ -226,39 +226,31 @@ def attend_contiguous(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """One sequence's queries over its contiguous ``keys``/``values [capacity, kv_heads,
-    dim]`` (the first ``context_len + len(q)`` written): through the native decode kernel
-    (`contiguous_attention`) where ``native`` runs (`contiguous_kernels`) and the step has
-    at most ``longest`` queries (None: any number), else `attention_ref` in ``q``'s dtype."""
-    args = {"scale": scale, "context_len": context_len}
-    args |= {"sliding_window": sliding_window, "softcap": softcap}
-    if native is not None and (longest is None or q.shape[0] <= longest):
-        out = contiguous_attention(native, q.float().contiguous(), keys, values, **args)
-        return out.to(q.dtype)
-    total = context_len + q.shape[0]
-    return attention_ref(q, keys[:total].to(q.dtype), values[:total].to(q.dtype), **args)
-
-
-def contiguous_attention(
-    native: CpuKernels,
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    *,
-    scale: float,
-    context_len: int,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """`attention_ref` over one sequence's contiguous ``keys``/``values [capacity, kv_heads,
-    dim]`` (float32 or float16), through the native decode kernel: query ``i`` is a decode over the
-    first ``context_len + i + 1`` keys, as it would be alone."""
+    dim]`` (the first ``context_len + len(q)`` written; float32 or float16 for the native
+    kernel), as `attention_ref` computes them in ``q``'s dtype. Where ``native`` runs
+    (`contiguous_kernels`) and the step has at most ``longest`` queries (None: any number),
+    through the native decode kernel instead: query ``i`` is a decode over the first
+    ``context_len + i + 1`` keys, as it would be alone."""
     nq = q.shape[0]
     total = context_len + nq
+    if native is None or (longest is not None and nq > longest):
+        k, v = keys[:total].to(q.dtype), values[:total].to(q.dtype)
+        return attention_ref(
+            q,
+            k,
+            v,
+            scale=scale,
+            context_len=context_len,
+            sliding_window=sliding_window,
+            softcap=softcap,
+        )
     slots = torch.arange(total).expand(nq, total)  # one table, shared by every query
     lens = torch.arange(context_len + 1, total + 1)
-    return native.paged_decode(
-        q, keys[None], values[None], slots, lens, scale, sliding_window, softcap
+    queries = q.float().contiguous()
+    out = native.paged_decode(
+        queries, keys[None], values[None], slots, lens, scale, sliding_window, softcap
     )
+    return out.to(q.dtype)
 
 
 def _decode_keys(meta: PagedMetadata) -> tuple[torch.Tensor, torch.Tensor]:
