@@ -12,8 +12,10 @@ from typing import Protocol
 import torch
 
 from ..sets import NativeKeys
-from . import CpuKernels, KernelArgumentError, LayerArgs, StepArgs, check_keys, pool_row, require
+from .abi import LayerArgs, StepArgs
+from .checks import KernelArgumentError, check_keys, pool_row, require
 from .moe import NativeMoe, scratch
+from .wrappers import CpuKernels
 
 # An activation torch applies between a layer's two calls; None: the MoE block's own.
 Activation = Callable[[torch.Tensor], torch.Tensor] | None
