@@ -11,7 +11,7 @@ from spnl_backend.kernels.cpu.moe import MAX_EXPERTS
 from spnl_backend.kernels.dispatch import TORCH_CHOICE, KernelChoice
 from spnl_backend.kernels.matmuls import CpuMatmuls
 from spnl_backend.kernels.thresholds import NATIVE_MAX_ROWS
-from spnl_backend.models.layers import RMSNorm
+from spnl_backend.models.norms import RMSNorm
 from spnl_backend.models.rope import RotaryEmbedding
 from spnl_backend.quant.linear import QuantEmbedding, QuantizedWeight, QuantLinear
 

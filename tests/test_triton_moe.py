@@ -125,7 +125,7 @@ def test_half_precision_activations_with_packed_experts():
 def _fuse(model) -> None:
     """What a model built with `KernelChoice.fused_moe` does on its first step: every MoE
     layer takes the fused kernel."""
-    from spnl_backend.models.layers import SparseMoE
+    from spnl_backend.models.moe import SparseMoE
 
     for module in model.modules():
         if isinstance(module, SparseMoE):
@@ -140,7 +140,7 @@ def test_a_model_runs_its_float_experts_through_the_fused_kernel(tiny, arch):
     from helpers import CPU, model_logits
 
     from spnl_backend import load_backend
-    from spnl_backend.models.layers import SparseMoE
+    from spnl_backend.models.moe import SparseMoE
 
     path = str(tiny.hf(arch).path)
     ids = tiny.hf(arch).tokenizer("the cat sat on the mat").input_ids
@@ -166,7 +166,7 @@ def test_a_model_runs_its_quantized_experts_through_the_fused_kernel(tiny):
     from helpers import model_logits
 
     from spnl_backend import BackendSettings, load_backend
-    from spnl_backend.models.layers import SparseMoE
+    from spnl_backend.models.moe import SparseMoE
 
     settings = BackendSettings(**Q8_ON_TORCH)
     path = str(tiny.hf("qwen3_moe").path)
@@ -188,7 +188,7 @@ def test_a_model_runs_its_quantized_experts_through_the_fused_kernel(tiny):
 
 def test_experts_of_mixed_types_keep_the_per_expert_path(tiny):
     from spnl_backend import BackendSettings, load_backend
-    from spnl_backend.models.layers import SparseMoE
+    from spnl_backend.models.moe import SparseMoE
 
     backend = load_backend(str(tiny.hf("qwen3_moe").path), settings=BackendSettings(**Q8_ON_TORCH))
     layers = [m for m in backend.model.modules() if isinstance(m, SparseMoE)]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed
 
-from ..models.layers import AttentionBackend
+from ..models.attention import AttentionBackend
 from .group import Group
 
 LOAD_TIMEOUT_S = 3600.0  # how long ranks wait for each other to load (not a step's timeout)
@@ -34,7 +34,7 @@ class Op(enum.IntEnum):
 
 @dataclass
 class TensorParallel:
-    """This rank's place in the group, as the model's layers use it (`models.layers.
+    """This rank's place in the group, as the model's layers use it (`models.collectives.
     Collectives`); ``drives``: rank 0, which announces each step to the others."""
 
     group: Group

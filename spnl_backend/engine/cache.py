@@ -6,7 +6,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from ..models.layers import AttentionBackend
+from ..models.attention import AttentionBackend
 from .sequence import CachedTokens, ScheduledSeq
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..log import get_logger
-from ..models.layers import AttentionBackend
+from ..models.attention import AttentionBackend
 from ..models.transformer import CausalLM
 from .cache import CacheManager, PoolUsage
 from .constraint import Constraint, apply_bitmask, constraint_row

@@ -112,7 +112,7 @@ def _heads_consecutive(*tensors: torch.Tensor) -> bool:
 
 
 class NormLayer(Protocol):
-    """An RMSNorm layer as these operations read it (`models.layers.RMSNorm`)."""
+    """An RMSNorm layer as these operations read it (`models.norms.RMSNorm`)."""
 
     weight: torch.Tensor
     eps: float

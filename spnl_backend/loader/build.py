@@ -9,8 +9,8 @@ from ..kernels import KernelChoice, choose_kernels
 from ..kernels.cpu import CpuKernels, built_before
 from ..log import get_logger
 from ..memory import release_freed_memory
+from ..models.collectives import Collectives
 from ..models.config import ModelConfig
-from ..models.layers import Collectives
 from ..models.transformer import CausalLM, device_of_weight
 from ..quant.isq import apply_isq
 from ..quant.linear import QuantEmbedding, QuantLinear

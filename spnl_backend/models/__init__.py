@@ -1,7 +1,7 @@
 """Transformer architectures (Llama/Mistral, Qwen2, Qwen3, Phi-3, Gemma 3), written once."""
 
+from .attention import AttentionBackend, AttentionSpec
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeConfig
-from .layers import AttentionBackend, AttentionSpec
 from .transformer import CausalLM
 
 __all__ = [

@@ -23,7 +23,11 @@ from ..kernels.cpu.layer_blocks import LayerStack
 from ..kernels.cpu.moe import NativeMoe
 from ..kernels.sets import NativeKeys
 from ..quant.linear import QuantLinear
-from .layers import Attention, DecoderLayer, GatedMLP, RMSNorm, SparseMoE, gelu_tanh
+from .attention import Attention
+from .decoder import DecoderLayer
+from .mlp import GatedMLP, gelu_tanh
+from .moe import SparseMoE
+from .norms import RMSNorm
 from .rope import RotaryTables
 
 ACTIVATIONS = (F.silu, gelu_tanh)

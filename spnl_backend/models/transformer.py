@@ -4,9 +4,13 @@ import torch
 from torch import nn
 
 from ..kernels.dispatch import TORCH_CHOICE, KernelChoice
+from .attention import AttentionBackend
+from .collectives import Collectives, shard_range
 from .config import ModelConfig
-from .layers import AttentionBackend, Collectives, DecoderLayer, Linear, RMSNorm, shard_range
+from .decoder import DecoderLayer
+from .linear import Linear
 from .native_blocks import LayerBlocks
+from .norms import RMSNorm
 from .rope import RotaryEmbedding
 
 

@@ -1,7 +1,7 @@
 """A mixture-of-experts layer on the native kernels (``moe.c``): routing, the experts'
 grouped products and their weighted sum in one call, prepared once per layer.
 
-Its twin is the grouped torch path of `models.layers.SparseMoE` (a float32 softmax, top-k,
+Its twin is the grouped torch path of `models.moe.SparseMoE` (a float32 softmax, top-k,
 each expert's rows through its projections, summed in expert order): the two agree to
 rounding (the exponentials and the sums' order differ), and the layer calls this one
 wherever it runs, per-op or inside the native layer blocks, so both give the same bits.
