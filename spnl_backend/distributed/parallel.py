@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed
 
-from ..models.attention import AttentionBackend
+from ..models.attention import StepAttention
 from .group import Group
 
 LOAD_TIMEOUT_S = 3600.0  # how long ranks wait for each other to load (not a step's timeout)
@@ -69,7 +69,7 @@ class TensorParallel:
         return torch.cat(self.group.all_gather(x.contiguous()), dim=-1)[..., :total]
 
     def before_forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: StepAttention
     ) -> None:
         if self.drives and self.announcing:
             meta = getattr(backend, "meta", None)

@@ -19,7 +19,7 @@ from ..compression import (
     get_compressor,
 )
 from ..errors import PlatformError, SettingsError
-from ..kernels import Kernels
+from ..kernels import AttentionKernels
 from ..loader.build import LoadedModel
 from ..log import get_logger
 from ..memory import MIB, available_memory, kv_bytes_per_token
@@ -279,7 +279,7 @@ def _available(loaded: LoadedModel) -> int:
     )
 
 
-def _kernels_name(attention: Kernels, coded: bool) -> str:
+def _kernels_name(attention: AttentionKernels, coded: bool) -> str:
     """The set a pool attends through; a compressed pool decodes its records itself, on
     the compiled CPU kernels where the set has them, else in torch."""
     if coded:

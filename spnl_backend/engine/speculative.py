@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..log import get_logger
-from ..models.attention import AttentionBackend
+from ..models.attention import StepAttention
 from ..models.transformer import CausalLM
 from .cache import CacheManager, PoolUsage
 from .constraint import Constraint, apply_bitmask, constraint_row
@@ -103,7 +103,7 @@ class SpeculativeCache:
     def reset_prefix_cache(self) -> int:
         return self.target.reset_prefix_cache() + self.draft.reset_prefix_cache()
 
-    def backend(self, batch: list[ScheduledSeq], device: torch.device) -> AttentionBackend:
+    def backend(self, batch: list[ScheduledSeq], device: torch.device) -> StepAttention:
         return self.target.backend(batch, device)
 
     def draft_view(self, seq: Sequence) -> CacheView:

@@ -30,7 +30,7 @@ from .matmuls import (
     quantized_matmuls_triton,
     quantized_matmuls_triton_fastest,
 )
-from .sets import TORCH_KERNELS, Kernels, cpu_kernel_set, triton_kernel_set
+from .sets import TORCH_ATTENTION, AttentionKernels, cpu_kernel_set, triton_kernel_set
 
 log = get_logger()
 
@@ -42,7 +42,7 @@ class KernelChoice:
     where each of them may run. The default is the torch twins throughout."""
 
     native: CpuKernels | None = None
-    attention: Kernels = TORCH_KERNELS
+    attention: AttentionKernels = TORCH_ATTENTION
     matmuls: Matmuls = quantized_matmuls_ref
     # Mixture-of-experts layers, float or GGML-quantized, in one fused kernel (Triton's,
     # on CUDA), or None.
@@ -112,9 +112,9 @@ def choose_kernels(decisions: PlatformDecisions) -> KernelChoice:
     native = native_kernels(decisions)
     # Without paged attention no kernel set runs: Triton's then need not load.
     attention = (
-        select_kernels(decisions.kernels, native, decisions.batch_invariant)
+        select_attention_kernels(decisions.kernels, native, decisions.batch_invariant)
         if decisions.paged_attn
-        else TORCH_KERNELS
+        else TORCH_ATTENTION
     )
     matmuls = select_matmuls(
         decisions.kernels, native, decisions.cpu_gemm, decisions.batch_invariant
@@ -155,17 +155,17 @@ def native_kernels(decisions: PlatformDecisions) -> CpuKernels | None:
     return replace(native, exact=decisions.cpu_matmul == "float32", threads=decisions.threads)
 
 
-def select_kernels(
+def select_attention_kernels(
     kind: Literal["torch", "cpu", "triton"],
     native: CpuKernels | None = None,
     batch_invariant: bool = True,
-) -> Kernels:
+) -> AttentionKernels:
     """The kernel set for the platform's decision (``PlatformDecisions.kernels``), over the
     compiled CPU kernels ``native`` where they run."""
     if kind == "cpu" and native is not None:
         return cpu_kernel_set(native, batch_invariant)
     if kind in ("torch", "cpu"):
-        return TORCH_KERNELS
+        return TORCH_ATTENTION
     return triton_kernel_set()
 
 

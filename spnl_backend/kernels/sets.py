@@ -19,7 +19,7 @@ from .thresholds import native_attention_queries
 
 
 @dataclass(frozen=True)
-class Kernels:
+class AttentionKernels:
     """The kernels the paged engine calls; every set has the same signatures. ``native``
     is the compiled CPU library the set calls (the CPU set only)."""
 
@@ -32,7 +32,7 @@ class Kernels:
     every_query_native: bool = False
 
 
-TORCH_KERNELS = Kernels("torch", store_kv_ref, paged_attention_ref)
+TORCH_ATTENTION = AttentionKernels("torch", store_kv_ref, paged_attention_ref)
 
 
 def _cpu_store_kv(
@@ -173,7 +173,7 @@ class NativeKeys:
 
 
 def native_keys(
-    kernels: Kernels, meta: PagedMetadata, pool: torch.Tensor, windows: tuple[int, ...]
+    kernels: AttentionKernels, meta: PagedMetadata, pool: torch.Tensor, windows: tuple[int, ...]
 ) -> NativeKeys | None:
     """The step's `NativeKeys` where the CPU set would store and attend natively for every
     query of every layer (a float pool, every query through the decode kernel), else None.
@@ -296,15 +296,15 @@ def _slots_in(meta: PagedMetadata, num_blocks: int) -> bool:
     return True
 
 
-def triton_kernel_set() -> Kernels:
+def triton_kernel_set() -> AttentionKernels:
     """Triton's kernels, imported only here: platforms without Triton never load it."""
     from .triton_attention import paged_attention_triton
     from .triton_store import store_kv_triton
 
-    return Kernels("triton", store_kv_triton, paged_attention_triton)
+    return AttentionKernels("triton", store_kv_triton, paged_attention_triton)
 
 
-def cpu_kernel_set(native: CpuKernels, batch_invariant: bool = True) -> Kernels:
+def cpu_kernel_set(native: CpuKernels, batch_invariant: bool = True) -> AttentionKernels:
     """The CPU: the native decode kernels for float32 and float16 caches, the torch twins
     otherwise.
     With batch invariance every query attends through the native kernel as a decode of its
@@ -312,4 +312,4 @@ def cpu_kernel_set(native: CpuKernels, batch_invariant: bool = True) -> Kernels:
     store = partial(_cpu_store_kv, native)
     longest = native_attention_queries(batch_invariant)
     attend = partial(_cpu_paged_attention, native, longest)
-    return Kernels("cpu", store, attend, native, every_query_native=longest is None)
+    return AttentionKernels("cpu", store, attend, native, every_query_native=longest is None)

@@ -1,14 +1,14 @@
 """Transformer architectures (Llama/Mistral, Qwen2, Qwen3, Phi-3, Gemma 3), written once."""
 
-from .attention import AttentionBackend, AttentionSpec
+from .attention import AttentionSpec, StepAttention
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeConfig
 from .transformer import CausalLM
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
-    "AttentionBackend",
     "AttentionSpec",
     "CausalLM",
     "ModelConfig",
     "RopeConfig",
+    "StepAttention",
 ]

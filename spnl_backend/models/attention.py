@@ -1,5 +1,5 @@
 """Self-attention and its interface to the KV cache: what a layer's attention needs
-(`AttentionSpec`) and what stores K/V and attends for it (`AttentionBackend`)."""
+(`AttentionSpec`) and what stores K/V and attends for it (`StepAttention`)."""
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -30,7 +30,7 @@ class AttentionSpec:
     softcap: float | None = None
 
 
-class AttentionBackend(Protocol):
+class StepAttention(Protocol):
     """The KV-cache interface the model calls: store this step's K/V, attend over the cache.
 
     ``q [T, heads, head_dim]``, ``k`` and ``v [T, kv_heads, head_dim]`` for the T
@@ -51,7 +51,7 @@ class AttentionBackend(Protocol):
 
 
 class WithoutLayerBlocks:
-    """An attention backend whose steps never run as the native layer blocks (their keys
+    """A step's attention whose layers never run as the native layer blocks (their keys
     are not in the paged pool): every step takes the per-op path."""
 
     def native_keys(self, windows: tuple[int, ...]) -> None:
@@ -95,7 +95,7 @@ class Attention(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, rotary: RotaryTables, backend: AttentionBackend
+        self, x: torch.Tensor, rotary: RotaryTables, attention: StepAttention
     ) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
@@ -111,7 +111,7 @@ class Attention(nn.Module):
         q, k = ops.qk_norm_rotate(
             q, k, (self.q_norm, self.k_norm) if self.qk_norm else None, rotary
         )
-        out = backend.attend(q, k, v, self.spec)
+        out = attention.attend(q, k, v, self.spec)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
     def _sharded_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ from typing import Protocol
 
 import torch
 
-from .attention import AttentionBackend
+from .attention import StepAttention
 
 
 class Collectives(Protocol):
@@ -20,7 +20,7 @@ class Collectives(Protocol):
     def all_max(self, x: torch.Tensor) -> torch.Tensor: ...
     def gather_columns(self, x: torch.Tensor, total: int) -> torch.Tensor: ...
     def before_forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: StepAttention
     ) -> None: ...
     def before_logits(self, hidden: torch.Tensor) -> None: ...
 

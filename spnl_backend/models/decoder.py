@@ -6,7 +6,7 @@ from torch import nn
 
 from ..kernels import ops
 from ..kernels.dispatch import TORCH_CHOICE, KernelChoice
-from .attention import Attention, AttentionBackend
+from .attention import Attention, StepAttention
 from .collectives import Collectives
 from .config import ModelConfig
 from .mlp import GatedMLP
@@ -45,14 +45,14 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         h: torch.Tensor,
         rotary: RotaryTables,
-        backend: AttentionBackend,
+        attention: StepAttention,
         next_norm: RMSNorm,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` the residual stream, ``h`` its normed copy (this layer's input norm) →
         the new residual stream and its norm by ``next_norm`` (the next layer's input norm
         or the final one). Each residual add and the norm after it are one step
         (`ops.add_rms_norm_layer`); ``x`` may be updated in place."""
-        attn = self._summed(self.self_attn(h, rotary, backend))
+        attn = self._summed(self.self_attn(h, rotary, attention))
         add_norm = ops.add_rms_norm_layer
         if not self.sandwich:
             x, h = add_norm(x, attn, None, self.post_attention_layernorm)

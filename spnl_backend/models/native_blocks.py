@@ -8,7 +8,7 @@ test checks it); this path only leaves Python out of the layer, a tenth of a dec
 token at 1B sizes. It runs where every product, store and attention of the step would be
 native anyway: float32 activations on the CPU, quantized projections without bias on the
 per-row products (batch invariance), and a float paged pool whose every query attends
-through the decode kernel (`AttentionBackend.native_keys`). A layer with experts runs
+through the decode kernel (`StepAttention.native_keys`). A layer with experts runs
 them as the MoE block: the one native call (`kernels.cpu.moe`) the per-op path makes too.
 Anything else takes the per-op path.
 """

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from ..kernels.dispatch import TORCH_CHOICE, KernelChoice
-from .attention import AttentionBackend
+from .attention import StepAttention
 from .collectives import Collectives, shard_range
 from .config import ModelConfig
 from .decoder import DecoderLayer
@@ -71,10 +71,10 @@ class Backbone(nn.Module):
         self.layer_devices: list[torch.device] | None = None
         self.layer_spans: list[tuple[torch.device, int]] | None = None
 
-    def _native_step(self, x: torch.Tensor, backend: AttentionBackend):
+    def _native_step(self, x: torch.Tensor, attention: StepAttention):
         """The layer blocks, the step's keys and the pools, where this step runs on the
         native layer blocks (`models.native_blocks`: the kernels allow it for ``x``, and the
-        attention backend for its keys), else None."""
+        step's attention for its keys), else None."""
         native = self.kernels.layer_blocks(x)
         if native is None or not self.use_layer_blocks:
             return None
@@ -87,11 +87,11 @@ class Backbone(nn.Module):
             if self._blocks is None:
                 self.use_layer_blocks = False
                 return None
-        found = backend.native_keys(self._blocks.windows)
+        found = attention.native_keys(self._blocks.windows)
         return None if found is None else (self._blocks, *found)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: StepAttention
     ) -> torch.Tensor:
         x = self._embed(input_ids)
         if self.embedding_multiplier is not None:
@@ -100,7 +100,7 @@ class Backbone(nn.Module):
         local = self.rotary_local(positions, x.dtype) if self.rotary_local else rotary
         layers = self.layers
         h = layers[0].input_layernorm(x) if len(layers) else self.norm(x)
-        native = self._native_step(x, backend)
+        native = self._native_step(x, attention)
         if native is not None:
             blocks, keys, pools = native
             return blocks.run(x.contiguous(), h, (rotary, local), keys, pools)
@@ -112,7 +112,7 @@ class Backbone(nn.Module):
                     tables[device] = (rotary.to(device), local.to(device))
                 rotary, local = tables[device]
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
-            x, h = layer(x, h, local if i in self.local_layers else rotary, backend, next_norm)
+            x, h = layer(x, h, local if i in self.local_layers else rotary, attention, next_norm)
         return h
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -171,12 +171,12 @@ class CausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, end - start, bias=False)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: StepAttention
     ) -> torch.Tensor:
         """``input_ids``/``positions [T]`` (sequences packed) → hidden states ``[T, hidden]``."""
         if self.tp is not None:
-            self.tp.before_forward(input_ids, positions, backend)
-        return self.model(input_ids, positions, backend)
+            self.tp.before_forward(input_ids, positions, attention)
+        return self.model(input_ids, positions, attention)
 
     def place(self, spans: list[tuple[torch.device, int]]) -> None:
         """Layer mapping over ``spans`` (each device and its consecutive layers): every
