@@ -154,6 +154,31 @@ def test_a_model_runs_its_float_experts_through_the_fused_kernel(tiny, arch):
     torch.testing.assert_close(model_logits(fused, ids), expected, rtol=1e-4, atol=1e-4)
 
 
+def test_a_model_whose_choice_names_the_fused_kernel_takes_it_on_its_first_step(tiny):
+    """The route on CUDA (`KernelChoice.fused_moe`, given to the model when it is built),
+    here through the interpreter: each MoE layer stacks its experts on its first step,
+    inside inference mode, and the logits are the per-expert path's."""
+    import dataclasses
+
+    from helpers import CPU, model_logits
+
+    from spnl_backend import load_backend
+    from spnl_backend.models.moe import SparseMoE
+
+    path = str(tiny.hf("qwen3_moe").path)
+    ids = tiny.hf("qwen3_moe").tokenizer("the cat sat on the mat").input_ids
+    expected = model_logits(load_backend(path, settings=CPU), ids)
+    fused = load_backend(path, settings=CPU)
+    choice = dataclasses.replace(fused.model.kernels, fused_moe=fused_moe_triton)
+    layers = [m for m in fused.model.modules() if isinstance(m, SparseMoE)]
+    for layer in layers:  # as a model built with that choice holds it
+        layer.kernels = choice
+    assert all(layer.fused is None for layer in layers)
+    torch.testing.assert_close(model_logits(fused, ids), expected, rtol=1e-4, atol=1e-4)
+    assert all(layer.fused is fused_moe_triton for layer in layers)
+    assert not layers[0]._stacked[0].is_inference()
+
+
 # The torch products on the CPU (dequantize, float32 GEMM), so that two models differ only
 # where one runs the fused kernel.
 Q8_ON_TORCH = {"device": "cpu", "isq": "Q8_0", "cpu_kernels": "torch"}
