@@ -3,7 +3,7 @@ recomputed every token, attention under a dense mask, positions counted here."""
 
 import torch
 
-from spnl_backend.models.attention import WithoutLayerBlocks
+from spnl_backend.models.step_attention import WithoutLayerBlocks
 from spnl_backend.models.transformer import CausalLM
 
 

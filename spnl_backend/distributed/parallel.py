@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed
 
-from ..models.attention import StepAttention
+from ..models.step_attention import StepAttention
 from .group import Group
 
 LOAD_TIMEOUT_S = 3600.0  # how long ranks wait for each other to load (not a step's timeout)

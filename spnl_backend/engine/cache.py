@@ -6,7 +6,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from ..models.attention import StepAttention
+from ..models.step_attention import StepAttention
 from .sequence import CachedTokens, ScheduledSeq
 
 

@@ -24,8 +24,8 @@ from ..kernels import AttentionKernels, check_step_slots
 from ..kernels.attention_ref import attention_ref
 from ..kernels.cpu import CpuKernels
 from ..kernels.metadata import PagedMetadata
-from ..models.attention import AttentionSpec, WithoutLayerBlocks
 from ..models.config import ModelConfig
+from ..models.step_attention import AttentionSpec, WithoutLayerBlocks
 
 
 class ProtocolKV:

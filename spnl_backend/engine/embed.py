@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 
 from ..kernels.attention_ref import attention_ref
-from ..models.attention import AttentionSpec, WithoutLayerBlocks
+from ..models.step_attention import AttentionSpec, WithoutLayerBlocks
 from ..models.transformer import CausalLM
 
 Pooling = Literal["last", "mean", "first"]

@@ -20,8 +20,8 @@ from ..kernels.sets import attend_contiguous, contiguous_kernels
 from ..kernels.thresholds import native_attention_queries
 from ..log import get_logger
 from ..memory import grown
-from ..models.attention import AttentionSpec, WithoutLayerBlocks
 from ..models.config import ModelConfig
+from ..models.step_attention import AttentionSpec, WithoutLayerBlocks
 from .sequence import CachedTokens, ScheduledSeq
 
 log = get_logger()

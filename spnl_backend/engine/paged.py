@@ -18,8 +18,8 @@ from ..kernels.pic import PicKeys
 from ..kernels.sets import NativeKeys, native_keys
 from ..log import get_logger
 from ..memory import host_tensor, kv_bytes_per_token
-from ..models.attention import AttentionSpec, StepAttention
 from ..models.config import ModelConfig
+from ..models.step_attention import AttentionSpec, StepAttention
 from ..pic.layout import PicLayout
 from .block_manager import UNTAKEN, BlockManager, BlockTable
 from .cache import PoolUsage

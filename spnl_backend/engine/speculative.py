@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..log import get_logger
-from ..models.attention import StepAttention
+from ..models.step_attention import StepAttention
 from ..models.transformer import CausalLM
 from .cache import CacheManager, PoolUsage
 from .constraint import Constraint, apply_bitmask, constraint_row

@@ -1,7 +1,7 @@
 """Transformer architectures (Llama/Mistral, Qwen2, Qwen3, Phi-3, Gemma 3), written once."""
 
-from .attention import AttentionSpec, StepAttention
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeConfig
+from .step_attention import AttentionSpec, StepAttention
 from .transformer import CausalLM
 
 __all__ = [

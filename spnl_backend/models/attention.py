@@ -1,61 +1,16 @@
-"""Self-attention and its interface to the KV cache: what a layer's attention needs
-(`AttentionSpec`) and what stores K/V and attends for it (`StepAttention`)."""
-
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+"""Self-attention over this rank's heads, through a step's KV cache (`StepAttention`)."""
 
 import torch
 from torch import nn
 
 from ..kernels import ops
 from ..kernels.cpu import CpuKernels
-from ..kernels.sets import NativeKeys
+from .collectives import Collectives
 from .config import ModelConfig
 from .linear import Linear, project
 from .norms import RMSNorm, rms_norm_of
 from .rope import RotaryTables
-
-if TYPE_CHECKING:
-    from .collectives import Collectives
-
-
-@dataclass(frozen=True)
-class AttentionSpec:
-    """What a layer's attention needs besides q, k, v: fixed per layer."""
-
-    layer: int
-    scale: float
-    num_kv_groups: int
-    sliding_window: int | None = None
-    softcap: float | None = None
-
-
-class StepAttention(Protocol):
-    """The KV-cache interface the model calls: store this step's K/V, attend over the cache.
-
-    ``q [T, heads, head_dim]``, ``k`` and ``v [T, kv_heads, head_dim]`` for the T
-    tokens of this step, packed sequence after sequence; returns ``[T, heads, head_dim]``.
-    """
-
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
-    ) -> torch.Tensor: ...
-
-    def native_keys(
-        self, windows: tuple[int, ...]
-    ) -> tuple[NativeKeys, list[tuple[torch.Tensor, torch.Tensor]]] | None:
-        """The step's keys and each layer's (key, value) pool where the native layer blocks
-        may run the step (`models.native_blocks`: the paged pool on the CPU's kernels), else
-        None; ``windows``: the model's sliding windows."""
-        ...
-
-
-class WithoutLayerBlocks:
-    """A step's attention whose layers never run as the native layer blocks (their keys
-    are not in the paged pool): every step takes the per-op path."""
-
-    def native_keys(self, windows: tuple[int, ...]) -> None:
-        return None
+from .step_attention import AttentionSpec, StepAttention
 
 
 class Attention(nn.Module):
@@ -66,7 +21,7 @@ class Attention(nn.Module):
         self,
         config: ModelConfig,
         layer: int,
-        tp: "Collectives | None" = None,
+        tp: Collectives | None = None,
         native: CpuKernels | None = None,
     ) -> None:
         super().__init__()

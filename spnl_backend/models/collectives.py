@@ -4,7 +4,7 @@ from typing import Protocol
 
 import torch
 
-from .attention import StepAttention
+from .step_attention import StepAttention
 
 
 class Collectives(Protocol):

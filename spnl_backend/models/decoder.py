@@ -6,13 +6,14 @@ from torch import nn
 
 from ..kernels import ops
 from ..kernels.dispatch import TORCH_CHOICE, KernelChoice
-from .attention import Attention, StepAttention
+from .attention import Attention
 from .collectives import Collectives
 from .config import ModelConfig
 from .mlp import GatedMLP
 from .moe import SparseMoE
 from .norms import RMSNorm, rms_norm_of
 from .rope import RotaryTables
+from .step_attention import StepAttention
 
 
 class DecoderLayer(nn.Module):

@@ -4,7 +4,6 @@ import torch
 from torch import nn
 
 from ..kernels.dispatch import TORCH_CHOICE, KernelChoice
-from .attention import StepAttention
 from .collectives import Collectives, shard_range
 from .config import ModelConfig
 from .decoder import DecoderLayer
@@ -12,6 +11,7 @@ from .linear import Linear
 from .native_blocks import LayerBlocks
 from .norms import RMSNorm
 from .rope import RotaryEmbedding
+from .step_attention import StepAttention
 
 
 class Embedding(nn.Embedding):
