@@ -20,6 +20,7 @@ from ..compressors import Compressor
 from ..errors import PlatformError
 from ..log import get_logger
 from ..settings import PlatformDecisions
+from . import ops
 from .cpu import CpuKernels, load_cpu_kernels
 from .cpu.moe import MAX_EXPERTS, NativeMoe, Weight
 from .matmuls import (
@@ -54,9 +55,7 @@ class KernelChoice:
 
     def native_for(self, x: torch.Tensor) -> CpuKernels | None:
         """The compiled kernels where ``x`` runs on them: float32 on the CPU."""
-        if self.native is not None and x.is_cpu and x.dtype is torch.float32:
-            return self.native
-        return None
+        return ops.native_for(self.native, x)
 
     def native_rows(self, x: torch.Tensor) -> CpuKernels | None:
         """`native_for`, where the products also compute each of ``x``'s rows alone."""

@@ -15,7 +15,9 @@ import torch
 from .cpu import CpuKernels
 
 
-def _native(x: torch.Tensor, native: CpuKernels | None) -> CpuKernels | None:
+def native_for(native: CpuKernels | None, x: torch.Tensor) -> CpuKernels | None:
+    """``native`` where ``x`` runs on the compiled kernels: float32 on the CPU (the one
+    place this rule is written; `KernelChoice.native_for` and the codecs' decode ask it)."""
     if native is not None and x.is_cpu and x.dtype is torch.float32:
         return native
     return None
@@ -29,7 +31,7 @@ def rms_norm(
     x: torch.Tensor, scale: torch.Tensor, eps: float, native: CpuKernels | None = None
 ) -> torch.Tensor:
     """``x * rsqrt(mean(x²) + eps) * scale`` over the last dim (float32 ``scale``)."""
-    native = _native(x, native)
+    native = native_for(native, x)
     return native.rms_norm(x, scale, eps) if native else rms_norm_ref(x, scale, eps)
 
 
@@ -69,7 +71,7 @@ def add_rms_norm(
     native: CpuKernels | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`add_rms_norm_ref` in one native call, which updates ``x`` in place (use the result)."""
-    native = _native(x, native)
+    native = native_for(native, x)
     if native is None or delta.dtype is not torch.float32 or not x.is_contiguous():
         return add_rms_norm_ref(x, delta, delta_norm, scale, eps)
     return x, native.add_rms_norm(x, delta, delta_norm, scale, eps)
@@ -100,7 +102,7 @@ def qk_norm_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`qk_norm_rope_ref`, in place in one native call where ``q`` and ``k`` allow it (use
     the result)."""
-    native = _native(q, native)
+    native = native_for(native, q)
     if native is None or k.dtype is not torch.float32 or not _heads_consecutive(q, k):
         return qk_norm_rope_ref(q, k, norms, cos, sin)
     native.qk_norm_rope_(q, k, norms, cos.squeeze(1), sin.squeeze(1))
