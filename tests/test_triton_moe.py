@@ -154,10 +154,11 @@ def test_a_model_runs_its_float_experts_through_the_fused_kernel(tiny, arch):
     torch.testing.assert_close(model_logits(fused, ids), expected, rtol=1e-4, atol=1e-4)
 
 
-def test_a_model_whose_choice_names_the_fused_kernel_takes_it_on_its_first_step(tiny):
+def test_a_model_whose_choice_names_the_fused_kernel_stacks_its_experts_for_it(tiny):
     """The route on CUDA (`KernelChoice.fused_moe`, given to the model when it is built),
-    here through the interpreter: each MoE layer stacks its experts on its first step,
-    inside inference mode, and the logits are the per-expert path's."""
+    here through the interpreter: once the weights are in (`CausalLM.prepare_experts`, as
+    loading calls it) each MoE layer takes the kernel, and the logits are the per-expert
+    path's."""
     import dataclasses
 
     from helpers import CPU, model_logits
@@ -173,10 +174,10 @@ def test_a_model_whose_choice_names_the_fused_kernel_takes_it_on_its_first_step(
     layers = [m for m in fused.model.modules() if isinstance(m, SparseMoE)]
     for layer in layers:  # as a model built with that choice holds it
         layer.kernels = choice
-    assert all(layer.fused is None for layer in layers)
-    torch.testing.assert_close(model_logits(fused, ids), expected, rtol=1e-4, atol=1e-4)
+    assert all(layer.fused is None for layer in layers)  # the CPU's choice fused nothing
+    fused.model.prepare_experts()
     assert all(layer.fused is fused_moe_triton for layer in layers)
-    assert not layers[0]._stacked[0].is_inference()
+    torch.testing.assert_close(model_logits(fused, ids), expected, rtol=1e-4, atol=1e-4)
 
 
 # The torch products on the CPU (dequantize, float32 GEMM), so that two models differ only

@@ -188,6 +188,7 @@ def _build(
         model.place(spans)
         log.info("layers.mapped", devices=[str(d) for d in devices], why=place.layer_map.why)
     model.eval()
+    model.prepare_experts()
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding)]
     log.info(
         "model.loaded",

@@ -48,11 +48,10 @@ class SparseMoE(nn.Module):
         self._native: NativeMoe | None = None
         self._native_made = False
         # A fused kernel (`kernels.triton_moe` on CUDA, the choice's `fused_moe`), taken
-        # on first use by `use_fused`; its experts then live stacked, each expert's weights
-        # views of them.
+        # once the weights are in (`prepare_experts`); its experts then live stacked, each
+        # expert's weights views of them.
         self.fused: FusedMoe | None = None
         self._stacked: Stacked | None = None
-        self._fused_tried = False
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts ``[T, top_k]`` and their weights (float32 where the
@@ -73,6 +72,12 @@ class SparseMoE(nn.Module):
         if not len(x):
             return x @ weight.T
         return torch.stack([torch.mv(weight, row) for row in x])
+
+    def prepare_experts(self) -> None:
+        """Stack the experts where the model's kernels fuse them (`KernelChoice.fused_moe`);
+        else leave them as they are."""
+        if self.kernels.fused_moe is not None:
+            self.use_fused(self.kernels.fused_moe)
 
     def use_fused(self, fused: "FusedMoe") -> None:
         """Run the experts through ``fused``: their weights stacked once, float ones into
@@ -117,11 +122,6 @@ class SparseMoE(nn.Module):
         return QuantizedExperts.stack(gate_up), QuantizedExperts.stack(down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self._fused_tried:
-            self._fused_tried = True
-            if self.kernels.fused_moe is not None:
-                with torch.inference_mode(False):  # the stacks are weights, kept for good
-                    self.use_fused(self.kernels.fused_moe)
         native = None if self.fused is not None else self._native_for(x)
         if native is not None:
             return native(x)

@@ -8,6 +8,7 @@ from .collectives import Collectives, shard_range
 from .config import ModelConfig
 from .decoder import DecoderLayer
 from .linear import Linear
+from .moe import SparseMoE
 from .native_blocks import LayerBlocks
 from .norms import RMSNorm
 from .rope import RotaryEmbedding
@@ -189,6 +190,14 @@ class CausalLM(nn.Module):
             if own:
                 module.to(device_of_weight(f"{name}.{own[0][0]}", devices))
         self.model.layer_devices, self.model.layer_spans = devices, spans
+
+    def prepare_experts(self) -> None:
+        """Once the weights are in: every MoE layer's experts stacked where the model's
+        kernels fuse them (`SparseMoE.prepare_experts`), before a KV pool is sized from what
+        memory is left (stacking moves a layer's experts once)."""
+        for module in self.modules():
+            if isinstance(module, SparseMoE):
+                module.prepare_experts()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states of the rows to sample from → float32 logits ``[rows, vocab]``
