@@ -26,7 +26,7 @@ from .memory import release_freed_memory
 from .models.config import ModelConfig
 from .models.transformer import CausalLM
 from .pic.layout import PicPrompt
-from .pic.prompts import PicPrompts, pic_refusal
+from .pic.prompts import PicPrompts
 from .pic.query import SpanQuery
 from .request import (
     MAX_SEED,
@@ -93,7 +93,7 @@ class Backend:
             loaded.config.vocab_size,
             self._limit,
             engine.cache_info.block_size or 1,
-            pic_refusal(engine),
+            engine.pic_refusal(),
         )
         self._special_ids: dict[str, int | None] = {}  # tool-call markers, once looked up
         self._grammars = GrammarCompiler(

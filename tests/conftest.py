@@ -58,6 +58,17 @@ def _private_caches(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def native_kernels():
+    """The compiled CPU kernels, as shipped; a machine without a C compiler fails here."""
+    import spnl_backend.kernels.cpu as cpu
+
+    native = cpu.cpu_kernels()
+    if native is None:
+        pytest.fail("the CPU kernels did not build: is there a C compiler?")
+    return native
+
+
+@pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory):
     from helpers import TinyModels
 

@@ -3,6 +3,7 @@ recomputed every token, attention under a dense mask, positions counted here."""
 
 import torch
 
+from spnl_backend.models.step_attention import WithoutLayerBlocks
 from spnl_backend.models.transformer import CausalLM
 
 
@@ -34,7 +35,7 @@ def reference_layout(pieces: list[tuple[str, int]], scheme: str) -> tuple[list[i
     return elements, positions
 
 
-class DenseMask:
+class DenseMask(WithoutLayerBlocks):
     """An attention backend over the whole sequence at once, with an explicit mask."""
 
     def __init__(self, elements: list[int], positions: list[int]) -> None:

@@ -70,7 +70,7 @@ def test_pools_refused_by_the_blocks_leave_every_layer_on_the_pools_it_had(tiny)
         bad = [tuple(t.clone() for t in pair) for pair in pools]
         bad[1] = tuple(t.to(torch.bfloat16) for t in bad[1])  # refused, after layer 0
         with pytest.raises(KernelArgumentError, match=r"a pool of torch\.bfloat16"):
-            blocks._set_pools(bad, num_slots)
+            blocks.stack._set_pools(bad, num_slots)
         del bad
         after = backend.generate("The capital of France is", max_tokens=8, temperature=0)
     assert after.text == before.text

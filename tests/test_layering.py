@@ -7,6 +7,7 @@ module belongs to one layer; it may import its own layer and those below.
 """
 
 import ast
+import itertools
 import json
 import subprocess
 import sys
@@ -20,16 +21,14 @@ PACKAGE = Path(__file__).resolve().parent.parent / "spnl_backend"
 # starting with "=" is that one module only (a package's __init__, not its modules).
 LAYERS: tuple[tuple[str, ...], ...] = (
     # what everything may use: errors, logging, memory arithmetic, a request's sampling
-    # parameters (which the engine reads), and the catalogue of compression methods'
-    # names that settings validate against (with the compression package's __init__,
-    # which imports nothing until a name is asked for)
+    # parameters (which the engine reads), and the registry of compression methods whose
+    # names settings validate against
     (
         "spnl_backend.errors",
         "spnl_backend.log",
         "spnl_backend.memory",
         "spnl_backend.sampling",
-        "spnl_backend.compression.registry",
-        "=spnl_backend.compression",
+        "spnl_backend.compressors",
     ),
     ("spnl_backend.settings",),
     ("spnl_backend.pic",),
@@ -150,28 +149,75 @@ def test_imports_flow_down(module):
     assert not upward, f"{module} (layer {layer_of(module)}) imports from above: {upward}"
 
 
-def test_no_import_cycles():
-    """Depth-first search over the module graph; a back edge is a cycle."""
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of ``graph`` (each node's targets), as the path that closes it; None if it
+    has none. Depth-first search: a target still on the current path is a back edge."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
 
-    def visit(module: str) -> None:
-        state[module] = 1
-        path.append(module)
-        for target in sorted(GRAPH[module]):
-            if module.startswith(target + "."):
-                continue  # a package's own __init__, which runs first anyway
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph.get(node, ())):
             if state.get(target) == 1:
-                cycle = [*path[path.index(target) :], target]
-                pytest.fail("import cycle: " + " -> ".join(cycle))
-            if target not in state:
-                visit(target)
+                return [*path[path.index(target) :], target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
         path.pop()
-        state[module] = 2
+        state[node] = 2
+        return None
 
-    for module in sorted(GRAPH):
-        if module not in state:
-            visit(module)
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycles():
+    # a package's own __init__ runs first anyway: not an edge
+    graph = {m: {t for t in GRAPH[m] if not m.startswith(t + ".")} for m in GRAPH}
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def subpackage_of(module: str) -> str | None:
+    """The subpackage (a folder of ``spnl_backend``) that holds ``module``; None for the
+    root package and its top-level modules (`backend`, `request`, `errors` ...)."""
+    parts = module.split(".")
+    if len(parts) > 2 or (len(parts) == 2 and MODULES[module].name == "__init__.py"):
+        return parts[1]
+    return None
+
+
+def subpackage_graph() -> dict[str, dict[str, tuple[str, str]]]:
+    """Each subpackage's imports of other subpackages, with one import that makes each."""
+    graph: dict[str, dict[str, tuple[str, str]]] = {}
+    for module, targets in GRAPH.items():
+        for target in targets:
+            here, there = subpackage_of(module), subpackage_of(target)
+            if here and there and here != there:
+                graph.setdefault(here, {}).setdefault(there, (module, target))
+    return graph
+
+
+def test_the_subpackages_import_each_other_without_a_cycle():
+    """Subpackages form a graph without cycles, so each can be read (and tested) over
+    those below it: settings, for one, never reach the kernels that read them."""
+    graph = subpackage_graph()
+    cycle = find_cycle({node: set(targets) for node, targets in graph.items()})
+    if cycle is not None:
+        steps = [
+            f"{a} -> {b} ({' imports '.join(graph[a][b])})" for a, b in itertools.pairwise(cycle)
+        ]
+        pytest.fail("subpackage import cycle: " + "; ".join(steps))
+
+
+def test_the_cycle_search_finds_a_cycle_and_only_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+    assert subpackage_of("spnl_backend.kernels.cpu") == "kernels"
+    assert subpackage_of("spnl_backend.settings") == "settings"
+    assert subpackage_of("spnl_backend.request") is None
 
 
 def reads_environment(source: str) -> bool:
@@ -204,7 +250,7 @@ DYNAMIC_IMPORTS = {
     "spnl_backend": "import_module(",
     "spnl_backend.compression": "importlib.import_module(",
     # the built-in compression methods, loaded like an entry point's plugin (ARCHITECTURE.md)
-    "spnl_backend.compression.registry": "importlib.import_module(BUILT_IN_MODULE)",
+    "spnl_backend.compressors": "importlib.import_module(BUILT_IN_MODULE)",
 }
 
 
@@ -221,7 +267,7 @@ def test_every_import_by_name_is_a_known_one():
 
 def test_settings_load_nothing_above_them():
     """What ``import spnl_backend.settings`` brings in, measured in a fresh interpreter:
-    the compression package's __init__ and registry, and nothing else above settings."""
+    the registry of compression methods, and nothing above settings."""
     code = (
         "import json, sys\n"
         "import spnl_backend.settings\n"

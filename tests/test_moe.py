@@ -13,7 +13,8 @@ from model_file_mutations import parse_gguf, with_value, without_key, write_gguf
 from tiny_models import MOE_ARCHITECTURES
 
 from spnl_backend import BackendSettings, UnsupportedArchitectureError, load_backend
-from spnl_backend.models.layers import GatedMLP, SparseMoE
+from spnl_backend.models.mlp import GatedMLP
+from spnl_backend.models.moe import SparseMoE
 from spnl_backend.quant.linear import QuantLinear
 
 PROMPT = "the cat sat on the mat and the dog"

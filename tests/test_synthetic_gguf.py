@@ -50,7 +50,7 @@ def test_tiny_synthetic_file_loads_and_decodes(tmp_path, fmt):
 
 
 def test_tiny_synthetic_moe_file_loads_its_stacked_experts(tmp_path):
-    from spnl_backend.models.layers import SparseMoE
+    from spnl_backend.models.moe import SparseMoE
 
     path = tmp_path / "tiny-moe.gguf"
     synthetic_gguf.write(path, "tiny-moe", "q4_k_m")

@@ -13,7 +13,6 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-import spnl_backend.kernels.cpu as cpu
 from spnl_backend import BackendSettings, load_backend
 from spnl_backend.errors import SettingsError
 from spnl_backend.kernels.threads import torch_on_this_thread_alone
@@ -25,11 +24,8 @@ THREADS = (1, 2, 3, 5)
 
 
 @pytest.fixture(scope="module")
-def kernels():
-    native = cpu.cpu_kernels()
-    if native is None:
-        pytest.fail("the CPU kernels did not build: is there a C compiler?")
-    return native
+def kernels(native_kernels):
+    return native_kernels
 
 
 def _on(kernels, threads: int):

@@ -83,7 +83,7 @@ def test_end_to_end_greedy_equals_the_torch_path(tiny, arch):
     from helpers import PROMPT, engine_internals
 
     from spnl_backend import BackendSettings, load_backend
-    from spnl_backend.kernels import select_kernels
+    from spnl_backend.kernels import select_attention_kernels
 
     # float32 pools: the Triton kernels store the model's dtype (float32 on the CPU)
     reference = load_backend(
@@ -99,7 +99,7 @@ def test_end_to_end_greedy_equals_the_torch_path(tiny, arch):
         settings=BackendSettings(device=DEVICE, paged_attn=True, paged_attn_block_size=16, **pool),
     )
     if DEVICE == "cpu":  # the platform picks torch kernels on the CPU; use Triton's anyway
-        engine_internals(triton_backend).cache.kernels = select_kernels("triton")
+        engine_internals(triton_backend).cache.kernels = select_attention_kernels("triton")
     else:  # chosen at load, and reported so
         assert triton_backend.cache_info().kernels == "triton"
     assert engine_internals(triton_backend).cache.kernels.name == "triton"

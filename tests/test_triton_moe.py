@@ -122,6 +122,16 @@ def test_half_precision_activations_with_packed_experts():
     torch.testing.assert_close(out.cpu(), fused_moe_ref(*case).cpu(), rtol=1e-2, atol=1e-2)
 
 
+def _fuse(model) -> None:
+    """What a model built with `KernelChoice.fused_moe` does on its first step: every MoE
+    layer takes the fused kernel."""
+    from spnl_backend.models.moe import SparseMoE
+
+    for module in model.modules():
+        if isinstance(module, SparseMoE):
+            module.use_fused(fused_moe_triton)
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe"])
 def test_a_model_runs_its_float_experts_through_the_fused_kernel(tiny, arch):
     """What loading on CUDA does (`KernelChoice.fused_moe`), here through the interpreter:
@@ -130,17 +140,43 @@ def test_a_model_runs_its_float_experts_through_the_fused_kernel(tiny, arch):
     from helpers import CPU, model_logits
 
     from spnl_backend import load_backend
-    from spnl_backend.models.layers import SparseMoE
+    from spnl_backend.models.moe import SparseMoE
 
     path = str(tiny.hf(arch).path)
     ids = tiny.hf(arch).tokenizer("the cat sat on the mat").input_ids
     expected = model_logits(load_backend(path, settings=CPU), ids)
     fused = load_backend(path, settings=CPU)
-    fused.model.use_fused_moe(fused_moe_triton)
+    _fuse(fused.model)
     layers = [m for m in fused.model.modules() if isinstance(m, SparseMoE)]
     assert all(layer.fused is fused_moe_triton for layer in layers)
     w13, _ = layers[0]._stacked
     assert layers[0].experts[1].gate_proj.weight.data_ptr() == w13[1].data_ptr()
+    torch.testing.assert_close(model_logits(fused, ids), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_model_whose_choice_names_the_fused_kernel_stacks_its_experts_for_it(tiny):
+    """The route on CUDA (`KernelChoice.fused_moe`, given to the model when it is built),
+    here through the interpreter: once the weights are in (`CausalLM.prepare_experts`, as
+    loading calls it) each MoE layer takes the kernel, and the logits are the per-expert
+    path's."""
+    import dataclasses
+
+    from helpers import CPU, model_logits
+
+    from spnl_backend import load_backend
+    from spnl_backend.models.moe import SparseMoE
+
+    path = str(tiny.hf("qwen3_moe").path)
+    ids = tiny.hf("qwen3_moe").tokenizer("the cat sat on the mat").input_ids
+    expected = model_logits(load_backend(path, settings=CPU), ids)
+    fused = load_backend(path, settings=CPU)
+    choice = dataclasses.replace(fused.model.kernels, fused_moe=fused_moe_triton)
+    layers = [m for m in fused.model.modules() if isinstance(m, SparseMoE)]
+    for layer in layers:  # as a model built with that choice holds it
+        layer.kernels = choice
+    assert all(layer.fused is None for layer in layers)  # the CPU's choice fused nothing
+    fused.model.prepare_experts()
+    assert all(layer.fused is fused_moe_triton for layer in layers)
     torch.testing.assert_close(model_logits(fused, ids), expected, rtol=1e-4, atol=1e-4)
 
 
@@ -156,14 +192,14 @@ def test_a_model_runs_its_quantized_experts_through_the_fused_kernel(tiny):
     from helpers import model_logits
 
     from spnl_backend import BackendSettings, load_backend
-    from spnl_backend.models.layers import SparseMoE
+    from spnl_backend.models.moe import SparseMoE
 
     settings = BackendSettings(**Q8_ON_TORCH)
     path = str(tiny.hf("qwen3_moe").path)
     ids = tiny.hf("qwen3_moe").tokenizer("the cat sat on the mat").input_ids
     expected = model_logits(load_backend(path, settings=settings), ids)
     fused = load_backend(path, settings=settings)
-    fused.model.use_fused_moe(fused_moe_triton)
+    _fuse(fused.model)
     layers = [m for m in fused.model.modules() if isinstance(m, SparseMoE)]
     assert layers
     assert all(layer.fused is fused_moe_triton for layer in layers)
@@ -178,13 +214,13 @@ def test_a_model_runs_its_quantized_experts_through_the_fused_kernel(tiny):
 
 def test_experts_of_mixed_types_keep_the_per_expert_path(tiny):
     from spnl_backend import BackendSettings, load_backend
-    from spnl_backend.models.layers import SparseMoE
+    from spnl_backend.models.moe import SparseMoE
 
     backend = load_backend(str(tiny.hf("qwen3_moe").path), settings=BackendSettings(**Q8_ON_TORCH))
     layers = [m for m in backend.model.modules() if isinstance(m, SparseMoE)]
     down = layers[0].experts[2].down_proj
     down.weight_q = QuantizedWeight.from_float(down.weight_q.dequantize(), Q.Q4_0)
-    backend.model.use_fused_moe(fused_moe_triton)
+    _fuse(backend.model)
     assert layers[0].fused is None
     assert layers[0]._stacked is None
     assert all(layer.fused is fused_moe_triton for layer in layers[1:])

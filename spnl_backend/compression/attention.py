@@ -13,6 +13,7 @@ import torch
 
 from ..kernels.attention_ref import attend_scores
 from ..kernels.cpu import CpuKernels
+from ..kernels.ops import native_for
 from .codecs import VectorCodec
 from .polar import PolarCodec
 
@@ -91,7 +92,8 @@ def decode_records(
     bytes]`` (sequence ``s``'s keys at ``slots[s, :lens[s]]``), by the CPU's native kernel
     ``native``; None where it does not apply (the caller then runs `attend_records`)."""
     key, value = pair.key, pair.value
-    if not (native and q.dtype == torch.float32 and q.device.type == "cpu"):
+    native = native_for(native, q)
+    if native is None:
         return None
     if not (isinstance(key, PolarCodec) and isinstance(value, PolarCodec)) or key.qjl:
         return None

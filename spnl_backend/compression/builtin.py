@@ -12,12 +12,12 @@ that to +1.5% (+1.7% to +2.0% with other rotation seeds), at 30.0% of a 16-bit c
 bench/kv_compression.py measures them through the engine.
 """
 
+from ..compressors import Compressor
 from .attention import CodecPair
 from .cache import CodecKVCache
 from .codecs import Fp8Codec, Int8Codec
 from .polar import PolarCodec
 from .protocol import KVGeometry
-from .registry import Compressor
 
 
 def _fp8(g: KVGeometry) -> CodecPair:

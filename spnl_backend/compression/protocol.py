@@ -1,8 +1,8 @@
 """The CompressedKVCache contract between the engine and KV-cache compression methods.
 
 A method implements `CompressedKVCache` for the cache of one sequence (all its layers)
-and registers a factory for it (`registry`); every model then runs on it without
-changes. Shapes are token-major, as everywhere in the engine:
+and registers a factory for it (`spnl_backend.compressors`); every model then runs on it
+without changes. Shapes are token-major, as everywhere in the engine:
 
 - ``k``, ``v``: ``[tokens, kv_heads, head_dim]``; ``q``: ``[tokens, heads, head_dim]``;
 - ``DequantResult.k``/``.v``: ``[seq_len, kv_heads, head_dim]``, every token stored so

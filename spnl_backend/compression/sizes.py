@@ -2,9 +2,9 @@
 
 import torch
 
+from ..compressors import get_compressor
 from ..memory import KVShape, kv_bytes_per_token
 from .protocol import KVGeometry
-from .registry import get_compressor
 
 
 def method_bytes_per_token(

@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ..errors import SettingsError
+from ..models.collectives import shard_range
 from ..models.config import ModelConfig
-from ..models.layers import shard_range
 from ..quant.ggml import ggml_format
 from ..quant.linear import QuantizedWeight
 from .tensor_parallel import TensorParallel
@@ -58,7 +58,7 @@ class Shard:
 
     def local_config(self) -> ModelConfig:
         """This rank's model: its heads, its rows of every MLP (the vocabulary's split is
-        the model's own: `models.layers.shard_range`)."""
+        the model's own: `models.collectives.shard_range`)."""
         c, world = self.config, self.world
         moe = c.moe
         if moe is not None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed
 
-from ..models.layers import AttentionBackend
+from ..models.step_attention import StepAttention
 from ..settings import BackendSettings
 from ..settings.topology import Topology
 from .group import Group
@@ -38,7 +38,7 @@ class Op(enum.IntEnum):
 
 @dataclass
 class TensorParallel:
-    """This rank's place in the group, as the model's layers use it (`models.layers.
+    """This rank's place in the group, as the model's layers use it (`models.collectives.
     Collectives`); ``drives``: rank 0, which announces each step to the others."""
 
     group: Group
@@ -73,7 +73,7 @@ class TensorParallel:
         return torch.cat(self.group.all_gather(x.contiguous()), dim=-1)[..., :total]
 
     def before_forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: StepAttention
     ) -> None:
         if self.drives and self.announcing:
             meta = getattr(backend, "meta", None)

@@ -19,7 +19,7 @@ from ..compression import (
     get_compressor,
 )
 from ..errors import PlatformError, SettingsError
-from ..kernels import Kernels
+from ..kernels import AttentionKernels
 from ..loader.model import LoadedModel
 from ..log import get_logger
 from ..memory import MIB, available_memory, kv_bytes_per_token
@@ -95,15 +95,7 @@ def _cache(
     """One model's cache manager, the longest sequence it can hold, and what it is."""
     config = loaded.config
     compressor = get_compressor(settings.kv_cache_compression)
-    paged = decisions.paged_attn
-    if paged and compressor is not None and compressor.make_codecs is None:
-        log.warning(
-            "kv_compression.paged_fallback",
-            method=compressor.name,
-            reason="the method has no block-pool form (make_codecs); its caches run per "
-            "sequence, in non-paged mode",
-        )
-        paged = False
+    paged = loaded.kernels.pages(compressor)
     fp8_pool = paged and decisions.kv_cache_dtype == "float8_e4m3fn"
     calibrated = fp8_pool or (compressor is not None and compressor.calibrated)
     stats = kv_statistics(loaded, role) if calibrated else None
@@ -287,7 +279,7 @@ def _available(loaded: LoadedModel) -> int:
     )
 
 
-def _kernels_name(attention: Kernels, coded: bool) -> str:
+def _kernels_name(attention: AttentionKernels, coded: bool) -> str:
     """The set a pool attends through; a compressed pool decodes its records itself, on
     the compiled CPU kernels where the set has them, else in torch."""
     if coded:

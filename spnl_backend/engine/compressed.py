@@ -20,12 +20,12 @@ from ..compression import (
     ResizableKVCache,
 )
 from ..compression.attention import attend_records, decode_records, first_visible
-from ..kernels import Kernels, check_step_slots
+from ..kernels import AttentionKernels, check_step_slots
 from ..kernels.attention_ref import attention_ref
 from ..kernels.cpu import CpuKernels
 from ..kernels.metadata import PagedMetadata
 from ..models.config import ModelConfig
-from ..models.layers import AttentionSpec
+from ..models.step_attention import AttentionSpec, WithoutLayerBlocks
 
 
 class ProtocolKV:
@@ -126,7 +126,7 @@ class CodedPagedKVCache:
         layers, _, _, heads = self.keys.shape[:4]
         return self.pair.bytes_per_token(layers, heads)
 
-    def step(self, kernels: Kernels, meta: PagedMetadata) -> "CodedPagedStep":
+    def step(self, kernels: AttentionKernels, meta: PagedMetadata) -> "CodedPagedStep":
         return CodedPagedStep(self, meta, kernels.native)
 
     def tier_layout(self) -> dict[str, object]:
@@ -153,7 +153,7 @@ class CodedPagedKVCache:
         values.copy_(data[split:].reshape(values.shape).to(values.device))
 
 
-class CodedPagedStep:
+class CodedPagedStep(WithoutLayerBlocks):
     """Encode this step's K/V into their slots, then attend each sequence over its blocks."""
 
     def __init__(

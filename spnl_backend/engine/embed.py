@@ -14,14 +14,14 @@ from typing import Literal
 import torch
 
 from ..kernels.attention_ref import attention_ref
-from ..models.layers import AttentionSpec
+from ..models.step_attention import AttentionSpec, WithoutLayerBlocks
 from ..models.transformer import CausalLM
 
 Pooling = Literal["last", "mean", "first"]
 POOLINGS: tuple[Pooling, ...] = ("last", "mean", "first")
 
 
-class SelfAttention:
+class SelfAttention(WithoutLayerBlocks):
     """The attention backend of a cache-free pass: each packed text attends causally over
     its own tokens alone."""
 

@@ -275,6 +275,25 @@ class Engine:
         self.scheduler.running.clear()
         self.scheduler.waiting.clear()
 
+    def pic_refusal(self) -> str | None:
+        """Why PIC prompts cannot run on this engine's cache, or None where they can."""
+        from .speculative import SpeculativeRunner  # the draft's runner, built on this one
+
+        info = self.cache_info
+        if info.kind != "paged":
+            return (
+                "it runs without paged attention (MISTRALRS_PAGED_ATTN=false, or the "
+                "platform's default); PIC lives in the paged pool"
+            )
+        if info.compression is not None:
+            return f"its KV cache is compressed (MISTRALRS_KV_CACHE_COMPRESSION={info.compression})"
+        if isinstance(self.runner, SpeculativeRunner):
+            return (
+                "it decodes with a speculative draft (MISTRALRS_SPECULATIVE_DRAFT_MODEL or "
+                "MISTRALRS_SPECULATIVE_DRAFT_ISQ)"
+            )
+        return None
+
     def _check_usable(self) -> None:
         if self.broken is not None:
             raise type(self.broken)(str(self.broken))  # a DistributedError stays one

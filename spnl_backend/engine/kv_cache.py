@@ -14,15 +14,14 @@ from typing import Protocol
 
 import torch
 
-from ..kernels.attention_ref import attention_ref
-from ..kernels.cpu import POOL_DTYPES, CpuKernels
+from ..kernels.cpu import CpuKernels
 from ..kernels.paged_ref import to_cache
-from ..kernels.sets import contiguous_attention
+from ..kernels.sets import attend_contiguous, contiguous_kernels
 from ..kernels.thresholds import native_attention_queries
 from ..log import get_logger
 from ..memory import grown
 from ..models.config import ModelConfig
-from ..models.layers import AttentionSpec
+from ..models.step_attention import AttentionSpec, WithoutLayerBlocks
 from .cache import Feed, in_order
 from .sequence import CachedTokens, ScheduledSeq
 
@@ -69,8 +68,7 @@ class SequenceKV:
         self.data = torch.empty(
             (num_layers, 2, 0, num_kv_heads, head_dim), dtype=dtype, device=device
         )
-        native_runs = native is not None and dtype in POOL_DTYPES and device.type == "cpu"
-        self.native, self.longest = (native if native_runs else None), longest
+        self.native, self.longest = contiguous_kernels(native, dtype, device), longest
 
     @property
     def capacity(self) -> int:
@@ -99,21 +97,12 @@ class SequenceKV:
         layer = self.data[spec.layer]
         layer[0, context_len:total] = to_cache(k, layer.dtype)
         layer[1, context_len:total] = to_cache(v, layer.dtype)
-        if self.native is not None and (self.longest is None or q.shape[0] <= self.longest):
-            return contiguous_attention(
-                self.native,
-                q.float().contiguous(),
-                layer[0],
-                layer[1],
-                scale=spec.scale,
-                context_len=context_len,
-                sliding_window=spec.sliding_window,
-                softcap=spec.softcap,
-            ).to(q.dtype)
-        return attention_ref(
+        return attend_contiguous(
+            self.native,
+            self.longest,
             q,
-            layer[0, :total].to(q.dtype),
-            layer[1, :total].to(q.dtype),
+            layer[0],
+            layer[1],
             scale=spec.scale,
             context_len=context_len,
             sliding_window=spec.sliding_window,
@@ -130,7 +119,7 @@ class StepSlice:
     query_len: int
 
 
-class ContiguousStep:
+class ContiguousStep(WithoutLayerBlocks):
     """The attention backend for one forward step over contiguous caches."""
 
     def __init__(self, slices: list[StepSlice]) -> None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ..errors import EngineError
-from ..kernels import Kernels
+from ..kernels import AttentionKernels
 from ..kernels.metadata import PagedMetadata
 from ..kernels.paged_ref import copy_block_rotated, fp8_scale
 from ..kernels.pic import PicKeys
@@ -19,7 +19,7 @@ from ..kernels.sets import NativeKeys, native_keys
 from ..log import get_logger
 from ..memory import host_tensor, kv_bytes_per_token
 from ..models.config import ModelConfig
-from ..models.layers import AttentionBackend, AttentionSpec
+from ..models.step_attention import AttentionSpec, StepAttention
 from ..pic.layout import PicLayout
 from .block_manager import UNTAKEN, BlockManager, BlockTable
 from .cache import Feed, PoolUsage, in_order
@@ -66,7 +66,7 @@ class PagedKVCache:
             self.v_scale = [fp8_scale(m) for m in kv_absmax[:, 1]]
             log.debug("kv_cache.fp8_scales", k_scale=self.k_scale, v_scale=self.v_scale)
 
-    def step(self, kernels: Kernels, meta: PagedMetadata) -> "PagedStep":
+    def step(self, kernels: AttentionKernels, meta: PagedMetadata) -> "PagedStep":
         return PagedStep(self, kernels, meta)
 
     def tier_layout(self) -> dict[str, object]:
@@ -107,7 +107,7 @@ def _pool_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
 class PagedStep:
     """The attention backend of one step: store through the slot mapping, attend paged."""
 
-    def __init__(self, cache: PagedKVCache, kernels: Kernels, meta: PagedMetadata) -> None:
+    def __init__(self, cache: PagedKVCache, kernels: AttentionKernels, meta: PagedMetadata) -> None:
         self.cache, self.kernels, self.meta = cache, kernels, meta
         self._metas = {meta.device: meta}  # the step's metadata on each device it reaches
 
@@ -157,7 +157,7 @@ class PagedKVStorage(Protocol):
 
     bytes_per_token: int
 
-    def step(self, kernels: Kernels, meta: PagedMetadata) -> AttentionBackend: ...
+    def step(self, kernels: AttentionKernels, meta: PagedMetadata) -> StepAttention: ...
 
     def block_bytes(self, block_id: int) -> torch.Tensor: ...
 
@@ -173,7 +173,7 @@ class PagedCacheManager:
         self,
         cache: PagedKVStorage,
         blocks: BlockManager,
-        kernels: Kernels,
+        kernels: AttentionKernels,
         shift: KeyShift | None = None,
     ) -> None:
         """``shift``: moves a block's keys to other positions, where the pool can (a PIC
@@ -406,7 +406,7 @@ class PagedCacheManager:
         """The prompt-order indices of a PIC sequence's next ``count`` tokens to compute."""
         return progress.indices(seq.num_computed_tokens - progress.num_hit, count)
 
-    def attention(self, batch: list[ScheduledSeq], device: torch.device) -> AttentionBackend:
+    def attention(self, batch: list[ScheduledSeq], device: torch.device) -> StepAttention:
         slots: list[int] = []
         tables, seq_lens, query_lens = [], [], []
         pic: list[PicKeys | None] = []

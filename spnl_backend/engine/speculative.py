@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..log import get_logger
-from ..models.layers import AttentionBackend
+from ..models.step_attention import StepAttention
 from ..models.transformer import CausalLM
 from .cache import CacheManager, Feed, PoolUsage
 from .constraint import Constraint, apply_bitmask, constraint_row
@@ -114,7 +114,7 @@ class SpeculativeCache:
     def reset_prefix_cache(self) -> int:
         return self.target.reset_prefix_cache() + self.draft.reset_prefix_cache()
 
-    def attention(self, batch: list[ScheduledSeq], device: torch.device) -> AttentionBackend:
+    def attention(self, batch: list[ScheduledSeq], device: torch.device) -> StepAttention:
         return self.target.attention(batch, device)
 
     def draft_view(self, seq: Sequence) -> CacheView:

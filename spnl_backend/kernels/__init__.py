@@ -8,17 +8,17 @@
 - `*_ref`: the torch twins; `triton_*`: the Triton kernels; `metadata`: a step's layout.
 """
 
-from .dispatch import KernelChoice, choose_kernels, native_kernels, select_kernels
-from .sets import TORCH_KERNELS, Kernels, check_step_slots, cpu_kernel_set, decode_rows
+from .dispatch import KernelChoice, choose_kernels, native_kernels, select_attention_kernels
+from .sets import TORCH_ATTENTION, AttentionKernels, check_step_slots, cpu_kernel_set, decode_rows
 
 __all__ = [
-    "TORCH_KERNELS",
+    "TORCH_ATTENTION",
+    "AttentionKernels",
     "KernelChoice",
-    "Kernels",
     "check_step_slots",
     "choose_kernels",
     "cpu_kernel_set",
     "decode_rows",
     "native_kernels",
-    "select_kernels",
+    "select_attention_kernels",
 ]

@@ -2,15 +2,22 @@
 neighbours (the residual add before it; for queries and keys, the rotation after it).
 
 Each runs the compiled kernel ``native`` (where the layer was given one) for float32 CPU
-tensors and the torch reference (its twin) everywhere else.
+tensors and the torch reference (its twin) everywhere else. The layers' forms
+(`rms_norm_layer`, `add_rms_norm_layer`, `qk_norm_rotate`) also choose the arithmetic by
+dtype: in float32 the conventions agree and the fused calls run; in a narrower dtype the
+model's own order of rounding is kept.
 """
+
+from typing import Protocol
 
 import torch
 
 from .cpu import CpuKernels
 
 
-def _native(x: torch.Tensor, native: CpuKernels | None) -> CpuKernels | None:
+def native_for(native: CpuKernels | None, x: torch.Tensor) -> CpuKernels | None:
+    """``native`` where ``x`` runs on the compiled kernels: float32 on the CPU (the one
+    place this rule is written; `KernelChoice.native_for` and the codecs' decode ask it)."""
     if native is not None and x.is_cpu and x.dtype is torch.float32:
         return native
     return None
@@ -24,7 +31,7 @@ def rms_norm(
     x: torch.Tensor, scale: torch.Tensor, eps: float, native: CpuKernels | None = None
 ) -> torch.Tensor:
     """``x * rsqrt(mean(x²) + eps) * scale`` over the last dim (float32 ``scale``)."""
-    native = _native(x, native)
+    native = native_for(native, x)
     return native.rms_norm(x, scale, eps) if native else rms_norm_ref(x, scale, eps)
 
 
@@ -64,7 +71,7 @@ def add_rms_norm(
     native: CpuKernels | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`add_rms_norm_ref` in one native call, which updates ``x`` in place (use the result)."""
-    native = _native(x, native)
+    native = native_for(native, x)
     if native is None or delta.dtype is not torch.float32 or not x.is_contiguous():
         return add_rms_norm_ref(x, delta, delta_norm, scale, eps)
     return x, native.add_rms_norm(x, delta, delta_norm, scale, eps)
@@ -95,7 +102,7 @@ def qk_norm_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`qk_norm_rope_ref`, in place in one native call where ``q`` and ``k`` allow it (use
     the result)."""
-    native = _native(q, native)
+    native = native_for(native, q)
     if native is None or k.dtype is not torch.float32 or not _heads_consecutive(q, k):
         return qk_norm_rope_ref(q, k, norms, cos, sin)
     native.qk_norm_rope_(q, k, norms, cos.squeeze(1), sin.squeeze(1))
@@ -104,3 +111,74 @@ def qk_norm_rope(
 
 def _heads_consecutive(*tensors: torch.Tensor) -> bool:
     return all(t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in tensors)
+
+
+class NormLayer(Protocol):
+    """An RMSNorm layer as these operations read it (`models.norms.RMSNorm`)."""
+
+    weight: torch.Tensor
+    eps: float
+    offset: float
+    in_float: bool
+    native: CpuKernels | None
+
+    def float_norm(self, x: torch.Tensor) -> Norm: ...
+
+
+class Rotation(Protocol):
+    """One step's rotary tables (`models.rope.RotaryTables`)."""
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def apply_qk(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def rms_norm_layer(x: torch.Tensor, layer: NormLayer) -> torch.Tensor:
+    """``layer``'s norm of ``x``. In float32 both conventions agree: one op (`rms_norm`).
+    Otherwise the rows are normed in float32; Gemma then multiplies by ``(offset + w)`` in
+    float32 before casting back (``in_float``), the Llama family casts back first and
+    multiplies by ``w`` in the model's dtype."""
+    if x.dtype is torch.float32:
+        return rms_norm(x, *layer.float_norm(x), layer.native)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + layer.eps)
+    if layer.in_float:
+        return (h * (layer.weight.float() + layer.offset)).to(x.dtype)
+    return layer.weight * h.to(x.dtype)
+
+
+def add_rms_norm_layer(
+    x: torch.Tensor, delta: torch.Tensor, delta_norm: NormLayer | None, norm: NormLayer
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x + delta_norm(delta)`` (or ``x + delta``) and its norm by ``norm``: one native
+    call on the CPU in float32 (`add_rms_norm`, which updates ``x`` in place)."""
+    if x.dtype is not torch.float32 or delta.dtype is not torch.float32:
+        x = x + (delta if delta_norm is None else rms_norm_layer(delta, delta_norm))
+        return x, rms_norm_layer(x, norm)
+    pre = None if delta_norm is None else delta_norm.float_norm(delta)
+    return add_rms_norm(x, delta, pre, *norm.float_norm(x), norm.native)
+
+
+def qk_norm_rotate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    norms: tuple[NormLayer, NormLayer] | None,
+    rotation: Rotation,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries and keys ``[T, heads, head_dim]`` normed per head by ``norms`` where given,
+    then rotated: in float32 one fused call (`qk_norm_rope`, native on the CPU; possibly in
+    place, use the result), otherwise layer by layer in the model's dtype."""
+    if q.dtype is not torch.float32:
+        if norms is not None:
+            q, k = rms_norm_layer(q, norms[0]), rms_norm_layer(k, norms[1])
+        return rotation.apply(q), rotation.apply(k)
+    fused = None
+    if norms is not None:
+        q_scale, eps = norms[0].float_norm(q)
+        fused = (q_scale, norms[1].float_norm(k)[0], eps)
+    return rotation.apply_qk(q, k, fused)

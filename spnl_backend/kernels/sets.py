@@ -1,6 +1,6 @@
 """The kernel sets the paged engine calls: the torch twins, the CPU's, Triton's.
 
-Every set has the same signatures (`Kernels`); `kernels.dispatch` picks one per model.
+Every set has the same signatures (`AttentionKernels`); `kernels.dispatch` picks one per model.
 """
 
 from collections.abc import Callable
@@ -10,6 +10,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from .attention_ref import attention_ref
 from .cpu import POOL_DTYPES, CpuKernels, KernelArgumentError
 from .metadata import PagedMetadata
 from .paged_ref import paged_attention_ref, store_kv_ref
@@ -18,7 +19,7 @@ from .thresholds import native_attention_queries
 
 
 @dataclass(frozen=True)
-class Kernels:
+class AttentionKernels:
     """The kernels the paged engine calls; every set has the same signatures. ``native``
     is the compiled CPU library the set calls (the CPU set only)."""
 
@@ -31,7 +32,7 @@ class Kernels:
     every_query_native: bool = False
 
 
-TORCH_KERNELS = Kernels("torch", store_kv_ref, paged_attention_ref)
+TORCH_ATTENTION = AttentionKernels("torch", store_kv_ref, paged_attention_ref)
 
 
 def _cpu_store_kv(
@@ -172,7 +173,7 @@ class NativeKeys:
 
 
 def native_keys(
-    kernels: Kernels, meta: PagedMetadata, pool: torch.Tensor, windows: tuple[int, ...]
+    kernels: AttentionKernels, meta: PagedMetadata, pool: torch.Tensor, windows: tuple[int, ...]
 ) -> NativeKeys | None:
     """The step's `NativeKeys` where the CPU set would store and attend natively for every
     query of every layer (a float pool, every query through the decode kernel), else None.
@@ -204,8 +205,17 @@ def _contiguous_rows(keys: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]
     return tuple(k if k.is_contiguous() else k.contiguous() for k in keys)
 
 
-def contiguous_attention(
-    native: CpuKernels,
+def contiguous_kernels(
+    native: CpuKernels | None, dtype: torch.dtype, device: torch.device
+) -> CpuKernels | None:
+    """The compiled kernels where a contiguous store of ``dtype`` on ``device`` attends
+    through them (`attend_contiguous`): a float pool on the CPU."""
+    return native if dtype in POOL_DTYPES and device.type == "cpu" else None
+
+
+def attend_contiguous(
+    native: CpuKernels | None,
+    longest: int | None,
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -215,16 +225,32 @@ def contiguous_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """`attention_ref` over one sequence's contiguous ``keys``/``values [capacity, kv_heads,
-    dim]`` (float32 or float16), through the native decode kernel: query ``i`` is a decode over the
-    first ``context_len + i + 1`` keys, as it would be alone."""
+    """One sequence's queries over its contiguous ``keys``/``values [capacity, kv_heads,
+    dim]`` (the first ``context_len + len(q)`` written; float32 or float16 for the native
+    kernel), as `attention_ref` computes them in ``q``'s dtype. Where ``native`` runs
+    (`contiguous_kernels`) and the step has at most ``longest`` queries (None: any number),
+    through the native decode kernel instead: query ``i`` is a decode over the first
+    ``context_len + i + 1`` keys, as it would be alone."""
     nq = q.shape[0]
     total = context_len + nq
+    if native is None or (longest is not None and nq > longest):
+        k, v = keys[:total].to(q.dtype), values[:total].to(q.dtype)
+        return attention_ref(
+            q,
+            k,
+            v,
+            scale=scale,
+            context_len=context_len,
+            sliding_window=sliding_window,
+            softcap=softcap,
+        )
     slots = torch.arange(total).expand(nq, total)  # one table, shared by every query
     lens = torch.arange(context_len + 1, total + 1)
-    return native.paged_decode(
-        q, keys[None], values[None], slots, lens, scale, sliding_window, softcap
+    queries = q.float().contiguous()
+    out = native.paged_decode(
+        queries, keys[None], values[None], slots, lens, scale, sliding_window, softcap
     )
+    return out.to(q.dtype)
 
 
 def _decode_keys(meta: PagedMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,15 +296,15 @@ def _slots_in(meta: PagedMetadata, num_blocks: int) -> bool:
     return True
 
 
-def triton_kernel_set() -> Kernels:
+def triton_kernel_set() -> AttentionKernels:
     """Triton's kernels, imported only here: platforms without Triton never load it."""
     from .triton_attention import paged_attention_triton
     from .triton_store import store_kv_triton
 
-    return Kernels("triton", store_kv_triton, paged_attention_triton)
+    return AttentionKernels("triton", store_kv_triton, paged_attention_triton)
 
 
-def cpu_kernel_set(native: CpuKernels, batch_invariant: bool = True) -> Kernels:
+def cpu_kernel_set(native: CpuKernels, batch_invariant: bool = True) -> AttentionKernels:
     """The CPU: the native decode kernels for float32 and float16 caches, the torch twins
     otherwise.
     With batch invariance every query attends through the native kernel as a decode of its
@@ -286,4 +312,4 @@ def cpu_kernel_set(native: CpuKernels, batch_invariant: bool = True) -> Kernels:
     store = partial(_cpu_store_kv, native)
     longest = native_attention_queries(batch_invariant)
     attend = partial(_cpu_paged_attention, native, longest)
-    return Kernels("cpu", store, attend, native, every_query_native=longest is None)
+    return AttentionKernels("cpu", store, attend, native, every_query_native=longest is None)

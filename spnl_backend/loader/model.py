@@ -9,8 +9,8 @@ from ..kernels import KernelChoice, choose_kernels
 from ..kernels.cpu import CpuKernels, built_before
 from ..log import get_logger
 from ..memory import release_freed_memory
+from ..models.collectives import Collectives
 from ..models.config import ModelConfig
-from ..models.layers import Collectives
 from ..models.transformer import CausalLM, device_of_weight
 from ..quant.isq import apply_isq
 from ..quant.linear import QuantEmbedding, QuantLinear
@@ -167,20 +167,19 @@ def _build(
         devices = [torch.device(d) for d in layer_map.layer_devices(config.num_layers)]
         spans = [(torch.device(d), count) for d, count in layer_map.spans]
         device = devices[0]  # where a step's inputs start
-    with torch.device("meta"):
-        model = CausalLM(config, tp)
     compiles = decisions.kernels == "cpu" and decisions.c_compiler is not None
     compiles = compiles and not built_before(decisions.c_compiler, decisions.native_checks)
     with step(progress, "compiling the CPU kernels (first run on this machine)", compiles):
         kernels = choose_kernels(decisions)
     native = kernels.native
+    with torch.device("meta"):
+        model = CausalLM(config, tp, kernels)
     load_into(
         model,
         weights,
         dtype=dtype,
         device=device,
         source=source.path,
-        matmuls=kernels.matmuls,
         device_of=None if devices is None else lambda name: device_of_weight(name, devices),
     )
     if devices is None:
@@ -189,8 +188,7 @@ def _build(
         model.place(spans)
         log.info("layers.mapped", devices=[str(d) for d in devices], why=place.layer_map.why)
     model.eval()
-    model.use_native_kernels(native)
-    model.use_fused_moe(kernels.fused_moe)
+    model.prepare_experts()
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding)]
     log.info(
         "model.loaded",

@@ -20,9 +20,10 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from ..errors import ModelFileError
-from ..kernels.matmuls import Matmuls, quantized_matmuls_ref
+from ..kernels.dispatch import KernelChoice
 from ..memory import host_tensor
 from ..models.config import ModelConfig
+from ..models.transformer import CausalLM
 from ..quant.ggml import FLOAT_TYPES, nonfinite_scales
 from ..quant.linear import QuantEmbedding, QuantizedWeight, QuantLinear
 from .gguf_config import hf_name
@@ -359,17 +360,17 @@ def _rows(
 
 
 def load_into(
-    model: nn.Module,
+    model: CausalLM,
     tensors: NamedTensors,
     *,
     dtype: torch.dtype,
     device: torch.device,
     source: Path,
-    matmuls: Matmuls = quantized_matmuls_ref,
     device_of: Callable[[str], torch.device] | None = None,
 ) -> None:
     """Fill every parameter of ``model`` (built on the meta device) from ``tensors``;
-    quantized ones replace their layer with one that computes by ``matmuls``. Each goes
+    quantized ones replace their layer with one that computes on the model's kernels
+    (`CausalLM.kernels`). Each goes
     to ``device``, or to ``device_of(name)`` where given (layer mapping)."""
     params = dict(model.named_parameters())
     tied = getattr(model.config, "tie_word_embeddings", False)
@@ -391,7 +392,7 @@ def load_into(
             )
         target = device if device_of is None else device_of(name)
         if isinstance(tensor, QuantizedWeight):
-            _set_quantized(model, name, tensor.to(target), dtype, source, matmuls)
+            _set_quantized(model, name, tensor.to(target), dtype, source, model.kernels)
         else:
             _set_parameter(model, name, tensor.to(device=target, dtype=dtype))
     missing = [n for n, p in model.named_parameters() if p.is_meta]
@@ -407,15 +408,15 @@ def _set_quantized(
     weight: QuantizedWeight,
     dtype: torch.dtype,
     source: Path,
-    matmuls: Matmuls,
+    kernels: KernelChoice,
 ) -> None:
     """Swap the float layer that ``name`` belongs to for its quantized counterpart."""
     module_name = name.removesuffix(".weight")
     module = model.get_submodule(module_name)
     if isinstance(module, nn.Embedding):
-        replacement: nn.Module = QuantEmbedding(weight, dtype, matmuls)
+        replacement: nn.Module = QuantEmbedding(weight, dtype, kernels)
     elif isinstance(module, nn.Linear):
-        replacement = QuantLinear(weight, matmuls=matmuls)
+        replacement = QuantLinear(weight, matmuls=kernels.matmuls)
         replacement.bias = module.bias  # filled in by its own tensor, if it has one
     else:
         raise ModelFileError(

@@ -1,5 +1,6 @@
 """A decoder's layers as two native calls each on the CPU: the attention block and the MLP
-block of ``layer_blocks.c``, with the activation applied by torch between them.
+block of ``layer_blocks.c``, with the activation applied by torch between them. This module
+reads the model into each layer's fixed arguments; `kernels.cpu.layer_blocks` runs a step.
 
 The per-op path (`DecoderLayer.forward`) is the twin: each block runs the very kernels
 that path calls, in the same order on the same values, so the two give the same bits (a
@@ -7,7 +8,7 @@ test checks it); this path only leaves Python out of the layer, a tenth of a dec
 token at 1B sizes. It runs where every product, store and attention of the step would be
 native anyway: float32 activations on the CPU, quantized projections without bias on the
 per-row products (batch invariance), and a float paged pool whose every query attends
-through the decode kernel (`AttentionBackend.native_keys`). A layer with experts runs
+through the decode kernel (`StepAttention.native_keys`). A layer with experts runs
 them as the MoE block: the one native call (`kernels.cpu.moe`) the per-op path makes too.
 Anything else takes the per-op path.
 """
@@ -17,20 +18,16 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from ..kernels.cpu import (
-    CpuKernels,
-    KernelArgumentError,
-    LayerArgs,
-    StepArgs,
-    check_keys,
-    pool_row,
-    require,
-)
-from ..kernels.cpu.moe import NativeMoe, scratch
-from ..kernels.matmuls import CpuMatmuls
+from ..kernels.cpu import CpuKernels, LayerArgs
+from ..kernels.cpu.layer_blocks import LayerStack
+from ..kernels.cpu.moe import NativeMoe
 from ..kernels.sets import NativeKeys
 from ..quant.linear import QuantLinear
-from .layers import Attention, DecoderLayer, GatedMLP, RMSNorm, SparseMoE, gelu_tanh
+from .attention import Attention
+from .decoder import DecoderLayer
+from .mlp import GatedMLP, gelu_tanh
+from .moe import SparseMoE
+from .norms import RMSNorm
 from .rope import RotaryTables
 
 ACTIVATIONS = (F.silu, gelu_tanh)
@@ -49,19 +46,27 @@ class LayerBlocks:
         attn = layers[0].self_attn
         self.native = native
         self.hidden = attn.q_proj.in_features
-        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         dense = [layer.mlp for layer in layers if isinstance(layer.mlp, GatedMLP)]
         self.inner = dense[0].gate_proj.out_features if dense else 0
         self.keep: list = []  # what the structs point into
         self.moe: NativeMoe | None = None  # one MoE layer: the scratch all of them take
         # Each layer's arguments and its MLP's activation (None: experts, the MoE block).
-        self.layers = [
+        args = [
             (self._layer_args(layer, nxt, i in local_layers), _activation(layer))
             for i, (layer, nxt) in enumerate(
                 zip(layers, [*(lay.input_layernorm for lay in layers[1:]), final_norm], strict=True)
             )
         ]
-        self.pools_key: tuple | None = None  # every pool's address, their dtype and shape
+        self.stack = LayerStack(
+            native,
+            self.hidden,
+            self.inner,
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            args,
+            self.moe,
+        )
         # The layers' sliding windows (a step with PIC queries reads one table for them).
         self.windows = tuple(
             sorted({w for layer in layers if (w := layer.self_attn.spec.sliding_window)})
@@ -69,11 +74,15 @@ class LayerBlocks:
 
     @classmethod
     def build(
-        cls, layers: list[DecoderLayer], final_norm: RMSNorm, local_layers: frozenset[int]
+        cls,
+        native: CpuKernels,
+        layers: list[DecoderLayer],
+        final_norm: RMSNorm,
+        local_layers: frozenset[int],
     ) -> "LayerBlocks | None":
-        """The blocks of ``layers``, or None where a layer is not one they run."""
-        native = _native_of(layers, final_norm)
-        if native is None:
+        """The blocks of ``layers`` on ``native`` (`KernelChoice.layer_blocks`), or None
+        where a layer is not one they run."""
+        if not _blocks_run(layers, final_norm):
             return None
         return cls(native, layers, final_norm, local_layers)
 
@@ -106,9 +115,9 @@ class LayerBlocks:
             *([None, None] if moe else []),
             hidden=self.hidden,
             inner=self.inner,
-            heads=self.heads,
-            kv_heads=self.kv_heads,
-            head_dim=self.head_dim,
+            heads=attn.num_heads,
+            kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
             q_norm=self._scale(qk[0]),
             k_norm=self._scale(qk[1]),
             attn_delta_norm=self._scale(norms[0]),
@@ -154,161 +163,40 @@ class LayerBlocks:
     ) -> torch.Tensor:
         """Every layer over ``x`` (the residual stream, updated in place) and ``h`` (its norm
         by the first layer's input norm) → the final norm's output."""
-        tokens = x.shape[0]
-        self._check_step(x, h, tables, keys)
-        self._set_pools(pools, keys.num_slots)
-        empty = lambda *shape: torch.empty(shape, dtype=torch.float32)  # noqa: E731
-        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        buffers = {
-            "qkv": empty(tokens, q_size + 2 * kv_size),
-            "q": empty(tokens, q_size),
-            "kv": empty(2, tokens, kv_size),
-            "attn": empty(tokens, q_size),
-            "out": empty(tokens, self.hidden),
-            "gate_up": empty(tokens, 2 * self.inner),
-            "act": empty(tokens, self.inner),
-        }
-        step = StepArgs(
-            tokens=tokens,
-            x=x.data_ptr(),
-            h=h.data_ptr(),
-            **{name: t.data_ptr() for name, t in buffers.items()},
-            slot_mapping=keys.slot_mapping.data_ptr(),
-            num_slots=keys.num_slots,
-            threads=self.native.threads,
-            exact=int(self.native.exact),
-        )
-        if self.moe is not None:  # every MoE layer has the same shapes (checked at build)
-            step.scratch, step.scratch_bytes = scratch(self.moe.scratch_bytes(tokens))
-        at = step.at
-        at.slots, at.slot_stride, at.slot_width = (
-            keys.slots.data_ptr(),
-            keys.slots.stride(0),
-            keys.slots.shape[1],
-        )
-        at.lens, at.seqs = keys.lens.data_ptr(), tokens
-        if keys.windowed is not None:
-            slots, lens, firsts = keys.windowed
-            windowed = step.at_windowed
-            windowed.slots, windowed.slot_stride, windowed.slot_width = (
-                slots.data_ptr(),
-                slots.stride(0),
-                slots.shape[1],
-            )
-            windowed.lens, windowed.seqs = lens.data_ptr(), tokens
-            windowed.firsts = firsts.data_ptr()
-            step.windowed = 1
-        for i, table in enumerate(tables):
-            step.cos[i], step.sin[i] = table.cos.data_ptr(), table.sin.data_ptr()
-            step.rotary_dim[i] = table.cos.shape[-1]
-        gate_up, act = buffers["gate_up"], buffers["act"]
-        gate, up = gate_up[:, : self.inner], gate_up[:, self.inner :]
-        native = self.native
-        for args, activation in self.layers:
-            native.attention_block(step, args)
-            if activation is None:
-                native.moe_block(step, args)
-                continue
-            torch.mul(activation(gate), up, out=act)
-            native.mlp_block(step, args)
-        return h
-
-    def _check_step(self, x, h, tables, keys: NativeKeys) -> None:
-        """What the C code relies on, with the checks the single kernels make."""
-        tokens = x.shape[0]
-        for tensor, name in ((x, "x"), (h, "h")):
-            require(
-                tensor, torch.float32, f"layer blocks: {name}", dims=2, numel=tokens * self.hidden
-            )
-        for table in tables:
-            for t in (table.cos, table.sin):
-                require(t, torch.float32, "layer blocks: rotary table")
-                if not (
-                    t.shape == table.cos.shape
-                    and t.shape[0] == tokens
-                    and t.shape[-1] <= self.head_dim
-                ):
-                    raise KernelArgumentError(f"layer blocks: rotary table {tuple(t.shape)}")
-        check_keys(keys.slots, keys.lens, tokens, "layer blocks")
-        if keys.windowed is not None:
-            check_keys(*keys.windowed[:2], tokens, "layer blocks", keys.windowed[2])
-        require(keys.slot_mapping, torch.int64, "layer blocks: slot mapping", numel=tokens)
-
-    def _set_pools(self, pools: list[tuple[torch.Tensor, torch.Tensor]], num_slots: int) -> None:
-        """Each layer's pool pair, set again only when the pools are others; every pool is
-        checked before any layer's pointers change."""
-        if len(pools) != len(self.layers):
-            raise KernelArgumentError(
-                f"layer blocks: {len(pools)} pools for {len(self.layers)} layers"
-            )
-        first = pools[0][0]
-        if num_slots != first.shape[0] * first.shape[1]:
-            raise KernelArgumentError(f"layer blocks: {num_slots} slots in a pool {first.shape}")
-        key = tuple((k.data_ptr(), v.data_ptr()) for k, v in pools), first.dtype, first.shape
-        if key == self.pools_key:
-            return
-        for pair in pools:
-            for pool in pair:  # every layer's pools alike: one slot count, one element type
-                if not (
-                    pool.dtype is first.dtype
-                    and pool.shape == first.shape
-                    and pool.shape[2:] == (self.kv_heads, self.head_dim)
-                ):
-                    raise KernelArgumentError(
-                        f"layer blocks: a pool of {pool.dtype} {tuple(pool.shape)}"
-                    )
-            pool_row(*pair, "layer blocks")  # each a float pool the kernels read
-        for (args, _), (k_cache, v_cache) in zip(self.layers, pools, strict=True):
-            args.k_cache, args.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
-            args.half = int(first.dtype is torch.float16)
-        self.pools_key = key
+        return self.stack.run(x, h, tables, keys, pools)
 
 
-def _native_of(layers: list[DecoderLayer], final_norm: RMSNorm) -> CpuKernels | None:
-    """The CPU kernels every projection of ``layers`` runs on, per row, where every layer
-    is one the blocks run (same shapes, no biases, a known activation or experts on the
-    native MoE layer, one eps)."""
-    natives, shapes, inners, moes, eps = set(), set(), set(), set(), {final_norm.eps}
+def _blocks_run(layers: list[DecoderLayer], final_norm: RMSNorm) -> bool:
+    """Whether every layer is one the blocks run: quantized projections without bias (on
+    the model's per-row products), the same shapes, a known activation or experts on the
+    native MoE layer, one eps."""
+    shapes, inners, moes, eps = set(), set(), set(), {final_norm.eps}
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
         if isinstance(mlp, SparseMoE):
             moe = mlp.native_layer()
             if moe is None or moe.hidden != attn.q_proj.in_features:
-                return None
-            natives.add(moe.kernels)
+                return False
             moes.add((moe.args.experts, moe.args.top_k, moe.args.inner))
         elif isinstance(mlp, GatedMLP) and mlp.act in ACTIVATIONS:
             linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
             inners.add(mlp.gate_proj.out_features)
         else:
-            return None
-        if not all(_per_row(linear) for linear in linears):
-            return None
-        natives.update(linear.matmuls.native for linear in linears)
+            return False
+        if not all(isinstance(lin, QuantLinear) and lin.bias is None for lin in linears):
+            return False
         eps.update(norm.eps for norm in _norms(layer))
         hidden = attn.q_proj.in_features
         if [(lin.in_features, lin.out_features) for lin in linears] != _expected(attn, linears):
-            return None
+            return False
         shapes.add((attn.num_heads, attn.num_kv_heads, attn.head_dim, hidden))
-    if len(natives) != 1 or len(shapes) != 1 or len(inners) > 1 or len(moes) > 1 or len(eps) != 1:
-        return None
-    return natives.pop()
+    return len(shapes) == 1 and len(inners) <= 1 and len(moes) <= 1 and len(eps) == 1
 
 
 def _activation(layer: DecoderLayer):
     """The activation of a dense layer's MLP; None for experts (the MoE block's own)."""
     return None if isinstance(layer.mlp, SparseMoE) else layer.mlp.act
-
-
-def _per_row(linear) -> bool:
-    """A quantized projection without bias on the native per-row products."""
-    return (
-        isinstance(linear, QuantLinear)
-        and linear.bias is None
-        and isinstance(linear.matmuls, CpuMatmuls)
-        and linear.matmuls.max_rows is None
-    )
 
 
 def _norms(layer: DecoderLayer) -> list[RMSNorm]:

@@ -96,10 +96,12 @@ def inv_freq_and_scale(
 class RotaryEmbedding(nn.Module):
     """cos/sin for token positions, applied NeoX-style (rotate halves) to the first dims."""
 
-    def __init__(self, rope: RopeConfig, max_position: int) -> None:
+    def __init__(
+        self, rope: RopeConfig, max_position: int, native: CpuKernels | None = None
+    ) -> None:
         super().__init__()
         self.rotary_dim = rope.rotary_dim
-        self.native: CpuKernels | None = None  # set by the loader where they run
+        self.native = native  # the model's compiled kernels (`KernelChoice.native`)
         # Computed on the CPU even while the model is built on the meta device.
         with torch.device("cpu"):
             inv_freq, self.scaling = inv_freq_and_scale(rope, max_position)

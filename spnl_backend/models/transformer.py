@@ -3,21 +3,16 @@
 import torch
 from torch import nn
 
-from ..kernels.cpu import CpuKernels
-from ..quant.linear import QuantEmbedding
+from ..kernels.dispatch import TORCH_CHOICE, KernelChoice
+from .collectives import Collectives, shard_range
 from .config import ModelConfig
-from .layers import (
-    AttentionBackend,
-    Collectives,
-    DecoderLayer,
-    FusedMoe,
-    Linear,
-    RMSNorm,
-    SparseMoE,
-    shard_range,
-)
+from .decoder import DecoderLayer
+from .linear import Linear
+from .moe import SparseMoE
 from .native_blocks import LayerBlocks
+from .norms import RMSNorm
 from .rope import RotaryEmbedding
+from .step_attention import StepAttention
 
 
 class Embedding(nn.Embedding):
@@ -32,22 +27,34 @@ class Embedding(nn.Embedding):
 
 
 class Backbone(nn.Module):
-    def __init__(self, config: ModelConfig, tp: Collectives | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: Collectives | None = None,
+        kernels: KernelChoice = TORCH_CHOICE,
+    ) -> None:
         super().__init__()
-        self.tp = tp
+        self.tp, self.kernels = tp, kernels
+        native = kernels.native
         # With tensor parallelism each rank holds a share of the vocabulary's rows.
         self.vocab_range = (0, config.vocab_size)
         if tp is not None:
             self.vocab_range = shard_range(config.vocab_size, tp.rank, tp.world)
         start, end = self.vocab_range
         self.embed_tokens = Embedding(end - start, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
-        self.norm = RMSNorm(
-            config.hidden_size, config.rms_norm_eps, config.norm_offset, config.norm_in_float
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, tp, kernels) for i in range(config.num_layers)
         )
-        self.rotary = RotaryEmbedding(config.rope, config.max_position_embeddings)
+        self.norm = RMSNorm(
+            config.hidden_size,
+            config.rms_norm_eps,
+            config.norm_offset,
+            config.norm_in_float,
+            native,
+        )
+        self.rotary = RotaryEmbedding(config.rope, config.max_position_embeddings, native)
         self.rotary_local = (
-            RotaryEmbedding(config.rope_local, config.max_position_embeddings)
+            RotaryEmbedding(config.rope_local, config.max_position_embeddings, native)
             if config.rope_local
             else None
         )
@@ -65,26 +72,27 @@ class Backbone(nn.Module):
         self.layer_devices: list[torch.device] | None = None
         self.layer_spans: list[tuple[torch.device, int]] | None = None
 
-    def _native_step(self, x: torch.Tensor, backend: AttentionBackend):
+    def _native_step(self, x: torch.Tensor, attention: StepAttention):
         """The layer blocks, the step's keys and the pools, where this step runs on the
-        native layer blocks (`models.native_blocks`), else None."""
-        if not self.use_layer_blocks or x.dtype != torch.float32 or not x.is_cpu:
+        native layer blocks (`models.native_blocks`: the kernels allow it for ``x``, and the
+        step's attention for its keys), else None."""
+        native = self.kernels.layer_blocks(x)
+        if native is None or not self.use_layer_blocks:
             return None
         if self.tp is not None:  # the ranks' sums come between a layer's two calls
             return None
-        native_keys = getattr(backend, "native_keys", None)
-        if native_keys is None:
-            return None
         if self._blocks is None:
-            self._blocks = LayerBlocks.build(list(self.layers), self.norm, self.local_layers)
+            self._blocks = LayerBlocks.build(
+                native, list(self.layers), self.norm, self.local_layers
+            )
             if self._blocks is None:
                 self.use_layer_blocks = False
                 return None
-        found = native_keys(self._blocks.windows)
+        found = attention.native_keys(self._blocks.windows)
         return None if found is None else (self._blocks, *found)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: StepAttention
     ) -> torch.Tensor:
         x = self._embed(input_ids)
         if self.embedding_multiplier is not None:
@@ -93,7 +101,7 @@ class Backbone(nn.Module):
         local = self.rotary_local(positions, x.dtype) if self.rotary_local else rotary
         layers = self.layers
         h = layers[0].input_layernorm(x) if len(layers) else self.norm(x)
-        native = self._native_step(x, backend)
+        native = self._native_step(x, attention)
         if native is not None:
             blocks, keys, pools = native
             return blocks.run(x.contiguous(), h, (rotary, local), keys, pools)
@@ -105,7 +113,7 @@ class Backbone(nn.Module):
                     tables[device] = (rotary.to(device), local.to(device))
                 rotary, local = tables[device]
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
-            x, h = layer(x, h, local if i in self.local_layers else rotary, backend, next_norm)
+            x, h = layer(x, h, local if i in self.local_layers else rotary, attention, next_norm)
         return h
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -146,23 +154,30 @@ class CausalLM(nn.Module):
     .q_proj.weight``), so text models load by name and GGUF tensors are renamed to them.
     """
 
-    def __init__(self, config: ModelConfig, tp: Collectives | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: Collectives | None = None,
+        kernels: KernelChoice = TORCH_CHOICE,
+    ) -> None:
         """``tp``: the tensor-parallel group this rank's share of the model runs in
-        (``config`` is then its share's, `distributed.sharding.local_config`)."""
+        (``config`` is then its share's, `distributed.sharding.local_config`); ``kernels``:
+        what it runs on (`kernels.dispatch.choose_kernels`), the one route by which that
+        choice reaches its layers."""
         super().__init__()
-        self.config, self.tp = config, tp
-        self.model = Backbone(config, tp)
+        self.config, self.tp, self.kernels = config, tp, kernels
+        self.model = Backbone(config, tp, kernels)
         if not config.tie_word_embeddings:
             start, end = self.model.vocab_range
             self.lm_head = Linear(config.hidden_size, end - start, bias=False)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: StepAttention
     ) -> torch.Tensor:
         """``input_ids``/``positions [T]`` (sequences packed) → hidden states ``[T, hidden]``."""
         if self.tp is not None:
-            self.tp.before_forward(input_ids, positions, backend)
-        return self.model(input_ids, positions, backend)
+            self.tp.before_forward(input_ids, positions, attention)
+        return self.model(input_ids, positions, attention)
 
     def place(self, spans: list[tuple[torch.device, int]]) -> None:
         """Layer mapping over ``spans`` (each device and its consecutive layers): every
@@ -176,20 +191,13 @@ class CausalLM(nn.Module):
                 module.to(device_of_weight(f"{name}.{own[0][0]}", devices))
         self.model.layer_devices, self.model.layer_spans = devices, spans
 
-    def use_native_kernels(self, native: CpuKernels | None) -> None:
-        """Run the norms, the rotary embeddings and quantized embedding lookups on the
-        compiled CPU kernels ``native`` (None: their torch twins)."""
-        for module in self.modules():
-            if isinstance(module, RMSNorm | RotaryEmbedding | QuantEmbedding):
-                module.native = native
-
-    def use_fused_moe(self, fused: FusedMoe | None) -> None:
-        """Run the experts of every MoE layer through ``fused`` (None: as they are)."""
-        if fused is None:
-            return
+    def prepare_experts(self) -> None:
+        """Once the weights are in: every MoE layer's experts stacked where the model's
+        kernels fuse them (`SparseMoE.prepare_experts`), before a KV pool is sized from what
+        memory is left (stacking moves a layer's experts once)."""
         for module in self.modules():
             if isinstance(module, SparseMoE):
-                module.use_fused(fused)
+                module.prepare_experts()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states of the rows to sample from → float32 logits ``[rows, vocab]``

@@ -2,12 +2,9 @@
 into a `PicPrompt` under the backend's settings, and checked against what its engine can
 run and hold, so that `Backend` only hands the prompt on."""
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..engine.engine import Engine
-from ..engine.speculative import SpeculativeRunner
 from ..errors import ContextLengthError, RequestError
-from ..loader.tokenizer import Tokenizer
 from ..request import ContextLimit, PromptIds, sampling_params
 from ..sampling import SamplingParams
 from ..settings import BackendSettings
@@ -25,6 +22,9 @@ from .query import Repeat, SpanQuery, parse_query, query_text
 from .spans import Pieces, SpanTokenizer
 from .turns import ModelTurns, SpnlTurns, Turns
 
+if TYPE_CHECKING:  # the tokenizer is handed in; the loader is a layer above
+    from ..loader.tokenizer import Tokenizer
+
 # More characters than any token takes: a PIC chat with more content than this many per
 # token of the context cannot fit, and is refused before its turns are rendered.
 MAX_CHARS_PER_TOKEN = 64
@@ -36,7 +36,7 @@ class PicPrompts:
 
     def __init__(
         self,
-        tokenizer: Tokenizer,
+        tokenizer: "Tokenizer",
         settings: BackendSettings,
         model_name: str,
         vocab_size: int,
@@ -44,7 +44,7 @@ class PicPrompts:
         block_size: int,
         refusal: str | None,
     ) -> None:
-        """``refusal``: why the engine cannot run PIC prompts (`pic_refusal`), or None."""
+        """``refusal``: why the engine cannot run PIC prompts (`Engine.pic_refusal`), or None."""
         self._tokenizer, self._settings, self._model_name = tokenizer, settings, model_name
         self._vocab_size, self._limit, self._block_size = vocab_size, limit, block_size
         self._refusal = refusal
@@ -147,21 +147,3 @@ class PicPrompts:
                     f": set MISTRALRS_PAGED_ATTN_BLOCK_SIZE={smaller}, or shorten it"
                 )
         return "shorten it"
-
-
-def pic_refusal(engine: Engine) -> str | None:
-    """Why PIC prompts cannot run on this engine's cache, or None where they can."""
-    info = engine.cache_info
-    if info.kind != "paged":
-        return (
-            "it runs without paged attention (MISTRALRS_PAGED_ATTN=false, or the platform's "
-            "default); PIC lives in the paged pool"
-        )
-    if info.compression is not None:
-        return f"its KV cache is compressed (MISTRALRS_KV_CACHE_COMPRESSION={info.compression})"
-    if isinstance(engine.runner, SpeculativeRunner):
-        return (
-            "it decodes with a speculative draft (MISTRALRS_SPECULATIVE_DRAFT_MODEL or "
-            "MISTRALRS_SPECULATIVE_DRAFT_ISQ)"
-        )
-    return None

@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from ..kernels.cpu import CpuKernels
+from ..kernels.dispatch import TORCH_CHOICE, KernelChoice
 from ..kernels.matmuls import Matmuls, quantized_matmuls_ref
 from .ggml import dequantize
 from .quantize import quantize
@@ -123,8 +123,8 @@ class QuantLinear(nn.Module):
 
 
 def _finish(out: torch.Tensor, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-    if layer.bias is None and x.dtype == torch.float32 and x.dim() == 2:
-        return out  # the common decode case: already what the caller wants
+    if layer.bias is None and out.dtype is x.dtype and x.dim() == 2:
+        return out  # the common decode case (float32 rows): already what the caller wants
     out = out.to(x.dtype)
     if layer.bias is not None:
         out = out + layer.bias
@@ -135,26 +135,19 @@ class QuantEmbedding(nn.Module):
     """Token embeddings kept quantized; also the output projection of tied models."""
 
     def __init__(
-        self, weight: QuantizedWeight, dtype: torch.dtype, matmuls: Matmuls = quantized_matmuls_ref
+        self, weight: QuantizedWeight, dtype: torch.dtype, kernels: KernelChoice = TORCH_CHOICE
     ) -> None:
         super().__init__()
-        self.weight_q, self.dtype, self.matmuls = weight, dtype, matmuls
+        self.weight_q, self.dtype, self.kernels = weight, dtype, kernels
         self.num_embeddings, self.embedding_dim = weight.shape
         self.prepared: dict = {}
-        self.native: CpuKernels | None = None  # set by the loader where they run
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        native = self.native if ids.device.type == "cpu" else None
-        if native is not None:
-            rows = native.gather_rows(
-                self.weight_q.qtype.value, self.weight_q.data, ids.reshape(-1), self.embedding_dim
-            )
-        else:
-            rows = self.weight_q.rows(ids.reshape(-1)).dequantize()
+        rows = self.kernels.embedding_rows(self.weight_q, ids.reshape(-1))
         return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.matmuls(hidden, [self.weight_q], self.prepared)
+        return self.kernels.matmuls(hidden, [self.weight_q], self.prepared)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.weight_q.qtype.name}"

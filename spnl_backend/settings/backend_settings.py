@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from ..compression.registry import compressor_names, plugin_failures
+from ..compressors import compressor_names, plugin_failures
 from ..errors import SettingsError, shown
 from ..log import get_logger, set_verbose
 from . import values

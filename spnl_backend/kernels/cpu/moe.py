@@ -1,7 +1,7 @@
 """A mixture-of-experts layer on the native kernels (``moe.c``): routing, the experts'
 grouped products and their weighted sum in one call, prepared once per layer.
 
-Its twin is the grouped torch path of `models.layers.SparseMoE` (a float32 softmax, top-k,
+Its twin is the grouped torch path of `models.moe.SparseMoE` (a float32 softmax, top-k,
 each expert's rows through its projections, summed in expert order): the two agree to
 rounding (the exponentials and the sums' order differ), and the layer calls this one
 wherever it runs, per-op or inside the native layer blocks, so both give the same bits.
@@ -11,7 +11,9 @@ import threading
 
 import torch
 
-from . import CpuKernels, KernelArgumentError, MoeArgs, Products, _check, _Products, require
+from .abi import MoeArgs, ProductsArgs
+from .checks import KernelArgumentError, check_status, require
+from .wrappers import CpuKernels, Products
 
 # The most experts one layer may have here (moe.c's MAX_EXPERTS: a grouped call takes the
 # gate and up of each).
@@ -81,7 +83,7 @@ class NativeMoe:
         out = torch.empty_like(x)
         if not len(x):
             return out
-        _check(
+        check_status(
             self.kernels.library.spnl_moe(
                 self.args,
                 x.data_ptr(),
@@ -104,4 +106,4 @@ class NativeMoe:
 
 
 def _array(calls: list[Products]):
-    return (_Products * len(calls))(*(call.args for call in calls))
+    return (ProductsArgs * len(calls))(*(call.args for call in calls))

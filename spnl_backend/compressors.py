@@ -21,19 +21,20 @@ from functools import cache
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING
 
-from ..log import get_logger
+from .log import get_logger
 
 if TYPE_CHECKING:
-    from .attention import CodecPair
-    from .protocol import CompressedKVCache, KVGeometry
+    from .compression.attention import CodecPair
+    from .compression.protocol import CompressedKVCache, KVGeometry
 
 log = get_logger()
 
 ENTRY_POINT_GROUP = "spnl_backend.kv_cache_compressors"
 NONE = "none"
 # The methods that ship with the package, defined in `BUILT_IN_MODULE` and loaded on first
-# use like a plugin's: the registry imports nothing above it, so settings can check a name
-# against it without importing torch, the kernels or the codecs.
+# use like a plugin's: the registry lives outside the `compression` package and imports
+# nothing above it, so settings can check a name against it without importing torch, the
+# kernels or the codecs (which read settings themselves: no cycle).
 BUILT_IN_NAMES = ("fp8", "int8", "tq4", "tq3", "tq4-qjl", "tq3-qjl")
 BUILT_IN_MODULE = "spnl_backend.compression.builtin"
 

@@ -1,0 +1,164 @@
+"""The native layer blocks' step (``layer_blocks.c``): a decoder's layers as two calls each,
+the attention block and the MLP block, with the activation torch applies between them.
+
+`models.native_blocks` reads the model into each layer's fixed arguments (`LayerArgs`);
+this module checks a step's tensors and pools, lays out its buffers and runs every layer.
+"""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from ..sets import NativeKeys
+from .abi import LayerArgs, StepArgs
+from .checks import KernelArgumentError, check_keys, pool_row, require
+from .moe import NativeMoe, scratch
+from .wrappers import CpuKernels
+
+# An activation torch applies between a layer's two calls; None: the MoE block's own.
+Activation = Callable[[torch.Tensor], torch.Tensor] | None
+
+
+class RotaryTables(Protocol):
+    """One step's rotary tables (`models.rope.RotaryTables`): ``[T, 1, rotary_dim]``."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+@dataclass
+class LayerStack:
+    """Every layer's fixed arguments and activation, over one model's shapes: what a step
+    runs (`run`). ``moe``: one of its MoE layers (every one has the same shapes), whose
+    scratch all of them take."""
+
+    native: CpuKernels
+    hidden: int
+    inner: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layers: list[tuple[LayerArgs, Activation]]
+    moe: NativeMoe | None = None
+    pools_key: tuple | None = field(default=None, init=False)  # the pools' addresses, dtype, shape
+
+    def run(
+        self,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        tables: Sequence[RotaryTables],
+        keys: NativeKeys,
+        pools: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Every layer over ``x`` (the residual stream, updated in place) and ``h`` (its norm
+        by the first layer's input norm) → the final norm's output."""
+        tokens = x.shape[0]
+        self._check_step(x, h, tables, keys)
+        self._set_pools(pools, keys.num_slots)
+        empty = lambda *shape: torch.empty(shape, dtype=torch.float32)  # noqa: E731
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        buffers = {
+            "qkv": empty(tokens, q_size + 2 * kv_size),
+            "q": empty(tokens, q_size),
+            "kv": empty(2, tokens, kv_size),
+            "attn": empty(tokens, q_size),
+            "out": empty(tokens, self.hidden),
+            "gate_up": empty(tokens, 2 * self.inner),
+            "act": empty(tokens, self.inner),
+        }
+        step = StepArgs(
+            tokens=tokens,
+            x=x.data_ptr(),
+            h=h.data_ptr(),
+            **{name: t.data_ptr() for name, t in buffers.items()},
+            slot_mapping=keys.slot_mapping.data_ptr(),
+            num_slots=keys.num_slots,
+            threads=self.native.threads,
+            exact=int(self.native.exact),
+        )
+        if self.moe is not None:  # every MoE layer has the same shapes (checked at build)
+            step.scratch, step.scratch_bytes = scratch(self.moe.scratch_bytes(tokens))
+        at = step.at
+        at.slots, at.slot_stride, at.slot_width = (
+            keys.slots.data_ptr(),
+            keys.slots.stride(0),
+            keys.slots.shape[1],
+        )
+        at.lens, at.seqs = keys.lens.data_ptr(), tokens
+        if keys.windowed is not None:
+            slots, lens, firsts = keys.windowed
+            windowed = step.at_windowed
+            windowed.slots, windowed.slot_stride, windowed.slot_width = (
+                slots.data_ptr(),
+                slots.stride(0),
+                slots.shape[1],
+            )
+            windowed.lens, windowed.seqs = lens.data_ptr(), tokens
+            windowed.firsts = firsts.data_ptr()
+            step.windowed = 1
+        for i, table in enumerate(tables):
+            step.cos[i], step.sin[i] = table.cos.data_ptr(), table.sin.data_ptr()
+            step.rotary_dim[i] = table.cos.shape[-1]
+        gate_up, act = buffers["gate_up"], buffers["act"]
+        gate, up = gate_up[:, : self.inner], gate_up[:, self.inner :]
+        native = self.native
+        for args, activation in self.layers:
+            native.attention_block(step, args)
+            if activation is None:
+                native.moe_block(step, args)
+                continue
+            torch.mul(activation(gate), up, out=act)
+            native.mlp_block(step, args)
+        return h
+
+    def _check_step(self, x, h, tables, keys: NativeKeys) -> None:
+        """What the C code relies on, with the checks the single kernels make."""
+        tokens = x.shape[0]
+        for tensor, name in ((x, "x"), (h, "h")):
+            require(
+                tensor, torch.float32, f"layer blocks: {name}", dims=2, numel=tokens * self.hidden
+            )
+        for table in tables:
+            for t in (table.cos, table.sin):
+                require(t, torch.float32, "layer blocks: rotary table")
+                if not (
+                    t.shape == table.cos.shape
+                    and t.shape[0] == tokens
+                    and t.shape[-1] <= self.head_dim
+                ):
+                    raise KernelArgumentError(f"layer blocks: rotary table {tuple(t.shape)}")
+        check_keys(keys.slots, keys.lens, tokens, "layer blocks")
+        if keys.windowed is not None:
+            check_keys(*keys.windowed[:2], tokens, "layer blocks", keys.windowed[2])
+        require(keys.slot_mapping, torch.int64, "layer blocks: slot mapping", numel=tokens)
+
+    def _set_pools(self, pools: list[tuple[torch.Tensor, torch.Tensor]], num_slots: int) -> None:
+        """Each layer's pool pair, set again only when the pools are others; every pool is
+        checked before any layer's pointers change."""
+        if len(pools) != len(self.layers):
+            raise KernelArgumentError(
+                f"layer blocks: {len(pools)} pools for {len(self.layers)} layers"
+            )
+        first = pools[0][0]
+        if num_slots != first.shape[0] * first.shape[1]:
+            raise KernelArgumentError(f"layer blocks: {num_slots} slots in a pool {first.shape}")
+        key = tuple((k.data_ptr(), v.data_ptr()) for k, v in pools), first.dtype, first.shape
+        if key == self.pools_key:
+            return
+        for pair in pools:
+            for pool in pair:  # every layer's pools alike: one slot count, one element type
+                if not (
+                    pool.dtype is first.dtype
+                    and pool.shape == first.shape
+                    and pool.shape[2:] == (self.kv_heads, self.head_dim)
+                ):
+                    raise KernelArgumentError(
+                        f"layer blocks: a pool of {pool.dtype} {tuple(pool.shape)}"
+                    )
+            pool_row(*pair, "layer blocks")  # each a float pool the kernels read
+        for (args, _), (k_cache, v_cache) in zip(self.layers, pools, strict=True):
+            args.k_cache, args.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+            args.half = int(first.dtype is torch.float16)
+        self.pools_key = key

@@ -1,0 +1,82 @@
+"""Self-attention over this rank's heads, through a step's KV cache (`StepAttention`)."""
+
+import torch
+from torch import nn
+
+from ..kernels import ops
+from ..kernels.cpu import CpuKernels
+from .collectives import Collectives
+from .config import ModelConfig
+from .linear import Linear, project
+from .norms import RMSNorm, rms_norm_of
+from .rope import RotaryTables
+from .step_attention import AttentionSpec, StepAttention
+
+
+class Attention(nn.Module):
+    """Self-attention over this rank's heads (all of them without tensor parallelism:
+    ``config`` is already this rank's share, `distributed.sharding.local_config`)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        tp: Collectives | None = None,
+        native: CpuKernels | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = Linear(config.hidden_size, q_size, bias=config.qkv_bias)
+        self.k_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
+        self.v_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
+        if config.qk_norm_full:  # OLMoE: over the whole projections, before the heads
+            self.q_norm = rms_norm_of(config, q_size, native)
+            self.k_norm = rms_norm_of(config, kv_size, native)
+        elif config.qk_norm:
+            self.q_norm = rms_norm_of(config, self.head_dim, native)
+            self.k_norm = rms_norm_of(config, self.head_dim, native)
+        self.qk_norm = config.qk_norm and not config.qk_norm_full
+        self.qk_norm_full, self.clip_qkv = config.qk_norm_full, config.clip_qkv
+        self.spec = AttentionSpec(
+            layer=layer,
+            scale=config.scale,
+            num_kv_groups=self.num_heads // self.num_kv_heads,
+            sliding_window=config.window_of(layer),
+            softcap=config.attn_softcap,
+        )
+
+    def forward(
+        self, x: torch.Tensor, rotary: RotaryTables, attention: StepAttention
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        if self.qk_norm_full and self.tp is not None:
+            q, k = self._sharded_norm(self.q_norm, q), self._sharded_norm(self.k_norm, k)
+        elif self.qk_norm_full:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        q, k = ops.qk_norm_rotate(
+            q, k, (self.q_norm, self.k_norm) if self.qk_norm else None, rotary
+        )
+        out = attention.attend(q, k, v, self.spec)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+    def _sharded_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """OLMoE's norm over a whole projection when each rank holds some of its heads:
+        the squares summed over the ranks, a key head that several ranks hold (where there
+        are fewer key heads than ranks) counted once."""
+        tp = self.tp
+        assert tp is not None
+        replicas = tp.kv_replicas if norm is self.k_norm else 1
+        squares = tp.all_reduce(x.float().pow(2).sum(-1, keepdim=True).contiguous()) / replicas
+        count = x.shape[-1] * tp.world // replicas  # the whole projection's elements
+        scale, eps = norm.float_norm(x)
+        return (x.float() * torch.rsqrt(squares / count + eps) * scale).to(x.dtype)

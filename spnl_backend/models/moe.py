@@ -1,0 +1,183 @@
+"""Mixture-of-experts layers: a router and its experts, on three paths (the grouped torch
+twin, the native CPU layer, a fused kernel)."""
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels.cpu.moe import NativeMoe
+from ..kernels.dispatch import TORCH_CHOICE, KernelChoice
+from ..kernels.moe_ref import Experts
+from ..quant.linear import QuantizedExperts, QuantLinear
+from .config import ModelConfig
+from .linear import Linear
+from .mlp import GatedMLP
+
+# (x, w13 [E, 2I, H], w2 [E, H, I], topk ids [T, k], topk weights [T, k]) -> [T, H]; the
+# experts float tensors or `QuantizedExperts` (GGML blocks)
+FusedMoe = Callable[[torch.Tensor, Experts, Experts, torch.Tensor, torch.Tensor], torch.Tensor]
+Stacked = tuple[torch.Tensor, torch.Tensor] | tuple[QuantizedExperts, QuantizedExperts]
+
+
+class SparseMoE(nn.Module):
+    """A router and its experts (`MoeConfig`): each token runs through its ``top_k``
+    experts, weighted by the router's probabilities. Tokens are grouped by expert, so a
+    step reads each chosen expert's weights once for all its tokens and never reads an
+    idle expert's. A token's sum runs over its experts in id order, each expert's rows
+    computed as the dense projections compute any rows: its output does not depend on
+    what else shares the step."""
+
+    def __init__(self, config: ModelConfig, kernels: KernelChoice = TORCH_CHOICE) -> None:
+        super().__init__()
+        self.kernels = kernels
+        moe = config.moe
+        assert moe is not None
+        self.top_k, self.renormalize, self.float_weights = (
+            moe.top_k,
+            moe.renormalize,
+            moe.float_weights,
+        )
+        self.gate = Linear(config.hidden_size, moe.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            GatedMLP(config, moe.intermediate_size) for _ in range(moe.num_experts)
+        )
+        # The layer on the CPU's native kernels (`kernels.cpu.moe`), made on first use
+        # where the experts run there (None: they do not).
+        self._native: NativeMoe | None = None
+        self._native_made = False
+        # A fused kernel (`kernels.triton_moe` on CUDA, the choice's `fused_moe`), taken
+        # once the weights are in (`prepare_experts`); its experts then live stacked, each
+        # expert's weights views of them.
+        self.fused: FusedMoe | None = None
+        self._stacked: Stacked | None = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts ``[T, top_k]`` and their weights (float32 where the
+        architecture weighs in float32, else ``x``'s dtype)."""
+        probs = torch.softmax(self._router_logits(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights if self.float_weights else weights.to(x.dtype)
+
+    def _router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The router's logits, each row computed alone (a matrix-vector product): a
+        float GEMM rounds differently with the number of rows, and a token's experts must
+        not depend on what shares its step. A quantized router's rows already are."""
+        if isinstance(self.gate, QuantLinear):
+            return self.gate(x)
+        weight = self.gate.weight
+        if not len(x):
+            return x @ weight.T
+        return torch.stack([torch.mv(weight, row) for row in x])
+
+    def prepare_experts(self) -> None:
+        """Stack the experts where the model's kernels fuse them (`KernelChoice.fused_moe`);
+        else leave them as they are."""
+        if self.kernels.fused_moe is not None:
+            self.use_fused(self.kernels.fused_moe)
+
+    def use_fused(self, fused: "FusedMoe") -> None:
+        """Run the experts through ``fused``: their weights stacked once, float ones into
+        ``[E, 2I, H]`` (gate rows, then up) and ``[E, H, I]``, quantized ones as the same
+        stacks of GGML blocks (`QuantizedExperts`), each expert's projections left as views
+        of them (no second copy). Experts that do not stack (float beside quantized, GGML
+        types that differ within a projection, a gelu MLP) keep the per-expert path."""
+        if self._stacked is None:
+            self._stacked = self._stack()
+        if self._stacked is not None:
+            self.fused = fused
+
+    def _stack(self) -> Stacked | None:
+        layers = [p for e in self.experts for p in (e.gate_proj, e.up_proj, e.down_proj)]
+        quantized = {isinstance(layer, QuantLinear) for layer in layers}
+        if self.experts[0].act is not F.silu or len(quantized) > 1:
+            return None  # the kernels' activation is SiLU; one kind of weight per stack
+        return self._stack_quantized() if quantized == {True} else self._stack_float()
+
+    def _stack_float(self) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            w13 = torch.stack(
+                [torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts]
+            )
+            w2 = torch.stack([e.down_proj.weight for e in self.experts])
+            inner = w13.shape[1] // 2
+            for i, e in enumerate(self.experts):
+                e.gate_proj.weight = nn.Parameter(w13[i, :inner], requires_grad=False)
+                e.up_proj.weight = nn.Parameter(w13[i, inner:], requires_grad=False)
+                e.down_proj.weight = nn.Parameter(w2[i], requires_grad=False)
+        return w13, w2
+
+    def _stack_quantized(self) -> tuple[QuantizedExperts, QuantizedExperts] | None:
+        gate_up = [[e.gate_proj.weight_q, e.up_proj.weight_q] for e in self.experts]
+        down = [[e.down_proj.weight_q] for e in self.experts]
+        if not (QuantizedExperts.stackable(gate_up) and QuantizedExperts.stackable(down)):
+            return None
+        for e in self.experts:  # native calls kept for the blocks that are about to move
+            for layer in (e.gate_proj, e.up_proj, e.down_proj):
+                layer.prepared.clear()
+        self._native, self._native_made = None, False
+        return QuantizedExperts.stack(gate_up), QuantizedExperts.stack(down)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        native = None if self.fused is not None else self._native_for(x)
+        if native is not None:
+            return native(x)
+        experts, weights = self.route(x)
+        if self.fused is not None and self._stacked is not None:
+            return self.fused(x, *self._stacked, experts, weights.float()).to(x.dtype)
+        return self.grouped(x, experts, weights)
+
+    def grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
+        """The torch path (and the twin of the native and fused ones): each expert's
+        tokens through its projections, weighted, summed over a token's experts in id
+        order."""
+        out = torch.zeros(x.shape, dtype=weights.dtype, device=x.device)
+        slots = experts.flatten()
+        order = torch.argsort(slots, stable=True)  # by expert, tokens in order within one
+        counts = torch.bincount(slots, minlength=len(self.experts)).tolist()
+        tokens = order // self.top_k
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            rows = tokens[start : start + count]
+            slot_weights = weights.flatten()[order[start : start + count]]
+            y = self.experts[expert](x[rows]).to(out.dtype) * slot_weights[:, None]
+            out.index_add_(0, rows, y)
+            start += count
+        return out.to(x.dtype)
+
+    def _native_for(self, x: torch.Tensor) -> NativeMoe | None:
+        """The native layer where this step runs on it (`KernelChoice.native_rows`)."""
+        return None if self.kernels.native_rows(x) is None else self.native_layer()
+
+    def native_layer(self) -> NativeMoe | None:
+        """This layer on the CPU's native kernels (one call: routing, the experts' grouped
+        products, the weighted sum), where its experts are quantized projections without
+        bias with SiLU and the model's kernels take them (`KernelChoice.moe_layer`; a
+        quantized router's values taken once in float); else None (the torch path)."""
+        if not self._native_made:
+            self._native, self._native_made = self._make_native(), True
+        return self._native
+
+    def _make_native(self) -> NativeMoe | None:
+        layers = [p for e in self.experts for p in (e.gate_proj, e.up_proj, e.down_proj)]
+        if self.experts[0].act is not F.silu or not all(
+            isinstance(p, QuantLinear) and p.bias is None for p in layers
+        ):
+            return None
+
+        def weight(p: QuantLinear) -> tuple[int, torch.Tensor, int]:
+            return p.weight_q.qtype.value, p.weight_q.data, p.out_features
+
+        experts = [
+            (weight(e.gate_proj), weight(e.up_proj), weight(e.down_proj)) for e in self.experts
+        ]
+        if isinstance(self.gate, QuantLinear):  # a small matrix: its values once, in float
+            router = self.gate.weight_q.dequantize().float().contiguous()
+        else:
+            router = self.gate.weight.detach().float().contiguous()
+        return self.kernels.moe_layer(router, experts, self.top_k, self.renormalize)
