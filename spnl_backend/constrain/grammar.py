@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import torch
 
-from ..engine.constraint import new_bitmask
+from ..engine.token_bitmask import new_bitmask
 from ..errors import RequestError
 from ..log import get_logger
 from .healing import TokenPrefixIndex

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.constraint import pack
+from ..engine.token_bitmask import pack
 from ..errors import EngineError
 
 

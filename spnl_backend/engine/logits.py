@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling import SamplingParams
-from .constraint import Constraint, apply_bitmask, new_bitmask
+from .token_bitmask import Constraint, apply_bitmask, new_bitmask
 
 
 @dataclass(frozen=True, slots=True)

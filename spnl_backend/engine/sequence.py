@@ -12,8 +12,8 @@ from ..pic.layout import PicLayout
 from ..sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from .constraint import Constraint
     from .sampler import TokenLogprobs
+    from .token_bitmask import Constraint
 
 
 class SequenceStatus(Enum):

@@ -21,11 +21,11 @@ from ..log import get_logger
 from ..models.step_attention import StepAttention
 from ..models.transformer import CausalLM
 from .cache import CacheManager, Feed, PoolUsage
-from .constraint import Constraint, apply_bitmask, constraint_row
 from .logits import RowHistory, adjust
 from .runner import Picked, Sampled, logprobs_of, pack_inputs
 from .sampler import argmax_rows, distribution, row_error
 from .sequence import ScheduledSeq, Sequence
+from .token_bitmask import Constraint, apply_bitmask, constraint_row
 from .verification import verify
 
 log = get_logger()
