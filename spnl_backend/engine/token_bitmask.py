@@ -1,6 +1,6 @@
-"""Constrained decoding as the engine sees it (the requests' constraints are `constrain`'s):
-a matcher per sequence that says which
-tokens may come next, as a packed bitmask row, and follows the tokens accepted.
+"""Constrained decoding as the engine sees it (the requests' constraints are
+`constrain`'s): a matcher per sequence that says which tokens may come next, as a packed
+bitmask row, and follows the tokens accepted.
 
 A bitmask row holds one bit per token id, 32 to an int32 (bit ``i % 32`` of word
 ``i // 32``), set where the token is allowed; rows are filled on the CPU and applied to
