@@ -221,7 +221,7 @@ def check_shell(script: str, env: dict[str, str], cwd: Path) -> None:
 def check_settings(variables: dict[str, str]) -> None:
     """`MISTRALRS_*=VALUE` before a command: each a setting, each value one it accepts."""
     from spnl_backend import BackendSettings
-    from spnl_backend.settings.model import unknown_env_variables
+    from spnl_backend.settings.backend_settings import unknown_env_variables
 
     ours = {k: v for k, v in variables.items() if k.startswith("MISTRALRS_")}
     with mock.patch.dict(os.environ, ours):

@@ -192,7 +192,7 @@ def test_the_readme_is_a_five_minute_start():
 
 def test_the_readme_configuration_table_names_every_setting():
     from spnl_backend import BackendSettings
-    from spnl_backend.settings.model import ENV_PREFIX
+    from spnl_backend.settings.backend_settings import ENV_PREFIX
 
     section = README.read_text().split("## Configuration", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| `")]
