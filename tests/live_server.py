@@ -1,7 +1,6 @@
 """An in-process server for the tests: the app on a free 127.0.0.1 port, run by uvicorn
 in a thread, over a tiny model with a chat template."""
 
-import socket
 import threading
 import time
 
@@ -12,6 +11,7 @@ from helpers import CPU
 
 from spnl_backend import Backend, load_backend
 from spnl_backend.server.app import ServerConfig, ServerState, create_app
+from spnl_backend.server.run import _listen
 
 MODEL = "tiny-llama"
 PROMPTS = ["The capital of France is", "Once upon a time there was", "def add(a, b):"]
@@ -27,8 +27,7 @@ class LiveServer:
     def __init__(self, backend, models=None, **config) -> None:
         self.state = ServerState(backend=backend, models=models)
         app = create_app(ServerConfig(MODEL, **config), self.state)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
+        sock = _listen("127.0.0.1", 0)  # the server's own listening socket
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]})

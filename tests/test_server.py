@@ -577,3 +577,22 @@ def test_a_message_name_is_refused_where_the_template_drops_it(live, backend):
         assert "user ada: hi" in rendered
     finally:
         hf.chat_template = template
+
+
+def test_the_servers_connections_send_without_waiting_for_acks():
+    """A response goes out in two writes (head, body); with Nagle's algorithm on, the
+    second waited for the client's delayed ACK: 44 ms on every kept-alive request. The
+    listening socket sets TCP_NODELAY, which accepted connections inherit."""
+    import socket
+
+    from spnl_backend.server.run import _listen
+
+    listener = _listen("127.0.0.1", 0)
+    try:
+        client = socket.create_connection(listener.getsockname())
+        accepted, _ = listener.accept()
+        assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        accepted.close()
+        client.close()
+    finally:
+        listener.close()
