@@ -31,8 +31,9 @@ def to_lark(text: str) -> str:
     for order, rule in enumerate(ordered):
         rule.alternatives = rule.alternatives.simplify()
         rule.order = order
-    _link(rules)
-    _mark_terminals(rules)
+    refs = {id(rule): list(_references(rule)) for rule in ordered}
+    _link(rules, refs)
+    _mark_terminals(ordered, refs)
     _rename(ordered)
     return _written(ordered)
 
@@ -49,10 +50,11 @@ def _references(rule: object) -> Iterator[object]:
         stack.extend(node.children())
 
 
-def _link(rules: dict) -> None:
-    """Each reference pointed at its rule; ``root`` becomes Lark's ``start``."""
+def _link(rules: dict, refs: dict[int, list]) -> None:
+    """Each reference (``refs``: each rule's, by the rule's id) pointed at its rule;
+    ``root`` becomes Lark's ``start``."""
     for rule in rules.values():
-        for ref in _references(rule):
+        for ref in refs[id(rule)]:
             target = rules.get(ref.name)  # type: ignore[attr-defined]
             if target is None:
                 raise RequestError(f"grammar: rule {ref.name!r} is used but never defined")  # type: ignore[attr-defined]
@@ -65,19 +67,18 @@ def _link(rules: dict) -> None:
     root.name = START
 
 
-def _mark_terminals(rules: dict) -> None:
+def _mark_terminals(ordered: list, refs: dict[int, list]) -> None:
     """A rule other than ``start`` is a terminal when every rule it uses is one (so a rule
     on a cycle never is): each rule counts the uses still unresolved, and a rule whose
     count reaches zero is marked and lowers the counts of the rules that use it. (Rules
     are compared by identity: the parser's nodes are unhashable dataclasses.)"""
     unresolved: dict[int, int] = {}
     users: defaultdict[int, list[object]] = defaultdict(list)
-    for rule in rules.values():
-        refs = list(_references(rule))
-        unresolved[id(rule)] = len(refs)
-        for ref in refs:
-            users[id(ref.target)].append(rule)  # type: ignore[attr-defined]
-    ready = [rule for rule in rules.values() if unresolved[id(rule)] == 0]
+    for rule in ordered:
+        unresolved[id(rule)] = len(refs[id(rule)])
+        for ref in refs[id(rule)]:
+            users[id(ref.target)].append(rule)
+    ready = [rule for rule in ordered if unresolved[id(rule)] == 0]
     while ready:
         rule = ready.pop()
         if rule.name == START:

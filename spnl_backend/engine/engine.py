@@ -16,6 +16,7 @@ from .runner import Runner
 from .sampler import TokenLogprobs, row_error
 from .scheduler import Scheduler
 from .sequence import ScheduledSeq, Sequence, StepOutput
+from .speculative import SpeculativeRunner
 
 if TYPE_CHECKING:
     import torch
@@ -277,8 +278,6 @@ class Engine:
 
     def pic_refusal(self) -> str | None:
         """Why PIC prompts cannot run on this engine's cache, or None where they can."""
-        from .speculative import SpeculativeRunner  # the draft's runner, built on this one
-
         info = self.cache_info
         if info.kind != "paged":
             return (
