@@ -46,9 +46,10 @@ class GrammarConstraint:
         self.matcher = matcher
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        from llguidance.torch import fill_next_token_bitmask
-
-        fill_next_token_bitmask(self.matcher, bitmask, row)
+        # The library's own pointer calls (they drop the GIL), not llguidance.torch's
+        # wrappers: importing that module torch.compiles a kernel (seconds, with the GIL).
+        target = bitmask[row]
+        self.matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * 4)  # type: ignore[attr-defined]
         self._check()
 
     @classmethod
@@ -58,12 +59,12 @@ class GrammarConstraint:
         """Fill every member's row in one call on llguidance's threads; the rows whose
         matcher failed, with its error."""
         from llguidance import LLExecutor
-        from llguidance.torch import fill_next_token_bitmask_par
 
         if GrammarConstraint._executor is None:
             GrammarConstraint._executor = LLExecutor()
-        fill_next_token_bitmask_par(
-            GrammarConstraint._executor, [(c.matcher, row) for c, row in members], bitmask
+        batch, words = bitmask.shape
+        GrammarConstraint._executor.unsafe_compute_mask_ptr(
+            [(c.matcher, row) for c, row in members], bitmask.data_ptr(), words * 4, batch
         )
         errors: dict[int, Exception] = {}
         for constraint, row in members:
