@@ -220,8 +220,7 @@ class Backend:
         """`generate` for asyncio: the event loop runs on while the engine works."""
         params = self._checked(unknown, (max_tokens, temperature, top_p, top_k, seed, stop))
         prompts, single = self.prompt_ids(prompt, prompt_token_ids, blocks)
-        await self._aprepare(params)
-        return await aread_results(self.submit(prompts, params, asynchronous=True), single)
+        return await aread_results(await self.asubmit(prompts, params), single)
 
     def astream(
         self,
@@ -264,13 +263,11 @@ class Backend:
         """`chat` for asyncio."""
         params = self._chat_params(unknown, (max_tokens, temperature, top_p, top_k, seed, stop))
         prompt = self.chat_prompt_ids(messages)
-        await self._aprepare(params)
-        request = self.submit([prompt], params, asynchronous=True)
+        request = await self.asubmit([prompt], params)
         return await aread_results(request, single=True)  # type: ignore[return-value]
 
     async def _astream(self, ids: list[int], params: SamplingParams) -> AsyncIterator[str]:
-        await self._aprepare(params)
-        request = self.submit([ids], params, pieces=True, asynchronous=True)
+        request = await self.asubmit([ids], params, pieces=True)
         async for item in request.aitems():
             raise_failure(item)
             if isinstance(item, StepOutput) and item.text_delta:
@@ -292,6 +289,27 @@ class Backend:
         with ``seed + i``), in that order. ``pieces``: every step's outputs are delivered,
         not only each sequence's end. Read the request from this thread (`items`) or, with
         ``asynchronous``, from this event loop (`aitems`)."""
+        loop, seqs = self._built(prompts, params, n)
+        channel = AsyncChannel(pieces) if asynchronous else ThreadChannel(pieces)
+        loop.submit(seqs, channel)
+        return LoopRequest(loop, seqs, channel)
+
+    async def asubmit(
+        self, prompts: list[PromptIds], params: SamplingParams, *, n: int = 1, pieces: bool = False
+    ) -> LoopRequest:
+        """`submit` from an event loop, read with `aitems`: the sequences (a grammar
+        compiled, token healing's index, the vocabulary's view) are built on a worker
+        thread, so that nothing a request needs stalls the loop."""
+        loop, seqs = await asyncio.to_thread(self._built, prompts, params, n)
+        channel = AsyncChannel(pieces)
+        loop.submit(seqs, channel)
+        return LoopRequest(loop, seqs, channel)
+
+    def _built(
+        self, prompts: list[PromptIds], params: SamplingParams, n: int
+    ) -> tuple[EngineLoop, list[EngineSequence]]:
+        """The checked prompts' sequences, each with what it needs built, and the loop
+        they go to."""
         loop = self._open_loop()
         for prompt in prompts if isinstance(prompts, list) else [None]:
             ids = prompt.token_ids if isinstance(prompt, PicPrompt) else prompt
@@ -301,12 +319,12 @@ class Backend:
                     "prompts): see prompt_ids and chat_prompt_ids"
                 )
         self._check_token_ids(params)
+        if params.logprobs:
+            self._grammars.tokenizer  # noqa: B018  # built now, not in a response
         seqs = [
             seq for prompt in prompts for seq in self._sequences(loop.engine, prompt, params, n)
         ]
-        channel = AsyncChannel(pieces) if asynchronous else ThreadChannel(pieces)
-        loop.submit(seqs, channel)
-        return LoopRequest(loop, seqs, channel)
+        return loop, seqs
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         """The ids ``params`` name within this model's vocabulary: parameters checked
@@ -341,7 +359,8 @@ class Backend:
         """Build what ``params`` need, in the calling thread: the vocabulary's view for a
         constraint, token healing or log-probabilities (seconds, once per backend), and
         the constraint compiled once (a `RequestError` where it does not compile).
-        `submit` does the same; the server calls this first, off its event loop."""
+        `submit` does the same (`asubmit` on a worker thread); this is for a host that
+        wants a bad constraint refused, or the work done, before it submits."""
         check_stops(params.constraint, params.stop, params.stop_token_ids)
         if params.constraint is not None:
             self._grammars.compile(params.constraint)
@@ -356,12 +375,6 @@ class Backend:
         default model's 262,144 tokens), which would stall the host's other threads
         (a server's event loop) in the middle of its work."""
         self._grammars.tokenizer  # noqa: B018  # built now
-
-    async def _aprepare(self, params: SamplingParams) -> None:
-        """`prepare` off the event loop where ``params`` need anything built (a grammar
-        compiles, the vocabulary's view is built: seconds the loop must not stall for)."""
-        if params.constraint is not None or params.token_healing or params.logprobs:
-            await asyncio.to_thread(self.prepare, params)
 
     def token_bytes(self, token_ids: list[int]) -> list[bytes]:
         """Each token's bytes as the model's vocabulary has them (what logprobs name)."""

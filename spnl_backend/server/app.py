@@ -37,7 +37,7 @@ from ..log import get_logger
 from ..pic.query import MapQuery, parse_query
 from ..tools.calls import call_reader
 from ..tools.chat import template_messages
-from . import ollama
+from . import collector, ollama
 from .metrics import ServerMetrics
 from .models import ModelSet
 from .protocol import (
@@ -265,7 +265,7 @@ class _Api:
         try:
             prompts, params, n = await asyncio.to_thread(_query_request, backend, query)
             asked = EngineRequest(name, params, n, stream, include_usage=True)
-            submitted = self._submit(backend, asked, prompts)
+            submitted = await self._submit(backend, asked, prompts)
         except Exception as exc:
             self._release(name)
             return self._refused(label, exc)
@@ -293,7 +293,9 @@ class _Api:
         except Exception as exc:
             return self._refused(label, exc, ollama_shape=True)
         try:
-            asked = await asyncio.to_thread(parse, body, backend.max_model_len)
+            asked = await asyncio.to_thread(
+                collector.without_pauses(parse), body, backend.max_model_len
+            )
             if asked is None:  # a generate with no prompt: Ollama's way to (un)load a model
                 self._release(name, keep_alive)
                 loaded = {"model": body["model"], "created_at": ollama.stamp(), "response": ""}
@@ -301,7 +303,7 @@ class _Api:
                 return JSONResponse({**loaded, "done": True, "done_reason": reason})
             prompts = await asyncio.to_thread(_prompt_ids, backend, asked)
             asked = await asyncio.to_thread(_prepared, backend, asked)
-            submitted = self._submit(backend, asked, prompts)
+            submitted = await self._submit(backend, asked, prompts)
         except Exception as exc:
             self._release(name, keep_alive)
             return self._refused(label, exc, ollama_shape=True)
@@ -446,7 +448,7 @@ class _Api:
         try:
             prompts = await asyncio.to_thread(_prompt_ids, backend, asked)
             asked = await asyncio.to_thread(_prepared, backend, asked)
-            submitted = self._submit(backend, asked, prompts)
+            submitted = await self._submit(backend, asked, prompts)
         except Exception as exc:
             self._release(asked.model)
             return self._refused(endpoint, exc)
@@ -496,7 +498,8 @@ class _Api:
         body = await _read_json(request, self.config.max_body_bytes)
         self._known(body.get("model") if isinstance(body, dict) else None)
         parse = parse_completion if endpoint == "completions" else parse_chat
-        asked = await asyncio.to_thread(parse, body)  # grammars convert here: off the loop
+        # Grammars convert here: off the loop, and with no collector pause in the middle.
+        asked = await asyncio.to_thread(collector.without_pauses(parse), body)
         return await self._acquire(request, asked.model), asked
 
     # ---- models -----------------------------------------------------------------------
@@ -581,11 +584,13 @@ class _Api:
                 code="invalid_api_key",
             )
 
-    def _submit(
+    async def _submit(
         self, backend: Backend, asked: EngineRequest, prompts: list[list[int]]
     ) -> LoopRequest:
-        """Checked against the queue's bound and submitted with no await in between, so
-        that concurrent requests cannot both take the last places."""
+        """Checked against the queue's bound, its places taken before any await (so that
+        concurrent requests cannot both take the last ones), then its sequences built off
+        the loop (a grammar compiles there) and submitted; the places given back if that
+        fails."""
         wanted = len(prompts) * asked.n
         limit = backend.max_num_seqs + self.config.max_waiting
         if wanted > limit:  # would never fit: not worth a retry
@@ -603,14 +608,14 @@ class _Api:
                 code="server_overloaded",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
-        try:
-            submitted = backend.submit(
-                prompts, asked.params, n=asked.n, pieces=asked.stream, asynchronous=True
-            )
-        except RequestError as exc:  # a constraint that did not compile
-            raise from_request_error(exc, _param_of(exc, asked)) from None
         self.state.in_flight += wanted
-        return submitted
+        try:
+            return await backend.asubmit(prompts, asked.params, n=asked.n, pieces=asked.stream)
+        except BaseException as exc:
+            self.state.in_flight -= wanted
+            if isinstance(exc, RequestError):  # a constraint that did not compile
+                raise from_request_error(exc, _param_of(exc, asked)) from None
+            raise
 
     # ---- answers ------------------------------------------------------------------------
 
@@ -773,8 +778,8 @@ class _LettingGo(StreamingResponse):
 
 
 def _prepared(backend: Backend, asked: EngineRequest) -> EngineRequest:
-    """``asked`` with the server's token-healing default for a completion, checked against
-    the model and with what it needs built, off the event loop (`Backend.prepare`)."""
+    """``asked`` with the server's token-healing default for a completion and its tools'
+    constraint, off the event loop (what it needs is built by `Backend.asubmit`)."""
     params, tool_format = asked.params, None
     if asked.messages is None and asked.token_healing is None:
         params = backend.default_healing(params)
@@ -787,10 +792,6 @@ def _prepared(backend: Backend, asked: EngineRequest) -> EngineRequest:
                 asked = dataclasses.replace(asked, constraint_field="tools")
     except RequestError as exc:
         raise from_request_error(exc, "tools") from None
-    try:
-        backend.prepare(params)
-    except RequestError as exc:
-        raise from_request_error(exc, _param_of(exc, asked)) from None
     return dataclasses.replace(asked, params=params, tool_format=tool_format)
 
 
