@@ -25,6 +25,7 @@ from ..loader.default_model import DEFAULT_MODEL_NAME
 from ..log import get_logger
 from ..settings import BackendSettings, load_settings
 from ..settings.serving import api_key_from_env
+from . import collector
 from .app import (
     LOOPBACK_NAMES,
     MAX_BODY_BYTES,
@@ -207,6 +208,7 @@ def _served_backend(model: str | None, settings: BackendSettings) -> Backend:
     except BaseException:
         backend.close()
         raise
+    collector.freeze_loaded()
     return backend
 
 
