@@ -3,6 +3,7 @@ engine has (its JSON reader's nesting, its regex and grammar parsers) or the too
 translation has is a 400 naming the parameter, for schemas, regexes, grammars and tool
 parameters drawn by hypothesis as well as for the deep nestings that once gave a 500."""
 
+import gc
 import json
 
 import httpx
@@ -245,7 +246,10 @@ def test_health_answers_while_a_request_is_being_prepared(live, monkeypatch):
     converting, answered = threading.Event(), threading.Event()
     convert = spec.to_lark
 
+    collecting: list[bool] = []
+
     def held(text: str) -> str:
+        collecting.append(gc.isenabled())
         converting.set()
         assert answered.wait(30), "/health did not answer while a grammar was converted"
         return convert(text)
@@ -262,6 +266,53 @@ def test_health_answers_while_a_request_is_being_prepared(live, monkeypatch):
     assert health.status_code == 200
     (reply,) = outcome
     assert reply.status_code == 200, reply.text
+    # A full collection mid-conversion walked its million objects with the GIL held.
+    assert collecting == [False]
+    assert gc.isenabled()
+
+
+def test_a_grammar_too_large_to_keep_compiles_off_the_event_loop(live, backend, monkeypatch):
+    """A grammar past the compiled-grammar cache's bound was compiled while the request
+    was prepared, then again (not kept) on the event loop when it was submitted: for a
+    956 KB grammar, /health waited half a second."""
+    import asyncio
+
+    from spnl_backend.constrain import grammar
+
+    monkeypatch.setattr(grammar, "COMPILED_KEPT_CHARS", 0)  # nothing is kept
+    on_the_loop: list[bool] = []
+    compile_spec = grammar.GrammarCompiler.compile
+
+    def watched(self, spec):
+        try:
+            asyncio.get_running_loop()
+            on_the_loop.append(True)
+        except RuntimeError:
+            on_the_loop.append(False)
+        return compile_spec(self, spec)
+
+    monkeypatch.setattr(grammar.GrammarCompiler, "compile", watched)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "guided_grammar": _chain(3)}
+    reply = live.post("/v1/completions", body)
+    assert reply.status_code == 200, reply.text
+    assert on_the_loop
+    assert not any(on_the_loop)
+
+    async def generated():
+        return await backend.agenerate("x", max_tokens=2, regex="[a-z]+")
+
+    on_the_loop.clear()
+    asyncio.run(generated())
+    assert on_the_loop
+    assert not any(on_the_loop)
+
+
+def test_a_grammar_that_does_not_compile_gives_its_places_back(live):
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "guided_grammar": 'start: "a" b'}
+    reply = live.post("/v1/completions", body)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "guided_grammar"
+    assert live.state.in_flight == 0
 
 
 # ---- a constrained output is never cut by a stop --------------------------------------
@@ -357,8 +408,33 @@ def test_a_served_model_has_its_vocabulary_view_built_before_it_serves(tiny):
 
     from spnl_backend.server.run import _served_backend
 
+    frozen = gc.get_freeze_count()
     backend = _served_backend(str(tiny.hf("llama").path), CPU)
     try:
         assert backend._grammars._tokenizer is not None
+        # ... and what it loaded kept out of the collector's passes (250 ms each)
+        assert gc.get_freeze_count() > frozen
     finally:
         backend.close()
+        gc.unfreeze()
+
+
+def test_masks_are_filled_without_importing_llguidance_torch(tiny):
+    """llguidance.torch torch.compiles a kernel as it is imported: seconds with the GIL
+    held, which the first constrained request spent stalling the server."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from spnl_backend import BackendSettings, load_backend\n"
+        f"backend = load_backend({str(tiny.hf('llama').path)!r}, "
+        "BackendSettings(device='cpu'))\n"
+        "backend.generate('x', max_tokens=2, regex='[a-z]+')\n"
+        "print('llguidance.torch' in sys.modules)\n"
+        "backend.close()\n"
+    )
+    argv = [sys.executable, "-c", script]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "False"
