@@ -255,7 +255,7 @@ def test_health_answers_while_a_request_is_being_prepared(live, monkeypatch):
         return convert(text)
 
     monkeypatch.setattr(spec, "to_lark", held)
-    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "guided_grammar": _chain(3)}
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "guided_grammar": _chain(8000)}
     outcome: list[httpx.Response] = []
     sender = threading.Thread(target=lambda: outcome.append(live.post("/v1/completions", body)))
     sender.start()
