@@ -30,6 +30,9 @@ class Usage:
     # computed (0 and 0 for a plain prompt).
     pic_hit_tokens: int = 0
     pic_miss_tokens: int = 0
+    # Of a PIC prompt's plus tokens, those computed again with full attention
+    # (``MISTRALRS_PIC_RECOMPUTE``), on top of the ones above.
+    pic_recomputed_tokens: int = 0
     # Of the reused prompt tokens (cached ones and PIC hits), those whose K/V the KV tier
     # read back from disk (0 without a tier).
     tier_hit_tokens: int = 0
@@ -157,6 +160,7 @@ def result_of(seq: EngineSequence) -> GenerateResult:
         seq.num_accepted_tokens,
         seq.num_pic_hit_tokens,
         seq.num_pic_miss_tokens,
+        seq.num_pic_recomputed_tokens,
         seq.num_tier_hit_tokens,
     )
     return GenerateResult(

@@ -80,3 +80,90 @@ def reference_greedy(
         first = logits if first is None else first
         out.append(int(logits.argmax()))
     return out, first
+
+
+def recomputed_order(
+    pieces: list[tuple[str, int]], fraction: float
+) -> tuple[list[int], list[bool], dict[int, int]]:
+    """The dense reference's sequence under recomputation: every prompt index in order,
+    with a copy of each group's recomputed tokens (the first ``ceil(fraction × length)``
+    of each element) right after the group where a cross piece follows it. Returns each
+    entry's prompt index, whether it is a copy, and each recomputed index's group end."""
+    import math
+
+    order: list[int] = []
+    copies: list[bool] = []
+    group_of: dict[int, int] = {}
+    start, group = 0, []
+    for number, (kind, length) in enumerate(pieces):
+        order += range(start, start + length)
+        copies += [False] * length
+        start += length
+        if kind != "plus":
+            continue
+        group += range(start - length, start - length + math.ceil(fraction * length))
+        after = pieces[number + 1][0] if number + 1 < len(pieces) else None
+        if after == "plus":
+            continue
+        if after == "cross" and group:
+            order += group
+            copies += [True] * len(group)
+            group_of.update((index, start) for index in group)
+        group = []
+    return order, copies, group_of
+
+
+class RecomputeMask(DenseMask):
+    """The dense mask over `recomputed_order`'s sequence: an original token sees by the
+    PIC rule, a copy as cross; each reads a recomputed token's copy once due (a copy: of
+    its own group or an earlier one; an original: at or after the copy's group end),
+    else the original."""
+
+    def __init__(
+        self,
+        elements: list[int],
+        positions: list[int],
+        order: list[int],
+        copies: list[bool],
+        group_of: dict[int, int],
+    ) -> None:
+        index = torch.tensor(order)
+        copy = torch.tensor(copies)
+        element = torch.tensor(elements)[index]
+        self.positions = torch.tensor(positions)[index]
+        ends = torch.tensor([group_of.get(i, -1) for i in order])
+        key_end = ends[None, :]
+        # Whether the query reads key index j's copy: it has one, and it is due.
+        due = torch.where(copy[:, None], ends[:, None] >= key_end, index[:, None] >= key_end)
+        reads_copy = (key_end >= 0) & due
+        rule = (element[:, None] == element[None, :]) | (element[:, None] == 0)
+        rule |= (element[None, :] == 0) | copy[:, None]
+        self.mask = (index[None, :] <= index[:, None]) & rule & (copy[None, :] == reads_copy)
+
+
+@torch.inference_mode()
+def recompute_reference_greedy(
+    model: CausalLM,
+    pieces: list[tuple[str, list[int]]],
+    scheme: str,
+    fraction: float,
+    count: int,
+) -> tuple[list[int], torch.Tensor]:
+    """`reference_greedy` with each group's recomputed tokens (`recomputed_order`)."""
+    prompt = [t for _, ids in pieces for t in ids]
+    lengths = [(kind, len(ids)) for kind, ids in pieces]
+    order, copies, group_of = recomputed_order(lengths, fraction)
+    out: list[int] = []
+    first = None
+    for _ in range(count):
+        generated = [("cross", len(out))] if out else []
+        elements, positions = reference_layout(lengths + generated, scheme)
+        tokens = prompt + out
+        extended = order + list(range(len(prompt), len(tokens)))
+        flags = copies + [False] * len(out)
+        backend = RecomputeMask(elements, positions, extended, flags, group_of)
+        hidden = model(torch.tensor([tokens[i] for i in extended]), backend.positions, backend)
+        logits = model.compute_logits(hidden[-1:])[0]
+        first = logits if first is None else first
+        out.append(int(logits.argmax()))
+    return out, first

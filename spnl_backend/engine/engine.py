@@ -55,6 +55,7 @@ class EngineStats:
     # and computed.
     pic_hit_tokens: int = 0
     pic_miss_tokens: int = 0
+    pic_recomputed_tokens: int = 0  # computed again (``MISTRALRS_PIC_RECOMPUTE``)
     # Prompt tokens of those requests whose K/V the KV tier read back (within the cached
     # ones above), and the tier's own counters; None where there is no tier.
     tier_hit_tokens: int = 0
@@ -84,6 +85,7 @@ class Engine:
         self.prefix_cache_hits = 0
         self.pic_hit_tokens = 0
         self.pic_miss_tokens = 0
+        self.pic_recomputed_tokens = 0
         self.tier_hit_tokens = 0
         self.last_batch_size = 0  # sequences the last step ran (0: nothing was schedulable)
         # Called by the loop while it waits for work, and when it stops (a tensor-parallel
@@ -158,6 +160,7 @@ class Engine:
             prefix_cache_hits=self.prefix_cache_hits,
             pic_hit_tokens=self.pic_hit_tokens,
             pic_miss_tokens=self.pic_miss_tokens,
+            pic_recomputed_tokens=self.pic_recomputed_tokens,
             tier_hit_tokens=self.tier_hit_tokens,
             tier=tier_stats(getattr(self.cache, "tier", None)),
         )
@@ -310,6 +313,7 @@ class Engine:
             self.prefix_cache_hits += seq.num_cached_tokens
             self.pic_hit_tokens += seq.num_pic_hit_tokens
             self.pic_miss_tokens += seq.num_pic_miss_tokens
+            self.pic_recomputed_tokens += seq.num_pic_recomputed_tokens
             self.tier_hit_tokens += seq.num_tier_hit_tokens
         detok = self.detokenizers[seq.seq_id]
         delta = detok.add(token_id)

@@ -255,6 +255,9 @@ class ContiguousCacheManager:
     def after_step(self, batch: list[ScheduledSeq]) -> None:
         """Nothing to register: reuse is found by comparing tokens."""
 
+    def chunk(self, seq: CachedTokens, count: int) -> int:
+        return count
+
     def feed(self, seq: CachedTokens, count: int) -> Feed:
         return in_order(seq, count)
 

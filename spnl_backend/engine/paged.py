@@ -20,11 +20,11 @@ from ..log import get_logger
 from ..memory import host_tensor, kv_bytes_per_token
 from ..models.config import ModelConfig
 from ..models.step_attention import AttentionSpec, StepAttention
-from ..pic.layout import PicLayout
+from ..pic.layout import CROSS, PicLayout
 from .block_manager import UNTAKEN, BlockManager, BlockTable
 from .cache import Feed, PoolUsage, in_order
 from .kv_shift import Angles, KeyShift
-from .pic_blocks import PicProgress, PlannedBlock
+from .pic_blocks import Entry, PicProgress, PlannedBlock
 from .sequence import CachedTokens, ScheduledSeq
 
 if TYPE_CHECKING:
@@ -277,6 +277,7 @@ class PagedCacheManager:
             plus_hit = sum(b.last + 1 - b.first for b in hits.values() if b.plus)
             seq.num_pic_hit_tokens = plus_hit
             seq.num_pic_miss_tokens = layout.num_plus_tokens - plus_hit
+            seq.num_pic_recomputed_tokens = progress.num_recomputed
             seq.num_tier_hit_tokens = from_tier
             _log_pic_lookup(seq, planned, hits, moved)
 
@@ -392,19 +393,28 @@ class PagedCacheManager:
                 registered.append(block_id)
         return registered
 
+    def chunk(self, seq: CachedTokens, count: int) -> int:
+        """How many of ``count`` next tokens one step may compute: all, but for a PIC
+        sequence whose recomputed tokens fall due among them (`PicProgress.chunk`)."""
+        progress = self.pic.get(seq.seq_id)
+        if progress is None:
+            return count
+        return progress.chunk(seq.num_computed_tokens - progress.num_hit, count)
+
     def feed(self, seq: CachedTokens, count: int) -> Feed:
         """A sequence's next ``count`` tokens to compute: in token order, or a PIC
-        sequence's in the order its progress keeps (hits skipped), at their positions."""
+        sequence's in the order its progress keeps (hits skipped, recomputed tokens
+        added), at their positions."""
         progress = self.pic.get(seq.seq_id)
         if progress is None:
             return in_order(seq, count)
-        indices = self._pic_indices(seq, progress, count)
+        indices = [entry.index for entry in self._pic_entries(seq, progress, count)]
         tokens = seq.token_ids
         return [progress.layout.position(i) for i in indices], [tokens[i] for i in indices]
 
-    def _pic_indices(self, seq: CachedTokens, progress: PicProgress, count: int) -> list[int]:
-        """The prompt-order indices of a PIC sequence's next ``count`` tokens to compute."""
-        return progress.indices(seq.num_computed_tokens - progress.num_hit, count)
+    def _pic_entries(self, seq: CachedTokens, progress: PicProgress, count: int) -> list[Entry]:
+        """What a PIC sequence computes for its next ``count`` tokens."""
+        return progress.entries(seq.num_computed_tokens - progress.num_hit, count)
 
     def attention(self, batch: list[ScheduledSeq], device: torch.device) -> StepAttention:
         slots: list[int] = []
@@ -421,13 +431,14 @@ class PagedCacheManager:
                 size = self.block_size
                 slots += [table[p // size] * size + p % size for p in logical]
             else:
-                indices = self._pic_indices(item.seq, progress, item.num_new_tokens)
-                keys = self._pic_keys(progress, table, indices)
+                rank = item.seq.num_computed_tokens - progress.num_hit
+                entries = progress.entries(rank, item.num_new_tokens)
+                keys = self._pic_keys(progress, table, entries, rank)
                 slots += keys.key_slots[keys.q_index].tolist()
                 seq_lens.append(len(table) * self.block_size)
                 pic.append(keys.to(device))
             tables.append(table)
-            query_lens.append(item.num_new_tokens)
+            query_lens.append(item.num_new_tokens if progress is None else len(entries))
         width = max(len(t) for t in tables)
         block_tables = torch.tensor(
             [[max(b, 0) for b in t] + [0] * (width - len(t)) for t in tables], device=device
@@ -442,18 +453,26 @@ class PagedCacheManager:
         )
         return self.cache.step(self.kernels, meta)
 
-    def _pic_keys(self, progress: PicProgress, table: list[int], indices: list[int]) -> PicKeys:
-        """The keys a PIC sequence's queries ``indices`` may see, in prompt order, with
-        their pool slots (on the CPU)."""
-        count = max(indices) + 1
-        logical = progress.slots(count)
+    def _pic_keys(
+        self, progress: PicProgress, table: list[int], entries: list[Entry], rank: int
+    ) -> PicKeys:
+        """The keys a PIC sequence's queries (``entries``, from todo ``rank``) may see, in
+        prompt order, with their pool slots (on the CPU); a recomputed token attends as
+        cross."""
+        indices = torch.tensor([entry.index for entry in entries])
+        count = int(indices.max()) + 1
+        logical = progress.key_slots(count, rank)
         blocks = torch.tensor(table)[logical // self.block_size]
         key_blocks, key_positions = progress.layout.key_tensors(count)
         slots = blocks * self.block_size + logical % self.block_size
         if int(slots.min()) < 0:  # an untaken block: reserve missed one (never expected)
             raise EngineError("a PIC sequence's keys reach a block it has not taken")
         first_plus = progress.layout.first_plus
-        return PicKeys(slots, key_blocks, key_positions, torch.tensor(indices), first_plus)
+        q_blocks = None
+        if any(entry.recomputed for entry in entries):
+            redone = torch.tensor([entry.recomputed for entry in entries])
+            q_blocks = torch.where(redone, CROSS, key_blocks[indices])
+        return PicKeys(slots, key_blocks, key_positions, indices, first_plus, q_blocks)
 
 
 def _log_pic_lookup(

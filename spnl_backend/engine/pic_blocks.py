@@ -25,6 +25,16 @@ model, dtype and cache codec, so those are parts of every key implicitly.
 **Order.** The blocks whose keys the pool has are mapped in at admission; the other
 tokens are computed in prompt order. A query sees only keys at or before it, which are
 then in the pool: hits anywhere, and the misses computed before it.
+
+**Recomputation** (`PicLayout.recomputed`). A group's recomputed tokens are computed
+again, attending as cross, just before the first token after the group that the pool
+lacks (the last prompt token always is one), into a run of blocks of their own placed
+after the group's: the pool's blocks, shared or being registered, are never written.
+From then on the sequence's keys for those tokens are the recomputed ones. A step never
+holds both a group's first computation and its recomputation (`chunk`), so that within
+a step every query reads one version of each key. Whether an element hits or is
+computed, the recomputed keys are the same, bit for bit; and since what follows a group
+reads them, its key takes in the fraction recomputed.
 """
 
 import bisect
@@ -64,6 +74,15 @@ class PlannedBlock:
         return self.element != 0
 
 
+@dataclass(frozen=True)
+class Entry:
+    """One token a PIC sequence computes in a step: its prompt-order index, and whether
+    this is its recomputation (attending as cross, written to the group's own run)."""
+
+    index: int
+    recomputed: bool = False
+
+
 @dataclass
 class _Segment:
     span: Span  # the tokens; the open last segment's end grows with generated tokens
@@ -71,9 +90,12 @@ class _Segment:
     digests: list[int]  # its blocks' keys, each chaining the one before from its root
 
 
-def _segments(layout: PicLayout, tokens: list[int], block_size: int) -> list[_Segment]:
+def _segments(
+    layout: PicLayout, tokens: list[int], block_size: int
+) -> tuple[list[_Segment], dict[int, int]]:
     """The spans as block-aligned segments with their roots; generated tokens extend the
-    last one (cross) or a cross segment of their own after a final plus span."""
+    last one (cross) or a cross segment of their own after a final plus span. And the
+    first slot of each group's recomputed run, by the group's end."""
     spans = list(layout.spans)
     last = spans[-1]
     if len(tokens) > last.end or last.kind == "plus":
@@ -82,6 +104,8 @@ def _segments(layout: PicLayout, tokens: list[int], block_size: int) -> list[_Se
         else:
             spans.append(Span("cross", last.end, max(len(tokens), last.end)))
     segments: list[_Segment] = []
+    runs: dict[int, int] = {}
+    recomputed = dict(layout.recomputed)
     context, base, group = _ROOT, 0, [0]
     for index, span in enumerate(spans):
         if span.kind == "plus":
@@ -101,10 +125,15 @@ def _segments(layout: PicLayout, tokens: list[int], block_size: int) -> list[_Se
         if span.kind == "plus":
             group.append(end_digest)
             if index + 1 == len(spans) or spans[index + 1].kind != "plus":
+                redone = recomputed.get(span.end, ())
+                if redone:  # what follows reads the recomputed keys
+                    group.append(round(layout.recompute * 1_000_000))
+                    runs[span.end] = base
+                    base += -(-len(redone) // block_size) * block_size
                 context, group = _mix(b"group", *group), [0]
         else:
             context = end_digest
-    return segments
+    return segments, runs
 
 
 def _element_root(layout: PicLayout, span: Span, exact: int) -> int:
@@ -134,13 +163,17 @@ class PicProgress:
     num_hit: int = 0
     admitted_len: int = 0  # tokens at admission; later ones are computed after ``todo``
     registered: set[int] = field(default_factory=set)  # logical indices offered to others
+    runs: dict[int, int] = field(default_factory=dict)  # a group's recomputed run, by its end
+    # The recomputed tokens due before the todo entry of each rank, in prompt order.
+    recompute_at: dict[int, list[int]] = field(default_factory=dict)
+    num_recomputed: int = 0
     # The closed blocks not offered yet, as planned for ``_planned_for`` open-segment blocks.
     _pending: list[PlannedBlock] = field(default_factory=list)
     _planned_for: int = -1
 
     def plan(self, tokens: list[int]) -> list[PlannedBlock]:
         """Every block of the sequence's ``tokens`` (prompt and generated) with its key."""
-        self.segments = _segments(self.layout, tokens, self.block_size)
+        self.segments, self.runs = _segments(self.layout, tokens, self.block_size)
         blocks: list[PlannedBlock] = []
         for number, segment in enumerate(self.segments):
             span = segment.span
@@ -167,6 +200,11 @@ class PicProgress:
         self.num_hit = num_tokens - len(self.todo)
         self.admitted_len = num_tokens
         self.registered = set(hits)
+        self.recompute_at = {}
+        for end, indices in self.layout.recomputed:
+            rank = bisect.bisect_left(self.todo, end)  # the last prompt token is after it
+            self.recompute_at.setdefault(rank, []).extend(indices)
+        self.num_recomputed = sum(len(indices) for _, indices in self.layout.recomputed)
 
     def ready(self, tokens: list[int], num_computed: int) -> list[PlannedBlock]:
         """The closed blocks whose tokens are all computed and that were not offered yet
@@ -189,6 +227,33 @@ class PicProgress:
         count the tokens computed since admission)."""
         todo = self.todo
         return [todo[r] if r < len(todo) else self.num_hit + r for r in range(rank, rank + count)]
+
+    def entries(self, rank: int, count: int) -> list[Entry]:
+        """The tokens computed for ranks ``rank .. rank + count - 1``: each rank's
+        token, after the recomputed tokens due before it."""
+        entries: list[Entry] = []
+        for at, index in enumerate(self.indices(rank, count), start=rank):
+            entries += [Entry(i, True) for i in self.recompute_at.get(at, ())]
+            entries.append(Entry(index))
+        return entries
+
+    def chunk(self, rank: int, count: int) -> int:
+        """How many of ``count`` ranks from ``rank`` one step computes: up to the first
+        rank, past the first, with recomputed tokens due before it."""
+        inside = [at for at in self.recompute_at if rank < at < rank + count]
+        return min(inside) - rank if inside else count
+
+    def key_slots(self, num_tokens: int, rank: int) -> torch.Tensor:
+        """Logical slots of the keys of tokens ``0 .. num_tokens - 1`` as a step from
+        ``rank`` reads them: a recomputed token's in its group's run once due."""
+        slots = self.slots(num_tokens)
+        for end, indices in self.layout.recomputed:
+            due = bisect.bisect_left(self.todo, end) <= rank
+            if due and indices[0] < num_tokens:
+                run = torch.arange(self.runs[end], self.runs[end] + len(indices))
+                kept = torch.tensor(indices) < num_tokens
+                slots[torch.tensor(indices)[kept]] = run[kept]
+        return slots
 
     def slot(self, index: int) -> int:
         """Token ``index``'s slot in the sequence's logical slots (padding skipped)."""

@@ -76,7 +76,7 @@ class Scheduler:
         while index < len(self.running) and budget.tokens > 0:
             seq = self.running[index]
             remaining = seq.num_tokens - seq.num_computed_tokens
-            count = budget.count(remaining)
+            count = self.cache.chunk(seq, budget.count(remaining))
             if seq.paused or count == 0:
                 index += 1
                 continue
@@ -97,7 +97,7 @@ class Scheduler:
                 return
             self.cache.admit(seq)
             remaining = seq.num_tokens - seq.num_computed_tokens
-            count = budget.count(remaining)
+            count = self.cache.chunk(seq, budget.count(remaining))
             if not self.cache.reserve(seq, seq.num_computed_tokens + count):
                 self.cache.release(seq)
                 seq.num_computed_tokens = 0

@@ -53,10 +53,12 @@ class Sequence:
     # leader's prompt is computed, then shares its full prompt blocks instead of computing.
     leader: "Sequence | None" = None
     # Its plus and cross spans where the prompt is a PIC prompt (`pic.layout`), and of its
-    # plus tokens, those the pool had and those computed.
+    # plus tokens, those the pool had and those computed; and the tokens computed again
+    # (`PicLayout.recomputed`).
     pic: "PicLayout | None" = None
     num_pic_hit_tokens: int = 0
     num_pic_miss_tokens: int = 0
+    num_pic_recomputed_tokens: int = 0
     num_tier_hit_tokens: int = 0  # of the prompt's reused tokens, those the KV tier read back
     # Where the output is constrained (a grammar, or token healing's first token): the
     # matcher, advanced with every accepted token.
@@ -127,6 +129,7 @@ class CachedTokens(Protocol):
     num_tier_hit_tokens: int
     num_pic_hit_tokens: int
     num_pic_miss_tokens: int
+    num_pic_recomputed_tokens: int
 
     @property
     def pic(self) -> PicLayout | None: ...

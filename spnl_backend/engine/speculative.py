@@ -43,6 +43,7 @@ class CacheView:
     num_cached_tokens: int = 0
     num_tier_hit_tokens: int = 0
     num_pic_hit_tokens: int = 0
+    num_pic_recomputed_tokens: int = 0
     num_pic_miss_tokens: int = 0
     pending: list[int] = field(default_factory=list)
 
@@ -107,6 +108,9 @@ class SpeculativeCache:
 
     def after_step(self, batch: list[ScheduledSeq]) -> None:
         self.target.after_step(batch)
+
+    def chunk(self, seq: Sequence, count: int) -> int:
+        return self.target.chunk(seq, count)
 
     def feed(self, seq: Sequence, count: int) -> Feed:
         return self.target.feed(seq, count)

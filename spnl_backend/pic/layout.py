@@ -17,8 +17,18 @@ Positions, two schemes (`POSITION_SCHEMES`):
 
 Either way an element's positions depend only on what came before its group and on
 itself, never on its order in the group, so its K (stored rotated) can be reused as is.
+
+**Recomputation** (``recompute``, a fraction): an element computed (or reused) under
+this mask never attended to the elements before it in its group, nor (under spnl's
+reuse rule) to what came before the group; the first tokens of an element then draw
+attention as a sequence's first tokens do. The first ``ceil(recompute × length)`` tokens
+of each element are computed once more, attending as cross tokens (to every key before
+them), after the group and before anything that follows it; what follows reads those
+keys instead (`engine.pic_blocks`). A group that ends the prompt is left as it is:
+nothing of the prompt comes after it.
 """
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
@@ -57,10 +67,15 @@ class PicLayout:
     positions: tuple[int, ...]
     next_position: int  # of the first token after the prompt (then one more per token)
     reuse: str = "exact"
+    recompute: float = 0.0  # the fraction of each element's first tokens computed again
 
     @classmethod
     def build(
-        cls, pieces: list[tuple[Kind, int]], scheme: str = "after_prefix", reuse: str = "exact"
+        cls,
+        pieces: list[tuple[Kind, int]],
+        scheme: str = "after_prefix",
+        reuse: str = "exact",
+        recompute: float = 0.0,
     ) -> "PicLayout":
         """The layout of a prompt made of ``(kind, length)`` pieces, in order (lengths >=
         1; adjacent cross pieces merge, adjacent plus pieces are elements of one group)."""
@@ -68,6 +83,8 @@ class PicLayout:
             raise ValueError(f"position scheme {scheme!r}: expected one of {POSITION_SCHEMES}")
         if reuse not in REUSE_RULES:
             raise ValueError(f"reuse rule {reuse!r}: expected one of {REUSE_RULES}")
+        if not 0.0 <= recompute <= 1.0:
+            raise ValueError(f"recompute {recompute!r}: expected a fraction from 0 to 1")
         spans: list[Span] = []
         start = 0
         for kind, length in pieces:
@@ -79,7 +96,7 @@ class PicLayout:
                 spans.append(Span(kind, start, start + length))
             start += length
         block_ids, positions, next_position = _number(spans, scheme)
-        return cls(tuple(spans), scheme, block_ids, positions, next_position, reuse)
+        return cls(tuple(spans), scheme, block_ids, positions, next_position, reuse, recompute)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -95,8 +112,31 @@ class PicLayout:
         return next(span.start for span in self.spans if span.kind == "plus")
 
     def padded_slots(self, block_size: int) -> int:
-        """The slots the prompt takes with each span starting a new block."""
-        return sum(-(-span.length // block_size) * block_size for span in self.spans)
+        """The slots the prompt takes with each span starting a new block, and each
+        group's recomputed tokens a run of blocks of their own."""
+        runs = [span.length for span in self.spans] + [len(r) for _, r in self.recomputed]
+        return sum(-(-length // block_size) * block_size for length in runs)
+
+    @cached_property
+    def recomputed(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """Each group's recomputed tokens, as ``(end, indices)``: the index of the first
+        token after the group, and in prompt order the first ``ceil(recompute × length)``
+        tokens of each of its elements. None for a group that ends the prompt."""
+        if not self.recompute:
+            return ()
+        groups: list[tuple[int, tuple[int, ...]]] = []
+        indices: list[int] = []
+        for number, span in enumerate(self.spans):
+            if span.kind != "plus":
+                continue
+            count = min(span.length, math.ceil(self.recompute * span.length))
+            indices += range(span.start, span.start + count)
+            after = self.spans[number + 1] if number + 1 < len(self.spans) else None
+            if after is None or after.kind == "cross":
+                if after is not None:
+                    groups.append((span.end, tuple(indices)))
+                indices = []
+        return tuple(groups)
 
     def position(self, index: int) -> int:
         """The position of token ``index`` (a generated one past the prompt too)."""

@@ -2,6 +2,7 @@
 into a `PicPrompt` under the backend's settings, and checked against what its engine can
 run and hold, so that `Backend` only hands the prompt on."""
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ContextLengthError, RequestError
@@ -123,9 +124,12 @@ class PicPrompts:
         return self._checked(prompt)
 
     def _checked(self, prompt: PicPrompt) -> PicPrompt:
-        """A PIC prompt the engine can run, whose spans (each from a new block) fit."""
+        """A PIC prompt the engine can run, whose spans (each from a new block) fit, with
+        ``MISTRALRS_PIC_RECOMPUTE``'s fraction of each element recomputed."""
         if self._refusal is not None:
             raise RequestError(f"this backend cannot run PIC prompts: {self._refusal}")
+        layout = dataclasses.replace(prompt.layout, recompute=self._settings.pic_recompute)
+        prompt = PicPrompt(prompt.token_ids, layout)
         size, max_len = self._block_size, self._limit.max_model_len
         slots = prompt.layout.padded_slots(size)
         if slots + size >= max_len:

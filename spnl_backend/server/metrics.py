@@ -115,6 +115,12 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, _Read], ...] = (
     ),
     (
         "counter",
+        "spnl_pic_recomputed_tokens",
+        "Plus-block tokens of PIC prompts computed again with full attention",
+        lambda s: s.pic_recomputed_tokens,
+    ),
+    (
+        "counter",
         "spnl_kv_tier_hit_tokens",
         "Reused prompt tokens whose KV the KV tier read back",
         lambda s: s.tier_hit_tokens if s.tier else None,

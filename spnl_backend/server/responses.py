@@ -96,6 +96,7 @@ class Reply:
                 "cached_tokens": sum(seq.num_cached_tokens for seq in leaders),
                 "pic_hit_tokens": sum(seq.num_pic_hit_tokens for seq in leaders),
                 "pic_miss_tokens": sum(seq.num_pic_miss_tokens for seq in leaders),
+                "pic_recomputed_tokens": sum(seq.num_pic_recomputed_tokens for seq in leaders),
                 "tier_hit_tokens": sum(seq.num_tier_hit_tokens for seq in leaders),
             },
         }

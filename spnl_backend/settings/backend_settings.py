@@ -63,6 +63,7 @@ _PARSERS = {
     "pic_reuse": values.choice(REUSE_RULES),
     "span_query_reuse": values.choice(REUSE_RULES),
     "pic_positions": values.choice(("after_prefix", "local")),
+    "pic_recompute": values.parse_share,
     "span_template": values.choice(("model", "spnl")),
     "native_checks": values.parse_bool,
     "token_healing": values.parse_bool,
@@ -143,6 +144,9 @@ class BackendSettings(BaseSettings):
     pic_reuse: Literal["exact", "relaxed", "tokens"] = "exact"
     span_query_reuse: Literal["exact", "relaxed", "tokens"] = "tokens"
     pic_positions: Literal["after_prefix", "local"] = "after_prefix"
+    # The fraction of each plus element's first tokens computed again with full attention
+    # (over everything before them) where it is reused or computed (`pic.layout`).
+    pic_recompute: float = 0.0
     span_template: Literal["model", "spnl"] = "model"
     # Debugging: the C kernels compiled with a check of every index they follow.
     native_checks: bool = False

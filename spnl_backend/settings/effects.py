@@ -12,7 +12,7 @@ if TYPE_CHECKING:  # the platform module reports through this one
     from .platform import PlatformDecisions
 
 _PAGED_ONLY = ("paged_attn_block_size", *KV_BUDGET_FIELDS)
-_PIC = ("pic_reuse", "pic_positions", "span_query_reuse", "span_template")
+_PIC = ("pic_reuse", "pic_positions", "pic_recompute", "span_query_reuse", "span_template")
 _NATIVE_ONLY = ("cpu_matmul", "cpu_gemm", "native_checks")
 
 

@@ -168,6 +168,20 @@ def parse_fraction(value: object) -> float:
     return _parse_positive_float(value, 1.0, expected)
 
 
+def parse_share(value: object) -> float:
+    """A number from 0 to 1 (0 allowed, unlike `parse_fraction`)."""
+    expected = "expected a number from 0 to 1 (a fraction; 0: none)"
+    if isinstance(value, bool):
+        raise ValueError(expected)
+    try:
+        number = float(_text(value)) if isinstance(value, str) else float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(expected) from None
+    if not 0.0 <= number <= 1.0:
+        raise ValueError(expected)
+    return number
+
+
 def parse_isq(value: object) -> IsqType | None:
     if value is None or value is False:
         return None
