@@ -3,7 +3,8 @@ plain prompt and from PIC prompts whose documents the pool already holds, scored
 the plain prompt's own answer and against the truth.
 
     python bench/pic_accuracy.py [--docs 4 8 16] [--words 50 200 1000] [--questions 10]
-        [--rules exact tokens relaxed] [--gguf GGUF] [--markdown FILE]
+        [--rules exact tokens relaxed] [--recompute 0.05 0.1 0.15 0.25]
+        [--recompute-rules tokens] [--gguf GGUF] [--markdown FILE]
 
 Each question is made up (places, people and numbers no model knows): half need one
 document (a vault's code), half need two (one document says who holds an archive's key,
@@ -18,7 +19,10 @@ on the default model (or ``--gguf``), greedy, 16 tokens:
   question, in another order (so the pool holds them, as spnl's queries leave them),
   then this question's PIC prompt: spnl's rule and relaxed reuse take the documents from
   the pool; exact reuse, whose keys chain the instruction, computes them again (PIC
-  attention all the same).
+  attention all the same);
+- for each recompute fraction (``MISTRALRS_PIC_RECOMPUTE``) under each of
+  ``--recompute-rules`` (spnl's by default): the same, with that fraction of each
+  document's first tokens computed again with full attention.
 
 Reported per size and rule: the answer equal to the plain prompt's (the greedy text's
 first sentence, which completes the primed answer, exact match: the model babbles on
@@ -156,7 +160,7 @@ def scored(found: dict, asked: Question) -> dict:
             "right": asked.truth in result.text,
             "ttft": usage.ttft_s,
             "hit": usage.pic_hit_tokens / plus if plus else 0.0,
-            "recomputed": 0.0,
+            "recomputed": usage.pic_recomputed_tokens / plus if plus else 0.0,
         }
     return row
 
@@ -195,7 +199,7 @@ def summary(docs: int, words: int, rows: list[dict], rules: list[str]) -> list[l
 HEADER = [
     "docs",
     "words per doc",
-    "reuse rule",
+    "reuse rule (recomputation)",
     "answer = plain's",
     "F1 vs plain",
     "right (truth)",
@@ -203,6 +207,11 @@ HEADER = [
     "document tokens reused",
     "recomputed",
 ]
+
+
+def recompute_label(rule: str, fraction: float) -> str:
+    """A configuration's name in the table: the rule and the fraction recomputed."""
+    return f"{rule}, {fraction:.0%} recomputed"
 
 
 def fits(backend, docs: int, words: int, context: int) -> bool:
@@ -218,6 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--words", type=int, nargs="+", default=[50, 200, 1000])
     parser.add_argument("--questions", type=int, default=10)
     parser.add_argument("--rules", nargs="+", choices=RULES, default=list(RULES))
+    parser.add_argument("--recompute", type=float, nargs="*", default=[0.05, 0.1, 0.15, 0.25])
+    parser.add_argument("--recompute-rules", nargs="*", choices=RULES, default=["tokens"])
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--context", type=int, default=32768, help="the paged pool, in tokens")
     parser.add_argument("--seed", type=int, default=0)
@@ -229,6 +240,11 @@ def main(argv: list[str] | None = None) -> None:
     pool = {"paged_attn_context_len": args.context}
     cold = harness.load_ours(path, prefix_cache_n=0, **pool)
     backends = {rule: harness.load_ours(path, pic_reuse=rule, **pool) for rule in args.rules}
+    for rule in args.recompute_rules:
+        for fraction in args.recompute:
+            backends[recompute_label(rule, fraction)] = harness.load_ours(
+                path, pic_reuse=rule, pic_recompute=fraction, **pool
+            )
     rng = random.Random(args.seed)
     lines = []
     for docs in args.docs:
@@ -237,8 +253,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{docs} x {words} words do not fit {args.context} tokens", file=sys.stderr)
                 continue
             rows = run_size(backends, cold, docs, words, args, rng)
-            lines += summary(docs, words, rows, args.rules)
-            print(harness.md_table(HEADER, lines[-len(args.rules) :]), file=sys.stderr)
+            lines += summary(docs, words, rows, list(backends))
+            print(harness.md_table(HEADER, lines[-len(backends) :]), file=sys.stderr)
     for backend in (cold, *backends.values()):
         backend.close()
     intro = (

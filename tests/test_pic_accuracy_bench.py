@@ -42,3 +42,20 @@ def test_the_answer_is_the_first_sentence():
     assert first(" 2618. The key to") == "2618"
     assert first(" 3.5 units. more") == "3.5 units"
     assert first("no stop\nnext") == "no stop"
+
+
+def test_a_rows_recomputed_share_is_of_the_document_tokens():
+    from types import SimpleNamespace
+
+    usage = SimpleNamespace(
+        pic_hit_tokens=80, pic_miss_tokens=20, pic_recomputed_tokens=15, ttft_s=0.1
+    )
+    asked = pic_accuracy.question(4, 50, 1, random.Random(0))
+    found = {
+        "plain": SimpleNamespace(text=" 1234. more", usage=SimpleNamespace(ttft_s=1.0)),
+        "tokens, 15% recomputed": SimpleNamespace(text=" 1234. other", usage=usage),
+    }
+    row = pic_accuracy.scored(found, asked)["tokens, 15% recomputed"]
+    assert row["same"]
+    assert (row["hit"], row["recomputed"]) == (0.8, 0.15)
+    assert pic_accuracy.recompute_label("tokens", 0.15) == "tokens, 15% recomputed"

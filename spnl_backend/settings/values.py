@@ -150,17 +150,25 @@ def parse_num_threads(value: object) -> int | str:
     return number
 
 
-def _parse_positive_float(value: object, top: float, expected: str) -> float:
-    """A number greater than 0 and at most ``top``."""
+def _parse_float(
+    value: object, bottom: float, top: float, open_bottom: bool, expected: str
+) -> float:
+    """A number from ``bottom`` (excluded where ``open_bottom``) to ``top``."""
     if isinstance(value, bool):
         raise ValueError(expected)
     try:
         number = float(_text(value)) if isinstance(value, str) else float(value)
     except (TypeError, ValueError, OverflowError):
         raise ValueError(expected) from None
-    if not 0.0 < number <= top:
+    above = number > bottom if open_bottom else number >= bottom
+    if not (above and number <= top):
         raise ValueError(expected)
     return number
+
+
+def _parse_positive_float(value: object, top: float, expected: str) -> float:
+    """A number greater than 0 and at most ``top``."""
+    return _parse_float(value, 0.0, top, True, expected)
 
 
 def parse_fraction(value: object) -> float:
@@ -170,16 +178,9 @@ def parse_fraction(value: object) -> float:
 
 def parse_share(value: object) -> float:
     """A number from 0 to 1 (0 allowed, unlike `parse_fraction`)."""
-    expected = "expected a number from 0 to 1 (a fraction; 0: none)"
-    if isinstance(value, bool):
-        raise ValueError(expected)
-    try:
-        number = float(_text(value)) if isinstance(value, str) else float(value)
-    except (TypeError, ValueError, OverflowError):
-        raise ValueError(expected) from None
-    if not 0.0 <= number <= 1.0:
-        raise ValueError(expected)
-    return number
+    return _parse_float(
+        value, 0.0, 1.0, False, "expected a number from 0 to 1 (a fraction; 0: none)"
+    )
 
 
 def parse_isq(value: object) -> IsqType | None:
