@@ -3,8 +3,9 @@ plain prompt and from PIC prompts whose documents the pool already holds, scored
 the plain prompt's own answer and against the truth.
 
     python bench/pic_accuracy.py [--docs 4 8 16] [--words 50 200 1000] [--questions 10]
-        [--rules exact tokens relaxed] [--recompute 0.05 0.1 0.15 0.25]
-        [--recompute-rules tokens] [--gguf GGUF] [--markdown FILE]
+        [--rules exact tokens relaxed] [--recompute 0 0.05 0.1 0.15 0.25]
+        [--recompute-rules tokens] [--recompute-positions after_prefix sequential]
+        [--gguf GGUF] [--markdown FILE]
 
 Each question is made up (places, people and numbers no model knows): half need one
 document (a vault's code), half need two (one document says who holds an archive's key,
@@ -21,8 +22,9 @@ on the default model (or ``--gguf``), greedy, 16 tokens:
   the pool; exact reuse, whose keys chain the instruction, computes them again (PIC
   attention all the same);
 - for each recompute fraction (``MISTRALRS_PIC_RECOMPUTE``) under each of
-  ``--recompute-rules`` (spnl's by default): the same, with that fraction of each
-  document's first tokens computed again with full attention.
+  ``--recompute-rules`` (spnl's by default) and each of ``--recompute-positions``
+  (``MISTRALRS_PIC_POSITIONS``): the same, with that fraction of each document's first
+  tokens computed again with full attention.
 
 Reported per size and rule: the answer equal to the plain prompt's (the greedy text's
 first sentence, which completes the primed answer, exact match: the model babbles on
@@ -209,9 +211,11 @@ HEADER = [
 ]
 
 
-def recompute_label(rule: str, fraction: float) -> str:
-    """A configuration's name in the table: the rule and the fraction recomputed."""
-    return f"{rule}, {fraction:.0%} recomputed"
+def recompute_label(rule: str, fraction: float, positions: str = "after_prefix") -> str:
+    """A configuration's name in the table: the rule, the positions where they are not
+    the default, and the fraction recomputed."""
+    placed = "" if positions == "after_prefix" else f", {positions}"
+    return f"{rule}{placed}, {fraction:.0%} recomputed"
 
 
 def fits(backend, docs: int, words: int, context: int) -> bool:
@@ -227,8 +231,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--words", type=int, nargs="+", default=[50, 200, 1000])
     parser.add_argument("--questions", type=int, default=10)
     parser.add_argument("--rules", nargs="+", choices=RULES, default=list(RULES))
-    parser.add_argument("--recompute", type=float, nargs="*", default=[0.05, 0.1, 0.15, 0.25])
+    parser.add_argument("--recompute", type=float, nargs="*", default=[0, 0.05, 0.1, 0.15, 0.25])
     parser.add_argument("--recompute-rules", nargs="*", choices=RULES, default=["tokens"])
+    parser.add_argument("--recompute-positions", nargs="*", default=["after_prefix", "sequential"])
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--context", type=int, default=32768, help="the paged pool, in tokens")
     parser.add_argument("--seed", type=int, default=0)
@@ -241,10 +246,17 @@ def main(argv: list[str] | None = None) -> None:
     cold = harness.load_ours(path, prefix_cache_n=0, **pool)
     backends = {rule: harness.load_ours(path, pic_reuse=rule, **pool) for rule in args.rules}
     for rule in args.recompute_rules:
-        for fraction in args.recompute:
-            backends[recompute_label(rule, fraction)] = harness.load_ours(
-                path, pic_reuse=rule, pic_recompute=fraction, **pool
-            )
+        for positions in args.recompute_positions:
+            for fraction in args.recompute:
+                if positions == "after_prefix" and not fraction and rule in backends:
+                    continue  # the rule's own row
+                backends[recompute_label(rule, fraction, positions)] = harness.load_ours(
+                    path,
+                    pic_reuse=rule,
+                    pic_recompute=fraction,
+                    pic_positions=positions,
+                    **pool,
+                )
     rng = random.Random(args.seed)
     lines = []
     for docs in args.docs:

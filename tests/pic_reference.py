@@ -19,13 +19,15 @@ def reference_layout(pieces: list[tuple[str, int]], scheme: str) -> tuple[list[i
             if not in_group:
                 in_group, group_start, longest = True, cross, 0
             element += 1
-            first = group_start if scheme == "after_prefix" else 0
+            first = {"after_prefix": group_start, "local": 0, "sequential": len(positions)}[scheme]
             elements += [element] * length
             positions += list(range(first, first + length))
             longest = max(longest, length)
             continue
         if in_group and scheme == "after_prefix":
             cross += longest
+        if scheme == "sequential":
+            cross = len(positions)
         in_group = False
         elements += [0] * length
         positions += list(range(cross, cross + length))

@@ -59,3 +59,5 @@ def test_a_rows_recomputed_share_is_of_the_document_tokens():
     assert row["same"]
     assert (row["hit"], row["recomputed"]) == (0.8, 0.15)
     assert pic_accuracy.recompute_label("tokens", 0.15) == "tokens, 15% recomputed"
+    label = pic_accuracy.recompute_label("tokens", 0.05, "sequential")
+    assert label == "tokens, sequential, 5% recomputed"

@@ -111,7 +111,7 @@ QUERIES = {
 }
 
 
-@pytest.mark.parametrize("scheme", ["after_prefix", "local"])
+@pytest.mark.parametrize("scheme", ["after_prefix", "local", "sequential"])
 @pytest.mark.parametrize("queries", list(QUERIES))
 @pytest.mark.parametrize(
     "options", [{}, {"sliding_window": 4}, {"softcap": 3.0}], ids=["plain", "window", "softcap"]
@@ -206,7 +206,7 @@ def _recomputing(keys: PicKeys) -> None:
     keys.q_blocks = blocks
 
 
-@pytest.mark.parametrize("scheme", ["after_prefix", "local"])
+@pytest.mark.parametrize("scheme", ["after_prefix", "local", "sequential"])
 @pytest.mark.parametrize("queries", ["prefill", "elements"])
 @pytest.mark.parametrize("options", [{}, {"sliding_window": 4}], ids=["plain", "window"])
 def test_recomputed_element_tokens_see_every_key_before_them(native, scheme, queries, options):

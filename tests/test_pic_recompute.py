@@ -48,9 +48,12 @@ def test_a_group_is_recomputed_in_a_step_of_its_own_before_what_follows():
     progress = PicProgress(layout, 4)
     progress.plan(list(range(22)))
     progress.admit({}, 22)
-    assert progress.chunk(0, 22) == 18  # the step stops where the recomputation is due
-    assert progress.chunk(18, 4) == 4
-    entries = progress.entries(18, 4)
+    # 22 tokens computed and 3 recomputed: the count starts 3 below zero.
+    assert (progress.start, progress.num_recomputed) == (-3, 3)
+    assert progress.chunk(0, 25) == 18  # the step stops where the recomputation begins
+    assert progress.chunk(18, 7) == 7
+    assert progress.chunk(19, 6) == 6  # the recomputed tokens may be split over steps
+    entries = progress.entries(18, 7)
     assert [(e.index, e.recomputed) for e in entries] == [
         (3, True),
         (4, True),
@@ -60,6 +63,7 @@ def test_a_group_is_recomputed_in_a_step_of_its_own_before_what_follows():
         (20, False),
         (21, False),
     ]
+    assert [progress.entry_slot(e) for e in entries[:4]] == [24, 25, 26, 28]
     before, after = progress.key_slots(22, 17), progress.key_slots(22, 18)
     changed = (before != after).nonzero().flatten().tolist()
     assert changed == [3, 4, 13]
@@ -73,7 +77,7 @@ def test_a_group_is_recomputed_in_a_step_of_its_own_before_what_follows():
 # ---- the rule -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("scheme", ["after_prefix", "local"])
+@pytest.mark.parametrize("scheme", ["after_prefix", "local", "sequential"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_recomputation_gives_the_dense_reference(tiny, arch, scheme):
     path = str(tiny.hf(arch).path)
@@ -124,7 +128,7 @@ def test_recomputation_changes_what_follows_the_group(trained):
 
 
 @pytest.mark.parametrize("reuse", ["exact", "relaxed", "tokens"])
-@pytest.mark.parametrize("scheme", ["after_prefix", "local"])
+@pytest.mark.parametrize("scheme", ["after_prefix", "local", "sequential"])
 def test_a_hit_equals_a_cold_run_bit_for_bit(trained, reuse, scheme):
     extra = {"pic_reuse": reuse, "pic_positions": scheme, "pic_recompute": 0.3}
     with _fresh(trained, **extra) as backend:
@@ -237,3 +241,62 @@ def test_info_names_the_setting(monkeypatch, capsys):
     monkeypatch.setenv("MISTRALRS_PIC_RECOMPUTE", "0.15")
     main(["info"])
     assert "MISTRALRS_PIC_RECOMPUTE" in capsys.readouterr().out
+
+
+def test_small_steps_split_the_recomputation_and_give_the_same_bits(trained):
+    """With a step budget of 8 tokens the recomputed tokens spread over several steps
+    (they count in it), none beside the group's first computation."""
+    with _fresh(trained, pic_recompute=0.5) as backend:
+        pieces = _pieces(backend, DOCS[:3])
+        tokens, logits, usage = _run(backend, pieces)
+    with _fresh(trained, pic_recompute=0.5) as small:
+        engine_internals(small).scheduler.max_num_batched_tokens = 8
+        small_tokens, small_logits, small_usage = _run(small, _pieces(small, DOCS[:3]))
+    assert usage.pic_recomputed_tokens == small_usage.pic_recomputed_tokens > 8
+    assert torch.equal(logits, small_logits)
+    assert tokens == small_tokens
+
+
+# ---- sequential positions ---------------------------------------------------------------
+
+
+def test_every_token_recomputed_at_sequential_positions_is_the_plain_prompt(trained):
+    """The plain prompt's positions, and every element token computed again over all
+    that comes before it: what the plain prompt computes."""
+    with _fresh(trained, pic_positions="sequential", pic_recompute=1.0, **FLOATS) as backend:
+        pieces = _pieces(backend, DOCS[:3])
+        tokens, logits, usage = _run(backend, pieces)
+        ids = [t for _, part in pieces for t in part]
+        plain = backend.generate(prompt_token_ids=ids, max_tokens=TOKENS, temperature=0)
+        from helpers import greedy_with_logits
+
+        _, plain_logits, _ = greedy_with_logits(backend, TOKENS, prompt_token_ids=ids)
+    assert usage.pic_recomputed_tokens == _plus(pieces)
+    assert torch.allclose(logits, plain_logits, atol=1e-3, rtol=1e-3)
+    assert tokens == plain.token_ids
+
+
+def test_sequential_positions_key_an_element_by_its_place_under_exact_reuse(trained):
+    with _fresh(trained, pic_positions="sequential") as backend:
+        pieces = _pieces(backend, DOCS[:3])
+        _run(backend, pieces)
+        _, _, again = _run(backend, pieces)
+        swapped = _pieces(backend, [DOCS[1], DOCS[0], DOCS[2]])
+        tokens, logits, moved = _run(backend, swapped)
+    with _fresh(trained, pic_positions="sequential") as cold:
+        cold_tokens, cold_logits, _ = _run(cold, swapped)
+    assert again.pic_miss_tokens == 0
+    # The first two changed places: computed again; the third stands where it stood.
+    third = len(backend.tokenizer.encode_plain(DOCS[2]))
+    assert moved.pic_hit_tokens == third
+    assert torch.equal(logits, cold_logits)
+    assert tokens == cold_tokens
+
+
+def test_spnl_rule_at_sequential_positions_moves_a_hits_keys(trained):
+    with _fresh(trained, pic_positions="sequential", pic_reuse="tokens") as backend:
+        _run(backend, _pieces(backend, DOCS[:3]))
+        swapped = _pieces(backend, [DOCS[1], DOCS[0], DOCS[2]])
+        _, _, usage = _run(backend, swapped)
+    assert usage.pic_miss_tokens == 0
+    assert usage.pic_hit_tokens == _plus(swapped)

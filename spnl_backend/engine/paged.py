@@ -271,7 +271,7 @@ class PagedCacheManager:
         table = BlockTable([found.get(index, UNTAKEN) for index in range(width)])
         progress.admit(hits, len(tokens))
         self.tables[seq.seq_id], self.pic[seq.seq_id] = table, progress
-        seq.num_computed_tokens = progress.num_hit
+        seq.num_computed_tokens = progress.start
         if not seq.output_token_ids:  # a new request, not a preempted one coming back
             seq.num_cached_tokens = progress.num_hit
             plus_hit = sum(b.last + 1 - b.first for b in hits.values() if b.plus)
@@ -333,10 +333,10 @@ class PagedCacheManager:
     def _reserve_pic(self, seq: CachedTokens, progress: PicProgress, num_tokens: int) -> bool:
         """Take blocks for the untaken entries up to the one holding the last token of the
         first ``num_tokens`` (hits first, then the computed ones in order)."""
-        rank = num_tokens - progress.num_hit - 1
+        rank = num_tokens - progress.start - 1
         if rank < 0:
             return True
-        last = progress.slot(progress.indices(rank, 1)[0]) // self.block_size
+        last = progress.entry_slot(progress.entries(rank, 1)[0]) // self.block_size
         ids = self.tables[seq.seq_id].block_ids
         missing = [i for i in range(last + 1) if i >= len(ids) or ids[i] == UNTAKEN]
         if len(missing) > self.blocks.num_available:
@@ -399,7 +399,7 @@ class PagedCacheManager:
         progress = self.pic.get(seq.seq_id)
         if progress is None:
             return count
-        return progress.chunk(seq.num_computed_tokens - progress.num_hit, count)
+        return progress.chunk(seq.num_computed_tokens - progress.start, count)
 
     def feed(self, seq: CachedTokens, count: int) -> Feed:
         """A sequence's next ``count`` tokens to compute: in token order, or a PIC
@@ -414,7 +414,7 @@ class PagedCacheManager:
 
     def _pic_entries(self, seq: CachedTokens, progress: PicProgress, count: int) -> list[Entry]:
         """What a PIC sequence computes for its next ``count`` tokens."""
-        return progress.entries(seq.num_computed_tokens - progress.num_hit, count)
+        return progress.entries(seq.num_computed_tokens - progress.start, count)
 
     def attention(self, batch: list[ScheduledSeq], device: torch.device) -> StepAttention:
         slots: list[int] = []
@@ -431,7 +431,7 @@ class PagedCacheManager:
                 size = self.block_size
                 slots += [table[p // size] * size + p % size for p in logical]
             else:
-                rank = item.seq.num_computed_tokens - progress.num_hit
+                rank = item.seq.num_computed_tokens - progress.start
                 entries = progress.entries(rank, item.num_new_tokens)
                 keys = self._pic_keys(progress, table, entries, rank)
                 slots += keys.key_slots[keys.q_index].tolist()

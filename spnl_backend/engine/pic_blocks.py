@@ -139,7 +139,11 @@ def _segments(
 def _element_root(layout: PicLayout, span: Span, exact: int) -> int:
     if layout.reuse == "relaxed":
         return _mix(b"relaxed", layout.position(span.start))
-    return _mix(b"tokens") if layout.reuse == "tokens" else exact
+    if layout.reuse == "tokens":
+        return _mix(b"tokens")
+    if layout.scheme == "sequential":  # its place depends on the elements before it
+        return _mix(b"placed", exact, layout.position(span.start))
+    return exact
 
 
 def _chain(root: int, tokens: list[int], block_size: int) -> list[int]:
@@ -154,19 +158,29 @@ def _chain(root: int, tokens: list[int], block_size: int) -> list[int]:
 @dataclass
 class PicProgress:
     """A PIC sequence's place in the pool: its segments, the blocks whose keys it knows,
-    and, once admitted, the tokens the pool had (``num_hit``) and the order of the rest."""
+    and, once admitted, the tokens the pool had (``num_hit``) and the order in which the
+    rest are computed (``order``, with the recomputed tokens: `Entry`).
+
+    The sequence's ``num_computed_tokens`` counts that order's entries: it starts at
+    ``start``, the prompt's length less the entries to compute (below zero where more
+    tokens are recomputed than the pool had), and reaches the prompt's length when the
+    prompt is done, as a plain prompt's does."""
 
     layout: PicLayout
     block_size: int
     segments: list[_Segment] = field(default_factory=list)
     todo: list[int] = field(default_factory=list)  # prompt order of the missing tokens
+    order: list[Entry] = field(default_factory=list)
     num_hit: int = 0
-    admitted_len: int = 0  # tokens at admission; later ones are computed after ``todo``
+    start: int = 0
+    admitted_len: int = 0  # tokens at admission; later ones are computed after ``order``
     registered: set[int] = field(default_factory=set)  # logical indices offered to others
     runs: dict[int, int] = field(default_factory=dict)  # a group's recomputed run, by its end
-    # The recomputed tokens due before the todo entry of each rank, in prompt order.
-    recompute_at: dict[int, list[int]] = field(default_factory=dict)
+    # Where in ``order`` each group's recomputed tokens begin, by the group's end.
+    recompute_from: dict[int, int] = field(default_factory=dict)
     num_recomputed: int = 0
+    _unit: dict[int, int] = field(default_factory=dict)  # a todo token's place in ``order``
+    _run_slot: dict[int, int] = field(default_factory=dict)  # a recomputed token's slot
     # The closed blocks not offered yet, as planned for ``_planned_for`` open-segment blocks.
     _pending: list[PlannedBlock] = field(default_factory=list)
     _planned_for: int = -1
@@ -192,7 +206,9 @@ class PicProgress:
         return blocks
 
     def admit(self, hits: dict[int, PlannedBlock], num_tokens: int) -> None:
-        """Record the blocks mapped in (by logical index) and the tokens left to compute."""
+        """Record the blocks mapped in (by logical index) and the order of the rest: the
+        missing tokens in prompt order, each group's recomputed tokens before the first
+        of them after the group (the last prompt token always is one)."""
         covered = [False] * num_tokens
         for block in hits.values():
             covered[block.first : block.last + 1] = [True] * (block.last + 1 - block.first)
@@ -200,11 +216,19 @@ class PicProgress:
         self.num_hit = num_tokens - len(self.todo)
         self.admitted_len = num_tokens
         self.registered = set(hits)
-        self.recompute_at = {}
+        due: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
         for end, indices in self.layout.recomputed:
-            rank = bisect.bisect_left(self.todo, end)  # the last prompt token is after it
-            self.recompute_at.setdefault(rank, []).extend(indices)
-        self.num_recomputed = sum(len(indices) for _, indices in self.layout.recomputed)
+            due.setdefault(bisect.bisect_left(self.todo, end), []).append((end, indices))
+        self.order, self.recompute_from, self._unit, self._run_slot = [], {}, {}, {}
+        for rank, index in enumerate(self.todo):
+            for end, indices in due.get(rank, ()):
+                self.recompute_from[end] = len(self.order)
+                self.order += [Entry(i, True) for i in indices]
+                self._run_slot.update((i, self.runs[end] + n) for n, i in enumerate(indices))
+            self._unit[index] = len(self.order)
+            self.order.append(Entry(index))
+        self.num_recomputed = len(self.order) - len(self.todo)
+        self.start = num_tokens - len(self.order)
 
     def ready(self, tokens: list[int], num_computed: int) -> list[PlannedBlock]:
         """The closed blocks whose tokens are all computed and that were not offered yet
@@ -222,34 +246,30 @@ class PicProgress:
             self._pending = [b for b in self._pending if b.index not in self.registered]
         return ready
 
-    def indices(self, rank: int, count: int) -> list[int]:
-        """Prompt-order indices of the computed tokens ``rank .. rank + count - 1`` (ranks
-        count the tokens computed since admission)."""
-        todo = self.todo
-        return [todo[r] if r < len(todo) else self.num_hit + r for r in range(rank, rank + count)]
-
     def entries(self, rank: int, count: int) -> list[Entry]:
-        """The tokens computed for ranks ``rank .. rank + count - 1``: each rank's
-        token, after the recomputed tokens due before it."""
-        entries: list[Entry] = []
-        for at, index in enumerate(self.indices(rank, count), start=rank):
-            entries += [Entry(i, True) for i in self.recompute_at.get(at, ())]
-            entries.append(Entry(index))
-        return entries
+        """The entries ``rank .. rank + count - 1`` of the order (ranks count from
+        admission; past ``order``, the tokens generated since, in turn)."""
+        order, extra = self.order, self.admitted_len - len(self.order)
+        return [order[r] if r < len(order) else Entry(extra + r) for r in range(rank, rank + count)]
+
+    def entry_slot(self, entry: Entry) -> int:
+        """Where ``entry`` writes its keys, in the sequence's logical slots."""
+        return self._run_slot[entry.index] if entry.recomputed else self.slot(entry.index)
 
     def chunk(self, rank: int, count: int) -> int:
-        """How many of ``count`` ranks from ``rank`` one step computes: up to the first
-        rank, past the first, with recomputed tokens due before it."""
-        inside = [at for at in self.recompute_at if rank < at < rank + count]
+        """How many of the ``count`` entries from ``rank`` one step computes: it stops
+        where a group's recomputed tokens begin (before them, the step's queries read the
+        group's keys as first computed; from them on, as recomputed)."""
+        inside = [at for at in self.recompute_from.values() if rank < at < rank + count]
         return min(inside) - rank if inside else count
 
     def key_slots(self, num_tokens: int, rank: int) -> torch.Tensor:
         """Logical slots of the keys of tokens ``0 .. num_tokens - 1`` as a step from
-        ``rank`` reads them: a recomputed token's in its group's run once due."""
+        ``rank`` reads them: a recomputed token's in its group's run once its group's
+        recomputation has begun."""
         slots = self.slots(num_tokens)
         for end, indices in self.layout.recomputed:
-            due = bisect.bisect_left(self.todo, end) <= rank
-            if due and indices[0] < num_tokens:
+            if self.recompute_from[end] <= rank and indices[0] < num_tokens:
                 run = torch.arange(self.runs[end], self.runs[end] + len(indices))
                 kept = torch.tensor(indices) < num_tokens
                 slots[torch.tensor(indices)[kept]] = run[kept]
@@ -278,9 +298,9 @@ class PicProgress:
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
     def computed(self, index: int, num_computed: int) -> bool:
-        """Whether token ``index`` is in the pool when ``num_computed`` tokens are."""
+        """Whether token ``index`` is in the pool (as first computed) when the sequence's
+        ``num_computed_tokens`` is ``num_computed``."""
         if index >= self.admitted_len:  # generated since admission: computed in order
             return index < num_computed
-        position = bisect.bisect_left(self.todo, index)
-        missing = position < len(self.todo) and self.todo[position] == index
-        return not missing or position < num_computed - self.num_hit
+        unit = self._unit.get(index)
+        return unit is None or unit < num_computed - self.start

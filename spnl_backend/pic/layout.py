@@ -14,9 +14,13 @@ Positions, two schemes (`POSITION_SCHEMES`):
   7 8``.
 - ``local`` (spnl's own engine): each element counts from 0; cross tokens count the cross
   tokens only. The same prompt → ``0 1 2 | 0 1 | 0 1 2 3 | 3 4``.
+- ``sequential`` (the plain prompt's, as CacheBlend and EPIC place reused chunks): every
+  token at its index. The same prompt → ``0 1 2 | 3 4 | 5 6 7 8 | 9 10``.
 
-Either way an element's positions depend only on what came before its group and on
-itself, never on its order in the group, so its K (stored rotated) can be reused as is.
+Under the first two an element's positions depend only on what came before its group
+and on itself, never on its order in the group, so its K (stored rotated) can be reused
+as is; under ``sequential`` they depend on the elements before it too, so its key takes
+in its first position (`engine.pic_blocks`), and spnl's rule moves a hit's keys.
 
 **Recomputation** (``recompute``, a fraction): an element computed (or reused) under
 this mask never attended to the elements before it in its group, nor (under spnl's
@@ -38,7 +42,7 @@ import torch
 from ..settings.pic import REUSE_RULES
 
 Kind = Literal["cross", "plus"]
-POSITION_SCHEMES = ("after_prefix", "local")
+POSITION_SCHEMES = ("after_prefix", "local", "sequential")
 CROSS = 0  # the block id of every cross token
 
 
@@ -178,7 +182,7 @@ def _number(spans: list[Span], scheme: str) -> tuple[tuple[int, ...], tuple[int,
             counter += span.length
             index += 1
             continue
-        start = counter if scheme == "after_prefix" else 0
+        start = counter if scheme != "local" else 0
         longest = 0
         while index < len(spans) and spans[index].kind == "plus":
             element += 1
@@ -186,9 +190,13 @@ def _number(spans: list[Span], scheme: str) -> tuple[tuple[int, ...], tuple[int,
             block_ids += [element] * length
             positions += range(start, start + length)
             longest = max(longest, length)
+            if scheme == "sequential":
+                start += length
             index += 1
         if scheme == "after_prefix":
             counter += longest
+        elif scheme == "sequential":
+            counter = start
     return tuple(block_ids), tuple(positions), counter
 
 

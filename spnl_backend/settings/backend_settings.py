@@ -62,7 +62,7 @@ _PARSERS = {
     "num_threads": values.parse_num_threads,
     "pic_reuse": values.choice(REUSE_RULES),
     "span_query_reuse": values.choice(REUSE_RULES),
-    "pic_positions": values.choice(("after_prefix", "local")),
+    "pic_positions": values.choice(("after_prefix", "local", "sequential")),
     "pic_recompute": values.parse_share,
     "span_template": values.choice(("model", "spnl")),
     "native_checks": values.parse_bool,
@@ -143,7 +143,7 @@ class BackendSettings(BaseSettings):
     # chat message's) messages are templated, each alone: `pic.turns`.
     pic_reuse: Literal["exact", "relaxed", "tokens"] = "exact"
     span_query_reuse: Literal["exact", "relaxed", "tokens"] = "tokens"
-    pic_positions: Literal["after_prefix", "local"] = "after_prefix"
+    pic_positions: Literal["after_prefix", "local", "sequential"] = "after_prefix"
     # The fraction of each plus element's first tokens computed again with full attention
     # (over everything before them) where it is reused or computed (`pic.layout`).
     pic_recompute: float = 0.0
