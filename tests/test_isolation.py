@@ -406,3 +406,21 @@ def test_an_fp8_cache_does_not_depend_on_which_request_came_first(tiny, settings
     scales = engine_internals(fresh()).cache.cache
     if settings.get("paged_cache_type"):
         assert all(scale > 0 for scale in scales.k_scale + scales.v_scale)
+
+
+def test_the_library_threads_leave_ctrl_c_to_the_main_thread(tiny):
+    """A Ctrl-C handed by the kernel to one of the library's threads left the main thread
+    waiting on a lock: they block SIGINT, so it always reaches the main thread."""
+    import signal
+
+    from helpers import CPU
+
+    from spnl_backend import load_backend
+
+    backend = load_backend(str(tiny.hf("llama").path), settings=CPU)
+    try:
+        blocked = backend._loop.call(lambda engine: signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    finally:
+        backend.close()
+    assert signal.SIGINT in blocked
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])

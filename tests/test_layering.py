@@ -20,12 +20,13 @@ PACKAGE = Path(__file__).resolve().parent.parent / "spnl_backend"
 # Lowest first. A module belongs to the layer of its longest listed prefix; a name
 # starting with "=" is that one module only (a package's __init__, not its modules).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    # what everything may use: errors, logging, memory arithmetic, a request's sampling
-    # parameters (which the engine reads), and the registry of compression methods whose
-    # names settings validate against
+    # what everything may use: errors, logging, memory arithmetic, the library threads'
+    # signal mask, a request's sampling parameters (which the engine reads), and the
+    # registry of compression methods whose names settings validate against
     (
         "spnl_backend.errors",
         "spnl_backend.log",
+        "spnl_backend.signals",
         "spnl_backend.memory",
         "spnl_backend.sampling",
         "spnl_backend.compressors",

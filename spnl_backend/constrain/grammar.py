@@ -18,6 +18,7 @@ import torch
 from ..engine.token_bitmask import new_bitmask
 from ..errors import RequestError
 from ..log import get_logger
+from ..signals import leave_interrupts_to_the_main_thread
 from .healing import TokenPrefixIndex
 from .spec import KIND_NAMES, ConstraintSpec, library_failure
 
@@ -215,6 +216,7 @@ def on_a_large_stack(compile_grammar: Callable[[], T]) -> T:
     outcome: list[object] = []
 
     def run() -> None:
+        leave_interrupts_to_the_main_thread()
         try:
             outcome.append(compile_grammar())
         except BaseException as exc:  # raised in the caller's thread below

@@ -36,6 +36,7 @@ from stat import S_ISREG
 import torch
 
 from ..log import get_logger
+from ..signals import leave_interrupts_to_the_main_thread
 
 log = get_logger()
 
@@ -240,6 +241,7 @@ class KvTier:
     # ---- the writer's side ---------------------------------------------------------------
 
     def _write_loop(self) -> None:
+        leave_interrupts_to_the_main_thread()
         while True:
             entry = self._queue.get()
             try:

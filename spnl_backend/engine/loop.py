@@ -22,6 +22,7 @@ from typing import TypeVar
 from ..errors import EngineError, RequestAbortedError
 from ..kernels.threads import torch_on_this_thread_alone
 from ..log import get_logger
+from ..signals import leave_interrupts_to_the_main_thread
 from .engine import Engine
 from .sequence import Sequence, StepOutput
 
@@ -221,6 +222,7 @@ class EngineLoop:
     # ---- the loop thread ----------------------------------------------------------------
 
     def _main(self, build: Callable[[], tuple[Engine, T]], built: "Future[T]") -> None:
+        leave_interrupts_to_the_main_thread()  # and to the threads it starts (the kernels')
         try:
             self.engine, extra = build()
         except BaseException as exc:  # raised in the caller of `start`

@@ -13,6 +13,7 @@ from ..loader.model import LoadedModel
 from ..log import get_logger
 from ..memory import MIB
 from ..settings import BackendSettings
+from ..signals import leave_interrupts_to_the_main_thread
 from .block_manager import BlockManager
 from .cache import CacheInfo, CacheManager
 from .kv_tier import KvTier, TierEntry
@@ -88,6 +89,7 @@ class PoolTier:
             self._give_back(entry.buffer if entry is not None else None)
 
     def _read_loop(self) -> None:
+        leave_interrupts_to_the_main_thread()
         while True:
             task = self._tasks.get()
             if task is None:

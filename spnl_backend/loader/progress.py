@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from ..log import get_logger
+from ..signals import leave_interrupts_to_the_main_thread
 
 log = get_logger()
 
@@ -90,6 +91,7 @@ class TqdmProgress:
         stop = self._ticking[stage] = threading.Event()
 
         def run() -> None:
+            leave_interrupts_to_the_main_thread()
             while not stop.wait(TICK_S):
                 bar.refresh()
 

@@ -25,6 +25,7 @@ from ..loader.default_model import DEFAULT_MODEL_NAME
 from ..log import get_logger
 from ..settings import BackendSettings, load_settings
 from ..settings.serving import api_key_from_env
+from ..signals import leave_interrupts_to_the_main_thread
 from . import collector
 from .app import (
     LOOPBACK_NAMES,
@@ -161,6 +162,7 @@ def _load(
     server: _Server,
     failure: list[BaseException],
 ) -> None:
+    leave_interrupts_to_the_main_thread()
     try:
         backend = _served_backend(model, settings)
     except BaseException as exc:  # reported by `serve` once the server has stopped
@@ -214,6 +216,7 @@ def _served_backend(model: str | None, settings: BackendSettings) -> Backend:
 
 def _reap(models: ModelSet, server: "_Server") -> None:
     """Unload idle models, once a second, until the server stops."""
+    leave_interrupts_to_the_main_thread()
     while not server.should_exit:
         time.sleep(REAP_EVERY_S)
         try:
