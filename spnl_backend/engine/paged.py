@@ -408,13 +408,10 @@ class PagedCacheManager:
         progress = self.pic.get(seq.seq_id)
         if progress is None:
             return in_order(seq, count)
-        indices = [entry.index for entry in self._pic_entries(seq, progress, count)]
+        entries = progress.entries(seq.num_computed_tokens - progress.start, count)
+        indices = [entry.index for entry in entries]
         tokens = seq.token_ids
         return [progress.layout.position(i) for i in indices], [tokens[i] for i in indices]
-
-    def _pic_entries(self, seq: CachedTokens, progress: PicProgress, count: int) -> list[Entry]:
-        """What a PIC sequence computes for its next ``count`` tokens."""
-        return progress.entries(seq.num_computed_tokens - progress.start, count)
 
     def attention(self, batch: list[ScheduledSeq], device: torch.device) -> StepAttention:
         slots: list[int] = []
@@ -438,7 +435,7 @@ class PagedCacheManager:
                 seq_lens.append(len(table) * self.block_size)
                 pic.append(keys.to(device))
             tables.append(table)
-            query_lens.append(item.num_new_tokens if progress is None else len(entries))
+            query_lens.append(item.num_new_tokens)
         width = max(len(t) for t in tables)
         block_tables = torch.tensor(
             [[max(b, 0) for b in t] + [0] * (width - len(t)) for t in tables], device=device

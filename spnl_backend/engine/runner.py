@@ -44,13 +44,12 @@ class ModelRunner:
         all computed (a prefill chunk in the middle of a prompt samples nothing), or the
         error of a sequence whose sampling failed."""
         attention = self.cache.attention(batch, self.device)
-        feeds = [self.cache.feed(item.seq, item.num_new_tokens) for item in batch]
-        input_ids, positions = pack_inputs(feeds, self.device)
+        input_ids, positions = step_inputs(batch, self.device, self.cache)
         hidden = self.model(input_ids, positions, attention)
         rows, sampling = [], []
         row = -1
-        for item, (_, tokens) in zip(batch, feeds, strict=True):
-            row += len(tokens)  # a PIC sequence's recomputed tokens are rows too
+        for item in batch:
+            row += item.num_new_tokens
             item.seq.num_computed_tokens += item.num_new_tokens
             if item.seq.num_computed_tokens == item.seq.num_tokens:
                 rows.append(row)
@@ -85,9 +84,16 @@ def logprobs_of(
     return token_logprobs(logits, tokens, seq.params.top_logprobs)
 
 
+def step_inputs(
+    batch: list[ScheduledSeq], device: torch.device, cache: CacheManager
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and positions of every scheduled token, packed sequence after sequence,
+    in the order the cache computes each sequence's tokens (`CacheManager.feed`)."""
+    return pack_inputs([cache.feed(item.seq, item.num_new_tokens) for item in batch], device)
+
+
 def pack_inputs(feeds: list[Feed], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's `Feed` (the tokens in the order the cache computes them,
-    `CacheManager.feed`) → packed token ids and positions."""
+    """Each sequence's `Feed` → packed token ids and positions."""
     ids: list[int] = []
     positions: list[int] = []
     for start, tokens in feeds:
