@@ -1,5 +1,6 @@
 import logging
 import os
+import signal
 
 # No network at test time; set before huggingface_hub reads it on import.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -47,6 +48,34 @@ def _restore_library_logger():
     yield
     set_verbose(False)
     logger.handlers, logger.level, logger.propagate = saved
+
+
+@pytest.fixture
+def foreground():
+    """Children started in the test take Ctrl-C (SIGINT) as a shell's foreground command
+    does. A shell starts a background job (``pytest ... &``) with SIGINT ignored, which its
+    children inherit: Python then installs no handler for it, and a test's SIGINT would
+    do nothing. A handler set here resets to the default action in every child."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture
+def picks(monkeypatch):
+    """Every pick the PIC recomputation probes make (`engine.pic_probe`), as ``(group end,
+    indices)``."""
+    from spnl_backend.engine.pic_blocks import PicProgress
+
+    found: list[tuple[int, list[int]]] = []
+    original = PicProgress.choose
+
+    def choose(self, end, indices):
+        found.append((end, list(indices)))
+        original(self, end, indices)
+
+    monkeypatch.setattr(PicProgress, "choose", choose)
+    return found
 
 
 @pytest.fixture(scope="session", autouse=True)

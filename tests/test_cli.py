@@ -135,7 +135,7 @@ def _wait_for(condition, what: str, timeout: float = 60.0) -> None:
 
 @pytest.mark.skipif(sys.platform != "linux", reason="follows the child through /proc")
 @pytest.mark.parametrize("stage", ["importing torch", "loading the model", "generating"])
-def test_ctrl_c_exits_130_with_one_line(tiny, stage):
+def test_ctrl_c_exits_130_with_one_line(tiny, stage, foreground):
     """Ctrl-C while torch imports, while the model loads, or while tokens stream."""
     script = Path(sys.executable).parent / "spnl-backend"
     command = [script, "-v", *_generate(tiny, "--max-tokens", "0", "Once upon a time")]
@@ -224,7 +224,7 @@ def test_closing_the_progress_ends_open_lines_and_draws_no_more():
 
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="a pseudo-terminal")
-def test_a_first_run_shows_its_steps_and_ctrl_c_ends_the_bar_first(tiny, tmp_path):
+def test_a_first_run_shows_its_steps_and_ctrl_c_ends_the_bar_first(tiny, tmp_path, foreground):
     """On a terminal, a first run (nothing cached) shows the kernel compile as a bar; Ctrl-C
     during it ends the bar's line before the one-line message."""
     import fcntl

@@ -331,7 +331,7 @@ def test_the_reported_crash_cannot_happen_again(tiny):
 
 
 @pytest.mark.parametrize("delay", [2.0, 3.5])
-def test_ctrl_c_among_concurrent_steps_leaves_a_consistent_backend(tiny, delay):
+def test_ctrl_c_among_concurrent_steps_leaves_a_consistent_backend(tiny, delay, foreground):
     """A real SIGINT while four threads share steps on a quantized model: the main thread
     gets KeyboardInterrupt, the others EngineError or their tokens, and the backend then
     holds no cache and generates what it generated before."""
