@@ -5,7 +5,7 @@ the plain prompt's own answer and against the truth.
     python bench/pic_accuracy.py [--docs 4 8 16] [--words 50 200 1000] [--questions 10]
         [--rules exact tokens relaxed] [--recompute 0 0.05 0.1 0.15 0.25]
         [--recompute-rules tokens] [--recompute-positions after_prefix sequential]
-        [--gguf GGUF] [--markdown FILE]
+        [--recompute-select first deviation] [--gguf GGUF] [--markdown FILE]
 
 Each question is made up (places, people and numbers no model knows): half need one
 document (a vault's code), half need two (one document says who holds an archive's key,
@@ -23,8 +23,10 @@ on the default model (or ``--gguf``), greedy, 16 tokens:
   attention all the same);
 - for each recompute fraction (``MISTRALRS_PIC_RECOMPUTE``) under each of
   ``--recompute-rules`` (spnl's by default) and each of ``--recompute-positions``
-  (``MISTRALRS_PIC_POSITIONS``): the same, with that fraction of each document's first
-  tokens computed again with full attention.
+  (``MISTRALRS_PIC_POSITIONS``) and each of ``--recompute-select``
+  (``MISTRALRS_PIC_RECOMPUTE_SELECT``): the same, with that fraction of each document's
+  tokens computed again with full attention: its first ones, or as many of the group's
+  tokens chosen by their deviation (CacheBlend's rule).
 
 Reported per size and rule: the answer equal to the plain prompt's (the greedy text's
 first sentence, which completes the primed answer, exact match: the model babbles on
@@ -35,6 +37,7 @@ the answer equal to the plain prompt's in at least 95% of questions, TTFT at mos
 the plain prompt's at 1,000-word documents.
 """
 
+import itertools
 import random
 import re
 import statistics
@@ -211,11 +214,15 @@ HEADER = [
 ]
 
 
-def recompute_label(rule: str, fraction: float, positions: str = "after_prefix") -> str:
+def recompute_label(
+    rule: str, fraction: float, positions: str = "after_prefix", select: str = "first"
+) -> str:
     """A configuration's name in the table: the rule, the positions where they are not
-    the default, and the fraction recomputed."""
+    the default, the fraction recomputed and how its tokens were chosen where not the
+    first ones."""
     placed = "" if positions == "after_prefix" else f", {positions}"
-    return f"{rule}{placed}, {fraction:.0%} recomputed"
+    chosen = " by deviation" if select == "deviation" and fraction else ""
+    return f"{rule}{placed}, {fraction:.0%} recomputed{chosen}"
 
 
 def fits(backend, docs: int, words: int, context: int) -> bool:
@@ -234,6 +241,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--recompute", type=float, nargs="*", default=[0, 0.05, 0.1, 0.15, 0.25])
     parser.add_argument("--recompute-rules", nargs="*", choices=RULES, default=["tokens"])
     parser.add_argument("--recompute-positions", nargs="*", default=["after_prefix", "sequential"])
+    parser.add_argument(
+        "--recompute-select", nargs="*", choices=("first", "deviation"), default=["first"]
+    )
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--context", type=int, default=32768, help="the paged pool, in tokens")
     parser.add_argument("--seed", type=int, default=0)
@@ -245,18 +255,20 @@ def main(argv: list[str] | None = None) -> None:
     pool = {"paged_attn_context_len": args.context}
     cold = harness.load_ours(path, prefix_cache_n=0, **pool)
     backends = {rule: harness.load_ours(path, pic_reuse=rule, **pool) for rule in args.rules}
-    for rule in args.recompute_rules:
-        for positions in args.recompute_positions:
-            for fraction in args.recompute:
-                if positions == "after_prefix" and not fraction and rule in backends:
-                    continue  # the rule's own row
-                backends[recompute_label(rule, fraction, positions)] = harness.load_ours(
-                    path,
-                    pic_reuse=rule,
-                    pic_recompute=fraction,
-                    pic_positions=positions,
-                    **pool,
-                )
+    for rule, positions, fraction, select in itertools.product(
+        args.recompute_rules, args.recompute_positions, args.recompute, args.recompute_select
+    ):
+        label = recompute_label(rule, fraction, positions, select)
+        if label in backends or (positions == "after_prefix" and not fraction and rule in backends):
+            continue  # the rule's own row, or 0% under another selection
+        backends[label] = harness.load_ours(
+            path,
+            pic_reuse=rule,
+            pic_recompute=fraction,
+            pic_positions=positions,
+            pic_recompute_select=select,
+            **pool,
+        )
     rng = random.Random(args.seed)
     lines = []
     for docs in args.docs:

@@ -85,12 +85,15 @@ def reference_greedy(
 
 
 def recomputed_order(
-    pieces: list[tuple[str, int]], fraction: float
+    pieces: list[tuple[str, int]],
+    fraction: float,
+    chosen: dict[int, list[int]] | None = None,
 ) -> tuple[list[int], list[bool], dict[int, int]]:
     """The dense reference's sequence under recomputation: every prompt index in order,
     with a copy of each group's recomputed tokens (the first ``ceil(fraction × length)``
-    of each element) right after the group where a cross piece follows it. Returns each
-    entry's prompt index, whether it is a copy, and each recomputed index's group end."""
+    of each element, or ``chosen``'s by group end) right after the group where a cross
+    piece follows it. Returns each entry's prompt index, whether it is a copy, and each
+    recomputed index's group end."""
     import math
 
     order: list[int] = []
@@ -108,6 +111,7 @@ def recomputed_order(
         if after == "plus":
             continue
         if after == "cross" and group:
+            group = group if chosen is None else chosen[start]
             order += group
             copies += [True] * len(group)
             group_of.update((index, start) for index in group)
@@ -150,11 +154,12 @@ def recompute_reference_greedy(
     scheme: str,
     fraction: float,
     count: int,
+    chosen: dict[int, list[int]] | None = None,
 ) -> tuple[list[int], torch.Tensor]:
     """`reference_greedy` with each group's recomputed tokens (`recomputed_order`)."""
     prompt = [t for _, ids in pieces for t in ids]
     lengths = [(kind, len(ids)) for kind, ids in pieces]
-    order, copies, group_of = recomputed_order(lengths, fraction)
+    order, copies, group_of = recomputed_order(lengths, fraction, chosen)
     out: list[int] = []
     first = None
     for _ in range(count):
@@ -169,3 +174,37 @@ def recompute_reference_greedy(
         first = logits if first is None else first
         out.append(int(logits.argmax()))
     return out, first
+
+
+class LayerKeys(DenseMask):
+    """`DenseMask` over a mask given whole, keeping one layer's K and V."""
+
+    def __init__(self, mask: torch.Tensor, positions: list[int], layer: int) -> None:
+        self.mask, self.positions, self.layer = mask, torch.tensor(positions), layer
+        self.kv: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def attend(self, q, k, v, spec):
+        if spec.layer == self.layer:
+            self.kv = (k.float(), v.float())
+        return super().attend(q, k, v, spec)
+
+
+@torch.inference_mode()
+def probe_deviations(
+    model: CausalLM, pieces: list[tuple[str, list[int]]], scheme: str, first: int, end: int
+) -> torch.Tensor:
+    """CacheBlend's deviation of each token of the group ``[first, end)``, from the rule
+    alone: its layer-1 K/V with the group's tokens attending as cross (over every token
+    before them) less its layer-1 K/V under the PIC mask, squared and summed."""
+    prompt = torch.tensor([t for _, ids in pieces for t in ids])
+    elements, positions = reference_layout([(kind, len(ids)) for kind, ids in pieces], scheme)
+    pic = DenseMask(elements, positions).mask
+    full = pic.clone()
+    full[first:end] = torch.tril(torch.ones(end - first, len(elements), dtype=torch.bool), first)
+    found = []
+    for mask in (full, pic):
+        backend = LayerKeys(mask, positions, 1)
+        model(prompt, backend.positions, backend)
+        found.append([t[first:end] for t in backend.kv])
+    (k, v), (k0, v0) = found
+    return ((k - k0) ** 2).flatten(1).sum(1) + ((v - v0) ** 2).flatten(1).sum(1)

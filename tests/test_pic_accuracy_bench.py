@@ -61,3 +61,12 @@ def test_a_rows_recomputed_share_is_of_the_document_tokens():
     assert pic_accuracy.recompute_label("tokens", 0.15) == "tokens, 15% recomputed"
     label = pic_accuracy.recompute_label("tokens", 0.05, "sequential")
     assert label == "tokens, sequential, 5% recomputed"
+
+
+def test_a_configurations_label_says_how_its_tokens_were_chosen():
+    label = pic_accuracy.recompute_label
+    assert label("tokens", 0.15) == "tokens, 15% recomputed"
+    assert label("tokens", 0.15, "sequential", "deviation") == (
+        "tokens, sequential, 15% recomputed by deviation"
+    )
+    assert label("tokens", 0, select="deviation") == "tokens, 0% recomputed"

@@ -94,24 +94,28 @@ def test_recomputation_gives_the_dense_reference(tiny, arch, scheme):
     assert tokens == expected
 
 
+@pytest.mark.parametrize("select", ["first", "deviation"])
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
-def test_recomputation_gives_the_dense_reference_on_each_kernel_route(tiny, kernels):
+def test_recomputation_gives_the_dense_reference_on_each_kernel_route(tiny, kernels, select, picks):
     """The torch twin's masks and the Triton kernel's key arrays (interpreted here,
-    compiled on a GPU) read the same keys as the CPU's native key lists."""
+    compiled on a GPU) read the same keys as the CPU's native key lists; the deviation
+    probe runs on the same route."""
     if kernels == "triton":
         pytest.importorskip("triton")
     from spnl_backend.kernels import select_attention_kernels
 
     path = str(tiny.hf("gemma3").path)  # a sliding window and a softcap as well
-    with _fresh(path, pic_recompute=0.25, cpu_kernels="torch", **FLOATS) as backend:
+    settings = {"pic_recompute": 0.25, "pic_recompute_select": select, **FLOATS}
+    with _fresh(path, cpu_kernels="torch", **settings) as backend:
         if kernels == "triton":
             engine_internals(backend).cache.kernels = select_attention_kernels("triton")
         assert engine_internals(backend).cache.kernels.name == kernels
         pieces = _pieces(backend, DOCS[:2])
         tokens, logits, _ = _run(backend, pieces, tokens=4)
         expected, expected_logits = recompute_reference_greedy(
-            backend.model, pieces, "after_prefix", 0.25, 4
+            backend.model, pieces, "after_prefix", 0.25, 4, dict(picks) or None
         )
+    assert len(picks) == (select == "deviation")
     assert torch.allclose(logits, expected_logits, atol=1e-3, rtol=1e-3)
     assert tokens == expected
 

@@ -390,3 +390,10 @@ def test_a_split_checks_the_dense_downs_beside_experts(tiny):
     narrow_dense = dataclasses.replace(wide, intermediate_size=256)
     with pytest.raises(SettingsError, match="down projection's 256 columns split 2 ways"):
         check_shardable(narrow_dense, 2, blocks)
+
+
+def test_the_deviation_pick_is_refused_under_tensor_parallelism(tiny):
+    """Its probe runs one rank's model alone: a clear error at load, not a failed step."""
+    settings = _settings(2, pic_recompute=0.2, pic_recompute_select="deviation")
+    with pytest.raises(SettingsError, match="MISTRALRS_PIC_RECOMPUTE_SELECT=deviation"):
+        load_backend(str(tiny.hf("llama").path), settings=settings)

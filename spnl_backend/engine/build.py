@@ -47,6 +47,16 @@ def build_engine(
     decisions: PlatformDecisions,
     draft: LoadedModel | None = None,
 ) -> Engine:
+    if (
+        loaded.model.tp is not None
+        and settings.pic_recompute
+        and (settings.pic_recompute_select == "deviation")
+    ):
+        raise SettingsError(
+            f"{env_name('pic_recompute_select')}=deviation probes a layer on one rank's "
+            "model and does not run with tensor parallelism: use first (the default), or "
+            "one device"
+        )
     cache, max_len, info = _cache(loaded, settings, decisions, settings.kv_budget, "target")
     _log_prefix_caching(settings, decisions.paged_attn)
     runner: Runner = ModelRunner(loaded.model, cache, loaded.device)

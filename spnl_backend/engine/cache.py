@@ -2,12 +2,15 @@
 the manager protocol, and what a cache reports of itself."""
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
 from ..models.step_attention import StepAttention
 from .sequence import CachedTokens, ScheduledSeq
+
+if TYPE_CHECKING:
+    from .pic_probe import RecomputeProbe
 
 # A sequence's next tokens to compute: their first position (consecutive ones) or each
 # one's position, and their ids.
@@ -59,6 +62,7 @@ class CacheManager(Protocol):
     def truncate(self, seq: CachedTokens) -> None: ...
     def after_step(self, batch: list[ScheduledSeq]) -> None: ...
     def chunk(self, seq: CachedTokens, count: int) -> int: ...
+    def probes(self, batch: list[ScheduledSeq]) -> list["RecomputeProbe"]: ...
     def feed(self, seq: CachedTokens, count: int) -> Feed: ...
     def attention(self, batch: list[ScheduledSeq], device: torch.device) -> StepAttention: ...
     def reset_prefix_cache(self) -> int: ...

@@ -258,6 +258,9 @@ class ContiguousCacheManager:
     def chunk(self, seq: CachedTokens, count: int) -> int:
         return count
 
+    def probes(self, batch: list[ScheduledSeq]) -> list:
+        return []  # no PIC prompts: nothing recomputed
+
     def feed(self, seq: CachedTokens, count: int) -> Feed:
         return in_order(seq, count)
 

@@ -25,6 +25,7 @@ from .block_manager import UNTAKEN, BlockManager, BlockTable
 from .cache import Feed, PoolUsage, in_order
 from .kv_shift import Angles, KeyShift
 from .pic_blocks import Entry, PicProgress, PlannedBlock
+from .pic_probe import RecomputeProbe
 from .sequence import CachedTokens, ScheduledSeq
 
 if TYPE_CHECKING:
@@ -400,6 +401,54 @@ class PagedCacheManager:
         if progress is None:
             return count
         return progress.chunk(seq.num_computed_tokens - progress.start, count)
+
+    def probes(self, batch: list[ScheduledSeq]) -> list[RecomputeProbe]:
+        """The groups whose recomputation begins in this step with its tokens still to be
+        picked (`engine.pic_probe`), each with what its probe reads."""
+        found = []
+        for item in batch:
+            progress = self.pic.get(item.seq.seq_id)
+            if progress is None or not progress.unchosen:
+                continue
+            for end in progress.probes_due(item.seq.num_computed_tokens - progress.start):
+                found.append(self._probe(item.seq, progress, end))
+        return found
+
+    def _probe(self, seq: CachedTokens, progress: PicProgress, end: int) -> RecomputeProbe:
+        """The group ending at ``end``: its tokens attend as cross over the keys before
+        its end as read just before its recomputation begins."""
+        if not isinstance(self.cache, PagedKVCache):
+            raise EngineError("a recomputation probe reads a plain paged pool")
+        layout = progress.layout
+        group = range(layout.group_start(end), end)
+        table = self.tables[seq.seq_id].block_ids
+        rank = progress.recompute_from[end]
+        keys = self._pic_keys(progress, table, [Entry(i, True) for i in group], rank - 1)
+        tokens = seq.token_ids
+        return RecomputeProbe(
+            seq.seq_id,
+            torch.tensor([tokens[i] for i in group]),
+            torch.tensor([layout.position(i) for i in group]),
+            keys,
+            lambda part, device: self._probe_step(table, part, device),
+            self.cache,
+            len(progress.recomputed[end]),
+            lambda indices: progress.choose(end, indices),
+        )
+
+    def _probe_step(self, table: list[int], keys: PicKeys, device: torch.device) -> StepAttention:
+        """A step of one sequence's queries under ``keys`` that writes nothing (every slot
+        -1): its attention reads the pool as it is."""
+        count = keys.q_index.numel()
+        meta = PagedMetadata(
+            torch.tensor([[max(b, 0) for b in table]], device=device),
+            [len(table) * self.block_size],
+            [count],
+            self.block_size,
+            torch.full((count,), -1, device=device),
+            pic=[keys.to(device)],
+        )
+        return self.cache.step(self.kernels, meta)
 
     def feed(self, seq: CachedTokens, count: int) -> Feed:
         """A sequence's next ``count`` tokens to compute: in token order, or a PIC

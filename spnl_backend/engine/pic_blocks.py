@@ -34,7 +34,8 @@ From then on the sequence's keys for those tokens are the recomputed ones. A ste
 holds both a group's first computation and its recomputation (`chunk`), so that within
 a step every query reads one version of each key. Whether an element hits or is
 computed, the recomputed keys are the same, bit for bit; and since what follows a group
-reads them, its key takes in the fraction recomputed.
+reads them, its key takes in the fraction recomputed (and how they were picked: a
+probe's pick, `PicProgress.choose`, takes the planned tokens' ranks and run slots).
 """
 
 import bisect
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..pic.layout import PicLayout, Span
+from ..settings.pic import RECOMPUTE_SELECTIONS
 from .block_manager import block_hash
 
 _ROOT = 0  # the prefix cache's root: a prompt's first cross span chains from it
@@ -128,6 +130,8 @@ def _segments(
                 redone = recomputed.get(span.end, ())
                 if redone:  # what follows reads the recomputed keys
                     group.append(round(layout.recompute * 1_000_000))
+                    if layout.recompute_select != "first":
+                        group.append(RECOMPUTE_SELECTIONS.index(layout.recompute_select))
                     runs[span.end] = base
                     base += -(-len(redone) // block_size) * block_size
                 context, group = _mix(b"group", *group), [0]
@@ -176,8 +180,12 @@ class PicProgress:
     admitted_len: int = 0  # tokens at admission; later ones are computed after ``order``
     registered: set[int] = field(default_factory=set)  # logical indices offered to others
     runs: dict[int, int] = field(default_factory=dict)  # a group's recomputed run, by its end
-    # Where in ``order`` each group's recomputed tokens begin, by the group's end.
+    # Where in ``order`` each group's recomputed tokens begin, and which they are (in
+    # prompt order), by the group's end; the groups whose tokens a probe is still to pick
+    # (`engine.pic_probe`: when their recomputation begins, from the group's pooled keys).
     recompute_from: dict[int, int] = field(default_factory=dict)
+    recomputed: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    unchosen: set[int] = field(default_factory=set)
     num_recomputed: int = 0
     _unit: dict[int, int] = field(default_factory=dict)  # a todo token's place in ``order``
     _run_slot: dict[int, int] = field(default_factory=dict)  # a recomputed token's slot
@@ -220,6 +228,9 @@ class PicProgress:
         for end, indices in self.layout.recomputed:
             due.setdefault(bisect.bisect_left(self.todo, end), []).append((end, indices))
         self.order, self.recompute_from, self._unit, self._run_slot = [], {}, {}, {}
+        self.recomputed = dict(self.layout.recomputed)
+        probed = self.layout.recompute_select == "deviation"
+        self.unchosen = set(self.recomputed) if probed else set()
         for rank, index in enumerate(self.todo):
             for end, indices in due.get(rank, ()):
                 self.recompute_from[end] = len(self.order)
@@ -246,6 +257,25 @@ class PicProgress:
             self._pending = [b for b in self._pending if b.index not in self.registered]
         return ready
 
+    def probes_due(self, rank: int) -> list[int]:
+        """The groups (by end) whose recomputation begins at ``rank`` with its tokens not
+        picked yet."""
+        return [end for end in self.unchosen if self.recompute_from[end] == rank]
+
+    def choose(self, end: int, indices: list[int]) -> None:
+        """The group ending at ``end`` recomputes ``indices`` (as many as planned, in
+        prompt order) in the places of its planned tokens: the same ranks and run slots."""
+        planned = self.recomputed[end]
+        if len(indices) != len(planned) or sorted(set(indices)) != list(indices):
+            raise ValueError(f"{len(planned)} distinct tokens in prompt order expected")
+        at = self.recompute_from[end]
+        for index in planned:
+            del self._run_slot[index]
+        self.order[at : at + len(indices)] = [Entry(i, True) for i in indices]
+        self._run_slot.update((i, self.runs[end] + n) for n, i in enumerate(indices))
+        self.recomputed[end] = tuple(indices)
+        self.unchosen.discard(end)
+
     def entries(self, rank: int, count: int) -> list[Entry]:
         """The entries ``rank .. rank + count - 1`` of the order (ranks count from
         admission; past ``order``, the tokens generated since, in turn)."""
@@ -268,7 +298,7 @@ class PicProgress:
         ``rank`` reads them: a recomputed token's in its group's run once its group's
         recomputation has begun."""
         slots = self.slots(num_tokens)
-        for end, indices in self.layout.recomputed:
+        for end, indices in self.recomputed.items():
             if self.recompute_from[end] <= rank and indices[0] < num_tokens:
                 run = torch.arange(self.runs[end], self.runs[end] + len(indices))
                 kept = torch.tensor(indices) < num_tokens

@@ -8,6 +8,7 @@ import torch
 from ..models.transformer import CausalLM
 from .cache import CacheManager, Feed
 from .logits import RowHistory, adjust, fill_masks
+from .pic_probe import choose_recomputed
 from .sampler import TokenLogprobs, row_error, sample, token_logprobs
 from .sequence import ScheduledSeq, Sequence
 
@@ -43,6 +44,7 @@ class ModelRunner:
         """Computes the step; returns the sampled token of each sequence whose tokens are now
         all computed (a prefill chunk in the middle of a prompt samples nothing), or the
         error of a sequence whose sampling failed."""
+        choose_recomputed(self.model, self.cache.probes(batch), self.device)
         attention = self.cache.attention(batch, self.device)
         input_ids, positions = step_inputs(batch, self.device, self.cache)
         hidden = self.model(input_ids, positions, attention)

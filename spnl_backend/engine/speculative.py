@@ -112,6 +112,9 @@ class SpeculativeCache:
     def chunk(self, seq: Sequence, count: int) -> int:
         return self.target.chunk(seq, count)
 
+    def probes(self, batch: list[ScheduledSeq]) -> list:
+        return self.target.probes(batch)
+
     def feed(self, seq: Sequence, count: int) -> Feed:
         return self.target.feed(seq, count)
 

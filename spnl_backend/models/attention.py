@@ -53,6 +53,16 @@ class Attention(nn.Module):
         self, x: torch.Tensor, rotary: RotaryTables, attention: StepAttention
     ) -> torch.Tensor:
         tokens = x.shape[0]
+        q, k, v = self.qkv(x, rotary)
+        out = attention.attend(q, k, v, self.spec)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+    def qkv(
+        self, x: torch.Tensor, rotary: RotaryTables
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [T, hidden]`` (normed) → q ``[T, heads, d]``, k and v ``[T, kv_heads, d]``
+        as the KV cache stores them (normed and rotated where the model does)."""
+        tokens = x.shape[0]
         q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
         if self.qk_norm_full and self.tp is not None:
             q, k = self._sharded_norm(self.q_norm, q), self._sharded_norm(self.k_norm, k)
@@ -66,8 +76,7 @@ class Attention(nn.Module):
         q, k = ops.qk_norm_rotate(
             q, k, (self.q_norm, self.k_norm) if self.qk_norm else None, rotary
         )
-        out = attention.attend(q, k, v, self.spec)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return q, k, v
 
     def _sharded_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         """OLMoE's norm over a whole projection when each rank holds some of its heads:

@@ -94,6 +94,36 @@ class Backbone(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: StepAttention
     ) -> torch.Tensor:
+        x, h, tables = self._inputs(input_ids, positions)
+        native = self._native_step(x, attention)
+        if native is not None:
+            blocks, keys, pools = native
+            return blocks.run(x.contiguous(), h, tables[x.device], keys, pools)
+        return self._layers(x, h, tables, attention, len(self.layers))[1]
+
+    def layer_kv(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: StepAttention,
+        layer: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V ``[T, kv_heads, head_dim]`` that layer ``layer`` would store for
+        the tokens, the layers before it run over ``attention`` (per op: what probes a
+        layer's keys, `engine.pic_probe`). One rank's model alone: under tensor
+        parallelism the other ranks run only what rank 0 announces."""
+        x, h, tables = self._inputs(input_ids, positions)
+        x, h = self._layers(x, h, tables, attention, layer)
+        if self.layer_devices is not None:
+            h = _moved((h,), self.layer_devices[layer])[0]
+        rotary, local = self._tables_on(tables, h.device)
+        table = local if layer in self.local_layers else rotary
+        _, k, v = self.layers[layer].self_attn.qkv(h, table)
+        return k, v
+
+    def _inputs(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        """The residual stream, its norm for the first layer, and the rotary tables
+        (global, local) by device."""
         x = self._embed(input_ids)
         if self.embedding_multiplier is not None:
             x = x * torch.tensor(self.embedding_multiplier, dtype=x.dtype)
@@ -101,20 +131,28 @@ class Backbone(nn.Module):
         local = self.rotary_local(positions, x.dtype) if self.rotary_local else rotary
         layers = self.layers
         h = layers[0].input_layernorm(x) if len(layers) else self.norm(x)
-        native = self._native_step(x, attention)
-        if native is not None:
-            blocks, keys, pools = native
-            return blocks.run(x.contiguous(), h, (rotary, local), keys, pools)
-        tables = {x.device: (rotary, local)}
-        for i, layer in enumerate(layers):
+        return x, h, {x.device: (rotary, local)}
+
+    def _tables_on(self, tables: dict, device: torch.device):
+        if device not in tables:
+            rotary, local = next(iter(tables.values()))
+            tables[device] = (rotary.to(device), local.to(device))
+        return tables[device]
+
+    def _layers(
+        self, x: torch.Tensor, h: torch.Tensor, tables: dict, attention: StepAttention, stop: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layers ``0 .. stop - 1`` per op: the residual stream and its norm by the next
+        layer's input norm (the final norm after the last layer)."""
+        layers = self.layers
+        rotary, local = tables[x.device]
+        for i, layer in enumerate(layers[:stop]):
             if self.layer_devices is not None:  # a boundary: the activations move on
-                x, h, device = *_moved((x, h), self.layer_devices[i]), self.layer_devices[i]
-                if device not in tables:
-                    tables[device] = (rotary.to(device), local.to(device))
-                rotary, local = tables[device]
+                x, h = _moved((x, h), self.layer_devices[i])
+                rotary, local = self._tables_on(tables, self.layer_devices[i])
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
             x, h = layer(x, h, local if i in self.local_layers else rotary, attention, next_norm)
-        return h
+        return x, h
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Each token's embedding; with tensor parallelism the rank holding its row gives

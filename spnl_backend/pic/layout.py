@@ -29,7 +29,9 @@ attention as a sequence's first tokens do. The first ``ceil(recompute × length)
 of each element are computed once more, attending as cross tokens (to every key before
 them), after the group and before anything that follows it; what follows reads those
 keys instead (`engine.pic_blocks`). A group that ends the prompt is left as it is:
-nothing of the prompt comes after it.
+nothing of the prompt comes after it. With ``recompute_select="deviation"`` as many
+tokens are recomputed, chosen from the whole group when its recomputation begins: those
+whose keys a full-attention pass would change most (`engine.pic_probe`).
 """
 
 import math
@@ -39,7 +41,7 @@ from typing import Literal
 
 import torch
 
-from ..settings.pic import REUSE_RULES
+from ..settings.pic import RECOMPUTE_SELECTIONS, REUSE_RULES
 
 Kind = Literal["cross", "plus"]
 POSITION_SCHEMES = ("after_prefix", "local", "sequential")
@@ -72,6 +74,9 @@ class PicLayout:
     next_position: int  # of the first token after the prompt (then one more per token)
     reuse: str = "exact"
     recompute: float = 0.0  # the fraction of each element's first tokens computed again
+    # Which tokens those are (`RECOMPUTE_SELECTIONS`): the first ones, or a probe's pick of
+    # the same number from the whole group (`engine.pic_probe`).
+    recompute_select: str = "first"
 
     @classmethod
     def build(
@@ -80,6 +85,7 @@ class PicLayout:
         scheme: str = "after_prefix",
         reuse: str = "exact",
         recompute: float = 0.0,
+        recompute_select: str = "first",
     ) -> "PicLayout":
         """The layout of a prompt made of ``(kind, length)`` pieces, in order (lengths >=
         1; adjacent cross pieces merge, adjacent plus pieces are elements of one group)."""
@@ -89,6 +95,10 @@ class PicLayout:
             raise ValueError(f"reuse rule {reuse!r}: expected one of {REUSE_RULES}")
         if not 0.0 <= recompute <= 1.0:
             raise ValueError(f"recompute {recompute!r}: expected a fraction from 0 to 1")
+        if recompute_select not in RECOMPUTE_SELECTIONS:
+            raise ValueError(
+                f"recompute selection {recompute_select!r}: expected one of {RECOMPUTE_SELECTIONS}"
+            )
         spans: list[Span] = []
         start = 0
         for kind, length in pieces:
@@ -99,8 +109,8 @@ class PicLayout:
             else:
                 spans.append(Span(kind, start, start + length))
             start += length
-        block_ids, positions, next_position = _number(spans, scheme)
-        return cls(tuple(spans), scheme, block_ids, positions, next_position, reuse, recompute)
+        numbered = _number(spans, scheme)
+        return cls(tuple(spans), scheme, *numbered, reuse, recompute, recompute_select)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -141,6 +151,13 @@ class PicLayout:
                     groups.append((span.end, tuple(indices)))
                 indices = []
         return tuple(groups)
+
+    def group_start(self, end: int) -> int:
+        """The first token of the group whose last element ends at ``end``."""
+        number = next(n for n, span in enumerate(self.spans) if span.end == end)
+        while number and self.spans[number - 1].kind == "plus":
+            number -= 1
+        return self.spans[number].start
 
     def position(self, index: int) -> int:
         """The position of token ``index`` (a generated one past the prompt too)."""

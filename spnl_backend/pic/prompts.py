@@ -125,10 +125,15 @@ class PicPrompts:
 
     def _checked(self, prompt: PicPrompt) -> PicPrompt:
         """A PIC prompt the engine can run, whose spans (each from a new block) fit, with
-        ``MISTRALRS_PIC_RECOMPUTE``'s fraction of each element recomputed."""
+        ``MISTRALRS_PIC_RECOMPUTE``'s fraction of each element recomputed (picked by
+        ``MISTRALRS_PIC_RECOMPUTE_SELECT``)."""
         if self._refusal is not None:
             raise RequestError(f"this backend cannot run PIC prompts: {self._refusal}")
-        layout = dataclasses.replace(prompt.layout, recompute=self._settings.pic_recompute)
+        layout = dataclasses.replace(
+            prompt.layout,
+            recompute=self._settings.pic_recompute,
+            recompute_select=self._settings.pic_recompute_select,
+        )
         prompt = PicPrompt(prompt.token_ids, layout)
         size, max_len = self._block_size, self._limit.max_model_len
         slots = prompt.layout.padded_slots(size)

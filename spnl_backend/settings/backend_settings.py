@@ -11,7 +11,7 @@ from ..compressors import compressor_names, plugin_failures
 from ..errors import SettingsError, shown
 from ..log import get_logger, set_verbose
 from . import values
-from .pic import REUSE_RULES
+from .pic import RECOMPUTE_SELECTIONS, REUSE_RULES
 from .values import IsqType
 
 log = get_logger()
@@ -64,6 +64,7 @@ _PARSERS = {
     "span_query_reuse": values.choice(REUSE_RULES),
     "pic_positions": values.choice(("after_prefix", "local", "sequential")),
     "pic_recompute": values.parse_share,
+    "pic_recompute_select": values.choice(RECOMPUTE_SELECTIONS),
     "span_template": values.choice(("model", "spnl")),
     "native_checks": values.parse_bool,
     "token_healing": values.parse_bool,
@@ -147,6 +148,9 @@ class BackendSettings(BaseSettings):
     # The fraction of each plus element's first tokens computed again with full attention
     # (over everything before them) where it is reused or computed (`pic.layout`).
     pic_recompute: float = 0.0
+    # Which of an element's tokens those are: its first ones, or (CacheBlend's rule) the
+    # group's tokens whose layer-1 K/V deviate most from a full-attention pass of layer 0.
+    pic_recompute_select: Literal["first", "deviation"] = "first"
     span_template: Literal["model", "spnl"] = "model"
     # Debugging: the C kernels compiled with a check of every index they follow.
     native_checks: bool = False

@@ -12,7 +12,14 @@ if TYPE_CHECKING:  # the platform module reports through this one
     from .platform import PlatformDecisions
 
 _PAGED_ONLY = ("paged_attn_block_size", *KV_BUDGET_FIELDS)
-_PIC = ("pic_reuse", "pic_positions", "pic_recompute", "span_query_reuse", "span_template")
+_PIC = (
+    "pic_reuse",
+    "pic_positions",
+    "pic_recompute",
+    "pic_recompute_select",
+    "span_query_reuse",
+    "span_template",
+)
 _NATIVE_ONLY = ("cpu_matmul", "cpu_gemm", "native_checks")
 
 
@@ -80,6 +87,11 @@ def ineffective_settings(
             ("paged_cache_type",),
             f"the compression method {settings.kv_cache_compression!r} stores K and V "
             "in its own records",
+        )
+    if settings.pic_recompute == 0:
+        report(
+            ("pic_recompute_select",),
+            "it picks the tokens recomputed, and none are (MISTRALRS_PIC_RECOMPUTE is 0)",
         )
     if settings.speculative_draft_model is None and settings.speculative_draft_isq is None:
         report(

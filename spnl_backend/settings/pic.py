@@ -13,6 +13,9 @@ PLUS_SENTINEL_ENV, CROSS_SENTINEL_ENV = "SPNL_PIC_PLUS_TOKEN", "SPNL_PIC_CROSS_T
 # before its group (exact), by its first position (relaxed), or by its tokens alone
 # (tokens: spnl's rule; a hit elsewhere has its keys moved to where it now stands).
 REUSE_RULES = ("exact", "relaxed", "tokens")
+# Which tokens of a reused group are recomputed (`pic.layout`): each element's first ones,
+# or the group's whose K/V deviate most from a full-attention pass (`engine.pic_probe`).
+RECOMPUTE_SELECTIONS = ("first", "deviation")
 
 
 @dataclass(frozen=True)
