@@ -132,7 +132,7 @@ def test_recomputing_the_pick_gives_the_dense_reference(trained, scheme, picks):
     assert tokens == expected
 
 
-@pytest.mark.parametrize("reuse", ["exact", "tokens"])
+@pytest.mark.parametrize("reuse", ["exact", "relaxed", "tokens"])
 def test_a_hit_picks_and_computes_what_a_cold_run_does(trained, reuse, picks):
     """The probe reads the pool: the same pick and the same bits whether the documents
     were computed in this request or reused from another."""

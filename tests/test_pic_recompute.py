@@ -170,10 +170,12 @@ def _pooled(backend) -> dict[int, torch.Tensor]:
     }
 
 
-def test_the_pools_shared_blocks_are_never_written(trained):
+@pytest.mark.parametrize("select", ["first", "deviation"])
+def test_the_pools_shared_blocks_are_never_written(trained, select):
     """The pool's element blocks are the same bits with recomputation as without, and a
-    request that recomputes what it reuses leaves them as they were."""
-    with _fresh(trained, pic_recompute=0.5) as redo, _fresh(trained) as plain:
+    request that recomputes what it reuses (or probes it) leaves them as they were."""
+    redo_settings = {"pic_recompute": 0.5, "pic_recompute_select": select}
+    with _fresh(trained, **redo_settings) as redo, _fresh(trained) as plain:
         pieces = _pieces(redo, DOCS[:3])
         _run(plain, pieces)
         _run(redo, pieces)
