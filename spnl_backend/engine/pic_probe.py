@@ -14,8 +14,9 @@ recomputation the engine already runs (`engine.pic_blocks`).
 
 The probe runs per op, on the step's attention kernels over the pool as it is (a step
 whose slots are all -1: nothing is written), a fixed number of the group's tokens at a
-time, so its cost is about one layer of the group's prefill and its pick depends on
-nothing but the sequence.
+time: its pick depends on nothing but the sequence. It costs one layer of the group's
+prefill, run per op (measured: 0.1-1 s, 11-17% of the plain prompt's prefill, for groups
+of 1,100-5,500 tokens on 2 cores: `bench/pic_accuracy.py`).
 """
 
 from collections.abc import Callable
