@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from ..kernels.paged_ref import dequantized
+from ..kernels.paged_ref import read_kv
 from ..kernels.pic import PicKeys
 from ..log import get_logger
 from ..models.step_attention import StepAttention
@@ -73,9 +73,7 @@ def pooled_kv(
     """The pool's K and V at ``slots`` of ``layer``, in ``dtype``."""
     key_cache, value_cache = pool.layers[layer]
     slots = slots.to(key_cache.device)
-    k = dequantized(key_cache.flatten(0, 1)[slots], dtype, pool.k_scale[layer])
-    v = dequantized(value_cache.flatten(0, 1)[slots], dtype, pool.v_scale[layer])
-    return k, v
+    return read_kv(key_cache, value_cache, slots, dtype, pool.k_scale[layer], pool.v_scale[layer])
 
 
 def deviation(

@@ -60,10 +60,24 @@ def _write(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, scale
     flat[slots] = to_cache(values, cache.dtype)
 
 
-def dequantized(tokens: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+def _dequantized(tokens: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     if tokens.dtype == torch.float8_e4m3fn:
         return (tokens.float() * scale).to(dtype)
     return tokens.to(dtype)
+
+
+def read_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+    dtype: torch.dtype,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V at pool ``slots`` (any shape of slot indices), in ``dtype``."""
+    k = _dequantized(key_cache.flatten(0, 1)[slots], dtype, k_scale)
+    v = _dequantized(value_cache.flatten(0, 1)[slots], dtype, v_scale)
+    return k, v
 
 
 def gather_kv(
@@ -75,7 +89,7 @@ def gather_kv(
 ) -> torch.Tensor:
     """The first ``length`` tokens of one sequence, contiguous, in ``dtype``."""
     blocks = -(-length // cache.shape[1])
-    return dequantized(cache[block_table[:blocks]].flatten(0, 1)[:length], dtype, scale)
+    return _dequantized(cache[block_table[:blocks]].flatten(0, 1)[:length], dtype, scale)
 
 
 def paged_attention_ref(
@@ -150,8 +164,7 @@ def _pic_attention(
     v_scale: float,
 ) -> torch.Tensor:
     """One PIC sequence: its keys read in prompt order, attended under its mask."""
-    k = dequantized(key_cache.flatten(0, 1)[pic.key_slots], q.dtype, k_scale)
-    v = dequantized(value_cache.flatten(0, 1)[pic.key_slots], q.dtype, v_scale)
+    k, v = read_kv(key_cache, value_cache, pic.key_slots, q.dtype, k_scale, v_scale)
     return pic_attention_ref(q, k, v, pic, scale=scale, sliding_window=window, softcap=softcap)
 
 
@@ -168,8 +181,7 @@ def _decode_batched(
     """One query per sequence: every sequence's keys gathered at once, padded, masked, and
     attended in one call."""
     slots, mask = meta.decode_keys(window)
-    k = dequantized(key_cache.flatten(0, 1)[slots], q.dtype, k_scale)
-    v = dequantized(value_cache.flatten(0, 1)[slots], q.dtype, v_scale)
+    k, v = read_kv(key_cache, value_cache, slots, q.dtype, k_scale, v_scale)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),
         k.transpose(1, 2),
