@@ -6,7 +6,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from spnl_backend import ModelFileError, RequestError
 from spnl_backend.loader.chat_template import ChatTemplate
-from spnl_backend.loader.tokenizer import GEMMA_CHAT_TEMPLATE
+from spnl_backend.models.arch.gemma3 import GEMMA_CHAT_TEMPLATE
 
 MESSAGES = [
     {"role": "system", "content": "Be brief."},

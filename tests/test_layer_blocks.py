@@ -11,8 +11,10 @@ from tiny_models import ARCHITECTURES, MOE_ARCHITECTURES
 from spnl_backend import BackendSettings, load_backend
 from spnl_backend.kernels.cpu import KernelArgumentError
 
-# qwen2's projections carry biases: the blocks leave it to the per-op path.
-NOT_RUN = {"qwen2"}
+# What the blocks leave to the per-op path: qwen2's projections carry biases, OLMo 2's
+# layers have no input norm (norms after attention and MLP only), SmolLM3 has a layer that
+# does not rotate.
+NOT_RUN = {"qwen2", "olmo2", "smollm3"}
 
 
 def _load(tiny, arch, cache_type):

@@ -10,9 +10,10 @@ from tiny_models import ARCHITECTURES
 
 from spnl_backend import load_backend
 
-# Q8_0 keeps ~8 bits per weight: over these random models the logits move by about 2% of
-# their spread (measured: relative L2 error 0.4-1.3%); 5% bounds it with room.
-Q8_0_RELATIVE_L2 = 0.05
+# Q8_0 keeps ~8 bits per weight: over these random models the logits move by a few percent
+# of their spread, more with depth (measured, relative L2 error: 0.4-1.3% at 3 layers,
+# 5.3-6.0% at 4, Llama and SmolLM3 alike); 8% bounds it with room (a misread tensor: ~100%).
+Q8_0_RELATIVE_L2 = 0.08
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

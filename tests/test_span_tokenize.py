@@ -194,7 +194,7 @@ def test_a_qwen_style_template_keeps_spnls_spans_with_its_own_turns(tiny):
 
 
 def test_a_template_that_folds_the_system_prompt_renders_it_as_a_user_turn(tiny):
-    from spnl_backend.loader.tokenizer import GEMMA_CHAT_TEMPLATE
+    from spnl_backend.models.arch.gemma3 import GEMMA_CHAT_TEMPLATE
 
     tokenizer = tiny.hf("llama").tokenizer
     turns = ModelTurns(_render(tokenizer, GEMMA_CHAT_TEMPLATE))
@@ -225,7 +225,7 @@ def test_a_gemma_style_chat_keeps_every_document_across_orders(tiny):
     """Gemma's template folds the system prompt into the first user turn; marked
     messages templated alone keep every document's blocks in any order."""
     from spnl_backend import BackendSettings, load_backend
-    from spnl_backend.loader.tokenizer import GEMMA_CHAT_TEMPLATE
+    from spnl_backend.models.arch.gemma3 import GEMMA_CHAT_TEMPLATE
 
     docs = [" ".join(random.Random(i).choices(WORDS, k=12)) for i in range(4)]
     settings = BackendSettings(device="cpu", paged_attn_block_size=16)

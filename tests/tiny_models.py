@@ -9,19 +9,9 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, quants
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import (
-    AutoModelForCausalLM,
-    Gemma3TextConfig,
-    LlamaConfig,
-    MistralConfig,
-    MixtralConfig,
-    OlmoeConfig,
-    Phi3Config,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen3Config,
-    Qwen3MoeConfig,
-)
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+from spnl_backend.models.arch import FAMILIES, family
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -82,82 +72,19 @@ def _common(vocab: int) -> dict:
 
 
 def hf_config(arch: str, vocab: int):
-    common = _common(vocab)
-    if arch == "llama":
-        return LlamaConfig(
-            **common,
-            head_dim=HEAD_DIM,
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 10000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-        )
-    if arch == "mistral":
-        return MistralConfig(**common, head_dim=HEAD_DIM, sliding_window=WINDOW)
-    if arch == "qwen2":
-        return Qwen2Config(
-            **common,
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 128,
-            },
-        )
-    if arch == "qwen3":
-        return Qwen3Config(
-            **common,
-            head_dim=HEAD_DIM,
-            rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
-        )
-    if arch == "phi3":
-        half = HEAD_DIM // 4  # partial rotary: half the head dims rotate
-        return Phi3Config(
-            **common,
-            rope_parameters={
-                "rope_type": "longrope",
-                "rope_theta": 10000.0,
-                "partial_rotary_factor": 0.5,
-                "short_factor": [1.0 + 0.1 * i for i in range(half)],
-                "long_factor": [2.0 + 0.1 * i for i in range(half)],
-                "original_max_position_embeddings": 256,
-            },
-        )
-    if arch == "gemma3":
-        return Gemma3TextConfig(
-            **{**common, "tie_word_embeddings": True},
-            head_dim=HEAD_DIM,
-            sliding_window=WINDOW,
-            query_pre_attn_scalar=HEAD_DIM,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-            final_logit_softcapping=30.0,
-            attn_logit_softcapping=50.0,
-        )
-    if arch == "qwen3_moe":  # renormalised top-k; layer 1 dense (mlp_only_layers)
-        return Qwen3MoeConfig(
-            **common,
-            head_dim=HEAD_DIM,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=64,
-            norm_topk_prob=True,
-            mlp_only_layers=[1],
-        )
-    if arch == "mixtral":
-        return MixtralConfig(
-            **common, head_dim=HEAD_DIM, num_local_experts=4, num_experts_per_tok=2
-        )
-    if arch == "olmoe":  # top-k weights as they come; q, k, v clamped
-        return OlmoeConfig(**common, num_experts=8, num_experts_per_tok=3, clip_qkv=4.0)
-    raise ValueError(arch)
+    """The family's tiny model (`Family.tiny`: its keys beside the common tiny sizes)."""
+    found = family(arch)
+    keys = {**_common(vocab), **found.tiny}
+    return AutoConfig.for_model(keys.pop("model_type", found.model_types[0]), **keys)
 
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
-MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "olmoe")
+def _has_experts(found) -> bool:
+    return any(key in found.tiny for key in ("num_experts", "num_local_experts"))
+
+
+# Every family of the registry, dense and with experts.
+ARCHITECTURES = tuple(f.name for f in FAMILIES if not _has_experts(f))
+MOE_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_experts(f))
 
 
 @dataclass
@@ -181,7 +108,7 @@ def build_hf_model(
         for name, param in model.named_parameters():
             # Peaked distributions, so greedy choices are not near-ties.
             if "norm" in name:  # Gemma scales by 1 + w, the others by w
-                center = 0.0 if arch == "gemma3" else 1.0
+                center = 0.0 if arch in GEMMAS else 1.0
                 param.copy_(center + 0.1 * torch.randn_like(param))
             else:
                 param.normal_(0.0, 0.15)
@@ -225,7 +152,10 @@ _GGUF_ARCH = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "phi3": "phi3",
+    "gemma2": "gemma2",
     "gemma3": "gemma3",
+    "olmo2": "olmo2",
+    "smollm3": "smollm3",
     "qwen3_moe": "qwen3moe",
     "mixtral": "llama",
     "olmoe": "olmoe",
@@ -254,6 +184,16 @@ _GEMMA_LAYER_NAMES = {
 }
 
 
+_OLMO2_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_layernorm": "post_attention_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+GEMMAS = ("gemma2", "gemma3")  # norms scaled by (1 + w), which the converter stores
+# llama.cpp's converter permutes q and k rows of these (NORM rope), as Llama's.
+_PERMUTED = ("llama", "mistral", "mixtral", "smollm3")
+
+
 def _gguf_name(name: str, arch: str) -> str:
     top = {
         "model.embed_tokens.weight": "token_embd.weight",
@@ -264,7 +204,9 @@ def _gguf_name(name: str, arch: str) -> str:
         return top[name]
     _, _, index, rest = name.split(".", 3)
     module, _, kind = rest.rpartition(".")
-    names = _GEMMA_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    names = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES}.get(arch, _LAYER_NAMES)
+    if arch == "olmo2":
+        names = _OLMO2_LAYER_NAMES
     return f"blk.{index}.{names[module]}.{kind}"
 
 
@@ -293,11 +235,9 @@ def write_gguf(
         data = tensor.float().numpy()
         # Of these architectures llama.cpp's converter permutes q and k for its llama files
         # (NORM rope) only; the others, OLMoE's included (NEOX rope), keep their rows.
-        if tiny.arch in ("llama", "mistral", "mixtral") and name.endswith(
-            ("q_proj.weight", "k_proj.weight")
-        ):
+        if tiny.arch in _PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             data = _permute(data, HEADS if "q_proj" in name else KV_HEADS)
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if arch in GEMMAS and name.endswith("norm.weight"):
             data = data + 1.0
         _add_tensor(writer, _gguf_name(name, arch), data, qtype)
     _write_rope_tensors(writer, tiny)
@@ -338,7 +278,7 @@ def _add_tensor(
 def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config) -> None:
     writer.add_context_length(MAX_POSITIONS)
     writer.add_embedding_length(HIDDEN)
-    writer.add_block_count(LAYERS)
+    writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(INNER)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
@@ -370,8 +310,9 @@ def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config) -> None:
         # llama.cpp's converter writes this key for OLMo but not for OLMoE (whose graph does
         # not clamp); written here so that the tiny OLMoE's twin is the same model.
         writer.add_clamp_kqv(config.clip_qkv)
-    if tiny.arch == "gemma3":
+    if tiny.arch in ("gemma3", "olmo2"):  # (Gemma 2's alternation is llama.cpp's default)
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
+    if tiny.arch in GEMMAS:
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
     _write_tokenizer(writer, tiny.tokenizer)

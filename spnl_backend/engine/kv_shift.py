@@ -29,7 +29,9 @@ class KeyShift:
         max_position = config.max_position_embeddings
         main = _inv_freq(config.rope, max_position)
         local = _inv_freq(config.rope_local, max_position) if config.rope_local else main
-        self.inv_freqs = [local if kind == "sliding" else main for kind in config.layer_types]
+        # A layer that does not rotate turns by nothing (cos 1, sin 0: its keys unchanged).
+        tables = {"global": main, "local": local, None: torch.zeros_like(main)}
+        self.inv_freqs = [tables[spec.mixer.rope] for spec in config.layers]
         ropes = [config.rope, config.rope_local]
         # LongRoPE changes its frequencies past its original context: no shift across it.
         limits = [r.original_max_position for r in ropes if r is not None and r.kind == "longrope"]

@@ -1,8 +1,8 @@
 """GGUF metadata → `ModelConfig`, and GGUF tensor names → our (Hugging Face) names.
 
 GGUF keeps what llama.cpp needs and leaves out what llama.cpp hard-codes per
-architecture (Gemma 3's local rope base, its 5:1 sliding/global pattern); those
-defaults are filled in here the way llama.cpp fills them.
+architecture (Gemma 3's local rope base, its 5:1 sliding/global pattern); the family's
+module (`models.arch`) fills those in the way llama.cpp fills them.
 """
 
 import re
@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ModelFileError, UnsupportedArchitectureError
+from ..models.arch import Family, family_of_gguf, gguf_architectures
 from ..models.config import (
     ConfigValueError,
     LayerType,
@@ -23,13 +24,6 @@ from ..models.config import (
 from .gguf_file import GGUFFile, describe_value
 from .typed import MISSING, TypedReader
 
-_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "qwen3moe", "olmoe")
-# GGUF's names → ours, where they differ (a llama file with experts is Mixtral).
-_OUR_ARCHITECTURE = {"qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
-# Whether llama.cpp renormalises the top-k weights (the `norm_w` argument its graph passes
-# to `build_moe_ffn`): Qwen3-MoE and Mixtral do; OLMoE does not (src/models/olmoe.cpp
-# passes `norm_w` false, and its converter writes no `expert_weights_norm`).
-_RENORMALIZES_TOP_K = {"qwen3moe": True, "llama": True, "olmoe": False}
 # Tokens that end a turn; llama.cpp treats those in the vocabulary as end-of-generation.
 END_OF_TURN_TOKENS = (
     "<end_of_turn>",
@@ -39,37 +33,6 @@ END_OF_TURN_TOKENS = (
     "<|end|>",
     "<|endoftext|>",
 )
-_GEMMA3_SWA_PATTERN = 6  # every sixth layer attends globally
-_GEMMA3_LOCAL_ROPE_BASE = 10000.0
-_GEMMA3_27B_LAYERS = 62  # the size whose query scale llama.cpp takes from hidden / heads
-
-_COMMON_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "ffn_norm": "post_attention_layernorm",
-    # Mixtures of experts: the router, and each projection's experts stacked [E, rows,
-    # columns] (`weights.read_gguf` splits them into each expert's own).
-    "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_exps": "mlp.experts.gate_proj",
-    "ffn_up_exps": "mlp.experts.up_proj",
-    "ffn_down_exps": "mlp.experts.down_proj",
-}
-_GEMMA_NAMES = {
-    **_COMMON_NAMES,
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-_PHI3_NAMES = {**_COMMON_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
-_NAMES_BY_ARCH = {"gemma3": _GEMMA_NAMES, "phi3": _PHI3_NAMES}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 CONFIG_TENSORS = frozenset(
@@ -94,6 +57,7 @@ _FIELD_KEYS = {
     "sliding_window": "attention.sliding_window",
     "layer_types": "attention.sliding_window_pattern",
     "final_softcap": "final_logit_softcapping",
+    "attn_softcap": "attn_logit_softcapping",
     "clip_qkv": "attention.clamp_kqv",
     "num_experts": "expert_count",
     "num_experts_per_tok": "expert_used_count",
@@ -124,10 +88,11 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     """The file's model, checked: a key of the wrong type, a value out of range or a
     metadata value that disagrees with the tensors is a ModelFileError naming the key."""
     arch = gguf.architecture
-    if arch not in _ARCHITECTURES:
+    family = family_of_gguf(arch)
+    if family is None:
         raise UnsupportedArchitectureError(
             f"{gguf.path}: GGUF architecture {arch!r} is not supported; supported: "
-            + ", ".join(_ARCHITECTURES)
+            + ", ".join(gguf_architectures())
             + " (Mistral and Mixtral GGUFs use 'llama')"
         )
     meta = _Metadata(gguf, arch)
@@ -137,10 +102,9 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     head_dim = _head_dim(meta, hidden, heads)
     layers = meta.count("block_count")
     _check_layers(gguf, meta, layers)
-    moe = _moe(gguf, meta, arch, layers)
     fields: dict[str, Any] = dict(
-        architecture=_OUR_ARCHITECTURE.get(arch, arch if moe is None else "mixtral"),
-        moe=moe,
+        architecture=family.name,
+        moe=_moe(gguf, meta, family, layers),
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=meta.count("feed_forward_length"),
@@ -158,15 +122,8 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         pooling=_POOLING.get(meta.integer("pooling_type", 0), "last"),
     )
     if fields["sliding_window"]:
-        fields["layer_types"] = _swa_layer_types(meta, None, layers)
-    if arch == "qwen2":
-        fields.update(qkv_bias="blk.0.attn_q.bias" in gguf.tensors)
-    if arch in ("qwen3", "qwen3moe"):
-        fields.update(qk_norm=True)
-    if arch == "gemma3":
-        fields.update(_gemma3(meta, fields))
-    if arch == "olmoe":
-        fields.update(_olmoe(meta))
+        fields["layer_types"] = meta.swa_layer_types(None, layers)
+    fields.update(family.gguf_fields(meta, fields))
     try:
         config = ModelConfig(**fields)
     except ConfigValueError as exc:
@@ -176,11 +133,10 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     return config
 
 
-def _moe(gguf: GGUFFile, meta: "_Metadata", arch: str, layers: int) -> MoeConfig | None:
+def _moe(gguf: GGUFFile, meta: "_Metadata", family: Family, layers: int) -> MoeConfig | None:
     """The experts, where the file has a router (``ffn_gate_inp``) in some block; a block
     without one is dense. Renormalising the top-k weights: the file's
-    ``expert_weights_norm`` where it says, else llama.cpp's rule for the architecture
-    (Qwen3-MoE and Mixtral do, OLMoE does not)."""
+    ``expert_weights_norm`` where it says, else llama.cpp's rule for the family."""
     sparse = tuple(f"blk.{i}.ffn_gate_inp.weight" in gguf.tensors for i in range(layers))
     for i, routed in enumerate(sparse):
         if not routed and f"blk.{i}.ffn_gate_exps.weight" in gguf.tensors:
@@ -197,8 +153,7 @@ def _moe(gguf: GGUFFile, meta: "_Metadata", arch: str, layers: int) -> MoeConfig
         intermediate_size=meta.count(
             "expert_feed_forward_length", meta.count("feed_forward_length")
         ),
-        renormalize=_RENORMALIZES_TOP_K.get(arch, True) if norm is None else bool(norm),
-        float_weights=arch == "llama",  # Mixtral
+        renormalize=family.gguf_renormalizes_top_k if norm is None else bool(norm),
         sparse=sparse,
     )
 
@@ -275,39 +230,6 @@ def eos_token_ids(gguf: GGUFFile) -> tuple[int, ...]:
     tokens = meta.get("tokenizer.ggml.tokens", [])
     index = {token: i for i, token in enumerate(tokens) if token in END_OF_TURN_TOKENS}
     return tuple(sorted({int(i) for i in ids if i is not None} | set(index.values())))
-
-
-def _gemma3(meta: "_Metadata", fields: dict[str, Any]) -> dict[str, Any]:
-    layers, hidden, heads = fields["num_layers"], fields["hidden_size"], fields["num_heads"]
-    query_dim = hidden // heads if layers == _GEMMA3_27B_LAYERS else fields["head_dim"]
-    if query_dim < 1:
-        raise meta.wrong("embedding_length", hidden, f"at least the head count ({heads})")
-    return dict(
-        layer_types=_swa_layer_types(meta, _GEMMA3_SWA_PATTERN, layers),
-        qk_norm=True,
-        norm_offset=0.0,  # llama.cpp's converter stores Gemma's norm weights as 1 + w
-        norm_in_float=True,
-        sandwich_norms=True,
-        embedding_multiplier=hidden**0.5,
-        attn_scale=query_dim**-0.5,
-        final_softcap=meta.positive("final_logit_softcapping", None),
-        activation="gelu_tanh",
-        rope_local=RopeConfig(
-            theta=meta.positive("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE),
-            rotary_dim=fields["rope"].rotary_dim,
-        ),
-    )
-
-
-def _olmoe(meta: "_Metadata") -> dict[str, Any]:
-    """OLMoE norms q and k over their whole projections (``attn_q_norm`` and
-    ``attn_k_norm`` hold heads x head size weights), before the heads are split; q, k and v
-    are clamped where the file has ``attention.clamp_kqv`` (the key llama.cpp's converter
-    writes for OLMo's ``clip_qkv``; for OLMoE neither its converter nor its graph clamps,
-    so a file without the key runs unclamped, as llama.cpp runs it). Its rope is
-    llama.cpp's NEOX kind (rotate-half) and the converter does not permute q and k as it
-    does Llama's, so their rows are read as they are."""
-    return dict(qk_norm_full=True, clip_qkv=meta.positive("attention.clamp_kqv", None))
 
 
 def _swa_layer_types(meta: "_Metadata", default: int | None, layers: int) -> tuple[LayerType, ...]:
@@ -392,6 +314,12 @@ class _Metadata(TypedReader):
     def get(self, name: str, default: Any = None) -> Any:
         return self.gguf.metadata.get(self.key(name), default)
 
+    def has_tensor(self, name: str) -> bool:
+        return name in self.gguf.tensors
+
+    def swa_layer_types(self, default_period: int | None, layers: int) -> tuple[LayerType, ...]:
+        return _swa_layer_types(self, default_period, layers)
+
     def strings(self, name: str, default: Any = MISSING) -> Any:
         value = self._value(name, default)
         if value is default or _is_strings(value):
@@ -452,7 +380,8 @@ def hf_name(gguf_name: str, arch: str, path: Path | str = "GGUF file") -> str | 
     if stem in _TOP_NAMES:
         return f"{_TOP_NAMES[stem]}.{kind}"
     match = _BLOCK.fullmatch(gguf_name)
-    names = _NAMES_BY_ARCH.get(arch, _COMMON_NAMES)
+    family = family_of_gguf(arch)
+    names = family.gguf_names if family is not None else {}
     if match and match[2] in names:
         return f"model.layers.{match[1]}.{names[match[2]]}.{match[3]}"
     raise ModelFileError(f"{path}: {gguf_name!r} is not a tensor of a GGUF {arch} model")

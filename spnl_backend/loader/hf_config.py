@@ -6,7 +6,6 @@ sizes), then what transformers made of it. A problem is a ModelFileError naming 
 file, the key, what it holds and what was expected.
 """
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,12 +13,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import ModelFileError, UnsupportedArchitectureError
+from ..models.arch import Family, family_names, family_of_model_type
 from ..models.config import (
-    SUPPORTED_ARCHITECTURES,
     ConfigValueError,
     LayerType,
     ModelConfig,
-    MoeConfig,
     RopeConfig,
     check_config_shapes,
 )
@@ -30,17 +28,6 @@ from .weights import layer_indices, safetensors_files, safetensors_shapes
 if TYPE_CHECKING:  # transformers takes half a second to import: text models only
     from transformers import PretrainedConfig
 
-_ARCHITECTURE_BY_MODEL_TYPE = {
-    "llama": "llama",
-    "mistral": "mistral",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "phi3": "phi3",
-    "gemma3_text": "gemma3",
-    "qwen3_moe": "qwen3_moe",
-    "mixtral": "mixtral",
-    "olmoe": "olmoe",
-}
 _ROPE_KINDS = ("default", "linear", "llama3", "yarn", "longrope")
 _ACTIVATIONS = {
     "silu": "silu",
@@ -84,6 +71,7 @@ _FIELD_KEYS = {
     "num_heads": "num_attention_heads",
     "num_kv_heads": "num_key_value_heads",
     "final_softcap": "final_logit_softcapping",
+    "attn_softcap": "attn_logit_softcapping",
     "attn_scale": "query_pre_attn_scalar",
     "eos_token_ids": "eos_token_id",
 }
@@ -226,11 +214,11 @@ def model_config_from_hf(
     ModelFileError naming ``source`` and the key."""
     prefix = "text_config." if config.model_type == "gemma3" else ""
     config = text_config(config)
-    architecture = _check_architecture(config.model_type, source)
+    family = _check_architecture(config.model_type, source)
     keys = _Keys(config, source, prefix)
     head_dim = _head_dim(keys)
     fields = dict(
-        architecture=architecture,
+        architecture=family.name,
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
@@ -249,112 +237,26 @@ def model_config_from_hf(
         eos_token_ids=token_ids(config.eos_token_id),
         dtype=_dtype_name(keys),
     )
-    fields.update(_ARCHITECTURE_FIELDS[architecture](keys, head_dim))
+    fields.update(family.hf_fields(keys, head_dim))
     try:
         return ModelConfig(**fields)
     except ConfigValueError as exc:
         raise keys.invalid(exc) from None
 
 
-def _check_architecture(model_type: Any, path: Path) -> str:
-    architecture = _ARCHITECTURE_BY_MODEL_TYPE.get(model_type)
-    if architecture is None:
+def _check_architecture(model_type: Any, path: Path) -> Family:
+    family = family_of_model_type(model_type)
+    if family is None:
         raise UnsupportedArchitectureError(
             f"{path}: model type {model_type!r} is not supported; supported architectures: "
-            + ", ".join(SUPPORTED_ARCHITECTURES)
+            + ", ".join(family_names())
         )
-    return architecture
+    return family
 
 
 def _head_dim(keys: "_Keys") -> int:
     heads = keys.count("num_attention_heads")
     return keys.count("head_dim", None) or keys.count("hidden_size") // heads
-
-
-def _llama(keys: "_Keys", head_dim: int) -> dict[str, Any]:
-    bias = bool(keys.get("attention_bias", False))
-    return {"qkv_bias": bias, "o_bias": bias}
-
-
-def _qwen2(keys: "_Keys", head_dim: int) -> dict[str, Any]:
-    return {"qkv_bias": True, "o_bias": False}
-
-
-def _qwen3(keys: "_Keys", head_dim: int) -> dict[str, Any]:
-    return {**_llama(keys, head_dim), "qk_norm": True}
-
-
-def _phi3(keys: "_Keys", head_dim: int) -> dict[str, Any]:
-    return {}
-
-
-def _gemma3(keys: "_Keys", head_dim: int) -> dict[str, Any]:
-    return {
-        **_llama(keys, head_dim),
-        "qk_norm": True,
-        "norm_offset": 1.0,
-        "norm_in_float": True,
-        "sandwich_norms": True,
-        "embedding_multiplier": keys.count("hidden_size") ** 0.5,
-        "attn_scale": keys.positive("query_pre_attn_scalar") ** -0.5,
-        # Gemma 3 dropped Gemma 2's attention softcapping: transformers and llama.cpp ignore
-        # the config field, and so do we.
-        "final_softcap": keys.positive("final_logit_softcapping", None),
-        "rope_local": _rope(keys, "sliding_attention", head_dim),
-    }
-
-
-def _experts(keys: "_Keys", inner_key: str, renormalize: bool) -> MoeConfig:
-    """The experts' counts, under either name transformers writes them."""
-    name = "num_experts" if keys.get("num_experts") is not None else "num_local_experts"
-    return MoeConfig(
-        num_experts=keys.count(name),
-        top_k=keys.count("num_experts_per_tok"),
-        intermediate_size=keys.count(inner_key),
-        renormalize=renormalize,
-    )
-
-
-def _qwen3_moe(keys: "_Keys", head_dim: int) -> dict[str, Any]:
-    """Qwen3's attention; a layer is sparse unless listed in ``mlp_only_layers`` or off the
-    ``decoder_sparse_step`` (transformers' rule)."""
-    layers = keys.count("num_hidden_layers")
-    step = keys.count("decoder_sparse_step", None) or 1
-    dense = keys.get("mlp_only_layers") or []
-    if not (isinstance(dense, list) and all(isinstance(i, int) for i in dense)):
-        raise keys.wrong("mlp_only_layers", dense, "a list of layer indices")
-    experts = _experts(keys, "moe_intermediate_size", bool(keys.get("norm_topk_prob", False)))
-    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
-    return {**_qwen3(keys, head_dim), "moe": dataclasses.replace(experts, sparse=sparse)}
-
-
-def _mixtral(keys: "_Keys", head_dim: int) -> dict[str, Any]:
-    """Llama's attention; top-k weights always renormalised, and kept in float32."""
-    experts = _experts(keys, "intermediate_size", renormalize=True)
-    return {"moe": dataclasses.replace(experts, float_weights=True)}
-
-
-def _olmoe(keys: "_Keys", head_dim: int) -> dict[str, Any]:
-    """q and k normed over their whole projections; q, k, v optionally clamped."""
-    return {
-        **_llama(keys, head_dim),
-        "qk_norm_full": True,
-        "clip_qkv": keys.positive("clip_qkv", None),
-        "moe": _experts(keys, "intermediate_size", bool(keys.get("norm_topk_prob", False))),
-    }
-
-
-_ARCHITECTURE_FIELDS = {
-    "llama": _llama,
-    "mistral": _llama,
-    "qwen2": _qwen2,
-    "qwen3": _qwen3,
-    "phi3": _phi3,
-    "gemma3": _gemma3,
-    "qwen3_moe": _qwen3_moe,
-    "mixtral": _mixtral,
-    "olmoe": _olmoe,
-}
 
 
 def _rope(keys: "_Keys", layer_type: str, head_dim: int) -> RopeConfig:
@@ -467,6 +369,10 @@ class _Keys(TypedReader):
         if isinstance(value, list) and all(is_int(v) or isinstance(v, float) for v in value):
             return value
         raise self.wrong(key, value, "a list of numbers")
+
+    def rope(self, layer_type: str, head_dim: int) -> RopeConfig:
+        """The rope of ``layer_type``'s layers (its own section where the config has one)."""
+        return _rope(self, layer_type, head_dim)
 
     def nested(self, key: str, section: dict[str, Any]) -> "_Keys":
         return _Keys(section, self.path, f"{self.prefix}{key}.")

@@ -15,33 +15,20 @@ from tokenizers import Tokenizer as RustTokenizer
 
 from ..errors import ModelFileError, RequestError
 from ..log import get_logger
+from ..models.arch import family, family_of_gguf
 from ..settings.paths import cache_dir
 from .chat_template import ChatTemplate
 from .gguf_file import GGUFFile
 
 log = get_logger()
 
-# Gemma's turn format, for GGUF files that carry no chat template of their own. Gemma has
-# no system role: a system message is prepended to the first user turn.
-GEMMA_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% set system = messages[0]['content'] + '\n\n' if messages[0]['role'] == 'system' "
-    "else '' %}"
-    "{% for message in messages if message['role'] != 'system' %}"
-    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
-    "{{ '<start_of_turn>' + role + '\n' + (system if loop.first else '') "
-    "+ message['content'] | trim + '<end_of_turn>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
-)
-_FALLBACK_TEMPLATES = {"gemma3": GEMMA_CHAT_TEMPLATE}
-# GGUF architectures whose vocabularies transformers' AutoTokenizer converts, as it always
-# has here (so their cached conversions stay byte for byte what they were). AutoTokenizer
-# parses the file's model config first, to pick a tokenizer class, and refuses an
-# architecture transformers does not model ("GGUF model with architecture olmoe is not
-# supported yet"); every other architecture's vocabulary goes to the generic fast
-# tokenizer, which reads only the file's tokenizer metadata.
-_AUTO_TOKENIZER_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3", "phi3", "gemma3", "qwen3moe"})
+# Families whose GGUF vocabularies transformers' AutoTokenizer converts
+# (`Family.gguf_auto_tokenizer`), as it always has here, so their cached conversions stay
+# byte for byte what they were. AutoTokenizer parses the file's model config first, to
+# pick a tokenizer class, and refuses an architecture transformers does not model ("GGUF
+# model with architecture olmoe is not supported yet"); every other architecture's
+# vocabulary goes to the generic fast tokenizer, which reads only the file's tokenizer
+# metadata. A file without a chat template takes its family's (`Family.chat_template`).
 
 
 class HFTokenizer(Protocol):
@@ -199,8 +186,9 @@ def load_gguf_tokenizer(
     gguf_path: Path, architecture: str, eos_token_ids: Sequence[int]
 ) -> Tokenizer:
     hf = _load_converted(gguf_tokenizer_dir(gguf_path))
-    if not hf.chat_template and architecture in _FALLBACK_TEMPLATES:
-        hf.chat_template = _FALLBACK_TEMPLATES[architecture]
+    fallback = family(architecture).chat_template
+    if not hf.chat_template and fallback:
+        hf.chat_template = fallback
         log.info(
             "tokenizer.chat_template_fallback",
             architecture=architecture,
@@ -265,7 +253,8 @@ def _vocabulary_converter(architecture: str) -> Any:
     """The transformers class that converts a GGUF vocabulary of ``architecture``."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    if architecture in _AUTO_TOKENIZER_ARCHITECTURES:
+    found = family_of_gguf(architecture)
+    if found is not None and found.gguf_auto_tokenizer:
         return AutoTokenizer
     return PreTrainedTokenizerFast
 

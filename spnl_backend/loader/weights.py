@@ -22,6 +22,7 @@ from torch import nn
 from ..errors import ModelFileError
 from ..kernels.dispatch import KernelChoice
 from ..memory import host_tensor
+from ..models.arch import family_of_gguf
 from ..models.config import ModelConfig
 from ..models.transformer import CausalLM
 from ..quant.ggml import FLOAT_TYPES, nonfinite_scales
@@ -234,6 +235,8 @@ def read_gguf(gguf: GGUFFile, config: ModelConfig, progress: Progress) -> NamedT
     """The file's tensors under our names: float ones dequantized, quantized matrices kept
     as their blocks."""
     names = list(gguf.tensors)
+    found = family_of_gguf(gguf.architecture)  # llama.cpp's NORM-rope layout for q and k
+    permuted = found is not None and found.gguf_permuted_qk
     for done, gguf_name in enumerate(names):
         progress("weights", done, len(names))
         name = hf_name(gguf_name, gguf.architecture, gguf.path)
@@ -252,7 +255,7 @@ def read_gguf(gguf: GGUFFile, config: ModelConfig, progress: Progress) -> NamedT
                 gguf.raw(gguf_name).view(info.shape[0], -1), info.qtype, info.shape
             )
             _check_finite_blocks(tensor, gguf.path, gguf_name)
-        if gguf.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if "q_proj" in name else config.num_kv_heads
             _check_rows(tensor, heads * config.head_dim, gguf.path, gguf_name)
             tensor = unpermute_rows(tensor, heads)

@@ -1,14 +1,19 @@
-"""Transformer architectures (Llama/Mistral, Qwen2, Qwen3, Phi-3, Gemma 3), written once."""
+"""Model families (`models.arch`, one module each) and the one transformer their per-layer
+descriptions (`models.layers`) build."""
 
-from .config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeConfig
+from .arch import FAMILIES, family_names
+from .config import ModelConfig, RopeConfig
+from .layers import LayerSpec
 from .step_attention import AttentionSpec, StepAttention
 from .transformer import CausalLM
 
 __all__ = [
-    "SUPPORTED_ARCHITECTURES",
+    "FAMILIES",
     "AttentionSpec",
     "CausalLM",
+    "LayerSpec",
     "ModelConfig",
     "RopeConfig",
     "StepAttention",
+    "family_names",
 ]

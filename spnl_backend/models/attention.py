@@ -7,50 +7,46 @@ from ..kernels import ops
 from ..kernels.cpu import CpuKernels
 from .collectives import Collectives
 from .config import ModelConfig
+from .layers import AttentionMixer
 from .linear import Linear, project
 from .norms import RMSNorm, rms_norm_of
 from .rope import RotaryTables
-from .step_attention import AttentionSpec, StepAttention
+from .step_attention import StepAttention
 
 
 class Attention(nn.Module):
     """Self-attention over this rank's heads (all of them without tensor parallelism:
-    ``config`` is already this rank's share, `distributed.sharding.local_config`)."""
+    ``config`` and ``mixer`` are already this rank's share,
+    `distributed.sharding.local_config`)."""
 
     def __init__(
         self,
         config: ModelConfig,
-        layer: int,
+        mixer: AttentionMixer,
         tp: Collectives | None = None,
         native: CpuKernels | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.head_dim = config.head_dim
+        self.num_heads, self.num_kv_heads = mixer.num_heads, mixer.num_kv_heads
+        self.head_dim = mixer.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = Linear(config.hidden_size, q_size, bias=config.qkv_bias)
-        self.k_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
-        self.v_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
-        if config.qk_norm_full:  # OLMoE: over the whole projections, before the heads
+        self.q_proj = Linear(config.hidden_size, q_size, bias=mixer.qkv_bias)
+        self.k_proj = Linear(config.hidden_size, kv_size, bias=mixer.qkv_bias)
+        self.v_proj = Linear(config.hidden_size, kv_size, bias=mixer.qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=mixer.o_bias)
+        if mixer.qk_norm == "full":  # OLMo: over the whole projections, before the heads
             self.q_norm = rms_norm_of(config, q_size, native)
             self.k_norm = rms_norm_of(config, kv_size, native)
-        elif config.qk_norm:
+        elif mixer.qk_norm == "head":
             self.q_norm = rms_norm_of(config, self.head_dim, native)
             self.k_norm = rms_norm_of(config, self.head_dim, native)
-        self.qk_norm = config.qk_norm and not config.qk_norm_full
-        self.qk_norm_full, self.clip_qkv = config.qk_norm_full, config.clip_qkv
-        self.spec = AttentionSpec(
-            layer=layer,
-            scale=config.scale,
-            num_kv_groups=self.num_heads // self.num_kv_heads,
-            sliding_window=config.window_of(layer),
-            softcap=config.attn_softcap,
-        )
+        self.qk_norm, self.qk_norm_full = mixer.qk_norm == "head", mixer.qk_norm == "full"
+        self.clip_qkv, self.rope = mixer.clip_qkv, mixer.rope
+        self.spec = mixer.spec
 
     def forward(
-        self, x: torch.Tensor, rotary: RotaryTables, attention: StepAttention
+        self, x: torch.Tensor, rotary: RotaryTables | None, attention: StepAttention
     ) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv(x, rotary)
@@ -58,10 +54,11 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
     def qkv(
-        self, x: torch.Tensor, rotary: RotaryTables
+        self, x: torch.Tensor, rotary: RotaryTables | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [T, hidden]`` (normed) → q ``[T, heads, d]``, k and v ``[T, kv_heads, d]``
-        as the KV cache stores them (normed and rotated where the model does)."""
+        as the KV cache stores them (normed and rotated where the layer does; ``rotary``
+        None for a layer that does not rotate)."""
         tokens = x.shape[0]
         q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
         if self.qk_norm_full and self.tp is not None:
@@ -73,9 +70,12 @@ class Attention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = ops.qk_norm_rotate(
-            q, k, (self.q_norm, self.k_norm) if self.qk_norm else None, rotary
-        )
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else None
+        if rotary is None:
+            if norms is not None:
+                q, k = ops.rms_norm_layer(q, norms[0]), ops.rms_norm_layer(k, norms[1])
+            return q, k, v
+        q, k = ops.qk_norm_rotate(q, k, norms, rotary)
         return q, k, v
 
     def _sharded_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:

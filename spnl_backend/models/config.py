@@ -1,28 +1,21 @@
 """`ModelConfig`: one description of a decoder-only transformer, whatever file it came from.
 
-The loader fills it from a Hugging Face config or from GGUF metadata; the model
-is built from it alone. Every architecture difference is a field here, so the
-model code is written once.
+The loader fills it from a Hugging Face config or from GGUF metadata, through the
+family's module (`models.arch`); its family's ``layers`` turns it into one description
+per layer (`models.layers`), from which the model is built.
 """
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from ..errors import ModelFileError, UnsupportedArchitectureError
 
-SUPPORTED_ARCHITECTURES = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "phi3",
-    "gemma3",
-    "qwen3_moe",
-    "mixtral",
-    "olmoe",
-)
+if TYPE_CHECKING:
+    from .layers import LayerSpec, NormPlacement
+
 LayerType = Literal["full", "sliding"]
 RopeKind = Literal["default", "linear", "llama3", "yarn", "longrope"]
 MAX_COUNT = 2**31 - 1  # every size and count fits the int32 indices kernels use
@@ -107,7 +100,8 @@ class ModelConfig:
     qk_norm: bool = False
     norm_offset: float = 0.0  # Gemma scales by (offset + weight)
     norm_in_float: bool = False  # Gemma multiplies by the weight before casting back
-    sandwich_norms: bool = False  # Gemma's post-attention and post-feedforward norms
+    norm_placement: "NormPlacement" = "pre"  # `models.layers.NormPlacement`
+    rope_layers: tuple[bool, ...] = ()  # which layers rotate (SmolLM3's NoPE); () = all
     embedding_multiplier: float | None = None
     attn_scale: float = 0.0  # 0 means head_dim ** -0.5
     attn_softcap: float | None = None
@@ -127,10 +121,12 @@ class ModelConfig:
     pooling: Literal["last", "mean", "first"] = "last"
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        from .arch import family_names
+
+        if self.architecture not in family_names():
             raise UnsupportedArchitectureError(
                 f"architecture {self.architecture!r} is not supported; supported: "
-                + ", ".join(SUPPORTED_ARCHITECTURES)
+                + ", ".join(family_names())
             )
         for name in _COUNTS:
             _check_count(name, getattr(self, name))
@@ -149,7 +145,14 @@ class ModelConfig:
         return self.attn_scale or self.head_dim**-0.5
 
     def window_of(self, layer: int) -> int | None:
-        return self.sliding_window if self.layer_types[layer] == "sliding" else None
+        return self.layers[layer].mixer.spec.sliding_window
+
+    @functools.cached_property
+    def layers(self) -> tuple["LayerSpec", ...]:
+        """One description per layer, by the family's ``layers`` (`models.arch`)."""
+        from .arch import family
+
+        return family(self.architecture).layers(self)
 
 
 def check_config_shapes(
@@ -201,6 +204,12 @@ def _validate(config: ModelConfig) -> None:
         )
     if config.sliding_window is not None:
         _check_count("sliding_window", config.sliding_window)
+    if config.norm_placement not in ("pre", "sandwich", "post"):
+        raise ConfigValueError("norm_placement", config.norm_placement, "pre, sandwich or post")
+    if config.rope_layers and len(config.rope_layers) != config.num_layers:
+        raise ConfigValueError(
+            "rope_layers", config.rope_layers, f"{config.num_layers} flags (one per layer)"
+        )
     for name in ("embedding_multiplier", "attn_softcap", "final_softcap"):
         if getattr(config, name) is not None:
             _check_positive(name, getattr(config, name))

@@ -1,5 +1,5 @@
-"""A decoder layer: attention and MLP (or experts), each behind a norm, added to the
-residual stream."""
+"""A decoder layer: its mixer and its MLP (or experts), each beside norms where its
+`LayerSpec` places them, added to the residual stream."""
 
 import torch
 from torch import nn
@@ -9,6 +9,7 @@ from ..kernels.dispatch import TORCH_CHOICE, KernelChoice
 from .attention import Attention
 from .collectives import Collectives
 from .config import ModelConfig
+from .layers import MoeFFN
 from .mlp import GatedMLP
 from .moe import SparseMoE
 from .norms import RMSNorm, rms_norm_of
@@ -17,9 +18,11 @@ from .step_attention import StepAttention
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block; Gemma adds norms after attention and MLP ("sandwich").
-    With tensor parallelism (``tp``) its attention and MLP each give this rank's part of
-    their output (its heads, its rows of the MLP), summed over the ranks before the add."""
+    """One layer as ``config.layers[layer]`` describes it. Its norms: ``pre`` (an input
+    norm and one before the MLP), ``sandwich`` (Gemma: also one after attention and one
+    after the MLP), ``post`` (OLMo 2: only those after; the stream enters un-normed, so
+    ``input_layernorm`` is None). With tensor parallelism (``tp``) its attention and MLP
+    each give this rank's part of their output, summed over the ranks before the add."""
 
     def __init__(
         self,
@@ -30,36 +33,59 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
+        self.spec = spec = config.layers[layer]
         native, hidden = kernels.native, config.hidden_size
-        self.self_attn = Attention(config, layer, tp, native)
-        moe = config.is_moe_layer(layer)
+        self.self_attn = Attention(config, spec.mixer, tp, native)
+        moe = isinstance(spec.ffn, MoeFFN)
         self.mlp: nn.Module = SparseMoE(config, kernels) if moe else GatedMLP(config)
-        self.input_layernorm = rms_norm_of(config, hidden, native)
+        self.norms = spec.norms
+        self.input_layernorm: RMSNorm | None = None
+        if spec.norms != "post":
+            self.input_layernorm = rms_norm_of(config, hidden, native)
         self.post_attention_layernorm = rms_norm_of(config, hidden, native)
-        self.sandwich = config.sandwich_norms
-        if self.sandwich:
+        if spec.norms == "sandwich":
             self.pre_feedforward_layernorm = rms_norm_of(config, hidden, native)
+        if spec.norms != "pre":
             self.post_feedforward_layernorm = rms_norm_of(config, hidden, native)
+
+    @property
+    def sandwich(self) -> bool:
+        return self.norms == "sandwich"
+
+    def input_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.input_layernorm is None else self.input_layernorm(x)
 
     def forward(
         self,
         x: torch.Tensor,
         h: torch.Tensor,
-        rotary: RotaryTables,
+        rotary: RotaryTables | None,
         attention: StepAttention,
-        next_norm: RMSNorm,
+        next_norm: RMSNorm | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x`` the residual stream, ``h`` its normed copy (this layer's input norm) →
-        the new residual stream and its norm by ``next_norm`` (the next layer's input norm
-        or the final one). Each residual add and the norm after it are one step
-        (`ops.add_rms_norm_layer`); ``x`` may be updated in place."""
+        """``x`` the residual stream, ``h`` its copy by this layer's input norm → the new
+        residual stream and its copy by ``next_norm`` (the next layer's input norm or the
+        final one; None: the stream itself). Each residual add and the norm after it are
+        one step (`ops.add_rms_norm_layer`); ``x`` may be updated in place."""
         attn = self._summed(self.self_attn(h, rotary, attention))
-        add_norm = ops.add_rms_norm_layer
-        if not self.sandwich:
-            x, h = add_norm(x, attn, None, self.post_attention_layernorm)
-            return add_norm(x, self._summed(self.mlp(h)), None, next_norm)
-        x, h = add_norm(x, attn, self.post_attention_layernorm, self.pre_feedforward_layernorm)
-        return add_norm(x, self._summed(self.mlp(h)), self.post_feedforward_layernorm, next_norm)
+        if self.norms == "pre":
+            x, h = _add(x, attn, None, self.post_attention_layernorm)
+            return _add(x, self._summed(self.mlp(h)), None, next_norm)
+        if self.norms == "sandwich":
+            x, h = _add(x, attn, self.post_attention_layernorm, self.pre_feedforward_layernorm)
+        else:
+            x, h = _add(x, attn, self.post_attention_layernorm, None)
+        return _add(x, self._summed(self.mlp(h)), self.post_feedforward_layernorm, next_norm)
 
     def _summed(self, part: torch.Tensor) -> torch.Tensor:
         return part if self.tp is None else self.tp.all_reduce(part)
+
+
+def _add(
+    x: torch.Tensor, delta: torch.Tensor, delta_norm: RMSNorm | None, norm: RMSNorm | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x + delta_norm(delta)`` and its copy by ``norm`` (the stream itself where None)."""
+    if norm is not None:
+        return ops.add_rms_norm_layer(x, delta, delta_norm, norm)
+    x = x + (delta if delta_norm is None else delta_norm(delta))
+    return x, x

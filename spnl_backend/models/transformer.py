@@ -11,7 +11,7 @@ from .linear import Linear
 from .moe import SparseMoE
 from .native_blocks import LayerBlocks
 from .norms import RMSNorm
-from .rope import RotaryEmbedding
+from .rope import RotaryEmbedding, RotaryTables
 from .step_attention import StepAttention
 
 
@@ -59,9 +59,8 @@ class Backbone(nn.Module):
             else None
         )
         self.embedding_multiplier = config.embedding_multiplier
-        self.local_layers = frozenset(
-            i for i, kind in enumerate(config.layer_types) if kind == "sliding"
-        )
+        self.ropes = [spec.mixer.rope for spec in config.layers]  # each layer's table
+        self.local_layers = frozenset(i for i, rope in enumerate(self.ropes) if rope == "local")
         # Whether steps may run on the native layer blocks where they can (False: always
         # the per-op path, their twin); the blocks are built on first use.
         self.use_layer_blocks = True
@@ -116,9 +115,7 @@ class Backbone(nn.Module):
         x, h = self._layers(x, h, tables, attention, layer)
         if self.layer_devices is not None:
             h = _moved((h,), self.layer_devices[layer])[0]
-        rotary, local = self._tables_on(tables, h.device)
-        table = local if layer in self.local_layers else rotary
-        _, k, v = self.layers[layer].self_attn.qkv(h, table)
+        _, k, v = self.layers[layer].self_attn.qkv(h, self._table(layer, tables, h.device))
         return k, v
 
     def _inputs(self, input_ids: torch.Tensor, positions: torch.Tensor):
@@ -130,14 +127,17 @@ class Backbone(nn.Module):
         rotary = self.rotary(positions, x.dtype)
         local = self.rotary_local(positions, x.dtype) if self.rotary_local else rotary
         layers = self.layers
-        h = layers[0].input_layernorm(x) if len(layers) else self.norm(x)
+        h = layers[0].input_norm(x) if len(layers) else self.norm(x)
         return x, h, {x.device: (rotary, local)}
 
-    def _tables_on(self, tables: dict, device: torch.device):
+    def _table(self, layer: int, tables: dict, device: torch.device) -> RotaryTables | None:
+        """Layer ``layer``'s rotary tables on ``device`` (None: it does not rotate)."""
         if device not in tables:
             rotary, local = next(iter(tables.values()))
             tables[device] = (rotary.to(device), local.to(device))
-        return tables[device]
+        rotary, local = tables[device]
+        rope = self.ropes[layer]
+        return None if rope is None else local if rope == "local" else rotary
 
     def _layers(
         self, x: torch.Tensor, h: torch.Tensor, tables: dict, attention: StepAttention, stop: int
@@ -145,13 +145,11 @@ class Backbone(nn.Module):
         """Layers ``0 .. stop - 1`` per op: the residual stream and its norm by the next
         layer's input norm (the final norm after the last layer)."""
         layers = self.layers
-        rotary, local = tables[x.device]
         for i, layer in enumerate(layers[:stop]):
             if self.layer_devices is not None:  # a boundary: the activations move on
                 x, h = _moved((x, h), self.layer_devices[i])
-                rotary, local = self._tables_on(tables, self.layer_devices[i])
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
-            x, h = layer(x, h, local if i in self.local_layers else rotary, attention, next_norm)
+            x, h = layer(x, h, self._table(i, tables, x.device), attention, next_norm)
         return x, h
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:

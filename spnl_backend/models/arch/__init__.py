@@ -1,0 +1,77 @@
+"""The model families, one module each (`family.Family`), and lookups by name, by
+``config.json`` model type and by GGUF architecture. Loaders, tokenizer rules and the
+tests iterate this list; a family is added here and nowhere else."""
+
+import functools
+
+from . import (
+    gemma2,
+    gemma3,
+    llama,
+    mistral,
+    mixtral,
+    olmo2,
+    olmoe,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+    smollm3,
+)
+from .family import Family
+
+FAMILIES: tuple[Family, ...] = tuple(
+    module.FAMILY
+    for module in (
+        llama,
+        mistral,
+        qwen2,
+        qwen3,
+        phi3,
+        gemma2,
+        gemma3,
+        olmo2,
+        smollm3,
+        qwen3_moe,
+        mixtral,
+        olmoe,
+    )
+)
+
+
+@functools.cache
+def family_names() -> tuple[str, ...]:
+    return tuple(f.name for f in FAMILIES)
+
+
+def family(name: str) -> Family:
+    """The family of a `ModelConfig.architecture`."""
+    return _by_name()[name]
+
+
+def family_of_model_type(model_type: object) -> Family | None:
+    return next((f for f in FAMILIES if model_type in f.model_types), None)
+
+
+def family_of_gguf(arch: str) -> Family | None:
+    return next((f for f in FAMILIES if arch in f.gguf_archs), None)
+
+
+def gguf_architectures() -> tuple[str, ...]:
+    return tuple(a for f in FAMILIES for a in f.gguf_archs)
+
+
+@functools.cache
+def _by_name() -> dict[str, Family]:
+    return {f.name: f for f in FAMILIES}
+
+
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "family",
+    "family_names",
+    "family_of_gguf",
+    "family_of_model_type",
+    "gguf_architectures",
+]

@@ -1,0 +1,133 @@
+"""What a model family is: its names in both file formats, how its config fields are read
+from each, its GGUF tensor names, its tokenizer rules, its layers and its tiny test model.
+
+One module per family holds one `Family`; `models.arch` lists them. The loaders read
+the fields common to every family themselves and ask the family for the rest, through
+a typed reader of the file's keys (`ConfigKeys`) that names the file and key in errors.
+"""
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..layers import LayerSpec, describe_layers
+
+if TYPE_CHECKING:
+    from ..config import LayerType, ModelConfig, MoeConfig, RopeConfig
+
+Fields = dict[str, Any]
+
+
+class ConfigKeys(Protocol):
+    """Typed reads of a file's config values (`loader.typed.TypedReader`): each raises a
+    ModelFileError naming the file and the key."""
+
+    def get(self, key: str, default: Any = None) -> Any: ...
+    def count(self, key: str, default: Any = ...) -> Any: ...
+    def positive(self, key: str, default: Any = ...) -> Any: ...
+    def boolean(self, key: str, default: Any = ...) -> Any: ...
+    def wrong(self, key: str, value: Any, expected: str) -> Exception: ...
+
+
+class HfKeys(ConfigKeys, Protocol):
+    """A ``config.json`` (`loader.hf_config`): also its rope section of a layer type."""
+
+    def rope(self, layer_type: str, head_dim: int) -> "RopeConfig": ...
+
+
+class GgufKeys(ConfigKeys, Protocol):
+    """A GGUF file's metadata under ``{arch}.`` (`loader.gguf_config`): also its tensors
+    and llama.cpp's sliding-window pattern."""
+
+    def has_tensor(self, name: str) -> bool: ...
+    def swa_layer_types(
+        self, default_period: int | None, layers: int
+    ) -> tuple["LayerType", ...]: ...
+
+
+def no_fields(keys: ConfigKeys, *_: Any) -> Fields:
+    return {}
+
+
+# llama.cpp's block tensor names → ours (the Hugging Face module names), as most families
+# name them; a family lists its own where they differ.
+COMMON_GGUF_NAMES: Mapping[str, str] = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_norm": "post_attention_layernorm",
+    # Mixtures of experts: the router, and each projection's experts stacked [E, rows,
+    # columns] (`loader.weights.read_gguf` splits them into each expert's own).
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+# Gemma's four norms around attention and MLP ("sandwich"), and OLMo 2's two after them.
+SANDWICH_GGUF_NAMES: Mapping[str, str] = {
+    **COMMON_GGUF_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family. ``name`` is `ModelConfig.architecture`.
+
+    - ``model_types``: the ``config.json`` model types it reads; ``gguf_archs``: the GGUF
+      ``general.architecture`` names (several families may share one, the first family
+      listing it reads it: a llama file with experts is Mixtral).
+    - ``hf_fields(keys, head_dim)`` / ``gguf_fields(keys, fields)``: the `ModelConfig`
+      fields beyond the common ones (``fields``: those read so far).
+    - ``gguf_names``: block tensor names; ``gguf_permuted_qk``: llama.cpp's converter
+      permutes q and k rows for its NORM rope (Llama's layout), undone as they load.
+    - ``gguf_renormalizes_top_k``: llama.cpp's rule for MoE weights where the file does
+      not say (``expert_weights_norm``).
+    - ``gguf_auto_tokenizer``: transformers' AutoTokenizer converts its GGUF vocabulary
+      (else the generic fast tokenizer reads the file's tokenizer metadata).
+    - ``chat_template``: the template where a file carries none.
+    - ``layers(config)``: one `LayerSpec` per layer.
+    - ``tiny``: the family's tiny test model: ``config.json`` keys beside the common tiny
+      sizes (the tests build it through transformers; a test fails for a family without).
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    gguf_archs: tuple[str, ...] = ()
+    hf_fields: Callable[..., Fields] = no_fields
+    gguf_fields: Callable[..., Fields] = no_fields
+    gguf_names: Mapping[str, str] = field(default_factory=lambda: COMMON_GGUF_NAMES)
+    gguf_permuted_qk: bool = False
+    gguf_renormalizes_top_k: bool = True
+    gguf_auto_tokenizer: bool = False
+    chat_template: str | None = None
+    layers: Callable[["ModelConfig"], tuple[LayerSpec, ...]] = describe_layers
+    tiny: Mapping[str, Any] = field(default_factory=dict)
+
+
+def biases(keys: ConfigKeys) -> Fields:
+    """Llama's ``attention_bias``: q, k, v and o together."""
+    bias = bool(keys.get("attention_bias", False))
+    return {"qkv_bias": bias, "o_bias": bias}
+
+
+def experts(keys: ConfigKeys, inner_key: str, renormalize: bool) -> "MoeConfig":
+    """The experts' counts from a ``config.json``, under either name transformers writes."""
+    from ..config import MoeConfig
+
+    name = "num_experts" if keys.get("num_experts") is not None else "num_local_experts"
+    return MoeConfig(
+        num_experts=keys.count(name),
+        top_k=keys.count("num_experts_per_tok"),
+        intermediate_size=keys.count(inner_key),
+        renormalize=renormalize,
+    )
