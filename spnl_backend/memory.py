@@ -35,9 +35,10 @@ _UNLIMITED = 1 << 62  # cgroup v1 writes "no limit" as a page-rounded 2^63 - 1
 
 
 class KVShape(Protocol):
-    """What sizes a KV cache: a `ModelConfig`, or anything with these three counts."""
+    """What sizes a KV cache: a `ModelConfig`, or anything with these three counts
+    (``num_kv_layers``: the layers that keep K and V, `ModelConfig.num_kv_layers`)."""
 
-    num_layers: int
+    num_kv_layers: int
     num_kv_heads: int
     head_dim: int
 
@@ -45,7 +46,7 @@ class KVShape(Protocol):
 def kv_bytes_per_token(shape: KVShape, dtype: torch.dtype) -> int:
     """K and V of every layer for one token, in a plain cache of ``dtype``: the one formula
     the budget, the paged pool, the compression methods and the benchmarks use."""
-    return shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * dtype.itemsize
+    return shape.num_kv_layers * 2 * shape.num_kv_heads * shape.head_dim * dtype.itemsize
 
 
 def host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

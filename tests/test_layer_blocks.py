@@ -6,15 +6,10 @@ theirs."""
 import pytest
 import torch
 from helpers import SHARED_PREFIX_PROMPTS, engine_internals, engine_logits
-from tiny_models import ARCHITECTURES, MOE_ARCHITECTURES
+from tiny_models import ARCHITECTURES, MOE_ARCHITECTURES, PER_OP_ONLY
 
 from spnl_backend import BackendSettings, load_backend
 from spnl_backend.kernels.cpu import KernelArgumentError
-
-# What the blocks leave to the per-op path: qwen2's projections carry biases, OLMo 2's
-# layers have no input norm (norms after attention and MLP only), SmolLM3 has a layer that
-# does not rotate.
-NOT_RUN = {"qwen2", "olmo2", "smollm3"}
 
 
 def _load(tiny, arch, cache_type):
@@ -37,7 +32,7 @@ def test_the_blocks_give_the_per_op_paths_bits(tiny, arch, cache_type, block_run
         expected_logits, expected_texts = _generate(per_op, blocks=False)
         assert block_runs[0] == 0
         logits, texts = _generate(blocks, blocks=True)
-    if arch in NOT_RUN:
+    if arch in PER_OP_ONLY:
         assert block_runs[0] == 0
     else:
         assert block_runs[0] > 0

@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import engine_internals, engine_logits, greedy_with_logits, run_together
 from pic_reference import reference_greedy
-from tiny_models import ARCHITECTURES
+from tiny_models import ARCHITECTURES, PER_OP_ONLY
 
 from spnl_backend import BackendSettings, load_backend
 from spnl_backend.errors import ContextLengthError, RequestError, SettingsError
@@ -447,7 +447,7 @@ def test_pic_steps_on_the_layer_blocks_give_the_per_op_bits(tiny, arch, block_ru
                 lambda b=backend, p=pieces: b.generate(blocks=p, max_tokens=TOKENS, temperature=0),
             )
             results.append((tokens, logits, [r.token_ids for r in both]))
-    assert (block_runs[0] > 0) == (arch != "qwen2")  # qwen2's biases keep it on the per-op path
+    assert (block_runs[0] > 0) == (arch not in PER_OP_ONLY)
     assert torch.equal(results[0][1], results[1][1])
     assert results[0][0] == results[1][0]
     assert results[0][2] == results[1][2]

@@ -3,6 +3,8 @@ stands; a hit computed at other positions has its keys moved there (rotated on b
 difference, `engine.kv_shift`) into blocks of the request's own, the pooled blocks left
 as they are."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from helpers import engine_internals
@@ -24,6 +26,14 @@ ROPES = [
                original_max_position=128),
     RopeConfig(theta=10_000.0, rotary_dim=32, kind="linear", factor=2.0),
 ]  # fmt: skip
+
+
+def _one_layer(rope: RopeConfig, max_position: int) -> SimpleNamespace:
+    """What `KeyShift` reads of a model of one attention layer rotated by ``rope``."""
+    layer = SimpleNamespace(kv_layer=0, mixer=SimpleNamespace(rope="global"))
+    return SimpleNamespace(
+        rope=rope, rope_local=None, layers=[layer], max_position_embeddings=max_position
+    )
 
 
 def _stored(keys: torch.Tensor, rope: RopeConfig, first: int, dtype, scale: float):
@@ -49,8 +59,7 @@ def test_moved_keys_are_the_keys_of_the_new_positions(rope, dtype, tolerance, fi
     values = torch.zeros(3, BLOCK, 2, 32, dtype=dtype)
     pool[0] = _stored(keys, rope, first, dtype, scale)
     values[0] = to_cache(torch.randn(BLOCK, 2, 32), dtype) if dtype != torch.float8_e4m3fn else 1
-    config = type("Config", (), {"rope": rope, "rope_local": None, "layer_types": ["full"],
-                                 "max_position_embeddings": 4096})  # fmt: skip
+    config = _one_layer(rope, 4096)
     ((cos, sin),) = KeyShift(config, lambda *_: None).angles(delta)
     copy_block_rotated(pool, values, 0, 1, cos, sin, scale)
     expected = _stored(keys, rope, first + delta, dtype, scale).float()
@@ -65,8 +74,7 @@ def test_a_longrope_shift_across_its_original_context_is_refused():
         theta=10_000.0, rotary_dim=32, kind="longrope", original_max_position=64,
         short_factor=(1.0,) * 16, long_factor=(2.0,) * 16,
     )  # fmt: skip
-    config = type("Config", (), {"rope": rope, "rope_local": None, "layer_types": ["full"],
-                                 "max_position_embeddings": 256})  # fmt: skip
+    config = _one_layer(rope, 256)
     shift = KeyShift(config, lambda *_: None)
     assert shift.possible(0, 32, 16)
     assert not shift.possible(0, 60, 16)

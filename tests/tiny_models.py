@@ -82,9 +82,15 @@ def _has_experts(found) -> bool:
     return any(key in found.tiny for key in ("num_experts", "num_local_experts"))
 
 
-# Every family of the registry, dense and with experts.
-ARCHITECTURES = tuple(f.name for f in FAMILIES if not _has_experts(f))
-MOE_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_experts(f))
+# Every family of the registry: dense, with experts, and hybrids (state layers beside
+# attention, which the features that need every layer's K and V refuse).
+ARCHITECTURES = tuple(f.name for f in FAMILIES if not (_has_experts(f) or f.state_layers))
+MOE_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_experts(f) and not f.state_layers)
+HYBRID_ARCHITECTURES = tuple(f.name for f in FAMILIES if f.state_layers)
+# What the native layer blocks leave to the per-op path: qwen2's projections carry biases,
+# OLMo 2's layers have no input norm (norms after attention and MLP only), SmolLM3 has a
+# layer that does not rotate.
+PER_OP_ONLY = frozenset({"qwen2", "olmo2", "smollm3"})
 
 
 @dataclass
@@ -108,7 +114,7 @@ def build_hf_model(
         for name, param in model.named_parameters():
             # Peaked distributions, so greedy choices are not near-ties.
             if "norm" in name:  # Gemma scales by 1 + w, the others by w
-                center = 0.0 if arch in GEMMAS else 1.0
+                center = 0.0 if arch in OFFSET_NORMS else 1.0
                 param.copy_(center + 0.1 * torch.randn_like(param))
             else:
                 param.normal_(0.0, 0.15)
@@ -190,6 +196,7 @@ _OLMO2_LAYER_NAMES = {
     "post_feedforward_layernorm": "post_ffw_norm",
 }
 GEMMAS = ("gemma2", "gemma3")  # norms scaled by (1 + w), which the converter stores
+OFFSET_NORMS = (*GEMMAS, "qwen3_5")  # norms scaled by (1 + w): their weights centred on 0
 # llama.cpp's converter permutes q and k rows of these (NORM rope), as Llama's.
 _PERMUTED = ("llama", "mistral", "mixtral", "smollm3")
 

@@ -17,6 +17,6 @@ def method_bytes_per_token(
     if compressor is None:
         return kv_bytes_per_token(config, dtype)
     geometry = KVGeometry(
-        config.num_layers, config.num_kv_heads, config.head_dim, dtype, torch.device("cpu")
+        config.num_kv_layers, config.num_kv_heads, config.head_dim, dtype, torch.device("cpu")
     )
     return compressor.bytes_per_token(geometry)

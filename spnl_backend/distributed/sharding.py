@@ -112,6 +112,8 @@ def check_shardable(
     "down" weights as stored, 1 for float)."""
     c = config
     problems = []
+    if c.num_state_layers:
+        problems.append(f"its {c.num_state_layers} state layers (Gated DeltaNet) are not split yet")
     if c.num_heads % world:
         problems.append(f"its {c.num_heads} attention heads do not divide by {world}")
     if c.num_kv_heads % world and world % c.num_kv_heads:

@@ -55,7 +55,7 @@ def plan_kv_cache(
         raise SettingsError(
             f"{variable}={budget.value:g} gives no KV-cache block: one block of {block_size} "
             f"tokens needs {per_block / MIB:.2f} MB ({per_token:,} bytes of K and V per token for "
-            f"{config.num_layers} layers x {config.num_kv_heads} KV heads x "
+            f"{config.num_kv_layers} layers x {config.num_kv_heads} KV heads x "
             f"{config.head_dim} dims); raise the budget"
         )
     plan = KVCachePlan(num_blocks, block_size, per_token)

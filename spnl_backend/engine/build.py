@@ -9,6 +9,8 @@ per sequence (non-paged). A speculative draft gets a cache of its own of the sam
 holding as many tokens as the target's.
 """
 
+import dataclasses
+
 import torch
 
 from ..compression import (
@@ -23,6 +25,7 @@ from ..kernels import AttentionKernels
 from ..loader.model import LoadedModel
 from ..log import get_logger
 from ..memory import MIB, available_memory, kv_bytes_per_token
+from ..models.config import ModelConfig
 from ..settings import BackendSettings, PlatformDecisions
 from ..settings.backend_settings import KvBudget, env_name
 from .block_manager import BlockManager
@@ -37,6 +40,7 @@ from .paged import PagedCacheManager, PagedKVCache, PagedKVStorage
 from .pool_tier import attach_tier
 from .runner import ModelRunner, Runner
 from .speculative import Drafter, SpeculativeCache, SpeculativeRunner
+from .state_cache import StateCache, StatefulCacheManager
 
 log = get_logger()
 
@@ -47,6 +51,8 @@ def build_engine(
     decisions: PlatformDecisions,
     draft: LoadedModel | None = None,
 ) -> Engine:
+    _refuse_for_state_layers(loaded, settings, draft)
+    settings = _prefix_caching_for(loaded.config, settings)
     if (
         loaded.model.tp is not None
         and settings.pic_recompute
@@ -91,8 +97,43 @@ def build_cache(
     """The cache the engine would build for ``loaded``, alone: what a tensor-parallel
     rank other than 0 builds over its share, at the same point of its load as rank 0
     (a calibrated pool's forward pass is one of the group's)."""
+    settings = _prefix_caching_for(loaded.config, settings)
     cache, _, info = _cache(loaded, settings, decisions, settings.kv_budget, "target")
     return cache, info
+
+
+def _refuse_for_state_layers(
+    loaded: LoadedModel, settings: BackendSettings, draft: LoadedModel | None
+) -> None:
+    """What a model with state layers cannot run with yet, refused at load by name."""
+    config = loaded.config
+    if not config.num_state_layers:
+        return
+    reasons = {
+        "MISTRALRS_SPECULATIVE_DRAFT_MODEL / _DRAFT_ISQ": draft is not None,
+        "MISTRALRS_KV_TIER_DIR": settings.kv_tier_dir is not None,
+        "layer mapping (MISTRALRS_DEVICE_LAYERS)": loaded.model.model.layer_spans is not None,
+    }
+    for what, asked in reasons.items():
+        if asked:
+            raise SettingsError(
+                f"{what}: the {config.architecture} model has {config.num_state_layers} state "
+                "layers (Gated DeltaNet), whose per-sequence state this does not carry yet; "
+                "leave it unset for this model"
+            )
+
+
+def _prefix_caching_for(config: ModelConfig, settings: BackendSettings) -> BackendSettings:
+    """``settings``, without prefix caching for a model with state layers: a hit would
+    need each state at the hit's end, and no snapshots are kept yet (said in the log)."""
+    if not (config.num_state_layers and settings.prefix_cache_enabled):
+        return settings
+    log.warning(
+        "prefix_cache.off",
+        architecture=config.architecture,
+        reason="the model has state layers and no state snapshots are kept for prefix hits",
+    )
+    return settings.model_copy(update={"prefix_cache_n": 0})
 
 
 def _cache(
@@ -102,7 +143,23 @@ def _cache(
     budget: KvBudget,
     role: str,
 ) -> tuple[CacheManager, int, CacheInfo]:
-    """One model's cache manager, the longest sequence it can hold, and what it is."""
+    """One model's cache manager, the longest sequence it can hold, and what it is (with
+    the state group beside the KV cache where the model has state layers)."""
+    cache, max_len, info = _kv_cache(loaded, settings, decisions, budget, role)
+    if not loaded.config.num_state_layers:
+        return cache, max_len, info
+    states = StateCache(loaded.config, loaded.dtype, loaded.device)
+    info = dataclasses.replace(info, state_bytes_per_seq=states.bytes_per_sequence)
+    return StatefulCacheManager(cache, states), max_len, info
+
+
+def _kv_cache(
+    loaded: LoadedModel,
+    settings: BackendSettings,
+    decisions: PlatformDecisions,
+    budget: KvBudget,
+    role: str,
+) -> tuple[CacheManager, int, CacheInfo]:
     config = loaded.config
     compressor = get_compressor(settings.kv_cache_compression)
     paged = loaded.kernels.pages(compressor)
@@ -122,7 +179,7 @@ def _cache(
 def _geometry(loaded: LoadedModel, stats: KVStatistics | None) -> KVGeometry:
     c = loaded.config
     return KVGeometry(
-        c.num_layers,
+        c.num_kv_layers,
         c.num_kv_heads,
         c.head_dim,
         loaded.dtype,
@@ -221,7 +278,7 @@ def _paged_cache(
     if pair is None:
         per_token = kv_bytes_per_token(loaded.config, cache_dtype)
     else:
-        per_token = pair.bytes_per_token(loaded.config.num_layers, loaded.config.num_kv_heads)
+        per_token = pair.bytes_per_token(loaded.config.num_kv_layers, loaded.config.num_kv_heads)
     plan = plan_kv_cache(
         loaded.config,
         budget,

@@ -35,6 +35,8 @@ class CacheInfo:
     # cache dtype they have no kernel for, such as FP8, to the torch twins), "triton" or
     # "torch"; None in contiguous mode, which attends per sequence in torch.
     kernels: str | None
+    # What a sequence keeps in the state layers (`engine.state_cache`); None: none.
+    state_bytes_per_seq: int | None = None
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,7 @@ class CodedPagedKVCache:
         pair: CodecPair,
         device: torch.device,
     ) -> None:
-        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads)
+        shape = (config.num_kv_layers, num_blocks, block_size, config.num_kv_heads)
         self.pair = pair
         self.keys = torch.zeros((*shape, pair.key.record_bytes), dtype=torch.uint8, device=device)
         self.values = torch.zeros(

@@ -14,8 +14,9 @@ from typing import Literal
 import torch
 
 from ..kernels.attention_ref import attention_ref
-from ..models.step_attention import AttentionSpec, WithoutLayerBlocks
+from ..models.step_attention import AttentionSpec, StateSegment, WithoutLayerBlocks
 from ..models.transformer import CausalLM
+from .state_cache import StateCache
 
 Pooling = Literal["last", "mean", "first"]
 POOLINGS: tuple[Pooling, ...] = ("last", "mean", "first")
@@ -23,10 +24,11 @@ POOLINGS: tuple[Pooling, ...] = ("last", "mean", "first")
 
 class SelfAttention(WithoutLayerBlocks):
     """The attention backend of a cache-free pass: each packed text attends causally over
-    its own tokens alone."""
+    its own tokens alone (and, for state layers, runs from a fresh state: ``states``)."""
 
     def __init__(self, lengths: list[int]) -> None:
         self.lengths = lengths
+        self.states: list[StateSegment] = []
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
@@ -58,7 +60,11 @@ def embed(
     lengths = [len(ids) for ids in texts]
     input_ids = torch.tensor([t for ids in texts for t in ids], dtype=torch.long, device=device)
     positions = torch.cat([torch.arange(n, device=device) for n in lengths])
-    hidden = model(input_ids, positions, SelfAttention(lengths)).float()
+    attention = SelfAttention(lengths)
+    if model.config.num_state_layers:  # each text from a fresh state
+        cache = StateCache(model.config, model.model.embed_tokens.weight.dtype, device)
+        attention.states = cache.standalone(lengths)
+    hidden = model(input_ids, positions, attention).float()
     pooled = torch.stack([_pool(part, pooling) for part in hidden.split(lengths)])
     return torch.nn.functional.normalize(pooled, dim=-1).cpu()
 

@@ -289,6 +289,11 @@ class Engine:
             )
         if info.compression is not None:
             return f"its KV cache is compressed (MISTRALRS_KV_CACHE_COMPRESSION={info.compression})"
+        if info.state_bytes_per_seq is not None:
+            return (
+                "its model has state layers (Gated DeltaNet), whose state holds the whole "
+                "context in order: a block computed elsewhere cannot be placed into it"
+            )
         if isinstance(self.runner, SpeculativeRunner):
             return (
                 "it decodes with a speculative draft (MISTRALRS_SPECULATIVE_DRAFT_MODEL or "

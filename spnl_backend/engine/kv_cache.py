@@ -195,7 +195,7 @@ def plain_stores(
 ) -> Callable[[], SequenceKV]:
     """A factory of uncompressed per-sequence buffers of ``dtype`` (the cache's) for
     ``config``'s model."""
-    shape = (config.num_layers, config.num_kv_heads, config.head_dim)
+    shape = (config.num_kv_layers, config.num_kv_heads, config.head_dim)
     longest = native_attention_queries(batch_invariant)
     return lambda: SequenceKV(*shape, dtype, device, native, longest)
 

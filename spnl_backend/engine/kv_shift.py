@@ -31,7 +31,9 @@ class KeyShift:
         local = _inv_freq(config.rope_local, max_position) if config.rope_local else main
         # A layer that does not rotate turns by nothing (cos 1, sin 0: its keys unchanged).
         tables = {"global": main, "local": local, None: torch.zeros_like(main)}
-        self.inv_freqs = [tables[spec.mixer.rope] for spec in config.layers]
+        self.inv_freqs = [  # by the pool's layers: those that keep K and V
+            tables[spec.mixer.rope] for spec in config.layers if spec.kv_layer is not None
+        ]
         ropes = [config.rope, config.rope_local]
         # LongRoPE changes its frequencies past its original context: no shift across it.
         limits = [r.original_max_position for r in ropes if r is not None and r.kind == "longrope"]

@@ -50,7 +50,7 @@ class PagedKVCache:
         ``layer_spans``: layer mapping's devices, each with its consecutive layers (a pool
         tensor each), else all layers on ``device``."""
         per_layer = (2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        spans = layer_spans or [(device, config.num_layers)]
+        spans = layer_spans or [(device, config.num_kv_layers)]
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.parts = [_pool_tensor((count, *per_layer), cache_dtype, at) for at, count in spans]
         for part in self.parts:
@@ -58,8 +58,8 @@ class PagedKVCache:
         self.data = self.parts[0] if len(self.parts) == 1 else None  # the whole pool
         self.bytes_per_token = kv_bytes_per_token(config, cache_dtype)
         self.is_fp8 = cache_dtype == torch.float8_e4m3fn
-        self.k_scale = [1.0] * config.num_layers
-        self.v_scale = [1.0] * config.num_layers
+        self.k_scale = [1.0] * config.num_kv_layers
+        self.v_scale = [1.0] * config.num_kv_layers
         if self.is_fp8:
             if kv_absmax is None:
                 raise ValueError("an FP8 pool needs the model's K/V magnitudes (kv_absmax)")

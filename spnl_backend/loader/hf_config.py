@@ -35,7 +35,11 @@ _ACTIVATIONS = {
     "gelu_pytorch_tanh": "gelu_tanh",
     "gelu_tanh": "gelu_tanh",
 }
-_LAYER_TYPES: dict[str, LayerType] = {"full_attention": "full", "sliding_attention": "sliding"}
+_LAYER_TYPES: dict[str, LayerType] = {
+    "full_attention": "full",
+    "sliding_attention": "sliding",
+    "linear_attention": "linear",
+}
 _REQUIRED_COUNTS = (
     "vocab_size",
     "hidden_size",

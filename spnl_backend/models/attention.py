@@ -31,7 +31,9 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = mixer.num_heads, mixer.num_kv_heads
         self.head_dim = mixer.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = Linear(config.hidden_size, q_size, bias=mixer.qkv_bias)
+        self.output_gate = mixer.output_gate  # q_proj gives each head's query, then its gate
+        gated = 2 if mixer.output_gate else 1
+        self.q_proj = Linear(config.hidden_size, gated * q_size, bias=mixer.qkv_bias)
         self.k_proj = Linear(config.hidden_size, kv_size, bias=mixer.qkv_bias)
         self.v_proj = Linear(config.hidden_size, kv_size, bias=mixer.qkv_bias)
         self.o_proj = Linear(q_size, config.hidden_size, bias=mixer.o_bias)
@@ -49,9 +51,11 @@ class Attention(nn.Module):
         self, x: torch.Tensor, rotary: RotaryTables | None, attention: StepAttention
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv(x, rotary)
-        out = attention.attend(q, k, v, self.spec)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        q, k, v, gate = self._qkv_gate(x, rotary)
+        out = attention.attend(q, k, v, self.spec).reshape(tokens, self.num_heads * self.head_dim)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
 
     def qkv(
         self, x: torch.Tensor, rotary: RotaryTables | None
@@ -59,8 +63,16 @@ class Attention(nn.Module):
         """``x [T, hidden]`` (normed) → q ``[T, heads, d]``, k and v ``[T, kv_heads, d]``
         as the KV cache stores them (normed and rotated where the layer does; ``rotary``
         None for a layer that does not rotate)."""
+        return self._qkv_gate(x, rotary)[:3]
+
+    def _qkv_gate(self, x: torch.Tensor, rotary: RotaryTables | None):
+        """`qkv`, and the output gate ``[T, heads * d]`` where the layer has one."""
         tokens = x.shape[0]
         q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        gate = None
+        if self.output_gate:  # per head: its query's dims, then its gate's
+            both = q.view(tokens, self.num_heads, 2, self.head_dim)
+            q, gate = both[:, :, 0].reshape(tokens, -1), both[:, :, 1].reshape(tokens, -1)
         if self.qk_norm_full and self.tp is not None:
             q, k = self._sharded_norm(self.q_norm, q), self._sharded_norm(self.k_norm, k)
         elif self.qk_norm_full:
@@ -74,9 +86,9 @@ class Attention(nn.Module):
         if rotary is None:
             if norms is not None:
                 q, k = ops.rms_norm_layer(q, norms[0]), ops.rms_norm_layer(k, norms[1])
-            return q, k, v
+            return q, k, v, gate
         q, k = ops.qk_norm_rotate(q, k, norms, rotary)
-        return q, k, v
+        return q, k, v, gate
 
     def _sharded_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         """OLMoE's norm over a whole projection when each rank holds some of its heads:

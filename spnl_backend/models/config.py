@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from ..errors import ModelFileError, UnsupportedArchitectureError
+from .components import DeltaNetConfig, MoeConfig, RopeConfig
 
 if TYPE_CHECKING:
     from .layers import LayerSpec, NormPlacement
 
-LayerType = Literal["full", "sliding"]
-RopeKind = Literal["default", "linear", "llama3", "yarn", "longrope"]
+LayerType = Literal["full", "sliding", "linear"]  # linear: a Gated DeltaNet (`delta_net`)
 MAX_COUNT = 2**31 - 1  # every size and count fits the int32 indices kernels use
 _COUNTS = (
     "vocab_size",
@@ -38,45 +38,6 @@ class ConfigValueError(ValueError):
     def __init__(self, field: str, found: object, expected: str) -> None:
         super().__init__(f"{field} is {found!r}; expected {expected}")
         self.field, self.found, self.expected = field, found, expected
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding of one layer type: base, rotated dims and the scaling rule."""
-
-    theta: float
-    rotary_dim: int
-    kind: RopeKind = "default"
-    factor: float = 1.0
-    original_max_position: int | None = None
-    low_freq_factor: float = 1.0  # llama3
-    high_freq_factor: float = 4.0  # llama3
-    beta_fast: float = 32.0  # yarn
-    beta_slow: float = 1.0  # yarn
-    truncate: bool = True  # yarn
-    mscale: float | None = None  # yarn
-    mscale_all_dim: float | None = None  # yarn
-    attention_factor: float | None = None  # yarn, longrope
-    short_factor: tuple[float, ...] | None = None  # longrope
-    long_factor: tuple[float, ...] | None = None  # longrope
-    freq_factors: tuple[float, ...] | None = None  # per-dimension divisors stored in a GGUF
-
-
-@dataclass(frozen=True)
-class MoeConfig:
-    """A mixture-of-experts feed-forward: a router picks ``top_k`` of ``num_experts``
-    gated MLPs per token. Routing follows transformers: a float32 softmax over the
-    router's logits, the top-k probabilities, renormalised to sum to 1 where
-    ``renormalize``; Mixtral weighs the experts' outputs in float32 (``float_weights``),
-    the others in the model's dtype. ``sparse``: which layers are MoE layers (Qwen3-MoE
-    may keep some dense, with the model's ``intermediate_size``)."""
-
-    num_experts: int
-    top_k: int
-    intermediate_size: int
-    renormalize: bool
-    float_weights: bool = False
-    sparse: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -112,6 +73,8 @@ class ModelConfig:
     qk_norm_full: bool = False
     clip_qkv: float | None = None
     moe: "MoeConfig | None" = None  # mixture-of-experts layers, where the model has them
+    delta_net: DeltaNetConfig | None = None  # the "linear" layers' sizes
+    attn_output_gate: bool = False  # Qwen3.5: a sigmoid gate from the q projection
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -144,8 +107,16 @@ class ModelConfig:
     def scale(self) -> float:
         return self.attn_scale or self.head_dim**-0.5
 
-    def window_of(self, layer: int) -> int | None:
-        return self.layers[layer].mixer.spec.sliding_window
+    @property
+    def num_kv_layers(self) -> int:
+        """The layers that keep K and V of their own: the KV pool's layers (a layer's
+        `AttentionSpec.layer` is its place there; a state layer keeps none)."""
+        return len({s.kv_layer for s in self.layers if s.kv_layer is not None})
+
+    @property
+    def num_state_layers(self) -> int:
+        """The layers that keep a state per sequence instead (`models.layers.DeltaNetMixer`)."""
+        return sum(1 for s in self.layers if s.kv_layer is None)
 
     @functools.cached_property
     def layers(self) -> tuple["LayerSpec", ...]:
@@ -196,12 +167,15 @@ def _validate(config: ModelConfig) -> None:
     if len(config.layer_types) != config.num_layers or not set(config.layer_types) <= {
         "full",
         "sliding",
+        "linear",
     }:
         raise ConfigValueError(
             "layer_types",
             config.layer_types,
-            f"{config.num_layers} entries (one per layer), each 'full' or 'sliding'",
+            f"{config.num_layers} entries (one per layer), each 'full', 'sliding' or 'linear'",
         )
+    if "linear" in config.layer_types:
+        _check_delta_net(config.delta_net)
     if config.sliding_window is not None:
         _check_count("sliding_window", config.sliding_window)
     if config.norm_placement not in ("pre", "sandwich", "post"):
@@ -220,6 +194,19 @@ def _validate(config: ModelConfig) -> None:
     if config.moe is not None:
         _check_moe(config.moe, config.num_layers)
     _check_token_ids(config)
+
+
+def _check_delta_net(delta: DeltaNetConfig | None) -> None:
+    if delta is None:
+        raise ConfigValueError("delta_net", None, "the linear layers' sizes (linear_* keys)")
+    for name in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel"):
+        _check_count(name, getattr(delta, name))
+    if delta.num_v_heads % delta.num_k_heads:
+        raise ConfigValueError(
+            "num_v_heads",
+            delta.num_v_heads,
+            f"a multiple of the linear layers' key heads ({delta.num_k_heads})",
+        )
 
 
 def _check_moe(moe: MoeConfig, layers: int) -> None:

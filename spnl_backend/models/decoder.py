@@ -9,7 +9,8 @@ from ..kernels.dispatch import TORCH_CHOICE, KernelChoice
 from .attention import Attention
 from .collectives import Collectives
 from .config import ModelConfig
-from .layers import MoeFFN
+from .deltanet import GatedDeltaNet
+from .layers import DeltaNetMixer, MoeFFN
 from .mlp import GatedMLP
 from .moe import SparseMoE
 from .norms import RMSNorm, rms_norm_of
@@ -35,7 +36,10 @@ class DecoderLayer(nn.Module):
         self.tp = tp
         self.spec = spec = config.layers[layer]
         native, hidden = kernels.native, config.hidden_size
-        self.self_attn = Attention(config, spec.mixer, tp, native)
+        if isinstance(spec.mixer, DeltaNetMixer):
+            self.linear_attn = GatedDeltaNet(config, spec.mixer)
+        else:
+            self.self_attn = Attention(config, spec.mixer, tp, native)
         moe = isinstance(spec.ffn, MoeFFN)
         self.mlp: nn.Module = SparseMoE(config, kernels) if moe else GatedMLP(config)
         self.norms = spec.norms
@@ -67,7 +71,7 @@ class DecoderLayer(nn.Module):
         residual stream and its copy by ``next_norm`` (the next layer's input norm or the
         final one; None: the stream itself). Each residual add and the norm after it are
         one step (`ops.add_rms_norm_layer`); ``x`` may be updated in place."""
-        attn = self._summed(self.self_attn(h, rotary, attention))
+        attn = self._summed(self._mix(h, rotary, attention))
         if self.norms == "pre":
             x, h = _add(x, attn, None, self.post_attention_layernorm)
             return _add(x, self._summed(self.mlp(h)), None, next_norm)
@@ -76,6 +80,13 @@ class DecoderLayer(nn.Module):
         else:
             x, h = _add(x, attn, self.post_attention_layernorm, None)
         return _add(x, self._summed(self.mlp(h)), self.post_feedforward_layernorm, next_norm)
+
+    def _mix(
+        self, h: torch.Tensor, rotary: RotaryTables | None, attention: StepAttention
+    ) -> torch.Tensor:
+        if isinstance(self.spec.mixer, DeltaNetMixer):
+            return self.linear_attn(h, attention)
+        return self.self_attn(h, rotary, attention)
 
     def _summed(self, part: torch.Tensor) -> torch.Tensor:
         return part if self.tp is None else self.tp.all_reduce(part)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Literal
 from .step_attention import AttentionSpec
 
 if TYPE_CHECKING:
-    from .config import ModelConfig, MoeConfig
+    from .config import DeltaNetConfig, ModelConfig, MoeConfig
 
 # pre: a norm before attention and before the MLP (Llama); sandwich: also after each
 # (Gemma); post: only after each, the residual stream entering un-normed (OLMo 2 and 3).
@@ -36,6 +36,18 @@ class AttentionMixer:
     clip_qkv: float | None = None
     qkv_bias: bool = False
     o_bias: bool = False
+    # Qwen3.5: the q projection also gives a per-head gate, its sigmoid scaling the output.
+    output_gate: bool = False
+
+
+@dataclass(frozen=True)
+class DeltaNetMixer:
+    """A Gated DeltaNet (Qwen3.5): linear attention whose memory is one state per
+    sequence (a recurrent state per value head and a convolution's last inputs), kept
+    in the cache's state group at place ``state``."""
+
+    config: "DeltaNetConfig"
+    state: int
 
 
 @dataclass(frozen=True)
@@ -52,21 +64,37 @@ class MoeFFN:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    mixer: AttentionMixer
+    mixer: AttentionMixer | DeltaNetMixer
     ffn: DenseFFN | MoeFFN
     norms: NormPlacement = "pre"
+
+    @property
+    def kv_layer(self) -> int | None:
+        """The layer's place in the KV pool (None: it keeps no K and V)."""
+        return self.mixer.spec.layer if isinstance(self.mixer, AttentionMixer) else None
 
 
 def describe_layers(config: "ModelConfig") -> tuple[LayerSpec, ...]:
     """The layers a `ModelConfig`'s fields describe: what every family's ``layers`` gives
-    unless it says otherwise."""
-    return tuple(_layer(config, i) for i in range(config.num_layers))
+    unless it says otherwise. Attention layers take the KV pool's places in order, state
+    layers the state group's."""
+    layers, kv, state = [], 0, 0
+    for i in range(config.num_layers):
+        if config.layer_types[i] == "linear":
+            assert config.delta_net is not None  # `ModelConfig` checks it
+            mixer: AttentionMixer | DeltaNetMixer = DeltaNetMixer(config.delta_net, state)
+            state += 1
+        else:
+            mixer = _attention(config, i, kv)
+            kv += 1
+        layers.append(LayerSpec(mixer, _ffn(config, i), config.norm_placement))
+    return tuple(layers)
 
 
-def _layer(config: "ModelConfig", i: int) -> LayerSpec:
+def _attention(config: "ModelConfig", i: int, kv_layer: int) -> AttentionMixer:
     sliding = config.layer_types[i] == "sliding"
     spec = AttentionSpec(
-        layer=i,
+        layer=kv_layer,
         scale=config.scale,
         num_kv_groups=config.num_heads // config.num_kv_heads,
         sliding_window=config.sliding_window if sliding else None,
@@ -76,7 +104,7 @@ def _layer(config: "ModelConfig", i: int) -> LayerSpec:
     if config.rope_layers and not config.rope_layers[i]:
         rope = None
     qk_norm: QkNorm | None = "full" if config.qk_norm_full else "head" if config.qk_norm else None
-    mixer = AttentionMixer(
+    return AttentionMixer(
         config.num_heads,
         config.num_kv_heads,
         config.head_dim,
@@ -86,8 +114,11 @@ def _layer(config: "ModelConfig", i: int) -> LayerSpec:
         clip_qkv=config.clip_qkv,
         qkv_bias=config.qkv_bias,
         o_bias=config.o_bias,
+        output_gate=config.attn_output_gate,
     )
-    ffn: DenseFFN | MoeFFN = DenseFFN(config.intermediate_size, config.activation)
+
+
+def _ffn(config: "ModelConfig", i: int) -> DenseFFN | MoeFFN:
     if config.moe is not None and config.moe.sparse[i]:
-        ffn = MoeFFN(config.moe, config.activation)
-    return LayerSpec(mixer, ffn, config.norm_placement)
+        return MoeFFN(config.moe, config.activation)
+    return DenseFFN(config.intermediate_size, config.activation)

@@ -1,6 +1,7 @@
-"""The model's interface to the KV cache: what a layer's attention needs besides q, k, v
-(`AttentionSpec`) and what stores a step's K/V and attends for it (`StepAttention`, which
-the engine's caches implement)."""
+"""The model's interface to the cache: what a layer's attention needs besides q, k, v
+(`AttentionSpec`), what stores a step's K/V and attends for it (`StepAttention`, which
+the engine's caches implement), and the sequences' states where a model has state
+layers (`StateSegment`, which the step gives them as ``states``)."""
 
 from dataclasses import dataclass
 from typing import Protocol
@@ -47,3 +48,30 @@ class WithoutLayerBlocks:
 
     def native_keys(self, windows: tuple[int, ...]) -> None:
         return None
+
+
+@dataclass
+class SequenceState:
+    """One sequence's memory in the state layers (`models.layers.DeltaNetMixer`): per
+    state layer its convolution's last inputs ``[kernel - 1, conv_dim]`` and its
+    recurrent state ``[num_v_heads, head_k_dim, head_v_dim]`` (float32), both updated in
+    place as the sequence's tokens are computed."""
+
+    conv: list[torch.Tensor]
+    recurrent: list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StateSegment:
+    """A sequence's rows of a step (``start``, ``count``) and its state."""
+
+    start: int
+    count: int
+    state: SequenceState
+
+
+class StatefulStep(StepAttention, Protocol):
+    """A step of a model with state layers: also each sequence's rows and state, in the
+    step's order (`engine.state_cache` wraps the KV cache's step with them)."""
+
+    states: list[StateSegment]

@@ -59,7 +59,8 @@ class Backbone(nn.Module):
             else None
         )
         self.embedding_multiplier = config.embedding_multiplier
-        self.ropes = [spec.mixer.rope for spec in config.layers]  # each layer's table
+        # Each layer's rotary table (None: it does not rotate, a state layer included).
+        self.ropes = [getattr(spec.mixer, "rope", None) for spec in config.layers]
         self.local_layers = frozenset(i for i, rope in enumerate(self.ropes) if rope == "local")
         # Whether steps may run on the native layer blocks where they can (False: always
         # the per-op path, their twin); the blocks are built on first use.

@@ -15,6 +15,7 @@ from . import (
     phi3,
     qwen2,
     qwen3,
+    qwen3_5,
     qwen3_moe,
     smollm3,
 )
@@ -32,6 +33,7 @@ FAMILIES: tuple[Family, ...] = tuple(
         gemma3,
         olmo2,
         smollm3,
+        qwen3_5,
         qwen3_moe,
         mixtral,
         olmoe,

@@ -95,7 +95,8 @@ class Family:
     - ``gguf_auto_tokenizer``: transformers' AutoTokenizer converts its GGUF vocabulary
       (else the generic fast tokenizer reads the file's tokenizer metadata).
     - ``chat_template``: the template where a file carries none.
-    - ``layers(config)``: one `LayerSpec` per layer.
+    - ``layers(config)``: one `LayerSpec` per layer; ``state_layers``: some of them keep
+      a state per sequence (a hybrid: what needs K and V of every layer refuses it).
     - ``tiny``: the family's tiny test model: ``config.json`` keys beside the common tiny
       sizes (the tests build it through transformers; a test fails for a family without).
     """
@@ -111,6 +112,7 @@ class Family:
     gguf_auto_tokenizer: bool = False
     chat_template: str | None = None
     layers: Callable[["ModelConfig"], tuple[LayerSpec, ...]] = describe_layers
+    state_layers: bool = False
     tiny: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -122,7 +124,7 @@ def biases(keys: ConfigKeys) -> Fields:
 
 def experts(keys: ConfigKeys, inner_key: str, renormalize: bool) -> "MoeConfig":
     """The experts' counts from a ``config.json``, under either name transformers writes."""
-    from ..config import MoeConfig
+    from ..components import MoeConfig
 
     name = "num_experts" if keys.get("num_experts") is not None else "num_local_experts"
     return MoeConfig(

@@ -6,7 +6,7 @@ the local rope base, the 27B's query scale (hidden / heads); its converter store
 norm weights as 1 + w.
 """
 
-from ..config import RopeConfig
+from ..components import RopeConfig
 from .family import SANDWICH_GGUF_NAMES, Family, Fields, GgufKeys, HfKeys, biases
 
 # The turns Gemma's instruction-tuned models use (a file normally carries it); Gemma has

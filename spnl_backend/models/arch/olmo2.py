@@ -7,7 +7,7 @@ its pattern every fourth layer global unless the file says, the sliding layers r
 at ``rope.freq_base_swa`` (else the global base) without scaling.
 """
 
-from ..config import RopeConfig
+from ..components import RopeConfig
 from .family import COMMON_GGUF_NAMES, Family, Fields, GgufKeys, HfKeys, biases
 
 _SWA_PATTERN = 4

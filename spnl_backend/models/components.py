@@ -1,0 +1,73 @@
+"""The parts a `ModelConfig` is made of: a rotary embedding's configuration, a mixture of
+experts', a Gated DeltaNet's sizes. The family modules (`models.arch`) build them; they
+depend on nothing, so that the families and `ModelConfig` need not import each other."""
+
+from dataclasses import dataclass
+from typing import Literal
+
+RopeKind = Literal["default", "linear", "llama3", "yarn", "longrope"]
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding of one layer type: base, rotated dims and the scaling rule."""
+
+    theta: float
+    rotary_dim: int
+    kind: RopeKind = "default"
+    factor: float = 1.0
+    original_max_position: int | None = None
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    attention_factor: float | None = None  # yarn, longrope
+    short_factor: tuple[float, ...] | None = None  # longrope
+    long_factor: tuple[float, ...] | None = None  # longrope
+    freq_factors: tuple[float, ...] | None = None  # per-dimension divisors stored in a GGUF
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts feed-forward: a router picks ``top_k`` of ``num_experts``
+    gated MLPs per token. Routing follows transformers: a float32 softmax over the
+    router's logits, the top-k probabilities, renormalised to sum to 1 where
+    ``renormalize``; Mixtral weighs the experts' outputs in float32 (``float_weights``),
+    the others in the model's dtype. ``sparse``: which layers are MoE layers (Qwen3-MoE
+    may keep some dense, with the model's ``intermediate_size``)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    float_weights: bool = False
+    sparse: tuple[bool, ...] = ()
+
+
+@dataclass(frozen=True)
+class DeltaNetConfig:
+    """A Gated DeltaNet's sizes (Qwen3.5): ``num_k_heads`` query/key heads of
+    ``head_k_dim``, ``num_v_heads`` value heads of ``head_v_dim`` (each key head serving
+    ``num_v_heads / num_k_heads`` of them), and a causal depthwise convolution of
+    ``conv_kernel`` taps over the q, k and v projections."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim

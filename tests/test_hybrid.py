@@ -1,0 +1,160 @@
+"""Hybrid models (state layers beside attention: Qwen3.5's Gated DeltaNet) against
+transformers, on the paged and the contiguous cache, batched, in chunks and preempted;
+the delta rule's two forms against each other; what such a model refuses, and why."""
+
+import pytest
+import torch
+from helpers import PROMPT, SHARED_PREFIX_PROMPTS, engine_internals, engine_logits
+from tiny_models import HYBRID_ARCHITECTURES
+
+from spnl_backend import BackendSettings, RequestError, SettingsError, load_backend
+from spnl_backend.distributed.sharding import check_shardable
+from spnl_backend.kernels import delta_rule
+
+TOKENS = 24
+
+
+def _load(tiny, arch, **settings):
+    return load_backend(str(tiny.hf(arch).path), settings=BackendSettings(device="cpu", **settings))
+
+
+def _expected(tiny, arch, prompt: str, tokens: int = TOKENS) -> list[int]:
+    model = tiny.hf(arch)
+    ids = model.tokenizer(prompt).input_ids
+    out = model.hf.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny):
+    return {
+        arch: [_expected(tiny, arch, p) for p in SHARED_PREFIX_PROMPTS]
+        for arch in HYBRID_ARCHITECTURES
+    }
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+@pytest.mark.parametrize("paged", [True, False])
+def test_logits_match_transformers(tiny, arch, paged):
+    model = tiny.hf(arch)
+    ids = model.tokenizer(PROMPT).input_ids
+    with torch.no_grad():
+        reference = model.hf(torch.tensor([ids])).logits[0]
+    # (a float32 pool: the paged pool's default on the CPU is float16)
+    with _load(tiny, arch, paged_attn=paged, paged_cache_type="f32") as backend:
+        ours = engine_logits(backend, ids)
+    assert reference.std() > 0.5
+    torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+@pytest.mark.parametrize("paged", [True, False])
+def test_a_batch_gives_each_prompt_transformers_tokens(tiny, expected, arch, paged):
+    """Prompts of several lengths decoded together: each sequence's state is its own."""
+    with _load(tiny, arch, paged_attn=paged) as backend:
+        results = backend.generate(SHARED_PREFIX_PROMPTS, max_tokens=TOKENS, temperature=0)
+        assert backend.stats().cache_holders == 0
+    assert [r.token_ids for r in results] == expected[arch]
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+def test_chunked_prefill_carries_the_state(tiny, expected, arch):
+    with _load(tiny, arch) as backend:
+        engine_internals(backend).scheduler.max_num_batched_tokens = 7
+        result = backend.generate(SHARED_PREFIX_PROMPTS[0], max_tokens=TOKENS, temperature=0)
+    assert result.token_ids == expected[arch][0]
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+def test_preempted_sequences_rebuild_their_state(tiny, expected, arch):
+    """A pool too small for every sequence at once: the newest are preempted, their
+    state dropped with their blocks, and recomputed from their first token."""
+    with _load(tiny, arch, paged_attn_context_len=128, paged_attn_block_size=16) as backend:
+        results = backend.generate(SHARED_PREFIX_PROMPTS, max_tokens=TOKENS, temperature=0)
+        assert backend.stats().preemptions > 0
+        assert backend.stats().cache_holders == 0
+    assert [r.token_ids for r in results] == expected[arch]
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+def test_the_same_prompt_again_gives_the_same_tokens(tiny, arch):
+    """No prefix hit starts a sequence past its first token without its state: a second
+    run of a prompt computes it whole, and gives what the first gave."""
+    with _load(tiny, arch, paged_attn_block_size=8) as backend:
+        first = backend.generate(PROMPT, max_tokens=TOKENS, temperature=0)
+        second = backend.generate(PROMPT, max_tokens=TOKENS, temperature=0)
+    assert second.usage.cached_tokens == 0
+    assert second.token_ids == first.token_ids
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+def test_info_counts_the_state_a_sequence_keeps(tiny, arch):
+    with _load(tiny, arch) as backend:
+        info = backend.cache_info()
+    config = tiny.hf(arch).hf.config
+    conv = (config.linear_conv_kernel_dim - 1) * (
+        2 * config.linear_num_key_heads * config.linear_key_head_dim
+        + config.linear_num_value_heads * config.linear_value_head_dim
+    )
+    recurrent = (
+        config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+    )
+    linear = config.layer_types.count("linear_attention")
+    assert info.state_bytes_per_seq == linear * (conv + recurrent) * 4  # float32 model
+
+
+def test_the_chunked_rule_gives_the_recurrent_values():
+    torch.manual_seed(0)
+    tokens, heads, dk, dv = 150, 3, 8, 6  # chunks of 64: two whole and one padded
+    q = torch.nn.functional.normalize(torch.randn(tokens, heads, dk), dim=-1) * dk**-0.5
+    k = torch.nn.functional.normalize(torch.randn(tokens, heads, dk), dim=-1)
+    v = torch.randn(tokens, heads, dv)
+    g = -torch.rand(tokens, heads)
+    beta = torch.rand(tokens, heads)
+    start = torch.randn(heads, dk, dv)
+    state_a, state_b = start.clone(), start.clone()
+    out_a = delta_rule.recurrent(q, k, v, g, beta, state_a)
+    out_b = delta_rule.chunked(q, k, v, g, beta, state_b)
+    torch.testing.assert_close(out_b, out_a, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state_b, state_a, atol=1e-4, rtol=1e-4)
+
+
+def test_the_recurrent_rule_is_the_delta_rule():
+    """One token by the definition: decay, write the value's unpredicted part, read."""
+    torch.manual_seed(1)
+    heads, dk, dv = 2, 4, 3
+    q, k, v = torch.randn(1, heads, dk), torch.randn(1, heads, dk), torch.randn(1, heads, dv)
+    g, beta = -torch.rand(1, heads), torch.rand(1, heads)
+    state = torch.randn(heads, dk, dv)
+    expected_state = state * g[0].exp()[:, None, None]
+    for h in range(heads):
+        predicted = expected_state[h].T @ k[0, h]
+        expected_state[h] += torch.outer(k[0, h], beta[0, h] * (v[0, h] - predicted))
+    expected_out = torch.einsum("hkv,hk->hv", expected_state, q[0])
+    out = delta_rule.recurrent(q, k, v, g, beta, state)
+    torch.testing.assert_close(state, expected_state)
+    torch.testing.assert_close(out[0], expected_out)
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+def test_pic_is_refused_with_the_reason(tiny, arch):
+    with (
+        _load(tiny, arch) as backend,
+        pytest.raises(RequestError, match="state layers"),
+    ):
+        backend.generate(blocks=[("plus", "Doc one."), ("cross", "Question?")], max_tokens=4)
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+def test_a_speculative_draft_is_refused_with_the_reason(tiny, arch):
+    path = str(tiny.hf(arch).path)
+    settings = BackendSettings(device="cpu", speculative_draft_model=path)
+    with pytest.raises(SettingsError, match="state layers"):
+        load_backend(path, settings=settings)
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+def test_tensor_parallelism_is_refused_with_the_reason(tiny, arch):
+    config = tiny.backend(arch).model_config
+    with pytest.raises(SettingsError, match="state layers"):
+        check_shardable(config, 2)
