@@ -221,7 +221,8 @@ class _Api:
         label = "embeddings"
         try:
             self._gate(request)
-            asked = parse_embeddings(await _read_json(request, self.config.max_body_bytes))
+            body = await _read_json(request, self.config.max_body_bytes)
+            asked = await asyncio.to_thread(parse_embeddings, body)  # a list of megabytes
             result = await self._embedded(request, asked, label)
         except Exception as exc:
             return self._refused(label, exc)
@@ -353,7 +354,7 @@ class _Api:
         try:
             self._gate(request)
             body = await _read_json(request, self.config.max_body_bytes, True)
-            asked = ollama.parse_embed(body)
+            asked = await asyncio.to_thread(ollama.parse_embed, body)
             keep_alive = ollama.keep_alive_s(body.get("keep_alive"))
             result = await self._embedded(request, asked, label, keep_alive)
         except Exception as exc:
