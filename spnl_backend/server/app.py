@@ -35,6 +35,7 @@ from ..engine.sequence import Sequence, StepOutput
 from ..errors import RequestAbortedError, RequestError
 from ..log import get_logger
 from ..pic.query import MapQuery, parse_query
+from ..plain import json_value
 from ..tools.calls import call_reader
 from ..tools.chat import template_messages
 from . import collector, ollama
@@ -859,12 +860,10 @@ async def _read_json(request: Request, limit: int, lenient: bool = False) -> Any
     text = await _read_text(request, limit, lenient)
     try:
         if len(text) <= INLINE_JSON_CHARS:
-            return json.loads(text)
-        return await asyncio.to_thread(json.loads, text)
-    except (json.JSONDecodeError, RecursionError, ValueError) as exc:
-        # RecursionError: nested too deep; ValueError: an integer past Python's digit limit
-        reason = str(exc)[:200] or type(exc).__name__
-        raise ApiError(400, f"the request body is not valid JSON: {reason}") from None
+            return json_value(text, "the request body")
+        return await asyncio.to_thread(json_value, text, "the request body")
+    except RequestError as exc:
+        raise ApiError(400, str(exc)) from None
 
 
 async def _read_text(request: Request, limit: int, lenient: bool) -> str:
