@@ -3,11 +3,13 @@ what it broke, promptly, and legitimate requests of the same shape still pass.""
 
 import json
 
+import httpx
 import pytest
-from live_server import MODEL, served_backend
+from live_server import MODEL, LiveServer, served_backend
 from test_tools import TOOL_TEMPLATE
 
 from spnl_backend.plain import MAX_JSON_DEPTH
+from spnl_backend.server.rules import ROUTES
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +73,71 @@ def test_a_body_nested_too_deep_is_a_400_that_names_the_limit(live, path, body):
     past_the_parser = json.dumps(body)[:-1] + ', "extra": ' + "[" * 5000 + "]" * 5000 + "}"
     reply = live.post(path, None, content=past_the_parser)
     assert reply.status_code == 400, reply.text
+
+
+# ---- a web page's requests, on every POST route -------------------------------------------
+
+PAGES = ("https://evil.example", "null")  # null: a sandboxed frame's, or a file's
+# What a page may POST without the browser asking first (no preflight).
+SIMPLE_BODIES = (
+    ("text/plain", b"{}"),
+    (None, b"{}"),
+    ("application/x-www-form-urlencoded", b"a=1"),
+    ("multipart/form-data; boundary=x", b"--x--\r\n"),
+)
+
+
+def _post_paths(server: LiveServer) -> list[str]:
+    """Every POST route the app has, read from the app itself."""
+    return [r.path for r in server.app.routes if "POST" in (getattr(r, "methods", None) or ())]
+
+
+def _walk_pages(server: LiveServer, headers: dict[str, str]) -> None:
+    paths = _post_paths(server)
+    assert "/reset_prefix_cache" in paths
+    for path in paths:
+        for origin in PAGES:
+            for media, body in SIMPLE_BODIES:
+                sent = {**headers, "Origin": origin}
+                if media is not None:
+                    sent["Content-Type"] = media
+                reply = httpx.post(server.url + path, content=body, headers=sent, timeout=60)
+                assert reply.status_code == 403, (path, origin, media, reply.text)
+                assert "origin_refused" in reply.text or "web page" in reply.text
+
+
+@pytest.fixture
+def resets(backend, monkeypatch):
+    """The calls that reached `Backend.reset_prefix_cache`."""
+    calls = []
+    monkeypatch.setattr(backend, "reset_prefix_cache", lambda: calls.append(1) or 0)
+    return calls
+
+
+def test_no_post_route_takes_a_web_pages_simple_request(live, resets):
+    _walk_pages(live, {})
+    assert resets == []
+    assert httpx.post(live.url + "/reset_prefix_cache", timeout=60).status_code == 200  # curl
+    assert resets == [1]
+
+
+def test_with_a_key_too_a_page_is_refused_even_with_the_key(backend, resets):
+    server = LiveServer(backend, api_key="sesame")
+    try:
+        _walk_pages(server, {"Authorization": "Bearer sesame"})
+        assert resets == []
+    finally:
+        server.stop()
+
+
+def test_every_route_is_made_from_the_rule_table(live):
+    made = {(r.path, next(iter(r.methods - {"HEAD"}))) for r in live.app.routes}
+    assert made == {(rule.path, rule.method) for rule in ROUTES}
+    for rule in ROUTES:  # from a client that is no browser: text is JSON's route's 415
+        if rule.method != "POST":
+            continue
+        reply = httpx.post(
+            live.url + rule.path, content=b"{}", headers={"Content-Type": "text/plain"}, timeout=60
+        )
+        assert (reply.status_code == 415) == (rule.body == "json"), (rule.path, reply.text)
+        assert reply.status_code != 403

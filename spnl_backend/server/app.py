@@ -3,11 +3,13 @@
 Routes: ``GET /health``, ``GET /metrics``, ``GET /v1/models``, ``POST /v1/completions``
 and ``POST /v1/chat/completions`` (streamed as server-sent events with ``stream: true``);
 spnl's ``POST /v1/query/execute?stream=true|false`` (its span queries, `pic.query`, as
-spnl's ``spnl/`` provider posts them) and ``POST /reset_prefix_cache``.
-Every request to ``/v1/`` passes the same gate, in this order: the API key (401), a
-loaded model (503), the body's type (415), size (413), arrival (408) and JSON (400),
-its fields (400), the model's name (404), the prompt's length (400,
-``context_length_exceeded``), the queue's bound (503 with ``Retry-After``). A failure
+spnl's ``spnl/`` provider posts them) and ``POST /reset_prefix_cache``; Ollama's under
+``/api/``. Every route is made from one table of rules (`rules.ROUTES`). A request to
+``/v1/`` passes the same gate, in this order: a web page's request that is not JSON
+(403), the API key (401), the body's type (415), a loaded model (503), the body's size
+(413), arrival (408) and JSON (400), its fields (400), the model's name (404), the
+prompt's length (400, ``context_length_exceeded``), the queue's bound (503 with
+``Retry-After``). A failure
 past the gate is logged with its cause and reaches the client as OpenAI's error body,
 never as a stack trace.
 """
@@ -17,7 +19,7 @@ import dataclasses
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +54,7 @@ from .protocol import (
     parse_embeddings,
 )
 from .responses import Endpoint, Reply, embedding_body, sse
+from .rules import ROUTES, RouteRule, check_page, check_type
 
 log = get_logger()
 
@@ -98,23 +101,7 @@ class ServerState:
 def create_app(config: ServerConfig, state: ServerState) -> Starlette:
     api = _Api(config, state)
     state.metrics.watch(lambda: _engine_stats(state))
-    routes = [
-        Route("/health", api.health, methods=["GET"]),
-        Route("/metrics", api.metrics, methods=["GET"]),
-        Route("/v1/models", api.models, methods=["GET"]),
-        Route("/v1/completions", api.completions, methods=["POST"]),
-        Route("/v1/chat/completions", api.chat, methods=["POST"]),
-        Route("/v1/embeddings", api.embeddings, methods=["POST"]),
-        Route("/v1/query/execute", api.query, methods=["POST"]),
-        Route("/api/chat", api.ollama_chat, methods=["POST"]),
-        Route("/api/generate", api.ollama_generate, methods=["POST"]),
-        Route("/api/embed", api.ollama_embed, methods=["POST"]),
-        Route("/api/tags", api.ollama_tags, methods=["GET"]),
-        Route("/api/ps", api.ollama_ps, methods=["GET"]),
-        Route("/api/show", api.ollama_show, methods=["POST"]),
-        Route("/api/version", api.ollama_version, methods=["GET"]),
-        Route("/reset_prefix_cache", api.reset_prefix_cache, methods=["POST"]),
-    ]
+    routes = [Route(r.path, api.guarded(r), methods=[r.method], name=r.handler) for r in ROUTES]
     app = Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed})
     if config.allowed_origins:  # preflights answered, and answers readable, for these alone
         app.add_middleware(
@@ -180,6 +167,25 @@ class _Api:
     def __init__(self, config: ServerConfig, state: ServerState) -> None:
         self.config, self.state = config, state
 
+    def guarded(self, rule: RouteRule) -> Callable[[Request], Awaitable[Response]]:
+        """The route's handler behind its rules (`rules.ROUTES`), in this order: a web
+        page's request (403), the API key (401), the body's type (415)."""
+        handler = getattr(self, rule.handler)
+
+        async def checked(request: Request) -> Response:
+            try:
+                check_page(rule, request.headers)
+                if rule.key == "asked" or (rule.key == "metrics" and not self.config.open_metrics):
+                    self._check_key(request)
+                check_type(rule, request.headers)
+            except ApiError as exc:
+                if rule.method == "POST":
+                    self._count(rule.handler, "rejected")
+                return _error_response(exc, rule.ollama)
+            return await handler(request)
+
+        return checked
+
     async def health(self, request: Request) -> Response:
         models = self.state.models
         if models is not None:  # each loads on its first request
@@ -190,19 +196,10 @@ class _Api:
         return JSONResponse({"status": "loading"}, 503, {"Retry-After": str(RETRY_AFTER_S)})
 
     async def metrics(self, request: Request) -> Response:
-        if not self.config.open_metrics:
-            try:
-                self._check_key(request)
-            except ApiError as exc:
-                return _error_response(exc)
         body = await asyncio.to_thread(generate_latest, self.state.metrics.registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
-        try:
-            self._check_key(request)
-        except ApiError as exc:
-            return _error_response(exc)
         owned = {"object": "model", "created": 0, "owned_by": "spnl-backend"}
         data = [{"id": name, **owned} for name in self._names()]
         return JSONResponse({"object": "list", "data": data})
@@ -258,7 +255,7 @@ class _Api:
         try:
             self._gate(request)
             stream = _stream_param(request.query_params.get("stream"))
-            text = await _read_text(request, self.config.max_body_bytes, lenient=True)
+            text = await _read_text(request, self.config.max_body_bytes)
             query = await asyncio.to_thread(_parsed_query, text)
             name = query.metadata.model
             backend = await self._acquire(request, name)
@@ -288,7 +285,7 @@ class _Api:
         parse = ollama.parse_chat if chat else ollama.parse_generate
         try:
             self._gate(request)
-            body = await _read_json(request, self.config.max_body_bytes, lenient=True)
+            body = await _read_json(request, self.config.max_body_bytes)
             name = ollama.parse_model(body)
             keep_alive = ollama.keep_alive_s(body.get("keep_alive"))
             backend = await self._acquire(request, name, keep_alive)
@@ -354,7 +351,7 @@ class _Api:
         label = "ollama_embed"
         try:
             self._gate(request)
-            body = await _read_json(request, self.config.max_body_bytes, True)
+            body = await _read_json(request, self.config.max_body_bytes)
             asked = await asyncio.to_thread(ollama.parse_embed, body)
             keep_alive = ollama.keep_alive_s(body.get("keep_alive"))
             result = await self._embedded(request, asked, label, keep_alive)
@@ -379,10 +376,6 @@ class _Api:
         return self._ollama_models(request, running=True)
 
     def _ollama_models(self, request: Request, running: bool) -> Response:
-        try:
-            self._check_key(request)
-        except ApiError as exc:
-            return _error_response(exc, ollama_shape=True)
         models = self.state.models
         if models is None:
             backend = self.state.backend
@@ -399,7 +392,7 @@ class _Api:
     async def ollama_show(self, request: Request) -> Response:
         try:
             self._gate(request)
-            name = ollama.parse_name(await _read_json(request, self.config.max_body_bytes, True))
+            name = ollama.parse_name(await _read_json(request, self.config.max_body_bytes))
             backend = await self._acquire(request, ollama.bare_model(name))
             self._release(ollama.bare_model(name))  # what it says is read from the loaded model
         except Exception as exc:
@@ -507,11 +500,9 @@ class _Api:
     # ---- models -----------------------------------------------------------------------
 
     def _gate(self, request: Request) -> None:
-        """The key; with one model, that it is loaded (several load on demand)."""
+        """With one model, that it is loaded (several load on demand)."""
         if self.state.models is None:
             self._backend(request)
-        else:
-            self._check_key(request)
 
     async def _acquire(
         self, request: Request, name: str, keep_alive: float | None = None
@@ -539,8 +530,7 @@ class _Api:
         return [m.backend for m in models.loaded() if m.backend is not None]
 
     def _backend(self, request: Request) -> Backend:
-        """The loaded backend, for a request whose key is right."""
-        self._check_key(request)
+        """The loaded backend."""
         backend = self.state.backend
         if backend is None or backend.closed:
             raise ApiError(
@@ -856,8 +846,8 @@ def _participant_named(message: object) -> bool:
     )
 
 
-async def _read_json(request: Request, limit: int, lenient: bool = False) -> Any:
-    text = await _read_text(request, limit, lenient)
+async def _read_json(request: Request, limit: int) -> Any:
+    text = await _read_text(request, limit)
     try:
         if len(text) <= INLINE_JSON_CHARS:
             return json_value(text, "the request body")
@@ -866,10 +856,8 @@ async def _read_json(request: Request, limit: int, lenient: bool = False) -> Any
         raise ApiError(400, str(exc)) from None
 
 
-async def _read_text(request: Request, limit: int, lenient: bool) -> str:
-    """The body as text, JSON by its type (``lenient``: of any type from a client that is
-    no web page, `_check_content_type`)."""
-    _check_content_type(request.headers.get("content-type"), lenient, request.headers)
+async def _read_text(request: Request, limit: int) -> str:
+    """The body as text (its type was checked by the route's rules, `rules.check_type`)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
@@ -892,40 +880,6 @@ async def _read_body(request: Request, limit: int) -> bytearray:
         if len(body) > limit:
             raise _too_large(limit)
     return body
-
-
-def _check_content_type(content_type: str | None, lenient: bool, headers: Any) -> None:
-    """JSON only (a missing type is taken as JSON, except from a web page): a web page
-    may POST a form, plain text or an untyped Blob to a local server without the browser
-    asking first, but not JSON. Where the
-    route is ``lenient`` (spnl's queries, posted as text/plain; Ollama's API, which curl
-    users post untyped), any type is taken from a client that is no browser; a request
-    that a browser sent (it names its page's ``Origin``) is refused."""
-    if content_type is None:
-        if "origin" in headers:  # a page's fetch of an untyped Blob: no preflight asked
-            raise ApiError(
-                403,
-                "an untyped body from a web page (the request has an Origin header) is "
-                "refused; send it as application/json",
-                code="origin_refused",
-            )
-        return
-    media = content_type.partition(";")[0].strip().lower()
-    if media == "application/json" or media.endswith("+json"):
-        return
-    if lenient and "origin" in headers:
-        raise ApiError(
-            403,
-            f"a {media} body from a web page (the request has an Origin header) is refused; "
-            "send it as application/json, or from a client that is no browser",
-            code="origin_refused",
-        )
-    if not lenient:
-        raise ApiError(
-            415,
-            f"the request body must be JSON (Content-Type: application/json), not {media!r}",
-            code="unsupported_media_type",
-        )
 
 
 def _too_large(limit: int) -> ApiError:
