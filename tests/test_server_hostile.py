@@ -2,6 +2,7 @@
 what it broke, promptly, and legitimate requests of the same shape still pass."""
 
 import json
+import time
 
 import httpx
 import pytest
@@ -141,3 +142,49 @@ def test_every_route_is_made_from_the_rule_table(live):
         )
         assert (reply.status_code == 415) == (rule.body == "json"), (rule.path, reply.text)
         assert reply.status_code != 403
+
+
+# ---- counts and sizes before any tokenization ---------------------------------------------
+
+
+@pytest.fixture
+def tokenized(backend, monkeypatch):
+    """The prompts that reached tokenization: span queries' and completions'."""
+    calls = []
+    pic, prompt_ids = backend._pic, backend.prompt_ids
+    from_query = pic.from_query
+    monkeypatch.setattr(pic, "from_query", lambda q: calls.append(q) or from_query(q))
+    monkeypatch.setattr(backend, "prompt_ids", lambda *a: calls.append(a) or prompt_ids(*a))
+    return calls
+
+
+def _map(inputs: list[str]) -> dict:
+    return {"map": {"metadata": {"model": MODEL, "max_tokens": 1}, "inputs": inputs}}
+
+
+def test_a_map_of_too_many_inputs_is_refused_before_tokenizing(live, backend, tokenized):
+    most = backend.max_num_seqs + 256  # the server's default queue
+    started = time.perf_counter()
+    reply = live.post("/v1/query/execute", _map(["abcd"] * 300_000))  # 1.2 MB: once 38.7 s
+    assert reply.status_code == 400, reply.text
+    assert f"at most {most}" in reply.json()["error"]["message"]
+    assert time.perf_counter() - started < 10.0  # generous; the check itself is a len()
+    assert live.post("/v1/query/execute", _map(["a"] * (most + 1))).status_code == 400
+    many = {"model": MODEL, "prompt": ["a"] * (most + 1), "max_tokens": 1}
+    assert live.post("/v1/completions", many).status_code == 400
+    assert tokenized == []
+    assert live.post("/v1/query/execute", _map(["a", "b"])).status_code == 200
+    assert len(tokenized) == 1
+
+
+def test_a_map_input_longer_than_the_context_is_refused_before_tokenizing(live, backend, tokenized):
+    from spnl_backend.pic.prompts import MAX_CHARS_PER_TOKEN
+
+    long = "x" * (MAX_CHARS_PER_TOKEN * backend.max_model_len + 1)
+    reply = live.post("/v1/query/execute", _map(["a", long]))
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["code"] == "context_length_exceeded"
+    assert "query.map.inputs[1]" in reply.json()["error"]["message"]
+    generate = {"g": {"model": MODEL, "input": {"seq": [{"user": long[:-2]}, {"user": "ab"}]}}}
+    assert live.post("/v1/query/execute", generate).status_code == 400
+    assert tokenized == []

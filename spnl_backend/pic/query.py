@@ -96,6 +96,18 @@ def query_text(query: dict) -> str:
         raise RequestError(f"the query cannot be written as JSON: {exc}") from None
 
 
+def message_chars(node: Node) -> int:
+    """The characters of every message under ``node`` (read with a stack of its own)."""
+    chars, stack = 0, [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, Message):
+            chars += len(item.content)
+        else:
+            stack.extend(item.children)
+    return chars
+
+
 def _map(body: object) -> MapQuery:
     fields = _fields(body, {"metadata", "inputs"}, {"metadata", "inputs"}, "query.map")
     inputs = fields["inputs"]

@@ -36,7 +36,7 @@ from ..engine.loop import Finished, LoopRequest
 from ..engine.sequence import Sequence, StepOutput
 from ..errors import RequestAbortedError, RequestError
 from ..log import get_logger
-from ..pic.query import MapQuery, parse_query
+from ..pic.query import MapQuery, SpanQuery, parse_query
 from ..plain import json_value
 from ..tools.calls import call_reader
 from ..tools.chat import template_messages
@@ -262,6 +262,7 @@ class _Api:
         except Exception as exc:
             return self._refused(label, exc)
         try:
+            self._check_fits(backend, _sequences(query), "query")
             prompts, params, n = await asyncio.to_thread(_query_request, backend, query)
             asked = EngineRequest(name, params, n, stream, include_usage=True)
             submitted = await self._submit(backend, asked, prompts)
@@ -441,6 +442,7 @@ class _Api:
         except Exception as exc:
             return self._refused(endpoint, exc)
         try:
+            self._check_fits(backend, len(asked.prompts or [asked.messages]) * asked.n)
             prompts = await asyncio.to_thread(_prompt_ids, backend, asked)
             asked = await asyncio.to_thread(_prepared, backend, asked)
             submitted = await self._submit(backend, asked, prompts)
@@ -576,6 +578,18 @@ class _Api:
                 code="invalid_api_key",
             )
 
+    def _check_fits(self, backend: Backend, wanted: int, param: str = "n") -> int:
+        """The most sequences the server takes at once; a request for more would never
+        fit (a 400, not worth a retry). Checked before a prompt is tokenized as well."""
+        limit = backend.max_num_seqs + self.config.max_waiting
+        if wanted > limit:
+            raise bad_request(
+                f"the request asks for {wanted} sequences (prompts x n); this server takes at "
+                f"most {limit} at once",
+                param,
+            )
+        return limit
+
     async def _submit(
         self, backend: Backend, asked: EngineRequest, prompts: list[list[int]]
     ) -> LoopRequest:
@@ -584,13 +598,7 @@ class _Api:
         the loop (a grammar compiles there) and submitted; the places given back if that
         fails."""
         wanted = len(prompts) * asked.n
-        limit = backend.max_num_seqs + self.config.max_waiting
-        if wanted > limit:  # would never fit: not worth a retry
-            raise bad_request(
-                f"the request asks for {wanted} sequences (prompts x n); this server takes at "
-                f"most {limit} at once",
-                "n",
-            )
+        limit = self._check_fits(backend, wanted)
         if self.state.in_flight + wanted > limit:
             raise ApiError(
                 503,
@@ -913,6 +921,11 @@ def _parsed_query(text: str) -> Any:
         return parse_query(text)
     except RequestError as exc:
         raise from_request_error(exc, "query") from None
+
+
+def _sequences(query: SpanQuery) -> int:
+    """The sequences a span query asks for: one per input of a map, else its ``n``."""
+    return len(query.inputs) if isinstance(query, MapQuery) else query.n
 
 
 def _query_request(backend: Backend, query: Any) -> tuple[list[PromptIds], Any, int]:
