@@ -188,3 +188,52 @@ def test_a_map_input_longer_than_the_context_is_refused_before_tokenizing(live, 
     generate = {"g": {"model": MODEL, "input": {"seq": [{"user": long[:-2]}, {"user": "ab"}]}}}
     assert live.post("/v1/query/execute", generate).status_code == 400
     assert tokenized == []
+
+
+# ---- the Host header, read strictly ---------------------------------------------------------
+
+
+def test_a_host_is_read_strictly():
+    from spnl_backend.server.app import host_name
+
+    read = {
+        "127.0.0.1:8000": "127.0.0.1",
+        "LocalHost": "localhost",
+        "[::1]:80": "::1",
+        "[::1]": "::1",
+        "api.example.": "api.example.",
+    }
+    assert {host: host_name(host) for host in read} == read
+    for hostile in (
+        "127.0.0.1:8000@evil.example",
+        "127.0.0.1@evil.example",
+        "localhost:80:80",
+        "localhost:http",
+        "localhost:99999",
+        "localhost:",
+        "[::1]x",
+        "[::1]:8000@evil.example",
+        "[evil.example]",
+        "-localhost",
+        "local host",
+        "a..b",
+        "",
+        "a" * 300,
+    ):
+        assert host_name(hostile) is None, hostile
+
+
+def test_a_host_with_more_after_its_port_is_refused(backend):
+    from spnl_backend.server.run import _allowed_hosts
+
+    server = LiveServer(backend, allowed_hosts=_allowed_hosts("127.0.0.1", None))
+    try:
+        port = server.url.rsplit(":", 1)[1]
+        for ours in (f"127.0.0.1:{port}", "localhost", f"[::1]:{port}"):
+            assert httpx.get(server.url + "/health", headers={"Host": ours}).status_code == 200
+        for theirs in (f"127.0.0.1:{port}@evil.example", f"localhost:{port}.evil.example"):
+            reply = httpx.get(server.url + "/health", headers={"Host": theirs})
+            assert reply.status_code == 403, theirs
+            assert reply.json()["error"]["code"] == "host_refused"
+    finally:
+        server.stop()

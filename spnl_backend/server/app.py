@@ -17,6 +17,7 @@ never as a stack trace.
 import asyncio
 import dataclasses
 import hmac
+import ipaddress
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -34,7 +35,7 @@ from starlette.types import Receive, Scope, Send
 from ..backend import Backend, Embeddings, PromptIds
 from ..engine.loop import Finished, LoopRequest
 from ..engine.sequence import Sequence, StepOutput
-from ..errors import RequestAbortedError, RequestError
+from ..errors import RequestAbortedError, RequestError, shown
 from ..log import get_logger
 from ..pic.query import MapQuery, SpanQuery, parse_query
 from ..plain import json_value
@@ -133,7 +134,7 @@ class HostCheck:
             if host_name(host) not in self.allowed:
                 error = ApiError(
                     403,
-                    f"the Host {host!r} is not one this server answers to ("
+                    f"the Host {shown(host)} is not one this server answers to ("
                     + ", ".join(sorted(self.allowed))
                     + "); serve --allowed-hosts adds names",
                     code="host_refused",
@@ -143,12 +144,51 @@ class HostCheck:
         await self.app(scope, receive, send)
 
 
-def host_name(host: str) -> str:
-    """A Host header's name, without its port (``[::1]:8000`` -> ``::1``)."""
+def host_name(host: str) -> str | None:
+    """A Host header's name without its port (``[::1]:8000`` -> ``::1``), lower case;
+    None where it is not ``host[:port]`` with a hostname, an IPv4 or a bracketed IPv6
+    address, and a port of digits (``127.0.0.1:80@evil.example`` is refused, not read as
+    ``127.0.0.1``)."""
     host = host.strip().lower()
+    if len(host) > MAX_HOST_CHARS:
+        return None
     if host.startswith("["):
-        return host[1 : host.find("]")] if "]" in host else host
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+        address, _, port = host[1:].partition("]")
+        if port and not (port.startswith(":") and _is_port(port[1:])):
+            return None
+        return address if _is_ipv6(address) else None
+    if _is_ipv6(host):  # bare, as a bound address is written (not a valid Host)
+        return host
+    name, colon, port = host.partition(":")
+    if colon and not _is_port(port):
+        return None
+    return name if _is_hostname(name) else None
+
+
+MAX_HOST_CHARS = 260  # a 253-character name, a colon and a port
+_LABEL_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-")
+
+
+def _is_hostname(name: str) -> bool:
+    """RFC 1123's: dot-separated labels of letters, digits and inner hyphens (an IPv4
+    address is one); a final dot allowed."""
+    labels = name.removesuffix(".").split(".")
+    return 0 < len(name) <= 253 and all(
+        0 < len(label) <= 63 and set(label) <= _LABEL_CHARS and "-" not in (label[0], label[-1])
+        for label in labels
+    )
+
+
+def _is_port(text: str) -> bool:
+    return 0 < len(text) <= 5 and text.isascii() and text.isdigit() and int(text) <= 65535
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _engine_stats(state: ServerState) -> list[tuple[str | None, Any]]:
@@ -382,12 +422,12 @@ class _Api:
             backend = self.state.backend
             if running and not _ready(self.state):
                 return JSONResponse({"models": []})
-            shown = [(self.config.model_name, backend, None)]
+            listed = [(self.config.model_name, backend, None)]
         elif running:
-            shown = [(m.name, m.backend, m) for m in models.loaded()]
+            listed = [(m.name, m.backend, m) for m in models.loaded()]
         else:
-            shown = [(m.name, m.backend, m) for m in models.models.values()]
-        entries = [_ollama_entry(n, b, m, running) for n, b, m in shown]
+            listed = [(m.name, m.backend, m) for m in models.models.values()]
+        entries = [_ollama_entry(n, b, m, running) for n, b, m in listed]
         return JSONResponse({"models": entries})
 
     async def ollama_show(self, request: Request) -> Response:
