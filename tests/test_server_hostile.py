@@ -237,3 +237,26 @@ def test_a_host_with_more_after_its_port_is_refused(backend):
             assert reply.json()["error"]["code"] == "host_refused"
     finally:
         server.stop()
+
+
+def test_the_docs_state_the_rule_table():
+    """docs/serving.md's table of each route's rules says what `rules.ROUTES` does."""
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parent.parent / "docs" / "serving.md"
+    rows = [line for line in page.read_text().splitlines() if line.startswith("| `GET /")]
+    rows += [line for line in page.read_text().splitlines() if line.startswith("| `POST /")]
+    key = {"asked (401)": "asked", "asked unless `--open-metrics`": "metrics", "not asked": "open"}
+    body = {"JSON, or untyped": "json", "any type": "any", "none read": "none"}
+    stated = {}
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        if len(cells) != 4 or cells[2] not in key:
+            continue  # the endpoints' table, not the rules'
+        first, *others = (part.strip().strip("`") for part in cells[0].split(","))
+        method, path = first.split(" ", 1)
+        paths = [path, *others]
+        kind = next(v for k, v in body.items() if cells[3].startswith(k))
+        for path in paths:
+            stated[path] = (method, key[cells[2]], kind)
+    assert stated == {rule.path: (rule.method, rule.key, rule.body) for rule in ROUTES}
