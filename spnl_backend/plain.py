@@ -1,13 +1,21 @@
 """Plain values from what a caller passes: each read once and copied to a plain int, float
 or str (so that a subclass cannot change its mind between a check and a use), or None
-where it is not one; and text checked to be encodable as UTF-8."""
+where it is not one; text checked to be encodable as UTF-8; and JSON text parsed with its
+nesting bounded."""
 
+import json
 import math
 import numbers
 import operator
 from types import UnionType
+from typing import Any
 
 from .errors import RequestError
+
+# Arrays and objects within one another in any JSON a caller sends (a span query's 64
+# groups take two levels each). Deeper would run Python's parser, or whatever reads the
+# value after it (a chat template, a schema's translation), into its recursion limit.
+MAX_JSON_DEPTH = 160
 
 
 def read_once(value: object, kinds: type | UnionType) -> list[object] | None:
@@ -79,3 +87,41 @@ def plain_float(value: object) -> float | None:
 def plain_str(value: object) -> str | None:
     """``value`` as a plain str if it is a str (a subclass's own methods not called)."""
     return str.__str__(value) if isinstance(value, str) else None
+
+
+def json_value(text: str, what: str, **loads: Any) -> Any:
+    """``text`` parsed as JSON (``loads``: `json.loads`'s options), nested at most
+    `MAX_JSON_DEPTH` deep; else a `RequestError` naming ``what``."""
+    try:
+        value = json.loads(text, **loads)
+    except RecursionError:
+        raise _too_deep(what) from None
+    except ValueError as exc:  # not JSON; an integer past Python's digit limit
+        reason = str(exc)[:200] or type(exc).__name__
+        raise RequestError(f"{what} is not valid JSON: {reason}") from None
+    if nests_deeper(value, MAX_JSON_DEPTH):
+        raise _too_deep(what)
+    return value
+
+
+def nests_deeper(value: object, limit: int) -> bool:
+    """Whether ``value`` holds lists and dicts more than ``limit`` deep: read a level at a
+    time, each container once, with no recursion."""
+    level = [value] if isinstance(value, dict | list) else []
+    for _ in range(limit):
+        if not level:
+            return False
+        level = [
+            child
+            for item in level
+            for child in (item.values() if isinstance(item, dict) else item)
+            if isinstance(child, dict | list)
+        ]
+    return bool(level)
+
+
+def _too_deep(what: str) -> RequestError:
+    return RequestError(
+        f"{what} nests arrays and objects more than {MAX_JSON_DEPTH} deep; at most "
+        f"{MAX_JSON_DEPTH} levels are read"
+    )

@@ -26,7 +26,7 @@ class LiveServer:
 
     def __init__(self, backend, models=None, **config) -> None:
         self.state = ServerState(backend=backend, models=models)
-        app = create_app(ServerConfig(MODEL, **config), self.state)
+        self.app = app = create_app(ServerConfig(MODEL, **config), self.state)
         sock = _listen("127.0.0.1", 0)  # the server's own listening socket
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))

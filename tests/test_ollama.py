@@ -3,6 +3,7 @@ not, with the same tokens as the Python API; format through the grammar engine; 
 calls; embeddings; the listings; and its errors."""
 
 import json
+import time
 
 import jsonschema
 import ollama
@@ -185,3 +186,22 @@ def test_generate_and_embed_check_their_fields(live, path, body, words):
     reply = live.post(path, {"model": MODEL, **body})
     assert reply.status_code == 400, reply.text
     assert words in reply.json()["error"]
+
+
+def test_a_long_keep_alive_is_refused_at_once(live):
+    # A run of digits with no unit once took 39 s of backtracking on the event loop.
+    from spnl_backend.server.ollama import MAX_DURATION_CHARS, keep_alive_s
+
+    assert keep_alive_s("1h30m45.5s") == 5445.5
+    assert keep_alive_s(" -1 ") == -1
+    hostile = "1" * 32_000 + "x"
+    started = time.perf_counter()
+    for path, body in (
+        ("/api/chat", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/api/generate", {"prompt": "hi"}),
+        ("/api/embed", {"input": "hi"}),
+    ):
+        reply = live.post(path, {"model": MODEL, "keep_alive": hostile, **body})
+        assert reply.status_code == 400, reply.text
+        assert f"at most {MAX_DURATION_CHARS} characters" in reply.json()["error"]
+    assert time.perf_counter() - started < 2.0  # generous: the bug took 39 s per request

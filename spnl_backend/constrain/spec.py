@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import RequestError, shown
-from ..plain import check_text, plain_str, read_once
+from ..plain import check_text, json_value, plain_str, read_once
 from .gbnf import to_lark
 
 # Beyond this a grammar's source is refused before anything parses it.
@@ -121,10 +121,7 @@ def schema_spec(schema: object, name: str) -> ConstraintSpec:
     text = plain_str(schema)
     if text is not None:
         _check_size(text, name)
-        try:
-            schema = json.loads(text, parse_constant=_no_constant)
-        except Exception as exc:  # bad JSON, NaN, nesting too deep for the parser
-            raise RequestError(f"{name} is not valid JSON: {type(exc).__name__}: {exc}") from None
+        schema = json_value(text, name, parse_constant=_no_constant)
     if schema is True:
         schema = {}
     if schema is False:

@@ -19,7 +19,7 @@ from .pieces import (
     query_pieces,
     split_sentinels,
 )
-from .query import Repeat, SpanQuery, parse_query, query_text
+from .query import MapQuery, Repeat, SpanQuery, message_chars, parse_query, query_text
 from .spans import Pieces, SpanTokenizer
 from .turns import ModelTurns, SpnlTurns, Turns
 
@@ -88,6 +88,7 @@ class PicPrompts:
         if isinstance(query, dict):
             query = query_text(query)
         parsed = parse_query(query) if isinstance(query, str) else query
+        self._check_query_size(parsed)
         meta = parsed.metadata
         params = sampling_params(meta.max_tokens, meta.temperature)
         n = parsed.n if isinstance(parsed, Repeat) else 1
@@ -105,6 +106,22 @@ class PicPrompts:
             else:
                 prompts.append(self._limit.check([t for _, ids in pieces for t in ids]))
         return prompts
+
+    def _check_query_size(self, query: SpanQuery) -> None:
+        """Each prompt of a span query within what the context could hold, counted in
+        characters before anything is tokenized (a map's inputs each, a generate's
+        messages together)."""
+        max_chars = MAX_CHARS_PER_TOKEN * self._limit.max_model_len
+        if isinstance(query, MapQuery):
+            sized = [(f"query.map.inputs[{i}]", len(t)) for i, t in enumerate(query.inputs)]
+        else:
+            sized = [("the query's input", message_chars(query.input))]
+        for where, chars in sized:
+            if chars > max_chars:
+                raise ContextLengthError(
+                    f"{where} has {chars:,} characters: more than the context can hold (at "
+                    f"most {max_chars:,} are taken); shorten it"
+                )
 
     def _span_tokenizer(self) -> SpanTokenizer:
         """How span queries and plus chat messages are tokenized (made once)."""

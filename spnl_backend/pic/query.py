@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import RequestError, shown
-from ..plain import check_text
+from ..plain import check_text, json_value
 
 Role = Literal["system", "user", "assistant"]
 GroupKind = Literal["seq", "par", "plus", "cross"]
@@ -73,11 +73,7 @@ SpanQuery = Repeat | MapQuery
 
 def parse_query(text: str) -> SpanQuery:
     """A query from its JSON text."""
-    try:
-        value = json.loads(text)
-    except (json.JSONDecodeError, RecursionError, ValueError) as exc:
-        reason = str(exc)[:200] or type(exc).__name__
-        raise RequestError(f"the query is not valid JSON: {reason}") from None
+    value = json_value(text, "the query")
     kind, body = _one_key(value, ("repeat", "g", "map"), "query")
     if kind == "map":
         return _map(body)
@@ -98,6 +94,18 @@ def query_text(query: dict) -> str:
         return json.dumps(query, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as exc:
         raise RequestError(f"the query cannot be written as JSON: {exc}") from None
+
+
+def message_chars(node: Node) -> int:
+    """The characters of every message under ``node`` (read with a stack of its own)."""
+    chars, stack = 0, [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, Message):
+            chars += len(item.content)
+        else:
+            stack.extend(item.children)
+    return chars
 
 
 def _map(body: object) -> MapQuery:

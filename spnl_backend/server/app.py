@@ -3,11 +3,13 @@
 Routes: ``GET /health``, ``GET /metrics``, ``GET /v1/models``, ``POST /v1/completions``
 and ``POST /v1/chat/completions`` (streamed as server-sent events with ``stream: true``);
 spnl's ``POST /v1/query/execute?stream=true|false`` (its span queries, `pic.query`, as
-spnl's ``spnl/`` provider posts them) and ``POST /reset_prefix_cache``.
-Every request to ``/v1/`` passes the same gate, in this order: the API key (401), a
-loaded model (503), the body's type (415), size (413), arrival (408) and JSON (400),
-its fields (400), the model's name (404), the prompt's length (400,
-``context_length_exceeded``), the queue's bound (503 with ``Retry-After``). A failure
+spnl's ``spnl/`` provider posts them) and ``POST /reset_prefix_cache``; Ollama's under
+``/api/``. Every route is made from one table of rules (`rules.ROUTES`). A request to
+``/v1/`` passes the same gate, in this order: a web page's request that is not JSON
+(403), the API key (401), the body's type (415), a loaded model (503), the body's size
+(413), arrival (408) and JSON (400), its fields (400), the model's name (404), the
+prompt's length (400, ``context_length_exceeded``), the queue's bound (503 with
+``Retry-After``). A failure
 past the gate is logged with its cause and reaches the client as OpenAI's error body,
 never as a stack trace.
 """
@@ -15,9 +17,10 @@ never as a stack trace.
 import asyncio
 import dataclasses
 import hmac
+import ipaddress
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,9 +35,10 @@ from starlette.types import Receive, Scope, Send
 from ..backend import Backend, Embeddings, PromptIds
 from ..engine.loop import Finished, LoopRequest
 from ..engine.sequence import Sequence, StepOutput
-from ..errors import RequestAbortedError, RequestError
+from ..errors import RequestAbortedError, RequestError, shown
 from ..log import get_logger
-from ..pic.query import MapQuery, parse_query
+from ..pic.query import MapQuery, SpanQuery, parse_query
+from ..plain import json_value
 from ..tools.calls import call_reader
 from ..tools.chat import template_messages
 from . import collector, ollama
@@ -51,6 +55,7 @@ from .protocol import (
     parse_embeddings,
 )
 from .responses import Endpoint, Reply, embedding_body, sse
+from .rules import ROUTES, RouteRule, check_page, check_type
 
 log = get_logger()
 
@@ -97,23 +102,7 @@ class ServerState:
 def create_app(config: ServerConfig, state: ServerState) -> Starlette:
     api = _Api(config, state)
     state.metrics.watch(lambda: _engine_stats(state))
-    routes = [
-        Route("/health", api.health, methods=["GET"]),
-        Route("/metrics", api.metrics, methods=["GET"]),
-        Route("/v1/models", api.models, methods=["GET"]),
-        Route("/v1/completions", api.completions, methods=["POST"]),
-        Route("/v1/chat/completions", api.chat, methods=["POST"]),
-        Route("/v1/embeddings", api.embeddings, methods=["POST"]),
-        Route("/v1/query/execute", api.query, methods=["POST"]),
-        Route("/api/chat", api.ollama_chat, methods=["POST"]),
-        Route("/api/generate", api.ollama_generate, methods=["POST"]),
-        Route("/api/embed", api.ollama_embed, methods=["POST"]),
-        Route("/api/tags", api.ollama_tags, methods=["GET"]),
-        Route("/api/ps", api.ollama_ps, methods=["GET"]),
-        Route("/api/show", api.ollama_show, methods=["POST"]),
-        Route("/api/version", api.ollama_version, methods=["GET"]),
-        Route("/reset_prefix_cache", api.reset_prefix_cache, methods=["POST"]),
-    ]
+    routes = [Route(r.path, api.guarded(r), methods=[r.method], name=r.handler) for r in ROUTES]
     app = Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed})
     if config.allowed_origins:  # preflights answered, and answers readable, for these alone
         app.add_middleware(
@@ -145,7 +134,7 @@ class HostCheck:
             if host_name(host) not in self.allowed:
                 error = ApiError(
                     403,
-                    f"the Host {host!r} is not one this server answers to ("
+                    f"the Host {shown(host)} is not one this server answers to ("
                     + ", ".join(sorted(self.allowed))
                     + "); serve --allowed-hosts adds names",
                     code="host_refused",
@@ -155,12 +144,51 @@ class HostCheck:
         await self.app(scope, receive, send)
 
 
-def host_name(host: str) -> str:
-    """A Host header's name, without its port (``[::1]:8000`` -> ``::1``)."""
+def host_name(host: str) -> str | None:
+    """A Host header's name without its port (``[::1]:8000`` -> ``::1``), lower case;
+    None where it is not ``host[:port]`` with a hostname, an IPv4 or a bracketed IPv6
+    address, and a port of digits (``127.0.0.1:80@evil.example`` is refused, not read as
+    ``127.0.0.1``)."""
     host = host.strip().lower()
+    if len(host) > MAX_HOST_CHARS:
+        return None
     if host.startswith("["):
-        return host[1 : host.find("]")] if "]" in host else host
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+        address, _, port = host[1:].partition("]")
+        if port and not (port.startswith(":") and _is_port(port[1:])):
+            return None
+        return address if _is_ipv6(address) else None
+    if _is_ipv6(host):  # bare, as a bound address is written (not a valid Host)
+        return host
+    name, colon, port = host.partition(":")
+    if colon and not _is_port(port):
+        return None
+    return name if _is_hostname(name) else None
+
+
+MAX_HOST_CHARS = 260  # a 253-character name, a colon and a port
+_LABEL_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-")
+
+
+def _is_hostname(name: str) -> bool:
+    """RFC 1123's: dot-separated labels of letters, digits and inner hyphens (an IPv4
+    address is one); a final dot allowed."""
+    labels = name.removesuffix(".").split(".")
+    return 0 < len(name) <= 253 and all(
+        0 < len(label) <= 63 and set(label) <= _LABEL_CHARS and "-" not in (label[0], label[-1])
+        for label in labels
+    )
+
+
+def _is_port(text: str) -> bool:
+    return 0 < len(text) <= 5 and text.isascii() and text.isdigit() and int(text) <= 65535
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _engine_stats(state: ServerState) -> list[tuple[str | None, Any]]:
@@ -179,6 +207,25 @@ class _Api:
     def __init__(self, config: ServerConfig, state: ServerState) -> None:
         self.config, self.state = config, state
 
+    def guarded(self, rule: RouteRule) -> Callable[[Request], Awaitable[Response]]:
+        """The route's handler behind its rules (`rules.ROUTES`), in this order: a web
+        page's request (403), the API key (401), the body's type (415)."""
+        handler = getattr(self, rule.handler)
+
+        async def checked(request: Request) -> Response:
+            try:
+                check_page(rule, request.headers)
+                if rule.key == "asked" or (rule.key == "metrics" and not self.config.open_metrics):
+                    self._check_key(request)
+                check_type(rule, request.headers)
+            except ApiError as exc:
+                if rule.method == "POST":
+                    self._count(rule.handler, "rejected")
+                return _error_response(exc, rule.ollama)
+            return await handler(request)
+
+        return checked
+
     async def health(self, request: Request) -> Response:
         models = self.state.models
         if models is not None:  # each loads on its first request
@@ -189,19 +236,10 @@ class _Api:
         return JSONResponse({"status": "loading"}, 503, {"Retry-After": str(RETRY_AFTER_S)})
 
     async def metrics(self, request: Request) -> Response:
-        if not self.config.open_metrics:
-            try:
-                self._check_key(request)
-            except ApiError as exc:
-                return _error_response(exc)
         body = await asyncio.to_thread(generate_latest, self.state.metrics.registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
-        try:
-            self._check_key(request)
-        except ApiError as exc:
-            return _error_response(exc)
         owned = {"object": "model", "created": 0, "owned_by": "spnl-backend"}
         data = [{"id": name, **owned} for name in self._names()]
         return JSONResponse({"object": "list", "data": data})
@@ -221,7 +259,8 @@ class _Api:
         label = "embeddings"
         try:
             self._gate(request)
-            asked = parse_embeddings(await _read_json(request, self.config.max_body_bytes))
+            body = await _read_json(request, self.config.max_body_bytes)
+            asked = await asyncio.to_thread(parse_embeddings, body)  # a list of megabytes
             result = await self._embedded(request, asked, label)
         except Exception as exc:
             return self._refused(label, exc)
@@ -256,13 +295,14 @@ class _Api:
         try:
             self._gate(request)
             stream = _stream_param(request.query_params.get("stream"))
-            text = await _read_text(request, self.config.max_body_bytes, lenient=True)
+            text = await _read_text(request, self.config.max_body_bytes)
             query = await asyncio.to_thread(_parsed_query, text)
             name = query.metadata.model
             backend = await self._acquire(request, name)
         except Exception as exc:
             return self._refused(label, exc)
         try:
+            self._check_fits(backend, _sequences(query), "query")
             prompts, params, n = await asyncio.to_thread(_query_request, backend, query)
             asked = EngineRequest(name, params, n, stream, include_usage=True)
             submitted = await self._submit(backend, asked, prompts)
@@ -286,7 +326,7 @@ class _Api:
         parse = ollama.parse_chat if chat else ollama.parse_generate
         try:
             self._gate(request)
-            body = await _read_json(request, self.config.max_body_bytes, lenient=True)
+            body = await _read_json(request, self.config.max_body_bytes)
             name = ollama.parse_model(body)
             keep_alive = ollama.keep_alive_s(body.get("keep_alive"))
             backend = await self._acquire(request, name, keep_alive)
@@ -352,8 +392,8 @@ class _Api:
         label = "ollama_embed"
         try:
             self._gate(request)
-            body = await _read_json(request, self.config.max_body_bytes, True)
-            asked = ollama.parse_embed(body)
+            body = await _read_json(request, self.config.max_body_bytes)
+            asked = await asyncio.to_thread(ollama.parse_embed, body)
             keep_alive = ollama.keep_alive_s(body.get("keep_alive"))
             result = await self._embedded(request, asked, label, keep_alive)
         except Exception as exc:
@@ -377,27 +417,23 @@ class _Api:
         return self._ollama_models(request, running=True)
 
     def _ollama_models(self, request: Request, running: bool) -> Response:
-        try:
-            self._check_key(request)
-        except ApiError as exc:
-            return _error_response(exc, ollama_shape=True)
         models = self.state.models
         if models is None:
             backend = self.state.backend
             if running and not _ready(self.state):
                 return JSONResponse({"models": []})
-            shown = [(self.config.model_name, backend, None)]
+            listed = [(self.config.model_name, backend, None)]
         elif running:
-            shown = [(m.name, m.backend, m) for m in models.loaded()]
+            listed = [(m.name, m.backend, m) for m in models.loaded()]
         else:
-            shown = [(m.name, m.backend, m) for m in models.models.values()]
-        entries = [_ollama_entry(n, b, m, running) for n, b, m in shown]
+            listed = [(m.name, m.backend, m) for m in models.models.values()]
+        entries = [_ollama_entry(n, b, m, running) for n, b, m in listed]
         return JSONResponse({"models": entries})
 
     async def ollama_show(self, request: Request) -> Response:
         try:
             self._gate(request)
-            name = ollama.parse_name(await _read_json(request, self.config.max_body_bytes, True))
+            name = ollama.parse_name(await _read_json(request, self.config.max_body_bytes))
             backend = await self._acquire(request, ollama.bare_model(name))
             self._release(ollama.bare_model(name))  # what it says is read from the loaded model
         except Exception as exc:
@@ -446,6 +482,7 @@ class _Api:
         except Exception as exc:
             return self._refused(endpoint, exc)
         try:
+            self._check_fits(backend, len(asked.prompts or [asked.messages]) * asked.n)
             prompts = await asyncio.to_thread(_prompt_ids, backend, asked)
             asked = await asyncio.to_thread(_prepared, backend, asked)
             submitted = await self._submit(backend, asked, prompts)
@@ -505,11 +542,9 @@ class _Api:
     # ---- models -----------------------------------------------------------------------
 
     def _gate(self, request: Request) -> None:
-        """The key; with one model, that it is loaded (several load on demand)."""
+        """With one model, that it is loaded (several load on demand)."""
         if self.state.models is None:
             self._backend(request)
-        else:
-            self._check_key(request)
 
     async def _acquire(
         self, request: Request, name: str, keep_alive: float | None = None
@@ -537,8 +572,7 @@ class _Api:
         return [m.backend for m in models.loaded() if m.backend is not None]
 
     def _backend(self, request: Request) -> Backend:
-        """The loaded backend, for a request whose key is right."""
-        self._check_key(request)
+        """The loaded backend."""
         backend = self.state.backend
         if backend is None or backend.closed:
             raise ApiError(
@@ -584,6 +618,18 @@ class _Api:
                 code="invalid_api_key",
             )
 
+    def _check_fits(self, backend: Backend, wanted: int, param: str = "n") -> int:
+        """The most sequences the server takes at once; a request for more would never
+        fit (a 400, not worth a retry). Checked before a prompt is tokenized as well."""
+        limit = backend.max_num_seqs + self.config.max_waiting
+        if wanted > limit:
+            raise bad_request(
+                f"the request asks for {wanted} sequences (prompts x n); this server takes at "
+                f"most {limit} at once",
+                param,
+            )
+        return limit
+
     async def _submit(
         self, backend: Backend, asked: EngineRequest, prompts: list[list[int]]
     ) -> LoopRequest:
@@ -592,13 +638,7 @@ class _Api:
         the loop (a grammar compiles there) and submitted; the places given back if that
         fails."""
         wanted = len(prompts) * asked.n
-        limit = backend.max_num_seqs + self.config.max_waiting
-        if wanted > limit:  # would never fit: not worth a retry
-            raise bad_request(
-                f"the request asks for {wanted} sequences (prompts x n); this server takes at "
-                f"most {limit} at once",
-                "n",
-            )
+        limit = self._check_fits(backend, wanted)
         if self.state.in_flight + wanted > limit:
             raise ApiError(
                 503,
@@ -854,22 +894,18 @@ def _participant_named(message: object) -> bool:
     )
 
 
-async def _read_json(request: Request, limit: int, lenient: bool = False) -> Any:
-    text = await _read_text(request, limit, lenient)
+async def _read_json(request: Request, limit: int) -> Any:
+    text = await _read_text(request, limit)
     try:
         if len(text) <= INLINE_JSON_CHARS:
-            return json.loads(text)
-        return await asyncio.to_thread(json.loads, text)
-    except (json.JSONDecodeError, RecursionError, ValueError) as exc:
-        # RecursionError: nested too deep; ValueError: an integer past Python's digit limit
-        reason = str(exc)[:200] or type(exc).__name__
-        raise ApiError(400, f"the request body is not valid JSON: {reason}") from None
+            return json_value(text, "the request body")
+        return await asyncio.to_thread(json_value, text, "the request body")
+    except RequestError as exc:
+        raise ApiError(400, str(exc)) from None
 
 
-async def _read_text(request: Request, limit: int, lenient: bool) -> str:
-    """The body as text, JSON by its type (``lenient``: of any type from a client that is
-    no web page, `_check_content_type`)."""
-    _check_content_type(request.headers.get("content-type"), lenient, request.headers)
+async def _read_text(request: Request, limit: int) -> str:
+    """The body as text (its type was checked by the route's rules, `rules.check_type`)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
@@ -892,40 +928,6 @@ async def _read_body(request: Request, limit: int) -> bytearray:
         if len(body) > limit:
             raise _too_large(limit)
     return body
-
-
-def _check_content_type(content_type: str | None, lenient: bool, headers: Any) -> None:
-    """JSON only (a missing type is taken as JSON, except from a web page): a web page
-    may POST a form, plain text or an untyped Blob to a local server without the browser
-    asking first, but not JSON. Where the
-    route is ``lenient`` (spnl's queries, posted as text/plain; Ollama's API, which curl
-    users post untyped), any type is taken from a client that is no browser; a request
-    that a browser sent (it names its page's ``Origin``) is refused."""
-    if content_type is None:
-        if "origin" in headers:  # a page's fetch of an untyped Blob: no preflight asked
-            raise ApiError(
-                403,
-                "an untyped body from a web page (the request has an Origin header) is "
-                "refused; send it as application/json",
-                code="origin_refused",
-            )
-        return
-    media = content_type.partition(";")[0].strip().lower()
-    if media == "application/json" or media.endswith("+json"):
-        return
-    if lenient and "origin" in headers:
-        raise ApiError(
-            403,
-            f"a {media} body from a web page (the request has an Origin header) is refused; "
-            "send it as application/json, or from a client that is no browser",
-            code="origin_refused",
-        )
-    if not lenient:
-        raise ApiError(
-            415,
-            f"the request body must be JSON (Content-Type: application/json), not {media!r}",
-            code="unsupported_media_type",
-        )
 
 
 def _too_large(limit: int) -> ApiError:
@@ -959,6 +961,11 @@ def _parsed_query(text: str) -> Any:
         return parse_query(text)
     except RequestError as exc:
         raise from_request_error(exc, "query") from None
+
+
+def _sequences(query: SpanQuery) -> int:
+    """The sequences a span query asks for: one per input of a map, else its ``n``."""
+    return len(query.inputs) if isinstance(query, MapQuery) else query.n
 
 
 def _query_request(backend: Backend, query: Any) -> tuple[list[PromptIds], Any, int]:

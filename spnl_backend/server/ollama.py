@@ -44,7 +44,11 @@ _OPTIONS = {
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
 }
-_DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+# A duration's parts, read one after the other from where the last ended (never searched
+# for: a search from each position of a long digit run is quadratic).
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_DURATION_PART = re.compile(r"(-?\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+MAX_DURATION_CHARS = 64  # far more than "-1", "300" or "1h30m45.5s" take
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
@@ -138,25 +142,36 @@ def bare_model(name: str) -> str:
 
 def keep_alive_s(value: object) -> float | None:
     """``keep_alive`` in seconds (negative: for ever), as Ollama takes it: a number of
-    seconds or a duration such as ``"5m"`` or ``"1h30m"``; None where absent."""
+    seconds or a duration such as ``"5m"`` or ``"1h30m"``; None where absent. Text is
+    read only up to `MAX_DURATION_CHARS`, so that the parse is short on the event loop."""
     if value is None:
         return None
     seconds = None
     if isinstance(value, int | float) and not isinstance(value, bool):
         seconds = _finite(value)
-    elif isinstance(value, str):
-        text = value.strip()
-        parts = _DURATION.findall(text)
-        if re.fullmatch(r"-?\d+(\.\d+)?", text):
-            seconds = _finite(text)
-        elif parts and "".join(n + u for n, u in parts) == text:
-            seconds = _finite(sum(float(n) * _UNIT_S[u] for n, u in parts))
+    elif isinstance(value, str) and len(value) <= MAX_DURATION_CHARS:
+        seconds = _duration_s(value.strip())
     if seconds is None:
         raise bad_request(
-            f"keep_alive={shown(value)}: expected seconds or a duration such as '5m' or '1h'",
+            f"keep_alive={shown(value)}: expected seconds or a duration such as '5m' or '1h' "
+            f"(at most {MAX_DURATION_CHARS} characters)",
             "keep_alive",
         )
     return seconds
+
+
+def _duration_s(text: str) -> float | None:
+    """A number of seconds or a duration's parts, each anchored where the last ended."""
+    if _NUMBER.fullmatch(text):
+        return _finite(text)
+    total, at = 0.0, 0
+    while at < len(text):
+        part = _DURATION_PART.match(text, at)
+        if part is None:
+            return None
+        total += float(part.group(1)) * _UNIT_S[part.group(2)]
+        at = part.end()
+    return _finite(total) if text else None
 
 
 def _finite(value: object) -> float | None:

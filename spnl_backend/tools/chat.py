@@ -2,13 +2,13 @@
 them (an assistant turn's calls with their arguments as objects, the tools' result turns)
 and the output's constraint in the model's own call syntax."""
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..constrain.spec import ConstraintSpec
 from ..errors import RequestError, shown
+from ..plain import json_value
 from .formats import ToolFormat, template_format
 from .grammar import tool_grammar
 from .spec import ToolRequest
@@ -64,12 +64,7 @@ def _call(call: object, where: str) -> dict[str, Any]:
         )
     arguments = function.get("arguments", {})  # type: ignore[union-attr]
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError as exc:
-            raise RequestError(
-                f"{where}: the arguments of the call to {name!r} are not JSON: {exc}"
-            ) from None
+        arguments = json_value(arguments, f"{where}: the arguments of the call to {name!r}")
     if not isinstance(arguments, dict):
         raise RequestError(f"{where}: the arguments of the call to {name!r} are not an object")
     body = {"name": name, "arguments": arguments}
