@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from ..models.config import ModelConfig
-from ..models.layers import DeltaNetMixer
 from ..models.step_attention import AttentionSpec, SequenceState, StateSegment, StepAttention
 from .cache import CacheManager, Feed, PoolUsage
 from .sequence import CachedTokens, ScheduledSeq
@@ -23,23 +22,18 @@ from .sequence import CachedTokens, ScheduledSeq
 
 @dataclass(frozen=True)
 class StateShape:
-    """One state layer's two states, per sequence."""
+    """One state layer's two states, per sequence (as its mixer gives them)."""
 
-    conv: tuple[int, int]  # [kernel - 1, conv_dim], in the model's dtype
-    recurrent: tuple[int, int, int]  # [num_v_heads, head_k_dim, head_v_dim], float32
+    conv: tuple[int, ...]  # in the model's dtype
+    recurrent: tuple[int, ...]  # in float32 at least
 
 
 def state_shapes(config: ModelConfig) -> list[StateShape]:
-    shapes = []
-    for spec in config.layers:
-        if isinstance(spec.mixer, DeltaNetMixer):
-            d = spec.mixer.config
-            shapes.append(
-                StateShape(
-                    (d.conv_kernel - 1, d.conv_dim), (d.num_v_heads, d.head_k_dim, d.head_v_dim)
-                )
-            )
-    return shapes
+    return [
+        StateShape(mixer.conv_shape, mixer.recurrent_shape)
+        for spec in config.layers
+        if (mixer := spec.state_mixer) is not None
+    ]
 
 
 class StateCache:

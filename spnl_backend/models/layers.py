@@ -49,6 +49,18 @@ class DeltaNetMixer:
     config: "DeltaNetConfig"
     state: int
 
+    @property
+    def conv_shape(self) -> tuple[int, int]:
+        """A sequence's convolution state: its last ``kernel - 1`` inputs (model dtype)."""
+        return (self.config.conv_kernel - 1, self.config.conv_dim)
+
+    @property
+    def recurrent_shape(self) -> tuple[int, ...]:
+        """A sequence's recurrent state: a ``[head_k_dim, head_v_dim]`` matrix per value
+        head (float32 at least)."""
+        d = self.config
+        return (d.num_v_heads, d.head_k_dim, d.head_v_dim)
+
 
 @dataclass(frozen=True)
 class DenseFFN:
@@ -67,6 +79,12 @@ class LayerSpec:
     mixer: AttentionMixer | DeltaNetMixer
     ffn: DenseFFN | MoeFFN
     norms: NormPlacement = "pre"
+
+    @property
+    def state_mixer(self) -> "DeltaNetMixer | None":
+        """The mixer, where it keeps a state per sequence (a conv and a recurrent state
+        of the shapes it gives); None for attention."""
+        return None if isinstance(self.mixer, AttentionMixer) else self.mixer
 
     @property
     def kv_layer(self) -> int | None:
