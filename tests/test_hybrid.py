@@ -4,7 +4,13 @@ the delta rule's two forms against each other; what such a model refuses, and wh
 
 import pytest
 import torch
-from helpers import PROMPT, SHARED_PREFIX_PROMPTS, engine_internals, engine_logits
+from helpers import (
+    PROMPT,
+    SHARED_PREFIX_PROMPTS,
+    engine_internals,
+    engine_logits,
+    greedy_with_logits,
+)
 from tiny_models import HYBRID_ARCHITECTURES
 
 from spnl_backend import BackendSettings, RequestError, SettingsError, load_backend
@@ -76,11 +82,59 @@ def test_preempted_sequences_rebuild_their_state(tiny, expected, arch):
     assert [r.token_ids for r in results] == expected[arch]
 
 
+LONGER = PROMPT + " The lazy dog sleeps."
+
+
 @pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
-def test_the_same_prompt_again_gives_the_same_tokens(tiny, arch):
-    """No prefix hit starts a sequence past its first token without its state: a second
-    run of a prompt computes it whole, and gives what the first gave."""
+@pytest.mark.parametrize(("block_size", "step_tokens"), [(8, 2048), (16, 2048), (8, 21)])
+def test_a_prefix_hit_starts_from_a_snapshot_with_the_cold_bits(
+    tiny, arch, block_size, step_tokens
+):
+    """A prompt that extends an earlier one starts from the state the earlier one left at
+    a block boundary: the same logits, to the bit, as computing it cold (also when steps
+    take the prompts in chunks: they end at block boundaries)."""
+    settings = dict(paged_attn_block_size=block_size, paged_cache_type="f32")
+    with (
+        _load(tiny, arch, **settings) as warm,
+        _load(tiny, arch, prefix_cache_n=0, **settings) as cold,
+    ):
+        for backend in (warm, cold):
+            engine_internals(backend).scheduler.max_num_batched_tokens = step_tokens
+        warm.generate(PROMPT, max_tokens=TOKENS, temperature=0)  # leaves its snapshots
+        hit = greedy_with_logits(warm, TOKENS, prompt=LONGER)
+        plain = greedy_with_logits(cold, TOKENS, prompt=LONGER)
+        assert warm.stats().cache_holders == 0
+    tokens, logits, usage = hit
+    assert usage.cached_tokens > 0
+    assert usage.cached_tokens % block_size == 0
+    assert plain[2].cached_tokens == 0
+    assert tokens == plain[0]
+    assert torch.equal(logits, plain[1])
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+def test_the_prompt_again_hits_its_own_snapshot(tiny, expected, arch):
+    """A finished sequence's blocks and snapshot serve the same prompt again; the hit is
+    its last full block before the prompt's last token."""
     with _load(tiny, arch, paged_attn_block_size=8) as backend:
+        first = backend.generate(SHARED_PREFIX_PROMPTS[0], max_tokens=TOKENS, temperature=0)
+        second = backend.generate(SHARED_PREFIX_PROMPTS[0], max_tokens=TOKENS, temperature=0)
+    assert first.usage.cached_tokens == 0
+    assert second.usage.cached_tokens > 0
+    assert first.token_ids == second.token_ids == expected[arch][0]
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+def test_snapshots_are_bounded_by_the_prefix_cache_setting(tiny, arch):
+    with _load(tiny, arch, paged_attn_block_size=8, prefix_cache_n=2) as backend:
+        backend.generate(SHARED_PREFIX_PROMPTS, max_tokens=TOKENS, temperature=0)
+        kept = backend._loop.call(lambda engine: len(engine.cache.states.snapshots))
+    assert kept == 2
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+def test_no_prefix_hit_on_the_contiguous_cache(tiny, arch):
+    with _load(tiny, arch, paged_attn=False) as backend:
         first = backend.generate(PROMPT, max_tokens=TOKENS, temperature=0)
         second = backend.generate(PROMPT, max_tokens=TOKENS, temperature=0)
     assert second.usage.cached_tokens == 0

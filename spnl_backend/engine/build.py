@@ -40,7 +40,7 @@ from .paged import PagedCacheManager, PagedKVCache, PagedKVStorage
 from .pool_tier import attach_tier
 from .runner import ModelRunner, Runner
 from .speculative import Drafter, SpeculativeCache, SpeculativeRunner
-from .state_cache import StateCache, StatefulCacheManager
+from .state_cache import RULE_CHUNK, StateCache, StatefulCacheManager
 
 log = get_logger()
 
@@ -52,7 +52,7 @@ def build_engine(
     draft: LoadedModel | None = None,
 ) -> Engine:
     _refuse_for_state_layers(loaded, settings, draft)
-    settings = _prefix_caching_for(loaded.config, settings)
+    settings = _prefix_caching_for(loaded.config, settings, decisions.paged_attn)
     if (
         loaded.model.tp is not None
         and settings.pic_recompute
@@ -97,7 +97,7 @@ def build_cache(
     """The cache the engine would build for ``loaded``, alone: what a tensor-parallel
     rank other than 0 builds over its share, at the same point of its load as rank 0
     (a calibrated pool's forward pass is one of the group's)."""
-    settings = _prefix_caching_for(loaded.config, settings)
+    settings = _prefix_caching_for(loaded.config, settings, decisions.paged_attn)
     cache, _, info = _cache(loaded, settings, decisions, settings.kv_budget, "target")
     return cache, info
 
@@ -123,15 +123,19 @@ def _refuse_for_state_layers(
             )
 
 
-def _prefix_caching_for(config: ModelConfig, settings: BackendSettings) -> BackendSettings:
-    """``settings``, without prefix caching for a model with state layers: a hit would
-    need each state at the hit's end, and no snapshots are kept yet (said in the log)."""
-    if not (config.num_state_layers and settings.prefix_cache_enabled):
+def _prefix_caching_for(
+    config: ModelConfig, settings: BackendSettings, paged: bool
+) -> BackendSettings:
+    """``settings``, without prefix caching for a model with state layers on the contiguous
+    cache: a hit needs each state at its end, kept only at the paged pool's block
+    boundaries (`engine.state_cache`); said in the log."""
+    if not (config.num_state_layers and settings.prefix_cache_enabled) or paged:
         return settings
     log.warning(
         "prefix_cache.off",
         architecture=config.architecture,
-        reason="the model has state layers and no state snapshots are kept for prefix hits",
+        reason="the model has state layers, whose snapshots for prefix hits need paged "
+        "attention (MISTRALRS_PAGED_ATTN)",
     )
     return settings.model_copy(update={"prefix_cache_n": 0})
 
@@ -148,9 +152,16 @@ def _cache(
     cache, max_len, info = _kv_cache(loaded, settings, decisions, budget, role)
     if not loaded.config.num_state_layers:
         return cache, max_len, info
-    states = StateCache(loaded.config, loaded.dtype, loaded.device)
+    paged = cache if isinstance(cache, PagedCacheManager) else None
+    states = StateCache(
+        loaded.config,
+        loaded.dtype,
+        loaded.device,
+        piece=paged.block_size if paged else RULE_CHUNK,
+        max_snapshots=settings.prefix_cache_n if settings.prefix_cache_enabled else 0,
+    )
     info = dataclasses.replace(info, state_bytes_per_seq=states.bytes_per_sequence)
-    return StatefulCacheManager(cache, states), max_len, info
+    return StatefulCacheManager(cache, states, paged), max_len, info
 
 
 def _kv_cache(

@@ -353,6 +353,20 @@ class PagedCacheManager:
         if table is not None:
             self.blocks.release(table)
 
+    def block_hashes(self, seq: CachedTokens) -> list[int]:
+        """The hashes of ``seq``'s full blocks known so far (its prefix, block by block)."""
+        table = self.tables.get(seq.seq_id)
+        return [] if table is None else list(table.hashes)
+
+    def limit_hit(self, seq: CachedTokens, num_blocks: int) -> None:
+        """Keep only the first ``num_blocks`` of an admitted sequence's prefix hit (what
+        else must be computed again: a hybrid model's state is known at fewer points)."""
+        table = self.tables[seq.seq_id]
+        self.blocks.truncate(table, num_blocks)
+        seq.num_computed_tokens = num_blocks * self.block_size
+        if not seq.output_token_ids:
+            seq.num_cached_tokens = seq.num_computed_tokens
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached block, prefix and PIC alike, without touching the running
         sequences: blocks they hold stay theirs until they let go. Blocks forgotten."""

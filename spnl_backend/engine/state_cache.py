@@ -1,16 +1,25 @@
 """The state group: what a model's state layers (Gated DeltaNet) keep per sequence, beside
 the KV cache that its attention layers use.
 
-A sequence's state is made (zeros) when the cache admits it and dropped when it is
-released, finished or preempted; a preempted sequence is computed again from its first
-token, so its state is rebuilt on the way. Between those, each step's chunk of its
-tokens carries the state on, so chunked prefill and decode continue where the last step
-stopped. `StatefulCacheManager` is the KV cache's manager with the state group beside
-it: the step it gives the model is the KV step with each sequence's rows and state.
+A sequence's state is made when the cache admits it and dropped when it is released,
+finished or preempted; a preempted sequence comes back from its last snapshot or its
+first token, its state rebuilt on the way. The state layers compute a sequence in pieces
+that end at absolute multiples of ``piece`` tokens (the KV pool's block size; the rule's
+chunk without one), so a sequence's arithmetic does not depend on where it starts being
+computed from a snapshot at such a boundary.
+
+Prefix caching (paged pool): in each step a sequence whose tokens cross a block boundary
+leaves a copy of its state at the last one crossed; once the block ending there is
+registered, the copy is kept under that block's hash (the prefix it ends), the least
+recently used dropped past ``max_snapshots``. A sequence admitted with a prefix hit keeps
+the hit up to its deepest block with a snapshot and starts from a copy of it.
+`StatefulCacheManager` is the KV cache's manager with the state group beside it.
 """
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -18,6 +27,8 @@ from ..models.config import ModelConfig
 from ..models.step_attention import AttentionSpec, SequenceState, StateSegment, StepAttention
 from .cache import CacheManager, Feed, PoolUsage
 from .sequence import CachedTokens, ScheduledSeq
+
+RULE_CHUNK = 64  # the pieces' length where no block size sets it (`kernels.delta_rule`)
 
 
 @dataclass(frozen=True)
@@ -37,12 +48,23 @@ def state_shapes(config: ModelConfig) -> list[StateShape]:
 
 
 class StateCache:
-    """Each admitted sequence's `SequenceState`, made on admission, dropped on release."""
+    """Each admitted sequence's `SequenceState`, and the snapshots kept for prefix hits."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        piece: int = RULE_CHUNK,
+        max_snapshots: int = 0,
+    ) -> None:
         self.shapes, self.dtype, self.device = state_shapes(config), dtype, device
         self.wide = torch.promote_types(dtype, torch.float32)  # what the rule computes in
+        self.piece, self.max_snapshots = piece, max_snapshots
         self._states: dict[int, tuple[CachedTokens, SequenceState]] = {}
+        # A sequence's copy at the last boundary its step crossed: (tokens, state).
+        self._pending: dict[int, tuple[int, SequenceState]] = {}
+        self.snapshots: OrderedDict[int, SequenceState] = OrderedDict()  # by block hash, LRU
 
     @property
     def bytes_per_sequence(self) -> int:
@@ -53,26 +75,71 @@ class StateCache:
     def num_holders(self) -> int:
         return len(self._states)
 
-    def claim(self, seq: CachedTokens) -> None:
+    def claim(self, seq: CachedTokens, start: SequenceState | None = None) -> None:
+        """Give ``seq`` its state: a copy of ``start`` (a snapshot), else zeros."""
         if id(seq) not in self._states:
-            self._states[id(seq)] = (seq, self._fresh())
+            state = self._fresh() if start is None else _copy(start)
+            self._states[id(seq)] = (seq, state)
 
     def drop(self, seq: CachedTokens) -> None:
         self._states.pop(id(seq), None)
+        self._pending.pop(id(seq), None)
 
-    def segments(self, batch: list[ScheduledSeq]) -> list[StateSegment]:
-        """Each scheduled sequence's rows of the step (packed in batch order) and state."""
+    def segments(self, batch: list[ScheduledSeq], snapshots: bool) -> list[StateSegment]:
+        """Each scheduled sequence's rows of the step (packed in batch order) and state;
+        with ``snapshots``, where it crosses a block boundary, a copy to take there."""
         segments, start = [], 0
         for item in batch:
-            segments.append(StateSegment(start, item.num_new_tokens, self._of(item.seq)))
-            start += item.num_new_tokens
+            seq, count = item.seq, item.num_new_tokens
+            first = seq.num_computed_tokens
+            snapshot_at, target = None, None
+            boundary = (first + count) // self.piece * self.piece
+            if snapshots and boundary > first:
+                snapshot_at, target = boundary - first, self._fresh()
+                self._pending[id(seq)] = (boundary, target)
+            state = self._of(seq)
+            segments.append(
+                StateSegment(start, count, state, first, self.piece, snapshot_at, target)
+            )
+            start += count
         return segments
+
+    def keep_snapshot(self, seq: CachedTokens, hashes: list[int]) -> None:
+        """The copy ``seq`` left at a boundary, kept under the hash of the block ending
+        there once that block is registered (``hashes``: its registered blocks')."""
+        pending = self._pending.get(id(seq))
+        if pending is None:
+            return
+        boundary, state = pending
+        index = boundary // self.piece - 1
+        if index >= len(hashes):
+            return  # not registered (yet): a later step may
+        del self._pending[id(seq)]
+        self.snapshots[hashes[index]] = state
+        self.snapshots.move_to_end(hashes[index])
+        while len(self.snapshots) > self.max_snapshots:
+            self.snapshots.popitem(last=False)
+
+    def deepest_snapshot(self, hashes: list[int]) -> tuple[int, SequenceState | None]:
+        """Of a prefix's block ``hashes``, how many end at a kept snapshot, and that one."""
+        for count in range(len(hashes), 0, -1):
+            state = self.snapshots.get(hashes[count - 1])
+            if state is not None:
+                self.snapshots.move_to_end(hashes[count - 1])
+                return count, state
+        return 0, None
+
+    def forget_snapshots(self) -> None:
+        self.snapshots.clear()
 
     def standalone(self, lengths: list[int]) -> list[StateSegment]:
         """Fresh states for packed texts of ``lengths`` that no sequence holds (a pass
         without a cache: embeddings)."""
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
-        return [StateSegment(s, n, self._fresh()) for s, n in zip(starts, lengths, strict=True)]
+        return [
+            StateSegment(s, n, self._fresh(), 0, self.piece)
+            for s, n in zip(starts, lengths, strict=True)
+        ]
 
     def _of(self, seq: CachedTokens) -> SequenceState:
         held = self._states.get(id(seq))
@@ -87,6 +154,10 @@ class StateCache:
                 torch.zeros(s.recurrent, dtype=self.wide, device=self.device) for s in self.shapes
             ],
         )
+
+
+def _copy(state: SequenceState) -> SequenceState:
+    return SequenceState([t.clone() for t in state.conv], [t.clone() for t in state.recurrent])
 
 
 class StatefulStep:
@@ -104,13 +175,23 @@ class StatefulStep:
         return None  # state layers run per op: never the native layer blocks
 
 
+class BlockHashes(Protocol):
+    """What snapshots need of a paged KV manager (`engine.paged.PagedCacheManager`)."""
+
+    def block_hashes(self, seq: CachedTokens) -> list[int]: ...
+    def limit_hit(self, seq: CachedTokens, num_blocks: int) -> None: ...
+
+
 class StatefulCacheManager:
     """A `CacheManager`: the KV cache's manager (``kv``), with the state group beside it.
-    A sequence starts from its first token (the KV manager is built without prefix
-    caching: a prefix hit would need the state at that point, which is not kept)."""
+    ``paged``: the KV manager, where it keys blocks by hash (prefix hits start from
+    snapshots); None where it does not (a sequence is computed from its first token: the
+    KV manager is built without prefix caching)."""
 
-    def __init__(self, kv: CacheManager, states: StateCache) -> None:
-        self.kv, self.states = kv, states
+    def __init__(
+        self, kv: CacheManager, states: StateCache, paged: BlockHashes | None = None
+    ) -> None:
+        self.kv, self.states, self.paged = kv, states, paged
 
     @property
     def capacity_tokens(self) -> int | None:
@@ -127,10 +208,17 @@ class StatefulCacheManager:
         self.kv.arriving(seq)
 
     def admit(self, seq: CachedTokens) -> None:
+        """The KV manager's admission, its prefix hit kept up to the deepest block with a
+        state snapshot, the state starting from that snapshot."""
         self.kv.admit(seq)
-        if seq.num_computed_tokens:  # never, while the KV manager caches no prefix
-            raise RuntimeError("a sequence with state layers was admitted past its start")
-        self.states.claim(seq)
+        start = None
+        if seq.num_computed_tokens:
+            if self.paged is None:
+                raise RuntimeError("a sequence with state layers was admitted past its start")
+            hit = seq.num_computed_tokens // self.states.piece
+            kept, start = self.states.deepest_snapshot(self.paged.block_hashes(seq)[:hit])
+            self.paged.limit_hit(seq, kept)
+        self.states.claim(seq, start)
 
     def reserve(self, seq: CachedTokens, num_tokens: int) -> bool:
         return self.kv.reserve(seq, num_tokens)
@@ -144,9 +232,19 @@ class StatefulCacheManager:
 
     def after_step(self, batch: list[ScheduledSeq]) -> None:
         self.kv.after_step(batch)
+        if self.paged is not None:
+            for item in batch:
+                self.states.keep_snapshot(item.seq, self.paged.block_hashes(item.seq))
 
     def chunk(self, seq: CachedTokens, count: int) -> int:
-        return self.kv.chunk(seq, count)
+        """The KV manager's chunk, ended at a piece boundary where it ends a prefill chunk
+        early (so a later hit's pieces are the cold run's), unless none is in reach."""
+        count = self.kv.chunk(seq, count)
+        end = seq.num_computed_tokens + count
+        if end >= len(seq.token_ids):
+            return count
+        aligned = end // self.states.piece * self.states.piece - seq.num_computed_tokens
+        return aligned if aligned > 0 else count
 
     def probes(self, batch: list[ScheduledSeq]) -> list:
         return self.kv.probes(batch)
@@ -155,7 +253,13 @@ class StatefulCacheManager:
         return self.kv.feed(seq, count)
 
     def attention(self, batch: list[ScheduledSeq], device: torch.device) -> StatefulStep:
-        return StatefulStep(self.kv.attention(batch, device), self.states.segments(batch))
+        segments = self.states.segments(batch, snapshots=self._snapshots_on)
+        return StatefulStep(self.kv.attention(batch, device), segments)
 
     def reset_prefix_cache(self) -> int:
+        self.states.forget_snapshots()
         return self.kv.reset_prefix_cache()
+
+    @property
+    def _snapshots_on(self) -> bool:
+        return self.paged is not None and self.states.max_snapshots > 0

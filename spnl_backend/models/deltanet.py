@@ -74,22 +74,40 @@ class GatedDeltaNet(nn.Module):
         decay_rate = -self.A_log.to(wide).exp()
         g = decay_rate * F.softplus(self.in_proj_a(x).to(wide) + self.dt_bias.to(wide))
         out = torch.empty(tokens, d.num_v_heads, d.head_v_dim, dtype=wide, device=x.device)
+        conv_states = [seg.state.conv[self.state] for seg in segments]
+        conv_out = self._convolved_segments(mixed, segments, conv_states)
         for seg in segments:
-            rows = slice(seg.start, seg.start + seg.count)
-            conv = seg.state.conv[self.state]
-            qkv = self._convolved(mixed[rows], conv)
-            out[rows] = self._rule(qkv, g[rows], beta[rows], seg.state.recurrent[self.state])
+            recurrent = seg.state.recurrent[self.state]
+            for first, count in seg.pieces():
+                rows = slice(seg.start + first, seg.start + first + count)
+                out[rows] = self._rule(conv_out[rows], g[rows], beta[rows], recurrent)
+                if seg.snapshot is not None and first + count == seg.snapshot_at:
+                    seg.snapshot.recurrent[self.state].copy_(recurrent)
         core = self.norm(out.to(x.dtype), z).reshape(tokens, d.value_dim)
         return self.out_proj(core)
 
-    def _convolved(self, mixed: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
-        """One sequence's ``[count, conv_dim]`` projections through the causal
-        convolution, after the inputs its state keeps (updated to the last ones)."""
+    def _convolved_segments(
+        self, mixed: torch.Tensor, segments: list, conv_states: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """Each segment's rows through the convolution, its state's inputs before them;
+        a snapshot's convolution state taken at its row."""
+        out = torch.empty(mixed.shape, dtype=_wide(mixed.dtype), device=mixed.device)
         kernel = self.d.conv_kernel
-        inputs = torch.cat([conv.to(mixed.dtype), mixed])
-        conv.copy_(inputs[-(kernel - 1) :])
-        wide = _wide(mixed.dtype)
-        windows = inputs.to(wide).unfold(0, kernel, 1)  # [count, conv_dim, kernel]
+        for seg, conv in zip(segments, conv_states, strict=True):
+            rows = slice(seg.start, seg.start + seg.count)
+            inputs = torch.cat([conv.to(mixed.dtype), mixed[rows]])
+            if seg.snapshot is not None:  # the last kernel - 1 inputs at its row
+                at = seg.snapshot_at + kernel - 1
+                seg.snapshot.conv[self.state].copy_(inputs[at - (kernel - 1) : at])
+            out[rows] = self._convolve(inputs)
+            conv.copy_(inputs[-(kernel - 1) :])
+        return out
+
+    def _convolve(self, inputs: torch.Tensor) -> torch.Tensor:
+        """``[kernel - 1 + count, conv_dim]`` inputs → the causal convolution's ``count``
+        outputs, SiLU after it."""
+        wide = _wide(inputs.dtype)
+        windows = inputs.to(wide).unfold(0, self.d.conv_kernel, 1)  # [count, conv_dim, kernel]
         taps = self.conv1d.weight.to(wide).squeeze(1)
         return F.silu((windows * taps).sum(-1))
 

@@ -63,11 +63,28 @@ class SequenceState:
 
 @dataclass(frozen=True)
 class StateSegment:
-    """A sequence's rows of a step (``start``, ``count``) and its state."""
+    """A sequence's rows of a step (``start``, ``count``) and its state. The state layers
+    compute the rows in pieces ending at multiples of ``piece`` positions (``position``:
+    the first row's), so that where a sequence resumes never changes its arithmetic; with
+    ``snapshot``, they copy their state into it after ``snapshot_at`` rows."""
 
     start: int
     count: int
     state: SequenceState
+    position: int = 0
+    piece: int = 64
+    snapshot_at: int | None = None
+    snapshot: SequenceState | None = None
+
+    def pieces(self) -> list[tuple[int, int]]:
+        """The rows' pieces, as (first row, count) within the segment."""
+        pieces, row = [], 0
+        while row < self.count:
+            to_boundary = self.piece - (self.position + row) % self.piece
+            size = min(to_boundary, self.count - row)
+            pieces.append((row, size))
+            row += size
+        return pieces
 
 
 class StatefulStep(StepAttention, Protocol):
