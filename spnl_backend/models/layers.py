@@ -36,6 +36,7 @@ class AttentionMixer:
     clip_qkv: float | None = None
     qkv_bias: bool = False
     o_bias: bool = False
+    sinks: bool = False  # a learned sink logit per head (gpt-oss): `AttentionSpec.sinks`
 
 
 @dataclass(frozen=True)
