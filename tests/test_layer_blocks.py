@@ -13,8 +13,8 @@ from spnl_backend.kernels.cpu import KernelArgumentError
 
 # What the blocks leave to the per-op path: qwen2's projections carry biases, OLMo 2's
 # layers have no input norm (norms after attention and MLP only), SmolLM3 has a layer that
-# does not rotate.
-NOT_RUN = {"qwen2", "olmo2", "smollm3"}
+# does not rotate, gpt-oss's attention has sinks (and its experts biases).
+NOT_RUN = {"qwen2", "olmo2", "smollm3", "gpt_oss"}
 
 
 def _load(tiny, arch, cache_type):

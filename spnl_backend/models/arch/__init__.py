@@ -7,6 +7,7 @@ import functools
 from . import (
     gemma2,
     gemma3,
+    gpt_oss,
     llama,
     mistral,
     mixtral,
@@ -35,6 +36,7 @@ FAMILIES: tuple[Family, ...] = tuple(
         qwen3_moe,
         mixtral,
         olmoe,
+        gpt_oss,
     )
 )
 
