@@ -715,3 +715,34 @@ def test_the_moe_layer_refuses_what_it_cannot_run(kernels):
         layer.args, x.data_ptr(), 2, out.data_ptr(), small.data_ptr(), small.numel(), 1, 0
     )
     assert status == -1  # too little scratch: refused before anything is written
+
+
+def _mxfp4_weight(rows: int, cols: int, seed: int = 0) -> QuantizedWeight:
+    """Random MXFP4 blocks (scales 2^-12 to 2^-1, the two denormal ones among them)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (rows * cols // 32, 17), dtype=torch.uint8, generator=gen)
+    blocks[:, 0] = torch.randint(116, 128, (len(blocks),), dtype=torch.uint8, generator=gen)
+    blocks[:2, 0] = torch.tensor([0, 1], dtype=torch.uint8)
+    return QuantizedWeight(blocks.view(rows, -1), Q.MXFP4, (rows, cols))
+
+
+@pytest.mark.parametrize("mode", ["int8", "exact"])
+@pytest.mark.parametrize("rows", [1, 3, 70])
+def test_mxfp4_products_equal_the_dequantized_twin(kernels, mode, rows):
+    """MXFP4 (gpt-oss's experts as stored) has float products only: asked for int8 ones,
+    the call takes them, beside another format too; each row as it would be alone."""
+    native = dataclasses.replace(kernels, exact=mode == "exact")
+    weights = [_mxfp4_weight(48, 512), _weights(Q.Q8_0, rows=16)]
+    x = torch.randn(rows, 512)
+    together = quantized_matmuls(native, x, weights[:1])
+    torch.testing.assert_close(together, _twin(x, weights[:1]), rtol=1e-5, atol=1e-4)
+    alone = torch.cat([quantized_matmuls(native, x[i : i + 1], weights[:1]) for i in range(rows)])
+    assert torch.equal(together, alone)
+    mixed = quantized_matmuls(dataclasses.replace(kernels, exact=True), x, weights)
+    torch.testing.assert_close(mixed, _twin(x, weights), rtol=1e-5, atol=1e-4)
+
+
+def test_mxfp4_dequantizes_as_the_twin_bit_for_bit(kernels):
+    weight = _mxfp4_weight(8, 256, seed=2)
+    native = kernels.dequantize(Q.MXFP4.value, weight.data, *weight.shape)
+    assert torch.equal(native, weight.dequantize())
