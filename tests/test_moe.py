@@ -410,3 +410,19 @@ def test_a_gpt_oss_moe_layer_is_transformers_past_its_clamps(moe):
         gate = theirs.experts.gate_up_proj[0, :, ::2]
         assert ((x @ gate).abs() > reference.hf.config.swiglu_limit).any()
         torch.testing.assert_close(ours(x), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_gpt_oss_gguf_with_mxfp4_experts_runs_them_as_stored(moe, tiny):
+    """llama.cpp's gpt-oss files keep the experts in MXFP4: they load as their blocks and
+    the model computes what those blocks dequantized compute (C's float products)."""
+    reference, _ = moe["gpt_oss"]
+    path = tiny.gguf("gpt_oss", GGMLQuantizationType.MXFP4)
+    settings = BackendSettings(device="cpu")
+    quantized = load_backend(str(path), settings=settings)
+    expert = quantized.model.model.layers[0].mlp.experts[0]
+    assert expert.gate_proj.weight_q.qtype == GGMLQuantizationType.MXFP4
+    ids = reference.tokenizer(PROMPT).input_ids
+    expected = model_logits(quantized, ids)
+    dequantized = load_backend(str(path), settings=settings)
+    _dequantize_in_place(dequantized)
+    torch.testing.assert_close(model_logits(dequantized, ids), expected, rtol=1e-4, atol=1e-4)
