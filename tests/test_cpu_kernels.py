@@ -12,6 +12,7 @@ import spnl_backend.kernels.cpu as cpu
 import spnl_backend.kernels.matmuls as matmuls
 from spnl_backend.kernels.cpu import KernelArgumentError
 from spnl_backend.kernels.matmuls import CpuMatmuls, int8_activations_ref
+from spnl_backend.kernels.metadata import PagedMetadata
 from spnl_backend.kernels.ops import (
     add_rms_norm_ref,
     qk_norm_rope_ref,
@@ -24,6 +25,7 @@ from spnl_backend.quant.linear import QuantizedWeight
 from spnl_backend.quant.quantize import QUANTIZERS
 
 TYPES = sorted(QUANTIZERS, key=lambda t: t.value)
+SINKS = torch.tensor([1.5, -0.5, 0.0, 3.0])  # one per query head of the 4-head cases
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["plain", "checked"])
@@ -326,6 +328,43 @@ def test_long_contexts_attend_alike_alone_batched_and_on_any_threads(kernels, wi
             assert torch.equal(decode(slice(s, s + 1), threads), batched[s : s + 1])
 
 
+@pytest.mark.parametrize("window", [None, 300])
+def test_sinks_over_chunks_of_keys_equal_the_twin(kernels, window):
+    """gpt-oss's sinks join the peak and the denominator once, after the chunks combine:
+    contexts of one chunk and of several, alone and batched alike, against the twin."""
+    lens = [700, 5, 257]
+    q, key_cache, value_cache, slots, seq_lens = _long_decode_case(lens, kv_heads=2, heads=4)
+    sinks = torch.tensor([4.0, -1.0, 0.5, 30.0])  # 30: past every score, most weight on it
+    out = kernels.paged_decode(
+        q, key_cache, value_cache, slots, seq_lens, 0.2, window, None, None, sinks
+    )
+    twin = torch.cat(
+        [
+            paged_attention_ref(
+                q[s : s + 1],
+                key_cache,
+                value_cache,
+                _one_table(slots[s], int(seq_lens[s]), key_cache.shape[1]),
+                scale=0.2,
+                sliding_window=window,
+                sinks=sinks,
+            )
+            for s in range(len(lens))
+        ]
+    )
+    torch.testing.assert_close(out, twin, rtol=1e-5, atol=1e-6)
+    alone = kernels.paged_decode(
+        q[:1], key_cache, value_cache, slots[:1], seq_lens[:1], 0.2, window, None, None, sinks
+    )
+    assert torch.equal(alone, out[:1])
+
+
+def _one_table(slots: torch.Tensor, length: int, block_size: int) -> PagedMetadata:
+    """A decode's metadata for a sequence whose slots run in whole blocks."""
+    blocks = slots[: -(-length // block_size) * block_size : block_size] // block_size
+    return PagedMetadata(blocks[None], [length], [1], block_size)
+
+
 def test_a_chunk_of_keys_out_of_reach_weighs_nothing(kernels):
     """Scores of -inf (q . k past float32) for a whole chunk of keys: the chunk gets weight
     0, as in one softmax over all the keys, instead of poisoning the others with NaN."""
@@ -368,7 +407,9 @@ def test_tiles_of_32_value_blocks_give_each_row_alone_bits(kernels, qtype, rows)
 @pytest.mark.parametrize("pool", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("case", ["prefill", "prefix hit", "chunked prefill", "mixed"])
 @pytest.mark.parametrize(
-    "options", [{}, {"sliding_window": 6}, {"softcap": 4.0}], ids=["plain", "window", "softcap"]
+    "options",
+    [{}, {"sliding_window": 6}, {"softcap": 4.0}, {"sliding_window": 6, "sinks": SINKS}],
+    ids=["plain", "window", "softcap", "sinks"],
 )
 def test_short_queries_attend_as_decode_rows(kernels, case, options, pool):
     from spnl_backend.kernels import cpu_kernel_set, decode_rows
@@ -393,6 +434,8 @@ def test_short_queries_attend_as_decode_rows(kernels, case, options, pool):
                 0.25,
                 options.get("sliding_window"),
                 options.get("softcap"),
+                None,
+                options.get("sinks"),
             )
             for i in range(len(q))
         ]
@@ -672,3 +715,34 @@ def test_the_moe_layer_refuses_what_it_cannot_run(kernels):
         layer.args, x.data_ptr(), 2, out.data_ptr(), small.data_ptr(), small.numel(), 1, 0
     )
     assert status == -1  # too little scratch: refused before anything is written
+
+
+def _mxfp4_weight(rows: int, cols: int, seed: int = 0) -> QuantizedWeight:
+    """Random MXFP4 blocks (scales 2^-12 to 2^-1, the two denormal ones among them)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (rows * cols // 32, 17), dtype=torch.uint8, generator=gen)
+    blocks[:, 0] = torch.randint(116, 128, (len(blocks),), dtype=torch.uint8, generator=gen)
+    blocks[:2, 0] = torch.tensor([0, 1], dtype=torch.uint8)
+    return QuantizedWeight(blocks.view(rows, -1), Q.MXFP4, (rows, cols))
+
+
+@pytest.mark.parametrize("mode", ["int8", "exact"])
+@pytest.mark.parametrize("rows", [1, 3, 70])
+def test_mxfp4_products_equal_the_dequantized_twin(kernels, mode, rows):
+    """MXFP4 (gpt-oss's experts as stored) has float products only: asked for int8 ones,
+    the call takes them, beside another format too; each row as it would be alone."""
+    native = dataclasses.replace(kernels, exact=mode == "exact")
+    weights = [_mxfp4_weight(48, 512), _weights(Q.Q8_0, rows=16)]
+    x = torch.randn(rows, 512)
+    together = quantized_matmuls(native, x, weights[:1])
+    torch.testing.assert_close(together, _twin(x, weights[:1]), rtol=1e-5, atol=1e-4)
+    alone = torch.cat([quantized_matmuls(native, x[i : i + 1], weights[:1]) for i in range(rows)])
+    assert torch.equal(together, alone)
+    mixed = quantized_matmuls(dataclasses.replace(kernels, exact=True), x, weights)
+    torch.testing.assert_close(mixed, _twin(x, weights), rtol=1e-5, atol=1e-4)
+
+
+def test_mxfp4_dequantizes_as_the_twin_bit_for_bit(kernels):
+    weight = _mxfp4_weight(8, 256, seed=2)
+    native = kernels.dequantize(Q.MXFP4.value, weight.data, *weight.shape)
+    assert torch.equal(native, weight.dequantize())

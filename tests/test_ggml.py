@@ -88,3 +88,19 @@ def test_q8_0_round_trip_is_close():
     data = np.random.default_rng(0).normal(size=(4, 256)).astype(np.float32)
     out = _ours(quants.quantize(data, Q.Q8_0), Q.Q8_0, data.shape)
     assert np.abs(out - data).max() < np.abs(data).max() / 127
+
+
+def test_openai_microscaling_tensors_are_ggml_mxfp4_blocks():
+    """gpt-oss's safetensors ``*_blocks``/``*_scales`` repacked as ggml's MXFP4 blocks hold
+    the values transformers' own converter gives (which it transposes to [E, in, out])."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from spnl_backend.quant.ggml import mxfp4_from_microscaling
+
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (2, 6, 4, 16), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(110, 135, (2, 6, 4), dtype=torch.uint8, generator=gen)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    ggml = mxfp4_from_microscaling(blocks, scales)
+    ours = dequantize(ggml.reshape(-1, 17), Q.MXFP4, (2, 6, 128))
+    assert torch.equal(ours, theirs.transpose(1, 2))

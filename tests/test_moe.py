@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFValueType
 from helpers import CPU, model_logits
 from model_file_mutations import parse_gguf, with_value, without_key, write_gguf_bytes
-from tiny_models import MOE_ARCHITECTURES
+from tiny_models import MOE_ARCHITECTURES, hf_config
 
 from spnl_backend import BackendSettings, UnsupportedArchitectureError, load_backend
 from spnl_backend.models.mlp import GatedMLP
@@ -18,6 +18,7 @@ from spnl_backend.models.moe import SparseMoE
 from spnl_backend.quant.linear import QuantLinear
 
 PROMPT = "the cat sat on the mat and the dog"
+TORCH_EXPERTS = ("gpt_oss",)  # biased, clamped SwiGLU: neither the native layer nor fused
 TOKENS = 32
 
 
@@ -45,7 +46,8 @@ def test_logits_and_greedy_tokens_equal_transformers(moe, arch):
 def test_the_router_chooses_as_transformers_does(moe, arch):
     reference, backend = moe[arch]
     ours = next(m for m in backend.model.modules() if isinstance(m, SparseMoE))
-    theirs = reference.hf.model.layers[0].mlp.gate
+    mlp = reference.hf.model.layers[0].mlp
+    theirs = mlp.router if arch == "gpt_oss" else mlp.gate
     x = torch.randn(64, reference.hf.config.hidden_size, generator=torch.Generator().manual_seed(1))
     experts, weights = ours.route(x)
     with torch.no_grad():
@@ -148,15 +150,22 @@ def test_gguf_twins_with_stacked_experts(moe, tiny, arch):
     settings = BackendSettings(device="cpu", cpu_matmul="float32")
     quantized = load_backend(str(tiny.gguf(arch, GGMLQuantizationType.Q8_0)), settings=settings)
     layer = quantized.model.model.layers[0].mlp
-    stacked = reference.hf.model.layers[0].mlp.experts.gate_up_proj.detach()
-    inner = stacked.shape[1] // 2
+    gates = _gate_weights(reference.hf.model.layers[0].mlp.experts.gate_up_proj.detach(), arch)
     for expert, mlp in enumerate(layer.experts):
         blocks = mlp.gate_proj.weight_q.dequantize().float()
-        assert torch.allclose(blocks, stacked[expert, :inner], atol=0.02)
+        assert torch.allclose(blocks, gates[expert], atol=0.02)
     expected = model_logits(quantized, ids)
     dequantized = load_backend(str(tiny.gguf(arch, GGMLQuantizationType.Q8_0)), settings=settings)
     _dequantize_in_place(dequantized)
     assert torch.allclose(model_logits(dequantized, ids), expected, atol=1e-4)
+
+
+def _gate_weights(gate_up: torch.Tensor, arch: str) -> torch.Tensor:
+    """Each expert's gate rows ``[E, I, H]`` from transformers' stack: gate rows first,
+    or (gpt-oss) transposed with gate and up interleaved by column."""
+    if arch == "gpt_oss":
+        return gate_up[..., ::2].transpose(1, 2)
+    return gate_up[:, : gate_up.shape[1] // 2]
 
 
 def test_an_olmoe_gguf_generates_and_tokenizes_as_its_safetensors_model(moe, tiny):
@@ -226,6 +235,7 @@ def _dequantize_in_place(backend) -> None:
             parent, _, attr = name.rpartition(".")
             dense = torch.nn.Linear(module.in_features, module.out_features, bias=False)
             dense.weight = torch.nn.Parameter(module.weight_q.dequantize().float())
+            dense.bias = module.bias
             setattr(backend.model.get_submodule(parent), attr, dense)
 
 
@@ -233,13 +243,15 @@ def _dequantize_in_place(backend) -> None:
 def test_quantized_experts_run_natively_row_by_row_as_their_twin(moe, arch):
     """On the CPU a layer of quantized experts is one native call: each row computed as it
     would be alone (one row, five, or more than one chunk of 256), close to the torch twin
-    (`SparseMoE.grouped`), and a sequence's tokens the same alone and in a batch."""
+    (`SparseMoE.grouped`), and a sequence's tokens the same alone and in a batch. Experts
+    the native layer cannot run (gpt-oss's biases and clamped SwiGLU) are refused by it
+    and run on the torch path, as invariant."""
     reference, _ = moe[arch]
     quantized = load_backend(
         str(reference.path), settings=BackendSettings(device="cpu", isq="Q8_0")
     )
     layer = next(m for m in quantized.model.modules() if isinstance(m, SparseMoE))
-    assert layer.native_layer() is not None
+    assert (layer.native_layer() is None) == (arch in TORCH_EXPERTS)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(300, reference.hf.config.hidden_size, generator=gen)
     with torch.inference_mode():
@@ -368,3 +380,49 @@ def test_gguf_experts_run_on_the_native_layer(tiny):
     assert layer.native_layer() is not None
     backend.generate(PROMPT, max_tokens=2, temperature=0)
     assert backend.model.model._blocks is not None
+
+
+def test_the_clamped_swiglu_is_transformers_gate():
+    """gpt-oss's gating on values past its limit on both sides: the same as transformers'
+    experts apply to their interleaved gate/up columns."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from spnl_backend.models.mlp import ClampedSwiGLU
+
+    config = hf_config("gpt_oss", 320)
+    theirs = GptOssExperts(config)
+    gate_up = torch.randn(50, 2 * config.intermediate_size) * 12
+    assert (gate_up.abs() > config.swiglu_limit).float().mean() > 0.3  # the clamps bind
+    ours = ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit)
+    torch.testing.assert_close(ours(gate_up[:, ::2], gate_up[:, 1::2]), theirs._apply_gate(gate_up))
+
+
+def test_a_gpt_oss_moe_layer_is_transformers_past_its_clamps(moe):
+    """A whole layer of experts (biased router, biased projections, clamped SwiGLU) on
+    inputs large enough that the clamps bind, against transformers' layer."""
+    reference, backend = moe["gpt_oss"]
+    ours = backend.model.model.layers[1].mlp
+    theirs = reference.hf.model.layers[1].mlp
+    x = torch.randn(40, reference.hf.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    x = x * 10
+    with torch.no_grad():
+        expected = theirs(x[None])[0][0]
+        gate = theirs.experts.gate_up_proj[0, :, ::2]
+        assert ((x @ gate).abs() > reference.hf.config.swiglu_limit).any()
+        torch.testing.assert_close(ours(x), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_gpt_oss_gguf_with_mxfp4_experts_runs_them_as_stored(moe, tiny):
+    """llama.cpp's gpt-oss files keep the experts in MXFP4: they load as their blocks and
+    the model computes what those blocks dequantized compute (C's float products)."""
+    reference, _ = moe["gpt_oss"]
+    path = tiny.gguf("gpt_oss", GGMLQuantizationType.MXFP4)
+    settings = BackendSettings(device="cpu")
+    quantized = load_backend(str(path), settings=settings)
+    expert = quantized.model.model.layers[0].mlp.experts[0]
+    assert expert.gate_proj.weight_q.qtype == GGMLQuantizationType.MXFP4
+    ids = reference.tokenizer(PROMPT).input_ids
+    expected = model_logits(quantized, ids)
+    dequantized = load_backend(str(path), settings=settings)
+    _dequantize_in_place(dequantized)
+    torch.testing.assert_close(model_logits(dequantized, ids), expected, rtol=1e-4, atol=1e-4)

@@ -109,3 +109,31 @@ def test_fp8_cache_attends_like_the_rounded_values(case):
     torch.testing.assert_close(
         out, _expected(q, rounded, rounded_v, seq_lens, query_lens, scale=0.2), atol=1e-5, rtol=1e-5
     )
+
+
+def test_sinks_join_each_heads_denominator_alone():
+    """gpt-oss's sinks against the formula written out: e^s over the visible keys' e^s plus
+    the head's e^sink, the sink weighing no value."""
+    seq_lens, query_lens = [12], [5]
+    q, ck, cv, tables, keys, values = _paged_case(seq_lens, query_lens, 2, 4, 8)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    out = paged_attention_ref(q, ck, cv, tables, scale=0.3, sinks=sinks)
+    k, v = keys[0].repeat_interleave(2, dim=1), values[0].repeat_interleave(2, dim=1)
+    q_pos, k_pos = torch.arange(7, 12), torch.arange(12)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * 0.3
+    weights = scores.exp().masked_fill(k_pos > q_pos.unsqueeze(-1), 0.0)
+    weights = weights / (weights.sum(-1, keepdim=True) + sinks.exp().view(4, 1, 1))
+    torch.testing.assert_close(out, torch.einsum("hqk,khd->qhd", weights, v))
+
+
+@pytest.mark.parametrize("case", ["decode", "mixed", "prefix hit"])
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 6}], ids=["full", "window"])
+def test_sinks_paged_equal_contiguous(case, options):
+    seq_lens, query_lens = CASES[case]
+    q, ck, cv, tables, keys, values = _paged_case(seq_lens, query_lens, 2, 4, 8)
+    sinks = torch.tensor([3.0, -2.0, 0.25, 1.0])
+    out = paged_attention_ref(q, ck, cv, tables, scale=0.5, sinks=sinks, **options)
+    expected = _expected(q, keys, values, seq_lens, query_lens, scale=0.5, sinks=sinks, **options)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    plain = paged_attention_ref(q, ck, cv, tables, scale=0.5, **options)
+    assert not torch.allclose(out, plain)  # the sinks do take a share

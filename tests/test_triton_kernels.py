@@ -42,6 +42,17 @@ def test_alibi(case):
     check_attention(KERNELS, DEVICE, case, scale=0.3, alibi_slopes=slopes)
 
 
+@pytest.mark.parametrize("case", ["prefill", "decode", "mixed"])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("window", [None, 6])
+def test_sinks(case, splits, window):
+    """gpt-oss's sinks, in one program's softmax and in the merge of split keys."""
+    sinks = torch.tensor([2.0, -1.0, 0.5, 0.0, 6.0, -3.0, 1.0, 0.25])
+    check_attention(
+        KERNELS, DEVICE, case, scale=0.3, num_splits=splits, sliding_window=window, sinks=sinks
+    )
+
+
 @pytest.mark.parametrize("block_size", [8, 32, 256])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("case", ["decode", "mixed"])

@@ -51,6 +51,22 @@ def test_fused_product_equals_the_twin(qtype, m_rows):
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("m_rows", [1, 17])
+def test_mxfp4_decodes_exactly_and_multiplies_as_the_twin(m_rows):
+    """gpt-oss's MXFP4 experts as stored: random blocks (scales 2^-12 to 2^-1, the two
+    denormal ones among them), against the torch dequantizer and its product."""
+    gen = torch.Generator().manual_seed(m_rows)
+    blocks = torch.randint(0, 256, (70 * 3, 17), dtype=torch.uint8, generator=gen)
+    blocks[:, 0] = torch.randint(116, 128, (len(blocks),), dtype=torch.uint8, generator=gen)
+    blocks[:2, 0] = torch.tensor([0, 1], dtype=torch.uint8)
+    weight = QuantizedWeight(blocks.view(70, -1), Q.MXFP4, (70, 96))
+    out = dequantize_triton(weight.data.to(DEVICE), Q.MXFP4, weight.shape)
+    assert torch.equal(out.cpu(), weight.dequantize())
+    x = torch.randn(m_rows, 96, generator=gen)
+    product = qmatmul_triton(x.to(DEVICE), weight.data.to(DEVICE), Q.MXFP4, 70)
+    torch.testing.assert_close(product.cpu(), quantized_matmul_ref(x, weight), rtol=1e-4, atol=1e-4)
+
+
 def test_dequantize_into_half_precision():
     weight = _weight(Q.Q4_K, rows=8)
     out = dequantize_triton(weight.data.to(DEVICE), Q.Q4_K, weight.shape, torch.float16)

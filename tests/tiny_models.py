@@ -89,8 +89,8 @@ MOE_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_experts(f) and not f.
 HYBRID_ARCHITECTURES = tuple(f.name for f in FAMILIES if f.state_layers)
 # What the native layer blocks leave to the per-op path: qwen2's projections carry biases,
 # OLMo 2's layers have no input norm (norms after attention and MLP only), SmolLM3 has a
-# layer that does not rotate.
-PER_OP_ONLY = frozenset({"qwen2", "olmo2", "smollm3"})
+# layer that does not rotate, gpt-oss's attention has sinks (and its experts biases).
+PER_OP_ONLY = frozenset({"qwen2", "olmo2", "smollm3", "gpt_oss"})
 
 
 @dataclass
@@ -165,6 +165,7 @@ _GGUF_ARCH = {
     "qwen3_moe": "qwen3moe",
     "mixtral": "llama",
     "olmoe": "olmoe",
+    "gpt_oss": "gpt-oss",
 }
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -181,6 +182,7 @@ _LAYER_NAMES = {
     "mlp.down_proj": "ffn_down",
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate": "ffn_gate_inp",
+    "mlp.router": "ffn_gate_inp",
 }
 _GEMMA_LAYER_NAMES = {
     **_LAYER_NAMES,
@@ -195,6 +197,7 @@ _OLMO2_LAYER_NAMES = {
     "post_attention_layernorm": "post_attention_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
 }
+_GPT_OSS_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_layernorm": "post_attention_norm"}
 GEMMAS = ("gemma2", "gemma3")  # norms scaled by (1 + w), which the converter stores
 OFFSET_NORMS = (*GEMMAS, "qwen3_5")  # norms scaled by (1 + w): their weights centred on 0
 # llama.cpp's converter permutes q and k rows of these (NORM rope), as Llama's.
@@ -214,6 +217,10 @@ def _gguf_name(name: str, arch: str) -> str:
     names = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES}.get(arch, _LAYER_NAMES)
     if arch == "olmo2":
         names = _OLMO2_LAYER_NAMES
+    if arch == "gpt-oss":
+        names = _GPT_OSS_LAYER_NAMES
+        if rest == "self_attn.sinks":  # the converter adds the suffix
+            return f"blk.{index}.attn_sinks.weight"
     return f"blk.{index}.{names[module]}.{kind}"
 
 
@@ -233,7 +240,7 @@ def write_gguf(
     config = tiny.hf.config
     writer = GGUFWriter(path, arch)
     _write_metadata(writer, tiny, config)
-    for name, tensor in _stacked_experts(tiny.hf.state_dict()):
+    for name, tensor in _stacked_experts(tiny.hf.state_dict(), arch):
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         if name.startswith("blk."):  # already GGUF's: stacked experts
@@ -255,11 +262,14 @@ def write_gguf(
     return path
 
 
-def _stacked_experts(state: dict[str, torch.Tensor]):
+def _stacked_experts(state: dict[str, torch.Tensor], arch: str):
     """transformers' fused experts (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``)
     as llama.cpp stores them: ``ffn_gate_exps``, ``ffn_up_exps`` ``[E, I, H]`` and
-    ``ffn_down_exps``."""
+    ``ffn_down_exps``; gpt-oss's as its converter splits them."""
     for name, tensor in state.items():
+        if arch == "gpt-oss" and ".mlp.experts." in name:
+            yield from _gpt_oss_experts(name, tensor)
+            continue
         if name.endswith(".mlp.experts.gate_up_proj"):
             index = name.split(".")[2]
             gate, up = tensor.chunk(2, dim=1)
@@ -271,11 +281,28 @@ def _stacked_experts(state: dict[str, torch.Tensor]):
             yield name, tensor
 
 
+def _gpt_oss_experts(name: str, tensor: torch.Tensor):
+    """gpt-oss's experts (``gate_up_proj [E, H, 2I]``, gate and up interleaved by column,
+    ``down_proj [E, I, H]``, stacked biases) split and transposed as llama.cpp's converter
+    writes them."""
+    index = name.split(".")[2]
+    if name.endswith("gate_up_proj"):
+        yield f"blk.{index}.ffn_gate_exps.weight", tensor[..., ::2].transpose(1, 2).contiguous()
+        yield f"blk.{index}.ffn_up_exps.weight", tensor[..., 1::2].transpose(1, 2).contiguous()
+    elif name.endswith("gate_up_proj_bias"):
+        yield f"blk.{index}.ffn_gate_exps.bias", tensor[..., ::2].contiguous()
+        yield f"blk.{index}.ffn_up_exps.bias", tensor[..., 1::2].contiguous()
+    elif name.endswith("down_proj"):
+        yield f"blk.{index}.ffn_down_exps.weight", tensor.transpose(1, 2).contiguous()
+    else:
+        yield f"blk.{index}.ffn_down_exps.bias", tensor
+
+
 def _add_tensor(
     writer: GGUFWriter, name: str, data: np.ndarray, qtype: GGMLQuantizationType
 ) -> None:
-    # llama.cpp's quantizer keeps the router (ffn_gate_inp) in float, as here.
-    router = name.endswith("ffn_gate_inp.weight")
+    # llama.cpp's quantizer keeps the router (ffn_gate_inp) and biases in float, as here.
+    router = name.endswith("ffn_gate_inp.weight") or not name.endswith(".weight")
     if qtype == GGMLQuantizationType.F32 or data.ndim == 1 or data.shape[-1] % 32 or router:
         writer.add_tensor(name, data.astype(np.float32))
     else:
@@ -313,6 +340,8 @@ def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config) -> None:
         writer.add_expert_used_count(config.num_experts_per_tok)
         if getattr(config, "moe_intermediate_size", None):
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if tiny.arch == "gpt_oss":  # its experts' size is intermediate_size
+            writer.add_expert_feed_forward_length(config.intermediate_size)
     if getattr(config, "clip_qkv", None):
         # llama.cpp's converter writes this key for OLMo but not for OLMoE (whose graph does
         # not clamp); written here so that the tiny OLMoE's twin is the same model.

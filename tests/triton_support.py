@@ -44,13 +44,14 @@ def check_attention(
     q, key_cache, value_cache, meta, keys, values = paged_case(
         seq_lens, query_lens, kv_heads, heads, block_size, head_dim, dtype
     )
+    on_device = {k: v.to(device) if torch.is_tensor(v) else v for k, v in options.items()}
     out = kernels.paged_attention(
         q.to(device),
         key_cache.to(device),
         value_cache.to(device),
         on(meta, device),
         num_splits=num_splits,
-        **options,
+        **on_device,
     )
     expected = paged_attention_ref(q, key_cache, value_cache, meta, **options)
     torch.testing.assert_close(out.cpu(), expected, atol=atol, rtol=atol)

@@ -33,7 +33,8 @@ _BY_ROWS = re.compile(
     _LAYER + rf"(self_attn\.(?P<qkv>[qkv])_proj|(?:{_EXPERT}|mlp\.)(gate|up)_proj)\.(weight|bias)"
 )
 _BY_COLUMNS = re.compile(_LAYER + rf"(self_attn\.o_proj|(?:{_EXPERT}|mlp\.)down_proj)\.weight")
-_O_BIAS = re.compile(_LAYER + r"self_attn\.o_proj\.bias")
+_O_BIAS = re.compile(_LAYER + rf"(self_attn\.o_proj|{_EXPERT}down_proj)\.bias")
+_SINKS = re.compile(_LAYER + r"self_attn\.sinks")  # one per query head
 _FULL_NORM = re.compile(_LAYER + r"self_attn\.(?P<which>[qk])_norm\.weight")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -86,6 +87,8 @@ class Shard:
             return _rows(weight, *_even(weight.shape[0], self.rank, self.world))
         if _BY_COLUMNS.fullmatch(name):
             return _columns(weight, *_even(weight.shape[1], self.rank, self.world), name)
+        if _SINKS.fullmatch(name):
+            return weight[slice(*_even(weight.shape[0], self.rank, self.world))]
         if _O_BIAS.fullmatch(name):  # added once: by the first rank
             return weight if self.rank == 0 else torch.zeros_like(weight)
         if self.config.qk_norm_full and (match := _FULL_NORM.fullmatch(name)):

@@ -173,6 +173,8 @@ def _kv_cache(
 ) -> tuple[CacheManager, int, CacheInfo]:
     config = loaded.config
     compressor = get_compressor(settings.kv_cache_compression)
+    if compressor is not None:
+        _refuse_sinks(loaded, compressor)
     paged = loaded.kernels.pages(compressor)
     fp8_pool = paged and decisions.kv_cache_dtype == "float8_e4m3fn"
     calibrated = fp8_pool or (compressor is not None and compressor.calibrated)
@@ -264,6 +266,18 @@ def _made_cache(compressor: Compressor, geometry: KVGeometry) -> CompressedKVCac
             f"returned a {type(cache).__name__}, not a CompressedKVCache"
         )
     return cache
+
+
+def _refuse_sinks(loaded: LoadedModel, compressor: Compressor) -> None:
+    """A compressed cache attends through the protocol's own softmax, which has no place
+    for a sink's share of the denominator: such a model would attend wrongly, so it is
+    refused rather than run."""
+    if any(layer.mixer.sinks for layer in loaded.config.layers):
+        raise SettingsError(
+            f"{env_name('kv_cache_compression')}={compressor.name} cannot run this "
+            f"{loaded.config.architecture} model: its attention has sinks (a learned logit "
+            "per head in the softmax), which compressed caches do not take; use no compression"
+        )
 
 
 def _refuse_draft_without_truncate(settings: BackendSettings, compressor: Compressor) -> None:

@@ -45,6 +45,7 @@ class SelfAttention(WithoutLayerBlocks):
                     context_len=0,
                     sliding_window=spec.sliding_window,
                     softcap=spec.softcap,
+                    sinks=spec.sinks,
                 )
             )
             start += length

@@ -107,6 +107,7 @@ class SequenceKV:
             context_len=context_len,
             sliding_window=spec.sliding_window,
             softcap=spec.softcap,
+            sinks=spec.sinks,
         )
 
 

@@ -130,6 +130,7 @@ class PagedStep:
             softcap=spec.softcap,
             k_scale=k_scale,
             v_scale=v_scale,
+            sinks=spec.sinks,
         )
 
     def _meta_on(self, device: torch.device) -> PagedMetadata:

@@ -20,6 +20,7 @@ def attention_ref(
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     logit_bias: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q [nq, heads, d]``, ``k``/``v [context_len + nq, kv_heads, d]`` → ``[nq, heads, d]``.
 
@@ -27,9 +28,10 @@ def attention_ref(
     ``j <= i`` and, with a sliding window ``w``, ``j > i - w``. Scores are
     ``scale * q.k`` plus ``logit_bias [heads, nq, nk]`` if given (a compressed cache's
     correction), then softcapped (``cap * tanh(s / cap)``), then biased by
-    ``slope * (j - i)`` with ALiBi, then masked; softmax is in float32.
+    ``slope * (j - i)`` with ALiBi, then masked; softmax is in float32, over the visible
+    keys and, where given, each head's sink logit ``sinks [heads]`` (a column of no value).
     """
-    if softcap is None and alibi_slopes is None and logit_bias is None:
+    if softcap is None and alibi_slopes is None and logit_bias is None and sinks is None:
         return _sdpa(q, k, v, scale, context_len, sliding_window)
     scores = raw_scores(q, k) * scale
     if logit_bias is not None:
@@ -41,6 +43,7 @@ def attention_ref(
         sliding_window=sliding_window,
         softcap=softcap,
         alibi_slopes=alibi_slopes,
+        sinks=sinks,
     )
     return out.to(q.dtype)
 
@@ -63,9 +66,11 @@ def attend_scores(
     sliding_window: int | None = None,
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled ``scores [heads, nq, nk]`` and ``v [nk, kv_heads, d]`` → float32
-    ``[nq, heads, d]``: softcap, ALiBi, the causal (and window) mask, softmax, sum."""
+    ``[nq, heads, d]``: softcap, ALiBi, the causal (and window) mask, softmax (with the
+    sinks), sum."""
     heads, nq, nk = scores.shape
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
@@ -73,16 +78,27 @@ def attend_scores(
     if alibi_slopes is not None:
         distance = (k_pos - q_pos.unsqueeze(-1)).float()
         scores = scores + alibi_slopes.float().view(heads, 1, 1) * distance
-    return softmax_sum(scores, v, _visible(q_pos, k_pos, sliding_window))
+    return softmax_sum(scores, v, _visible(q_pos, k_pos, sliding_window), sinks)
 
 
-def softmax_sum(scores: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+def softmax_sum(
+    scores: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Final ``scores [heads, nq, nk]``, ``v [nk, kv_heads, d]`` and which keys each query
-    sees ``[nq, nk]`` → float32 ``[nq, heads, d]``: the masked softmax and the weighed sum."""
+    sees ``[nq, nk]`` → float32 ``[nq, heads, d]``: the masked softmax and the weighed sum.
+    ``sinks [heads]``: a last column per head in the softmax, dropped before the sum."""
     heads, nq, nk = scores.shape
     kv_heads = v.shape[1]
     scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(kv_heads, heads // kv_heads, nq, nk)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        column = sinks.float().to(scores.device).view(heads, 1, 1).expand(heads, nq, 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :nk]
+    probs = probs.view(kv_heads, heads // kv_heads, nq, nk)
     out = probs @ v.float().permute(1, 0, 2).unsqueeze(1)  # [kv, groups, nq, d]
     return out.flatten(0, 1).transpose(0, 1)
 

@@ -104,6 +104,7 @@ def paged_attention_ref(
     alibi_slopes: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for ``q [T, heads, head_dim]``, the packed queries of several sequences.
 
@@ -111,7 +112,8 @@ def paged_attention_ref(
     earlier ``seq_lens[i] - query_lens[i]`` tokens are cached context. Every key, new or
     cached, is read from the cache (so an FP8 cache rounds them all alike).
     """
-    if meta.is_decode and softcap is None and alibi_slopes is None and meta.pic is None:
+    plain = softcap is None and alibi_slopes is None and sinks is None
+    if meta.is_decode and plain and meta.pic is None:
         return _decode_batched(
             q, key_cache, value_cache, meta, scale, sliding_window, k_scale, v_scale
         )
@@ -133,6 +135,7 @@ def paged_attention_ref(
                 softcap,
                 k_scale,
                 v_scale,
+                sinks,
             )
             start = end
             continue
@@ -147,6 +150,7 @@ def paged_attention_ref(
             sliding_window=sliding_window,
             softcap=softcap,
             alibi_slopes=alibi_slopes,
+            sinks=sinks,
         )
         start = end
     return out
@@ -162,10 +166,13 @@ def _pic_attention(
     softcap: float | None,
     k_scale: float,
     v_scale: float,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """One PIC sequence: its keys read in prompt order, attended under its mask."""
     k, v = read_kv(key_cache, value_cache, pic.key_slots, q.dtype, k_scale, v_scale)
-    return pic_attention_ref(q, k, v, pic, scale=scale, sliding_window=window, softcap=softcap)
+    return pic_attention_ref(
+        q, k, v, pic, scale=scale, sliding_window=window, softcap=softcap, sinks=sinks
+    )
 
 
 def _decode_batched(

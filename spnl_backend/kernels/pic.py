@@ -112,10 +112,11 @@ def pic_attention_ref(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The torch twin for one PIC sequence: ``q [queries, heads, d]`` over its ``keys`` and
     ``values [K, kv_heads, d]`` (prompt order, read from the pool) under its mask."""
     scores = raw_scores(q, keys) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    return softmax_sum(scores, values, pic.visible(sliding_window)).to(q.dtype)
+    return softmax_sum(scores, values, pic.visible(sliding_window), sinks).to(q.dtype)

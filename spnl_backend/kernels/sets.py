@@ -66,6 +66,7 @@ def _cpu_paged_attention(
     alibi_slopes: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if (
         (longest is None or max(meta.query_lens) <= longest)
@@ -76,11 +77,11 @@ def _cpu_paged_attention(
         check_step_slots(meta, key_cache)
         if meta.pic is not None:
             return _cpu_pic_attention(
-                native, q, key_cache, value_cache, meta, scale, sliding_window, softcap
+                native, q, key_cache, value_cache, meta, scale, sliding_window, softcap, sinks
             )
         slots, lens = _decode_keys(meta)
         return native.paged_decode(
-            q, key_cache, value_cache, slots, lens, scale, sliding_window, softcap
+            q, key_cache, value_cache, slots, lens, scale, sliding_window, softcap, None, sinks
         )
     return paged_attention_ref(
         q,
@@ -93,6 +94,7 @@ def _cpu_paged_attention(
         alibi_slopes=alibi_slopes,
         k_scale=k_scale,
         v_scale=v_scale,
+        sinks=sinks,
     )
 
 
@@ -105,13 +107,14 @@ def _cpu_pic_attention(
     scale: float,
     window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """A step with PIC sequences, in one call: their queries attend over the key lists
     their mask gives (windowed by position already, from their first key), the others'
     over their lists as in a step without them (the last ``window``): each row's own."""
     slots, lens, firsts = pic_step_keys(meta, window)
     return native.paged_decode(
-        q, key_cache, value_cache, slots, lens, scale, window, softcap, firsts
+        q, key_cache, value_cache, slots, lens, scale, window, softcap, firsts, sinks
     )
 
 
@@ -224,6 +227,7 @@ def attend_contiguous(
     context_len: int,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sequence's queries over its contiguous ``keys``/``values [capacity, kv_heads,
     dim]`` (the first ``context_len + len(q)`` written; float32 or float16 for the native
@@ -243,12 +247,13 @@ def attend_contiguous(
             context_len=context_len,
             sliding_window=sliding_window,
             softcap=softcap,
+            sinks=sinks,
         )
     slots = torch.arange(total).expand(nq, total)  # one table, shared by every query
     lens = torch.arange(context_len + 1, total + 1)
     queries = q.float().contiguous()
     out = native.paged_decode(
-        queries, keys[None], values[None], slots, lens, scale, sliding_window, softcap
+        queries, keys[None], values[None], slots, lens, scale, sliding_window, softcap, None, sinks
     )
     return out.to(q.dtype)
 

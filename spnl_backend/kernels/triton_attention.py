@@ -4,9 +4,9 @@ Twin: `paged_ref.paged_attention_ref`. Each program takes a tile of up to ``BLOC
 query tokens of one sequence together with all the query heads of one KV head (GQA and
 MQA share every K/V tile load), and walks the sequence's keys in tiles of ``TILE``
 positions, looked up through the block table, with an online softmax. Sliding windows,
-softcapping, ALiBi and an FP8 cache are compile-time switches. Long decode contexts are
-split across ``num_splits`` programs per tile, and a second kernel merges their partial
-softmax states (split-KV), so a single sequence still fills the GPU.
+softcapping, ALiBi, attention sinks and an FP8 cache are compile-time switches. Long
+decode contexts are split across ``num_splits`` programs per tile, and a second kernel
+merges their partial softmax states (split-KV), so a single sequence still fills the GPU.
 
 PIC sequences (`kernels.pic`, another compile-time switch) walk their keys in prompt order
 instead of through the block table: each key's pool slot, block id and position, and each
@@ -45,6 +45,7 @@ def _attention_kernel(
     tile_seq_ptr,
     tile_first_ptr,
     alibi_ptr,
+    sinks_ptr,
     pic_start_ptr,
     pic_slots_ptr,
     pic_blocks_ptr,
@@ -75,6 +76,7 @@ def _attention_kernel(
     NUM_SPLITS: tl.constexpr,
     IEEE: tl.constexpr,
     USE_PIC: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     q_tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq = tl.load(tile_seq_ptr + q_tile)
@@ -184,6 +186,12 @@ def _attention_kernel(
         m_i = m_new
 
     if NUM_SPLITS == 1:
+        if USE_SINKS:  # the sink joins the softmax's peak and denominator, with no value
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0)
+            m_all = tl.maximum(m_i, sink)
+            alpha = tl.exp(m_i - m_all)
+            l_i = l_i * alpha + tl.exp(sink - m_all)
+            acc = acc * alpha[:, None]
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # 0 only in masked rows
         tl.store(
             out_ptr
@@ -209,6 +217,7 @@ def _merge_splits_kernel(
     tile_seq_ptr,
     tile_first_ptr,
     query_starts_ptr,
+    sinks_ptr,
     num_kv_heads,
     stride_o_token,
     stride_o_head,
@@ -218,6 +227,7 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     q_tile, kv_head = tl.program_id(0), tl.program_id(1)
     seq = tl.load(tile_seq_ptr + q_tile)
@@ -231,10 +241,15 @@ def _merge_splits_kernel(
     dims = tl.arange(0, HEAD_DIM_PAD)
     base = (q_tile * num_kv_heads + kv_head) * NUM_SPLITS
     m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0)
+        m_max = sink
     for split in range(NUM_SPLITS):
         m_max = tl.maximum(m_max, tl.load(m_ptr + (base + split) * BLOCK_M + rows))
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
+    if USE_SINKS:
+        l_sum = tl.exp(sink - m_safe)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     for split in range(NUM_SPLITS):
         state = (base + split) * BLOCK_M + rows
@@ -264,6 +279,7 @@ def paged_attention_triton(
     alibi_slopes: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Attention for the packed queries ``q [T, heads, head_dim]`` of several sequences over
@@ -296,6 +312,7 @@ def paged_attention_triton(
         pic = meta.memo("triton_pic", lambda: _PicArrays(meta, q.device))
         lens = pic.lens
     none = lens[:1]
+    sink_logits = (sinks if sinks is not None else q.new_zeros(1)).float().contiguous()
     _attention_kernel[(programs, num_kv_heads, splits)](
         q,
         key_cache,
@@ -310,6 +327,7 @@ def paged_attention_triton(
         plan.tile_seq,
         plan.tile_first,
         alibi.float().contiguous(),
+        sink_logits,
         *(none,) * 5
         if pic is None
         else (pic.start, pic.slots, pic.blocks, pic.places, pic.queries),
@@ -338,6 +356,7 @@ def paged_attention_triton(
         NUM_SPLITS=splits,
         IEEE=q.dtype == torch.float32,
         USE_PIC=pic is not None,
+        USE_SINKS=sinks is not None,
     )
     if splits > 1:
         _merge_splits_kernel[(programs, num_kv_heads)](
@@ -348,6 +367,7 @@ def paged_attention_triton(
             plan.tile_seq,
             plan.tile_first,
             query_starts,
+            sink_logits,
             num_kv_heads,
             out.stride(0),
             out.stride(1),
@@ -357,6 +377,7 @@ def paged_attention_triton(
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=pad,
             NUM_SPLITS=splits,
+            USE_SINKS=sinks is not None,
         )
     return out
 

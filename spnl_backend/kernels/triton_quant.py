@@ -102,6 +102,14 @@ def _decode(block, j, mask, QTYPE: tl.constexpr):
         high = (_u8(block + 16 + within % 32, mask) >> (chunk * 2 + within // 32)) & 1
         q = low | (high << 4)
         return _f16(block, mask) * scale * q.to(tl.float32) - _f16(block + 2, mask) * minimum
+    elif QTYPE == 39:  # MXFP4: an E8M0 exponent, nibbles (low: 0..15, high: 16..31)
+        q = (_u8(block + 1 + (j % 16), mask) >> ((j // 16) * 4)) & 0xF
+        m = q & 7  # ggml's doubled E2M1 magnitudes: 0 1 2 3 4 6 8 12
+        doubled = tl.where(m < 4, m, tl.where(m < 6, 2 * m - 4, 4 * m - 16))
+        doubled = tl.where(q >= 8, -doubled, doubled)
+        e = _u8(block, mask)  # 2^(e - 128) by its bits, the two smallest as denormals
+        bits = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+        return bits.to(tl.float32, bitcast=True) * doubled.to(tl.float32)
     else:  # Q6_K: 128 bytes of low nibbles, 64 of high pairs, 16 int8 scales, d
         half, within = j // 128, j % 128
         group, lane = within // 32, within % 32
@@ -187,6 +195,7 @@ _BLOCK_SIZES = {
     12: 256,
     13: 256,
     14: 256,
+    39: 32,
 }
 
 

@@ -9,6 +9,7 @@ from ..kernels import KernelChoice, choose_kernels
 from ..kernels.cpu import CpuKernels, built_before
 from ..log import get_logger
 from ..memory import release_freed_memory
+from ..models.arch import family
 from ..models.collectives import Collectives
 from ..models.config import ModelConfig
 from ..models.transformer import CausalLM, device_of_weight
@@ -103,7 +104,8 @@ def _load_text(
     config, eos = read_text_config(source.path)
     tokenizer = tokenizer or load_text_tokenizer(source.path, eos)
     release_freed_memory()  # the tokenizer's parse, before the weights land on top of it
-    weights = split_fused(read_safetensors(safetensors_files(source.path), progress), config)
+    stored = read_safetensors(safetensors_files(source.path), progress)
+    weights = split_fused(family(config.architecture).tensors(stored), config)
     if place.split is not None:  # cut before ISQ: each rank quantizes its share alone
         weights = place.split.weights(config, weights)
     if isq is not None:
@@ -138,7 +140,8 @@ def _load_gguf(
         with step(progress, "converting the tokenizer (first load of this file)", fresh):
             tokenizer = load_gguf_tokenizer(source.path, config.architecture, config.eos_token_ids)
     release_freed_memory()  # the tokenizer's parse, before the weights land on top of it
-    weights = split_fused(read_gguf(gguf, config, progress), config)
+    stored = read_gguf(gguf, config, progress)
+    weights = split_fused(family(config.architecture).tensors(stored), config)
     if place.split is not None:
         weights = place.split.weights(config, weights)
     if isq is not None and requantize:

@@ -1,5 +1,7 @@
 """Self-attention over this rank's heads, through a step's KV cache (`StepAttention`)."""
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -11,7 +13,7 @@ from .layers import AttentionMixer
 from .linear import Linear, project
 from .norms import RMSNorm, rms_norm_of
 from .rope import RotaryTables
-from .step_attention import StepAttention
+from .step_attention import AttentionSpec, StepAttention
 
 
 class Attention(nn.Module):
@@ -45,7 +47,23 @@ class Attention(nn.Module):
             self.k_norm = rms_norm_of(config, self.head_dim, native)
         self.qk_norm, self.qk_norm_full = mixer.qk_norm == "head", mixer.qk_norm == "full"
         self.clip_qkv, self.rope = mixer.clip_qkv, mixer.rope
-        self.spec = mixer.spec
+        self._spec = mixer.spec
+        if mixer.sinks:  # a weight: the loader replaces it, so the spec is made from it late
+            self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
+        self._made: tuple[tuple[int, int] | None, AttentionSpec] = (None, mixer.spec)
+
+    @property
+    def spec(self) -> AttentionSpec:
+        """What the kernels take: the layer's description, with its sinks (float32) where
+        it has them, made again only when the weight is replaced or moved."""
+        sinks = getattr(self, "sinks", None)
+        if sinks is None or sinks.is_meta:
+            return self._made[1]
+        made = (id(sinks), sinks.data_ptr())
+        if self._made[0] != made:
+            floats = sinks.detach().float().contiguous()
+            self._made = (made, dataclasses.replace(self._spec, sinks=floats))
+        return self._made[1]
 
     def forward(
         self, x: torch.Tensor, rotary: RotaryTables | None, attention: StepAttention

@@ -45,6 +45,7 @@ class MoeConfig:
     renormalize: bool
     float_weights: bool = False
     sparse: tuple[bool, ...] = ()
+    bias: bool = False  # gpt-oss: the router and every expert projection biased
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,11 @@ class ModelConfig:
     attn_scale: float = 0.0  # 0 means head_dim ** -0.5
     attn_softcap: float | None = None
     final_softcap: float | None = None
-    activation: Literal["silu", "gelu_tanh"] = "silu"
+    # swiglu_oai: gpt-oss's experts, ``(up + 1) * gate * sigmoid(alpha * gate)`` with the
+    # gate clamped above at ``swiglu_limit`` and up to [-limit, limit] (`models.mlp`).
+    activation: Literal["silu", "gelu_tanh", "swiglu_oai"] = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     # OLMoE: q and k normed over the whole projection (before the heads are split), and
     # q, k and v clamped to [-clip_qkv, clip_qkv] after it.
     qk_norm_full: bool = False
@@ -184,7 +188,13 @@ def _validate(config: ModelConfig) -> None:
         raise ConfigValueError(
             "rope_layers", config.rope_layers, f"{config.num_layers} flags (one per layer)"
         )
-    for name in ("embedding_multiplier", "attn_softcap", "final_softcap"):
+    for name in (
+        "embedding_multiplier",
+        "attn_softcap",
+        "final_softcap",
+        "swiglu_alpha",
+        "swiglu_limit",
+    ):
         if getattr(config, name) is not None:
             _check_positive(name, getattr(config, name))
     if not (_is_real(config.attn_scale) and config.attn_scale >= 0):

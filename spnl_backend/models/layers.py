@@ -38,6 +38,7 @@ class AttentionMixer:
     o_bias: bool = False
     # Qwen3.5: the q projection also gives a per-head gate, its sigmoid scaling the output.
     output_gate: bool = False
+    sinks: bool = False  # a learned sink logit per head (gpt-oss): `AttentionSpec.sinks`
 
 
 @dataclass(frozen=True)

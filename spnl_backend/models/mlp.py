@@ -1,4 +1,7 @@
-"""The gated MLP of a dense layer (and of each expert)."""
+"""The gated MLP of a dense layer (and of each expert), and its gating functions."""
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -7,19 +10,49 @@ from torch import nn
 from .config import ModelConfig
 from .linear import Linear, project
 
+Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) -> activation
+
 
 class GatedMLP(nn.Module):
-    def __init__(self, config: ModelConfig, inner: int | None = None) -> None:
+    """``down(glu(gate(x), up(x)))``; ``bias``: every projection biased (gpt-oss's
+    experts). ``act`` is the gate's activation where the glu is ``act(gate) * up`` (what
+    the native and fused kernels run), else None."""
+
+    def __init__(self, config: ModelConfig, inner: int | None = None, bias: bool = False) -> None:
         super().__init__()
         hidden, inner = config.hidden_size, inner or config.intermediate_size
-        self.gate_proj = Linear(hidden, inner, bias=False)
-        self.up_proj = Linear(hidden, inner, bias=False)
-        self.down_proj = Linear(inner, hidden, bias=False)
-        self.act = F.silu if config.activation == "silu" else gelu_tanh
+        self.gate_proj = Linear(hidden, inner, bias=bias)
+        self.up_proj = Linear(hidden, inner, bias=bias)
+        self.down_proj = Linear(inner, hidden, bias=bias)
+        self.act: Callable[[torch.Tensor], torch.Tensor] | None = None
+        if config.activation == "swiglu_oai":
+            self.glu: Glu = ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit)
+        else:
+            self.act = F.silu if config.activation == "silu" else gelu_tanh
+            self.glu = _plain_glu(self.act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(x, self.gate_proj, self.up_proj)
-        return self.down_proj(self.act(gate).mul_(up))
+        return self.down_proj(self.glu(gate, up))
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's gating: the gate clamped above at ``limit`` and up to ``[-limit, limit]``
+    (keeping both in the range the model was trained in), then
+    ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+def _plain_glu(act: Callable[[torch.Tensor], torch.Tensor]) -> Glu:
+    return lambda gate, up: act(gate).mul_(up)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -39,9 +39,9 @@ class SparseMoE(nn.Module):
             moe.renormalize,
             moe.float_weights,
         )
-        self.gate = Linear(config.hidden_size, moe.num_experts, bias=False)
+        self.gate = Linear(config.hidden_size, moe.num_experts, bias=moe.bias)
         self.experts = nn.ModuleList(
-            GatedMLP(config, moe.intermediate_size) for _ in range(moe.num_experts)
+            GatedMLP(config, moe.intermediate_size, bias=moe.bias) for _ in range(moe.num_experts)
         )
         # The layer on the CPU's native kernels (`kernels.cpu.moe`), made on first use
         # where the experts run there (None: they do not).
@@ -68,10 +68,11 @@ class SparseMoE(nn.Module):
         not depend on what shares its step. A quantized router's rows already are."""
         if isinstance(self.gate, QuantLinear):
             return self.gate(x)
-        weight = self.gate.weight
+        weight, bias = self.gate.weight, self.gate.bias
         if not len(x):
             return x @ weight.T
-        return torch.stack([torch.mv(weight, row) for row in x])
+        logits = torch.stack([torch.mv(weight, row) for row in x])
+        return logits if bias is None else logits + bias
 
     def prepare_experts(self) -> None:
         """Stack the experts where the model's kernels fuse them (`KernelChoice.fused_moe`);
@@ -84,7 +85,8 @@ class SparseMoE(nn.Module):
         ``[E, 2I, H]`` (gate rows, then up) and ``[E, H, I]``, quantized ones as the same
         stacks of GGML blocks (`QuantizedExperts`), each expert's projections left as views
         of them (no second copy). Experts that do not stack (float beside quantized, GGML
-        types that differ within a projection, a gelu MLP) keep the per-expert path."""
+        types that differ within a projection, a gelu MLP, gpt-oss's biased experts with
+        their clamped SwiGLU) keep the per-expert path."""
         if self._stacked is None:
             self._stacked = self._stack()
         if self._stacked is not None:
@@ -93,8 +95,8 @@ class SparseMoE(nn.Module):
     def _stack(self) -> Stacked | None:
         layers = [p for e in self.experts for p in (e.gate_proj, e.up_proj, e.down_proj)]
         quantized = {isinstance(layer, QuantLinear) for layer in layers}
-        if self.experts[0].act is not F.silu or len(quantized) > 1:
-            return None  # the kernels' activation is SiLU; one kind of weight per stack
+        if self.experts[0].act is not F.silu or len(quantized) > 1 or _biased(layers):
+            return None  # the kernels' activation is SiLU, unbiased; one kind of weight
         return self._stack_quantized() if quantized == {True} else self._stack_float()
 
     def _stack_float(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,16 +159,19 @@ class SparseMoE(nn.Module):
     def native_layer(self) -> NativeMoe | None:
         """This layer on the CPU's native kernels (one call: routing, the experts' grouped
         products, the weighted sum), where its experts are quantized projections without
-        bias with SiLU and the model's kernels take them (`KernelChoice.moe_layer`; a
-        quantized router's values taken once in float); else None (the torch path)."""
+        bias with SiLU under a router without bias and the model's kernels take them
+        (`KernelChoice.moe_layer`; a quantized router's values taken once in float); else
+        None (the torch path)."""
         if not self._native_made:
             self._native, self._native_made = self._make_native(), True
         return self._native
 
     def _make_native(self) -> NativeMoe | None:
         layers = [p for e in self.experts for p in (e.gate_proj, e.up_proj, e.down_proj)]
-        if self.experts[0].act is not F.silu or not all(
-            isinstance(p, QuantLinear) and p.bias is None for p in layers
+        if (
+            self.experts[0].act is not F.silu
+            or not all(isinstance(p, QuantLinear) for p in layers)
+            or _biased([*layers, self.gate])
         ):
             return None
 
@@ -181,3 +186,7 @@ class SparseMoE(nn.Module):
         else:
             router = self.gate.weight.detach().float().contiguous()
         return self.kernels.moe_layer(router, experts, self.top_k, self.renormalize)
+
+
+def _biased(layers: list[nn.Module]) -> bool:
+    return any(getattr(layer, "bias", None) is not None for layer in layers)

@@ -3,7 +3,7 @@
 the engine's caches implement), and the sequences' states where a model has state
 layers (`StateSegment`, which the step gives them as ``states``)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -13,13 +13,19 @@ from ..kernels.sets import NativeKeys
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """What a layer's attention needs besides q, k, v: fixed per layer."""
+    """What a layer's attention needs besides q, k, v: fixed per layer.
+
+    ``sinks``: gpt-oss's learned logit per query head ``[heads]`` (float32), a column every
+    query's softmax shares but whose value is zero: it only adds ``e^sink`` to the
+    denominator. The layer's weight, so the model sets it once its weights are in
+    (`models.attention.Attention`); a description made from the config has None."""
 
     layer: int
     scale: float
     num_kv_groups: int
     sliding_window: int | None = None
     softcap: float | None = None
+    sinks: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 class StepAttention(Protocol):

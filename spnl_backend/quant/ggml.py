@@ -165,6 +165,37 @@ def _dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return ((d * scales).unsqueeze(-1) * q).reshape(n, QK_K)
 
 
+# MXFP4 (OCP microscaling): 32 E2M1 values (1 sign, 2 exponent, 1 mantissa bit) sharing an
+# E8M0 scale (a power of two, 2^(e - 127)). ggml stores the E2M1 values doubled, as int8,
+# and halves the scale to match: value j in the low nibble of byte j, j + 16 in its high.
+_E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+MXFP4_NAN_SCALE = 0xFF  # E8M0's one non-number
+
+
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """``2^(e - 128)`` of uint8 exponents, as float32 with ggml's bits (the two smallest
+    as denormals)."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def _dequantize_mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    d = e8m0_half(blocks[:, 0]).unsqueeze(-1)
+    values = torch.tensor(_E2M1_DOUBLED, dtype=torch.float32, device=blocks.device)
+    return values[_nibbles(blocks[:, 1:17]).long()] * d
+
+
+def mxfp4_from_microscaling(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """OpenAI's MXFP4 tensors (``*_blocks [..., groups, 16]``: values 2i and 2i + 1 in the
+    low and high nibble of byte i; ``*_scales [..., groups]``: the E8M0 exponents) as
+    ggml's blocks ``[..., groups * 17]`` of the same values (the exponent byte as it is:
+    ggml's doubled values under its halved scale are the same numbers)."""
+    values = torch.stack([blocks & 0xF, blocks >> 4], dim=-1).flatten(-2)  # [..., g, 32]
+    packed = values[..., :16] | (values[..., 16:] << 4)
+    return torch.cat([scales.unsqueeze(-1), packed], dim=-1).flatten(-2)
+
+
 DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
     GGMLQuantizationType.Q4_0: _dequantize_q4_0,
     GGMLQuantizationType.Q4_1: _dequantize_q4_1,
@@ -177,6 +208,7 @@ DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]]
     GGMLQuantizationType.Q4_K: _dequantize_q4_k,
     GGMLQuantizationType.Q5_K: _dequantize_q5_k,
     GGMLQuantizationType.Q6_K: _dequantize_q6_k,
+    GGMLQuantizationType.MXFP4: _dequantize_mxfp4,
 }
 FLOAT_TYPES = {
     GGMLQuantizationType.F32: torch.float32,
@@ -208,6 +240,8 @@ def nonfinite_scales(data: torch.Tensor, qtype: GGMLQuantizationType) -> int:
     dequantizing it, reading the high byte of each scale through a strided view. (In
     numpy: a reduction this small costs less than torch's per-op thread dispatch.)"""
     blocks = data.detach().cpu().numpy().reshape(-1, ggml_format(qtype).type_size)
+    if qtype == GGMLQuantizationType.MXFP4:  # an exponent byte, not a float16
+        return int(np.count_nonzero(blocks[:, 0] == MXFP4_NAN_SCALE))
     return sum(
         int(np.count_nonzero((blocks[:, offset + 1] & _F16_EXPONENT) == _F16_EXPONENT))
         for offset in SCALE_OFFSETS[qtype]

@@ -57,6 +57,7 @@ class AttentionArgs(ctypes.Structure):
         ("out", PTR),
         ("threads", I32),
         ("firsts", PTR),
+        ("sinks", PTR),
     )
 
 

@@ -61,7 +61,7 @@ static int check_args(const spnl_coded_decode_args *a) {
     const spnl_attention *at = &a->at;
     const int64_t dim = at->dim;
     if (at->kv_heads < 1 || at->heads % at->kv_heads || dim < 8 || dim % 8 || at->seqs < 0
-        || dim > SPNL_MAX_HEAD_DIM)
+        || dim > SPNL_MAX_HEAD_DIM || at->sinks)  // sinks: the centre is added after
         return BAD_ARGUMENT;
     if (a->k_bits < 1 || a->k_bits > 8 || a->v_bits < 1 || a->v_bits > 8 || a->k_outliers < 0
         || a->k_outliers > dim)  // also keeps the record size below from overflowing

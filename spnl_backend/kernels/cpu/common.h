@@ -83,6 +83,8 @@ typedef struct {
     float *out;            // [seqs][heads][dim]
     int threads;
     const int64_t *firsts;  // [seqs] or NULL (a PIC query's keys are listed already windowed)
+    const float *sinks;     // [heads] or NULL: a logit per head added to the softmax's
+                            // denominator alone (gpt-oss's attention sinks)
 } spnl_attention;
 
 // Over a float cache: q [seqs][heads][dim], caches [num_slots][kv_heads][dim] of float32,

@@ -293,17 +293,20 @@ static void attend_chunk(const attention_plan *p, int64_t s, int64_t kvh, int64_
     (p->a->half ? attend_chunk_f16 : attend_chunk_f32)(p, s, kvh, c, scores, part);
 }
 
-// The chunks' partials of (s, kvh), in order, into the group's output rows.
+// The chunks' partials of (s, kvh), in order, into the group's output rows; a head's sink
+// (where given) joins the peak and the denominator.
 static void combine(const attention_plan *p, int64_t s, int64_t kvh, const float *parts,
                     int64_t chunks) {
     const int64_t group = p->group, dim = p->dim;
     float *out = p->a->at.out + (s * p->a->at.heads + kvh * group) * dim;
+    const float *sinks = p->a->at.sinks ? p->a->at.sinks + kvh * group : NULL;
     for (int64_t g = 0; g < group; g++) {
-        float peak = -INFINITY, total = 0.0f;
+        float peak = sinks ? sinks[g] : -INFINITY, total = 0.0f;
         for (int64_t c = 0; c < chunks; c++) {
             const float chunk_peak = parts[c * p->part + group * dim + 2 * g];
             peak = chunk_peak > peak ? chunk_peak : peak;
         }
+        if (sinks) total = expf(sinks[g] - peak);  // the sink's share: no value beside it
         float *o = out + g * dim;
         for (int64_t i = 0; i < dim; i++) o[i] = 0.0f;
         for (int64_t c = 0; c < chunks; c++) {

@@ -13,7 +13,7 @@
 
 // GGML's type ids (gguf.GGMLQuantizationType).
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q8_1 = 9,
-       Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30 };
+       Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30, MXFP4 = 39 };
 
 // Every block format once: type id, name, values and bytes per block. The float kernels,
 // the int8 kernels (quant_int8.h) and the FORMATS table are each stamped out from it.
@@ -85,6 +85,28 @@ static inline void dq_q5_1(const uint8_t *b, v16f *out) {
     const v16i q = load_u8(b + 8);
     out[0] = to_f32((q & 0xF) | (bits_of(qh, 0) << 4)) * d + m;
     out[1] = to_f32((q >> 4) | (bits_of(qh, 16) << 4)) * d + m;
+}
+
+// MXFP4: an E8M0 exponent byte, then 32 E2M1 values as nibbles (value j low in byte j,
+// j + 16 high), ggml's way: the values doubled, as int8, under the scale 2^(e - 128).
+static const float E2M1_DOUBLED[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float d;
+    memcpy(&d, &bits, sizeof d);
+    return d;
+}
+
+static inline void dq_mxfp4(const uint8_t *b, v16f *out) {
+    const float d = e8m0_half(b[0]);
+    float low[16], high[16];
+    for (int i = 0; i < 16; i++) {
+        low[i] = E2M1_DOUBLED[b[1 + i] & 0xF] * d;
+        high[i] = E2M1_DOUBLED[b[1 + i] >> 4] * d;
+    }
+    out[0] = load_f32(low);
+    out[1] = load_f32(high);
 }
 
 static inline void dq_q8_0(const uint8_t *b, v16f *out) {
@@ -301,6 +323,8 @@ typedef struct {
 
 #define FLOAT_KERNELS(T, NAME, BLOCK, BYTES) DEFINE_FLOAT_KERNELS(NAME, BLOCK, BYTES, dq_##NAME)
 BLOCK_FORMATS(FLOAT_KERNELS)
+// MXFP4 has float products only: a set of products holding it takes the exact path.
+DEFINE_FLOAT_KERNELS(mxfp4, 32, 17, dq_mxfp4)
 
 // ---- integer products on 8-bit activations (x86 with AVX2): quant_int8.h ------------------
 
@@ -323,7 +347,7 @@ typedef struct {
 #define FORMAT(T, NAME, BLOCK, BYTES) {T, BLOCK, BYTES, NAME##_f32, NULL, NAME##_rows},
 #endif
 
-static const format FORMATS[] = {BLOCK_FORMATS(FORMAT)};
+static const format FORMATS[] = {BLOCK_FORMATS(FORMAT){MXFP4, 32, 17, mxfp4_f32, NULL, mxfp4_rows}};
 
 static const format *format_of(int qtype, int64_t k_in) {
     for (size_t i = 0; i < sizeof FORMATS / sizeof FORMATS[0]; i++)

@@ -256,9 +256,11 @@ class CpuKernels:
         window: int | None,
         softcap: float | None,
         firsts: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Each query ``q[s]`` over the keys at ``slots[s, j]`` for ``j < lens[s]``: from
-        ``firsts[s]`` on where given, else the last ``window`` of them."""
+        ``firsts[s]`` on where given, else the last ``window`` of them; ``sinks [heads]``
+        (float32) join each head's softmax denominator."""
         q = q.contiguous()
         require(q, torch.float32, "paged_decode: q", dims=3)
         seqs, _, dim = q.shape
@@ -269,6 +271,8 @@ class CpuKernels:
                 f"paged_decode: q has {dim} dims, the cache {row // kv_heads}"
             )
         check_keys(slots, lens, seqs, "paged_decode", firsts)
+        if sinks is not None:
+            require(sinks, torch.float32, "paged_decode: sinks", numel=q.shape[1])
         out = torch.empty_like(q)
         args = PagedDecodeArgs(
             at=attention_args(
@@ -282,6 +286,7 @@ class CpuKernels:
                 softcap,
                 self.threads,
                 firsts,
+                sinks,
             ),
             q=q.data_ptr(),
             k_cache=key_cache.data_ptr(),
@@ -377,6 +382,7 @@ def attention_args(
     softcap: float | None,
     threads: int,
     firsts: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> AttentionArgs:
     """The part both decode attentions share, for queries shaped as ``out [seqs, heads, dim]``
     over a pool of ``num_slots`` (the tensors checked by the caller, and kept alive by it
@@ -398,6 +404,7 @@ def attention_args(
         out=out.data_ptr(),
         threads=threads,
         firsts=None if firsts is None else firsts.data_ptr(),
+        sinks=None if sinks is None else sinks.data_ptr(),
     )
 
 

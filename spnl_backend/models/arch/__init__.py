@@ -7,6 +7,7 @@ import functools
 from . import (
     gemma2,
     gemma3,
+    gpt_oss,
     llama,
     mistral,
     mixtral,
@@ -37,6 +38,7 @@ FAMILIES: tuple[Family, ...] = tuple(
         qwen3_moe,
         mixtral,
         olmoe,
+        gpt_oss,
     )
 )
 

@@ -6,7 +6,7 @@ the fields common to every family themselves and ask the family for the rest, th
 a typed reader of the file's keys (`ConfigKeys`) that names the file and key in errors.
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     from ..config import LayerType, ModelConfig, MoeConfig, RopeConfig
 
 Fields = dict[str, Any]
+# (name, tensor) pairs as a file holds them (GGUF names already ours), as the model's
+# parameters; the tensors torch ones or the loader's quantized weights.
+Tensors = Iterator[tuple[str, Any]]
 
 
 class ConfigKeys(Protocol):
@@ -47,6 +50,10 @@ class GgufKeys(ConfigKeys, Protocol):
 
 def no_fields(keys: ConfigKeys, *_: Any) -> Fields:
     return {}
+
+
+def as_stored(tensors: Tensors) -> Tensors:
+    return tensors
 
 
 # llama.cpp's block tensor names → ours (the Hugging Face module names), as most families
@@ -97,6 +104,8 @@ class Family:
     - ``chat_template``: the template where a file carries none.
     - ``layers(config)``: one `LayerSpec` per layer; ``state_layers``: some of them keep
       a state per sequence (a hybrid: what needs K and V of every layer refuses it).
+    - ``tensors``: the file's tensors renamed and split where the family's layout is its
+      own (both formats, before the loader's common splits).
     - ``tiny``: the family's tiny test model: ``config.json`` keys beside the common tiny
       sizes (the tests build it through transformers; a test fails for a family without).
     """
@@ -113,6 +122,7 @@ class Family:
     chat_template: str | None = None
     layers: Callable[["ModelConfig"], tuple[LayerSpec, ...]] = describe_layers
     state_layers: bool = False
+    tensors: Callable[[Tensors], Tensors] = as_stored
     tiny: Mapping[str, Any] = field(default_factory=dict)
 
 
