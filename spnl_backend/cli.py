@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .errors import SettingsError, SpnlError
+from .version import version_info, version_line
 
 if TYPE_CHECKING:
     from .settings import BackendSettings, PlatformDecisions
@@ -88,6 +89,9 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="spnl-backend",
         description="Run LLMs locally; configured by the MISTRALRS_* environment variables.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=version_line(), help="print the version and exit"
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="show info log events")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -338,6 +342,7 @@ def _info_json(settings: BackendSettings, decisions: PlatformDecisions) -> dict[
 
     sources = settings.sources()
     return {
+        **version_info(),
         "settings": {
             env_name(name): {"value": value, "source": sources[name]}
             for name, value in settings.model_dump(mode="json").items()
@@ -358,7 +363,12 @@ def _info_table(settings: BackendSettings, decisions: PlatformDecisions) -> str:
     ]
     budget = settings.kv_budget
     platform_rows = [(key, _show(value)) for key, value in decisions.as_dict().items()]
-    lines = ["settings", *_format_rows([("variable", "value", "source"), *rows])]
+    lines = [
+        version_line(),
+        "",
+        "settings",
+        *_format_rows([("variable", "value", "source"), *rows]),
+    ]
     lines += [
         "",
         f"KV budget: {budget.kind} = {budget.value:g}" + ("" if budget.explicit else " (default)"),
