@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .errors import SettingsError, SpnlError
+from .version import version_info, version_line
 
 if TYPE_CHECKING:
     from .settings import BackendSettings, PlatformDecisions
@@ -30,7 +31,7 @@ EXIT_INTERRUPTED = 130  # what shells report for a command ended by Ctrl-C (128 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _build_parser().parse_args(argv)
-        _configure_console_logging(verbose=args.verbose)
+        _configure_console_logging(args.verbose, args.quiet)
         with _interrupts_deferred():  # torch's import aborts the process if interrupted
             import torch  # noqa: F401
         return args.run(args)
@@ -89,7 +90,17 @@ def _build_parser() -> argparse.ArgumentParser:
         prog="spnl-backend",
         description="Run LLMs locally; configured by the MISTRALRS_* environment variables.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="show info log events")
+    parser.add_argument(
+        "--version", action="version", version=version_line(), help="print the version and exit"
+    )
+    loudness = parser.add_mutually_exclusive_group()
+    loudness.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="debug log events too (sets MISTRALRS_VERBOSE=1), and serve's access log",
+    )
+    loudness.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     info = commands.add_parser("info", help="print the resolved settings and platform decisions")
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -338,6 +349,7 @@ def _info_json(settings: BackendSettings, decisions: PlatformDecisions) -> dict[
 
     sources = settings.sources()
     return {
+        **version_info(),
         "settings": {
             env_name(name): {"value": value, "source": sources[name]}
             for name, value in settings.model_dump(mode="json").items()
@@ -358,7 +370,12 @@ def _info_table(settings: BackendSettings, decisions: PlatformDecisions) -> str:
     ]
     budget = settings.kv_budget
     platform_rows = [(key, _show(value)) for key, value in decisions.as_dict().items()]
-    lines = ["settings", *_format_rows([("variable", "value", "source"), *rows])]
+    lines = [
+        version_line(),
+        "",
+        "settings",
+        *_format_rows([("variable", "value", "source"), *rows]),
+    ]
     lines += [
         "",
         f"KV budget: {budget.kind} = {budget.value:g}" + ("" if budget.explicit else " (default)"),
@@ -409,16 +426,19 @@ class _ConsoleFormatter(logging.Formatter):
         return line
 
 
-def _configure_console_logging(verbose: bool) -> None:
-    """The CLI owns its process, so it may configure the library's logger for the console."""
+def _configure_console_logging(verbose: bool, quiet: bool) -> None:
+    """The CLI owns its process, so it may configure the library's logger for the console:
+    info events by default, as uvicorn shows them (what loads, where it listens)."""
     from .log import LOGGER_NAME
 
+    if verbose:  # the settings decide debug events, so that loading keeps them on
+        os.environ["MISTRALRS_VERBOSE"] = "1"
     logger = logging.getLogger(LOGGER_NAME)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_ConsoleFormatter())
     logger.handlers = [h for h in logger.handlers if not isinstance(h.formatter, _ConsoleFormatter)]
     logger.addHandler(handler)
-    logger.setLevel(logging.INFO if verbose else logging.WARNING)
+    logger.setLevel(logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO)
     logger.propagate = False
 
 

@@ -10,8 +10,10 @@ import io
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,10 @@ PAGES = [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").g
 EXAMPLE_ADDRESSES = ("127.0.0.1:8000", "localhost:8000")
 SEPARATORS = {"&&", "||", ";", "&", "|"}
 PYTHON_TIMEOUT_S = 600
+SHELLS = ("bash", "sh", "console")
+LIVE_TIMEOUT_S = 600  # a block waits for its server, whose first load converts the tokenizer
+STOP_S = 60  # for a server to stop on SIGTERM (its grace period is 30 s)
+_STARTS_SERVER = re.compile(r"spnl-backend serve\b[^\n#]*&(?!&)")  # in the background
 
 _FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[^\s`]*)")  # any info after the language too
 
@@ -285,3 +291,107 @@ def inline_bench_commands(path: Path) -> Iterator[tuple[int, str]]:
 def _blank(match: re.Match) -> str:
     """A fenced block's text, as many empty lines: later lines keep their numbers."""
     return "\n" * match[0].count("\n")
+
+
+# ---- the examples that serve: run as a user runs them --------------------------------------
+
+
+def is_live(block: Block) -> bool:
+    """A block that starts a server in the background, or talks to one."""
+    if block.lang == "python":
+        return block.needs_server
+    starts = _STARTS_SERVER.search(block.text) is not None
+    return block.lang in SHELLS and (block.needs_server or starts)
+
+
+class LiveUser:
+    """A user at a terminal in the clone after the set-up, running a page's examples one
+    after another: the folder, the exported variables and the background servers carry
+    over from block to block. Only the environment is the tests': the port, and curl
+    failing on an HTTP error (exit 22) where a user would read the error."""
+
+    def __init__(self, tmp: Path, port: int) -> None:
+        self.tmp, self.port = tmp, port
+        self.cwd = tmp / "clone"
+        self.cwd.mkdir()
+        (self.cwd / ".venv").symlink_to(sys.prefix)  # what command 1 made
+        (tmp / ".curlrc").write_text("fail\n")
+        self.env = {**example_env(), "CURL_HOME": str(tmp)}
+        self.groups: list[int] = []  # a process group per shell block
+
+    def run(self, block: Block) -> None:
+        text = block.text.replace(":8000", f":{self.port}")
+        text = text.replace("--port 8000", f"--port {self.port}")
+        if block.lang == "python":
+            run_python_example(text, self.env, self.cwd)
+        elif not _python_c_missing(text):  # spnl, say, where it is not installed
+            self._run_shell(block, text)
+            self.env.update(_exported(text))
+
+    def _run_shell(self, block: Block, text: str) -> None:
+        out, err = self.tmp / f"{block.line}.out", self.tmp / f"{block.line}.err"
+        with out.open("w") as stdout, err.open("w") as stderr:  # files: a server keeps them
+            shell = subprocess.Popen(
+                ["bash", "-e", "-o", "pipefail", "-c", text],
+                cwd=self.cwd,
+                env=self.env,
+                stdout=stdout,
+                stderr=stderr,
+                start_new_session=True,
+            )
+        self.groups.append(shell.pid)
+        try:
+            code: int | str = shell.wait(LIVE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            code = f"none: still running after {LIVE_TIMEOUT_S} s"
+        said = f"{out.read_text()[-2000:]}\n{err.read_text()[-3000:]}"
+        assert code == 0, f"{block.name}: exit {code}\n{said}"
+        assert out.read_text().strip(), f"{block.name}: printed nothing\n{said}"
+
+    def stop_servers(self) -> None:
+        """SIGTERM to what the blocks left running (a script's background job ignores
+        SIGINT), SIGKILL to what has not stopped after STOP_S."""
+        for group in self.groups:
+            _signal_group(group, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_S
+        while any(map(group_alive, self.groups)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for group in self.groups:
+            _signal_group(group, signal.SIGKILL)
+
+
+def _python_c_missing(script: str) -> list[str]:
+    codes = [words[2] for words in commands(script) if words[1:2] == ["-c"]]
+    return [name for code in codes for name in missing_modules(code)]
+
+
+def _exported(script: str) -> dict[str, str]:
+    exported: dict[str, str] = {}
+    for words in commands(script):
+        if words[0] == "export":
+            exported.update(assignments(words[1:])[0])
+    return exported
+
+
+def _signal_group(group: int, number: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, number)
+
+
+def group_alive(group: int) -> bool:
+    """Whether a process of the group still runs (a zombie, left for init to reap, does
+    not)."""
+    if not Path("/proc/self/stat").is_file():
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _parent, process_group = stat.read_text().rpartition(")")[2].split()[:3]
+        except (OSError, ValueError):
+            continue  # it ended while being read
+        if process_group == str(group) and state != "Z":
+            return True
+    return False

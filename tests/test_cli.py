@@ -3,6 +3,7 @@
 import contextlib
 import io
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from spnl_backend.cli import main
+from spnl_backend.log import LOGGER_NAME, set_verbose
 
 BAD_ENVIRONMENTS = [
     ({"MISTRALRS_PAGED_ATTN_BLOCK_SIZE": "33"}, ["MISTRALRS_PAGED_ATTN_BLOCK_SIZE", "'33'"]),
@@ -51,10 +53,13 @@ def test_bad_environment_is_one_line_and_exit_2(monkeypatch, capsys, env, expect
     assert main(["info"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err.startswith("spnl-backend: error: ")
-    assert captured.err.count("\n") == 1
+    # Info events (settings.resolved) may come first; the error is one line, the last.
+    said = [line for line in captured.err.splitlines() if not line.startswith("[info")]
+    assert len(said) == 1, captured.err
+    assert said[0].startswith("spnl-backend: error: ")
+    assert captured.err.endswith(said[0] + "\n")
     for text in expected:
-        assert text in captured.err
+        assert text in said[0]
 
 
 def test_console_script_is_installed_and_reports_errors_without_traceback():
@@ -266,3 +271,20 @@ def test_a_first_run_shows_its_steps_and_ctrl_c_ends_the_bar_first(tiny, tmp_pat
     assert message in text
     before = text[: text.rindex(message)]
     assert before.endswith("\n"), repr(text[-400:])
+
+
+@pytest.mark.parametrize(
+    ("flags", "level"),
+    [([], logging.INFO), (["-q"], logging.WARNING), (["-v"], logging.DEBUG)],
+)
+def test_the_console_shows_info_events_unless_told(flags, level, monkeypatch, capsys):
+    logger = logging.getLogger(LOGGER_NAME)
+    monkeypatch.setattr(logger, "level", logger.level)  # restored after the test
+    monkeypatch.setenv("MISTRALRS_VERBOSE", "0")  # recorded, so that -v's setting is undone
+    monkeypatch.delenv("MISTRALRS_VERBOSE")
+    try:
+        assert main([*flags, "info"]) == 0
+        assert logger.getEffectiveLevel() == level
+        assert ("MISTRALRS_VERBOSE" in os.environ) == (flags == ["-v"])
+    finally:
+        set_verbose(False)

@@ -20,9 +20,12 @@ taken by the language its fence names (docs/testing.md says the same to writers)
 - ``text``, or no language: not run (output, a command's synopsis, a diagram).
 - Any other language fails.
 
-Examples reach a server at 127.0.0.1:8000 or localhost:8000 (`spnl-backend serve`'s
-defaults). A block that does runs against one `spnl-backend serve` of the default model,
-started by these tests on a free port, whose address takes the place of those.
+Examples that start a server (`spnl-backend serve ... &`) or reach one at 127.0.0.1:8000
+or localhost:8000 (`serve`'s defaults) run as a user runs them: a page's such blocks in
+order, shell blocks by bash itself (``set -e``), in one folder whose ``.venv`` is this
+venv, with no help from the tests: a server must be started, and waited for, by the
+blocks. The tests only set the environment (a free port in place of 8000, an HTTP error
+failing curl) and stop the servers the blocks left running, by their process groups.
 A python example that imports a package that is not installed (spnl, which the dev extra
 installs only on Linux x86-64) is skipped, saying which.
 """
@@ -31,26 +34,25 @@ import html
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
-import time
 import tomllib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import pytest
 from doc_blocks import (
-    EXAMPLE_ADDRESSES,
     PAGES,
     ROOT,
     Block,
+    LiveUser,
     blocks,
     check_shell,
     example_env,
+    group_alive,
     inline_bench_commands,
+    is_live,
     run_python,
     run_python_example,
 )
@@ -59,7 +61,6 @@ from spnl_backend.errors import SpnlError
 
 README = ROOT / "README.md"
 README_MAX_LINES = 400
-SERVER_READY_S = 600  # the first load converts the default model's tokenizer
 BLOCKS = [block for page in PAGES for block in blocks(page)]
 
 
@@ -89,18 +90,13 @@ CHECKS = {
 
 
 def _param(block: Block):
-    slow = block.lang == "python" or block.needs_server or "python -c" in block.text
+    slow = block.lang == "python" or "python -c" in block.text
     return pytest.param(block, id=block.name, marks=[pytest.mark.slow] if slow else [])
 
 
-@pytest.mark.parametrize("block", [_param(block) for block in BLOCKS])
-def test_code_example_runs(block: Block, request: pytest.FixtureRequest, tmp_path: Path):
-    text = block.text
-    if block.needs_server:
-        port = request.getfixturevalue("docs_server")
-        for address in EXAMPLE_ADDRESSES:
-            text = text.replace(address, address.replace("8000", str(port)))
-    check_block(block.lang, text, tmp_path)
+@pytest.mark.parametrize("block", [_param(block) for block in BLOCKS if not is_live(block)])
+def test_code_example_runs(block: Block, tmp_path: Path):
+    check_block(block.lang, block.text, tmp_path)
 
 
 def check_block(lang: str, text: str, cwd: Path) -> None:
@@ -108,25 +104,22 @@ def check_block(lang: str, text: str, cwd: Path) -> None:
     CHECKS[lang](text, example_env(), cwd)
 
 
-@pytest.fixture(scope="module")
-def docs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
-    """`spnl-backend serve` of the default model on a free port, in a process of its own
-    (spnl's client holds the GIL while it waits)."""
-    port = _free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    command = [sys.executable, "-m", "spnl_backend.cli", "serve", "--port", str(port)]
-    with log.open("w") as out:
-        server = subprocess.Popen(command, env=example_env(), stdout=out, stderr=out)
+# ---- the examples that serve, run in order as a user runs them ------------------------------
+
+LIVE_PAGES = [page for page in PAGES if any(is_live(block) for block in blocks(page))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "page", [pytest.param(page, id=str(page.relative_to(ROOT))) for page in LIVE_PAGES]
+)
+def test_serving_examples_run_in_order_as_written(page: Path, tmp_path: Path):
+    user = LiveUser(tmp_path, _free_port())
     try:
-        _wait_until_ready(port, server, log)
-        yield port
+        for block in filter(is_live, blocks(page)):
+            user.run(block)
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        user.stop_servers()
 
 
 def _free_port() -> int:
@@ -135,17 +128,29 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _wait_until_ready(port: int, server: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + SERVER_READY_S
-    while time.monotonic() < deadline:
-        assert server.poll() is None, f"the server exited:\n{log.read_text()[-3000:]}"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"the server was not ready:\n{log.read_text()[-3000:]}")
+def test_a_server_example_that_does_not_wait_for_it_fails(tmp_path: Path):
+    """What the README's serving example did: curl at once, while the server starts."""
+    user = LiveUser(tmp_path, _free_port())
+    script = "sleep 30 &\ncurl -s http://127.0.0.1:8000/v1/models\n"
+    try:
+        with pytest.raises(AssertionError, match="exit 7"):
+            user.run(Block(ROOT / "README.md", 1, "bash", script))
+        assert len(user.groups) == 1
+    finally:
+        user.stop_servers()
+    assert not group_alive(user.groups[0])
+
+
+def test_an_http_error_fails_a_curl_example(tmp_path: Path):
+    user = LiveUser(tmp_path, _free_port())
+    server = f"python3 -m http.server {user.port} --bind 127.0.0.1 &\n"
+    wait = "until curl -s 127.0.0.1:8000/ >/dev/null; do sleep 0.2; done\n"
+    script = server + wait + "curl -s 127.0.0.1:8000/no-such-page\n"
+    try:
+        with pytest.raises(AssertionError, match="exit 22"):
+            user.run(Block(ROOT / "README.md", 1, "bash", script))
+    finally:
+        user.stop_servers()
 
 
 # ---- the site -------------------------------------------------------------------------------

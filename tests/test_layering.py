@@ -20,9 +20,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "spnl_backend"
 # Lowest first. A module belongs to the layer of its longest listed prefix; a name
 # starting with "=" is that one module only (a package's __init__, not its modules).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    # what everything may use: errors, logging, memory arithmetic, the library threads'
-    # signal mask, a request's sampling parameters (which the engine reads), and the
-    # registry of compression methods whose names settings validate against
+    # what everything may use: errors, logging, the version, memory arithmetic, the library
+    # threads' signal mask, a request's sampling parameters (which the engine reads), and
+    # the registry of compression methods whose names settings validate against
     (
         "spnl_backend.errors",
         "spnl_backend.log",
@@ -30,6 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "spnl_backend.memory",
         "spnl_backend.sampling",
         "spnl_backend.compressors",
+        "spnl_backend.version",
     ),
     ("spnl_backend.settings",),
     ("spnl_backend.pic",),

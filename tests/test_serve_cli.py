@@ -124,3 +124,18 @@ def test_a_port_in_use_is_a_clear_error(model):
     assert done.returncode == 2
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_start_up_and_stop_are_info_events_shown_by_default(model):
+    child, url = _start(model)
+    try:
+        _wait_ready(child, url)
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(60) == 0
+        err = child.communicate()[1]
+    finally:
+        child.kill()
+    for event in ("server.listening", "server.ready", "server.stopped"):
+        (line,) = [line for line in err.splitlines() if f"] {event}" in line]
+        assert line.startswith("[info"), err
+    assert "[warning" not in err, err

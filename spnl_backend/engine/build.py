@@ -394,10 +394,10 @@ def _log_prefix_caching(settings: BackendSettings, paged: bool) -> None:
     if not settings.prefix_cache_enabled:
         log.info("prefix_cache.disabled", reason="MISTRALRS_PREFIX_CACHE_N is 0 or false")
     elif paged:
-        log.info("prefix_cache.enabled", level="block-level, paged attention")
+        log.info("prefix_cache.enabled", granularity="block-level, paged attention")
     else:
         log.info(
             "prefix_cache.enabled",
-            level="sequence-level, non-paged attention",
+            granularity="sequence-level, non-paged attention",
             sequences=settings.prefix_cache_n,
         )

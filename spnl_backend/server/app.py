@@ -41,6 +41,7 @@ from ..pic.query import MapQuery, SpanQuery, parse_query
 from ..plain import json_value
 from ..tools.calls import call_reader
 from ..tools.chat import template_messages
+from ..version import version_info
 from . import collector, ollama
 from .metrics import ServerMetrics
 from .models import ModelSet
@@ -230,10 +231,12 @@ class _Api:
         models = self.state.models
         if models is not None:  # each loads on its first request
             loaded = [m.name for m in models.loaded()]
-            return JSONResponse({"status": "ok", "models": models.names, "loaded": loaded})
+            body = {"status": "ok", "models": models.names, "loaded": loaded}
+            return JSONResponse({**body, **version_info()})
         if _ready(self.state):
-            return JSONResponse({"status": "ok", "model": self.config.model_name})
-        return JSONResponse({"status": "loading"}, 503, {"Retry-After": str(RETRY_AFTER_S)})
+            return JSONResponse({"status": "ok", "model": self.config.model_name, **version_info()})
+        loading = {"status": "loading", **version_info()}
+        return JSONResponse(loading, 503, {"Retry-After": str(RETRY_AFTER_S)})
 
     async def metrics(self, request: Request) -> Response:
         body = await asyncio.to_thread(generate_latest, self.state.metrics.registry)
@@ -241,6 +244,7 @@ class _Api:
 
     async def models(self, request: Request) -> Response:
         owned = {"object": "model", "created": 0, "owned_by": "spnl-backend"}
+        owned["meta"] = version_info()  # which server answers, as llama.cpp's `meta` says
         data = [{"id": name, **owned} for name in self._names()]
         return JSONResponse({"object": "list", "data": data})
 

@@ -136,7 +136,7 @@ def serve(
         threading.Thread(
             target=_reap, args=(several, server), name="spnl-reap", daemon=True
         ).start()
-    log.warning(
+    log.info(
         "server.listening",
         url=f"http://{_url_host(host)}:{sock.getsockname()[1]}/v1",
         model=several.names if several is not None else name,
@@ -149,7 +149,7 @@ def serve(
             several.close()
         elif state.backend is not None:
             state.backend.close()  # aborts what the grace period left
-        log.warning("server.stopped")
+        log.info("server.stopped")
     if failure:
         raise failure[0]
     return 0
@@ -173,7 +173,7 @@ def _load(
         backend.close()
         return
     state.backend = backend
-    log.warning("server.ready", model=backend.source.name)
+    log.info("server.ready", model=backend.source.name)
 
 
 def _several(
