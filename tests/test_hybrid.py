@@ -11,7 +11,7 @@ from helpers import (
     engine_logits,
     greedy_with_logits,
 )
-from tiny_models import HYBRID_ARCHITECTURES
+from tiny_models import HYBRID_ARCHITECTURES, build_hf_model
 
 from spnl_backend import BackendSettings, RequestError, SettingsError, load_backend
 from spnl_backend.distributed.sharding import check_shardable
@@ -199,12 +199,37 @@ def test_pic_is_refused_with_the_reason(tiny, arch):
         backend.generate(blocks=[("plus", "Doc one."), ("cross", "Question?")], max_tokens=4)
 
 
+@pytest.fixture(scope="module")
+def other_drafts(tiny, tmp_path_factory):
+    """Each hybrid family's tiny model with other weights: a draft often rejected."""
+    root = tmp_path_factory.mktemp("drafts")
+    return {
+        arch: str(build_hf_model(arch, root / arch, seed=1).path) for arch in HYBRID_ARCHITECTURES
+    }
+
+
 @pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
-def test_a_speculative_draft_is_refused_with_the_reason(tiny, arch):
+@pytest.mark.parametrize("draft", ["itself", "other"])
+@pytest.mark.parametrize("paged", [True, False])
+def test_speculative_decoding_goes_back_to_the_accepted_tokens_state(
+    tiny, expected, other_drafts, arch, draft, paged
+):
+    """A draft of the same family: the target's and the draft's states go back to where
+    the accepted tokens end after each step, so the greedy tokens are transformers'."""
     path = str(tiny.hf(arch).path)
-    settings = BackendSettings(device="cpu", speculative_draft_model=path)
-    with pytest.raises(SettingsError, match="state layers"):
-        load_backend(path, settings=settings)
+    draft_path = path if draft == "itself" else other_drafts[arch]
+    settings = dict(paged_attn=paged, speculative_draft_model=draft_path, speculative_gamma=3)
+    with _load(tiny, arch, **settings) as backend:
+        results = backend.generate(SHARED_PREFIX_PROMPTS, max_tokens=TOKENS, temperature=0)
+        assert backend.stats().cache_holders == 0
+    assert [r.token_ids for r in results] == expected[arch]
+    drafted = sum(r.usage.draft_tokens for r in results)
+    accepted = sum(r.usage.accepted_tokens for r in results)
+    assert drafted > 0
+    if draft == "itself":
+        assert accepted == drafted
+    else:
+        assert accepted < drafted  # rejections: the states went back
 
 
 @pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)

@@ -51,7 +51,9 @@ def build_engine(
     decisions: PlatformDecisions,
     draft: LoadedModel | None = None,
 ) -> Engine:
-    _refuse_for_state_layers(loaded, settings, draft)
+    for model in (loaded, draft):
+        if model is not None:
+            _refuse_for_state_layers(model, settings)
     settings = _prefix_caching_for(loaded.config, settings, decisions.paged_attn)
     if (
         loaded.model.tp is not None
@@ -70,6 +72,9 @@ def build_engine(
         tokens = cache.capacity_tokens or settings.kv_budget.value
         budget = KvBudget("context_len", tokens, explicit=settings.kv_budget.explicit)
         draft_cache, draft_len, _ = _cache(draft, settings, decisions, budget, "draft")
+        for each in (cache, draft_cache):  # states to go back to after rejected drafts
+            if isinstance(each, StatefulCacheManager):
+                each.states.trail_rows = settings.speculative_gamma + 1
         drafter = Drafter(
             draft.model,
             SpeculativeCache(cache, draft_cache),
@@ -102,15 +107,12 @@ def build_cache(
     return cache, info
 
 
-def _refuse_for_state_layers(
-    loaded: LoadedModel, settings: BackendSettings, draft: LoadedModel | None
-) -> None:
+def _refuse_for_state_layers(loaded: LoadedModel, settings: BackendSettings) -> None:
     """What a model with state layers cannot run with yet, refused at load by name."""
     config = loaded.config
     if not config.num_state_layers:
         return
     reasons = {
-        "MISTRALRS_SPECULATIVE_DRAFT_MODEL / _DRAFT_ISQ": draft is not None,
         "MISTRALRS_KV_TIER_DIR": settings.kv_tier_dir is not None,
         "layer mapping (MISTRALRS_DEVICE_LAYERS)": loaded.model.model.layer_spans is not None,
     }

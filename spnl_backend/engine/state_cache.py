@@ -61,9 +61,15 @@ class StateCache:
         self.shapes, self.dtype, self.device = state_shapes(config), dtype, device
         self.wide = torch.promote_types(dtype, torch.float32)  # what the rule computes in
         self.piece, self.max_snapshots = piece, max_snapshots
+        # With a speculative draft: the last rows of each step whose states are kept, so
+        # that a sequence can go back to where its accepted tokens end (0: none kept).
+        self.trail_rows = 0
         self._states: dict[int, tuple[CachedTokens, SequenceState]] = {}
+        self._position: dict[int, int] = {}  # where each state stands (tokens computed)
         # A sequence's copy at the last boundary its step crossed: (tokens, state).
         self._pending: dict[int, tuple[int, SequenceState]] = {}
+        # Each sequence's states after its last steps' rows, by position (speculative).
+        self._trails: dict[int, OrderedDict[int, SequenceState]] = {}
         self.snapshots: OrderedDict[int, SequenceState] = OrderedDict()  # by block hash, LRU
 
     @property
@@ -82,27 +88,59 @@ class StateCache:
             self._states[id(seq)] = (seq, state)
 
     def drop(self, seq: CachedTokens) -> None:
-        self._states.pop(id(seq), None)
-        self._pending.pop(id(seq), None)
+        for held in (self._states, self._position, self._pending, self._trails):
+            held.pop(id(seq), None)
 
     def segments(self, batch: list[ScheduledSeq], snapshots: bool) -> list[StateSegment]:
         """Each scheduled sequence's rows of the step (packed in batch order) and state;
-        with ``snapshots``, where it crosses a block boundary, a copy to take there."""
+        with ``snapshots``, where it crosses a block boundary, a copy to take there; with
+        ``trail_rows``, a copy after each of its last rows."""
         segments, start = [], 0
         for item in batch:
             seq, count = item.seq, item.num_new_tokens
             first = seq.num_computed_tokens
-            snapshot_at, target = None, None
+            copies: dict[int, SequenceState] = {}
             boundary = (first + count) // self.piece * self.piece
             if snapshots and boundary > first:
-                snapshot_at, target = boundary - first, self._fresh()
-                self._pending[id(seq)] = (boundary, target)
+                copies[boundary - first] = self._fresh()
+                self._pending[id(seq)] = (boundary, copies[boundary - first])
+            if self.trail_rows:
+                self._trail(seq, first, count, copies)
             state = self._of(seq)
-            segments.append(
-                StateSegment(start, count, state, first, self.piece, snapshot_at, target)
-            )
+            segments.append(StateSegment(start, count, state, first, self.piece, copies))
+            self._position[id(seq)] = first + count
             start += count
         return segments
+
+    def _trail(
+        self, seq: CachedTokens, first: int, count: int, copies: dict[int, SequenceState]
+    ) -> None:
+        """Copies after each of the step's last ``trail_rows`` rows, kept by position."""
+        trail = self._trails.setdefault(id(seq), OrderedDict())
+        for after in range(max(1, count - self.trail_rows + 1), count + 1):
+            copies[after] = copies.get(after) or self._fresh()
+            trail[first + after] = copies[after]
+        while len(trail) > 2 * self.trail_rows:  # a step's and the one before it
+            trail.popitem(last=False)
+
+    def roll_back(self, seq: CachedTokens, position: int) -> None:
+        """Put ``seq``'s state back to where ``position`` tokens end (its accepted
+        tokens, after a speculative step), from the copies its steps left."""
+        trail = self._trails.pop(id(seq), {})
+        pending = self._pending.get(id(seq))
+        if pending is not None and pending[0] > position:  # a boundary of rejected tokens
+            del self._pending[id(seq)]
+        if self._position.get(id(seq), position) == position:
+            return
+        saved = trail.get(position)
+        if saved is None:
+            raise RuntimeError(f"no state kept at position {position} to go back to")
+        live = self._of(seq)
+        for to, source in zip(
+            live.conv + live.recurrent, saved.conv + saved.recurrent, strict=True
+        ):
+            to.copy_(source)
+        self._position[id(seq)] = position
 
     def keep_snapshot(self, seq: CachedTokens, hashes: list[int]) -> None:
         """The copy ``seq`` left at a boundary, kept under the hash of the block ending
@@ -228,7 +266,9 @@ class StatefulCacheManager:
         self.kv.release(seq)
 
     def truncate(self, seq: CachedTokens) -> None:
+        """The KV past the computed tokens returned, the state put back to them."""
         self.kv.truncate(seq)
+        self.states.roll_back(seq, seq.num_computed_tokens)
 
     def after_step(self, batch: list[ScheduledSeq]) -> None:
         self.kv.after_step(batch)

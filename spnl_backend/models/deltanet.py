@@ -81,8 +81,8 @@ class GatedDeltaNet(nn.Module):
             for first, count in seg.pieces():
                 rows = slice(seg.start + first, seg.start + first + count)
                 out[rows] = self._rule(conv_out[rows], g[rows], beta[rows], recurrent)
-                if seg.snapshot is not None and first + count == seg.snapshot_at:
-                    seg.snapshot.recurrent[self.state].copy_(recurrent)
+                if (copy := seg.copies.get(first + count)) is not None:
+                    copy.recurrent[self.state].copy_(recurrent)
         core = self.norm(out.to(x.dtype), z).reshape(tokens, d.value_dim)
         return self.out_proj(core)
 
@@ -90,15 +90,14 @@ class GatedDeltaNet(nn.Module):
         self, mixed: torch.Tensor, segments: list, conv_states: list[torch.Tensor]
     ) -> torch.Tensor:
         """Each segment's rows through the convolution, its state's inputs before them;
-        a snapshot's convolution state taken at its row."""
+        each copy's convolution state: the last kernel - 1 inputs after its rows."""
         out = torch.empty(mixed.shape, dtype=_wide(mixed.dtype), device=mixed.device)
         kernel = self.d.conv_kernel
         for seg, conv in zip(segments, conv_states, strict=True):
             rows = slice(seg.start, seg.start + seg.count)
             inputs = torch.cat([conv.to(mixed.dtype), mixed[rows]])
-            if seg.snapshot is not None:  # the last kernel - 1 inputs at its row
-                at = seg.snapshot_at + kernel - 1
-                seg.snapshot.conv[self.state].copy_(inputs[at - (kernel - 1) : at])
+            for after, copy in seg.copies.items():
+                copy.conv[self.state].copy_(inputs[after : after + kernel - 1])
             out[rows] = self._convolve(inputs)
             conv.copy_(inputs[-(kernel - 1) :])
         return out

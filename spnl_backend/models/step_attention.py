@@ -71,23 +71,24 @@ class SequenceState:
 class StateSegment:
     """A sequence's rows of a step (``start``, ``count``) and its state. The state layers
     compute the rows in pieces ending at multiples of ``piece`` positions (``position``:
-    the first row's), so that where a sequence resumes never changes its arithmetic; with
-    ``snapshot``, they copy their state into it after ``snapshot_at`` rows."""
+    the first row's), so that where a sequence resumes never changes its arithmetic, and
+    after each count of rows in ``copies`` they copy their state into its entry (a
+    snapshot at a block boundary; the state after each draft, for rolling back)."""
 
     start: int
     count: int
     state: SequenceState
     position: int = 0
     piece: int = 64
-    snapshot_at: int | None = None
-    snapshot: SequenceState | None = None
+    copies: dict[int, SequenceState] = field(default_factory=dict)
 
     def pieces(self) -> list[tuple[int, int]]:
         """The rows' pieces, as (first row, count) within the segment."""
         pieces, row = [], 0
         while row < self.count:
-            to_boundary = self.piece - (self.position + row) % self.piece
-            size = min(to_boundary, self.count - row)
+            ends = [self.piece - (self.position + row) % self.piece, self.count - row]
+            ends += [at - row for at in self.copies if at > row]
+            size = min(ends)
             pieces.append((row, size))
             row += size
         return pieces
