@@ -2,6 +2,7 @@
 same whatever it comes with, through the Python API and OpenAI's ``/v1/embeddings`` with
 the official client."""
 
+import asyncio
 import base64
 
 import numpy as np
@@ -14,6 +15,8 @@ from transformers import AutoModelForCausalLM
 from spnl_backend import load_backend
 from spnl_backend.engine.embed import SelfAttention, embed
 from spnl_backend.errors import RequestError
+from spnl_backend.server import app, protocol
+from spnl_backend.server.responses import embedding_body
 
 TEXTS = ["The quick brown fox", "Once upon a time there was a little model", "def add(a, b):"]
 
@@ -115,6 +118,48 @@ def test_bad_embedding_requests_are_400_naming_the_field(live, body, param):
     reply = live.post("/v1/embeddings", {"model": MODEL, **body})
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
+
+
+def test_both_apis_cap_the_inputs_alike(live):
+    reply = live.post("/api/embed", {"model": MODEL, "input": ["x"] * 2049})
+    assert reply.status_code == 400, reply.text
+    assert "at most 2048" in reply.json()["error"]
+    assert live.post("/api/embed", {"model": MODEL, "input": ["x"] * 2048}).status_code == 200
+
+
+def test_an_answer_over_the_values_bound_is_refused_up_front(live, backend, monkeypatch):
+    hidden = backend.model_config.hidden_size
+    monkeypatch.setattr(protocol, "MAX_EMBEDDING_VALUES", 2 * hidden)
+    computed = []
+    with monkeypatch.context() as patched:
+        patched.setattr(backend._loop.engine, "embed", computed.append)
+        openai_reply = live.post("/v1/embeddings", {"model": MODEL, "input": TEXTS})
+        ollama_reply = live.post("/api/embed", {"model": MODEL, "input": TEXTS})
+    assert openai_reply.status_code == 400
+    assert openai_reply.json()["error"]["param"] == "input"
+    assert "at most" in openai_reply.json()["error"]["message"]
+    assert ollama_reply.status_code == 400
+    assert "fewer dimensions" in ollama_reply.json()["error"]
+    assert computed == []  # refused before any text ran
+    fewer = {"model": MODEL, "input": TEXTS, "dimensions": hidden // 2}
+    assert live.post("/v1/embeddings", fewer).status_code == 200
+    assert live.post("/api/embed", fewer).status_code == 200
+
+
+def test_answers_are_rendered_off_the_event_loop(live, monkeypatch):
+    on_the_loop = []
+
+    def body(*args):
+        try:
+            on_the_loop.append(asyncio.get_running_loop() is not None)
+        except RuntimeError:  # no event loop runs on this thread
+            on_the_loop.append(False)
+        return embedding_body(*args)
+
+    monkeypatch.setattr(app, "embedding_body", body)
+    assert live.post("/v1/embeddings", {"model": MODEL, "input": TEXTS}).status_code == 200
+    assert live.post("/api/embed", {"model": MODEL, "input": TEXTS}).status_code == 200
+    assert on_the_loop == [False, False]
 
 
 def test_embeddings_between_generation_steps(live, backend):

@@ -45,6 +45,7 @@ from .protocol import (
     EmbeddingRequest,
     EngineRequest,
     bad_request,
+    check_embedding_size,
     from_request_error,
     parse_chat,
     parse_completion,
@@ -225,7 +226,8 @@ class _Api:
             result = await self._embedded(request, asked, label)
         except Exception as exc:
             return self._refused(label, exc)
-        return JSONResponse(embedding_body(result, asked, self._served(asked.model)))
+        # Rendered off the event loop: 2,048 vectors take a second or more to write.
+        return await asyncio.to_thread(_openai_embeddings, result, asked, self._served(asked.model))
 
     async def _embedded(
         self,
@@ -236,12 +238,7 @@ class _Api:
     ) -> Embeddings:
         backend = await self._acquire(request, asked.model, keep_alive)
         try:
-            hidden = backend.model_config.hidden_size
-            if asked.dimensions is not None and asked.dimensions > hidden:
-                raise bad_request(
-                    f"dimensions={asked.dimensions}: this model's embeddings have {hidden}",
-                    "dimensions",
-                )
+            check_embedding_size(asked, backend.model_config.hidden_size)
             result = await asyncio.to_thread(backend.embed, asked.inputs)
         finally:
             self._release(asked.model, keep_alive)
@@ -358,17 +355,7 @@ class _Api:
             result = await self._embedded(request, asked, label, keep_alive)
         except Exception as exc:
             return self._refused(label, exc, ollama_shape=True)
-        body = embedding_body(result, asked, self._served(asked.model))
-        vectors = [entry["embedding"] for entry in body["data"]]
-        return JSONResponse(
-            {
-                "model": asked.model,
-                "embeddings": vectors,
-                "total_duration": 0,
-                "load_duration": 0,
-                "prompt_eval_count": result.prompt_tokens,
-            }
-        )
+        return await asyncio.to_thread(_ollama_embeddings, result, asked)
 
     async def ollama_tags(self, request: Request) -> Response:
         return self._ollama_models(request, running=False)
@@ -751,6 +738,26 @@ class _Api:
             kind="server_error",
         )
         return _error_response(error, ollama_shape)
+
+
+def _openai_embeddings(result: Embeddings, asked: EmbeddingRequest, model: str) -> Response:
+    """OpenAI's embeddings answer, rendered (on a worker thread)."""
+    return JSONResponse(embedding_body(result, asked, model))
+
+
+def _ollama_embeddings(result: Embeddings, asked: EmbeddingRequest) -> Response:
+    """Ollama's embed answer, rendered (on a worker thread)."""
+    body = embedding_body(result, asked, asked.model)
+    vectors = [entry["embedding"] for entry in body["data"]]
+    return JSONResponse(
+        {
+            "model": asked.model,
+            "embeddings": vectors,
+            "total_duration": 0,
+            "load_duration": 0,
+            "prompt_eval_count": result.prompt_tokens,
+        }
+    )
 
 
 def _failure_status(error: Exception | None) -> int:
