@@ -239,7 +239,10 @@ class _Api:
         backend = await self._acquire(request, asked.model, keep_alive)
         try:
             check_embedding_size(asked, backend.model_config.hidden_size)
-            result = await asyncio.to_thread(backend.embed, asked.inputs)
+            embedding = asyncio.ensure_future(backend.aembed(asked.inputs))
+            if not await _unless_gone(request, embedding):  # its texts left are dropped
+                raise ClientDisconnect()
+            result = embedding.result()
         finally:
             self._release(asked.model, keep_alive)
         self.state.metrics.prompt_tokens.inc(result.prompt_tokens)
@@ -646,11 +649,8 @@ class _Api:
         outcome = "aborted"
         try:
             collecting = asyncio.ensure_future(self._collect(submitted))
-            while not collecting.done():
-                await asyncio.wait({collecting}, timeout=_DISCONNECT_POLL_S)
-                if not collecting.done() and await request.is_disconnected():
-                    collecting.cancel()
-                    return Response(status_code=499)
+            if not await _unless_gone(request, collecting):
+                return Response(status_code=499)
             failed = collecting.result()
             if failed is not None:
                 outcome = self._failed(label, failed)
@@ -738,6 +738,17 @@ class _Api:
             kind="server_error",
         )
         return _error_response(error, ollama_shape)
+
+
+async def _unless_gone(request: Request, task: asyncio.Future[Any]) -> bool:
+    """Wait for ``task``: True once it is done, False where the client left first (the
+    task is then cancelled)."""
+    while not task.done():
+        await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            return False
+    return True
 
 
 def _openai_embeddings(result: Embeddings, asked: EmbeddingRequest, model: str) -> Response:
