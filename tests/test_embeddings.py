@@ -15,13 +15,14 @@ import pytest
 import torch
 from helpers import CPU, loop_held, run_together
 from live_server import MODEL
+from starlette.responses import JSONResponse
 from transformers import AutoModelForCausalLM
 
 from spnl_backend import load_backend
 from spnl_backend.engine.embed import SelfAttention, embed
 from spnl_backend.errors import RequestAbortedError, RequestError
-from spnl_backend.server import app, protocol
-from spnl_backend.server.responses import embedding_body
+from spnl_backend.server import app, protocol, responses
+from spnl_backend.server.responses import embedding_body, json_piecewise
 
 TEXTS = ["The quick brown fox", "Once upon a time there was a little model", "def add(a, b):"]
 
@@ -151,8 +152,11 @@ def test_an_answer_over_the_values_bound_is_refused_up_front(live, backend, monk
     assert live.post("/api/embed", fewer).status_code == 200
 
 
-def test_answers_are_rendered_off_the_event_loop(live, monkeypatch):
-    on_the_loop = []
+def test_answers_are_rendered_off_the_event_loop_a_vector_at_a_time(live, monkeypatch):
+    """Off the event loop, and in short calls into the JSON encoder: one call over the
+    whole answer would hold the GIL, and so the event loop, until it is written."""
+    on_the_loop, written = [], []
+    encode = responses._json
 
     def body(*args):
         try:
@@ -161,10 +165,24 @@ def test_answers_are_rendered_off_the_event_loop(live, monkeypatch):
             on_the_loop.append(False)
         return embedding_body(*args)
 
+    def logged(value):
+        written.append(encode(value))
+        return written[-1]
+
     monkeypatch.setattr(app, "embedding_body", body)
-    assert live.post("/v1/embeddings", {"model": MODEL, "input": TEXTS}).status_code == 200
-    assert live.post("/api/embed", {"model": MODEL, "input": TEXTS}).status_code == 200
+    monkeypatch.setattr(responses, "_json", logged)
+    for path in ("/v1/embeddings", "/api/embed"):
+        reply = live.post(path, {"model": MODEL, "input": TEXTS})
+        assert reply.status_code == 200
+        assert max(map(len, written)) < len(reply.content) / len(TEXTS)
+        written.clear()
     assert on_the_loop == [False, False]
+
+
+def test_answers_written_a_vector_at_a_time_are_what_json_response_writes():
+    body = {"object": "list", "data": [{"a": [0.25, -1e-9]}, {"b": "é"}], "usage": {"n": 1}}
+    assert json_piecewise(body, "data") == JSONResponse(body).body
+    assert json_piecewise({"data": []}, "data") == JSONResponse({"data": []}).body
 
 
 def test_embeddings_between_generation_steps(live, backend):

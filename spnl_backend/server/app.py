@@ -51,7 +51,7 @@ from .protocol import (
     parse_completion,
     parse_embeddings,
 )
-from .responses import Endpoint, Reply, embedding_body, sse
+from .responses import Endpoint, Reply, embedding_body, json_piecewise, sse
 
 log = get_logger()
 
@@ -752,23 +752,22 @@ async def _unless_gone(request: Request, task: asyncio.Future[Any]) -> bool:
 
 
 def _openai_embeddings(result: Embeddings, asked: EmbeddingRequest, model: str) -> Response:
-    """OpenAI's embeddings answer, rendered (on a worker thread)."""
-    return JSONResponse(embedding_body(result, asked, model))
+    """OpenAI's embeddings answer, rendered a vector at a time (on a worker thread)."""
+    body = json_piecewise(embedding_body(result, asked, model), "data")
+    return Response(body, media_type="application/json")
 
 
 def _ollama_embeddings(result: Embeddings, asked: EmbeddingRequest) -> Response:
-    """Ollama's embed answer, rendered (on a worker thread)."""
-    body = embedding_body(result, asked, asked.model)
-    vectors = [entry["embedding"] for entry in body["data"]]
-    return JSONResponse(
-        {
-            "model": asked.model,
-            "embeddings": vectors,
-            "total_duration": 0,
-            "load_duration": 0,
-            "prompt_eval_count": result.prompt_tokens,
-        }
-    )
+    """Ollama's embed answer, rendered a vector at a time (on a worker thread)."""
+    vectors = [entry["embedding"] for entry in embedding_body(result, asked, "")["data"]]
+    answer = {
+        "model": asked.model,
+        "embeddings": vectors,
+        "total_duration": 0,
+        "load_duration": 0,
+        "prompt_eval_count": result.prompt_tokens,
+    }
+    return Response(json_piecewise(answer, "embeddings"), media_type="application/json")
 
 
 def _failure_status(error: Exception | None) -> int:
