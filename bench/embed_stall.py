@@ -1,15 +1,16 @@
 """Does an embedding batch stall generation? A stream's gaps between tokens, and a short
 request's seconds, while one `POST /v1/embeddings` of 512 texts (some 64 tokens each) runs.
 
-    python bench/embed_stall.py [--texts 512] [--words 48] [--gguf GGUF] [--markdown FILE]
+    python bench/embed_stall.py [--texts 512] [--words 58] [--gguf GGUF] [--markdown FILE]
 
 The server (`spnl-backend serve`, the default model unless ``--gguf``) runs as a child
 on 127.0.0.1. Measured one after another: a stream alone (its median and largest gap), a
 16-token request alone, the batch alone; then the stream again, the batch sent once the
 stream has given a few tokens and the 16-token request a second after the batch: the
-stream's largest gap while the batch was in flight, its tokens meanwhile, and both
-requests' seconds. Issue 53: a 13.9 s gap and 36 s for the 16-token request before the
-engine loop took embeddings a chunk at a time.
+stream's largest gap while the batch was in flight, its tokens meanwhile, both
+requests' seconds and `/health`'s largest latency (polled every 50 ms). Issue 53: a
+13.9 s gap and 36 s for the 16-token request before the engine loop took embeddings a
+chunk at a time.
 """
 
 import argparse
@@ -27,6 +28,7 @@ READY_TIMEOUT_S = 300
 PROMPT = "Once upon a time"
 WARM_TOKENS = 8  # the stream's tokens before the batch is sent
 SHORT_DELAY_S = 1.0  # from the batch to the 16-token request
+HEALTH_POLL_S = 0.05
 WORDS = (
     "the quick brown fox jumps over a lazy dog while seven bright stars watch quietly "
     "from far above the sleeping town"
@@ -90,13 +92,34 @@ async def together(client: httpx.AsyncClient, base: str, model: str, batch: dict
         raise RuntimeError("the stream ended before the batch was sent")
     start = time.perf_counter()
     embedding = asyncio.create_task(timed(client, base + "/v1/embeddings", batch))
+    probing = asyncio.create_task(health_latencies(client, base, embedding))
     await asyncio.sleep(SHORT_DELAY_S)
     short_s, _ = await timed(client, base + "/v1/completions", _short(model))
     batch_s, _ = await embedding
     stop.set()
     arrivals = await streaming
     gaps = gaps_during(arrivals, start, start + batch_s)
-    return {"max_gap_s": max(gaps), "tokens": len(gaps), "short_s": short_s, "batch_s": batch_s}
+    return {
+        "max_gap_s": max(gaps),
+        "tokens": len(gaps),
+        "short_s": short_s,
+        "batch_s": batch_s,
+        "max_health_s": max(await probing),
+    }
+
+
+async def health_latencies(
+    client: httpx.AsyncClient, base: str, until: asyncio.Task
+) -> list[float]:
+    """`/health`'s latencies, polled every `HEALTH_POLL_S` until ``until`` is done (its
+    answer rendered and sent)."""
+    latencies = []
+    while not until.done():
+        probe = time.perf_counter()
+        (await client.get(base + "/health")).raise_for_status()
+        latencies.append(time.perf_counter() - probe)
+        await asyncio.sleep(HEALTH_POLL_S)
+    return latencies
 
 
 def _short(model: str) -> dict:
@@ -139,6 +162,7 @@ def report(result: dict) -> str:
         ["16-token request, with the batch and the stream", f"{both['short_s']:.2f} s"],
         ["the batch, alone", f"{alone['batch_s']:.2f} s"],
         ["the batch, with the stream", f"{both['batch_s']:.2f} s"],
+        ["/health's largest latency, with the batch", ms(both["max_health_s"])],
     ]
     head = (
         f"{result['texts']} texts of {result['tokens_per_text']:.0f} tokens "
@@ -150,7 +174,7 @@ def report(result: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--texts", type=int, default=512)
-    parser.add_argument("--words", type=int, default=48)
+    parser.add_argument("--words", type=int, default=58)
     parser.add_argument("--gguf", type=Path)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--markdown", type=Path)

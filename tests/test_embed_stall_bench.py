@@ -26,8 +26,10 @@ def test_the_gaps_counted_are_those_that_overlap_the_batch():
 def test_the_report_names_every_figure():
     alone = {"median_gap_s": 0.012, "max_gap_s": 0.03, "short_s": 0.26, "batch_s": 9.5}
     together = {"max_gap_s": 0.4, "tokens": 120, "short_s": 1.1, "batch_s": 12.0}
+    together["max_health_s"] = 0.021
     result = {"texts": 512, "tokens_per_text": 63.6, "alone": alone, "together": together}
     table = embed_stall.report(result)
     assert table.startswith("512 texts of 64 tokens")
     assert "| the stream's largest gap, with the batch | 400 ms |" in table
     assert "| 16-token request, with the batch and the stream | 1.10 s |" in table
+    assert "| /health's largest latency, with the batch | 21 ms |" in table
