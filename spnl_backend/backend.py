@@ -8,8 +8,6 @@ import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-import torch
-
 from .constrain.grammar import GrammarCompiler
 from .constrain.healing import back_off
 from .constrain.spec import check_stops
@@ -54,10 +52,9 @@ from .tools.spec import ToolRequest, tool_request
 
 log = get_logger()
 
-EMBED_PASS_TOKENS = 8192  # tokens one embedding pass packs at most
-
 Prompt = str | Sequence[str] | None
 TokenIds = Sequence[int] | Sequence[Sequence[int]] | None
+EmbeddingInputs = str | list[str] | list[int] | list[list[int]]
 Blocks = Sequence[tuple[str, str | Sequence[int]]] | None
 
 
@@ -424,18 +421,27 @@ class Backend:
         special = self._grammars.tokenizer.is_special_token  # type: ignore[attr-defined]
         return token if token is not None and special(token) else None
 
-    def embed(self, texts: str | list[str] | list[int] | list[list[int]]) -> "Embeddings":
+    def embed(self, texts: EmbeddingInputs) -> "Embeddings":
         """The embeddings of ``texts`` (a string, a list of strings, a list of token ids,
         or a list of such lists): the model's last hidden states pooled as its config says
-        (`engine.embed`), each of unit length, run on the engine's thread between steps in
-        passes of at most `EMBED_PASS_TOKENS` tokens (so that running requests go on)."""
+        (`engine.embed`), each of unit length. The engine's loop embeds them in chunks
+        between its steps (`EngineLoop.embed`), so that running requests go on; an
+        interruption while waiting drops the texts not embedded yet."""
+        prompts = self._embedding_inputs(texts)
+        vectors = self._open_loop().embed(prompts).result()
+        return Embeddings(vectors, [len(ids) for ids in prompts])
+
+    async def aembed(self, texts: EmbeddingInputs) -> "Embeddings":
+        """`embed` for asyncio (the texts tokenized on a worker thread); cancelling the
+        awaiting task drops the texts not embedded yet."""
+        prompts = await asyncio.to_thread(self._embedding_inputs, texts)
+        vectors = await self._open_loop().embed(prompts).aresult()
+        return Embeddings(vectors, [len(ids) for ids in prompts])
+
+    def _embedding_inputs(self, texts: EmbeddingInputs) -> list[list[int]]:
         if self.model.tp is not None:
             raise RequestError("embeddings are not served under tensor parallelism yet")
-        prompts = _embedding_inputs(texts, self)
-        loop, vectors = self._open_loop(), []
-        for batch in _passes(prompts, EMBED_PASS_TOKENS):
-            vectors.append(loop.call(lambda engine, batch=batch: engine.embed(batch)))
-        return Embeddings(torch.cat(vectors), [len(ids) for ids in prompts])
+        return _embedding_inputs(texts, self)
 
     def span_query_request(
         self, query: "str | dict | SpanQuery"
@@ -608,15 +614,3 @@ def _embedding_inputs(texts: object, backend: "Backend") -> list[list[int]]:
             raise RequestError(f"input[{i}] has no tokens; give some text")
         backend._limit.check(ids)
     return prompts
-
-
-def _passes(prompts: list[list[int]], budget: int) -> Iterator[list[list[int]]]:
-    """``prompts`` in order, in groups of at most ``budget`` tokens (a longer one alone)."""
-    group: list[list[int]] = []
-    for ids in prompts:
-        if group and sum(map(len, group)) + len(ids) > budget:
-            yield group
-            group = []
-        group.append(ids)
-    if group:
-        yield group

@@ -2,18 +2,27 @@
 same whatever it comes with, through the Python API and OpenAI's ``/v1/embeddings`` with
 the official client."""
 
+import asyncio
 import base64
+import dataclasses
+import json
+import socket
+import threading
+import time
 
 import numpy as np
 import pytest
 import torch
-from helpers import CPU
+from helpers import CPU, loop_held, run_together
 from live_server import MODEL
+from starlette.responses import JSONResponse
 from transformers import AutoModelForCausalLM
 
 from spnl_backend import load_backend
 from spnl_backend.engine.embed import SelfAttention, embed
-from spnl_backend.errors import RequestError
+from spnl_backend.errors import RequestAbortedError, RequestError
+from spnl_backend.server import app, protocol, responses
+from spnl_backend.server.responses import embedding_body, json_piecewise
 
 TEXTS = ["The quick brown fox", "Once upon a time there was a little model", "def add(a, b):"]
 
@@ -117,6 +126,65 @@ def test_bad_embedding_requests_are_400_naming_the_field(live, body, param):
     assert reply.json()["error"]["param"] == param
 
 
+def test_both_apis_cap_the_inputs_alike(live):
+    reply = live.post("/api/embed", {"model": MODEL, "input": ["x"] * 2049})
+    assert reply.status_code == 400, reply.text
+    assert "at most 2048" in reply.json()["error"]
+    assert live.post("/api/embed", {"model": MODEL, "input": ["x"] * 2048}).status_code == 200
+
+
+def test_an_answer_over_the_values_bound_is_refused_up_front(live, backend, monkeypatch):
+    hidden = backend.model_config.hidden_size
+    monkeypatch.setattr(protocol, "MAX_EMBEDDING_VALUES", 2 * hidden)
+    computed = []
+    with monkeypatch.context() as patched:
+        patched.setattr(backend._loop.engine, "embed", computed.append)
+        openai_reply = live.post("/v1/embeddings", {"model": MODEL, "input": TEXTS})
+        ollama_reply = live.post("/api/embed", {"model": MODEL, "input": TEXTS})
+    assert openai_reply.status_code == 400
+    assert openai_reply.json()["error"]["param"] == "input"
+    assert "at most" in openai_reply.json()["error"]["message"]
+    assert ollama_reply.status_code == 400
+    assert "fewer dimensions" in ollama_reply.json()["error"]
+    assert computed == []  # refused before any text ran
+    fewer = {"model": MODEL, "input": TEXTS, "dimensions": hidden // 2}
+    assert live.post("/v1/embeddings", fewer).status_code == 200
+    assert live.post("/api/embed", fewer).status_code == 200
+
+
+def test_answers_are_rendered_off_the_event_loop_a_vector_at_a_time(live, monkeypatch):
+    """Off the event loop, and in short calls into the JSON encoder: one call over the
+    whole answer would hold the GIL, and so the event loop, until it is written."""
+    on_the_loop, written = [], []
+    encode = responses._json
+
+    def body(*args):
+        try:
+            on_the_loop.append(asyncio.get_running_loop() is not None)
+        except RuntimeError:  # no event loop runs on this thread
+            on_the_loop.append(False)
+        return embedding_body(*args)
+
+    def logged(value):
+        written.append(encode(value))
+        return written[-1]
+
+    monkeypatch.setattr(app, "embedding_body", body)
+    monkeypatch.setattr(responses, "_json", logged)
+    for path in ("/v1/embeddings", "/api/embed"):
+        reply = live.post(path, {"model": MODEL, "input": TEXTS})
+        assert reply.status_code == 200
+        assert max(map(len, written)) < len(reply.content) / len(TEXTS)
+        written.clear()
+    assert on_the_loop == [False, False]
+
+
+def test_answers_written_a_vector_at_a_time_are_what_json_response_writes():
+    body = {"object": "list", "data": [{"a": [0.25, -1e-9]}, {"b": "é"}], "usage": {"n": 1}}
+    assert json_piecewise(body, "data") == JSONResponse(body).body
+    assert json_piecewise({"data": []}, "data") == JSONResponse({"data": []}).body
+
+
 def test_embeddings_between_generation_steps(live, backend):
     """A stream and embeddings at once: both answered, the stream's text as alone."""
     alone = backend.generate(TEXTS[1], max_tokens=24, temperature=0).text
@@ -125,3 +193,126 @@ def test_embeddings_between_generation_steps(live, backend):
     vectors = backend.embed(TEXTS * 4).vectors
     assert first + "".join(stream) == alone
     assert vectors.shape[0] == 12
+
+
+# ---- embedding requests in the engine loop -------------------------------------------------
+
+
+@pytest.fixture
+def events(backend, monkeypatch):
+    """The engine's steps that ran a batch and its embedding chunks (the texts of each),
+    in order; chunks of at most 32 tokens (the texts have 10 to 26)."""
+    engine, log = backend._loop.engine, []
+    step, embed = engine.step, engine.embed
+
+    def logged_step():
+        outputs = step()
+        if engine.last_batch_size:
+            log.append("step")
+        return outputs
+
+    def logged_embed(texts):
+        log.append(texts)
+        return embed(texts)
+
+    monkeypatch.setattr(engine, "step", logged_step)
+    monkeypatch.setattr(engine, "embed", logged_embed)
+    config = dataclasses.replace(
+        engine.config, max_num_batched_tokens=32, prefill_chunk_while_decoding=32
+    )
+    monkeypatch.setattr(engine, "config", config)
+    return log
+
+
+def test_a_stream_and_an_embedding_request_advance_in_turn(backend, events):
+    ids = [backend.tokenizer.encode(text) for text in TEXTS * 8]
+    runner = backend._loop.engine.runner
+    one_pass = backend._loop.call(
+        lambda engine: embed(runner.model, runner.device, ids, runner.model.config.pooling)
+    )
+    events.clear()
+    generated, embedded = run_together(
+        backend,
+        lambda: backend.generate(TEXTS[1], max_tokens=8, temperature=0, ignore_eos=True),
+        lambda: backend.embed(TEXTS * 8),
+    )
+    steps = events.count("step")
+    assert steps == 8
+    assert len(events) > 2 * steps  # the embedding outlasts the stream
+    assert events[: 2 * steps : 2] == ["step"] * steps  # a step, a chunk, a step, ...
+    chunks = events[1 : 2 * steps : 2]
+    assert all(chunk != "step" and sum(map(len, chunk)) <= 32 for chunk in chunks)
+    assert torch.equal(embedded.vectors, one_pass)  # however it was chunked
+    assert generated.text == backend.generate(TEXTS[1], max_tokens=8, temperature=0).text
+
+
+def test_embedding_requests_take_chunks_in_turn(backend, events):
+    first, second = [backend.tokenizer.encode(t) for t in (TEXTS[0], TEXTS[2])]
+    with loop_held(backend):  # both in line before the first chunk
+        requests = [backend._loop.embed([ids] * 12) for ids in (first, second)]
+    for request in requests:
+        request.result()
+    order = ["first" if texts[0] == first else "second" for texts in events]
+    assert order[:8] == ["first", "second"] * 4
+
+
+def test_an_aborted_embedding_request_is_dropped_between_chunks(backend, events):
+    with loop_held(backend):
+        request = backend._loop.embed([backend.tokenizer.encode(TEXTS[0])] * 50)
+        request.abort()
+    with pytest.raises(RequestAbortedError):
+        request.result()
+    backend._loop.barrier()
+    assert events == []
+    assert not backend._loop._embeds
+
+
+def test_a_client_that_leaves_has_its_embedding_dropped(live, backend, events, monkeypatch):
+    loop, engine = backend._loop, backend._loop.engine
+    requests, second_chunk, go_on = [], threading.Event(), threading.Event()
+    queue, embed_chunk = loop.embed, engine.embed
+
+    def queued(texts):
+        requests.append(queue(texts))
+        return requests[-1]
+
+    def held(texts):  # the second chunk waits until the client has left
+        if len(events) == 1:
+            second_chunk.set()
+            go_on.wait(30)
+        return embed_chunk(texts)
+
+    monkeypatch.setattr(loop, "embed", queued)
+    monkeypatch.setattr(engine, "embed", held)
+    body = json.dumps({"model": MODEL, "input": TEXTS * 100}).encode()
+    head = f"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\n"
+    port = int(live.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as client:
+        client.sendall(head.encode() + b"Content-Type: application/json\r\n\r\n" + body)
+        assert second_chunk.wait(30)
+    deadline = time.monotonic() + 30
+    while not requests[0].future.cancelled():  # the server saw the client go
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    go_on.set()
+    loop.barrier()
+    assert len(events) == 2  # of some 200 chunks, none more ran
+    assert not loop._embeds
+
+
+def test_a_failing_chunk_fails_its_request_alone(backend, events, monkeypatch):
+    engine = backend._loop.engine
+    bad, good = [backend.tokenizer.encode(t) for t in (TEXTS[0], TEXTS[2])]
+    embed_chunk = engine.embed
+
+    def failing(texts):
+        if texts[0] == bad:
+            raise RuntimeError("out of memory")
+        return embed_chunk(texts)
+
+    monkeypatch.setattr(engine, "embed", failing)
+    with loop_held(backend):
+        requests = [backend._loop.embed([ids] * 6) for ids in (bad, good)]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        requests[0].result()
+    assert torch.equal(requests[1].result(), backend.embed([good] * 6).vectors)

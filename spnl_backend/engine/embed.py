@@ -74,3 +74,13 @@ def _pool(states: torch.Tensor, pooling: Pooling) -> torch.Tensor:
     if pooling == "mean":
         return states.mean(dim=0)
     return states[0] if pooling == "first" else states[-1]
+
+
+def chunk_end(lengths: list[int], start: int, budget: int) -> int:
+    """Where the chunk of texts from ``start`` ends that packs at most ``budget`` tokens
+    (one text at least: a longer one runs alone, whole, as it needs no cache)."""
+    end, tokens = start + 1, lengths[start]
+    while end < len(lengths) and tokens + lengths[end] <= budget:
+        tokens += lengths[end]
+        end += 1
+    return end

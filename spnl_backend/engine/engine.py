@@ -172,11 +172,20 @@ class Engine:
         return dropped
 
     def embed(self, texts: list[list[int]]) -> "torch.Tensor":
-        """The texts' embeddings (`embed.embed`), pooled as the model's config says; run
-        between two steps, beside the cache."""
+        """The texts' embeddings (`embed.embed`), pooled as the model's config says; one
+        chunk of an embedding request, run between two steps, beside the cache."""
         self._check_usable()
         runner = self.runner
         return embed(runner.model, runner.device, texts, runner.model.config.pooling)
+
+    def embedding_chunk_tokens(self) -> int:
+        """How many tokens one embedding chunk between two steps packs at most: while
+        sequences are unfinished, what a step gives prompts while others decode (so that
+        a stream's next token waits for a chunk no longer than for a prompt's), else a
+        whole step's budget."""
+        if self.scheduler.has_unfinished():
+            return self.config.prefill_chunk_while_decoding
+        return self.config.max_num_batched_tokens
 
     def step(self) -> list[StepOutput]:
         """One scheduled step. A request whose sampling or detokenization fails finishes

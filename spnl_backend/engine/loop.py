@@ -5,6 +5,9 @@ Callers on any thread, or on an asyncio event loop, never touch the engine: they
 commands (add these sequences, abort those, run this function) to the loop's queue, and
 read each request's outputs from the request's own channel. Between two steps the loop
 runs the commands that came in, then hands every sequence's new outputs to its channel.
+Embedding requests wait in a line of their own: after each step the loop embeds one
+chunk of the first in line (`Engine.embedding_chunk_tokens`), which then goes to the
+back, so that generation and each embedding request advance in turn.
 A reader that falls `STREAM_BUFFER` outputs behind pauses its sequences (they are not
 scheduled and give up their cache first), and one that reads nothing for
 `STREAM_IDLE_TIMEOUT_S` seconds while paused is aborted.
@@ -19,10 +22,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TypeVar
 
+import torch
+
 from ..errors import EngineError, RequestAbortedError
 from ..kernels.threads import torch_on_this_thread_alone
 from ..log import get_logger
 from ..signals import leave_interrupts_to_the_main_thread
+from .embed import chunk_end
 from .engine import Engine
 from .sequence import Sequence, StepOutput
 
@@ -145,6 +151,7 @@ class EngineLoop:
         self.wake = threading.Event()
         self._commands: deque[Callable[[], None]] = deque()
         self._live: dict[int, tuple[Sequence, Channel]] = {}  # by seq_id, on the loop thread
+        self._embeds: deque[EmbedRequest] = deque()  # in turn, on the loop thread
         self._stopping = False
         self._thread = threading.Thread(
             target=self._main, args=(build, built), name=name, daemon=True
@@ -176,6 +183,22 @@ class EngineLoop:
         finalizer on any thread: it only queues the command."""
         if self._thread.is_alive():
             self._commands.append(lambda: self._abort(seqs, error))
+            self.wake.set()
+
+    def embed(self, texts: list[list[int]]) -> "EmbedRequest":
+        """Queue ``texts`` (checked token ids) for embedding; read the request's vectors
+        with `EmbedRequest.result` or `EmbedRequest.aresult`."""
+        request = EmbedRequest(self, texts)
+        self._post(lambda: self._embeds.append(request))
+        return request
+
+    def abort_embedding(self, request: "EmbedRequest") -> None:
+        """Drop what ``request`` has not embedded yet (its reader gets
+        `RequestAbortedError`, unless it cancelled its wait); a no-op once its vectors
+        are in. Safe from any thread."""
+        future = request.future
+        if self._thread.is_alive() and (future.cancelled() or not future.done()):
+            self._commands.append(lambda: self._drop_embedding(request))
             self.wake.set()
 
     def barrier(self) -> None:
@@ -242,15 +265,46 @@ class EngineLoop:
                 self._run_commands()
                 if self._stopping:
                     break
-                if self._runnable():
-                    self._step()
-                    if self.engine.last_batch_size == 0:  # nothing fit: do not spin
-                        self.wake.wait(_IDLE_WAIT_S / 10)
-                elif not self.wake.wait(_IDLE_WAIT_S):
+                if not self._work() and not self.wake.wait(_IDLE_WAIT_S):
                     self.engine.idle()
             except BaseException as exc:  # the loop itself failed: nobody is left hanging
                 self._fail_all(exc)
         log.debug("engine_loop.stopped")
+
+    def _work(self) -> bool:
+        """A step where a sequence may run, then an embedding chunk where one waits: False
+        where there was neither."""
+        stepped = self._runnable()
+        if stepped:
+            self._step()
+        embedded = self._embed_chunk()
+        if stepped and not embedded and self.engine.last_batch_size == 0:
+            self.wake.wait(_IDLE_WAIT_S / 10)  # nothing fit: do not spin
+        return stepped or embedded
+
+    def _embed_chunk(self) -> bool:
+        """One chunk of the first embedding request in line, which then goes to the back
+        unless it is done; False where none waits. It stays in line while it runs, so that
+        an interruption there fails it with the rest (`_fail_all`)."""
+        if not self._embeds:
+            return False
+        request = self._embeds[0]
+        if not request.future.cancelled():  # else its reader left
+            try:
+                request.run_chunk(self.engine, self.engine.embedding_chunk_tokens())
+            except Exception as exc:  # this request fails alone
+                log.warning("embedding.failed", error=f"{type(exc).__name__}: {exc}")
+                request.settle(error=exc)
+        self._embeds.popleft()
+        if not request.future.done():
+            self._embeds.append(request)
+        return True
+
+    def _drop_embedding(self, request: "EmbedRequest") -> None:
+        if request in self._embeds:
+            self._embeds.remove(request)
+            log.info("embedding.aborted", texts=len(request.texts), embedded=request.next)
+        request.settle(error=RequestAbortedError("the embedding request was aborted"))
 
     def _step(self) -> None:
         try:
@@ -287,7 +341,12 @@ class EngineLoop:
         for seq, _ in list(self._live.values()):
             self.engine.abort(seq, error)
         self._deliver()
+        self._end_embeddings(error)
         self._stopping = True
+
+    def _end_embeddings(self, error: Exception) -> None:
+        while self._embeds:
+            self._embeds.popleft().settle(error=error)
 
     def _runnable(self) -> bool:
         """Pause the sequences whose readers are behind (aborting those idle too long);
@@ -334,6 +393,7 @@ class EngineLoop:
         except Exception:
             log.exception("engine_loop.deliver_failed")
             self._live.clear()
+        self._end_embeddings(error)
 
 
 class LoopRequest:
@@ -373,3 +433,56 @@ class LoopRequest:
         """Abort what has not finished (a no-op once all has)."""
         if not self.done:
             self.loop.abort(self.seqs)
+
+
+class EmbedRequest:
+    """One embedding request's texts, which the loop embeds a chunk at a time (`chunk_end`)
+    in order; its vectors come back whole. Leaving `result` or `aresult` early (an
+    interruption, a cancelled task) aborts it: what is not embedded yet never is."""
+
+    def __init__(self, loop: EngineLoop, texts: list[list[int]]) -> None:
+        self.loop, self.texts = loop, texts
+        self.next = 0  # the first text not embedded yet
+        self.future: Future[torch.Tensor] = Future()
+        self._vectors: list[torch.Tensor] = []
+
+    def run_chunk(self, engine: Engine, budget: int) -> None:
+        """Embed the next texts, at most ``budget`` tokens of them (a longer text alone);
+        the request is settled after its last (on the loop thread)."""
+        end = chunk_end([len(ids) for ids in self.texts], self.next, budget)
+        self._vectors.append(engine.embed(self.texts[self.next : end]))
+        self.next = end
+        if end == len(self.texts):
+            self.settle(torch.cat(self._vectors))
+
+    def settle(self, vectors: torch.Tensor | None = None, error: Exception | None = None) -> None:
+        """Hand the reader ``vectors`` or ``error`` (once: a no-op when it is done, or its
+        reader cancelled it)."""
+        if self.future.done() or not self.future.set_running_or_notify_cancel():
+            return
+        if error is not None:
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(vectors)
+
+    def result(self) -> torch.Tensor:
+        """The vectors, ``[texts, hidden]``, waited for on this thread."""
+        try:
+            while True:
+                try:
+                    return self.future.result(_READER_CHECK_S)
+                except TimeoutError:
+                    self.loop.check_alive()
+        finally:
+            self.abort()
+
+    async def aresult(self) -> torch.Tensor:
+        """The vectors, awaited on an event loop."""
+        try:
+            return await asyncio.wrap_future(self.future)
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Drop what is not embedded yet (a no-op once done)."""
+        self.loop.abort_embedding(self)

@@ -50,12 +50,13 @@ from .protocol import (
     EmbeddingRequest,
     EngineRequest,
     bad_request,
+    check_embedding_size,
     from_request_error,
     parse_chat,
     parse_completion,
     parse_embeddings,
 )
-from .responses import Endpoint, Reply, embedding_body, sse
+from .responses import Endpoint, Reply, embedding_body, json_piecewise, sse
 from .rules import ROUTES, RouteRule, check_page, check_type
 
 log = get_logger()
@@ -268,7 +269,8 @@ class _Api:
             result = await self._embedded(request, asked, label)
         except Exception as exc:
             return self._refused(label, exc)
-        return JSONResponse(embedding_body(result, asked, self._served(asked.model)))
+        # Rendered off the event loop: 2,048 vectors take a second or more to write.
+        return await asyncio.to_thread(_openai_embeddings, result, asked, self._served(asked.model))
 
     async def _embedded(
         self,
@@ -279,13 +281,11 @@ class _Api:
     ) -> Embeddings:
         backend = await self._acquire(request, asked.model, keep_alive)
         try:
-            hidden = backend.model_config.hidden_size
-            if asked.dimensions is not None and asked.dimensions > hidden:
-                raise bad_request(
-                    f"dimensions={asked.dimensions}: this model's embeddings have {hidden}",
-                    "dimensions",
-                )
-            result = await asyncio.to_thread(backend.embed, asked.inputs)
+            check_embedding_size(asked, backend.model_config.hidden_size)
+            embedding = asyncio.ensure_future(backend.aembed(asked.inputs))
+            if not await _unless_gone(request, embedding):  # its texts left are dropped
+                raise ClientDisconnect()
+            result = embedding.result()
         finally:
             self._release(asked.model, keep_alive)
         self.state.metrics.prompt_tokens.inc(result.prompt_tokens)
@@ -402,17 +402,7 @@ class _Api:
             result = await self._embedded(request, asked, label, keep_alive)
         except Exception as exc:
             return self._refused(label, exc, ollama_shape=True)
-        body = embedding_body(result, asked, self._served(asked.model))
-        vectors = [entry["embedding"] for entry in body["data"]]
-        return JSONResponse(
-            {
-                "model": asked.model,
-                "embeddings": vectors,
-                "total_duration": 0,
-                "load_duration": 0,
-                "prompt_eval_count": result.prompt_tokens,
-            }
-        )
+        return await asyncio.to_thread(_ollama_embeddings, result, asked)
 
     async def ollama_tags(self, request: Request) -> Response:
         return self._ollama_models(request, running=False)
@@ -703,11 +693,8 @@ class _Api:
         outcome = "aborted"
         try:
             collecting = asyncio.ensure_future(self._collect(submitted))
-            while not collecting.done():
-                await asyncio.wait({collecting}, timeout=_DISCONNECT_POLL_S)
-                if not collecting.done() and await request.is_disconnected():
-                    collecting.cancel()
-                    return Response(status_code=499)
+            if not await _unless_gone(request, collecting):
+                return Response(status_code=499)
             failed = collecting.result()
             if failed is not None:
                 outcome = self._failed(label, failed)
@@ -795,6 +782,36 @@ class _Api:
             kind="server_error",
         )
         return _error_response(error, ollama_shape)
+
+
+async def _unless_gone(request: Request, task: asyncio.Future[Any]) -> bool:
+    """Wait for ``task``: True once it is done, False where the client left first (the
+    task is then cancelled)."""
+    while not task.done():
+        await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            return False
+    return True
+
+
+def _openai_embeddings(result: Embeddings, asked: EmbeddingRequest, model: str) -> Response:
+    """OpenAI's embeddings answer, rendered a vector at a time (on a worker thread)."""
+    body = json_piecewise(embedding_body(result, asked, model), "data")
+    return Response(body, media_type="application/json")
+
+
+def _ollama_embeddings(result: Embeddings, asked: EmbeddingRequest) -> Response:
+    """Ollama's embed answer, rendered a vector at a time (on a worker thread)."""
+    vectors = [entry["embedding"] for entry in embedding_body(result, asked, "")["data"]]
+    answer = {
+        "model": asked.model,
+        "embeddings": vectors,
+        "total_duration": 0,
+        "load_duration": 0,
+        "prompt_eval_count": result.prompt_tokens,
+    }
+    return Response(json_piecewise(answer, "embeddings"), media_type="application/json")
 
 
 def _failure_status(error: Exception | None) -> int:

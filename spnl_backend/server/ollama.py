@@ -29,7 +29,13 @@ from ..sampling import SamplingParams
 from ..tools.calls import read_whole
 from ..tools.formats import ToolFormat
 from ..tools.spec import tool_request
-from .protocol import EmbeddingRequest, EngineRequest, bad_request, checked_dimensions
+from .protocol import (
+    EmbeddingRequest,
+    EngineRequest,
+    bad_request,
+    check_input_count,
+    checked_dimensions,
+)
 
 VERSION = "0.12.0"  # the Ollama API version whose shapes these are
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
@@ -103,6 +109,7 @@ def parse_embed(body: object) -> EmbeddingRequest:
         raise bad_request("input: expected a string or a non-empty list of strings", "input")
     if not all(inputs):
         raise bad_request("input: an empty string has no embedding", "input")
+    check_input_count(len(inputs))
     truncate = fields.get("truncate")
     if truncate is not None and not isinstance(truncate, bool):
         raise bad_request(f"truncate={shown(truncate)}: expected true or false", "truncate")

@@ -364,7 +364,10 @@ def _json_kind(value: object) -> str:
     return kinds.get(type(value), "a number")
 
 
-MAX_EMBEDDING_INPUTS = 2048  # OpenAI's bound on one request's inputs
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's bound on one request's inputs, on both APIs
+# The values (inputs x dimensions) one embeddings answer carries at most: 16 MiB as
+# float32, some 90 MB as JSON numbers; 2,048 inputs of 2,048 dimensions, 1,024 of 4,096.
+MAX_EMBEDDING_VALUES = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -381,10 +384,7 @@ def parse_embeddings(body: object) -> EmbeddingRequest:
         prompts = _prompts(fields.get("input"))
     except ApiError as exc:
         raise bad_request(exc.message.replace("prompt", "input"), "input") from None
-    if len(prompts) > MAX_EMBEDDING_INPUTS:
-        raise bad_request(
-            f"input: {len(prompts)} inputs; at most {MAX_EMBEDDING_INPUTS} are accepted", "input"
-        )
+    check_input_count(len(prompts))
     encoding = fields.get("encoding_format") or "float"
     if encoding not in ("float", "base64"):
         raise bad_request(
@@ -392,6 +392,33 @@ def parse_embeddings(body: object) -> EmbeddingRequest:
         )
     dimensions = checked_dimensions(fields.get("dimensions"))
     return EmbeddingRequest(fields["model"], prompts, encoding == "base64", dimensions)
+
+
+def check_input_count(count: int) -> None:
+    """An embeddings request (OpenAI's or Ollama's) names at most `MAX_EMBEDDING_INPUTS`."""
+    if count > MAX_EMBEDDING_INPUTS:
+        raise bad_request(
+            f"input: {count} inputs; at most {MAX_EMBEDDING_INPUTS} are accepted", "input"
+        )
+
+
+def check_embedding_size(asked: EmbeddingRequest, hidden: int) -> None:
+    """``asked``'s ``dimensions`` within the model's ``hidden`` size, and its answer within
+    `MAX_EMBEDDING_VALUES`: refused before anything is computed."""
+    if asked.dimensions is not None and asked.dimensions > hidden:
+        raise bad_request(
+            f"dimensions={asked.dimensions}: this model's embeddings have {hidden}",
+            "dimensions",
+        )
+    width = asked.dimensions or hidden
+    if len(asked.inputs) * width > MAX_EMBEDDING_VALUES:
+        raise bad_request(
+            f"input: {len(asked.inputs)} inputs of {width} dimensions make "
+            f"{len(asked.inputs) * width} values; one answer carries at most "
+            f"{MAX_EMBEDDING_VALUES} ({MAX_EMBEDDING_VALUES // width} inputs at this size): "
+            "split the inputs over several requests, or ask for fewer dimensions",
+            "input",
+        )
 
 
 def checked_dimensions(value: object) -> int | None:
