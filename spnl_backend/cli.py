@@ -429,10 +429,10 @@ class _ConsoleFormatter(logging.Formatter):
 def _configure_console_logging(verbose: bool, quiet: bool) -> None:
     """The CLI owns its process, so it may configure the library's logger for the console:
     info events by default, as uvicorn shows them (what loads, where it listens)."""
-    from .log import LOGGER_NAME
+    from .log import LOGGER_NAME, pin_verbose
 
-    if verbose:  # the settings decide debug events, so that loading keeps them on
-        os.environ["MISTRALRS_VERBOSE"] = "1"
+    if verbose:  # kept on when a load reads MISTRALRS_VERBOSE
+        pin_verbose()
     logger = logging.getLogger(LOGGER_NAME)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_ConsoleFormatter())

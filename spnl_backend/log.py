@@ -17,6 +17,7 @@ LOGGER_NAME = "spnl_backend"
 _stdlib_logger = logging.getLogger(LOGGER_NAME)
 _stdlib_logger.addHandler(logging.NullHandler())
 _verbose = False
+_pinned = False  # debug events kept on whatever settings load later (`pin_verbose`)
 
 
 def _drop_debug_unless_verbose(_logger: Any, method: str, event_dict: dict) -> dict:
@@ -53,6 +54,8 @@ def set_verbose(verbose: bool) -> None:
     all, a stderr handler is attached to our own logger so the events are seen.
     """
     global _verbose
+    if _pinned:
+        return
     _verbose = verbose
     if not verbose:
         return
@@ -62,6 +65,14 @@ def set_verbose(verbose: bool) -> None:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         _stdlib_logger.addHandler(handler)
+
+
+def pin_verbose() -> None:
+    """Debug events on for the rest of the process, whatever ``MISTRALRS_VERBOSE`` a later
+    load reads: the CLI's ``-v``, which owns its process."""
+    global _pinned
+    set_verbose(True)
+    _pinned = True
 
 
 def _host_has_handlers() -> bool:

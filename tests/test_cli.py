@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from spnl_backend import log
 from spnl_backend.cli import main
-from spnl_backend.log import LOGGER_NAME, set_verbose
+from spnl_backend.log import LOGGER_NAME
 
 BAD_ENVIRONMENTS = [
     ({"MISTRALRS_PAGED_ATTN_BLOCK_SIZE": "33"}, ["MISTRALRS_PAGED_ATTN_BLOCK_SIZE", "'33'"]),
@@ -280,11 +281,11 @@ def test_a_first_run_shows_its_steps_and_ctrl_c_ends_the_bar_first(tiny, tmp_pat
 def test_the_console_shows_info_events_unless_told(flags, level, monkeypatch, capsys):
     logger = logging.getLogger(LOGGER_NAME)
     monkeypatch.setattr(logger, "level", logger.level)  # restored after the test
-    monkeypatch.setenv("MISTRALRS_VERBOSE", "0")  # recorded, so that -v's setting is undone
-    monkeypatch.delenv("MISTRALRS_VERBOSE")
-    try:
-        assert main([*flags, "info"]) == 0
-        assert logger.getEffectiveLevel() == level
-        assert ("MISTRALRS_VERBOSE" in os.environ) == (flags == ["-v"])
-    finally:
-        set_verbose(False)
+    monkeypatch.setattr(log, "_pinned", False)
+    monkeypatch.setattr(log, "_verbose", False)
+    monkeypatch.delenv("MISTRALRS_VERBOSE", raising=False)
+    assert main([*flags, "info"]) == 0
+    assert logger.getEffectiveLevel() == level
+    # -v's debug events outlast the settings' load, and the environment is left alone
+    assert log._verbose == (flags == ["-v"])
+    assert "MISTRALRS_VERBOSE" not in os.environ
