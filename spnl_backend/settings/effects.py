@@ -63,8 +63,9 @@ def ineffective_settings(
     elif settings.prefix_cache_n > 1:
         report(
             ("prefix_cache_n",),
-            "with paged attention only 0 (off) or not matters: "
-            "the whole block pool caches prefixes, least recently used out first",
+            "with paged attention only 0 (off) or not matters for K and V: "
+            "the whole block pool caches prefixes, least recently used out first "
+            "(a model with state layers keeps this many state snapshots)",
         )
     if decisions.device_type != "cpu":
         report(
