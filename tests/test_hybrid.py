@@ -2,8 +2,11 @@
 transformers, on the paged and the contiguous cache, batched, in chunks and preempted;
 the delta rule's two forms against each other; what such a model refuses, and why."""
 
+import json
+
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 from helpers import (
     PROMPT,
     SHARED_PREFIX_PROMPTS,
@@ -11,6 +14,8 @@ from helpers import (
     engine_logits,
     greedy_with_logits,
 )
+from safetensors.torch import save_file
+from test_models import Q8_0_RELATIVE_L2
 from tiny_models import HYBRID_ARCHITECTURES, build_hf_model
 
 from spnl_backend import BackendSettings, RequestError, SettingsError, load_backend
@@ -237,3 +242,63 @@ def test_tensor_parallelism_is_refused_with_the_reason(tiny, arch):
     config = tiny.backend(arch).model_config
     with pytest.raises(SettingsError, match="state layers"):
         check_shardable(config, 2)
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+def test_the_gguf_twin_has_the_same_logits_and_tokens(tiny, arch):
+    """Written with llama.cpp's names and layout (value heads tiled, norms as 1 + w, A as
+    -exp(A_log), the convolution squeezed), by the tests' writer: llama.cpp's converter
+    refuses the tiny model's tokenizer."""
+    model = tiny.hf(arch)
+    ids = model.tokenizer(PROMPT).input_ids
+    settings = BackendSettings(device="cpu", paged_cache_type="f32")
+    with (
+        load_backend(str(model.path), settings=settings) as original,
+        load_backend(str(tiny.gguf(arch, Q.F32)), settings=settings) as twin,
+    ):
+        torch.testing.assert_close(
+            engine_logits(twin, ids), engine_logits(original, ids), atol=1e-4, rtol=1e-4
+        )
+        assert twin.generate(PROMPT, max_tokens=TOKENS, temperature=0).token_ids == (
+            original.generate(PROMPT, max_tokens=TOKENS, temperature=0).token_ids
+        )
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+def test_the_q8_0_gguf_twin_is_within_quantization_error(tiny, arch):
+    model = tiny.hf(arch)
+    ids = model.tokenizer(PROMPT).input_ids
+    settings = BackendSettings(device="cpu", paged_cache_type="f32")
+    with (
+        load_backend(str(model.path), settings=settings) as original,
+        load_backend(str(tiny.gguf(arch, Q.Q8_0)), settings=settings) as twin,
+    ):
+        reference = engine_logits(original, ids)
+        error = (engine_logits(twin, ids) - reference).norm() / reference.norm()
+    assert error < Q8_0_RELATIVE_L2
+
+
+def test_a_multimodal_checkpoint_loads_its_language_model(tiny, tmp_path):
+    """Qwen3.5's checkpoints as published: the text config nested in a multimodal one,
+    the language model's weights under ``model.language_model.``, a vision model and
+    multi-token prediction layers beside them (left unread)."""
+    model = tiny.hf("qwen3_5")
+    text = model.hf.config.to_dict()
+    config = {"model_type": "qwen3_5", "text_config": text, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    renamed = {
+        name.replace("model.", "model.language_model.", 1): tensor.contiguous()
+        for name, tensor in model.hf.state_dict().items()
+    }
+    renamed["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 4)
+    renamed["mtp.layers.0.input_layernorm.weight"] = torch.zeros(4)
+    save_file(renamed, tmp_path / "model.safetensors")
+    model.tokenizer.save_pretrained(tmp_path)
+    settings = BackendSettings(device="cpu", paged_cache_type="f32")
+    with (
+        load_backend(str(tmp_path), settings=settings) as wrapped,
+        load_backend(str(model.path), settings=settings) as plain,
+    ):
+        assert wrapped.model_config == plain.model_config
+        ids = model.tokenizer(PROMPT).input_ids
+        assert torch.equal(engine_logits(wrapped, ids), engine_logits(plain, ids))

@@ -162,6 +162,7 @@ _GGUF_ARCH = {
     "gemma3": "gemma3",
     "olmo2": "olmo2",
     "smollm3": "smollm3",
+    "qwen3_5": "qwen35",
     "qwen3_moe": "qwen3moe",
     "mixtral": "llama",
     "olmoe": "olmoe",
@@ -224,6 +225,72 @@ def _gguf_name(name: str, arch: str) -> str:
     return f"blk.{index}.{names[module]}.{kind}"
 
 
+_QWEN35_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "linear_attn.in_proj_qkv": "attn_qkv",
+    "linear_attn.in_proj_z": "attn_gate",
+    "linear_attn.conv1d": "ssm_conv1d",
+    "linear_attn.in_proj_b": "ssm_beta",
+    "linear_attn.in_proj_a": "ssm_alpha",
+    "linear_attn.norm": "ssm_norm",
+    "linear_attn.out_proj": "ssm_out",
+}
+
+
+def _qwen35_tensors(state: dict, config):
+    """Qwen3.5's tensors as llama.cpp's converter writes them: names, norms as 1 + w (the
+    DeltaNet's own excepted), ``-exp(A_log)``, the convolution squeezed, and the value
+    heads reordered from grouped by key head to tiled wherever they appear."""
+    k_heads, v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+    k_dim, v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+
+    def tiled(t: torch.Tensor, dim: int, head: int) -> torch.Tensor:
+        shape = list(t.shape)
+        grouped = t.reshape(*shape[:dim], k_heads, v_heads // k_heads, head, *shape[dim + 1 :])
+        return grouped.transpose(dim, dim + 1).reshape(shape)
+
+    for name, tensor in state.items():
+        if not name.startswith("model.layers."):
+            yield name, tensor + 1.0 if name == "model.norm.weight" else tensor
+            continue
+        _, _, index, rest = name.split(".", 3)
+        stem = f"blk.{index}"
+        t = tensor.float()
+        if rest.endswith("A_log"):
+            yield f"{stem}.ssm_a", tiled(-t.exp()[:, None], 0, 1)[:, 0]
+            continue
+        if rest.endswith("dt_bias"):
+            yield f"{stem}.ssm_dt.bias", tiled(t[:, None], 0, 1)[:, 0]
+            continue
+        module, _, kind = rest.rpartition(".")
+        if module.endswith("norm") and module != "linear_attn.norm":
+            t = t + 1.0
+        if module == "linear_attn.in_proj_qkv":
+            qk = 2 * k_heads * k_dim
+            t = torch.cat([t[:qk], tiled(t[qk:], 0, v_dim)])
+        elif module == "linear_attn.conv1d":
+            qk = 2 * k_heads * k_dim
+            t = t.squeeze(1)
+            t = torch.cat([t[:qk], tiled(t[qk:], 0, v_dim)])
+        elif module == "linear_attn.in_proj_z":
+            t = tiled(t, 0, v_dim)
+        elif module in ("linear_attn.in_proj_b", "linear_attn.in_proj_a"):
+            t = tiled(t, 0, 1)
+        elif module == "linear_attn.out_proj":
+            t = tiled(t, 1, v_dim)
+        yield f"{stem}.{_QWEN35_NAMES[module]}.{kind}", t
+
+
 def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
     rows = weight.shape[0]
     return (
@@ -240,7 +307,10 @@ def write_gguf(
     config = tiny.hf.config
     writer = GGUFWriter(path, arch)
     _write_metadata(writer, tiny, config)
-    for name, tensor in _stacked_experts(tiny.hf.state_dict(), arch):
+    state = tiny.hf.state_dict()
+    if arch == "qwen35":
+        state = dict(_qwen35_tensors(state, config))
+    for name, tensor in _stacked_experts(state, arch):
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         if name.startswith("blk."):  # already GGUF's: stacked experts
@@ -346,12 +416,28 @@ def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config) -> None:
         # llama.cpp's converter writes this key for OLMo but not for OLMoE (whose graph does
         # not clamp); written here so that the tiny OLMoE's twin is the same model.
         writer.add_clamp_kqv(config.clip_qkv)
+    if tiny.arch == "qwen3_5":
+        _write_qwen35_metadata(writer, config)
     if tiny.arch in ("gemma3", "olmo2"):  # (Gemma 2's alternation is llama.cpp's default)
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
     if tiny.arch in GEMMAS:
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
     _write_tokenizer(writer, tiny.tokenizer)
+
+
+def _write_qwen35_metadata(writer: GGUFWriter, config) -> None:
+    """The keys llama.cpp's converter writes for a Qwen3.5's DeltaNet layers."""
+    arch = "qwen35"
+    writer.add_uint32(f"{arch}.ssm.conv_kernel", config.linear_conv_kernel_dim)
+    writer.add_uint32(f"{arch}.ssm.state_size", config.linear_key_head_dim)
+    writer.add_uint32(f"{arch}.ssm.group_count", config.linear_num_key_heads)
+    writer.add_uint32(f"{arch}.ssm.time_step_rank", config.linear_num_value_heads)
+    inner = config.linear_value_head_dim * config.linear_num_value_heads
+    writer.add_uint32(f"{arch}.ssm.inner_size", inner)
+    recurrent = [t == "linear_attention" for t in config.layer_types]
+    writer.add_array(f"{arch}.attention.recurrent_layers", recurrent)
+    writer.add_uint32(f"{arch}.full_attention_interval", 4)
 
 
 def _write_rope_tensors(writer: GGUFWriter, tiny: TinyModel) -> None:

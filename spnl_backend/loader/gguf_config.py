@@ -34,7 +34,7 @@ END_OF_TURN_TOKENS = (
     "<|endoftext|>",
 )
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?")  # (a few have no suffix)
 CONFIG_TENSORS = frozenset(
     {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 )
@@ -383,5 +383,6 @@ def hf_name(gguf_name: str, arch: str, path: Path | str = "GGUF file") -> str | 
     family = family_of_gguf(arch)
     names = family.gguf_names if family is not None else {}
     if match and match[2] in names:
-        return f"model.layers.{match[1]}.{names[match[2]]}.{match[3]}"
+        suffix = f".{match[3]}" if match[3] else ""
+        return f"model.layers.{match[1]}.{names[match[2]]}{suffix}"
     raise ModelFileError(f"{path}: {gguf_name!r} is not a tensor of a GGUF {arch} model")

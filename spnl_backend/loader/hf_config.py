@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import ModelFileError, UnsupportedArchitectureError
-from ..models.arch import Family, family_names, family_of_model_type
+from ..models.arch import Family, family_names, family_of_model_type, family_of_wrapper
 from ..models.config import (
     ConfigValueError,
     LayerType,
@@ -120,11 +120,12 @@ def check_raw_config(raw: dict[str, Any], path: Path, layers: set[int] | None = 
     if not isinstance(model_type, str):
         raise _wrong(path, "model_type", model_type, "a string naming the architecture")
     section, prefix = raw, ""
-    if model_type == "gemma3":  # multimodal: the language model's config is nested
+    wrapped = family_of_wrapper(model_type)
+    if wrapped is not None:  # multimodal: the language model's config is nested
         section, prefix = raw.get("text_config", {}), "text_config."
         if not isinstance(section, dict):
             raise _wrong(path, "text_config", section, "an object")
-        model_type = section.get("model_type", "gemma3_text")
+        model_type = section.get("model_type", wrapped.model_types[0])
     _check_architecture(model_type, path)
     keys = _Keys(section, path, prefix)
     for key in _REQUIRED_COUNTS:
@@ -207,8 +208,9 @@ def _generation_eos(model_dir: Path, path: Path, vocab: int) -> tuple[int, ...]:
 
 
 def text_config(config: "PretrainedConfig") -> "PretrainedConfig":
-    """The language model's config (multimodal Gemma 3 wraps it in ``text_config``)."""
-    return config.text_config if config.model_type == "gemma3" else config
+    """The language model's config (a multimodal model's wraps it in ``text_config``:
+    `Family.wrapper_types`)."""
+    return config.text_config if family_of_wrapper(config.model_type) else config
 
 
 def model_config_from_hf(
@@ -216,7 +218,7 @@ def model_config_from_hf(
 ) -> ModelConfig:
     """``config`` as a `ModelConfig`; a value of the wrong type or out of range is a
     ModelFileError naming ``source`` and the key."""
-    prefix = "text_config." if config.model_type == "gemma3" else ""
+    prefix = "text_config." if family_of_wrapper(config.model_type) else ""
     config = text_config(config)
     family = _check_architecture(config.model_type, source)
     keys = _Keys(config, source, prefix)

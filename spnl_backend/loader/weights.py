@@ -39,6 +39,8 @@ _SKIPPED_PREFIXES = (
     "multi_modal_projector.",
     "model.vision_tower.",
     "model.multi_modal_projector.",
+    "model.visual.",  # Qwen3.5's vision model
+    "mtp.",  # Qwen3.5's multi-token prediction layers
 )
 _RENAMED_PREFIXES = (
     ("model.language_model.", "model."),

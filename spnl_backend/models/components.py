@@ -60,6 +60,9 @@ class DeltaNetConfig:
     head_k_dim: int
     head_v_dim: int
     conv_kernel: int
+    # Value heads in llama.cpp's order: head h reads key head h % num_k_heads ("tiled");
+    # else transformers', head h reading key head h // (num_v_heads / num_k_heads).
+    v_heads_tiled: bool = False
 
     @property
     def key_dim(self) -> int:

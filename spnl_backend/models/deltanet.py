@@ -119,7 +119,10 @@ class GatedDeltaNet(nn.Module):
         k = _l2_normed(k.reshape(count, d.num_k_heads, d.head_k_dim))
         v = v.reshape(count, d.num_v_heads, d.head_v_dim)
         group = d.num_v_heads // d.num_k_heads  # each key head serves this many value heads
-        q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
+        if d.v_heads_tiled:  # a GGUF's order: value head h reads key head h % num_k_heads
+            q, k = q.repeat(1, group, 1), k.repeat(1, group, 1)
+        else:
+            q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
         rule = delta_rule.recurrent if count == 1 else delta_rule.chunked
         return rule(q, k, v, g, beta, state)
 

@@ -57,6 +57,12 @@ def family_of_model_type(model_type: object) -> Family | None:
     return next((f for f in FAMILIES if model_type in f.model_types), None)
 
 
+def family_of_wrapper(model_type: object) -> Family | None:
+    """The family whose language model a multimodal ``config.json`` of ``model_type``
+    nests in its ``text_config``."""
+    return next((f for f in FAMILIES if model_type in f.wrapper_types), None)
+
+
 def family_of_gguf(arch: str) -> Family | None:
     return next((f for f in FAMILIES if arch in f.gguf_archs), None)
 
@@ -77,5 +83,6 @@ __all__ = [
     "family_names",
     "family_of_gguf",
     "family_of_model_type",
+    "family_of_wrapper",
     "gguf_architectures",
 ]

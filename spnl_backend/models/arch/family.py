@@ -90,7 +90,9 @@ SANDWICH_GGUF_NAMES: Mapping[str, str] = {
 class Family:
     """One model family. ``name`` is `ModelConfig.architecture`.
 
-    - ``model_types``: the ``config.json`` model types it reads; ``gguf_archs``: the GGUF
+    - ``model_types``: the ``config.json`` model types it reads (``wrapper_types``: those
+      of multimodal configs nesting its language model in ``text_config``, whose other
+      parts are left unread); ``gguf_archs``: the GGUF
       ``general.architecture`` names (several families may share one, the first family
       listing it reads it: a llama file with experts is Mixtral).
     - ``hf_fields(keys, head_dim)`` / ``gguf_fields(keys, fields)``: the `ModelConfig`
@@ -112,6 +114,7 @@ class Family:
 
     name: str
     model_types: tuple[str, ...]
+    wrapper_types: tuple[str, ...] = ()
     gguf_archs: tuple[str, ...] = ()
     hf_fields: Callable[..., Fields] = no_fields
     gguf_fields: Callable[..., Fields] = no_fields

@@ -86,6 +86,7 @@ def _gguf(keys: GgufKeys, fields: Fields) -> Fields:
 FAMILY = Family(
     name="gemma3",
     model_types=("gemma3_text",),
+    wrapper_types=("gemma3",),
     gguf_archs=("gemma3",),
     hf_fields=_hf,
     gguf_fields=_gguf,

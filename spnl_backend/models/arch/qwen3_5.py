@@ -1,10 +1,24 @@
 """Qwen3.5 (dense): three Gated DeltaNet layers to one of full attention; the attention
 layers gate their output by a sigmoid from the q projection, norm q and k per head and
 rotate a quarter of the head (Qwen's multimodal rope, whose three position rows are one
-for text); every norm scales by (1 + w) in float32."""
+for text); every norm but the DeltaNet's own scales by (1 + w) in float32.
+
+llama.cpp's ``qwen35`` files differ from the checkpoints in what its converter does:
+the norms stored as 1 + w, ``A_log`` as ``-exp(A_log)``, the convolution squeezed to
+``[channels, kernel]``, ``dt_bias`` as ``ssm_dt.bias``, and the value heads reordered from
+grouped by key head to tiled (value head h reads key head h % key heads) in every tensor
+that has them, which the layer then reads in that order (`DeltaNetConfig.v_heads_tiled`).
+"""
+
+import re
+
+import torch
 
 from ..components import DeltaNetConfig
-from .family import Family, Fields, HfKeys, biases
+from .family import COMMON_GGUF_NAMES, Family, Fields, GgufKeys, HfKeys, Tensors, biases
+
+_FULL_ATTENTION_INTERVAL = 4  # llama.cpp's default: every fourth layer attends
+_STORED_A = re.compile(r"(.+\.linear_attn)\.ssm_a")
 
 
 def _hf(keys: HfKeys, head_dim: int) -> Fields:
@@ -15,20 +29,84 @@ def _hf(keys: HfKeys, head_dim: int) -> Fields:
         head_v_dim=keys.count("linear_value_head_dim"),
         conv_kernel=keys.count("linear_conv_kernel_dim"),
     )
+    return {**_common(), **biases(keys), "norm_offset": 1.0, "delta_net": delta}
+
+
+def _gguf(keys: GgufKeys, fields: Fields) -> Fields:
+    num_v_heads = keys.count("ssm.time_step_rank")
+    inner = keys.count("ssm.inner_size")
+    if inner % num_v_heads:
+        raise keys.wrong(
+            "ssm.inner_size", inner, f"a multiple of ssm.time_step_rank ({num_v_heads})"
+        )
+    delta = DeltaNetConfig(
+        num_k_heads=keys.count("ssm.group_count"),
+        num_v_heads=num_v_heads,
+        head_k_dim=keys.count("ssm.state_size"),
+        head_v_dim=inner // num_v_heads,
+        conv_kernel=keys.count("ssm.conv_kernel"),
+        v_heads_tiled=True,
+    )
+    layers = fields["num_layers"]
     return {
-        **biases(keys),
-        "qk_norm": True,
-        "norm_offset": 1.0,
-        "norm_in_float": True,
-        "attn_output_gate": True,
+        **_common(),
+        "norm_offset": 0.0,  # stored as 1 + w
         "delta_net": delta,
+        "layer_types": _gguf_layer_types(keys, layers),
     }
+
+
+def _common() -> Fields:
+    return {"qk_norm": True, "norm_in_float": True, "attn_output_gate": True}
+
+
+def _gguf_layer_types(keys: GgufKeys, layers: int) -> tuple[str, ...]:
+    """``attention.recurrent_layers`` (a flag per layer, true: DeltaNet), else every
+    ``full_attention_interval``-th layer attends."""
+    flags = keys.get("attention.recurrent_layers")
+    if flags is None:
+        interval = keys.count("full_attention_interval", _FULL_ATTENTION_INTERVAL)
+        flags = [(i + 1) % interval != 0 for i in range(layers)]
+    flags = [bool(flag) for flag in flags]
+    if len(flags) < layers:
+        raise keys.wrong("attention.recurrent_layers", flags, f"{layers} flags (one per layer)")
+    return tuple("linear" if flag else "full" for flag in flags[:layers])
+
+
+def tensors(stored: Tensors) -> Tensors:
+    """llama.cpp's layout of the DeltaNet's own tensors as the checkpoints' (the rest is)."""
+    for name, tensor in stored:
+        if match := _STORED_A.fullmatch(name):
+            yield f"{match[1]}.A_log", torch.log(-tensor.float())
+        elif name.endswith(".linear_attn.dt.bias"):
+            yield name.removesuffix(".dt.bias") + ".dt_bias", tensor
+        elif name.endswith(".linear_attn.conv1d.weight") and tensor.dim() == 2:
+            yield name, tensor.unsqueeze(1)
+        else:
+            yield name, tensor
 
 
 FAMILY = Family(
     name="qwen3_5",
     model_types=("qwen3_5_text",),
+    wrapper_types=("qwen3_5",),
+    gguf_archs=("qwen35",),
     hf_fields=_hf,
+    gguf_fields=_gguf,
+    gguf_names={
+        **COMMON_GGUF_NAMES,
+        "post_attention_norm": "post_attention_layernorm",
+        "attn_qkv": "linear_attn.in_proj_qkv",
+        "attn_gate": "linear_attn.in_proj_z",
+        "ssm_conv1d": "linear_attn.conv1d",
+        "ssm_dt": "linear_attn.dt",
+        "ssm_a": "linear_attn.ssm_a",
+        "ssm_beta": "linear_attn.in_proj_b",
+        "ssm_alpha": "linear_attn.in_proj_a",
+        "ssm_norm": "linear_attn.norm",
+        "ssm_out": "linear_attn.out_proj",
+    },
+    tensors=tensors,
     state_layers=True,
     tiny={
         "num_hidden_layers": 4,
