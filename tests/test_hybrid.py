@@ -9,7 +9,7 @@ from tiny_models import HYBRID_ARCHITECTURES
 
 from spnl_backend import BackendSettings, RequestError, SettingsError, load_backend
 from spnl_backend.distributed.sharding import check_shardable
-from spnl_backend.kernels import delta_rule
+from spnl_backend.kernels import delta_rule, ssd
 
 TOKENS = 24
 
@@ -132,6 +132,40 @@ def test_the_recurrent_rule_is_the_delta_rule():
         expected_state[h] += torch.outer(k[0, h], beta[0, h] * (v[0, h] - predicted))
     expected_out = torch.einsum("hkv,hk->hv", expected_state, q[0])
     out = delta_rule.recurrent(q, k, v, g, beta, state)
+    torch.testing.assert_close(state, expected_state)
+    torch.testing.assert_close(out[0], expected_out)
+
+
+def _ssd_inputs(tokens: int, heads: int = 3, dim: int = 5, state: int = 4):
+    torch.manual_seed(2)
+    x = torch.randn(tokens, heads, dim)
+    dt = torch.nn.functional.softplus(torch.randn(tokens, heads))
+    a = -torch.rand(heads) - 0.1
+    b, c = torch.randn(tokens, heads, state), torch.randn(tokens, heads, state)
+    return x, dt, a, b, c, torch.randn(heads, dim, state)
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_the_chunked_scan_gives_the_recurrent_values(chunk):
+    """From a state that is not zero, over whole chunks and a padded last one."""
+    x, dt, a, b, c, start = _ssd_inputs(150)
+    state_a, state_b = start.clone(), start.clone()
+    out_a = ssd.recurrent(x, dt, a, b, c, state_a)
+    out_b = ssd.chunked(x, dt, a, b, c, state_b, chunk)
+    torch.testing.assert_close(out_b, out_a, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state_b, state_a, atol=1e-4, rtol=1e-4)
+
+
+def test_the_recurrent_scan_is_the_state_space():
+    """One token by the definition: decay by exp(dt A), write dt x B^T, read h C."""
+    x, dt, a, b, c, state = _ssd_inputs(1)
+    heads = x.shape[1]
+    expected_state = state.clone()
+    for h in range(heads):
+        expected_state[h] *= torch.exp(dt[0, h] * a[h])
+        expected_state[h] += dt[0, h] * torch.outer(x[0, h], b[0, h])
+    expected_out = torch.einsum("hpn,hn->hp", expected_state, c[0])
+    out = ssd.recurrent(x, dt, a, b, c, state)
     torch.testing.assert_close(state, expected_state)
     torch.testing.assert_close(out[0], expected_out)
 
