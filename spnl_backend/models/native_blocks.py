@@ -171,11 +171,13 @@ def _blocks_run(layers: list[DecoderLayer], final_norm: RMSNorm) -> bool:
     rotated queries and keys and no output gate, an input norm (pre or sandwich norms),
     quantized projections without bias (on the model's per-row
     products), the same shapes, a known activation or experts on the native MoE layer,
-    one eps."""
+    one eps; no scaled residuals or shared expert (Granite)."""
     shapes, inners, moes, eps = set(), set(), set(), {final_norm.eps}
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), layer.mlp
         if attn is None or attn.rope is None or attn.output_gate or not layer.input_layernorm:
+            return False
+        if layer.spec.residual_scale is not None or layer.shared_mlp is not None:
             return False
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
         if isinstance(mlp, SparseMoE):

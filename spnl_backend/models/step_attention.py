@@ -52,10 +52,10 @@ class WithoutLayerBlocks:
 
 @dataclass
 class SequenceState:
-    """One sequence's memory in the state layers (`models.layers.DeltaNetMixer`): per
-    state layer its convolution's last inputs ``[kernel - 1, conv_dim]`` and its
-    recurrent state ``[num_v_heads, head_k_dim, head_v_dim]`` (float32), both updated in
-    place as the sequence's tokens are computed."""
+    """One sequence's memory in the state layers (`models.layers.StateMixer`): per state
+    layer its convolution's last inputs ``[kernel - 1, conv_dim]`` and its recurrent
+    state (float32; shaped as its mixer's ``recurrent_shape``), both updated in place as
+    the sequence's tokens are computed."""
 
     conv: list[torch.Tensor]
     recurrent: list[torch.Tensor]
@@ -75,3 +75,14 @@ class StatefulStep(StepAttention, Protocol):
     step's order (`engine.state_cache` wraps the KV cache's step with them)."""
 
     states: list[StateSegment]
+
+
+def sequence_states(attention: StepAttention) -> list[StateSegment]:
+    """The step's sequences' rows and states, for a state layer; a step without them is a
+    model run on a cache that keeps none, refused by name."""
+    if not hasattr(attention, "states"):
+        raise TypeError(
+            f"{type(attention).__name__} carries no sequence states: a model with state "
+            "layers runs on a cache with a state group (engine.state_cache)"
+        )
+    return attention.states
