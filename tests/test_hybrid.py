@@ -1,6 +1,7 @@
-"""Hybrid models (state layers beside attention: Qwen3.5's Gated DeltaNet) against
-transformers, on the paged and the contiguous cache, batched, in chunks and preempted;
-the delta rule's two forms against each other; what such a model refuses, and why."""
+"""Hybrid models (state layers beside attention: Qwen3.5's Gated DeltaNet, Granite
+4.0-H's Mamba-2) against transformers, on the paged and the contiguous cache, batched, in
+chunks and preempted; the delta rule's and the SSD scan's two forms against each other
+and their definitions; what such a model refuses, and why."""
 
 import pytest
 import torch
@@ -87,11 +88,9 @@ def test_the_same_prompt_again_gives_the_same_tokens(tiny, arch):
     assert second.token_ids == first.token_ids
 
 
-@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
-def test_info_counts_the_state_a_sequence_keeps(tiny, arch):
-    with _load(tiny, arch) as backend:
-        info = backend.cache_info()
-    config = tiny.hf(arch).hf.config
+def _delta_net_state(config) -> tuple[int, int]:
+    """A Gated DeltaNet layer's conv inputs (q, k and v) and recurrent state (a key-by-value
+    matrix per value head), in elements."""
     conv = (config.linear_conv_kernel_dim - 1) * (
         2 * config.linear_num_key_heads * config.linear_key_head_dim
         + config.linear_num_value_heads * config.linear_value_head_dim
@@ -99,6 +98,27 @@ def test_info_counts_the_state_a_sequence_keeps(tiny, arch):
     recurrent = (
         config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
     )
+    return conv, recurrent
+
+
+def _mamba2_state(config) -> tuple[int, int]:
+    """A Mamba-2 layer's conv inputs (x, then B and C per group) and SSM state (a state
+    of d_state per channel of every head), in elements."""
+    inner = config.mamba_n_heads * config.mamba_d_head
+    conv = (config.mamba_d_conv - 1) * (inner + 2 * config.mamba_n_groups * config.mamba_d_state)
+    return conv, inner * config.mamba_d_state
+
+
+# Each hybrid family's state per layer, from transformers' config of its tiny model.
+STATE_ELEMENTS = {"qwen3_5": _delta_net_state, "granitemoehybrid": _mamba2_state}
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+def test_info_counts_the_state_a_sequence_keeps(tiny, arch):
+    with _load(tiny, arch) as backend:
+        info = backend.cache_info()
+    config = tiny.hf(arch).hf.config
+    conv, recurrent = STATE_ELEMENTS[arch](config)
     linear = config.layer_types.count("linear_attention")
     assert info.state_bytes_per_seq == linear * (conv + recurrent) * 4  # float32 model
 

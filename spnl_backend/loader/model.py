@@ -25,6 +25,7 @@ from .resolve import ModelSource
 from .tokenizer import Tokenizer, converted_before, load_gguf_tokenizer, load_text_tokenizer
 from .weights import (
     NamedTensors,
+    family_named,
     load_into,
     read_gguf,
     read_safetensors,
@@ -103,7 +104,8 @@ def _load_text(
     config, eos = read_text_config(source.path)
     tokenizer = tokenizer or load_text_tokenizer(source.path, eos)
     release_freed_memory()  # the tokenizer's parse, before the weights land on top of it
-    weights = split_fused(read_safetensors(safetensors_files(source.path), progress), config)
+    weights = read_safetensors(safetensors_files(source.path), progress)
+    weights = split_fused(family_named(weights, config), config)
     if place.split is not None:  # cut before ISQ: each rank quantizes its share alone
         weights = place.split.weights(config, weights)
     if isq is not None:

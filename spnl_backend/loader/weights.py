@@ -22,7 +22,7 @@ from torch import nn
 from ..errors import ModelFileError
 from ..kernels.dispatch import KernelChoice
 from ..memory import host_tensor
-from ..models.arch import family_of_gguf
+from ..models.arch import family, family_of_gguf
 from ..models.config import ModelConfig
 from ..models.transformer import CausalLM
 from ..quant.ggml import FLOAT_TYPES, nonfinite_scales
@@ -314,6 +314,14 @@ def unpermute_rows(
     if isinstance(weight, QuantizedWeight):
         return QuantizedWeight(data, weight.qtype, weight.shape)
     return data
+
+
+def family_named(tensors: NamedTensors, config: ModelConfig) -> NamedTensors:
+    """A checkpoint's tensors under the names the model's family gives them
+    (`Family.hf_tensor_name`)."""
+    rename = family(config.architecture).hf_tensor_name
+    for name, tensor in tensors:
+        yield rename(name, config), tensor
 
 
 def split_fused(tensors: NamedTensors, config: ModelConfig) -> NamedTensors:

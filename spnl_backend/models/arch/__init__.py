@@ -7,6 +7,7 @@ import functools
 from . import (
     gemma2,
     gemma3,
+    granitemoehybrid,
     llama,
     mistral,
     mixtral,
@@ -34,6 +35,7 @@ FAMILIES: tuple[Family, ...] = tuple(
         olmo2,
         smollm3,
         qwen3_5,
+        granitemoehybrid,
         qwen3_moe,
         mixtral,
         olmoe,

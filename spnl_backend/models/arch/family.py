@@ -49,6 +49,10 @@ def no_fields(keys: ConfigKeys, *_: Any) -> Fields:
     return {}
 
 
+def same_name(name: str, config: "ModelConfig") -> str:
+    return name
+
+
 # llama.cpp's block tensor names → ours (the Hugging Face module names), as most families
 # name them; a family lists its own where they differ.
 COMMON_GGUF_NAMES: Mapping[str, str] = {
@@ -88,6 +92,8 @@ class Family:
       listing it reads it: a llama file with experts is Mixtral).
     - ``hf_fields(keys, head_dim)`` / ``gguf_fields(keys, fields)``: the `ModelConfig`
       fields beyond the common ones (``fields``: those read so far).
+    - ``hf_tensor_name(name, config)``: a checkpoint's tensor name → ours, where the
+      family's checkpoints name a module otherwise.
     - ``gguf_names``: block tensor names; ``gguf_permuted_qk``: llama.cpp's converter
       permutes q and k rows for its NORM rope (Llama's layout), undone as they load.
     - ``gguf_renormalizes_top_k``: llama.cpp's rule for MoE weights where the file does
@@ -106,6 +112,7 @@ class Family:
     gguf_archs: tuple[str, ...] = ()
     hf_fields: Callable[..., Fields] = no_fields
     gguf_fields: Callable[..., Fields] = no_fields
+    hf_tensor_name: Callable[[str, "ModelConfig"], str] = same_name
     gguf_names: Mapping[str, str] = field(default_factory=lambda: COMMON_GGUF_NAMES)
     gguf_permuted_qk: bool = False
     gguf_renormalizes_top_k: bool = True

@@ -1,0 +1,128 @@
+"""Granite 4.0-H: Mamba-2 layers with a few attention layers between them, each layer's
+FFN a shared expert beside routed ones (or the shared MLP alone, where the model has no
+experts), and Granite's multipliers: the embeddings scaled, each layer's outputs scaled
+before they join the residual stream, the attention scaled by ``attention_multiplier``
+(not the head size), the logits divided by ``logits_scaling``. Its attention layers
+rotate only where ``position_embedding_type`` is "rope" (Granite 4.0-H's are "nope").
+
+Its checkpoints keep the routed experts stacked under ``block_sparse_moe`` (the loader
+reads it as our ``mlp``) as ``input_linear`` and ``output_linear``, the router as
+``router.layer``, and the shared MLP's gate and up rows fused; they load under our names
+(`hf_tensor_name`).
+"""
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING
+
+from ..components import Mamba2Config, MoeConfig
+from .family import Family, Fields, HfKeys, biases
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
+
+
+def _hf(keys: HfKeys, head_dim: int) -> Fields:
+    layers = keys.count("num_hidden_layers")
+    rotates = keys.get("position_embedding_type") == "rope"
+    return {
+        **biases(keys),
+        **_ffn(keys),
+        "mamba": _mamba(keys),
+        "rope_layers": (rotates,) * layers,
+        "attn_scale": keys.positive("attention_multiplier"),
+        "embedding_multiplier": keys.positive("embedding_multiplier"),
+        "residual_multiplier": keys.positive("residual_multiplier"),
+        "logits_scaling": keys.positive("logits_scaling"),
+    }
+
+
+def _mamba(keys: HfKeys) -> Mamba2Config:
+    return Mamba2Config(
+        num_heads=keys.count("mamba_n_heads"),
+        head_dim=keys.count("mamba_d_head"),
+        state_size=keys.count("mamba_d_state"),
+        n_groups=keys.count("mamba_n_groups"),
+        conv_kernel=keys.count("mamba_d_conv"),
+        chunk_size=keys.count("mamba_chunk_size"),
+        conv_bias=keys.boolean("mamba_conv_bias"),
+        proj_bias=keys.boolean("mamba_proj_bias"),
+        time_step_limit=_time_step_limit(keys),
+    )
+
+
+def _time_step_limit(keys: HfKeys) -> tuple[float, float]:
+    limit = keys.get("time_step_limit")
+    if limit is None:
+        return (0.0, math.inf)
+    if not (isinstance(limit, list | tuple) and len(limit) == 2):
+        raise keys.wrong("time_step_limit", limit, "two numbers: the least and most dt")
+    return (float(limit[0]), float(limit[1]))
+
+
+def _ffn(keys: HfKeys) -> Fields:
+    """The shared MLP beside ``num_local_experts`` routed experts of ``intermediate_size``
+    (softmax over the top-k router logits: renormalised top-k); without experts, the
+    shared MLP is the layer's dense MLP."""
+    shared = keys.count("shared_intermediate_size")
+    experts = keys.get("num_local_experts") or 0
+    if not experts:
+        return {"intermediate_size": shared}
+    moe = MoeConfig(
+        num_experts=keys.count("num_local_experts"),
+        top_k=keys.count("num_experts_per_tok"),
+        intermediate_size=keys.count("intermediate_size"),
+        renormalize=True,
+    )
+    return {"moe": dataclasses.replace(moe, shared_intermediate_size=shared)}
+
+
+# The checkpoints' names (``block_sparse_moe`` already read as ``mlp``) → ours: the routed
+# experts stacked [E, 2I, H] (gate rows first) and [E, H, I], the shared MLP's gate and up
+# rows fused.
+_TENSOR_NAMES = {
+    ".mlp.input_linear.weight": ".mlp.experts.gate_up_proj",
+    ".mlp.output_linear.weight": ".mlp.experts.down_proj",
+    ".mlp.router.layer.weight": ".mlp.gate.weight",
+    ".shared_mlp.input_linear.weight": ".shared_mlp.gate_up_proj.weight",
+    ".shared_mlp.output_linear.weight": ".shared_mlp.down_proj.weight",
+}
+
+
+def hf_tensor_name(name: str, config: "ModelConfig") -> str:
+    """A checkpoint tensor's name as ours; without experts the shared MLP is the layer's
+    MLP."""
+    for theirs, ours in _TENSOR_NAMES.items():
+        if name.endswith(theirs):
+            name = name.removesuffix(theirs) + ours
+            break
+    return name if config.moe is not None else name.replace(".shared_mlp.", ".mlp.")
+
+
+FAMILY = Family(
+    name="granitemoehybrid",
+    model_types=("granitemoehybrid",),
+    hf_fields=_hf,
+    hf_tensor_name=hf_tensor_name,
+    state_layers=True,
+    # One attention layer among three Mamba-2 ones (by the names real files use), two
+    # groups of B and C, chunks of 8 so that a prompt's prefill crosses several.
+    tiny={
+        "num_hidden_layers": 4,
+        "layer_types": ["mamba", "attention", "mamba", "mamba"],
+        "intermediate_size": 32,
+        "shared_intermediate_size": 48,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "mamba_n_heads": 4,
+        "mamba_d_head": 32,
+        "mamba_d_state": 16,
+        "mamba_n_groups": 2,
+        "mamba_chunk_size": 8,
+        "position_embedding_type": "nope",
+        "embedding_multiplier": 4.0,
+        "residual_multiplier": 0.5,
+        "attention_multiplier": 0.125,
+        "logits_scaling": 2.0,
+    },
+)
