@@ -5,14 +5,18 @@ and their definitions; what such a model refuses, and why."""
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 from helpers import PROMPT, SHARED_PREFIX_PROMPTS, engine_internals, engine_logits
 from tiny_models import HYBRID_ARCHITECTURES
 
 from spnl_backend import BackendSettings, RequestError, SettingsError, load_backend
 from spnl_backend.distributed.sharding import check_shardable
 from spnl_backend.kernels import delta_rule, ssd
+from spnl_backend.models.arch import family
 
 TOKENS = 24
+# The hybrids llama.cpp reads, whose tiny models are written as its converter writes them.
+GGUF_HYBRIDS = tuple(a for a in HYBRID_ARCHITECTURES if family(a).gguf_archs)
 
 
 def _load(tiny, arch, **settings):
@@ -46,6 +50,28 @@ def test_logits_match_transformers(tiny, arch, paged):
         ours = engine_logits(backend, ids)
     assert reference.std() > 0.5
     torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", GGUF_HYBRIDS)
+def test_the_gguf_twin_has_transformers_logits(tiny, arch):
+    """The float GGUF (llama.cpp's names, keys and stored forms) against transformers."""
+    model = tiny.hf(arch)
+    ids = model.tokenizer(PROMPT).input_ids
+    with torch.no_grad():
+        reference = model.hf(torch.tensor([ids])).logits[0]
+    settings = BackendSettings(device="cpu", paged_cache_type="f32")
+    with load_backend(str(tiny.gguf(arch, Q.F32)), settings=settings) as backend:
+        ours = engine_logits(backend, ids)
+    torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", GGUF_HYBRIDS)
+def test_the_gguf_twin_decodes_transformers_tokens(tiny, expected, arch):
+    """Batched prefill and decode from the GGUF: each prompt's greedy tokens."""
+    settings = BackendSettings(device="cpu")
+    with load_backend(str(tiny.gguf(arch, Q.F32)), settings=settings) as backend:
+        results = backend.generate(SHARED_PREFIX_PROMPTS, max_tokens=TOKENS, temperature=0)
+    assert [r.token_ids for r in results] == expected[arch]
 
 
 @pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)

@@ -165,6 +165,7 @@ _GGUF_ARCH = {
     "qwen3_moe": "qwen3moe",
     "mixtral": "llama",
     "olmoe": "olmoe",
+    "granitemoehybrid": "granitehybrid",
 }
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -198,7 +199,7 @@ _OLMO2_LAYER_NAMES = {
 GEMMAS = ("gemma2", "gemma3")  # norms scaled by (1 + w), which the converter stores
 OFFSET_NORMS = (*GEMMAS, "qwen3_5")  # norms scaled by (1 + w): their weights centred on 0
 # llama.cpp's converter permutes q and k rows of these (NORM rope), as Llama's.
-_PERMUTED = ("llama", "mistral", "mixtral", "smollm3")
+_PERMUTED = ("llama", "mistral", "mixtral", "smollm3", "granitemoehybrid")
 
 
 def _gguf_name(name: str, arch: str) -> str:
@@ -233,7 +234,10 @@ def write_gguf(
     config = tiny.hf.config
     writer = GGUFWriter(path, arch)
     _write_metadata(writer, tiny, config)
-    for name, tensor in _stacked_experts(tiny.hf.state_dict()):
+    tensors = _stacked_experts(tiny.hf.state_dict())
+    if tiny.arch == "granitemoehybrid":
+        tensors = _granite_tensors(tiny.hf.state_dict(), config.mamba_n_groups)
+    for name, tensor in tensors:
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         if name.startswith("blk."):  # already GGUF's: stacked experts
@@ -271,12 +275,58 @@ def _stacked_experts(state: dict[str, torch.Tensor]):
             yield name, tensor
 
 
+# Granite 4.0-H's layer tensors that llama.cpp's converter renames without a change.
+_GRANITE_NAMES = {
+    "mamba.in_proj.weight": "ssm_in.weight",
+    "mamba.conv1d.bias": "ssm_conv1d.bias",
+    "mamba.dt_bias": "ssm_dt.bias",
+    "mamba.out_proj.weight": "ssm_out.weight",
+    "block_sparse_moe.router.weight": "ffn_gate_inp.weight",
+    "shared_mlp.output_linear.weight": "ffn_down_shexp.weight",
+}
+
+
+def _granite_tensors(state: dict[str, torch.Tensor], groups: int):
+    """Granite 4.0-H's tensors as llama.cpp's converter writes them: the experts stacked
+    by projection, the shared MLP's gate and up apart, the conv taps ``[channels,
+    kernel]``, A as ``-exp(A_log)`` and D as columns, the SSM norm a row per group; the
+    rest (attention, norms, embeddings) under the common names."""
+    for name, tensor in state.items():
+        if not name.startswith("model.layers."):
+            yield name, tensor
+            continue
+        _, _, index, rest = name.split(".", 3)
+        block = f"blk.{index}."
+        if rest == "block_sparse_moe.experts.gate_up_proj":
+            gate, up = tensor.chunk(2, dim=1)
+            yield block + "ffn_gate_exps.weight", gate
+            yield block + "ffn_up_exps.weight", up
+        elif rest == "block_sparse_moe.experts.down_proj":
+            yield block + "ffn_down_exps.weight", tensor
+        elif rest == "shared_mlp.input_linear.weight":
+            gate, up = tensor.chunk(2, dim=0)
+            yield block + "ffn_gate_shexp.weight", gate
+            yield block + "ffn_up_shexp.weight", up
+        elif rest == "mamba.conv1d.weight":
+            yield block + "ssm_conv1d.weight", tensor.squeeze(1)
+        elif rest == "mamba.A_log":
+            yield block + "ssm_a", -torch.exp(tensor).reshape(-1, 1)
+        elif rest == "mamba.D":
+            yield block + "ssm_d", tensor.reshape(-1, 1)
+        elif rest == "mamba.norm.weight":
+            yield block + "ssm_norm.weight", tensor.reshape(groups, -1)
+        elif rest in _GRANITE_NAMES:
+            yield block + _GRANITE_NAMES[rest], tensor
+        else:
+            yield name, tensor
+
+
 def _add_tensor(
     writer: GGUFWriter, name: str, data: np.ndarray, qtype: GGMLQuantizationType
 ) -> None:
-    # llama.cpp's quantizer keeps the router (ffn_gate_inp) in float, as here.
-    router = name.endswith("ffn_gate_inp.weight")
-    if qtype == GGMLQuantizationType.F32 or data.ndim == 1 or data.shape[-1] % 32 or router:
+    # llama.cpp's quantizer keeps the router (ffn_gate_inp) and norms in float, as here.
+    kept = name.endswith(("ffn_gate_inp.weight", "norm.weight"))
+    if qtype == GGMLQuantizationType.F32 or data.ndim == 1 or data.shape[-1] % 32 or kept:
         writer.add_tensor(name, data.astype(np.float32))
     else:
         writer.add_tensor(name, quants.quantize(data, qtype), raw_dtype=qtype)
@@ -286,9 +336,12 @@ def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config) -> None:
     writer.add_context_length(MAX_POSITIONS)
     writer.add_embedding_length(HIDDEN)
     writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(INNER)
+    writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
+    if tiny.arch == "granitemoehybrid":
+        _write_granite_metadata(writer, config)
+    else:
+        writer.add_head_count_kv(KV_HEADS)
     writer.add_key_length(HEAD_DIM)
     writer.add_value_length(HEAD_DIM)
     # (llama.cpp's converter writes 1e-5 for every OLMoE: the tiny one's own value)
@@ -323,6 +376,24 @@ def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config) -> None:
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
     _write_tokenizer(writer, tiny.tokenizer)
+
+
+def _write_granite_metadata(writer: GGUFWriter, config) -> None:
+    """What llama.cpp's converter writes for Granite 4.0-H beside the common keys: K/V
+    heads per layer (0: a Mamba-2 layer), the SSM's sizes, the multipliers, rope off."""
+    attention = [t == "full_attention" for t in config.layer_types]
+    writer.add_head_count_kv([KV_HEADS if a else 0 for a in attention])
+    writer.add_ssm_conv_kernel(config.mamba_d_conv)
+    writer.add_ssm_inner_size(config.mamba_n_heads * config.mamba_d_head)
+    writer.add_ssm_state_size(config.mamba_d_state)
+    writer.add_ssm_time_step_rank(config.mamba_n_heads)
+    writer.add_ssm_group_count(config.mamba_n_groups)
+    writer.add_attention_scale(config.attention_multiplier)
+    writer.add_embedding_scale(config.embedding_multiplier)
+    writer.add_residual_scale(config.residual_multiplier)
+    writer.add_logit_scale(config.logits_scaling)
+    writer.add_rope_scaling_finetuned(config.position_embedding_type == "rope")
+    writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
 
 
 def _write_rope_tensors(writer: GGUFWriter, tiny: TinyModel) -> None:

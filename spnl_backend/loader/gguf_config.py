@@ -35,6 +35,7 @@ END_OF_TURN_TOKENS = (
 )
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+(?:\.bias)?)")
 CONFIG_TENSORS = frozenset(
     {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 )
@@ -110,7 +111,7 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         intermediate_size=meta.count("feed_forward_length"),
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=meta.count("attention.head_count_kv", heads),
+        num_kv_heads=_kv_heads(meta, heads, layers),
         head_dim=head_dim,
         rms_norm_eps=meta.positive("attention.layer_norm_rms_epsilon"),
         max_position_embeddings=meta.count("context_length"),
@@ -156,6 +157,20 @@ def _moe(gguf: GGUFFile, meta: "_Metadata", family: Family, layers: int) -> MoeC
         renormalize=family.gguf_renormalizes_top_k if norm is None else bool(norm),
         sparse=sparse,
     )
+
+
+def _kv_heads(meta: "_Metadata", heads: int, layers: int) -> int:
+    """The attention layers' K/V heads: one count, or one per layer where a hybrid's
+    state layers have none (llama.cpp writes 0 for them; the family reads which layers
+    those are), the attention layers' counts all alike."""
+    key = "attention.head_count_kv"
+    value = meta.get(key)
+    if not isinstance(value, np.ndarray):
+        return meta.count(key, heads)
+    counts = set(value.tolist()) - {0}
+    if not (value.dtype.kind in "iu" and len(value) == layers and len(counts) == 1):
+        raise meta.wrong(key, value, f"a count, or {layers} counts (0 for a state layer) alike")
+    return counts.pop()
 
 
 def _head_dim(meta: "_Metadata", hidden: int, heads: int) -> int:
@@ -382,6 +397,9 @@ def hf_name(gguf_name: str, arch: str, path: Path | str = "GGUF file") -> str | 
     match = _BLOCK.fullmatch(gguf_name)
     family = family_of_gguf(arch)
     names = family.gguf_names if family is not None else {}
+    whole = _BLOCK_TENSOR.fullmatch(gguf_name)  # a name mapped whole: ssm_a, ssm_dt.bias
+    if whole and whole[2] in names:
+        return f"model.layers.{whole[1]}.{names[whole[2]]}"
     if match and match[2] in names:
         return f"model.layers.{match[1]}.{names[match[2]]}.{match[3]}"
     raise ModelFileError(f"{path}: {gguf_name!r} is not a tensor of a GGUF {arch} model")

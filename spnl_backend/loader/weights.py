@@ -237,6 +237,7 @@ def read_gguf(gguf: GGUFFile, config: ModelConfig, progress: Progress) -> NamedT
     names = list(gguf.tensors)
     found = family_of_gguf(gguf.architecture)  # llama.cpp's NORM-rope layout for q and k
     permuted = found is not None and found.gguf_permuted_qk
+    as_ours = found.gguf_tensor if found is not None else None
     for done, gguf_name in enumerate(names):
         progress("weights", done, len(names))
         name = hf_name(gguf_name, gguf.architecture, gguf.path)
@@ -250,6 +251,8 @@ def read_gguf(gguf: GGUFFile, config: ModelConfig, progress: Progress) -> NamedT
         if info.qtype in FLOAT_TYPES or len(info.shape) != 2:
             tensor = gguf.load(gguf_name)
             check_finite(tensor, gguf.path, gguf_name)
+            if as_ours is not None:
+                tensor = as_ours(name, tensor)
         else:
             tensor = QuantizedWeight(
                 gguf.raw(gguf_name).view(info.shape[0], -1), info.qtype, info.shape

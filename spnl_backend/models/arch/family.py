@@ -53,6 +53,10 @@ def same_name(name: str, config: "ModelConfig") -> str:
     return name
 
 
+def as_stored(name: str, tensor: Any) -> Any:
+    return tensor
+
+
 # llama.cpp's block tensor names → ours (the Hugging Face module names), as most families
 # name them; a family lists its own where they differ.
 COMMON_GGUF_NAMES: Mapping[str, str] = {
@@ -94,8 +98,12 @@ class Family:
       fields beyond the common ones (``fields``: those read so far).
     - ``hf_tensor_name(name, config)``: a checkpoint's tensor name → ours, where the
       family's checkpoints name a module otherwise.
-    - ``gguf_names``: block tensor names; ``gguf_permuted_qk``: llama.cpp's converter
-      permutes q and k rows for its NORM rope (Llama's layout), undone as they load.
+    - ``gguf_names``: block tensor names (a key with its kind, ``ssm_dt.bias``, or a
+      tensor without one, ``ssm_a``, maps to a whole parameter name);
+      ``gguf_tensor(name, tensor)``: a float tensor of a GGUF file (under our name) as the
+      parameter holds it, where llama.cpp's converter stored it otherwise;
+      ``gguf_permuted_qk``: llama.cpp's converter permutes q and k rows for its NORM rope
+      (Llama's layout), undone as they load.
     - ``gguf_renormalizes_top_k``: llama.cpp's rule for MoE weights where the file does
       not say (``expert_weights_norm``).
     - ``gguf_auto_tokenizer``: transformers' AutoTokenizer converts its GGUF vocabulary
@@ -114,6 +122,7 @@ class Family:
     gguf_fields: Callable[..., Fields] = no_fields
     hf_tensor_name: Callable[[str, "ModelConfig"], str] = same_name
     gguf_names: Mapping[str, str] = field(default_factory=lambda: COMMON_GGUF_NAMES)
+    gguf_tensor: Callable[[str, Any], Any] = as_stored
     gguf_permuted_qk: bool = False
     gguf_renormalizes_top_k: bool = True
     gguf_auto_tokenizer: bool = False

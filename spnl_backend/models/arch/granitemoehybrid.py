@@ -9,14 +9,23 @@ Its checkpoints keep the routed experts stacked under ``block_sparse_moe`` (the 
 reads it as our ``mlp``) as ``input_linear`` and ``output_linear``, the router as
 ``router.layer``, and the shared MLP's gate and up rows fused; they load under our names
 (`hf_tensor_name`).
+
+In GGUF (llama.cpp's ``granitehybrid``) a Mamba-2 layer is one whose K/V head count is 0
+(``attention.head_count_kv`` per layer); the multipliers are ``embedding_scale``,
+``residual_scale``, ``attention.scale`` and ``logit_scale``; rope is on where
+``rope.scaling.finetuned`` says (llama.cpp's switch for it, true where absent). The
+converter stores the conv taps as ``[channels, kernel]``, A as ``-exp(A_log)`` and D as
+a column, the norm's weight per group, and permutes q and k rows as for Llama.
 """
 
 import dataclasses
 import math
 from typing import TYPE_CHECKING
 
+import torch
+
 from ..components import Mamba2Config, MoeConfig
-from .family import Family, Fields, HfKeys, biases
+from .family import COMMON_GGUF_NAMES, Family, Fields, GgufKeys, HfKeys, biases
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
@@ -99,11 +108,76 @@ def hf_tensor_name(name: str, config: "ModelConfig") -> str:
     return name if config.moe is not None else name.replace(".shared_mlp.", ".mlp.")
 
 
+def _gguf(keys: GgufKeys, fields: Fields) -> Fields:
+    layers = fields["num_layers"]
+    kv_heads = keys.get("attention.head_count_kv")  # per layer (checked by the loader)
+    per_layer = getattr(kv_heads, "ndim", 0) == 1
+    kinds = ["linear" if n == 0 else "full" for n in kv_heads] if per_layer else ["full"] * layers
+    inner = keys.count("ssm.inner_size")
+    heads = keys.count("ssm.time_step_rank")  # llama.cpp's name for the head count
+    if inner % heads:
+        raise keys.wrong("ssm.inner_size", inner, f"a multiple of the {heads} SSM heads")
+    first = kinds.index("linear") if "linear" in kinds else 0
+    mamba = Mamba2Config(
+        num_heads=heads,
+        head_dim=inner // heads,
+        state_size=keys.count("ssm.state_size"),
+        n_groups=keys.count("ssm.group_count"),
+        conv_kernel=keys.count("ssm.conv_kernel"),
+        conv_bias=keys.has_tensor(f"blk.{first}.ssm_conv1d.bias"),
+        proj_bias=keys.has_tensor(f"blk.{first}.ssm_in.bias"),
+    )
+    out: Fields = {
+        "layer_types": tuple(kinds),
+        "mamba": mamba,
+        "rope_layers": (bool(keys.boolean("rope.scaling.finetuned", True)),) * layers,
+        "attn_scale": keys.positive("attention.scale", 0.0),
+        "embedding_multiplier": keys.positive("embedding_scale", None),
+        "residual_multiplier": keys.positive("residual_scale", None),
+        "logits_scaling": keys.positive("logit_scale", None),
+    }
+    shared = keys.count("expert_shared_feed_forward_length", None)
+    if fields["moe"] is not None and shared:
+        out["moe"] = dataclasses.replace(fields["moe"], shared_intermediate_size=shared)
+    return out
+
+
+def _gguf_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor as llama.cpp's converter stores it → as the layer holds it."""
+    if name.endswith("mamba.conv1d.weight"):  # [channels, kernel] → [channels, 1, kernel]
+        return tensor.reshape(tensor.shape[0], 1, -1)
+    if name.endswith("mamba.A_log"):  # stored as A = -exp(A_log), one column
+        return torch.log(-tensor.flatten())
+    if name.endswith(("mamba.D", "mamba.norm.weight")):  # a column; a row per group
+        return tensor.flatten()
+    return tensor
+
+
+_GGUF_NAMES = {
+    **COMMON_GGUF_NAMES,
+    "ssm_in": "mamba.in_proj",
+    "ssm_conv1d": "mamba.conv1d",
+    "ssm_dt.bias": "mamba.dt_bias",
+    "ssm_a": "mamba.A_log",
+    "ssm_d": "mamba.D",
+    "ssm_norm": "mamba.norm",
+    "ssm_out": "mamba.out_proj",
+    "ffn_gate_shexp": "shared_mlp.gate_proj",
+    "ffn_up_shexp": "shared_mlp.up_proj",
+    "ffn_down_shexp": "shared_mlp.down_proj",
+}
+
+
 FAMILY = Family(
     name="granitemoehybrid",
     model_types=("granitemoehybrid",),
+    gguf_archs=("granitehybrid",),
     hf_fields=_hf,
+    gguf_fields=_gguf,
     hf_tensor_name=hf_tensor_name,
+    gguf_names=_GGUF_NAMES,
+    gguf_tensor=_gguf_tensor,
+    gguf_permuted_qk=True,
     state_layers=True,
     # One attention layer among three Mamba-2 ones (by the names real files use), two
     # groups of B and C, chunks of 8 so that a prompt's prefill crosses several.
