@@ -7,7 +7,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from helpers import PROMPT, SHARED_PREFIX_PROMPTS, engine_internals, engine_logits
-from tiny_models import HYBRID_ARCHITECTURES
+from tiny_models import HYBRID_ARCHITECTURES, build_hf_model
 
 from spnl_backend import BackendSettings, RequestError, SettingsError, load_backend
 from spnl_backend.distributed.sharding import check_shardable
@@ -50,6 +50,32 @@ def test_logits_match_transformers(tiny, arch, paged):
         ours = engine_logits(backend, ids)
     assert reference.std() > 0.5
     torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("variant", "decodes_alike"),
+    [
+        ({"num_local_experts": 0}, True),  # the shared MLP is the layer's MLP (4.0-H Micro)
+        ({"position_embedding_type": "rope"}, True),  # attention layers that rotate
+        # Each dt clamped. transformers clamps in its chunked scan but not in its one-token
+        # update (nor does mamba_ssm's step); here both forms clamp, so only the prefill's
+        # logits are compared.
+        ({"time_step_limit": [0.0, 0.5]}, False),
+    ],
+)
+def test_granite_variants_match_transformers(tmp_path, variant, decodes_alike):
+    model = build_hf_model("granitemoehybrid", tmp_path, overrides=variant)
+    ids = model.tokenizer(PROMPT).input_ids
+    with torch.no_grad():
+        reference = model.hf(torch.tensor([ids])).logits[0]
+    settings = BackendSettings(device="cpu", paged_cache_type="f32")
+    with load_backend(str(tmp_path), settings=settings) as backend:
+        ours = engine_logits(backend, ids)
+        tokens = backend.generate(PROMPT, max_tokens=8, temperature=0).token_ids
+    torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
+    if decodes_alike:  # decode runs the recurrent form
+        out = model.hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+        assert tokens == out[0, len(ids) :].tolist()
 
 
 @pytest.mark.parametrize("arch", GGUF_HYBRIDS)

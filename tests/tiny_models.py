@@ -71,10 +71,11 @@ def _common(vocab: int) -> dict:
     )
 
 
-def hf_config(arch: str, vocab: int):
-    """The family's tiny model (`Family.tiny`: its keys beside the common tiny sizes)."""
+def hf_config(arch: str, vocab: int, overrides: dict | None = None):
+    """The family's tiny model (`Family.tiny`: its keys beside the common tiny sizes;
+    ``overrides``: a variant's keys over them)."""
     found = family(arch)
-    keys = {**_common(vocab), **found.tiny}
+    keys = {**_common(vocab), **found.tiny, **(overrides or {})}
     return AutoConfig.for_model(keys.pop("model_type", found.model_types[0]), **keys)
 
 
@@ -102,10 +103,14 @@ class TinyModel:
 
 
 def build_hf_model(
-    arch: str, path: Path, seed: int = 0, specials: tuple[str, ...] = ()
+    arch: str,
+    path: Path,
+    seed: int = 0,
+    specials: tuple[str, ...] = (),
+    overrides: dict | None = None,
 ) -> TinyModel:
     tokenizer = build_tokenizer(specials)
-    config = hf_config(arch, len(tokenizer))
+    config = hf_config(arch, len(tokenizer), overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(
         config, attn_implementation="eager", dtype=torch.float32
