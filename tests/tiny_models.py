@@ -71,10 +71,11 @@ def _common(vocab: int) -> dict:
     )
 
 
-def hf_config(arch: str, vocab: int):
-    """The family's tiny model (`Family.tiny`: its keys beside the common tiny sizes)."""
+def hf_config(arch: str, vocab: int, overrides: dict | None = None):
+    """The family's tiny model (`Family.tiny`: its keys beside the common tiny sizes;
+    ``overrides``: a variant's keys over them)."""
     found = family(arch)
-    keys = {**_common(vocab), **found.tiny}
+    keys = {**_common(vocab), **found.tiny, **(overrides or {})}
     return AutoConfig.for_model(keys.pop("model_type", found.model_types[0]), **keys)
 
 
@@ -102,10 +103,14 @@ class TinyModel:
 
 
 def build_hf_model(
-    arch: str, path: Path, seed: int = 0, specials: tuple[str, ...] = ()
+    arch: str,
+    path: Path,
+    seed: int = 0,
+    specials: tuple[str, ...] = (),
+    overrides: dict | None = None,
 ) -> TinyModel:
     tokenizer = build_tokenizer(specials)
-    config = hf_config(arch, len(tokenizer))
+    config = hf_config(arch, len(tokenizer), overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(
         config, attn_implementation="eager", dtype=torch.float32
@@ -167,6 +172,7 @@ _GGUF_ARCH = {
     "mixtral": "llama",
     "olmoe": "olmoe",
     "gpt_oss": "gpt-oss",
+    "granitemoehybrid": "granitehybrid",
 }
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -202,7 +208,7 @@ _GPT_OSS_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_layernorm": "post_attent
 GEMMAS = ("gemma2", "gemma3")  # norms scaled by (1 + w), which the converter stores
 OFFSET_NORMS = (*GEMMAS, "qwen3_5")  # norms scaled by (1 + w): their weights centred on 0
 # llama.cpp's converter permutes q and k rows of these (NORM rope), as Llama's.
-_PERMUTED = ("llama", "mistral", "mixtral", "smollm3")
+_PERMUTED = ("llama", "mistral", "mixtral", "smollm3", "granitemoehybrid")
 
 
 def _gguf_name(name: str, arch: str) -> str:
@@ -310,7 +316,10 @@ def write_gguf(
     state = tiny.hf.state_dict()
     if arch == "qwen35":
         state = dict(_qwen35_tensors(state, config))
-    for name, tensor in _stacked_experts(state, arch):
+    tensors = _stacked_experts(state, arch)
+    if tiny.arch == "granitemoehybrid":
+        tensors = _granite_tensors(state, config.mamba_n_groups)
+    for name, tensor in tensors:
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         if name.startswith("blk."):  # already GGUF's: stacked experts
@@ -368,12 +377,58 @@ def _gpt_oss_experts(name: str, tensor: torch.Tensor):
         yield f"blk.{index}.ffn_down_exps.bias", tensor
 
 
+# Granite 4.0-H's layer tensors that llama.cpp's converter renames without a change.
+_GRANITE_NAMES = {
+    "mamba.in_proj.weight": "ssm_in.weight",
+    "mamba.conv1d.bias": "ssm_conv1d.bias",
+    "mamba.dt_bias": "ssm_dt.bias",
+    "mamba.out_proj.weight": "ssm_out.weight",
+    "block_sparse_moe.router.weight": "ffn_gate_inp.weight",
+    "shared_mlp.output_linear.weight": "ffn_down_shexp.weight",
+}
+
+
+def _granite_tensors(state: dict[str, torch.Tensor], groups: int):
+    """Granite 4.0-H's tensors as llama.cpp's converter writes them: the experts stacked
+    by projection, the shared MLP's gate and up apart, the conv taps ``[channels,
+    kernel]``, A as ``-exp(A_log)`` and D as columns, the SSM norm a row per group; the
+    rest (attention, norms, embeddings) under the common names."""
+    for name, tensor in state.items():
+        if not name.startswith("model.layers."):
+            yield name, tensor
+            continue
+        _, _, index, rest = name.split(".", 3)
+        block = f"blk.{index}."
+        if rest == "block_sparse_moe.experts.gate_up_proj":
+            gate, up = tensor.chunk(2, dim=1)
+            yield block + "ffn_gate_exps.weight", gate
+            yield block + "ffn_up_exps.weight", up
+        elif rest == "block_sparse_moe.experts.down_proj":
+            yield block + "ffn_down_exps.weight", tensor
+        elif rest == "shared_mlp.input_linear.weight":
+            gate, up = tensor.chunk(2, dim=0)
+            yield block + "ffn_gate_shexp.weight", gate
+            yield block + "ffn_up_shexp.weight", up
+        elif rest == "mamba.conv1d.weight":
+            yield block + "ssm_conv1d.weight", tensor.squeeze(1)
+        elif rest == "mamba.A_log":
+            yield block + "ssm_a", -torch.exp(tensor).reshape(-1, 1)
+        elif rest == "mamba.D":
+            yield block + "ssm_d", tensor.reshape(-1, 1)
+        elif rest == "mamba.norm.weight":
+            yield block + "ssm_norm.weight", tensor.reshape(groups, -1)
+        elif rest in _GRANITE_NAMES:
+            yield block + _GRANITE_NAMES[rest], tensor
+        else:
+            yield name, tensor
+
+
 def _add_tensor(
     writer: GGUFWriter, name: str, data: np.ndarray, qtype: GGMLQuantizationType
 ) -> None:
-    # llama.cpp's quantizer keeps the router (ffn_gate_inp) and biases in float, as here.
-    router = name.endswith("ffn_gate_inp.weight") or not name.endswith(".weight")
-    if qtype == GGMLQuantizationType.F32 or data.ndim == 1 or data.shape[-1] % 32 or router:
+    # llama.cpp's quantizer keeps the router (ffn_gate_inp), norms and biases in float.
+    kept = name.endswith(("ffn_gate_inp.weight", "norm.weight")) or not name.endswith(".weight")
+    if qtype == GGMLQuantizationType.F32 or data.ndim == 1 or data.shape[-1] % 32 or kept:
         writer.add_tensor(name, data.astype(np.float32))
     else:
         writer.add_tensor(name, quants.quantize(data, qtype), raw_dtype=qtype)
@@ -383,9 +438,12 @@ def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config) -> None:
     writer.add_context_length(MAX_POSITIONS)
     writer.add_embedding_length(HIDDEN)
     writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(INNER)
+    writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
+    if tiny.arch == "granitemoehybrid":
+        _write_granite_metadata(writer, config)
+    else:
+        writer.add_head_count_kv(KV_HEADS)
     writer.add_key_length(HEAD_DIM)
     writer.add_value_length(HEAD_DIM)
     # (llama.cpp's converter writes 1e-5 for every OLMoE: the tiny one's own value)
@@ -438,6 +496,24 @@ def _write_qwen35_metadata(writer: GGUFWriter, config) -> None:
     recurrent = [t == "linear_attention" for t in config.layer_types]
     writer.add_array(f"{arch}.attention.recurrent_layers", recurrent)
     writer.add_uint32(f"{arch}.full_attention_interval", 4)
+
+
+def _write_granite_metadata(writer: GGUFWriter, config) -> None:
+    """What llama.cpp's converter writes for Granite 4.0-H beside the common keys: K/V
+    heads per layer (0: a Mamba-2 layer), the SSM's sizes, the multipliers, rope off."""
+    attention = [t == "full_attention" for t in config.layer_types]
+    writer.add_head_count_kv([KV_HEADS if a else 0 for a in attention])
+    writer.add_ssm_conv_kernel(config.mamba_d_conv)
+    writer.add_ssm_inner_size(config.mamba_n_heads * config.mamba_d_head)
+    writer.add_ssm_state_size(config.mamba_d_state)
+    writer.add_ssm_time_step_rank(config.mamba_n_heads)
+    writer.add_ssm_group_count(config.mamba_n_groups)
+    writer.add_attention_scale(config.attention_multiplier)
+    writer.add_embedding_scale(config.embedding_multiplier)
+    writer.add_residual_scale(config.residual_multiplier)
+    writer.add_logit_scale(config.logits_scaling)
+    writer.add_rope_scaling_finetuned(config.position_embedding_type == "rope")
+    writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
 
 
 def _write_rope_tensors(writer: GGUFWriter, tiny: TinyModel) -> None:

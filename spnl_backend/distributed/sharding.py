@@ -116,7 +116,9 @@ def check_shardable(
     c = config
     problems = []
     if c.num_state_layers:
-        problems.append(f"its {c.num_state_layers} state layers (Gated DeltaNet) are not split yet")
+        problems.append(
+            f"its {c.num_state_layers} state layers (Gated DeltaNet, Mamba-2) are not split yet"
+        )
     if c.num_heads % world:
         problems.append(f"its {c.num_heads} attention heads do not divide by {world}")
     if c.num_kv_heads % world and world % c.num_kv_heads:

@@ -120,8 +120,8 @@ def _refuse_for_state_layers(loaded: LoadedModel, settings: BackendSettings) -> 
         if asked:
             raise SettingsError(
                 f"{what}: the {config.architecture} model has {config.num_state_layers} state "
-                "layers (Gated DeltaNet), whose per-sequence state this does not carry yet; "
-                "leave it unset for this model"
+                "layers (Gated DeltaNet, Mamba-2), whose per-sequence state this does not "
+                "carry yet; leave it unset for this model"
             )
 
 

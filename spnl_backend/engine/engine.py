@@ -300,7 +300,7 @@ class Engine:
             return f"its KV cache is compressed (MISTRALRS_KV_CACHE_COMPRESSION={info.compression})"
         if info.state_bytes_per_seq is not None:
             return (
-                "its model has state layers (Gated DeltaNet), whose state holds the whole "
+                "its model has state layers (Gated DeltaNet, Mamba-2), whose state holds the whole "
                 "context in order: a block computed elsewhere cannot be placed into it"
             )
         if isinstance(self.runner, SpeculativeRunner):

@@ -110,7 +110,7 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         intermediate_size=meta.count("feed_forward_length"),
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=meta.count("attention.head_count_kv", heads),
+        num_kv_heads=_kv_heads(meta, heads, layers),
         head_dim=head_dim,
         rms_norm_eps=meta.positive("attention.layer_norm_rms_epsilon"),
         max_position_embeddings=meta.count("context_length"),
@@ -156,6 +156,20 @@ def _moe(gguf: GGUFFile, meta: "_Metadata", family: Family, layers: int) -> MoeC
         renormalize=family.gguf_renormalizes_top_k if norm is None else bool(norm),
         sparse=sparse,
     )
+
+
+def _kv_heads(meta: "_Metadata", heads: int, layers: int) -> int:
+    """The attention layers' K/V heads: one count, or one per layer where a hybrid's
+    state layers have none (llama.cpp writes 0 for them; the family reads which layers
+    those are), the attention layers' counts all alike."""
+    key = "attention.head_count_kv"
+    value = meta.get(key)
+    if not isinstance(value, np.ndarray):
+        return meta.count(key, heads)
+    counts = set(value.tolist()) - {0}
+    if not (value.dtype.kind in "iu" and len(value) == layers and len(counts) == 1):
+        raise meta.wrong(key, value, f"a count, or {layers} counts (0 for a state layer) alike")
+    return counts.pop()
 
 
 def _head_dim(meta: "_Metadata", hidden: int, heads: int) -> int:

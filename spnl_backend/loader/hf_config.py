@@ -39,6 +39,9 @@ _LAYER_TYPES: dict[str, LayerType] = {
     "full_attention": "full",
     "sliding_attention": "sliding",
     "linear_attention": "linear",
+    # the older names Granite 4.0-H's files use (transformers reads them as the above)
+    "attention": "full",
+    "mamba": "linear",
 }
 _REQUIRED_COUNTS = (
     "vocab_size",

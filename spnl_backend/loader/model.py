@@ -105,7 +105,7 @@ def _load_text(
     tokenizer = tokenizer or load_text_tokenizer(source.path, eos)
     release_freed_memory()  # the tokenizer's parse, before the weights land on top of it
     stored = read_safetensors(safetensors_files(source.path), progress)
-    weights = split_fused(family(config.architecture).tensors(stored), config)
+    weights = split_fused(family(config.architecture).tensors(stored, config), config)
     if place.split is not None:  # cut before ISQ: each rank quantizes its share alone
         weights = place.split.weights(config, weights)
     if isq is not None:
@@ -141,7 +141,7 @@ def _load_gguf(
             tokenizer = load_gguf_tokenizer(source.path, config.architecture, config.eos_token_ids)
     release_freed_memory()  # the tokenizer's parse, before the weights land on top of it
     stored = read_gguf(gguf, config, progress)
-    weights = split_fused(family(config.architecture).tensors(stored), config)
+    weights = split_fused(family(config.architecture).tensors(stored, config), config)
     if place.split is not None:
         weights = place.split.weights(config, weights)
     if isq is not None and requantize:

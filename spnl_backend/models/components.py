@@ -1,7 +1,9 @@
 """The parts a `ModelConfig` is made of: a rotary embedding's configuration, a mixture of
-experts', a Gated DeltaNet's sizes. The family modules (`models.arch`) build them; they
-depend on nothing, so that the families and `ModelConfig` need not import each other."""
+experts', a Gated DeltaNet's and a Mamba-2's sizes. The family modules (`models.arch`)
+build them; they depend on nothing, so that the families and `ModelConfig` need not
+import each other."""
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,6 +48,7 @@ class MoeConfig:
     float_weights: bool = False
     sparse: tuple[bool, ...] = ()
     bias: bool = False  # gpt-oss: the router and every expert projection biased
+    shared_intermediate_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -75,3 +78,36 @@ class DeltaNetConfig:
     @property
     def conv_dim(self) -> int:
         return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
+class Mamba2Config:
+    """A Mamba-2 layer's sizes (Granite 4.0-H): ``num_heads`` heads of ``head_dim``
+    channels, each a selective state space of ``state_size`` per channel, whose input (B)
+    and output (C) projections come in ``n_groups`` groups shared by consecutive heads; a
+    causal depthwise convolution of ``conv_kernel`` taps over x, B and C. ``chunk_size``:
+    the scan's chunk in prefill; ``time_step_limit``: the clamp of each step's dt."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    chunk_size: int = 256
+    conv_bias: bool = True
+    proj_bias: bool = False
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
+
+    @property
+    def inner_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """The convolved channels: x, then B and C of every group."""
+        return self.inner_size + 2 * self.n_groups * self.state_size
+
+    @property
+    def projection_size(self) -> int:
+        """``in_proj``'s rows: the gate z, the convolution's inputs, then dt per head."""
+        return self.inner_size + self.conv_dim + self.num_heads

@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from ..errors import ModelFileError, UnsupportedArchitectureError
-from .components import DeltaNetConfig, MoeConfig, RopeConfig
+from .components import DeltaNetConfig, Mamba2Config, MoeConfig, RopeConfig
 
 if TYPE_CHECKING:
     from .layers import LayerSpec, NormPlacement
 
-LayerType = Literal["full", "sliding", "linear"]  # linear: a Gated DeltaNet (`delta_net`)
+# linear: a state layer, a Gated DeltaNet (`delta_net`) or a Mamba-2 (`mamba`)
+LayerType = Literal["full", "sliding", "linear"]
 MAX_COUNT = 2**31 - 1  # every size and count fits the int32 indices kernels use
 _COUNTS = (
     "vocab_size",
@@ -64,6 +65,8 @@ class ModelConfig:
     norm_placement: "NormPlacement" = "pre"  # `models.layers.NormPlacement`
     rope_layers: tuple[bool, ...] = ()  # which layers rotate (SmolLM3's NoPE); () = all
     embedding_multiplier: float | None = None
+    residual_multiplier: float | None = None  # Granite: each layer's outputs scaled
+    logits_scaling: float | None = None  # Granite: the logits divided by it
     attn_scale: float = 0.0  # 0 means head_dim ** -0.5
     attn_softcap: float | None = None
     final_softcap: float | None = None
@@ -77,7 +80,8 @@ class ModelConfig:
     qk_norm_full: bool = False
     clip_qkv: float | None = None
     moe: "MoeConfig | None" = None  # mixture-of-experts layers, where the model has them
-    delta_net: DeltaNetConfig | None = None  # the "linear" layers' sizes
+    delta_net: DeltaNetConfig | None = None  # the "linear" layers' sizes (Qwen3.5)
+    mamba: Mamba2Config | None = None  # or theirs, where they are Mamba-2 (Granite 4.0-H)
     attn_output_gate: bool = False  # Qwen3.5: a sigmoid gate from the q projection
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
@@ -119,7 +123,7 @@ class ModelConfig:
 
     @property
     def num_state_layers(self) -> int:
-        """The layers that keep a state per sequence instead (`models.layers.DeltaNetMixer`)."""
+        """The layers that keep a state per sequence instead (`models.layers.StateMixer`)."""
         return sum(1 for s in self.layers if s.kv_layer is None)
 
     @functools.cached_property
@@ -179,7 +183,7 @@ def _validate(config: ModelConfig) -> None:
             f"{config.num_layers} entries (one per layer), each 'full', 'sliding' or 'linear'",
         )
     if "linear" in config.layer_types:
-        _check_delta_net(config.delta_net)
+        _check_state_layers(config)
     if config.sliding_window is not None:
         _check_count("sliding_window", config.sliding_window)
     if config.norm_placement not in ("pre", "sandwich", "post"):
@@ -190,6 +194,8 @@ def _validate(config: ModelConfig) -> None:
         )
     for name in (
         "embedding_multiplier",
+        "residual_multiplier",
+        "logits_scaling",
         "attn_softcap",
         "final_softcap",
         "swiglu_alpha",
@@ -206,9 +212,34 @@ def _validate(config: ModelConfig) -> None:
     _check_token_ids(config)
 
 
-def _check_delta_net(delta: DeltaNetConfig | None) -> None:
-    if delta is None:
-        raise ConfigValueError("delta_net", None, "the linear layers' sizes (linear_* keys)")
+def _check_state_layers(config: ModelConfig) -> None:
+    """The "linear" layers' sizes: a Gated DeltaNet's or a Mamba-2's, one of the two."""
+    if (config.delta_net is None) == (config.mamba is None):
+        found = "both" if config.delta_net is not None else None
+        raise ConfigValueError(
+            "delta_net", found, "the linear layers' sizes: a Gated DeltaNet's or a Mamba-2's"
+        )
+    if config.delta_net is not None:
+        _check_delta_net(config.delta_net)
+    else:
+        _check_mamba(config.mamba)
+
+
+def _check_mamba(mamba: Mamba2Config) -> None:
+    for name in ("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel", "chunk_size"):
+        _check_count(f"mamba.{name}", getattr(mamba, name))
+    if mamba.num_heads % mamba.n_groups:
+        raise ConfigValueError(
+            "mamba.n_groups", mamba.n_groups, f"a divisor of the {mamba.num_heads} heads"
+        )
+    low, high = mamba.time_step_limit
+    if not (0 <= low <= high):
+        raise ConfigValueError(
+            "mamba.time_step_limit", mamba.time_step_limit, "a range 0 <= low <= high"
+        )
+
+
+def _check_delta_net(delta: DeltaNetConfig) -> None:
     for name in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel"):
         _check_count(name, getattr(delta, name))
     if delta.num_v_heads % delta.num_k_heads:

@@ -1,5 +1,5 @@
 """A decoder layer: its mixer and its MLP (or experts), each beside norms where its
-`LayerSpec` places them, added to the residual stream."""
+`LayerSpec` places them, added to the residual stream (scaled first where the spec says)."""
 
 import torch
 from torch import nn
@@ -10,7 +10,8 @@ from .attention import Attention
 from .collectives import Collectives
 from .config import ModelConfig
 from .deltanet import GatedDeltaNet
-from .layers import DeltaNetMixer, MoeFFN
+from .layers import DeltaNetMixer, Mamba2Mixer, MoeFFN
+from .mamba2 import Mamba2
 from .mlp import GatedMLP
 from .moe import SparseMoE
 from .norms import RMSNorm, rms_norm_of
@@ -36,12 +37,18 @@ class DecoderLayer(nn.Module):
         self.tp = tp
         self.spec = spec = config.layers[layer]
         native, hidden = kernels.native, config.hidden_size
+        # The mixer under its checkpoint name: linear_attn, mamba or self_attn.
         if isinstance(spec.mixer, DeltaNetMixer):
             self.linear_attn = GatedDeltaNet(config, spec.mixer)
+        elif isinstance(spec.mixer, Mamba2Mixer):
+            self.mamba = Mamba2(config, spec.mixer)
         else:
             self.self_attn = Attention(config, spec.mixer, tp, native)
         moe = isinstance(spec.ffn, MoeFFN)
         self.mlp: nn.Module = SparseMoE(config, kernels) if moe else GatedMLP(config)
+        self.shared_mlp: GatedMLP | None = None  # a shared expert beside the routed ones
+        if isinstance(spec.ffn, MoeFFN) and spec.ffn.moe.shared_intermediate_size:
+            self.shared_mlp = GatedMLP(config, spec.ffn.moe.shared_intermediate_size)
         self.norms = spec.norms
         self.input_layernorm: RMSNorm | None = None
         if spec.norms != "post":
@@ -71,22 +78,33 @@ class DecoderLayer(nn.Module):
         residual stream and its copy by ``next_norm`` (the next layer's input norm or the
         final one; None: the stream itself). Each residual add and the norm after it are
         one step (`ops.add_rms_norm_layer`); ``x`` may be updated in place."""
-        attn = self._summed(self._mix(h, rotary, attention))
+        attn = self._scaled(self._summed(self._mix(h, rotary, attention)))
         if self.norms == "pre":
             x, h = _add(x, attn, None, self.post_attention_layernorm)
-            return _add(x, self._summed(self.mlp(h)), None, next_norm)
+            return _add(x, self._scaled(self._summed(self._ffn(h))), None, next_norm)
         if self.norms == "sandwich":
             x, h = _add(x, attn, self.post_attention_layernorm, self.pre_feedforward_layernorm)
         else:
             x, h = _add(x, attn, self.post_attention_layernorm, None)
-        return _add(x, self._summed(self.mlp(h)), self.post_feedforward_layernorm, next_norm)
+        mlp = self._scaled(self._summed(self._ffn(h)))
+        return _add(x, mlp, self.post_feedforward_layernorm, next_norm)
 
     def _mix(
         self, h: torch.Tensor, rotary: RotaryTables | None, attention: StepAttention
     ) -> torch.Tensor:
         if isinstance(self.spec.mixer, DeltaNetMixer):
             return self.linear_attn(h, attention)
+        if isinstance(self.spec.mixer, Mamba2Mixer):
+            return self.mamba(h, attention)
         return self.self_attn(h, rotary, attention)
+
+    def _ffn(self, h: torch.Tensor) -> torch.Tensor:
+        out = self.mlp(h)
+        return out if self.shared_mlp is None else out + self.shared_mlp(h)
+
+    def _scaled(self, part: torch.Tensor) -> torch.Tensor:
+        scale = self.spec.residual_scale
+        return part if scale is None else part * scale
 
     def _summed(self, part: torch.Tensor) -> torch.Tensor:
         return part if self.tp is None else self.tp.all_reduce(part)

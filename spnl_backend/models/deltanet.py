@@ -15,20 +15,12 @@ from torch import nn
 
 from ..kernels import delta_rule
 from .config import DeltaNetConfig, ModelConfig
+from .conv import CausalConv1d
 from .layers import DeltaNetMixer
 from .linear import Linear
-from .step_attention import StatefulStep, StepAttention
+from .step_attention import StepAttention, sequence_states
 
 _L2_EPS = 1e-6  # as the reference implementations norm q and k
-
-
-class Conv1d(nn.Module):
-    """The depthwise convolution's taps ``weight [channels, 1, kernel]`` (the checkpoint's
-    layout), applied by `GatedDeltaNet`."""
-
-    def __init__(self, channels: int, kernel: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
 
 
 class GatedRMSNorm(nn.Module):
@@ -57,7 +49,7 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = Linear(hidden, d.value_dim, bias=False)
         self.in_proj_b = Linear(hidden, d.num_v_heads, bias=False)
         self.in_proj_a = Linear(hidden, d.num_v_heads, bias=False)
-        self.conv1d = Conv1d(d.conv_dim, d.conv_kernel)
+        self.conv1d = CausalConv1d(d.conv_dim, d.conv_kernel)
         self.A_log = nn.Parameter(torch.empty(d.num_v_heads))
         self.dt_bias = nn.Parameter(torch.empty(d.num_v_heads))
         self.norm = GatedRMSNorm(d.head_v_dim, config.rms_norm_eps)
@@ -66,7 +58,7 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, attention: StepAttention) -> torch.Tensor:
         """``x [T, hidden]`` (normed), the step's sequences packed → ``[T, hidden]``; each
         sequence's state (``attention.states``) carried on."""
-        segments = _states(attention).states
+        segments = sequence_states(attention)
         d, tokens, wide = self.d, x.shape[0], _wide(x.dtype)
         mixed = self.in_proj_qkv(x)
         z = self.in_proj_z(x).view(tokens, d.num_v_heads, d.head_v_dim)
@@ -74,41 +66,14 @@ class GatedDeltaNet(nn.Module):
         decay_rate = -self.A_log.to(wide).exp()
         g = decay_rate * F.softplus(self.in_proj_a(x).to(wide) + self.dt_bias.to(wide))
         out = torch.empty(tokens, d.num_v_heads, d.head_v_dim, dtype=wide, device=x.device)
-        conv_states = [seg.state.conv[self.state] for seg in segments]
-        conv_out = self._convolved_segments(mixed, segments, conv_states)
         for seg in segments:
+            rows = slice(seg.start, seg.start + seg.count)
+            qkv = self.conv1d(mixed[rows], seg.state.conv[self.state], seg.conv_copies(self.state))
             recurrent = seg.state.recurrent[self.state]
-            for first, count in seg.pieces():
-                rows = slice(seg.start + first, seg.start + first + count)
-                out[rows] = self._rule(conv_out[rows], g[rows], beta[rows], recurrent)
-                if (copy := seg.copies.get(first + count)) is not None:
-                    copy.recurrent[self.state].copy_(recurrent)
+            for local, at in seg.computed_pieces(self.state):
+                out[at] = self._rule(qkv[local], g[at], beta[at], recurrent)
         core = self.norm(out.to(x.dtype), z).reshape(tokens, d.value_dim)
         return self.out_proj(core)
-
-    def _convolved_segments(
-        self, mixed: torch.Tensor, segments: list, conv_states: list[torch.Tensor]
-    ) -> torch.Tensor:
-        """Each segment's rows through the convolution, its state's inputs before them;
-        each copy's convolution state: the last kernel - 1 inputs after its rows."""
-        out = torch.empty(mixed.shape, dtype=_wide(mixed.dtype), device=mixed.device)
-        kernel = self.d.conv_kernel
-        for seg, conv in zip(segments, conv_states, strict=True):
-            rows = slice(seg.start, seg.start + seg.count)
-            inputs = torch.cat([conv.to(mixed.dtype), mixed[rows]])
-            for after, copy in seg.copies.items():
-                copy.conv[self.state].copy_(inputs[after : after + kernel - 1])
-            out[rows] = self._convolve(inputs)
-            conv.copy_(inputs[-(kernel - 1) :])
-        return out
-
-    def _convolve(self, inputs: torch.Tensor) -> torch.Tensor:
-        """``[kernel - 1 + count, conv_dim]`` inputs → the causal convolution's ``count``
-        outputs, SiLU after it."""
-        wide = _wide(inputs.dtype)
-        windows = inputs.to(wide).unfold(0, self.d.conv_kernel, 1)  # [count, conv_dim, kernel]
-        taps = self.conv1d.weight.to(wide).squeeze(1)
-        return F.silu((windows * taps).sum(-1))
 
     def _rule(
         self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
@@ -134,12 +99,3 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
 
 def _l2_normed(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + _L2_EPS)
-
-
-def _states(attention: StepAttention) -> StatefulStep:
-    if not hasattr(attention, "states"):
-        raise TypeError(
-            f"{type(attention).__name__} carries no sequence states: a model with state "
-            "layers runs on a cache with a state group (engine.state_cache)"
-        )
-    return attention  # type: ignore[return-value]

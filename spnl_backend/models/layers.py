@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Literal
 from .step_attention import AttentionSpec
 
 if TYPE_CHECKING:
-    from .config import DeltaNetConfig, ModelConfig, MoeConfig
+    from .config import DeltaNetConfig, Mamba2Config, ModelConfig, MoeConfig
 
 # pre: a norm before attention and before the MLP (Llama); sandwich: also after each
 # (Gemma); post: only after each, the residual stream entering un-normed (OLMo 2 and 3).
@@ -64,6 +64,31 @@ class DeltaNetMixer:
 
 
 @dataclass(frozen=True)
+class Mamba2Mixer:
+    """A Mamba-2 (Granite 4.0-H): a selective state space per head, whose memory is one
+    state per sequence (the SSM state and the convolution's last inputs), kept in the
+    cache's state group at place ``state``."""
+
+    config: "Mamba2Config"
+    state: int
+
+    @property
+    def conv_shape(self) -> tuple[int, int]:
+        """A sequence's convolution state: its last ``kernel - 1`` inputs (model dtype)."""
+        return (self.config.conv_kernel - 1, self.config.conv_dim)
+
+    @property
+    def recurrent_shape(self) -> tuple[int, ...]:
+        """A sequence's SSM state: ``[head_dim, state_size]`` per head (float32 at least)."""
+        m = self.config
+        return (m.num_heads, m.head_dim, m.state_size)
+
+
+# A mixer that keeps a state per sequence (its shapes: ``conv_shape``, ``recurrent_shape``).
+StateMixer = DeltaNetMixer | Mamba2Mixer
+
+
+@dataclass(frozen=True)
 class DenseFFN:
     intermediate_size: int
     activation: str
@@ -77,12 +102,16 @@ class MoeFFN:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    mixer: AttentionMixer | DeltaNetMixer
+    """``residual_scale``: what the mixer's and the FFN's outputs are multiplied by before
+    they join the residual stream (Granite's ``residual_multiplier``; None: as they are)."""
+
+    mixer: AttentionMixer | StateMixer
     ffn: DenseFFN | MoeFFN
     norms: NormPlacement = "pre"
+    residual_scale: float | None = None
 
     @property
-    def state_mixer(self) -> "DeltaNetMixer | None":
+    def state_mixer(self) -> StateMixer | None:
         """The mixer, where it keeps a state per sequence (a conv and a recurrent state
         of the shapes it gives); None for attention."""
         return None if isinstance(self.mixer, AttentionMixer) else self.mixer
@@ -100,14 +129,23 @@ def describe_layers(config: "ModelConfig") -> tuple[LayerSpec, ...]:
     layers, kv, state = [], 0, 0
     for i in range(config.num_layers):
         if config.layer_types[i] == "linear":
-            assert config.delta_net is not None  # `ModelConfig` checks it
-            mixer: AttentionMixer | DeltaNetMixer = DeltaNetMixer(config.delta_net, state)
+            mixer: AttentionMixer | StateMixer = _state_mixer(config, state)
             state += 1
         else:
             mixer = _attention(config, i, kv)
             kv += 1
-        layers.append(LayerSpec(mixer, _ffn(config, i), config.norm_placement))
+        ffn = _ffn(config, i)
+        layers.append(LayerSpec(mixer, ffn, config.norm_placement, config.residual_multiplier))
     return tuple(layers)
+
+
+def _state_mixer(config: "ModelConfig", state: int) -> StateMixer:
+    """A "linear" layer: the kind of state layer the config gives sizes for (`ModelConfig`
+    checks that it gives one)."""
+    if config.delta_net is not None:
+        return DeltaNetMixer(config.delta_net, state)
+    assert config.mamba is not None
+    return Mamba2Mixer(config.mamba, state)
 
 
 def _attention(config: "ModelConfig", i: int, kv_layer: int) -> AttentionMixer:

@@ -170,13 +170,16 @@ def _blocks_run(layers: list[DecoderLayer], final_norm: RMSNorm) -> bool:
     """Whether every layer is one the blocks run: attention (not a state layer) with
     rotated queries and keys, no output gate and no sinks, an input norm (pre or sandwich
     norms), quantized projections without bias (on the model's per-row products), the same
-    shapes, a known activation or experts on the native MoE layer, one eps."""
+    shapes, a known activation or experts on the native MoE layer, one eps; no scaled
+    residuals or shared expert (Granite)."""
     shapes, inners, moes, eps = set(), set(), set(), {final_norm.eps}
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), layer.mlp
         if attn is None or attn.rope is None or attn.output_gate or not layer.input_layernorm:
             return False
         if attn.spec.sinks is not None:  # the blocks' attention takes none (the ops' does)
+            return False
+        if layer.spec.residual_scale is not None or layer.shared_mlp is not None:
             return False
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
         if isinstance(mlp, SparseMoE):

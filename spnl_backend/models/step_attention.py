@@ -3,6 +3,7 @@
 the engine's caches implement), and the sequences' states where a model has state
 layers (`StateSegment`, which the step gives them as ``states``)."""
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -58,10 +59,10 @@ class WithoutLayerBlocks:
 
 @dataclass
 class SequenceState:
-    """One sequence's memory in the state layers (`models.layers.DeltaNetMixer`): per
-    state layer its convolution's last inputs ``[kernel - 1, conv_dim]`` and its
-    recurrent state ``[num_v_heads, head_k_dim, head_v_dim]`` (float32), both updated in
-    place as the sequence's tokens are computed."""
+    """One sequence's memory in the state layers (`models.layers.StateMixer`): per state
+    layer its convolution's last inputs ``[kernel - 1, conv_dim]`` and its recurrent
+    state (float32; shaped as its mixer's ``recurrent_shape``), both updated in place as
+    the sequence's tokens are computed."""
 
     conv: list[torch.Tensor]
     recurrent: list[torch.Tensor]
@@ -93,9 +94,33 @@ class StateSegment:
             row += size
         return pieces
 
+    def computed_pieces(self, layer: int) -> Iterator[tuple[slice, slice]]:
+        """The pieces as (rows within the segment, rows within the step), in order, for a
+        state layer (its place ``layer`` in the states) to compute one after another: once
+        a piece is computed, the layer's recurrent state is copied where a copy is due."""
+        for first, count in self.pieces():
+            yield slice(first, first + count), slice(self.start + first, self.start + first + count)
+            if (copy := self.copies.get(first + count)) is not None:
+                copy.recurrent[layer].copy_(self.state.recurrent[layer])
+
+    def conv_copies(self, layer: int) -> dict[int, torch.Tensor]:
+        """Where a state layer's convolution copies its last inputs: after so many rows."""
+        return {after: copy.conv[layer] for after, copy in self.copies.items()}
+
 
 class StatefulStep(StepAttention, Protocol):
     """A step of a model with state layers: also each sequence's rows and state, in the
     step's order (`engine.state_cache` wraps the KV cache's step with them)."""
 
     states: list[StateSegment]
+
+
+def sequence_states(attention: StepAttention) -> list[StateSegment]:
+    """The step's sequences' rows and states, for a state layer; a step without them is a
+    model run on a cache that keeps none, refused by name."""
+    if not hasattr(attention, "states"):
+        raise TypeError(
+            f"{type(attention).__name__} carries no sequence states: a model with state "
+            "layers runs on a cache with a state group (engine.state_cache)"
+        )
+    return attention.states

@@ -250,6 +250,8 @@ class CausalLM(nn.Module):
         logits = logits.float()
         if self.tp is not None:
             logits = self.tp.gather_columns(logits.contiguous(), self.config.vocab_size)
+        if self.config.logits_scaling is not None:
+            logits = logits / self.config.logits_scaling
         if self.config.final_softcap is not None:
             cap = self.config.final_softcap
             logits = torch.tanh(logits / cap) * cap

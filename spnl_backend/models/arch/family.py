@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
+
 from ..layers import LayerSpec, describe_layers
 
 if TYPE_CHECKING:
@@ -52,8 +54,22 @@ def no_fields(keys: ConfigKeys, *_: Any) -> Fields:
     return {}
 
 
-def as_stored(tensors: Tensors) -> Tensors:
+def as_stored(tensors: Tensors, config: "ModelConfig") -> Tensors:
     return tensors
+
+
+def as_state_layer_holds(name: str, tensor: Any) -> tuple[str, Any]:
+    """A state layer's tensor as llama.cpp's converters store it → as the layer holds it
+    (a checkpoint's passes unchanged): A stored as ``-exp(A_log)`` (``*.ssm_a``, a row or
+    a column), dt's bias as ``*.dt.bias``, the convolution's taps as ``[channels,
+    kernel]``."""
+    if name.endswith(".ssm_a"):
+        return name.removesuffix(".ssm_a") + ".A_log", torch.log(-tensor.flatten().float())
+    if name.endswith(".dt.bias"):
+        return name.removesuffix(".dt.bias") + ".dt_bias", tensor
+    if name.endswith(".conv1d.weight") and tensor.dim() == 2:
+        return name, tensor.unsqueeze(1)
+    return name, tensor
 
 
 # llama.cpp's block tensor names → ours (the Hugging Face module names), as most families
@@ -97,8 +113,10 @@ class Family:
       listing it reads it: a llama file with experts is Mixtral).
     - ``hf_fields(keys, head_dim)`` / ``gguf_fields(keys, fields)``: the `ModelConfig`
       fields beyond the common ones (``fields``: those read so far).
-    - ``gguf_names``: block tensor names; ``gguf_permuted_qk``: llama.cpp's converter
-      permutes q and k rows for its NORM rope (Llama's layout), undone as they load.
+    - ``gguf_names``: block tensor names (a GGUF name's kind, ``weight`` or ``bias``,
+      follows; a few tensors have none, ``ssm_a``); ``gguf_permuted_qk``: llama.cpp's
+      converter permutes q and k rows for its NORM rope (Llama's layout), undone as they
+      load.
     - ``gguf_renormalizes_top_k``: llama.cpp's rule for MoE weights where the file does
       not say (``expert_weights_norm``).
     - ``gguf_auto_tokenizer``: transformers' AutoTokenizer converts its GGUF vocabulary
@@ -106,8 +124,9 @@ class Family:
     - ``chat_template``: the template where a file carries none.
     - ``layers(config)``: one `LayerSpec` per layer; ``state_layers``: some of them keep
       a state per sequence (a hybrid: what needs K and V of every layer refuses it).
-    - ``tensors``: the file's tensors renamed and split where the family's layout is its
-      own (both formats, before the loader's common splits).
+    - ``tensors(stored, config)``: the file's tensors renamed, split and reshaped where
+      the family's layout is its own (both formats, before the loader's common splits;
+      a GGUF's under the names ``gguf_names`` gives them).
     - ``tiny``: the family's tiny test model: ``config.json`` keys beside the common tiny
       sizes (the tests build it through transformers; a test fails for a family without).
     """
@@ -125,7 +144,7 @@ class Family:
     chat_template: str | None = None
     layers: Callable[["ModelConfig"], tuple[LayerSpec, ...]] = describe_layers
     state_layers: bool = False
-    tensors: Callable[[Tensors], Tensors] = as_stored
+    tensors: Callable[[Tensors, "ModelConfig"], Tensors] = as_stored
     tiny: Mapping[str, Any] = field(default_factory=dict)
 
 

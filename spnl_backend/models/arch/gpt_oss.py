@@ -61,7 +61,7 @@ def _layers(config) -> tuple[LayerSpec, ...]:
     )
 
 
-def tensors(stored: Tensors) -> Tensors:
+def tensors(stored: Tensors, config: object) -> Tensors:
     """The checkpoint's router, stacked experts and sinks as the model's parameters."""
     for name, tensor in stored:
         if match := _ROUTER.fullmatch(name):

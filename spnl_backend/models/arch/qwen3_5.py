@@ -10,15 +10,21 @@ grouped by key head to tiled (value head h reads key head h % key heads) in ever
 that has them, which the layer then reads in that order (`DeltaNetConfig.v_heads_tiled`).
 """
 
-import re
-
 import torch
 
 from ..components import DeltaNetConfig
-from .family import COMMON_GGUF_NAMES, Family, Fields, GgufKeys, HfKeys, Tensors, biases
+from .family import (
+    COMMON_GGUF_NAMES,
+    Family,
+    Fields,
+    GgufKeys,
+    HfKeys,
+    Tensors,
+    as_state_layer_holds,
+    biases,
+)
 
 _FULL_ATTENTION_INTERVAL = 4  # llama.cpp's default: every fourth layer attends
-_STORED_A = re.compile(r"(.+\.linear_attn)\.ssm_a")
 
 
 def _hf(keys: HfKeys, head_dim: int) -> Fields:
@@ -73,17 +79,17 @@ def _gguf_layer_types(keys: GgufKeys, layers: int) -> tuple[str, ...]:
     return tuple("linear" if flag else "full" for flag in flags[:layers])
 
 
-def tensors(stored: Tensors) -> Tensors:
+def tensors(stored: Tensors, config: object) -> Tensors:
     """llama.cpp's layout of the DeltaNet's own tensors as the checkpoints' (the rest is)."""
     for name, tensor in stored:
-        if match := _STORED_A.fullmatch(name):
-            yield f"{match[1]}.A_log", torch.log(-tensor.float())
-        elif name.endswith(".linear_attn.dt.bias"):
-            yield name.removesuffix(".dt.bias") + ".dt_bias", tensor
-        elif name.endswith(".linear_attn.conv1d.weight") and tensor.dim() == 2:
-            yield name, tensor.unsqueeze(1)
-        else:
-            yield name, tensor
+        yield (
+            as_state_layer_holds(name, tensor)
+            if isinstance(tensor, torch.Tensor)
+            else (
+                name,
+                tensor,
+            )
+        )
 
 
 FAMILY = Family(
