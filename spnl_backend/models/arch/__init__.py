@@ -7,6 +7,7 @@ import functools
 from . import (
     gemma2,
     gemma3,
+    gemma4,
     llama,
     mistral,
     mixtral,
@@ -31,6 +32,7 @@ FAMILIES: tuple[Family, ...] = tuple(
         phi3,
         gemma2,
         gemma3,
+        gemma4,
         olmo2,
         smollm3,
         qwen3_5,
