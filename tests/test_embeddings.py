@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from spnl_backend import load_backend
 from spnl_backend.engine.embed import SelfAttention, embed
 from spnl_backend.errors import RequestError
+from spnl_backend.models.step_attention import AttentionSpec
 
 TEXTS = ["The quick brown fox", "Once upon a time there was a little model", "def add(a, b):"]
 
@@ -59,7 +60,7 @@ def test_a_texts_embedding_does_not_depend_on_its_batch(backend):
 
 def test_self_attention_keeps_packed_texts_apart():
     q, k, v = (torch.randn(7, 2, 4) for _ in range(3))
-    spec = type("Spec", (), {"scale": 0.5, "sliding_window": None, "softcap": None})()
+    spec = AttentionSpec(layer=0, scale=0.5, num_kv_groups=1)
     both = SelfAttention([3, 4]).attend(q, k, v, spec)
     second = SelfAttention([4]).attend(q[3:], k[3:], v[3:], spec)
     torch.testing.assert_close(both[3:], second)

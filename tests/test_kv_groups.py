@@ -164,3 +164,17 @@ def test_the_chat_template_is_gemma_4s(arch):
         "<|turn>model\nHello<turn|>\n<|turn>user\nBye<turn|>\n"
         "<|turn>model\n<|channel>thought\n<channel|>"
     )
+
+
+def test_embeddings_read_the_shared_layers_kv(tiny, arch):
+    """The cache-free pass of /v1/embeddings: each text's last hidden state, normalized,
+    the shared layers reading their source layers' K and V of that pass."""
+    model = tiny.hf(arch)
+    texts = ["The quick brown fox", PROMPT]
+    vectors = tiny.backend(arch).embed(texts).vectors
+    for text, vector in zip(texts, vectors, strict=True):
+        ids = torch.tensor([model.tokenizer(text).input_ids])
+        with torch.no_grad():
+            state = model.hf(ids, output_hidden_states=True).hidden_states[-1][0, -1]
+        expected = torch.nn.functional.normalize(state, dim=0)
+        torch.testing.assert_close(vector, expected, atol=2e-5, rtol=0)

@@ -100,8 +100,8 @@ MOE_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_experts(f) and not f.
 HYBRID_ARCHITECTURES = tuple(f.name for f in FAMILIES if f.state_layers)
 # What the native layer blocks leave to the per-op path: qwen2's projections carry biases,
 # OLMo 2's layers have no input norm (norms after attention and MLP only), SmolLM3 has a
-# layer that does not rotate.
-PER_OP_ONLY = frozenset({"qwen2", "olmo2", "smollm3"})
+# layer that does not rotate, Gemma 4's layers differ in shape and share K/V.
+PER_OP_ONLY = frozenset({"qwen2", "olmo2", "smollm3", "gemma4"})
 
 
 @dataclass
