@@ -17,7 +17,7 @@ from torch import nn
 
 from ..kernels.cpu import CpuKernels
 from .config import ModelConfig
-from .linear import Linear
+from .linear import Embedding, Linear
 from .norms import RMSNorm, rms_norm_of
 
 # The two halves (token table and projection) are summed and scaled back to unit size.
@@ -29,8 +29,6 @@ def per_layer_weights(config: ModelConfig) -> dict[str, nn.Module]:
     width = config.per_layer_input_size
     if not width:
         return {}
-    from .transformer import Embedding
-
     packed = config.num_layers * width
     assert config.per_layer_vocab_size is not None  # `ModelConfig` checks it
     return {

@@ -7,24 +7,13 @@ from ..kernels.dispatch import TORCH_CHOICE, KernelChoice
 from .collectives import Collectives, shard_range
 from .config import ModelConfig
 from .decoder import DecoderLayer
-from .linear import Linear
+from .linear import Embedding, Linear
 from .moe import SparseMoE
 from .native_blocks import LayerBlocks
 from .norms import RMSNorm
 from .per_layer import per_layer_inputs, per_layer_weights
 from .rope import RotaryEmbedding, RotaryTables
 from .step_attention import StepAttention
-
-
-class Embedding(nn.Embedding):
-    """Token embeddings that can also serve as the output projection (tied models)."""
-
-    def reset_parameters(self) -> None:
-        """Nothing to initialise: the weights always come from the checkpoint (and the
-        random init, run on the meta device, would import torch._dynamo: 1.6 s)."""
-
-    def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden, self.weight)
 
 
 class Backbone(nn.Module):
