@@ -354,9 +354,10 @@ def _paged_cache(
         _kernels_name(loaded.kernels.attention, coded=pair is not None),
     )
     # Moving a block's keys happens in this process's pool alone: not under tensor
-    # parallelism, whose other ranks hold pools of their own.
+    # parallelism, whose other ranks hold pools of their own; and layer by layer of one
+    # shape (PIC refuses KV groups).
     shift = None
-    if isinstance(cache, PagedKVCache) and loaded.model.tp is None:
+    if isinstance(cache, PagedKVCache) and loaded.model.tp is None and loaded.config.uniform_kv:
         shift = KeyShift(loaded.config, cache.move_blocks)
     manager = PagedCacheManager(cache, blocks, loaded.kernels.attention, shift)
     return manager, info

@@ -32,7 +32,7 @@ class KeyShift:
         # A layer that does not rotate turns by nothing (cos 1, sin 0: its keys unchanged).
         tables = {"global": main, "local": local, None: torch.zeros_like(main)}
         self.inv_freqs = [  # by the pool's layers: those that keep K and V
-            tables[spec.mixer.rope] for spec in config.layers if spec.kv_store is not None
+            tables[spec.mixer.rope] for spec in config.layers if spec.kv_layer is not None
         ]
         ropes = [config.rope, config.rope_local]
         # LongRoPE changes its frequencies past its original context: no shift across it.

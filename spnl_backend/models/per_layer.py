@@ -1,6 +1,6 @@
 """Gemma 4's per-layer embeddings (PLE): a second token table holding a small vector per
 layer, mixed with a projection of the token's main embedding, and added by each layer to
-its output through a gate of its own (`PerLayerGate`).
+its output through a gate of its own (`add_gated`).
 
 The backbone keeps the three model-level weights under transformers' names
 (``embed_tokens_per_layer``, ``per_layer_model_projection``, ``per_layer_projection_norm``)
@@ -24,7 +24,7 @@ from .norms import RMSNorm, rms_norm_of
 _HALVES = 2.0**-0.5
 
 
-def per_layer_weights(config: ModelConfig) -> dict[str, nn.Module]:
+def per_layer_weights(config: ModelConfig, native: CpuKernels | None) -> dict[str, nn.Module]:
     """The backbone's PLE weights by their names (empty for a model without PLE)."""
     width = config.per_layer_input_size
     if not width:
@@ -34,7 +34,7 @@ def per_layer_weights(config: ModelConfig) -> dict[str, nn.Module]:
     return {
         "embed_tokens_per_layer": Embedding(config.per_layer_vocab_size, packed),
         "per_layer_model_projection": Linear(config.hidden_size, packed, bias=False),
-        "per_layer_projection_norm": rms_norm_of(config, width, None),
+        "per_layer_projection_norm": rms_norm_of(config, width, native),
     }
 
 

@@ -32,7 +32,7 @@ class Backbone(nn.Module):
             self.vocab_range = shard_range(config.vocab_size, tp.rank, tp.world)
         start, end = self.vocab_range
         self.embed_tokens = Embedding(end - start, config.hidden_size)
-        for name, module in per_layer_weights(config).items():  # Gemma 4's PLE
+        for name, module in per_layer_weights(config, native).items():  # Gemma 4's PLE
             setattr(self, name, module)
         self.has_per_layer = bool(config.per_layer_input_size)
         self.layers = nn.ModuleList(
@@ -159,7 +159,7 @@ class Backbone(nn.Module):
                 x, h = _moved((x, h), self.layer_devices[i])
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
             rotary = self._table(i, tables, x.device)
-            own = None if per_layer is None else per_layer[:, i]
+            own = None if per_layer is None else _moved((per_layer[:, i],), x.device)[0]
             x, h = layer(x, h, rotary, attention, next_norm, own)
         return x, h
 
