@@ -266,7 +266,7 @@ def add_tokenizer(writer: gguf.GGUFWriter, source: dict, vocab: int) -> None:
     """The source's tokenizer.ggml.* keys, the vocabulary cut to its first ``vocab``, and
     the vocabulary's own chat format (Gemma's, which the default file leaves to the
     reader), so that chats and span queries run on every shape."""
-    from spnl_backend.loader.tokenizer import GEMMA_CHAT_TEMPLATE
+    from spnl_backend.models.arch.gemma3 import GEMMA_CHAT_TEMPLATE
 
     tokens = source["tokenizer.ggml.tokens"]
     if vocab > len(tokens):
