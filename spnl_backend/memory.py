@@ -36,17 +36,28 @@ _UNLIMITED = 1 << 62  # cgroup v1 writes "no limit" as a page-rounded 2^63 - 1
 
 class KVShape(Protocol):
     """What sizes a KV cache: a `ModelConfig`, or anything with these three counts
-    (``num_kv_layers``: the layers that keep K and V, `ModelConfig.num_kv_layers`)."""
+    (``num_kv_layers``: the layers that keep K and V, `ModelConfig.num_kv_layers`). A
+    `ModelConfig` also gives each layer's ``(kv_heads, head_dim)`` (``kv_shapes``), which
+    may differ by layer (Gemma 4); without it every layer has the counts' shape."""
 
     num_kv_layers: int
     num_kv_heads: int
     head_dim: int
 
 
+def kv_layer_shapes(shape: KVShape) -> tuple[tuple[int, int], ...]:
+    """Each KV layer's ``(kv_heads, head_dim)``."""
+    shapes = getattr(shape, "kv_shapes", None)
+    if shapes is not None:
+        return shapes
+    return ((shape.num_kv_heads, shape.head_dim),) * shape.num_kv_layers
+
+
 def kv_bytes_per_token(shape: KVShape, dtype: torch.dtype) -> int:
-    """K and V of every layer for one token, in a plain cache of ``dtype``: the one formula
-    the budget, the paged pool, the compression methods and the benchmarks use."""
-    return shape.num_kv_layers * 2 * shape.num_kv_heads * shape.head_dim * dtype.itemsize
+    """K and V of every layer for one token, in a plain cache of ``dtype``, each layer at
+    its own size: the one formula the budget, the paged pool, the compression methods and
+    the benchmarks use."""
+    return sum(2 * heads * dim for heads, dim in kv_layer_shapes(shape)) * dtype.itemsize
 
 
 def host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -31,13 +31,7 @@ def model_logits(backend: Backend, ids: list[int]) -> torch.Tensor:
     """Logits at every position of ``ids``, through our model and a fresh cache."""
     model = backend.model
     config = model.config
-    kv = SequenceKV(
-        config.num_layers,
-        config.num_kv_heads,
-        config.head_dim,
-        next(model.parameters()).dtype,
-        torch.device("cpu"),
-    )
+    kv = SequenceKV(config.kv_shapes, next(model.parameters()).dtype, torch.device("cpu"))
     kv.reserve(len(ids), used=0)
     step = ContiguousStep([StepSlice(kv, 0, len(ids))])
     with torch.inference_mode():

@@ -163,7 +163,7 @@ def test_qjl_makes_key_products_unbiased_and_closer(bits):
 
 def test_bytes_per_token_of_the_default_models_shape():
     class Gemma270M:
-        num_layers, num_kv_heads, head_dim = 18, 1, 256
+        num_kv_layers, num_kv_heads, head_dim = 18, 1, 256
 
     sixteen_bit = method_bytes_per_token("none", Gemma270M)
     assert sixteen_bit == 18 * 2 * 256 * 2

@@ -6,7 +6,7 @@ theirs."""
 import pytest
 import torch
 from helpers import SHARED_PREFIX_PROMPTS, engine_internals, engine_logits
-from tiny_models import ARCHITECTURES, MOE_ARCHITECTURES, PER_OP_ONLY
+from tiny_models import ARCHITECTURES, KV_GROUP_ARCHITECTURES, MOE_ARCHITECTURES, PER_OP_ONLY
 
 from spnl_backend import BackendSettings, load_backend
 from spnl_backend.kernels.cpu import KernelArgumentError
@@ -26,7 +26,7 @@ def _generate(backend, blocks: bool):
 
 
 @pytest.mark.parametrize("cache_type", ["f16", "f32"])
-@pytest.mark.parametrize("arch", [*ARCHITECTURES, *MOE_ARCHITECTURES])
+@pytest.mark.parametrize("arch", [*ARCHITECTURES, *MOE_ARCHITECTURES, *KV_GROUP_ARCHITECTURES])
 def test_the_blocks_give_the_per_op_paths_bits(tiny, arch, cache_type, block_runs):
     with _load(tiny, arch, cache_type) as per_op, _load(tiny, arch, cache_type) as blocks:
         expected_logits, expected_texts = _generate(per_op, blocks=False)

@@ -76,6 +76,8 @@ def hf_config(arch: str, vocab: int, overrides: dict | None = None):
     ``overrides``: a variant's keys over them)."""
     found = family(arch)
     keys = {**_common(vocab), **found.tiny, **(overrides or {})}
+    if "hidden_size_per_layer_input" in keys:  # Gemma 4's per-layer table: the same ids
+        keys.setdefault("vocab_size_per_layer_input", vocab)
     return AutoConfig.for_model(keys.pop("model_type", found.model_types[0]), **keys)
 
 
@@ -83,15 +85,25 @@ def _has_experts(found) -> bool:
     return any(key in found.tiny for key in ("num_experts", "num_local_experts"))
 
 
-# Every family of the registry: dense, with experts, and hybrids (state layers beside
-# attention, which the features that need every layer's K and V refuse).
-ARCHITECTURES = tuple(f.name for f in FAMILIES if not (_has_experts(f) or f.state_layers))
+def _has_kv_groups(found) -> bool:
+    """KV layers of several shapes or read by later layers (Gemma 4)."""
+    return any(key in found.tiny for key in ("global_head_dim", "num_kv_shared_layers"))
+
+
+# Every family of the registry: dense, with experts, hybrids (state layers beside
+# attention, which the features that need every layer's K and V refuse), and KV groups
+# (which the features that see the pool as one shape refuse; tests/test_kv_groups.py).
+ARCHITECTURES = tuple(
+    f.name for f in FAMILIES if not (_has_experts(f) or f.state_layers or _has_kv_groups(f))
+)
+KV_GROUP_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_kv_groups(f))
 MOE_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_experts(f) and not f.state_layers)
 HYBRID_ARCHITECTURES = tuple(f.name for f in FAMILIES if f.state_layers)
 # What the native layer blocks leave to the per-op path: qwen2's projections carry biases,
 # OLMo 2's layers have no input norm (norms after attention and MLP only), SmolLM3 has a
-# layer that does not rotate, gpt-oss's attention has sinks (and its experts biases).
-PER_OP_ONLY = frozenset({"qwen2", "olmo2", "smollm3", "gpt_oss"})
+# layer that does not rotate, gpt-oss's attention has sinks (and its experts biases),
+# Gemma 4's layers differ in shape and share K/V.
+PER_OP_ONLY = frozenset({"qwen2", "olmo2", "smollm3", "gpt_oss", "gemma4"})
 
 
 @dataclass
@@ -123,6 +135,9 @@ def build_hf_model(
                 param.copy_(center + 0.1 * torch.randn_like(param))
             else:
                 param.normal_(0.0, 0.15)
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale
+                buffer.copy_(0.5 + torch.rand_like(buffer))
     return _save(TinyModel(arch, path, model, tokenizer))
 
 

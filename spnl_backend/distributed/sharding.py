@@ -119,6 +119,11 @@ def check_shardable(
         problems.append(
             f"its {c.num_state_layers} state layers (Gated DeltaNet, Mamba-2) are not split yet"
         )
+    if not c.uniform_kv or c.per_layer_input_size:
+        problems.append(
+            "its KV layers of several shapes, shared K/V and per-layer embeddings (Gemma 4) "
+            "are not split yet"
+        )
     if c.num_heads % world:
         problems.append(f"its {c.num_heads} attention heads do not divide by {world}")
     if c.num_kv_heads % world and world % c.num_kv_heads:

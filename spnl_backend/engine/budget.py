@@ -55,8 +55,7 @@ def plan_kv_cache(
         raise SettingsError(
             f"{variable}={budget.value:g} gives no KV-cache block: one block of {block_size} "
             f"tokens needs {per_block / MIB:.2f} MB ({per_token:,} bytes of K and V per token for "
-            f"{config.num_kv_layers} layers x {config.num_kv_heads} KV heads x "
-            f"{config.head_dim} dims); raise the budget"
+            f"{_kv_layers(config)}); raise the budget"
         )
     plan = KVCachePlan(num_blocks, block_size, per_token)
     if plan.nbytes > usable:
@@ -69,3 +68,13 @@ def plan_kv_cache(
             "kept for each step's activations; lower the budget"
         )
     return plan
+
+
+def _kv_layers(config: ModelConfig) -> str:
+    """The pool's layers in words: their count and shape, each shape's where they differ."""
+    counts: dict[tuple[int, int], int] = {}
+    for shape in config.kv_shapes:
+        counts[shape] = counts.get(shape, 0) + 1
+    return " + ".join(
+        f"{count} layers x {heads} KV heads x {dim} dims" for (heads, dim), count in counts.items()
+    )

@@ -54,6 +54,7 @@ def build_engine(
     for model in (loaded, draft):
         if model is not None:
             _refuse_for_state_layers(model, settings)
+    _refuse_for_kv_groups(loaded, settings)
     settings = _prefix_caching_for(loaded.config, settings, decisions.paged_attn)
     if (
         loaded.model.tp is not None
@@ -125,6 +126,31 @@ def _refuse_for_state_layers(loaded: LoadedModel, settings: BackendSettings) -> 
             )
 
 
+def _refuse_for_kv_groups(loaded: LoadedModel, settings: BackendSettings) -> None:
+    """What a model whose KV layers differ in shape or are shared (Gemma 4) cannot run
+    with: what sees the pool as one shape, or a layer's K and V beside it."""
+    config = loaded.config
+    if config.uniform_kv:
+        return
+    reasons = {
+        f"{env_name('kv_cache_compression')}={settings.kv_cache_compression}": (
+            get_compressor(settings.kv_cache_compression) is not None
+        ),
+        "layer mapping (MISTRALRS_DEVICE_LAYERS)": loaded.model.model.layer_spans is not None,
+    }
+    for what, asked in reasons.items():
+        if asked:
+            raise SettingsError(
+                f"{what}: the {config.architecture} model's KV layers differ in shape "
+                f"({_shapes(config)}) or are read by later layers, which this does not "
+                "handle yet; leave it unset for this model"
+            )
+
+
+def _shapes(config: ModelConfig) -> str:
+    return ", ".join(f"{h} KV heads x {d}" for h, d in sorted(set(config.kv_shapes)))
+
+
 def _prefix_caching_for(
     config: ModelConfig, settings: BackendSettings, paged: bool
 ) -> BackendSettings:
@@ -152,6 +178,7 @@ def _cache(
     """One model's cache manager, the longest sequence it can hold, and what it is (with
     the state group beside the KV cache where the model has state layers)."""
     cache, max_len, info = _kv_cache(loaded, settings, decisions, budget, role)
+    info = dataclasses.replace(info, uniform_kv=loaded.config.uniform_kv)
     if not loaded.config.num_state_layers:
         return cache, max_len, info
     paged = cache if isinstance(cache, PagedCacheManager) else None
@@ -354,9 +381,10 @@ def _paged_cache(
         _kernels_name(loaded.kernels.attention, coded=pair is not None),
     )
     # Moving a block's keys happens in this process's pool alone: not under tensor
-    # parallelism, whose other ranks hold pools of their own.
+    # parallelism, whose other ranks hold pools of their own; and layer by layer of one
+    # shape (PIC refuses KV groups).
     shift = None
-    if isinstance(cache, PagedKVCache) and loaded.model.tp is None:
+    if isinstance(cache, PagedKVCache) and loaded.model.tp is None and loaded.config.uniform_kv:
         shift = KeyShift(loaded.config, cache.move_blocks)
     manager = PagedCacheManager(cache, blocks, loaded.kernels.attention, shift)
     return manager, info

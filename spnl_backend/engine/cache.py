@@ -37,6 +37,9 @@ class CacheInfo:
     kernels: str | None
     # What a sequence keeps in the state layers (`engine.state_cache`); None: none.
     state_bytes_per_seq: int | None = None
+    # Every KV layer of one shape and every attention layer with its own K and V
+    # (`ModelConfig.uniform_kv`; False: Gemma 4's KV groups and shared layers).
+    uniform_kv: bool = True
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,10 @@ MAX_CALIBRATION_TOKENS = 256
 class KVStatistics:
     """The model's K and V over the reference text: ``means`` float32 ``[layers, 2,
     kv_heads, head_dim]`` (position 0, the attention sink the methods keep apart, left
-    out), ``absmax`` float32 ``[layers, 2]`` (every position)."""
+    out; None where the layers' shapes differ), ``absmax`` float32 ``[layers, 2]`` (every
+    position)."""
 
-    means: torch.Tensor
+    means: torch.Tensor | None
     absmax: torch.Tensor
 
 
@@ -50,12 +51,14 @@ def kv_statistics(loaded: LoadedModel, role: str) -> KVStatistics:
             torch.arange(len(ids), device=loaded.device),
             step,
         )
-    held = store.data[:, :, : len(ids)].float()
-    absmax = held.abs().amax(dim=(2, 3, 4))
+    held = [store.layer(place)[:, : len(ids)].float() for place in range(config.num_kv_layers)]
+    absmax = torch.stack([layer.abs().amax(dim=(1, 2, 3)) for layer in held])
     tp = loaded.model.tp
     if tp is not None:  # each rank holds some heads: an FP8 scale fits all of a layer's
         absmax = tp.all_max(absmax)
-    stats = KVStatistics(held[:, :, 1:].mean(2), absmax)
+    # Means only where the layers share one shape (what the centring methods take).
+    means = torch.stack([layer[:, 1:].mean(1) for layer in held]) if config.uniform_kv else None
+    stats = KVStatistics(means, absmax)
     log.info(
         "kv_cache.calibrated",
         model=role,

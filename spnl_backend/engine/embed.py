@@ -24,15 +24,26 @@ POOLINGS: tuple[Pooling, ...] = ("last", "mean", "first")
 
 class SelfAttention(WithoutLayerBlocks):
     """The attention backend of a cache-free pass: each packed text attends causally over
-    its own tokens alone (and, for state layers, runs from a fresh state: ``states``)."""
+    its own tokens alone (and, for state layers, runs from a fresh state: ``states``). A
+    layer reading another's K and V (``spec.shared_kv``) gets those its layer gave."""
 
     def __init__(self, lengths: list[int]) -> None:
         self.lengths = lengths
         self.states: list[StateSegment] = []
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by KV place
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        spec: AttentionSpec,
     ) -> torch.Tensor:
+        if spec.shared_kv:
+            k, v = self.kv[spec.layer]
+        assert k is not None
+        assert v is not None
+        self.kv[spec.layer] = (k, v)
         outputs, start = [], 0
         for length in self.lengths:
             rows = slice(start, start + length)

@@ -298,6 +298,11 @@ class Engine:
             )
         if info.compression is not None:
             return f"its KV cache is compressed (MISTRALRS_KV_CACHE_COMPRESSION={info.compression})"
+        if not info.uniform_kv:
+            return (
+                "its model's KV layers differ in shape or are read by other layers "
+                "(Gemma 4): PIC's moves and probes take one shape and a layer each"
+            )
         if info.state_bytes_per_seq is not None:
             return (
                 "its model has state layers (Gated DeltaNet, Mamba-2), whose state holds the whole "

@@ -47,8 +47,9 @@ class SequenceStore(Protocol):
 
 
 class SequenceKV:
-    """K and V of one sequence: ``[layers, 2, capacity, kv_heads, head_dim]``, of ``dtype``
-    (the cache's, which may be narrower than the queries').
+    """K and V of one sequence: ``[layers, 2, capacity, kv_heads, head_dim]`` per KV group
+    (the layers of one shape, in ``shapes``: each KV layer's ``(kv_heads, head_dim)``), of
+    ``dtype`` (the cache's, which may be narrower than the queries').
 
     With the compiled CPU kernels (``native``) a float32 or float16 store attends through
     the native decode kernel, query by query, as the paged cache does: the same fast path,
@@ -57,30 +58,43 @@ class SequenceKV:
 
     def __init__(
         self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
+        shapes: tuple[tuple[int, int], ...],
         dtype: torch.dtype,
         device: torch.device,
         native: CpuKernels | None = None,
         longest: int | None = None,
     ) -> None:
-        self.data = torch.empty(
-            (num_layers, 2, 0, num_kv_heads, head_dim), dtype=dtype, device=device
-        )
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        for place, shape in enumerate(shapes):
+            by_shape.setdefault(shape, []).append(place)
+        self.groups = [
+            torch.empty((len(places), 2, 0, *shape), dtype=dtype, device=device)
+            for shape, places in by_shape.items()
+        ]
+        # Each KV layer's (group, index in it).
+        self.where = [(0, 0)] * len(shapes)
+        for group, places in enumerate(by_shape.values()):
+            for index, place in enumerate(places):
+                self.where[place] = (group, index)
         self.native, self.longest = contiguous_kernels(native, dtype, device), longest
 
     @property
     def capacity(self) -> int:
-        return self.data.shape[2]
+        return self.groups[0].shape[2]
+
+    def layer(self, place: int) -> torch.Tensor:
+        """KV layer ``place``'s ``[2, capacity, kv_heads, head_dim]``."""
+        group, index = self.where[place]
+        return self.groups[group][index]
 
     def reserve(self, num_tokens: int, used: int) -> None:
         """Make room for ``num_tokens``, keeping the first ``used`` tokens."""
-        self.data = grown(self.data, num_tokens, used, dim=2)
+        self.groups = [grown(group, num_tokens, used, dim=2) for group in self.groups]
 
     def copy_prefix(self, source: "SequenceKV", length: int) -> None:
         self.reserve(length, used=0)
-        self.data[:, :, :length] = source.data[:, :, :length]
+        for group, held in zip(self.groups, source.groups, strict=True):
+            group[:, :, :length] = held[:, :, :length]
 
     def truncate(self, length: int) -> None:
         """Nothing to return: K/V past the computed tokens are overwritten later."""
@@ -88,15 +102,16 @@ class SequenceKV:
     def attend(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         context_len: int,
         spec: AttentionSpec,
     ) -> torch.Tensor:
         total = context_len + q.shape[0]
-        layer = self.data[spec.layer]
-        layer[0, context_len:total] = to_cache(k, layer.dtype)
-        layer[1, context_len:total] = to_cache(v, layer.dtype)
+        layer = self.layer(spec.layer)
+        if not spec.shared_kv:  # a shared layer's K and V were stored by their own layer
+            layer[0, context_len:total] = to_cache(k, layer.dtype)
+            layer[1, context_len:total] = to_cache(v, layer.dtype)
         return attend_contiguous(
             self.native,
             self.longest,
@@ -127,15 +142,19 @@ class ContiguousStep(WithoutLayerBlocks):
         self.slices = slices
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        spec: AttentionSpec,
     ) -> torch.Tensor:
         out = torch.empty_like(q)
         start = 0
         for s in self.slices:
             end = start + s.query_len
-            out[start:end] = s.kv.attend(
-                q[start:end], k[start:end], v[start:end], s.context_len, spec
-            )
+            rows = slice(start, end)
+            k_rows, v_rows = (None, None) if k is None or v is None else (k[rows], v[rows])
+            out[rows] = s.kv.attend(q[rows], k_rows, v_rows, s.context_len, spec)
             start = end
         return out
 
@@ -196,9 +215,8 @@ def plain_stores(
 ) -> Callable[[], SequenceKV]:
     """A factory of uncompressed per-sequence buffers of ``dtype`` (the cache's) for
     ``config``'s model."""
-    shape = (config.num_kv_layers, config.num_kv_heads, config.head_dim)
-    longest = native_attention_queries(batch_invariant)
-    return lambda: SequenceKV(*shape, dtype, device, native, longest)
+    shapes, longest = config.kv_shapes, native_attention_queries(batch_invariant)
+    return lambda: SequenceKV(shapes, dtype, device, native, longest)
 
 
 class ContiguousCacheManager:

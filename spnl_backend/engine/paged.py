@@ -1,7 +1,9 @@
 """Paged mode: the block-pool KV cache, its per-sequence block tables, and the step backend.
 
-The cache is one tensor ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``;
-each layer's K and V are ``[num_blocks, block_size, kv_heads, head_dim]`` views of it.
+The cache is one tensor ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` per KV
+group: the layers of one shape (on one device, under layer mapping), a single group where
+every layer has one shape (Gemma 4's sliding and global layers differ); each layer's K
+and V are ``[num_blocks, block_size, kv_heads, head_dim]`` views of its group's.
 New tokens are written through a slot mapping and attention reads every key through
 the block tables, via the kernels the platform picked.
 """
@@ -49,12 +51,16 @@ class PagedKVCache:
         text, from which an FP8 pool's scales are set (needed for float8).
         ``layer_spans``: layer mapping's devices, each with its consecutive layers (a pool
         tensor each), else all layers on ``device``."""
-        per_layer = (2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         spans = layer_spans or [(device, config.num_kv_layers)]
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.parts = [_pool_tensor((count, *per_layer), cache_dtype, at) for at, count in spans]
-        for part in self.parts:
-            self.layers += [(part[i, 0], part[i, 1]) for i in range(part.shape[0])]
+        self.parts: list[torch.Tensor] = []
+        slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for at, places in _kv_groups(config.kv_shapes, spans):
+            heads, dim = config.kv_shapes[places[0]]
+            shape = (len(places), 2, num_blocks, block_size, heads, dim)
+            part = _pool_tensor(shape, cache_dtype, at)
+            self.parts.append(part)
+            slots.update((place, (part[i, 0], part[i, 1])) for i, place in enumerate(places))
+        self.layers = [slots[place] for place in range(config.num_kv_layers)]
         self.data = self.parts[0] if len(self.parts) == 1 else None  # the whole pool
         self.bytes_per_token = kv_bytes_per_token(config, cache_dtype)
         self.is_fp8 = cache_dtype == torch.float8_e4m3fn
@@ -99,6 +105,22 @@ class PagedKVCache:
             copy_block_rotated(keys, values, src, dst, cos, sin, self.k_scale[layer])
 
 
+def _kv_groups(
+    shapes: tuple[tuple[int, int], ...], spans: list[tuple[torch.device, int]]
+) -> list[tuple[torch.device, list[int]]]:
+    """The pool's tensors: for each device's consecutive KV layers, its layers of each
+    shape, in the order the shapes first appear."""
+    groups: list[tuple[torch.device, list[int]]] = []
+    start = 0
+    for device, count in spans:
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        for place in range(start, start + count):
+            by_shape.setdefault(shapes[place], []).append(place)
+        groups += [(device, places) for places in by_shape.values()]
+        start += count
+    return groups
+
+
 def _pool_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return host_tensor(shape, dtype)
@@ -113,13 +135,18 @@ class PagedStep:
         self._metas = {meta.device: meta}  # the step's metadata on each device it reaches
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        spec: AttentionSpec,
     ) -> torch.Tensor:
         layer, cache = spec.layer, self.cache
         key_cache, value_cache = cache.layers[layer]
         k_scale, v_scale = cache.k_scale[layer], cache.v_scale[layer]
         meta = self._meta_on(key_cache.device)
-        self.kernels.store_kv(k, v, key_cache, value_cache, meta, k_scale, v_scale)
+        if not spec.shared_kv:  # a shared layer's K and V were stored by their own layer
+            self.kernels.store_kv(k, v, key_cache, value_cache, meta, k_scale, v_scale)
         return self.kernels.paged_attention(
             q,
             key_cache,

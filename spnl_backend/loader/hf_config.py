@@ -28,7 +28,7 @@ from .weights import layer_indices, safetensors_files, safetensors_shapes
 if TYPE_CHECKING:  # transformers takes half a second to import: text models only
     from transformers import PretrainedConfig
 
-_ROPE_KINDS = ("default", "linear", "llama3", "yarn", "longrope")
+_ROPE_KINDS = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 _ACTIVATIONS = {
     "silu": "silu",
     "swish": "silu",
@@ -224,6 +224,10 @@ def model_config_from_hf(
     prefix = "text_config." if family_of_wrapper(config.model_type) else ""
     config = text_config(config)
     family = _check_architecture(config.model_type, source)
+    if getattr(config, "is_heterogeneous", False):
+        # Layers of several shapes (Gemma 4): the top-level values are the common layers',
+        # the family reads the others from ``per_layer_config``.
+        config.allow_global_per_layer_attribute_access = True
     keys = _Keys(config, source, prefix)
     head_dim = _head_dim(keys)
     fields = dict(
@@ -301,6 +305,8 @@ def _rope(keys: "_Keys", layer_type: str, head_dim: int) -> RopeConfig:
     for key in ("short_factor", "long_factor"):
         if rope.get(key) is not None:
             optional[key] = tuple(rope.numbers(key))
+    if kind == "proportional":  # the whole head rotates, some of its pairs at 0 Hz
+        optional["partial_rotary_factor"], partial = partial, 1.0
     return RopeConfig(
         theta=rope.positive("rope_theta", 10000.0),
         rotary_dim=int(head_dim * partial),

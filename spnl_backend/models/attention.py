@@ -11,7 +11,7 @@ from .collectives import Collectives
 from .config import ModelConfig
 from .layers import AttentionMixer
 from .linear import Linear, project
-from .norms import RMSNorm, rms_norm_of
+from .norms import RMSNorm, UnitRMSNorm, rms_norm_of
 from .rope import RotaryTables
 from .step_attention import AttentionSpec, StepAttention
 
@@ -35,16 +35,24 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.output_gate = mixer.output_gate  # q_proj gives each head's query, then its gate
         gated = 2 if mixer.output_gate else 1
+        # A layer reading another's K and V has no k or v projection (nor their norms).
+        self.shared_kv, self.k_eq_v = mixer.spec.shared_kv, mixer.k_eq_v
         self.q_proj = Linear(config.hidden_size, gated * q_size, bias=mixer.qkv_bias)
-        self.k_proj = Linear(config.hidden_size, kv_size, bias=mixer.qkv_bias)
-        self.v_proj = Linear(config.hidden_size, kv_size, bias=mixer.qkv_bias)
+        if not self.shared_kv:
+            self.k_proj = Linear(config.hidden_size, kv_size, bias=mixer.qkv_bias)
+        if not (self.shared_kv or self.k_eq_v):
+            self.v_proj = Linear(config.hidden_size, kv_size, bias=mixer.qkv_bias)
         self.o_proj = Linear(q_size, config.hidden_size, bias=mixer.o_bias)
+        self.v_norm = None
+        if mixer.v_norm and not self.shared_kv:
+            self.v_norm = UnitRMSNorm(self.head_dim, config.rms_norm_eps, native)
         if mixer.qk_norm == "full":  # OLMo: over the whole projections, before the heads
             self.q_norm = rms_norm_of(config, q_size, native)
             self.k_norm = rms_norm_of(config, kv_size, native)
         elif mixer.qk_norm == "head":
             self.q_norm = rms_norm_of(config, self.head_dim, native)
-            self.k_norm = rms_norm_of(config, self.head_dim, native)
+            if not self.shared_kv:
+                self.k_norm = rms_norm_of(config, self.head_dim, native)
         self.qk_norm, self.qk_norm_full = mixer.qk_norm == "head", mixer.qk_norm == "full"
         self.clip_qkv, self.rope = mixer.clip_qkv, mixer.rope
         self._spec = mixer.spec
@@ -85,6 +93,10 @@ class Attention(nn.Module):
 
     def _qkv_gate(self, x: torch.Tensor, rotary: RotaryTables | None):
         """`qkv`, and the output gate ``[T, heads * d]`` where the layer has one."""
+        if self.shared_kv:
+            return self._q_alone(x, rotary), None, None, None
+        if self.k_eq_v or self.v_norm is not None:
+            return self._gemma4_qkv(x, rotary)
         tokens = x.shape[0]
         q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
         gate = None
@@ -107,6 +119,38 @@ class Attention(nn.Module):
             return q, k, v, gate
         q, k = ops.qk_norm_rotate(q, k, norms, rotary)
         return q, k, v, gate
+
+    def _q_alone(self, x: torch.Tensor, rotary: RotaryTables | None) -> torch.Tensor:
+        """The queries of a layer that reads another's K and V: normed and rotated as that
+        layer's keys were."""
+        q = self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim)
+        if self.qk_norm:
+            q = ops.rms_norm_layer(q, self.q_norm)
+        return q if rotary is None else rotary.apply(q)
+
+    def _gemma4_qkv(self, x: torch.Tensor, rotary: RotaryTables | None):
+        """Gemma 4's q, k, v: the values from the k projection where it has no v_proj,
+        taken before the keys' norm and rotation, and normed without a weight."""
+        tokens = x.shape[0]
+        if self.k_eq_v:
+            q, k = project(x, self.q_proj, self.k_proj)
+            v = k
+        else:
+            q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.v_norm is not None:
+            v = self.v_norm(v)
+        elif self.k_eq_v:  # the keys' rotation may run in place
+            v = v.clone()
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else None
+        if rotary is None:
+            if norms is not None:
+                q, k = ops.rms_norm_layer(q, norms[0]), ops.rms_norm_layer(k, norms[1])
+            return q, k, v, None
+        q, k = ops.qk_norm_rotate(q, k, norms, rotary)
+        return q, k, v, None
 
     def _sharded_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         """OLMoE's norm over a whole projection when each rank holds some of its heads:

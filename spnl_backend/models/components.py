@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-RopeKind = Literal["default", "linear", "llama3", "yarn", "longrope"]
+RopeKind = Literal["default", "linear", "llama3", "yarn", "longrope", "proportional"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,9 @@ class RopeConfig:
     short_factor: tuple[float, ...] | None = None  # longrope
     long_factor: tuple[float, ...] | None = None  # longrope
     freq_factors: tuple[float, ...] | None = None  # per-dimension divisors stored in a GGUF
+    # proportional (Gemma 4's global layers): the whole head is paired for rotate-half and
+    # the exponents run over it, but only this share of the pairs turns (the rest: 0 Hz).
+    partial_rotary_factor: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,23 @@ class ModelConfig:
     delta_net: DeltaNetConfig | None = None  # the "linear" layers' sizes (Qwen3.5)
     mamba: Mamba2Config | None = None  # or theirs, where they are Mamba-2 (Granite 4.0-H)
     attn_output_gate: bool = False  # Qwen3.5: a sigmoid gate from the q projection
+    # Gemma 4: the full-attention layers' own head size and KV heads (None: as the others),
+    # their values the keys' projection (no v_proj, ``attn_k_eq_v``), values RMS-normed
+    # without a weight, and the last ``num_kv_shared_layers`` layers reading the K and V of
+    # the last earlier layer of their type (computing only q; their MLP twice as wide
+    # where ``double_wide_shared_mlp``).
+    global_head_dim: int | None = None
+    global_num_kv_heads: int | None = None
+    attn_k_eq_v: bool = False
+    v_norm: bool = False
+    num_kv_shared_layers: int = 0
+    double_wide_shared_mlp: bool = False
+    # Gemma 4's per-layer embeddings (PLE): a second table of ``per_layer_input_size``
+    # values per layer, from a vocabulary of ``per_layer_vocab_size``, fed into each layer
+    # after its MLP; and each layer's output scaled by a learned scalar.
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int | None = None
+    layer_output_scale: bool = False
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -114,6 +131,33 @@ class ModelConfig:
     @property
     def scale(self) -> float:
         return self.attn_scale or self.head_dim**-0.5
+
+    def layer_head_dim(self, layer: int) -> int:
+        """Layer ``layer``'s head size (Gemma 4's full layers have their own)."""
+        full = self.layer_types[layer] == "full"
+        return self.global_head_dim if full and self.global_head_dim else self.head_dim
+
+    def layer_kv_heads(self, layer: int) -> int:
+        full = self.layer_types[layer] == "full"
+        return self.global_num_kv_heads if full and self.global_num_kv_heads else self.num_kv_heads
+
+    @property
+    def kv_shapes(self) -> tuple[tuple[int, int], ...]:
+        """Each KV pool layer's ``(kv_heads, head_dim)``, in pool order: its storing
+        layer's (`models.layers.LayerSpec.kv_store`)."""
+        shapes = {}
+        for spec in self.layers:
+            if spec.kv_store is not None:
+                shapes[spec.kv_store] = (spec.mixer.num_kv_heads, spec.mixer.head_dim)
+        return tuple(shapes[place] for place in sorted(shapes))
+
+    @property
+    def uniform_kv(self) -> bool:
+        """Whether every KV pool layer has one shape and every attention layer stores its
+        own K and V: what the features that see the pool as one tensor need (compression,
+        tensor parallelism, PIC)."""
+        readers = sum(1 for s in self.layers if s.kv_layer is not None)
+        return len(set(self.kv_shapes)) <= 1 and readers == self.num_kv_layers
 
     @property
     def num_kv_layers(self) -> int:
@@ -169,7 +213,21 @@ def _validate(config: ModelConfig) -> None:
             config.num_kv_heads,
             f"a divisor of the number of attention heads ({config.num_heads})",
         )
-    _check_rope("rope", config.rope, config.head_dim)
+    if config.global_head_dim is not None:
+        _check_count("global_head_dim", config.global_head_dim)
+    if config.global_num_kv_heads is not None:
+        _check_count("global_num_kv_heads", config.global_num_kv_heads)
+        if config.num_heads % config.global_num_kv_heads:
+            raise ConfigValueError(
+                "global_num_kv_heads",
+                config.global_num_kv_heads,
+                f"a divisor of the number of attention heads ({config.num_heads})",
+            )
+    # The global rope turns the full layers (every layer where there is no local one).
+    global_dim = config.global_head_dim or config.head_dim
+    if config.rope_local is None:
+        global_dim = min(global_dim, config.head_dim)
+    _check_rope("rope", config.rope, global_dim)
     if config.rope_local is not None:
         _check_rope("rope_local", config.rope_local, config.head_dim)
     if len(config.layer_types) != config.num_layers or not set(config.layer_types) <= {
@@ -209,6 +267,10 @@ def _validate(config: ModelConfig) -> None:
         _check_positive("clip_qkv", config.clip_qkv)
     if config.moe is not None:
         _check_moe(config.moe, config.num_layers)
+    _check_sharing(config)
+    if config.per_layer_input_size:
+        _check_count("per_layer_input_size", config.per_layer_input_size)
+        _check_count("per_layer_vocab_size", config.per_layer_vocab_size)
     _check_token_ids(config)
 
 
@@ -237,6 +299,24 @@ def _check_mamba(mamba: Mamba2Config) -> None:
         raise ConfigValueError(
             "mamba.time_step_limit", mamba.time_step_limit, "a range 0 <= low <= high"
         )
+
+
+def _check_sharing(config: ModelConfig) -> None:
+    """Gemma 4's shared layers: each reads an earlier layer of its type."""
+    shared = config.num_kv_shared_layers
+    if not (_is_int(shared) and 0 <= shared < config.num_layers):
+        raise ConfigValueError(
+            "num_kv_shared_layers", shared, f"an integer from 0 to {config.num_layers - 1}"
+        )
+    first = config.num_layers - shared
+    if shared and not set(config.layer_types[first:]) <= set(config.layer_types[:first]):
+        raise ConfigValueError(
+            "num_kv_shared_layers",
+            shared,
+            "a count whose layers each find an earlier layer of their type to read",
+        )
+    if shared and "linear" in config.layer_types:
+        raise ConfigValueError("num_kv_shared_layers", shared, "0 in a model with linear layers")
 
 
 def _check_delta_net(delta: DeltaNetConfig) -> None:
@@ -268,6 +348,10 @@ def _check_rope(name: str, rope: RopeConfig, head_dim: int) -> None:
         expected = f"an even number of dimensions from 2 to the head's {head_dim}"
         raise ConfigValueError(f"{name}.rotary_dim", dim, expected)
     _check_positive(f"{name}.factor", rope.factor)
+    if not (_is_real(rope.partial_rotary_factor) and 0 < rope.partial_rotary_factor <= 1):
+        raise ConfigValueError(
+            f"{name}.partial_rotary_factor", rope.partial_rotary_factor, "a number in (0, 1]"
+        )
     for field in ("beta_fast", "beta_slow", "low_freq_factor", "high_freq_factor"):
         _check_positive(f"{name}.{field}", getattr(rope, field))
     for field in ("mscale", "mscale_all_dim", "attention_factor"):

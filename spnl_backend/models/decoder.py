@@ -2,6 +2,7 @@
 `LayerSpec` places them, added to the residual stream (scaled first where the spec says)."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import ops
@@ -12,9 +13,10 @@ from .config import ModelConfig
 from .deltanet import GatedDeltaNet
 from .layers import DeltaNetMixer, Mamba2Mixer, MoeFFN
 from .mamba2 import Mamba2
-from .mlp import GatedMLP
+from .mlp import GatedMLP, gelu_tanh
 from .moe import SparseMoE
 from .norms import RMSNorm, rms_norm_of
+from .per_layer import add_gated, gate_weights
 from .rope import RotaryTables
 from .step_attention import StepAttention
 
@@ -44,8 +46,10 @@ class DecoderLayer(nn.Module):
             self.mamba = Mamba2(config, spec.mixer)
         else:
             self.self_attn = Attention(config, spec.mixer, tp, native)
-        moe = isinstance(spec.ffn, MoeFFN)
-        self.mlp: nn.Module = SparseMoE(config, kernels) if moe else GatedMLP(config)
+        if isinstance(spec.ffn, MoeFFN):
+            self.mlp: nn.Module = SparseMoE(config, kernels)
+        else:
+            self.mlp = GatedMLP(config, spec.ffn.intermediate_size)
         self.shared_mlp: GatedMLP | None = None  # a shared expert beside the routed ones
         if isinstance(spec.ffn, MoeFFN) and spec.ffn.moe.shared_intermediate_size:
             self.shared_mlp = GatedMLP(config, spec.ffn.moe.shared_intermediate_size)
@@ -58,6 +62,18 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = rms_norm_of(config, hidden, native)
         if spec.norms != "pre":
             self.post_feedforward_layernorm = rms_norm_of(config, hidden, native)
+        if spec.per_layer_input:
+            for name, module in gate_weights(config, native).items():
+                setattr(self, name, module)
+            self.per_layer_act = gelu_tanh if config.activation == "gelu_tanh" else F.silu
+        if spec.output_scale:
+            self.layer_scalar = nn.Parameter(torch.empty(1))
+
+    @property
+    def has_tail(self) -> bool:
+        """Whether something follows the MLP's residual add (Gemma 4's per-layer input
+        and output scale), so the next norm cannot be fused into that add."""
+        return bool(self.spec.per_layer_input or self.spec.output_scale)
 
     @property
     def sandwich(self) -> bool:
@@ -73,21 +89,44 @@ class DecoderLayer(nn.Module):
         rotary: RotaryTables | None,
         attention: StepAttention,
         next_norm: RMSNorm | None,
+        per_layer: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` the residual stream, ``h`` its copy by this layer's input norm → the new
         residual stream and its copy by ``next_norm`` (the next layer's input norm or the
         final one; None: the stream itself). Each residual add and the norm after it are
-        one step (`ops.add_rms_norm_layer`); ``x`` may be updated in place."""
+        one step (`ops.add_rms_norm_layer`); ``x`` may be updated in place. ``per_layer``:
+        this layer's per-layer input ``[T, width]`` where it takes one (Gemma 4)."""
         attn = self._scaled(self._summed(self._mix(h, rotary, attention)))
         if self.norms == "pre":
             x, h = _add(x, attn, None, self.post_attention_layernorm)
-            return _add(x, self._scaled(self._summed(self._ffn(h))), None, next_norm)
+            mlp = self._scaled(self._summed(self._ffn(h)))
+            return self._mlp_out(x, mlp, None, next_norm, per_layer)
         if self.norms == "sandwich":
             x, h = _add(x, attn, self.post_attention_layernorm, self.pre_feedforward_layernorm)
         else:
             x, h = _add(x, attn, self.post_attention_layernorm, None)
         mlp = self._scaled(self._summed(self._ffn(h)))
-        return _add(x, mlp, self.post_feedforward_layernorm, next_norm)
+        return self._mlp_out(x, mlp, self.post_feedforward_layernorm, next_norm, per_layer)
+
+    def _mlp_out(
+        self,
+        x: torch.Tensor,
+        mlp: torch.Tensor,
+        mlp_norm: RMSNorm | None,
+        next_norm: RMSNorm | None,
+        per_layer: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLP's output added, then Gemma 4's tail where the layer has one."""
+        if not self.has_tail:
+            return _add(x, mlp, mlp_norm, next_norm)
+        x, _ = _add(x, mlp, mlp_norm, None)
+        if per_layer is not None:
+            gate, up = self.per_layer_input_gate, self.per_layer_projection
+            norm, act = self.post_per_layer_input_norm, self.per_layer_act
+            x = add_gated(x, per_layer, gate, up, norm, act)
+        if self.spec.output_scale:
+            x = x * self.layer_scalar
+        return x, x if next_norm is None else next_norm(x)
 
     def _mix(
         self, h: torch.Tensor, rotary: RotaryTables | None, attention: StepAttention

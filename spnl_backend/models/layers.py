@@ -39,6 +39,10 @@ class AttentionMixer:
     # Qwen3.5: the q projection also gives a per-head gate, its sigmoid scaling the output.
     output_gate: bool = False
     sinks: bool = False  # a learned sink logit per head (gpt-oss): `AttentionSpec.sinks`
+    # Gemma 4: values are the k projection's output (no v_proj), and RMS-normed per head
+    # without a weight.
+    k_eq_v: bool = False
+    v_norm: bool = False
 
 
 @dataclass(frozen=True)
@@ -103,12 +107,16 @@ class MoeFFN:
 @dataclass(frozen=True)
 class LayerSpec:
     """``residual_scale``: what the mixer's and the FFN's outputs are multiplied by before
-    they join the residual stream (Granite's ``residual_multiplier``; None: as they are)."""
+    they join the residual stream (Granite's ``residual_multiplier``; None: as they are);
+    ``per_layer_input``: the width of Gemma 4's per-layer embedding this layer adds after
+    its MLP (0: none); ``output_scale``: its output scaled by a learned scalar."""
 
     mixer: AttentionMixer | StateMixer
     ffn: DenseFFN | MoeFFN
     norms: NormPlacement = "pre"
     residual_scale: float | None = None
+    per_layer_input: int = 0
+    output_scale: bool = False
 
     @property
     def state_mixer(self) -> StateMixer | None:
@@ -118,8 +126,15 @@ class LayerSpec:
 
     @property
     def kv_layer(self) -> int | None:
-        """The layer's place in the KV pool (None: it keeps no K and V)."""
+        """The place in the KV pool the layer attends over (None: it keeps no K and V)."""
         return self.mixer.spec.layer if isinstance(self.mixer, AttentionMixer) else None
+
+    @property
+    def kv_store(self) -> int | None:
+        """The place in the KV pool the layer writes (None: a state layer, or one that
+        reads another layer's K and V)."""
+        shared = isinstance(self.mixer, AttentionMixer) and self.mixer.spec.shared_kv
+        return None if shared else self.kv_layer
 
 
 def describe_layers(config: "ModelConfig") -> tuple[LayerSpec, ...]:
@@ -127,15 +142,29 @@ def describe_layers(config: "ModelConfig") -> tuple[LayerSpec, ...]:
     unless it says otherwise. Attention layers take the KV pool's places in order, state
     layers the state group's."""
     layers, kv, state = [], 0, 0
+    stored: dict[str, int] = {}  # each layer type's last KV place (what shared layers read)
+    first_shared = config.num_layers - config.num_kv_shared_layers
     for i in range(config.num_layers):
-        if config.layer_types[i] == "linear":
+        kind = config.layer_types[i]
+        if kind == "linear":
             mixer: AttentionMixer | StateMixer = _state_mixer(config, state)
             state += 1
+        elif i >= first_shared:
+            mixer = _attention(config, i, stored[kind], shared=True)
         else:
             mixer = _attention(config, i, kv)
+            stored[kind] = kv
             kv += 1
-        ffn = _ffn(config, i)
-        layers.append(LayerSpec(mixer, ffn, config.norm_placement, config.residual_multiplier))
+        layers.append(
+            LayerSpec(
+                mixer,
+                _ffn(config, i),
+                config.norm_placement,
+                residual_scale=config.residual_multiplier,
+                per_layer_input=config.per_layer_input_size,
+                output_scale=config.layer_output_scale,
+            )
+        )
     return tuple(layers)
 
 
@@ -148,14 +177,18 @@ def _state_mixer(config: "ModelConfig", state: int) -> StateMixer:
     return Mamba2Mixer(config.mamba, state)
 
 
-def _attention(config: "ModelConfig", i: int, kv_layer: int) -> AttentionMixer:
+def _attention(
+    config: "ModelConfig", i: int, kv_layer: int, shared: bool = False
+) -> AttentionMixer:
     sliding = config.layer_types[i] == "sliding"
+    kv_heads, head_dim = config.layer_kv_heads(i), config.layer_head_dim(i)
     spec = AttentionSpec(
         layer=kv_layer,
-        scale=config.scale,
-        num_kv_groups=config.num_heads // config.num_kv_heads,
+        scale=config.attn_scale or head_dim**-0.5,
+        num_kv_groups=config.num_heads // kv_heads,
         sliding_window=config.sliding_window if sliding else None,
         softcap=config.attn_softcap,
+        shared_kv=shared,
     )
     rope: RopeTable | None = "local" if sliding and config.rope_local else "global"
     if config.rope_layers and not config.rope_layers[i]:
@@ -163,8 +196,8 @@ def _attention(config: "ModelConfig", i: int, kv_layer: int) -> AttentionMixer:
     qk_norm: QkNorm | None = "full" if config.qk_norm_full else "head" if config.qk_norm else None
     return AttentionMixer(
         config.num_heads,
-        config.num_kv_heads,
-        config.head_dim,
+        kv_heads,
+        head_dim,
         spec,
         rope=rope,
         qk_norm=qk_norm,
@@ -172,10 +205,14 @@ def _attention(config: "ModelConfig", i: int, kv_layer: int) -> AttentionMixer:
         qkv_bias=config.qkv_bias,
         o_bias=config.o_bias,
         output_gate=config.attn_output_gate,
+        k_eq_v=config.attn_k_eq_v and not sliding,
+        v_norm=config.v_norm,
     )
 
 
 def _ffn(config: "ModelConfig", i: int) -> DenseFFN | MoeFFN:
     if config.moe is not None and config.moe.sparse[i]:
         return MoeFFN(config.moe, config.activation)
-    return DenseFFN(config.intermediate_size, config.activation)
+    shared = i >= config.num_layers - config.num_kv_shared_layers
+    wide = 2 if shared and config.double_wide_shared_mlp else 1
+    return DenseFFN(wide * config.intermediate_size, config.activation)

@@ -1,4 +1,5 @@
-"""The projection layers' type, and several projections of one input at once."""
+"""The projection layers' type, several projections of one input at once, and the token
+embeddings (which a tied model's output projection reuses)."""
 
 import torch
 from torch import nn
@@ -15,3 +16,14 @@ def project(x: torch.Tensor, *layers: nn.Module) -> list[torch.Tensor]:
     if all(isinstance(layer, QuantLinear) for layer in layers):
         return QuantLinear.apply_many(x, list(layers))
     return [layer(x) for layer in layers]
+
+
+class Embedding(nn.Embedding):
+    """Token embeddings that can also serve as the output projection (tied models)."""
+
+    def reset_parameters(self) -> None:
+        """Nothing to initialise: the weights always come from the checkpoint (and the
+        random init, run on the meta device, would import torch._dynamo: 1.6 s)."""
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden, self.weight)

@@ -168,10 +168,12 @@ class LayerBlocks:
 
 def _blocks_run(layers: list[DecoderLayer], final_norm: RMSNorm) -> bool:
     """Whether every layer is one the blocks run: attention (not a state layer) with
-    rotated queries and keys, no output gate and no sinks, an input norm (pre or sandwich
-    norms), quantized projections without bias (on the model's per-row products), the same
-    shapes, a known activation or experts on the native MoE layer, one eps; no scaled
-    residuals or shared expert (Granite)."""
+    rotated queries and keys, no output gate and no sinks, its own K and V from its own k
+    and v projections, no norm of the values, nothing after its MLP's residual add
+    (per-layer inputs, an output scale), an input norm (pre or sandwich norms), quantized
+    projections without bias (on the model's per-row products), the same shapes, a known
+    activation or experts on the native MoE layer, one eps; no scaled residuals or shared
+    expert (Granite)."""
     shapes, inners, moes, eps = set(), set(), set(), {final_norm.eps}
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), layer.mlp
@@ -181,6 +183,8 @@ def _blocks_run(layers: list[DecoderLayer], final_norm: RMSNorm) -> bool:
             return False
         if layer.spec.residual_scale is not None or layer.shared_mlp is not None:
             return False
+        if layer.has_tail or attn.shared_kv or attn.k_eq_v or attn.v_norm is not None:
+            return False  # Gemma 4's parts: the blocks have no call for them
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
         if isinstance(mlp, SparseMoE):
             moe = mlp.native_layer()

@@ -42,3 +42,21 @@ class RMSNorm(nn.Module):
 def rms_norm_of(config: ModelConfig, dim: int, native: CpuKernels | None) -> RMSNorm:
     """A norm of ``dim`` in ``config``'s convention."""
     return RMSNorm(dim, config.rms_norm_eps, config.norm_offset, config.norm_in_float, native)
+
+
+class UnitRMSNorm:
+    """RMSNorm without a weight (Gemma 4's norm of the values), in float32 like Gemma's:
+    a scale of ones made on the device it first meets (the model is built on the meta
+    device, and nothing is loaded for it)."""
+
+    def __init__(self, dim: int, eps: float, native: CpuKernels | None = None) -> None:
+        self.dim, self.eps, self.native = dim, eps, native
+        self._ones: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype is not torch.float32:
+            h = x.float()
+            return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        if self._ones is None or self._ones.device != x.device:
+            self._ones = torch.ones(self.dim, device=x.device)
+        return ops.rms_norm(x, self._ones, self.eps, self.native)

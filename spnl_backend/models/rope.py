@@ -15,6 +15,15 @@ def _base_inv_freq(rope: RopeConfig) -> torch.Tensor:
     return 1.0 / (rope.theta**exponents)
 
 
+def _proportional(rope: RopeConfig) -> torch.Tensor:
+    """Gemma 4's global rope: the first pairs turn at the rates a full-width rope gives
+    them, the others stand still (their dims pass unrotated)."""
+    turning = int(rope.partial_rotary_factor * rope.rotary_dim // 2)
+    inv_freq = _base_inv_freq(rope)
+    inv_freq[turning:] = 0.0
+    return inv_freq / rope.factor
+
+
 def _llama3(rope: RopeConfig, inv_freq: torch.Tensor) -> torch.Tensor:
     old_len = rope.original_max_position
     low_wavelen, high_wavelen = old_len / rope.low_freq_factor, old_len / rope.high_freq_factor
@@ -83,6 +92,8 @@ def inv_freq_and_scale(
         return inv_freq / rope.factor, 1.0
     if rope.kind == "llama3":
         return _llama3(rope, inv_freq), 1.0
+    if rope.kind == "proportional":
+        return _proportional(rope), 1.0
     if rope.kind == "yarn":
         return _yarn(rope)
     if rope.kind == "longrope":

@@ -27,17 +27,25 @@ class AttentionSpec:
     sliding_window: int | None = None
     softcap: float | None = None
     sinks: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    # The K and V at ``layer`` are an earlier layer's (Gemma 4's shared layers): this layer
+    # stores nothing and attends over them (its k and v are None).
+    shared_kv: bool = False
 
 
 class StepAttention(Protocol):
     """The KV-cache interface the model calls: store this step's K/V, attend over the cache.
 
     ``q [T, heads, head_dim]``, ``k`` and ``v [T, kv_heads, head_dim]`` for the T
-    tokens of this step, packed sequence after sequence; returns ``[T, heads, head_dim]``.
+    tokens of this step, packed sequence after sequence (None for a layer that reads
+    another's, ``spec.shared_kv``); returns ``[T, heads, head_dim]``.
     """
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        spec: AttentionSpec,
     ) -> torch.Tensor: ...
 
     def native_keys(

@@ -7,23 +7,13 @@ from ..kernels.dispatch import TORCH_CHOICE, KernelChoice
 from .collectives import Collectives, shard_range
 from .config import ModelConfig
 from .decoder import DecoderLayer
-from .linear import Linear
+from .linear import Embedding, Linear
 from .moe import SparseMoE
 from .native_blocks import LayerBlocks
 from .norms import RMSNorm
+from .per_layer import per_layer_inputs, per_layer_weights
 from .rope import RotaryEmbedding, RotaryTables
 from .step_attention import StepAttention
-
-
-class Embedding(nn.Embedding):
-    """Token embeddings that can also serve as the output projection (tied models)."""
-
-    def reset_parameters(self) -> None:
-        """Nothing to initialise: the weights always come from the checkpoint (and the
-        random init, run on the meta device, would import torch._dynamo: 1.6 s)."""
-
-    def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden, self.weight)
 
 
 class Backbone(nn.Module):
@@ -42,6 +32,9 @@ class Backbone(nn.Module):
             self.vocab_range = shard_range(config.vocab_size, tp.rank, tp.world)
         start, end = self.vocab_range
         self.embed_tokens = Embedding(end - start, config.hidden_size)
+        for name, module in per_layer_weights(config, native).items():  # Gemma 4's PLE
+            setattr(self, name, module)
+        self.has_per_layer = bool(config.per_layer_input_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, tp, kernels) for i in range(config.num_layers)
         )
@@ -94,12 +87,12 @@ class Backbone(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: StepAttention
     ) -> torch.Tensor:
-        x, h, tables = self._inputs(input_ids, positions)
+        x, h, tables, per_layer = self._inputs(input_ids, positions)
         native = self._native_step(x, attention)
         if native is not None:
             blocks, keys, pools = native
             return blocks.run(x.contiguous(), h, tables[x.device], keys, pools)
-        return self._layers(x, h, tables, attention, len(self.layers))[1]
+        return self._layers(x, h, tables, attention, len(self.layers), per_layer)[1]
 
     def layer_kv(
         self,
@@ -112,24 +105,33 @@ class Backbone(nn.Module):
         the tokens, the layers before it run over ``attention`` (per op: what probes a
         layer's keys, `engine.pic_probe`). One rank's model alone: under tensor
         parallelism the other ranks run only what rank 0 announces."""
-        x, h, tables = self._inputs(input_ids, positions)
-        x, h = self._layers(x, h, tables, attention, layer)
+        x, h, tables, per_layer = self._inputs(input_ids, positions)
+        x, h = self._layers(x, h, tables, attention, layer, per_layer)
         if self.layer_devices is not None:
             h = _moved((h,), self.layer_devices[layer])[0]
         _, k, v = self.layers[layer].self_attn.qkv(h, self._table(layer, tables, h.device))
         return k, v
 
     def _inputs(self, input_ids: torch.Tensor, positions: torch.Tensor):
-        """The residual stream, its norm for the first layer, and the rotary tables
-        (global, local) by device."""
+        """The residual stream, its norm for the first layer, the rotary tables (global,
+        local) by device, and each token's per-layer inputs (None: the model has none)."""
         x = self._embed(input_ids)
         if self.embedding_multiplier is not None:
             x = x * torch.tensor(self.embedding_multiplier, dtype=x.dtype)
+        per_layer = None
+        if self.has_per_layer:
+            per_layer = per_layer_inputs(
+                input_ids,
+                x,
+                self.embed_tokens_per_layer,
+                self.per_layer_model_projection,
+                self.per_layer_projection_norm,
+            )
         rotary = self.rotary(positions, x.dtype)
         local = self.rotary_local(positions, x.dtype) if self.rotary_local else rotary
         layers = self.layers
         h = layers[0].input_norm(x) if len(layers) else self.norm(x)
-        return x, h, {x.device: (rotary, local)}
+        return x, h, {x.device: (rotary, local)}, per_layer
 
     def _table(self, layer: int, tables: dict, device: torch.device) -> RotaryTables | None:
         """Layer ``layer``'s rotary tables on ``device`` (None: it does not rotate)."""
@@ -141,7 +143,13 @@ class Backbone(nn.Module):
         return None if rope is None else local if rope == "local" else rotary
 
     def _layers(
-        self, x: torch.Tensor, h: torch.Tensor, tables: dict, attention: StepAttention, stop: int
+        self,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        tables: dict,
+        attention: StepAttention,
+        stop: int,
+        per_layer: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layers ``0 .. stop - 1`` per op: the residual stream and its norm by the next
         layer's input norm (the final norm after the last layer)."""
@@ -150,7 +158,9 @@ class Backbone(nn.Module):
             if self.layer_devices is not None:  # a boundary: the activations move on
                 x, h = _moved((x, h), self.layer_devices[i])
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
-            x, h = layer(x, h, self._table(i, tables, x.device), attention, next_norm)
+            rotary = self._table(i, tables, x.device)
+            own = None if per_layer is None else _moved((per_layer[:, i],), x.device)[0]
+            x, h = layer(x, h, rotary, attention, next_norm, own)
         return x, h
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:

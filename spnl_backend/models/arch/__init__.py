@@ -7,6 +7,7 @@ import functools
 from . import (
     gemma2,
     gemma3,
+    gemma4,
     gpt_oss,
     granitemoehybrid,
     llama,
@@ -33,6 +34,7 @@ FAMILIES: tuple[Family, ...] = tuple(
         phi3,
         gemma2,
         gemma3,
+        gemma4,
         olmo2,
         smollm3,
         qwen3_5,
