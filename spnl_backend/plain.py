@@ -100,8 +100,17 @@ def json_value(text: str, what: str, **loads: Any) -> Any:
         reason = str(exc)[:200] or type(exc).__name__
         raise RequestError(f"{what} is not valid JSON: {reason}") from None
     if nests_deeper(value, MAX_JSON_DEPTH):
-        raise _too_deep(what)
+        raise _too_deep(_deep_part(value, what))
     return value
+
+
+def _deep_part(value: object, what: str) -> str:
+    """``what``, narrowed to the object's first member that nests too deep."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if nests_deeper(item, MAX_JSON_DEPTH - 1):
+                return f"{what}'s {key!r}"
+    return what
 
 
 def nests_deeper(value: object, limit: int) -> bool:
@@ -122,6 +131,6 @@ def nests_deeper(value: object, limit: int) -> bool:
 
 def _too_deep(what: str) -> RequestError:
     return RequestError(
-        f"{what} nests arrays and objects more than {MAX_JSON_DEPTH} deep; at most "
+        f"{what} nests JSON arrays and objects more than {MAX_JSON_DEPTH} deep; at most "
         f"{MAX_JSON_DEPTH} levels are read"
     )

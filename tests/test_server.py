@@ -258,7 +258,7 @@ def test_bad_chat_requests(live, body, words):
 def test_hostile_bodies_are_400s(live):
     deep = b'{"model": "x", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
     raw = httpx.post(live.url + "/v1/completions", content=deep, timeout=30)
-    assert "nests arrays and objects more than" in _error(raw, 400)["message"]
+    assert "nests JSON arrays and objects more than" in _error(raw, 400)["message"]
     huge = b'{"model": "m", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}"
     raw = httpx.post(live.url + "/v1/completions", content=huge, timeout=30)
     assert "not valid JSON" in _error(raw, 400)["message"]

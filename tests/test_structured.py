@@ -221,7 +221,7 @@ def test_eos_only_where_the_grammar_accepts(llama):
         ({"json_schema": False}, "a schema that no value matches"),
         ({"json_schema": {"type": "number", "minimum": float("nan")}}, "cannot be written as JSON"),
         ({"json_schema": '{"minimum": NaN}'}, "is not valid JSON"),
-        ({"json_schema": "[" * 5000}, "json_schema nests arrays and objects more than"),
+        ({"json_schema": "[" * 5000}, "json_schema nests JSON arrays and objects more than"),
         ({"regex": "\ud800"}, "regex is not valid Unicode text"),
         ({"choice": ["ok", "\ud800"]}, "choice is not valid Unicode text"),
         ({"json_schema": {"pattern": "\ud800"}}, "json_schema is not valid Unicode text"),
