@@ -4,12 +4,14 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from paged_cases import CASES, paged_case
 
 import spnl_backend.kernels.cpu as cpu
 import spnl_backend.kernels.matmuls as matmuls
+from spnl_backend.kernels import delta_rule, ssd
 from spnl_backend.kernels.cpu import KernelArgumentError
 from spnl_backend.kernels.matmuls import CpuMatmuls, int8_activations_ref
 from spnl_backend.kernels.metadata import PagedMetadata
@@ -746,3 +748,100 @@ def test_mxfp4_dequantizes_as_the_twin_bit_for_bit(kernels):
     weight = _mxfp4_weight(8, 256, seed=2)
     native = kernels.dequantize(Q.MXFP4.value, weight.data, *weight.shape)
     assert torch.equal(native, weight.dequantize())
+
+
+def _delta_inputs(tokens: int, heads: int, dk: int, dv: int, seed: int = 0):
+    """As the DeltaNet layer hands them over: unit keys, queries scaled by dk^-1/2, decays
+    below 1, write strengths in (0, 1), and a state carried from earlier tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(tokens, heads, dk, generator=gen), dim=-1) * dk**-0.5
+    k = F.normalize(torch.randn(tokens, heads, dk, generator=gen), dim=-1)
+    v = torch.randn(tokens, heads, dv, generator=gen)
+    g = -torch.rand(tokens, heads, generator=gen)
+    beta = torch.rand(tokens, heads, generator=gen)
+    return q, k, v, g, beta, torch.randn(heads, dk, dv, generator=gen)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "heads", "dk", "dv"),
+    [(1, 4, 16, 16), (7, 3, 8, 24), (150, 5, 32, 16), (70, 2, 128, 128)],
+)
+def test_the_delta_rule_against_its_twin(kernels, tokens, heads, dk, dv):
+    """Outputs and the state left behind, to float rounding (the sums over a head's rows
+    take another order); T = 1 is decode, T > 64 crosses the chunked twin's chunk."""
+    *inputs, start = _delta_inputs(tokens, heads, dk, dv)
+    state, twin_state = start.clone(), start.clone()
+    out = kernels.delta_rule_(*inputs, state)
+    expected = delta_rule.recurrent(*inputs, twin_state)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state, twin_state, atol=1e-5, rtol=1e-5)
+
+
+def test_the_delta_rule_gives_the_same_bits_in_any_pieces(kernels):
+    """Token by token, where a call starts never changes a token's arithmetic: the state
+    layers compute in pieces, and a prefix hit must give the cold run's bits."""
+    *inputs, start = _delta_inputs(100, 3, 16, 8)
+    whole_state, pieces_state = start.clone(), start.clone()
+    whole = kernels.delta_rule_(*inputs, whole_state)
+    pieces = [
+        kernels.delta_rule_(*(t[a:b] for t in inputs), pieces_state)
+        for a, b in ((0, 1), (1, 32), (32, 64), (64, 100))
+    ]
+    assert torch.equal(torch.cat(pieces), whole)
+    assert torch.equal(pieces_state, whole_state)
+
+
+def test_the_delta_rule_reads_views(kernels):
+    """q, k, v as views with gaps (the layer's split of one projection) are read as given."""
+    q, k, v, g, beta, start = _delta_inputs(9, 2, 8, 8)
+    packed = torch.cat([q, k, v], dim=-1)
+    views = packed.split([8, 8, 8], dim=-1)
+    state, twin_state = start.clone(), start.clone()
+    assert torch.equal(
+        kernels.delta_rule_(*views, g, beta, state),
+        kernels.delta_rule_(q, k, v, g, beta, twin_state),
+    )
+
+
+def test_the_delta_rule_refuses_what_it_cannot_run(kernels):
+    q, k, v, g, beta, state = _delta_inputs(4, 2, 8, 8)
+    with pytest.raises(KernelArgumentError, match="v of shape"):
+        kernels.delta_rule_(q, k, v[:, :, :4], g, beta, state)
+    with pytest.raises(KernelArgumentError, match="state"):
+        kernels.delta_rule_(q, k, v, g, beta, state.transpose(1, 2))
+    with pytest.raises(KernelArgumentError, match="g"):
+        kernels.delta_rule_(q, k, v, g.double(), beta, state)
+
+
+def _ssd_inputs(tokens: int, heads: int, p: int, n: int, seed: int = 0):
+    """As the Mamba-2 layer hands them over: positive steps, negative rates, a state
+    carried from earlier tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, heads, p, generator=gen)
+    dt = F.softplus(torch.randn(tokens, heads, generator=gen))
+    a = -torch.rand(heads, generator=gen) - 0.1
+    b, c = (torch.randn(tokens, heads, n, generator=gen) for _ in range(2))
+    return x, dt, a, b, c, torch.randn(heads, p, n, generator=gen)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "heads", "p", "n"),
+    [(1, 4, 16, 16), (9, 3, 5, 4), (300, 2, 64, 128), (70, 8, 32, 48)],
+)
+def test_the_ssd_scan_against_its_twin(kernels, tokens, heads, p, n):
+    """Outputs and the state left behind: the state to the bit (decay, write and add are
+    element-wise, in the twin's order), the outputs to float rounding (their sums)."""
+    *inputs, start = _ssd_inputs(tokens, heads, p, n)
+    state, twin_state = start.clone(), start.clone()
+    out = kernels.ssd_scan_(*inputs, state)
+    expected = ssd.recurrent(*inputs, twin_state)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state, twin_state, atol=1e-6, rtol=1e-6)
+
+
+def test_the_ssd_scan_refuses_what_it_cannot_run(kernels):
+    x, dt, a, b, c, state = _ssd_inputs(4, 2, 8, 8)
+    with pytest.raises(KernelArgumentError, match="a of shape"):
+        kernels.ssd_scan_(x, dt, a[:1], b, c, state)
+    with pytest.raises(KernelArgumentError, match="c of shape"):
+        kernels.ssd_scan_(x, dt, a, b, c[:, :, :4], state)

@@ -142,6 +142,24 @@ def test_preempted_sequences_rebuild_their_state(tiny, expected, arch):
     assert [r.token_ids for r in results] == expected[arch]
 
 
+def _torch_form(*args, **kwargs):
+    raise AssertionError("a torch form of the recurrence ran beside the C kernel")
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+def test_a_float32_model_runs_every_piece_on_the_c_kernel(tiny, expected, arch, monkeypatch):
+    """On the CPU in float32 the state layers take prefill and decode alike through the
+    compiled recurrence (never the chunked form for some pieces: the bits of a prefix hit
+    would then depend on where the pieces fall), and give transformers' tokens."""
+    for module in (delta_rule, ssd):
+        for form in ("recurrent", "chunked"):
+            monkeypatch.setattr(module, form, _torch_form)
+    with _load(tiny, arch) as backend:
+        engine_internals(backend).scheduler.max_num_batched_tokens = 7
+        result = backend.generate(SHARED_PREFIX_PROMPTS[0], max_tokens=TOKENS, temperature=0)
+    assert result.token_ids == expected[arch][0]
+
+
 LONGER = PROMPT + " The lazy dog sleeps."
 
 

@@ -1,4 +1,4 @@
-"""The gated delta rule (Gated DeltaNet's memory), in torch: the reference the layer runs.
+"""The gated delta rule (Gated DeltaNet's memory), in torch: the twin of the C kernel.
 
 Per value head the state is a matrix ``S [dk, dv]``; each token decays it by ``exp(g)``,
 writes the part of its value the state does not yet predict (the delta, scaled by
@@ -9,13 +9,35 @@ writes the part of its value the state does not yet predict (the delta, scaled b
 `recurrent` applies that token by token; `chunked` gives the same values a chunk of
 tokens at a time (the intra-chunk part as triangular matrix products, the chunks in
 sequence), the form prefill takes. Both take one sequence's heads as the batch and
-update ``state`` in place.
+update ``state`` in place. `rule` is what the layer calls: the compiled kernel (the
+twin of `recurrent`) where it runs, else these.
 """
 
 import torch
 import torch.nn.functional as F
 
+from .cpu import CpuKernels
+from .ops import native_for
+
 CHUNK = 64
+
+
+def rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    native: CpuKernels | None = None,
+) -> torch.Tensor:
+    """The rule as a layer runs it over a piece of a sequence: token by token in C where
+    ``native`` runs float32 on the CPU, for every piece alike (one token's arithmetic
+    whatever the piece, so a resumed sequence gets a cold run's bits); else `recurrent`
+    for one token and `chunked` for more."""
+    if (native := native_for(native, q)) is not None:
+        return native.delta_rule_(q, k, v, g, beta, state)
+    return (recurrent if q.shape[0] == 1 else chunked)(q, k, v, g, beta, state)
 
 
 def recurrent(

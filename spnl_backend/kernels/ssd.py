@@ -1,4 +1,4 @@
-"""Mamba-2's selective state space (the SSD scan), in torch: the reference the layer runs.
+"""Mamba-2's selective state space (the SSD scan), in torch: the twin of the C kernel.
 
 Per head the state is a matrix ``h [P, N]`` (a state of N per channel); each token decays
 it by ``exp(dt_t A)``, writes its input scaled by its step under its B, and reads it out
@@ -10,13 +10,38 @@ with its C:
 chunk of tokens at a time (prefill): within a chunk the scan is a masked, decayed
 attention of C over B, and the state enters and leaves each chunk once. Both take one
 sequence's heads as the batch and update ``state`` in place; the skip term D x is the
-layer's.
+layer's. `scan` is what the layer calls: the compiled kernel (the twin of `recurrent`)
+where it runs, else these.
 """
 
 import torch
 import torch.nn.functional as F
 
+from .cpu import CpuKernels
+from .ops import native_for
+
 CHUNK = 256
+
+
+def scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int = CHUNK,
+    native: CpuKernels | None = None,
+) -> torch.Tensor:
+    """The scan as a layer runs it over a piece of a sequence: token by token in C where
+    ``native`` runs float32 on the CPU, for every piece alike (one token's arithmetic
+    whatever the piece, so a resumed sequence gets a cold run's bits); else `recurrent`
+    for one token and `chunked` for more."""
+    if (native := native_for(native, x)) is not None:
+        return native.ssd_scan_(x, dt, a, b, c, state)
+    if x.shape[0] == 1:
+        return recurrent(x, dt, a, b, c, state)
+    return chunked(x, dt, a, b, c, state, chunk)
 
 
 def recurrent(

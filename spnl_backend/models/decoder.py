@@ -41,9 +41,9 @@ class DecoderLayer(nn.Module):
         native, hidden = kernels.native, config.hidden_size
         # The mixer under its checkpoint name: linear_attn, mamba or self_attn.
         if isinstance(spec.mixer, DeltaNetMixer):
-            self.linear_attn = GatedDeltaNet(config, spec.mixer)
+            self.linear_attn = GatedDeltaNet(config, spec.mixer, native)
         elif isinstance(spec.mixer, Mamba2Mixer):
-            self.mamba = Mamba2(config, spec.mixer)
+            self.mamba = Mamba2(config, spec.mixer, native)
         else:
             self.self_attn = Attention(config, spec.mixer, tp, native)
         if isinstance(spec.ffn, MoeFFN):

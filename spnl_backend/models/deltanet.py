@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import delta_rule
+from ..kernels.cpu import CpuKernels
 from .config import DeltaNetConfig, ModelConfig
 from .conv import CausalConv1d
 from .layers import DeltaNetMixer
@@ -40,10 +41,12 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, config: ModelConfig, mixer: DeltaNetMixer) -> None:
+    def __init__(
+        self, config: ModelConfig, mixer: DeltaNetMixer, native: CpuKernels | None = None
+    ) -> None:
         super().__init__()
         d: DeltaNetConfig = mixer.config
-        self.d, self.state = d, mixer.state
+        self.d, self.state, self.native = d, mixer.state, native
         hidden = config.hidden_size
         self.in_proj_qkv = Linear(hidden, d.conv_dim, bias=False)
         self.in_proj_z = Linear(hidden, d.value_dim, bias=False)
@@ -88,8 +91,7 @@ class GatedDeltaNet(nn.Module):
             q, k = q.repeat(1, group, 1), k.repeat(1, group, 1)
         else:
             q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
-        rule = delta_rule.recurrent if count == 1 else delta_rule.chunked
-        return rule(q, k, v, g, beta, state)
+        return delta_rule.rule(q, k, v, g, beta, state, self.native)
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:

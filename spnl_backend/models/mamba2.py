@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import ssd
+from ..kernels.cpu import CpuKernels
 from .config import Mamba2Config, ModelConfig
 from .conv import CausalConv1d
 from .layers import Mamba2Mixer
@@ -41,10 +42,12 @@ class GroupGatedRMSNorm(nn.Module):
 
 
 class Mamba2(nn.Module):
-    def __init__(self, config: ModelConfig, mixer: Mamba2Mixer) -> None:
+    def __init__(
+        self, config: ModelConfig, mixer: Mamba2Mixer, native: CpuKernels | None = None
+    ) -> None:
         super().__init__()
         m: Mamba2Config = mixer.config
-        self.m, self.state = m, mixer.state
+        self.m, self.state, self.native = m, mixer.state, native
         hidden = config.hidden_size
         self.in_proj = Linear(hidden, m.projection_size, bias=m.proj_bias)
         self.conv1d = CausalConv1d(m.conv_dim, m.conv_kernel, bias=m.conv_bias)
@@ -85,11 +88,10 @@ class Mamba2(nn.Module):
             for t in (b, c)
         )
         a = -self.A_log.to(x.dtype).exp()
-        if count == 1:
-            y = ssd.recurrent(x, dt, a, b, c, state)
-        else:
-            y = ssd.chunked(x, dt, a, b, c, state, m.chunk_size)
-        return y + x * self.D.to(x.dtype)[:, None]
+        return (
+            ssd.scan(x, dt, a, b, c, state, m.chunk_size, self.native)
+            + x * self.D.to(x.dtype)[:, None]
+        )
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:

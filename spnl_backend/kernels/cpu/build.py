@@ -31,6 +31,7 @@ SOURCES = tuple(
         "coded_decode.c",
         "moe.c",
         "layer_blocks.c",
+        "state_layers.c",
         "pool.c",
         "build_info.c",
     )

@@ -216,6 +216,18 @@ int64_t spnl_moe_scratch_bytes(const spnl_moe_args *m, int64_t tokens);
 int spnl_moe(const spnl_moe_args *m, const float *x, int64_t tokens, float *out, void *scratch,
              int64_t scratch_bytes, int threads, int exact);
 
+// state_layers.c: one sequence's tokens through a state layer's recurrence, the state
+// updated in place. The gated delta rule: q, k [tokens][heads][dk], v [tokens][heads][dv],
+// g, beta [tokens][heads], state [heads][dk][dv] → out [tokens][heads][dv]. The SSD scan:
+// x [tokens][heads][p], dt [tokens][heads], a [heads], b, c [tokens][heads][n], state
+// [heads][p][n] → out [tokens][heads][p].
+int spnl_delta_rule(const float *q, const float *k, const float *v, const float *g,
+                    const float *beta, float *state, float *out, int64_t tokens, int64_t heads,
+                    int64_t dk, int64_t dv, int threads);
+int spnl_ssd_scan(const float *x, const float *dt, const float *a, const float *b,
+                  const float *c, float *state, float *out, int64_t tokens, int64_t heads,
+                  int64_t p, int64_t n, int threads);
+
 // ---- shared by the attention kernels ---------------------------------------------------------
 
 // Whether every sequence's visible keys stay inside the slot table and the pool: the

@@ -205,6 +205,73 @@ class CpuKernels:
         )
         check_status(self.library.spnl_qk_norm_rope(args), "qk_norm_rope")
 
+    def delta_rule_(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+    ) -> torch.Tensor:
+        """The gated delta rule token by token (twin: `kernels.delta_rule.recurrent`): ``q``,
+        ``k [T, H, dk]``, ``v [T, H, dv]``, ``g``, ``beta [T, H]`` (float32), ``state [H, dk,
+        dv]`` (float32, contiguous, updated in place) → ``[T, H, dv]``."""
+        require(state, torch.float32, "delta_rule: state", dims=3)
+        heads, dk, dv = state.shape
+        tokens = q.shape[0] if q.dim() else 0
+        q, k = (_rows(t, (tokens, heads, dk), f"delta_rule: {n}") for t, n in ((q, "q"), (k, "k")))
+        v = _rows(v, (tokens, heads, dv), "delta_rule: v")
+        g, beta = (
+            _rows(t, (tokens, heads), f"delta_rule: {n}") for t, n in ((g, "g"), (beta, "beta"))
+        )
+        out = torch.empty_like(v)
+        check_status(
+            self.library.spnl_delta_rule(
+                *(t.data_ptr() for t in (q, k, v, g, beta, state, out)),
+                tokens,
+                heads,
+                dk,
+                dv,
+                self.threads,
+            ),
+            "delta_rule",
+        )
+        return out
+
+    def ssd_scan_(
+        self,
+        x: torch.Tensor,
+        dt: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        c: torch.Tensor,
+        state: torch.Tensor,
+    ) -> torch.Tensor:
+        """Mamba-2's scan token by token (twin: `kernels.ssd.recurrent`): ``x [T, H, P]``,
+        ``dt [T, H]``, ``a [H]``, ``b``, ``c [T, H, N]`` (float32), ``state [H, P, N]``
+        (float32, contiguous, updated in place) → ``[T, H, P]``."""
+        require(state, torch.float32, "ssd_scan: state", dims=3)
+        heads, p, n = state.shape
+        tokens = x.shape[0] if x.dim() else 0
+        x = _rows(x, (tokens, heads, p), "ssd_scan: x")
+        dt = _rows(dt, (tokens, heads), "ssd_scan: dt")
+        a = _rows(a, (heads,), "ssd_scan: a")
+        b, c = (_rows(t, (tokens, heads, n), f"ssd_scan: {m}") for t, m in ((b, "b"), (c, "c")))
+        out = torch.empty_like(x)
+        check_status(
+            self.library.spnl_ssd_scan(
+                *(t.data_ptr() for t in (x, dt, a, b, c, state, out)),
+                tokens,
+                heads,
+                p,
+                n,
+                self.threads,
+            ),
+            "ssd_scan",
+        )
+        return out
+
     def attention_block(self, step: "StepArgs", layer: "LayerArgs") -> None:
         """A layer's attention block (layer_blocks.c) over arguments the caller checked."""
         check_status(self.library.spnl_attention_block(step, layer), "attention_block")
@@ -369,6 +436,16 @@ class CpuKernels:
         )
         check_status(self.library.spnl_coded_decode(args), "coded_decode")
         return out
+
+
+def _rows(tensor: torch.Tensor, shape: tuple[int, ...], what: str) -> torch.Tensor:
+    """``tensor`` as the C code reads it: float32, contiguous (copied where it is a view
+    with gaps, as a layer's split of one projection is), of exactly ``shape``."""
+    tensor = tensor.contiguous()
+    require(tensor, torch.float32, what)
+    if tuple(tensor.shape) != shape:
+        raise KernelArgumentError(f"{what} of shape {tuple(tensor.shape)}, not {shape}")
+    return tensor
 
 
 def attention_args(
