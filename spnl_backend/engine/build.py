@@ -113,17 +113,15 @@ def _refuse_for_state_layers(loaded: LoadedModel, settings: BackendSettings) -> 
     config = loaded.config
     if not config.num_state_layers:
         return
-    reasons = {
+    asked = {
         "MISTRALRS_KV_TIER_DIR": settings.kv_tier_dir is not None,
         "layer mapping (MISTRALRS_DEVICE_LAYERS)": loaded.model.model.layer_spans is not None,
     }
-    for what, asked in reasons.items():
-        if asked:
-            raise SettingsError(
-                f"{what}: the {config.architecture} model has {config.num_state_layers} state "
-                "layers (Gated DeltaNet, Mamba-2), whose per-sequence state this does not "
-                "carry yet; leave it unset for this model"
-            )
+    why = (
+        f"the {config.architecture} model has {config.num_state_layers} state layers (Gated "
+        "DeltaNet, Mamba-2), whose per-sequence state this does not carry yet"
+    )
+    _refuse(asked, why)
 
 
 def _refuse_for_kv_groups(loaded: LoadedModel, settings: BackendSettings) -> None:
@@ -132,19 +130,24 @@ def _refuse_for_kv_groups(loaded: LoadedModel, settings: BackendSettings) -> Non
     config = loaded.config
     if config.uniform_kv:
         return
-    reasons = {
+    asked = {
         f"{env_name('kv_cache_compression')}={settings.kv_cache_compression}": (
             get_compressor(settings.kv_cache_compression) is not None
         ),
         "layer mapping (MISTRALRS_DEVICE_LAYERS)": loaded.model.model.layer_spans is not None,
     }
-    for what, asked in reasons.items():
-        if asked:
-            raise SettingsError(
-                f"{what}: the {config.architecture} model's KV layers differ in shape "
-                f"({_shapes(config)}) or are read by later layers, which this does not "
-                "handle yet; leave it unset for this model"
-            )
+    why = (
+        f"the {config.architecture} model's KV layers differ in shape ({_shapes(config)}) "
+        "or are read by later layers, which this does not handle yet"
+    )
+    _refuse(asked, why)
+
+
+def _refuse(asked: dict[str, bool], why: str) -> None:
+    """The first setting ``asked`` for (by name) that the model cannot run with, refused."""
+    for what, is_set in asked.items():
+        if is_set:
+            raise SettingsError(f"{what}: {why}; leave it unset for this model")
 
 
 def _shapes(config: ModelConfig) -> str:

@@ -112,12 +112,7 @@ class Attention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        norms = (self.q_norm, self.k_norm) if self.qk_norm else None
-        if rotary is None:
-            if norms is not None:
-                q, k = ops.rms_norm_layer(q, norms[0]), ops.rms_norm_layer(k, norms[1])
-            return q, k, v, gate
-        q, k = ops.qk_norm_rotate(q, k, norms, rotary)
+        q, k = self._normed_rotated(q, k, rotary)
         return q, k, v, gate
 
     def _q_alone(self, x: torch.Tensor, rotary: RotaryTables | None) -> torch.Tensor:
@@ -144,13 +139,20 @@ class Attention(nn.Module):
             v = self.v_norm(v)
         elif self.k_eq_v:  # the keys' rotation may run in place
             v = v.clone()
-        norms = (self.q_norm, self.k_norm) if self.qk_norm else None
-        if rotary is None:
-            if norms is not None:
-                q, k = ops.rms_norm_layer(q, norms[0]), ops.rms_norm_layer(k, norms[1])
-            return q, k, v, None
-        q, k = ops.qk_norm_rotate(q, k, norms, rotary)
+        q, k = self._normed_rotated(q, k, rotary)
         return q, k, v, None
+
+    def _normed_rotated(
+        self, q: torch.Tensor, k: torch.Tensor, rotary: RotaryTables | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries and keys ``[T, heads, d]`` normed per head where the layer does, then
+        rotated where it does (one fused step where both)."""
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else None
+        if rotary is not None:
+            return ops.qk_norm_rotate(q, k, norms, rotary)
+        if norms is not None:
+            q, k = ops.rms_norm_layer(q, norms[0]), ops.rms_norm_layer(k, norms[1])
+        return q, k
 
     def _sharded_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         """OLMoE's norm over a whole projection when each rank holds some of its heads:
