@@ -523,3 +523,34 @@ def test_masks_are_filled_without_importing_llguidance_torch(tiny):
     run = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_large_gbnf_grammars_convert_one_at_a_time(monkeypatch):
+    """Eight 8,000-rule grammars converting at once (Python, holding the GIL) kept a
+    server's event loop from running: /health took 0.2-0.5 s."""
+    from spnl_backend.constrain import spec as spec_module
+
+    monkeypatch.setattr(spec_module, "LARGE_SOURCE_CHARS", 0)
+    converting, most = [0], [0]
+    count = threading.Lock()
+    convert = spec_module.to_lark
+
+    def watched(text):
+        with count:
+            converting[0] += 1
+            most[0] = max(most[0], converting[0])
+        try:
+            time.sleep(0.05)  # long enough for the others to arrive, were they let in
+            return convert(text)
+        finally:
+            with count:
+                converting[0] -= 1
+
+    monkeypatch.setattr(spec_module, "to_lark", watched)
+    grammars = [f'root ::= "a{i}"' for i in range(4)]
+    threads = [threading.Thread(target=spec_module.grammar_spec, args=(g,)) for g in grammars]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert most[0] == 1
