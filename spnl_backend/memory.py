@@ -209,6 +209,27 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
+_MALLINFO2_FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO2_FIELDS.split()]
+
+
+def heap_in_use() -> int | None:
+    """Bytes the C heap has handed out and not had back, over every arena (glibc's
+    ``mallinfo2``: blocks in use plus the ones mapped on their own); what native code such
+    as llguidance holds shows here, unlike in RSS, whatever trimming and fragmentation do.
+    None where it cannot be read (another libc, macOS, Windows)."""
+    libc = _libc()
+    info = getattr(libc, "mallinfo2", None) if libc is not None else None
+    if info is None:
+        return None
+    info.restype = _MallInfo2
+    counts = info()
+    return counts.uordblks + counts.hblkhd
+
+
 def release_freed_memory() -> None:
     """Return the heap that loading freed (tokenizer parsing, conversion buffers) to the OS.
 

@@ -5,6 +5,8 @@ parameters drawn by hypothesis as well as for the deep nestings that once gave a
 
 import gc
 import json
+import threading
+import time
 
 import httpx
 import pytest
@@ -12,6 +14,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from live_server import MODEL, served_backend
 from test_tools import TOOL_TEMPLATE
+
+from spnl_backend.memory import heap_in_use
 
 CI = settings(
     max_examples=40,
@@ -280,7 +284,7 @@ def test_a_grammar_too_large_to_keep_compiles_off_the_event_loop(live, backend, 
 
     from spnl_backend.constrain import grammar
 
-    monkeypatch.setattr(grammar, "COMPILED_KEPT_CHARS", 0)  # nothing is kept
+    monkeypatch.setattr(grammar, "COMPILED_KEPT_BYTES", 0)  # nothing is kept
     on_the_loop: list[bool] = []
     compile_spec = grammar.GrammarCompiler.compile
 
@@ -361,33 +365,114 @@ def test_the_python_api_refuses_a_stop_with_a_constraint(backend):
     assert backend.generate("x", max_tokens=4, stop=", ").finish_reason in ("stop", "length")
 
 
-# ---- the compiled-grammar cache: bounded by its grammars' size, freed by close() ------
+# ---- the compiled-grammar cache: bounded by the bytes its grammars hold --------------
 
 
 def _choices(count: int, width: int) -> list[str]:
     return [f"{i:0{width}d}" for i in range(count)]
 
 
-def test_the_compiled_grammar_cache_is_bounded_by_grammar_size(backend, monkeypatch):
+def test_the_compiled_grammar_cache_is_bounded_by_bytes(backend, monkeypatch):
     from spnl_backend.constrain import grammar
     from spnl_backend.constrain.spec import choice_spec
 
     compiler = backend._grammars
     compiler.clear()
     specs = [choice_spec(_choices(100, 4 + i)) for i in range(4)]
-    size = max(len(spec.grammar) for spec in specs)
-    monkeypatch.setattr(grammar, "COMPILED_KEPT_CHARS", 2 * size + 1)
+    size = max(len(spec.grammar) for spec in specs) * grammar.SMALL_BYTES_PER_CHAR
+    monkeypatch.setattr(grammar, "COMPILED_KEPT_BYTES", 2 * size + 1)
     for spec in specs:
         compiler.compile(spec)
-        count, chars = compiler.kept()
-        assert chars <= 2 * size + 1
+        count, held = compiler.kept()
+        assert held <= 2 * size + 1
     assert count == 2  # the two most recent
     assert list(compiler._compiled) == specs[2:]
     huge = choice_spec(_choices(300, 8))
-    assert len(huge.grammar) > 2 * size + 1
+    assert len(huge.grammar) * grammar.SMALL_BYTES_PER_CHAR > 2 * size + 1
     constraint = compiler.compile(huge)  # compiled for its request, not kept
     assert constraint.matcher is not None
-    assert compiler.kept() == (count, chars)
+    assert compiler.kept() == (count, held)
+
+
+def _alternatives(count: int, tag: str) -> str:
+    return "(" + "|".join(f"{tag}{i:05d}" for i in range(count)) + ")"
+
+
+@pytest.mark.skipif(heap_in_use() is None, reason="the heap is measured where glibc's is")
+def test_a_large_grammar_is_kept_by_the_bytes_it_was_measured_to_hold(backend, monkeypatch):
+    """Counted by its text, a literal regex of 900,000 characters held 203 MB against a
+    bound said to keep about 100 MB."""
+    from spnl_backend.constrain import grammar
+    from spnl_backend.constrain.spec import regex_spec
+
+    compiler = backend._grammars
+    compiler.clear()
+    monkeypatch.setattr(grammar, "LARGE_GRAMMAR_CHARS", 0)  # every grammar measured
+    first = regex_spec(_alternatives(3000, "a"))
+    compiler.compile(first)
+    _, held = compiler.kept()
+    assert held > len(first.grammar)  # measured: more than its text
+    bound = 2 * held + held // 2
+    monkeypatch.setattr(grammar, "COMPILED_KEPT_BYTES", bound)
+    for tag in "bcdef":
+        compiler.compile(regex_spec(_alternatives(3000, tag)))
+        count, kept = compiler.kept()
+        assert kept <= bound
+        assert kept == sum(compiled.bytes for compiled in compiler._compiled.values())
+    assert count < 6
+
+
+def test_a_grammar_that_would_hold_too_much_is_a_400(live, backend, monkeypatch):
+    from spnl_backend.constrain import grammar
+
+    monkeypatch.setattr(grammar, "LARGE_GRAMMAR_CHARS", 1_000)
+    monkeypatch.setattr(grammar, "MAX_COMPILED_BYTES", 1_000)  # below any large one's text
+    backend._grammars.clear()
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    reply = live.post("/v1/completions", {**body, "guided_regex": _alternatives(300, "z")})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert "the regex is too large: compiled, it holds" in error["message"]
+    assert "at most 0 MiB is accepted" in error["message"]
+    assert error["param"] == "guided_regex"
+    assert backend._grammars.kept() == (0, 0)
+    small = live.post("/v1/completions", {**body, "guided_regex": "[a-z]+"})
+    assert small.status_code == 200, small.text  # a small one is not measured nor refused
+
+
+def test_large_grammars_compile_one_at_a_time(backend, monkeypatch):
+    """Eight ~1 MB regexes compiling at once grew the process by 1.2 GB (each compile
+    takes about twice what it keeps), and held the cores from everything else."""
+    from spnl_backend.constrain import grammar
+    from spnl_backend.constrain.spec import regex_spec
+
+    monkeypatch.setattr(grammar, "LARGE_GRAMMAR_CHARS", 0)
+    backend._grammars.clear()
+    backend.prepare_constraints()
+    compiling, most = [0], [0]
+    count = threading.Lock()
+    compile_spec = grammar.GrammarCompiler._compile
+
+    def watched(self, spec):
+        with count:
+            compiling[0] += 1
+            most[0] = max(most[0], compiling[0])
+        try:
+            time.sleep(0.05)  # long enough for the others to arrive, were they let in
+            return compile_spec(self, spec)
+        finally:
+            with count:
+                compiling[0] -= 1
+
+    monkeypatch.setattr(grammar.GrammarCompiler, "_compile", watched)
+    specs = [regex_spec(f"[a-z]{{{n}}}") for n in range(1, 5)]
+    threads = [threading.Thread(target=backend._grammars.compile, args=(s,)) for s in specs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert backend._grammars.kept()[0] == 4
+    assert most[0] == grammar.LARGE_COMPILES_AT_ONCE == 1
 
 
 def test_close_releases_the_compiled_grammars(tiny):
@@ -439,3 +524,34 @@ def test_masks_are_filled_without_importing_llguidance_torch(tiny):
     run = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_large_gbnf_grammars_convert_one_at_a_time(monkeypatch):
+    """Eight 8,000-rule grammars converting at once (Python, holding the GIL) kept a
+    server's event loop from running: /health took 0.2-0.5 s."""
+    from spnl_backend.constrain import spec as spec_module
+
+    monkeypatch.setattr(spec_module, "LARGE_SOURCE_CHARS", 0)
+    converting, most = [0], [0]
+    count = threading.Lock()
+    convert = spec_module.to_lark
+
+    def watched(text):
+        with count:
+            converting[0] += 1
+            most[0] = max(most[0], converting[0])
+        try:
+            time.sleep(0.05)  # long enough for the others to arrive, were they let in
+            return convert(text)
+        finally:
+            with count:
+                converting[0] -= 1
+
+    monkeypatch.setattr(spec_module, "to_lark", watched)
+    grammars = [f'root ::= "a{i}"' for i in range(4)]
+    threads = [threading.Thread(target=spec_module.grammar_spec, args=(g,)) for g in grammars]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert most[0] == 1

@@ -11,6 +11,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -18,6 +19,7 @@ import torch
 from ..engine.token_bitmask import new_bitmask
 from ..errors import RequestError
 from ..log import get_logger
+from ..memory import MIB, heap_in_use, release_freed_memory
 from ..signals import leave_interrupts_to_the_main_thread
 from .healing import TokenPrefixIndex
 from .spec import KIND_NAMES, ConstraintSpec, library_failure
@@ -25,15 +27,25 @@ from .spec import KIND_NAMES, ConstraintSpec, library_failure
 log = get_logger()
 
 COMPILED_KEPT = 64  # compiled specs kept, each forked for the sequences that use it
-# ... and at most this much grammar text among them. A compiled grammar holds about 100
-# bytes per character of its text (a 10,000-property schema, 259,000 characters: 27 MB;
-# a 100,000-alternative regex, 789,000: 70 MB), so this keeps about 100 MB at most; a
-# grammar longer than it is compiled for its request and not kept.
-COMPILED_KEPT_CHARS = 1_000_000
+# ... and at most this many bytes of compiled grammar among them (as `_measured` counts
+# them); a grammar that holds more is compiled for its request and not kept.
+COMPILED_KEPT_BYTES = 100 * MIB
+# A grammar whose compiled form holds more than this is refused: what it holds stays for
+# as long as a request uses it. A literal regex of 900,000 characters holds 203 MB; a
+# 100,000-alternative regex (800,000 characters) 43 MB, a 10,000-property schema 65 MB.
+MAX_COMPILED_BYTES = 128 * MIB
+# From this length a grammar is large: large ones compile one at a time, measured (a
+# compile takes about twice what it keeps while it runs, and eight at once took 1.2 GB).
+LARGE_GRAMMAR_CHARS = 100_000
+LARGE_COMPILES_AT_ONCE = 1
+# A small grammar is counted at this many bytes per character, not measured (which would
+# count a large one's compile beside it): the most measured, 250 for a 10,000-property schema.
+SMALL_BYTES_PER_CHAR = 256
 # 1 GiB of address space: a chain of rules as long as MAX_SOURCE_CHARS allows (about
 # 3 KB of stack per rule) fits. Only what the recursion touches is ever mapped.
 COMPILE_STACK_BYTES = 1 << 30
 _STACK_SIZE_SET = threading.Lock()  # threading.stack_size is process-wide
+_LARGE_COMPILES = threading.BoundedSemaphore(LARGE_COMPILES_AT_ONCE)
 T = TypeVar("T")
 
 
@@ -92,6 +104,14 @@ class GrammarConstraint:
             )
 
 
+@dataclass(frozen=True)
+class Compiled:
+    """A compiled grammar and the bytes it holds (`GrammarCompiler._measured`)."""
+
+    constraint: GrammarConstraint
+    bytes: int
+
+
 class GrammarCompiler:
     """Compiles specs against one model's vocabulary; safe from any thread."""
 
@@ -103,8 +123,8 @@ class GrammarCompiler:
         self.eos_token_ids = sorted(eos_token_ids)
         self._tokenizer: object | None = None
         self._prefixes: TokenPrefixIndex | None = None
-        self._compiled: OrderedDict[ConstraintSpec, GrammarConstraint] = OrderedDict()
-        self._compiled_chars = 0
+        self._compiled: OrderedDict[ConstraintSpec, Compiled] = OrderedDict()
+        self._compiled_bytes = 0
         self._building = threading.Lock()
 
     @property
@@ -131,40 +151,65 @@ class GrammarCompiler:
 
     def compile(self, spec: ConstraintSpec) -> GrammarConstraint:
         """A matcher of its own for ``spec``, forked from one compiled once (the last
-        `COMPILED_KEPT` specs are kept, with at most `COMPILED_KEPT_CHARS` of grammar text
-        among them); a grammar that does not compile is a `RequestError` with
-        llguidance's message."""
+        `COMPILED_KEPT` specs are kept, holding at most `COMPILED_KEPT_BYTES` among them);
+        a grammar that does not compile, or holds more than `MAX_COMPILED_BYTES`, is a
+        `RequestError`."""
         with self._building:
             compiled = self._compiled.get(spec)
             if compiled is not None:
                 self._compiled.move_to_end(spec)
         if compiled is None:
-            compiled = on_a_large_stack(lambda: self._compile(spec))
+            compiled = on_a_large_stack(lambda: self._measured(spec))
             self._keep(spec, compiled)
-        return compiled.fork()
+        return compiled.constraint.fork()
 
-    def _keep(self, spec: ConstraintSpec, compiled: GrammarConstraint) -> None:
+    def _measured(self, spec: ConstraintSpec) -> "Compiled":
+        """``spec`` compiled with the bytes it holds: a small grammar's counted at
+        `SMALL_BYTES_PER_CHAR`, a large one's measured as the heap's growth while it
+        compiles, one at a time (so that the growth is its own, but for small compiles
+        beside it) and refused past `MAX_COMPILED_BYTES`."""
+        chars = len(spec.grammar)
+        if chars < LARGE_GRAMMAR_CHARS:
+            return Compiled(self._compile(spec), chars * SMALL_BYTES_PER_CHAR)
+        self.tokenizer  # noqa: B018  # built first: the vocabulary's view is not the grammar's
+        with _LARGE_COMPILES:
+            before = heap_in_use()
+            constraint = self._compile(spec)
+            held = _held(before, heap_in_use(), chars)
+            log.info("grammar.compiled", kind=spec.kind, chars=chars, mib=round(held / MIB, 1))
+            if held > MAX_COMPILED_BYTES:
+                del constraint  # freed before the next large compile measures the heap
+                release_freed_memory()
+                raise RequestError(
+                    f"the {KIND_NAMES[spec.kind]} is too large: compiled, it holds "
+                    f"{held / MIB:,.0f} MiB, and at most {MAX_COMPILED_BYTES // MIB:,} MiB "
+                    f"is accepted (a shorter or simpler one is)"
+                )
+        return Compiled(constraint, held)
+
+    def _keep(self, spec: ConstraintSpec, compiled: "Compiled") -> None:
         """``compiled`` kept, the least recently used dropped beyond either bound."""
-        if len(spec.grammar) > COMPILED_KEPT_CHARS:
+        if compiled.bytes > COMPILED_KEPT_BYTES:
             return
         with self._building:
-            if spec not in self._compiled:
-                self._compiled_chars += len(spec.grammar)
+            previous = self._compiled.pop(spec, None)
+            self._compiled_bytes -= previous.bytes if previous is not None else 0
             self._compiled[spec] = compiled
-            while len(self._compiled) > COMPILED_KEPT or self._compiled_chars > COMPILED_KEPT_CHARS:
-                dropped, _ = self._compiled.popitem(last=False)
-                self._compiled_chars -= len(dropped.grammar)
+            self._compiled_bytes += compiled.bytes
+            while len(self._compiled) > COMPILED_KEPT or self._compiled_bytes > COMPILED_KEPT_BYTES:
+                _, dropped = self._compiled.popitem(last=False)
+                self._compiled_bytes -= dropped.bytes
 
     def kept(self) -> tuple[int, int]:
-        """How many compiled grammars are kept, and their grammar text's characters."""
+        """How many compiled grammars are kept, and the bytes they hold (as counted)."""
         with self._building:
-            return len(self._compiled), self._compiled_chars
+            return len(self._compiled), self._compiled_bytes
 
     def clear(self) -> None:
         """Drop every compiled grammar and the vocabulary's views (a closed backend's)."""
         with self._building:
             self._compiled.clear()
-            self._compiled_chars = 0
+            self._compiled_bytes = 0
             self._tokenizer = self._prefixes = None
 
     def _compile(self, spec: ConstraintSpec) -> GrammarConstraint:
@@ -234,6 +279,15 @@ def on_a_large_stack(compile_grammar: Callable[[], T]) -> T:
     if isinstance(result, BaseException):
         raise result
     return result  # type: ignore[return-value]
+
+
+def _held(before: int | None, after: int | None, chars: int) -> int:
+    """The bytes a large grammar holds: the heap's growth while it compiled, at least its
+    text (another thread may have freed meanwhile); where the heap cannot be read, its
+    characters at `SMALL_BYTES_PER_CHAR`."""
+    if before is None or after is None:
+        return chars * SMALL_BYTES_PER_CHAR
+    return max(after - before, chars)
 
 
 def _brief(message: str) -> str:

@@ -6,8 +6,10 @@ strings. A `ConstraintSpec` holds it as llguidance's grammar text; compiling it 
 the model's vocabulary is `grammar.GrammarCompiler`'s job.
 """
 
+import contextlib
 import json
 import re
+import threading
 from dataclasses import dataclass
 
 from ..errors import RequestError, shown
@@ -17,6 +19,10 @@ from .gbnf import to_lark
 # Beyond this a grammar's source is refused before anything parses it.
 MAX_SOURCE_CHARS = 1_000_000
 MAX_CHOICES = 1024
+# GBNF from this length converts one at a time: the conversion is Python, holding the GIL,
+# and eight 8,000-rule grammars converting at once kept a server's event loop from it.
+LARGE_SOURCE_CHARS = 100_000
+_LARGE_CONVERSIONS = threading.BoundedSemaphore(1)
 KINDS = ("json_object", "json_schema", "regex", "grammar", "choice")
 
 
@@ -158,7 +164,8 @@ def grammar_spec(source: object) -> ConstraintSpec:
         raise _bad("grammar", source, "a non-empty Lark or GBNF grammar string")
     _check_size(check_text(text, "grammar"), "grammar")
     try:
-        lark = to_lark(text)
+        with _LARGE_CONVERSIONS if len(text) >= LARGE_SOURCE_CHARS else contextlib.nullcontext():
+            lark = to_lark(text)
     except RequestError:
         raise
     except BaseException as exc:  # the parser's own errors (nesting too deep), whatever their class

@@ -22,6 +22,7 @@ from pathlib import Path
 from ..backend import Backend
 from ..log import get_logger
 from ..memory import release_freed_memory, resident_bytes
+from . import collector
 from .protocol import ApiError
 
 log = get_logger()
@@ -211,10 +212,14 @@ class ModelSet:
 
     @staticmethod
     def _close(backends: list[Backend]) -> None:
-        for backend in backends:
-            backend.close()
-        if backends:
-            release_freed_memory()
+        """Close each of ``backends``, taken out of the list: its references are their
+        last, gone before the collector's pass."""
+        if not backends:
+            return
+        while backends:
+            backends.pop(0).close()
+        collector.collect_unloaded()
+        release_freed_memory()
 
 
 def _load_failed(model: ServedModel) -> ApiError:
