@@ -209,7 +209,7 @@ SHAPES = {
         4096,
         10000000.0,
         1e-6,
-        delta_net=DeltaNet(2, 4, 32, 64),
+        delta_net=DeltaNet(2, 4, 64, 64),  # llama.cpp: value heads as wide as key heads
         rotary_dim=16,
     ),
     "tiny-gpt-oss": Shape(
