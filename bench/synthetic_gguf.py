@@ -35,7 +35,8 @@ from spnl_backend.quant.ggml import SCALE_OFFSETS, ggml_format
 @dataclass(frozen=True)
 class DeltaNet:
     """Qwen3.5's Gated DeltaNet layers (llama.cpp's ``qwen35``): every ``interval``-th
-    layer attends, the others are DeltaNet layers of these sizes."""
+    layer attends, the others are DeltaNet layers of these sizes. llama.cpp's qwen35 loader
+    takes both head widths from ssm.state_size: a file for it needs ``k_dim == v_dim``."""
 
     k_heads: int
     v_heads: int
