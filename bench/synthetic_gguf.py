@@ -3,7 +3,8 @@ quantization mixes, filled with random but valid blocks.
 
 Every block's float16 scales are finite, normal and of realistic magnitude (the weights
 come out with a standard deviation of about 0.02-0.15); every other byte (quants, packed
-sub-block scales) is random. Blocks are written directly, not quantized from floats, so an
+sub-block scales) is random (MXFP4's exponent bytes are drawn from a narrow range, for
+weights of the same magnitude). Blocks are written directly, not quantized from floats, so an
 8B file takes under a minute on 2 cores, and the tensors are written one at a time so
 memory stays at about one tensor.
 
@@ -13,6 +14,8 @@ Shapes whose real vocabulary is smaller (Llama 3's 128,256) keep that many of it
 single character, so text still tokenizes into words.
 
     python bench/synthetic_gguf.py --shape llama-1b --format q4_k_m --out /tmp/l1b.gguf
+    python bench/synthetic_gguf.py --shape qwen35-4b --format q4_k_m --out /tmp/q35.gguf
+    python bench/synthetic_gguf.py --shape gpt-oss-20b --format mxfp4_moe --out /tmp/oss.gguf
 """
 
 import argparse
@@ -30,8 +33,22 @@ from spnl_backend.quant.ggml import SCALE_OFFSETS, ggml_format
 
 
 @dataclass(frozen=True)
+class DeltaNet:
+    """Qwen3.5's Gated DeltaNet layers (llama.cpp's ``qwen35``): every ``interval``-th
+    layer attends, the others are DeltaNet layers of these sizes. llama.cpp's qwen35 loader
+    takes both head widths from ssm.state_size: a file for it needs ``k_dim == v_dim``."""
+
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int = 4
+    interval: int = 4
+
+
+@dataclass(frozen=True)
 class Shape:
-    arch: str  # "llama", "gemma3" or "qwen3moe"
+    arch: str  # "llama", "gemma3", "qwen3moe", "qwen35" or "gpt-oss"
     hidden: int
     layers: int
     heads: int
@@ -50,6 +67,10 @@ class Shape:
     # ``experts_used`` per token.
     experts: int = 0
     experts_used: int = 0
+    delta_net: DeltaNet | None = None
+    rotary_dim: int | None = None  # a partial rotation (Qwen3.5: a quarter of the head)
+    # YaRN (gpt-oss): the factor and the original context
+    yarn: tuple[float, int] | None = None
 
 
 SHAPES = {
@@ -119,6 +140,45 @@ SHAPES = {
         experts=64,
         experts_used=8,
     ),
+    # Qwen3.5-4B (text; llama.cpp's qwen35): 24 Gated DeltaNet layers (16 key heads, 32
+    # value heads of 128), every 4th layer attention (16 heads of 256, 4 KV heads, q doubled
+    # by its output gate, a quarter of the head rotated), the embedding tied
+    "qwen35-4b": Shape(
+        "qwen35",
+        2560,
+        32,
+        16,
+        4,
+        256,
+        9216,
+        248320,
+        True,
+        262144,
+        10000000.0,
+        1e-6,
+        delta_net=DeltaNet(16, 32, 128, 128),
+        rotary_dim=64,
+    ),
+    # gpt-oss-20b: 24 layers, 32 experts of 2,880 (4 per token, biased, MXFP4 in its
+    # files), 64 heads of 64 with sinks, 8 KV heads, 128-token windows on even layers
+    "gpt-oss-20b": Shape(
+        "gpt-oss",
+        2880,
+        24,
+        64,
+        8,
+        64,
+        2880,
+        201088,
+        False,
+        131072,
+        150000.0,
+        1e-5,
+        sliding_window=128,
+        experts=32,
+        experts_used=4,
+        yarn=(32.0, 4096),
+    ),
     # for tests: seconds to write and load
     "tiny": Shape("llama", 256, 2, 4, 2, 64, 512, 512, True, 4096, 500000.0, 1e-5),
     "tiny-moe": Shape(
@@ -137,8 +197,43 @@ SHAPES = {
         experts=8,
         experts_used=2,
     ),
+    "tiny-qwen35": Shape(
+        "qwen35",
+        256,
+        4,
+        4,
+        2,
+        64,
+        512,
+        512,
+        True,
+        4096,
+        10000000.0,
+        1e-6,
+        delta_net=DeltaNet(2, 4, 64, 64),  # llama.cpp: value heads as wide as key heads
+        rotary_dim=16,
+    ),
+    "tiny-gpt-oss": Shape(
+        "gpt-oss",
+        256,
+        2,
+        4,
+        2,
+        64,
+        256,
+        512,
+        False,
+        4096,
+        150000.0,
+        1e-5,
+        sliding_window=8,
+        experts=8,
+        experts_used=2,
+        yarn=(32.0, 4096),
+    ),
 }
-FILE_TYPES = {"q4_k_m": 15, "q8_0": 7, "q4_0": 2}  # llama_ftype values (general.file_type)
+# llama_ftype values (general.file_type); mxfp4_moe: experts MXFP4, other matrices Q8_0
+FILE_TYPES = {"q4_k_m": 15, "q8_0": 7, "q4_0": 2, "mxfp4_moe": 38}
 
 # log-uniform ranges of each float16 scale field (d, then dmin), by format: weights
 # come out with a standard deviation of roughly 0.02–0.15 given random quants and random
@@ -147,8 +242,12 @@ _SCALE_RANGES = {
     Q.Q4_0: ((2e-3, 6e-3),),
     Q.Q8_0: ((1.5e-4, 4e-4),),
     Q.Q4_K: ((1e-4, 2e-4), (5e-4, 1.5e-3)),
+    Q.Q5_K: ((6.5e-5, 1.3e-4), (5e-4, 1.5e-3)),
     Q.Q6_K: ((6.5e-5, 1.3e-4),),  # the smallest normal float16 is 6.1e-5
 }
+# MXFP4's E8M0 exponent byte (a scale of 2^(e - 128) over ggml's doubled E2M1 values,
+# whose random nibbles have an RMS of about 5.9): weights of RMS about 0.02-0.05
+_MXFP4_EXPONENTS = (119, 121)
 
 
 def use_more_bits(i: int, n: int) -> bool:
@@ -159,28 +258,43 @@ def use_more_bits(i: int, n: int) -> bool:
 def tensor_plan(shape: Shape, fmt: str, pure: bool = False) -> Iterator[tuple[str, tuple, Q]]:
     """(name, numpy shape [rows, row length], type) of every tensor, in llama.cpp's order
     and with llama-quantize's type choices for the format."""
-    base = {"q4_k_m": Q.Q4_K, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}[fmt]
+    if shape.arch == "gpt-oss":
+        yield from _gpt_oss_plan(shape, fmt)
+        return
+    base = {"q4_k_m": Q.Q4_K, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "mxfp4_moe": Q.Q8_0}[fmt]
     # llama-quantize gives the output matrix (the embedding when tied) Q6_K unless Q8_0
     head = base if pure or base == Q.Q8_0 else Q.Q6_K
     h, q_dim, kv_dim = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     yield "token_embd.weight", (shape.vocab, h), head if shape.tied else base
     if shape.rope_llama3_factor:
         yield "rope_freqs.weight", (shape.head_dim // 2,), Q.F32
+    mixed = fmt == "q4_k_m" and not pure
+    attention = [i for i in range(shape.layers) if not _is_delta_net(shape, i)]
     for i in range(shape.layers):
-        more = fmt == "q4_k_m" and not pure and use_more_bits(i, shape.layers)
+        more = mixed and use_more_bits(i, shape.layers)
         wide = Q.Q6_K if more else base
         blk = f"blk.{i}."
         yield blk + "attn_norm.weight", (h,), Q.F32
-        yield blk + "attn_q.weight", (q_dim, h), base
-        yield blk + "attn_k.weight", (kv_dim, h), base
-        yield blk + "attn_v.weight", (kv_dim, h), wide
-        if shape.arch in ("gemma3", "qwen3moe"):
-            yield blk + "attn_q_norm.weight", (shape.head_dim,), Q.F32
-            yield blk + "attn_k_norm.weight", (shape.head_dim,), Q.F32
-        yield blk + "attn_output.weight", (h, q_dim), base
+        if _is_delta_net(shape, i):
+            yield from _delta_net_plan(shape, blk, base, mixed)
+        else:
+            # llama-quantize counts attn_v over the attention layers only
+            v_more = mixed and use_more_bits(attention.index(i), len(attention))
+            # Qwen3.5's q projection carries its output gate: twice the rows
+            q_rows = 2 * q_dim if shape.arch == "qwen35" else q_dim
+            yield blk + "attn_q.weight", (q_rows, h), base
+            yield blk + "attn_k.weight", (kv_dim, h), base
+            yield blk + "attn_v.weight", (kv_dim, h), Q.Q6_K if v_more else base
+            if shape.arch in ("gemma3", "qwen3moe", "qwen35"):
+                yield blk + "attn_q_norm.weight", (shape.head_dim,), Q.F32
+                yield blk + "attn_k_norm.weight", (shape.head_dim,), Q.F32
+            yield blk + "attn_output.weight", (h, q_dim), base
         if shape.arch == "gemma3":
             yield blk + "post_attention_norm.weight", (h,), Q.F32
-        yield blk + "ffn_norm.weight", (h,), Q.F32
+        if shape.arch == "qwen35":  # the norm before the MLP
+            yield blk + "post_attention_norm.weight", (h,), Q.F32
+        else:
+            yield blk + "ffn_norm.weight", (h,), Q.F32
         if shape.experts:  # llama-quantize keeps the router in float
             e = shape.experts
             yield blk + "ffn_gate_inp.weight", (e, h), Q.F32
@@ -196,6 +310,60 @@ def tensor_plan(shape: Shape, fmt: str, pure: bool = False) -> Iterator[tuple[st
     yield "output_norm.weight", (h,), Q.F32
     if not shape.tied:
         yield "output.weight", (shape.vocab, h), head
+
+
+def _is_delta_net(shape: Shape, layer: int) -> bool:
+    net = shape.delta_net
+    return net is not None and (layer + 1) % net.interval != 0
+
+
+def _delta_net_plan(shape: Shape, blk: str, base: Q, mixed: bool):
+    """A Qwen3.5 DeltaNet layer's tensors as llama.cpp's converter names them; llama-quantize's
+    Q4_K_M gives the fused qkv projection Q5_K (its ATTENTION_QKV rule) and keeps the
+    convolution in float."""
+    net, h = shape.delta_net, shape.hidden
+    key_dim, value_dim = net.k_heads * net.k_dim, net.v_heads * net.v_dim
+    yield blk + "attn_qkv.weight", (2 * key_dim + value_dim, h), Q.Q5_K if mixed else base
+    yield blk + "attn_gate.weight", (value_dim, h), base
+    yield blk + "ssm_conv1d.weight", (2 * key_dim + value_dim, net.conv_kernel), Q.F32
+    yield blk + "ssm_dt.bias", (net.v_heads,), Q.F32
+    yield blk + "ssm_a", (net.v_heads,), Q.F32
+    yield blk + "ssm_beta.weight", (net.v_heads, h), base
+    yield blk + "ssm_alpha.weight", (net.v_heads, h), base
+    yield blk + "ssm_norm.weight", (net.v_dim,), Q.F32
+    yield blk + "ssm_out.weight", (h, value_dim), base
+
+
+def _gpt_oss_plan(shape: Shape, fmt: str):
+    """gpt-oss as its published GGUFs hold it (llama-quantize's MXFP4_MOE): the experts
+    MXFP4, every other matrix Q8_0 (its rows of 2,880 fit no K-quant), the router, norms,
+    sinks and biases float32."""
+    if fmt not in ("mxfp4_moe", "q8_0"):
+        raise SystemExit("gpt-oss shapes are written as mxfp4_moe or q8_0 (rows of 2,880)")
+    experts = Q.MXFP4 if fmt == "mxfp4_moe" else Q.Q8_0
+    h, e, ffn = shape.hidden, shape.experts, shape.ffn
+    q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    yield "token_embd.weight", (shape.vocab, h), Q.Q8_0
+    for i in range(shape.layers):
+        blk = f"blk.{i}."
+        yield blk + "attn_norm.weight", (h,), Q.F32
+        for name, rows in (("attn_q", q_dim), ("attn_k", kv_dim), ("attn_v", kv_dim)):
+            yield blk + name + ".weight", (rows, h), Q.Q8_0
+            yield blk + name + ".bias", (rows,), Q.F32
+        yield blk + "attn_output.weight", (h, q_dim), Q.Q8_0
+        yield blk + "attn_output.bias", (h,), Q.F32
+        yield blk + "attn_sinks.weight", (shape.heads,), Q.F32
+        yield blk + "post_attention_norm.weight", (h,), Q.F32
+        yield blk + "ffn_gate_inp.weight", (e, h), Q.F32
+        yield blk + "ffn_gate_inp.bias", (e,), Q.F32
+        yield blk + "ffn_gate_exps.weight", (e, ffn, h), experts
+        yield blk + "ffn_gate_exps.bias", (e, ffn), Q.F32
+        yield blk + "ffn_up_exps.weight", (e, ffn, h), experts
+        yield blk + "ffn_up_exps.bias", (e, ffn), Q.F32
+        yield blk + "ffn_down_exps.weight", (e, h, ffn), experts
+        yield blk + "ffn_down_exps.bias", (e, h), Q.F32
+    yield "output_norm.weight", (h,), Q.F32
+    yield "output.weight", (shape.vocab, h), Q.Q8_0
 
 
 def llama3_rope_factors(shape: Shape) -> np.ndarray:
@@ -223,6 +391,10 @@ def random_blocks(rng: np.random.Generator, qtype: Q, n_elements: int) -> np.nda
     n_blocks = n_elements // fmt.block_size
     blocks = np.frombuffer(bytearray(rng.bytes(n_blocks * fmt.type_size)), dtype=np.uint8)
     blocks = blocks.reshape(n_blocks, fmt.type_size)
+    if qtype == Q.MXFP4:  # an exponent byte, not a float16
+        low, high = _MXFP4_EXPONENTS
+        blocks[:, 0] = rng.integers(low, high + 1, n_blocks, dtype=np.uint8)
+        return blocks
     for offset, (lo, hi) in zip(SCALE_OFFSETS[qtype], _SCALE_RANGES[qtype], strict=True):
         scale = np.exp(rng.uniform(math.log(lo), math.log(hi), n_blocks)).astype("<f2")
         blocks[:, offset : offset + 2] = scale.view(np.uint8).reshape(n_blocks, 2)
@@ -234,6 +406,14 @@ def tensor_data(rng: np.random.Generator, name: str, shape: tuple, qtype: Q, mod
         return llama3_rope_factors(model)
     if name.endswith("ffn_gate_inp.weight"):  # a router: logits of a few units
         return (0.05 * rng.standard_normal(shape)).astype(np.float32)
+    if name.endswith(".bias") and not name.endswith("ssm_dt.bias"):  # gpt-oss's biases
+        return (0.02 * rng.standard_normal(shape)).astype(np.float32)
+    if name.endswith("attn_sinks.weight"):  # a sink logit per head
+        return rng.normal(0.0, 1.0, shape).astype(np.float32)
+    if name.endswith("ssm_a"):  # Qwen3.5's A stored as -exp(A_log), A in (0, 16]
+        return (-rng.uniform(1.0, 16.0, shape)).astype(np.float32)
+    if name.endswith("ssm_conv1d.weight"):  # convolution taps
+        return (0.2 * rng.standard_normal(shape)).astype(np.float32)
     if qtype == Q.F32:  # norm weights (Gemma's stored as 1 + w, as llama.cpp converts them)
         return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
     return random_blocks(rng, qtype, math.prod(shape)).reshape(*shape[:-1], -1)
@@ -306,19 +486,43 @@ def add_metadata(writer: gguf.GGUFWriter, name: str, shape: Shape, fmt: str) -> 
     writer.add_head_count_kv(shape.kv_heads)
     writer.add_key_length(shape.head_dim)
     writer.add_value_length(shape.head_dim)
-    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_rope_dimension_count(shape.rotary_dim or shape.head_dim)
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.rms_eps)
     if shape.arch == "llama":
         writer.add_vocab_size(shape.vocab)
     if shape.sliding_window:
         writer.add_sliding_window(shape.sliding_window)
+    if shape.yarn:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(shape.yarn[0])
+        writer.add_rope_scaling_orig_ctx_len(shape.yarn[1])
+    if shape.delta_net:
+        add_delta_net_metadata(writer, shape)
     if shape.experts:
         writer.add_expert_count(shape.experts)
         writer.add_expert_used_count(shape.experts_used)
         writer.add_expert_feed_forward_length(shape.ffn)
     writer.add_file_type(FILE_TYPES[fmt])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def add_delta_net_metadata(writer: gguf.GGUFWriter, shape: Shape) -> None:
+    """The keys llama.cpp's converter writes for Qwen3.5 (its Qwen3NextModel and
+    _Qwen35MRopeMixin): the DeltaNet's sizes as ssm.*, the layer kinds, and the multimodal
+    rope's sections, which llama.cpp's qwen35 loader requires (text uses the first)."""
+    net, arch = shape.delta_net, shape.arch
+    writer.add_ssm_conv_kernel(net.conv_kernel)
+    writer.add_ssm_state_size(net.k_dim)
+    writer.add_ssm_group_count(net.k_heads)
+    writer.add_ssm_time_step_rank(net.v_heads)
+    writer.add_ssm_inner_size(net.v_dim * net.v_heads)
+    recurrent = [_is_delta_net(shape, i) for i in range(shape.layers)]
+    writer.add_array(f"{arch}.attention.recurrent_layers", recurrent)
+    writer.add_full_attention_interval(net.interval)
+    pairs = (shape.rotary_dim or shape.head_dim) // 2  # Qwen3.5's [11, 11, 10] at 32 pairs
+    first = round(pairs * 11 / 32)
+    writer.add_rope_dimension_sections([first, first, pairs - 2 * first, 0])
 
 
 def write(

@@ -68,3 +68,63 @@ def test_tiny_synthetic_moe_file_loads_its_stacked_experts(tmp_path):
     result = backend.generate("Hello", max_tokens=4, temperature=0, ignore_eos=True)
     assert result.usage.completion_tokens == 4
     backend.close()
+
+
+def _decodes_finite(backend) -> bool:
+    logits = []
+    compute = backend.model.compute_logits
+
+    def recording(hidden):
+        out = compute(hidden)
+        logits.append(out)
+        return out
+
+    backend.model.compute_logits = recording
+    result = backend.generate("Hello", max_tokens=4, temperature=0, ignore_eos=True)
+    assert result.usage.completion_tokens == 4
+    return bool(logits) and all(bool(torch.isfinite(row).all()) for row in logits)
+
+
+def test_tiny_synthetic_qwen35_file_has_llama_cpp_keys_and_decodes(tmp_path):
+    path = tmp_path / "tiny-qwen35.gguf"
+    synthetic_gguf.write(path, "tiny-qwen35", "q4_k_m")
+    reader = GGUFReader(path)
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    # layers 0-2 DeltaNet, layer 3 attention (q doubled by its output gate)
+    assert types["blk.0.attn_qkv.weight"] == "Q5_K"  # llama-quantize's ATTENTION_QKV rule
+    assert types["blk.0.ssm_conv1d.weight"] == "F32"
+    assert "blk.0.attn_q.weight" not in types
+    assert "blk.3.attn_qkv.weight" not in types
+    shapes = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}
+    assert shapes["blk.3.attn_q.weight"] == (256, 2 * 4 * 64)
+    fields = reader.fields
+    assert list(fields["qwen35.attention.recurrent_layers"].contents()) == [1, 1, 1, 0]
+    assert fields["qwen35.rope.dimension_sections"].contents() == [3, 3, 2, 0]
+    for key in ("conv_kernel", "state_size", "group_count", "time_step_rank", "inner_size"):
+        assert f"qwen35.ssm.{key}" in fields
+    backend = load_backend(str(path), settings=CPU)
+    try:
+        assert _decodes_finite(backend)
+    finally:
+        backend.close()
+
+
+def test_tiny_synthetic_gpt_oss_file_is_mxfp4_moe_and_decodes(tmp_path):
+    path = tmp_path / "tiny-gpt-oss.gguf"
+    synthetic_gguf.write(path, "tiny-gpt-oss", "mxfp4_moe")
+    reader = GGUFReader(path)
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    assert types["blk.0.ffn_gate_exps.weight"].name == "MXFP4"
+    assert types["blk.0.attn_q.weight"].name == "Q8_0"
+    assert types["blk.0.ffn_gate_exps.bias"].name == "F32"
+    assert types["blk.0.attn_sinks.weight"].name == "F32"
+    tensor = next(t for t in reader.tensors if t.name == "blk.0.ffn_down_exps.weight")
+    raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8)).flatten()
+    weights = dequantize(raw, tensor.tensor_type, (-1,))
+    assert bool(torch.isfinite(weights).all())
+    assert 1e-3 < float(weights.std()) < 0.5
+    backend = load_backend(str(path), settings=CPU)
+    try:
+        assert _decodes_finite(backend)
+    finally:
+        backend.close()
