@@ -150,14 +150,18 @@ def in_flight(records: list[Record], start: float, end: float) -> list[str]:
 
 
 def worst_gaps(records: list[Record], count: int) -> list[dict]:
-    """The ``count`` largest gaps: stream kind, seconds, when (from the first request) and
-    what else ran across them."""
+    """The ``count`` largest gaps, one per stall (a gap that overlaps a larger one shown is
+    the same stall, seen by another stream): stream kind, seconds, when (from the first
+    request) and what else ran across it."""
     origin = min((r.start for r in records), default=0.0)
     every = [(b - a, r.kind, a, b) for r in records for a, b in itertools.pairwise(r.arrivals)]
-    every.sort(reverse=True)
+    shown: list[tuple] = []
+    for gap in sorted(every, reverse=True):
+        if len(shown) < count and not any(gap[2] < b and a < gap[3] for _, _, a, b in shown):
+            shown.append(gap)
     return [
         {"kind": kind, "gap_s": gap, "at_s": a - origin, "with": in_flight(records, a, b)}
-        for gap, kind, a, b in every[:count]
+        for gap, kind, a, b in shown
     ]
 
 

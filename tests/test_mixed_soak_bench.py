@@ -61,6 +61,8 @@ def test_the_worst_gaps_name_what_ran_across_them():
     assert worst[0]["at_s"] == pytest.approx(1.15)
     assert worst[0]["with"] == ["embeddings", "span query start"]
     assert worst[1]["with"] == ["embeddings"]  # 1.0 to 1.15
+    other = Record("Ollama chat", 0.0, 5.0, 200, [1.2, 2.9])  # the same stall, seen again
+    assert [w["kind"] for w in mixed_soak.worst_gaps([stream, other], 2)] == ["OpenAI chat"] * 2
 
 
 def test_the_report_says_whether_every_gap_stayed_under_a_second():
