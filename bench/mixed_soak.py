@@ -17,12 +17,12 @@ another (a new one as the last ends, none after the deadline):
   ``POST /api/generate`` (32 tokens, not streamed);
 - ``GET /health`` polled every 50 ms.
 
-Per stream kind: its tokens, largest gap, 99th-percentile gap and the share of gaps over
-1 s; per other kind: requests, failures and seconds; `/health`'s largest latency; the
-largest gaps with the requests in flight across them (a stream's "start" is its time to
-first token: its prefill). The load average at the start and the end is noted: the
-seconds mean little on a machine that is busy with other work. Issue 53's target: every
-gap under 1 s on 2 cores.
+Per stream kind: its tokens (chunks that carry text), largest gap, 99th-percentile gap
+and the share of gaps over 1 s; per other kind: requests, failures and seconds;
+`/health`'s largest latency; the largest gaps, one per stall, with the requests in flight
+across them (a stream's "start" is its time to first token: its prefill). The load
+average at the start and the end is noted: the seconds mean little on a machine that is
+busy with other work. Issue 53's target: every gap under 1 s on 2 cores.
 """
 
 import argparse
