@@ -18,7 +18,13 @@ from helpers import (
 from safetensors.torch import save_file
 from tiny_models import HYBRID_ARCHITECTURES, build_hf_model
 
-from spnl_backend import BackendSettings, RequestError, SettingsError, load_backend
+from spnl_backend import (
+    BackendSettings,
+    ModelFileError,
+    RequestError,
+    SettingsError,
+    load_backend,
+)
 from spnl_backend.distributed.sharding import check_shardable
 from spnl_backend.kernels import delta_rule, ssd
 from spnl_backend.models.arch import family
@@ -428,3 +434,16 @@ def test_a_multimodal_checkpoint_loads_its_language_model(tiny, tmp_path):
         assert wrapped.model_config == plain.model_config
         ids = model.tokenizer(PROMPT).input_ids
         assert torch.equal(engine_logits(wrapped, ids), engine_logits(plain, ids))
+
+
+def test_a_config_out_of_range_names_its_key(tiny, tmp_path):
+    """A DeltaNet size the layer cannot run (value heads not a multiple of the key heads)
+    is refused naming the config.json key it came from."""
+    source = tiny.hf("qwen3_5").path
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((source / name).read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["linear_num_value_heads"] = 3
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelFileError, match="'linear_num_value_heads' is 3; expected a multiple"):
+        load_backend(str(tmp_path), settings=BackendSettings(device="cpu"))

@@ -79,6 +79,11 @@ _FIELD_KEYS = {
     "num_kv_heads": "num_key_value_heads",
     "final_softcap": "final_logit_softcapping",
     "attn_softcap": "attn_logit_softcapping",
+    "num_k_heads": "linear_num_key_heads",
+    "num_v_heads": "linear_num_value_heads",
+    "head_k_dim": "linear_key_head_dim",
+    "head_v_dim": "linear_value_head_dim",
+    "conv_kernel": "linear_conv_kernel_dim",
     "attn_scale": "query_pre_attn_scalar",
     "eos_token_ids": "eos_token_id",
 }
