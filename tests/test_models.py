@@ -6,9 +6,16 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFWriter
 from helpers import CPU, PROMPT, engine_internals, model_logits
-from tiny_models import ARCHITECTURES
+from tiny_models import (
+    ARCHITECTURES,
+    HYBRID_ARCHITECTURES,
+    KV_GROUP_ARCHITECTURES,
+    MOE_ARCHITECTURES,
+    hf_config,
+)
 
 from spnl_backend import load_backend
+from spnl_backend.models.arch import FAMILIES
 
 # Q8_0 keeps ~8 bits per weight: over these random models the logits move by a few percent
 # of their spread, more with depth (measured, relative L2 error: 0.4-1.3% at 3 layers,
@@ -100,3 +107,13 @@ def test_chunked_prefill_gives_the_same_tokens(tiny, arch):
         scheduler.max_num_batched_tokens = 2048
     assert chunked.token_ids == whole.token_ids
     assert backend.stats().cache_holders == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_every_family_has_a_tiny_model(family):
+    """Every registry entry brings its tiny test model: what the tests run it through."""
+    assert family.tiny, f"{family.name} has no tiny model (Family.tiny)"
+    config = hf_config(family.name, 320)
+    assert config.model_type in family.model_types
+    groups = (ARCHITECTURES, MOE_ARCHITECTURES, HYBRID_ARCHITECTURES, KV_GROUP_ARCHITECTURES)
+    assert any(family.name in group for group in groups)  # some test module runs it
