@@ -8,6 +8,7 @@ New tokens are written through a slot mapping and attention reads every key thro
 the block tables, via the kernels the platform picked.
 """
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -381,10 +382,11 @@ class PagedCacheManager:
         if table is not None:
             self.blocks.release(table)
 
-    def block_hashes(self, seq: CachedTokens) -> list[int]:
-        """The hashes of ``seq``'s full blocks known so far (its prefix, block by block)."""
+    def block_hashes(self, seq: CachedTokens) -> Sequence[int]:
+        """The hashes of ``seq``'s full blocks known so far (its prefix, block by block):
+        its table's own list, read each step, so not copied (not to be changed)."""
         table = self.tables.get(seq.seq_id)
-        return [] if table is None else list(table.hashes)
+        return () if table is None else table.hashes
 
     def limit_hit(self, seq: CachedTokens, num_blocks: int) -> None:
         """Keep only the first ``num_blocks`` of an admitted sequence's prefix hit (what

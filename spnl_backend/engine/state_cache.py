@@ -18,6 +18,7 @@ the hit up to its deepest block with a snapshot and starts from a copy of it.
 
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -142,7 +143,7 @@ class StateCache:
             to.copy_(source)
         self._position[id(seq)] = position
 
-    def keep_snapshot(self, seq: CachedTokens, hashes: list[int]) -> None:
+    def keep_snapshot(self, seq: CachedTokens, hashes: Sequence[int]) -> None:
         """The copy ``seq`` left at a boundary, kept under the hash of the block ending
         there once that block is registered (``hashes``: its registered blocks')."""
         pending = self._pending.get(id(seq))
@@ -158,7 +159,7 @@ class StateCache:
         while len(self.snapshots) > self.max_snapshots:
             self.snapshots.popitem(last=False)
 
-    def deepest_snapshot(self, hashes: list[int]) -> tuple[int, SequenceState | None]:
+    def deepest_snapshot(self, hashes: Sequence[int]) -> tuple[int, SequenceState | None]:
         """Of a prefix's block ``hashes``, how many end at a kept snapshot, and that one."""
         for count in range(len(hashes), 0, -1):
             state = self.snapshots.get(hashes[count - 1])
@@ -216,7 +217,7 @@ class StatefulStep:
 class BlockHashes(Protocol):
     """What snapshots need of a paged KV manager (`engine.paged.PagedCacheManager`)."""
 
-    def block_hashes(self, seq: CachedTokens) -> list[int]: ...
+    def block_hashes(self, seq: CachedTokens) -> Sequence[int]: ...
     def limit_hit(self, seq: CachedTokens, num_blocks: int) -> None: ...
 
 
