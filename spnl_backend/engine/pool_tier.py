@@ -4,6 +4,7 @@ and the blocks a lookup misses read back in before the lookup is made."""
 import json
 import queue
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, TimeoutError
 from pathlib import Path
@@ -141,12 +142,20 @@ class PoolTier:
     # ---- the engine's calls ---------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop reading (a read under way is left to finish on its daemon thread); write
-        what is queued."""
+        """Stop reading, waiting up to `READ_WAIT_S` for a read under way; write what is
+        queued. A reader left running at the interpreter's exit is ended as it takes the
+        GIL back, which aborts the process if that happens inside torch's C++ frames, so
+        only a read stuck longer than that (a hung mount) is left to its daemon thread."""
         for digest in list(self._reads):
             self._forget(digest)
         for _ in self._readers:
             self._tasks.put(None)
+        give_up = time.monotonic() + READ_WAIT_S
+        for reader in self._readers:
+            reader.join(max(0.0, give_up - time.monotonic()))
+        stuck = [reader.name for reader in self._readers if reader.is_alive()]
+        if stuck:
+            log.warning("kv_tier.reader_stuck", threads=stuck, waited_s=READ_WAIT_S)
         self.tier.close()
 
     def offer(self, block_ids: list[int]) -> None:
