@@ -31,6 +31,7 @@ from ...quant.ggml import mxfp4_from_microscaling, nonfinite_scales
 from ...quant.linear import QuantizedWeight
 from ..layers import LayerSpec, describe_layers
 from .family import COMMON_GGUF_NAMES, Family, Fields, GgufKeys, HfKeys, Tensors, experts
+from .harmony import HARMONY_CHAT_TEMPLATE
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
@@ -195,6 +196,7 @@ FAMILY = Family(
         "attn_sinks": "self_attn.sinks",
     },
     layers=_layers,
+    chat_template=HARMONY_CHAT_TEMPLATE,
     tensors=tensors,
     quant_methods={_MXFP4: ("_blocks", "_scales")},
     # Experts of their own size; windows of 8 on layers 0 and 2; YaRN from 64. The SwiGLU's
