@@ -14,7 +14,12 @@ from helpers import CPU, model_logits
 from safetensors.torch import load_file, save_file
 from tiny_models import build_hf_model, mxfp4_microscaling, write_mxfp4_gpt_oss
 
-from spnl_backend import ModelFileError, UnsupportedArchitectureError, load_backend
+from spnl_backend import (
+    BackendSettings,
+    ModelFileError,
+    UnsupportedArchitectureError,
+    load_backend,
+)
 from spnl_backend.quant.linear import QuantLinear
 
 PROMPT = "the cat sat on the mat and the dog"
@@ -219,3 +224,15 @@ def test_a_family_without_quantized_checkpoints_refuses_mxfp4(tiny, tmp_path):
         match=r"'mxfp4' is not supported for llama checkpoints; supported: none",
     ):
         load_backend(str(path), settings=CPU)
+
+
+def test_isq_quantizes_the_float_projections_and_keeps_the_mxfp4_experts(checkpoint):
+    _, path, _ = checkpoint
+    backend = load_backend(str(path), settings=BackendSettings(device="cpu", isq="Q8_0"))
+    layer = backend.model.model.layers[0]
+    assert layer.self_attn.q_proj.weight_q.qtype == GGMLQuantizationType.Q8_0
+    expert = layer.mlp.experts[0]
+    assert expert.gate_proj.weight_q.qtype == GGMLQuantizationType.MXFP4
+    assert expert.down_proj.weight_q.qtype == GGMLQuantizationType.MXFP4
+    result = backend.generate(PROMPT, max_tokens=4, temperature=0, ignore_eos=True)
+    assert len(result.token_ids) == 4

@@ -116,7 +116,7 @@ def _load_text(
             type=isq.value,
             note="projections quantized as they load; embedding and head promoted",
         )
-        weights = apply_isq(weights, isq)
+        weights = apply_isq(weights, isq, keep_quantized=True)
     return _build(source, config, tokenizer, weights, decisions, place, progress)
 
 
