@@ -27,7 +27,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from ...errors import ModelFileError
-from ...quant.ggml import mxfp4_from_microscaling, nonfinite_scales
+from ...quant.ggml import MXFP4_NAN_SCALE, mxfp4_from_microscaling
 from ...quant.linear import QuantizedWeight
 from ..layers import LayerSpec, describe_layers
 from .family import COMMON_GGUF_NAMES, Family, Fields, GgufKeys, HfKeys, Tensors, experts
@@ -113,8 +113,8 @@ def tensors(stored: Tensors, config: "ModelConfig") -> Tensors:
 def _mxfp4_experts(
     stem: str, proj: str, parts: dict[str, tuple[str, torch.Tensor]], config: "ModelConfig"
 ) -> Tensors:
-    """One projection's MXFP4 blocks and scales as each expert's quantized weight: gate_up's
-    interleaved rows sorted into gate's and up's (views of one tensor, whole blocks moved)."""
+    """One projection's MXFP4 blocks and scales as each expert's quantized weights (ggml's
+    blocks of the same values), gate_up's interleaved rows sorted into gate's and up's."""
     blocks_name, blocks = parts["blocks"]
     scales_name, scales = parts["scales"]
     if config.quantization != _MXFP4:
@@ -133,27 +133,22 @@ def _mxfp4_experts(
     groups = (moe.num_experts, rows, cols // _GROUP)
     _check_packed(blocks_name, blocks, (*groups, _GROUP // 2), "MXFP4 blocks, two values a byte")
     _check_packed(scales_name, scales, groups, "E8M0 exponents, one per block")
-    data = mxfp4_from_microscaling(blocks, scales)  # [E, rows, groups * 17]
-    bad = nonfinite_scales(data, GGMLQuantizationType.MXFP4)
+    bad = int((scales == MXFP4_NAN_SCALE).sum())
     if bad:
         raise ModelFileError(
             f"tensor {scales_name!r} holds {bad:,} NaN exponents (0xff); a model with such "
             "weights computes NaN, so it is refused"
         )
     mxfp4 = GGMLQuantizationType.MXFP4
-    if proj == "down_proj":
-        for expert in range(moe.num_experts):
-            weight = QuantizedWeight(data[expert], mxfp4, (hidden, inner))
-            yield f"{stem}.experts.{expert}.down_proj.weight", weight
-        return
-    halves = data.unflatten(1, (inner, 2)).transpose(1, 2).contiguous()  # [E, 2, I, bytes]
-    for expert in range(moe.num_experts):
+    for expert in range(moe.num_experts):  # one at a time: the repacking's copies stay small
+        data = mxfp4_from_microscaling(blocks[expert], scales[expert])  # [rows, groups * 17]
         prefix = f"{stem}.experts.{expert}"
-        yield (
-            f"{prefix}.gate_proj.weight",
-            QuantizedWeight(halves[expert, 0], mxfp4, (inner, hidden)),
-        )
-        yield f"{prefix}.up_proj.weight", QuantizedWeight(halves[expert, 1], mxfp4, (inner, hidden))
+        if proj == "down_proj":
+            yield f"{prefix}.down_proj.weight", QuantizedWeight(data, mxfp4, (hidden, inner))
+            continue
+        gate, up = data[0::2].contiguous(), data[1::2].contiguous()  # rows interleaved
+        yield f"{prefix}.gate_proj.weight", QuantizedWeight(gate, mxfp4, (inner, hidden))
+        yield f"{prefix}.up_proj.weight", QuantizedWeight(up, mxfp4, (inner, hidden))
 
 
 def _check_packed(name: str, tensor: torch.Tensor, shape: tuple[int, ...], holding: str) -> None:
