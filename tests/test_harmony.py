@@ -18,7 +18,6 @@ from spnl_backend import RequestError
 from spnl_backend.loader.chat_template import ChatTemplate
 from spnl_backend.models.arch import family
 from spnl_backend.models.arch.harmony import HARMONY_CHAT_TEMPLATE
-from spnl_backend.tools.harmony import HarmonyMessage, split_channels
 
 REFERENCE = (Path(__file__).parent / "data" / "gpt_oss_chat_template.jinja").read_text()
 TODAY = {"strftime_now": lambda format: "2026-01-02"}  # the same date on both sides
@@ -355,54 +354,3 @@ def test_tool_results_are_json_strings():
         "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"
         f"{result}<|end|>"
     ) in text
-
-
-def test_output_splits_into_its_channels():
-    """What gpt-oss writes after the prompt's <|start|>assistant: reasoning, a tool call
-    (its recipient after the channel, as the model writes it, or before, as the template
-    renders it), then the answer."""
-    text = (
-        "<|channel|>analysis<|message|>Need the weather.<|end|>"
-        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
-        '<|message|>{"location": "Paris"}<|call|>'
-        "<|start|>assistant to=functions.now<|channel|>commentary json<|message|>{}<|call|>"
-        "<|start|>assistant<|channel|>final<|message|>21 °C.<|return|>"
-    )
-    assert split_channels(text) == [
-        HarmonyMessage("analysis", "Need the weather.", end="<|end|>"),
-        HarmonyMessage(
-            "commentary",
-            '{"location": "Paris"}',
-            "functions.get_weather",
-            "<|constrain|>json",
-            "<|call|>",
-        ),
-        HarmonyMessage("commentary", "{}", "functions.now", "json", "<|call|>"),
-        HarmonyMessage("final", "21 °C.", end="<|return|>"),
-    ]
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ("", []),
-        ("<|channel|>analy", []),  # the header still being written
-        ("<|channel|>analysis<|message|>Thinking so", [HarmonyMessage("analysis", "Thinking so")]),
-        (
-            "<|channel|>analysis<|message|>a<|end|><|start|>assistant<|chan",
-            [HarmonyMessage("analysis", "a", end="<|end|>")],
-        ),
-        (
-            "<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>final<|message|>",
-            [HarmonyMessage("analysis", "a", end="<|end|>"), HarmonyMessage("final", "")],
-        ),
-    ],
-    ids=["empty", "partial-header", "partial-text", "next-header-partial", "next-text-empty"],
-)
-def test_streaming_output_splits_as_far_as_it_goes(text, expected):
-    assert split_channels(text) == expected
-
-
-def test_text_out_of_the_format_is_refused():
-    with pytest.raises(ValueError, match=r"message 1 has no <\|message\|>"):
-        split_channels("plain text<|start|>assistant<|channel|>final<|message|>x")
