@@ -294,11 +294,11 @@ class StatefulCacheManager:
 
     def admit(self, seq: CachedTokens) -> None:
         """The KV manager's admission, its prefix hit kept up to the deepest block with a
-        state snapshot, the state starting from that snapshot; no state where every slot
+        state snapshot, the state starting from that snapshot; nothing where every slot
         is held (`reserve` then refuses, and the sequence waits)."""
-        self.kv.admit(seq)
         if not self.states.slot_free:
             return
+        self.kv.admit(seq)
         start = None
         if seq.num_computed_tokens:
             if self.paged is None:
