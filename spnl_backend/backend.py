@@ -483,8 +483,9 @@ class Backend:
 
     def stats(self) -> EngineStats:
         """Requests running, waiting and paused, sequences holding cache, block-pool usage
-        in paged mode; preemptions and prefix-cache queries and hits (in prompt tokens)
-        since the model was loaded. Taken between two steps, after every earlier call's
+        in paged mode, state slots and snapshots held (a model with state layers);
+        preemptions and prefix-cache queries and hits (in prompt tokens) since the model
+        was loaded. Taken between two steps, after every earlier call's
         request or abort has reached the engine."""
         return self._open_loop().call(Engine.stats)
 
@@ -497,7 +498,9 @@ class Backend:
 
     def cache_info(self) -> CacheInfo:
         """The KV cache: paged or contiguous, its capacity, blocks, storage dtype, bytes per
-        token, compression method and attention kernels (the target's, with a draft)."""
+        token, compression method and attention kernels (the target's, with a draft); for
+        a model with state layers, the state group's bytes per sequence, slots, snapshots
+        and their bytes."""
         return self._open_loop().engine.cache_info
 
     @property
