@@ -26,6 +26,7 @@ from .models.transformer import CausalLM
 from .pic.layout import PicPrompt
 from .pic.prompts import PicPrompts
 from .pic.query import SpanQuery
+from .reasoning import Reasoning, markers, resolve_format, starts_inside
 from .request import (
     MAX_SEED,
     ContextLimit,
@@ -385,19 +386,49 @@ class Backend:
             if isinstance(item, StepOutput):
                 yield item
 
-    def chat_prompt_ids(self, messages: list[Any], tools: ToolRequest | None = None) -> PromptIds:
-        """``messages`` through the model's chat template (with the ``tools`` offered),
-        checked against the context: a PIC prompt where a message is marked plus or
-        messages are grouped (a list)."""
+    def chat_prompt_ids(
+        self,
+        messages: list[Any],
+        tools: ToolRequest | None = None,
+        variables: dict[str, Any] | None = None,
+    ) -> PromptIds:
+        """``messages`` through the model's chat template (with the ``tools`` offered and
+        more template ``variables``, such as ``enable_thinking``), checked against the
+        context: a PIC prompt where a message is marked plus or messages are grouped (a
+        list)."""
         messages = template_messages(messages) if isinstance(messages, list) else messages
-        if tools is not None:
-            definitions = [tool.definition() for tool in tools.tools]
-            checked = check_messages(messages)
-            return self._limit.check(self.tokenizer.apply_chat_template(checked, definitions))
-        pic = self._pic.from_chat(messages) if isinstance(messages, list) else None
+        definitions = [tool.definition() for tool in tools.tools] if tools is not None else None
+        pic = (
+            self._pic.from_chat(messages) if tools is None and isinstance(messages, list) else None
+        )
         if pic is not None:
+            if variables:
+                raise RequestError(
+                    "template variables (chat_template_kwargs, reasoning_effort, think) are "
+                    "not applied to plus or grouped messages, which are templated one by one"
+                )
             return pic
-        return self._limit.check(self.tokenizer.apply_chat_template(check_messages(messages)))
+        checked = check_messages(messages)
+        return self._limit.check(
+            self.tokenizer.apply_chat_template(checked, definitions, variables)
+        )
+
+    def reasoning(self, prompt: PromptIds, constrained: bool = False) -> Reasoning:
+        """How the answer to the chat ``prompt`` is read (`reasoning`): the format in
+        effect (``MISTRALRS_REASONING_FORMAT``, or the chat template's) and whether the
+        output starts inside the reasoning because the prompt opened it. Never inside where
+        a constraint holds the output: the constraint makes all of it the answer."""
+        fmt = resolve_format(self.settings.reasoning_format, self.tokenizer.hf.chat_template)
+        if fmt == "none":
+            return Reasoning(fmt)
+        ids = prompt.token_ids if isinstance(prompt, PicPrompt) else prompt
+        tail = self.tokenizer.decode_keeping(ids[-8:], frozenset(self.reasoning_kept(fmt)))
+        return Reasoning(fmt, not constrained and starts_inside(fmt, tail))
+
+    def reasoning_kept(self, fmt: str) -> tuple[int, ...]:
+        """The ids of ``fmt``'s markers that are special tokens: the output's text must keep
+        them (`SamplingParams.kept_token_ids`) for its parser to read them."""
+        return tuple(i for text in markers(fmt) if (i := self._special_id(text)) is not None)
 
     def tool_chat(self, tools: ToolRequest, params: SamplingParams) -> ToolChat:
         """How an answer with ``tools`` is read and held (a `RequestError` where this

@@ -13,13 +13,14 @@
 from dataclasses import dataclass
 
 from .formats import (
-    FORMATS,
+    REASONING_FORMATS,
     check_effort,
     detect_format,
     markers,
     parse_reasoning_format,
     resolve_format,
     starts_inside,
+    template_variables,
 )
 from .parsers import HarmonyParser, ReasoningDelta, ReasoningParser, ThinkParser
 
@@ -51,7 +52,7 @@ class Reasoning:
 
 
 __all__ = [
-    "FORMATS",
+    "REASONING_FORMATS",
     "HarmonyParser",
     "Reasoning",
     "ReasoningDelta",
@@ -63,4 +64,5 @@ __all__ = [
     "parse_reasoning_format",
     "resolve_format",
     "starts_inside",
+    "template_variables",
 ]

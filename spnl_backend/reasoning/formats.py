@@ -12,19 +12,12 @@
 - ``auto`` (the default): one of the above, read from the chat template.
 """
 
-from ..errors import RequestError, shown
+from typing import Any
 
-FORMATS = ("auto", "none", "think", "granite", "harmony")
-# Other projects' names for the same syntaxes, accepted as spellings of ours.
-ALIASES = {
-    "deepseek": "think",
-    "deepseek_r1": "think",
-    "deepseek-r1": "think",
-    "qwen3": "think",
-    "gpt_oss": "harmony",
-    "gpt-oss": "harmony",
-    "openai_gptoss": "harmony",
-}
+from ..errors import RequestError, shown
+from ..settings.values import REASONING_ALIASES, REASONING_FORMATS, parse_reasoning_format
+
+__all__ = ["REASONING_ALIASES", "REASONING_FORMATS", "parse_reasoning_format"]
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<response>", "</response>"
@@ -33,17 +26,6 @@ RESPONSE_OPEN, RESPONSE_CLOSE = "<response>", "</response>"
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, RETURN, CALL = "<|end|>", "<|return|>", "<|call|>"
 HARMONY_TAGS = (START, CHANNEL, MESSAGE, CONSTRAIN, END, RETURN, CALL)
-
-
-def parse_reasoning_format(value: object) -> str:
-    """A reasoning format's name (or an accepted alias) → ours; a `ValueError` saying what
-    is accepted otherwise."""
-    name = value.strip().lower() if isinstance(value, str) else value
-    if isinstance(name, str) and name in FORMATS:
-        return name
-    if isinstance(name, str) and name in ALIASES:
-        return ALIASES[name]
-    raise ValueError(f"expected one of {', '.join(FORMATS)} (or the aliases {', '.join(ALIASES)})")
 
 
 def detect_format(template: str | None) -> str:
@@ -86,3 +68,36 @@ def check_effort(value: object, name: str = "reasoning_effort") -> str | None:
     if value is None or value in ("low", "medium", "high"):
         return value  # type: ignore[return-value]
     raise RequestError(f"{name}={shown(value)}: expected 'low', 'medium' or 'high'")
+
+
+# The template's own inputs, which a request's variables may not replace.
+RESERVED_VARIABLES = ("messages", "tools", "add_generation_prompt")
+
+
+def template_variables(
+    kwargs: object, effort: object = None, kwargs_name: str = "chat_template_kwargs"
+) -> dict[str, Any] | None:
+    """A request's chat template variables: ``kwargs`` (passed to the template as they
+    are, as vLLM does: ``enable_thinking`` and whatever else the template reads) and the
+    ``reasoning_effort`` (the variable gpt-oss's template writes as ``Reasoning: X``).
+    None where there are none; a `RequestError` naming the field where one is wrong."""
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise RequestError(f"{kwargs_name}={shown(kwargs)}: expected an object of variables")
+    reserved = sorted(set(kwargs) & set(RESERVED_VARIABLES))
+    if reserved:
+        raise RequestError(
+            f"{kwargs_name}: {shown(reserved[0])} is the template's own input, set by the "
+            "request itself; not a variable to give"
+        )
+    variables = dict(kwargs)
+    effort = check_effort(effort)
+    if effort is not None:
+        if variables.get("reasoning_effort", effort) != effort:
+            raise RequestError(
+                f"reasoning_effort={shown(effort)} and {kwargs_name}.reasoning_effort="
+                f"{shown(variables['reasoning_effort'])} disagree; give one"
+            )
+        variables["reasoning_effort"] = effort
+    return variables or None
