@@ -13,6 +13,7 @@
 from dataclasses import dataclass
 
 from .formats import (
+    HARMONY_TAGS,
     REASONING_FORMATS,
     check_effort,
     detect_format,
@@ -52,6 +53,7 @@ class Reasoning:
 
 
 __all__ = [
+    "HARMONY_TAGS",
     "REASONING_FORMATS",
     "HarmonyParser",
     "Reasoning",
