@@ -26,7 +26,7 @@ from .models.transformer import CausalLM
 from .pic.layout import PicPrompt
 from .pic.prompts import PicPrompts
 from .pic.query import SpanQuery
-from .reasoning import Reasoning, markers, resolve_format, starts_inside
+from .reasoning import Reasoning, markers, resolve_format, starts_inside, template_variables
 from .request import (
     MAX_SEED,
     ContextLimit,
@@ -45,6 +45,7 @@ from .results import (
     raise_failure,
     read_results,
     with_calls,
+    with_reasoning,
 )
 from .sampling import SamplingParams
 from .settings import BackendSettings, PlatformDecisions
@@ -172,6 +173,8 @@ class Backend:
         tools: Sequence[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        reasoning_effort: str | None = None,
         **unknown: object,
     ) -> GenerateResult:
         """Apply the model's chat template to ``messages`` and complete the assistant turn.
@@ -179,15 +182,20 @@ class Backend:
         ``tools`` (OpenAI's function tools), ``tool_choice`` (``"auto"``, ``"none"``,
         ``"required"`` or ``{"type": "function", "function": {"name": ...}}``) and
         ``parallel_tool_calls``: the model may answer with calls, held to its own call
-        syntax and each tool's parameter schema; they come back in ``tool_calls``."""
+        syntax and each tool's parameter schema; they come back in ``tool_calls``.
+        ``chat_template_kwargs`` (``enable_thinking``...) and ``reasoning_effort``
+        (``low``, ``medium``, ``high``): template variables. A reasoning model's reasoning
+        comes back in ``reasoning``, its answer alone in ``text``."""
         params = self._chat_params(unknown, (max_tokens, temperature, top_p, top_k, seed, stop))
         asked = tool_request(tools, tool_choice, parallel_tool_calls)
-        prompt = self.chat_prompt_ids(messages, asked)
+        variables = template_variables(chat_template_kwargs, reasoning_effort)
+        prompt = self.chat_prompt_ids(messages, asked, variables)
         chat = self.tool_chat(asked, params) if asked is not None else ToolChat(None, None)
         if chat.constraint is not None:
             params = dataclasses.replace(params, constraint=chat.constraint)
+        params, reasoning = self._reasoning_params(prompt, params)
         result = read_results(self.submit([prompt], params), single=True)
-        return with_calls(result, chat)
+        return with_calls(with_reasoning(result, reasoning), chat)
 
     def query(self, query: "str | dict | SpanQuery") -> list[GenerateResult]:
         """Run one of spnl's span queries (its JSON text, as spnl's ``spnl/`` provider
@@ -256,13 +264,18 @@ class Backend:
         top_k: int = 0,
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        reasoning_effort: str | None = None,
         **unknown: object,
     ) -> GenerateResult:
-        """`chat` for asyncio."""
+        """`chat` for asyncio (without tools)."""
         params = self._chat_params(unknown, (max_tokens, temperature, top_p, top_k, seed, stop))
-        prompt = self.chat_prompt_ids(messages)
+        variables = template_variables(chat_template_kwargs, reasoning_effort)
+        prompt = await asyncio.to_thread(self.chat_prompt_ids, messages, None, variables)
+        params, reasoning = self._reasoning_params(prompt, params)
         request = await self.asubmit([prompt], params)
-        return await aread_results(request, single=True)  # type: ignore[return-value]
+        result = await aread_results(request, single=True)
+        return with_reasoning(result, reasoning)  # type: ignore[arg-type]
 
     async def _astream(self, ids: list[int], params: SamplingParams) -> AsyncIterator[str]:
         request = await self.asubmit([ids], params, pieces=True)
@@ -424,6 +437,15 @@ class Backend:
         ids = prompt.token_ids if isinstance(prompt, PicPrompt) else prompt
         tail = self.tokenizer.decode_keeping(ids[-8:], frozenset(self.reasoning_kept(fmt)))
         return Reasoning(fmt, not constrained and starts_inside(fmt, tail))
+
+    def _reasoning_params(
+        self, prompt: PromptIds, params: SamplingParams
+    ) -> tuple[SamplingParams, Reasoning]:
+        """How a chat's answer to ``prompt`` is read for reasoning, and ``params`` keeping
+        the markers its parser reads."""
+        reasoning = self.reasoning(prompt, constrained=params.constraint is not None)
+        kept = params.kept_token_ids + self.reasoning_kept(reasoning.format)
+        return dataclasses.replace(params, kept_token_ids=kept), reasoning
 
     def reasoning_kept(self, fmt: str) -> tuple[int, ...]:
         """The ids of ``fmt``'s markers that are special tokens: the output's text must keep

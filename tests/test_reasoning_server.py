@@ -3,6 +3,7 @@ DeepSeek-R1's, gpt-oss's, in ``data/templates``), its output forced by a regex w
 test needs one; OpenAI's ``reasoning_content``/``reasoning`` whole and streamed, Ollama's
 ``think`` and ``thinking``, the template variables, and the user's chat template."""
 
+import asyncio
 import json
 import random
 from pathlib import Path
@@ -16,7 +17,7 @@ from live_server import MODEL, TEMPLATE, served_backend
 from tiny_models import build_tokenizer
 
 from spnl_backend import load_backend
-from spnl_backend.errors import SettingsError
+from spnl_backend.errors import RequestError, SettingsError
 from spnl_backend.loader.tokenizer import Tokenizer
 from spnl_backend.reasoning import HARMONY_TAGS, Reasoning
 from spnl_backend.server.responses import Reply
@@ -248,6 +249,7 @@ def test_ollama_think_shows_the_thinking_streamed_and_not(live, backend, templat
     assert (whole.message.thinking, whole.message.content) == (text.lstrip(), "")
     parts = list(client.chat(model=MODEL, messages=ASK, think=True, options=options, stream=True))
     assert "".join(p.message.thinking or "" for p in parts) == text.lstrip()
+    assert "thinking" in client.show(MODEL).capabilities
     unthought = client.chat(model=MODEL, messages=ASK, think=False, options=options)
     assert unthought.message.thinking is None
     assert unthought.message.content == _greedy_after(backend, {"enable_thinking": False}, 10)
@@ -259,6 +261,7 @@ def test_ollama_think_levels_and_refusals(live, template):
     refused = live.post("/api/chat", body)
     assert refused.status_code == 400
     assert "writes no reasoning" in refused.json()["error"]
+    assert "thinking" not in ollama.Client(host=live.url).show(MODEL).capabilities
     template(GPT_OSS)
     level = live.post("/api/chat", {**body, "think": "high", "options": {"num_predict": 2}})
     assert level.status_code == 200, level.text
@@ -316,3 +319,25 @@ def test_think_and_raw_do_not_mix(live):
     reply = httpx.post(live.url + "/api/generate", json=body, timeout=60)
     assert reply.status_code == 400
     assert "raw" in reply.json()["error"]
+
+
+def test_the_python_api_returns_the_reasoning_apart(backend, template):
+    template(R1)
+    thinking = {"enable_thinking": True}
+    text = _greedy_after(backend, thinking, 10)
+    result = backend.chat(ASK, max_tokens=10, temperature=0, chat_template_kwargs=thinking)
+    assert (result.reasoning, result.text) == (text.lstrip(), "")
+    closed = backend.chat(ASK, max_tokens=10, temperature=0)
+    assert (closed.reasoning, closed.text) == ("", _greedy_after(backend, None, 10))
+    template(TEMPLATE)
+    assert backend.chat(ASK, max_tokens=3, temperature=0).reasoning is None
+    with pytest.raises(RequestError, match="reasoning_effort='max'"):
+        backend.chat(ASK, max_tokens=3, reasoning_effort="max")
+
+
+def test_achat_takes_the_template_variables_too(backend, template):
+    template(R1)
+    thinking = {"enable_thinking": True}
+    asked = backend.achat(ASK, max_tokens=10, temperature=0, chat_template_kwargs=thinking)
+    result = asyncio.run(asked)
+    assert result.reasoning == _greedy_after(backend, thinking, 10).lstrip()

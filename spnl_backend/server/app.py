@@ -39,7 +39,7 @@ from ..errors import RequestAbortedError, RequestError, shown
 from ..log import get_logger
 from ..pic.query import MapQuery, SpanQuery, parse_query
 from ..plain import json_value
-from ..reasoning import ReasoningDelta, ReasoningParser
+from ..reasoning import ReasoningDelta, ReasoningParser, resolve_format
 from ..tools.calls import CallReader, call_reader
 from ..tools.chat import template_messages
 from ..version import version_info
@@ -451,6 +451,8 @@ class _Api:
         config = backend.model_config
         template = backend.tokenizer.hf.chat_template or ""
         capabilities = ["completion", "embedding"] + (["tools"] if "tools" in template else [])
+        if resolve_format(backend.settings.reasoning_format, template) != "none":
+            capabilities.append("thinking")  # what Ollama's clients check before `think`
         info = {
             "general.architecture": config.architecture,
             f"{config.architecture}.context_length": backend.max_model_len,
