@@ -18,7 +18,7 @@ from tiny_models import build_tokenizer
 
 from spnl_backend import load_backend
 from spnl_backend.errors import RequestError, SettingsError
-from spnl_backend.loader.tokenizer import Tokenizer
+from spnl_backend.loader.tokenizer import Tokenizer, VocabTokenizer
 from spnl_backend.reasoning import HARMONY_TAGS, Reasoning
 from spnl_backend.server.responses import Reply
 from spnl_backend.settings import BackendSettings
@@ -273,9 +273,12 @@ def test_ollama_think_levels_and_refusals(live, template):
 # ---- the markers kept in the text, the user's template ------------------------------------
 
 
-def test_harmony_markers_that_are_special_tokens_are_kept_in_the_text():
+@pytest.mark.parametrize("gguf", [False, True])
+def test_harmony_markers_that_are_special_tokens_are_kept_in_the_text(gguf):
     hf = build_tokenizer(specials=HARMONY_TAGS)
-    tokenizer = Tokenizer(hf, [1])
+    # A GGUF file's vocabulary is read by the tokenizers library alone (`VocabTokenizer`).
+    wrapped = VocabTokenizer(hf.backend_tokenizer, {"eos_token": "<eos>"}, None) if gguf else hf
+    tokenizer = Tokenizer(wrapped, [1])
     ids = hf("<|channel|>final<|message|>Hi", add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(ids) == "finalHi"  # what plain decoding shows
     kept = frozenset(hf.convert_tokens_to_ids(list(HARMONY_TAGS)))

@@ -144,22 +144,20 @@ class Reply:
         return self._thought(chunk, thought)
 
     def end_chunk(self, seq: Sequence) -> dict[str, Any]:
+        """The stream's last chunk: what its parsers held back, and its finish reason."""
         parser = self._thinking.get(seq.seq_id)
         rest = parser.finish() if parser is not None else ReasoningDelta()
-        reason = None  # known once the calls are read to the end
+        calls = None
         if self.tools is not None and (rest.content or seq.seq_id in self._readers):
             reader = self._reader(seq)
             fed, last = reader.feed(rest.content), reader.finish()
-            calls: Delta | None = Delta(
+            calls = Delta(
                 fed.content + last.content,
                 fed.started + last.started,
                 fed.arguments + last.arguments,
             )
-            reason = _finish_reason(seq, self._calls(seq))
-            chunk = self._chunk(seq, "", reason, calls)
-        else:
-            reason = _finish_reason(seq, self._calls(seq))
-            chunk = self._chunk(seq, rest.content, reason)
+        reason = _finish_reason(seq, self._calls(seq))
+        chunk = self._chunk(seq, "" if calls is not None else rest.content, reason, calls)
         return self._thought(chunk, rest.reasoning)  # type: ignore[return-value]
 
     def _parser(self, seq: Sequence) -> ReasoningParser | None:
