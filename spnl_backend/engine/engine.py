@@ -138,7 +138,9 @@ class Engine:
     def add_sequence(self, seq: Sequence) -> None:
         self._check_usable()
         constraint = seq.params.constraint
-        kept = constraint.kept_token_ids if constraint is not None else ()
+        kept = (constraint.kept_token_ids if constraint is not None else ()) + (
+            seq.params.kept_token_ids
+        )
         decoder = KeptTokens(self.decoder, kept) if kept else self.decoder
         self.detokenizers[seq.seq_id] = IncrementalDetokenizer(
             decoder, seq.prompt_token_ids, seq.params.stop, seq.healed_text
