@@ -2,9 +2,9 @@
 conversation, the same text as the template the gpt-oss checkpoints ship, rendered in
 transformers' jinja2 environment; the same refusals.
 
-``data/gpt_oss_chat_template.jinja`` is that template, unchanged: the chat_template.jinja
-of the openai/gpt-oss-20b and -120b checkpoints (Apache-2.0), as llama.cpp keeps it under
-models/templates/openai-gpt-oss-120b.jinja. It is the test's reference only.
+``data/templates/openai-gpt-oss-120b.jinja`` is that template, unchanged: the
+chat_template.jinja of the openai/gpt-oss-20b and -120b checkpoints (Apache-2.0), as
+llama.cpp keeps it under models/templates. It is the test's reference only.
 """
 
 import json
@@ -12,14 +12,18 @@ from pathlib import Path
 
 import pytest
 from jinja2.exceptions import TemplateError
+from tokenizers import Tokenizer as RustTokenizer
+from tokenizers.models import WordLevel
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from spnl_backend import RequestError
 from spnl_backend.loader.chat_template import ChatTemplate
+from spnl_backend.loader.tokenizer import Tokenizer, VocabTokenizer
 from spnl_backend.models.arch import family
 from spnl_backend.models.arch.harmony import HARMONY_CHAT_TEMPLATE
+from spnl_backend.reasoning import detect_format
 
-REFERENCE = (Path(__file__).parent / "data" / "gpt_oss_chat_template.jinja").read_text()
+REFERENCE = (Path(__file__).parent / "data" / "templates" / "openai-gpt-oss-120b.jinja").read_text()
 TODAY = {"strftime_now": lambda format: "2026-01-02"}  # the same date on both sides
 
 WEATHER = {
@@ -231,8 +235,26 @@ def _theirs(messages, add_generation_prompt, variables):
     )
 
 
-def test_it_is_the_familys_template():
+def test_it_is_the_familys_template_and_reads_as_harmony():
+    """The family's template for files without one; the reasoning parser it implies is
+    harmony's, as for the shipped one."""
     assert family("gpt_oss").chat_template == HARMONY_CHAT_TEMPLATE
+    assert detect_format(HARMONY_CHAT_TEMPLATE) == detect_format(REFERENCE) == "harmony"
+
+
+def test_the_tokenizer_passes_reasoning_effort_and_tools_to_it():
+    """Through `Tokenizer.render_chat`, as a chat request renders (the date is today's on
+    both sides)."""
+    tokenizer = Tokenizer(VocabTokenizer(RustTokenizer(WordLevel({"x": 0})), {}, None), ())
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    expected = []
+    for source in (HARMONY_CHAT_TEMPLATE, REFERENCE):
+        tokenizer.hf.chat_template = source
+        expected.append(
+            tokenizer.render_chat(messages, True, [WEATHER], {"reasoning_effort": "high"})
+        )
+    assert expected[0] == expected[1]
+    assert "\n\nReasoning: high\n\n" in expected[0]
 
 
 @pytest.mark.parametrize("name", list(CONVERSATIONS))
