@@ -22,6 +22,7 @@ from tiny_models import EOS, build_hf_model, build_tokenizer
 
 from spnl_backend import load_backend
 from spnl_backend.errors import RequestError
+from spnl_backend.models.arch.harmony import HARMONY_CHAT_TEMPLATE
 from spnl_backend.reasoning import HARMONY_TAGS, Reasoning
 from spnl_backend.server.responses import Reply
 from spnl_backend.settings import BackendSettings
@@ -64,6 +65,8 @@ def test_gpt_oss_template_calls_in_harmony_keeping_its_special_tags():
     assert fmt.family == "harmony"
     assert dict(fmt.kept) == special  # the constraint keeps them in the output's text
     assert template_format(GPT_OSS, lambda _: None).kept == ()  # spelled as text
+    # The template a file without one is given (models.arch.harmony) calls the same way.
+    assert template_format(HARMONY_CHAT_TEMPLATE, special.get) == fmt
 
 
 TEXTS = {
