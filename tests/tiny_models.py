@@ -188,6 +188,7 @@ _GGUF_ARCH = {
     "olmoe": "olmoe",
     "gpt_oss": "gpt-oss",
     "granitemoehybrid": "granitehybrid",
+    "gemma4": "gemma4",
 }
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -214,6 +215,17 @@ _GEMMA_LAYER_NAMES = {
 }
 
 
+_GEMMA4_LAYER_NAMES = {
+    **_GEMMA_LAYER_NAMES,
+    "per_layer_input_gate": "inp_gate",
+    "per_layer_projection": "proj",
+    "post_per_layer_input_norm": "post_norm",
+}
+_GEMMA4_TOP_NAMES = {
+    "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+    "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
+    "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
+}
 _OLMO2_LAYER_NAMES = {
     **_LAYER_NAMES,
     "post_attention_layernorm": "post_attention_norm",
@@ -232,11 +244,19 @@ def _gguf_name(name: str, arch: str) -> str:
         "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight",
     }
+    if arch == "gemma4":
+        top |= _GEMMA4_TOP_NAMES
     if name in top:
         return top[name]
     _, _, index, rest = name.split(".", 3)
+    if rest == "layer_scalar":  # the converter adds the suffix
+        return f"blk.{index}.layer_output_scale.weight"
     module, _, kind = rest.rpartition(".")
-    names = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES}.get(arch, _LAYER_NAMES)
+    names = {
+        "gemma2": _GEMMA_LAYER_NAMES,
+        "gemma3": _GEMMA_LAYER_NAMES,
+        "gemma4": _GEMMA4_LAYER_NAMES,
+    }.get(arch, _LAYER_NAMES)
     if arch == "olmo2":
         names = _OLMO2_LAYER_NAMES
     if arch == "gpt-oss":
@@ -450,6 +470,10 @@ def _add_tensor(
 
 
 def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config) -> None:
+    if tiny.arch == "gemma4":
+        _write_gemma4_metadata(writer, config)
+        _write_tokenizer(writer, tiny.tokenizer)
+        return
     writer.add_context_length(MAX_POSITIONS)
     writer.add_embedding_length(HIDDEN)
     writer.add_block_count(config.num_hidden_layers)
@@ -499,6 +523,69 @@ def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config) -> None:
     _write_tokenizer(writer, tiny.tokenizer)
 
 
+def _write_gemma4_metadata(writer: GGUFWriter, config) -> None:
+    """The keys llama.cpp's converter writes for Gemma 4 from ``config.json`` (each with
+    its last value where it writes one twice): the global layers' head size as key_length
+    and the sliding layers' as key_length_swa, K/V heads per layer where the global
+    layers' count is given, MLP widths per layer where the shared layers' is doubled,
+    both rope bases, the global rope's full width (its still pairs: tensor rope_freqs)."""
+    hp = config.to_dict()
+    sliding = [t == "sliding_attention" for t in hp["layer_types"]]
+    layers, shared = hp["num_hidden_layers"], hp["num_kv_shared_layers"]
+    local_dim, global_dim = hp["head_dim"], _gemma4_global(hp, "global_head_dim", "head_dim")
+    writer.add_block_count(layers)
+    writer.add_context_length(hp["max_position_embeddings"])
+    writer.add_embedding_length(hp["hidden_size"])
+    inner = hp["intermediate_size"]
+    if hp["use_double_wide_mlp"]:
+        writer.add_feed_forward_length(
+            [inner if i < layers - shared else 2 * inner for i in range(layers)]
+        )
+    else:
+        writer.add_feed_forward_length(inner)
+    writer.add_head_count(hp["num_attention_heads"])
+    kv_local = hp["num_key_value_heads"]
+    kv_global = _gemma4_global(hp, "num_global_key_value_heads", "num_key_value_heads")
+    if kv_global is not None:
+        writer.add_head_count_kv([kv_local if s else kv_global for s in sliding])
+    else:
+        writer.add_head_count_kv(kv_local)
+    writer.add_rope_freq_base(hp["rope_parameters"]["full_attention"]["rope_theta"])
+    writer.add_rope_freq_base_swa(hp["rope_parameters"]["sliding_attention"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    writer.add_key_length(global_dim)
+    writer.add_value_length(global_dim)
+    writer.add_key_length_swa(local_dim)
+    writer.add_value_length_swa(local_dim)
+    writer.add_final_logit_softcapping(hp["final_logit_softcapping"])
+    writer.add_sliding_window(hp["sliding_window"])
+    writer.add_shared_kv_layers(shared)
+    writer.add_embedding_length_per_layer_input(hp["hidden_size_per_layer_input"])
+    writer.add_sliding_window_pattern(sliding)
+    writer.add_rope_dimension_count(global_dim)
+    writer.add_rope_dimension_count_swa(local_dim)
+
+
+def _gemma4_global(hp: dict, key: str, layer_key: str):
+    """A global layer's value as the converter finds it: the config's key, else the
+    first full layer's entry in ``per_layer_config``."""
+    if hp.get(key) is not None:
+        return hp[key]
+    full = [i for i, t in enumerate(hp["layer_types"]) if t == "full_attention"]
+    layer = (hp.get("per_layer_config") or {}).get(str(full[0]), {}) if full else {}
+    return layer.get(layer_key)
+
+
+def _gemma4_rope_freqs(config) -> np.ndarray:
+    """The converter's divisors of the global rope's frequencies: 1 for the pairs that
+    turn, 1e30 for those that stand still."""
+    hp = config.to_dict()
+    global_dim = _gemma4_global(hp, "global_head_dim", "head_dim")
+    share = hp["rope_parameters"]["full_attention"]["partial_rotary_factor"]
+    turning = int(global_dim * share / 2)
+    return np.array([1.0] * turning + [1e30] * (global_dim // 2 - turning), dtype=np.float32)
+
+
 def _write_qwen35_metadata(writer: GGUFWriter, config) -> None:
     """The keys llama.cpp's converter writes for a Qwen3.5's DeltaNet layers."""
     arch = "qwen35"
@@ -533,6 +620,8 @@ def _write_granite_metadata(writer: GGUFWriter, config) -> None:
 
 def _write_rope_tensors(writer: GGUFWriter, tiny: TinyModel) -> None:
     rope = tiny.hf.config.rope_parameters
+    if tiny.arch == "gemma4":
+        writer.add_tensor("rope_freqs.weight", _gemma4_rope_freqs(tiny.hf.config))
     if rope.get("rope_type") == "llama3":
         # llama.cpp stores Llama 3's scaling as per-dimension divisors of the frequencies.
         rotary = tiny.hf.model.rotary_emb

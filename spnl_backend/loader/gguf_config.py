@@ -14,6 +14,7 @@ import numpy as np
 from ..errors import ModelFileError, UnsupportedArchitectureError
 from ..models.arch import Family, family_of_gguf, gguf_architectures
 from ..models.config import (
+    MAX_COUNT,
     ConfigValueError,
     LayerType,
     ModelConfig,
@@ -21,6 +22,7 @@ from ..models.config import (
     RopeConfig,
     check_config_shapes,
 )
+from ..models.layers import AttentionMixer, DenseFFN
 from .gguf_file import GGUFFile, describe_value
 from .typed import MISSING, TypedReader
 
@@ -111,7 +113,7 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         moe=_moe(gguf, meta, family, layers),
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=meta.count("feed_forward_length"),
+        intermediate_size=_per_layer_count(meta, "feed_forward_length", layers),
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=_kv_heads(meta, heads, layers),
@@ -132,6 +134,7 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         config = ModelConfig(**fields)
     except ConfigValueError as exc:
         raise meta.invalid(exc) from None
+    _check_per_layer_counts(meta, config)
     shapes = {hf_name(n, arch, gguf.path): info.shape for n, info in gguf.tensors.items()}
     check_config_shapes(config, shapes, gguf.path)
     return config
@@ -163,17 +166,58 @@ def _moe(gguf: GGUFFile, meta: "_Metadata", family: Family, layers: int) -> MoeC
 
 
 def _kv_heads(meta: "_Metadata", heads: int, layers: int) -> int:
-    """The attention layers' K/V heads: one count, or one per layer where a hybrid's
-    state layers have none (llama.cpp writes 0 for them; the family reads which layers
-    those are), the attention layers' counts all alike."""
+    """The attention layers' K/V heads: one count, or the first attention layer's of one
+    per layer (llama.cpp writes 0 for a hybrid's state layers, and Gemma 4's global
+    layers have their own): the family reads the others, and every layer's count is
+    checked against the layers the config describes (`_check_per_layer_counts`)."""
     key = "attention.head_count_kv"
-    value = meta.get(key)
-    if not isinstance(value, np.ndarray):
+    if not isinstance(meta.get(key), np.ndarray):
         return meta.count(key, heads)
-    counts = set(value.tolist()) - {0}
-    if not (value.dtype.kind in "iu" and len(value) == layers and len(counts) == 1):
-        raise meta.wrong(key, value, f"a count, or {layers} counts (0 for a state layer) alike")
-    return counts.pop()
+    attention = [count for count in _counts(meta, key, layers, zero=True) if count]
+    if not attention:
+        raise meta.wrong(key, meta.get(key), "at least one attention layer's count (not 0)")
+    return attention[0]
+
+
+def _per_layer_count(meta: "_Metadata", key: str, layers: int) -> int:
+    """A count, or the first layer's of one per layer (checked whole once the config's
+    layers are known, `_check_per_layer_counts`)."""
+    if not isinstance(meta.get(key), np.ndarray):
+        return meta.count(key)
+    return _counts(meta, key, layers, zero=False)[0]
+
+
+def _counts(meta: "_Metadata", key: str, layers: int, zero: bool) -> list[int]:
+    value = meta.get(key)
+    counts = value.tolist() if value.dtype.kind in "iu" else []
+    low = 0 if zero else 1
+    if len(counts) != layers or not all(low <= c <= MAX_COUNT for c in counts):
+        kind = "integers >= 0 (0 for a state layer)" if zero else "positive integers"
+        raise meta.wrong(key, value, f"a count, or {layers} {kind}, one per layer")
+    return counts
+
+
+def _check_per_layer_counts(meta: "_Metadata", config: ModelConfig) -> None:
+    """A per-layer array of K/V heads or feed-forward widths against the layers the
+    config describes: a family that reads one count where the file gives another is
+    refused naming the layer, never run with the wrong shape."""
+    kv, widths = meta.get("attention.head_count_kv"), meta.get("feed_forward_length")
+    for i, spec in enumerate(config.layers):
+        if isinstance(kv, np.ndarray):
+            heads = spec.mixer.num_kv_heads if isinstance(spec.mixer, AttentionMixer) else 0
+            _check_layer_count(meta, "attention.head_count_kv", i, heads, "K/V heads")
+        if isinstance(widths, np.ndarray) and isinstance(spec.ffn, DenseFFN):
+            inner = spec.ffn.intermediate_size
+            _check_layer_count(meta, "feed_forward_length", i, inner, "MLP rows")
+
+
+def _check_layer_count(meta: "_Metadata", key: str, layer: int, expected: int, what: str) -> None:
+    found = int(meta.get(key)[layer])
+    if found != expected:
+        raise ModelFileError(
+            f"{meta.gguf.path}: metadata key {meta.key(key)!r} gives layer {layer} {found:,} "
+            f"{what}; the {meta.arch} model its other keys describe has {expected:,} there"
+        )
 
 
 def _head_dim(meta: "_Metadata", hidden: int, heads: int) -> int:
@@ -395,10 +439,11 @@ def hf_name(gguf_name: str, arch: str, path: Path | str = "GGUF file") -> str | 
     if gguf_name in CONFIG_TENSORS:
         return None
     stem, _, kind = gguf_name.rpartition(".")
-    if stem in _TOP_NAMES:
-        return f"{_TOP_NAMES[stem]}.{kind}"
-    match = _BLOCK.fullmatch(gguf_name)
     family = family_of_gguf(arch)
+    top = {**_TOP_NAMES, **family.gguf_top_names} if family is not None else _TOP_NAMES
+    if stem in top:
+        return f"{top[stem]}.{kind}"
+    match = _BLOCK.fullmatch(gguf_name)
     names = family.gguf_names if family is not None else {}
     if match and match[2] in names:
         suffix = f".{match[3]}" if match[3] else ""
