@@ -53,7 +53,7 @@ class Gemma4:
     with heads of ``global_head_dim`` and a proportional rope turning ``partial`` of
     them (the converter's divisors, tensor rope_freqs), the sliding layers' rope base
     ``local_theta``; the last ``shared_kv_layers`` layers reading earlier layers' K and
-    V (no k or v projections of their own); per-layer embeddings of ``per_layer_input``
+    V; per-layer embeddings of ``per_layer_input``
     values per layer; final logits softcapped."""
 
     global_head_dim: int
@@ -401,13 +401,13 @@ def _gemma4_plan(shape: Shape, fmt: str, pure: bool):
     """Gemma 4 as llama.cpp's converter names its tensors and llama-quantize types them:
     the tied embedding and the per-layer table (both its TOKEN_EMBD) Q6_K under Q4_K_M,
     per_layer_model_proj left in float (float16 here), Q6_K for attn_v and ffn_down on
-    its "more bits" layers (attn_v counted over the layers that have one), norms, the
-    rope divisors and the output scales float32. The shared layers have no k or v."""
+    its "more bits" layers, norms, the rope divisors and the output scales float32. The
+    shared layers keep the checkpoints' k and v projections and norms, which the
+    converter writes and neither llama.cpp nor we use."""
     g, h = shape.gemma4, shape.hidden
     base = {"q4_k_m": Q.Q4_K, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}[fmt]
     head = base if pure or base == Q.Q8_0 else Q.Q6_K
     mixed = fmt == "q4_k_m" and not pure
-    stores = shape.layers - g.shared_kv_layers
     packed = shape.layers * g.per_layer_input
     yield "token_embd.weight", (shape.vocab, h), head
     yield "per_layer_token_embd.weight", (shape.vocab, packed), head
@@ -419,19 +419,17 @@ def _gemma4_plan(shape: Shape, fmt: str, pure: bool):
         q_dim, kv_dim = shape.heads * dim, shape.kv_heads * dim
         blk = f"blk.{i}."
         yield blk + "attn_norm.weight", (h,), Q.F32
+        more = mixed and use_more_bits(i, shape.layers)
         yield blk + "attn_q.weight", (q_dim, h), base
-        if i < stores:
-            more = mixed and use_more_bits(i, stores)
-            yield blk + "attn_k.weight", (kv_dim, h), base
-            yield blk + "attn_v.weight", (kv_dim, h), Q.Q6_K if more else base
-            yield blk + "attn_k_norm.weight", (dim,), Q.F32
+        yield blk + "attn_k.weight", (kv_dim, h), base
+        yield blk + "attn_v.weight", (kv_dim, h), Q.Q6_K if more else base
+        yield blk + "attn_k_norm.weight", (dim,), Q.F32
         yield blk + "attn_q_norm.weight", (dim,), Q.F32
         yield blk + "attn_output.weight", (h, q_dim), base
         yield blk + "post_attention_norm.weight", (h,), Q.F32
         yield blk + "ffn_norm.weight", (h,), Q.F32
         yield blk + "ffn_gate.weight", (shape.ffn, h), base
         yield blk + "ffn_up.weight", (shape.ffn, h), base
-        more = mixed and use_more_bits(i, shape.layers)
         yield blk + "ffn_down.weight", (h, shape.ffn), Q.Q6_K if more else base
         yield blk + "post_ffw_norm.weight", (h,), Q.F32
         yield blk + "inp_gate.weight", (g.per_layer_input, h), base

@@ -6,6 +6,7 @@ the pool's groups and their size; what refuses them; and their GGUF twins as lla
 converter writes them (tests/test_models.py compares the twins' logits)."""
 
 import dataclasses
+import shutil
 
 import jinja2
 import pytest
@@ -13,6 +14,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFValueType
 from helpers import PROMPT, SHARED_PREFIX_PROMPTS, engine_internals, engine_logits, model_logits
 from model_file_mutations import parse_gguf, with_value, without_key, write_gguf_bytes
+from safetensors.torch import load_file, save_file
 from tiny_models import KV_GROUP_ARCHITECTURES
 
 from spnl_backend import BackendSettings, load_backend
@@ -239,3 +241,24 @@ def test_a_gguf_describing_another_model_is_refused_by_key(tiny, arch, tmp_path,
     path.write_bytes(write_gguf_bytes(mutate(parts, arch)))
     with pytest.raises(ModelFileError, match=message):
         load_backend(str(path), settings=PAGED_F32)
+
+
+def test_checkpoints_shared_layers_k_and_v_weights_are_left_unused(tiny, arch, tmp_path):
+    """Published checkpoints (and llama.cpp's GGUFs of them) keep k/v projections and
+    norms for the shared layers, which read earlier layers' K and V: loaded, they change
+    nothing (transformers skips them too)."""
+    source = tiny.hf(arch).path
+    copy = shutil.copytree(source, tmp_path / "with-shared-kv")
+    weights = load_file(copy / "model.safetensors")
+    config = tiny.backend(arch).model_config
+    for layer in range(config.num_layers - config.num_kv_shared_layers, config.num_layers):
+        rows, dim = config.layer_kv_heads(layer) * config.layer_head_dim(layer), config.hidden_size
+        stem = f"model.layers.{layer}.self_attn."
+        weights[stem + "k_proj.weight"] = torch.randn(rows, dim)
+        weights[stem + "v_proj.weight"] = torch.randn(rows, dim)
+        weights[stem + "k_norm.weight"] = torch.randn(config.layer_head_dim(layer))
+    save_file(weights, copy / "model.safetensors", metadata={"format": "pt"})
+    ids = tiny.hf(arch).tokenizer(PROMPT).input_ids
+    with load_backend(str(copy), settings=PAGED_F32) as backend:
+        ours = model_logits(backend, ids)
+    torch.testing.assert_close(ours, model_logits(tiny.backend(arch), ids), atol=0, rtol=0)

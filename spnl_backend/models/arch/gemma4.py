@@ -18,15 +18,19 @@ full-width one whose still pairs have their frequencies divided by 1e30 (tensor
 """
 
 import math
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ...errors import UnsupportedArchitectureError
+from ...log import get_logger
 from ..components import RopeConfig
 from .family import SANDWICH_GGUF_NAMES, Family, Fields, GgufKeys, HfKeys, Tensors, biases
 
 if TYPE_CHECKING:
     from ..config import LayerType, ModelConfig
+
+log = get_logger()
 
 # The turns of the instruction-tuned models (a file normally carries its own template):
 # a system turn where there is a system message, and an empty thought channel opening the
@@ -126,6 +130,7 @@ _GGUF_TOP_NAMES = {
     "per_layer_model_proj": "model.per_layer_model_projection",
     "per_layer_proj_norm": "model.per_layer_projection_norm",
 }
+_SHARED_KV_WEIGHT = re.compile(r"model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
 _LOCAL_ROPE_BASE = 10000.0  # llama.cpp's rope.freq_base_swa where a file has none
 # A rope divisor this large leaves its pair still (llama.cpp's converter writes 1e30).
 _STILL_DIVISOR = 1e20
@@ -251,12 +256,22 @@ def _turning_share(pairs: int, rotary_dim: int) -> float:
 
 
 def _tensors(stored: Tensors, config: "ModelConfig") -> Tensors:
-    """A GGUF's output scale is a weight (``layer_output_scale.weight``); ours is the
-    parameter itself, as transformers names it."""
+    """The checkpoints' k and v projections and norms of the shared layers, which read
+    earlier layers' K and V, left out (transformers skips them too; llama.cpp's converter
+    keeps them and its graph leaves them unused); a GGUF's output scale, a weight there
+    (``layer_output_scale.weight``), as the parameter itself."""
+    first_shared = config.num_layers - config.num_kv_shared_layers
+    skipped = 0
     for name, tensor in stored:
+        unused = _SHARED_KV_WEIGHT.match(name)
+        if unused and int(unused[1]) >= first_shared:
+            skipped += 1
+            continue
         if name.endswith(".layer_scalar.weight"):
             name = name.removesuffix(".weight")
         yield name, tensor
+    if skipped:
+        log.info("gemma4.shared_kv_weights_skipped", tensors=skipped, first_shared=first_shared)
 
 
 FAMILY = Family(
