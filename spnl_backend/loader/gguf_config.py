@@ -76,6 +76,10 @@ _FIELD_KEYS = {
     "rope.beta_fast": "rope.scaling.yarn_beta_fast",
     "rope.beta_slow": "rope.scaling.yarn_beta_slow",
     "rope_local.theta": "rope.freq_base_swa",
+    "global_head_dim": "attention.key_length",
+    "global_num_kv_heads": "attention.head_count_kv",
+    "num_kv_shared_layers": "attention.shared_kv_layers",
+    "per_layer_input_size": "embedding_length_per_layer_input",
     "rope_local.rotary_dim": "rope.dimension_count",
 }
 _FIELD_SOURCES = {
