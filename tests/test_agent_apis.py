@@ -65,7 +65,8 @@ def test_messages_create_answers_as_the_chat_route_does(live, claude, backend):
         ],
     )
     choice = chat["choices"][0]
-    assert message.type == "message" and message.role == "assistant"
+    assert message.type == "message"
+    assert message.role == "assistant"
     assert message.id.startswith("msg_")
     assert [block.type for block in message.content] == ["text"]
     assert message.content[0].text == choice["message"]["content"]
@@ -93,7 +94,8 @@ def test_messages_stream_sends_anthropics_events_and_the_same_answer(live, claud
         final = stream.get_final_message()
     assert kinds[0] == "message_start"
     assert kinds[-2:] == ["message_delta", "message_stop"]
-    assert "content_block_start" in kinds and "content_block_stop" in kinds
+    assert "content_block_start" in kinds
+    assert "content_block_stop" in kinds
     raw = {**asked, **GREEDY, "stream": True}
     del raw["extra_body"]
     with httpx.stream("POST", live.url + "/v1/messages", json=raw, timeout=60) as response:
@@ -114,7 +116,8 @@ def test_a_stop_sequence_is_named_in_the_answer(claude):
     assert len(text) > 2, "the tiny model's greedy answer is long enough to cut"
     stop = text[1:3]
     cut = claude.messages.create(**asked, stop_sequences=[stop])
-    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert cut.stop_reason == "stop_sequence"
+    assert cut.stop_sequence == stop
     assert cut.content[0].text == text[: text.index(stop)]
 
 
@@ -129,7 +132,8 @@ def test_a_tool_use_round_trip(claude, backend):
     message = claude.messages.create(**asked, messages=question)
     assert message.stop_reason == "tool_use"
     (call,) = message.content
-    assert call.type == "tool_use" and call.id.startswith("toolu_")
+    assert call.type == "tool_use"
+    assert call.id.startswith("toolu_")
     _valid(call.name, call.input)
     with claude.messages.stream(**asked, messages=question) as stream:
         events = list(stream)
@@ -137,7 +141,8 @@ def test_a_tool_use_round_trip(claude, backend):
     kinds = [event.type for event in events]
     assert kinds.count("content_block_start") == 1
     deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
-    assert deltas and set(deltas) == {"input_json_delta"}
+    assert deltas
+    assert set(deltas) == {"input_json_delta"}
     (streamed_call,) = streamed.content
     assert (streamed_call.name, streamed_call.input) == (call.name, call.input)
     assert streamed.stop_reason == "tool_use"
@@ -199,7 +204,8 @@ def test_streamed_tool_use_sends_its_input_as_json_deltas(live):
     with httpx.stream("POST", live.url + "/v1/messages", json=body, timeout=60) as response:
         events = _sse(response)
     starts = [data for kind, data in events if kind == "content_block_start"]
-    assert len(starts) == 1 and starts[0]["content_block"]["type"] == "tool_use"
+    assert len(starts) == 1
+    assert starts[0]["content_block"]["type"] == "tool_use"
     assert starts[0]["content_block"]["name"] == "add"
     partial = "".join(
         data["delta"]["partial_json"]
@@ -320,9 +326,11 @@ def test_responses_create_answers_as_the_chat_route_does(live):
             {"role": "user", "content": "hi there"},
         ],
     )
-    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.object == "response"
+    assert response.id.startswith("resp_")
     (item,) = response.output
-    assert item.type == "message" and item.content[0].type == "output_text"
+    assert item.type == "message"
+    assert item.content[0].type == "output_text"
     assert response.output_text == chat["choices"][0]["message"]["content"]
     finish = chat["choices"][0]["finish_reason"]
     assert response.status == ("incomplete" if finish == "length" else "completed")
@@ -343,10 +351,8 @@ def test_a_streamed_response_sends_the_typed_events_and_the_same_output(live):
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == whole.output_text
     done = events[-1].response
-    assert (
-        done.output_text == whole.output_text
-        and done.usage.output_tokens == whole.usage.output_tokens
-    )
+    assert done.output_text == whole.output_text
+    assert done.usage.output_tokens == whole.usage.output_tokens
     with client.responses.stream(**asked) as stream:
         last = list(stream)[-1]
     assert last.type == f"response.{whole.status}"
@@ -360,7 +366,8 @@ def test_a_function_call_and_its_output_through_responses(live):
         **asked, input=ASK[0]["content"], temperature=0, parallel_tool_calls=False
     )
     (call,) = response.output
-    assert call.type == "function_call" and call.status == "completed"
+    assert call.type == "function_call"
+    assert call.status == "completed"
     _valid(call.name, json.loads(call.arguments))
     events = list(
         client.responses.create(
@@ -453,37 +460,66 @@ def test_bad_responses_requests_are_400_naming_the_field(live, body, param):
 # ---- the reasoning seam -----------------------------------------------------------------
 
 
-class _Think:
-    """A reasoning reader for ``<think>...</think>`` answers, for the seam's test."""
+class _FirstChars:
+    """A stand-in reasoning reader: an answer's first `THOUGHT` characters are its
+    "reasoning"."""
 
     def __init__(self) -> None:
-        self.text, self.sent, self.split = "", 0, None
+        self.seen = 0
 
     def feed(self, piece: str) -> tuple[str, str]:
-        self.text += piece
-        return self._read(False)
+        cut = max(0, min(len(piece), THOUGHT - self.seen))
+        self.seen += len(piece)
+        return piece[:cut], piece[cut:]
 
     def finish(self) -> tuple[str, str]:
-        return self._read(True)
-
-    def _read(self, end: bool) -> tuple[str, str]:
-        close = self.text.find("</think>")
-        if close == -1 and not end:
-            return "", ""
-        reasoning = self.text[: close if close != -1 else len(self.text)]
-        answer = self.text[close + len("</think>") :] if close != -1 else ""
-        sent, self.sent = self.sent, len(self.text)
-        return (reasoning, answer) if sent == 0 else ("", self.text[sent:])
+        return "", ""
 
 
-def test_a_reasoning_reader_plugs_into_both_apis(monkeypatch):
-    monkeypatch.setattr(answer, "reasoning_reader", _Think)
-    read = answer.read_answer(None, "<think>hmm</think>yes")
-    assert (read.reasoning, read.text) == ("<think>hmm", "yes")
-    reader = answer.AnswerReader(None)
-    pieces = reader.feed("<think>a") + reader.feed("</think>b") + reader.feed("c") + reader.finish()
-    assert [(p.kind, p.text) for p in pieces] == [
-        ("reasoning", "<think>a"),
-        ("text", "b"),
-        ("text", "c"),
+THOUGHT = 3
+
+
+@pytest.fixture
+def reasoning_prefix(monkeypatch):
+    monkeypatch.setattr(answer, "reasoning_reader", _FirstChars)
+
+
+def test_a_reasoning_reader_gives_thinking_blocks(live, claude, reasoning_prefix):
+    asked = dict(model=MODEL, max_tokens=12, messages=[{"role": "user", "content": "think"}])
+    plain = _chat(live, max_tokens=12, messages=asked["messages"])["choices"][0]["message"][
+        "content"
     ]
+    assert len(plain) > THOUGHT, "the tiny model's answer is longer than its thought"
+    split = THOUGHT
+    message = claude.messages.create(**asked, extra_body=GREEDY)
+    assert [(b.type, getattr(b, "thinking", None) or b.text) for b in message.content] == [
+        ("thinking", plain[:split]),
+        ("text", plain[split:]),
+    ]
+    with claude.messages.stream(**asked, extra_body=GREEDY) as stream:
+        deltas = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        streamed = stream.get_final_message()
+    assert "thinking_delta" in deltas
+    assert "text_delta" in deltas
+    assert [b.type for b in streamed.content] == ["thinking", "text"]
+    assert (streamed.content[0].thinking, streamed.content[1].text) == (
+        plain[:split],
+        plain[split:],
+    )
+
+
+def test_a_reasoning_reader_gives_reasoning_items(live, reasoning_prefix):
+    client = live.client()
+    asked = dict(model=MODEL, input="think", max_output_tokens=12, temperature=0)
+    plain = _chat(live, max_tokens=12, messages=[{"role": "user", "content": "think"}])
+    text = plain["choices"][0]["message"]["content"]
+    split = THOUGHT
+    for response in (
+        client.responses.create(**asked),
+        list(client.responses.create(**asked, stream=True))[-1].response,
+    ):
+        reasoning, message = response.output
+        assert reasoning.type == "reasoning"
+        assert reasoning.content[0].text == text[:split]
+        assert message.type == "message"
+        assert response.output_text == text[split:]
