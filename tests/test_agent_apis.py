@@ -248,6 +248,16 @@ def test_count_tokens_counts_the_templated_prompt(claude, backend):
         (
             {
                 "max_tokens": 4,
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {"role": "assistant", "content": "The answer is"},
+                ],
+            },
+            "prefill",
+        ),
+        (
+            {
+                "max_tokens": 4,
                 "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}],
             },
             "'image' block",
@@ -455,6 +465,35 @@ def test_bad_responses_requests_are_400_naming_the_field(live, body, param):
     with pytest.raises(openai.BadRequestError) as raised:
         live.client().responses.create(model=MODEL, **body)
     assert raised.value.body["param"] == param
+
+
+CITY = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+
+
+def test_a_json_schema_holds_the_answer_on_both_apis(live, claude):
+    ask = [{"role": "user", "content": "where?"}]
+    message = claude.messages.create(
+        model=MODEL,
+        max_tokens=40,
+        messages=ask,
+        output_config={"format": {"type": "json_schema", "schema": CITY}},
+    )
+    assert message.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(message.content[0].text), CITY)
+    response = live.client().responses.create(
+        model=MODEL,
+        input="where?",
+        max_output_tokens=40,
+        text={"format": {"type": "json_schema", "name": "city", "schema": CITY}},
+    )
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), CITY)
+    assert response.text.format.type == "json_schema"
 
 
 # ---- the reasoning seam -----------------------------------------------------------------

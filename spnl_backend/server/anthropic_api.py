@@ -18,7 +18,7 @@ from typing import Any
 from ..engine.sequence import Sequence
 from ..errors import RequestError, shown
 from ..tools.calls import ToolCall
-from ..tools.spec import tool_request
+from ..tools.spec import ToolRequest, tool_request
 from .answer import AnswerReader, Piece, read_answer
 from .protocol import ApiError, EngineRequest, bad_request, check_fields, engine_request
 from .responses import Reply
@@ -95,7 +95,9 @@ def parse_count(body: object) -> EngineRequest:
     )
 
 
-def _conversation(fields: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
+def _conversation(
+    fields: dict[str, Any],
+) -> tuple[list[dict[str, Any]], ToolRequest | None]:
     system = _system(fields.get("system"))
     messages = fields.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -103,6 +105,13 @@ def _conversation(fields: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
     chat = [{"role": "system", "content": system}] if system is not None else []
     for index, message in enumerate(messages):
         chat += _message(message, f"messages[{index}]")
+    if messages[-1].get("role") == "assistant":
+        raise bad_request(
+            f"messages[{len(messages) - 1}]: a conversation that ends with an assistant turn "
+            "asks for that turn to be continued (a prefill), which is not served; end it with "
+            "a user turn",
+            "messages",
+        )
     return chat, _tools(fields.get("tools"), fields.get("tool_choice"))
 
 
@@ -235,7 +244,7 @@ def _only(block: dict[str, Any], keys: set[str], where: str) -> None:
         )
 
 
-def _tools(tools: object, choice: object) -> Any:
+def _tools(tools: object, choice: object) -> ToolRequest | None:
     """Anthropic's tools and ``tool_choice`` as the chat route's `ToolRequest`."""
     if tools is not None and not isinstance(tools, list):
         raise bad_request("tools: expected a list of tools", "tools")

@@ -27,7 +27,7 @@ from typing import Any
 
 from ..engine.sequence import Sequence
 from ..errors import RequestError, shown
-from ..tools.spec import tool_request
+from ..tools.spec import ToolRequest, tool_request
 from .answer import AnswerReader, Piece
 from .protocol import ApiError, EngineRequest, bad_request, check_fields, engine_request
 from .responses import Reply
@@ -279,7 +279,7 @@ def _chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return chat
 
 
-def _tools(fields: dict[str, Any]) -> Any:
+def _tools(fields: dict[str, Any]) -> ToolRequest | None:
     """The Responses API's function tools (flat: ``{"type": "function", "name", ...}``)
     and ``tool_choice`` as the chat route's `ToolRequest`."""
     tools = fields.get("tools")
@@ -321,23 +321,25 @@ def _tools(fields: dict[str, Any]) -> Any:
 
 def _text_format(text: object) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """``text.format`` as the chat route's ``response_format``, and as it is echoed."""
-    plain = {"format": {"type": "text"}}
-    if text is None:
-        return None, plain
-    fmt = text.get("format") if isinstance(text, dict) and set(text) <= {"format"} else ...
+    fmt = text.get("format") if isinstance(text, dict) else None
+    keys = set(fmt) if isinstance(fmt, dict) else set()
     kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if fmt is None or kind == "text":
-        return None, plain
-    if kind == "json_object":
+    only_format = isinstance(text, dict) and set(text) <= {"format"}
+    if text is None or (only_format and (fmt is None or (kind == "text" and keys == {"type"}))):
+        return None, {"format": {"type": "text"}}
+    if only_format and kind == "json_object" and keys == {"type"}:
         return {"type": "json_object"}, {"format": fmt}
-    if kind == "json_schema" and set(fmt) <= {"type", "name", "schema", "strict", "description"}:  # type: ignore[arg-type]
-        schema = {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}  # type: ignore[index]
+    if only_format and kind == "json_schema" and keys <= _SCHEMA_KEYS and "schema" in keys:
+        schema = {k: fmt[k] for k in ("name", "schema", "strict") if k in keys}  # type: ignore[index]
         return {"type": "json_schema", "json_schema": schema}, {"format": fmt}
     raise bad_request(
         f"text={shown(text)}: expected {{'format': {{'type': 'text' | 'json_object'}}}} or "
-        "{'format': {'type': 'json_schema', 'name': ..., 'schema': {...}}}",
+        "{'format': {'type': 'json_schema', 'name': ..., 'schema': {...}, 'strict': ...}}",
         "text",
     )
+
+
+_SCHEMA_KEYS = {"type", "name", "schema", "strict"}  # a description has no place here
 
 
 # ---- answers --------------------------------------------------------------------------------
