@@ -149,7 +149,7 @@ def test_a_tool_use_round_trip(claude, backend):
     # The result turn goes back through the template as the chat route's tool turn does.
     turns = [
         *question,
-        {"role": "assistant", "content": [call.model_dump(exclude={"caller"}, exclude_none=True)]},
+        {"role": "assistant", "content": message.content},  # sent back as the SDK gave it
         {
             "role": "user",
             "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "sunny, 21 C"}],
@@ -408,6 +408,10 @@ def test_a_function_call_and_its_output_through_responses(live):
         ],
     )
     assert continued.output_text == whole.output_text
+    echoed = client.responses.create(  # the output items sent back as the SDK gave them
+        **rest, input=[{"role": "user", "content": ASK[0]["content"]}, *response.output, output]
+    )
+    assert echoed.output_text == whole.output_text
     assert continued.usage.input_tokens == whole.usage.input_tokens
 
 

@@ -204,7 +204,13 @@ def _text_block(block: object, where: str) -> str:
 
 
 def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
-    _only(block, {"type", "id", "name", "input", "cache_control"}, where)
+    _only(block, {"type", "id", "name", "input", "cache_control", "caller", "toolset_name"}, where)
+    if block.get("caller") not in (None, {"type": "direct"}) or block.get("toolset_name"):
+        raise bad_request(
+            f"{where}: only calls the model made itself are served ('caller' null or "
+            "{'type': 'direct'}, no 'toolset_name')",
+            "messages",
+        )
     ident, name, given = block.get("id"), block.get("name"), block.get("input")
     if not isinstance(ident, str) or not isinstance(name, str) or not isinstance(given, dict):
         raise bad_request(
