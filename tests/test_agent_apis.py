@@ -13,7 +13,8 @@ import pytest
 from live_server import MODEL, LiveServer, served_backend
 from test_tools import ASK, SCHEMAS, TOOL_TEMPLATE, TOOLS
 
-from spnl_backend.server import answer
+from spnl_backend.engine.detokenizer import IncrementalDetokenizer
+from spnl_backend.server import answer, responses_api
 
 # The tools as Anthropic's clients write them.
 ANTHROPIC_TOOLS = [
@@ -119,6 +120,21 @@ def test_a_stop_sequence_is_named_in_the_answer(claude):
     assert cut.stop_reason == "stop_sequence"
     assert cut.stop_sequence == stop
     assert cut.content[0].text == text[: text.index(stop)]
+
+
+class _Chars:
+    def decode(self, ids: list[int]) -> str:
+        return "".join(map(chr, ids))
+
+
+def test_the_detokenizer_names_the_stop_string_found_first():
+    detok = IncrementalDetokenizer(_Chars(), [], ("xyz", "bc"))
+    for char in "abcxyz":
+        detok.add(ord(char))
+    assert (detok.text, detok.matched, detok.stopped) == ("a", "bc", True)
+    never = IncrementalDetokenizer(_Chars(), [], ("q",))
+    never.add(ord("a"))
+    assert never.matched is None
 
 
 def _valid(name: str, given: dict) -> None:
@@ -444,6 +460,15 @@ def test_previous_response_id_equals_the_conversation_sent_whole(live):
     unstored = client.responses.create(**asked, input="x", store=False)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
+
+
+def test_the_store_keeps_the_newest_responses():
+    store = responses_api.ResponseStore(limit=2)
+    for ident in "abc":
+        store.put(ident, responses_api.Stored({"id": ident}, [], []))
+    assert [store.get(i) is not None for i in "abc"] == [False, True, True]
+    assert store.delete("b")
+    assert not store.delete("b")
 
 
 @pytest.mark.parametrize(

@@ -364,7 +364,7 @@ class _Api:
         if isinstance(started, Response):
             return started
         reply, asked, submitted = started
-        stream = responses_api.ResponseStream(reply, parsed[0])
+        stream = responses_api.ResponseStream(reply, parsed[0], store)
         if asked.stream:
             return self._typed_stream(submitted, reply, stream, label)
 
@@ -372,7 +372,7 @@ class _Api:
             seq = reply.seqs[0]
             stream.step(seq, seq.text)  # read as a stream is, its events not sent
             stream.end(seq)
-            return _kept(self.state.responses, stream, seq)
+            return stream.finished(seq)
 
         return await self._whole(request, submitted, reply, label, body)
 
@@ -429,8 +429,6 @@ class _Api:
                     return
                 for event in stream.end(seq):
                     yield event
-                if isinstance(stream, responses_api.ResponseStream):
-                    _kept(self.state.responses, stream, seq)
             outcome = "ok"
         finally:
             self._finish(reply, outcome, label)
@@ -951,15 +949,6 @@ class TypedStream(Protocol):
     def step(self, seq: Sequence, text: str) -> list[bytes]: ...
     def end(self, seq: Sequence) -> list[bytes]: ...
     def error(self, exc: ApiError) -> bytes: ...
-
-
-def _kept(
-    store: responses_api.ResponseStore, stream: responses_api.ResponseStream, seq: Sequence
-) -> dict[str, Any]:
-    """A finished response, kept where its request asked (``store``)."""
-    done = stream.finished(seq)
-    responses_api.keep(store, stream, done)
-    return done
 
 
 def _prompt_length(prompt: PromptIds) -> int:

@@ -366,8 +366,8 @@ class ResponseStream:
     (numbered) that build them; a whole answer is the same reading with its events left
     unsent, so both give the same items."""
 
-    def __init__(self, reply: Reply, asked: ResponsesRequest) -> None:
-        self.reply, self.asked = reply, asked
+    def __init__(self, reply: Reply, asked: ResponsesRequest, store: ResponseStore) -> None:
+        self.reply, self.asked, self.store = reply, asked, store
         self.id = _ident("resp")
         self.created = int(time.time())
         self.reader = AnswerReader(reply.tools)
@@ -408,6 +408,9 @@ class ResponseStream:
         events = [e for piece in self.reader.finish() for e in self._piece(piece)]
         events += self._close(self._status(seq))
         done = self.finished(seq)
+        if self.asked.store:  # kept for previous_response_id and GET
+            stored = Stored(done, self.conversation(), self.asked.input_items)
+            self.store.put(self.id, stored)
         return [*events, self._event(f"response.{done['status']}", response=done)]
 
     def finished(self, seq: Sequence) -> dict[str, Any]:
@@ -532,12 +535,6 @@ class ResponseStream:
         self.number += 1
         body = {"type": kind, "sequence_number": self.number - 1, **data}
         return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
-
-
-def keep(store: ResponseStore, stream: ResponseStream, body: dict[str, Any]) -> None:
-    """Keep a finished response where its request asked (``store``)."""
-    if stream.asked.store:
-        store.put(stream.id, Stored(body, stream.conversation(), stream.asked.input_items))
 
 
 def _listed(item: dict[str, Any]) -> dict[str, Any]:
