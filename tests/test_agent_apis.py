@@ -549,7 +549,7 @@ THOUGHT = 3
 
 @pytest.fixture
 def reasoning_prefix(monkeypatch):
-    monkeypatch.setattr(answer, "reasoning_reader", _FirstChars)
+    monkeypatch.setattr(answer, "reasoning_reader", lambda reasoning: _FirstChars())
 
 
 def test_a_reasoning_reader_gives_thinking_blocks(live, claude, reasoning_prefix):

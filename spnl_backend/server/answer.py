@@ -2,16 +2,17 @@
 (Anthropic's content blocks, the Responses API's output items): reasoning, text and tool
 calls, whole or piece by piece as it streams.
 
-Reasoning is read first, then the rest for calls. `reasoning_reader` is the one place
-that decides how a model's reasoning is told from its answer; today it passes everything
-on as the answer (`NoReasoning`). A reader of ``<think>`` blocks or harmony channels that
-implements `ReasoningReader` plugs in there, and both APIs then emit its reasoning as
-Anthropic ``thinking`` blocks and Responses ``reasoning`` items.
+Reasoning is read first, then the rest for calls, as the chat route reads them.
+`reasoning_reader` is the one place that decides how a model's reasoning is told from its
+answer: the request's `Reasoning` (``<think>`` blocks, harmony channels: `reasoning`),
+or, where it has none, everything is the answer (`NoReasoning`). Both APIs emit the
+reasoning as Anthropic ``thinking`` blocks and Responses ``reasoning`` items.
 """
 
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from ..reasoning import Reasoning, ReasoningParser
 from ..tools.calls import CallReader, ToolCall, call_reader
 from ..tools.formats import ToolFormat
 
@@ -38,9 +39,25 @@ class NoReasoning:
         return "", ""
 
 
-def reasoning_reader() -> ReasoningReader:
-    """How an answer's reasoning is told apart (the seam for reasoning models)."""
-    return NoReasoning()
+class Parsed:
+    """A model's reasoning told apart by its format's parser."""
+
+    def __init__(self, parser: ReasoningParser) -> None:
+        self.parser = parser
+
+    def feed(self, piece: str) -> tuple[str, str]:
+        delta = self.parser.feed(piece)
+        return delta.reasoning, delta.content
+
+    def finish(self) -> tuple[str, str]:
+        delta = self.parser.finish()
+        return delta.reasoning, delta.content
+
+
+def reasoning_reader(reasoning: Reasoning | None) -> ReasoningReader:
+    """How an answer's reasoning is told apart: by the request's format, if any."""
+    parser = reasoning.parser() if reasoning is not None else None
+    return NoReasoning() if parser is None else Parsed(parser)
 
 
 PieceKind = Literal["reasoning", "text", "call", "arguments"]
@@ -70,8 +87,8 @@ class AnswerReader:
     """An output read as it streams: reasoning, then text or calls (where ``tools`` gives
     the format the output was held to)."""
 
-    def __init__(self, tools: ToolFormat | None) -> None:
-        self.reasoning = reasoning_reader()
+    def __init__(self, tools: ToolFormat | None, reasoning: Reasoning | None = None) -> None:
+        self.reasoning = reasoning_reader(reasoning)
         self.calls: CallReader | None = call_reader(tools) if tools is not None else None
         self.answer = Answer()
 
@@ -103,9 +120,9 @@ class AnswerReader:
         return pieces
 
 
-def read_answer(tools: ToolFormat | None, text: str) -> Answer:
+def read_answer(tools: ToolFormat | None, text: str, reasoning: Reasoning | None = None) -> Answer:
     """A finished output's parts, read at once."""
-    reader = AnswerReader(tools)
+    reader = AnswerReader(tools, reasoning)
     reader.feed(text)
     reader.finish()
     return reader.answer

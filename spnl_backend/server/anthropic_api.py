@@ -368,7 +368,7 @@ def usage(seq: Sequence) -> dict[str, int]:
 def message_body(reply: Reply) -> dict[str, Any]:
     """The whole answer as a ``message``."""
     seq = reply.seqs[0]
-    answer = read_answer(reply.tools, seq.text)
+    answer = read_answer(reply.tools, seq.text, reply.reasoning)
     content: list[dict[str, Any]] = []
     if answer.reasoning:
         content.append({"type": "thinking", "thinking": answer.reasoning, "signature": ""})
@@ -412,7 +412,7 @@ class MessageStream:
 
     def __init__(self, reply: Reply) -> None:
         self.reply = reply
-        self.reader = AnswerReader(reply.tools)
+        self.reader = AnswerReader(reply.tools, reply.reasoning)
         self.started = False
         self.block: str | None = None  # the open block's type
         self.index = -1  # the open block's index

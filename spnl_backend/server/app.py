@@ -39,7 +39,8 @@ from ..errors import RequestAbortedError, RequestError, shown
 from ..log import get_logger
 from ..pic.query import MapQuery, SpanQuery, parse_query
 from ..plain import json_value
-from ..tools.calls import call_reader
+from ..reasoning import ReasoningDelta, ReasoningParser, resolve_format
+from ..tools.calls import CallReader, call_reader
 from ..tools.chat import template_messages
 from ..version import version_info
 from . import anthropic_api, collector, ollama, responses_api
@@ -462,39 +463,49 @@ class _Api:
                 reason = "unload" if keep_alive == 0 else "load"
                 return JSONResponse({**loaded, "done": True, "done_reason": reason})
             prompts = await asyncio.to_thread(_prompt_ids, backend, asked)
-            asked = await asyncio.to_thread(_prepared, backend, asked)
+            asked = await asyncio.to_thread(_prepared, backend, asked, prompts)
+            _check_thinks(asked, body.get("think"))
             submitted = await self._submit(backend, asked, prompts)
         except Exception as exc:
             self._release(name, keep_alive)
             return self._refused(label, exc, shape="ollama")
         endpoint: Endpoint = "chat" if chat else "completions"
-        reply = Reply(endpoint, self._served(name), submitted.seqs, 1, tools=asked.tool_format)
+        reply = Reply(
+            endpoint,
+            self._served(name),
+            submitted.seqs,
+            1,
+            tools=asked.tool_format,
+            reasoning=asked.reasoning,
+        )
         reply.keep_alive = keep_alive
+        show = asked.show_reasoning
         if asked.stream:
-            lines = self._ndjson(submitted, reply, chat, label)
+            lines = self._ndjson(submitted, reply, chat, label, show)
             let_go = lambda: self._let_go(submitted, reply, label)  # noqa: E731
             return _LettingGo(lines, let_go, media_type="application/x-ndjson")
         seq = submitted.seqs[0]
-        return await self._whole(
-            request,
-            submitted,
-            reply,
-            label,
-            lambda: ollama.done(reply.model, chat, seq, seq.text, reply.tools),
-            shape="ollama",
-        )
 
-    async def _ndjson(self, submitted: LoopRequest, reply: Reply, chat: bool, label: str):
+        def whole() -> dict[str, Any]:
+            answer = reply.answer(seq)
+            thinking = answer.reasoning if show else ""
+            return ollama.done(reply.model, chat, seq, answer.content, reply.tools, thinking)
+
+        return await self._whole(request, submitted, reply, label, whole, shape="ollama")
+
+    async def _ndjson(
+        self, submitted: LoopRequest, reply: Reply, chat: bool, label: str, show: bool
+    ):
         reader = call_reader(reply.tools) if chat and reply.tools is not None else None
+        parser = reply.reasoning.parser() if reply.reasoning is not None else None
         outcome = "aborted"
         try:
             async for item in submitted.aitems():
                 if isinstance(item, StepOutput):
-                    text = item.text_delta
-                    if text and reader is not None:
-                        text = reader.feed(text).content
-                    if text:
-                        yield _line(ollama.chunk(reply.model, chat, text))
+                    if item.text_delta:
+                        line = _ollama_piece(reply, chat, item.text_delta, parser, reader, show)
+                        if line is not None:
+                            yield _line(line)
                     continue
                 seq = item.seq
                 self._observe(seq)
@@ -502,8 +513,13 @@ class _Api:
                     outcome = self._failed(label, seq)
                     yield _line({"error": str(seq.error)})
                     return
-                rest = reader.finish().content if reader is not None else ""
-                yield _line(ollama.done(reply.model, chat, seq, rest, reply.tools))
+                rest = parser.finish() if parser is not None else ReasoningDelta()
+                text = reader.feed(rest.content).content if reader is not None else rest.content
+                text += reader.finish().content if reader is not None else ""
+                answer = reply.answer(seq).content
+                thinking = rest.reasoning if show else ""
+                last = ollama.done(reply.model, chat, seq, text, reply.tools, thinking, answer)
+                yield _line(last)
             outcome = "ok"
         finally:
             self._finish(reply, outcome, label)
@@ -551,6 +567,8 @@ class _Api:
         config = backend.model_config
         template = backend.tokenizer.hf.chat_template or ""
         capabilities = ["completion", "embedding"] + (["tools"] if "tools" in template else [])
+        if resolve_format(backend.settings.reasoning_format, template) != "none":
+            capabilities.append("thinking")  # what Ollama's clients check before `think`
         info = {
             "general.architecture": config.architecture,
             f"{config.architecture}.context_length": backend.max_model_len,
@@ -615,7 +633,7 @@ class _Api:
         try:
             self._check_fits(backend, len(asked.prompts or [asked.messages]) * asked.n)
             prompts = await asyncio.to_thread(_prompt_ids, backend, asked)
-            asked = await asyncio.to_thread(_prepared, backend, asked)
+            asked = await asyncio.to_thread(_prepared, backend, asked, prompts)
             submitted = await self._submit(backend, asked, prompts)
         except Exception as exc:
             self._release(asked.model)
@@ -627,6 +645,7 @@ class _Api:
             asked.n,
             backend.token_bytes,
             tools=asked.tool_format,
+            reasoning=asked.reasoning,
         )
         return reply, asked, submitted
 
@@ -979,9 +998,10 @@ class _LettingGo(StreamingResponse):
             self._let_go()
 
 
-def _prepared(backend: Backend, asked: EngineRequest) -> EngineRequest:
-    """``asked`` with the server's token-healing default for a completion and its tools'
-    constraint, off the event loop (what it needs is built by `Backend.asubmit`)."""
+def _prepared(backend: Backend, asked: EngineRequest, prompts: list[PromptIds]) -> EngineRequest:
+    """``asked`` with the server's token-healing default for a completion, its tools'
+    constraint and how its answer's reasoning is read, off the event loop (what it needs
+    is built by `Backend.asubmit`)."""
     params, tool_format = asked.params, None
     if asked.messages is None and asked.token_healing is None:
         params = backend.default_healing(params)
@@ -994,7 +1014,12 @@ def _prepared(backend: Backend, asked: EngineRequest) -> EngineRequest:
                 asked = dataclasses.replace(asked, constraint_field="tools")
     except RequestError as exc:
         raise from_request_error(exc, "tools") from None
-    return dataclasses.replace(asked, params=params, tool_format=tool_format)
+    reasoning = None
+    if asked.messages is not None:
+        reasoning = backend.reasoning(prompts[0], constrained=params.constraint is not None)
+        kept = backend.reasoning_kept(reasoning.format)
+        params = dataclasses.replace(params, kept_token_ids=params.kept_token_ids + kept)
+    return dataclasses.replace(asked, params=params, tool_format=tool_format, reasoning=reasoning)
 
 
 def _param_of(exc: RequestError, asked: EngineRequest) -> str | None:
@@ -1011,7 +1036,8 @@ def _prompt_ids(backend: Backend, asked: EngineRequest) -> list[PromptIds]:
     try:
         if asked.messages is not None:
             _check_names_read(backend, asked)
-            return [backend.chat_prompt_ids(asked.messages, asked.tools)]
+            variables = asked.template_variables
+            return [backend.chat_prompt_ids(asked.messages, asked.tools, variables)]
         texts = asked.prompts if isinstance(asked.prompts[0], str) else None
         prompts, _ = backend.prompt_ids(texts, None if texts else asked.prompts)
         return prompts
@@ -1035,8 +1061,9 @@ def _check_names_read(backend: Backend, asked: EngineRequest) -> None:
     ]
     try:
         render = backend.tokenizer.render_chat
-        read = render(template_messages(messages), True, tools)
-        unread = render(template_messages(nameless), True, tools)
+        variables = asked.template_variables
+        read = render(template_messages(messages), True, tools, variables)
+        unread = render(template_messages(nameless), True, tools, variables)
     except RequestError:
         return  # the template fails on these messages: chat_prompt_ids says how
     if read == unread:
@@ -1046,6 +1073,38 @@ def _check_names_read(backend: Backend, asked: EngineRequest) -> None:
             "messages",
             "unsupported_parameter",
         )
+
+
+def _check_thinks(asked: EngineRequest, think: object) -> None:
+    """Ollama's ``think`` asked of a model that has no reasoning to show: a 400, as
+    Ollama answers it (``false`` asks for nothing)."""
+    if think not in (None, False) and (asked.reasoning is None or asked.reasoning.format == "none"):
+        raise bad_request(
+            f"think={shown(think)}: this model's chat template writes no reasoning this server "
+            "reads (<think> blocks or harmony channels); see MISTRALRS_REASONING_FORMAT",
+            "think",
+        )
+
+
+def _ollama_piece(
+    reply: Reply,
+    chat: bool,
+    text: str,
+    parser: ReasoningParser | None,
+    reader: CallReader | None,
+    show: bool,
+) -> dict[str, Any] | None:
+    """An Ollama stream's line for a piece of output: its answer text (a tool call's
+    markup left out) and its reasoning as ``thinking``; None where it adds neither."""
+    thinking = ""
+    if parser is not None:
+        split = parser.feed(text)
+        thinking, text = (split.reasoning if show else ""), split.content
+    if text and reader is not None:
+        text = reader.feed(text).content
+    if not text and not thinking:
+        return None
+    return ollama.chunk(reply.model, chat, text, thinking=thinking)
 
 
 def _participant_named(message: object) -> bool:

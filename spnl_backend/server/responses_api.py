@@ -370,7 +370,7 @@ class ResponseStream:
         self.reply, self.asked, self.store = reply, asked, store
         self.id = _ident("resp")
         self.created = int(time.time())
-        self.reader = AnswerReader(reply.tools)
+        self.reader = AnswerReader(reply.tools, reply.reasoning)
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None
         self.number = 0
