@@ -4,6 +4,7 @@ result turn, ``count_tokens``, ``previous_response_id``, and the errors in each 
 shape."""
 
 import json
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -306,6 +307,25 @@ def test_count_tokens_counts_the_templated_prompt(claude, backend):
             },
             "thinking",
         ),
+        (
+            {
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": "x"}],
+                "output_config": {"effort": "max"},
+            },
+            "output_config.effort='max'",
+        ),
+        (
+            {
+                "max_tokens": 4,
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "z"}]},
+                    {"role": "user", "content": "y"},
+                ],
+            },
+            "redacted_thinking",
+        ),
     ],
 )
 def test_bad_messages_are_400_in_anthropics_shape(live, body, message):
@@ -485,7 +505,7 @@ def test_the_store_keeps_the_newest_responses():
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
         ({"input": "x", "tool_choice": "required"}, "tool_choice"),
         ({"input": "x", "store": "yes"}, "store"),
-        ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning"),
+        ({"input": "x", "reasoning": {"effort": "max"}}, "reasoning"),
         ({"input": "x", "conversation": "c"}, "conversation"),
         ({"input": "x", "text": {"format": {"type": "xml"}}}, "text"),
     ],
@@ -523,6 +543,95 @@ def test_a_json_schema_holds_the_answer_on_both_apis(live, claude):
     assert response.status == "completed"
     jsonschema.validate(json.loads(response.output_text), CITY)
     assert response.text.format.type == "json_schema"
+
+
+# ---- reasoning -----------------------------------------------------------------------------
+
+R1 = (
+    Path(__file__).parent / "data" / "templates" / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"
+).read_text()
+
+
+@pytest.fixture
+def r1(backend):
+    """DeepSeek-R1's template, whose generation prompt opens the thinking block (closed
+    again unless enable_thinking): the tiny model's greedy output is all reasoning."""
+    before = backend.tokenizer.hf.chat_template
+    backend.tokenizer.hf.chat_template = R1
+    yield
+    backend.tokenizer.hf.chat_template = before
+
+
+def _greedy_after(backend, variables: dict | None, max_tokens: int) -> str:
+    ids = backend.chat_prompt_ids([{"role": "user", "content": "think"}], None, variables)
+    return backend.generate(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0).text
+
+
+def test_thinking_enabled_gives_a_thinking_block_whole_and_streamed(claude, backend, r1):
+    text = _greedy_after(backend, {"enable_thinking": True}, 10)
+    assert "</think>" not in text
+    asked = dict(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": "think"}])
+    thinking = {"type": "enabled", "budget_tokens": 5}
+    message = claude.messages.create(**asked, thinking=thinking, extra_body=GREEDY)
+    assert [(b.type, b.thinking) for b in message.content] == [("thinking", text.lstrip())]
+    assert message.stop_reason == "max_tokens"
+    with claude.messages.stream(**asked, thinking=thinking, extra_body=GREEDY) as stream:
+        deltas = {e.delta.type for e in stream if e.type == "content_block_delta"}
+        final = stream.get_final_message()
+    assert deltas == {"thinking_delta"}
+    assert final.content[0].thinking == text.lstrip()
+    closed = claude.messages.create(**asked, thinking={"type": "disabled"}, extra_body=GREEDY)
+    assert {b.type for b in closed.content} <= {"text"}
+    assert "".join(b.text for b in closed.content) == _greedy_after(backend, None, 10)
+    past = [  # a past turn's thinking block is read back as its reasoning
+        {"role": "user", "content": "think"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "hm", "signature": ""},
+                {"type": "text", "text": "yes"},
+            ],
+        },
+        {"role": "user", "content": "again"},
+    ]
+    counted = claude.messages.count_tokens(model=MODEL, messages=past)
+    chat = [
+        {"role": "user", "content": "think"},
+        {"role": "assistant", "content": "yes", "reasoning_content": "hm"},
+        {"role": "user", "content": "again"},
+    ]
+    assert counted.input_tokens == len(backend.chat_prompt_ids(chat))
+
+
+def test_reasoning_items_from_a_reasoning_template(live, backend, r1):
+    text = _greedy_after(backend, {"enable_thinking": True}, 10)
+    client = live.client()
+    asked = dict(model=MODEL, input="think", max_output_tokens=10, temperature=0)
+    on = {"chat_template_kwargs": {"enable_thinking": True}}
+    for response in (
+        client.responses.create(
+            **asked, extra_body=on, reasoning={"effort": "low", "summary": "auto"}
+        ),
+        list(client.responses.create(**asked, extra_body=on, stream=True))[-1].response,
+    ):
+        (item,) = response.output
+        assert item.type == "reasoning"
+        assert item.content[0].text == text.lstrip()
+        assert response.output_text == ""
+        assert response.usage.output_tokens_details.reasoning_tokens is None
+    first = client.responses.create(**asked, extra_body=on)
+    del asked["input"]
+    continued = client.responses.create(**asked, previous_response_id=first.id, input="more")
+    whole = client.responses.create(
+        **asked,
+        input=[
+            {"role": "user", "content": "think"},
+            *first.output,  # the reasoning item sent back as the SDK gave it
+            {"role": "user", "content": "more"},
+        ],
+    )
+    assert continued.usage.input_tokens == whole.usage.input_tokens
+    assert continued.output_text == whole.output_text
 
 
 # ---- the reasoning seam -----------------------------------------------------------------

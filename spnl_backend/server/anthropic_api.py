@@ -5,9 +5,12 @@ finished or streaming sequence is written back as content blocks and Anthropic's
 
 Accepted without effect: ``metadata`` (its ``user_id`` is a label), ``cache_control`` on
 any block or tool (the prefix cache reuses every shared prefix by itself; its hits are
-``usage.cache_read_input_tokens``), ``service_tier``, and ``thinking`` at
-``{"type": "disabled"}``. A ``tool_result`` with ``is_error`` reaches the template as its
-text after ``Error: ``. Everything else not listed here is a 400 naming it.
+``usage.cache_read_input_tokens``), ``service_tier`` and ``inference_geo``. ``thinking``
+sets the template's ``enable_thinking`` (``enabled``/``adaptive``: true, ``disabled``:
+false); its ``budget_tokens`` is checked but the reasoning is bounded by ``max_tokens``
+alone. ``output_config.effort`` is the template's ``reasoning_effort``. A ``tool_result``
+with ``is_error`` reaches the template as its text after ``Error: ``. Everything else not
+listed here is a 400 naming it.
 """
 
 import json
@@ -17,6 +20,7 @@ from typing import Any
 
 from ..engine.sequence import Sequence
 from ..errors import RequestError, shown
+from ..reasoning import template_variables
 from ..tools.calls import ToolCall
 from ..tools.spec import ToolRequest, tool_request
 from .answer import AnswerReader, Piece, read_answer
@@ -25,10 +29,7 @@ from .responses import Reply
 
 _COMMON = ("model", "messages", "system", "tools", "tool_choice")
 _NO_EFFECT = ("metadata", "service_tier", "cache_control", "inference_geo")
-_NEUTRAL: dict[str, Callable[[object], bool]] = {
-    "thinking": lambda v: v is None or v == {"type": "disabled"},
-    "speed": lambda v: v in (None, "standard"),
-}
+_NEUTRAL: dict[str, Callable[[object], bool]] = {"speed": lambda v: v in (None, "standard")}
 _SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
 _SAMPLING["stop_sequences"] = "stop"
 _ROLES = ("user", "assistant")
@@ -37,7 +38,10 @@ _ROLES = ("user", "assistant")
 def parse_messages(body: object) -> EngineRequest:
     """A ``/v1/messages`` body as the chat request it asks for."""
     fields = check_fields(
-        body, {*_COMMON, *_SAMPLING, "max_tokens", "stream", "output_config"}, _NO_EFFECT, _NEUTRAL
+        body,
+        {*_COMMON, *_SAMPLING, "max_tokens", "stream", "output_config", "thinking"},
+        _NO_EFFECT,
+        _NEUTRAL,
     )
     max_tokens = fields.get("max_tokens")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
@@ -52,8 +56,16 @@ def parse_messages(body: object) -> EngineRequest:
     openai |= {ours: fields.get(theirs) for theirs, ours in _SAMPLING.items()}
     openai["response_format"] = _output_format(fields.get("output_config"))
     messages, tools = _conversation(fields)
+    variables = _variables(fields.get("thinking"), fields.get("output_config"), max_tokens)
     try:
-        return engine_request(openai, max_tokens, "max_tokens", messages=messages, tools=tools)
+        return engine_request(
+            openai,
+            max_tokens,
+            "max_tokens",
+            messages=messages,
+            tools=tools,
+            template_variables=variables,
+        )
     except ApiError as exc:
         if exc.param == "stop":  # named as Anthropic's clients know it
             raise bad_request("stop_sequences" + exc.message[4:], "stop_sequences") from None
@@ -62,9 +74,42 @@ def parse_messages(body: object) -> EngineRequest:
         raise
 
 
+def _variables(thinking: object, config: object, max_tokens: int | None) -> dict[str, Any] | None:
+    """``thinking`` and ``output_config.effort`` as the chat template's variables."""
+    variables: dict[str, Any] = {}
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    keys = {"type", "budget_tokens"} if kind == "enabled" else {"type"}
+    budget = thinking.get("budget_tokens") if isinstance(thinking, dict) else None
+    if thinking is not None and (
+        kind not in ("enabled", "adaptive", "disabled")
+        or set(thinking) - keys  # type: ignore[arg-type]
+        or (kind == "enabled" and not _below(budget, max_tokens))
+    ):
+        raise bad_request(
+            f"thinking={shown(thinking)}: expected {{'type': 'enabled', 'budget_tokens': N}} "
+            "(N an integer >= 1, below max_tokens), {'type': 'adaptive'} or "
+            "{'type': 'disabled'}",
+            "thinking",
+        )
+    if kind is not None:
+        variables["enable_thinking"] = kind != "disabled"
+    effort = config.get("effort") if isinstance(config, dict) else None
+    try:
+        return template_variables(variables, effort, "thinking") or None
+    except RequestError as exc:
+        raise bad_request(
+            "output_config.effort" + str(exc).removeprefix("reasoning_effort"), "output_config"
+        ) from None
+
+
+def _below(budget: object, max_tokens: int | None) -> bool:
+    integer = isinstance(budget, int) and not isinstance(budget, bool)
+    return integer and budget >= 1 and (max_tokens is None or budget < max_tokens)  # type: ignore[operator]
+
+
 def _output_format(config: object) -> dict[str, Any] | None:
-    """``output_config``'s JSON schema as the chat route's ``response_format`` (``effort``
-    waits for reasoning models: only null is taken)."""
+    """``output_config``'s JSON schema as the chat route's ``response_format`` (its
+    ``effort`` is a template variable: `_variables`)."""
     if config is None:
         return None
     fmt = config.get("format") if isinstance(config, dict) else None
@@ -72,13 +117,11 @@ def _output_format(config: object) -> dict[str, Any] | None:
     if (
         not isinstance(config, dict)
         or set(config) - {"format", "effort"}
-        or config.get("effort") is not None
         or (fmt is not None and (fmt.get("type") != "json_schema" or not isinstance(schema, dict)))
     ):
         raise bad_request(
             f"output_config={shown(config)}: expected {{'format': {{'type': 'json_schema', "
-            "'schema': {...}}}} ('effort' is not served yet: this server does not separate a "
-            "model's reasoning)",
+            "'schema': {...}}, 'effort': 'low' | 'medium' | 'high'}} (both optional)",
             "output_config",
         )
     if fmt is None:
@@ -88,10 +131,17 @@ def _output_format(config: object) -> dict[str, Any] | None:
 
 def parse_count(body: object) -> EngineRequest:
     """A ``/v1/messages/count_tokens`` body: the conversation whose prompt is counted."""
-    fields = check_fields(body, set(_COMMON), _NO_EFFECT, _NEUTRAL)
+    fields = check_fields(body, {*_COMMON, "thinking", "output_config"}, _NO_EFFECT, _NEUTRAL)
     messages, tools = _conversation(fields)
+    _output_format(fields.get("output_config"))
+    variables = _variables(fields.get("thinking"), fields.get("output_config"), None)
     return engine_request(
-        {"model": fields["model"]}, None, "max_tokens", messages=messages, tools=tools
+        {"model": fields["model"]},
+        None,
+        "max_tokens",
+        messages=messages,
+        tools=tools,
+        template_variables=variables,
     )
 
 
@@ -163,25 +213,39 @@ def _user_blocks(blocks: list[object], where: str) -> list[dict[str, Any]]:
 
 
 def _assistant_blocks(blocks: list[object], where: str) -> list[dict[str, Any]]:
-    text, calls = "", []
+    text, thought, calls = "", "", []
     for i, block in enumerate(blocks):
-        kind = _kind(block, f"{where}[{i}]", ("text", "tool_use"))
+        kind = _kind(block, f"{where}[{i}]", ("text", "tool_use", "thinking"))
         if kind == "text":
             text += _text_block(block, f"{where}[{i}]")
+        elif kind == "thinking":
+            thought += _thinking_block(block, f"{where}[{i}]")
         else:
             calls.append(_tool_use(block, f"{where}[{i}]"))  # type: ignore[arg-type]
     turn: dict[str, Any] = {"role": "assistant", "content": text}
+    if thought:  # the template decides whether a past turn's reasoning is shown again
+        turn["reasoning_content"] = thought
     return [{**turn, "tool_calls": calls} if calls else turn]
+
+
+def _thinking_block(block: object, where: str) -> str:
+    """A past turn's reasoning (its ``signature``, this server's empty one or another's,
+    is not checked: nothing here signs reasoning)."""
+    _only(block, {"type", "thinking", "signature", "cache_control"}, where)  # type: ignore[arg-type]
+    text = block.get("thinking")  # type: ignore[union-attr]
+    if not isinstance(text, str):
+        raise bad_request(f"{where}.thinking: expected a string", "messages")
+    return text
 
 
 def _kind(block: object, where: str, kinds: tuple[str, ...]) -> str:
     kind = block.get("type") if isinstance(block, dict) else None
     if kind in kinds:
         return kind  # type: ignore[return-value]
-    if kind in ("thinking", "redacted_thinking"):
+    if kind == "redacted_thinking":
         raise bad_request(
-            f"{where}: thinking blocks are not served yet (this server does not separate a "
-            "model's reasoning from its answer)",
+            f"{where}: redacted_thinking blocks (another service's encrypted reasoning) "
+            "cannot be read here",
             "messages",
         )
     raise bad_request(

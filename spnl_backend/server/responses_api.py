@@ -27,6 +27,7 @@ from typing import Any
 
 from ..engine.sequence import Sequence
 from ..errors import RequestError, shown
+from ..reasoning import template_variables
 from ..tools.spec import ToolRequest, tool_request
 from .answer import AnswerReader, Piece
 from .protocol import ApiError, EngineRequest, bad_request, check_fields, engine_request
@@ -49,13 +50,14 @@ _USED = {
     "previous_response_id",
     "text",
     "metadata",
+    "reasoning",
+    "chat_template_kwargs",  # vLLM's extension, as on chat completions
 }
 _NO_EFFECT = ("user", "safety_identifier", "prompt_cache_key", "service_tier")
 _NEUTRAL: dict[str, Callable[[object], bool]] = {
     "truncation": lambda v: v in (None, "disabled"),
     "include": lambda v: v is None or v == [],
     "background": lambda v: v is None or v is False,
-    "reasoning": lambda v: v is None or v == {} or v == {"effort": None},
 }
 
 
@@ -135,8 +137,14 @@ def parse_responses(body: object, store: ResponseStore) -> ResponsesRequest:
         raise bad_request(f"store={shown(keep)}: expected true or false", "store")
     openai = {k: fields.get(k) for k in ("model", "temperature", "top_p", "stream")}
     openai["response_format"], text = _text_format(fields.get("text"))
+    reasoning, variables = _reasoning(fields.get("reasoning"), fields.get("chat_template_kwargs"))
     asked = engine_request(
-        openai, max_tokens, "max_output_tokens", messages=[*system, *history], tools=tools
+        openai,
+        max_tokens,
+        "max_output_tokens",
+        messages=[*system, *history],
+        tools=tools,
+        template_variables=variables,
     )
     if asked.constraint_field == "response_format":
         asked = dataclasses.replace(asked, constraint_field="text")
@@ -155,8 +163,35 @@ def parse_responses(body: object, store: ResponseStore) -> ResponsesRequest:
         "tool_choice": fields.get("tool_choice") or "auto",
         "tools": fields.get("tools") or [],
         "top_p": asked.params.top_p,
+        "reasoning": reasoning,
     }
     return ResponsesRequest(asked, echo, keep, history, items)
+
+
+_SUMMARIES = (None, "auto", "concise", "detailed")
+
+
+def _reasoning(reasoning: object, kwargs: object) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """``reasoning`` (its ``effort`` the template's ``reasoning_effort``; ``summary``
+    accepted, the reasoning being given whole, not summarized) and ``chat_template_kwargs``
+    as the template's variables; and ``reasoning`` as the response repeats it."""
+    given = reasoning if isinstance(reasoning, dict) else {}
+    summary = given.get("summary", given.get("generate_summary"))
+    if (reasoning is not None and not isinstance(reasoning, dict)) or (
+        set(given) - {"effort", "summary", "generate_summary"} or summary not in _SUMMARIES
+    ):
+        raise bad_request(
+            f"reasoning={shown(reasoning)}: expected {{'effort': 'low' | 'medium' | 'high', "
+            "'summary': 'auto' | 'concise' | 'detailed'}} (both optional)",
+            "reasoning",
+        )
+    try:
+        variables = template_variables(kwargs, given.get("effort"))
+    except RequestError as exc:
+        message = str(exc).replace("reasoning_effort", "reasoning.effort")
+        param = "chat_template_kwargs" if message.startswith("chat_template") else "reasoning"
+        raise bad_request(message, param) from None
+    return {"effort": given.get("effort"), "summary": summary}, variables
 
 
 def _previous(ident: object, store: ResponseStore) -> Stored | None:
@@ -181,6 +216,7 @@ def _input_items(given: object) -> list[dict[str, Any]]:
 
 
 _ITEM_KEYS = {
+    "reasoning": {"type", "id", "summary", "content", "encrypted_content", "status"},
     "message": {"type", "role", "content", "id", "status"},
     "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
     "function_call_output": {"type", "call_id", "output", "id", "status"},
@@ -191,12 +227,6 @@ def _item(item: object, where: str) -> dict[str, Any]:
     if not isinstance(item, dict):
         raise bad_request(f"{where}: expected an input item (an object)", "input")
     kind = item.get("type", "message" if "role" in item else None)
-    if kind == "reasoning":
-        raise bad_request(
-            f"{where}: reasoning items are not served yet (this server does not separate a "
-            "model's reasoning from its answer)",
-            "input",
-        )
     if kind not in _ITEM_KEYS:
         raise bad_request(
             f"{where}: a {shown(kind)} item is not served; input items are messages, "
@@ -217,6 +247,8 @@ def _item(item: object, where: str) -> dict[str, Any]:
         for name in ("call_id", "name", "arguments"):
             if not isinstance(item.get(name), str):
                 raise bad_request(f"{where}.{name}: expected a string", "input")
+    elif kind == "reasoning":
+        checked["text"] = _reasoning_text(item, where)
     else:
         if not isinstance(item.get("call_id"), str):
             raise bad_request(f"{where}.call_id: expected the id of the call it answers", "input")
@@ -252,6 +284,29 @@ def _content(content: object, role: object, where: str) -> str:
     return "".join(texts)
 
 
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    """A past turn's reasoning item: its ``reasoning_text`` parts (or, without them, its
+    summary's ``summary_text`` parts)."""
+    if item.get("encrypted_content"):
+        raise bad_request(
+            f"{where}: encrypted_content (another service's encrypted reasoning) cannot be "
+            "read here",
+            "input",
+        )
+    parts = item.get("content") or item.get("summary") or []
+    kinds = ("reasoning_text", "summary_text")
+    if not isinstance(parts, list) or not all(
+        isinstance(p, dict) and p.get("type") in kinds and isinstance(p.get("text"), str)
+        for p in parts
+    ):
+        raise bad_request(
+            f"{where}: a reasoning item's content (or summary) is a list of "
+            "{'type': 'reasoning_text' | 'summary_text', 'text': ...} parts",
+            "input",
+        )
+    return "".join(p["text"] for p in parts)
+
+
 def _output_text(output: object, where: str) -> str:
     if isinstance(output, str):
         return output
@@ -261,12 +316,24 @@ def _output_text(output: object, where: str) -> str:
 
 
 def _chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Input items as chat messages: each call joins the assistant turn before it."""
+    """Input items as chat messages: a reasoning item opens the assistant turn that
+    follows it (as its ``reasoning_content``), and each call joins the assistant turn
+    before it."""
     chat: list[dict[str, Any]] = []
     for item in items:
-        if item["type"] == "message":
-            chat.append({"role": _ROLES[item["role"]], "content": item["content"]})
-        elif item["type"] == "function_call_output":
+        kind = item["type"]
+        if kind == "reasoning":
+            if _opened(chat):
+                chat[-1]["reasoning_content"] += item["text"]
+            else:
+                chat.append({"role": "assistant", "content": "", "reasoning_content": item["text"]})
+        elif kind == "message":
+            role = _ROLES[item["role"]]
+            if role == "assistant" and _opened(chat):
+                chat[-1]["content"] = item["content"]
+            else:
+                chat.append({"role": role, "content": item["content"]})
+        elif kind == "function_call_output":
             chat.append(
                 {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
             )
@@ -277,6 +344,13 @@ def _chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 chat.append({"role": "assistant", "content": ""})
             chat[-1]["tool_calls"] = [*chat[-1].get("tool_calls", []), call]
     return chat
+
+
+def _opened(chat: list[dict[str, Any]]) -> bool:
+    """Whether the last turn is an assistant turn its reasoning opened, with nothing else
+    yet."""
+    last = chat[-1] if chat else {}
+    return "reasoning_content" in last and not last["content"] and "tool_calls" not in last
 
 
 def _tools(fields: dict[str, Any]) -> ToolRequest | None:
@@ -349,14 +423,14 @@ def _ident(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
-def usage(seq: Sequence) -> dict[str, Any]:
+def usage(seq: Sequence, reasoned: bool = False) -> dict[str, Any]:
     prompt, output = len(seq.prompt_token_ids), len(seq.output_token_ids)
     return {
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": seq.num_cached_tokens},
         "output_tokens": output,
-        # The reasoning's tokens, once a reasoning reader tells them apart (`answer`).
-        "output_tokens_details": {"reasoning_tokens": 0},
+        # Tokens are not counted apart where the answer reasoned: null, not a guess.
+        "output_tokens_details": {"reasoning_tokens": None if reasoned else 0},
         "total_tokens": prompt + output,
     }
 
@@ -386,9 +460,8 @@ class ResponseStream:
             "model": self.reply.model,
             "output": self.items,
             **self.asked.echo,
-            "reasoning": {"effort": None, "summary": None},
             "truncation": "disabled",
-            "usage": usage(seq) if seq is not None else None,
+            "usage": usage(seq, bool(self.reader.answer.reasoning)) if seq is not None else None,
         }
         if status == "incomplete":
             body["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -430,6 +503,8 @@ class ResponseStream:
         """The conversation this response continues, its answer as the last turn."""
         answer = self.reader.answer
         turn: dict[str, Any] = {"role": "assistant", "content": answer.text}
+        if answer.reasoning:  # the template decides whether a past turn's reasoning shows
+            turn["reasoning_content"] = answer.reasoning
         calls = [item for item in self.items if item["type"] == "function_call"]
         if calls:
             turn["tool_calls"] = [
