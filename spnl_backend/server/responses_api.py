@@ -11,8 +11,9 @@ predecessors, without their ``instructions`` and ``tools`` (as OpenAI's API does
 
 Accepted without effect: ``metadata`` (kept and returned), ``user``,
 ``safety_identifier``, ``prompt_cache_key`` (the prefix cache reuses every shared prefix
-by itself) and ``service_tier``; ``truncation``, ``include``, ``background`` and
-``reasoning`` at the values that ask for nothing.
+by itself), ``service_tier`` and ``reasoning.summary`` (the reasoning is given whole);
+``truncation``, ``include`` and ``background`` at the values that ask for nothing.
+``reasoning.effort`` and ``chat_template_kwargs`` are the chat template's variables.
 """
 
 import dataclasses
