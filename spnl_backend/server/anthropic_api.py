@@ -103,6 +103,7 @@ def _variables(thinking: object, config: object, max_tokens: int | None) -> dict
 
 
 def _below(budget: object, max_tokens: int | None) -> bool:
+    """A thinking budget as Anthropic's API takes it: an integer >= 1, below max_tokens."""
     integer = isinstance(budget, int) and not isinstance(budget, bool)
     return integer and budget >= 1 and (max_tokens is None or budget < max_tokens)  # type: ignore[operator]
 
