@@ -347,7 +347,7 @@ class Engine:
         reason = self._finish_reason(seq, token_id, detok.stopped)
         if reason:
             delta += detok.flush()
-            seq.text = detok.text
+            seq.text, seq.stop_string = detok.text, detok.matched
             seq.finish(reason)
         output = StepOutput(seq, token_id, delta, logprobs)
         seq.outbox.append(output)  # within the step: a failure after it loses nothing
