@@ -12,6 +12,8 @@ the CPU's auto): median of 50 calls after 5, and the K/V bytes read per second.
 import harness
 import torch
 
+from spnl_backend.kernels.scoring import Scoring
+
 BLOCK = 32
 
 
@@ -22,7 +24,7 @@ def one_call(native, dtype: torch.dtype, context: int, heads: int, kv_heads: int
     q = torch.randn(1, heads, dim)
     slots, lens = torch.arange(blocks * BLOCK)[None], torch.tensor([context])
     scale = dim**-0.5
-    return lambda: native.paged_decode(q, keys, values, slots, lens, scale, None, None)
+    return lambda: native.paged_decode(q, keys, values, slots, lens, Scoring(scale))
 
 
 def main() -> None:

@@ -22,6 +22,8 @@ import harness
 import torch
 import torch.nn.functional as F
 
+from spnl_backend.kernels.scoring import Scoring
+
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 32
 # Peak memory bandwidth by GPU name (GB/s), for the fraction; --peak-gbs overrides.
 PEAK_GBS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0, "L40S": 864.0, "RTX 4090": 1008.0}
@@ -67,7 +69,9 @@ def decode_row(batch: int, context: int, device: str, dtype: torch.dtype, peak: 
     q = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=dtype)
     meta = _metadata(tables, [context] * batch, [1] * batch)
     scale = HEAD_DIM**-0.5
-    triton_s = _timed(lambda: paged_attention_triton(q, key_cache, value_cache, meta, scale=scale))
+    triton_s = _timed(
+        lambda: paged_attention_triton(q, key_cache, value_cache, meta, Scoring(scale))
+    )
     k = key_cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2)
     v = value_cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2)
     sdpa_s = _timed(
@@ -109,7 +113,9 @@ def prefill_row(tokens: int, device: str, dtype: torch.dtype) -> dict:
     q = torch.randn(tokens, HEADS, HEAD_DIM, device=device, dtype=dtype)
     meta = _metadata(tables, [tokens], [tokens])
     scale = HEAD_DIM**-0.5
-    triton_s = _timed(lambda: paged_attention_triton(q, key_cache, value_cache, meta, scale=scale))
+    triton_s = _timed(
+        lambda: paged_attention_triton(q, key_cache, value_cache, meta, Scoring(scale))
+    )
     k = key_cache[tables.long()].flatten(1, 2)[:, :tokens].transpose(1, 2)
     v = value_cache[tables.long()].flatten(1, 2)[:, :tokens].transpose(1, 2)
     sdpa_s = _timed(

@@ -26,6 +26,7 @@ from .models.transformer import CausalLM
 from .pic.layout import PicPrompt
 from .pic.prompts import PicPrompts
 from .pic.query import SpanQuery
+from .reasoning import Reasoning, markers, resolve_format, starts_inside, template_variables
 from .request import (
     MAX_SEED,
     ContextLimit,
@@ -44,6 +45,7 @@ from .results import (
     raise_failure,
     read_results,
     with_calls,
+    with_reasoning,
 )
 from .sampling import SamplingParams
 from .settings import BackendSettings, PlatformDecisions
@@ -171,6 +173,8 @@ class Backend:
         tools: Sequence[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        reasoning_effort: str | None = None,
         **unknown: object,
     ) -> GenerateResult:
         """Apply the model's chat template to ``messages`` and complete the assistant turn.
@@ -178,15 +182,20 @@ class Backend:
         ``tools`` (OpenAI's function tools), ``tool_choice`` (``"auto"``, ``"none"``,
         ``"required"`` or ``{"type": "function", "function": {"name": ...}}``) and
         ``parallel_tool_calls``: the model may answer with calls, held to its own call
-        syntax and each tool's parameter schema; they come back in ``tool_calls``."""
+        syntax and each tool's parameter schema; they come back in ``tool_calls``.
+        ``chat_template_kwargs`` (``enable_thinking``...) and ``reasoning_effort``
+        (``low``, ``medium``, ``high``): template variables. A reasoning model's reasoning
+        comes back in ``reasoning``, its answer alone in ``text``."""
         params = self._chat_params(unknown, (max_tokens, temperature, top_p, top_k, seed, stop))
         asked = tool_request(tools, tool_choice, parallel_tool_calls)
-        prompt = self.chat_prompt_ids(messages, asked)
+        variables = template_variables(chat_template_kwargs, reasoning_effort)
+        prompt = self.chat_prompt_ids(messages, asked, variables)
         chat = self.tool_chat(asked, params) if asked is not None else ToolChat(None, None)
         if chat.constraint is not None:
             params = dataclasses.replace(params, constraint=chat.constraint)
+        params, reasoning = self._reasoning_params(prompt, params)
         result = read_results(self.submit([prompt], params), single=True)
-        return with_calls(result, chat)
+        return with_calls(with_reasoning(result, reasoning), chat)
 
     def query(self, query: "str | dict | SpanQuery") -> list[GenerateResult]:
         """Run one of spnl's span queries (its JSON text, as spnl's ``spnl/`` provider
@@ -255,13 +264,18 @@ class Backend:
         top_k: int = 0,
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        reasoning_effort: str | None = None,
         **unknown: object,
     ) -> GenerateResult:
-        """`chat` for asyncio."""
+        """`chat` for asyncio (without tools)."""
         params = self._chat_params(unknown, (max_tokens, temperature, top_p, top_k, seed, stop))
-        prompt = self.chat_prompt_ids(messages)
+        variables = template_variables(chat_template_kwargs, reasoning_effort)
+        prompt = await asyncio.to_thread(self.chat_prompt_ids, messages, None, variables)
+        params, reasoning = self._reasoning_params(prompt, params)
         request = await self.asubmit([prompt], params)
-        return await aread_results(request, single=True)  # type: ignore[return-value]
+        result = await aread_results(request, single=True)
+        return with_reasoning(result, reasoning)  # type: ignore[arg-type]
 
     async def _astream(self, ids: list[int], params: SamplingParams) -> AsyncIterator[str]:
         request = await self.asubmit([ids], params, pieces=True)
@@ -385,19 +399,58 @@ class Backend:
             if isinstance(item, StepOutput):
                 yield item
 
-    def chat_prompt_ids(self, messages: list[Any], tools: ToolRequest | None = None) -> PromptIds:
-        """``messages`` through the model's chat template (with the ``tools`` offered),
-        checked against the context: a PIC prompt where a message is marked plus or
-        messages are grouped (a list)."""
+    def chat_prompt_ids(
+        self,
+        messages: list[Any],
+        tools: ToolRequest | None = None,
+        variables: dict[str, Any] | None = None,
+    ) -> PromptIds:
+        """``messages`` through the model's chat template (with the ``tools`` offered and
+        more template ``variables``, such as ``enable_thinking``), checked against the
+        context: a PIC prompt where a message is marked plus or messages are grouped (a
+        list)."""
         messages = template_messages(messages) if isinstance(messages, list) else messages
-        if tools is not None:
-            definitions = [tool.definition() for tool in tools.tools]
-            checked = check_messages(messages)
-            return self._limit.check(self.tokenizer.apply_chat_template(checked, definitions))
-        pic = self._pic.from_chat(messages) if isinstance(messages, list) else None
+        definitions = [tool.definition() for tool in tools.tools] if tools is not None else None
+        pic = (
+            self._pic.from_chat(messages) if tools is None and isinstance(messages, list) else None
+        )
         if pic is not None:
+            if variables:
+                raise RequestError(
+                    "template variables (chat_template_kwargs, reasoning_effort, think) are "
+                    "not applied to plus or grouped messages, which are templated one by one"
+                )
             return pic
-        return self._limit.check(self.tokenizer.apply_chat_template(check_messages(messages)))
+        checked = check_messages(messages)
+        return self._limit.check(
+            self.tokenizer.apply_chat_template(checked, definitions, variables)
+        )
+
+    def reasoning(self, prompt: PromptIds, constrained: bool = False) -> Reasoning:
+        """How the answer to the chat ``prompt`` is read (`reasoning`): the format in
+        effect (``MISTRALRS_REASONING_FORMAT``, or the chat template's) and whether the
+        output starts inside the reasoning because the prompt opened it. Never inside where
+        a constraint holds the output: the constraint makes all of it the answer."""
+        fmt = resolve_format(self.settings.reasoning_format, self.tokenizer.hf.chat_template)
+        if fmt == "none":
+            return Reasoning(fmt)
+        ids = prompt.token_ids if isinstance(prompt, PicPrompt) else prompt
+        tail = self.tokenizer.decode_keeping(ids[-8:], frozenset(self.reasoning_kept(fmt)))
+        return Reasoning(fmt, not constrained and starts_inside(fmt, tail))
+
+    def _reasoning_params(
+        self, prompt: PromptIds, params: SamplingParams
+    ) -> tuple[SamplingParams, Reasoning]:
+        """How a chat's answer to ``prompt`` is read for reasoning, and ``params`` keeping
+        the markers its parser reads."""
+        reasoning = self.reasoning(prompt, constrained=params.constraint is not None)
+        kept = params.kept_token_ids + self.reasoning_kept(reasoning.format)
+        return dataclasses.replace(params, kept_token_ids=kept), reasoning
+
+    def reasoning_kept(self, fmt: str) -> tuple[int, ...]:
+        """The ids of ``fmt``'s markers that are special tokens: the output's text must keep
+        them (`SamplingParams.kept_token_ids`) for its parser to read them."""
+        return tuple(i for text in markers(fmt) if (i := self._special_id(text)) is not None)
 
     def tool_chat(self, tools: ToolRequest, params: SamplingParams) -> ToolChat:
         """How an answer with ``tools`` is read and held (a `RequestError` where this
@@ -483,8 +536,9 @@ class Backend:
 
     def stats(self) -> EngineStats:
         """Requests running, waiting and paused, sequences holding cache, block-pool usage
-        in paged mode; preemptions and prefix-cache queries and hits (in prompt tokens)
-        since the model was loaded. Taken between two steps, after every earlier call's
+        in paged mode, state slots and snapshots held (a model with state layers);
+        preemptions and prefix-cache queries and hits (in prompt tokens) since the model
+        was loaded. Taken between two steps, after every earlier call's
         request or abort has reached the engine."""
         return self._open_loop().call(Engine.stats)
 
@@ -497,7 +551,9 @@ class Backend:
 
     def cache_info(self) -> CacheInfo:
         """The KV cache: paged or contiguous, its capacity, blocks, storage dtype, bytes per
-        token, compression method and attention kernels (the target's, with a draft)."""
+        token, compression method and attention kernels (the target's, with a draft); for
+        a model with state layers, the state group's bytes per sequence, slots, snapshots
+        and their bytes."""
         return self._open_loop().engine.cache_info
 
     @property

@@ -221,6 +221,17 @@ def _add_serve(commands: Any) -> None:
         help="web pages whose scripts may call the API and read its answers (CORS), as "
         "origins, comma-separated (https://app.example; '*': any); default: none",
     )
+    serve.add_argument(
+        "--chat-template",
+        help="the chat template to use instead of the model's: a Jinja file or the Jinja "
+        "source itself (default: MISTRALRS_CHAT_TEMPLATE, else the model's own)",
+    )
+    serve.add_argument(
+        "--reasoning-format",
+        help="how reasoning is told from the answer: auto (read from the chat template), "
+        "none, think (<think> blocks), granite, harmony (gpt-oss) (default: "
+        "MISTRALRS_REASONING_FORMAT, else auto)",
+    )
     serve.set_defaults(run=_run_serve)
 
 
@@ -242,6 +253,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         allowed_origins=args.allowed_origins,
         keep_alive_s=_keep_alive(args.keep_alive),
         memory_budget_mb=args.memory_budget_mb,
+        chat_template=args.chat_template,
+        reasoning_format=args.reasoning_format,
     )
 
 

@@ -13,6 +13,7 @@ from .engine.build import build_engine
 from .engine.engine import Engine
 from .engine.loop import EngineLoop
 from .errors import SettingsError
+from .loader.chat_template import user_chat_template
 from .loader.default_model import default_model_path
 from .loader.draft import load_draft
 from .loader.model import LoadedModel, load_model
@@ -69,9 +70,14 @@ def load_backend(
         else ModelSource("gguf", default_model_path(), "embedded default")
     )
     log.info("model.resolved", name=source.name, kind=source.kind, path=str(source.path))
+    template = user_chat_template(settings.chat_template)
     progress = progress or (TqdmProgress() if sys.stderr.isatty() else LogProgress())
     try:
-        return _load(source, settings, decisions, progress)
+        backend = _load(source, settings, decisions, progress)
+        if template is not None:
+            backend.tokenizer.hf.chat_template = template
+            log.info("tokenizer.chat_template_chosen", by="MISTRALRS_CHAT_TEMPLATE")
+        return backend
     except BaseException:
         close = getattr(progress, "close", None)
         if close is not None:

@@ -13,6 +13,7 @@ from .engine.sampler import TokenLogprobs
 from .engine.sequence import Sequence as EngineSequence
 from .engine.sequence import StepOutput
 from .errors import RequestError
+from .reasoning import Reasoning
 from .tools.calls import ToolCall, read_whole
 from .tools.chat import ToolChat
 
@@ -51,6 +52,9 @@ class GenerateResult:
     # calls as the model wrote them, and ``finish_reason`` "tool_calls"; cut short by
     # max_tokens, the calls made whole before the cut, and "length").
     tool_calls: list[ToolCall] | None = None
+    # A chat whose model reasons (`reasoning`): its reasoning, told from the answer that
+    # ``text`` then holds alone; None where the model's output is not read for reasoning.
+    reasoning: str | None = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,14 @@ def with_calls(result: GenerateResult, chat: ToolChat) -> GenerateResult:
     if result.finish_reason == "length":  # cut short: the calls made whole before the cut
         return replace(result, tool_calls=calls)
     return replace(result, tool_calls=calls, finish_reason="tool_calls")
+
+
+def with_reasoning(result: GenerateResult, reasoning: Reasoning) -> GenerateResult:
+    """A chat ``result``'s reasoning told from its answer, where the model's is read."""
+    if reasoning.format == "none":
+        return result
+    split = reasoning.split(result.text)
+    return replace(result, text=split.content, reasoning=split.reasoning)
 
 
 def raise_failure(item: Item) -> None:

@@ -33,6 +33,9 @@ class SamplingParams:
     # What the output must match (`constrain.spec`), compiled per sequence at admission.
     constraint: "ConstraintSpec | None" = None
     token_healing: bool = False
+    # Special tokens the output's text keeps (reasoning markers such as gpt-oss's
+    # <|channel|>, which a reasoning parser reads), beside the constraint's own.
+    kept_token_ids: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:

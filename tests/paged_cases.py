@@ -5,6 +5,7 @@ import torch
 from spnl_backend.kernels.attention_ref import attention_ref
 from spnl_backend.kernels.metadata import PagedMetadata
 from spnl_backend.kernels.paged_ref import store_kv_ref
+from spnl_backend.kernels.scoring import Scoring
 
 # name: (total KV length per sequence, query tokens per sequence)
 CASES = {
@@ -53,10 +54,31 @@ def writes(slots: torch.Tensor, block_size: int) -> PagedMetadata:
     return PagedMetadata(torch.zeros(1, 1, dtype=torch.long), [1], [1], block_size, slots)
 
 
+def scored(options: dict) -> tuple[Scoring, dict]:
+    """A test's keyword options split into the `Scoring` they name (``scale``,
+    ``sliding_window``, ``softcap``, ``sinks``) and the rest (ALiBi, FP8 scales)."""
+    rest = dict(options)
+    scoring = Scoring(
+        rest.pop("scale"),
+        window=rest.pop("sliding_window", None),
+        softcap=rest.pop("softcap", None),
+        sinks=rest.pop("sinks", None),
+    )
+    return scoring, rest
+
+
+def scoring_of(scale: float, options: dict, **more) -> Scoring:
+    """The `Scoring` of ``scale`` and a test's options that name only scoring."""
+    scoring, rest = scored({"scale": scale, **options, **more})
+    assert not rest, f"not scoring options: {rest}"
+    return scoring
+
+
 def contiguous_attention(q, keys, values, seq_lens, query_lens, **options):
     """What the paged attention must equal: plain attention per sequence."""
+    scoring, rest = scored(options)
     outs, start = [], 0
     for k, v, n, m in zip(keys, values, seq_lens, query_lens, strict=True):
-        outs.append(attention_ref(q[start : start + m], k, v, context_len=n - m, **options))
+        outs.append(attention_ref(q[start : start + m], k, v, scoring, context_len=n - m, **rest))
         start += m
     return torch.cat(outs)

@@ -29,6 +29,7 @@ from spnl_backend.compression import (
 from spnl_backend.compression.codecs import pack_bits, unpack_bits
 from spnl_backend.compression.polar import DISTORTION
 from spnl_backend.kernels.attention_ref import attention_ref
+from spnl_backend.kernels.scoring import Scoring
 
 METHODS = ["fp8", "int8", "tq4", "tq3", "tq4-qjl", "tq3-qjl"]
 CPU = torch.device("cpu")
@@ -190,8 +191,8 @@ def test_native_decode_matches_its_torch_twin(method, window, softcap):
     q = anisotropic(3, 4, 64, seed=2)
     lens = torch.tensor([120, 57, 1])
     slots = torch.stack([torch.arange(120), torch.randperm(120), torch.randperm(120)])
-    attend = {"scale": 0.1, "sliding_window": window, "softcap": softcap}
-    got = decode_records(native, pair, 0, q, keys, values, slots, lens, **attend)
+    scoring = Scoring(0.1, window=window, softcap=softcap)
+    got = decode_records(native, pair, 0, q, keys, values, slots, lens, scoring)
     for s, length in enumerate(lens.tolist()):
         held = slots[s, :length]
         expected = attend_records(
@@ -200,8 +201,8 @@ def test_native_decode_matches_its_torch_twin(method, window, softcap):
             q[s : s + 1],
             keys[held],
             values[held],
+            scoring,
             context_len=length - 1,
-            **attend,
         )
         torch.testing.assert_close(got[s : s + 1], expected, rtol=1e-5, atol=1e-5)
 
@@ -230,7 +231,7 @@ def test_attention_through_the_protocol_is_attention_over_the_dequantized_cache(
     bias = cache.pair.key.logit_bias(1, q, keys)
     bias = None if bias is None else bias * 0.125
     expected = attention_ref(
-        q, k_all, v_all, scale=0.125, context_len=12, sliding_window=6, logit_bias=bias
+        q, k_all, v_all, Scoring(0.125, window=6), context_len=12, logit_bias=bias
     )
     torch.testing.assert_close(output.output, expected, rtol=1e-4, atol=1e-5)
     # and the prefill's dequantized tensors are the stored ones

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
-from paged_cases import CASES, paged_case
+from paged_cases import CASES, paged_case, scoring_of
 
 import spnl_backend.kernels.cpu as cpu
 import spnl_backend.kernels.matmuls as matmuls
@@ -22,6 +22,7 @@ from spnl_backend.kernels.ops import (
     rotate_ref,
 )
 from spnl_backend.kernels.paged_ref import paged_attention_ref, to_cache
+from spnl_backend.kernels.scoring import Scoring
 from spnl_backend.kernels.thresholds import NATIVE_MAX_ROWS
 from spnl_backend.quant.linear import QuantizedWeight
 from spnl_backend.quant.quantize import QUANTIZERS
@@ -232,9 +233,9 @@ def test_a_float16_pool_attends_as_its_values_widened_to_float32(kernels, window
     lens = [700, 5, 513, 256, 257]
     q, key_cache, value_cache, slots, seq_lens = _long_decode_case(lens, kv_heads=2, dim=dim)
     halves = key_cache.half(), value_cache.half()
-    out = kernels.paged_decode(q, *halves, slots, seq_lens, 0.2, window, None)
+    out = kernels.paged_decode(q, *halves, slots, seq_lens, Scoring(0.2, window=window))
     widened = kernels.paged_decode(
-        q, halves[0].float(), halves[1].float(), slots, seq_lens, 0.2, window, None
+        q, halves[0].float(), halves[1].float(), slots, seq_lens, Scoring(0.2, window=window)
     )
     assert torch.equal(out, widened)
     twin = _decode_twin(q, halves[0].float(), halves[1].float(), slots, seq_lens, 0.2, window)
@@ -244,10 +245,10 @@ def test_a_float16_pool_attends_as_its_values_widened_to_float32(kernels, window
 def test_a_pool_of_mixed_dtypes_is_refused(kernels):
     q, key_cache, value_cache, slots, lens = _long_decode_case([20])
     with pytest.raises(KernelArgumentError, match=r"value cache is of torch\.float32"):
-        kernels.paged_decode(q, key_cache.half(), value_cache, slots, lens, 1.0, None, None)
+        kernels.paged_decode(q, key_cache.half(), value_cache, slots, lens, Scoring(1.0))
     with pytest.raises(KernelArgumentError, match=r"key cache is of torch\.bfloat16"):
         kernels.paged_decode(
-            q, key_cache.bfloat16(), value_cache.bfloat16(), slots, lens, 1.0, None, None
+            q, key_cache.bfloat16(), value_cache.bfloat16(), slots, lens, Scoring(1.0)
         )
 
 
@@ -265,11 +266,9 @@ def test_paged_decode(kernels, kv_heads, heads, options):
         value_cache,
         meta.decode_slots,
         lens,
-        0.25,
-        options.get("sliding_window"),
-        options.get("softcap"),
+        Scoring(0.25, window=options.get("sliding_window"), softcap=options.get("softcap")),
     )
-    expected = paged_attention_ref(q, key_cache, value_cache, meta, scale=0.25, **options)
+    expected = paged_attention_ref(q, key_cache, value_cache, meta, scoring_of(0.25, options))
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -318,7 +317,12 @@ def test_long_contexts_attend_alike_alone_batched_and_on_any_threads(kernels, wi
     def decode(rows, threads):
         on = dataclasses.replace(kernels, threads=threads)
         return on.paged_decode(
-            q[rows], key_cache, value_cache, slots[rows], seq_lens[rows], 0.2, window, None
+            q[rows],
+            key_cache,
+            value_cache,
+            slots[rows],
+            seq_lens[rows],
+            Scoring(0.2, window=window),
         )
 
     batched = decode(slice(None), 2)
@@ -338,7 +342,7 @@ def test_sinks_over_chunks_of_keys_equal_the_twin(kernels, window):
     q, key_cache, value_cache, slots, seq_lens = _long_decode_case(lens, kv_heads=2, heads=4)
     sinks = torch.tensor([4.0, -1.0, 0.5, 30.0])  # 30: past every score, most weight on it
     out = kernels.paged_decode(
-        q, key_cache, value_cache, slots, seq_lens, 0.2, window, None, None, sinks
+        q, key_cache, value_cache, slots, seq_lens, Scoring(0.2, window=window, sinks=sinks), None
     )
     twin = torch.cat(
         [
@@ -347,16 +351,20 @@ def test_sinks_over_chunks_of_keys_equal_the_twin(kernels, window):
                 key_cache,
                 value_cache,
                 _one_table(slots[s], int(seq_lens[s]), key_cache.shape[1]),
-                scale=0.2,
-                sliding_window=window,
-                sinks=sinks,
+                Scoring(0.2, window=window, sinks=sinks),
             )
             for s in range(len(lens))
         ]
     )
     torch.testing.assert_close(out, twin, rtol=1e-5, atol=1e-6)
     alone = kernels.paged_decode(
-        q[:1], key_cache, value_cache, slots[:1], seq_lens[:1], 0.2, window, None, None, sinks
+        q[:1],
+        key_cache,
+        value_cache,
+        slots[:1],
+        seq_lens[:1],
+        Scoring(0.2, window=window, sinks=sinks),
+        None,
     )
     assert torch.equal(alone, out[:1])
 
@@ -374,7 +382,7 @@ def test_a_chunk_of_keys_out_of_reach_weighs_nothing(kernels):
     q[0, 0, 0] = 10.0
     keys = key_cache.view(-1, 1, key_cache.shape[-1])
     keys[slots[0, :256], 0, 0] = -3e38
-    out = kernels.paged_decode(q, key_cache, value_cache, slots, lens, 1.0, None, None)
+    out = kernels.paged_decode(q, key_cache, value_cache, slots, lens, Scoring(1.0))
     twin = _decode_twin(q, key_cache, value_cache, slots, lens, 1.0, None)
     assert torch.isfinite(twin).all()
     torch.testing.assert_close(out, twin, rtol=1e-5, atol=1e-5)
@@ -420,9 +428,9 @@ def test_short_queries_attend_as_decode_rows(kernels, case, options, pool):
     q, key_cache, value_cache, meta, _, _ = paged_case(seq_lens, query_lens, 2, 4, 8)
     key_cache, value_cache = key_cache.to(pool), value_cache.to(pool)
     out = cpu_kernel_set(kernels).paged_attention(
-        q, key_cache, value_cache, meta, scale=0.25, **options
+        q, key_cache, value_cache, meta, scoring_of(0.25, options)
     )
-    expected = paged_attention_ref(q, key_cache, value_cache, meta, scale=0.25, **options)
+    expected = paged_attention_ref(q, key_cache, value_cache, meta, scoring_of(0.25, options))
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     rows = decode_rows(meta)  # each query row is a decode of its own position
     single = torch.cat(
@@ -433,11 +441,13 @@ def test_short_queries_attend_as_decode_rows(kernels, case, options, pool):
                 value_cache,
                 rows.decode_slots[i : i + 1],
                 torch.tensor(rows.seq_lens[i : i + 1]),
-                0.25,
-                options.get("sliding_window"),
-                options.get("softcap"),
+                Scoring(
+                    0.25,
+                    window=options.get("sliding_window"),
+                    softcap=options.get("softcap"),
+                    sinks=options.get("sinks"),
+                ),
                 None,
-                options.get("sinks"),
             )
             for i in range(len(q))
         ]
@@ -494,7 +504,7 @@ def test_paged_decode_refuses_lengths_past_the_slot_table(kernels):
     slots = meta.decode_slots
     lens = torch.full((len(q),), slots.shape[1] + 1)
     with pytest.raises(KernelArgumentError, match="out of bounds"):
-        kernels.paged_decode(q, key_cache, value_cache, slots, lens, 0.25, None, None)
+        kernels.paged_decode(q, key_cache, value_cache, slots, lens, Scoring(0.25))
 
 
 def test_the_checked_build_refuses_a_slot_outside_the_pool():
@@ -504,7 +514,7 @@ def test_the_checked_build_refuses_a_slot_outside_the_pool():
     slots[0, 0] = key_cache.shape[0] * key_cache.shape[1]
     lens = torch.tensor(meta.seq_lens)
     with pytest.raises(KernelArgumentError, match="out of bounds"):
-        checked.paged_decode(q, key_cache, value_cache, slots, lens, 0.25, None, None)
+        checked.paged_decode(q, key_cache, value_cache, slots, lens, Scoring(0.25))
 
 
 def test_the_cpu_kernel_set_refuses_block_tables_outside_the_pool(kernels):
@@ -513,7 +523,7 @@ def test_the_cpu_kernel_set_refuses_block_tables_outside_the_pool(kernels):
     q, key_cache, value_cache, meta, _, _ = paged_case(*CASES["decode"], 2, 4, 8)
     meta.block_tables[0, 0] = key_cache.shape[0]
     with pytest.raises(KernelArgumentError, match="outside the pool"):
-        cpu_kernel_set(kernels).paged_attention(q, key_cache, value_cache, meta, scale=0.25)
+        cpu_kernel_set(kernels).paged_attention(q, key_cache, value_cache, meta, Scoring(0.25))
 
 
 def test_the_c_code_checks_the_extents_it_is_given(kernels):
@@ -542,9 +552,7 @@ def _coded_args(dim=16, k_bits=4, outliers=2, v_bits=4):
         (torch.randn(1 << v_bits), v_bits),
         torch.tensor([[0]]),
         torch.tensor([1]),
-        0.25,
-        None,
-        None,
+        Scoring(0.25),
     ]
 
 
@@ -580,9 +588,7 @@ def test_degenerate_shapes_are_argument_errors(kernels):
             empty,
             torch.tensor([[0]]),
             torch.tensor([1]),
-            0.25,
-            None,
-            None,
+            Scoring(0.25),
         )
     with pytest.raises(KernelArgumentError, match="unknown"):
         kernels.gather_rows(999, torch.zeros(4, 34, dtype=torch.uint8), torch.tensor([0]), 32)

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 from spnl_backend import load_backend
 from spnl_backend.engine.embed import SelfAttention, embed
 from spnl_backend.errors import RequestAbortedError, RequestError
+from spnl_backend.kernels.scoring import Scoring
 from spnl_backend.models.step_attention import AttentionSpec
 from spnl_backend.server import app, protocol, responses
 from spnl_backend.server.responses import embedding_body, json_piecewise
@@ -69,7 +70,7 @@ def test_a_texts_embedding_does_not_depend_on_its_batch(backend):
 
 def test_self_attention_keeps_packed_texts_apart():
     q, k, v = (torch.randn(7, 2, 4) for _ in range(3))
-    spec = AttentionSpec(layer=0, scale=0.5, num_kv_groups=1)
+    spec = AttentionSpec(layer=0, num_kv_groups=1, scoring=Scoring(0.5))
     both = SelfAttention([3, 4]).attend(q, k, v, spec)
     second = SelfAttention([4]).attend(q[3:], k[3:], v[3:], spec)
     torch.testing.assert_close(both[3:], second)

@@ -225,41 +225,6 @@ def test_no_prefix_hit_on_the_contiguous_cache(tiny, arch):
     assert second.token_ids == first.token_ids
 
 
-def _delta_net_state(config) -> tuple[int, int]:
-    """A Gated DeltaNet layer's conv inputs (q, k and v) and recurrent state (a key-by-value
-    matrix per value head), in elements."""
-    conv = (config.linear_conv_kernel_dim - 1) * (
-        2 * config.linear_num_key_heads * config.linear_key_head_dim
-        + config.linear_num_value_heads * config.linear_value_head_dim
-    )
-    recurrent = (
-        config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
-    )
-    return conv, recurrent
-
-
-def _mamba2_state(config) -> tuple[int, int]:
-    """A Mamba-2 layer's conv inputs (x, then B and C per group) and SSM state (a state
-    of d_state per channel of every head), in elements."""
-    inner = config.mamba_n_heads * config.mamba_d_head
-    conv = (config.mamba_d_conv - 1) * (inner + 2 * config.mamba_n_groups * config.mamba_d_state)
-    return conv, inner * config.mamba_d_state
-
-
-# Each hybrid family's state per layer, from transformers' config of its tiny model.
-STATE_ELEMENTS = {"qwen3_5": _delta_net_state, "granitemoehybrid": _mamba2_state}
-
-
-@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
-def test_info_counts_the_state_a_sequence_keeps(tiny, arch):
-    with _load(tiny, arch) as backend:
-        info = backend.cache_info()
-    config = tiny.hf(arch).hf.config
-    conv, recurrent = STATE_ELEMENTS[arch](config)
-    linear = config.layer_types.count("linear_attention")
-    assert info.state_bytes_per_seq == linear * (conv + recurrent) * 4  # float32 model
-
-
 def test_the_chunked_rule_gives_the_recurrent_values():
     torch.manual_seed(0)
     tokens, heads, dk, dv = 150, 3, 8, 6  # chunks of 64: two whole and one padded

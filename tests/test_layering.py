@@ -56,6 +56,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "spnl_backend.pic.turns",
         "spnl_backend.constrain",
         "spnl_backend.tools",
+        "spnl_backend.reasoning",
         "spnl_backend.results",
         "spnl_backend.backend",
         "spnl_backend.load",

@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from paged_cases import CASES, contiguous_attention, paged_case, writes
+from paged_cases import CASES, contiguous_attention, paged_case, scoring_of, writes
 
 from spnl_backend.kernels.attention_ref import attention_ref
 from spnl_backend.kernels.paged_ref import FP8_MAX, paged_attention_ref, store_kv_ref
+from spnl_backend.kernels.scoring import Scoring
 
 
 def _paged_case(seq_lens, query_lens, kv_heads, heads, block_size):
@@ -26,7 +27,7 @@ def _expected(q, keys, values, seq_lens, query_lens, **options):
 def test_paged_attention_equals_contiguous(case, kv_heads, heads, block_size):
     seq_lens, query_lens = CASES[case]
     q, ck, cv, tables, keys, values = _paged_case(seq_lens, query_lens, kv_heads, heads, block_size)
-    out = paged_attention_ref(q, ck, cv, tables, scale=0.17)
+    out = paged_attention_ref(q, ck, cv, tables, Scoring(0.17))
     torch.testing.assert_close(
         out, _expected(q, keys, values, seq_lens, query_lens, scale=0.17), atol=1e-5, rtol=1e-5
     )
@@ -41,7 +42,7 @@ def test_paged_attention_equals_contiguous(case, kv_heads, heads, block_size):
 def test_window_and_softcap(case, options):
     seq_lens, query_lens = CASES[case]
     q, ck, cv, tables, keys, values = _paged_case(seq_lens, query_lens, 2, 4, 8)
-    out = paged_attention_ref(q, ck, cv, tables, scale=0.5, **options)
+    out = paged_attention_ref(q, ck, cv, tables, scoring_of(0.5, options))
     torch.testing.assert_close(
         out,
         _expected(q, keys, values, seq_lens, query_lens, scale=0.5, **options),
@@ -54,7 +55,7 @@ def test_alibi_matches_explicit_bias():
     seq_lens, query_lens = [12], [5]
     q, ck, cv, tables, keys, values = _paged_case(seq_lens, query_lens, 2, 4, 8)
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
-    out = paged_attention_ref(q, ck, cv, tables, scale=0.3, alibi_slopes=slopes)
+    out = paged_attention_ref(q, ck, cv, tables, Scoring(0.3), alibi_slopes=slopes)
     k, v = keys[0].repeat_interleave(2, dim=1), values[0].repeat_interleave(2, dim=1)
     q_pos, k_pos = torch.arange(7, 12), torch.arange(12)
     scores = torch.einsum("qhd,khd->hqk", q, k) * 0.3
@@ -67,7 +68,7 @@ def test_alibi_matches_explicit_bias():
 def test_softcap_is_cap_times_tanh():
     q = torch.randn(3, 1, 8) * 4
     k, v = torch.randn(3, 1, 8) * 4, torch.randn(3, 1, 8)
-    out = attention_ref(q, k, v, scale=1.0, context_len=0, softcap=2.0)
+    out = attention_ref(q, k, v, Scoring(1.0, softcap=2.0), context_len=0)
     scores = 2.0 * torch.tanh((q[:, 0] @ k[:, 0].T) / 2.0)
     scores = scores.masked_fill(torch.ones(3, 3).triu(1).bool(), float("-inf"))
     torch.testing.assert_close(out[:, 0], torch.softmax(scores, -1) @ v[:, 0])
@@ -103,7 +104,7 @@ def test_fp8_cache_attends_like_the_rounded_values(case):
     fv = torch.zeros_like(cv, dtype=torch.float8_e4m3fn)
     fk.copy_((ck / 0.5).to(torch.float8_e4m3fn))
     fv.copy_((cv / 0.25).to(torch.float8_e4m3fn))
-    out = paged_attention_ref(q, fk, fv, tables, scale=0.2, k_scale=0.5, v_scale=0.25)
+    out = paged_attention_ref(q, fk, fv, tables, Scoring(0.2), k_scale=0.5, v_scale=0.25)
     rounded = [(k / 0.5).to(torch.float8_e4m3fn).float() * 0.5 for k in keys]
     rounded_v = [(v / 0.25).to(torch.float8_e4m3fn).float() * 0.25 for v in values]
     torch.testing.assert_close(
@@ -117,7 +118,7 @@ def test_sinks_join_each_heads_denominator_alone():
     seq_lens, query_lens = [12], [5]
     q, ck, cv, tables, keys, values = _paged_case(seq_lens, query_lens, 2, 4, 8)
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
-    out = paged_attention_ref(q, ck, cv, tables, scale=0.3, sinks=sinks)
+    out = paged_attention_ref(q, ck, cv, tables, Scoring(0.3, sinks=sinks))
     k, v = keys[0].repeat_interleave(2, dim=1), values[0].repeat_interleave(2, dim=1)
     q_pos, k_pos = torch.arange(7, 12), torch.arange(12)
     scores = torch.einsum("qhd,khd->hqk", q, k) * 0.3
@@ -132,8 +133,8 @@ def test_sinks_paged_equal_contiguous(case, options):
     seq_lens, query_lens = CASES[case]
     q, ck, cv, tables, keys, values = _paged_case(seq_lens, query_lens, 2, 4, 8)
     sinks = torch.tensor([3.0, -2.0, 0.25, 1.0])
-    out = paged_attention_ref(q, ck, cv, tables, scale=0.5, sinks=sinks, **options)
+    out = paged_attention_ref(q, ck, cv, tables, scoring_of(0.5, options, sinks=sinks))
     expected = _expected(q, keys, values, seq_lens, query_lens, scale=0.5, sinks=sinks, **options)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    plain = paged_attention_ref(q, ck, cv, tables, scale=0.5, **options)
+    plain = paged_attention_ref(q, ck, cv, tables, scoring_of(0.5, options))
     assert not torch.allclose(out, plain)  # the sinks do take a share

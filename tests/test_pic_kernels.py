@@ -4,13 +4,14 @@ same bits beside a PIC one, and the layout's numbering."""
 
 import pytest
 import torch
-from paged_cases import paged_case, writes
+from paged_cases import paged_case, scoring_of, writes
 
 from spnl_backend.kernels import cpu_kernel_set
 from spnl_backend.kernels.cpu import cpu_kernels
 from spnl_backend.kernels.metadata import PagedMetadata
 from spnl_backend.kernels.paged_ref import paged_attention_ref, store_kv_ref
 from spnl_backend.kernels.pic import PicKeys, key_rows
+from spnl_backend.kernels.scoring import Scoring
 from spnl_backend.pic.layout import PicLayout
 
 BLOCK = 8
@@ -123,8 +124,8 @@ def test_pic_attention_equals_the_dense_rule(native, scheme, queries, options, p
         layout, keys, q, k, v, options.get("sliding_window"), options.get("softcap")
     )
     meta = _meta(keys, pool_k)
-    twin = paged_attention_ref(q, pool_k, pool_v, meta, scale=0.25, **options)
-    cpu = cpu_kernel_set(native).paged_attention(q, pool_k, pool_v, meta, scale=0.25, **options)
+    twin = paged_attention_ref(q, pool_k, pool_v, meta, scoring_of(0.25, options))
+    cpu = cpu_kernel_set(native).paged_attention(q, pool_k, pool_v, meta, scoring_of(0.25, options))
     torch.testing.assert_close(twin, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(cpu, expected, atol=1e-5, rtol=1e-5)
 
@@ -143,7 +144,7 @@ def test_queries_before_the_first_plus_list_their_keys_as_a_plain_prompt(native,
         assert firsts[row] == (max(row + 1 - window, 0) if window else 0)
     assert not firsts[layout.first_plus :].any()
     meta = _meta(keys, pool_k)
-    cpu = cpu_kernel_set(native).paged_attention(q, pool_k, pool_v, meta, scale=0.25, **options)
+    cpu = cpu_kernel_set(native).paged_attention(q, pool_k, pool_v, meta, scoring_of(0.25, options))
     expected = _expected(layout, keys, q, k, v, window, None)
     torch.testing.assert_close(cpu, expected, atol=1e-5, rtol=1e-5)
 
@@ -165,10 +166,10 @@ def test_plain_rows_beside_a_pic_sequence_keep_their_bits(native, options):
     pool_slots = torch.arange(pk.shape[0] * BLOCK)
     keys.key_slots = pool_slots[-keys.key_slots.numel() :]
     kernels = cpu_kernel_set(native)
-    alone = kernels.paged_attention(q_plain, pk, pv, plain_meta, scale=0.25, **options)
+    alone = kernels.paged_attention(q_plain, pk, pv, plain_meta, scoring_of(0.25, options))
     mixed = _meta(keys, pk, plain_meta)
     together = kernels.paged_attention(
-        torch.cat([q_plain, q_pic]), pk, pv, mixed, scale=0.25, **options
+        torch.cat([q_plain, q_pic]), pk, pv, mixed, scoring_of(0.25, options)
     )
     assert torch.equal(together[: q_plain.shape[0]], alone)
 
@@ -188,8 +189,8 @@ def test_the_triton_kernel_reads_pic_keys(queries, options):
     pool_k, pool_v = pk.flatten(0, 1)[keys.key_slots], pv.flatten(0, 1)[keys.key_slots]
     expected = _expected(layout, keys, q_pic, pool_k, pool_v, options.get("sliding_window"), None)
     mixed = _meta(keys, pk, plain_meta)
-    both = triton_attention(torch.cat([q_plain, q_pic]), pk, pv, mixed, scale=0.25, **options)
-    alone = triton_attention(q_plain, pk, pv, plain_meta, scale=0.25, **options)
+    both = triton_attention(torch.cat([q_plain, q_pic]), pk, pv, mixed, scoring_of(0.25, options))
+    alone = triton_attention(q_plain, pk, pv, plain_meta, scoring_of(0.25, options))
     torch.testing.assert_close(both[q_plain.shape[0] :], expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(both[: q_plain.shape[0]], alone, atol=1e-6, rtol=1e-6)
 
@@ -216,8 +217,8 @@ def test_recomputed_element_tokens_see_every_key_before_them(native, scheme, que
     expected = _expected(layout, keys, q, k, v, window, None, RECOMPUTED)
     assert not torch.equal(expected, _expected(layout, keys, q, k, v, window, None))
     meta = _meta(keys, pool_k)
-    twin = paged_attention_ref(q, pool_k, pool_v, meta, scale=0.25, **options)
-    cpu = cpu_kernel_set(native).paged_attention(q, pool_k, pool_v, meta, scale=0.25, **options)
+    twin = paged_attention_ref(q, pool_k, pool_v, meta, scoring_of(0.25, options))
+    cpu = cpu_kernel_set(native).paged_attention(q, pool_k, pool_v, meta, scoring_of(0.25, options))
     torch.testing.assert_close(twin, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(cpu, expected, atol=1e-5, rtol=1e-5)
 
@@ -234,6 +235,6 @@ def test_the_triton_kernel_reads_recomputed_queries():
     pool_k, pool_v = pk.flatten(0, 1)[keys.key_slots], pv.flatten(0, 1)[keys.key_slots]
     expected = _expected(layout, keys, q, pool_k, pool_v, None, None, RECOMPUTED)
     both = triton_attention(
-        torch.cat([q_plain, q]), pk, pv, _meta(keys, pk, plain_meta), scale=0.25
+        torch.cat([q_plain, q]), pk, pv, _meta(keys, pk, plain_meta), Scoring(0.25)
     )
     torch.testing.assert_close(both[q_plain.shape[0] :], expected, atol=1e-5, rtol=1e-5)

@@ -4,6 +4,7 @@ parsed, back as it was after the last one, and never paused for long without a p
 import gc
 import threading
 import weakref
+from types import SimpleNamespace
 
 import pytest
 
@@ -95,6 +96,9 @@ class _Cyclic:
 
     def close(self) -> None:
         self.closed = True
+
+    def cache_info(self) -> SimpleNamespace:
+        return SimpleNamespace(state_bytes=None)  # no state layers
 
 
 def test_an_unloaded_models_cyclic_garbage_is_collected_though_frozen():

@@ -123,6 +123,10 @@ VALID = [
     ("KV_TIER_DIR", "/var/tmp/spnl-kv-tier", "/var/tmp/spnl-kv-tier"),
     ("KV_TIER_DIR", "~/kv-tier", os.path.expanduser("~/kv-tier")),
     ("KV_TIER_MB", "512", 512),
+    ("CHAT_TEMPLATE", "{{ messages }}\n", "{{ messages }}\n"),
+    ("REASONING_FORMAT", "think", "think"),
+    ("REASONING_FORMAT", "DeepSeek", "think"),
+    ("REASONING_FORMAT", "gpt-oss", "harmony"),
 ]
 
 INVALID = [
@@ -169,6 +173,8 @@ INVALID = [
     ("VERBOSE", "maybe"),
     ("KV_TIER_DIR", __file__),  # a file, not a directory
     *[("KV_TIER_MB", text) for text in ("0", "-1", "lots")],
+    ("CHAT_TEMPLATE", "   "),
+    *[("REASONING_FORMAT", text) for text in ("r1", "on", "true")],
 ]
 
 

@@ -7,6 +7,7 @@ import json
 import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -24,6 +25,16 @@ class FakeBackend:
 
     def close(self) -> None:
         self.closed = True
+
+    def cache_info(self) -> SimpleNamespace:
+        """A source named 'states-<MB>' is a model whose state group may take that much."""
+        name = source_name(self.source)
+        mb = int(name.split("-")[1]) if name.startswith("states-") else 0
+        return SimpleNamespace(state_bytes=(mb << 20) or None)
+
+
+def source_name(source: str) -> str:
+    return source.rsplit("/", 1)[-1].removesuffix(".gguf")
 
 
 class Loads:
@@ -98,6 +109,19 @@ def test_the_budget_unloads_the_least_recently_used_idle_model(tmp_path):
     assert full.value.status == 503
     assert "memory budget" in full.value.message
     assert full.value.headers["Retry-After"]
+
+
+def test_a_models_state_group_counts_in_its_footprint(tmp_path):
+    """A hybrid's states are allocated as its sequences run, so its footprint counts the
+    most they take (6 MB here) beside its load's: with another 4 MB model the 12 MB budget
+    is passed, and the idle hybrid is unloaded."""
+    sources = {"hybrid": _sized(tmp_path, "states-6", 4), "dense": _sized(tmp_path, "dense", 4)}
+    models = ModelSet(sources, Loads(), budget_bytes=12 << 20)
+    hybrid = models.acquire("hybrid")
+    models.release("hybrid")
+    assert models.models["hybrid"].footprint >= (4 + 6) << 20
+    models.acquire("dense")
+    assert hybrid.closed
 
 
 def test_a_load_failure_fails_its_requests_and_is_tried_again():

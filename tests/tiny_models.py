@@ -650,3 +650,55 @@ def _write_tokenizer(writer: GGUFWriter, tokenizer: PreTrainedTokenizerFast) -> 
     writer.add_eos_token_id(EOS)
     writer.add_pad_token_id(PAD)
     writer.add_add_bos_token(True)
+
+
+# ---- gpt-oss as OpenAI's checkpoints store it: experts in MXFP4 ---------------------------
+
+E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def mxfp4_microscaling(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[..., rows, cols]`` floats as OpenAI's MXFP4 tensors: blocks ``[..., rows, cols /
+    32, 16]`` (values 2i and 2i + 1 in the low and high nibble of byte i) and E8M0 scales
+    ``[..., rows, cols / 32]``: each group of 32 under the smallest power of two that
+    brings its largest value within E2M1's 6, each value rounded to the nearest E2M1."""
+    groups = weight.float().unflatten(-1, (-1, 32))
+    largest = groups.abs().amax(-1, keepdim=True).clamp_min(2.0**-126)
+    exponent = torch.ceil(torch.log2(largest / 6)).clamp(-127, 127)
+    codes = ((groups / 2.0**exponent).unsqueeze(-1) - E2M1).abs().argmin(-1).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exponent.squeeze(-1) + 127).to(torch.uint8)
+
+
+def write_mxfp4_gpt_oss(tiny: TinyModel, path: Path) -> dict[str, torch.Tensor]:
+    """``tiny`` (a gpt-oss) as OpenAI's checkpoints store it, at ``path``: its experts
+    quantized to MXFP4 blocks and scales (stored ``[experts, out, in]``: transformers' float
+    layout transposed), the ``quantization_config`` in config.json. Returns the experts
+    dequantized in transformers' float layout (by transformers' own converter)."""
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    path.mkdir(parents=True)
+    tiny.tokenizer.save_pretrained(path)
+    tiny.hf.generation_config.save_pretrained(path)
+    config = tiny.hf.config.to_dict()
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    tensors, dequantized = {}, {}
+    for name, param in tiny.hf.state_dict().items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = mxfp4_microscaling(param.transpose(1, 2))
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+            dequantized[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        else:
+            tensors[name] = param.contiguous()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return dequantized

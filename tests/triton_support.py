@@ -5,7 +5,7 @@ import os
 from types import SimpleNamespace
 
 import torch
-from paged_cases import CASES, contiguous_attention, paged_case, writes
+from paged_cases import CASES, contiguous_attention, paged_case, scored, writes
 
 from spnl_backend.kernels.metadata import PagedMetadata
 from spnl_backend.kernels.paged_ref import paged_attention_ref, store_kv_ref
@@ -45,15 +45,18 @@ def check_attention(
         seq_lens, query_lens, kv_heads, heads, block_size, head_dim, dtype
     )
     on_device = {k: v.to(device) if torch.is_tensor(v) else v for k, v in options.items()}
+    device_scoring, device_rest = scored(on_device)
     out = kernels.paged_attention(
         q.to(device),
         key_cache.to(device),
         value_cache.to(device),
         on(meta, device),
+        device_scoring,
         num_splits=num_splits,
-        **on_device,
+        **device_rest,
     )
-    expected = paged_attention_ref(q, key_cache, value_cache, meta, **options)
+    scoring, rest = scored(options)
+    expected = paged_attention_ref(q, key_cache, value_cache, meta, scoring, **rest)
     torch.testing.assert_close(out.cpu(), expected, atol=atol, rtol=atol)
     if "k_scale" not in options:  # and the twin equals plain attention (FP8 is tested apart)
         plain = contiguous_attention(
@@ -74,10 +77,11 @@ def fp8_case(kernels, device, case):
     k_fp8 = (key_cache / 0.5).to(torch.float8_e4m3fn)
     v_fp8 = (value_cache / 0.25).to(torch.float8_e4m3fn)
     scales = {"scale": 0.2, "k_scale": 0.5, "v_scale": 0.25}
+    scoring, fp8 = scored(scales)
     out = kernels.paged_attention(
-        q.to(device), k_fp8.to(device), v_fp8.to(device), on(meta, device), **scales
+        q.to(device), k_fp8.to(device), v_fp8.to(device), on(meta, device), scoring, **fp8
     )
-    expected = paged_attention_ref(q, k_fp8, v_fp8, meta, **scales)
+    expected = paged_attention_ref(q, k_fp8, v_fp8, meta, scoring, **fp8)
     torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
 
 

@@ -14,6 +14,7 @@ import torch
 from ..kernels.attention_ref import attend_scores
 from ..kernels.cpu import CpuKernels
 from ..kernels.ops import native_for
+from ..kernels.scoring import Scoring
 from .codecs import VectorCodec
 from .polar import PolarCodec
 
@@ -53,22 +54,19 @@ def attend_records(
     q: torch.Tensor,
     key_records: torch.Tensor,
     value_records: torch.Tensor,
+    scoring: Scoring,
     *,
-    scale: float,
     context_len: int,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
 ) -> torch.Tensor:
     """``q [nq, heads, dim]``, the last ``nq`` positions of a sequence whose records are
     ``[context_len + nq, kv_heads, bytes]`` → ``[nq, heads, dim]`` in ``q``'s dtype."""
-    first = first_visible(context_len, sliding_window)
+    first = first_visible(context_len, scoring.window)
     keys, values = key_records[first:], value_records[first:]
     out = attend_scores(
-        pair.key.scores(layer, q, keys) * scale,
+        pair.key.scores(layer, q, keys) * scoring.scale,
         pair.value.decode(layer, values),
+        scoring,
         context_len=context_len - first,
-        sliding_window=sliding_window,
-        softcap=softcap,
     )
     rotation = pair.value.rotation
     return (out if rotation is None else out @ rotation.T).to(q.dtype)
@@ -83,10 +81,7 @@ def decode_records(
     value_pool: torch.Tensor,
     slots: torch.Tensor,
     lens: torch.Tensor,
-    *,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
+    scoring: Scoring,
 ) -> torch.Tensor | None:
     """One query per sequence, ``q [seqs, heads, dim]``, over records ``[slots, kv_heads,
     bytes]`` (sequence ``s``'s keys at ``slots[s, :lens[s]]``), by the CPU's native kernel
@@ -107,9 +102,7 @@ def decode_records(
         (value.codebook, value.bits),
         slots,
         lens,
-        scale,
-        sliding_window,
-        softcap,
+        scoring,
     )
     centre = value.centers[layer] @ value.rotation
     return (out + _per_query_head(centre, q.shape[1])) @ value.rotation.T

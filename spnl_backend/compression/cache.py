@@ -85,9 +85,7 @@ class CodecKVCache:
                 records.values,
                 torch.arange(records.length, device=q.device).unsqueeze(0),
                 torch.tensor([records.length]),
-                scale=config.softmax_scale,
-                sliding_window=config.sliding_window,
-                softcap=config.softcap,
+                config.scoring,
             )
             if out is not None:
                 return Fused(out)
@@ -97,10 +95,8 @@ class CodecKVCache:
                 q,
                 keys,
                 values,
-                scale=config.softmax_scale,
+                config.scoring,
                 context_len=records.length - q.shape[0],
-                sliding_window=config.sliding_window,
-                softcap=config.softcap,
             )
         return Fused(out)
 

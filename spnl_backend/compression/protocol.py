@@ -22,6 +22,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ..kernels.cpu import CpuKernels
+from ..kernels.scoring import Scoring
 
 
 @dataclass(frozen=True)
@@ -48,12 +49,24 @@ class KVGeometry:
 class AttendConfig:
     """How a decode step attends. The seed's contract has the first two; Gemma's sliding
     layers and softcapped models need the last two, which a method that computes
-    attention itself (`Fused`) must honour."""
+    attention itself (`Fused`) must honour. The engine makes it from the layer's
+    `Scoring` (`of`) and the built-in methods attend by ``scoring``; a model whose
+    attention has sinks is refused a compressed cache, so none is ever lost here."""
 
     softmax_scale: float
     n_kv_groups: int
     sliding_window: int | None = None
     softcap: float | None = None
+
+    @classmethod
+    def of(cls, scoring: Scoring, n_kv_groups: int) -> "AttendConfig":
+        if scoring.sinks is not None:
+            raise ValueError("a compressed cache does not attend with sinks")
+        return cls(scoring.scale, n_kv_groups, scoring.window, scoring.softcap)
+
+    @property
+    def scoring(self) -> Scoring:
+        return Scoring(self.softmax_scale, self.sliding_window, self.softcap)
 
 
 @dataclass(frozen=True)

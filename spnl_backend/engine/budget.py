@@ -1,4 +1,13 @@
-"""How many KV blocks the paged cache gets: from exactly one budget, checked before allocation."""
+"""How many KV blocks the paged cache gets, and how many state slots and snapshots a model
+with state layers keeps: from exactly one budget, checked before allocation.
+
+A byte budget (``MISTRALRS_PAGED_ATTN_MEMORY_MB`` / ``_MEMORY_FRACTION``) holds both kinds:
+the state group takes at most half of it (`STATE_SHARE`): its snapshots for prefix hits
+at most a quarter (`SNAPSHOT_SHARE`, and at most ``MISTRALRS_PREFIX_CACHE_N`` of them), its
+slots (one per running sequence) what that half leaves, up to the engine's sequence limit;
+the KV blocks take the rest. A token budget (``_CONTEXT_LEN``) sizes the KV blocks alone;
+the states come on top (every slot, every snapshot) and the sum must fit in memory.
+"""
 
 from dataclasses import dataclass
 
@@ -10,6 +19,38 @@ from ..settings.backend_settings import KvBudget, env_name
 # Kept free beside the cache for what a step allocates (activations, logits, the slices a
 # prefill dequantizes): a budget may take what is free less this.
 STEP_RESERVE_BYTES = 256 * MIB
+# Of a byte budget: the most the state group takes, and of it the most its snapshots take.
+STATE_SHARE = 0.5
+SNAPSHOT_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class StatePlan:
+    """The state group's room: each sequence's states (``bytes_per_seq``: a conv and a
+    recurrent state per state layer), the copies a slot holds (its live state, the copy it
+    leaves at a block boundary for a snapshot, the states after a speculative step's last
+    rows), how many slots (sequences that may run at once) and snapshots."""
+
+    bytes_per_seq: int
+    copies_per_slot: int
+    slots: int
+    snapshots: int
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.bytes_per_seq * self.copies_per_slot
+
+    @property
+    def nbytes(self) -> int:
+        return self.slots * self.slot_bytes + self.snapshots * self.bytes_per_seq
+
+    def describe(self) -> str:
+        """The figures in words, for errors and logs."""
+        return (
+            f"{self.slots} state slots x {self.slot_bytes:,} bytes ({self.copies_per_slot} "
+            f"copies of a sequence's {self.bytes_per_seq:,} bytes) + {self.snapshots} snapshots "
+            f"x {self.bytes_per_seq:,} bytes = {self.nbytes / MIB:,.2f} MB"
+        )
 
 
 @dataclass(frozen=True)
@@ -17,6 +58,7 @@ class KVCachePlan:
     num_blocks: int
     block_size: int
     bytes_per_token: int
+    states: StatePlan | None = None  # a model with state layers: its slots and snapshots
 
     @property
     def num_tokens(self) -> int:
@@ -33,10 +75,13 @@ def plan_kv_cache(
     block_size: int,
     per_token: int,
     available_bytes: int,
+    states: StatePlan | None = None,
 ) -> KVCachePlan:
-    """Blocks for the budget, at ``per_token`` bytes of K and V per token; an error if it
-    gives none, or more than ``available_bytes`` (what the process may still allocate)
-    less `STEP_RESERVE_BYTES`. A memory fraction is of that same usable memory."""
+    """Blocks for the budget, at ``per_token`` bytes of K and V per token, and with
+    ``states`` (the most slots and snapshots a model with state layers asks for) the
+    state group's share (`fit_states`); an error if it gives no block, or more than
+    ``available_bytes`` (what the process may still allocate) less `STEP_RESERVE_BYTES`.
+    A memory fraction is of that same usable memory."""
     per_block = per_token * block_size
     usable = max(available_bytes - STEP_RESERVE_BYTES, 0)
     variable = env_name(f"paged_attn_{budget.kind}")
@@ -45,29 +90,77 @@ def plan_kv_cache(
             f"MISTRALRS_PAGED_ATTN_BLOCK_SIZE={block_size} is larger than the model's "
             f"context ({config.max_position_embeddings} tokens); use a smaller block size"
         )
-    if budget.kind == "context_len":
+    budget_bytes = _budget_bytes(budget, usable)
+    if states is not None:
+        states = fit_states(states, budget, budget_bytes)
+    state_bytes = 0 if states is None else states.nbytes
+    if budget_bytes is None:
         num_blocks = -(-int(budget.value) // block_size)
-    elif budget.kind == "memory_mb":
-        num_blocks = int(budget.value * MIB) // per_block
     else:
-        num_blocks = int(budget.value * usable) // per_block
-    if num_blocks == 0:
+        num_blocks = (budget_bytes - state_bytes) // per_block
+    if num_blocks <= 0:
+        beside = "" if states is None else f", beside the state group's {states.describe()}"
         raise SettingsError(
             f"{variable}={budget.value:g} gives no KV-cache block: one block of {block_size} "
             f"tokens needs {per_block / MIB:.2f} MB ({per_token:,} bytes of K and V per token for "
-            f"{_kv_layers(config)}); raise the budget"
+            f"{_kv_layers(config)}){beside}; raise the budget"
         )
-    plan = KVCachePlan(num_blocks, block_size, per_token)
-    if plan.nbytes > usable:
+    plan = KVCachePlan(num_blocks, block_size, per_token, states)
+    if plan.nbytes + state_bytes > usable:
+        states_too = "" if states is None else f" and its states ({states.describe()})"
         raise PlatformError(
             f"the KV cache for {variable}={budget.value:g}"
             f"{'' if budget.explicit else ' (the default)'} needs {plan.nbytes / MIB:,.0f} MB "
-            f"({plan.num_tokens:,} tokens), but this process may allocate only "
+            f"({plan.num_tokens:,} tokens){states_too}, but this process may allocate only "
             f"{available_bytes / MIB:,.0f} MB more on the device (its free memory, cgroup "
             f"and ulimit, the least of them), of which {STEP_RESERVE_BYTES // MIB} MB are "
             "kept for each step's activations; lower the budget"
+            + ("" if states is None else ", or give it in MB (the states then share it)")
         )
     return plan
+
+
+def _budget_bytes(budget: KvBudget, usable: int) -> int | None:
+    """The bytes a memory budget gives; None for a budget in tokens."""
+    if budget.kind == "memory_mb":
+        return int(budget.value * MIB)
+    if budget.kind == "memory_fraction":
+        return int(budget.value * usable)
+    return None
+
+
+def fit_states(asked: StatePlan, budget: KvBudget, budget_bytes: int | None) -> StatePlan:
+    """``asked`` (the most slots and snapshots) within a byte budget's state share: the
+    snapshots within `SNAPSHOT_SHARE` of it, the slots within what `STATE_SHARE` leaves;
+    an error where not one slot fits. A budget in tokens (None) leaves ``asked`` whole."""
+    if budget_bytes is None:
+        return asked
+    share = int(budget_bytes * STATE_SHARE)
+    snapshots = min(asked.snapshots, int(budget_bytes * SNAPSHOT_SHARE) // asked.bytes_per_seq)
+    slots = min(asked.slots, (share - snapshots * asked.bytes_per_seq) // asked.slot_bytes)
+    if slots < 1:
+        raise SettingsError(
+            f"{env_name(f'paged_attn_{budget.kind}')}={budget.value:g} leaves the state group "
+            f"{share / MIB:,.2f} MB (half of the budget), and one state slot needs "
+            f"{asked.slot_bytes:,} bytes ({asked.copies_per_slot} copies of a sequence's "
+            f"{asked.bytes_per_seq:,} bytes of conv and recurrent state) beside {snapshots} "
+            f"snapshots of {asked.bytes_per_seq:,} bytes; raise the budget"
+        )
+    return StatePlan(asked.bytes_per_seq, asked.copies_per_slot, slots, snapshots)
+
+
+def check_states_fit(states: StatePlan, available_bytes: int) -> None:
+    """That every slot and snapshot of ``states`` fits in what the process may allocate
+    (beside a contiguous KV cache, which grows and has no budget)."""
+    usable = max(available_bytes - STEP_RESERVE_BYTES, 0)
+    if states.nbytes > usable:
+        raise PlatformError(
+            f"the state group ({states.describe()}) needs more than this process may "
+            f"allocate on the device ({available_bytes / MIB:,.0f} MB, of which "
+            f"{STEP_RESERVE_BYTES // MIB} MB are kept for each step's activations); lower "
+            "MISTRALRS_PREFIX_CACHE_N, or run paged attention with a budget in MB "
+            "(MISTRALRS_PAGED_ATTN_MEMORY_MB), which fits the slots to it"
+        )
 
 
 def _kv_layers(config: ModelConfig) -> str:

@@ -28,19 +28,27 @@ from ..memory import MIB, available_memory, kv_bytes_per_token
 from ..models.config import ModelConfig
 from ..settings import BackendSettings, PlatformDecisions
 from ..settings.backend_settings import KvBudget, env_name
+from ..settings.effects import given_pic_settings
 from .block_manager import BlockManager
-from .budget import KVCachePlan, plan_kv_cache
+from .budget import KVCachePlan, StatePlan, check_states_fit, plan_kv_cache
 from .cache import CacheInfo, CacheManager
 from .calibration import KVStatistics, kv_statistics
 from .compressed import CodedPagedKVCache, ProtocolKV
-from .engine import Engine, EngineConfig
+from .engine import MAX_NUM_SEQS, Engine, EngineConfig
 from .kv_cache import ContiguousCacheManager, SequenceStore, plain_stores
 from .kv_shift import KeyShift
 from .paged import PagedCacheManager, PagedKVCache, PagedKVStorage
 from .pool_tier import attach_tier
 from .runner import ModelRunner, Runner
 from .speculative import Drafter, SpeculativeCache, SpeculativeRunner
-from .state_cache import RULE_CHUNK, StateCache, StatefulCacheManager
+from .state_cache import (
+    RULE_CHUNK,
+    StateCache,
+    StatefulCacheManager,
+    copies_per_slot,
+    state_bytes_per_seq,
+    state_shapes,
+)
 
 log = get_logger()
 
@@ -66,16 +74,21 @@ def build_engine(
             "model and does not run with tensor parallelism: use first (the default), or "
             "one device"
         )
-    cache, max_len, info = _cache(loaded, settings, decisions, settings.kv_budget, "target")
+    # With a draft: the states after each of a step's last rows, to go back to after
+    # rejected drafts.
+    trail_rows = 0 if draft is None else settings.speculative_gamma + 1
+    cache, max_len, info = _cache(
+        loaded, settings, decisions, settings.kv_budget, "target", trail_rows
+    )
     _log_prefix_caching(settings, decisions.paged_attn)
     runner: Runner = ModelRunner(loaded.model, cache, loaded.device)
     if draft is not None:
         tokens = cache.capacity_tokens or settings.kv_budget.value
         budget = KvBudget("context_len", tokens, explicit=settings.kv_budget.explicit)
-        draft_cache, draft_len, _ = _cache(draft, settings, decisions, budget, "draft")
-        for each in (cache, draft_cache):  # states to go back to after rejected drafts
-            if isinstance(each, StatefulCacheManager):
-                each.states.trail_rows = settings.speculative_gamma + 1
+        slots = info.state_slots or MAX_NUM_SEQS  # a view per target sequence at most
+        draft_cache, draft_len, _ = _cache(
+            draft, settings, decisions, budget, "draft", trail_rows, slots
+        )
         drafter = Drafter(
             draft.model,
             SpeculativeCache(cache, draft_cache),
@@ -104,7 +117,7 @@ def build_cache(
     rank other than 0 builds over its share, at the same point of its load as rank 0
     (a calibrated pool's forward pass is one of the group's)."""
     settings = _prefix_caching_for(loaded.config, settings, decisions.paged_attn)
-    cache, _, info = _cache(loaded, settings, decisions, settings.kv_budget, "target")
+    cache, _, info = _cache(loaded, settings, decisions, settings.kv_budget, "target", 0)
     return cache, info
 
 
@@ -117,11 +130,18 @@ def _refuse_for_state_layers(loaded: LoadedModel, settings: BackendSettings) -> 
         "MISTRALRS_KV_TIER_DIR": settings.kv_tier_dir is not None,
         "layer mapping (MISTRALRS_DEVICE_LAYERS)": loaded.model.model.layer_spans is not None,
     }
+    layers = f"{config.num_state_layers} state layers (Gated DeltaNet, Mamba-2)"
     why = (
-        f"the {config.architecture} model has {config.num_state_layers} state layers (Gated "
-        "DeltaNet, Mamba-2), whose per-sequence state this does not carry yet"
+        f"the {config.architecture} model has {layers}, whose per-sequence state this does "
+        "not carry yet"
     )
     _refuse(asked, why)
+    pic = {f"{env_name(f)}={getattr(settings, f)}": True for f in given_pic_settings(settings)}
+    why = (
+        f"PIC prompts cannot run on the {config.architecture} model: its {layers} hold the "
+        "whole context in order, and a block computed elsewhere cannot be placed into them"
+    )
+    _refuse(pic, why)
 
 
 def _refuse_for_kv_groups(loaded: LoadedModel, settings: BackendSettings) -> None:
@@ -177,12 +197,17 @@ def _cache(
     decisions: PlatformDecisions,
     budget: KvBudget,
     role: str,
+    trail_rows: int,
+    slots: int = MAX_NUM_SEQS,
 ) -> tuple[CacheManager, int, CacheInfo]:
     """One model's cache manager, the longest sequence it can hold, and what it is (with
-    the state group beside the KV cache where the model has state layers)."""
-    cache, max_len, info = _kv_cache(loaded, settings, decisions, budget, role)
+    the state group beside the KV cache where the model has state layers: at most
+    ``slots`` of them, fewer where the budget says so)."""
+    cache, max_len, info, plan = _kv_cache(
+        loaded, settings, decisions, budget, role, trail_rows, slots
+    )
     info = dataclasses.replace(info, uniform_kv=loaded.config.uniform_kv)
-    if not loaded.config.num_state_layers:
+    if plan is None:
         return cache, max_len, info
     paged = cache if isinstance(cache, PagedCacheManager) else None
     states = StateCache(
@@ -190,10 +215,45 @@ def _cache(
         loaded.dtype,
         loaded.device,
         piece=paged.block_size if paged else RULE_CHUNK,
-        max_snapshots=settings.prefix_cache_n if settings.prefix_cache_enabled else 0,
+        max_snapshots=plan.snapshots,
+        slots=plan.slots,
     )
-    info = dataclasses.replace(info, state_bytes_per_seq=states.bytes_per_sequence)
+    states.trail_rows = trail_rows
+    info = dataclasses.replace(
+        info,
+        state_bytes_per_seq=plan.bytes_per_seq,
+        state_copies_per_slot=plan.copies_per_slot,
+        state_slots=plan.slots,
+        state_snapshots=plan.snapshots,
+        state_bytes=plan.nbytes,
+    )
+    log.info(
+        "state_cache.plan",
+        model=role,
+        slots=plan.slots,
+        snapshots=plan.snapshots,
+        bytes_per_seq=plan.bytes_per_seq,
+        copies_per_slot=plan.copies_per_slot,
+        mb=round(plan.nbytes / MIB, 2),
+    )
     return StatefulCacheManager(cache, states, paged), max_len, info
+
+
+def _asked_states(
+    loaded: LoadedModel, settings: BackendSettings, paged: bool, trail_rows: int, slots: int
+) -> StatePlan | None:
+    """The most a model's state group may hold: ``slots`` slots, and on the paged pool
+    with prefix caching the MISTRALRS_PREFIX_CACHE_N snapshots; None without state layers."""
+    config = loaded.config
+    if not config.num_state_layers:
+        return None
+    snapshots = settings.prefix_cache_n if paged and settings.prefix_cache_enabled else 0
+    return StatePlan(
+        state_bytes_per_seq(state_shapes(config), loaded.dtype),
+        copies_per_slot(snapshots > 0, trail_rows),
+        slots,
+        snapshots,
+    )
 
 
 def _kv_cache(
@@ -202,7 +262,9 @@ def _kv_cache(
     decisions: PlatformDecisions,
     budget: KvBudget,
     role: str,
-) -> tuple[CacheManager, int, CacheInfo]:
+    trail_rows: int,
+    slots: int,
+) -> tuple[CacheManager, int, CacheInfo, StatePlan | None]:
     config = loaded.config
     compressor = get_compressor(settings.kv_cache_compression)
     if compressor is not None:
@@ -212,13 +274,18 @@ def _kv_cache(
     calibrated = fp8_pool or (compressor is not None and compressor.calibrated)
     stats = kv_statistics(loaded, role) if calibrated else None
     geometry = _geometry(loaded, stats)
+    states = _asked_states(loaded, settings, paged, trail_rows, slots)
     if not paged:
+        if states is not None:
+            check_states_fit(states, available_memory(loaded.device))
         cache, info = _contiguous_cache(
             loaded, settings, compressor, geometry, role, _cache_dtype(loaded, decisions)
         )
-        return cache, config.max_position_embeddings, info
-    pool, info = _paged_cache(loaded, settings, decisions, budget, role, compressor, geometry)
-    return pool, min(config.max_position_embeddings, pool.capacity_tokens), info
+        return cache, config.max_position_embeddings, info, states
+    pool, info, states = _paged_cache(
+        loaded, settings, decisions, budget, role, compressor, geometry, states
+    )
+    return pool, min(config.max_position_embeddings, pool.capacity_tokens), info, states
 
 
 def _geometry(loaded: LoadedModel, stats: KVStatistics | None) -> KVGeometry:
@@ -329,7 +396,8 @@ def _paged_cache(
     role: str,
     compressor: Compressor | None,
     geometry: KVGeometry,
-) -> tuple[PagedCacheManager, CacheInfo]:
+    states: StatePlan | None,
+) -> tuple[PagedCacheManager, CacheInfo, StatePlan | None]:
     cache_dtype = _cache_dtype(loaded, decisions)
     pair = compressor.make_codecs(geometry) if compressor and compressor.make_codecs else None
     if pair is None:
@@ -342,6 +410,7 @@ def _paged_cache(
         settings.paged_attn_block_size,
         per_token,
         _available(loaded),
+        states,
     )
     log.info(
         "kv_cache.budget",
@@ -390,7 +459,7 @@ def _paged_cache(
     if isinstance(cache, PagedKVCache) and loaded.model.tp is None and loaded.config.uniform_kv:
         shift = KeyShift(loaded.config, cache.move_blocks)
     manager = PagedCacheManager(cache, blocks, loaded.kernels.attention, shift)
-    return manager, info
+    return manager, info, plan.states
 
 
 def _available(loaded: LoadedModel) -> int:

@@ -35,8 +35,16 @@ class CacheInfo:
     # cache dtype they have no kernel for, such as FP8, to the torch twins), "triton" or
     # "torch"; None in contiguous mode, which attends per sequence in torch.
     kernels: str | None
-    # What a sequence keeps in the state layers (`engine.state_cache`); None: none.
+    # The state group (`engine.state_cache`), None where the model has no state layers:
+    # what a sequence keeps in the state layers (a conv and a recurrent state per layer);
+    # the states a slot may hold at once (`state_cache.copies_per_slot`) and their bytes;
+    # the slots (sequences that may run at once) and snapshots the budget gives
+    # (`engine.budget`); and all of them in bytes, the most the group holds.
     state_bytes_per_seq: int | None = None
+    state_copies_per_slot: int | None = None
+    state_slots: int | None = None
+    state_snapshots: int | None = None
+    state_bytes: int | None = None
     # Every KV layer of one shape and every attention layer with its own K and V
     # (`ModelConfig.uniform_kv`; False: Gemma 4's KV groups and shared layers).
     uniform_kv: bool = True
@@ -50,6 +58,19 @@ class PoolUsage:
     blocks: int
     in_use: int
     cached: int
+
+
+@dataclass(frozen=True)
+class StateUsage:
+    """The state group now: its slots (None: no bound) and those held by sequences, the
+    snapshots kept for prefix hits and their bytes, and the bytes of every state held
+    (live, the copies steps leave, snapshots)."""
+
+    slots: int | None
+    in_use: int
+    snapshots: int
+    snapshot_bytes: int
+    bytes: int
 
 
 class CacheManager(Protocol):

@@ -60,7 +60,7 @@ class ProtocolKV:
                 f"but this step continues after {context_len}"
             )
         if q.shape[0] == 1 and context_len > 0:
-            config = AttendConfig(spec.scale, spec.num_kv_groups, spec.sliding_window, spec.softcap)
+            config = AttendConfig.of(spec.scoring, spec.num_kv_groups)
             output = self.cache.decode(layer, k, v, q, config)
             if isinstance(output, Fused):
                 return self._checked(output.output, q.shape, "decode output")
@@ -79,11 +79,9 @@ class ProtocolKV:
             q,
             self._checked(result.k, keys_shape, "dequantized K").to(q.dtype),
             self._checked(result.v, keys_shape, "dequantized V").to(q.dtype),
-            scale=spec.scale,
+            spec.scoring,
             context_len=context_len,
-            sliding_window=spec.sliding_window,
-            softcap=spec.softcap,
-            logit_bias=None if bias is None else bias * spec.scale,
+            logit_bias=None if bias is None else bias * spec.scoring.scale,
         )
 
     def _checked(self, tensor: torch.Tensor, shape: tuple, what: str) -> torch.Tensor:
@@ -183,9 +181,7 @@ class CodedPagedStep(WithoutLayerBlocks):
                 values.flatten(0, 1),
                 meta.decode_slots,
                 lens,
-                scale=spec.scale,
-                sliding_window=spec.sliding_window,
-                softcap=spec.softcap,
+                spec.scoring,
             )
             if out is not None:
                 return out
@@ -196,7 +192,7 @@ class CodedPagedStep(WithoutLayerBlocks):
         ):
             end = start + query_len
             context_len = seq_len - query_len
-            skip = first_visible(context_len, spec.sliding_window) // meta.block_size
+            skip = first_visible(context_len, spec.scoring.window) // meta.block_size
             table = meta.block_tables[index, skip : -(-seq_len // meta.block_size)]
             held = seq_len - skip * meta.block_size
             out[start:end] = attend_records(
@@ -205,10 +201,8 @@ class CodedPagedStep(WithoutLayerBlocks):
                 q[start:end],
                 keys[table].flatten(0, 1)[:held],
                 values[table].flatten(0, 1)[:held],
-                scale=spec.scale,
+                spec.scoring,
                 context_len=held - query_len,
-                sliding_window=spec.sliding_window,
-                softcap=spec.softcap,
             )
             start = end
         return out

@@ -47,18 +47,7 @@ class SelfAttention(WithoutLayerBlocks):
         outputs, start = [], 0
         for length in self.lengths:
             rows = slice(start, start + length)
-            outputs.append(
-                attention_ref(
-                    q[rows],
-                    k[rows],
-                    v[rows],
-                    scale=spec.scale,
-                    context_len=0,
-                    sliding_window=spec.sliding_window,
-                    softcap=spec.softcap,
-                    sinks=spec.sinks,
-                )
-            )
+            outputs.append(attention_ref(q[rows], k[rows], v[rows], spec.scoring, context_len=0))
             start += length
         return torch.cat(outputs)
 

@@ -8,7 +8,7 @@ from ..errors import DistributedError, EngineError
 from ..log import get_logger
 from ..pic.layout import PicLayout
 from ..sampling import SamplingParams
-from .cache import CacheInfo, PoolUsage
+from .cache import CacheInfo, PoolUsage, StateUsage
 from .detokenizer import Decoder, IncrementalDetokenizer, KeptTokens
 from .embed import embed
 from .kv_tier import TierStats, tier_stats
@@ -17,18 +17,21 @@ from .sampler import TokenLogprobs, row_error
 from .scheduler import Scheduler
 from .sequence import ScheduledSeq, Sequence, StepOutput
 from .speculative import SpeculativeRunner
+from .state_cache import state_usage
 
 if TYPE_CHECKING:
     import torch
 
 log = get_logger()
 
+MAX_NUM_SEQS = 64  # sequences one step runs at most (and the most state slots a model gets)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
     max_model_len: int  # tokens per sequence: the model's context, or the whole KV cache
     eos_token_ids: frozenset[int]
-    max_num_seqs: int = 64
+    max_num_seqs: int = MAX_NUM_SEQS
     max_num_batched_tokens: int = 2048
     # A prompt's chunk while other sequences decode: bounds how long one step holds up
     # their next tokens (bench/serve.py: inter-token latency p99).
@@ -60,6 +63,8 @@ class EngineStats:
     # ones above), and the tier's own counters; None where there is no tier.
     tier_hit_tokens: int = 0
     tier: "TierStats | None" = None
+    # A model with state layers: its state slots held, snapshots and bytes; else None.
+    states: StateUsage | None = None
 
 
 class Engine:
@@ -133,7 +138,9 @@ class Engine:
     def add_sequence(self, seq: Sequence) -> None:
         self._check_usable()
         constraint = seq.params.constraint
-        kept = constraint.kept_token_ids if constraint is not None else ()
+        kept = (constraint.kept_token_ids if constraint is not None else ()) + (
+            seq.params.kept_token_ids
+        )
         decoder = KeptTokens(self.decoder, kept) if kept else self.decoder
         self.detokenizers[seq.seq_id] = IncrementalDetokenizer(
             decoder, seq.prompt_token_ids, seq.params.stop, seq.healed_text
@@ -163,6 +170,7 @@ class Engine:
             pic_recomputed_tokens=self.pic_recomputed_tokens,
             tier_hit_tokens=self.tier_hit_tokens,
             tier=tier_stats(getattr(self.cache, "tier", None)),
+            states=state_usage(self.cache),
         )
 
     def reset_prefix_cache(self) -> int:
@@ -339,7 +347,7 @@ class Engine:
         reason = self._finish_reason(seq, token_id, detok.stopped)
         if reason:
             delta += detok.flush()
-            seq.text = detok.text
+            seq.text, seq.stop_string = detok.text, detok.matched
             seq.finish(reason)
         output = StepOutput(seq, token_id, delta, logprobs)
         seq.outbox.append(output)  # within the step: a failure after it loses nothing

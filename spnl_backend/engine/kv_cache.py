@@ -118,11 +118,8 @@ class SequenceKV:
             q,
             layer[0],
             layer[1],
-            scale=spec.scale,
+            spec.scoring,
             context_len=context_len,
-            sliding_window=spec.sliding_window,
-            softcap=spec.softcap,
-            sinks=spec.sinks,
         )
 
 

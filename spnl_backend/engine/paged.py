@@ -153,12 +153,9 @@ class PagedStep:
             key_cache,
             value_cache,
             meta,
-            scale=spec.scale,
-            sliding_window=spec.sliding_window,
-            softcap=spec.softcap,
+            spec.scoring,
             k_scale=k_scale,
             v_scale=v_scale,
-            sinks=spec.sinks,
         )
 
     def _meta_on(self, device: torch.device) -> PagedMetadata:

@@ -5,12 +5,13 @@ its prompt takes a chunk of the step's token budget (chunked prefill); while seq
 decode, the prompts of a step take at most ``prefill_chunk_while_decoding`` tokens in all,
 so that long prompts arriving do not hold up the decodes' next tokens for the whole of
 their prefill. Then waiting sequences join, first come first served, while the budget,
-the sequence limit and the cache allow. When a running sequence needs cache the cache
-does not have, the newest running sequence is preempted: its cache is released and it
-waits, first in line, to be recomputed; its generated tokens are kept. A paused sequence
-(its reader is behind) is skipped, and is the first to give up its cache when another
-needs room. Another completion of a prompt waits until its leader has computed the
-prompt, whose blocks it then shares.
+the sequence limit and the cache allow (its blocks, and for a model with state layers a
+free state slot: the cache refuses to reserve for a sequence without one). When a
+running sequence needs cache the cache does not have, the newest running sequence is
+preempted: its cache is released and it waits, first in line, to be recomputed; its
+generated tokens are kept. A paused sequence (its reader is behind) is skipped, and is
+the first to give up its cache when another needs room. Another completion of a prompt
+waits until its leader has computed the prompt, whose blocks it then shares.
 """
 
 from collections import deque

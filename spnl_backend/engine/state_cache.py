@@ -13,6 +13,12 @@ leaves a copy of its state at the last one crossed; once the block ending there 
 registered, the copy is kept under that block's hash (the prefix it ends), the least
 recently used dropped past ``max_snapshots``. A sequence admitted with a prefix hit keeps
 the hit up to its deepest block with a snapshot and starts from a copy of it.
+
+Slots: at most ``slots`` sequences hold a state at once (`engine.budget` sizes them and
+the snapshots from the memory budget). A sequence admitted while every slot is held gets
+none, and its cache refuses to reserve for it, so the scheduler leaves it waiting (a
+paused sequence gives up its slot for it, as for KV blocks); a sequence released,
+finished or preempted frees its slot.
 `StatefulCacheManager` is the KV cache's manager with the state group beside it.
 """
 
@@ -26,7 +32,7 @@ import torch
 
 from ..models.config import ModelConfig
 from ..models.step_attention import AttentionSpec, SequenceState, StateSegment, StepAttention
-from .cache import CacheManager, Feed, PoolUsage
+from .cache import CacheManager, Feed, PoolUsage, StateUsage
 from .sequence import CachedTokens, ScheduledSeq
 
 RULE_CHUNK = 64  # the pieces' length where no block size sets it (`kernels.delta_rule`)
@@ -40,12 +46,27 @@ class StateShape:
     recurrent: tuple[int, ...]  # in float32 at least
 
 
+def copies_per_slot(snapshots: bool, trail_rows: int) -> int:
+    """The states a running sequence may hold at once: its live one, with snapshots on
+    the copy it leaves at a block boundary, with a speculative draft the copies after the
+    last ``trail_rows`` rows of its last two steps (`StateCache._trail`)."""
+    return 1 + int(snapshots) + 2 * trail_rows
+
+
 def state_shapes(config: ModelConfig) -> list[StateShape]:
     return [
         StateShape(mixer.conv_shape, mixer.recurrent_shape)
         for spec in config.layers
         if (mixer := spec.state_mixer) is not None
     ]
+
+
+def state_bytes_per_seq(shapes: list[StateShape], dtype: torch.dtype) -> int:
+    """A sequence's states in bytes: the convs in the model's ``dtype``, the recurrent
+    states in float32 at least (what the rule computes in)."""
+    wide = torch.promote_types(dtype, torch.float32)
+    conv = sum(math.prod(s.conv) for s in shapes) * dtype.itemsize
+    return conv + sum(math.prod(s.recurrent) for s in shapes) * wide.itemsize
 
 
 class StateCache:
@@ -58,10 +79,12 @@ class StateCache:
         device: torch.device,
         piece: int = RULE_CHUNK,
         max_snapshots: int = 0,
+        slots: int | None = None,
     ) -> None:
         self.shapes, self.dtype, self.device = state_shapes(config), dtype, device
         self.wide = torch.promote_types(dtype, torch.float32)  # what the rule computes in
         self.piece, self.max_snapshots = piece, max_snapshots
+        self.slots = slots  # sequences that may hold a state at once (None: no bound)
         # With a speculative draft: the last rows of each step whose states are kept, so
         # that a sequence can go back to where its accepted tokens end (0: none kept).
         self.trail_rows = 0
@@ -75,18 +98,41 @@ class StateCache:
 
     @property
     def bytes_per_sequence(self) -> int:
-        conv = sum(math.prod(s.conv) for s in self.shapes) * self.dtype.itemsize
-        return conv + sum(math.prod(s.recurrent) for s in self.shapes) * self.wide.itemsize
+        return state_bytes_per_seq(self.shapes, self.dtype)
 
     @property
     def num_holders(self) -> int:
         return len(self._states)
 
+    @property
+    def slot_free(self) -> bool:
+        return self.slots is None or len(self._states) < self.slots
+
+    def holds(self, seq: CachedTokens) -> bool:
+        return id(seq) in self._states
+
     def claim(self, seq: CachedTokens, start: SequenceState | None = None) -> None:
         """Give ``seq`` its state: a copy of ``start`` (a snapshot), else zeros."""
-        if id(seq) not in self._states:
-            state = self._fresh() if start is None else _copy(start)
-            self._states[id(seq)] = (seq, state)
+        if id(seq) in self._states:
+            return
+        if not self.slot_free:
+            raise RuntimeError(f"every one of the {self.slots} state slots is held")
+        state = self._fresh() if start is None else _copy(start)
+        self._states[id(seq)] = (seq, state)
+
+    def usage(self) -> StateUsage:
+        """Slots held, and the states held now: live, copies and snapshots."""
+        copies = {id(state) for _, state in self._pending.values()}
+        for trail in self._trails.values():
+            copies.update(id(state) for state in trail.values())
+        held = len(self._states) + len(copies) + len(self.snapshots)
+        return StateUsage(
+            slots=self.slots,
+            in_use=len(self._states),
+            snapshots=len(self.snapshots),
+            snapshot_bytes=len(self.snapshots) * self.bytes_per_sequence,
+            bytes=held * self.bytes_per_sequence,
+        )
 
     def drop(self, seq: CachedTokens) -> None:
         for held in (self._states, self._position, self._pending, self._trails):
@@ -248,7 +294,10 @@ class StatefulCacheManager:
 
     def admit(self, seq: CachedTokens) -> None:
         """The KV manager's admission, its prefix hit kept up to the deepest block with a
-        state snapshot, the state starting from that snapshot."""
+        state snapshot, the state starting from that snapshot; nothing where every slot
+        is held (`reserve` then refuses, and the sequence waits)."""
+        if not self.states.slot_free:
+            return
         self.kv.admit(seq)
         start = None
         if seq.num_computed_tokens:
@@ -260,7 +309,8 @@ class StatefulCacheManager:
         self.states.claim(seq, start)
 
     def reserve(self, seq: CachedTokens, num_tokens: int) -> bool:
-        return self.kv.reserve(seq, num_tokens)
+        """The KV manager's room, for a sequence that holds a state slot."""
+        return self.states.holds(seq) and self.kv.reserve(seq, num_tokens)
 
     def release(self, seq: CachedTokens) -> None:
         self.states.drop(seq)
@@ -304,3 +354,10 @@ class StatefulCacheManager:
     @property
     def _snapshots_on(self) -> bool:
         return self.paged is not None and self.states.max_snapshots > 0
+
+
+def state_usage(cache: object) -> StateUsage | None:
+    """The state group's usage of an engine's cache (a speculative pair's: the target's);
+    None where the model has no state layers."""
+    cache = getattr(cache, "target", cache)
+    return cache.states.usage() if isinstance(cache, StatefulCacheManager) else None

@@ -8,19 +8,18 @@ decode step), so the causal mask is offset by ``context_len``.
 import torch
 import torch.nn.functional as F
 
+from .scoring import Scoring
+
 
 def attention_ref(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    scoring: Scoring,
     *,
-    scale: float,
     context_len: int,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     logit_bias: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q [nq, heads, d]``, ``k``/``v [context_len + nq, kv_heads, d]`` → ``[nq, heads, d]``.
 
@@ -29,22 +28,14 @@ def attention_ref(
     ``scale * q.k`` plus ``logit_bias [heads, nq, nk]`` if given (a compressed cache's
     correction), then softcapped (``cap * tanh(s / cap)``), then biased by
     ``slope * (j - i)`` with ALiBi, then masked; softmax is in float32, over the visible
-    keys and, where given, each head's sink logit ``sinks [heads]`` (a column of no value).
+    keys and, where given, each head's sink logit (a column of no value).
     """
-    if softcap is None and alibi_slopes is None and logit_bias is None and sinks is None:
-        return _sdpa(q, k, v, scale, context_len, sliding_window)
-    scores = raw_scores(q, k) * scale
+    if scoring.plain and alibi_slopes is None and logit_bias is None:
+        return _sdpa(q, k, v, scoring.scale, context_len, scoring.window)
+    scores = raw_scores(q, k) * scoring.scale
     if logit_bias is not None:
         scores = scores + logit_bias.float()
-    out = attend_scores(
-        scores,
-        v,
-        context_len=context_len,
-        sliding_window=sliding_window,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        sinks=sinks,
-    )
+    out = attend_scores(scores, v, scoring, context_len=context_len, alibi_slopes=alibi_slopes)
     return out.to(q.dtype)
 
 
@@ -61,24 +52,21 @@ def raw_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 def attend_scores(
     scores: torch.Tensor,
     v: torch.Tensor,
+    scoring: Scoring,
     *,
     context_len: int,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled ``scores [heads, nq, nk]`` and ``v [nk, kv_heads, d]`` → float32
     ``[nq, heads, d]``: softcap, ALiBi, the causal (and window) mask, softmax (with the
     sinks), sum."""
     heads, nq, nk = scores.shape
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+    scores = scoring.capped(scores)
     q_pos, k_pos = _positions(nq, nk, context_len, scores.device)
     if alibi_slopes is not None:
         distance = (k_pos - q_pos.unsqueeze(-1)).float()
         scores = scores + alibi_slopes.float().view(heads, 1, 1) * distance
-    return softmax_sum(scores, v, _visible(q_pos, k_pos, sliding_window), sinks)
+    return softmax_sum(scores, v, _visible(q_pos, k_pos, scoring.window), scoring.sinks)
 
 
 def softmax_sum(

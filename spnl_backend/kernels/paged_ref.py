@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from .attention_ref import attention_ref
 from .metadata import PagedMetadata
 from .ops import rotate_ref
-from .pic import PicKeys, pic_attention_ref
+from .pic import pic_attention_ref
+from .scoring import Scoring
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 # An FP8 cache maps each layer's largest K (or V) magnitude on the reference text to 224,
@@ -97,14 +98,11 @@ def paged_attention_ref(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     meta: PagedMetadata,
+    scoring: Scoring,
     *,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for ``q [T, heads, head_dim]``, the packed queries of several sequences.
 
@@ -112,11 +110,8 @@ def paged_attention_ref(
     earlier ``seq_lens[i] - query_lens[i]`` tokens are cached context. Every key, new or
     cached, is read from the cache (so an FP8 cache rounds them all alike).
     """
-    plain = softcap is None and alibi_slopes is None and sinks is None
-    if meta.is_decode and plain and meta.pic is None:
-        return _decode_batched(
-            q, key_cache, value_cache, meta, scale, sliding_window, k_scale, v_scale
-        )
+    if meta.is_decode and scoring.plain and alibi_slopes is None and meta.pic is None:
+        return _decode_batched(q, key_cache, value_cache, meta, scoring, k_scale, v_scale)
     out = torch.empty_like(q)
     start = 0
     for i, (seq_len, query_len) in enumerate(zip(meta.seq_lens, meta.query_lens, strict=True)):
@@ -125,54 +120,18 @@ def paged_attention_ref(
         if pic is not None and alibi_slopes is not None:
             raise ValueError("PIC sequences do not take ALiBi: their positions overlap")
         if pic is not None:
-            out[start:end] = _pic_attention(
-                q[start:end],
-                key_cache,
-                value_cache,
-                pic,
-                scale,
-                sliding_window,
-                softcap,
-                k_scale,
-                v_scale,
-                sinks,
-            )
+            k, v = read_kv(key_cache, value_cache, pic.key_slots, q.dtype, k_scale, v_scale)
+            out[start:end] = pic_attention_ref(q[start:end], k, v, pic, scoring)
             start = end
             continue
         k = gather_kv(key_cache, meta.block_tables[i], seq_len, q.dtype, k_scale)
         v = gather_kv(value_cache, meta.block_tables[i], seq_len, q.dtype, v_scale)
+        context_len = seq_len - query_len
         out[start:end] = attention_ref(
-            q[start:end],
-            k,
-            v,
-            scale=scale,
-            context_len=seq_len - query_len,
-            sliding_window=sliding_window,
-            softcap=softcap,
-            alibi_slopes=alibi_slopes,
-            sinks=sinks,
+            q[start:end], k, v, scoring, context_len=context_len, alibi_slopes=alibi_slopes
         )
         start = end
     return out
-
-
-def _pic_attention(
-    q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    pic: PicKeys,
-    scale: float,
-    window: int | None,
-    softcap: float | None,
-    k_scale: float,
-    v_scale: float,
-    sinks: torch.Tensor | None,
-) -> torch.Tensor:
-    """One PIC sequence: its keys read in prompt order, attended under its mask."""
-    k, v = read_kv(key_cache, value_cache, pic.key_slots, q.dtype, k_scale, v_scale)
-    return pic_attention_ref(
-        q, k, v, pic, scale=scale, sliding_window=window, softcap=softcap, sinks=sinks
-    )
 
 
 def _decode_batched(
@@ -180,21 +139,20 @@ def _decode_batched(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     meta: PagedMetadata,
-    scale: float,
-    window: int | None,
+    scoring: Scoring,
     k_scale: float,
     v_scale: float,
 ) -> torch.Tensor:
     """One query per sequence: every sequence's keys gathered at once, padded, masked, and
     attended in one call."""
-    slots, mask = meta.decode_keys(window)
+    slots, mask = meta.decode_keys(scoring.window)
     k, v = read_kv(key_cache, value_cache, slots, q.dtype, k_scale, v_scale)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),
         k.transpose(1, 2),
         v.transpose(1, 2),
         attn_mask=mask,
-        scale=scale,
+        scale=scoring.scale,
         enable_gqa=q.shape[1] != k.shape[2],
     )
     return out.squeeze(2)

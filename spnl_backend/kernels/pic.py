@@ -14,6 +14,7 @@ import torch
 
 from ..pic.layout import visible
 from .attention_ref import raw_scores, softmax_sum
+from .scoring import Scoring
 
 
 @dataclass
@@ -108,15 +109,10 @@ def pic_attention_ref(
     keys: torch.Tensor,
     values: torch.Tensor,
     pic: PicKeys,
-    *,
-    scale: float,
-    sliding_window: int | None,
-    softcap: float | None,
-    sinks: torch.Tensor | None = None,
+    scoring: Scoring,
 ) -> torch.Tensor:
     """The torch twin for one PIC sequence: ``q [queries, heads, d]`` over its ``keys`` and
     ``values [K, kv_heads, d]`` (prompt order, read from the pool) under its mask."""
-    scores = raw_scores(q, keys) * scale
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    return softmax_sum(scores, values, pic.visible(sliding_window), sinks).to(q.dtype)
+    scores = scoring.capped(raw_scores(q, keys) * scoring.scale)
+    visible = pic.visible(scoring.window)
+    return softmax_sum(scores, values, visible, scoring.sinks).to(q.dtype)

@@ -15,6 +15,7 @@ from .cpu import POOL_DTYPES, CpuKernels, KernelArgumentError
 from .metadata import PagedMetadata
 from .paged_ref import paged_attention_ref, store_kv_ref
 from .pic import first_keys
+from .scoring import Scoring
 from .thresholds import native_attention_queries
 
 
@@ -59,14 +60,11 @@ def _cpu_paged_attention(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     meta: PagedMetadata,
+    scoring: Scoring,
     *,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if (
         (longest is None or max(meta.query_lens) <= longest)
@@ -76,45 +74,22 @@ def _cpu_paged_attention(
     ):
         check_step_slots(meta, key_cache)
         if meta.pic is not None:
-            return _cpu_pic_attention(
-                native, q, key_cache, value_cache, meta, scale, sliding_window, softcap, sinks
-            )
-        slots, lens = _decode_keys(meta)
-        return native.paged_decode(
-            q, key_cache, value_cache, slots, lens, scale, sliding_window, softcap, None, sinks
-        )
+            # A step with PIC sequences, in one call: their queries attend over the key
+            # lists their mask gives (windowed by position already, from their first key),
+            # the others' over their lists as in a step without them: each row's own.
+            slots, lens, firsts = pic_step_keys(meta, scoring.window)
+        else:
+            (slots, lens), firsts = _decode_keys(meta), None
+        return native.paged_decode(q, key_cache, value_cache, slots, lens, scoring, firsts)
     return paged_attention_ref(
         q,
         key_cache,
         value_cache,
         meta,
-        scale=scale,
-        sliding_window=sliding_window,
-        softcap=softcap,
+        scoring,
         alibi_slopes=alibi_slopes,
         k_scale=k_scale,
         v_scale=v_scale,
-        sinks=sinks,
-    )
-
-
-def _cpu_pic_attention(
-    native: CpuKernels,
-    q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    meta: PagedMetadata,
-    scale: float,
-    window: int | None,
-    softcap: float | None,
-    sinks: torch.Tensor | None,
-) -> torch.Tensor:
-    """A step with PIC sequences, in one call: their queries attend over the key lists
-    their mask gives (windowed by position already, from their first key), the others'
-    over their lists as in a step without them (the last ``window``): each row's own."""
-    slots, lens, firsts = pic_step_keys(meta, window)
-    return native.paged_decode(
-        q, key_cache, value_cache, slots, lens, scale, window, softcap, firsts, sinks
     )
 
 
@@ -222,12 +197,9 @@ def attend_contiguous(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
+    scoring: Scoring,
     *,
-    scale: float,
     context_len: int,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sequence's queries over its contiguous ``keys``/``values [capacity, kv_heads,
     dim]`` (the first ``context_len + len(q)`` written; float32 or float16 for the native
@@ -239,22 +211,11 @@ def attend_contiguous(
     total = context_len + nq
     if native is None or (longest is not None and nq > longest):
         k, v = keys[:total].to(q.dtype), values[:total].to(q.dtype)
-        return attention_ref(
-            q,
-            k,
-            v,
-            scale=scale,
-            context_len=context_len,
-            sliding_window=sliding_window,
-            softcap=softcap,
-            sinks=sinks,
-        )
+        return attention_ref(q, k, v, scoring, context_len=context_len)
     slots = torch.arange(total).expand(nq, total)  # one table, shared by every query
     lens = torch.arange(context_len + 1, total + 1)
     queries = q.float().contiguous()
-    out = native.paged_decode(
-        queries, keys[None], values[None], slots, lens, scale, sliding_window, softcap, None, sinks
-    )
+    out = native.paged_decode(queries, keys[None], values[None], slots, lens, scoring)
     return out.to(q.dtype)
 
 

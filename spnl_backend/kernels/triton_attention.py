@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .metadata import PagedMetadata
+from .scoring import Scoring
 from .triton_fp8 import fp8_e4m3_decode
 
 
@@ -272,14 +273,11 @@ def paged_attention_triton(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     meta: PagedMetadata,
+    scoring: Scoring,
     *,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Attention for the packed queries ``q [T, heads, head_dim]`` of several sequences over
@@ -312,6 +310,7 @@ def paged_attention_triton(
         pic = meta.memo("triton_pic", lambda: _PicArrays(meta, q.device))
         lens = pic.lens
     none = lens[:1]
+    sinks, window, softcap = scoring.sinks, scoring.window, scoring.softcap
     sink_logits = (sinks if sinks is not None else q.new_zeros(1)).float().contiguous()
     _attention_kernel[(programs, num_kv_heads, splits)](
         q,
@@ -331,9 +330,9 @@ def paged_attention_triton(
         *(none,) * 5
         if pic is None
         else (pic.start, pic.slots, pic.blocks, pic.places, pic.queries),
-        float(scale),
+        float(scoring.scale),
         float(softcap or 1.0),
-        int(sliding_window or 0),
+        int(window or 0),
         float(k_scale),
         float(v_scale),
         num_kv_heads,
@@ -349,7 +348,7 @@ def paged_attention_triton(
         TILE=plan.tile,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=pad,
-        USE_WINDOW=sliding_window is not None,
+        USE_WINDOW=window is not None,
         USE_SOFTCAP=softcap is not None,
         USE_ALIBI=alibi_slopes is not None,
         IS_FP8=is_fp8,

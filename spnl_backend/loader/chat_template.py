@@ -12,6 +12,7 @@ included) is a `RequestError` for that call.
 import contextvars
 import json
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -20,7 +21,7 @@ from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ..errors import ModelFileError, RequestError
+from ..errors import ModelFileError, RequestError, SettingsError
 
 MAX_ITERATIONS = 1_000_000  # per rendering, over every range() it calls
 MAX_RANGE = 100_000  # one range(), as jinja's sandbox allows
@@ -37,7 +38,11 @@ class ChatTemplate:
         try:
             self.template = _ENVIRONMENT.from_string(source)
         except TemplateError as exc:
-            raise ModelFileError(f"{where}: the chat template does not compile: {exc}") from None
+            line = getattr(exc, "lineno", None)
+            at = f" (line {line})" if line else ""
+            raise ModelFileError(
+                f"{where}: the chat template does not compile{at}: {exc}"
+            ) from None
 
     def render(self, messages: list[dict[str, str]], **variables: Any) -> str:
         token = _left.set(MAX_ITERATIONS)
@@ -63,6 +68,32 @@ class ChatTemplate:
             ) from None
         finally:
             _left.reset(token)
+
+
+def user_chat_template(value: str | None) -> str | None:
+    """The template a user chose instead of the model's (``MISTRALRS_CHAT_TEMPLATE``,
+    ``serve --chat-template``): a file's contents, or the value itself where it is Jinja
+    source; compiled now, so that a bad one fails before the model loads."""
+    if value is None:
+        return None
+    where = "MISTRALRS_CHAT_TEMPLATE (--chat-template)"
+    if "{{" in value or "{%" in value:
+        source = value
+    else:
+        path = Path(value).expanduser()
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SettingsError(
+                f"{where}={value!r}: neither Jinja source (no '{{{{' or '{{%') nor a readable "
+                f"template file ({type(exc).__name__}: {exc})"
+            ) from None
+        where = f"{where} {path}"
+    try:
+        ChatTemplate(source, where)
+    except ModelFileError as exc:
+        raise SettingsError(str(exc)) from None
+    return source
 
 
 class _BoundedSandbox(ImmutableSandboxedEnvironment):

@@ -99,12 +99,21 @@ class Tokenizer:
     def decode_keeping(self, token_ids: list[int], kept: frozenset[int]) -> str:
         """`decode`, but the ``kept`` special tokens written out as their text."""
         if self._special_ids is None:
-            added = self.hf.added_tokens_decoder.items()
-            special = {i for i, token in added if token.special}
-            self._special_ids = frozenset(special | set(self.hf.all_special_ids))
+            self._special_ids = self._special_token_ids()
         dropped = self._special_ids - kept
         shown = [t for t in token_ids if t not in dropped]
         return self.hf.decode(shown, skip_special_tokens=False)
+
+    def _special_token_ids(self) -> frozenset[int]:
+        """Every special token's id (a GGUF vocabulary's, read by the tokenizers library,
+        has no transformers wrapper to ask)."""
+        rust = getattr(self.hf, "rust", None)
+        if rust is not None:
+            added = rust.get_added_tokens_decoder().items()
+            return frozenset(i for i, token in added if token.special)
+        added = self.hf.added_tokens_decoder.items()  # type: ignore[attr-defined]
+        special = {i for i, token in added if token.special}
+        return frozenset(special | set(self.hf.all_special_ids))  # type: ignore[attr-defined]
 
     def definition(self) -> str:
         """The tokenizers library's JSON definition of this tokenizer (what constrained
@@ -122,30 +131,35 @@ class Tokenizer:
         return self.hf(text, add_special_tokens=False)["input_ids"]
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        variables: dict[str, Any] | None = None,
     ) -> list[int]:
-        return self.encode_plain(self.render_chat(messages, True, tools))
+        return self.encode_plain(self.render_chat(messages, True, tools, variables))
 
     def render_chat(
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool,
         tools: list[dict[str, Any]] | None = None,
+        variables: dict[str, Any] | None = None,
     ) -> str:
         """The chat template's text for ``messages`` (and the ``tools`` they may call:
-        only where given, as templates test whether it is defined)."""
+        only where given, as templates test whether it is defined); ``variables``: more
+        of the template's variables (``enable_thinking``, ``reasoning_effort``), over the
+        special tokens' names."""
         if not self.hf.chat_template:
             raise RequestError(
                 "this model has no chat template; use generate() with a "
                 "formatted prompt instead of chat()"
             )
-        variables: dict[str, Any] = {
-            k: v for k, v in self.hf.special_tokens_map.items() if isinstance(v, str)
-        }
+        given = {k: v for k, v in self.hf.special_tokens_map.items() if isinstance(v, str)}
+        given.update(variables or {})
         if tools is not None:
-            variables["tools"] = tools
+            given["tools"] = tools
         return self._chat_template().render(
-            messages, add_generation_prompt=add_generation_prompt, **variables
+            messages, add_generation_prompt=add_generation_prompt, **given
         )
 
     def _chat_template(self) -> ChatTemplate:

@@ -69,8 +69,8 @@ class Attention(nn.Module):
             return self._made[1]
         made = (id(sinks), sinks.data_ptr())
         if self._made[0] != made:
-            floats = sinks.detach().float().contiguous()
-            self._made = (made, dataclasses.replace(self._spec, sinks=floats))
+            scoring = self._spec.scoring.with_sinks(sinks.detach())
+            self._made = (made, dataclasses.replace(self._spec, scoring=scoring))
         return self._made[1]
 
     def forward(

@@ -104,6 +104,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str | None = None  # as the checkpoint stores it
+    # config.json's quantization_config.quant_method (`Family.quant_methods`), e.g.
+    # gpt-oss's "mxfp4": its experts stored as MXFP4 blocks and scales
+    quantization: str | None = None
     # How /v1/embeddings pools the last hidden states (`engine.embed`): a GGUF's
     # pooling_type where it has one; the last token's state otherwise.
     pooling: Literal["last", "mean", "first"] = "last"

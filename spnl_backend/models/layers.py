@@ -9,6 +9,7 @@ one field here rather than an argument passed from module to module.
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from ..kernels.scoring import Scoring
 from .step_attention import AttentionSpec
 
 if TYPE_CHECKING:
@@ -182,14 +183,12 @@ def _attention(
 ) -> AttentionMixer:
     sliding = config.layer_types[i] == "sliding"
     kv_heads, head_dim = config.layer_kv_heads(i), config.layer_head_dim(i)
-    spec = AttentionSpec(
-        layer=kv_layer,
+    scoring = Scoring(
         scale=config.attn_scale or head_dim**-0.5,
-        num_kv_groups=config.num_heads // kv_heads,
-        sliding_window=config.sliding_window if sliding else None,
+        window=config.sliding_window if sliding else None,
         softcap=config.attn_softcap,
-        shared_kv=shared,
     )
+    spec = AttentionSpec(kv_layer, config.num_heads // kv_heads, scoring, shared_kv=shared)
     rope: RopeTable | None = "local" if sliding and config.rope_local else "global"
     if config.rope_layers and not config.rope_layers[i]:
         rope = None

@@ -18,7 +18,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from ..kernels.cpu import CpuKernels, LayerArgs
+from ..kernels.cpu import CpuKernels, LayerArgs, scoring_args
 from ..kernels.cpu.layer_blocks import LayerStack
 from ..kernels.cpu.moe import NativeMoe
 from ..kernels.sets import NativeKeys
@@ -69,7 +69,7 @@ class LayerBlocks:
         )
         # The layers' sliding windows (a step with PIC queries reads one table for them).
         self.windows = tuple(
-            sorted({w for layer in layers if (w := layer.self_attn.spec.sliding_window)})
+            sorted({w for layer in layers if (w := layer.self_attn.spec.scoring.window)})
         )
 
     @classmethod
@@ -110,6 +110,7 @@ class LayerBlocks:
             norms = (None, layer.post_attention_layernorm, None, next_norm)
         qk = (attn.q_norm, attn.k_norm) if attn.qk_norm or attn.qk_norm_full else (None, None)
         spec = attn.spec
+        self.keep.append(spec.scoring)  # its sinks, where it has them
         return LayerArgs(
             *(ctypes.pointer(p.args) for p in products),
             *([None, None] if moe else []),
@@ -126,9 +127,7 @@ class LayerBlocks:
             mlp_out_norm=self._scale(norms[3]),
             eps=layer.input_layernorm.eps,
             local=int(local),
-            scale=spec.scale,
-            softcap=spec.softcap or 0.0,
-            window=spec.sliding_window or 0,
+            scoring=scoring_args(spec.scoring, attn.num_heads),
             qk_full=int(attn.qk_norm_full),
             has_clip=int(attn.clip_qkv is not None),
             clip=attn.clip_qkv or 0.0,
@@ -179,7 +178,7 @@ def _blocks_run(layers: list[DecoderLayer], final_norm: RMSNorm) -> bool:
         attn, mlp = getattr(layer, "self_attn", None), layer.mlp
         if attn is None or attn.rope is None or attn.output_gate or not layer.input_layernorm:
             return False
-        if attn.spec.sinks is not None:  # the blocks' attention takes none (the ops' does)
+        if attn.spec.scoring.sinks is not None:  # on the ops alone: every such model has biases
             return False
         if layer.spec.residual_scale is not None or layer.shared_mlp is not None:
             return False

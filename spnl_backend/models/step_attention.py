@@ -9,24 +9,19 @@ from typing import Protocol
 
 import torch
 
+from ..kernels.scoring import Scoring
 from ..kernels.sets import NativeKeys
 
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """What a layer's attention needs besides q, k, v: fixed per layer.
-
-    ``sinks``: gpt-oss's learned logit per query head ``[heads]`` (float32), a column every
-    query's softmax shares but whose value is zero: it only adds ``e^sink`` to the
-    denominator. The layer's weight, so the model sets it once its weights are in
-    (`models.attention.Attention`); a description made from the config has None."""
+    """What a layer's attention needs besides q, k, v: fixed per layer. ``scoring`` goes
+    whole to the kernels; its sinks are the layer's weight, so the model sets them once its
+    weights are in (`models.attention.Attention`)."""
 
     layer: int
-    scale: float
     num_kv_groups: int
-    sliding_window: int | None = None
-    softcap: float | None = None
-    sinks: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    scoring: Scoring
     # The K and V at ``layer`` are an earlier layer's (Gemma 4's shared layers): this layer
     # stores nothing and attends over them (its k and v are None).
     shared_kv: bool = False

@@ -88,6 +88,30 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, _Read], ...] = (
         "Free KV blocks holding a reusable prefix",
         lambda s: s.pool.cached if s.pool else None,
     ),
+    (
+        "gauge",
+        "spnl_state_slots",
+        "State slots (sequences a model with state layers runs at once)",
+        lambda s: s.states.slots if s.states else None,
+    ),
+    (
+        "gauge",
+        "spnl_state_slots_used",
+        "State slots held by sequences",
+        lambda s: s.states.in_use if s.states else None,
+    ),
+    (
+        "gauge",
+        "spnl_state_snapshots",
+        "State snapshots kept for prefix hits",
+        lambda s: s.states.snapshots if s.states else None,
+    ),
+    (
+        "gauge",
+        "spnl_state_bytes",
+        "Bytes of the states held: live, step copies and snapshots",
+        lambda s: s.states.bytes if s.states else None,
+    ),
     ("counter", "spnl_preemptions", "Sequences preempted for room", lambda s: s.preemptions),
     (
         "counter",

@@ -2,7 +2,9 @@
 for its keep-alive, all within one memory budget.
 
 A model's footprint is its file's size until it has loaded once, then what its load
-added to the process's resident memory (weights, KV pool, compiled state). A load that
+added to the process's resident memory (weights, KV pool, compiled state) and, for a
+model with state layers, the most its state slots and snapshots take (allocated as
+sequences run, not at load: `CacheInfo.state_bytes`). A load that
 would pass the budget first unloads the least recently used models no request holds; a
 request whose model cannot fit even then gets a 503 saying so. A load that fails fails
 the requests waiting for it with its error (a 500 naming the model); the next request
@@ -162,8 +164,9 @@ class ModelSet:
             done.set()  # type: ignore[union-attr]
             raise _load_failed(model) from None
         grown = resident_bytes() - before
+        states = backend.cache_info().state_bytes or 0
         with self._lock:
-            model.backend, model.footprint = backend, max(grown, model.estimate())
+            model.backend, model.footprint = backend, max(grown, model.estimate()) + states
             done, model.loading = model.loading, None
         done.set()  # type: ignore[union-attr]
         log.info("models.loaded", model=model.name, footprint_mb=model.footprint >> 20)

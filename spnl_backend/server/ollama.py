@@ -4,15 +4,18 @@ streamed, which is its default).
 
 Read from a body: ``model``, ``messages`` or ``prompt`` (with ``system``, and ``raw`` to
 skip the chat template), ``tools``, ``format`` (``"json"`` or a JSON schema, held by the
-grammar engine), ``stream``, ``keep_alive``, ``think: false``, and the ``options``
+grammar engine), ``stream``, ``keep_alive``, ``think``, and the ``options``
 ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``num_predict``, ``stop``,
 ``repeat_penalty``, ``presence_penalty``, ``frequency_penalty`` and ``num_ctx``. Anything
-else is a 400 naming it. Ollama's sampling defaults apply where an option is absent
-(temperature 0.8, top_k 40, top_p 0.9). ``num_ctx`` cannot resize this server's context:
-a value up to it is accepted, a larger one refused. ``keep_alive`` is a model's time
-loaded once idle, in a server of several (`models.ModelSet`); one model stays loaded for
-the server's life. A message's ``thinking`` (a past turn's reasoning, as
-Ollama's clients send it back) is accepted and not templated.
+else is a 400 naming it. ``think`` (``true``, ``false``, or an effort ``"low"``,
+``"medium"``, ``"high"``) sets the chat template's ``enable_thinking`` (and
+``reasoning_effort``); the reasoning comes back as ``message.thinking`` (``thinking`` on
+generate), left out with ``think: false``. Ollama's sampling defaults apply where an
+option is absent (temperature 0.8, top_k 40, top_p 0.9). ``num_ctx`` cannot resize this
+server's context: a value up to it is accepted, a larger one refused. ``keep_alive`` is a
+model's time loaded once idle, in a server of several (`models.ModelSet`); one model
+stays loaded for the server's life. A message's ``thinking`` (a past turn's reasoning, as
+Ollama's clients send it back) reaches the template as ``reasoning_content``.
 """
 
 import json
@@ -198,26 +201,41 @@ def stamp(later_s: float = 0.0) -> str:
     return at.isoformat().replace("+00:00", "Z")
 
 
-def chunk(model: str, chat: bool, text: str, calls: list[dict] | None = None) -> dict[str, Any]:
-    """One streamed line of an answer in progress."""
+def chunk(
+    model: str, chat: bool, text: str, calls: list[dict] | None = None, thinking: str = ""
+) -> dict[str, Any]:
+    """One streamed line of an answer in progress (``thinking``: the reasoning it adds)."""
     line: dict[str, Any] = {"model": model, "created_at": stamp()}
     if chat:
         line["message"] = {"role": "assistant", "content": text}
+        if thinking:
+            line["message"]["thinking"] = thinking
         if calls:
             line["message"]["tool_calls"] = calls
     else:
         line["response"] = text
+        if thinking:
+            line["thinking"] = thinking
     return {**line, "done": False}
 
 
-def done(model: str, chat: bool, seq: Sequence, text: str, tools: ToolFormat | None) -> dict:
-    """The last line (streamed), or the whole answer, with Ollama's counts and times."""
-    line = chunk(model, chat, text)
+def done(
+    model: str,
+    chat: bool,
+    seq: Sequence,
+    text: str,
+    tools: ToolFormat | None,
+    thinking: str = "",
+    answer: str | None = None,
+) -> dict:
+    """The last line (streamed), or the whole answer, with Ollama's counts and times.
+    ``answer``: the whole answer, read for tool calls (``text`` where not given)."""
+    line = chunk(model, chat, text, thinking=thinking)
     reason = "length" if seq.finish_reason == "length" else "stop"
     if chat and tools is not None:
-        calls = read_calls(tools, seq.text)
+        calls = read_calls(tools, text if answer is None else answer)
         if calls is not None:
-            line["message"] = {"role": "assistant", "content": "", "tool_calls": calls}
+            line["message"] = {**line["message"], "content": "", "tool_calls": calls}
     return {**line, "done": True, "done_reason": reason, **counts(seq)}
 
 
@@ -275,17 +293,34 @@ def _fields(body: object, used: set[str]) -> dict[str, Any]:
         raise bad_request(f"unknown or unsupported field {shown(name)}", name)
     if not isinstance(body.get("model"), str) or not body["model"]:
         raise bad_request("model is required: a name from /api/tags", "model")
-    if body.get("think") not in (None, False):
-        raise bad_request("think: this server's models do not think aloud", "think")
+    think_variables(body.get("think"))
     keep_alive_s(body.get("keep_alive"))
     return body
+
+
+def think_variables(think: object) -> dict[str, Any] | None:
+    """``think``'s chat template variables: ``enable_thinking`` (and ``reasoning_effort``
+    for a level); None where it is absent."""
+    if think is None:
+        return None
+    if isinstance(think, bool):
+        return {"enable_thinking": think}
+    if think in ("low", "medium", "high"):
+        return {"enable_thinking": True, "reasoning_effort": think}
+    raise bad_request(
+        f"think={shown(think)}: expected true, false, 'low', 'medium' or 'high'", "think"
+    )
 
 
 def _engine_request(fields: dict[str, Any], max_model_len: int, **prompt: Any) -> EngineRequest:
     stream = fields.get("stream", True)
     if not isinstance(stream, bool):
         raise bad_request(f"stream={shown(stream)}: expected true or false", "stream")
+    if fields.get("think") is not None and "prompts" in prompt:
+        raise bad_request("think is templated: with raw, the prompt is given as it is", "think")
     return EngineRequest(
+        template_variables=think_variables(fields.get("think")),
+        show_reasoning=fields.get("think") is not False,
         model=bare_model(fields["model"]),
         params=_params(fields.get("options"), fields.get("format"), max_model_len),
         n=1,
@@ -381,6 +416,8 @@ def _message(message: object, index: int) -> dict[str, Any]:
         if not isinstance(message.get(name, ""), str):
             raise bad_request(f"{where}.{name}: expected a string", "messages")
     out: dict[str, Any] = {"role": message["role"], "content": content}
+    if message.get("thinking"):
+        out["reasoning_content"] = message["thinking"]
     if message.get("tool_name"):
         out["name"] = message["tool_name"]
     calls = message.get("tool_calls")

@@ -2,10 +2,11 @@
 
 Every field a body may carry is either used, accepted at a value that asks for nothing
 (``echo: false``, ``best_of: 1``), accepted and documented as without effect
-(``reasoning_effort``, ``user``), or refused with a 400 naming it: nothing is silently
+(``user``), or refused with a 400 naming it: nothing is silently
 ignored. Beyond OpenAI's fields, vLLM's names for the same extensions are read
 (``repetition_penalty``, ``min_p``, ``stop_token_ids``, ``ignore_eos``, ``guided_json``,
-``guided_regex``, ``guided_grammar``, ``guided_choice``), and ``token_healing``.
+``guided_regex``, ``guided_grammar``, ``guided_choice``), ``chat_template_kwargs``
+(variables for the chat template), and ``token_healing``.
 """
 
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from typing import Any
 
 from ..engine.sequence import SamplingParams
 from ..errors import ContextLengthError, RequestError, shown
+from ..reasoning import Reasoning, template_variables
 from ..request import check_text, sampling_params
 from ..tools.formats import ToolFormat
 from ..tools.spec import ToolRequest, tool_request
@@ -75,6 +77,10 @@ class EngineRequest:
     constraint_field: str | None = None  # the field that asked for one, named in its errors
     tools: ToolRequest | None = None  # chat: the tools it offers
     tool_format: ToolFormat | None = None  # how its answer is read for calls, once known
+    # chat: the template's variables asked for (chat_template_kwargs, reasoning_effort)
+    template_variables: dict[str, Any] | None = None
+    reasoning: Reasoning | None = None  # how its answer's reasoning is read, once known
+    show_reasoning: bool = True  # Ollama's think: false leaves the reasoning out
 
 
 # Fields read for their value (the sampling ones below, and the per-endpoint ones).
@@ -101,7 +107,7 @@ _GUIDED = {
 _TOOLS = ("tools", "tool_choice", "parallel_tool_calls")
 _COMMON = ("model", "n", "stream", "stream_options", "logprobs", *_SAMPLING, *_OPTIONS, *_GUIDED)
 # Accepted, with no effect: metadata, or a mode this engine's models do not have.
-_NO_EFFECT = ("user", "reasoning_effort", "store", "metadata", "service_tier")
+_NO_EFFECT = ("user", "store", "metadata", "service_tier")
 
 
 def _neutral(value: object, *allowed: object) -> bool:
@@ -123,7 +129,7 @@ _NEUTRAL: dict[str, Callable[[object], bool]] = {
 def parse_completion(body: object) -> EngineRequest:
     fields = _fields(body, {*_COMMON, "prompt", "max_tokens"})
     prompts = _prompts(fields.get("prompt"))
-    return _engine_request(fields, fields.get("max_tokens"), "max_tokens", prompts=prompts)
+    return engine_request(fields, fields.get("max_tokens"), "max_tokens", prompts=prompts)
 
 
 def parse_chat(body: object) -> EngineRequest:
@@ -136,6 +142,8 @@ def parse_chat(body: object) -> EngineRequest:
             "max_tokens",
             "max_completion_tokens",
             "top_logprobs",
+            "chat_template_kwargs",
+            "reasoning_effort",
         },
     )
     if fields.get("max_completion_tokens") is not None and fields.get("max_tokens") is not None:
@@ -149,7 +157,21 @@ def parse_chat(body: object) -> EngineRequest:
         tools = tool_request(*(fields.get(f) for f in _TOOLS))
     except RequestError as exc:
         raise bad_request(str(exc), _named(str(exc), _TOOLS) or "tools") from None
-    return _engine_request(fields, fields.get(name), name, messages=_messages(fields), tools=tools)
+    try:
+        variables = template_variables(
+            fields.get("chat_template_kwargs"), fields.get("reasoning_effort")
+        )
+    except RequestError as exc:
+        param = _named(str(exc), ("chat_template_kwargs", "reasoning_effort"))
+        raise bad_request(str(exc), param) from None
+    return engine_request(
+        fields,
+        fields.get(name),
+        name,
+        messages=_messages(fields),
+        tools=tools,
+        template_variables=variables,
+    )
 
 
 def _named(message: str, names: tuple[str, ...]) -> str | None:
@@ -158,13 +180,26 @@ def _named(message: str, names: tuple[str, ...]) -> str | None:
 
 
 def _fields(body: object, used: set[str]) -> dict[str, Any]:
+    return check_fields(body, used, _NO_EFFECT, _NEUTRAL)
+
+
+def check_fields(
+    body: object,
+    used: set[str],
+    no_effect: tuple[str, ...] = (),
+    neutral: dict[str, Callable[[object], bool]] | None = None,
+) -> dict[str, Any]:
+    """``body`` as an object whose every field is ``used``, accepted with ``no_effect``, or
+    at the ``neutral`` value that asks for nothing; its ``model`` named. Anything else is a
+    400 naming the field."""
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, not {_json_kind(body)}")
+    neutral = neutral or {}
     for name, value in body.items():
-        if name in used or name in _NO_EFFECT:
+        if name in used or name in no_effect:
             continue
-        if name in _NEUTRAL:
-            if not _NEUTRAL[name](value):
+        if name in neutral:
+            if not neutral[name](value):
                 raise bad_request(
                     f"{name}={shown(value)} is not supported by this server yet "
                     "(only its default, which asks for nothing, is accepted)",
@@ -182,9 +217,11 @@ def _fields(body: object, used: set[str]) -> dict[str, Any]:
     return body
 
 
-def _engine_request(
+def engine_request(
     fields: dict[str, Any], max_tokens: object, max_name: str, **prompt: Any
 ) -> EngineRequest:
+    """The engine request of a body's checked ``fields``, under OpenAI's names (the other
+    APIs map theirs to these first); ``prompt``: its prompts, or its messages and tools."""
     params = _sampling(fields, max_tokens, max_name, chat="messages" in prompt)
     n = fields.get("n", 1)
     if n is None:
@@ -323,6 +360,7 @@ def _message(message: object, index: int) -> dict[str, Any]:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise bad_request(f"{where}: expected an object with a string 'role'", "messages")
     unsupported = set(message) - {"role", "content", "name", "tool_calls", "tool_call_id"}
+    unsupported -= {"reasoning_content", "reasoning"}
     if unsupported:
         raise bad_request(
             f"{where}: {', '.join(sorted(map(shown, unsupported)))} not supported "
@@ -330,10 +368,29 @@ def _message(message: object, index: int) -> dict[str, Any]:
             "messages",
             "unsupported_parameter",
         )
+    message = _reasoning_named(message, where)
     content = message.get("content")
     if content is None and message.get("tool_calls") is not None:
         return {**message, "content": ""}  # an assistant turn that only calls tools
     return {**message, "content": _content(content, where)}
+
+
+def _reasoning_named(message: dict[str, Any], where: str) -> dict[str, Any]:
+    """A past turn's reasoning sent back, under either name, as ``reasoning_content``:
+    the name templates read (Qwen3's keeps the last turn's)."""
+    given = {
+        k: message[k] for k in ("reasoning_content", "reasoning") if message.get(k) is not None
+    }
+    if not given:
+        return {k: v for k, v in message.items() if k not in ("reasoning_content", "reasoning")}
+    texts = set(given.values())
+    if len(texts) > 1 or not isinstance(next(iter(texts)), str):
+        raise bad_request(
+            f"{where}: reasoning_content (or reasoning, its other name) is one string",
+            "messages",
+        )
+    rest = {k: v for k, v in message.items() if k != "reasoning"}
+    return {**rest, "reasoning_content": texts.pop()}
 
 
 _TEXT_PART = {"type", "text"}

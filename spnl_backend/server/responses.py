@@ -14,6 +14,7 @@ import torch
 
 from ..engine.sampler import TokenLogprobs
 from ..engine.sequence import Sequence
+from ..reasoning import Reasoning, ReasoningDelta, ReasoningParser
 from ..results import Embeddings
 from ..tools.calls import CallReader, Delta, ToolCall, call_reader, read_whole
 from ..tools.formats import ToolFormat
@@ -35,6 +36,7 @@ class Reply:
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     tools: ToolFormat | None = None  # a chat answer read for tool calls in this format
+    reasoning: Reasoning | None = None  # a chat answer's reasoning told from its answer
     keep_alive: float | None = None  # Ollama's, for the model once the answer is done
     finished: bool = False  # its request let go (model, in-flight count, metrics)
 
@@ -45,6 +47,7 @@ class Reply:
         self._pending: dict[int, list[TokenLogprobs]] = {}
         self._started: set[int] = set()  # streams that sent their first chunk
         self._readers: dict[int, CallReader] = {}  # a stream's calls read so far
+        self._thinking: dict[int, ReasoningParser] = {}  # a stream's reasoning read so far
 
     def pending(self, seq: Sequence) -> list[TokenLogprobs]:
         """A stream's log-probabilities not yet sent: they go with its next chunk."""
@@ -65,15 +68,33 @@ class Reply:
         if self.endpoint == "completions":
             choice["text"] = seq.text
         elif calls is None:
-            choice["message"] = {"role": "assistant", "content": seq.text}
+            answer = self.answer(seq)
+            message = {"role": "assistant", "content": answer.content}
+            choice["message"] = self._with_reasoning(message, answer.reasoning or None)
         else:
             # Cut short by max_tokens: the calls made whole before the cut (a stream has
             # sent the cut one's fragments too), and no call markup as content.
             bodies = [call.body() for call in calls]
-            choice["message"] = {"role": "assistant", "content": None, "tool_calls": bodies}
+            message = {"role": "assistant", "content": None, "tool_calls": bodies}
+            choice["message"] = self._with_reasoning(message, self.answer(seq).reasoning or None)
         entries = seq.logprobs if seq.params.logprobs else None
         reason = _finish_reason(seq, calls)
         return {**choice, "logprobs": self._logprobs(entries), "finish_reason": reason}
+
+    def answer(self, seq: Sequence) -> ReasoningDelta:
+        """A finished chat sequence's reasoning and answer (all answer where its reasoning
+        is not told apart)."""
+        if self.reasoning is None:
+            return ReasoningDelta(content=seq.text)
+        return self.reasoning.split(seq.text)
+
+    def _with_reasoning(self, message: dict[str, Any], reasoning: str | None) -> dict[str, Any]:
+        """A message or delta with its reasoning under both names clients read: vLLM's
+        ``reasoning`` and llama.cpp's (and vLLM's former) ``reasoning_content``. Left out
+        where the model's reasoning is not told apart."""
+        if self.reasoning is None or self.reasoning.format == "none":
+            return message
+        return {**message, "reasoning_content": reasoning, "reasoning": reasoning}
 
     def _calls(self, seq: Sequence) -> list[ToolCall] | None:
         """The whole calls the sequence's answer made (its stream's reader where it
@@ -81,7 +102,9 @@ class Reply:
         if self.tools is None:
             return None
         reader = self._readers.get(seq.seq_id)
-        return read_whole(self.tools, seq.text) if reader is None else reader.whole_calls()
+        if reader is None:
+            return read_whole(self.tools, self.answer(seq).content)
+        return reader.whole_calls()
 
     def usage(self) -> dict[str, Any]:
         """Each prompt counted once (its first completion's), every completion's tokens."""
@@ -105,19 +128,65 @@ class Reply:
 
     def text_chunk(self, seq: Sequence, text: str) -> dict[str, Any] | None:
         """A stream's chunk for ``text``; None where it adds nothing to send yet (a tool
-        call's opening still being read)."""
-        if self.endpoint == "chat" and self.tools is not None:
-            reader = self._readers.get(seq.seq_id)
-            if reader is None:  # once per stream: setdefault would build one per chunk
-                reader = self._readers[seq.seq_id] = call_reader(self.tools)
-            calls = reader.feed(text)
-            return self._chunk(seq, "", None, calls) if calls else None
-        return self._chunk(seq, text, None)
+        call's opening or a reasoning marker still being read)."""
+        if self.endpoint != "chat":
+            return self._chunk(seq, text, None)
+        parser = self._parser(seq)
+        thought = ""
+        if parser is not None:
+            split = parser.feed(text)
+            thought, text = split.reasoning, split.content
+        if self.tools is not None:
+            calls = self._reader(seq).feed(text)
+            chunk = self._chunk(seq, "", None, calls) if calls or thought else None
+        else:
+            chunk = self._chunk(seq, text, None) if text or thought else None
+        return self._thought(chunk, thought)
 
     def end_chunk(self, seq: Sequence) -> dict[str, Any]:
+        """The stream's last chunk: what its parsers held back, and its finish reason."""
+        parser = self._thinking.get(seq.seq_id)
+        rest = parser.finish() if parser is not None else ReasoningDelta()
+        calls = None
+        if self.tools is not None and (rest.content or seq.seq_id in self._readers):
+            reader = self._reader(seq)
+            fed, last = reader.feed(rest.content), reader.finish()
+            calls = Delta(
+                fed.content + last.content,
+                fed.started + last.started,
+                fed.arguments + last.arguments,
+            )
+        reason = _finish_reason(seq, self._calls(seq))
+        chunk = self._chunk(seq, "" if calls is not None else rest.content, reason, calls)
+        return self._thought(chunk, rest.reasoning)  # type: ignore[return-value]
+
+    def _parser(self, seq: Sequence) -> ReasoningParser | None:
+        """The stream's reasoning parser, made on its first piece."""
+        if self.reasoning is None:
+            return None
+        if seq.seq_id not in self._thinking:
+            parser = self.reasoning.parser()
+            if parser is None:
+                return None
+            self._thinking[seq.seq_id] = parser
+        return self._thinking[seq.seq_id]
+
+    def _reader(self, seq: Sequence) -> CallReader:
         reader = self._readers.get(seq.seq_id)
-        rest = reader.finish() if reader is not None else None
-        return self._chunk(seq, "", _finish_reason(seq, self._calls(seq)), rest)
+        if reader is None:  # once per stream: setdefault would build one per chunk
+            reader = self._readers[seq.seq_id] = call_reader(self.tools)  # type: ignore[arg-type]
+        return reader
+
+    def _thought(self, chunk: dict[str, Any] | None, thought: str) -> dict[str, Any] | None:
+        """``chunk`` with the reasoning its piece added."""
+        if chunk is not None and thought:
+            choice = chunk["choices"][0]
+            choice["delta"] = {
+                **choice["delta"],
+                "reasoning_content": thought,
+                "reasoning": thought,
+            }
+        return chunk
 
     def usage_chunk(self) -> dict[str, Any]:
         return {**self._head(".chunk"), "choices": [], "usage": self.usage()}

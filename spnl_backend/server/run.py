@@ -21,6 +21,7 @@ import uvicorn
 from ..backend import Backend
 from ..errors import SettingsError
 from ..load import load_backend
+from ..loader.chat_template import user_chat_template
 from ..loader.default_model import DEFAULT_MODEL_NAME
 from ..log import get_logger
 from ..settings import BackendSettings, load_settings
@@ -94,14 +95,21 @@ def serve(
     allowed_origins: list[str] | None = None,
     keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
     memory_budget_mb: int | None = None,
+    chat_template: str | None = None,
+    reasoning_format: str | None = None,
 ) -> int:
     """Run the server until it is told to stop; returns the exit status. ``model``: one
     model (loaded at once, kept for the server's life), or a list of several (each
     ``PATH`` or ``NAME=PATH``, loaded on its first request and unloaded once idle for
-    ``keep_alive_s``, within ``memory_budget_mb``)."""
+    ``keep_alive_s``, within ``memory_budget_mb``). ``chat_template`` (a file or Jinja
+    source) and ``reasoning_format``: over ``MISTRALRS_CHAT_TEMPLATE`` and
+    ``MISTRALRS_REASONING_FORMAT``, for every model served."""
     api_key = api_key if api_key is not None else api_key_from_env()
     _check_options(port, max_waiting, max_body_bytes, grace_s)
-    settings = load_settings()  # a bad MISTRALRS_* variable fails before anything starts
+    chosen = {"chat_template": chat_template, "reasoning_format": reasoning_format}
+    # A bad MISTRALRS_* variable or chat template fails before anything starts.
+    settings = load_settings(**{k: v for k, v in chosen.items() if v is not None})
+    user_chat_template(settings.chat_template)
     several = _several(model, served_model_name, keep_alive_s, memory_budget_mb, settings)
     if isinstance(model, list):  # one given (several are the model set's)
         model = model[0] if len(model) == 1 else None

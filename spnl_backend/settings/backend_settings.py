@@ -83,6 +83,8 @@ _PARSERS = {
     "verbose": values.parse_bool,
     "kv_tier_dir": values.parse_directory,
     "kv_tier_mb": values.parse_positive_int,
+    "chat_template": values.parse_chat_template,
+    "reasoning_format": values.parse_reasoning_format,
 }
 
 
@@ -179,6 +181,12 @@ class BackendSettings(BaseSettings):
     # another process on the same directory), within a byte budget; off where unset.
     kv_tier_dir: str | None = None
     kv_tier_mb: int = 8192
+    # The chat template used instead of the model's own: a file's path or the Jinja
+    # source itself; one that does not compile fails the load, naming its line.
+    chat_template: str | None = None
+    # How reasoning is told from the answer (`reasoning.formats`): auto reads it from the
+    # chat template; none leaves the whole output the answer.
+    reasoning_format: Literal["auto", "none", "think", "granite", "harmony"] = "auto"
 
     def __init__(self, **kwargs: Any) -> None:
         try:

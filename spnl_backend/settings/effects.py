@@ -23,6 +23,17 @@ _PIC = (
 _NATIVE_ONLY = ("cpu_matmul", "cpu_gemm", "native_checks")
 
 
+def given_pic_settings(settings: BackendSettings) -> list[str]:
+    """The PIC settings (field names) that ``settings`` sets to other than their default:
+    asking for PIC prompts, which a model with state layers refuses at load."""
+    fields = BackendSettings.model_fields
+    return [
+        f
+        for f in _PIC
+        if f in settings.model_fields_set and getattr(settings, f) != fields[f].default
+    ]
+
+
 def ineffective_settings(
     settings: BackendSettings, decisions: "PlatformDecisions"
 ) -> list[tuple[str, str]]:

@@ -324,3 +324,40 @@ def parse_device_layers(value: object) -> tuple[tuple[int, int], ...] | None:
     if len(set(ordinals)) != len(ordinals) or any(n < 1 or o < 0 for o, n in pairs):
         raise ValueError(expected)
     return pairs  # type: ignore[return-value]
+
+
+# Reasoning syntaxes (`reasoning.formats`), with other projects' names for the same ones.
+REASONING_FORMATS = ("auto", "none", "think", "granite", "harmony")
+REASONING_ALIASES = {
+    "deepseek": "think",
+    "deepseek_r1": "think",
+    "deepseek-r1": "think",
+    "qwen3": "think",
+    "gpt_oss": "harmony",
+    "gpt-oss": "harmony",
+    "openai_gptoss": "harmony",
+}
+
+
+def parse_reasoning_format(value: object) -> str:
+    """A reasoning format's name (or an accepted alias) → ours."""
+    name = _text(value).strip().lower()
+    if name in REASONING_FORMATS:
+        return name
+    if name in REASONING_ALIASES:
+        return REASONING_ALIASES[name]
+    raise ValueError(
+        f"expected one of {', '.join(REASONING_FORMATS)} "
+        f"(or the aliases {', '.join(REASONING_ALIASES)})"
+    )
+
+
+def parse_chat_template(value: object) -> str | None:
+    """A chat template: a file's path or the Jinja source itself (read and compiled when
+    the model loads, where its errors name the line)."""
+    if value is None:
+        return None
+    text = str(value)
+    if not text.strip():
+        raise ValueError("expected a chat template file's path or Jinja source, not nothing")
+    return text

@@ -40,7 +40,7 @@ from .checks import (
     pool_row,
     require,
 )
-from .wrappers import CpuKernels, Products
+from .wrappers import CpuKernels, Products, scoring_args
 
 __all__ = [
     "MAX_HEAD_DIM",
@@ -60,4 +60,5 @@ __all__ = [
     "load_cpu_kernels",
     "pool_row",
     "require",
+    "scoring_args",
 ]

@@ -40,6 +40,15 @@ class MoeArgs(ctypes.Structure):
     )
 
 
+class ScoringArgs(ctypes.Structure):
+    _fields_ = (
+        ("scale", F32),
+        ("softcap", F32),
+        ("window", I64),
+        ("sinks", PTR),
+    )
+
+
 class AttentionArgs(ctypes.Structure):
     _fields_ = (
         ("slots", PTR),
@@ -51,13 +60,10 @@ class AttentionArgs(ctypes.Structure):
         ("heads", I64),
         ("kv_heads", I64),
         ("dim", I64),
-        ("scale", F32),
-        ("softcap", F32),
-        ("window", I64),
+        ("scoring", ScoringArgs),
         ("out", PTR),
         ("threads", I32),
         ("firsts", PTR),
-        ("sinks", PTR),
     )
 
 
@@ -163,9 +169,7 @@ class LayerArgs(ctypes.Structure):
         ("v_cache", PTR),
         ("half", I32),
         ("local", I32),
-        ("scale", F32),
-        ("softcap", F32),
-        ("window", I64),
+        ("scoring", ScoringArgs),
         ("qk_full", I32),
         ("has_clip", I32),
         ("clip", F32),

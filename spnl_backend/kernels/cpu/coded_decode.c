@@ -61,7 +61,7 @@ static int check_args(const spnl_coded_decode_args *a) {
     const spnl_attention *at = &a->at;
     const int64_t dim = at->dim;
     if (at->kv_heads < 1 || at->heads % at->kv_heads || dim < 8 || dim % 8 || at->seqs < 0
-        || dim > SPNL_MAX_HEAD_DIM || at->sinks)  // sinks: the centre is added after
+        || dim > SPNL_MAX_HEAD_DIM || at->scoring.sinks)  // sinks: the centre is added after
         return BAD_ARGUMENT;
     if (a->k_bits < 1 || a->k_bits > 8 || a->v_bits < 1 || a->v_bits > 8 || a->k_outliers < 0
         || a->k_outliers > dim)  // also keeps the record size below from overflowing
@@ -94,7 +94,7 @@ static void score_key(void *ctx, int64_t task, int worker) {
     const head_group *hg = c->hg;
     const int64_t dim = a->at.dim, kv_heads = a->at.kv_heads, group = a->at.heads / kv_heads;
     const int64_t j = hg->first + task, k_outliers = a->k_outliers;
-    const float scale = a->at.scale, softcap = a->at.softcap;
+    const float scale = a->at.scoring.scale, softcap = a->at.scoring.softcap;
     const float *qr = a->q_rot + hg->head * dim, *qo = a->q + hg->head * dim;
     const float *k_shift = a->k_shift + hg->head, *k_anchor = a->k_anchor + hg->head;
     const uint8_t *rec = a->k_pool + (hg->slots[j] * kv_heads + hg->kvh) * a->k_bytes;

@@ -69,22 +69,29 @@ typedef struct {
     int renormalize;
 } spnl_moe_args;
 
+// How a layer's scores become softmax weights (kernels/scoring.py): scale * q.k, capped
+// to softcap * tanh(s / softcap) where softcap > 0, over the last `window` keys where
+// window > 0, with a logit per query head in the denominator alone where sinks is set
+// (gpt-oss's attention sinks).
+typedef struct {
+    float scale, softcap;
+    int64_t window;
+    const float *sinks;  // [heads] or NULL
+} spnl_scoring;
+
 // One decode attention, whichever the cache: a query per sequence, over the keys at
 // slots[s * slot_stride + j] for firsts[s] <= j < lens[s]; without firsts, the last
-// `window` of them where window > 0 (all where it is 0).
+// `scoring.window` of them where it is > 0 (all where it is 0).
 typedef struct {
     const int64_t *slots;
     int64_t slot_stride, slot_width;  // the table's rows; lens[s] <= slot_width
     const int64_t *lens;              // [seqs]
     int64_t num_slots;                // slots in the pool
     int64_t seqs, heads, kv_heads, dim;
-    float scale, softcap;  // softcap 0: none
-    int64_t window;        // 0: none
-    float *out;            // [seqs][heads][dim]
+    spnl_scoring scoring;
+    float *out;  // [seqs][heads][dim]
     int threads;
     const int64_t *firsts;  // [seqs] or NULL (a PIC query's keys are listed already windowed)
-    const float *sinks;     // [heads] or NULL: a logit per head added to the softmax's
-                            // denominator alone (gpt-oss's attention sinks)
 } spnl_attention;
 
 // Over a float cache: q [seqs][heads][dim], caches [num_slots][kv_heads][dim] of float32,
@@ -158,8 +165,7 @@ typedef struct {
     float eps;
     void *k_cache, *v_cache;
     int half, local;
-    float scale, softcap;
-    int64_t window;
+    spnl_scoring scoring;
     // OLMoE: q_norm and k_norm over the whole projections (not per head), and q, k and v
     // clamped to [-clip, clip] where has_clip.
     int qk_full, has_clip;
@@ -252,7 +258,7 @@ static inline int64_t first_key(int64_t len, int64_t window) {
 
 // The first visible key of sequence s.
 static inline int64_t first_of(const spnl_attention *at, int64_t s) {
-    return at->firsts ? at->firsts[s] : first_key(at->lens[s], at->window);
+    return at->firsts ? at->firsts[s] : first_key(at->lens[s], at->scoring.window);
 }
 
 // The longest sequence: the stride of the score rows.

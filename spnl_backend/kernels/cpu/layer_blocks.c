@@ -65,15 +65,13 @@ int spnl_attention_block(const spnl_step_args *s, const spnl_layer_args *l) {
                            s->num_slots, l->half);
     if (status) return status;
     spnl_paged_decode_args attention = {
-        .at = s->windowed && l->window > 0 ? s->at_windowed : s->at,
+        .at = s->windowed && l->scoring.window > 0 ? s->at_windowed : s->at,
         .q = q, .k_cache = l->k_cache, .v_cache = l->v_cache, .half = l->half};
     attention.at.heads = l->heads;
     attention.at.kv_heads = l->kv_heads;
     attention.at.dim = l->head_dim;
     attention.at.num_slots = s->num_slots;
-    attention.at.scale = l->scale;
-    attention.at.softcap = l->softcap;
-    attention.at.window = l->window;
+    attention.at.scoring = l->scoring;
     attention.at.out = s->attn;
     attention.at.threads = s->threads;
     if ((status = spnl_paged_decode(&attention))) return status;

@@ -243,7 +243,7 @@ INLINE void attend_chunk_of(const attention_plan *p, int64_t s, int64_t kvh, int
     const int64_t len = a->at.lens[s], first = first_of(&a->at, s);
     const int64_t lo = c * KEY_CHUNK > first ? c * KEY_CHUNK : first;
     const int64_t hi = (c + 1) * KEY_CHUNK < len ? (c + 1) * KEY_CHUNK : len;
-    const float scale = a->at.scale, softcap = a->at.softcap;
+    const float scale = a->at.scoring.scale, softcap = a->at.scoring.softcap;
     const void *k_cache = kv_row(a->k_cache, kvh, dim, half);
     const void *v_cache = kv_row(a->v_cache, kvh, dim, half);
     const float *q = a->q + (s * a->at.heads + kvh * group) * dim;
@@ -299,7 +299,8 @@ static void combine(const attention_plan *p, int64_t s, int64_t kvh, const float
                     int64_t chunks) {
     const int64_t group = p->group, dim = p->dim;
     float *out = p->a->at.out + (s * p->a->at.heads + kvh * group) * dim;
-    const float *sinks = p->a->at.sinks ? p->a->at.sinks + kvh * group : NULL;
+    const float *sinks = p->a->at.scoring.sinks;
+    if (sinks) sinks += kvh * group;
     for (int64_t g = 0; g < group; g++) {
         float peak = sinks ? sinks[g] : -INFINITY, total = 0.0f;
         for (int64_t c = 0; c < chunks; c++) {

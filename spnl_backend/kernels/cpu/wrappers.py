@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ..scoring import Scoring
 from .abi import (
     I32,
     I64,
@@ -20,6 +21,7 @@ from .abi import (
     PagedDecodeArgs,
     ProductsArgs,
     QkArgs,
+    ScoringArgs,
     StepArgs,
 )
 from .checks import KernelArgumentError, check_keys, check_status, pool_row, qtype_name, require
@@ -319,15 +321,11 @@ class CpuKernels:
         value_cache: torch.Tensor,
         slots: torch.Tensor,
         lens: torch.Tensor,
-        scale: float,
-        window: int | None,
-        softcap: float | None,
+        scoring: Scoring,
         firsts: torch.Tensor | None = None,
-        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Each query ``q[s]`` over the keys at ``slots[s, j]`` for ``j < lens[s]``: from
-        ``firsts[s]`` on where given, else the last ``window`` of them; ``sinks [heads]``
-        (float32) join each head's softmax denominator."""
+        ``firsts[s]`` on where given, else the last ``scoring.window`` of them."""
         q = q.contiguous()
         require(q, torch.float32, "paged_decode: q", dims=3)
         seqs, _, dim = q.shape
@@ -338,22 +336,10 @@ class CpuKernels:
                 f"paged_decode: q has {dim} dims, the cache {row // kv_heads}"
             )
         check_keys(slots, lens, seqs, "paged_decode", firsts)
-        if sinks is not None:
-            require(sinks, torch.float32, "paged_decode: sinks", numel=q.shape[1])
         out = torch.empty_like(q)
         args = PagedDecodeArgs(
             at=attention_args(
-                out,
-                kv_heads,
-                slots,
-                lens,
-                key_cache.numel() // row,
-                scale,
-                window,
-                softcap,
-                self.threads,
-                firsts,
-                sinks,
+                out, kv_heads, slots, lens, key_cache.numel() // row, scoring, self.threads, firsts
             ),
             q=q.data_ptr(),
             k_cache=key_cache.data_ptr(),
@@ -374,9 +360,7 @@ class CpuKernels:
         value_format: tuple[torch.Tensor, int],
         slots: torch.Tensor,
         lens: torch.Tensor,
-        scale: float,
-        window: int | None,
-        softcap: float | None,
+        scoring: Scoring,
     ) -> torch.Tensor:
         """One query per sequence over PolarQuant records ``[slots, kv_heads, bytes]``;
         ``key_format`` is (codebook, bits, outliers), ``value_format`` (codebook, bits);
@@ -408,17 +392,7 @@ class CpuKernels:
         check_keys(slots, lens, seqs, "coded_decode")
         out = torch.empty_like(q)
         args = CodedDecodeArgs(
-            at=attention_args(
-                out,
-                kv_heads,
-                slots,
-                lens,
-                key_pool.shape[0],
-                scale,
-                window,
-                softcap,
-                self.threads,
-            ),
+            at=attention_args(out, kv_heads, slots, lens, key_pool.shape[0], scoring, self.threads),
             q_rot=q_rot.data_ptr(),
             q=q.data_ptr(),
             k_shift=k_shift.data_ptr(),
@@ -454,12 +428,9 @@ def attention_args(
     slots: torch.Tensor,
     lens: torch.Tensor,
     num_slots: int,
-    scale: float,
-    window: int | None,
-    softcap: float | None,
+    scoring: Scoring,
     threads: int,
     firsts: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
 ) -> AttentionArgs:
     """The part both decode attentions share, for queries shaped as ``out [seqs, heads, dim]``
     over a pool of ``num_slots`` (the tensors checked by the caller, and kept alive by it
@@ -475,13 +446,23 @@ def attention_args(
         heads=heads,
         kv_heads=kv_heads,
         dim=dim,
-        scale=scale,
-        softcap=softcap or 0.0,
-        window=window or 0,
+        scoring=scoring_args(scoring, heads),
         out=out.data_ptr(),
         threads=threads,
         firsts=None if firsts is None else firsts.data_ptr(),
-        sinks=None if sinks is None else sinks.data_ptr(),
+    )
+
+
+def scoring_args(scoring: Scoring, heads: int) -> ScoringArgs:
+    """``scoring`` as the C structs hold it (its sinks checked: float32, one per head, kept
+    alive by the `Scoring` while the call runs)."""
+    if scoring.sinks is not None:
+        require(scoring.sinks, torch.float32, "attention sinks", numel=heads)
+    return ScoringArgs(
+        scale=scoring.scale,
+        softcap=scoring.softcap or 0.0,
+        window=scoring.window or 0,
+        sinks=None if scoring.sinks is None else scoring.sinks.data_ptr(),
     )
 
 

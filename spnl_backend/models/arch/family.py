@@ -130,6 +130,10 @@ class Family:
     - ``tensors(stored, config)``: the file's tensors renamed, split and reshaped where
       the family's layout is its own (both formats, before the loader's common splits;
       a GGUF's under the names ``gguf_names`` gives them).
+    - ``quant_methods``: the ``quantization_config.quant_method``s of a ``config.json``
+      that it reads, each with the name suffixes of the tensors stored packed under it
+      (read as their bytes, not checked as floats: ``tensors`` turns them into quantized
+      weights); a checkpoint quantized any other way is refused at load.
     - ``tiny``: the family's tiny test model: ``config.json`` keys beside the common tiny
       sizes (the tests build it through transformers; a test fails for a family without).
     """
@@ -149,6 +153,7 @@ class Family:
     layers: Callable[["ModelConfig"], tuple[LayerSpec, ...]] = describe_layers
     state_layers: bool = False
     tensors: Callable[[Tensors, "ModelConfig"], Tensors] = as_stored
+    quant_methods: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     tiny: Mapping[str, Any] = field(default_factory=dict)
 
 
