@@ -111,7 +111,8 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         moe=_moe(gguf, meta, family, layers),
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=meta.count("feed_forward_length"),
+        # 0: no dense MLP, where every layer has experts (`ModelConfig`)
+        intermediate_size=meta.count("feed_forward_length", 0),
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=_kv_heads(meta, heads, layers),
@@ -154,9 +155,8 @@ def _moe(gguf: GGUFFile, meta: "_Metadata", family: Family, layers: int) -> MoeC
     return MoeConfig(
         num_experts=meta.count("expert_count"),
         top_k=meta.count("expert_used_count"),
-        intermediate_size=meta.count(
-            "expert_feed_forward_length", meta.count("feed_forward_length")
-        ),
+        intermediate_size=meta.count("expert_feed_forward_length", None)
+        or meta.count("feed_forward_length"),
         renormalize=family.gguf_renormalizes_top_k if norm is None else bool(norm),
         sparse=sparse,
     )
