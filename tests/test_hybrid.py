@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType
 from helpers import (
     PROMPT,
     SHARED_PREFIX_PROMPTS,
@@ -16,8 +17,14 @@ from helpers import (
     engine_logits,
     greedy_with_logits,
 )
+from model_file_mutations import parse_gguf, with_value, without_key, write_gguf_bytes
 from safetensors.torch import save_file
-from tiny_models import HYBRID_ARCHITECTURES, MOE_HYBRID_ARCHITECTURES, build_hf_model
+from tiny_models import (
+    HYBRID_ARCHITECTURES,
+    MOE_HYBRID_ARCHITECTURES,
+    build_hf_model,
+    write_gguf,
+)
 from transformers import AutoTokenizer
 
 from spnl_backend import (
@@ -448,6 +455,49 @@ def test_the_q8_0_gguf_twin_computes_what_its_blocks_hold(tiny, arch):
         torch.testing.assert_close(
             engine_logits(quantized, ids), engine_logits(dequantized, ids), atol=1e-4, rtol=0
         )
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_a_gguf_with_multi_token_prediction_blocks_runs_its_decoder(tiny, tmp_path, arch):
+    """llama.cpp's converter keeps Qwen3.5's multi-token prediction layer as a block after
+    the decoder's (``nextn_predict_layers``, its own ``nextn.*`` tensors): left unread,
+    the model is the decoder alone, with the plain file's logits."""
+    model = tiny.hf(arch)
+    path = write_gguf(model, tmp_path / "mtp.gguf", mtp_layers=1)
+    ids = model.tokenizer(PROMPT).input_ids
+    settings = BackendSettings(device="cpu", paged_cache_type="f32")
+    with (
+        load_backend(str(path), settings=settings) as with_mtp,
+        load_backend(str(tiny.gguf(arch, Q.F32)), settings=settings) as plain,
+    ):
+        assert with_mtp.model_config == plain.model_config
+        assert torch.equal(engine_logits(with_mtp, ids), engine_logits(plain, ids))
+    source = parse_gguf(path.read_bytes())
+    key = f"{family(arch).gguf_archs[0]}.nextn_predict_layers"
+    wrong = tmp_path / "wrong.gguf"
+    wrong.write_bytes(write_gguf_bytes(with_value(source, key, GGUFValueType.UINT32, 5)))
+    with pytest.raises(ModelFileError, match=r"nextn_predict_layers' is 5 .*from 0 to 4"):
+        load_backend(str(wrong), settings=BackendSettings(device="cpu"))
+
+
+def test_the_shared_experts_size_falls_back_as_llama_cpp_reads_it(tiny, tmp_path):
+    """A ``qwen35moe`` file without ``expert_shared_feed_forward_length`` takes the dense
+    size (``feed_forward_length``) for it, as llama.cpp does; with neither (its files give
+    no dense size) it is refused naming the key."""
+    source = parse_gguf(tiny.gguf("qwen3_5_moe", Q.F32).read_bytes())
+    unsized = without_key(source, "qwen35moe.expert_shared_feed_forward_length")
+    path = tmp_path / "unsized.gguf"
+    path.write_bytes(write_gguf_bytes(unsized))
+    with pytest.raises(ModelFileError, match=r"'qwen35moe\.feed_forward_length' is missing"):
+        load_backend(str(path), settings=BackendSettings(device="cpu"))
+    dense = with_value(unsized, "qwen35moe.feed_forward_length", GGUFValueType.UINT32, 48)
+    path = tmp_path / "dense.gguf"
+    path.write_bytes(write_gguf_bytes(dense))
+    with load_backend(str(path), settings=BackendSettings(device="cpu")) as backend:
+        moe = backend.model_config.moe
+        assert moe.shared_intermediate_size == 48
+        assert moe.shared_gate
+        assert all(moe.sparse)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])

@@ -334,12 +334,18 @@ def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(
-    tiny: TinyModel, path: Path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32
+    tiny: TinyModel,
+    path: Path,
+    qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+    mtp_layers: int = 0,
 ) -> Path:
+    """``mtp_layers``: multi-token prediction blocks after the decoder's, as llama.cpp's
+    converter keeps Qwen3.5's (``nextn_predict_layers``): each a copy of the last layer
+    beside its own ``nextn.*`` tensors."""
     arch = _GGUF_ARCH[tiny.arch]
     config = tiny.hf.config
     writer = GGUFWriter(path, arch)
-    _write_metadata(writer, tiny, config)
+    _write_metadata(writer, tiny, config, mtp_layers)
     state = tiny.hf.state_dict()
     if arch in ("qwen35", "qwen35moe"):
         state = dict(_qwen35_tensors(state, config))
@@ -360,12 +366,38 @@ def write_gguf(
         if arch in GEMMAS and name.endswith("norm.weight"):
             data = data + 1.0
         _add_tensor(writer, _gguf_name(name, arch), data, qtype)
+    for block in range(config.num_hidden_layers, config.num_hidden_layers + mtp_layers):
+        _write_mtp_block(writer, _written(writer), block, qtype)
     _write_rope_tensors(writer, tiny)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _written(writer: GGUFWriter) -> dict[str, np.ndarray]:
+    """The float tensors added to ``writer`` so far, by name."""
+    return {
+        name: info.tensor
+        for shard in writer.tensors
+        for name, info in shard.items()
+        if info.tensor is not None and info.tensor.dtype == np.float32
+    }
+
+
+def _write_mtp_block(
+    writer: GGUFWriter, written: dict[str, np.ndarray], block: int, qtype: GGMLQuantizationType
+) -> None:
+    """An MTP block: the last decoder block's tensors again, and the ``nextn`` ones."""
+    last = f"blk.{block - 1}."
+    for name, data in written.items():
+        if name.startswith(last):
+            _add_tensor(writer, f"blk.{block}." + name.removeprefix(last), data, qtype)
+    rng = np.random.default_rng(block)
+    for name, shape in (("eh_proj", (HIDDEN, 2 * HIDDEN)), ("enorm", (HIDDEN,))):
+        data = rng.normal(0.0, 0.15, shape).astype(np.float32)
+        _add_tensor(writer, f"blk.{block}.nextn.{name}.weight", data, qtype)
 
 
 def _stacked_experts(state: dict[str, torch.Tensor], arch: str):
@@ -461,10 +493,12 @@ def _add_tensor(
         writer.add_tensor(name, quants.quantize(data, qtype), raw_dtype=qtype)
 
 
-def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config) -> None:
+def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config, mtp_layers: int = 0) -> None:
     writer.add_context_length(MAX_POSITIONS)
     writer.add_embedding_length(HIDDEN)
-    writer.add_block_count(config.num_hidden_layers)
+    writer.add_block_count(config.num_hidden_layers + mtp_layers)
+    if mtp_layers:
+        writer.add_nextn_predict_layers(mtp_layers)
     if getattr(config, "intermediate_size", None):  # (none where every layer has experts)
         writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(HEADS)
@@ -503,7 +537,7 @@ def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config) -> None:
         # not clamp); written here so that the tiny OLMoE's twin is the same model.
         writer.add_clamp_kqv(config.clip_qkv)
     if tiny.arch in ("qwen3_5", "qwen3_5_moe"):
-        _write_qwen35_metadata(writer, _GGUF_ARCH[tiny.arch], config)
+        _write_qwen35_metadata(writer, _GGUF_ARCH[tiny.arch], config, mtp_layers)
     if getattr(config, "shared_expert_intermediate_size", None):
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if tiny.arch in ("gemma3", "olmo2"):  # (Gemma 2's alternation is llama.cpp's default)
@@ -514,15 +548,16 @@ def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config) -> None:
     _write_tokenizer(writer, tiny.tokenizer)
 
 
-def _write_qwen35_metadata(writer: GGUFWriter, arch: str, config) -> None:
-    """The keys llama.cpp's converter writes for a Qwen3.5's DeltaNet layers."""
+def _write_qwen35_metadata(writer: GGUFWriter, arch: str, config, mtp_layers: int) -> None:
+    """The keys llama.cpp's converter writes for a Qwen3.5's DeltaNet layers (an MTP
+    block's flag false: it attends)."""
     writer.add_uint32(f"{arch}.ssm.conv_kernel", config.linear_conv_kernel_dim)
     writer.add_uint32(f"{arch}.ssm.state_size", config.linear_key_head_dim)
     writer.add_uint32(f"{arch}.ssm.group_count", config.linear_num_key_heads)
     writer.add_uint32(f"{arch}.ssm.time_step_rank", config.linear_num_value_heads)
     inner = config.linear_value_head_dim * config.linear_num_value_heads
     writer.add_uint32(f"{arch}.ssm.inner_size", inner)
-    recurrent = [t == "linear_attention" for t in config.layer_types]
+    recurrent = [t == "linear_attention" for t in config.layer_types] + [False] * mtp_layers
     writer.add_array(f"{arch}.attention.recurrent_layers", recurrent)
     writer.add_uint32(f"{arch}.full_attention_interval", 4)
 

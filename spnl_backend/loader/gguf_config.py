@@ -35,6 +35,7 @@ END_OF_TURN_TOKENS = (
 )
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?")  # (a few have no suffix)
+_BLOCK_INDEX = re.compile(r"blk\.(\d+)\.")
 CONFIG_TENSORS = frozenset(
     {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 )
@@ -104,8 +105,7 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     check_tokenizer_metadata(gguf, vocab)
     hidden, heads = meta.count("embedding_length"), meta.count("attention.head_count")
     head_dim = _head_dim(meta, hidden, heads)
-    layers = meta.count("block_count")
-    _check_layers(gguf, meta, layers)
+    layers = _layers(gguf, meta)
     fields: dict[str, Any] = dict(
         architecture=family.name,
         moe=_moe(gguf, meta, family, layers),
@@ -129,11 +129,17 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     if fields["sliding_window"]:
         fields["layer_types"] = meta.swa_layer_types(None, layers)
     fields.update(family.gguf_fields(meta, fields))
+    if not fields["intermediate_size"] and not _every_layer_sparse(fields["moe"]):
+        raise meta.missing("feed_forward_length")
     try:
         config = ModelConfig(**fields)
     except ConfigValueError as exc:
         raise meta.invalid(exc) from None
-    shapes = {hf_name(n, arch, gguf.path): info.shape for n, info in gguf.tensors.items()}
+    shapes = {
+        hf_name(n, arch, gguf.path): info.shape
+        for n, info in gguf.tensors.items()
+        if not _past(n, layers)
+    }
     check_config_shapes(config, shapes, gguf.path)
     return config
 
@@ -160,6 +166,11 @@ def _moe(gguf: GGUFFile, meta: "_Metadata", family: Family, layers: int) -> MoeC
         renormalize=family.gguf_renormalizes_top_k if norm is None else bool(norm),
         sparse=sparse,
     )
+
+
+def _every_layer_sparse(moe: MoeConfig | None) -> bool:
+    """Whether every layer has experts: then the model needs no dense MLP size."""
+    return moe is not None and all(moe.sparse)
 
 
 def _kv_heads(meta: "_Metadata", heads: int, layers: int) -> int:
@@ -205,6 +216,26 @@ def _vocab_size(gguf: GGUFFile) -> int:
             "expected a matrix [vocabulary, embedding_length]"
         )
     return embedding.shape[0]
+
+
+def _layers(gguf: GGUFFile, meta: "_Metadata") -> int:
+    """The decoder layers: the blocks less the multi-token prediction blocks after them
+    (``nextn_predict_layers``: llama.cpp's converters keep Qwen3.5's as extra blocks; a
+    plain run leaves them unread), the block count checked against the tensors."""
+    blocks = meta.count("block_count")
+    _check_layers(gguf, meta, blocks)
+    extra = meta.integer("nextn_predict_layers", 0)
+    if not 0 <= extra < blocks:
+        raise meta.wrong(
+            "nextn_predict_layers", extra, f"an integer from 0 to {blocks - 1} (blocks less one)"
+        )
+    return blocks - extra
+
+
+def _past(gguf_name: str, layers: int) -> bool:
+    """Whether a tensor belongs to a block past the decoder's ``layers`` (an MTP block)."""
+    match = _BLOCK_INDEX.match(gguf_name)  # (an MTP block's names have dots of their own)
+    return match is not None and int(match[1]) >= layers
 
 
 def _check_layers(gguf: GGUFFile, meta: "_Metadata", layers: int) -> None:
@@ -390,9 +421,12 @@ def _is_strings(value: Any) -> bool:
     return isinstance(value, list) and (not value or isinstance(value[0], str))
 
 
-def hf_name(gguf_name: str, arch: str, path: Path | str = "GGUF file") -> str | None:
-    """Our parameter name for a GGUF tensor, or None for tensors that only feed the config."""
-    if gguf_name in CONFIG_TENSORS:
+def hf_name(
+    gguf_name: str, arch: str, path: Path | str = "GGUF file", layers: int | None = None
+) -> str | None:
+    """Our parameter name for a GGUF tensor, or None for tensors that only feed the config
+    and (given the decoder's ``layers``) those of the blocks after them, left unread."""
+    if gguf_name in CONFIG_TENSORS or (layers is not None and _past(gguf_name, layers)):
         return None
     stem, _, kind = gguf_name.rpartition(".")
     if stem in _TOP_NAMES:

@@ -256,6 +256,9 @@ def model_config_from_hf(
         dtype=_dtype_name(keys),
     )
     fields.update(family.hf_fields(keys, head_dim))
+    moe = fields.get("moe")
+    if not fields["intermediate_size"] and not (moe is not None and all(moe.sparse)):
+        raise keys.missing("intermediate_size")  # (only a model of experts alone has none)
     try:
         return ModelConfig(**fields)
     except ConfigValueError as exc:
