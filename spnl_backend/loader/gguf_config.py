@@ -112,7 +112,7 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         vocab_size=vocab,
         hidden_size=hidden,
         # 0: no dense MLP, where every layer has experts (`ModelConfig`)
-        intermediate_size=meta.count("feed_forward_length", 0),
+        intermediate_size=meta.count("feed_forward_length", None) or 0,
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=_kv_heads(meta, heads, layers),

@@ -239,7 +239,7 @@ def model_config_from_hf(
         architecture=family.name,
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
-        intermediate_size=keys.count("intermediate_size", 0),  # 0: none (`ModelConfig`)
+        intermediate_size=keys.count("intermediate_size", None) or 0,  # 0: none
         num_layers=keys.count("num_hidden_layers"),
         num_heads=config.num_attention_heads,
         num_kv_heads=keys.count("num_key_value_heads", None) or config.num_attention_heads,

@@ -128,7 +128,8 @@ class Family:
       the family's layout is its own (both formats, before the loader's common splits;
       a GGUF's under the names ``gguf_names`` gives them).
     - ``tiny``: the family's tiny test model: ``config.json`` keys beside the common tiny
-      sizes (the tests build it through transformers; a test fails for a family without).
+      sizes (None: a common one left out); the tests build it through transformers, and
+      fail for a family without one.
     """
 
     name: str
