@@ -76,6 +76,7 @@ def hf_config(arch: str, vocab: int, overrides: dict | None = None):
     ``overrides``: a variant's keys over them)."""
     found = family(arch)
     keys = {**_common(vocab), **found.tiny, **(overrides or {})}
+    keys = {key: value for key, value in keys.items() if value is not None}  # None: left out
     if "hidden_size_per_layer_input" in keys:  # Gemma 4's per-layer table: the same ids
         keys.setdefault("vocab_size_per_layer_input", vocab)
     return AutoConfig.for_model(keys.pop("model_type", found.model_types[0]), **keys)
@@ -99,6 +100,7 @@ ARCHITECTURES = tuple(
 KV_GROUP_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_kv_groups(f))
 MOE_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_experts(f) and not f.state_layers)
 HYBRID_ARCHITECTURES = tuple(f.name for f in FAMILIES if f.state_layers)
+MOE_HYBRID_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_experts(f) and f.state_layers)
 # What the native layer blocks leave to the per-op path: qwen2's projections carry biases,
 # OLMo 2's layers have no input norm (norms after attention and MLP only), SmolLM3 has a
 # layer that does not rotate, gpt-oss's attention has sinks (and its experts biases),
@@ -183,6 +185,7 @@ _GGUF_ARCH = {
     "olmo2": "olmo2",
     "smollm3": "smollm3",
     "qwen3_5": "qwen35",
+    "qwen3_5_moe": "qwen35moe",
     "qwen3_moe": "qwen3moe",
     "mixtral": "llama",
     "olmoe": "olmoe",
@@ -233,7 +236,8 @@ _OLMO2_LAYER_NAMES = {
 }
 _GPT_OSS_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_layernorm": "post_attention_norm"}
 GEMMAS = ("gemma2", "gemma3")  # norms scaled by (1 + w), which the converter stores
-OFFSET_NORMS = (*GEMMAS, "qwen3_5")  # norms scaled by (1 + w): their weights centred on 0
+# norms scaled by (1 + w): their weights centred on 0
+OFFSET_NORMS = (*GEMMAS, "qwen3_5", "qwen3_5_moe")
 # llama.cpp's converter permutes q and k rows of these (NORM rope), as Llama's.
 _PERMUTED = ("llama", "mistral", "mixtral", "smollm3", "granitemoehybrid")
 
@@ -285,6 +289,11 @@ _QWEN35_NAMES = {
     "linear_attn.in_proj_a": "ssm_alpha",
     "linear_attn.norm": "ssm_norm",
     "linear_attn.out_proj": "ssm_out",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 
 
@@ -307,6 +316,9 @@ def _qwen35_tensors(state: dict, config):
         _, _, index, rest = name.split(".", 3)
         stem = f"blk.{index}"
         t = tensor.float()
+        if ".mlp.experts." in name:  # stacked, as `_stacked_experts` writes them
+            yield name, t
+            continue
         if rest.endswith("A_log"):
             yield f"{stem}.ssm_a", tiled(-t.exp()[:, None], 0, 1)[:, 0]
             continue
@@ -342,14 +354,20 @@ def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(
-    tiny: TinyModel, path: Path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32
+    tiny: TinyModel,
+    path: Path,
+    qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+    mtp_layers: int = 0,
 ) -> Path:
+    """``mtp_layers``: multi-token prediction blocks after the decoder's, as llama.cpp's
+    converter keeps Qwen3.5's (``nextn_predict_layers``): each a copy of the last layer
+    beside its own ``nextn.*`` tensors."""
     arch = _GGUF_ARCH[tiny.arch]
     config = tiny.hf.config
     writer = GGUFWriter(path, arch)
-    _write_metadata(writer, tiny, config)
+    _write_metadata(writer, tiny, config, mtp_layers)
     state = tiny.hf.state_dict()
-    if arch == "qwen35":
+    if arch in ("qwen35", "qwen35moe"):
         state = dict(_qwen35_tensors(state, config))
     tensors = _stacked_experts(state, arch)
     if tiny.arch == "granitemoehybrid":
@@ -368,12 +386,38 @@ def write_gguf(
         if arch in GEMMAS and name.endswith("norm.weight"):
             data = data + 1.0
         _add_tensor(writer, _gguf_name(name, arch), data, qtype)
+    for block in range(config.num_hidden_layers, config.num_hidden_layers + mtp_layers):
+        _write_mtp_block(writer, _written(writer), block, qtype)
     _write_rope_tensors(writer, tiny)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _written(writer: GGUFWriter) -> dict[str, np.ndarray]:
+    """The float tensors added to ``writer`` so far, by name."""
+    return {
+        name: info.tensor
+        for shard in writer.tensors
+        for name, info in shard.items()
+        if info.tensor is not None and info.tensor.dtype == np.float32
+    }
+
+
+def _write_mtp_block(
+    writer: GGUFWriter, written: dict[str, np.ndarray], block: int, qtype: GGMLQuantizationType
+) -> None:
+    """An MTP block: the last decoder block's tensors again, and the ``nextn`` ones."""
+    last = f"blk.{block - 1}."
+    for name, data in written.items():
+        if name.startswith(last):
+            _add_tensor(writer, f"blk.{block}." + name.removeprefix(last), data, qtype)
+    rng = np.random.default_rng(block)
+    for name, shape in (("eh_proj", (HIDDEN, 2 * HIDDEN)), ("enorm", (HIDDEN,))):
+        data = rng.normal(0.0, 0.15, shape).astype(np.float32)
+        _add_tensor(writer, f"blk.{block}.nextn.{name}.weight", data, qtype)
 
 
 def _stacked_experts(state: dict[str, torch.Tensor], arch: str):
@@ -469,15 +513,18 @@ def _add_tensor(
         writer.add_tensor(name, quants.quantize(data, qtype), raw_dtype=qtype)
 
 
-def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config) -> None:
+def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config, mtp_layers: int = 0) -> None:
     if tiny.arch == "gemma4":
         _write_gemma4_metadata(writer, config)
         _write_tokenizer(writer, tiny.tokenizer)
         return
     writer.add_context_length(MAX_POSITIONS)
     writer.add_embedding_length(HIDDEN)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_block_count(config.num_hidden_layers + mtp_layers)
+    if mtp_layers:
+        writer.add_nextn_predict_layers(mtp_layers)
+    if getattr(config, "intermediate_size", None):  # (none where every layer has experts)
+        writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(HEADS)
     if tiny.arch == "granitemoehybrid":
         _write_granite_metadata(writer, config)
@@ -513,8 +560,10 @@ def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config) -> None:
         # llama.cpp's converter writes this key for OLMo but not for OLMoE (whose graph does
         # not clamp); written here so that the tiny OLMoE's twin is the same model.
         writer.add_clamp_kqv(config.clip_qkv)
-    if tiny.arch == "qwen3_5":
-        _write_qwen35_metadata(writer, config)
+    if tiny.arch in ("qwen3_5", "qwen3_5_moe"):
+        _write_qwen35_metadata(writer, _GGUF_ARCH[tiny.arch], config, mtp_layers)
+    if getattr(config, "shared_expert_intermediate_size", None):
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if tiny.arch in ("gemma3", "olmo2"):  # (Gemma 2's alternation is llama.cpp's default)
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
     if tiny.arch in GEMMAS:
@@ -586,16 +635,16 @@ def _gemma4_rope_freqs(config) -> np.ndarray:
     return np.array([1.0] * turning + [1e30] * (global_dim // 2 - turning), dtype=np.float32)
 
 
-def _write_qwen35_metadata(writer: GGUFWriter, config) -> None:
-    """The keys llama.cpp's converter writes for a Qwen3.5's DeltaNet layers."""
-    arch = "qwen35"
+def _write_qwen35_metadata(writer: GGUFWriter, arch: str, config, mtp_layers: int) -> None:
+    """The keys llama.cpp's converter writes for a Qwen3.5's DeltaNet layers (an MTP
+    block's flag false: it attends)."""
     writer.add_uint32(f"{arch}.ssm.conv_kernel", config.linear_conv_kernel_dim)
     writer.add_uint32(f"{arch}.ssm.state_size", config.linear_key_head_dim)
     writer.add_uint32(f"{arch}.ssm.group_count", config.linear_num_key_heads)
     writer.add_uint32(f"{arch}.ssm.time_step_rank", config.linear_num_value_heads)
     inner = config.linear_value_head_dim * config.linear_num_value_heads
     writer.add_uint32(f"{arch}.ssm.inner_size", inner)
-    recurrent = [t == "linear_attention" for t in config.layer_types]
+    recurrent = [t == "linear_attention" for t in config.layer_types] + [False] * mtp_layers
     writer.add_array(f"{arch}.attention.recurrent_layers", recurrent)
     writer.add_uint32(f"{arch}.full_attention_interval", 4)
 

@@ -37,6 +37,7 @@ END_OF_TURN_TOKENS = (
 )
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?")  # (a few have no suffix)
+_BLOCK_INDEX = re.compile(r"blk\.(\d+)\.")
 CONFIG_TENSORS = frozenset(
     {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 )
@@ -110,14 +111,14 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     check_tokenizer_metadata(gguf, vocab)
     hidden, heads = meta.count("embedding_length"), meta.count("attention.head_count")
     head_dim = _head_dim(meta, hidden, heads)
-    layers = meta.count("block_count")
-    _check_layers(gguf, meta, layers)
+    layers = _layers(gguf, meta)
     fields: dict[str, Any] = dict(
         architecture=family.name,
         moe=_moe(gguf, meta, family, layers),
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=_per_layer_count(meta, "feed_forward_length", layers),
+        # 0: no dense MLP, where every layer has experts (`ModelConfig`)
+        intermediate_size=_per_layer_count(meta, "feed_forward_length", layers, missing=0),
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=_kv_heads(meta, heads, layers),
@@ -134,12 +135,18 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     if fields["sliding_window"]:
         fields["layer_types"] = meta.swa_layer_types(None, layers)
     fields.update(family.gguf_fields(meta, fields))
+    if not fields["intermediate_size"] and not _every_layer_sparse(fields["moe"]):
+        raise meta.missing("feed_forward_length")
     try:
         config = ModelConfig(**fields)
     except ConfigValueError as exc:
         raise meta.invalid(exc) from None
     _check_per_layer_counts(meta, config)
-    shapes = {hf_name(n, arch, gguf.path): info.shape for n, info in gguf.tensors.items()}
+    shapes = {
+        hf_name(n, arch, gguf.path): info.shape
+        for n, info in gguf.tensors.items()
+        if not _past(n, layers)
+    }
     check_config_shapes(config, shapes, gguf.path)
     return config
 
@@ -161,12 +168,16 @@ def _moe(gguf: GGUFFile, meta: "_Metadata", family: Family, layers: int) -> MoeC
     return MoeConfig(
         num_experts=meta.count("expert_count"),
         top_k=meta.count("expert_used_count"),
-        intermediate_size=meta.count(
-            "expert_feed_forward_length", meta.count("feed_forward_length")
-        ),
+        intermediate_size=meta.count("expert_feed_forward_length", None)
+        or meta.count("feed_forward_length"),
         renormalize=family.gguf_renormalizes_top_k if norm is None else bool(norm),
         sparse=sparse,
     )
+
+
+def _every_layer_sparse(moe: MoeConfig | None) -> bool:
+    """Whether every layer has experts: then the model needs no dense MLP size."""
+    return moe is not None and all(moe.sparse)
 
 
 def _kv_heads(meta: "_Metadata", heads: int, layers: int) -> int:
@@ -183,11 +194,15 @@ def _kv_heads(meta: "_Metadata", heads: int, layers: int) -> int:
     return attention[0]
 
 
-def _per_layer_count(meta: "_Metadata", key: str, layers: int) -> int:
+def _per_layer_count(meta: "_Metadata", key: str, layers: int, missing: int | None = None) -> int:
     """A count, or the first layer's of one per layer (checked whole once the config's
-    layers are known, `_check_per_layer_counts`)."""
+    layers are known, `_check_per_layer_counts`); ``missing`` where the file has none
+    (None: it must have one)."""
     if not isinstance(meta.get(key), np.ndarray):
-        return meta.count(key)
+        if missing is None:
+            return meta.count(key)
+        found = meta.count(key, None)  # (an explicit 0 is out of range)
+        return missing if found is None else found
     return _counts(meta, key, layers, zero=False)[0]
 
 
@@ -253,6 +268,26 @@ def _vocab_size(gguf: GGUFFile) -> int:
             "expected a matrix [vocabulary, embedding_length]"
         )
     return embedding.shape[0]
+
+
+def _layers(gguf: GGUFFile, meta: "_Metadata") -> int:
+    """The decoder layers: the blocks less the multi-token prediction blocks after them
+    (``nextn_predict_layers``: llama.cpp's converters keep Qwen3.5's as extra blocks; a
+    plain run leaves them unread), the block count checked against the tensors."""
+    blocks = meta.count("block_count")
+    _check_layers(gguf, meta, blocks)
+    extra = meta.integer("nextn_predict_layers", 0)
+    if not 0 <= extra < blocks:
+        raise meta.wrong(
+            "nextn_predict_layers", extra, f"an integer from 0 to {blocks - 1} (blocks less one)"
+        )
+    return blocks - extra
+
+
+def _past(gguf_name: str, layers: int) -> bool:
+    """Whether a tensor belongs to a block past the decoder's ``layers`` (an MTP block)."""
+    match = _BLOCK_INDEX.match(gguf_name)  # (an MTP block's names have dots of their own)
+    return match is not None and int(match[1]) >= layers
 
 
 def _check_layers(gguf: GGUFFile, meta: "_Metadata", layers: int) -> None:
@@ -438,9 +473,12 @@ def _is_strings(value: Any) -> bool:
     return isinstance(value, list) and (not value or isinstance(value[0], str))
 
 
-def hf_name(gguf_name: str, arch: str, path: Path | str = "GGUF file") -> str | None:
-    """Our parameter name for a GGUF tensor, or None for tensors that only feed the config."""
-    if gguf_name in CONFIG_TENSORS:
+def hf_name(
+    gguf_name: str, arch: str, path: Path | str = "GGUF file", layers: int | None = None
+) -> str | None:
+    """Our parameter name for a GGUF tensor, or None for tensors that only feed the config
+    and (given the decoder's ``layers``) those of the blocks after them, left unread."""
+    if gguf_name in CONFIG_TENSORS or (layers is not None and _past(gguf_name, layers)):
         return None
     stem, _, kind = gguf_name.rpartition(".")
     family = family_of_gguf(arch)

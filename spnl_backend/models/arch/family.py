@@ -135,7 +135,8 @@ class Family:
       (read as their bytes, not checked as floats: ``tensors`` turns them into quantized
       weights); a checkpoint quantized any other way is refused at load.
     - ``tiny``: the family's tiny test model: ``config.json`` keys beside the common tiny
-      sizes (the tests build it through transformers; a test fails for a family without).
+      sizes (None: a common one left out); the tests build it through transformers, and
+      fail for a family without one.
     """
 
     name: str
