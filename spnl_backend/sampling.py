@@ -33,6 +33,9 @@ class SamplingParams:
     # What the output must match (`constrain.spec`), compiled per sequence at admission.
     constraint: "ConstraintSpec | None" = None
     token_healing: bool = False
+    # Speculative decoding for this request: None, the backend's (its method and gamma);
+    # 0, off; n, at most n proposed tokens per step.
+    speculative: int | None = None
 
     @property
     def greedy(self) -> bool:
