@@ -3,12 +3,15 @@
     python bench/speculation.py [--methods none ngram] [--workloads copy code-edit story]
                                 [--threads 2] [--runs 2] [--tokens 256] [--markdown FILE]
 
-Each method runs in a fresh process: the default GGUF (Gemma 3 270M Q4_K_M) loaded with
-MISTRALRS_SPECULATIVE_METHOD set to it (and --ngram-min/--ngram-max/--gamma for ngram),
-prefix caching off, one warm-up request, then every workload --runs times, greedy, one
-client at a time. A workload is a chat request streamed (`Backend.stream`), timed from its
-first text piece to its last: decode tok/s is the completion's tokens after the first over
-that time (the median of the runs). Workloads:
+One child process loads the default GGUF (Gemma 3 270M Q4_K_M) once per method, with
+MISTRALRS_SPECULATIVE_METHOD set to it (and --ngram-min/--ngram-max/--gamma for ngram) and
+prefix caching off, warms each up, then runs every workload --runs times, greedy, one
+client at a time, the methods' runs interleaved (so that the machine's load, which may
+change, falls on each alike). A workload is a chat request streamed (`Backend.stream`),
+timed from its first text piece to its last: decode tok/s is the completion's tokens after
+the first over that time (the median of the runs); CPU ms/token, the process's CPU time
+over the same span per token (less sensitive to other processes' load than the wall clock,
+though the kernels' threads count while they wait for each other). Workloads:
 
 - copy: repeat a 250-word passage of bench/data/english.txt word for word;
 - code-edit: rewrite a 60-line Python function with one name changed;
@@ -89,34 +92,49 @@ def streamed(backend, ids: list[int], tokens: int) -> dict:
     """One streamed request: seconds from its first piece to its last, and its counts."""
     stream = backend.stream(prompt_token_ids=ids, max_tokens=tokens, temperature=0)
     first = last = None
+    cpu_first = cpu_last = 0.0
     for _ in stream:
-        last = time.perf_counter()
-        first = first or last
+        last, cpu_last = time.perf_counter(), time.process_time()
+        if first is None:
+            first, cpu_first = last, cpu_last
     seq = stream.seq
     return {
         "seconds": (last - first) if first else 0.0,
+        "cpu_seconds": cpu_last - cpu_first,
         "tokens": list(seq.output_token_ids),
         "draft": seq.num_draft_tokens,
         "accepted": seq.num_accepted_tokens,
     }
 
 
-def measure(method: str, args) -> dict:
-    backend = load(method, args)
-    backend.generate(harness.STORY_PROMPT, max_tokens=8, temperature=0)  # warm-up
-    results = {}
+def measure(args) -> dict:
+    """Every method's backend in this one process, their runs interleaved (none, ngram,
+    none, ...), so that a change in the machine's load falls on each alike."""
+    backends = {method: load(method, args) for method in args.methods}
+    for backend in backends.values():
+        backend.generate(harness.STORY_PROMPT, max_tokens=8, temperature=0)  # warm-up
+    results: dict[str, dict] = {method: {} for method in args.methods}
     for workload in args.workloads:
-        ids = backend.chat_prompt_ids(messages(workload))
-        runs = [streamed(backend, ids, args.tokens) for _ in range(args.runs)]
-        rates = [(len(r["tokens"]) - 1) / r["seconds"] for r in runs if r["seconds"] > 0]
-        results[workload] = {
-            "prompt_tokens": len(ids),
-            "tokens": runs[0]["tokens"],
-            "decode_tok_s": statistics.median(rates) if rates else 0.0,
-            "draft": sum(r["draft"] for r in runs),
-            "accepted": sum(r["accepted"] for r in runs),
-            "same_each_run": all(r["tokens"] == runs[0]["tokens"] for r in runs),
-        }
+        ids = next(iter(backends.values())).chat_prompt_ids(messages(workload))
+        runs: dict[str, list] = {method: [] for method in args.methods}
+        for _ in range(args.runs):
+            for method, backend in backends.items():
+                runs[method].append(streamed(backend, ids, args.tokens))
+        for method, done in runs.items():
+            rates = [(len(r["tokens"]) - 1) / r["seconds"] for r in done if r["seconds"] > 0]
+            results[method][workload] = {
+                "prompt_tokens": len(ids),
+                "tokens": done[0]["tokens"],
+                "decode_tok_s": statistics.median(rates) if rates else 0.0,
+                "cpu_ms_per_token": statistics.median(
+                    1000 * r["cpu_seconds"] / (len(r["tokens"]) - 1)
+                    for r in done
+                    if len(r["tokens"]) > 1
+                ),
+                "draft": sum(r["draft"] for r in done),
+                "accepted": sum(r["accepted"] for r in done),
+                "same_each_run": all(r["tokens"] == done[0]["tokens"] for r in done),
+            }
     return results
 
 
@@ -132,7 +150,7 @@ def uptime() -> str:
 
 def report(results: dict[str, dict], args, loads: list[str]) -> str:
     header = ["workload", "method", "prompt tokens", "completion tokens", "decode tok/s"]
-    header += ["vs none", "proposed", "accepted", "same text as none"]
+    header += ["vs none", "CPU ms/token", "proposed", "accepted", "same text as none"]
     rows = []
     for workload in args.workloads:
         base = results.get("none", {}).get(workload)
@@ -152,6 +170,7 @@ def report(results: dict[str, dict], args, loads: list[str]) -> str:
                     len(r["tokens"]),
                     f"{r['decode_tok_s']:.1f}",
                     "" if speedup is None else f"{speedup:.2f}×",
+                    f"{r['cpu_ms_per_token']:.1f}",
                     r["draft"],
                     f"{r['accepted']} ({100 * r['accepted'] / r['draft']:.0f}%)"
                     if r["draft"]
@@ -185,20 +204,19 @@ def child_options(args) -> list[str]:
     options = ["--threads", args.threads, "--runs", args.runs, "--tokens", args.tokens]
     options += ["--gamma", args.gamma, "--ngram-min", args.ngram_min]
     options += ["--ngram-max", args.ngram_max, "--workloads", *args.workloads]
+    options += ["--methods", *args.methods]
     return [str(option) for option in options]
 
 
 def main() -> None:
     args = parse_args()
     if args.child:
-        print(json.dumps(measure(args.child, args)))
+        print(json.dumps(measure(args)))
         return
     loads = [uptime()]
-    results = {}
-    for method in args.methods:
-        command = [sys.executable, __file__, "--child", method, *child_options(args)]
-        results[method] = harness.run_json_child(command)
-        print(f"{method}: done", file=sys.stderr)
+    command = [sys.executable, __file__, "--child", "1", *child_options(args)]
+    found = harness.run_json_child(command)
+    results = {method: found.get(method, found) for method in args.methods}
     loads.append(uptime())
     harness.publish(report(results, args, loads), args.markdown)
 

@@ -9,10 +9,12 @@ draft model's (`speculative.VerifyingRunner`): greedy keeps the target's argmax 
 sampling keeps its distribution (a proposal is a draft whose distribution is all on one
 token, so it is accepted with the target's probability of it).
 
-Each sequence's draft length adapts to what it accepts: doubled when all of a proposal
-passed, cut to one past what passed otherwise, halved when none did, and at 0 the sequence
-proposes nothing for a few steps (more after each fruitless try), so text that copies
-nothing decodes as it would without speculation but for an occasional one-token try.
+Each sequence's draft length adapts to what it accepts: it keeps an estimate of how often a
+proposed token passes and takes the length expected to yield the most tokens per unit of
+verification cost (`VERIFY_COST`: a few rows cost little more than one, many rows cost
+several steps); where no length beats a plain step it proposes nothing for a few steps
+(more after each fruitless try), so text that copies nothing decodes as it would without
+speculation but for an occasional one-token try.
 """
 
 import weakref
@@ -31,8 +33,6 @@ log = get_logger()
 
 # A sequence whose proposals keep failing waits this many steps at most between tries.
 MAX_IDLE_STEPS = 64
-# The draft length a sequence starts at (it grows with what it accepts).
-FIRST_DRAFT_LENGTH = 4
 
 
 class NgramIndex:
@@ -65,33 +65,74 @@ class NgramIndex:
         return []
 
 
+# What verifying k proposed tokens costs, in plain decode steps (k + 1 rows in one step),
+# measured on the default model's native int8 products at 2 threads (bench/speculation.py's
+# note): up to 3 rows share each unpacked weight block, more take the 16-row tiles.
+VERIFY_COST = {1: 1.1, 2: 1.35, 4: 2.6, 8: 2.9, 16: 3.8}
+# A length is taken only where it is expected to beat a plain step by this factor.
+MIN_GAIN = 1.05
+# How fast the acceptance estimate forgets, per verification.
+DECAY = 0.8
+
+
+def verify_cost(k: int) -> float:
+    """Steps' worth of verifying ``k`` tokens: the cost of the next tabulated length, and
+    past the table, growing with the rows."""
+    for length, cost in VERIFY_COST.items():
+        if k <= length:
+            return cost
+    return VERIFY_COST[16] * (k + 1) / 17
+
+
+def expected_tokens(p: float, k: int) -> float:
+    """Tokens a step keeps from ``k`` proposed ones each accepted with probability ``p``
+    (given the ones before it) plus the target's own: 1 + p + ... + p**k."""
+    return sum(p**i for i in range(k + 1))
+
+
 @dataclass
 class DraftLength:
-    """A sequence's adaptive draft length, and its wait after fruitless tries."""
+    """A sequence's draft length: the one expected to yield the most tokens per unit of
+    verification cost, from its acceptance so far (a decayed count of proposed tokens
+    accepted, given the ones before them); at 0 it waits, longer after each fruitless try."""
 
-    limit: int
+    accepted: float = 1.0  # the prior: one of two
+    tried: float = 2.0
     idle: int = 0  # steps left before it proposes again
     backoff: int = 1  # the wait after its next fall to 0
 
-    def usable(self) -> int:
-        """The draft length for this step (0 while it waits)."""
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.tried
+
+    def best(self, gamma: int) -> int:
+        """The length (up to ``gamma``) with the most expected tokens per cost; 0 where
+        none beats a plain step."""
+        p = self.acceptance
+        lengths = sorted({k for k in (*VERIFY_COST, gamma) if k <= gamma})
+        scores = {k: expected_tokens(p, k) / verify_cost(k) for k in lengths}
+        k = max(scores, key=scores.__getitem__)
+        return k if scores[k] >= MIN_GAIN else 0
+
+    def usable(self, gamma: int) -> int:
+        """The draft length for this step: 0 while it waits, one token at a wait's end."""
         if self.idle > 0:
             self.idle -= 1
-            return 0
-        return max(self.limit, 1)  # back from a wait: a one-token try
+            return 0 if self.idle else 1
+        k = self.best(gamma)
+        if k == 0:  # none pays now: wait, then try one token
+            self.idle = self.backoff
+            self.backoff = min(self.backoff * 2, MAX_IDLE_STEPS)
+        return k
 
-    def settle(self, proposed: int, accepted: int, gamma: int) -> None:
-        if accepted == proposed:
-            self.limit = min(gamma, max(self.limit, 1) * 2)
+    def settle(self, proposed: int, accepted: int) -> None:
+        """Count a verification: ``accepted`` tokens passed, and one more failed unless
+        every proposed one passed."""
+        failed = 1 if accepted < proposed else 0
+        self.accepted = DECAY * self.accepted + accepted
+        self.tried = DECAY * self.tried + accepted + failed
+        if accepted:
             self.backoff = 1
-        elif accepted:
-            self.limit = accepted + 1
-            self.backoff = 1
-        else:
-            self.limit = min(self.limit, proposed) // 2
-            if self.limit == 0:
-                self.idle = self.backoff
-                self.backoff = min(self.backoff * 2, MAX_IDLE_STEPS)
 
 
 @dataclass
@@ -121,8 +162,7 @@ class NgramRunner(VerifyingRunner):
     def state(self, seq: Sequence) -> NgramState:
         state = self.states.get(seq)
         if state is None:
-            start = min(FIRST_DRAFT_LENGTH, self.gamma)
-            state = NgramState(NgramIndex(self.min_n, self.max_n), DraftLength(start))
+            state = NgramState(NgramIndex(self.min_n, self.max_n), DraftLength())
             self.states[seq] = state
         return state
 
@@ -138,7 +178,7 @@ class NgramRunner(VerifyingRunner):
             state = self.state(seq)
             tokens = seq.token_ids
             state.index.update(tokens)  # kept current whether it proposes or not
-            k = min(budget, state.length.usable())
+            k = min(budget, state.length.usable(self.gamma))
             guess = state.index.lookup(tokens, k) if k else []
             proposal = self._proposal(seq, guess)
             if proposal.tokens and self.cache.reserve(seq, seq.num_tokens + len(proposal.tokens)):
@@ -181,4 +221,4 @@ class NgramRunner(VerifyingRunner):
 
     def _settle(self, seq: Sequence, num_drafts: int, accepted: int, tokens: list[int]) -> None:
         state = self.state(seq)
-        state.length.settle(num_drafts, accepted, self.gamma)
+        state.length.settle(num_drafts, accepted)
