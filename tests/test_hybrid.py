@@ -359,6 +359,16 @@ def test_speculative_decoding_goes_back_to_the_accepted_tokens_state(
 
 
 @pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+def test_ngram_speculation_goes_back_to_the_accepted_tokens_state(tiny, expected, arch):
+    """N-gram proposals, rejected or not, leave the states where the kept tokens end."""
+    settings = dict(speculative_method="ngram", speculative_ngram_min=1, speculative_gamma=3)
+    with _load(tiny, arch, **settings) as backend:
+        results = backend.generate(SHARED_PREFIX_PROMPTS, max_tokens=TOKENS, temperature=0)
+    assert [r.token_ids for r in results] == expected[arch]
+    assert sum(r.usage.draft_tokens for r in results) > 0
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
 def test_tensor_parallelism_is_refused_with_the_reason(tiny, arch):
     config = tiny.backend(arch).model_config
     with pytest.raises(SettingsError, match="state layers"):
