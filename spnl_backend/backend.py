@@ -338,6 +338,12 @@ class Backend:
                     "prompts): see prompt_ids and chat_prompt_ids"
                 )
         self._check_token_ids(params)
+        if params.speculative and loop.engine.speculation is None:
+            raise RequestError(
+                f"speculative={params.speculative}: this backend decodes without speculation; "
+                "load it with MISTRALRS_SPECULATIVE_METHOD=ngram (or a draft model) for it, "
+                "or leave speculative out"
+            )
         if params.logprobs:
             self._grammars.tokenizer  # noqa: B018  # built now, not in a response
         seqs = [

@@ -36,6 +36,9 @@ class SamplingParams:
     # Special tokens the output's text keeps (reasoning markers such as gpt-oss's
     # <|channel|>, which a reasoning parser reads), beside the constraint's own.
     kept_token_ids: tuple[int, ...] = ()
+    # Speculative decoding for this request: None, the backend's (its method and gamma);
+    # 0, off; n, at most n proposed tokens per step.
+    speculative: int | None = None
 
     @property
     def greedy(self) -> bool:

@@ -43,6 +43,7 @@ class IncrementalDetokenizer:
         self.skip = len(skip)
         self.sent = 0
         self.stopped = False
+        self.matched: str | None = None  # the stop string the text ended at
 
     def add(self, token_id: int) -> str:
         """Append a token; returns the text that is now safe to show (possibly empty)."""
@@ -77,7 +78,8 @@ class IncrementalDetokenizer:
         self._cut_at_stop(search_from=max(before - self.holdback, 0))
 
     def _cut_at_stop(self, search_from: int) -> None:
-        hits = [at for s in self.stop if (at := self.text.find(s, search_from)) != -1]
+        hits = [(at, s) for s in self.stop if (at := self.text.find(s, search_from)) != -1]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            self.text = self.text[:at]
             self.stopped = True
