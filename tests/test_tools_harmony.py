@@ -8,6 +8,7 @@ serves with gpt-oss's shipped chat template."""
 import dataclasses
 import json
 import random
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -323,20 +324,26 @@ def test_a_call_made_with_no_tools_to_call_is_the_answers_text(live, backend, to
     assert not any("tool_calls" in d for d in deltas)
 
 
-def test_ollama_chat_returns_the_call_whole_and_streamed(live, backend, monkeypatch):
-    # Ollama's chat has neither tool_choice nor logit_bias: its grammar is narrowed here
-    # to a call with no reasoning, so that the tiny model makes one.
+def _calls_only(backend, monkeypatch) -> None:
+    """The tools' grammar narrowed to a call with no reasoning, so that the tiny model
+    makes one where the API has no logit_bias to end its reasoning."""
     made = backend.tool_chat
 
     def calling(tools, params):
         chat = made(tools, params)
-        grammar = chat.constraint.grammar.replace("start: analysis? (final | call)", "start: call")
+        grammar = re.sub(
+            r"start: analysis\? \((final \| )?call\)", "start: call", chat.constraint.grammar
+        )
         assert grammar != chat.constraint.grammar
         return dataclasses.replace(
             chat, constraint=dataclasses.replace(chat.constraint, grammar=grammar)
         )
 
     monkeypatch.setattr(backend, "tool_chat", calling)
+
+
+def test_ollama_chat_returns_the_call_whole_and_streamed(live, backend, monkeypatch):
+    _calls_only(backend, monkeypatch)  # Ollama's chat has neither tool_choice nor logit_bias
     client = ollama.Client(host=live.url)
     asked = dict(
         model=MODEL, messages=ASK, tools=TOOLS, options={"temperature": 0, "num_predict": 80}
@@ -366,3 +373,29 @@ def test_tools_need_the_harmony_reader(live, backend, monkeypatch):
     assert "MISTRALRS_REASONING_FORMAT" in error["message"]
     with pytest.raises(RequestError, match="harmony reasoning format"):
         backend.chat(ASK, tools=TOOLS, max_tokens=4)
+
+
+def test_the_anthropic_and_responses_apis_read_the_call_too(live, backend, monkeypatch):
+    _calls_only(backend, monkeypatch)
+    question = [{"role": "user", "content": ASK[0]["content"]}]
+    anthropic_tools = [
+        {"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS
+    ]
+    body = {"model": MODEL, "max_tokens": 80, "messages": question, "tools": anthropic_tools}
+    body["tool_choice"] = {"type": "any"}
+    message = live.post("/v1/messages", {**body, "temperature": 0})
+    assert message.status_code == 200, message.text
+    (block,) = message.json()["content"]
+    assert block["type"] == "tool_use"
+    jsonschema.validate(block["input"], SCHEMAS[block["name"]])
+    assert message.json()["stop_reason"] == "tool_use"
+    client = live.client()
+    asked = dict(model=MODEL, tools=[{"type": "function", **t["function"]} for t in TOOLS])
+    asked.update(tool_choice="required", max_output_tokens=80, input=ASK[0]["content"])
+    response = client.responses.create(**asked, temperature=0)
+    (call,) = response.output
+    assert (call.type, call.status) == ("function_call", "completed")
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    events = list(client.responses.create(**asked, temperature=0, stream=True))
+    fragments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert "".join(fragments) == call.arguments
