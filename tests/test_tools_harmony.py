@@ -399,3 +399,25 @@ def test_the_anthropic_and_responses_apis_read_the_call_too(live, backend, monke
     events = list(client.responses.create(**asked, temperature=0, stream=True))
     fragments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
     assert "".join(fragments) == call.arguments
+
+
+def test_ends_that_are_end_of_sequence_tokens_as_in_gpt_oss(tmp_path):
+    # gpt-oss's generation config lists <|return|> and <|call|> as end-of-sequence tokens.
+    hf = build_tokenizer(specials=HARMONY_TAGS)
+    ends = [hf.convert_tokens_to_ids(t) for t in ("<|return|>", "<|call|>")]
+    config = {"max_position_embeddings": 2048, "eos_token_id": [EOS, *ends]}
+    tiny = build_hf_model("gpt_oss", tmp_path, specials=HARMONY_TAGS, overrides=config)
+    backend = load_backend(str(tiny.path), settings=CPU)
+    try:
+        backend.tokenizer.hf.chat_template = GPT_OSS
+        bias = _ending(backend)
+        asked = dict(max_tokens=80, temperature=0, tools=TOOLS, logit_bias=bias)
+        called = backend.chat(ASK, tool_choice="required", **asked)
+        assert called.finish_reason == "tool_calls"
+        (call,) = called.tool_calls
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+        answered = backend.chat(ASK, tool_choice="none", **asked)
+        assert answered.tool_calls is None
+        assert "<|" not in answered.text
+    finally:
+        backend.close()
