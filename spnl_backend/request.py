@@ -78,6 +78,7 @@ OPTION_NAMES = (
     "top_logprobs",
     *CONSTRAINT_NAMES,
     "token_healing",
+    "adapter",
 )
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 4096  # entries
@@ -111,6 +112,11 @@ def _options(options: dict[str, object], vocab_size: int | None) -> dict[str, ob
         if count and not checked.get("logprobs"):
             raise RequestError("top_logprobs needs logprobs=True")
         checked["top_logprobs"] = count
+    adapter = options.get("adapter")
+    if adapter is not None:
+        if not isinstance(adapter, str) or not adapter:
+            raise _bad("adapter", adapter, "the name of a loaded LoRA adapter, or None")
+        checked["adapter"] = str(adapter)
     if options.get("logit_bias") is not None:
         checked["logit_bias"] = _logit_bias(options["logit_bias"], vocab_size)
     if options.get("stop_token_ids") is not None:

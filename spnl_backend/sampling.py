@@ -36,6 +36,9 @@ class SamplingParams:
     # Special tokens the output's text keeps (reasoning markers such as gpt-oss's
     # <|channel|>, which a reasoning parser reads), beside the constraint's own.
     kept_token_ids: tuple[int, ...] = ()
+    # The LoRA adapter the request runs with, by the name it was loaded under (None: the
+    # base model); the engine refuses a name it has not loaded.
+    adapter: str | None = None
 
     @property
     def greedy(self) -> bool:

@@ -4,7 +4,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..errors import DistributedError, EngineError
+from ..errors import DistributedError, EngineError, RequestError
 from ..log import get_logger
 from ..pic.layout import PicLayout
 from ..sampling import SamplingParams
@@ -133,7 +133,26 @@ class Engine:
         if pic is not None and self.cache_info.block_size:
             size = self.cache_info.block_size
             max_len -= pic.padded_slots(size) - pic.num_prompt_tokens + size
-        return Sequence(prompt_ids, params, max_len=max_len, leader=leader, pic=pic)
+        seq = Sequence(prompt_ids, params, max_len=max_len, leader=leader, pic=pic)
+        if params.adapter is not None:
+            seq.lora_slot, seq.hash_root = self.adapter_of(params.adapter, pic is not None)
+        return seq
+
+    def adapter_of(self, name: str, pic: bool = False) -> tuple[int, int]:
+        """The slot and hash root of the LoRA adapter loaded as ``name``; a `RequestError`
+        naming those loaded where there is none."""
+        adapters = self.runner.model.adapters
+        found = None if adapters is None else adapters.find(name)
+        if found is None:
+            loaded = ", ".join(adapters.names()) if adapters else "none"
+            raise RequestError(
+                f"adapter={name!r}: no LoRA adapter of that name is loaded (loaded: {loaded}; "
+                "MISTRALRS_LORA_ADAPTERS names them)"
+            )
+        if pic:
+            raise RequestError(f"adapter={name!r}: PIC prompts run on the base model only, so far")
+        slot, adapter = found
+        return slot, adapter.root
 
     def add_sequence(self, seq: Sequence) -> None:
         self._check_usable()

@@ -1,0 +1,236 @@
+"""LoRA adapters (PEFT directories) on a tiny base model: the adapter's greedy tokens and
+logits equal transformers' with the merged weights ``W + scale * B @ A``; base and adapter
+rows sharing a step each get what they get alone; the prefix cache never shares blocks
+between adapters; what is not run is refused by name."""
+
+import copy
+import json
+import math
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import greedy_with_logits, run_together
+from safetensors.torch import load_file, save_file
+from tiny_models import build_hf_model
+
+from spnl_backend import BackendSettings, load_backend
+from spnl_backend.errors import ModelFileError, RequestError, SettingsError
+from spnl_backend.kernels.lora_ref import lora_delta_ref
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROMPT_IDS = [5, 17, 33, 8, 21, 40, 12, 9, 27, 31, 6, 14]
+LONG_IDS = [(7 * i + 3) % 50 + 4 for i in range(80)]  # several 16-token blocks
+TOKENS = 8
+
+
+def write_adapter(
+    path: Path, hf: torch.nn.Module, seed: int, rank: int = 4, alpha: float = 8.0, **config
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A random adapter over every projection, in PEFT's files; its (A, B) by module."""
+    gen = torch.Generator().manual_seed(seed)
+    pairs, tensors = {}, {}
+    for name, module in hf.named_modules():
+        if name.split(".")[-1] in TARGETS and isinstance(module, torch.nn.Linear):
+            a = torch.randn(rank, module.in_features, generator=gen) * 0.3
+            b = torch.randn(module.out_features, rank, generator=gen) * 0.3
+            pairs[name] = (a, b)
+            tensors[f"base_model.model.{name}.lora_A.weight"] = a
+            tensors[f"base_model.model.{name}.lora_B.weight"] = b
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path / "adapter_model.safetensors")
+    fields = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": list(TARGETS),
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "lora_dropout": 0.0,
+        **config,
+    }
+    (path / "adapter_config.json").write_text(json.dumps(fields))
+    return pairs
+
+
+def merged(hf: torch.nn.Module, pairs: dict, scale: float) -> torch.nn.Module:
+    model = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, (a, b) in pairs.items():
+            model.get_submodule(name).weight += scale * (b @ a)
+    return model
+
+
+def hf_greedy(model: torch.nn.Module, ids: list[int], tokens: int):
+    """Greedy tokens of transformers' model, and the first step's logits."""
+    seq, first = list(ids), None
+    with torch.no_grad():
+        for _ in range(tokens):
+            logits = model(torch.tensor([seq])).logits[0, -1]
+            first = logits if first is None else first
+            seq.append(int(logits.argmax()))
+    return seq[len(ids) :], first
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny, tmp_path_factory):
+    """Per architecture: the tiny model and two adapters (one with rsLoRA), each with its
+    merged reference model."""
+    root = tmp_path_factory.mktemp("lora")
+
+    @cache
+    def made(arch: str):
+        tiny_model = tiny.hf(arch)
+        one = write_adapter(root / arch / "one", tiny_model.hf, seed=1)
+        two = write_adapter(root / arch / "two", tiny_model.hf, seed=2, rank=8, use_rslora=True)
+        refs = {
+            "one": merged(tiny_model.hf, one, 8.0 / 4),
+            "two": merged(tiny_model.hf, two, 8.0 / math.sqrt(8)),
+        }
+        spec = f"one={root / arch / 'one'},two={root / arch / 'two'}"
+        return tiny_model, spec, refs
+
+    return made
+
+
+@cache
+def _backend(path: str, spec: str, **extra):
+    fields = {"device": "cpu", "paged_attn_block_size": 16, "lora_adapters": spec, **extra}
+    return load_backend(path, settings=BackendSettings(**fields))
+
+
+def _greedy(backend, ids=PROMPT_IDS, tokens=TOKENS, **options):
+    result = backend.generate(prompt_token_ids=ids, max_tokens=tokens, temperature=0, **options)
+    return result.token_ids
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_adapter_equals_merged_weights(adapters, arch):
+    tiny_model, spec, refs = adapters(arch)
+    backend = _backend(str(tiny_model.path), spec, paged_cache_type="f32")  # K/V as computed
+    base_tokens, _ = hf_greedy(tiny_model.hf, PROMPT_IDS, TOKENS)
+    assert _greedy(backend, ignore_eos=True) == base_tokens
+    for name, ref in refs.items():
+        want, want_logits = hf_greedy(ref, PROMPT_IDS, TOKENS)
+        assert want != base_tokens  # the adapter changes the output: the test can fail
+        got, logits, _ = greedy_with_logits(
+            backend, TOKENS, prompt_token_ids=PROMPT_IDS, adapter=name, ignore_eos=True
+        )
+        assert got == want
+        torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_mixed_batch_equals_each_alone(adapters):
+    tiny_model, spec, _ = adapters("llama")
+    backend = _backend(str(tiny_model.path), spec, prefix_cache_n=0)
+    alone = {name: _greedy(backend, adapter=name) for name in (None, "one", "two")}
+    assert len(set(map(tuple, alone.values()))) == 3
+    calls = [lambda name=name: _greedy(backend, adapter=name) for name in alone] * 2
+    together = run_together(backend, *calls)
+    assert together == list(alone.values()) * 2
+
+
+def test_prefix_cache_is_kept_per_adapter(adapters):
+    tiny_model, spec, _ = adapters("llama")
+    plain = _backend(str(tiny_model.path), spec, prefix_cache_n=0)
+    backend = _backend(str(tiny_model.path), spec)
+    backend.reset_prefix_cache()
+
+    def run(adapter):
+        result = backend.generate(
+            prompt_token_ids=LONG_IDS, max_tokens=4, temperature=0, adapter=adapter
+        )
+        return result.token_ids, result.usage.cached_tokens
+
+    assert run(None)[1] == 0
+    for name in ("one", "two"):
+        tokens, cached = run(name)
+        assert cached == 0  # the base's blocks, and the other adapter's, are not its own
+        assert tokens == _greedy(plain, LONG_IDS, 4, adapter=name)
+        tokens, cached = run(name)
+        assert cached > 0
+        assert tokens == _greedy(plain, LONG_IDS, 4, adapter=name)
+    assert run(None)[1] > 0
+
+
+def test_quantized_base_mixed_batch(adapters):
+    """An ISQ base keeps its blocks; the adapters add float products, rows apart."""
+    tiny_model, spec, _ = adapters("llama")
+    backend = _backend(str(tiny_model.path), spec, isq="Q8_0", prefix_cache_n=0)
+    alone = {name: _greedy(backend, adapter=name) for name in (None, "one", "two")}
+    assert len(set(map(tuple, alone.values()))) == 3
+    calls = [lambda name=name: _greedy(backend, adapter=name) for name in alone]
+    assert run_together(backend, *calls) == list(alone.values())
+
+
+def test_unknown_adapter_in_a_request(adapters):
+    tiny_model, spec, _ = adapters("llama")
+    backend = _backend(str(tiny_model.path), spec)
+    with pytest.raises(RequestError, match=r"no LoRA adapter of that name.*loaded: one, two"):
+        _greedy(backend, adapter="three")
+    with pytest.raises(RequestError, match="adapter=5"):
+        _greedy(backend, adapter=5)
+    assert [a.name for a in backend.adapters()] == ["one", "two"]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"use_dora": True}, "use_dora = True is not supported"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"bias": "all"}, "bias = 'all' is not supported; accepted: 'none'"),
+        ({"target_modules": ["q_proj", "embed_tokens"]}, "names embed_tokens"),
+        ({"target_modules": ".*proj"}, "a regular expression is not accepted"),
+        ({"r": 3}, r"lora_A.weight has shape \(4, \d+\); r = 3"),
+        ({"rank_pattern": {"q_proj": 2}}, "rank_pattern"),
+        ({"peft_type": "IA3"}, "only 'LORA'"),
+    ],
+)
+def test_refused_configs(tiny, tmp_path, change, message):
+    tiny_model = tiny.hf("llama")
+    write_adapter(tmp_path / "a", tiny_model.hf, seed=3, **change)
+    with pytest.raises(ModelFileError, match=message):
+        _backend(str(tiny_model.path), f"a={tmp_path / 'a'}")
+
+
+def test_adapter_for_another_base_is_refused(tiny, tmp_path):
+    wide = build_hf_model("llama", tmp_path / "wide", overrides={"hidden_size": 96})
+    write_adapter(tmp_path / "q", wide.hf, seed=4)
+    with pytest.raises(
+        ModelFileError,
+        match=r"lora_[AB]\.weight has shape \(\d+, \d+\); r = 4 and the base model's projection needs",
+    ):
+        _backend(str(tiny.hf("llama").path), f"q={tmp_path / 'q'}")
+
+
+def test_unexpected_tensor_is_refused(tiny, tmp_path):
+    tiny_model = tiny.hf("llama")
+    write_adapter(tmp_path / "a", tiny_model.hf, seed=5)
+    weights = tmp_path / "a" / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    tensors["base_model.model.model.embed_tokens.lora_embedding_A"] = torch.zeros(4, 8)
+    save_file(tensors, weights)
+    with pytest.raises(ModelFileError, match=r"embed_tokens\.lora_embedding_A.*not a LoRA matrix"):
+        _backend(str(tiny_model.path), f"a={tmp_path / 'a'}")
+
+
+@pytest.mark.parametrize("value", ["one", "=path", "a=x,a=y", "bad name=x"])
+def test_bad_setting(value):
+    with pytest.raises(SettingsError, match="MISTRALRS_LORA_ADAPTERS"):
+        BackendSettings(lora_adapters=value)
+
+
+def test_delta_rows_do_not_depend_on_their_neighbours():
+    """The torch twin's rows: the same bits alone as among many (batch invariance)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 96, generator=gen)
+    a, b = torch.randn(8, 96, generator=gen), torch.randn(80, 8, generator=gen)
+    together = lora_delta_ref(x, a, b, 0.5)
+    for row in (0, 5, 36):
+        assert torch.equal(lora_delta_ref(x[row : row + 1], a, b, 0.5)[0], together[row])
+    torch.testing.assert_close(together, 0.5 * (x @ a.T) @ b.T, rtol=1e-5, atol=1e-5)
