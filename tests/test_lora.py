@@ -9,6 +9,7 @@ import math
 from functools import cache
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from helpers import greedy_with_logits, run_together
@@ -158,6 +159,43 @@ def test_prefix_cache_is_kept_per_adapter(adapters):
     assert run(None)[1] > 0
 
 
+def test_contiguous_cache_is_kept_per_adapter(adapters):
+    """Without paged attention, a finished sequence's cache serves its own adapter only."""
+    tiny_model, spec, _ = adapters("llama")
+    backend = _backend(str(tiny_model.path), spec, paged_attn=False)
+    plain = _backend(str(tiny_model.path), spec, prefix_cache_n=0)
+    first = backend.generate(prompt_token_ids=LONG_IDS, max_tokens=4, temperature=0)
+    assert first.usage.cached_tokens == 0
+    other = backend.generate(prompt_token_ids=LONG_IDS, max_tokens=4, temperature=0, adapter="one")
+    assert other.usage.cached_tokens == 0
+    assert other.token_ids == _greedy(plain, LONG_IDS, 4, adapter="one")
+    again = backend.generate(prompt_token_ids=LONG_IDS, max_tokens=4, temperature=0, adapter="one")
+    assert again.usage.cached_tokens > 0
+    assert again.token_ids == other.token_ids
+
+
+def test_stream_and_chat_take_the_adapter(adapters):
+    tiny_model, spec, _ = adapters("llama")
+    backend = _backend(str(tiny_model.path), spec, prefix_cache_n=0)
+    prompt = "The quick brown fox"
+    for name in (None, "one"):
+        whole = backend.generate(prompt, max_tokens=8, temperature=0, adapter=name).text
+        assert "".join(backend.stream(prompt, max_tokens=8, temperature=0, adapter=name)) == whole
+    assert whole != backend.generate(prompt, max_tokens=8, temperature=0).text
+    chatty = _backend(
+        str(tiny_model.path), spec, prefix_cache_n=0, chat_template="{{ messages[0].content }}"
+    )
+    chats = {
+        name: chatty.chat(
+            [{"role": "user", "content": prompt}], max_tokens=8, temperature=0, adapter=name
+        ).text
+        for name in (None, "one")
+    }
+    assert chats[None] != chats["one"]
+    with pytest.raises(RequestError, match="adapter='nope'"):
+        chatty.chat([{"role": "user", "content": "hi"}], adapter="nope")
+
+
 def test_quantized_base_mixed_batch(adapters):
     """An ISQ base keeps its blocks; the adapters add float products, rows apart."""
     tiny_model, spec, _ = adapters("llama")
@@ -203,7 +241,7 @@ def test_adapter_for_another_base_is_refused(tiny, tmp_path):
     write_adapter(tmp_path / "q", wide.hf, seed=4)
     with pytest.raises(
         ModelFileError,
-        match=r"lora_[AB]\.weight has shape \(\d+, \d+\); r = 4 and the base model's projection needs",
+        match=r"lora_[AB]\.weight has shape \(\d+, \d+\); r = 4 and the base model.s projection",
     ):
         _backend(str(tiny.hf("llama").path), f"q={tmp_path / 'q'}")
 
@@ -234,3 +272,32 @@ def test_delta_rows_do_not_depend_on_their_neighbours():
     for row in (0, 5, 36):
         assert torch.equal(lora_delta_ref(x[row : row + 1], a, b, 0.5)[0], together[row])
     torch.testing.assert_close(together, 0.5 * (x @ a.T) @ b.T, rtol=1e-5, atol=1e-5)
+
+
+def test_server_model_names_an_adapter(adapters):
+    from live_server import MODEL, LiveServer
+
+    tiny_model, spec, _ = adapters("llama")
+    backend = _backend(str(tiny_model.path), spec, prefix_cache_n=0)
+    server = LiveServer(backend)
+    try:
+        listed = httpx.get(server.url + "/v1/models").json()["data"]
+        assert [m["id"] for m in listed] == [MODEL, "one", "two"]
+        assert [m.get("parent") for m in listed] == [None, MODEL, MODEL]
+        texts = {}
+        for name in (MODEL, "one", "two"):
+            body = {"model": name, "prompt": "The quick brown fox", "max_tokens": 8}
+            answer = server.post("/v1/completions", {**body, "temperature": 0})
+            assert answer.status_code == 200, answer.text
+            texts[name] = answer.json()["choices"][0]["text"]
+            adapter = None if name == MODEL else name
+            alone = backend.generate(
+                "The quick brown fox", max_tokens=8, temperature=0, adapter=adapter
+            )
+            assert texts[name] == alone.text
+        assert len(set(texts.values())) == 3
+        missing = server.post("/v1/completions", {"model": "three", "prompt": "x"})
+        assert missing.status_code == 404
+        assert "three" in missing.json()["error"]["message"]
+    finally:
+        server.stop()

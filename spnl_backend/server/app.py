@@ -248,6 +248,12 @@ class _Api:
         owned = {"object": "model", "created": 0, "owned_by": "spnl-backend"}
         owned["meta"] = version_info()  # which server answers, as llama.cpp's `meta` says
         data = [{"id": name, **owned} for name in self._names()]
+        backend = self.state.backend
+        if self.state.models is None and backend is not None and not backend.closed:
+            base = self.config.model_name
+            data += [
+                {"id": a.name, **owned, "parent": base, "root": a.path} for a in backend.adapters()
+            ]
         return JSONResponse({"object": "list", "data": data})
 
     def _names(self) -> list[str]:
@@ -546,11 +552,26 @@ class _Api:
     async def _admit(self, request: Request, endpoint: Endpoint) -> tuple[Backend, EngineRequest]:
         self._gate(request)
         body = await _read_json(request, self.config.max_body_bytes)
-        self._known(body.get("model") if isinstance(body, dict) else None)
+        model = body.get("model") if isinstance(body, dict) else None
+        adapter = self._adapter_named(model)
+        self._known(None if adapter is not None else model)
         parse = parse_completion if endpoint == "completions" else parse_chat
         # Grammars convert here: off the loop, and with no collector pause in the middle.
         asked = await asyncio.to_thread(collector.without_pauses(parse), body)
+        if adapter is not None:  # vLLM's way: the adapter's name as the model
+            params = dataclasses.replace(asked.params, adapter=adapter)
+            return self._backend(request), dataclasses.replace(asked, params=params)
         return await self._acquire(request, asked.model), asked
+
+    def _adapter_named(self, model: object) -> str | None:
+        """``model`` where it names one of the served model's LoRA adapters (one model
+        served; not the base model's own name), else None."""
+        backend = self.state.backend
+        if self.state.models is not None or backend is None or backend.closed:
+            return None
+        if not isinstance(model, str) or _bare_name(model) == self.config.model_name:
+            return None
+        return model if model in {a.name for a in backend.adapters()} else None
 
     # ---- models -----------------------------------------------------------------------
 

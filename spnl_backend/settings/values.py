@@ -382,7 +382,7 @@ def parse_lora_adapters(value: object) -> str | None:
                 f"and . _ : / -), got {pair!r}"
             )
         if name in seen:
-            raise ValueError(f"the adapter name {name!r} is given twice")
+            raise ValueError(f"expected each adapter name once, got {name!r} twice")
         seen.add(name)
     return ",".join("=".join(p.strip() for p in pair.partition("=")[::2]) for pair in pairs)
 
