@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 from helpers import greedy_with_logits, run_together
 from safetensors.torch import load_file, save_file
 from tiny_models import build_hf_model
@@ -194,6 +195,47 @@ def test_stream_and_chat_take_the_adapter(adapters):
     assert chats[None] != chats["one"]
     with pytest.raises(RequestError, match="adapter='nope'"):
         chatty.chat([{"role": "user", "content": "hi"}], adapter="nope")
+
+
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.F32, GGMLQuantizationType.Q8_0])
+def test_gguf_base(adapters, tiny, qtype):
+    """A GGUF base (its q and k rows put back in the checkpoint's order at load) takes the
+    adapter's matrices as written for the Hugging Face model, and a quantized one stays
+    quantized: on the torch kernels (float activations) it equals transformers with the
+    dequantized weights plus ``scale * B @ A``."""
+    tiny_model, spec, _ = adapters("llama")
+    path = tiny.gguf("llama", qtype)
+    backend = _backend(str(path), spec, paged_cache_type="f32", cpu_kernels="torch")
+    pairs = write_adapter(path.parent / "again", tiny_model.hf, seed=1)  # "one" once more
+    loaded, quantized = _as_loaded(tiny_model.hf, backend.model)
+    assert quantized == (0 if qtype == GGMLQuantizationType.F32 else 7 * 3)
+    reference = merged(loaded, pairs, 8.0 / 4)
+    want, want_logits = hf_greedy(reference, PROMPT_IDS, TOKENS)
+    got, logits, _ = greedy_with_logits(
+        backend, TOKENS, prompt_token_ids=PROMPT_IDS, adapter="one", ignore_eos=True
+    )
+    assert got == want
+    torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+
+
+def _as_loaded(hf: torch.nn.Module, ours: torch.nn.Module) -> tuple[torch.nn.Module, int]:
+    """transformers' model with our loaded weights where they are quantized (dequantized),
+    and how many projections of the layers are."""
+    from spnl_backend.quant.linear import QuantEmbedding, QuantLinear
+
+    model = copy.deepcopy(hf)
+    quantized = 0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            module_name, _, field = name.rpartition(".")
+            try:
+                module = ours.get_submodule(module_name)
+            except AttributeError:
+                continue
+            if isinstance(module, (QuantLinear, QuantEmbedding)) and field == "weight":
+                param.copy_(module.weight_q.dequantize())
+                quantized += isinstance(module, QuantLinear) and ".layers." in name
+    return model, quantized
 
 
 def test_quantized_base_mixed_batch(adapters):
