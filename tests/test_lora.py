@@ -28,13 +28,19 @@ TOKENS = 8
 
 
 def write_adapter(
-    path: Path, hf: torch.nn.Module, seed: int, rank: int = 4, alpha: float = 8.0, **config
+    path: Path,
+    hf: torch.nn.Module,
+    seed: int,
+    rank: int = 4,
+    alpha: float = 8.0,
+    targets: tuple[str, ...] = TARGETS,
+    **config,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """A random adapter over every projection, in PEFT's files; its (A, B) by module."""
     gen = torch.Generator().manual_seed(seed)
     pairs, tensors = {}, {}
     for name, module in hf.named_modules():
-        if name.split(".")[-1] in TARGETS and isinstance(module, torch.nn.Linear):
+        if name.split(".")[-1] in targets and isinstance(module, torch.nn.Linear):
             a = torch.randn(rank, module.in_features, generator=gen) * 0.3
             b = torch.randn(module.out_features, rank, generator=gen) * 0.3
             pairs[name] = (a, b)
@@ -47,7 +53,7 @@ def write_adapter(
         "task_type": "CAUSAL_LM",
         "r": rank,
         "lora_alpha": alpha,
-        "target_modules": list(TARGETS),
+        "target_modules": list(targets),
         "bias": "none",
         "use_rslora": False,
         "use_dora": False,
@@ -125,6 +131,23 @@ def test_adapter_equals_merged_weights(adapters, arch):
         )
         assert got == want
         torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_projections(tiny, tmp_path):
+    """Phi-3's fused qkv_proj and gate_up_proj: lora_B's rows placed on our separate
+    projections, lora_A shared."""
+    tiny_model = tiny.hf("phi3")
+    fused = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    pairs = write_adapter(tmp_path / "f", tiny_model.hf, seed=6, targets=fused)
+    assert any(name.endswith("qkv_proj") for name in pairs)
+    backend = _backend(str(tiny_model.path), f"f={tmp_path / 'f'}", paged_cache_type="f32")
+    want, want_logits = hf_greedy(merged(tiny_model.hf, pairs, 2.0), PROMPT_IDS, TOKENS)
+    assert want != hf_greedy(tiny_model.hf, PROMPT_IDS, TOKENS)[0]
+    got, logits, _ = greedy_with_logits(
+        backend, TOKENS, prompt_token_ids=PROMPT_IDS, adapter="f", ignore_eos=True
+    )
+    assert got == want
+    torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
 
 
 def test_mixed_batch_equals_each_alone(adapters):

@@ -31,6 +31,10 @@ log = get_logger()
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # Our projections an adapter may target, by the name PEFT matches.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Fused projections of checkpoints (Phi-3) that the model keeps apart: their parts, in
+# the order of their output rows. An adapter's lora_B is split the same way; lora_A is
+# shared by the parts.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _TENSOR = re.compile(r"base_model\.model\.(model\.layers\.\d+\.\w+\.(\w+))\.lora_([AB])\.weight")
 # Fields that change what the adapter computes and that this does not run: (field, what
 # is accepted) where set to anything but off/empty.
@@ -105,21 +109,21 @@ def _rank_and_scale(config: dict, path: Path) -> tuple[int, float]:
 
 def _targets(config: dict, path: Path) -> frozenset[str]:
     """The projection names the adapter may hold tensors for."""
-    targets = config.get("target_modules")
+    targets, known = config.get("target_modules"), (*TARGETS, *FUSED)
     if targets == "all-linear":
-        return frozenset(TARGETS)
+        return frozenset(known)
     if isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets):
-        unknown = sorted(set(targets) - set(TARGETS))
+        unknown = sorted(set(targets) - set(known))
         if unknown:
             raise ModelFileError(
                 f"{path}: target_modules names {', '.join(unknown)}, which are not adapted "
-                f"here; accepted: {', '.join(TARGETS)} or 'all-linear' (embeddings, the LM "
-                "head and fused projections are not)"
+                f"here; accepted: {', '.join(known)} or 'all-linear' (embeddings and the LM "
+                "head are not)"
             )
         return frozenset(targets)
     raise ModelFileError(
         f"{path}: target_modules = {targets!r}; expected a list of module names "
-        f"({', '.join(TARGETS)}) or 'all-linear' (a regular expression is not accepted)"
+        f"({', '.join(known)}) or 'all-linear' (a regular expression is not accepted)"
     )
 
 
@@ -149,10 +153,51 @@ def _pairs(
         found.setdefault(module, {})[side] = tensor
     if not found:
         raise ModelFileError(f"{path}: holds no LoRA matrices")
-    return {
-        module: _pair(path, model, module, sides, rank, scale, layers)
-        for module, sides in found.items()
-    }
+    pairs: dict[str, LoraPair] = {}
+    for module, sides in found.items():
+        for part, part_sides in _unfused(path, model, module, sides):
+            if part in pairs:
+                raise ModelFileError(f"{path}: {part} is adapted twice (fused and apart)")
+            pairs[part] = _pair(path, model, part, part_sides, rank, scale, layers)
+    return pairs
+
+
+def _unfused(
+    path: Path, model: CausalLM, module: str, sides: dict[str, torch.Tensor]
+) -> list[tuple[str, dict[str, torch.Tensor]]]:
+    """``module``'s matrices, or for a fused projection each part's: the same lora_A,
+    and the rows of lora_B that give that part's outputs."""
+    stem, _, fused = module.rpartition(".")
+    if fused not in FUSED:
+        return [(module, sides)]
+    if "A" not in sides or "B" not in sides:
+        return [(module, sides)]  # `_pair` names the missing half
+    names = [f"{stem}.{part}" for part in FUSED[fused]]
+    rows = [getattr(_projection(path, model, name), "out_features", 0) for name in names]
+    b = sides["B"]
+    if b.shape[0] != sum(rows):
+        raise ModelFileError(
+            f"{path}: tensor base_model.model.{module}.lora_B.weight has {b.shape[0]} rows; "
+            f"the base model's {', '.join(FUSED[fused])} have {' + '.join(map(str, rows))}"
+        )
+    parts, start = [], 0
+    for name, count in zip(names, rows, strict=True):
+        parts.append((name, {"A": sides["A"], "B": b[start : start + count]}))
+        start += count
+    return parts
+
+
+def _projection(path: Path, model: CausalLM, module: str) -> Linear | QuantLinear:
+    try:
+        target = model.get_submodule(module)
+    except AttributeError:
+        target = None
+    if not isinstance(target, (Linear, QuantLinear)):
+        raise ModelFileError(
+            f"{path}: {module} is not a projection of the {model.config.architecture} model "
+            f"({model.config.num_layers} layers); the adapter is for another base model"
+        )
+    return target
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -179,15 +224,7 @@ def _pair(
         raise ModelFileError(
             f"{path}: {module} adapts layer {layer}, which layers_to_transform leaves out"
         )
-    try:
-        target = model.get_submodule(module)
-    except AttributeError:
-        target = None
-    if not isinstance(target, (Linear, QuantLinear)):
-        raise ModelFileError(
-            f"{path}: {module} is not a projection of the {model.config.architecture} model "
-            f"({model.config.num_layers} layers); the adapter is for another base model"
-        )
+    target = _projection(path, model, module)
     a, b = sides["A"], sides["B"]
     want_a, want_b = (rank, target.in_features), (target.out_features, rank)
     for side, tensor, want in (("A", a, want_a), ("B", b, want_b)):
