@@ -39,6 +39,7 @@ class SamplingParams:
     # The LoRA adapter the request runs with, by the name it was loaded under (None: the
     # base model); the engine refuses a name it has not loaded.
     adapter: str | None = None
+    adapter_scale: float = 1.0  # multiplies the adapter's own scale (llama-server's "scale")
 
     @property
     def greedy(self) -> bool:

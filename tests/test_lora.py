@@ -150,6 +150,32 @@ def test_fused_projections(tiny, tmp_path):
     torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
 
 
+def test_request_scale(adapters):
+    """``adapter_scale`` multiplies the adapter's scale: equal to the weights merged at that
+    scale; blocks computed at one scale are not read at another."""
+    tiny_model, spec, _ = adapters("llama")
+    backend = _backend(str(tiny_model.path), spec, paged_cache_type="f32")
+    pairs = write_adapter(tiny_model.path.parent / "again", tiny_model.hf, seed=1)  # "one"
+    want, want_logits = hf_greedy(merged(tiny_model.hf, pairs, 0.5 * 8.0 / 4), PROMPT_IDS, TOKENS)
+    got, logits, _ = greedy_with_logits(
+        backend,
+        TOKENS,
+        prompt_token_ids=PROMPT_IDS,
+        adapter="one",
+        adapter_scale=0.5,
+        ignore_eos=True,
+    )
+    assert got == want
+    torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+    backend.reset_prefix_cache()
+    ask = dict(prompt_token_ids=LONG_IDS, max_tokens=2, temperature=0, adapter="one")
+    assert backend.generate(**ask).usage.cached_tokens == 0
+    assert backend.generate(**ask, adapter_scale=0.5).usage.cached_tokens == 0
+    assert backend.generate(**ask, adapter_scale=0.5).usage.cached_tokens > 0
+    with pytest.raises(RequestError, match="adapter_scale needs an adapter"):
+        backend.generate("x", adapter_scale=0.5)
+
+
 def test_mixed_batch_equals_each_alone(adapters):
     tiny_model, spec, _ = adapters("llama")
     backend = _backend(str(tiny_model.path), spec, prefix_cache_n=0)
@@ -361,6 +387,20 @@ def test_server_model_names_an_adapter(adapters):
             )
             assert texts[name] == alone.text
         assert len(set(texts.values())) == 3
+        # llama-server's per-request list: by id (load order) or name, with a scale.
+        prompt = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 8}
+        by_id = server.post("/v1/completions", {**prompt, "temperature": 0, "lora": [{"id": 1}]})
+        assert by_id.json()["choices"][0]["text"] == texts["two"]
+        half = [{"name": "one", "scale": 0.5}, {"id": 1, "scale": 0}]
+        scaled = server.post("/v1/completions", {**prompt, "temperature": 0, "lora": half})
+        alone = backend.generate(
+            "The quick brown fox", max_tokens=8, temperature=0, adapter="one", adapter_scale=0.5
+        )
+        assert scaled.json()["choices"][0]["text"] == alone.text
+        for bad in ([{"id": 2}], [{"name": "x"}], [{"id": 0}, {"id": 1}], {"id": 0}, [{"ids": 0}]):
+            refused = server.post("/v1/completions", {**prompt, "lora": bad})
+            assert refused.status_code == 400, bad
+            assert refused.json()["error"]["param"] == "lora"
         missing = server.post("/v1/completions", {"model": "three", "prompt": "x"})
         assert missing.status_code == 404
         assert "three" in missing.json()["error"]["message"]

@@ -1,5 +1,7 @@
 """The engine: requests in, one scheduled model step at a time, finished sequences out."""
 
+import hashlib
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -25,6 +27,15 @@ if TYPE_CHECKING:
 log = get_logger()
 
 MAX_NUM_SEQS = 64  # sequences one step runs at most (and the most state slots a model gets)
+
+
+def scaled_root(root: int, factor: float) -> int:
+    """An adapter's hash root for a request scale: its own at 1, else one of that scale's
+    (K/V computed at one scale is never read at another)."""
+    if factor == 1.0:
+        return root
+    digest = hashlib.blake2b(struct.pack("<Qd", root, factor), digest_size=8).digest()
+    return int.from_bytes(digest, "little") or 1
 
 
 @dataclass(frozen=True)
@@ -135,7 +146,8 @@ class Engine:
             max_len -= pic.padded_slots(size) - pic.num_prompt_tokens + size
         seq = Sequence(prompt_ids, params, max_len=max_len, leader=leader, pic=pic)
         if params.adapter is not None:
-            seq.lora_slot, seq.hash_root = self.adapter_of(params.adapter, pic is not None)
+            slot, root = self.adapter_of(params.adapter, pic is not None)
+            seq.lora_slot, seq.hash_root = slot, scaled_root(root, params.adapter_scale)
         return seq
 
     def adapter_of(self, name: str, pic: bool = False) -> tuple[int, int]:

@@ -75,7 +75,10 @@ def forward_with_adapters(
     adapters = model.adapters
     if adapters is None:
         return model(input_ids, positions, attention)
-    slots = [(getattr(item.seq, "lora_slot", -1), item.num_new_tokens) for item in batch]
+    slots = [
+        (getattr(item.seq, "lora_slot", -1), item.seq.params.adapter_scale, item.num_new_tokens)
+        for item in batch
+    ]
     adapters.step.groups = adapters.rows_of(slots, input_ids.device)
     try:
         return model(input_ids, positions, attention)

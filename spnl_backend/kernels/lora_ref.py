@@ -27,11 +27,12 @@ class LoraPair:
 
 @dataclass
 class LoraStep:
-    """Which rows of the current step take which adapter: ``(slot, row indices)`` for each
-    adapter present (rows of the base model appear in none). Set by the engine around a
-    forward pass, empty otherwise (a pass with no adapter rows adds nothing)."""
+    """Which rows of the current step take which adapter: ``(slot, factor, row indices)``
+    for each adapter and request scale present (``factor`` multiplies the adapter's own
+    scale; rows of the base model appear in none). Set by the engine around a forward
+    pass, empty otherwise (a pass with no adapter rows adds nothing)."""
 
-    groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    groups: list[tuple[int, float, torch.Tensor]] = field(default_factory=list)
 
 
 class LoraSite:
@@ -44,13 +45,18 @@ class LoraSite:
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (the base product of ``x``, rows first) with each row's adapter product
         added; a new tensor where any row takes one, else ``out`` itself."""
-        groups = [(self.pairs[slot], rows) for slot, rows in self.step.groups if slot in self.pairs]
+        groups = [
+            (self.pairs[slot], factor, rows)
+            for slot, factor, rows in self.step.groups
+            if slot in self.pairs
+        ]
         if not groups:
             return out
         flat_x = x.reshape(-1, x.shape[-1])
         flat = out.reshape(-1, out.shape[-1]).clone()
-        for pair, rows in groups:
-            delta = lora_delta_ref(flat_x[rows], pair.a, pair.b, pair.scale)
+        for pair, factor, rows in groups:
+            rows = rows.to(flat.device)  # a no-op but under layer mapping
+            delta = lora_delta_ref(flat_x[rows], pair.a, pair.b, pair.scale * factor)
             flat[rows] = (flat[rows].float() + delta).to(flat.dtype)
         return flat.reshape(out.shape)
 

@@ -88,14 +88,17 @@ class LoraAdapters:
         ]
 
     def rows_of(
-        self, slots: Iterable[tuple[int, int]], device: torch.device
-    ) -> list[tuple[int, torch.Tensor]]:
-        """A step's rows by adapter, from each scheduled sequence's ``(slot, new tokens)``
-        in packing order; base rows are left out."""
-        by_slot: dict[int, list[int]] = {}
+        self, slots: Iterable[tuple[int, float, int]], device: torch.device
+    ) -> list[tuple[int, float, torch.Tensor]]:
+        """A step's rows by adapter and scale factor, from each scheduled sequence's
+        ``(slot, factor, new tokens)`` in packing order; base rows are left out."""
+        by_slot: dict[tuple[int, float], list[int]] = {}
         start = 0
-        for slot, count in slots:
+        for slot, factor, count in slots:
             if slot != BASE_SLOT:
-                by_slot.setdefault(slot, []).extend(range(start, start + count))
+                by_slot.setdefault((slot, factor), []).extend(range(start, start + count))
             start += count
-        return [(slot, torch.tensor(rows, device=device)) for slot, rows in by_slot.items()]
+        return [
+            (slot, factor, torch.tensor(rows, device=device))
+            for (slot, factor), rows in by_slot.items()
+        ]
