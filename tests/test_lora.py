@@ -406,3 +406,12 @@ def test_server_model_names_an_adapter(adapters):
         assert "three" in missing.json()["error"]["message"]
     finally:
         server.stop()
+
+
+def test_serve_lora_option_is_checked_before_anything_starts():
+    from spnl_backend.server.run import serve
+
+    with pytest.raises(SettingsError, match=r"(?i)lora_adapters.*name=path pairs"):
+        serve(model="unused", port=0, lora=["no-path"])
+    with pytest.raises(SettingsError, match="served on one model"):
+        serve(model=["a=/nowhere/a", "b=/nowhere/b"], port=0, lora=["one=/nowhere/one"])
