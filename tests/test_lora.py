@@ -6,6 +6,7 @@ between adapters; what is not run is refused by name."""
 import copy
 import json
 import math
+import re
 from functools import cache
 from pathlib import Path
 
@@ -335,6 +336,20 @@ def test_adapter_for_another_base_is_refused(tiny, tmp_path):
         match=r"lora_[AB]\.weight has shape \(\d+, \d+\); r = 4 and the base model.s projection",
     ):
         _backend(str(tiny.hf("llama").path), f"q={tmp_path / 'q'}")
+
+
+def test_missing_or_broken_files_are_named(tiny, tmp_path):
+    tiny_model = tiny.hf("llama")
+    with pytest.raises(ModelFileError, match=r"nowhere/adapter_config\.json"):
+        _backend(str(tiny_model.path), f"a={tmp_path / 'nowhere'}")
+    write_adapter(tmp_path / "a", tiny_model.hf, seed=7)
+    weights = tmp_path / "a" / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    name = next(iter(tensors))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, weights)
+    with pytest.raises(ModelFileError, match=rf"{re.escape(name)}.*non-finite"):
+        _backend(str(tiny_model.path), f"a={tmp_path / 'a'}")
 
 
 def test_unexpected_tensor_is_refused(tiny, tmp_path):
