@@ -430,3 +430,9 @@ def test_serve_lora_option_is_checked_before_anything_starts():
         serve(model="unused", port=0, lora=["no-path"])
     with pytest.raises(SettingsError, match="served on one model"):
         serve(model=["a=/nowhere/a", "b=/nowhere/b"], port=0, lora=["one=/nowhere/one"])
+
+
+def test_a_speculative_draft_is_refused(adapters):
+    tiny_model, spec, _ = adapters("llama")
+    with pytest.raises(SettingsError, match=r"SPECULATIVE_DRAFT_MODEL.*without a speculative"):
+        _backend(str(tiny_model.path), spec, speculative_draft_model=str(tiny_model.path))
