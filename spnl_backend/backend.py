@@ -22,6 +22,7 @@ from .loader.resolve import ModelSource
 from .log import get_logger
 from .memory import release_freed_memory
 from .models.config import ModelConfig
+from .models.lora import AdapterInfo
 from .models.transformer import CausalLM
 from .pic.layout import PicPrompt
 from .pic.prompts import PicPrompts
@@ -576,6 +577,12 @@ class Backend:
         they hold. Returns how many blocks (or, without paged attention, sequences) were
         forgotten."""
         return self._open_loop().call(Engine.reset_prefix_cache)
+
+    def adapters(self) -> list[AdapterInfo]:
+        """The LoRA adapters loaded on the model (MISTRALRS_LORA_ADAPTERS), which a request
+        chooses by name (``adapter=``)."""
+        adapters = self._open_loop().engine.runner.model.adapters
+        return [] if adapters is None else adapters.info()
 
     def cache_info(self) -> CacheInfo:
         """The KV cache: paged or contiguous, its capacity, blocks, storage dtype, bytes per

@@ -232,6 +232,13 @@ def _add_serve(commands: Any) -> None:
         "none, think (<think> blocks), granite, harmony (gpt-oss) (default: "
         "MISTRALRS_REASONING_FORMAT, else auto)",
     )
+    serve.add_argument(
+        "--lora",
+        action="append",
+        metavar="NAME=PATH",
+        help="a PEFT LoRA adapter directory, chosen by requests whose model is NAME "
+        "(repeatable; default: MISTRALRS_LORA_ADAPTERS)",
+    )
     serve.set_defaults(run=_run_serve)
 
 
@@ -255,6 +262,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         memory_budget_mb=args.memory_budget_mb,
         chat_template=args.chat_template,
         reasoning_format=args.reasoning_format,
+        lora=args.lora,
     )
 
 

@@ -79,6 +79,8 @@ OPTION_NAMES = (
     *CONSTRAINT_NAMES,
     "token_healing",
     "speculative",
+    "adapter",
+    "adapter_scale",
 )
 MAX_TOP_LOGPROBS = 20
 MAX_SPECULATIVE = 256  # proposed tokens per step a request may allow
@@ -115,6 +117,19 @@ def _options(options: dict[str, object], vocab_size: int | None) -> dict[str, ob
         checked["top_logprobs"] = count
     if options.get("speculative") is not None:
         checked["speculative"] = _speculative(options["speculative"])
+    adapter = options.get("adapter")
+    if adapter is not None:
+        if not isinstance(adapter, str) or not adapter:
+            raise _bad("adapter", adapter, "the name of a loaded LoRA adapter, or None")
+        checked["adapter"] = str(adapter)
+    factor = options.get("adapter_scale")
+    if factor is not None:
+        value = plain_float(factor)
+        if value is None or not -100.0 <= value <= 100.0:
+            raise _bad("adapter_scale", factor, "a number from -100 to 100 (1: as trained)")
+        if adapter is None:
+            raise RequestError("adapter_scale needs an adapter")
+        checked["adapter_scale"] = value
     if options.get("logit_bias") is not None:
         checked["logit_bias"] = _logit_bias(options["logit_bias"], vocab_size)
     if options.get("stop_token_ids") is not None:

@@ -39,6 +39,10 @@ class SamplingParams:
     # Speculative decoding for this request: None, the backend's (its method and gamma);
     # 0, off; n, at most n proposed tokens per step.
     speculative: int | None = None
+    # The LoRA adapter the request runs with, by the name it was loaded under (None: the
+    # base model); the engine refuses a name it has not loaded.
+    adapter: str | None = None
+    adapter_scale: float = 1.0  # multiplies the adapter's own scale (llama-server's "scale")
 
     @property
     def greedy(self) -> bool:

@@ -51,15 +51,15 @@ class DenseMask(WithoutLayerBlocks):
 
     def attend(self, q, k, v, spec):
         mask = self.mask
-        if spec.sliding_window is not None:
+        if spec.scoring.window is not None:
             distance = self.positions[:, None] - self.positions[None, :]
-            mask = mask & (distance < spec.sliding_window)
+            mask = mask & (distance < spec.scoring.window)
         group = q.shape[1] // k.shape[1]
         k = k.float().repeat_interleave(group, dim=1)
         v = v.float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q.float(), k) * spec.scale
-        if spec.softcap is not None:
-            scores = torch.tanh(scores / spec.softcap) * spec.softcap
+        scores = torch.einsum("qhd,khd->hqk", q.float(), k) * spec.scoring.scale
+        if spec.scoring.softcap is not None:
+            scores = torch.tanh(scores / spec.scoring.softcap) * spec.scoring.softcap
         scores = scores.masked_fill(~mask, float("-inf"))
         out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
         return out.to(q.dtype)

@@ -132,6 +132,8 @@ VALID = [
     ("REASONING_FORMAT", "think", "think"),
     ("REASONING_FORMAT", "DeepSeek", "think"),
     ("REASONING_FORMAT", "gpt-oss", "harmony"),
+    ("LORA_ADAPTERS", " sql = /a/b , chat=~/c ", "sql=/a/b,chat=~/c"),
+    ("LORA_ADAPTERS", "org/name:v2=x", "org/name:v2=x"),
 ]
 
 INVALID = [
@@ -183,6 +185,7 @@ INVALID = [
     *[("KV_TIER_MB", text) for text in ("0", "-1", "lots")],
     ("CHAT_TEMPLATE", "   "),
     *[("REASONING_FORMAT", text) for text in ("r1", "on", "true")],
+    *[("LORA_ADAPTERS", text) for text in ("sql", "=/a", "a=", "a=x,a=y", "bad name=x")],
 ]
 
 

@@ -66,12 +66,13 @@ class BlockManager:
 
     # ---- prefix caching -------------------------------------------------------------------
 
-    def match_prefix(self, token_ids: list[int]) -> list[int]:
-        """Ids of the cached blocks that hold the longest full-block prefix of ``token_ids``."""
+    def match_prefix(self, token_ids: list[int], root: int = _NO_PARENT) -> list[int]:
+        """Ids of the cached blocks that hold the longest full-block prefix of ``token_ids``
+        (its chain started at ``root``: a LoRA adapter's, or none)."""
         if not self.enable_prefix_caching:
             return []
         matched = []
-        for digest, tokens in self.prefix_keys(token_ids):
+        for digest, tokens in self.prefix_keys(token_ids, root):
             block_id = self.lookup(digest, tokens)
             if block_id is None:
                 break
@@ -108,10 +109,10 @@ class BlockManager:
         return len(cached)
 
     def register_full_blocks(
-        self, table: BlockTable, token_ids: list[int], num_computed: int
+        self, table: BlockTable, token_ids: list[int], num_computed: int, root: int = _NO_PARENT
     ) -> list[int]:
-        """Hash the blocks that ``num_computed`` tokens have filled, so others may share
-        them; the ids of those newly registered."""
+        """Hash the blocks that ``num_computed`` tokens have filled (the chain started at
+        ``root``), so others may share them; the ids of those newly registered."""
         if not self.enable_prefix_caching:
             return []
         full = min(num_computed, len(token_ids)) // self.block_size
@@ -119,16 +120,19 @@ class BlockManager:
         while len(table.hashes) < min(full, len(table.block_ids)):
             index = len(table.hashes)
             tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
-            parent = table.hashes[-1] if table.hashes else _NO_PARENT
+            parent = table.hashes[-1] if table.hashes else root
             digest = block_hash(parent, tokens)
             table.hashes.append(digest)
             if self.register(table.block_ids[index], digest, tokens):
                 registered.append(table.block_ids[index])
         return registered
 
-    def prefix_keys(self, token_ids: list[int]) -> list[tuple[int, tuple[int, ...]]]:
-        """The digest and tokens of every full block of ``token_ids``, in order."""
-        keys, parent = [], _NO_PARENT
+    def prefix_keys(
+        self, token_ids: list[int], root: int = _NO_PARENT
+    ) -> list[tuple[int, tuple[int, ...]]]:
+        """The digest and tokens of every full block of ``token_ids``, in order, the chain
+        started at ``root`` (a LoRA adapter's own: its K/V is never another's)."""
+        keys, parent = [], root
         for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
             tokens = tuple(token_ids[start : start + self.block_size])
             parent = block_hash(parent, tokens)

@@ -22,13 +22,16 @@ from ..compression import (
 )
 from ..errors import PlatformError, SettingsError
 from ..kernels import AttentionKernels
+from ..loader.lora import read_adapter
 from ..loader.model import LoadedModel
 from ..log import get_logger
 from ..memory import MIB, available_memory, kv_bytes_per_token
 from ..models.config import ModelConfig
+from ..models.lora import LoraAdapters
 from ..settings import BackendSettings, PlatformDecisions
 from ..settings.backend_settings import KvBudget, env_name
 from ..settings.effects import given_pic_settings
+from ..settings.values import lora_adapter_list
 from .block_manager import BlockManager
 from .budget import KVCachePlan, StatePlan, check_states_fit, plan_kv_cache
 from .cache import CacheInfo, CacheManager
@@ -64,6 +67,7 @@ def build_engine(
         if model is not None:
             _refuse_for_state_layers(model, settings)
     _refuse_for_kv_groups(loaded, settings)
+    _attach_adapters(loaded, settings, draft)
     settings = _prefix_caching_for(loaded.config, settings, decisions.paged_attn)
     if (
         loaded.model.tp is not None
@@ -180,6 +184,32 @@ def _refuse_for_kv_groups(loaded: LoadedModel, settings: BackendSettings) -> Non
         "or are read by later layers, which this does not handle yet"
     )
     _refuse(asked, why)
+
+
+def _attach_adapters(
+    loaded: LoadedModel, settings: BackendSettings, draft: LoadedModel | None
+) -> None:
+    """The LoRA adapters MISTRALRS_LORA_ADAPTERS names, read and attached to the model
+    (before the KV budget is taken from what memory is left)."""
+    named = lora_adapter_list(settings.lora_adapters)
+    if not named:
+        return
+    model = loaded.model
+    _refuse(
+        {
+            "MISTRALRS_LORA_ADAPTERS with tensor parallelism": model.tp is not None,
+            "MISTRALRS_LORA_ADAPTERS with MISTRALRS_SPECULATIVE_DRAFT_MODEL": draft is not None,
+        },
+        "LoRA adapters run on one process, without a speculative draft, so far",
+    )
+    adapters = LoraAdapters()
+    for name, path in named:
+        adapters.attach(model, read_adapter(name, path, model))
+    model.adapters = adapters
+    # The native layer blocks run whole layers in C, past the adapters' products; every
+    # step takes the per-op path instead, so a base row's arithmetic never depends on
+    # whether an adapter row shares its step.
+    model.model.use_layer_blocks = False
 
 
 def _refuse(asked: dict[str, bool], why: str) -> None:

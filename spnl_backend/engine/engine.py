@@ -1,10 +1,12 @@
 """The engine: requests in, one scheduled model step at a time, finished sequences out."""
 
+import hashlib
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..errors import DistributedError, EngineError
+from ..errors import DistributedError, EngineError, RequestError
 from ..log import get_logger
 from ..pic.layout import PicLayout
 from ..sampling import SamplingParams
@@ -26,6 +28,15 @@ if TYPE_CHECKING:
 log = get_logger()
 
 MAX_NUM_SEQS = 64  # sequences one step runs at most (and the most state slots a model gets)
+
+
+def scaled_root(root: int, factor: float) -> int:
+    """An adapter's hash root for a request scale: its own at 1, else one of that scale's
+    (K/V computed at one scale is never read at another)."""
+    if factor == 1.0:
+        return root
+    digest = hashlib.blake2b(struct.pack("<Qd", root, factor), digest_size=8).digest()
+    return int.from_bytes(digest, "little") or 1
 
 
 @dataclass(frozen=True)
@@ -134,7 +145,27 @@ class Engine:
         if pic is not None and self.cache_info.block_size:
             size = self.cache_info.block_size
             max_len -= pic.padded_slots(size) - pic.num_prompt_tokens + size
-        return Sequence(prompt_ids, params, max_len=max_len, leader=leader, pic=pic)
+        seq = Sequence(prompt_ids, params, max_len=max_len, leader=leader, pic=pic)
+        if params.adapter is not None:
+            slot, root = self.adapter_of(params.adapter, pic is not None)
+            seq.lora_slot, seq.hash_root = slot, scaled_root(root, params.adapter_scale)
+        return seq
+
+    def adapter_of(self, name: str, pic: bool = False) -> tuple[int, int]:
+        """The slot and hash root of the LoRA adapter loaded as ``name``; a `RequestError`
+        naming those loaded where there is none."""
+        adapters = self.runner.model.adapters
+        found = None if adapters is None else adapters.find(name)
+        if found is None:
+            loaded = ", ".join(adapters.names()) if adapters else "none"
+            raise RequestError(
+                f"adapter={name!r}: no LoRA adapter of that name is loaded (loaded: {loaded}; "
+                "MISTRALRS_LORA_ADAPTERS names them)"
+            )
+        if pic:
+            raise RequestError(f"adapter={name!r}: PIC prompts run on the base model only, so far")
+        slot, adapter = found
+        return slot, adapter.root
 
     def add_sequence(self, seq: Sequence) -> None:
         self._check_usable()

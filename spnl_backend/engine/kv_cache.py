@@ -157,16 +157,17 @@ class ContiguousStep(WithoutLayerBlocks):
 
 
 class SequencePrefixCache:
-    """Finished sequences' caches, keyed by the tokens they hold, least recently used out."""
+    """Finished sequences' caches, keyed by the tokens they hold (and the hash root of the
+    LoRA adapter that computed them: never shared with another), least recently used out."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.entries: OrderedDict[int, tuple[list[int], SequenceStore]] = OrderedDict()
+        self.entries: OrderedDict[int, tuple[int, list[int], SequenceStore]] = OrderedDict()
 
-    def insert(self, seq_id: int, token_ids: list[int], kv: SequenceStore) -> None:
+    def insert(self, seq_id: int, token_ids: list[int], kv: SequenceStore, root: int = 0) -> None:
         if self.capacity == 0 or not token_ids:
             return
-        self.entries[seq_id] = (token_ids, kv)
+        self.entries[seq_id] = (root, token_ids, kv)
         while len(self.entries) > self.capacity:
             self.entries.popitem(last=False)
 
@@ -176,17 +177,22 @@ class SequencePrefixCache:
         self.entries.clear()
         return count
 
-    def longest_prefix(self, token_ids: list[int]) -> tuple[SequenceStore | None, int]:
-        """The entry sharing the longest prefix with ``token_ids``, and that length."""
+    def longest_prefix(
+        self, token_ids: list[int], root: int = 0
+    ) -> tuple[SequenceStore | None, int]:
+        """The entry of ``root`` sharing the longest prefix with ``token_ids``, and that
+        length."""
         best_key, best_len = None, 0
-        for key, (tokens, _) in self.entries.items():
+        for key, (own_root, tokens, _) in self.entries.items():
+            if own_root != root:
+                continue
             length = _common_prefix(tokens, token_ids)
             if length > best_len:
                 best_key, best_len = key, length
         if best_key is None:
             return None, 0
         self.entries.move_to_end(best_key)
-        return self.entries[best_key][1], best_len
+        return self.entries[best_key][2], best_len
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -240,7 +246,7 @@ class ContiguousCacheManager:
     def admit(self, seq: CachedTokens) -> None:
         kv = self.new_store()
         self.caches[seq.seq_id] = kv
-        source, length = self.prefix_cache.longest_prefix(seq.token_ids)
+        source, length = self.prefix_cache.longest_prefix(seq.token_ids, seq.hash_root)
         length = min(length, seq.num_tokens - 1)  # the last token is always computed
         if source is not None and length > 0:
             kv.copy_prefix(source, length)
@@ -257,7 +263,8 @@ class ContiguousCacheManager:
     def release(self, seq: CachedTokens) -> None:
         kv = self.caches.pop(seq.seq_id, None)
         if kv is not None:
-            self.prefix_cache.insert(seq.seq_id, seq.token_ids[: seq.num_computed_tokens], kv)
+            tokens = seq.token_ids[: seq.num_computed_tokens]
+            self.prefix_cache.insert(seq.seq_id, tokens, kv, seq.hash_root)
 
     def reset_prefix_cache(self) -> int:
         """Forget the finished sequences' caches (running ones keep theirs)."""

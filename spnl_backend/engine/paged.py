@@ -233,7 +233,7 @@ class PagedCacheManager:
             return
         layout = seq.pic
         if layout is None:
-            self.tier.read_ahead(self.blocks.prefix_keys(seq.token_ids))
+            self.tier.read_ahead(self.blocks.prefix_keys(seq.token_ids, seq.hash_root))
             return
         planned = PicProgress(layout, self.block_size).plan(seq.token_ids)
         closed = [(block.digest, block.tokens) for block in planned if block.closed]
@@ -246,7 +246,8 @@ class PagedCacheManager:
         if layout is not None:
             self._admit_pic(seq, layout)
             return
-        promoted = self._promote(self.blocks.prefix_keys(seq.token_ids), prefix=True)
+        keys = self.blocks.prefix_keys(seq.token_ids, seq.hash_root)
+        promoted = self._promote(keys, prefix=True)
         hits, hashes = self._shareable(seq)
         if len(hits) * self.block_size >= seq.num_tokens:
             hits = hits[:-1]  # recompute the last block rather than write into a shared one
@@ -264,7 +265,7 @@ class PagedCacheManager:
         """The blocks ``seq`` may start with, and the hashes known of them: its longest
         cached prefix, or its leader's full prompt blocks (another completion of the same
         prompt, shared by reference even with prefix caching off), whichever is longer."""
-        hits = self.blocks.match_prefix(seq.token_ids)
+        hits = self.blocks.match_prefix(seq.token_ids, seq.hash_root)
         hashes = [self.blocks.blocks[b].hash for b in hits]
         leader = getattr(seq, "leader", None)
         table = None if leader is None else self.tables.get(leader.seq_id)
@@ -416,7 +417,7 @@ class PagedCacheManager:
                 registered = self._register_pic(item.seq, table, progress)
             elif table is not None:
                 registered = self.blocks.register_full_blocks(
-                    table, item.seq.token_ids, item.seq.num_computed_tokens
+                    table, item.seq.token_ids, item.seq.num_computed_tokens, item.seq.hash_root
                 )
             if registered and self.tier is not None:
                 self.tier.offer(registered)

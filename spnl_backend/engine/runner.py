@@ -5,6 +5,7 @@ from typing import Protocol
 
 import torch
 
+from ..models.step_attention import StepAttention
 from ..models.transformer import CausalLM
 from .cache import CacheManager, Feed
 from .logits import RowHistory, adjust, fill_masks
@@ -47,7 +48,7 @@ class ModelRunner:
         choose_recomputed(self.model, self.cache.probes(batch), self.device)
         attention = self.cache.attention(batch, self.device)
         input_ids, positions = step_inputs(batch, self.device, self.cache)
-        hidden = self.model(input_ids, positions, attention)
+        hidden = forward_with_adapters(self.model, batch, input_ids, positions, attention)
         rows, sampling = [], []
         row = -1
         for item in batch:
@@ -59,6 +60,30 @@ class ModelRunner:
         if not sampling:
             return {}
         return pick_next(self.model.compute_logits(hidden[rows]), sampling)
+
+
+def forward_with_adapters(
+    model: CausalLM,
+    batch: list[ScheduledSeq],
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    attention: StepAttention,
+) -> torch.Tensor:
+    """The model's pass over a step, each sequence's rows through its LoRA adapter (if the
+    model has adapters: `models.lora`); the rows are forgotten after it, so no other pass
+    (a probe, an embedding) ever takes them."""
+    adapters = model.adapters
+    if adapters is None:
+        return model(input_ids, positions, attention)
+    slots = [
+        (getattr(item.seq, "lora_slot", -1), item.seq.params.adapter_scale, item.num_new_tokens)
+        for item in batch
+    ]
+    adapters.step.groups = adapters.rows_of(slots, input_ids.device)
+    try:
+        return model(input_ids, positions, attention)
+    finally:
+        adapters.step.groups = []
 
 
 def pick_next(logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:

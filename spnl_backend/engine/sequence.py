@@ -68,6 +68,10 @@ class Sequence:
     # first token starts with and its returned text leaves out.
     healed_text: str = ""
     logprobs: "list[TokenLogprobs]" = field(default_factory=list)  # with params.logprobs
+    # The LoRA adapter its rows take (`models.lora`; -1: the base model) and the first link
+    # of its blocks' prefix-cache hash chain (0 for the base; an adapter's own otherwise).
+    lora_slot: int = -1
+    hash_root: int = 0
 
     def __post_init__(self) -> None:
         if not self.params.greedy:
@@ -131,6 +135,9 @@ class CachedTokens(Protocol):
     num_pic_hit_tokens: int
     num_pic_miss_tokens: int
     num_pic_recomputed_tokens: int
+
+    @property
+    def hash_root(self) -> int: ...  # its blocks' hash chain's first link (LoRA adapters)
 
     @property
     def pic(self) -> PicLayout | None: ...

@@ -59,6 +59,11 @@ class CacheView:
         return self.seq.seq_id
 
     @property
+    def hash_root(self) -> int:
+        """The draft runs no adapter (a backend with adapters has no draft): the base's."""
+        return 0
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.seq.output_token_ids
 

@@ -4,11 +4,19 @@ embeddings (which a tied model's output projection reuses)."""
 import torch
 from torch import nn
 
+from ..kernels.lora_ref import LoraSite
 from ..quant.linear import QuantLinear
 
 
 class Linear(nn.Linear):
-    """The projection layers' type: the seam where quantized layers replace float ones."""
+    """The projection layers' type: the seam where quantized layers replace float ones,
+    and where LoRA adapters attach (``lora``: their products, added row by row)."""
+
+    lora: LoraSite | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out if self.lora is None else self.lora.add(x, out)
 
 
 def project(x: torch.Tensor, *layers: nn.Module) -> list[torch.Tensor]:

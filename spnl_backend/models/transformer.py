@@ -8,6 +8,7 @@ from .collectives import Collectives, shard_range
 from .config import ModelConfig
 from .decoder import DecoderLayer
 from .linear import Embedding, Linear
+from .lora import LoraAdapters
 from .moe import SparseMoE
 from .native_blocks import LayerBlocks
 from .norms import RMSNorm
@@ -214,6 +215,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config, self.tp, self.kernels = config, tp, kernels
         self.model = Backbone(config, tp, kernels)
+        self.adapters: LoraAdapters | None = None  # LoRA adapters, once any is attached
         if not config.tie_word_embeddings:
             start, end = self.model.vocab_range
             self.lm_head = Linear(config.hidden_size, end - start, bias=False)

@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from ..kernels.dispatch import TORCH_CHOICE, KernelChoice
+from ..kernels.lora_ref import LoraSite
 from ..kernels.matmuls import Matmuls, quantized_matmuls_ref
 from .ggml import dequantize
 from .quantize import quantize
@@ -92,6 +93,8 @@ class QuantizedExperts:
 
 
 class QuantLinear(nn.Module):
+    lora: LoraSite | None = None  # LoRA adapters' products, added row by row
+
     def __init__(
         self,
         weight: QuantizedWeight,
@@ -123,6 +126,8 @@ class QuantLinear(nn.Module):
 
 
 def _finish(out: torch.Tensor, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    if layer.lora is not None:
+        out = layer.lora.add(x, out)
     if layer.bias is None and out.dtype is x.dtype and x.dim() == 2:
         return out  # the common decode case (float32 rows): already what the caller wants
     out = out.to(x.dtype)

@@ -249,6 +249,12 @@ class _Api:
         owned = {"object": "model", "created": 0, "owned_by": "spnl-backend"}
         owned["meta"] = version_info()  # which server answers, as llama.cpp's `meta` says
         data = [{"id": name, **owned} for name in self._names()]
+        backend = self.state.backend
+        if self.state.models is None and backend is not None and not backend.closed:
+            base = self.config.model_name
+            data += [
+                {"id": a.name, **owned, "parent": base, "root": a.path} for a in backend.adapters()
+            ]
         return JSONResponse({"object": "list", "data": data})
 
     def _names(self) -> list[str]:
@@ -625,12 +631,7 @@ class _Api:
         """A completions or chat request (or another API's, ``parse``d into one) through
         the gate, tokenized, prepared and submitted; else the error's response."""
         try:
-            self._gate(request)
-            body = await _read_json(request, self.config.max_body_bytes)
-            self._known(body.get("model") if isinstance(body, dict) else None)
-            # Grammars convert here: off the loop, and with no collector pause in the middle.
-            asked = await asyncio.to_thread(collector.without_pauses(parse), body)
-            backend = await self._acquire(request, asked.model)
+            backend, asked = await self._admit(request, parse)
         except Exception as exc:
             return self._refused(label, exc, shape)
         try:
@@ -682,6 +683,70 @@ class _Api:
                 headers={"Cache-Control": "no-cache"},
             )
         return await self._whole(request, submitted, reply, label)
+
+    async def _admit(
+        self, request: Request, parse: Callable[[Any], EngineRequest]
+    ) -> tuple[Backend, EngineRequest]:
+        """The request through the gate, parsed, and its model's backend: the served
+        model's where ``model`` or llama-server's ``lora`` names one of its adapters."""
+        self._gate(request)
+        body = await _read_json(request, self.config.max_body_bytes)
+        model = body.get("model") if isinstance(body, dict) else None
+        adapter = self._adapter_named(model)
+        self._known(None if adapter is not None else model)
+        chosen: tuple[str, float] | None = (adapter, 1.0) if adapter is not None else None
+        if isinstance(body, dict) and "lora" in body:  # llama-server's way
+            body = dict(body)
+            chosen = self._lora_field(body.pop("lora"), chosen)
+        # Grammars convert here: off the loop, and with no collector pause in the middle.
+        asked = await asyncio.to_thread(collector.without_pauses(parse), body)
+        if chosen is not None:  # vLLM's way: the adapter's name as the model
+            name, scale = chosen
+            params = dataclasses.replace(asked.params, adapter=name, adapter_scale=scale)
+            return self._backend(request), dataclasses.replace(asked, params=params)
+        return await self._acquire(request, asked.model), asked
+
+    def _lora_field(
+        self, field: object, by_model: tuple[str, float] | None
+    ) -> tuple[str, float] | None:
+        """llama-server's ``lora: [{"id" | "name", "scale"}]``: the one adapter it gives a
+        scale other than 0 (ids count the loaded adapters from 0, as /v1/models lists
+        them), or None for the base model."""
+        accepted = (
+            'a list of {"id": <index> or "name": <adapter>, "scale": <number>}, '
+            "one entry with a scale other than 0"
+        )
+        backend = self.state.backend
+        if self.state.models is not None or backend is None or backend.closed:
+            raise bad_request("lora applies with one model served", "lora")
+        names = [a.name for a in backend.adapters()]
+        if not isinstance(field, list) or not all(isinstance(e, dict) for e in field):
+            raise bad_request(f"lora={shown(field)}: expected {accepted}", "lora")
+        chosen = []
+        for entry in field:
+            name = _lora_entry_name(entry, names, accepted)
+            scale = entry.get("scale", 1.0)
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+                raise bad_request(f"lora scale={shown(scale)}: expected a number", "lora")
+            if scale != 0:
+                chosen.append((name, float(scale)))
+        if len(chosen) > 1:
+            raise bad_request(f"lora: {len(chosen)} adapters; expected {accepted}", "lora")
+        if by_model is not None and chosen and chosen[0][0] != by_model[0]:
+            raise bad_request(
+                f"model names the adapter {by_model[0]!r} and lora {chosen[0][0]!r}", "lora"
+            )
+        return chosen[0] if chosen else by_model
+
+    def _adapter_named(self, model: object) -> str | None:
+        """``model`` where it names one of the served model's LoRA adapters (one model
+        served; not the base model's own name), else None."""
+        backend = self.state.backend
+        if self.state.models is not None or backend is None or backend.closed:
+            return None
+        if not isinstance(model, str) or _bare_name(model) == self.config.model_name:
+            return None
+        return model if model in {a.name for a in backend.adapters()} else None
 
     # ---- models -----------------------------------------------------------------------
 
@@ -1164,6 +1229,28 @@ def _too_large(limit: int) -> ApiError:
 def _served_name(model: str) -> str:
     """A name as clients write it (spnl's ``openai/``, Ollama's ``:latest``) → ours."""
     return _bare_name(model).removesuffix(":latest")
+
+
+def _lora_entry_name(entry: dict, names: list[str], accepted: str) -> str:
+    """The adapter one ``lora`` entry names, by ``id`` or ``name``."""
+    if set(entry) - {"id", "name", "scale"} or ("id" in entry) == ("name" in entry):
+        raise bad_request(f"lora entry {shown(entry)}: expected {accepted}", "lora")
+    if "id" in entry:
+        index = entry["id"]
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(names):
+            raise bad_request(
+                f"lora id={shown(index)}: expected 0 to {len(names) - 1} (the loaded adapters: "
+                f"{', '.join(names) or 'none'})",
+                "lora",
+            )
+        return names[index]
+    if entry["name"] not in names:
+        raise bad_request(
+            f"lora name={shown(entry['name'])}: no adapter of that name is loaded "
+            f"({', '.join(names) or 'none'})",
+            "lora",
+        )
+    return entry["name"]
 
 
 def _bare_name(model: str) -> str:

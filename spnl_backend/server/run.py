@@ -97,20 +97,31 @@ def serve(
     memory_budget_mb: int | None = None,
     chat_template: str | None = None,
     reasoning_format: str | None = None,
+    lora: list[str] | None = None,
 ) -> int:
     """Run the server until it is told to stop; returns the exit status. ``model``: one
     model (loaded at once, kept for the server's life), or a list of several (each
     ``PATH`` or ``NAME=PATH``, loaded on its first request and unloaded once idle for
     ``keep_alive_s``, within ``memory_budget_mb``). ``chat_template`` (a file or Jinja
     source) and ``reasoning_format``: over ``MISTRALRS_CHAT_TEMPLATE`` and
-    ``MISTRALRS_REASONING_FORMAT``, for every model served."""
+    ``MISTRALRS_REASONING_FORMAT``, for every model served. ``lora``: ``NAME=PATH`` LoRA
+    adapters over ``MISTRALRS_LORA_ADAPTERS`` (one model served)."""
     api_key = api_key if api_key is not None else api_key_from_env()
     _check_options(port, max_waiting, max_body_bytes, grace_s)
-    chosen = {"chat_template": chat_template, "reasoning_format": reasoning_format}
+    chosen = {
+        "chat_template": chat_template,
+        "reasoning_format": reasoning_format,
+        "lora_adapters": ",".join(lora) if lora else None,
+    }
     # A bad MISTRALRS_* variable or chat template fails before anything starts.
     settings = load_settings(**{k: v for k, v in chosen.items() if v is not None})
     user_chat_template(settings.chat_template)
     several = _several(model, served_model_name, keep_alive_s, memory_budget_mb, settings)
+    if several is not None and settings.lora_adapters:
+        raise SettingsError(
+            "--lora (MISTRALRS_LORA_ADAPTERS): LoRA adapters are served on one model; "
+            "with several, leave them unset"
+        )
     if isinstance(model, list):  # one given (several are the model set's)
         model = model[0] if len(model) == 1 else None
     model = None if several is not None else model or settings.model or None

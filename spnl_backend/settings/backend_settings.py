@@ -90,6 +90,7 @@ _PARSERS = {
     "kv_tier_mb": values.parse_positive_int,
     "chat_template": values.parse_chat_template,
     "reasoning_format": values.parse_reasoning_format,
+    "lora_adapters": values.parse_lora_adapters,
 }
 
 
@@ -199,6 +200,9 @@ class BackendSettings(BaseSettings):
     # How reasoning is told from the answer (`reasoning.formats`): auto reads it from the
     # chat template; none leaves the whole output the answer.
     reasoning_format: Literal["auto", "none", "think", "granite", "harmony"] = "auto"
+    # LoRA adapters on the base model, ``name=path,name2=path2`` (PEFT directories): a
+    # request names one (``adapter=``, or the server's ``model``) or runs the base.
+    lora_adapters: str | None = None
 
     def __init__(self, **kwargs: Any) -> None:
         try:

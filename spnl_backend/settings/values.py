@@ -361,3 +361,34 @@ def parse_chat_template(value: object) -> str | None:
     if not text.strip():
         raise ValueError("expected a chat template file's path or Jinja source, not nothing")
     return text
+
+
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]*")
+
+
+def parse_lora_adapters(value: object) -> str | None:
+    """``name=path,name2=path2``: LoRA adapter directories and the names requests choose
+    them by, checked and written back in that form (`lora_adapter_list` reads it)."""
+    text = _text(value)
+    if not text:
+        return None
+    pairs = [part.strip() for part in text.split(",")]
+    seen: set[str] = set()
+    for pair in pairs:
+        name, sep, path = (piece.strip() for piece in pair.partition("="))
+        if not sep or not path or not _ADAPTER_NAME.fullmatch(name):
+            raise ValueError(
+                f"expected name=path pairs separated by commas (a name of letters, digits "
+                f"and . _ : / -), got {pair!r}"
+            )
+        if name in seen:
+            raise ValueError(f"expected each adapter name once, got {name!r} twice")
+        seen.add(name)
+    return ",".join("=".join(p.strip() for p in pair.partition("=")[::2]) for pair in pairs)
+
+
+def lora_adapter_list(value: str | None) -> list[tuple[str, str]]:
+    """The ``(name, path)`` pairs of a checked `parse_lora_adapters` value."""
+    if not value:
+        return []
+    return [(name, path) for name, _, path in (pair.partition("=") for pair in value.split(","))]
