@@ -36,6 +36,7 @@ class SamplingParams:
     # Special tokens the output's text keeps (reasoning markers such as gpt-oss's
     # <|channel|>, which a reasoning parser reads), beside the constraint's own.
     kept_token_ids: tuple[int, ...] = ()
+    keep_stop: bool = False  # the text ends with the stop string it matched, not before it
 
     @property
     def greedy(self) -> bool:

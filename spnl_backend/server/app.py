@@ -43,7 +43,7 @@ from ..reasoning import ReasoningDelta, ReasoningParser, resolve_format
 from ..tools.calls import CallReader, call_reader
 from ..tools.chat import template_messages
 from ..version import version_info
-from . import collector, ollama
+from . import collector, ollama, router_info
 from .metrics import ServerMetrics
 from .models import ModelSet
 from .protocol import (
@@ -98,6 +98,10 @@ class ServerState:
 
     backend: Backend | None = None
     models: ModelSet | None = None  # a server of several models (then no `backend`)
+    # Where KV events are published (`kv_events.KvEventsConfig` as a dict), told to routers
+    # in /get_server_info; None: not published.
+    kv_events: dict[str, Any] | None = None
+    publisher: Any = None  # the `kv_events.KvEventPublisher`, once the model is loaded
     in_flight: int = 0
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
 
@@ -485,6 +489,54 @@ class _Api:
         except Exception as exc:
             return self._refused("reset_prefix_cache", exc)
         return JSONResponse({"status": "ok", "forgotten": forgotten})
+
+    # ---- what routers ask of a worker (`router_info`) ------------------------------------
+
+    async def flush_cache(self, request: Request) -> Response:
+        """SGLang's name for `reset_prefix_cache` (sglang-router and vllm-router send it to
+        every worker)."""
+        return await self.reset_prefix_cache(request)
+
+    async def health_generate(self, request: Request) -> Response:
+        """Healthy only if every loaded model generates a token (SGLang's deeper probe)."""
+        backends = self._loaded_backends()
+        if not backends and self.state.models is None:
+            return await self.health(request)  # loading: its 503
+        try:
+            for backend in backends:
+                await asyncio.to_thread(backend.generate, "ping", max_tokens=1, temperature=0)
+        except Exception as exc:
+            log.error("health_generate.failed", error=f"{type(exc).__name__}: {exc}")
+            failed = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
+            return JSONResponse(failed, 503)
+        return JSONResponse({"status": "ok", "generated": len(backends)})
+
+    async def model_info(self, request: Request) -> Response:
+        return await self._info(request, router_info.model_info)
+
+    async def server_info(self, request: Request) -> Response:
+        events = self.state.kv_events
+        return await self._info(request, lambda name, b: router_info.server_info(name, b, events))
+
+    async def _info(
+        self, request: Request, describe: Callable[[str, Backend], dict[str, Any]]
+    ) -> Response:
+        """The served model's info; with several models, each loaded one's by name."""
+        models = self.state.models
+        if models is not None:
+            loaded = [(m.name, m.backend) for m in models.loaded() if m.backend is not None]
+            described = await asyncio.to_thread(lambda: [describe(n, b) for n, b in loaded])
+            return JSONResponse({"models": models.names, "loaded": described})
+        try:
+            backend = self._backend(request)
+            info = await asyncio.to_thread(describe, self.config.model_name, backend)
+        except Exception as exc:
+            return self._refused("server_info", exc)
+        return JSONResponse(info)
+
+    async def get_load(self, request: Request) -> Response:
+        backends = self._loaded_backends()
+        return JSONResponse(await asyncio.to_thread(router_info.load, backends))
 
     # ---- the gate ---------------------------------------------------------------------
 
