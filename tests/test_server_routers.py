@@ -159,7 +159,8 @@ def test_model_server_info_and_load(live, backend):
     cache = backend.cache_info()
     for path in ("/get_model_info", "/model_info"):
         info = httpx.get(live.url + path).json()
-        assert info["model_path"] == MODEL
+        assert info["model_path"] == str(backend.source.path)
+        assert info["served_model_name"] == MODEL
         assert info["is_generation"] is True
         assert info["max_context_length"] == backend.max_model_len
     for path in ("/get_server_info", "/server_info"):
@@ -215,6 +216,9 @@ def test_health_generate_generates(live):
 # ---- KV events ---------------------------------------------------------------------------
 
 
+CLEARED = {"type": "AllBlocksCleared"}
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -236,10 +240,11 @@ class _Subscriber:
         while self.sub.poll(int(timeout_s * 1000)):
             topic, seq, payload = self.sub.recv_multipart()
             assert topic == self.topic
-            ts, events = msgpack.unpackb(payload)  # [ts, events]: no data_parallel_rank
-            assert isinstance(ts, float)
-            assert abs(ts - time.time()) < 60
-            got.append((int.from_bytes(seq, "big"), events))
+            batch = msgpack.unpackb(payload)
+            assert set(batch) == {"ts", "events", "data_parallel_rank"}
+            assert isinstance(batch["ts"], float)
+            assert abs(batch["ts"] - time.time()) < 60
+            got.append((int.from_bytes(seq, "big"), batch["events"]))
         return got
 
     def close(self) -> None:
@@ -282,18 +287,27 @@ def test_stored_and_cleared_events_match_the_pool(backend):
         seqs = [seq for seq, _ in heard]
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # numbered without gaps
         events = _events(heard)
-        assert ["AllBlocksCleared"] in events
-        stored = [e for e in events if e[0] == "BlockStored"]
+        assert CLEARED in events
+        stored = [e for e in events if e["type"] == "BlockStored"]
         assert len(stored) == 1  # the prompt's chain, in one event as vLLM sends it
-        _kind, hashes, parent, tokens, block_size, lora_id, medium, lora_name = stored[0]
-        assert (parent, block_size, lora_id, medium, lora_name) == (None, 32, None, "GPU", None)
+        hashes, tokens = stored[0]["block_hashes"], stored[0]["token_ids"]
+        assert stored[0] == {
+            "type": "BlockStored",
+            "block_hashes": hashes,
+            "parent_block_hash": None,
+            "token_ids": tokens,
+            "block_size": 32,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+        }
         pool = _registered(backend)
         assert set(hashes) == set(pool)  # every block registered, and no other
         assert tokens == [t for h in hashes for t in pool[h]]
         assert len(tokens) == 32 * len(hashes)
         assert len(hashes) >= 2
         assert backend.reset_prefix_cache() == len(hashes)
-        assert _events(sub.batches()) == [["AllBlocksCleared"]]
+        assert _events(sub.batches()) == [CLEARED]
     finally:
         backend.watch_blocks(None)
         publisher.close()
@@ -314,11 +328,13 @@ def test_evictions_are_removed_events_and_a_late_joiner_replays(monkeypatch):
         _fill(blocks, [9, 8, 7, 6])  # needs both of the first's: it evicts them
         heard += sub.batches()
         events = _events(heard)
-        stored = [e for e in events if e[0] == "BlockStored"]
-        assert next((e[1], e[2], e[3]) for e in stored) == (first, None, [1, 2, 3, 4])
-        removed = [h for e in events if e[0] == "BlockRemoved" for h in e[1]]
-        assert sorted(removed) == sorted(first)
-        assert all(e[2] == "GPU" for e in events if e[0] == "BlockRemoved")
+        stored = next(e for e in events if e["type"] == "BlockStored")
+        assert stored["block_hashes"] == first
+        assert stored["parent_block_hash"] is None
+        assert stored["token_ids"] == [1, 2, 3, 4]
+        removals = [e for e in events if e["type"] == "BlockRemoved"]
+        assert sorted(h for e in removals for h in e["block_hashes"]) == sorted(first)
+        assert all(e["medium"] == "GPU" for e in removals)
         # a router that joins now asks the replay socket for everything from batch 0
         late = zmq.Context().socket(zmq.DEALER)
         late.connect(f"tcp://127.0.0.1:{replay_port}")
@@ -329,7 +345,7 @@ def test_evictions_are_removed_events_and_a_late_joiner_replays(monkeypatch):
             _, seq, payload = late.recv_multipart()
             if seq == END_SEQ:
                 break
-            replayed.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)[1]))
+            replayed.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)["events"]))
         late.close(linger=0)
         live_seqs = [seq for seq, _ in heard]
         assert [seq for seq, _ in replayed][-len(live_seqs) :] == live_seqs
@@ -380,10 +396,11 @@ def test_pic_blocks_are_announced_without_a_parent_and_tagged():
         a, b = blocks.take(), blocks.take()
         blocks.register(a, 111, (5, 6), position=40)
         blocks.register(b, 222, (7, 8), position=42, parent=111)
-        stored = [e for e in _events(sub.batches()) if e[0] == "BlockStored"]
-        assert [e[1:4] + e[8:] for e in stored] == [
-            [[111], None, [5, 6], [["spnl-pic"]]],
-            [[222], 111, [7, 8], [["spnl-pic"]]],
+        stored = [e for e in _events(sub.batches()) if e["type"] == "BlockStored"]
+        keys = ("block_hashes", "parent_block_hash", "token_ids", "extra_keys")
+        assert [tuple(e[k] for k in keys) for e in stored] == [
+            ([111], None, [5, 6], [["spnl-pic"]]),
+            ([222], 111, [7, 8], [["spnl-pic"]]),
         ]
     finally:
         publisher.close()

@@ -11,13 +11,16 @@ last batches are kept for a ROUTER replay socket: a subscriber that joined late 
 batch from there, then ``[b"", -1 (8 bytes, signed), b""]``.
 
 The msgpack shapes are vLLM's (`vllm/distributed/kv_events.py`: msgspec structs encoded
-as arrays, events tagged by their class name, trailing defaults left out)::
+as maps, events tagged by their class name under ``type``, defaults left out)::
 
-    batch        [ts (float seconds), [event, ...]]
-    BlockStored  ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-                  lora_id, medium, lora_name(, extra_keys)]
-    BlockRemoved ["BlockRemoved", block_hashes, medium]
-    AllBlocksCleared ["AllBlocksCleared"]
+    batch        {ts (float seconds), events: [event, ...], data_parallel_rank: 0}
+    BlockStored  {type: "BlockStored", block_hashes, parent_block_hash, token_ids,
+                  block_size, lora_id: None, medium, lora_name: None(, extra_keys)}
+    BlockRemoved {type: "BlockRemoved", block_hashes, medium}
+    AllBlocksCleared {type: "AllBlocksCleared"}
+
+(vLLM releases before the map encoding sent the same fields as arrays, in this order;
+vllm-router decodes the maps.)
 
 Hashes are the prefix cache's own 64-bit keys (unsigned): a block's key chains its
 parent's, so a consumer that indexes the chain of (parent, tokens) the events announce
@@ -163,38 +166,52 @@ class KvEventPublisher:
         return events
 
     def _send(self, events: list[Any]) -> None:
-        payload = self._pack([time.time(), self._encoded(events)])
+        batch = {"ts": time.time(), "events": self._encoded(events), "data_parallel_rank": 0}
+        payload = self._pack(batch)
         seq = next(self._seq)
         self._pub.send_multipart([self.config.topic.encode(), seq.to_bytes(8, "big"), payload])
         self._kept.append((seq, payload))
         self.sent += 1
 
-    def _encoded(self, events: list[Any]) -> list[list[Any]]:
+    def _encoded(self, events: list[Any]) -> list[dict[str, Any]]:
         """vLLM's events; a run of stored blocks that chain one another is one BlockStored,
         and a run of removals one BlockRemoved (as vLLM sends them)."""
-        out: list[list[Any]] = []
+        out: list[dict[str, Any]] = []
         for kind, *rest in events:
-            last = out[-1] if out else None
+            last = out[-1] if out else {"type": None}
             if kind == "BlockStored":
                 digest, parent, tokens, pic = rest
-                chained = last is not None and last[0] == kind and last[1][-1] == parent
-                if chained and not pic and len(last) == 8:
-                    last[1].append(digest)
-                    last[3].extend(tokens)
+                chained = last["type"] == kind and last["block_hashes"][-1] == parent
+                if chained and not pic and "extra_keys" not in last:
+                    last["block_hashes"].append(digest)
+                    last["token_ids"].extend(tokens)
                     continue
-                stored = [kind, [digest], parent, list(tokens), self.block_size, None, MEDIUM]
-                stored.append(None)  # lora_name
-                if pic:
-                    stored.append([[PIC_TAG]])  # extra_keys, one entry per block
-                out.append(stored)
+                out.append(self._stored(digest, parent, tokens, pic))
             elif kind == "BlockRemoved":
-                if last is not None and last[0] == kind:
-                    last[1].append(rest[0])
+                if last["type"] == kind:
+                    last["block_hashes"].append(rest[0])
                     continue
-                out.append([kind, [rest[0]], MEDIUM])
+                out.append({"type": kind, "block_hashes": [rest[0]], "medium": MEDIUM})
             else:
-                out.append([kind])
+                out.append({"type": kind})
         return out
+
+    def _stored(
+        self, digest: int, parent: int | None, tokens: tuple[int, ...], pic: bool
+    ) -> dict[str, Any]:
+        stored = {
+            "type": "BlockStored",
+            "block_hashes": [digest],
+            "parent_block_hash": parent,
+            "token_ids": list(tokens),
+            "block_size": self.block_size,
+            "lora_id": None,
+            "medium": MEDIUM,
+            "lora_name": None,
+        }
+        if pic:
+            stored["extra_keys"] = [[PIC_TAG]]  # one entry per block
+        return stored
 
     def _serve_replay(self) -> None:
         frames = self._replay.recv_multipart()  # type: ignore[union-attr]

@@ -14,10 +14,12 @@ from ..version import version_info
 
 
 def model_info(name: str, backend: Backend) -> dict[str, Any]:
-    """SGLang's ``/get_model_info`` fields this server can fill."""
+    """SGLang's ``/get_model_info`` fields this server can fill. The model's path is where
+    it was loaded from (sglang-router loads its tokenizer from there where it can)."""
+    path = str(backend.source.path)
     return {
-        "model_path": name,
-        "tokenizer_path": name,
+        "model_path": path,
+        "tokenizer_path": path,
         "served_model_name": name,
         "is_generation": True,
         "max_context_length": backend.max_model_len,
