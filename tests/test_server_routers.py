@@ -198,6 +198,25 @@ def test_get_load_counts_a_running_request(live):
         thread.join(30)
 
 
+def test_tokenize_gives_the_ids_the_engine_computes(live, backend):
+    reply = live.post("/tokenize", {"model": MODEL, "prompt": PROMPT})
+    (ids,), _ = backend.prompt_ids([PROMPT], None)
+    assert reply.json() == {
+        "count": len(ids),
+        "max_model_len": backend.max_model_len,
+        "tokens": list(ids),
+        "token_strs": None,
+    }
+    messages = [{"role": "user", "content": "hi"}]
+    # vllm-router's body for a chat request
+    body = {"model": MODEL, "continue_final_message": False, "messages": messages}
+    reply = live.post("/tokenize", body)
+    assert reply.json()["tokens"] == list(backend.chat_prompt_ids(messages, None, None))
+    refused = live.post("/tokenize", {**body, "add_generation_prompt": False})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "add_generation_prompt"
+
+
 def test_flush_cache_forgets_the_prefix_cache(live, backend):
     _text(_completion(live, prompt=PROMPT * 4, max_tokens=2))
     assert backend.stats().pool.cached > 0
@@ -240,11 +259,11 @@ class _Subscriber:
         while self.sub.poll(int(timeout_s * 1000)):
             topic, seq, payload = self.sub.recv_multipart()
             assert topic == self.topic
-            batch = msgpack.unpackb(payload)
-            assert set(batch) == {"ts", "events", "data_parallel_rank"}
-            assert isinstance(batch["ts"], float)
-            assert abs(batch["ts"] - time.time()) < 60
-            got.append((int.from_bytes(seq, "big"), batch["events"]))
+            ts, events, rank = msgpack.unpackb(payload)  # vLLM's EventBatch, as an array
+            assert isinstance(ts, float)
+            assert abs(ts - time.time()) < 60
+            assert rank == 0
+            got.append((int.from_bytes(seq, "big"), events))
         return got
 
     def close(self) -> None:
@@ -345,7 +364,7 @@ def test_evictions_are_removed_events_and_a_late_joiner_replays(monkeypatch):
             _, seq, payload = late.recv_multipart()
             if seq == END_SEQ:
                 break
-            replayed.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)["events"]))
+            replayed.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)[1]))
         late.close(linger=0)
         live_seqs = [seq for seq, _ in heard]
         assert [seq for seq, _ in replayed][-len(live_seqs) :] == live_seqs

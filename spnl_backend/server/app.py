@@ -56,6 +56,7 @@ from .protocol import (
     parse_chat,
     parse_completion,
     parse_embeddings,
+    parse_tokenize,
 )
 from .responses import Endpoint, Reply, embedding_body, json_piecewise, sse
 from .rules import ROUTES, RouteRule, check_page, check_type
@@ -533,6 +534,34 @@ class _Api:
         except Exception as exc:
             return self._refused("server_info", exc)
         return JSONResponse(info)
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``/tokenize``: the token ids the engine would compute for a completion's
+        prompt or a chat's messages (chat-templated); vllm-router's ``kv_aware`` reads
+        them to look the prompt's blocks up in its index of KV events."""
+        try:
+            self._gate(request)
+            body = await _read_json(request, self.config.max_body_bytes)
+            self._known(body.get("model") if isinstance(body, dict) else None)
+            asked = await asyncio.to_thread(parse_tokenize, body)
+            backend = await self._acquire(request, asked.model)
+        except Exception as exc:
+            return self._refused("tokenize", exc)
+        try:
+            (ids,) = await asyncio.to_thread(_prompt_ids, backend, asked)
+        except Exception as exc:
+            return self._refused("tokenize", exc)
+        finally:
+            self._release(asked.model)
+        tokens = list(ids)  # type: ignore[arg-type]
+        return JSONResponse(
+            {
+                "count": len(tokens),
+                "max_model_len": backend.max_model_len,
+                "tokens": tokens,
+                "token_strs": None,
+            }
+        )
 
     async def get_load(self, request: Request) -> Response:
         backends = self._loaded_backends()

@@ -10,17 +10,18 @@ last batches are kept for a ROUTER replay socket: a subscriber that joined late 
 ``[b"", start_seq (8 bytes, big-endian)]`` and gets ``[b"", seq, batch]`` for each kept
 batch from there, then ``[b"", -1 (8 bytes, signed), b""]``.
 
-The msgpack shapes are vLLM's (`vllm/distributed/kv_events.py`: msgspec structs encoded
-as maps, events tagged by their class name under ``type``, defaults left out)::
+The msgpack shapes are vLLM's (`vllm/distributed/kv_events.py`: msgspec structs, the
+batch an array, each event a map tagged by its class name under ``type``; defaults left
+out), as vllm-router decodes them::
 
-    batch        {ts (float seconds), events: [event, ...], data_parallel_rank: 0}
+    batch        [ts (float seconds), [event, ...], data_parallel_rank (0)]
     BlockStored  {type: "BlockStored", block_hashes, parent_block_hash, token_ids,
                   block_size, lora_id: None, medium, lora_name: None(, extra_keys)}
     BlockRemoved {type: "BlockRemoved", block_hashes, medium}
     AllBlocksCleared {type: "AllBlocksCleared"}
 
-(vLLM releases before the map encoding sent the same fields as arrays, in this order;
-vllm-router decodes the maps.)
+(Earlier vLLM releases sent each event as an array of the same fields in this order;
+vllm-router 0.1.17 refuses those, and a batch sent as a map.)
 
 Hashes are the prefix cache's own 64-bit keys (unsigned): a block's key chains its
 parent's, so a consumer that indexes the chain of (parent, tokens) the events announce
@@ -166,8 +167,7 @@ class KvEventPublisher:
         return events
 
     def _send(self, events: list[Any]) -> None:
-        batch = {"ts": time.time(), "events": self._encoded(events), "data_parallel_rank": 0}
-        payload = self._pack(batch)
+        payload = self._pack([time.time(), self._encoded(events), 0])  # ts, events, dp rank
         seq = next(self._seq)
         self._pub.send_multipart([self.config.topic.encode(), seq.to_bytes(8, "big"), payload])
         self._kept.append((seq, payload))

@@ -198,6 +198,37 @@ def parse_chat(body: object) -> EngineRequest:
     )
 
 
+# vLLM's /tokenize fields beyond a completion's or chat's, each at the value that is what
+# this server does: the model's special tokens added (BOS), a chat's generation prompt
+# added, no token strings listed.
+_TOKENIZE_ONLY = {
+    "add_special_tokens": True,
+    "add_generation_prompt": True,
+    "return_token_strs": False,
+}
+
+
+def parse_tokenize(body: object) -> EngineRequest:
+    """vLLM's ``/tokenize`` body: a completion's ``prompt`` (one) or a chat's
+    ``messages``, with the fields of either (vllm-router sends its own with them)."""
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, not {_json_kind(body)}")
+    rest = dict(body)
+    for name, default in _TOKENIZE_ONLY.items():
+        value = rest.pop(name, None)
+        if value is not None and value is not default:
+            raise bad_request(
+                f"{name}={shown(value)} is not supported by /tokenize (only {default!r}, "
+                "which is how this server tokenizes)",
+                name,
+                "unsupported_parameter",
+            )
+    asked = parse_chat(rest) if "messages" in rest else parse_completion(rest)
+    if asked.prompts is not None and len(asked.prompts) != 1:
+        raise bad_request("/tokenize takes one prompt, a string", "prompt")
+    return asked
+
+
 def _named(message: str, names: tuple[str, ...]) -> str | None:
     """The field an error message starts with."""
     return next((n for n in sorted(names, key=len, reverse=True) if message.startswith(n)), None)

@@ -61,6 +61,7 @@ ROUTES: tuple[RouteRule, ...] = (
     RouteRule("/get_server_info", "GET", "server_info", "asked", "none"),
     RouteRule("/server_info", "GET", "server_info", "asked", "none"),
     RouteRule("/get_load", "GET", "get_load", "metrics", "none"),
+    RouteRule("/tokenize", "POST", "tokenize", "asked", "json"),  # vLLM's
 )
 
 
