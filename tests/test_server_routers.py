@@ -193,6 +193,9 @@ def test_get_load_counts_a_running_request(live):
             time.sleep(0.02)
         assert load["num_reqs"] == 1
         assert load["num_tokens"] > 0
+        scraped = _scraped(live)
+        assert scraped["vllm:num_requests_running", (("model_name", MODEL),)] == 1
+        assert scraped["vllm:kv_cache_usage_perc", (("model_name", MODEL),)] > 0
     finally:
         done.set()
         thread.join(30)
@@ -224,6 +227,33 @@ def test_flush_cache_forgets_the_prefix_cache(live, backend):
     assert reply.status_code == 200
     assert reply.json()["forgotten"] > 0
     assert backend.stats().pool.cached == 0
+
+
+def _scraped(live) -> dict[tuple[str, tuple], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(live.url + "/metrics").text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_load_is_on_metrics_under_vllms_names(live, backend):
+    _text(_completion(live, prompt=PROMPT * 2, max_tokens=2))
+    _text(_completion(live, prompt=PROMPT * 2, max_tokens=2))  # a prefix hit
+    scraped = _scraped(live)
+    named = (("model_name", MODEL),)
+    stats = backend.stats()
+    assert scraped["vllm:num_requests_running", named] == 0
+    assert scraped["vllm:num_requests_waiting", named] == 0
+    assert scraped["vllm:kv_cache_usage_perc", named] == 0
+    hits = scraped["vllm:prefix_cache_hits_total", named]
+    assert hits == stats.prefix_cache_hits == scraped["spnl_prefix_cache_hits_total", ()] > 0
+    assert scraped["vllm:prefix_cache_queries_total", named] == stats.prefix_cache_queries
+    ttft = scraped["vllm:time_to_first_token_seconds_count", named]
+    assert ttft == scraped["spnl_time_to_first_token_seconds_count", ()] >= 2
 
 
 def test_health_generate_generates(live):

@@ -109,6 +109,7 @@ class ServerState:
 
 def create_app(config: ServerConfig, state: ServerState) -> Starlette:
     api = _Api(config, state)
+    state.metrics.model_name = config.model_name
     state.metrics.watch(lambda: _engine_stats(state))
     routes = [Route(r.path, api.guarded(r), methods=[r.method], name=r.handler) for r in ROUTES]
     app = Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed})
@@ -824,7 +825,7 @@ class _Api:
         metrics.draft_tokens.inc(seq.num_draft_tokens)
         metrics.accepted_tokens.inc(seq.num_accepted_tokens)
         if seq.first_token_time is not None:
-            metrics.ttft.observe(seq.first_token_time - seq.arrival_time)
+            metrics.first_token(seq.first_token_time - seq.arrival_time)
             if tokens > 1 and seq.finish_time is not None:
                 metrics.itl.observe((seq.finish_time - seq.first_token_time) / (tokens - 1))
 
