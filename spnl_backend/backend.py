@@ -27,7 +27,14 @@ from .models.transformer import CausalLM
 from .pic.layout import PicPrompt
 from .pic.prompts import PicPrompts
 from .pic.query import SpanQuery
-from .reasoning import Reasoning, markers, resolve_format, starts_inside, template_variables
+from .reasoning import (
+    Reasoning,
+    detect_format,
+    markers,
+    resolve_format,
+    starts_inside,
+    template_variables,
+)
 from .request import (
     MAX_SEED,
     ContextLimit,
@@ -50,7 +57,8 @@ from .results import (
 )
 from .sampling import SamplingParams
 from .settings import BackendSettings, PlatformDecisions
-from .tools.chat import ToolChat, template_messages, tool_chat
+from .tools.chat import ToolChat, one_call_a_turn, template_messages, tool_chat
+from .tools.formats import ToolFormat
 from .tools.spec import ToolRequest, tool_request
 
 log = get_logger()
@@ -194,7 +202,7 @@ class Backend:
         chat = self.tool_chat(asked, params) if asked is not None else ToolChat(None, None)
         if chat.constraint is not None:
             params = dataclasses.replace(params, constraint=chat.constraint)
-        params, reasoning = self._reasoning_params(prompt, params)
+        params, reasoning = self._reasoning_params(prompt, params, chat.format)
         result = read_results(self.submit([prompt], params), single=True)
         return with_calls(with_reasoning(result, reasoning), chat)
 
@@ -331,6 +339,12 @@ class Backend:
                     "prompts): see prompt_ids and chat_prompt_ids"
                 )
         self._check_token_ids(params)
+        if params.speculative and loop.engine.speculation is None:
+            raise RequestError(
+                f"speculative={params.speculative}: this backend decodes without speculation; "
+                "load it with MISTRALRS_SPECULATIVE_METHOD=ngram (or a draft model) for it, "
+                "or leave speculative out"
+            )
         if params.logprobs:
             self._grammars.tokenizer  # noqa: B018  # built now, not in a response
         seqs = [
@@ -423,16 +437,30 @@ class Backend:
                 )
             return pic
         checked = check_messages(messages)
+        if detect_format(self.tokenizer.hf.chat_template) == "harmony":
+            one_call_a_turn(checked)
         return self._limit.check(
             self.tokenizer.apply_chat_template(checked, definitions, variables)
         )
 
-    def reasoning(self, prompt: PromptIds, constrained: bool = False) -> Reasoning:
+    def reasoning(
+        self, prompt: PromptIds, constrained: bool = False, tools: ToolFormat | None = None
+    ) -> Reasoning:
         """How the answer to the chat ``prompt`` is read (`reasoning`): the format in
         effect (``MISTRALRS_REASONING_FORMAT``, or the chat template's) and whether the
         output starts inside the reasoning because the prompt opened it. Never inside where
-        a constraint holds the output: the constraint makes all of it the answer."""
+        a constraint holds the output: the constraint makes all of it the answer.
+        ``tools``: the format the answer's calls are read in; harmony's calls are read by
+        the harmony parser, which then needs the harmony format in effect."""
         fmt = resolve_format(self.settings.reasoning_format, self.tokenizer.hf.chat_template)
+        if tools is not None and tools.syntax == "harmony":
+            if fmt != "harmony":
+                raise RequestError(
+                    "this model calls tools in gpt-oss's harmony messages, which only the "
+                    f"harmony reasoning format reads; the reasoning format in effect is {fmt!r} "
+                    "(MISTRALRS_REASONING_FORMAT): set it to 'auto' or 'harmony'"
+                )
+            return Reasoning(fmt, calls=True)
         if fmt == "none":
             return Reasoning(fmt)
         ids = prompt.token_ids if isinstance(prompt, PicPrompt) else prompt
@@ -440,11 +468,11 @@ class Backend:
         return Reasoning(fmt, not constrained and starts_inside(fmt, tail))
 
     def _reasoning_params(
-        self, prompt: PromptIds, params: SamplingParams
+        self, prompt: PromptIds, params: SamplingParams, tools: ToolFormat | None = None
     ) -> tuple[SamplingParams, Reasoning]:
-        """How a chat's answer to ``prompt`` is read for reasoning, and ``params`` keeping
-        the markers its parser reads."""
-        reasoning = self.reasoning(prompt, constrained=params.constraint is not None)
+        """How a chat's answer to ``prompt`` is read for reasoning (and, harmony, for the
+        calls in ``tools``' format), and ``params`` keeping the markers its parser reads."""
+        reasoning = self.reasoning(prompt, params.constraint is not None, tools)
         kept = params.kept_token_ids + self.reasoning_kept(reasoning.format)
         return dataclasses.replace(params, kept_token_ids=kept), reasoning
 

@@ -37,6 +37,9 @@ class SamplingParams:
     # <|channel|>, which a reasoning parser reads), beside the constraint's own.
     kept_token_ids: tuple[int, ...] = ()
     keep_stop: bool = False  # the text ends with the stop string it matched, not before it
+    # Speculative decoding for this request: None, the backend's (its method and gamma);
+    # 0, off; n, at most n proposed tokens per step.
+    speculative: int | None = None
 
     @property
     def greedy(self) -> bool:

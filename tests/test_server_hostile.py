@@ -246,6 +246,7 @@ def test_the_docs_state_the_rule_table():
     page = Path(__file__).resolve().parent.parent / "docs" / "serving.md"
     rows = [line for line in page.read_text().splitlines() if line.startswith("| `GET /")]
     rows += [line for line in page.read_text().splitlines() if line.startswith("| `POST /")]
+    rows += [line for line in page.read_text().splitlines() if line.startswith("| `DELETE /")]
     key = {"asked (401)": "asked", "asked unless `--open-metrics`": "metrics", "not asked": "open"}
     body = {"JSON, or untyped": "json", "any type": "any", "none read": "none"}
     stated = {}
@@ -258,5 +259,5 @@ def test_the_docs_state_the_rule_table():
         paths = [path, *others]
         kind = next(v for k, v in body.items() if cells[3].startswith(k))
         for path in paths:
-            stated[path] = (method, key[cells[2]], kind)
-    assert stated == {rule.path: (rule.method, rule.key, rule.body) for rule in ROUTES}
+            stated[method, path] = (key[cells[2]], kind)
+    assert stated == {(rule.method, rule.path): (rule.key, rule.body) for rule in ROUTES}

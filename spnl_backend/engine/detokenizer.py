@@ -50,6 +50,7 @@ class IncrementalDetokenizer:
         self.skip = len(skip)
         self.sent = 0
         self.stopped = False
+        self.matched: str | None = None  # the stop string the text ended at
 
     def add(self, token_id: int) -> str:
         """Append a token; returns the text that is now safe to show (possibly empty)."""
@@ -87,6 +88,6 @@ class IncrementalDetokenizer:
         hits = [(at, s) for s in self.stop if (at := self.text.find(s, search_from)) != -1]
         if hits:
             # the first match; of those that start there, the longest (it was typed whole)
-            at, stop = min(hits, key=lambda hit: (hit[0], -len(hit[1])))
-            self.text = self.text[: at + len(stop) if self.keep_stop else at]
+            at, self.matched = min(hits, key=lambda hit: (hit[0], -len(hit[1])))
+            self.text = self.text[: at + len(self.matched) if self.keep_stop else at]
             self.stopped = True

@@ -13,6 +13,7 @@ from .cache import CacheInfo, PoolUsage, StateUsage
 from .detokenizer import Decoder, IncrementalDetokenizer, KeptTokens
 from .embed import embed
 from .kv_tier import TierStats, tier_stats
+from .ngram import NgramRunner
 from .runner import Runner
 from .sampler import TokenLogprobs, row_error
 from .scheduler import Scheduler
@@ -313,6 +314,15 @@ class Engine:
         self.scheduler.running.clear()
         self.scheduler.waiting.clear()
 
+    @property
+    def speculation(self) -> str | None:
+        """What proposes tokens for the target to verify: "draft", "ngram", or None."""
+        if isinstance(self.runner, SpeculativeRunner):
+            return "draft"
+        if isinstance(self.runner, NgramRunner):
+            return "ngram"
+        return None
+
     def pic_refusal(self) -> str | None:
         """Why PIC prompts cannot run on this engine's cache, or None where they can."""
         info = self.cache_info
@@ -364,7 +374,7 @@ class Engine:
         reason = self._finish_reason(seq, token_id, detok.stopped)
         if reason:
             delta += detok.flush()
-            seq.text = detok.text
+            seq.text, seq.stop_string = detok.text, detok.matched
             seq.finish(reason)
         output = StepOutput(seq, token_id, delta, logprobs)
         seq.outbox.append(output)  # within the step: a failure after it loses nothing

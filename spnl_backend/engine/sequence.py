@@ -45,6 +45,7 @@ class Sequence:
     paused: bool = False
     read_at: float = field(default_factory=time.monotonic)
     text: str = ""  # the completion's text, set when the sequence finishes
+    stop_string: str | None = None  # the stop string it finished at (not in ``text``)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -43,14 +43,14 @@ _LAYER_TYPES: dict[str, LayerType] = {
     "attention": "full",
     "mamba": "linear",
 }
-_REQUIRED_COUNTS = (
-    "vocab_size",
-    "hidden_size",
+_REQUIRED_COUNTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+# (intermediate_size: a model whose every layer has experts has no dense MLP to size)
+_OPTIONAL_COUNTS = (
     "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
 )
-_OPTIONAL_COUNTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 _ROPE_OPTIONAL = (
     "low_freq_factor",
     "high_freq_factor",
@@ -227,6 +227,7 @@ def model_config_from_hf(
     """``config`` as a `ModelConfig`; a value of the wrong type or out of range is a
     ModelFileError naming ``source`` and the key."""
     prefix = "text_config." if family_of_wrapper(config.model_type) else ""
+    quantization = getattr(config, "quantization_config", None)  # the whole model's
     config = text_config(config)
     family = _check_architecture(config.model_type, source)
     if getattr(config, "is_heterogeneous", False):
@@ -239,7 +240,7 @@ def model_config_from_hf(
         architecture=family.name,
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
+        intermediate_size=keys.count("intermediate_size", None) or 0,  # 0: none
         num_layers=keys.count("num_hidden_layers"),
         num_heads=config.num_attention_heads,
         num_kv_heads=keys.count("num_key_value_heads", None) or config.num_attention_heads,
@@ -255,7 +256,11 @@ def model_config_from_hf(
         eos_token_ids=token_ids(config.eos_token_id),
         dtype=_dtype_name(keys),
     )
+    fields["quantization"] = _quant_method(quantization, family, source)
     fields.update(family.hf_fields(keys, head_dim))
+    moe = fields.get("moe")
+    if not fields["intermediate_size"] and not (moe is not None and all(moe.sparse)):
+        raise keys.missing("intermediate_size")  # (only a model of experts alone has none)
     try:
         return ModelConfig(**fields)
     except ConfigValueError as exc:
@@ -270,6 +275,25 @@ def _check_architecture(model_type: Any, path: Path) -> Family:
             + ", ".join(family_names())
         )
     return family
+
+
+def _quant_method(section: Any, family: Family, path: Path) -> str | None:
+    """``quantization_config.quant_method``, where the family reads checkpoints quantized
+    that way (`Family.quant_methods`); any other is refused, naming those it reads."""
+    if section is None:
+        return None
+    if not isinstance(section, dict):
+        section = getattr(section, "to_dict", lambda: section)()  # a transformers object
+    method = section.get("quant_method") if isinstance(section, dict) else None
+    if not isinstance(method, str):
+        raise _wrong(path, "quantization_config", section, "an object naming its quant_method")
+    if method not in family.quant_methods:
+        supported = ", ".join(map(repr, family.quant_methods)) or "none (float weights only)"
+        raise UnsupportedArchitectureError(
+            f"{path}: quantization_config.quant_method {method!r} is not supported for "
+            f"{family.name} checkpoints; supported: {supported}"
+        )
+    return method
 
 
 def _head_dim(keys: "_Keys") -> int:

@@ -104,8 +104,10 @@ def _load_text(
     config, eos = read_text_config(source.path)
     tokenizer = tokenizer or load_text_tokenizer(source.path, eos)
     release_freed_memory()  # the tokenizer's parse, before the weights land on top of it
-    stored = read_safetensors(safetensors_files(source.path), progress)
-    weights = split_fused(family(config.architecture).tensors(stored, config), config)
+    found = family(config.architecture)
+    packed = found.quant_methods.get(config.quantization, ()) if config.quantization else ()
+    stored = read_safetensors(safetensors_files(source.path), progress, packed)
+    weights = split_fused(found.tensors(stored, config), config)
     if place.split is not None:  # cut before ISQ: each rank quantizes its share alone
         weights = place.split.weights(config, weights)
     if isq is not None:
@@ -114,7 +116,7 @@ def _load_text(
             type=isq.value,
             note="projections quantized as they load; embedding and head promoted",
         )
-        weights = apply_isq(weights, isq)
+        weights = apply_isq(weights, isq, keep_quantized=True)
     return _build(source, config, tokenizer, weights, decisions, place, progress)
 
 

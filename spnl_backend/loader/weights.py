@@ -103,17 +103,24 @@ def layer_indices(names: Iterable[str]) -> set[int]:
     return {int(m[1]) for name in names if (m := _LAYER.match(name))}
 
 
-def read_safetensors(files: list[Path], progress: Progress) -> NamedTensors:
-    """Every tensor the model uses, checked: a float type, and finite. The data is read into
-    tensors of their own, not mapped: a file truncated under the process would otherwise
-    kill it (SIGBUS) at the next read of a weight."""
+def read_safetensors(
+    files: list[Path], progress: Progress, packed: tuple[str, ...] = ()
+) -> NamedTensors:
+    """Every tensor the model uses, checked: a float type, and finite; those whose names end
+    with one of ``packed`` (a quantized checkpoint's blocks and scales,
+    `Family.quant_methods`) as stored, for the family to check and unpack. The data is read
+    into tensors of their own, not mapped: a file truncated under the process would
+    otherwise kill it (SIGBUS) at the next read of a weight."""
     for number, path in enumerate(files, 1):
         with _opened(path) as f:  # safetensors checks the header's layout
             names = [n for n in list(f.keys()) if not _renamed(n).startswith(_SKIPPED_PREFIXES)]
         layout = _layout(path)
         for done, name in enumerate(names):
             progress(f"weights {number}/{len(files)}", done, len(names))
-            yield _renamed(name), _checked(_read_tensor(path, layout, name), path, name)
+            tensor = _read_tensor(path, layout, name)
+            if not (packed and name.endswith(packed)):
+                _checked(tensor, path, name)
+            yield _renamed(name), tensor
         progress(f"weights {number}/{len(files)}", len(names), len(names))
 
 
@@ -188,14 +195,13 @@ def _read_tensor(path: Path, layout: tuple[int, dict[str, Any]], name: str) -> t
     return tensor
 
 
-def _checked(tensor: torch.Tensor, path: Path, name: str) -> torch.Tensor:
+def _checked(tensor: torch.Tensor, path: Path, name: str) -> None:
     if not tensor.dtype.is_floating_point:
         raise ModelFileError(
             f"{path}: tensor {name!r} is stored as {str(tensor.dtype).removeprefix('torch.')}; "
             "expected a floating-point type"
         )
     check_finite(tensor, path, name)
-    return tensor
 
 
 def check_finite(tensor: torch.Tensor, path: Path, name: str) -> None:
@@ -241,7 +247,7 @@ def read_gguf(gguf: GGUFFile, config: ModelConfig, progress: Progress) -> NamedT
     permuted = found is not None and found.gguf_permuted_qk
     for done, gguf_name in enumerate(names):
         progress("weights", done, len(names))
-        name = hf_name(gguf_name, gguf.architecture, gguf.path)
+        name = hf_name(gguf_name, gguf.architecture, gguf.path, config.num_layers)
         if name is None:
             continue
         info = gguf.tensors[gguf_name]

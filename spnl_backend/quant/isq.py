@@ -54,13 +54,20 @@ def isq_type_for(name: str, isq: IsqType) -> Q | None:
 
 
 def apply_isq(
-    tensors: Iterator[tuple[str, torch.Tensor]], isq: IsqType
+    tensors: Iterator[tuple[str, torch.Tensor]], isq: IsqType, keep_quantized: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """Quantize each eligible weight as it streams past, so only one float matrix is alive.
 
-    Weights already quantized (a GGUF's) are requantized when their type differs."""
+    Weights already quantized are requantized when their type differs (a GGUF's, for a
+    draft), or with ``keep_quantized`` kept as they are (a checkpoint's quantized experts,
+    gpt-oss's MXFP4: requantizing would only add error)."""
     fallbacks: dict[tuple[Q, Q], list[str]] = {}
+    kept: list[str] = []
     for name, tensor in tensors:
+        if keep_quantized and isinstance(tensor, QuantizedWeight):
+            kept.append(name)
+            yield name, tensor
+            continue
         qtype = isq_type_for(name, isq)
         if qtype is None or len(tensor.shape) != 2:
             yield name, tensor
@@ -82,6 +89,13 @@ def apply_isq(
             yield name, tensor if tensor.qtype == chosen else requantize(tensor, chosen)
             continue
         yield name, _on_host_pages(QuantizedWeight.from_float(tensor, chosen))
+    if kept:
+        log.info(
+            "isq.kept",
+            tensors=len(kept),
+            first=kept[0],
+            reason="stored quantized by the checkpoint; kept as its blocks",
+        )
     for (qtype, chosen), names in fallbacks.items():
         log.info(
             "isq.fallback",

@@ -22,7 +22,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -43,7 +43,7 @@ from ..reasoning import ReasoningDelta, ReasoningParser, resolve_format
 from ..tools.calls import CallReader, call_reader
 from ..tools.chat import template_messages
 from ..version import version_info
-from . import collector, ollama, router_info
+from . import anthropic_api, collector, ollama, responses_api, router_info
 from .metrics import ServerMetrics
 from .models import ModelSet
 from .protocol import (
@@ -59,7 +59,7 @@ from .protocol import (
     parse_tokenize,
 )
 from .responses import Endpoint, Reply, embedding_body, json_piecewise, sse
-from .rules import ROUTES, RouteRule, check_page, check_type
+from .rules import ROUTES, ErrorShape, RouteRule, check_page, check_type
 
 log = get_logger()
 
@@ -105,6 +105,7 @@ class ServerState:
     publisher: Any = None  # the `kv_events.KvEventPublisher`, once the model is loaded
     in_flight: int = 0
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    responses: responses_api.ResponseStore = field(default_factory=responses_api.ResponseStore)
 
 
 def create_app(config: ServerConfig, state: ServerState) -> Starlette:
@@ -117,8 +118,8 @@ def create_app(config: ServerConfig, state: ServerState) -> Starlette:
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(config.allowed_origins),
-            allow_methods=["GET", "POST"],
-            allow_headers=["Authorization", "Content-Type"],
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=["Authorization", "Content-Type", "X-Api-Key", "Anthropic-Version"],
             max_age=CORS_MAX_AGE_S,
         )
     if config.allowed_hosts is not None:  # outermost: a rebound name is refused first
@@ -230,7 +231,7 @@ class _Api:
             except ApiError as exc:
                 if rule.method == "POST":
                     self._count(rule.handler, "rejected")
-                return _error_response(exc, rule.ollama)
+                return _error_response(exc, rule.errors)
             return await handler(request)
 
         return checked
@@ -324,6 +325,121 @@ class _Api:
         reply = Reply(endpoint, self._served(name), submitted.seqs, n, backend.token_bytes)
         return await self._answer(request, submitted, reply, asked, label)
 
+    # ---- Anthropic's Messages API ---------------------------------------------------------
+
+    async def messages(self, request: Request) -> Response:
+        label = "messages"
+        started = await self._started(request, label, anthropic_api.parse_messages, "anthropic")
+        if isinstance(started, Response):
+            return started
+        reply, asked, submitted = started
+        if asked.stream:
+            stream = anthropic_api.MessageStream(reply)
+            return self._typed_stream(submitted, reply, stream, label)
+        body = lambda: anthropic_api.message_body(reply)  # noqa: E731
+        return await self._whole(request, submitted, reply, label, body, "anthropic")
+
+    async def count_tokens(self, request: Request) -> Response:
+        """The prompt's tokens the conversation makes (its template and tools applied)."""
+        label = "count_tokens"
+        try:
+            self._gate(request)
+            body = await _read_json(request, self.config.max_body_bytes)
+            self._known(body.get("model") if isinstance(body, dict) else None)
+            asked = await asyncio.to_thread(anthropic_api.parse_count, body)
+            backend = await self._acquire(request, asked.model)
+            try:
+                (prompt,) = await asyncio.to_thread(_prompt_ids, backend, asked)
+            finally:
+                self._release(asked.model)
+        except Exception as exc:
+            return self._refused(label, exc, "anthropic")
+        self._count(label, "ok")
+        return JSONResponse({"input_tokens": _prompt_length(prompt)})
+
+    # ---- OpenAI's Responses API -----------------------------------------------------------
+
+    async def responses(self, request: Request) -> Response:
+        label, store = "responses", self.state.responses
+        parsed: list[responses_api.ResponsesRequest] = []
+
+        def parse(body: object) -> EngineRequest:
+            parsed.append(responses_api.parse_responses(body, store))
+            return parsed[0].asked
+
+        started = await self._started(request, label, parse)
+        if isinstance(started, Response):
+            return started
+        reply, asked, submitted = started
+        stream = responses_api.ResponseStream(reply, parsed[0], store)
+        if asked.stream:
+            return self._typed_stream(submitted, reply, stream, label)
+
+        def body() -> dict[str, Any]:
+            seq = reply.seqs[0]
+            stream.step(seq, seq.text)  # read as a stream is, its events not sent
+            stream.end(seq)
+            return stream.finished(seq)
+
+        return await self._whole(request, submitted, reply, label, body)
+
+    async def response_get(self, request: Request) -> Response:
+        stored = self._stored(request)
+        return stored if isinstance(stored, Response) else JSONResponse(stored.body)
+
+    async def response_input(self, request: Request) -> Response:
+        stored = self._stored(request)
+        if isinstance(stored, Response):
+            return stored
+        return JSONResponse(responses_api.input_items_body(stored))
+
+    async def response_delete(self, request: Request) -> Response:
+        ident = request.path_params["response_id"]
+        if not self.state.responses.delete(ident):
+            return _error_response(responses_api.unknown(ident))
+        return JSONResponse({"id": ident, "object": "response", "deleted": True})
+
+    def _stored(self, request: Request) -> "responses_api.Stored | Response":
+        ident = request.path_params["response_id"]
+        stored = self.state.responses.get(ident)
+        return _error_response(responses_api.unknown(ident)) if stored is None else stored
+
+    def _typed_stream(
+        self, submitted: LoopRequest, reply: Reply, stream: "TypedStream", label: str
+    ) -> Response:
+        events = self._typed_events(submitted, reply, stream, label)
+        return _LettingGo(
+            events,
+            lambda: self._let_go(submitted, reply, label),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+
+    async def _typed_events(
+        self, submitted: LoopRequest, reply: Reply, stream: "TypedStream", label: str
+    ) -> AsyncIterator[bytes]:
+        """A stream of named events (Anthropic's, the Responses API's) for one sequence."""
+        outcome = "aborted"
+        try:
+            for event in stream.begin():
+                yield event
+            async for item in submitted.aitems():
+                if isinstance(item, StepOutput):
+                    for event in stream.step(item.seq, item.text_delta):
+                        yield event
+                    continue
+                seq = item.seq
+                self._observe(seq)
+                if seq.error is not None:
+                    outcome = self._failed(label, seq)
+                    yield stream.error(_failure(seq.error))
+                    return
+                for event in stream.end(seq):
+                    yield event
+            outcome = "ok"
+        finally:
+            self._finish(reply, outcome, label)
+
     # ---- Ollama's API ---------------------------------------------------------------------
 
     async def ollama_chat(self, request: Request) -> Response:
@@ -342,7 +458,7 @@ class _Api:
             keep_alive = ollama.keep_alive_s(body.get("keep_alive"))
             backend = await self._acquire(request, name, keep_alive)
         except Exception as exc:
-            return self._refused(label, exc, ollama_shape=True)
+            return self._refused(label, exc, shape="ollama")
         try:
             asked = await asyncio.to_thread(
                 collector.without_pauses(parse), body, backend.max_model_len
@@ -358,7 +474,7 @@ class _Api:
             submitted = await self._submit(backend, asked, prompts)
         except Exception as exc:
             self._release(name, keep_alive)
-            return self._refused(label, exc, ollama_shape=True)
+            return self._refused(label, exc, shape="ollama")
         endpoint: Endpoint = "chat" if chat else "completions"
         reply = Reply(
             endpoint,
@@ -379,14 +495,17 @@ class _Api:
         def whole() -> dict[str, Any]:
             answer = reply.answer(seq)
             thinking = answer.reasoning if show else ""
-            return ollama.done(reply.model, chat, seq, answer.content, reply.tools, thinking)
+            calls = reply.calls(seq) if chat else None
+            return ollama.done(reply.model, chat, seq, answer.content, calls, thinking)
 
-        return await self._whole(request, submitted, reply, label, whole, ollama_shape=True)
+        return await self._whole(request, submitted, reply, label, whole, shape="ollama")
 
     async def _ndjson(
         self, submitted: LoopRequest, reply: Reply, chat: bool, label: str, show: bool
     ):
-        reader = call_reader(reply.tools) if chat and reply.tools is not None else None
+        reader = None  # harmony's calls are read by its reasoning parser
+        if chat and reply.tools is not None and reply.tools.syntax != "harmony":
+            reader = call_reader(reply.tools)
         parser = reply.reasoning.parser() if reply.reasoning is not None else None
         outcome = "aborted"
         try:
@@ -406,9 +525,9 @@ class _Api:
                 rest = parser.finish() if parser is not None else ReasoningDelta()
                 text = reader.feed(rest.content).content if reader is not None else rest.content
                 text += reader.finish().content if reader is not None else ""
-                answer = reply.answer(seq).content
                 thinking = rest.reasoning if show else ""
-                last = ollama.done(reply.model, chat, seq, text, reply.tools, thinking, answer)
+                calls = reply.calls(seq) if chat else None
+                last = ollama.done(reply.model, chat, seq, text, calls, thinking)
                 yield _line(last)
             outcome = "ok"
         finally:
@@ -423,7 +542,7 @@ class _Api:
             keep_alive = ollama.keep_alive_s(body.get("keep_alive"))
             result = await self._embedded(request, asked, label, keep_alive)
         except Exception as exc:
-            return self._refused(label, exc, ollama_shape=True)
+            return self._refused(label, exc, shape="ollama")
         return await asyncio.to_thread(_ollama_embeddings, result, asked)
 
     async def ollama_tags(self, request: Request) -> Response:
@@ -453,7 +572,7 @@ class _Api:
             backend = await self._acquire(request, ollama.bare_model(name))
             self._release(ollama.bare_model(name))  # what it says is read from the loaded model
         except Exception as exc:
-            return self._refused("ollama_show", exc, ollama_shape=True)
+            return self._refused("ollama_show", exc, shape="ollama")
         config = backend.model_config
         template = backend.tokenizer.hf.chat_template or ""
         capabilities = ["completion", "embedding"] + (["tools"] if "tools" in template else [])
@@ -571,10 +690,31 @@ class _Api:
     # ---- the gate ---------------------------------------------------------------------
 
     async def _serve(self, request: Request, endpoint: Endpoint) -> Response:
+        parse = parse_completion if endpoint == "completions" else parse_chat
+        started = await self._started(request, endpoint, parse)
+        if isinstance(started, Response):
+            return started
+        reply, asked, submitted = started
+        return await self._answer(request, submitted, reply, asked, endpoint)
+
+    async def _started(
+        self,
+        request: Request,
+        label: str,
+        parse: Callable[[Any], EngineRequest],
+        shape: ErrorShape = "openai",
+    ) -> "tuple[Reply, EngineRequest, LoopRequest] | Response":
+        """A completions or chat request (or another API's, ``parse``d into one) through
+        the gate, tokenized, prepared and submitted; else the error's response."""
         try:
-            backend, asked = await self._admit(request, endpoint)
+            self._gate(request)
+            body = await _read_json(request, self.config.max_body_bytes)
+            self._known(body.get("model") if isinstance(body, dict) else None)
+            # Grammars convert here: off the loop, and with no collector pause in the middle.
+            asked = await asyncio.to_thread(collector.without_pauses(parse), body)
+            backend = await self._acquire(request, asked.model)
         except Exception as exc:
-            return self._refused(endpoint, exc)
+            return self._refused(label, exc, shape)
         try:
             self._check_fits(backend, len(asked.prompts or [asked.messages]) * asked.n)
             prompts = await asyncio.to_thread(_prompt_ids, backend, asked)
@@ -582,9 +722,9 @@ class _Api:
             submitted = await self._submit(backend, asked, prompts)
         except Exception as exc:
             self._release(asked.model)
-            return self._refused(endpoint, exc)
+            return self._refused(label, exc, shape)
         reply = Reply(
-            endpoint,
+            "completions" if asked.messages is None else "chat",
             self._served(asked.model),
             submitted.seqs,
             asked.n,
@@ -592,20 +732,20 @@ class _Api:
             tools=asked.tool_format,
             reasoning=asked.reasoning,
         )
-        return await self._answer(request, submitted, reply, asked, endpoint)
+        return reply, asked, submitted
 
-    def _refused(self, label: str, exc: Exception, ollama_shape: bool = False) -> Response:
+    def _refused(self, label: str, exc: Exception, shape: ErrorShape = "openai") -> Response:
         """The answer to a request that failed before it was queued (in Ollama's error
         shape, ``{"error": message}``, for its routes)."""
         if isinstance(exc, RequestError):
             exc = from_request_error(exc, "input")
         if isinstance(exc, ApiError):
             self._count(label, "rejected" if exc.status < 500 else "unavailable")
-            return _error_response(exc, ollama_shape)
+            return _error_response(exc, shape)
         if isinstance(exc, ClientDisconnect):  # gone while sending its body: nobody to answer
             self._count(label, "aborted")
             return Response(status_code=499)
-        return self._internal_error(label, exc, ollama_shape)  # ours: logged, no internals
+        return self._internal_error(label, exc, shape)  # ours: logged, no internals
 
     async def _answer(
         self,
@@ -624,15 +764,6 @@ class _Api:
                 headers={"Cache-Control": "no-cache"},
             )
         return await self._whole(request, submitted, reply, label)
-
-    async def _admit(self, request: Request, endpoint: Endpoint) -> tuple[Backend, EngineRequest]:
-        self._gate(request)
-        body = await _read_json(request, self.config.max_body_bytes)
-        self._known(body.get("model") if isinstance(body, dict) else None)
-        parse = parse_completion if endpoint == "completions" else parse_chat
-        # Grammars convert here: off the loop, and with no collector pause in the middle.
-        asked = await asyncio.to_thread(collector.without_pauses(parse), body)
-        return await self._acquire(request, asked.model), asked
 
     # ---- models -----------------------------------------------------------------------
 
@@ -705,11 +836,13 @@ class _Api:
             return
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
+        if "x-api-key" in request.headers:  # Anthropic's clients send the key so
+            scheme, key = "bearer", request.headers["x-api-key"]
         expected = self.config.api_key.encode()
         if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), expected):
             raise ApiError(
                 401,
-                "a valid API key is required: Authorization: Bearer <key>",
+                "a valid API key is required: Authorization: Bearer <key> (or X-Api-Key: <key>)",
                 code="invalid_api_key",
             )
 
@@ -770,7 +903,7 @@ class _Api:
                 self._observe(seq)
                 if seq.error is not None:
                     outcome = self._failed(label, seq)
-                    yield sse(_error_body(seq.error))
+                    yield sse(_failure(seq.error).body())
                     return
                 yield sse(reply.end_chunk(seq))
             if include_usage:
@@ -787,7 +920,7 @@ class _Api:
         reply: Reply,
         label: str,
         body: Callable[[], dict[str, Any]] | None = None,
-        ollama_shape: bool = False,
+        shape: ErrorShape = "openai",
     ) -> Response:
         """The whole answer once every sequence is done (``body``: its JSON, OpenAI's
         by default); a client gone meanwhile aborts it."""
@@ -799,11 +932,8 @@ class _Api:
             failed = collecting.result()
             if failed is not None:
                 outcome = self._failed(label, failed)
-                status = _failure_status(failed.error)
-                error = _error_body(failed.error)
-                if ollama_shape:
-                    error = {"error": error["error"]["message"]}
-                return JSONResponse(error, status)
+                error = _failure(failed.error)
+                return JSONResponse(_error_shaped(error, shape), _failure_status(failed.error))
             outcome = "ok"
             return JSONResponse((body or reply.body)())
         finally:
@@ -868,7 +998,7 @@ class _Api:
         self.state.metrics.requests.labels(endpoint, outcome).inc()
 
     def _internal_error(
-        self, endpoint: str, exc: Exception, ollama_shape: bool = False
+        self, endpoint: str, exc: Exception, shape: ErrorShape = "openai"
     ) -> Response:
         log.error(
             "server.internal_error",
@@ -882,7 +1012,7 @@ class _Api:
             "the server failed to handle the request; its log has the cause",
             kind="server_error",
         )
-        return _error_response(error, ollama_shape)
+        return _error_response(error, shape)
 
 
 async def _unless_gone(request: Request, task: asyncio.Future[Any]) -> bool:
@@ -913,6 +1043,20 @@ def _ollama_embeddings(result: Embeddings, asked: EmbeddingRequest) -> Response:
         "prompt_eval_count": result.prompt_tokens,
     }
     return Response(json_piecewise(answer, "embeddings"), media_type="application/json")
+
+
+class TypedStream(Protocol):
+    """An API's events for one streamed sequence (`anthropic_api.MessageStream`,
+    `responses_api.ResponseStream`)."""
+
+    def begin(self) -> list[bytes]: ...
+    def step(self, seq: Sequence, text: str) -> list[bytes]: ...
+    def end(self, seq: Sequence) -> list[bytes]: ...
+    def error(self, exc: ApiError) -> bytes: ...
+
+
+def _prompt_length(prompt: PromptIds) -> int:
+    return len(prompt) if isinstance(prompt, list) else len(prompt.token_ids)
 
 
 def _failure_status(error: Exception | None) -> int:
@@ -957,7 +1101,10 @@ def _prepared(backend: Backend, asked: EngineRequest, prompts: list[PromptIds]) 
         raise from_request_error(exc, "tools") from None
     reasoning = None
     if asked.messages is not None:
-        reasoning = backend.reasoning(prompts[0], constrained=params.constraint is not None)
+        try:
+            reasoning = backend.reasoning(prompts[0], params.constraint is not None, tool_format)
+        except RequestError as exc:
+            raise from_request_error(exc, "tools") from None
         kept = backend.reasoning_kept(reasoning.format)
         params = dataclasses.replace(params, kept_token_ids=params.kept_token_ids + kept)
     return dataclasses.replace(asked, params=params, tool_format=tool_format, reasoning=reasoning)
@@ -1138,17 +1285,23 @@ def _query_request(backend: Backend, query: Any) -> tuple[list[PromptIds], Any, 
         raise from_request_error(exc, "query") from None
 
 
-def _error_body(error: Exception | None) -> dict[str, Any]:
+def _failure(error: Exception | None) -> ApiError:
+    """What a client is told of a request that failed while it ran."""
     if isinstance(error, RequestAbortedError):
-        return ApiError(503, str(error), kind="server_error", code="aborted").body()
+        return ApiError(503, str(error), kind="server_error", code="aborted")
     if isinstance(error, RequestError):  # its own grammar failed mid-way
-        return bad_request(str(error)).body()
-    return ApiError(500, str(error), kind="server_error").body()
+        return bad_request(str(error))
+    return ApiError(500, str(error), kind="server_error")
 
 
-def _error_response(exc: ApiError, ollama_shape: bool = False) -> JSONResponse:
-    body = {"error": exc.message} if ollama_shape else exc.body()
-    return JSONResponse(body, exc.status, exc.headers)
+def _error_shaped(exc: ApiError, shape: ErrorShape) -> dict[str, Any]:
+    if shape == "ollama":
+        return {"error": exc.message}
+    return anthropic_api.error_body(exc) if shape == "anthropic" else exc.body()
+
+
+def _error_response(exc: ApiError, shape: ErrorShape = "openai") -> JSONResponse:
+    return JSONResponse(_error_shaped(exc, shape), exc.status, exc.headers)
 
 
 def _ollama_entry(name: str, backend: Backend | None, model: Any, running: bool) -> dict:

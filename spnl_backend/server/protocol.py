@@ -96,6 +96,7 @@ _OPTIONS = (
     "ignore_eos",
     "response_format",
     "token_healing",
+    "speculative",
 )
 # vLLM's names for the output constraints → the Python API's.
 _GUIDED = {
@@ -153,7 +154,7 @@ _NEUTRAL: dict[str, Callable[[object], bool]] = {
 def parse_completion(body: object) -> EngineRequest:
     fields = _fields(body, {*_COMMON, "prompt", "max_tokens"})
     prompts = _prompts(fields.get("prompt"))
-    return _engine_request(fields, fields.get("max_tokens"), "max_tokens", prompts=prompts)
+    return engine_request(fields, fields.get("max_tokens"), "max_tokens", prompts=prompts)
 
 
 def parse_chat(body: object) -> EngineRequest:
@@ -188,7 +189,7 @@ def parse_chat(body: object) -> EngineRequest:
     except RequestError as exc:
         param = _named(str(exc), ("chat_template_kwargs", "reasoning_effort"))
         raise bad_request(str(exc), param) from None
-    return _engine_request(
+    return engine_request(
         fields,
         fields.get(name),
         name,
@@ -235,13 +236,26 @@ def _named(message: str, names: tuple[str, ...]) -> str | None:
 
 
 def _fields(body: object, used: set[str]) -> dict[str, Any]:
+    return check_fields(body, used, _NO_EFFECT, _NEUTRAL)
+
+
+def check_fields(
+    body: object,
+    used: set[str],
+    no_effect: tuple[str, ...] = (),
+    neutral: dict[str, Callable[[object], bool]] | None = None,
+) -> dict[str, Any]:
+    """``body`` as an object whose every field is ``used``, accepted with ``no_effect``, or
+    at the ``neutral`` value that asks for nothing; its ``model`` named. Anything else is a
+    400 naming the field."""
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, not {_json_kind(body)}")
+    neutral = neutral or {}
     for name, value in body.items():
-        if name in used or name in _NO_EFFECT:
+        if name in used or name in no_effect:
             continue
-        if name in _NEUTRAL:
-            if not _NEUTRAL[name](value):
+        if name in neutral:
+            if not neutral[name](value):
                 raise bad_request(
                     f"{name}={shown(value)} is not supported by this server yet "
                     "(only its default, which asks for nothing, is accepted)",
@@ -259,9 +273,11 @@ def _fields(body: object, used: set[str]) -> dict[str, Any]:
     return body
 
 
-def _engine_request(
+def engine_request(
     fields: dict[str, Any], max_tokens: object, max_name: str, **prompt: Any
 ) -> EngineRequest:
+    """The engine request of a body's checked ``fields``, under OpenAI's names (the other
+    APIs map theirs to these first); ``prompt``: its prompts, or its messages and tools."""
     params = _sampling(fields, max_tokens, max_name, chat="messages" in prompt)
     n = fields.get("n", 1)
     if n is None:

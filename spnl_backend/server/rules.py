@@ -24,16 +24,19 @@ Key = Literal["asked", "open", "metrics"]
 # type (spnl posts its queries as text/plain, curl posts Ollama's JSON untyped; a body is
 # read as JSON all the same), or none read (a GET).
 Body = Literal["json", "any", "none"]
+# The shape of a route's error bodies: OpenAI's ``{"error": {...}}``, Ollama's
+# ``{"error": message}``, Anthropic's ``{"type": "error", "error": {...}}``.
+ErrorShape = Literal["openai", "ollama", "anthropic"]
 
 
 @dataclass(frozen=True)
 class RouteRule:
     path: str
-    method: Literal["GET", "POST"]
+    method: Literal["GET", "POST", "DELETE"]
     handler: str  # the method of `app._Api` that answers, and its label in /metrics
     key: Key
     body: Body
-    ollama: bool = False  # errors in Ollama's shape, ``{"error": message}``
+    errors: ErrorShape = "openai"
 
 
 ROUTES: tuple[RouteRule, ...] = (
@@ -43,14 +46,22 @@ ROUTES: tuple[RouteRule, ...] = (
     RouteRule("/v1/completions", "POST", "completions", "asked", "json"),
     RouteRule("/v1/chat/completions", "POST", "chat", "asked", "json"),
     RouteRule("/v1/embeddings", "POST", "embeddings", "asked", "json"),
+    RouteRule("/v1/messages", "POST", "messages", "asked", "json", errors="anthropic"),
+    RouteRule(
+        "/v1/messages/count_tokens", "POST", "count_tokens", "asked", "json", errors="anthropic"
+    ),
+    RouteRule("/v1/responses", "POST", "responses", "asked", "json"),
+    RouteRule("/v1/responses/{response_id}", "GET", "response_get", "asked", "none"),
+    RouteRule("/v1/responses/{response_id}", "DELETE", "response_delete", "asked", "none"),
+    RouteRule("/v1/responses/{response_id}/input_items", "GET", "response_input", "asked", "none"),
     RouteRule("/v1/query/execute", "POST", "query", "asked", "any"),
-    RouteRule("/api/chat", "POST", "ollama_chat", "asked", "any", ollama=True),
-    RouteRule("/api/generate", "POST", "ollama_generate", "asked", "any", ollama=True),
-    RouteRule("/api/embed", "POST", "ollama_embed", "asked", "any", ollama=True),
-    RouteRule("/api/tags", "GET", "ollama_tags", "asked", "none", ollama=True),
-    RouteRule("/api/ps", "GET", "ollama_ps", "asked", "none", ollama=True),
-    RouteRule("/api/show", "POST", "ollama_show", "asked", "any", ollama=True),
-    RouteRule("/api/version", "GET", "ollama_version", "open", "none", ollama=True),
+    RouteRule("/api/chat", "POST", "ollama_chat", "asked", "any", errors="ollama"),
+    RouteRule("/api/generate", "POST", "ollama_generate", "asked", "any", errors="ollama"),
+    RouteRule("/api/embed", "POST", "ollama_embed", "asked", "any", errors="ollama"),
+    RouteRule("/api/tags", "GET", "ollama_tags", "asked", "none", errors="ollama"),
+    RouteRule("/api/ps", "GET", "ollama_ps", "asked", "none", errors="ollama"),
+    RouteRule("/api/show", "POST", "ollama_show", "asked", "any", errors="ollama"),
+    RouteRule("/api/version", "GET", "ollama_version", "open", "none", errors="ollama"),
     RouteRule("/reset_prefix_cache", "POST", "reset_prefix_cache", "asked", "any"),
     # What sglang-router and vllm-router ask of a worker (`router_info`), under SGLang's
     # names and the short ones sglang-router probes when a worker joins.
