@@ -11,6 +11,7 @@ from typing import Any
 from .constrain.grammar import GrammarCompiler
 from .constrain.healing import back_off
 from .constrain.spec import check_stops
+from .engine.block_manager import BlockEvents
 from .engine.cache import CacheInfo
 from .engine.engine import Engine, EngineStats
 from .engine.loop import AsyncChannel, EngineLoop, LoopRequest, ThreadChannel
@@ -583,6 +584,12 @@ class Backend:
         chooses by name (``adapter=``)."""
         adapters = self._open_loop().engine.runner.model.adapters
         return [] if adapters is None else adapters.info()
+
+    def watch_blocks(self, events: BlockEvents | None) -> int:
+        """Tell ``events`` (on the engine's thread) of every block the prefix cache
+        registers and forgets from now on, None to stop; returns the block size. What
+        ``serve --kv-events`` publishes."""
+        return self._open_loop().call(lambda engine: engine.watch_blocks(events))
 
     def cache_info(self) -> CacheInfo:
         """The KV cache: paged or contiguous, its capacity, blocks, storage dtype, bytes per

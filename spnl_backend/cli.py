@@ -239,6 +239,22 @@ def _add_serve(commands: Any) -> None:
         help="a PEFT LoRA adapter directory, chosen by requests whose model is NAME "
         "(repeatable; default: MISTRALRS_LORA_ADAPTERS)",
     )
+    serve.add_argument(
+        "--kv-events",
+        metavar="ENDPOINT",
+        help="publish KV cache events in vLLM's format (msgpack over ZMQ PUB) for KV-aware "
+        "routers, e.g. tcp://*:5557 (bound; a host name is connected to); needs pyzmq and "
+        "msgpack (pip install 'spnl-backend[kv-events]'); default: off",
+    )
+    serve.add_argument(
+        "--kv-events-replay",
+        metavar="ENDPOINT",
+        help="a ZMQ ROUTER endpoint that replays recent event batches to a router that "
+        "joined late, e.g. tcp://*:5558 (with --kv-events)",
+    )
+    serve.add_argument(
+        "--kv-events-topic", default="", help="the topic of every event message (default '')"
+    )
     serve.set_defaults(run=_run_serve)
 
 
@@ -263,6 +279,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         chat_template=args.chat_template,
         reasoning_format=args.reasoning_format,
         lora=args.lora,
+        kv_events=args.kv_events,
+        kv_events_replay=args.kv_events_replay,
+        kv_events_topic=args.kv_events_topic,
     )
 
 

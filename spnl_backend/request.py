@@ -78,6 +78,7 @@ OPTION_NAMES = (
     "top_logprobs",
     *CONSTRAINT_NAMES,
     "token_healing",
+    "keep_stop",
     "speculative",
     "adapter",
     "adapter_scale",
@@ -104,7 +105,7 @@ def _options(options: dict[str, object], vocab_size: int | None) -> dict[str, ob
             if value is None or not low <= value <= high:
                 raise _bad(name, options[name], expected)
             checked[name] = value
-    for name in ("ignore_eos", "logprobs", "token_healing"):
+    for name in ("ignore_eos", "logprobs", "token_healing", "keep_stop"):
         if options.get(name) is not None:
             checked[name] = _plain_bool(options[name], name)
     top = options.get("top_logprobs")

@@ -36,6 +36,7 @@ class SamplingParams:
     # Special tokens the output's text keeps (reasoning markers such as gpt-oss's
     # <|channel|>, which a reasoning parser reads), beside the constraint's own.
     kept_token_ids: tuple[int, ...] = ()
+    keep_stop: bool = False  # the text ends with the stop string it matched, not before it
     # Speculative decoding for this request: None, the backend's (its method and gamma);
     # 0, off; n, at most n proposed tokens per step.
     speculative: int | None = None

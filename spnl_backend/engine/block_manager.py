@@ -14,6 +14,7 @@ import hashlib
 import struct
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 _NO_PARENT = 0
 UNTAKEN = -1  # a block table entry whose block is not taken yet (PIC sequences' misses)
@@ -24,6 +25,21 @@ def block_hash(parent: int, tokens: tuple[int, ...]) -> int:
     `hash`, so equal prefixes hash equally across processes)."""
     digest = hashlib.blake2b(struct.pack(f"<Q{len(tokens)}i", parent, *tokens), digest_size=8)
     return int.from_bytes(digest.digest(), "little")
+
+
+class BlockEvents(Protocol):
+    """Told what the prefix cache offers and forgets (`server.kv_events` publishes it), on
+    the engine's thread: each call must return at once."""
+
+    def stored(self, digest: int, parent: int | None, tokens: tuple[int, ...], pic: bool) -> None:
+        """A block registered: its key, its parent's (None: a chain's first, or a PIC
+        block's, whose key does not chain the prompt before it) and its tokens."""
+
+    def removed(self, digest: int) -> None:
+        """A registered block forgotten (evicted for new content)."""
+
+    def cleared(self) -> None:
+        """Every registered block forgotten at once (`BlockManager.reset_cache`)."""
 
 
 @dataclass
@@ -51,6 +67,7 @@ class BlockManager:
         self.free_ids: deque[int] = deque(range(num_blocks))
         self.cached_ids: OrderedDict[int, None] = OrderedDict()  # LRU first
         self.hash_to_id: dict[int, int] = {}
+        self.events: BlockEvents | None = None  # told of registrations and evictions
 
     @property
     def num_blocks(self) -> int:
@@ -87,14 +104,22 @@ class BlockManager:
         return block_id
 
     def register(
-        self, block_id: int, digest: int, tokens: tuple[int, ...], position: int | None = None
+        self,
+        block_id: int,
+        digest: int,
+        tokens: tuple[int, ...],
+        position: int | None = None,
+        parent: int | None = None,
     ) -> bool:
         """Offer a computed block to later lookups (unless one is registered already);
-        whether it was."""
+        whether it was. ``position``: a PIC block's first position; ``parent``: the key
+        this one chains (told to `events`)."""
         block = self.blocks[block_id]
         if block.hash is None and digest not in self.hash_to_id:
             block.hash, block.token_ids, block.position = digest, tokens, position
             self.hash_to_id[digest] = block_id
+            if self.events is not None:
+                self.events.stored(digest, parent, tokens, position is not None)
             return True
         return False
 
@@ -103,7 +128,9 @@ class BlockManager:
         sequences hold are freed when they let go of them. How many were forgotten."""
         cached = [block for block in self.blocks if block.hash is not None]
         for block in cached:
-            self._forget(block)
+            self._forget(block, announce=False)
+        if self.events is not None:
+            self.events.cleared()
         self.free_ids.extend(self.cached_ids)
         self.cached_ids.clear()
         return len(cached)
@@ -120,10 +147,10 @@ class BlockManager:
         while len(table.hashes) < min(full, len(table.block_ids)):
             index = len(table.hashes)
             tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
-            parent = table.hashes[-1] if table.hashes else root
-            digest = block_hash(parent, tokens)
+            parent = table.hashes[-1] if table.hashes else None
+            digest = block_hash(root if parent is None else parent, tokens)
             table.hashes.append(digest)
-            if self.register(table.block_ids[index], digest, tokens):
+            if self.register(table.block_ids[index], digest, tokens, parent=parent):
                 registered.append(table.block_ids[index])
         return registered
 
@@ -182,7 +209,9 @@ class BlockManager:
             else:
                 self.cached_ids[block.block_id] = None
 
-    def _forget(self, block: Block) -> None:
+    def _forget(self, block: Block, announce: bool = True) -> None:
         if block.hash is not None and self.hash_to_id.get(block.hash) == block.block_id:
             del self.hash_to_id[block.hash]
+            if announce and self.events is not None:
+                self.events.removed(block.hash)
         block.hash, block.token_ids, block.position = None, (), None

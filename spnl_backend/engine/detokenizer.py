@@ -25,19 +25,26 @@ class IncrementalDetokenizer:
 
     Incomplete UTF-8 sequences are held back until complete, and so are the last
     characters that could still begin a stop string, so a streamed delta never
-    has to be taken back. ``text`` ends before the first stop string found. ``skip``:
+    has to be taken back. ``text`` ends before the first stop string found (after it with
+    ``keep_stop``). ``skip``:
     text the completion starts with that is not its own (token healing's backed-off
     prompt text), left out of ``text``.
     """
 
     def __init__(
-        self, decoder: Decoder, prompt_ids: list[int], stop: tuple[str, ...], skip: str = ""
+        self,
+        decoder: Decoder,
+        prompt_ids: list[int],
+        stop: tuple[str, ...],
+        skip: str = "",
+        keep_stop: bool = False,
     ) -> None:
         self.decoder = decoder
         self.token_ids = list(prompt_ids)
         self.prefix_offset = max(len(prompt_ids) - _CONTEXT_TOKENS, 0)
         self.read_offset = len(prompt_ids)
         self.stop = stop
+        self.keep_stop = keep_stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.skip = len(skip)
@@ -80,6 +87,7 @@ class IncrementalDetokenizer:
     def _cut_at_stop(self, search_from: int) -> None:
         hits = [(at, s) for s in self.stop if (at := self.text.find(s, search_from)) != -1]
         if hits:
-            at, self.matched = min(hits, key=lambda hit: hit[0])
-            self.text = self.text[:at]
+            # the first match; of those that start there, the longest (it was typed whole)
+            at, self.matched = min(hits, key=lambda hit: (hit[0], -len(hit[1])))
+            self.text = self.text[: at + len(self.matched) if self.keep_stop else at]
             self.stopped = True

@@ -10,6 +10,7 @@ from ..errors import DistributedError, EngineError, RequestError
 from ..log import get_logger
 from ..pic.layout import PicLayout
 from ..sampling import SamplingParams
+from .block_manager import BlockEvents
 from .cache import CacheInfo, PoolUsage, StateUsage
 from .detokenizer import Decoder, IncrementalDetokenizer, KeptTokens
 from .embed import embed
@@ -175,7 +176,11 @@ class Engine:
         )
         decoder = KeptTokens(self.decoder, kept) if kept else self.decoder
         self.detokenizers[seq.seq_id] = IncrementalDetokenizer(
-            decoder, seq.prompt_token_ids, seq.params.stop, seq.healed_text
+            decoder,
+            seq.prompt_token_ids,
+            seq.params.stop,
+            seq.healed_text,
+            keep_stop=seq.params.keep_stop,
         )
         self.cache.arriving(seq)
         self.scheduler.add(seq)
@@ -210,6 +215,18 @@ class Engine:
         dropped = self.cache.reset_prefix_cache()
         log.info("prefix_cache.reset", dropped=dropped)
         return dropped
+
+    def watch_blocks(self, events: BlockEvents | None) -> int:
+        """Tell ``events`` of every block the prefix cache registers and forgets from now
+        on (None: stop); the pool's block size. Refused without a paged prefix cache."""
+        blocks = getattr(self.cache, "blocks", None)
+        if blocks is None or not blocks.enable_prefix_caching:
+            raise EngineError(
+                "KV events need the paged KV cache with prefix caching on (MISTRALRS_PAGED_ATTN "
+                "and MISTRALRS_PREFIX_CACHE_N not 0); this model's cache has no blocks to announce"
+            )
+        blocks.events = events
+        return blocks.block_size
 
     def embed(self, texts: list[list[int]]) -> "torch.Tensor":
         """The texts' embeddings (`embed.embed`), pooled as the model's config says; one

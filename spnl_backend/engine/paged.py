@@ -432,7 +432,9 @@ class PagedCacheManager:
         registered = []
         for block in progress.ready(seq.token_ids, seq.num_computed_tokens):
             block_id = table.block_ids[block.index]
-            if self.blocks.register(block_id, block.digest, block.tokens, block.position):
+            if self.blocks.register(
+                block_id, block.digest, block.tokens, block.position, block.parent
+            ):
                 registered.append(block_id)
         return registered
 

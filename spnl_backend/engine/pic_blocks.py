@@ -70,6 +70,7 @@ class PlannedBlock:
     closed: bool
     element: int  # the plus element it belongs to (1, 2, ...), 0 for cross
     position: int  # its first token's position (where its keys are rotated for)
+    parent: int | None = None  # the key its own chains (None: its span's first block)
 
     @property
     def plus(self) -> bool:
@@ -208,8 +209,11 @@ class PicProgress:
                 index = (segment.base + start - span.start) // self.block_size
                 element = self.layout.block_ids[span.start] if span.kind == "plus" else 0
                 position = self.layout.position(start)
+                parent = segment.digests[block - 1] if block else None
                 blocks.append(
-                    PlannedBlock(index, start, end - 1, digest, chunk, closed, element, position)
+                    PlannedBlock(
+                        index, start, end - 1, digest, chunk, closed, element, position, parent
+                    )
                 )
         return blocks
 

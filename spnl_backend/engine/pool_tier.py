@@ -182,7 +182,7 @@ class PoolTier:
                 held.append(block_id)
         promoted: set[int] = set()
         try:
-            for (digest, tokens), block_id in zip(wanted, in_pool, strict=True):
+            for index, ((digest, tokens), block_id) in enumerate(zip(wanted, in_pool, strict=True)):
                 if block_id is not None:
                     continue
                 entry = None
@@ -196,7 +196,9 @@ class PoolTier:
                 held.append(block_id)
                 self.cache.load_block(block_id, entry.payload)
                 self._give_back(entry.buffer)
-                if self.blocks.register(block_id, digest, tokens, entry.position):
+                # a prefix block chains the one before it; a PIC block's parent is unknown here
+                parent = wanted[index - 1][0] if prefix and index else None
+                if self.blocks.register(block_id, digest, tokens, entry.position, parent):
                     promoted.add(block_id)
         finally:
             for block_id in held:

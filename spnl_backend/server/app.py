@@ -43,7 +43,7 @@ from ..reasoning import ReasoningDelta, ReasoningParser, resolve_format
 from ..tools.calls import CallReader, call_reader
 from ..tools.chat import template_messages
 from ..version import version_info
-from . import anthropic_api, collector, ollama, responses_api
+from . import anthropic_api, collector, ollama, responses_api, router_info
 from .metrics import ServerMetrics
 from .models import ModelSet
 from .protocol import (
@@ -56,6 +56,7 @@ from .protocol import (
     parse_chat,
     parse_completion,
     parse_embeddings,
+    parse_tokenize,
 )
 from .responses import Endpoint, Reply, embedding_body, json_piecewise, sse
 from .rules import ROUTES, ErrorShape, RouteRule, check_page, check_type
@@ -98,6 +99,10 @@ class ServerState:
 
     backend: Backend | None = None
     models: ModelSet | None = None  # a server of several models (then no `backend`)
+    # Where KV events are published (`kv_events.KvEventsConfig` as a dict), told to routers
+    # in /get_server_info; None: not published.
+    kv_events: dict[str, Any] | None = None
+    publisher: Any = None  # the `kv_events.KvEventPublisher`, once the model is loaded
     in_flight: int = 0
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     responses: responses_api.ResponseStore = field(default_factory=responses_api.ResponseStore)
@@ -105,6 +110,7 @@ class ServerState:
 
 def create_app(config: ServerConfig, state: ServerState) -> Starlette:
     api = _Api(config, state)
+    state.metrics.model_name = config.model_name
     state.metrics.watch(lambda: _engine_stats(state))
     routes = [Route(r.path, api.guarded(r), methods=[r.method], name=r.handler) for r in ROUTES]
     app = Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed})
@@ -611,6 +617,82 @@ class _Api:
             return self._refused("reset_prefix_cache", exc)
         return JSONResponse({"status": "ok", "forgotten": forgotten})
 
+    # ---- what routers ask of a worker (`router_info`) ------------------------------------
+
+    async def flush_cache(self, request: Request) -> Response:
+        """SGLang's name for `reset_prefix_cache` (sglang-router and vllm-router send it to
+        every worker)."""
+        return await self.reset_prefix_cache(request)
+
+    async def health_generate(self, request: Request) -> Response:
+        """Healthy only if every loaded model generates a token (SGLang's deeper probe)."""
+        backends = self._loaded_backends()
+        if not backends and self.state.models is None:
+            return await self.health(request)  # loading: its 503
+        try:
+            for backend in backends:
+                await asyncio.to_thread(backend.generate, "ping", max_tokens=1, temperature=0)
+        except Exception as exc:
+            log.error("health_generate.failed", error=f"{type(exc).__name__}: {exc}")
+            failed = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
+            return JSONResponse(failed, 503)
+        return JSONResponse({"status": "ok", "generated": len(backends)})
+
+    async def model_info(self, request: Request) -> Response:
+        return await self._info(request, router_info.model_info)
+
+    async def server_info(self, request: Request) -> Response:
+        events = self.state.kv_events
+        return await self._info(request, lambda name, b: router_info.server_info(name, b, events))
+
+    async def _info(
+        self, request: Request, describe: Callable[[str, Backend], dict[str, Any]]
+    ) -> Response:
+        """The served model's info; with several models, each loaded one's by name."""
+        models = self.state.models
+        if models is not None:
+            loaded = [(m.name, m.backend) for m in models.loaded() if m.backend is not None]
+            described = await asyncio.to_thread(lambda: [describe(n, b) for n, b in loaded])
+            return JSONResponse({"models": models.names, "loaded": described})
+        try:
+            backend = self._backend(request)
+            info = await asyncio.to_thread(describe, self.config.model_name, backend)
+        except Exception as exc:
+            return self._refused("server_info", exc)
+        return JSONResponse(info)
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``/tokenize``: the token ids the engine would compute for a completion's
+        prompt or a chat's messages (chat-templated); vllm-router's ``kv_aware`` reads
+        them to look the prompt's blocks up in its index of KV events."""
+        try:
+            self._gate(request)
+            body = await _read_json(request, self.config.max_body_bytes)
+            self._known(body.get("model") if isinstance(body, dict) else None)
+            asked = await asyncio.to_thread(parse_tokenize, body)
+            backend = await self._acquire(request, asked.model)
+        except Exception as exc:
+            return self._refused("tokenize", exc)
+        try:
+            (ids,) = await asyncio.to_thread(_prompt_ids, backend, asked)
+        except Exception as exc:
+            return self._refused("tokenize", exc)
+        finally:
+            self._release(asked.model)
+        tokens = list(ids)  # type: ignore[arg-type]
+        return JSONResponse(
+            {
+                "count": len(tokens),
+                "max_model_len": backend.max_model_len,
+                "tokens": tokens,
+                "token_strs": None,
+            }
+        )
+
+    async def get_load(self, request: Request) -> Response:
+        backends = self._loaded_backends()
+        return JSONResponse(await asyncio.to_thread(router_info.load, backends))
+
     # ---- the gate ---------------------------------------------------------------------
 
     async def _serve(self, request: Request, endpoint: Endpoint) -> Response:
@@ -938,7 +1020,7 @@ class _Api:
         metrics.draft_tokens.inc(seq.num_draft_tokens)
         metrics.accepted_tokens.inc(seq.num_accepted_tokens)
         if seq.first_token_time is not None:
-            metrics.ttft.observe(seq.first_token_time - seq.arrival_time)
+            metrics.first_token(seq.first_token_time - seq.arrival_time)
             if tokens > 1 and seq.finish_time is not None:
                 metrics.itl.observe((seq.finish_time - seq.first_token_time) / (tokens - 1))
 

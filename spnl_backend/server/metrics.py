@@ -50,11 +50,27 @@ class ServerMetrics:
         self.accepted_tokens = Counter(
             "spnl_spec_accepted_tokens", "Draft tokens the target accepted", registry=reg
         )
+        # vLLM's name for the same histogram, for dashboards and endpoint pickers built
+        # for vLLM; labelled with the served model's name, as vLLM labels it.
+        self.model_name = ""
+        self.vllm_ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "From arrival to the first token (vLLM's name)",
+            ["model_name"],
+            buckets=TTFT_BUCKETS,
+            registry=reg,
+        )
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+        self.vllm_ttft.labels(self.model_name).observe(seconds)
 
     def watch(self, stats: Callable[[], list[tuple[str | None, EngineStats]]]) -> None:
         """Report the engines' state, read by ``stats`` at scrapes: one unnamed engine
-        (a one-model server: no label), or each loaded model's, labelled ``model``."""
+        (a one-model server: no label), or each loaded model's, labelled ``model``; and
+        the load under vLLM's names, labelled ``model_name``."""
         self.registry.register(_EngineCollector(stats))
+        self.registry.register(_VllmCollector(stats, lambda: self.model_name))
 
 
 _Read = Callable[[EngineStats], float | None]
@@ -189,6 +205,59 @@ class _EngineCollector:
             if any(value is not None for _, value in samples):
                 yield metric
         yield from _tier_rejections(engines, labels)
+
+
+# vLLM's names for the load a router or endpoint picker reads (kind, name, help, value).
+_VLLM_METRICS: tuple[tuple[str, str, str, _Read], ...] = (
+    ("gauge", "vllm:num_requests_running", "Requests in the running batch", lambda s: s.running),
+    ("gauge", "vllm:num_requests_waiting", "Requests waiting to run", lambda s: s.waiting),
+    (
+        "gauge",
+        "vllm:kv_cache_usage_perc",
+        "Fraction of the KV block pool held by requests (1 is full)",
+        lambda s: s.pool.in_use / s.pool.blocks if s.pool and s.pool.blocks else None,
+    ),
+    (
+        "gauge",
+        "vllm:gpu_cache_usage_perc",
+        "The same fraction under vLLM's former name",
+        lambda s: s.pool.in_use / s.pool.blocks if s.pool and s.pool.blocks else None,
+    ),
+    (
+        "counter",
+        "vllm:prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache",
+        lambda s: s.prefix_cache_queries,
+    ),
+    (
+        "counter",
+        "vllm:prefix_cache_hits",
+        "Prompt tokens served by the prefix cache",
+        lambda s: s.prefix_cache_hits,
+    ),
+    ("counter", "vllm:num_preemptions", "Requests preempted for room", lambda s: s.preemptions),
+)
+
+
+class _VllmCollector:
+    def __init__(
+        self,
+        stats: Callable[[], list[tuple[str | None, EngineStats]]],
+        served: Callable[[], str],
+    ) -> None:
+        self._stats, self._served = stats, served
+
+    def collect(self) -> Iterator[Metric]:
+        engines = [(model or self._served(), stats) for model, stats in self._stats()]
+        for kind, name, doc, read in _VLLM_METRICS:
+            family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            metric = family(name, doc, labels=["model_name"])
+            for model, stats in engines:
+                value = read(stats)
+                if value is not None:
+                    metric.add_metric([model], value)
+            if metric.samples:
+                yield metric
 
 
 def _tier_rejections(engines: list[tuple[str | None, EngineStats]], labels: list[str]):

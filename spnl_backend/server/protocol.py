@@ -106,7 +106,21 @@ _GUIDED = {
     "guided_choice": "choice",
 }
 _TOOLS = ("tools", "tool_choice", "parallel_tool_calls")
-_COMMON = ("model", "n", "stream", "stream_options", "logprobs", *_SAMPLING, *_OPTIONS, *_GUIDED)
+# Other servers' names for an option → the Python API's. sglang-router and vllm-router add
+# ``no_stop_trim`` (SGLang's) to every request they forward; vLLM's own is
+# ``include_stop_str_in_output``.
+_ALIASES = {"no_stop_trim": "keep_stop", "include_stop_str_in_output": "keep_stop"}
+_COMMON = (
+    "model",
+    "n",
+    "stream",
+    "stream_options",
+    "logprobs",
+    *_SAMPLING,
+    *_OPTIONS,
+    *_GUIDED,
+    *_ALIASES,
+)
 # Accepted, with no effect: metadata, or a mode this engine's models do not have.
 _NO_EFFECT = ("user", "store", "metadata", "service_tier")
 
@@ -124,6 +138,16 @@ _NEUTRAL: dict[str, Callable[[object], bool]] = {
     "tool_choice": lambda v: _neutral(v, None, "none"),
     "parallel_tool_calls": lambda v: v is None or isinstance(v, bool),
     "modalities": lambda v: v is None or v == ["text"],
+    # Added by sglang-router and vllm-router to every request they forward (SGLang's and
+    # vLLM's fields), each at the value that is this server's behaviour: special tokens
+    # left out of the text, a chat answer's reasoning apart from it and streamed as it
+    # comes, no hidden states, a new assistant turn rather than the last one continued.
+    "skip_special_tokens": lambda v: _neutral(v, None, True),
+    "separate_reasoning": lambda v: _neutral(v, None, True),
+    "stream_reasoning": lambda v: _neutral(v, None, True),
+    "include_reasoning": lambda v: _neutral(v, None, True),
+    "return_hidden_states": lambda v: _neutral(v, None, False),
+    "continue_final_message": lambda v: _neutral(v, None, False),
 }
 
 
@@ -173,6 +197,37 @@ def parse_chat(body: object) -> EngineRequest:
         tools=tools,
         template_variables=variables,
     )
+
+
+# vLLM's /tokenize fields beyond a completion's or chat's, each at the value that is what
+# this server does: the model's special tokens added (BOS), a chat's generation prompt
+# added, no token strings listed.
+_TOKENIZE_ONLY = {
+    "add_special_tokens": True,
+    "add_generation_prompt": True,
+    "return_token_strs": False,
+}
+
+
+def parse_tokenize(body: object) -> EngineRequest:
+    """vLLM's ``/tokenize`` body: a completion's ``prompt`` (one) or a chat's
+    ``messages``, with the fields of either (vllm-router sends its own with them)."""
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, not {_json_kind(body)}")
+    rest = dict(body)
+    for name, default in _TOKENIZE_ONLY.items():
+        value = rest.pop(name, None)
+        if value is not None and value is not default:
+            raise bad_request(
+                f"{name}={shown(value)} is not supported by /tokenize (only {default!r}, "
+                "which is how this server tokenizes)",
+                name,
+                "unsupported_parameter",
+            )
+    asked = parse_chat(rest) if "messages" in rest else parse_completion(rest)
+    if asked.prompts is not None and len(asked.prompts) != 1:
+        raise bad_request("/tokenize takes one prompt, a string", "prompt")
+    return asked
 
 
 def _named(message: str, names: tuple[str, ...]) -> str | None:
@@ -253,6 +308,7 @@ def _sampling(
     (temperature 1, top_p 1; no max_tokens: until EOS or the end of the context)."""
     values = {name: fields.get(name) for name in _SAMPLING}
     options = {name: fields.get(name) for name in _OPTIONS}
+    options["keep_stop"] = _keep_stop(fields)
     options.update({ours: fields.get(theirs) for theirs, ours in _GUIDED.items()})
     options.update(_logprobs(fields, chat))
     if chat and options["token_healing"]:
@@ -283,6 +339,21 @@ def _sampling(
             if fields.get(theirs) is not None and ours in message.split(":")[0]:
                 param = theirs
         raise bad_request(message, param) from None
+
+
+def _keep_stop(fields: dict[str, Any]) -> bool | None:
+    """``no_stop_trim`` or ``include_stop_str_in_output``: true keeps the stop string a
+    completion ended on in its text. Given both, they must agree."""
+    given = {name: fields[name] for name in _ALIASES if fields.get(name) is not None}
+    for name, value in given.items():
+        if not isinstance(value, bool):
+            raise bad_request(f"{name}={shown(value)}: expected true or false", name)
+    if len(set(given.values())) > 1:
+        raise bad_request(
+            "no_stop_trim and include_stop_str_in_output ask for opposite things; give one",
+            "no_stop_trim",
+        )
+    return next(iter(given.values()), None)
 
 
 def _logprobs(fields: dict[str, Any], chat: bool) -> dict[str, object]:

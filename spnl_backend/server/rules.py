@@ -63,6 +63,16 @@ ROUTES: tuple[RouteRule, ...] = (
     RouteRule("/api/show", "POST", "ollama_show", "asked", "any", errors="ollama"),
     RouteRule("/api/version", "GET", "ollama_version", "open", "none", errors="ollama"),
     RouteRule("/reset_prefix_cache", "POST", "reset_prefix_cache", "asked", "any"),
+    # What sglang-router and vllm-router ask of a worker (`router_info`), under SGLang's
+    # names and the short ones sglang-router probes when a worker joins.
+    RouteRule("/flush_cache", "POST", "flush_cache", "asked", "any"),
+    RouteRule("/health_generate", "GET", "health_generate", "asked", "none"),
+    RouteRule("/get_model_info", "GET", "model_info", "asked", "none"),
+    RouteRule("/model_info", "GET", "model_info", "asked", "none"),
+    RouteRule("/get_server_info", "GET", "server_info", "asked", "none"),
+    RouteRule("/server_info", "GET", "server_info", "asked", "none"),
+    RouteRule("/get_load", "GET", "get_load", "metrics", "none"),
+    RouteRule("/tokenize", "POST", "tokenize", "asked", "json"),  # vLLM's
 )
 
 

@@ -8,6 +8,7 @@ freed), and `serve` returns 0.
 """
 
 import asyncio
+import dataclasses
 import math
 import signal
 import socket
@@ -37,6 +38,7 @@ from .app import (
     create_app,
     host_name,
 )
+from .kv_events import KvEventPublisher, KvEventsConfig, check_kv_events_installed
 from .models import DEFAULT_KEEP_ALIVE_S, ModelSet
 
 log = get_logger()
@@ -98,6 +100,9 @@ def serve(
     chat_template: str | None = None,
     reasoning_format: str | None = None,
     lora: list[str] | None = None,
+    kv_events: str | None = None,
+    kv_events_replay: str | None = None,
+    kv_events_topic: str = "",
 ) -> int:
     """Run the server until it is told to stop; returns the exit status. ``model``: one
     model (loaded at once, kept for the server's life), or a list of several (each
@@ -105,7 +110,9 @@ def serve(
     ``keep_alive_s``, within ``memory_budget_mb``). ``chat_template`` (a file or Jinja
     source) and ``reasoning_format``: over ``MISTRALRS_CHAT_TEMPLATE`` and
     ``MISTRALRS_REASONING_FORMAT``, for every model served. ``lora``: ``NAME=PATH`` LoRA
-    adapters over ``MISTRALRS_LORA_ADAPTERS`` (one model served)."""
+    adapters over ``MISTRALRS_LORA_ADAPTERS`` (one model served). ``kv_events``: a ZMQ
+    endpoint to publish the prefix cache's KV events on, in vLLM's format (`kv_events`),
+    with ``kv_events_replay`` a replay endpoint for late subscribers."""
     api_key = api_key if api_key is not None else api_key_from_env()
     _check_options(port, max_waiting, max_body_bytes, grace_s)
     chosen = {
@@ -122,12 +129,13 @@ def serve(
             "--lora (MISTRALRS_LORA_ADAPTERS): LoRA adapters are served on one model; "
             "with several, leave them unset"
         )
+    events = _events_config(kv_events, kv_events_replay, kv_events_topic, several)
     if isinstance(model, list):  # one given (several are the model set's)
         model = model[0] if len(model) == 1 else None
     model = None if several is not None else model or settings.model or None
     sock = _listen(host, port)
     name = served_model_name or _model_name(model)
-    state = ServerState(models=several)
+    state = ServerState(models=several, kv_events=events and dataclasses.asdict(events))
     hosts = _allowed_hosts(host, allowed_hosts)
     origins = tuple(origin.strip() for origin in allowed_origins or () if origin.strip())
     config = ServerConfig(name, api_key, max_body_bytes, max_waiting, open_metrics, hosts, origins)
@@ -146,7 +154,7 @@ def serve(
     if several is None:
         loader = threading.Thread(
             target=_load,
-            args=(model, settings, state, server, failure),
+            args=(model, settings, state, server, failure, events),
             name="spnl-load",
             daemon=True,
         )
@@ -168,6 +176,8 @@ def serve(
             several.close()
         elif state.backend is not None:
             state.backend.close()  # aborts what the grace period left
+        if state.publisher is not None:
+            state.publisher.close()
         log.info("server.stopped")
     if failure:
         raise failure[0]
@@ -180,10 +190,13 @@ def _load(
     state: ServerState,
     server: _Server,
     failure: list[BaseException],
+    events: KvEventsConfig | None = None,
 ) -> None:
     leave_interrupts_to_the_main_thread()
     try:
         backend = _served_backend(model, settings)
+        if events is not None:
+            state.publisher = _publish(backend, events)
     except BaseException as exc:  # reported by `serve` once the server has stopped
         failure.append(exc)
         server.should_exit = True
@@ -193,6 +206,43 @@ def _load(
         return
     state.backend = backend
     log.info("server.ready", model=backend.source.name)
+
+
+def _events_config(
+    endpoint: str | None, replay: str | None, topic: str, several: ModelSet | None
+) -> KvEventsConfig | None:
+    """The KV events asked for, checked before anything starts."""
+    if endpoint is None:
+        if replay is not None:
+            raise SettingsError("--kv-events-replay replays --kv-events: give both")
+        return None
+    if several is not None:
+        raise SettingsError(
+            "--kv-events publishes one model's blocks; serve one model per process (a "
+            "replica each) to publish their events"
+        )
+    for given in (endpoint, replay):
+        if given is not None and not given.startswith(("tcp://", "ipc://", "inproc://")):
+            raise SettingsError(
+                f"--kv-events endpoint {given!r}: expected a ZMQ address, tcp://HOST:PORT "
+                "(tcp://*:PORT to bind), ipc://PATH or inproc://NAME"
+            )
+    check_kv_events_installed()
+    return KvEventsConfig(endpoint, replay, topic)
+
+
+def _publish(backend: Backend, events: KvEventsConfig) -> KvEventPublisher:
+    """The publisher, told of the backend's blocks from now on."""
+    block_size = backend.cache_info().block_size
+    if block_size is None:
+        raise SettingsError("--kv-events needs the paged KV cache (MISTRALRS_PAGED_ATTN)")
+    publisher = KvEventPublisher(events, block_size)
+    try:
+        backend.watch_blocks(publisher)
+    except BaseException:
+        publisher.close()
+        raise
+    return publisher
 
 
 def _several(
