@@ -3,7 +3,8 @@
 //
 // Each activation row is quantized as the reference engine (llama.cpp) quantizes it for the
 // weight type at hand, so the integer sums are the ones it computes:
-//  - for the 32-value formats, blocks of 32 with a scale rounded to float16 (and, for the
+//  - for the 32-value formats (MXFP4 among them: its E2M1 values, doubled, are integers
+//    under a power-of-two scale), blocks of 32 with a scale rounded to float16 (and, for the
 //    formats with a minimum, the scaled sum of the block, kept exact where llama.cpp rounds
 //    it to float16: the product is then exactly the dequantized twin's);
 //  - for the k-quants, blocks of 256 with a float scale and the sum of every 16 values.
@@ -234,7 +235,16 @@ static inline __m256i words_i8(const int8_t *eight) {
 // formats with a minimum, whose values are unsigned already and whose minimum is a term
 // of its own).
 enum { q4_0_bias = 3, q5_0_bias = 4, q8_0_bias = 7, q8_1_bias = 7, q4_1_bias = -1,
-       q5_1_bias = -1 };
+       q5_1_bias = -1, mxfp4_bias = 4 };
+
+// Each 32-value format's block scale: a float16 first, or MXFP4's exponent byte.
+#define q4_0_scale half_to_float
+#define q4_1_scale half_to_float
+#define q5_0_scale half_to_float
+#define q5_1_scale half_to_float
+#define q8_0_scale half_to_float
+#define q8_1_scale half_to_float
+static inline float mxfp4_scale(const uint8_t *b) { return e8m0_half(b[0]); }
 
 // The float chains of a 32-value format's row: block b goes to chain b mod CHAINS.
 #define CHAINS 4
@@ -259,6 +269,16 @@ static inline __m256i q8_0_values(const uint8_t *b) {
 static inline __m256i q8_1_values(const uint8_t *b) {
     return _mm256_xor_si256(load32(b + 4), _mm256_set1_epi8((char)0x80));
 }
+// MXFP4's E2M1 nibbles through E2M1_DOUBLED as int8 (its values, doubled, are integers in
+// [-12, 12]), looked up 16 at a time in each 128-bit lane.
+static inline __m256i mxfp4_signed(const uint8_t *b) {
+    const __m256i table = _mm256_broadcastsi128_si256(
+        _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12));
+    return _mm256_shuffle_epi8(table, nibbles_of_16(b + 1));
+}
+static inline __m256i mxfp4_values(const uint8_t *b) {
+    return _mm256_add_epi8(mxfp4_signed(b), _mm256_set1_epi8(16));
+}
 
 // The 32-value formats with signed values: |w| as the unsigned operand, w for the signs.
 typedef struct { __m256i u, w; float d; } signed_w;
@@ -269,7 +289,9 @@ static inline float signed_min(const signed_w *w) { (void)w; return 0.0f; }
 static inline void signed_from(__m256i w, float d, signed_w *out) {
     *out = (signed_w){_mm256_sign_epi8(w, w), w, d};
 }
-typedef signed_w q8_0_w, q8_1_w, q4_0_w, q5_0_w;
+typedef signed_w q8_0_w, q8_1_w, q4_0_w, q5_0_w, mxfp4_w;
+#define mxfp4_ints signed_ints
+#define mxfp4_wmin signed_min
 #define q8_0_ints signed_ints
 #define q8_1_ints signed_ints
 #define q4_0_ints signed_ints
@@ -289,6 +311,9 @@ static inline void q4_0_unpack(const uint8_t *b, signed_w *w) {
 }
 static inline void q5_0_unpack(const uint8_t *b, signed_w *w) {
     signed_from(_mm256_sub_epi8(q5_0_values(b), _mm256_set1_epi8(16)), half_to_float(b), w);
+}
+static inline void mxfp4_unpack(const uint8_t *b, signed_w *w) {
+    signed_from(mxfp4_signed(b), e8m0_half(b[0]), w);
 }
 
 // The 32-value formats with a minimum: value = d * u + m.
@@ -709,6 +734,7 @@ static inline float q5_1_min(const uint8_t *b) { return half_to_float(b + 2); }
 #define q5_0_min(b) 0.0f
 #define q8_0_min(b) 0.0f
 #define q8_1_min(b) 0.0f
+#define mxfp4_min(b) 0.0f
 
 typedef struct {
     int32_t (*u)[8][KT_ROWS];  // [block][group g][row]: values 4g..4g+3, biased
@@ -810,7 +836,7 @@ static inline __attribute__((always_inline)) void t32_rows(int mr, const t32_til
             transpose_words(rows, cols);                                                     \
             for (int g = 0; g < 8; g++) _mm512_storeu_si512((void *)t->u[b][g], cols[g]);    \
             for (int r = 0; r < KT_ROWS; r++) {                                              \
-                t->d[b][r] = half_to_float(w + r * row_bytes + b * BYTES);                   \
+                t->d[b][r] = NAME##_scale(w + r * row_bytes + b * BYTES);                    \
                 t->m[b][r] = NAME##_min(w + r * row_bytes + b * BYTES);                      \
             }                                                                                \
         }                                                                                    \
