@@ -696,6 +696,59 @@ def test_the_moe_layer_against_its_twin(kernels, mode, tokens, count, top_k, ren
     assert torch.equal(torch.cat([layer(row[None]) for row in x[:3]]), out[:3])
 
 
+@pytest.mark.parametrize("mode", ["int8", "exact"])
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_a_biased_clamped_mxfp4_moe_layer_against_its_twin(kernels, mode, tokens):
+    """gpt-oss's layer: MXFP4 experts, a biased router and biased projections, the clamped
+    SwiGLU (inputs large enough that both clamps bind), against torch on the dequantized
+    experts (on the activations as the int8 products round them); every row as alone."""
+    from spnl_backend.kernels.cpu.moe import Biases, NativeMoe
+    from spnl_backend.models.mlp import ClampedSwiGLU
+
+    native = dataclasses.replace(kernels, exact=mode == "exact")
+    count, top_k, hidden, inner = 6, 2, 256, 128
+    glu = ClampedSwiGLU(1.702, 7.0)
+    gen = torch.Generator().manual_seed(7)
+    gate, up, down = (
+        [_mxfp4_weight(rows, cols, seed=3 * e + i) for e in range(count)]
+        for i, (rows, cols) in enumerate([(inner, hidden), (inner, hidden), (hidden, inner)])
+    )
+    experts = [
+        tuple((w.qtype.value, w.data, w.shape[0]) for w in ws)
+        for ws in zip(gate, up, down, strict=True)
+    ]
+    router = torch.randn(count, hidden, generator=gen) / 8
+    biases = Biases(
+        torch.randn(count, generator=gen),
+        torch.randn(count, 2 * inner, generator=gen),
+        torch.randn(count, hidden, generator=gen),
+    )
+    x = torch.randn(tokens, hidden, generator=gen) * 4
+    layer = NativeMoe(native, router, experts, top_k, True, biases, (glu.alpha, glu.limit))
+    out = layer(x)
+
+    rounded = native.exact or not native.has_int8
+    acts = (lambda t: t) if rounded else (lambda t: int8_activations_ref(t, Q.MXFP4))
+    weights, ids = torch.topk(torch.softmax(x @ router.T + biases.router, dim=-1), top_k, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    twin = torch.zeros_like(x)
+    binds = []
+    for t in range(tokens):
+        for j in ids[t].argsort():  # experts in id order
+            e = int(ids[t, j])
+            g = acts(x[t : t + 1]) @ gate[e].dequantize().T + biases.gate_up[e, :inner]
+            u = acts(x[t : t + 1]) @ up[e].dequantize().T + biases.gate_up[e, inner:]
+            binds.append(bool((g > glu.limit).any() and (u.abs() > glu.limit).any()))
+            y = acts(glu(g, u)) @ down[e].dequantize().T + biases.down[e]
+            twin[t] += weights[t, j] * y[0]
+    assert any(binds)
+    torch.testing.assert_close(out, twin, rtol=1e-4, atol=1e-3 * twin.abs().max().item())
+    assert torch.equal(torch.cat([layer(row[None]) for row in x]), out)
+    half = Biases(biases.router, torch.zeros(count, inner), biases.down)  # gate's only
+    with pytest.raises(KernelArgumentError, match="gate_up bias"):
+        NativeMoe(native, router, experts, top_k, True, half)
+
+
 def test_the_moe_layer_refuses_what_it_cannot_run(kernels):
     from spnl_backend.kernels.cpu.moe import NativeMoe
 

@@ -246,6 +246,29 @@ enum { q4_0_bias = 3, q5_0_bias = 4, q8_0_bias = 7, q8_1_bias = 7, q4_1_bias = -
 #define q8_1_scale half_to_float
 static inline float mxfp4_scale(const uint8_t *b) { return e8m0_half(b[0]); }
 
+// The scales of a row's next n <= 4 blocks from w, as one vector: d, where each block's
+// unpacking left its scale, or (MXFP4, 4 blocks) straight from the exponent bytes, the same
+// bits as e8m0_half. Through d the compiler packs MXFP4's integer-made scales into 64-bit
+// stores, and the vector loaded from them waits on store forwarding: half the product's time.
+static inline __m128 stored_scales(const uint8_t *w, int n, const float *d) {
+    (void)w, (void)n;
+    return _mm_loadu_ps(d);
+}
+#define q4_0_scales stored_scales
+#define q4_1_scales stored_scales
+#define q5_0_scales stored_scales
+#define q5_1_scales stored_scales
+#define q8_0_scales stored_scales
+#define q8_1_scales stored_scales
+static inline __m128 mxfp4_scales(const uint8_t *w, int n, const float *d) {
+    if (n < 4) return _mm_loadu_ps(d);
+    const __m128i e = _mm_setr_epi32(w[0], w[17], w[34], w[51]);
+    const __m128i normal = _mm_slli_epi32(_mm_sub_epi32(e, _mm_set1_epi32(1)), 23);
+    const __m128i tiny = _mm_sllv_epi32(_mm_set1_epi32(0x00200000), e);  // e < 2: subnormal
+    const __m128i is_tiny = _mm_cmplt_epi32(e, _mm_set1_epi32(2));
+    return _mm_castsi128_ps(_mm_blendv_epi8(normal, tiny, is_tiny));
+}
+
 // The float chains of a 32-value format's row: block b goes to chain b mod CHAINS.
 #define CHAINS 4
 
@@ -962,7 +985,7 @@ static inline float sum_chains(__m128 v) {
             for (int r = 0; r < mr; r++)                                                      \
                 ints[r][i] = NAME##_ints(&wb, x->q32 + ((m + r) * per_row + b0 + i) * 32);    \
         }                                                                                     \
-        const __m128 dv = _mm_loadu_ps(d), mv = _mm_loadu_ps(mins);                           \
+        const __m128 dv = NAME##_scales(w + b0 * BYTES, n, d), mv = _mm_loadu_ps(mins);       \
         for (int r = 0; r < mr; r++) {                                                        \
             const int64_t at = (m + r) * per_row + b0;                                        \
             const __m128 scale = _mm_mul_ps(dv, load_floats(x->d32 + at, n));                 \
