@@ -961,6 +961,66 @@ static inline float sum_chains(__m128 v) {
     return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
 }
 
+// One activation row against one MXFP4 weight row, whole groups of 4 blocks only (the
+// chains of mxfp4_group, which adds the rest): 4 blocks per 512-bit vector, block i's 16
+// nibble bytes in 128-bit lane i, the low nibbles (values 0..15) and the high ones
+// (16..31) looked up plus 16 (unsigned, for dpbusd), the activations' halves gathered to
+// match by lane shuffles and the 16s taken off through the blocks' sums. The same integer
+// per block as mxfp4_group, added to the same chains in the same order: the same bits, in
+// half the instructions. Other formats: none (ROW1_NAME 0).
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define ROW1_mxfp4 1
+static inline __m128 mxfp4_row1(const act_rows *x, int64_t groups, const uint8_t *w) {
+    const __m512i table = _mm512_broadcast_i32x4(
+        _mm_setr_epi8(16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4));
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m128 acc = _mm_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *block = w + g * CHAINS * 17;
+        prefetch_ahead(block, PREFETCH_BYTES, CHAINS * 17);
+        __m512i q = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(block + 1)));
+        for (int i = 1; i < CHAINS; i++)  // a constant lane once unrolled
+            q = _mm512_mask_broadcast_i32x4(q, (__mmask16)(0xF << (4 * i)),
+                                            _mm_loadu_si128((const __m128i *)(block + 17 * i + 1)));
+        const __m512i ulo = _mm512_shuffle_epi8(table, _mm512_and_si512(q, low));
+        const __m512i uhi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(q, 4), low));
+        const int8_t *a = x->q32 + g * CHAINS * 32;
+        const __m512i a0 = _mm512_loadu_si512((const void *)a);
+        const __m512i a1 = _mm512_loadu_si512((const void *)(a + 64));
+        const __m512i alo = _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(2, 0, 2, 0));
+        const __m512i ahi = _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(3, 1, 3, 1));
+        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ulo, alo);
+        s = _mm512_dpbusd_epi32(s, uhi, ahi);
+        s = _mm512_add_epi32(s, _mm512_shuffle_epi32(s, (_MM_PERM_ENUM)0x4E));
+        s = _mm512_add_epi32(s, _mm512_shuffle_epi32(s, (_MM_PERM_ENUM)0xB1));
+        const __m128i sums = _mm512_castsi512_si128(_mm512_permutexvar_epi32(firsts, s));
+        int64_t four;
+        memcpy(&four, x->sums32 + g * CHAINS, sizeof four);
+        const __m128i bias = _mm_slli_epi32(_mm_cvtepi16_epi32(_mm_cvtsi64_si128(four)), 4);
+        const __m128 scale = _mm_mul_ps(mxfp4_scales(block, CHAINS, NULL),
+                                        _mm_loadu_ps(x->d32 + g * CHAINS));
+        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_sub_epi32(sums, bias)), scale, acc);
+    }
+    return acc;
+}
+#else
+#define ROW1_mxfp4 0
+#define mxfp4_row1(x, groups, w) _mm_setzero_ps()
+#endif
+#define ROW1_q4_0 0
+#define ROW1_q4_1 0
+#define ROW1_q5_0 0
+#define ROW1_q5_1 0
+#define ROW1_q8_0 0
+#define ROW1_q8_1 0
+#define q4_0_row1(x, groups, w) _mm_setzero_ps()
+#define q4_1_row1(x, groups, w) _mm_setzero_ps()
+#define q5_0_row1(x, groups, w) _mm_setzero_ps()
+#define q5_1_row1(x, groups, w) _mm_setzero_ps()
+#define q8_0_row1(x, groups, w) _mm_setzero_ps()
+#define q8_1_row1(x, groups, w) _mm_setzero_ps()
+
 // y[r * stride] for activation rows m..m+mr-1 (mr <= 4) against one weight row, each
 // unpacked block meeting the rows in turn.
 #define DEFINE_INT8_KERNEL(NAME, BLOCK, BYTES)                                          \
@@ -1014,6 +1074,18 @@ static inline float sum_chains(__m128 v) {
         const int64_t blocks = k_in / BLOCK, row_bytes = blocks * BYTES;                      \
         const int64_t tiled = NAME##_tiles(x, rows, blocks, w, count, y, stride);             \
         w += tiled * row_bytes, y += tiled, count -= tiled;                                   \
+        if (rows == 1 && ROW1_##NAME) { /* by_rows' bits, in fewer instructions */            \
+            const int64_t whole = blocks / CHAINS * CHAINS;                                   \
+            for (int64_t n = 0; n < count; n++) {                                             \
+                __m128 acc = NAME##_row1(x, whole / CHAINS, w + n * row_bytes);                \
+                __m128 extra = _mm_setzero_ps(); /* no minimum: the formats with ROW1 */      \
+                if (whole < blocks)                                                           \
+                    NAME##_group(x, 0, 1, whole, (int)(blocks - whole), w + n * row_bytes,    \
+                                 &acc, &extra);                                               \
+                y[n] = sum_chains(acc);                                                       \
+            }                                                                                 \
+            return;                                                                           \
+        }                                                                                     \
         for (int64_t m0 = 0; m0 < rows; m0 += INT8_ROW_BLOCK) {                               \
             const int64_t end = rows - m0 < INT8_ROW_BLOCK ? rows : m0 + INT8_ROW_BLOCK;      \
             for (int64_t n = 0; n < count; n++)                                               \
