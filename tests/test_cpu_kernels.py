@@ -702,6 +702,59 @@ def test_the_moe_layer_against_its_twin(kernels, mode, tokens, count, top_k, ren
     assert torch.equal(torch.cat([layer(row[None]) for row in x[:3]]), out[:3])
 
 
+@pytest.mark.parametrize("mode", ["int8", "exact"])
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_a_biased_clamped_mxfp4_moe_layer_against_its_twin(kernels, mode, tokens):
+    """gpt-oss's layer: MXFP4 experts, a biased router and biased projections, the clamped
+    SwiGLU (inputs large enough that both clamps bind), against torch on the dequantized
+    experts (on the activations as the int8 products round them); every row as alone."""
+    from spnl_backend.kernels.cpu.moe import Biases, NativeMoe
+    from spnl_backend.models.mlp import ClampedSwiGLU
+
+    native = dataclasses.replace(kernels, exact=mode == "exact")
+    count, top_k, hidden, inner = 6, 2, 256, 128
+    glu = ClampedSwiGLU(1.702, 7.0)
+    gen = torch.Generator().manual_seed(7)
+    gate, up, down = (
+        [_mxfp4_weight(rows, cols, seed=3 * e + i) for e in range(count)]
+        for i, (rows, cols) in enumerate([(inner, hidden), (inner, hidden), (hidden, inner)])
+    )
+    experts = [
+        tuple((w.qtype.value, w.data, w.shape[0]) for w in ws)
+        for ws in zip(gate, up, down, strict=True)
+    ]
+    router = torch.randn(count, hidden, generator=gen) / 8
+    biases = Biases(
+        torch.randn(count, generator=gen),
+        torch.randn(count, 2 * inner, generator=gen),
+        torch.randn(count, hidden, generator=gen),
+    )
+    x = torch.randn(tokens, hidden, generator=gen) * 4
+    layer = NativeMoe(native, router, experts, top_k, True, biases, (glu.alpha, glu.limit))
+    out = layer(x)
+
+    rounded = native.exact or not native.has_int8
+    acts = (lambda t: t) if rounded else (lambda t: int8_activations_ref(t, Q.MXFP4))
+    weights, ids = torch.topk(torch.softmax(x @ router.T + biases.router, dim=-1), top_k, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    twin = torch.zeros_like(x)
+    binds = []
+    for t in range(tokens):
+        for j in ids[t].argsort():  # experts in id order
+            e = int(ids[t, j])
+            g = acts(x[t : t + 1]) @ gate[e].dequantize().T + biases.gate_up[e, :inner]
+            u = acts(x[t : t + 1]) @ up[e].dequantize().T + biases.gate_up[e, inner:]
+            binds.append(bool((g > glu.limit).any() and (u.abs() > glu.limit).any()))
+            y = acts(glu(g, u)) @ down[e].dequantize().T + biases.down[e]
+            twin[t] += weights[t, j] * y[0]
+    assert any(binds)
+    torch.testing.assert_close(out, twin, rtol=1e-4, atol=1e-3 * twin.abs().max().item())
+    assert torch.equal(torch.cat([layer(row[None]) for row in x]), out)
+    half = Biases(biases.router, torch.zeros(count, inner), biases.down)  # gate's only
+    with pytest.raises(KernelArgumentError, match="gate_up bias"):
+        NativeMoe(native, router, experts, top_k, True, half)
+
+
 def test_the_moe_layer_refuses_what_it_cannot_run(kernels):
     from spnl_backend.kernels.cpu.moe import NativeMoe
 
@@ -735,19 +788,26 @@ def _mxfp4_weight(rows: int, cols: int, seed: int = 0) -> QuantizedWeight:
 
 
 @pytest.mark.parametrize("mode", ["int8", "exact"])
-@pytest.mark.parametrize("rows", [1, 3, 70])
-def test_mxfp4_products_equal_the_dequantized_twin(kernels, mode, rows):
-    """MXFP4 (gpt-oss's experts as stored) has float products only: asked for int8 ones,
-    the call takes them, beside another format too; each row as it would be alone."""
+@pytest.mark.parametrize("rows", [1, 3, 7, 70])
+def test_mxfp4_products_equal_the_twin_and_each_row_alone(kernels, mode, rows):
+    """MXFP4 (gpt-oss's experts as stored), beside another format: the exact products
+    against the dequantized twin, the int8 ones against it on the activations as rounded
+    for 32-value blocks; every row bit for bit as it would be alone (7 and 70 rows take the
+    int8 tiles of 16 weight rows, 1 and 3 the row-at-a-time kernel; 25 blocks a row end the
+    chains mid-group)."""
     native = dataclasses.replace(kernels, exact=mode == "exact")
-    weights = [_mxfp4_weight(48, 512), _weights(Q.Q8_0, rows=16)]
-    x = torch.randn(rows, 512)
-    together = quantized_matmuls(native, x, weights[:1])
-    torch.testing.assert_close(together, _twin(x, weights[:1]), rtol=1e-5, atol=1e-4)
-    alone = torch.cat([quantized_matmuls(native, x[i : i + 1], weights[:1]) for i in range(rows)])
+    weights = [_mxfp4_weight(48, 800), _weights(Q.Q8_0, rows=16, cols=800)]
+    x = torch.randn(rows, 800)
+    together = quantized_matmuls(native, x, weights)
+    if native.exact or not native.has_int8:  # no AVX2: the int8 products are the exact ones
+        torch.testing.assert_close(together, _twin(x, weights), rtol=1e-5, atol=1e-4)
+    else:
+        twin = torch.cat([_twin(int8_activations_ref(x, w.qtype), [w]) for w in weights], -1)
+        torch.testing.assert_close(together, twin, rtol=1e-4, atol=1e-4)
+        relative = (together - _twin(x, weights)).norm() / _twin(x, weights).norm()
+        assert 0 < relative < 0.01  # rounded activations: close, not the same
+    alone = torch.cat([quantized_matmuls(native, x[i : i + 1], weights) for i in range(rows)])
     assert torch.equal(together, alone)
-    mixed = quantized_matmuls(dataclasses.replace(kernels, exact=True), x, weights)
-    torch.testing.assert_close(mixed, _twin(x, weights), rtol=1e-5, atol=1e-4)
 
 
 def test_mxfp4_dequantizes_as_the_twin_bit_for_bit(kernels):

@@ -18,7 +18,8 @@ from spnl_backend.models.moe import SparseMoE
 from spnl_backend.quant.linear import QuantLinear
 
 PROMPT = "the cat sat on the mat and the dog"
-TORCH_EXPERTS = ("gpt_oss",)  # biased, clamped SwiGLU: neither the native layer nor fused
+TORCH_EXPERTS = ()  # experts the native layer refuses (none of these: gpt-oss's biases and
+# clamped SwiGLU are the native layer's too)
 TOKENS = 32
 
 
@@ -231,9 +232,8 @@ def test_an_unsupported_gguf_architecture_names_the_supported_ones(tiny, tmp_pat
 def test_quantized_experts_run_natively_row_by_row_as_their_twin(moe, arch):
     """On the CPU a layer of quantized experts is one native call: each row computed as it
     would be alone (one row, five, or more than one chunk of 256), close to the torch twin
-    (`SparseMoE.grouped`), and a sequence's tokens the same alone and in a batch. Experts
-    the native layer cannot run (gpt-oss's biases and clamped SwiGLU) are refused by it
-    and run on the torch path, as invariant."""
+    (`SparseMoE.grouped`), and a sequence's tokens the same alone and in a batch; gpt-oss's
+    biases and clamped SwiGLU included."""
     reference, _ = moe[arch]
     quantized = load_backend(
         str(reference.path), settings=BackendSettings(device="cpu", isq="Q8_0")
@@ -401,16 +401,38 @@ def test_a_gpt_oss_moe_layer_is_transformers_past_its_clamps(moe):
 
 
 def test_a_gpt_oss_gguf_with_mxfp4_experts_runs_them_as_stored(moe, tiny):
-    """llama.cpp's gpt-oss files keep the experts in MXFP4: they load as their blocks and
-    the model computes what those blocks dequantized compute (C's float products)."""
+    """llama.cpp's gpt-oss files keep the experts in MXFP4: they load as their blocks, run
+    on the native MoE layer, and (float activations in the products) the model computes
+    what those blocks dequantized compute."""
     reference, _ = moe["gpt_oss"]
     path = tiny.gguf("gpt_oss", GGMLQuantizationType.MXFP4)
-    settings = BackendSettings(device="cpu")
+    settings = BackendSettings(device="cpu", cpu_matmul="float32")
     quantized = load_backend(str(path), settings=settings)
-    expert = quantized.model.model.layers[0].mlp.experts[0]
-    assert expert.gate_proj.weight_q.qtype == GGMLQuantizationType.MXFP4
+    layer = quantized.model.model.layers[0].mlp
+    assert layer.experts[0].gate_proj.weight_q.qtype == GGMLQuantizationType.MXFP4
+    assert layer.native_layer() is not None
     ids = reference.tokenizer(PROMPT).input_ids
     expected = model_logits(quantized, ids)
     dequantized = load_backend(str(path), settings=settings)
     dequantize_in_place(dequantized)
     torch.testing.assert_close(model_logits(dequantized, ids), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_mxfp4_experts_on_int8_products_are_their_twin_row_by_row(moe, tiny):
+    """As shipped (int8 activations in the products), gpt-oss's MXFP4 experts run on the
+    native layer: each row as it would be alone, close to the torch twin on the same
+    products, and a sequence's tokens the same alone and in a batch."""
+    reference, _ = moe["gpt_oss"]
+    backend = load_backend(str(tiny.gguf("gpt_oss", GGMLQuantizationType.MXFP4)), settings=CPU)
+    layer = backend.model.model.layers[0].mlp
+    assert layer.native_layer() is not None
+    x = torch.randn(40, reference.hf.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        together = layer(x)
+        alone = torch.cat([layer(row[None]) for row in x[:5]])
+        twin = layer.grouped(x, *layer.route(x))
+    assert torch.equal(alone, together[:5])
+    torch.testing.assert_close(together, twin, rtol=1e-4, atol=1e-5)
+    prompts = [PROMPT, "x = 1"]
+    singly = [backend.generate(p, max_tokens=6, temperature=0).token_ids for p in prompts]
+    assert [r.token_ids for r in backend.generate(prompts, max_tokens=6, temperature=0)] == singly

@@ -22,7 +22,7 @@ from ..log import get_logger
 from ..settings import PlatformDecisions
 from . import ops
 from .cpu import CpuKernels, load_cpu_kernels
-from .cpu.moe import MAX_EXPERTS, NativeMoe, Weight
+from .cpu.moe import MAX_EXPERTS, Biases, NativeMoe, Weight
 from .matmuls import (
     CpuMatmuls,
     Matmuls,
@@ -74,12 +74,15 @@ class KernelChoice:
         experts: list[tuple[Weight, Weight, Weight]],
         top_k: int,
         renormalize: bool,
+        biases: Biases | None = None,
+        clamped: tuple[float, float] | None = None,
     ) -> NativeMoe | None:
-        """A MoE layer of quantized SiLU experts as one native call, where the compiled
-        kernels run and take its experts; else None (the torch path)."""
+        """A MoE layer of quantized experts (SiLU-gated, or by gpt-oss's clamped SwiGLU
+        where ``clamped = (alpha, limit)``; biased where ``biases``) as one native call,
+        where the compiled kernels run and take its experts; else None (the torch path)."""
         if self.native is None or len(experts) > MAX_EXPERTS:
             return None
-        return NativeMoe(self.native, router, experts, top_k, renormalize)
+        return NativeMoe(self.native, router, experts, top_k, renormalize, biases, clamped)
 
     def embedding_rows(self, weight: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
         """The rows ``ids`` of a quantized embedding, in float32: gathered and decoded by

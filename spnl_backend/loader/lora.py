@@ -204,7 +204,11 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     with _opened(path) as f:
         names = list(f.keys())
     layout = _layout(path)
-    return {name: _checked(_read_tensor(path, layout, name), path, name) for name in names}
+    tensors = {}
+    for name in names:
+        tensors[name] = _read_tensor(path, layout, name)
+        _checked(tensors[name], path, name)  # float and finite
+    return tensors
 
 
 def _pair(

@@ -7,13 +7,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.cpu.moe import NativeMoe
+from ..kernels.cpu.moe import Biases, NativeMoe
 from ..kernels.dispatch import TORCH_CHOICE, KernelChoice
 from ..kernels.moe_ref import Experts
 from ..quant.linear import QuantizedExperts, QuantLinear
 from .config import ModelConfig
 from .linear import Linear, rows_alone
-from .mlp import GatedMLP
+from .mlp import ClampedSwiGLU, GatedMLP
 
 # (x, w13 [E, 2I, H], w2 [E, H, I], topk ids [T, k], topk weights [T, k]) -> [T, H]; the
 # experts float tensors or `QuantizedExperts` (GGML blocks)
@@ -146,21 +146,23 @@ class SparseMoE(nn.Module):
 
     def native_layer(self) -> NativeMoe | None:
         """This layer on the CPU's native kernels (one call: routing, the experts' grouped
-        products, the weighted sum), where its experts are quantized projections without
-        bias with SiLU under a router without bias and the model's kernels take them
-        (`KernelChoice.moe_layer`; a quantized router's values taken once in float); else
-        None (the torch path)."""
+        products, the weighted sum), where its experts are quantized projections gated by
+        SiLU or gpt-oss's clamped SwiGLU, biased or not (every projection and the router
+        alike), and the model's kernels take them (`KernelChoice.moe_layer`; a quantized
+        router's values taken once in float); else None (the torch path)."""
         if not self._native_made:
             self._native, self._native_made = self._make_native(), True
         return self._native
 
     def _make_native(self) -> NativeMoe | None:
         layers = [p for e in self.experts for p in (e.gate_proj, e.up_proj, e.down_proj)]
+        glu = self.experts[0].glu
+        clamped = (glu.alpha, glu.limit) if isinstance(glu, ClampedSwiGLU) else None
         if (
-            self.experts[0].act is not F.silu
+            (self.experts[0].act is not F.silu and clamped is None)
             or not all(isinstance(p, QuantLinear) for p in layers)
-            or _biased([*layers, self.gate])
-        ):
+            or _biased([*layers, self.gate]) != _every_biased([*layers, self.gate])
+        ):  # biases on some of the layer's projections only: not the native layer's case
             return None
 
         def weight(p: QuantLinear) -> tuple[int, torch.Tensor, int]:
@@ -173,8 +175,27 @@ class SparseMoE(nn.Module):
             router = self.gate.weight_q.dequantize().float().contiguous()
         else:
             router = self.gate.weight.detach().float().contiguous()
-        return self.kernels.moe_layer(router, experts, self.top_k, self.renormalize)
+        biases = self._biases() if _biased(layers) else None  # every one biased, or none
+        return self.kernels.moe_layer(
+            router, experts, self.top_k, self.renormalize, biases, clamped
+        )
+
+    def _biases(self) -> Biases:
+        """The router's and the experts' biases, stacked in float32 for the native layer."""
+
+        def bias(layer: nn.Module) -> torch.Tensor:
+            return layer.bias.detach().float()
+
+        return Biases(
+            bias(self.gate).contiguous(),
+            torch.stack([torch.cat([bias(e.gate_proj), bias(e.up_proj)]) for e in self.experts]),
+            torch.stack([bias(e.down_proj) for e in self.experts]),
+        )
 
 
 def _biased(layers: list[nn.Module]) -> bool:
     return any(getattr(layer, "bias", None) is not None for layer in layers)
+
+
+def _every_biased(layers: list[nn.Module]) -> bool:
+    return all(getattr(layer, "bias", None) is not None for layer in layers)

@@ -37,6 +37,12 @@ class MoeArgs(ctypes.Structure):
         ("hidden", I64),
         ("inner", I64),
         ("renormalize", I32),
+        ("router_bias", PTR),
+        ("gate_up_bias", PTR),
+        ("down_bias", PTR),
+        ("clamped", I32),
+        ("alpha", F32),
+        ("limit", F32),
     )
 
 

@@ -62,11 +62,17 @@ typedef struct {
 // A mixture-of-experts layer (moe.c): a float32 router [experts][hidden] and each expert's
 // products, gate_up[e] (its gate and its up, inner rows each) and down[e] (hidden rows); each
 // token takes its top_k experts by softmax, weights renormalised over them where renormalize.
+// Biases (NULL: none): router_bias [experts], gate_up_bias [experts][2 inner] (gate's, then
+// up's), down_bias [experts][hidden]. clamped: gpt-oss's gating, (clamp(up, -limit, limit)
+// + 1) * g * sigmoid(alpha * g) with g = min(gate, limit), in place of SiLU(gate) * up.
 typedef struct {
     const float *router;
     const spnl_products *gate_up, *down;
     int64_t experts, top_k, hidden, inner;
     int renormalize;
+    const float *router_bias, *gate_up_bias, *down_bias;
+    int clamped;
+    float alpha, limit;
 } spnl_moe_args;
 
 // How a layer's scores become softmax weights (kernels/scoring.py): scale * q.k, capped

@@ -1,7 +1,8 @@
 // A mixture-of-experts layer in one call (twin: the grouped torch path of SparseMoE in
 // spnl_backend/models/layers.py): each token's router logits, softmax and top-k (weights
 // renormalised over the k where the architecture does), its experts' gate and up products,
-// SiLU(gate) * up, their down products, and the weighted sum over its experts in id order.
+// SiLU(gate) * up (or gpt-oss's clamped SwiGLU), their down products, and the weighted sum
+// over its experts in id order; the router's and the experts' biases where they have them.
 //
 // The (token, expert) pairs are sorted by expert, so each chosen expert's weights are read
 // once for all its tokens and an idle expert's not at all, and both products run as one
@@ -58,26 +59,39 @@ static void route(const spnl_moe_args *m, const float *logits, int64_t *ids, flo
         }
 }
 
-// SiLU(g) = g * sigmoid(g), sigmoid through e^-|g| (at most 1: never overflows).
-static inline v16f silu16(v16f g) {
-    const v16i negative = g < splat(0.0f);
-    const v16f e = exp16((v16f)((v16i)g | INT32_MIN));  // e^-|g|: the sign bit set
-    const v16f up = splat(1.0f) / (splat(1.0f) + e);           // sigmoid(|g|)
-    const v16f sigmoid = (v16f)(((v16i)(e * up) & negative) | ((v16i)up & ~negative));
-    return g * sigmoid;
+// sigmoid(z) through e^-|z| (at most 1: never overflows).
+static inline v16f sigmoid16(v16f z) {
+    const v16i negative = z < splat(0.0f);
+    const v16f e = exp16((v16f)((v16i)z | INT32_MIN));  // e^-|z|: the sign bit set
+    const v16f up = splat(1.0f) / (splat(1.0f) + e);           // sigmoid(|z|)
+    return (v16f)(((v16i)(e * up) & negative) | ((v16i)up & ~negative));
 }
 
-// act[i] = SiLU(gate[i]) * up[i] over one pair's row.
-static void silu_mul(const float *gate, const float *up, float *act, int64_t n) {
+static inline v16f pick16(v16i take_a, v16f a, v16f b) {
+    return (v16f)(((v16i)a & take_a) | ((v16i)b & ~take_a));
+}
+
+// One layer's gating of 16 gate and up values.
+static inline v16f glu16(const spnl_moe_args *m, v16f g, v16f u) {
+    if (!m->clamped) return g * sigmoid16(g) * u;  // SiLU(g) * up
+    const v16f limit = splat(m->limit), low = splat(-m->limit);
+    g = pick16(g > limit, limit, g);  // NaN stays NaN, as torch's clamp keeps it
+    u = pick16(u > limit, limit, pick16(u < low, low, u));
+    return (u + splat(1.0f)) * (g * sigmoid16(g * splat(m->alpha)));
+}
+
+// act[i] = the gating of gate[i] and up[i] over one pair's row.
+static void glu_row(const spnl_moe_args *m, const float *gate, const float *up, float *act,
+                    int64_t n) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        const v16f a = silu16(load_f32(gate + i)) * load_f32(up + i);
+        const v16f a = glu16(m, load_f32(gate + i), load_f32(up + i));
         memcpy(act + i, &a, sizeof a);
     }
     for (; i < n; i++) {  // the tail through the same vector code
-        float g[16] = {0};
-        g[0] = gate[i];
-        act[i] = silu16(load_f32(g))[0] * up[i];
+        float g[16] = {0}, u[16] = {0};
+        g[0] = gate[i], u[0] = up[i];
+        act[i] = glu16(m, load_f32(g), load_f32(u))[0];
     }
 }
 
@@ -88,6 +102,7 @@ typedef struct {
     int64_t *ids;        // [tokens][top_k]: each token's experts, in id order
     float *weights;      // [tokens][top_k]
     int64_t *pair;       // [tokens][top_k]: each (token, expert)'s row among the sorted pairs
+    int64_t *expert;     // [tokens * top_k]: each sorted pair row's expert
     int64_t *first;      // [experts + 1]: each expert's first pair row
     int *qtypes;         // the grouped calls' products: up to 2 per expert
     const uint8_t **w;
@@ -117,6 +132,7 @@ static size_t lay_out(const spnl_moe_args *m, int64_t tokens, char *base, moe_sc
     s->ids = take(base, &at, pairs * sizeof(int64_t));
     s->weights = take(base, &at, pairs * sizeof(float));
     s->pair = take(base, &at, pairs * sizeof(int64_t));
+    s->expert = take(base, &at, pairs * sizeof(int64_t));
     s->first = take(base, &at, (experts + 1) * sizeof(int64_t));
     s->qtypes = take(base, &at, products * sizeof(int));
     s->w = take(base, &at, products * sizeof(uint8_t *));
@@ -145,17 +161,23 @@ static void logit_task(void *ctx, int64_t i, int worker) {
     (void)worker;
     const moe_call *c = ctx;
     const int64_t experts = c->m->experts, hidden = c->m->hidden;
-    c->s->logits[i] = dot(c->m->router + (i % experts) * hidden, c->x + (i / experts) * hidden,
-                          hidden);
+    const float logit = dot(c->m->router + (i % experts) * hidden,
+                            c->x + (i / experts) * hidden, hidden);
+    c->s->logits[i] = c->m->router_bias ? logit + c->m->router_bias[i % experts] : logit;
 }
 
-// Task i: pair i's SiLU(gate) * up.
+// Task i: pair row i's gating of its gate and up (their biases added first, as a biased
+// projection adds them to its product).
 static void act_task(void *ctx, int64_t i, int worker) {
     (void)worker;
     const moe_call *c = ctx;
     const int64_t inner = c->m->inner;
-    silu_mul(c->s->gate_up + i * 2 * inner, c->s->gate_up + i * 2 * inner + inner,
-             c->s->act + i * inner, inner);
+    float *gate_up = c->s->gate_up + i * 2 * inner;
+    if (c->m->gate_up_bias) {
+        const float *bias = c->m->gate_up_bias + c->s->expert[i] * 2 * inner;
+        for (int64_t j = 0; j < 2 * inner; j++) gate_up[j] = gate_up[j] + bias[j];
+    }
+    glu_row(c->m, gate_up, gate_up + inner, c->s->act + i * inner, inner);
 }
 
 // Task t: token t's weighted sum over its experts, in id order.
@@ -167,7 +189,12 @@ static void sum_task(void *ctx, int64_t t, int worker) {
     memset(o, 0, hidden * sizeof(float));
     for (int64_t j = 0; j < k; j++) {  // experts in id order
         const float w = c->s->weights[t * k + j], *y = c->s->y + c->s->pair[t * k + j] * hidden;
-        for (int64_t i = 0; i < hidden; i++) o[i] = o[i] + w * y[i];
+        if (c->m->down_bias) {  // the biased product first, then weighed
+            const float *bias = c->m->down_bias + c->s->ids[t * k + j] * hidden;
+            for (int64_t i = 0; i < hidden; i++) o[i] = o[i] + w * (y[i] + bias[i]);
+        } else {
+            for (int64_t i = 0; i < hidden; i++) o[i] = o[i] + w * y[i];
+        }
     }
 }
 
@@ -187,6 +214,7 @@ static void route_tokens(const spnl_moe_args *m, const float *x, int64_t tokens,
         for (int64_t j = 0; j < k; j++) {
             const int64_t e = s->ids[t * k + j];
             s->pair[t * k + j] = s->first[e] + fill[e]++;
+            s->expert[s->pair[t * k + j]] = e;
         }
 }
 

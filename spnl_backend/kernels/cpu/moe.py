@@ -8,6 +8,7 @@ wherever it runs, per-op or inside the native layer blocks, so both give the sam
 """
 
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -37,10 +38,21 @@ def scratch(nbytes: int) -> tuple[int, int]:
     return address + skip, held.numel() - skip
 
 
+@dataclass(frozen=True)
+class Biases:
+    """A layer's biases, float32: the router's ``[experts]``, each expert's gate and up
+    ``[experts, 2 inner]`` (gate's, then up's) and down ``[experts, hidden]`` (gpt-oss's)."""
+
+    router: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
 class NativeMoe:
     """A layer's router (float32 ``[experts, hidden]``) and its experts' quantized ``(gate,
     up, down)``, prepared for ``spnl_moe``: each token's ``top_k`` experts by softmax, their
-    weights renormalised over the k where ``renormalize``, SiLU-gated."""
+    weights renormalised over the k where ``renormalize``, SiLU-gated, or with ``clamped =
+    (alpha, limit)`` gated by gpt-oss's clamped SwiGLU; ``biases`` where the layer has them."""
 
     def __init__(
         self,
@@ -49,6 +61,8 @@ class NativeMoe:
         experts: list[tuple[Weight, Weight, Weight]],
         top_k: int,
         renormalize: bool,
+        biases: Biases | None = None,
+        clamped: tuple[float, float] | None = None,
     ) -> None:
         require(router, torch.float32, "moe: router", dims=2)
         count, hidden = router.shape
@@ -70,8 +84,20 @@ class NativeMoe:
                 for qtype, row_bytes in call.row_bytes:
                     kernels.check_row_bytes(qtype, k_in, row_bytes, "moe: expert")
         self._arrays = [_array(self.gate_up), _array(self.down)]  # what args points into
+        self.biases = _checked(biases, count, hidden, inner)
+        alpha, limit = clamped if clamped is not None else (0.0, 0.0)
         self.args = MoeArgs(
-            router.data_ptr(), *self._arrays, count, top_k, hidden, inner, int(renormalize)
+            router.data_ptr(),
+            *self._arrays,
+            count,
+            top_k,
+            hidden,
+            inner,
+            int(renormalize),
+            *_pointers(self.biases),
+            int(clamped is not None),
+            alpha,
+            limit,
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -103,6 +129,27 @@ class NativeMoe:
         if nbytes < 0:
             raise KernelArgumentError(f"moe: a call for {tokens} tokens")
         return nbytes
+
+
+def _checked(biases: Biases | None, experts: int, hidden: int, inner: int) -> Biases | None:
+    """The biases, each float32, contiguous and of its layer's shape (else refused)."""
+    if biases is None:
+        return None
+    shapes = {"router": (experts,), "gate_up": (experts, 2 * inner), "down": (experts, hidden)}
+    for name, shape in shapes.items():
+        tensor = getattr(biases, name)
+        require(tensor, torch.float32, f"moe: {name} bias", dims=len(shape))
+        if tuple(tensor.shape) != shape or not tensor.is_contiguous():
+            raise KernelArgumentError(
+                f"moe: a {name} bias of shape {tuple(tensor.shape)}; contiguous {shape} expected"
+            )
+    return biases
+
+
+def _pointers(biases: Biases | None) -> tuple[int | None, int | None, int | None]:
+    if biases is None:
+        return None, None, None
+    return biases.router.data_ptr(), biases.gate_up.data_ptr(), biases.down.data_ptr()
 
 
 def _array(calls: list[Products]):

@@ -3,7 +3,8 @@
 //
 // Each activation row is quantized as the reference engine (llama.cpp) quantizes it for the
 // weight type at hand, so the integer sums are the ones it computes:
-//  - for the 32-value formats, blocks of 32 with a scale rounded to float16 (and, for the
+//  - for the 32-value formats (MXFP4 among them: its E2M1 values, doubled, are integers
+//    under a power-of-two scale), blocks of 32 with a scale rounded to float16 (and, for the
 //    formats with a minimum, the scaled sum of the block, kept exact where llama.cpp rounds
 //    it to float16: the product is then exactly the dequantized twin's);
 //  - for the k-quants, blocks of 256 with a float scale and the sum of every 16 values.
@@ -234,7 +235,39 @@ static inline __m256i words_i8(const int8_t *eight) {
 // formats with a minimum, whose values are unsigned already and whose minimum is a term
 // of its own).
 enum { q4_0_bias = 3, q5_0_bias = 4, q8_0_bias = 7, q8_1_bias = 7, q4_1_bias = -1,
-       q5_1_bias = -1 };
+       q5_1_bias = -1, mxfp4_bias = 4 };
+
+// Each 32-value format's block scale: a float16 first, or MXFP4's exponent byte.
+#define q4_0_scale half_to_float
+#define q4_1_scale half_to_float
+#define q5_0_scale half_to_float
+#define q5_1_scale half_to_float
+#define q8_0_scale half_to_float
+#define q8_1_scale half_to_float
+static inline float mxfp4_scale(const uint8_t *b) { return e8m0_half(b[0]); }
+
+// The scales of a row's next n <= 4 blocks from w, as one vector: d, where each block's
+// unpacking left its scale, or (MXFP4, 4 blocks) straight from the exponent bytes, the same
+// bits as e8m0_half. Through d the compiler packs MXFP4's integer-made scales into 64-bit
+// stores, and the vector loaded from them waits on store forwarding: half the product's time.
+static inline __m128 stored_scales(const uint8_t *w, int n, const float *d) {
+    (void)w, (void)n;
+    return _mm_loadu_ps(d);
+}
+#define q4_0_scales stored_scales
+#define q4_1_scales stored_scales
+#define q5_0_scales stored_scales
+#define q5_1_scales stored_scales
+#define q8_0_scales stored_scales
+#define q8_1_scales stored_scales
+static inline __m128 mxfp4_scales(const uint8_t *w, int n, const float *d) {
+    if (n < 4) return _mm_loadu_ps(d);
+    const __m128i e = _mm_setr_epi32(w[0], w[17], w[34], w[51]);
+    const __m128i normal = _mm_slli_epi32(_mm_sub_epi32(e, _mm_set1_epi32(1)), 23);
+    const __m128i tiny = _mm_sllv_epi32(_mm_set1_epi32(0x00200000), e);  // e < 2: subnormal
+    const __m128i is_tiny = _mm_cmplt_epi32(e, _mm_set1_epi32(2));
+    return _mm_castsi128_ps(_mm_blendv_epi8(normal, tiny, is_tiny));
+}
 
 // The float chains of a 32-value format's row: block b goes to chain b mod CHAINS.
 #define CHAINS 4
@@ -259,6 +292,16 @@ static inline __m256i q8_0_values(const uint8_t *b) {
 static inline __m256i q8_1_values(const uint8_t *b) {
     return _mm256_xor_si256(load32(b + 4), _mm256_set1_epi8((char)0x80));
 }
+// MXFP4's E2M1 nibbles through E2M1_DOUBLED as int8 (its values, doubled, are integers in
+// [-12, 12]), looked up 16 at a time in each 128-bit lane.
+static inline __m256i mxfp4_signed(const uint8_t *b) {
+    const __m256i table = _mm256_broadcastsi128_si256(
+        _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12));
+    return _mm256_shuffle_epi8(table, nibbles_of_16(b + 1));
+}
+static inline __m256i mxfp4_values(const uint8_t *b) {
+    return _mm256_add_epi8(mxfp4_signed(b), _mm256_set1_epi8(16));
+}
 
 // The 32-value formats with signed values: |w| as the unsigned operand, w for the signs.
 typedef struct { __m256i u, w; float d; } signed_w;
@@ -269,7 +312,9 @@ static inline float signed_min(const signed_w *w) { (void)w; return 0.0f; }
 static inline void signed_from(__m256i w, float d, signed_w *out) {
     *out = (signed_w){_mm256_sign_epi8(w, w), w, d};
 }
-typedef signed_w q8_0_w, q8_1_w, q4_0_w, q5_0_w;
+typedef signed_w q8_0_w, q8_1_w, q4_0_w, q5_0_w, mxfp4_w;
+#define mxfp4_ints signed_ints
+#define mxfp4_wmin signed_min
 #define q8_0_ints signed_ints
 #define q8_1_ints signed_ints
 #define q4_0_ints signed_ints
@@ -289,6 +334,9 @@ static inline void q4_0_unpack(const uint8_t *b, signed_w *w) {
 }
 static inline void q5_0_unpack(const uint8_t *b, signed_w *w) {
     signed_from(_mm256_sub_epi8(q5_0_values(b), _mm256_set1_epi8(16)), half_to_float(b), w);
+}
+static inline void mxfp4_unpack(const uint8_t *b, signed_w *w) {
+    signed_from(mxfp4_signed(b), e8m0_half(b[0]), w);
 }
 
 // The 32-value formats with a minimum: value = d * u + m.
@@ -709,6 +757,7 @@ static inline float q5_1_min(const uint8_t *b) { return half_to_float(b + 2); }
 #define q5_0_min(b) 0.0f
 #define q8_0_min(b) 0.0f
 #define q8_1_min(b) 0.0f
+#define mxfp4_min(b) 0.0f
 
 typedef struct {
     int32_t (*u)[8][KT_ROWS];  // [block][group g][row]: values 4g..4g+3, biased
@@ -810,7 +859,7 @@ static inline __attribute__((always_inline)) void t32_rows(int mr, const t32_til
             transpose_words(rows, cols);                                                     \
             for (int g = 0; g < 8; g++) _mm512_storeu_si512((void *)t->u[b][g], cols[g]);    \
             for (int r = 0; r < KT_ROWS; r++) {                                              \
-                t->d[b][r] = half_to_float(w + r * row_bytes + b * BYTES);                   \
+                t->d[b][r] = NAME##_scale(w + r * row_bytes + b * BYTES);                    \
                 t->m[b][r] = NAME##_min(w + r * row_bytes + b * BYTES);                      \
             }                                                                                \
         }                                                                                    \
@@ -912,6 +961,66 @@ static inline float sum_chains(__m128 v) {
     return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
 }
 
+// One activation row against one MXFP4 weight row, whole groups of 4 blocks only (the
+// chains of mxfp4_group, which adds the rest): 4 blocks per 512-bit vector, block i's 16
+// nibble bytes in 128-bit lane i, the low nibbles (values 0..15) and the high ones
+// (16..31) looked up plus 16 (unsigned, for dpbusd), the activations' halves gathered to
+// match by lane shuffles and the 16s taken off through the blocks' sums. The same integer
+// per block as mxfp4_group, added to the same chains in the same order: the same bits, in
+// half the instructions. Other formats: none (ROW1_NAME 0).
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define ROW1_mxfp4 1
+static inline __m128 mxfp4_row1(const act_rows *x, int64_t groups, const uint8_t *w) {
+    const __m512i table = _mm512_broadcast_i32x4(
+        _mm_setr_epi8(16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4));
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m128 acc = _mm_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *block = w + g * CHAINS * 17;
+        prefetch_ahead(block, PREFETCH_BYTES, CHAINS * 17);
+        __m512i q = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(block + 1)));
+        for (int i = 1; i < CHAINS; i++)  // a constant lane once unrolled
+            q = _mm512_mask_broadcast_i32x4(q, (__mmask16)(0xF << (4 * i)),
+                                            _mm_loadu_si128((const __m128i *)(block + 17 * i + 1)));
+        const __m512i ulo = _mm512_shuffle_epi8(table, _mm512_and_si512(q, low));
+        const __m512i uhi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(q, 4), low));
+        const int8_t *a = x->q32 + g * CHAINS * 32;
+        const __m512i a0 = _mm512_loadu_si512((const void *)a);
+        const __m512i a1 = _mm512_loadu_si512((const void *)(a + 64));
+        const __m512i alo = _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(2, 0, 2, 0));
+        const __m512i ahi = _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(3, 1, 3, 1));
+        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ulo, alo);
+        s = _mm512_dpbusd_epi32(s, uhi, ahi);
+        s = _mm512_add_epi32(s, _mm512_shuffle_epi32(s, (_MM_PERM_ENUM)0x4E));
+        s = _mm512_add_epi32(s, _mm512_shuffle_epi32(s, (_MM_PERM_ENUM)0xB1));
+        const __m128i sums = _mm512_castsi512_si128(_mm512_permutexvar_epi32(firsts, s));
+        int64_t four;
+        memcpy(&four, x->sums32 + g * CHAINS, sizeof four);
+        const __m128i bias = _mm_slli_epi32(_mm_cvtepi16_epi32(_mm_cvtsi64_si128(four)), 4);
+        const __m128 scale = _mm_mul_ps(mxfp4_scales(block, CHAINS, NULL),
+                                        _mm_loadu_ps(x->d32 + g * CHAINS));
+        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_sub_epi32(sums, bias)), scale, acc);
+    }
+    return acc;
+}
+#else
+#define ROW1_mxfp4 0
+#define mxfp4_row1(x, groups, w) _mm_setzero_ps()
+#endif
+#define ROW1_q4_0 0
+#define ROW1_q4_1 0
+#define ROW1_q5_0 0
+#define ROW1_q5_1 0
+#define ROW1_q8_0 0
+#define ROW1_q8_1 0
+#define q4_0_row1(x, groups, w) _mm_setzero_ps()
+#define q4_1_row1(x, groups, w) _mm_setzero_ps()
+#define q5_0_row1(x, groups, w) _mm_setzero_ps()
+#define q5_1_row1(x, groups, w) _mm_setzero_ps()
+#define q8_0_row1(x, groups, w) _mm_setzero_ps()
+#define q8_1_row1(x, groups, w) _mm_setzero_ps()
+
 // y[r * stride] for activation rows m..m+mr-1 (mr <= 4) against one weight row, each
 // unpacked block meeting the rows in turn.
 #define DEFINE_INT8_KERNEL(NAME, BLOCK, BYTES)                                          \
@@ -936,7 +1045,7 @@ static inline float sum_chains(__m128 v) {
             for (int r = 0; r < mr; r++)                                                      \
                 ints[r][i] = NAME##_ints(&wb, x->q32 + ((m + r) * per_row + b0 + i) * 32);    \
         }                                                                                     \
-        const __m128 dv = _mm_loadu_ps(d), mv = _mm_loadu_ps(mins);                           \
+        const __m128 dv = NAME##_scales(w + b0 * BYTES, n, d), mv = _mm_loadu_ps(mins);       \
         for (int r = 0; r < mr; r++) {                                                        \
             const int64_t at = (m + r) * per_row + b0;                                        \
             const __m128 scale = _mm_mul_ps(dv, load_floats(x->d32 + at, n));                 \
@@ -965,6 +1074,18 @@ static inline float sum_chains(__m128 v) {
         const int64_t blocks = k_in / BLOCK, row_bytes = blocks * BYTES;                      \
         const int64_t tiled = NAME##_tiles(x, rows, blocks, w, count, y, stride);             \
         w += tiled * row_bytes, y += tiled, count -= tiled;                                   \
+        if (rows == 1 && ROW1_##NAME) { /* by_rows' bits, in fewer instructions */            \
+            const int64_t whole = blocks / CHAINS * CHAINS;                                   \
+            for (int64_t n = 0; n < count; n++) {                                             \
+                __m128 acc = NAME##_row1(x, whole / CHAINS, w + n * row_bytes);                \
+                __m128 extra = _mm_setzero_ps(); /* no minimum: the formats with ROW1 */      \
+                if (whole < blocks)                                                           \
+                    NAME##_group(x, 0, 1, whole, (int)(blocks - whole), w + n * row_bytes,    \
+                                 &acc, &extra);                                               \
+                y[n] = sum_chains(acc);                                                       \
+            }                                                                                 \
+            return;                                                                           \
+        }                                                                                     \
         for (int64_t m0 = 0; m0 < rows; m0 += INT8_ROW_BLOCK) {                               \
             const int64_t end = rows - m0 < INT8_ROW_BLOCK ? rows : m0 + INT8_ROW_BLOCK;      \
             for (int64_t n = 0; n < count; n++)                                               \

@@ -21,7 +21,7 @@ enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q8_1 
     X(Q4_0, q4_0, 32, 18) X(Q4_1, q4_1, 32, 20) X(Q5_0, q5_0, 32, 22)                         \
     X(Q5_1, q5_1, 32, 24) X(Q8_0, q8_0, 32, 34) X(Q8_1, q8_1, 32, 36)                         \
     X(Q2_K, q2_k, 256, 84) X(Q3_K, q3_k, 256, 110) X(Q4_K, q4_k, 256, 144)                    \
-    X(Q5_K, q5_k, 256, 176) X(Q6_K, q6_k, 256, 210)
+    X(Q5_K, q5_k, 256, 176) X(Q6_K, q6_k, 256, 210) X(MXFP4, mxfp4, 32, 17)
 
 // ---- one block → its values (as the torch twin computes them), 16 lanes at a time ---------
 //
@@ -98,6 +98,17 @@ static inline float e8m0_half(uint8_t e) {
     return d;
 }
 
+#ifdef BYTE_UNPACK
+static inline void dq_mxfp4(const uint8_t *b, v16f *out) {  // the nibbles index the table
+    const v16f d = splat(e8m0_half(b[0]));
+    const __m512 table = _mm512_loadu_ps(E2M1_DOUBLED);
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + 1)), low = _mm_set1_epi8(0x0F);
+    const __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(q, low));
+    const __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low));
+    out[0] = (v16f)_mm512_permutexvar_ps(lo, table) * d;
+    out[1] = (v16f)_mm512_permutexvar_ps(hi, table) * d;
+}
+#else
 static inline void dq_mxfp4(const uint8_t *b, v16f *out) {
     const float d = e8m0_half(b[0]);
     float low[16], high[16];
@@ -108,6 +119,7 @@ static inline void dq_mxfp4(const uint8_t *b, v16f *out) {
     out[0] = load_f32(low);
     out[1] = load_f32(high);
 }
+#endif
 
 static inline void dq_q8_0(const uint8_t *b, v16f *out) {
     const v16f d = splat(half_to_float(b));
@@ -323,8 +335,6 @@ typedef struct {
 
 #define FLOAT_KERNELS(T, NAME, BLOCK, BYTES) DEFINE_FLOAT_KERNELS(NAME, BLOCK, BYTES, dq_##NAME)
 BLOCK_FORMATS(FLOAT_KERNELS)
-// MXFP4 has float products only: a set of products holding it takes the exact path.
-DEFINE_FLOAT_KERNELS(mxfp4, 32, 17, dq_mxfp4)
 
 // ---- integer products on 8-bit activations (x86 with AVX2): quant_int8.h ------------------
 
@@ -347,7 +357,7 @@ typedef struct {
 #define FORMAT(T, NAME, BLOCK, BYTES) {T, BLOCK, BYTES, NAME##_f32, NULL, NAME##_rows},
 #endif
 
-static const format FORMATS[] = {BLOCK_FORMATS(FORMAT){MXFP4, 32, 17, mxfp4_f32, NULL, mxfp4_rows}};
+static const format FORMATS[] = {BLOCK_FORMATS(FORMAT)};
 
 static const format *format_of(int qtype, int64_t k_in) {
     for (size_t i = 0; i < sizeof FORMATS / sizeof FORMATS[0]; i++)
