@@ -26,7 +26,15 @@ from .models.transformer import CausalLM
 from .pic.layout import PicPrompt
 from .pic.prompts import PicPrompts
 from .pic.query import SpanQuery
-from .reasoning import Reasoning, markers, resolve_format, starts_inside, template_variables
+from .reasoning import (
+    Reasoning,
+    check_budget,
+    markers,
+    resolve_format,
+    starts_inside,
+    template_variables,
+)
+from .reasoning.gate import GateTokens, ReasoningGate
 from .request import (
     MAX_SEED,
     ContextLimit,
@@ -95,6 +103,7 @@ class Backend:
             engine.pic_refusal(),
         )
         self._special_ids: dict[str, int | None] = {}  # tool-call markers, once looked up
+        self._gates: dict[str, GateTokens | str] = {}  # reasoning markers' ids, once looked up
         self._grammars = GrammarCompiler(
             self.tokenizer.definition, loaded.config.vocab_size, engine.config.eos_token_ids
         )
@@ -359,12 +368,50 @@ class Backend:
         if params.token_healing and isinstance(prompt, list):
             healed = back_off(prompt, self._grammars.prefix_index(), self.tokenizer.decode)
         seqs = _completions(engine, healed.kept_ids if healed else prompt, params, n)
+        gate = self._gate_tokens_for(params)
         for seq in seqs:
             if params.constraint is not None:
                 seq.constraint = self._grammars.compile(params.constraint)
             elif healed is not None:
                 seq.constraint, seq.healed_text = healed.constraint(), healed.text
+            if gate is not None:  # the reasoning first: the constraint holds the answer
+                inside = params.reasoning.inside  # type: ignore[union-attr]
+                seq.constraint = ReasoningGate(
+                    gate, params.reasoning_budget, seq.constraint, inside, self.tokenizer.decode
+                )
         return seqs
+
+    def _gate_tokens_for(self, params: SamplingParams) -> GateTokens | None:
+        """The marker ids a sequence's `ReasoningGate` follows, where ``params`` bound the
+        reasoning (a budget) or constrain a reasoning answer; None where nothing does. A
+        budget this model's reasoning markers cannot be followed for is a `RequestError`."""
+        reasoning, budget = params.reasoning, params.reasoning_budget
+        if reasoning is None or reasoning.format == "none":
+            return None  # no reasoning to bound: a budget is kept trivially
+        if budget is None and params.constraint is None:
+            return None
+        tokens = self._gate_tokens(reasoning.format)
+        if isinstance(tokens, str):
+            if budget is None:
+                return None  # the constraint holds the whole output (`reasoning`)
+            raise RequestError(
+                f"a reasoning budget cannot be kept for this model ({reasoning.format} "
+                f"reasoning): {tokens}"
+            )
+        return tokens
+
+    def _gate_tokens(self, fmt: str) -> GateTokens | str:
+        """``fmt``'s marker ids in this vocabulary, or why there are none."""
+        if fmt not in self._gates:
+            self._gates[fmt] = GateTokens.build(
+                fmt, self._single_token, self.tokenizer.encode_plain
+            )
+        return self._gates[fmt]
+
+    def _single_token(self, text: str) -> int | None:
+        """``text``'s token where the vocabulary tokenizes it as one token."""
+        ids = self.tokenizer.encode_plain(text)
+        return ids[0] if len(ids) == 1 else None
 
     def prepare(self, params: SamplingParams) -> None:
         """Build what ``params`` need, in the calling thread: the vocabulary's view for a
@@ -436,7 +483,10 @@ class Backend:
             return Reasoning(fmt)
         ids = prompt.token_ids if isinstance(prompt, PicPrompt) else prompt
         tail = self.tokenizer.decode_keeping(ids[-8:], frozenset(self.reasoning_kept(fmt)))
-        return Reasoning(fmt, not constrained and starts_inside(fmt, tail))
+        # A constraint waits for the reasoning's end where the engine can see it
+        # (`reasoning.gate`); elsewhere it holds the whole output, all of it the answer.
+        lazy = not isinstance(self._gate_tokens(fmt), str)
+        return Reasoning(fmt, (lazy or not constrained) and starts_inside(fmt, tail))
 
     def _reasoning_params(
         self, prompt: PromptIds, params: SamplingParams
@@ -445,7 +495,7 @@ class Backend:
         the markers its parser reads."""
         reasoning = self.reasoning(prompt, constrained=params.constraint is not None)
         kept = params.kept_token_ids + self.reasoning_kept(reasoning.format)
-        return dataclasses.replace(params, kept_token_ids=kept), reasoning
+        return dataclasses.replace(params, kept_token_ids=kept, reasoning=reasoning), reasoning
 
     def reasoning_kept(self, fmt: str) -> tuple[int, ...]:
         """The ids of ``fmt``'s markers that are special tokens: the output's text must keep
@@ -586,7 +636,10 @@ class Backend:
                 "token_healing applies to completions: a chat prompt ends with the chat "
                 "template's turn marker, not with text cut short"
             )
-        return self._checked({**options, "token_healing": False}, sampling)
+        options = dict(options)
+        budget = check_budget(options.pop("thinking_token_budget", None))
+        params = self._checked({**options, "token_healing": False}, sampling)
+        return dataclasses.replace(params, reasoning_budget=budget)
 
     def _one_stream(
         self,

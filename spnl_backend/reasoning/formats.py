@@ -70,6 +70,19 @@ def check_effort(value: object, name: str = "reasoning_effort") -> str | None:
     raise RequestError(f"{name}={shown(value)}: expected 'low', 'medium' or 'high'")
 
 
+def check_budget(value: object, name: str = "thinking_token_budget") -> int | None:
+    """A reasoning budget: the most tokens the reasoning may take (an integer >= 0), or
+    None where absent."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RequestError(
+            f"{name}={shown(value)}: expected an integer >= 0 (the most tokens the "
+            "reasoning may take before it is closed)"
+        )
+    return value
+
+
 # The template's own inputs, which a request's variables may not replace.
 RESERVED_VARIABLES = ("messages", "tools", "add_generation_prompt")
 
