@@ -90,7 +90,8 @@ def test_a_sampled_budget_is_kept_exactly(backend):
         free = _chat(backend, temperature=1.0, seed=seed, max_tokens=3).token_ids
         if closing[0] in free:
             continue  # the model closed it first: nothing forced
-        assert ids[:3] == free and ids[3 : 3 + len(closing)] == closing
+        assert ids[:3] == free
+        assert ids[3 : 3 + len(closing)] == closing
 
 
 def test_a_constraint_holds_the_answer_after_the_reasoning(backend):
@@ -139,7 +140,8 @@ def test_the_budget_is_the_same_with_speculation(think_model, backend):
         # sequence still comes right after the budget, each token once.
         closing = _ids(backend, "</think>\n\n")
         ids = _chat(speculative, thinking_token_budget=3, temperature=0.9, seed=1).token_ids
-        assert ids[3 : 3 + len(closing)] == closing and closing[0] not in ids[:3]
+        assert ids[3 : 3 + len(closing)] == closing
+        assert closing[0] not in ids[:3]
         assert isinstance(speculative._loop.engine.runner, SpeculativeRunner)
     finally:
         speculative.close()
@@ -207,7 +209,8 @@ def test_the_gate_lets_the_model_open_its_reasoning_or_answer_at_once():
     gate = _gate(answer=answer)
     assert _allowed(gate) == {TEXT, OPEN}  # the constraint's tokens, or <think>
     gate.accept(OPEN)
-    assert _allowed(gate) == {-1} and answer.accepted == []  # lazy over the reasoning
+    assert _allowed(gate) == {-1}
+    assert answer.accepted == []
     gate.accept(20)
     gate.accept(CLOSE)
     assert _allowed(gate) == {SEP}
@@ -217,7 +220,8 @@ def test_the_gate_lets_the_model_open_its_reasoning_or_answer_at_once():
     assert answer.accepted == [TEXT]
     direct = _gate(answer=OnlyText())
     direct.accept(TEXT)  # no reasoning: the answer from the first token
-    assert direct.phase == "answer" and direct.answer.accepted == [TEXT]
+    assert direct.phase == "answer"
+    assert direct.answer.accepted == [TEXT]
 
 
 def test_the_gate_forces_the_close_at_the_budget_and_forks_apart():
@@ -225,7 +229,8 @@ def test_the_gate_forces_the_close_at_the_budget_and_forks_apart():
     gate.accept(20)
     fork = gate.fork()
     fork.accept(21)
-    assert _allowed(fork) == {CLOSE} and _allowed(gate) == {-1}  # the fork counted alone
+    assert _allowed(fork) == {CLOSE}
+    assert _allowed(gate) == {-1}
     for token in (CLOSE, SEP):
         fork.accept(token)
     assert not fork.active  # no answer constraint: nothing left to hold
@@ -248,4 +253,5 @@ def test_the_harmony_gate_counts_analysis_and_starts_the_answer_at_final():
         natural.accept(token)
     assert _allowed(natural) == {-1}
     natural.accept(MESSAGE)
-    assert _allowed(natural) == {TEXT} and natural.used == 1
+    assert _allowed(natural) == {TEXT}
+    assert natural.used == 1
