@@ -4,11 +4,13 @@ reasoning); exact, batch-invariant and the same with speculation. On a tiny mode
 vocabulary has ``<think>``, ``</think>`` and the harmony tags as tokens, with real chat
 templates (``data/templates``)."""
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import CPU, run_together
+from live_server import MODEL
 from tiny_models import build_hf_model
 
 from spnl_backend import load_backend
@@ -255,3 +257,63 @@ def test_the_harmony_gate_counts_analysis_and_starts_the_answer_at_final():
     natural.accept(MESSAGE)
     assert _allowed(natural) == {TEXT}
     assert natural.used == 1
+
+
+# ---- through the server -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def live(backend):
+    from live_server import LiveServer
+
+    server = LiveServer(backend)
+    yield server
+    server.stop()
+
+
+def _post(live, path: str, **body):
+    reply = live.post(path, {"model": MODEL, "temperature": 0, **body})
+    assert reply.status_code == 200, reply.text
+    return reply
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_thinking_token_budget_on_chat_completions(live, backend, stream):
+    want = _chat(backend, thinking_token_budget=3, max_tokens=12)
+    body = dict(messages=ASK, max_tokens=12, chat_template_kwargs=THINKING, stream=stream)
+    reply = _post(live, "/v1/chat/completions", thinking_token_budget=3, **body)
+    if stream:
+        chunks = [json.loads(x[6:]) for x in reply.text.splitlines() if x[6:7] == "{"]
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+        reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
+        content = "".join(d.get("content") or "" for d in deltas)
+    else:
+        message = reply.json()["choices"][0]["message"]
+        reasoning, content = message["reasoning_content"], message["content"]
+    assert (reasoning, content) == (want.reasoning, want.text)
+    assert reasoning == backend.tokenizer.decode(_free(backend)[:3]).strip()
+
+
+def test_anthropic_budget_tokens_bound_the_thinking(live, backend):
+    want = _chat(backend, thinking_token_budget=4, max_tokens=12)
+    reply = _post(
+        live,
+        "/v1/messages",
+        messages=ASK,
+        max_tokens=12,
+        thinking={"type": "enabled", "budget_tokens": 4},
+    )
+    blocks = reply.json()["content"]
+    assert blocks[0] == {"type": "thinking", "thinking": want.reasoning, "signature": ""}
+    assert reply.json()["usage"]["output_tokens"] == 12  # thinking and answer together
+
+
+@pytest.mark.parametrize("budget", [-1, 1.5, True, "3"])
+def test_a_bad_budget_is_a_400_naming_it(live, budget):
+    reply = live.post(
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": ASK, "thinking_token_budget": budget},
+    )
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "thinking_token_budget"
+    assert "expected an integer >= 0" in reply.json()["error"]["message"]

@@ -1018,7 +1018,9 @@ def _prepared(backend: Backend, asked: EngineRequest, prompts: list[PromptIds]) 
     if asked.messages is not None:
         reasoning = backend.reasoning(prompts[0], constrained=params.constraint is not None)
         kept = backend.reasoning_kept(reasoning.format)
-        params = dataclasses.replace(params, kept_token_ids=params.kept_token_ids + kept)
+        params = dataclasses.replace(
+            params, kept_token_ids=params.kept_token_ids + kept, reasoning=reasoning
+        )
     return dataclasses.replace(asked, params=params, tool_format=tool_format, reasoning=reasoning)
 
 

@@ -6,16 +6,17 @@ Every field a body may carry is either used, accepted at a value that asks for n
 ignored. Beyond OpenAI's fields, vLLM's names for the same extensions are read
 (``repetition_penalty``, ``min_p``, ``stop_token_ids``, ``ignore_eos``, ``guided_json``,
 ``guided_regex``, ``guided_grammar``, ``guided_choice``), ``chat_template_kwargs``
-(variables for the chat template), and ``token_healing``.
+(variables for the chat template), ``thinking_token_budget`` (the most tokens the
+reasoning may take, within ``max_tokens``), and ``token_healing``.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..engine.sequence import SamplingParams
 from ..errors import ContextLengthError, RequestError, shown
-from ..reasoning import Reasoning, template_variables
+from ..reasoning import Reasoning, check_budget, template_variables
 from ..request import check_text, sampling_params
 from ..tools.formats import ToolFormat
 from ..tools.spec import ToolRequest, tool_request
@@ -144,6 +145,7 @@ def parse_chat(body: object) -> EngineRequest:
             "top_logprobs",
             "chat_template_kwargs",
             "reasoning_effort",
+            "thinking_token_budget",
         },
     )
     if fields.get("max_completion_tokens") is not None and fields.get("max_tokens") is not None:
@@ -164,7 +166,7 @@ def parse_chat(body: object) -> EngineRequest:
     except RequestError as exc:
         param = _named(str(exc), ("chat_template_kwargs", "reasoning_effort"))
         raise bad_request(str(exc), param) from None
-    return engine_request(
+    asked = engine_request(
         fields,
         fields.get(name),
         name,
@@ -172,6 +174,18 @@ def parse_chat(body: object) -> EngineRequest:
         tools=tools,
         template_variables=variables,
     )
+    return with_budget(asked, fields.get("thinking_token_budget"), "thinking_token_budget")
+
+
+def with_budget(asked: EngineRequest, budget: object, name: str) -> EngineRequest:
+    """``asked`` with a reasoning budget (``name``: the field that gave it), checked."""
+    try:
+        checked = check_budget(budget, name)
+    except RequestError as exc:
+        raise bad_request(str(exc), name.split(".")[0]) from None
+    if checked is None:
+        return asked
+    return replace(asked, params=replace(asked.params, reasoning_budget=checked))
 
 
 def _named(message: str, names: tuple[str, ...]) -> str | None:
