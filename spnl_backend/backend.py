@@ -4,6 +4,7 @@ PIC prompt) and handed to the engine loop."""
 
 import asyncio
 import dataclasses
+import json
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
@@ -451,6 +452,7 @@ class Backend:
         messages: list[Any],
         tools: ToolRequest | None = None,
         variables: dict[str, Any] | None = None,
+        template: str | None = None,
     ) -> PromptIds:
         """``messages`` through the model's chat template (with the ``tools`` offered and
         more template ``variables``, such as ``enable_thinking``), checked against the
@@ -462,23 +464,39 @@ class Backend:
             self._pic.from_chat(messages) if tools is None and isinstance(messages, list) else None
         )
         if pic is not None:
-            if variables:
+            if variables or template is not None:
                 raise RequestError(
-                    "template variables (chat_template_kwargs, reasoning_effort, think) are "
-                    "not applied to plus or grouped messages, which are templated one by one"
+                    "template variables (chat_template_kwargs, reasoning_effort, think) and a "
+                    "request's chat_template are not applied to plus or grouped messages, "
+                    "which are templated one by one"
                 )
             return pic
         checked = check_messages(messages)
         return self._limit.check(
-            self.tokenizer.apply_chat_template(checked, definitions, variables)
+            self.tokenizer.apply_chat_template(
+                checked, definitions, self._variables(variables), template
+            )
         )
 
-    def reasoning(self, prompt: PromptIds, constrained: bool = False) -> Reasoning:
+    def _variables(self, variables: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A chat's template variables over the server-wide defaults
+        (``MISTRALRS_DEFAULT_CHAT_TEMPLATE_KWARGS``): the request's own win."""
+        defaults = self.settings.default_chat_template_kwargs
+        if defaults is None:
+            return variables
+        return {**json.loads(defaults), **(variables or {})}
+
+    def reasoning(
+        self, prompt: PromptIds, constrained: bool = False, template: str | None = None
+    ) -> Reasoning:
         """How the answer to the chat ``prompt`` is read (`reasoning`): the format in
         effect (``MISTRALRS_REASONING_FORMAT``, or the chat template's) and whether the
-        output starts inside the reasoning because the prompt opened it. Never inside where
-        a constraint holds the output: the constraint makes all of it the answer."""
-        fmt = resolve_format(self.settings.reasoning_format, self.tokenizer.hf.chat_template)
+        output starts inside the reasoning because the prompt opened it. ``template``: the
+        request's own chat template, where it gave one. A constraint holds the answer
+        after the reasoning (`reasoning.gate`) where the markers are tokens; elsewhere it
+        holds the whole output, never read as inside the reasoning."""
+        template = self.tokenizer.hf.chat_template if template is None else template
+        fmt = resolve_format(self.settings.reasoning_format, template)
         if fmt == "none":
             return Reasoning(fmt)
         ids = prompt.token_ids if isinstance(prompt, PicPrompt) else prompt
@@ -502,10 +520,13 @@ class Backend:
         them (`SamplingParams.kept_token_ids`) for its parser to read them."""
         return tuple(i for text in markers(fmt) if (i := self._special_id(text)) is not None)
 
-    def tool_chat(self, tools: ToolRequest, params: SamplingParams) -> ToolChat:
+    def tool_chat(
+        self, tools: ToolRequest, params: SamplingParams, template: str | None = None
+    ) -> ToolChat:
         """How an answer with ``tools`` is read and held (a `RequestError` where this
         model's template has no tool calls, or ``params`` constrain the output already)."""
-        chat = tool_chat(tools, self.tokenizer.hf.chat_template, self._special_id)
+        template = self.tokenizer.hf.chat_template if template is None else template
+        chat = tool_chat(tools, template, self._special_id)
         if chat.constraint is not None and params.constraint is not None:
             raise RequestError(
                 "tools that may be called constrain the answer to their calls' syntax: give "

@@ -227,6 +227,13 @@ def _add_serve(commands: Any) -> None:
         "source itself (default: MISTRALRS_CHAT_TEMPLATE, else the model's own)",
     )
     serve.add_argument(
+        "--default-chat-template-kwargs",
+        metavar="JSON",
+        help="chat template variables every chat gets, as a JSON object (such as "
+        "'{\"enable_thinking\": false}'); a request's chat_template_kwargs win over them "
+        "(default: MISTRALRS_DEFAULT_CHAT_TEMPLATE_KWARGS, else none)",
+    )
+    serve.add_argument(
         "--reasoning-format",
         help="how reasoning is told from the answer: auto (read from the chat template), "
         "none, think (<think> blocks), granite, harmony (gpt-oss) (default: "
@@ -255,6 +262,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         memory_budget_mb=args.memory_budget_mb,
         chat_template=args.chat_template,
         reasoning_format=args.reasoning_format,
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
     )
 
 

@@ -16,7 +16,7 @@ from tiny_models import build_hf_model
 from spnl_backend import load_backend
 from spnl_backend.engine.speculative import SpeculativeRunner
 from spnl_backend.engine.token_bitmask import new_bitmask, unpack
-from spnl_backend.errors import RequestError
+from spnl_backend.errors import RequestError, SettingsError
 from spnl_backend.reasoning import HARMONY_TAGS
 from spnl_backend.reasoning.gate import GateTokens, ReasoningGate
 from spnl_backend.settings import BackendSettings
@@ -317,3 +317,56 @@ def test_a_bad_budget_is_a_400_naming_it(live, budget):
     assert reply.status_code == 400
     assert reply.json()["error"]["param"] == "thinking_token_budget"
     assert "expected an integer >= 0" in reply.json()["error"]["message"]
+
+
+# ---- the chat template: server-wide variables, a request's own template --------------------
+
+GREETING = "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def test_default_template_kwargs_are_merged_under_the_requests(backend, monkeypatch):
+    defaults = BackendSettings(device="cpu", default_chat_template_kwargs='{"greeting": "hi "}')
+    monkeypatch.setattr(backend, "settings", defaults)
+    plain = backend.chat_prompt_ids(ASK, None, None, GREETING)
+    assert plain == _ids(backend, "hi what is 2+2?")
+    own = backend.chat_prompt_ids(ASK, None, {"greeting": "yo "}, GREETING)
+    assert own == _ids(backend, "yo what is 2+2?")
+
+
+@pytest.mark.parametrize("value", ["[1]", "{", '{"messages": []}'])
+def test_bad_default_template_kwargs_are_refused_naming_the_variable(value):
+    with pytest.raises(SettingsError, match="MISTRALRS_DEFAULT_CHAT_TEMPLATE_KWARGS"):
+        BackendSettings(default_chat_template_kwargs=value)
+
+
+def test_the_serve_flag_reaches_the_settings(monkeypatch):
+    from spnl_backend import cli
+    from spnl_backend.server import run
+
+    seen = {}
+    monkeypatch.setattr(run, "serve", lambda **kw: seen.update(kw) or 0)
+    cli.main(["serve", "--default-chat-template-kwargs", '{"enable_thinking": false}'])
+    assert seen["default_chat_template_kwargs"] == '{"enable_thinking": false}'
+
+
+def test_a_requests_chat_template_is_used_and_a_bad_one_refused(live, backend):
+    body = dict(
+        messages=ASK,
+        max_tokens=1,
+        chat_template="{% for m in messages %}[{{ m['content'] }}]{% endfor %}",
+    )
+    reply = _post(live, "/v1/chat/completions", **body)
+    assert reply.json()["usage"]["prompt_tokens"] == len(_ids(backend, "[what is 2+2?]"))
+    for bad, words in (("{% for %}", "does not compile (line 1)"), (5, "expected a Jinja")):
+        refused = live.post("/v1/chat/completions", {**body, "model": MODEL, "chat_template": bad})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "chat_template"
+        assert words in refused.json()["error"]["message"]
+
+
+def test_a_requests_template_decides_the_reasoning_format(live, backend):
+    # The model's template (R1's) writes <think> blocks; a plain one writes none, so
+    # the whole output is the answer.
+    body = dict(messages=ASK, max_tokens=6, chat_template=GREETING, thinking_token_budget=2)
+    message = _post(live, "/v1/chat/completions", **body).json()["choices"][0]["message"]
+    assert "reasoning_content" not in message

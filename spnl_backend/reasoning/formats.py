@@ -15,7 +15,12 @@
 from typing import Any
 
 from ..errors import RequestError, shown
-from ..settings.values import REASONING_ALIASES, REASONING_FORMATS, parse_reasoning_format
+from ..settings.values import (
+    REASONING_ALIASES,
+    REASONING_FORMATS,
+    RESERVED_VARIABLES,
+    parse_reasoning_format,
+)
 
 __all__ = ["REASONING_ALIASES", "REASONING_FORMATS", "parse_reasoning_format"]
 
@@ -81,10 +86,6 @@ def check_budget(value: object, name: str = "thinking_token_budget") -> int | No
             "reasoning may take before it is closed)"
         )
     return value
-
-
-# The template's own inputs, which a request's variables may not replace.
-RESERVED_VARIABLES = ("messages", "tools", "add_generation_prompt")
 
 
 def template_variables(

@@ -1007,7 +1007,7 @@ def _prepared(backend: Backend, asked: EngineRequest, prompts: list[PromptIds]) 
         params = backend.default_healing(params)
     try:
         if asked.tools is not None:
-            chat = backend.tool_chat(asked.tools, params)
+            chat = backend.tool_chat(asked.tools, params, asked.chat_template)
             tool_format = chat.format
             if chat.constraint is not None:
                 params = dataclasses.replace(params, constraint=chat.constraint)
@@ -1016,7 +1016,8 @@ def _prepared(backend: Backend, asked: EngineRequest, prompts: list[PromptIds]) 
         raise from_request_error(exc, "tools") from None
     reasoning = None
     if asked.messages is not None:
-        reasoning = backend.reasoning(prompts[0], constrained=params.constraint is not None)
+        constrained = params.constraint is not None
+        reasoning = backend.reasoning(prompts[0], constrained, asked.chat_template)
         kept = backend.reasoning_kept(reasoning.format)
         params = dataclasses.replace(
             params, kept_token_ids=params.kept_token_ids + kept, reasoning=reasoning
@@ -1039,11 +1040,14 @@ def _prompt_ids(backend: Backend, asked: EngineRequest) -> list[PromptIds]:
         if asked.messages is not None:
             _check_names_read(backend, asked)
             variables = asked.template_variables
-            return [backend.chat_prompt_ids(asked.messages, asked.tools, variables)]
+            template = asked.chat_template
+            return [backend.chat_prompt_ids(asked.messages, asked.tools, variables, template)]
         texts = asked.prompts if isinstance(asked.prompts[0], str) else None
         prompts, _ = backend.prompt_ids(texts, None if texts else asked.prompts)
         return prompts
     except RequestError as exc:
+        if str(exc).startswith("chat_template:"):  # the request's own did not compile
+            raise bad_request(str(exc), "chat_template") from None
         raise from_request_error(exc, "messages" if asked.messages else "prompt") from None
 
 
@@ -1064,8 +1068,9 @@ def _check_names_read(backend: Backend, asked: EngineRequest) -> None:
     try:
         render = backend.tokenizer.render_chat
         variables = asked.template_variables
-        read = render(template_messages(messages), True, tools, variables)
-        unread = render(template_messages(nameless), True, tools, variables)
+        template = asked.chat_template
+        read = render(template_messages(messages), True, tools, variables, template)
+        unread = render(template_messages(nameless), True, tools, variables, template)
     except RequestError:
         return  # the template fails on these messages: chat_prompt_ids says how
     if read == unread:

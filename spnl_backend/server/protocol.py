@@ -6,7 +6,8 @@ Every field a body may carry is either used, accepted at a value that asks for n
 ignored. Beyond OpenAI's fields, vLLM's names for the same extensions are read
 (``repetition_penalty``, ``min_p``, ``stop_token_ids``, ``ignore_eos``, ``guided_json``,
 ``guided_regex``, ``guided_grammar``, ``guided_choice``), ``chat_template_kwargs``
-(variables for the chat template), ``thinking_token_budget`` (the most tokens the
+(variables for the chat template), ``chat_template`` (a template's Jinja source used
+instead of the model's for this request), ``thinking_token_budget`` (the most tokens the
 reasoning may take, within ``max_tokens``), and ``token_healing``.
 """
 
@@ -82,6 +83,7 @@ class EngineRequest:
     template_variables: dict[str, Any] | None = None
     reasoning: Reasoning | None = None  # how its answer's reasoning is read, once known
     show_reasoning: bool = True  # Ollama's think: false leaves the reasoning out
+    chat_template: str | None = None  # chat: the request's own template (vLLM's field)
 
 
 # Fields read for their value (the sampling ones below, and the per-endpoint ones).
@@ -146,6 +148,7 @@ def parse_chat(body: object) -> EngineRequest:
             "chat_template_kwargs",
             "reasoning_effort",
             "thinking_token_budget",
+            "chat_template",
         },
     )
     if fields.get("max_completion_tokens") is not None and fields.get("max_tokens") is not None:
@@ -174,6 +177,13 @@ def parse_chat(body: object) -> EngineRequest:
         tools=tools,
         template_variables=variables,
     )
+    template = fields.get("chat_template")
+    if template is not None and (not isinstance(template, str) or not template.strip()):
+        raise bad_request(
+            f"chat_template={shown(template)}: expected a Jinja chat template's source",
+            "chat_template",
+        )
+    asked = replace(asked, chat_template=template)
     return with_budget(asked, fields.get("thinking_token_budget"), "thinking_token_budget")
 
 

@@ -97,16 +97,22 @@ def serve(
     memory_budget_mb: int | None = None,
     chat_template: str | None = None,
     reasoning_format: str | None = None,
+    default_chat_template_kwargs: str | None = None,
 ) -> int:
     """Run the server until it is told to stop; returns the exit status. ``model``: one
     model (loaded at once, kept for the server's life), or a list of several (each
     ``PATH`` or ``NAME=PATH``, loaded on its first request and unloaded once idle for
     ``keep_alive_s``, within ``memory_budget_mb``). ``chat_template`` (a file or Jinja
-    source) and ``reasoning_format``: over ``MISTRALRS_CHAT_TEMPLATE`` and
-    ``MISTRALRS_REASONING_FORMAT``, for every model served."""
+    source), ``reasoning_format`` and ``default_chat_template_kwargs`` (a JSON object):
+    over ``MISTRALRS_CHAT_TEMPLATE``, ``MISTRALRS_REASONING_FORMAT`` and
+    ``MISTRALRS_DEFAULT_CHAT_TEMPLATE_KWARGS``, for every model served."""
     api_key = api_key if api_key is not None else api_key_from_env()
     _check_options(port, max_waiting, max_body_bytes, grace_s)
-    chosen = {"chat_template": chat_template, "reasoning_format": reasoning_format}
+    chosen = {
+        "chat_template": chat_template,
+        "reasoning_format": reasoning_format,
+        "default_chat_template_kwargs": default_chat_template_kwargs,
+    }
     # A bad MISTRALRS_* variable or chat template fails before anything starts.
     settings = load_settings(**{k: v for k, v in chosen.items() if v is not None})
     user_chat_template(settings.chat_template)

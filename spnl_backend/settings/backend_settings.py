@@ -85,6 +85,7 @@ _PARSERS = {
     "kv_tier_mb": values.parse_positive_int,
     "chat_template": values.parse_chat_template,
     "reasoning_format": values.parse_reasoning_format,
+    "default_chat_template_kwargs": values.parse_template_kwargs,
 }
 
 
@@ -187,6 +188,9 @@ class BackendSettings(BaseSettings):
     # How reasoning is told from the answer (`reasoning.formats`): auto reads it from the
     # chat template; none leaves the whole output the answer.
     reasoning_format: Literal["auto", "none", "think", "granite", "harmony"] = "auto"
+    # Chat template variables every chat gets (a JSON object), under each request's own
+    # (``chat_template_kwargs``, ``reasoning_effort``...), which win where both name one.
+    default_chat_template_kwargs: str | None = None
 
     def __init__(self, **kwargs: Any) -> None:
         try:

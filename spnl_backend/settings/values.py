@@ -5,6 +5,7 @@ native value) and returns the canonical value, or raises `ValueError` whose
 message says what is accepted. The caller adds the variable name and the value.
 """
 
+import json
 import os
 import re
 from enum import StrEnum
@@ -361,3 +362,26 @@ def parse_chat_template(value: object) -> str | None:
     if not text.strip():
         raise ValueError("expected a chat template file's path or Jinja source, not nothing")
     return text
+
+
+# The chat template's own inputs, which given variables may not replace.
+RESERVED_VARIABLES = ("messages", "tools", "add_generation_prompt")
+
+
+def parse_template_kwargs(value: object) -> str | None:
+    """Default chat template variables: a JSON object (``{"enable_thinking": false}``),
+    kept as its canonical JSON text (the settings stay hashable)."""
+    if value is None:
+        return None
+    try:
+        variables = json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"expected a JSON object of template variables ({exc})") from None
+    if not isinstance(variables, dict):
+        raise ValueError(
+            'expected a JSON object of template variables, such as {"enable_thinking": false}'
+        )
+    reserved = sorted(set(variables) & set(RESERVED_VARIABLES))
+    if reserved:
+        raise ValueError(f"{reserved[0]!r} is the template's own input, not a variable to give")
+    return json.dumps(variables, sort_keys=True)
