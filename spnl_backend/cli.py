@@ -223,8 +223,10 @@ def _add_serve(commands: Any) -> None:
     )
     serve.add_argument(
         "--chat-template",
+        action="append",
         help="the chat template to use instead of the model's: a Jinja file or the Jinja "
-        "source itself (default: MISTRALRS_CHAT_TEMPLATE, else the model's own)",
+        "source itself (default: MISTRALRS_CHAT_TEMPLATE, else the model's own); with "
+        "several models, NAME=FILE gives model NAME its own (repeat it, one per model)",
     )
     serve.add_argument(
         "--default-chat-template-kwargs",
