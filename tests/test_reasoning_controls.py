@@ -96,6 +96,17 @@ def test_a_sampled_budget_is_kept_exactly(backend):
         assert ids[3 : 3 + len(closing)] == closing
 
 
+def test_a_stop_string_in_the_answer_ends_a_budgeted_output(backend):
+    whole = _chat(backend, thinking_token_budget=2)
+    stop = whole.text[2:5]
+    assert stop
+    assert stop not in whole.reasoning
+    stopped = _chat(backend, thinking_token_budget=2, stop=[stop])
+    assert stopped.finish_reason == "stop"
+    assert stopped.reasoning == whole.reasoning
+    assert stopped.text == whole.text[: whole.text.index(stop)]
+
+
 def test_a_constraint_holds_the_answer_after_the_reasoning(backend):
     free = _free(backend)
     result = _chat(backend, thinking_token_budget=4, regex=r"It is 4\.", logprobs=True)
