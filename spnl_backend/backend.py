@@ -195,7 +195,9 @@ class Backend:
         syntax and each tool's parameter schema; they come back in ``tool_calls``.
         ``chat_template_kwargs`` (``enable_thinking``...) and ``reasoning_effort``
         (``low``, ``medium``, ``high``): template variables. A reasoning model's reasoning
-        comes back in ``reasoning``, its answer alone in ``text``."""
+        comes back in ``reasoning``, its answer alone in ``text``; ``thinking_token_budget``
+        (an option, as vLLM names it) bounds the reasoning's tokens within ``max_tokens``,
+        and a constraint holds the answer after it (`reasoning.gate`)."""
         params = self._chat_params(unknown, (max_tokens, temperature, top_p, top_k, seed, stop))
         asked = tool_request(tools, tool_choice, parallel_tool_calls)
         variables = template_variables(chat_template_kwargs, reasoning_effort)

@@ -132,6 +132,7 @@ def test_a_constraint_starts_where_the_model_closes_its_reasoning(backend):
     assert (result.reasoning, result.text) == ("", "It is 4.")
 
 
+@pytest.mark.slow
 def test_the_budget_is_the_same_with_speculation(think_model, backend):
     speculative = load_backend(
         str(think_model),
