@@ -127,6 +127,7 @@ VALID = [
     ("REASONING_FORMAT", "think", "think"),
     ("REASONING_FORMAT", "DeepSeek", "think"),
     ("REASONING_FORMAT", "gpt-oss", "harmony"),
+    ("DEFAULT_CHAT_TEMPLATE_KWARGS", '{"enable_thinking": false}', '{"enable_thinking": false}'),
 ]
 
 INVALID = [
@@ -175,6 +176,7 @@ INVALID = [
     *[("KV_TIER_MB", text) for text in ("0", "-1", "lots")],
     ("CHAT_TEMPLATE", "   "),
     *[("REASONING_FORMAT", text) for text in ("r1", "on", "true")],
+    *[("DEFAULT_CHAT_TEMPLATE_KWARGS", text) for text in ("[1]", "{", '{"tools": []}')],
 ]
 
 

@@ -1030,6 +1030,8 @@ def _param_of(exc: RequestError, asked: EngineRequest) -> str | None:
     message = str(exc)
     if message.startswith("logit_bias"):
         return "logit_bias"
+    if message.startswith("a reasoning budget"):  # one this model's markers cannot keep
+        return "thinking_token_budget"
     return asked.constraint_field
 
 

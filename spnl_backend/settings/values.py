@@ -383,5 +383,8 @@ def parse_template_kwargs(value: object) -> str | None:
         )
     reserved = sorted(set(variables) & set(RESERVED_VARIABLES))
     if reserved:
-        raise ValueError(f"{reserved[0]!r} is the template's own input, not a variable to give")
+        raise ValueError(
+            f"expected template variables; {reserved[0]!r} is the template's own input, "
+            "set by each request"
+        )
     return json.dumps(variables, sort_keys=True)
