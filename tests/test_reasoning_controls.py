@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CPU, run_together
+from helpers import CPU, engine_internals, run_together
 from live_server import MODEL
 from tiny_models import build_hf_model
 
@@ -22,6 +22,7 @@ from spnl_backend.reasoning.gate import GateTokens, ReasoningGate
 from spnl_backend.settings import BackendSettings
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
+GPT_OSS = (TEMPLATES / "openai-gpt-oss-120b.jinja").read_text()
 R1 = (TEMPLATES / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja").read_text()
 QWEN3 = (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text()
 ASK = [{"role": "user", "content": "what is 2+2?"}]
@@ -382,3 +383,48 @@ def test_a_requests_template_decides_the_reasoning_format(live, backend):
     body = dict(messages=ASK, max_tokens=6, chat_template=GREETING, thinking_token_budget=2)
     message = _post(live, "/v1/chat/completions", **body).json()["choices"][0]["message"]
     assert "reasoning_content" not in message
+
+
+# ---- harmony through the engine: the model's first choices scripted -------------------------
+
+
+@pytest.fixture
+def scripted(backend, monkeypatch):
+    """The model's logits with a large bias, step by step, toward a script's tokens (one
+    sequence at a time): the gate's mask still decides wherever it allows fewer."""
+    model = engine_internals(backend).runner.model
+    compute = model.compute_logits
+    script: list[int] = []
+
+    def biased(hidden):
+        logits = compute(hidden)
+        if script:
+            logits = logits.clone()
+            logits[:, script.pop(0)] += 1000.0
+        return logits
+
+    monkeypatch.setattr(model, "compute_logits", biased)
+    monkeypatch.setattr(backend.tokenizer.hf, "chat_template", GPT_OSS)
+    return script
+
+
+def test_a_harmony_budget_closes_the_analysis_and_opens_the_final_message(backend, scripted):
+    header = _ids(backend, "<|channel|>analysis<|message|>")
+    thought = _ids(backend, "I add")[:3]
+    scripted += [*header, *thought, *_ids(backend, "more thought")]
+    result = _chat(backend, thinking_token_budget=len(thought), max_tokens=30)
+    forced = _ids(backend, "<|end|><|start|>assistant<|channel|>final<|message|>")
+    ids = result.token_ids
+    assert ids[: len(header) + len(thought)] == header + thought
+    closed = len(header) + len(thought)
+    assert ids[closed : closed + len(forced)] == forced
+    assert result.reasoning == backend.tokenizer.decode(thought)
+    assert result.text == backend.tokenizer.decode(ids[closed + len(forced) :])
+
+
+def test_a_harmony_constraint_starts_at_the_final_message(backend, scripted):
+    header = _ids(backend, "<|channel|>analysis<|message|>")
+    final = _ids(backend, "<|end|><|start|>assistant<|channel|>final<|message|>")
+    scripted += [*header, *_ids(backend, "hm"), *final]
+    result = _chat(backend, regex=r"Four\.", max_tokens=40)
+    assert (result.reasoning, result.text) == ("hm", "Four.")
