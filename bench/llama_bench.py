@@ -1,7 +1,7 @@
 """Ours against llama.cpp's own `llama-bench` on the same GGUF files, decode and prefill.
 
     python bench/llama_bench.py --llama-bench PATH/TO/build/bin/llama-bench
-        [--shapes qwen35-4b gpt-oss-20b] [--gguf FILE ...] [--dir DIR] [--threads 2]
+        [--shapes qwen35-4b gpt-oss-20b gemma4-e4b] [--gguf FILE ...] [--dir DIR] [--threads 2]
         [--prompt 512] [--decode 64] [--runs 2] [--wait-quiet 0.5] [--markdown FILE]
 
 The files are bench/synthetic_gguf.py's (real shapes, metadata and quantization mixes, random
@@ -35,11 +35,12 @@ from pathlib import Path
 import harness
 
 BENCH = Path(__file__).resolve().parent
-DEFAULT_SHAPES = ["qwen35-4b", "gpt-oss-20b"]
+DEFAULT_SHAPES = ["qwen35-4b", "gpt-oss-20b", "gemma4-e4b"]
 SHORT_PROMPT = "Once upon a time, in a small village by the sea, there lived"
 LABELS = {
     "qwen35-4b": "Qwen3.5-4B-like (qwen35, Q4_K_M)",
     "gpt-oss-20b": "gpt-oss-20b-like (MXFP4 experts, Q8_0)",
+    "gemma4-e4b": "Gemma-4-E4B-like (gemma4, Q4_K_M)",
 }
 
 

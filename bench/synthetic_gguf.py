@@ -16,6 +16,7 @@ single character, so text still tokenizes into words.
     python bench/synthetic_gguf.py --shape llama-1b --format q4_k_m --out /tmp/l1b.gguf
     python bench/synthetic_gguf.py --shape qwen35-4b --format q4_k_m --out /tmp/q35.gguf
     python bench/synthetic_gguf.py --shape gpt-oss-20b --format mxfp4_moe --out /tmp/oss.gguf
+    python bench/synthetic_gguf.py --shape gemma4-e4b --format q4_k_m --out /tmp/g4.gguf
 """
 
 import argparse
@@ -47,8 +48,29 @@ class DeltaNet:
 
 
 @dataclass(frozen=True)
+class Gemma4:
+    """Gemma 4's own parts (llama.cpp's ``gemma4``): every ``period``-th layer global,
+    with heads of ``global_head_dim`` and a proportional rope turning ``partial`` of
+    them (the converter's divisors, tensor rope_freqs), the sliding layers' rope base
+    ``local_theta``; the last ``shared_kv_layers`` layers reading earlier layers' K and
+    V; per-layer embeddings of ``per_layer_input``
+    values per layer; final logits softcapped."""
+
+    global_head_dim: int
+    per_layer_input: int
+    shared_kv_layers: int
+    period: int = 6
+    local_theta: float = 10000.0
+    partial: float = 0.25
+    softcap: float = 30.0
+
+    def is_global(self, layer: int) -> bool:
+        return (layer + 1) % self.period == 0
+
+
+@dataclass(frozen=True)
 class Shape:
-    arch: str  # "llama", "gemma3", "qwen3moe", "qwen35" or "gpt-oss"
+    arch: str  # "llama", "gemma3", "gemma4", "qwen3moe", "qwen35" or "gpt-oss"
     hidden: int
     layers: int
     heads: int
@@ -71,6 +93,7 @@ class Shape:
     rotary_dim: int | None = None  # a partial rotation (Qwen3.5: a quarter of the head)
     # YaRN (gpt-oss): the factor and the original context
     yarn: tuple[float, int] | None = None
+    gemma4: Gemma4 | None = None
 
 
 SHAPES = {
@@ -179,6 +202,27 @@ SHAPES = {
         experts_used=4,
         yarn=(32.0, 4096),
     ),
+    # Gemma-4-E4B (text): google/gemma-4-E4B's config.json text_config (hidden 2,560, 42
+    # layers of 5 sliding then 1 global, FFN 10,240, 8 heads, 2 KV heads, head 256 and
+    # global head 512, window 512, the last 18 layers sharing K/V, PLE 256 per layer,
+    # vocabulary 262,144 for both tables, rope bases 1e4 / 1e6 with a quarter of the
+    # global head turning, softcap 30, tied), as public code quoting that config gives it
+    "gemma4-e4b": Shape(
+        "gemma4",
+        2560,
+        42,
+        8,
+        2,
+        256,
+        10240,
+        262144,
+        True,
+        131072,
+        1000000.0,
+        1e-6,
+        sliding_window=512,
+        gemma4=Gemma4(global_head_dim=512, per_layer_input=256, shared_kv_layers=18),
+    ),
     # for tests: seconds to write and load
     "tiny": Shape("llama", 256, 2, 4, 2, 64, 512, 512, True, 4096, 500000.0, 1e-5),
     "tiny-moe": Shape(
@@ -212,6 +256,22 @@ SHAPES = {
         1e-6,
         delta_net=DeltaNet(2, 4, 64, 64),  # llama.cpp: value heads as wide as key heads
         rotary_dim=16,
+    ),
+    "tiny-gemma4": Shape(
+        "gemma4",
+        256,
+        6,
+        4,
+        2,
+        64,
+        512,
+        512,
+        True,
+        4096,
+        1000000.0,
+        1e-6,
+        sliding_window=8,
+        gemma4=Gemma4(global_head_dim=128, per_layer_input=256, shared_kv_layers=3, period=3),
     ),
     "tiny-gpt-oss": Shape(
         "gpt-oss",
@@ -260,6 +320,9 @@ def tensor_plan(shape: Shape, fmt: str, pure: bool = False) -> Iterator[tuple[st
     and with llama-quantize's type choices for the format."""
     if shape.arch == "gpt-oss":
         yield from _gpt_oss_plan(shape, fmt)
+        return
+    if shape.arch == "gemma4":
+        yield from _gemma4_plan(shape, fmt, pure)
         return
     base = {"q4_k_m": Q.Q4_K, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "mxfp4_moe": Q.Q8_0}[fmt]
     # llama-quantize gives the output matrix (the embedding when tied) Q6_K unless Q8_0
@@ -334,6 +397,56 @@ def _delta_net_plan(shape: Shape, blk: str, base: Q, mixed: bool):
     yield blk + "ssm_out.weight", (h, value_dim), base
 
 
+def _gemma4_plan(shape: Shape, fmt: str, pure: bool):
+    """Gemma 4 as llama.cpp's converter names its tensors and llama-quantize types them:
+    the tied embedding and the per-layer table (both its TOKEN_EMBD) Q6_K under Q4_K_M,
+    per_layer_model_proj left in float (float16 here), Q6_K for attn_v and ffn_down on
+    its "more bits" layers, norms, the rope divisors and the output scales float32. The
+    shared layers keep the checkpoints' k and v projections and norms, which the
+    converter writes and neither llama.cpp nor we use."""
+    g, h = shape.gemma4, shape.hidden
+    base = {"q4_k_m": Q.Q4_K, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}[fmt]
+    head = base if pure or base == Q.Q8_0 else Q.Q6_K
+    mixed = fmt == "q4_k_m" and not pure
+    packed = shape.layers * g.per_layer_input
+    yield "token_embd.weight", (shape.vocab, h), head
+    yield "per_layer_token_embd.weight", (shape.vocab, packed), head
+    yield "per_layer_model_proj.weight", (packed, h), Q.F16
+    yield "per_layer_proj_norm.weight", (g.per_layer_input,), Q.F32
+    yield "rope_freqs.weight", (g.global_head_dim // 2,), Q.F32
+    for i in range(shape.layers):
+        dim = g.global_head_dim if g.is_global(i) else shape.head_dim
+        q_dim, kv_dim = shape.heads * dim, shape.kv_heads * dim
+        blk = f"blk.{i}."
+        yield blk + "attn_norm.weight", (h,), Q.F32
+        more = mixed and use_more_bits(i, shape.layers)
+        yield blk + "attn_q.weight", (q_dim, h), base
+        yield blk + "attn_k.weight", (kv_dim, h), base
+        yield blk + "attn_v.weight", (kv_dim, h), Q.Q6_K if more else base
+        yield blk + "attn_k_norm.weight", (dim,), Q.F32
+        yield blk + "attn_q_norm.weight", (dim,), Q.F32
+        yield blk + "attn_output.weight", (h, q_dim), base
+        yield blk + "post_attention_norm.weight", (h,), Q.F32
+        yield blk + "ffn_norm.weight", (h,), Q.F32
+        yield blk + "ffn_gate.weight", (shape.ffn, h), base
+        yield blk + "ffn_up.weight", (shape.ffn, h), base
+        yield blk + "ffn_down.weight", (h, shape.ffn), Q.Q6_K if more else base
+        yield blk + "post_ffw_norm.weight", (h,), Q.F32
+        yield blk + "inp_gate.weight", (g.per_layer_input, h), base
+        yield blk + "proj.weight", (h, g.per_layer_input), base
+        yield blk + "post_norm.weight", (h,), Q.F32
+        yield blk + "layer_output_scale.weight", (1,), Q.F32
+    yield "output_norm.weight", (h,), Q.F32
+
+
+def gemma4_rope_divisors(g: Gemma4) -> np.ndarray:
+    """The converter's rope_freqs for Gemma 4's proportional rope: 1 for the pairs that
+    turn, 1e30 for those that stand still."""
+    turning = int(g.global_head_dim * g.partial / 2)
+    still = g.global_head_dim // 2 - turning
+    return np.array([1.0] * turning + [1e30] * still, dtype=np.float32)
+
+
 def _gpt_oss_plan(shape: Shape, fmt: str):
     """gpt-oss as its published GGUFs hold it (llama-quantize's MXFP4_MOE): the experts
     MXFP4, every other matrix Q8_0 (its rows of 2,880 fit no K-quant), the router, norms,
@@ -403,7 +516,11 @@ def random_blocks(rng: np.random.Generator, qtype: Q, n_elements: int) -> np.nda
 
 def tensor_data(rng: np.random.Generator, name: str, shape: tuple, qtype: Q, model: Shape):
     if name == "rope_freqs.weight":
-        return llama3_rope_factors(model)
+        return gemma4_rope_divisors(model.gemma4) if model.gemma4 else llama3_rope_factors(model)
+    if name.endswith("layer_output_scale.weight"):  # Gemma 4's learned scale per layer
+        return rng.uniform(0.5, 1.0, shape).astype(np.float32)
+    if qtype == Q.F16:  # a float matrix llama-quantize leaves (per_layer_model_proj)
+        return (0.02 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float16)
     if name.endswith("ffn_gate_inp.weight"):  # a router: logits of a few units
         return (0.05 * rng.standard_normal(shape)).astype(np.float32)
     if name.endswith(".bias") and not name.endswith("ssm_dt.bias"):  # gpt-oss's biases
@@ -484,9 +601,10 @@ def add_metadata(writer: gguf.GGUFWriter, name: str, shape: Shape, fmt: str) -> 
     writer.add_feed_forward_length(shape.ffn)
     writer.add_head_count(shape.heads)
     writer.add_head_count_kv(shape.kv_heads)
-    writer.add_key_length(shape.head_dim)
-    writer.add_value_length(shape.head_dim)
-    writer.add_rope_dimension_count(shape.rotary_dim or shape.head_dim)
+    if not shape.gemma4:  # (Gemma 4's key_length is its global layers')
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+        writer.add_rope_dimension_count(shape.rotary_dim or shape.head_dim)
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.rms_eps)
     if shape.arch == "llama":
@@ -499,6 +617,8 @@ def add_metadata(writer: gguf.GGUFWriter, name: str, shape: Shape, fmt: str) -> 
         writer.add_rope_scaling_orig_ctx_len(shape.yarn[1])
     if shape.delta_net:
         add_delta_net_metadata(writer, shape)
+    if shape.gemma4:
+        add_gemma4_metadata(writer, shape)
     if shape.experts:
         writer.add_expert_count(shape.experts)
         writer.add_expert_used_count(shape.experts_used)
@@ -525,6 +645,24 @@ def add_delta_net_metadata(writer: gguf.GGUFWriter, shape: Shape) -> None:
     writer.add_rope_dimension_sections([first, first, pairs - 2 * first, 0])
 
 
+def add_gemma4_metadata(writer: gguf.GGUFWriter, shape: Shape) -> None:
+    """The keys llama.cpp's converter writes for Gemma 4 over the common ones: the global
+    head size as key_length (the sliding one as key_length_swa), rope widths and bases
+    of both kinds, the sliding pattern, the shared layers, PLE's width, the softcap."""
+    g = shape.gemma4
+    writer.add_key_length(g.global_head_dim)
+    writer.add_value_length(g.global_head_dim)
+    writer.add_key_length_swa(shape.head_dim)
+    writer.add_value_length_swa(shape.head_dim)
+    writer.add_rope_dimension_count(g.global_head_dim)
+    writer.add_rope_dimension_count_swa(shape.head_dim)
+    writer.add_rope_freq_base_swa(g.local_theta)
+    writer.add_sliding_window_pattern([not g.is_global(i) for i in range(shape.layers)])
+    writer.add_shared_kv_layers(g.shared_kv_layers)
+    writer.add_embedding_length_per_layer_input(g.per_layer_input)
+    writer.add_final_logit_softcapping(g.softcap)
+
+
 def write(
     out: Path, name: str, fmt: str, seed: int = 0, pure: bool = False, vocab: int | None = None
 ) -> int:
@@ -538,8 +676,9 @@ def write(
     add_metadata(writer, name, shape, fmt)
     add_tokenizer(writer, tokenizer_metadata(), shape.vocab)
     for tensor, dims, qtype in plan:
-        if qtype == Q.F32:
-            writer.add_tensor_info(tensor, dims, np.dtype(np.float32), 4 * math.prod(dims))
+        if qtype in (Q.F32, Q.F16):
+            dtype = np.dtype(np.float32 if qtype == Q.F32 else np.float16)
+            writer.add_tensor_info(tensor, dims, dtype, dtype.itemsize * math.prod(dims))
         else:
             nbytes = ggml_format(qtype).nbytes(math.prod(dims))
             rows = math.prod(dims[:-1])

@@ -30,6 +30,7 @@ from .pic.query import SpanQuery
 from .reasoning import (
     Reasoning,
     check_budget,
+    detect_format,
     markers,
     resolve_format,
     starts_inside,
@@ -58,7 +59,8 @@ from .results import (
 )
 from .sampling import SamplingParams
 from .settings import BackendSettings, PlatformDecisions
-from .tools.chat import ToolChat, template_messages, tool_chat
+from .tools.chat import ToolChat, one_call_a_turn, template_messages, tool_chat
+from .tools.formats import ToolFormat
 from .tools.spec import ToolRequest, tool_request
 
 log = get_logger()
@@ -205,7 +207,7 @@ class Backend:
         chat = self.tool_chat(asked, params) if asked is not None else ToolChat(None, None)
         if chat.constraint is not None:
             params = dataclasses.replace(params, constraint=chat.constraint)
-        params, reasoning = self._reasoning_params(prompt, params)
+        params, reasoning = self._reasoning_params(prompt, params, chat.format)
         result = read_results(self.submit([prompt], params), single=True)
         return with_calls(with_reasoning(result, reasoning), chat)
 
@@ -342,6 +344,12 @@ class Backend:
                     "prompts): see prompt_ids and chat_prompt_ids"
                 )
         self._check_token_ids(params)
+        if params.speculative and loop.engine.speculation is None:
+            raise RequestError(
+                f"speculative={params.speculative}: this backend decodes without speculation; "
+                "load it with MISTRALRS_SPECULATIVE_METHOD=ngram (or a draft model) for it, "
+                "or leave speculative out"
+            )
         if params.logprobs:
             self._grammars.tokenizer  # noqa: B018  # built now, not in a response
         seqs = [
@@ -378,9 +386,14 @@ class Backend:
             elif healed is not None:
                 seq.constraint, seq.healed_text = healed.constraint(), healed.text
             if gate is not None:  # the reasoning first: the constraint holds the answer
-                inside = params.reasoning.inside  # type: ignore[union-attr]
+                reasoning = params.reasoning
                 seq.constraint = ReasoningGate(
-                    gate, params.reasoning_budget, seq.constraint, inside, self.tokenizer.decode
+                    gate,
+                    params.reasoning_budget,
+                    seq.constraint,
+                    reasoning.inside,  # type: ignore[union-attr]
+                    self.tokenizer.decode,
+                    spanning=_spans_reasoning(params),
                 )
         return seqs
 
@@ -391,8 +404,8 @@ class Backend:
         reasoning, budget = params.reasoning, params.reasoning_budget
         if reasoning is None or reasoning.format == "none":
             return None  # no reasoning to bound: a budget is kept trivially
-        if budget is None and params.constraint is None:
-            return None
+        if budget is None and (params.constraint is None or _spans_reasoning(params)):
+            return None  # nothing to bound, or a grammar over the whole output (harmony's)
         tokens = self._gate_tokens(reasoning.format)
         if isinstance(tokens, str):
             if budget is None:
@@ -474,6 +487,9 @@ class Backend:
                 )
             return pic
         checked = check_messages(messages)
+        own = self.tokenizer.hf.chat_template if template is None else template
+        if detect_format(own) == "harmony":
+            one_call_a_turn(checked)
         return self._limit.check(
             self.tokenizer.apply_chat_template(
                 checked, definitions, self._variables(variables), template
@@ -489,16 +505,30 @@ class Backend:
         return {**json.loads(defaults), **(variables or {})}
 
     def reasoning(
-        self, prompt: PromptIds, constrained: bool = False, template: str | None = None
+        self,
+        prompt: PromptIds,
+        constrained: bool = False,
+        tools: ToolFormat | None = None,
+        template: str | None = None,
     ) -> Reasoning:
         """How the answer to the chat ``prompt`` is read (`reasoning`): the format in
-        effect (``MISTRALRS_REASONING_FORMAT``, or the chat template's) and whether the
-        output starts inside the reasoning because the prompt opened it. ``template``: the
-        request's own chat template, where it gave one. A constraint holds the answer
-        after the reasoning (`reasoning.gate`) where the markers are tokens; elsewhere it
-        holds the whole output, never read as inside the reasoning."""
+        effect (``MISTRALRS_REASONING_FORMAT``, or the chat template's: ``template``, the
+        request's own, where it gave one) and whether the output starts inside the
+        reasoning because the prompt opened it. A constraint holds the answer after the
+        reasoning (`reasoning.gate`) where the markers are tokens; elsewhere it holds the
+        whole output, never read as inside the reasoning. ``tools``: the format the
+        answer's calls are read in; harmony's calls are read by the harmony parser, which
+        then needs the harmony format in effect."""
         template = self.tokenizer.hf.chat_template if template is None else template
         fmt = resolve_format(self.settings.reasoning_format, template)
+        if tools is not None and tools.syntax == "harmony":
+            if fmt != "harmony":
+                raise RequestError(
+                    "this model calls tools in gpt-oss's harmony messages, which only the "
+                    f"harmony reasoning format reads; the reasoning format in effect is {fmt!r} "
+                    "(MISTRALRS_REASONING_FORMAT): set it to 'auto' or 'harmony'"
+                )
+            return Reasoning(fmt, calls=True)
         if fmt == "none":
             return Reasoning(fmt)
         ids = prompt.token_ids if isinstance(prompt, PicPrompt) else prompt
@@ -509,11 +539,11 @@ class Backend:
         return Reasoning(fmt, (lazy or not constrained) and starts_inside(fmt, tail))
 
     def _reasoning_params(
-        self, prompt: PromptIds, params: SamplingParams
+        self, prompt: PromptIds, params: SamplingParams, tools: ToolFormat | None = None
     ) -> tuple[SamplingParams, Reasoning]:
-        """How a chat's answer to ``prompt`` is read for reasoning, and ``params`` keeping
-        the markers its parser reads."""
-        reasoning = self.reasoning(prompt, constrained=params.constraint is not None)
+        """How a chat's answer to ``prompt`` is read for reasoning (and, harmony, for the
+        calls in ``tools``' format), and ``params`` keeping the markers its parser reads."""
+        reasoning = self.reasoning(prompt, params.constraint is not None, tools)
         kept = params.kept_token_ids + self.reasoning_kept(reasoning.format)
         return dataclasses.replace(params, kept_token_ids=kept, reasoning=reasoning), reasoning
 
@@ -746,3 +776,15 @@ def _embedding_inputs(texts: object, backend: "Backend") -> list[list[int]]:
             raise RequestError(f"input[{i}] has no tokens; give some text")
         backend._limit.check(ids)
     return prompts
+
+
+def _spans_reasoning(params: SamplingParams) -> bool:
+    """Whether ``params``' constraint holds the reasoning too: gpt-oss's tool-call grammar
+    (`tools.harmony`), which writes the analysis message before the answer or call."""
+    reasoning, constraint = params.reasoning, params.constraint
+    return (
+        reasoning is not None
+        and reasoning.calls
+        and constraint is not None
+        and constraint.kind == "tools"
+    )

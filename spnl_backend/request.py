@@ -78,8 +78,10 @@ OPTION_NAMES = (
     "top_logprobs",
     *CONSTRAINT_NAMES,
     "token_healing",
+    "speculative",
 )
 MAX_TOP_LOGPROBS = 20
+MAX_SPECULATIVE = 256  # proposed tokens per step a request may allow
 MAX_LOGIT_BIAS = 4096  # entries
 MAX_STOP_TOKEN_IDS = 1024
 # Every stop string is looked for after every token, on the engine's thread: a request's
@@ -111,6 +113,8 @@ def _options(options: dict[str, object], vocab_size: int | None) -> dict[str, ob
         if count and not checked.get("logprobs"):
             raise RequestError("top_logprobs needs logprobs=True")
         checked["top_logprobs"] = count
+    if options.get("speculative") is not None:
+        checked["speculative"] = _speculative(options["speculative"])
     if options.get("logit_bias") is not None:
         checked["logit_bias"] = _logit_bias(options["logit_bias"], vocab_size)
     if options.get("stop_token_ids") is not None:
@@ -190,6 +194,22 @@ def _stop_token_ids(value: object, vocab_size: int | None) -> frozenset[int]:
             "stop_token_ids", value, f"a list of at most {MAX_STOP_TOKEN_IDS} token ids{bound}"
         )
     return frozenset(ids)  # type: ignore[arg-type]
+
+
+def _speculative(value: object) -> int | None:
+    """``speculative``: True (the backend's speculation), False (none), or the most tokens
+    proposed per step (0 is none)."""
+    if is_bool(value):
+        return None if value else 0
+    count = plain_int(value)
+    if count is None or not 0 <= count <= MAX_SPECULATIVE:
+        raise _bad(
+            "speculative",
+            value,
+            f"true (the backend's speculative decoding), false (none), or an integer from 0 "
+            f"to {MAX_SPECULATIVE} (the most tokens proposed per step; 0 is none)",
+        )
+    return count
 
 
 def _plain_bool(value: object, name: str) -> bool:

@@ -134,7 +134,7 @@ async def aread_results(request: LoopRequest, single: bool) -> Any:
 
 def with_calls(result: GenerateResult, chat: ToolChat) -> GenerateResult:
     """``result`` with the calls its text makes, where it was read for them."""
-    if chat.format is None:
+    if chat.format is None or chat.format.syntax == "harmony":  # read with the reasoning
         return result
     calls = read_whole(chat.format, result.text)
     if calls is None:
@@ -149,7 +149,13 @@ def with_reasoning(result: GenerateResult, reasoning: Reasoning) -> GenerateResu
     if reasoning.format == "none":
         return result
     split = reasoning.split(result.text)
-    return replace(result, text=split.content, reasoning=split.reasoning)
+    result = replace(result, text=split.content, reasoning=split.reasoning)
+    if not split.started:  # harmony's calls, where they are read
+        return result
+    calls = [call for call in split.started if call.whole]
+    if result.finish_reason == "length":  # cut short: the calls made whole before the cut
+        return replace(result, tool_calls=calls)
+    return replace(result, tool_calls=calls, finish_reason="tool_calls")
 
 
 def raise_failure(item: Item) -> None:

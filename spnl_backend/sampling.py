@@ -43,6 +43,9 @@ class SamplingParams:
     # A chat answer's reasoning format and start, set once the prompt is templated: with
     # a budget or a constraint, the engine follows where the reasoning ends.
     reasoning: "Reasoning | None" = None
+    # Speculative decoding for this request: None, the backend's (its method and gamma);
+    # 0, off; n, at most n proposed tokens per step.
+    speculative: int | None = None
 
     @property
     def greedy(self) -> bool:

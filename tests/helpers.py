@@ -14,6 +14,7 @@ from tiny_models import TinyModel, build_hf_model, build_trained_model, write_gg
 from spnl_backend import Backend, BackendSettings, load_backend
 from spnl_backend.engine.engine import Engine
 from spnl_backend.engine.kv_cache import ContiguousStep, SequenceKV, StepSlice
+from spnl_backend.quant.linear import QuantLinear
 
 CPU = BackendSettings(device="cpu")
 PROMPT = " ".join(["The quick brown fox jumps over the lazy dog."] * 3)
@@ -37,6 +38,18 @@ def model_logits(backend: Backend, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         hidden = model(torch.tensor(ids), torch.arange(len(ids)), step)
         return model.compute_logits(hidden)
+
+
+def dequantize_in_place(backend: Backend) -> None:
+    """Every quantized projection replaced by a float one holding its blocks' values (before
+    the backend's first step: its layers' native calls are made then, and kept)."""
+    for name, module in list(backend.model.named_modules()):
+        if isinstance(module, QuantLinear):
+            parent, _, attr = name.rpartition(".")
+            dense = torch.nn.Linear(module.in_features, module.out_features, bias=False)
+            dense.weight = torch.nn.Parameter(module.weight_q.dequantize().float())
+            dense.bias = module.bias
+            setattr(backend.model.get_submodule(parent), attr, dense)
 
 
 class TinyModels:
@@ -153,3 +166,23 @@ def plus_chat_usage(backend: Backend, docs: list[str], order: list[int], questio
     messages += [{"role": "user", "content": PLUS_MARKER + docs[i]} for i in order]
     messages.append({"role": "user", "content": question})
     return backend.chat(messages, max_tokens=1, temperature=0).usage
+
+
+def scripted_logits(backend: Backend, monkeypatch) -> list[int]:
+    """A script of tokens the model's logits are biased toward, one a step (one sequence
+    at a time), while the list has any: how a test makes a tiny model write a whole output,
+    markers included, where a constraint would hold only the answer. A constraint's or the
+    reasoning's mask still decides wherever it allows fewer tokens."""
+    model = engine_internals(backend).runner.model
+    compute = model.compute_logits
+    script: list[int] = []
+
+    def biased(hidden):
+        logits = compute(hidden)
+        if script:
+            logits = logits.clone()
+            logits[:, script.pop(0)] += 1000.0
+        return logits
+
+    monkeypatch.setattr(model, "compute_logits", biased)
+    return script

@@ -2,17 +2,24 @@
 layers of one head size, global ones of another with fewer KV heads, the last layers
 reading earlier layers' K and V, per-layer embeddings) against transformers: logits and
 greedy tokens through the contiguous stores and the paged pool, batched and in chunks;
-the pool's groups and their size; and what refuses them."""
+the pool's groups and their size; what refuses them; and their GGUF twins as llama.cpp's
+converter writes them (tests/test_models.py compares the twins' logits)."""
+
+import dataclasses
+import shutil
 
 import jinja2
 import pytest
 import torch
+from gguf import GGMLQuantizationType, GGUFValueType
 from helpers import PROMPT, SHARED_PREFIX_PROMPTS, engine_internals, engine_logits, model_logits
+from model_file_mutations import parse_gguf, with_value, without_key, write_gguf_bytes
+from safetensors.torch import load_file, save_file
 from tiny_models import KV_GROUP_ARCHITECTURES
 
 from spnl_backend import BackendSettings, load_backend
 from spnl_backend.distributed.sharding import check_shardable
-from spnl_backend.errors import SettingsError
+from spnl_backend.errors import ModelFileError, SettingsError
 from spnl_backend.memory import kv_bytes_per_token
 from spnl_backend.models.arch import family
 
@@ -178,3 +185,80 @@ def test_embeddings_read_the_shared_layers_kv(tiny, arch):
             state = model.hf(ids, output_hidden_states=True).hidden_states[-1][0, -1]
         expected = torch.nn.functional.normalize(state, dim=0)
         torch.testing.assert_close(vector, expected, atol=2e-5, rtol=0)
+
+
+def _gguf_twin(tiny, arch, settings=PAGED_F32):
+    return load_backend(str(tiny.gguf(arch, GGMLQuantizationType.F32)), settings=settings)
+
+
+def test_the_gguf_twin_is_the_safetensors_model(tiny, arch):
+    """The same description from llama.cpp's keys (the global layers' head size and KV
+    heads, both ropes, the shared layers, the doubled MLPs, PLE; the proportional rope
+    from the converter's divisors, its still pairs at 0 Hz exactly), all but what GGUF
+    stores otherwise (the epsilon as a float32)."""
+    original = tiny.backend(arch).model_config
+    with _gguf_twin(tiny, arch) as twin:
+        config = twin.model_config
+        assert config.layers == original.layers
+        kept = dict(rms_norm_eps=original.rms_norm_eps, dtype=original.dtype)
+        assert dataclasses.replace(config, **kept) == original
+        assert config.rms_norm_eps == pytest.approx(original.rms_norm_eps)
+        result = twin.generate(PROMPT, max_tokens=32, temperature=0)
+    assert result.token_ids == _expected_tokens(tiny, arch, PROMPT, 32)
+
+
+def _with_per_layer_kv_heads(parts, arch):
+    counts = parts.entry(f"{arch}.attention.head_count_kv").value
+    counts = [*counts[:3], counts[3] - 1, *counts[4:]]  # a sliding layer with fewer
+    return with_value(
+        parts, f"{arch}.attention.head_count_kv", GGUFValueType.ARRAY, counts, GGUFValueType.INT32
+    )
+
+
+_REFUSED = {
+    "kv heads per layer": (
+        _with_per_layer_kv_heads,
+        r"head_count_kv' gives layer 3 1 K/V heads; .* has 2 there",
+    ),
+    "shared layers llama.cpp reads otherwise": (
+        lambda parts, arch: with_value(
+            parts, f"{arch}.attention.shared_kv_layers", GGUFValueType.UINT32, 1
+        ),
+        r"shared_kv_layers. is 1 \(int\); expected a count leaving a sliding then a global layer",
+    ),
+    "no sliding pattern": (
+        lambda parts, arch: without_key(parts, f"{arch}.attention.sliding_window_pattern"),
+        r"sliding_window_pattern' is missing",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_REFUSED))
+def test_a_gguf_describing_another_model_is_refused_by_key(tiny, arch, tmp_path, case):
+    mutate, message = _REFUSED[case]
+    parts = parse_gguf(tiny.gguf(arch, GGMLQuantizationType.F32).read_bytes())
+    path = tmp_path / "mutated.gguf"
+    path.write_bytes(write_gguf_bytes(mutate(parts, arch)))
+    with pytest.raises(ModelFileError, match=message):
+        load_backend(str(path), settings=PAGED_F32)
+
+
+def test_checkpoints_shared_layers_k_and_v_weights_are_left_unused(tiny, arch, tmp_path):
+    """Published checkpoints (and llama.cpp's GGUFs of them) keep k/v projections and
+    norms for the shared layers, which read earlier layers' K and V: loaded, they change
+    nothing (transformers skips them too)."""
+    source = tiny.hf(arch).path
+    copy = shutil.copytree(source, tmp_path / "with-shared-kv")
+    weights = load_file(copy / "model.safetensors")
+    config = tiny.backend(arch).model_config
+    for layer in range(config.num_layers - config.num_kv_shared_layers, config.num_layers):
+        rows, dim = config.layer_kv_heads(layer) * config.layer_head_dim(layer), config.hidden_size
+        stem = f"model.layers.{layer}.self_attn."
+        weights[stem + "k_proj.weight"] = torch.randn(rows, dim)
+        weights[stem + "v_proj.weight"] = torch.randn(rows, dim)
+        weights[stem + "k_norm.weight"] = torch.randn(config.layer_head_dim(layer))
+    save_file(weights, copy / "model.safetensors", metadata={"format": "pt"})
+    ids = tiny.hf(arch).tokenizer(PROMPT).input_ids
+    with load_backend(str(copy), settings=PAGED_F32) as backend:
+        ours = model_logits(backend, ids)
+    torch.testing.assert_close(ours, model_logits(tiny.backend(arch), ids), atol=0, rtol=0)

@@ -225,6 +225,9 @@ def test_sliding_window_and_its_pattern(gemma_gguf, cases):
 def test_missing_required_key(llama_gguf, cases):
     parts = without_key(llama_gguf, "llama.embedding_length")
     _refused(cases.gguf(parts), "'llama.embedding_length' is missing")
+    # (only a model with experts in every block may leave out the dense MLP's size)
+    parts = without_key(llama_gguf, "llama.feed_forward_length")
+    _refused(cases.gguf(parts), "'llama.feed_forward_length' is missing")
 
 
 # ---- GGUF tensor table ----------------------------------------------------------------------

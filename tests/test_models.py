@@ -21,6 +21,9 @@ from spnl_backend.models.arch import FAMILIES
 # of their spread, more with depth (measured, relative L2 error: 0.4-1.3% at 3 layers,
 # 5.3-6.0% at 4, Llama and SmolLM3 alike); 8% bounds it with room (a misread tensor: ~100%).
 Q8_0_RELATIVE_L2 = 0.08
+# The families whose tiny model's GGUF twin these tests compare (those with experts or
+# state layers: tests/test_moe.py, tests/test_hybrid.py).
+GGUF_TWINS = (*ARCHITECTURES, *KV_GROUP_ARCHITECTURES)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -43,7 +46,7 @@ def test_32_greedy_tokens_match_transformers(tiny, arch):
     assert result.token_ids == expected[0, len(ids) :].tolist()
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", GGUF_TWINS)
 def test_gguf_f32_twin_has_the_same_logits(tiny, arch):
     ids = tiny.hf(arch).tokenizer(PROMPT).input_ids
     twin = load_backend(str(tiny.gguf(arch, Q.F32)), settings=CPU)
@@ -52,7 +55,7 @@ def test_gguf_f32_twin_has_the_same_logits(tiny, arch):
     )
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", GGUF_TWINS)
 def test_gguf_q8_0_twin_is_within_quantization_error(tiny, arch):
     ids = tiny.hf(arch).tokenizer(PROMPT).input_ids
     twin = load_backend(str(tiny.gguf(arch, Q.Q8_0)), settings=CPU)
@@ -61,7 +64,7 @@ def test_gguf_q8_0_twin_is_within_quantization_error(tiny, arch):
     assert error < Q8_0_RELATIVE_L2
 
 
-@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a != "gemma3"])
+@pytest.mark.parametrize("arch", [a for a in GGUF_TWINS if a != "gemma3"])
 def test_gguf_tokenizer_matches_the_original(tiny, arch):
     """Built from the GGUF's own vocabulary (the tiny Gemma's byte-level vocabulary is not
     the sentencepiece kind a Gemma GGUF carries, so it is left out)."""

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFValueType
-from helpers import CPU, model_logits
+from helpers import CPU, dequantize_in_place, model_logits
 from model_file_mutations import parse_gguf, with_value, without_key, write_gguf_bytes
 from tiny_models import MOE_ARCHITECTURES, hf_config
 
@@ -94,7 +94,7 @@ def test_isq_quantizes_every_expert_and_computes_with_its_blocks(moe, arch):
     ids = reference.tokenizer(PROMPT).input_ids
     expected = model_logits(quantized, ids)
     dequantized = load_backend(str(reference.path), settings=settings)
-    _dequantize_in_place(dequantized)
+    dequantize_in_place(dequantized)
     assert torch.allclose(model_logits(dequantized, ids), expected, atol=1e-4)
 
 
@@ -156,7 +156,7 @@ def test_gguf_twins_with_stacked_experts(moe, tiny, arch):
         assert torch.allclose(blocks, gates[expert], atol=0.02)
     expected = model_logits(quantized, ids)
     dequantized = load_backend(str(tiny.gguf(arch, GGMLQuantizationType.Q8_0)), settings=settings)
-    _dequantize_in_place(dequantized)
+    dequantize_in_place(dequantized)
     assert torch.allclose(model_logits(dequantized, ids), expected, atol=1e-4)
 
 
@@ -225,18 +225,6 @@ def test_an_unsupported_gguf_architecture_names_the_supported_ones(tiny, tmp_pat
         match=r"'dbrx' is not supported; supported: llama, .*, qwen3moe, olmoe",
     ):
         load_backend(str(path), settings=CPU)
-
-
-def _dequantize_in_place(backend) -> None:
-    """Every quantized projection replaced by a float one holding its blocks' values (before
-    the backend's first step: its layers' native calls are made then, and kept)."""
-    for name, module in list(backend.model.named_modules()):
-        if isinstance(module, QuantLinear):
-            parent, _, attr = name.rpartition(".")
-            dense = torch.nn.Linear(module.in_features, module.out_features, bias=False)
-            dense.weight = torch.nn.Parameter(module.weight_q.dequantize().float())
-            dense.bias = module.bias
-            setattr(backend.model.get_submodule(parent), attr, dense)
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
@@ -424,5 +412,5 @@ def test_a_gpt_oss_gguf_with_mxfp4_experts_runs_them_as_stored(moe, tiny):
     ids = reference.tokenizer(PROMPT).input_ids
     expected = model_logits(quantized, ids)
     dequantized = load_backend(str(path), settings=settings)
-    _dequantize_in_place(dequantized)
+    dequantize_in_place(dequantized)
     torch.testing.assert_close(model_logits(dequantized, ids), expected, rtol=1e-4, atol=1e-4)

@@ -105,22 +105,40 @@ def test_one_character_at_a_time_never_shows_a_partial_marker(fmt, inside, text,
 
 
 def test_a_harmony_tool_call_is_read_from_commentary():
-    got = Reasoning("harmony").split(WEATHER_CALL)
+    got = Reasoning("harmony", calls=True).split(WEATHER_CALL)
     assert got.reasoning == "The user wants Paris' weather."
     assert got.content == ""
     (call,) = got.started
     assert (call.name, call.arguments, call.whole) == ("get_weather", '{"city": "Paris"}', True)
     assert call.id.startswith("call_")
-    streamed = _streamed(Reasoning("harmony"), WEATHER_CALL, random.Random(3))
+    streamed = _streamed(Reasoning("harmony", calls=True), WEATHER_CALL, random.Random(3))
     assert [(c.name, c.arguments) for c in streamed.started] == [
         ("get_weather", '{"city": "Paris"}')
     ]
     assert "".join(f for _, f in streamed.arguments) == '{"city": "Paris"}'
 
 
+def test_a_harmony_call_not_read_as_one_stays_in_the_answer_as_written():
+    # No tools offered (or tool_choice none): the call is the answer's text, not dropped.
+    call = WEATHER_CALL[WEATHER_CALL.index("<|start|>") :]
+    for reasoning in (Reasoning("harmony"), Reasoning("harmony", calls=False)):
+        got = reasoning.split(WEATHER_CALL)
+        assert (got.reasoning, got.content, got.started) == (
+            "The user wants Paris' weather.",
+            call,
+            [],
+        )
+        for seed in range(5):
+            streamed = _streamed(reasoning, WEATHER_CALL, random.Random(seed))
+            assert (streamed.content, streamed.started) == (call, [])
+    # The output's first message (opened by the generation prompt), its <|call|> an EOS.
+    bare = '<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a": 1}'
+    assert Reasoning("harmony").split(bare).content == bare
+
+
 def test_a_harmony_call_ended_by_its_stop_token_is_whole_at_the_end():
     # <|call|> ends generation as an EOS token: the text stops before it.
-    parser = Reasoning("harmony").parser()
+    parser = Reasoning("harmony", calls=True).parser()
     parser.feed('<|channel|>commentary to=functions.add<|message|>{"a": 1}')
     parser.finish()
     assert [(c.name, c.arguments, c.whole) for c in parser.calls] == [("add", '{"a": 1}', True)]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CPU, engine_internals, run_together
+from helpers import CPU, run_together, scripted_logits
 from live_server import MODEL
 from tiny_models import build_hf_model
 
@@ -160,6 +160,58 @@ def test_the_budget_is_the_same_with_speculation(think_model, backend):
         assert isinstance(speculative._loop.engine.runner, SpeculativeRunner)
     finally:
         speculative.close()
+    ngram = load_backend(
+        str(think_model), settings=BackendSettings(device="cpu", speculative_method="ngram")
+    )
+    ngram.tokenizer.hf.chat_template = R1
+    try:
+        for kw in (
+            {"thinking_token_budget": 3},
+            {"thinking_token_budget": 2, "regex": r"It is 4\."},
+        ):
+            want, got = _chat(backend, max_tokens=40, **kw), _chat(ngram, max_tokens=40, **kw)
+            assert (got.token_ids, got.text) == (want.token_ids, want.text)
+    finally:
+        ngram.close()
+
+
+def test_a_spanning_constraint_follows_the_reasoning_and_the_budget_only_ends_it():
+    # gpt-oss's tool-call grammar holds the analysis message too: it sees every token,
+    # and a spent budget ends the analysis, the grammar choosing the next header.
+    answer = RecordAll()
+    gate = _gate(HARMONY, budget=1, answer=answer, spanning=True)
+    for token in (CHANNEL, ANALYSIS, MESSAGE, 30):
+        assert _allowed(gate) == {-1}  # the grammar's mask (here: anything)
+        gate.accept(token)
+    for token in HARMONY.reopen:  # the budget: the analysis ends, the header reopens
+        assert _allowed(gate) == {token}
+        gate.accept(token)
+    for token in (CHANNEL, FINAL, MESSAGE, TEXT):
+        assert _allowed(gate) == {-1}
+        gate.accept(token)
+    reopened = [*HARMONY.reopen, CHANNEL, FINAL, MESSAGE, TEXT]
+    assert answer.accepted == [CHANNEL, ANALYSIS, MESSAGE, 30, *reopened]
+    assert gate.phase == "answer"
+
+
+class RecordAll:
+    """A constraint that allows every token and records each it accepted."""
+
+    active = True
+
+    def __init__(self) -> None:
+        self.accepted: list[int] = []
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = -1
+
+    def accept(self, token_id: int) -> None:
+        self.accepted.append(token_id)
+
+    def fork(self) -> "RecordAll":
+        twin = RecordAll()
+        twin.accepted = list(self.accepted)
+        return twin
 
 
 def test_a_budget_is_refused_where_the_markers_are_not_tokens(tiny):
@@ -180,7 +232,12 @@ OPEN, CLOSE, SEP, TEXT = 5, 6, 7, 9
 THINK = GateTokens("think", CLOSE, (CLOSE, SEP), (SEP,), open=OPEN)
 CHANNEL, MESSAGE, END, START, ASSISTANT, FINAL, ANALYSIS = 10, 11, 12, 13, 14, 15, 16
 HARMONY = GateTokens(
-    "harmony", MESSAGE, (END, START, ASSISTANT, CHANNEL, FINAL, MESSAGE), channel=CHANNEL, end=END
+    "harmony",
+    MESSAGE,
+    (END, START, ASSISTANT, CHANNEL, FINAL, MESSAGE),
+    channel=CHANNEL,
+    end=END,
+    reopen=(END, START, ASSISTANT),
 )
 NAMES = {FINAL: "final", ANALYSIS: "analysis", TEXT: "x"}
 
@@ -214,9 +271,9 @@ def _allowed(gate: ReasoningGate) -> set[int]:
     return set(torch.nonzero(allowed).flatten().tolist()) if not allowed.all() else {-1}
 
 
-def _gate(tokens=THINK, budget=None, answer=None, inside=False) -> ReasoningGate:
+def _gate(tokens=THINK, budget=None, answer=None, inside=False, spanning=False) -> ReasoningGate:
     decode = lambda ids: "".join(NAMES.get(i, "?") for i in ids)  # noqa: E731
-    return ReasoningGate(tokens, budget, answer, inside, decode)
+    return ReasoningGate(tokens, budget, answer, inside, decode, spanning)
 
 
 def test_the_gate_lets_the_model_open_its_reasoning_or_answer_at_once():
@@ -390,22 +447,8 @@ def test_a_requests_template_decides_the_reasoning_format(live, backend):
 
 @pytest.fixture
 def scripted(backend, monkeypatch):
-    """The model's logits with a large bias, step by step, toward a script's tokens (one
-    sequence at a time): the gate's mask still decides wherever it allows fewer."""
-    model = engine_internals(backend).runner.model
-    compute = model.compute_logits
-    script: list[int] = []
-
-    def biased(hidden):
-        logits = compute(hidden)
-        if script:
-            logits = logits.clone()
-            logits[:, script.pop(0)] += 1000.0
-        return logits
-
-    monkeypatch.setattr(model, "compute_logits", biased)
     monkeypatch.setattr(backend.tokenizer.hf, "chat_template", GPT_OSS)
-    return script
+    return scripted_logits(backend, monkeypatch)
 
 
 def test_a_harmony_budget_closes_the_analysis_and_opens_the_final_message(backend, scripted):

@@ -49,7 +49,11 @@ def _mamba2_state(config) -> tuple[int, int]:
 
 
 # Each hybrid family's state per layer, from transformers' config of its tiny model.
-STATE_ELEMENTS = {"qwen3_5": _delta_net_state, "granitemoehybrid": _mamba2_state}
+STATE_ELEMENTS = {
+    "qwen3_5": _delta_net_state,
+    "qwen3_5_moe": _delta_net_state,
+    "granitemoehybrid": _mamba2_state,
+}
 
 
 def _state_bytes(tiny, arch) -> int:

@@ -128,3 +128,30 @@ def test_tiny_synthetic_gpt_oss_file_is_mxfp4_moe_and_decodes(tmp_path):
         assert _decodes_finite(backend)
     finally:
         backend.close()
+
+
+def test_tiny_synthetic_gemma4_file_has_llama_cpp_keys_and_decodes(tmp_path):
+    """Layers s, s, g, then three sharing K/V (their unused k and v dropped as they
+    load); the global layers' head size as key_length; the per-layer table typed as the
+    embedding."""
+    path = tmp_path / "tiny-gemma4.gguf"
+    synthetic_gguf.write(path, "tiny-gemma4", "q4_k_m")
+    reader = GGUFReader(path)
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["per_layer_token_embd.weight"] == types["token_embd.weight"] == "Q6_K"
+    assert types["per_layer_model_proj.weight"] == "F16"
+    assert types["blk.5.attn_v.weight"] == "Q6_K"  # llama-quantize's "more bits" layer
+    fields = reader.fields
+    assert fields["gemma4.attention.key_length"].contents() == 128
+    assert fields["gemma4.attention.key_length_swa"].contents() == 64
+    assert list(fields["gemma4.attention.sliding_window_pattern"].contents()) == [1, 1, 0] * 2
+    backend = load_backend(str(path), settings=CPU)
+    try:
+        config = backend.model_config
+        assert config.layer_types == ("sliding", "sliding", "full") * 2
+        assert (config.head_dim, config.global_head_dim) == (64, 128)
+        assert config.rope.kind == "proportional"
+        assert config.num_kv_shared_layers == 3
+        assert _decodes_finite(backend)
+    finally:
+        backend.close()

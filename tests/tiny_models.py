@@ -76,6 +76,7 @@ def hf_config(arch: str, vocab: int, overrides: dict | None = None):
     ``overrides``: a variant's keys over them)."""
     found = family(arch)
     keys = {**_common(vocab), **found.tiny, **(overrides or {})}
+    keys = {key: value for key, value in keys.items() if value is not None}  # None: left out
     if "hidden_size_per_layer_input" in keys:  # Gemma 4's per-layer table: the same ids
         keys.setdefault("vocab_size_per_layer_input", vocab)
     return AutoConfig.for_model(keys.pop("model_type", found.model_types[0]), **keys)
@@ -99,6 +100,7 @@ ARCHITECTURES = tuple(
 KV_GROUP_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_kv_groups(f))
 MOE_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_experts(f) and not f.state_layers)
 HYBRID_ARCHITECTURES = tuple(f.name for f in FAMILIES if f.state_layers)
+MOE_HYBRID_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_experts(f) and f.state_layers)
 # What the native layer blocks leave to the per-op path: qwen2's projections carry biases,
 # OLMo 2's layers have no input norm (norms after attention and MLP only), SmolLM3 has a
 # layer that does not rotate, gpt-oss's attention has sinks (and its experts biases),
@@ -183,11 +185,13 @@ _GGUF_ARCH = {
     "olmo2": "olmo2",
     "smollm3": "smollm3",
     "qwen3_5": "qwen35",
+    "qwen3_5_moe": "qwen35moe",
     "qwen3_moe": "qwen3moe",
     "mixtral": "llama",
     "olmoe": "olmoe",
     "gpt_oss": "gpt-oss",
     "granitemoehybrid": "granitehybrid",
+    "gemma4": "gemma4",
 }
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -214,6 +218,17 @@ _GEMMA_LAYER_NAMES = {
 }
 
 
+_GEMMA4_LAYER_NAMES = {
+    **_GEMMA_LAYER_NAMES,
+    "per_layer_input_gate": "inp_gate",
+    "per_layer_projection": "proj",
+    "post_per_layer_input_norm": "post_norm",
+}
+_GEMMA4_TOP_NAMES = {
+    "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+    "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
+    "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
+}
 _OLMO2_LAYER_NAMES = {
     **_LAYER_NAMES,
     "post_attention_layernorm": "post_attention_norm",
@@ -221,7 +236,8 @@ _OLMO2_LAYER_NAMES = {
 }
 _GPT_OSS_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_layernorm": "post_attention_norm"}
 GEMMAS = ("gemma2", "gemma3")  # norms scaled by (1 + w), which the converter stores
-OFFSET_NORMS = (*GEMMAS, "qwen3_5")  # norms scaled by (1 + w): their weights centred on 0
+# norms scaled by (1 + w): their weights centred on 0
+OFFSET_NORMS = (*GEMMAS, "qwen3_5", "qwen3_5_moe")
 # llama.cpp's converter permutes q and k rows of these (NORM rope), as Llama's.
 _PERMUTED = ("llama", "mistral", "mixtral", "smollm3", "granitemoehybrid")
 
@@ -232,11 +248,19 @@ def _gguf_name(name: str, arch: str) -> str:
         "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight",
     }
+    if arch == "gemma4":
+        top |= _GEMMA4_TOP_NAMES
     if name in top:
         return top[name]
     _, _, index, rest = name.split(".", 3)
+    if rest == "layer_scalar":  # the converter adds the suffix
+        return f"blk.{index}.layer_output_scale.weight"
     module, _, kind = rest.rpartition(".")
-    names = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES}.get(arch, _LAYER_NAMES)
+    names = {
+        "gemma2": _GEMMA_LAYER_NAMES,
+        "gemma3": _GEMMA_LAYER_NAMES,
+        "gemma4": _GEMMA4_LAYER_NAMES,
+    }.get(arch, _LAYER_NAMES)
     if arch == "olmo2":
         names = _OLMO2_LAYER_NAMES
     if arch == "gpt-oss":
@@ -265,6 +289,11 @@ _QWEN35_NAMES = {
     "linear_attn.in_proj_a": "ssm_alpha",
     "linear_attn.norm": "ssm_norm",
     "linear_attn.out_proj": "ssm_out",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 
 
@@ -287,6 +316,9 @@ def _qwen35_tensors(state: dict, config):
         _, _, index, rest = name.split(".", 3)
         stem = f"blk.{index}"
         t = tensor.float()
+        if ".mlp.experts." in name:  # stacked, as `_stacked_experts` writes them
+            yield name, t
+            continue
         if rest.endswith("A_log"):
             yield f"{stem}.ssm_a", tiled(-t.exp()[:, None], 0, 1)[:, 0]
             continue
@@ -322,14 +354,20 @@ def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(
-    tiny: TinyModel, path: Path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32
+    tiny: TinyModel,
+    path: Path,
+    qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+    mtp_layers: int = 0,
 ) -> Path:
+    """``mtp_layers``: multi-token prediction blocks after the decoder's, as llama.cpp's
+    converter keeps Qwen3.5's (``nextn_predict_layers``): each a copy of the last layer
+    beside its own ``nextn.*`` tensors."""
     arch = _GGUF_ARCH[tiny.arch]
     config = tiny.hf.config
     writer = GGUFWriter(path, arch)
-    _write_metadata(writer, tiny, config)
+    _write_metadata(writer, tiny, config, mtp_layers)
     state = tiny.hf.state_dict()
-    if arch == "qwen35":
+    if arch in ("qwen35", "qwen35moe"):
         state = dict(_qwen35_tensors(state, config))
     tensors = _stacked_experts(state, arch)
     if tiny.arch == "granitemoehybrid":
@@ -348,12 +386,38 @@ def write_gguf(
         if arch in GEMMAS and name.endswith("norm.weight"):
             data = data + 1.0
         _add_tensor(writer, _gguf_name(name, arch), data, qtype)
+    for block in range(config.num_hidden_layers, config.num_hidden_layers + mtp_layers):
+        _write_mtp_block(writer, _written(writer), block, qtype)
     _write_rope_tensors(writer, tiny)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _written(writer: GGUFWriter) -> dict[str, np.ndarray]:
+    """The float tensors added to ``writer`` so far, by name."""
+    return {
+        name: info.tensor
+        for shard in writer.tensors
+        for name, info in shard.items()
+        if info.tensor is not None and info.tensor.dtype == np.float32
+    }
+
+
+def _write_mtp_block(
+    writer: GGUFWriter, written: dict[str, np.ndarray], block: int, qtype: GGMLQuantizationType
+) -> None:
+    """An MTP block: the last decoder block's tensors again, and the ``nextn`` ones."""
+    last = f"blk.{block - 1}."
+    for name, data in written.items():
+        if name.startswith(last):
+            _add_tensor(writer, f"blk.{block}." + name.removeprefix(last), data, qtype)
+    rng = np.random.default_rng(block)
+    for name, shape in (("eh_proj", (HIDDEN, 2 * HIDDEN)), ("enorm", (HIDDEN,))):
+        data = rng.normal(0.0, 0.15, shape).astype(np.float32)
+        _add_tensor(writer, f"blk.{block}.nextn.{name}.weight", data, qtype)
 
 
 def _stacked_experts(state: dict[str, torch.Tensor], arch: str):
@@ -449,11 +513,18 @@ def _add_tensor(
         writer.add_tensor(name, quants.quantize(data, qtype), raw_dtype=qtype)
 
 
-def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config) -> None:
+def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config, mtp_layers: int = 0) -> None:
+    if tiny.arch == "gemma4":
+        _write_gemma4_metadata(writer, config)
+        _write_tokenizer(writer, tiny.tokenizer)
+        return
     writer.add_context_length(MAX_POSITIONS)
     writer.add_embedding_length(HIDDEN)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_block_count(config.num_hidden_layers + mtp_layers)
+    if mtp_layers:
+        writer.add_nextn_predict_layers(mtp_layers)
+    if getattr(config, "intermediate_size", None):  # (none where every layer has experts)
+        writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(HEADS)
     if tiny.arch == "granitemoehybrid":
         _write_granite_metadata(writer, config)
@@ -489,8 +560,10 @@ def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config) -> None:
         # llama.cpp's converter writes this key for OLMo but not for OLMoE (whose graph does
         # not clamp); written here so that the tiny OLMoE's twin is the same model.
         writer.add_clamp_kqv(config.clip_qkv)
-    if tiny.arch == "qwen3_5":
-        _write_qwen35_metadata(writer, config)
+    if tiny.arch in ("qwen3_5", "qwen3_5_moe"):
+        _write_qwen35_metadata(writer, _GGUF_ARCH[tiny.arch], config, mtp_layers)
+    if getattr(config, "shared_expert_intermediate_size", None):
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if tiny.arch in ("gemma3", "olmo2"):  # (Gemma 2's alternation is llama.cpp's default)
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
     if tiny.arch in GEMMAS:
@@ -499,16 +572,79 @@ def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config) -> None:
     _write_tokenizer(writer, tiny.tokenizer)
 
 
-def _write_qwen35_metadata(writer: GGUFWriter, config) -> None:
-    """The keys llama.cpp's converter writes for a Qwen3.5's DeltaNet layers."""
-    arch = "qwen35"
+def _write_gemma4_metadata(writer: GGUFWriter, config) -> None:
+    """The keys llama.cpp's converter writes for Gemma 4 from ``config.json`` (each with
+    its last value where it writes one twice): the global layers' head size as key_length
+    and the sliding layers' as key_length_swa, K/V heads per layer where the global
+    layers' count is given, MLP widths per layer where the shared layers' is doubled,
+    both rope bases, the global rope's full width (its still pairs: tensor rope_freqs)."""
+    hp = config.to_dict()
+    sliding = [t == "sliding_attention" for t in hp["layer_types"]]
+    layers, shared = hp["num_hidden_layers"], hp["num_kv_shared_layers"]
+    local_dim, global_dim = hp["head_dim"], _gemma4_global(hp, "global_head_dim", "head_dim")
+    writer.add_block_count(layers)
+    writer.add_context_length(hp["max_position_embeddings"])
+    writer.add_embedding_length(hp["hidden_size"])
+    inner = hp["intermediate_size"]
+    if hp["use_double_wide_mlp"]:
+        writer.add_feed_forward_length(
+            [inner if i < layers - shared else 2 * inner for i in range(layers)]
+        )
+    else:
+        writer.add_feed_forward_length(inner)
+    writer.add_head_count(hp["num_attention_heads"])
+    kv_local = hp["num_key_value_heads"]
+    kv_global = _gemma4_global(hp, "num_global_key_value_heads", "num_key_value_heads")
+    if kv_global is not None:
+        writer.add_head_count_kv([kv_local if s else kv_global for s in sliding])
+    else:
+        writer.add_head_count_kv(kv_local)
+    writer.add_rope_freq_base(hp["rope_parameters"]["full_attention"]["rope_theta"])
+    writer.add_rope_freq_base_swa(hp["rope_parameters"]["sliding_attention"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    writer.add_key_length(global_dim)
+    writer.add_value_length(global_dim)
+    writer.add_key_length_swa(local_dim)
+    writer.add_value_length_swa(local_dim)
+    writer.add_final_logit_softcapping(hp["final_logit_softcapping"])
+    writer.add_sliding_window(hp["sliding_window"])
+    writer.add_shared_kv_layers(shared)
+    writer.add_embedding_length_per_layer_input(hp["hidden_size_per_layer_input"])
+    writer.add_sliding_window_pattern(sliding)
+    writer.add_rope_dimension_count(global_dim)
+    writer.add_rope_dimension_count_swa(local_dim)
+
+
+def _gemma4_global(hp: dict, key: str, layer_key: str):
+    """A global layer's value as the converter finds it: the config's key, else the
+    first full layer's entry in ``per_layer_config``."""
+    if hp.get(key) is not None:
+        return hp[key]
+    full = [i for i, t in enumerate(hp["layer_types"]) if t == "full_attention"]
+    layer = (hp.get("per_layer_config") or {}).get(str(full[0]), {}) if full else {}
+    return layer.get(layer_key)
+
+
+def _gemma4_rope_freqs(config) -> np.ndarray:
+    """The converter's divisors of the global rope's frequencies: 1 for the pairs that
+    turn, 1e30 for those that stand still."""
+    hp = config.to_dict()
+    global_dim = _gemma4_global(hp, "global_head_dim", "head_dim")
+    share = hp["rope_parameters"]["full_attention"]["partial_rotary_factor"]
+    turning = int(global_dim * share / 2)
+    return np.array([1.0] * turning + [1e30] * (global_dim // 2 - turning), dtype=np.float32)
+
+
+def _write_qwen35_metadata(writer: GGUFWriter, arch: str, config, mtp_layers: int) -> None:
+    """The keys llama.cpp's converter writes for a Qwen3.5's DeltaNet layers (an MTP
+    block's flag false: it attends)."""
     writer.add_uint32(f"{arch}.ssm.conv_kernel", config.linear_conv_kernel_dim)
     writer.add_uint32(f"{arch}.ssm.state_size", config.linear_key_head_dim)
     writer.add_uint32(f"{arch}.ssm.group_count", config.linear_num_key_heads)
     writer.add_uint32(f"{arch}.ssm.time_step_rank", config.linear_num_value_heads)
     inner = config.linear_value_head_dim * config.linear_num_value_heads
     writer.add_uint32(f"{arch}.ssm.inner_size", inner)
-    recurrent = [t == "linear_attention" for t in config.layer_types]
+    recurrent = [t == "linear_attention" for t in config.layer_types] + [False] * mtp_layers
     writer.add_array(f"{arch}.attention.recurrent_layers", recurrent)
     writer.add_uint32(f"{arch}.full_attention_interval", 4)
 
@@ -533,6 +669,8 @@ def _write_granite_metadata(writer: GGUFWriter, config) -> None:
 
 def _write_rope_tensors(writer: GGUFWriter, tiny: TinyModel) -> None:
     rope = tiny.hf.config.rope_parameters
+    if tiny.arch == "gemma4":
+        writer.add_tensor("rope_freqs.weight", _gemma4_rope_freqs(tiny.hf.config))
     if rope.get("rope_type") == "llama3":
         # llama.cpp stores Llama 3's scaling as per-dimension divisors of the frequencies.
         rotary = tiny.hf.model.rotary_emb

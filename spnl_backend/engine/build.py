@@ -37,6 +37,7 @@ from .compressed import CodedPagedKVCache, ProtocolKV
 from .engine import MAX_NUM_SEQS, Engine, EngineConfig
 from .kv_cache import ContiguousCacheManager, SequenceStore, plain_stores
 from .kv_shift import KeyShift
+from .ngram import NgramRunner
 from .paged import PagedCacheManager, PagedKVCache, PagedKVStorage
 from .pool_tier import attach_tier
 from .runner import ModelRunner, Runner
@@ -82,6 +83,24 @@ def build_engine(
     )
     _log_prefix_caching(settings, decisions.paged_attn)
     runner: Runner = ModelRunner(loaded.model, cache, loaded.device)
+    if settings.speculative == "ngram":
+        if isinstance(cache, StatefulCacheManager):  # states to go back to after rejections
+            cache.states.trail_rows = settings.speculative_gamma + 1
+        runner = NgramRunner(
+            loaded.model,
+            cache,
+            loaded.device,
+            settings.speculative_gamma,
+            (settings.speculative_ngram_min, settings.speculative_ngram_max),
+            loaded.config.vocab_size,
+            max_len,
+        )
+        log.info(
+            "speculative.ngram",
+            gamma=settings.speculative_gamma,
+            ngram_min=settings.speculative_ngram_min,
+            ngram_max=settings.speculative_ngram_max,
+        )
     if draft is not None:
         tokens = cache.capacity_tokens or settings.kv_budget.value
         budget = KvBudget("context_len", tokens, explicit=settings.kv_budget.explicit)
@@ -380,11 +399,11 @@ def _refuse_sinks(loaded: LoadedModel, compressor: Compressor) -> None:
 
 
 def _refuse_draft_without_truncate(settings: BackendSettings, compressor: Compressor) -> None:
-    if settings.speculative_draft_model or settings.speculative_draft_isq:
+    if settings.speculative is not None:
         raise SettingsError(
-            f"{env_name('kv_cache_compression')}={compressor.name} cannot be combined with a "
-            "speculative draft: its caches cannot drop rejected draft tokens (no truncate); "
-            "use a built-in method or no draft"
+            f"{env_name('kv_cache_compression')}={compressor.name} cannot be combined with "
+            f"speculative decoding ({settings.speculative}): its caches cannot drop rejected "
+            "draft tokens (no truncate); use a built-in method or no speculation"
         )
 
 

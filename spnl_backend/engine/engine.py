@@ -12,6 +12,7 @@ from .cache import CacheInfo, PoolUsage, StateUsage
 from .detokenizer import Decoder, IncrementalDetokenizer, KeptTokens
 from .embed import embed
 from .kv_tier import TierStats, tier_stats
+from .ngram import NgramRunner
 from .runner import Runner
 from .sampler import TokenLogprobs, row_error
 from .scheduler import Scheduler
@@ -295,6 +296,15 @@ class Engine:
                 seq.finish("error", self.broken)
         self.scheduler.running.clear()
         self.scheduler.waiting.clear()
+
+    @property
+    def speculation(self) -> str | None:
+        """What proposes tokens for the target to verify: "draft", "ngram", or None."""
+        if isinstance(self.runner, SpeculativeRunner):
+            return "draft"
+        if isinstance(self.runner, NgramRunner):
+            return "ngram"
+        return None
 
     def pic_refusal(self) -> str | None:
         """Why PIC prompts cannot run on this engine's cache, or None where they can."""

@@ -17,11 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import EngineError
 from ..log import get_logger
 from ..models.step_attention import StepAttention
 from ..models.transformer import CausalLM
 from .cache import CacheManager, Feed, PoolUsage
 from .logits import RowHistory, adjust
+from .pic_probe import choose_recomputed
 from .runner import Picked, Sampled, logprobs_of, pack_inputs
 from .sampler import argmax_rows, distribution, row_error
 from .sequence import ScheduledSeq, Sequence
@@ -263,15 +265,20 @@ def _last_rows(batch: list[ScheduledSeq]) -> list[int]:
     return rows
 
 
-class SpeculativeRunner:
-    """The target's step with drafts: propose, verify in one target pass, roll back."""
+class VerifyingRunner:
+    """The target's step with proposed tokens: propose, verify in one target pass, roll
+    back. What proposes (`_propose`) and what follows a verification (`_settle`) is the
+    subclass's: a draft model (`SpeculativeRunner`) or the sequence's own text
+    (`engine.ngram.NgramRunner`)."""
 
-    def __init__(self, model: CausalLM, drafter: Drafter, gamma: int, device: torch.device) -> None:
-        self.model, self.drafter, self.gamma, self.device = model, drafter, gamma, device
-        self.cache = drafter.cache
+    cache: CacheManager
+
+    def __init__(self, model: CausalLM, gamma: int, device: torch.device, vocab_size: int) -> None:
+        self.model, self.gamma, self.device, self.vocab_size = model, gamma, device, vocab_size
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> Sampled:
+        choose_recomputed(self.model, self.cache.probes(batch), self.device)
         proposals = self._propose(batch)
         steps = [
             ScheduledSeq(item.seq, item.num_new_tokens + len(_drafts(proposals, item.seq)))
@@ -298,6 +305,13 @@ class SpeculativeRunner:
             sampled[seq.seq_id] = self._verified(seq, logits[start:end], proposal)
             start = end
         return sampled
+
+    def _propose(self, batch: list[ScheduledSeq]) -> dict[int, Proposal]:
+        raise NotImplementedError
+
+    def _settle(self, seq: Sequence, num_drafts: int, accepted: int, tokens: list[int]) -> None:
+        """After a verification of ``num_drafts`` proposed tokens (``tokens``: those kept)."""
+        raise NotImplementedError
 
     def _verified(
         self, seq: Sequence, logits: torch.Tensor, proposal: Proposal
@@ -327,13 +341,57 @@ class SpeculativeRunner:
         if proposal.masks:
             bitmask = torch.stack(proposal.masks)
         elif seq.constraint is not None and seq.constraint.active:
-            bitmask = constraint_row(seq.constraint, self.drafter.vocab_size)[None]
+            bitmask = constraint_row(seq.constraint, self.vocab_size)[None]
         return adjust(logits, rows, bitmask)
+
+    def draft_budget(self, seq: Sequence, max_len: int) -> int:
+        """The most drafts ``seq`` may take this step: the gamma, or its request's own
+        cap; fewer near its length limits (the last token is always the target's)."""
+        remaining = seq.max_len - seq.num_tokens
+        if seq.params.max_tokens:
+            remaining = min(remaining, seq.params.max_tokens - len(seq.output_token_ids))
+        cap = seq.params.speculative
+        gamma = self.gamma if cap is None else min(self.gamma, cap)
+        return max(0, min(gamma, remaining - 1, max_len - seq.num_tokens))
+
+    def _inputs(
+        self, batch: list[ScheduledSeq], proposals: dict[int, Proposal]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's tokens (in the order the cache computes them) with each sequence's
+        drafts after them, and their positions. Only a sequence decoding in token order
+        drafts, so its drafts' positions follow its last token's."""
+        feeds: list[Feed] = []
+        for item in batch:
+            start, tokens = self.cache.feed(item.seq, item.num_new_tokens)
+            drafts = _drafts(proposals, item.seq)
+            if drafts:
+                if not isinstance(start, int):
+                    raise EngineError("drafts follow a sequence computed in token order")
+                tokens = tokens + drafts
+            feeds.append((start, tokens))
+        return pack_inputs(feeds, self.device)
+
+    def _roll_back(self, seq: Sequence, num_drafts: int, accepted: int, tokens: list[int]) -> None:
+        """Keep the accepted drafts' K/V, return what only rejected ones held."""
+        seq.num_draft_tokens += num_drafts
+        seq.num_accepted_tokens += accepted
+        seq.num_computed_tokens += accepted
+        self.cache.truncate(seq)
+        self._settle(seq, num_drafts, accepted, tokens)
+
+
+class SpeculativeRunner(VerifyingRunner):
+    """Drafts from a draft model, which keeps a cache of its own beside the target's."""
+
+    def __init__(self, model: CausalLM, drafter: Drafter, gamma: int, device: torch.device) -> None:
+        super().__init__(model, gamma, device, drafter.vocab_size)
+        self.drafter = drafter
+        self.cache = drafter.cache
 
     def _propose(self, batch: list[ScheduledSeq]) -> dict[int, Proposal]:
         requests = []
         for item in batch:
-            if _decodes(item):
+            if decodes(item):
                 k = self._reserve_drafts(item.seq)
                 if k:
                     requests.append((item.seq, k))
@@ -341,10 +399,7 @@ class SpeculativeRunner:
 
     def _reserve_drafts(self, seq: Sequence) -> int:
         """How many drafts ``seq`` takes this step, with room for them in both caches."""
-        remaining = seq.max_len - seq.num_tokens
-        if seq.params.max_tokens:
-            remaining = min(remaining, seq.params.max_tokens - len(seq.output_token_ids))
-        k = min(self.gamma, remaining - 1, self.drafter.max_len - seq.num_tokens)
+        k = self.draft_budget(seq, self.drafter.max_len)
         if k <= 0:
             return 0
         if not self.drafter.reserve(seq, k):
@@ -356,27 +411,11 @@ class SpeculativeRunner:
             return 0
         return k
 
-    def _inputs(
-        self, batch: list[ScheduledSeq], proposals: dict[int, Proposal]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's tokens with each sequence's drafts after them, and their positions."""
-        feeds = []
-        for item in batch:
-            start = item.seq.num_computed_tokens
-            tokens = item.seq.token_ids[start : start + item.num_new_tokens]
-            feeds.append((start, tokens + _drafts(proposals, item.seq)))
-        return pack_inputs(feeds, self.device)
-
-    def _roll_back(self, seq: Sequence, num_drafts: int, accepted: int, tokens: list[int]) -> None:
-        """Keep the accepted drafts' K/V in both caches, return what only rejected ones held."""
-        seq.num_draft_tokens += num_drafts
-        seq.num_accepted_tokens += accepted
-        seq.num_computed_tokens += accepted
-        self.cache.truncate(seq)
+    def _settle(self, seq: Sequence, num_drafts: int, accepted: int, tokens: list[int]) -> None:
         self.drafter.settle(seq, tokens, seq.num_computed_tokens)
 
 
-def _decodes(item: ScheduledSeq) -> bool:
+def decodes(item: ScheduledSeq) -> bool:
     """Whether the step computes just the sequence's last token. A prompt's own pass
     samples its first token plainly, so that pass computes what it would without drafts."""
     return item.num_new_tokens == 1 and item.seq.num_computed_tokens + 1 == item.seq.num_tokens

@@ -14,6 +14,7 @@ import numpy as np
 from ..errors import ModelFileError, UnsupportedArchitectureError
 from ..models.arch import Family, family_of_gguf, gguf_architectures
 from ..models.config import (
+    MAX_COUNT,
     ConfigValueError,
     LayerType,
     ModelConfig,
@@ -21,6 +22,7 @@ from ..models.config import (
     RopeConfig,
     check_config_shapes,
 )
+from ..models.layers import AttentionMixer, DenseFFN
 from .gguf_file import GGUFFile, describe_value
 from .typed import MISSING, TypedReader
 
@@ -35,6 +37,7 @@ END_OF_TURN_TOKENS = (
 )
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?")  # (a few have no suffix)
+_BLOCK_INDEX = re.compile(r"blk\.(\d+)\.")
 CONFIG_TENSORS = frozenset(
     {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 )
@@ -74,6 +77,10 @@ _FIELD_KEYS = {
     "rope.beta_fast": "rope.scaling.yarn_beta_fast",
     "rope.beta_slow": "rope.scaling.yarn_beta_slow",
     "rope_local.theta": "rope.freq_base_swa",
+    "global_head_dim": "attention.key_length",
+    "global_num_kv_heads": "attention.head_count_kv",
+    "num_kv_shared_layers": "attention.shared_kv_layers",
+    "per_layer_input_size": "embedding_length_per_layer_input",
     "rope_local.rotary_dim": "rope.dimension_count",
 }
 _FIELD_SOURCES = {
@@ -104,14 +111,14 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     check_tokenizer_metadata(gguf, vocab)
     hidden, heads = meta.count("embedding_length"), meta.count("attention.head_count")
     head_dim = _head_dim(meta, hidden, heads)
-    layers = meta.count("block_count")
-    _check_layers(gguf, meta, layers)
+    layers = _layers(gguf, meta)
     fields: dict[str, Any] = dict(
         architecture=family.name,
         moe=_moe(gguf, meta, family, layers),
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=meta.count("feed_forward_length"),
+        # 0: no dense MLP, where every layer has experts (`ModelConfig`)
+        intermediate_size=_per_layer_count(meta, "feed_forward_length", layers, missing=0),
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=_kv_heads(meta, heads, layers),
@@ -128,11 +135,18 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     if fields["sliding_window"]:
         fields["layer_types"] = meta.swa_layer_types(None, layers)
     fields.update(family.gguf_fields(meta, fields))
+    if not fields["intermediate_size"] and not _every_layer_sparse(fields["moe"]):
+        raise meta.missing("feed_forward_length")
     try:
         config = ModelConfig(**fields)
     except ConfigValueError as exc:
         raise meta.invalid(exc) from None
-    shapes = {hf_name(n, arch, gguf.path): info.shape for n, info in gguf.tensors.items()}
+    _check_per_layer_counts(meta, config)
+    shapes = {
+        hf_name(n, arch, gguf.path): info.shape
+        for n, info in gguf.tensors.items()
+        if not _past(n, layers)
+    }
     check_config_shapes(config, shapes, gguf.path)
     return config
 
@@ -154,26 +168,75 @@ def _moe(gguf: GGUFFile, meta: "_Metadata", family: Family, layers: int) -> MoeC
     return MoeConfig(
         num_experts=meta.count("expert_count"),
         top_k=meta.count("expert_used_count"),
-        intermediate_size=meta.count(
-            "expert_feed_forward_length", meta.count("feed_forward_length")
-        ),
+        intermediate_size=meta.count("expert_feed_forward_length", None)
+        or meta.count("feed_forward_length"),
         renormalize=family.gguf_renormalizes_top_k if norm is None else bool(norm),
         sparse=sparse,
     )
 
 
+def _every_layer_sparse(moe: MoeConfig | None) -> bool:
+    """Whether every layer has experts: then the model needs no dense MLP size."""
+    return moe is not None and all(moe.sparse)
+
+
 def _kv_heads(meta: "_Metadata", heads: int, layers: int) -> int:
-    """The attention layers' K/V heads: one count, or one per layer where a hybrid's
-    state layers have none (llama.cpp writes 0 for them; the family reads which layers
-    those are), the attention layers' counts all alike."""
+    """The attention layers' K/V heads: one count, or the first attention layer's of one
+    per layer (llama.cpp writes 0 for a hybrid's state layers, and Gemma 4's global
+    layers have their own): the family reads the others, and every layer's count is
+    checked against the layers the config describes (`_check_per_layer_counts`)."""
     key = "attention.head_count_kv"
-    value = meta.get(key)
-    if not isinstance(value, np.ndarray):
+    if not isinstance(meta.get(key), np.ndarray):
         return meta.count(key, heads)
-    counts = set(value.tolist()) - {0}
-    if not (value.dtype.kind in "iu" and len(value) == layers and len(counts) == 1):
-        raise meta.wrong(key, value, f"a count, or {layers} counts (0 for a state layer) alike")
-    return counts.pop()
+    attention = [count for count in _counts(meta, key, layers, zero=True) if count]
+    if not attention:
+        raise meta.wrong(key, meta.get(key), "at least one attention layer's count (not 0)")
+    return attention[0]
+
+
+def _per_layer_count(meta: "_Metadata", key: str, layers: int, missing: int | None = None) -> int:
+    """A count, or the first layer's of one per layer (checked whole once the config's
+    layers are known, `_check_per_layer_counts`); ``missing`` where the file has none
+    (None: it must have one)."""
+    if not isinstance(meta.get(key), np.ndarray):
+        if missing is None:
+            return meta.count(key)
+        found = meta.count(key, None)  # (an explicit 0 is out of range)
+        return missing if found is None else found
+    return _counts(meta, key, layers, zero=False)[0]
+
+
+def _counts(meta: "_Metadata", key: str, layers: int, zero: bool) -> list[int]:
+    value = meta.get(key)
+    counts = value.tolist() if value.dtype.kind in "iu" else []
+    low = 0 if zero else 1
+    if len(counts) != layers or not all(low <= c <= MAX_COUNT for c in counts):
+        kind = "integers >= 0 (0 for a state layer)" if zero else "positive integers"
+        raise meta.wrong(key, value, f"a count, or {layers} {kind}, one per layer")
+    return counts
+
+
+def _check_per_layer_counts(meta: "_Metadata", config: ModelConfig) -> None:
+    """A per-layer array of K/V heads or feed-forward widths against the layers the
+    config describes: a family that reads one count where the file gives another is
+    refused naming the layer, never run with the wrong shape."""
+    kv, widths = meta.get("attention.head_count_kv"), meta.get("feed_forward_length")
+    for i, spec in enumerate(config.layers):
+        if isinstance(kv, np.ndarray):
+            heads = spec.mixer.num_kv_heads if isinstance(spec.mixer, AttentionMixer) else 0
+            _check_layer_count(meta, "attention.head_count_kv", i, heads, "K/V heads")
+        if isinstance(widths, np.ndarray) and isinstance(spec.ffn, DenseFFN):
+            inner = spec.ffn.intermediate_size
+            _check_layer_count(meta, "feed_forward_length", i, inner, "MLP rows")
+
+
+def _check_layer_count(meta: "_Metadata", key: str, layer: int, expected: int, what: str) -> None:
+    found = int(meta.get(key)[layer])
+    if found != expected:
+        raise ModelFileError(
+            f"{meta.gguf.path}: metadata key {meta.key(key)!r} gives layer {layer} {found:,} "
+            f"{what}; the {meta.arch} model its other keys describe has {expected:,} there"
+        )
 
 
 def _head_dim(meta: "_Metadata", hidden: int, heads: int) -> int:
@@ -205,6 +268,26 @@ def _vocab_size(gguf: GGUFFile) -> int:
             "expected a matrix [vocabulary, embedding_length]"
         )
     return embedding.shape[0]
+
+
+def _layers(gguf: GGUFFile, meta: "_Metadata") -> int:
+    """The decoder layers: the blocks less the multi-token prediction blocks after them
+    (``nextn_predict_layers``: llama.cpp's converters keep Qwen3.5's as extra blocks; a
+    plain run leaves them unread), the block count checked against the tensors."""
+    blocks = meta.count("block_count")
+    _check_layers(gguf, meta, blocks)
+    extra = meta.integer("nextn_predict_layers", 0)
+    if not 0 <= extra < blocks:
+        raise meta.wrong(
+            "nextn_predict_layers", extra, f"an integer from 0 to {blocks - 1} (blocks less one)"
+        )
+    return blocks - extra
+
+
+def _past(gguf_name: str, layers: int) -> bool:
+    """Whether a tensor belongs to a block past the decoder's ``layers`` (an MTP block)."""
+    match = _BLOCK_INDEX.match(gguf_name)  # (an MTP block's names have dots of their own)
+    return match is not None and int(match[1]) >= layers
 
 
 def _check_layers(gguf: GGUFFile, meta: "_Metadata", layers: int) -> None:
@@ -390,15 +473,19 @@ def _is_strings(value: Any) -> bool:
     return isinstance(value, list) and (not value or isinstance(value[0], str))
 
 
-def hf_name(gguf_name: str, arch: str, path: Path | str = "GGUF file") -> str | None:
-    """Our parameter name for a GGUF tensor, or None for tensors that only feed the config."""
-    if gguf_name in CONFIG_TENSORS:
+def hf_name(
+    gguf_name: str, arch: str, path: Path | str = "GGUF file", layers: int | None = None
+) -> str | None:
+    """Our parameter name for a GGUF tensor, or None for tensors that only feed the config
+    and (given the decoder's ``layers``) those of the blocks after them, left unread."""
+    if gguf_name in CONFIG_TENSORS or (layers is not None and _past(gguf_name, layers)):
         return None
     stem, _, kind = gguf_name.rpartition(".")
-    if stem in _TOP_NAMES:
-        return f"{_TOP_NAMES[stem]}.{kind}"
-    match = _BLOCK.fullmatch(gguf_name)
     family = family_of_gguf(arch)
+    top = {**_TOP_NAMES, **family.gguf_top_names} if family is not None else _TOP_NAMES
+    if stem in top:
+        return f"{top[stem]}.{kind}"
+    match = _BLOCK.fullmatch(gguf_name)
     names = family.gguf_names if family is not None else {}
     if match and match[2] in names:
         suffix = f".{match[3]}" if match[3] else ""

@@ -43,14 +43,14 @@ _LAYER_TYPES: dict[str, LayerType] = {
     "attention": "full",
     "mamba": "linear",
 }
-_REQUIRED_COUNTS = (
-    "vocab_size",
-    "hidden_size",
+_REQUIRED_COUNTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+# (intermediate_size: a model whose every layer has experts has no dense MLP to size)
+_OPTIONAL_COUNTS = (
     "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
 )
-_OPTIONAL_COUNTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 _ROPE_OPTIONAL = (
     "low_freq_factor",
     "high_freq_factor",
@@ -240,7 +240,7 @@ def model_config_from_hf(
         architecture=family.name,
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
+        intermediate_size=keys.count("intermediate_size", None) or 0,  # 0: none
         num_layers=keys.count("num_hidden_layers"),
         num_heads=config.num_attention_heads,
         num_kv_heads=keys.count("num_key_value_heads", None) or config.num_attention_heads,
@@ -258,6 +258,9 @@ def model_config_from_hf(
     )
     fields["quantization"] = _quant_method(quantization, family, source)
     fields.update(family.hf_fields(keys, head_dim))
+    moe = fields.get("moe")
+    if not fields["intermediate_size"] and not (moe is not None and all(moe.sparse)):
+        raise keys.missing("intermediate_size")  # (only a model of experts alone has none)
     try:
         return ModelConfig(**fields)
     except ConfigValueError as exc:

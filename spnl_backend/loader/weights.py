@@ -247,7 +247,7 @@ def read_gguf(gguf: GGUFFile, config: ModelConfig, progress: Progress) -> NamedT
     permuted = found is not None and found.gguf_permuted_qk
     for done, gguf_name in enumerate(names):
         progress("weights", done, len(names))
-        name = hf_name(gguf_name, gguf.architecture, gguf.path)
+        name = hf_name(gguf_name, gguf.architecture, gguf.path, config.num_layers)
         if name is None:
             continue
         info = gguf.tensors[gguf_name]

@@ -42,7 +42,10 @@ class MoeConfig:
     router's logits, the top-k probabilities, renormalised to sum to 1 where
     ``renormalize``; Mixtral weighs the experts' outputs in float32 (``float_weights``),
     the others in the model's dtype. ``sparse``: which layers are MoE layers (Qwen3-MoE
-    may keep some dense, with the model's ``intermediate_size``)."""
+    may keep some dense, with the model's ``intermediate_size``).
+    ``shared_intermediate_size``: a shared expert beside the routed ones, which every
+    token runs through; ``shared_gate``: its output scaled per token by the sigmoid of
+    one more projection of the layer's input (Qwen3.5 MoE), else added as it is."""
 
     num_experts: int
     top_k: int
@@ -52,6 +55,7 @@ class MoeConfig:
     sparse: tuple[bool, ...] = ()
     bias: bool = False  # gpt-oss: the router and every expert projection biased
     shared_intermediate_size: int | None = None
+    shared_gate: bool = False
 
 
 @dataclass(frozen=True)

@@ -120,12 +120,14 @@ class ModelConfig:
                 + ", ".join(family_names())
             )
         for name in _COUNTS:
-            _check_count(name, getattr(self, name))
+            if name != "intermediate_size":
+                _check_count(name, getattr(self, name))
         if not self.layer_types:
             object.__setattr__(self, "layer_types", ("full",) * self.num_layers)
         if self.moe is not None and not self.moe.sparse:
             sparse = (True,) * self.num_layers
             object.__setattr__(self, "moe", dataclasses.replace(self.moe, sparse=sparse))
+        _check_dense_size(self)
         _validate(self)
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -275,6 +277,21 @@ def _validate(config: ModelConfig) -> None:
         _check_count("per_layer_input_size", config.per_layer_input_size)
         _check_count("per_layer_vocab_size", config.per_layer_vocab_size)
     _check_token_ids(config)
+
+
+def _check_dense_size(config: ModelConfig) -> None:
+    """The dense MLP's size; 0 (no dense MLP: Qwen3.5 MoE's files give none) only where
+    every layer has experts."""
+    every_layer_sparse = config.moe is not None and all(config.moe.sparse)
+    if config.intermediate_size == 0 and every_layer_sparse:
+        return
+    if not (_is_int(config.intermediate_size) and 0 < config.intermediate_size <= MAX_COUNT):
+        raise ConfigValueError(
+            "intermediate_size",
+            config.intermediate_size,
+            f"a positive integer up to {MAX_COUNT:,} (the dense MLP's size; absent only where "
+            "every layer has experts)",
+        )
 
 
 def _check_state_layers(config: ModelConfig) -> None:

@@ -12,6 +12,7 @@ from .collectives import Collectives
 from .config import ModelConfig
 from .deltanet import GatedDeltaNet
 from .layers import DeltaNetMixer, Mamba2Mixer, MoeFFN
+from .linear import Linear, rows_alone
 from .mamba2 import Mamba2
 from .mlp import GatedMLP, gelu_tanh
 from .moe import SparseMoE
@@ -50,9 +51,13 @@ class DecoderLayer(nn.Module):
             self.mlp: nn.Module = SparseMoE(config, kernels)
         else:
             self.mlp = GatedMLP(config, spec.ffn.intermediate_size)
-        self.shared_mlp: GatedMLP | None = None  # a shared expert beside the routed ones
+        # A shared expert beside the routed ones, and the projection that gates it.
+        self.shared_mlp: GatedMLP | None = None
+        self.shared_mlp_gate: Linear | None = None
         if isinstance(spec.ffn, MoeFFN) and spec.ffn.moe.shared_intermediate_size:
             self.shared_mlp = GatedMLP(config, spec.ffn.moe.shared_intermediate_size)
+            if spec.ffn.moe.shared_gate:
+                self.shared_mlp_gate = Linear(hidden, 1, bias=False)
         self.norms = spec.norms
         self.input_layernorm: RMSNorm | None = None
         if spec.norms != "post":
@@ -139,7 +144,12 @@ class DecoderLayer(nn.Module):
 
     def _ffn(self, h: torch.Tensor) -> torch.Tensor:
         out = self.mlp(h)
-        return out if self.shared_mlp is None else out + self.shared_mlp(h)
+        if self.shared_mlp is None:
+            return out
+        shared = self.shared_mlp(h)
+        if self.shared_mlp_gate is not None:
+            shared = torch.sigmoid(rows_alone(self.shared_mlp_gate, h)) * shared
+        return out + shared
 
     def _scaled(self, part: torch.Tensor) -> torch.Tensor:
         scale = self.spec.residual_scale

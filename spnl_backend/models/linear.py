@@ -18,6 +18,20 @@ def project(x: torch.Tensor, *layers: nn.Module) -> list[torch.Tensor]:
     return [layer(x) for layer in layers]
 
 
+def rows_alone(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` for ``x [T, in]``, each row computed alone (a matrix-vector product):
+    a float GEMM rounds differently with its number of rows, and what decides a token's
+    path (a router's logits, a gate's) must not depend on what shares its step. A
+    quantized layer's rows already are."""
+    if isinstance(layer, QuantLinear):
+        return layer(x)
+    weight, bias = layer.weight, layer.bias
+    if not len(x):
+        return x @ weight.T
+    out = torch.stack([torch.mv(weight, row) for row in x])
+    return out if bias is None else out + bias
+
+
 class Embedding(nn.Embedding):
     """Token embeddings that can also serve as the output projection (tied models)."""
 

@@ -12,7 +12,7 @@ from ..kernels.dispatch import TORCH_CHOICE, KernelChoice
 from ..kernels.moe_ref import Experts
 from ..quant.linear import QuantizedExperts, QuantLinear
 from .config import ModelConfig
-from .linear import Linear
+from .linear import Linear, rows_alone
 from .mlp import GatedMLP
 
 # (x, w13 [E, 2I, H], w2 [E, H, I], topk ids [T, k], topk weights [T, k]) -> [T, H]; the
@@ -56,23 +56,11 @@ class SparseMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts ``[T, top_k]`` and their weights (float32 where the
         architecture weighs in float32, else ``x``'s dtype)."""
-        probs = torch.softmax(self._router_logits(x).float(), dim=-1)
+        probs = torch.softmax(rows_alone(self.gate, x).float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return experts, weights if self.float_weights else weights.to(x.dtype)
-
-    def _router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The router's logits, each row computed alone (a matrix-vector product): a
-        float GEMM rounds differently with the number of rows, and a token's experts must
-        not depend on what shares its step. A quantized router's rows already are."""
-        if isinstance(self.gate, QuantLinear):
-            return self.gate(x)
-        weight, bias = self.gate.weight, self.gate.bias
-        if not len(x):
-            return x @ weight.T
-        logits = torch.stack([torch.mv(weight, row) for row in x])
-        return logits if bias is None else logits + bias
 
     def prepare_experts(self) -> None:
         """Stack the experts where the model's kernels fuse them (`KernelChoice.fused_moe`);

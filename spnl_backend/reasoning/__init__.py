@@ -29,16 +29,19 @@ from .parsers import HarmonyParser, ReasoningDelta, ReasoningParser, ThinkParser
 
 @dataclass(frozen=True)
 class Reasoning:
-    """How one prompt's outputs are read: the format in effect, and whether the output
-    starts inside the reasoning (the generation prompt opened it)."""
+    """How one prompt's outputs are read: the format in effect, whether the output
+    starts inside the reasoning (the generation prompt opened it), and (harmony) whether
+    its tool calls are read as calls (tools were offered and may be called) or kept in the
+    answer as written."""
 
     format: str
     inside: bool = False
+    calls: bool = False
 
     def parser(self) -> ReasoningParser | None:
         """A fresh parser for one output; None where there is nothing to separate."""
         if self.format == "harmony":
-            return HarmonyParser()
+            return HarmonyParser(calls=self.calls)
         if self.format in ("think", "granite"):
             return ThinkParser(self.inside, wrapped=self.format == "granite")
         return None

@@ -28,6 +28,7 @@ from .formats import CHANNEL, END, MESSAGE, START, THINK_CLOSE, THINK_OPEN
 # What the think templates write between the closed block and the answer.
 THINK_SEPARATOR = "\n\n"
 HARMONY_FINAL = f"{END}{START}assistant{CHANNEL}final{MESSAGE}"
+HARMONY_REOPEN = f"{END}{START}assistant"
 _CHANNEL_NAME = re.compile(r"^\s*([A-Za-z_]+)")
 
 
@@ -45,6 +46,9 @@ class GateTokens:
     open: int | None = None  # <think>
     channel: int | None = None  # harmony's <|channel|>, <|end|>
     end: int | None = None
+    # harmony: the close where a constraint spans the whole output (gpt-oss's tool-call
+    # grammar): the analysis message ended, the next header left to the model and grammar
+    reopen: tuple[int, ...] = ()
 
     @staticmethod
     def build(
@@ -70,7 +74,10 @@ class ReasoningGate:
     """One sequence's reasoning bound and lazy answer constraint (the engine's
     `Constraint`). ``budget``: the most reasoning tokens (None: unbounded); ``answer``:
     the answer's constraint (None: free); ``inside``: the output starts in the reasoning
-    (the prompt opened it); ``decode``: a harmony header's text, to read its channel."""
+    (the prompt opened it); ``decode``: a harmony header's text, to read its channel;
+    ``spanning``: the constraint holds the whole output, reasoning included (gpt-oss's
+    tool-call grammar), so it follows every token and a spent budget only ends the
+    analysis message (`GateTokens.reopen`), the grammar choosing what follows."""
 
     def __init__(
         self,
@@ -79,8 +86,10 @@ class ReasoningGate:
         answer: Constraint | None,
         inside: bool,
         decode: Callable[[list[int]], str],
+        spanning: bool = False,
     ) -> None:
         self.tokens, self.budget, self.answer, self.decode = tokens, budget, answer, decode
+        self.spanning = spanning and answer is not None
         self.phase = "start"  # start, reasoning, header, forcing, answer
         self.used = 0  # reasoning tokens kept so far
         self.pending: tuple[int, ...] = ()  # forced tokens still to come
@@ -98,6 +107,9 @@ class ReasoningGate:
         return self.answer is not None and self.answer.active
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.spanning and self.phase != "forcing":
+            self.answer.fill(bitmask, row)  # type: ignore[union-attr]
+            return
         if self.phase == "forcing":
             bitmask[row] = 0
             _allow(bitmask, row, self.pending[0])
@@ -111,6 +123,8 @@ class ReasoningGate:
             bitmask[row] = -1  # the reasoning is the model's own
 
     def accept(self, token_id: int) -> None:
+        if self.spanning and self.phase != "answer" and self.answer.active:  # type: ignore[union-attr]
+            self.answer.accept(token_id)  # type: ignore[union-attr]
         if self.phase == "forcing":
             self._forced(token_id)
         elif self.phase == "answer":
@@ -179,7 +193,7 @@ class ReasoningGate:
 
     def _check_budget(self) -> None:
         if self.budget is not None and self.used >= self.budget and self.counting:
-            self._force(self.tokens.forced)
+            self._force(self.tokens.reopen if self.spanning else self.tokens.forced)
 
     def _closed_by_model(self) -> None:
         """The model ended its reasoning: the answer's constraint starts after the
@@ -198,8 +212,9 @@ class ReasoningGate:
                 f"the reasoning's closing sequence expected token {self.pending[0]}, not {token_id}"
             )
         self.pending = self.pending[1:]
-        if not self.pending:
-            self.phase = "answer"
+        if not self.pending:  # a reopened header is read as the model's own
+            self.phase = "header" if self.spanning else "answer"
+            self.header = None
 
     def _begin_answer(self, token_id: int) -> None:
         self.phase = "answer"

@@ -7,6 +7,7 @@ held back until the next delta says which, so no partial marker ever reaches the
 reading the output whole is feeding it at once, so whole and streamed results are equal.
 """
 
+import json
 import re
 import secrets
 from dataclasses import dataclass, field
@@ -153,6 +154,14 @@ class ThinkParser:
         return text
 
 
+def _json_whole(call: ToolCall) -> bool:
+    try:
+        json.loads(call.arguments)
+    except ValueError:
+        return False
+    return True
+
+
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
 _CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*([A-Za-z_]+)")
 _ENDS = (END, RETURN, CALL)
@@ -162,14 +171,19 @@ class HarmonyParser:
     """gpt-oss's messages: ``analysis`` → reasoning; ``final`` and ``commentary`` without a
     recipient (a preamble) → the answer; ``commentary to=functions.NAME`` → a call of
     NAME, its message the arguments. The output starts in a message's header (the
-    generation prompt ends with ``<|start|>assistant``)."""
+    generation prompt ends with ``<|start|>assistant``). ``calls=False`` (no tools were
+    offered, or ``tool_choice`` is ``none``): a call is not dropped but kept in the answer
+    as the model wrote it, tags and all."""
 
-    def __init__(self) -> None:
+    def __init__(self, calls: bool = True) -> None:
         self.state = "header"
         self.buffer = ""
         self.channel: str | None = None
         self.recipient: str | None = None
         self.calls: list[ToolCall] = []
+        self.reads_calls = calls
+        self._unread = ""  # an unread call's header, not yet given out
+        self._opened = ""  # the tag that opened the message being read
 
     def feed(self, text: str) -> ReasoningDelta:
         self.buffer += text
@@ -178,6 +192,10 @@ class HarmonyParser:
     def finish(self) -> ReasoningDelta:
         delta = self._drain(final=True)
         if self.state == "body":
+            # <|call|> is an end-of-sequence token, left out of the text: a call ending
+            # the output is whole where its arguments are (max_tokens may have cut it).
+            if self.recipient is not None and self.calls and not _json_whole(self.calls[-1]):
+                self.recipient = None
             self._close_call()
         return delta
 
@@ -204,6 +222,8 @@ class HarmonyParser:
         self.channel = channel.group(1) if channel else None
         self.recipient = recipient.group(1) if recipient else None
         self.state = "body"
+        if self.recipient is not None and not self.reads_calls:
+            self._unread = self._opened + header + MESSAGE  # given out with the body
         return True
 
     def _between(self, delta: ReasoningDelta, final: bool) -> bool:
@@ -214,6 +234,7 @@ class HarmonyParser:
             at, tag = min(starts)
             delta.content += self.buffer[:at].strip()  # stray text: kept, not dropped
             self.buffer = self.buffer[at + (len(tag) if tag == START else 0) :]
+            self._opened = START if tag == START else ""
             self.state = "header"
             return True
         keep = len(self.buffer) if final else len(self.buffer) - held(self.buffer, (START, CHANNEL))
@@ -225,7 +246,7 @@ class HarmonyParser:
         ends = [(i, t) for t in _ENDS if (i := self.buffer.find(t)) >= 0]
         if ends:
             at, tag = min(ends)
-            self._emit(self.buffer[:at], delta)
+            self._emit(self.buffer[:at] + (tag if self._unread_call() else ""), delta)
             self.buffer = self.buffer[at + len(tag) :]
             self._close_call()
             self.state = "between"
@@ -235,8 +256,14 @@ class HarmonyParser:
         self.buffer = self.buffer[keep:]
         return False
 
+    def _unread_call(self) -> bool:
+        return self.recipient is not None and not self.reads_calls
+
     def _emit(self, text: str, delta: ReasoningDelta) -> None:
-        if self.recipient is not None:
+        if self._unread_call():
+            delta.content += self._unread + text
+            self._unread = ""
+        elif self.recipient is not None:
             self._call_text(text, delta)
         elif self.channel == "analysis":
             delta.reasoning += text

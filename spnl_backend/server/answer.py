@@ -12,7 +12,7 @@ reasoning as Anthropic ``thinking`` blocks and Responses ``reasoning`` items.
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from ..reasoning import Reasoning, ReasoningParser
+from ..reasoning import Reasoning, ReasoningDelta, ReasoningParser
 from ..tools.calls import CallReader, ToolCall, call_reader
 from ..tools.formats import ToolFormat
 
@@ -89,14 +89,33 @@ class AnswerReader:
 
     def __init__(self, tools: ToolFormat | None, reasoning: Reasoning | None = None) -> None:
         self.reasoning = reasoning_reader(reasoning)
-        self.calls: CallReader | None = call_reader(tools) if tools is not None else None
+        self.calls: CallReader | None = None
+        self.harmony: ReasoningParser | None = None  # harmony's calls: its parser reads them
+        if tools is not None and tools.syntax == "harmony":
+            self.harmony = reasoning.parser() if reasoning is not None else None
+            if self.harmony is None:
+                raise ValueError("harmony's calls are read by the harmony reasoning parser")
+        elif tools is not None:
+            self.calls = call_reader(tools)
         self.answer = Answer()
 
     def feed(self, text: str) -> list[Piece]:
+        if self.harmony is not None:
+            return self._harmony_pieces(self.harmony.feed(text), end=False)
         return self._pieces(*self.reasoning.feed(text), end=False)
 
     def finish(self) -> list[Piece]:
+        if self.harmony is not None:
+            return self._harmony_pieces(self.harmony.finish(), end=True)
         return self._pieces(*self.reasoning.finish(), end=True)
+
+    def _harmony_pieces(self, delta: ReasoningDelta, end: bool) -> list[Piece]:
+        pieces = self._pieces(delta.reasoning, delta.content, end=False)
+        pieces += [Piece("call", call=call, index=call.index) for call in delta.started]
+        pieces += [Piece("arguments", text, index=i) for i, text in delta.arguments]
+        if end:
+            self.answer.calls = [call for call in self.harmony.calls if call.whole]  # type: ignore[union-attr]
+        return pieces
 
     def _pieces(self, reasoning: str, content: str, end: bool) -> list[Piece]:
         pieces = [Piece("reasoning", reasoning)] if reasoning else []

@@ -489,14 +489,17 @@ class _Api:
         def whole() -> dict[str, Any]:
             answer = reply.answer(seq)
             thinking = answer.reasoning if show else ""
-            return ollama.done(reply.model, chat, seq, answer.content, reply.tools, thinking)
+            calls = reply.calls(seq) if chat else None
+            return ollama.done(reply.model, chat, seq, answer.content, calls, thinking)
 
         return await self._whole(request, submitted, reply, label, whole, shape="ollama")
 
     async def _ndjson(
         self, submitted: LoopRequest, reply: Reply, chat: bool, label: str, show: bool
     ):
-        reader = call_reader(reply.tools) if chat and reply.tools is not None else None
+        reader = None  # harmony's calls are read by its reasoning parser
+        if chat and reply.tools is not None and reply.tools.syntax != "harmony":
+            reader = call_reader(reply.tools)
         parser = reply.reasoning.parser() if reply.reasoning is not None else None
         outcome = "aborted"
         try:
@@ -516,9 +519,9 @@ class _Api:
                 rest = parser.finish() if parser is not None else ReasoningDelta()
                 text = reader.feed(rest.content).content if reader is not None else rest.content
                 text += reader.finish().content if reader is not None else ""
-                answer = reply.answer(seq).content
                 thinking = rest.reasoning if show else ""
-                last = ollama.done(reply.model, chat, seq, text, reply.tools, thinking, answer)
+                calls = reply.calls(seq) if chat else None
+                last = ollama.done(reply.model, chat, seq, text, calls, thinking)
                 yield _line(last)
             outcome = "ok"
         finally:
@@ -1016,8 +1019,12 @@ def _prepared(backend: Backend, asked: EngineRequest, prompts: list[PromptIds]) 
         raise from_request_error(exc, "tools") from None
     reasoning = None
     if asked.messages is not None:
-        constrained = params.constraint is not None
-        reasoning = backend.reasoning(prompts[0], constrained, asked.chat_template)
+        try:
+            constrained = params.constraint is not None
+            template = asked.chat_template
+            reasoning = backend.reasoning(prompts[0], constrained, tool_format, template)
+        except RequestError as exc:
+            raise from_request_error(exc, "tools") from None
         kept = backend.reasoning_kept(reasoning.format)
         params = dataclasses.replace(
             params, kept_token_ids=params.kept_token_ids + kept, reasoning=reasoning

@@ -29,8 +29,7 @@ from ..engine.sequence import Sequence
 from ..errors import RequestError, shown
 from ..request import sampling_params
 from ..sampling import SamplingParams
-from ..tools.calls import read_whole
-from ..tools.formats import ToolFormat
+from ..tools.calls import ToolCall
 from ..tools.spec import tool_request
 from .protocol import (
     EmbeddingRequest,
@@ -224,28 +223,19 @@ def done(
     chat: bool,
     seq: Sequence,
     text: str,
-    tools: ToolFormat | None,
+    calls: list[ToolCall] | None,
     thinking: str = "",
-    answer: str | None = None,
 ) -> dict:
-    """The last line (streamed), or the whole answer, with Ollama's counts and times.
-    ``answer``: the whole answer, read for tool calls (``text`` where not given)."""
+    """The last line (streamed), or the whole answer, with Ollama's counts and times;
+    ``calls``: the whole calls the answer made (None where it answered in text)."""
     line = chunk(model, chat, text, thinking=thinking)
     reason = "length" if seq.finish_reason == "length" else "stop"
-    if chat and tools is not None:
-        calls = read_calls(tools, text if answer is None else answer)
-        if calls is not None:
-            line["message"] = {**line["message"], "content": "", "tool_calls": calls}
+    if chat and calls is not None:
+        shaped = [
+            {"function": {"name": c.name, "arguments": json.loads(c.arguments)}} for c in calls
+        ]
+        line["message"] = {**line["message"], "content": "", "tool_calls": shaped}
     return {**line, "done": True, "done_reason": reason, **counts(seq)}
-
-
-def read_calls(tools: ToolFormat, text: str) -> list[dict] | None:
-    """The whole calls an answer made, arguments as objects (Ollama's shape); None where it
-    answered in text."""
-    whole = read_whole(tools, text)
-    if whole is None:
-        return None
-    return [{"function": {"name": c.name, "arguments": json.loads(c.arguments)}} for c in whole]
 
 
 def counts(seq: Sequence) -> dict[str, int]:

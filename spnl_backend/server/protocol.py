@@ -99,6 +99,7 @@ _OPTIONS = (
     "ignore_eos",
     "response_format",
     "token_healing",
+    "speculative",
 )
 # vLLM's names for the output constraints → the Python API's.
 _GUIDED = {

@@ -64,7 +64,7 @@ class Reply:
 
     def _choice(self, seq: Sequence) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": self.index[seq.seq_id]}
-        calls = self._calls(seq)
+        calls = self.calls(seq)
         if self.endpoint == "completions":
             choice["text"] = seq.text
         elif calls is None:
@@ -96,11 +96,15 @@ class Reply:
             return message
         return {**message, "reasoning_content": reasoning, "reasoning": reasoning}
 
-    def _calls(self, seq: Sequence) -> list[ToolCall] | None:
+    def calls(self, seq: Sequence) -> list[ToolCall] | None:
         """The whole calls the sequence's answer made (its stream's reader where it
         streamed); None where it answered in text or was not read for calls."""
         if self.tools is None:
             return None
+        if self.tools.syntax == "harmony":  # read by the reasoning parser, with the channels
+            parser = self._thinking.get(seq.seq_id)
+            made = parser.calls if parser is not None else self.answer(seq).started
+            return [call for call in made if call.whole] if made else None
         reader = self._readers.get(seq.seq_id)
         if reader is None:
             return read_whole(self.tools, self.answer(seq).content)
@@ -132,12 +136,12 @@ class Reply:
         if self.endpoint != "chat":
             return self._chunk(seq, text, None)
         parser = self._parser(seq)
-        thought = ""
+        thought, split = "", None
         if parser is not None:
             split = parser.feed(text)
             thought, text = split.reasoning, split.content
         if self.tools is not None:
-            calls = self._reader(seq).feed(text)
+            calls = self._read(seq, split, text)
             chunk = self._chunk(seq, "", None, calls) if calls or thought else None
         else:
             chunk = self._chunk(seq, text, None) if text or thought else None
@@ -148,7 +152,9 @@ class Reply:
         parser = self._thinking.get(seq.seq_id)
         rest = parser.finish() if parser is not None else ReasoningDelta()
         calls = None
-        if self.tools is not None and (rest.content or seq.seq_id in self._readers):
+        if self.tools is not None and self.tools.syntax == "harmony":
+            calls = Delta(rest.content, rest.started, rest.arguments)
+        elif self.tools is not None and (rest.content or seq.seq_id in self._readers):
             reader = self._reader(seq)
             fed, last = reader.feed(rest.content), reader.finish()
             calls = Delta(
@@ -156,7 +162,7 @@ class Reply:
                 fed.started + last.started,
                 fed.arguments + last.arguments,
             )
-        reason = _finish_reason(seq, self._calls(seq))
+        reason = _finish_reason(seq, self.calls(seq))
         chunk = self._chunk(seq, "" if calls is not None else rest.content, reason, calls)
         return self._thought(chunk, rest.reasoning)  # type: ignore[return-value]
 
@@ -170,6 +176,13 @@ class Reply:
                 return None
             self._thinking[seq.seq_id] = parser
         return self._thinking[seq.seq_id]
+
+    def _read(self, seq: Sequence, split: ReasoningDelta | None, text: str) -> Delta:
+        """What a piece of a tool-calling answer adds: harmony's calls as its reasoning
+        parser read them, the other formats' as their call reader reads the answer."""
+        if self.tools is not None and self.tools.syntax == "harmony" and split is not None:
+            return Delta(split.content, split.started, split.arguments)
+        return self._reader(seq).feed(text)
 
     def _reader(self, seq: Sequence) -> CallReader:
         reader = self._readers.get(seq.seq_id)

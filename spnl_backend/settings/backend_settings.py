@@ -19,6 +19,8 @@ log = get_logger()
 ENV_PREFIX = "MISTRALRS_"
 KV_BUDGET_FIELDS = ("paged_attn_memory_mb", "paged_attn_memory_fraction", "paged_attn_context_len")
 DEFAULT_CONTEXT_LEN = 4096
+SPECULATIVE_METHODS = ("auto", "draft", "ngram", "none")
+MAX_NGRAM = 64  # the longest n-gram MISTRALRS_SPECULATIVE_NGRAM_MAX may ask for
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,9 @@ _PARSERS = {
     "speculative_draft_model": values.parse_optional_name,
     "speculative_gamma": values.parse_positive_int,
     "speculative_draft_isq": values.parse_isq,
+    "speculative_method": values.choice(SPECULATIVE_METHODS),
+    "speculative_ngram_min": values.parse_positive_int,
+    "speculative_ngram_max": values.parse_positive_int,
     "kv_cache_compression": _parse_compression,
     "cpu_kernels": values.choice(values.CPU_KERNELS),
     "cpu_matmul": values.choice(values.CPU_MATMULS),
@@ -124,6 +129,13 @@ class BackendSettings(BaseSettings):
     # bench/speculative.py: where a draft pays at all, 16 drafts per step paid best.
     speculative_gamma: int = 16
     speculative_draft_isq: IsqType | None = None
+    # What proposes the tokens the target verifies: a draft model (the two settings above),
+    # n-gram lookup in each sequence's own prompt and output (`engine.ngram`, no draft), or
+    # nothing; auto is the draft where one is set, else nothing. The n-gram sizes looked up,
+    # the longest first.
+    speculative_method: Literal["auto", "draft", "ngram", "none"] = "auto"
+    speculative_ngram_min: int = 2
+    speculative_ngram_max: int = 4
     kv_cache_compression: str = "none"
     # How the CPU computes (`info` shows what auto picked): the compiled C kernels or the
     # torch twins; int8 or float32 activations in the quantized products; and, only where
@@ -246,6 +258,42 @@ class BackendSettings(BaseSettings):
                 "cache through the protocol)"
             )
         return self
+
+    @model_validator(mode="after")
+    def _one_speculative_method(self) -> "BackendSettings":
+        method = env_name("speculative_method")
+        draft = [
+            f"{env_name(f)}={getattr(self, f)}"
+            for f in ("speculative_draft_model", "speculative_draft_isq")
+            if getattr(self, f) is not None
+        ]
+        if self.speculative_method == "draft" and not draft:
+            raise ValueError(
+                f"{method}=draft needs a draft: set {env_name('speculative_draft_model')} "
+                f"or {env_name('speculative_draft_isq')}"
+            )
+        if self.speculative_method in ("ngram", "none") and draft:
+            raise ValueError(
+                f"{method}={self.speculative_method} uses no draft model, but a draft is "
+                f"set ({', '.join(draft)}); unset it, or set {method}=draft (or auto)"
+            )
+        low, high = self.speculative_ngram_min, self.speculative_ngram_max
+        if not low <= high <= MAX_NGRAM:
+            raise ValueError(
+                f"{env_name('speculative_ngram_min')}={low} and "
+                f"{env_name('speculative_ngram_max')}={high}: expected "
+                f"1 <= min <= max <= {MAX_NGRAM}"
+            )
+        return self
+
+    @property
+    def speculative(self) -> Literal["draft", "ngram"] | None:
+        """What proposes tokens for the target to verify, or None (no speculation)."""
+        if self.speculative_method == "ngram":
+            return "ngram"
+        if self.speculative_draft_model is not None or self.speculative_draft_isq is not None:
+            return "draft"
+        return None
 
     @property
     def kv_budget(self) -> KvBudget:

@@ -105,10 +105,15 @@ def ineffective_settings(
             ("pic_recompute_select",),
             "it picks the tokens recomputed, and none are (MISTRALRS_PIC_RECOMPUTE is 0)",
         )
-    if settings.speculative_draft_model is None and settings.speculative_draft_isq is None:
+    if settings.speculative is None:
         report(
             ("speculative_gamma",),
-            "no draft is set: set MISTRALRS_SPECULATIVE_DRAFT_MODEL "
-            "or MISTRALRS_SPECULATIVE_DRAFT_ISQ",
+            "no speculation is set: set MISTRALRS_SPECULATIVE_DRAFT_MODEL "
+            "or MISTRALRS_SPECULATIVE_DRAFT_ISQ, or MISTRALRS_SPECULATIVE_METHOD=ngram",
+        )
+    if settings.speculative != "ngram":
+        report(
+            ("speculative_ngram_min", "speculative_ngram_max"),
+            "they size n-gram speculation, and MISTRALRS_SPECULATIVE_METHOD is not ngram",
         )
     return found

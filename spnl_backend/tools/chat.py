@@ -41,6 +41,19 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [_templated(message, i) for i, message in enumerate(messages)]
 
 
+def one_call_a_turn(messages: list[dict[str, Any]]) -> None:
+    """gpt-oss's turns make one call each (its template renders an assistant message's
+    first call only): a message with more is refused rather than cut."""
+    for index, message in enumerate(messages):
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if isinstance(calls, list) and len(calls) > 1:
+            raise RequestError(
+                f"messages[{index}]['tool_calls']: {len(calls)} calls in one assistant "
+                "message; gpt-oss's chat template renders one call a turn, so give each call "
+                "its own assistant message, followed by its tool result"
+            )
+
+
 def _templated(message: object, index: int) -> Any:
     if not isinstance(message, dict):
         return message  # refused by the messages' own check

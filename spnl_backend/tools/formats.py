@@ -9,7 +9,11 @@ whether the opening is a special token (which the output's text leaves out):
 - Mistral: ``[TOOL_CALLS][{...}, {...}]``, ``[TOOL_CALLS]`` a special token;
 - Llama 3.x: ``{"name": ..., "parameters": {...}}``, several joined by ``; ``;
 - Gemma (FunctionGemma): ``<start_function_call>call:NAME{key:value,...}<end_function_call>``
-  per call, not JSON: keys bare, strings between ``<escape>`` tokens (`tools.gemma`).
+  per call, not JSON: keys bare, strings between ``<escape>`` tokens (`tools.gemma`);
+- Harmony (gpt-oss): a message of its own, ``<|channel|>commentary to=functions.NAME
+  <|constrain|>json<|message|>{...}<|call|>``, one call per turn (the template renders an
+  assistant turn's first call only); read by the reasoning module's harmony parser, which
+  splits the output's channels (`tools.harmony`).
 """
 
 from collections.abc import Callable
@@ -46,7 +50,8 @@ MISTRAL = ToolFormat("mistral", "[", "", "", ", ", "]", "arguments", marker="[TO
 LLAMA3 = ToolFormat("llama3", "", "", "", "; ", "", "parameters")
 GEMMA_CALL, GEMMA_END, GEMMA_ESCAPE = "<start_function_call>", "<end_function_call>", "<escape>"
 GEMMA = ToolFormat("gemma", "", GEMMA_CALL + "call:", GEMMA_END, "", "", "", syntax="gemma")
-FAMILIES = (HERMES, MISTRAL, LLAMA3, GEMMA)
+HARMONY = ToolFormat("harmony", "", "", "", "", "", "", syntax="harmony")
+FAMILIES = (HERMES, MISTRAL, LLAMA3, GEMMA, HARMONY)
 
 
 def template_format(template: str | None, special_id: Callable[[str], int | None]) -> ToolFormat:
@@ -64,8 +69,13 @@ def template_format(template: str | None, special_id: Callable[[str], int | None
         raise RequestError(
             "this model's chat template renders tools, but in a call syntax this server does "
             "not parse; supported: Hermes/Qwen <tool_call>, Mistral [TOOL_CALLS], Llama 3.x "
-            "JSON, Gemma <start_function_call>"
+            "JSON, Gemma <start_function_call>, gpt-oss harmony (commentary to=functions.NAME)"
         )
+    if found.syntax == "harmony":
+        from ..reasoning.formats import HARMONY_TAGS  # here: the reasoning module imports this
+
+        kept = tuple((text, i) for text in HARMONY_TAGS if (i := special_id(text)) is not None)
+        return replace(found, kept=kept)
     if found.syntax == "gemma":
         texts = (GEMMA_CALL, GEMMA_END, GEMMA_ESCAPE)
         kept = tuple((text, i) for text in texts if (i := special_id(text)) is not None)
@@ -79,6 +89,8 @@ def template_format(template: str | None, special_id: Callable[[str], int | None
 
 
 def _family(template: str) -> ToolFormat | None:
+    if "<|channel|>" in template and "<|call|>" in template:  # a call message's end
+        return HARMONY
     if GEMMA_CALL in template:
         return GEMMA
     if "<tool_call>" in template:

@@ -23,6 +23,10 @@ LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator":
 def tool_grammar(fmt: ToolFormat, request: ToolRequest) -> str:
     if fmt.syntax == "gemma":
         return gemma_grammar(fmt, request)
+    if fmt.syntax == "harmony":
+        from .harmony import harmony_grammar  # it reads this module's layout
+
+        return harmony_grammar(fmt, request)
     tools = request.callable()
     opening = (f"<[{fmt.marker_id}]> " if fmt.marker_id is not None else "") + _literal(fmt.opening)
     more = f" ({_literal(fmt.separator)} call)*" if request.parallel else ""

@@ -19,6 +19,7 @@ from . import (
     qwen2,
     qwen3,
     qwen3_5,
+    qwen3_5_moe,
     qwen3_moe,
     smollm3,
 )
@@ -38,6 +39,7 @@ FAMILIES: tuple[Family, ...] = tuple(
         olmo2,
         smollm3,
         qwen3_5,
+        qwen3_5_moe,
         granitemoehybrid,
         qwen3_moe,
         mixtral,

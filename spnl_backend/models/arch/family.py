@@ -32,6 +32,7 @@ class ConfigKeys(Protocol):
     def positive(self, key: str, default: Any = ...) -> Any: ...
     def boolean(self, key: str, default: Any = ...) -> Any: ...
     def wrong(self, key: str, value: Any, expected: str) -> Exception: ...
+    def missing(self, key: str) -> Exception: ...
 
 
 class HfKeys(ConfigKeys, Protocol):
@@ -114,7 +115,9 @@ class Family:
     - ``hf_fields(keys, head_dim)`` / ``gguf_fields(keys, fields)``: the `ModelConfig`
       fields beyond the common ones (``fields``: those read so far).
     - ``gguf_names``: block tensor names (a GGUF name's kind, ``weight`` or ``bias``,
-      follows; a few tensors have none, ``ssm_a``); ``gguf_permuted_qk``: llama.cpp's
+      follows; a few tensors have none, ``ssm_a``); ``gguf_top_names``: the family's
+      model-level tensors beyond the embedding, the final norm and the head;
+      ``gguf_permuted_qk``: llama.cpp's
       converter permutes q and k rows for its NORM rope (Llama's layout), undone as they
       load.
     - ``gguf_renormalizes_top_k``: llama.cpp's rule for MoE weights where the file does
@@ -132,7 +135,8 @@ class Family:
       (read as their bytes, not checked as floats: ``tensors`` turns them into quantized
       weights); a checkpoint quantized any other way is refused at load.
     - ``tiny``: the family's tiny test model: ``config.json`` keys beside the common tiny
-      sizes (the tests build it through transformers; a test fails for a family without).
+      sizes (None: a common one left out); the tests build it through transformers, and
+      fail for a family without one.
     """
 
     name: str
@@ -142,6 +146,7 @@ class Family:
     hf_fields: Callable[..., Fields] = no_fields
     gguf_fields: Callable[..., Fields] = no_fields
     gguf_names: Mapping[str, str] = field(default_factory=lambda: COMMON_GGUF_NAMES)
+    gguf_top_names: Mapping[str, str] = field(default_factory=dict)
     gguf_permuted_qk: bool = False
     gguf_renormalizes_top_k: bool = True
     gguf_auto_tokenizer: bool = False

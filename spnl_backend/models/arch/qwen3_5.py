@@ -27,7 +27,7 @@ from .family import (
 _FULL_ATTENTION_INTERVAL = 4  # llama.cpp's default: every fourth layer attends
 
 
-def _hf(keys: HfKeys, head_dim: int) -> Fields:
+def hf_fields(keys: HfKeys, head_dim: int) -> Fields:
     delta = DeltaNetConfig(
         num_k_heads=keys.count("linear_num_key_heads"),
         num_v_heads=keys.count("linear_num_value_heads"),
@@ -38,7 +38,7 @@ def _hf(keys: HfKeys, head_dim: int) -> Fields:
     return {**_common(), **biases(keys), "norm_offset": 1.0, "delta_net": delta}
 
 
-def _gguf(keys: GgufKeys, fields: Fields) -> Fields:
+def gguf_fields(keys: GgufKeys, fields: Fields) -> Fields:
     num_v_heads = keys.count("ssm.time_step_rank")
     inner = keys.count("ssm.inner_size")
     if inner % num_v_heads:
@@ -92,34 +92,37 @@ def tensors(stored: Tensors, config: object) -> Tensors:
         )
 
 
+GGUF_NAMES = {
+    **COMMON_GGUF_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_dt": "linear_attn.dt",
+    "ssm_a": "linear_attn.ssm_a",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+}
+TINY = {
+    "num_hidden_layers": 4,
+    "head_dim": 16,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+}
+
 FAMILY = Family(
     name="qwen3_5",
     model_types=("qwen3_5_text",),
     wrapper_types=("qwen3_5",),
     gguf_archs=("qwen35",),
-    hf_fields=_hf,
-    gguf_fields=_gguf,
-    gguf_names={
-        **COMMON_GGUF_NAMES,
-        "post_attention_norm": "post_attention_layernorm",
-        "attn_qkv": "linear_attn.in_proj_qkv",
-        "attn_gate": "linear_attn.in_proj_z",
-        "ssm_conv1d": "linear_attn.conv1d",
-        "ssm_dt": "linear_attn.dt",
-        "ssm_a": "linear_attn.ssm_a",
-        "ssm_beta": "linear_attn.in_proj_b",
-        "ssm_alpha": "linear_attn.in_proj_a",
-        "ssm_norm": "linear_attn.norm",
-        "ssm_out": "linear_attn.out_proj",
-    },
+    hf_fields=hf_fields,
+    gguf_fields=gguf_fields,
+    gguf_names=GGUF_NAMES,
     tensors=tensors,
     state_layers=True,
-    tiny={
-        "num_hidden_layers": 4,
-        "head_dim": 16,
-        "linear_key_head_dim": 8,
-        "linear_value_head_dim": 8,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-    },
+    tiny=TINY,
 )
