@@ -420,3 +420,26 @@ def test_ends_that_are_end_of_sequence_tokens_as_in_gpt_oss(tmp_path):
         assert "<|" not in answered.text
     finally:
         backend.close()
+
+
+def test_a_reasoning_budget_ends_the_analysis_and_the_grammar_goes_on(live, backend, monkeypatch):
+    # The tools' grammar spans the analysis message: it sees every token, and a spent
+    # budget closes the analysis alone; the grammar then has the answer or a call.
+    script = scripted_logits(backend, monkeypatch)
+    encode = backend.tokenizer.encode_plain
+    header, thought = encode("<|channel|>analysis<|message|>"), encode("I add two and two")
+    script[:] = [*header, *thought]
+    body = {"model": MODEL, "messages": ASK, "temperature": 0, "max_tokens": 80}
+    body.update(tools=TOOLS, tool_choice="required", logprobs=True, thinking_token_budget=2)
+    body["logit_bias"] = _ending(backend)
+    reply = live.post("/v1/chat/completions", body)
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    tokens = [entry["token"] for entry in choice["logprobs"]["content"]]
+    reopened = len(header) + 2
+    assert choice["message"]["reasoning"] == backend.tokenizer.decode(thought[:2])
+    ends = [backend.tokenizer.hf.convert_ids_to_tokens(i) for i in encode("<|end|><|start|>")]
+    assert tokens[reopened : reopened + 2] == ends
+    assert choice["finish_reason"] == "tool_calls"
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] in SCHEMAS

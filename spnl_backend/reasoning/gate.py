@@ -66,7 +66,8 @@ class GateTokens:
             if None in ids:
                 return "its harmony tags are not single tokens of its vocabulary"
             channel, message, end, _ = ids
-            return GateTokens(fmt, message, tuple(encode(HARMONY_FINAL)), channel=channel, end=end)
+            forced, reopen = tuple(encode(HARMONY_FINAL)), tuple(encode(HARMONY_REOPEN))
+            return GateTokens(fmt, message, forced, channel=channel, end=end, reopen=reopen)
         return f"the gate follows the think and harmony formats, not {fmt}"
 
 
