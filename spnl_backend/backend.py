@@ -4,6 +4,7 @@ PIC prompt) and handed to the engine loop."""
 
 import asyncio
 import dataclasses
+import json
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
@@ -30,12 +31,14 @@ from .pic.prompts import PicPrompts
 from .pic.query import SpanQuery
 from .reasoning import (
     Reasoning,
+    check_budget,
     detect_format,
     markers,
     resolve_format,
     starts_inside,
     template_variables,
 )
+from .reasoning.gate import GateTokens, ReasoningGate
 from .request import (
     MAX_SEED,
     ContextLimit,
@@ -105,6 +108,7 @@ class Backend:
             engine.pic_refusal(),
         )
         self._special_ids: dict[str, int | None] = {}  # tool-call markers, once looked up
+        self._gates: dict[str, GateTokens | str] = {}  # reasoning markers' ids, once looked up
         self._grammars = GrammarCompiler(
             self.tokenizer.definition, loaded.config.vocab_size, engine.config.eos_token_ids
         )
@@ -195,7 +199,9 @@ class Backend:
         syntax and each tool's parameter schema; they come back in ``tool_calls``.
         ``chat_template_kwargs`` (``enable_thinking``...) and ``reasoning_effort``
         (``low``, ``medium``, ``high``): template variables. A reasoning model's reasoning
-        comes back in ``reasoning``, its answer alone in ``text``."""
+        comes back in ``reasoning``, its answer alone in ``text``; ``thinking_token_budget``
+        (an option, as vLLM names it) bounds the reasoning's tokens within ``max_tokens``,
+        and a constraint holds the answer after it (`reasoning.gate`)."""
         params = self._chat_params(unknown, (max_tokens, temperature, top_p, top_k, seed, stop))
         asked = tool_request(tools, tool_choice, parallel_tool_calls)
         variables = template_variables(chat_template_kwargs, reasoning_effort)
@@ -375,12 +381,55 @@ class Backend:
         if params.token_healing and isinstance(prompt, list):
             healed = back_off(prompt, self._grammars.prefix_index(), self.tokenizer.decode)
         seqs = _completions(engine, healed.kept_ids if healed else prompt, params, n)
+        gate = self._gate_tokens_for(params)
         for seq in seqs:
             if params.constraint is not None:
                 seq.constraint = self._grammars.compile(params.constraint)
             elif healed is not None:
                 seq.constraint, seq.healed_text = healed.constraint(), healed.text
+            if gate is not None:  # the reasoning first: the constraint holds the answer
+                reasoning = params.reasoning
+                seq.constraint = ReasoningGate(
+                    gate,
+                    params.reasoning_budget,
+                    seq.constraint,
+                    reasoning.inside,  # type: ignore[union-attr]
+                    self.tokenizer.decode,
+                    spanning=_spans_reasoning(params),
+                )
         return seqs
+
+    def _gate_tokens_for(self, params: SamplingParams) -> GateTokens | None:
+        """The marker ids a sequence's `ReasoningGate` follows, where ``params`` bound the
+        reasoning (a budget) or constrain a reasoning answer; None where nothing does. A
+        budget this model's reasoning markers cannot be followed for is a `RequestError`."""
+        reasoning, budget = params.reasoning, params.reasoning_budget
+        if reasoning is None or reasoning.format == "none":
+            return None  # no reasoning to bound: a budget is kept trivially
+        if budget is None and (params.constraint is None or _spans_reasoning(params)):
+            return None  # nothing to bound, or a grammar over the whole output (harmony's)
+        tokens = self._gate_tokens(reasoning.format)
+        if isinstance(tokens, str):
+            if budget is None:
+                return None  # the constraint holds the whole output (`reasoning`)
+            raise RequestError(
+                f"a reasoning budget cannot be kept for this model ({reasoning.format} "
+                f"reasoning): {tokens}"
+            )
+        return tokens
+
+    def _gate_tokens(self, fmt: str) -> GateTokens | str:
+        """``fmt``'s marker ids in this vocabulary, or why there are none."""
+        if fmt not in self._gates:
+            self._gates[fmt] = GateTokens.build(
+                fmt, self._single_token, self.tokenizer.encode_plain
+            )
+        return self._gates[fmt]
+
+    def _single_token(self, text: str) -> int | None:
+        """``text``'s token where the vocabulary tokenizes it as one token."""
+        ids = self.tokenizer.encode_plain(text)
+        return ids[0] if len(ids) == 1 else None
 
     def prepare(self, params: SamplingParams) -> None:
         """Build what ``params`` need, in the calling thread: the vocabulary's view for a
@@ -420,6 +469,7 @@ class Backend:
         messages: list[Any],
         tools: ToolRequest | None = None,
         variables: dict[str, Any] | None = None,
+        template: str | None = None,
     ) -> PromptIds:
         """``messages`` through the model's chat template (with the ``tools`` offered and
         more template ``variables``, such as ``enable_thinking``), checked against the
@@ -431,29 +481,48 @@ class Backend:
             self._pic.from_chat(messages) if tools is None and isinstance(messages, list) else None
         )
         if pic is not None:
-            if variables:
+            if variables or template is not None:
                 raise RequestError(
-                    "template variables (chat_template_kwargs, reasoning_effort, think) are "
-                    "not applied to plus or grouped messages, which are templated one by one"
+                    "template variables (chat_template_kwargs, reasoning_effort, think) and a "
+                    "request's chat_template are not applied to plus or grouped messages, "
+                    "which are templated one by one"
                 )
             return pic
         checked = check_messages(messages)
-        if detect_format(self.tokenizer.hf.chat_template) == "harmony":
+        own = self.tokenizer.hf.chat_template if template is None else template
+        if detect_format(own) == "harmony":
             one_call_a_turn(checked)
         return self._limit.check(
-            self.tokenizer.apply_chat_template(checked, definitions, variables)
+            self.tokenizer.apply_chat_template(
+                checked, definitions, self._variables(variables), template
+            )
         )
 
+    def _variables(self, variables: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A chat's template variables over the server-wide defaults
+        (``MISTRALRS_DEFAULT_CHAT_TEMPLATE_KWARGS``): the request's own win."""
+        defaults = self.settings.default_chat_template_kwargs
+        if defaults is None:
+            return variables
+        return {**json.loads(defaults), **(variables or {})}
+
     def reasoning(
-        self, prompt: PromptIds, constrained: bool = False, tools: ToolFormat | None = None
+        self,
+        prompt: PromptIds,
+        constrained: bool = False,
+        tools: ToolFormat | None = None,
+        template: str | None = None,
     ) -> Reasoning:
         """How the answer to the chat ``prompt`` is read (`reasoning`): the format in
-        effect (``MISTRALRS_REASONING_FORMAT``, or the chat template's) and whether the
-        output starts inside the reasoning because the prompt opened it. Never inside where
-        a constraint holds the output: the constraint makes all of it the answer.
-        ``tools``: the format the answer's calls are read in; harmony's calls are read by
-        the harmony parser, which then needs the harmony format in effect."""
-        fmt = resolve_format(self.settings.reasoning_format, self.tokenizer.hf.chat_template)
+        effect (``MISTRALRS_REASONING_FORMAT``, or the chat template's: ``template``, the
+        request's own, where it gave one) and whether the output starts inside the
+        reasoning because the prompt opened it. A constraint holds the answer after the
+        reasoning (`reasoning.gate`) where the markers are tokens; elsewhere it holds the
+        whole output, never read as inside the reasoning. ``tools``: the format the
+        answer's calls are read in; harmony's calls are read by the harmony parser, which
+        then needs the harmony format in effect."""
+        template = self.tokenizer.hf.chat_template if template is None else template
+        fmt = resolve_format(self.settings.reasoning_format, template)
         if tools is not None and tools.syntax == "harmony":
             if fmt != "harmony":
                 raise RequestError(
@@ -466,7 +535,10 @@ class Backend:
             return Reasoning(fmt)
         ids = prompt.token_ids if isinstance(prompt, PicPrompt) else prompt
         tail = self.tokenizer.decode_keeping(ids[-8:], frozenset(self.reasoning_kept(fmt)))
-        return Reasoning(fmt, not constrained and starts_inside(fmt, tail))
+        # A constraint waits for the reasoning's end where the engine can see it
+        # (`reasoning.gate`); elsewhere it holds the whole output, all of it the answer.
+        lazy = not isinstance(self._gate_tokens(fmt), str)
+        return Reasoning(fmt, (lazy or not constrained) and starts_inside(fmt, tail))
 
     def _reasoning_params(
         self, prompt: PromptIds, params: SamplingParams, tools: ToolFormat | None = None
@@ -475,17 +547,20 @@ class Backend:
         calls in ``tools``' format), and ``params`` keeping the markers its parser reads."""
         reasoning = self.reasoning(prompt, params.constraint is not None, tools)
         kept = params.kept_token_ids + self.reasoning_kept(reasoning.format)
-        return dataclasses.replace(params, kept_token_ids=kept), reasoning
+        return dataclasses.replace(params, kept_token_ids=kept, reasoning=reasoning), reasoning
 
     def reasoning_kept(self, fmt: str) -> tuple[int, ...]:
         """The ids of ``fmt``'s markers that are special tokens: the output's text must keep
         them (`SamplingParams.kept_token_ids`) for its parser to read them."""
         return tuple(i for text in markers(fmt) if (i := self._special_id(text)) is not None)
 
-    def tool_chat(self, tools: ToolRequest, params: SamplingParams) -> ToolChat:
+    def tool_chat(
+        self, tools: ToolRequest, params: SamplingParams, template: str | None = None
+    ) -> ToolChat:
         """How an answer with ``tools`` is read and held (a `RequestError` where this
         model's template has no tool calls, or ``params`` constrain the output already)."""
-        chat = tool_chat(tools, self.tokenizer.hf.chat_template, self._special_id)
+        template = self.tokenizer.hf.chat_template if template is None else template
+        chat = tool_chat(tools, template, self._special_id)
         if chat.constraint is not None and params.constraint is not None:
             raise RequestError(
                 "tools that may be called constrain the answer to their calls' syntax: give "
@@ -628,7 +703,10 @@ class Backend:
                 "token_healing applies to completions: a chat prompt ends with the chat "
                 "template's turn marker, not with text cut short"
             )
-        return self._checked({**options, "token_healing": False}, sampling)
+        options = dict(options)
+        budget = check_budget(options.pop("thinking_token_budget", None))
+        params = self._checked({**options, "token_healing": False}, sampling)
+        return dataclasses.replace(params, reasoning_budget=budget)
 
     def _one_stream(
         self,
@@ -712,3 +790,15 @@ def _embedding_inputs(texts: object, backend: "Backend") -> list[list[int]]:
             raise RequestError(f"input[{i}] has no tokens; give some text")
         backend._limit.check(ids)
     return prompts
+
+
+def _spans_reasoning(params: SamplingParams) -> bool:
+    """Whether ``params``' constraint holds the reasoning too: gpt-oss's tool-call grammar
+    (`tools.harmony`), which writes the analysis message before the answer or call."""
+    reasoning, constraint = params.reasoning, params.constraint
+    return (
+        reasoning is not None
+        and reasoning.calls
+        and constraint is not None
+        and constraint.kind == "tools"
+    )

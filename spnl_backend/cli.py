@@ -223,8 +223,17 @@ def _add_serve(commands: Any) -> None:
     )
     serve.add_argument(
         "--chat-template",
+        action="append",
         help="the chat template to use instead of the model's: a Jinja file or the Jinja "
-        "source itself (default: MISTRALRS_CHAT_TEMPLATE, else the model's own)",
+        "source itself (default: MISTRALRS_CHAT_TEMPLATE, else the model's own); with "
+        "several models, NAME=FILE gives model NAME its own (repeat it, one per model)",
+    )
+    serve.add_argument(
+        "--default-chat-template-kwargs",
+        metavar="JSON",
+        help="chat template variables every chat gets, as a JSON object (such as "
+        "'{\"enable_thinking\": false}'); a request's chat_template_kwargs win over them "
+        "(default: MISTRALRS_DEFAULT_CHAT_TEMPLATE_KWARGS, else none)",
     )
     serve.add_argument(
         "--reasoning-format",
@@ -282,6 +291,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         kv_events=args.kv_events,
         kv_events_replay=args.kv_events_replay,
         kv_events_topic=args.kv_events_topic,
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
     )
 
 

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .constrain.spec import ConstraintSpec
+    from .reasoning import Reasoning
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,12 @@ class SamplingParams:
     # <|channel|>, which a reasoning parser reads), beside the constraint's own.
     kept_token_ids: tuple[int, ...] = ()
     keep_stop: bool = False  # the text ends with the stop string it matched, not before it
+    # The most tokens a chat answer's reasoning may take before the engine closes it
+    # (`reasoning.gate`); within max_tokens, which counts the whole output.
+    reasoning_budget: int | None = None
+    # A chat answer's reasoning format and start, set once the prompt is templated: with
+    # a budget or a constraint, the engine follows where the reasoning ends.
+    reasoning: "Reasoning | None" = None
     # Speculative decoding for this request: None, the backend's (its method and gamma);
     # 0, off; n, at most n proposed tokens per step.
     speculative: int | None = None

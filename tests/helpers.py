@@ -166,3 +166,23 @@ def plus_chat_usage(backend: Backend, docs: list[str], order: list[int], questio
     messages += [{"role": "user", "content": PLUS_MARKER + docs[i]} for i in order]
     messages.append({"role": "user", "content": question})
     return backend.chat(messages, max_tokens=1, temperature=0).usage
+
+
+def scripted_logits(backend: Backend, monkeypatch) -> list[int]:
+    """A script of tokens the model's logits are biased toward, one a step (one sequence
+    at a time), while the list has any: how a test makes a tiny model write a whole output,
+    markers included, where a constraint would hold only the answer. A constraint's or the
+    reasoning's mask still decides wherever it allows fewer tokens."""
+    model = engine_internals(backend).runner.model
+    compute = model.compute_logits
+    script: list[int] = []
+
+    def biased(hidden):
+        logits = compute(hidden)
+        if script:
+            logits = logits.clone()
+            logits[:, script.pop(0)] += 1000.0
+        return logits
+
+    monkeypatch.setattr(model, "compute_logits", biased)
+    return script

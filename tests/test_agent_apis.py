@@ -571,7 +571,11 @@ def test_thinking_enabled_gives_a_thinking_block_whole_and_streamed(claude, back
     text = _greedy_after(backend, {"enable_thinking": True}, 10)
     assert "</think>" not in text
     asked = dict(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": "think"}])
-    thinking = {"type": "enabled", "budget_tokens": 5}
+    # This vocabulary spells </think> in pieces: a budget cannot be kept, and is refused.
+    budget = {"type": "enabled", "budget_tokens": 5}
+    with pytest.raises(anthropic.BadRequestError, match="not single tokens"):
+        claude.messages.create(**asked, thinking=budget, extra_body=GREEDY)
+    thinking = {"type": "adaptive"}
     message = claude.messages.create(**asked, thinking=thinking, extra_body=GREEDY)
     assert [(b.type, b.thinking) for b in message.content] == [("thinking", text.lstrip())]
     assert message.stop_reason == "max_tokens"

@@ -134,6 +134,7 @@ VALID = [
     ("REASONING_FORMAT", "gpt-oss", "harmony"),
     ("LORA_ADAPTERS", " sql = /a/b , chat=~/c ", "sql=/a/b,chat=~/c"),
     ("LORA_ADAPTERS", "org/name:v2=x", "org/name:v2=x"),
+    ("DEFAULT_CHAT_TEMPLATE_KWARGS", '{"enable_thinking": false}', '{"enable_thinking": false}'),
 ]
 
 INVALID = [
@@ -186,6 +187,7 @@ INVALID = [
     ("CHAT_TEMPLATE", "   "),
     *[("REASONING_FORMAT", text) for text in ("r1", "on", "true")],
     *[("LORA_ADAPTERS", text) for text in ("sql", "=/a", "a=", "a=x,a=y", "bad name=x")],
+    *[("DEFAULT_CHAT_TEMPLATE_KWARGS", text) for text in ("[1]", "{", '{"tools": []}')],
 ]
 
 

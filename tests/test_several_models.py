@@ -270,3 +270,28 @@ def test_a_stream_whose_client_leaves_at_once_lets_its_model_go(two, path, body)
     while time.monotonic() < deadline and held() != (0, 0, 0):
         time.sleep(0.05)
     assert held() == (0, 0, 0)
+
+
+def test_each_model_may_have_its_own_chat_template(tiny, tmp_path):
+    from spnl_backend.errors import SettingsError
+    from spnl_backend.server import run
+    from spnl_backend.settings import BackendSettings
+
+    path = str(tiny.hf("llama").path)
+    own = tmp_path / "own.jinja"
+    own.write_text("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
+    every = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    given = [every, f"b={own}"]
+    shared, templates = run._chat_templates(given, [f"a={path}", f"b={path}"])
+    assert (shared, templates) == (every, {"b": str(own)})
+    settings = BackendSettings(device="cpu", chat_template=shared)
+    models = run._several([f"a={path}", f"b={path}"], None, 60, None, settings, templates)
+    try:
+        a, b = models.acquire("a"), models.acquire("b")
+        assert a.tokenizer.hf.chat_template == every
+        assert b.tokenizer.hf.chat_template == own.read_text()
+    finally:
+        models.close()
+    for bad in (["{{ x }}", "{{ y }}"], [f"b={own}", f"b={own}"], [f"b={tmp_path / 'none'}"]):
+        with pytest.raises(SettingsError):
+            run._chat_templates(bad, [f"a={path}", f"b={path}"])

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import jsonschema
 import ollama
 import pytest
-from helpers import CPU
+from helpers import CPU, scripted_logits
 from live_server import MODEL
 from llguidance import LLMatcher, LLTokenizer
 from test_tools import ASK, SCHEMAS, TOOLS
@@ -300,23 +300,22 @@ WRITTEN = (
 
 
 @pytest.mark.parametrize("tools", [None, "none"])
-def test_a_call_made_with_no_tools_to_call_is_the_answers_text(live, backend, tools):
-    # The call forced by a grammar that writes the tags as the special tokens they are.
-    ids = _ids(backend)
-    forced = 'start: <[{<|channel|>}]> "commentary to=functions.add " <[{<|constrain|>}]> "json" '
-    forced += '<[{<|message|>}]> "{\\"a\\": 7, \\"b\\": false}" <[{<|call|>}]>'
-    for tag, token in ids.items():
-        forced = forced.replace("{" + tag + "}", str(token))
+def test_a_call_made_with_no_tools_to_call_is_the_answers_text(live, backend, tools, monkeypatch):
+    # The call written by the model, scripted (a constraint would hold the answer alone,
+    # after the reasoning's end), the tags as the special tokens they are.
+    script = scripted_logits(backend, monkeypatch)
+    written = [*backend.tokenizer.encode_plain(WRITTEN), EOS]
     body = {"model": MODEL, "messages": ASK, "temperature": 0, "max_tokens": 80}
-    body["guided_grammar"] = "%llguidance {}\n" + forced + "\n"
     if tools is not None:
         body.update(tools=TOOLS, tool_choice=tools)
+    script[:] = written
     reply = live.post("/v1/chat/completions", body)
     assert reply.status_code == 200, reply.text
     choice = reply.json()["choices"][0]
     assert choice["message"]["content"] == WRITTEN  # kept as written, not dropped
     assert "tool_calls" not in choice["message"]
     assert choice["finish_reason"] == "stop"
+    script[:] = written
     streamed = live.post("/v1/chat/completions", {**body, "stream": True})
     lines = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: {")]
     deltas = [c["choices"][0]["delta"] for c in map(json.loads, lines) if c["choices"]]
@@ -329,8 +328,8 @@ def _calls_only(backend, monkeypatch) -> None:
     makes one where the API has no logit_bias to end its reasoning."""
     made = backend.tool_chat
 
-    def calling(tools, params):
-        chat = made(tools, params)
+    def calling(tools, params, template=None):
+        chat = made(tools, params, template)
         grammar = re.sub(
             r"start: analysis\? \((final \| )?call\)", "start: call", chat.constraint.grammar
         )
@@ -421,3 +420,26 @@ def test_ends_that_are_end_of_sequence_tokens_as_in_gpt_oss(tmp_path):
         assert "<|" not in answered.text
     finally:
         backend.close()
+
+
+def test_a_reasoning_budget_ends_the_analysis_and_the_grammar_goes_on(live, backend, monkeypatch):
+    # The tools' grammar spans the analysis message: it sees every token, and a spent
+    # budget closes the analysis alone; the grammar then has the answer or a call.
+    script = scripted_logits(backend, monkeypatch)
+    encode = backend.tokenizer.encode_plain
+    header, thought = encode("<|channel|>analysis<|message|>"), encode("I add two and two")
+    script[:] = [*header, *thought]
+    body = {"model": MODEL, "messages": ASK, "temperature": 0, "max_tokens": 80}
+    body.update(tools=TOOLS, tool_choice="required", logprobs=True, thinking_token_budget=2)
+    body["logit_bias"] = _ending(backend)
+    reply = live.post("/v1/chat/completions", body)
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    tokens = [entry["token"] for entry in choice["logprobs"]["content"]]
+    reopened = len(header) + 2
+    assert choice["message"]["reasoning"] == backend.tokenizer.decode(thought[:2])
+    ends = [backend.tokenizer.hf.convert_ids_to_tokens(i) for i in encode("<|end|><|start|>")]
+    assert tokens[reopened : reopened + 2] == ends
+    assert choice["finish_reason"] == "tool_calls"
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] in SCHEMAS

@@ -11,6 +11,8 @@ included) is a `RequestError` for that call.
 
 import contextvars
 import json
+import threading
+from collections import OrderedDict
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -68,6 +70,32 @@ class ChatTemplate:
             ) from None
         finally:
             _left.reset(token)
+
+
+# Requests' own templates (``chat_template`` on a chat), compiled once each: the most
+# recently used are kept, so that a client sending the same one pays its compile once.
+REQUEST_TEMPLATES_KEPT = 32
+_request_templates: "OrderedDict[str, ChatTemplate]" = OrderedDict()
+_request_templates_lock = threading.Lock()
+
+
+def request_template(source: str) -> ChatTemplate:
+    """A request's chat template compiled (kept among the last `REQUEST_TEMPLATES_KEPT`);
+    one that does not compile is a `RequestError` naming the line."""
+    with _request_templates_lock:
+        compiled = _request_templates.get(source)
+        if compiled is not None:
+            _request_templates.move_to_end(source)
+            return compiled
+    try:
+        compiled = ChatTemplate(source, "chat_template")
+    except ModelFileError as exc:
+        raise RequestError(str(exc)) from None
+    with _request_templates_lock:
+        _request_templates[source] = compiled
+        while len(_request_templates) > REQUEST_TEMPLATES_KEPT:
+            _request_templates.popitem(last=False)
+    return compiled
 
 
 def user_chat_template(value: str | None) -> str | None:

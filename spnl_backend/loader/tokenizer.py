@@ -17,7 +17,7 @@ from ..errors import ModelFileError, RequestError
 from ..log import get_logger
 from ..models.arch import family, family_of_gguf
 from ..settings.paths import cache_dir
-from .chat_template import ChatTemplate
+from .chat_template import ChatTemplate, request_template
 from .gguf_file import GGUFFile
 
 log = get_logger()
@@ -135,8 +135,9 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         variables: dict[str, Any] | None = None,
+        template: str | None = None,
     ) -> list[int]:
-        return self.encode_plain(self.render_chat(messages, True, tools, variables))
+        return self.encode_plain(self.render_chat(messages, True, tools, variables, template))
 
     def render_chat(
         self,
@@ -144,12 +145,14 @@ class Tokenizer:
         add_generation_prompt: bool,
         tools: list[dict[str, Any]] | None = None,
         variables: dict[str, Any] | None = None,
+        template: str | None = None,
     ) -> str:
         """The chat template's text for ``messages`` (and the ``tools`` they may call:
         only where given, as templates test whether it is defined); ``variables``: more
         of the template's variables (``enable_thinking``, ``reasoning_effort``), over the
-        special tokens' names."""
-        if not self.hf.chat_template:
+        special tokens' names; ``template``: a request's own template instead of the
+        model's (`request_template`)."""
+        if not self.hf.chat_template and template is None:
             raise RequestError(
                 "this model has no chat template; use generate() with a "
                 "formatted prompt instead of chat()"
@@ -158,9 +161,8 @@ class Tokenizer:
         given.update(variables or {})
         if tools is not None:
             given["tools"] = tools
-        return self._chat_template().render(
-            messages, add_generation_prompt=add_generation_prompt, **given
-        )
+        compiled = self._chat_template() if template is None else request_template(template)
+        return compiled.render(messages, add_generation_prompt=add_generation_prompt, **given)
 
     def _chat_template(self) -> ChatTemplate:
         """The template compiled (again only if someone set a new one)."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from .formats import (
     HARMONY_TAGS,
     REASONING_FORMATS,
+    check_budget,
     check_effort,
     detect_format,
     markers,
@@ -63,6 +64,7 @@ __all__ = [
     "ReasoningDelta",
     "ReasoningParser",
     "ThinkParser",
+    "check_budget",
     "check_effort",
     "detect_format",
     "markers",

@@ -15,7 +15,12 @@
 from typing import Any
 
 from ..errors import RequestError, shown
-from ..settings.values import REASONING_ALIASES, REASONING_FORMATS, parse_reasoning_format
+from ..settings.values import (
+    REASONING_ALIASES,
+    REASONING_FORMATS,
+    RESERVED_VARIABLES,
+    parse_reasoning_format,
+)
 
 __all__ = ["REASONING_ALIASES", "REASONING_FORMATS", "parse_reasoning_format"]
 
@@ -70,8 +75,17 @@ def check_effort(value: object, name: str = "reasoning_effort") -> str | None:
     raise RequestError(f"{name}={shown(value)}: expected 'low', 'medium' or 'high'")
 
 
-# The template's own inputs, which a request's variables may not replace.
-RESERVED_VARIABLES = ("messages", "tools", "add_generation_prompt")
+def check_budget(value: object, name: str = "thinking_token_budget") -> int | None:
+    """A reasoning budget: the most tokens the reasoning may take (an integer >= 0), or
+    None where absent."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RequestError(
+            f"{name}={shown(value)}: expected an integer >= 0 (the most tokens the "
+            "reasoning may take before it is closed)"
+        )
+    return value
 
 
 def template_variables(

@@ -7,9 +7,11 @@ Accepted without effect: ``metadata`` (its ``user_id`` is a label), ``cache_cont
 any block or tool (the prefix cache reuses every shared prefix by itself; its hits are
 ``usage.cache_read_input_tokens``), ``service_tier`` and ``inference_geo``. ``thinking``
 sets the template's ``enable_thinking`` (``enabled``/``adaptive``: true, ``disabled``:
-false); its ``budget_tokens`` is checked but the reasoning is bounded by ``max_tokens``
-alone. ``output_config.effort`` is the template's ``reasoning_effort``. A ``tool_result``
-with ``is_error`` reaches the template as its text after ``Error: ``. Everything else not
+false); its ``budget_tokens`` bounds the reasoning: once it has taken that many tokens
+the engine closes it and the answer follows, ``max_tokens`` counting both (as Anthropic
+defines it). On a model whose template writes no reasoning it has nothing to bound.
+``output_config.effort`` is the template's ``reasoning_effort``. A ``tool_result`` with
+``is_error`` reaches the template as its text after ``Error: ``. Everything else not
 listed here is a 400 naming it.
 """
 
@@ -24,7 +26,14 @@ from ..reasoning import template_variables
 from ..tools.calls import ToolCall
 from ..tools.spec import ToolRequest, tool_request
 from .answer import AnswerReader, Piece, read_answer
-from .protocol import ApiError, EngineRequest, bad_request, check_fields, engine_request
+from .protocol import (
+    ApiError,
+    EngineRequest,
+    bad_request,
+    check_fields,
+    engine_request,
+    with_budget,
+)
 from .responses import Reply
 
 _COMMON = ("model", "messages", "system", "tools", "tool_choice")
@@ -58,7 +67,7 @@ def parse_messages(body: object) -> EngineRequest:
     messages, tools = _conversation(fields)
     variables = _variables(fields.get("thinking"), fields.get("output_config"), max_tokens)
     try:
-        return engine_request(
+        asked = engine_request(
             openai,
             max_tokens,
             "max_tokens",
@@ -72,6 +81,14 @@ def parse_messages(body: object) -> EngineRequest:
         if exc.param == "response_format":
             raise bad_request(exc.message, "output_config") from None
         raise
+    return with_budget(asked, _budget(fields.get("thinking")), "thinking.budget_tokens")
+
+
+def _budget(thinking: object) -> int | None:
+    """The reasoning budget of an enabled ``thinking`` (checked by `_variables`)."""
+    if isinstance(thinking, dict) and thinking.get("type") == "enabled":
+        return thinking.get("budget_tokens")
+    return None
 
 
 def _variables(thinking: object, config: object, max_tokens: int | None) -> dict[str, Any] | None:

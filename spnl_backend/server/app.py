@@ -1157,7 +1157,7 @@ def _prepared(backend: Backend, asked: EngineRequest, prompts: list[PromptIds]) 
         params = backend.default_healing(params)
     try:
         if asked.tools is not None:
-            chat = backend.tool_chat(asked.tools, params)
+            chat = backend.tool_chat(asked.tools, params, asked.chat_template)
             tool_format = chat.format
             if chat.constraint is not None:
                 params = dataclasses.replace(params, constraint=chat.constraint)
@@ -1167,11 +1167,15 @@ def _prepared(backend: Backend, asked: EngineRequest, prompts: list[PromptIds]) 
     reasoning = None
     if asked.messages is not None:
         try:
-            reasoning = backend.reasoning(prompts[0], params.constraint is not None, tool_format)
+            constrained = params.constraint is not None
+            template = asked.chat_template
+            reasoning = backend.reasoning(prompts[0], constrained, tool_format, template)
         except RequestError as exc:
             raise from_request_error(exc, "tools") from None
         kept = backend.reasoning_kept(reasoning.format)
-        params = dataclasses.replace(params, kept_token_ids=params.kept_token_ids + kept)
+        params = dataclasses.replace(
+            params, kept_token_ids=params.kept_token_ids + kept, reasoning=reasoning
+        )
     return dataclasses.replace(asked, params=params, tool_format=tool_format, reasoning=reasoning)
 
 
@@ -1180,6 +1184,8 @@ def _param_of(exc: RequestError, asked: EngineRequest) -> str | None:
     message = str(exc)
     if message.startswith("logit_bias"):
         return "logit_bias"
+    if message.startswith("a reasoning budget"):  # one this model's markers cannot keep
+        return "thinking_token_budget"
     return asked.constraint_field
 
 
@@ -1190,11 +1196,14 @@ def _prompt_ids(backend: Backend, asked: EngineRequest) -> list[PromptIds]:
         if asked.messages is not None:
             _check_names_read(backend, asked)
             variables = asked.template_variables
-            return [backend.chat_prompt_ids(asked.messages, asked.tools, variables)]
+            template = asked.chat_template
+            return [backend.chat_prompt_ids(asked.messages, asked.tools, variables, template)]
         texts = asked.prompts if isinstance(asked.prompts[0], str) else None
         prompts, _ = backend.prompt_ids(texts, None if texts else asked.prompts)
         return prompts
     except RequestError as exc:
+        if str(exc).startswith("chat_template:"):  # the request's own did not compile
+            raise bad_request(str(exc), "chat_template") from None
         raise from_request_error(exc, "messages" if asked.messages else "prompt") from None
 
 
@@ -1215,8 +1224,9 @@ def _check_names_read(backend: Backend, asked: EngineRequest) -> None:
     try:
         render = backend.tokenizer.render_chat
         variables = asked.template_variables
-        read = render(template_messages(messages), True, tools, variables)
-        unread = render(template_messages(nameless), True, tools, variables)
+        template = asked.chat_template
+        read = render(template_messages(messages), True, tools, variables, template)
+        unread = render(template_messages(nameless), True, tools, variables, template)
     except RequestError:
         return  # the template fails on these messages: chat_prompt_ids says how
     if read == unread:

@@ -62,7 +62,11 @@ class ModelSet:
         load: Callable[[str], Backend],
         keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
         budget_bytes: int | None = None,
+        named_loads: dict[str, Callable[[str], Backend]] | None = None,
     ) -> None:
+        """``load``: a model's source to its backend; ``named_loads``: the loaders of
+        the models whose settings differ from the rest (their own chat template)."""
+        self._named_loads = named_loads or {}
         self.models = {
             name: ServedModel(name, source, keep_alive_s=keep_alive_s)
             for name, source in sources.items()
@@ -155,7 +159,7 @@ class ModelSet:
     def _load_now(self, model: ServedModel) -> None:
         before = resident_bytes()
         try:
-            backend = self._load(model.source)
+            backend = self._named_loads.get(model.name, self._load)(model.source)
         except Exception as exc:
             log.error("models.load_failed", model=model.name, error=f"{type(exc).__name__}: {exc}")
             with self._lock:

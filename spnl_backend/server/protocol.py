@@ -6,16 +6,18 @@ Every field a body may carry is either used, accepted at a value that asks for n
 ignored. Beyond OpenAI's fields, vLLM's names for the same extensions are read
 (``repetition_penalty``, ``min_p``, ``stop_token_ids``, ``ignore_eos``, ``guided_json``,
 ``guided_regex``, ``guided_grammar``, ``guided_choice``), ``chat_template_kwargs``
-(variables for the chat template), and ``token_healing``.
+(variables for the chat template), ``chat_template`` (a template's Jinja source used
+instead of the model's for this request), ``thinking_token_budget`` (the most tokens the
+reasoning may take, within ``max_tokens``), and ``token_healing``.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..engine.sequence import SamplingParams
 from ..errors import ContextLengthError, RequestError, shown
-from ..reasoning import Reasoning, template_variables
+from ..reasoning import Reasoning, check_budget, template_variables
 from ..request import check_text, sampling_params
 from ..tools.formats import ToolFormat
 from ..tools.spec import ToolRequest, tool_request
@@ -81,6 +83,7 @@ class EngineRequest:
     template_variables: dict[str, Any] | None = None
     reasoning: Reasoning | None = None  # how its answer's reasoning is read, once known
     show_reasoning: bool = True  # Ollama's think: false leaves the reasoning out
+    chat_template: str | None = None  # chat: the request's own template (vLLM's field)
 
 
 # Fields read for their value (the sampling ones below, and the per-endpoint ones).
@@ -169,6 +172,8 @@ def parse_chat(body: object) -> EngineRequest:
             "top_logprobs",
             "chat_template_kwargs",
             "reasoning_effort",
+            "thinking_token_budget",
+            "chat_template",
         },
     )
     if fields.get("max_completion_tokens") is not None and fields.get("max_tokens") is not None:
@@ -189,7 +194,7 @@ def parse_chat(body: object) -> EngineRequest:
     except RequestError as exc:
         param = _named(str(exc), ("chat_template_kwargs", "reasoning_effort"))
         raise bad_request(str(exc), param) from None
-    return engine_request(
+    asked = engine_request(
         fields,
         fields.get(name),
         name,
@@ -197,6 +202,25 @@ def parse_chat(body: object) -> EngineRequest:
         tools=tools,
         template_variables=variables,
     )
+    template = fields.get("chat_template")
+    if template is not None and (not isinstance(template, str) or not template.strip()):
+        raise bad_request(
+            f"chat_template={shown(template)}: expected a Jinja chat template's source",
+            "chat_template",
+        )
+    asked = replace(asked, chat_template=template)
+    return with_budget(asked, fields.get("thinking_token_budget"), "thinking_token_budget")
+
+
+def with_budget(asked: EngineRequest, budget: object, name: str) -> EngineRequest:
+    """``asked`` with a reasoning budget (``name``: the field that gave it), checked."""
+    try:
+        checked = check_budget(budget, name)
+    except RequestError as exc:
+        raise bad_request(str(exc), name.split(".")[0]) from None
+    if checked is None:
+        return asked
+    return replace(asked, params=replace(asked.params, reasoning_budget=checked))
 
 
 # vLLM's /tokenize fields beyond a completion's or chat's, each at the value that is what

@@ -9,6 +9,7 @@ freed), and `serve` returns 0.
 
 import asyncio
 import dataclasses
+import functools
 import math
 import signal
 import socket
@@ -97,33 +98,41 @@ def serve(
     allowed_origins: list[str] | None = None,
     keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
     memory_budget_mb: int | None = None,
-    chat_template: str | None = None,
+    chat_template: str | list[str] | None = None,
     reasoning_format: str | None = None,
     lora: list[str] | None = None,
     kv_events: str | None = None,
     kv_events_replay: str | None = None,
     kv_events_topic: str = "",
+    default_chat_template_kwargs: str | None = None,
 ) -> int:
     """Run the server until it is told to stop; returns the exit status. ``model``: one
     model (loaded at once, kept for the server's life), or a list of several (each
     ``PATH`` or ``NAME=PATH``, loaded on its first request and unloaded once idle for
     ``keep_alive_s``, within ``memory_budget_mb``). ``chat_template`` (a file or Jinja
-    source) and ``reasoning_format``: over ``MISTRALRS_CHAT_TEMPLATE`` and
-    ``MISTRALRS_REASONING_FORMAT``, for every model served. ``lora``: ``NAME=PATH`` LoRA
-    adapters over ``MISTRALRS_LORA_ADAPTERS`` (one model served). ``kv_events``: a ZMQ
-    endpoint to publish the prefix cache's KV events on, in vLLM's format (`kv_events`),
-    with ``kv_events_replay`` a replay endpoint for late subscribers."""
+    source; with several models, items ``NAME=FILE`` give one model its own),
+    ``reasoning_format`` and ``default_chat_template_kwargs`` (a JSON object):
+    over ``MISTRALRS_CHAT_TEMPLATE``, ``MISTRALRS_REASONING_FORMAT`` and
+    ``MISTRALRS_DEFAULT_CHAT_TEMPLATE_KWARGS``, for every model served. ``lora``:
+    ``NAME=PATH`` LoRA adapters over ``MISTRALRS_LORA_ADAPTERS`` (one model served).
+    ``kv_events``: a ZMQ endpoint to publish the prefix cache's KV events on, in vLLM's
+    format (`kv_events`), with ``kv_events_replay`` a replay endpoint for late
+    subscribers."""
     api_key = api_key if api_key is not None else api_key_from_env()
     _check_options(port, max_waiting, max_body_bytes, grace_s)
+    chat_template, own_templates = _chat_templates(chat_template, model)
     chosen = {
         "chat_template": chat_template,
         "reasoning_format": reasoning_format,
+        "default_chat_template_kwargs": default_chat_template_kwargs,
         "lora_adapters": ",".join(lora) if lora else None,
     }
     # A bad MISTRALRS_* variable or chat template fails before anything starts.
     settings = load_settings(**{k: v for k, v in chosen.items() if v is not None})
     user_chat_template(settings.chat_template)
-    several = _several(model, served_model_name, keep_alive_s, memory_budget_mb, settings)
+    several = _several(
+        model, served_model_name, keep_alive_s, memory_budget_mb, settings, own_templates
+    )
     if several is not None and settings.lora_adapters:
         raise SettingsError(
             "--lora (MISTRALRS_LORA_ADAPTERS): LoRA adapters are served on one model; "
@@ -251,8 +260,10 @@ def _several(
     keep_alive_s: float,
     memory_budget_mb: int | None,
     settings: BackendSettings,
+    own_templates: dict[str, str] | None = None,
 ) -> ModelSet | None:
-    """The model set where several models are given (None for one)."""
+    """The model set where several models are given (None for one); ``own_templates``:
+    the chat templates of the models given their own (`_chat_templates`)."""
     if not isinstance(models, list) or len(models) < 2:
         return None
     if served_model_name:
@@ -267,7 +278,46 @@ def _several(
             raise SettingsError(f"--model {given!r}: expected PATH or NAME=PATH, each name once")
         sources[name] = path
     budget = memory_budget_mb << 20 if memory_budget_mb is not None else None
-    return ModelSet(sources, lambda path: _served_backend(path, settings), keep_alive_s, budget)
+    named = {}
+    for name, template in (own_templates or {}).items():
+        own = settings.model_copy(update={"chat_template": template})
+        named[name] = functools.partial(_served_backend, settings=own)
+    return ModelSet(
+        sources, lambda path: _served_backend(path, settings), keep_alive_s, budget, named
+    )
+
+
+def _chat_templates(
+    given: str | list[str] | None, models: str | list[str] | None
+) -> tuple[str | None, dict[str, str]]:
+    """``--chat-template`` values: the one for every model, and the models' own (an item
+    ``NAME=FILE`` whose NAME is a served model's, with several), each checked now."""
+    items = [given] if isinstance(given, str) else list(given or ())
+    names = _served_names(models)
+    shared: list[str] = []
+    own: dict[str, str] = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name in names and value:
+            if name in own:
+                raise SettingsError(f"--chat-template: model {name!r} is given two templates")
+            user_chat_template(value)
+            own[name] = value
+        else:
+            shared.append(item)
+    if len(shared) > 1:
+        raise SettingsError(
+            "--chat-template: give one template for every model, or NAME=FILE for each of "
+            f"several models (served as {', '.join(sorted(names)) or 'one model'})"
+        )
+    return (shared[0] if shared else None), own
+
+
+def _served_names(models: str | list[str] | None) -> set[str]:
+    """The names several models are served as (none for one model)."""
+    if not isinstance(models, list) or len(models) < 2:
+        return set()
+    return {given.rpartition("=")[0] or _model_name(given.rpartition("=")[2]) for given in models}
 
 
 def _served_backend(model: str | None, settings: BackendSettings) -> Backend:

@@ -91,6 +91,7 @@ _PARSERS = {
     "chat_template": values.parse_chat_template,
     "reasoning_format": values.parse_reasoning_format,
     "lora_adapters": values.parse_lora_adapters,
+    "default_chat_template_kwargs": values.parse_template_kwargs,
 }
 
 
@@ -203,6 +204,9 @@ class BackendSettings(BaseSettings):
     # LoRA adapters on the base model, ``name=path,name2=path2`` (PEFT directories): a
     # request names one (``adapter=``, or the server's ``model``) or runs the base.
     lora_adapters: str | None = None
+    # Chat template variables every chat gets (a JSON object), under each request's own
+    # (``chat_template_kwargs``, ``reasoning_effort``...), which win where both name one.
+    default_chat_template_kwargs: str | None = None
 
     def __init__(self, **kwargs: Any) -> None:
         try:

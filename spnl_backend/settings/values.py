@@ -5,6 +5,7 @@ native value) and returns the canonical value, or raises `ValueError` whose
 message says what is accepted. The caller adds the variable name and the value.
 """
 
+import json
 import os
 import re
 from enum import StrEnum
@@ -392,3 +393,29 @@ def lora_adapter_list(value: str | None) -> list[tuple[str, str]]:
     if not value:
         return []
     return [(name, path) for name, _, path in (pair.partition("=") for pair in value.split(","))]
+
+
+# The chat template's own inputs, which given variables may not replace.
+RESERVED_VARIABLES = ("messages", "tools", "add_generation_prompt")
+
+
+def parse_template_kwargs(value: object) -> str | None:
+    """Default chat template variables: a JSON object (``{"enable_thinking": false}``),
+    kept as its canonical JSON text (the settings stay hashable)."""
+    if value is None:
+        return None
+    try:
+        variables = json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"expected a JSON object of template variables ({exc})") from None
+    if not isinstance(variables, dict):
+        raise ValueError(
+            'expected a JSON object of template variables, such as {"enable_thinking": false}'
+        )
+    reserved = sorted(set(variables) & set(RESERVED_VARIABLES))
+    if reserved:
+        raise ValueError(
+            f"expected template variables; {reserved[0]!r} is the template's own input, "
+            "set by each request"
+        )
+    return json.dumps(variables, sort_keys=True)
