@@ -21,16 +21,33 @@ from ..settings.values import (
     RESERVED_VARIABLES,
     parse_reasoning_format,
 )
+from ..tools.formats import (  # gpt-oss's message syntax (its tool calls' too)
+    CALL,
+    CHANNEL,
+    CONSTRAIN,
+    END,
+    HARMONY_TAGS,
+    MESSAGE,
+    RETURN,
+    START,
+)
 
-__all__ = ["REASONING_ALIASES", "REASONING_FORMATS", "parse_reasoning_format"]
+__all__ = [
+    "CALL",
+    "CHANNEL",
+    "CONSTRAIN",
+    "END",
+    "HARMONY_TAGS",
+    "MESSAGE",
+    "REASONING_ALIASES",
+    "REASONING_FORMATS",
+    "RETURN",
+    "START",
+    "parse_reasoning_format",
+]
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<response>", "</response>"
-# gpt-oss's message syntax: <|start|>ROLE<|channel|>CHANNEL<|message|>TEXT<|end|>, a
-# turn's last message ending in <|return|> (an answer) or <|call|> (a tool call).
-START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
-END, RETURN, CALL = "<|end|>", "<|return|>", "<|call|>"
-HARMONY_TAGS = (START, CHANNEL, MESSAGE, CONSTRAIN, END, RETURN, CALL)
 
 
 def detect_format(template: str | None) -> str:

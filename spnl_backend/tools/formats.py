@@ -21,6 +21,17 @@ from dataclasses import dataclass, replace
 
 from ..errors import RequestError
 
+# gpt-oss's message syntax: <|start|>ROLE<|channel|>CHANNEL<|message|>TEXT<|end|>, a
+# turn's last message ending in <|return|> (an answer) or <|call|> (a tool call); the
+# reasoning module's harmony parser reads it too.
+START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
+END, RETURN, CALL = "<|end|>", "<|return|>", "<|call|>"
+HARMONY_TAGS = (START, CHANNEL, MESSAGE, CONSTRAIN, END, RETURN, CALL)
+
+# The layout structured output uses too (constrain.spec): no whitespace the model could
+# pad with until max_tokens runs out.
+LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
 
 @dataclass(frozen=True)
 class ToolFormat:
@@ -72,8 +83,6 @@ def template_format(template: str | None, special_id: Callable[[str], int | None
             "JSON, Gemma <start_function_call>, gpt-oss harmony (commentary to=functions.NAME)"
         )
     if found.syntax == "harmony":
-        from ..reasoning.formats import HARMONY_TAGS  # here: the reasoning module imports this
-
         kept = tuple((text, i) for text in HARMONY_TAGS if (i := special_id(text)) is not None)
         return replace(found, kept=kept)
     if found.syntax == "gemma":

@@ -11,21 +11,16 @@ lazy grammar without a trigger list.
 import json
 import re
 
-from .formats import ToolFormat
+from .formats import LAYOUT, ToolFormat
 from .gemma import gemma_grammar
+from .harmony import harmony_grammar
 from .spec import Tool, ToolRequest
-
-# The layout structured output uses too (constrain.spec): no whitespace the model could
-# pad with until max_tokens runs out.
-LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def tool_grammar(fmt: ToolFormat, request: ToolRequest) -> str:
     if fmt.syntax == "gemma":
         return gemma_grammar(fmt, request)
     if fmt.syntax == "harmony":
-        from .harmony import harmony_grammar  # it reads this module's layout
-
         return harmony_grammar(fmt, request)
     tools = request.callable()
     opening = (f"<[{fmt.marker_id}]> " if fmt.marker_id is not None else "") + _literal(fmt.opening)

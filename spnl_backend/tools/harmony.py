@@ -20,8 +20,7 @@ where they end is never in doubt).
 
 import json
 
-from .formats import ToolFormat
-from .grammar import LAYOUT
+from .formats import LAYOUT, ToolFormat
 from .spec import Tool, ToolRequest
 
 
