@@ -86,6 +86,33 @@ def test_int8_products_equal_the_twin_on_rounded_activations(kernels, qtype, row
     assert relative < 0.01  # what rounding the activations costs
 
 
+def _f16_weights(rows: int = 96, cols: int = 512, seed: int = 0) -> QuantizedWeight:
+    gen = torch.Generator().manual_seed(seed)
+    half = torch.randn(rows, cols, generator=gen).to(torch.float16)
+    return QuantizedWeight(half.view(torch.uint8), Q.F16, (rows, cols))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 37])
+def test_float16_products_equal_the_twin(kernels, rows):
+    """A float16 matrix multiplies float32 activations unrounded (no int8 path), also
+    beside a quantized one in the same call."""
+    weights = [_f16_weights(), _weights(Q.Q4_K, rows=40, seed=1)]
+    x = torch.randn(rows, 512)
+    torch.testing.assert_close(
+        quantized_matmuls(kernels, x, weights), _twin(x, weights), rtol=1e-5, atol=1e-4
+    )
+    alone = quantized_matmuls(kernels, x, weights[:1])
+    torch.testing.assert_close(alone, _twin(x, weights[:1]), rtol=1e-5, atol=1e-4)
+
+
+def test_float16_dequantize_and_gather_rows_are_exact(kernels):
+    weight = _f16_weights()
+    full = kernels.dequantize(Q.F16.value, weight.data, *weight.shape)
+    assert torch.equal(full, weight.dequantize())
+    rows = kernels.gather_rows(Q.F16.value, weight.data, torch.tensor([5, 0, 95, 5]), 512)
+    assert torch.equal(rows, full[[5, 0, 95, 5]])
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_dequantize_and_gather_rows_are_exact(kernels, qtype):
     weight = _weights(qtype)

@@ -152,6 +152,8 @@ def test_tiny_synthetic_gemma4_file_has_llama_cpp_keys_and_decodes(tmp_path):
         assert (config.head_dim, config.global_head_dim) == (64, 128)
         assert config.rope.kind == "proportional"
         assert config.num_kv_shared_layers == 3
+        projection = backend.model.model.per_layer_model_projection
+        assert projection.weight_q.qtype.name == "F16"  # the native float16 product
         assert _decodes_finite(backend)
     finally:
         backend.close()

@@ -13,15 +13,22 @@ import math
 from collections.abc import Callable
 
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from ..kernels.cpu import CpuKernels
+from ..kernels.matmuls import CpuMatmuls
+from ..log import get_logger
+from ..quant.linear import QuantizedWeight, QuantLinear
 from .config import ModelConfig
 from .linear import Embedding, Linear
 from .norms import RMSNorm, rms_norm_of
 
+log = get_logger()
+
 # The two halves (token table and projection) are summed and scaled back to unit size.
 _HALVES = 2.0**-0.5
+_F16_BLOCK = 32
 
 
 def per_layer_weights(config: ModelConfig, native: CpuKernels | None) -> dict[str, nn.Module]:
@@ -52,6 +59,26 @@ def per_layer_inputs(
     own = table(input_ids) * torch.tensor(math.sqrt(width), dtype=embedded.dtype)
     mixed = norm((projection(embedded) * hidden**-0.5).view(tokens, -1, width))
     return (mixed + own.view(tokens, -1, width)) * _HALVES
+
+
+def packed_projection(projection: nn.Module, matmuls: object) -> nn.Module:
+    """The model-level projection as a float16 native product where its float32 weight
+    holds float16 values exactly (a GGUF's F16 tensor) and it runs on the CPU's kernels:
+    the same weights at half the bytes read per token (else ``projection`` unchanged)."""
+    if not isinstance(matmuls, CpuMatmuls) or not isinstance(projection, nn.Linear):
+        return projection
+    weight = projection.weight
+    if projection.bias is not None or weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return projection
+    if weight.shape[1] % _F16_BLOCK:  # the kernel takes the rows 32 values at a time
+        return projection
+    half = weight.detach().to(torch.float16)
+    if not torch.equal(half.float(), weight):
+        return projection
+    rows, cols = weight.shape
+    data = half.contiguous().view(torch.uint8).reshape(rows, 2 * cols)
+    log.info("per_layer.projection_packed", qtype="F16", shape=[rows, cols])
+    return QuantLinear(QuantizedWeight(data, GGMLQuantizationType.F16, (rows, cols)), None, matmuls)
 
 
 def gate_weights(config: ModelConfig, native: CpuKernels | None) -> dict[str, nn.Module]:

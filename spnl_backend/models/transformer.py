@@ -12,7 +12,7 @@ from .lora import LoraAdapters
 from .moe import SparseMoE
 from .native_blocks import LayerBlocks
 from .norms import RMSNorm
-from .per_layer import per_layer_inputs, per_layer_weights
+from .per_layer import packed_projection, per_layer_inputs, per_layer_weights
 from .rope import RotaryEmbedding, RotaryTables
 from .step_attention import StepAttention
 
@@ -243,10 +243,16 @@ class CausalLM(nn.Module):
     def prepare_experts(self) -> None:
         """Once the weights are in: every MoE layer's experts stacked where the model's
         kernels fuse them (`SparseMoE.prepare_experts`), before a KV pool is sized from what
-        memory is left (stacking moves a layer's experts once)."""
+        memory is left (stacking moves a layer's experts once); and Gemma 4's per-layer
+        projection kept float16 where it is (`per_layer.packed_projection`)."""
         for module in self.modules():
             if isinstance(module, SparseMoE):
                 module.prepare_experts()
+        backbone = self.model
+        if backbone.has_per_layer:  # Gemma 4's projection: float16 where it is exactly that
+            backbone.per_layer_model_projection = packed_projection(
+                backbone.per_layer_model_projection, self.kernels.matmuls
+            )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states of the rows to sample from → float32 logits ``[rows, vocab]``

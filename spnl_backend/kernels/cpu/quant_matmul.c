@@ -336,6 +336,14 @@ typedef struct {
 #define FLOAT_KERNELS(T, NAME, BLOCK, BYTES) DEFINE_FLOAT_KERNELS(NAME, BLOCK, BYTES, dq_##NAME)
 BLOCK_FORMATS(FLOAT_KERNELS)
 
+// float16 matrices (Gemma 4's per-layer projection): 32 values as a "block" of 64 bytes,
+// widened exactly to float32; no int8 path (rounding the activations would change them).
+static inline void dq_f16(const uint8_t *b, v16f *out) {
+    out[0] = load_f16((const uint16_t *)b);
+    out[1] = load_f16((const uint16_t *)b + 16);
+}
+DEFINE_FLOAT_KERNELS(f16, 32, 64, dq_f16)
+
 // ---- integer products on 8-bit activations (x86 with AVX2): quant_int8.h ------------------
 
 #if defined(__AVX2__)
@@ -357,7 +365,7 @@ typedef struct {
 #define FORMAT(T, NAME, BLOCK, BYTES) {T, BLOCK, BYTES, NAME##_f32, NULL, NAME##_rows},
 #endif
 
-static const format FORMATS[] = {BLOCK_FORMATS(FORMAT)};
+static const format FORMATS[] = {BLOCK_FORMATS(FORMAT){F16, 32, 64, f16_f32, NULL, f16_rows}};
 
 static const format *format_of(int qtype, int64_t k_in) {
     for (size_t i = 0; i < sizeof FORMATS / sizeof FORMATS[0]; i++)
