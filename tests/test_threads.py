@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType as Q
 
 from spnl_backend import BackendSettings, load_backend
 from spnl_backend.errors import SettingsError
+from spnl_backend.kernels.scoring import Scoring
 from spnl_backend.kernels.threads import torch_on_this_thread_alone
 from spnl_backend.quant.linear import QuantizedWeight
 from spnl_backend.settings import decide_platform
@@ -77,9 +78,7 @@ def test_coded_decode_sums_in_the_same_order_on_any_threads(kernels):
         (torch.randn(1 << v_bits, generator=gen), v_bits),
         torch.arange(keys)[None],
         torch.tensor([keys]),
-        0.25,
-        None,
-        None,
+        Scoring(0.25),
     ]
     results = [_on(kernels, t).coded_decode(*args) for t in THREADS]
     assert torch.isfinite(results[0]).all()
