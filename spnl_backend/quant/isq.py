@@ -8,13 +8,14 @@ split into a K-quant's 256-value blocks takes the 32-value type mistral.rs falls
 float. The log says which tensors took a fallback or stayed float, and why.
 """
 
+import re
 from collections.abc import Iterator
 
 import torch
 from gguf import GGMLQuantizationType as Q
 
 from ..log import get_logger
-from ..memory import on_host_pages
+from ..memory import on_host_pages, release_freed_memory
 from ..settings.values import IsqType
 from .ggml import ggml_format
 from .linear import QuantizedWeight
@@ -41,6 +42,7 @@ REQUANTIZE_SLICE_ELEMENTS = 1 << 22  # 16 MB of float32 at a time
 _PROMOTED_TO_Q6K = {IsqType.Q2K, IsqType.Q3K, IsqType.Q4K, IsqType.Q4_0, IsqType.Q4_1}
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def isq_type_for(name: str, isq: IsqType) -> Q | None:
@@ -63,7 +65,14 @@ def apply_isq(
     gpt-oss's MXFP4: requantizing would only add error)."""
     fallbacks: dict[tuple[Q, Q], list[str]] = {}
     kept: list[str] = []
+    layer = None
     for name, tensor in tensors:
+        if (match := _LAYER.match(name)) and match[1] != layer:
+            # The last layer's float matrices and quantization buffers are free now, but
+            # the allocator keeps them among the live blocks it handed out since; without
+            # handing them back the load's peak grows by up to twice one layer's floats.
+            layer = match[1]
+            release_freed_memory()
         if keep_quantized and isinstance(tensor, QuantizedWeight):
             kept.append(name)
             yield name, tensor
