@@ -9,10 +9,15 @@ activation: llama.cpp's graph runs the tanh GELU, the checkpoints (``hidden_act`
 "gelu" for every Pythia) the exact one, which is what runs here.
 """
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ...errors import ModelFileError
 from .family import COMMON_GGUF_NAMES, Family, Fields, GgufKeys, HfKeys, Tensors, layer_norm_fields
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
 
 _FUSED = ".attention.query_key_value."
 _MODULES = {
@@ -48,7 +53,7 @@ def _fields(eps: float, parallel: bool) -> Fields:
     return {**layer_norm_fields(eps), "norm_placement": "parallel" if parallel else "pre"}
 
 
-def _tensors(stored: Tensors, config) -> Tensors:
+def _tensors(stored: Tensors, config: "ModelConfig") -> Tensors:
     """A checkpoint's names as ours, its fused q/k/v in q, k, v order (a GGUF's are already
     ours, and in that order)."""
     for name, tensor in stored:
@@ -62,7 +67,7 @@ def _tensors(stored: Tensors, config) -> Tensors:
         yield name, tensor
 
 
-def _by_projection(name: str, tensor: torch.Tensor, config) -> torch.Tensor:
+def _by_projection(name: str, tensor: torch.Tensor, config: "ModelConfig") -> torch.Tensor:
     """Rows ``[heads, (q, k, v), head_dim]`` → ``[(q, k, v), heads, head_dim]``."""
     heads, rows = config.num_heads, 3 * config.num_heads * config.head_dim
     if tensor.shape[0] != rows:
