@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, quants
+from llama_cpp_converter import convert
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
@@ -104,8 +105,13 @@ MOE_HYBRID_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_experts(f) and
 # What the native layer blocks leave to the per-op path: qwen2's projections carry biases,
 # OLMo 2's layers have no input norm (norms after attention and MLP only), SmolLM3 has a
 # layer that does not rotate, gpt-oss's attention has sinks (and its experts biases),
-# Gemma 4's layers differ in shape and share K/V.
-PER_OP_ONLY = frozenset({"qwen2", "olmo2", "smollm3", "gpt_oss", "gemma4"})
+# Gemma 4's layers differ in shape and share K/V; Phi-2, StarCoder2 and GPT-NeoX have
+# LayerNorms, plain MLPs and biases (Phi-2 and GPT-NeoX parallel residuals too).
+PER_OP_ONLY = frozenset(
+    {"qwen2", "olmo2", "smollm3", "gpt_oss", "gemma4", "phi", "starcoder2", "gpt_neox"}
+)
+# The families whose GGUF twin llama.cpp's own converter writes (`llama_cpp_converter`).
+CONVERTED = frozenset({"phi", "starcoder2", "gpt_neox"})
 
 
 @dataclass
@@ -132,7 +138,7 @@ def build_hf_model(
     with torch.no_grad():
         for name, param in model.named_parameters():
             # Peaked distributions, so greedy choices are not near-ties.
-            if "norm" in name:  # Gemma scales by 1 + w, the others by w
+            if "norm" in name and name.endswith("weight"):  # Gemma scales by 1 + w, others by w
                 center = 0.0 if arch in OFFSET_NORMS else 1.0
                 param.copy_(center + 0.1 * torch.randn_like(param))
             else:
@@ -361,7 +367,9 @@ def write_gguf(
 ) -> Path:
     """``mtp_layers``: multi-token prediction blocks after the decoder's, as llama.cpp's
     converter keeps Qwen3.5's (``nextn_predict_layers``): each a copy of the last layer
-    beside its own ``nextn.*`` tensors."""
+    beside its own ``nextn.*`` tensors. The `CONVERTED` families' by the converter itself."""
+    if tiny.arch in CONVERTED and not mtp_layers:
+        return convert(tiny.path, path, qtype.name)
     arch = _GGUF_ARCH[tiny.arch]
     config = tiny.hf.config
     writer = GGUFWriter(path, arch)

@@ -33,10 +33,10 @@ _BY_ROWS = re.compile(
     _LAYER + rf"(self_attn\.(?P<qkv>[qkv])_proj|(?:{_EXPERT}|mlp\.)(gate|up)_proj)\.(weight|bias)"
 )
 _BY_COLUMNS = re.compile(_LAYER + rf"(self_attn\.o_proj|(?:{_EXPERT}|mlp\.)down_proj)\.weight")
-_O_BIAS = re.compile(_LAYER + rf"(self_attn\.o_proj|{_EXPERT}down_proj)\.bias")
+_O_BIAS = re.compile(_LAYER + rf"(self_attn\.o_proj|(?:{_EXPERT}|mlp\.)down_proj)\.bias")
 _SINKS = re.compile(_LAYER + r"self_attn\.sinks")  # one per query head
 _FULL_NORM = re.compile(_LAYER + r"self_attn\.(?P<which>[qk])_norm\.weight")
-_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+_VOCAB = ("model.embed_tokens.weight", "lm_head.weight", "lm_head.bias")
 
 
 @dataclasses.dataclass(frozen=True)

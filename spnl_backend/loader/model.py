@@ -106,7 +106,8 @@ def _load_text(
     release_freed_memory()  # the tokenizer's parse, before the weights land on top of it
     found = family(config.architecture)
     packed = found.quant_methods.get(config.quantization, ()) if config.quantization else ()
-    stored = read_safetensors(safetensors_files(source.path), progress, packed)
+    files = safetensors_files(source.path)
+    stored = read_safetensors(files, progress, packed, found.hf_unused)
     weights = split_fused(found.tensors(stored, config), config)
     if place.split is not None:  # cut before ISQ: each rank quantizes its share alone
         weights = place.split.weights(config, weights)

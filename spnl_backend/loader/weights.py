@@ -22,7 +22,7 @@ from torch import nn
 from ..errors import ModelFileError
 from ..kernels.dispatch import KernelChoice
 from ..memory import host_tensor
-from ..models.arch import family_of_gguf
+from ..models.arch import checkpoint_prefixes, family_of_gguf
 from ..models.config import ModelConfig
 from ..models.transformer import CausalLM
 from ..quant.ggml import FLOAT_TYPES, nonfinite_scales
@@ -104,16 +104,20 @@ def layer_indices(names: Iterable[str]) -> set[int]:
 
 
 def read_safetensors(
-    files: list[Path], progress: Progress, packed: tuple[str, ...] = ()
+    files: list[Path],
+    progress: Progress,
+    packed: tuple[str, ...] = (),
+    unused: tuple[str, ...] = (),
 ) -> NamedTensors:
     """Every tensor the model uses, checked: a float type, and finite; those whose names end
     with one of ``packed`` (a quantized checkpoint's blocks and scales,
-    `Family.quant_methods`) as stored, for the family to check and unpack. The data is read
+    `Family.quant_methods`) as stored, for the family to check and unpack; those ending
+    with one of ``unused`` (`Family.hf_unused`) left unread. The data is read
     into tensors of their own, not mapped: a file truncated under the process would
     otherwise kill it (SIGBUS) at the next read of a weight."""
     for number, path in enumerate(files, 1):
         with _opened(path) as f:  # safetensors checks the header's layout
-            names = [n for n in list(f.keys()) if not _renamed(n).startswith(_SKIPPED_PREFIXES)]
+            names = [n for n in list(f.keys()) if not _skipped(_renamed(n), unused)]
         layout = _layout(path)
         for done, name in enumerate(names):
             progress(f"weights {number}/{len(files)}", done, len(names))
@@ -225,8 +229,12 @@ def _check_finite_blocks(weight: QuantizedWeight, path: Path, name: str) -> None
         )
 
 
+def _skipped(name: str, unused: tuple[str, ...]) -> bool:
+    return name.startswith(_SKIPPED_PREFIXES) or name.endswith(unused)
+
+
 def _renamed(name: str) -> str:
-    for old, new in _RENAMED_PREFIXES:
+    for old, new in (*_RENAMED_PREFIXES, *checkpoint_prefixes()):
         if name.startswith(old):
             name = new + name.removeprefix(old)
             break

@@ -15,7 +15,7 @@ from ..errors import ModelFileError, UnsupportedArchitectureError
 from .components import DeltaNetConfig, Mamba2Config, MoeConfig, RopeConfig
 
 if TYPE_CHECKING:
-    from .layers import LayerSpec, NormPlacement
+    from .layers import LayerSpec, NormKind, NormPlacement
 
 # linear: a state layer, a Gated DeltaNet (`delta_net`) or a Mamba-2 (`mamba`)
 LayerType = Literal["full", "sliding", "linear"]
@@ -63,6 +63,14 @@ class ModelConfig:
     norm_offset: float = 0.0  # Gemma scales by (offset + weight)
     norm_in_float: bool = False  # Gemma multiplies by the weight before casting back
     norm_placement: "NormPlacement" = "pre"  # `models.layers.NormPlacement`
+    # `models.layers.NormKind`: RMSNorm, or LayerNorm with a bias (whose eps is then
+    # ``rms_norm_eps`` too: the one eps of the model's norms)
+    norm_kind: "NormKind" = "rms"
+    # The dense MLP: gated (Llama) or ``down(act(up(x)))`` (Phi-2, GPT-NeoX), its
+    # projections biased or not; and a bias on the LM head (Phi-2).
+    mlp_gated: bool = True
+    mlp_bias: bool = False
+    lm_head_bias: bool = False
     rope_layers: tuple[bool, ...] = ()  # which layers rotate (SmolLM3's NoPE); () = all
     embedding_multiplier: float | None = None
     residual_multiplier: float | None = None  # Granite: each layer's outputs scaled
@@ -72,7 +80,8 @@ class ModelConfig:
     final_softcap: float | None = None
     # swiglu_oai: gpt-oss's experts, ``(up + 1) * gate * sigmoid(alpha * gate)`` with the
     # gate clamped above at ``swiglu_limit`` and up to [-limit, limit] (`models.mlp`).
-    activation: Literal["silu", "gelu_tanh", "swiglu_oai"] = "silu"
+    # gelu: the exact (erf) GELU; gelu_tanh: its tanh approximation.
+    activation: Literal["silu", "gelu", "gelu_tanh", "swiglu_oai"] = "silu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     # OLMoE: q and k normed over the whole projection (before the heads are split), and
@@ -249,8 +258,20 @@ def _validate(config: ModelConfig) -> None:
         _check_state_layers(config)
     if config.sliding_window is not None:
         _check_count("sliding_window", config.sliding_window)
-    if config.norm_placement not in ("pre", "sandwich", "post"):
-        raise ConfigValueError("norm_placement", config.norm_placement, "pre, sandwich or post")
+    if config.norm_placement not in ("pre", "sandwich", "post", "parallel", "shared"):
+        raise ConfigValueError(
+            "norm_placement", config.norm_placement, "pre, sandwich, post, parallel or shared"
+        )
+    if config.norm_kind not in ("rms", "layer"):
+        raise ConfigValueError("norm_kind", config.norm_kind, "rms or layer")
+    if config.lm_head_bias and config.tie_word_embeddings:
+        raise ConfigValueError(
+            "lm_head_bias", True, "no bias on a head tied to the embedding (an untied head)"
+        )
+    if config.activation not in ("silu", "gelu", "gelu_tanh", "swiglu_oai"):
+        raise ConfigValueError(
+            "activation", config.activation, "silu, gelu, gelu_tanh or swiglu_oai"
+        )
     if config.rope_layers and len(config.rope_layers) != config.num_layers:
         raise ConfigValueError(
             "rope_layers", config.rope_layers, f"{config.num_layers} flags (one per layer)"

@@ -14,9 +14,9 @@ from .deltanet import GatedDeltaNet
 from .layers import DeltaNetMixer, Mamba2Mixer, MoeFFN
 from .linear import Linear, rows_alone
 from .mamba2 import Mamba2
-from .mlp import GatedMLP, gelu_tanh
+from .mlp import GatedMLP, PlainMLP, gelu_tanh
 from .moe import SparseMoE
-from .norms import RMSNorm, rms_norm_of
+from .norms import Norm, RMSNorm, norm_of
 from .per_layer import add_gated, gate_weights
 from .rope import RotaryTables
 from .step_attention import StepAttention
@@ -26,8 +26,11 @@ class DecoderLayer(nn.Module):
     """One layer as ``config.layers[layer]`` describes it. Its norms: ``pre`` (an input
     norm and one before the MLP), ``sandwich`` (Gemma: also one after attention and one
     after the MLP), ``post`` (OLMo 2: only those after; the stream enters un-normed, so
-    ``input_layernorm`` is None). With tensor parallelism (``tp``) its attention and MLP
-    each give this rank's part of their output, summed over the ranks before the add."""
+    ``input_layernorm`` is None), ``parallel`` (GPT-NeoX: attention and MLP both read the
+    layer's input, through the input norm and ``post_attention_layernorm``, their outputs
+    added at once), ``shared`` (Phi-2: as parallel, both through the input norm). With
+    tensor parallelism (``tp``) its attention and MLP each give this rank's part of their
+    output, summed over the ranks before the add."""
 
     def __init__(
         self,
@@ -49,8 +52,10 @@ class DecoderLayer(nn.Module):
             self.self_attn = Attention(config, spec.mixer, tp, native)
         if isinstance(spec.ffn, MoeFFN):
             self.mlp: nn.Module = SparseMoE(config, kernels)
+        elif spec.ffn.gated:
+            self.mlp = GatedMLP(config, spec.ffn.intermediate_size, spec.ffn.bias)
         else:
-            self.mlp = GatedMLP(config, spec.ffn.intermediate_size)
+            self.mlp = PlainMLP(config, spec.ffn.intermediate_size, spec.ffn.bias)
         # A shared expert beside the routed ones, and the projection that gates it.
         self.shared_mlp: GatedMLP | None = None
         self.shared_mlp_gate: Linear | None = None
@@ -59,14 +64,16 @@ class DecoderLayer(nn.Module):
             if spec.ffn.moe.shared_gate:
                 self.shared_mlp_gate = Linear(hidden, 1, bias=False)
         self.norms = spec.norms
-        self.input_layernorm: RMSNorm | None = None
+        kind = spec.norm
+        self.input_layernorm: Norm | None = None
         if spec.norms != "post":
-            self.input_layernorm = rms_norm_of(config, hidden, native)
-        self.post_attention_layernorm = rms_norm_of(config, hidden, native)
+            self.input_layernorm = norm_of(config, hidden, native, kind)
+        if spec.norms != "shared":
+            self.post_attention_layernorm = norm_of(config, hidden, native, kind)
         if spec.norms == "sandwich":
-            self.pre_feedforward_layernorm = rms_norm_of(config, hidden, native)
-        if spec.norms != "pre":
-            self.post_feedforward_layernorm = rms_norm_of(config, hidden, native)
+            self.pre_feedforward_layernorm = norm_of(config, hidden, native, kind)
+        if spec.norms in ("sandwich", "post"):
+            self.post_feedforward_layernorm = norm_of(config, hidden, native, kind)
         if spec.per_layer_input:
             for name, module in gate_weights(config, native).items():
                 setattr(self, name, module)
@@ -93,7 +100,7 @@ class DecoderLayer(nn.Module):
         h: torch.Tensor,
         rotary: RotaryTables | None,
         attention: StepAttention,
-        next_norm: RMSNorm | None,
+        next_norm: Norm | None,
         per_layer: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` the residual stream, ``h`` its copy by this layer's input norm → the new
@@ -102,6 +109,10 @@ class DecoderLayer(nn.Module):
         one step (`ops.add_rms_norm_layer`); ``x`` may be updated in place. ``per_layer``:
         this layer's per-layer input ``[T, width]`` where it takes one (Gemma 4)."""
         attn = self._scaled(self._summed(self._mix(h, rotary, attention)))
+        if self.norms in ("parallel", "shared"):  # the MLP reads the layer's input too
+            mlp_in = h if self.norms == "shared" else self.post_attention_layernorm(x)
+            mlp = self._scaled(self._summed(self._ffn(mlp_in)))
+            return self._mlp_out(x, attn + mlp, None, next_norm, per_layer)
         if self.norms == "pre":
             x, h = _add(x, attn, None, self.post_attention_layernorm)
             mlp = self._scaled(self._summed(self._ffn(h)))
@@ -117,8 +128,8 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         mlp: torch.Tensor,
-        mlp_norm: RMSNorm | None,
-        next_norm: RMSNorm | None,
+        mlp_norm: Norm | None,
+        next_norm: Norm | None,
         per_layer: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The MLP's output added, then Gemma 4's tail where the layer has one."""
@@ -160,10 +171,11 @@ class DecoderLayer(nn.Module):
 
 
 def _add(
-    x: torch.Tensor, delta: torch.Tensor, delta_norm: RMSNorm | None, norm: RMSNorm | None
+    x: torch.Tensor, delta: torch.Tensor, delta_norm: Norm | None, norm: Norm | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x + delta_norm(delta)`` and its copy by ``norm`` (the stream itself where None)."""
-    if norm is not None:
+    """``x + delta_norm(delta)`` and its copy by ``norm`` (the stream itself where None):
+    one step where the norms are RMSNorms (`ops.add_rms_norm_layer`)."""
+    if isinstance(norm, RMSNorm) and (delta_norm is None or isinstance(delta_norm, RMSNorm)):
         return ops.add_rms_norm_layer(x, delta, delta_norm, norm)
     x = x + (delta if delta_norm is None else delta_norm(delta))
-    return x, x
+    return x, x if norm is None else norm(x)

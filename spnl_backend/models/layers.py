@@ -16,8 +16,14 @@ if TYPE_CHECKING:
     from .config import DeltaNetConfig, Mamba2Config, ModelConfig, MoeConfig
 
 # pre: a norm before attention and before the MLP (Llama); sandwich: also after each
-# (Gemma); post: only after each, the residual stream entering un-normed (OLMo 2 and 3).
-NormPlacement = Literal["pre", "sandwich", "post"]
+# (Gemma); post: only after each, the residual stream entering un-normed (OLMo 2 and 3);
+# parallel: attention and MLP both read the layer's input, each through a norm of its own,
+# and both outputs join the stream at once (GPT-NeoX); shared: as parallel, through the
+# one input norm (Phi-2).
+NormPlacement = Literal["pre", "sandwich", "post", "parallel", "shared"]
+# rms: RMSNorm with a weight; layer: LayerNorm with a weight and a bias (Phi-2, StarCoder2,
+# GPT-NeoX).
+NormKind = Literal["rms", "layer"]
 # Which rotary table turns a layer's queries and keys; None: no rotation (NoPE).
 RopeTable = Literal["global", "local"]
 QkNorm = Literal["head", "full"]  # per head, or over the whole projection (OLMo)
@@ -95,8 +101,13 @@ StateMixer = DeltaNetMixer | Mamba2Mixer
 
 @dataclass(frozen=True)
 class DenseFFN:
+    """A dense MLP: ``gated``, ``down(act(gate(x)) * up(x))`` (Llama); else
+    ``down(act(up(x)))`` (Phi-2, StarCoder2, GPT-NeoX); ``bias``: its projections biased."""
+
     intermediate_size: int
     activation: str
+    gated: bool = True
+    bias: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,11 +121,13 @@ class LayerSpec:
     """``residual_scale``: what the mixer's and the FFN's outputs are multiplied by before
     they join the residual stream (Granite's ``residual_multiplier``; None: as they are);
     ``per_layer_input``: the width of Gemma 4's per-layer embedding this layer adds after
-    its MLP (0: none); ``output_scale``: its output scaled by a learned scalar."""
+    its MLP (0: none); ``output_scale``: its output scaled by a learned scalar;
+    ``norm``: the kind of its norms (its q/k norms are RMSNorms whatever it says)."""
 
     mixer: AttentionMixer | StateMixer
     ffn: DenseFFN | MoeFFN
     norms: NormPlacement = "pre"
+    norm: NormKind = "rms"
     residual_scale: float | None = None
     per_layer_input: int = 0
     output_scale: bool = False
@@ -164,6 +177,7 @@ def describe_layers(config: "ModelConfig") -> tuple[LayerSpec, ...]:
                 residual_scale=config.residual_multiplier,
                 per_layer_input=config.per_layer_input_size,
                 output_scale=config.layer_output_scale,
+                norm=config.norm_kind,
             )
         )
     return tuple(layers)
@@ -214,4 +228,9 @@ def _ffn(config: "ModelConfig", i: int) -> DenseFFN | MoeFFN:
         return MoeFFN(config.moe, config.activation)
     shared = i >= config.num_layers - config.num_kv_shared_layers
     wide = 2 if shared and config.double_wide_shared_mlp else 1
-    return DenseFFN(wide * config.intermediate_size, config.activation)
+    return DenseFFN(
+        wide * config.intermediate_size,
+        config.activation,
+        gated=config.mlp_gated,
+        bias=config.mlp_bias,
+    )

@@ -1,4 +1,5 @@
-"""The gated MLP of a dense layer (and of each expert), and its gating functions."""
+"""The MLPs of a dense layer: gated (and each expert's), or plain (an up projection, the
+activation, a down projection); their activations and gating functions."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,12 +29,28 @@ class GatedMLP(nn.Module):
         if config.activation == "swiglu_oai":
             self.glu: Glu = ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit)
         else:
-            self.act = F.silu if config.activation == "silu" else gelu_tanh
+            self.act = activation_fn(config.activation)
             self.glu = _plain_glu(self.act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(x, self.gate_proj, self.up_proj)
         return self.down_proj(self.glu(gate, up))
+
+
+class PlainMLP(nn.Module):
+    """``down(act(up(x)))``, its projections biased where ``bias`` (Phi-2's fc1/fc2,
+    StarCoder2's c_fc/c_proj, GPT-NeoX's dense_h_to_4h/dense_4h_to_h, under the gated
+    MLP's names of the two)."""
+
+    def __init__(self, config: ModelConfig, inner: int, bias: bool) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.up_proj = Linear(hidden, inner, bias=bias)
+        self.down_proj = Linear(inner, hidden, bias=bias)
+        self.act = activation_fn(config.activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
 
 
 @dataclass(frozen=True)
@@ -57,3 +74,17 @@ def _plain_glu(act: Callable[[torch.Tensor], torch.Tensor]) -> Glu:
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": gelu_tanh,
+}
+
+
+def activation_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The function of a `ModelConfig.activation` that is one (not gpt-oss's gating)."""
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not a plain one: {', '.join(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]

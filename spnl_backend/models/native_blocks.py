@@ -172,12 +172,17 @@ def _blocks_run(layers: list[DecoderLayer], final_norm: RMSNorm) -> bool:
     (per-layer inputs, an output scale), an input norm (pre or sandwich norms), quantized
     projections without bias (on the model's per-row products), the same shapes, a known
     activation or experts on the native MoE layer, one eps; no scaled residuals or shared
-    expert (Granite)."""
+    expert (Granite); RMSNorms (not LayerNorms) in sequence (pre or sandwich: not the
+    parallel residuals of GPT-NeoX and Phi-2), gated MLPs."""
+    if not isinstance(final_norm, RMSNorm):
+        return False
     shapes, inners, moes, eps = set(), set(), set(), {final_norm.eps}
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), layer.mlp
         if attn is None or attn.rope is None or attn.output_gate or not layer.input_layernorm:
             return False
+        if layer.spec.norms not in ("pre", "sandwich") or layer.spec.norm != "rms":
+            return False  # the blocks' norms are RMSNorms, each after its own residual add
         if attn.spec.scoring.sinks is not None:  # on the ops alone: every such model has biases
             return False
         if layer.spec.residual_scale is not None or layer.shared_mlp is not None:

@@ -1,6 +1,7 @@
-"""RMSNorm in the conventions the architectures use."""
+"""RMSNorm in the conventions the architectures use, and LayerNorm with a bias."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import ops
@@ -42,6 +43,31 @@ class RMSNorm(nn.Module):
 def rms_norm_of(config: ModelConfig, dim: int, native: CpuKernels | None) -> RMSNorm:
     """A norm of ``dim`` in ``config``'s convention."""
     return RMSNorm(dim, config.rms_norm_eps, config.norm_offset, config.norm_in_float, native)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last dim with a weight and a bias, computed as torch's (the
+    models that use it are trained with ``nn.LayerNorm``); no native kernel, so what runs
+    on the native layer blocks refuses a layer that has one."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.bias = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+Norm = RMSNorm | LayerNorm
+
+
+def norm_of(config: ModelConfig, dim: int, native: CpuKernels | None, kind: str = "rms") -> Norm:
+    """A norm of ``dim`` of ``kind`` (`models.layers.NormKind`) in ``config``'s convention."""
+    if kind == "layer":
+        return LayerNorm(dim, config.rms_norm_eps)
+    return rms_norm_of(config, dim, native)
 
 
 class UnitRMSNorm:

@@ -8,6 +8,7 @@ from . import (
     gemma2,
     gemma3,
     gemma4,
+    gpt_neox,
     gpt_oss,
     granitemoehybrid,
     llama,
@@ -15,6 +16,7 @@ from . import (
     mixtral,
     olmo2,
     olmoe,
+    phi,
     phi3,
     qwen2,
     qwen3,
@@ -22,6 +24,7 @@ from . import (
     qwen3_5_moe,
     qwen3_moe,
     smollm3,
+    starcoder2,
 )
 from .family import Family
 
@@ -45,6 +48,9 @@ FAMILIES: tuple[Family, ...] = tuple(
         mixtral,
         olmoe,
         gpt_oss,
+        phi,
+        starcoder2,
+        gpt_neox,
     )
 )
 
@@ -73,6 +79,13 @@ def family_of_gguf(arch: str) -> Family | None:
     return next((f for f in FAMILIES if arch in f.gguf_archs), None)
 
 
+@functools.cache
+def checkpoint_prefixes() -> tuple[tuple[str, str], ...]:
+    """Every family's checkpoint name prefixes outside the ``model.`` layout, with ours
+    (`Family.hf_prefixes`)."""
+    return tuple(pair for f in FAMILIES for pair in f.hf_prefixes.items())
+
+
 def gguf_architectures() -> tuple[str, ...]:
     return tuple(a for f in FAMILIES for a in f.gguf_archs)
 
@@ -85,6 +98,7 @@ def _by_name() -> dict[str, Family]:
 __all__ = [
     "FAMILIES",
     "Family",
+    "checkpoint_prefixes",
     "family",
     "family_names",
     "family_of_gguf",

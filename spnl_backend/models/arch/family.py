@@ -130,6 +130,10 @@ class Family:
     - ``tensors(stored, config)``: the file's tensors renamed, split and reshaped where
       the family's layout is its own (both formats, before the loader's common splits;
       a GGUF's under the names ``gguf_names`` gives them).
+    - ``hf_prefixes``: a checkpoint's name prefixes outside the ``model.`` layout
+      (GPT-NeoX's ``gpt_neox.``), renamed to ours before anything reads the names;
+      ``hf_unused``: name suffixes of checkpoint tensors the model does not use (old
+      buffers saved beside the weights), left unread.
     - ``quant_methods``: the ``quantization_config.quant_method``s of a ``config.json``
       that it reads, each with the name suffixes of the tensors stored packed under it
       (read as their bytes, not checked as floats: ``tensors`` turns them into quantized
@@ -154,8 +158,30 @@ class Family:
     layers: Callable[["ModelConfig"], tuple[LayerSpec, ...]] = describe_layers
     state_layers: bool = False
     tensors: Callable[[Tensors, "ModelConfig"], Tensors] = as_stored
+    hf_prefixes: Mapping[str, str] = field(default_factory=dict)
+    hf_unused: tuple[str, ...] = ()
     quant_methods: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     tiny: Mapping[str, Any] = field(default_factory=dict)
+
+
+def renaming(modules: Mapping[str, str]) -> Callable[[Tensors, "ModelConfig"], Tensors]:
+    """A family's ``tensors`` that renames a checkpoint's modules to ours (``.old.`` to
+    ``.new.`` within each name: Phi-2's ``mlp.fc1`` is our ``mlp.up_proj``)."""
+
+    def renamed(tensors: Tensors, config: "ModelConfig") -> Tensors:
+        for name, tensor in tensors:
+            for old, new in modules.items():
+                if f".{old}." in name:
+                    name = name.replace(f".{old}.", f".{new}.")
+                    break
+            yield name, tensor
+
+    return renamed
+
+
+def layer_norm_fields(eps: float) -> Fields:
+    """The fields of a model of LayerNorms (weight and bias) and plain, biased MLPs."""
+    return {"norm_kind": "layer", "rms_norm_eps": eps, "mlp_gated": False, "mlp_bias": True}
 
 
 def biases(keys: ConfigKeys) -> Fields:
