@@ -71,12 +71,18 @@ def _common(vocab: int) -> dict:
     )
 
 
+# Config keys whose None is a setting, not a default (DeepSeek-V2-Lite's q_lora_rank: its
+# queries projected directly, where transformers' default is a bottleneck).
+NONE_MEANT = frozenset({"q_lora_rank"})
+
+
 def hf_config(arch: str, vocab: int, overrides: dict | None = None):
     """The family's tiny model (`Family.tiny`: its keys beside the common tiny sizes;
     ``overrides``: a variant's keys over them)."""
     found = family(arch)
     keys = {**_common(vocab), **found.tiny, **(overrides or {})}
-    keys = {key: value for key, value in keys.items() if value is not None}  # None: left out
+    # None: left out, but where None itself is the value meant
+    keys = {key: value for key, value in keys.items() if value is not None or key in NONE_MEANT}
     if "hidden_size_per_layer_input" in keys:  # Gemma 4's per-layer table: the same ids
         keys.setdefault("vocab_size_per_layer_input", vocab)
     return AutoConfig.for_model(keys.pop("model_type", found.model_types[0]), **keys)

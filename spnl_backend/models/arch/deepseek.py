@@ -60,6 +60,7 @@ _GGUF_NAMES = {
 _RENAMED = {
     ".mlp.shared_experts.": ".shared_mlp.",
     ".mlp.gate.e_score_correction_bias": ".mlp.e_score_correction_bias",
+    ".mlp.e_score_correction_bias.bias": ".mlp.e_score_correction_bias",  # a GGUF's
 }
 _SOFTMAX, _SIGMOID = 1, 2  # llama.cpp's expert_gating_func
 
@@ -317,12 +318,13 @@ V3 = Family(
         "topk_group": 2,
         "norm_topk_prob": True,
         "routed_scaling_factor": 2.5,
-        "rope_parameters": {
+        "scoring_func": "sigmoid",  # as DeepSeek's files say (llama.cpp's converter reads it)
+        "rope_parameters": {  # V2-Lite's and V3's mscale rule: equal, the softmax scaled
             "rope_type": "yarn",
             "rope_theta": 10000.0,
             "factor": 4.0,
             "original_max_position_embeddings": 128,
-            "mscale": 1.0,
+            "mscale": 0.707,
             "mscale_all_dim": 0.707,
         },
     },
