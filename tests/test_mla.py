@@ -6,6 +6,7 @@ stores), what refuses them, and their GGUF twins as llama.cpp's own converter wr
 them."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import CPU, PROMPT, SHARED_PREFIX_PROMPTS, engine_internals, model_logits
+from safetensors.torch import load_file, save_file
 from tiny_models import MLA_ARCHITECTURES, build_hf_model
 
 from spnl_backend import BackendSettings, load_backend
@@ -269,6 +271,29 @@ def test_the_native_layer_blocks_leave_it_to_the_per_op_path(tiny, arch, block_r
         result = backend.generate(PROMPT, max_tokens=4, temperature=0)
     assert block_runs[0] == 0
     assert len(result.token_ids) == 4
+
+
+def test_v3s_multi_token_prediction_layer_is_left_unread(tiny, tmp_path):
+    """DeepSeek-V3's checkpoints keep it as one more ``model.layers.N``
+    (``num_nextn_predict_layers``); the decoder is the same model without it."""
+    source = tiny.hf("deepseek_v3").path
+    shutil.copytree(source, tmp_path / "hf")
+    weights = load_file(source / "model.safetensors")
+    layers = tiny.hf("deepseek_v3").hf.config.num_hidden_layers
+    assert tiny.hf("deepseek_v3").hf.config.num_nextn_predict_layers == 1
+    last = f"model.layers.{layers - 1}."
+    extra = {
+        f"model.layers.{layers}." + name.removeprefix(last): tensor.clone()
+        for name, tensor in weights.items()
+        if name.startswith(last)
+    }
+    save_file({**weights, **extra}, tmp_path / "hf" / "model.safetensors")
+    with_mtp = load_backend(str(tmp_path / "hf"), settings=CPU)
+    ids = with_mtp.tokenizer.encode(PROMPT)
+    assert with_mtp.model_config.num_layers == layers
+    torch.testing.assert_close(
+        model_logits(with_mtp, ids), model_logits(tiny.backend("deepseek_v3"), ids)
+    )
 
 
 # ---- what refuses it -------------------------------------------------------------------

@@ -228,6 +228,8 @@ def tensors(stored: Tensors, config: "ModelConfig") -> Tensors:
     mla = config.mla
     assert mla is not None
     for name, tensor in stored:
+        if _past_decoder(name, config.num_layers):  # V3's multi-token prediction layer
+            continue
         for old, new in _RENAMED.items():
             name = name.replace(old, new)
         if name.endswith(".self_attn.kv_b_proj.weight"):
@@ -237,6 +239,11 @@ def tensors(stored: Tensors, config: "ModelConfig") -> Tensors:
             heads = 1 if "kv_a_proj" in name else config.num_heads
             tensor = _rows(tensor, _halves_order(mla, heads, "kv_a_proj" in name))
         yield name, tensor
+
+
+def _past_decoder(name: str, layers: int) -> bool:
+    parts = name.split(".", 3)
+    return parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= layers
 
 
 _ROTATED = (
@@ -308,6 +315,7 @@ V3 = Family(
     model_types=("deepseek_v3",),
     hf_fields=_hf(v3=True),
     tensors=tensors,
+    extra_layers_key="num_nextn_predict_layers",
     tiny={  # queries through a bottleneck, sigmoid routing in groups, yarn rope
         **_TINY,
         "q_lora_rank": 48,
