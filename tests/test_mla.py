@@ -20,6 +20,7 @@ from tiny_models import MLA_ARCHITECTURES, build_hf_model
 from spnl_backend import BackendSettings, load_backend
 from spnl_backend.distributed.sharding import check_shardable
 from spnl_backend.engine.embed import SelfAttention
+from spnl_backend.engine.kv_cache import ContiguousStep, SequenceKV, StepSlice
 from spnl_backend.errors import SettingsError, UnsupportedArchitectureError
 from spnl_backend.memory import kv_bytes_per_token
 from spnl_backend.models.components import MoeConfig
@@ -271,6 +272,24 @@ def test_the_native_layer_blocks_leave_it_to_the_per_op_path(tiny, arch, block_r
         result = backend.generate(PROMPT, max_tokens=4, temperature=0)
     assert block_runs[0] == 0
     assert len(result.token_ids) == 4
+
+
+def test_embeddings_are_the_last_hidden_state_through_the_latent_layers(tiny, arch):
+    """A cache-free pass (`engine.embed`) attends over the latents it makes itself."""
+    backend = tiny.backend(arch)
+    texts = [PROMPT, "The capital of France is"]
+    vectors = backend.embed(texts).vectors
+    for text, vector in zip(texts, vectors, strict=True):
+        ids = backend.tokenizer.encode(text)
+        config = backend.model_config
+        planes = config.kv_planes
+        kv = SequenceKV(config.kv_shapes, torch.float32, torch.device("cpu"), planes=planes)
+        kv.reserve(len(ids), used=0)
+        with torch.inference_mode():
+            step = ContiguousStep([StepSlice(kv, 0, len(ids))])
+            hidden = backend.model(torch.tensor(ids), torch.arange(len(ids)), step)[-1]
+        expected = torch.nn.functional.normalize(hidden.float(), dim=-1)
+        torch.testing.assert_close(vector, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_v3s_multi_token_prediction_layer_is_left_unread(tiny, tmp_path):
