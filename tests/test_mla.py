@@ -258,6 +258,7 @@ def test_a_prefix_hit_gives_the_same_tokens(tiny, arch):
     assert hit.token_ids == first.token_ids
 
 
+@pytest.mark.slow
 def test_speculative_ngram_drafts_roll_back_exactly(tiny, arch):
     settings = BackendSettings(device="cpu", speculative_method="ngram", speculative_gamma=4)
     with load_backend(str(tiny.hf(arch).path), settings=settings) as backend:
@@ -376,6 +377,7 @@ def _converted(tiny, arch: str, outtype: str) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_converted_gguf_has_the_same_logits_and_tokenizer(tiny, arch):
     twin = load_backend(str(_converted(tiny, arch, "f32")), settings=CPU)
     original = tiny.backend(arch)
@@ -389,6 +391,7 @@ def test_converted_gguf_has_the_same_logits_and_tokenizer(tiny, arch):
     )
 
 
+@pytest.mark.slow
 def test_converted_q8_0_gguf_holds_the_weights_within_quantization_error(tiny, arch):
     """Every matrix (the q rows regrouped as quantized blocks, the per-head k_b and v_b)
     as the original's, to 8-bit precision. (The logits are not compared: a few tokens'

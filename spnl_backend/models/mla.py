@@ -56,8 +56,6 @@ class LatentAttention(nn.Module):
         self.mla, self.spec = mla, mixer.spec
         self.num_heads = heads = mixer.num_heads
         hidden, q_size = config.hidden_size, heads * mla.qk_head_dim
-        # Read by what inspects attention layers (the native layer blocks decline it).
-        self.rope, self.output_gate, self.shared_kv = "global", False, False
         if mla.q_lora_rank is None:
             self.q_proj = Linear(hidden, q_size, bias=False)
         else:
