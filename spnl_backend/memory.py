@@ -55,9 +55,12 @@ def kv_layer_shapes(shape: KVShape) -> tuple[tuple[int, int], ...]:
 
 def kv_bytes_per_token(shape: KVShape, dtype: torch.dtype) -> int:
     """K and V of every layer for one token, in a plain cache of ``dtype``, each layer at
-    its own size: the one formula the budget, the paged pool, the compression methods and
-    the benchmarks use."""
-    return sum(2 * heads * dim for heads, dim in kv_layer_shapes(shape)) * dtype.itemsize
+    its own size (a latent layer's one plane, `ModelConfig.kv_planes`): the one formula
+    the budget, the paged pool, the compression methods and the benchmarks use."""
+    shapes = kv_layer_shapes(shape)
+    planes = getattr(shape, "kv_planes", None) or (2,) * len(shapes)
+    per_layer = zip(planes, shapes, strict=True)
+    return sum(count * heads * dim for count, (heads, dim) in per_layer) * dtype.itemsize
 
 
 def host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -10,6 +10,7 @@ from tiny_models import (
     ARCHITECTURES,
     HYBRID_ARCHITECTURES,
     KV_GROUP_ARCHITECTURES,
+    MLA_ARCHITECTURES,
     MOE_ARCHITECTURES,
     hf_config,
 )
@@ -24,9 +25,12 @@ Q8_0_RELATIVE_L2 = 0.08
 # The families whose tiny model's GGUF twin these tests compare (those with experts or
 # state layers: tests/test_moe.py, tests/test_hybrid.py).
 GGUF_TWINS = (*ARCHITECTURES, *KV_GROUP_ARCHITECTURES)
+# The families compared with transformers here: the dense ones and those with latent
+# attention (DeepSeek; their other tests are tests/test_mla.py).
+COMPARED = (*ARCHITECTURES, *MLA_ARCHITECTURES)
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", COMPARED)
 def test_logits_match_transformers(tiny, arch):
     model = tiny.hf(arch)
     ids = model.tokenizer(PROMPT).input_ids
@@ -37,7 +41,7 @@ def test_logits_match_transformers(tiny, arch):
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", COMPARED)
 def test_32_greedy_tokens_match_transformers(tiny, arch):
     model = tiny.hf(arch)
     ids = model.tokenizer(PROMPT).input_ids
@@ -118,5 +122,11 @@ def test_every_family_has_a_tiny_model(family):
     assert family.tiny, f"{family.name} has no tiny model (Family.tiny)"
     config = hf_config(family.name, 320)
     assert config.model_type in family.model_types
-    groups = (ARCHITECTURES, MOE_ARCHITECTURES, HYBRID_ARCHITECTURES, KV_GROUP_ARCHITECTURES)
+    groups = (
+        ARCHITECTURES,
+        MOE_ARCHITECTURES,
+        HYBRID_ARCHITECTURES,
+        KV_GROUP_ARCHITECTURES,
+        MLA_ARCHITECTURES,
+    )
     assert any(family.name in group for group in groups)  # some test module runs it

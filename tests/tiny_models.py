@@ -72,12 +72,18 @@ def _common(vocab: int) -> dict:
     )
 
 
+# Config keys whose None is a setting, not a default (DeepSeek-V2-Lite's q_lora_rank: its
+# queries projected directly, where transformers' default is a bottleneck).
+NONE_MEANT = frozenset({"q_lora_rank"})
+
+
 def hf_config(arch: str, vocab: int, overrides: dict | None = None):
     """The family's tiny model (`Family.tiny`: its keys beside the common tiny sizes;
     ``overrides``: a variant's keys over them)."""
     found = family(arch)
     keys = {**_common(vocab), **found.tiny, **(overrides or {})}
-    keys = {key: value for key, value in keys.items() if value is not None}  # None: left out
+    # None: left out, but where None itself is the value meant
+    keys = {key: value for key, value in keys.items() if value is not None or key in NONE_MEANT}
     if "hidden_size_per_layer_input" in keys:  # Gemma 4's per-layer table: the same ids
         keys.setdefault("vocab_size_per_layer_input", vocab)
     return AutoConfig.for_model(keys.pop("model_type", found.model_types[0]), **keys)
@@ -92,12 +98,21 @@ def _has_kv_groups(found) -> bool:
     return any(key in found.tiny for key in ("global_head_dim", "num_kv_shared_layers"))
 
 
+def _has_latent_kv(found) -> bool:
+    """Multi-head latent attention (DeepSeek): one latent per token in the pool."""
+    return "kv_lora_rank" in found.tiny
+
+
 # Every family of the registry: dense, with experts, hybrids (state layers beside
-# attention, which the features that need every layer's K and V refuse), and KV groups
-# (which the features that see the pool as one shape refuse; tests/test_kv_groups.py).
+# attention, which the features that need every layer's K and V refuse), KV groups
+# (which the features that see the pool as one shape refuse; tests/test_kv_groups.py),
+# and latent attention (tests/test_mla.py; also in tests/test_models.py's comparisons).
 ARCHITECTURES = tuple(
-    f.name for f in FAMILIES if not (_has_experts(f) or f.state_layers or _has_kv_groups(f))
+    f.name
+    for f in FAMILIES
+    if not (_has_experts(f) or f.state_layers or _has_kv_groups(f) or _has_latent_kv(f))
 )
+MLA_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_latent_kv(f))
 KV_GROUP_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_kv_groups(f))
 MOE_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_experts(f) and not f.state_layers)
 HYBRID_ARCHITECTURES = tuple(f.name for f in FAMILIES if f.state_layers)
@@ -146,6 +161,8 @@ def build_hf_model(
         for name, buffer in model.named_buffers():
             if name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale
                 buffer.copy_(0.5 + torch.rand_like(buffer))
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's: it moves choices
+                buffer.normal_(0.0, 0.3)
     return _save(TinyModel(arch, path, model, tokenizer))
 
 

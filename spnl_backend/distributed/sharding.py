@@ -119,7 +119,9 @@ def check_shardable(
         problems.append(
             f"its {c.num_state_layers} state layers (Gated DeltaNet, Mamba-2) are not split yet"
         )
-    if not c.uniform_kv or c.per_layer_input_size:
+    if c.mla is not None:
+        problems.append("its multi-head latent attention (DeepSeek) is not split yet")
+    elif not c.uniform_kv or c.per_layer_input_size:
         problems.append(
             "its KV layers of several shapes, shared K/V and per-layer embeddings (Gemma 4) "
             "are not split yet"

@@ -165,9 +165,12 @@ def check_states_fit(states: StatePlan, available_bytes: int) -> None:
 
 def _kv_layers(config: ModelConfig) -> str:
     """The pool's layers in words: their count and shape, each shape's where they differ."""
-    counts: dict[tuple[int, int], int] = {}
-    for shape in config.kv_shapes:
-        counts[shape] = counts.get(shape, 0) + 1
+    counts: dict[tuple[tuple[int, int], int], int] = {}
+    for shape, planes in zip(config.kv_shapes, config.kv_planes, strict=True):
+        counts[(shape, planes)] = counts.get((shape, planes), 0) + 1
     return " + ".join(
-        f"{count} layers x {heads} KV heads x {dim} dims" for (heads, dim), count in counts.items()
+        f"{count} layers x {heads} KV heads x {dim} dims"
+        if planes == 2
+        else f"{count} layers x a latent of {dim} dims"
+        for ((heads, dim), planes), count in counts.items()
     )

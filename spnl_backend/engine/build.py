@@ -173,6 +173,9 @@ def _refuse_for_kv_groups(loaded: LoadedModel, settings: BackendSettings) -> Non
     config = loaded.config
     if config.uniform_kv:
         return
+    if 1 in config.kv_planes:
+        _refuse_for_latent(loaded, settings)
+        return
     asked = {
         f"{env_name('kv_cache_compression')}={settings.kv_cache_compression}": (
             get_compressor(settings.kv_cache_compression) is not None
@@ -182,6 +185,24 @@ def _refuse_for_kv_groups(loaded: LoadedModel, settings: BackendSettings) -> Non
     why = (
         f"the {config.architecture} model's KV layers differ in shape ({_shapes(config)}) "
         "or are read by later layers, which this does not handle yet"
+    )
+    _refuse(asked, why)
+
+
+def _refuse_for_latent(loaded: LoadedModel, settings: BackendSettings) -> None:
+    """What a model whose KV layers keep one latent per token (DeepSeek's multi-head latent
+    attention) cannot run with: what takes K and V per head from the pool."""
+    asked = {
+        f"{env_name('kv_cache_compression')}={settings.kv_cache_compression}": (
+            get_compressor(settings.kv_cache_compression) is not None
+        ),
+        f"{env_name('paged_cache_type')}=f8e4m3": settings.paged_cache_type == "f8e4m3",
+        "layer mapping (MISTRALRS_DEVICE_LAYERS)": loaded.model.model.layer_spans is not None,
+        "tensor parallelism": loaded.model.tp is not None,
+    }
+    why = (
+        f"the {loaded.config.architecture} model's attention keeps one latent per token "
+        "(multi-head latent attention), not K and V per head, and this takes those"
     )
     _refuse(asked, why)
 
@@ -255,7 +276,9 @@ def _cache(
     cache, max_len, info, plan = _kv_cache(
         loaded, settings, decisions, budget, role, trail_rows, slots
     )
-    info = dataclasses.replace(info, uniform_kv=loaded.config.uniform_kv)
+    config = loaded.config
+    latent = 1 in config.kv_planes
+    info = dataclasses.replace(info, uniform_kv=config.uniform_kv, latent_kv=latent)
     if plan is None:
         return cache, max_len, info
     paged = cache if isinstance(cache, PagedCacheManager) else None

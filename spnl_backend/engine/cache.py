@@ -48,6 +48,9 @@ class CacheInfo:
     # Every KV layer of one shape and every attention layer with its own K and V
     # (`ModelConfig.uniform_kv`; False: Gemma 4's KV groups and shared layers).
     uniform_kv: bool = True
+    # The KV layers keep one latent per token (DeepSeek's multi-head latent attention,
+    # `ModelConfig.kv_planes`), not K and V per head.
+    latent_kv: bool = False
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,8 @@ class SelfAttention(WithoutLayerBlocks):
     ) -> torch.Tensor:
         if spec.shared_kv:
             k, v = self.kv[spec.layer]
+        if spec.latent and k is not None:  # a latent layer's values: its keys' first dims
+            v = k[..., : spec.latent]
         assert k is not None
         assert v is not None
         self.kv[spec.layer] = (k, v)

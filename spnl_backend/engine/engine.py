@@ -364,6 +364,12 @@ class Engine:
             )
         if info.compression is not None:
             return f"its KV cache is compressed (MISTRALRS_KV_CACHE_COMPRESSION={info.compression})"
+        if info.latent_kv:
+            return (
+                "its model's attention keeps one latent per token (DeepSeek's multi-head "
+                "latent attention): PIC moves and probes K and V per head, and a latent "
+                "computed at other positions is not moved yet"
+            )
         if not info.uniform_kv:
             return (
                 "its model's KV layers differ in shape or are read by other layers "

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from ..kernels.attention_ref import attention_ref
 from ..kernels.cpu import CpuKernels
 from ..kernels.paged_ref import to_cache
 from ..kernels.sets import attend_contiguous, contiguous_kernels
@@ -63,13 +64,17 @@ class SequenceKV:
         device: torch.device,
         native: CpuKernels | None = None,
         longest: int | None = None,
+        planes: tuple[int, ...] | None = None,
     ) -> None:
-        by_shape: dict[tuple[int, int], list[int]] = {}
+        """``planes``: each layer's tensors per token (`ModelConfig.kv_planes`: 1 for a
+        latent layer, whose keys are its values too); None: K and V everywhere."""
+        planes = planes or (2,) * len(shapes)
+        by_shape: dict[tuple[tuple[int, int], int], list[int]] = {}
         for place, shape in enumerate(shapes):
-            by_shape.setdefault(shape, []).append(place)
+            by_shape.setdefault((shape, planes[place]), []).append(place)
         self.groups = [
-            torch.empty((len(places), 2, 0, *shape), dtype=dtype, device=device)
-            for shape, places in by_shape.items()
+            torch.empty((len(places), count, 0, *shape), dtype=dtype, device=device)
+            for (shape, count), places in by_shape.items()
         ]
         # Each KV layer's (group, index in it).
         self.where = [(0, 0)] * len(shapes)
@@ -83,7 +88,8 @@ class SequenceKV:
         return self.groups[0].shape[2]
 
     def layer(self, place: int) -> torch.Tensor:
-        """KV layer ``place``'s ``[2, capacity, kv_heads, head_dim]``."""
+        """KV layer ``place``'s ``[2, capacity, kv_heads, head_dim]`` (a latent layer's
+        ``[1, ...]``)."""
         group, index = self.where[place]
         return self.groups[group][index]
 
@@ -109,6 +115,12 @@ class SequenceKV:
     ) -> torch.Tensor:
         total = context_len + q.shape[0]
         layer = self.layer(spec.layer)
+        if spec.latent:  # one plane of keys, the values their first dims
+            layer[0, context_len:total] = to_cache(k, layer.dtype)
+            keys = layer[0, :total].to(q.dtype)
+            return attention_ref(
+                q, keys, keys[..., : spec.latent], spec.scoring, context_len=context_len
+            )
         if not spec.shared_kv:  # a shared layer's K and V were stored by their own layer
             layer[0, context_len:total] = to_cache(k, layer.dtype)
             layer[1, context_len:total] = to_cache(v, layer.dtype)
@@ -145,12 +157,14 @@ class ContiguousStep(WithoutLayerBlocks):
         v: torch.Tensor | None,
         spec: AttentionSpec,
     ) -> torch.Tensor:
-        out = torch.empty_like(q)
+        width = spec.latent or q.shape[-1]  # a latent layer's output: its values' width
+        out = q.new_empty(*q.shape[:-1], width)
         start = 0
         for s in self.slices:
             end = start + s.query_len
             rows = slice(start, end)
-            k_rows, v_rows = (None, None) if k is None or v is None else (k[rows], v[rows])
+            k_rows = None if k is None else k[rows]
+            v_rows = None if v is None else v[rows]
             out[rows] = s.kv.attend(q[rows], k_rows, v_rows, s.context_len, spec)
             start = end
         return out
@@ -219,7 +233,8 @@ def plain_stores(
     """A factory of uncompressed per-sequence buffers of ``dtype`` (the cache's) for
     ``config``'s model."""
     shapes, longest = config.kv_shapes, native_attention_queries(batch_invariant)
-    return lambda: SequenceKV(shapes, dtype, device, native, longest)
+    planes = config.kv_planes
+    return lambda: SequenceKV(shapes, dtype, device, native, longest, planes)
 
 
 class ContiguousCacheManager:

@@ -3,7 +3,10 @@
 The cache is one tensor ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` per KV
 group: the layers of one shape (on one device, under layer mapping), a single group where
 every layer has one shape (Gemma 4's sliding and global layers differ); each layer's K
-and V are ``[num_blocks, block_size, kv_heads, head_dim]`` views of its group's.
+and V are ``[num_blocks, block_size, kv_heads, head_dim]`` views of its group's. A latent
+group (DeepSeek's multi-head latent attention) holds one plane, ``[layers, 1, num_blocks,
+block_size, 1, latent_width]``: each token's normed latent and its rotated key, read by
+every head (the values are the latent part of those keys).
 New tokens are written through a slot mapping and attention reads every key through
 the block tables, via the kernels the platform picked.
 """
@@ -16,7 +19,12 @@ import torch
 from ..errors import EngineError
 from ..kernels import AttentionKernels
 from ..kernels.metadata import PagedMetadata
-from ..kernels.paged_ref import copy_block_rotated, fp8_scale
+from ..kernels.paged_ref import (
+    copy_block_rotated,
+    fp8_scale,
+    paged_latent_attention_ref,
+    store_latent_ref,
+)
 from ..kernels.pic import PicKeys
 from ..kernels.sets import NativeKeys, native_keys
 from ..log import get_logger
@@ -55,12 +63,16 @@ class PagedKVCache:
         spans = layer_spans or [(device, config.num_kv_layers)]
         self.parts: list[torch.Tensor] = []
         slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for at, places in _kv_groups(config.kv_shapes, spans):
+        planes = config.kv_planes
+        for at, places in _kv_groups(config.kv_shapes, planes, spans):
             heads, dim = config.kv_shapes[places[0]]
-            shape = (len(places), 2, num_blocks, block_size, heads, dim)
+            count = planes[places[0]]  # a latent layer's keys are its values too: one plane
+            shape = (len(places), count, num_blocks, block_size, heads, dim)
             part = _pool_tensor(shape, cache_dtype, at)
             self.parts.append(part)
-            slots.update((place, (part[i, 0], part[i, 1])) for i, place in enumerate(places))
+            slots.update(
+                (place, (part[i, 0], part[i, count - 1])) for i, place in enumerate(places)
+            )
         self.layers = [slots[place] for place in range(config.num_kv_layers)]
         self.data = self.parts[0] if len(self.parts) == 1 else None  # the whole pool
         self.bytes_per_token = kv_bytes_per_token(config, cache_dtype)
@@ -107,16 +119,18 @@ class PagedKVCache:
 
 
 def _kv_groups(
-    shapes: tuple[tuple[int, int], ...], spans: list[tuple[torch.device, int]]
+    shapes: tuple[tuple[int, int], ...],
+    planes: tuple[int, ...],
+    spans: list[tuple[torch.device, int]],
 ) -> list[tuple[torch.device, list[int]]]:
     """The pool's tensors: for each device's consecutive KV layers, its layers of each
-    shape, in the order the shapes first appear."""
+    shape and kind (K and V, or a latent), in the order they first appear."""
     groups: list[tuple[torch.device, list[int]]] = []
     start = 0
     for device, count in spans:
-        by_shape: dict[tuple[int, int], list[int]] = {}
+        by_shape: dict[tuple[tuple[int, int], int], list[int]] = {}
         for place in range(start, start + count):
-            by_shape.setdefault(shapes[place], []).append(place)
+            by_shape.setdefault((shapes[place], planes[place]), []).append(place)
         groups += [(device, places) for places in by_shape.values()]
         start += count
     return groups
@@ -144,6 +158,11 @@ class PagedStep:
     ) -> torch.Tensor:
         layer, cache = spec.layer, self.cache
         key_cache, value_cache = cache.layers[layer]
+        if spec.latent:  # one plane of keys, the values their first dims
+            assert k is not None
+            meta = self._meta_on(key_cache.device)
+            store_latent_ref(k, key_cache, meta)
+            return paged_latent_attention_ref(q, key_cache, meta, spec.scoring, spec.latent)
         k_scale, v_scale = cache.k_scale[layer], cache.v_scale[layer]
         meta = self._meta_on(key_cache.device)
         if not spec.shared_kv:  # a shared layer's K and V were stored by their own layer

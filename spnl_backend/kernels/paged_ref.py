@@ -43,6 +43,38 @@ def store_kv_ref(
     _write(value_cache, slots, value if keep is None else value[keep], v_scale)
 
 
+def store_latent_ref(keys: torch.Tensor, cache: torch.Tensor, meta: PagedMetadata) -> None:
+    """Write a latent layer's ``keys [T, 1, width]`` (`AttentionSpec.latent`: no values of
+    their own) to ``meta.slot_mapping``; -1 skipped."""
+    keep, slots = meta.written_slots
+    _write(cache, slots, keys if keep is None else keys[keep], 1.0)
+
+
+def paged_latent_attention_ref(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    meta: PagedMetadata,
+    scoring: Scoring,
+    latent: int,
+) -> torch.Tensor:
+    """Multi-head latent attention over the pool: ``q [T, heads, width]`` (the absorbed
+    queries) against each sequence's cached keys ``[tokens, 1, width]``, whose first
+    ``latent`` dims are also the values → ``[T, heads, latent]``. Sequences as in
+    `paged_attention_ref` (their last ``query_lens[i]`` of ``seq_lens[i]`` tokens)."""
+    if meta.pic is not None:
+        raise ValueError("PIC sequences do not run on latent attention layers")
+    out = q.new_empty(q.shape[0], q.shape[1], latent)
+    start = 0
+    for i, (seq_len, query_len) in enumerate(zip(meta.seq_lens, meta.query_lens, strict=True)):
+        end = start + query_len
+        keys = gather_kv(cache, meta.block_tables[i], seq_len, q.dtype)
+        out[start:end] = attention_ref(
+            q[start:end], keys, keys[..., :latent], scoring, context_len=seq_len - query_len
+        )
+        start = end
+    return out
+
+
 HALF_MAX = torch.finfo(torch.float16).max
 
 

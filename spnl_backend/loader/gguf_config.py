@@ -251,7 +251,9 @@ def _head_dim(meta: "_Metadata", hidden: int, heads: int) -> int:
         )
     head_dim = meta.count("attention.key_length", hidden // heads)
     value_dim = meta.count("attention.value_length", head_dim)
-    if value_dim != head_dim:
+    # (multi-head latent attention: the cached latent and rotated key, and the latent;
+    # the family reads the heads' own sizes, ``key_length_mla`` and ``value_length_mla``)
+    if value_dim != head_dim and meta.get("attention.kv_lora_rank") is None:
         raise meta.wrong(
             "attention.value_length",
             value_dim,

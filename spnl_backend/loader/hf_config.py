@@ -136,7 +136,7 @@ def check_raw_config(raw: dict[str, Any], path: Path, layers: set[int] | None = 
         if not isinstance(section, dict):
             raise _wrong(path, "text_config", section, "an object")
         model_type = section.get("model_type", wrapped.model_types[0])
-    _check_architecture(model_type, path)
+    family = _check_architecture(model_type, path)
     keys = _Keys(section, path, prefix)
     for key in _REQUIRED_COUNTS:
         keys.count(key)
@@ -152,6 +152,11 @@ def check_raw_config(raw: dict[str, Any], path: Path, layers: set[int] | None = 
             "not given: the head size is unknown"
         )
     count = section["num_hidden_layers"]
+    if family.extra_layers_key is not None and layers is not None:
+        # layers kept after the decoder's (DeepSeek-V3's multi-token prediction), unread
+        extra = keys.integer(family.extra_layers_key, 0) or 0
+        if extra > 0 and _is_range(layers, count + extra):
+            count += extra
     if layers is not None and not _is_range(layers, count):
         held = f"layers 0..{max(layers)}" if layers else "no model.layers.* tensors"
         raise ModelFileError(

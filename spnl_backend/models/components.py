@@ -56,6 +56,56 @@ class MoeConfig:
     bias: bool = False  # gpt-oss: the router and every expert projection biased
     shared_intermediate_size: int | None = None
     shared_gate: bool = False
+    # DeepSeek's routing (V2: softmax, V3: sigmoid): ``score_bias`` adds a learned bias per
+    # expert to the scores for choosing alone (V3's ``e_score_correction_bias``); with
+    # ``n_group`` groups, only experts of the ``topk_group`` best groups are chosen, a
+    # group scored by its best expert (``max``, V2) or its best two summed (``top2``, V3);
+    # the chosen weights are then renormalised where ``renormalize`` and multiplied by
+    # ``routed_scale``.
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    score_bias: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    group_rule: Literal["max", "top2"] = "max"
+    routed_scale: float = 1.0
+
+    @property
+    def plain_routing(self) -> bool:
+        """A softmax top-k over every expert, as the native and fused kernels route."""
+        return (
+            self.scoring == "softmax"
+            and not self.score_bias
+            and self.n_group == 1
+            and self.routed_scale == 1.0
+        )
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention's sizes (DeepSeek-V2 and V3): queries projected
+    directly (``q_lora_rank`` None) or through a normed rank-``q_lora_rank`` bottleneck;
+    keys and values made per head from one latent of ``kv_lora_rank`` per token
+    (``kv_b_proj``), beside one rotated key of ``qk_rope_head_dim`` shared by every head.
+    A query head is ``qk_nope_head_dim + qk_rope_head_dim`` wide, a value head
+    ``v_head_dim``. The cache keeps the latent and the rotated key alone."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    # The checkpoint's rotated dims come in interleaved pairs (DeepSeek's layout; the
+    # loader regroups them into halves for rotate-half), or already in halves.
+    rope_interleaved: bool = True
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_width(self) -> int:
+        """What a token keeps per layer: its latent, then its rotated key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from ..errors import ModelFileError, UnsupportedArchitectureError
-from .components import DeltaNetConfig, Mamba2Config, MoeConfig, RopeConfig
+from .components import DeltaNetConfig, Mamba2Config, MlaConfig, MoeConfig, RopeConfig
 
 if TYPE_CHECKING:
     from .layers import LayerSpec, NormKind, NormPlacement
@@ -92,6 +92,9 @@ class ModelConfig:
     delta_net: DeltaNetConfig | None = None  # the "linear" layers' sizes (Qwen3.5)
     mamba: Mamba2Config | None = None  # or theirs, where they are Mamba-2 (Granite 4.0-H)
     attn_output_gate: bool = False  # Qwen3.5: a sigmoid gate from the q projection
+    # DeepSeek-V2/V3: every attention layer is multi-head latent attention of these sizes
+    # (``head_dim``: a query head's, ``qk_nope_head_dim + qk_rope_head_dim``).
+    mla: MlaConfig | None = None
     # Gemma 4: the full-attention layers' own head size and KV heads (None: as the others),
     # their values the keys' projection (no v_proj, ``attn_k_eq_v``), values RMS-normed
     # without a weight, and the last ``num_kv_shared_layers`` layers reading the K and V of
@@ -166,12 +169,24 @@ class ModelConfig:
         return tuple(shapes[place] for place in sorted(shapes))
 
     @property
+    def kv_planes(self) -> tuple[int, ...]:
+        """Each KV pool layer's tensors per token, in pool order: 2 (its K and V), or 1
+        (a latent layer's: keys whose first dims are also the values,
+        `AttentionSpec.latent`)."""
+        planes = {}
+        for spec in self.layers:
+            if spec.kv_store is not None:
+                planes[spec.kv_store] = 1 if spec.mixer.spec.latent else 2
+        return tuple(planes[place] for place in sorted(planes))
+
+    @property
     def uniform_kv(self) -> bool:
-        """Whether every KV pool layer has one shape and every attention layer stores its
-        own K and V: what the features that see the pool as one tensor need (compression,
-        tensor parallelism, PIC)."""
+        """Whether every KV pool layer has one shape, keeps K and V of its own and every
+        attention layer stores its own: what the features that see the pool as one tensor
+        of K and V need (compression, tensor parallelism, PIC)."""
         readers = sum(1 for s in self.layers if s.kv_layer is not None)
-        return len(set(self.kv_shapes)) <= 1 and readers == self.num_kv_layers
+        own_kv = all(planes == 2 for planes in self.kv_planes)
+        return len(set(self.kv_shapes)) <= 1 and readers == self.num_kv_layers and own_kv
 
     @property
     def num_kv_layers(self) -> int:
@@ -293,6 +308,8 @@ def _validate(config: ModelConfig) -> None:
         _check_positive("clip_qkv", config.clip_qkv)
     if config.moe is not None:
         _check_moe(config.moe, config.num_layers)
+    if config.mla is not None:
+        _check_mla(config)
     _check_sharing(config)
     if config.per_layer_input_size:
         _check_count("per_layer_input_size", config.per_layer_input_size)
@@ -380,6 +397,46 @@ def _check_moe(moe: MoeConfig, layers: int) -> None:
         )
     if len(moe.sparse) != layers:
         raise ConfigValueError("moe.sparse", moe.sparse, f"{layers} entries (one per layer)")
+    _check_positive("routed_scaling_factor", moe.routed_scale)
+    _check_groups(moe)
+
+
+def _check_groups(moe: MoeConfig) -> None:
+    """Group-limited routing: the experts split evenly into ``n_group`` groups, of which
+    ``topk_group`` hold at least ``top_k`` experts (and two each, scored by their best two)."""
+    _check_count("n_group", moe.n_group)
+    if moe.num_experts % moe.n_group:
+        raise ConfigValueError(
+            "n_group", moe.n_group, f"a divisor of the {moe.num_experts} routed experts"
+        )
+    per_group = moe.num_experts // moe.n_group
+    if not (_is_int(moe.topk_group) and 1 <= moe.topk_group <= moe.n_group):
+        raise ConfigValueError("topk_group", moe.topk_group, f"an integer from 1 to {moe.n_group}")
+    if moe.top_k > moe.topk_group * per_group:
+        raise ConfigValueError(
+            "num_experts_per_tok",
+            moe.top_k,
+            f"at most the {moe.topk_group * per_group} experts of the chosen groups",
+        )
+    if moe.group_rule == "top2" and moe.n_group > 1 and per_group < 2:
+        raise ConfigValueError("n_group", moe.n_group, "groups of two experts at least")
+
+
+def _check_mla(config: ModelConfig) -> None:
+    mla = config.mla
+    assert mla is not None
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        _check_count(name, getattr(mla, name))
+    if mla.q_lora_rank is not None:
+        _check_count("q_lora_rank", mla.q_lora_rank)
+    if config.head_dim != mla.qk_head_dim:
+        raise ConfigValueError(
+            "head_dim", config.head_dim, f"qk_nope_head_dim + qk_rope_head_dim ({mla.qk_head_dim})"
+        )
+    if config.rope.rotary_dim != mla.qk_rope_head_dim:
+        raise ConfigValueError(
+            "rope.rotary_dim", config.rope.rotary_dim, f"qk_rope_head_dim ({mla.qk_rope_head_dim})"
+        )
 
 
 def _check_rope(name: str, rope: RopeConfig, head_dim: int) -> None:

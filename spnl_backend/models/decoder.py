@@ -14,6 +14,7 @@ from .deltanet import GatedDeltaNet
 from .layers import DeltaNetMixer, Mamba2Mixer, MoeFFN
 from .linear import Linear, rows_alone
 from .mamba2 import Mamba2
+from .mla import LatentAttention
 from .mlp import GatedMLP, PlainMLP, gelu_tanh
 from .moe import SparseMoE
 from .norms import Norm, RMSNorm, norm_of
@@ -48,6 +49,8 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(config, spec.mixer, native)
         elif isinstance(spec.mixer, Mamba2Mixer):
             self.mamba = Mamba2(config, spec.mixer, native)
+        elif spec.mixer.latent is not None:
+            self.self_attn = LatentAttention(config, spec.mixer, native)
         else:
             self.self_attn = Attention(config, spec.mixer, tp, native)
         if isinstance(spec.ffn, MoeFFN):

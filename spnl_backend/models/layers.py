@@ -13,7 +13,7 @@ from ..kernels.scoring import Scoring
 from .step_attention import AttentionSpec
 
 if TYPE_CHECKING:
-    from .config import DeltaNetConfig, Mamba2Config, ModelConfig, MoeConfig
+    from .config import DeltaNetConfig, Mamba2Config, MlaConfig, ModelConfig, MoeConfig
 
 # pre: a norm before attention and before the MLP (Llama); sandwich: also after each
 # (Gemma); post: only after each, the residual stream entering un-normed (OLMo 2 and 3);
@@ -50,6 +50,9 @@ class AttentionMixer:
     # without a weight.
     k_eq_v: bool = False
     v_norm: bool = False
+    # DeepSeek's multi-head latent attention, of these sizes: ``num_kv_heads`` is then 1
+    # and ``head_dim`` the cached latent's width (`MlaConfig.latent_width`).
+    latent: "MlaConfig | None" = None
 
 
 @dataclass(frozen=True)
@@ -195,6 +198,8 @@ def _state_mixer(config: "ModelConfig", state: int) -> StateMixer:
 def _attention(
     config: "ModelConfig", i: int, kv_layer: int, shared: bool = False
 ) -> AttentionMixer:
+    if config.mla is not None:
+        return _latent_attention(config, kv_layer)
     sliding = config.layer_types[i] == "sliding"
     kv_heads, head_dim = config.layer_kv_heads(i), config.layer_head_dim(i)
     scoring = Scoring(
@@ -221,6 +226,15 @@ def _attention(
         k_eq_v=config.attn_k_eq_v and not sliding,
         v_norm=config.v_norm,
     )
+
+
+def _latent_attention(config: "ModelConfig", kv_layer: int) -> AttentionMixer:
+    """A DeepSeek layer: one cached latent and rotated key per token, read by every head."""
+    mla = config.mla
+    assert mla is not None
+    scoring = Scoring(scale=config.scale)
+    spec = AttentionSpec(kv_layer, config.num_heads, scoring, latent=mla.kv_lora_rank)
+    return AttentionMixer(config.num_heads, 1, mla.latent_width, spec, latent=mla)
 
 
 def _ffn(config: "ModelConfig", i: int) -> DenseFFN | MoeFFN:

@@ -11,7 +11,7 @@ from ..kernels.cpu.moe import Biases, NativeMoe
 from ..kernels.dispatch import TORCH_CHOICE, KernelChoice
 from ..kernels.moe_ref import Experts
 from ..quant.linear import QuantizedExperts, QuantLinear
-from .config import ModelConfig
+from .config import ModelConfig, MoeConfig
 from .linear import Linear, rows_alone
 from .mlp import ClampedSwiGLU, GatedMLP
 
@@ -39,7 +39,12 @@ class SparseMoE(nn.Module):
             moe.renormalize,
             moe.float_weights,
         )
+        self.moe = moe
         self.gate = Linear(config.hidden_size, moe.num_experts, bias=moe.bias)
+        if moe.score_bias:  # DeepSeek-V3's bias of the scores, for choosing alone
+            self.e_score_correction_bias = nn.Parameter(
+                torch.empty(moe.num_experts), requires_grad=False
+            )
         self.experts = nn.ModuleList(
             GatedMLP(config, moe.intermediate_size, bias=moe.bias) for _ in range(moe.num_experts)
         )
@@ -56,7 +61,12 @@ class SparseMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts ``[T, top_k]`` and their weights (float32 where the
         architecture weighs in float32, else ``x``'s dtype)."""
-        probs = torch.softmax(rows_alone(self.gate, x).float(), dim=-1)
+        logits = rows_alone(self.gate, x).float()
+        if not self.moe.plain_routing:
+            bias = getattr(self, "e_score_correction_bias", None)
+            experts, weights = grouped_route(logits, self.moe, bias)
+            return experts, weights if self.float_weights else weights.to(x.dtype)
+        probs = torch.softmax(logits, dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -155,6 +165,8 @@ class SparseMoE(nn.Module):
         return self._native
 
     def _make_native(self) -> NativeMoe | None:
+        if not self.moe.plain_routing:  # the native layer routes by a softmax top-k alone
+            return None
         layers = [p for e in self.experts for p in (e.gate_proj, e.up_proj, e.down_proj)]
         glu = self.experts[0].glu
         clamped = (glu.alpha, glu.limit) if isinstance(glu, ClampedSwiGLU) else None
@@ -191,6 +203,36 @@ class SparseMoE(nn.Module):
             torch.stack([torch.cat([bias(e.gate_proj), bias(e.up_proj)]) for e in self.experts]),
             torch.stack([bias(e.down_proj) for e in self.experts]),
         )
+
+
+def grouped_route(
+    logits: torch.Tensor, moe: MoeConfig, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's routing of float32 router ``logits [T, E]``: each token's experts
+    ``[T, top_k]`` and their float32 weights. Scores are the softmax (V2) or the sigmoid
+    (V3) of the logits; ``bias`` (V3's) is added to them for choosing alone; with groups,
+    the experts of all but the ``topk_group`` best groups are set aside first. The
+    weights are the chosen experts' scores, renormalised where the config says, times the
+    routed scale."""
+    scores = torch.sigmoid(logits) if moe.scoring == "sigmoid" else torch.softmax(logits, -1)
+    choice = scores if bias is None else scores + bias.float()
+    if moe.n_group > 1:
+        groups = choice.view(choice.shape[0], moe.n_group, -1)
+        if moe.group_rule == "max":
+            group_scores = groups.max(dim=-1).values
+        else:
+            group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)
+        best = torch.topk(group_scores, moe.topk_group, dim=-1).indices
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        kept = kept.repeat_interleave(groups.shape[-1], dim=1)
+        # V2 zeroes the set-aside softmax scores (all positive), V3 makes them -inf.
+        aside = 0.0 if moe.scoring == "softmax" and bias is None else float("-inf")
+        choice = choice.masked_fill(~kept, aside)
+    experts = torch.topk(choice, moe.top_k, dim=-1).indices
+    weights = scores.gather(1, experts)
+    if moe.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return experts, weights * moe.routed_scale
 
 
 def _biased(layers: list[nn.Module]) -> bool:

@@ -25,6 +25,9 @@ class AttentionSpec:
     # The K and V at ``layer`` are an earlier layer's (Gemma 4's shared layers): this layer
     # stores nothing and attends over them (its k and v are None).
     shared_kv: bool = False
+    # Multi-head latent attention (DeepSeek): the layer keeps one key per token (a single
+    # KV head, no V of its own) whose first ``latent`` dims are also its value; 0: K and V.
+    latent: int = 0
 
 
 class StepAttention(Protocol):
@@ -32,7 +35,9 @@ class StepAttention(Protocol):
 
     ``q [T, heads, head_dim]``, ``k`` and ``v [T, kv_heads, head_dim]`` for the T
     tokens of this step, packed sequence after sequence (None for a layer that reads
-    another's, ``spec.shared_kv``); returns ``[T, heads, head_dim]``.
+    another's, ``spec.shared_kv``); returns ``[T, heads, head_dim]``. A latent layer
+    (``spec.latent``) gives ``k [T, 1, head_dim]`` and no ``v``, its values the first
+    ``spec.latent`` dims of its keys, and gets ``[T, heads, spec.latent]``.
     """
 
     def attend(

@@ -5,6 +5,7 @@ tests iterate this list; a family is added here and nowhere else."""
 import functools
 
 from . import (
+    deepseek,
     gemma2,
     gemma3,
     gemma4,
@@ -28,30 +29,33 @@ from . import (
 )
 from .family import Family
 
-FAMILIES: tuple[Family, ...] = tuple(
-    module.FAMILY
-    for module in (
-        llama,
-        mistral,
-        qwen2,
-        qwen3,
-        phi3,
-        gemma2,
-        gemma3,
-        gemma4,
-        olmo2,
-        smollm3,
-        qwen3_5,
-        qwen3_5_moe,
-        granitemoehybrid,
-        qwen3_moe,
-        mixtral,
-        olmoe,
-        gpt_oss,
-        phi,
-        starcoder2,
-        gpt_neox,
+FAMILIES: tuple[Family, ...] = (
+    tuple(
+        module.FAMILY
+        for module in (
+            llama,
+            mistral,
+            qwen2,
+            qwen3,
+            phi3,
+            gemma2,
+            gemma3,
+            gemma4,
+            olmo2,
+            smollm3,
+            qwen3_5,
+            qwen3_5_moe,
+            granitemoehybrid,
+            qwen3_moe,
+            mixtral,
+            olmoe,
+            gpt_oss,
+            phi,
+            starcoder2,
+            gpt_neox,
+        )
     )
+    + deepseek.FAMILIES
 )
 
 

@@ -138,6 +138,9 @@ class Family:
       that it reads, each with the name suffixes of the tensors stored packed under it
       (read as their bytes, not checked as floats: ``tensors`` turns them into quantized
       weights); a checkpoint quantized any other way is refused at load.
+    - ``extra_layers_key``: the ``config.json`` key counting layers a checkpoint keeps
+      after the decoder's as more ``model.layers.N`` (DeepSeek-V3's multi-token
+      prediction), accepted by the layer-count check; ``tensors`` leaves them out.
     - ``tiny``: the family's tiny test model: ``config.json`` keys beside the common tiny
       sizes (None: a common one left out); the tests build it through transformers, and
       fail for a family without one.
@@ -162,6 +165,7 @@ class Family:
     hf_unused: tuple[str, ...] = ()
     quant_methods: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     tiny: Mapping[str, Any] = field(default_factory=dict)
+    extra_layers_key: str | None = None
 
 
 def renaming(modules: Mapping[str, str]) -> Callable[[Tensors, "ModelConfig"], Tensors]:
