@@ -24,7 +24,7 @@ from ..models.lora import LoraAdapter
 from ..models.transformer import CausalLM
 from ..quant.linear import QuantLinear
 from .resolve import unreadable
-from .weights import _checked, _layout, _opened, _read_tensor
+from .weights import read_checked
 
 log = get_logger()
 
@@ -135,7 +135,7 @@ def _pairs(
     targets: frozenset[str],
     layers: object,
 ) -> dict[str, LoraPair]:
-    tensors = _read_tensors(path)
+    tensors = read_checked(path)
     found: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _TENSOR.fullmatch(key)
@@ -198,17 +198,6 @@ def _projection(path: Path, model: CausalLM, module: str) -> Linear | QuantLinea
             f"({model.config.num_layers} layers); the adapter is for another base model"
         )
     return target
-
-
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    with _opened(path) as f:
-        names = list(f.keys())
-    layout = _layout(path)
-    tensors = {}
-    for name in names:
-        tensors[name] = _read_tensor(path, layout, name)
-        _checked(tensors[name], path, name)  # float and finite
-    return tensors
 
 
 def _pair(
