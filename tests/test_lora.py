@@ -463,10 +463,22 @@ def test_serve_lora_option_is_checked_before_anything_starts():
         serve(model=["a=/nowhere/a", "b=/nowhere/b"], port=0, lora=["one=/nowhere/one"])
 
 
-def test_a_speculative_draft_is_refused(adapters):
+def test_speculative_decoding_is_refused(adapters):
+    """A draft model, or n-gram proposals (whose verifying pass would run the base), with
+    adapters: refused at load; without adapters at load, loading one later is refused."""
     tiny_model, spec, _ = adapters("llama")
-    with pytest.raises(SettingsError, match=r"SPECULATIVE_DRAFT_MODEL.*without a speculative"):
+    with pytest.raises(SettingsError, match=r"SPECULATIVE_DRAFT_MODEL.*without speculative"):
         _backend(str(tiny_model.path), spec, speculative_draft_model=str(tiny_model.path))
+    with pytest.raises(SettingsError, match=r"SPECULATIVE_METHOD=ngram.*without speculative"):
+        _backend(str(tiny_model.path), spec, speculative_method="ngram")
+    plain = load_backend(
+        str(tiny_model.path), settings=BackendSettings(device="cpu", speculative_method="ngram")
+    )
+    try:
+        with pytest.raises(RequestError, match=r"without speculative decoding.*ngram"):
+            plain.load_adapter("one", _spec_paths(spec)["one"])
+    finally:
+        plain.close()
 
 
 @pytest.fixture(scope="module")
