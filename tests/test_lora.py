@@ -22,7 +22,8 @@ from safetensors.torch import load_file, save_file
 from tiny_models import build_hf_model
 
 from spnl_backend import BackendSettings, load_backend
-from spnl_backend.errors import ModelFileError, RequestError, SettingsError
+from spnl_backend.engine.adapters import AdapterUsage
+from spnl_backend.errors import AdapterInUseError, ModelFileError, RequestError, SettingsError
 from spnl_backend.kernels.lora_ref import lora_delta_ref
 from spnl_backend.loader.gguf_file import GGUFFile
 from spnl_backend.loader.weights import unpermute_rows
@@ -551,3 +552,185 @@ def test_gguf_adapter_on_a_quantized_gguf_base(adapters, converted, tiny):
     )
     assert got == peft != _greedy(backend, ignore_eos=True)
     assert torch.equal(logits, peft_logits)
+
+
+def _held_stream(backend, adapter: str, tokens: int = 300):
+    """A stream with ``adapter`` that has given its first piece and is not read further:
+    its request stays unfinished (the loop pauses it once 64 pieces wait unread)."""
+    stream = backend.stream(
+        "The quick brown fox", max_tokens=tokens, temperature=0, adapter=adapter, ignore_eos=True
+    )
+    first = next(stream)
+    return stream, first
+
+
+def test_load_and_unload_at_run_time(adapters):
+    """An adapter loaded while the backend runs equals the merged weights; the base's
+    tokens do not change with it; unloading is refused while a request runs with it (whose
+    output stays its own), then done; a name once unloaded is unknown."""
+    tiny_model, spec, refs = adapters("llama")
+    paths = _spec_paths(spec)
+    backend = load_backend(
+        str(tiny_model.path),
+        settings=BackendSettings(device="cpu", paged_attn_block_size=16, paged_cache_type="f32"),
+    )
+    try:
+        base = _greedy(backend, ignore_eos=True)
+        assert backend.adapters() == []
+        with pytest.raises(RequestError, match="no LoRA adapter of that name"):
+            _greedy(backend, adapter="one")
+        info = backend.load_adapter("one", paths["one"])
+        assert (info.name, info.rank, info.scale, info.loaded) == ("one", 4, 2.0, True)
+        assert (
+            _greedy(backend, adapter="one", ignore_eos=True)
+            == hf_greedy(refs["one"], PROMPT_IDS, TOKENS)[0]
+        )
+        assert _greedy(backend, ignore_eos=True) == base
+        with pytest.raises(RequestError, match="loaded already"):
+            backend.load_adapter("one", paths["two"])
+        with pytest.raises(ModelFileError, match=r"nowhere/adapter_config\.json"):
+            backend.load_adapter("bad", str(Path(paths["one"]).parent / "nowhere"))
+        with pytest.raises(RequestError, match="lora_name="):
+            backend.load_adapter("bad name", paths["one"])
+        alone = backend.generate(
+            "The quick brown fox", max_tokens=300, temperature=0, adapter="one", ignore_eos=True
+        )
+        stream, first = _held_stream(backend, "one")
+        with pytest.raises(AdapterInUseError, match=r"'one' is in use by 1 unfinished request"):
+            backend.unload_adapter("one")
+        assert first + "".join(stream) == alone.text
+        assert stream.seq.output_token_ids == alone.token_ids
+        backend.unload_adapter("one")
+        assert backend.adapters() == []
+        with pytest.raises(RequestError, match=r"adapter='one': no LoRA adapter"):
+            _greedy(backend, adapter="one")
+        assert backend.stats().adapters == AdapterUsage(known=0, loaded=0, nbytes=0, max_loaded=0)
+    finally:
+        backend.close()
+
+
+def test_a_bound_on_adapters_held(adapters):
+    """MISTRALRS_LORA_MAX_LOADED=1: the least recently used idle adapter is evicted and read
+    again when asked for, with the same tokens and its prefix-cache blocks still its own; one
+    in use is never evicted (another adapter's request is refused meanwhile)."""
+    tiny_model, spec, _ = adapters("llama")
+    unbounded = _backend(str(tiny_model.path), spec, prefix_cache_n=0)
+    want = {name: _greedy(unbounded, LONG_IDS, 4, adapter=name) for name in ("one", "two")}
+    backend = _backend(str(tiny_model.path), spec, lora_max_loaded=1)
+    sizes = {a.name: a.nbytes for a in unbounded.adapters()}
+
+    def held() -> dict[str, bool]:
+        return {a.name: a.loaded for a in backend.adapters()}
+
+    assert held() == {"one": False, "two": True}  # "two" was loaded last
+    for name in ("one", "two", "one", "one"):
+        result = backend.generate(
+            prompt_token_ids=LONG_IDS, max_tokens=4, temperature=0, adapter=name
+        )
+        assert result.token_ids == want[name]
+        assert held() == {"one": name == "one", "two": name == "two"}
+        usage = backend.stats().adapters
+        assert (usage.known, usage.loaded, usage.nbytes, usage.max_loaded) == (
+            2,
+            1,
+            sizes[name],
+            1,
+        )
+    assert result.usage.cached_tokens > 0  # read again: the same root, its blocks still hit
+    stream, _ = _held_stream(backend, "one")
+    try:
+        with pytest.raises(RequestError, match=r"MISTRALRS_LORA_MAX_LOADED.*all in use"):
+            _greedy(backend, adapter="two")
+        assert held() == {"one": True, "two": False}
+    finally:
+        stream.close()
+    assert _greedy(backend, LONG_IDS, 4, adapter="two") == want["two"]
+
+
+def test_server_loads_and_unloads_adapters(adapters):
+    """vLLM's load and unload routes and llama-server's /lora-adapters, behind the API
+    key; /v1/models follows; a 409 while a request runs with the adapter."""
+    from live_server import MODEL, LiveServer
+
+    tiny_model, spec, _ = adapters("llama")
+    paths = _spec_paths(spec)
+    backend = load_backend(
+        str(tiny_model.path), settings=BackendSettings(device="cpu", prefix_cache_n=0)
+    )
+    server = LiveServer(backend, api_key="secret")
+    key = {"headers": {"Authorization": "Bearer secret"}}
+    prompt = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
+
+    def text(body: dict) -> str:
+        answer = server.post("/v1/completions", {**prompt, **body}, **key)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["choices"][0]["text"]
+
+    def listed() -> list[str]:
+        return [m["id"] for m in httpx.get(server.url + "/v1/models", **key).json()["data"]]
+
+    try:
+        load = {"lora_name": "one", "lora_path": paths["one"]}
+        for route in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/lora-adapters"):
+            assert server.post(route, load).status_code == 401
+        assert httpx.get(server.url + "/lora-adapters").status_code == 401
+        loaded = server.post("/v1/load_lora_adapter", load, **key)
+        assert loaded.status_code == 200, loaded.text
+        assert loaded.json()["lora_name"] == "one"
+        assert listed() == [MODEL, "one"]
+        two = {"lora_name": "two", "lora_path": paths["two"]}
+        assert server.post("/v1/load_lora_adapter", two, **key).status_code == 200
+        base = backend.generate("The quick brown fox", max_tokens=8, temperature=0).text
+        one = backend.generate(
+            "The quick brown fox", max_tokens=8, temperature=0, adapter="one"
+        ).text
+        assert base != one
+        assert text({"model": "one"}) == one
+        assert text({"model": MODEL}) == base
+        for bad, status in (
+            ({"lora_name": "one", "lora_path": paths["two"]}, 400),  # loaded already
+            ({"lora_name": MODEL, "lora_path": paths["two"]}, 400),
+            ({"lora_name": "x", "lora_path": paths["two"] + "/nowhere"}, 400),
+            ({"lora_name": "x"}, 400),
+        ):
+            refused = server.post("/v1/load_lora_adapter", bad, **key)
+            assert refused.status_code == status, refused.text
+        refused = server.post(
+            "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/no"}, **key
+        )
+        assert "/no/adapter_config.json" in refused.json()["error"]["message"]
+        # llama-server's list and global scale: the one adapter at a scale other than 0
+        # runs each request that names none.
+        adapters_list = httpx.get(server.url + "/lora-adapters", **key).json()
+        assert adapters_list == [
+            {"id": 0, "name": "one", "path": paths["one"], "scale": 0.0},
+            {"id": 1, "name": "two", "path": paths["two"], "scale": 0.0},
+        ]
+        scales = server.post("/lora-adapters", [{"id": 0, "scale": 1.0}], **key)
+        assert [a["scale"] for a in scales.json()] == [1.0, 0.0]
+        assert text({"model": MODEL}) == one
+        assert text({"model": MODEL, "lora": []}) == base  # its own list wins
+        assert (
+            server.post("/lora-adapters", [{"id": 0, "scale": 1}, {"id": 1}], **key).status_code
+            == 400
+        )
+        # in flight: refused with a 409, the request's output unchanged
+        alone = backend.generate(
+            "The quick brown fox", max_tokens=300, temperature=0, adapter="one", ignore_eos=True
+        )
+        stream, first = _held_stream(backend, "one")
+        busy = server.post("/v1/unload_lora_adapter", {"lora_name": "one"}, **key)
+        assert busy.status_code == 409, busy.text
+        assert busy.json()["error"]["code"] == "adapter_in_use"
+        assert first + "".join(stream) == alone.text
+        gone = server.post("/v1/unload_lora_adapter", {"lora_name": "one"}, **key)
+        assert gone.status_code == 200, gone.text
+        assert listed() == [MODEL, "two"]
+        assert text({"model": MODEL}) == base  # its global scale went with it
+        assert server.post("/v1/completions", {**prompt, "model": "one"}, **key).status_code == 404
+        again = server.post("/v1/unload_lora_adapter", {"lora_name": "one"}, **key)
+        assert again.status_code == 404
+        assert httpx.get(server.url + "/lora-adapters", **key).json()[0]["id"] == 0
+    finally:
+        server.stop()
+        backend.close()
