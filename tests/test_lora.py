@@ -4,7 +4,6 @@ rows sharing a step each get what they get alone; the prefix cache never shares 
 between adapters; what is not run is refused by name."""
 
 import copy
-import json
 import math
 import os
 import re
@@ -19,7 +18,7 @@ import torch
 from gguf import GGMLQuantizationType
 from helpers import greedy_with_logits, run_together
 from safetensors.torch import load_file, save_file
-from tiny_models import build_hf_model
+from tiny_models import build_hf_model, write_adapter, write_gguf_adapter
 
 from spnl_backend import BackendSettings, load_backend
 from spnl_backend.engine.adapters import AdapterUsage
@@ -28,49 +27,9 @@ from spnl_backend.kernels.lora_ref import lora_delta_ref
 from spnl_backend.loader.gguf_file import GGUFFile
 from spnl_backend.loader.weights import unpermute_rows
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPT_IDS = [5, 17, 33, 8, 21, 40, 12, 9, 27, 31, 6, 14]
 LONG_IDS = [(7 * i + 3) % 50 + 4 for i in range(80)]  # several 16-token blocks
 TOKENS = 8
-
-
-def write_adapter(
-    path: Path,
-    hf: torch.nn.Module,
-    seed: int,
-    rank: int = 4,
-    alpha: float = 8.0,
-    targets: tuple[str, ...] = TARGETS,
-    **config,
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """A random adapter over every projection, in PEFT's files; its (A, B) by module."""
-    gen = torch.Generator().manual_seed(seed)
-    pairs, tensors = {}, {}
-    for name, module in hf.named_modules():
-        if name.split(".")[-1] in targets and isinstance(module, torch.nn.Linear):
-            a = torch.randn(rank, module.in_features, generator=gen) * 0.3
-            b = torch.randn(module.out_features, rank, generator=gen) * 0.3
-            pairs[name] = (a, b)
-            tensors[f"base_model.model.{name}.lora_A.weight"] = a
-            tensors[f"base_model.model.{name}.lora_B.weight"] = b
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, path / "adapter_model.safetensors")
-    fields = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "r": rank,
-        "lora_alpha": alpha,
-        "target_modules": list(targets),
-        "bias": "none",
-        "use_rslora": False,
-        "use_dora": False,
-        "fan_in_fan_out": False,
-        "modules_to_save": None,
-        "lora_dropout": 0.0,
-        **config,
-    }
-    (path / "adapter_config.json").write_text(json.dumps(fields))
-    return pairs
 
 
 def merged(hf: torch.nn.Module, pairs: dict, scale: float) -> torch.nn.Module:
@@ -734,3 +693,24 @@ def test_server_loads_and_unloads_adapters(adapters):
     finally:
         server.stop()
         backend.close()
+
+
+def test_gguf_adapter_in_llama_cpps_layout(adapters, tmp_path):
+    """A GGUF adapter written here in llama.cpp's layout (what the fuzzing mutates): the
+    PEFT adapter's bits; alpha 0 runs at scale 1, as llama.cpp reads it."""
+    tiny_model, spec, _ = adapters("llama")
+    pairs = write_adapter(tmp_path / "again", tiny_model.hf, seed=1)  # "one" once more
+    path = write_gguf_adapter(tmp_path / "one.gguf", "llama", pairs, alpha=8.0)
+    unit = write_gguf_adapter(tmp_path / "unit.gguf", "llama", pairs, alpha=0.0)
+    backend = _backend(
+        str(tiny_model.path), f"{spec},g={path},u={unit}", paged_cache_type="f32", prefix_cache_n=0
+    )
+    got = greedy_with_logits(backend, TOKENS, prompt_token_ids=PROMPT_IDS, adapter="g")
+    want = greedy_with_logits(backend, TOKENS, prompt_token_ids=PROMPT_IDS, adapter="one")
+    assert got[0] == want[0]
+    assert torch.equal(got[1], want[1])
+    halved = greedy_with_logits(
+        backend, TOKENS, prompt_token_ids=PROMPT_IDS, adapter="one", adapter_scale=0.5
+    )
+    unit_scale = greedy_with_logits(backend, TOKENS, prompt_token_ids=PROMPT_IDS, adapter="u")
+    assert torch.equal(unit_scale[1], halved[1])  # 1 = 0.5 * (8 / 4)
