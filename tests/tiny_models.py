@@ -810,6 +810,7 @@ def write_gguf_adapter(
     writer.add_type("adapter")
     writer.add_string("adapter.type", "lora")
     writer.add_float32("adapter.lora.alpha", alpha)
+    writer.add_quantization_version(2)  # as llama.cpp's converter writes it
     for name, (a, b) in pairs.items():
         lora_b = b.float().numpy()
         if arch in _PERMUTED and name.endswith(("q_proj", "k_proj")):

@@ -28,7 +28,7 @@ from ..models.lora import LoraAdapter
 from ..models.transformer import CausalLM
 from ..quant.linear import QuantLinear
 from .gguf_config import hf_name
-from .gguf_file import GGUFFile
+from .gguf_file import GGUFFile, describe_value
 from .resolve import unreadable
 from .weights import check_finite, read_checked, unpermute_rows
 
@@ -66,6 +66,11 @@ def read_adapter(name: str, path: str | Path, model: CausalLM) -> LoraAdapter:
     tensor where it does not fit ``model`` or asks for what is not run."""
     directory = Path(path).expanduser()
     if directory.is_file():
+        if directory.name in (CONFIG_FILE, WEIGHTS_FILE):
+            raise ModelFileError(
+                f"{directory}: a PEFT adapter is read from its directory ({CONFIG_FILE} "
+                f"beside {WEIGHTS_FILE}): give {directory.parent}"
+            )
         return _read_gguf(name, directory, model)
     config = _read_config(directory / CONFIG_FILE)
     rank, scale = _rank_and_scale(config, directory / CONFIG_FILE)
@@ -344,15 +349,15 @@ def _read_gguf(name: str, path: Path, model: CausalLM) -> LoraAdapter:
 def _gguf_header(gguf: GGUFFile, model: CausalLM) -> float:
     """The file's LoRA alpha, once its type and architecture are checked against ``model``."""
     path, meta = gguf.path, gguf.metadata
-    kind = meta.get("general.type")
-    if kind != "adapter":
+    kind, adapter_type = meta.get("general.type"), meta.get("adapter.type")
+    if not isinstance(kind, str) or kind != "adapter":
         raise ModelFileError(
-            f"{path}: general.type is {kind!r}; a LoRA adapter file has 'adapter' (a model "
-            "file is loaded as the model, not as an adapter)"
+            f"{path}: general.type is {describe_value(kind)}; a LoRA adapter file has "
+            "'adapter' (a model file is loaded as the model, not as an adapter)"
         )
-    if meta.get("adapter.type") != "lora":
+    if not isinstance(adapter_type, str) or adapter_type != "lora":
         raise ModelFileError(
-            f"{path}: adapter.type is {meta.get('adapter.type')!r}; only 'lora' adapters run"
+            f"{path}: adapter.type is {describe_value(adapter_type)}; only 'lora' adapters run"
         )
     if meta.get("adapter.alora_invocation_tokens") is not None:
         raise ModelFileError(
