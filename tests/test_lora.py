@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from helpers import greedy_with_logits, run_together
+from helpers import engine_internals, greedy_with_logits, run_together
 from safetensors.torch import load_file, save_file
 from tiny_models import build_hf_model, write_adapter, write_gguf_adapter
 
@@ -714,3 +714,34 @@ def test_gguf_adapter_in_llama_cpps_layout(adapters, tmp_path):
     )
     unit_scale = greedy_with_logits(backend, TOKENS, prompt_token_ids=PROMPT_IDS, adapter="u")
     assert torch.equal(unit_scale[1], halved[1])  # 1 = 0.5 * (8 / 4)
+
+
+def test_kv_tier_and_pic_are_kept_per_adapter(adapters, tmp_path):
+    """The KV tier keys an adapter's blocks under its own root, across a restart: another
+    adapter reads none of them, its own and the base's read theirs back. PIC prompts with
+    an adapter are refused by name."""
+    tiny_model, spec, _ = adapters("llama")
+    settings = BackendSettings(
+        device="cpu", paged_attn_block_size=16, lora_adapters=spec, kv_tier_dir=str(tmp_path)
+    )
+
+    def run(backend, adapter):
+        result = backend.generate(
+            prompt_token_ids=LONG_IDS, max_tokens=4, temperature=0, adapter=adapter
+        )
+        return result.token_ids, result.usage.tier_hit_tokens
+
+    with load_backend(str(tiny_model.path), settings=settings) as first:
+        base, _ = run(first, None)
+        one, _ = run(first, "one")
+        engine_internals(first).cache.tier.tier.flush()
+    with load_backend(str(tiny_model.path), settings=settings) as second:
+        assert run(second, "two")[1] == 0
+        tokens, hits = run(second, "one")
+        assert hits > 0
+        assert tokens == one
+        tokens, hits = run(second, None)
+        assert hits > 0
+        assert tokens == base
+        with pytest.raises(RequestError, match="PIC prompts run on the base model only"):
+            second.generate(blocks=[("plus", LONG_IDS[:20])], max_tokens=2, adapter="one")
