@@ -745,3 +745,19 @@ def test_kv_tier_and_pic_are_kept_per_adapter(adapters, tmp_path):
         assert tokens == base
         with pytest.raises(RequestError, match="PIC prompts run on the base model only"):
             second.generate(blocks=[("plus", LONG_IDS[:20])], max_tokens=2, adapter="one")
+
+
+def test_the_kv_budget_leaves_room_for_the_bound(adapters):
+    """With MISTRALRS_LORA_MAX_LOADED, the pool's memory is less the room for the adapters
+    the bound lets in beside those held, each the size of the largest."""
+    from types import SimpleNamespace
+
+    from spnl_backend.engine.build import _adapter_room
+
+    tiny_model, spec, _ = adapters("llama")
+    backend = _backend(str(tiny_model.path), spec)
+    loaded = SimpleNamespace(model=backend.model)  # what the room is read from
+    sizes = [a.nbytes for a in backend.adapters()]
+    assert _adapter_room(loaded, BackendSettings(lora_max_loaded=0)) == 0
+    assert _adapter_room(loaded, BackendSettings(lora_max_loaded=2)) == 0
+    assert _adapter_room(loaded, BackendSettings(lora_max_loaded=5)) == 3 * max(sizes)
