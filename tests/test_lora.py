@@ -639,6 +639,11 @@ def test_server_loads_and_unloads_adapters(adapters):
         assert listed() == [MODEL, "one"]
         two = {"lora_name": "two", "lora_path": paths["two"]}
         assert server.post("/v1/load_lora_adapter", two, **key).status_code == 200
+        metrics = httpx.get(server.url + "/metrics", **key).text
+        held = sum(a.nbytes for a in backend.adapters())
+        for line in ("spnl_lora_adapters 2.0", "spnl_lora_adapters_held 2.0"):
+            assert line in metrics.splitlines()
+        assert f"spnl_lora_adapter_bytes {float(held)}" in metrics.splitlines()
         base = backend.generate("The quick brown fox", max_tokens=8, temperature=0).text
         one = backend.generate(
             "The quick brown fox", max_tokens=8, temperature=0, adapter="one"
