@@ -766,3 +766,22 @@ def test_the_kv_budget_leaves_room_for_the_bound(adapters):
     assert _adapter_room(loaded, BackendSettings(lora_max_loaded=0)) == 0
     assert _adapter_room(loaded, BackendSettings(lora_max_loaded=2)) == 0
     assert _adapter_room(loaded, BackendSettings(lora_max_loaded=5)) == 3 * max(sizes)
+
+
+def test_loading_the_first_adapter_keeps_the_base_tokens(adapters, block_runs):
+    """An ISQ base runs on the native layer blocks until an adapter is first loaded at run
+    time, then on the per-op path (which the adapters' products need): the same tokens."""
+    tiny_model, spec, _ = adapters("llama")
+    backend = load_backend(
+        str(tiny_model.path), settings=BackendSettings(device="cpu", isq="Q8_0", prefix_cache_n=0)
+    )
+    try:
+        before = _greedy(backend, LONG_IDS, 6, ignore_eos=True)
+        assert block_runs[0] > 0  # the layer blocks ran the base
+        backend.load_adapter("one", _spec_paths(spec)["one"])
+        runs = block_runs[0]
+        assert _greedy(backend, LONG_IDS, 6, ignore_eos=True) == before
+        assert block_runs[0] == runs  # the per-op path ran it now
+        assert _greedy(backend, LONG_IDS, 6, adapter="one", ignore_eos=True) != before
+    finally:
+        backend.close()
