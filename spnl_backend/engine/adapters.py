@@ -34,6 +34,9 @@ class AdapterUsage:
 
 
 class AdapterRegistry:
+    """An engine's adapters: ``known`` by name (what each was when last read, and whether
+    it is held now), the held ones on the model (`models.lora.LoraAdapters`)."""
+
     def __init__(self, model: CausalLM, read: Reader, max_loaded: int = 0) -> None:
         self.model, self.read, self.max_loaded = model, read, max_loaded
         self.known: dict[str, AdapterInfo] = {}  # in load order (llama-server's ids)
