@@ -5,10 +5,12 @@ an SpnlError; anything else, a crash included, is a failure.
                                      [--list-loaded]
 
 Tiny random models (tests/tiny_models.py) are written as GGUF (Llama Q8_0, Gemma 3 F32,
-Phi-3 Q4_0) and as safetensors directories (Llama, Phi-3, Gemma 3); each case mutates
-one of them (tests/model_file_mutations.py: truncation, retyped or extreme metadata,
-moved, retyped or reshaped tensors, byte flips, non-finite weights, broken config.json,
-safetensors headers and shard indexes) and a worker process loads it, so that a
+Phi-3 Q4_0) and as safetensors directories (Llama, Phi-3, Gemma 3), and a LoRA adapter
+of the tiny Llama as a PEFT directory and as a GGUF adapter; each case mutates one of
+them (tests/model_file_mutations.py: truncation, retyped or extreme metadata, moved,
+retyped or reshaped tensors, byte flips, non-finite weights, broken config.json,
+safetensors headers and shard indexes; an adapter's config fields and tensor names too)
+and a worker process loads it (an adapter: on the Llama base while it runs), so that a
 segfault is counted, not fatal. Prints the count table by mutation kind (a
 ``generate_error`` loaded, then generate raised an SpnlError: counted apart, not a
 failure) and the first few tracebacks of anything else.
@@ -32,19 +34,22 @@ from tests.model_file_mutations import (
     LoadWorker,
     Outcome,
     parse_gguf,
+    random_adapter_case,
     random_gguf_case,
     random_text_case,
     read_dir,
     write_dir,
 )
-from tests.tiny_models import build_hf_model, write_gguf
+from tests.tiny_models import build_hf_model, write_adapter, write_gguf, write_gguf_adapter
 
 GGUF_BASES = (("llama", Q.Q8_0), ("gemma3", Q.F32), ("phi3", Q.Q4_0))
 TEXT_BASES = ("llama", "phi3", "gemma3")
 COLUMNS = ("loaded", "refused", "generate_error", "other", "crash", "timeout")
 
 
-def build_bases(root: Path) -> tuple[dict, dict]:
+def build_bases(root: Path) -> tuple[dict, dict, tuple]:
+    """The model files to mutate, and the Llama base with its adapter's files (PEFT and
+    GGUF) to mutate."""
     ggufs, texts = {}, {}
     for arch in sorted({*TEXT_BASES, *(a for a, _ in GGUF_BASES)}):
         tiny = build_hf_model(arch, root / arch / "hf")
@@ -53,17 +58,35 @@ def build_bases(root: Path) -> tuple[dict, dict]:
             if gguf_arch == arch:
                 path = write_gguf(tiny, root / arch / f"{arch}-{qtype.name}.gguf", qtype)
                 ggufs[f"{arch}-{qtype.name}"] = parse_gguf(path.read_bytes())
-    return ggufs, texts
+        if arch == "llama":
+            pairs = write_adapter(root / "adapter", tiny.hf, seed=1)
+            gguf = write_gguf_adapter(root / "adapter.gguf", arch, pairs, alpha=8.0)
+            adapter = (tiny.path, read_dir(root / "adapter"), parse_gguf(gguf.read_bytes()))
+    return ggufs, texts, adapter
 
 
 Result = tuple[str, str, Outcome]  # mutation kind, the case's label, what loading did
 
 
 def run_cases(cases: int, seed: int, root: Path, worker: LoadWorker) -> list[Result]:
-    ggufs, texts = build_bases(root / "bases")
+    ggufs, texts, (base_path, peft, gguf_adapter) = build_bases(root / "bases")
     rng = random.Random(seed)
     results = []
     for number in range(cases):
+        if number % 5 == 4:  # a LoRA adapter, on the Llama base
+            path = root / "cases" / f"{number:05d}"
+            if rng.random() < 0.5:
+                label, files = random_adapter_case(peft, rng)
+                write_dir(files, path)
+                kind = f"peft adapter {label.split(':')[0]}"
+            else:
+                label, raw = random_gguf_case(gguf_adapter, rng)
+                path = path.with_suffix(".gguf")
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(raw)
+                kind = f"gguf adapter {label.split(':')[0]}"
+            results.append((kind, f"[adapter] {label}", worker.run(path, base=base_path)))
+            continue
         if number % 2 == 0:
             base = rng.choice(sorted(ggufs))
             label, raw = random_gguf_case(ggufs[base], rng)

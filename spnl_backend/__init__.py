@@ -8,6 +8,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING
 
 from .errors import (
+    AdapterInUseError,
     DistributedError,
     EngineError,
     ModelFileError,
@@ -45,6 +46,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "AdapterInUseError",
     "Backend",
     "BackendSettings",
     "CacheInfo",

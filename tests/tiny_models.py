@@ -776,3 +776,75 @@ def write_mxfp4_gpt_oss(tiny: TinyModel, path: Path) -> dict[str, torch.Tensor]:
             tensors[name] = param.contiguous()
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     return dequantized
+
+
+# ---- LoRA adapters ----------------------------------------------------------------------
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_adapter(
+    path: Path,
+    hf: torch.nn.Module,
+    seed: int,
+    rank: int = 4,
+    alpha: float = 8.0,
+    targets: tuple[str, ...] = LORA_TARGETS,
+    **config,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A random adapter over every projection, in PEFT's files; its (A, B) by module."""
+    gen = torch.Generator().manual_seed(seed)
+    pairs, tensors = {}, {}
+    for name, module in hf.named_modules():
+        if name.split(".")[-1] in targets and isinstance(module, torch.nn.Linear):
+            a = torch.randn(rank, module.in_features, generator=gen) * 0.3
+            b = torch.randn(module.out_features, rank, generator=gen) * 0.3
+            pairs[name] = (a, b)
+            tensors[f"base_model.model.{name}.lora_A.weight"] = a
+            tensors[f"base_model.model.{name}.lora_B.weight"] = b
+    path.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
+
+    save_file(tensors, path / "adapter_model.safetensors")
+    fields = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": list(targets),
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "lora_dropout": 0.0,
+        **config,
+    }
+    (path / "adapter_config.json").write_text(json.dumps(fields))
+    return pairs
+
+
+def write_gguf_adapter(
+    path: Path, arch: str, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], alpha: float
+) -> Path:
+    """``pairs`` (from `write_adapter`) as a GGUF LoRA adapter in llama.cpp's layout: each
+    projection's ``lora_a [r, in]`` and ``lora_b [out, r]``, q and k rows permuted for the
+    architectures llama.cpp permutes."""
+    gguf_arch = _GGUF_ARCH[arch]
+    writer = GGUFWriter(path, gguf_arch)
+    writer.add_type("adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", alpha)
+    writer.add_quantization_version(2)  # as llama.cpp's converter writes it
+    for name, (a, b) in pairs.items():
+        lora_b = b.float().numpy()
+        if arch in _PERMUTED and name.endswith(("q_proj", "k_proj")):
+            lora_b = _permute(lora_b, HEADS if name.endswith("q_proj") else KV_HEADS)
+        stem = _gguf_name(f"{name}.weight", gguf_arch)
+        writer.add_tensor(f"{stem}.lora_a", a.float().numpy())
+        writer.add_tensor(f"{stem}.lora_b", np.ascontiguousarray(lora_b))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -27,11 +27,11 @@ from ..loader.model import LoadedModel
 from ..log import get_logger
 from ..memory import MIB, available_memory, kv_bytes_per_token
 from ..models.config import ModelConfig
-from ..models.lora import LoraAdapters
 from ..settings import BackendSettings, PlatformDecisions
 from ..settings.backend_settings import KvBudget, env_name
 from ..settings.effects import given_pic_settings
 from ..settings.values import lora_adapter_list
+from .adapters import AdapterRegistry
 from .block_manager import BlockManager
 from .budget import KVCachePlan, StatePlan, check_states_fit, plan_kv_cache
 from .cache import CacheInfo, CacheManager
@@ -67,7 +67,7 @@ def build_engine(
         if model is not None:
             _refuse_for_state_layers(model, settings)
     _refuse_for_kv_groups(loaded, settings)
-    _attach_adapters(loaded, settings, draft)
+    adapters, no_adapters = _adapter_registry(loaded, settings, draft)
     settings = _prefix_caching_for(loaded.config, settings, decisions.paged_attn)
     if (
         loaded.model.tp is not None
@@ -126,6 +126,7 @@ def build_engine(
         prefix_caching=settings.prefix_cache_enabled,
     )
     engine = Engine(runner, loaded.tokenizer, engine_config, info)
+    engine.adapters, engine.no_adapters = adapters, no_adapters
     if settings.kv_tier_dir is not None:
         tier = attach_tier(loaded, settings, cache, info, speculative=draft is not None)
         if tier is not None:
@@ -207,30 +208,31 @@ def _refuse_for_latent(loaded: LoadedModel, settings: BackendSettings) -> None:
     _refuse(asked, why)
 
 
-def _attach_adapters(
+def _adapter_registry(
     loaded: LoadedModel, settings: BackendSettings, draft: LoadedModel | None
-) -> None:
-    """The LoRA adapters MISTRALRS_LORA_ADAPTERS names, read and attached to the model
-    (before the KV budget is taken from what memory is left)."""
-    named = lora_adapter_list(settings.lora_adapters)
-    if not named:
-        return
+) -> tuple[AdapterRegistry | None, str | None]:
+    """The model's LoRA adapters: those MISTRALRS_LORA_ADAPTERS names read and held (before
+    the KV budget is taken from what memory is left), room for more loaded at run time;
+    or, where the model takes none, why not."""
     model = loaded.model
-    _refuse(
-        {
-            "MISTRALRS_LORA_ADAPTERS with tensor parallelism": model.tp is not None,
-            "MISTRALRS_LORA_ADAPTERS with MISTRALRS_SPECULATIVE_DRAFT_MODEL": draft is not None,
-        },
-        "LoRA adapters run on one process, without a speculative draft, so far",
-    )
-    adapters = LoraAdapters()
+    refused = {
+        "tensor parallelism": model.tp is not None,
+        "MISTRALRS_SPECULATIVE_DRAFT_MODEL": draft is not None,
+        "MISTRALRS_SPECULATIVE_METHOD=ngram": settings.speculative == "ngram",
+    }
+    named = lora_adapter_list(settings.lora_adapters)
+    why = "LoRA adapters run on one process, without speculative decoding, so far"
+    if any(refused.values()):
+        _refuse(
+            {f"MISTRALRS_LORA_ADAPTERS with {k}": v and bool(named) for k, v in refused.items()},
+            why,
+        )
+        on = ", ".join(k for k, v in refused.items() if v)
+        return None, f"{why}: this model runs with {on}"
+    registry = AdapterRegistry(model, read_adapter, settings.lora_max_loaded)
     for name, path in named:
-        adapters.attach(model, read_adapter(name, path, model))
-    model.adapters = adapters
-    # The native layer blocks run whole layers in C, past the adapters' products; every
-    # step takes the per-op path instead, so a base row's arithmetic never depends on
-    # whether an adapter row shares its step.
-    model.model.use_layer_blocks = False
+        registry.add(read_adapter(name, path, model), ())
+    return registry, None
 
 
 def _refuse(asked: dict[str, bool], why: str) -> None:
@@ -481,7 +483,7 @@ def _paged_cache(
         budget,
         settings.paged_attn_block_size,
         per_token,
-        _available(loaded),
+        _available(loaded) - _adapter_room(loaded, settings),
         states,
     )
     log.info(
@@ -532,6 +534,17 @@ def _paged_cache(
         shift = KeyShift(loaded.config, cache.move_blocks)
     manager = PagedCacheManager(cache, blocks, loaded.kernels.attention, shift)
     return manager, info, plan.states
+
+
+def _adapter_room(loaded: LoadedModel, settings: BackendSettings) -> int:
+    """Memory kept beside the KV cache for LoRA adapters held later, up to
+    MISTRALRS_LORA_MAX_LOADED, each the size of the largest held at start (those are held
+    already: free memory counts them)."""
+    held = loaded.model.adapters
+    if not settings.lora_max_loaded or held is None or not len(held):
+        return 0
+    largest = max(adapter.nbytes for _, adapter in held.by_name.values())
+    return max(settings.lora_max_loaded - len(held), 0) * largest
 
 
 def _available(loaded: LoadedModel) -> int:

@@ -8,8 +8,10 @@ from typing import TYPE_CHECKING
 
 from ..errors import DistributedError, EngineError, RequestError
 from ..log import get_logger
+from ..models.lora import AdapterInfo, LoraAdapter
 from ..pic.layout import PicLayout
 from ..sampling import SamplingParams
+from .adapters import AdapterRegistry, AdapterUsage
 from .block_manager import BlockEvents
 from .cache import CacheInfo, PoolUsage, StateUsage
 from .detokenizer import Decoder, IncrementalDetokenizer, KeptTokens
@@ -78,6 +80,9 @@ class EngineStats:
     tier: "TierStats | None" = None
     # A model with state layers: its state slots held, snapshots and bytes; else None.
     states: StateUsage | None = None
+    # LoRA adapters: known, held in memory and their bytes, the bound; None where the
+    # model takes none (tensor parallelism, a speculative draft).
+    adapters: AdapterUsage | None = None
 
 
 class Engine:
@@ -106,6 +111,9 @@ class Engine:
         self.pic_recomputed_tokens = 0
         self.tier_hit_tokens = 0
         self.last_batch_size = 0  # sequences the last step ran (0: nothing was schedulable)
+        # LoRA adapters (`build` sets them); where the model takes none, why not.
+        self.adapters: AdapterRegistry | None = None
+        self.no_adapters: str | None = None
         # Called by the loop while it waits for work, and when it stops (a tensor-parallel
         # model's heartbeat to its other ranks, and their stop).
         self.on_idle: list[Callable[[], None]] = []
@@ -148,28 +156,46 @@ class Engine:
             max_len -= pic.padded_slots(size) - pic.num_prompt_tokens + size
         seq = Sequence(prompt_ids, params, max_len=max_len, leader=leader, pic=pic)
         if params.adapter is not None:
-            slot, root = self.adapter_of(params.adapter, pic is not None)
-            seq.lora_slot, seq.hash_root = slot, scaled_root(root, params.adapter_scale)
+            self.check_adapter(params.adapter, pic is not None)
         return seq
 
-    def adapter_of(self, name: str, pic: bool = False) -> tuple[int, int]:
-        """The slot and hash root of the LoRA adapter loaded as ``name``; a `RequestError`
-        naming those loaded where there is none."""
-        adapters = self.runner.model.adapters
-        found = None if adapters is None else adapters.find(name)
-        if found is None:
-            loaded = ", ".join(adapters.names()) if adapters else "none"
+    def check_adapter(self, name: str, pic: bool = False) -> None:
+        """A `RequestError` naming those loaded where no LoRA adapter is known as ``name``
+        (its slot is taken when the sequence is added: `add_sequence`)."""
+        if self.adapters is None:
             raise RequestError(
-                f"adapter={name!r}: no LoRA adapter of that name is loaded (loaded: {loaded}; "
+                f"adapter={name!r}: no LoRA adapter of that name is loaded (loaded: none; "
                 "MISTRALRS_LORA_ADAPTERS names them)"
             )
+        self.adapters.check_known(name)
         if pic:
             raise RequestError(f"adapter={name!r}: PIC prompts run on the base model only, so far")
-        slot, adapter = found
-        return slot, adapter.root
+
+    def adapters_in_use(self) -> list[str]:
+        """The adapter of each unfinished sequence (once per sequence)."""
+        return [s.params.adapter for s in self.unfinished() if s.params.adapter is not None]
+
+    def load_adapter(self, adapter: LoraAdapter) -> AdapterInfo:
+        """Know ``adapter`` (read off this thread) from now on; held if room can be made."""
+        if self.adapters is None:
+            raise RequestError(self.no_adapters or "this model takes no LoRA adapters")
+        return self.adapters.add(adapter, self.adapters_in_use())
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget adapter ``name``; an `AdapterInUseError` while requests run with it."""
+        if self.adapters is None:
+            raise RequestError(self.no_adapters or "this model takes no LoRA adapters")
+        self.adapters.remove(name, self.adapters_in_use())
 
     def add_sequence(self, seq: Sequence) -> None:
         self._check_usable()
+        name = seq.params.adapter
+        if name is not None:  # its adapter held (read again if evicted) while it runs
+            if self.adapters is None:
+                self.check_adapter(name)
+            assert self.adapters is not None
+            seq.lora_slot, root = self.adapters.acquire(name, self.adapters_in_use())
+            seq.hash_root = scaled_root(root, seq.params.adapter_scale)
         constraint = seq.params.constraint
         kept = (constraint.kept_token_ids if constraint is not None else ()) + (
             seq.params.kept_token_ids
@@ -208,6 +234,7 @@ class Engine:
             tier_hit_tokens=self.tier_hit_tokens,
             tier=tier_stats(getattr(self.cache, "tier", None)),
             states=state_usage(self.cache),
+            adapters=None if self.adapters is None else self.adapters.usage(),
         )
 
     def reset_prefix_cache(self) -> int:

@@ -24,7 +24,7 @@ from typing import TypeVar
 
 import torch
 
-from ..errors import EngineError, RequestAbortedError
+from ..errors import EngineError, ModelFileError, RequestAbortedError, RequestError
 from ..kernels.threads import torch_on_this_thread_alone
 from ..log import get_logger
 from ..signals import leave_interrupts_to_the_main_thread
@@ -322,7 +322,9 @@ class EngineLoop:
             for seq in seqs:
                 self.engine.add_sequence(seq)
                 self._live[seq.seq_id] = (seq, channel)
-        except EngineError as exc:  # the engine is broken: this request fails alone
+        # The engine is broken, or the request's adapter cannot be held now (unloaded since
+        # it was made, every slot in use, its file gone bad): this request fails alone.
+        except (EngineError, RequestError, ModelFileError) as exc:
             for seq in seqs:
                 if seq.seq_id in self._live:
                     self.engine.abort(seq, exc)

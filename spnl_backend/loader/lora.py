@@ -1,5 +1,6 @@
-"""PEFT LoRA adapter directories (``adapter_config.json`` + ``adapter_model.safetensors``)
-read and checked against the base model they are to run on.
+"""LoRA adapters read and checked against the base model they are to run on: PEFT
+directories (``adapter_config.json`` + ``adapter_model.safetensors``) and GGUF adapter
+files as llama.cpp's ``convert_lora_to_gguf.py`` writes them.
 
 What runs: plain LoRA on the attention and dense MLP projections (``q_proj`` ... ``down_proj``,
 or ``all-linear``), with ``lora_alpha / r`` or, with ``use_rslora``, ``lora_alpha /
@@ -8,10 +9,12 @@ modules saved whole, embedding or head targets, per-layer ranks or alphas) is re
 name: running it without its effect would give wrong output silently.
 """
 
+import functools
 import hashlib
 import json
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,12 +22,15 @@ import torch
 from ..errors import ModelFileError
 from ..kernels.lora_ref import LoraPair
 from ..log import get_logger
+from ..models.arch import family, family_of_gguf
 from ..models.linear import Linear
 from ..models.lora import LoraAdapter
 from ..models.transformer import CausalLM
 from ..quant.linear import QuantLinear
+from .gguf_config import hf_name
+from .gguf_file import GGUFFile, describe_value
 from .resolve import unreadable
-from .weights import _checked, _layout, _opened, _read_tensor
+from .weights import check_finite, read_checked, unpermute_rows
 
 log = get_logger()
 
@@ -35,6 +41,8 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 # the order of their output rows. An adapter's lora_B is split the same way; lora_A is
 # shared by the parts.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# The name a module's lora_A ("A") or lora_B ("B") has in the adapter's file.
+Label = Callable[[str, str], str]
 _TENSOR = re.compile(r"base_model\.model\.(model\.layers\.\d+\.\w+\.(\w+))\.lora_([AB])\.weight")
 # Fields that change what the adapter computes and that this does not run: (field, what
 # is accepted) where set to anything but off/empty.
@@ -53,10 +61,17 @@ _REFUSED = {
 
 
 def read_adapter(name: str, path: str | Path, model: CausalLM) -> LoraAdapter:
-    """The adapter in directory ``path``, its matrices float32 on their projections'
-    devices; a `ModelFileError` naming the file and field or tensor where it does not fit
-    ``model`` or asks for what is not run."""
+    """The adapter at ``path`` (a PEFT directory, or a GGUF adapter file), its matrices
+    float32 on their projections' devices; a `ModelFileError` naming the file and field or
+    tensor where it does not fit ``model`` or asks for what is not run."""
     directory = Path(path).expanduser()
+    if directory.is_file():
+        if directory.name in (CONFIG_FILE, WEIGHTS_FILE):
+            raise ModelFileError(
+                f"{directory}: a PEFT adapter is read from its directory ({CONFIG_FILE} "
+                f"beside {WEIGHTS_FILE}): give {directory.parent}"
+            )
+        return _read_gguf(name, directory, model)
     config = _read_config(directory / CONFIG_FILE)
     rank, scale = _rank_and_scale(config, directory / CONFIG_FILE)
     targets = _targets(config, directory / CONFIG_FILE)
@@ -135,7 +150,7 @@ def _pairs(
     targets: frozenset[str],
     layers: object,
 ) -> dict[str, LoraPair]:
-    tensors = _read_tensors(path)
+    tensors = read_checked(path)
     found: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _TENSOR.fullmatch(key)
@@ -151,19 +166,42 @@ def _pairs(
                 f"{path}: tensor {key!r} adapts {target}, which target_modules does not name"
             )
         found.setdefault(module, {})[side] = tensor
+    return _checked_pairs(path, model, found, _peft_label, lambda _: scale, rank, layers)
+
+
+def _peft_label(module: str, side: str) -> str:
+    return f"base_model.model.{module}.lora_{side}.weight"
+
+
+def _checked_pairs(
+    path: Path,
+    model: CausalLM,
+    found: dict[str, dict[str, torch.Tensor]],
+    label: Label,
+    scale_of: Callable[[int], float],
+    rank: int | None,
+    layers: object = None,
+) -> dict[str, LoraPair]:
+    """Each module's (A, B) checked against the projection it adapts (a fused one's parts
+    apart); ``rank`` None takes each pair's own from its lora_A (GGUF)."""
     if not found:
         raise ModelFileError(f"{path}: holds no LoRA matrices")
     pairs: dict[str, LoraPair] = {}
     for module, sides in found.items():
-        for part, part_sides in _unfused(path, model, module, sides):
+        named = functools.partial(label, module)
+        for part, part_sides in _unfused(path, model, module, sides, named):
             if part in pairs:
                 raise ModelFileError(f"{path}: {part} is adapted twice (fused and apart)")
-            pairs[part] = _pair(path, model, part, part_sides, rank, scale, layers)
+            pairs[part] = _pair(path, model, part, part_sides, rank, scale_of, layers, named)
     return pairs
 
 
 def _unfused(
-    path: Path, model: CausalLM, module: str, sides: dict[str, torch.Tensor]
+    path: Path,
+    model: CausalLM,
+    module: str,
+    sides: dict[str, torch.Tensor],
+    named: Callable[[str], str],
 ) -> list[tuple[str, dict[str, torch.Tensor]]]:
     """``module``'s matrices, or for a fused projection each part's: the same lora_A,
     and the rows of lora_B that give that part's outputs."""
@@ -177,7 +215,7 @@ def _unfused(
     b = sides["B"]
     if b.shape[0] != sum(rows):
         raise ModelFileError(
-            f"{path}: tensor base_model.model.{module}.lora_B.weight has {b.shape[0]} rows; "
+            f"{path}: tensor {named('B')} has {b.shape[0]} rows; "
             f"the base model's {', '.join(FUSED[fused])} have {' + '.join(map(str, rows))}"
         )
     parts, start = [], 0
@@ -200,29 +238,19 @@ def _projection(path: Path, model: CausalLM, module: str) -> Linear | QuantLinea
     return target
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    with _opened(path) as f:
-        names = list(f.keys())
-    layout = _layout(path)
-    tensors = {}
-    for name in names:
-        tensors[name] = _read_tensor(path, layout, name)
-        _checked(tensors[name], path, name)  # float and finite
-    return tensors
-
-
 def _pair(
     path: Path,
     model: CausalLM,
     module: str,
     sides: dict[str, torch.Tensor],
-    rank: int,
-    scale: float,
+    rank: int | None,
+    scale_of: Callable[[int], float],
     layers: object,
+    named: Callable[[str], str],
 ) -> LoraPair:
     for side in "AB":
         if side not in sides:
-            raise ModelFileError(f"{path}: {module} has no lora_{side}.weight")
+            raise ModelFileError(f"{path}: {module} has no {named(side)}")
     layer = int(module.split(".")[2])
     if isinstance(layers, list) and layer not in layers:
         raise ModelFileError(
@@ -230,15 +258,22 @@ def _pair(
         )
     target = _projection(path, model, module)
     a, b = sides["A"], sides["B"]
+    if rank is None:  # the file's own (GGUF): lora_A's rows
+        rank = a.shape[0] if a.dim() == 2 else 0
+        if rank < 1:
+            raise ModelFileError(
+                f"{path}: tensor {named('A')} has shape {tuple(a.shape)}; expected "
+                "[rank >= 1, inputs]"
+            )
     want_a, want_b = (rank, target.in_features), (target.out_features, rank)
     for side, tensor, want in (("A", a, want_a), ("B", b, want_b)):
         if tuple(tensor.shape) != want:
             raise ModelFileError(
-                f"{path}: tensor base_model.model.{module}.lora_{side}.weight has shape "
+                f"{path}: tensor {named(side)} has shape "
                 f"{tuple(tensor.shape)}; r = {rank} and the base model's projection needs {want}"
             )
     device = _device_of(target)
-    return LoraPair(a.float().to(device), b.float().to(device), scale)
+    return LoraPair(a.float().to(device), b.float().to(device), scale_of(rank))
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:
@@ -259,3 +294,104 @@ def _root(path: Path, scale: float) -> int:
         raise unreadable(path, exc) from None
     digest.update(repr(scale).encode())
     return int.from_bytes(digest.digest(), "little") or 1
+
+
+def _read_gguf(name: str, path: Path, model: CausalLM) -> LoraAdapter:
+    """A GGUF LoRA adapter (``general.type = adapter``, ``adapter.type = lora``): each
+    projection's ``<tensor>.lora_a [r, in]`` and ``.lora_b [out, r]``, scaled as llama.cpp
+    scales them (``adapter.lora.alpha / r``, or 1 where alpha is 0 or absent). llama.cpp's
+    q/k row order is undone on lora_b, as on a GGUF base's q and k."""
+    gguf = GGUFFile(path)
+    alpha = _gguf_header(gguf, model)
+    arch = gguf.architecture
+    permuted = getattr(family_of_gguf(arch), "gguf_permuted_qk", False)
+    found: dict[str, dict[str, torch.Tensor]] = {}
+    stems: dict[str, str] = {}
+    for gguf_name, info in gguf.tensors.items():
+        stem, _, side = gguf_name.rpartition(".")
+        if side not in ("lora_a", "lora_b"):
+            raise ModelFileError(
+                f"{path}: tensor {gguf_name!r} is not a LoRA matrix (<tensor>.lora_a or "
+                ".lora_b); norms or other tensors merged into an adapter are not run"
+            )
+        module = _gguf_module(path, model, gguf_name, stem, arch)
+        if len(info.shape) != 2:
+            raise ModelFileError(
+                f"{path}: tensor {gguf_name!r} has shape {info.shape}; expected a matrix "
+                "(experts' stacked adapters are not run)"
+            )
+        tensor = gguf.load(gguf_name)
+        check_finite(tensor, path, gguf_name)
+        if permuted and side == "lora_b" and module.endswith(("q_proj", "k_proj")):
+            config = model.config
+            heads = config.num_heads if module.endswith("q_proj") else config.num_kv_heads
+            if tensor.shape[0] != heads * config.head_dim:
+                raise ModelFileError(
+                    f"{path}: tensor {gguf_name!r} has shape {tuple(tensor.shape)}; the base "
+                    f"model's {module} has {heads * config.head_dim} rows"
+                )
+            tensor = unpermute_rows(tensor, heads)
+        found.setdefault(module, {})["A" if side == "lora_a" else "B"] = tensor
+        stems[module] = stem
+
+    def label(module: str, side: str) -> str:
+        return f"{stems[module]}.lora_{side.lower()}"
+
+    def scale_of(rank: int) -> float:
+        return alpha / rank if alpha else 1.0
+
+    pairs = _checked_pairs(path, model, found, label, scale_of, None)
+    rank = max(p.a.shape[0] for p in pairs.values())
+    log.info("lora.loaded", adapter=name, path=str(path), rank=rank, modules=len(pairs))
+    return LoraAdapter(name, str(path), rank, scale_of(rank), _root(path, alpha), pairs)
+
+
+def _gguf_header(gguf: GGUFFile, model: CausalLM) -> float:
+    """The file's LoRA alpha, once its type and architecture are checked against ``model``."""
+    path, meta = gguf.path, gguf.metadata
+    kind, adapter_type = meta.get("general.type"), meta.get("adapter.type")
+    if not isinstance(kind, str) or kind != "adapter":
+        raise ModelFileError(
+            f"{path}: general.type is {describe_value(kind)}; a LoRA adapter file has "
+            "'adapter' (a model file is loaded as the model, not as an adapter)"
+        )
+    if not isinstance(adapter_type, str) or adapter_type != "lora":
+        raise ModelFileError(
+            f"{path}: adapter.type is {describe_value(adapter_type)}; only 'lora' adapters run"
+        )
+    if meta.get("adapter.alora_invocation_tokens") is not None:
+        raise ModelFileError(
+            f"{path}: adapter.alora_invocation_tokens is set: activated LoRA (applied only "
+            "after its invocation tokens) is not run"
+        )
+    base = model.config.architecture
+    if gguf.architecture not in family(base).gguf_archs:
+        raise ModelFileError(
+            f"{path}: general.architecture is {gguf.architecture!r}; the base model is a "
+            f"{base} model ({', '.join(family(base).gguf_archs) or 'no GGUF architecture'}): "
+            "the adapter is for another base model"
+        )
+    alpha = meta.get("adapter.lora.alpha", 0.0)
+    if type(alpha) not in (int, float) or not math.isfinite(alpha):
+        raise ModelFileError(f"{path}: adapter.lora.alpha = {alpha!r}; expected a finite number")
+    return float(alpha)
+
+
+def _gguf_module(path: Path, model: CausalLM, gguf_name: str, stem: str, arch: str) -> str:
+    """Our projection that a GGUF adapter tensor adapts, checked to be one adapters run on."""
+    ours = hf_name(stem, arch, path)
+    target = (ours or "").removesuffix(".weight").rpartition(".")[2]
+    if ours is None or not ours.endswith(".weight") or target not in (*TARGETS, *FUSED):
+        raise ModelFileError(
+            f"{path}: tensor {gguf_name!r} adapts {ours or stem}, which is not adapted here; "
+            f"accepted: the projections {', '.join((*TARGETS, *FUSED))} (embeddings, the "
+            "output head and experts are not)"
+        )
+    module = ours.removesuffix(".weight")
+    layer = int(module.split(".")[2])
+    if layer >= model.config.num_layers:
+        raise ModelFileError(
+            f"{path}: tensor {gguf_name!r} adapts layer {layer}; the base model has "
+            f"{model.config.num_layers} layers: the adapter is for another base model"
+        )
+    return module

@@ -92,7 +92,7 @@ def safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
     """Every tensor's name (as the model calls it) and shape, from the shards' headers."""
     shapes = {}
     for path in files:
-        with _opened(path) as f:
+        with open_safetensors(path) as f:
             for name in list(f.keys()):
                 shapes[_renamed(name)] = tuple(f.get_slice(name).get_shape())
     return shapes
@@ -116,20 +116,20 @@ def read_safetensors(
     into tensors of their own, not mapped: a file truncated under the process would
     otherwise kill it (SIGBUS) at the next read of a weight."""
     for number, path in enumerate(files, 1):
-        with _opened(path) as f:  # safetensors checks the header's layout
+        with open_safetensors(path) as f:  # safetensors checks the header's layout
             names = [n for n in list(f.keys()) if not _skipped(_renamed(n), unused)]
-        layout = _layout(path)
+        layout = safetensors_layout(path)
         for done, name in enumerate(names):
             progress(f"weights {number}/{len(files)}", done, len(names))
-            tensor = _read_tensor(path, layout, name)
+            tensor = read_tensor(path, layout, name)
             if not (packed and name.endswith(packed)):
-                _checked(tensor, path, name)
+                check_float(tensor, path, name)
             yield _renamed(name), tensor
         progress(f"weights {number}/{len(files)}", len(names), len(names))
 
 
 @contextmanager
-def _opened(path: Path) -> Iterator[Any]:
+def open_safetensors(path: Path) -> Iterator[Any]:
     """``safe_open`` whose failures name the file: the OS's reason where it cannot be read
     (safetensors reports every open failure as "No such file"), else what is corrupt."""
     try:
@@ -160,7 +160,7 @@ _DTYPES = {
 }
 
 
-def _layout(path: Path) -> tuple[int, dict[str, Any]]:
+def safetensors_layout(path: Path) -> tuple[int, dict[str, Any]]:
     """Where the data starts, and the header's entry of each tensor (already checked by
     safetensors itself: dtypes, shapes and offsets that agree)."""
     try:
@@ -174,7 +174,9 @@ def _layout(path: Path) -> tuple[int, dict[str, Any]]:
     return 8 + length, header
 
 
-def _read_tensor(path: Path, layout: tuple[int, dict[str, Any]], name: str) -> torch.Tensor:
+def read_tensor(path: Path, layout: tuple[int, dict[str, Any]], name: str) -> torch.Tensor:
+    """Tensor ``name`` of the safetensors file ``path`` (its `safetensors_layout`), read
+    into memory of its own; a short read names the file and the tensor."""
     start, header = layout
     entry = header[name]
     dtype = _DTYPES.get(entry["dtype"])
@@ -199,7 +201,20 @@ def _read_tensor(path: Path, layout: tuple[int, dict[str, Any]], name: str) -> t
     return tensor
 
 
-def _checked(tensor: torch.Tensor, path: Path, name: str) -> None:
+def read_checked(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file (an adapter's), each checked: float and finite."""
+    with open_safetensors(path) as f:
+        names = list(f.keys())
+    layout = safetensors_layout(path)
+    tensors = {}
+    for name in names:
+        tensors[name] = read_tensor(path, layout, name)
+        check_float(tensors[name], path, name)
+    return tensors
+
+
+def check_float(tensor: torch.Tensor, path: Path, name: str) -> None:
+    """Refuse a weight that is not floating-point or not finite, naming file and tensor."""
     if not tensor.dtype.is_floating_point:
         raise ModelFileError(
             f"{path}: tensor {name!r} is stored as {str(tensor.dtype).removeprefix('torch.')}; "

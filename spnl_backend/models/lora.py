@@ -39,7 +39,9 @@ class LoraAdapter:
 
 @dataclass(frozen=True)
 class AdapterInfo:
-    """What `Backend.adapters` tells of a loaded adapter."""
+    """What `Backend.adapters` tells of an adapter: ``loaded`` where its matrices are held
+    in memory now (else it is read again when a request asks for it); ``nbytes`` what
+    they take there (when last read)."""
 
     name: str
     path: str
@@ -47,11 +49,26 @@ class AdapterInfo:
     scale: float
     modules: int
     nbytes: int
+    loaded: bool = True
+
+    @classmethod
+    def of(cls, adapter: LoraAdapter, loaded: bool = True) -> "AdapterInfo":
+        pairs = adapter.pairs
+        return cls(
+            adapter.name,
+            adapter.path,
+            adapter.rank,
+            adapter.scale,
+            len(pairs),
+            adapter.nbytes,
+            loaded,
+        )
 
 
 class LoraAdapters:
-    """The adapters attached to a model, by name. ``step`` is shared with every adapted
-    projection: the engine fills it with the current step's rows (`rows_of`)."""
+    """The adapters held on a model, by name, each in a slot (the smallest free one), in
+    order of last use. ``step`` is shared with every adapted projection: the engine fills
+    it with the current step's rows (`rows_of`)."""
 
     def __init__(self) -> None:
         self.step = LoraStep()
@@ -60,32 +77,49 @@ class LoraAdapters:
     def __len__(self) -> int:
         return len(self.by_name)
 
-    def attach(self, model: torch.nn.Module, adapter: LoraAdapter) -> None:
+    @property
+    def nbytes(self) -> int:
+        return sum(adapter.nbytes for _, adapter in self.by_name.values())
+
+    def attach(self, model: torch.nn.Module, adapter: LoraAdapter) -> int:
         """Place ``adapter``'s matrices beside the projections of ``model`` it adapts
-        (checked against them by the loader first)."""
+        (checked against them by the loader first); its slot."""
         if adapter.name in self.by_name:
             raise ModelFileError(f"two LoRA adapters are named {adapter.name!r}")
-        slot = len(self.by_name)
-        for name, pair in adapter.pairs.items():
+        taken = {slot for slot, _ in self.by_name.values()}
+        slot = next(s for s in range(len(taken) + 1) if s not in taken)
+        for name in adapter.pairs:
             module = model.get_submodule(name)
             if not isinstance(module, (Linear, QuantLinear)):
                 raise ModelFileError(f"{adapter.path}: {name} is not a projection of the model")
+        for name, pair in adapter.pairs.items():
+            module = model.get_submodule(name)
             if module.lora is None:
                 module.lora = LoraSite(self.step)
             module.lora.pairs[slot] = pair
         self.by_name[adapter.name] = (slot, adapter)
+        return slot
+
+    def detach(self, model: torch.nn.Module, name: str) -> LoraAdapter:
+        """Take adapter ``name``'s matrices off ``model``; its slot is free again (no
+        sequence may still run with it: the caller makes sure)."""
+        slot, adapter = self.by_name.pop(name)
+        for module_name in adapter.pairs:
+            site = model.get_submodule(module_name).lora
+            if site is not None:
+                site.pairs.pop(slot, None)
+        return adapter
+
+    def touch(self, name: str) -> None:
+        """Mark ``name`` as used last (the others are evicted before it)."""
+        self.by_name[name] = self.by_name.pop(name)
 
     def find(self, name: str) -> tuple[int, LoraAdapter] | None:
         return self.by_name.get(name)
 
     def names(self) -> list[str]:
+        """Those held, least recently used first."""
         return list(self.by_name)
-
-    def info(self) -> list[AdapterInfo]:
-        return [
-            AdapterInfo(a.name, a.path, a.rank, a.scale, len(a.pairs), a.nbytes)
-            for _, a in self.by_name.values()
-        ]
 
     def rows_of(
         self, slots: Iterable[tuple[int, float, int]], device: torch.device

@@ -35,7 +35,7 @@ from starlette.types import Receive, Scope, Send
 from ..backend import Backend, Embeddings, PromptIds
 from ..engine.loop import Finished, LoopRequest
 from ..engine.sequence import Sequence, StepOutput
-from ..errors import RequestAbortedError, RequestError, shown
+from ..errors import AdapterInUseError, ModelFileError, RequestAbortedError, RequestError, shown
 from ..log import get_logger
 from ..pic.query import MapQuery, SpanQuery, parse_query
 from ..plain import json_value
@@ -216,6 +216,9 @@ def _ready(state: ServerState) -> bool:
 class _Api:
     def __init__(self, config: ServerConfig, state: ServerState) -> None:
         self.config, self.state = config, state
+        # llama-server's global adapter scale (POST /lora-adapters): the adapter and scale a
+        # request runs with where neither its model nor a ``lora`` list names one.
+        self.lora_default: tuple[str, float] | None = None
 
     def guarded(self, rule: RouteRule) -> Callable[[Request], Awaitable[Response]]:
         """The route's handler behind its rules (`rules.ROUTES`), in this order: a web
@@ -617,6 +620,85 @@ class _Api:
             return self._refused("reset_prefix_cache", exc)
         return JSONResponse({"status": "ok", "forgotten": forgotten})
 
+    # ---- LoRA adapters at run time --------------------------------------------------------
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's ``{"lora_name", "lora_path"}``: the adapter read and checked, then known
+        to requests (and /v1/models) from the next step on."""
+        label = "load_lora_adapter"
+        try:
+            backend = self._adapter_backend(request)
+            body = await _read_json(request, self.config.max_body_bytes)
+            name, path = _text_field(body, "lora_name"), _text_field(body, "lora_path")
+            if _bare_name(name) == self.config.model_name:
+                raise bad_request(f"lora_name={name!r} is the served model's name", "lora_name")
+            info = await asyncio.to_thread(backend.load_adapter, name, path)
+        except ModelFileError as exc:
+            return self._refused(label, bad_request(str(exc), "lora_path", "invalid_adapter"))
+        except RequestError as exc:
+            return self._refused(label, bad_request(str(exc), "lora_name"))
+        except Exception as exc:
+            return self._refused(label, exc)
+        loaded = {"lora_name": info.name, "lora_path": info.path, "held": info.loaded}
+        return JSONResponse({"status": "ok", **loaded})
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's ``{"lora_name"}``: a 404 for a name not loaded, a 409 while unfinished
+        requests run with it (their output is never changed: retry once they finish)."""
+        label = "unload_lora_adapter"
+        try:
+            backend = self._adapter_backend(request)
+            body = await _read_json(request, self.config.max_body_bytes)
+            name = _text_field(body, "lora_name")
+            if name not in {a.name for a in backend.adapters()}:
+                raise ApiError(404, f"no LoRA adapter named {name!r} is loaded", param="lora_name")
+            await asyncio.to_thread(backend.unload_adapter, name)
+        except AdapterInUseError as exc:
+            return self._refused(label, ApiError(409, str(exc), code="adapter_in_use"))
+        except Exception as exc:
+            return self._refused(label, exc)
+        if self.lora_default is not None and self.lora_default[0] == name:
+            self.lora_default = None
+        return JSONResponse({"status": "ok", "lora_name": name})
+
+    async def lora_adapters(self, request: Request) -> Response:
+        """llama-server's list: each adapter's ``id`` (its place in load order), ``path``
+        and global ``scale`` (0 unless POST /lora-adapters set it), and its ``name``."""
+        try:
+            backend = self._adapter_backend(request)
+        except Exception as exc:
+            return self._refused("lora_adapters", exc)
+        return JSONResponse(self._adapter_list(backend))
+
+    async def set_lora_adapters(self, request: Request) -> Response:
+        """llama-server's global scales, ``[{"id" | "name", "scale"}]``: the one adapter
+        given a scale other than 0 runs every request that names none; none listed, or
+        all at 0, runs the base model."""
+        try:
+            backend = self._adapter_backend(request)
+            body = await _read_json(request, self.config.max_body_bytes)
+            self.lora_default = self._lora_field(body, None)
+        except Exception as exc:
+            return self._refused("set_lora_adapters", exc)
+        return JSONResponse(self._adapter_list(backend))
+
+    def _adapter_backend(self, request: Request) -> Backend:
+        if self.state.models is not None:
+            raise bad_request("LoRA adapters are served with one model served (not --models)")
+        return self._backend(request)
+
+    def _adapter_list(self, backend: Backend) -> list[dict[str, Any]]:
+        default = self.lora_default
+        return [
+            {
+                "id": i,
+                "name": a.name,
+                "path": a.path,
+                "scale": default[1] if default is not None and default[0] == a.name else 0.0,
+            }
+            for i, a in enumerate(backend.adapters())
+        ]
+
     # ---- what routers ask of a worker (`router_info`) ------------------------------------
 
     async def flush_cache(self, request: Request) -> Response:
@@ -780,6 +862,8 @@ class _Api:
         if isinstance(body, dict) and "lora" in body:  # llama-server's way
             body = dict(body)
             chosen = self._lora_field(body.pop("lora"), chosen)
+        elif chosen is None and self.state.models is None:  # its global scale, if set
+            chosen = self.lora_default
         # Grammars convert here: off the loop, and with no collector pause in the middle.
         asked = await asyncio.to_thread(collector.without_pauses(parse), body)
         if chosen is not None:  # vLLM's way: the adapter's name as the model
@@ -1321,6 +1405,14 @@ def _too_large(limit: int) -> ApiError:
 def _served_name(model: str) -> str:
     """A name as clients write it (spnl's ``openai/``, Ollama's ``:latest``) → ours."""
     return _bare_name(model).removesuffix(":latest")
+
+
+def _text_field(body: object, name: str) -> str:
+    """A body's string field ``name`` (a 400 naming it where absent or not a string)."""
+    value = body.get(name) if isinstance(body, dict) else None
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"{name}={shown(value)}: expected a non-empty string", name)
+    return value
 
 
 def _lora_entry_name(entry: dict, names: list[str], accepted: str) -> str:

@@ -128,6 +128,24 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, _Read], ...] = (
         "Bytes of the states held: live, step copies and snapshots",
         lambda s: s.states.bytes if s.states else None,
     ),
+    (
+        "gauge",
+        "spnl_lora_adapters",
+        "LoRA adapters known (loaded at start or since, not unloaded)",
+        lambda s: s.adapters.known if s.adapters else None,
+    ),
+    (
+        "gauge",
+        "spnl_lora_adapters_held",
+        "LoRA adapters held in memory (at most MISTRALRS_LORA_MAX_LOADED)",
+        lambda s: s.adapters.loaded if s.adapters else None,
+    ),
+    (
+        "gauge",
+        "spnl_lora_adapter_bytes",
+        "Bytes of the LoRA adapters held in memory",
+        lambda s: s.adapters.nbytes if s.adapters else None,
+    ),
     ("counter", "spnl_preemptions", "Sequences preempted for room", lambda s: s.preemptions),
     (
         "counter",

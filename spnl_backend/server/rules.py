@@ -73,6 +73,11 @@ ROUTES: tuple[RouteRule, ...] = (
     RouteRule("/server_info", "GET", "server_info", "asked", "none"),
     RouteRule("/get_load", "GET", "get_load", "metrics", "none"),
     RouteRule("/tokenize", "POST", "tokenize", "asked", "json"),  # vLLM's
+    # LoRA adapters at run time: vLLM's routes, and llama-server's list and global scales.
+    RouteRule("/v1/load_lora_adapter", "POST", "load_lora_adapter", "asked", "json"),
+    RouteRule("/v1/unload_lora_adapter", "POST", "unload_lora_adapter", "asked", "json"),
+    RouteRule("/lora-adapters", "GET", "lora_adapters", "asked", "none"),
+    RouteRule("/lora-adapters", "POST", "set_lora_adapters", "asked", "json"),
 )
 
 

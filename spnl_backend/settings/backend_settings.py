@@ -91,6 +91,7 @@ _PARSERS = {
     "chat_template": values.parse_chat_template,
     "reasoning_format": values.parse_reasoning_format,
     "lora_adapters": values.parse_lora_adapters,
+    "lora_max_loaded": values.parse_count,
     "default_chat_template_kwargs": values.parse_template_kwargs,
 }
 
@@ -204,6 +205,9 @@ class BackendSettings(BaseSettings):
     # LoRA adapters on the base model, ``name=path,name2=path2`` (PEFT directories): a
     # request names one (``adapter=``, or the server's ``model``) or runs the base.
     lora_adapters: str | None = None
+    # The most LoRA adapters held in memory at once (0: no bound): beyond it the least
+    # recently used idle one is evicted, and read again when a request asks for it.
+    lora_max_loaded: int = 0
     # Chat template variables every chat gets (a JSON object), under each request's own
     # (``chat_template_kwargs``, ``reasoning_effort``...), which win where both name one.
     default_chat_template_kwargs: str | None = None

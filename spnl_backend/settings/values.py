@@ -367,6 +367,11 @@ def parse_chat_template(value: object) -> str | None:
 _ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]*")
 
 
+def is_adapter_name(name: str) -> bool:
+    """Whether ``name`` may name a LoRA adapter: letters, digits and ``. _ : / -``."""
+    return _ADAPTER_NAME.fullmatch(name) is not None
+
+
 def parse_lora_adapters(value: object) -> str | None:
     """``name=path,name2=path2``: LoRA adapter directories and the names requests choose
     them by, checked and written back in that form (`lora_adapter_list` reads it)."""
