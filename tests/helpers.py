@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 from gguf import GGMLQuantizationType
-from tiny_models import TinyModel, build_hf_model, build_trained_model, write_gguf
+from llama_converter import converted
+from tiny_models import CONVERTED, TinyModel, build_hf_model, build_trained_model, write_gguf
 
 from spnl_backend import Backend, BackendSettings, load_backend
 from spnl_backend.engine.engine import Engine
@@ -73,7 +74,12 @@ class TinyModels:
 
     @cache  # noqa: B019
     def gguf(self, arch: str, qtype: GGMLQuantizationType) -> Path:
-        return write_gguf(self.hf(arch), self.root / arch / f"model-{qtype.name}.gguf", qtype)
+        """The tiny model's GGUF twin: by llama.cpp's own converter for the families it
+        converts here (`tiny_models.CONVERTED`), else as `write_gguf` writes it."""
+        path = self.root / arch / f"model-{qtype.name}.gguf"
+        if arch in CONVERTED:
+            return converted(self.hf(arch).path, path, qtype.name.lower())
+        return write_gguf(self.hf(arch), path, qtype)
 
 
 def engine_logits(backend: Backend, ids: list[int]) -> torch.Tensor:

@@ -105,7 +105,14 @@ MOE_HYBRID_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_experts(f) and
 # OLMo 2's layers have no input norm (norms after attention and MLP only), SmolLM3 has a
 # layer that does not rotate, gpt-oss's attention has sinks (and its experts biases),
 # Gemma 4's layers differ in shape and share K/V.
-PER_OP_ONLY = frozenset({"qwen2", "olmo2", "smollm3", "gpt_oss", "gemma4"})
+# Granite scales its residuals; Cohere runs attention and MLP side by side from LayerNorms;
+# Qwen2-MoE has biases and a gated shared expert.
+PER_OP_ONLY = frozenset(
+    {"qwen2", "olmo2", "smollm3", "gpt_oss", "gemma4", "granite", "cohere", "cohere2", "qwen2_moe"}
+)
+# The families whose GGUF twin is the file llama.cpp's own converter writes
+# (`llama_converter`), rather than `write_gguf`'s.
+CONVERTED = frozenset({"granite", "cohere", "cohere2", "qwen2_moe"})
 
 
 @dataclass

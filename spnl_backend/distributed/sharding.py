@@ -124,6 +124,10 @@ def check_shardable(
             "its KV layers of several shapes, shared K/V and per-layer embeddings (Gemma 4) "
             "are not split yet"
         )
+    if c.moe is not None and c.moe.shared_intermediate_size:
+        problems.append("its shared expert (and the sigmoid gate on it) is not split yet")
+    if c.qk_norm and c.norm_kind == "layer":
+        problems.append("its q and k LayerNorms, a weight row per head (Cohere), are not split yet")
     if c.num_heads % world:
         problems.append(f"its {c.num_heads} attention heads do not divide by {world}")
     if c.num_kv_heads % world and world % c.num_kv_heads:

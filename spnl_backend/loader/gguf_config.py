@@ -123,7 +123,8 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=_kv_heads(meta, heads, layers),
         head_dim=head_dim,
-        rms_norm_eps=meta.positive("attention.layer_norm_rms_epsilon"),
+        # (LayerNorm families read their own key)
+        rms_norm_eps=meta.positive("attention.layer_norm_rms_epsilon", None),
         max_position_embeddings=meta.count("context_length"),
         rope=_rope(gguf, meta, head_dim),
         sliding_window=meta.count("attention.sliding_window", None),
@@ -135,6 +136,8 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     if fields["sliding_window"]:
         fields["layer_types"] = meta.swa_layer_types(None, layers)
     fields.update(family.gguf_fields(meta, fields))
+    if fields["rms_norm_eps"] is None:
+        raise meta.missing("attention.layer_norm_rms_epsilon")
     if not fields["intermediate_size"] and not _every_layer_sparse(fields["moe"]):
         raise meta.missing("feed_forward_length")
     try:

@@ -245,7 +245,7 @@ def model_config_from_hf(
         num_heads=config.num_attention_heads,
         num_kv_heads=keys.count("num_key_value_heads", None) or config.num_attention_heads,
         head_dim=head_dim,
-        rms_norm_eps=keys.positive("rms_norm_eps"),
+        rms_norm_eps=keys.positive("rms_norm_eps", None),  # (LayerNorm families: their own)
         max_position_embeddings=config.max_position_embeddings,
         rope=_rope(keys, "full_attention", head_dim),
         layer_types=_layer_types(keys),
@@ -258,6 +258,8 @@ def model_config_from_hf(
     )
     fields["quantization"] = _quant_method(quantization, family, source)
     fields.update(family.hf_fields(keys, head_dim))
+    if fields["rms_norm_eps"] is None:
+        raise keys.missing("rms_norm_eps")
     moe = fields.get("moe")
     if not fields["intermediate_size"] and not (moe is not None and all(moe.sparse)):
         raise keys.missing("intermediate_size")  # (only a model of experts alone has none)

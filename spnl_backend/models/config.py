@@ -51,7 +51,7 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
+    rms_norm_eps: float  # every norm's eps (a LayerNorm's too: `norm_kind`)
     max_position_embeddings: int
     rope: RopeConfig
     rope_local: RopeConfig | None = None  # sliding layers, where they rotate differently
@@ -63,6 +63,8 @@ class ModelConfig:
     norm_offset: float = 0.0  # Gemma scales by (offset + weight)
     norm_in_float: bool = False  # Gemma multiplies by the weight before casting back
     norm_placement: "NormPlacement" = "pre"  # `models.layers.NormPlacement`
+    # rms: RMSNorm; layer: LayerNorm without a bias (the mean taken out too: Cohere's)
+    norm_kind: Literal["rms", "layer"] = "rms"
     rope_layers: tuple[bool, ...] = ()  # which layers rotate (SmolLM3's NoPE); () = all
     embedding_multiplier: float | None = None
     residual_multiplier: float | None = None  # Granite: each layer's outputs scaled
@@ -249,8 +251,12 @@ def _validate(config: ModelConfig) -> None:
         _check_state_layers(config)
     if config.sliding_window is not None:
         _check_count("sliding_window", config.sliding_window)
-    if config.norm_placement not in ("pre", "sandwich", "post"):
-        raise ConfigValueError("norm_placement", config.norm_placement, "pre, sandwich or post")
+    if config.norm_placement not in ("pre", "sandwich", "post", "parallel"):
+        raise ConfigValueError(
+            "norm_placement", config.norm_placement, "pre, sandwich, post or parallel"
+        )
+    if config.norm_kind not in ("rms", "layer"):
+        raise ConfigValueError("norm_kind", config.norm_kind, "rms or layer")
     if config.rope_layers and len(config.rope_layers) != config.num_layers:
         raise ConfigValueError(
             "rope_layers", config.rope_layers, f"{config.num_layers} flags (one per layer)"

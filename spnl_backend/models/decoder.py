@@ -16,7 +16,7 @@ from .linear import Linear, rows_alone
 from .mamba2 import Mamba2
 from .mlp import GatedMLP, gelu_tanh
 from .moe import SparseMoE
-from .norms import RMSNorm, rms_norm_of
+from .norms import LayerNorm, Norm, RMSNorm, norm_of
 from .per_layer import add_gated, gate_weights
 from .rope import RotaryTables
 from .step_attention import StepAttention
@@ -26,8 +26,10 @@ class DecoderLayer(nn.Module):
     """One layer as ``config.layers[layer]`` describes it. Its norms: ``pre`` (an input
     norm and one before the MLP), ``sandwich`` (Gemma: also one after attention and one
     after the MLP), ``post`` (OLMo 2: only those after; the stream enters un-normed, so
-    ``input_layernorm`` is None). With tensor parallelism (``tp``) its attention and MLP
-    each give this rank's part of their output, summed over the ranks before the add."""
+    ``input_layernorm`` is None), ``parallel`` (Cohere: the input norm alone, attention and
+    MLP both reading it; ``post_attention_layernorm`` is None). With tensor parallelism
+    (``tp``) its attention and MLP each give this rank's part of their output, summed over
+    the ranks before the add."""
 
     def __init__(
         self,
@@ -59,14 +61,16 @@ class DecoderLayer(nn.Module):
             if spec.ffn.moe.shared_gate:
                 self.shared_mlp_gate = Linear(hidden, 1, bias=False)
         self.norms = spec.norms
-        self.input_layernorm: RMSNorm | None = None
+        self.input_layernorm: Norm | None = None
         if spec.norms != "post":
-            self.input_layernorm = rms_norm_of(config, hidden, native)
-        self.post_attention_layernorm = rms_norm_of(config, hidden, native)
+            self.input_layernorm = norm_of(config, hidden, native)
+        self.post_attention_layernorm: Norm | None = None
+        if spec.norms != "parallel":
+            self.post_attention_layernorm = norm_of(config, hidden, native)
         if spec.norms == "sandwich":
-            self.pre_feedforward_layernorm = rms_norm_of(config, hidden, native)
-        if spec.norms != "pre":
-            self.post_feedforward_layernorm = rms_norm_of(config, hidden, native)
+            self.pre_feedforward_layernorm = norm_of(config, hidden, native)
+        if spec.norms in ("sandwich", "post"):
+            self.post_feedforward_layernorm = norm_of(config, hidden, native)
         if spec.per_layer_input:
             for name, module in gate_weights(config, native).items():
                 setattr(self, name, module)
@@ -93,7 +97,7 @@ class DecoderLayer(nn.Module):
         h: torch.Tensor,
         rotary: RotaryTables | None,
         attention: StepAttention,
-        next_norm: RMSNorm | None,
+        next_norm: Norm | None,
         per_layer: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` the residual stream, ``h`` its copy by this layer's input norm → the new
@@ -102,6 +106,9 @@ class DecoderLayer(nn.Module):
         one step (`ops.add_rms_norm_layer`); ``x`` may be updated in place. ``per_layer``:
         this layer's per-layer input ``[T, width]`` where it takes one (Gemma 4)."""
         attn = self._scaled(self._summed(self._mix(h, rotary, attention)))
+        if self.norms == "parallel":  # the MLP reads the same normed input
+            mlp = self._scaled(self._summed(self._ffn(h)))
+            return self._mlp_out(x + attn, mlp, None, next_norm, per_layer)
         if self.norms == "pre":
             x, h = _add(x, attn, None, self.post_attention_layernorm)
             mlp = self._scaled(self._summed(self._ffn(h)))
@@ -117,8 +124,8 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         mlp: torch.Tensor,
-        mlp_norm: RMSNorm | None,
-        next_norm: RMSNorm | None,
+        mlp_norm: Norm | None,
+        next_norm: Norm | None,
         per_layer: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The MLP's output added, then Gemma 4's tail where the layer has one."""
@@ -160,10 +167,11 @@ class DecoderLayer(nn.Module):
 
 
 def _add(
-    x: torch.Tensor, delta: torch.Tensor, delta_norm: RMSNorm | None, norm: RMSNorm | None
+    x: torch.Tensor, delta: torch.Tensor, delta_norm: Norm | None, norm: Norm | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x + delta_norm(delta)`` and its copy by ``norm`` (the stream itself where None)."""
-    if norm is not None:
+    """``x + delta_norm(delta)`` and its copy by ``norm`` (the stream itself where None):
+    one fused step where both norms are RMSNorms."""
+    if isinstance(norm, RMSNorm) and not isinstance(delta_norm, LayerNorm):
         return ops.add_rms_norm_layer(x, delta, delta_norm, norm)
     x = x + (delta if delta_norm is None else delta_norm(delta))
-    return x, x
+    return x, x if norm is None else norm(x)

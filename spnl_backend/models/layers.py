@@ -16,11 +16,15 @@ if TYPE_CHECKING:
     from .config import DeltaNetConfig, Mamba2Config, ModelConfig, MoeConfig
 
 # pre: a norm before attention and before the MLP (Llama); sandwich: also after each
-# (Gemma); post: only after each, the residual stream entering un-normed (OLMo 2 and 3).
-NormPlacement = Literal["pre", "sandwich", "post"]
+# (Gemma); post: only after each, the residual stream entering un-normed (OLMo 2 and 3);
+# parallel: one norm, whose output both attention and the MLP read, their outputs added to
+# the stream together (Cohere).
+NormPlacement = Literal["pre", "sandwich", "post", "parallel"]
 # Which rotary table turns a layer's queries and keys; None: no rotation (NoPE).
 RopeTable = Literal["global", "local"]
-QkNorm = Literal["head", "full"]  # per head, or over the whole projection (OLMo)
+# RMSNorm per head, or over the whole projection (OLMo); or a LayerNorm per head, each head
+# its own weight row (Cohere)
+QkNorm = Literal["head", "full", "layer"]
 
 
 @dataclass(frozen=True)
@@ -192,7 +196,11 @@ def _attention(
     rope: RopeTable | None = "local" if sliding and config.rope_local else "global"
     if config.rope_layers and not config.rope_layers[i]:
         rope = None
-    qk_norm: QkNorm | None = "full" if config.qk_norm_full else "head" if config.qk_norm else None
+    qk_norm: QkNorm | None = None
+    if config.qk_norm_full:
+        qk_norm = "full"
+    elif config.qk_norm:  # of the model's norm kind
+        qk_norm = "layer" if config.norm_kind == "layer" else "head"
     return AttentionMixer(
         config.num_heads,
         kv_heads,

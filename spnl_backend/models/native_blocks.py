@@ -169,14 +169,20 @@ def _blocks_run(layers: list[DecoderLayer], final_norm: RMSNorm) -> bool:
     """Whether every layer is one the blocks run: attention (not a state layer) with
     rotated queries and keys, no output gate and no sinks, its own K and V from its own k
     and v projections, no norm of the values, nothing after its MLP's residual add
-    (per-layer inputs, an output scale), an input norm (pre or sandwich norms), quantized
+    (per-layer inputs, an output scale), an input norm (pre or sandwich RMSNorms), quantized
     projections without bias (on the model's per-row products), the same shapes, a known
     activation or experts on the native MoE layer, one eps; no scaled residuals or shared
     expert (Granite)."""
+    if not isinstance(final_norm, RMSNorm):  # the blocks' norms are RMSNorms alone
+        return False
     shapes, inners, moes, eps = set(), set(), set(), {final_norm.eps}
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), layer.mlp
         if attn is None or attn.rope is None or attn.output_gate or not layer.input_layernorm:
+            return False
+        if layer.norms not in ("pre", "sandwich") or attn.qk_norm_layer:
+            return False  # Cohere's parallel attention and MLP, its q/k LayerNorms
+        if not all(isinstance(norm, RMSNorm) for norm in _norms(layer)):
             return False
         if attn.spec.scoring.sinks is not None:  # on the ops alone: every such model has biases
             return False

@@ -40,8 +40,35 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm_of(config: ModelConfig, dim: int, native: CpuKernels | None) -> RMSNorm:
-    """A norm of ``dim`` in ``config``'s convention."""
+    """An RMSNorm of ``dim`` in ``config``'s convention."""
     return RMSNorm(dim, config.rms_norm_eps, config.norm_offset, config.norm_in_float, native)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm without a bias (Cohere's): the mean taken out, divided by the standard
+    deviation, scaled by ``w``, all in float32 before casting back. ``shape``: the weight's,
+    its last dim the normed one (Cohere's q and k norms hold a row per head)."""
+
+    def __init__(self, shape: int | tuple[int, ...], eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(shape))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        centred = h - h.mean(-1, keepdim=True)
+        variance = centred.pow(2).mean(-1, keepdim=True)
+        return (self.weight.float() * (centred * torch.rsqrt(variance + self.eps))).to(x.dtype)
+
+
+Norm = RMSNorm | LayerNorm
+
+
+def norm_of(config: ModelConfig, dim: int, native: CpuKernels | None) -> Norm:
+    """A layer's or the final norm of ``dim``: of the model's kind (`ModelConfig.norm_kind`)."""
+    if config.norm_kind == "layer":
+        return LayerNorm(dim, config.rms_norm_eps)
+    return rms_norm_of(config, dim, native)
 
 
 class UnitRMSNorm:

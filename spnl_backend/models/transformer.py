@@ -11,7 +11,7 @@ from .linear import Embedding, Linear
 from .lora import LoraAdapters
 from .moe import SparseMoE
 from .native_blocks import LayerBlocks
-from .norms import RMSNorm
+from .norms import norm_of
 from .per_layer import packed_projection, per_layer_inputs, per_layer_weights
 from .rope import RotaryEmbedding, RotaryTables
 from .step_attention import StepAttention
@@ -39,13 +39,7 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, tp, kernels) for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(
-            config.hidden_size,
-            config.rms_norm_eps,
-            config.norm_offset,
-            config.norm_in_float,
-            native,
-        )
+        self.norm = norm_of(config, config.hidden_size, native)
         self.rotary = RotaryEmbedding(config.rope, config.max_position_embeddings, native)
         self.rotary_local = (
             RotaryEmbedding(config.rope_local, config.max_position_embeddings, native)

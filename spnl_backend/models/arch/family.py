@@ -102,6 +102,31 @@ SANDWICH_GGUF_NAMES: Mapping[str, str] = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 
+# A shared expert beside the routed ones and the one-row projection gating it (Qwen2-MoE,
+# Qwen3.5 MoE), as llama.cpp's files name them.
+SHARED_EXPERT_GGUF_NAMES: Mapping[str, str] = {
+    "ffn_gate_inp_shexp": "shared_mlp_gate",
+    "ffn_gate_shexp": "shared_mlp.gate_proj",
+    "ffn_up_shexp": "shared_mlp.up_proj",
+    "ffn_down_shexp": "shared_mlp.down_proj",
+}
+# The checkpoints' names of them inside a layer → ours (the decoder layer's).
+_SHARED_EXPERT_NAMES = {
+    ".mlp.shared_expert_gate.": ".shared_mlp_gate.",
+    ".mlp.shared_expert.": ".shared_mlp.",
+}
+
+
+def shared_expert_tensors(stored: Tensors) -> Tensors:
+    """A shared expert and its gate under our names (a GGUF's gate a row of hidden size:
+    ours is a one-row matrix)."""
+    for name, tensor in stored:
+        for theirs, ours in _SHARED_EXPERT_NAMES.items():
+            name = name.replace(theirs, ours)
+        if name.endswith(".shared_mlp_gate.weight") and isinstance(tensor, torch.Tensor):
+            tensor = tensor.reshape(1, -1)
+        yield name, tensor
+
 
 @dataclass(frozen=True)
 class Family:
