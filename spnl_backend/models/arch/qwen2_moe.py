@@ -35,7 +35,9 @@ def _hf(keys: HfKeys, head_dim: int) -> Fields:
         shared_intermediate_size=keys.count("shared_expert_intermediate_size"),
         shared_gate=True,
     )
-    return {**qwen2.FAMILY.hf_fields(keys, head_dim), "moe": moe}
+    # (its config writes a window of 0 where ``use_sliding_window`` is off: none)
+    window = keys.get("sliding_window") or None
+    return {**qwen2.FAMILY.hf_fields(keys, head_dim), "moe": moe, "sliding_window": window}
 
 
 def _gguf(keys: GgufKeys, fields: Fields) -> Fields:
@@ -67,14 +69,14 @@ FAMILY = Family(
     gguf_renormalizes_top_k=False,
     gguf_auto_tokenizer=True,
     tensors=_tensors,
-    # 8 experts of 32 values, two per token, beside a shared one of 48; layer 1 dense. The
-    # top-k weights are not renormalised (as Qwen's checkpoints and llama.cpp's graph).
+    # 8 experts of 64 values, two per token, beside a shared one of 48, in every layer (as
+    # the checkpoints; llama.cpp's converter maps no dense MLP for qwen2moe). The top-k
+    # weights are not renormalised (as Qwen's checkpoints and llama.cpp's graph).
     tiny={
         "num_experts": 8,
         "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32,
+        "moe_intermediate_size": 64,
         "shared_expert_intermediate_size": 48,
         "norm_topk_prob": False,
-        "mlp_only_layers": [1],
     },
 )
