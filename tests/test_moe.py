@@ -70,7 +70,8 @@ def test_qwen2_moe_dense_layers_and_renormalised_weights_are_transformers(tmp_pa
     backend = load_backend(str(tmp_path), settings=CPU)
     layers = backend.model.model.layers
     assert [type(layer.mlp) for layer in layers] == [GatedMLP, SparseMoE, GatedMLP]
-    assert layers[1].shared_mlp_gate is not None and layers[1].mlp.renormalize
+    assert layers[1].shared_mlp_gate is not None
+    assert layers[1].mlp.renormalize
     ids = reference.tokenizer(PROMPT).input_ids
     with torch.no_grad():
         expected = reference.hf(torch.tensor([ids])).logits[0]
@@ -203,6 +204,26 @@ def test_an_olmoe_gguf_generates_and_tokenizes_as_its_safetensors_model(moe, tin
         assert twin.tokenizer.decode(ids) == reference.tokenizer.decode(
             ids, skip_special_tokens=True
         )
+
+
+def test_a_converted_qwen2_moe_gguf_generates_and_tokenizes_as_its_safetensors_model(moe, tiny):
+    """llama.cpp's converter's Qwen2-MoE file: its shared expert and gate, q/k/v biases,
+    the top-k weights as they come (llama.cpp's rule), the vocabulary by transformers."""
+    reference, backend = moe["qwen2_moe"]
+    twin = load_backend(str(tiny.gguf("qwen2_moe", GGMLQuantizationType.F32)), settings=CPU)
+    config = twin.model_config
+    assert (config.qkv_bias, config.moe.renormalize, config.moe.shared_gate) == (
+        True,
+        False,
+        True,
+    )
+    expected = backend.generate(PROMPT, max_tokens=TOKENS, temperature=0, ignore_eos=True)
+    assert twin.generate(PROMPT, max_tokens=TOKENS, temperature=0, ignore_eos=True).token_ids == (
+        expected.token_ids
+    )
+    for text in (PROMPT, "def add(a, b):\n    return a + b", "é 中文 😀"):
+        ids = reference.tokenizer(text).input_ids
+        assert twin.tokenizer.encode(text) == ids
 
 
 @pytest.mark.parametrize("clamp", [None, 1.0])

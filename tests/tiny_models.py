@@ -113,6 +113,37 @@ PER_OP_ONLY = frozenset(
 # The families whose GGUF twin is the file llama.cpp's own converter writes
 # (`llama_converter`), rather than `write_gguf`'s.
 CONVERTED = frozenset({"granite", "cohere", "cohere2", "qwen2_moe"})
+# Their tiny tokenizers' chat templates: each family's turns (its checkpoints' template cut
+# to plain turns; ``{role}`` upper-cased for Cohere's USER_TOKEN, SYSTEM_TOKEN), then the
+# prompt of the assistant's turn.
+CHAT_TURNS = {
+    "cohere": (
+        "<|START_OF_TURN_TOKEN|><|{ROLE}_TOKEN|>{content}<|END_OF_TURN_TOKEN|>",
+        "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
+    ),
+    "cohere2": (
+        "<|START_OF_TURN_TOKEN|><|{ROLE}_TOKEN|>{content}<|END_OF_TURN_TOKEN|>",
+        "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_RESPONSE|>",
+    ),
+    "granite": (
+        "<|start_of_role|>{role}<|end_of_role|>{content}<|end_of_text|>\n",
+        "<|start_of_role|>assistant<|end_of_role|>",
+    ),
+    "qwen2_moe": ("<|im_start|>{role}\n{content}<|im_end|>\n", "<|im_start|>assistant\n"),
+}
+
+
+def chat_template(arch: str) -> str | None:
+    """The tiny tokenizer's chat template, where the family has one here (`CHAT_TURNS`)."""
+    if arch not in CHAT_TURNS:
+        return None
+    turn, prompt = CHAT_TURNS[arch]
+    turn = turn.replace("{ROLE}", "{{ m['role'] | upper }}").replace("{role}", "{{ m['role'] }}")
+    turn = turn.replace("{content}", "{{ m['content'] }}")
+    return (
+        "{% for m in messages %}" + turn + "{% endfor %}"
+        "{% if add_generation_prompt %}" + prompt + "{% endif %}"
+    )
 
 
 @dataclass
@@ -131,6 +162,7 @@ def build_hf_model(
     overrides: dict | None = None,
 ) -> TinyModel:
     tokenizer = build_tokenizer(specials)
+    tokenizer.chat_template = chat_template(arch)
     config = hf_config(arch, len(tokenizer), overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(

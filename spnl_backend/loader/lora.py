@@ -19,6 +19,7 @@ import torch
 from ..errors import ModelFileError
 from ..kernels.lora_ref import LoraPair
 from ..log import get_logger
+from ..models.arch import family
 from ..models.linear import Linear
 from ..models.lora import LoraAdapter
 from ..models.transformer import CausalLM
@@ -238,6 +239,7 @@ def _pair(
                 f"{tuple(tensor.shape)}; r = {rank} and the base model's projection needs {want}"
             )
     device = _device_of(target)
+    b = family(model.config.architecture).projection_rows(f"{module}.weight", b, model.config)
     return LoraPair(a.float().to(device), b.float().to(device), scale)
 
 

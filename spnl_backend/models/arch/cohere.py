@@ -64,14 +64,23 @@ def _gguf(keys: GgufKeys, fields: Fields) -> Fields:
 def tensors(stored: Tensors, config: "ModelConfig") -> Tensors:
     """q and k with each head's rotated dims reordered, evens then odds: adjacent-pair
     rotation as the rotate-half the model runs (see the module's note)."""
-    order = halves_order(config.head_dim, config.rope.rotary_dim)
     for name, tensor in stored:
-        if name.endswith(_QK_ROWS):
-            heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
-            tensor = _rows_reordered(tensor, heads, order)
-        elif name.endswith(_QK_NORMS):
+        if name.endswith(_QK_NORMS):
+            order = halves_order(config.head_dim, config.rope.rotary_dim)
             tensor = tensor.reshape(-1, config.head_dim)[:, order]
-        yield name, tensor
+        yield name, projection_rows(name, tensor, config)
+
+
+def projection_rows(
+    name: str, tensor: torch.Tensor | QuantizedWeight, config: "ModelConfig"
+) -> torch.Tensor | QuantizedWeight:
+    """The rows of q and k projections (weights, biases, LoRA's ``lora_B``) with each
+    head's rotated dims evens first, then odds; other tensors as they are."""
+    if not name.endswith(_QK_ROWS):
+        return tensor
+    heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
+    order = halves_order(config.head_dim, config.rope.rotary_dim)
+    return _rows_reordered(tensor, heads, order)
 
 
 def halves_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
@@ -111,6 +120,7 @@ FAMILY = Family(
     hf_fields=_hf,
     gguf_fields=_gguf,
     tensors=tensors,
+    projection_rows=projection_rows,
     tiny={
         "tie_word_embeddings": True,
         "logit_scale": 0.5,

@@ -8,7 +8,7 @@ global, its default) and may give the sliding layers' rope base
 """
 
 from ..components import RopeConfig
-from .cohere import cohere_fields, cohere_gguf_fields, tensors
+from .cohere import cohere_fields, cohere_gguf_fields, projection_rows, tensors
 from .family import Family, Fields, GgufKeys, HfKeys
 
 _SWA_PATTERN = 4
@@ -46,6 +46,7 @@ FAMILY = Family(
     hf_fields=_hf,
     gguf_fields=_gguf,
     tensors=tensors,
+    projection_rows=projection_rows,
     # Cohere 2's own pattern (llama.cpp's converter keeps none): layers 0-2 sliding over 8
     # tokens, layer 3 global and unrotated.
     tiny={

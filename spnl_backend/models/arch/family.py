@@ -59,6 +59,10 @@ def as_stored(tensors: Tensors, config: "ModelConfig") -> Tensors:
     return tensors
 
 
+def rows_as_stored(name: str, tensor: Any, config: "ModelConfig") -> Any:
+    return tensor
+
+
 def as_state_layer_holds(name: str, tensor: Any) -> tuple[str, Any]:
     """A state layer's tensor as llama.cpp's converters store it → as the layer holds it
     (a checkpoint's passes unchanged): A stored as ``-exp(A_log)`` (``*.ssm_a``, a row or
@@ -155,6 +159,9 @@ class Family:
     - ``tensors(stored, config)``: the file's tensors renamed, split and reshaped where
       the family's layout is its own (both formats, before the loader's common splits;
       a GGUF's under the names ``gguf_names`` gives them).
+    - ``projection_rows(name, tensor, config)``: a projection's output rows (the weight
+      ``name``'s) in the order the model holds them, where ``tensors`` reorders them
+      (Cohere's q and k); a LoRA adapter's ``lora_B`` rows go through it too.
     - ``quant_methods``: the ``quantization_config.quant_method``s of a ``config.json``
       that it reads, each with the name suffixes of the tensors stored packed under it
       (read as their bytes, not checked as floats: ``tensors`` turns them into quantized
@@ -179,6 +186,7 @@ class Family:
     layers: Callable[["ModelConfig"], tuple[LayerSpec, ...]] = describe_layers
     state_layers: bool = False
     tensors: Callable[[Tensors, "ModelConfig"], Tensors] = as_stored
+    projection_rows: Callable[[str, Any, "ModelConfig"], Any] = rows_as_stored
     quant_methods: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     tiny: Mapping[str, Any] = field(default_factory=dict)
 
