@@ -14,12 +14,11 @@ from .family import Family, Fields, GgufKeys, HfKeys
 _SWA_PATTERN = 4
 
 
-def _rotating(layer_types: tuple[str, ...]) -> tuple[bool, ...]:
-    return tuple(kind == "sliding" for kind in layer_types)
-
-
 def _hf(keys: HfKeys, head_dim: int) -> Fields:
-    kinds = keys.get("layer_types") or ()
+    """(transformers' config fills ``layer_types`` from the sliding-window pattern.)"""
+    kinds = keys.get("layer_types")
+    if not kinds:
+        raise keys.missing("layer_types")
     return {
         **cohere_fields(keys),
         "rope_layers": tuple(kind == "sliding_attention" for kind in kinds),
@@ -32,7 +31,7 @@ def _gguf(keys: GgufKeys, fields: Fields) -> Fields:
     return {
         **cohere_gguf_fields(keys),
         "layer_types": layer_types,
-        "rope_layers": _rotating(layer_types),
+        "rope_layers": tuple(kind == "sliding" for kind in layer_types),
         "rope": RopeConfig(
             theta=keys.positive("rope.freq_base_swa", rope.theta), rotary_dim=rope.rotary_dim
         ),
