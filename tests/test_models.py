@@ -8,6 +8,8 @@ from gguf import GGUFReader, GGUFWriter
 from helpers import CPU, PROMPT, engine_internals, model_logits
 from tiny_models import (
     ARCHITECTURES,
+    CHAT_TURNS,
+    CONVERTED,
     HYBRID_ARCHITECTURES,
     KV_GROUP_ARCHITECTURES,
     MLA_ARCHITECTURES,
@@ -99,6 +101,22 @@ def test_gguf_chat_template_survives_the_tokenizer_cache(tiny, tmp_path):
         backend = load_backend(str(path), settings=CPU)
         ids = backend.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
         assert backend.tokenizer.decode(ids) == "<hi>"
+
+
+@pytest.mark.parametrize("arch", sorted(CONVERTED))
+def test_a_converted_gguf_keeps_the_checkpoints_chat_template(tiny, arch):
+    """llama.cpp's converter copies the checkpoint's template (`tiny_models.CHAT_TURNS`)
+    into the file; the GGUF twin renders a chat as transformers renders it from the
+    checkpoint."""
+    reference = tiny.hf(arch)
+    twin = load_backend(str(tiny.gguf(arch, Q.F32)), settings=CPU)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    expected = reference.tokenizer.apply_chat_template(
+        chat, add_generation_prompt=True, tokenize=False
+    )
+    assert twin.tokenizer.render_chat(chat, True) == expected
+    assert expected.endswith(CHAT_TURNS[arch][1])
+    assert "Hi there" in expected
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFValueType
 from helpers import CPU, dequantize_in_place, model_logits
 from model_file_mutations import parse_gguf, with_value, without_key, write_gguf_bytes
-from tiny_models import MOE_ARCHITECTURES, hf_config
+from tiny_models import MOE_ARCHITECTURES, build_hf_model, hf_config
 
 from spnl_backend import BackendSettings, UnsupportedArchitectureError, load_backend
 from spnl_backend.models.mlp import GatedMLP
@@ -60,6 +60,22 @@ def test_the_router_chooses_as_transformers_does(moe, arch):
 def test_qwen3_moe_keeps_its_dense_layers(moe):
     layers = moe["qwen3_moe"][1].model.model.layers
     assert [type(layer.mlp) for layer in layers] == [SparseMoE, GatedMLP, SparseMoE]
+
+
+def test_qwen2_moe_dense_layers_and_renormalised_weights_are_transformers(tmp_path):
+    """Qwen2-MoE's variants beside its tiny model's: a dense layer by ``mlp_only_layers``
+    and another off the ``decoder_sparse_step``, the top-k weights renormalised."""
+    variant = {"mlp_only_layers": [0], "decoder_sparse_step": 2, "norm_topk_prob": True}
+    reference = build_hf_model("qwen2_moe", tmp_path, overrides=variant)
+    backend = load_backend(str(tmp_path), settings=CPU)
+    layers = backend.model.model.layers
+    assert [type(layer.mlp) for layer in layers] == [GatedMLP, SparseMoE, GatedMLP]
+    assert layers[1].shared_mlp_gate is not None
+    assert layers[1].mlp.renormalize
+    ids = reference.tokenizer(PROMPT).input_ids
+    with torch.no_grad():
+        expected = reference.hf(torch.tensor([ids])).logits[0]
+    assert torch.allclose(model_logits(backend, ids), expected, atol=1e-4)
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
@@ -188,6 +204,26 @@ def test_an_olmoe_gguf_generates_and_tokenizes_as_its_safetensors_model(moe, tin
         assert twin.tokenizer.decode(ids) == reference.tokenizer.decode(
             ids, skip_special_tokens=True
         )
+
+
+def test_a_converted_qwen2_moe_gguf_generates_and_tokenizes_as_its_safetensors_model(moe, tiny):
+    """llama.cpp's converter's Qwen2-MoE file: its shared expert and gate, q/k/v biases,
+    the top-k weights as they come (llama.cpp's rule), the vocabulary by transformers."""
+    reference, backend = moe["qwen2_moe"]
+    twin = load_backend(str(tiny.gguf("qwen2_moe", GGMLQuantizationType.F32)), settings=CPU)
+    config = twin.model_config
+    assert (config.qkv_bias, config.moe.renormalize, config.moe.shared_gate) == (
+        True,
+        False,
+        True,
+    )
+    expected = backend.generate(PROMPT, max_tokens=TOKENS, temperature=0, ignore_eos=True)
+    assert twin.generate(PROMPT, max_tokens=TOKENS, temperature=0, ignore_eos=True).token_ids == (
+        expected.token_ids
+    )
+    for text in (PROMPT, "def add(a, b):\n    return a + b", "é 中文 😀"):
+        ids = reference.tokenizer(text).input_ids
+        assert twin.tokenizer.encode(text) == ids
 
 
 @pytest.mark.parametrize("clamp", [None, 1.0])

@@ -56,8 +56,9 @@ def _pieces(backend, docs, prefix=PREFIX, question=QUESTION):
 
 
 def _run(backend, pieces, tokens=TOKENS):
-    """Greedy tokens, the first token's logits and the usage of one PIC request."""
-    return greedy_with_logits(backend, tokens, blocks=pieces)
+    """Greedy tokens, the first token's logits and the usage of one PIC request (past an
+    end-of-sequence token, as the dense reference runs on)."""
+    return greedy_with_logits(backend, tokens, blocks=pieces, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")

@@ -121,12 +121,51 @@ MOE_HYBRID_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_experts(f) and
 # OLMo 2's layers have no input norm (norms after attention and MLP only), SmolLM3 has a
 # layer that does not rotate, gpt-oss's attention has sinks (and its experts biases),
 # Gemma 4's layers differ in shape and share K/V; Phi-2, StarCoder2 and GPT-NeoX have
-# LayerNorms, plain MLPs and biases (Phi-2 and GPT-NeoX parallel residuals too).
+# LayerNorms, plain MLPs and biases (Phi-2 and GPT-NeoX parallel residuals too); Granite
+# scales its residuals; Cohere runs attention and MLP side by side from LayerNorms;
+# Qwen2-MoE has biases and a gated shared expert.
 PER_OP_ONLY = frozenset(
     {"qwen2", "olmo2", "smollm3", "gpt_oss", "gemma4", "phi", "starcoder2", "gpt_neox"}
+    | {"granite", "cohere", "cohere2", "qwen2_moe"}
 )
-# The families whose GGUF twin llama.cpp's own converter writes (`llama_cpp_converter`).
-CONVERTED = frozenset({"phi", "starcoder2", "gpt_neox"})
+# The families whose GGUF twin is the file llama.cpp's own converter writes
+# (`llama_cpp_converter`), rather than `write_gguf`'s; with the pre-tokenizer rule the
+# tiny vocabulary is named by (llama.cpp's ``default`` unless said here).
+CONVERTED = frozenset(
+    {"phi", "starcoder2", "gpt_neox", "granite", "cohere", "cohere2", "qwen2_moe"}
+)
+CONVERTED_PRE = {"phi": "gpt-2", "starcoder2": "gpt-2", "gpt_neox": "gpt-2"}
+# Their tiny tokenizers' chat templates: each family's turns (its checkpoints' template cut
+# to plain turns; ``{role}`` upper-cased for Cohere's USER_TOKEN, SYSTEM_TOKEN), then the
+# prompt of the assistant's turn.
+CHAT_TURNS = {
+    "cohere": (
+        "<|START_OF_TURN_TOKEN|><|{ROLE}_TOKEN|>{content}<|END_OF_TURN_TOKEN|>",
+        "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
+    ),
+    "cohere2": (
+        "<|START_OF_TURN_TOKEN|><|{ROLE}_TOKEN|>{content}<|END_OF_TURN_TOKEN|>",
+        "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_RESPONSE|>",
+    ),
+    "granite": (
+        "<|start_of_role|>{role}<|end_of_role|>{content}<|end_of_text|>\n",
+        "<|start_of_role|>assistant<|end_of_role|>",
+    ),
+    "qwen2_moe": ("<|im_start|>{role}\n{content}<|im_end|>\n", "<|im_start|>assistant\n"),
+}
+
+
+def chat_template(arch: str) -> str | None:
+    """The tiny tokenizer's chat template, where the family has one here (`CHAT_TURNS`)."""
+    if arch not in CHAT_TURNS:
+        return None
+    turn, prompt = CHAT_TURNS[arch]
+    turn = turn.replace("{ROLE}", "{{ m['role'] | upper }}").replace("{role}", "{{ m['role'] }}")
+    turn = turn.replace("{content}", "{{ m['content'] }}")
+    return (
+        "{% for m in messages %}" + turn + "{% endfor %}"
+        "{% if add_generation_prompt %}" + prompt + "{% endif %}"
+    )
 
 
 @dataclass
@@ -145,6 +184,7 @@ def build_hf_model(
     overrides: dict | None = None,
 ) -> TinyModel:
     tokenizer = build_tokenizer(specials)
+    tokenizer.chat_template = chat_template(arch)
     config = hf_config(arch, len(tokenizer), overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(
@@ -386,7 +426,7 @@ def write_gguf(
     converter keeps Qwen3.5's (``nextn_predict_layers``): each a copy of the last layer
     beside its own ``nextn.*`` tensors. The `CONVERTED` families' by the converter itself."""
     if tiny.arch in CONVERTED and not mtp_layers:
-        return convert(tiny.path, path, qtype.name)
+        return convert(tiny.path, path, qtype.name, CONVERTED_PRE.get(tiny.arch, "default"))
     arch = _GGUF_ARCH[tiny.arch]
     config = tiny.hf.config
     writer = GGUFWriter(path, arch)

@@ -5,10 +5,12 @@ loader takes them: `RankSplit`, a `loader.model.ModelSplit`).
 Attention heads split across the ranks (key/value heads too, or each rank holds the one
 its query heads read where there are fewer key/value heads than ranks): q, k and v are
 split by rows (column-parallel), o by columns (row-parallel, its output summed over the
-ranks). The MLP's gate and up (each expert's too) by rows, down by columns. The embedding
-and the LM head by vocabulary rows. Norms, the router and the rotary tables are whole on
-every rank. Quantized weights split along whole GGML blocks and are never dequantized: a
-row split takes whole rows, a column split whole blocks of every row.
+ranks). The MLP's gate and up (each expert's and a shared expert's too) by rows, down by
+columns. The embedding and the LM head by vocabulary rows. Norms (but q and k norms whose
+weight spans the heads: OLMoE's, Cohere's), the router, a shared expert's gate and the
+rotary tables are whole on every rank. Quantized weights split along whole GGML blocks
+and are never dequantized: a row split takes whole rows, a column split whole blocks of
+every row.
 """
 
 import dataclasses
@@ -29,11 +31,12 @@ NamedWeights = Iterator[tuple[str, Weight]]
 
 _LAYER = r"model\.layers\.\d+\."
 _EXPERT = r"mlp\.experts\.\d+\."
+_MLP = rf"(?:{_EXPERT}|mlp\.|shared_mlp\.)"  # an expert's, the dense one, the shared one
 _BY_ROWS = re.compile(
-    _LAYER + rf"(self_attn\.(?P<qkv>[qkv])_proj|(?:{_EXPERT}|mlp\.)(gate|up)_proj)\.(weight|bias)"
+    _LAYER + rf"(self_attn\.(?P<qkv>[qkv])_proj|{_MLP}(gate|up)_proj)\.(weight|bias)"
 )
-_BY_COLUMNS = re.compile(_LAYER + rf"(self_attn\.o_proj|(?:{_EXPERT}|mlp\.)down_proj)\.weight")
-_O_BIAS = re.compile(_LAYER + rf"(self_attn\.o_proj|(?:{_EXPERT}|mlp\.)down_proj)\.bias")
+_BY_COLUMNS = re.compile(_LAYER + rf"(self_attn\.o_proj|{_MLP}down_proj)\.weight")
+_O_BIAS = re.compile(_LAYER + rf"(self_attn\.o_proj|{_MLP}down_proj)\.bias")
 _SINKS = re.compile(_LAYER + r"self_attn\.sinks")  # one per query head
 _FULL_NORM = re.compile(_LAYER + r"self_attn\.(?P<which>[qk])_norm\.weight")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight", "lm_head.bias")
@@ -63,7 +66,12 @@ class Shard:
         c, world = self.config, self.world
         moe = c.moe
         if moe is not None:
-            moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // world)
+            shared = moe.shared_intermediate_size
+            moe = dataclasses.replace(
+                moe,
+                intermediate_size=moe.intermediate_size // world,
+                shared_intermediate_size=shared // world if shared else shared,
+            )
         return dataclasses.replace(
             c,
             num_heads=c.num_heads // world,
@@ -91,9 +99,13 @@ class Shard:
             return weight[slice(*_even(weight.shape[0], self.rank, self.world))]
         if _O_BIAS.fullmatch(name):  # added once: by the first rank
             return weight if self.rank == 0 else torch.zeros_like(weight)
-        if self.config.qk_norm_full and (match := _FULL_NORM.fullmatch(name)):
+        if _split_norms(self.config) and (match := _FULL_NORM.fullmatch(name)):
+            # OLMoE's over the whole projection, or Cohere's a row per head: this rank's
             if match["which"] == "k":
-                return weight[slice(*self._kv_rows())]
+                start, end = self._kv_rows()
+                if weight.dim() == 2:  # rows of heads
+                    start, end = start // self.config.head_dim, end // self.config.head_dim
+                return weight[start:end]
             return weight[slice(*_even(weight.shape[0], self.rank, self.world))]
         return weight
 
@@ -135,12 +147,16 @@ def check_shardable(
     inners = [("MLP", c.intermediate_size)]
     if c.moe is not None:
         inners.append(("experts' MLP", c.moe.intermediate_size))
+    if c.moe is not None and c.moe.shared_intermediate_size:
+        inners.append(("shared expert's MLP", c.moe.shared_intermediate_size))
     for what, rows in inners:
         if rows % world:
             problems.append(f"its {what} of {rows} rows does not divide by {world}")
     columns = [("o", c.num_heads * c.head_dim), ("down", c.intermediate_size)]
     if c.moe is not None:  # the experts' downs, and any dense layers' beside them
         columns.append(("down", c.moe.intermediate_size))
+    if c.moe is not None and c.moe.shared_intermediate_size:
+        columns.append(("down", c.moe.shared_intermediate_size))
     for kind, width in columns:
         block = split_block(kind)
         if block > 1 and not problems and (width // world) % block:
@@ -154,6 +170,13 @@ def check_shardable(
             + "; ".join(problems)
             + "; choose a world size that divides them (or one rank)"
         )
+
+
+def _split_norms(config: ModelConfig) -> bool:
+    """Whether q and k norm weights are split with the heads: over the whole projections
+    (OLMoE), or per head with a row each (Cohere's LayerNorms); a per-head RMSNorm's one
+    row is every rank's."""
+    return config.qk_norm_full or (config.qk_norm and config.norm_kind != "rms")
 
 
 def _even(size: int, rank: int, world: int) -> tuple[int, int]:

@@ -273,6 +273,7 @@ def _pair(
                 f"{tuple(tensor.shape)}; r = {rank} and the base model's projection needs {want}"
             )
     device = _device_of(target)
+    b = family(model.config.architecture).projection_rows(f"{module}.weight", b, model.config)
     return LoraPair(a.float().to(device), b.float().to(device), scale_of(rank))
 
 

@@ -11,7 +11,7 @@ from .collectives import Collectives
 from .config import ModelConfig
 from .layers import AttentionMixer
 from .linear import Linear, project
-from .norms import RMSNorm, UnitRMSNorm, rms_norm_of
+from .norms import LayerNorm, RMSNorm, UnitRMSNorm, rms_norm_of
 from .rope import RotaryTables
 from .step_attention import AttentionSpec, StepAttention
 
@@ -53,7 +53,15 @@ class Attention(nn.Module):
             self.q_norm = rms_norm_of(config, self.head_dim, native)
             if not self.shared_kv:
                 self.k_norm = rms_norm_of(config, self.head_dim, native)
+        elif mixer.qk_norm == "layer":  # Cohere: a LayerNorm per head, a weight row per head
+            self.q_norm = LayerNorm(
+                (self.num_heads, self.head_dim), config.rms_norm_eps, bias=False
+            )
+            self.k_norm = LayerNorm(
+                (self.num_kv_heads, self.head_dim), config.rms_norm_eps, bias=False
+            )
         self.qk_norm, self.qk_norm_full = mixer.qk_norm == "head", mixer.qk_norm == "full"
+        self.qk_norm_layer = mixer.qk_norm == "layer"
         self.clip_qkv, self.rope = mixer.clip_qkv, mixer.rope
         self._spec = mixer.spec
         if mixer.sinks:  # a weight: the loader replaces it, so the spec is made from it late
@@ -112,6 +120,8 @@ class Attention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm_layer:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._normed_rotated(q, k, rotary)
         return q, k, v, gate
 

@@ -45,7 +45,7 @@ class MoeConfig:
     may keep some dense, with the model's ``intermediate_size``).
     ``shared_intermediate_size``: a shared expert beside the routed ones, which every
     token runs through; ``shared_gate``: its output scaled per token by the sigmoid of
-    one more projection of the layer's input (Qwen3.5 MoE), else added as it is."""
+    one more projection of the layer's input (Qwen2-MoE, Qwen3.5 MoE), else added as it is."""
 
     num_experts: int
     top_k: int

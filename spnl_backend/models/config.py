@@ -51,7 +51,7 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
+    rms_norm_eps: float  # every norm's eps (a LayerNorm's too: `norm_kind`)
     max_position_embeddings: int
     rope: RopeConfig
     rope_local: RopeConfig | None = None  # sliding layers, where they rotate differently
@@ -63,8 +63,8 @@ class ModelConfig:
     norm_offset: float = 0.0  # Gemma scales by (offset + weight)
     norm_in_float: bool = False  # Gemma multiplies by the weight before casting back
     norm_placement: "NormPlacement" = "pre"  # `models.layers.NormPlacement`
-    # `models.layers.NormKind`: RMSNorm, or LayerNorm with a bias (whose eps is then
-    # ``rms_norm_eps`` too: the one eps of the model's norms)
+    # `models.layers.NormKind`: RMSNorm, or LayerNorm with a bias or without one (Cohere's);
+    # a LayerNorm's eps is ``rms_norm_eps`` too: the one eps of the model's norms
     norm_kind: "NormKind" = "rms"
     # The dense MLP: gated (Llama) or ``down(act(up(x)))`` (Phi-2, GPT-NeoX), its
     # projections biased or not; and a bias on the LM head (Phi-2).
@@ -277,8 +277,8 @@ def _validate(config: ModelConfig) -> None:
         raise ConfigValueError(
             "norm_placement", config.norm_placement, "pre, sandwich, post, parallel or shared"
         )
-    if config.norm_kind not in ("rms", "layer"):
-        raise ConfigValueError("norm_kind", config.norm_kind, "rms or layer")
+    if config.norm_kind not in ("rms", "layer", "layer_no_bias"):
+        raise ConfigValueError("norm_kind", config.norm_kind, "rms, layer or layer_no_bias")
     if config.lm_head_bias and config.tie_word_embeddings:
         raise ConfigValueError(
             "lm_head_bias", True, "no bias on a head tied to the embedding (an untied head)"

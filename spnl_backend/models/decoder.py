@@ -29,7 +29,7 @@ class DecoderLayer(nn.Module):
     after the MLP), ``post`` (OLMo 2: only those after; the stream enters un-normed, so
     ``input_layernorm`` is None), ``parallel`` (GPT-NeoX: attention and MLP both read the
     layer's input, through the input norm and ``post_attention_layernorm``, their outputs
-    added at once), ``shared`` (Phi-2: as parallel, both through the input norm). With
+    added at once), ``shared`` (Phi-2, Cohere: as parallel, both through the input norm). With
     tensor parallelism (``tp``) its attention and MLP each give this rank's part of their
     output, summed over the ranks before the add."""
 
@@ -71,6 +71,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm: Norm | None = None
         if spec.norms != "post":
             self.input_layernorm = norm_of(config, hidden, native, kind)
+        self.post_attention_layernorm: Norm | None = None
         if spec.norms != "shared":
             self.post_attention_layernorm = norm_of(config, hidden, native, kind)
         if spec.norms == "sandwich":

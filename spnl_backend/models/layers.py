@@ -19,14 +19,16 @@ if TYPE_CHECKING:
 # (Gemma); post: only after each, the residual stream entering un-normed (OLMo 2 and 3);
 # parallel: attention and MLP both read the layer's input, each through a norm of its own,
 # and both outputs join the stream at once (GPT-NeoX); shared: as parallel, through the
-# one input norm (Phi-2).
+# one input norm (Phi-2, Cohere).
 NormPlacement = Literal["pre", "sandwich", "post", "parallel", "shared"]
 # rms: RMSNorm with a weight; layer: LayerNorm with a weight and a bias (Phi-2, StarCoder2,
-# GPT-NeoX).
-NormKind = Literal["rms", "layer"]
+# GPT-NeoX); layer_no_bias: LayerNorm with a weight alone (Cohere).
+NormKind = Literal["rms", "layer", "layer_no_bias"]
 # Which rotary table turns a layer's queries and keys; None: no rotation (NoPE).
 RopeTable = Literal["global", "local"]
-QkNorm = Literal["head", "full"]  # per head, or over the whole projection (OLMo)
+# RMSNorm per head, or over the whole projection (OLMo); or a LayerNorm per head, each head
+# its own weight row (Cohere)
+QkNorm = Literal["head", "full", "layer"]
 
 
 @dataclass(frozen=True)
@@ -211,7 +213,11 @@ def _attention(
     rope: RopeTable | None = "local" if sliding and config.rope_local else "global"
     if config.rope_layers and not config.rope_layers[i]:
         rope = None
-    qk_norm: QkNorm | None = "full" if config.qk_norm_full else "head" if config.qk_norm else None
+    qk_norm: QkNorm | None = None
+    if config.qk_norm_full:
+        qk_norm = "full"
+    elif config.qk_norm:  # of the model's norm kind
+        qk_norm = "layer" if config.norm_kind == "layer" else "head"
     return AttentionMixer(
         config.num_heads,
         kv_heads,

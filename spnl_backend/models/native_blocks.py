@@ -169,7 +169,7 @@ def _blocks_run(layers: list[DecoderLayer], final_norm: RMSNorm) -> bool:
     """Whether every layer is one the blocks run: attention (not a state layer) with
     rotated queries and keys, no output gate and no sinks, its own K and V from its own k
     and v projections, no norm of the values, nothing after its MLP's residual add
-    (per-layer inputs, an output scale), an input norm (pre or sandwich norms), quantized
+    (per-layer inputs, an output scale), an input norm (pre or sandwich RMSNorms), quantized
     projections without bias (on the model's per-row products), the same shapes, a known
     activation or experts on the native MoE layer, one eps; no scaled residuals or shared
     expert (Granite); RMSNorms (not LayerNorms) in sequence (pre or sandwich: not the
@@ -183,7 +183,9 @@ def _blocks_run(layers: list[DecoderLayer], final_norm: RMSNorm) -> bool:
             return False  # latent attention (DeepSeek): the blocks keep K and V per head
         if attn is None or attn.rope is None or attn.output_gate or not layer.input_layernorm:
             return False
-        if layer.spec.norms not in ("pre", "sandwich") or layer.spec.norm != "rms":
+        if layer.spec.norms not in ("pre", "sandwich") or attn.qk_norm_layer:
+            return False  # parallel residuals (GPT-NeoX, Phi-2, Cohere); Cohere's q/k LayerNorms
+        if not all(isinstance(norm, RMSNorm) for norm in _norms(layer)):
             return False  # the blocks' norms are RMSNorms, each after its own residual add
         if attn.spec.scoring.sinks is not None:  # on the ops alone: every such model has biases
             return False

@@ -1,7 +1,6 @@
 """RMSNorm in the conventions the architectures use, and LayerNorm with a bias."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import ops
@@ -41,23 +40,30 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm_of(config: ModelConfig, dim: int, native: CpuKernels | None) -> RMSNorm:
-    """A norm of ``dim`` in ``config``'s convention."""
+    """An RMSNorm of ``dim`` in ``config``'s convention."""
     return RMSNorm(dim, config.rms_norm_eps, config.norm_offset, config.norm_in_float, native)
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm over the last dim with a weight and a bias, computed as torch's (the
-    models that use it are trained with ``nn.LayerNorm``); no native kernel, so what runs
-    on the native layer blocks refuses a layer that has one."""
+    """LayerNorm over the last dim, in float32 before casting back, with a weight and, where
+    ``bias``, a bias (Phi-2, StarCoder2, GPT-NeoX; Cohere's has none). ``shape``: the
+    weight's, its last dim the normed one (Cohere's q and k norms hold a row per head). No
+    native kernel: the native layer blocks refuse a layer that has one."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, shape: int | tuple[int, ...], eps: float, bias: bool = True) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim))
-        self.bias = nn.Parameter(torch.empty(dim))
+        self.weight = nn.Parameter(torch.empty(shape))
+        self.bias = nn.Parameter(torch.empty(shape)) if bias else None
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+        h = x.float()
+        centred = h - h.mean(-1, keepdim=True)
+        normed = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight.float() * normed
+        if self.bias is not None:
+            out = out + self.bias.float()
+        return out.to(x.dtype)
 
 
 Norm = RMSNorm | LayerNorm
@@ -65,7 +71,8 @@ Norm = RMSNorm | LayerNorm
 
 def norm_of(config: ModelConfig, dim: int, native: CpuKernels | None, kind: str = "rms") -> Norm:
     """A norm of ``dim`` of ``kind`` (`models.layers.NormKind`) in ``config``'s convention."""
-    if kind == "layer":
+    if kind in ("layer", "layer_no_bias"):
+        return LayerNorm(dim, config.rms_norm_eps, bias=kind == "layer")
         return LayerNorm(dim, config.rms_norm_eps)
     return rms_norm_of(config, dim, native)
 

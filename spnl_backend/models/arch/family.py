@@ -59,6 +59,10 @@ def as_stored(tensors: Tensors, config: "ModelConfig") -> Tensors:
     return tensors
 
 
+def rows_as_stored(name: str, tensor: Any, config: "ModelConfig") -> Any:
+    return tensor
+
+
 def as_state_layer_holds(name: str, tensor: Any) -> tuple[str, Any]:
     """A state layer's tensor as llama.cpp's converters store it → as the layer holds it
     (a checkpoint's passes unchanged): A stored as ``-exp(A_log)`` (``*.ssm_a``, a row or
@@ -102,6 +106,31 @@ SANDWICH_GGUF_NAMES: Mapping[str, str] = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 
+# A shared expert beside the routed ones and the one-row projection gating it (Qwen2-MoE,
+# Qwen3.5 MoE), as llama.cpp's files name them.
+SHARED_EXPERT_GGUF_NAMES: Mapping[str, str] = {
+    "ffn_gate_inp_shexp": "shared_mlp_gate",
+    "ffn_gate_shexp": "shared_mlp.gate_proj",
+    "ffn_up_shexp": "shared_mlp.up_proj",
+    "ffn_down_shexp": "shared_mlp.down_proj",
+}
+# The checkpoints' names of them inside a layer → ours (the decoder layer's).
+_SHARED_EXPERT_NAMES = {
+    ".mlp.shared_expert_gate.": ".shared_mlp_gate.",
+    ".mlp.shared_expert.": ".shared_mlp.",
+}
+
+
+def shared_expert_tensors(stored: Tensors) -> Tensors:
+    """A shared expert and its gate under our names (a GGUF's gate a row of hidden size:
+    ours is a one-row matrix)."""
+    for name, tensor in stored:
+        for theirs, ours in _SHARED_EXPERT_NAMES.items():
+            name = name.replace(theirs, ours)
+        if name.endswith(".shared_mlp_gate.weight") and isinstance(tensor, torch.Tensor):
+            tensor = tensor.reshape(1, -1)
+        yield name, tensor
+
 
 @dataclass(frozen=True)
 class Family:
@@ -134,6 +163,9 @@ class Family:
       (GPT-NeoX's ``gpt_neox.``), renamed to ours before anything reads the names;
       ``hf_unused``: name suffixes of checkpoint tensors the model does not use (old
       buffers saved beside the weights), left unread.
+    - ``projection_rows(name, tensor, config)``: a projection's output rows (the weight
+      ``name``'s) in the order the model holds them, where ``tensors`` reorders them
+      (Cohere's q and k); a LoRA adapter's ``lora_B`` rows go through it too.
     - ``quant_methods``: the ``quantization_config.quant_method``s of a ``config.json``
       that it reads, each with the name suffixes of the tensors stored packed under it
       (read as their bytes, not checked as floats: ``tensors`` turns them into quantized
@@ -163,6 +195,7 @@ class Family:
     tensors: Callable[[Tensors, "ModelConfig"], Tensors] = as_stored
     hf_prefixes: Mapping[str, str] = field(default_factory=dict)
     hf_unused: tuple[str, ...] = ()
+    projection_rows: Callable[[str, Any, "ModelConfig"], Any] = rows_as_stored
     quant_methods: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     tiny: Mapping[str, Any] = field(default_factory=dict)
     extra_layers_key: str | None = None

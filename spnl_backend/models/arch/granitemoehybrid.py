@@ -1,9 +1,8 @@
 """Granite 4.0-H: Mamba-2 layers with a few attention layers between them, each layer's
 FFN a shared expert beside routed ones (or the shared MLP alone, where the model has no
-experts), and Granite's multipliers: the embeddings scaled, each layer's outputs scaled
-before they join the residual stream, the attention scaled by ``attention_multiplier``
-(not the head size), the logits divided by ``logits_scaling``. Its attention layers
-rotate only where ``position_embedding_type`` is "rope" (Granite 4.0-H's are "nope").
+experts), and Granite's multipliers (`granite`: the embeddings, the layers' outputs, the
+attention scores and the logits scaled). Its attention layers rotate only where
+``position_embedding_type`` is "rope" (Granite 4.0-H's are "nope").
 
 Its checkpoints keep the routed experts stacked under ``block_sparse_moe`` (the loader
 reads it as our ``mlp``) as ``input_linear`` and ``output_linear``, the router as
@@ -11,9 +10,9 @@ reads it as our ``mlp``) as ``input_linear`` and ``output_linear``, the router a
 (`tensors`).
 
 In GGUF (llama.cpp's ``granitehybrid``) a Mamba-2 layer is one whose K/V head count is 0
-(``attention.head_count_kv`` per layer); the multipliers are ``embedding_scale``,
-``residual_scale``, ``attention.scale`` and ``logit_scale``; rope is on where
-``rope.scaling.finetuned`` says (llama.cpp's switch for it, true where absent). The
+(``attention.head_count_kv`` per layer); the multipliers are named as in Granite's
+files; rope is on where ``rope.scaling.finetuned`` says (llama.cpp's switch for it, true
+where absent). The
 converter stores the conv taps as ``[channels, kernel]``, A as ``-exp(A_log)`` and D as
 a column, the norm's weight per group, and permutes q and k rows as for Llama.
 """
@@ -35,6 +34,7 @@ from .family import (
     as_state_layer_holds,
     biases,
 )
+from .granite import gguf_multipliers, multipliers
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
@@ -48,10 +48,7 @@ def _hf(keys: HfKeys, head_dim: int) -> Fields:
         **_ffn(keys),
         "mamba": _mamba(keys),
         "rope_layers": (rotates,) * layers,
-        "attn_scale": keys.positive("attention_multiplier"),
-        "embedding_multiplier": keys.positive("embedding_multiplier"),
-        "residual_multiplier": keys.positive("residual_multiplier"),
-        "logits_scaling": keys.positive("logits_scaling"),
+        **multipliers(keys),
     }
 
 
@@ -147,10 +144,7 @@ def _gguf(keys: GgufKeys, fields: Fields) -> Fields:
         "layer_types": tuple(kinds),
         "mamba": mamba,
         "rope_layers": (bool(keys.boolean("rope.scaling.finetuned", True)),) * layers,
-        "attn_scale": keys.positive("attention.scale", 0.0),
-        "embedding_multiplier": keys.positive("embedding_scale", None),
-        "residual_multiplier": keys.positive("residual_scale", None),
-        "logits_scaling": keys.positive("logit_scale", None),
+        **gguf_multipliers(keys),
     }
     shared = keys.count("expert_shared_feed_forward_length", None)
     if fields["moe"] is not None and shared:

@@ -14,17 +14,17 @@ whatever the file says.
 
 import dataclasses
 
-import torch
-
 from ..components import MoeConfig
 from . import qwen3_5
-from .family import Family, Fields, GgufKeys, HfKeys, Tensors
-
-# The checkpoints' names inside a layer → ours.
-_SHARED_NAMES = {
-    ".mlp.shared_expert_gate.": ".shared_mlp_gate.",
-    ".mlp.shared_expert.": ".shared_mlp.",
-}
+from .family import (
+    SHARED_EXPERT_GGUF_NAMES,
+    Family,
+    Fields,
+    GgufKeys,
+    HfKeys,
+    Tensors,
+    shared_expert_tensors,
+)
 
 
 def _hf(keys: HfKeys, head_dim: int) -> Fields:
@@ -64,16 +64,7 @@ def _gguf(keys: GgufKeys, fields: Fields) -> Fields:
 def tensors(stored: Tensors, config: object) -> Tensors:
     """The shared expert and its gate under our names (a GGUF's gate a row: ours is a
     one-row matrix), then Qwen3.5's own layout."""
-    return qwen3_5.tensors(_shared(stored), config)
-
-
-def _shared(stored: Tensors) -> Tensors:
-    for name, tensor in stored:
-        for theirs, ours in _SHARED_NAMES.items():
-            name = name.replace(theirs, ours)
-        if name.endswith(".shared_mlp_gate.weight") and isinstance(tensor, torch.Tensor):
-            tensor = tensor.reshape(1, -1)
-        yield name, tensor
+    return qwen3_5.tensors(shared_expert_tensors(stored), config)
 
 
 FAMILY = Family(
@@ -83,13 +74,7 @@ FAMILY = Family(
     gguf_archs=("qwen35moe",),
     hf_fields=_hf,
     gguf_fields=_gguf,
-    gguf_names={
-        **qwen3_5.GGUF_NAMES,
-        "ffn_gate_inp_shexp": "shared_mlp_gate",
-        "ffn_gate_shexp": "shared_mlp.gate_proj",
-        "ffn_up_shexp": "shared_mlp.up_proj",
-        "ffn_down_shexp": "shared_mlp.down_proj",
-    },
+    gguf_names={**qwen3_5.GGUF_NAMES, **SHARED_EXPERT_GGUF_NAMES},
     tensors=tensors,
     state_layers=True,
     # Every layer's experts: 8 of 32 values, two per token, and a shared one of 48;

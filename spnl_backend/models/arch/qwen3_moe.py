@@ -2,20 +2,35 @@
 or off the ``decoder_sparse_step`` (transformers' rule)."""
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from . import qwen3
 from .family import Family, Fields, HfKeys, experts
 
+if TYPE_CHECKING:
+    from ..components import MoeConfig
 
-def _hf(keys: HfKeys, head_dim: int) -> Fields:
+
+def qwen_experts(keys: HfKeys) -> "MoeConfig":
+    """Qwen's experts (Qwen2-MoE's and Qwen3-MoE's): top-k renormalised where
+    ``norm_topk_prob``, and which layers have them (`sparse_layers`)."""
+    moe = experts(keys, "moe_intermediate_size", bool(keys.get("norm_topk_prob", False)))
+    return dataclasses.replace(moe, sparse=sparse_layers(keys))
+
+
+def sparse_layers(keys: HfKeys) -> tuple[bool, ...]:
+    """transformers' rule: a layer has experts unless listed in ``mlp_only_layers`` or off
+    the ``decoder_sparse_step``."""
     layers = keys.count("num_hidden_layers")
     step = keys.count("decoder_sparse_step", None) or 1
     dense = keys.get("mlp_only_layers") or []
     if not (isinstance(dense, list) and all(isinstance(i, int) for i in dense)):
         raise keys.wrong("mlp_only_layers", dense, "a list of layer indices")
-    moe = experts(keys, "moe_intermediate_size", bool(keys.get("norm_topk_prob", False)))
-    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
-    return {**qwen3.hf_fields(keys, head_dim), "moe": dataclasses.replace(moe, sparse=sparse)}
+    return tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
+
+
+def _hf(keys: HfKeys, head_dim: int) -> Fields:
+    return {**qwen3.hf_fields(keys, head_dim), "moe": qwen_experts(keys)}
 
 
 FAMILY = Family(
