@@ -104,8 +104,9 @@ MOE_HYBRID_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_experts(f) and
 # What the native layer blocks leave to the per-op path: qwen2's projections carry biases,
 # OLMo 2's layers have no input norm (norms after attention and MLP only), SmolLM3 has a
 # layer that does not rotate, gpt-oss's attention has sinks (and its experts biases),
-# Gemma 4's layers differ in shape and share K/V.
-PER_OP_ONLY = frozenset({"qwen2", "olmo2", "smollm3", "gpt_oss", "gemma4"})
+# Gemma 4's layers differ in shape and share K/V, Llama 4 norms q and k after the rotation
+# (and has a layer that does not rotate, and a shared expert).
+PER_OP_ONLY = frozenset({"qwen2", "olmo2", "smollm3", "gpt_oss", "gemma4", "llama4"})
 
 
 @dataclass

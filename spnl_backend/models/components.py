@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 RopeKind = Literal["default", "linear", "llama3", "yarn", "longrope", "proportional"]
 
 
@@ -45,7 +47,10 @@ class MoeConfig:
     may keep some dense, with the model's ``intermediate_size``).
     ``shared_intermediate_size``: a shared expert beside the routed ones, which every
     token runs through; ``shared_gate``: its output scaled per token by the sigmoid of
-    one more projection of the layer's input (Qwen3.5 MoE), else added as it is."""
+    one more projection of the layer's input (Qwen3.5 MoE), else added as it is.
+    ``routing``: ``softmax`` (the rule above), or ``sigmoid_input`` (Llama 4): the top-k
+    router logits chosen as they are, and each chosen expert's input (not its output)
+    scaled by the sigmoid of its logit."""
 
     num_experts: int
     top_k: int
@@ -56,6 +61,22 @@ class MoeConfig:
     bias: bool = False  # gpt-oss: the router and every expert projection biased
     shared_intermediate_size: int | None = None
     shared_gate: bool = False
+    routing: Literal["softmax", "sigmoid_input"] = "softmax"
+
+
+@dataclass(frozen=True)
+class AttentionTemperature:
+    """Llama 4's temperature tuning on the layers that do not rotate: each query scaled by
+    ``1 + scale * log(1 + floor((position + 1) / floor_scale))``, so attention sharpens
+    as the context grows past multiples of ``floor_scale`` tokens."""
+
+    floor_scale: float
+    scale: float
+
+    def factors(self, positions: torch.Tensor) -> torch.Tensor:
+        """The float32 factor of each of ``positions [T]``."""
+        steps = torch.floor((positions.float() + 1.0) / self.floor_scale)
+        return torch.log1p(steps) * self.scale + 1.0
 
 
 @dataclass(frozen=True)

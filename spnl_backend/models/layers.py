@@ -13,14 +13,22 @@ from ..kernels.scoring import Scoring
 from .step_attention import AttentionSpec
 
 if TYPE_CHECKING:
-    from .config import DeltaNetConfig, Mamba2Config, ModelConfig, MoeConfig
+    from .config import (
+        AttentionTemperature,
+        DeltaNetConfig,
+        Mamba2Config,
+        ModelConfig,
+        MoeConfig,
+    )
 
 # pre: a norm before attention and before the MLP (Llama); sandwich: also after each
 # (Gemma); post: only after each, the residual stream entering un-normed (OLMo 2 and 3).
 NormPlacement = Literal["pre", "sandwich", "post"]
 # Which rotary table turns a layer's queries and keys; None: no rotation (NoPE).
 RopeTable = Literal["global", "local"]
-QkNorm = Literal["head", "full"]  # per head, or over the whole projection (OLMo)
+# per head, or over the whole projection (OLMo); unit: per head without a weight, after the
+# rotation (Llama 4's L2 norm)
+QkNorm = Literal["head", "full", "unit"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,8 @@ class AttentionMixer:
     # without a weight.
     k_eq_v: bool = False
     v_norm: bool = False
+    # Llama 4: the queries scaled by a factor of their position (layers that do not rotate).
+    temperature: "AttentionTemperature | None" = None
 
 
 @dataclass(frozen=True)
@@ -182,17 +192,21 @@ def _attention(
     config: "ModelConfig", i: int, kv_layer: int, shared: bool = False
 ) -> AttentionMixer:
     sliding = config.layer_types[i] == "sliding"
+    chunked = config.layer_types[i] == "chunked"
     kv_heads, head_dim = config.layer_kv_heads(i), config.layer_head_dim(i)
     scoring = Scoring(
         scale=config.attn_scale or head_dim**-0.5,
         window=config.sliding_window if sliding else None,
         softcap=config.attn_softcap,
+        chunk=config.attention_chunk_size if chunked else None,
     )
     spec = AttentionSpec(kv_layer, config.num_heads // kv_heads, scoring, shared_kv=shared)
     rope: RopeTable | None = "local" if sliding and config.rope_local else "global"
     if config.rope_layers and not config.rope_layers[i]:
         rope = None
     qk_norm: QkNorm | None = "full" if config.qk_norm_full else "head" if config.qk_norm else None
+    if config.qk_norm_unit and rope is not None:
+        qk_norm = "unit"
     return AttentionMixer(
         config.num_heads,
         kv_heads,
@@ -206,6 +220,7 @@ def _attention(
         output_gate=config.attn_output_gate,
         k_eq_v=config.attn_k_eq_v and not sliding,
         v_norm=config.v_norm,
+        temperature=config.attn_temperature if rope is None else None,
     )
 
 

@@ -11,6 +11,7 @@ from . import (
     gpt_oss,
     granitemoehybrid,
     llama,
+    llama4,
     mistral,
     mixtral,
     olmo2,
@@ -45,6 +46,7 @@ FAMILIES: tuple[Family, ...] = tuple(
         mixtral,
         olmoe,
         gpt_oss,
+        llama4,
     )
 )
 
