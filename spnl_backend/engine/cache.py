@@ -48,6 +48,8 @@ class CacheInfo:
     # Every KV layer of one shape and every attention layer with its own K and V
     # (`ModelConfig.uniform_kv`; False: Gemma 4's KV groups and shared layers).
     uniform_kv: bool = True
+    # Some layer attends within chunks of absolute positions (`ModelConfig.chunked_attention`).
+    chunked_attention: bool = False
 
 
 @dataclass(frozen=True)

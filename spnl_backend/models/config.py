@@ -172,6 +172,14 @@ class ModelConfig:
         return len(set(self.kv_shapes)) <= 1 and readers == self.num_kv_layers
 
     @property
+    def chunked_attention(self) -> bool:
+        """Whether some layer attends within chunks of positions (Llama 4): where a key
+        counts depends on its absolute position, which PIC's blocks move."""
+        return any(
+            s.kv_layer is not None and s.mixer.spec.scoring.chunk is not None for s in self.layers
+        )
+
+    @property
     def num_kv_layers(self) -> int:
         """The layers that keep K and V of their own: the KV pool's layers (a layer's
         `AttentionSpec.layer` is its place there; a state layer keeps none)."""

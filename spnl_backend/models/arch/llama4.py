@@ -22,8 +22,9 @@ llama.cpp's ``llama4`` GGUF keeps neither the chunk size nor the temperature: it
 hard-codes a chunk of 8192, a floor scale of 8192 and a scale of 0.1, one layer in four not
 rotating (the fourth), the chunked layers by ``attention.sliding_window_pattern`` (else 3 in
 4), and the q/k norm on every model but the 128-expert one. A file it reads as chunk-free
-(``attention.sliding_window`` 0) is refused: llama.cpp's graph for it has no temperature to
-give its last layer, which does not rotate.
+(``attention.sliding_window`` 0) is refused as every file's window of 0 is: llama.cpp's
+graph for it leaves its last layer unrotated with no temperature, which no checkpoint
+describes. Any other window is ignored, as llama.cpp ignores it.
 """
 
 import dataclasses
@@ -107,13 +108,6 @@ def _rotating_layers(keys: HfKeys, layers: int) -> tuple[bool, ...]:
 
 def _gguf(keys: GgufKeys, fields: Fields) -> Fields:
     """What llama.cpp's graph hard-codes for ``llama4`` (module docstring)."""
-    if keys.get("attention.sliding_window") == 0:
-        raise keys.wrong(
-            "attention.sliding_window",
-            0,
-            "absent or a chunk size: llama.cpp reads 0 as a model without chunks whose last "
-            "layer does not rotate and has no temperature, which no checkpoint describes",
-        )
     moe = fields["moe"]
     if moe is None:
         raise keys.wrong(
