@@ -29,10 +29,13 @@ NamedWeights = Iterator[tuple[str, Weight]]
 
 _LAYER = r"model\.layers\.\d+\."
 _EXPERT = r"mlp\.experts\.\d+\."
+# a layer's MLP: dense, a routed expert, or the shared expert (whose one-row gate, outside
+# it, every rank keeps whole: it scales each rank's share alike)
+_MLP = rf"(?:{_EXPERT}|mlp\.|shared_mlp\.)"
 _BY_ROWS = re.compile(
-    _LAYER + rf"(self_attn\.(?P<qkv>[qkv])_proj|(?:{_EXPERT}|mlp\.)(gate|up)_proj)\.(weight|bias)"
+    _LAYER + rf"(self_attn\.(?P<qkv>[qkv])_proj|{_MLP}(gate|up)_proj)\.(weight|bias)"
 )
-_BY_COLUMNS = re.compile(_LAYER + rf"(self_attn\.o_proj|(?:{_EXPERT}|mlp\.)down_proj)\.weight")
+_BY_COLUMNS = re.compile(_LAYER + rf"(self_attn\.o_proj|{_MLP}down_proj)\.weight")
 _O_BIAS = re.compile(_LAYER + rf"(self_attn\.o_proj|{_EXPERT}down_proj)\.bias")
 _SINKS = re.compile(_LAYER + r"self_attn\.sinks")  # one per query head
 _FULL_NORM = re.compile(_LAYER + r"self_attn\.(?P<which>[qk])_norm\.weight")
@@ -63,7 +66,12 @@ class Shard:
         c, world = self.config, self.world
         moe = c.moe
         if moe is not None:
-            moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // world)
+            shared = moe.shared_intermediate_size
+            moe = dataclasses.replace(
+                moe,
+                intermediate_size=moe.intermediate_size // world,
+                shared_intermediate_size=None if shared is None else shared // world,
+            )
         return dataclasses.replace(
             c,
             num_heads=c.num_heads // world,
@@ -133,12 +141,16 @@ def check_shardable(
     inners = [("MLP", c.intermediate_size)]
     if c.moe is not None:
         inners.append(("experts' MLP", c.moe.intermediate_size))
+        if c.moe.shared_intermediate_size:
+            inners.append(("shared expert's MLP", c.moe.shared_intermediate_size))
     for what, rows in inners:
         if rows % world:
             problems.append(f"its {what} of {rows} rows does not divide by {world}")
     columns = [("o", c.num_heads * c.head_dim), ("down", c.intermediate_size)]
     if c.moe is not None:  # the experts' downs, and any dense layers' beside them
         columns.append(("down", c.moe.intermediate_size))
+        if c.moe.shared_intermediate_size:
+            columns.append(("down", c.moe.shared_intermediate_size))
     for kind, width in columns:
         block = split_block(kind)
         if block > 1 and not problems and (width // world) % block:

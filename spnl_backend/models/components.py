@@ -1,7 +1,7 @@
 """The parts a `ModelConfig` is made of: a rotary embedding's configuration, a mixture of
-experts', a Gated DeltaNet's and a Mamba-2's sizes. The family modules (`models.arch`)
-build them; they depend on nothing, so that the families and `ModelConfig` need not
-import each other."""
+experts', Llama 4's query temperature, a Gated DeltaNet's and a Mamba-2's sizes. The
+family modules (`models.arch`) build them; they depend on nothing of the project's, so that
+the families and `ModelConfig` need not import each other."""
 
 import math
 from dataclasses import dataclass
