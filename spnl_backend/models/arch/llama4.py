@@ -29,6 +29,7 @@ describes. Any other window is ignored, as llama.cpp ignores it.
 
 import dataclasses
 import re
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +37,9 @@ from ...errors import ModelFileError
 from ...quant.linear import QuantizedWeight
 from ..components import AttentionTemperature, MoeConfig
 from .family import COMMON_GGUF_NAMES, Family, Fields, GgufKeys, HfKeys, Tensors, biases
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
 
 # llama.cpp's constants for every llama4 file (its graph's, not the file's)
 _GGUF_CHUNK = 8192
@@ -45,6 +49,7 @@ _GGUF_SWA_PERIOD = 4
 _GGUF_NO_QK_NORM_EXPERTS = 128  # the 128-expert model was trained without it
 
 _EXPERTS = re.compile(r"(model\.layers\.\d+)\.feed_forward\.experts\.(gate_up_proj|down_proj)")
+_QK = re.compile(r"model\.layers\.\d+\.self_attn\.(q_proj|k_proj)\.(?:weight|bias)")
 _RENAMED = (
     (".feed_forward.router.", ".mlp.gate."),
     (".feed_forward.shared_expert.", ".shared_mlp."),
@@ -134,10 +139,10 @@ def _gguf(keys: GgufKeys, fields: Fields) -> Fields:
     }
 
 
-def tensors(stored: Tensors, config: object) -> Tensors:
+def tensors(stored: Tensors, config: "ModelConfig") -> Tensors:
     """The FFN under the model's names (the stacked experts each its own), q and k rows
     from complex pairs to halves."""
-    heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}  # type: ignore[attr-defined]
+    heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
     for name, tensor in stored:
         if match := _EXPERTS.fullmatch(name):
             yield from _experts(match[1], match[2], tensor)
@@ -146,9 +151,8 @@ def tensors(stored: Tensors, config: object) -> Tensors:
             if theirs in name:
                 name = name.replace(theirs, ours)
                 break
-        projection = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
-        if ".self_attn." in name and projection in heads:
-            tensor = _pairs_to_halves(tensor, heads[projection], name)
+        if match := _QK.fullmatch(name):
+            tensor = _pairs_to_halves(tensor, heads[match[1]], name)
         yield name, tensor
 
 
