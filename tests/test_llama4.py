@@ -142,7 +142,8 @@ def test_a_gguf_from_llama_cpps_converter_is_the_same_model(converted):
     """q and k rows kept in pairs (no permutation), the experts stacked, the shared expert
     as ``*_shexp``, the dense layers' width as feed_forward_length; the chunk, temperature
     and the layer that does not rotate as llama.cpp's graph fixes them: the logits and
-    greedy tokens of transformers' model with those constants."""
+    greedy tokens of transformers' model with those constants, and its tokenizer's ids
+    from the file's vocabulary."""
     model, path = converted
     twin = load_backend(str(path), settings=CPU)
     config = twin.model_config
@@ -158,6 +159,8 @@ def test_a_gguf_from_llama_cpps_converter_is_the_same_model(converted):
     )
     result = twin.generate(prompt_token_ids=ids, max_tokens=16, temperature=0, ignore_eos=True)
     assert result.token_ids == out[0, len(ids) :].tolist()
+    for text in (PROMPT, "def add(a, b):\n    return a + b", "  spaces  and\ttabs "):
+        assert twin.tokenizer.encode(text) == model.tokenizer(text).input_ids
 
 
 def test_a_q8_0_gguf_from_the_converter_is_within_quantization_error(converted, tmp_path):
