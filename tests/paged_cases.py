@@ -56,13 +56,14 @@ def writes(slots: torch.Tensor, block_size: int) -> PagedMetadata:
 
 def scored(options: dict) -> tuple[Scoring, dict]:
     """A test's keyword options split into the `Scoring` they name (``scale``,
-    ``sliding_window``, ``softcap``, ``sinks``) and the rest (ALiBi, FP8 scales)."""
+    ``sliding_window``, ``softcap``, ``sinks``, ``chunk``) and the rest (ALiBi, FP8 scales)."""
     rest = dict(options)
     scoring = Scoring(
         rest.pop("scale"),
         window=rest.pop("sliding_window", None),
         softcap=rest.pop("softcap", None),
         sinks=rest.pop("sinks", None),
+        chunk=rest.pop("chunk", None),
     )
     return scoring, rest
 

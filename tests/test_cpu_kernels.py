@@ -281,7 +281,9 @@ def test_a_pool_of_mixed_dtypes_is_refused(kernels):
 
 @pytest.mark.parametrize(("kv_heads", "heads"), [(1, 4), (2, 8), (4, 4)])
 @pytest.mark.parametrize(
-    "options", [{}, {"sliding_window": 6}, {"softcap": 4.0}], ids=["plain", "window", "softcap"]
+    "options",
+    [{}, {"sliding_window": 6}, {"softcap": 4.0}, {"chunk": 5}, {"chunk": 8, "sliding_window": 5}],
+    ids=["plain", "window", "softcap", "chunk", "chunk+window"],
 )
 def test_paged_decode(kernels, kv_heads, heads, options):
     seq_lens, query_lens = CASES["decode"]
@@ -293,7 +295,7 @@ def test_paged_decode(kernels, kv_heads, heads, options):
         value_cache,
         meta.decode_slots,
         lens,
-        Scoring(0.25, window=options.get("sliding_window"), softcap=options.get("softcap")),
+        scoring_of(0.25, options),
     )
     expected = paged_attention_ref(q, key_cache, value_cache, meta, scoring_of(0.25, options))
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
@@ -445,8 +447,14 @@ def test_tiles_of_32_value_blocks_give_each_row_alone_bits(kernels, qtype, rows)
 @pytest.mark.parametrize("case", ["prefill", "prefix hit", "chunked prefill", "mixed"])
 @pytest.mark.parametrize(
     "options",
-    [{}, {"sliding_window": 6}, {"softcap": 4.0}, {"sliding_window": 6, "sinks": SINKS}],
-    ids=["plain", "window", "softcap", "sinks"],
+    [
+        {},
+        {"sliding_window": 6},
+        {"softcap": 4.0},
+        {"sliding_window": 6, "sinks": SINKS},
+        {"chunk": 5},
+    ],
+    ids=["plain", "window", "softcap", "sinks", "chunk"],
 )
 def test_short_queries_attend_as_decode_rows(kernels, case, options, pool):
     from spnl_backend.kernels import cpu_kernel_set, decode_rows
@@ -468,12 +476,7 @@ def test_short_queries_attend_as_decode_rows(kernels, case, options, pool):
                 value_cache,
                 rows.decode_slots[i : i + 1],
                 torch.tensor(rows.seq_lens[i : i + 1]),
-                Scoring(
-                    0.25,
-                    window=options.get("sliding_window"),
-                    softcap=options.get("softcap"),
-                    sinks=options.get("sinks"),
-                ),
+                scoring_of(0.25, options),
                 None,
             )
             for i in range(len(q))

@@ -138,3 +138,26 @@ def test_sinks_paged_equal_contiguous(case, options):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     plain = paged_attention_ref(q, ck, cv, tables, scoring_of(0.5, options))
     assert not torch.allclose(out, plain)  # the sinks do take a share
+
+
+@pytest.mark.parametrize("case", ["prefill", "decode", "mixed", "chunked prefill"])
+@pytest.mark.parametrize(("chunk", "window"), [(5, None), (8, 5), (4, 9)])
+def test_chunks_see_their_own_chunk_alone(case, chunk, window):
+    """Llama 4's chunked attention against a mask written out: the key at ``j`` is seen
+    from ``i`` where ``j <= i``, ``j // chunk == i // chunk`` and (with a window too)
+    ``j > i - window``; a chunk's first query sees itself alone."""
+    seq_lens, query_lens = CASES[case]
+    q, ck, cv, tables, keys, values = _paged_case(seq_lens, query_lens, 2, 4, 8)
+    out = paged_attention_ref(q, ck, cv, tables, Scoring(0.5, window=window, chunk=chunk))
+    start = 0
+    for k, v, n, m in zip(keys, values, seq_lens, query_lens, strict=True):
+        i, j = torch.arange(n - m, n)[:, None], torch.arange(n)[None, :]
+        visible = (j <= i) & (j // chunk == i // chunk)
+        if window is not None:
+            visible &= j > i - window
+        k2, v2 = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[start : start + m], k2) * 0.5
+        weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        expected = torch.einsum("hqk,khd->qhd", weights, v2)
+        torch.testing.assert_close(out[start : start + m], expected, atol=1e-5, rtol=1e-5)
+        start += m

@@ -36,6 +36,17 @@ def test_window_and_softcap(case, options):
     check_attention(KERNELS, DEVICE, case, scale=0.5, **options)
 
 
+@pytest.mark.parametrize("case", ["prefill", "prefix hit", "chunked prefill", "mixed"])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize(
+    "options", [{"chunk": 5}, {"chunk": 8, "sliding_window": 5}], ids=["chunk", "chunk+window"]
+)
+def test_chunked_attention(case, splits, options):
+    """Llama 4's chunks: a query sees only the keys of its own chunk of positions, in one
+    program and split (a tile's queries may start in different chunks)."""
+    check_attention(KERNELS, DEVICE, case, scale=0.4, num_splits=splits, **options)
+
+
 @pytest.mark.parametrize("case", ["prefix hit", "mixed"])
 def test_alibi(case):
     slopes = torch.tensor([2.0 ** -(i + 1) for i in range(8)])

@@ -123,10 +123,11 @@ MOE_HYBRID_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_experts(f) and
 # Gemma 4's layers differ in shape and share K/V; Phi-2, StarCoder2 and GPT-NeoX have
 # LayerNorms, plain MLPs and biases (Phi-2 and GPT-NeoX parallel residuals too); Granite
 # scales its residuals; Cohere runs attention and MLP side by side from LayerNorms;
-# Qwen2-MoE has biases and a gated shared expert.
+# Qwen2-MoE has biases and a gated shared expert; Llama 4 norms q and k after the
+# rotation (and has a layer that does not rotate, and a shared expert).
 PER_OP_ONLY = frozenset(
     {"qwen2", "olmo2", "smollm3", "gpt_oss", "gemma4", "phi", "starcoder2", "gpt_neox"}
-    | {"granite", "cohere", "cohere2", "qwen2_moe"}
+    | {"granite", "cohere", "cohere2", "qwen2_moe", "llama4"}
 )
 # The families whose GGUF twin is the file llama.cpp's own converter writes
 # (`llama_cpp_converter`), rather than `write_gguf`'s; with the pre-tokenizer rule the

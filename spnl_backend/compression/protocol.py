@@ -62,6 +62,8 @@ class AttendConfig:
     def of(cls, scoring: Scoring, n_kv_groups: int) -> "AttendConfig":
         if scoring.sinks is not None:
             raise ValueError("a compressed cache does not attend with sinks")
+        if scoring.chunk is not None:
+            raise ValueError("a compressed cache does not attend in chunks")
         return cls(scoring.scale, n_kv_groups, scoring.window, scoring.softcap)
 
     @property

@@ -31,7 +31,9 @@ NamedWeights = Iterator[tuple[str, Weight]]
 
 _LAYER = r"model\.layers\.\d+\."
 _EXPERT = r"mlp\.experts\.\d+\."
-_MLP = rf"(?:{_EXPERT}|mlp\.|shared_mlp\.)"  # an expert's, the dense one, the shared one
+# a layer's MLP: dense, a routed expert, or the shared expert (whose one-row gate, outside
+# it, every rank keeps whole: it scales each rank's share alike)
+_MLP = rf"(?:{_EXPERT}|mlp\.|shared_mlp\.)"
 _BY_ROWS = re.compile(
     _LAYER + rf"(self_attn\.(?P<qkv>[qkv])_proj|{_MLP}(gate|up)_proj)\.(weight|bias)"
 )
@@ -70,7 +72,7 @@ class Shard:
             moe = dataclasses.replace(
                 moe,
                 intermediate_size=moe.intermediate_size // world,
-                shared_intermediate_size=shared // world if shared else shared,
+                shared_intermediate_size=None if shared is None else shared // world,
             )
         return dataclasses.replace(
             c,

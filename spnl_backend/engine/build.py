@@ -67,6 +67,7 @@ def build_engine(
         if model is not None:
             _refuse_for_state_layers(model, settings)
     _refuse_for_kv_groups(loaded, settings)
+    _refuse_for_chunked_attention(loaded, settings)
     adapters, no_adapters = _adapter_registry(loaded, settings, draft)
     settings = _prefix_caching_for(loaded.config, settings, decisions.paged_attn)
     if (
@@ -190,6 +191,27 @@ def _refuse_for_kv_groups(loaded: LoadedModel, settings: BackendSettings) -> Non
     _refuse(asked, why)
 
 
+def _refuse_for_chunked_attention(loaded: LoadedModel, settings: BackendSettings) -> None:
+    """What a model whose layers attend within chunks of absolute positions (Llama 4)
+    cannot run with: a compressed cache (its kernels have no chunks) and PIC (a block
+    computed at other positions falls into other chunks)."""
+    config = loaded.config
+    if not config.chunked_attention:
+        return
+    asked = {
+        f"{env_name('kv_cache_compression')}={settings.kv_cache_compression}": (
+            get_compressor(settings.kv_cache_compression) is not None
+        ),
+    }
+    asked |= {f"{env_name(f)}={getattr(settings, f)}": True for f in given_pic_settings(settings)}
+    why = (
+        f"the {config.architecture} model attends within chunks of absolute positions, "
+        "which compressed caches do not attend in, and which a PIC block computed at other "
+        "positions would cross"
+    )
+    _refuse(asked, why)
+
+
 def _refuse_for_latent(loaded: LoadedModel, settings: BackendSettings) -> None:
     """What a model whose KV layers keep one latent per token (DeepSeek's multi-head latent
     attention) cannot run with: what takes K and V per head from the pool."""
@@ -280,7 +302,12 @@ def _cache(
     )
     config = loaded.config
     latent = 1 in config.kv_planes
-    info = dataclasses.replace(info, uniform_kv=config.uniform_kv, latent_kv=latent)
+    info = dataclasses.replace(
+        info,
+        uniform_kv=config.uniform_kv,
+        latent_kv=latent,
+        chunked_attention=config.chunked_attention,
+    )
     if plan is None:
         return cache, max_len, info
     paged = cache if isinstance(cache, PagedCacheManager) else None

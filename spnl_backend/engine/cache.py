@@ -51,6 +51,8 @@ class CacheInfo:
     # The KV layers keep one latent per token (DeepSeek's multi-head latent attention,
     # `ModelConfig.kv_planes`), not K and V per head.
     latent_kv: bool = False
+    # Some layer attends within chunks of absolute positions (`ModelConfig.chunked_attention`).
+    chunked_attention: bool = False
 
 
 @dataclass(frozen=True)

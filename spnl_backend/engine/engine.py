@@ -402,6 +402,11 @@ class Engine:
                 "its model's KV layers differ in shape or are read by other layers "
                 "(Gemma 4): PIC's moves and probes take one shape and a layer each"
             )
+        if info.chunked_attention:
+            return (
+                "its model attends within chunks of absolute positions (Llama 4): a block "
+                "computed at other positions would see other keys"
+            )
         if info.state_bytes_per_seq is not None:
             return (
                 "its model has state layers (Gated DeltaNet, Mamba-2), whose state holds the whole "

@@ -24,14 +24,15 @@ def attention_ref(
     """``q [nq, heads, d]``, ``k``/``v [context_len + nq, kv_heads, d]`` → ``[nq, heads, d]``.
 
     A key at position ``j`` is visible to the query at position ``i`` when
-    ``j <= i`` and, with a sliding window ``w``, ``j > i - w``. Scores are
+    ``j <= i`` and, with a sliding window ``w``, ``j > i - w``; with chunks of ``c``,
+    ``j // c == i // c``. Scores are
     ``scale * q.k`` plus ``logit_bias [heads, nq, nk]`` if given (a compressed cache's
     correction), then softcapped (``cap * tanh(s / cap)``), then biased by
     ``slope * (j - i)`` with ALiBi, then masked; softmax is in float32, over the visible
     keys and, where given, each head's sink logit (a column of no value).
     """
     if scoring.plain and alibi_slopes is None and logit_bias is None:
-        return _sdpa(q, k, v, scoring.scale, context_len, scoring.window)
+        return _sdpa(q, k, v, scoring, context_len)
     scores = raw_scores(q, k) * scoring.scale
     if logit_bias is not None:
         scores = scores + logit_bias.float()
@@ -66,7 +67,7 @@ def attend_scores(
     if alibi_slopes is not None:
         distance = (k_pos - q_pos.unsqueeze(-1)).float()
         scores = scores + alibi_slopes.float().view(heads, 1, 1) * distance
-    return softmax_sum(scores, v, _visible(q_pos, k_pos, scoring.window), scoring.sinks)
+    return softmax_sum(scores, v, _visible(q_pos, k_pos, scoring), scoring.sinks)
 
 
 def softmax_sum(
@@ -98,27 +99,26 @@ def _positions(
     return q_pos, torch.arange(nk, device=device)
 
 
-def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    visible = k_pos <= q_pos.unsqueeze(-1)
-    if window is not None:
-        visible &= k_pos > q_pos.unsqueeze(-1) - window
-    return visible
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, scoring: Scoring) -> torch.Tensor:
+    """``[nq, nk]``: the keys each query sees (causal, from its window's or chunk's start)."""
+    q_pos = q_pos.unsqueeze(-1)
+    return (k_pos <= q_pos) & (k_pos >= scoring.first_visible(q_pos))
 
 
 def _sdpa(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    scale: float,
+    scoring: Scoring,
     context_len: int,
-    window: int | None,
 ) -> torch.Tensor:
     """The common case through torch's fused attention; the mask only where it cuts."""
     nq, nk = q.shape[0], k.shape[0]
-    window_cuts = window is not None and nk > window
+    window_cuts = scoring.window is not None and nk > scoring.window
+    chunk_cuts = scoring.chunk is not None and nk > scoring.chunk
     mask, causal = None, False
-    if window_cuts or (nq > 1 and context_len > 0):
-        mask = _visible(*_positions(nq, nk, context_len, q.device), window)
+    if window_cuts or chunk_cuts or (nq > 1 and context_len > 0):
+        mask = _visible(*_positions(nq, nk, context_len, q.device), scoring)
     elif nq > 1:
         causal = True
     out = F.scaled_dot_product_attention(
@@ -127,7 +127,7 @@ def _sdpa(
         v.transpose(0, 1),
         attn_mask=mask,
         is_causal=causal,
-        scale=scale,
+        scale=scoring.scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
     return out.transpose(0, 1)

@@ -142,15 +142,18 @@ def paged_attention_ref(
     earlier ``seq_lens[i] - query_lens[i]`` tokens are cached context. Every key, new or
     cached, is read from the cache (so an FP8 cache rounds them all alike).
     """
-    if meta.is_decode and scoring.plain and alibi_slopes is None and meta.pic is None:
+    batched = scoring.plain and scoring.chunk is None and alibi_slopes is None
+    if meta.is_decode and batched and meta.pic is None:
         return _decode_batched(q, key_cache, value_cache, meta, scoring, k_scale, v_scale)
     out = torch.empty_like(q)
     start = 0
     for i, (seq_len, query_len) in enumerate(zip(meta.seq_lens, meta.query_lens, strict=True)):
         end = start + query_len
         pic = meta.pic_of(i)
-        if pic is not None and alibi_slopes is not None:
-            raise ValueError("PIC sequences do not take ALiBi: their positions overlap")
+        if pic is not None and (alibi_slopes is not None or scoring.chunk is not None):
+            raise ValueError(
+                "PIC sequences take neither ALiBi nor chunked attention: their positions overlap"
+            )
         if pic is not None:
             k, v = read_kv(key_cache, value_cache, pic.key_slots, q.dtype, k_scale, v_scale)
             out[start:end] = pic_attention_ref(q[start:end], k, v, pic, scoring)

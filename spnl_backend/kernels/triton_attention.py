@@ -4,9 +4,10 @@ Twin: `paged_ref.paged_attention_ref`. Each program takes a tile of up to ``BLOC
 query tokens of one sequence together with all the query heads of one KV head (GQA and
 MQA share every K/V tile load), and walks the sequence's keys in tiles of ``TILE``
 positions, looked up through the block table, with an online softmax. Sliding windows,
-softcapping, ALiBi, attention sinks and an FP8 cache are compile-time switches. Long
-decode contexts are split across ``num_splits`` programs per tile, and a second kernel
-merges their partial softmax states (split-KV), so a single sequence still fills the GPU.
+chunks (Llama 4's chunked attention), softcapping, ALiBi, attention sinks and an FP8 cache
+are compile-time switches. Long decode contexts are split across ``num_splits`` programs
+per tile, and a second kernel merges their partial softmax states (split-KV), so a single
+sequence still fills the GPU.
 
 PIC sequences (`kernels.pic`, another compile-time switch) walk their keys in prompt order
 instead of through the block table: each key's pool slot, block id and position, and each
@@ -55,6 +56,7 @@ def _attention_kernel(
     scale,
     softcap,
     window,
+    chunk,
     k_scale,
     v_scale,
     num_kv_heads,
@@ -71,6 +73,7 @@ def _attention_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    USE_CHUNK: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     USE_ALIBI: tl.constexpr,
     IS_FP8: tl.constexpr,
@@ -108,6 +111,8 @@ def _attention_kernel(
     start = 0
     if USE_WINDOW:
         start = tl.maximum(context_len + first - window + 1, 0)
+    if USE_CHUNK:  # the tile's first query's chunk: its later queries' start no earlier
+        start = tl.maximum(start, (context_len + first) // chunk * chunk)
     if USE_PIC:
         # A PIC sequence: seq_len counts its keys in prompt order, and queries carry their
         # prompt index, block id and position (three int32 per token).
@@ -163,6 +168,8 @@ def _attention_kernel(
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
         if USE_WINDOW:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+        if USE_CHUNK:
+            visible = visible & (k_pos[None, :] >= q_pos[:, None] // chunk * chunk)
         if USE_PIC:
             k_block = tl.load(pic_blocks_ptr + key_start + k_pos, mask=pic_ok, other=0)
             k_place = tl.load(pic_places_ptr + key_start + k_pos, mask=pic_ok, other=0)
@@ -305,8 +312,10 @@ def paged_attention_triton(
     alibi = alibi_slopes if alibi_slopes is not None else q.new_zeros(1)
     pic = None
     if meta.pic is not None:
-        if alibi_slopes is not None:
-            raise ValueError("PIC sequences do not take ALiBi: their positions overlap")
+        if alibi_slopes is not None or scoring.chunk is not None:
+            raise ValueError(
+                "PIC sequences take neither ALiBi nor chunked attention: their positions overlap"
+            )
         pic = meta.memo("triton_pic", lambda: _PicArrays(meta, q.device))
         lens = pic.lens
     none = lens[:1]
@@ -333,6 +342,7 @@ def paged_attention_triton(
         float(scoring.scale),
         float(softcap or 1.0),
         int(window or 0),
+        int(scoring.chunk or 1),
         float(k_scale),
         float(v_scale),
         num_kv_heads,
@@ -349,6 +359,7 @@ def paged_attention_triton(
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=pad,
         USE_WINDOW=window is not None,
+        USE_CHUNK=scoring.chunk is not None,
         USE_SOFTCAP=softcap is not None,
         USE_ALIBI=alibi_slopes is not None,
         IS_FP8=is_fp8,

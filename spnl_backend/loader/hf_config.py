@@ -40,6 +40,7 @@ _ACTIVATIONS = {
 _LAYER_TYPES: dict[str, LayerType] = {
     "full_attention": "full",
     "sliding_attention": "sliding",
+    "chunked_attention": "chunked",
     "linear_attention": "linear",
     # the older names Granite 4.0-H's files use (transformers reads them as the above)
     "attention": "full",

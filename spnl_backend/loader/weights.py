@@ -40,6 +40,7 @@ _SKIPPED_PREFIXES = (
     "model.vision_tower.",
     "model.multi_modal_projector.",
     "model.visual.",  # Qwen3.5's vision model
+    "vision_model.",  # Llama 4's
     "mtp.",  # Qwen3.5's multi-token prediction layers
 )
 _RENAMED_PREFIXES = (

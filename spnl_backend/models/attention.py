@@ -62,6 +62,12 @@ class Attention(nn.Module):
             )
         self.qk_norm, self.qk_norm_full = mixer.qk_norm == "head", mixer.qk_norm == "full"
         self.qk_norm_layer = mixer.qk_norm == "layer"
+        # Llama 4: q and k normed without a weight after their rotation; the queries of a
+        # layer that does not rotate scaled by a factor of their position.
+        self.unit_norm = None
+        if mixer.qk_norm == "unit":
+            self.unit_norm = UnitRMSNorm(self.head_dim, config.rms_norm_eps, native)
+        self.temperature = mixer.temperature
         self.clip_qkv, self.rope = mixer.clip_qkv, mixer.rope
         self._spec = mixer.spec
         if mixer.sinks:  # a weight: the loader replaces it, so the spec is made from it late
@@ -101,6 +107,19 @@ class Attention(nn.Module):
 
     def _qkv_gate(self, x: torch.Tensor, rotary: RotaryTables | None):
         """`qkv`, and the output gate ``[T, heads * d]`` where the layer has one."""
+        if self.temperature is None:
+            return self._projected(x, rotary)
+        # Llama 4: ``rotary`` carries the step's positions to a layer that does not rotate;
+        # its queries are scaled by their factors (in float32, cast back, as the model does).
+        if rotary is None or rotary.positions is None:
+            raise ValueError("a layer with a query temperature needs the step's positions")
+        positions = rotary.positions
+        q, k, v, gate = self._projected(x, rotary if self.rope is not None else None)
+        factors = self.temperature.factors(positions).view(-1, 1, 1)
+        return (q * factors).to(q.dtype), k, v, gate
+
+    def _projected(self, x: torch.Tensor, rotary: RotaryTables | None):
+        """q, k, v and the gate, normed and rotated where the layer does."""
         if self.shared_kv:
             return self._q_alone(x, rotary), None, None, None
         if self.k_eq_v or self.v_norm is not None:
@@ -131,7 +150,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim)
         if self.qk_norm:
             q = ops.rms_norm_layer(q, self.q_norm)
-        return q if rotary is None else rotary.apply(q)
+        q = q if rotary is None else rotary.apply(q)
+        return q if self.unit_norm is None or rotary is None else self.unit_norm(q)
 
     def _gemma4_qkv(self, x: torch.Tensor, rotary: RotaryTables | None):
         """Gemma 4's q, k, v: the values from the k projection where it has no v_proj,
@@ -158,6 +178,9 @@ class Attention(nn.Module):
         """Queries and keys ``[T, heads, d]`` normed per head where the layer does, then
         rotated where it does (one fused step where both)."""
         norms = (self.q_norm, self.k_norm) if self.qk_norm else None
+        if self.unit_norm is not None and rotary is not None:  # rotated, then normed
+            q, k = ops.qk_norm_rotate(q, k, None, rotary)
+            return self.unit_norm(q), self.unit_norm(k)
         if rotary is not None:
             return ops.qk_norm_rotate(q, k, norms, rotary)
         if norms is not None:

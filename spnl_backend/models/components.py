@@ -1,11 +1,13 @@
 """The parts a `ModelConfig` is made of: a rotary embedding's configuration, a mixture of
-experts', a Gated DeltaNet's and a Mamba-2's sizes. The family modules (`models.arch`)
-build them; they depend on nothing, so that the families and `ModelConfig` need not
-import each other."""
+experts', Llama 4's query temperature, a Gated DeltaNet's and a Mamba-2's sizes. The
+family modules (`models.arch`) build them; they depend on nothing of the project's, so that
+the families and `ModelConfig` need not import each other."""
 
 import math
 from dataclasses import dataclass
 from typing import Literal
+
+import torch
 
 RopeKind = Literal["default", "linear", "llama3", "yarn", "longrope", "proportional"]
 
@@ -45,7 +47,10 @@ class MoeConfig:
     may keep some dense, with the model's ``intermediate_size``).
     ``shared_intermediate_size``: a shared expert beside the routed ones, which every
     token runs through; ``shared_gate``: its output scaled per token by the sigmoid of
-    one more projection of the layer's input (Qwen2-MoE, Qwen3.5 MoE), else added as it is."""
+    one more projection of the layer's input (Qwen2-MoE, Qwen3.5 MoE), else added as it is.
+    ``routing``: ``softmax`` (the rule above), or ``sigmoid_input`` (Llama 4): the top-k
+    router logits chosen as they are, and each chosen expert's input (not its output)
+    scaled by the sigmoid of its logit."""
 
     num_experts: int
     top_k: int
@@ -68,12 +73,14 @@ class MoeConfig:
     topk_group: int = 1
     group_rule: Literal["max", "top2"] = "max"
     routed_scale: float = 1.0
+    routing: Literal["softmax", "sigmoid_input"] = "softmax"
 
     @property
     def plain_routing(self) -> bool:
         """A softmax top-k over every expert, as the native and fused kernels route."""
         return (
-            self.scoring == "softmax"
+            self.routing == "softmax"
+            and self.scoring == "softmax"
             and not self.score_bias
             and self.n_group == 1
             and self.routed_scale == 1.0
@@ -106,6 +113,21 @@ class MlaConfig:
     def latent_width(self) -> int:
         """What a token keeps per layer: its latent, then its rotated key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class AttentionTemperature:
+    """Llama 4's temperature tuning on the layers that do not rotate: each query scaled by
+    ``1 + scale * log(1 + floor((position + 1) / floor_scale))``, so attention sharpens
+    as the context grows past multiples of ``floor_scale`` tokens."""
+
+    floor_scale: float
+    scale: float
+
+    def factors(self, positions: torch.Tensor) -> torch.Tensor:
+        """The float32 factor of each of ``positions [T]``."""
+        steps = torch.floor((positions.float() + 1.0) / self.floor_scale)
+        return torch.log1p(steps) * self.scale + 1.0
 
 
 @dataclass(frozen=True)

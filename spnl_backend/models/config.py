@@ -12,13 +12,21 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from ..errors import ModelFileError, UnsupportedArchitectureError
-from .components import DeltaNetConfig, Mamba2Config, MlaConfig, MoeConfig, RopeConfig
+from .components import (
+    AttentionTemperature,
+    DeltaNetConfig,
+    Mamba2Config,
+    MlaConfig,
+    MoeConfig,
+    RopeConfig,
+)
 
 if TYPE_CHECKING:
     from .layers import LayerSpec, NormKind, NormPlacement
 
-# linear: a state layer, a Gated DeltaNet (`delta_net`) or a Mamba-2 (`mamba`)
-LayerType = Literal["full", "sliding", "linear"]
+# linear: a state layer, a Gated DeltaNet (`delta_net`) or a Mamba-2 (`mamba`); chunked:
+# attention within chunks of `attention_chunk_size` positions (Llama 4)
+LayerType = Literal["full", "sliding", "chunked", "linear"]
 MAX_COUNT = 2**31 - 1  # every size and count fits the int32 indices kernels use
 _COUNTS = (
     "vocab_size",
@@ -95,6 +103,12 @@ class ModelConfig:
     # DeepSeek-V2/V3: every attention layer is multi-head latent attention of these sizes
     # (``head_dim``: a query head's, ``qk_nope_head_dim + qk_rope_head_dim``).
     mla: MlaConfig | None = None
+    # Llama 4: the "chunked" layers' chunk; q and k of the layers that rotate RMS-normed per
+    # head without a weight after their rotation; the queries of those that do not rotate
+    # scaled by a factor of their position.
+    attention_chunk_size: int | None = None
+    qk_norm_unit: bool = False
+    attn_temperature: AttentionTemperature | None = None
     # Gemma 4: the full-attention layers' own head size and KV heads (None: as the others),
     # their values the keys' projection (no v_proj, ``attn_k_eq_v``), values RMS-normed
     # without a weight, and the last ``num_kv_shared_layers`` layers reading the K and V of
@@ -189,6 +203,14 @@ class ModelConfig:
         return len(set(self.kv_shapes)) <= 1 and readers == self.num_kv_layers and own_kv
 
     @property
+    def chunked_attention(self) -> bool:
+        """Whether some layer attends within chunks of positions (Llama 4): where a key
+        counts depends on its absolute position, which PIC's blocks move."""
+        return any(
+            s.kv_layer is not None and s.mixer.spec.scoring.chunk is not None for s in self.layers
+        )
+
+    @property
     def num_kv_layers(self) -> int:
         """The layers that keep K and V of their own: the KV pool's layers (a layer's
         `AttentionSpec.layer` is its place there; a state layer keeps none)."""
@@ -262,13 +284,23 @@ def _validate(config: ModelConfig) -> None:
     if len(config.layer_types) != config.num_layers or not set(config.layer_types) <= {
         "full",
         "sliding",
+        "chunked",
         "linear",
     }:
         raise ConfigValueError(
             "layer_types",
             config.layer_types,
-            f"{config.num_layers} entries (one per layer), each 'full', 'sliding' or 'linear'",
+            f"{config.num_layers} entries (one per layer), each 'full', 'sliding', 'chunked' "
+            "or 'linear'",
         )
+    if "chunked" in config.layer_types or config.attention_chunk_size is not None:
+        _check_count("attention_chunk_size", config.attention_chunk_size)
+    if config.attn_temperature is not None:
+        _check_positive("attn_temperature.floor_scale", config.attn_temperature.floor_scale)
+        if not _is_real(config.attn_temperature.scale):
+            raise ConfigValueError(
+                "attn_temperature.scale", config.attn_temperature.scale, "a finite number"
+            )
     if "linear" in config.layer_types:
         _check_state_layers(config)
     if config.sliding_window is not None:
@@ -459,11 +491,12 @@ def _check_rope(name: str, rope: RopeConfig, head_dim: int) -> None:
         _check_count(f"{name}.original_max_position", rope.original_max_position)
     if rope.kind == "yarn" and rope.theta == 1:
         raise ConfigValueError(f"{name}.theta", rope.theta, "a base other than 1 (yarn)")
-    if rope.kind == "llama3" and rope.high_freq_factor <= rope.low_freq_factor:
+    # (equal factors leave no band between the scaled and the kept frequencies: Llama 4)
+    if rope.kind == "llama3" and rope.high_freq_factor < rope.low_freq_factor:
         raise ConfigValueError(
             f"{name}.high_freq_factor",
             rope.high_freq_factor,
-            f"more than the low frequency factor ({rope.low_freq_factor})",
+            f"at least the low frequency factor ({rope.low_freq_factor})",
         )
     for field in ("freq_factors", "short_factor", "long_factor"):
         _check_factors(f"{name}.{field}", getattr(rope, field), dim // 2)

@@ -13,7 +13,14 @@ from ..kernels.scoring import Scoring
 from .step_attention import AttentionSpec
 
 if TYPE_CHECKING:
-    from .config import DeltaNetConfig, Mamba2Config, MlaConfig, ModelConfig, MoeConfig
+    from .config import (
+        AttentionTemperature,
+        DeltaNetConfig,
+        Mamba2Config,
+        MlaConfig,
+        ModelConfig,
+        MoeConfig,
+    )
 
 # pre: a norm before attention and before the MLP (Llama); sandwich: also after each
 # (Gemma); post: only after each, the residual stream entering un-normed (OLMo 2 and 3);
@@ -27,8 +34,9 @@ NormKind = Literal["rms", "layer", "layer_no_bias"]
 # Which rotary table turns a layer's queries and keys; None: no rotation (NoPE).
 RopeTable = Literal["global", "local"]
 # RMSNorm per head, or over the whole projection (OLMo); or a LayerNorm per head, each head
-# its own weight row (Cohere)
-QkNorm = Literal["head", "full", "layer"]
+# its own weight row (Cohere); unit: RMSNorm per head without a weight, after the rotation
+# (Llama 4's L2 norm)
+QkNorm = Literal["head", "full", "layer", "unit"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,8 @@ class AttentionMixer:
     # DeepSeek's multi-head latent attention, of these sizes: ``num_kv_heads`` is then 1
     # and ``head_dim`` the cached latent's width (`MlaConfig.latent_width`).
     latent: "MlaConfig | None" = None
+    # Llama 4: the queries scaled by a factor of their position (layers that do not rotate).
+    temperature: "AttentionTemperature | None" = None
 
 
 @dataclass(frozen=True)
@@ -203,11 +213,13 @@ def _attention(
     if config.mla is not None:
         return _latent_attention(config, kv_layer)
     sliding = config.layer_types[i] == "sliding"
+    chunked = config.layer_types[i] == "chunked"
     kv_heads, head_dim = config.layer_kv_heads(i), config.layer_head_dim(i)
     scoring = Scoring(
         scale=config.attn_scale or head_dim**-0.5,
         window=config.sliding_window if sliding else None,
         softcap=config.attn_softcap,
+        chunk=config.attention_chunk_size if chunked else None,
     )
     spec = AttentionSpec(kv_layer, config.num_heads // kv_heads, scoring, shared_kv=shared)
     rope: RopeTable | None = "local" if sliding and config.rope_local else "global"
@@ -217,7 +229,9 @@ def _attention(
     if config.qk_norm_full:
         qk_norm = "full"
     elif config.qk_norm:  # of the model's norm kind
-        qk_norm = "layer" if config.norm_kind == "layer" else "head"
+        qk_norm = "layer" if config.norm_kind != "rms" else "head"
+    if config.qk_norm_unit and rope is not None:
+        qk_norm = "unit"
     return AttentionMixer(
         config.num_heads,
         kv_heads,
@@ -231,6 +245,7 @@ def _attention(
         output_gate=config.attn_output_gate,
         k_eq_v=config.attn_k_eq_v and not sliding,
         v_norm=config.v_norm,
+        temperature=config.attn_temperature if rope is None else None,
     )
 
 

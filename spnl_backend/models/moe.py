@@ -40,6 +40,8 @@ class SparseMoE(nn.Module):
             moe.float_weights,
         )
         self.moe = moe
+        # Llama 4: the chosen experts' inputs scaled by the sigmoid of their logits.
+        self.scales_input = moe.routing == "sigmoid_input"
         self.gate = Linear(config.hidden_size, moe.num_experts, bias=moe.bias)
         if moe.score_bias:  # DeepSeek-V3's bias of the scores, for choosing alone
             self.e_score_correction_bias = nn.Parameter(
@@ -60,7 +62,11 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts ``[T, top_k]`` and their weights (float32 where the
-        architecture weighs in float32, else ``x``'s dtype)."""
+        architecture weighs in float32, else ``x``'s dtype); with ``sigmoid_input``
+        routing the top-k logits' sigmoids (float32, cast to ``x``'s dtype)."""
+        if self.scales_input:
+            logits, experts = torch.topk(rows_alone(self.gate, x), self.top_k, dim=-1)
+            return experts, torch.sigmoid(logits.float()).to(x.dtype)
         logits = rows_alone(self.gate, x).float()
         if not self.moe.plain_routing:
             bias = getattr(self, "e_score_correction_bias", None)
@@ -95,6 +101,8 @@ class SparseMoE(nn.Module):
         quantized = {isinstance(layer, QuantLinear) for layer in layers}
         if self.experts[0].act is not F.silu or len(quantized) > 1 or _biased(layers):
             return None  # the kernels' activation is SiLU, unbiased; one kind of weight
+        if self.scales_input:
+            return None  # the kernels weigh the experts' outputs
         return self._stack_quantized() if quantized == {True} else self._stack_float()
 
     def _stack_float(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,8 +140,8 @@ class SparseMoE(nn.Module):
 
     def grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
         """The torch path (and the twin of the native and fused ones): each expert's
-        tokens through its projections, weighted, summed over a token's experts in id
-        order."""
+        tokens through its projections, weighted (their inputs, with ``sigmoid_input``
+        routing), summed over a token's experts in id order."""
         out = torch.zeros(x.shape, dtype=weights.dtype, device=x.device)
         slots = experts.flatten()
         order = torch.argsort(slots, stable=True)  # by expert, tokens in order within one
@@ -144,8 +152,11 @@ class SparseMoE(nn.Module):
             if not count:
                 continue
             rows = tokens[start : start + count]
-            slot_weights = weights.flatten()[order[start : start + count]]
-            y = self.experts[expert](x[rows]).to(out.dtype) * slot_weights[:, None]
+            slot_weights = weights.flatten()[order[start : start + count]][:, None]
+            if self.scales_input:  # the expert's input weighed, its output as it is
+                y = self.experts[expert]((x[rows] * slot_weights).to(x.dtype)).to(out.dtype)
+            else:
+                y = self.experts[expert](x[rows]).to(out.dtype) * slot_weights
             out.index_add_(0, rows, y)
             start += count
         return out.to(x.dtype)
@@ -159,14 +170,15 @@ class SparseMoE(nn.Module):
         products, the weighted sum), where its experts are quantized projections gated by
         SiLU or gpt-oss's clamped SwiGLU, biased or not (every projection and the router
         alike), and the model's kernels take them (`KernelChoice.moe_layer`; a quantized
-        router's values taken once in float); else None (the torch path)."""
+        router's values taken once in float); else None (the torch path, which also runs
+        ``sigmoid_input`` routing: its experts' inputs are weighed, not their outputs)."""
         if not self._native_made:
             self._native, self._native_made = self._make_native(), True
         return self._native
 
     def _make_native(self) -> NativeMoe | None:
-        if not self.moe.plain_routing:  # the native layer routes by a softmax top-k alone
-            return None
+        if not self.moe.plain_routing:  # the native layer routes by a softmax top-k alone,
+            return None  # and weighs the experts' outputs (not, as Llama 4, their inputs)
         layers = [p for e in self.experts for p in (e.gate_proj, e.up_proj, e.down_proj)]
         glu = self.experts[0].glu
         clamped = (glu.alpha, glu.limit) if isinstance(glu, ClampedSwiGLU) else None

@@ -167,7 +167,8 @@ class LayerBlocks:
 
 def _blocks_run(layers: list[DecoderLayer], final_norm: RMSNorm) -> bool:
     """Whether every layer is one the blocks run: attention (not a state layer) with
-    rotated queries and keys, no output gate and no sinks, its own K and V from its own k
+    rotated queries and keys (normed before the rotation, if at all), no output gate and no
+    sinks, its own K and V from its own k
     and v projections, no norm of the values, nothing after its MLP's residual add
     (per-layer inputs, an output scale), an input norm (pre or sandwich RMSNorms), quantized
     projections without bias (on the model's per-row products), the same shapes, a known
@@ -189,6 +190,8 @@ def _blocks_run(layers: list[DecoderLayer], final_norm: RMSNorm) -> bool:
             return False  # the blocks' norms are RMSNorms, each after its own residual add
         if attn.spec.scoring.sinks is not None:  # on the ops alone: every such model has biases
             return False
+        if attn.unit_norm is not None or attn.temperature is not None:
+            return False  # Llama 4's weightless q/k norm after the rotation, its temperature
         if layer.spec.residual_scale is not None or layer.shared_mlp is not None:
             return False
         if layer.has_tail or attn.shared_kv or attn.k_eq_v or attn.v_norm is not None:

@@ -135,24 +135,33 @@ class RotaryEmbedding(nn.Module):
             torch.cat([cos, cos], -1).to(dtype).unsqueeze(1),
             torch.cat([-sin, sin], -1).to(dtype).unsqueeze(1),
             self.native,
+            positions,
         )
 
 
 class RotaryTables:
     """cos/sin of one step's positions over the rotated dims, laid out for rotate-half:
     ``x * [cos, cos] + [x2, x1] * [-sin, sin]`` is HF's ``x * cos + rotate_half(x) * sin``
-    term for term. Built once per step, applied by every layer."""
+    term for term. Built once per step, applied by every layer; ``positions [T]``: the
+    step's positions they were made for (what a layer's position-dependent parts read,
+    Llama 4's query temperature)."""
 
     def __init__(
-        self, cos: torch.Tensor, sin: torch.Tensor, native: CpuKernels | None = None
+        self,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        native: CpuKernels | None = None,
+        positions: torch.Tensor | None = None,
     ) -> None:
         self.cos, self.sin = cos, sin  # [T, 1, rotary_dim]
         self.rotary_dim = cos.shape[-1]
         self.native = native
+        self.positions = positions
 
     def to(self, device: torch.device) -> "RotaryTables":
         """The same tables on ``device`` (a layer-mapping boundary)."""
-        return RotaryTables(self.cos.to(device), self.sin.to(device), self.native)
+        positions = None if self.positions is None else self.positions.to(device)
+        return RotaryTables(self.cos.to(device), self.sin.to(device), self.native, positions)
 
     def apply_qk(
         self,

@@ -47,8 +47,13 @@ class Backbone(nn.Module):
             else None
         )
         self.embedding_multiplier = config.embedding_multiplier
-        # Each layer's rotary table (None: it does not rotate, a state layer included).
+        # Each layer's rotary table (None: it does not rotate, a state layer included);
+        # a layer that does not rotate but reads the step's positions (Llama 4's query
+        # temperature) is handed the global tables for them, and rotates nothing.
         self.ropes = [getattr(spec.mixer, "rope", None) for spec in config.layers]
+        self.reads_positions = [
+            getattr(spec.mixer, "temperature", None) is not None for spec in config.layers
+        ]
         self.local_layers = frozenset(i for i, rope in enumerate(self.ropes) if rope == "local")
         # Whether steps may run on the native layer blocks where they can (False: always
         # the per-op path, their twin); the blocks are built on first use.
@@ -135,7 +140,9 @@ class Backbone(nn.Module):
             tables[device] = (rotary.to(device), local.to(device))
         rotary, local = tables[device]
         rope = self.ropes[layer]
-        return None if rope is None else local if rope == "local" else rotary
+        if rope is None:
+            return rotary if self.reads_positions[layer] else None
+        return local if rope == "local" else rotary
 
     def _layers(
         self,

@@ -52,6 +52,7 @@ class ScoringArgs(ctypes.Structure):
         ("softcap", F32),
         ("window", I64),
         ("sinks", PTR),
+        ("chunk", I64),
     )
 
 

@@ -78,11 +78,13 @@ typedef struct {
 // How a layer's scores become softmax weights (kernels/scoring.py): scale * q.k, capped
 // to softcap * tanh(s / softcap) where softcap > 0, over the last `window` keys where
 // window > 0, with a logit per query head in the denominator alone where sinks is set
-// (gpt-oss's attention sinks).
+// (gpt-oss's attention sinks); where chunk > 0, over the keys of the query's own chunk of
+// `chunk` positions alone (Llama 4's chunked attention).
 typedef struct {
     float scale, softcap;
     int64_t window;
     const float *sinks;  // [heads] or NULL
+    int64_t chunk;
 } spnl_scoring;
 
 // One decode attention, whichever the cache: a query per sequence, over the keys at
@@ -257,14 +259,18 @@ static inline bool keys_in_bounds(const spnl_attention *at) {
     return true;
 }
 
-// The first visible key of a sequence of `len` keys.
-static inline int64_t first_key(int64_t len, int64_t window) {
-    return window > 0 && len > window ? len - window : 0;
+// The first visible key of a sequence of `len` keys (its query at position len - 1): the
+// window's start or the chunk's, whichever is later.
+static inline int64_t first_key(int64_t len, const spnl_scoring *scoring) {
+    const int64_t window = scoring->window, chunk = scoring->chunk;
+    const int64_t first = window > 0 && len > window ? len - window : 0;
+    const int64_t chunk_first = chunk > 0 && len > 0 ? (len - 1) / chunk * chunk : 0;
+    return chunk_first > first ? chunk_first : first;
 }
 
 // The first visible key of sequence s.
 static inline int64_t first_of(const spnl_attention *at, int64_t s) {
-    return at->firsts ? at->firsts[s] : first_key(at->lens[s], at->scoring.window);
+    return at->firsts ? at->firsts[s] : first_key(at->lens[s], &at->scoring);
 }
 
 // The longest sequence: the stride of the score rows.

@@ -325,7 +325,8 @@ class CpuKernels:
         firsts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Each query ``q[s]`` over the keys at ``slots[s, j]`` for ``j < lens[s]``: from
-        ``firsts[s]`` on where given, else the last ``scoring.window`` of them."""
+        ``firsts[s]`` on where given, else from the start of the window or the chunk
+        ``scoring`` gives."""
         q = q.contiguous()
         require(q, torch.float32, "paged_decode: q", dims=3)
         seqs, _, dim = q.shape
@@ -463,6 +464,7 @@ def scoring_args(scoring: Scoring, heads: int) -> ScoringArgs:
         softcap=scoring.softcap or 0.0,
         window=scoring.window or 0,
         sinks=None if scoring.sinks is None else scoring.sinks.data_ptr(),
+        chunk=scoring.chunk or 0,
     )
 
 
