@@ -157,8 +157,17 @@ def convert(model_dir: Path, path: Path, qtype_name: str, pre: str = "default") 
     return path
 
 
-def convert_lora(adapter_dir: Path, base_dir: Path, out: Path, outtype: str = "f32") -> Path:
-    """A PEFT adapter directory as llama.cpp's ``convert_lora_to_gguf.py`` writes it."""
-    args = [str(adapter_dir), "--base", str(base_dir), "--outfile", str(out), "--outtype", outtype]
+def convert_one(model_dir: Path, out: Path, outtype: str, pre: str = "default") -> Path:
+    """``model_dir`` as the converter writes it with ``--outtype outtype``, at ``out``."""
+    if not out.exists():
+        run = "\0".join([str(model_dir), "--outfile", str(out), "--outtype", outtype])
+        _run("convert_hf_to_gguf.py", [run], pre, model_dir)
+    return out
+
+
+def convert_lora(adapter_dir: Path, base_dir: Path, out: Path) -> Path:
+    """A PEFT adapter directory as llama.cpp's ``convert_lora_to_gguf.py`` writes it (its
+    default type)."""
+    args = [str(adapter_dir), "--base", str(base_dir), "--outfile", str(out)]
     _run("convert_lora_to_gguf.py", args, "default", adapter_dir)
     return out

