@@ -202,6 +202,11 @@ def _attach_adapters(
         },
         "LoRA adapters run on one process, without a speculative draft, so far",
     )
+    _refuse(
+        {"MISTRALRS_LORA_ADAPTERS": loaded.config.folded_multipliers is not None},
+        f"the {loaded.config.architecture} model's multipliers are folded into its "
+        "projections' weights, and an adapter's product beside them would miss them",
+    )
     adapters = LoraAdapters()
     for name, path in named:
         adapters.attach(model, read_adapter(name, path, model))
@@ -420,7 +425,8 @@ def _refuse_sinks(loaded: LoadedModel, compressor: Compressor) -> None:
     """A compressed cache attends through the protocol's own softmax, which has no place
     for a sink's share of the denominator: such a model would attend wrongly, so it is
     refused rather than run."""
-    if any(layer.mixer.sinks for layer in loaded.config.layers):
+    attention = [a for layer in loaded.config.layers if (a := layer.attention) is not None]
+    if any(a.sinks for a in attention):
         raise SettingsError(
             f"{env_name('kv_cache_compression')}={compressor.name} cannot run this "
             f"{loaded.config.architecture} model: its attention has sinks (a learned logit "

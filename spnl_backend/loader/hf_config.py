@@ -39,6 +39,7 @@ _LAYER_TYPES: dict[str, LayerType] = {
     "full_attention": "full",
     "sliding_attention": "sliding",
     "linear_attention": "linear",
+    "hybrid": "hybrid",  # Falcon-H1: attention and a Mamba-2 in every layer
     # the older names Granite 4.0-H's files use (transformers reads them as the above)
     "attention": "full",
     "mamba": "linear",

@@ -176,6 +176,8 @@ def _blocks_run(layers: list[DecoderLayer], final_norm: RMSNorm) -> bool:
     shapes, inners, moes, eps = set(), set(), set(), {final_norm.eps}
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), layer.mlp
+        if layer.spec.state_mixer is not None:  # a state layer, or one beside attention
+            return False
         if attn is None or attn.rope is None or attn.output_gate or not layer.input_layernorm:
             return False
         if attn.spec.scoring.sinks is not None:  # on the ops alone: every such model has biases

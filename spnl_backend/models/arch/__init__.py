@@ -5,11 +5,13 @@ tests iterate this list; a family is added here and nowhere else."""
 import functools
 
 from . import (
+    falcon_h1,
     gemma2,
     gemma3,
     gemma4,
     gpt_oss,
     granitemoehybrid,
+    jamba,
     llama,
     mistral,
     mixtral,
@@ -41,6 +43,8 @@ FAMILIES: tuple[Family, ...] = tuple(
         qwen3_5,
         qwen3_5_moe,
         granitemoehybrid,
+        falcon_h1,
+        jamba,
         qwen3_moe,
         mixtral,
         olmoe,
