@@ -239,6 +239,20 @@ def test_a_float32_model_runs_every_piece_on_the_c_kernel(tiny, expected, arch, 
     assert result.token_ids == expected[arch][0]
 
 
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+def test_the_torch_forms_give_transformers_tokens(tiny, expected, arch):
+    """Without the C kernels (as on a GPU) the scans run in torch, chunked over a prompt's
+    pieces and one token at a time in decoding, and give transformers' logits and
+    tokens."""
+    ids = tiny.hf(arch).tokenizer(PROMPT).input_ids
+    with torch.no_grad():
+        reference = tiny.hf(arch).hf(torch.tensor([ids])).logits[0]
+    with _load(tiny, arch, cpu_kernels="torch", paged_cache_type="f32") as backend:
+        torch.testing.assert_close(engine_logits(backend, ids), reference, atol=1e-4, rtol=1e-4)
+        result = backend.generate(SHARED_PREFIX_PROMPTS[0], max_tokens=TOKENS, temperature=0)
+    assert result.token_ids == expected[arch][0]
+
+
 LONGER = PROMPT + " The lazy dog sleeps."
 
 
@@ -615,6 +629,24 @@ def test_a_jamba_checkpoint_with_experts_one_by_one_loads_the_same_model(tiny, t
         load_backend(str(model.path), settings=settings) as stacked,
     ):
         assert torch.equal(engine_logits(apart, ids), engine_logits(stacked, ids))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("ssm_multipliers", [1.0, 2.0], r"'ssm_multipliers' is \[1.0, 2.0\]; expected 5 numbers"),
+        ("key_multiplier", float("nan"), "'key_multiplier' is nan; expected finite numbers"),
+    ],
+)
+def test_a_falcon_h1_config_out_of_range_names_its_key(tiny, tmp_path, key, value, message):
+    source = tiny.hf("falcon_h1").path
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((source / name).read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    config[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelFileError, match=message):
+        load_backend(str(tmp_path), settings=BackendSettings(device="cpu"))
 
 
 def test_a_config_out_of_range_names_its_key(tiny, tmp_path):

@@ -534,7 +534,9 @@ def _falcon_h1_tensors(state: dict[str, torch.Tensor], config):
     """Falcon-H1's tensors as llama.cpp's converter writes them: its multipliers folded
     into the weights they scale (the embedding's and the head's too), the Mamba-2's
     projection scaled part by part, the conv taps ``[channels, kernel]``, A as
-    ``-exp(A_log)`` and D as columns, the SSM norm a row per group."""
+    ``-exp(A_log)`` and D as columns, the SSM norm a row per group. (The tiny model's
+    file matched the converter's own, its tokenizer check bypassed, tensor for tensor and
+    key for key.)"""
     hp = config.to_dict()
     inner, groups = hp["mamba_d_ssm"], hp["mamba_n_groups"] * hp["mamba_d_state"]
     sizes = (inner, inner, groups, groups, hp["mamba_n_heads"])
@@ -598,7 +600,9 @@ _JAMBA_NAMES = {
 
 def _jamba_tensors(state: dict[str, torch.Tensor]):
     """Jamba's tensors as llama.cpp's converter writes them: the experts stacked by
-    projection, the conv taps ``[channels, kernel]``, A as ``-exp(A_log)``."""
+    projection, the conv taps ``[channels, kernel]``, A as ``-exp(A_log)``. (The tiny
+    model's file matched the converter's own, its tokenizer readers bypassed, tensor for
+    tensor and key for key.)"""
     for name, tensor in state.items():
         if name == "model.final_layernorm.weight":
             yield "model.norm.weight", tensor

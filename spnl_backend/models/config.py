@@ -25,8 +25,7 @@ if TYPE_CHECKING:
     from .layers import LayerSpec, NormPlacement
 
 # linear: a state layer, a Gated DeltaNet (`delta_net`), a Mamba-2 (`mamba`) or a Mamba-1
-# (`mamba1`); hybrid:
-# full attention and such a state layer side by side (Falcon-H1)
+# (`mamba1`); hybrid: full attention and such a state layer side by side (Falcon-H1)
 LayerType = Literal["full", "sliding", "linear", "hybrid"]
 STATE_LAYER_TYPES = ("linear", "hybrid")
 MAX_COUNT = 2**31 - 1  # every size and count fits the int32 indices kernels use

@@ -143,12 +143,15 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         mixer = self.spec.mixer
         if isinstance(mixer, ParallelMixer):  # both on the same input, summed
-            return self.mamba(h, attention) + self.self_attn(h, rotary, attention)
-        if isinstance(mixer, DeltaNetMixer):
-            return self.linear_attn(h, attention)
-        if isinstance(mixer, Mamba2Mixer | Mamba1Mixer):
-            return self.mamba(h, attention)
+            return self._state_mix(h, attention) + self.self_attn(h, rotary, attention)
+        if self.spec.state_mixer is not None:
+            return self._state_mix(h, attention)
         return self.self_attn(h, rotary, attention)
+
+    def _state_mix(self, h: torch.Tensor, attention: StepAttention) -> torch.Tensor:
+        if isinstance(self.spec.state_mixer, DeltaNetMixer):
+            return self.linear_attn(h, attention)
+        return self.mamba(h, attention)
 
     def _ffn(self, h: torch.Tensor) -> torch.Tensor:
         out = self.mlp(h)
