@@ -117,7 +117,8 @@ def check_shardable(
     problems = []
     if c.num_state_layers:
         problems.append(
-            f"its {c.num_state_layers} state layers (Gated DeltaNet, Mamba-2) are not split yet"
+            f"its {c.num_state_layers} state layers (Gated DeltaNet, Mamba-2, Mamba-1) are not "
+            "split yet"
         )
     if not c.uniform_kv or c.per_layer_input_size:
         problems.append(

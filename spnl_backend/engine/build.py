@@ -153,7 +153,7 @@ def _refuse_for_state_layers(loaded: LoadedModel, settings: BackendSettings) -> 
         "MISTRALRS_KV_TIER_DIR": settings.kv_tier_dir is not None,
         "layer mapping (MISTRALRS_DEVICE_LAYERS)": loaded.model.model.layer_spans is not None,
     }
-    layers = f"{config.num_state_layers} state layers (Gated DeltaNet, Mamba-2)"
+    layers = f"{config.num_state_layers} state layers (Gated DeltaNet, Mamba-2, Mamba-1)"
     why = (
         f"the {config.architecture} model has {layers}, whose per-sequence state this does "
         "not carry yet"
