@@ -124,6 +124,8 @@ def test_granite_variants_match_transformers(tmp_path, variant, decodes_alike):
         # Biases beside the multipliers: an input's multiplier scales the weight alone, an
         # output's (the keys', the projections' own) the bias too.
         {"attention_bias": True, "mamba_proj_bias": True, "projectors_bias": True},
+        # The head is the embedding: its multiplier and the logits' apply as they compute.
+        {"tie_word_embeddings": True},
     ],
 )
 def test_falcon_h1_variants_match_transformers(tmp_path, variant):
