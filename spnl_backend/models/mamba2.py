@@ -1,10 +1,12 @@
-"""A Mamba-2 layer (Granite 4.0-H): a selective state space over a per-sequence state.
+"""A Mamba-2 layer (Granite 4.0-H; Falcon-H1's, beside attention): a selective state space
+over a per-sequence state.
 
 One projection gives the gate z, the convolution's inputs (x, B, C) and each head's step
 dt. x, B and C go through a short causal depthwise convolution (SiLU after it); the SSD
 scan (`kernels.ssd`) turns x, the discretised steps and each head's B and C (shared by the
 heads of a group) into each token's output, to which the skip term D x is added; a
-grouped RMS norm of the output gated by SiLU(z), and the output projection, finish it.
+grouped RMS norm of the output gated by SiLU(z) (Falcon-H1: normed before the gate, or
+only gated), and the output projection, finish it.
 What a sequence carries from step to step is its state (`StateSegment`): the
 convolution's last inputs and the SSM state, so chunked prefill and decode continue
 where the last step stopped.
