@@ -11,7 +11,7 @@ from paged_cases import CASES, paged_case, scoring_of
 
 import spnl_backend.kernels.cpu as cpu
 import spnl_backend.kernels.matmuls as matmuls
-from spnl_backend.kernels import delta_rule, ssd
+from spnl_backend.kernels import delta_rule, selective_scan, ssd
 from spnl_backend.kernels.cpu import KernelArgumentError
 from spnl_backend.kernels.matmuls import CpuMatmuls, int8_activations_ref
 from spnl_backend.kernels.metadata import PagedMetadata
@@ -941,3 +941,37 @@ def test_the_ssd_scan_refuses_what_it_cannot_run(kernels):
         kernels.ssd_scan_(x, dt, a[:1], b, c, state)
     with pytest.raises(KernelArgumentError, match="c of shape"):
         kernels.ssd_scan_(x, dt, a, b, c[:, :, :4], state)
+
+
+def _selective_inputs(tokens: int, channels: int, n: int, seed: int = 0):
+    """As the Mamba-1 layer hands them over: positive steps, negative rates per channel
+    and state element, a state carried from earlier tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, channels, generator=gen)
+    dt = F.softplus(torch.randn(tokens, channels, generator=gen))
+    a = -torch.rand(channels, n, generator=gen) - 0.1
+    b, c = (torch.randn(tokens, n, generator=gen) for _ in range(2))
+    return x, dt, a, b, c, torch.randn(channels, n, generator=gen)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "channels", "n"), [(1, 8, 16), (9, 70, 4), (130, 256, 16), (40, 129, 8)]
+)
+def test_the_selective_scan_against_its_twin(kernels, tokens, channels, n):
+    """Outputs and the state left behind, over runs of channels that split unevenly."""
+    *inputs, start = _selective_inputs(tokens, channels, n)
+    state, twin_state = start.clone(), start.clone()
+    out = kernels.selective_scan_(*inputs, state)
+    expected = selective_scan.recurrent(*inputs, twin_state)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state, twin_state, atol=1e-6, rtol=1e-6)
+
+
+def test_the_selective_scan_refuses_what_it_cannot_run(kernels):
+    x, dt, a, b, c, state = _selective_inputs(4, 8, 8)
+    with pytest.raises(KernelArgumentError, match="a of shape"):
+        kernels.selective_scan_(x, dt, a[:, :4], b, c, state)
+    with pytest.raises(KernelArgumentError, match="dt of shape"):
+        kernels.selective_scan_(x, dt[:, :4], a, b, c, state)
+    with pytest.raises(KernelArgumentError, match="state"):
+        kernels.selective_scan_(x, dt, a, b, c, state.double())

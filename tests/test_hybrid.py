@@ -1,7 +1,8 @@
 """Hybrid models (state layers beside attention: Qwen3.5's Gated DeltaNet, Granite
-4.0-H's Mamba-2) against transformers, on the paged and the contiguous cache, batched, in
-chunks and preempted; the delta rule's and the SSD scan's two forms against each other
-and their definitions; what such a model refuses, and why."""
+4.0-H's Mamba-2, Falcon-H1's Mamba-2 in parallel with attention in every layer, Jamba's
+Mamba-1) against transformers, on the paged and the contiguous cache, batched, in chunks
+and preempted; the delta rule's, the SSD scan's and the selective scan's two forms
+against each other and their definitions; what such a model refuses, and why."""
 
 import json
 
@@ -35,8 +36,9 @@ from spnl_backend import (
     load_backend,
 )
 from spnl_backend.distributed.sharding import check_shardable
-from spnl_backend.kernels import delta_rule, ssd
+from spnl_backend.kernels import delta_rule, selective_scan, ssd
 from spnl_backend.models.arch import family
+from spnl_backend.models.native_blocks import LayerBlocks
 
 TOKENS = 24
 # Q8_0's relative L2 error in these 4-layer random models' logits (measured: Qwen3.5 4.6%,
@@ -114,6 +116,59 @@ def test_granite_variants_match_transformers(tmp_path, variant, decodes_alike):
         assert tokens == out[0, len(ids) :].tolist()
 
 
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"mamba_rms_norm": True, "mamba_norm_before_gate": True},  # normed, then gated
+        {"mamba_rms_norm": True, "mamba_norm_before_gate": False},  # gated, then normed
+        # Biases beside the multipliers: an input's multiplier scales the weight alone, an
+        # output's (the keys', the projections' own) the bias too.
+        {"attention_bias": True, "mamba_proj_bias": True, "projectors_bias": True},
+        # The head is the embedding: its multiplier and the logits' apply as they compute.
+        {"tie_word_embeddings": True},
+    ],
+)
+def test_falcon_h1_variants_match_transformers(tmp_path, variant):
+    model = build_hf_model("falcon_h1", tmp_path, overrides=variant)
+    ids = model.tokenizer(PROMPT).input_ids
+    with torch.no_grad():
+        reference = model.hf(torch.tensor([ids])).logits[0]
+    out = model.hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+    settings = BackendSettings(device="cpu", paged_cache_type="f32")
+    with load_backend(str(tmp_path), settings=settings) as backend:
+        ours = engine_logits(backend, ids)
+        tokens = backend.generate(PROMPT, max_tokens=8, temperature=0).token_ids
+    torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
+    assert tokens == out[0, len(ids) :].tolist()
+
+
+def test_every_falcon_h1_layer_keeps_kv_and_a_state(tiny):
+    """Attention and a Mamba-2 side by side: each layer has a place in the KV pool and
+    one in the state group, and the model's memory counts both."""
+    config = tiny.backend("falcon_h1").model_config
+    assert [(s.kv_store, s.state_mixer.state) for s in config.layers] == [(0, 0), (1, 1), (2, 2)]
+    assert config.num_kv_layers == config.num_state_layers == config.num_layers
+
+
+def test_the_native_layer_blocks_decline_falcon_h1s_layers(tiny):
+    """Each layer has attention the blocks could run, but a Mamba-2 beside it they
+    cannot: they decline the layers (nor does the state group's step give them keys)."""
+    settings = BackendSettings(device="cpu", isq="Q8_0", paged_cache_type="f32")
+    with load_backend(str(tiny.hf("falcon_h1").path), settings=settings) as backend:
+        backbone = backend.model.model
+        native = backbone.kernels.native
+        assert native is not None
+        layers = list(backbone.layers)
+        assert LayerBlocks.build(native, layers, backbone.norm, frozenset()) is None
+
+
+def test_falcon_h1_refuses_lora_adapters(tiny, tmp_path):
+    """Its multipliers are folded into the projections an adapter would sit beside."""
+    settings = BackendSettings(device="cpu", lora_adapters=f"one={tmp_path}")
+    with pytest.raises(SettingsError, match="multipliers are folded"):
+        load_backend(str(tiny.hf("falcon_h1").path), settings=settings)
+
+
 @pytest.mark.parametrize("arch", GGUF_HYBRIDS)
 def test_the_gguf_twin_has_transformers_logits(tiny, arch):
     """The float GGUF (llama.cpp's names, keys and stored forms) against transformers."""
@@ -177,11 +232,25 @@ def test_a_float32_model_runs_every_piece_on_the_c_kernel(tiny, expected, arch, 
     """On the CPU in float32 the state layers take prefill and decode alike through the
     compiled recurrence (never the chunked form for some pieces: the bits of a prefix hit
     would then depend on where the pieces fall), and give transformers' tokens."""
-    for module in (delta_rule, ssd):
+    for module in (delta_rule, ssd, selective_scan):
         for form in ("recurrent", "chunked"):
             monkeypatch.setattr(module, form, _torch_form)
     with _load(tiny, arch) as backend:
         engine_internals(backend).scheduler.max_num_batched_tokens = 7
+        result = backend.generate(SHARED_PREFIX_PROMPTS[0], max_tokens=TOKENS, temperature=0)
+    assert result.token_ids == expected[arch][0]
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
+def test_the_torch_forms_give_transformers_tokens(tiny, expected, arch):
+    """Without the C kernels (as on a GPU) the scans run in torch, chunked over a prompt's
+    pieces and one token at a time in decoding, and give transformers' logits and
+    tokens."""
+    ids = tiny.hf(arch).tokenizer(PROMPT).input_ids
+    with torch.no_grad():
+        reference = tiny.hf(arch).hf(torch.tensor([ids])).logits[0]
+    with _load(tiny, arch, cpu_kernels="torch", paged_cache_type="f32") as backend:
+        torch.testing.assert_close(engine_logits(backend, ids), reference, atol=1e-4, rtol=1e-4)
         result = backend.generate(SHARED_PREFIX_PROMPTS[0], max_tokens=TOKENS, temperature=0)
     assert result.token_ids == expected[arch][0]
 
@@ -314,6 +383,39 @@ def test_the_recurrent_scan_is_the_state_space():
     out = ssd.recurrent(x, dt, a, b, c, state)
     torch.testing.assert_close(state, expected_state)
     torch.testing.assert_close(out[0], expected_out)
+
+
+def _selective_inputs(tokens: int, channels: int = 6, state: int = 4):
+    torch.manual_seed(3)
+    x = torch.randn(tokens, channels)
+    dt = torch.nn.functional.softplus(torch.randn(tokens, channels))
+    a = -torch.rand(channels, state) - 0.1
+    b, c = torch.randn(tokens, state), torch.randn(tokens, state)
+    return x, dt, a, b, c, torch.randn(channels, state)
+
+
+@pytest.mark.parametrize("chunk", [4, 16])
+def test_the_chunked_selective_scan_gives_the_recurrent_values(chunk):
+    """From a state that is not zero, over whole chunks and a shorter last one."""
+    x, dt, a, b, c, start = _selective_inputs(37)
+    state_a, state_b = start.clone(), start.clone()
+    out_a = selective_scan.recurrent(x, dt, a, b, c, state_a)
+    out_b = selective_scan.chunked(x, dt, a, b, c, state_b, chunk)
+    torch.testing.assert_close(out_b, out_a, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state_b, state_a, atol=1e-4, rtol=1e-4)
+
+
+def test_the_recurrent_selective_scan_is_the_state_space():
+    """One token by the definition: each channel's state decays by exp(dt A) at its own
+    rates, takes dt B x, and is read by C."""
+    x, dt, a, b, c, state = _selective_inputs(1)
+    expected_state = state.clone()
+    for d in range(x.shape[1]):
+        expected_state[d] = expected_state[d] * torch.exp(dt[0, d] * a[d])
+        expected_state[d] += dt[0, d] * b[0] * x[0, d]
+    out = selective_scan.recurrent(x, dt, a, b, c, state)
+    torch.testing.assert_close(state, expected_state)
+    torch.testing.assert_close(out[0], expected_state @ c[0])
 
 
 @pytest.mark.parametrize("arch", HYBRID_ARCHITECTURES)
@@ -498,6 +600,55 @@ def test_a_multimodal_checkpoint_loads_its_language_model(tiny, tmp_path, arch):
         assert wrapped.model_config == plain.model_config
         ids = model.tokenizer(PROMPT).input_ids
         assert torch.equal(engine_logits(wrapped, ids), engine_logits(plain, ids))
+
+
+def test_a_jamba_checkpoint_with_experts_one_by_one_loads_the_same_model(tiny, tmp_path):
+    """Jamba's first checkpoints store each expert's projections apart, and a dense
+    layer's MLP as a single expert: the same model as transformers' stacked experts."""
+    model = tiny.hf("jamba")
+    tensors = {}
+    for name, tensor in model.hf.state_dict().items():
+        stem = name.rpartition(".")[0]
+        if name.endswith("experts.gate_up_proj"):
+            for expert, weight in enumerate(tensor):
+                gate, up = weight.chunk(2)
+                tensors[f"{stem}.{expert}.gate_proj.weight"] = gate.contiguous()
+                tensors[f"{stem}.{expert}.up_proj.weight"] = up.contiguous()
+        elif name.endswith("experts.down_proj"):
+            for expert, weight in enumerate(tensor):
+                tensors[f"{stem}.{expert}.down_proj.weight"] = weight.contiguous()
+        elif ".feed_forward." in name and "experts" not in name and "router" not in name:
+            tensors[name.replace(".feed_forward.", ".feed_forward.experts.0.")] = tensor
+        else:
+            tensors[name] = tensor.contiguous()
+    save_file(tensors, tmp_path / "model.safetensors")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((model.path / name).read_bytes())
+    settings = BackendSettings(device="cpu", paged_cache_type="f32")
+    ids = model.tokenizer(PROMPT).input_ids
+    with (
+        load_backend(str(tmp_path), settings=settings) as apart,
+        load_backend(str(model.path), settings=settings) as stacked,
+    ):
+        assert torch.equal(engine_logits(apart, ids), engine_logits(stacked, ids))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("ssm_multipliers", [1.0, 2.0], r"'ssm_multipliers' is \[1.0, 2.0\]; expected 5 numbers"),
+        ("key_multiplier", float("nan"), "'key_multiplier' is nan; expected finite numbers"),
+    ],
+)
+def test_a_falcon_h1_config_out_of_range_names_its_key(tiny, tmp_path, key, value, message):
+    source = tiny.hf("falcon_h1").path
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((source / name).read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    config[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelFileError, match=message):
+        load_backend(str(tmp_path), settings=BackendSettings(device="cpu"))
 
 
 def test_a_config_out_of_range_names_its_key(tiny, tmp_path):

@@ -1,8 +1,9 @@
 """The memory of hybrid models' state layers (Qwen3.5's Gated DeltaNet, Granite 4.0-H's
-Mamba-2): each sequence's states counted from the model's config, the byte budget shared
-between KV blocks and state slots and snapshots, admission that waits for a free slot,
-snapshots within their bound, what cannot fit refused with its figures, and the settings a
-model with state layers refuses at load."""
+Mamba-2, Falcon-H1's Mamba-2 beside attention in every layer, Jamba's Mamba-1): each
+sequence's states counted from the model's config, the byte budget shared between KV
+blocks and state slots and snapshots, admission that waits for a free slot, snapshots
+within their bound, what cannot fit refused with its figures, and the settings a model
+with state layers refuses at load."""
 
 import os
 
@@ -48,11 +49,19 @@ def _mamba2_state(config) -> tuple[int, int]:
     return conv, inner * config.mamba_d_state
 
 
+def _mamba1_state(config) -> tuple[int, int]:
+    """A Mamba-1 layer's conv inputs (every channel) and SSM state (d_state per channel)."""
+    inner = config.mamba_expand * config.hidden_size
+    return (config.mamba_d_conv - 1) * inner, inner * config.mamba_d_state
+
+
 # Each hybrid family's state per layer, from transformers' config of its tiny model.
 STATE_ELEMENTS = {
     "qwen3_5": _delta_net_state,
     "qwen3_5_moe": _delta_net_state,
     "granitemoehybrid": _mamba2_state,
+    "falcon_h1": _mamba2_state,
+    "jamba": _mamba1_state,
 }
 
 
@@ -61,14 +70,15 @@ def _state_bytes(tiny, arch) -> int:
     recurrent state, in float32."""
     config = tiny.hf(arch).hf.config
     conv, recurrent = STATE_ELEMENTS[arch](config)
-    return config.layer_types.count("linear_attention") * (conv + recurrent) * FLOAT32
+    layers = sum(config.layer_types.count(kind) for kind in ("linear_attention", "hybrid"))
+    return layers * (conv + recurrent) * FLOAT32
 
 
 def _kv_bytes_per_token(tiny, arch) -> int:
     """K and V of every attention layer for a token, from transformers' config."""
     config = tiny.hf(arch).hf.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    attention = config.layer_types.count("full_attention")
+    attention = sum(config.layer_types.count(kind) for kind in ("full_attention", "hybrid"))
     return attention * 2 * config.num_key_value_heads * head_dim * FLOAT32
 
 

@@ -255,6 +255,8 @@ _GGUF_ARCH = {
     "olmoe": "olmoe",
     "gpt_oss": "gpt-oss",
     "granitemoehybrid": "granitehybrid",
+    "falcon_h1": "falcon-h1",
+    "jamba": "jamba",
     "gemma4": "gemma4",
 }
 _LAYER_NAMES = {
@@ -438,6 +440,10 @@ def write_gguf(
     tensors = _stacked_experts(state, arch)
     if tiny.arch == "granitemoehybrid":
         tensors = _granite_tensors(state, config.mamba_n_groups)
+    if tiny.arch == "falcon_h1":
+        tensors = _falcon_h1_tensors(state, config)
+    if tiny.arch == "jamba":
+        tensors = _jamba_tensors(state)
     for name, tensor in tensors:
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -568,6 +574,122 @@ def _granite_tensors(state: dict[str, torch.Tensor], groups: int):
             yield name, tensor
 
 
+# Falcon-H1's layer tensors that llama.cpp's converter renames, each with the multipliers
+# it folds in (config.json keys; a list's entry by index).
+_FALCON_H1_NAMES = {
+    "input_layernorm.weight": ("attn_norm.weight", ()),
+    "pre_ff_layernorm.weight": ("ffn_norm", ()),  # (the converter adds no suffix)
+    "feed_forward.gate_proj.weight": ("ffn_gate.weight", (("mlp_multipliers", 0),)),
+    "feed_forward.up_proj.weight": ("ffn_up.weight", ()),
+    "feed_forward.down_proj.weight": ("ffn_down.weight", (("mlp_multipliers", 1),)),
+    "self_attn.q_proj.weight": ("attn_q.weight", ("attention_in_multiplier",)),
+    "self_attn.k_proj.weight": (
+        "attn_k.weight",
+        ("key_multiplier", "attention_in_multiplier"),
+    ),
+    "self_attn.v_proj.weight": ("attn_v.weight", ("attention_in_multiplier",)),
+    "self_attn.o_proj.weight": ("attn_output.weight", ("attention_out_multiplier",)),
+    "mamba.in_proj.weight": ("ssm_in.weight", ("ssm_in_multiplier",)),
+    "mamba.out_proj.weight": ("ssm_out.weight", ("ssm_out_multiplier",)),
+    "mamba.conv1d.bias": ("ssm_conv1d.bias", ()),
+    "mamba.dt_bias": ("ssm_dt.bias", ()),
+}
+
+
+def _falcon_h1_tensors(state: dict[str, torch.Tensor], config):
+    """Falcon-H1's tensors as llama.cpp's converter writes them: its multipliers folded
+    into the weights they scale (the embedding's and the head's too), the Mamba-2's
+    projection scaled part by part, the conv taps ``[channels, kernel]``, A as
+    ``-exp(A_log)`` and D as columns, the SSM norm a row per group. (The tiny model's
+    file matched the converter's own, its tokenizer check bypassed, tensor for tensor and
+    key for key.)"""
+    hp = config.to_dict()
+    inner, groups = hp["mamba_d_ssm"], hp["mamba_n_groups"] * hp["mamba_d_state"]
+    sizes = (inner, inner, groups, groups, hp["mamba_n_heads"])
+    parts = zip(sizes, hp["ssm_multipliers"], strict=True)
+    segments = torch.cat([torch.full((n,), s) for n, s in parts])
+    for name, tensor in state.items():
+        tensor = tensor.float()
+        if name == "model.embed_tokens.weight":
+            yield name, tensor * hp["embedding_multiplier"]
+            continue
+        if name == "lm_head.weight":
+            yield name, tensor * hp["lm_head_multiplier"]
+            continue
+        if name == "model.final_layernorm.weight":
+            yield "model.norm.weight", tensor
+            continue
+        _, _, index, rest = name.split(".", 3)
+        block = f"blk.{index}."
+        if rest == "mamba.conv1d.weight":
+            yield block + "ssm_conv1d.weight", tensor.squeeze(1)
+        elif rest == "mamba.A_log":
+            yield block + "ssm_a", -torch.exp(tensor).reshape(-1, 1)
+        elif rest == "mamba.D":
+            yield block + "ssm_d", tensor.reshape(-1, 1)
+        elif rest == "mamba.norm.weight":
+            yield block + "ssm_norm.weight", tensor.reshape(hp["mamba_n_groups"], -1)
+        else:
+            gguf_name, multipliers = _FALCON_H1_NAMES[rest]
+            for key in multipliers:
+                tensor = tensor * (hp[key[0]][key[1]] if isinstance(key, tuple) else hp[key])
+            if rest == "mamba.in_proj.weight":
+                tensor = tensor * segments[:, None]
+            yield block + gguf_name, tensor
+
+
+# Jamba's layer tensors that llama.cpp's converter renames without a change.
+_JAMBA_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "pre_ff_layernorm.weight": "ffn_norm.weight",
+    "feed_forward.gate_proj.weight": "ffn_gate.weight",
+    "feed_forward.up_proj.weight": "ffn_up.weight",
+    "feed_forward.down_proj.weight": "ffn_down.weight",
+    "feed_forward.router.weight": "ffn_gate_inp.weight",
+    "feed_forward.experts.down_proj": "ffn_down_exps.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mamba.D": "ssm_d",
+    "mamba.conv1d.bias": "ssm_conv1d.bias",
+    "mamba.in_proj.weight": "ssm_in.weight",
+    "mamba.x_proj.weight": "ssm_x.weight",
+    "mamba.dt_proj.weight": "ssm_dt.weight",
+    "mamba.dt_proj.bias": "ssm_dt.bias",
+    "mamba.out_proj.weight": "ssm_out.weight",
+    "mamba.dt_layernorm.weight": "ssm_dt_norm.weight",
+    "mamba.b_layernorm.weight": "ssm_b_norm.weight",
+    "mamba.c_layernorm.weight": "ssm_c_norm.weight",
+}
+
+
+def _jamba_tensors(state: dict[str, torch.Tensor]):
+    """Jamba's tensors as llama.cpp's converter writes them: the experts stacked by
+    projection, the conv taps ``[channels, kernel]``, A as ``-exp(A_log)``. (The tiny
+    model's file matched the converter's own, its tokenizer readers bypassed, tensor for
+    tensor and key for key.)"""
+    for name, tensor in state.items():
+        if name == "model.final_layernorm.weight":
+            yield "model.norm.weight", tensor
+            continue
+        if not name.startswith("model.layers."):
+            yield name, tensor
+            continue
+        _, _, index, rest = name.split(".", 3)
+        block = f"blk.{index}."
+        if rest == "feed_forward.experts.gate_up_proj":
+            gate, up = tensor.chunk(2, dim=1)
+            yield block + "ffn_gate_exps.weight", gate
+            yield block + "ffn_up_exps.weight", up
+        elif rest == "mamba.conv1d.weight":
+            yield block + "ssm_conv1d.weight", tensor.squeeze(1)
+        elif rest == "mamba.A_log":
+            yield block + "ssm_a", -torch.exp(tensor)
+        else:
+            yield block + _JAMBA_NAMES[rest], tensor
+
+
 def _add_tensor(
     writer: GGUFWriter, name: str, data: np.ndarray, qtype: GGMLQuantizationType
 ) -> None:
@@ -594,6 +716,10 @@ def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config, mtp_layers: int
     writer.add_head_count(HEADS)
     if tiny.arch == "granitemoehybrid":
         _write_granite_metadata(writer, config)
+    elif tiny.arch == "jamba":
+        _write_jamba_metadata(writer, config)
+        _write_tokenizer(writer, tiny.tokenizer)
+        return
     else:
         writer.add_head_count_kv(KV_HEADS)
     writer.add_key_length(HEAD_DIM)
@@ -602,7 +728,8 @@ def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config, mtp_layers: int
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)
     writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_rope_dimension_count(int(HEAD_DIM * rope.get("partial_rotary_factor", 1.0)))
+    if tiny.arch != "falcon_h1":  # (its converter leaves it to the head size)
+        writer.add_rope_dimension_count(int(HEAD_DIM * rope.get("partial_rotary_factor", 1.0)))
     if rope["rope_type"] == "linear":
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
@@ -628,6 +755,13 @@ def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config, mtp_layers: int
         writer.add_clamp_kqv(config.clip_qkv)
     if tiny.arch in ("qwen3_5", "qwen3_5_moe"):
         _write_qwen35_metadata(writer, _GGUF_ARCH[tiny.arch], config, mtp_layers)
+    if tiny.arch == "falcon_h1":
+        writer.add_vocab_size(config.vocab_size)
+        writer.add_ssm_conv_kernel(config.mamba_d_conv)
+        writer.add_ssm_inner_size(config.mamba_d_ssm)
+        writer.add_ssm_state_size(config.mamba_d_state)
+        writer.add_ssm_time_step_rank(config.mamba_n_heads)
+        writer.add_ssm_group_count(config.mamba_n_groups)
     if getattr(config, "shared_expert_intermediate_size", None):
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if tiny.arch in ("gemma3", "olmo2"):  # (Gemma 2's alternation is llama.cpp's default)
@@ -733,7 +867,23 @@ def _write_granite_metadata(writer: GGUFWriter, config) -> None:
     writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
 
 
+def _write_jamba_metadata(writer: GGUFWriter, config) -> None:
+    """What llama.cpp's converter writes for Jamba beside the common sizes: K/V heads per
+    layer (0: a Mamba layer), the SSM's sizes, the experts; no head size, no rope."""
+    attention = [t == "full_attention" for t in config.layer_types]
+    writer.add_head_count_kv([KV_HEADS if a else 0 for a in attention])
+    writer.add_ssm_conv_kernel(config.mamba_d_conv)
+    writer.add_ssm_inner_size(config.mamba_expand * config.hidden_size)
+    writer.add_ssm_state_size(config.mamba_d_state)
+    writer.add_ssm_time_step_rank(config.mamba_dt_rank)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_expert_count(config.num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+
+
 def _write_rope_tensors(writer: GGUFWriter, tiny: TinyModel) -> None:
+    if tiny.arch == "jamba":  # its attention does not rotate
+        return
     rope = tiny.hf.config.rope_parameters
     if tiny.arch == "gemma4":
         writer.add_tensor("rope_freqs.weight", _gemma4_rope_freqs(tiny.hf.config))

@@ -131,7 +131,8 @@ def check_shardable(
     problems = []
     if c.num_state_layers:
         problems.append(
-            f"its {c.num_state_layers} state layers (Gated DeltaNet, Mamba-2) are not split yet"
+            f"its {c.num_state_layers} state layers (Gated DeltaNet, Mamba-2, Mamba-1) are not "
+            "split yet"
         )
     if c.mla is not None:
         problems.append("its multi-head latent attention (DeepSeek) is not split yet")

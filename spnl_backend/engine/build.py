@@ -155,7 +155,7 @@ def _refuse_for_state_layers(loaded: LoadedModel, settings: BackendSettings) -> 
         "MISTRALRS_KV_TIER_DIR": settings.kv_tier_dir is not None,
         "layer mapping (MISTRALRS_DEVICE_LAYERS)": loaded.model.model.layer_spans is not None,
     }
-    layers = f"{config.num_state_layers} state layers (Gated DeltaNet, Mamba-2)"
+    layers = f"{config.num_state_layers} state layers (Gated DeltaNet, Mamba-2, Mamba-1)"
     why = (
         f"the {config.architecture} model has {layers}, whose per-sequence state this does "
         "not carry yet"
@@ -243,6 +243,13 @@ def _adapter_registry(
         "MISTRALRS_SPECULATIVE_METHOD=ngram": settings.speculative == "ngram",
     }
     named = lora_adapter_list(settings.lora_adapters)
+    if loaded.config.folded_multipliers is not None:
+        why = (
+            f"the {loaded.config.architecture} model's multipliers are folded into its "
+            "projections' weights, and an adapter's product beside them would miss them"
+        )
+        _refuse({"MISTRALRS_LORA_ADAPTERS": bool(named)}, why)
+        return None, why
     why = "LoRA adapters run on one process, without speculative decoding, so far"
     if any(refused.values()):
         _refuse(
@@ -472,7 +479,8 @@ def _refuse_sinks(loaded: LoadedModel, compressor: Compressor) -> None:
     """A compressed cache attends through the protocol's own softmax, which has no place
     for a sink's share of the denominator: such a model would attend wrongly, so it is
     refused rather than run."""
-    if any(layer.mixer.sinks for layer in loaded.config.layers):
+    attention = [a for layer in loaded.config.layers if (a := layer.attention) is not None]
+    if any(a.sinks for a in attention):
         raise SettingsError(
             f"{env_name('kv_cache_compression')}={compressor.name} cannot run this "
             f"{loaded.config.architecture} model: its attention has sinks (a learned logit "

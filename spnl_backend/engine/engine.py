@@ -409,8 +409,8 @@ class Engine:
             )
         if info.state_bytes_per_seq is not None:
             return (
-                "its model has state layers (Gated DeltaNet, Mamba-2), whose state holds the whole "
-                "context in order: a block computed elsewhere cannot be placed into it"
+                "its model has state layers (Gated DeltaNet, Mamba-2, Mamba-1), whose state holds "
+                "the whole context in order: a block computed elsewhere cannot be placed into it"
             )
         if isinstance(self.runner, SpeculativeRunner):
             return (

@@ -1,5 +1,5 @@
-"""The state group: what a model's state layers (Gated DeltaNet, Mamba-2) keep per sequence,
-beside the KV cache that its attention layers use.
+"""The state group: what a model's state layers (Gated DeltaNet, Mamba-2, Mamba-1) keep
+per sequence, beside the KV cache that its attention layers use.
 
 A sequence's state is made when the cache admits it and dropped when it is released,
 finished or preempted; a preempted sequence comes back from its last snapshot or its

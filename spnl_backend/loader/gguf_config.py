@@ -22,7 +22,7 @@ from ..models.config import (
     RopeConfig,
     check_config_shapes,
 )
-from ..models.layers import AttentionMixer, DenseFFN
+from ..models.layers import DenseFFN
 from .gguf_file import GGUFFile, describe_value
 from .typed import MISSING, TypedReader
 
@@ -226,7 +226,7 @@ def _check_per_layer_counts(meta: "_Metadata", config: ModelConfig) -> None:
     kv, widths = meta.get("attention.head_count_kv"), meta.get("feed_forward_length")
     for i, spec in enumerate(config.layers):
         if isinstance(kv, np.ndarray):
-            heads = spec.mixer.num_kv_heads if isinstance(spec.mixer, AttentionMixer) else 0
+            heads = 0 if spec.attention is None else spec.attention.num_kv_heads
             _check_layer_count(meta, "attention.head_count_kv", i, heads, "K/V heads")
         if isinstance(widths, np.ndarray) and isinstance(spec.ffn, DenseFFN):
             inner = spec.ffn.intermediate_size

@@ -42,6 +42,7 @@ _LAYER_TYPES: dict[str, LayerType] = {
     "sliding_attention": "sliding",
     "chunked_attention": "chunked",
     "linear_attention": "linear",
+    "hybrid": "hybrid",  # Falcon-H1: attention and a Mamba-2 in every layer
     # the older names Granite 4.0-H's files use (transformers reads them as the above)
     "attention": "full",
     "mamba": "linear",
@@ -89,6 +90,15 @@ _FIELD_KEYS = {
     "conv_kernel": "linear_conv_kernel_dim",
     "attn_scale": "query_pre_attn_scalar",
     "eos_token_ids": "eos_token_id",
+    # Falcon-H1's multipliers (`FoldedMultipliers`)
+    "attention_in": "attention_in_multiplier",
+    "attention_out": "attention_out_multiplier",
+    "key": "key_multiplier",
+    "ssm_in": "ssm_in_multiplier",
+    "ssm_out": "ssm_out_multiplier",
+    "ssm_segments": "ssm_multipliers",
+    "mlp_gate": "mlp_multipliers",
+    "mlp_down": "mlp_multipliers",
 }
 _ROPE_FIELD_KEYS = {
     "theta": "rope_theta",

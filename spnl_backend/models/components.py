@@ -1,7 +1,7 @@
 """The parts a `ModelConfig` is made of: a rotary embedding's configuration, a mixture of
-experts', Llama 4's query temperature, a Gated DeltaNet's and a Mamba-2's sizes. The
-family modules (`models.arch`) build them; they depend on nothing of the project's, so that
-the families and `ModelConfig` need not import each other."""
+experts', Llama 4's query temperature, a Gated DeltaNet's, a Mamba-2's and a Mamba-1's
+sizes. The family modules (`models.arch`) build them; they depend on nothing of the
+project's, so that the families and `ModelConfig` need not import each other."""
 
 import math
 from dataclasses import dataclass
@@ -176,6 +176,14 @@ class Mamba2Config:
     conv_bias: bool = True
     proj_bias: bool = False
     time_step_limit: tuple[float, float] = (0.0, math.inf)
+    # The grouped RMS norm and the SiLU gate z: normed after gating (Mamba-2, Granite),
+    # before it (Falcon-H1's ``mamba_norm_before_gate``), or no norm, the gate alone.
+    norm: Literal["after_gate", "before_gate", "none"] = "after_gate"
+    out_bias: bool | None = None  # out_proj's bias where it differs from in_proj's
+
+    @property
+    def out_proj_bias(self) -> bool:
+        return self.proj_bias if self.out_bias is None else self.out_bias
 
     @property
     def inner_size(self) -> int:
@@ -190,3 +198,37 @@ class Mamba2Config:
     def projection_size(self) -> int:
         """``in_proj``'s rows: the gate z, the convolution's inputs, then dt per head."""
         return self.inner_size + self.conv_dim + self.num_heads
+
+
+@dataclass(frozen=True)
+class Mamba1Config:
+    """A Mamba-1 layer's sizes (Jamba): ``inner_size`` channels, each a selective state
+    space of ``state_size`` with its own decay rates (A is ``[inner_size, state_size]``);
+    B, C and the step's low-rank input (``dt_rank``) projected from the convolved
+    channels, the step then widened to every channel; a causal depthwise convolution of
+    ``conv_kernel`` taps. ``dt_norms``: Jamba's RMS norms of the step's input, B and C."""
+
+    inner_size: int
+    state_size: int
+    dt_rank: int
+    conv_kernel: int
+    conv_bias: bool = True
+    proj_bias: bool = False
+    dt_norms: bool = True
+
+
+@dataclass(frozen=True)
+class FoldedMultipliers:
+    """Falcon-H1's muP multipliers, which scale a projection's input or output: folded
+    into the weights as a checkpoint loads (llama.cpp's converter folds them into a
+    GGUF's), so the layers run as plain ones. ``ssm_segments``: the Mamba-2 projection's
+    five parts (z, x, B, C, dt) each scaled by its own."""
+
+    attention_in: float = 1.0
+    attention_out: float = 1.0
+    key: float = 1.0
+    ssm_in: float = 1.0
+    ssm_out: float = 1.0
+    ssm_segments: tuple[float, float, float, float, float] = (1.0,) * 5
+    mlp_gate: float = 1.0
+    mlp_down: float = 1.0

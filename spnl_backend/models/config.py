@@ -15,6 +15,8 @@ from ..errors import ModelFileError, UnsupportedArchitectureError
 from .components import (
     AttentionTemperature,
     DeltaNetConfig,
+    FoldedMultipliers,
+    Mamba1Config,
     Mamba2Config,
     MlaConfig,
     MoeConfig,
@@ -24,9 +26,11 @@ from .components import (
 if TYPE_CHECKING:
     from .layers import LayerSpec, NormKind, NormPlacement
 
-# linear: a state layer, a Gated DeltaNet (`delta_net`) or a Mamba-2 (`mamba`); chunked:
-# attention within chunks of `attention_chunk_size` positions (Llama 4)
-LayerType = Literal["full", "sliding", "chunked", "linear"]
+# linear: a state layer, a Gated DeltaNet (`delta_net`), a Mamba-2 (`mamba`) or a Mamba-1
+# (`mamba1`); hybrid: full attention and such a state layer side by side (Falcon-H1);
+# chunked: attention within chunks of `attention_chunk_size` positions (Llama 4)
+LayerType = Literal["full", "sliding", "chunked", "linear", "hybrid"]
+STATE_LAYER_TYPES = ("linear", "hybrid")
 MAX_COUNT = 2**31 - 1  # every size and count fits the int32 indices kernels use
 _COUNTS = (
     "vocab_size",
@@ -99,6 +103,7 @@ class ModelConfig:
     moe: "MoeConfig | None" = None  # mixture-of-experts layers, where the model has them
     delta_net: DeltaNetConfig | None = None  # the "linear" layers' sizes (Qwen3.5)
     mamba: Mamba2Config | None = None  # or theirs, where they are Mamba-2 (Granite 4.0-H)
+    mamba1: Mamba1Config | None = None  # or Mamba-1 (Jamba)
     attn_output_gate: bool = False  # Qwen3.5: a sigmoid gate from the q projection
     # DeepSeek-V2/V3: every attention layer is multi-head latent attention of these sizes
     # (``head_dim``: a query head's, ``qk_nope_head_dim + qk_rope_head_dim``).
@@ -109,6 +114,8 @@ class ModelConfig:
     attention_chunk_size: int | None = None
     qk_norm_unit: bool = False
     attn_temperature: AttentionTemperature | None = None
+    # Falcon-H1's multipliers, folded into a checkpoint's weights as they load (None: none)
+    folded_multipliers: FoldedMultipliers | None = None
     # Gemma 4: the full-attention layers' own head size and KV heads (None: as the others),
     # their values the keys' projection (no v_proj, ``attn_k_eq_v``), values RMS-normed
     # without a weight, and the last ``num_kv_shared_layers`` layers reading the K and V of
@@ -178,8 +185,8 @@ class ModelConfig:
         layer's (`models.layers.LayerSpec.kv_store`)."""
         shapes = {}
         for spec in self.layers:
-            if spec.kv_store is not None:
-                shapes[spec.kv_store] = (spec.mixer.num_kv_heads, spec.mixer.head_dim)
+            if spec.kv_store is not None and (attention := spec.attention) is not None:
+                shapes[spec.kv_store] = (attention.num_kv_heads, attention.head_dim)
         return tuple(shapes[place] for place in sorted(shapes))
 
     @property
@@ -190,7 +197,7 @@ class ModelConfig:
         planes = {}
         for spec in self.layers:
             if spec.kv_store is not None:
-                planes[spec.kv_store] = 1 if spec.mixer.spec.latent else 2
+                planes[spec.kv_store] = 1 if spec.attention.spec.latent else 2
         return tuple(planes[place] for place in sorted(planes))
 
     @property
@@ -207,7 +214,8 @@ class ModelConfig:
         """Whether some layer attends within chunks of positions (Llama 4): where a key
         counts depends on its absolute position, which PIC's blocks move."""
         return any(
-            s.kv_layer is not None and s.mixer.spec.scoring.chunk is not None for s in self.layers
+            s.kv_layer is not None and s.attention.spec.scoring.chunk is not None
+            for s in self.layers
         )
 
     @property
@@ -218,8 +226,9 @@ class ModelConfig:
 
     @property
     def num_state_layers(self) -> int:
-        """The layers that keep a state per sequence instead (`models.layers.StateMixer`)."""
-        return sum(1 for s in self.layers if s.kv_layer is None)
+        """The layers that keep a state per sequence (`models.layers.StateMixer`), instead
+        of K and V or beside them."""
+        return sum(1 for s in self.layers if s.state_mixer is not None)
 
     @functools.cached_property
     def layers(self) -> tuple["LayerSpec", ...]:
@@ -285,13 +294,13 @@ def _validate(config: ModelConfig) -> None:
         "full",
         "sliding",
         "chunked",
-        "linear",
+        *STATE_LAYER_TYPES,
     }:
         raise ConfigValueError(
             "layer_types",
             config.layer_types,
-            f"{config.num_layers} entries (one per layer), each 'full', 'sliding', 'chunked' "
-            "or 'linear'",
+            f"{config.num_layers} entries (one per layer), each 'full', 'sliding', 'chunked', "
+            "'linear' or 'hybrid'",
         )
     if "chunked" in config.layer_types or config.attention_chunk_size is not None:
         _check_count("attention_chunk_size", config.attention_chunk_size)
@@ -301,7 +310,7 @@ def _validate(config: ModelConfig) -> None:
             raise ConfigValueError(
                 "attn_temperature.scale", config.attn_temperature.scale, "a finite number"
             )
-    if "linear" in config.layer_types:
+    if set(STATE_LAYER_TYPES) & set(config.layer_types):
         _check_state_layers(config)
     if config.sliding_window is not None:
         _check_count("sliding_window", config.sliding_window)
@@ -342,6 +351,8 @@ def _validate(config: ModelConfig) -> None:
         _check_moe(config.moe, config.num_layers)
     if config.mla is not None:
         _check_mla(config)
+    if config.folded_multipliers is not None:
+        _check_multipliers(config.folded_multipliers)
     _check_sharing(config)
     if config.per_layer_input_size:
         _check_count("per_layer_input_size", config.per_layer_input_size)
@@ -365,21 +376,32 @@ def _check_dense_size(config: ModelConfig) -> None:
 
 
 def _check_state_layers(config: ModelConfig) -> None:
-    """The "linear" layers' sizes: a Gated DeltaNet's or a Mamba-2's, one of the two."""
-    if (config.delta_net is None) == (config.mamba is None):
-        found = "both" if config.delta_net is not None else None
+    """The state layers' sizes: a Gated DeltaNet's, a Mamba-2's or a Mamba-1's, one of them."""
+    given = [s for s in (config.delta_net, config.mamba, config.mamba1) if s is not None]
+    if len(given) != 1:
         raise ConfigValueError(
-            "delta_net", found, "the linear layers' sizes: a Gated DeltaNet's or a Mamba-2's"
+            "delta_net",
+            f"{len(given)} kinds",
+            "the state layers' sizes: a Gated DeltaNet's, a Mamba-2's or a Mamba-1's",
         )
     if config.delta_net is not None:
         _check_delta_net(config.delta_net)
-    else:
+    elif config.mamba is not None:
         _check_mamba(config.mamba)
+    else:
+        _check_mamba1(config.mamba1)
+
+
+def _check_mamba1(mamba: Mamba1Config) -> None:
+    for name in ("inner_size", "state_size", "dt_rank", "conv_kernel"):
+        _check_count(f"mamba1.{name}", getattr(mamba, name))
 
 
 def _check_mamba(mamba: Mamba2Config) -> None:
     for name in ("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel", "chunk_size"):
         _check_count(f"mamba.{name}", getattr(mamba, name))
+    if mamba.norm not in ("after_gate", "before_gate", "none"):
+        raise ConfigValueError("mamba.norm", mamba.norm, "after_gate, before_gate or none")
     if mamba.num_heads % mamba.n_groups:
         raise ConfigValueError(
             "mamba.n_groups", mamba.n_groups, f"a divisor of the {mamba.num_heads} heads"
@@ -389,6 +411,14 @@ def _check_mamba(mamba: Mamba2Config) -> None:
         raise ConfigValueError(
             "mamba.time_step_limit", mamba.time_step_limit, "a range 0 <= low <= high"
         )
+
+
+def _check_multipliers(multipliers: FoldedMultipliers) -> None:
+    for field in dataclasses.fields(multipliers):
+        value = getattr(multipliers, field.name)
+        values = value if isinstance(value, tuple) else (value,)
+        if not all(_is_real(v) for v in values):
+            raise ConfigValueError(field.name, value, "finite numbers")
 
 
 def _check_sharing(config: ModelConfig) -> None:
@@ -405,7 +435,7 @@ def _check_sharing(config: ModelConfig) -> None:
             shared,
             "a count whose layers each find an earlier layer of their type to read",
         )
-    if shared and "linear" in config.layer_types:
+    if shared and set(STATE_LAYER_TYPES) & set(config.layer_types):
         raise ConfigValueError("num_kv_shared_layers", shared, "0 in a model with linear layers")
 
 

@@ -1,5 +1,5 @@
 """The short causal depthwise convolution that state layers run their inputs through
-(Gated DeltaNet, Mamba-2), continued across steps from a sequence's conv state."""
+(Gated DeltaNet, Mamba-2, Mamba-1), continued across steps from a sequence's conv state."""
 
 from collections.abc import Mapping
 

@@ -11,8 +11,9 @@ from .attention import Attention
 from .collectives import Collectives
 from .config import ModelConfig
 from .deltanet import GatedDeltaNet
-from .layers import DeltaNetMixer, Mamba2Mixer, MoeFFN
+from .layers import DeltaNetMixer, Mamba1Mixer, Mamba2Mixer, MoeFFN, ParallelMixer
 from .linear import Linear, rows_alone
+from .mamba1 import Mamba1
 from .mamba2 import Mamba2
 from .mla import LatentAttention
 from .mlp import GatedMLP, PlainMLP, gelu_tanh
@@ -44,15 +45,19 @@ class DecoderLayer(nn.Module):
         self.tp = tp
         self.spec = spec = config.layers[layer]
         native, hidden = kernels.native, config.hidden_size
-        # The mixer under its checkpoint name: linear_attn, mamba or self_attn.
-        if isinstance(spec.mixer, DeltaNetMixer):
-            self.linear_attn = GatedDeltaNet(config, spec.mixer, native)
-        elif isinstance(spec.mixer, Mamba2Mixer):
-            self.mamba = Mamba2(config, spec.mixer, native)
-        elif spec.mixer.latent is not None:
-            self.self_attn = LatentAttention(config, spec.mixer, native)
-        else:
-            self.self_attn = Attention(config, spec.mixer, tp, native)
+        # The mixer under its checkpoint name: linear_attn, mamba or self_attn (Falcon-H1:
+        # self_attn and mamba side by side).
+        state, attention = spec.state_mixer, spec.attention
+        if isinstance(state, DeltaNetMixer):
+            self.linear_attn = GatedDeltaNet(config, state, native)
+        elif isinstance(state, Mamba2Mixer):
+            self.mamba: Mamba1 | Mamba2 = Mamba2(config, state, native)
+        elif isinstance(state, Mamba1Mixer):
+            self.mamba = Mamba1(config, state, native)
+        if attention is not None and attention.latent is not None:
+            self.self_attn = LatentAttention(config, attention, native)
+        elif attention is not None:
+            self.self_attn = Attention(config, attention, tp, native)
         if isinstance(spec.ffn, MoeFFN):
             self.mlp: nn.Module = SparseMoE(config, kernels)
         elif spec.ffn.gated:
@@ -151,11 +156,17 @@ class DecoderLayer(nn.Module):
     def _mix(
         self, h: torch.Tensor, rotary: RotaryTables | None, attention: StepAttention
     ) -> torch.Tensor:
-        if isinstance(self.spec.mixer, DeltaNetMixer):
-            return self.linear_attn(h, attention)
-        if isinstance(self.spec.mixer, Mamba2Mixer):
-            return self.mamba(h, attention)
+        mixer = self.spec.mixer
+        if isinstance(mixer, ParallelMixer):  # both on the same input, summed
+            return self._state_mix(h, attention) + self.self_attn(h, rotary, attention)
+        if self.spec.state_mixer is not None:
+            return self._state_mix(h, attention)
         return self.self_attn(h, rotary, attention)
+
+    def _state_mix(self, h: torch.Tensor, attention: StepAttention) -> torch.Tensor:
+        if isinstance(self.spec.state_mixer, DeltaNetMixer):
+            return self.linear_attn(h, attention)
+        return self.mamba(h, attention)
 
     def _ffn(self, h: torch.Tensor) -> torch.Tensor:
         out = self.mlp(h)

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from .config import (
         AttentionTemperature,
         DeltaNetConfig,
+        Mamba1Config,
         Mamba2Config,
         MlaConfig,
         ModelConfig,
@@ -110,8 +111,42 @@ class Mamba2Mixer:
         return (m.num_heads, m.head_dim, m.state_size)
 
 
+@dataclass(frozen=True)
+class Mamba1Mixer:
+    """A Mamba-1 (Jamba): a selective state space per channel, whose memory is one state
+    per sequence (the SSM state and the convolution's last inputs), kept in the cache's
+    state group at place ``state``."""
+
+    config: "Mamba1Config"
+    state: int
+
+    @property
+    def conv_shape(self) -> tuple[int, int]:
+        """A sequence's convolution state: its last ``kernel - 1`` inputs (model dtype)."""
+        return (self.config.conv_kernel - 1, self.config.inner_size)
+
+    @property
+    def recurrent_shape(self) -> tuple[int, ...]:
+        """A sequence's SSM state: ``state_size`` per channel (float32 at least)."""
+        return (self.config.inner_size, self.config.state_size)
+
+
 # A mixer that keeps a state per sequence (its shapes: ``conv_shape``, ``recurrent_shape``).
-StateMixer = DeltaNetMixer | Mamba2Mixer
+StateMixer = DeltaNetMixer | Mamba2Mixer | Mamba1Mixer
+
+
+@dataclass(frozen=True)
+class ParallelMixer:
+    """Attention and a state mixer side by side (Falcon-H1): both read the layer's normed
+    input and their outputs are summed. The layer keeps K and V at the attention's place
+    in the KV pool and a state at the state mixer's place in the state group."""
+
+    attention: AttentionMixer
+    state_mixer: StateMixer
+
+    @property
+    def rope(self) -> RopeTable | None:
+        return self.attention.rope
 
 
 @dataclass(frozen=True)
@@ -139,7 +174,7 @@ class LayerSpec:
     its MLP (0: none); ``output_scale``: its output scaled by a learned scalar;
     ``norm``: the kind of its norms (its q/k norms are RMSNorms whatever it says)."""
 
-    mixer: AttentionMixer | StateMixer
+    mixer: AttentionMixer | StateMixer | ParallelMixer
     ffn: DenseFFN | MoeFFN
     norms: NormPlacement = "pre"
     norm: NormKind = "rms"
@@ -148,22 +183,32 @@ class LayerSpec:
     output_scale: bool = False
 
     @property
+    def attention(self) -> AttentionMixer | None:
+        """The layer's attention (alone, or beside a state mixer); None: it has none."""
+        if isinstance(self.mixer, ParallelMixer):
+            return self.mixer.attention
+        return self.mixer if isinstance(self.mixer, AttentionMixer) else None
+
+    @property
     def state_mixer(self) -> StateMixer | None:
-        """The mixer, where it keeps a state per sequence (a conv and a recurrent state
-        of the shapes it gives); None for attention."""
+        """The mixer that keeps a state per sequence (a conv and a recurrent state of the
+        shapes it gives), alone or beside attention; None for attention alone."""
+        if isinstance(self.mixer, ParallelMixer):
+            return self.mixer.state_mixer
         return None if isinstance(self.mixer, AttentionMixer) else self.mixer
 
     @property
     def kv_layer(self) -> int | None:
         """The place in the KV pool the layer attends over (None: it keeps no K and V)."""
-        return self.mixer.spec.layer if isinstance(self.mixer, AttentionMixer) else None
+        attention = self.attention
+        return None if attention is None else attention.spec.layer
 
     @property
     def kv_store(self) -> int | None:
         """The place in the KV pool the layer writes (None: a state layer, or one that
         reads another layer's K and V)."""
-        shared = isinstance(self.mixer, AttentionMixer) and self.mixer.spec.shared_kv
-        return None if shared else self.kv_layer
+        attention = self.attention
+        return None if attention is None or attention.spec.shared_kv else attention.spec.layer
 
 
 def describe_layers(config: "ModelConfig") -> tuple[LayerSpec, ...]:
@@ -176,8 +221,11 @@ def describe_layers(config: "ModelConfig") -> tuple[LayerSpec, ...]:
     for i in range(config.num_layers):
         kind = config.layer_types[i]
         if kind == "linear":
-            mixer: AttentionMixer | StateMixer = _state_mixer(config, state)
+            mixer: AttentionMixer | StateMixer | ParallelMixer = _state_mixer(config, state)
             state += 1
+        elif kind == "hybrid":
+            mixer = ParallelMixer(_attention(config, i, kv), _state_mixer(config, state))
+            kv, state = kv + 1, state + 1
         elif i >= first_shared:
             mixer = _attention(config, i, stored[kind], shared=True)
         else:
@@ -199,10 +247,13 @@ def describe_layers(config: "ModelConfig") -> tuple[LayerSpec, ...]:
 
 
 def _state_mixer(config: "ModelConfig", state: int) -> StateMixer:
-    """A "linear" layer: the kind of state layer the config gives sizes for (`ModelConfig`
+    """A "linear" layer's (or a "hybrid" one's beside its attention): the kind of state
+    layer the config gives sizes for (`ModelConfig`
     checks that it gives one)."""
     if config.delta_net is not None:
         return DeltaNetMixer(config.delta_net, state)
+    if config.mamba1 is not None:
+        return Mamba1Mixer(config.mamba1, state)
     assert config.mamba is not None
     return Mamba2Mixer(config.mamba, state)
 

@@ -1,10 +1,12 @@
-"""A Mamba-2 layer (Granite 4.0-H): a selective state space over a per-sequence state.
+"""A Mamba-2 layer (Granite 4.0-H; Falcon-H1's, beside attention): a selective state space
+over a per-sequence state.
 
 One projection gives the gate z, the convolution's inputs (x, B, C) and each head's step
 dt. x, B and C go through a short causal depthwise convolution (SiLU after it); the SSD
 scan (`kernels.ssd`) turns x, the discretised steps and each head's B and C (shared by the
 heads of a group) into each token's output, to which the skip term D x is added; a
-grouped RMS norm of the output gated by SiLU(z), and the output projection, finish it.
+grouped RMS norm of the output gated by SiLU(z) (Falcon-H1: normed before the gate, or
+only gated), and the output projection, finish it.
 What a sequence carries from step to step is its state (`StateSegment`): the
 convolution's last inputs and the SSM state, so chunked prefill and decode continue
 where the last step stopped.
@@ -25,20 +27,26 @@ from .step_attention import StepAttention, sequence_states
 
 class GroupGatedRMSNorm(nn.Module):
     """The output times SiLU of its gate, then RMS-normed within each of ``groups`` equal
-    parts (Mamba-2 norms after gating, each group of heads on its own)."""
+    parts (Mamba-2 norms after gating, each group of heads on its own); with
+    ``before_gate`` (Falcon-H1) normed and weighted first, then gated."""
 
-    def __init__(self, dim: int, groups: int, eps: float) -> None:
+    def __init__(self, dim: int, groups: int, eps: float, before_gate: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
-        self.groups, self.eps = groups, eps
+        self.groups, self.eps, self.before_gate = groups, eps, before_gate
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``x``, ``gate [T, dim]`` → ``[T, dim]`` in ``dtype`` (the model's)."""
         wide = _wide(x.dtype)
-        h = x.to(wide) * F.silu(gate.to(wide))
-        h = h.unflatten(-1, (self.groups, -1))
-        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        if self.before_gate:
+            h = self._normed(x.to(wide))
+            return (self.weight.to(wide) * h * F.silu(gate.to(wide))).to(dtype)
+        h = self._normed(x.to(wide) * F.silu(gate.to(wide)))
         return self.weight * h.to(dtype)
+
+    def _normed(self, h: torch.Tensor) -> torch.Tensor:
+        h = h.unflatten(-1, (self.groups, -1))
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
 
 
 class Mamba2(nn.Module):
@@ -54,8 +62,11 @@ class Mamba2(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(m.num_heads))
         self.A_log = nn.Parameter(torch.empty(m.num_heads))
         self.D = nn.Parameter(torch.empty(m.num_heads))
-        self.norm = GroupGatedRMSNorm(m.inner_size, m.n_groups, config.rms_norm_eps)
-        self.out_proj = Linear(m.inner_size, hidden, bias=m.proj_bias)
+        self.norm: GroupGatedRMSNorm | None = None  # (none: the gate alone)
+        if m.norm != "none":
+            before = m.norm == "before_gate"
+            self.norm = GroupGatedRMSNorm(m.inner_size, m.n_groups, config.rms_norm_eps, before)
+        self.out_proj = Linear(m.inner_size, hidden, bias=m.out_proj_bias)
 
     def forward(self, x: torch.Tensor, attention: StepAttention) -> torch.Tensor:
         """``x [T, hidden]`` (normed), the step's sequences packed → ``[T, hidden]``; each
@@ -72,7 +83,10 @@ class Mamba2(nn.Module):
             recurrent = seg.state.recurrent[self.state]
             for local, at in seg.computed_pieces(self.state):
                 out[at] = self._scan(convolved[local], dt[at], recurrent)
-        y = self.norm(out.flatten(1), gate, x.dtype)
+        if self.norm is None:
+            y = (out.flatten(1) * F.silu(gate.to(wide))).to(x.dtype)
+        else:
+            y = self.norm(out.flatten(1), gate, x.dtype)
         return self.out_proj(y)
 
     def _scan(self, convolved: torch.Tensor, dt: torch.Tensor, state: torch.Tensor):

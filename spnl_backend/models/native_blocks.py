@@ -180,7 +180,9 @@ def _blocks_run(layers: list[DecoderLayer], final_norm: RMSNorm) -> bool:
     shapes, inners, moes, eps = set(), set(), set(), {final_norm.eps}
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), layer.mlp
-        if getattr(layer.spec.mixer, "latent", None) is not None:
+        if layer.spec.state_mixer is not None:  # a state layer, or one beside attention
+            return False
+        if layer.spec.attention is not None and layer.spec.attention.latent is not None:
             return False  # latent attention (DeepSeek): the blocks keep K and V per head
         if attn is None or attn.rope is None or attn.output_gate or not layer.input_layernorm:
             return False

@@ -52,7 +52,8 @@ class Backbone(nn.Module):
         # temperature) is handed the global tables for them, and rotates nothing.
         self.ropes = [getattr(spec.mixer, "rope", None) for spec in config.layers]
         self.reads_positions = [
-            getattr(spec.mixer, "temperature", None) is not None for spec in config.layers
+            spec.attention is not None and spec.attention.temperature is not None
+            for spec in config.layers
         ]
         self.local_layers = frozenset(i for i, rope in enumerate(self.ropes) if rope == "local")
         # Whether steps may run on the native layer blocks where they can (False: always

@@ -219,6 +219,7 @@ SIGNATURES = {  # name: (argument types, result type)
     "spnl_coded_decode": ([ctypes.POINTER(CodedDecodeArgs)], I32),
     "spnl_delta_rule": ([PTR] * 7 + [I64] * 4 + [I32], I32),
     "spnl_ssd_scan": ([PTR] * 7 + [I64] * 4 + [I32], I32),
+    "spnl_selective_scan": ([PTR] * 7 + [I64] * 3 + [I32], I32),
     "spnl_pool_check": ([I64, I32, I32, PTR], I32),
 }
 STATUS = {

@@ -234,13 +234,17 @@ int spnl_moe(const spnl_moe_args *m, const float *x, int64_t tokens, float *out,
 // updated in place. The gated delta rule: q, k [tokens][heads][dk], v [tokens][heads][dv],
 // g, beta [tokens][heads], state [heads][dk][dv] → out [tokens][heads][dv]. The SSD scan:
 // x [tokens][heads][p], dt [tokens][heads], a [heads], b, c [tokens][heads][n], state
-// [heads][p][n] → out [tokens][heads][p].
+// [heads][p][n] → out [tokens][heads][p]. Mamba-1's selective scan: x, dt [tokens][d],
+// a [d][n], b, c [tokens][n], state [d][n] → out [tokens][d].
 int spnl_delta_rule(const float *q, const float *k, const float *v, const float *g,
                     const float *beta, float *state, float *out, int64_t tokens, int64_t heads,
                     int64_t dk, int64_t dv, int threads);
 int spnl_ssd_scan(const float *x, const float *dt, const float *a, const float *b,
                   const float *c, float *state, float *out, int64_t tokens, int64_t heads,
                   int64_t p, int64_t n, int threads);
+int spnl_selective_scan(const float *x, const float *dt, const float *a, const float *b,
+                        const float *c, float *state, float *out, int64_t tokens,
+                        int64_t channels, int64_t n, int threads);
 
 // ---- shared by the attention kernels ---------------------------------------------------------
 

@@ -1,6 +1,7 @@
 // The state layers' recurrences, token by token (twins: recurrent in
-// spnl_backend/kernels/delta_rule.py and in spnl_backend/kernels/ssd.py): one sequence's
-// tokens per call, its heads in parallel on the pool (a task per head, which owns its
+// spnl_backend/kernels/delta_rule.py, spnl_backend/kernels/ssd.py and
+// spnl_backend/kernels/selective_scan.py): one sequence's tokens per call, its heads (a
+// Mamba-1's channels, in runs) in parallel on the pool (a task per head, which owns its
 // part of the state and of the outputs), the state updated in place.
 //
 // Token by token, not a chunk at a time: a token's arithmetic is then the same wherever
@@ -108,5 +109,47 @@ int spnl_ssd_scan(const float *x, const float *dt, const float *a, const float *
     if (tokens < 0 || heads < 0 || p < 1 || n < 1) return BAD_ARGUMENT;
     ssd_call call = {x, dt, a, b, c, state, out, tokens, heads, p, n};
     spnl_parallel(heads, ssd_head, &call, threads);
+    return 0;
+}
+
+// ---- Mamba-1's selective scan ----------------------------------------------------------------
+
+typedef struct {
+    const float *x, *dt, *a, *b, *c;  // [T][D] (x, dt), [D][N] (a), [T][N] (b, c)
+    float *state, *out;               // [D][N] (updated), [T][D]
+    int64_t tokens, channels, n;
+} selective_call;
+
+#define SELECTIVE_RUN 64  // channels per task
+
+// A run of channels through every token: h = h exp(dt a) + (dt b) x; y = h c. Each channel
+// has its own rates a, so the decay is one exp per state element, as in the twin.
+static void selective_run(void *ctx, int64_t task, int worker) {
+    (void)worker;
+    const selective_call *c = ctx;
+    const int64_t channels = c->channels, n = c->n, first = task * SELECTIVE_RUN;
+    const int64_t last = first + SELECTIVE_RUN < channels ? first + SELECTIVE_RUN : channels;
+    for (int64_t t = 0; t < c->tokens; t++) {
+        const float *b = c->b + t * n, *read = c->c + t * n;
+        for (int64_t d = first; d < last; d++) {
+            const float dt = c->dt[t * channels + d], x = c->x[t * channels + d];
+            const float *a = c->a + d * n;
+            float *row = c->state + d * n;
+            float sum = 0.0f;
+            for (int64_t j = 0; j < n; j++) {
+                row[j] = row[j] * expf(dt * a[j]) + (dt * b[j]) * x;
+                sum += row[j] * read[j];
+            }
+            c->out[t * channels + d] = sum;
+        }
+    }
+}
+
+int spnl_selective_scan(const float *x, const float *dt, const float *a, const float *b,
+                        const float *c, float *state, float *out, int64_t tokens,
+                        int64_t channels, int64_t n, int threads) {
+    if (tokens < 0 || channels < 0 || n < 1) return BAD_ARGUMENT;
+    selective_call call = {x, dt, a, b, c, state, out, tokens, channels, n};
+    spnl_parallel((channels + SELECTIVE_RUN - 1) / SELECTIVE_RUN, selective_run, &call, threads);
     return 0;
 }

@@ -274,6 +274,39 @@ class CpuKernels:
         )
         return out
 
+    def selective_scan_(
+        self,
+        x: torch.Tensor,
+        dt: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        c: torch.Tensor,
+        state: torch.Tensor,
+    ) -> torch.Tensor:
+        """Mamba-1's scan token by token (twin: `kernels.selective_scan.recurrent`): ``x``,
+        ``dt [T, D]``, ``a [D, N]``, ``b``, ``c [T, N]`` (float32), ``state [D, N]``
+        (float32, contiguous, updated in place) → ``[T, D]``."""
+        require(state, torch.float32, "selective_scan: state", dims=2)
+        channels, n = state.shape
+        tokens = x.shape[0] if x.dim() else 0
+        x, dt = (
+            _rows(t, (tokens, channels), f"selective_scan: {m}") for t, m in ((x, "x"), (dt, "dt"))
+        )
+        a = _rows(a, (channels, n), "selective_scan: a")
+        b, c = (_rows(t, (tokens, n), f"selective_scan: {m}") for t, m in ((b, "b"), (c, "c")))
+        out = torch.empty_like(x)
+        check_status(
+            self.library.spnl_selective_scan(
+                *(t.data_ptr() for t in (x, dt, a, b, c, state, out)),
+                tokens,
+                channels,
+                n,
+                self.threads,
+            ),
+            "selective_scan",
+        )
+        return out
+
     def attention_block(self, step: "StepArgs", layer: "LayerArgs") -> None:
         """A layer's attention block (layer_blocks.c) over arguments the caller checked."""
         check_status(self.library.spnl_attention_block(step, layer), "attention_block")

@@ -6,6 +6,7 @@ the fields common to every family themselves and ask the family for the rest, th
 a typed reader of the file's keys (`ConfigKeys`) that names the file and key in errors.
 """
 
+import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -238,3 +239,13 @@ def experts(keys: ConfigKeys, inner_key: str, renormalize: bool) -> "MoeConfig":
         intermediate_size=keys.count(inner_key),
         renormalize=renormalize,
     )
+
+
+def time_step_limit(keys: ConfigKeys) -> tuple[float, float]:
+    """A Mamba-2's clamp of each step's dt (``time_step_limit``; none where absent)."""
+    limit = keys.get("time_step_limit")
+    if limit is None:
+        return (0.0, math.inf)
+    if not (isinstance(limit, list | tuple) and len(limit) == 2):
+        raise keys.wrong("time_step_limit", limit, "two numbers: the least and most dt")
+    return (float(limit[0]), float(limit[1]))

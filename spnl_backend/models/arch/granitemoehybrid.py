@@ -18,7 +18,6 @@ a column, the norm's weight per group, and permutes q and k rows as for Llama.
 """
 
 import dataclasses
-import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,6 +32,7 @@ from .family import (
     Tensors,
     as_state_layer_holds,
     biases,
+    time_step_limit,
 )
 from .granite import gguf_multipliers, multipliers
 
@@ -62,17 +62,8 @@ def _mamba(keys: HfKeys) -> Mamba2Config:
         chunk_size=keys.count("mamba_chunk_size"),
         conv_bias=keys.boolean("mamba_conv_bias"),
         proj_bias=keys.boolean("mamba_proj_bias"),
-        time_step_limit=_time_step_limit(keys),
+        time_step_limit=time_step_limit(keys),
     )
-
-
-def _time_step_limit(keys: HfKeys) -> tuple[float, float]:
-    limit = keys.get("time_step_limit")
-    if limit is None:
-        return (0.0, math.inf)
-    if not (isinstance(limit, list | tuple) and len(limit) == 2):
-        raise keys.wrong("time_step_limit", limit, "two numbers: the least and most dt")
-    return (float(limit[0]), float(limit[1]))
 
 
 def _ffn(keys: HfKeys) -> Fields:
