@@ -67,6 +67,9 @@ def build_engine(
         if model is not None:
             _refuse_for_state_layers(model, settings)
     _refuse_for_kv_groups(loaded, settings)
+    for model in (loaded, draft):
+        if model is not None:
+            _refuse_for_transformers_code(model, settings)
     _attach_adapters(loaded, settings, draft)
     settings = _prefix_caching_for(loaded.config, settings, decisions.paged_attn)
     if (
@@ -165,6 +168,23 @@ def _refuse_for_state_layers(loaded: LoadedModel, settings: BackendSettings) -> 
         "whole context in order, and a block computed elsewhere cannot be placed into them"
     )
     _refuse(pic, why)
+
+
+def _refuse_for_transformers_code(loaded: LoadedModel, settings: BackendSettings) -> None:
+    """What a model on transformers' modeling code (`loader.transformers_path`) does not
+    run with: adapters on our projections, PIC's moved keys and layer probes."""
+    if loaded.implementation != "transformers":
+        return
+    asked = {
+        "MISTRALRS_LORA_ADAPTERS": settings.lora_adapters is not None,
+        **{f"{env_name(f)}={getattr(settings, f)}": True for f in given_pic_settings(settings)},
+    }
+    why = (
+        f"the {loaded.config.architecture} model runs on transformers' modeling code "
+        f"(MISTRALRS_MODEL_IMPL; {loaded.implementation_why}), which has neither our "
+        "projections' adapters nor PIC's rotations and probes"
+    )
+    _refuse(asked, why)
 
 
 def _refuse_for_kv_groups(loaded: LoadedModel, settings: BackendSettings) -> None:

@@ -104,23 +104,26 @@ def layer_indices(names: Iterable[str]) -> set[int]:
 
 
 def read_safetensors(
-    files: list[Path], progress: Progress, packed: tuple[str, ...] = ()
+    files: list[Path], progress: Progress, packed: tuple[str, ...] = (), rename: bool = True
 ) -> NamedTensors:
     """Every tensor the model uses, checked: a float type, and finite; those whose names end
     with one of ``packed`` (a quantized checkpoint's blocks and scales,
     `Family.quant_methods`) as stored, for the family to check and unpack. The data is read
     into tensors of their own, not mapped: a file truncated under the process would
-    otherwise kill it (SIGBUS) at the next read of a weight."""
+    otherwise kill it (SIGBUS) at the next read of a weight. ``rename``: multimodal and
+    Mixtral names made ours (False: as stored, for transformers' own modules)."""
     for number, path in enumerate(files, 1):
         with _opened(path) as f:  # safetensors checks the header's layout
-            names = [n for n in list(f.keys()) if not _renamed(n).startswith(_SKIPPED_PREFIXES)]
+            names = list(f.keys())
+            if rename:
+                names = [n for n in names if not _renamed(n).startswith(_SKIPPED_PREFIXES)]
         layout = _layout(path)
         for done, name in enumerate(names):
             progress(f"weights {number}/{len(files)}", done, len(names))
             tensor = _read_tensor(path, layout, name)
             if not (packed and name.endswith(packed)):
                 _checked(tensor, path, name)
-            yield _renamed(name), tensor
+            yield _renamed(name) if rename else name, tensor
         progress(f"weights {number}/{len(files)}", len(names), len(names))
 
 
