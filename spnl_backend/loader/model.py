@@ -91,7 +91,19 @@ def load_model(
     implementation, why = choose_implementation(source, model_impl)
     if implementation == "transformers":
         _refuse_placement(place)
-        return load_transformers_model(source, isq, decisions, progress, why, tokenizer)
+        parts = load_transformers_model(source, isq, decisions, progress, why, tokenizer)
+        model, tokenizer, config, dtype, device, kernels = parts
+        return LoadedModel(
+            model,  # type: ignore[arg-type]  # the interface of CausalLM, not the class
+            tokenizer,
+            config,
+            source,
+            dtype,
+            device,
+            kernels,
+            implementation="transformers",
+            implementation_why=why,
+        )
     if source.kind == "gguf":
         return _load_gguf(source, isq, decisions, progress, requantize_gguf, tokenizer, place)
     return _load_text(source, isq, decisions, progress, tokenizer, place)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from ..errors import ModelFileError, SettingsError, UnsupportedArchitectureError
-from ..kernels import choose_kernels
+from ..kernels import KernelChoice, choose_kernels
 from ..kernels.cpu import built_before
 from ..log import get_logger
 from ..memory import release_freed_memory
@@ -40,8 +40,6 @@ from .weights import read_safetensors, safetensors_files
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-
-    from .model import LoadedModel
 
 log = get_logger()
 
@@ -87,11 +85,10 @@ def load_transformers_model(
     progress: Progress,
     why: str,
     tokenizer: Tokenizer | None = None,
-) -> "LoadedModel":
+) -> tuple[TransformersCausalLM, Tokenizer, ModelConfig, torch.dtype, torch.device, KernelChoice]:
     """``source`` on transformers' modeling code, its projections quantized in situ where
-    ``isq`` says, checked by a probe pass (`check_probe`)."""
-    from .model import LoadedModel
-
+    ``isq`` says, checked by a probe pass (`check_probe`): the model, its tokenizer, its
+    config, dtype and device, and the kernels it runs on (`loader.model.LoadedModel`'s)."""
     path = source.path / "config.json"
     hf_config = _hf_config(source.path, path)
     model_class = checked_class(hf_config, path)
@@ -133,17 +130,7 @@ def load_transformers_model(
         device=str(device),
         quantized_layers=quantized,
     )
-    return LoadedModel(
-        model,  # type: ignore[arg-type]
-        tokenizer,
-        config,
-        source,
-        dtype,
-        device,
-        kernels,
-        implementation="transformers",
-        implementation_why=why,
-    )
+    return model, tokenizer, config, dtype, device, kernels
 
 
 def _hf_config(model_dir: Path, path: Path) -> "PretrainedConfig":
