@@ -4,6 +4,7 @@ cache (``MISTRALRS_MODEL_IMPL``, `loader.transformers_path`): greedy tokens agai
 with its reason."""
 
 import json
+import zlib
 from functools import cache
 from pathlib import Path
 
@@ -42,17 +43,23 @@ def _random(model: torch.nn.Module) -> None:
                     param.normal_(0.0, 0.15)
 
 
+def _tiny(root: Path, model_type: str, overrides: dict | None = None) -> TinyModel:
+    return _built(root, model_type, json.dumps(overrides or {}, sort_keys=True))
+
+
 @cache
-def _tiny(root: Path, model_type: str, overrides: tuple = ()) -> TinyModel:
+def _built(root: Path, model_type: str, overrides: str) -> TinyModel:
+    """A tiny random model of ``model_type`` saved under ``root`` (once per overrides)."""
     tokenizer = build_tokenizer()
-    keys = {k: list(v) if isinstance(v, tuple) else v for k, v in overrides}
-    config = AutoConfig.for_model(model_type, **{**_common(len(tokenizer)), **keys})
+    keys = {**_common(len(tokenizer)), **json.loads(overrides)}
+    config = AutoConfig.for_model(model_type, **keys)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(
         config, attn_implementation="eager", dtype=torch.float32
     ).eval()
     _random(model)
-    return _save(TinyModel(model_type, root / model_type, model, tokenizer))
+    name = f"{model_type}-{zlib.crc32(overrides.encode()):08x}"
+    return _save(TinyModel(model_type, root / name, model, tokenizer))
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +69,7 @@ def root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def olmo(root) -> tuple[TinyModel, object]:
-    tiny = _tiny(root, "olmo", tuple(FAMILIES["olmo"].items()))
+    tiny = _tiny(root, "olmo", FAMILIES["olmo"])
     return tiny, load_backend(str(tiny.path), settings=CPU)
 
 
@@ -74,7 +81,7 @@ def _expected(tiny: TinyModel, prompt: str, tokens: int) -> list[int]:
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_greedy_tokens_match_transformers_generate(root, model_type):
-    tiny = _tiny(root, model_type, tuple(FAMILIES[model_type].items()))
+    tiny = _tiny(root, model_type, FAMILIES[model_type])
     backend = load_backend(str(tiny.path), settings=CPU)  # auto: no family module
     assert isinstance(backend.model, TransformersCausalLM)
     assert backend.model_config.implementation == "transformers"
@@ -133,7 +140,7 @@ def test_isq_quantizes_transformers_linear_layers(tiny):
 
 
 def test_a_hybrid_is_refused_with_the_reason(root):
-    tiny = _tiny(root, "lfm2", (("layer_types", ("conv", "full_attention", "conv")),))
+    tiny = _tiny(root, "lfm2", {"layer_types": ["conv", "full_attention", "conv"]})
     with pytest.raises(UnsupportedArchitectureError, match="its layers include conv"):
         load_backend(str(tiny.path), settings=CPU)
 
@@ -141,7 +148,7 @@ def test_a_hybrid_is_refused_with_the_reason(root):
 def test_a_head_that_scales_the_logits_is_refused_by_the_probe(root):
     """Cohere multiplies the logits by logit_scale after its head: the probe pass sees
     that the split forward / compute_logits would not give transformers' logits."""
-    tiny = _tiny(root, "cohere", (("logit_scale", 0.5),))
+    tiny = _tiny(root, "cohere", {"logit_scale": 0.5})
     with pytest.raises(UnsupportedArchitectureError, match="head does more than project"):
         load_backend(str(tiny.path), settings=CPU)
 
@@ -150,6 +157,13 @@ def test_a_sliding_window_is_refused(tiny):
     settings = TRANSFORMERS
     with pytest.raises(UnsupportedArchitectureError, match="sliding"):
         load_backend(str(tiny.hf("gemma2").path), settings=settings)
+
+
+def test_a_rope_that_follows_the_pass_length_is_refused(root):
+    rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    tiny = _tiny(root, "olmo", {"rope_parameters": rope})
+    with pytest.raises(UnsupportedArchitectureError, match="a dynamic rope"):
+        load_backend(str(tiny.path), settings=CPU)
 
 
 @pytest.mark.parametrize(

@@ -47,6 +47,7 @@ Implementation = Literal["native", "transformers"]
 PROBE_TOKENS = 4  # the probe pass's length: a few tokens reach every layer
 _POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 _VARIABLE = "MISTRALRS_MODEL_IMPL"
+_LENGTH_DEPENDENT_ROPES = frozenset({"dynamic", "longrope"})
 
 
 def choose_implementation(source: ModelSource, model_impl: str) -> tuple[Implementation, str]:
@@ -191,7 +192,24 @@ def config_refusal(config: "PretrainedConfig") -> str | None:
     window = getattr(config, "sliding_window", None)
     if window and getattr(config, "use_sliding_window", True):
         return f"a sliding window of {window} tokens"
+    varying = _rope_types(config) & _LENGTH_DEPENDENT_ROPES
+    if varying:
+        return (
+            f"a {', '.join(sorted(varying))} rope, whose frequencies follow the longest "
+            "position of the pass (a step of several sequences would change a sequence's)"
+        )
     return None
+
+
+def _rope_types(config: "PretrainedConfig") -> set[str]:
+    """The rope types a config names (a section per layer type included)."""
+    found = set()
+    for key in ("rope_parameters", "rope_scaling"):
+        value = getattr(config, key, None)
+        if isinstance(value, dict):
+            sections = [value, *(v for v in value.values() if isinstance(v, dict))]
+            found |= {str(s.get("rope_type") or s.get("type")) for s in sections}
+    return found - {"None"}
 
 
 def _dtype_name(config: "PretrainedConfig") -> str | None:
