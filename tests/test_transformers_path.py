@@ -111,6 +111,25 @@ def test_a_prefix_hit_gives_the_same_tokens(olmo):
     assert again.token_ids == _expected(tiny, PROMPT + " And again", 12)
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"paged_attn": False},  # the contiguous cache
+        {"speculative_method": "ngram", "speculative_gamma": 4},  # n-gram drafts verified
+    ],
+)
+def test_the_other_caches_and_speculation_give_the_same_tokens(olmo, settings):
+    tiny, _ = olmo
+    backend = load_backend(str(tiny.path), settings=BackendSettings(device="cpu", **settings))
+    prompt = PROMPT + " " + PROMPT  # repeats, so n-gram drafts are proposed
+    result = backend.generate(prompt, max_tokens=16, temperature=0)
+    assert result.token_ids == _expected(tiny, prompt, 16)
+    if "paged_attn" in settings:
+        assert backend.cache_info().kind == "contiguous"
+    else:
+        assert result.usage.draft_tokens > 0
+
+
 def test_a_native_family_forced_onto_transformers_matches_native(tiny):
     path = str(tiny.hf("llama").path)
     native = load_backend(path, settings=CPU)
