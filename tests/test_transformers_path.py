@@ -229,6 +229,16 @@ def test_pic_is_refused_on_the_transformers_path(olmo):
         backend.generate(blocks=[("plus", "A block."), ("cross", "Why?")], max_tokens=2)
 
 
+def test_pic_settings_and_adapters_are_refused_at_load(olmo, tmp_path):
+    tiny, _ = olmo
+    settings = BackendSettings(device="cpu", pic_reuse="relaxed")
+    with pytest.raises(SettingsError, match=r"MISTRALRS_PIC_REUSE=relaxed.*transformers"):
+        load_backend(str(tiny.path), settings=settings)
+    settings = BackendSettings(device="cpu", lora_adapters=f"a={tmp_path}")
+    with pytest.raises(SettingsError, match=r"MISTRALRS_LORA_ADAPTERS.*transformers"):
+        load_backend(str(tiny.path), settings=settings)
+
+
 def test_info_says_which_path_and_why(olmo, tiny, monkeypatch, capsys):
     tiny_olmo, _ = olmo
     assert main(["info", "--model", str(tiny_olmo.path)]) == 0

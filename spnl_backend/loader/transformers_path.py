@@ -288,6 +288,15 @@ def quantize_linears(hf: torch.nn.Module, isq: IsqType, kernels) -> None:
         setattr(hf.get_submodule(parent), attr, quantized)
     if kept:
         log.warning("isq.skipped", layers=len(kept), first=kept[0], reason="rows fit no block type")
+    others = [  # matrices of layers that are not nn.Linear (GPT-2's Conv1D): left float
+        name
+        for name, module in hf.named_modules()
+        if not isinstance(module, torch.nn.Embedding | QuantLinear)
+        for param in module.parameters(recurse=False)
+        if param.dim() == 2
+    ]
+    if others:
+        log.warning("isq.skipped", layers=len(others), first=others[0], reason="not an nn.Linear")
     log.info("isq.enabled", type=isq.value, note="transformers' linear layers quantized")
 
 
