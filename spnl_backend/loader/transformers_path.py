@@ -100,38 +100,54 @@ def load_transformers_model(
     with step(progress, "compiling the CPU kernels (first run on this machine)", compiles):
         kernels = choose_kernels(decisions)
     hf = _built(model_class, hf_config, dtype, device)
-    _load_weights(hf, source.path, progress, device, dtype)
+    _load_weights(hf, source.path, progress, device)
     if isq is not None:
         quantize_linears(hf, isq, kernels)
-    model = TransformersCausalLM(hf.eval(), kernels)
-    probe = model.probe(torch.arange(PROBE_TOKENS, device=device) % hf_config.vocab_size)
-    check_probe(probe, hf_config, path)
-    config = _model_config(hf_config, probe, path, dtype)
-    model.config = config
-    model.specs = {
-        call.layer: spec.mixer.spec  # type: ignore[misc, union-attr]
-        for call, spec in zip(probe.calls, config.layers, strict=True)
-    }
-    eos = set(config.eos_token_ids)
-    if (source.path / "generation_config.json").exists():
-        generation = source.path / "generation_config.json"
-        eos |= set(generation_eos(source.path, generation, config.vocab_size))
-    tokenizer = tokenizer or load_text_tokenizer(source.path, tuple(sorted(eos)))
+    model = _probed(TransformersCausalLM(hf.eval(), kernels), hf_config, path, dtype, device)
+    config = model.config
+    assert config is not None
+    tokenizer = tokenizer or load_text_tokenizer(source.path, _eos_ids(config, source.path))
     release_freed_memory()
-    quantized = sum(isinstance(m, QuantLinear) for m in hf.modules())
     log.info(
         "model.loaded",
         architecture=config.architecture,
         implementation="transformers",
         why=why,
         model_class=model_class.__name__,
-        kind=source.kind,
         layers=config.num_layers,
         dtype=str(dtype).removeprefix("torch."),
         device=str(device),
-        quantized_layers=quantized,
+        quantized_layers=sum(isinstance(m, QuantLinear) for m in hf.modules()),
     )
     return model, tokenizer, config, dtype, device, kernels
+
+
+def _probed(
+    model: TransformersCausalLM,
+    hf_config: "PretrainedConfig",
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> TransformersCausalLM:
+    """``model`` checked by a probe pass and given what the pass found: its config and
+    each attention layer's place in the KV cache, by its ``layer_idx``."""
+    probe = model.probe(torch.arange(PROBE_TOKENS, device=device) % hf_config.vocab_size)
+    check_probe(probe, hf_config, path)
+    model.config = _model_config(hf_config, probe, path, dtype)
+    model.specs = {
+        call.layer: spec.mixer.spec  # type: ignore[misc, union-attr]
+        for call, spec in zip(probe.calls, model.config.layers, strict=True)
+    }
+    return model
+
+
+def _eos_ids(config: ModelConfig, model_dir: Path) -> tuple[int, ...]:
+    """config.json's end-of-sequence ids and generation_config.json's together."""
+    eos = set(config.eos_token_ids)
+    generation = model_dir / "generation_config.json"
+    if generation.exists():
+        eos |= set(generation_eos(model_dir, generation, config.vocab_size))
+    return tuple(sorted(eos))
 
 
 def _hf_config(model_dir: Path, path: Path) -> "PretrainedConfig":
@@ -234,7 +250,7 @@ def _built(
 
 
 def _load_weights(
-    hf: torch.nn.Module, model_dir: Path, progress: Progress, device: torch.device, dtype
+    hf: torch.nn.Module, model_dir: Path, progress: Progress, device: torch.device
 ) -> None:
     """Every parameter of ``hf`` (and persistent buffer the files hold) from the model's
     safetensors, by transformers' own names; a name it has not, or one left unfilled, is an
@@ -268,7 +284,7 @@ def _load_weights(
         )
 
 
-def quantize_linears(hf: torch.nn.Module, isq: IsqType, kernels) -> None:
+def quantize_linears(hf: torch.nn.Module, isq: IsqType, kernels: KernelChoice) -> None:
     """Every ``nn.Linear`` of ``hf`` replaced by a quantized one (the output head at the
     promoted type, as on the native path; the embedding stays float). A layer whose rows
     fit no block type stays float, said in the log."""
@@ -288,16 +304,21 @@ def quantize_linears(hf: torch.nn.Module, isq: IsqType, kernels) -> None:
         setattr(hf.get_submodule(parent), attr, quantized)
     if kept:
         log.warning("isq.skipped", layers=len(kept), first=kept[0], reason="rows fit no block type")
-    others = [  # matrices of layers that are not nn.Linear (GPT-2's Conv1D): left float
-        name
-        for name, module in hf.named_modules()
-        if not isinstance(module, torch.nn.Embedding | QuantLinear)
-        for param in module.parameters(recurse=False)
-        if param.dim() == 2
-    ]
+    others = _float_matrices(hf)
     if others:
         log.warning("isq.skipped", layers=len(others), first=others[0], reason="not an nn.Linear")
     log.info("isq.enabled", type=isq.value, note="transformers' linear layers quantized")
+
+
+def _float_matrices(hf: torch.nn.Module) -> list[str]:
+    """The modules holding a matrix that ISQ left float beside the embeddings: layers other
+    than nn.Linear (GPT-2's Conv1D)."""
+    return [
+        name
+        for name, module in hf.named_modules()
+        if not isinstance(module, torch.nn.Embedding | QuantLinear)
+        and any(param.dim() == 2 for param in module.parameters(recurse=False))
+    ]
 
 
 def check_probe(probe: Probe, config: "PretrainedConfig", path: Path) -> None:
