@@ -61,6 +61,8 @@ def choose_implementation(source: ModelSource, model_impl: str) -> tuple[Impleme
             )
         return "native", "a GGUF file runs on its family module"
     model_type = _model_type(source.path)
+    if not isinstance(model_type, str):  # the native loader's checks name what is wrong
+        return "native", "config.json names no model type"
     if model_impl == "transformers":
         return "transformers", f"{_VARIABLE}=transformers"
     found = family_of_model_type(model_type) or family_of_wrapper(model_type)
