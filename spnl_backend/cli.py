@@ -104,6 +104,11 @@ def _build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     info = commands.add_parser("info", help="print the resolved settings and platform decisions")
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    info.add_argument(
+        "--model",
+        help="also say whose code would run this model, and why (MISTRALRS_MODEL_IMPL; "
+        "default: MISTRALRS_MODEL); nothing is downloaded or loaded",
+    )
     info.set_defaults(run=_run_info)
     generate = commands.add_parser(
         "generate", help="complete prompts: streams one, shows progress for several"
@@ -366,11 +371,42 @@ def _run_info(args: argparse.Namespace) -> int:
 
     settings = load_settings()
     decisions = detect_platform(settings)
+    model = _model_implementation(settings, args.model)
     if args.json:
-        print(json.dumps(_info_json(settings, decisions), indent=2, default=str))
+        print(
+            json.dumps({**_info_json(settings, decisions), "model": model}, indent=2, default=str)
+        )
     else:
-        print(_info_table(settings, decisions))
+        rows = [(key, _show(value)) for key, value in model.items()]
+        print(_info_table(settings, decisions) + "\n\nmodel\n" + "\n".join(_format_rows(rows)))
     return 0
+
+
+_IMPL_RULES = {
+    "auto": "a family module where the model type has one, else transformers' modeling code",
+    "native": "a family module; a model type without one is refused",
+    "transformers": "transformers' modeling code for every safetensors model",
+}
+
+
+def _model_implementation(settings: BackendSettings, name: str | None) -> dict[str, Any]:
+    """Whose code would run the model named (or MISTRALRS_MODEL), and why; without one, the
+    rule MISTRALRS_MODEL_IMPL sets. Only files already here are read."""
+    from .errors import SpnlError
+    from .loader.resolve import resolve_model
+    from .loader.transformers_path import choose_implementation
+
+    name = name or settings.model
+    rule = f"{settings.model_impl}: {_IMPL_RULES[settings.model_impl]}"
+    if name is None:
+        return {"name": None, "implementation": rule}
+    try:
+        implementation, why = choose_implementation(
+            resolve_model(name, allow_download=False), settings.model_impl
+        )
+    except SpnlError as exc:
+        return {"name": name, "rule": rule, "error": str(exc)}
+    return {"name": name, "implementation": implementation, "why": why, "rule": rule}
 
 
 def _topology(settings: BackendSettings, decisions: PlatformDecisions) -> dict[str, Any]:

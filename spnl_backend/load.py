@@ -103,7 +103,14 @@ def _load(
         check_layer_map_settings(settings, decisions)
 
     def build() -> tuple[Engine, LoadedModel]:
-        loaded = load_model(source, settings.isq, decisions, progress, layer_map=layer_map)
+        loaded = load_model(
+            source,
+            settings.isq,
+            decisions,
+            progress,
+            layer_map=layer_map,
+            model_impl=settings.model_impl,
+        )
         draft = load_draft(loaded, settings, decisions, progress)
         engine = build_engine(loaded, settings, decisions, draft)
         return engine, loaded
@@ -134,7 +141,15 @@ def _load_distributed(
     def load_share() -> tuple[LoadedModel, Ranks]:
         split, ranks = start_ranks(source, settings, decisions, topology)
         try:
-            return load_model(source, settings.isq, decisions, progress, split=split), ranks
+            loaded = load_model(
+                source,
+                settings.isq,
+                decisions,
+                progress,
+                split=split,
+                model_impl=settings.model_impl,
+            )
+            return loaded, ranks
         except BaseException:
             ranks.stop()
             raise

@@ -10,6 +10,7 @@ from gguf import GGUFWriter
 from helpers import CPU
 
 from spnl_backend import (
+    BackendSettings,
     ModelFileError,
     ModelNotFoundError,
     UnsupportedArchitectureError,
@@ -154,7 +155,11 @@ def test_unknown_text_architecture_lists_the_supported_ones(tiny, tmp_path):
     config = json.loads((model_dir / "config.json").read_text())
     config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
     (model_dir / "config.json").write_text(json.dumps(config))
+    native = BackendSettings(device="cpu", model_impl="native")
     with pytest.raises(UnsupportedArchitectureError, match=r"'gpt2'.*llama, mistral, qwen2"):
+        load_backend(str(model_dir), settings=native)
+    # by default it goes to transformers' modeling code, whose GPT-2 has no such tensors
+    with pytest.raises(ModelFileError, match=r"unexpected tensor 'model\.embed_tokens"):
         load_backend(str(model_dir), settings=CPU)
 
 

@@ -74,7 +74,14 @@ def main(spec_path: str) -> int:
     )
     tp = join_group(topology, spec["port"], settings, torch.device(decisions.device))
     try:
-        loaded = load_model(source, settings.isq, decisions, lambda *_: None, split=RankSplit(tp))
+        loaded = load_model(
+            source,
+            settings.isq,
+            decisions,
+            lambda *_: None,
+            split=RankSplit(tp),
+            model_impl=settings.model_impl,
+        )
         follow(loaded, tp, settings, decisions)
     except SpnlError as exc:
         print(f"rank {topology.rank}: {type(exc).__name__}: {exc}", file=sys.stderr)

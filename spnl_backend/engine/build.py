@@ -67,6 +67,9 @@ def build_engine(
         if model is not None:
             _refuse_for_state_layers(model, settings)
     _refuse_for_kv_groups(loaded, settings)
+    for model in (loaded, draft):
+        if model is not None:
+            _refuse_for_transformers_code(model, settings)
     _refuse_for_chunked_attention(loaded, settings)
     adapters, no_adapters = _adapter_registry(loaded, settings, draft)
     settings = _prefix_caching_for(loaded.config, settings, decisions.paged_attn)
@@ -169,6 +172,23 @@ def _refuse_for_state_layers(loaded: LoadedModel, settings: BackendSettings) -> 
     _refuse(pic, why)
 
 
+def _refuse_for_transformers_code(loaded: LoadedModel, settings: BackendSettings) -> None:
+    """What a model on transformers' modeling code (`loader.transformers_path`) does not
+    run with: adapters on our projections, PIC's moved keys and layer probes."""
+    if loaded.implementation != "transformers":
+        return
+    asked = {
+        "MISTRALRS_LORA_ADAPTERS": settings.lora_adapters is not None,
+        **{f"{env_name(f)}={getattr(settings, f)}": True for f in given_pic_settings(settings)},
+    }
+    why = (
+        f"the {loaded.config.architecture} model runs on transformers' modeling code "
+        f"(MISTRALRS_MODEL_IMPL; {loaded.implementation_why}), which has neither our "
+        "projections' adapters nor PIC's rotations and probes"
+    )
+    _refuse(asked, why)
+
+
 def _refuse_for_kv_groups(loaded: LoadedModel, settings: BackendSettings) -> None:
     """What a model whose KV layers differ in shape or are shared (Gemma 4) cannot run
     with: what sees the pool as one shape, or a layer's K and V beside it."""
@@ -243,6 +263,8 @@ def _adapter_registry(
         "MISTRALRS_SPECULATIVE_METHOD=ngram": settings.speculative == "ngram",
     }
     named = lora_adapter_list(settings.lora_adapters)
+    if loaded.implementation == "transformers":  # refused at load (`_refuse_for_transformers_code`)
+        return None, "the model runs on transformers' modeling code, which has no adapters here"
     if loaded.config.folded_multipliers is not None:
         why = (
             f"the {loaded.config.architecture} model's multipliers are folded into its "

@@ -389,6 +389,11 @@ class Engine:
                 "it runs without paged attention (MISTRALRS_PAGED_ATTN=false, or the "
                 "platform's default); PIC lives in the paged pool"
             )
+        if self.runner.model.config.implementation == "transformers":
+            return (
+                "its model runs on transformers' modeling code (MISTRALRS_MODEL_IMPL), "
+                "whose rotary embedding PIC's moved keys cannot follow"
+            )
         if info.compression is not None:
             return f"its KV cache is compressed (MISTRALRS_KV_CACHE_COMPRESSION={info.compression})"
         if info.latent_kv:

@@ -36,6 +36,7 @@ def load_draft(
             progress,
             requantize_gguf=True,
             tokenizer=target.tokenizer if same else None,
+            model_impl=settings.model_impl,
         )
     except (SpnlError, OSError, ValueError) as exc:
         described = f"MISTRALRS_SPECULATIVE_DRAFT_MODEL={name}" if name else "the target"

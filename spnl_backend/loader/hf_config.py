@@ -112,17 +112,17 @@ def read_text_config(model_dir: Path) -> tuple[ModelConfig, tuple[int, ...]]:
     ids (config.json's and generation_config.json's together), every value checked."""
     path = model_dir / "config.json"
     shapes = safetensors_shapes(safetensors_files(model_dir))
-    check_raw_config(_json_object(path), path, layer_indices(shapes))
+    check_raw_config(json_object(path), path, layer_indices(shapes))
     config = model_config_from_hf(_transformers_config(model_dir, path), path)
     check_config_shapes(config, shapes, model_dir)
     generation = model_dir / "generation_config.json"
     eos = set(config.eos_token_ids)
     if generation.exists():
-        eos |= set(_generation_eos(model_dir, generation, config.vocab_size))
+        eos |= set(generation_eos(model_dir, generation, config.vocab_size))
     return config, tuple(sorted(eos))
 
 
-def _json_object(path: Path) -> dict[str, Any]:
+def json_object(path: Path) -> dict[str, Any]:
     try:
         content = json.loads(path.read_bytes())
     except OSError as exc:
@@ -217,7 +217,7 @@ def _transformers_config(model_dir: Path, path: Path) -> "PretrainedConfig":
         ) from exc
 
 
-def _generation_eos(model_dir: Path, path: Path, vocab: int) -> tuple[int, ...]:
+def generation_eos(model_dir: Path, path: Path, vocab: int) -> tuple[int, ...]:
     from transformers import GenerationConfig
 
     try:

@@ -5,6 +5,7 @@ from typing import Protocol
 
 import torch
 
+from ..errors import SettingsError
 from ..kernels import KernelChoice, choose_kernels
 from ..kernels.cpu import CpuKernels, built_before
 from ..log import get_logger
@@ -24,6 +25,7 @@ from .hf_config import read_text_config
 from .progress import Progress, step
 from .resolve import ModelSource
 from .tokenizer import Tokenizer, converted_before, load_gguf_tokenizer, load_text_tokenizer
+from .transformers_path import choose_implementation, load_transformers_model
 from .weights import (
     NamedTensors,
     load_into,
@@ -56,6 +58,10 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     kernels: KernelChoice  # what it runs on, chosen once from the platform decisions
+    # Whose code runs it (`loader.transformers_path`): a family module's layers, or
+    # transformers' modeling code over the engine's cache; and why.
+    implementation: str = "native"
+    implementation_why: str = ""
 
     @property
     def native(self) -> CpuKernels | None:
@@ -73,13 +79,31 @@ def load_model(
     tokenizer: Tokenizer | None = None,
     split: ModelSplit | None = None,
     layer_map: LayerMap | None = None,
+    model_impl: str = "auto",
 ) -> LoadedModel:
     """Load ``source`` with ``isq`` applied to a text model's float weights (and, where
     ``requantize_gguf``, to a GGUF's stored blocks: how a draft is made from a GGUF target).
     ``tokenizer`` reuses one already loaded for the same model; ``split``: this rank's
     share of a tensor-parallel model (its config is then the share's); ``layer_map``:
-    consecutive layers on each of several devices."""
+    consecutive layers on each of several devices; ``model_impl``: whose code runs it
+    (``MISTRALRS_MODEL_IMPL``, `transformers_path.choose_implementation`)."""
     place = _Placement(split, layer_map)
+    implementation, why = choose_implementation(source, model_impl)
+    if implementation == "transformers":
+        _refuse_placement(place)
+        parts = load_transformers_model(source, isq, decisions, progress, why, tokenizer)
+        model, tokenizer, config, dtype, device, kernels = parts
+        return LoadedModel(
+            model,  # type: ignore[arg-type]  # the interface of CausalLM, not the class
+            tokenizer,
+            config,
+            source,
+            dtype,
+            device,
+            kernels,
+            implementation="transformers",
+            implementation_why=why,
+        )
     if source.kind == "gguf":
         return _load_gguf(source, isq, decisions, progress, requantize_gguf, tokenizer, place)
     return _load_text(source, isq, decisions, progress, tokenizer, place)
@@ -91,6 +115,20 @@ class _Placement:
 
     split: ModelSplit | None = None
     layer_map: LayerMap | None = None
+
+
+def _refuse_placement(place: "_Placement") -> None:
+    """transformers' modeling code runs whole on one device, in one process."""
+    asked = {
+        "tensor parallelism": place.split is not None,
+        "layer mapping (MISTRALRS_DEVICE_LAYERS)": place.layer_map is not None,
+    }
+    for what, is_set in asked.items():
+        if is_set:
+            raise SettingsError(
+                f"{what} does not run on transformers' modeling code "
+                "(MISTRALRS_MODEL_IMPL): the model runs whole on one device"
+            )
 
 
 def _load_text(

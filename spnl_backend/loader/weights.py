@@ -109,23 +109,27 @@ def read_safetensors(
     progress: Progress,
     packed: tuple[str, ...] = (),
     unused: tuple[str, ...] = (),
+    rename: bool = True,
 ) -> NamedTensors:
     """Every tensor the model uses, checked: a float type, and finite; those whose names end
     with one of ``packed`` (a quantized checkpoint's blocks and scales,
     `Family.quant_methods`) as stored, for the family to check and unpack; those ending
     with one of ``unused`` (`Family.hf_unused`) left unread. The data is read
     into tensors of their own, not mapped: a file truncated under the process would
-    otherwise kill it (SIGBUS) at the next read of a weight."""
+    otherwise kill it (SIGBUS) at the next read of a weight. ``rename``: multimodal and
+    Mixtral names made ours (False: as stored, for transformers' own modules)."""
     for number, path in enumerate(files, 1):
         with open_safetensors(path) as f:  # safetensors checks the header's layout
-            names = [n for n in list(f.keys()) if not _skipped(_renamed(n), unused)]
+            names = list(f.keys())
+            if rename:
+                names = [n for n in names if not _skipped(_renamed(n), unused)]
         layout = safetensors_layout(path)
         for done, name in enumerate(names):
             progress(f"weights {number}/{len(files)}", done, len(names))
             tensor = read_tensor(path, layout, name)
             if not (packed and name.endswith(packed)):
                 check_float(tensor, path, name)
-            yield _renamed(name), tensor
+            yield _renamed(name) if rename else name, tensor
         progress(f"weights {number}/{len(files)}", len(names), len(names))
 
 

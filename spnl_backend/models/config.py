@@ -143,11 +143,16 @@ class ModelConfig:
     # How /v1/embeddings pools the last hidden states (`engine.embed`): a GGUF's
     # pooling_type where it has one; the last token's state otherwise.
     pooling: Literal["last", "mean", "first"] = "last"
+    # Whose code runs the model: a family module's layers (native), or transformers' own
+    # modeling code over the engine's cache (`models.transformers_lm`): then
+    # ``architecture`` is the config.json model type, the config describes the KV layers
+    # and sizes the engine reads, and the fields that build native layers go unused.
+    implementation: Literal["native", "transformers"] = "native"
 
     def __post_init__(self) -> None:
         from .arch import family_names
 
-        if self.architecture not in family_names():
+        if self.implementation == "native" and self.architecture not in family_names():
             raise UnsupportedArchitectureError(
                 f"architecture {self.architecture!r} is not supported; supported: "
                 + ", ".join(family_names())
@@ -232,9 +237,14 @@ class ModelConfig:
 
     @functools.cached_property
     def layers(self) -> tuple["LayerSpec", ...]:
-        """One description per layer, by the family's ``layers`` (`models.arch`)."""
+        """One description per layer, by the family's ``layers`` (`models.arch`); a model
+        on transformers' code has attention layers alone (`loader.transformers_path`
+        refuses any other)."""
         from .arch import family
+        from .layers import describe_layers
 
+        if self.implementation == "transformers":
+            return describe_layers(self)
         return family(self.architecture).layers(self)
 
 
@@ -364,7 +374,8 @@ def _check_dense_size(config: ModelConfig) -> None:
     """The dense MLP's size; 0 (no dense MLP: Qwen3.5 MoE's files give none) only where
     every layer has experts."""
     every_layer_sparse = config.moe is not None and all(config.moe.sparse)
-    if config.intermediate_size == 0 and every_layer_sparse:
+    unused = config.implementation == "transformers"  # transformers' own MLP runs
+    if config.intermediate_size == 0 and (every_layer_sparse or unused):
         return
     if not (_is_int(config.intermediate_size) and 0 < config.intermediate_size <= MAX_COUNT):
         raise ConfigValueError(

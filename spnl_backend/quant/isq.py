@@ -55,6 +55,14 @@ def isq_type_for(name: str, isq: IsqType) -> Q | None:
     return None
 
 
+def linear_type(isq: IsqType, cols: int, head: bool = False) -> Q | None:
+    """The GGML type ISQ gives a projection of ``cols`` inputs (``head``: the output head,
+    promoted as `isq_type_for` promotes it), its fallback where its blocks do not fit, or
+    None where neither does."""
+    wanted = (Q.Q6_K if isq in _PROMOTED_TO_Q6K else Q.Q8_0) if head else GGML_TYPE[isq]
+    return _fitting_type(wanted, cols)
+
+
 def apply_isq(
     tensors: Iterator[tuple[str, torch.Tensor]], isq: IsqType, keep_quantized: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:

@@ -83,6 +83,7 @@ _PARSERS = {
     "collective_timeout_s": values.parse_seconds,
     "device_layers": values.parse_device_layers,
     "model": values.parse_optional_name,
+    "model_impl": values.choice(values.MODEL_IMPLS),
     "device": values.parse_device,
     "dtype": values.parse_dtype,
     "verbose": values.parse_bool,
@@ -188,6 +189,11 @@ class BackendSettings(BaseSettings):
     # Layer mapping (`settings.topology.LayerMap`): consecutive layers on each device.
     device_layers: Annotated[tuple[tuple[int, int], ...] | None, NoDecode] = None
     model: str | None = None
+    # Whose code runs a safetensors model: auto is ours where the model type has a family
+    # module (`models.arch`), else transformers' own modeling code over our paged KV cache
+    # (`loader.transformers_path`); native refuses a type without a module; transformers
+    # takes transformers' code for every safetensors model.
+    model_impl: Literal["auto", "native", "transformers"] = "auto"
     device: str = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     verbose: bool = False

@@ -54,6 +54,8 @@ ISQ_ACCEPTED = (
 BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 CACHE_TYPES = ("auto", "f8e4m3", "f16", "f32")
 CPU_KERNELS = ("auto", "native", "torch")
+# Whose code runs a text model: ours (a family module), transformers' (`loader.transformers_path`).
+MODEL_IMPLS = ("auto", "native", "transformers")
 CPU_MATMULS = ("auto", "int8", "float32")
 CPU_GEMMS = ("auto", "float32", "bfloat16")
 DTYPES = {
