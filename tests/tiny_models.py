@@ -136,6 +136,8 @@ CONVERTED = frozenset(
     {"phi", "starcoder2", "gpt_neox", "granite", "cohere", "cohere2", "qwen2_moe"}
 )
 CONVERTED_PRE = {"phi": "gpt-2", "starcoder2": "gpt-2", "gpt_neox": "gpt-2"}
+# The families whose converter-written GGUF is checked in a test module of their own.
+GGUF_CONVERTER_TESTS = frozenset({"deepseek_v2", "deepseek_v3", "llama4"})
 # Their tiny tokenizers' chat templates: each family's turns (its checkpoints' template cut
 # to plain turns; ``{role}`` upper-cased for Cohere's USER_TOKEN, SYSTEM_TOKEN), then the
 # prompt of the assistant's turn.
