@@ -21,6 +21,7 @@ from . import (
     qwen3_5,
     qwen3_5_moe,
     qwen3_moe,
+    seed_oss,
     smollm3,
 )
 from .family import Family
@@ -45,6 +46,7 @@ FAMILIES: tuple[Family, ...] = tuple(
         mixtral,
         olmoe,
         gpt_oss,
+        seed_oss,
     )
 )
 
