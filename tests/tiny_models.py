@@ -194,6 +194,7 @@ _GGUF_ARCH = {
     "granitemoehybrid": "granitehybrid",
     "gemma4": "gemma4",
     "seed_oss": "seed_oss",
+    "ernie4_5": "ernie4_5",
 }
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm",

@@ -5,6 +5,7 @@ tests iterate this list; a family is added here and nowhere else."""
 import functools
 
 from . import (
+    ernie4_5,
     gemma2,
     gemma3,
     gemma4,
@@ -47,6 +48,7 @@ FAMILIES: tuple[Family, ...] = tuple(
         olmoe,
         gpt_oss,
         seed_oss,
+        ernie4_5,
     )
 )
 
