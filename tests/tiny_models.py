@@ -101,12 +101,14 @@ KV_GROUP_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_kv_groups(f))
 MOE_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_experts(f) and not f.state_layers)
 HYBRID_ARCHITECTURES = tuple(f.name for f in FAMILIES if f.state_layers)
 MOE_HYBRID_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_experts(f) and f.state_layers)
-# What the native layer blocks leave to the per-op path: qwen2's and seed_oss's projections
-# carry biases,
+# What the native layer blocks leave to the per-op path: qwen2's, seed_oss's and GLM's
+# projections carry biases,
 # OLMo 2's layers have no input norm (norms after attention and MLP only), SmolLM3 has a
 # layer that does not rotate, gpt-oss's attention has sinks (and its experts biases),
 # Gemma 4's layers differ in shape and share K/V.
-PER_OP_ONLY = frozenset({"qwen2", "seed_oss", "olmo2", "smollm3", "gpt_oss", "gemma4"})
+PER_OP_ONLY = frozenset(
+    {"qwen2", "seed_oss", "glm4", "glm", "olmo2", "smollm3", "gpt_oss", "gemma4"}
+)
 
 
 @dataclass
@@ -195,6 +197,8 @@ _GGUF_ARCH = {
     "gemma4": "gemma4",
     "seed_oss": "seed_oss",
     "ernie4_5": "ernie4_5",
+    "glm4": "glm4",
+    "glm": "chatglm",
 }
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -240,6 +244,12 @@ _OLMO2_LAYER_NAMES = {
 # The norm before the MLP under llama.cpp's ATTN_POST_NORM name (no FFN_NORM in the arch).
 _ATTN_POST_NORM_NAMES = {**_LAYER_NAMES, "post_attention_layernorm": "post_attention_norm"}
 _GPT_OSS_LAYER_NAMES = _ATTN_POST_NORM_NAMES
+_GLM4_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_self_attn_layernorm": "post_attention_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "post_mlp_layernorm": "post_ffw_norm",
+}
 GEMMAS = ("gemma2", "gemma3")  # norms scaled by (1 + w), which the converter stores
 # norms scaled by (1 + w): their weights centred on 0
 OFFSET_NORMS = (*GEMMAS, "qwen3_5", "qwen3_5_moe")
@@ -270,6 +280,8 @@ def _gguf_name(name: str, arch: str) -> str:
         names = _OLMO2_LAYER_NAMES
     if arch == "seed_oss":
         names = _ATTN_POST_NORM_NAMES
+    if arch == "glm4":
+        names = _GLM4_LAYER_NAMES
     if arch == "gpt-oss":
         names = _GPT_OSS_LAYER_NAMES
         if rest == "self_attn.sinks":  # the converter adds the suffix

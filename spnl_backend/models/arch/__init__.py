@@ -9,6 +9,8 @@ from . import (
     gemma2,
     gemma3,
     gemma4,
+    glm,
+    glm4,
     gpt_oss,
     granitemoehybrid,
     llama,
@@ -49,6 +51,8 @@ FAMILIES: tuple[Family, ...] = tuple(
         gpt_oss,
         seed_oss,
         ernie4_5,
+        glm4,
+        glm,
     )
 )
 
