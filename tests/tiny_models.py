@@ -102,12 +102,11 @@ MOE_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_experts(f) and not f.
 HYBRID_ARCHITECTURES = tuple(f.name for f in FAMILIES if f.state_layers)
 MOE_HYBRID_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_experts(f) and f.state_layers)
 # What the native layer blocks leave to the per-op path: qwen2's, seed_oss's and GLM's
-# projections carry biases,
-# OLMo 2's layers have no input norm (norms after attention and MLP only), SmolLM3 has a
-# layer that does not rotate, gpt-oss's attention has sinks (and its experts biases),
+# projections carry biases, OLMo 2's and EXAONE 4's layers have no input norm (norms after
+# attention and MLP only), SmolLM3 and EXAONE 4 have layers that do not rotate, gpt-oss's attention has sinks (and its experts biases),
 # Gemma 4's layers differ in shape and share K/V.
 PER_OP_ONLY = frozenset(
-    {"qwen2", "seed_oss", "glm4", "glm", "olmo2", "smollm3", "gpt_oss", "gemma4"}
+    {"qwen2", "seed_oss", "glm4", "glm", "olmo2", "exaone4", "smollm3", "gpt_oss", "gemma4"}
 )
 
 
@@ -199,6 +198,7 @@ _GGUF_ARCH = {
     "ernie4_5": "ernie4_5",
     "glm4": "glm4",
     "glm": "chatglm",
+    "exaone4": "exaone4",
 }
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -276,7 +276,7 @@ def _gguf_name(name: str, arch: str) -> str:
         "gemma3": _GEMMA_LAYER_NAMES,
         "gemma4": _GEMMA4_LAYER_NAMES,
     }.get(arch, _LAYER_NAMES)
-    if arch == "olmo2":
+    if arch in ("olmo2", "exaone4"):
         names = _OLMO2_LAYER_NAMES
     if arch == "seed_oss":
         names = _ATTN_POST_NORM_NAMES
@@ -583,7 +583,8 @@ def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config, mtp_layers: int
         _write_qwen35_metadata(writer, _GGUF_ARCH[tiny.arch], config, mtp_layers)
     if getattr(config, "shared_expert_intermediate_size", None):
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-    if tiny.arch in ("gemma3", "olmo2"):  # (Gemma 2's alternation is llama.cpp's default)
+    # (Gemma 2's alternation is llama.cpp's default)
+    if tiny.arch in ("gemma3", "olmo2", "exaone4"):
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
     if tiny.arch in GEMMAS:
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)

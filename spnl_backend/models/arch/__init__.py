@@ -6,6 +6,7 @@ import functools
 
 from . import (
     ernie4_5,
+    exaone4,
     gemma2,
     gemma3,
     gemma4,
@@ -53,6 +54,7 @@ FAMILIES: tuple[Family, ...] = tuple(
         ernie4_5,
         glm4,
         glm,
+        exaone4,
     )
 )
 
