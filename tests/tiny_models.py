@@ -103,10 +103,22 @@ HYBRID_ARCHITECTURES = tuple(f.name for f in FAMILIES if f.state_layers)
 MOE_HYBRID_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_experts(f) and f.state_layers)
 # What the native layer blocks leave to the per-op path: qwen2's, seed_oss's and GLM's
 # projections carry biases, OLMo 2's and EXAONE 4's layers have no input norm (norms after
-# attention and MLP only), SmolLM3 and EXAONE 4 have layers that do not rotate, gpt-oss's attention has sinks (and its experts biases),
-# Gemma 4's layers differ in shape and share K/V.
+# attention and MLP only), SmolLM3 and EXAONE 4 have layers that do not rotate, Arcee's
+# MLP has no gate, gpt-oss's attention has sinks (and its experts biases), Gemma 4's
+# layers differ in shape and share K/V.
 PER_OP_ONLY = frozenset(
-    {"qwen2", "seed_oss", "glm4", "glm", "olmo2", "exaone4", "smollm3", "gpt_oss", "gemma4"}
+    {
+        "qwen2",
+        "seed_oss",
+        "glm4",
+        "glm",
+        "olmo2",
+        "exaone4",
+        "arcee",
+        "smollm3",
+        "gpt_oss",
+        "gemma4",
+    }
 )
 
 
@@ -199,6 +211,7 @@ _GGUF_ARCH = {
     "glm4": "glm4",
     "glm": "chatglm",
     "exaone4": "exaone4",
+    "arcee": "arcee",
 }
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -254,7 +267,7 @@ GEMMAS = ("gemma2", "gemma3")  # norms scaled by (1 + w), which the converter st
 # norms scaled by (1 + w): their weights centred on 0
 OFFSET_NORMS = (*GEMMAS, "qwen3_5", "qwen3_5_moe")
 # llama.cpp's converter permutes q and k rows of these (NORM rope), as Llama's.
-_PERMUTED = ("llama", "mistral", "mixtral", "smollm3", "granitemoehybrid")
+_PERMUTED = ("llama", "mistral", "mixtral", "smollm3", "granitemoehybrid", "arcee")
 
 
 def _gguf_name(name: str, arch: str) -> str:

@@ -34,6 +34,7 @@ _ACTIVATIONS = {
     "swish": "silu",
     "gelu_pytorch_tanh": "gelu_tanh",
     "gelu_tanh": "gelu_tanh",
+    "relu2": "relu2",
 }
 _LAYER_TYPES: dict[str, LayerType] = {
     "full_attention": "full",

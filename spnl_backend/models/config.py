@@ -72,7 +72,9 @@ class ModelConfig:
     final_softcap: float | None = None
     # swiglu_oai: gpt-oss's experts, ``(up + 1) * gate * sigmoid(alpha * gate)`` with the
     # gate clamped above at ``swiglu_limit`` and up to [-limit, limit] (`models.mlp`).
-    activation: Literal["silu", "gelu_tanh", "swiglu_oai"] = "silu"
+    # relu2: ReLU squared. gated_mlp False: the dense MLP is up, activation, down (Arcee).
+    activation: Literal["silu", "gelu_tanh", "swiglu_oai", "relu2"] = "silu"
+    gated_mlp: bool = True
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     # OLMoE: q and k normed over the whole projection (before the heads are split), and

@@ -14,7 +14,7 @@ from .deltanet import GatedDeltaNet
 from .layers import DeltaNetMixer, Mamba2Mixer, MoeFFN
 from .linear import Linear, rows_alone
 from .mamba2 import Mamba2
-from .mlp import GatedMLP, gelu_tanh
+from .mlp import GatedMLP, PlainMLP, gelu_tanh
 from .moe import SparseMoE
 from .norms import RMSNorm, rms_norm_of
 from .per_layer import add_gated, gate_weights
@@ -49,8 +49,10 @@ class DecoderLayer(nn.Module):
             self.self_attn = Attention(config, spec.mixer, tp, native)
         if isinstance(spec.ffn, MoeFFN):
             self.mlp: nn.Module = SparseMoE(config, kernels)
-        else:
+        elif spec.ffn.gated:
             self.mlp = GatedMLP(config, spec.ffn.intermediate_size)
+        else:
+            self.mlp = PlainMLP(config, spec.ffn.intermediate_size)
         # A shared expert beside the routed ones, and the projection that gates it.
         self.shared_mlp: GatedMLP | None = None
         self.shared_mlp_gate: Linear | None = None

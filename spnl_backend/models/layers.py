@@ -95,8 +95,11 @@ StateMixer = DeltaNetMixer | Mamba2Mixer
 
 @dataclass(frozen=True)
 class DenseFFN:
+    """``gated``: ``down(act(gate) * up)``; else ``down(act(up))`` (no gate projection)."""
+
     intermediate_size: int
     activation: str
+    gated: bool = True
 
 
 @dataclass(frozen=True)
@@ -214,4 +217,4 @@ def _ffn(config: "ModelConfig", i: int) -> DenseFFN | MoeFFN:
         return MoeFFN(config.moe, config.activation)
     shared = i >= config.num_layers - config.num_kv_shared_layers
     wide = 2 if shared and config.double_wide_shared_mlp else 1
-    return DenseFFN(wide * config.intermediate_size, config.activation)
+    return DenseFFN(wide * config.intermediate_size, config.activation, config.gated_mlp)

@@ -1,4 +1,5 @@
-"""The gated MLP of a dense layer (and of each expert), and its gating functions."""
+"""The MLPs of a dense layer (gated, and each expert's; or plain: up, activation, down)
+and their activation functions."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,12 +29,27 @@ class GatedMLP(nn.Module):
         if config.activation == "swiglu_oai":
             self.glu: Glu = ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit)
         else:
-            self.act = F.silu if config.activation == "silu" else gelu_tanh
+            self.act = activation_fn(config.activation)
             self.glu = _plain_glu(self.act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(x, self.gate_proj, self.up_proj)
         return self.down_proj(self.glu(gate, up))
+
+
+class PlainMLP(nn.Module):
+    """``down(act(up(x)))``: a dense layer's MLP without a gate (Arcee, Nemotron). The
+    native layer blocks run gated MLPs only, so a layer of these takes the per-op path."""
+
+    def __init__(self, config: ModelConfig, inner: int | None = None) -> None:
+        super().__init__()
+        hidden, inner = config.hidden_size, inner or config.intermediate_size
+        self.up_proj = Linear(hidden, inner, bias=False)
+        self.down_proj = Linear(inner, hidden, bias=False)
+        self.act = activation_fn(config.activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
 
 
 @dataclass(frozen=True)
@@ -57,3 +73,20 @@ def _plain_glu(act: Callable[[torch.Tensor], torch.Tensor]) -> Glu:
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """ReLU squared (Primer's; transformers' ``relu2``)."""
+    return F.relu(x).square()
+
+
+_ACTIVATION_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_tanh": gelu_tanh,
+    "relu2": relu2,
+}
+
+
+def activation_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The function of a `ModelConfig.activation` applied alone (not gpt-oss's gating)."""
+    return _ACTIVATION_FNS[name]

@@ -5,6 +5,7 @@ tests iterate this list; a family is added here and nowhere else."""
 import functools
 
 from . import (
+    arcee,
     ernie4_5,
     exaone4,
     gemma2,
@@ -55,6 +56,7 @@ FAMILIES: tuple[Family, ...] = tuple(
         glm4,
         glm,
         exaone4,
+        arcee,
     )
 )
 
