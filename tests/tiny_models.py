@@ -213,6 +213,8 @@ _GGUF_ARCH = {
     "exaone4": "exaone4",
     "arcee": "arcee",
 }
+# The families llama.cpp's converter writes (a ``ministral`` checkpoint it cannot read).
+CONVERTIBLE = frozenset(_GGUF_ARCH)
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
     "self_attn.q_proj": "attn_q",

@@ -16,6 +16,7 @@ from . import (
     gpt_oss,
     granitemoehybrid,
     llama,
+    ministral,
     mistral,
     mixtral,
     olmo2,
@@ -57,6 +58,7 @@ FAMILIES: tuple[Family, ...] = tuple(
         glm,
         exaone4,
         arcee,
+        ministral,
     )
 )
 
