@@ -104,8 +104,8 @@ MOE_HYBRID_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_experts(f) and
 # What the native layer blocks leave to the per-op path: qwen2's, seed_oss's and GLM's
 # projections carry biases, OLMo 2's and EXAONE 4's layers have no input norm (norms after
 # attention and MLP only), SmolLM3 and EXAONE 4 have layers that do not rotate, Arcee's
-# MLP has no gate, gpt-oss's attention has sinks (and its experts biases), Gemma 4's
-# layers differ in shape and share K/V.
+# MLP has no gate, HunYuan norms q and k after their rotation, gpt-oss's attention has
+# sinks (and its experts biases), Gemma 4's layers differ in shape and share K/V.
 PER_OP_ONLY = frozenset(
     {
         "qwen2",
@@ -115,6 +115,7 @@ PER_OP_ONLY = frozenset(
         "olmo2",
         "exaone4",
         "arcee",
+        "hunyuan_v1_dense",
         "smollm3",
         "gpt_oss",
         "gemma4",
@@ -212,6 +213,7 @@ _GGUF_ARCH = {
     "glm": "chatglm",
     "exaone4": "exaone4",
     "arcee": "arcee",
+    "hunyuan_v1_dense": "hunyuan-dense",
 }
 # The families llama.cpp's converter writes (a ``ministral`` checkpoint it cannot read).
 CONVERTIBLE = frozenset(_GGUF_ARCH)
@@ -223,6 +225,8 @@ _LAYER_NAMES = {
     "self_attn.o_proj": "attn_output",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
+    "self_attn.query_layernorm": "attn_q_norm",  # HunYuan's
+    "self_attn.key_layernorm": "attn_k_norm",
     "self_attn.qkv_proj": "attn_qkv",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
@@ -569,7 +573,10 @@ def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config, mtp_layers: int
     # (llama.cpp's converter writes 1e-5 for every OLMoE: the tiny one's own value)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)
-    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope["rope_type"] == "dynamic":  # HunYuan's NTK-alpha: the converter raises the base
+        writer.add_rope_freq_base(rope["rope_theta"] * rope["alpha"] ** (HEAD_DIM / (HEAD_DIM - 2)))
+    else:
+        writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_rope_dimension_count(int(HEAD_DIM * rope.get("partial_rotary_factor", 1.0)))
     if rope["rope_type"] == "linear":
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)

@@ -49,11 +49,12 @@ class Attention(nn.Module):
         if mixer.qk_norm == "full":  # OLMo: over the whole projections, before the heads
             self.q_norm = rms_norm_of(config, q_size, native)
             self.k_norm = rms_norm_of(config, kv_size, native)
-        elif mixer.qk_norm == "head":
+        elif mixer.qk_norm in ("head", "rotated"):
             self.q_norm = rms_norm_of(config, self.head_dim, native)
             if not self.shared_kv:
                 self.k_norm = rms_norm_of(config, self.head_dim, native)
         self.qk_norm, self.qk_norm_full = mixer.qk_norm == "head", mixer.qk_norm == "full"
+        self.qk_norm_rotated = mixer.qk_norm == "rotated"  # normed after the rotation
         self.clip_qkv, self.rope = mixer.clip_qkv, mixer.rope
         self._spec = mixer.spec
         if mixer.sinks:  # a weight: the loader replaces it, so the spec is made from it late
@@ -121,7 +122,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim)
         if self.qk_norm:
             q = ops.rms_norm_layer(q, self.q_norm)
-        return q if rotary is None else rotary.apply(q)
+        q = q if rotary is None else rotary.apply(q)
+        return ops.rms_norm_layer(q, self.q_norm) if self.qk_norm_rotated else q
 
     def _gemma4_qkv(self, x: torch.Tensor, rotary: RotaryTables | None):
         """Gemma 4's q, k, v: the values from the k projection where it has no v_proj,
@@ -146,12 +148,15 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, rotary: RotaryTables | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries and keys ``[T, heads, d]`` normed per head where the layer does, then
-        rotated where it does (one fused step where both)."""
+        rotated where it does (one fused step where both); or rotated, then normed
+        (HunYuan's ``rotated`` norms)."""
         norms = (self.q_norm, self.k_norm) if self.qk_norm else None
         if rotary is not None:
-            return ops.qk_norm_rotate(q, k, norms, rotary)
-        if norms is not None:
+            q, k = ops.qk_norm_rotate(q, k, norms, rotary)
+        elif norms is not None:
             q, k = ops.rms_norm_layer(q, norms[0]), ops.rms_norm_layer(k, norms[1])
+        if self.qk_norm_rotated:
+            q, k = ops.rms_norm_layer(q, self.q_norm), ops.rms_norm_layer(k, self.k_norm)
         return q, k
 
     def _sharded_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:

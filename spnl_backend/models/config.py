@@ -60,6 +60,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    qk_norm_after_rope: bool = False  # HunYuan: q and k normed per head once rotated
     norm_offset: float = 0.0  # Gemma scales by (offset + weight)
     norm_in_float: bool = False  # Gemma multiplies by the weight before casting back
     norm_placement: "NormPlacement" = "pre"  # `models.layers.NormPlacement`

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 NormPlacement = Literal["pre", "sandwich", "post"]
 # Which rotary table turns a layer's queries and keys; None: no rotation (NoPE).
 RopeTable = Literal["global", "local"]
-QkNorm = Literal["head", "full"]  # per head, or over the whole projection (OLMo)
+# per head, over the whole projection (OLMo), or per head once rotated (HunYuan)
+QkNorm = Literal["head", "full", "rotated"]
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,11 @@ def _attention(
     rope: RopeTable | None = "local" if sliding and config.rope_local else "global"
     if config.rope_layers and not config.rope_layers[i]:
         rope = None
-    qk_norm: QkNorm | None = "full" if config.qk_norm_full else "head" if config.qk_norm else None
+    qk_norm: QkNorm | None = None
+    if config.qk_norm_full:
+        qk_norm = "full"
+    elif config.qk_norm:
+        qk_norm = "rotated" if config.qk_norm_after_rope else "head"
     return AttentionMixer(
         config.num_heads,
         kv_heads,

@@ -167,7 +167,8 @@ class LayerBlocks:
 
 def _blocks_run(layers: list[DecoderLayer], final_norm: RMSNorm) -> bool:
     """Whether every layer is one the blocks run: attention (not a state layer) with
-    rotated queries and keys, no output gate and no sinks, its own K and V from its own k
+    rotated queries and keys (normed, where they are, before the rotation), no output gate
+    and no sinks, its own K and V from its own k
     and v projections, no norm of the values, nothing after its MLP's residual add
     (per-layer inputs, an output scale), an input norm (pre or sandwich norms), quantized
     projections without bias (on the model's per-row products), the same shapes, a known
@@ -179,6 +180,8 @@ def _blocks_run(layers: list[DecoderLayer], final_norm: RMSNorm) -> bool:
         if attn is None or attn.rope is None or attn.output_gate or not layer.input_layernorm:
             return False
         if attn.spec.scoring.sinks is not None:  # on the ops alone: every such model has biases
+            return False
+        if attn.qk_norm_rotated:  # the blocks norm q and k before the rotation only
             return False
         if layer.spec.residual_scale is not None or layer.shared_mlp is not None:
             return False

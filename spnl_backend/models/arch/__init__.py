@@ -15,6 +15,7 @@ from . import (
     glm4,
     gpt_oss,
     granitemoehybrid,
+    hunyuan_v1_dense,
     llama,
     ministral,
     mistral,
@@ -59,6 +60,7 @@ FAMILIES: tuple[Family, ...] = tuple(
         exaone4,
         arcee,
         ministral,
+        hunyuan_v1_dense,
     )
 )
 

@@ -163,6 +163,8 @@ class Family:
       not say (``expert_weights_norm``).
     - ``gguf_auto_tokenizer``: transformers' AutoTokenizer converts its GGUF vocabulary
       (else the generic fast tokenizer reads the file's tokenizer metadata).
+    - ``ntk_alpha_rope``: a ``config.json`` rope of type "dynamic" with an ``alpha`` is
+      fixed NTK-alpha scaling (transformers' HunYuan), not length-dependent scaling.
     - ``chat_template``: the template where a file carries none.
     - ``layers(config)``: one `LayerSpec` per layer; ``state_layers``: some of them keep
       a state per sequence (a hybrid: what needs K and V of every layer refuses it).
@@ -189,6 +191,7 @@ class Family:
     gguf_permuted_qk: bool = False
     gguf_renormalizes_top_k: bool = True
     gguf_auto_tokenizer: bool = False
+    ntk_alpha_rope: bool = False
     chat_template: str | None = None
     layers: Callable[["ModelConfig"], tuple[LayerSpec, ...]] = describe_layers
     state_layers: bool = False
