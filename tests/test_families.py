@@ -102,3 +102,24 @@ def test_ernie_with_biased_projections_is_refused(tiny, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "use_bias": True}))
     with pytest.raises(ModelFileError, match="'use_bias' is True; expected false"):
         load_backend(str(tmp_path), settings=CPU)
+
+
+def test_apertus_gguf_xielu_scalars_are_checked(tiny, tmp_path):
+    """xIELU's per-layer scalars (metadata without an architecture prefix): one per layer
+    or one for all; any other count is refused naming the key."""
+    parts = parse_gguf(tiny.gguf("apertus", Q.F32).read_bytes())
+    ids = tiny.hf("apertus").tokenizer(PROMPT).input_ids
+    beta = float(parts.entry("xielu.beta").value[0])
+    path = tmp_path / "one.gguf"
+    path.write_bytes(write_gguf_bytes(with_value(parts, "xielu.beta", GGUFValueType.FLOAT32, beta)))
+    torch.testing.assert_close(  # the tiny model's betas are all alike (transformers' 0.5)
+        model_logits(load_backend(str(path), settings=CPU), ids),
+        model_logits(tiny.backend("apertus"), ids),
+        atol=1e-4,
+        rtol=1e-4,
+    )
+    wrong = with_value(parts, "xielu.beta", GGUFValueType.ARRAY, [beta], GGUFValueType.FLOAT32)
+    path = tmp_path / "wrong.gguf"
+    path.write_bytes(write_gguf_bytes(wrong))
+    with pytest.raises(ModelFileError, match=r"'xielu\.beta' .*3 of them \(one per layer\)"):
+        load_backend(str(path), settings=CPU)

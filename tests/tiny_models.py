@@ -104,8 +104,9 @@ MOE_HYBRID_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_experts(f) and
 # What the native layer blocks leave to the per-op path: qwen2's, seed_oss's and GLM's
 # projections carry biases, OLMo 2's and EXAONE 4's layers have no input norm (norms after
 # attention and MLP only), SmolLM3 and EXAONE 4 have layers that do not rotate, Arcee's
-# MLP has no gate, HunYuan norms q and k after their rotation, gpt-oss's attention has
-# sinks (and its experts biases), Gemma 4's layers differ in shape and share K/V.
+# and Apertus's MLPs have no gate, HunYuan norms q and k after their rotation, gpt-oss's
+# attention has sinks (and its experts biases), Gemma 4's layers differ in shape and share
+# K/V.
 PER_OP_ONLY = frozenset(
     {
         "qwen2",
@@ -116,6 +117,7 @@ PER_OP_ONLY = frozenset(
         "exaone4",
         "arcee",
         "hunyuan_v1_dense",
+        "apertus",
         "smollm3",
         "gpt_oss",
         "gemma4",
@@ -214,6 +216,7 @@ _GGUF_ARCH = {
     "exaone4": "exaone4",
     "arcee": "arcee",
     "hunyuan_v1_dense": "hunyuan-dense",
+    "apertus": "apertus",
 }
 # The families llama.cpp's converter writes (a ``ministral`` checkpoint it cannot read).
 CONVERTIBLE = frozenset(_GGUF_ARCH)
@@ -227,6 +230,8 @@ _LAYER_NAMES = {
     "self_attn.k_norm": "attn_k_norm",
     "self_attn.query_layernorm": "attn_q_norm",  # HunYuan's
     "self_attn.key_layernorm": "attn_k_norm",
+    "attention_layernorm": "attn_norm",  # Apertus's
+    "feedforward_layernorm": "ffn_norm",
     "self_attn.qkv_proj": "attn_qkv",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
@@ -412,6 +417,8 @@ def write_gguf(
         tensors = _granite_tensors(state, config.mamba_n_groups)
     for name, tensor in tensors:
         if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if ".mlp.act_fn." in name:  # xIELU's scalars: metadata (`_write_xielu_metadata`)
             continue
         if name.startswith("blk."):  # already GGUF's: stacked experts
             _add_tensor(writer, name, tensor.float().numpy(), qtype)
@@ -601,6 +608,8 @@ def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config, mtp_layers: int
         # llama.cpp's converter writes this key for OLMo but not for OLMoE (whose graph does
         # not clamp); written here so that the tiny OLMoE's twin is the same model.
         writer.add_clamp_kqv(config.clip_qkv)
+    if tiny.arch == "apertus":
+        _write_xielu_metadata(writer, tiny.hf)
     if tiny.arch in ("qwen3_5", "qwen3_5_moe"):
         _write_qwen35_metadata(writer, _GGUF_ARCH[tiny.arch], config, mtp_layers)
     if getattr(config, "shared_expert_intermediate_size", None):
@@ -675,6 +684,15 @@ def _gemma4_rope_freqs(config) -> np.ndarray:
     share = hp["rope_parameters"]["full_attention"]["partial_rotary_factor"]
     turning = int(global_dim * share / 2)
     return np.array([1.0] * turning + [1e30] * (global_dim // 2 - turning), dtype=np.float32)
+
+
+def _write_xielu_metadata(writer: GGUFWriter, model: torch.nn.Module) -> None:
+    """Apertus's xIELU scalars, one per layer, as its checkpoint stores them (the keys
+    carry no architecture prefix)."""
+    layers = model.model.layers
+    for name in ("alpha_p", "alpha_n", "beta", "eps"):
+        values = [float(getattr(layer.mlp.act_fn, name).flatten()[0]) for layer in layers]
+        writer.add_array(f"xielu.{name}", values)
 
 
 def _write_qwen35_metadata(writer: GGUFWriter, arch: str, config, mtp_layers: int) -> None:

@@ -410,7 +410,9 @@ class _Metadata(TypedReader):
         self.gguf, self.arch = gguf, arch
 
     def key(self, name: str) -> str:
-        return name if name.startswith(("tokenizer.", "general.")) else f"{self.arch}.{name}"
+        # (llama.cpp's xIELU keys carry no architecture prefix)
+        unprefixed = name.startswith(("tokenizer.", "general.", "xielu."))
+        return name if unprefixed else f"{self.arch}.{name}"
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.gguf.metadata.get(self.key(name), default)

@@ -35,6 +35,7 @@ _ACTIVATIONS = {
     "gelu_pytorch_tanh": "gelu_tanh",
     "gelu_tanh": "gelu_tanh",
     "relu2": "relu2",
+    "xielu": "xielu",  # (with learned scalars: a plain MLP's alone, `ModelConfig`)
 }
 _LAYER_TYPES: dict[str, LayerType] = {
     "full_attention": "full",

@@ -73,9 +73,13 @@ class ModelConfig:
     final_softcap: float | None = None
     # swiglu_oai: gpt-oss's experts, ``(up + 1) * gate * sigmoid(alpha * gate)`` with the
     # gate clamped above at ``swiglu_limit`` and up to [-limit, limit] (`models.mlp`).
-    # relu2: ReLU squared. gated_mlp False: the dense MLP is up, activation, down (Arcee).
-    activation: Literal["silu", "gelu_tanh", "swiglu_oai", "relu2"] = "silu"
+    # relu2: ReLU squared; xielu: xIELU, with learned scalars per layer (Apertus). gated_mlp
+    # False: the dense MLP is up, activation, down (Arcee, Apertus).
+    activation: Literal["silu", "gelu_tanh", "swiglu_oai", "relu2", "xielu"] = "silu"
     gated_mlp: bool = True
+    # A GGUF's per-layer activation scalars, which a checkpoint holds as tensors: xIELU's
+    # (alpha_p, alpha_n, beta, eps) as the checkpoint stores them (`models.mlp.XIELU`).
+    activation_scalars: tuple[tuple[float, ...], ...] = ()
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     # OLMoE: q and k normed over the whole projection (before the heads are split), and
@@ -269,6 +273,10 @@ def _validate(config: ModelConfig) -> None:
     ):
         if getattr(config, name) is not None:
             _check_positive(name, getattr(config, name))
+    if config.activation == "xielu" and (config.gated_mlp or config.moe is not None):
+        raise ConfigValueError(
+            "activation", "xielu", "an activation of a gated MLP (xIELU: plain MLPs only)"
+        )
     if not (_is_real(config.attn_scale) and config.attn_scale >= 0):
         raise ConfigValueError("attn_scale", config.attn_scale, "a finite number >= 0")
     if config.clip_qkv is not None:

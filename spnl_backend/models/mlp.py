@@ -38,18 +38,44 @@ class GatedMLP(nn.Module):
 
 
 class PlainMLP(nn.Module):
-    """``down(act(up(x)))``: a dense layer's MLP without a gate (Arcee, Nemotron). The
-    native layer blocks run gated MLPs only, so a layer of these takes the per-op path."""
+    """``down(act(up(x)))``: a dense layer's MLP without a gate (Arcee, Apertus). The
+    native layer blocks run gated MLPs only, so a layer of these takes the per-op path.
+    An activation with learned scalars is a module of its own (``act_fn``)."""
 
     def __init__(self, config: ModelConfig, inner: int | None = None) -> None:
         super().__init__()
         hidden, inner = config.hidden_size, inner or config.intermediate_size
         self.up_proj = Linear(hidden, inner, bias=False)
         self.down_proj = Linear(inner, hidden, bias=False)
-        self.act = activation_fn(config.activation)
+        if config.activation == "xielu":
+            self.act_fn = XIELU()
+            self.act: Callable[[torch.Tensor], torch.Tensor] = self.act_fn
+        else:
+            self.act = activation_fn(config.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.up_proj(x)))
+
+
+class XIELU(nn.Module):
+    """xIELU (Apertus): ``ap * x^2 + beta * x`` for x > 0, else ``an * (expm1(min(x, eps))
+    - x) + beta * x``, where ``ap = softplus(alpha_p)`` and ``an = beta + softplus(alpha_n)``;
+    the four scalars learned per layer, stored as the checkpoint stores them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha_p = nn.Parameter(torch.empty(1), requires_grad=False)
+        self.alpha_n = nn.Parameter(torch.empty(1), requires_grad=False)
+        self.beta = nn.Parameter(torch.empty(()), requires_grad=False)
+        self.eps = nn.Parameter(torch.empty(()), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha_p = F.softplus(self.alpha_p)
+        alpha_n = self.beta + F.softplus(self.alpha_n)
+        linear = self.beta * x
+        positive = alpha_p * x * x + linear
+        negative = (torch.expm1(torch.minimum(x, self.eps)) - x) * alpha_n + linear
+        return torch.where(x > 0, positive, negative)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ tests iterate this list; a family is added here and nowhere else."""
 import functools
 
 from . import (
+    apertus,
     arcee,
     ernie4_5,
     exaone4,
@@ -61,6 +62,7 @@ FAMILIES: tuple[Family, ...] = tuple(
         arcee,
         ministral,
         hunyuan_v1_dense,
+        apertus,
     )
 )
 
