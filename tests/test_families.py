@@ -123,3 +123,15 @@ def test_apertus_gguf_xielu_scalars_are_checked(tiny, tmp_path):
     path.write_bytes(write_gguf_bytes(wrong))
     with pytest.raises(ModelFileError, match=r"'xielu\.beta' .*3 of them \(one per layer\)"):
         load_backend(str(path), settings=CPU)
+
+
+def test_a_bidirectional_gemma_is_refused(tiny, tmp_path):
+    source = tiny.hf("gemma").path
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((source / name).read_bytes())
+    config = json.loads((source / "config.json").read_text())
+    (tmp_path / "config.json").write_text(
+        json.dumps({**config, "use_bidirectional_attention": True})
+    )
+    with pytest.raises(ModelFileError, match="'use_bidirectional_attention' is True"):
+        load_backend(str(tmp_path), settings=CPU)

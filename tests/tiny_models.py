@@ -217,6 +217,7 @@ _GGUF_ARCH = {
     "arcee": "arcee",
     "hunyuan_v1_dense": "hunyuan-dense",
     "apertus": "apertus",
+    "gemma": "gemma",
 }
 # The families llama.cpp's converter writes (a ``ministral`` checkpoint it cannot read).
 CONVERTIBLE = frozenset(_GGUF_ARCH)
@@ -274,7 +275,7 @@ _GLM4_LAYER_NAMES = {
     "post_attention_layernorm": "ffn_norm",
     "post_mlp_layernorm": "post_ffw_norm",
 }
-GEMMAS = ("gemma2", "gemma3")  # norms scaled by (1 + w), which the converter stores
+GEMMAS = ("gemma", "gemma2", "gemma3")  # norms scaled by (1 + w), which the converter stores
 # norms scaled by (1 + w): their weights centred on 0
 OFFSET_NORMS = (*GEMMAS, "qwen3_5", "qwen3_5_moe")
 # llama.cpp's converter permutes q and k rows of these (NORM rope), as Llama's.
@@ -617,7 +618,7 @@ def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config, mtp_layers: int
     # (Gemma 2's alternation is llama.cpp's default)
     if tiny.arch in ("gemma3", "olmo2", "exaone4"):
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
-    if tiny.arch in GEMMAS:
+    if tiny.arch in ("gemma2", "gemma3"):  # (Gemma 1 has no softcaps)
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
     _write_tokenizer(writer, tiny.tokenizer)

@@ -9,6 +9,7 @@ from . import (
     arcee,
     ernie4_5,
     exaone4,
+    gemma,
     gemma2,
     gemma3,
     gemma4,
@@ -63,6 +64,7 @@ FAMILIES: tuple[Family, ...] = tuple(
         ministral,
         hunyuan_v1_dense,
         apertus,
+        gemma,
     )
 )
 
