@@ -692,7 +692,7 @@ def _write_xielu_metadata(writer: GGUFWriter, model: torch.nn.Module) -> None:
     carry no architecture prefix)."""
     layers = model.model.layers
     for name in ("alpha_p", "alpha_n", "beta", "eps"):
-        values = [float(getattr(layer.mlp.act_fn, name).flatten()[0]) for layer in layers]
+        values = [float(getattr(layer.mlp.act_fn, name).detach().flatten()[0]) for layer in layers]
         writer.add_array(f"xielu.{name}", values)
 
 

@@ -104,7 +104,7 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         raise UnsupportedArchitectureError(
             f"{gguf.path}: GGUF architecture {arch!r} is not supported; supported: "
             + ", ".join(gguf_architectures())
-            + " (Mistral and Mixtral GGUFs use 'llama')"
+            + " (Mistral 7B's and Mixtral's GGUFs use 'llama')"
         )
     meta = _Metadata(gguf, arch)
     vocab = _vocab_size(gguf)
