@@ -135,3 +135,17 @@ def test_a_bidirectional_gemma_is_refused(tiny, tmp_path):
     )
     with pytest.raises(ModelFileError, match="'use_bidirectional_attention' is True"):
         load_backend(str(tmp_path), settings=CPU)
+
+
+def test_a_gguf_sliding_window_of_0_is_none(tiny, tmp_path):
+    """llama.cpp's converters write a window of 0 for none (Phi-3 without one)."""
+    parts = parse_gguf(tiny.gguf("llama", Q.F32).read_bytes())
+    path = tmp_path / "unwindowed.gguf"
+    mutated = with_value(parts, "llama.attention.sliding_window", GGUFValueType.UINT32, 0)
+    path.write_bytes(write_gguf_bytes(mutated))
+    backend = load_backend(str(path), settings=CPU)
+    assert backend.model_config.sliding_window is None
+    ids = tiny.hf("llama").tokenizer(PROMPT).input_ids
+    torch.testing.assert_close(
+        model_logits(backend, ids), model_logits(tiny.backend("llama"), ids), atol=1e-4, rtol=1e-4
+    )

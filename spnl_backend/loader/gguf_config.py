@@ -126,7 +126,7 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         rms_norm_eps=meta.positive("attention.layer_norm_rms_epsilon"),
         max_position_embeddings=meta.count("context_length"),
         rope=_rope(gguf, meta, head_dim),
-        sliding_window=meta.count("attention.sliding_window", None),
+        sliding_window=_sliding_window(meta),
         tie_word_embeddings="output.weight" not in gguf.tensors,
         bos_token_id=meta.integer("tokenizer.ggml.bos_token_id", None),
         eos_token_ids=eos_token_ids(gguf),
@@ -149,6 +149,14 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     }
     check_config_shapes(config, shapes, gguf.path)
     return config
+
+
+def _sliding_window(meta: "_Metadata") -> int | None:
+    """The window, where the file has one: llama.cpp's converters write 0 for none (Phi-3
+    without a window, Llama 4's all-global models)."""
+    if meta.integer("attention.sliding_window", None) == 0:
+        return None
+    return meta.count("attention.sliding_window", None)
 
 
 def _moe(gguf: GGUFFile, meta: "_Metadata", family: Family, layers: int) -> MoeConfig | None:
