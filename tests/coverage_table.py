@@ -8,7 +8,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_models import CONVERTED, GGUF_CONVERTER_TESTS, build_tokenizer, hf_config
+from tiny_models import (
+    CONVERTED,
+    GGUF_CONVERTER_TESTS,
+    WRITER_CHECKED,
+    build_tokenizer,
+    hf_config,
+)
 
 from spnl_backend.loader.hf_config import model_config_from_hf
 from spnl_backend.models.arch import FAMILIES
@@ -26,7 +32,8 @@ Each row is one family module. *Mechanisms* are those its tiny test model's laye
 descriptions hold (a real checkpoint of the family may use fewer). Every family is
 checked against transformers (logits and greedy tokens) from safetensors, and from a
 GGUF: written by llama.cpp's own `convert_hf_to_gguf.py` where the table says
-*converter*, else by the tests' writer with the names and keys that converter writes.
+*converter*, else by the tests' writer with the names and keys that converter writes
+(and for most, that writer's file checked once against the converter's).
 A `model_type` with no module here runs on transformers' own modeling code where it can
 be run exactly ([Models](models.md#models-without-a-family-module-transformers-code)).
 
@@ -88,6 +95,8 @@ def _row(found: Family, vocab: int) -> str:
         gguf = "converter"
     else:
         gguf = "tests' writer" if found.gguf_archs else "(no architecture of its own)"
+        if found.name in WRITER_CHECKED:
+            gguf += ", checked against the converter's"
     cells = (
         found.name,
         ", ".join(f"`{t}`" for t in (*found.model_types, *found.wrapper_types)),

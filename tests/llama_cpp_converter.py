@@ -10,6 +10,8 @@ Shims let the converter take the tiny models, none touching how it writes a mode
 - it knows a BPE pre-tokenizer only by the hashes of real vocabularies, so the tiny
   byte-level BPE is named as the caller says (``pre``: llama.cpp's ``default`` rule, or
   ``gpt-2``'s, which the tiny vocabulary splits as);
+- with ``pre`` "plain-bpe", every family's vocabulary step is its plain BPE one (for the
+  families whose own step insists on a vocabulary the tiny model does not have);
 - a missing ``tokenizer.model`` is found missing before the ``sentencepiece`` import, so
   the families that try a SentencePiece vocabulary first fall back to the BPE one where
   that package is not installed;
@@ -47,7 +49,19 @@ root, pre, script, *args = sys.argv[1:]
 sys.path[0:0] = [root, str(Path(root) / "gguf-py")]
 from conversion import base
 
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+import conversion
+
+plain = pre == "plain-bpe"
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default" if plain else pre
+if plain:
+    found = conversion.get_model_class
+
+    def plain_vocab(name, mmproj=False):
+        cls = found(name, mmproj)
+        cls.set_vocab = lambda self: self._set_vocab_gpt2()
+        return cls
+
+    conversion.get_model_class = plain_vocab
 sentencepiece = base.TextModel._create_vocab_sentencepiece
 
 

@@ -145,7 +145,9 @@ def test_unknown_gguf_architecture_lists_the_supported_ones(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(UnsupportedArchitectureError, match=r"'mamba'.*llama, qwen2, qwen3"):
+    with pytest.raises(
+        UnsupportedArchitectureError, match=r"'mamba'.*llama, mistral3, qwen2, qwen3"
+    ):
         load_backend(str(path), settings=CPU)
 
 

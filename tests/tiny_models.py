@@ -124,10 +124,14 @@ MOE_HYBRID_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_experts(f) and
 # LayerNorms, plain MLPs and biases (Phi-2 and GPT-NeoX parallel residuals too); Granite
 # scales its residuals; Cohere runs attention and MLP side by side from LayerNorms;
 # Qwen2-MoE has biases and a gated shared expert; Llama 4 norms q and k after the
-# rotation (and has a layer that does not rotate, and a shared expert).
+# rotation (and has a layer that does not rotate, and a shared expert); seed_oss's and
+# GLM's projections carry biases, EXAONE 4's layers have no input norm and some do not
+# rotate, Arcee's and Apertus's MLPs have no gate, HunYuan norms q and k after their
+# rotation.
 PER_OP_ONLY = frozenset(
     {"qwen2", "olmo2", "smollm3", "gpt_oss", "gemma4", "phi", "starcoder2", "gpt_neox"}
     | {"granite", "cohere", "cohere2", "qwen2_moe", "llama4"}
+    | {"seed_oss", "glm4", "glm", "exaone4", "arcee", "hunyuan_v1_dense", "apertus"}
 )
 # The families whose GGUF twin is the file llama.cpp's own converter writes
 # (`llama_cpp_converter`), rather than `write_gguf`'s; with the pre-tokenizer rule the
@@ -260,7 +264,27 @@ _GGUF_ARCH = {
     "falcon_h1": "falcon-h1",
     "jamba": "jamba",
     "gemma4": "gemma4",
+    "seed_oss": "seed_oss",
+    "ernie4_5": "ernie4_5",
+    "glm4": "glm4",
+    "glm": "chatglm",
+    "exaone4": "exaone4",
+    "arcee": "arcee",
+    "hunyuan_v1_dense": "hunyuan-dense",
+    "apertus": "apertus",
+    "gemma": "gemma",
 }
+# The families llama.cpp's converter writes (a ``ministral`` checkpoint it cannot read).
+CONVERTIBLE = frozenset(_GGUF_ARCH)
+# The dense families whose GGUF twin is the writer's, checked once against the converter's
+# file too (`tests/test_llama_cpp_converter.py`). Left out: gemma3 (its tiny model keeps
+# the attn_logit_softcapping the converter asserts absent), mistral (a llama file carries no
+# sliding window: the windowed tiny model converts to another model).
+WRITER_CHECKED = tuple(
+    a
+    for a in ARCHITECTURES
+    if a in CONVERTIBLE and a not in CONVERTED and a not in ("gemma3", "mistral")
+)
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
     "self_attn.q_proj": "attn_q",
@@ -269,6 +293,10 @@ _LAYER_NAMES = {
     "self_attn.o_proj": "attn_output",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
+    "self_attn.query_layernorm": "attn_q_norm",  # HunYuan's
+    "self_attn.key_layernorm": "attn_k_norm",
+    "attention_layernorm": "attn_norm",  # Apertus's
+    "feedforward_layernorm": "ffn_norm",
     "self_attn.qkv_proj": "attn_qkv",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
@@ -302,12 +330,20 @@ _OLMO2_LAYER_NAMES = {
     "post_attention_layernorm": "post_attention_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
 }
-_GPT_OSS_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_layernorm": "post_attention_norm"}
-GEMMAS = ("gemma2", "gemma3")  # norms scaled by (1 + w), which the converter stores
+# The norm before the MLP under llama.cpp's ATTN_POST_NORM name (no FFN_NORM in the arch).
+_ATTN_POST_NORM_NAMES = {**_LAYER_NAMES, "post_attention_layernorm": "post_attention_norm"}
+_GPT_OSS_LAYER_NAMES = _ATTN_POST_NORM_NAMES
+_GLM4_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_self_attn_layernorm": "post_attention_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "post_mlp_layernorm": "post_ffw_norm",
+}
+GEMMAS = ("gemma", "gemma2", "gemma3")  # norms scaled by (1 + w), which the converter stores
 # norms scaled by (1 + w): their weights centred on 0
 OFFSET_NORMS = (*GEMMAS, "qwen3_5", "qwen3_5_moe")
 # llama.cpp's converter permutes q and k rows of these (NORM rope), as Llama's.
-_PERMUTED = ("llama", "mistral", "mixtral", "smollm3", "granitemoehybrid")
+_PERMUTED = ("llama", "mistral", "mixtral", "smollm3", "granitemoehybrid", "arcee")
 
 
 def _gguf_name(name: str, arch: str) -> str:
@@ -329,8 +365,12 @@ def _gguf_name(name: str, arch: str) -> str:
         "gemma3": _GEMMA_LAYER_NAMES,
         "gemma4": _GEMMA4_LAYER_NAMES,
     }.get(arch, _LAYER_NAMES)
-    if arch == "olmo2":
+    if arch in ("olmo2", "exaone4"):
         names = _OLMO2_LAYER_NAMES
+    if arch == "seed_oss":
+        names = _ATTN_POST_NORM_NAMES
+    if arch == "glm4":
+        names = _GLM4_LAYER_NAMES
     if arch == "gpt-oss":
         names = _GPT_OSS_LAYER_NAMES
         if rest == "self_attn.sinks":  # the converter adds the suffix
@@ -448,6 +488,8 @@ def write_gguf(
         tensors = _jamba_tensors(state)
     for name, tensor in tensors:
         if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if ".mlp.act_fn." in name:  # xIELU's scalars: metadata (`_write_xielu_metadata`)
             continue
         if name.startswith("blk."):  # already GGUF's: stacked experts
             _add_tensor(writer, name, tensor.float().numpy(), qtype)
@@ -729,7 +771,10 @@ def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config, mtp_layers: int
     # (llama.cpp's converter writes 1e-5 for every OLMoE: the tiny one's own value)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)
-    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope["rope_type"] == "dynamic":  # HunYuan's NTK-alpha: the converter raises the base
+        writer.add_rope_freq_base(rope["rope_theta"] * rope["alpha"] ** (HEAD_DIM / (HEAD_DIM - 2)))
+    else:
+        writer.add_rope_freq_base(rope["rope_theta"])
     if tiny.arch != "falcon_h1":  # (its converter leaves it to the head size)
         writer.add_rope_dimension_count(int(HEAD_DIM * rope.get("partial_rotary_factor", 1.0)))
     if rope["rope_type"] == "linear":
@@ -755,6 +800,8 @@ def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config, mtp_layers: int
         # llama.cpp's converter writes this key for OLMo but not for OLMoE (whose graph does
         # not clamp); written here so that the tiny OLMoE's twin is the same model.
         writer.add_clamp_kqv(config.clip_qkv)
+    if tiny.arch == "apertus":
+        _write_xielu_metadata(writer, tiny.hf)
     if tiny.arch in ("qwen3_5", "qwen3_5_moe"):
         _write_qwen35_metadata(writer, _GGUF_ARCH[tiny.arch], config, mtp_layers)
     if tiny.arch == "falcon_h1":
@@ -766,9 +813,10 @@ def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config, mtp_layers: int
         writer.add_ssm_group_count(config.mamba_n_groups)
     if getattr(config, "shared_expert_intermediate_size", None):
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-    if tiny.arch in ("gemma3", "olmo2"):  # (Gemma 2's alternation is llama.cpp's default)
+    # (Gemma 2's alternation is llama.cpp's default)
+    if tiny.arch in ("gemma3", "olmo2", "exaone4"):
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
-    if tiny.arch in GEMMAS:
+    if tiny.arch in ("gemma2", "gemma3"):  # (Gemma 1 has no softcaps)
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
     _write_tokenizer(writer, tiny.tokenizer)
@@ -835,6 +883,15 @@ def _gemma4_rope_freqs(config) -> np.ndarray:
     share = hp["rope_parameters"]["full_attention"]["partial_rotary_factor"]
     turning = int(global_dim * share / 2)
     return np.array([1.0] * turning + [1e30] * (global_dim // 2 - turning), dtype=np.float32)
+
+
+def _write_xielu_metadata(writer: GGUFWriter, model: torch.nn.Module) -> None:
+    """Apertus's xIELU scalars, one per layer, as its checkpoint stores them (the keys
+    carry no architecture prefix)."""
+    layers = model.model.layers
+    for name in ("alpha_p", "alpha_n", "beta", "eps"):
+        values = [float(getattr(layer.mlp.act_fn, name).detach().flatten()[0]) for layer in layers]
+        writer.add_array(f"xielu.{name}", values)
 
 
 def _write_qwen35_metadata(writer: GGUFWriter, arch: str, config, mtp_layers: int) -> None:

@@ -104,7 +104,7 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         raise UnsupportedArchitectureError(
             f"{gguf.path}: GGUF architecture {arch!r} is not supported; supported: "
             + ", ".join(gguf_architectures())
-            + " (Mistral and Mixtral GGUFs use 'llama')"
+            + " (Mistral 7B's and Mixtral's GGUFs use 'llama')"
         )
     meta = _Metadata(gguf, arch)
     vocab = _vocab_size(gguf)
@@ -127,7 +127,7 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         rms_norm_eps=meta.positive("attention.layer_norm_rms_epsilon", None),
         max_position_embeddings=meta.count("context_length"),
         rope=_rope(gguf, meta, head_dim),
-        sliding_window=meta.count("attention.sliding_window", None),
+        sliding_window=_sliding_window(meta),
         tie_word_embeddings="output.weight" not in gguf.tensors,
         bos_token_id=meta.integer("tokenizer.ggml.bos_token_id", None),
         eos_token_ids=eos_token_ids(gguf),
@@ -152,6 +152,14 @@ def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     }
     check_config_shapes(config, shapes, gguf.path)
     return config
+
+
+def _sliding_window(meta: "_Metadata") -> int | None:
+    """The window, where the file has one: llama.cpp's converters write 0 for none (Phi-3
+    without a window, Llama 4's all-global models)."""
+    if meta.integer("attention.sliding_window", None) == 0:
+        return None
+    return meta.count("attention.sliding_window", None)
 
 
 def _moe(gguf: GGUFFile, meta: "_Metadata", family: Family, layers: int) -> MoeConfig | None:
@@ -415,7 +423,9 @@ class _Metadata(TypedReader):
         self.gguf, self.arch = gguf, arch
 
     def key(self, name: str) -> str:
-        return name if name.startswith(("tokenizer.", "general.")) else f"{self.arch}.{name}"
+        # (llama.cpp's xIELU keys carry no architecture prefix)
+        unprefixed = name.startswith(("tokenizer.", "general.", "xielu."))
+        return name if unprefixed else f"{self.arch}.{name}"
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.gguf.metadata.get(self.key(name), default)

@@ -36,6 +36,8 @@ _ACTIVATIONS = {
     "gelu_pytorch_tanh": "gelu_tanh",
     "gelu_tanh": "gelu_tanh",
     "gelu_new": "gelu_tanh",  # (Phi-2's: the tanh approximation, written out)
+    "relu2": "relu2",
+    "xielu": "xielu",  # (with learned scalars: a plain MLP's alone, `ModelConfig`)
 }
 _LAYER_TYPES: dict[str, LayerType] = {
     "full_attention": "full",
@@ -266,7 +268,7 @@ def model_config_from_hf(
         # (a family whose norms are LayerNorms reads its own key: `Family.hf_fields`)
         rms_norm_eps=keys.positive("rms_norm_eps", None),
         max_position_embeddings=config.max_position_embeddings,
-        rope=_rope(keys, "full_attention", head_dim),
+        rope=_rope(keys, "full_attention", head_dim, family.ntk_alpha_rope),
         layer_types=_layer_types(keys),
         sliding_window=getattr(config, "sliding_window", None),
         activation=_activation(keys),
@@ -322,7 +324,9 @@ def _head_dim(keys: "_Keys") -> int:
     return keys.count("head_dim", None) or keys.count("hidden_size") // heads
 
 
-def _rope(keys: "_Keys", layer_type: str, head_dim: int) -> RopeConfig:
+def _rope(keys: "_Keys", layer_type: str, head_dim: int, ntk_alpha: bool = False) -> RopeConfig:
+    """``ntk_alpha``: the family reads a "dynamic" rope with an ``alpha`` as transformers'
+    HunYuan does (`Family.ntk_alpha_rope`)."""
     params = keys.get("rope_parameters") or {}
     if not isinstance(params, dict):
         raise keys.wrong("rope_parameters", params, "an object")
@@ -333,6 +337,12 @@ def _rope(keys: "_Keys", layer_type: str, head_dim: int) -> RopeConfig:
         raise keys.wrong(name, params, "an object")
     rope = keys.nested(name, params)
     kind = rope.string("rope_type", "default")
+    if kind == "dynamic" and ntk_alpha and rope.get("alpha") is not None:
+        # NTK-alpha: fixed frequencies from a base raised by alpha^(d / (d - 2)), over the
+        # whole head (transformers' HunYuan; not the length-dependent "dynamic" scaling)
+        alpha = rope.positive("alpha")
+        theta = rope.positive("rope_theta", 10000.0) * alpha ** (head_dim / (head_dim - 2))
+        return RopeConfig(theta=theta, rotary_dim=head_dim)
     if kind not in _ROPE_KINDS:
         raise UnsupportedArchitectureError(
             f"{keys.path}: rope type {kind!r} is not supported; supported: "

@@ -23,6 +23,7 @@ from ..errors import ModelFileError
 from ..kernels.dispatch import KernelChoice
 from ..memory import host_tensor
 from ..models.arch import checkpoint_prefixes, family_of_gguf
+from ..models.arch.family import pairs_to_halves
 from ..models.config import ModelConfig
 from ..models.transformer import CausalLM
 from ..quant.ggml import FLOAT_TYPES, nonfinite_scales
@@ -340,16 +341,7 @@ def unpermute_rows(
 ) -> torch.Tensor | QuantizedWeight:
     """Undo llama.cpp's q/k row order (pairs interleaved) back to rotate-half order; a
     quantized matrix moves whole rows of blocks."""
-    data = weight.data if isinstance(weight, QuantizedWeight) else weight
-    rows = data.shape[0]
-    data = (
-        data.reshape(heads, rows // heads // 2, 2, *data.shape[1:])
-        .transpose(1, 2)
-        .reshape(data.shape)
-    )
-    if isinstance(weight, QuantizedWeight):
-        return QuantizedWeight(data, weight.qtype, weight.shape)
-    return data
+    return pairs_to_halves(weight, heads)
 
 
 def split_fused(tensors: NamedTensors, config: ModelConfig) -> NamedTensors:

@@ -49,7 +49,7 @@ class Attention(nn.Module):
         if mixer.qk_norm == "full":  # OLMo: over the whole projections, before the heads
             self.q_norm = rms_norm_of(config, q_size, native)
             self.k_norm = rms_norm_of(config, kv_size, native)
-        elif mixer.qk_norm == "head":
+        elif mixer.qk_norm in ("head", "rotated"):
             self.q_norm = rms_norm_of(config, self.head_dim, native)
             if not self.shared_kv:
                 self.k_norm = rms_norm_of(config, self.head_dim, native)
@@ -68,6 +68,7 @@ class Attention(nn.Module):
         if mixer.qk_norm == "unit":
             self.unit_norm = UnitRMSNorm(self.head_dim, config.rms_norm_eps, native)
         self.temperature = mixer.temperature
+        self.qk_norm_rotated = mixer.qk_norm == "rotated"  # normed after the rotation
         self.clip_qkv, self.rope = mixer.clip_qkv, mixer.rope
         self._spec = mixer.spec
         if mixer.sinks:  # a weight: the loader replaces it, so the spec is made from it late
@@ -151,6 +152,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             q = ops.rms_norm_layer(q, self.q_norm)
         q = q if rotary is None else rotary.apply(q)
+        if self.qk_norm_rotated:
+            return ops.rms_norm_layer(q, self.q_norm)
         return q if self.unit_norm is None or rotary is None else self.unit_norm(q)
 
     def _gemma4_qkv(self, x: torch.Tensor, rotary: RotaryTables | None):
@@ -176,15 +179,18 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, rotary: RotaryTables | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries and keys ``[T, heads, d]`` normed per head where the layer does, then
-        rotated where it does (one fused step where both)."""
+        rotated where it does (one fused step where both); or rotated, then normed
+        (HunYuan's ``rotated`` norms)."""
         norms = (self.q_norm, self.k_norm) if self.qk_norm else None
         if self.unit_norm is not None and rotary is not None:  # rotated, then normed
             q, k = ops.qk_norm_rotate(q, k, None, rotary)
             return self.unit_norm(q), self.unit_norm(k)
         if rotary is not None:
-            return ops.qk_norm_rotate(q, k, norms, rotary)
-        if norms is not None:
+            q, k = ops.qk_norm_rotate(q, k, norms, rotary)
+        elif norms is not None:
             q, k = ops.rms_norm_layer(q, norms[0]), ops.rms_norm_layer(k, norms[1])
+        if self.qk_norm_rotated:
+            q, k = ops.rms_norm_layer(q, self.q_norm), ops.rms_norm_layer(k, self.k_norm)
         return q, k
 
     def _sharded_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:

@@ -72,6 +72,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    qk_norm_after_rope: bool = False  # HunYuan: q and k normed per head once rotated
     norm_offset: float = 0.0  # Gemma scales by (offset + weight)
     norm_in_float: bool = False  # Gemma multiplies by the weight before casting back
     norm_placement: "NormPlacement" = "pre"  # `models.layers.NormPlacement`
@@ -92,8 +93,12 @@ class ModelConfig:
     final_softcap: float | None = None
     # swiglu_oai: gpt-oss's experts, ``(up + 1) * gate * sigmoid(alpha * gate)`` with the
     # gate clamped above at ``swiglu_limit`` and up to [-limit, limit] (`models.mlp`).
-    # gelu: the exact (erf) GELU; gelu_tanh: its tanh approximation.
-    activation: Literal["silu", "gelu", "gelu_tanh", "swiglu_oai"] = "silu"
+    # gelu: the exact (erf) GELU; gelu_tanh: its tanh approximation; relu2: ReLU squared;
+    # xielu: xIELU, with learned scalars per layer (Apertus).
+    activation: Literal["silu", "gelu", "gelu_tanh", "swiglu_oai", "relu2", "xielu"] = "silu"
+    # A GGUF's per-layer activation scalars, which a checkpoint holds as tensors: xIELU's
+    # (alpha_p, alpha_n, beta, eps) as the checkpoint stores them (`models.mlp.XIELU`).
+    activation_scalars: tuple[tuple[float, ...], ...] = ()
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     # OLMoE: q and k normed over the whole projection (before the heads are split), and
@@ -334,9 +339,9 @@ def _validate(config: ModelConfig) -> None:
         raise ConfigValueError(
             "lm_head_bias", True, "no bias on a head tied to the embedding (an untied head)"
         )
-    if config.activation not in ("silu", "gelu", "gelu_tanh", "swiglu_oai"):
+    if config.activation not in ("silu", "gelu", "gelu_tanh", "swiglu_oai", "relu2", "xielu"):
         raise ConfigValueError(
-            "activation", config.activation, "silu, gelu, gelu_tanh or swiglu_oai"
+            "activation", config.activation, "silu, gelu, gelu_tanh, swiglu_oai, relu2 or xielu"
         )
     if config.rope_layers and len(config.rope_layers) != config.num_layers:
         raise ConfigValueError(
@@ -353,6 +358,10 @@ def _validate(config: ModelConfig) -> None:
     ):
         if getattr(config, name) is not None:
             _check_positive(name, getattr(config, name))
+    if config.activation == "xielu" and (config.mlp_gated or config.moe is not None):
+        raise ConfigValueError(
+            "activation", "xielu", "an activation of a gated MLP (xIELU: plain MLPs only)"
+        )
     if not (_is_real(config.attn_scale) and config.attn_scale >= 0):
         raise ConfigValueError("attn_scale", config.attn_scale, "a finite number >= 0")
     if config.clip_qkv is not None:

@@ -36,8 +36,8 @@ NormKind = Literal["rms", "layer", "layer_no_bias"]
 RopeTable = Literal["global", "local"]
 # RMSNorm per head, or over the whole projection (OLMo); or a LayerNorm per head, each head
 # its own weight row (Cohere); unit: RMSNorm per head without a weight, after the rotation
-# (Llama 4's L2 norm)
-QkNorm = Literal["head", "full", "layer", "unit"]
+# (Llama 4's L2 norm); rotated: RMSNorm per head after the rotation (HunYuan)
+QkNorm = Literal["head", "full", "layer", "unit", "rotated"]
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,8 @@ class ParallelMixer:
 @dataclass(frozen=True)
 class DenseFFN:
     """A dense MLP: ``gated``, ``down(act(gate(x)) * up(x))`` (Llama); else
-    ``down(act(up(x)))`` (Phi-2, StarCoder2, GPT-NeoX); ``bias``: its projections biased."""
+    ``down(act(up(x)))`` (Phi-2, StarCoder2, GPT-NeoX, Arcee, Apertus); ``bias``: its
+    projections biased."""
 
     intermediate_size: int
     activation: str
@@ -280,7 +281,10 @@ def _attention(
     if config.qk_norm_full:
         qk_norm = "full"
     elif config.qk_norm:  # of the model's norm kind
-        qk_norm = "layer" if config.norm_kind != "rms" else "head"
+        if config.norm_kind != "rms":
+            qk_norm = "layer"
+        else:
+            qk_norm = "rotated" if config.qk_norm_after_rope else "head"
     if config.qk_norm_unit and rope is not None:
         qk_norm = "unit"
     return AttentionMixer(

@@ -40,17 +40,43 @@ class GatedMLP(nn.Module):
 class PlainMLP(nn.Module):
     """``down(act(up(x)))``, its projections biased where ``bias`` (Phi-2's fc1/fc2,
     StarCoder2's c_fc/c_proj, GPT-NeoX's dense_h_to_4h/dense_4h_to_h, under the gated
-    MLP's names of the two)."""
+    MLP's names of the two; Arcee's and Apertus's unbiased). An activation with learned
+    scalars is a module of its own (``act_fn``)."""
 
     def __init__(self, config: ModelConfig, inner: int, bias: bool) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.up_proj = Linear(hidden, inner, bias=bias)
         self.down_proj = Linear(inner, hidden, bias=bias)
-        self.act = activation_fn(config.activation)
+        if config.activation == "xielu":
+            self.act_fn = XIELU()
+            self.act: Callable[[torch.Tensor], torch.Tensor] = self.act_fn
+        else:
+            self.act = activation_fn(config.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.up_proj(x)))
+
+
+class XIELU(nn.Module):
+    """xIELU (Apertus): ``ap * x^2 + beta * x`` for x > 0, else ``an * (expm1(min(x, eps))
+    - x) + beta * x``, where ``ap = softplus(alpha_p)`` and ``an = beta + softplus(alpha_n)``;
+    the four scalars learned per layer, stored as the checkpoint stores them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha_p = nn.Parameter(torch.empty(1), requires_grad=False)
+        self.alpha_n = nn.Parameter(torch.empty(1), requires_grad=False)
+        self.beta = nn.Parameter(torch.empty(()), requires_grad=False)
+        self.eps = nn.Parameter(torch.empty(()), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha_p = F.softplus(self.alpha_p)
+        alpha_n = self.beta + F.softplus(self.alpha_n)
+        linear = self.beta * x
+        positive = alpha_p * x * x + linear
+        negative = (torch.expm1(torch.minimum(x, self.eps)) - x) * alpha_n + linear
+        return torch.where(x > 0, positive, negative)
 
 
 @dataclass(frozen=True)
@@ -76,10 +102,16 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """ReLU squared (Primer's; transformers' ``relu2``)."""
+    return F.relu(x).square()
+
+
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu": F.gelu,
     "gelu_tanh": gelu_tanh,
+    "relu2": relu2,
 }
 
 

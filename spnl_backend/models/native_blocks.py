@@ -194,6 +194,8 @@ def _blocks_run(layers: list[DecoderLayer], final_norm: RMSNorm) -> bool:
             return False
         if attn.unit_norm is not None or attn.temperature is not None:
             return False  # Llama 4's weightless q/k norm after the rotation, its temperature
+        if attn.qk_norm_rotated:  # the blocks norm q and k before the rotation only
+            return False
         if layer.spec.residual_scale is not None or layer.shared_mlp is not None:
             return False
         if layer.has_tail or attn.shared_kv or attn.k_eq_v or attn.v_norm is not None:

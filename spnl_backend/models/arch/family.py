@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from ...errors import ModelFileError
+from ...quant.linear import QuantizedWeight
 from ..layers import LayerSpec, describe_layers
 
 if TYPE_CHECKING:
@@ -76,6 +78,43 @@ def as_state_layer_holds(name: str, tensor: Any) -> tuple[str, Any]:
     if name.endswith(".conv1d.weight") and tensor.dim() == 2:
         return name, tensor.unsqueeze(1)
     return name, tensor
+
+
+def pairs_to_halves(
+    weight: "torch.Tensor | QuantizedWeight", heads: int, rotary_dim: int | None = None
+) -> "torch.Tensor | QuantizedWeight":
+    """q or k rows (or their bias) whose rotary dims rotate in adjacent pairs (GPT-J's
+    interleaved rope, llama.cpp's NORM kind) put in rotate-half order, which is the one
+    the rope here applies: each head's first ``rotary_dim`` rows (all where None) become
+    its even rows, then its odd ones; the rest stay. q and k move alike, so their scores
+    are unchanged. A quantized matrix moves whole rows of blocks."""
+    data = weight.data if isinstance(weight, QuantizedWeight) else weight
+    head_dim = data.shape[0] // heads
+    rotary = rotary_dim or head_dim
+    within = torch.cat(
+        [torch.arange(0, rotary, 2), torch.arange(1, rotary, 2), torch.arange(rotary, head_dim)]
+    )
+    data = data[(torch.arange(heads)[:, None] * head_dim + within).flatten()]
+    if isinstance(weight, QuantizedWeight):
+        return QuantizedWeight(data, weight.qtype, weight.shape)
+    return data
+
+
+def rotate_pairs_as_halves(tensors: Tensors, config: "ModelConfig") -> Tensors:
+    """A family whose q and k rotate in adjacent pairs, in both formats: their rows (and
+    biases) put in rotate-half order as they load (`pairs_to_halves`)."""
+    for name, tensor in tensors:
+        proj = name.rpartition(".self_attn.")[2].partition(".")[0]
+        if proj in ("q_proj", "k_proj") and name.endswith((".weight", ".bias")):
+            heads = config.num_heads if proj == "q_proj" else config.num_kv_heads
+            rows = heads * config.head_dim
+            if tensor.shape[0] != rows:
+                raise ModelFileError(
+                    f"tensor {name!r} has {tensor.shape[0]} rows; the model expects {rows} "
+                    "(heads x head size)"
+                )
+            tensor = pairs_to_halves(tensor, heads, config.rope.rotary_dim)
+        yield name, tensor
 
 
 # llama.cpp's block tensor names → ours (the Hugging Face module names), as most families
@@ -154,6 +193,8 @@ class Family:
       not say (``expert_weights_norm``).
     - ``gguf_auto_tokenizer``: transformers' AutoTokenizer converts its GGUF vocabulary
       (else the generic fast tokenizer reads the file's tokenizer metadata).
+    - ``ntk_alpha_rope``: a ``config.json`` rope of type "dynamic" with an ``alpha`` is
+      fixed NTK-alpha scaling (transformers' HunYuan), not length-dependent scaling.
     - ``chat_template``: the template where a file carries none.
     - ``layers(config)``: one `LayerSpec` per layer; ``state_layers``: some of them keep
       a state per sequence (a hybrid: what needs K and V of every layer refuses it).
@@ -190,6 +231,7 @@ class Family:
     gguf_permuted_qk: bool = False
     gguf_renormalizes_top_k: bool = True
     gguf_auto_tokenizer: bool = False
+    ntk_alpha_rope: bool = False
     chat_template: str | None = None
     layers: Callable[["ModelConfig"], tuple[LayerSpec, ...]] = describe_layers
     state_layers: bool = False

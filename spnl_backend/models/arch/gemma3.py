@@ -72,6 +72,12 @@ def _hf(keys: HfKeys, head_dim: int) -> Fields:
 
 
 def _gguf(keys: GgufKeys, fields: Fields) -> Fields:
+    if not fields["sliding_window"]:  # (absent, or 0: llama.cpp's "none")
+        key = "attention.sliding_window"
+        found = keys.get(key)
+        if found is None:
+            raise keys.missing(key)
+        raise keys.wrong(key, found, "a positive integer (the local layers' window)")
     local = RopeConfig(
         theta=keys.positive("rope.freq_base_swa", _LOCAL_ROPE_BASE),
         rotary_dim=fields["rope"].rotary_dim,
