@@ -170,7 +170,7 @@ class NgramRunner(VerifyingRunner):
         proposals = {}
         for item in batch:
             seq = item.seq
-            if not decodes(item) or seq.pic is not None:  # a PIC sequence's blocks: not in order
+            if not decodes(item):
                 continue
             budget = self.draft_budget(seq, self.max_len)
             if budget <= 0:
