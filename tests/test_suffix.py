@@ -63,7 +63,8 @@ def test_the_store_drops_the_oldest_past_its_budget_and_its_ngrams_with_it():
     assert all(key in store.entries for key, _ in store.ends.values())  # no stale n-gram
     assert set(store.ends) == {(1, 2), (2, 3), (9, 10)}  # those with a token after them
     store.add(list(range(100, 150)), "output")  # longer than the budget: its first 10
-    assert store.stats().tokens == 10 and store.stats().entries == 1
+    assert store.stats().tokens == 10
+    assert store.stats().entries == 1
 
 
 # ---- exactness and the pool's documents --------------------------------------------------------
@@ -79,8 +80,8 @@ def test_greedy_output_is_the_targets_alone_alone_and_batched(trained):
     assert [r.token_ids for r in alone] == expected
     batched = spec.generate(list(prompts), max_tokens=TOKENS, temperature=0)  # mixed lengths
     assert [r.token_ids for r in batched] == expected
-    assert 0 < sum(r.usage.accepted_tokens for r in alone) <= sum(
-        r.usage.draft_tokens for r in alone
+    assert (
+        0 < sum(r.usage.accepted_tokens for r in alone) <= sum(r.usage.draft_tokens for r in alone)
     )
     stats = spec.stats().suffix
     assert stats.entries >= len(prompts)  # the prompts and the outputs
@@ -126,7 +127,8 @@ def test_the_store_stays_within_its_budget(trained):
     for prompt in (DOG, CODE, "Once upon a time"):
         spec.generate(prompt, max_tokens=TOKENS, temperature=0)
     stats = spec.stats().suffix
-    assert 0 < stats.tokens <= 40 and stats.budget_tokens == 40
+    assert 0 < stats.tokens <= 40
+    assert stats.budget_tokens == 40
     assert stats.dropped_entries > 0
 
 
