@@ -222,7 +222,7 @@ def test_the_index_proposes_what_followed_the_longest_latest_match():
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"speculative_method": "medusa"}, "expected one of: auto, draft, ngram, none"),
+        ({"speculative_method": "medusa"}, "expected one of: auto, draft, ngram, suffix, none"),
         ({"speculative_method": "draft"}, "needs a draft"),
         (
             {"speculative_method": "ngram", "speculative_draft_isq": "Q8_0"},

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 from helpers import engine_internals
+from prometheus_client import generate_latest
 
 from spnl_backend import BackendSettings, SettingsError, load_backend
 from spnl_backend.engine.suffix import SuffixRunner, TokenStore
+from spnl_backend.server.metrics import ServerMetrics
 from spnl_backend.settings import detect_platform
 from spnl_backend.settings.effects import ineffective_settings
 
@@ -106,6 +108,12 @@ def test_a_pic_prompts_plus_documents_propose_for_later_answers(trained):
     from_documents = after.accepted_from_documents - before.accepted_from_documents
     assert after.proposed_from_documents > before.proposed_from_documents
     assert 0 < from_documents <= result.usage.accepted_tokens
+    metrics = ServerMetrics()
+    metrics.watch(lambda: [(None, spec.stats())])
+    text = generate_latest(metrics.registry).decode()
+    accepted = f"spnl_spec_suffix_accepted_from_documents_total {after.accepted_from_documents}"
+    assert accepted in text
+    assert f"spnl_spec_suffix_tokens {after.tokens}" in text
 
 
 def test_a_finished_output_proposes_for_the_next_request(trained):
