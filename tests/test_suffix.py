@@ -12,6 +12,7 @@ from prometheus_client import generate_latest
 
 from spnl_backend import BackendSettings, SettingsError, load_backend
 from spnl_backend.engine.suffix import SuffixRunner, TokenStore
+from spnl_backend.request import sampling_params
 from spnl_backend.server.metrics import ServerMetrics
 from spnl_backend.settings import detect_platform
 from spnl_backend.settings.effects import ineffective_settings
@@ -157,3 +158,27 @@ def test_settings_are_checked(monkeypatch):
     monkeypatch.delenv("MISTRALRS_SPECULATIVE_METHOD")
     unused = BackendSettings(speculative_suffix_tokens=10)
     assert "not suffix" in dict(ineffective_settings(unused, detect_platform(unused)))[named]
+
+
+def test_a_pic_prompt_batched_with_plain_ones_in_a_small_pool(trained):
+    """A PIC prompt and plain prompts of mixed lengths in one batch, in a pool small enough
+    to preempt: each gets what it gets alone, with proposals, and every block comes back."""
+    blocks = [("plus", DOG), ("plus", CODE), ("cross", "Again: The quick")]
+    plain = (DOG, "Once upon a time", CODE)
+    alone = load(trained, paged_attn_block_size=8)
+    expected = [alone.generate(blocks=blocks, max_tokens=TOKENS, temperature=0).token_ids]
+    expected += _reference(trained, plain)
+    spec = load(
+        trained,
+        speculative_method="suffix",
+        paged_attn_block_size=8,
+        paged_attn_context_len=256,
+    )
+    prompts = [spec.prompt_ids(blocks=blocks)[0][0], *spec.prompt_ids(list(plain))[0]]
+    request = spec.submit(prompts, sampling_params(TOKENS, temperature=0))
+    for _ in request.items():
+        pass
+    assert [seq.output_token_ids for seq in request.seqs] == expected
+    assert sum(seq.num_accepted_tokens for seq in request.seqs) > 0
+    assert spec.stats().preemptions > 0
+    assert spec.stats().pool.in_use == 0
