@@ -1,11 +1,11 @@
 """Draft-free speculation on the default model: n-gram lookup against no speculation.
 
-    python bench/speculation.py [--methods none ngram] [--workloads copy code-edit story]
+    python bench/speculation.py [--methods none ngram suffix] [--workloads copy code-edit story]
                                 [--threads 2] [--runs 2] [--tokens 256] [--markdown FILE]
 
 One child process loads the default GGUF (Gemma 3 270M Q4_K_M) once per method, with
-MISTRALRS_SPECULATIVE_METHOD set to it (and --ngram-min/--ngram-max/--gamma for ngram) and
-prefix caching off, warms each up, then runs every workload --runs times, greedy, one
+MISTRALRS_SPECULATIVE_METHOD set to it (and --ngram-min/--ngram-max/--gamma for ngram and
+suffix) and prefix caching off, warms each up, then runs every workload --runs times, greedy, one
 client at a time, the methods' runs interleaved (so that the machine's load, which may
 change, falls on each alike). A workload is a chat request streamed (`Backend.stream`),
 timed from its first text piece to its last: decode tok/s is the completion's tokens after
@@ -16,6 +16,10 @@ though the kernels' threads count while they wait for each other). Workloads:
 - copy: repeat a 250-word passage of bench/data/english.txt word for word;
 - code-edit: rewrite a 60-line Python function with one name changed;
 - story: a story continuation (free text, little to copy).
+
+suffix's store is the backend's, so from a workload's second run on it holds that
+workload's earlier outputs (as a server's would for a repeated request): its first run
+shows what the prompt's documents alone give.
 
 The table gives, per workload and method, decode tok/s, the speedup over no speculation,
 the tokens proposed and accepted, and whether the greedy text equals no speculation's.
@@ -30,7 +34,7 @@ from pathlib import Path
 
 import harness
 
-METHODS = ["none", "ngram"]
+METHODS = ["none", "ngram", "suffix"]
 WORKLOADS = ["copy", "code-edit", "story"]
 
 
@@ -79,7 +83,7 @@ def load(method: str, args):
 
     torch.set_num_threads(args.threads)
     settings = {"speculative_method": method}
-    if method == "ngram":
+    if method in ("ngram", "suffix"):
         settings |= {
             "speculative_gamma": args.gamma,
             "speculative_ngram_min": args.ngram_min,
@@ -181,7 +185,8 @@ def report(results: dict[str, dict], args, loads: list[str]) -> str:
     ngram = f"gamma {args.gamma}, n-grams {args.ngram_max} down to {args.ngram_min}"
     notes = (
         f"\n{args.threads} threads, greedy, one client, streamed, timed from the first "
-        f"piece; median of {args.runs} runs of at most {args.tokens} tokens; ngram: {ngram}. "
+        f"piece; median of {args.runs} runs of at most {args.tokens} tokens; ngram and "
+        f"suffix: {ngram} (suffix's store keeps earlier runs' outputs). "
         f"Load average (1, 5, 15 min) before and after: {loads[0]}, {loads[1]}."
     )
     return harness.md_table(header, rows) + notes

@@ -351,7 +351,8 @@ class Backend:
         if params.speculative and loop.engine.speculation is None:
             raise RequestError(
                 f"speculative={params.speculative}: this backend decodes without speculation; "
-                "load it with MISTRALRS_SPECULATIVE_METHOD=ngram (or a draft model) for it, "
+                "load it with MISTRALRS_SPECULATIVE_METHOD=ngram or suffix (or a draft model) "
+                "for it, "
                 "or leave speculative out"
             )
         if params.logprobs:

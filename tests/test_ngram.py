@@ -117,15 +117,17 @@ def test_constrained_output_keeps_the_constraint(trained):
     assert result.usage.accepted_tokens > 0
 
 
-def test_a_pic_prompt_runs_and_decodes_without_proposals(trained):
-    """A PIC sequence's blocks are not in token order, so it takes no proposals; its
-    output is what it is without speculation."""
+def test_a_pic_prompt_copies_its_plus_documents_exactly(trained):
+    """A PIC sequence's generated tokens (and its drafts) fill its last span in order, so
+    it takes proposals from its plus documents and rolls rejected ones back; its output is
+    what it is without speculation."""
     blocks = [("plus", COPYING[0]), ("plus", COPYING[1]), ("cross", "Again: The quick")]
-    alone = load(trained, paged_attn=True).generate(blocks=blocks, max_tokens=8, temperature=0)
-    spec = load(trained, paged_attn=True, speculative_method="ngram")
-    result = spec.generate(blocks=blocks, max_tokens=8, temperature=0)
+    alone = load(trained, paged_attn=True).generate(blocks=blocks, max_tokens=24, temperature=0)
+    spec = load(trained, paged_attn=True, speculative_method="ngram", paged_attn_block_size=8)
+    result = spec.generate(blocks=blocks, max_tokens=24, temperature=0)
     assert result.token_ids == alone.token_ids
-    assert result.usage.draft_tokens == 0
+    assert 0 < result.usage.accepted_tokens <= result.usage.draft_tokens
+    assert spec.stats().pool.in_use == 0
 
 
 def test_stop_strings_and_logprobs_behave_as_without(trained):
@@ -220,7 +222,7 @@ def test_the_index_proposes_what_followed_the_longest_latest_match():
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"speculative_method": "medusa"}, "expected one of: auto, draft, ngram, none"),
+        ({"speculative_method": "medusa"}, "expected one of: auto, draft, ngram, suffix, none"),
         ({"speculative_method": "draft"}, "needs a draft"),
         (
             {"speculative_method": "ngram", "speculative_draft_isq": "Q8_0"},

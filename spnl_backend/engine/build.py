@@ -53,6 +53,7 @@ from .state_cache import (
     state_bytes_per_seq,
     state_shapes,
 )
+from .suffix import SuffixRunner
 
 log = get_logger()
 
@@ -91,24 +92,10 @@ def build_engine(
     )
     _log_prefix_caching(settings, decisions.paged_attn)
     runner: Runner = ModelRunner(loaded.model, cache, loaded.device)
-    if settings.speculative == "ngram":
+    if settings.speculative in ("ngram", "suffix"):
         if isinstance(cache, StatefulCacheManager):  # states to go back to after rejections
             cache.states.trail_rows = settings.speculative_gamma + 1
-        runner = NgramRunner(
-            loaded.model,
-            cache,
-            loaded.device,
-            settings.speculative_gamma,
-            (settings.speculative_ngram_min, settings.speculative_ngram_max),
-            loaded.config.vocab_size,
-            max_len,
-        )
-        log.info(
-            "speculative.ngram",
-            gamma=settings.speculative_gamma,
-            ngram_min=settings.speculative_ngram_min,
-            ngram_max=settings.speculative_ngram_max,
-        )
+        runner = _lookup_runner(loaded, settings, cache, max_len)
     if draft is not None:
         tokens = cache.capacity_tokens or settings.kv_budget.value
         budget = KvBudget("context_len", tokens, explicit=settings.kv_budget.explicit)
@@ -250,6 +237,23 @@ def _refuse_for_latent(loaded: LoadedModel, settings: BackendSettings) -> None:
     _refuse(asked, why)
 
 
+def _lookup_runner(
+    loaded: LoadedModel, settings: BackendSettings, cache: CacheManager, max_len: int
+) -> NgramRunner:
+    """The runner that proposes without a draft model: n-gram lookup in each sequence's
+    own tokens, and for suffix, in the store the requests share too."""
+    sizes = (settings.speculative_ngram_min, settings.speculative_ngram_max)
+    model, device, vocab = loaded.model, loaded.device, loaded.config.vocab_size
+    gamma = settings.speculative_gamma
+    log.info(
+        f"speculative.{settings.speculative}", gamma=gamma, ngram_min=sizes[0], ngram_max=sizes[1]
+    )
+    if settings.speculative == "suffix":
+        budget = settings.speculative_suffix_tokens
+        return SuffixRunner(model, cache, device, gamma, sizes, vocab, max_len, budget)
+    return NgramRunner(model, cache, device, gamma, sizes, vocab, max_len)
+
+
 def _adapter_registry(
     loaded: LoadedModel, settings: BackendSettings, draft: LoadedModel | None
 ) -> tuple[AdapterRegistry | None, str | None]:
@@ -261,6 +265,7 @@ def _adapter_registry(
         "tensor parallelism": model.tp is not None,
         "MISTRALRS_SPECULATIVE_DRAFT_MODEL": draft is not None,
         "MISTRALRS_SPECULATIVE_METHOD=ngram": settings.speculative == "ngram",
+        "MISTRALRS_SPECULATIVE_METHOD=suffix": settings.speculative == "suffix",
     }
     named = lora_adapter_list(settings.lora_adapters)
     if loaded.implementation == "transformers":  # refused at load (`_refuse_for_transformers_code`)

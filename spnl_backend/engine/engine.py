@@ -24,6 +24,7 @@ from .scheduler import Scheduler
 from .sequence import ScheduledSeq, Sequence, StepOutput
 from .speculative import SpeculativeRunner
 from .state_cache import state_usage
+from .suffix import SuffixRunner, SuffixStats
 
 if TYPE_CHECKING:
     import torch
@@ -83,6 +84,8 @@ class EngineStats:
     # LoRA adapters: known, held in memory and their bytes, the bound; None where the
     # model takes none (tensor parallelism, a speculative draft).
     adapters: AdapterUsage | None = None
+    # Suffix speculation: its shared store and the tokens it proposed; else None.
+    suffix: SuffixStats | None = None
 
 
 class Engine:
@@ -235,6 +238,7 @@ class Engine:
             tier=tier_stats(getattr(self.cache, "tier", None)),
             states=state_usage(self.cache),
             adapters=None if self.adapters is None else self.adapters.usage(),
+            suffix=self.runner.store.stats() if isinstance(self.runner, SuffixRunner) else None,
         )
 
     def reset_prefix_cache(self) -> int:
@@ -319,6 +323,8 @@ class Engine:
                     break  # accepted drafts after a stop are dropped
         self.cache.after_step(batch)  # register full blocks now that their tokens are known
         for seq in finished:
+            if isinstance(self.runner, SuffixRunner):  # its output joins the shared store
+                self.runner.finished(seq)
             self._release(seq)
         return outputs
 
@@ -374,9 +380,12 @@ class Engine:
 
     @property
     def speculation(self) -> str | None:
-        """What proposes tokens for the target to verify: "draft", "ngram", or None."""
+        """What proposes tokens for the target to verify: "draft", "ngram", "suffix", or
+        None."""
         if isinstance(self.runner, SpeculativeRunner):
             return "draft"
+        if isinstance(self.runner, SuffixRunner):
+            return "suffix"
         if isinstance(self.runner, NgramRunner):
             return "ngram"
         return None

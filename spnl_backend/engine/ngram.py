@@ -164,25 +164,35 @@ class NgramRunner(VerifyingRunner):
         if state is None:
             state = NgramState(NgramIndex(self.min_n, self.max_n), DraftLength())
             self.states[seq] = state
+            self._new_state(seq)
         return state
+
+    def _new_state(self, seq: Sequence) -> None:
+        """A sequence is seen for the first time (a subclass may index its prompt)."""
+
+    def _guess(self, seq: Sequence, k: int) -> list[int]:
+        """Up to ``k`` tokens to propose: the sequence's own lookup."""
+        return self.state(seq).index.lookup(seq.token_ids, k)
+
+    def _proposed(self, seq: Sequence, count: int) -> None:
+        """``count`` guessed tokens go to verification (a subclass may count them)."""
 
     def _propose(self, batch: list[ScheduledSeq]) -> dict[int, Proposal]:
         proposals = {}
         for item in batch:
             seq = item.seq
-            if not decodes(item) or seq.pic is not None:  # a PIC sequence's blocks: not in order
+            if not decodes(item):
                 continue
             budget = self.draft_budget(seq, self.max_len)
             if budget <= 0:
                 continue
             state = self.state(seq)
-            tokens = seq.token_ids
-            state.index.update(tokens)  # kept current whether it proposes or not
+            state.index.update(seq.token_ids)  # kept current whether it proposes or not
             k = min(budget, state.length.usable(self.gamma))
-            guess = state.index.lookup(tokens, k) if k else []
-            proposal = self._proposal(seq, guess)
+            proposal = self._proposal(seq, self._guess(seq, k) if k else [])
             if proposal.tokens and self.cache.reserve(seq, seq.num_tokens + len(proposal.tokens)):
                 proposals[seq.seq_id] = proposal
+                self._proposed(seq, len(proposal.tokens))
         return proposals
 
     def _proposal(self, seq: Sequence, guess: list[int]) -> Proposal:

@@ -421,11 +421,19 @@ class PagedCacheManager:
 
     def truncate(self, seq: CachedTokens) -> None:
         """Return the blocks past the sequence's computed tokens (rejected draft slots)."""
-        if seq.seq_id in self.pic:  # its blocks are not in token order: never drafted
-            raise EngineError("a PIC sequence's blocks cannot be truncated (no drafts)")
         table = self.tables.get(seq.seq_id)
-        if table is not None:
+        if table is None:
+            return
+        progress = self.pic.get(seq.seq_id)
+        if progress is None:
             self.blocks.truncate(table, self.blocks.blocks_for(seq.num_computed_tokens))
+            return
+        # A decoding PIC sequence's prompt is all computed; its generated tokens (drafts
+        # too) fill the last segment in order, after every other block of its table.
+        if seq.num_computed_tokens < progress.admitted_len:
+            raise EngineError("a PIC sequence is truncated only after its prompt")
+        last = progress.slot(seq.num_computed_tokens - 1) // self.block_size
+        self.blocks.truncate(table, last + 1)
 
     def after_step(self, batch: list[ScheduledSeq]) -> None:
         for item in batch:

@@ -370,9 +370,13 @@ class VerifyingRunner:
             start, tokens = self.cache.feed(item.seq, item.num_new_tokens)
             drafts = _drafts(proposals, item.seq)
             if drafts:
-                if not isinstance(start, int):
-                    raise EngineError("drafts follow a sequence computed in token order")
                 tokens = tokens + drafts
+                if not isinstance(start, int):  # a PIC sequence's: positions count on
+                    layout = item.seq.pic
+                    if layout is None:
+                        raise EngineError("drafts follow a sequence computed in order")
+                    first = item.seq.num_tokens
+                    start = [*start, *(layout.position(first + i) for i in range(len(drafts)))]
             feeds.append((start, tokens))
         return pack_inputs(feeds, self.device)
 

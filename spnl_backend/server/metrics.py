@@ -76,6 +76,11 @@ class ServerMetrics:
 _Read = Callable[[EngineStats], float | None]
 
 
+def _suffix(field: str) -> _Read:
+    """A field of the suffix store's stats; None where the engine has none."""
+    return lambda s: None if s.suffix is None else getattr(s.suffix, field)
+
+
 def _tier(name: str) -> _Read:
     """A KV tier counter's reader (None where there is no tier)."""
     return lambda s: None if s.tier is None else float(getattr(s.tier, name))
@@ -201,6 +206,18 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, _Read], ...] = (
         _tier("write_queue"),
     ),
     ("gauge", "spnl_kv_tier_enabled", "1 while the KV tier is on", _tier("enabled")),
+    *(
+        (kind, f"spnl_spec_suffix_{name}", doc, _suffix(name))
+        for kind, name, doc in (
+            ("gauge", "entries", "Documents and outputs held by the suffix store"),
+            ("gauge", "tokens", "Tokens held by the suffix store"),
+            ("counter", "dropped_entries", "Suffix store entries dropped for its budget"),
+            ("counter", "proposed_from_documents", "Tokens proposed from prompts' documents"),
+            ("counter", "accepted_from_documents", "Of those, accepted by the target"),
+            ("counter", "proposed_from_outputs", "Tokens proposed from finished outputs"),
+            ("counter", "accepted_from_outputs", "Of those, accepted by the target"),
+        )
+    ),
 )
 
 

@@ -19,7 +19,7 @@ log = get_logger()
 ENV_PREFIX = "MISTRALRS_"
 KV_BUDGET_FIELDS = ("paged_attn_memory_mb", "paged_attn_memory_fraction", "paged_attn_context_len")
 DEFAULT_CONTEXT_LEN = 4096
-SPECULATIVE_METHODS = ("auto", "draft", "ngram", "none")
+SPECULATIVE_METHODS = ("auto", "draft", "ngram", "suffix", "none")
 MAX_NGRAM = 64  # the longest n-gram MISTRALRS_SPECULATIVE_NGRAM_MAX may ask for
 
 
@@ -59,6 +59,7 @@ _PARSERS = {
     "speculative_method": values.choice(SPECULATIVE_METHODS),
     "speculative_ngram_min": values.parse_positive_int,
     "speculative_ngram_max": values.parse_positive_int,
+    "speculative_suffix_tokens": values.parse_positive_int,
     "kv_cache_compression": _parse_compression,
     "cpu_kernels": values.choice(values.CPU_KERNELS),
     "cpu_matmul": values.choice(values.CPU_MATMULS),
@@ -134,11 +135,15 @@ class BackendSettings(BaseSettings):
     speculative_draft_isq: IsqType | None = None
     # What proposes the tokens the target verifies: a draft model (the two settings above),
     # n-gram lookup in each sequence's own prompt and output (`engine.ngram`, no draft), or
-    # nothing; auto is the draft where one is set, else nothing. The n-gram sizes looked up,
-    # the longest first.
-    speculative_method: Literal["auto", "draft", "ngram", "none"] = "auto"
+    # nothing; auto is the draft where one is set, else nothing; suffix is n-gram lookup
+    # that falls back on a store shared by the requests (`engine.suffix`: prompts' documents
+    # and finished outputs, copies within a token budget). The n-gram sizes looked up, the
+    # longest first.
+    speculative_method: Literal["auto", "draft", "ngram", "suffix", "none"] = "auto"
     speculative_ngram_min: int = 2
     speculative_ngram_max: int = 4
+    # The suffix store's budget in tokens (its index holds an entry per n-gram size each).
+    speculative_suffix_tokens: int = 65536
     kv_cache_compression: str = "none"
     # How the CPU computes (`info` shows what auto picked): the compiled C kernels or the
     # torch twins; int8 or float32 activations in the quantized products; and, only where
@@ -286,7 +291,7 @@ class BackendSettings(BaseSettings):
                 f"{method}=draft needs a draft: set {env_name('speculative_draft_model')} "
                 f"or {env_name('speculative_draft_isq')}"
             )
-        if self.speculative_method in ("ngram", "none") and draft:
+        if self.speculative_method in ("ngram", "suffix", "none") and draft:
             raise ValueError(
                 f"{method}={self.speculative_method} uses no draft model, but a draft is "
                 f"set ({', '.join(draft)}); unset it, or set {method}=draft (or auto)"
@@ -301,10 +306,10 @@ class BackendSettings(BaseSettings):
         return self
 
     @property
-    def speculative(self) -> Literal["draft", "ngram"] | None:
+    def speculative(self) -> Literal["draft", "ngram", "suffix"] | None:
         """What proposes tokens for the target to verify, or None (no speculation)."""
-        if self.speculative_method == "ngram":
-            return "ngram"
+        if self.speculative_method in ("ngram", "suffix"):
+            return self.speculative_method
         if self.speculative_draft_model is not None or self.speculative_draft_isq is not None:
             return "draft"
         return None

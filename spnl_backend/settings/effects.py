@@ -111,9 +111,14 @@ def ineffective_settings(
             "no speculation is set: set MISTRALRS_SPECULATIVE_DRAFT_MODEL "
             "or MISTRALRS_SPECULATIVE_DRAFT_ISQ, or MISTRALRS_SPECULATIVE_METHOD=ngram",
         )
-    if settings.speculative != "ngram":
+    if settings.speculative not in ("ngram", "suffix"):
         report(
             ("speculative_ngram_min", "speculative_ngram_max"),
-            "they size n-gram speculation, and MISTRALRS_SPECULATIVE_METHOD is not ngram",
+            "they size n-gram speculation, and MISTRALRS_SPECULATIVE_METHOD is not ngram or suffix",
+        )
+    if settings.speculative != "suffix":
+        report(
+            ("speculative_suffix_tokens",),
+            "it bounds the suffix store, and MISTRALRS_SPECULATIVE_METHOD is not suffix",
         )
     return found
