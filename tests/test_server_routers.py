@@ -485,3 +485,97 @@ def test_without_pyzmq_the_setting_says_what_to_install(monkeypatch):
     wanted = r"pyzmq and msgpack \(zmq is not installed\).*kv-events"
     with pytest.raises(SettingsError, match=wanted):
         kv_events.check_kv_events_installed()
+
+
+# ---- KV tier events ----------------------------------------------------------------------
+
+
+def _split(stored: dict) -> dict[int, tuple[int | None, tuple[int, ...]]]:
+    """A BlockStored chain as each block's (parent, tokens), keyed by its hash."""
+    size, hashes = stored["block_size"], stored["block_hashes"]
+    parents = [stored["parent_block_hash"], *hashes[:-1]]
+    tokens = stored["token_ids"]
+    return {
+        digest: (parent, tuple(tokens[i * size : (i + 1) * size]))
+        for i, (digest, parent) in enumerate(zip(hashes, parents, strict=True))
+    }
+
+
+def _stored_on(events: list, medium: str) -> dict[int, tuple[int | None, tuple[int, ...]]]:
+    found: dict[int, tuple[int | None, tuple[int, ...]]] = {}
+    for event in events:
+        if event["type"] == "BlockStored" and event["medium"] == medium:
+            found |= _split(event)
+    return found
+
+
+def test_tier_writes_are_disk_blocks_and_promotions_pool_blocks(tiny, tmp_path):
+    from helpers import engine_internals
+
+    from spnl_backend import BackendSettings, load_backend
+
+    settings = BackendSettings(device="cpu", paged_attn_block_size=16, kv_tier_dir=str(tmp_path))
+    backend = load_backend(str(tiny.hf("llama").path), settings=settings)
+    port = _free_port()
+    publisher = KvEventPublisher(KvEventsConfig(f"tcp://*:{port}"), 16)
+    sub = _Subscriber(port)
+    tier = engine_internals(backend).cache.tier.tier
+    try:
+        backend.watch_blocks(publisher)
+        _joined(sub, publisher)
+        backend.generate(PROMPT * 3, max_tokens=2, temperature=0)
+        backend._open_loop().call(lambda engine: tier.flush())
+        events = _events(sub.batches())
+        pool, disk = _stored_on(events, "GPU"), _stored_on(events, "DISK")
+        assert len(pool) >= 3
+        assert disk == pool  # every pool block written, announced with its parent and tokens
+        assert set(disk) == tier.written
+        # a reset forgets the pool; the next request promotes the tier's blocks into it
+        backend.reset_prefix_cache()
+        backend.generate(PROMPT * 3, max_tokens=2, temperature=0)
+        events = _events(sub.batches())
+        assert events[0] == CLEARED
+        promoted = _stored_on(events, "GPU")
+        assert backend.stats().tier.hits >= len(pool) - 1
+        assert set(pool) <= set(promoted)  # back in the pool, with the chain they had
+        assert all(promoted[digest] == pool[digest] for digest in pool)
+        assert _stored_on(events, "DISK") == {}  # already on disk: not written again
+    finally:
+        backend.watch_blocks(None)
+        backend.close()
+        publisher.close()
+        sub.close()
+
+
+def test_tier_evictions_are_removed_from_disk():
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from spnl_backend.engine.kv_tier import KvTier, TierEntry
+
+    port = _free_port()
+    publisher = KvEventPublisher(KvEventsConfig(f"tcp://*:{port}"), 1)
+    sub = _Subscriber(port)
+    with tempfile.TemporaryDirectory() as directory:
+        tier = KvTier(Path(directory), 3500, bytes(32))  # room for three entries of ~1 KB
+        tier.events = publisher
+        try:
+            _joined(sub, publisher)
+            for key in range(1, 6):
+                payload = torch.full((1000,), key, dtype=torch.uint8)
+                tier.offer(TierEntry(key, (key,), None, payload, parent=key - 1 or None))
+                tier.flush()
+                time.sleep(0.01)  # distinct modification times: the oldest go first
+            events = _events(sub.batches())
+        finally:
+            tier.close()
+            publisher.close()
+            sub.close()
+    assert tier.stats().evictions == 2
+    stored = _stored_on(events, "DISK")
+    assert stored == {key: (key - 1 or None, (key,)) for key in range(1, 6)}
+    removed = [e for e in events if e["type"] == "BlockRemoved"]
+    assert [h for e in removed for h in e["block_hashes"]] == [1, 2]  # the oldest two
+    assert all(e["medium"] == "DISK" for e in events if e["type"] != "AllBlocksCleared")

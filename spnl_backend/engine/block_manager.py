@@ -27,15 +27,27 @@ def block_hash(parent: int, tokens: tuple[int, ...]) -> int:
     return int.from_bytes(digest.digest(), "little")
 
 
-class BlockEvents(Protocol):
-    """Told what the prefix cache offers and forgets (`server.kv_events` publishes it), on
-    the engine's thread: each call must return at once."""
+POOL = "pool"  # where a block is held: the block pool, which requests read directly
+TIER = "tier"  # the KV tier on disk (`kv_tier`), read back into the pool before use
 
-    def stored(self, digest: int, parent: int | None, tokens: tuple[int, ...], pic: bool) -> None:
+
+class BlockEvents(Protocol):
+    """Told what the prefix cache and the KV tier offer and forget (`server.kv_events`
+    publishes it), on the engine's thread or the tier's writer: each call must return at
+    once. ``medium`` is `POOL` or `TIER`."""
+
+    def stored(
+        self,
+        digest: int,
+        parent: int | None,
+        tokens: tuple[int, ...],
+        pic: bool,
+        medium: str = POOL,
+    ) -> None:
         """A block registered: its key, its parent's (None: a chain's first, or a PIC
         block's, whose key does not chain the prompt before it) and its tokens."""
 
-    def removed(self, digest: int) -> None:
+    def removed(self, digest: int, medium: str = POOL) -> None:
         """A registered block forgotten (evicted for new content)."""
 
     def cleared(self) -> None:
@@ -49,6 +61,7 @@ class Block:
     hash: int | None = None  # set once the block is full and registered
     token_ids: tuple[int, ...] = ()  # the tokens its hash covers (checked on every hit)
     position: int | None = None  # a PIC block's first position (its keys' rotation)
+    parent: int | None = None  # the key its key chains, where known (for `BlockEvents`)
 
 
 @dataclass
@@ -117,6 +130,7 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is None and digest not in self.hash_to_id:
             block.hash, block.token_ids, block.position = digest, tokens, position
+            block.parent = parent
             self.hash_to_id[digest] = block_id
             if self.events is not None:
                 self.events.stored(digest, parent, tokens, position is not None)
@@ -214,4 +228,4 @@ class BlockManager:
             del self.hash_to_id[block.hash]
             if announce and self.events is not None:
                 self.events.removed(block.hash)
-        block.hash, block.token_ids, block.position = None, (), None
+        block.hash, block.token_ids, block.position, block.parent = None, (), None, None

@@ -248,8 +248,9 @@ class Engine:
         return dropped
 
     def watch_blocks(self, events: BlockEvents | None) -> int:
-        """Tell ``events`` of every block the prefix cache registers and forgets from now
-        on (None: stop); the pool's block size. Refused without a paged prefix cache."""
+        """Tell ``events`` of every block the prefix cache (and the KV tier, where there is
+        one) registers and forgets from now on (None: stop); the pool's block size.
+        Refused without a paged prefix cache."""
         blocks = getattr(self.cache, "blocks", None)
         if blocks is None or not blocks.enable_prefix_caching:
             raise EngineError(
@@ -257,6 +258,9 @@ class Engine:
                 "and MISTRALRS_PREFIX_CACHE_N not 0); this model's cache has no blocks to announce"
             )
         blocks.events = events
+        pool_tier = getattr(self.cache, "tier", None)
+        if pool_tier is not None:  # what the KV tier writes and removes is held here too
+            pool_tier.tier.events = events
         return blocks.block_size
 
     def embed(self, texts: list[list[int]]) -> "torch.Tensor":

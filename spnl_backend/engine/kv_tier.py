@@ -18,6 +18,9 @@ writer killed mid-write leaves only a temporary file, which no reader opens. A r
 touches the entry's modification time; once the directory passes its byte budget, the
 entries least recently written or read are removed first. A disk that is full or cannot
 be written turns the tier off, with one warning; nothing the tier does fails a request.
+
+`KvTier.events`, where set, is told (on the writer's thread) of each entry this process
+writes and each entry it removes, as the `block_manager.TIER` medium.
 """
 
 import contextlib
@@ -37,6 +40,7 @@ import torch
 
 from ..log import get_logger
 from ..signals import leave_interrupts_to_the_main_thread
+from .block_manager import TIER, BlockEvents
 
 log = get_logger()
 
@@ -93,6 +97,7 @@ class TierEntry:
     position: int | None  # a PIC block's first position
     payload: torch.Tensor  # uint8, the pool's bytes for the block
     buffer: bytearray | None = None  # the memory a read payload views (to read into again)
+    parent: int | None = None  # the key its key chains, where known (told to events only)
 
 
 class KvTier:
@@ -105,6 +110,7 @@ class KvTier:
         self.enabled = True
         self._lock = threading.Lock()
         self.written: set[int] = set()  # keys on disk, as far as this process knows
+        self.events: BlockEvents | None = None  # told of entries written and removed
         self._queue: queue.Queue[TierEntry | None] = queue.Queue(WRITE_QUEUE)
         self._used = 0  # bytes on disk, from the last scan plus what was written since
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -257,7 +263,9 @@ class KvTier:
     def _write(self, entry: TierEntry) -> None:
         path = self._path(entry.key)
         if entry.key in self.written or path.exists():  # another process wrote it first
-            self.written.add(entry.key)
+            if entry.key not in self.written:
+                self.written.add(entry.key)
+                self._stored(entry)  # on disk here all the same
             return
         head, payload = self.encode(entry)
         size = len(head) + payload.nbytes
@@ -283,6 +291,7 @@ class KvTier:
             raise
         self.written.add(entry.key)
         self._count(bytes_written=size)
+        self._stored(entry)
         self._used += size
         if self._used > self.budget_bytes:
             self._scan()
@@ -312,8 +321,11 @@ class KvTier:
             with contextlib.suppress(OSError):
                 os.unlink(path)
                 used -= size
-                known.discard(int(name[: -len(SUFFIX)], 16) if _is_key(name) else -1)
                 self._count(evictions=1)
+                if _is_key(name):
+                    key = int(name[: -len(SUFFIX)], 16)
+                    known.discard(key)
+                    self._removed(key)
         self.written, self._used = known, used
 
     # ---- bookkeeping ---------------------------------------------------------------------
@@ -332,7 +344,18 @@ class KvTier:
         if reason not in ("unreadable", "over_budget") and path.parent == self.dir:
             with contextlib.suppress(OSError, ValueError):
                 os.unlink(path)
-                self.written.discard(int(path.name[: -len(SUFFIX)], 16))
+                key = int(path.name[: -len(SUFFIX)], 16)
+                self.written.discard(key)
+                self._removed(key)
+
+    def _stored(self, entry: TierEntry) -> None:
+        if self.events is not None:
+            pic = entry.position is not None
+            self.events.stored(entry.key, entry.parent, entry.tokens, pic, TIER)
+
+    def _removed(self, key: int) -> None:
+        if self.events is not None:
+            self.events.removed(key, TIER)
 
     def _turn_off(self, why: str) -> None:
         if self.enabled:

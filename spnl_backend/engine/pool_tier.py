@@ -7,6 +7,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, TimeoutError
+from dataclasses import replace
 from pathlib import Path
 
 from ..errors import RequestError
@@ -166,7 +167,8 @@ class PoolTier:
             if block.hash is None or block.hash in self.tier.written:
                 continue
             payload = self.cache.block_bytes(block_id)
-            self.tier.offer(TierEntry(block.hash, block.token_ids, block.position, payload))
+            entry = TierEntry(block.hash, block.token_ids, block.position, payload)
+            self.tier.offer(replace(entry, parent=block.parent))  # parent: told to events
 
     def promote(self, wanted: list[tuple[int, tuple[int, ...]]], prefix: bool) -> set[int]:
         """The blocks of ``wanted`` (digest and tokens, in order) that the pool lacks and

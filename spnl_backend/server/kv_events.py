@@ -26,7 +26,11 @@ vllm-router 0.1.17 refuses those, and a batch sent as a map.)
 Hashes are the prefix cache's own 64-bit keys (unsigned): a block's key chains its
 parent's, so a consumer that indexes the chain of (parent, tokens) the events announce
 finds the replica holding a prompt's longest cached prefix. ``medium`` is ``"GPU"`` for
-the block pool whatever its device (vLLM's name for the tier a request reads directly).
+the block pool whatever its device (vLLM's name for the tier a request reads directly)
+and ``"DISK"`` for the KV tier (`engine.kv_tier`): each entry the tier writes is a
+BlockStored on ``"DISK"`` (its parent and tokens as the pool announced them), each entry
+it removes a BlockRemoved from ``"DISK"``, and a block read back from it into the pool a
+BlockStored on ``"GPU"``, as any registration.
 A PIC block (`engine.pic_blocks`) is announced with no parent (its key ignores what came
 before its span) and ``extra_keys`` ``[["spnl-pic"]]``: a consumer that hashes
 extra keys with the tokens never mistakes it for a plain prefix, and one that knows the
@@ -41,12 +45,16 @@ from dataclasses import dataclass
 from itertools import count
 from typing import Any
 
+from ..engine.block_manager import POOL, TIER
 from ..errors import SettingsError
 from ..log import get_logger
 
 log = get_logger()
 
-MEDIUM = "GPU"
+# vLLM's medium names: "GPU" for the blocks requests read directly (vLLM's own pool),
+# "CPU" for its host-memory offload; vllm-router also reads "DISK" (its disk tier, credited
+# less than the pool). spnl's KV tier is a directory on disk.
+MEDIUMS = {POOL: "GPU", TIER: "DISK"}
 PIC_TAG = "spnl-pic"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 MAX_QUEUED = 100_000  # events waiting for the publisher thread
@@ -86,6 +94,7 @@ class KvEventPublisher:
         zmq, msgpack = _zmq_and_msgpack()
         self.config, self.block_size = config, block_size
         self.dropped = 0  # events the full queue refused
+        self._dropped_lock = threading.Lock()
         self.sent = 0  # batches sent
         self._pack = msgpack.Packer(use_bin_type=True).pack
         self._queue: queue.Queue[list[Any]] = queue.Queue(MAX_QUEUED)
@@ -115,11 +124,18 @@ class KvEventPublisher:
 
     # ---- BlockEvents: on the engine's thread, never blocking ------------------------------
 
-    def stored(self, digest: int, parent: int | None, tokens: tuple[int, ...], pic: bool) -> None:
-        self._put(["BlockStored", digest, parent, tokens, pic])
+    def stored(
+        self,
+        digest: int,
+        parent: int | None,
+        tokens: tuple[int, ...],
+        pic: bool,
+        medium: str = POOL,
+    ) -> None:
+        self._put(["BlockStored", digest, parent, tokens, pic, MEDIUMS[medium]])
 
-    def removed(self, digest: int) -> None:
-        self._put(["BlockRemoved", digest])
+    def removed(self, digest: int, medium: str = POOL) -> None:
+        self._put(["BlockRemoved", digest, MEDIUMS[medium]])
 
     def cleared(self) -> None:
         self._put(["AllBlocksCleared"])
@@ -130,9 +146,11 @@ class KvEventPublisher:
                 raise queue.Full
             self._queue.put_nowait(event)
         except queue.Full:
-            self.dropped += 1  # the engine's thread alone writes it
-            if self.dropped in (1, 1000) or self.dropped % 100_000 == 0:
-                log.warning("kv_events.dropped", dropped=self.dropped)
+            with self._dropped_lock:  # the engine's and the tier's threads both put
+                self.dropped += 1
+                dropped = self.dropped
+            if dropped in (1, 1000) or dropped % 100_000 == 0:
+                log.warning("kv_events.dropped", dropped=dropped)
 
     # ---- the publisher thread -------------------------------------------------------------
 
@@ -174,30 +192,34 @@ class KvEventPublisher:
         self.sent += 1
 
     def _encoded(self, events: list[Any]) -> list[dict[str, Any]]:
-        """vLLM's events; a run of stored blocks that chain one another is one BlockStored,
-        and a run of removals one BlockRemoved (as vLLM sends them)."""
+        """vLLM's events; a run of stored blocks of one medium that chain one another is
+        one BlockStored, and a run of removals from one medium one BlockRemoved (as vLLM
+        sends them)."""
         out: list[dict[str, Any]] = []
         for kind, *rest in events:
             last = out[-1] if out else {"type": None}
+            same = kind != "AllBlocksCleared" and last["type"] == kind
+            same = same and last["medium"] == rest[-1]
             if kind == "BlockStored":
-                digest, parent, tokens, pic = rest
-                chained = last["type"] == kind and last["block_hashes"][-1] == parent
+                digest, parent, tokens, pic, medium = rest
+                chained = same and last["block_hashes"][-1] == parent
                 if chained and not pic and "extra_keys" not in last:
                     last["block_hashes"].append(digest)
                     last["token_ids"].extend(tokens)
                     continue
-                out.append(self._stored(digest, parent, tokens, pic))
+                out.append(self._stored(digest, parent, tokens, pic, medium))
             elif kind == "BlockRemoved":
-                if last["type"] == kind:
-                    last["block_hashes"].append(rest[0])
+                digest, medium = rest
+                if same:
+                    last["block_hashes"].append(digest)
                     continue
-                out.append({"type": kind, "block_hashes": [rest[0]], "medium": MEDIUM})
+                out.append({"type": kind, "block_hashes": [digest], "medium": medium})
             else:
                 out.append({"type": kind})
         return out
 
     def _stored(
-        self, digest: int, parent: int | None, tokens: tuple[int, ...], pic: bool
+        self, digest: int, parent: int | None, tokens: tuple[int, ...], pic: bool, medium: str
     ) -> dict[str, Any]:
         stored = {
             "type": "BlockStored",
@@ -206,7 +228,7 @@ class KvEventPublisher:
             "token_ids": list(tokens),
             "block_size": self.block_size,
             "lora_id": None,
-            "medium": MEDIUM,
+            "medium": medium,
             "lora_name": None,
         }
         if pic:
