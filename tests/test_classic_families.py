@@ -4,6 +4,7 @@ native layer blocks declining what they cannot run (LayerNorms, parallel residua
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from tiny_models import build_hf_model
 from spnl_backend import BackendSettings, load_backend
 from spnl_backend.errors import ModelFileError
 from spnl_backend.models.native_blocks import _blocks_run
+from spnl_backend.models.norms import norm_of
 
 F32 = BackendSettings(device="cpu", paged_cache_type="f32")
 
@@ -64,6 +66,23 @@ def test_phi_with_q_and_k_layernorms_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "qk_layernorm": True}))
     with pytest.raises(ModelFileError, match=r"qk_layernorm.*not supported"):
         load_backend(str(tmp_path), settings=F32)
+
+
+@pytest.mark.parametrize(
+    ("kind", "offset", "affine"), [("layer_1p", 1.0, True), ("layer_plain", 0.0, False)]
+)
+def test_layernorm_kinds_match_torch(kind, offset, affine):
+    """Nemotron's LayerNorm1p (weight as 1 + w, with a bias) and OLMo's weightless one."""
+    norm = norm_of(SimpleNamespace(rms_norm_eps=1e-5), 64, None, kind)  # (its eps alone read)
+    assert (norm.weight is not None) == affine
+    assert (norm.bias is not None) == affine
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    weight = bias = None
+    if affine:
+        norm.weight.data, norm.bias.data = torch.randn(64), torch.randn(64)
+        weight, bias = norm.weight.float() + offset, norm.bias.float()
+    expected = torch.nn.functional.layer_norm(x.float(), (64,), weight, bias, 1e-5)
+    torch.testing.assert_close(norm(x), expected.to(torch.bfloat16))
 
 
 def test_a_gpt_neox_whose_fused_qkv_disagrees_with_the_config_is_refused(tmp_path):

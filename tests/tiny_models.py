@@ -274,8 +274,9 @@ _GGUF_ARCH = {
     "apertus": "apertus",
     "gemma": "gemma",
 }
-# The families llama.cpp's converter writes (a ``ministral`` checkpoint it cannot read).
-CONVERTIBLE = frozenset(_GGUF_ARCH)
+# The families llama.cpp's converter writes (a ``ministral`` checkpoint it cannot read):
+# those written here and those it writes itself.
+CONVERTIBLE = frozenset(_GGUF_ARCH) | CONVERTED
 # The dense families whose GGUF twin is the writer's, checked once against the converter's
 # file too (`tests/test_llama_cpp_converter.py`). Left out: gemma3 (its tiny model keeps
 # the attn_logit_softcapping the converter asserts absent), mistral (a llama file carries no
