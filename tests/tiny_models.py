@@ -127,17 +127,18 @@ MOE_HYBRID_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_experts(f) and
 # rotation (and has a layer that does not rotate, and a shared expert); seed_oss's and
 # GLM's projections carry biases, EXAONE 4's layers have no input norm and some do not
 # rotate, Arcee's and Apertus's MLPs have no gate, HunYuan norms q and k after their
-# rotation.
+# rotation; OLMo has LayerNorms.
 PER_OP_ONLY = frozenset(
     {"qwen2", "olmo2", "smollm3", "gpt_oss", "gemma4", "phi", "starcoder2", "gpt_neox"}
     | {"granite", "cohere", "cohere2", "qwen2_moe", "llama4"}
     | {"seed_oss", "glm4", "glm", "exaone4", "arcee", "hunyuan_v1_dense", "apertus"}
+    | {"olmo"}
 )
 # The families whose GGUF twin is the file llama.cpp's own converter writes
 # (`llama_cpp_converter`), rather than `write_gguf`'s; with the pre-tokenizer rule the
 # tiny vocabulary is named by (llama.cpp's ``default`` unless said here).
 CONVERTED = frozenset(
-    {"phi", "starcoder2", "gpt_neox", "granite", "cohere", "cohere2", "qwen2_moe"}
+    {"phi", "starcoder2", "gpt_neox", "granite", "cohere", "cohere2", "qwen2_moe", "olmo"}
 )
 CONVERTED_PRE = {"phi": "gpt-2", "starcoder2": "gpt-2", "gpt_neox": "gpt-2"}
 # The families whose converter-written GGUF is checked in a test module of their own.
@@ -159,6 +160,7 @@ CHAT_TURNS = {
         "<|start_of_role|>assistant<|end_of_role|>",
     ),
     "qwen2_moe": ("<|im_start|>{role}\n{content}<|im_end|>\n", "<|im_start|>assistant\n"),
+    "olmo": ("<|{role}|>\n{content}\n", "<|assistant|>\n"),
 }
 
 

@@ -30,6 +30,7 @@ from . import (
     ministral,
     mistral,
     mixtral,
+    olmo,
     olmo2,
     olmoe,
     phi,
@@ -87,6 +88,7 @@ FAMILIES: tuple[Family, ...] = (
             phi,
             starcoder2,
             gpt_neox,
+            olmo,
         )
     )
     + deepseek.FAMILIES
