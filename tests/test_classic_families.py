@@ -40,6 +40,7 @@ def _matches_transformers(model, path) -> None:
         ("gpt_neox", {"attention_bias": False}),  # q, k, v and o unbiased, the MLP biased
         ("starcoder2", {"use_bias": False}),  # no bias anywhere, the LayerNorms' aside
         ("starcoder2", {"sliding_window": 8}),  # a window the 30-token prompt crosses
+        ("nemotron", {"attention_bias": True, "mlp_bias": True}),  # biases on every projection
         ("olmo", {"clip_qkv": None}),  # unclamped
     ],
 )

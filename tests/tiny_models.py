@@ -127,25 +127,32 @@ MOE_HYBRID_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_experts(f) and
 # rotation (and has a layer that does not rotate, and a shared expert); seed_oss's and
 # GLM's projections carry biases, EXAONE 4's layers have no input norm and some do not
 # rotate, Arcee's and Apertus's MLPs have no gate, HunYuan norms q and k after their
-# rotation; OLMo has LayerNorms.
+# rotation; Nemotron and OLMo have LayerNorms.
 PER_OP_ONLY = frozenset(
     {"qwen2", "olmo2", "smollm3", "gpt_oss", "gemma4", "phi", "starcoder2", "gpt_neox"}
     | {"granite", "cohere", "cohere2", "qwen2_moe", "llama4"}
     | {"seed_oss", "glm4", "glm", "exaone4", "arcee", "hunyuan_v1_dense", "apertus"}
-    | {"olmo"}
+    | {"nemotron", "olmo"}
 )
 # The families whose GGUF twin is the file llama.cpp's own converter writes
 # (`llama_cpp_converter`), rather than `write_gguf`'s; with the pre-tokenizer rule the
 # tiny vocabulary is named by (llama.cpp's ``default`` unless said here).
 CONVERTED = frozenset(
     {"phi", "starcoder2", "gpt_neox", "granite", "cohere", "cohere2", "qwen2_moe", "olmo"}
+    | {"nemotron"}
 )
-CONVERTED_PRE = {"phi": "gpt-2", "starcoder2": "gpt-2", "gpt_neox": "gpt-2"}
+# (Nemotron's converter reads a SentencePiece vocabulary alone: its tiny BPE one as plain BPE)
+CONVERTED_PRE = {
+    "phi": "gpt-2",
+    "starcoder2": "gpt-2",
+    "gpt_neox": "gpt-2",
+    "nemotron": "plain-bpe",
+}
 # The families whose converter-written GGUF is checked in a test module of their own.
 GGUF_CONVERTER_TESTS = frozenset({"deepseek_v2", "deepseek_v3", "llama4"})
 # Their tiny tokenizers' chat templates: each family's turns (its checkpoints' template cut
 # to plain turns; ``{role}`` upper-cased for Cohere's USER_TOKEN, SYSTEM_TOKEN), then the
-# prompt of the assistant's turn.
+# prompt of the assistant's turn (``{Role}`` capitalized, for Nemotron's).
 CHAT_TURNS = {
     "cohere": (
         "<|START_OF_TURN_TOKEN|><|{ROLE}_TOKEN|>{content}<|END_OF_TURN_TOKEN|>",
@@ -160,6 +167,7 @@ CHAT_TURNS = {
         "<|start_of_role|>assistant<|end_of_role|>",
     ),
     "qwen2_moe": ("<|im_start|>{role}\n{content}<|im_end|>\n", "<|im_start|>assistant\n"),
+    "nemotron": ("<extra_id_1>{Role}\n{content}\n", "<extra_id_1>Assistant\n"),
     "olmo": ("<|{role}|>\n{content}\n", "<|assistant|>\n"),
 }
 
@@ -170,6 +178,7 @@ def chat_template(arch: str) -> str | None:
         return None
     turn, prompt = CHAT_TURNS[arch]
     turn = turn.replace("{ROLE}", "{{ m['role'] | upper }}").replace("{role}", "{{ m['role'] }}")
+    turn = turn.replace("{Role}", "{{ m['role'] | capitalize }}")
     turn = turn.replace("{content}", "{{ m['content'] }}")
     return (
         "{% for m in messages %}" + turn + "{% endfor %}"

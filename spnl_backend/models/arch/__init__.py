@@ -30,6 +30,7 @@ from . import (
     ministral,
     mistral,
     mixtral,
+    nemotron,
     olmo,
     olmo2,
     olmoe,
@@ -88,6 +89,7 @@ FAMILIES: tuple[Family, ...] = (
             phi,
             starcoder2,
             gpt_neox,
+            nemotron,
             olmo,
         )
     )
