@@ -42,6 +42,9 @@ def _matches_transformers(model, path) -> None:
         ("starcoder2", {"sliding_window": 8}),  # a window the 30-token prompt crosses
         ("nemotron", {"attention_bias": True, "mlp_bias": True}),  # biases on every projection
         ("olmo", {"clip_qkv": None}),  # unclamped
+        # attention, then the MLP on its sum through a norm of its own; no q/k norms or biases
+        ("stablelm", {"use_parallel_residual": False, "qk_layernorm": False}),
+        ("stablelm", {"use_qkv_bias": False}),
     ],
 )
 def test_variants_match_transformers(tmp_path, arch, variant):
@@ -67,6 +70,16 @@ def test_phi_with_q_and_k_layernorms_is_refused(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "qk_layernorm": True}))
     with pytest.raises(ModelFileError, match=r"qk_layernorm.*not supported"):
+        load_backend(str(tmp_path), settings=F32)
+
+
+def test_a_stablelm_missing_a_heads_q_norm_is_refused(tmp_path):
+    """The per-head q norms are stacked a row per head: a head without one is named."""
+    build_hf_model("stablelm", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.self_attn.q_layernorm.norms.2.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelFileError, match=r"layers\.1\.self_attn\.q_norm.*every head"):
         load_backend(str(tmp_path), settings=F32)
 
 

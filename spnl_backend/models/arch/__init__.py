@@ -44,6 +44,7 @@ from . import (
     qwen3_moe,
     seed_oss,
     smollm3,
+    stablelm,
     starcoder2,
 )
 from .family import Family
@@ -91,6 +92,7 @@ FAMILIES: tuple[Family, ...] = (
             gpt_neox,
             nemotron,
             olmo,
+            stablelm,
         )
     )
     + deepseek.FAMILIES
