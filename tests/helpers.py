@@ -32,7 +32,8 @@ def model_logits(backend: Backend, ids: list[int]) -> torch.Tensor:
     """Logits at every position of ``ids``, through our model and a fresh cache."""
     model = backend.model
     config = model.config
-    dtype = next(model.parameters()).dtype
+    # (the loader's compute dtype: a model may hold no float weight at all, OLMo's in Q8_0)
+    dtype = getattr(torch, backend.platform.resolve_dtype(config.dtype))
     kv = SequenceKV(config.kv_shapes, dtype, torch.device("cpu"), planes=config.kv_planes)
     kv.reserve(len(ids), used=0)
     step = ContiguousStep([StepSlice(kv, 0, len(ids))])

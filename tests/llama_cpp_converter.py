@@ -42,7 +42,7 @@ _MEMBERS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion/", "
 OUTTYPES = {"F32": "f32", "Q8_0": "q8_0"}  # GGML type name -> the converter's --outtype
 
 _SHIMS = r"""
-import runpy, sys
+import json, runpy, sys
 from pathlib import Path
 
 root, pre, script, *args = sys.argv[1:]
@@ -83,7 +83,7 @@ def load_hparams(*a, **kw):
 
 
 base.ModelBase.load_hparams = staticmethod(load_hparams)
-runs = [args] if script == "convert_lora_to_gguf.py" else [a.split("\0") for a in args]
+runs = [args] if script == "convert_lora_to_gguf.py" else [json.loads(a) for a in args]
 for run in runs:
     sys.argv = [script, *run]
     runpy.run_path(str(Path(root) / script), run_name="__main__")
@@ -160,7 +160,7 @@ def convert(model_dir: Path, path: Path, qtype_name: str, pre: str = "default") 
     if qtype_name not in OUTTYPES:
         raise ValueError(f"llama.cpp's converter writes {', '.join(OUTTYPES)}, not {qtype_name}")
     runs = [
-        "\0".join(
+        json.dumps(
             [str(model_dir), "--outfile", str(path.with_name(f"model-{name}.gguf")), "--outtype", t]
         )
         for name, t in OUTTYPES.items()
@@ -174,7 +174,7 @@ def convert(model_dir: Path, path: Path, qtype_name: str, pre: str = "default") 
 def convert_one(model_dir: Path, out: Path, outtype: str, pre: str = "default") -> Path:
     """``model_dir`` as the converter writes it with ``--outtype outtype``, at ``out``."""
     if not out.exists():
-        run = "\0".join([str(model_dir), "--outfile", str(out), "--outtype", outtype])
+        run = json.dumps([str(model_dir), "--outfile", str(out), "--outtype", outtype])
         _run("convert_hf_to_gguf.py", [run], pre, model_dir)
     return out
 

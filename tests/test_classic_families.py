@@ -4,6 +4,7 @@ native layer blocks declining what they cannot run (LayerNorms, parallel residua
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from tiny_models import build_hf_model
 from spnl_backend import BackendSettings, load_backend
 from spnl_backend.errors import ModelFileError
 from spnl_backend.models.native_blocks import _blocks_run
+from spnl_backend.models.norms import norm_of
 
 F32 = BackendSettings(device="cpu", paged_cache_type="f32")
 
@@ -38,6 +40,11 @@ def _matches_transformers(model, path) -> None:
         ("gpt_neox", {"attention_bias": False}),  # q, k, v and o unbiased, the MLP biased
         ("starcoder2", {"use_bias": False}),  # no bias anywhere, the LayerNorms' aside
         ("starcoder2", {"sliding_window": 8}),  # a window the 30-token prompt crosses
+        ("nemotron", {"attention_bias": True, "mlp_bias": True}),  # biases on every projection
+        ("olmo", {"clip_qkv": None}),  # unclamped
+        # attention, then the MLP on its sum through a norm of its own; no q/k norms or biases
+        ("stablelm", {"use_parallel_residual": False, "qk_layernorm": False}),
+        ("stablelm", {"use_qkv_bias": False}),
     ],
 )
 def test_variants_match_transformers(tmp_path, arch, variant):
@@ -64,6 +71,33 @@ def test_phi_with_q_and_k_layernorms_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "qk_layernorm": True}))
     with pytest.raises(ModelFileError, match=r"qk_layernorm.*not supported"):
         load_backend(str(tmp_path), settings=F32)
+
+
+def test_a_stablelm_missing_a_heads_q_norm_is_refused(tmp_path):
+    """The per-head q norms are stacked a row per head: a head without one is named."""
+    build_hf_model("stablelm", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.self_attn.q_layernorm.norms.2.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelFileError, match=r"layers\.1\.self_attn\.q_norm.*every head"):
+        load_backend(str(tmp_path), settings=F32)
+
+
+@pytest.mark.parametrize(
+    ("kind", "offset", "affine"), [("layer_1p", 1.0, True), ("layer_plain", 0.0, False)]
+)
+def test_layernorm_kinds_match_torch(kind, offset, affine):
+    """Nemotron's LayerNorm1p (weight as 1 + w, with a bias) and OLMo's weightless one."""
+    norm = norm_of(SimpleNamespace(rms_norm_eps=1e-5), 64, None, kind)  # (its eps alone read)
+    assert (norm.weight is not None) == affine
+    assert (norm.bias is not None) == affine
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    weight = bias = None
+    if affine:
+        norm.weight.data, norm.bias.data = torch.randn(64), torch.randn(64)
+        weight, bias = norm.weight.float() + offset, norm.bias.float()
+    expected = torch.nn.functional.layer_norm(x.float(), (64,), weight, bias, 1e-5)
+    torch.testing.assert_close(norm(x), expected.to(torch.bfloat16))
 
 
 def test_a_gpt_neox_whose_fused_qkv_disagrees_with_the_config_is_refused(tmp_path):

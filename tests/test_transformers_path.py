@@ -23,7 +23,7 @@ from spnl_backend.models.transformers_lm import LayerCall, TransformersCausalLM
 
 # Decoders transformers has and the registry lacks, each calling the attention interface.
 FAMILIES = {
-    "olmo": {"clip_qkv": 2.0},
+    "helium": {"head_dim": 16},  # Llama-like
     "persimmon": {"qk_layernorm": True},  # partial rotary, LayerNorm per head, relu²
     "gptj": {"rotary_dim": 8},  # interleaved rotary on part of the head, parallel block
 }
@@ -68,8 +68,8 @@ def root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def olmo(root) -> tuple[TinyModel, object]:
-    tiny = _tiny(root, "olmo", FAMILIES["olmo"])
+def helium(root) -> tuple[TinyModel, object]:
+    tiny = _tiny(root, "helium", FAMILIES["helium"])
     return tiny, load_backend(str(tiny.path), settings=CPU)
 
 
@@ -91,8 +91,8 @@ def test_greedy_tokens_match_transformers_generate(root, model_type):
     assert backend.cache_info().kind == "paged"
 
 
-def test_a_batch_of_different_lengths_equals_single_runs(olmo):
-    tiny, backend = olmo
+def test_a_batch_of_different_lengths_equals_single_runs(helium):
+    tiny, backend = helium
     alone = [
         backend.generate(p, max_tokens=12, temperature=0).token_ids for p in SHARED_PREFIX_PROMPTS
     ]
@@ -101,8 +101,8 @@ def test_a_batch_of_different_lengths_equals_single_runs(olmo):
     assert alone[1] == _expected(tiny, SHARED_PREFIX_PROMPTS[1], 12)
 
 
-def test_a_prefix_hit_gives_the_same_tokens(olmo):
-    tiny, backend = olmo
+def test_a_prefix_hit_gives_the_same_tokens(helium):
+    tiny, backend = helium
     backend.reset_prefix_cache()
     first = backend.generate(PROMPT, max_tokens=12, temperature=0)
     again = backend.generate(PROMPT + " And again", max_tokens=12, temperature=0)
@@ -118,8 +118,8 @@ def test_a_prefix_hit_gives_the_same_tokens(olmo):
         {"speculative_method": "ngram", "speculative_gamma": 4},  # n-gram drafts verified
     ],
 )
-def test_the_other_caches_and_speculation_give_the_same_tokens(olmo, settings):
-    tiny, _ = olmo
+def test_the_other_caches_and_speculation_give_the_same_tokens(helium, settings):
+    tiny, _ = helium
     backend = load_backend(str(tiny.path), settings=BackendSettings(device="cpu", **settings))
     prompt = PROMPT + " " + PROMPT  # repeats, so n-gram drafts are proposed
     result = backend.generate(prompt, max_tokens=16, temperature=0)
@@ -166,10 +166,11 @@ def test_a_hybrid_is_refused_with_the_reason(root):
 
 def test_a_head_that_scales_the_logits_is_refused_by_the_probe(root):
     """Cohere multiplies the logits by logit_scale after its head: the probe pass sees
-    that the split forward / compute_logits would not give transformers' logits."""
+    that the split forward / compute_logits would not give transformers' logits (Cohere
+    has a family module: the transformers path asked for by name)."""
     tiny = _tiny(root, "cohere", {"logit_scale": 0.5})
     with pytest.raises(UnsupportedArchitectureError, match="head does more than project"):
-        load_backend(str(tiny.path), settings=CPU)
+        load_backend(str(tiny.path), settings=TRANSFORMERS)
 
 
 def test_a_sliding_window_is_refused(tiny):
@@ -180,7 +181,7 @@ def test_a_sliding_window_is_refused(tiny):
 
 def test_a_rope_that_follows_the_pass_length_is_refused(root):
     rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
-    tiny = _tiny(root, "olmo", {"rope_parameters": rope})
+    tiny = _tiny(root, "helium", {"rope_parameters": rope})
     with pytest.raises(UnsupportedArchitectureError, match="a dynamic rope"):
         load_backend(str(tiny.path), settings=CPU)
 
@@ -196,13 +197,13 @@ def test_a_rope_that_follows_the_pass_length_is_refused(root):
     ],
 )
 def test_the_probe_refuses_what_it_cannot_run(calls, reason):
-    config = AutoConfig.for_model("olmo", num_hidden_layers=3)
+    config = AutoConfig.for_model("helium", num_hidden_layers=3)
     with pytest.raises(UnsupportedArchitectureError, match=reason):
         check_probe(Probe(calls, head_exact=True, vocab=320), config, Path("config.json"))
 
 
-def test_native_refuses_a_model_type_without_a_module(olmo, monkeypatch):
-    tiny, _ = olmo
+def test_native_refuses_a_model_type_without_a_module(helium, monkeypatch):
+    tiny, _ = helium
     monkeypatch.setenv("MISTRALRS_MODEL_IMPL", "native")
     with pytest.raises(UnsupportedArchitectureError, match="MISTRALRS_MODEL_IMPL=native"):
         load_backend(str(tiny.path), settings=BackendSettings(device="cpu"))
@@ -223,14 +224,14 @@ def test_gguf_is_refused_on_the_transformers_path(tmp_path):
     assert choose_implementation(source, "auto")[0] == "native"
 
 
-def test_pic_is_refused_on_the_transformers_path(olmo):
-    _, backend = olmo
+def test_pic_is_refused_on_the_transformers_path(helium):
+    _, backend = helium
     with pytest.raises(Exception, match="transformers' modeling code"):
         backend.generate(blocks=[("plus", "A block."), ("cross", "Why?")], max_tokens=2)
 
 
-def test_pic_settings_and_adapters_are_refused_at_load(olmo, tmp_path):
-    tiny, _ = olmo
+def test_pic_settings_and_adapters_are_refused_at_load(helium, tmp_path):
+    tiny, _ = helium
     settings = BackendSettings(device="cpu", pic_reuse="relaxed")
     with pytest.raises(SettingsError, match=r"MISTRALRS_PIC_REUSE=relaxed.*transformers"):
         load_backend(str(tiny.path), settings=settings)
@@ -239,12 +240,12 @@ def test_pic_settings_and_adapters_are_refused_at_load(olmo, tmp_path):
         load_backend(str(tiny.path), settings=settings)
 
 
-def test_info_says_which_path_and_why(olmo, tiny, monkeypatch, capsys):
-    tiny_olmo, _ = olmo
-    assert main(["info", "--model", str(tiny_olmo.path)]) == 0
+def test_info_says_which_path_and_why(helium, tiny, monkeypatch, capsys):
+    tiny_helium, _ = helium
+    assert main(["info", "--model", str(tiny_helium.path)]) == 0
     out = capsys.readouterr().out
     assert "implementation  transformers" in out
-    assert "'olmo' has no family module" in out
+    assert "'helium' has no family module" in out
     monkeypatch.setenv("MISTRALRS_MODEL_IMPL", "transformers")
     assert main(["info", "--json", "--model", str(tiny.hf("llama").path)]) == 0
     model = json.loads(capsys.readouterr().out)["model"]

@@ -2,6 +2,7 @@
 safetensors and written as GGUF the way llama.cpp's converter writes them."""
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,24 +128,32 @@ MOE_HYBRID_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_experts(f) and
 # rotation (and has a layer that does not rotate, and a shared expert); seed_oss's and
 # GLM's projections carry biases, EXAONE 4's layers have no input norm and some do not
 # rotate, Arcee's and Apertus's MLPs have no gate, HunYuan norms q and k after their
-# rotation.
+# rotation; Nemotron, OLMo and StableLM have LayerNorms.
 PER_OP_ONLY = frozenset(
     {"qwen2", "olmo2", "smollm3", "gpt_oss", "gemma4", "phi", "starcoder2", "gpt_neox"}
     | {"granite", "cohere", "cohere2", "qwen2_moe", "llama4"}
     | {"seed_oss", "glm4", "glm", "exaone4", "arcee", "hunyuan_v1_dense", "apertus"}
+    | {"nemotron", "olmo", "stablelm"}
 )
 # The families whose GGUF twin is the file llama.cpp's own converter writes
 # (`llama_cpp_converter`), rather than `write_gguf`'s; with the pre-tokenizer rule the
 # tiny vocabulary is named by (llama.cpp's ``default`` unless said here).
 CONVERTED = frozenset(
-    {"phi", "starcoder2", "gpt_neox", "granite", "cohere", "cohere2", "qwen2_moe"}
+    {"phi", "starcoder2", "gpt_neox", "granite", "cohere", "cohere2", "qwen2_moe", "olmo"}
+    | {"nemotron"}
 )
-CONVERTED_PRE = {"phi": "gpt-2", "starcoder2": "gpt-2", "gpt_neox": "gpt-2"}
+# (Nemotron's converter reads a SentencePiece vocabulary alone: its tiny BPE one as plain BPE)
+CONVERTED_PRE = {
+    "phi": "gpt-2",
+    "starcoder2": "gpt-2",
+    "gpt_neox": "gpt-2",
+    "nemotron": "plain-bpe",
+}
 # The families whose converter-written GGUF is checked in a test module of their own.
 GGUF_CONVERTER_TESTS = frozenset({"deepseek_v2", "deepseek_v3", "llama4"})
 # Their tiny tokenizers' chat templates: each family's turns (its checkpoints' template cut
 # to plain turns; ``{role}`` upper-cased for Cohere's USER_TOKEN, SYSTEM_TOKEN), then the
-# prompt of the assistant's turn.
+# prompt of the assistant's turn (``{Role}`` capitalized, for Nemotron's).
 CHAT_TURNS = {
     "cohere": (
         "<|START_OF_TURN_TOKEN|><|{ROLE}_TOKEN|>{content}<|END_OF_TURN_TOKEN|>",
@@ -159,6 +168,8 @@ CHAT_TURNS = {
         "<|start_of_role|>assistant<|end_of_role|>",
     ),
     "qwen2_moe": ("<|im_start|>{role}\n{content}<|im_end|>\n", "<|im_start|>assistant\n"),
+    "nemotron": ("<extra_id_1>{Role}\n{content}\n", "<extra_id_1>Assistant\n"),
+    "olmo": ("<|{role}|>\n{content}\n", "<|assistant|>\n"),
 }
 
 
@@ -168,6 +179,7 @@ def chat_template(arch: str) -> str | None:
         return None
     turn, prompt = CHAT_TURNS[arch]
     turn = turn.replace("{ROLE}", "{{ m['role'] | upper }}").replace("{role}", "{{ m['role'] }}")
+    turn = turn.replace("{Role}", "{{ m['role'] | capitalize }}")
     turn = turn.replace("{content}", "{{ m['content'] }}")
     return (
         "{% for m in messages %}" + turn + "{% endfor %}"
@@ -273,17 +285,20 @@ _GGUF_ARCH = {
     "hunyuan_v1_dense": "hunyuan-dense",
     "apertus": "apertus",
     "gemma": "gemma",
+    "stablelm": "stablelm",
 }
-# The families llama.cpp's converter writes (a ``ministral`` checkpoint it cannot read).
-CONVERTIBLE = frozenset(_GGUF_ARCH)
+# The families llama.cpp's converter writes (a ``ministral`` checkpoint it cannot read):
+# those written here and those it writes itself.
+CONVERTIBLE = frozenset(_GGUF_ARCH) | CONVERTED
 # The dense families whose GGUF twin is the writer's, checked once against the converter's
 # file too (`tests/test_llama_cpp_converter.py`). Left out: gemma3 (its tiny model keeps
 # the attn_logit_softcapping the converter asserts absent), mistral (a llama file carries no
-# sliding window: the windowed tiny model converts to another model).
+# sliding window: the windowed tiny model converts to another model), stablelm (its
+# converter drops the per-head q/k norms of the tiny model's qk_layernorm, then fails).
 WRITER_CHECKED = tuple(
     a
     for a in ARCHITECTURES
-    if a in CONVERTIBLE and a not in CONVERTED and a not in ("gemma3", "mistral")
+    if a in CONVERTIBLE and a not in CONVERTED and a not in ("gemma3", "mistral", "stablelm")
 )
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -350,6 +365,7 @@ def _gguf_name(name: str, arch: str) -> str:
     top = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
+        "model.norm.bias": "output_norm.bias",
         "lm_head.weight": "output.weight",
     }
     if arch == "gemma4":
@@ -486,6 +502,8 @@ def write_gguf(
         tensors = _falcon_h1_tensors(state, config)
     if tiny.arch == "jamba":
         tensors = _jamba_tensors(state)
+    if tiny.arch == "stablelm":
+        tensors = _stablelm_tensors(state)
     for name, tensor in tensors:
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -734,6 +752,22 @@ def _jamba_tensors(state: dict[str, torch.Tensor]):
             yield block + _JAMBA_NAMES[rest], tensor
 
 
+def _stablelm_tensors(state: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """StableLM's per-head q and k norms (``q_layernorm.norms.{h}``) stacked, a row per
+    head, under the names ours map from: as llama.cpp's converter stores them."""
+    heads: dict[str, list[torch.Tensor]] = {}
+    for name, tensor in state.items():
+        for theirs, ours in (("q_layernorm", "q_norm"), ("k_layernorm", "k_norm")):
+            if f".self_attn.{theirs}.norms." in name:
+                layer = name.partition(f".{theirs}.norms.")[0]
+                heads.setdefault(f"{layer}.{ours}.weight", []).append(tensor)
+                break
+        else:
+            yield name, tensor
+    for name, rows in heads.items():  # (state dicts keep the heads in order)
+        yield name, torch.stack(rows)
+
+
 def _add_tensor(
     writer: GGUFWriter, name: str, data: np.ndarray, qtype: GGMLQuantizationType
 ) -> None:
@@ -768,8 +802,12 @@ def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config, mtp_layers: int
         writer.add_head_count_kv(KV_HEADS)
     writer.add_key_length(HEAD_DIM)
     writer.add_value_length(HEAD_DIM)
-    # (llama.cpp's converter writes 1e-5 for every OLMoE: the tiny one's own value)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if tiny.arch == "stablelm":  # LayerNorms: their eps under llama.cpp's key for them
+        writer.add_layer_norm_eps(config.layer_norm_eps)
+        writer.add_parallel_residual(config.use_parallel_residual)
+    else:
+        # (llama.cpp's converter writes 1e-5 for every OLMoE: the tiny one's own value)
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)
     if rope["rope_type"] == "dynamic":  # HunYuan's NTK-alpha: the converter raises the base
         writer.add_rope_freq_base(rope["rope_theta"] * rope["alpha"] ** (HEAD_DIM / (HEAD_DIM - 2)))

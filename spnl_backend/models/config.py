@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 LayerType = Literal["full", "sliding", "chunked", "linear", "hybrid"]
 STATE_LAYER_TYPES = ("linear", "hybrid")
 MAX_COUNT = 2**31 - 1  # every size and count fits the int32 indices kernels use
+# `models.layers.NormKind`, as a ModelConfig accepts it.
+_NORM_KINDS = ("rms", "layer", "layer_no_bias", "layer_1p", "layer_plain")
 _COUNTS = (
     "vocab_size",
     "hidden_size",
@@ -76,7 +78,8 @@ class ModelConfig:
     norm_offset: float = 0.0  # Gemma scales by (offset + weight)
     norm_in_float: bool = False  # Gemma multiplies by the weight before casting back
     norm_placement: "NormPlacement" = "pre"  # `models.layers.NormPlacement`
-    # `models.layers.NormKind`: RMSNorm, or LayerNorm with a bias or without one (Cohere's);
+    # `models.layers.NormKind`: RMSNorm, or LayerNorm with a bias or without one (Cohere's),
+    # its weight as (1 + w) (Nemotron's) or with neither (OLMo's);
     # a LayerNorm's eps is ``rms_norm_eps`` too: the one eps of the model's norms
     norm_kind: "NormKind" = "rms"
     # The dense MLP: gated (Llama) or ``down(act(up(x)))`` (Phi-2, GPT-NeoX), its
@@ -333,8 +336,8 @@ def _validate(config: ModelConfig) -> None:
         raise ConfigValueError(
             "norm_placement", config.norm_placement, "pre, sandwich, post, parallel or shared"
         )
-    if config.norm_kind not in ("rms", "layer", "layer_no_bias"):
-        raise ConfigValueError("norm_kind", config.norm_kind, "rms, layer or layer_no_bias")
+    if config.norm_kind not in _NORM_KINDS:
+        raise ConfigValueError("norm_kind", config.norm_kind, ", ".join(_NORM_KINDS))
     if config.lm_head_bias and config.tie_word_embeddings:
         raise ConfigValueError(
             "lm_head_bias", True, "no bias on a head tied to the embedding (an untied head)"

@@ -30,8 +30,9 @@ if TYPE_CHECKING:
 # one input norm (Phi-2, Cohere).
 NormPlacement = Literal["pre", "sandwich", "post", "parallel", "shared"]
 # rms: RMSNorm with a weight; layer: LayerNorm with a weight and a bias (Phi-2, StarCoder2,
-# GPT-NeoX); layer_no_bias: LayerNorm with a weight alone (Cohere).
-NormKind = Literal["rms", "layer", "layer_no_bias"]
+# GPT-NeoX); layer_no_bias: LayerNorm with a weight alone (Cohere); layer_1p: with a
+# bias, its weight applied as (1 + w) (Nemotron); layer_plain: neither weight nor bias (OLMo).
+NormKind = Literal["rms", "layer", "layer_no_bias", "layer_1p", "layer_plain"]
 # Which rotary table turns a layer's queries and keys; None: no rotation (NoPE).
 RopeTable = Literal["global", "local"]
 # RMSNorm per head, or over the whole projection (OLMo); or a LayerNorm per head, each head

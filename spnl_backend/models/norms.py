@@ -1,4 +1,4 @@
-"""RMSNorm in the conventions the architectures use, and LayerNorm with a bias."""
+"""RMSNorm in the conventions the architectures use, and LayerNorm in theirs."""
 
 import torch
 from torch import nn
@@ -47,20 +47,30 @@ def rms_norm_of(config: ModelConfig, dim: int, native: CpuKernels | None) -> RMS
 class LayerNorm(nn.Module):
     """LayerNorm over the last dim, in float32 before casting back, with a weight and, where
     ``bias``, a bias (Phi-2, StarCoder2, GPT-NeoX; Cohere's has none). ``shape``: the
-    weight's, its last dim the normed one (Cohere's q and k norms hold a row per head). No
-    native kernel: the native layer blocks refuse a layer that has one."""
+    weight's, its last dim the normed one (Cohere's q and k norms hold a row per head).
+    ``offset``: the weight applied as ``(offset + w)`` (Nemotron's LayerNorm1p: 1);
+    ``affine`` false: neither weight nor bias (OLMo's). No native kernel: the native layer
+    blocks refuse a layer that has one."""
 
-    def __init__(self, shape: int | tuple[int, ...], eps: float, bias: bool = True) -> None:
+    def __init__(
+        self,
+        shape: int | tuple[int, ...],
+        eps: float,
+        bias: bool = True,
+        offset: float = 0.0,
+        affine: bool = True,
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(shape))
-        self.bias = nn.Parameter(torch.empty(shape)) if bias else None
-        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(shape)) if affine else None
+        self.bias = nn.Parameter(torch.empty(shape)) if affine and bias else None
+        self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         centred = h - h.mean(-1, keepdim=True)
-        normed = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight.float() * normed
+        out = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight is not None:
+            out = (self.weight.float() + self.offset) * out
         if self.bias is not None:
             out = out + self.bias.float()
         return out.to(x.dtype)
@@ -71,9 +81,11 @@ Norm = RMSNorm | LayerNorm
 
 def norm_of(config: ModelConfig, dim: int, native: CpuKernels | None, kind: str = "rms") -> Norm:
     """A norm of ``dim`` of ``kind`` (`models.layers.NormKind`) in ``config``'s convention."""
-    if kind in ("layer", "layer_no_bias"):
-        return LayerNorm(dim, config.rms_norm_eps, bias=kind == "layer")
-        return LayerNorm(dim, config.rms_norm_eps)
+    if kind in ("layer", "layer_no_bias", "layer_1p"):
+        offset = 1.0 if kind == "layer_1p" else 0.0
+        return LayerNorm(dim, config.rms_norm_eps, bias=kind != "layer_no_bias", offset=offset)
+    if kind == "layer_plain":
+        return LayerNorm(dim, config.rms_norm_eps, affine=False)
     return rms_norm_of(config, dim, native)
 
 

@@ -30,6 +30,8 @@ from . import (
     ministral,
     mistral,
     mixtral,
+    nemotron,
+    olmo,
     olmo2,
     olmoe,
     phi,
@@ -42,6 +44,7 @@ from . import (
     qwen3_moe,
     seed_oss,
     smollm3,
+    stablelm,
     starcoder2,
 )
 from .family import Family
@@ -87,6 +90,9 @@ FAMILIES: tuple[Family, ...] = (
             phi,
             starcoder2,
             gpt_neox,
+            nemotron,
+            olmo,
+            stablelm,
         )
     )
     + deepseek.FAMILIES
