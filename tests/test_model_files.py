@@ -373,7 +373,7 @@ def test_config_json_values(text_models, cases, arch, key, value, fragment):
         ("llama", "partial_rotary_factor", 3, "from 2 to the head's 16"),
         ("llama", "rope_theta", -1, "expected a finite number > 0"),
         ("llama", "factor", 0, "expected a finite number > 0"),
-        ("llama", "high_freq_factor", 0.5, "more than the low frequency factor"),
+        ("llama", "high_freq_factor", 0.5, "at least the low frequency factor"),
         ("phi3", "long_factor", [1.0], "long_factor field must have length 4"),
         ("phi3", "short_factor", "x", "must be a list of numbers"),
         ("qwen2", "original_max_position_embeddings", 0, "positive integer"),

@@ -145,10 +145,10 @@ def test_an_unsupported_moe_variant_names_the_supported_ones(tmp_path, tiny):
     import json
 
     source = tiny.hf("qwen3_moe").path
-    other = tmp_path / "qwen2moe"
+    other = tmp_path / "phimoe"
     shutil.copytree(source, other)
     config = json.loads((other / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**config, "model_type": "qwen2_moe"}))
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "phimoe"}))
     native = CPU.model_copy(update={"model_impl": "native"})  # auto: transformers' code
     with pytest.raises(UnsupportedArchitectureError, match="qwen3_moe, mixtral, olmoe"):
         load_backend(str(other), settings=native)

@@ -186,8 +186,10 @@ def _blocks_run(layers: list[DecoderLayer], final_norm: RMSNorm) -> bool:
             return False  # latent attention (DeepSeek): the blocks keep K and V per head
         if attn is None or attn.rope is None or attn.output_gate or not layer.input_layernorm:
             return False
-        if layer.spec.norms not in ("pre", "sandwich") or attn.qk_norm_layer:
-            return False  # parallel residuals (GPT-NeoX, Phi-2, Cohere); Cohere's q/k LayerNorms
+        if layer.spec.norms not in ("pre", "sandwich") or layer.spec.norm != "rms":
+            return False  # the blocks' norms are RMSNorms, each after its own residual add
+        if attn.qk_norm_layer:
+            return False  # Cohere's q/k LayerNorms
         if not all(isinstance(norm, RMSNorm) for norm in _norms(layer)):
             return False  # the blocks' norms are RMSNorms, each after its own residual add
         if attn.spec.scoring.sinks is not None:  # on the ops alone: every such model has biases
