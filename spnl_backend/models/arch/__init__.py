@@ -19,6 +19,7 @@ from . import (
     gemma4,
     glm,
     glm4,
+    glm4_moe,
     gpt_neox,
     gpt_oss,
     granite,
@@ -87,6 +88,7 @@ FAMILIES: tuple[Family, ...] = (
             phi,
             starcoder2,
             gpt_neox,
+            glm4_moe,
         )
     )
     + deepseek.FAMILIES
