@@ -42,10 +42,10 @@ _MEMBERS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion/", "
 OUTTYPES = {"F32": "f32", "Q8_0": "q8_0"}  # GGML type name -> the converter's --outtype
 
 _SHIMS = r"""
-import runpy, sys
+import json, runpy, sys
 from pathlib import Path
 
-root, pre, script, *args = sys.argv[1:]
+root, pre, script, runs = sys.argv[1:]
 sys.path[0:0] = [root, str(Path(root) / "gguf-py")]
 from conversion import base
 
@@ -83,8 +83,7 @@ def load_hparams(*a, **kw):
 
 
 base.ModelBase.load_hparams = staticmethod(load_hparams)
-runs = [args] if script == "convert_lora_to_gguf.py" else [a.split("\0") for a in args]
-for run in runs:
+for run in json.loads(runs):
     sys.argv = [script, *run]
     runpy.run_path(str(Path(root) / script), run_name="__main__")
 """
@@ -139,9 +138,11 @@ def _download() -> bytes:
         return reply.read()
 
 
-def _run(script: str, args: list[str], pre: str, what: Path) -> None:
+def _run(script: str, runs: list[list[str]], pre: str, what: Path) -> None:
+    """``script`` run once per argument list of ``runs``, in one process (a JSON list: an
+    argument may not hold a NUL)."""
     done = subprocess.run(
-        [sys.executable, "-c", _SHIMS, str(converter_dir()), pre, script, *args],
+        [sys.executable, "-c", _SHIMS, str(converter_dir()), pre, script, json.dumps(runs)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -160,9 +161,7 @@ def convert(model_dir: Path, path: Path, qtype_name: str, pre: str = "default") 
     if qtype_name not in OUTTYPES:
         raise ValueError(f"llama.cpp's converter writes {', '.join(OUTTYPES)}, not {qtype_name}")
     runs = [
-        "\0".join(
-            [str(model_dir), "--outfile", str(path.with_name(f"model-{name}.gguf")), "--outtype", t]
-        )
+        [str(model_dir), "--outfile", str(path.with_name(f"model-{name}.gguf")), "--outtype", t]
         for name, t in OUTTYPES.items()
     ]
     _run("convert_hf_to_gguf.py", runs, pre, model_dir)
@@ -174,7 +173,7 @@ def convert(model_dir: Path, path: Path, qtype_name: str, pre: str = "default") 
 def convert_one(model_dir: Path, out: Path, outtype: str, pre: str = "default") -> Path:
     """``model_dir`` as the converter writes it with ``--outtype outtype``, at ``out``."""
     if not out.exists():
-        run = "\0".join([str(model_dir), "--outfile", str(out), "--outtype", outtype])
+        run = [str(model_dir), "--outfile", str(out), "--outtype", outtype]
         _run("convert_hf_to_gguf.py", [run], pre, model_dir)
     return out
 
@@ -183,5 +182,5 @@ def convert_lora(adapter_dir: Path, base_dir: Path, out: Path) -> Path:
     """A PEFT adapter directory as llama.cpp's ``convert_lora_to_gguf.py`` writes it (its
     default type)."""
     args = [str(adapter_dir), "--base", str(base_dir), "--outfile", str(out)]
-    _run("convert_lora_to_gguf.py", args, "default", adapter_dir)
+    _run("convert_lora_to_gguf.py", [args], "default", adapter_dir)
     return out
