@@ -18,10 +18,10 @@ from spnl_backend.models.moe import SparseMoE
 from spnl_backend.quant.linear import QuantLinear
 
 PROMPT = "the cat sat on the mat and the dog"
-# experts the native layer refuses: Llama 4's, whose inputs are weighed, and GLM-4 MoE's,
-# routed by DeepSeek-V3's rules (gpt-oss's biases and clamped SwiGLU are the native
-# layer's too)
-TORCH_EXPERTS = ("llama4", "glm4_moe")
+# experts the native layer refuses: Llama 4's, whose inputs are weighed, GLM-4 MoE's,
+# routed by DeepSeek-V3's rules, and ERNIE 4.5 MoE's, whose choice adds a bias to the
+# softmax (gpt-oss's biases and clamped SwiGLU are the native layer's too)
+TORCH_EXPERTS = ("llama4", "glm4_moe", "ernie4_5_moe")
 # The tiny models whose GGUF twin is the same model: a llama4 file keeps neither the chunk
 # nor the temperature (llama.cpp hard-codes both; tests/test_llama4.py converts its own).
 GGUF_TWINS = tuple(a for a in MOE_ARCHITECTURES if a != "llama4")

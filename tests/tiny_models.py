@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFWriter, RopeScalingType, quants
+from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, quants
 from llama_cpp_converter import convert
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
@@ -90,7 +90,7 @@ def hf_config(arch: str, vocab: int, overrides: dict | None = None):
 
 
 def _has_experts(found) -> bool:
-    keys = ("num_experts", "num_local_experts", "n_routed_experts")
+    keys = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
     return any(key in found.tiny for key in keys)
 
 
@@ -141,8 +141,17 @@ PER_OP_ONLY = frozenset(
 # tiny vocabulary is named by (llama.cpp's ``default`` unless said here).
 CONVERTED = frozenset(
     {"phi", "starcoder2", "gpt_neox", "granite", "cohere", "cohere2", "qwen2_moe"}
+    | {"glm4_moe", "ernie4_5_moe"}
 )
-CONVERTED_PRE = {"phi": "gpt-2", "starcoder2": "gpt-2", "gpt_neox": "gpt-2"}
+# (GLM-4 MoE's and ERNIE 4.5 MoE's own vocabulary steps insist on GLM's special tokens and
+# a SentencePiece model: their plain BPE step reads the tiny vocabulary)
+CONVERTED_PRE = {
+    "phi": "gpt-2",
+    "starcoder2": "gpt-2",
+    "gpt_neox": "gpt-2",
+    "glm4_moe": "plain-bpe",
+    "ernie4_5_moe": "plain-bpe",
+}
 # The families whose converter-written GGUF is checked in a test module of their own.
 GGUF_CONVERTER_TESTS = frozenset({"deepseek_v2", "deepseek_v3", "llama4"})
 # Their tiny tokenizers' chat templates: each family's turns (its checkpoints' template cut
@@ -162,6 +171,8 @@ CHAT_TURNS = {
         "<|start_of_role|>assistant<|end_of_role|>",
     ),
     "qwen2_moe": ("<|im_start|>{role}\n{content}<|im_end|>\n", "<|im_start|>assistant\n"),
+    "glm4_moe": ("<|{role}|>\n{content}", "<|assistant|>"),
+    "ernie4_5_moe": ("{ROLE}: {content}\n", "ASSISTANT: "),
 }
 
 
@@ -276,7 +287,6 @@ _GGUF_ARCH = {
     "hunyuan_v1_dense": "hunyuan-dense",
     "apertus": "apertus",
     "gemma": "gemma",
-    "glm4_moe": "glm4moe",
 }
 # The families llama.cpp's converter writes (a ``ministral`` checkpoint it cannot read).
 CONVERTIBLE = frozenset(_GGUF_ARCH)
@@ -309,16 +319,6 @@ _LAYER_NAMES = {
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate": "ffn_gate_inp",
     "mlp.router": "ffn_gate_inp",
-}
-# GLM-4 MoE's: the norm before the MLP under ATTN_POST_NORM, DeepSeek-V3's routing and
-# shared experts.
-_GLM4_MOE_LAYER_NAMES = {
-    **_LAYER_NAMES,
-    "post_attention_layernorm": "post_attention_norm",
-    "mlp.gate.e_score_correction_bias": "exp_probs_b",
-    "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
-    "mlp.shared_experts.up_proj": "ffn_up_shexp",
-    "mlp.shared_experts.down_proj": "ffn_down_shexp",
 }
 _GEMMA_LAYER_NAMES = {
     **_LAYER_NAMES,
@@ -374,8 +374,6 @@ def _gguf_name(name: str, arch: str) -> str:
     if rest == "layer_scalar":  # the converter adds the suffix
         return f"blk.{index}.layer_output_scale.weight"
     module, _, kind = rest.rpartition(".")
-    if rest.endswith("e_score_correction_bias"):  # a buffer: the converter adds the suffix
-        module, kind = rest, "bias"
     names = {
         "gemma2": _GEMMA_LAYER_NAMES,
         "gemma3": _GEMMA_LAYER_NAMES,
@@ -387,8 +385,6 @@ def _gguf_name(name: str, arch: str) -> str:
         names = _ATTN_POST_NORM_NAMES
     if arch == "glm4":
         names = _GLM4_LAYER_NAMES
-    if arch == "glm4moe":
-        names = _GLM4_MOE_LAYER_NAMES
     if arch == "gpt-oss":
         names = _GPT_OSS_LAYER_NAMES
         if rest == "self_attn.sinks":  # the converter adds the suffix
@@ -829,8 +825,6 @@ def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config, mtp_layers: int
         writer.add_ssm_state_size(config.mamba_d_state)
         writer.add_ssm_time_step_rank(config.mamba_n_heads)
         writer.add_ssm_group_count(config.mamba_n_groups)
-    if tiny.arch == "glm4_moe":
-        _write_glm4_moe_metadata(writer, config)
     if getattr(config, "shared_expert_intermediate_size", None):
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     # (Gemma 2's alternation is llama.cpp's default)
@@ -840,18 +834,6 @@ def _write_metadata(writer: GGUFWriter, tiny: TinyModel, config, mtp_layers: int
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
     _write_tokenizer(writer, tiny.tokenizer)
-
-
-def _write_glm4_moe_metadata(writer: GGUFWriter, config) -> None:
-    """The routing keys llama.cpp's converter writes for GLM-4 MoE (sigmoid gating; it
-    writes no group counts: the tiny model's are added, as a ``deepseek2`` file has)."""
-    writer.add_expert_shared_count(config.n_shared_experts)
-    writer.add_leading_dense_block_count(config.first_k_dense_replace)
-    writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
-    writer.add_expert_weights_scale(config.routed_scaling_factor)
-    writer.add_expert_weights_norm(config.norm_topk_prob)
-    writer.add_expert_group_count(config.n_group)
-    writer.add_expert_group_used_count(config.topk_group)
 
 
 def _write_gemma4_metadata(writer: GGUFWriter, config) -> None:

@@ -11,6 +11,7 @@ from . import (
     cohere2,
     deepseek,
     ernie4_5,
+    ernie4_5_moe,
     exaone4,
     falcon_h1,
     gemma,
@@ -89,6 +90,7 @@ FAMILIES: tuple[Family, ...] = (
             starcoder2,
             gpt_neox,
             glm4_moe,
+            ernie4_5_moe,
         )
     )
     + deepseek.FAMILIES

@@ -59,17 +59,17 @@ FAMILY = Family(
     gguf_names=_GGUF_NAMES,
     tensors=_tensors,
     extra_layers_key="num_nextn_predict_layers",
-    # 8 experts in 4 groups, 2 groups and 2 experts per token, renormalised and scaled,
-    # beside one shared expert; layer 0 dense; q, k and v biased, q and k normed; half
-    # of each head rotates (the config's default)
+    # 8 experts, 2 per token, renormalised and scaled, beside one shared expert, in one
+    # group (as the checkpoints: llama.cpp's converter writes no groups); layer 0 dense;
+    # q, k and v biased, q and k normed; half of each head rotates (the config's default)
     tiny={
         "head_dim": 16,
         "n_routed_experts": 8,
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 32,
         "n_shared_experts": 1,
-        "n_group": 4,
-        "topk_group": 2,
+        "n_group": 1,
+        "topk_group": 1,
         "norm_topk_prob": True,
         "routed_scaling_factor": 2.5,
         "first_k_dense_replace": 1,
