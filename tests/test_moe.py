@@ -90,6 +90,34 @@ def test_qwen2_moe_dense_layers_and_renormalised_weights_are_transformers(tmp_pa
     assert torch.allclose(model_logits(backend, ids), expected, atol=1e-4)
 
 
+def test_glm4_moe_group_limited_routing_and_its_refusals_are_transformers(tmp_path):
+    """GLM-4 MoE beside its tiny model: experts in 4 groups of which 2 are kept, two dense
+    layers, no q/k norm nor biases, the weights left as they come; and a scoring function
+    other than sigmoid refused by name."""
+    variant = {
+        "n_group": 4,
+        "topk_group": 2,
+        "first_k_dense_replace": 2,
+        "use_qk_norm": False,
+        "attention_bias": False,
+        "norm_topk_prob": False,
+    }
+    reference = build_hf_model("glm4_moe", tmp_path / "groups", overrides=variant)
+    backend = load_backend(str(reference.path), settings=CPU)
+    layers = backend.model.model.layers
+    assert [type(layer.mlp) for layer in layers] == [GatedMLP, GatedMLP, SparseMoE]
+    assert (layers[2].mlp.moe.n_group, layers[2].mlp.moe.topk_group) == (4, 2)
+    ids = reference.tokenizer(PROMPT).input_ids
+    with torch.no_grad():
+        expected = reference.hf(torch.tensor([ids])).logits[0]
+    assert torch.allclose(model_logits(backend, ids), expected, atol=1e-4)
+    softmax = build_hf_model(
+        "glm4_moe", tmp_path / "softmax", overrides={"scoring_func": "softmax"}
+    )
+    with pytest.raises(UnsupportedArchitectureError, match="scoring_func"):
+        load_backend(str(softmax.path), settings=CPU)
+
+
 @pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
 def test_batched_paged_or_not_and_fused_files_give_the_same_tokens(moe, arch, tmp_path):
     reference, backend = moe[arch]
