@@ -18,9 +18,10 @@ from spnl_backend.models.moe import SparseMoE
 from spnl_backend.quant.linear import QuantLinear
 
 PROMPT = "the cat sat on the mat and the dog"
-# experts the native layer refuses: Llama 4's, whose inputs are weighed (gpt-oss's biases
-# and clamped SwiGLU are the native layer's too)
-TORCH_EXPERTS = ("llama4",)
+# experts the native layer refuses: Llama 4's, whose inputs are weighed, GLM-4 MoE's,
+# routed by DeepSeek-V3's rules, and ERNIE 4.5 MoE's, whose choice adds a bias to the
+# softmax (gpt-oss's biases and clamped SwiGLU are the native layer's too)
+TORCH_EXPERTS = ("llama4", "glm4_moe", "ernie4_5_moe")
 # The tiny models whose GGUF twin is the same model: a llama4 file keeps neither the chunk
 # nor the temperature (llama.cpp hard-codes both; tests/test_llama4.py converts its own).
 GGUF_TWINS = tuple(a for a in MOE_ARCHITECTURES if a != "llama4")
@@ -59,7 +60,8 @@ def test_the_router_chooses_as_transformers_does(moe, arch):
             scores, _ = layer.feed_forward.router(x)
         their_weights, their_experts = scores.topk(ours.top_k)
     else:
-        mlp = reference.hf.model.layers[0].mlp
+        # the first MoE layer's router (GLM-4 MoE's first layer is dense)
+        mlp = next(lay.mlp for lay in reference.hf.model.layers if _has_experts(lay))
         theirs = mlp.router if arch == "gpt_oss" else mlp.gate
         with torch.no_grad():
             _, their_weights, their_experts = theirs(x)
@@ -86,6 +88,34 @@ def test_qwen2_moe_dense_layers_and_renormalised_weights_are_transformers(tmp_pa
     with torch.no_grad():
         expected = reference.hf(torch.tensor([ids])).logits[0]
     assert torch.allclose(model_logits(backend, ids), expected, atol=1e-4)
+
+
+def test_glm4_moe_group_limited_routing_and_its_refusals_are_transformers(tmp_path):
+    """GLM-4 MoE beside its tiny model: experts in 4 groups of which 2 are kept, two dense
+    layers, no q/k norm nor biases, the weights left as they come; and a scoring function
+    other than sigmoid refused by name."""
+    variant = {
+        "n_group": 4,
+        "topk_group": 2,
+        "first_k_dense_replace": 2,
+        "use_qk_norm": False,
+        "attention_bias": False,
+        "norm_topk_prob": False,
+    }
+    reference = build_hf_model("glm4_moe", tmp_path / "groups", overrides=variant)
+    backend = load_backend(str(reference.path), settings=CPU)
+    layers = backend.model.model.layers
+    assert [type(layer.mlp) for layer in layers] == [GatedMLP, GatedMLP, SparseMoE]
+    assert (layers[2].mlp.moe.n_group, layers[2].mlp.moe.topk_group) == (4, 2)
+    ids = reference.tokenizer(PROMPT).input_ids
+    with torch.no_grad():
+        expected = reference.hf(torch.tensor([ids])).logits[0]
+    assert torch.allclose(model_logits(backend, ids), expected, atol=1e-4)
+    softmax = build_hf_model(
+        "glm4_moe", tmp_path / "softmax", overrides={"scoring_func": "softmax"}
+    )
+    with pytest.raises(UnsupportedArchitectureError, match="scoring_func"):
+        load_backend(str(softmax.path), settings=CPU)
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
@@ -177,8 +207,10 @@ def test_gguf_twins_with_stacked_experts(moe, tiny, arch):
     assert torch.allclose(model_logits(float_twin, ids), model_logits(backend, ids), atol=1e-5)
     settings = BackendSettings(device="cpu", cpu_matmul="float32")
     quantized = load_backend(str(tiny.gguf(arch, GGMLQuantizationType.Q8_0)), settings=settings)
-    layer = quantized.model.model.layers[0].mlp
-    gates = _gate_weights(reference.hf.model.layers[0].mlp.experts.gate_up_proj.detach(), arch)
+    first = next(i for i, lay in enumerate(reference.hf.model.layers) if _has_experts(lay))
+    layer = quantized.model.model.layers[first].mlp
+    their = reference.hf.model.layers[first].mlp.experts.gate_up_proj
+    gates = _gate_weights(their.detach(), arch)
     for expert, mlp in enumerate(layer.experts):
         blocks = mlp.gate_proj.weight_q.dequantize().float()
         assert torch.allclose(blocks, gates[expert], atol=0.02)
@@ -186,6 +218,11 @@ def test_gguf_twins_with_stacked_experts(moe, tiny, arch):
     dequantized = load_backend(str(tiny.gguf(arch, GGMLQuantizationType.Q8_0)), settings=settings)
     dequantize_in_place(dequantized)
     assert torch.allclose(model_logits(dequantized, ids), expected, atol=1e-4)
+
+
+def _has_experts(layer: torch.nn.Module) -> bool:
+    """A transformers decoder layer with experts (GLM-4 MoE's first is dense)."""
+    return hasattr(layer.mlp, "experts")
 
 
 def _gate_weights(gate_up: torch.Tensor, arch: str) -> torch.Tensor:

@@ -91,7 +91,8 @@ def hf_config(arch: str, vocab: int, overrides: dict | None = None):
 
 
 def _has_experts(found) -> bool:
-    return any(key in found.tiny for key in ("num_experts", "num_local_experts"))
+    keys = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+    return any(key in found.tiny for key in keys)
 
 
 def _has_kv_groups(found) -> bool:
@@ -115,7 +116,9 @@ ARCHITECTURES = tuple(
 )
 MLA_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_latent_kv(f))
 KV_GROUP_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_kv_groups(f))
-MOE_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_experts(f) and not f.state_layers)
+MOE_ARCHITECTURES = tuple(
+    f.name for f in FAMILIES if _has_experts(f) and not (f.state_layers or _has_latent_kv(f))
+)
 HYBRID_ARCHITECTURES = tuple(f.name for f in FAMILIES if f.state_layers)
 MOE_HYBRID_ARCHITECTURES = tuple(f.name for f in FAMILIES if _has_experts(f) and f.state_layers)
 # What the native layer blocks leave to the per-op path: qwen2's projections carry biases,
@@ -140,14 +143,18 @@ PER_OP_ONLY = frozenset(
 # tiny vocabulary is named by (llama.cpp's ``default`` unless said here).
 CONVERTED = frozenset(
     {"phi", "starcoder2", "gpt_neox", "granite", "cohere", "cohere2", "qwen2_moe", "olmo"}
-    | {"nemotron"}
+    | {"nemotron", "glm4_moe", "ernie4_5_moe"}
 )
-# (Nemotron's converter reads a SentencePiece vocabulary alone: its tiny BPE one as plain BPE)
+# (Nemotron's converter reads a SentencePiece vocabulary alone, GLM-4 MoE's and ERNIE 4.5
+# MoE's insist on GLM's special tokens and a SentencePiece model: their plain BPE step
+# reads the tiny vocabulary)
 CONVERTED_PRE = {
     "phi": "gpt-2",
     "starcoder2": "gpt-2",
     "gpt_neox": "gpt-2",
     "nemotron": "plain-bpe",
+    "glm4_moe": "plain-bpe",
+    "ernie4_5_moe": "plain-bpe",
 }
 # The families whose converter-written GGUF is checked in a test module of their own.
 GGUF_CONVERTER_TESTS = frozenset({"deepseek_v2", "deepseek_v3", "llama4"})
@@ -170,6 +177,8 @@ CHAT_TURNS = {
     "qwen2_moe": ("<|im_start|>{role}\n{content}<|im_end|>\n", "<|im_start|>assistant\n"),
     "nemotron": ("<extra_id_1>{Role}\n{content}\n", "<extra_id_1>Assistant\n"),
     "olmo": ("<|{role}|>\n{content}\n", "<|assistant|>\n"),
+    "glm4_moe": ("<|{role}|>\n{content}", "<|assistant|>"),
+    "ernie4_5_moe": ("{ROLE}: {content}\n", "ASSISTANT: "),
 }
 
 

@@ -11,6 +11,7 @@ from . import (
     cohere2,
     deepseek,
     ernie4_5,
+    ernie4_5_moe,
     exaone4,
     falcon_h1,
     gemma,
@@ -19,6 +20,7 @@ from . import (
     gemma4,
     glm,
     glm4,
+    glm4_moe,
     gpt_neox,
     gpt_oss,
     granite,
@@ -93,6 +95,8 @@ FAMILIES: tuple[Family, ...] = (
             nemotron,
             olmo,
             stablelm,
+            glm4_moe,
+            ernie4_5_moe,
         )
     )
     + deepseek.FAMILIES

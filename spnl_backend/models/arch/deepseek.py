@@ -42,8 +42,16 @@ if TYPE_CHECKING:
     from ..config import ModelConfig
 
 # llama.cpp's ``deepseek2`` block tensor names → ours, beyond the common ones.
+# The score bias and the shared experts, as llama.cpp names them.
+EXPERT_GGUF_NAMES = {
+    "exp_probs_b": "mlp.e_score_correction_bias",
+    "ffn_gate_shexp": "shared_mlp.gate_proj",
+    "ffn_up_shexp": "shared_mlp.up_proj",
+    "ffn_down_shexp": "shared_mlp.down_proj",
+}
 _GGUF_NAMES = {
     **COMMON_GGUF_NAMES,
+    **EXPERT_GGUF_NAMES,
     "attn_q_a": "self_attn.q_a_proj",
     "attn_q_a_norm": "self_attn.q_a_layernorm",
     "attn_q_b": "self_attn.q_b_proj",
@@ -51,10 +59,6 @@ _GGUF_NAMES = {
     "attn_kv_a_norm": "self_attn.kv_a_layernorm",
     "attn_k_b": "self_attn.k_b_proj",
     "attn_v_b": "self_attn.v_b_proj",
-    "exp_probs_b": "mlp.e_score_correction_bias",
-    "ffn_gate_shexp": "shared_mlp.gate_proj",
-    "ffn_up_shexp": "shared_mlp.up_proj",
-    "ffn_down_shexp": "shared_mlp.down_proj",
 }
 # The checkpoints' names inside a layer → ours.
 _RENAMED = {
@@ -101,8 +105,9 @@ def _hf_mla(keys: HfKeys, interleaved: bool) -> MlaConfig:
     )
 
 
-def _hf_moe(keys: HfKeys, v3: bool) -> MoeConfig | None:
-    """The experts, where the config has them (``n_routed_experts``)."""
+def hf_moe(keys: HfKeys, v3: bool) -> MoeConfig | None:
+    """The experts, where the config has them (``n_routed_experts``): V2's routing or V3's
+    (GLM-4 MoE's too)."""
     experts = keys.count("n_routed_experts", None)
     if experts is None:
         return None
@@ -160,7 +165,7 @@ def _hf(v3: bool) -> Callable[[HfKeys, int], Fields]:
         heads = keys.count("num_attention_heads")
         if keys.count("num_key_value_heads", heads) != heads:
             raise keys.wrong("num_key_value_heads", keys.get("num_key_value_heads"), f"{heads}")
-        return {**_mla_fields(mla, rope, heads), "moe": _hf_moe(keys, v3)}
+        return {**_mla_fields(mla, rope, heads), "moe": hf_moe(keys, v3)}
 
     return fields
 
@@ -185,10 +190,11 @@ def _gguf(keys: GgufKeys, fields: Fields) -> Fields:
     log_mul = keys.positive("rope.scaling.yarn_log_multiplier", None)
     if log_mul is not None:  # the converter writes 0.1 * mscale_all_dim
         rope = dataclasses.replace(rope, mscale_all_dim=log_mul / 0.1, mscale=log_mul / 0.1)
-    return {**_mla_fields(mla, rope, heads), "moe": _gguf_moe(keys, fields.get("moe"))}
+    return {**_mla_fields(mla, rope, heads), "moe": gguf_moe(keys, fields.get("moe"))}
 
 
-def _gguf_moe(keys: GgufKeys, moe: MoeConfig | None) -> MoeConfig | None:
+def gguf_moe(keys: GgufKeys, moe: MoeConfig | None) -> MoeConfig | None:
+    """The routing llama.cpp's ``deepseek2`` and ``glm4moe`` files describe."""
     if moe is None:
         return None
     gating = keys.integer("expert_gating_func", _SOFTMAX)
@@ -227,17 +233,24 @@ def tensors(stored: Tensors, config: "ModelConfig") -> Tensors:
     score bias under our names."""
     mla = config.mla
     assert mla is not None
-    for name, tensor in stored:
-        if _past_decoder(name, config.num_layers):  # V3's multi-token prediction layer
-            continue
-        for old, new in _RENAMED.items():
-            name = name.replace(old, new)
+    for name, tensor in expert_tensors(stored, config.num_layers):
         if name.endswith(".self_attn.kv_b_proj.weight"):
             yield from _split_kv_b(name, tensor, mla, config.num_heads)
             continue
         if mla.rope_interleaved and name.endswith(_ROTATED):
             heads = 1 if "kv_a_proj" in name else config.num_heads
             tensor = _rows(tensor, _halves_order(mla, heads, "kv_a_proj" in name))
+        yield name, tensor
+
+
+def expert_tensors(stored: Tensors, layers: int) -> Tensors:
+    """The shared experts and the score bias under our names; the layers past the
+    decoder's ``layers`` (multi-token prediction) left out."""
+    for name, tensor in stored:
+        if _past_decoder(name, layers):
+            continue
+        for old, new in _RENAMED.items():
+            name = name.replace(old, new)
         yield name, tensor
 
 
