@@ -45,7 +45,7 @@ _SHIMS = r"""
 import json, runpy, sys
 from pathlib import Path
 
-root, pre, script, runs = sys.argv[1:]
+root, pre, script, *args = sys.argv[1:]
 sys.path[0:0] = [root, str(Path(root) / "gguf-py")]
 from conversion import base
 
@@ -139,11 +139,9 @@ def _download() -> bytes:
         return reply.read()
 
 
-def _run(script: str, runs: list[list[str]], pre: str, what: Path) -> None:
-    """``script`` run once per argument list of ``runs``, in one process (a JSON list: an
-    argument may not hold a NUL)."""
+def _run(script: str, args: list[str], pre: str, what: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-c", _SHIMS, str(converter_dir()), pre, script, json.dumps(runs)],
+        [sys.executable, "-c", _SHIMS, str(converter_dir()), pre, script, *args],
         capture_output=True,
         text=True,
         timeout=600,
@@ -185,5 +183,5 @@ def convert_lora(adapter_dir: Path, base_dir: Path, out: Path) -> Path:
     """A PEFT adapter directory as llama.cpp's ``convert_lora_to_gguf.py`` writes it (its
     default type)."""
     args = [str(adapter_dir), "--base", str(base_dir), "--outfile", str(out)]
-    _run("convert_lora_to_gguf.py", [args], "default", adapter_dir)
+    _run("convert_lora_to_gguf.py", args, "default", adapter_dir)
     return out

@@ -22,7 +22,7 @@ llama.cpp's ``llama4`` GGUF keeps neither the chunk size nor the temperature: it
 hard-codes a chunk of 8192, a floor scale of 8192 and a scale of 0.1, one layer in four not
 rotating (the fourth), the chunked layers by ``attention.sliding_window_pattern`` (else 3 in
 4), and the q/k norm on every model but the 128-expert one. A file it reads as chunk-free
-(``attention.sliding_window`` 0) is refused as every file's window of 0 is: llama.cpp's
+(``attention.sliding_window`` 0) is refused: llama.cpp's
 graph for it leaves its last layer unrotated with no temperature, which no checkpoint
 describes. Any other window is ignored, as llama.cpp ignores it.
 """
@@ -119,6 +119,13 @@ def _gguf(keys: GgufKeys, fields: Fields) -> Fields:
             "expert_count",
             keys.get("expert_count"),
             "experts in some block (a router, blk.N.ffn_gate_inp.weight): a llama4 model has them",
+        )
+    if keys.get("attention.sliding_window") == 0:  # chunk-free to llama.cpp (docstring)
+        raise keys.wrong(
+            "attention.sliding_window",
+            0,
+            "a window other than 0: llama.cpp reads 0 as chunk-free attention with an "
+            "unrotated last layer and no temperature, which no Llama 4 checkpoint describes",
         )
     layers = fields["num_layers"]
     moe = dataclasses.replace(
