@@ -137,6 +137,7 @@ PER_OP_ONLY = frozenset(
     | {"granite", "cohere", "cohere2", "qwen2_moe", "llama4"}
     | {"seed_oss", "glm4", "glm", "exaone4", "arcee", "hunyuan_v1_dense", "apertus"}
     | {"nemotron", "olmo", "stablelm"}
+    | {"glm4_moe", "ernie4_5_moe"}  # routing by biased scores and groups, not a plain top-k
 )
 # The families whose GGUF twin is the file llama.cpp's own converter writes
 # (`llama_cpp_converter`), rather than `write_gguf`'s; with the pre-tokenizer rule the
