@@ -29,6 +29,7 @@ import torch
 from ..components import FoldedMultipliers, Mamba2Config
 from .family import (
     COMMON_GGUF_NAMES,
+    MAMBA2_GGUF_NAMES,
     Family,
     Fields,
     GgufKeys,
@@ -208,13 +209,7 @@ def _gguf(keys: GgufKeys, fields: Fields) -> Fields:
 
 _GGUF_NAMES = {
     **COMMON_GGUF_NAMES,
-    "ssm_in": "mamba.in_proj",
-    "ssm_conv1d": "mamba.conv1d",
-    "ssm_dt": "mamba.dt",
-    "ssm_a": "mamba.ssm_a",
-    "ssm_d": "mamba.D",
-    "ssm_norm": "mamba.norm",
-    "ssm_out": "mamba.out_proj",
+    **MAMBA2_GGUF_NAMES,
 }
 
 

@@ -146,6 +146,17 @@ SANDWICH_GGUF_NAMES: Mapping[str, str] = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 
+# A Mamba-2 mixer's tensors (Granite 4.0-H, Falcon-H1), as llama.cpp's files name them.
+MAMBA2_GGUF_NAMES: Mapping[str, str] = {
+    "ssm_in": "mamba.in_proj",
+    "ssm_conv1d": "mamba.conv1d",
+    "ssm_dt": "mamba.dt",
+    "ssm_a": "mamba.ssm_a",
+    "ssm_d": "mamba.D",
+    "ssm_norm": "mamba.norm",
+    "ssm_out": "mamba.out_proj",
+}
+
 # A shared expert beside the routed ones and the one-row projection gating it (Qwen2-MoE,
 # Qwen3.5 MoE), as llama.cpp's files name them.
 SHARED_EXPERT_GGUF_NAMES: Mapping[str, str] = {

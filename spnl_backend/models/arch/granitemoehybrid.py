@@ -25,6 +25,7 @@ import torch
 from ..components import Mamba2Config, MoeConfig
 from .family import (
     COMMON_GGUF_NAMES,
+    MAMBA2_GGUF_NAMES,
     Family,
     Fields,
     GgufKeys,
@@ -145,13 +146,7 @@ def _gguf(keys: GgufKeys, fields: Fields) -> Fields:
 
 _GGUF_NAMES = {
     **COMMON_GGUF_NAMES,
-    "ssm_in": "mamba.in_proj",
-    "ssm_conv1d": "mamba.conv1d",
-    "ssm_dt": "mamba.dt",
-    "ssm_a": "mamba.ssm_a",
-    "ssm_d": "mamba.D",
-    "ssm_norm": "mamba.norm",
-    "ssm_out": "mamba.out_proj",
+    **MAMBA2_GGUF_NAMES,
     "ffn_gate_shexp": "shared_mlp.gate_proj",
     "ffn_up_shexp": "shared_mlp.up_proj",
     "ffn_down_shexp": "shared_mlp.down_proj",
