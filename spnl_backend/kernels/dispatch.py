@@ -12,6 +12,7 @@ engine never decide again. The row counts at which a set switches arithmetic liv
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Literal
 
 import torch
@@ -22,7 +23,9 @@ from ..log import get_logger
 from ..settings import PlatformDecisions
 from . import ops
 from .cpu import CpuKernels, load_cpu_kernels
+from .cpu.lora import lora_add_native
 from .cpu.moe import MAX_EXPERTS, Biases, NativeMoe, Weight
+from .lora_ref import LoraAdd, lora_add_ref
 from .matmuls import (
     CpuMatmuls,
     Matmuls,
@@ -52,6 +55,7 @@ class KernelChoice:
     # (None: every row count, batch invariance); more take torch's GEMM.
     native_max_rows: int | None = None
     paged: bool = False  # the platform's paged attention
+    triton: bool = False  # the platform's kernels are Triton's (CUDA)
 
     def native_for(self, x: torch.Tensor) -> CpuKernels | None:
         """The compiled kernels where ``x`` runs on them: float32 on the CPU."""
@@ -83,6 +87,19 @@ class KernelChoice:
         if self.native is None or len(experts) > MAX_EXPERTS:
             return None
         return NativeMoe(self.native, router, experts, top_k, renormalize, biases, clamped)
+
+    def lora_add(self, x: torch.Tensor, out: torch.Tensor) -> LoraAdd:
+        """The segmented LoRA product for a projection's input ``x`` and base output
+        ``out`` (`kernels.lora_ref`): the C kernel for float32 on the CPU, Triton's on
+        CUDA where the platform runs Triton, else the torch twin."""
+        native = self.native_for(x)
+        if native is not None and out.dtype is torch.float32:
+            return partial(lora_add_native, native)
+        if self.triton and x.is_cuda:
+            from .triton_lora import lora_add_triton
+
+            return lora_add_triton
+        return lora_add_ref
 
     def embedding_rows(self, weight: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
         """The rows ``ids`` of a quantized embedding, in float32: gathered and decoded by
@@ -123,7 +140,13 @@ def choose_kernels(decisions: PlatformDecisions) -> KernelChoice:
     )
     max_rows = matmuls.max_rows if isinstance(matmuls, CpuMatmuls) else None
     choice = KernelChoice(
-        native, attention, matmuls, _fused_moe(decisions.kernels), max_rows, decisions.paged_attn
+        native,
+        attention,
+        matmuls,
+        _fused_moe(decisions.kernels),
+        max_rows,
+        decisions.paged_attn,
+        decisions.kernels == "triton",
     )
     log.debug("kernels.selected", kernels=attention.name, native=native is not None)
     return choice

@@ -1,13 +1,23 @@
 """LoRA products over a step's rows: each row adds ``scale * (x A^T) B^T`` of its own
 adapter to the base projection's output (the base product is shared by every row).
 
+A step's adapter rows come as segments, one per adapter and scale (S-LoRA's and Punica's
+grouping): each adapter's matrices are read once for all its rows. Three twins compute
+them, chosen per call by the model's kernels (`KernelChoice.lora_add`): the C kernel on
+the CPU (``kernels/cpu/lora.c``), Triton's on CUDA (`kernels.triton_lora`), and this
+module's torch reference everywhere else. Each computes every row alone in an order fixed
+by the matrices' shapes, never by how many rows or which adapters share the step, so a row
+gets the same bits whatever shares its step (batch invariance); the twins agree with each
+other to float32 rounding (their sums run in different orders).
+
 The torch twin computes each row's product with elementwise multiplies and sums over the
-last dimension: a reduction whose order depends on that dimension's length alone, never
-on how many rows are computed together, so a row gets the same bits whatever shares its
-step (batch invariance). No compiled kernel yet: this is the path every device runs.
+last dimension: a reduction whose order depends on that dimension's length alone.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Protocol
 
 import torch
 
@@ -24,6 +34,39 @@ class LoraPair:
     b: torch.Tensor
     scale: float
 
+    @cached_property
+    def bt(self) -> torch.Tensor:
+        """``b`` transposed, ``[r, out]`` contiguous: what the C kernel reads (made on its
+        first call, then kept: counted in `nbytes`)."""
+        return self.b.T.contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        """The matrices' bytes, the transposed copy included once made."""
+        made = self.__dict__.get("bt")
+        return self.a.nbytes + self.b.nbytes + (0 if made is None else made.nbytes)
+
+
+@dataclass(frozen=True)
+class LoraSegment:
+    """One adapter's rows of a step: ``rows`` (int64 indices into the step's rows, on its
+    device; each row in one segment at most), its matrices and the scale they take."""
+
+    rows: torch.Tensor
+    pair: LoraPair
+    scale: float
+
+
+# A twin: ``(x [T, in], out [T, out], segments)`` → ``out`` with each segment's rows' products
+# added (a new tensor; ``out`` itself is not changed).
+LoraAdd = Callable[[torch.Tensor, torch.Tensor, list[LoraSegment]], torch.Tensor]
+
+
+class LoraKernels(Protocol):
+    """What picks the twin for a step's rows (`kernels.dispatch.KernelChoice`)."""
+
+    def lora_add(self, x: torch.Tensor, out: torch.Tensor) -> LoraAdd: ...
+
 
 @dataclass
 class LoraStep:
@@ -36,29 +79,38 @@ class LoraStep:
 
 
 class LoraSite:
-    """A projection's adapters by slot, read against the model's `LoraStep`."""
+    """A projection's adapters by slot, read against the model's `LoraStep`; ``kernels``
+    picks the twin that computes them (None: the torch reference)."""
 
-    def __init__(self, step: LoraStep) -> None:
-        self.step = step
+    def __init__(self, step: LoraStep, kernels: LoraKernels | None = None) -> None:
+        self.step, self.kernels = step, kernels
         self.pairs: dict[int, LoraPair] = {}
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (the base product of ``x``, rows first) with each row's adapter product
         added; a new tensor where any row takes one, else ``out`` itself."""
-        groups = [
-            (self.pairs[slot], factor, rows)
+        segments = [
+            LoraSegment(rows.to(out.device), pair, pair.scale * factor)  # moved: layer mapping
             for slot, factor, rows in self.step.groups
-            if slot in self.pairs
+            if (pair := self.pairs.get(slot)) is not None
         ]
-        if not groups:
+        if not segments:
             return out
         flat_x = x.reshape(-1, x.shape[-1])
-        flat = out.reshape(-1, out.shape[-1]).clone()
-        for pair, factor, rows in groups:
-            rows = rows.to(flat.device)  # a no-op but under layer mapping
-            delta = lora_delta_ref(flat_x[rows], pair.a, pair.b, pair.scale * factor)
-            flat[rows] = (flat[rows].float() + delta).to(flat.dtype)
-        return flat.reshape(out.shape)
+        flat = out.reshape(-1, out.shape[-1])
+        add = lora_add_ref if self.kernels is None else self.kernels.lora_add(flat_x, flat)
+        return add(flat_x, flat, segments).reshape(out.shape)
+
+
+def lora_add_ref(x: torch.Tensor, out: torch.Tensor, segments: list[LoraSegment]) -> torch.Tensor:
+    """The torch twin of the segmented product: ``out [T, out]`` with ``scale * (x A^T) B^T``
+    of each segment's adapter added on its rows of ``x [T, in]``, in float32, then rounded
+    to ``out``'s dtype."""
+    out = out.clone()
+    for seg in segments:
+        delta = lora_delta_ref(x[seg.rows], seg.pair.a, seg.pair.b, seg.scale)
+        out[seg.rows] = (out[seg.rows].float() + delta).to(out.dtype)
+    return out
 
 
 def lora_delta_ref(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:

@@ -34,7 +34,7 @@ class LoraAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.a.nbytes + p.b.nbytes for p in self.pairs.values())
+        return sum(p.nbytes for p in self.pairs.values())
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class LoraAdapters:
         for name, pair in adapter.pairs.items():
             module = model.get_submodule(name)
             if module.lora is None:
-                module.lora = LoraSite(self.step)
+                module.lora = LoraSite(self.step, getattr(model, "kernels", None))
             module.lora.pairs[slot] = pair
         self.by_name[adapter.name] = (slot, adapter)
         return slot

@@ -46,6 +46,19 @@ class MoeArgs(ctypes.Structure):
     )
 
 
+class LoraSegment(ctypes.Structure):
+    """One adapter's rows of a LoRA product (``spnl_lora_segment``, lora.c)."""
+
+    _fields_ = (
+        ("rows", PTR),
+        ("count", I64),
+        ("a", PTR),
+        ("bt", PTR),
+        ("rank", I64),
+        ("scale", F32),
+    )
+
+
 class ScoringArgs(ctypes.Structure):
     _fields_ = (
         ("scale", F32),
@@ -193,6 +206,7 @@ STRUCTS = {  # the C function that answers each struct's size
     "spnl_sizeof_layer": LayerArgs,
     "spnl_sizeof_group": Group,
     "spnl_sizeof_moe": MoeArgs,
+    "spnl_sizeof_lora_segment": LoraSegment,
 }
 SIGNATURES = {  # name: (argument types, result type)
     "spnl_has_int8": ([], I32),
@@ -206,6 +220,7 @@ SIGNATURES = {  # name: (argument types, result type)
     ),
     "spnl_moe_scratch_bytes": ([ctypes.POINTER(MoeArgs), I64], I64),
     "spnl_moe": ([ctypes.POINTER(MoeArgs), PTR, I64, PTR, PTR, I64, I32, I32], I32),
+    "spnl_lora_add": ([ctypes.POINTER(LoraSegment), I64, PTR, I64, I64, PTR, I64, I32], I32),
     "spnl_dequantize": ([I32, PTR, I64, I64, I64, PTR, I32], I32),
     "spnl_gather_rows": ([I32, PTR, I64, PTR, I64, I64, PTR], I32),
     "spnl_rms_norm": ([PTR, PTR, PTR, I64, I64, F32], I32),

@@ -30,6 +30,7 @@ SOURCES = tuple(
         "paged_attention.c",
         "coded_decode.c",
         "moe.c",
+        "lora.c",
         "layer_blocks.c",
         "state_layers.c",
         "pool.c",

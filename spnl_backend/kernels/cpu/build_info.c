@@ -12,3 +12,4 @@ int64_t spnl_sizeof_step(void) { return sizeof(spnl_step_args); }
 int64_t spnl_sizeof_layer(void) { return sizeof(spnl_layer_args); }
 int64_t spnl_sizeof_group(void) { return sizeof(spnl_group); }
 int64_t spnl_sizeof_moe(void) { return sizeof(spnl_moe_args); }
+int64_t spnl_sizeof_lora_segment(void) { return sizeof(spnl_lora_segment); }

@@ -75,6 +75,16 @@ typedef struct {
     float alpha, limit;
 } spnl_moe_args;
 
+// One adapter's share of a LoRA product (lora.c): its `count` rows (indices into the step's
+// rows), a [rank][k_in], bt [rank][n_out] (B transposed) and the scale.
+typedef struct {
+    const int64_t *rows;
+    int64_t count;
+    const float *a, *bt;
+    int64_t rank;
+    float scale;
+} spnl_lora_segment;
+
 // How a layer's scores become softmax weights (kernels/scoring.py): scale * q.k, capped
 // to softcap * tanh(s / softcap) where softcap > 0, over the last `window` keys where
 // window > 0, with a logit per query head in the denominator alone where sinks is set
@@ -192,6 +202,7 @@ int64_t spnl_sizeof_step(void);
 int64_t spnl_sizeof_layer(void);
 int64_t spnl_sizeof_group(void);
 int64_t spnl_sizeof_moe(void);
+int64_t spnl_sizeof_lora_segment(void);
 
 // quant_matmul.c
 int64_t spnl_row_bytes(int qtype, int64_t k_in);
@@ -229,6 +240,10 @@ int spnl_moe_block(const spnl_step_args *s, const spnl_layer_args *l);
 int64_t spnl_moe_scratch_bytes(const spnl_moe_args *m, int64_t tokens);
 int spnl_moe(const spnl_moe_args *m, const float *x, int64_t tokens, float *out, void *scratch,
              int64_t scratch_bytes, int threads, int exact);
+
+// lora.c
+int spnl_lora_add(const spnl_lora_segment *segs, int64_t n_segs, const float *x,
+                  int64_t x_rows, int64_t k_in, float *out, int64_t n_out, int threads);
 
 // state_layers.c: one sequence's tokens through a state layer's recurrence, the state
 // updated in place. The gated delta rule: q, k [tokens][heads][dk], v [tokens][heads][dv],

@@ -1,0 +1,123 @@
+// LoRA products over a step's rows, grouped by adapter (twin: lora_delta_ref in
+// spnl_backend/kernels/lora_ref.py): for each segment, out[row] += scale * B (A x[row]) on its
+// rows, in float32.
+//
+// A task is one row of one segment, and computes that row alone in a fixed order: each of
+// its `rank` low values is a dot product over the input (two 16-lane chains, then the
+// tail), and each output is the sum over the rank in order, 16 outputs per vector (B is
+// passed transposed, [rank][out], so those 16 lie side by side); the tail of the outputs
+// goes through the same vector code on a zero-padded copy. No row's arithmetic depends on
+// how many rows, or which other adapters, share the call: batch invariance.
+
+#include "common.h"
+
+#define MAX_RANK 4096          // low values per row, on the task's stack
+#define PARALLEL_WORK 65536    // multiply-adds from which a call uses the threads
+
+// sum_i a[i] * b[i] in a fixed order: two 16-lane chains, then the tail.
+static float lora_dot(const float *a, const float *b, int64_t n) {
+    v16f even = {0}, odd = {0};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        even = fma16(load_f32(a + i), load_f32(b + i), even);
+        odd = fma16(load_f32(a + i + 16), load_f32(b + i + 16), odd);
+    }
+    if (i + 16 <= n) {
+        even = fma16(load_f32(a + i), load_f32(b + i), even);
+        i += 16;
+    }
+    float sum = hsum(even + odd);
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+// 16 outputs from column j: out += scale * sum_r low[r] * bt[r][j .. j + 16], the rank in
+// order. `width` (at most 16) of them are real; the rest of the lanes read and write a
+// zero-padded copy.
+static void expand16(const float *low, const float *bt, int64_t rank, int64_t n_out, int64_t j,
+                     int64_t width, float scale, float *out) {
+    v16f acc = {0};
+    if (width == 16) {
+        for (int64_t r = 0; r < rank; r++)
+            acc = fma16(splat(low[r]), load_f32(bt + r * n_out + j), acc);
+        const v16f o = load_f32(out + j) + acc * splat(scale);
+        memcpy(out + j, &o, sizeof o);
+        return;
+    }
+    float column[16] = {0}, tail[16] = {0};
+    for (int64_t r = 0; r < rank; r++) {
+        memcpy(column, bt + r * n_out + j, width * sizeof(float));
+        acc = fma16(splat(low[r]), load_f32(column), acc);
+    }
+    memcpy(tail, out + j, width * sizeof(float));
+    const v16f o = load_f32(tail) + acc * splat(scale);
+    memcpy(out + j, &o, width * sizeof(float));
+}
+
+typedef struct {
+    const spnl_lora_segment *segs;
+    int64_t n_segs, k_in, n_out;
+    const int64_t *first;  // [n_segs + 1]: each segment's first task
+    const float *x;
+    float *out;
+} lora_call;
+
+// Task i: the i-th row over all segments, in segment order.
+static void lora_task(void *ctx, int64_t i, int worker) {
+    (void)worker;
+    const lora_call *c = ctx;
+    int64_t s = 0;
+    while (c->first[s + 1] <= i) s++;
+    const spnl_lora_segment *seg = &c->segs[s];
+    const int64_t row = seg->rows[i - c->first[s]], rank = seg->rank;
+    const float *x = c->x + row * c->k_in;
+    float low[MAX_RANK];
+    for (int64_t r = 0; r < rank; r++) low[r] = lora_dot(seg->a + r * c->k_in, x, c->k_in);
+    float *out = c->out + row * c->n_out;
+    for (int64_t j = 0; j < c->n_out; j += 16) {
+        const int64_t width = c->n_out - j < 16 ? c->n_out - j : 16;
+        expand16(low, seg->bt, rank, c->n_out, j, width, seg->scale, out);
+    }
+}
+
+// Whether every segment is well formed and every row index inside x, each row in one
+// segment at most (tasks write their rows unsynchronised); the total multiply-adds in *work.
+static int check_segments(const spnl_lora_segment *segs, int64_t n_segs, int64_t x_rows,
+                          int64_t k_in, int64_t n_out, int64_t *first, int64_t *work) {
+    uint8_t *seen = calloc((size_t)x_rows + 1, 1);
+    if (!seen) return NO_MEMORY;
+    int status = 0;
+    first[0] = 0, *work = 0;
+    for (int64_t s = 0; s < n_segs && !status; s++) {
+        const spnl_lora_segment *seg = &segs[s];
+        if (seg->count < 0 || seg->rank < 1 || seg->rank > MAX_RANK || !seg->a || !seg->bt ||
+            (seg->count && !seg->rows)) {
+            status = BAD_ARGUMENT;
+            break;
+        }
+        for (int64_t i = 0; i < seg->count && !status; i++) {
+            const int64_t row = seg->rows[i];
+            if (row < 0 || row >= x_rows) status = OUT_OF_BOUNDS;
+            else if (seen[row]++) status = BAD_ARGUMENT;
+        }
+        first[s + 1] = first[s] + seg->count;
+        *work += seg->count * seg->rank * (k_in + n_out);
+    }
+    free(seen);
+    return status;
+}
+
+// out [x_rows][n_out] += each segment's product on its rows of x [x_rows][k_in], in place.
+int spnl_lora_add(const spnl_lora_segment *segs, int64_t n_segs, const float *x,
+                  int64_t x_rows, int64_t k_in, float *out, int64_t n_out, int threads) {
+    if (n_segs < 0 || x_rows < 0 || k_in < 1 || n_out < 1) return BAD_ARGUMENT;
+    int64_t *first = malloc((size_t)(n_segs + 1) * sizeof(int64_t)), work;
+    if (!first) return NO_MEMORY;
+    const int status = check_segments(segs, n_segs, x_rows, k_in, n_out, first, &work);
+    if (!status) {
+        lora_call call = {segs, n_segs, k_in, n_out, first, x, out};
+        spnl_parallel(first[n_segs], lora_task, &call, work >= PARALLEL_WORK ? threads : 1);
+    }
+    free(first);
+    return status;
+}
