@@ -1,6 +1,7 @@
 """The CPU's quantized products alone: throughput by weight format and row count.
 
-    python bench/cpu_products.py [--threads 2] [--rows 1 16 512] [--markdown FILE]
+    python bench/cpu_products.py [--threads 2] [--rows 1 16 512] [--part products|lora|both]
+                                 [--markdown FILE]
 
 For each format the default model and the Q4_K_M files use, a random weight matrix of a
 real shape is multiplied by 1, 16 and 512 activation rows through the native int8
@@ -10,6 +11,11 @@ small pages (torch's allocator) instead of the huge pages the loader gives them
 (`memory.host_tensor`); torch's float32 and bfloat16 GEMMs on the same weights
 dequantized are the last columns, at the largest row count. Median of 5 calls after one
 warm-up (of 15 for the one-row page comparison, which alternates the two).
+
+The LoRA table: the segmented adapter product (`KernelChoice.lora_add`) of a rank-16
+adapter on a 2048 x 2048 projection, the rows spread over 4 adapters, through the C
+kernel (``lora.c``) and through its torch twin, in milliseconds per call, beside the Q4_K
+base product of the same rows (the share the adapters add to a projection).
 """
 
 import harness
@@ -71,9 +77,42 @@ def page_comparison(native, qtype: Q, n_out: int, k_in: int, huge, small) -> str
     return f"{small_s * 1e3:.2f} / {huge_s * 1e3:.2f} ms ({small_s / huge_s:.2f}x)"
 
 
+LORA_RANK, LORA_WIDTH, LORA_ADAPTERS = 16, 2048, 4
+
+
+def lora_measure(native, rows: int) -> list:
+    """One row count's cells of the LoRA table."""
+    from spnl_backend.kernels.cpu.lora import lora_add_native
+    from spnl_backend.kernels.lora_ref import LoraPair, LoraSegment, lora_add_ref
+    from spnl_backend.quant.linear import QuantizedWeight
+
+    k_in = n_out = LORA_WIDTH
+    x, out = torch.randn(rows, k_in), torch.randn(rows, n_out)
+    segments = [
+        LoraSegment(
+            torch.arange(rows)[i::LORA_ADAPTERS],
+            LoraPair(torch.randn(LORA_RANK, k_in), torch.randn(n_out, LORA_RANK), 1.0),
+            1.0,
+        )
+        for i in range(min(rows, LORA_ADAPTERS))
+    ]
+    weight = QuantizedWeight.from_float(torch.randn(n_out, k_in), Q.Q4_K)
+    products = native.products([(Q.Q4_K.value, weight.data, n_out)])
+    ms = [
+        median_call(call) * 1e3
+        for call in (
+            lambda: lora_add_native(native, x, out, segments),
+            lambda: lora_add_ref(x, out, segments),
+            lambda: products(x),
+        )
+    ]
+    return [rows, *(f"{t:.3f}" for t in ms), f"{ms[0] / ms[2]:.1%}"]
+
+
 def main() -> None:
     parser = harness.arguments(__doc__)
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 16, 512])
+    parser.add_argument("--part", choices=["products", "lora", "both"], default="both")
     args = parser.parse_args()
     if min(args.rows) < 1:
         parser.error(f"--rows: every row count must be at least 1, not {min(args.rows)}")
@@ -83,12 +122,19 @@ def main() -> None:
     native = cpu_kernels()
     if native is None:
         raise SystemExit("the CPU kernels did not build (is there a C compiler?)")
-    header = ["weights", *(f"{m} rows: GMAC/s" for m in args.rows)]
-    header += ["1 row, small / huge pages"]
-    header += [f"torch float32 GEMM, {max(args.rows)} rows", "torch bfloat16 GEMM"]
-    rows = [measure(native, *case, args.rows) for case in CASES]
+    tables = []
+    if args.part != "lora":
+        header = ["weights", *(f"{m} rows: GMAC/s" for m in args.rows)]
+        header += ["1 row, small / huge pages"]
+        header += [f"torch float32 GEMM, {max(args.rows)} rows", "torch bfloat16 GEMM"]
+        rows = [measure(native, *case, args.rows) for case in CASES]
+        tables.append(harness.md_table(header, rows))
+    if args.part != "products":
+        header = ["rows", "LoRA, C kernel: ms", "LoRA, torch twin: ms", "Q4_K base: ms"]
+        header += ["LoRA / base"]
+        tables.append(harness.md_table(header, [lora_measure(native, m) for m in args.rows]))
     note = f"{args.threads} threads; int8 products as batch invariance runs them."
-    harness.publish(f"{harness.md_table(header, rows)}\n\n{note}", args.markdown)
+    harness.publish("\n\n".join([*tables, note]), args.markdown)
 
 
 if __name__ == "__main__":
