@@ -746,8 +746,8 @@ def test_the_kv_budget_leaves_room_for_the_bound(adapters):
 
 
 def test_loading_the_first_adapter_keeps_the_base_tokens(adapters, block_runs):
-    """An ISQ base runs on the native layer blocks until an adapter is first loaded at run
-    time, then on the per-op path (which the adapters' products need): the same tokens."""
+    """An ISQ base runs on the native layer blocks before and after an adapter is first
+    loaded at run time (the blocks add the adapters' products): the base's tokens stay."""
     tiny_model, spec, _ = adapters("llama")
     backend = load_backend(
         str(tiny_model.path), settings=BackendSettings(device="cpu", isq="Q8_0", prefix_cache_n=0)
@@ -758,7 +758,40 @@ def test_loading_the_first_adapter_keeps_the_base_tokens(adapters, block_runs):
         backend.load_adapter("one", _spec_paths(spec)["one"])
         runs = block_runs[0]
         assert _greedy(backend, LONG_IDS, 6, ignore_eos=True) == before
-        assert block_runs[0] == runs  # the per-op path ran it now
         assert _greedy(backend, LONG_IDS, 6, adapter="one", ignore_eos=True) != before
+        assert block_runs[0] > runs  # the layer blocks ran them still
     finally:
         backend.close()
+
+
+def test_layer_blocks_equal_the_per_op_path_with_adapters(adapters, block_runs):
+    """With adapters held, an ISQ base on the native layer blocks gives each adapter's and
+    the base's first logits bit for bit as the per-op path does, alone and in one mixed
+    batch (the blocks call the per-op path's LoRA kernel at each projection)."""
+    tiny_model, spec, _ = adapters("llama")
+    settings = BackendSettings(
+        device="cpu", isq="Q8_0", prefix_cache_n=0, lora_adapters=spec, paged_attn_block_size=16
+    )
+    blocks = load_backend(str(tiny_model.path), settings=settings)
+    per_op = load_backend(str(tiny_model.path), settings=settings)
+    per_op.model.model.use_layer_blocks = False
+    try:
+        names = (None, "one", "two")
+        for name in names:
+            runs = block_runs[0]
+            got, logits, _ = greedy_with_logits(
+                blocks, TOKENS, prompt_token_ids=LONG_IDS, adapter=name, ignore_eos=True
+            )
+            assert block_runs[0] > runs
+            want, want_logits, _ = greedy_with_logits(
+                per_op, TOKENS, prompt_token_ids=LONG_IDS, adapter=name, ignore_eos=True
+            )
+            assert got == want
+            assert torch.equal(logits, want_logits)
+        calls = [lambda name=name: _greedy(blocks, LONG_IDS, adapter=name) for name in names]
+        alone = [_greedy(per_op, LONG_IDS, adapter=name) for name in names]
+        assert len(set(map(tuple, alone))) == 3
+        assert run_together(blocks, *calls) == alone
+    finally:
+        blocks.close()
+        per_op.close()

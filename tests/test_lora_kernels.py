@@ -125,10 +125,12 @@ def test_bad_arguments_are_refused(native_kernels, change, message):
 
 def test_the_transposed_copy_is_counted():
     pair = _pair(torch.Generator().manual_seed(0), 4, 32, 16)
-    before = pair.nbytes
-    assert before == pair.a.nbytes + pair.b.nbytes
     assert torch.equal(pair.bt, pair.b.T)
-    assert pair.nbytes == before + pair.b.nbytes
+    assert pair.bt.is_contiguous()
+    assert pair.nbytes == pair.a.nbytes + 2 * pair.b.nbytes
+    half = LoraPair(pair.a.bfloat16(), pair.b.bfloat16(), 1.0)  # no C kernel for it
+    assert half.bt is None
+    assert half.nbytes == half.a.nbytes + half.b.nbytes
 
 
 def test_dispatch_picks_the_twin_per_call(native_kernels):

@@ -44,12 +44,11 @@ class AdapterRegistry:
 
     @property
     def held(self) -> LoraAdapters:
-        """The adapters on the model; the first makes every step take the per-op path (the
-        native layer blocks run whole layers in C, past the adapters' products), so a base
-        row's arithmetic never depends on whether an adapter row shares its step."""
+        """The adapters on the model. The native layer blocks add the adapters' products
+        at each projection with the kernel the per-op path calls (`models.native_blocks`),
+        so a row's arithmetic is the same on either path, whatever shares its step."""
         if self.model.adapters is None:
             self.model.adapters = LoraAdapters()
-            self.model.model.use_layer_blocks = False
         return self.model.adapters
 
     def add(self, adapter: LoraAdapter, in_use: Collection[str]) -> AdapterInfo:

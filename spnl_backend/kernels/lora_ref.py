@@ -16,7 +16,6 @@ last dimension: a reduction whose order depends on that dimension's length alone
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -34,17 +33,18 @@ class LoraPair:
     b: torch.Tensor
     scale: float
 
-    @cached_property
-    def bt(self) -> torch.Tensor:
-        """``b`` transposed, ``[r, out]`` contiguous: what the C kernel reads (made on its
-        first call, then kept: counted in `nbytes`)."""
-        return self.b.T.contiguous()
+    # ``b`` transposed, ``[r, out]`` contiguous: what the C kernel reads, made with the pair
+    # where it can run (float32 on the CPU), so `nbytes` counts it from the start.
+    bt: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.b.is_cpu and self.b.dtype is torch.float32:
+            object.__setattr__(self, "bt", self.b.T.contiguous())
 
     @property
     def nbytes(self) -> int:
-        """The matrices' bytes, the transposed copy included once made."""
-        made = self.__dict__.get("bt")
-        return self.a.nbytes + self.b.nbytes + (0 if made is None else made.nbytes)
+        """The matrices' bytes, the transposed copy included."""
+        return self.a.nbytes + self.b.nbytes + (0 if self.bt is None else self.bt.nbytes)
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,13 @@ import torch.nn.functional as F
 
 from ..kernels.cpu import CpuKernels, LayerArgs, scoring_args
 from ..kernels.cpu.layer_blocks import LayerStack
+from ..kernels.cpu.lora import LoraTables, lora_groups
 from ..kernels.cpu.moe import NativeMoe
 from ..kernels.sets import NativeKeys
 from ..quant.linear import QuantLinear
 from .attention import Attention
 from .decoder import DecoderLayer
+from .linear import Linear
 from .mlp import GatedMLP, gelu_tanh
 from .moe import SparseMoE
 from .norms import RMSNorm
@@ -67,6 +69,18 @@ class LayerBlocks:
             args,
             self.moe,
         )
+        # Each layer's projections in common.h's LORA_* order, where LoRA adapters attach
+        # (the blocks add their products after each), their tables, and every other
+        # projection of the layers (an adapter there: the step takes the per-op path).
+        self.lora_projections = [_lora_projections(layer) for layer in layers]
+        self.lora_tables = [[LoraTables() for _ in lins] for lins in self.lora_projections]
+        wired = {id(lin) for lins in self.lora_projections for lin in lins}
+        self.other_projections = [
+            module
+            for layer in layers
+            for module in layer.modules()
+            if isinstance(module, (Linear, QuantLinear)) and id(module) not in wired
+        ]
         # The layers' sliding windows (a step with PIC queries reads one table for them).
         self.windows = tuple(
             sorted({w for layer in layers if (w := layer.self_attn.spec.scoring.window)})
@@ -162,7 +176,27 @@ class LayerBlocks:
     ) -> torch.Tensor:
         """Every layer over ``x`` (the residual stream, updated in place) and ``h`` (its norm
         by the first layer's input norm) → the final norm's output."""
-        return self.stack.run(x, h, tables, keys, pools)
+        lora = self._lora_step()  # held through the run: the groups point into its rows
+        return self.stack.run(x, h, tables, keys, pools, None if lora is None else lora[0])
+
+    def adapters_run(self) -> bool:
+        """Whether the blocks run every LoRA adapter held: none sits on a projection they
+        do not add adapters at (else the step takes the per-op path)."""
+        return not any(lin.lora is not None and lin.lora.pairs for lin in self.other_projections)
+
+    def _lora_step(self):
+        """This step's adapter rows for the blocks and what they point into (None: none),
+        each layer's tables set."""
+        sites = [lin.lora for lins in self.lora_projections for lin in lins if lin.lora]
+        if not sites or not sites[0].step.groups:
+            return None
+        for (args, _), lins, tables in zip(
+            self.stack.layers, self.lora_projections, self.lora_tables, strict=True
+        ):
+            for i, (lin, table) in enumerate(zip(lins, tables, strict=True)):
+                pairs = {} if lin.lora is None else lin.lora.pairs
+                args.lora[i] = table.pointer(pairs, lin.in_features, lin.out_features)
+        return lora_groups(sites[0].step.groups)
 
 
 def _blocks_run(layers: list[DecoderLayer], final_norm: RMSNorm) -> bool:
@@ -221,6 +255,15 @@ def _blocks_run(layers: list[DecoderLayer], final_norm: RMSNorm) -> bool:
             return False
         shapes.add((attn.num_heads, attn.num_kv_heads, attn.head_dim, hidden))
     return len(shapes) == 1 and len(inners) <= 1 and len(moes) <= 1 and len(eps) == 1
+
+
+def _lora_projections(layer: DecoderLayer) -> list[QuantLinear]:
+    """q, k, v, o, then a dense MLP's gate, up and down (common.h's LORA_* order)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    projections = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+    if isinstance(mlp, GatedMLP):
+        projections += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    return projections
 
 
 def _activation(layer: DecoderLayer):

@@ -82,6 +82,8 @@ class Backbone(nn.Module):
             if self._blocks is None:
                 self.use_layer_blocks = False
                 return None
+        if not self._blocks.adapters_run():  # an adapter where the blocks add none
+            return None
         found = attention.native_keys(self._blocks.windows)
         return None if found is None else (self._blocks, *found)
 

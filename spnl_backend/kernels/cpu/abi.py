@@ -59,6 +59,27 @@ class LoraSegment(ctypes.Structure):
     )
 
 
+class LoraGroup(ctypes.Structure):
+    """A step's rows of one adapter slot and scale factor (``spnl_lora_group``)."""
+
+    _fields_ = (("slot", I64), ("factor", ctypes.c_double), ("rows", PTR), ("count", I64))
+
+
+class LoraTable(ctypes.Structure):
+    """A projection's adapters by slot, for the layer blocks (``spnl_lora_table``)."""
+
+    _fields_ = (
+        ("slots", I64),
+        ("a", ctypes.POINTER(PTR)),
+        ("bt", ctypes.POINTER(PTR)),
+        ("rank", ctypes.POINTER(I64)),
+        ("scale", ctypes.POINTER(ctypes.c_double)),
+    )
+
+
+LORA_PROJECTIONS = 7  # q, k, v, o, gate, up, down (common.h's enum)
+
+
 class ScoringArgs(ctypes.Structure):
     _fields_ = (
         ("scale", F32),
@@ -162,6 +183,8 @@ class StepArgs(ctypes.Structure):
         ("windowed", I32),
         ("scratch", PTR),
         ("scratch_bytes", I64),
+        ("lora_groups", ctypes.POINTER(LoraGroup)),
+        ("lora_count", I64),
     )
 
 
@@ -194,6 +217,7 @@ class LayerArgs(ctypes.Structure):
         ("has_clip", I32),
         ("clip", F32),
         ("moe", ctypes.POINTER(MoeArgs)),
+        ("lora", ctypes.POINTER(LoraTable) * LORA_PROJECTIONS),
     )
 
 
@@ -207,6 +231,8 @@ STRUCTS = {  # the C function that answers each struct's size
     "spnl_sizeof_group": Group,
     "spnl_sizeof_moe": MoeArgs,
     "spnl_sizeof_lora_segment": LoraSegment,
+    "spnl_sizeof_lora_group": LoraGroup,
+    "spnl_sizeof_lora_table": LoraTable,
 }
 SIGNATURES = {  # name: (argument types, result type)
     "spnl_has_int8": ([], I32),
@@ -220,7 +246,10 @@ SIGNATURES = {  # name: (argument types, result type)
     ),
     "spnl_moe_scratch_bytes": ([ctypes.POINTER(MoeArgs), I64], I64),
     "spnl_moe": ([ctypes.POINTER(MoeArgs), PTR, I64, PTR, PTR, I64, I32, I32], I32),
-    "spnl_lora_add": ([ctypes.POINTER(LoraSegment), I64, PTR, I64, I64, PTR, I64, I32], I32),
+    "spnl_lora_add": (
+        [ctypes.POINTER(LoraSegment), I64, PTR, I64, I64, I64, PTR, I64, I64, I32],
+        I32,
+    ),
     "spnl_dequantize": ([I32, PTR, I64, I64, I64, PTR, I32], I32),
     "spnl_gather_rows": ([I32, PTR, I64, PTR, I64, I64, PTR], I32),
     "spnl_rms_norm": ([PTR, PTR, PTR, I64, I64, F32], I32),

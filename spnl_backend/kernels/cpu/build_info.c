@@ -13,3 +13,5 @@ int64_t spnl_sizeof_layer(void) { return sizeof(spnl_layer_args); }
 int64_t spnl_sizeof_group(void) { return sizeof(spnl_group); }
 int64_t spnl_sizeof_moe(void) { return sizeof(spnl_moe_args); }
 int64_t spnl_sizeof_lora_segment(void) { return sizeof(spnl_lora_segment); }
+int64_t spnl_sizeof_lora_group(void) { return sizeof(spnl_lora_group); }
+int64_t spnl_sizeof_lora_table(void) { return sizeof(spnl_lora_table); }

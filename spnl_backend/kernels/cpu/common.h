@@ -85,6 +85,26 @@ typedef struct {
     float scale;
 } spnl_lora_segment;
 
+// The layer blocks' view of a step's adapters: its rows by adapter slot and scale factor
+// (a step's groups), and each projection's adapters by slot (a table; a[slot] NULL: the
+// slot has none there). A row's scale is (float)(scale[slot] * factor), as Python's.
+typedef struct {
+    int64_t slot;
+    double factor;
+    const int64_t *rows;
+    int64_t count;
+} spnl_lora_group;
+
+typedef struct {
+    int64_t slots;
+    const float *const *a, *const *bt;
+    const int64_t *rank;
+    const double *scale;
+} spnl_lora_table;
+
+// The projections a layer's table list follows, in order.
+enum { LORA_Q, LORA_K, LORA_V, LORA_O, LORA_GATE, LORA_UP, LORA_DOWN, LORA_PROJECTIONS };
+
 // How a layer's scores become softmax weights (kernels/scoring.py): scale * q.k, capped
 // to softcap * tanh(s / softcap) where softcap > 0, over the last `window` keys where
 // window > 0, with a logit per query head in the denominator alone where sinks is set
@@ -169,6 +189,9 @@ typedef struct {
     // The MoE layers' working memory (spnl_moe_scratch_bytes for this step's tokens).
     void *scratch;
     int64_t scratch_bytes;
+    // This step's rows of LoRA adapters (lora_count 0: none).
+    const spnl_lora_group *lora_groups;
+    int64_t lora_count;
 } spnl_step_args;
 
 // One layer's fixed part: its products, norms (scales, one eps; NULL: none), cache and
@@ -189,6 +212,7 @@ typedef struct {
     int qk_full, has_clip;
     float clip;
     const spnl_moe_args *moe;  // NULL: a dense MLP (gate_up and down)
+    const spnl_lora_table *lora[LORA_PROJECTIONS];  // NULL: no adapter at that projection
 } spnl_layer_args;
 
 // What the loader asks of this build (build_info.c, quant_matmul.c).
@@ -203,6 +227,8 @@ int64_t spnl_sizeof_layer(void);
 int64_t spnl_sizeof_group(void);
 int64_t spnl_sizeof_moe(void);
 int64_t spnl_sizeof_lora_segment(void);
+int64_t spnl_sizeof_lora_group(void);
+int64_t spnl_sizeof_lora_table(void);
 
 // quant_matmul.c
 int64_t spnl_row_bytes(int qtype, int64_t k_in);
@@ -242,8 +268,16 @@ int spnl_moe(const spnl_moe_args *m, const float *x, int64_t tokens, float *out,
              int64_t scratch_bytes, int threads, int exact);
 
 // lora.c
+// out rows (out_stride apart, n_out wide) += each segment's product on its rows of x (x_stride
+// apart, k_in wide; x_rows of them), in place.
 int spnl_lora_add(const spnl_lora_segment *segs, int64_t n_segs, const float *x,
-                  int64_t x_rows, int64_t k_in, float *out, int64_t n_out, int threads);
+                  int64_t x_stride, int64_t x_rows, int64_t k_in, float *out,
+                  int64_t out_stride, int64_t n_out, int threads);
+// The same for a layer block's projection: the step's groups through the projection's table.
+int spnl_lora_table_add(const spnl_lora_table *t, const spnl_lora_group *groups,
+                        int64_t n_groups, const float *x, int64_t x_stride, int64_t x_rows,
+                        int64_t k_in, float *out, int64_t out_stride, int64_t n_out,
+                        int threads);
 
 // state_layers.c: one sequence's tokens through a state layer's recurrence, the state
 // updated in place. The gated delta rule: q, k [tokens][heads][dk], v [tokens][heads][dv],

@@ -15,6 +15,14 @@ static int add_norm(const spnl_step_args *s, const spnl_layer_args *l, const flo
                              l->hidden);
 }
 
+// A projection's adapters on this step's rows: out (rows out_stride apart) += their products
+// of x (rows x_stride apart), as the per-op path's LoraSite.add computes them.
+static int lora(const spnl_step_args *s, const spnl_layer_args *l, int which, const float *x,
+                int64_t x_stride, int64_t k_in, float *out, int64_t out_stride, int64_t n_out) {
+    return spnl_lora_table_add(l->lora[which], s->lora_groups, s->lora_count, x, x_stride,
+                               s->tokens, k_in, out, out_stride, n_out, s->threads);
+}
+
 // OLMoE's q and k normed over their whole projections, then q, k and v clamped, in place
 // in the q/k/v product rows (as the per-op path norms and clamps its q, k and v).
 static int full_norms_and_clip(const spnl_step_args *s, const spnl_layer_args *l,
@@ -44,6 +52,12 @@ int spnl_attention_block(const spnl_step_args *s, const spnl_layer_args *l) {
     int status = spnl_qmatmul(l->qkv, s->h, tokens, l->hidden, s->qkv, width, s->threads,
                               s->exact);
     if (status) return status;
+    const int64_t hidden = l->hidden;
+    if ((status = lora(s, l, LORA_Q, s->h, hidden, hidden, s->qkv, width, q_size)) ||
+        (status = lora(s, l, LORA_K, s->h, hidden, hidden, s->qkv + q_size, width, kv_size)) ||
+        (status = lora(s, l, LORA_V, s->h, hidden, hidden, s->qkv + q_size + kv_size, width,
+                       kv_size)))
+        return status;
     if ((status = full_norms_and_clip(s, l, q_size, kv_size))) return status;
     const spnl_qk_args qk = {
         .q = s->qkv, .k = s->qkv + q_size, .q_row = width, .k_row = width, .tokens = tokens,
@@ -78,17 +92,26 @@ int spnl_attention_block(const spnl_step_args *s, const spnl_layer_args *l) {
     status = spnl_qmatmul(l->o, s->attn, tokens, q_size, s->out, l->hidden, s->threads,
                           s->exact);
     if (status) return status;
+    if ((status = lora(s, l, LORA_O, s->attn, q_size, q_size, s->out, hidden, hidden)))
+        return status;
     if ((status = add_norm(s, l, s->out, l->attn_delta_norm, l->attn_out_norm))) return status;
     if (l->moe) return 0;
-    return spnl_qmatmul(l->gate_up, s->h, tokens, l->hidden, s->gate_up, 2 * l->inner,
-                        s->threads, s->exact);
+    const int64_t inner = l->inner;
+    status = spnl_qmatmul(l->gate_up, s->h, tokens, hidden, s->gate_up, 2 * inner, s->threads,
+                          s->exact);
+    if (status) return status;
+    if ((status = lora(s, l, LORA_GATE, s->h, hidden, hidden, s->gate_up, 2 * inner, inner)))
+        return status;
+    return lora(s, l, LORA_UP, s->h, hidden, hidden, s->gate_up + inner, 2 * inner, inner);
 }
 
 // act (the activated gate times up) -> the down product -> x += ..., h = the next norm.
 int spnl_mlp_block(const spnl_step_args *s, const spnl_layer_args *l) {
     if (s->tokens < 1 || l->hidden < 1 || l->inner < 1 || l->moe) return BAD_ARGUMENT;
-    const int status = spnl_qmatmul(l->down, s->act, s->tokens, l->inner, s->out, l->hidden,
-                                    s->threads, s->exact);
+    int status = spnl_qmatmul(l->down, s->act, s->tokens, l->inner, s->out, l->hidden,
+                              s->threads, s->exact);
+    if (status) return status;
+    status = lora(s, l, LORA_DOWN, s->act, l->inner, l->inner, s->out, l->hidden, l->hidden);
     if (status) return status;
     return add_norm(s, l, s->out, l->mlp_delta_norm, l->mlp_out_norm);
 }

@@ -5,6 +5,7 @@ the attention block and the MLP block, with the activation torch applies between
 this module checks a step's tensors and pools, lays out its buffers and runs every layer.
 """
 
+import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -51,9 +52,12 @@ class LayerStack:
         tables: Sequence[RotaryTables],
         keys: NativeKeys,
         pools: list[tuple[torch.Tensor, torch.Tensor]],
+        lora_groups: ctypes.Array | None = None,
     ) -> torch.Tensor:
         """Every layer over ``x`` (the residual stream, updated in place) and ``h`` (its norm
-        by the first layer's input norm) → the final norm's output."""
+        by the first layer's input norm) → the final norm's output; ``lora_groups``: the
+        step's rows of LoRA adapters (`kernels.cpu.lora.lora_groups`), each layer's tables
+        set in its arguments by the caller."""
         tokens = x.shape[0]
         self._check_step(x, h, tables, keys)
         self._set_pools(pools, keys.num_slots)
@@ -78,6 +82,8 @@ class LayerStack:
             threads=self.native.threads,
             exact=int(self.native.exact),
         )
+        if lora_groups is not None and len(lora_groups):
+            step.lora_groups, step.lora_count = lora_groups, len(lora_groups)
         if self.moe is not None:  # every MoE layer has the same shapes (checked at build)
             step.scratch, step.scratch_bytes = scratch(self.moe.scratch_bytes(tokens))
         at = step.at

@@ -56,7 +56,7 @@ static void expand16(const float *low, const float *bt, int64_t rank, int64_t n_
 
 typedef struct {
     const spnl_lora_segment *segs;
-    int64_t n_segs, k_in, n_out;
+    int64_t n_segs, k_in, n_out, x_stride, out_stride;
     const int64_t *first;  // [n_segs + 1]: each segment's first task
     const float *x;
     float *out;
@@ -70,10 +70,10 @@ static void lora_task(void *ctx, int64_t i, int worker) {
     while (c->first[s + 1] <= i) s++;
     const spnl_lora_segment *seg = &c->segs[s];
     const int64_t row = seg->rows[i - c->first[s]], rank = seg->rank;
-    const float *x = c->x + row * c->k_in;
+    const float *x = c->x + row * c->x_stride;
     float low[MAX_RANK];
     for (int64_t r = 0; r < rank; r++) low[r] = lora_dot(seg->a + r * c->k_in, x, c->k_in);
-    float *out = c->out + row * c->n_out;
+    float *out = c->out + row * c->out_stride;
     for (int64_t j = 0; j < c->n_out; j += 16) {
         const int64_t width = c->n_out - j < 16 ? c->n_out - j : 16;
         expand16(low, seg->bt, rank, c->n_out, j, width, seg->scale, out);
@@ -107,17 +107,40 @@ static int check_segments(const spnl_lora_segment *segs, int64_t n_segs, int64_t
     return status;
 }
 
-// out [x_rows][n_out] += each segment's product on its rows of x [x_rows][k_in], in place.
 int spnl_lora_add(const spnl_lora_segment *segs, int64_t n_segs, const float *x,
-                  int64_t x_rows, int64_t k_in, float *out, int64_t n_out, int threads) {
-    if (n_segs < 0 || x_rows < 0 || k_in < 1 || n_out < 1) return BAD_ARGUMENT;
+                  int64_t x_stride, int64_t x_rows, int64_t k_in, float *out,
+                  int64_t out_stride, int64_t n_out, int threads) {
+    if (n_segs < 0 || x_rows < 0 || k_in < 1 || n_out < 1 || x_stride < k_in ||
+        out_stride < n_out)
+        return BAD_ARGUMENT;
     int64_t *first = malloc((size_t)(n_segs + 1) * sizeof(int64_t)), work;
     if (!first) return NO_MEMORY;
     const int status = check_segments(segs, n_segs, x_rows, k_in, n_out, first, &work);
     if (!status) {
-        lora_call call = {segs, n_segs, k_in, n_out, first, x, out};
+        lora_call call = {segs, n_segs, k_in, n_out, x_stride, out_stride, first, x, out};
         spnl_parallel(first[n_segs], lora_task, &call, work >= PARALLEL_WORK ? threads : 1);
     }
     free(first);
+    return status;
+}
+
+int spnl_lora_table_add(const spnl_lora_table *t, const spnl_lora_group *groups,
+                        int64_t n_groups, const float *x, int64_t x_stride, int64_t x_rows,
+                        int64_t k_in, float *out, int64_t out_stride, int64_t n_out,
+                        int threads) {
+    if (!t || n_groups < 1) return 0;
+    spnl_lora_segment *segs = malloc((size_t)n_groups * sizeof(spnl_lora_segment));
+    if (!segs) return NO_MEMORY;
+    int64_t n = 0;
+    for (int64_t g = 0; g < n_groups; g++) {
+        const int64_t slot = groups[g].slot;
+        if (slot < 0 || slot >= t->slots || !t->a[slot]) continue;  // no adapter here
+        segs[n++] = (spnl_lora_segment){groups[g].rows, groups[g].count, t->a[slot],
+                                        t->bt[slot], t->rank[slot],
+                                        (float)(t->scale[slot] * groups[g].factor)};
+    }
+    const int status = spnl_lora_add(segs, n, x, x_stride, x_rows, k_in, out, out_stride, n_out,
+                                     threads);
+    free(segs);
     return status;
 }
