@@ -2,10 +2,18 @@
 (`lora_ref.lora_add_ref`), a row's bits the same alone as in any mix of adapters and base
 rows, its arguments checked, and the dispatch that picks a twin per call."""
 
+import ctypes
+import platform
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+import spnl_backend.kernels.cpu as cpu
 from spnl_backend.kernels.cpu import KernelArgumentError
+from spnl_backend.kernels.cpu.abi import SIGNATURES
 from spnl_backend.kernels.cpu.lora import lora_add_native
 from spnl_backend.kernels.dispatch import TORCH_CHOICE, KernelChoice
 from spnl_backend.kernels.lora_ref import (
@@ -16,6 +24,7 @@ from spnl_backend.kernels.lora_ref import (
     lora_add_ref,
     lora_delta_ref,
 )
+from spnl_backend.settings.platform import find_c_compiler
 
 
 def _pair(gen, rank: int, k_in: int, n_out: int, scale: float = 0.5) -> LoraPair:
@@ -166,3 +175,46 @@ def test_site_adds_each_rows_adapter_through_its_kernels(native_kernels):
     want = out[1] + lora_delta_ref(x[1:2], pairs[0].a, pairs[0].b, 2.0)[0]
     torch.testing.assert_close(native[1], want, rtol=1e-5, atol=1e-5)
     assert torch.equal(native[[2, 3, 5]], out[[2, 3, 5]])  # slot 7 is not at this site
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+# Each vector path of lora.c (through common.h's helpers): the generic vectors without FMA,
+# AVX2 with FMA, AVX-512; each built where this CPU runs it.
+VECTOR_PATHS = {
+    "generic": ("x86-64", "sse2"),
+    "avx2": ("haswell", "avx2"),
+    "avx512": ("skylake-avx512", "avx512f"),
+}
+
+
+@pytest.mark.parametrize("path", list(VECTOR_PATHS))
+def test_every_vector_path_equals_the_twin(path, tmp_path):
+    """lora.c built for each instruction set this CPU has (not -march=native alone): the
+    torch twin's results to rounding, and a row's bits the same alone as in a mix."""
+    march, flag = VECTOR_PATHS[path]
+    compiler = find_c_compiler()
+    if platform.machine() != "x86_64" or compiler is None or flag not in _cpu_flags().split():
+        pytest.skip(f"needs an x86-64 CPU with {flag} and a C compiler")
+    here = Path(cpu.__file__).parent
+    library = tmp_path / f"lora_{path}.so"
+    flags = ["-O3", f"-march={march}", "-fPIC", "-shared", "-std=gnu11", "-ffp-contract=off"]
+    sources = [str(here / "lora.c"), str(here / "pool.c")]
+    subprocess.run([compiler, *flags, *sources, "-o", str(library), "-pthread"], check=True)
+    lib = ctypes.CDLL(str(library))
+    lib.spnl_lora_add.argtypes, lib.spnl_lora_add.restype = SIGNATURES["spnl_lora_add"]
+    kernels = SimpleNamespace(library=lib, threads=2)
+    x, out, segments = _case(40, 200, 75, (8, 16, 3), seed=7)
+    mixed = lora_add_native(kernels, x, out, segments)
+    torch.testing.assert_close(mixed, lora_add_ref(x, out, segments), rtol=1e-5, atol=1e-5)
+    for seg in segments:
+        row = int(seg.rows[-1])
+        one = [LoraSegment(torch.tensor([0]), seg.pair, seg.scale)]
+        alone = lora_add_native(kernels, x[row : row + 1], out[row : row + 1], one)
+        assert torch.equal(alone[0], mixed[row])

@@ -5,8 +5,10 @@ package: ``quant_matmul.c`` (the quantized matrix products, dequantization),
 ``layer_ops.c`` (RMSNorm, alone or with the residual add; q/k norms with RoPE),
 ``paged_attention.c`` (KV store, paged decode attention), ``coded_decode.c`` (decode
 attention over compressed KV), ``moe.c`` (a mixture-of-experts layer: routing, the experts'
-grouped products, their weighted sum; bound in `kernels.cpu.moe`), ``state_layers.c`` (the
-state layers' recurrences token by token: the gated delta rule, Mamba-2's SSD scan) and
+grouped products, their weighted sum; bound in `kernels.cpu.moe`), ``lora.c`` (the LoRA
+adapters' products over a step's rows grouped by adapter; bound in `kernels.cpu.lora`),
+``state_layers.c`` (the state layers' recurrences token by token: the gated delta rule,
+Mamba-2's SSD scan) and
 ``layer_blocks.c`` (a decoder layer as two calls of the kernels above, whose twin is the
 per-op path of `models.decoder`); ``common.h`` declares
 their entry points and argument structs, which `abi` mirrors in ctypes. They
