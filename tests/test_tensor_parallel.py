@@ -7,12 +7,13 @@ import subprocess
 import sys
 import threading
 import time
+from functools import cache, partial
 
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from helpers import PROMPT, SHARED_PREFIX_PROMPTS, engine_internals, engine_logits
-from tiny_models import ARCHITECTURES, MOE_ARCHITECTURES
+from helpers import PROMPT, SHARED_PREFIX_PROMPTS, engine_internals, engine_logits, run_together
+from tiny_models import ARCHITECTURES, MOE_ARCHITECTURES, write_adapter, write_gguf_adapter
 
 from spnl_backend import BackendSettings, DistributedError, SettingsError, load_backend
 
@@ -397,3 +398,46 @@ def test_the_deviation_pick_is_refused_under_tensor_parallelism(tiny):
     settings = _settings(2, pic_recompute=0.2, pic_recompute_select="deviation")
     with pytest.raises(SettingsError, match="MISTRALRS_PIC_RECOMPUTE_SELECT=deviation"):
         load_backend(str(tiny.hf("llama").path), settings=settings)
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tiny, tmp_path_factory):
+    """The tiny Llama with a PEFT adapter "one" loaded at start and a GGUF adapter "two"
+    (q and k rows in llama.cpp's order) loaded at run time, on ``world`` ranks: the greedy
+    tokens of a base, a "one" and a "two" request sharing steps, then of "one" unloaded
+    and loaded again, and of "two" alone."""
+    root = tmp_path_factory.mktemp("tp-lora")
+    tiny_model = tiny.hf("llama")
+    write_adapter(root / "one", tiny_model.hf, seed=1)
+    pairs = write_adapter(root / "peft-two", tiny_model.hf, seed=2, rank=8)
+    two = write_gguf_adapter(root / "two.gguf", "llama", pairs, alpha=8.0)
+
+    @cache
+    def run(world: int):
+        settings = _settings(world, lora_adapters=f"one={root / 'one'}")
+        with load_backend(str(tiny_model.path), settings=settings) as backend:
+            backend.load_adapter("two", str(two))
+
+            def greedy(adapter):
+                result = backend.generate(
+                    PROMPT, max_tokens=TOKENS, temperature=0, ignore_eos=True, adapter=adapter
+                )
+                return result.token_ids
+
+            together = run_together(backend, *[partial(greedy, a) for a in (None, "one", "two")])
+            backend.unload_adapter("one")
+            backend.load_adapter("one", str(root / "one"))
+            return together, greedy("one"), greedy("two")
+
+    return run
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_lora_adapters_split_as_the_projections_they_attach_to(lora_runs, world):
+    """lora_B split by rows on q, k, v, gate and up, lora_A by columns on o and down (each
+    rank's partial product summed with the base's by the same all-reduce; with 4 ranks,
+    key/value heads held twice): the ranks give one process's greedy tokens, adapters
+    loaded at start and at run time, unloaded and loaded again."""
+    one_process = lora_runs(1)
+    assert len({tuple(tokens) for tokens in one_process[0]}) == 3  # each adapter changes them
+    assert lora_runs(world) == one_process
