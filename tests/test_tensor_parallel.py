@@ -16,6 +16,10 @@ from helpers import PROMPT, SHARED_PREFIX_PROMPTS, engine_internals, engine_logi
 from tiny_models import ARCHITECTURES, MOE_ARCHITECTURES, write_adapter, write_gguf_adapter
 
 from spnl_backend import BackendSettings, DistributedError, SettingsError, load_backend
+from spnl_backend.distributed.sharding import Shard
+from spnl_backend.distributed.tensor_parallel import TensorParallel
+from spnl_backend.kernels.lora_ref import LoraPair, lora_delta_ref
+from spnl_backend.loader.hf_config import read_text_config
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="local ranks on Linux")
 TOKENS = 32
@@ -441,3 +445,64 @@ def test_lora_adapters_split_as_the_projections_they_attach_to(lora_runs, world)
     one_process = lora_runs(1)
     assert len({tuple(tokens) for tokens in one_process[0]}) == 3  # each adapter changes them
     assert lora_runs(world) == one_process
+
+
+def test_lora_shares_add_up_to_the_whole_product(tiny):
+    """Column-parallel shares (q, k, up) side by side, and row-parallel ones (o, down) summed
+    over the ranks' input columns, give the whole adapter's product."""
+    config, _ = read_text_config(tiny.hf("llama").path)
+    gen = torch.Generator().manual_seed(0)
+    layer = "model.layers.1."
+    for world in (2, 4):
+        shards = [Shard(config, rank, world) for rank in range(world)]
+        for module, (inputs, outputs) in {
+            "self_attn.q_proj": (64, 64),
+            "self_attn.k_proj": (64, 32),
+            "mlp.up_proj": (64, 128),
+            "self_attn.o_proj": (64, 64),
+            "mlp.down_proj": (128, 64),
+        }.items():
+            name = layer + module
+            pair = LoraPair(
+                torch.randn(4, inputs, generator=gen), torch.randn(outputs, 4, generator=gen), 0.5
+            )
+            x = torch.randn(3, inputs, generator=gen)
+            whole = lora_delta_ref(x, pair.a, pair.b, pair.scale)
+            shares = [shard.lora_share(name, pair) for shard in shards]
+            if module in ("self_attn.o_proj", "mlp.down_proj"):
+                columns = [shard.cut(f"{name}.weight", x) for shard in shards]
+                parts = [
+                    lora_delta_ref(c, s.a, s.b, s.scale)
+                    for c, s in zip(columns, shares, strict=True)
+                ]
+                torch.testing.assert_close(sum(parts), whole)
+                local = (inputs // world, outputs)
+            else:
+                parts = [lora_delta_ref(x, s.a, s.b, s.scale) for s in shares]
+                held = len({s.b.data_ptr() for s in shares})  # each rank's own copy
+                assert held == world
+                if module == "self_attn.k_proj" and world == 4:  # a head held by 2 ranks
+                    torch.testing.assert_close(torch.cat(parts[::2], dim=-1), whole)
+                    local = (inputs, outputs // 2)
+                else:
+                    torch.testing.assert_close(torch.cat(parts, dim=-1), whole)
+                    local = (inputs, outputs // world)
+            assert (shares[0].a.shape[1], shares[0].b.shape[0]) == local
+            assert shards[0].whole_features(name, *local) == (inputs, outputs)
+
+
+def test_the_other_ranks_hear_the_net_change_to_the_adapters():
+    """Rank 0's attaches and detaches since the others last heard, less an adapter attached
+    and detached in between (which they never held)."""
+    tp = TensorParallel(group=None, kv_replicas=1, drives=True, heartbeat_s=1.0)  # type: ignore[arg-type]
+    one, two = object(), object()
+    tp.lora_attached(0, one)  # type: ignore[arg-type]
+    tp.lora_detached(0)
+    assert tp.adapter_changes == []  # never sent: nothing to tell
+    tp.lora_attached(0, one)  # type: ignore[arg-type]
+    tp.adapter_changes = []  # as sent before a step
+    tp.lora_detached(0)
+    tp.lora_attached(0, two)  # type: ignore[arg-type]
+    tp.lora_attached(1, one)  # type: ignore[arg-type]
+    tp.lora_detached(0)
+    assert tp.adapter_changes == [(0, None), (1, one)]
