@@ -35,6 +35,10 @@ CRD_KINDS = {"InferencePool", "InferenceObjective", "HTTPRoute", "Gateway"}
 POD_IP = "10.1.2.3"  # stands for the pod's address where an arg reads $(POD_IP)
 
 
+# libyaml where it is built: the Gateway API CRDs are some 300 KB of YAML
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 def _objects(text: str | None = None) -> list[dict[str, Any]]:
     return [o for o in yaml.safe_load_all(text or MANIFEST.read_text()) if o is not None]
 
@@ -43,7 +47,7 @@ def _schemas() -> dict[tuple[str, str], dict[str, Any]]:
     """(apiVersion, kind) -> the served version's openAPIV3Schema, made strict."""
     found = {}
     for path in sorted(CRDS.glob("*.yaml")):
-        crd = yaml.safe_load(path.read_text())
+        crd = yaml.load(path.read_text(), Loader=_LOADER)
         group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
         for version in crd["spec"]["versions"]:
             if version["served"]:
