@@ -251,6 +251,8 @@ def test_the_replicas_settings_are_settings_spnl_backend_accepts(monkeypatch):
     assert unknown_env_variables() == []
     parsed = BackendSettings()
     assert parsed.paged_attn_block_size == int(settings["MISTRALRS_PAGED_ATTN_BLOCK_SIZE"])
+    # as many compute threads as the CPUs the pod requests
+    assert parsed.num_threads == int(container["resources"]["requests"]["cpu"])
 
 
 def test_the_service_and_the_pool_reach_the_replicas():
