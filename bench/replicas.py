@@ -14,7 +14,8 @@ policy that sends a set to the replica that read it finds the documents cached t
 
 Per policy: the prompt tokens served from the prefix cache (and from PIC, which a plain
 chat never uses: the routers proxy the OpenAI routes, not spnl's span queries at
-``/v1/query/execute``) over all prompt tokens, TTFT p50 and p99, and completion tokens
+``/v1/query/execute``; docs/scale-out.md says what a router must do to route those) over
+all prompt tokens, TTFT p50 and p99, and completion tokens
 per second over the run. Then ``--tier-policy`` again with one KV tier directory shared
 by the replicas (``MISTRALRS_KV_TIER_DIR``): a document first read by one replica is a
 tier hit on another (``tier_hit_tokens``). Each run starts fresh replicas.
@@ -341,15 +342,23 @@ def main(argv: list[str] | None = None) -> list[list]:
     runs = [(policy, False) for policy in args.policies]
     if args.tier_policy != "none":
         runs.append((args.tier_policy, True))
-    rows = []
+    rows, began = [], time.monotonic()
     with tempfile.TemporaryDirectory(prefix="spnl-replicas-") as scratch:
         logs = Path(scratch)
         for policy, shared in runs:
             tier = logs / f"tier-{policy}" if shared else None
-            with fleet(model, args, policy, tier, logs) as running:
-                tally, wall = run_sessions(running.router, workload)
             label = f"{policy} + shared tier" if shared else policy
+            started = time.monotonic()
+            with fleet(model, args, policy, tier, logs) as running:
+                ready = time.monotonic() - started
+                tally, wall = run_sessions(running.router, workload)
             rows.append(row(label, tally, wall))
+            # where the run's time goes (starting the fleet, the sessions), for sizing it
+            print(
+                f"{label}: fleet ready in {ready:.0f} s, sessions {wall:.0f} s, "
+                f"{time.monotonic() - began:.0f} s so far",
+                file=sys.stderr,
+            )
             for error in tally.errors[:3]:
                 print(f"{label}: {error}", file=sys.stderr)
     head = (

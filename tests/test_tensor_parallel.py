@@ -7,14 +7,19 @@ import subprocess
 import sys
 import threading
 import time
+from functools import cache, partial
 
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from helpers import PROMPT, SHARED_PREFIX_PROMPTS, engine_internals, engine_logits
-from tiny_models import ARCHITECTURES, MOE_ARCHITECTURES
+from helpers import PROMPT, SHARED_PREFIX_PROMPTS, engine_internals, engine_logits, run_together
+from tiny_models import ARCHITECTURES, MOE_ARCHITECTURES, write_adapter, write_gguf_adapter
 
 from spnl_backend import BackendSettings, DistributedError, SettingsError, load_backend
+from spnl_backend.distributed.sharding import Shard
+from spnl_backend.distributed.tensor_parallel import TensorParallel
+from spnl_backend.kernels.lora_ref import LoraPair, lora_delta_ref
+from spnl_backend.loader.hf_config import read_text_config
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="local ranks on Linux")
 TOKENS = 32
@@ -397,3 +402,107 @@ def test_the_deviation_pick_is_refused_under_tensor_parallelism(tiny):
     settings = _settings(2, pic_recompute=0.2, pic_recompute_select="deviation")
     with pytest.raises(SettingsError, match="MISTRALRS_PIC_RECOMPUTE_SELECT=deviation"):
         load_backend(str(tiny.hf("llama").path), settings=settings)
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tiny, tmp_path_factory):
+    """The tiny Llama with a PEFT adapter "one" loaded at start and a GGUF adapter "two"
+    (q and k rows in llama.cpp's order) loaded at run time, on ``world`` ranks: the greedy
+    tokens of a base, a "one" and a "two" request sharing steps, then of "one" unloaded
+    and loaded again, and of "two" alone."""
+    root = tmp_path_factory.mktemp("tp-lora")
+    tiny_model = tiny.hf("llama")
+    write_adapter(root / "one", tiny_model.hf, seed=1)
+    pairs = write_adapter(root / "peft-two", tiny_model.hf, seed=2, rank=8)
+    two = write_gguf_adapter(root / "two.gguf", "llama", pairs, alpha=8.0)
+
+    @cache
+    def run(world: int):
+        settings = _settings(world, lora_adapters=f"one={root / 'one'}")
+        with load_backend(str(tiny_model.path), settings=settings) as backend:
+            backend.load_adapter("two", str(two))
+
+            def greedy(adapter):
+                result = backend.generate(
+                    PROMPT, max_tokens=TOKENS, temperature=0, ignore_eos=True, adapter=adapter
+                )
+                return result.token_ids
+
+            together = run_together(backend, *[partial(greedy, a) for a in (None, "one", "two")])
+            backend.unload_adapter("one")
+            backend.load_adapter("one", str(root / "one"))
+            return together, greedy("one"), greedy("two")
+
+    return run
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_lora_adapters_split_as_the_projections_they_attach_to(lora_runs, world):
+    """lora_B split by rows on q, k, v, gate and up, lora_A by columns on o and down (each
+    rank's partial product summed with the base's by the same all-reduce; with 4 ranks,
+    key/value heads held twice): the ranks give one process's greedy tokens, adapters
+    loaded at start and at run time, unloaded and loaded again."""
+    one_process = lora_runs(1)
+    assert len({tuple(tokens) for tokens in one_process[0]}) == 3  # each adapter changes them
+    assert lora_runs(world) == one_process
+
+
+def test_lora_shares_add_up_to_the_whole_product(tiny):
+    """Column-parallel shares (q, k, up) side by side, and row-parallel ones (o, down) summed
+    over the ranks' input columns, give the whole adapter's product."""
+    config, _ = read_text_config(tiny.hf("llama").path)
+    gen = torch.Generator().manual_seed(0)
+    layer = "model.layers.1."
+    for world in (2, 4):
+        shards = [Shard(config, rank, world) for rank in range(world)]
+        for module, (inputs, outputs) in {
+            "self_attn.q_proj": (64, 64),
+            "self_attn.k_proj": (64, 32),
+            "mlp.up_proj": (64, 128),
+            "self_attn.o_proj": (64, 64),
+            "mlp.down_proj": (128, 64),
+        }.items():
+            name = layer + module
+            pair = LoraPair(
+                torch.randn(4, inputs, generator=gen), torch.randn(outputs, 4, generator=gen), 0.5
+            )
+            x = torch.randn(3, inputs, generator=gen)
+            whole = lora_delta_ref(x, pair.a, pair.b, pair.scale)
+            shares = [shard.lora_share(name, pair) for shard in shards]
+            if module in ("self_attn.o_proj", "mlp.down_proj"):
+                columns = [shard.cut(f"{name}.weight", x) for shard in shards]
+                parts = [
+                    lora_delta_ref(c, s.a, s.b, s.scale)
+                    for c, s in zip(columns, shares, strict=True)
+                ]
+                torch.testing.assert_close(sum(parts), whole)
+                local = (inputs // world, outputs)
+            else:
+                parts = [lora_delta_ref(x, s.a, s.b, s.scale) for s in shares]
+                held = len({s.b.data_ptr() for s in shares})  # each rank's own copy
+                assert held == world
+                if module == "self_attn.k_proj" and world == 4:  # a head held by 2 ranks
+                    torch.testing.assert_close(torch.cat(parts[::2], dim=-1), whole)
+                    local = (inputs, outputs // 2)
+                else:
+                    torch.testing.assert_close(torch.cat(parts, dim=-1), whole)
+                    local = (inputs, outputs // world)
+            assert (shares[0].a.shape[1], shares[0].b.shape[0]) == local
+            assert shards[0].whole_features(name, *local) == (inputs, outputs)
+
+
+def test_the_other_ranks_hear_the_net_change_to_the_adapters():
+    """Rank 0's attaches and detaches since the others last heard, less an adapter attached
+    and detached in between (which they never held)."""
+    tp = TensorParallel(group=None, kv_replicas=1, drives=True, heartbeat_s=1.0)  # type: ignore[arg-type]
+    one, two = object(), object()
+    tp.lora_attached(0, one)  # type: ignore[arg-type]
+    tp.lora_detached(0)
+    assert tp.adapter_changes == []  # never sent: nothing to tell
+    tp.lora_attached(0, one)  # type: ignore[arg-type]
+    tp.adapter_changes = []  # as sent before a step
+    tp.lora_detached(0)
+    tp.lora_attached(0, two)  # type: ignore[arg-type]
+    tp.lora_attached(1, one)  # type: ignore[arg-type]
+    tp.lora_detached(0)
+    assert tp.adapter_changes == [(0, None), (1, one)]

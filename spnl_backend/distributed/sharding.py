@@ -10,16 +10,19 @@ columns. The embedding and the LM head by vocabulary rows. Norms (but q and k no
 weight spans the heads: OLMoE's, Cohere's), the router, a shared expert's gate and the
 rotary tables are whole on every rank. Quantized weights split along whole GGML blocks
 and are never dequantized: a row split takes whole rows, a column split whole blocks of
-every row.
+every row. A LoRA adapter's matrices are cut as the projection they attach to
+(`Shard.lora_share`).
 """
 
 import dataclasses
 import re
 from collections.abc import Callable, Iterator
+from typing import cast
 
 import torch
 
 from ..errors import SettingsError
+from ..kernels.lora_ref import LoraPair
 from ..models.collectives import shard_range
 from ..models.config import ModelConfig
 from ..quant.ggml import ggml_format
@@ -111,6 +114,31 @@ class Shard:
             return weight[slice(*_even(weight.shape[0], self.rank, self.world))]
         return weight
 
+    def lora_share(self, module: str, pair: LoraPair) -> LoraPair:
+        """An adapter's matrices for projection ``module``, cut as its weight is: a
+        column-parallel projection's lora_B by its output rows (lora_A whole), a
+        row-parallel one's lora_A by its input columns (lora_B whole). A row-parallel
+        rank's ``x_r A_r^T B^T`` is then its part of the whole product, added to its part
+        of the base product and summed with it by the same all-reduce. A projection every
+        rank holds whole keeps the adapter whole."""
+        weight = f"{module}.weight"
+        if _BY_ROWS.fullmatch(weight):
+            return LoraPair(pair.a, _copied(self.cut(weight, pair.b)), pair.scale)
+        if _BY_COLUMNS.fullmatch(weight):
+            return LoraPair(_copied(self.cut(weight, pair.a)), pair.b, pair.scale)
+        return pair
+
+    def whole_features(self, module: str, in_features: int, out_features: int) -> tuple[int, int]:
+        """The whole model's (in, out) of projection ``module``, whose share has these."""
+        weight = f"{module}.weight"
+        if match := _BY_ROWS.fullmatch(weight):
+            if match["qkv"] in ("k", "v"):  # ranks may share heads: not share * world
+                return in_features, self.config.num_kv_heads * self.config.head_dim
+            return in_features, out_features * self.world
+        if _BY_COLUMNS.fullmatch(weight):
+            return in_features * self.world, out_features
+        return in_features, out_features
+
     def _kv_rows(self) -> tuple[int, int]:
         c, dim = self.config, self.config.head_dim
         if c.num_kv_heads >= self.world:
@@ -187,6 +215,11 @@ def _even(size: int, rank: int, world: int) -> tuple[int, int]:
     return rank * share, (rank + 1) * share
 
 
+def _copied(tensor: Weight) -> torch.Tensor:
+    """A share of a float matrix in memory of its own (a view would keep the whole)."""
+    return cast(torch.Tensor, tensor).clone(memory_format=torch.contiguous_format)
+
+
 def _rows(weight: Weight, start: int, end: int) -> Weight:
     if isinstance(weight, QuantizedWeight):
         return weight.rows(slice(start, end))
@@ -214,6 +247,7 @@ class RankSplit:
     def local_config(self, config: ModelConfig) -> ModelConfig:
         shard = Shard(config, self.collectives.rank, self.collectives.world)
         self.collectives.kv_replicas = shard.kv_replicas
+        self.collectives.shard = shard  # what cuts LoRA adapters later, as the weights
         return shard.local_config()
 
     def weights(self, config: ModelConfig, weights: NamedWeights) -> NamedWeights:

@@ -3,25 +3,35 @@ the messages by which rank 0 (which schedules, samples and answers the API) has 
 ranks run each step with it.
 
 Rank 0 runs the engine as one process would; its model, whose every forward pass and every
-logits call is also the others', announces each (the step's tokens, positions and paged
-metadata; the rows to take logits of) before running it. The other ranks hold no
-sequences: they run what they are told, over their own pools, in the same order, and
-never sample. Their logits reach rank 0 as its share of the vocabulary gathered. While
-idle, rank 0 sends a heartbeat now and then, so that a rank waiting for the next step
-never mistakes a quiet engine for a dead one.
+logits call is also the others', announces each (the step's tokens, positions, paged
+metadata and which rows take which LoRA adapter; the rows to take logits of) before
+running it, and before a step the LoRA adapters attached or detached since the last. The
+other ranks hold no sequences: they run what they are told, over their own pools, in the
+same order, and never sample. Their logits reach rank 0 as its share of the vocabulary
+gathered. While idle, rank 0 sends a heartbeat now and then, so that a rank waiting for
+the next step never mistakes a quiet engine for a dead one.
 """
 
+import dataclasses
 import enum
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed
 
+from ..kernels.lora_ref import LoraPair
+from ..models.collectives import LoraGroups
+from ..models.config import ModelConfig
+from ..models.lora import LoraAdapter
 from ..models.step_attention import StepAttention
 from ..settings import BackendSettings
 from ..settings.topology import Topology
 from .group import Group
+
+if TYPE_CHECKING:
+    from .sharding import Shard
 
 LOAD_TIMEOUT_S = 3600.0  # how long ranks wait for each other to load (not a step's timeout)
 # Rank 0 sends a heartbeat when idle this share of the collective timeout.
@@ -34,6 +44,11 @@ class Op(enum.IntEnum):
     HEARTBEAT = 3
     STOP = 4
     POOL = 5  # how many blocks rank 0 schedules (each rank built its own pool meanwhile)
+    ADAPTERS = 6  # LoRA adapters attached and detached since: [(slot, adapter or None)]
+
+
+# A change to the LoRA adapters held: an adapter attached in a slot, or (None) the slot freed.
+AdapterChange = tuple[int, LoraAdapter | None]
 
 
 @dataclass
@@ -49,6 +64,10 @@ class TensorParallel:
     # Off while the ranks load and build in lockstep (each runs its own calibration pass
     # at the same point); on once rank 0 serves and the others follow what it announces.
     announcing: bool = False
+    shard: "Shard | None" = None  # this rank's share of the model (`RankSplit` sets it)
+    # Rank 0: LoRA adapters attached and detached since the others last heard, sent before
+    # the next step (adapters attached while the ranks build are sent once they serve).
+    adapter_changes: list[AdapterChange] = field(default_factory=list)
 
     @property
     def rank(self) -> int:
@@ -73,18 +92,58 @@ class TensorParallel:
         return torch.cat(self.group.all_gather(x.contiguous()), dim=-1)[..., :total]
 
     def before_forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: StepAttention
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        backend: StepAttention,
+        lora_groups: LoraGroups,
     ) -> None:
         if self.drives and self.announcing:
             meta = getattr(backend, "meta", None)
             if meta is None:
                 raise TypeError("tensor parallelism runs on the paged cache's steps")
+            if self.adapter_changes:
+                self.send(Op.ADAPTERS, [(slot, _on_cpu(a)) for slot, a in self.adapter_changes])
+                self.adapter_changes = []
             cpu = torch.device("cpu")  # the trip's (and without rank 0's memo of plans)
-            self.send(Op.FORWARD, (input_ids.cpu(), positions.cpu(), meta.to(cpu)))
+            groups = [(slot, factor, rows.cpu()) for slot, factor, rows in lora_groups]
+            self.send(Op.FORWARD, (input_ids.cpu(), positions.cpu(), meta.to(cpu), groups))
 
     def before_logits(self, hidden: torch.Tensor) -> None:
         if self.drives and self.announcing:
             self.send(Op.LOGITS, hidden.cpu())
+
+    # ---- LoRA adapters: cut as the projections they attach to -------------------------
+
+    @property
+    def whole_config(self) -> ModelConfig:
+        return self._shard().config
+
+    def whole_features(self, module: str, in_features: int, out_features: int) -> tuple[int, int]:
+        return self._shard().whole_features(module, in_features, out_features)
+
+    def lora_share(self, module: str, pair: LoraPair) -> LoraPair:
+        return self._shard().lora_share(module, pair)
+
+    def lora_attached(self, slot: int, adapter: LoraAdapter) -> None:
+        """Rank 0: the whole ``adapter`` to be sent (each rank takes its share itself)."""
+        if self.drives:
+            self.adapter_changes.append((slot, adapter))
+
+    def lora_detached(self, slot: int) -> None:
+        """Rank 0: ``slot`` to be freed on the others, or its adapter never sent."""
+        if not self.drives:
+            return
+        pending = [i for i, (s, _) in enumerate(self.adapter_changes) if s == slot]
+        if pending and self.adapter_changes[pending[-1]][1] is not None:
+            del self.adapter_changes[pending[-1]]  # attached since they last heard
+        else:
+            self.adapter_changes.append((slot, None))
+
+    def _shard(self) -> "Shard":
+        if self.shard is None:
+            raise RuntimeError("this rank's share is set as its model loads (`RankSplit`)")
+        return self.shard
 
     def send(self, op: Op, payload: object = None, timeout_s: float | None = None) -> None:
         self.group.send_object((int(op), payload), timeout_s)
@@ -126,3 +185,11 @@ def serving(tp: TensorParallel, settings: BackendSettings) -> None:
     0 announces each."""
     tp.group.set_timeout(settings.collective_timeout_s)
     tp.announcing = True
+
+
+def _on_cpu(adapter: LoraAdapter | None) -> LoraAdapter | None:
+    """``adapter`` with its matrices on the CPU, for the trip to the other ranks."""
+    if adapter is None:
+        return None
+    pairs = {name: LoraPair(p.a.cpu(), p.b.cpu(), p.scale) for name, p in adapter.pairs.items()}
+    return dataclasses.replace(adapter, pairs=pairs)

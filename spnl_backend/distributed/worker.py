@@ -6,8 +6,10 @@ then runs each step rank 0 announces, until rank 0 stops it or the group fails.
 Under torchrun, `follow` is what `load_backend` runs on every rank but the first.
 """
 
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -17,10 +19,13 @@ from ..errors import DistributedError, SpnlError
 from ..loader.model import LoadedModel, load_model
 from ..loader.resolve import ModelSource
 from ..log import get_logger
+from ..models.collectives import LoraGroups
+from ..models.lora import LoraAdapters
+from ..models.transformer import CausalLM
 from ..settings import BackendSettings, PlatformDecisions, detect_platform
 from ..settings.topology import Topology
 from .sharding import RankSplit
-from .tensor_parallel import Op, TensorParallel, join_group, serving
+from .tensor_parallel import AdapterChange, Op, TensorParallel, join_group, serving
 
 log = get_logger()
 
@@ -53,14 +58,49 @@ def follow(
         while True:
             op, payload = tp.receive()
             if op is Op.FORWARD:
-                input_ids, positions, meta = payload  # type: ignore[misc]
+                input_ids, positions, meta, groups = payload  # type: ignore[misc]
                 device = loaded.device
                 step = storage.step(kernels, meta.to(device))
-                model(input_ids.to(device), positions.to(device), step)
+                with _adapter_rows(model, groups, device):
+                    model(input_ids.to(device), positions.to(device), step)
+            elif op is Op.ADAPTERS:
+                _change_adapters(model, payload, tp.rank)  # type: ignore[arg-type]
             elif op is Op.LOGITS:
                 model.compute_logits(payload.to(loaded.device))  # type: ignore[union-attr]
             elif op is Op.STOP:
                 return
+
+
+def _change_adapters(model: CausalLM, changes: list[AdapterChange], rank: int) -> None:
+    """Rank 0's LoRA adapters attached and detached since the last step, in the same
+    slots here (each projection takes this rank's share as it attaches)."""
+    if model.adapters is None:
+        model.adapters = LoraAdapters()
+    held = model.adapters
+    for slot, adapter in changes:
+        if adapter is not None:
+            held.attach(model, adapter, slot)
+            continue
+        name = held.named_at(slot)
+        if name is None:
+            raise DistributedError(f"rank {rank}: rank 0 freed LoRA slot {slot}, empty here")
+        held.detach(model, name)
+
+
+@contextlib.contextmanager
+def _adapter_rows(model: CausalLM, groups: LoraGroups, device: torch.device) -> Iterator[None]:
+    """The step's rows by LoRA adapter, as rank 0 runs it, set for its pass alone."""
+    if not groups:
+        yield
+        return
+    if model.adapters is None:
+        raise DistributedError("rank 0 runs rows through LoRA adapters this rank never got")
+    step = model.adapters.step
+    step.groups = [(slot, factor, rows.to(device)) for slot, factor, rows in groups]
+    try:
+        yield
+    finally:
+        step.groups = []
 
 
 def main(spec_path: str) -> int:

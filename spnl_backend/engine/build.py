@@ -262,7 +262,6 @@ def _adapter_registry(
     or, where the model takes none, why not."""
     model = loaded.model
     refused = {
-        "tensor parallelism": model.tp is not None,
         "MISTRALRS_SPECULATIVE_DRAFT_MODEL": draft is not None,
         "MISTRALRS_SPECULATIVE_METHOD=ngram": settings.speculative == "ngram",
         "MISTRALRS_SPECULATIVE_METHOD=suffix": settings.speculative == "suffix",
@@ -277,7 +276,7 @@ def _adapter_registry(
         )
         _refuse({"MISTRALRS_LORA_ADAPTERS": bool(named)}, why)
         return None, why
-    why = "LoRA adapters run on one process, without speculative decoding, so far"
+    why = "LoRA adapters run without speculative decoding, so far"
     if any(refused.values()):
         _refuse(
             {f"MISTRALRS_LORA_ADAPTERS with {k}": v and bool(named) for k, v in refused.items()},

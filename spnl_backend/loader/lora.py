@@ -23,6 +23,7 @@ from ..errors import ModelFileError
 from ..kernels.lora_ref import LoraPair
 from ..log import get_logger
 from ..models.arch import family, family_of_gguf
+from ..models.config import ModelConfig
 from ..models.linear import Linear
 from ..models.lora import LoraAdapter
 from ..models.transformer import CausalLM
@@ -211,7 +212,7 @@ def _unfused(
     if "A" not in sides or "B" not in sides:
         return [(module, sides)]  # `_pair` names the missing half
     names = [f"{stem}.{part}" for part in FUSED[fused]]
-    rows = [getattr(_projection(path, model, name), "out_features", 0) for name in names]
+    rows = [_features(model, name, _projection(path, model, name))[1] for name in names]
     b = sides["B"]
     if b.shape[0] != sum(rows):
         raise ModelFileError(
@@ -265,7 +266,8 @@ def _pair(
                 f"{path}: tensor {named('A')} has shape {tuple(a.shape)}; expected "
                 "[rank >= 1, inputs]"
             )
-    want_a, want_b = (rank, target.in_features), (target.out_features, rank)
+    inputs, outputs = _features(model, module, target)
+    want_a, want_b = (rank, inputs), (outputs, rank)
     for side, tensor, want in (("A", a, want_a), ("B", b, want_b)):
         if tuple(tensor.shape) != want:
             raise ModelFileError(
@@ -273,8 +275,22 @@ def _pair(
                 f"{tuple(tensor.shape)}; r = {rank} and the base model's projection needs {want}"
             )
     device = _device_of(target)
-    b = family(model.config.architecture).projection_rows(f"{module}.weight", b, model.config)
+    config = _whole_config(model)
+    b = family(config.architecture).projection_rows(f"{module}.weight", b, config)
     return LoraPair(a.float().to(device), b.float().to(device), scale_of(rank))
+
+
+def _whole_config(model: CausalLM) -> ModelConfig:
+    """The whole model's config (under tensor parallelism ``model`` is one rank's share:
+    an adapter is read whole, and each rank takes its share as it attaches)."""
+    return model.config if model.tp is None else model.tp.whole_config
+
+
+def _features(model: CausalLM, module: str, target: Linear | QuantLinear) -> tuple[int, int]:
+    """The whole model's (inputs, outputs) of projection ``module``."""
+    if model.tp is None:
+        return target.in_features, target.out_features
+    return model.tp.whole_features(module, target.in_features, target.out_features)
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:
@@ -324,7 +340,7 @@ def _read_gguf(name: str, path: Path, model: CausalLM) -> LoraAdapter:
         tensor = gguf.load(gguf_name)
         check_finite(tensor, path, gguf_name)
         if permuted and side == "lora_b" and module.endswith(("q_proj", "k_proj")):
-            config = model.config
+            config = _whole_config(model)
             heads = config.num_heads if module.endswith("q_proj") else config.num_kv_heads
             if tensor.shape[0] != heads * config.head_dim:
                 raise ModelFileError(

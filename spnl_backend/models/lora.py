@@ -5,6 +5,7 @@ The base weights are never changed: a step's rows of the base model compute exac
 they compute without adapters, and each adapter row adds its own low-rank product.
 """
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -81,23 +82,39 @@ class LoraAdapters:
     def nbytes(self) -> int:
         return sum(adapter.nbytes for _, adapter in self.by_name.values())
 
-    def attach(self, model: torch.nn.Module, adapter: LoraAdapter) -> int:
+    def attach(self, model: torch.nn.Module, adapter: LoraAdapter, slot: int | None = None) -> int:
         """Place ``adapter``'s matrices beside the projections of ``model`` it adapts
-        (checked against them by the loader first); its slot."""
+        (checked against them by the loader first), in ``slot`` (else the smallest free
+        one); its slot. Under tensor parallelism each projection takes this rank's share of
+        them (and what is held is that share), and the whole adapter is handed to the
+        group (`Collectives.lora_attached`: the first rank passes it on to the others)."""
         if adapter.name in self.by_name:
             raise ModelFileError(f"two LoRA adapters are named {adapter.name!r}")
-        taken = {slot for slot, _ in self.by_name.values()}
-        slot = next(s for s in range(len(taken) + 1) if s not in taken)
-        for name in adapter.pairs:
-            module = model.get_submodule(name)
+        taken = {s for s, _ in self.by_name.values()}
+        if slot is None:
+            slot = next(s for s in range(len(taken) + 1) if s not in taken)
+        elif slot in taken:
+            raise ValueError(f"LoRA slot {slot} is taken already ({adapter.name!r} asked for it)")
+        modules = {name: model.get_submodule(name) for name in adapter.pairs}
+        for name, module in modules.items():
             if not isinstance(module, (Linear, QuantLinear)):
                 raise ModelFileError(f"{adapter.path}: {name} is not a projection of the model")
-        for name, pair in adapter.pairs.items():
-            module = model.get_submodule(name)
+        tp = getattr(model, "tp", None)
+        held = adapter
+        if tp is not None:
+            shares = {
+                name: _placed(tp.lora_share(name, p), modules[name])
+                for name, p in adapter.pairs.items()
+            }
+            held = dataclasses.replace(adapter, pairs=shares)
+        for name, pair in held.pairs.items():
+            module = modules[name]
             if module.lora is None:
                 module.lora = LoraSite(self.step, getattr(model, "kernels", None))
             module.lora.pairs[slot] = pair
-        self.by_name[adapter.name] = (slot, adapter)
+        self.by_name[adapter.name] = (slot, held)
+        if tp is not None:
+            tp.lora_attached(slot, adapter)
         return slot
 
     def detach(self, model: torch.nn.Module, name: str) -> LoraAdapter:
@@ -108,7 +125,14 @@ class LoraAdapters:
             site = model.get_submodule(module_name).lora
             if site is not None:
                 site.pairs.pop(slot, None)
+        tp = getattr(model, "tp", None)
+        if tp is not None:
+            tp.lora_detached(slot)
         return adapter
+
+    def named_at(self, slot: int) -> str | None:
+        """The name of the adapter held in ``slot`` (None: the slot is free)."""
+        return next((name for name, (s, _) in self.by_name.items() if s == slot), None)
 
     def touch(self, name: str) -> None:
         """Mark ``name`` as used last (the others are evicted before it)."""
@@ -136,3 +160,11 @@ class LoraAdapters:
             (slot, factor, torch.tensor(rows, device=device))
             for (slot, factor), rows in by_slot.items()
         ]
+
+
+def _placed(pair: LoraPair, module: Linear | QuantLinear) -> LoraPair:
+    """``pair`` on ``module``'s device (a share sent from another rank arrives on the CPU)."""
+    device = (
+        module.weight_q.data.device if isinstance(module, QuantLinear) else module.weight.device
+    )
+    return LoraPair(pair.a.to(device), pair.b.to(device), pair.scale)

@@ -229,7 +229,8 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """``input_ids``/``positions [T]`` (sequences packed) → hidden states ``[T, hidden]``."""
         if self.tp is not None:
-            self.tp.before_forward(input_ids, positions, attention)
+            groups = [] if self.adapters is None else self.adapters.step.groups
+            self.tp.before_forward(input_ids, positions, attention, groups)
         return self.model(input_ids, positions, attention)
 
     def place(self, spans: list[tuple[torch.device, int]]) -> None:
