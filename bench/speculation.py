@@ -107,12 +107,12 @@ class Sizes:
     16-client levels."""
 
     rag_chars: int = 1000
-    summary_words: int = 1500  # about 2,000 Gemma 3 tokens
+    summary_words: int = 1750  # about 2,000 Gemma 3 tokens
     function_blocks: int = 24  # 4 lines each: a 100-line function with its head and tail
     candidates: int = 8  # email2's n
 
 
-SMALL = Sizes(rag_chars=400, summary_words=520, function_blocks=9, candidates=4)
+SMALL = Sizes(rag_chars=400, summary_words=600, function_blocks=9, candidates=4)
 
 # ---- the workloads ------------------------------------------------------------------------
 
