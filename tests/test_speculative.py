@@ -225,11 +225,11 @@ def test_sampled_tokens_follow_the_targets_distribution(pair):
     target = load(pair[0])
     sampling = SamplingParams(**params)
     for position in (1, 2):
-        observed, expected = _conditional_counts(target, prompt, seqs, position, sampling)
+        observed, expected = conditional_counts(target, prompt, seqs, position, sampling)
         assert chi_square_p_value(observed, expected) > 1e-3
 
 
-def _conditional_counts(target, prompt, seqs, position, sampling):
+def conditional_counts(target, prompt, seqs, position, sampling):
     """Pooled cells (context, token): observed counts, and the count the target's own
     distribution given that context predicts (cells expecting under 5 are merged)."""
     by_context: dict[tuple[int, ...], list[int]] = {}

@@ -126,6 +126,7 @@ class Reply:
                 "pic_recomputed_tokens": sum(seq.num_pic_recomputed_tokens for seq in leaders),
                 "tier_hit_tokens": sum(seq.num_tier_hit_tokens for seq in leaders),
             },
+            "completion_tokens_details": _speculated(self.seqs),
         }
 
     # ---- stream chunks ----------------------------------------------------------------
@@ -341,3 +342,14 @@ def sse(data: dict[str, Any] | str) -> bytes:
     """One server-sent event."""
     text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
     return f"data: {text}\n\n".encode()
+
+
+def _speculated(seqs: list[Sequence]) -> dict[str, int]:
+    """Speculation's proposed tokens the target kept and refused, under the names OpenAI
+    gives a prediction's (both 0 without speculation)."""
+    proposed = sum(seq.num_draft_tokens for seq in seqs)
+    accepted = sum(seq.num_accepted_tokens for seq in seqs)
+    return {
+        "accepted_prediction_tokens": accepted,
+        "rejected_prediction_tokens": proposed - accepted,
+    }
