@@ -72,7 +72,7 @@ def build_engine(
         if model is not None:
             _refuse_for_transformers_code(model, settings)
     _refuse_for_chunked_attention(loaded, settings)
-    adapters, no_adapters = _adapter_registry(loaded, settings, draft)
+    adapters, no_adapters = _adapter_registry(loaded, settings)
     settings = _prefix_caching_for(loaded.config, settings, decisions.paged_attn)
     if (
         loaded.model.tp is not None
@@ -255,18 +255,15 @@ def _lookup_runner(
 
 
 def _adapter_registry(
-    loaded: LoadedModel, settings: BackendSettings, draft: LoadedModel | None
+    loaded: LoadedModel, settings: BackendSettings
 ) -> tuple[AdapterRegistry | None, str | None]:
     """The model's LoRA adapters: those MISTRALRS_LORA_ADAPTERS names read and held (before
     the KV budget is taken from what memory is left), room for more loaded at run time;
     or, where the model takes none, why not."""
     model = loaded.model
-    refused = {
-        "tensor parallelism": model.tp is not None,
-        "MISTRALRS_SPECULATIVE_DRAFT_MODEL": draft is not None,
-        "MISTRALRS_SPECULATIVE_METHOD=ngram": settings.speculative == "ngram",
-        "MISTRALRS_SPECULATIVE_METHOD=suffix": settings.speculative == "suffix",
-    }
+    # Speculation takes adapters: its verifying pass runs each sequence's own, and a
+    # draft model's tokens are only proposals (it runs the base).
+    refused = {"tensor parallelism": model.tp is not None}
     named = lora_adapter_list(settings.lora_adapters)
     if loaded.implementation == "transformers":  # refused at load (`_refuse_for_transformers_code`)
         return None, "the model runs on transformers' modeling code, which has no adapters here"
@@ -277,7 +274,7 @@ def _adapter_registry(
         )
         _refuse({"MISTRALRS_LORA_ADAPTERS": bool(named)}, why)
         return None, why
-    why = "LoRA adapters run on one process, without speculative decoding, so far"
+    why = "LoRA adapters run on one process, so far"
     if any(refused.values()):
         _refuse(
             {f"MISTRALRS_LORA_ADAPTERS with {k}": v and bool(named) for k, v in refused.items()},
