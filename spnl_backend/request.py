@@ -124,7 +124,7 @@ def _options(options: dict[str, object], vocab_size: int | None) -> dict[str, ob
     if options.get("adapters") is not None:
         if adapters:
             raise RequestError("adapter and adapters name a request's adapters twice; give one")
-        adapters = _adapter_list(options["adapters"])
+        adapters = adapter_list(options["adapters"])
     if adapters:
         checked["adapters"] = adapters
     if options.get("logit_bias") is not None:
@@ -241,8 +241,9 @@ _ADAPTERS_ACCEPTED = (
 )
 
 
-def _adapter_list(value: object) -> Adapters:
-    """``adapters``: a name, a list of names and ``(name, scale)`` pairs, or a dict."""
+def adapter_list(value: object) -> Adapters:
+    """``adapters``: a name, a list of names and ``(name, scale)`` pairs, or a dict of
+    name: scale (`adapter_set`)."""
     if isinstance(value, str):
         value = [value]
     if isinstance(value, dict):

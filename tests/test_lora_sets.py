@@ -7,8 +7,10 @@ and suffix speculation verify with the request's adapters (greedy tokens as with
 speculation); a draft model proposes from the base and the target verifies with them.
 """
 
+import json
 import math
 
+import httpx
 import pytest
 import torch
 from helpers import engine_internals, greedy_with_logits, run_together
@@ -272,3 +274,51 @@ def test_kv_tier_keeps_sets_apart(adapters, tmp_path):
         tokens, hits = run(second, adapters=PAIR)
         assert hits > 0
         assert tokens == pair
+
+
+def _span_query(model: str) -> dict:
+    docs = {"plus": [{"user": f"Document {i} says {'abc'[i]} twice over."} for i in range(3)]}
+    g = {"model": model, "input": {"cross": [{"system": "Read."}, docs, {"user": "Why?"}]}}
+    return {"repeat": {"n": 1, "g": {**g, "max_tokens": 4, "temperature": 0}}}
+
+
+def test_span_queries_take_adapters_and_keep_their_documents_apart(adapters):
+    """A span query's plus documents, cached under one adapter set, are read back under
+    that set alone: in the Python API (``adapters=``) and at /v1/query/execute, whose
+    ``model`` may name an adapter."""
+    from live_server import MODEL, TEMPLATE, LiveServer
+
+    tiny_model, spec, _ = adapters("llama")
+    backend = _backend(str(tiny_model.path), spec, isq="Q8_0", span_query_reuse="tokens")
+    backend.tokenizer.hf.chat_template = TEMPLATE  # turns a span query's messages render in
+    backend.reset_prefix_cache()
+    query = _span_query(MODEL)
+
+    def hits(**ask) -> tuple[str, int]:
+        result = backend.query(query, **ask)[0]
+        return result.text, result.usage.pic_hit_tokens
+
+    pair, none = hits(adapters=PAIR)
+    assert none == 0
+    again, warm = hits(adapters=PAIR)
+    assert again == pair
+    assert warm > 0
+    base, none = hits()
+    assert none == 0  # the pair's documents are not the base's
+    assert hits(adapters="one")[1] == 0
+    assert len({pair, base, hits(adapters="one")[0]}) == 3
+    server = LiveServer(backend)
+    try:
+        answer = httpx.post(
+            server.url + "/v1/query/execute",
+            params={"stream": "false"},
+            content=json.dumps(_span_query("one")),
+            headers={"Content-Type": "text/plain"},
+            timeout=60,
+        )
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        assert body["choices"][0]["message"]["content"] == hits(adapters="one")[0]
+        assert body["usage"]["prompt_tokens_details"]["pic_hit_tokens"] > 0  # one's own
+    finally:
+        server.stop()
