@@ -7,6 +7,7 @@ and suffix speculation verify with the request's adapters (greedy tokens as with
 speculation); a draft model proposes from the base and the target verifies with them.
 """
 
+import copy
 import json
 import math
 
@@ -322,3 +323,31 @@ def test_span_queries_take_adapters_and_keep_their_documents_apart(adapters):
         assert body["usage"]["prompt_tokens_details"]["pic_hit_tokens"] > 0  # one's own
     finally:
         server.stop()
+
+
+def test_several_adapters_equal_peft_merging_them(adapters):
+    """PEFT's own model of the same adapter directories, both active at the request's
+    scales and merged into the base: the same greedy tokens and logits."""
+    peft = pytest.importorskip("peft")
+    from peft.tuners.lora import LoraLayer
+
+    tiny_model, spec, _ = adapters("llama")
+    paths = dict(entry.split("=", 1) for entry in spec.split(","))
+    model = peft.PeftModel.from_pretrained(
+        copy.deepcopy(tiny_model.hf), paths["one"], adapter_name="one"
+    )
+    model.load_adapter(paths["two"], adapter_name="two")
+    model.base_model.set_adapter(["one", "two"])
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            for name, factor in PAIR.items():
+                module.set_scale(name, factor)
+    reference = model.merge_and_unload(adapter_names=list(PAIR)).eval()
+    want, want_logits = hf_greedy(reference, PROMPT_IDS, TOKENS)
+    backend = _backend(str(tiny_model.path), spec, paged_cache_type="f32")
+    got, logits, _ = greedy_with_logits(
+        backend, TOKENS, prompt_token_ids=PROMPT_IDS, adapters=PAIR, ignore_eos=True
+    )
+    assert got == want
+    torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+    assert want != hf_greedy(tiny_model.hf, PROMPT_IDS, TOKENS)[0]
