@@ -250,6 +250,8 @@ def adapter_list(value: object) -> Adapters:
         value = list(value.items())
     if not isinstance(value, (list, tuple)):
         raise _bad("adapters", value, _ADAPTERS_ACCEPTED)
+    if len(value) > MAX_ADAPTERS:  # before reading them
+        raise RequestError(f"adapters: {len(value)} adapters; at most {MAX_ADAPTERS}")
     entries = []
     for entry in value:
         if isinstance(entry, str):
