@@ -44,6 +44,7 @@ from .request import (
     MAX_SEED,
     ContextLimit,
     PromptIds,
+    adapter_list,
     check_messages,
     check_prompt,
     prompt_list,
@@ -215,14 +216,19 @@ class Backend:
         result = read_results(self.submit([prompt], params), single=True)
         return with_calls(with_reasoning(result, reasoning), chat)
 
-    def query(self, query: "str | dict | SpanQuery") -> list[GenerateResult]:
+    def query(
+        self, query: "str | dict | SpanQuery", *, adapters: object = None
+    ) -> list[GenerateResult]:
         """Run one of spnl's span queries (its JSON text, as spnl's ``spnl/`` provider
         posts it to ``/v1/query/execute``, that JSON as a dict, or a parsed `SpanQuery`):
         a ``repeat``'s
         ``n`` completions of its input, or a ``map``'s completion of each input, in
         order. Tokenized as spnl tokenizes it (`pic.spans`); plus elements reused under
-        ``MISTRALRS_SPAN_QUERY_REUSE`` (spnl's rule by default)."""
+        ``MISTRALRS_SPAN_QUERY_REUSE`` (spnl's rule by default), under its LoRA
+        ``adapters`` alone (as `generate` takes them; None: the base model)."""
         prompts, params, n = self.span_query_request(query)
+        if adapters is not None:
+            params = dataclasses.replace(params, adapters=adapter_list(adapters))
         return read_results(self.submit(prompts, params, n=n), single=False)
 
     # ---- asyncio --------------------------------------------------------------------------

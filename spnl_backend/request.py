@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from .errors import ContextLengthError, RequestError, shown
 from .pic.layout import PicPrompt
 from .plain import check_text, is_bool, plain_float, plain_int, plain_str, read_once
-from .sampling import SamplingParams
+from .sampling import Adapters, SamplingParams
 
 MAX_SEED = 2**64 - 1  # what torch's generators take
 PromptIds = list[int] | PicPrompt  # a checked prompt: token ids, or a PIC prompt
@@ -82,8 +82,10 @@ OPTION_NAMES = (
     "speculative",
     "adapter",
     "adapter_scale",
+    "adapters",
 )
 MAX_TOP_LOGPROBS = 20
+MAX_ADAPTERS = 64  # LoRA adapters one request may name
 MAX_SPECULATIVE = 256  # proposed tokens per step a request may allow
 MAX_LOGIT_BIAS = 4096  # entries
 MAX_STOP_TOKEN_IDS = 1024
@@ -118,19 +120,13 @@ def _options(options: dict[str, object], vocab_size: int | None) -> dict[str, ob
         checked["top_logprobs"] = count
     if options.get("speculative") is not None:
         checked["speculative"] = _speculative(options["speculative"])
-    adapter = options.get("adapter")
-    if adapter is not None:
-        if not isinstance(adapter, str) or not adapter:
-            raise _bad("adapter", adapter, "the name of a loaded LoRA adapter, or None")
-        checked["adapter"] = str(adapter)
-    factor = options.get("adapter_scale")
-    if factor is not None:
-        value = plain_float(factor)
-        if value is None or not -100.0 <= value <= 100.0:
-            raise _bad("adapter_scale", factor, "a number from -100 to 100 (1: as trained)")
-        if adapter is None:
-            raise RequestError("adapter_scale needs an adapter")
-        checked["adapter_scale"] = value
+    adapters = _adapters(options.get("adapter"), options.get("adapter_scale"))
+    if options.get("adapters") is not None:
+        if adapters:
+            raise RequestError("adapter and adapters name a request's adapters twice; give one")
+        adapters = adapter_list(options["adapters"])
+    if adapters:
+        checked["adapters"] = adapters
     if options.get("logit_bias") is not None:
         checked["logit_bias"] = _logit_bias(options["logit_bias"], vocab_size)
     if options.get("stop_token_ids") is not None:
@@ -226,6 +222,63 @@ def _speculative(value: object) -> int | None:
             f"to {MAX_SPECULATIVE} (the most tokens proposed per step; 0 is none)",
         )
     return count
+
+
+def _adapters(name: object, factor: object) -> Adapters:
+    """``adapter`` and ``adapter_scale``: one adapter at a factor (1: as trained)."""
+    if name is None:
+        if factor is not None:
+            raise RequestError("adapter_scale needs an adapter")
+        return ()
+    if not isinstance(name, str) or not name:
+        raise _bad("adapter", name, "the name of a loaded LoRA adapter, or None")
+    return adapter_set([(str(name), 1.0 if factor is None else factor)], "adapter_scale")
+
+
+_ADAPTERS_ACCEPTED = (
+    "a LoRA adapter's name, a list of names and (name, scale) pairs, or a dict of "
+    "name: scale (scales from -100 to 100; 1: as trained)"
+)
+
+
+def adapter_list(value: object) -> Adapters:
+    """``adapters``: a name, a list of names and ``(name, scale)`` pairs, or a dict of
+    name: scale (`adapter_set`)."""
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, dict):
+        value = list(value.items())
+    if not isinstance(value, (list, tuple)):
+        raise _bad("adapters", value, _ADAPTERS_ACCEPTED)
+    if len(value) > MAX_ADAPTERS:  # before reading them
+        raise RequestError(f"adapters: {len(value)} adapters; at most {MAX_ADAPTERS}")
+    entries = []
+    for entry in value:
+        if isinstance(entry, str):
+            entry = (entry, 1.0)
+        if not isinstance(entry, (list, tuple)) or len(entry) != 2:
+            raise _bad("adapters", entry, _ADAPTERS_ACCEPTED)
+        entries.append((entry[0], entry[1]))
+    return adapter_set(entries, "adapters")
+
+
+def adapter_set(entries: list[tuple[object, object]], name: str) -> Adapters:
+    """LoRA adapters and their factors as `SamplingParams.adapters`: by name, those at 0
+    left out (they add nothing); a name twice, a scale out of range, or more than
+    `MAX_ADAPTERS` is a `RequestError` naming the option ``name``."""
+    if len(entries) > MAX_ADAPTERS:
+        raise RequestError(f"{name}: {len(entries)} adapters; at most {MAX_ADAPTERS}")
+    chosen: dict[str, float] = {}
+    for adapter, factor in entries:
+        if not isinstance(adapter, str) or not adapter:
+            raise _bad(name, adapter, "the name of a loaded LoRA adapter")
+        value = plain_float(factor)
+        if value is None or not -100.0 <= value <= 100.0:
+            raise _bad(name, factor, "a scale from -100 to 100 (1: as trained)")
+        if adapter in chosen:
+            raise RequestError(f"{name}: the adapter {adapter!r} is named twice")
+        chosen[str(adapter)] = value
+    return tuple(sorted((a, f) for a, f in chosen.items() if f != 0.0))
 
 
 def _plain_bool(value: object, name: str) -> bool:

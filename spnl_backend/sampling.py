@@ -8,6 +8,9 @@ if TYPE_CHECKING:
     from .constrain.spec import ConstraintSpec
     from .reasoning import Reasoning
 
+# A request's LoRA adapters: (name, factor) pairs by name (`SamplingParams.adapters`).
+Adapters = tuple[tuple[str, float], ...]
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -47,10 +50,11 @@ class SamplingParams:
     # Speculative decoding for this request: None, the backend's (its method and gamma);
     # 0, off; n, at most n proposed tokens per step.
     speculative: int | None = None
-    # The LoRA adapter the request runs with, by the name it was loaded under (None: the
-    # base model); the engine refuses a name it has not loaded.
-    adapter: str | None = None
-    adapter_scale: float = 1.0  # multiplies the adapter's own scale (llama-server's "scale")
+    # The LoRA adapters the request runs with: (name it was loaded under, factor), the
+    # factor multiplying the adapter's own scale (llama-server's "scale"); by name, none
+    # twice, none at 0 (`request.adapter_set`). Empty: the base model. Each row adds
+    # every one's product; the engine refuses a name it has not loaded.
+    adapters: Adapters = ()
 
     @property
     def greedy(self) -> bool:

@@ -96,6 +96,18 @@ def test_a_row_keeps_its_bits_wherever_it_sits(native_kernels):
     assert torch.equal(flipped.flip(0), mixed)
 
 
+def test_a_row_of_several_adapters_takes_each_in_segment_order(native_kernels):
+    x, out, segments = _case(9, 48, 40, (4, 8))
+    both = [segments[0], LoraSegment(segments[0].rows, segments[1].pair, 0.5)]
+    got = lora_add_native(native_kernels, x, out, both)
+    torch.testing.assert_close(got, lora_add_ref(x, out, both), rtol=1e-5, atol=1e-5)
+    # each row as it is alone, with the same adapters in the same order
+    for row in segments[0].rows.tolist():
+        alone = [LoraSegment(torch.tensor([0]), s.pair, s.scale) for s in both]
+        single = lora_add_native(native_kernels, x[row : row + 1], out[row : row + 1], alone)
+        assert torch.equal(single[0], got[row])
+
+
 def test_no_segment_rows_change_nothing(native_kernels):
     x, out, segments = _case(5, 32, 16, (4,))
     empty = [LoraSegment(torch.zeros(0, dtype=torch.int64), segments[0].pair, 1.0)]
@@ -109,7 +121,10 @@ def test_no_segment_rows_change_nothing(native_kernels):
     [
         (lambda s: [LoraSegment(torch.tensor([0, 5]), s[0].pair, 1.0)], "out of bounds"),
         (lambda s: [LoraSegment(torch.tensor([-1]), s[0].pair, 1.0)], "out of bounds"),
-        (lambda s: [s[0], LoraSegment(s[0].rows, s[1].pair, 1.0)], "rejected"),  # a row twice
+        (  # a row twice in one segment
+            lambda s: [LoraSegment(torch.cat([s[0].rows, s[0].rows[:1]]), s[0].pair, 1.0)],
+            "rejected",
+        ),
         (
             lambda s: [
                 LoraSegment(s[0].rows, LoraPair(torch.ones(4, 31), torch.ones(16, 4), 1.0), 1.0)

@@ -261,11 +261,11 @@ def _adapter_registry(
     the KV budget is taken from what memory is left), room for more loaded at run time;
     or, where the model takes none, why not."""
     model = loaded.model
-    refused = {
-        "MISTRALRS_SPECULATIVE_DRAFT_MODEL": draft is not None,
-        "MISTRALRS_SPECULATIVE_METHOD=ngram": settings.speculative == "ngram",
-        "MISTRALRS_SPECULATIVE_METHOD=suffix": settings.speculative == "suffix",
-    }
+    # Speculation takes adapters: its verifying pass runs each sequence's own, and a
+    # draft model's tokens are only proposals (it runs the base). Under tensor
+    # parallelism the adapters' shares are tested without speculation only.
+    speculating = settings.speculative in ("ngram", "suffix") or draft is not None
+    refused = {"speculative decoding under tensor parallelism": speculating and model.tp is not None}
     named = lora_adapter_list(settings.lora_adapters)
     if loaded.implementation == "transformers":  # refused at load (`_refuse_for_transformers_code`)
         return None, "the model runs on transformers' modeling code, which has no adapters here"
@@ -276,7 +276,7 @@ def _adapter_registry(
         )
         _refuse({"MISTRALRS_LORA_ADAPTERS": bool(named)}, why)
         return None, why
-    why = "LoRA adapters run without speculative decoding, so far"
+    why = "LoRA adapters run without speculative decoding under tensor parallelism, so far"
     if any(refused.values()):
         _refuse(
             {f"MISTRALRS_LORA_ADAPTERS with {k}": v and bool(named) for k, v in refused.items()},

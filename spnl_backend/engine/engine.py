@@ -1,14 +1,12 @@
 """The engine: requests in, one scheduled model step at a time, finished sequences out."""
 
-import hashlib
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import DistributedError, EngineError, RequestError
 from ..log import get_logger
-from ..models.lora import AdapterInfo, LoraAdapter
+from ..models.lora import AdapterInfo, LoraAdapter, scaled_root, set_root
 from ..pic.layout import PicLayout
 from ..sampling import SamplingParams
 from .adapters import AdapterRegistry, AdapterUsage
@@ -32,15 +30,6 @@ if TYPE_CHECKING:
 log = get_logger()
 
 MAX_NUM_SEQS = 64  # sequences one step runs at most (and the most state slots a model gets)
-
-
-def scaled_root(root: int, factor: float) -> int:
-    """An adapter's hash root for a request scale: its own at 1, else one of that scale's
-    (K/V computed at one scale is never read at another)."""
-    if factor == 1.0:
-        return root
-    digest = hashlib.blake2b(struct.pack("<Qd", root, factor), digest_size=8).digest()
-    return int.from_bytes(digest, "little") or 1
 
 
 @dataclass(frozen=True)
@@ -158,11 +147,11 @@ class Engine:
             size = self.cache_info.block_size
             max_len -= pic.padded_slots(size) - pic.num_prompt_tokens + size
         seq = Sequence(prompt_ids, params, max_len=max_len, leader=leader, pic=pic)
-        if params.adapter is not None:
-            self.check_adapter(params.adapter, pic is not None)
+        for name, _ in params.adapters:
+            self.check_adapter(name)
         return seq
 
-    def check_adapter(self, name: str, pic: bool = False) -> None:
+    def check_adapter(self, name: str) -> None:
         """A `RequestError` naming those loaded where no LoRA adapter is known as ``name``
         (its slot is taken when the sequence is added: `add_sequence`)."""
         if self.adapters is None:
@@ -171,12 +160,10 @@ class Engine:
                 "MISTRALRS_LORA_ADAPTERS names them)"
             )
         self.adapters.check_known(name)
-        if pic:
-            raise RequestError(f"adapter={name!r}: PIC prompts run on the base model only, so far")
 
     def adapters_in_use(self) -> list[str]:
-        """The adapter of each unfinished sequence (once per sequence)."""
-        return [s.params.adapter for s in self.unfinished() if s.params.adapter is not None]
+        """The adapters of each unfinished sequence (each once per sequence)."""
+        return [name for s in self.unfinished() for name, _ in s.params.adapters]
 
     def load_adapter(self, adapter: LoraAdapter) -> AdapterInfo:
         """Know ``adapter`` (read off this thread) from now on; held if room can be made."""
@@ -192,13 +179,8 @@ class Engine:
 
     def add_sequence(self, seq: Sequence) -> None:
         self._check_usable()
-        name = seq.params.adapter
-        if name is not None:  # its adapter held (read again if evicted) while it runs
-            if self.adapters is None:
-                self.check_adapter(name)
-            assert self.adapters is not None
-            seq.lora_slot, root = self.adapters.acquire(name, self.adapters_in_use())
-            seq.hash_root = scaled_root(root, seq.params.adapter_scale)
+        if seq.params.adapters:
+            self._acquire_adapters(seq)
         constraint = seq.params.constraint
         kept = (constraint.kept_token_ids if constraint is not None else ()) + (
             seq.params.kept_token_ids
@@ -213,6 +195,27 @@ class Engine:
         )
         self.cache.arriving(seq)
         self.scheduler.add(seq)
+
+    def _acquire_adapters(self, seq: Sequence) -> None:
+        """Hold ``seq``'s adapters (read again if evicted) while it runs: their slots, and
+        the hash root of the whole set at its scales."""
+        adapters = seq.params.adapters
+        for name, _ in adapters:
+            self.check_adapter(name)
+        assert self.adapters is not None
+        bound = self.adapters.max_loaded
+        if bound and len(adapters) > bound:
+            raise RequestError(
+                f"adapters: {len(adapters)} LoRA adapters in one request, more than the "
+                f"{bound} held in memory at once (MISTRALRS_LORA_MAX_LOADED)"
+            )
+        in_use = self.adapters_in_use() + [name for name, _ in adapters]  # none evicts another
+        lora, roots = [], []
+        for name, factor in adapters:
+            slot, root = self.adapters.acquire(name, in_use)
+            lora.append((slot, factor))
+            roots.append(scaled_root(root, factor))
+        seq.lora, seq.hash_root = tuple(lora), set_root(roots)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

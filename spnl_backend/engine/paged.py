@@ -254,7 +254,7 @@ class PagedCacheManager:
         if layout is None:
             self.tier.read_ahead(self.blocks.prefix_keys(seq.token_ids, seq.hash_root))
             return
-        planned = PicProgress(layout, self.block_size).plan(seq.token_ids)
+        planned = PicProgress(layout, self.block_size, seq.hash_root).plan(seq.token_ids)
         closed = [(block.digest, block.tokens) for block in planned if block.closed]
         self.tier.read_ahead(closed)
 
@@ -298,7 +298,7 @@ class PagedCacheManager:
     def _admit_pic(self, seq: CachedTokens, layout: PicLayout) -> None:
         """A PIC sequence's table: every block whose key the pool has, wherever it lies,
         mapped in (the block holding the last token excepted); the rest untaken."""
-        progress = PicProgress(layout, self.block_size)
+        progress = PicProgress(layout, self.block_size, seq.hash_root)
         tokens = seq.token_ids
         planned = progress.plan(tokens)
         hits: dict[int, PlannedBlock] = {}

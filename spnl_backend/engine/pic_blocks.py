@@ -20,7 +20,9 @@ the context, which takes in the group's elements in their order; but under ``tok
 the last span, where the completion goes, is keyed as an element is (spnl's nested
 generates put a completion into a later query as an assistant message, whose turn is the
 generation prompt and the completion's tokens: its blocks then hit). The pool belongs to one
-model, dtype and cache codec, so those are parts of every key implicitly.
+model, dtype and cache codec, so those are parts of every key implicitly; every key
+derives from the sequence's hash root too (0 for the base model, else its LoRA adapters'
+and their scales'), so an element cached under one set of adapters is never another's.
 
 **Order.** The blocks whose keys the pool has are mapped in at admission; the other
 tokens are computed in prompt order. A query sees only keys at or before it, which are
@@ -94,11 +96,13 @@ class _Segment:
 
 
 def _segments(
-    layout: PicLayout, tokens: list[int], block_size: int
+    layout: PicLayout, tokens: list[int], block_size: int, origin: int = _ROOT
 ) -> tuple[list[_Segment], dict[int, int]]:
     """The spans as block-aligned segments with their roots; generated tokens extend the
     last one (cross) or a cross segment of their own after a final plus span. And the
-    first slot of each group's recomputed run, by the group's end."""
+    first slot of each group's recomputed run, by the group's end. ``origin``: the
+    sequence's hash root (its LoRA adapters'; `models.lora.set_root`), which every key
+    derives from, so no block is shared between different adapters."""
     spans = list(layout.spans)
     last = spans[-1]
     if len(tokens) > last.end or last.kind == "plus":
@@ -109,15 +113,16 @@ def _segments(
     segments: list[_Segment] = []
     runs: dict[int, int] = {}
     recomputed = dict(layout.recomputed)
-    context, base, group = _ROOT, 0, [0]
+    context, base, group = origin, 0, [0]
+    loose = (origin,) if origin != _ROOT else ()  # in the keys that take no context
     for index, span in enumerate(spans):
         if span.kind == "plus":
             exact = _mix(b"plus", context)
-            root = _element_root(layout, span, exact)
+            root = _element_root(layout, span, exact, loose)
         else:
-            exact = root = _ROOT if index == 0 else _mix(b"cross", context)
+            exact = root = origin if index == 0 else _mix(b"cross", context)
             if layout.reuse == "tokens" and index == len(spans) - 1 and index:
-                root = _mix(b"tokens")  # a completion after a group: reusable as an element
+                root = _mix(b"tokens", *loose)  # after a group: reusable as an element
         chunks = tokens[span.start : span.end]
         digests = _chain(root, chunks, block_size)
         segments.append(_Segment(span, base, digests))
@@ -141,11 +146,11 @@ def _segments(
     return segments, runs
 
 
-def _element_root(layout: PicLayout, span: Span, exact: int) -> int:
+def _element_root(layout: PicLayout, span: Span, exact: int, loose: tuple[int, ...]) -> int:
     if layout.reuse == "relaxed":
-        return _mix(b"relaxed", layout.position(span.start))
+        return _mix(b"relaxed", layout.position(span.start), *loose)
     if layout.reuse == "tokens":
-        return _mix(b"tokens")
+        return _mix(b"tokens", *loose)
     if layout.scheme == "sequential":  # its place depends on the elements before it
         return _mix(b"placed", exact, layout.position(span.start))
     return exact
@@ -173,6 +178,7 @@ class PicProgress:
 
     layout: PicLayout
     block_size: int
+    root: int = _ROOT  # the sequence's hash root (its LoRA adapters'; 0: the base model)
     segments: list[_Segment] = field(default_factory=list)
     todo: list[int] = field(default_factory=list)  # prompt order of the missing tokens
     order: list[Entry] = field(default_factory=list)
@@ -196,7 +202,7 @@ class PicProgress:
 
     def plan(self, tokens: list[int]) -> list[PlannedBlock]:
         """Every block of the sequence's ``tokens`` (prompt and generated) with its key."""
-        self.segments, self.runs = _segments(self.layout, tokens, self.block_size)
+        self.segments, self.runs = _segments(self.layout, tokens, self.block_size, self.root)
         blocks: list[PlannedBlock] = []
         for number, segment in enumerate(self.segments):
             span = segment.span

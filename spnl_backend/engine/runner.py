@@ -69,17 +69,14 @@ def forward_with_adapters(
     positions: torch.Tensor,
     attention: StepAttention,
 ) -> torch.Tensor:
-    """The model's pass over a step, each sequence's rows through its LoRA adapter (if the
-    model has adapters: `models.lora`); the rows are forgotten after it, so no other pass
+    """The model's pass over a step, each sequence's rows through its LoRA adapters (if
+    the model has adapters: `models.lora`); the rows are forgotten after it, so no other pass
     (a probe, an embedding) ever takes them."""
     adapters = model.adapters
     if adapters is None:
         return model(input_ids, positions, attention)
-    slots = [
-        (getattr(item.seq, "lora_slot", -1), item.seq.params.adapter_scale, item.num_new_tokens)
-        for item in batch
-    ]
-    adapters.step.groups = adapters.rows_of(slots, input_ids.device)
+    rows = [(getattr(item.seq, "lora", ()), item.num_new_tokens) for item in batch]
+    adapters.step.groups = adapters.rows_of(rows, input_ids.device)
     try:
         return model(input_ids, positions, attention)
     finally:

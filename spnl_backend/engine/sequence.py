@@ -68,9 +68,10 @@ class Sequence:
     # first token starts with and its returned text leaves out.
     healed_text: str = ""
     logprobs: "list[TokenLogprobs]" = field(default_factory=list)  # with params.logprobs
-    # The LoRA adapter its rows take (`models.lora`; -1: the base model) and the first link
-    # of its blocks' prefix-cache hash chain (0 for the base; an adapter's own otherwise).
-    lora_slot: int = -1
+    # The LoRA adapters its rows take, ``(slot, factor)`` each (`models.lora`; none: the
+    # base model) and the first link of its blocks' prefix-cache hash chain (0 for the
+    # base; that of its set of adapters and scales otherwise: `models.lora.set_root`).
+    lora: tuple[tuple[int, float], ...] = ()
     hash_root: int = 0
 
     def __post_init__(self) -> None:

@@ -24,7 +24,7 @@ from ..models.transformer import CausalLM
 from .cache import CacheManager, Feed, PoolUsage
 from .logits import RowHistory, adjust
 from .pic_probe import choose_recomputed
-from .runner import Picked, Sampled, logprobs_of, pack_inputs
+from .runner import Picked, Sampled, forward_with_adapters, logprobs_of, pack_inputs
 from .sampler import argmax_rows, distribution, row_error
 from .sequence import ScheduledSeq, Sequence
 from .token_bitmask import Constraint, apply_bitmask, constraint_row
@@ -60,7 +60,8 @@ class CacheView:
 
     @property
     def hash_root(self) -> int:
-        """The draft runs no adapter (a backend with adapters has no draft): the base's."""
+        """The base's: the draft model runs no adapter (its tokens are only proposals,
+        which the target verifies with the sequence's adapters), so its K/V is the base's."""
         return 0
 
     @property
@@ -289,9 +290,11 @@ class VerifyingRunner:
             ScheduledSeq(item.seq, item.num_new_tokens + len(_drafts(proposals, item.seq)))
             for item in batch
         ]
-        hidden = self.model(
-            *self._inputs(batch, proposals), self.cache.attention(steps, self.device)
-        )
+        ids, positions = self._inputs(batch, proposals)
+        attention = self.cache.attention(steps, self.device)
+        # Drafts are verified by the rows of the sequence's own adapters: what it keeps is
+        # what it would compute without proposals.
+        hidden = forward_with_adapters(self.model, steps, ids, positions, attention)
         rows, verifying, row = [], [], 0
         for item, step in zip(batch, steps, strict=True):
             row += step.num_new_tokens

@@ -72,8 +72,10 @@ class LoraKernels(Protocol):
 class LoraStep:
     """Which rows of the current step take which adapter: ``(slot, factor, row indices)``
     for each adapter and request scale present (``factor`` multiplies the adapter's own
-    scale; rows of the base model appear in none). Set by the engine around a forward
-    pass, empty otherwise (a pass with no adapter rows adds nothing)."""
+    scale; rows of the base model appear in none; a row of several adapters appears in
+    each of their groups, and takes their products in the groups' order). Set by the
+    engine around a forward pass, empty otherwise (a pass with no adapter rows adds
+    nothing)."""
 
     groups: list[tuple[int, float, torch.Tensor]] = field(default_factory=list)
 

@@ -6,6 +6,8 @@ they compute without adapters, and each adapter row adds its own low-rank produc
 """
 
 import dataclasses
+import hashlib
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -15,8 +17,6 @@ from ..errors import ModelFileError
 from ..kernels.lora_ref import LoraPair, LoraSite, LoraStep
 from ..quant.linear import QuantLinear
 from .linear import Linear
-
-BASE_SLOT = -1  # a row of the base model: no adapter
 
 
 @dataclass(frozen=True)
@@ -146,19 +146,24 @@ class LoraAdapters:
         return list(self.by_name)
 
     def rows_of(
-        self, slots: Iterable[tuple[int, float, int]], device: torch.device
+        self, sequences: Iterable[tuple[tuple[tuple[int, float], ...], int]], device: torch.device
     ) -> list[tuple[int, float, torch.Tensor]]:
         """A step's rows by adapter and scale factor, from each scheduled sequence's
-        ``(slot, factor, new tokens)`` in packing order; base rows are left out."""
+        ``((slot, factor), ...)`` and new tokens in packing order; base rows are in no
+        group, a row of several adapters is in each of theirs. The groups come in the order
+        of their hash roots (`scaled_root`), so each row adds its adapters' products in one
+        order whatever shares its step (batch invariance), the order its cache keys name."""
         by_slot: dict[tuple[int, float], list[int]] = {}
         start = 0
-        for slot, factor, count in slots:
-            if slot != BASE_SLOT:
+        for lora, count in sequences:
+            for slot, factor in lora:
                 by_slot.setdefault((slot, factor), []).extend(range(start, start + count))
             start += count
+        roots = {slot: adapter.root for slot, adapter in self.by_name.values()}
+        order = sorted(by_slot, key=lambda key: (scaled_root(roots[key[0]], key[1]), *key))
         return [
-            (slot, factor, torch.tensor(rows, device=device))
-            for (slot, factor), rows in by_slot.items()
+            (slot, factor, torch.tensor(by_slot[slot, factor], device=device))
+            for slot, factor in order
         ]
 
 
@@ -168,3 +173,24 @@ def _placed(pair: LoraPair, module: Linear | QuantLinear) -> LoraPair:
         module.weight_q.data.device if isinstance(module, QuantLinear) else module.weight.device
     )
     return LoraPair(pair.a.to(device), pair.b.to(device), pair.scale)
+
+
+def scaled_root(root: int, factor: float) -> int:
+    """An adapter's hash root for a request scale: its own at 1, else one of that scale's
+    (K/V computed at one scale is never read at another)."""
+    if factor == 1.0:
+        return root
+    digest = hashlib.blake2b(struct.pack("<Qd", root, factor), digest_size=8).digest()
+    return int.from_bytes(digest, "little") or 1
+
+
+def set_root(roots: Iterable[int]) -> int:
+    """The hash root of a request's adapters from each one's `scaled_root`: 0 (the base's)
+    for none, an adapter's own alone, else one of the whole set in a canonical order (K/V
+    computed under one set of adapters and scales is never read under another)."""
+    ordered = sorted(roots)
+    if len(ordered) <= 1:
+        return ordered[0] if ordered else 0
+    packed = struct.pack(f"<{len(ordered)}Q", *ordered)
+    digest = hashlib.blake2b(b"lora-set" + packed, digest_size=8).digest()
+    return int.from_bytes(digest, "little") or 1

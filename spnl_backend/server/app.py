@@ -40,6 +40,8 @@ from ..log import get_logger
 from ..pic.query import MapQuery, SpanQuery, parse_query
 from ..plain import json_value
 from ..reasoning import ReasoningDelta, ReasoningParser, resolve_format
+from ..request import adapter_set
+from ..sampling import Adapters
 from ..tools.calls import CallReader, call_reader
 from ..tools.chat import template_messages
 from ..version import version_info
@@ -216,9 +218,9 @@ def _ready(state: ServerState) -> bool:
 class _Api:
     def __init__(self, config: ServerConfig, state: ServerState) -> None:
         self.config, self.state = config, state
-        # llama-server's global adapter scale (POST /lora-adapters): the adapter and scale a
-        # request runs with where neither its model nor a ``lora`` list names one.
-        self.lora_default: tuple[str, float] | None = None
+        # llama-server's global adapter scales (POST /lora-adapters): the adapters and
+        # scales a request runs with where neither its model nor a ``lora`` list names one.
+        self.lora_default: Adapters | None = None
 
     def guarded(self, rule: RouteRule) -> Callable[[Request], Awaitable[Response]]:
         """The route's handler behind its rules (`rules.ROUTES`), in this order: a web
@@ -319,12 +321,19 @@ class _Api:
             text = await _read_text(request, self.config.max_body_bytes)
             query = await asyncio.to_thread(_parsed_query, text)
             name = query.metadata.model
-            backend = await self._acquire(request, name)
+            adapter = self._adapter_named(name)  # its plus blocks are the adapter's own
+            if adapter is None:
+                backend = await self._acquire(request, name)
+                chosen = self.lora_default if self.state.models is None else None
+            else:
+                backend, chosen = self._backend(request), ((adapter, 1.0),)
         except Exception as exc:
             return self._refused(label, exc)
         try:
             self._check_fits(backend, _sequences(query), "query")
             prompts, params, n = await asyncio.to_thread(_query_request, backend, query)
+            if chosen is not None:
+                params = dataclasses.replace(params, adapters=chosen)
             asked = EngineRequest(name, params, n, stream, include_usage=True)
             submitted = await self._submit(backend, asked, prompts)
         except Exception as exc:
@@ -657,8 +666,8 @@ class _Api:
             return self._refused(label, ApiError(409, str(exc), code="adapter_in_use"))
         except Exception as exc:
             return self._refused(label, exc)
-        if self.lora_default is not None and self.lora_default[0] == name:
-            self.lora_default = None
+        if self.lora_default is not None and name in dict(self.lora_default):
+            self.lora_default = tuple(e for e in self.lora_default if e[0] != name) or None
         return JSONResponse({"status": "ok", "lora_name": name})
 
     async def lora_adapters(self, request: Request) -> Response:
@@ -671,8 +680,8 @@ class _Api:
         return JSONResponse(self._adapter_list(backend))
 
     async def set_lora_adapters(self, request: Request) -> Response:
-        """llama-server's global scales, ``[{"id" | "name", "scale"}]``: the one adapter
-        given a scale other than 0 runs every request that names none; none listed, or
+        """llama-server's global scales, ``[{"id" | "name", "scale"}]``: the adapters
+        given a scale other than 0 run every request that names none; none listed, or
         all at 0, runs the base model."""
         try:
             backend = self._adapter_backend(request)
@@ -688,14 +697,9 @@ class _Api:
         return self._backend(request)
 
     def _adapter_list(self, backend: Backend) -> list[dict[str, Any]]:
-        default = self.lora_default
+        scales = dict(self.lora_default or ())
         return [
-            {
-                "id": i,
-                "name": a.name,
-                "path": a.path,
-                "scale": default[1] if default is not None and default[0] == a.name else 0.0,
-            }
+            {"id": i, "name": a.name, "path": a.path, "scale": scales.get(a.name, 0.0)}
             for i, a in enumerate(backend.adapters())
         ]
 
@@ -858,7 +862,7 @@ class _Api:
         model = body.get("model") if isinstance(body, dict) else None
         adapter = self._adapter_named(model)
         self._known(None if adapter is not None else model)
-        chosen: tuple[str, float] | None = (adapter, 1.0) if adapter is not None else None
+        chosen: Adapters | None = ((adapter, 1.0),) if adapter is not None else None
         if isinstance(body, dict) and "lora" in body:  # llama-server's way
             body = dict(body)
             chosen = self._lora_field(body.pop("lora"), chosen)
@@ -867,20 +871,17 @@ class _Api:
         # Grammars convert here: off the loop, and with no collector pause in the middle.
         asked = await asyncio.to_thread(collector.without_pauses(parse), body)
         if chosen is not None:  # vLLM's way: the adapter's name as the model
-            name, scale = chosen
-            params = dataclasses.replace(asked.params, adapter=name, adapter_scale=scale)
+            params = dataclasses.replace(asked.params, adapters=chosen)
             return self._backend(request), dataclasses.replace(asked, params=params)
         return await self._acquire(request, asked.model), asked
 
-    def _lora_field(
-        self, field: object, by_model: tuple[str, float] | None
-    ) -> tuple[str, float] | None:
-        """llama-server's ``lora: [{"id" | "name", "scale"}]``: the one adapter it gives a
-        scale other than 0 (ids count the loaded adapters from 0, as /v1/models lists
-        them), or None for the base model."""
+    def _lora_field(self, field: object, by_model: Adapters | None) -> Adapters | None:
+        """llama-server's ``lora: [{"id" | "name", "scale"}]``: the adapters it gives a
+        scale other than 0, each row adding all their products (ids count the loaded
+        adapters from 0, as /v1/models lists them), or None for the base model. Where
+        ``model`` names an adapter too, the list must give it a scale."""
         accepted = (
-            'a list of {"id": <index> or "name": <adapter>, "scale": <number>}, '
-            "one entry with a scale other than 0"
+            'a list of {"id": <index> or "name": <adapter>, "scale": <number>}, each adapter once'
         )
         backend = self.state.backend
         if self.state.models is not None or backend is None or backend.closed:
@@ -894,15 +895,19 @@ class _Api:
             scale = entry.get("scale", 1.0)
             if isinstance(scale, bool) or not isinstance(scale, (int, float)):
                 raise bad_request(f"lora scale={shown(scale)}: expected a number", "lora")
-            if scale != 0:
-                chosen.append((name, float(scale)))
-        if len(chosen) > 1:
-            raise bad_request(f"lora: {len(chosen)} adapters; expected {accepted}", "lora")
-        if by_model is not None and chosen and chosen[0][0] != by_model[0]:
+            chosen.append((name, scale))
+        try:
+            adapters = adapter_set(chosen, "lora")
+        except RequestError as exc:
+            raise bad_request(str(exc), "lora") from None
+        names = [name for name, _ in adapters]
+        if by_model is not None and adapters and by_model[0][0] not in names:
             raise bad_request(
-                f"model names the adapter {by_model[0]!r} and lora {chosen[0][0]!r}", "lora"
+                f"model names the adapter {by_model[0][0]!r} and lora gives it no scale "
+                f"(lora: {', '.join(names)})",
+                "lora",
             )
-        return chosen[0] if chosen else by_model
+        return adapters or by_model
 
     def _adapter_named(self, model: object) -> str | None:
         """``model`` where it names one of the served model's LoRA adapters (one model

@@ -2,8 +2,8 @@
 // spnl_backend/kernels/lora_ref.py): for each segment, out[row] += scale * B (A x[row]) on its
 // rows, in float32.
 //
-// A task is one row of one segment, and computes that row alone in a fixed order: each of
-// its `rank` low values is a dot product over the input (two 16-lane chains, then the
+// A task is one row, and computes it alone in a fixed order, segment after segment: each
+// segment's `rank` low values is a dot product over the input (two 16-lane chains, then the
 // tail), and each output is the sum over the rank in order, 16 outputs per vector (B is
 // passed transposed, [rank][out], so those 16 lie side by side); the tail of the outputs
 // goes through the same vector code on a zero-padded copy. No row's arithmetic depends on
@@ -56,38 +56,43 @@ static void expand16(const float *low, const float *bt, int64_t rank, int64_t n_
 
 typedef struct {
     const spnl_lora_segment *segs;
-    int64_t n_segs, k_in, n_out, x_stride, out_stride;
-    const int64_t *first;  // [n_segs + 1]: each segment's first task
+    int64_t k_in, n_out, x_stride, out_stride;
+    const int64_t *task_row;  // [tasks]: the row each task computes
+    const int64_t *start;     // [tasks + 1]: each task's first entry in `entry`
+    const int64_t *entry;     // the segments of each task's row, in segment order
     const float *x;
     float *out;
 } lora_call;
 
-// Task i: the i-th row over all segments, in segment order.
+// Task i: one row, through each of its segments in segment order (a row of several
+// adapters takes their products one after the other, as the twin adds them).
 static void lora_task(void *ctx, int64_t i, int worker) {
     (void)worker;
     const lora_call *c = ctx;
-    int64_t s = 0;
-    while (c->first[s + 1] <= i) s++;
-    const spnl_lora_segment *seg = &c->segs[s];
-    const int64_t row = seg->rows[i - c->first[s]], rank = seg->rank;
+    const int64_t row = c->task_row[i];
     const float *x = c->x + row * c->x_stride;
-    float low[MAX_RANK];
-    for (int64_t r = 0; r < rank; r++) low[r] = lora_dot(seg->a + r * c->k_in, x, c->k_in);
     float *out = c->out + row * c->out_stride;
-    for (int64_t j = 0; j < c->n_out; j += 16) {
-        const int64_t width = c->n_out - j < 16 ? c->n_out - j : 16;
-        expand16(low, seg->bt, rank, c->n_out, j, width, seg->scale, out);
+    float low[MAX_RANK];
+    for (int64_t e = c->start[i]; e < c->start[i + 1]; e++) {
+        const spnl_lora_segment *seg = &c->segs[c->entry[e]];
+        const int64_t rank = seg->rank;
+        for (int64_t r = 0; r < rank; r++) low[r] = lora_dot(seg->a + r * c->k_in, x, c->k_in);
+        for (int64_t j = 0; j < c->n_out; j += 16) {
+            const int64_t width = c->n_out - j < 16 ? c->n_out - j : 16;
+            expand16(low, seg->bt, rank, c->n_out, j, width, seg->scale, out);
+        }
     }
 }
 
-// Whether every segment is well formed and every row index inside x, each row in one
-// segment at most (tasks write their rows unsynchronised); the total multiply-adds in *work.
+// Whether every segment is well formed, every row index inside x and no row twice in one
+// segment; each row's number of segments in count[row], the total multiply-adds in *work.
 static int check_segments(const spnl_lora_segment *segs, int64_t n_segs, int64_t x_rows,
-                          int64_t k_in, int64_t n_out, int64_t *first, int64_t *work) {
-    uint8_t *seen = calloc((size_t)x_rows + 1, 1);
-    if (!seen) return NO_MEMORY;
+                          int64_t k_in, int64_t n_out, int64_t *count, int64_t *work) {
+    int64_t *last = malloc(((size_t)x_rows + 1) * sizeof(int64_t));  // the last segment seen
+    if (!last) return NO_MEMORY;
+    for (int64_t row = 0; row < x_rows; row++) last[row] = -1;
     int status = 0;
-    first[0] = 0, *work = 0;
+    *work = 0;
     for (int64_t s = 0; s < n_segs && !status; s++) {
         const spnl_lora_segment *seg = &segs[s];
         if (seg->count < 0 || seg->rank < 1 || seg->rank > MAX_RANK || !seg->a || !seg->bt ||
@@ -98,12 +103,39 @@ static int check_segments(const spnl_lora_segment *segs, int64_t n_segs, int64_t
         for (int64_t i = 0; i < seg->count && !status; i++) {
             const int64_t row = seg->rows[i];
             if (row < 0 || row >= x_rows) status = OUT_OF_BOUNDS;
-            else if (seen[row]++) status = BAD_ARGUMENT;
+            else if (last[row] == s) status = BAD_ARGUMENT;
+            else last[row] = s, count[row]++;
         }
-        first[s + 1] = first[s] + seg->count;
         *work += seg->count * seg->rank * (k_in + n_out);
     }
-    free(seen);
+    free(last);
+    return status;
+}
+
+// The tasks of a checked call: each row of some segment, and its segments in order.
+static int run_tasks(const spnl_lora_segment *segs, int64_t n_segs, const int64_t *count,
+                     lora_call *call, int64_t x_rows, int threads) {
+    int64_t tasks = 0, entries = 0;
+    for (int64_t row = 0; row < x_rows; row++) tasks += count[row] > 0, entries += count[row];
+    int64_t *task_row = malloc(((size_t)tasks + 1) * sizeof(int64_t));
+    int64_t *start = malloc(((size_t)tasks + 1) * sizeof(int64_t));
+    int64_t *entry = malloc(((size_t)entries + 1) * sizeof(int64_t));
+    int64_t *fill = malloc(((size_t)x_rows + 1) * sizeof(int64_t));  // next free entry per row
+    int status = task_row && start && entry && fill ? 0 : NO_MEMORY;
+    if (!status) {
+        int64_t t = 0;
+        start[0] = 0;
+        for (int64_t row = 0; row < x_rows; row++) {
+            if (!count[row]) continue;
+            task_row[t] = row, fill[row] = start[t], start[t + 1] = start[t] + count[row];
+            t++;
+        }
+        for (int64_t s = 0; s < n_segs; s++)
+            for (int64_t i = 0; i < segs[s].count; i++) entry[fill[segs[s].rows[i]]++] = s;
+        call->task_row = task_row, call->start = start, call->entry = entry;
+        spnl_parallel(tasks, lora_task, call, threads);
+    }
+    free(task_row), free(start), free(entry), free(fill);
     return status;
 }
 
@@ -113,14 +145,15 @@ int spnl_lora_add(const spnl_lora_segment *segs, int64_t n_segs, const float *x,
     if (n_segs < 0 || x_rows < 0 || k_in < 1 || n_out < 1 || x_stride < k_in ||
         out_stride < n_out)
         return BAD_ARGUMENT;
-    int64_t *first = malloc((size_t)(n_segs + 1) * sizeof(int64_t)), work;
-    if (!first) return NO_MEMORY;
-    const int status = check_segments(segs, n_segs, x_rows, k_in, n_out, first, &work);
+    int64_t *count = calloc((size_t)x_rows + 1, sizeof(int64_t)), work;
+    if (!count) return NO_MEMORY;
+    int status = check_segments(segs, n_segs, x_rows, k_in, n_out, count, &work);
     if (!status) {
-        lora_call call = {segs, n_segs, k_in, n_out, x_stride, out_stride, first, x, out};
-        spnl_parallel(first[n_segs], lora_task, &call, work >= PARALLEL_WORK ? threads : 1);
+        lora_call call = {segs, k_in, n_out, x_stride, out_stride, NULL, NULL, NULL, x, out};
+        status = run_tasks(segs, n_segs, count, &call, x_rows,
+                           work >= PARALLEL_WORK ? threads : 1);
     }
-    free(first);
+    free(count);
     return status;
 }
 
