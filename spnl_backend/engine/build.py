@@ -265,7 +265,9 @@ def _adapter_registry(
     # draft model's tokens are only proposals (it runs the base). Under tensor
     # parallelism the adapters' shares are tested without speculation only.
     speculating = settings.speculative in ("ngram", "suffix") or draft is not None
-    refused = {"speculative decoding under tensor parallelism": speculating and model.tp is not None}
+    refused = {
+        "speculative decoding under tensor parallelism": speculating and model.tp is not None
+    }
     named = lora_adapter_list(settings.lora_adapters)
     if loaded.implementation == "transformers":  # refused at load (`_refuse_for_transformers_code`)
         return None, "the model runs on transformers' modeling code, which has no adapters here"
