@@ -217,7 +217,7 @@ class GGUFFile:
     def raw(self, name: str) -> torch.Tensor:
         """The tensor's bytes as a uint8 tensor of its own (read, not mapped)."""
         info = self.tensors[name]
-        data = host_tensor((info.nbytes,), torch.uint8)
+        data = host_tensor((info.nbytes,), torch.uint8, zeroed=False)  # read fills it or raises
         self._read(info.offset, data.numpy())
         return data
 
