@@ -78,18 +78,17 @@ out = {"torch_s": time.perf_counter() - start, "torch_rss_mb": rss()[0]}
 if sys.argv[1] == "tokenizer":
     from pathlib import Path
     from spnl_backend.loader.gguf_file import GGUFFile
-    from spnl_backend.loader.gguf_config import eos_token_ids
+    from spnl_backend.loader.gguf_config import model_config_from_gguf
     from spnl_backend.loader.tokenizer import load_gguf_tokenizer
     from spnl_backend.memory import release_freed_memory
     path = Path(sys.argv[2])
     gguf = GGUFFile(path)
-    eos = eos_token_ids(gguf)
-    architecture = gguf.architecture
+    config = model_config_from_gguf(gguf)
     del gguf
     release_freed_memory()
     before, _ = rss()
     start = time.perf_counter()
-    tokenizer = load_gguf_tokenizer(path, architecture, eos)
+    tokenizer = load_gguf_tokenizer(path, config.architecture, config.eos_token_ids)
     seconds = time.perf_counter() - start
     _, peak = rss()
     release_freed_memory()
@@ -113,6 +112,7 @@ def main() -> None:
         for _ in range(args.runs):  # alternated: the machine's load hits both alike
             runs["ours"].append(measure_ours(model, args.context, args.threads))
             runs["llama.cpp"].append(measure_llama(args.llama_server, model, args))
+        print(json.dumps({"file": str(model), **runs}), file=sys.stderr, flush=True)
         rows.append(table_row(model, runs))
         breakdowns.append(breakdown_row(model, runs["ours"]))
         fixed.append(fixed_row(model))
@@ -245,8 +245,10 @@ def breakdown_row(model: Path, ours: list[dict]) -> list[str]:
 
 
 def fixed_row(model: Path) -> list[str]:
-    torch_cost = harness.child_json([sys.executable, "-c", FIXED, "torch", model])
-    tokenizer = harness.child_json([sys.executable, "-c", FIXED, "tokenizer", model])
+    torch_cost = harness.run_json_child([sys.executable, "-c", FIXED, "torch", model])
+    tokenizer = harness.run_json_child([sys.executable, "-c", FIXED, "tokenizer", model])
+    if "error" in torch_cost or "error" in tokenizer:
+        return [model.name, torch_cost.get("error", ""), tokenizer.get("error", "")]
     return [
         model.name,
         f"{torch_cost['torch_s']:.2f} s, {torch_cost['torch_rss_mb']:,.0f} MB",
