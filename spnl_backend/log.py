@@ -10,8 +10,6 @@ never touched; the CLI, which owns its process, sets up console output itself.
 import logging
 from typing import Any
 
-import structlog
-
 LOGGER_NAME = "spnl_backend"
 
 _stdlib_logger = logging.getLogger(LOGGER_NAME)
@@ -22,6 +20,8 @@ _pinned = False  # debug events kept on whatever settings load later (`pin_verbo
 
 def _drop_debug_unless_verbose(_logger: Any, method: str, event_dict: dict) -> dict:
     if method == "debug" and not _verbose:
+        import structlog
+
         raise structlog.DropEvent
     return event_dict
 
@@ -38,13 +38,57 @@ def _to_stdlib_call(_logger: Any, _method: str, event_dict: dict) -> tuple[tuple
     return (message,), {"extra": extra, "exc_info": exc_info}
 
 
-def get_logger(**initial: Any) -> Any:
-    """A structlog logger bound to the ``spnl_backend`` stdlib logger."""
-    return structlog.wrap_logger(
-        _stdlib_logger,
-        processors=[_drop_debug_unless_verbose, _to_stdlib_call],
-        wrapper_class=structlog.stdlib.BoundLogger,
-    ).bind(**initial)
+def get_logger(**initial: Any) -> "Logger":
+    """The library's logger: structlog's, bound to the ``spnl_backend`` stdlib logger."""
+    return Logger(initial)
+
+
+class Logger:
+    """A structlog logger built at the first event that a handler would see. An event no
+    one would see (the host's level above it, or a debug event without verbose output) is
+    dropped here, as structlog would drop it: a host that logs nothing never imports
+    structlog, whose import (rich and pygments with it) costs half a second."""
+
+    def __init__(self, initial: dict[str, Any]) -> None:
+        self._initial = initial
+        self._structlog: Any = None
+
+    def bind(self, **fields: Any) -> "Logger":
+        return Logger({**self._initial, **fields})
+
+    def debug(self, event: str, *args: Any, **fields: Any) -> None:
+        self._emit("debug", logging.DEBUG, event, args, fields)
+
+    def info(self, event: str, *args: Any, **fields: Any) -> None:
+        self._emit("info", logging.INFO, event, args, fields)
+
+    def warning(self, event: str, *args: Any, **fields: Any) -> None:
+        self._emit("warning", logging.WARNING, event, args, fields)
+
+    def error(self, event: str, *args: Any, **fields: Any) -> None:
+        self._emit("error", logging.ERROR, event, args, fields)
+
+    def exception(self, event: str, *args: Any, **fields: Any) -> None:
+        self._emit("exception", logging.ERROR, event, args, fields)
+
+    def critical(self, event: str, *args: Any, **fields: Any) -> None:
+        self._emit("critical", logging.CRITICAL, event, args, fields)
+
+    def _emit(self, method: str, level: int, event: str, args: tuple, fields: dict) -> None:
+        if (level == logging.DEBUG and not _verbose) or not _stdlib_logger.isEnabledFor(level):
+            return
+        getattr(self._bound(), method)(event, *args, **fields)
+
+    def _bound(self) -> Any:
+        if self._structlog is None:
+            import structlog
+
+            self._structlog = structlog.wrap_logger(
+                _stdlib_logger,
+                processors=[_drop_debug_unless_verbose, _to_stdlib_call],
+                wrapper_class=structlog.stdlib.BoundLogger,
+            ).bind(**self._initial)
+        return self._structlog
 
 
 def set_verbose(verbose: bool) -> None:

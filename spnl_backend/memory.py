@@ -63,8 +63,9 @@ def kv_bytes_per_token(shape: KVShape, dtype: torch.dtype) -> int:
     return sum(count * heads * dim for count, (heads, dim) in per_layer) * dtype.itemsize
 
 
-def host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero-filled host tensor. One of ``HUGE_PAGE_MIN_BYTES`` or more is an anonymous
+def host_tensor(shape: tuple[int, ...], dtype: torch.dtype, *, zeroed: bool = True) -> torch.Tensor:
+    """A zero-filled host tensor (``zeroed=False``: one the caller overwrites whole, whose
+    small allocations skip the fill). One of ``HUGE_PAGE_MIN_BYTES`` or more is an anonymous
     mapping of its own marked for transparent huge pages (Linux's MADV_HUGEPAGE, which
     the kernel honours where its THP setting is ``madvise`` or ``always``): the products
     and attention stream weights and caches with a 2 MB page per TLB entry instead of
@@ -72,7 +73,7 @@ def host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     or where the mapping is refused, torch's allocator."""
     nbytes = dtype.itemsize * math.prod(shape)
     if nbytes < HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.zeros(shape, dtype=dtype)
+        return torch.zeros(shape, dtype=dtype) if zeroed else torch.empty(shape, dtype=dtype)
     try:
         region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError as exc:  # the allocator below raises its own error if memory is short

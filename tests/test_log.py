@@ -1,6 +1,8 @@
 """The library logs structured events and never configures the host's logging."""
 
 import logging
+import subprocess
+import sys
 
 import pytest
 import structlog
@@ -76,3 +78,27 @@ def test_verbose_env_shows_events_when_the_host_configured_nothing(monkeypatch, 
         for h in quiet_library.handlers
     )
     assert quiet_library.level == logging.DEBUG
+
+
+def test_a_host_that_logs_nothing_never_imports_structlog():
+    """Events no handler would see are dropped before structlog is imported (its import,
+    rich's with it, costs half a second of a cold start); the first seen event imports it."""
+    script = (
+        "import logging, sys\n"
+        "from spnl_backend.log import LOGGER_NAME, get_logger\n"
+        "log = get_logger()\n"
+        "log.info('model.default', path='x')\n"
+        "log.debug('engine.step', tokens=1)\n"
+        "print('structlog' in sys.modules)\n"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='%(message)s')\n"
+        "log.bind(request=7).info('model.default', path='y')\n"
+        "print('structlog' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n") == [
+        "False",
+        "model.default request=7 path='y'",
+        "True",
+        "",
+    ]
