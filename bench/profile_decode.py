@@ -98,7 +98,7 @@ def profile(gguf: Path, threads: int, tokens: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
-    backend = harness.load_ours(gguf, prefix_cache_n=0)
+    backend = harness.load_ours(gguf, prefix_cache_n=0, num_threads=threads)
     prompt = harness.STORY_PROMPT  # short: the prefill subtracted is small beside decode
     backend.generate(prompt, max_tokens=4, temperature=0)  # warm-up
     shipped = backend.generate(prompt, max_tokens=tokens + 1, temperature=0).usage
@@ -225,7 +225,7 @@ def profile_prefill(gguf: Path, threads: int, prompt_tokens: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
-    backend = harness.load_ours(gguf, prefix_cache_n=0)
+    backend = harness.load_ours(gguf, prefix_cache_n=0, num_threads=threads)
     prompt = harness.long_prompt(backend.tokenizer.encode, prompt_tokens)
     backend.generate(prompt, max_tokens=1, temperature=0)  # warm-up
     start = time.perf_counter()
