@@ -59,7 +59,8 @@ def run_ours(gguf: Path, threads: int, small_pages: bool = False) -> Probes:
         spnl_backend.memory.HUGE_PAGE_MIN_BYTES = 1 << 62
     torch.set_num_threads(threads)
     # Prefix caching off: the repeated runs must not reuse each other's prompts.
-    backend = harness.load_ours(gguf, prefix_cache_n=0)
+    # The native kernels' pool at the same count: it follows the CPUs, not torch's setting.
+    backend = harness.load_ours(gguf, prefix_cache_n=0, num_threads=threads)
     prompt = harness.long_prompt(backend.tokenizer.encode, PREFILL_TOKENS)
     backend.generate(SHORT_PROMPT, max_tokens=4, temperature=0)  # warm-up
 

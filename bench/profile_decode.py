@@ -27,20 +27,24 @@ OTHER_KERNELS = ("rms_norm", "add_rms_norm", "qk_norm_rope_", "store_kv", "gathe
 
 
 class Timers:
-    """Seconds and calls per label, while installed."""
+    """Seconds and calls per label, while installed; ``clock``: the wall's
+    (time.perf_counter) or the calling thread's CPU time (time.thread_time: at 1 thread
+    the kernels run on the engine's thread, and a shared machine's other processes then
+    leave the figures alone)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock=time.perf_counter) -> None:
+        self.clock = clock
         self.seconds: dict[str, float] = collections.defaultdict(float)
         self.calls: dict[str, int] = collections.defaultdict(int)
         self.bytes: dict[str, int] = {}
         self.macs: dict[str, int] = collections.defaultdict(int)
 
     def timed(self, label: str, fn, *args, **kwargs):
-        start = time.perf_counter()
+        start = self.clock()
         try:
             return fn(*args, **kwargs)
         finally:
-            self.seconds[label] += time.perf_counter() - start
+            self.seconds[label] += self.clock() - start
             self.calls[label] += 1
 
     def snapshot(self) -> tuple[dict[str, float], dict[str, int]]:
@@ -94,7 +98,7 @@ def profile(gguf: Path, threads: int, tokens: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
-    backend = harness.load_ours(gguf, prefix_cache_n=0)
+    backend = harness.load_ours(gguf, prefix_cache_n=0, num_threads=threads)
     prompt = harness.STORY_PROMPT  # short: the prefill subtracted is small beside decode
     backend.generate(prompt, max_tokens=4, temperature=0)  # warm-up
     shipped = backend.generate(prompt, max_tokens=tokens + 1, temperature=0).usage
@@ -133,11 +137,95 @@ def profile(gguf: Path, threads: int, tokens: int) -> dict:
     }
 
 
+def batch_prompts(count: int) -> list[str]:
+    """``count`` different prompts of about a dozen words: runs of the shipped text."""
+    words = (harness.DATA / "english.txt").read_text().split()
+    return [" ".join(words[12 * i : 12 * i + 12]) for i in range(count)]
+
+
+def timed_generate(backend, prompts: list[str], max_tokens: int, clock) -> tuple[float, int]:
+    """Seconds of one batch's generation by ``clock``, and its steps (its longest
+    completion)."""
+    start = clock()
+    results = backend.generate(prompts, max_tokens=max_tokens, temperature=0)
+    return clock() - start, max(r.usage.completion_tokens for r in results)
+
+
+def profile_batch(gguf: Path, threads: int, tokens: int, batch: int, cpu: bool) -> dict:
+    """profile's parts for decode steps of ``batch`` sequences at once: a batch generating
+    --tokens + 1 tokens less the same batch generating 1, per step (each step one token of
+    every sequence). The step's time is the same difference, untimed and timed: wall time,
+    or with ``cpu`` the process's CPU time (every thread's; the parts: the engine thread's,
+    so at 1 thread only)."""
+    import torch
+
+    if cpu and threads != 1:
+        raise SystemExit("--cpu-time: the parts are the engine thread's CPU time; run --threads 1")
+    clock = time.process_time if cpu else time.perf_counter
+    torch.set_num_threads(threads)
+    # the native kernels' pool at the same count (it follows the CPUs, not torch)
+    context = 32 * -(-batch * (64 + tokens) // 32)
+    backend = harness.load_ours(
+        gguf, prefix_cache_n=0, paged_attn_context_len=context, num_threads=threads
+    )
+    prompts = batch_prompts(batch)
+    timed_generate(backend, prompts, 4, clock)  # warm-up
+    first, _ = timed_generate(backend, prompts, 1, clock)
+    whole, steps = timed_generate(backend, prompts, tokens + 1, clock)
+    shipped_ms = 1000 * (whole - first) / (steps - 1)
+    per_op_path(backend)
+    timers = Timers(time.thread_time if cpu else time.perf_counter)
+    with installed(timers):
+        first, _ = timed_generate(backend, prompts, 1, clock)
+        prefill, prefill_calls = timers.snapshot()
+        prefill_macs = dict(timers.macs)
+        whole, steps = timed_generate(backend, prompts, tokens + 1, clock)
+    made = steps - 1
+    if made < 1:
+        raise SystemExit("every sequence stopped at EOS before a decode token")
+    seconds = {k: v - 2 * prefill.get(k, 0.0) for k, v in timers.seconds.items()}
+    calls = {k: v - 2 * prefill_calls.get(k, 0) for k, v in timers.calls.items()}
+    return {
+        "model": gguf.name,
+        "threads": threads,
+        "batch": batch,
+        "clock": "CPU" if cpu else "wall",
+        "tokens": made,
+        "ms_per_token": 1000 * (whole - first) / made,
+        "blocks_ms_per_token": shipped_ms,
+        "parts": {
+            label: {
+                "ms": 1000 * s / made,
+                "calls": calls[label] / made,
+                "gmac_s": (timers.macs[label] - 2 * prefill_macs.get(label, 0)) / s / 1e9
+                if label in timers.macs and s > 0
+                else None,
+            }
+            for label, s in seconds.items()
+        },
+    }
+
+
+def batch_table(result: dict) -> str:
+    total = result["ms_per_token"]
+    rows = part_rows(
+        result, total, lambda p: f"{p['gmac_s']:.1f}" if p["gmac_s"] else "", 2, "one decode step"
+    )
+    header = ["part", "calls per step", "ms per step", "share", "GMAC/s"]
+    note = (
+        f"{result['model']}, {result['threads']} threads, {result['batch']} sequences, "
+        f"{result['clock']} time, {result['tokens']} greedy decode steps "
+        f"({result['batch'] * 1000 / total:.1f} tok/s with the timers in), on the per-op path "
+        "the timers see" + _blocks_note(result.get("blocks_ms_per_token"), "a step")
+    )
+    return f"{harness.md_table(header, rows)}\n\n{note}"
+
+
 def profile_prefill(gguf: Path, threads: int, prompt_tokens: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
-    backend = harness.load_ours(gguf, prefix_cache_n=0)
+    backend = harness.load_ours(gguf, prefix_cache_n=0, num_threads=threads)
     prompt = harness.long_prompt(backend.tokenizer.encode, prompt_tokens)
     backend.generate(prompt, max_tokens=1, temperature=0)  # warm-up
     start = time.perf_counter()
@@ -229,8 +317,22 @@ def main() -> None:
     parser.add_argument("--gguf", type=Path, help="a GGUF file (default: the default model)")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--prefill", type=int, metavar="N", help="profile an N-token prefill")
+    parser.add_argument(
+        "--batch", type=int, metavar="B", help="profile decode steps of B sequences"
+    )
+    parser.add_argument(
+        "--cpu-time", action="store_true", help="with --batch: CPU time (needs --threads 1)"
+    )
     args = parser.parse_args()
     gguf = args.gguf or harness.default_gguf()
+    if args.batch is not None:
+        if args.batch < 1:
+            parser.error(f"--batch: at least 1 sequence, not {args.batch}")
+        harness.publish(
+            batch_table(profile_batch(gguf, args.threads, args.tokens, args.batch, args.cpu_time)),
+            args.markdown,
+        )
+        return
     if args.prefill is not None:
         if args.prefill < 1:
             parser.error(f"--prefill: a prompt of at least 1 token, not {args.prefill}")

@@ -3,7 +3,8 @@
     python bench/real_sizes.py --peers-python PATH [--shapes llama-1b gemma3-4b llama-8b]
         [--formats q4_k_m] [--threads 1 2 N] [--runs 1] [--dir DIR] [--default-model]
         [--gguf FILE ...] [--batched 4 16] [--contexts 4096 16384]
-        [--skip-batched] [--skip-long] [--skip-invariance-cost] [--long-models LABEL ...]
+        [--batched-bench PATH] [--skip-batched] [--skip-long] [--skip-invariance-cost]
+        [--long-models LABEL ...]
         [--markdown FILE]
 
 The models are bench/synthetic_gguf.py's files: real shapes, metadata and quantization
@@ -20,9 +21,11 @@ file of one's own. --shapes also takes ``tiny`` (seconds; for a smoke run).
    (see `llama_cpp_token_times`).
    At 2 threads ours runs a second time with MISTRALRS_BATCH_INVARIANT=false: what the
    default batch invariance costs against the fastest non-invariant path.
-2. Batched decode, ours only (llama-cpp-python decodes one sequence at a time), at 2 threads:
-   B different prompts decoded together; aggregate tok/s (generated tokens over the wall time
-   after the last first token) against the same measure for one prompt alone.
+2. Batched decode at 2 threads: B different prompts decoded together; aggregate tok/s
+   (generated tokens over the wall time after the last first token) against the same measure
+   for one prompt alone. With --batched-bench, llama.cpp's llama-batched-bench (B sequences of
+   16-token prompts, as many decode tokens as ours; its decode rate) beside it, its own
+   batch / one ratio and ours over its at each batch.
 3. Long-context decode at 2 threads: a prompt of about C-64 tokens (the shipped text,
    repeated), then 32 greedy tokens; ours paged and non-paged, llama.cpp with flash attention
    and its default f16 KV cache (n_ctx C+64). One run each: the prompt dominates the time.
@@ -100,6 +103,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batched", nargs="+", type=int, default=[4, 16])
     parser.add_argument("--contexts", nargs="+", type=int, default=[4096, 16384])
     parser.add_argument("--skip-batched", action="store_true")
+    parser.add_argument(
+        "--batched-bench",
+        type=Path,
+        help="llama.cpp's llama-batched-bench, run beside ours at the same batches",
+    )
     parser.add_argument("--skip-long", action="store_true")
     parser.add_argument(
         "--skip-invariance-cost",
@@ -276,7 +284,12 @@ def child_batched(args: argparse.Namespace) -> dict:
     max_tokens = harness.DECODE_TOKENS + 1
     sizes = sorted(set(args.batched))
     budget = whole_blocks(max(sizes) * (BATCH_PROMPT_ROOM + max_tokens))
-    backend = harness.load_ours(args.gguf[0], prefix_cache_n=0, paged_attn_context_len=budget)
+    backend = harness.load_ours(
+        args.gguf[0],
+        prefix_cache_n=0,
+        paged_attn_context_len=budget,
+        num_threads=args.threads[0],  # the native pool follows the CPUs, not torch
+    )
     backend.generate(batch_prompts(2), max_tokens=4, temperature=0)  # warm-up
 
     def median(size: int) -> dict:
@@ -284,6 +297,54 @@ def child_batched(args: argparse.Namespace) -> dict:
         return {"tok_s": statistics.median(r["tok_s"] for r in runs), "tokens": runs[0]["tokens"]}
 
     return {"single": median(1), "batches": {str(size): median(size) for size in sizes}}
+
+
+# ---- batched decode (llama.cpp's llama-batched-bench) ----------------------------------------
+
+BATCHED_BENCH_PROMPT = 16  # tokens per sequence: about our batch prompts' length
+
+
+def batched_bench_command(binary: Path, gguf: Path, sizes: list[int], threads: int) -> list[str]:
+    """llama-batched-bench over 1 and ``sizes`` sequences: each a prompt of its own, then
+    as many decode tokens as ours."""
+    tokens = harness.DECODE_TOKENS
+    context = max(sizes) * (BATCHED_BENCH_PROMPT + tokens)
+    return [
+        str(binary), "-m", str(gguf), "-c", str(context), "-b", "2048", "-ub", "512",
+        "-npp", str(BATCHED_BENCH_PROMPT), "-ntg", str(tokens),
+        "-npl", ",".join(str(n) for n in sorted({1, *sizes})),
+        "-t", str(threads), "-tb", str(threads), "--output-format", "jsonl",
+    ]  # fmt: skip
+
+
+def parse_batched_bench(output: str) -> dict:
+    """Its JSON lines (one per batch size: ``pl`` sequences, ``speed_tg`` their decode
+    tokens per second together) in child_batched's form."""
+    rates = {}
+    for line in output.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            rates[int(row["pl"])] = float(row["speed_tg"])
+    if 1 not in rates:
+        raise ValueError("llama-batched-bench printed no result for 1 sequence")
+    batches = {str(n): {"tok_s": rate} for n, rate in sorted(rates.items()) if n != 1}
+    return {"single": {"tok_s": rates[1]}, "batches": batches}
+
+
+def llama_batched(binary: Path, gguf: Path, sizes: list[int], threads: int) -> dict:
+    """llama-batched-bench's rates, or ``{"error": why}``."""
+    command = batched_bench_command(binary, gguf, sizes, threads)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+    except OSError as error:
+        return {"error": f"{binary}: {error}"}
+    if done.returncode:
+        tail = done.stderr.strip().splitlines()[-1:] or ["no message"]
+        return {"error": f"llama-batched-bench exited {done.returncode}: {tail[0]}"}
+    try:
+        return parse_batched_bench(done.stdout)
+    except (ValueError, KeyError) as error:
+        return {"error": f"llama-batched-bench's output: {error}"}
 
 
 # ---- long-context decode ------------------------------------------------------------------------
@@ -454,7 +515,12 @@ def long_context(args: argparse.Namespace, model: Model, plan: dict, context: in
 def batched(args: argparse.Namespace, model: Model) -> dict:
     arguments = ["--gguf", model.path, "--threads", FIXED_THREADS, "--runs", args.runs]
     result = child(sys.executable, "batched", *arguments, "--batched", *args.batched)
-    return {"model": model.label, "result": result}
+    if args.batched_bench is None:
+        llama = {"error": "no --batched-bench"}
+    else:
+        llama = llama_batched(args.batched_bench, model.path, args.batched, FIXED_THREADS)
+    print(json.dumps({"child": "llama-batched-bench", **llama}), file=sys.stderr)
+    return {"model": model.label, "result": result, "llama": llama}
 
 
 def bounds(threads: list[int]) -> dict[int, dict]:
@@ -562,19 +628,35 @@ def invariance_table(rows: list[dict]) -> str:
     return harness.md_table(header, lines)
 
 
+BATCHED_HEADER = [
+    "model", "batch", "ours: batch tok/s", "ours: one sequence", "ours: batch / one",
+    "llama.cpp: batch tok/s", "llama.cpp: one sequence", "llama.cpp: batch / one",
+    "ours / llama.cpp at the batch",
+]  # fmt: skip
+
+
+def batch_cells(result: dict, size: str) -> list[str]:
+    """Batch tok/s, one sequence's and their ratio; or why not run."""
+    if "error" in result:
+        return [not_run(result), "", ""]
+    batch, single = result["batches"].get(size), result["single"]["tok_s"]
+    if batch is None:
+        return ["not run: no such batch", f"{single:.1f}", ""]
+    return [f"{batch['tok_s']:.1f}", f"{single:.1f}", f"{batch['tok_s'] / single:.2f}x"]
+
+
 def batched_table(rows: list[dict]) -> str:
-    header = ["model", "batch", "aggregate tok/s", "single sequence tok/s", "batch / single"]
     lines = []
     for row in rows:
-        result = row["result"]
-        if "error" in result:
-            lines.append([row["model"], "", not_run(result)])
-            continue
-        single = result["single"]["tok_s"]
-        for size, batch in result["batches"].items():
-            cells = [f"{batch['tok_s']:.1f}", f"{single:.1f}", f"{batch['tok_s'] / single:.2f}x"]
+        ours, llama = row["result"], row.get("llama", {"error": "not measured"})
+        sizes = list(ours.get("batches", llama.get("batches", {})))
+        for size in sizes or [""]:
+            both = "n/a"
+            if "error" not in ours and "error" not in llama and size in llama["batches"]:
+                both = ratio(ours["batches"][size], llama["batches"][size], "tok_s")
+            cells = [*batch_cells(ours, size), *batch_cells(llama, size), both]
             lines.append([row["model"], size, *cells])
-    return harness.md_table(header, lines)
+    return harness.md_table(BATCHED_HEADER, lines)
 
 
 def long_cell(result: dict) -> str:
@@ -634,9 +716,10 @@ def measured_sections(
         found.append(("What batch invariance costs", f"{invariance_table(costs)}\n\n{note}"))
     if batches:
         note = (
-            f"Ours only, {FIXED_THREADS} threads, {harness.DECODE_TOKENS + 1} tokens per "
-            "prompt, greedy; tok/s: tokens after each first token over the wall time after "
-            "the last first token. Single: one prompt alone, measured the same way."
+            f"{FIXED_THREADS} threads, {harness.DECODE_TOKENS + 1} tokens per prompt, greedy; "
+            "ours: tokens after each first token over the wall time after the last first "
+            "token, one prompt alone measured the same way; llama.cpp: llama-batched-bench's "
+            f"decode rate (speed_tg) over {BATCHED_BENCH_PROMPT}-token prompts."
         )
         found.append(("Batched decode", f"{batched_table(batches)}\n\n{note}"))
     if long:

@@ -145,6 +145,22 @@ SHAPES = {
         1e-6,
         sliding_window=1024,
     ),
+    # Gemma-3-1B (text only); every 6th layer global, as for the 4B
+    "gemma3-1b": Shape(
+        "gemma3",
+        1152,
+        26,
+        4,
+        1,
+        256,
+        6912,
+        262144,
+        True,
+        32768,
+        1000000.0,
+        1e-6,
+        sliding_window=512,
+    ),
     # OLMoE-1B-7B's sizes (64 experts of 1,024, 8 per token, 16 layers) as llama.cpp's
     # qwen3moe (its q/k norms per head): llama.cpp and we run that architecture from GGUF
     "olmoe-7b": Shape(
@@ -300,6 +316,8 @@ FILE_TYPES = {"q4_k_m": 15, "q8_0": 7, "q4_0": 2, "mxfp4_moe": 38}
 # packed sub-block scales (Q4_K: 6-bit 0..63; Q6_K: int8).
 _SCALE_RANGES = {
     Q.Q4_0: ((2e-3, 6e-3),),
+    Q.Q5_0: ((1e-3, 3e-3),),  # the k-quant fallbacks (_ROW_FALLBACK)
+    Q.Q5_1: ((1e-3, 3e-3), (1e-2, 4e-2)),
     Q.Q8_0: ((1.5e-4, 4e-4),),
     Q.Q4_K: ((1e-4, 2e-4), (5e-4, 1.5e-3)),
     Q.Q5_K: ((6.5e-5, 1.3e-4), (5e-4, 1.5e-3)),
@@ -315,9 +333,22 @@ def use_more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
+# llama-quantize's fallback for a k-quant whose rows are not whole blocks of 256 (Gemma 3
+# 1B's width of 1,152): a 32-value format of about as many bits
+_ROW_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+
+
 def tensor_plan(shape: Shape, fmt: str, pure: bool = False) -> Iterator[tuple[str, tuple, Q]]:
     """(name, numpy shape [rows, row length], type) of every tensor, in llama.cpp's order
-    and with llama-quantize's type choices for the format."""
+    and with llama-quantize's type choices for the format, rows of a width that is not
+    whole k-quant blocks falling back as it does."""
+    for name, dims, qtype in _tensor_plan(shape, fmt, pure):
+        if qtype in _ROW_FALLBACK and dims[-1] % 256:
+            qtype = _ROW_FALLBACK[qtype]
+        yield name, dims, qtype
+
+
+def _tensor_plan(shape: Shape, fmt: str, pure: bool) -> Iterator[tuple[str, tuple, Q]]:
     if shape.arch == "gpt-oss":
         yield from _gpt_oss_plan(shape, fmt)
         return

@@ -74,3 +74,37 @@ def test_a_prefill_of_no_tokens_is_refused(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         profile_decode.main()
     assert "at least 1 token" in capsys.readouterr().err
+
+
+def test_batch_table_shares_a_step_and_rates_its_products():
+    result = {
+        "model": "m.gguf",
+        "threads": 1,
+        "batch": 16,
+        "clock": "CPU",
+        "tokens": 16,
+        "ms_per_token": 100.0,
+        "blocks_ms_per_token": 80.0,
+        "parts": {
+            "product 64 x 32 (Q5_0)": {"ms": 60.0, "calls": 26.0, "gmac_s": 130.0},
+            "attention": {"ms": 10.0, "calls": 26.0, "gmac_s": None},
+        },
+    }
+    text = profile_decode.batch_table(result)
+    assert "| product 64 x 32 (Q5_0) | 26 | 60.00 | 60% | 130.0 |" in text
+    assert "| Python, torch ops, sampling | | 30.00 | 30% | |" in text
+    assert "| one decode step | | 100.00 | 100% | |" in text
+    assert "16 sequences, CPU time" in text
+    assert "160.0 tok/s" in text  # 16 tokens a step
+    assert "a step took 80.00 ms" in text
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [(["--batch", "0"], "at least 1 sequence"), (["--batch", "4", "--cpu-time"], "--threads 1")],
+)
+def test_a_batch_profile_is_refused_before_loading(monkeypatch, capsys, arguments, message):
+    monkeypatch.setattr(sys, "argv", ["profile_decode.py", "--gguf", "absent.gguf", *arguments])
+    with pytest.raises(SystemExit) as stopped:
+        profile_decode.main()
+    assert message in capsys.readouterr().err + str(stopped.value)

@@ -4,6 +4,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 # The bench scripts import their siblings (`harness`, `decode`) as top-level modules, as
 # they do when run as `python bench/real_sizes.py`.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -70,8 +72,11 @@ def test_batched_and_long_tables():
         {"model": "b", "result": {"error": "no llama"}},
     ]
     text = real_sizes.batched_table(batched)
-    assert "| a | 4 | 30.0 | 10.0 | 3.00x |" in text
-    assert "| b | | not run: no llama |" in text
+    assert "| a | 4 | 30.0 | 10.0 | 3.00x | not run: not measured | | | n/a |" in text
+    assert "| b | | not run: no llama | | | not run: not measured | | | n/a |" in text
+    batched[0]["llama"] = {"single": {"tok_s": 8.0}, "batches": {"4": {"tok_s": 20.0}}}
+    text = real_sizes.batched_table(batched[:1])
+    assert "| a | 4 | 30.0 | 10.0 | 3.00x | 20.0 | 8.0 | 2.50x | 1.50x |" in text
     runs = {
         "long-paged": {"decode_tok_s": 6.0, "prompt_tokens": 4031},
         "long-contiguous": {"error": "needs about 9.0 GB"},
@@ -141,3 +146,24 @@ def test_ours_runs_with_and_without_invariance(monkeypatch):
     real_sizes.ours_single(model, 2, 1, invariant=False)
     assert seen == ["true", "false"]
     assert real_sizes.INVARIANCE_VAR not in real_sizes.os.environ
+
+
+def test_batched_bench_command_and_output(tmp_path):
+    command = real_sizes.batched_bench_command(Path("bb"), tmp_path / "m.gguf", [4, 16], 2)
+    assert command[command.index("-npl") + 1] == "1,4,16"
+    assert command[command.index("-t") + 1] == "2"
+    assert command[command.index("-ntg") + 1] == str(real_sizes.harness.DECODE_TOKENS)
+    lines = [
+        "main: n_kv_max = 2304",
+        '{"pl": 1, "speed_tg": 20.5, "speed_pp": 100.0}',
+        '{"pl": 16, "speed_tg": 61.0, "speed_pp": 300.0}',
+    ]
+    parsed = real_sizes.parse_batched_bench("\n".join(lines))
+    assert parsed == {"single": {"tok_s": 20.5}, "batches": {"16": {"tok_s": 61.0}}}
+    with pytest.raises(ValueError, match="1 sequence"):
+        real_sizes.parse_batched_bench(lines[2])
+
+
+def test_a_missing_batched_bench_is_a_not_run_cell(tmp_path):
+    result = real_sizes.llama_batched(tmp_path / "absent", tmp_path / "m.gguf", [16], 2)
+    assert "absent" in result["error"]

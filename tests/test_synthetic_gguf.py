@@ -49,6 +49,33 @@ def test_tiny_synthetic_file_loads_and_decodes(tmp_path, fmt):
     assert all(bool(torch.isfinite(row).all()) for row in logits)
 
 
+def test_rows_not_whole_k_quant_blocks_fall_back_as_llama_quantize_does():
+    """Gemma 3 1B's width of 1,152 is 4.5 blocks of 256: those rows take Q5_0 for Q4_K and
+    Q8_0 for Q6_K (its published Q4_K_M file's types); 6,912 and 1,024 stay k-quants."""
+    plan = {
+        name: (dims, q)
+        for name, dims, q in synthetic_gguf.tensor_plan(
+            synthetic_gguf.SHAPES["gemma3-1b"], "q4_k_m"
+        )
+    }
+    assert plan["token_embd.weight"][1].name == "Q8_0"
+    assert plan["blk.0.ffn_up.weight"][1].name == "Q5_0"
+    assert plan["blk.0.attn_q.weight"][1].name == "Q5_0"
+    assert plan["blk.0.attn_v.weight"][1].name == "Q8_0"  # Q6_K in the layers given more bits
+    assert plan["blk.0.ffn_down.weight"][1].name == "Q6_K"  # rows of 6,912
+    assert plan["blk.4.ffn_down.weight"][1].name == "Q4_K"
+    assert plan["blk.0.attn_output.weight"][1].name == "Q4_K"  # rows of 1,024
+    for dims, qtype in plan.values():
+        if qtype.name.endswith("_K"):
+            assert dims[-1] % 256 == 0
+    rng = np.random.default_rng(0)
+    for qtype in (synthetic_gguf.Q.Q5_0, synthetic_gguf.Q.Q5_1):
+        raw = torch.from_numpy(synthetic_gguf.random_blocks(rng, qtype, 32 * 4096)).flatten()
+        weights = dequantize(raw, qtype, (-1,))
+        assert bool(torch.isfinite(weights).all())
+        assert 1e-3 < float(weights.std()) < 0.5
+
+
 def test_tiny_synthetic_moe_file_loads_its_stacked_experts(tmp_path):
     from spnl_backend.models.moe import SparseMoE
 
