@@ -513,6 +513,21 @@ def test_short_queries_attend_as_decode_rows(kernels, case, options, pool):
     assert torch.equal(out, single)
 
 
+def test_the_queries_of_one_sequence_share_its_row_of_slots():
+    from spnl_backend.kernels import decode_rows
+    from spnl_backend.kernels.sets import _decode_keys
+
+    _, _, _, meta, _, _ = paged_case([40], [9], 2, 4, 8)
+    slots, lens = _decode_keys(meta)
+    assert slots.shape == (9, 40)
+    assert slots.stride() == (0, 1)
+    rows = decode_rows(meta)
+    assert torch.equal(slots, rows.decode_slots)
+    assert lens.tolist() == list(range(32, 41))
+    _, _, _, two, _, _ = paged_case(*CASES["chunked prefill"], 2, 4, 8)
+    assert _decode_keys(two)[0].stride(0) > 0  # two sequences: a row each
+
+
 # ---- what the kernels refuse instead of reading or writing out of bounds ---------------
 
 
