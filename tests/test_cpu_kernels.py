@@ -364,7 +364,9 @@ def test_long_contexts_attend_alike_alone_batched_and_on_any_threads(kernels, wi
 
 
 @pytest.mark.parametrize("half", [False, True], ids=["f32", "f16"])
-@pytest.mark.parametrize(("heads", "dim"), [(4, 256), (6, 256), (8, 128), (4, 84), (2, 64)])
+@pytest.mark.parametrize(
+    ("heads", "dim"), [(4, 256), (6, 256), (8, 128), (5, 64), (4, 84), (2, 64)]
+)
 def test_a_query_head_attends_alike_whatever_heads_share_its_kv_head(kernels, heads, dim, half):
     """The heads of a group read each key and value once for all of them (widened once, in
     a float16 pool): each head's output is the bits of that head attending alone, over one

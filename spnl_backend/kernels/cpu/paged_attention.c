@@ -220,8 +220,8 @@ INLINE void weigh_values_tile(const void *v_cache, int64_t row, const int64_t *s
 
 // weigh_values for each of `group` heads (e: their rows of weights, `stride` apart; out: their
 // rows of dim). With AVX-512 and whole 64-float strips the heads go four at a time through
-// weigh_values_tile, reading each value once per four heads: a decode of several query heads
-// per KV head is bound by this work, not by the reads.
+// weigh_values_tile, reading and widening each value once per four heads rather than once
+// per head (that repeated work, not the reads, bounded a long decode's attention).
 INLINE void weigh_group(const void *v_cache, int64_t row, const int64_t *slots, int64_t count,
                         const float *e, int64_t stride, int64_t group, int64_t dim, float *out,
                         bool half) {
