@@ -256,9 +256,15 @@ def long_child(args: argparse.Namespace) -> dict:
     backend.generate(SHORT_PROMPT, max_tokens=4, temperature=0, ignore_eos=True)  # warm-up
 
     def after(tokens: int):
+        # The decode tokens within the model's context (llama-bench runs past it: n_ctx is
+        # depth + decode tokens, whatever the model was trained on).
+        tokens = min(tokens, backend.max_model_len - args.long_decode - 2)
         prompt = harness.context_prompt(backend.tokenizer.encode, tokens)
         max_tokens = args.long_decode + 1
-        return backend.generate(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        result = backend.generate(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        if result.usage.completion_tokens < max_tokens:
+            raise RuntimeError(f"{result.usage.completion_tokens} of {max_tokens} tokens made")
+        return result
 
     result: dict = {}
     if args.long_prompt:
