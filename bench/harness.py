@@ -175,6 +175,18 @@ def long_prompt(encode: Callable[[str], list], tokens: int) -> str:
     return " ".join(words[:low])
 
 
+def context_prompt(encode: Callable[[str], list], tokens: int) -> str:
+    """About ``tokens`` tokens of the shipped text: whole copies of it, then
+    `long_prompt`'s cut for the rest (the text alone is ~5,000 tokens)."""
+    whole = (DATA / "english.txt").read_text().strip()
+    copies = 0
+    while len(encode(" ".join([whole] * (copies + 1)))) <= tokens:
+        copies += 1
+    head = " ".join([whole] * copies)
+    rest = tokens - (len(encode(head)) if copies else 0)
+    return f"{head} {long_prompt(encode, rest)}".strip() if rest > 0 else head
+
+
 def text_ids(encode: Callable[[str], list], tokens: int) -> list[int]:
     """The shipped text's first ``tokens`` token ids (fewer if the text is shorter)."""
     return encode(long_prompt(encode, tokens))[:tokens]

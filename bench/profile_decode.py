@@ -2,7 +2,7 @@
 where the time of an N-token prompt's prefill goes).
 
     python bench/profile_decode.py [--gguf FILE] [--threads 2] [--tokens 32] [--prefill N]
-                                   [--markdown FILE]
+                                   [--context N] [--markdown FILE]
 
 Timers around every native call (each quantized product, by its weight shape; attention;
 the norms, RoPE, the KV store and embedding lookups), over a greedy generation of
@@ -11,8 +11,10 @@ alone, against the engine's own decode time. Each product's rate is its weight b
 over its time; the read bandwidth (a torch sum over 1 GiB at the same thread count) is
 measured after, for comparison. What the timers do not cover is Python and torch's small
 operations between the kernels, and sampling. With --prefill, the parts are those of one
-generation of a single token from an N-token prompt (the shipped English text), against
-its wall time. The default model unless --gguf.
+generation of a single token from an N-token prompt (the shipped English text, repeated
+past its length), against its wall time. --context N profiles decode after an N-token
+prompt instead of a short one (prefix caching holds it, so each run recomputes only its
+last token). The default model unless --gguf.
 """
 
 import collections
@@ -23,6 +25,7 @@ from pathlib import Path
 import decode
 import harness
 
+BLOCK_SIZE = 32  # the default paged KV block; a --context pool is whole blocks
 OTHER_KERNELS = ("rms_norm", "add_rms_norm", "qk_norm_rope_", "store_kv", "gather_rows")
 
 
@@ -94,12 +97,34 @@ def per_op_path(backend) -> None:
     backend.model.model.use_layer_blocks = False
 
 
-def profile(gguf: Path, threads: int, tokens: int) -> dict:
+def whole_blocks(tokens: int) -> int:
+    return -(-tokens // BLOCK_SIZE) * BLOCK_SIZE
+
+
+def decode_backend(
+    gguf: Path, tokens: int, context: int | None, threads: int
+) -> tuple[object, str]:
+    """The backend and its prompt: a short one with prefix caching off; or ``context``
+    tokens of the shipped text, with a pool that holds them and prefix caching on, the
+    prompt cached by a first run so that every later run recomputes only its last token
+    and the runs subtracted from each other differ by decode alone."""
+    if context is None:
+        # short: the prefill subtracted is small beside decode
+        return harness.load_ours(gguf, prefix_cache_n=0, num_threads=threads), harness.STORY_PROMPT
+    room = whole_blocks(context + tokens + BLOCK_SIZE)
+    backend = harness.load_ours(
+        gguf, prefix_cache_n=1, paged_attn_context_len=room, num_threads=threads
+    )
+    prompt = harness.context_prompt(backend.tokenizer.encode, context)
+    backend.generate(prompt, max_tokens=1, temperature=0)  # the prefill, cached
+    return backend, prompt
+
+
+def profile(gguf: Path, threads: int, tokens: int, context: int | None = None) -> dict:
     import torch
 
     torch.set_num_threads(threads)
-    backend = harness.load_ours(gguf, prefix_cache_n=0, num_threads=threads)
-    prompt = harness.STORY_PROMPT  # short: the prefill subtracted is small beside decode
+    backend, prompt = decode_backend(gguf, tokens, context, threads)
     backend.generate(prompt, max_tokens=4, temperature=0)  # warm-up
     shipped = backend.generate(prompt, max_tokens=tokens + 1, temperature=0).usage
     per_op_path(backend)
@@ -119,6 +144,7 @@ def profile(gguf: Path, threads: int, tokens: int) -> dict:
     return {
         "model": gguf.name,
         "threads": threads,
+        "context": result.usage.prompt_tokens,
         "tokens": made,
         "ms_per_token": 1000 * wall / made,
         "blocks_ms_per_token": 1000 / shipped.decode_tok_s,
@@ -225,8 +251,11 @@ def profile_prefill(gguf: Path, threads: int, prompt_tokens: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
-    backend = harness.load_ours(gguf, prefix_cache_n=0, num_threads=threads)
-    prompt = harness.long_prompt(backend.tokenizer.encode, prompt_tokens)
+    room = whole_blocks(prompt_tokens + BLOCK_SIZE)
+    backend = harness.load_ours(
+        gguf, prefix_cache_n=0, paged_attn_context_len=room, num_threads=threads
+    )
+    prompt = harness.context_prompt(backend.tokenizer.encode, prompt_tokens)
     backend.generate(prompt, max_tokens=1, temperature=0)  # warm-up
     start = time.perf_counter()
     backend.generate(prompt, max_tokens=1, temperature=0)
@@ -293,14 +322,18 @@ def table(result: dict) -> str:
     header = ["part", "calls per token", "ms per token", "share", "weights read at"]
     note = (
         f"{result['model']}, {result['threads']} threads, {result['tokens']} greedy decode "
-        f"tokens ({1000 / total:.1f} tok/s with the timers in), on the per-op path the "
-        "timers see"
+        f"tokens{_after(result.get('context'))} ({1000 / total:.1f} tok/s with the timers "
+        "in), on the per-op path the timers see"
         + _blocks_note(result.get("blocks_ms_per_token"), "a token")
         + " Read bandwidth: "
         f"{result['bandwidth_gb_s']:.1f} GB/s (a torch sum); {result['weight_mb']:,.0f} MB "
         "of weights per token."
     )
     return f"{harness.md_table(header, rows)}\n\n{note}"
+
+
+def _after(context: int | None) -> str:
+    return f" after a {context}-token prompt" if context else ""
 
 
 def _blocks_note(ms: float | None, what: str) -> str:
@@ -323,7 +356,12 @@ def main() -> None:
     parser.add_argument(
         "--cpu-time", action="store_true", help="with --batch: CPU time (needs --threads 1)"
     )
+    parser.add_argument(
+        "--context", type=int, metavar="N", help="decode after an N-token prompt (cached)"
+    )
     args = parser.parse_args()
+    if args.context is not None and args.context < 1:
+        parser.error(f"--context: a prompt of at least 1 token, not {args.context}")
     gguf = args.gguf or harness.default_gguf()
     if args.batch is not None:
         if args.batch < 1:
@@ -339,7 +377,7 @@ def main() -> None:
         result = profile_prefill(gguf, args.threads, args.prefill)
         harness.publish(prefill_table(result), args.markdown)
         return
-    result = profile(gguf, args.threads, args.tokens)
+    result = profile(gguf, args.threads, args.tokens, args.context)
     harness.publish(table(result), args.markdown)
 
 

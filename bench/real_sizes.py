@@ -350,18 +350,6 @@ def llama_batched(binary: Path, gguf: Path, sizes: list[int], threads: int) -> d
 # ---- long-context decode ------------------------------------------------------------------------
 
 
-def context_prompt(encode: Callable[[str], list], tokens: int) -> str:
-    """About ``tokens`` tokens of the shipped text: whole copies of it, then
-    `harness.long_prompt`'s cut for the rest (the text alone is ~5,000 tokens)."""
-    whole = (harness.DATA / "english.txt").read_text().strip()
-    copies = 0
-    while len(encode(" ".join([whole] * (copies + 1)))) <= tokens:
-        copies += 1
-    head = " ".join([whole] * copies)
-    rest = tokens - (len(encode(head)) if copies else 0)
-    return f"{head} {harness.long_prompt(encode, rest)}".strip() if rest > 0 else head
-
-
 def child_long_ours(args: argparse.Namespace, paged: bool, cache_type: str = "auto") -> dict:
     import torch
 
@@ -371,7 +359,7 @@ def child_long_ours(args: argparse.Namespace, paged: bool, cache_type: str = "au
     if paged:  # the pool holds the whole context (the default budget is 4,096 tokens)
         settings["paged_attn_context_len"] = whole_blocks(context)
     backend = harness.load_ours(args.gguf[0], **settings)
-    prompt = context_prompt(backend.tokenizer.encode, context - LONG_MARGIN)
+    prompt = harness.context_prompt(backend.tokenizer.encode, context - LONG_MARGIN)
     backend.generate(decode.SHORT_PROMPT, max_tokens=4, temperature=0)  # warm-up
     usage = backend.generate(prompt, max_tokens=LONG_DECODE_TOKENS + 1, temperature=0).usage
     check_decoded(usage.completion_tokens - 1)
@@ -391,7 +379,7 @@ def child_long_llama(args: argparse.Namespace) -> dict:
     def encode(text: str) -> list[int]:
         return llm.tokenize(text.encode())
 
-    prompt = context_prompt(encode, context - LONG_MARGIN)
+    prompt = harness.context_prompt(encode, context - LONG_MARGIN)
     llama_cpp_token_times(llm, decode.SHORT_PROMPT, 4)  # warm-up
     _, span, count = llama_cpp_token_times(llm, prompt, LONG_DECODE_TOKENS + 1)
     check_decoded(count - 1)

@@ -42,6 +42,7 @@ from .reasoning import (
 from .reasoning.gate import GateTokens, ReasoningGate
 from .request import (
     MAX_SEED,
+    CacheRoom,
     ContextLimit,
     PromptIds,
     adapter_list,
@@ -99,8 +100,7 @@ class Backend:
         self.source: ModelSource = loaded.source
         self.max_model_len = engine.config.max_model_len
         self.max_num_seqs = engine.config.max_num_seqs  # sequences one step runs at most
-        whole_cache = engine.cache.capacity_tokens == self.max_model_len
-        self._limit = ContextLimit(self.max_model_len, whole_cache)
+        self._limit = ContextLimit(self.max_model_len, _cache_room(engine, settings, loaded))
         self._pic = PicPrompts(
             loaded.tokenizer,
             settings,
@@ -837,4 +837,17 @@ def _spans_reasoning(params: SamplingParams) -> bool:
         and reasoning.calls
         and constraint is not None
         and constraint.kind == "tools"
+    )
+
+
+def _cache_room(engine: Engine, settings: BackendSettings, loaded: LoadedModel) -> CacheRoom | None:
+    """What sizes the paged KV cache, where it (not the model's context) limits a prompt."""
+    info = engine.cache_info
+    if info.capacity_tokens != engine.config.max_model_len or info.block_size is None:
+        return None
+    return CacheRoom(
+        settings.kv_budget.kind,
+        info.block_size,
+        info.bytes_per_token,
+        loaded.config.max_position_embeddings,
     )

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .errors import ContextLengthError, RequestError, shown
+from .memory import MIB
 from .pic.layout import PicPrompt
 from .plain import check_text, is_bool, plain_float, plain_int, plain_str, read_once
 from .sampling import Adapters, SamplingParams
@@ -367,20 +368,52 @@ def checked_token_ids(value: object, vocab_size: int, name: str) -> list[int]:
 
 
 @dataclass(frozen=True)
+class CacheRoom:
+    """What sizes a paged KV cache, so that a prompt it cannot hold is told the budget that
+    would hold it: the budget's kind (`KvBudget.kind`), the block size, the bytes of K and V
+    per token (None where a compression method keeps its own records) and the model's own
+    context, past which no budget helps."""
+
+    budget_kind: str
+    block_size: int
+    bytes_per_token: int | None
+    model_context: int
+
+    def remedy(self, prompt_tokens: int) -> str:
+        """The budget that holds ``prompt_tokens`` and one completion token, in words."""
+        tokens = -(-(prompt_tokens + 1) // self.block_size) * self.block_size
+        if tokens > self.model_context:
+            return f"the model's context holds {self.model_context}; shorten it"
+        variable = f"MISTRALRS_PAGED_ATTN_{self.budget_kind.upper()}"
+        if self.bytes_per_token is None:
+            return f"raise MISTRALRS_PAGED_ATTN_CONTEXT_LEN to at least {tokens} or shorten it"
+        mb = -(-tokens * self.bytes_per_token // MIB)
+        cost = f"{mb:,} MB of KV cache at {self.bytes_per_token:,} bytes per token"
+        if self.budget_kind == "memory_mb":
+            return f"raise {variable} to at least {mb} ({tokens} tokens) or shorten it"
+        if self.budget_kind == "memory_fraction":
+            return (
+                f"raise {variable} until the cache holds {tokens} tokens ({cost}), set "
+                f"MISTRALRS_PAGED_ATTN_CONTEXT_LEN={tokens} instead, or shorten it"
+            )
+        return f"raise {variable} to at least {tokens} ({cost}) or shorten it"
+
+
+@dataclass(frozen=True)
 class ContextLimit:
     """The tokens a sequence holds, prompt and completion together (``max_model_len``),
-    and whether that is the whole paged KV cache's budget rather than the model's context
-    (which says what would let a longer prompt run)."""
+    and, where that is the whole paged KV cache's budget rather than the model's context,
+    what sizes that cache (``room``: it says what would let a longer prompt run)."""
 
     max_model_len: int
-    whole_cache: bool
+    room: CacheRoom | None = None
 
     def check(self, ids: list[int]) -> list[int]:
         """``ids``, where a completion of them fits; else a `ContextLengthError`."""
         if len(ids) >= self.max_model_len:
-            if self.whole_cache:
+            if self.room is not None:
                 holder = "the whole paged KV cache (the MISTRALRS_PAGED_ATTN_* budget)"
-                remedy = "raise MISTRALRS_PAGED_ATTN_CONTEXT_LEN or shorten it"
+                remedy = self.room.remedy(len(ids))
             else:
                 holder, remedy = "the model's context", "shorten it"
             raise ContextLengthError(

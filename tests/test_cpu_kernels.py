@@ -363,6 +363,36 @@ def test_long_contexts_attend_alike_alone_batched_and_on_any_threads(kernels, wi
             assert torch.equal(decode(slice(s, s + 1), threads), batched[s : s + 1])
 
 
+@pytest.mark.parametrize("half", [False, True], ids=["f32", "f16"])
+@pytest.mark.parametrize(
+    ("heads", "dim"), [(4, 256), (6, 256), (8, 128), (5, 64), (4, 84), (2, 64)]
+)
+def test_a_query_head_attends_alike_whatever_heads_share_its_kv_head(kernels, heads, dim, half):
+    """The heads of a group read each key and value once for all of them (widened once, in
+    a float16 pool): each head's output is the bits of that head attending alone, over one
+    KV head, and close to the plain softmax."""
+    lens = [700, 5, 513]
+    q, key_cache, value_cache, slots, seq_lens = _long_decode_case(lens, 2, heads * 2, dim)
+    if half:
+        key_cache, value_cache = key_cache.half(), value_cache.half()
+    scoring = Scoring(0.2, window=300)
+    grouped = kernels.paged_decode(q, key_cache, value_cache, slots, seq_lens, scoring)
+    for h in range(heads * 2):
+        kvh = h // heads
+        alone = kernels.paged_decode(
+            q[:, h : h + 1].contiguous(),
+            key_cache[:, :, kvh : kvh + 1].contiguous(),
+            value_cache[:, :, kvh : kvh + 1].contiguous(),
+            slots,
+            seq_lens,
+            scoring,
+        )
+        assert torch.equal(grouped[:, h : h + 1], alone), f"head {h}"
+    wide = key_cache.float(), value_cache.float()
+    twin = _decode_twin(q, *wide, slots, seq_lens, 0.2, 300)
+    torch.testing.assert_close(grouped, twin, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("window", [None, 300])
 def test_sinks_over_chunks_of_keys_equal_the_twin(kernels, window):
     """gpt-oss's sinks join the peak and the denominator once, after the chunks combine:
@@ -483,6 +513,21 @@ def test_short_queries_attend_as_decode_rows(kernels, case, options, pool):
         ]
     )
     assert torch.equal(out, single)
+
+
+def test_the_queries_of_one_sequence_share_its_row_of_slots():
+    from spnl_backend.kernels import decode_rows
+    from spnl_backend.kernels.sets import _decode_keys
+
+    _, _, _, meta, _, _ = paged_case([40], [9], 2, 4, 8)
+    slots, lens = _decode_keys(meta)
+    assert slots.shape == (9, 40)
+    assert slots.stride() == (0, 1)
+    rows = decode_rows(meta)
+    assert torch.equal(slots, rows.decode_slots)
+    assert lens.tolist() == list(range(32, 41))
+    _, _, _, two, _, _ = paged_case(*CASES["chunked prefill"], 2, 4, 8)
+    assert _decode_keys(two)[0].stride(0) > 0  # two sequences: a row each
 
 
 # ---- what the kernels refuse instead of reading or writing out of bounds ---------------

@@ -8,6 +8,7 @@ from helpers import PROMPT, SHARED_PREFIX_PROMPTS, engine_internals, engine_logi
 from spnl_backend import BackendSettings, PlatformError, RequestError, SettingsError, load_backend
 from spnl_backend.engine.budget import STEP_RESERVE_BYTES
 from spnl_backend.memory import kv_bytes_per_token
+from spnl_backend.request import CacheRoom
 
 PROMPTS = SHARED_PREFIX_PROMPTS
 TOKENS = 16
@@ -127,10 +128,34 @@ def test_prompt_larger_than_the_whole_cache_is_rejected_at_once(tiny):
     backend = load(
         tiny, "llama", paged_attn=True, paged_attn_block_size=8, paged_attn_context_len=32
     )
-    with pytest.raises(RequestError, match="whole paged KV cache"):
+    prompt_tokens = len(backend.tokenizer.encode(PROMPT))
+    assert prompt_tokens >= 32  # past the 32-token cache
+    need = -(-(prompt_tokens + 1) // 8) * 8
+    mb = -(-need * backend.cache_info().bytes_per_token // 2**20)
+    with pytest.raises(RequestError, match="whole paged KV cache") as raised:
         backend.generate(PROMPT, max_tokens=4)
+    assert f"raise MISTRALRS_PAGED_ATTN_CONTEXT_LEN to at least {need} ({mb:,} MB" in str(
+        raised.value
+    )
     stats = backend.stats()
     assert (stats.running, stats.waiting) == (0, 0)
+
+
+def test_a_prompt_past_the_cache_is_told_the_budget_that_holds_it():
+    room = CacheRoom("context_len", 32, 18432, 32768)
+    # A 32k prompt of the default model (18,432 bytes per token) under the default budget.
+    assert room.remedy(32703) == (
+        "raise MISTRALRS_PAGED_ATTN_CONTEXT_LEN to at least 32704 "
+        "(575 MB of KV cache at 18,432 bytes per token) or shorten it"
+    )
+    assert room.remedy(32768) == "the model's context holds 32768; shorten it"
+    in_mb = CacheRoom("memory_mb", 32, 2**20, 1000)
+    assert (
+        in_mb.remedy(40)
+        == "raise MISTRALRS_PAGED_ATTN_MEMORY_MB to at least 64 (64 tokens) or shorten it"
+    )
+    fraction = CacheRoom("memory_fraction", 16, 1024, 1000).remedy(16)
+    assert "MISTRALRS_PAGED_ATTN_CONTEXT_LEN=32 instead" in fraction
 
 
 def test_a_sequence_stops_at_the_end_of_the_cache(tiny):

@@ -10,7 +10,7 @@ import pytest
 # they do when run as `python bench/real_sizes.py`.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from bench import real_sizes
+from bench import harness, real_sizes
 
 OURS = {
     "decode_tok_s": 5.0,
@@ -116,7 +116,7 @@ def test_context_prompt_repeats_the_text():
     def words(text: str) -> list[str]:
         return text.split()
 
-    prompt = real_sizes.context_prompt(words, 10_000)  # the text is ~4,100 words
+    prompt = harness.context_prompt(words, 10_000)  # the text is ~4,100 words
     assert 9_950 <= len(words(prompt)) <= 10_000
 
 

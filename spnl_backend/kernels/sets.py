@@ -221,9 +221,14 @@ def attend_contiguous(
 
 def _decode_keys(meta: PagedMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query's key slots ``[queries, width]`` and key counts ``[queries]`` as a decode
-    of its own (`decode_rows`), made once per step."""
+    of its own (`decode_rows`), made once per step. The queries of a step of one sequence
+    share its one row of slots (stride 0): a long prompt's chunk of 2,048 queries would
+    otherwise copy its key list once per query (256 MB at 16k keys)."""
     rows = meta.memo("decode_rows", lambda: decode_rows(meta))
-    return rows.decode_slots, meta.memo("seq_lens_i64", lambda: torch.tensor(rows.seq_lens))
+    lens = meta.memo("seq_lens_i64", lambda: torch.tensor(rows.seq_lens))
+    if len(meta.seq_lens) == 1 and not meta.is_decode:
+        return meta.decode_slots.expand(len(rows.seq_lens), -1), lens
+    return rows.decode_slots, lens
 
 
 def decode_rows(meta: PagedMetadata) -> PagedMetadata:

@@ -192,6 +192,58 @@ INLINE void weigh_values(const void *v_cache, int64_t row, const int64_t *slots,
     }
 }
 
+#if defined(__AVX512F__)
+// weigh_values for `tile` heads at once (e: their rows of weights, `stride` apart; out: their
+// rows of dim, dim a multiple of 64): each value row is read, and widened, once for them all,
+// and each head's lanes take weigh_values' FMAs in its key order, so its bits.
+INLINE void weigh_values_tile(const void *v_cache, int64_t row, const int64_t *slots,
+                              int64_t count, const float *e, int64_t stride, int tile,
+                              int64_t dim, float *out, bool half) {
+    for (int64_t i = 0; i < dim; i += 64) {
+        v16f o[4][4];
+        for (int g = 0; g < tile; g++)
+            for (int h = 0; h < 4; h++) o[g][h] = (v16f){0};
+        for (int64_t j = 0; j < count; j++) {
+            const void *vj = kv_row(v_cache, slots[j], row, half);
+            const v16f v[4] = {kv_load(vj, i, half), kv_load(vj, i + 16, half),
+                               kv_load(vj, i + 32, half), kv_load(vj, i + 48, half)};
+            for (int g = 0; g < tile; g++) {
+                const v16f w = splat(e[g * stride + j]);
+                for (int h = 0; h < 4; h++) o[g][h] = fma16(w, v[h], o[g][h]);
+            }
+        }
+        for (int g = 0; g < tile; g++)
+            for (int h = 0; h < 4; h++) memcpy(out + g * dim + i + 16 * h, &o[g][h], sizeof o[g][h]);
+    }
+}
+#endif
+
+// weigh_values for each of `group` heads (e: their rows of weights, `stride` apart; out: their
+// rows of dim). With AVX-512 and whole 64-float strips the heads go four at a time through
+// weigh_values_tile, reading and widening each value once per four heads rather than once
+// per head (that repeated work, not the reads, bounded a long decode's attention).
+INLINE void weigh_group(const void *v_cache, int64_t row, const int64_t *slots, int64_t count,
+                        const float *e, int64_t stride, int64_t group, int64_t dim, float *out,
+                        bool half) {
+    int64_t g = 0;
+#if defined(__AVX512F__)
+    if (dim % 64 == 0) {
+        for (; g + 4 <= group; g += 4)  // the tile a constant: its registers unrolled
+            weigh_values_tile(v_cache, row, slots, count, e + g * stride, stride, 4, dim,
+                              out + g * dim, half);
+        if (group - g == 3)
+            weigh_values_tile(v_cache, row, slots, count, e + g * stride, stride, 3, dim,
+                              out + g * dim, half);
+        else if (group - g == 2)
+            weigh_values_tile(v_cache, row, slots, count, e + g * stride, stride, 2, dim,
+                              out + g * dim, half);
+        g = group - g == 1 ? g : group;
+    }
+#endif
+    for (; g < group; g++)
+        weigh_values(v_cache, row, slots, count, e + g * stride, dim, out + g * dim, half);
+}
+
 // scores[j] = e^(scores[j] - peak) for j < count; returns their sum, in key order.
 static float exponentiate(float *scores, int64_t count, float peak) {
     int64_t j = 0;
@@ -218,9 +270,15 @@ static float exponentiate(float *scores, int64_t count, float peak) {
 // decode with one KV head) spreads over every thread.
 #define KEY_CHUNK 256
 
+// The most dims for which a float16 pool's keys are widened once for a group of query heads
+// (DOTS rows of a worker's scratch); wider heads widen them per head, as they are read.
+#define WIDE_DIM 1024
+
 typedef struct {
     const spnl_paged_decode_args *a;
     int64_t group, dim, part;  // part: floats of one chunk's partial (group x (dim + 2))
+    int64_t wide;              // floats of widened keys in a worker's scratch (0: none)
+    int64_t work;              // a worker's scratch for one chunk: scores, then widened keys
 } attention_plan;
 
 static inline int64_t chunk_of(int64_t key) { return key / KEY_CHUNK; }
@@ -232,9 +290,27 @@ static inline int64_t chunks_of(const spnl_attention *at, int64_t s, int64_t *c0
     return len > 0 ? chunk_of(len - 1) + 1 - *c0 : 0;
 }
 
+// The n float16 rows of keys widened into `wide` (n rows of dim floats), keys[t] pointed at
+// them; the rows past n (keys[0]'s, as padding) at the first.
+INLINE void widen_keys(const void **keys, int64_t n, int64_t dim, float *wide) {
+    for (int64_t t = 0; t < n; t++) {
+        float *to = wide + t * dim;
+        int64_t i = 0;
+        for (; i + 16 <= dim; i += 16) {
+            const v16f v = kv_load(keys[t], i, true);
+            memcpy(to + i, &v, sizeof v);
+        }
+        for (; i < dim; i++) to[i] = kv_at(keys[t], i, true);
+        keys[t] = to;
+    }
+    for (int64_t t = n; t < DOTS; t++) keys[t] = wide;
+}
+
 // Chunk c of the query heads of sequence s that share KV head kvh: part holds group rows of
 // dim weighed values, then (peak, total) per head. Each key and value is read once for the
-// whole group. scores: group x KEY_CHUNK.
+// whole group; a float16 key is widened once for it too (where p->wide gives room; widening
+// is exact, so every head's dot has the bits it has over the float16 row). scores (the
+// worker's p->work floats): group x KEY_CHUNK, then the widened keys.
 INLINE void attend_chunk_of(const attention_plan *p, int64_t s, int64_t kvh, int64_t c,
                             float *scores, float *part, bool half) {
     const spnl_paged_decode_args *a = p->a;
@@ -253,9 +329,14 @@ INLINE void attend_chunk_of(const attention_plan *p, int64_t s, int64_t kvh, int
         const void *keys[DOTS];
         for (int64_t t = 0; t < DOTS; t++)
             keys[t] = kv_row(k_cache, slots[j + (t < n ? t : 0)], row, half);
+        const bool widened = half && p->wide > 0;
+        if (widened) widen_keys(keys, n, dim, scores + group * KEY_CHUNK);
         for (int64_t g = 0; g < group; g++) {
             float sums[DOTS];
-            dots(q + g * dim, keys, n, dim, sums, half);
+            if (widened)  // two instances, each with its storage a constant
+                dots(q + g * dim, keys, n, dim, sums, false);
+            else
+                dots(q + g * dim, keys, n, dim, sums, half);
             for (int64_t t = 0; t < n; t++) {
                 float score = sums[t] * scale;
                 if (softcap > 0.0f) score = softcap * tanhf(score / softcap);
@@ -274,9 +355,7 @@ INLINE void attend_chunk_of(const attention_plan *p, int64_t s, int64_t kvh, int
         }
         stats[2 * g + 1] = exponentiate(row_scores, hi - lo, peak);
     }
-    for (int64_t g = 0; g < group; g++)
-        weigh_values(v_cache, row, slots + lo, hi - lo, scores + g * KEY_CHUNK, dim,
-                     acc + g * dim, half);
+    weigh_group(v_cache, row, slots + lo, hi - lo, scores, KEY_CHUNK, group, dim, acc, half);
 }
 
 // The two instances: a float32 pool and a float16 one.
@@ -338,7 +417,7 @@ static void pair_task(void *ctx, int64_t pair, int worker) {
     const attention_plan *p = c->p;
     const spnl_attention *at = &p->a->at;
     float *scores = c->scratch + (size_t)worker * c->floats;
-    float *parts = scores + (size_t)p->group * KEY_CHUNK;
+    float *parts = scores + (size_t)p->work;
     const int64_t s = pair / at->kv_heads, kvh = pair % at->kv_heads;
     int64_t c0;
     const int64_t chunks = chunks_of(at, s, &c0);
@@ -373,7 +452,7 @@ static int by_pairs(const attention_plan *p, int64_t max_chunks) {
     const spnl_attention *at = &p->a->at;
     const int64_t pairs = at->seqs * at->kv_heads;
     const int threads = at->threads < pairs ? at->threads : (int)pairs;
-    const size_t floats = (size_t)p->group * KEY_CHUNK + (size_t)max_chunks * (size_t)p->part;
+    const size_t floats = (size_t)p->work + (size_t)max_chunks * (size_t)p->part;
     attention_call call = {.p = p, .scratch = malloc(floats * (size_t)threads * sizeof(float)),
                            .floats = floats};
     if (!call.scratch) return NO_MEMORY;
@@ -395,7 +474,7 @@ static int by_chunks(const attention_plan *p) {
         first[pair + 1] = first[pair] + chunks_of(at, pair / at->kv_heads, &c0);
     }
     const int64_t tasks = first[pairs];
-    const size_t floats = (size_t)p->group * KEY_CHUNK;
+    const size_t floats = (size_t)p->work;
     attention_call call = {p, malloc(floats * (size_t)at->threads * sizeof(float)), floats,
                            first, malloc(((size_t)tasks * (size_t)p->part + 1) * sizeof(float))};
     int status = 0;
@@ -419,7 +498,10 @@ int spnl_paged_decode(const spnl_paged_decode_args *a) {
         return BAD_ARGUMENT;
     if (!keys_in_bounds(at)) return OUT_OF_BOUNDS;
     const int64_t group = at->heads / at->kv_heads;
-    const attention_plan plan = {a, group, at->dim, group * (at->dim + 2)};
+    // Keys widened once for the group where the heads share them and the rows fit.
+    const int64_t wide = a->half && group > 1 && at->dim <= WIDE_DIM ? DOTS * at->dim : 0;
+    const attention_plan plan = {a, group, at->dim, group * (at->dim + 2), wide,
+                                 group * KEY_CHUNK + wide};
     if (at->seqs * at->kv_heads >= at->threads) {
         int64_t max_chunks = 0;
         for (int64_t s = 0; s < at->seqs; s++) {
