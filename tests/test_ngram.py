@@ -216,6 +216,14 @@ def test_the_index_proposes_what_followed_the_longest_latest_match():
     assert NgramIndex(2, 2).lookup([1, 2, 1], 2) == []  # [2, 1] never occurred before
 
 
+def test_a_repetition_shorter_than_the_draft_is_copied_on_over_itself():
+    # [7, 8] last ended 2 tokens back: what followed it runs into the suffix, and the
+    # copy goes on with the period (a loop of 2 tokens gives a full draft, not 2 tokens)
+    assert NgramIndex(2, 2).lookup([1, 7, 8, 7, 8], 5) == [7, 8, 7, 8, 7]
+    assert NgramIndex(1, 1).lookup([3, 5, 5], 4) == [5, 5, 5, 5]
+    assert NgramIndex(2, 3).lookup([1, 2, 3, 1, 2], 2) == [3, 1]  # no overlap: as before
+
+
 # ---- settings and requests ---------------------------------------------------------------------
 
 

@@ -54,14 +54,20 @@ class NgramIndex:
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of the longest
-        suffix of ``tokens`` that occurred before."""
+        suffix of ``tokens`` that occurred before; where that occurrence runs into the
+        suffix itself (text repeating with a period shorter than ``k``), the copy goes on
+        over the tokens it has proposed, as the repetition would."""
         self.update(tokens)
         for n in self.sizes:
             if len(tokens) <= n:
                 continue
             end = self.ends.get(tuple(tokens[-n:]))
             if end is not None:
-                return tokens[end : end + k]
+                proposal = tokens[end : end + k]
+                period = len(tokens) - end
+                while len(proposal) < k:  # an overlapping copy: the period again
+                    proposal.append(proposal[len(proposal) - period])
+                return proposal
         return []
 
 
