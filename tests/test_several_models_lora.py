@@ -75,10 +75,21 @@ def test_an_adapter_routes_to_its_base(served):
     assert by_adapter.json()["choices"][0]["text"] == want
     base = _complete(server, "llama").json()["choices"][0]["text"]
     assert base == _alone(paths["llama"], spec, None) != want
+    info = httpx.get(server.url + "/get_server_info", headers={"Authorization": f"Bearer {KEY}"})
+    llama = info.json()["memory"]["models"][0]
+    assert llama["name"] == "llama"
+    assert llama["adapters"] == ["one"]
+    assert llama["adapter_bytes"] == models.models["llama"].backend.stats().adapters.nbytes > 0
+    assert llama["footprint_bytes"] >= llama["adapter_bytes"]
+    lora = {"model": "llama", "prompt": PROMPT, "lora": [{"name": "one"}]}
+    refused = _post(server, "/v1/completions", lora)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "lora"
     # An adapter's name is no model elsewhere: Ollama's API runs served models only.
     ollama = _post(server, "/api/generate", {"model": "one", "prompt": "x", "stream": False})
     assert ollama.status_code == 404
     assert "adapter of 'llama'" in ollama.text
+    assert _post(server, "/tokenize", {"model": "one", "prompt": "x"}).status_code == 404
 
 
 def test_load_and_unload_with_two_models(served):
