@@ -733,7 +733,11 @@ class _Api:
             return self._refused(label, exc)
         try:
             info = await asyncio.to_thread(backend.load_adapter, name, path)
-            await asyncio.to_thread(models.add_adapter, _served_name(base), name, info.path)
+            try:
+                await asyncio.to_thread(models.add_adapter, _served_name(base), name, info.path)
+            except ValueError:  # the name taken on another model meanwhile: not kept here
+                await asyncio.to_thread(backend.unload_adapter, name)
+                raise
         except ModelFileError as exc:
             return self._refused(label, bad_request(str(exc), "lora_path", "invalid_adapter"))
         except (RequestError, ValueError) as exc:
