@@ -127,6 +127,7 @@ def test_load_and_unload_with_two_models(served):
     assert again.status_code == 200, again.text
     assert again.json()["choices"][0]["text"] == want
     # The adapter given at start, unloaded while its base is let go, stays unloaded.
+    assert _complete(server, "one").status_code == 200  # loaded with "one"
     assert models.unload("llama")
     assert _post(server, "/v1/unload_lora_adapter", {"lora_name": "one"}).status_code == 200
     assert _complete(server, "one").status_code == 404
