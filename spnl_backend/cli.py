@@ -250,7 +250,8 @@ def _add_serve(commands: Any) -> None:
         "--lora",
         action="append",
         metavar="NAME=PATH",
-        help="a PEFT LoRA adapter directory, chosen by requests whose model is NAME "
+        help="a LoRA adapter (PEFT directory or GGUF file), chosen by requests whose model "
+        "is NAME; with several models, MODEL:NAME=PATH puts it on the served model MODEL "
         "(repeatable; default: MISTRALRS_LORA_ADAPTERS)",
     )
     serve.add_argument(

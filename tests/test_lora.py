@@ -402,7 +402,7 @@ def test_serve_lora_option_is_checked_before_anything_starts():
 
     with pytest.raises(SettingsError, match=r"(?i)lora_adapters.*name=path pairs"):
         serve(model="unused", port=0, lora=["no-path"])
-    with pytest.raises(SettingsError, match="served on one model"):
+    with pytest.raises(SettingsError, match="with several models, expected MODEL:NAME=PATH"):
         serve(model=["a=/nowhere/a", "b=/nowhere/b"], port=0, lora=["one=/nowhere/one"])
 
 

@@ -260,8 +260,13 @@ class _Api:
         owned = {"object": "model", "created": 0, "owned_by": "spnl-backend"}
         owned["meta"] = version_info()  # which server answers, as llama.cpp's `meta` says
         data = [{"id": name, **owned} for name in self._names()]
-        backend = self.state.backend
-        if self.state.models is None and backend is not None and not backend.closed:
+        backend, models = self.state.backend, self.state.models
+        if models is not None:  # each adapter with its base, loaded or not
+            data += [
+                {"id": name, **owned, "parent": base, "root": path}
+                for name, base, path in models.adapter_list()
+            ]
+        elif backend is not None and not backend.closed:
             base = self.config.model_name
             data += [
                 {"id": a.name, **owned, "parent": base, "root": a.path} for a in backend.adapters()
@@ -326,7 +331,7 @@ class _Api:
                 backend = await self._acquire(request, name)
                 chosen = self.lora_default if self.state.models is None else None
             else:
-                backend, chosen = self._backend(request), ((adapter, 1.0),)
+                backend, chosen = await self._adapter_base(request, name), ((adapter, 1.0),)
         except Exception as exc:
             return self._refused(label, exc)
         try:
@@ -635,6 +640,8 @@ class _Api:
         """vLLM's ``{"lora_name", "lora_path"}``: the adapter read and checked, then known
         to requests (and /v1/models) from the next step on."""
         label = "load_lora_adapter"
+        if self.state.models is not None:
+            return await self._load_model_adapter(request, self.state.models)
         try:
             backend = self._adapter_backend(request)
             body = await _read_json(request, self.config.max_body_bytes)
@@ -655,6 +662,8 @@ class _Api:
         """vLLM's ``{"lora_name"}``: a 404 for a name not loaded, a 409 while unfinished
         requests run with it (their output is never changed: retry once they finish)."""
         label = "unload_lora_adapter"
+        if self.state.models is not None:
+            return await self._unload_model_adapter(request, self.state.models)
         try:
             backend = self._adapter_backend(request)
             body = await _read_json(request, self.config.max_body_bytes)
@@ -693,8 +702,76 @@ class _Api:
 
     def _adapter_backend(self, request: Request) -> Backend:
         if self.state.models is not None:
-            raise bad_request("LoRA adapters are served with one model served (not --models)")
+            raise bad_request(
+                "llama-server's /lora-adapters applies with one model served; with several, "
+                "GET /v1/models lists each adapter with its base and POST "
+                "/v1/load_lora_adapter or /v1/unload_lora_adapter change them"
+            )
         return self._backend(request)
+
+    async def _load_model_adapter(self, request: Request, models: ModelSet) -> Response:
+        """With several models, vLLM's load body plus ``model``: the served model the
+        adapter belongs to (loaded first where it is not)."""
+        label = "load_lora_adapter"
+        try:
+            self._gate(request)
+            body = await _read_json(request, self.config.max_body_bytes)
+            name, path = _text_field(body, "lora_name"), _text_field(body, "lora_path")
+            base = _text_field(body, "model")
+            if _served_name(base) not in models.models:
+                raise bad_request(
+                    f"model={base!r}: expected the served model the adapter belongs to, one "
+                    "of " + ", ".join(repr(n) for n in models.names),
+                    "model",
+                )
+            try:
+                models.check_adapter_name(name)
+            except ValueError as exc:
+                raise bad_request(str(exc), "lora_name") from None
+            backend = await self._acquire(request, base)
+        except Exception as exc:
+            return self._refused(label, exc)
+        try:
+            info = await asyncio.to_thread(backend.load_adapter, name, path)
+            try:
+                await asyncio.to_thread(models.add_adapter, _served_name(base), name, info.path)
+            except ValueError:  # the name taken on another model meanwhile: not kept here
+                await asyncio.to_thread(backend.unload_adapter, name)
+                raise
+        except ModelFileError as exc:
+            return self._refused(label, bad_request(str(exc), "lora_path", "invalid_adapter"))
+        except (RequestError, ValueError) as exc:
+            return self._refused(label, bad_request(str(exc), "lora_name"))
+        except Exception as exc:
+            return self._refused(label, exc)
+        finally:
+            self._release(base)
+        loaded = {"lora_name": info.name, "lora_path": info.path, "held": info.loaded}
+        return JSONResponse({"status": "ok", "model": _served_name(base), **loaded})
+
+    async def _unload_model_adapter(self, request: Request, models: ModelSet) -> Response:
+        """With several models, vLLM's unload body: the adapter found by name on its base
+        model, unloaded there if that model is loaded, and not loaded with it again."""
+        label = "unload_lora_adapter"
+        try:
+            self._gate(request)
+            body = await _read_json(request, self.config.max_body_bytes)
+            name = _text_field(body, "lora_name")
+            base = models.base_of(name)
+            if base is None:
+                raise ApiError(404, f"no LoRA adapter named {name!r} is loaded", param="lora_name")
+            if base in {m.name for m in models.loaded()}:
+                backend = await self._acquire(request, base)
+                try:
+                    await asyncio.to_thread(backend.unload_adapter, name)
+                finally:
+                    self._release(base)
+            await asyncio.to_thread(models.remove_adapter, name)
+        except AdapterInUseError as exc:
+            return self._refused(label, ApiError(409, str(exc), code="adapter_in_use"))
+        except Exception as exc:
+            return self._refused(label, exc)
+        return JSONResponse({"status": "ok", "model": base, "lora_name": name})
 
     def _adapter_list(self, backend: Backend) -> list[dict[str, Any]]:
         scales = dict(self.lora_default or ())
@@ -739,7 +816,9 @@ class _Api:
         if models is not None:
             loaded = [(m.name, m.backend) for m in models.loaded() if m.backend is not None]
             described = await asyncio.to_thread(lambda: [describe(n, b) for n, b in loaded])
-            return JSONResponse({"models": models.names, "loaded": described})
+            return JSONResponse(
+                {"models": models.names, "loaded": described, "memory": models.memory()}
+            )
         try:
             backend = self._backend(request)
             info = await asyncio.to_thread(describe, self.config.model_name, backend)
@@ -872,7 +951,8 @@ class _Api:
         asked = await asyncio.to_thread(collector.without_pauses(parse), body)
         if chosen is not None:  # vLLM's way: the adapter's name as the model
             params = dataclasses.replace(asked.params, adapters=chosen)
-            return self._backend(request), dataclasses.replace(asked, params=params)
+            backend = await self._adapter_base(request, asked.model)
+            return backend, dataclasses.replace(asked, params=params)
         return await self._acquire(request, asked.model), asked
 
     def _lora_field(self, field: object, by_model: Adapters | None) -> Adapters | None:
@@ -909,11 +989,22 @@ class _Api:
             )
         return adapters or by_model
 
+    async def _adapter_base(self, request: Request, model: str) -> Backend:
+        """The backend of the base model of a request naming an adapter: the served one,
+        or with several the adapter's own (held as `_acquire` holds it)."""
+        if self.state.models is None:
+            return self._backend(request)
+        return await self._acquire(request, model, adapter=True)
+
     def _adapter_named(self, model: object) -> str | None:
-        """``model`` where it names one of the served model's LoRA adapters (one model
-        served; not the base model's own name), else None."""
-        backend = self.state.backend
-        if self.state.models is not None or backend is None or backend.closed:
+        """``model`` where it names a LoRA adapter: one of the served model's (not the
+        base model's own name), or with several models one of any model's; else None."""
+        backend, models = self.state.backend, self.state.models
+        if models is not None:
+            if not isinstance(model, str) or models.base_of(_served_name(model)) is None:
+                return None
+            return _served_name(model)
+        if backend is None or backend.closed:
             return None
         if not isinstance(model, str) or _bare_name(model) == self.config.model_name:
             return None
@@ -927,15 +1018,28 @@ class _Api:
             self._backend(request)
 
     async def _acquire(
-        self, request: Request, name: str, keep_alive: float | None = None
+        self, request: Request, name: str, keep_alive: float | None = None, adapter: bool = False
     ) -> Backend:
         """The named model's backend, held for this request until `_release` (several
-        models: loaded first where it is not, off the event loop)."""
+        models: loaded first where it is not, off the event loop). ``adapter``: ``name``
+        may name a LoRA adapter, its base model's backend then (only where the request
+        runs with that adapter: elsewhere an adapter's name is no model's, as with one)."""
         models = self.state.models
         if models is None:
             self._check_model(name)
             return self._backend(request)
-        return await asyncio.to_thread(models.acquire, _served_name(name), keep_alive)
+        served = _served_name(name)
+        if not adapter and served not in models.models:
+            base = models.base_of(served)
+            if base is not None:
+                raise ApiError(
+                    404,
+                    f"{name!r} is a LoRA adapter of {base!r}, which this endpoint does not "
+                    f"run; name a served model ({', '.join(models.names)})",
+                    param="model",
+                    code="model_not_found",
+                )
+        return await asyncio.to_thread(models.acquire, served, keep_alive)
 
     def _release(self, name: str, keep_alive: float | None = None) -> None:
         if self.state.models is not None:

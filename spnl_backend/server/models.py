@@ -11,6 +11,11 @@ the requests waiting for it with its error (a 500 naming the model); the next re
 tries again. ``keep_alive`` is Ollama's: seconds after a model's last request ends (0:
 unload at once; negative: keep).
 
+A model may carry LoRA adapters, each belonging to that one model: a request naming an
+adapter holds its base model, whose footprint counts the adapters it holds
+(`AdapterUsage.nbytes`); adapters loaded or unloaded at run time are remembered, so an
+unloaded model comes back with the adapters it had.
+
 Every method is safe from any thread; the server calls `acquire` off its event loop,
 since a load takes seconds.
 """
@@ -44,15 +49,28 @@ class ServedModel:
     last_used: float = field(default_factory=time.monotonic)
     keep_alive_s: float = DEFAULT_KEEP_ALIVE_S
     footprint: int = 0  # bytes, measured at its last load (0: never loaded)
+    adapters: dict[str, str] = field(default_factory=dict)  # its LoRA adapters: name -> path
+    adapter_bytes: int = 0  # of those, the bytes held in memory as counted in `footprint`
 
     def estimate(self) -> int:
         if self.footprint:
             return self.footprint
-        path = Path(self.source)
-        try:
-            return path.stat().st_size if path.is_file() else 0
-        except OSError:
-            return 0
+        return _size(self.source) + sum(_size(path) for path in self.adapters.values())
+
+    def base_estimate(self) -> int:
+        """`estimate` less its adapters'."""
+        return self.footprint - self.adapter_bytes if self.footprint else _size(self.source)
+
+
+def _size(source: str) -> int:
+    """A file's size, or a PEFT directory's weights' (0 where there is none)."""
+    path = Path(source)
+    if path.is_dir():
+        path = path / "adapter_model.safetensors"
+    try:
+        return path.stat().st_size if path.is_file() else 0
+    except OSError:
+        return 0
 
 
 class ModelSet:
@@ -63,16 +81,23 @@ class ModelSet:
         keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
         budget_bytes: int | None = None,
         named_loads: dict[str, Callable[[str], Backend]] | None = None,
+        adapters: dict[str, dict[str, str]] | None = None,
     ) -> None:
         """``load``: a model's source to its backend; ``named_loads``: the loaders of
-        the models whose settings differ from the rest (their own chat template)."""
+        the models whose settings differ from the rest (their own chat template, their
+        adapters); ``adapters``: each model's LoRA adapters (name -> path) its loader
+        loads with it."""
         self._named_loads = named_loads or {}
+        self._load, self.budget_bytes = load, budget_bytes
+        self._lock = threading.Lock()
         self.models = {
             name: ServedModel(name, source, keep_alive_s=keep_alive_s)
             for name, source in sources.items()
         }
-        self._load, self.budget_bytes = load, budget_bytes
-        self._lock = threading.Lock()
+        for model, given in (adapters or {}).items():
+            for adapter, path in given.items():
+                self.check_adapter_name(adapter)
+                self.served(model).adapters[adapter] = path
 
     @property
     def names(self) -> list[str]:
@@ -82,9 +107,77 @@ class ModelSet:
         with self._lock:
             return [m for m in self.models.values() if m.backend is not None]
 
+    def base_of(self, name: str) -> str | None:
+        """The model whose LoRA adapter ``name`` is (None where no model has one)."""
+        with self._lock:
+            return next((m.name for m in self.models.values() if name in m.adapters), None)
+
+    def adapter_list(self) -> list[tuple[str, str, str]]:
+        """Every model's adapters, ``(adapter, model, path)``, in the models' order."""
+        with self._lock:
+            return [(a, m.name, p) for m in self.models.values() for a, p in m.adapters.items()]
+
+    def add_adapter(self, model: str, name: str, path: str) -> None:
+        """Remember ``model``'s adapter ``name`` (loaded on its backend by the caller), to
+        load again whenever the model does; its bytes join the model's footprint."""
+        self.check_adapter_name(name)
+        with self._lock:
+            self.served(model).adapters[name] = path
+        self.count_adapters(model)
+
+    def remove_adapter(self, name: str) -> None:
+        """Forget an adapter (unloaded from its loaded backend by the caller)."""
+        base = self.base_of(name)
+        if base is not None:
+            with self._lock:
+                self.models[base].adapters.pop(name, None)
+            self.count_adapters(base)
+
+    def count_adapters(self, name: str) -> None:
+        """The model's footprint, if loaded, with its adapters' bytes held now."""
+        model = self.served(name)
+        backend = model.backend
+        if backend is None or backend.closed:
+            return
+        held = _adapter_bytes(backend)
+        with self._lock:
+            model.footprint += held - model.adapter_bytes
+            model.adapter_bytes = held
+
+    def check_adapter_name(self, name: str) -> None:
+        """An adapter's name chooses it in ``model``: neither a model's nor another's."""
+        base = self.base_of(name)
+        if name in self.models or base is not None:
+            taken = "a served model's" if base is None else f"an adapter of {base!r}'s"
+            raise ValueError(
+                f"the LoRA adapter name {name!r} is {taken} name already; each adapter "
+                "needs a name unlike every served model's and every other adapter's"
+            )
+
+    def memory(self) -> dict[str, object]:
+        """The budget and each model's footprint in bytes (measured, or estimated before
+        its first load), of which its held adapters' bytes, and its adapters."""
+        with self._lock:
+            return {
+                "budget_bytes": self.budget_bytes,
+                "models": [
+                    {
+                        "name": m.name,
+                        "loaded": m.backend is not None,
+                        "footprint_bytes": m.estimate(),
+                        "adapter_bytes": m.adapter_bytes,
+                        "adapters": list(m.adapters),
+                    }
+                    for m in self.models.values()
+                ],
+            }
+
     def served(self, name: str) -> ServedModel:
-        """The model of that name; a 404 naming the served ones where there is none."""
+        """The model of that name, or the base model of the adapter of that name; a 404
+        naming the served ones where there is none."""
         model = self.models.get(name)
+        if model is None:
+            model = next((m for m in self.models.values() if name in m.adapters), None)
         if model is None:
             raise ApiError(
                 404,
@@ -120,7 +213,7 @@ class ModelSet:
 
     def release(self, name: str, keep_alive_s: float | None = None) -> None:
         """A request is done with the model; unloaded at once if its keep-alive is 0."""
-        model = self.models[name]
+        model = self.served(name)
         with self._lock:
             model.users -= 1
             model.last_used = time.monotonic()
@@ -138,7 +231,7 @@ class ModelSet:
 
     def unload(self, name: str) -> bool:
         """Unload a model no request holds (Ollama's keep_alive 0 with no prompt)."""
-        model = self.models[name]
+        model = self.served(name)
         with self._lock:
             if model.backend is None or model.users:
                 return False
@@ -167,13 +260,39 @@ class ModelSet:
                 done, model.loading = model.loading, None
             done.set()  # type: ignore[union-attr]
             raise _load_failed(model) from None
+        try:
+            self._sync_adapters(model, backend)
+        except Exception as exc:
+            backend.close()
+            with self._lock:
+                model.error = f"{type(exc).__name__}: {exc}"
+                done, model.loading = model.loading, None
+            done.set()  # type: ignore[union-attr]
+            raise _load_failed(model) from None
         grown = resident_bytes() - before
         states = backend.cache_info().state_bytes or 0
+        held = _adapter_bytes(backend) if model.adapters else 0
         with self._lock:
-            model.backend, model.footprint = backend, max(grown, model.estimate()) + states
+            # The resident growth holds the adapters loaded with it, if it was measured.
+            footprint = max(grown, model.base_estimate() + held)
+            model.backend, model.footprint = backend, footprint + states
+            model.adapter_bytes = held
             done, model.loading = model.loading, None
         done.set()  # type: ignore[union-attr]
         log.info("models.loaded", model=model.name, footprint_mb=model.footprint >> 20)
+
+    @staticmethod
+    def _sync_adapters(model: ServedModel, backend: Backend) -> None:
+        """The reloaded backend with the adapters the model had when let go: those loaded
+        since it was first loaded, less those unloaded (its loader loads the given ones)."""
+        if not model.adapters and not hasattr(backend, "adapters"):
+            return
+        have = {a.name for a in backend.adapters()}
+        for name, path in model.adapters.items():
+            if name not in have:
+                backend.load_adapter(name, path)
+        for name in have - set(model.adapters):
+            backend.unload_adapter(name)
 
     def _make_room(self, model: ServedModel) -> list[Backend]:
         """Under the lock: take the least recently used idle models out until ``model``
@@ -227,6 +346,12 @@ class ModelSet:
             backends.pop(0).close()
         collector.collect_unloaded()
         release_freed_memory()
+
+
+def _adapter_bytes(backend: Backend) -> int:
+    """The bytes of the LoRA adapters the backend holds in memory."""
+    usage = backend.stats().adapters
+    return 0 if usage is None else usage.nbytes
 
 
 def _load_failed(model: ServedModel) -> ApiError:

@@ -28,6 +28,7 @@ from ..loader.default_model import DEFAULT_MODEL_NAME
 from ..log import get_logger
 from ..settings import BackendSettings, load_settings
 from ..settings.serving import api_key_from_env
+from ..settings.values import lora_adapter_list
 from ..signals import leave_interrupts_to_the_main_thread
 from . import collector
 from .app import (
@@ -114,7 +115,8 @@ def serve(
     ``reasoning_format`` and ``default_chat_template_kwargs`` (a JSON object):
     over ``MISTRALRS_CHAT_TEMPLATE``, ``MISTRALRS_REASONING_FORMAT`` and
     ``MISTRALRS_DEFAULT_CHAT_TEMPLATE_KWARGS``, for every model served. ``lora``:
-    ``NAME=PATH`` LoRA adapters over ``MISTRALRS_LORA_ADAPTERS`` (one model served).
+    ``NAME=PATH`` LoRA adapters over ``MISTRALRS_LORA_ADAPTERS``; with several models,
+    ``MODEL:NAME=PATH``, each adapter on the served model ``MODEL``.
     ``kv_events``: a ZMQ endpoint to publish the prefix cache's KV events on, in vLLM's
     format (`kv_events`), with ``kv_events_replay`` a replay endpoint for late
     subscribers."""
@@ -133,11 +135,6 @@ def serve(
     several = _several(
         model, served_model_name, keep_alive_s, memory_budget_mb, settings, own_templates
     )
-    if several is not None and settings.lora_adapters:
-        raise SettingsError(
-            "--lora (MISTRALRS_LORA_ADAPTERS): LoRA adapters are served on one model; "
-            "with several, leave them unset"
-        )
     events = _events_config(kv_events, kv_events_replay, kv_events_topic, several)
     if isinstance(model, list):  # one given (several are the model set's)
         model = model[0] if len(model) == 1 else None
@@ -278,13 +275,47 @@ def _several(
             raise SettingsError(f"--model {given!r}: expected PATH or NAME=PATH, each name once")
         sources[name] = path
     budget = memory_budget_mb << 20 if memory_budget_mb is not None else None
+    adapters = _model_adapters(settings.lora_adapters, sources)
+    settings = settings.model_copy(update={"lora_adapters": None})
     named = {}
-    for name, template in (own_templates or {}).items():
-        own = settings.model_copy(update={"chat_template": template})
+    for name in sorted(set(own_templates or {}) | set(adapters)):
+        update: dict[str, str] = {}
+        if name in (own_templates or {}):
+            update["chat_template"] = own_templates[name]  # type: ignore[index]
+        if name in adapters:
+            update["lora_adapters"] = ",".join(f"{a}={p}" for a, p in adapters[name].items())
+        own = settings.model_copy(update=update)
         named[name] = functools.partial(_served_backend, settings=own)
-    return ModelSet(
-        sources, lambda path: _served_backend(path, settings), keep_alive_s, budget, named
-    )
+    try:
+        return ModelSet(
+            sources,
+            lambda path: _served_backend(path, settings),
+            keep_alive_s,
+            budget,
+            named,
+            adapters,
+        )
+    except ValueError as exc:
+        raise SettingsError(f"--lora (MISTRALRS_LORA_ADAPTERS): {exc}") from None
+
+
+def _model_adapters(given: str | None, models: dict[str, str]) -> dict[str, dict[str, str]]:
+    """With several models, each ``MODEL:NAME=PATH`` adapter under its served model's name
+    (the longest served name that ``MODEL:`` begins the item with, as names may hold
+    ``:``)."""
+    adapters: dict[str, dict[str, str]] = {}
+    for item, path in lora_adapter_list(given):
+        owners = [m for m in models if item.startswith(m + ":") and len(item) > len(m) + 1]
+        if not owners:
+            raise SettingsError(
+                f"--lora (MISTRALRS_LORA_ADAPTERS) {item}={path}: with several models, "
+                "expected MODEL:NAME=PATH, MODEL one of the served models ("
+                + ", ".join(models)
+                + ")"
+            )
+        model = max(owners, key=len)
+        adapters.setdefault(model, {})[item[len(model) + 1 :]] = path
+    return adapters
 
 
 def _chat_templates(
