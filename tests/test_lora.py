@@ -788,3 +788,31 @@ def test_layer_blocks_equal_the_per_op_path_with_adapters(adapters, block_runs):
     finally:
         blocks.close()
         per_op.close()
+
+
+@pytest.mark.parametrize(
+    ("method", "draft"), [("ngram", None), ("suffix", None), ("auto", "a draft")]
+)
+def test_adapters_with_speculation_under_tensor_parallelism_are_refused(method, draft):
+    from types import SimpleNamespace
+
+    from spnl_backend.engine.build import _adapter_registry
+
+    loaded = SimpleNamespace(
+        model=SimpleNamespace(tp=object()),
+        implementation="native",
+        config=SimpleNamespace(folded_multipliers=None, architecture="LlamaForCausalLM"),
+    )
+    settings = SimpleNamespace(
+        speculative=method if draft is None else "draft",
+        lora_adapters="a=/nowhere",
+        lora_max_loaded=0,
+    )
+    with pytest.raises(SettingsError, match="speculative decoding under tensor parallelism"):
+        _adapter_registry(loaded, settings, draft)
+    # without adapters named the model still runs, with the reason it takes none
+    registry, why = _adapter_registry(
+        loaded, SimpleNamespace(**{**vars(settings), "lora_adapters": None}), draft
+    )
+    assert registry is None
+    assert "tensor parallelism" in why
