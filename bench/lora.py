@@ -38,7 +38,6 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import harness
@@ -64,19 +63,7 @@ LABELS = {"ours": "spnl-backend", "llama-server": f"llama-server -np {REQUESTS}"
 # ---- the adapters -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Dims:
-    """What an adapter's matrices are sized by: the base's (a `synthetic_gguf.Shape`'s)."""
-
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn: int
-
-
-def projections(dims: Dims) -> dict[str, tuple[int, int]]:
+def projections(dims) -> dict[str, tuple[int, int]]:
     """Every attention and MLP projection of a layer, by llama.cpp's tensor name: (in, out)."""
     q, kv = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
     return {
@@ -90,7 +77,7 @@ def projections(dims: Dims) -> dict[str, tuple[int, int]]:
     }
 
 
-def adapter_tensors(dims: Dims, rank: int, seed: int):
+def adapter_tensors(dims, rank: int, seed: int):
     """``(name, array)`` of a random adapter: lora_a ``[r, in]`` of about unit products,
     lora_b ``[out, r]`` small, so each projection moves by a tenth or so of its output."""
     rng = np.random.default_rng(seed)
@@ -103,11 +90,12 @@ def adapter_tensors(dims: Dims, rank: int, seed: int):
             yield f"{stem}.lora_b", b
 
 
-def write_adapter(path: Path, arch: str, dims: Dims, rank: int, seed: int) -> Path:
-    """A random GGUF LoRA adapter, in the keys and tensors llama.cpp's converter writes."""
+def write_adapter(path: Path, dims, rank: int, seed: int) -> Path:
+    """A random GGUF LoRA adapter for a base of ``dims`` (a `synthetic_gguf.Shape`), in the
+    keys and tensors llama.cpp's converter writes."""
     import gguf
 
-    writer = gguf.GGUFWriter(path, arch)
+    writer = gguf.GGUFWriter(path, dims.arch)
     writer.add_name(f"random LoRA {seed}")
     writer.add_type(gguf.GGUFType.ADAPTER)
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
@@ -122,8 +110,8 @@ def write_adapter(path: Path, arch: str, dims: Dims, rank: int, seed: int) -> Pa
     return path
 
 
-def base_model(shape_name: str) -> tuple[Path, str, Dims]:
-    """The synthetic base GGUF (written once, cached), its architecture and sizes."""
+def base_model(shape_name: str):
+    """The synthetic base GGUF (written once, cached) and its `synthetic_gguf.Shape`."""
     import synthetic_gguf
 
     shape = synthetic_gguf.SHAPES[shape_name]
@@ -133,12 +121,7 @@ def base_model(shape_name: str) -> tuple[Path, str, Dims]:
         partial = path.with_suffix(".part")
         synthetic_gguf.write(partial, shape_name, "q4_k_m")
         partial.rename(path)
-    return path, shape.arch, dims_of(shape)
-
-
-def dims_of(shape) -> Dims:
-    """The sizes of a `synthetic_gguf.Shape` that an adapter's matrices take."""
-    return Dims(shape.hidden, shape.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.ffn)
+    return path, shape
 
 
 # ---- the requests -------------------------------------------------------------------------
@@ -299,11 +282,10 @@ def main() -> None:
     args = parse_args()
     began = time.perf_counter()
     shape = "tiny" if args.smoke else "llama-1b"
-    gguf, arch, dims = base_model(shape)
+    gguf, dims = base_model(shape)
     with tempfile.TemporaryDirectory() as tmp:
         adapters = [
-            write_adapter(Path(tmp) / f"lora-{i}.gguf", arch, dims, RANK, seed=i)
-            for i in range(ADAPTERS)
+            write_adapter(Path(tmp) / f"lora-{i}.gguf", dims, RANK, seed=i) for i in range(ADAPTERS)
         ]
         results = {label: bench(engine, args, gguf, adapters) for engine, label in LABELS.items()}
     model = f"synthetic {shape} Q4_K_M"

@@ -20,11 +20,7 @@ def test_random_adapters_load_on_the_synthetic_base_and_change_its_tokens(tmp_pa
     base = tmp_path / "tiny.gguf"
     synthetic_gguf.write(base, "tiny", "q4_k_m")
     shape = synthetic_gguf.SHAPES["tiny"]
-    dims = lora_bench.dims_of(shape)
-    paths = [
-        lora_bench.write_adapter(tmp_path / f"a{i}.gguf", shape.arch, dims, 16, seed=i)
-        for i in range(2)
-    ]
+    paths = [lora_bench.write_adapter(tmp_path / f"a{i}.gguf", shape, 16, seed=i) for i in range(2)]
     spec = ",".join(f"a{i}={path}" for i, path in enumerate(paths))
     settings = BackendSettings(device="cpu", lora_adapters=spec)
     with load_backend(str(base), settings=settings) as backend:
