@@ -336,6 +336,19 @@ async def wait_ready(
     raise ServerError(f"not ready after {timeout_s:.0f} s")
 
 
+def wait_ready_blocking(base: str, timeout_s: float, process: subprocess.Popen, log: Path) -> None:
+    """`wait_ready` for a caller without an event loop; a failure carries the log's tail."""
+
+    async def wait() -> None:
+        async with httpx.AsyncClient(timeout=5) as client:
+            await wait_ready(client, base, timeout_s, process)
+
+    try:
+        asyncio.run(wait())
+    except ServerError as error:
+        raise ServerError(f"{error}: {log_tail(log)}") from None
+
+
 async def model_id(client: httpx.AsyncClient, base: str) -> str:
     answer = await client.get(f"{base}/v1/models")
     answer.raise_for_status()

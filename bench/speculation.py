@@ -84,7 +84,7 @@ from pathlib import Path
 
 import harness
 import httpx
-from serve import ServerError, free_port, log_tail, ours_executable, started
+from serve import ServerError, free_port, ours_executable, started, wait_ready_blocking
 from spnl_speedup import INSTRUCTION, JUDGE, REQUEST, SYSTEM, WRITER, fragments
 
 ENGINES = [
@@ -224,16 +224,10 @@ def running(engine: str, gguf: Path, args):
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "log"
         with started(argv, env, log) as process:
-            deadline = time.monotonic() + READY_TIMEOUT_S
-            while True:
-                if process.poll() is not None:
-                    raise ServerError(f"{engine} exited: {log_tail(log)}")
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(base + "/health", timeout=5).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise ServerError(f"{engine} not ready after {READY_TIMEOUT_S} s")
-                time.sleep(0.5)
+            try:
+                wait_ready_blocking(base, READY_TIMEOUT_S, process, log)
+            except ServerError as error:
+                raise ServerError(f"{engine}: {error}") from None
             yield base, httpx.get(base + "/v1/models").json()["data"][0]["id"]
 
 

@@ -50,7 +50,7 @@ import harness
 import httpx
 from pic import f1
 from real_sizes import isa_line, read_text
-from serve import ServerError, free_port, log_tail, server_command, started
+from serve import free_port, server_command, started, wait_ready_blocking
 from spnl_client import execute_openai, execute_spnl
 
 FRAGMENTS = 10
@@ -208,16 +208,7 @@ def server(model: Path, threads: int, reuse: str, log: Path) -> Iterator[tuple[s
     env |= {"MISTRALRS_SPAN_QUERY_REUSE": reuse, "MISTRALRS_PAGED_ATTN_CONTEXT_LEN": "16384"}
     base = f"http://127.0.0.1:{port}"
     with started(argv, env, log) as process:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                raise ServerError(f"the server exited: {log_tail(log)}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(base + "/health", timeout=5).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise ServerError(f"not ready after {READY_TIMEOUT_S} s: {log_tail(log)}")
-            time.sleep(0.5)
+        wait_ready_blocking(base, READY_TIMEOUT_S, process, log)
         name = httpx.get(base + "/v1/models").json()["data"][0]["id"]
         yield base, name
 
