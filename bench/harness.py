@@ -85,6 +85,40 @@ def run_json_child(command: list, env: dict | None = None) -> dict:
         return {"error": failure.last_line}
 
 
+# ---- the machine's load -------------------------------------------------------------------
+
+
+def load_average() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+def pytest_running() -> bool:
+    found = subprocess.run(["pgrep", "-f", "pytest"], capture_output=True, check=False)
+    return found.returncode == 0
+
+
+def wait_quiet(limit: float | None, timeout_s: float = 1800) -> float:
+    """The 1-minute load average, after waiting (at most ``timeout_s``) for it to fall below
+    ``limit`` with no pytest running, where a limit is given."""
+    start = time.monotonic()
+    while limit is not None and time.monotonic() - start < timeout_s:
+        if load_average() < limit and not pytest_running():
+            break
+        time.sleep(10)
+    return load_average()
+
+
+def add_wait_quiet(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=None,
+        metavar="LOAD",
+        help="before each measurement, wait (up to 30 minutes) for a 1-minute load average "
+        "below LOAD and no pytest running",
+    )
+
+
 # ---- measuring ----------------------------------------------------------------------------
 
 

@@ -68,9 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decode", type=int, default=64, help="decode tokens")
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--engines", nargs="+", default=["llama.cpp", "ours"])
-    parser.add_argument(
-        "--wait-quiet", type=float, default=None, metavar="LOAD", help="wait for a quiet machine"
-    )
+    harness.add_wait_quiet(parser)
     parser.add_argument("--default-model", action="store_true", help="add Gemma 3 270M")
     parser.add_argument("--depths", nargs="+", type=int, default=[], help="llama-bench -d")
     parser.add_argument("--long-prompt", type=int, default=None, help="llama-bench -p P")
@@ -86,26 +84,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ---- the machine --------------------------------------------------------------------------
-
-
-def load_average() -> float:
-    return float(Path("/proc/loadavg").read_text().split()[0])
-
-
-def pytest_running() -> bool:
-    found = subprocess.run(["pgrep", "-f", "pytest"], capture_output=True, check=False)
-    return found.returncode == 0
-
-
-def wait_quiet(limit: float | None, timeout_s: float = 1800) -> float:
-    """The 1-minute load average, after waiting (at most ``timeout_s``) for it to fall below
-    ``limit`` with no pytest running, where a limit is given."""
-    start = time.monotonic()
-    while limit is not None and time.monotonic() - start < timeout_s:
-        if load_average() < limit and not pytest_running():
-            break
-        time.sleep(10)
-    return load_average()
 
 
 def cpu_line() -> str:
@@ -129,15 +107,35 @@ def synthetic_file(directory: Path, shape: str) -> Path:
 # ---- the engines --------------------------------------------------------------------------
 
 
-def run_llama_bench(binary: Path, gguf: Path, args: argparse.Namespace) -> dict:
-    command = [binary, "-m", gguf, "-t", args.threads, "-p", args.prompt, "-n", args.decode]
-    command = ["/usr/bin/time", "-f", "peak_rss_kb %M", *command, "-r", args.runs, "-o", "json"]
-    done = subprocess.run([str(c) for c in command], capture_output=True, text=True, check=False)
+def llama_bench_command(
+    binary: Path, gguf: Path, threads: int, prompt: int, decode: int, runs: int
+) -> list[str]:
+    """``llama-bench -t T -p P -n N -r R -o json`` under ``/usr/bin/time`` (its peak RSS)."""
+    command = [binary, "-m", gguf, "-t", threads, "-p", prompt, "-n", decode, "-r", runs]
+    return [str(c) for c in ["/usr/bin/time", "-f", "peak_rss_kb %M", *command, "-o", "json"]]
+
+
+def run_llama_bench(
+    binary: Path, gguf: Path, threads: int, prompt: int, decode: int, runs: int
+) -> dict:
+    """llama-bench's prefill (``pp``) and decode (``tg``) tok/s, their spreads and its peak
+    RSS; ``{"error": its last line}`` if it fails."""
+    command = llama_bench_command(binary, gguf, threads, prompt, decode, runs)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+    except OSError as error:
+        return {"error": f"{command[0]}: {error}"}
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
-    rows = json.loads(done.stdout)
+    return parse_llama_bench(done.stdout, done.stderr)
+
+
+def parse_llama_bench(stdout: str, stderr: str) -> dict:
+    """llama-bench's JSON rows (a ``pp`` row has ``n_prompt``, a ``tg`` row ``n_gen``) and
+    ``/usr/bin/time``'s peak RSS line."""
+    rows = json.loads(stdout)
     result: dict = {"peak_rss_mb": None}
-    for line in done.stderr.splitlines():
+    for line in stderr.splitlines():
         if line.startswith("peak_rss_kb "):
             result["peak_rss_mb"] = int(line.split()[1]) / 1024
     for row in rows:
@@ -164,7 +162,8 @@ def child(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    backend = harness.load_ours(args.gguf[0], prefix_cache_n=0)
+    # The native kernels' pool at the same count: it follows the CPUs, not torch's setting.
+    backend = harness.load_ours(args.gguf[0], prefix_cache_n=0, num_threads=args.threads)
     load_s = time.perf_counter() - start
     prompt = harness.long_prompt(backend.tokenizer.encode, args.prompt)
     backend.generate(SHORT_PROMPT, max_tokens=4, temperature=0, ignore_eos=True)  # warm-up
@@ -252,7 +251,9 @@ def long_child(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     longest = max([*args.depths, args.long_prompt or 0])
     room = -(-(longest + LONG_ROOM) // BLOCK_SIZE) * BLOCK_SIZE
-    backend = harness.load_ours(args.gguf[0], prefix_cache_n=0, paged_attn_context_len=room)
+    backend = harness.load_ours(
+        args.gguf[0], prefix_cache_n=0, paged_attn_context_len=room, num_threads=args.threads
+    )
     backend.generate(SHORT_PROMPT, max_tokens=4, temperature=0, ignore_eos=True)  # warm-up
 
     def after(tokens: int):
@@ -288,7 +289,7 @@ def long_runs(binary: Path | None, path: Path, args: argparse.Namespace) -> dict
     runs: dict[str, list[dict]] = {"llama.cpp": [], "ours": []}
     for _ in range(args.long_runs):
         for engine in args.engines:
-            load = wait_quiet(args.wait_quiet)
+            load = harness.wait_quiet(args.wait_quiet)
             if engine == "llama.cpp" and binary:
                 result = run_llama_long(binary, path, args)
             elif engine == "ours":
@@ -423,9 +424,11 @@ def short_table(files: list[tuple[str, Path]], args: argparse.Namespace) -> str:
     for label, path in files:
         results = {}
         for engine in args.engines:
-            load = wait_quiet(args.wait_quiet)
+            load = harness.wait_quiet(args.wait_quiet)
             if engine == "llama.cpp" and args.llama_bench:
-                results[engine] = run_llama_bench(args.llama_bench, path, args)
+                results[engine] = run_llama_bench(
+                    args.llama_bench, path, args.threads, args.prompt, args.decode, args.runs
+                )
             elif engine == "ours":
                 results[engine] = run_ours_child(path, args)
             else:

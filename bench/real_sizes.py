@@ -49,6 +49,7 @@ from pathlib import Path
 
 import decode
 import harness
+import llama_bench
 
 BENCH = Path(__file__).resolve().parent
 DEFAULT_SHAPES = ["llama-1b", "gemma3-4b", "llama-8b"]
@@ -57,6 +58,11 @@ OURS, LLAMA = "spnl-backend", "llama.cpp"  # decode.ENGINES names
 VARIANT = "spnl-backend, batch invariance off"
 INVARIANCE_VAR = "MISTRALRS_BATCH_INVARIANT"
 FIXED_THREADS = 2  # batched and long-context runs
+# Issue 56's targets for the llama-bench table, and the share of the bound past which
+# decode is taken to be limited by memory bandwidth.
+DECODE_TARGET, BOUND_TARGET, PREFILL_TARGET = 1.2, 0.90, 1.5
+BANDWIDTH_SHARE = 0.85
+PROFILE_TOKENS = 16  # decode tokens bench/profile_decode.py times for the limit column
 BATCH_PROMPT_WORDS = 12
 BATCH_PROMPT_ROOM = 64  # tokens reserved per batched prompt in our KV budget
 LONG_MARGIN = 64  # the long prompt is this many tokens short of the context
@@ -97,6 +103,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--dir", type=Path, default=default_dir(), help="synthetic GGUFs")
     harness.add_peers_python(parser, "llama-cpp-python")
+    parser.add_argument(
+        "--llama-bench",
+        type=Path,
+        help="llama.cpp's llama-bench: the single-sequence table's llama.cpp column "
+        "(else llama-cpp-python's, run by --peers-python)",
+    )
+    parser.add_argument(
+        "--skip-profile",
+        action="store_true",
+        help="with --llama-bench: no profile of ours below the bound (the limit column)",
+    )
+    harness.add_wait_quiet(parser)
     parser.add_argument("--markdown", type=Path, help="also write the output to this file")
     parser.add_argument("--default-model", action="store_true", help="add Gemma 3 270M")
     parser.add_argument("--gguf", type=Path, action="append", default=[], help="add a file")
@@ -243,6 +261,25 @@ def child_bandwidth(args: argparse.Namespace) -> dict:
     return {"gb_s": decode.read_bandwidth_gb_s(args.threads[0])}
 
 
+def products_figures(profile: dict) -> dict:
+    """From bench/profile_decode.py's profile: ms per decode token as shipped, and the
+    quantized products' ms and weight bytes per token (a part's bytes per token are its
+    read rate times its time)."""
+    products = [part for label, part in profile["parts"].items() if label.startswith("product ")]
+    return {
+        "token_ms": profile["blocks_ms_per_token"],
+        "products_ms": sum(part["ms"] for part in products),
+        "products_bytes": sum((part["gb_s"] or 0.0) * part["ms"] * 1e6 for part in products),
+        "tokens": profile["tokens"],
+    }
+
+
+def child_profile(args: argparse.Namespace) -> dict:
+    import profile_decode
+
+    return products_figures(profile_decode.profile(args.gguf[0], args.threads[0], PROFILE_TOKENS))
+
+
 # ---- batched decode (ours) --------------------------------------------------------------------
 
 
@@ -356,6 +393,7 @@ def child_long_ours(args: argparse.Namespace, paged: bool, cache_type: str = "au
     torch.set_num_threads(args.threads[0])
     context = args.contexts[0]
     settings: dict = {"prefix_cache_n": 0, "paged_attn": paged, "paged_cache_type": cache_type}
+    settings["num_threads"] = args.threads[0]  # the native pool follows the CPUs, not torch
     if paged:  # the pool holds the whole context (the default budget is 4,096 tokens)
         settings["paged_attn_context_len"] = whole_blocks(context)
     backend = harness.load_ours(args.gguf[0], **settings)
@@ -418,6 +456,7 @@ CHILDREN: dict[str, Callable[[argparse.Namespace], dict]] = {
     "info": child_info,
     "plan": child_plan,
     "bandwidth": child_bandwidth,
+    "profile": child_profile,
     "single-llama": child_single_llama,
     "batched": child_batched,
     "long-paged": lambda args: child_long_ours(args, paged=True),
@@ -459,9 +498,13 @@ def models(args: argparse.Namespace) -> list[Model]:
     return found
 
 
-def ours_single(model: Model, threads: int, runs: int, invariant: bool = True) -> dict:
+def ours_single(
+    model: Model, threads: int, runs: int, invariant: bool = True, quiet: float | None = None
+) -> dict:
     """decode.py's probes of ours in a child; ``invariant=False`` with the row-count
-    thresholds (MISTRALRS_BATCH_INVARIANT=false), the fastest non-invariant path."""
+    thresholds (MISTRALRS_BATCH_INVARIANT=false), the fastest non-invariant path. With the
+    load average it started at, after waiting for one below ``quiet``."""
+    load = harness.wait_quiet(quiet)
     previous = os.environ.get(INVARIANCE_VAR)
     os.environ[INVARIANCE_VAR] = "true" if invariant else "false"
     try:
@@ -471,19 +514,57 @@ def ours_single(model: Model, threads: int, runs: int, invariant: bool = True) -
             del os.environ[INVARIANCE_VAR]
         else:
             os.environ[INVARIANCE_VAR] = previous
+    ours["load_avg"] = load
     line = {"model": model.label, "threads": threads, "invariant": invariant} | ours
     print(json.dumps(line), file=sys.stderr)
     return ours
 
 
+def llama_single(args: argparse.Namespace, model: Model, threads: int) -> dict:
+    """llama.cpp's single-sequence figures: llama-bench's pp and tg over as many tokens as
+    ours' probes (with --llama-bench), else decode.py's probes through llama-cpp-python."""
+    load = harness.wait_quiet(args.wait_quiet)
+    if args.llama_bench:
+        prompt, tokens = decode.PREFILL_TOKENS, harness.DECODE_TOKENS
+        result = llama_bench.run_llama_bench(
+            args.llama_bench, model.path, threads, prompt, tokens, args.runs
+        )
+        print(
+            json.dumps({"llama-bench": model.label, "threads": threads, **result}), file=sys.stderr
+        )
+    else:
+        arguments = ["--gguf", model.path, "--threads", threads, "--runs", args.runs]
+        result = child(args.peers_python, "single-llama", *arguments)
+    return result | {"load_avg": load}
+
+
 def single_sequence(args: argparse.Namespace, model: Model, threads: int) -> dict:
-    ours = ours_single(model, threads, args.runs)
-    arguments = ["--gguf", model.path, "--threads", threads, "--runs", args.runs]
-    llama = child(args.peers_python, "single-llama", *arguments)
+    ours = ours_single(model, threads, args.runs, quiet=args.wait_quiet)
+    llama = llama_single(args, model, threads)
     row = {"model": model.label, "threads": threads, OURS: ours, LLAMA: llama}
     if not args.skip_invariance_cost and threads == FIXED_THREADS:
-        row[VARIANT] = ours_single(model, threads, args.runs, invariant=False)
+        row[VARIANT] = ours_single(model, threads, args.runs, False, args.wait_quiet)
     return row
+
+
+def limit_profiles(
+    args: argparse.Namespace,
+    rows: list[dict],
+    files: list[Model],
+    plans: dict[str, dict],
+    bandwidths: dict[int, dict],
+) -> None:
+    """bench/profile_decode.py's figures (``row["profile"]``) for each row whose decode of
+    ours stays below `BANDWIDTH_SHARE` of its bound: what the limit column decides from."""
+    paths = {m.label: m.path for m in files}
+    for row in rows:
+        bound = bound_tok_s(plans[row["model"]], bandwidths.get(row["threads"], {}))
+        share = decode_share(row[OURS], bound)
+        if share is None or share >= BANDWIDTH_SHARE:
+            continue
+        load = harness.wait_quiet(args.wait_quiet)
+        arguments = ["--gguf", paths[row["model"]], "--threads", row["threads"]]
+        row["profile"] = child(sys.executable, "profile", *arguments) | {"load_avg": load}
 
 
 def long_context(args: argparse.Namespace, model: Model, plan: dict, context: int) -> dict:
@@ -495,24 +576,33 @@ def long_context(args: argparse.Namespace, model: Model, plan: dict, context: in
         if too_big:
             runs[mode] = {"error": too_big}
             continue
+        load = harness.wait_quiet(args.wait_quiet)
         arguments = ["--gguf", model.path, "--threads", FIXED_THREADS, "--contexts", context]
-        runs[mode] = child(python, mode, *arguments)
+        runs[mode] = child(python, mode, *arguments) | {"load_avg": load}
     return {"model": model.label, "context": context, "runs": runs}
 
 
 def batched(args: argparse.Namespace, model: Model) -> dict:
     arguments = ["--gguf", model.path, "--threads", FIXED_THREADS, "--runs", args.runs]
+    load = harness.wait_quiet(args.wait_quiet)
     result = child(sys.executable, "batched", *arguments, "--batched", *args.batched)
+    result["load_avg"] = load
     if args.batched_bench is None:
         llama = {"error": "no --batched-bench"}
     else:
+        load = harness.wait_quiet(args.wait_quiet)
         llama = llama_batched(args.batched_bench, model.path, args.batched, FIXED_THREADS)
+        llama["load_avg"] = load
     print(json.dumps({"child": "llama-batched-bench", **llama}), file=sys.stderr)
     return {"model": model.label, "result": result, "llama": llama}
 
 
-def bounds(threads: list[int]) -> dict[int, dict]:
-    return {t: child(sys.executable, "bandwidth", "--threads", t) for t in threads}
+def bounds(threads: list[int], quiet: float | None = None) -> dict[int, dict]:
+    found = {}
+    for t in threads:
+        load = harness.wait_quiet(quiet)
+        found[t] = child(sys.executable, "bandwidth", "--threads", t) | {"load_avg": load}
+    return found
 
 
 # ---- tables -----------------------------------------------------------------------------------
@@ -583,7 +673,156 @@ def single_table(rows: list[dict], plans: dict[str, dict], bandwidths: dict[int,
     return harness.md_table(SINGLE_HEADER, lines)
 
 
-def bound_note(plans: dict[str, dict], bandwidths: dict[int, dict]) -> str:
+# ---- the table against llama-bench, with issue 56's targets ----------------------------------
+
+
+def decode_share(result: dict, bound: float | None) -> float | None:
+    """An engine's decode as a share of the bound; None where either is missing."""
+    if not bound or "decode_tok_s" not in result:
+        return None
+    return result["decode_tok_s"] / bound
+
+
+def times(value: float) -> str:
+    return f"{value:.2f}x"
+
+
+def percent(value: float) -> str:
+    return f"{value:.0%}"
+
+
+def against(value: float | None, target: float, shown: Callable[[float], str]) -> str:
+    """The figure beside its target, met or not, both written by ``shown``."""
+    if value is None:
+        return "n/a"
+    verdict = "met" if value >= target else "not met"
+    return f"{shown(value)} (target ≥{shown(target)}: {verdict})"
+
+
+def limit_cell(
+    share: float | None, profile: dict | None, bandwidth: dict, bound: float | None
+) -> str:
+    """What limits ours' decode: memory bandwidth where it reaches `BANDWIDTH_SHARE` of the
+    bound; else, from the profile, compute where the products take longer than reading
+    their weights at the measured bandwidth by more than the time the token spends outside
+    them (as shipped), overhead otherwise. The figures it decides from are printed, the
+    profile's own token as a share of the bound too (a separate run: on a busy machine the
+    two differ)."""
+    if share is None or bound is None:
+        return "n/a"
+    if share >= BANDWIDTH_SHARE:
+        return f"bandwidth (≥{BANDWIDTH_SHARE:.0%} of the bound)"
+    if profile is None:
+        return "below the bound (not profiled)"
+    if "error" in profile or "gb_s" not in bandwidth:
+        return not_run(profile if "error" in profile else bandwidth)
+    products_ms, token_ms = profile["products_ms"], profile["token_ms"]
+    rate = profile["products_bytes"] / products_ms / 1e6  # GB/s
+    excess = products_ms - profile["products_bytes"] / bandwidth["gb_s"] / 1e6
+    outside = token_ms - products_ms
+    kind = "compute" if excess >= outside else "overhead"
+    return (
+        f"{kind}: products {products_ms:.1f} of {token_ms:.1f} ms (that token at "
+        f"{1000 / token_ms / bound:.0%} of the bound), read at {rate:.1f} GB/s "
+        f"({rate / bandwidth['gb_s']:.0%} of the bandwidth); {outside:.1f} ms outside them"
+    )
+
+
+def pair(ours: dict, theirs: dict, key: str, digits: int = 1) -> str:
+    def one(r: dict) -> str:
+        return f"{r[key]:,.{digits}f}" if r.get(key) is not None else "-"
+
+    return f"{one(ours)} / {one(theirs)}"
+
+
+def value_ratio(ours: dict, theirs: dict, key: str) -> float | None:
+    if ours.get(key) and theirs.get(key):
+        return ours[key] / theirs[key]
+    return None
+
+
+LLAMA_BENCH_HEADER = [
+    "model",
+    "threads",
+    "decode tok/s ours / llama-bench",
+    "decode ours / llama-bench",
+    "bound tok/s",
+    "ours: share of the bound",
+    "llama-bench: share of the bound",
+    "what limits ours",
+    "prefill tok/s ours / llama-bench",
+    "prefill ours / llama-bench",
+    "load avg at start ours / llama-bench",
+]
+
+
+def llama_bench_row(row: dict, plan: dict, bandwidth: dict) -> list[str]:
+    ours, theirs = row[OURS], row[LLAMA]
+    engines = (("ours", ours), ("llama-bench", theirs))
+    errors = [f"{name}: {r['error']}" for name, r in engines if "error" in r]
+    made = ours.get("decode_tokens")
+    if made is not None and made < harness.DECODE_TOKENS + 1:
+        errors.append(f"ours stopped at EOS after {made} tokens")
+    name = model_cell(row["model"], plan) + (f" ({'; '.join(errors)})" if errors else "")
+    bound = bound_tok_s(plan, bandwidth)
+    share, their_share = decode_share(ours, bound), decode_share(theirs, bound)
+    decode_ratio = value_ratio(ours, theirs, "decode_tok_s")
+    prefill_ratio = value_ratio(ours, theirs, "prefill_tok_s")
+    return [
+        name.replace("|", "\\|"),
+        row["threads"],
+        pair(ours, theirs, "decode_tok_s"),
+        against(decode_ratio, DECODE_TARGET, times),
+        f"{bound:,.1f}" if bound else "n/a",
+        against(share, BOUND_TARGET, percent),
+        percent(their_share) if their_share is not None else "n/a",
+        limit_cell(share, row.get("profile"), bandwidth, bound),
+        pair(ours, theirs, "prefill_tok_s", 0),
+        against(prefill_ratio, PREFILL_TARGET, times),
+        pair(ours, theirs, "load_avg", 2),
+    ]
+
+
+def llama_bench_table(rows: list[dict], plans: dict[str, dict], bandwidths: dict[int, dict]) -> str:
+    lines = [
+        llama_bench_row(row, plans[row["model"]], bandwidths.get(row["threads"], {}))
+        for row in rows
+    ]
+    return harness.md_table(LLAMA_BENCH_HEADER, lines)
+
+
+def llama_bench_note(args: argparse.Namespace) -> str:
+    return (
+        f"llama.cpp: `llama-bench -t T -p {decode.PREFILL_TOKENS} -n {harness.DECODE_TOKENS} "
+        f"-r {args.runs} -o json` (its defaults otherwise: mmap, batch 2048, ubatch 512, "
+        "flash attention auto, repacked weights; pp over random tokens after a warm-up run of "
+        "the same prompt, tg from an empty context; its mean). Ours: bench/decode.py's "
+        f"probes, prefill of the shipped text cut to at most {decode.PREFILL_TOKENS} tokens "
+        f"(prompt to first token), decode of {harness.DECODE_TOKENS} greedy tokens after the "
+        f"first of a short prompt; the median of {args.runs} run(s). Targets (issue 56): "
+        f"decode ≥{DECODE_TARGET:g}x llama-bench, ≥{BOUND_TARGET:.0%} of the bound, prefill "
+        f"≥{PREFILL_TARGET:g}x. What limits ours: bandwidth at ≥{BANDWIDTH_SHARE:.0%} of the "
+        "bound; below it, bench/profile_decode.py at that thread count "
+        f"({PROFILE_TOKENS} tokens): compute where the quantized products' time beyond "
+        "reading their weights at the measured bandwidth exceeds the token's time outside "
+        "the products (as shipped), overhead otherwise."
+    )
+
+
+def llama_bench_line(binary: Path, rows: list[dict]) -> str:
+    """Which llama-bench ran: its build and CPU, as its JSON rows say."""
+    found = [row[LLAMA]["llama_cpp"] for row in rows if "llama_cpp" in row[LLAMA]]
+    if not found:
+        return f"llama.cpp: {binary} (no result)"
+    info = found[0]
+    return (
+        f"llama.cpp: {binary}, build {info['build_number']} ({info['build_commit']}), "
+        f"its CPU: {info['cpu_info']}; flash_attn {info['flash_attn']} (-1: auto), KV "
+        f"{info['type_k']}, ubatch {info['n_ubatch']}"
+    )
+
+
+def bound_sentence(plans: dict[str, dict], bandwidths: dict[int, dict]) -> str:
     weights = ", ".join(
         f"{label} {plan['weight_bytes'] / 1e6:,.0f} MB"
         for label, plan in plans.items()
@@ -593,12 +832,15 @@ def bound_note(plans: dict[str, dict], bandwidths: dict[int, dict]) -> str:
         f"{t} threads {b['gb_s']:.1f} GB/s" if "gb_s" in b else f"{t} threads {not_run(b)}"
         for t, b in bandwidths.items()
     )
+    return f"Bound: weight bytes per token ({weights}) over the measured read bandwidth ({reads})."
+
+
+def bound_note(plans: dict[str, dict], bandwidths: dict[int, dict]) -> str:
     return (
         f"Greedy, {harness.DECODE_TOKENS} decode tokens, prefill of ~{decode.PREFILL_TOKENS} "
-        "tokens, TTFT of a 6-token prompt; median of --runs. Bound: weight bytes per token "
-        f"({weights}) over the measured read bandwidth ({reads}). llama.cpp as in "
-        "bench/decode.py (n_ctx 4096, flash attention off: llama-cpp-python's default), its "
-        "tokens timed as sampled."
+        "tokens, TTFT of a 6-token prompt; median of --runs. "
+        f"{bound_sentence(plans, bandwidths)} llama.cpp as in bench/decode.py (n_ctx 4096, "
+        "flash attention off: llama-cpp-python's default), its tokens timed as sampled."
     )
 
 
@@ -619,7 +861,7 @@ def invariance_table(rows: list[dict]) -> str:
 BATCHED_HEADER = [
     "model", "batch", "ours: batch tok/s", "ours: one sequence", "ours: batch / one",
     "llama.cpp: batch tok/s", "llama.cpp: one sequence", "llama.cpp: batch / one",
-    "ours / llama.cpp at the batch",
+    "ours / llama.cpp at the batch", "load avg at start ours / llama.cpp",
 ]  # fmt: skip
 
 
@@ -643,7 +885,7 @@ def batched_table(rows: list[dict]) -> str:
             if "error" not in ours and "error" not in llama and size in llama["batches"]:
                 both = ratio(ours["batches"][size], llama["batches"][size], "tok_s")
             cells = [*batch_cells(ours, size), *batch_cells(llama, size), both]
-            lines.append([row["model"], size, *cells])
+            lines.append([row["model"], size, *cells, pair(ours, llama, "load_avg", 2)])
     return harness.md_table(BATCHED_HEADER, lines)
 
 
@@ -653,13 +895,15 @@ def long_cell(result: dict) -> str:
 
 def long_table(rows: list[dict]) -> str:
     header = ["model", "context", "prompt tokens", *LONG_MODES.values(), "paged / llama.cpp"]
+    header.append("load avg at start, each run")
     lines = []
     for row in rows:
         runs = row["runs"]
         prompts = sorted({str(r["prompt_tokens"]) for r in runs.values() if "error" not in r})
         cells = [long_cell(runs[mode]) for mode in LONG_MODES]
         paged_vs = ratio(runs["long-paged"], runs["long-llama"], "decode_tok_s")
-        lines.append([row["model"], row["context"], " / ".join(prompts), *cells, paged_vs])
+        loads = " / ".join(f"{r['load_avg']:.2f}" for r in runs.values() if "load_avg" in r)
+        lines.append([row["model"], row["context"], " / ".join(prompts), *cells, paged_vs, loads])
     return harness.md_table(header, lines)
 
 
@@ -690,9 +934,18 @@ def measured_sections(
         m for m in files if not args.long_models or any(k in m.label for k in args.long_models)
     ]
     long = [long_context(args, m, plans[m.label], c) for m in chosen for c in contexts]
-    bandwidths = bounds(args.threads)
-    body = f"{single_table(single, plans, bandwidths)}\n\n{bound_note(plans, bandwidths)}"
-    found = [("Single sequence", body)]
+    bandwidths = bounds(args.threads, args.wait_quiet)
+    if args.llama_bench:
+        if not args.skip_profile:
+            limit_profiles(args, single, files, plans, bandwidths)
+        table = llama_bench_table(single, plans, bandwidths)
+        notes = f"{llama_bench_note(args)} {bound_sentence(plans, bandwidths)}"
+        body = f"{table}\n\n{llama_bench_line(args.llama_bench, single)}\n\n{notes}"
+        title = "Single sequence against llama-bench"
+    else:
+        body = f"{single_table(single, plans, bandwidths)}\n\n{bound_note(plans, bandwidths)}"
+        title = "Single sequence"
+    found = [(title, body)]
     costs = [row for row in single if VARIANT in row]
     if costs:
         note = (
@@ -728,9 +981,10 @@ def main() -> None:
         print(json.dumps(CHILDREN[args.child](args)))
         return
     files = models(args)
-    info = child(args.peers_python, "info")
     plans = {m.label: child(sys.executable, "plan", "--gguf", m.path) for m in files}
-    machine = [isa_line(read_text("/proc/cpuinfo")), llama_line(info)]
+    machine = [isa_line(read_text("/proc/cpuinfo")), f"{os.cpu_count()} cores"]
+    if not args.llama_bench or not args.skip_long:  # llama-cpp-python runs
+        machine.append(llama_line(child(args.peers_python, "info")))
     harness.publish(report(measured_sections(args, files, plans), machine), args.markdown)
 
 

@@ -86,3 +86,31 @@ def test_counts_must_be_positive(bad, capsys):
     with pytest.raises(SystemExit):
         llama_bench.parse_args(bad)
     assert "positive counts" in capsys.readouterr().err
+
+
+def test_wait_quiet_waits_for_a_low_load_and_no_pytest(monkeypatch):
+    from bench import harness
+
+    loads = iter([3.0, 0.4, 0.4, 0.3, 0.3])
+    running = iter([True, False])  # asked only once the load is low
+    sleeps = []
+    monkeypatch.setattr(harness, "load_average", lambda: next(loads))
+    monkeypatch.setattr(harness, "pytest_running", lambda: next(running))
+    monkeypatch.setattr(harness.time, "sleep", sleeps.append)
+    assert harness.wait_quiet(0.5) == 0.3  # the load it measured on leaving
+    assert sleeps == [10, 10]  # a high load, then a pytest
+
+
+def test_llama_bench_output_read():
+    rows = [
+        {"n_prompt": 1024, "n_gen": 0, "avg_ts": 300.0, "stddev_ts": 2.0, "build_commit": "c"},
+        {"n_prompt": 0, "n_gen": 128, "avg_ts": 30.0, "stddev_ts": 0.5, "build_commit": "c"},
+    ]
+    result = llama_bench.parse_llama_bench(json.dumps(rows), "noise\npeak_rss_kb 2048\n")
+    assert (result["prefill_tok_s"], result["prefill_tokens"]) == (300.0, 1024)
+    assert (result["decode_tok_s"], result["decode_tokens"]) == (30.0, 128)
+    assert result["peak_rss_mb"] == 2.0
+    assert result["llama_cpp"]["build_commit"] == "c"
+    command = llama_bench.llama_bench_command(Path("lb"), Path("m.gguf"), 1, 1024, 128, 3)
+    assert command[:3] == ["/usr/bin/time", "-f", "peak_rss_kb %M"]
+    assert " ".join(command[3:]) == "lb -m m.gguf -t 1 -p 1024 -n 128 -r 3 -o json"

@@ -1,5 +1,6 @@
 """bench/real_sizes.py's pure parts: arguments, tables, the ISA line; no engine runs."""
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -167,3 +168,163 @@ def test_batched_bench_command_and_output(tmp_path):
 def test_a_missing_batched_bench_is_a_not_run_cell(tmp_path):
     result = real_sizes.llama_batched(tmp_path / "absent", tmp_path / "m.gguf", [16], 2)
     assert "absent" in result["error"]
+
+
+# ---- the table against llama-bench ----------------------------------------------------------
+
+BENCH_BIN = "/tmp/llama-bench"  # a name only: the runner is replaced or played by a script
+
+
+def fake_llama_bench(tmp_path: Path) -> Path:
+    """A llama-bench that records its arguments and prints a pp row and a tg row."""
+    script = tmp_path / "llama-bench"
+    script.write_text(
+        f"#!{sys.executable}\n"
+        "import json, sys\n"
+        "a = sys.argv[1:]\n"
+        f"open({str(tmp_path / 'calls')!r}, 'a').write(json.dumps(a) + '\\n')\n"
+        "p, n = int(a[a.index('-p') + 1]), int(a[a.index('-n') + 1])\n"
+        "row = {'build_commit': 'abc', 'build_number': 7, 'cpu_info': 'X', 'type_k': 'f16',"
+        " 'flash_attn': -1, 'n_ubatch': 512, 'n_depth': 0, 'stddev_ts': 0.5}\n"
+        "rows = [row | {'n_prompt': p, 'n_gen': 0, 'avg_ts': 80.0},"
+        " row | {'n_prompt': 0, 'n_gen': n, 'avg_ts': 4.0}]\n"
+        "print(json.dumps(rows))\n"
+    )
+    script.chmod(0o755)
+    return script
+
+
+def test_llama_bench_arguments(monkeypatch):
+    args = real_sizes.parse_args(["--llama-bench", BENCH_BIN, "--wait-quiet", "0.5"])
+    assert args.llama_bench == Path(BENCH_BIN)
+    assert args.wait_quiet == 0.5
+    assert not args.skip_profile
+    assert real_sizes.parse_args([]).llama_bench is None
+    assert real_sizes.parse_args([]).wait_quiet is None
+
+
+def test_a_single_row_runs_llama_bench_at_the_thread_count_with_the_loads(tmp_path, monkeypatch):
+    binary = fake_llama_bench(tmp_path)
+    loads = iter([0.25, 0.75])
+    monkeypatch.setattr(real_sizes.harness, "load_average", lambda: next(loads))
+    monkeypatch.setattr(real_sizes.decode, "run_child", lambda *a: {"engine": "ours"} | OURS)
+    args = real_sizes.parse_args(
+        ["--llama-bench", str(binary), "--runs", "2", "--skip-invariance-cost"]
+    )
+    row = real_sizes.single_sequence(args, real_sizes.Model("m", tmp_path / "m.gguf"), 1)
+    (call,) = [json.loads(line) for line in (tmp_path / "calls").read_text().splitlines()]
+    options = {call[i]: call[i + 1] for i in range(0, len(call) - 1, 2)}
+    assert options == {"-m": str(tmp_path / "m.gguf"), "-t": "1", "-p": "1024", "-n": "128"} | {
+        "-r": "2",
+        "-o": "json",
+    }
+    llama = row[real_sizes.LLAMA]
+    assert (llama["prefill_tok_s"], llama["decode_tok_s"], llama["load_avg"]) == (80.0, 4.0, 0.75)
+    assert llama["peak_rss_mb"] > 0  # /usr/bin/time's line, read
+    assert row[real_sizes.OURS]["load_avg"] == 0.25
+    assert real_sizes.llama_bench_line(binary, [row]).startswith(f"llama.cpp: {binary}, build 7")
+
+
+def test_a_missing_llama_bench_is_a_not_run_cell(tmp_path):
+    args = real_sizes.parse_args(["--llama-bench", str(tmp_path / "absent")])
+    model = real_sizes.Model("m", tmp_path / "m.gguf")
+    assert "error" in real_sizes.llama_single(args, model, 2)
+
+
+PROFILE = {"token_ms": 20.0, "products_ms": 16.0, "products_bytes": 0.8e9, "tokens": 16}
+
+
+def test_products_figures_from_a_profile():
+    profile = {
+        "tokens": 16,
+        "blocks_ms_per_token": 20.0,
+        "parts": {
+            "product 2048+512 x 2048 (Q4_K)": {"ms": 10.0, "calls": 16.0, "gb_s": 50.0},
+            "product 128256 x 2048 (Q6_K)": {"ms": 6.0, "calls": 1.0, "gb_s": 50.0},
+            "attention": {"ms": 2.0, "calls": 16.0, "gb_s": None},
+        },
+    }
+    assert real_sizes.products_figures(profile) == PROFILE
+
+
+@pytest.mark.parametrize(
+    ("share", "profile", "expected"),
+    [
+        (0.86, None, "bandwidth (≥85% of the bound)"),
+        (0.5, None, "below the bound (not profiled)"),
+        (0.5, {"error": "killed"}, "not run: killed"),
+        # 0.8 GB at 100 GB/s: 8 ms; the products take 16 (8 over), 4 ms outside them
+        (0.5, PROFILE, "compute: products 16.0 of 20.0 ms (that token at 50% of the bound)"),
+        # 0.8 GB at 50 GB/s: 16 ms, all of the products' time; 4 ms outside them
+        (0.5, PROFILE | {"products_bytes": 1.6e9}, "overhead: products 16.0 of 20.0 ms"),
+    ],
+)
+def test_what_limits_decode(share, profile, expected):
+    cell = real_sizes.limit_cell(share, profile, {"gb_s": 100.0}, 100.0)
+    assert cell.startswith(expected)
+    if profile and "error" not in profile:
+        rate = profile["products_bytes"] / 16e6
+        assert f"read at {rate:.1f} GB/s ({rate / 100:.0%} of the bandwidth)" in cell
+    assert real_sizes.limit_cell(None, PROFILE, {"gb_s": 100.0}, 100.0) == "n/a"
+
+
+def test_the_llama_bench_table_sets_each_figure_beside_its_target():
+    ours = OURS | {"decode_tok_s": 6.0, "prefill_tok_s": 140.0, "load_avg": 0.1}
+    ours["decode_tokens"] = 129
+    llama = {"decode_tok_s": 5.0, "prefill_tok_s": 100.0, "load_avg": 0.2}
+    rows = [
+        {"model": "m", "threads": 1, "spnl-backend": ours, "llama.cpp": llama},
+        {"model": "m", "threads": 2, "spnl-backend": ours | {"decode_tok_s": 9.5}}
+        | {"llama.cpp": {"error": "a | b", "load_avg": 0.3}},
+        {"model": "m", "threads": 4, "spnl-backend": ours | {"decode_tokens": 40}}
+        | {"llama.cpp": llama},
+    ]
+    # 0.8 GB read at 10 GB/s takes 80 ms: the products are 80 ms over, 40 ms outside them
+    rows[0]["profile"] = {"token_ms": 200.0, "products_ms": 160.0, "products_bytes": 0.8e9}
+    bandwidths = {1: {"gb_s": 10.0}, 2: {"gb_s": 10.0}}  # bound: 10 tok/s
+    lines = real_sizes.llama_bench_table(rows, {"m": PLAN}, bandwidths).splitlines()
+    assert lines[0].count("|") == len(real_sizes.LLAMA_BENCH_HEADER) + 1
+    one, two, four = (cells(line) for line in lines[2:])
+    assert one[:7] == [
+        "m, 2.0 GB",
+        "1",
+        "6.0 / 5.0",
+        "1.20x (target ≥1.20x: met)",
+        "10.0",
+        "60% (target ≥90%: not met)",
+        "50%",
+    ]
+    assert one[7] == (
+        "compute: products 160.0 of 200.0 ms (that token at 50% of the bound), read at "
+        "5.0 GB/s (50% of the bandwidth); 40.0 ms outside them"
+    )
+    assert one[8:] == ["140 / 100", "1.40x (target ≥1.50x: not met)", "0.10 / 0.20"]
+    assert two[0] == "m, 2.0 GB (llama-bench: a \\| b)"
+    assert two[2:7] == ["9.5 / -", "n/a", "10.0", "95% (target ≥90%: met)", "n/a"]
+    assert two[7] == "bandwidth (≥85% of the bound)"
+    assert two[9:] == ["n/a", "0.10 / 0.30"]
+    assert four[0] == "m, 2.0 GB (ours stopped at EOS after 40 tokens)"
+    assert four[4:8] == ["n/a"] * 4  # no bandwidth measured at 4 threads
+
+
+def test_only_rows_below_the_bandwidth_share_are_profiled(monkeypatch):
+    seen = []
+
+    def child(python, mode, *arguments):
+        seen.append((mode, *arguments))
+        return dict(PROFILE)
+
+    monkeypatch.setattr(real_sizes, "child", child)
+    monkeypatch.setattr(real_sizes.harness, "load_average", lambda: 0.5)
+    model = real_sizes.Model("m", Path("m.gguf"))
+    rows = [
+        {"model": "m", "threads": t, "spnl-backend": OURS | {"decode_tok_s": rate}}
+        for t, rate in ((1, 8.0), (2, 9.0), (4, 1.0))
+    ]
+    args = real_sizes.parse_args(["--llama-bench", BENCH_BIN])
+    bandwidths = {1: {"gb_s": 10.0}, 2: {"gb_s": 10.0}, 4: {"error": "killed"}}
+    real_sizes.limit_profiles(args, rows, [model], {"m": PLAN}, bandwidths)
+    assert seen == [("profile", "--gguf", Path("m.gguf"), "--threads", 1)]
+    assert rows[0]["profile"] == PROFILE | {"load_avg": 0.5}
+    assert "profile" not in rows[1]
+    assert "profile" not in rows[2]
