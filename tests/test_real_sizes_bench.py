@@ -328,3 +328,17 @@ def test_only_rows_below_the_bandwidth_share_are_profiled(monkeypatch):
     assert rows[0]["profile"] == PROFILE | {"load_avg": 0.5}
     assert "profile" not in rows[1]
     assert "profile" not in rows[2]
+
+
+LABELS = ["llama-1b q4_k_m", "gemma3-1b q4_k_m", "llama-8b q4_k_m", "gemma3-270m q4_k_m (default)"]
+
+
+def test_batched_and_long_runs_take_the_models_named():
+    files = [real_sizes.Model(label, Path(f"{i}.gguf")) for i, label in enumerate(LABELS)]
+    assert real_sizes.chosen(files, None) == files
+    assert [m.label for m in real_sizes.chosen(files, ["270m", "llama-1b"])] == [
+        "llama-1b q4_k_m",
+        "gemma3-270m q4_k_m (default)",
+    ]
+    args = real_sizes.parse_args(["--batched-models", "270m", "llama-1b"])
+    assert args.batched_models == ["270m", "llama-1b"]
