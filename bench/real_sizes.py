@@ -756,6 +756,8 @@ def limit_cell(
     excess = products_ms - profile["products_bytes"] / bandwidth["gb_s"] / 1e6
     outside = token_ms - products_ms
     kind = "compute" if excess >= outside else "overhead"
+    if outside < 0:  # the products alone took longer than a whole token as shipped
+        kind = "unclear (the profile's two runs disagree: a busy machine?)"
     return (
         f"{kind}: products {products_ms:.1f} of {token_ms:.1f} ms (that token at "
         f"{1000 / token_ms / bound:.0%} of the bound), read at {rate:.1f} GB/s "
@@ -864,7 +866,8 @@ def bound_sentence(plans: dict[str, dict], bandwidths: dict[int, dict]) -> str:
         if "weight_bytes" in plan
     )
     reads = ", ".join(
-        f"{t} threads {b['gb_s']:.1f} GB/s" if "gb_s" in b else f"{t} threads {not_run(b)}"
+        (f"{t} threads {b['gb_s']:.1f} GB/s" if "gb_s" in b else f"{t} threads {not_run(b)}")
+        + (f" (load avg at start {b['load_avg']:.2f})" if "load_avg" in b else "")
         for t, b in bandwidths.items()
     )
     return f"Bound: weight bytes per token ({weights}) over the measured read bandwidth ({reads})."

@@ -257,6 +257,7 @@ def test_products_figures_from_a_profile():
         (0.5, PROFILE, "compute: products 16.0 of 20.0 ms (that token at 50% of the bound)"),
         # 0.8 GB at 50 GB/s: 16 ms, all of the products' time; 4 ms outside them
         (0.5, PROFILE | {"products_bytes": 1.6e9}, "overhead: products 16.0 of 20.0 ms"),
+        (0.5, PROFILE | {"token_ms": 15.0}, "unclear (the profile's two runs disagree"),
     ],
 )
 def test_what_limits_decode(share, profile, expected):
@@ -342,3 +343,12 @@ def test_batched_and_long_runs_take_the_models_named():
     ]
     args = real_sizes.parse_args(["--batched-models", "270m", "llama-1b"])
     assert args.batched_models == ["270m", "llama-1b"]
+
+
+def test_the_bound_names_each_bandwidth_and_its_load():
+    bandwidths = {1: {"gb_s": 20.0, "load_avg": 0.5}, 2: {"error": "killed"}}
+    text = real_sizes.bound_sentence({"m": PLAN}, bandwidths)
+    assert text == (
+        "Bound: weight bytes per token (m 1,000 MB) over the measured read bandwidth "
+        "(1 threads 20.0 GB/s (load avg at start 0.50), 2 threads not run: killed)."
+    )
