@@ -562,7 +562,6 @@ K_UNPACK(q6_k)
 
 #define KT_ROWS 16
 #define KT_MR 4        // activation rows that meet each tile vector while it is in a register
-#define KT_CHUNK 128   // activation rows whose float sums stay in the cache while blocks pass
 
 typedef struct {
     int32_t u[64][KT_ROWS];       // u[g][r]: values 4g..4g+3 of row r
@@ -661,10 +660,17 @@ static inline lanes16 l16_dot_u8(lanes16 acc, lanes16 u, lanes16 x) {
 static inline lanes16 l16_dot_i16(lanes16 acc, lanes16 a, lanes16 b) {
     return _mm512_dpwssd_epi32(acc, a, b);
 }
-// acc[r] = fma(float(ints[r]), scale[r] * by, acc[r])
-static inline void l16_fma(float *acc, lanes16 ints, const float *scale, float by) {
+// Sixteen float lanes, one per weight row: a row's two float sums, kept in registers.
+typedef __m512 flanes16;
+static inline flanes16 f16_zero(void) { return _mm512_setzero_ps(); }
+// fma(float(ints[r]), scale[r] * by, acc[r]) in every lane r
+static inline flanes16 l16_fma(flanes16 acc, lanes16 ints, const float *scale, float by) {
     const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(scale), _mm512_set1_ps(by));
-    _mm512_storeu_ps(acc, _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), s, _mm512_loadu_ps(acc)));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), s, acc);
+}
+// y[r] = a[r] + b[r]
+static inline void f16_store_sum(float *y, flanes16 a, flanes16 b) {
+    _mm512_storeu_ps(y, _mm512_add_ps(a, b));
 }
 #else
 typedef struct { __m256i lo, hi; } lanes16;
@@ -691,24 +697,28 @@ static inline lanes16 l16_dot_i16(lanes16 acc, lanes16 a, lanes16 b) {
     return (lanes16){_mm256_add_epi32(acc.lo, _mm256_madd_epi16(a.lo, b.lo)),
                      _mm256_add_epi32(acc.hi, _mm256_madd_epi16(a.hi, b.hi))};
 }
-static inline void l16_fma(float *acc, lanes16 ints, const float *scale, float by) {
+typedef struct { __m256 lo, hi; } flanes16;
+static inline flanes16 f16_zero(void) { return (flanes16){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline flanes16 l16_fma(flanes16 acc, lanes16 ints, const float *scale, float by) {
     const __m256 b = _mm256_set1_ps(by);
-    const __m256i half[2] = {ints.lo, ints.hi};
-    for (int h = 0; h < 2; h++) {
-        const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(scale + 8 * h), b);
-        _mm256_storeu_ps(acc + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(half[h]), s,
-                                                      _mm256_loadu_ps(acc + 8 * h)));
-    }
+    const __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(scale), b);
+    const __m256 hi = _mm256_mul_ps(_mm256_loadu_ps(scale + 8), b);
+    return (flanes16){_mm256_fmadd_ps(_mm256_cvtepi32_ps(ints.lo), lo, acc.lo),
+                      _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints.hi), hi, acc.hi)};
+}
+static inline void f16_store_sum(float *y, flanes16 a, flanes16 b) {
+    _mm256_storeu_ps(y, _mm256_add_ps(a.lo, b.lo));
+    _mm256_storeu_ps(y + 8, _mm256_add_ps(a.hi, b.hi));
 }
 #endif
 
-// Block b of activation rows m..m+mr-1 against the tile's rows: acc[i][0][r] takes S,
-// acc[i][1][r] takes M, as k_dot. `sub`: the values that share a scale (16, or 32 where the
-// format's scales go by 32).
+// Block b of activation rows m..m+mr-1 against the tile's rows: ss[i] takes S, ms[i] takes
+// M, as k_dot. `sub`: the values that share a scale (16, or 32 where the format's scales go
+// by 32).
 static inline __attribute__((always_inline)) void k_tile_rows(const k_tile *t, const act_rows *x,
                                                               int64_t m, int mr, int sub,
-                                                              int64_t b,
-                                                              float (*acc)[2][KT_ROWS]) {
+                                                              int64_t b, flanes16 *ss,
+                                                              flanes16 *ms) {
     const int8_t *q[KT_MR];
     for (int i = 0; i < mr; i++) q[i] = x->q256 + ((m + i) * (x->k / 256) + b) * 256;
     lanes16 sums[KT_MR];
@@ -734,9 +744,23 @@ static inline __attribute__((always_inline)) void k_tile_rows(const k_tile *t, c
         lanes16 offsets = l16_zero();
         for (int p = 0; p < 8; p++)
             offsets = l16_dot_i16(offsets, l16_load(t->offsets[p]), l16_set1(bsums + 2 * p));
-        l16_fma(acc[i][0], sums[i], t->d, x->d256[at]);
-        l16_fma(acc[i][1], offsets, t->dmin, x->d256[at]);
+        ss[i] = l16_fma(ss[i], sums[i], t->d, x->d256[at]);
+        ms[i] = l16_fma(ms[i], offsets, t->dmin, x->d256[at]);
     }
+}
+
+// Activation rows m..m+mr-1 (mr <= KT_MR, a constant where inlined) against the tiles of
+// every block (tiles[b]: block b of KT_ROWS weight rows): row i's KT_ROWS results at
+// y + i * stride. Each row's two float sums stay in registers through the blocks, taken in
+// block order as k_dot takes them, and are added at the end: the same bits as one row alone.
+static inline __attribute__((always_inline)) void k_tile_all(int mr, const k_tile *tiles,
+                                                             const act_rows *x, int64_t m,
+                                                             int sub, int64_t blocks, float *y,
+                                                             int64_t stride) {
+    flanes16 ss[KT_MR], ms[KT_MR];
+    for (int i = 0; i < mr; i++) ss[i] = ms[i] = f16_zero();
+    for (int64_t b = 0; b < blocks; b++) k_tile_rows(&tiles[b], x, m, mr, sub, b, ss, ms);
+    for (int i = 0; i < mr; i++) f16_store_sum(y + i * stride, ss[i], ms[i]);
 }
 
 // ---- 32-value tiles (AVX-512 with VNNI): KT_ROWS weight rows, all their blocks side by side
@@ -1218,8 +1242,9 @@ static inline float q6_k_wide(const act_rows *x, int64_t blocks, const uint8_t *
 // The k-quants' kernel. Below KT_MIN_ROWS activation rows, or for a last tile of fewer than
 // KT_ROWS weight rows, each weight row goes alone (four activation rows sharing each
 // unpacked block); otherwise the blocks of KT_ROWS weight rows are laid side by side in a
-// k_tile and meet the activation rows in chunks. Both find the same integers and add them
-// in the same order (k_dot), so a row's result does not depend on the path.
+// k_tile per block, filled once, and every activation row meets them all, four at a time,
+// its sums in registers. Both find the same integers and add them in the same order
+// (k_dot), so a row's result does not depend on the path.
 #define KT_MIN_ROWS 4
 #define DEFINE_K_KERNEL(NAME, BYTES, SUB)                                                          \
     /* y[r * stride] for activation rows m..m+mr-1 (mr <= 4) against one weight row */            \
@@ -1251,39 +1276,33 @@ static inline float q6_k_wide(const act_rows *x, int64_t blocks, const uint8_t *
         for (int64_t m = 0; m < rows; m += 4)                                                      \
             FOUR_ROWS(NAME##_by_rows, rows - m, x, m, blocks, w, y + m * stride, stride)           \
     }                                                                                              \
+    /* the blocks of KT_ROWS weight rows into tiles[b], then every activation row past them */ \
     static void NAME##_tiled(const act_rows *x, int64_t rows, int64_t blocks,                      \
-                             const uint8_t *w, float *y, int64_t stride) {                         \
+                             const uint8_t *w, float *y, int64_t stride, k_tile *tiles) {          \
         const int64_t row_bytes = blocks * BYTES;                                                  \
-        k_tile tile;                                                                               \
         k_parts parts[KT_ROWS];                                                                    \
-        float acc[KT_CHUNK][2][KT_ROWS];                                                           \
-        for (int64_t m0 = 0; m0 < rows; m0 += KT_CHUNK) {                                          \
-            const int64_t end = rows - m0 < KT_CHUNK ? rows : m0 + KT_CHUNK;                       \
-            memset(acc, 0, sizeof acc);                                                            \
-            for (int64_t b = 0; b < blocks; b++) {                                                 \
-                for (int r = 0; r < KT_ROWS; r++) {                                                \
-                    prefetch_ahead(w, (KT_ROWS + r) * row_bytes + b * BYTES, BYTES);               \
-                    NAME##_parts(w + r * row_bytes + b * BYTES, &parts[r]);                        \
-                }                                                                                  \
-                k_tile_fill(parts, &tile);                                                         \
-                int64_t m = m0;                                                                    \
-                for (; m + KT_MR <= end; m += KT_MR)                                               \
-                    k_tile_rows(&tile, x, m, KT_MR, SUB, b, acc + (m - m0));                       \
-                for (; m < end; m++) k_tile_rows(&tile, x, m, 1, SUB, b, acc + (m - m0));          \
+        for (int64_t b = 0; b < blocks; b++) {                                                     \
+            for (int r = 0; r < KT_ROWS; r++) {                                                    \
+                prefetch_ahead(w, r * row_bytes + (b + 1) * BYTES, BYTES);                         \
+                NAME##_parts(w + r * row_bytes + b * BYTES, &parts[r]);                            \
             }                                                                                      \
-            for (int64_t m = m0; m < end; m++)                                                     \
-                for (int r = 0; r < KT_ROWS; r++)                                                  \
-                    y[m * stride + r] = acc[m - m0][0][r] + acc[m - m0][1][r];                     \
+            k_tile_fill(parts, &tiles[b]);                                                         \
         }                                                                                          \
+        for (int64_t m = 0; m < rows; m += KT_MR)                                                  \
+            FOUR_ROWS(k_tile_all, rows - m, tiles, x, m, SUB, blocks, y + m * stride, stride)      \
     }                                                                                              \
     static void NAME##_i8(const void *acts, int64_t rows, int64_t k_in, const uint8_t *w,          \
                           int64_t count, float *y, int64_t stride) {                               \
         const act_rows *x = (const act_rows *)acts;                                                \
         const int64_t blocks = k_in / 256, row_bytes = blocks * BYTES;                             \
         int64_t n = 0;                                                                             \
-        if (rows >= KT_MIN_ROWS)                                                                   \
+        /* no memory for the tiles: each weight row alone, the same bits */                       \
+        k_tile *tiles = rows >= KT_MIN_ROWS && count >= KT_ROWS                                    \
+                            ? malloc((size_t)blocks * sizeof *tiles) : NULL;                       \
+        if (tiles)                                                                                 \
             for (; n + KT_ROWS <= count; n += KT_ROWS)                                             \
-                NAME##_tiled(x, rows, blocks, w + n * row_bytes, y + n, stride);                   \
+                NAME##_tiled(x, rows, blocks, w + n * row_bytes, y + n, stride, tiles);            \
+        free(tiles);                                                                               \
         for (; n < count; n++) NAME##_rowwise(x, rows, blocks, w + n * row_bytes, y + n, stride);  \
     }
 
