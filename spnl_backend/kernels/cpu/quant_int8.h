@@ -539,6 +539,11 @@ static inline void q2_k_parts(const uint8_t *b, k_parts *w) {
 
 // The values that share a scale in each k-quant.
 enum { q2_k_sub = 16, q3_k_sub = 16, q4_k_sub = 32, q5_k_sub = 32, q6_k_sub = 16 };
+// Whether the sum of half a sub-block's products always fits an int16 (the activations
+// within +-127: Q2_K 8 x 3 x 127, Q3_K 8 x 7 x 127, Q4_K 16 x 15 x 127; not Q5_K's
+// 16 x 31 x 127 nor Q6_K's 8 x 63 x 127), so that the tiles weigh both halves by their
+// scale in one int16 dot product instead of an int32 multiplication.
+enum { q2_k_narrow = 1, q3_k_narrow = 1, q4_k_narrow = 1, q5_k_narrow = 0, q6_k_narrow = 0 };
 
 // Each k-quant's unpack: its parts, then (with AVX-512) paired.
 #define K_UNPACK(NAME)                                               \
@@ -652,6 +657,10 @@ static inline lanes16 l16_set1(const void *p) {
 }
 static inline lanes16 l16_add(lanes16 a, lanes16 b) { return _mm512_add_epi32(a, b); }
 static inline lanes16 l16_mullo(lanes16 a, lanes16 b) { return _mm512_mullo_epi32(a, b); }
+// lane r: a[r] in its low int16 and b[r] in its high one (both within int16's range)
+static inline lanes16 l16_halves(lanes16 a, lanes16 b) {
+    return _mm512_mask_blend_epi16(0xAAAAAAAA, a, _mm512_slli_epi32(b, 16));
+}
 // acc + the 4 products of unsigned bytes u and signed bytes x in each lane
 static inline lanes16 l16_dot_u8(lanes16 acc, lanes16 u, lanes16 x) {
     return _mm512_dpbusd_epi32(acc, u, x);
@@ -690,6 +699,10 @@ static inline lanes16 l16_add(lanes16 a, lanes16 b) {
 static inline lanes16 l16_mullo(lanes16 a, lanes16 b) {
     return (lanes16){_mm256_mullo_epi32(a.lo, b.lo), _mm256_mullo_epi32(a.hi, b.hi)};
 }
+static inline lanes16 l16_halves(lanes16 a, lanes16 b) {
+    return (lanes16){_mm256_blend_epi16(a.lo, _mm256_slli_epi32(b.lo, 16), 0xAA),
+                     _mm256_blend_epi16(a.hi, _mm256_slli_epi32(b.hi, 16), 0xAA)};
+}
 static inline lanes16 l16_dot_u8(lanes16 acc, lanes16 u, lanes16 x) {
     return (lanes16){dot_u8s8_add(acc.lo, u.lo, x.lo), dot_u8s8_add(acc.hi, u.hi, x.hi)};
 }
@@ -714,16 +727,33 @@ static inline void f16_store_sum(float *y, flanes16 a, flanes16 b) {
 
 // Block b of activation rows m..m+mr-1 against the tile's rows: ss[i] takes S, ms[i] takes
 // M, as k_dot. `sub`: the values that share a scale (16, or 32 where the format's scales go
-// by 32).
+// by 32); `narrow`: the format's half sub-blocks sum within int16 (NAME_narrow).
 static inline __attribute__((always_inline)) void k_tile_rows(const k_tile *t, const act_rows *x,
                                                               int64_t m, int mr, int sub,
-                                                              int64_t b, flanes16 *ss,
-                                                              flanes16 *ms) {
+                                                              int narrow, int64_t b,
+                                                              flanes16 *ss, flanes16 *ms) {
     const int8_t *q[KT_MR];
     for (int i = 0; i < mr; i++) q[i] = x->q256 + ((m + i) * (x->k / 256) + b) * 256;
     lanes16 sums[KT_MR];
     for (int i = 0; i < mr; i++) sums[i] = l16_zero();
-    for (int s = 0; s < 256 / sub; s++) {
+    // Narrow: each half of a sub-block a chain; the two halves side by side as int16 meet
+    // the scale, twice over in each lane, in one dot product. The integers are exact, so
+    // the same S comes out either way.
+    for (int s = 0; narrow && s < 256 / sub; s++) {
+        lanes16 low[KT_MR], high[KT_MR];
+        for (int i = 0; i < mr; i++) low[i] = high[i] = l16_zero();
+        for (int g = s * sub / 4; g < s * sub / 4 + sub / 8; g++) {
+            const lanes16 w0 = l16_load(t->u[g]), w1 = l16_load(t->u[g + sub / 8]);
+            for (int i = 0; i < mr; i++) {
+                low[i] = l16_dot_u8(low[i], w0, l16_set1(q[i] + 4 * g));
+                high[i] = l16_dot_u8(high[i], w1, l16_set1(q[i] + 4 * g + sub / 2));
+            }
+        }
+        const lanes16 scale = l16_load(t->scales[s * sub / 16]);
+        const lanes16 pair = l16_halves(scale, scale);
+        for (int i = 0; i < mr; i++) sums[i] = l16_dot_i16(sums[i], l16_halves(low[i], high[i]), pair);
+    }
+    for (int s = 0; !narrow && s < 256 / sub; s++) {
         lanes16 even[KT_MR], odd[KT_MR];  // two chains: consecutive dot products need not wait
         for (int i = 0; i < mr; i++) even[i] = odd[i] = l16_zero();
         for (int g = s * sub / 4; g < (s + 1) * sub / 4; g += 2) {
@@ -755,11 +785,11 @@ static inline __attribute__((always_inline)) void k_tile_rows(const k_tile *t, c
 // block order as k_dot takes them, and are added at the end: the same bits as one row alone.
 static inline __attribute__((always_inline)) void k_tile_all(int mr, const k_tile *tiles,
                                                              const act_rows *x, int64_t m,
-                                                             int sub, int64_t blocks, float *y,
-                                                             int64_t stride) {
+                                                             int sub, int narrow, int64_t blocks,
+                                                             float *y, int64_t stride) {
     flanes16 ss[KT_MR], ms[KT_MR];
     for (int i = 0; i < mr; i++) ss[i] = ms[i] = f16_zero();
-    for (int64_t b = 0; b < blocks; b++) k_tile_rows(&tiles[b], x, m, mr, sub, b, ss, ms);
+    for (int64_t b = 0; b < blocks; b++) k_tile_rows(&tiles[b], x, m, mr, sub, narrow, b, ss, ms);
     for (int i = 0; i < mr; i++) f16_store_sum(y + i * stride, ss[i], ms[i]);
 }
 
@@ -1289,7 +1319,8 @@ static inline float q6_k_wide(const act_rows *x, int64_t blocks, const uint8_t *
             k_tile_fill(parts, &tiles[b]);                                                         \
         }                                                                                          \
         for (int64_t m = 0; m < rows; m += KT_MR)                                                  \
-            FOUR_ROWS(k_tile_all, rows - m, tiles, x, m, SUB, blocks, y + m * stride, stride)      \
+            FOUR_ROWS(k_tile_all, rows - m, tiles, x, m, SUB, NAME##_narrow, blocks,               \
+                      y + m * stride, stride)                                                      \
     }                                                                                              \
     static void NAME##_i8(const void *acts, int64_t rows, int64_t k_in, const uint8_t *w,          \
                           int64_t count, float *y, int64_t stride) {                               \
