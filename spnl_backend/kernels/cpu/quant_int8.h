@@ -539,11 +539,12 @@ static inline void q2_k_parts(const uint8_t *b, k_parts *w) {
 
 // The values that share a scale in each k-quant.
 enum { q2_k_sub = 16, q3_k_sub = 16, q4_k_sub = 32, q5_k_sub = 32, q6_k_sub = 16 };
-// Whether the sum of half a sub-block's products always fits an int16 (the activations
-// within +-127: Q2_K 8 x 3 x 127, Q3_K 8 x 7 x 127, Q4_K 16 x 15 x 127; not Q5_K's
-// 16 x 31 x 127 nor Q6_K's 8 x 63 x 127), so that the tiles weigh both halves by their
-// scale in one int16 dot product instead of an int32 multiplication.
-enum { q2_k_narrow = 1, q3_k_narrow = 1, q4_k_narrow = 1, q5_k_narrow = 0, q6_k_narrow = 0 };
+// How the tiles weigh a sub-block's sum by its scale without an int32 multiplication, by
+// what always fits an int16 (the activations within +-127): 1, half a sub-block's products
+// (Q2_K 8 x 3 x 127, Q3_K 8 x 7 x 127, Q4_K 16 x 15 x 127), the two halves side by side in
+// one int16 dot product with the scale; 2, one group of 4 (Q6_K: 4 x 63 x 127), pairs of
+// groups so; 0, the multiplication (Q5_K: pairs of its groups measured no faster).
+enum { q2_k_narrow = 1, q3_k_narrow = 1, q4_k_narrow = 1, q5_k_narrow = 0, q6_k_narrow = 2 };
 
 // Each k-quant's unpack: its parts, then (with AVX-512) paired.
 #define K_UNPACK(NAME)                                               \
@@ -739,7 +740,7 @@ static inline __attribute__((always_inline)) void k_tile_rows(const k_tile *t, c
     // Narrow: each half of a sub-block a chain; the two halves side by side as int16 meet
     // the scale, twice over in each lane, in one dot product. The integers are exact, so
     // the same S comes out either way.
-    for (int s = 0; narrow && s < 256 / sub; s++) {
+    for (int s = 0; narrow == 1 && s < 256 / sub; s++) {
         lanes16 low[KT_MR], high[KT_MR];
         for (int i = 0; i < mr; i++) low[i] = high[i] = l16_zero();
         for (int g = s * sub / 4; g < s * sub / 4 + sub / 8; g++) {
@@ -752,6 +753,20 @@ static inline __attribute__((always_inline)) void k_tile_rows(const k_tile *t, c
         const lanes16 scale = l16_load(t->scales[s * sub / 16]);
         const lanes16 pair = l16_halves(scale, scale);
         for (int i = 0; i < mr; i++) sums[i] = l16_dot_i16(sums[i], l16_halves(low[i], high[i]), pair);
+    }
+    // Narrow 2: one group of 4 products fits an int16 (Q6_K: 4 x 63 x 127); each pair of
+    // groups side by side meets the scale in one dot product.
+    for (int s = 0; narrow == 2 && s < 256 / sub; s++) {
+        const lanes16 scale = l16_load(t->scales[s * sub / 16]);
+        const lanes16 pair = l16_halves(scale, scale);
+        for (int g = s * sub / 4; g < (s + 1) * sub / 4; g += 2) {
+            const lanes16 w0 = l16_load(t->u[g]), w1 = l16_load(t->u[g + 1]);
+            for (int i = 0; i < mr; i++) {
+                const lanes16 a = l16_dot_u8(l16_zero(), w0, l16_set1(q[i] + 4 * g));
+                const lanes16 c = l16_dot_u8(l16_zero(), w1, l16_set1(q[i] + 4 * g + 4));
+                sums[i] = l16_dot_i16(sums[i], l16_halves(a, c), pair);
+            }
+        }
     }
     for (int s = 0; !narrow && s < 256 / sub; s++) {
         lanes16 even[KT_MR], odd[KT_MR];  // two chains: consecutive dot products need not wait
