@@ -2,7 +2,7 @@
 where the time of an N-token prompt's prefill goes).
 
     python bench/profile_decode.py [--gguf FILE] [--threads 2] [--tokens 32] [--prefill N]
-                                   [--context N] [--markdown FILE]
+                                   [--context N] [--cpu-time] [--markdown FILE]
 
 Timers around every native call (each quantized product, by its weight shape; attention;
 the norms, RoPE, the KV store and embedding lookups), over a greedy generation of
@@ -14,7 +14,8 @@ operations between the kernels, and sampling. With --prefill, the parts are thos
 generation of a single token from an N-token prompt (the shipped English text, repeated
 past its length), against its wall time. --context N profiles decode after an N-token
 prompt instead of a short one (prefix caching holds it, so each run recomputes only its
-last token). The default model unless --gguf.
+last token). --cpu-time (with --threads 1) times by CPU time instead of the wall's,
+for --prefill and --batch. The default model unless --gguf.
 """
 
 import collections
@@ -247,9 +248,15 @@ def batch_table(result: dict) -> str:
     return f"{harness.md_table(header, rows)}\n\n{note}"
 
 
-def profile_prefill(gguf: Path, threads: int, prompt_tokens: int) -> dict:
+def profile_prefill(gguf: Path, threads: int, prompt_tokens: int, cpu: bool = False) -> dict:
+    """The parts of one prefill by the wall's clock, or with ``cpu`` (1 thread) the
+    process's CPU time for the whole and the engine thread's for the parts: a shared
+    machine's other processes then leave the figures alone."""
     import torch
 
+    if cpu and threads != 1:
+        raise SystemExit("--cpu-time: the parts are the engine thread's CPU time; run --threads 1")
+    clock = time.process_time if cpu else time.perf_counter
     torch.set_num_threads(threads)
     room = whole_blocks(prompt_tokens + BLOCK_SIZE)
     backend = harness.load_ours(
@@ -257,18 +264,19 @@ def profile_prefill(gguf: Path, threads: int, prompt_tokens: int) -> dict:
     )
     prompt = harness.context_prompt(backend.tokenizer.encode, prompt_tokens)
     backend.generate(prompt, max_tokens=1, temperature=0)  # warm-up
-    start = time.perf_counter()
+    start = clock()
     backend.generate(prompt, max_tokens=1, temperature=0)
-    shipped = time.perf_counter() - start
+    shipped = clock() - start
     per_op_path(backend)
-    timers = Timers()
+    timers = Timers(time.thread_time if cpu else time.perf_counter)
     with installed(timers):
-        start = time.perf_counter()
+        start = clock()
         result = backend.generate(prompt, max_tokens=1, temperature=0)
-        wall = time.perf_counter() - start
+        wall = clock() - start
     return {
         "model": gguf.name,
         "threads": threads,
+        "clock": "CPU" if cpu else "wall",
         "prompt_tokens": result.usage.prompt_tokens,
         "ms": 1000 * wall,
         "blocks_ms": 1000 * shipped,
@@ -307,8 +315,9 @@ def prefill_table(result: dict) -> str:
     header = ["part", "calls", "ms", "share", "GMAC/s"]
     tok_s = result["prompt_tokens"] / (total / 1000)
     note = (
-        f"{result['model']}, {result['threads']} threads, a {result['prompt_tokens']}-token "
-        f"prompt to its first token ({tok_s:.1f} tok/s with the timers in), on the per-op "
+        f"{result['model']}, {result['threads']} threads, {result.get('clock', 'wall')} time, "
+        f"a {result['prompt_tokens']}-token prompt to its first token ({tok_s:.1f} tok/s with "
+        "the timers in), on the per-op "
         "path the timers see" + _blocks_note(result.get("blocks_ms"), "the prefill")
     )
     return f"{harness.md_table(header, rows)}\n\n{note}"
@@ -354,7 +363,9 @@ def main() -> None:
         "--batch", type=int, metavar="B", help="profile decode steps of B sequences"
     )
     parser.add_argument(
-        "--cpu-time", action="store_true", help="with --batch: CPU time (needs --threads 1)"
+        "--cpu-time",
+        action="store_true",
+        help="with --batch or --prefill: CPU time (needs --threads 1)",
     )
     parser.add_argument(
         "--context", type=int, metavar="N", help="decode after an N-token prompt (cached)"
@@ -374,7 +385,7 @@ def main() -> None:
     if args.prefill is not None:
         if args.prefill < 1:
             parser.error(f"--prefill: a prompt of at least 1 token, not {args.prefill}")
-        result = profile_prefill(gguf, args.threads, args.prefill)
+        result = profile_prefill(gguf, args.threads, args.prefill, args.cpu_time)
         harness.publish(prefill_table(result), args.markdown)
         return
     result = profile(gguf, args.threads, args.tokens, args.context)

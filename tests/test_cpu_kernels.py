@@ -454,7 +454,7 @@ def test_each_rows_product_is_bit_identical_to_that_row_alone(kernels, qtype, mo
     native = dataclasses.replace(kernels, exact=mode == "exact")
     # 40 weight rows: two whole tiles of 16 for the k-quants, then 8 rows one at a time
     weights = [_weights(qtype, rows=40, cols=768)]
-    x = torch.randn(150, 768)  # past the kernels' chunks of rows (32 and 64; 128 for tiles)
+    x = torch.randn(150, 768)  # past the kernels' chunks of rows (32 and 64)
     together = quantized_matmuls(native, x, weights)
     alone = torch.cat([quantized_matmuls(native, x[i : i + 1], weights) for i in range(len(x))])
     assert torch.equal(together, alone)

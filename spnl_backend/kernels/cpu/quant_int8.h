@@ -539,6 +539,12 @@ static inline void q2_k_parts(const uint8_t *b, k_parts *w) {
 
 // The values that share a scale in each k-quant.
 enum { q2_k_sub = 16, q3_k_sub = 16, q4_k_sub = 32, q5_k_sub = 32, q6_k_sub = 16 };
+// How the tiles weigh a sub-block's sum by its scale without an int32 multiplication, by
+// what always fits an int16 (the activations within +-127): 1, half a sub-block's products
+// (Q2_K 8 x 3 x 127, Q3_K 8 x 7 x 127, Q4_K 16 x 15 x 127), the two halves side by side in
+// one int16 dot product with the scale; 2, one group of 4 (Q6_K: 4 x 63 x 127), pairs of
+// groups so; 0, the multiplication (Q5_K: pairs of its groups measured no faster).
+enum { q2_k_narrow = 1, q3_k_narrow = 1, q4_k_narrow = 1, q5_k_narrow = 0, q6_k_narrow = 2 };
 
 // Each k-quant's unpack: its parts, then (with AVX-512) paired.
 #define K_UNPACK(NAME)                                               \
@@ -562,7 +568,6 @@ K_UNPACK(q6_k)
 
 #define KT_ROWS 16
 #define KT_MR 4        // activation rows that meet each tile vector while it is in a register
-#define KT_CHUNK 128   // activation rows whose float sums stay in the cache while blocks pass
 
 typedef struct {
     int32_t u[64][KT_ROWS];       // u[g][r]: values 4g..4g+3 of row r
@@ -653,6 +658,10 @@ static inline lanes16 l16_set1(const void *p) {
 }
 static inline lanes16 l16_add(lanes16 a, lanes16 b) { return _mm512_add_epi32(a, b); }
 static inline lanes16 l16_mullo(lanes16 a, lanes16 b) { return _mm512_mullo_epi32(a, b); }
+// lane r: a[r] in its low int16 and b[r] in its high one (both within int16's range)
+static inline lanes16 l16_halves(lanes16 a, lanes16 b) {
+    return _mm512_mask_blend_epi16(0xAAAAAAAA, a, _mm512_slli_epi32(b, 16));
+}
 // acc + the 4 products of unsigned bytes u and signed bytes x in each lane
 static inline lanes16 l16_dot_u8(lanes16 acc, lanes16 u, lanes16 x) {
     return _mm512_dpbusd_epi32(acc, u, x);
@@ -661,10 +670,17 @@ static inline lanes16 l16_dot_u8(lanes16 acc, lanes16 u, lanes16 x) {
 static inline lanes16 l16_dot_i16(lanes16 acc, lanes16 a, lanes16 b) {
     return _mm512_dpwssd_epi32(acc, a, b);
 }
-// acc[r] = fma(float(ints[r]), scale[r] * by, acc[r])
-static inline void l16_fma(float *acc, lanes16 ints, const float *scale, float by) {
+// Sixteen float lanes, one per weight row: a row's two float sums, kept in registers.
+typedef __m512 flanes16;
+static inline flanes16 f16_zero(void) { return _mm512_setzero_ps(); }
+// fma(float(ints[r]), scale[r] * by, acc[r]) in every lane r
+static inline flanes16 l16_fma(flanes16 acc, lanes16 ints, const float *scale, float by) {
     const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(scale), _mm512_set1_ps(by));
-    _mm512_storeu_ps(acc, _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), s, _mm512_loadu_ps(acc)));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), s, acc);
+}
+// y[r] = a[r] + b[r]
+static inline void f16_store_sum(float *y, flanes16 a, flanes16 b) {
+    _mm512_storeu_ps(y, _mm512_add_ps(a, b));
 }
 #else
 typedef struct { __m256i lo, hi; } lanes16;
@@ -684,6 +700,10 @@ static inline lanes16 l16_add(lanes16 a, lanes16 b) {
 static inline lanes16 l16_mullo(lanes16 a, lanes16 b) {
     return (lanes16){_mm256_mullo_epi32(a.lo, b.lo), _mm256_mullo_epi32(a.hi, b.hi)};
 }
+static inline lanes16 l16_halves(lanes16 a, lanes16 b) {
+    return (lanes16){_mm256_blend_epi16(a.lo, _mm256_slli_epi32(b.lo, 16), 0xAA),
+                     _mm256_blend_epi16(a.hi, _mm256_slli_epi32(b.hi, 16), 0xAA)};
+}
 static inline lanes16 l16_dot_u8(lanes16 acc, lanes16 u, lanes16 x) {
     return (lanes16){dot_u8s8_add(acc.lo, u.lo, x.lo), dot_u8s8_add(acc.hi, u.hi, x.hi)};
 }
@@ -691,29 +711,64 @@ static inline lanes16 l16_dot_i16(lanes16 acc, lanes16 a, lanes16 b) {
     return (lanes16){_mm256_add_epi32(acc.lo, _mm256_madd_epi16(a.lo, b.lo)),
                      _mm256_add_epi32(acc.hi, _mm256_madd_epi16(a.hi, b.hi))};
 }
-static inline void l16_fma(float *acc, lanes16 ints, const float *scale, float by) {
+typedef struct { __m256 lo, hi; } flanes16;
+static inline flanes16 f16_zero(void) { return (flanes16){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline flanes16 l16_fma(flanes16 acc, lanes16 ints, const float *scale, float by) {
     const __m256 b = _mm256_set1_ps(by);
-    const __m256i half[2] = {ints.lo, ints.hi};
-    for (int h = 0; h < 2; h++) {
-        const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(scale + 8 * h), b);
-        _mm256_storeu_ps(acc + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(half[h]), s,
-                                                      _mm256_loadu_ps(acc + 8 * h)));
-    }
+    const __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(scale), b);
+    const __m256 hi = _mm256_mul_ps(_mm256_loadu_ps(scale + 8), b);
+    return (flanes16){_mm256_fmadd_ps(_mm256_cvtepi32_ps(ints.lo), lo, acc.lo),
+                      _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints.hi), hi, acc.hi)};
+}
+static inline void f16_store_sum(float *y, flanes16 a, flanes16 b) {
+    _mm256_storeu_ps(y, _mm256_add_ps(a.lo, b.lo));
+    _mm256_storeu_ps(y + 8, _mm256_add_ps(a.hi, b.hi));
 }
 #endif
 
-// Block b of activation rows m..m+mr-1 against the tile's rows: acc[i][0][r] takes S,
-// acc[i][1][r] takes M, as k_dot. `sub`: the values that share a scale (16, or 32 where the
-// format's scales go by 32).
+// Block b of activation rows m..m+mr-1 against the tile's rows: ss[i] takes S, ms[i] takes
+// M, as k_dot. `sub`: the values that share a scale (16, or 32 where the format's scales go
+// by 32); `narrow`: the format's half sub-blocks sum within int16 (NAME_narrow).
 static inline __attribute__((always_inline)) void k_tile_rows(const k_tile *t, const act_rows *x,
                                                               int64_t m, int mr, int sub,
-                                                              int64_t b,
-                                                              float (*acc)[2][KT_ROWS]) {
+                                                              int narrow, int64_t b,
+                                                              flanes16 *ss, flanes16 *ms) {
     const int8_t *q[KT_MR];
     for (int i = 0; i < mr; i++) q[i] = x->q256 + ((m + i) * (x->k / 256) + b) * 256;
     lanes16 sums[KT_MR];
     for (int i = 0; i < mr; i++) sums[i] = l16_zero();
-    for (int s = 0; s < 256 / sub; s++) {
+    // Narrow: each half of a sub-block a chain; the two halves side by side as int16 meet
+    // the scale, twice over in each lane, in one dot product. The integers are exact, so
+    // the same S comes out either way.
+    for (int s = 0; narrow == 1 && s < 256 / sub; s++) {
+        lanes16 low[KT_MR], high[KT_MR];
+        for (int i = 0; i < mr; i++) low[i] = high[i] = l16_zero();
+        for (int g = s * sub / 4; g < s * sub / 4 + sub / 8; g++) {
+            const lanes16 w0 = l16_load(t->u[g]), w1 = l16_load(t->u[g + sub / 8]);
+            for (int i = 0; i < mr; i++) {
+                low[i] = l16_dot_u8(low[i], w0, l16_set1(q[i] + 4 * g));
+                high[i] = l16_dot_u8(high[i], w1, l16_set1(q[i] + 4 * g + sub / 2));
+            }
+        }
+        const lanes16 scale = l16_load(t->scales[s * sub / 16]);
+        const lanes16 pair = l16_halves(scale, scale);
+        for (int i = 0; i < mr; i++) sums[i] = l16_dot_i16(sums[i], l16_halves(low[i], high[i]), pair);
+    }
+    // Narrow 2: one group of 4 products fits an int16 (Q6_K: 4 x 63 x 127); each pair of
+    // groups side by side meets the scale in one dot product.
+    for (int s = 0; narrow == 2 && s < 256 / sub; s++) {
+        const lanes16 scale = l16_load(t->scales[s * sub / 16]);
+        const lanes16 pair = l16_halves(scale, scale);
+        for (int g = s * sub / 4; g < (s + 1) * sub / 4; g += 2) {
+            const lanes16 w0 = l16_load(t->u[g]), w1 = l16_load(t->u[g + 1]);
+            for (int i = 0; i < mr; i++) {
+                const lanes16 a = l16_dot_u8(l16_zero(), w0, l16_set1(q[i] + 4 * g));
+                const lanes16 c = l16_dot_u8(l16_zero(), w1, l16_set1(q[i] + 4 * g + 4));
+                sums[i] = l16_dot_i16(sums[i], l16_halves(a, c), pair);
+            }
+        }
+    }
+    for (int s = 0; !narrow && s < 256 / sub; s++) {
         lanes16 even[KT_MR], odd[KT_MR];  // two chains: consecutive dot products need not wait
         for (int i = 0; i < mr; i++) even[i] = odd[i] = l16_zero();
         for (int g = s * sub / 4; g < (s + 1) * sub / 4; g += 2) {
@@ -734,9 +789,23 @@ static inline __attribute__((always_inline)) void k_tile_rows(const k_tile *t, c
         lanes16 offsets = l16_zero();
         for (int p = 0; p < 8; p++)
             offsets = l16_dot_i16(offsets, l16_load(t->offsets[p]), l16_set1(bsums + 2 * p));
-        l16_fma(acc[i][0], sums[i], t->d, x->d256[at]);
-        l16_fma(acc[i][1], offsets, t->dmin, x->d256[at]);
+        ss[i] = l16_fma(ss[i], sums[i], t->d, x->d256[at]);
+        ms[i] = l16_fma(ms[i], offsets, t->dmin, x->d256[at]);
     }
+}
+
+// Activation rows m..m+mr-1 (mr <= KT_MR, a constant where inlined) against the tiles of
+// every block (tiles[b]: block b of KT_ROWS weight rows): row i's KT_ROWS results at
+// y + i * stride. Each row's two float sums stay in registers through the blocks, taken in
+// block order as k_dot takes them, and are added at the end: the same bits as one row alone.
+static inline __attribute__((always_inline)) void k_tile_all(int mr, const k_tile *tiles,
+                                                             const act_rows *x, int64_t m,
+                                                             int sub, int narrow, int64_t blocks,
+                                                             float *y, int64_t stride) {
+    flanes16 ss[KT_MR], ms[KT_MR];
+    for (int i = 0; i < mr; i++) ss[i] = ms[i] = f16_zero();
+    for (int64_t b = 0; b < blocks; b++) k_tile_rows(&tiles[b], x, m, mr, sub, narrow, b, ss, ms);
+    for (int i = 0; i < mr; i++) f16_store_sum(y + i * stride, ss[i], ms[i]);
 }
 
 // ---- 32-value tiles (AVX-512 with VNNI): KT_ROWS weight rows, all their blocks side by side
@@ -1218,8 +1287,9 @@ static inline float q6_k_wide(const act_rows *x, int64_t blocks, const uint8_t *
 // The k-quants' kernel. Below KT_MIN_ROWS activation rows, or for a last tile of fewer than
 // KT_ROWS weight rows, each weight row goes alone (four activation rows sharing each
 // unpacked block); otherwise the blocks of KT_ROWS weight rows are laid side by side in a
-// k_tile and meet the activation rows in chunks. Both find the same integers and add them
-// in the same order (k_dot), so a row's result does not depend on the path.
+// k_tile per block, filled once, and every activation row meets them all, four at a time,
+// its sums in registers. Both find the same integers and add them in the same order
+// (k_dot), so a row's result does not depend on the path.
 #define KT_MIN_ROWS 4
 #define DEFINE_K_KERNEL(NAME, BYTES, SUB)                                                          \
     /* y[r * stride] for activation rows m..m+mr-1 (mr <= 4) against one weight row */            \
@@ -1251,39 +1321,34 @@ static inline float q6_k_wide(const act_rows *x, int64_t blocks, const uint8_t *
         for (int64_t m = 0; m < rows; m += 4)                                                      \
             FOUR_ROWS(NAME##_by_rows, rows - m, x, m, blocks, w, y + m * stride, stride)           \
     }                                                                                              \
+    /* the blocks of KT_ROWS weight rows into tiles[b], then every activation row past them */ \
     static void NAME##_tiled(const act_rows *x, int64_t rows, int64_t blocks,                      \
-                             const uint8_t *w, float *y, int64_t stride) {                         \
+                             const uint8_t *w, float *y, int64_t stride, k_tile *tiles) {          \
         const int64_t row_bytes = blocks * BYTES;                                                  \
-        k_tile tile;                                                                               \
         k_parts parts[KT_ROWS];                                                                    \
-        float acc[KT_CHUNK][2][KT_ROWS];                                                           \
-        for (int64_t m0 = 0; m0 < rows; m0 += KT_CHUNK) {                                          \
-            const int64_t end = rows - m0 < KT_CHUNK ? rows : m0 + KT_CHUNK;                       \
-            memset(acc, 0, sizeof acc);                                                            \
-            for (int64_t b = 0; b < blocks; b++) {                                                 \
-                for (int r = 0; r < KT_ROWS; r++) {                                                \
-                    prefetch_ahead(w, (KT_ROWS + r) * row_bytes + b * BYTES, BYTES);               \
-                    NAME##_parts(w + r * row_bytes + b * BYTES, &parts[r]);                        \
-                }                                                                                  \
-                k_tile_fill(parts, &tile);                                                         \
-                int64_t m = m0;                                                                    \
-                for (; m + KT_MR <= end; m += KT_MR)                                               \
-                    k_tile_rows(&tile, x, m, KT_MR, SUB, b, acc + (m - m0));                       \
-                for (; m < end; m++) k_tile_rows(&tile, x, m, 1, SUB, b, acc + (m - m0));          \
+        for (int64_t b = 0; b < blocks; b++) {                                                     \
+            for (int r = 0; r < KT_ROWS; r++) {                                                    \
+                prefetch_ahead(w, r * row_bytes + (b + 1) * BYTES, BYTES);                         \
+                NAME##_parts(w + r * row_bytes + b * BYTES, &parts[r]);                            \
             }                                                                                      \
-            for (int64_t m = m0; m < end; m++)                                                     \
-                for (int r = 0; r < KT_ROWS; r++)                                                  \
-                    y[m * stride + r] = acc[m - m0][0][r] + acc[m - m0][1][r];                     \
+            k_tile_fill(parts, &tiles[b]);                                                         \
         }                                                                                          \
+        for (int64_t m = 0; m < rows; m += KT_MR)                                                  \
+            FOUR_ROWS(k_tile_all, rows - m, tiles, x, m, SUB, NAME##_narrow, blocks,               \
+                      y + m * stride, stride)                                                      \
     }                                                                                              \
     static void NAME##_i8(const void *acts, int64_t rows, int64_t k_in, const uint8_t *w,          \
                           int64_t count, float *y, int64_t stride) {                               \
         const act_rows *x = (const act_rows *)acts;                                                \
         const int64_t blocks = k_in / 256, row_bytes = blocks * BYTES;                             \
         int64_t n = 0;                                                                             \
-        if (rows >= KT_MIN_ROWS)                                                                   \
+        /* no memory for the tiles: each weight row alone, the same bits */                       \
+        k_tile *tiles = rows >= KT_MIN_ROWS && count >= KT_ROWS                                    \
+                            ? malloc((size_t)blocks * sizeof *tiles) : NULL;                       \
+        if (tiles)                                                                                 \
             for (; n + KT_ROWS <= count; n += KT_ROWS)                                             \
-                NAME##_tiled(x, rows, blocks, w + n * row_bytes, y + n, stride);                   \
+                NAME##_tiled(x, rows, blocks, w + n * row_bytes, y + n, stride, tiles);            \
+        free(tiles);                                                                               \
         for (; n < count; n++) NAME##_rowwise(x, rows, blocks, w + n * row_bytes, y + n, stride);  \
     }
 
