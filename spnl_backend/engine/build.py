@@ -30,6 +30,7 @@ from ..models.config import ModelConfig
 from ..settings import BackendSettings, PlatformDecisions
 from ..settings.backend_settings import KvBudget, env_name
 from ..settings.effects import given_pic_settings
+from ..settings.speculation import SpeculationChoice, choose_speculation
 from ..settings.values import lora_adapter_list
 from .adapters import AdapterRegistry
 from .block_manager import BlockManager
@@ -91,6 +92,7 @@ def build_engine(
         loaded, settings, decisions, settings.kv_budget, "target", trail_rows
     )
     _log_prefix_caching(settings, decisions.paged_attn)
+    settings, speculation = _resolved_speculation(loaded, settings, info)
     runner: Runner = ModelRunner(loaded.model, cache, loaded.device)
     if settings.speculative in ("ngram", "suffix"):
         if isinstance(cache, StatefulCacheManager):  # states to go back to after rejections
@@ -118,6 +120,7 @@ def build_engine(
     )
     engine = Engine(runner, loaded.tokenizer, engine_config, info)
     engine.adapters, engine.no_adapters = adapters, no_adapters
+    engine.speculation_why = speculation.why
     if settings.kv_tier_dir is not None:
         tier = attach_tier(loaded, settings, cache, info, speculative=draft is not None)
         if tier is not None:
@@ -235,6 +238,19 @@ def _refuse_for_latent(loaded: LoadedModel, settings: BackendSettings) -> None:
         "(multi-head latent attention), not K and V per head, and this takes those"
     )
     _refuse(asked, why)
+
+
+def _resolved_speculation(
+    loaded: LoadedModel, settings: BackendSettings, info: CacheInfo
+) -> tuple[BackendSettings, SpeculationChoice]:
+    """``settings`` with MISTRALRS_SPECULATIVE_METHOD resolved (auto made the method that
+    runs, `settings.speculation`), and the choice; said in the log. Decided once the
+    target's cache is built, since whether it can drop rejected tokens is known then."""
+    choice = choose_speculation(
+        settings, tensor_parallel=loaded.model.tp is not None, cache_rolls_back=info.rolls_back
+    )
+    log.info("speculative.method", method=choice.method or "none", why=choice.why)
+    return settings.model_copy(update={"speculative_method": choice.method or "none"}), choice
 
 
 def _lookup_runner(
@@ -469,7 +485,8 @@ def _contiguous_cache(
         return ProtocolKV(_made_cache(compressor, geometry), compressor.name)
 
     prefix_cache_n = settings.prefix_cache_n
-    if not isinstance(new_store().cache, ResizableKVCache):  # type: ignore[attr-defined]
+    rolls_back = isinstance(new_store().cache, ResizableKVCache)  # type: ignore[attr-defined]
+    if not rolls_back:
         _refuse_draft_without_truncate(settings, compressor)
         if prefix_cache_n:
             log.warning(
@@ -482,6 +499,7 @@ def _contiguous_cache(
     per_token = compressor.bytes_per_token(geometry)  # None: a plugin's own records
     dtype = None if per_token is None else torch.uint8
     info = CacheInfo("contiguous", None, None, None, dtype, per_token, compressor.name, None)
+    info = dataclasses.replace(info, rolls_back=rolls_back)
     return ContiguousCacheManager(new_store, prefix_cache_n), info
 
 
@@ -517,6 +535,8 @@ def _refuse_sinks(loaded: LoadedModel, compressor: Compressor) -> None:
 
 
 def _refuse_draft_without_truncate(settings: BackendSettings, compressor: Compressor) -> None:
+    """Speculation asked for (a method, or a draft) on caches that cannot drop tokens,
+    refused; auto without a draft resolves to none here (`settings.speculation`)."""
     if settings.speculative is not None:
         raise SettingsError(
             f"{env_name('kv_cache_compression')}={compressor.name} cannot be combined with "
