@@ -279,7 +279,9 @@ def _adapter_registry(
     model = loaded.model
     # Speculation takes adapters: its verifying pass runs each sequence's own, and a
     # draft model's tokens are only proposals (it runs the base). Under tensor
-    # parallelism the adapters' shares are tested without speculation only.
+    # parallelism the adapters' shares are tested without speculation only. (Auto without
+    # a draft is None here, and resolves to none under tensor parallelism for this reason:
+    # `settings.speculation`.)
     speculating = settings.speculative in ("ngram", "suffix") or draft is not None
     refused = {
         "speculative decoding under tensor parallelism": speculating and model.tp is not None
