@@ -85,18 +85,19 @@ def build_engine(
             "model and does not run with tensor parallelism: use first (the default), or "
             "one device"
         )
-    # With a draft: the states after each of a step's last rows, to go back to after
-    # rejected drafts.
-    trail_rows = 0 if draft is None else settings.speculative_gamma + 1
+    # Where speculation may run: the states after each of a step's last rows, to go back
+    # to after rejected proposals (planned in the state budget; auto may still resolve to
+    # none below, once the cache says whether it can drop tokens).
+    trail_rows = settings.speculative_gamma + 1 if _may_speculate(loaded, settings) else 0
     cache, max_len, info = _cache(
         loaded, settings, decisions, settings.kv_budget, "target", trail_rows
     )
     _log_prefix_caching(settings, decisions.paged_attn)
     settings, speculation = _resolved_speculation(loaded, settings, info)
     runner: Runner = ModelRunner(loaded.model, cache, loaded.device)
+    if isinstance(cache, StatefulCacheManager) and speculation.method is None:
+        cache.states.trail_rows = 0  # no rejections to go back from
     if settings.speculative in ("ngram", "suffix"):
-        if isinstance(cache, StatefulCacheManager):  # states to go back to after rejections
-            cache.states.trail_rows = settings.speculative_gamma + 1
         runner = _lookup_runner(loaded, settings, cache, max_len)
     if draft is not None:
         tokens = cache.capacity_tokens or settings.kv_budget.value
@@ -238,6 +239,14 @@ def _refuse_for_latent(loaded: LoadedModel, settings: BackendSettings) -> None:
         "(multi-head latent attention), not K and V per head, and this takes those"
     )
     _refuse(asked, why)
+
+
+def _may_speculate(loaded: LoadedModel, settings: BackendSettings) -> bool:
+    """Whether speculation may run, before the cache says whether it can drop tokens."""
+    choice = choose_speculation(
+        settings, tensor_parallel=loaded.model.tp is not None, cache_rolls_back=None
+    )
+    return choice.method is not None
 
 
 def _resolved_speculation(
