@@ -485,7 +485,9 @@ def _speculation(settings: BackendSettings, decisions: PlatformDecisions) -> dic
     from .settings.speculation import choose_speculation
 
     world_size = _topology(settings, decisions).get("world_size", 1)
-    choice = choose_speculation(settings, tensor_parallel=world_size > 1, cache_rolls_back=None)
+    choice = choose_speculation(
+        settings, tensor_parallel=world_size > 1, state_layers=None, cache_rolls_back=None
+    )
     return {"method": choice.method or "none", "why": choice.why}
 
 

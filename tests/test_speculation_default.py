@@ -90,11 +90,15 @@ def test_auto_is_none_on_caches_that_cannot_drop_tokens(plugin, trained, caplog)
 def test_auto_is_none_under_tensor_parallelism():
     """Speculation there would take the LoRA adapters away (`engine.build`); ngram asked
     for runs, and is refused with adapters named (test_lora)."""
-    choice = choose_speculation(BackendSettings(), tensor_parallel=True, cache_rolls_back=True)
+    choice = choose_speculation(
+        BackendSettings(), tensor_parallel=True, state_layers=False, cache_rolls_back=True
+    )
     assert choice.method is None
     assert "under tensor parallelism speculation runs without LoRA adapters" in choice.why
     asked = BackendSettings(speculative_method="ngram")
-    explicit = choose_speculation(asked, tensor_parallel=True, cache_rolls_back=True)
+    explicit = choose_speculation(
+        asked, tensor_parallel=True, state_layers=False, cache_rolls_back=True
+    )
     assert explicit == type(choice)("ngram", "MISTRALRS_SPECULATIVE_METHOD=ngram")
 
 
@@ -124,3 +128,17 @@ def test_gamma_and_ngram_sizes_take_effect_under_auto():
     assert [v for v, _ in ineffective_settings(off, detect_platform(off))] == [
         "MISTRALRS_SPECULATIVE_GAMMA"
     ]
+
+
+def test_auto_is_none_on_a_model_with_state_layers(tiny):
+    """There speculation keeps 2 x (gamma + 1) more states per running sequence: auto runs
+    none and says so; ngram asked for runs, with those states planned in the budget."""
+    path = tiny.hf("qwen3_5").path
+    auto = load(path)
+    choice = auto.speculation()
+    assert choice.method is None
+    assert "the model has state layers, where speculation keeps 34 more states" in choice.why
+    assert auto.cache_info().state_copies_per_slot == 2  # the live state and a snapshot's
+    asked = load(path, speculative_method="ngram", speculative_gamma=3)
+    assert asked.speculation().method == "ngram"
+    assert asked.cache_info().state_copies_per_slot == 2 + 2 * 4

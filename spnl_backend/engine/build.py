@@ -243,10 +243,7 @@ def _refuse_for_latent(loaded: LoadedModel, settings: BackendSettings) -> None:
 
 def _may_speculate(loaded: LoadedModel, settings: BackendSettings) -> bool:
     """Whether speculation may run, before the cache says whether it can drop tokens."""
-    choice = choose_speculation(
-        settings, tensor_parallel=loaded.model.tp is not None, cache_rolls_back=None
-    )
-    return choice.method is not None
+    return _choice(loaded, settings, None).method is not None
 
 
 def _resolved_speculation(
@@ -255,11 +252,20 @@ def _resolved_speculation(
     """``settings`` with MISTRALRS_SPECULATIVE_METHOD resolved (auto made the method that
     runs, `settings.speculation`), and the choice; said in the log. Decided once the
     target's cache is built, since whether it can drop rejected tokens is known then."""
-    choice = choose_speculation(
-        settings, tensor_parallel=loaded.model.tp is not None, cache_rolls_back=info.rolls_back
-    )
+    choice = _choice(loaded, settings, info.rolls_back)
     log.info("speculative.method", method=choice.method or "none", why=choice.why)
     return settings.model_copy(update={"speculative_method": choice.method or "none"}), choice
+
+
+def _choice(
+    loaded: LoadedModel, settings: BackendSettings, rolls_back: bool | None
+) -> SpeculationChoice:
+    return choose_speculation(
+        settings,
+        tensor_parallel=loaded.model.tp is not None,
+        state_layers=bool(loaded.config.num_state_layers),
+        cache_rolls_back=rolls_back,
+    )
 
 
 def _lookup_runner(

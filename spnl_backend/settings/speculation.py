@@ -27,35 +27,57 @@ class SpeculationChoice:
 
 
 def choose_speculation(
-    settings: BackendSettings, *, tensor_parallel: bool, cache_rolls_back: bool | None
+    settings: BackendSettings,
+    *,
+    tensor_parallel: bool,
+    state_layers: bool | None,
+    cache_rolls_back: bool | None,
 ) -> SpeculationChoice:
     """What proposes tokens with these settings, given what the caller knows of the model:
-    whether it runs under tensor parallelism, and whether its KV cache can drop tokens
-    after a step (rejected proposals); None where no cache is built yet."""
+    whether it runs under tensor parallelism, whether it has state layers (None: no model
+    known yet), and whether its KV cache can drop tokens after a step (rejected
+    proposals; None: no cache built yet)."""
     variable = env_name("speculative_method")
     asked = settings.speculative_method
     if asked != "auto":
         return SpeculationChoice(settings.speculative, f"{variable}={asked}")
     if settings.speculative == "draft":
         return SpeculationChoice("draft", f"{variable}=auto, and a draft is set")
-    obstacle = _obstacle(settings, tensor_parallel, cache_rolls_back)
+    obstacle = _obstacle(settings, tensor_parallel, state_layers, cache_rolls_back)
     if obstacle is not None:
         return SpeculationChoice(None, f"{variable}=auto, and {obstacle}; none runs")
     why = f"{variable}=auto, no draft is set: n-gram lookup in each sequence's own tokens"
+    unknown = []
+    if state_layers is None:
+        unknown.append("for a model with state layers")
     if cache_rolls_back is None and settings.kv_cache_compression != "none":
-        why += " (none where the compression method's caches cannot drop tokens)"
+        unknown.append("where the compression method's caches cannot drop tokens")
+    if unknown:
+        why += f" (none {', and '.join(unknown)})"
     return SpeculationChoice("ngram", why)
 
 
 def _obstacle(
-    settings: BackendSettings, tensor_parallel: bool, cache_rolls_back: bool | None
+    settings: BackendSettings,
+    tensor_parallel: bool,
+    state_layers: bool | None,
+    cache_rolls_back: bool | None,
 ) -> str | None:
-    """Why n-gram speculation would not run here (set explicitly it is refused), or None."""
+    """Why auto runs no n-gram speculation here, or None. Tensor parallelism and caches
+    that cannot drop tokens refuse an explicit ngram too; state layers do not, but there
+    each running sequence keeps 2 x (gamma + 1) more states to go back to
+    (`engine.state_cache.copies_per_slot`), which the measurements did not cover."""
     if tensor_parallel:
         # Speculation under tensor parallelism takes the adapters away (engine.build).
         return (
             "under tensor parallelism speculation runs without LoRA adapters (none at start, "
             "none loaded later)"
+        )
+    if state_layers:
+        return (
+            "the model has state layers, where speculation keeps "
+            f"{2 * (settings.speculative_gamma + 1)} more states per running sequence; set "
+            "ngram to have it"
         )
     if cache_rolls_back is False:
         return (
