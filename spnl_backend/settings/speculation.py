@@ -2,7 +2,8 @@
 
 The one place where ``auto`` is decided. An explicit method is kept as set (the engine
 refuses it, with the reason, where it cannot run); ``auto`` is the draft where one is set,
-else per-sequence n-gram lookup (`engine.ngram`) wherever speculation can run, else none.
+else per-sequence n-gram lookup (`engine.ngram`) wherever speculation can run and has been
+measured (not on models with state layers), else none.
 N-gram lookup, not the suffix store, because a request's proposals then come from its own
 tokens alone: with the shared store a sampled request's tokens would depend on what other
 requests sent. The choice rests on docs/benchmarks.md ("N-gram speculation"): n-gram
