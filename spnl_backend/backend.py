@@ -64,6 +64,7 @@ from .results import (
 )
 from .sampling import SamplingParams
 from .settings import BackendSettings, PlatformDecisions
+from .settings.speculation import SpeculationChoice
 from .settings.values import is_adapter_name
 from .tools.chat import ToolChat, one_call_a_turn, template_messages, tool_chat
 from .tools.formats import ToolFormat
@@ -356,9 +357,9 @@ class Backend:
         self._check_token_ids(params)
         if params.speculative and loop.engine.speculation is None:
             raise RequestError(
-                f"speculative={params.speculative}: this backend decodes without speculation; "
-                "load it with MISTRALRS_SPECULATIVE_METHOD=ngram or suffix (or a draft model) "
-                "for it, "
+                f"speculative={params.speculative}: this backend decodes without speculation "
+                f"({loop.engine.speculation_why}); load it with "
+                "MISTRALRS_SPECULATIVE_METHOD=ngram or suffix (or a draft model) for it, "
                 "or leave speculative out"
             )
         if params.logprobs:
@@ -708,6 +709,13 @@ class Backend:
         a model with state layers, the state group's bytes per sequence, slots, snapshots
         and their bytes."""
         return self._open_loop().engine.cache_info
+
+    def speculation(self) -> SpeculationChoice:
+        """What proposes the tokens the target verifies ("draft", "ngram", "suffix", or
+        None: no speculation), as the engine runs it, and why (MISTRALRS_SPECULATIVE_METHOD
+        resolved: auto is the draft where one is set, else ngram where it can run)."""
+        engine = self._open_loop().engine
+        return SpeculationChoice(engine.speculation, engine.speculation_why)
 
     @property
     def model(self) -> CausalLM:

@@ -444,6 +444,7 @@ def _info_json(settings: BackendSettings, decisions: PlatformDecisions) -> dict[
         "kv_budget": vars(settings.kv_budget),
         "platform": decisions.as_dict(),
         "topology": _topology(settings, decisions),
+        "speculation": _speculation(settings, decisions),
     }
 
 
@@ -472,7 +473,22 @@ def _info_table(settings: BackendSettings, decisions: PlatformDecisions) -> str:
     lines += _format_rows(platform_rows)
     topology_rows = [(key, _show(value)) for key, value in _topology(settings, decisions).items()]
     lines += ["", "topology", *_format_rows(topology_rows)]
+    speculation = _speculation(settings, decisions)
+    lines += ["", "speculation", *_format_rows([(k, _show(v)) for k, v in speculation.items()])]
     return "\n".join(lines)
+
+
+def _speculation(settings: BackendSettings, decisions: PlatformDecisions) -> dict[str, Any]:
+    """What would propose the tokens the target verifies, and why, as far as it is known
+    before a model loads (its cache's ability to drop tokens is known at load, where the
+    `speculative.method` event says what was chosen)."""
+    from .settings.speculation import choose_speculation
+
+    world_size = _topology(settings, decisions).get("world_size", 1)
+    choice = choose_speculation(
+        settings, tensor_parallel=world_size > 1, state_layers=None, cache_rolls_back=None
+    )
+    return {"method": choice.method or "none", "why": choice.why}
 
 
 def _show(value: object) -> str:

@@ -17,6 +17,9 @@ from spnl_backend.engine.kv_cache import ContiguousStep, SequenceKV, StepSlice
 from spnl_backend.quant.linear import QuantLinear
 
 CPU = BackendSettings(device="cpu")
+# For tests that count on one token a step (`scripted_logits`, per-step recorders): the
+# default speculation (n-gram lookup) may verify several.
+NO_SPECULATION = BackendSettings(device="cpu", speculative_method="none")
 PROMPT = " ".join(["The quick brown fox jumps over the lazy dog."] * 3)
 # Prompts of several lengths that share prefixes: batches that exercise the prefix cache.
 SHARED_PREFIX_PROMPTS = [
@@ -177,8 +180,11 @@ def scripted_logits(backend: Backend, monkeypatch) -> list[int]:
     """A script of tokens the model's logits are biased toward, one a step (one sequence
     at a time), while the list has any: how a test makes a tiny model write a whole output,
     markers included, where a constraint would hold only the answer. A constraint's or the
-    reasoning's mask still decides wherever it allows fewer tokens."""
-    model = engine_internals(backend).runner.model
+    reasoning's mask still decides wherever it allows fewer tokens. One token a step: the
+    backend runs without speculation (`NO_SPECULATION`)."""
+    engine = engine_internals(backend)
+    assert engine.speculation is None, "scripted logits need a backend without speculation"
+    model = engine.runner.model
     compute = model.compute_logits
     script: list[int] = []
 

@@ -27,7 +27,9 @@ def _greedy(backend, prompt, **kw):
 
 @pytest.fixture(scope="module", params=[True, False], ids=["paged", "non-paged"])
 def backend(tiny, request):
-    settings = BackendSettings(device="cpu", paged_attn=request.param)
+    """Without speculation: the fault doubles below stand in for the plain step's sampler
+    (speculation's verification has its own test, `test_a_request_whose_verification_...`)."""
+    settings = BackendSettings(device="cpu", paged_attn=request.param, speculative_method="none")
     return load_backend(str(tiny.hf("qwen3").path), settings=settings)
 
 
@@ -70,6 +72,31 @@ def test_a_request_whose_sampling_fails_fails_alone(backend, solo, monkeypatch):
     assert "choosing the next token failed" in str(error)
     assert text == backend.tokenizer.decode(solo[PROMPTS[0]])
     _assert_clean(backend)
+
+
+def test_a_request_whose_verification_fails_fails_alone(tiny, monkeypatch):
+    """Under n-gram speculation (the default) a row whose verification raises fails its
+    request alone; the greedy stream beside it keeps its tokens."""
+    from spnl_backend.engine import speculative
+
+    settings = BackendSettings(device="cpu", speculative_method="ngram")
+    spec = load_backend(str(tiny.hf("qwen3").path), settings=settings)
+    want = _greedy(spec, PROMPTS[0], max_tokens=24).token_ids
+    real = speculative.verify
+
+    def fails_for_the_poison_seed(logits, drafts, probs, p, generator):
+        if p.seed == POISON_SEED:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real(logits, drafts, probs, p, generator)
+
+    monkeypatch.setattr(speculative, "verify", fails_for_the_poison_seed)
+    text, error = _stream_with(
+        spec, lambda: spec.generate(PROMPTS[1], max_tokens=8, temperature=1.0, seed=POISON_SEED)
+    )
+    assert isinstance(error, EngineError)
+    assert "choosing the next token failed" in str(error)
+    assert text == spec.tokenizer.decode(want)
+    _assert_clean(spec)
 
 
 def test_a_request_whose_stop_handling_fails_fails_alone(backend, solo, monkeypatch):

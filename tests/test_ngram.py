@@ -37,7 +37,7 @@ def load(path: Path, **settings):
 
 @cache
 def _reference(path: Path, paged: bool, prompts: tuple[str, ...], **options) -> list[list[int]]:
-    backend = load(path, paged_attn=paged)
+    backend = load(path, paged_attn=paged, speculative_method="none")
     return [
         backend.generate(p, max_tokens=TOKENS, temperature=0, **options).token_ids for p in prompts
     ]
@@ -110,7 +110,7 @@ def test_constrained_output_keeps_the_constraint(trained):
     """Proposals the regex refuses are cut before verification; the output is the same."""
     regex = r"(The quick brown fox jumps over the lazy dog\. ){1,3}"
     options = dict(max_tokens=TOKENS, temperature=0, regex=regex)
-    alone = load(trained).generate(COPYING[0], **options)
+    alone = load(trained, speculative_method="none").generate(COPYING[0], **options)
     spec = load(trained, speculative_method="ngram")
     result = spec.generate(COPYING[0], **options)
     assert result.token_ids == alone.token_ids
@@ -122,7 +122,9 @@ def test_a_pic_prompt_copies_its_plus_documents_exactly(trained):
     it takes proposals from its plus documents and rolls rejected ones back; its output is
     what it is without speculation."""
     blocks = [("plus", COPYING[0]), ("plus", COPYING[1]), ("cross", "Again: The quick")]
-    alone = load(trained, paged_attn=True).generate(blocks=blocks, max_tokens=24, temperature=0)
+    alone = load(trained, paged_attn=True, speculative_method="none").generate(
+        blocks=blocks, max_tokens=24, temperature=0
+    )
     spec = load(trained, paged_attn=True, speculative_method="ngram", paged_attn_block_size=8)
     result = spec.generate(blocks=blocks, max_tokens=24, temperature=0)
     assert result.token_ids == alone.token_ids
@@ -132,7 +134,7 @@ def test_a_pic_prompt_copies_its_plus_documents_exactly(trained):
 
 def test_stop_strings_and_logprobs_behave_as_without(trained):
     options = dict(max_tokens=TOKENS, temperature=0, stop=["lazy"], logprobs=True, top_logprobs=2)
-    alone = load(trained).generate(COPYING[0], **options)
+    alone = load(trained, speculative_method="none").generate(COPYING[0], **options)
     result = load(trained, speculative_method="ngram").generate(COPYING[0], **options)
     assert (result.text, result.token_ids, result.finish_reason) == (
         alone.text,
@@ -169,7 +171,7 @@ def test_failing_proposals_fall_to_no_drafts(trained, monkeypatch):
     and the sequence then tries one token ever more rarely, with the same output."""
     never = 7
     options = dict(max_tokens=96, temperature=0, logit_bias={never: -100})
-    expected = load(trained).generate(FREE[0], **options).token_ids
+    expected = load(trained, speculative_method="none").generate(FREE[0], **options).token_ids
     monkeypatch.setattr(NgramIndex, "lookup", lambda self, tokens, k: [never] * k)
     spec = load(trained, speculative_method="ngram", speculative_gamma=16)
     result = spec.generate(FREE[0], **options)
@@ -259,7 +261,8 @@ def test_the_engine_runs_the_method_chosen(tiny):
     spec = load(tiny.hf("llama").path, speculative_method="ngram")
     assert isinstance(engine_internals(spec).runner, NgramRunner)
     assert engine_internals(spec).speculation == "ngram"
-    assert engine_internals(load(tiny.hf("llama").path)).speculation is None
+    none = load(tiny.hf("llama").path, speculative_method="none")
+    assert engine_internals(none).speculation is None
 
 
 @pytest.mark.parametrize("value", [-1, 257, 1.5, "yes"])
@@ -269,8 +272,8 @@ def test_a_bad_speculative_option_is_refused(value):
 
 
 def test_asking_for_speculation_where_there_is_none_is_refused(tiny):
-    backend = tiny.backend("llama")
-    with pytest.raises(RequestError, match="decodes without speculation"):
+    backend = load(tiny.hf("llama").path, speculative_method="none")
+    with pytest.raises(RequestError, match=r"decodes without speculation \(.*METHOD=none\)"):
         backend.generate("hi", max_tokens=2, speculative=4)
     assert backend.generate("hi", max_tokens=2, speculative=False).usage.draft_tokens == 0
 

@@ -267,7 +267,12 @@ def test_native_checks_apply_only_where_the_native_kernels_run():
         ({}, {"prefix_cache_n": 4}, ["MISTRALRS_PREFIX_CACHE_N"]),
         ({}, {"prefix_cache_n": 1}, []),
         ({}, {"paged_attn": False, "prefix_cache_n": 4}, []),
-        ({}, {"speculative_gamma": 4}, ["MISTRALRS_SPECULATIVE_GAMMA"]),
+        ({}, {"speculative_gamma": 4}, []),  # auto without a draft runs ngram, which it bounds
+        (
+            {},
+            {"speculative_gamma": 4, "speculative_method": "none"},
+            ["MISTRALRS_SPECULATIVE_GAMMA"],
+        ),
         ({}, {"speculative_gamma": 4, "speculative_draft_isq": "Q8_0"}, []),
         (
             {"cuda": [H100]},

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CPU, run_together, scripted_logits
+from helpers import CPU, NO_SPECULATION, run_together, scripted_logits
 from live_server import MODEL
 from tiny_models import build_hf_model
 
@@ -37,7 +37,10 @@ def think_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def backend(think_model):
-    backend = load_backend(str(think_model), settings=CPU)
+    """Without speculation: `helpers.scripted_logits` biases one token a step, which a
+    verifying step of several rows would misread (speculation's budgets are tested below
+    against this backend)."""
+    backend = load_backend(str(think_model), settings=NO_SPECULATION)
     backend.tokenizer.hf.chat_template = R1
     yield backend
     backend.close()

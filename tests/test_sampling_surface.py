@@ -5,7 +5,7 @@ import pytest
 import torch
 from helpers import model_logits, run_together
 
-from spnl_backend import RequestError
+from spnl_backend import BackendSettings, RequestError, load_backend
 from spnl_backend.constrain.healing import back_off
 from spnl_backend.engine.sampler import distribution
 from spnl_backend.request import sampling_params
@@ -17,7 +17,10 @@ TOKENS = 12
 
 @pytest.fixture(scope="module")
 def llama(tiny):
-    return tiny.backend("llama")
+    """Without speculation: `seen` records the plain step's sampling stage, a row per
+    sequence and step (verification under penalties is tested below)."""
+    settings = BackendSettings(device="cpu", speculative_method="none")
+    return load_backend(str(tiny.hf("llama").path), settings=settings)
 
 
 def _reference_adjust(logits, prompt, output, p):
@@ -246,8 +249,6 @@ def test_prefix_runs_are_found_at_every_byte_boundary():
 
 
 def test_speculative_decoding_keeps_penalties_and_logprobs(tiny, llama):
-    from spnl_backend import BackendSettings, load_backend
-
     spec = load_backend(
         str(tiny.hf("llama").path),
         settings=BackendSettings(device="cpu", speculative_draft_isq="Q8_0", speculative_gamma=4),

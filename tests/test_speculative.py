@@ -290,8 +290,11 @@ def test_a_broken_draft_names_the_draft(pair, tmp_path):
         load(pair[0], speculative_draft_model=str(broken))
 
 
-def test_gamma_without_a_draft_is_reported(tiny, monkeypatch, caplog):
+def test_gamma_without_speculation_is_reported(tiny, monkeypatch, caplog):
+    """Without a draft, auto runs n-gram speculation, which the gamma bounds: only with
+    MISTRALRS_SPECULATIVE_METHOD=none does it change nothing."""
     monkeypatch.setenv("MISTRALRS_SPECULATIVE_GAMMA", "4")
+    monkeypatch.setenv("MISTRALRS_SPECULATIVE_METHOD", "none")
     monkeypatch.setenv("MISTRALRS_DEVICE", "cpu")
     with caplog.at_level("WARNING", logger="spnl_backend"):
         load_backend(str(tiny.hf("llama").path))

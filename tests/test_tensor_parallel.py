@@ -409,7 +409,7 @@ def lora_runs(tiny, tmp_path_factory):
     """The tiny Llama with a PEFT adapter "one" loaded at start and a GGUF adapter "two"
     (q and k rows in llama.cpp's order) loaded at run time, on ``world`` ranks: the greedy
     tokens of a base, a "one" and a "two" request sharing steps, then of "one" unloaded
-    and loaded again, and of "two" alone."""
+    and loaded again, and of "two" alone; and what speculation the default (auto) ran."""
     root = tmp_path_factory.mktemp("tp-lora")
     tiny_model = tiny.hf("llama")
     write_adapter(root / "one", tiny_model.hf, seed=1)
@@ -431,7 +431,7 @@ def lora_runs(tiny, tmp_path_factory):
             together = run_together(backend, *[partial(greedy, a) for a in (None, "one", "two")])
             backend.unload_adapter("one")
             backend.load_adapter("one", str(root / "one"))
-            return together, greedy("one"), greedy("two")
+            return (together, greedy("one"), greedy("two")), backend.speculation()
 
     return run
 
@@ -441,10 +441,16 @@ def test_lora_adapters_split_as_the_projections_they_attach_to(lora_runs, world)
     """lora_B split by rows on q, k, v, gate and up, lora_A by columns on o and down (each
     rank's partial product summed with the base's by the same all-reduce; with 4 ranks,
     key/value heads held twice): the ranks give one process's greedy tokens, adapters
-    loaded at start and at run time, unloaded and loaded again."""
-    one_process = lora_runs(1)
+    loaded at start and at run time, unloaded and loaded again. The default speculation
+    runs in one process and not under tensor parallelism, where it would refuse the
+    adapters."""
+    one_process, alone = lora_runs(1)
     assert len({tuple(tokens) for tokens in one_process[0]}) == 3  # each adapter changes them
-    assert lora_runs(world) == one_process
+    split, choice = lora_runs(world)
+    assert split == one_process
+    assert alone.method == "ngram"
+    assert choice.method is None
+    assert "under tensor parallelism speculation runs without LoRA adapters" in choice.why
 
 
 def test_lora_shares_add_up_to_the_whole_product(tiny):

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import jsonschema
 import ollama
 import pytest
-from helpers import CPU, scripted_logits
+from helpers import NO_SPECULATION, scripted_logits
 from live_server import MODEL
 from llguidance import LLMatcher, LLTokenizer
 from test_tools import ASK, SCHEMAS, TOOLS
@@ -158,7 +158,7 @@ def backend(tmp_path_factory):
     wide = {"max_position_embeddings": 2048}
     path = tmp_path_factory.mktemp("gpt_oss")
     tiny = build_hf_model("gpt_oss", path, specials=HARMONY_TAGS, overrides=wide)
-    backend = load_backend(str(tiny.path), settings=CPU)
+    backend = load_backend(str(tiny.path), settings=NO_SPECULATION)
     backend.tokenizer.hf.chat_template = GPT_OSS
     yield backend
     backend.close()
@@ -406,7 +406,7 @@ def test_ends_that_are_end_of_sequence_tokens_as_in_gpt_oss(tmp_path):
     ends = [hf.convert_tokens_to_ids(t) for t in ("<|return|>", "<|call|>")]
     config = {"max_position_embeddings": 2048, "eos_token_id": [EOS, *ends]}
     tiny = build_hf_model("gpt_oss", tmp_path, specials=HARMONY_TAGS, overrides=config)
-    backend = load_backend(str(tiny.path), settings=CPU)
+    backend = load_backend(str(tiny.path), settings=NO_SPECULATION)
     try:
         backend.tokenizer.hf.chat_template = GPT_OSS
         bias = _ending(backend)

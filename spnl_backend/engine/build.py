@@ -30,6 +30,7 @@ from ..models.config import ModelConfig
 from ..settings import BackendSettings, PlatformDecisions
 from ..settings.backend_settings import KvBudget, env_name
 from ..settings.effects import given_pic_settings
+from ..settings.speculation import SpeculationChoice, choose_speculation
 from ..settings.values import lora_adapter_list
 from .adapters import AdapterRegistry
 from .block_manager import BlockManager
@@ -84,17 +85,19 @@ def build_engine(
             "model and does not run with tensor parallelism: use first (the default), or "
             "one device"
         )
-    # With a draft: the states after each of a step's last rows, to go back to after
-    # rejected drafts.
-    trail_rows = 0 if draft is None else settings.speculative_gamma + 1
+    # Where speculation may run: the states after each of a step's last rows, to go back
+    # to after rejected proposals (planned in the state budget; auto may still resolve to
+    # none below, once the cache says whether it can drop tokens).
+    trail_rows = settings.speculative_gamma + 1 if _may_speculate(loaded, settings) else 0
     cache, max_len, info = _cache(
         loaded, settings, decisions, settings.kv_budget, "target", trail_rows
     )
     _log_prefix_caching(settings, decisions.paged_attn)
+    settings, speculation = _resolved_speculation(loaded, settings, info)
     runner: Runner = ModelRunner(loaded.model, cache, loaded.device)
+    if isinstance(cache, StatefulCacheManager) and speculation.method is None:
+        cache.states.trail_rows = 0  # no rejections to go back from
     if settings.speculative in ("ngram", "suffix"):
-        if isinstance(cache, StatefulCacheManager):  # states to go back to after rejections
-            cache.states.trail_rows = settings.speculative_gamma + 1
         runner = _lookup_runner(loaded, settings, cache, max_len)
     if draft is not None:
         tokens = cache.capacity_tokens or settings.kv_budget.value
@@ -118,6 +121,7 @@ def build_engine(
     )
     engine = Engine(runner, loaded.tokenizer, engine_config, info)
     engine.adapters, engine.no_adapters = adapters, no_adapters
+    engine.speculation_why = speculation.why
     if settings.kv_tier_dir is not None:
         tier = attach_tier(loaded, settings, cache, info, speculative=draft is not None)
         if tier is not None:
@@ -237,6 +241,33 @@ def _refuse_for_latent(loaded: LoadedModel, settings: BackendSettings) -> None:
     _refuse(asked, why)
 
 
+def _may_speculate(loaded: LoadedModel, settings: BackendSettings) -> bool:
+    """Whether speculation may run, before the cache says whether it can drop tokens."""
+    return _choice(loaded, settings, None).method is not None
+
+
+def _resolved_speculation(
+    loaded: LoadedModel, settings: BackendSettings, info: CacheInfo
+) -> tuple[BackendSettings, SpeculationChoice]:
+    """``settings`` with MISTRALRS_SPECULATIVE_METHOD resolved (auto made the method that
+    runs, `settings.speculation`), and the choice; said in the log. Decided once the
+    target's cache is built, since whether it can drop rejected tokens is known then."""
+    choice = _choice(loaded, settings, info.rolls_back)
+    log.info("speculative.method", method=choice.method or "none", why=choice.why)
+    return settings.model_copy(update={"speculative_method": choice.method or "none"}), choice
+
+
+def _choice(
+    loaded: LoadedModel, settings: BackendSettings, rolls_back: bool | None
+) -> SpeculationChoice:
+    return choose_speculation(
+        settings,
+        tensor_parallel=loaded.model.tp is not None,
+        state_layers=bool(loaded.config.num_state_layers),
+        cache_rolls_back=rolls_back,
+    )
+
+
 def _lookup_runner(
     loaded: LoadedModel, settings: BackendSettings, cache: CacheManager, max_len: int
 ) -> NgramRunner:
@@ -263,7 +294,9 @@ def _adapter_registry(
     model = loaded.model
     # Speculation takes adapters: its verifying pass runs each sequence's own, and a
     # draft model's tokens are only proposals (it runs the base). Under tensor
-    # parallelism the adapters' shares are tested without speculation only.
+    # parallelism the adapters' shares are tested without speculation only. (Auto without
+    # a draft is None here, and resolves to none under tensor parallelism for this reason:
+    # `settings.speculation`.)
     speculating = settings.speculative in ("ngram", "suffix") or draft is not None
     refused = {
         "speculative decoding under tensor parallelism": speculating and model.tp is not None
@@ -469,7 +502,8 @@ def _contiguous_cache(
         return ProtocolKV(_made_cache(compressor, geometry), compressor.name)
 
     prefix_cache_n = settings.prefix_cache_n
-    if not isinstance(new_store().cache, ResizableKVCache):  # type: ignore[attr-defined]
+    rolls_back = isinstance(new_store().cache, ResizableKVCache)  # type: ignore[attr-defined]
+    if not rolls_back:
         _refuse_draft_without_truncate(settings, compressor)
         if prefix_cache_n:
             log.warning(
@@ -482,6 +516,7 @@ def _contiguous_cache(
     per_token = compressor.bytes_per_token(geometry)  # None: a plugin's own records
     dtype = None if per_token is None else torch.uint8
     info = CacheInfo("contiguous", None, None, None, dtype, per_token, compressor.name, None)
+    info = dataclasses.replace(info, rolls_back=rolls_back)
     return ContiguousCacheManager(new_store, prefix_cache_n), info
 
 
@@ -517,6 +552,8 @@ def _refuse_sinks(loaded: LoadedModel, compressor: Compressor) -> None:
 
 
 def _refuse_draft_without_truncate(settings: BackendSettings, compressor: Compressor) -> None:
+    """Speculation asked for (a method, or a draft) on caches that cannot drop tokens,
+    refused; auto without a draft resolves to none here (`settings.speculation`)."""
     if settings.speculative is not None:
         raise SettingsError(
             f"{env_name('kv_cache_compression')}={compressor.name} cannot be combined with "

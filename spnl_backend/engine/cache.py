@@ -53,6 +53,9 @@ class CacheInfo:
     latent_kv: bool = False
     # Some layer attends within chunks of absolute positions (`ModelConfig.chunked_attention`).
     chunked_attention: bool = False
+    # The cache can drop the tokens of a step's rejected proposals (False: a compression
+    # plugin's non-paged caches without truncate, which speculation cannot run on).
+    rolls_back: bool = True
 
 
 @dataclass(frozen=True)

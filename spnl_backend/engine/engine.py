@@ -9,6 +9,7 @@ from ..log import get_logger
 from ..models.lora import AdapterInfo, LoraAdapter, scaled_root, set_root
 from ..pic.layout import PicLayout
 from ..sampling import SamplingParams
+from ..settings.speculation import SpeculationMethod
 from .adapters import AdapterRegistry, AdapterUsage
 from .block_manager import BlockEvents
 from .cache import CacheInfo, PoolUsage, StateUsage
@@ -86,6 +87,9 @@ class Engine:
         self.decoder = decoder
         self.runner = runner
         self.cache = runner.cache
+        # How MISTRALRS_SPECULATIVE_METHOD was resolved (`settings.speculation`); `build`
+        # sets it, with the method its runner runs.
+        self.speculation_why = "no speculation was asked for"
         self.scheduler = Scheduler(
             self.cache,
             config.max_num_seqs,
@@ -386,7 +390,7 @@ class Engine:
         self.scheduler.waiting.clear()
 
     @property
-    def speculation(self) -> str | None:
+    def speculation(self) -> SpeculationMethod | None:
         """What proposes tokens for the target to verify: "draft", "ngram", "suffix", or
         None."""
         if isinstance(self.runner, SpeculativeRunner):

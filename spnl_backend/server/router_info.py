@@ -7,6 +7,7 @@ worker's block size from vLLM's ``vllm_config.cache_config.block_size``. Each an
 carries both projects' names, so that one route serves either router.
 """
 
+import dataclasses
 from typing import Any
 
 from ..backend import Backend
@@ -39,6 +40,9 @@ def server_info(name: str, backend: Backend, kv_events: dict[str, Any] | None) -
         "max_total_num_tokens": cache.capacity_tokens,
         "context_length": backend.max_model_len,
         "kv_events": kv_events,
+        # Ours: what proposes the tokens the model verifies (MISTRALRS_SPECULATIVE_METHOD
+        # resolved) and why.
+        "speculation": dataclasses.asdict(backend.speculation()),
         "vllm_config": {
             "model_config": {"model": name, "max_model_len": backend.max_model_len},
             "cache_config": {"block_size": cache.block_size},

@@ -135,7 +135,8 @@ class BackendSettings(BaseSettings):
     speculative_draft_isq: IsqType | None = None
     # What proposes the tokens the target verifies: a draft model (the two settings above),
     # n-gram lookup in each sequence's own prompt and output (`engine.ngram`, no draft), or
-    # nothing; auto is the draft where one is set, else nothing; suffix is n-gram lookup
+    # nothing; auto is the draft where one is set, else ngram where speculation can run,
+    # else nothing (`settings.speculation`, measured there); suffix is n-gram lookup
     # that falls back on a store shared by the requests (`engine.suffix`: prompts' documents
     # and finished outputs, copies within a token budget). The n-gram sizes looked up, the
     # longest first.
@@ -307,7 +308,10 @@ class BackendSettings(BaseSettings):
 
     @property
     def speculative(self) -> Literal["draft", "ngram", "suffix"] | None:
-        """What proposes tokens for the target to verify, or None (no speculation)."""
+        """What proposes tokens for the target to verify, as the settings alone say: the
+        method set, or the draft where one is set, else None. Auto without a draft is None
+        here; the engine resolves it (`settings.speculation.choose_speculation`) once it
+        knows the model and its cache, and `Engine.speculation` says what runs."""
         if self.speculative_method in ("ngram", "suffix"):
             return self.speculative_method
         if self.speculative_draft_model is not None or self.speculative_draft_isq is not None:

@@ -105,16 +105,20 @@ def ineffective_settings(
             ("pic_recompute_select",),
             "it picks the tokens recomputed, and none are (MISTRALRS_PIC_RECOMPUTE is 0)",
         )
-    if settings.speculative is None:
+    if settings.speculative_method == "none":
         report(
             ("speculative_gamma",),
-            "no speculation is set: set MISTRALRS_SPECULATIVE_DRAFT_MODEL "
-            "or MISTRALRS_SPECULATIVE_DRAFT_ISQ, or MISTRALRS_SPECULATIVE_METHOD=ngram",
+            "no speculation is set (MISTRALRS_SPECULATIVE_METHOD=none)",
         )
-    if settings.speculative not in ("ngram", "suffix"):
+    # Auto without a draft may resolve to ngram (`settings.speculation`).
+    lookup = settings.speculative in ("ngram", "suffix") or (
+        settings.speculative_method == "auto" and settings.speculative is None
+    )
+    if not lookup:
         report(
             ("speculative_ngram_min", "speculative_ngram_max"),
-            "they size n-gram speculation, and MISTRALRS_SPECULATIVE_METHOD is not ngram or suffix",
+            "they size n-gram speculation, and MISTRALRS_SPECULATIVE_METHOD is not ngram or "
+            "suffix (nor auto without a draft)",
         )
     if settings.speculative != "suffix":
         report(
