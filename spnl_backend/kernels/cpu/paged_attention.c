@@ -109,9 +109,11 @@ INLINE void dots(const float *q, const void *const *keys, int64_t n, int64_t dim
         for (int level = 0, width = DOTS; level < 4; level++, width /= 2)
             for (int t = 0; t < width / 2; t++)
                 acc[t] = fold_pairs(acc[2 * t], acc[2 * t + 1], level);
-        float lanes[16];
-        _mm512_storeu_ps(lanes, acc[0]);
-        for (int64_t t = 0; t < n; t++) sums[t] = lanes[(t % 4) * 4 + t / 4];  // the tree's order
+        // the tree leaves key t in lane (t % 4) * 4 + t / 4; sums has room for DOTS
+        const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7,
+                                                11, 15);
+        _mm512_storeu_ps(sums, _mm512_permutexvar_ps(order, acc[0]));
+        (void)n;
         return;
     }
 #endif
@@ -308,8 +310,10 @@ typedef struct {
     int64_t group, dim, part;  // part: floats of one chunk's partial (group x (dim + 2))
     int64_t block;             // queries attended together (1: each alone)
     int64_t wide;              // floats of widened keys in a worker's scratch (0: none)
+    int64_t wide_values;       // floats of a chunk's widened values, with room for their
+                               // slots (0: none; a block of a float16 pool's queries)
     int64_t work;  // a worker's scratch for one chunk: scores (block x group rows), widened
-                   // keys, then a block's partials (block x part)
+                   // keys, widened values, then a block's partials (block x part)
 } attention_plan;
 
 static inline int64_t chunk_of(int64_t key) { return key / KEY_CHUNK; }
@@ -365,10 +369,14 @@ INLINE void score_rows(const attention_plan *p, const int64_t *members, int64_t 
                 else
                     dots(q + g * dim, keys, n, dim, sums, half);
                 float *out = scores + (m * group + g) * KEY_CHUNK + j - lo;
-                for (int64_t t = 0; t < n; t++) {
-                    float score = sums[t] * scale;
-                    if (softcap > 0.0f) score = softcap * tanhf(score / softcap);
-                    out[t] = score;
+                if (softcap > 0.0f) {
+                    for (int64_t t = 0; t < n; t++)
+                        out[t] = softcap * tanhf(sums[t] * scale / softcap);
+                } else if (n == DOTS) {  // the same products, 16 to a vector
+                    const v16f scaled = load_f32(sums) * splat(scale);
+                    memcpy(out, &scaled, sizeof scaled);
+                } else {
+                    for (int64_t t = 0; t < n; t++) out[t] = sums[t] * scale;
                 }
             }
         }
@@ -388,8 +396,26 @@ INLINE void attend_rows(const attention_plan *p, const int64_t *members, int64_t
     float *wide = p->wide ? scores + p->block * p->group * KEY_CHUNK : NULL;
     score_rows(p, members, count, kvh, slots, lo, hi, scores, wide, half);
     softmax_rows(scores, rows, hi - lo, stats);
-    weigh_group(kv_row(a->v_cache, kvh, dim, half), row, slots + lo, hi - lo, scores,
-                KEY_CHUNK, rows, dim, acc, half);
+    const void *v_cache = kv_row(a->v_cache, kvh, dim, half);
+    if (half && count > 1 && p->wide_values) {
+        // Each value widened once for the block rather than once per tile of four rows
+        // (exactly: the same FMAs over the same floats).
+        float *values = wide + p->wide;
+        int64_t *order = (int64_t *)(values + KEY_CHUNK * dim);
+        for (int64_t j = 0; j < hi - lo; j++) {
+            const void *from = kv_row(v_cache, slots[lo + j], row, true);
+            int64_t i = 0;
+            for (; i + 16 <= dim; i += 16) {
+                const v16f v = kv_load(from, i, true);
+                memcpy(values + j * dim + i, &v, sizeof v);
+            }
+            for (; i < dim; i++) values[j * dim + i] = kv_at(from, i, true);
+            order[j] = j;
+        }
+        weigh_group(values, dim, order, hi - lo, scores, KEY_CHUNK, rows, dim, acc, false);
+        return;
+    }
+    weigh_group(v_cache, row, slots + lo, hi - lo, scores, KEY_CHUNK, rows, dim, acc, half);
 }
 
 // The two instances: a float32 pool and a float16 one.
@@ -608,8 +634,10 @@ int spnl_paged_decode(const spnl_paged_decode_args *a) {
     // Keys widened once for the rows that share them where the rows fit.
     const int64_t wide = a->half && at->dim <= WIDE_DIM ? DOTS * at->dim : 0;
     const int64_t part = group * (at->dim + 2);
-    const attention_plan plan = {a, group, at->dim, part, block, wide,
-                                 block * group * KEY_CHUNK + wide + (block > 1 ? block * part : 0)};
+    const int64_t wide_values = wide && block > 1 ? KEY_CHUNK * (at->dim + 2) : 0;
+    const attention_plan plan = {
+        a, group, at->dim, part, block, wide, wide_values,
+        block * group * KEY_CHUNK + wide + wide_values + (block > 1 ? block * part : 0)};
     if (pairs >= at->threads) {
         int64_t max_chunks = 0;
         for (int64_t s = 0; s < at->seqs; s++) {
