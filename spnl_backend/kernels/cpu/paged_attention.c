@@ -210,7 +210,9 @@ INLINE void weigh_values_tile(const void *v_cache, int64_t row, const int64_t *s
             const v16f v[4] = {kv_load(vj, i, half), kv_load(vj, i + 16, half),
                                kv_load(vj, i + 32, half), kv_load(vj, i + 48, half)};
             for (int g = 0; g < tile; g++) {
-                const v16f w = splat(e[g * stride + j]);
+                // broadcast from memory: splat's 0 + e cost an add and a shuffle per weight,
+                // and gives the same bits (no weight is -0; and fma(-0, v, o) == o here)
+                const v16f w = (v16f)_mm512_set1_ps(e[g * stride + j]);
                 for (int h = 0; h < 4; h++) o[g][h] = fma16(w, v[h], o[g][h]);
             }
         }
@@ -341,6 +343,13 @@ INLINE void widen_keys(const void **keys, int64_t n, int64_t dim, float *wide) {
     for (int64_t t = n; t < DOTS; t++) keys[t] = wide;
 }
 
+// How many keys ahead of the ones being scored their rows are asked for, and the values of
+// those being scored too, for the weighing that follows (a prefetch never faults).
+#define KEYS_AHEAD 32
+INLINE void prefetch_row(const void *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o, 0, 3);
+}
+
 // Keys [lo, hi) (slots: their row of the table) against the query heads that share KV head
 // kvh, for each of `count` queries (members; rows m * group + g of scores, KEY_CHUNK
 // apart): scale * q.k, softcapped. Each key is read once for all the rows; a float16 key is
@@ -354,8 +363,17 @@ INLINE void score_rows(const attention_plan *p, const int64_t *members, int64_t 
     const float scale = a->at.scoring.scale, softcap = a->at.scoring.softcap;
     const void *k_cache = kv_row(a->k_cache, kvh, dim, half);
     const bool widened = half && wide && count * group > 1;
+    const void *v_cache = kv_row(a->v_cache, kvh, dim, half);
+    const int64_t bytes = dim * (half ? 2 : 4);
+    for (int64_t j = lo; j < hi && j < lo + KEYS_AHEAD; j++)
+        prefetch_row(kv_row(k_cache, slots[j], row, half), bytes);
     for (int64_t j = lo; j < hi; j += DOTS) {
         const int64_t n = hi - j < DOTS ? hi - j : DOTS;
+        for (int64_t t = 0; t < n; t++) {
+            if (j + t + KEYS_AHEAD < hi)
+                prefetch_row(kv_row(k_cache, slots[j + t + KEYS_AHEAD], row, half), bytes);
+            prefetch_row(kv_row(v_cache, slots[j + t], row, half), bytes);
+        }
         const void *keys[DOTS];
         for (int64_t t = 0; t < DOTS; t++)
             keys[t] = kv_row(k_cache, slots[j + (t < n ? t : 0)], row, half);
