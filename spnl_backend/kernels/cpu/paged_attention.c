@@ -1,9 +1,12 @@
 // The paged float KV cache (twins: store_kv_ref and paged_attention_ref in
 // spnl_backend/kernels/paged_ref.py): a pool of slots [num_slots][kv_heads][dim], written
-// a token's row at a time and read by one query per sequence at decode. The pool holds
-// float32 or float16 (`half`); float16 is widened exactly as it is read, so the arithmetic
-// is float32 over the stored values either way. The functions that read the pool take
-// `half` as a constant from the two instances of attend_chunk, and are inlined into them.
+// a token's row at a time and read by one query per sequence at decode. A prefill's
+// queries are each a decode of their own, with the same bits; where several of them see a
+// chunk of keys whole, they are attended together, each key and value read once for them.
+// The pool holds float32 or float16 (`half`); float16 is widened exactly as it is read, so
+// the arithmetic is float32 over the stored values either way. The functions that read the
+// pool take `half` as a constant from the two instances of attend_rows, and are inlined
+// into them.
 
 #include "common.h"
 
@@ -69,10 +72,10 @@ INLINE __m256 load8(const void *p, int64_t i, bool half) {
 }
 #endif
 
-// sums[t] = dot(q, keys[t], dim) for t < n (n <= DOTS). With AVX-512 and whole vectors of
-// dim, the 16 dot products run side by side and their lanes are summed together: each by
-// the tree of _mm512_reduce_add_ps (lanes i and i + 8, then i + 4, i + 2, i + 1), so every
-// sum has dot's bits, whatever keys share the call.
+// sums[t] = dot(q, keys[t], dim) for t < n (n <= DOTS; sums has room for DOTS). With
+// AVX-512 and whole vectors of dim, the 16 dot products run side by side and their lanes are
+// summed together: each by the tree of _mm512_reduce_add_ps (lanes i and i + 8, then i + 4,
+// i + 2, i + 1), so every sum has dot's bits, whatever keys share the call.
 #define DOTS 16
 #if defined(__AVX512F__)
 static inline __m512 fold_pairs(__m512 a, __m512 b, int level) {
@@ -113,7 +116,6 @@ INLINE void dots(const float *q, const void *const *keys, int64_t n, int64_t dim
         const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7,
                                                 11, 15);
         _mm512_storeu_ps(sums, _mm512_permutexvar_ps(order, acc[0]));
-        (void)n;
         return;
     }
 #endif
