@@ -63,7 +63,7 @@ def build_pair(old: str) -> tuple[object, object]:
 def attention_case(context: int, queries: int, window: int | None = None) -> Callable:
     """``queries`` consecutive queries ending at ``context`` keys, over one float16 pool."""
     generator = torch.Generator().manual_seed(context + queries)
-    shape = (context // BLOCK, BLOCK, 1, DIM)
+    shape = (-(-context // BLOCK), BLOCK, 1, DIM)
     keys = torch.randn(shape, generator=generator).half()
     values = torch.randn(shape, generator=generator).half()
     q = torch.randn(queries, HEADS, DIM, generator=generator)
