@@ -647,9 +647,11 @@ int spnl_paged_decode(const spnl_paged_decode_args *a) {
         return BAD_ARGUMENT;
     if (!keys_in_bounds(at)) return OUT_OF_BOUNDS;
     const int64_t group = at->heads / at->kv_heads, pairs = at->seqs * at->kv_heads;
-    // Blocks of queries where there are many (a prefill's, most of them sharing a table), as
-    // many per task as keep every thread busy; which queries go together changes no bits.
-    int64_t block = pairs / at->threads;
+    // Blocks of queries where there are many (a prefill's, most of them sharing a table),
+    // small enough to leave each thread four tasks or more to balance (a batch of decodes
+    // whose tables differ gains nothing from blocks); which queries go together changes no
+    // bits.
+    int64_t block = pairs / (4 * (int64_t)at->threads);
     block = block < 1 ? 1 : block > QUERY_BLOCK ? QUERY_BLOCK : block;
     // Keys widened once for the rows that share them where the rows fit.
     const int64_t wide = a->half && at->dim <= WIDE_DIM ? DOTS * at->dim : 0;
