@@ -515,6 +515,53 @@ def test_short_queries_attend_as_decode_rows(kernels, case, options, pool):
     assert torch.equal(out, single)
 
 
+@pytest.mark.parametrize("pool", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    ("seq_lens", "query_lens", "kv_heads", "dim"),
+    [([600], [40], 1, 256), ([700, 530], [24, 30], 2, 84)],
+    ids=["one sequence", "two sequences"],
+)
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"sliding_window": 300}, {"softcap": 4.0}, {"sinks": SINKS}, {"chunk": 300}],
+    ids=["plain", "window", "softcap", "sinks", "chunk"],
+)
+def test_a_prefills_queries_attend_together_with_each_ones_decode_bits(
+    kernels, seq_lens, query_lens, kv_heads, dim, options, pool
+):
+    """A prefill's queries over chunks of keys they all see whole are attended together
+    (each key and value read and widened once for the block): every query's output is the
+    bits of its own decode, on 1 to 3 threads (blocks of other sizes), and close to the
+    twin. Two sequences: a block holds queries of both, whose tables differ."""
+    from spnl_backend.kernels import cpu_kernel_set, decode_rows
+
+    q, key_cache, value_cache, meta, _, _ = paged_case(
+        seq_lens, query_lens, kv_heads, 4, 16, head_dim=dim
+    )
+    key_cache, value_cache = key_cache.to(pool), value_cache.to(pool)
+    scoring = scoring_of(dim**-0.5, options)
+    expected = paged_attention_ref(q, key_cache, value_cache, meta, scoring)
+    rows = decode_rows(meta)
+    alone = torch.cat(
+        [
+            kernels.paged_decode(
+                q[i : i + 1],
+                key_cache,
+                value_cache,
+                rows.decode_slots[i : i + 1],
+                torch.tensor(rows.seq_lens[i : i + 1]),
+                scoring,
+            )
+            for i in range(len(q))
+        ]
+    )
+    torch.testing.assert_close(alone, expected, rtol=1e-5, atol=1e-5)
+    for threads in (1, 2, 3):
+        on = dataclasses.replace(kernels, threads=threads)
+        out = cpu_kernel_set(on).paged_attention(q, key_cache, value_cache, meta, scoring)
+        assert torch.equal(out, alone), f"{threads} threads"
+
+
 def test_the_queries_of_one_sequence_share_its_row_of_slots():
     from spnl_backend.kernels import decode_rows
     from spnl_backend.kernels.sets import _decode_keys

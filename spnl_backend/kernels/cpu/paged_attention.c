@@ -1,9 +1,12 @@
 // The paged float KV cache (twins: store_kv_ref and paged_attention_ref in
 // spnl_backend/kernels/paged_ref.py): a pool of slots [num_slots][kv_heads][dim], written
-// a token's row at a time and read by one query per sequence at decode. The pool holds
-// float32 or float16 (`half`); float16 is widened exactly as it is read, so the arithmetic
-// is float32 over the stored values either way. The functions that read the pool take
-// `half` as a constant from the two instances of attend_chunk, and are inlined into them.
+// a token's row at a time and read by one query per sequence at decode. A prefill's
+// queries are each a decode of their own, with the same bits; where several of them see a
+// chunk of keys whole, they are attended together, each key and value read once for them.
+// The pool holds float32 or float16 (`half`); float16 is widened exactly as it is read, so
+// the arithmetic is float32 over the stored values either way. The functions that read the
+// pool take `half` as a constant from the two instances of attend_rows, and are inlined
+// into them.
 
 #include "common.h"
 
@@ -69,10 +72,10 @@ INLINE __m256 load8(const void *p, int64_t i, bool half) {
 }
 #endif
 
-// sums[t] = dot(q, keys[t], dim) for t < n (n <= DOTS). With AVX-512 and whole vectors of
-// dim, the 16 dot products run side by side and their lanes are summed together: each by
-// the tree of _mm512_reduce_add_ps (lanes i and i + 8, then i + 4, i + 2, i + 1), so every
-// sum has dot's bits, whatever keys share the call.
+// sums[t] = dot(q, keys[t], dim) for t < n (n <= DOTS; sums has room for DOTS). With
+// AVX-512 and whole vectors of dim, the 16 dot products run side by side and their lanes are
+// summed together: each by the tree of _mm512_reduce_add_ps (lanes i and i + 8, then i + 4,
+// i + 2, i + 1), so every sum has dot's bits, whatever keys share the call.
 #define DOTS 16
 #if defined(__AVX512F__)
 static inline __m512 fold_pairs(__m512 a, __m512 b, int level) {
@@ -109,9 +112,10 @@ INLINE void dots(const float *q, const void *const *keys, int64_t n, int64_t dim
         for (int level = 0, width = DOTS; level < 4; level++, width /= 2)
             for (int t = 0; t < width / 2; t++)
                 acc[t] = fold_pairs(acc[2 * t], acc[2 * t + 1], level);
-        float lanes[16];
-        _mm512_storeu_ps(lanes, acc[0]);
-        for (int64_t t = 0; t < n; t++) sums[t] = lanes[(t % 4) * 4 + t / 4];  // the tree's order
+        // the tree leaves key t in lane (t % 4) * 4 + t / 4; sums has room for DOTS
+        const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7,
+                                                11, 15);
+        _mm512_storeu_ps(sums, _mm512_permutexvar_ps(order, acc[0]));
         return;
     }
 #endif
@@ -208,7 +212,9 @@ INLINE void weigh_values_tile(const void *v_cache, int64_t row, const int64_t *s
             const v16f v[4] = {kv_load(vj, i, half), kv_load(vj, i + 16, half),
                                kv_load(vj, i + 32, half), kv_load(vj, i + 48, half)};
             for (int g = 0; g < tile; g++) {
-                const v16f w = splat(e[g * stride + j]);
+                // broadcast from memory: splat's 0 + e cost an add and a shuffle per weight,
+                // and gives the same bits (no weight is -0; and fma(-0, v, o) == o here)
+                const v16f w = (v16f)_mm512_set1_ps(e[g * stride + j]);
                 for (int h = 0; h < 4; h++) o[g][h] = fma16(w, v[h], o[g][h]);
             }
         }
@@ -244,8 +250,16 @@ INLINE void weigh_group(const void *v_cache, int64_t row, const int64_t *slots, 
         weigh_values(v_cache, row, slots, count, e + g * stride, dim, out + g * dim, half);
 }
 
-// scores[j] = e^(scores[j] - peak) for j < count; returns their sum, in key order.
-static float exponentiate(float *scores, int64_t count, float peak) {
+// A sequence's keys are attended in chunks of KEY_CHUNK at fixed positions (multiples of
+// KEY_CHUNK), each giving a partial softmax: per query head its peak score, the sum of
+// e^(score - peak) and the values weighed by those. The chunks then combine in order. The
+// split depends on the key positions alone, so a query's arithmetic is the same whether its
+// chunks run on one thread or several, alone or batched; and a single long sequence (a
+// decode with one KV head) spreads over every thread.
+#define KEY_CHUNK 256
+
+// scores[j] = e^(scores[j] - peak) for j < count.
+static void exp_row(float *scores, int64_t count, float peak) {
     int64_t j = 0;
     for (; j + 16 <= count; j += 16) {
         const v16f e = exp16(load_f32(scores + j) - splat(peak));
@@ -257,28 +271,53 @@ static float exponentiate(float *scores, int64_t count, float peak) {
         const v16f e = exp16(load_f32(lane));
         scores[j] = e[0];
     }
-    float total = 0.0f;
-    for (j = 0; j < count; j++) total += scores[j];
-    return total;
 }
 
-// A sequence's keys are attended in chunks of KEY_CHUNK at fixed positions (multiples of
-// KEY_CHUNK), each giving a partial softmax: per query head its peak score, the sum of
-// e^(score - peak) and the values weighed by those. The chunks then combine in order. The
-// split depends on the key positions alone, so a query's arithmetic is the same whether its
-// chunks run on one thread or several, alone or batched; and a single long sequence (a
-// decode with one KV head) spreads over every thread.
-#define KEY_CHUNK 256
+// For each of `rows` rows of count scores (KEY_CHUNK apart): its peak, its scores made
+// e^(score - peak) in place, and their sum in key order, into stats (peak, sum) per row; a
+// row whose every score is -inf (every key out of reach) gets weight 0, as in one softmax.
+// Four rows at a time, their chains side by side: each a serial chain of maxima or sums in
+// its own key order (so its bits), four in flight rather than one.
+static void softmax_rows(float *scores, int64_t rows, int64_t count, float *stats) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        float *row[4];
+        for (int u = 0; u < 4; u++) row[u] = scores + (r0 + u < rows ? r0 + u : r0) * KEY_CHUNK;
+        float peak[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY}, total[4] = {0};
+        for (int64_t j = 0; j < count; j++)
+            for (int u = 0; u < 4; u++) peak[u] = row[u][j] > peak[u] ? row[u][j] : peak[u];
+        const int n = rows - r0 < 4 ? (int)(rows - r0) : 4;
+        for (int u = 0; u < n; u++) {
+            if (peak[u] == -INFINITY)
+                memset(row[u], 0, (size_t)count * sizeof(float));
+            else
+                exp_row(row[u], count, peak[u]);
+        }
+        for (int64_t j = 0; j < count; j++)
+            for (int u = 0; u < 4; u++) total[u] += row[u][j];
+        for (int u = 0; u < n; u++) {
+            stats[2 * (r0 + u)] = peak[u];
+            stats[2 * (r0 + u) + 1] = total[u];
+        }
+    }
+}
 
 // The most dims for which a float16 pool's keys are widened once for a group of query heads
 // (DOTS rows of a worker's scratch); wider heads widen them per head, as they are read.
 #define WIDE_DIM 1024
 
+// Queries of one sequence attended together over a chunk they all see whole (a prefill's):
+// the chunk's keys and values are read, and widened, once for them all.
+#define QUERY_BLOCK 16
+
 typedef struct {
     const spnl_paged_decode_args *a;
     int64_t group, dim, part;  // part: floats of one chunk's partial (group x (dim + 2))
+    int64_t block;             // queries attended together (1: each alone)
     int64_t wide;              // floats of widened keys in a worker's scratch (0: none)
-    int64_t work;              // a worker's scratch for one chunk: scores, then widened keys
+    int64_t wide_values;       // floats of a chunk's widened values, with room for their
+                               // slots (0: none; a block of a float16 pool's queries)
+    int64_t work;  // a worker's scratch for one chunk: scores (block x group rows), widened
+                   // keys, widened values, then a block's partials (block x part)
 } attention_plan;
 
 static inline int64_t chunk_of(int64_t key) { return key / KEY_CHUNK; }
@@ -306,70 +345,143 @@ INLINE void widen_keys(const void **keys, int64_t n, int64_t dim, float *wide) {
     for (int64_t t = n; t < DOTS; t++) keys[t] = wide;
 }
 
-// Chunk c of the query heads of sequence s that share KV head kvh: part holds group rows of
-// dim weighed values, then (peak, total) per head. Each key and value is read once for the
-// whole group; a float16 key is widened once for it too (where p->wide gives room; widening
-// is exact, so every head's dot has the bits it has over the float16 row). scores (the
-// worker's p->work floats): group x KEY_CHUNK, then the widened keys.
-INLINE void attend_chunk_of(const attention_plan *p, int64_t s, int64_t kvh, int64_t c,
-                            float *scores, float *part, bool half) {
+// How many keys ahead of the ones being scored their rows are asked for, and the values of
+// those being scored too, for the weighing that follows (a prefetch never faults).
+#define KEYS_AHEAD 32
+INLINE void prefetch_row(const void *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o, 0, 3);
+}
+
+// Keys [lo, hi) (slots: their row of the table) against the query heads that share KV head
+// kvh, for each of `count` queries (members; rows m * group + g of scores, KEY_CHUNK
+// apart): scale * q.k, softcapped. Each key is read once for all the rows; a float16 key is
+// widened once for them too where `wide` gives room (widening is exact, so every row's dot
+// has the bits it has over the float16 row).
+INLINE void score_rows(const attention_plan *p, const int64_t *members, int64_t count,
+                       int64_t kvh, const int64_t *slots, int64_t lo, int64_t hi,
+                       float *scores, float *wide, bool half) {
     const spnl_paged_decode_args *a = p->a;
     const int64_t group = p->group, dim = p->dim, row = a->at.kv_heads * dim;
-    const int64_t *slots = a->at.slots + s * a->at.slot_stride;
-    const int64_t len = a->at.lens[s], first = first_of(&a->at, s);
-    const int64_t lo = c * KEY_CHUNK > first ? c * KEY_CHUNK : first;
-    const int64_t hi = (c + 1) * KEY_CHUNK < len ? (c + 1) * KEY_CHUNK : len;
     const float scale = a->at.scoring.scale, softcap = a->at.scoring.softcap;
     const void *k_cache = kv_row(a->k_cache, kvh, dim, half);
+    const bool widened = half && wide && count * group > 1;
     const void *v_cache = kv_row(a->v_cache, kvh, dim, half);
-    const float *q = a->q + (s * a->at.heads + kvh * group) * dim;
-    float *acc = part, *stats = part + group * dim;
+    const int64_t bytes = dim * (half ? 2 : 4);
+    for (int64_t j = lo; j < hi && j < lo + KEYS_AHEAD; j++)
+        prefetch_row(kv_row(k_cache, slots[j], row, half), bytes);
     for (int64_t j = lo; j < hi; j += DOTS) {
         const int64_t n = hi - j < DOTS ? hi - j : DOTS;
+        for (int64_t t = 0; t < n; t++) {
+            if (j + t + KEYS_AHEAD < hi)
+                prefetch_row(kv_row(k_cache, slots[j + t + KEYS_AHEAD], row, half), bytes);
+            prefetch_row(kv_row(v_cache, slots[j + t], row, half), bytes);
+        }
         const void *keys[DOTS];
         for (int64_t t = 0; t < DOTS; t++)
             keys[t] = kv_row(k_cache, slots[j + (t < n ? t : 0)], row, half);
-        const bool widened = half && p->wide > 0;
-        if (widened) widen_keys(keys, n, dim, scores + group * KEY_CHUNK);
-        for (int64_t g = 0; g < group; g++) {
-            float sums[DOTS];
-            if (widened)  // two instances, each with its storage a constant
-                dots(q + g * dim, keys, n, dim, sums, false);
-            else
-                dots(q + g * dim, keys, n, dim, sums, half);
-            for (int64_t t = 0; t < n; t++) {
-                float score = sums[t] * scale;
-                if (softcap > 0.0f) score = softcap * tanhf(score / softcap);
-                scores[g * KEY_CHUNK + j - lo + t] = score;
+        if (widened) widen_keys(keys, n, dim, wide);
+        for (int64_t m = 0; m < count; m++) {
+            const float *q = a->q + (members[m] * a->at.heads + kvh * group) * dim;
+            for (int64_t g = 0; g < group; g++) {
+                float sums[DOTS];
+                if (widened)  // two instances, each with its storage a constant
+                    dots(q + g * dim, keys, n, dim, sums, false);
+                else
+                    dots(q + g * dim, keys, n, dim, sums, half);
+                float *out = scores + (m * group + g) * KEY_CHUNK + j - lo;
+                if (softcap > 0.0f) {
+                    for (int64_t t = 0; t < n; t++)
+                        out[t] = softcap * tanhf(sums[t] * scale / softcap);
+                } else if (n == DOTS) {  // the same products, 16 to a vector
+                    const v16f scaled = load_f32(sums) * splat(scale);
+                    memcpy(out, &scaled, sizeof scaled);
+                } else {
+                    for (int64_t t = 0; t < n; t++) out[t] = sums[t] * scale;
+                }
             }
         }
     }
-    for (int64_t g = 0; g < group; g++) {
-        float *row_scores = scores + g * KEY_CHUNK, peak = -INFINITY;
-        for (int64_t j = 0; j < hi - lo; j++) peak = row_scores[j] > peak ? row_scores[j] : peak;
-        stats[2 * g] = peak;
-        if (peak == -INFINITY) {  // every key out of reach: weight 0, as in one softmax
-            for (int64_t j = 0; j < hi - lo; j++) row_scores[j] = 0.0f;
-            stats[2 * g + 1] = 0.0f;
-            continue;
+}
+
+// Keys [lo, hi) of chunk c for `count` queries (members) over KV head kvh: per row (query
+// m, head g) the chunk's partial softmax, its weighed values into acc (rows of dim) and
+// (peak, sum) into stats. scores: the worker's p->work floats (rows x KEY_CHUNK scores,
+// then the widened keys).
+INLINE void attend_rows(const attention_plan *p, const int64_t *members, int64_t count,
+                        int64_t kvh, int64_t lo, int64_t hi, float *scores, float *acc,
+                        float *stats, bool half) {
+    const spnl_paged_decode_args *a = p->a;
+    const int64_t rows = count * p->group, dim = p->dim, row = a->at.kv_heads * dim;
+    const int64_t *slots = a->at.slots + members[0] * a->at.slot_stride;
+    float *wide = p->wide ? scores + p->block * p->group * KEY_CHUNK : NULL;
+    score_rows(p, members, count, kvh, slots, lo, hi, scores, wide, half);
+    softmax_rows(scores, rows, hi - lo, stats);
+    const void *v_cache = kv_row(a->v_cache, kvh, dim, half);
+    if (half && count > 1 && p->wide_values) {
+        // Each value widened once for the block rather than once per tile of four rows
+        // (exactly: the same FMAs over the same floats).
+        float *values = wide + p->wide;
+        int64_t *order = (int64_t *)(values + KEY_CHUNK * dim);
+        for (int64_t j = 0; j < hi - lo; j++) {
+            const void *from = kv_row(v_cache, slots[lo + j], row, true);
+            int64_t i = 0;
+            for (; i + 16 <= dim; i += 16) {
+                const v16f v = kv_load(from, i, true);
+                memcpy(values + j * dim + i, &v, sizeof v);
+            }
+            for (; i < dim; i++) values[j * dim + i] = kv_at(from, i, true);
+            order[j] = j;
         }
-        stats[2 * g + 1] = exponentiate(row_scores, hi - lo, peak);
+        weigh_group(values, dim, order, hi - lo, scores, KEY_CHUNK, rows, dim, acc, false);
+        return;
     }
-    weigh_group(v_cache, row, slots + lo, hi - lo, scores, KEY_CHUNK, group, dim, acc, half);
+    weigh_group(v_cache, row, slots + lo, hi - lo, scores, KEY_CHUNK, rows, dim, acc, half);
 }
 
 // The two instances: a float32 pool and a float16 one.
-static void attend_chunk_f32(const attention_plan *p, int64_t s, int64_t kvh, int64_t c,
-                             float *scores, float *part) {
-    attend_chunk_of(p, s, kvh, c, scores, part, false);
+static void attend_rows_f32(const attention_plan *p, const int64_t *members, int64_t count,
+                            int64_t kvh, int64_t lo, int64_t hi, float *scores, float *acc,
+                            float *stats) {
+    attend_rows(p, members, count, kvh, lo, hi, scores, acc, stats, false);
 }
-static void attend_chunk_f16(const attention_plan *p, int64_t s, int64_t kvh, int64_t c,
-                             float *scores, float *part) {
-    attend_chunk_of(p, s, kvh, c, scores, part, true);
+static void attend_rows_f16(const attention_plan *p, const int64_t *members, int64_t count,
+                            int64_t kvh, int64_t lo, int64_t hi, float *scores, float *acc,
+                            float *stats) {
+    attend_rows(p, members, count, kvh, lo, hi, scores, acc, stats, true);
 }
+
+// Keys [lo, hi) of sequence s's chunk c: the keys it sees of that chunk.
+static inline void chunk_keys(const spnl_attention *at, int64_t s, int64_t c, int64_t *lo,
+                              int64_t *hi) {
+    const int64_t len = at->lens[s], first = first_of(at, s);
+    *lo = c * KEY_CHUNK > first ? c * KEY_CHUNK : first;
+    *hi = (c + 1) * KEY_CHUNK < len ? (c + 1) * KEY_CHUNK : len;
+}
+
+// Chunk c of the query heads of sequence s that share KV head kvh: part holds group rows of
+// dim weighed values, then (peak, total) per head.
 static void attend_chunk(const attention_plan *p, int64_t s, int64_t kvh, int64_t c,
                          float *scores, float *part) {
-    (p->a->half ? attend_chunk_f16 : attend_chunk_f32)(p, s, kvh, c, scores, part);
+    int64_t lo, hi;
+    chunk_keys(&p->a->at, s, c, &lo, &hi);
+    (p->a->half ? attend_rows_f16 : attend_rows_f32)(p, &s, 1, kvh, lo, hi, scores, part,
+                                                     part + p->group * p->dim);
+}
+
+// Chunk c, whole, for `count` queries (members) whose tables agree on it: each query's
+// partial into parts[m] (the bits attend_chunk gives it alone: every row's arithmetic is
+// its own), the block's rows gathered in the worker's scratch first.
+static void attend_chunk_together(const attention_plan *p, const int64_t *members,
+                                  int64_t count, int64_t kvh, int64_t c, float *scores,
+                                  float *const *parts) {
+    const int64_t group = p->group, dim = p->dim;
+    float *acc = scores + p->work - p->block * p->part, *stats = acc + count * group * dim;
+    (p->a->half ? attend_rows_f16 : attend_rows_f32)(p, members, count, kvh, c * KEY_CHUNK,
+                                                     (c + 1) * KEY_CHUNK, scores, acc, stats);
+    for (int64_t m = 0; m < count; m++) {
+        memcpy(parts[m], acc + m * group * dim, (size_t)(group * dim) * sizeof(float));
+        memcpy(parts[m] + group * dim, stats + 2 * m * group, (size_t)(2 * group) * sizeof(float));
+    }
 }
 
 // The chunks' partials of (s, kvh), in order, into the group's output rows; a head's sink
@@ -409,20 +521,56 @@ typedef struct {
     size_t floats;
     const int64_t *first;
     float *parts;
+    int64_t max_chunks;
 } attention_call;
 
-// Pair task: its chunks in turn, then combined (scratch: the scores, then the partials).
-static void pair_task(void *ctx, int64_t pair, int worker) {
-    const attention_call *c = ctx;
-    const attention_plan *p = c->p;
+// Whether query s sees every key of chunk c, and its table there is the leader's.
+static bool joins(const spnl_attention *at, int64_t leader, int64_t s, int64_t c) {
+    if (first_of(at, s) > c * KEY_CHUNK || at->lens[s] < (c + 1) * KEY_CHUNK) return false;
+    const int64_t *mine = at->slots + s * at->slot_stride + c * KEY_CHUNK;
+    const int64_t *theirs = at->slots + leader * at->slot_stride + c * KEY_CHUNK;
+    return mine == theirs || !memcmp(mine, theirs, KEY_CHUNK * sizeof(int64_t));
+}
+
+// Block task: up to p->block consecutive queries of one KV head. Chunk by chunk, the
+// queries that see it whole over the same table go together, the others alone; then each
+// query's partials combine, in chunk order. scratch: the chunk's work, then per query its
+// partials (max_chunks of them).
+static void block_task(void *ctx, int64_t task, int worker) {
+    const attention_call *call = ctx;
+    const attention_plan *p = call->p;
     const spnl_attention *at = &p->a->at;
-    float *scores = c->scratch + (size_t)worker * c->floats;
-    float *parts = scores + (size_t)p->work;
-    const int64_t s = pair / at->kv_heads, kvh = pair % at->kv_heads;
-    int64_t c0;
-    const int64_t chunks = chunks_of(at, s, &c0);
-    for (int64_t k = 0; k < chunks; k++) attend_chunk(p, s, kvh, c0 + k, scores, parts + k * p->part);
-    combine(p, s, kvh, parts, chunks);
+    const int64_t kvh = task % at->kv_heads, s0 = task / at->kv_heads * p->block;
+    const int64_t count = at->seqs - s0 < p->block ? at->seqs - s0 : p->block;
+    float *scores = call->scratch + (size_t)worker * call->floats;
+    float *parts = scores + p->work;
+    int64_t c0[QUERY_BLOCK], chunks[QUERY_BLOCK], low = INT64_MAX, high = 0;
+    for (int64_t m = 0; m < count; m++) {
+        chunks[m] = chunks_of(at, s0 + m, &c0[m]);
+        if (!chunks[m]) continue;
+        low = c0[m] < low ? c0[m] : low;
+        high = c0[m] + chunks[m] > high ? c0[m] + chunks[m] : high;
+    }
+    for (int64_t c = low; c < high; c++) {
+        int64_t members[QUERY_BLOCK], together = 0;
+        float *into[QUERY_BLOCK];
+        for (int64_t m = 0; m < count; m++) {
+            if (c < c0[m] || c >= c0[m] + chunks[m]) continue;
+            float *part = parts + (m * call->max_chunks + c - c0[m]) * p->part;
+            if (joins(at, together ? members[0] : s0 + m, s0 + m, c)) {
+                members[together] = s0 + m;
+                into[together++] = part;
+            } else {
+                attend_chunk(p, s0 + m, kvh, c, scores, part);
+            }
+        }
+        if (together == 1)
+            attend_chunk(p, members[0], kvh, c, scores, into[0]);
+        else if (together > 1)
+            attend_chunk_together(p, members, together, kvh, c, scores, into);
+    }
+    for (int64_t m = 0; m < count; m++)
+        combine(p, s0 + m, kvh, parts + m * call->max_chunks * p->part, chunks[m]);
 }
 
 // Chunk task t: one chunk of keys of one pair, its partial kept.
@@ -447,16 +595,16 @@ static void combine_task(void *ctx, int64_t pair, int worker) {
             c->first[pair + 1] - c->first[pair]);
 }
 
-// Many (sequence, KV head) pairs: each a task, its chunks in turn on one thread.
-static int by_pairs(const attention_plan *p, int64_t max_chunks) {
+// Many (sequence, KV head) pairs: blocks of p->block queries of a KV head, each a task.
+static int by_blocks(const attention_plan *p, int64_t max_chunks) {
     const spnl_attention *at = &p->a->at;
-    const int64_t pairs = at->seqs * at->kv_heads;
-    const int threads = at->threads < pairs ? at->threads : (int)pairs;
-    const size_t floats = (size_t)p->work + (size_t)max_chunks * (size_t)p->part;
+    const int64_t tasks = (at->seqs + p->block - 1) / p->block * at->kv_heads;
+    const int threads = at->threads < tasks ? at->threads : (int)tasks;
+    const size_t floats = (size_t)p->work + (size_t)(p->block * max_chunks * p->part);
     attention_call call = {.p = p, .scratch = malloc(floats * (size_t)threads * sizeof(float)),
-                           .floats = floats};
+                           .floats = floats, .max_chunks = max_chunks};
     if (!call.scratch) return NO_MEMORY;
-    spnl_parallel(pairs, pair_task, &call, threads);
+    spnl_parallel(tasks, block_task, &call, threads);
     free(call.scratch);
     return 0;
 }
@@ -476,7 +624,8 @@ static int by_chunks(const attention_plan *p) {
     const int64_t tasks = first[pairs];
     const size_t floats = (size_t)p->work;
     attention_call call = {p, malloc(floats * (size_t)at->threads * sizeof(float)), floats,
-                           first, malloc(((size_t)tasks * (size_t)p->part + 1) * sizeof(float))};
+                           first, malloc(((size_t)tasks * (size_t)p->part + 1) * sizeof(float)),
+                           0};
     int status = 0;
     if (call.scratch && call.parts) {
         spnl_parallel(tasks, chunk_task, &call, at->threads);
@@ -497,19 +646,28 @@ int spnl_paged_decode(const spnl_paged_decode_args *a) {
         || at->seqs < 0 || at->threads < 1)
         return BAD_ARGUMENT;
     if (!keys_in_bounds(at)) return OUT_OF_BOUNDS;
-    const int64_t group = at->heads / at->kv_heads;
-    // Keys widened once for the group where the heads share them and the rows fit.
-    const int64_t wide = a->half && group > 1 && at->dim <= WIDE_DIM ? DOTS * at->dim : 0;
-    const attention_plan plan = {a, group, at->dim, group * (at->dim + 2), wide,
-                                 group * KEY_CHUNK + wide};
-    if (at->seqs * at->kv_heads >= at->threads) {
+    const int64_t group = at->heads / at->kv_heads, pairs = at->seqs * at->kv_heads;
+    // Blocks of queries where there are many (a prefill's, most of them sharing a table),
+    // small enough to leave each thread four tasks or more to balance (a batch of decodes
+    // whose tables differ gains nothing from blocks); which queries go together changes no
+    // bits.
+    int64_t block = pairs / (4 * (int64_t)at->threads);
+    block = block < 1 ? 1 : block > QUERY_BLOCK ? QUERY_BLOCK : block;
+    // Keys widened once for the rows that share them where the rows fit.
+    const int64_t wide = a->half && at->dim <= WIDE_DIM ? DOTS * at->dim : 0;
+    const int64_t part = group * (at->dim + 2);
+    const int64_t wide_values = wide && block > 1 ? KEY_CHUNK * (at->dim + 2) : 0;
+    const attention_plan plan = {
+        a, group, at->dim, part, block, wide, wide_values,
+        block * group * KEY_CHUNK + wide + wide_values + (block > 1 ? block * part : 0)};
+    if (pairs >= at->threads) {
         int64_t max_chunks = 0;
         for (int64_t s = 0; s < at->seqs; s++) {
             int64_t c0;
             const int64_t chunks = chunks_of(at, s, &c0);
             max_chunks = chunks > max_chunks ? chunks : max_chunks;
         }
-        return by_pairs(&plan, max_chunks);
+        return by_blocks(&plan, max_chunks);
     }
     return by_chunks(&plan);
 }
