@@ -22,6 +22,16 @@ from pathlib import Path
 DATA = Path(__file__).resolve().parent / "data"
 STORY_PROMPT = "Once upon a time, in a small village by the sea, there lived"
 DECODE_TOKENS = 128
+# The peers decode without speculation, so ours does too unless the caller or the
+# environment says otherwise (the library's default, auto, is n-gram speculation, which on
+# the synthetic files' looping greedy text would measure acceptance, not decode).
+SPECULATION_VAR = "MISTRALRS_SPECULATIVE_METHOD"
+
+
+def plain_decode_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with our speculation off unless it already names a method."""
+    return {SPECULATION_VAR: "none", **env}
+
 
 # ---- command line -------------------------------------------------------------------------
 
@@ -246,9 +256,12 @@ def load_llama_cpp(gguf: Path, threads: int, n_ctx: int = 4096, **options: objec
 
 
 def load_ours(model: Path | str, **settings):
-    """spnl_backend's backend for ``model`` with ``settings`` over the environment's."""
+    """spnl_backend's backend for ``model`` with ``settings`` over the environment's; no
+    speculation unless one of them names a method (`plain_decode_env`)."""
     from spnl_backend import load_backend, load_settings
 
+    if SPECULATION_VAR not in os.environ:
+        settings.setdefault("speculative_method", "none")
     return load_backend(str(model), settings=load_settings(**settings))
 
 

@@ -203,6 +203,8 @@ def command(
             argv += ["--lora", f"a{i}={path}"]
         budget = str(REQUESTS * SLOT_CTX)
         env = {"OMP_NUM_THREADS": str(threads), "MISTRALRS_PAGED_ATTN_CONTEXT_LEN": budget}
+        if harness.SPECULATION_VAR not in os.environ:  # llama-server here speculates neither
+            env[harness.SPECULATION_VAR] = "none"
         return [str(a) for a in argv], env
     if llama_server is None or not Path(llama_server).is_file():
         raise ServerError(f"--llama-server PATH is needed; build it: {BUILD_LLAMA_SERVER}")

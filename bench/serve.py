@@ -434,6 +434,7 @@ def server_command(
     """The server's argv and environment."""
     env = dict(os.environ)
     if engine == "ours":
+        env = harness.plain_decode_env(env)  # the peers here speculate neither
         env["OMP_NUM_THREADS"] = str(threads)  # torch's and the compiled kernels' pools
         if not any(name in env for name in KV_BUDGETS):  # llama-server's KV room: -c
             env["MISTRALRS_PAGED_ATTN_CONTEXT_LEN"] = str(SLOTS * LLAMA_N_CTX)

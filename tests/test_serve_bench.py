@@ -187,6 +187,18 @@ def test_ours_gets_llama_servers_kv_room_unless_a_budget_is_set(tmp_path, monkey
     assert "MISTRALRS_PAGED_ATTN_CONTEXT_LEN" not in env
 
 
+def test_ours_decodes_without_speculation_unless_the_environment_names_a_method(
+    tmp_path, monkeypatch
+):
+    peers = serve.Peers("py", None)
+    monkeypatch.delenv("MISTRALRS_SPECULATIVE_METHOD", raising=False)
+    _, env = serve.server_command("ours", tmp_path / "m.gguf", 1, 2, peers)
+    assert env["MISTRALRS_SPECULATIVE_METHOD"] == "none"  # as the peers decode
+    monkeypatch.setenv("MISTRALRS_SPECULATIVE_METHOD", "ngram")
+    _, env = serve.server_command("ours", tmp_path / "m.gguf", 1, 2, peers)
+    assert env["MISTRALRS_SPECULATIVE_METHOD"] == "ngram"
+
+
 def test_ratios_against_llama_server():
     ours = {"engine": "spnl-backend", "levels": [summary(16, tok_s=300.0, ttft_p99_s=1.0)]}
     peer = {"engine": "llama-server -np 16", "levels": [summary(16, tok_s=150.0, ttft_p99_s=4.0)]}
