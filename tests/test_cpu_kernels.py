@@ -487,7 +487,7 @@ def test_tiles_of_32_value_blocks_give_each_row_alone_bits(kernels, qtype, rows)
     ids=["plain", "window", "softcap", "sinks", "chunk"],
 )
 def test_short_queries_attend_as_decode_rows(kernels, case, options, pool):
-    from spnl_backend.kernels import cpu_kernel_set, decode_rows
+    from spnl_backend.kernels import cpu_kernel_set
 
     seq_lens, query_lens = CASES[case]
     q, key_cache, value_cache, meta, _, _ = paged_case(seq_lens, query_lens, 2, 4, 8)
@@ -497,8 +497,16 @@ def test_short_queries_attend_as_decode_rows(kernels, case, options, pool):
     )
     expected = paged_attention_ref(q, key_cache, value_cache, meta, scoring_of(0.25, options))
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    rows = decode_rows(meta)  # each query row is a decode of its own position
-    single = torch.cat(
+    single = each_query_decoded(kernels, q, key_cache, value_cache, meta, scoring_of(0.25, options))
+    assert torch.equal(out, single)
+
+
+def each_query_decoded(kernels, q, key_cache, value_cache, meta, scoring) -> torch.Tensor:
+    """Every query row of ``meta`` attended as a decode of its own position, one at a time."""
+    from spnl_backend.kernels import decode_rows
+
+    rows = decode_rows(meta)
+    return torch.cat(
         [
             kernels.paged_decode(
                 q[i : i + 1],
@@ -506,13 +514,11 @@ def test_short_queries_attend_as_decode_rows(kernels, case, options, pool):
                 value_cache,
                 rows.decode_slots[i : i + 1],
                 torch.tensor(rows.seq_lens[i : i + 1]),
-                scoring_of(0.25, options),
-                None,
+                scoring,
             )
             for i in range(len(q))
         ]
     )
-    assert torch.equal(out, single)
 
 
 @pytest.mark.parametrize("pool", [torch.float32, torch.float16], ids=str)
@@ -533,7 +539,7 @@ def test_a_prefills_queries_attend_together_with_each_ones_decode_bits(
     (each key and value read and widened once for the block): every query's output is the
     bits of its own decode, on 1 to 3 threads (blocks of other sizes), and close to the
     twin. Two sequences: a block holds queries of both, whose tables differ."""
-    from spnl_backend.kernels import cpu_kernel_set, decode_rows
+    from spnl_backend.kernels import cpu_kernel_set
 
     q, key_cache, value_cache, meta, _, _ = paged_case(
         seq_lens, query_lens, kv_heads, 4, 16, head_dim=dim
@@ -541,20 +547,7 @@ def test_a_prefills_queries_attend_together_with_each_ones_decode_bits(
     key_cache, value_cache = key_cache.to(pool), value_cache.to(pool)
     scoring = scoring_of(dim**-0.5, options)
     expected = paged_attention_ref(q, key_cache, value_cache, meta, scoring)
-    rows = decode_rows(meta)
-    alone = torch.cat(
-        [
-            kernels.paged_decode(
-                q[i : i + 1],
-                key_cache,
-                value_cache,
-                rows.decode_slots[i : i + 1],
-                torch.tensor(rows.seq_lens[i : i + 1]),
-                scoring,
-            )
-            for i in range(len(q))
-        ]
-    )
+    alone = each_query_decoded(kernels, q, key_cache, value_cache, meta, scoring)
     torch.testing.assert_close(alone, expected, rtol=1e-5, atol=1e-5)
     for threads in (1, 2, 3):
         on = dataclasses.replace(kernels, threads=threads)
