@@ -473,6 +473,24 @@ def test_tiles_of_32_value_blocks_give_each_row_alone_bits(kernels, qtype, rows)
     assert torch.equal(together, alone)
 
 
+@pytest.mark.parametrize("qtype", [t for t in TYPES if GGML_QUANT_SIZES[t][0] == 32], ids=lambda t: t.name)
+@pytest.mark.parametrize("blocks", [1, 2, 3, 4, 5, 7, 9])
+def test_a_decode_rows_product_at_any_block_count(kernels, qtype, blocks):
+    """One activation row (a decode: the formats' own one-row kernels, 4 blocks at a
+    time, then the rest) gives the bits of the same row among 2 rows (each block unpacked
+    for the rows in turn) and among 7 (the tiles), and the twin's numbers on the rounded
+    activations, whether or not the row's blocks fill its groups of 4."""
+    cols = 32 * blocks
+    weights = [_weights(qtype, rows=35, cols=cols, seed=blocks)]
+    x = torch.randn(7, cols, generator=torch.Generator().manual_seed(blocks))
+    native = dataclasses.replace(kernels, exact=False)
+    alone = torch.cat([quantized_matmuls(native, x[i : i + 1], weights) for i in range(7)])
+    assert torch.equal(alone, quantized_matmuls(native, x, weights))
+    assert torch.equal(alone[:2], quantized_matmuls(native, x[:2], weights))
+    twin = _twin(int8_activations_ref(x, qtype), weights)
+    torch.testing.assert_close(alone, twin, rtol=1e-4, atol=1e-3)
+
+
 @pytest.mark.parametrize("pool", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("case", ["prefill", "prefix hit", "chunked prefill", "mixed"])
 @pytest.mark.parametrize(
