@@ -30,6 +30,7 @@ from spnl_backend.quant.linear import QuantizedWeight
 from spnl_backend.quant.quantize import QUANTIZERS
 
 TYPES = sorted(QUANTIZERS, key=lambda t: t.value)
+BLOCKS_OF_32 = [t for t in TYPES if GGML_QUANT_SIZES[t][0] == 32]
 SINKS = torch.tensor([1.5, -0.5, 0.0, 3.0])  # one per query head of the 4-head cases
 
 
@@ -475,7 +476,7 @@ def test_tiles_of_32_value_blocks_give_each_row_alone_bits(kernels, qtype, rows)
     assert torch.equal(together, alone)
 
 
-@pytest.mark.parametrize("qtype", [t for t in TYPES if GGML_QUANT_SIZES[t][0] == 32], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", BLOCKS_OF_32, ids=lambda t: t.name)
 @pytest.mark.parametrize("blocks", [1, 2, 3, 4, 5, 7, 9])
 def test_a_decode_rows_product_at_any_block_count(kernels, qtype, blocks):
     """One activation row (a decode: the formats' own one-row kernels, 4 blocks at a
