@@ -1155,19 +1155,71 @@ static inline __m128 q5_0_row1(const act_rows *x, int64_t groups, const uint8_t 
     }
     return acc;
 }
+
+// One activation row against one Q8_0 weight row, whole groups of 4 blocks (136 bytes)
+// only: the group read as bytes [0, 64), [64, 128) and [72, 136), vpermt2b picks blocks 0
+// and 1's values into one vector, 2 and 3's into another (the activations' own order) and
+// the 4 float16 scales; the values plus 128 (unsigned, for dpbusd), taken off through the
+// activations' sums. The same integer per block as q8_0_group, the same float steps: the
+// same bits.
+#define ROW1_q8_0 1
+// Block values 0..31 of blocks 0 and 1 (group bytes 2.., 36..), from the first two loads
+// (index = byte); of blocks 2 and 3 (bytes 70.., 104..), from the last two (the byte less
+// 64 below 128, 64 + (byte - 72) past it); the scales' bytes (0, 34, 68, 102: index = byte).
+static const uint8_t Q8_0_FIRST[64] = {
+    2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17,
+    18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33,
+    36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51,
+    52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67};
+static const uint8_t Q8_0_SECOND[64] = {
+    6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
+    22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37,
+    40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55,
+    56, 57, 58, 59, 60, 61, 62, 63, 120, 121, 122, 123, 124, 125, 126, 127};
+static const uint8_t Q8_0_SCALES[64] = {0, 1, 34, 35, 68, 69, 102, 103};
+static inline __m128 q8_0_row1(const act_rows *x, int64_t groups, const uint8_t *w) {
+    const __m512i first = _mm512_loadu_si512((const void *)Q8_0_FIRST);
+    const __m512i second = _mm512_loadu_si512((const void *)Q8_0_SECOND);
+    const __m512i scale_bytes = _mm512_loadu_si512((const void *)Q8_0_SCALES);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m128 acc = _mm_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *group = w + g * CHAINS * 34;
+        prefetch_ahead(group, PREFETCH_BYTES, CHAINS * 34);
+        const __m512i l0 = _mm512_loadu_si512((const void *)group);
+        const __m512i l1 = _mm512_loadu_si512((const void *)(group + 64));
+        const __m512i l2 = _mm512_loadu_si512((const void *)(group + 72));
+        const __m512i u01 = _mm512_xor_si512(_mm512_permutex2var_epi8(l0, first, l1), flip);
+        const __m512i u23 = _mm512_xor_si512(_mm512_permutex2var_epi8(l1, second, l2), flip);
+        const __m512i d = _mm512_permutex2var_epi8(l0, scale_bytes, l1);
+        const int8_t *a = x->q32 + g * CHAINS * 32;
+        const __m512i s01 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u01,
+                                                _mm512_loadu_si512((const void *)a));
+        const __m512i s23 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u23,
+                                                _mm512_loadu_si512((const void *)(a + 64)));
+        // block i's lanes into 128-bit lane i
+        const __m512i s = _mm512_add_epi32(_mm512_shuffle_i64x2(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                                           _mm512_shuffle_i64x2(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+        const __m128i sums = lane_sums(s, x->sums32 + g * CHAINS, 7);
+        const __m128 scale = _mm_mul_ps(_mm_cvtph_ps(_mm512_castsi512_si128(d)),
+                                        _mm_loadu_ps(x->d32 + g * CHAINS));
+        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(sums), scale, acc);
+    }
+    return acc;
+}
 #else
 #define ROW1_q5_0 0
+#define ROW1_q8_0 0
 #define q5_0_row1(x, groups, w) _mm_setzero_ps()
+#define q8_0_row1(x, groups, w) _mm_setzero_ps()
 #endif
 #define ROW1_q4_0 0
 #define ROW1_q4_1 0
 #define ROW1_q5_1 0
-#define ROW1_q8_0 0
 #define ROW1_q8_1 0
 #define q4_0_row1(x, groups, w) _mm_setzero_ps()
 #define q4_1_row1(x, groups, w) _mm_setzero_ps()
 #define q5_1_row1(x, groups, w) _mm_setzero_ps()
-#define q8_0_row1(x, groups, w) _mm_setzero_ps()
 #define q8_1_row1(x, groups, w) _mm_setzero_ps()
 
 // y[r * stride] for activation rows m..m+mr-1 (mr <= 4) against one weight row, each
