@@ -1036,7 +1036,8 @@ static inline float sum_chains(__m128 v) {
 // (16..31) looked up plus 16 (unsigned, for dpbusd), the activations' halves gathered to
 // match by lane shuffles and the 16s taken off through the blocks' sums. The same integer
 // per block as mxfp4_group, added to the same chains in the same order: the same bits, in
-// half the instructions. Other formats: none (ROW1_NAME 0).
+// half the instructions. Q5_0 and Q8_0 have their own below; the other formats none
+// (ROW1_NAME 0).
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define ROW1_mxfp4 1
 static inline __m128 mxfp4_row1(const act_rows *x, int64_t groups, const uint8_t *w) {
@@ -1078,6 +1079,8 @@ static inline __m128 mxfp4_row1(const act_rows *x, int64_t groups, const uint8_t
 #define mxfp4_row1(x, groups, w) _mm_setzero_ps()
 #endif
 
+// Q5_0's and Q8_0's one-row products need VBMI's byte permutes and BITALG's bit shuffle
+// (Ice Lake, Zen 4 and later); elsewhere the group path gives the same bits.
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && \
     defined(__AVX512BITALG__)
 // The 4 integers of a group of 4 blocks from s, block i's products in 128-bit lane i,
@@ -1102,9 +1105,9 @@ static inline void lane_acts(const int8_t *a, __m512i *lo, __m512i *hi) {
 }
 
 // One activation row against one Q5_0 weight row, whole groups of 4 blocks (88 bytes) only,
-// as mxfp4_row1: the group read as bytes [0, 64) and [24, 88), and vpermt2b picks from the
-// two block i's 16 nibble bytes into lane i, its 32 high bits (qh) into both 64-bit halves
-// of lane i, and the 4 float16 scales. The high bits become byte masks (vpshufbitqmb) that
+// as mxfp4_row1: the group read as bytes [0, 64) and [24, 88), from which vpermt2b picks
+// block i's 16 nibble bytes into lane i, its 32 high bits (qh) into both 64-bit halves of
+// lane i, and the 4 float16 scales. The high bits become byte masks (vpshufbitqmb) that
 // add 16 to the nibbles: the values plus 16, taken off through the activations' sums. The
 // same integer per block as q5_0_group, the same float steps: the same bits.
 #define ROW1_q5_0 1
