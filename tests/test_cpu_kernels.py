@@ -1,6 +1,8 @@
 """The CPU's compiled kernels against their torch twins."""
 
 import dataclasses
+import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +30,7 @@ from spnl_backend.quant.linear import QuantizedWeight
 from spnl_backend.quant.quantize import QUANTIZERS
 
 TYPES = sorted(QUANTIZERS, key=lambda t: t.value)
+BLOCKS_OF_32 = [t for t in TYPES if GGML_QUANT_SIZES[t][0] == 32]
 SINKS = torch.tensor([1.5, -0.5, 0.0, 3.0])  # one per query head of the 4-head cases
 
 
@@ -473,6 +476,24 @@ def test_tiles_of_32_value_blocks_give_each_row_alone_bits(kernels, qtype, rows)
     assert torch.equal(together, alone)
 
 
+@pytest.mark.parametrize("qtype", BLOCKS_OF_32, ids=lambda t: t.name)
+@pytest.mark.parametrize("blocks", [1, 2, 3, 4, 5, 7, 9])
+def test_a_decode_rows_product_at_any_block_count(kernels, qtype, blocks):
+    """One activation row (a decode: the formats' own one-row kernels, 4 blocks at a
+    time, then the rest) gives the bits of the same row among 2 rows (each block unpacked
+    for the rows in turn) and among 7 (the tiles), and the twin's numbers on the rounded
+    activations, whether or not the row's blocks fill its groups of 4."""
+    cols = 32 * blocks
+    weights = [_weights(qtype, rows=35, cols=cols, seed=blocks)]
+    x = torch.randn(7, cols, generator=torch.Generator().manual_seed(blocks))
+    native = dataclasses.replace(kernels, exact=False)
+    alone = torch.cat([quantized_matmuls(native, x[i : i + 1], weights) for i in range(7)])
+    assert torch.equal(alone, quantized_matmuls(native, x, weights))
+    assert torch.equal(alone[:2], quantized_matmuls(native, x[:2], weights))
+    twin = _twin(int8_activations_ref(x, qtype), weights)
+    torch.testing.assert_close(alone, twin, rtol=1e-4, atol=1e-3)
+
+
 @pytest.mark.parametrize("pool", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("case", ["prefill", "prefix hit", "chunked prefill", "mixed"])
 @pytest.mark.parametrize(
@@ -735,6 +756,32 @@ def test_a_compiler_without_link_time_optimisation_still_builds_the_same_kernels
     weights = [_weights(Q.Q4_K), _weights(Q.Q5_0, rows=16, seed=1)]
     x = torch.randn(3, 512)
     assert torch.equal(quantized_matmuls(plain, x, weights), quantized_matmuls(kernels, x, weights))
+
+
+@pytest.mark.slow
+def test_the_avx2_build_gives_the_avx512_builds_bits(kernels, tmp_path):
+    """The int8 products built for AVX2 alone (-march=haswell: no AVX-512, none of its
+    one-row kernels) give exactly this machine's build's bits, one row and many, at block
+    counts that do and do not fill the one-row kernels' groups."""
+    from spnl_backend.kernels.cpu import build
+    from spnl_backend.settings.platform import find_c_compiler
+
+    compiler = find_c_compiler()
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if platform.machine() != "x86_64" or compiler is None or " avx2" not in flags:
+        pytest.skip("needs an x86-64 CPU with AVX2 and a C compiler")
+    haswell = [f if f != "-march=native" else "-march=haswell" for f in build._BASE_FLAGS]
+    target = tmp_path / "libspnlcpu.so"
+    build._compile(compiler, [*haswell, *(build._CHECK_FLAGS if kernels.checks else [])], target)
+    avx2 = build._load(target)
+    assert avx2.has_int8
+    for cols in (256, 800, 1280):
+        fits = [t for t in TYPES if cols % GGML_QUANT_SIZES[t][0] == 0]
+        weights = [_weights(t, rows=40, cols=cols, seed=i) for i, t in enumerate(fits)]
+        x = torch.randn(7, cols, generator=torch.Generator().manual_seed(cols))
+        for rows in (1, 2, 7):
+            native = quantized_matmuls(kernels, x[:rows], weights)
+            assert torch.equal(quantized_matmuls(avx2, x[:rows], weights), native), (cols, rows)
 
 
 @pytest.mark.parametrize("mode", ["int8", "exact"])
