@@ -759,29 +759,35 @@ def test_a_compiler_without_link_time_optimisation_still_builds_the_same_kernels
 
 
 @pytest.mark.slow
-def test_the_avx2_build_gives_the_avx512_builds_bits(kernels, tmp_path):
-    """The int8 products built for AVX2 alone (-march=haswell: no AVX-512, none of its
-    one-row kernels) give exactly this machine's build's bits, one row and many, at block
-    counts that do and do not fill the one-row kernels' groups."""
+@pytest.mark.parametrize("march", ["haswell", "skylake-avx512"])
+def test_an_older_cpus_build_gives_this_builds_bits(kernels, tmp_path, march):
+    """The int8 products built for an older CPU give exactly this machine's build's bits,
+    one row and many, at block counts that do and do not fill the one-row kernels' groups:
+    AVX2 alone (haswell: no AVX-512, none of its one-row kernels) and AVX-512 without
+    VBMI and BITALG (skylake-avx512: the one-row Q5_0 and Q8_0 kernels' fallback)."""
     from spnl_backend.kernels.cpu import build
     from spnl_backend.settings.platform import find_c_compiler
 
     compiler = find_c_compiler()
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    if platform.machine() != "x86_64" or compiler is None or " avx2" not in flags:
-        pytest.skip("needs an x86-64 CPU with AVX2 and a C compiler")
-    haswell = [f if f != "-march=native" else "-march=haswell" for f in build._BASE_FLAGS]
+    needs = {"haswell": " avx2", "skylake-avx512": " avx512bw"}[march]
+    if platform.machine() != "x86_64" or compiler is None or needs not in flags:
+        pytest.skip(f"needs an x86-64 CPU with{needs} and a C compiler")
+    older = [f if f != "-march=native" else f"-march={march}" for f in build._BASE_FLAGS]
     target = tmp_path / "libspnlcpu.so"
-    build._compile(compiler, [*haswell, *(build._CHECK_FLAGS if kernels.checks else [])], target)
-    avx2 = build._load(target)
-    assert avx2.has_int8
+    build._compile(compiler, [*older, *(build._CHECK_FLAGS if kernels.checks else [])], target)
+    older_build = build._load(target)
+    assert older_build.has_int8
     for cols in (256, 800, 1280):
         fits = [t for t in TYPES if cols % GGML_QUANT_SIZES[t][0] == 0]
         weights = [_weights(t, rows=40, cols=cols, seed=i) for i, t in enumerate(fits)]
         x = torch.randn(7, cols, generator=torch.Generator().manual_seed(cols))
         for rows in (1, 2, 7):
             native = quantized_matmuls(kernels, x[:rows], weights)
-            assert torch.equal(quantized_matmuls(avx2, x[:rows], weights), native), (cols, rows)
+            assert torch.equal(quantized_matmuls(older_build, x[:rows], weights), native), (
+                cols,
+                rows,
+            )
 
 
 @pytest.mark.parametrize("mode", ["int8", "exact"])
