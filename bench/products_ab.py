@@ -1,0 +1,101 @@
+"""One-row products of the Q4_K_M formats, two versions of the kernels side by side in one process.
+
+    PYTHONPATH=. python bench/products_ab.py [--old REV] [--repeats 15] [--markdown FILE]
+
+(PYTHONPATH=.: "this checkout" is the spnl_backend that Python imports, and a script's
+own folder, not the working directory, is first on its path.)
+
+Builds the C kernels from git revision --old (default main) and from this checkout (as
+bench/attention_ab.py does), checks that both give the same bits on every case, then
+times one activation row against a Q4_K and a Q6_K matrix, the two libraries alternating,
+in this process's CPU time on one thread (median of --repeats). Two sizes per format:
+weights that stay in the core's L2 cache between calls (a kernel bound by its
+instructions shows there) and weights larger than the last-level cache (read from memory
+each call, as a decode's are), on huge pages as the loader holds them. GB/s is weight
+bytes over the time of one call; the L2 calls are short, so the call's fixed cost (the
+activations' rounding, Python) is measured on a matrix of 16 rows and shown apart.
+Compare with bench/read_bound.c, what one core can read.
+"""
+
+import dataclasses
+import time
+
+import harness
+import torch
+from attention_ab import build_pair
+from gguf import GGMLQuantizationType as Q
+
+# (format, output rows, input width, calls per timing): in L2, then past the L3.
+CASES = [
+    (Q.Q4_K, 512, 2048, 40),
+    (Q.Q4_K, 8192, 8192, 1),
+    (Q.Q6_K, 192, 4096, 40),
+    (Q.Q6_K, 4096, 14336, 1),
+    (Q.Q4_K, 16, 2048, 40),  # the fixed cost of a call
+]
+
+
+def random_weight(qtype: Q, n_out: int, k_in: int) -> torch.Tensor:
+    """Random blocks with finite float16 scales (quantizing a matrix this large is slow)."""
+    from spnl_backend.quant.linear import QuantizedWeight
+
+    one = QuantizedWeight.from_float(torch.randn(16, k_in), qtype).data
+    rows = one.repeat((n_out + 15) // 16, 1)[:n_out].contiguous()
+    # Scramble the values (not the block scales: where they sit differs by format).
+    gen = torch.Generator().manual_seed(0)
+    noise = torch.randint(0, 256, rows.shape, dtype=torch.uint8, generator=gen)
+    head = {Q.Q4_K: slice(0, 16), Q.Q6_K: slice(192, 210)}[qtype]
+    block = 144 if qtype == Q.Q4_K else 210
+    keep = torch.zeros(block, dtype=torch.bool)
+    keep[head] = True
+    keep = keep.repeat(k_in // 256)
+    from spnl_backend.memory import host_tensor
+
+    return host_tensor(tuple(rows.shape), torch.uint8).copy_(torch.where(keep, rows, noise))
+
+
+def main() -> None:
+    parser = harness.arguments(__doc__)
+    parser.add_argument("--old", default="main", help="git revision of the old sources")
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    old, new = (dataclasses.replace(k, threads=1) for k in build_pair(args.old))
+    rows = []
+    for qtype, n_out, k_in, calls in CASES:
+        weight = random_weight(qtype, n_out, k_in)
+        x = torch.randn(1, k_in)
+        prepared = {
+            label: n.products([(qtype.value, weight, n_out)])
+            for label, n in (("old", old), ("new", new))
+        }
+        if not torch.equal(prepared["old"](x), prepared["new"](x)):
+            raise SystemExit(f"{qtype.name} {n_out} x {k_in}: the two versions give different bits")
+        times: dict[str, list[float]] = {"old": [], "new": []}
+        for _ in range(args.repeats):
+            for label, call in prepared.items():
+                start = time.process_time()
+                for _ in range(calls):
+                    call(x)
+                times[label].append((time.process_time() - start) / calls)
+        median = {label: sorted(t)[len(t) // 2] for label, t in times.items()}
+        gb = weight.numel() / 1e9
+        rows.append(
+            [
+                f"{qtype.name} {n_out} x {k_in} ({weight.numel() / 2**20:.1f} MiB)",
+                f"{median['old'] * 1e6:.0f} us ({gb / median['old']:.1f} GB/s)",
+                f"{median['new'] * 1e6:.0f} us ({gb / median['new']:.1f} GB/s)",
+                f"{median['old'] / median['new']:.2f}x",
+            ]
+        )
+    header = ["one row against", f"old ({args.old})", "new (this checkout)", "old / new"]
+    note = (
+        f"One thread; CPU time per call, median of {args.repeats}, the two libraries "
+        "alternating; the same bits checked on every case. The 16-row case is the fixed cost."
+    )
+    harness.publish(f"{harness.md_table(header, rows)}\n\n{note}", args.markdown)
+
+
+if __name__ == "__main__":
+    main()
