@@ -1176,9 +1176,9 @@ static inline __m128 mxfp4_row1(const act_rows *x, int64_t groups, const uint8_t
 //    summed in one tree of shuffles (not a tree per block);
 //  - the 16 integers converted, and their float scales (d, dmin) x the activations' scale
 //    found, in one vector each.
-// The float sums are then k_dot's, in its order: each block's two FMAs in turn, on the
-// same two running sums (kept in the lanes of its block, the sums moving 2 lanes up per
-// block). The same bits as every other path.
+// The float sums are then k_dot's, in its order: each block's two FMAs in turn on the
+// same two running sums (its pair of integers and of scales moved to their lanes, apart
+// from the chain of FMAs). The same bits as every other path.
 #if defined(__AVX512BW__)
 #define R4(a) a, a, a, a
 // How far ahead the one-row kernels ask for their weights: further than the other kernels
@@ -1345,8 +1345,16 @@ static inline float q4_k_reordered(const act_rows *x, int64_t blocks, const uint
     int64_t b = 0;
     for (; b + 8 <= blocks; b += 8)
         acc = q4_k_eight(w + b * 144, x->q256_k4 + b * 256, x->bsums + b * 16, x->d256 + b, 8, acc);
-    const int n = (int)(blocks - b);
-    if (n) acc = q4_k_eight(w + b * 144, x->q256_k4 + b * 256, x->bsums + b * 16, x->d256 + b, n, acc);
+    // the rest, its count a constant in each case (the work of absent blocks left out)
+    const uint8_t *rw = w + b * 144;
+    const int8_t *ra = x->q256_k4 + b * 256;
+    const int16_t *rs = x->bsums + b * 16;
+    switch (blocks - b) {
+#define REST(N) case N: acc = q4_k_eight(rw, ra, rs, x->d256 + b, N, acc); break;
+        REST(1) REST(2) REST(3) REST(4) REST(5) REST(6) REST(7)
+#undef REST
+    default: break;
+    }
     return k_result(acc);
 }
 
@@ -1422,8 +1430,16 @@ static inline float q6_k_wide(const act_rows *x, int64_t blocks, const uint8_t *
     int64_t b = 0;
     for (; b + 8 <= blocks; b += 8)
         acc = q6_k_eight(w + b * 210, x->q256 + b * 256, x->bsums + b * 16, x->d256 + b, 8, acc);
-    const int n = (int)(blocks - b);
-    if (n) acc = q6_k_eight(w + b * 210, x->q256 + b * 256, x->bsums + b * 16, x->d256 + b, n, acc);
+    // the rest, its count a constant in each case (the work of absent blocks left out)
+    const uint8_t *rw = w + b * 210;
+    const int8_t *ra = x->q256 + b * 256;
+    const int16_t *rs = x->bsums + b * 16;
+    switch (blocks - b) {
+#define REST(N) case N: acc = q6_k_eight(rw, ra, rs, x->d256 + b, N, acc); break;
+        REST(1) REST(2) REST(3) REST(4) REST(5) REST(6) REST(7)
+#undef REST
+    default: break;
+    }
     return k_result(acc);
 }
 #undef R4
