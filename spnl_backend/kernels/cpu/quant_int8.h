@@ -1238,18 +1238,24 @@ static inline __m512i k8_sums(const __m512i v[8]) {
     return _mm512_permutexvar_epi32(order, all);
 }
 
-// k_dot's FMAs for n <= 8 blocks, onto the two running sums in lanes 0 and 1 of acc: sums
-// [S0, M0, S1, M1, ...], scales [d0, dmin0, d1, ...] (dmin negated), ad the activations'
-// scales. Each block's pair is moved to lanes 0 and 1 apart from the sums' chain of FMAs.
-static inline __m128 k8_fma(__m512i sums, __m512 scales, const float *ad, int n, __m128 acc) {
+// Up to 8 blocks' integers [S0, M0, S1, M1, ...] as floats, and the scales they take in
+// k_dot's FMAs: [d0, dmin0, d1, ...] (dmin negated) x the activations' scales.
+typedef struct { __m512 ints, by; } k8_terms;
+
+static inline k8_terms k8_terms_of(__m512i sums, __m512 scales, const float *ad, int n) {
     const __m512 a = _mm512_permutexvar_ps(
         _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
         _mm512_castps256_ps512(_mm256_maskz_loadu_ps((__mmask8)((1u << n) - 1), ad)));
-    const __m512 ints = _mm512_cvtepi32_ps(sums), by = _mm512_mul_ps(scales, a);
-    const __m128 p[4] = {_mm512_castps512_ps128(ints), _mm512_extractf32x4_ps(ints, 1),
-                         _mm512_extractf32x4_ps(ints, 2), _mm512_extractf32x4_ps(ints, 3)};
-    const __m128 q[4] = {_mm512_castps512_ps128(by), _mm512_extractf32x4_ps(by, 1),
-                         _mm512_extractf32x4_ps(by, 2), _mm512_extractf32x4_ps(by, 3)};
+    return (k8_terms){_mm512_cvtepi32_ps(sums), _mm512_mul_ps(scales, a)};
+}
+
+// k_dot's FMAs for n <= 8 blocks, in block order, onto the two running sums in lanes 0
+// and 1 of acc (each block's pair moved to those lanes apart from the chain of FMAs).
+static inline __m128 k8_fma(k8_terms t, int n, __m128 acc) {
+    const __m128 p[4] = {_mm512_castps512_ps128(t.ints), _mm512_extractf32x4_ps(t.ints, 1),
+                         _mm512_extractf32x4_ps(t.ints, 2), _mm512_extractf32x4_ps(t.ints, 3)};
+    const __m128 q[4] = {_mm512_castps512_ps128(t.by), _mm512_extractf32x4_ps(t.by, 1),
+                         _mm512_extractf32x4_ps(t.by, 2), _mm512_extractf32x4_ps(t.by, 3)};
     for (int i = 0; i < n; i++)
         acc = i & 1 ? _mm_fmadd_ps(_mm_movehl_ps(p[i / 2], p[i / 2]), _mm_movehl_ps(q[i / 2], q[i / 2]), acc)
                     : _mm_fmadd_ps(p[i / 2], q[i / 2], acc);
@@ -1297,9 +1303,9 @@ static inline __m512i q4_k_s(const uint8_t *q, const int8_t *a, __m512i words, i
     return s;
 }
 
-// n <= 8 Q4_K blocks from block b (w, a, bsums, ad at block b) onto acc (k8_fma).
-static inline __attribute__((always_inline)) __m128 q4_k_eight(
-    const uint8_t *w, const int8_t *a, const int16_t *bsums, const float *ad, int n, __m128 acc) {
+// The terms of n <= 8 Q4_K blocks from block b (w, a, bsums, ad at block b).
+static inline __attribute__((always_inline)) k8_terms q4_k_eight(
+    const uint8_t *w, const int8_t *a, const int16_t *bsums, const float *ad, int n) {
     // the minimums of blocks 2p, 2p + 1 for their pairs of sums of 16
     static const int16_t mins_at[32] = {4, 4, 5, 5, 6, 6, 7, 7, 12, 12, 13, 13, 14, 14, 15, 15,
                                         20, 20, 21, 21, 22, 22, 23, 23, 28, 28, 29, 29, 30, 30, 31, 31};
@@ -1335,26 +1341,37 @@ static inline __attribute__((always_inline)) __m128 q4_k_eight(
         _mm512_castsi512_si256(_mm512_permutex2var_epi32(
             heads[0], _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0), heads[1])),
         _mm256_set1_epi32((int)0x80000000u));
-    return k8_fma(k8_sums(v), _mm512_cvtph_ps(halves), ad, n, acc);
+    return k8_terms_of(k8_sums(v), _mm512_cvtph_ps(halves), ad, n);
 }
 
 // Q4_K against activations in K4_ORDER.
 static inline float q4_k_reordered(const act_rows *x, int64_t blocks, const uint8_t *w) {
     if (blocks == 0) return 0.0f;
+    // Each group's FMAs come after the next group's integers: the chain of FMAs runs while
+    // those are found, instead of holding them back.
     __m128 acc = _mm_setzero_ps();
+    k8_terms last = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    int last_n = 0;
     int64_t b = 0;
-    for (; b + 8 <= blocks; b += 8)
-        acc = q4_k_eight(w + b * 144, x->q256_k4 + b * 256, x->bsums + b * 16, x->d256 + b, 8, acc);
+    for (; b + 8 <= blocks; b += 8) {
+        const k8_terms t = q4_k_eight(w + b * 144, x->q256_k4 + b * 256, x->bsums + b * 16, x->d256 + b, 8);
+        if (last_n) acc = k8_fma(last, 8, acc);
+        last = t, last_n = 8;
+    }
     // the rest, its count a constant in each case (the work of absent blocks left out)
     const uint8_t *rw = w + b * 144;
     const int8_t *ra = x->q256_k4 + b * 256;
     const int16_t *rs = x->bsums + b * 16;
+    k8_terms rest = last;
+    int rest_n = 0;
     switch (blocks - b) {
-#define REST(N) case N: acc = q4_k_eight(rw, ra, rs, x->d256 + b, N, acc); break;
+#define REST(N) case N: rest = q4_k_eight(rw, ra, rs, x->d256 + b, N), rest_n = N; break;
         REST(1) REST(2) REST(3) REST(4) REST(5) REST(6) REST(7)
 #undef REST
     default: break;
     }
+    if (last_n) acc = k8_fma(last, 8, acc);
+    if (rest_n) acc = k8_fma(rest, rest_n, acc);
     return k_result(acc);
 }
 
@@ -1389,9 +1406,9 @@ static inline __m512i q6_k_s(const uint8_t *b, const int8_t *a, __m512i words, i
     return s;
 }
 
-// n <= 8 Q6_K blocks from block b (w, a, bsums, ad at block b) onto acc (k8_fma).
-static inline __attribute__((always_inline)) __m128 q6_k_eight(
-    const uint8_t *w, const int8_t *a, const int16_t *bsums, const float *ad, int n, __m128 acc) {
+// The terms of n <= 8 Q6_K blocks from block b (w, a, bsums, ad at block b).
+static inline __attribute__((always_inline)) k8_terms q6_k_eight(
+    const uint8_t *w, const int8_t *a, const int16_t *bsums, const float *ad, int n) {
     __m512i v[8];
     int32_t d[8] = {0};  // the 4 bytes that end each block: its last 2 scales, d
     prefetch_lines(w + ROW1_PREFETCH, n * 210);
@@ -1420,26 +1437,37 @@ static inline __attribute__((always_inline)) __m128 q6_k_eight(
     // [d, d] per block, then [d, -32 d]: k_dot's dmin for Q6_K
     const __m512 dd = _mm512_movehdup_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d)));
     const __m512 by = _mm512_setr_ps(1, -32, 1, -32, 1, -32, 1, -32, 1, -32, 1, -32, 1, -32, 1, -32);
-    return k8_fma(k8_sums(v), _mm512_mul_ps(dd, by), ad, n, acc);
+    return k8_terms_of(k8_sums(v), _mm512_mul_ps(dd, by), ad, n);
 }
 
 // Q6_K: its activations as they are.
 static inline float q6_k_wide(const act_rows *x, int64_t blocks, const uint8_t *w) {
     if (blocks == 0) return 0.0f;
+    // Each group's FMAs come after the next group's integers: the chain of FMAs runs while
+    // those are found, instead of holding them back.
     __m128 acc = _mm_setzero_ps();
+    k8_terms last = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    int last_n = 0;
     int64_t b = 0;
-    for (; b + 8 <= blocks; b += 8)
-        acc = q6_k_eight(w + b * 210, x->q256 + b * 256, x->bsums + b * 16, x->d256 + b, 8, acc);
+    for (; b + 8 <= blocks; b += 8) {
+        const k8_terms t = q6_k_eight(w + b * 210, x->q256 + b * 256, x->bsums + b * 16, x->d256 + b, 8);
+        if (last_n) acc = k8_fma(last, 8, acc);
+        last = t, last_n = 8;
+    }
     // the rest, its count a constant in each case (the work of absent blocks left out)
     const uint8_t *rw = w + b * 210;
     const int8_t *ra = x->q256 + b * 256;
     const int16_t *rs = x->bsums + b * 16;
+    k8_terms rest = last;
+    int rest_n = 0;
     switch (blocks - b) {
-#define REST(N) case N: acc = q6_k_eight(rw, ra, rs, x->d256 + b, N, acc); break;
+#define REST(N) case N: rest = q6_k_eight(rw, ra, rs, x->d256 + b, N), rest_n = N; break;
         REST(1) REST(2) REST(3) REST(4) REST(5) REST(6) REST(7)
 #undef REST
     default: break;
     }
+    if (last_n) acc = k8_fma(last, 8, acc);
+    if (rest_n) acc = k8_fma(rest, rest_n, acc);
     return k_result(acc);
 }
 #undef R4
