@@ -463,6 +463,25 @@ def test_each_rows_product_is_bit_identical_to_that_row_alone(kernels, qtype, mo
     assert torch.equal(together, alone)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("blocks", [1, 2, 3, 5, 8, 9, 16, 17, 23])
+def test_one_row_k_quant_products_give_the_tiles_bits_for_any_block_count(kernels, qtype, blocks):
+    """A decode's Q4_K and Q6_K products take 8 blocks of 256 at a time, then the rest (Q6_K
+    rows under 16 blocks a block at a time): for every rest a row alone gives the bits it
+    gets beside others (16 weight rows in a tile, the last 2 a row at a time) and the
+    twin's values."""
+    if kernels.exact:
+        pytest.skip("this CPU has no AVX2: the int8 kernels are not built")
+    cols = 256 * blocks
+    weights = [_weights(qtype, rows=18, cols=cols, seed=blocks)]
+    x = torch.randn(5, cols) * torch.linspace(0.1, 3.0, cols)  # scales that differ by block
+    together = quantized_matmuls(kernels, x, weights)
+    alone = torch.cat([quantized_matmuls(kernels, x[i : i + 1], weights) for i in range(len(x))])
+    assert torch.equal(alone, together)
+    twin = _twin(int8_activations_ref(x, qtype), weights)
+    torch.testing.assert_close(alone, twin, rtol=1e-4, atol=1e-3)
+
+
 @pytest.mark.parametrize("qtype", [t for t in TYPES if GGML_QUANT_SIZES[t][0] == 32], ids=str)
 @pytest.mark.parametrize("rows", [6, 7, 13])
 def test_tiles_of_32_value_blocks_give_each_row_alone_bits(kernels, qtype, rows):

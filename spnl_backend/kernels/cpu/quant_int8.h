@@ -1307,11 +1307,311 @@ static inline __m128 q8_0_row1(const act_rows *x, int64_t groups, const uint8_t 
 // ---- one activation row against one weight row: a decode's products -------------------------
 //
 // The same integers S and M per block as k_dot, found with fewer instructions for the two
-// formats of Q4_K_M files: 64 values per vector in the order the block stores them (the
-// activations reordered to match, for Q4_K), the sub-block scales widened once and
-// spread by a permutation per vector. The float sums are k_dot's, in its order: the same
-// bits as every other path.
+// formats of Q4_K_M files, 8 blocks at a time:
+//  - 64 values per vector in the order the block stores them (the activations reordered
+//    to match, for Q4_K); each vector's products summed by 4 (exact in int32, and within
+//    an int16: 4 x 63 x 127), two vectors' sums packed to int16 and weighed by their
+//    sub-block scales in one dot product (the scales spread by a permutation);
+//  - a block's 16 lanes of S folded to 8 beside its 8 lanes of M, and the 8 blocks' lanes
+//    summed in one tree of shuffles (not a tree per block);
+//  - the 16 integers converted, and their float scales (d, dmin) x the activations' scale
+//    found, in one vector each.
+// The float sums are then k_dot's, in its order: each block's two FMAs in turn on the
+// same two running sums (its pair of integers and of scales moved to their lanes, apart
+// from the chain of FMAs). The same bits as every other path.
 #if defined(__AVX512BW__)
+#define R4(a) a, a, a, a
+// How far ahead the one-row kernels ask for their weights: further than the other kernels
+// (PREFETCH_BYTES), as these spend less time per byte.
+#ifndef ROW1_PREFETCH
+#define ROW1_PREFETCH 16384
+#endif
+
+// The cache lines of [p, p + bytes), each once.
+static inline void prefetch_lines(const uint8_t *p, int bytes) {
+    const uintptr_t end = (uintptr_t)p + (uintptr_t)bytes;
+    for (uintptr_t at = (uintptr_t)p & ~(uintptr_t)63; at < end; at += 64)
+        __builtin_prefetch((const void *)at, 0, 3);
+}
+
+// 16 sums of 4 products of unsigned bytes u and signed bytes x.
+static inline __m512i sums_of_4(__m512i u, __m512i x) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x);
+#else
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(u, x), _mm512_set1_epi16(1));
+#endif
+}
+
+// acc plus the products of int16 pairs a, b.
+static inline __m512i dot_i16_add(__m512i acc, __m512i a, __m512i b) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
+// Block i of a group's V: its S (16 lanes) folded to 8 beside its M, taken from m_pair (the
+// M of blocks i and i ^ 1, the even one in the low 8 lanes): [M | S] for even i, [S | M]
+// for odd.
+static inline __m512i k8_lanes(__m512i s, __m512i m_pair, int i) {
+    const __m512i swapped = _mm512_shuffle_i64x2(s, s, _MM_SHUFFLE(1, 0, 3, 2));
+    return _mm512_mask_add_epi32(m_pair, (i & 1) ? 0x00FF : 0xFF00, s, swapped);
+}
+
+// The 8 blocks' S and M (each the sum of 8 lanes of its V) as [S0, M0, S1, M1, ...].
+static inline __m512i k8_sums(const __m512i v[8]) {
+    __m512i t[4];
+    for (int i = 0; i < 4; i++)  // 128-bit lane L: lanes 4L..4L+3 of v[2i], v[2i+1], half-summed
+        t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                                _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    // 128-bit lane L, int k: the sum of lanes 4L..4L+3 of v[k] (u0) and v[4 + k] (u1)
+    const __m512i u0 = _mm512_add_epi32(_mm512_unpacklo_epi64(t[0], t[1]),
+                                        _mm512_unpackhi_epi64(t[0], t[1]));
+    const __m512i u1 = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2], t[3]),
+                                        _mm512_unpackhi_epi64(t[2], t[3]));
+    // int 4L + k: the low 8 lanes of v[k] (L = 0), its high 8 (1), of v[4 + k] (2, 3)
+    const __m512i all = _mm512_add_epi32(_mm512_shuffle_i64x2(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                         _mm512_shuffle_i64x2(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i order = _mm512_setr_epi32(4, 0, 1, 5, 6, 2, 3, 7, 12, 8, 9, 13, 14, 10, 11, 15);
+    return _mm512_permutexvar_epi32(order, all);
+}
+
+// Up to 8 blocks' integers [S0, M0, S1, M1, ...] as floats, and the scales they take in
+// k_dot's FMAs: [d0, dmin0, d1, ...] (dmin negated) x the activations' scales.
+typedef struct { __m512 ints, by; } k8_terms;
+
+static inline k8_terms k8_terms_of(__m512i sums, __m512 scales, const float *ad, int n) {
+    const __m512 a = _mm512_permutexvar_ps(
+        _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
+        _mm512_castps256_ps512(_mm256_maskz_loadu_ps((__mmask8)((1u << n) - 1), ad)));
+    return (k8_terms){_mm512_cvtepi32_ps(sums), _mm512_mul_ps(scales, a)};
+}
+
+// k_dot's FMAs for n <= 8 blocks, in block order, onto the two running sums in lanes 0
+// and 1 of acc (each block's pair moved to those lanes apart from the chain of FMAs).
+static inline __m128 k8_fma(k8_terms t, int n, __m128 acc) {
+    const __m128 p[4] = {_mm512_castps512_ps128(t.ints), _mm512_extractf32x4_ps(t.ints, 1),
+                         _mm512_extractf32x4_ps(t.ints, 2), _mm512_extractf32x4_ps(t.ints, 3)};
+    const __m128 q[4] = {_mm512_castps512_ps128(t.by), _mm512_extractf32x4_ps(t.by, 1),
+                         _mm512_extractf32x4_ps(t.by, 2), _mm512_extractf32x4_ps(t.by, 3)};
+    for (int i = 0; i < n; i++)
+        acc = i & 1 ? _mm_fmadd_ps(_mm_movehl_ps(p[i / 2], p[i / 2]), _mm_movehl_ps(q[i / 2], q[i / 2]), acc)
+                    : _mm_fmadd_ps(p[i / 2], q[i / 2], acc);
+    return acc;
+}
+
+// The 6-bit scales and minimums of 4 Q4_K blocks' headers (block i's 16 bytes in 128-bit
+// lane i: d, dmin, the 12 packed bytes) as bytes: sc 0-3, mn 0-3, sc 4-7, mn 4-7 (k4_scales).
+static inline __m512i k4_scale_bytes(__m512i h) {
+    const __m512i lows = _mm512_shuffle_epi8(
+        h, _mm512_broadcast_i32x4(_mm_setr_epi8(4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 12, 13, 14, 15)));
+    const __m512i masked = _mm512_and_si512(lows, _mm512_broadcast_i32x4(_mm_setr_epi8(
+        63, 63, 63, 63, 63, 63, 63, 63, 15, 15, 15, 15, -16, -16, -16, -16)));
+    const __m512i low_bits = _mm512_srlv_epi32(masked, _mm512_broadcast_i32x4(_mm_setr_epi32(0, 0, 0, 4)));
+    // the top 2 bits of packed bytes 0-7, at bits 4 and 5 of bytes 8-15
+    const __m512i tops = _mm512_srli_epi16(_mm512_bslli_epi128(h, 4), 2);
+    const __m512i at = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0,
+                                                            48, 48, 48, 48, 48, 48, 48, 48));
+    return _mm512_ternarylogic_epi32(low_bits, tops, at, 0xF8);  // low_bits | (tops & at)
+}
+
+// Q4_K block's S from its 128 value bytes q and activations a (K4_ORDER); scale words of
+// blocks i & ~1 and i | 1 (16 each, k4_scale_bytes' order), this one's by i & 1.
+static inline __m512i q4_k_s(const uint8_t *q, const int8_t *a, __m512i words, int odd) {
+#define SP(e, a, b, c, d) R4(16 * e + a), R4(16 * e + b), R4(16 * e + a), R4(16 * e + b), \
+                          R4(16 * e + c), R4(16 * e + d), R4(16 * e + c), R4(16 * e + d)
+    // packs(sums of v, sums of v + 1) in 128-bit lane L: 4 of v's (its sub-block by L),
+    // then 4 of v + 1's
+    static const int16_t at[2][2][32] = {{{SP(0, 0, 1, 2, 3)}, {SP(0, 8, 9, 10, 11)}},
+                                         {{SP(1, 0, 1, 2, 3)}, {SP(1, 8, 9, 10, 11)}}};
+#undef SP
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512i s = _mm512_setzero_si512();
+    for (int h = 0; h < 2; h++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(q + 64 * h));
+        const __m512i lo = _mm512_and_si512(v, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        const __m512i x0 = _mm512_loadu_si512((const void *)(a + 128 * h));
+        const __m512i x1 = _mm512_loadu_si512((const void *)(a + 128 * h + 64));
+        const __m512i packed = _mm512_packs_epi32(sums_of_4(lo, x0), sums_of_4(hi, x1));
+        const __m512i scales = _mm512_permutexvar_epi16(
+            _mm512_loadu_si512((const void *)at[odd][h]), words);
+        s = dot_i16_add(s, packed, scales);
+    }
+    return s;
+}
+
+// The terms of n <= 8 Q4_K blocks from block b (w, a, bsums, ad at block b).
+static inline __attribute__((always_inline)) k8_terms q4_k_eight(
+    const uint8_t *w, const int8_t *a, const int16_t *bsums, const float *ad, int n) {
+    // the minimums of blocks 2p, 2p + 1 for their pairs of sums of 16
+    static const int16_t mins_at[32] = {4, 4, 5, 5, 6, 6, 7, 7, 12, 12, 13, 13, 14, 14, 15, 15,
+                                        20, 20, 21, 21, 22, 22, 23, 23, 28, 28, 29, 29, 30, 30, 31, 31};
+    __m512i v[8], heads[2];
+    prefetch_lines(w + ROW1_PREFETCH, n * 144);
+    for (int f = 0; f < 2; f++) {  // blocks 4f..4f+3
+        __m512i h = _mm512_setzero_si512();
+        for (int i = 0; i < 4; i++)
+            if (4 * f + i < n)
+                h = _mm512_inserti32x4(h, _mm_loadu_si128((const __m128i *)(w + (4 * f + i) * 144)), i);
+        heads[f] = h;
+        const __m512i bytes = k4_scale_bytes(h);
+        for (int p = 0; p < 2; p++) {
+            const int j = 4 * f + 2 * p;  // blocks j, j + 1
+            if (j >= n) {
+                v[j] = v[j + 1] = _mm512_setzero_si512();
+                continue;
+            }
+            const __m512i words = _mm512_cvtepu8_epi16(
+                p ? _mm512_extracti64x4_epi64(bytes, 1) : _mm512_castsi512_si256(bytes));
+            const __m512i sums16 = _mm512_maskz_loadu_epi16(j + 1 < n ? 0xFFFFFFFF : 0xFFFF,
+                                                            bsums + 16 * j);
+            const __m512i m_pair = _mm512_madd_epi16(
+                _mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)mins_at), words), sums16);
+            for (int e = 0; e < 2; e++)
+                v[j + e] = j + e < n ? k8_lanes(q4_k_s(w + (j + e) * 144 + 16, a + (j + e) * 256,
+                                                        words, e), m_pair, e)
+                                     : _mm512_setzero_si512();
+        }
+    }
+    // d and dmin of each block, its first 4 bytes: dmin negated, as k_dot takes it
+    const __m256i halves = _mm256_xor_si256(
+        _mm512_castsi512_si256(_mm512_permutex2var_epi32(
+            heads[0], _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0), heads[1])),
+        _mm256_set1_epi32((int)0x80000000u));
+    return k8_terms_of(k8_sums(v), _mm512_cvtph_ps(halves), ad, n);
+}
+
+// Q4_K against activations in K4_ORDER.
+static inline float q4_k_reordered(const act_rows *x, int64_t blocks, const uint8_t *w) {
+    if (blocks == 0) return 0.0f;
+    // Each group's FMAs come after the next group's integers: the chain of FMAs runs while
+    // those are found, instead of holding them back.
+    __m128 acc = _mm_setzero_ps();
+    k8_terms last = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    int last_n = 0;
+    int64_t b = 0;
+    for (; b + 8 <= blocks; b += 8) {
+        const k8_terms t = q4_k_eight(w + b * 144, x->q256_k4 + b * 256, x->bsums + b * 16, x->d256 + b, 8);
+        if (last_n) acc = k8_fma(last, 8, acc);
+        last = t, last_n = 8;
+    }
+    // the rest, its count a constant in each case (the work of absent blocks left out)
+    const uint8_t *rw = w + b * 144;
+    const int8_t *ra = x->q256_k4 + b * 256;
+    const int16_t *rs = x->bsums + b * 16;
+    k8_terms rest = last;
+    int rest_n = 0;
+    switch (blocks - b) {
+#define REST(N) case N: rest = q4_k_eight(rw, ra, rs, x->d256 + b, N), rest_n = N; break;
+        REST(1) REST(2) REST(3) REST(4) REST(5) REST(6) REST(7)
+#undef REST
+    default: break;
+    }
+    if (last_n) acc = k8_fma(last, 8, acc);
+    if (rest_n) acc = k8_fma(rest, rest_n, acc);
+    return k_result(acc);
+}
+
+// Q6_K block's S: 128 values a half, its low nibbles of 64 bytes 64 consecutive values
+// (the activations as they are), the high ones the next 64; two bits each from qh. Scale
+// words of blocks i & ~1 and i | 1 (16 each), this one's by i & 1.
+static inline __m512i q6_k_s(const uint8_t *b, const int8_t *a, __m512i words, int odd) {
+#define SP(e, h) R4(16 * e + 8 * h), R4(16 * e + 8 * h + 4), R4(16 * e + 8 * h + 1), \
+                 R4(16 * e + 8 * h + 5), R4(16 * e + 8 * h + 2), R4(16 * e + 8 * h + 6), \
+                 R4(16 * e + 8 * h + 3), R4(16 * e + 8 * h + 7)
+    static const int16_t at[2][2][32] = {{{SP(0, 0)}, {SP(0, 1)}}, {{SP(1, 0)}, {SP(1, 1)}}};
+#undef SP
+    // qh's bits 0-1 to 4-5 for values [0, 32) of a half, 2-3 for [32, 64); then 4-5, 6-7
+    const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i down = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i low = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x30);
+    __m512i s = _mm512_setzero_si512();
+    for (int h = 0; h < 2; h++) {  // values [128h, 128h + 128)
+        const __m512i ql = _mm512_loadu_si512((const void *)(b + 64 * h));
+        const __m512i qh = _mm512_broadcast_i64x4(load32(b + 128 + 32 * h));
+        const __m512i ua = _mm512_ternarylogic_epi32(_mm512_and_si512(ql, low),
+                                                     _mm512_sllv_epi16(qh, up), two, 0xF8);
+        const __m512i ub = _mm512_ternarylogic_epi32(
+            _mm512_and_si512(_mm512_srli_epi16(ql, 4), low), _mm512_srlv_epi16(qh, down), two, 0xF8);
+        const __m512i x0 = _mm512_loadu_si512((const void *)(a + 128 * h));
+        const __m512i x1 = _mm512_loadu_si512((const void *)(a + 128 * h + 64));
+        const __m512i packed = _mm512_packs_epi32(sums_of_4(ua, x0), sums_of_4(ub, x1));
+        const __m512i scales = _mm512_permutexvar_epi16(
+            _mm512_loadu_si512((const void *)at[odd][h]), words);
+        s = dot_i16_add(s, packed, scales);
+    }
+    return s;
+}
+
+// The terms of n <= 8 Q6_K blocks from block b (w, a, bsums, ad at block b).
+static inline __attribute__((always_inline)) k8_terms q6_k_eight(
+    const uint8_t *w, const int8_t *a, const int16_t *bsums, const float *ad, int n) {
+    __m512i v[8];
+    int32_t d[8] = {0};  // the 4 bytes that end each block: its last 2 scales, d
+    prefetch_lines(w + ROW1_PREFETCH, n * 210);
+    for (int j = 0; j < 8; j += 2) {  // blocks j, j + 1
+        if (j >= n) {
+            v[j] = v[j + 1] = _mm512_setzero_si512();
+            continue;
+        }
+        const uint8_t *b = w + j * 210;
+        const __m128i first = _mm_loadu_si128((const __m128i *)(b + 192));
+        __m128i second = _mm_setzero_si128();
+        memcpy(&d[j], b + 206, 4);
+        if (j + 1 < n) {
+            second = _mm_loadu_si128((const __m128i *)(b + 210 + 192));
+            memcpy(&d[j + 1], b + 210 + 206, 4);
+        }
+        const __m512i words = _mm512_cvtepi8_epi16(_mm256_set_m128i(second, first));
+        const __m512i sums16 = _mm512_maskz_loadu_epi16(j + 1 < n ? 0xFFFFFFFF : 0xFFFF,
+                                                        bsums + 16 * j);
+        const __m512i m_pair = _mm512_madd_epi16(words, sums16);
+        for (int e = 0; e < 2; e++)
+            v[j + e] = j + e < n ? k8_lanes(q6_k_s(b + e * 210, a + (j + e) * 256, words, e),
+                                            m_pair, e)
+                                 : _mm512_setzero_si512();
+    }
+    // [d, d] per block, then [d, -32 d]: k_dot's dmin for Q6_K
+    const __m512 dd = _mm512_movehdup_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d)));
+    const __m512 by = _mm512_setr_ps(1, -32, 1, -32, 1, -32, 1, -32, 1, -32, 1, -32, 1, -32, 1, -32);
+    return k8_terms_of(k8_sums(v), _mm512_mul_ps(dd, by), ad, n);
+}
+
+// Q6_K: its activations as they are.
+static inline float q6_k_wide(const act_rows *x, int64_t blocks, const uint8_t *w) {
+    if (blocks == 0) return 0.0f;
+    // Each group's FMAs come after the next group's integers: the chain of FMAs runs while
+    // those are found, instead of holding them back.
+    __m128 acc = _mm_setzero_ps();
+    k8_terms last = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    int last_n = 0;
+    int64_t b = 0;
+    for (; b + 8 <= blocks; b += 8) {
+        const k8_terms t = q6_k_eight(w + b * 210, x->q256 + b * 256, x->bsums + b * 16, x->d256 + b, 8);
+        if (last_n) acc = k8_fma(last, 8, acc);
+        last = t, last_n = 8;
+    }
+    // the rest, its count a constant in each case (the work of absent blocks left out)
+    const uint8_t *rw = w + b * 210;
+    const int8_t *ra = x->q256 + b * 256;
+    const int16_t *rs = x->bsums + b * 16;
+    k8_terms rest = last;
+    int rest_n = 0;
+    switch (blocks - b) {
+#define REST(N) case N: rest = q6_k_eight(rw, ra, rs, x->d256 + b, N), rest_n = N; break;
+        REST(1) REST(2) REST(3) REST(4) REST(5) REST(6) REST(7)
+#undef REST
+    default: break;
+    }
+    if (last_n) acc = k8_fma(last, 8, acc);
+    if (rest_n) acc = k8_fma(rest, rest_n, acc);
+    return k_result(acc);
+}
+#define Q6_K_GROUPED_MIN 16
+
 // 16-bit scales for 64 values: scale index[i] for the pair of values 2i, 2i + 1.
 static inline __m512i spread(__m512i words, const int16_t index[32]) {
     return _mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)index), words);
@@ -1335,40 +1635,11 @@ static inline __m128 k_add(__m512i s, __m256i m, float d, float dmin, float ad, 
     return _mm_fmadd_ps(_mm_cvtepi32_ps(two_sums(s8, m)), _mm_mul_ps(scales, _mm_set1_ps(ad)), acc);
 }
 
-// Q4_K against activations in K4_ORDER: vector v holds sub-blocks K4_ORDER[2v], [2v + 1].
-static inline float q4_k_reordered(const act_rows *x, int64_t blocks, const uint8_t *w) {
-    static const int16_t at[4][32] = {
-        {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2},
-        {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3},
-        {4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6},
-        {5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7}};
-    static const int16_t mins_at[16] = {8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    __m128 acc = _mm_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *block = w + b * 144;
-        prefetch_block(block, 144);
-        uint64_t sc, mn;
-        k4_scales(block + 4, &sc, &mn);
-        const __m256i words = _mm256_cvtepu8_epi16(_mm_set_epi64x((int64_t)mn, (int64_t)sc));
-        const __m512i wide = _mm512_castsi256_si512(words);
-        const int8_t *a = x->q256_k4 + b * 256;
-        __m512i s = _mm512_setzero_si512();
-        for (int h = 0; h < 2; h++) {
-            const __m512i q = _mm512_loadu_si512((const void *)(block + 16 + 64 * h));
-            const __m512i lo = _mm512_and_si512(q, low);
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
-            s = scaled_128(s, lo, hi, a + 128 * h, wide, at[2 * h], at[2 * h + 1]);
-        }
-        const __m256i offsets = _mm256_permutexvar_epi16(load32(mins_at), words);
-        const __m256i m = _mm256_madd_epi16(offsets, load32(x->bsums + b * 16));
-        acc = k_add(s, m, half_to_float(block), -half_to_float(block + 2), x->d256[b], acc);
-    }
-    return k_result(acc);
-}
-
-// Q6_K: its low nibbles of 64 bytes are 64 consecutive values, so the activations go as they are.
-static inline float q6_k_wide(const act_rows *x, int64_t blocks, const uint8_t *w) {
+// Q6_K a block at a time (each block's sums reduced and added on their own): faster than
+// q6_k_wide for rows of fewer than Q6_K_GROUPED_MIN blocks, where the fixed cost of a
+// row's last group weighs (10 blocks a row, from memory: 1.1x). Its low nibbles of 64
+// bytes are 64 consecutive values, so the activations go as they are.
+static inline float q6_k_per_block(const act_rows *x, int64_t blocks, const uint8_t *w) {
     static const int16_t at[4][32] = {
         {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
         {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
@@ -1408,6 +1679,7 @@ static inline float q6_k_wide(const act_rows *x, int64_t blocks, const uint8_t *
     }
     return k_result(acc);
 }
+#undef R4
 #endif
 
 // The one-row kernel each k-quant takes (`by_dot`: one row through k_dot, for the formats
@@ -1415,7 +1687,8 @@ static inline float q6_k_wide(const act_rows *x, int64_t blocks, const uint8_t *
 #if defined(__AVX512BW__)
 #define ONE_ROW_q4_k(x, blocks, w, by_dot) \
     ((x)->q256_k4 ? q4_k_reordered(x, blocks, w) : by_dot(x, blocks, w))
-#define ONE_ROW_q6_k(x, blocks, w, by_dot) q6_k_wide(x, blocks, w)
+#define ONE_ROW_q6_k(x, blocks, w, by_dot)                                                   \
+    ((blocks) >= Q6_K_GROUPED_MIN ? q6_k_wide(x, blocks, w) : q6_k_per_block(x, blocks, w))
 #else
 #define ONE_ROW_q4_k(x, blocks, w, by_dot) by_dot(x, blocks, w)
 #define ONE_ROW_q6_k(x, blocks, w, by_dot) by_dot(x, blocks, w)
