@@ -794,6 +794,20 @@ static inline __attribute__((always_inline)) void k_tile_rows(const k_tile *t, c
     }
 }
 
+// Activation rows m..m+mr-1 (mr <= KT_MR, a constant where inlined) against the tiles of
+// every block (tiles[b]: block b of KT_ROWS weight rows): row i's KT_ROWS results at
+// y + i * stride. Each row's two float sums stay in registers through the blocks, taken in
+// block order as k_dot takes them, and are added at the end: the same bits as one row alone.
+static inline __attribute__((always_inline)) void k_tile_all(int mr, const k_tile *tiles,
+                                                             const act_rows *x, int64_t m,
+                                                             int sub, int narrow, int64_t blocks,
+                                                             float *y, int64_t stride) {
+    flanes16 ss[KT_MR], ms[KT_MR];
+    for (int i = 0; i < mr; i++) ss[i] = ms[i] = f16_zero();
+    for (int64_t b = 0; b < blocks; b++) k_tile_rows(&tiles[b], x, m, mr, sub, narrow, b, ss, ms);
+    for (int i = 0; i < mr; i++) f16_store_sum(y + i * stride, ss[i], ms[i]);
+}
+
 // ---- 32-value tiles (AVX-512 with VNNI): KT_ROWS weight rows, all their blocks side by side
 //
 // Each int32 of the tile holds 4 values of one row as unsigned bytes (the value plus the
@@ -1272,12 +1286,16 @@ static inline float q6_k_wide(const act_rows *x, int64_t blocks, const uint8_t *
 
 // ---- k-quant tiles filled straight from the blocks (AVX-512BW) -------------------------------
 //
-// The tiles of Q4_K and Q6_K (the formats of Q4_K_M files) are filled without unpacking each
-// row's block first: the packed bytes of 16 rows are transposed as 32-bit words, so that
-// vector j holds word j of every row (lane r: row r), and the values, scales and minimums are
-// then taken apart 16 rows at a time. Each tile word is the one k_tile_fill makes from the
-// rows' parts: the same integers, so the same bits, in a quarter of the instructions. A tile
-// is shared by every activation row, so its fill is what a few rows pay most for.
+// The tiles of Q4_K (most of a Q4_K_M file) are filled without unpacking each row's block
+// first: the packed bytes of 16 rows are transposed as 32-bit words, so that vector j holds
+// word j of every row (lane r: row r), and the values, scales and minimums are then taken
+// apart 16 rows at a time. Each tile word is the one k_tile_fill makes from the rows' parts:
+// the same integers, so the same bits, in a third of the instructions. Such a tile is filled
+// one block at a time, while it stays in the L1 cache, and met there by every activation row
+// (NAME_by_block, where NAME_blockwise): a quarter less time than the rows' parts and a
+// tile per block (NAME_tiled) at 16 rows, the weights read from memory. Q6_K keeps the
+// latter, which measured faster for it (its sums in registers across the blocks), as do
+// the rarer k-quants.
 #if defined(__AVX512BW__)
 #define K_DIRECT_FILL 1
 
@@ -1323,8 +1341,10 @@ static inline void columns4(const uint8_t *w, int64_t row_bytes, __m512i out[4])
             x[q] = _mm512_inserti32x4(
                 x[q], _mm_loadu_si128((const __m128i *)(w + (q + 4 * l) * row_bytes)), l);
     }
-    const __m512i lo01 = _mm512_unpacklo_epi32(x[0], x[1]), hi01 = _mm512_unpackhi_epi32(x[0], x[1]);
-    const __m512i lo23 = _mm512_unpacklo_epi32(x[2], x[3]), hi23 = _mm512_unpackhi_epi32(x[2], x[3]);
+    const __m512i lo01 = _mm512_unpacklo_epi32(x[0], x[1]);
+    const __m512i hi01 = _mm512_unpackhi_epi32(x[0], x[1]);
+    const __m512i lo23 = _mm512_unpacklo_epi32(x[2], x[3]);
+    const __m512i hi23 = _mm512_unpackhi_epi32(x[2], x[3]);
     out[0] = _mm512_unpacklo_epi64(lo01, lo23);
     out[1] = _mm512_unpackhi_epi64(lo01, lo23);
     out[2] = _mm512_unpacklo_epi64(hi01, hi23);
@@ -1366,8 +1386,11 @@ static inline void q4_k_tile_direct(const uint8_t *w, int64_t row_bytes, k_tile 
     columns4(w, row_bytes, head);
     const __m512i six = _mm512_set1_epi8(0x3F), four = _mm512_set1_epi8(0x0F);
     const __m512i two = _mm512_set1_epi8(0x03);
-    const __m512i high_two_0 = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(head[1], 6), two), 4);
-    const __m512i high_two_1 = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(head[2], 6), two), 4);
+    // the two high bits of scales (and minimums) 4..7: bits 6 and 7 of bytes 0..3
+    const __m512i high_two_0 =
+        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(head[1], 6), two), 4);
+    const __m512i high_two_1 =
+        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(head[2], 6), two), 4);
     const __m512i scales[2] = {
         _mm512_and_si512(head[1], six),
         _mm512_or_si512(_mm512_and_si512(head[3], four), high_two_0)};
@@ -1375,7 +1398,8 @@ static inline void q4_k_tile_direct(const uint8_t *w, int64_t row_bytes, k_tile 
         _mm512_and_si512(head[2], six),
         _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(head[3], 4), four), high_two_1)};
     for (int j = 0; j < 8; j++) {  // sub-block j: values 32j .. 32j + 31
-        const __m512i scale = byte_word(scales[j / 4], j % 4), least = byte_word(mins[j / 4], j % 4);
+        const __m512i scale = byte_word(scales[j / 4], j % 4);
+        const __m512i least = byte_word(mins[j / 4], j % 4);
         store_lanes(t->scales[2 * j], scale);
         store_lanes(t->scales[2 * j + 1], scale);
         store_lanes(t->offsets[j], _mm512_or_si512(least, _mm512_slli_epi32(least, 16)));
@@ -1386,42 +1410,6 @@ static inline void q4_k_tile_direct(const uint8_t *w, int64_t row_bytes, k_tile 
     _mm512_storeu_ps(t->dmin, _mm512_xor_ps(dmin, _mm512_set1_ps(-0.0f)));
 }
 
-// Q6_K: 128 bytes of low nibbles, 64 of 2-bit high parts, 16 int8 scales, d (q6_k_parts):
-// in each half h, value 128h + 32p + l takes its low bits from byte l of the low nibbles'
-// run 2h + p % 2 (the high nibble for p >= 2) and its high bits from bits 2p of qh[32h + l].
-static inline void q6_k_tile_direct(const uint8_t *w, int64_t row_bytes, k_tile *t) {
-    const __m512i crumbs_at_4 = _mm512_set1_epi8(0x30);
-    __m512i high[16];
-    columns16(w + 128, row_bytes, high);
-    for (int h = 0; h < 2; h++) {
-        __m512i low[16];
-        columns16(w + 64 * h, row_bytes, low);
-        for (int k = 0; k < 8; k++) {
-            const __m512i a = low[k], c = low[8 + k], qh = high[8 * h + k];
-            const __m512i parts[4] = {
-                _mm512_and_si512(_mm512_slli_epi32(qh, 4), crumbs_at_4),
-                _mm512_and_si512(_mm512_slli_epi32(qh, 2), crumbs_at_4),
-                _mm512_and_si512(qh, crumbs_at_4),
-                _mm512_and_si512(_mm512_srli_epi32(qh, 2), crumbs_at_4)};
-            store_lanes(t->u[32 * h + k], _mm512_or_si512(nibbles_low(a), parts[0]));
-            store_lanes(t->u[32 * h + 8 + k], _mm512_or_si512(nibbles_low(c), parts[1]));
-            store_lanes(t->u[32 * h + 16 + k], _mm512_or_si512(nibbles_high(a), parts[2]));
-            store_lanes(t->u[32 * h + 24 + k], _mm512_or_si512(nibbles_high(c), parts[3]));
-        }
-    }
-    __m512i scales[4];
-    columns4(w + 192, row_bytes, scales);
-    for (int s = 0; s < 16; s++) store_lanes(t->scales[s], signed_byte_word(scales[s / 4], s % 4));
-    for (int i = 0; i < 8; i++) {  // scales 2i and 2i + 1 as two int16
-        const __m512i v = scales[i / 2];
-        const int at = 2 * (i % 2);
-        const __m512i first = signed_byte_word(v, at), second = signed_byte_word(v, at + 1);
-        store_lanes(t->offsets[i], _mm512_or_si512(_mm512_and_si512(first, _mm512_set1_epi32(0xFFFF)),
-                                                   _mm512_slli_epi32(second, 16)));
-    }
-    for (int r = 0; r < KT_ROWS; r++) t->d[r] = half_to_float(w + r * row_bytes + 208);
-    for (int r = 0; r < KT_ROWS; r++) t->dmin[r] = -32.0f * t->d[r];
-}
 #endif
 
 // The tile of block b of KT_ROWS weight rows (w: its first row's block), its next block's
@@ -1439,11 +1427,13 @@ static inline void q6_k_tile_direct(const uint8_t *w, int64_t row_bytes, k_tile 
 #define K_FILL_DIRECT(NAME, w, row_bytes, t) NAME##_tile_direct(w, row_bytes, t);
 #ifdef K_DIRECT_FILL
 #define K_FILL_q4_k K_FILL_DIRECT
-#define K_FILL_q6_k K_FILL_DIRECT
+enum { q4_k_blockwise = 1 };
 #else
 #define K_FILL_q4_k K_FILL_BY_PARTS
-#define K_FILL_q6_k K_FILL_BY_PARTS
+enum { q4_k_blockwise = 0 };
 #endif
+#define K_FILL_q6_k K_FILL_BY_PARTS
+enum { q2_k_blockwise = 0, q3_k_blockwise = 0, q5_k_blockwise = 0, q6_k_blockwise = 0 };
 #define K_FILL_q2_k K_FILL_BY_PARTS
 #define K_FILL_q3_k K_FILL_BY_PARTS
 #define K_FILL_q5_k K_FILL_BY_PARTS
@@ -1462,54 +1452,70 @@ static inline __attribute__((always_inline)) void k_tile_step(int mr, const k_ti
 
 // The k-quants' kernel. Below KT_MIN_ROWS activation rows, or for a last tile of fewer than
 // KT_ROWS weight rows, each weight row goes alone (four activation rows sharing each
-// unpacked block); otherwise each block of KT_ROWS weight rows is laid side by side in a
-// k_tile, filled once while it stays in the L1 cache, and every activation row meets it,
-// four at a time, each row's two sums carried from block to block. Both find the same
-// integers and add them in the same order (k_dot), so a row's result does not depend on
-// the path.
+// unpacked block); otherwise the blocks of KT_ROWS weight rows are laid side by side in a
+// k_tile per block, filled once, and every activation row meets them all, four at a time,
+// its sums in registers. Both find the same integers and add them in the same order
+// (k_dot), so a row's result does not depend on the path.
 #define KT_MIN_ROWS 4
-#define KT_STACK_ROWS 64  // activation rows whose sums the stack holds; more take the heap
+#define KT_STACK_ROWS 64  // activation rows whose sums the stack holds (by block); more: the heap
 
 // The two float sums of `rows` activation rows (NULL: no memory).
 static inline flanes16 *sums_alloc(int64_t rows) {
     return aligned_alloc(64, (size_t)rows * 2 * sizeof(flanes16));
 }
+
 #define DEFINE_K_KERNEL(NAME, BYTES, SUB)                                                          \
     DEFINE_K_TILE_FILL(NAME, BYTES, K_FILL_##NAME)                                                 \
-    /* y[r * stride] for activation rows m..m+mr-1 (mr <= 4) against one weight row */            \
+    /* y[r * stride] for activation rows m..m+mr-1 (mr <= 4) against one weight row */             \
     static inline __attribute__((always_inline)) void NAME##_by_rows(                              \
-        int mr, const act_rows *x, int64_t m, int64_t blocks, const uint8_t *w, float *y,         \
+        int mr, const act_rows *x, int64_t m, int64_t blocks, const uint8_t *w, float *y,          \
         int64_t stride) {                                                                          \
         __m128 acc[4];                                                                             \
         int64_t first[4]; /* each row's first block */                                             \
-        for (int r = 0; r < mr; r++) acc[r] = _mm_setzero_ps(), first[r] = (m + r) * blocks;      \
+        for (int r = 0; r < mr; r++) acc[r] = _mm_setzero_ps(), first[r] = (m + r) * blocks;       \
         for (int64_t b = 0; b < blocks; b++) {                                                     \
             prefetch_block(w + b * BYTES, BYTES);                                                  \
             k_w wb;                                                                                \
             NAME##_unpack(w + b * BYTES, &wb);                                                     \
-            for (int r = 0; r < mr; r++) acc[r] = k_dot(&wb, acts_256(x, first[r] + b), acc[r]);  \
+            for (int r = 0; r < mr; r++) acc[r] = k_dot(&wb, acts_256(x, first[r] + b), acc[r]);   \
         }                                                                                          \
         for (int r = 0; r < mr; r++) y[r * stride] = k_result(acc[r]);                             \
     }                                                                                              \
-    static inline float NAME##_by_dot(const act_rows *x, int64_t blocks, const uint8_t *w) {     \
+    static inline float NAME##_by_dot(const act_rows *x, int64_t blocks, const uint8_t *w) {       \
         float y;                                                                                   \
         NAME##_by_rows(1, x, 0, blocks, w, &y, 1);                                                 \
         return y;                                                                                  \
     }                                                                                              \
     static void NAME##_rowwise(const act_rows *x, int64_t rows, int64_t blocks,                    \
                                const uint8_t *w, float *y, int64_t stride) {                       \
-        if (rows == 1) { /* a decode: its own kernel, the same bits */                            \
+        if (rows == 1) { /* a decode: its own kernel, the same bits */                             \
             y[0] = ONE_ROW_##NAME(x, blocks, w, NAME##_by_dot);                                    \
             return;                                                                                \
         }                                                                                          \
         for (int64_t m = 0; m < rows; m += 4)                                                      \
             FOUR_ROWS(NAME##_by_rows, rows - m, x, m, blocks, w, y + m * stride, stride)           \
     }                                                                                              \
-    /* KT_ROWS weight rows against every activation row, block by block: the block's tile  \
-       filled once, then met by the rows four at a time, each row's two sums carried in acc */ \
-    static void NAME##_tiled(const act_rows *x, int64_t rows, int64_t blocks,                      \
-                             const uint8_t *w, float *y, int64_t stride, k_tile *tile,             \
-                             flanes16 *acc) {                                                      \
+    /* the blocks of KT_ROWS weight rows into tiles[b], then every activation row past them */     \
+    static inline void NAME##_tiled(const act_rows *x, int64_t rows, int64_t blocks,               \
+                             const uint8_t *w, float *y, int64_t stride, k_tile *tiles) {          \
+        const int64_t row_bytes = blocks * BYTES;                                                  \
+        k_parts parts[KT_ROWS];                                                                    \
+        for (int64_t b = 0; b < blocks; b++) {                                                     \
+            for (int r = 0; r < KT_ROWS; r++) {                                                    \
+                prefetch_ahead(w, r * row_bytes + (b + 1) * BYTES, BYTES);                         \
+                NAME##_parts(w + r * row_bytes + b * BYTES, &parts[r]);                            \
+            }                                                                                      \
+            k_tile_fill(parts, &tiles[b]);                                                         \
+        }                                                                                          \
+        for (int64_t m = 0; m < rows; m += KT_MR)                                                  \
+            FOUR_ROWS(k_tile_all, rows - m, tiles, x, m, SUB, NAME##_narrow, blocks,               \
+                      y + m * stride, stride)                                                      \
+    }                                                                                              \
+    /* KT_ROWS weight rows against every activation row, block by block: the block's tile          \
+       filled once, then met by the rows four at a time, each row's two sums carried in acc */     \
+    static inline void NAME##_by_block(const act_rows *x, int64_t rows, int64_t blocks,            \
+                               const uint8_t *w, float *y, int64_t stride, k_tile *tile,           \
+                               flanes16 *acc) {                                                    \
         const int64_t row_bytes = blocks * BYTES;                                                  \
         for (int64_t i = 0; i < 2 * rows; i++) acc[i] = f16_zero();                                \
         for (int64_t b = 0; b < blocks; b++) {                                                     \
@@ -1520,20 +1526,34 @@ static inline flanes16 *sums_alloc(int64_t rows) {
         for (int64_t m = 0; m < rows; m++)                                                         \
             f16_store_sum(y + m * stride, acc[2 * m], acc[2 * m + 1]);                             \
     }                                                                                              \
+    /* every tile by block (stack memory: a tile, and up to KT_STACK_ROWS rows' sums) */           \
+    static int64_t NAME##_tiles_by_block(const act_rows *x, int64_t rows, int64_t blocks,          \
+                                         const uint8_t *w, int64_t count, float *y,                \
+                                         int64_t stride) {                                         \
+        k_tile tile;                                                                               \
+        flanes16 near[2 * KT_STACK_ROWS];                                                          \
+        flanes16 *acc = rows <= KT_STACK_ROWS ? near : sums_alloc(rows);                           \
+        int64_t n = 0;                                                                             \
+        for (; acc && n + KT_ROWS <= count; n += KT_ROWS)                                          \
+            NAME##_by_block(x, rows, blocks, w + n * blocks * BYTES, y + n, stride, &tile, acc);   \
+        if (acc != near) free(acc);                                                                \
+        return n;                                                                                  \
+    }                                                                                              \
     static void NAME##_i8(const void *acts, int64_t rows, int64_t k_in, const uint8_t *w,          \
                           int64_t count, float *y, int64_t stride) {                               \
         const act_rows *x = (const act_rows *)acts;                                                \
         const int64_t blocks = k_in / 256, row_bytes = blocks * BYTES;                             \
         int64_t n = 0;                                                                             \
-        if (rows >= KT_MIN_ROWS && count >= KT_ROWS) {                                             \
-            k_tile tile;                                                                           \
-            flanes16 near[2 * KT_STACK_ROWS];                                                      \
-            /* no memory for many rows' sums: each weight row alone, the same bits */             \
-            flanes16 *acc = rows <= KT_STACK_ROWS ? near : sums_alloc(rows);                       \
-            for (; acc && n + KT_ROWS <= count; n += KT_ROWS)                                      \
-                NAME##_tiled(x, rows, blocks, w + n * row_bytes, y + n, stride, &tile, acc);       \
-            if (acc != near) free(acc);                                                            \
-        }                                                                                          \
+        const bool tiled = rows >= KT_MIN_ROWS && count >= KT_ROWS;                                \
+        if (tiled && NAME##_blockwise)                                                             \
+            n = NAME##_tiles_by_block(x, rows, blocks, w, count, y, stride);                       \
+        /* no memory for the tiles: each weight row alone, the same bits */                        \
+        k_tile *tiles =                                                                            \
+            tiled && !NAME##_blockwise ? malloc((size_t)blocks * sizeof *tiles) : NULL;            \
+        if (tiles)                                                                                 \
+            for (; n + KT_ROWS <= count; n += KT_ROWS)                                             \
+                NAME##_tiled(x, rows, blocks, w + n * row_bytes, y + n, stride, tiles);            \
+        free(tiles);                                                                               \
         for (; n < count; n++) NAME##_rowwise(x, rows, blocks, w + n * row_bytes, y + n, stride);  \
     }
 
