@@ -20,8 +20,9 @@ that is not installed is reported as such. The children inherit the environment,
 
 The table also gives the bound that memory bandwidth sets on decode: the weight bytes one
 token reads (every tensor once; the tied embedding once, as the output layer) over the read
-bandwidth measured here (a torch sum over 1 GiB with the same threads), and each engine's
-decode as a share of it.
+bandwidth measured here with the same threads (bench/read_bound.py: a native streaming read
+of at least 1 GiB, a torch sum where no C compiler is found), and each engine's decode as a
+share of it.
 """
 
 import argparse
@@ -34,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import harness
+import read_bound
 from harness import DECODE_TOKENS, STORY_PROMPT
 
 SHORT_PROMPT = "The capital of France is"
@@ -215,15 +217,6 @@ def weight_bytes_per_token(gguf: Path) -> int:
     return sum(int(tensor.n_bytes) for tensor in GGUFReader(gguf).tensors)
 
 
-def read_bandwidth_gb_s(threads: int, gib: int = 1, repeats: int = 7) -> float:
-    """Median read bandwidth of a torch sum over ``gib`` GiB of float32."""
-    import torch
-
-    torch.set_num_threads(threads)
-    data = torch.ones(gib * 2**28, dtype=torch.float32)
-    return data.numel() * 4 / harness.median_seconds(data.sum, repeats) / 1e9
-
-
 def measure(
     engine: str, gguf: Path, threads: int, runs: int, run: Callable[..., Probes] | None = None
 ) -> dict:
@@ -263,6 +256,13 @@ HEADER = [
 ]
 
 
+def bandwidth_bound(bandwidth: dict, per_token: int) -> dict:
+    """The decode bound from ``read_bound.read_bandwidth``'s figure and the bytes one
+    token reads."""
+    gb_s = bandwidth["gb_s"]
+    return bandwidth | {"mb_per_token": per_token / 1e6, "tok_s": gb_s * 1e9 / per_token}
+
+
 def table_row(r: dict, bound: dict) -> list[str]:
     if "error" in r:
         return [r["engine"], f"not run: {r['error']}"]
@@ -284,7 +284,7 @@ def table(results: list[dict], threads: int, bound: dict) -> str:
         f"{harness.md_table(HEADER, rows)}\n\n"
         f"{threads} threads, greedy, {DECODE_TOKENS} decode tokens, median of runs. "
         f"Bound: {bound['mb_per_token']:.0f} MB of weights per token over "
-        f"{bound['gb_s']:.1f} GB/s measured read bandwidth."
+        f"{bound['gb_s']:.1f} GB/s measured read bandwidth ({bound['method']})."
     )
 
 
@@ -317,8 +317,7 @@ def main() -> None:
         results.append(run_child(engine, python, gguf, args.threads, args.runs))
         print(json.dumps(results[-1]), file=sys.stderr)
     # After the engines: a child's peak RSS starts from its parent's at fork time.
-    gb_s, per_token = read_bandwidth_gb_s(args.threads), weight_bytes_per_token(gguf)
-    bound = {"gb_s": gb_s, "mb_per_token": per_token / 1e6, "tok_s": gb_s * 1e9 / per_token}
+    bound = bandwidth_bound(read_bound.read_bandwidth(args.threads), weight_bytes_per_token(gguf))
     print(json.dumps({"bandwidth_bound": bound}), file=sys.stderr)
     harness.publish(table(results, args.threads, bound), args.markdown)
 

@@ -28,47 +28,18 @@ import collections
 import ctypes
 import gc
 import statistics
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
 import harness
-
-HERE = Path(__file__).parent
+import read_bound
 
 
 def build_reader() -> ctypes.CDLL:
-    """bench/read_bound.c compiled for this machine (the library's own flags)."""
-    from spnl_backend.settings.platform import find_c_compiler
-
-    compiler = find_c_compiler()
-    if compiler is None:
+    """bench/read_bound.c compiled for this machine (bench/read_bound.py)."""
+    library = read_bound.build_reader()
+    if library is None:
         raise SystemExit("no C compiler: the read bound needs one")
-    out = Path(tempfile.mkdtemp()) / "read_bound.so"
-    subprocess.run(
-        [
-            compiler,
-            "-O3",
-            "-march=native",
-            "-fPIC",
-            "-shared",
-            "-pthread",
-            str(HERE / "read_bound.c"),
-            "-o",
-            str(out),
-        ],
-        check=True,
-    )
-    library = ctypes.CDLL(str(out))
-    library.spnl_bench_read.argtypes = [
-        ctypes.POINTER(ctypes.c_void_p),
-        ctypes.POINTER(ctypes.c_int64),
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-    ]
-    library.spnl_bench_read.restype = ctypes.c_uint64
     return library
 
 
@@ -140,11 +111,8 @@ def pool_round_trip_us(library, threads: int, rounds: int = 20000) -> float:
 
 
 def reader(library, products: list, threads: int, mode: int):
-    tensors = [w for p in products for w in p.weights]
-    count = len(tensors)
-    ptrs = (ctypes.c_void_p * count)(*(w.data_ptr() for w in tensors))
-    sizes = (ctypes.c_int64 * count)(*(w.numel() for w in tensors))
-    return lambda: library.spnl_bench_read(ptrs, sizes, count, threads, mode)
+    spans = [(w.data_ptr(), w.numel()) for p in products for w in p.weights]
+    return read_bound.reader(library, spans, threads, mode)
 
 
 def clocked(fn) -> tuple[float, float]:

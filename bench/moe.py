@@ -19,6 +19,7 @@ from pathlib import Path
 
 import decode
 import harness
+import read_bound
 import synthetic_gguf
 
 SHAPE = "olmoe-7b"
@@ -58,7 +59,7 @@ def table(results: list[dict], bound: dict, threads: int) -> str:
         f"{threads} threads, greedy, {harness.DECODE_TOKENS} decode tokens, median of runs; "
         f"OLMoE-1B-7B's sizes as qwen3moe, Q4_K_M. Bound: {bound['mb_per_token']:.0f} MB "
         f"read per token (8 of 64 experts) over {bound['gb_s']:.1f} GB/s measured read "
-        "bandwidth."
+        f"bandwidth ({bound['method']})."
     )
 
 
@@ -72,8 +73,8 @@ def main() -> None:
         python = args.peers_python if engine == "llama.cpp" else sys.executable
         results.append(decode.run_child(engine, python, gguf, args.threads, args.runs))
         print(json.dumps(results[-1]), file=sys.stderr)
-    gb_s, per_token = decode.read_bandwidth_gb_s(args.threads), active_bytes_per_token(gguf)
-    bound = {"gb_s": gb_s, "mb_per_token": per_token / 1e6, "tok_s": gb_s * 1e9 / per_token}
+    bandwidth = read_bound.read_bandwidth(args.threads)
+    bound = decode.bandwidth_bound(bandwidth, active_bytes_per_token(gguf))
     harness.publish(table(results, bound, args.threads), args.markdown)
 
 

@@ -8,7 +8,7 @@ Timers around every native call (each quantized product, by its weight shape; at
 the norms, RoPE, the KV store and embedding lookups), over a greedy generation of
 --tokens + 1 tokens less the same prompt's generation of 1 token: what is left is decode
 alone, against the engine's own decode time. Each product's rate is its weight bytes
-over its time; the read bandwidth (a torch sum over 1 GiB at the same thread count) is
+over its time; the read bandwidth at the same thread count (bench/read_bound.py) is
 measured after, for comparison. What the timers do not cover is Python and torch's small
 operations between the kernels, and sampling. With --prefill, the parts are those of one
 generation of a single token from an N-token prompt (the shipped English text, repeated
@@ -25,6 +25,7 @@ from pathlib import Path
 
 import decode
 import harness
+import read_bound
 
 BLOCK_SIZE = 32  # the default paged KV block; a --context pool is whole blocks
 OTHER_KERNELS = ("rms_norm", "add_rms_norm", "qk_norm_rope_", "store_kv", "gather_rows")
@@ -159,7 +160,7 @@ def profile(gguf: Path, threads: int, tokens: int, context: int | None = None) -
             }
             for label, s in seconds.items()
         },
-        "bandwidth_gb_s": decode.read_bandwidth_gb_s(threads),
+        "bandwidth": read_bound.read_bandwidth(threads),
         "weight_mb": decode.weight_bytes_per_token(gguf) / 1e6,
     }
 
@@ -334,9 +335,8 @@ def table(result: dict) -> str:
         f"tokens{_after(result.get('context'))} ({1000 / total:.1f} tok/s with the timers "
         "in), on the per-op path the timers see"
         + _blocks_note(result.get("blocks_ms_per_token"), "a token")
-        + " Read bandwidth: "
-        f"{result['bandwidth_gb_s']:.1f} GB/s (a torch sum); {result['weight_mb']:,.0f} MB "
-        "of weights per token."
+        + f" Read bandwidth: {result['bandwidth']['gb_s']:.1f} GB/s "
+        f"({result['bandwidth']['method']}); {result['weight_mb']:,.0f} MB of weights per token."
     )
     return f"{harness.md_table(header, rows)}\n\n{note}"
 

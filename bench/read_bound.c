@@ -1,13 +1,14 @@
-// The machine's read bound for decode, for bench/decode_gap.py: the same weight bytes a
-// decode token reads, read by the fastest plain loop we can write (64-byte vector loads
-// summed into independent accumulators, software prefetch a few KiB ahead), on 1 or more
-// threads. Not part of the library: built by the bench with the system's compiler.
+// The machine's read bound for decode, for the benches (bench/read_bound.py measures it):
+// bytes read by the fastest plain loop we can write (64-byte vector loads summed into
+// independent accumulators, software prefetch a few KiB ahead), on 1 or more threads. Not
+// part of the library: built by the bench with the system's compiler.
 //
 // Two ways to share the bytes among the threads: "whole", each thread one contiguous
 // slice of all the tensors together (no synchronisation inside a token: the best case),
 // and "each", every tensor split among the threads with a barrier after it (what one
 // parallel product per matrix costs, the pool's dispatches aside).
 
+#include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -18,6 +19,12 @@
 #endif
 
 #define PREFETCH 4096
+
+#if defined(__x86_64__) || defined(__i386__)
+#define RELAX() __builtin_ia32_pause()
+#else
+#define RELAX() ((void)0)
+#endif
 
 static uint64_t read_span(const uint8_t *p, int64_t bytes) {
 #if defined(__AVX512F__)
@@ -55,6 +62,7 @@ typedef struct {
     const int64_t *sizes;
     int count, threads, id, mode;
     _Atomic int *arrived;
+    _Atomic int *go;  // 0: wait, 1: read, -1: a thread could not be started, read nothing
     uint64_t result;
 } job;
 
@@ -68,12 +76,15 @@ static void share(int64_t n, int id, int t, int64_t *first, int64_t *end) {
 static void barrier(_Atomic int *arrived, int threads, int round) {
     atomic_fetch_add_explicit(arrived, 1, memory_order_acq_rel);
     while (atomic_load_explicit(arrived, memory_order_acquire) < threads * (round + 1))
-        __builtin_ia32_pause();
+        RELAX();
 }
 
 static void *run(void *arg) {
     job *j = arg;
     uint64_t s = 0;
+    int go;
+    while ((go = atomic_load_explicit(j->go, memory_order_acquire)) == 0) RELAX();
+    if (go < 0) return NULL;
     if (j->mode == 0) {  // whole: one slice of the concatenation
         int64_t total = 0;
         for (int k = 0; k < j->count; k++) total += j->sizes[k];
@@ -98,23 +109,29 @@ static void *run(void *arg) {
     return NULL;
 }
 
-// Read every tensor once on `threads` threads (mode 0: whole, 1: each); returns a value
-// that depends on every byte read (so the loads are kept).
-uint64_t spnl_bench_read(const uint8_t *const *ptrs, const int64_t *sizes, int count,
-                         int threads, int mode) {
-    job jobs[64];
-    pthread_t ids[64];
-    _Atomic int arrived = 0;
-    if (threads < 1) threads = 1;
-    if (threads > 64) threads = 64;
+// Read every tensor once on `threads` threads (mode 0: whole, 1: each), all of them
+// started before any reads; `*checksum` is a value that depends on every byte read (so the
+// loads are kept). Returns 0, or pthread_create's error where a thread could not be
+// started (then nothing is read: fewer threads would measure something else).
+int spnl_bench_read(const uint8_t *const *ptrs, const int64_t *sizes, int count, int threads,
+                    int mode, uint64_t *checksum) {
+    if (threads < 1) return EINVAL;
+    job jobs[threads];
+    pthread_t ids[threads];
+    _Atomic int arrived = 0, go = 0;
+    int error = 0, started = 1;
     for (int t = 0; t < threads; t++)
-        jobs[t] = (job){ptrs, sizes, count, threads, t, mode, &arrived, 0};
-    for (int t = 1; t < threads; t++) pthread_create(&ids[t], NULL, run, &jobs[t]);
-    run(&jobs[0]);
+        jobs[t] = (job){ptrs, sizes, count, threads, t, mode, &arrived, &go, 0};
+    for (; started < threads && !error; started++)
+        error = pthread_create(&ids[started], NULL, run, &jobs[started]);
+    if (error) started--;  // the last one tried is not running
+    atomic_store_explicit(&go, error ? -1 : 1, memory_order_release);
+    if (!error) run(&jobs[0]);
     uint64_t s = jobs[0].result;
-    for (int t = 1; t < threads; t++) {
+    for (int t = 1; t < started; t++) {
         pthread_join(ids[t], NULL);
         s ^= jobs[t].result;
     }
-    return s;
+    *checksum = s;
+    return error;
 }

@@ -36,7 +36,9 @@ count. The long contexts have their own command (bench/llama_bench.py --depths 1
 1. Single sequence, per file and thread count: bench/decode.py's probes (decode tok/s,
    prefill tok/s, TTFT, peak RSS, load time) for ours and llama.cpp, each engine in a fresh
    process, and each one's decode as a share of the bound memory bandwidth sets (decode.py's:
-   the file's weight bytes per token over the read bandwidth measured at that thread count).
+   the file's weight bytes per token over the read bandwidth measured at that thread count
+   by bench/read_bound.py: bench/read_bound.c compiled here, a torch sum where no C
+   compiler is found; the table says which).
    llama.cpp's tokens are timed as it samples them, not as its text stream delivers them
    (see `llama_cpp_token_times`).
    At 2 threads ours runs a second time with MISTRALRS_BATCH_INVARIANT=false: what the
@@ -80,6 +82,7 @@ from pathlib import Path
 import decode
 import harness
 import llama_bench
+import read_bound
 
 BENCH = Path(__file__).resolve().parent
 DEFAULT_SHAPES = ["llama-1b", "gemma3-4b", "llama-8b"]
@@ -293,7 +296,7 @@ def child_single_llama(args: argparse.Namespace) -> dict:
 
 
 def child_bandwidth(args: argparse.Namespace) -> dict:
-    return {"gb_s": decode.read_bandwidth_gb_s(args.threads[0])}
+    return read_bound.read_bandwidth(args.threads[0])
 
 
 def products_figures(profile: dict) -> dict:
@@ -870,7 +873,12 @@ def bound_sentence(plans: dict[str, dict], bandwidths: dict[int, dict]) -> str:
         + (f" (load avg at start {b['load_avg']:.2f})" if "load_avg" in b else "")
         for t, b in bandwidths.items()
     )
-    return f"Bound: weight bytes per token ({weights}) over the measured read bandwidth ({reads})."
+    methods = sorted({b["method"] for b in bandwidths.values() if "method" in b})
+    how = f", measured by {' and '.join(methods)}" if methods else ""
+    return (
+        f"Bound: weight bytes per token ({weights}) over the measured read bandwidth "
+        f"({reads}{how})."
+    )
 
 
 def bound_note(plans: dict[str, dict], bandwidths: dict[int, dict]) -> str:

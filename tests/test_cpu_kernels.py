@@ -1,6 +1,8 @@
 """The CPU's compiled kernels against their torch twins."""
 
 import dataclasses
+import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +30,7 @@ from spnl_backend.quant.linear import QuantizedWeight
 from spnl_backend.quant.quantize import QUANTIZERS
 
 TYPES = sorted(QUANTIZERS, key=lambda t: t.value)
+BLOCKS_OF_32 = [t for t in TYPES if GGML_QUANT_SIZES[t][0] == 32]
 SINKS = torch.tensor([1.5, -0.5, 0.0, 3.0])  # one per query head of the 4-head cases
 
 
@@ -473,6 +476,24 @@ def test_tiles_of_32_value_blocks_give_each_row_alone_bits(kernels, qtype, rows)
     assert torch.equal(together, alone)
 
 
+@pytest.mark.parametrize("qtype", BLOCKS_OF_32, ids=lambda t: t.name)
+@pytest.mark.parametrize("blocks", [1, 2, 3, 4, 5, 7, 9])
+def test_a_decode_rows_product_at_any_block_count(kernels, qtype, blocks):
+    """One activation row (a decode: the formats' own one-row kernels, 4 blocks at a
+    time, then the rest) gives the bits of the same row among 2 rows (each block unpacked
+    for the rows in turn) and among 7 (the tiles), and the twin's numbers on the rounded
+    activations, whether or not the row's blocks fill its groups of 4."""
+    cols = 32 * blocks
+    weights = [_weights(qtype, rows=35, cols=cols, seed=blocks)]
+    x = torch.randn(7, cols, generator=torch.Generator().manual_seed(blocks))
+    native = dataclasses.replace(kernels, exact=False)
+    alone = torch.cat([quantized_matmuls(native, x[i : i + 1], weights) for i in range(7)])
+    assert torch.equal(alone, quantized_matmuls(native, x, weights))
+    assert torch.equal(alone[:2], quantized_matmuls(native, x[:2], weights))
+    twin = _twin(int8_activations_ref(x, qtype), weights)
+    torch.testing.assert_close(alone, twin, rtol=1e-4, atol=1e-3)
+
+
 K_QUANTS = [t for t in TYPES if GGML_QUANT_SIZES[t][0] == 256]
 # Where each k-quant keeps its float16 scales in a block: d (and dmin) after the packed bits.
 K_SCALE_AT = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
@@ -493,11 +514,11 @@ def _raw_k_weights(qtype: Q, rows: int, cols: int, seed: int) -> QuantizedWeight
 @pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [4, 7, 16, 70])
 def test_k_quant_tiles_give_each_row_alone_bits(kernels, qtype, rows):
-    """The tiles of 16 weight rows, filled block by block (straight from the packed bytes
-    for Q4_K and Q6_K), give every activation row the bits of that row alone, and the
-    twin's products on the rounded activations: 4 rows (the fewest that take the tiles), 7
-    (a last group of 3), 16 (a decode batch) and 70 (more than the stack holds sums for);
-    37 weight rows: two tiles, then 5 rows one at a time."""
+    """The tiles of 16 weight rows (Q4_K's filled block by block from the packed bytes, the
+    others' from each row's parts) give every activation row the bits of that row alone,
+    and the twin's products on the rounded activations: 4 rows (the fewest that take the
+    tiles), 7 (a last group of 3), 16 (a decode batch) and 70 (more than the stack holds
+    Q4_K's sums for); 37 weight rows: two tiles, then 5 rows one at a time."""
     if kernels.exact:
         pytest.skip("this CPU has no AVX2: the int8 kernels are not built")
     weight = _raw_k_weights(qtype, rows=37, cols=768, seed=rows)
@@ -771,6 +792,38 @@ def test_a_compiler_without_link_time_optimisation_still_builds_the_same_kernels
     weights = [_weights(Q.Q4_K), _weights(Q.Q5_0, rows=16, seed=1)]
     x = torch.randn(3, 512)
     assert torch.equal(quantized_matmuls(plain, x, weights), quantized_matmuls(kernels, x, weights))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("march", ["haswell", "skylake-avx512"])
+def test_an_older_cpus_build_gives_this_builds_bits(kernels, tmp_path, march):
+    """The int8 products built for an older CPU give exactly this machine's build's bits,
+    one row and many, at block counts that do and do not fill the one-row kernels' groups:
+    AVX2 alone (haswell: no AVX-512, none of its one-row kernels) and AVX-512 without
+    VBMI and BITALG (skylake-avx512: the one-row Q5_0 and Q8_0 kernels' fallback)."""
+    from spnl_backend.kernels.cpu import build
+    from spnl_backend.settings.platform import find_c_compiler
+
+    compiler = find_c_compiler()
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    needs = {"haswell": " avx2", "skylake-avx512": " avx512bw"}[march]
+    if platform.machine() != "x86_64" or compiler is None or needs not in flags:
+        pytest.skip(f"needs an x86-64 CPU with{needs} and a C compiler")
+    older = [f if f != "-march=native" else f"-march={march}" for f in build._BASE_FLAGS]
+    target = tmp_path / "libspnlcpu.so"
+    build._compile(compiler, [*older, *(build._CHECK_FLAGS if kernels.checks else [])], target)
+    older_build = build._load(target)
+    assert older_build.has_int8
+    for cols in (256, 800, 1280):
+        fits = [t for t in TYPES if cols % GGML_QUANT_SIZES[t][0] == 0]
+        weights = [_weights(t, rows=40, cols=cols, seed=i) for i, t in enumerate(fits)]
+        x = torch.randn(7, cols, generator=torch.Generator().manual_seed(cols))
+        for rows in (1, 2, 7):
+            native = quantized_matmuls(kernels, x[:rows], weights)
+            assert torch.equal(quantized_matmuls(older_build, x[:rows], weights), native), (
+                cols,
+                rows,
+            )
 
 
 @pytest.mark.parametrize("mode", ["int8", "exact"])

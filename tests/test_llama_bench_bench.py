@@ -2,36 +2,17 @@
 table of alternating runs; no engine runs (a stand-in script plays llama-bench)."""
 
 import json
-import stat
 import sys
 from pathlib import Path
 
 import pytest
+from fake_llama_bench import fake_llama_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from bench import llama_bench
 
 LONG = ["--depths", "16384", "32768", "--long-prompt", "16384", "--long-decode", "32"]
-
-
-def fake_llama_bench(tmp_path: Path) -> Path:
-    """A llama-bench that records its arguments and answers as the real one: a pp row for
-    ``-p P -n 0``, a tg row per depth for ``-p 0 -n N -d D,...``."""
-    script = tmp_path / "llama-bench"
-    script.write_text(
-        f"#!{sys.executable}\n"
-        "import json, sys\n"
-        "a = sys.argv[1:]\n"
-        f"open({str(tmp_path / 'calls')!r}, 'a').write(json.dumps(a) + '\\n')\n"
-        "p, n = int(a[a.index('-p') + 1]), int(a[a.index('-n') + 1])\n"
-        "depths = [int(d) for d in a[a.index('-d') + 1].split(',')] if '-d' in a else [0]\n"
-        "rows = [{'n_prompt': p, 'n_gen': n, 'n_depth': d, 'avg_ts': 1000.0 / (1 + d // 1024),"
-        " 'flash_attn': True} for d in depths]\n"
-        "print(json.dumps(rows))\n"
-    )
-    script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    return script
 
 
 def test_llama_bench_runs_the_depths_in_one_call_and_the_prefill_in_another(tmp_path):

@@ -34,7 +34,7 @@ def test_table_puts_the_untimed_rest_under_python():
             "product 64 x 32 (Q8_0)": {"ms": 10.0, "calls": 1.0, "gb_s": 20.0},
             "attention": {"ms": 4.0, "calls": 18.0, "gb_s": None},
         },
-        "bandwidth_gb_s": 25.0,
+        "bandwidth": {"gb_s": 25.0, "method": "bench/read_bound.c"},
         "weight_mb": 247.0,
     }
     text = profile_decode.table(result)
@@ -43,6 +43,7 @@ def test_table_puts_the_untimed_rest_under_python():
     assert "| Python, torch ops, sampling | | 6.00 | 30% | |" in text
     assert "| one decode token | | 20.00 | 100% | |" in text
     assert "50.0 tok/s" in text
+    assert "Read bandwidth: 25.0 GB/s (bench/read_bound.c); 247 MB" in text
     assert "native layer blocks" not in text  # not measured: not claimed
     text = profile_decode.table({**result, "blocks_ms_per_token": 15.0})
     assert "with the native layer blocks" in text

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fake_llama_bench import fake_llama_bench
 
 # The bench scripts import their siblings (`harness`, `decode`) as top-level modules, as
 # they do when run as `python bench/real_sizes.py`.
@@ -175,25 +176,6 @@ def test_a_missing_batched_bench_is_a_not_run_cell(tmp_path):
 BENCH_BIN = "/tmp/llama-bench"  # a name only: the runner is replaced or played by a script
 
 
-def fake_llama_bench(tmp_path: Path) -> Path:
-    """A llama-bench that records its arguments and prints a pp row and a tg row."""
-    script = tmp_path / "llama-bench"
-    script.write_text(
-        f"#!{sys.executable}\n"
-        "import json, sys\n"
-        "a = sys.argv[1:]\n"
-        f"open({str(tmp_path / 'calls')!r}, 'a').write(json.dumps(a) + '\\n')\n"
-        "p, n = int(a[a.index('-p') + 1]), int(a[a.index('-n') + 1])\n"
-        "row = {'build_commit': 'abc', 'build_number': 7, 'cpu_info': 'X', 'type_k': 'f16',"
-        " 'flash_attn': -1, 'n_ubatch': 512, 'n_depth': 0, 'stddev_ts': 0.5}\n"
-        "rows = [row | {'n_prompt': p, 'n_gen': 0, 'avg_ts': 80.0},"
-        " row | {'n_prompt': 0, 'n_gen': n, 'avg_ts': 4.0}]\n"
-        "print(json.dumps(rows))\n"
-    )
-    script.chmod(0o755)
-    return script
-
-
 def test_llama_bench_arguments(monkeypatch):
     args = real_sizes.parse_args(["--llama-bench", BENCH_BIN, "--wait-quiet", "0.5"])
     assert args.llama_bench == Path(BENCH_BIN)
@@ -204,7 +186,7 @@ def test_llama_bench_arguments(monkeypatch):
 
 
 def test_a_single_row_runs_llama_bench_at_the_thread_count_with_the_loads(tmp_path, monkeypatch):
-    binary = fake_llama_bench(tmp_path)
+    binary = fake_llama_bench(tmp_path, prefill_ts=80.0, decode_ts=4.0)
     loads = iter([0.25, 0.75])
     monkeypatch.setattr(real_sizes.harness, "load_average", lambda: next(loads))
     monkeypatch.setattr(real_sizes.decode, "run_child", lambda *a: {"engine": "ours"} | OURS)
@@ -345,10 +327,36 @@ def test_batched_and_long_runs_take_the_models_named():
     assert args.batched_models == ["270m", "llama-1b"]
 
 
-def test_the_bound_names_each_bandwidth_and_its_load():
-    bandwidths = {1: {"gb_s": 20.0, "load_avg": 0.5}, 2: {"error": "killed"}}
+def test_the_bound_names_each_bandwidth_its_load_and_how_it_was_read():
+    native = {"gb_s": 20.0, "load_avg": 0.5, "method": real_sizes.read_bound.NATIVE}
+    bandwidths = {1: native, 2: {"error": "killed"}}
     text = real_sizes.bound_sentence({"m": PLAN}, bandwidths)
     assert text == (
         "Bound: weight bytes per token (m 1,000 MB) over the measured read bandwidth "
-        "(1 threads 20.0 GB/s (load avg at start 0.50), 2 threads not run: killed)."
+        "(1 threads 20.0 GB/s (load avg at start 0.50), 2 threads not run: killed, "
+        "measured by bench/read_bound.c)."
     )
+    bandwidths[2] = {"gb_s": 30.0, "method": real_sizes.read_bound.TORCH_SUM}
+    text = real_sizes.bound_sentence({"m": PLAN}, bandwidths)
+    assert text.endswith("measured by a torch sum, no C compiler found and bench/read_bound.c).")
+
+
+def test_the_bandwidth_is_measured_at_each_thread_count_of_the_table(monkeypatch):
+    asked = []
+
+    def read_bandwidth(threads):
+        asked.append(threads)
+        return {"gb_s": 10.0 * threads, "method": real_sizes.read_bound.NATIVE}
+
+    monkeypatch.setattr(real_sizes.read_bound, "read_bandwidth", read_bandwidth)
+    monkeypatch.setattr(real_sizes.harness, "load_average", lambda: 0.5)
+
+    def in_process(command):  # the child's own function, run here
+        assert command[command.index("--child") + 1] == "bandwidth"
+        args = real_sizes.parse_args([str(part) for part in command[2:]])
+        return real_sizes.CHILDREN[args.child](args)
+
+    monkeypatch.setattr(real_sizes.harness, "run_json_child", in_process)
+    found = real_sizes.bounds([1, 2])
+    assert asked == [1, 2]
+    assert found[2] == {"gb_s": 20.0, "method": real_sizes.read_bound.NATIVE, "load_avg": 0.5}

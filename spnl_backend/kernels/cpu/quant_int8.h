@@ -1036,7 +1036,8 @@ static inline float sum_chains(__m128 v) {
 // (16..31) looked up plus 16 (unsigned, for dpbusd), the activations' halves gathered to
 // match by lane shuffles and the 16s taken off through the blocks' sums. The same integer
 // per block as mxfp4_group, added to the same chains in the same order: the same bits, in
-// half the instructions. Other formats: none (ROW1_NAME 0).
+// half the instructions. Q5_0 and Q8_0 have their own below; the other formats none
+// (ROW1_NAME 0).
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define ROW1_mxfp4 1
 static inline __m128 mxfp4_row1(const act_rows *x, int64_t groups, const uint8_t *w) {
@@ -1077,17 +1078,156 @@ static inline __m128 mxfp4_row1(const act_rows *x, int64_t groups, const uint8_t
 #define ROW1_mxfp4 0
 #define mxfp4_row1(x, groups, w) _mm_setzero_ps()
 #endif
+
+// Q5_0's and Q8_0's one-row products need VBMI's byte permutes and BITALG's bit shuffle
+// (Ice Lake, Zen 4 and later); elsewhere the group path gives the same bits.
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && \
+    defined(__AVX512BITALG__)
+// The 4 integers of a group of 4 blocks from s, block i's products in 128-bit lane i,
+// less the activations' sums of 32 times 2^bias (the bias added to the weights).
+static inline __m128i lane_sums(__m512i s, const int16_t *sums32, int bias) {
+    const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    s = _mm512_add_epi32(s, _mm512_shuffle_epi32(s, (_MM_PERM_ENUM)0x4E));
+    s = _mm512_add_epi32(s, _mm512_shuffle_epi32(s, (_MM_PERM_ENUM)0xB1));
+    int64_t four;
+    memcpy(&four, sums32, sizeof four);
+    const __m128i offsets = _mm_slli_epi32(_mm_cvtepi16_epi32(_mm_cvtsi64_si128(four)), bias);
+    return _mm_sub_epi32(_mm512_castsi512_si128(_mm512_permutexvar_epi32(firsts, s)), offsets);
+}
+
+// The activations of 4 blocks from a: their first 16 values (lo) and last 16 (hi), block i
+// in 128-bit lane i.
+static inline void lane_acts(const int8_t *a, __m512i *lo, __m512i *hi) {
+    const __m512i a0 = _mm512_loadu_si512((const void *)a);
+    const __m512i a1 = _mm512_loadu_si512((const void *)(a + 64));
+    *lo = _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(2, 0, 2, 0));
+    *hi = _mm512_shuffle_i64x2(a0, a1, _MM_SHUFFLE(3, 1, 3, 1));
+}
+
+// One activation row against one Q5_0 weight row, whole groups of 4 blocks (88 bytes) only,
+// as mxfp4_row1: the group read as bytes [0, 64) and [24, 88), from which vpermt2b picks
+// block i's 16 nibble bytes into lane i, its 32 high bits (qh) into both 64-bit halves of
+// lane i, and the 4 float16 scales. The high bits become byte masks (vpshufbitqmb) that
+// add 16 to the nibbles: the values plus 16, taken off through the activations' sums. The
+// same integer per block as q5_0_group, the same float steps: the same bits.
+#define ROW1_q5_0 1
+// Group byte o is index o below 64, 64 + (o - 24) past it (the second load).
+static const uint8_t Q5_0_NIBBLES[64] = {
+    6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
+    28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43,
+    50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 104, 105,
+    112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127};
+static const uint8_t Q5_0_HIGH[64] = {
+    2, 3, 4, 5, 2, 3, 4, 5, 2, 3, 4, 5, 2, 3, 4, 5,
+    24, 25, 26, 27, 24, 25, 26, 27, 24, 25, 26, 27, 24, 25, 26, 27,
+    46, 47, 48, 49, 46, 47, 48, 49, 46, 47, 48, 49, 46, 47, 48, 49,
+    108, 109, 110, 111, 108, 109, 110, 111, 108, 109, 110, 111, 108, 109, 110, 111};
+static const uint8_t Q5_0_SCALES[64] = {0, 1, 22, 23, 44, 45, 106, 107};
+// vpshufbitqmb's bit of each byte: value j of a lane is qh bit j (low nibbles) or 16 + j.
+static const uint8_t Q5_0_BITS[2][16] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31}};
+static inline __m128 q5_0_row1(const act_rows *x, int64_t groups, const uint8_t *w) {
+    const __m512i nibbles = _mm512_loadu_si512((const void *)Q5_0_NIBBLES);
+    const __m512i high = _mm512_loadu_si512((const void *)Q5_0_HIGH);
+    const __m512i scale_bytes = _mm512_loadu_si512((const void *)Q5_0_SCALES);
+    const __m512i bits_lo = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)Q5_0_BITS[0]));
+    const __m512i bits_hi = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)Q5_0_BITS[1]));
+    const __m512i low = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+    __m128 acc = _mm_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *group = w + g * CHAINS * 22;
+        prefetch_ahead(group, PREFETCH_BYTES, CHAINS * 22);
+        const __m512i first = _mm512_loadu_si512((const void *)group);
+        const __m512i second = _mm512_loadu_si512((const void *)(group + 24));
+        const __m512i q = _mm512_permutex2var_epi8(first, nibbles, second);
+        const __m512i qh = _mm512_permutex2var_epi8(first, high, second);
+        const __m512i d = _mm512_permutex2var_epi8(first, scale_bytes, second);
+        __m512i ulo = _mm512_and_si512(q, low);
+        __m512i uhi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+        ulo = _mm512_mask_add_epi8(ulo, _mm512_bitshuffle_epi64_mask(qh, bits_lo), ulo, sixteen);
+        uhi = _mm512_mask_add_epi8(uhi, _mm512_bitshuffle_epi64_mask(qh, bits_hi), uhi, sixteen);
+        __m512i alo, ahi;
+        lane_acts(x->q32 + g * CHAINS * 32, &alo, &ahi);
+        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ulo, alo);
+        s = _mm512_dpbusd_epi32(s, uhi, ahi);
+        const __m128i sums = lane_sums(s, x->sums32 + g * CHAINS, 4);
+        const __m128 scale = _mm_mul_ps(_mm_cvtph_ps(_mm512_castsi512_si128(d)),
+                                        _mm_loadu_ps(x->d32 + g * CHAINS));
+        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(sums), scale, acc);
+    }
+    return acc;
+}
+
+// One activation row against one Q8_0 weight row, whole groups of 4 blocks (136 bytes)
+// only: the group read as bytes [0, 64), [64, 128) and [72, 136), vpermt2b picks blocks 0
+// and 1's values into one vector, 2 and 3's into another (the activations' own order) and
+// the 4 float16 scales; the values plus 128 (unsigned, for dpbusd), taken off through the
+// activations' sums. The same integer per block as q8_0_group, the same float steps: the
+// same bits.
+#define ROW1_q8_0 1
+// Block values 0..31 of blocks 0 and 1 (group bytes 2.., 36..), from the first two loads
+// (index = byte); of blocks 2 and 3 (bytes 70.., 104..), from the last two (the byte less
+// 64 below 128, 64 + (byte - 72) past it); the scales' bytes (0, 34, 68, 102: index = byte).
+static const uint8_t Q8_0_FIRST[64] = {
+    2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17,
+    18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33,
+    36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51,
+    52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67};
+static const uint8_t Q8_0_SECOND[64] = {
+    6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
+    22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37,
+    40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55,
+    56, 57, 58, 59, 60, 61, 62, 63, 120, 121, 122, 123, 124, 125, 126, 127};
+static const uint8_t Q8_0_SCALES[64] = {0, 1, 34, 35, 68, 69, 102, 103};
+// Q8_0's one row reads its bytes faster than the others: twice PREFETCH_BYTES ahead keeps
+// the memory busy (the output layer from memory: 34 -> 36-39 GB/s; 4x gains nothing more).
+#ifndef Q8_0_PREFETCH_BYTES
+#define Q8_0_PREFETCH_BYTES (2 * PREFETCH_BYTES)
+#endif
+static inline __m128 q8_0_row1(const act_rows *x, int64_t groups, const uint8_t *w) {
+    const __m512i first = _mm512_loadu_si512((const void *)Q8_0_FIRST);
+    const __m512i second = _mm512_loadu_si512((const void *)Q8_0_SECOND);
+    const __m512i scale_bytes = _mm512_loadu_si512((const void *)Q8_0_SCALES);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m128 acc = _mm_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *group = w + g * CHAINS * 34;
+        prefetch_ahead(group, Q8_0_PREFETCH_BYTES, CHAINS * 34);
+        const __m512i l0 = _mm512_loadu_si512((const void *)group);
+        const __m512i l1 = _mm512_loadu_si512((const void *)(group + 64));
+        const __m512i l2 = _mm512_loadu_si512((const void *)(group + 72));
+        const __m512i u01 = _mm512_xor_si512(_mm512_permutex2var_epi8(l0, first, l1), flip);
+        const __m512i u23 = _mm512_xor_si512(_mm512_permutex2var_epi8(l1, second, l2), flip);
+        const __m512i d = _mm512_permutex2var_epi8(l0, scale_bytes, l1);
+        const int8_t *a = x->q32 + g * CHAINS * 32;
+        const __m512i s01 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u01,
+                                                _mm512_loadu_si512((const void *)a));
+        const __m512i s23 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u23,
+                                                _mm512_loadu_si512((const void *)(a + 64)));
+        // block i's lanes into 128-bit lane i
+        const __m512i s = _mm512_add_epi32(_mm512_shuffle_i64x2(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                                           _mm512_shuffle_i64x2(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+        const __m128i sums = lane_sums(s, x->sums32 + g * CHAINS, 7);
+        const __m128 scale = _mm_mul_ps(_mm_cvtph_ps(_mm512_castsi512_si128(d)),
+                                        _mm_loadu_ps(x->d32 + g * CHAINS));
+        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(sums), scale, acc);
+    }
+    return acc;
+}
+#else
+#define ROW1_q5_0 0
+#define ROW1_q8_0 0
+#define q5_0_row1(x, groups, w) _mm_setzero_ps()
+#define q8_0_row1(x, groups, w) _mm_setzero_ps()
+#endif
 #define ROW1_q4_0 0
 #define ROW1_q4_1 0
-#define ROW1_q5_0 0
 #define ROW1_q5_1 0
-#define ROW1_q8_0 0
 #define ROW1_q8_1 0
 #define q4_0_row1(x, groups, w) _mm_setzero_ps()
 #define q4_1_row1(x, groups, w) _mm_setzero_ps()
-#define q5_0_row1(x, groups, w) _mm_setzero_ps()
 #define q5_1_row1(x, groups, w) _mm_setzero_ps()
-#define q8_0_row1(x, groups, w) _mm_setzero_ps()
 #define q8_1_row1(x, groups, w) _mm_setzero_ps()
 
 // y[r * stride] for activation rows m..m+mr-1 (mr <= 4) against one weight row, each
