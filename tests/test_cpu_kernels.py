@@ -513,6 +513,42 @@ def test_a_decode_rows_product_at_any_block_count(kernels, qtype, blocks):
     torch.testing.assert_close(alone, twin, rtol=1e-4, atol=1e-3)
 
 
+K_QUANTS = [t for t in TYPES if GGML_QUANT_SIZES[t][0] == 256]
+# Where each k-quant keeps its float16 scales in a block: d (and dmin) after the packed bits.
+K_SCALE_AT = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+
+def _raw_k_weights(qtype: Q, rows: int, cols: int, seed: int) -> QuantizedWeight:
+    """Every byte of every block random (all the bit patterns of the packed values, scales
+    and minimums a tile's fill takes apart), the float16 scales small and finite."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (rows, cols // block, size), generator=gen, dtype=torch.uint8)
+    for at in K_SCALE_AT[qtype]:
+        scales = torch.empty(rows, cols // block).uniform_(1e-3, 1e-2, generator=gen)
+        data[:, :, at : at + 2] = scales.to(torch.float16).view(torch.uint8).view(rows, -1, 2)
+    return QuantizedWeight(data.view(rows, -1), qtype, (rows, cols))
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [4, 7, 16, 70])
+def test_k_quant_tiles_give_each_row_alone_bits(kernels, qtype, rows):
+    """The tiles of 16 weight rows (Q4_K's filled block by block from the packed bytes, the
+    others' from each row's parts) give every activation row the bits of that row alone,
+    and the twin's products on the rounded activations: 4 rows (the fewest that take the
+    tiles), 7 (a last group of 3), 16 (a decode batch) and 70 (more than the stack holds
+    Q4_K's sums for); 37 weight rows: two tiles, then 5 rows one at a time."""
+    if kernels.exact:
+        pytest.skip("this CPU has no AVX2: the int8 kernels are not built")
+    weight = _raw_k_weights(qtype, rows=37, cols=768, seed=rows)
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(1))
+    together = quantized_matmuls(kernels, x, [weight])
+    alone = torch.cat([quantized_matmuls(kernels, x[i : i + 1], [weight]) for i in range(rows)])
+    assert torch.equal(together, alone)
+    twin = _twin(int8_activations_ref(x, qtype), [weight])
+    torch.testing.assert_close(together, twin, rtol=1e-4, atol=1e-4 * twin.abs().max().item())
+
+
 @pytest.mark.parametrize("pool", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("case", ["prefill", "prefix hit", "chunked prefill", "mixed"])
 @pytest.mark.parametrize(

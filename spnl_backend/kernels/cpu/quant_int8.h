@@ -1697,6 +1697,172 @@ static inline float q6_k_per_block(const act_rows *x, int64_t blocks, const uint
 #define ONE_ROW_q3_k(x, blocks, w, by_dot) by_dot(x, blocks, w)
 #define ONE_ROW_q5_k(x, blocks, w, by_dot) by_dot(x, blocks, w)
 
+// ---- k-quant tiles filled straight from the blocks (AVX-512BW) -------------------------------
+//
+// The tiles of Q4_K (most of a Q4_K_M file) are filled without unpacking each row's block
+// first: the packed bytes of 16 rows are transposed as 32-bit words, so that vector j holds
+// word j of every row (lane r: row r), and the values, scales and minimums are then taken
+// apart 16 rows at a time. Each tile word is the one k_tile_fill makes from the rows' parts:
+// the same integers, so the same bits, in a third of the instructions. Such a tile is filled
+// one block at a time, while it stays in the L1 cache, and met there by every activation row
+// (NAME_by_block, where NAME_blockwise): a quarter less time than the rows' parts and a
+// tile per block (NAME_tiled) at 16 rows, the weights read from memory. Q6_K keeps the
+// latter, which measured faster for it (its sums in registers across the blocks), as do
+// the rarer k-quants.
+#if defined(__AVX512BW__)
+#define K_DIRECT_FILL 1
+
+// out[c] = word c of rows 0..15 (in[r]: 16 words of row r), lane r.
+static inline void transpose16(const __m512i in[16], __m512i out[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; i++) {  // words 4L + {0, 1} | {2, 3} of rows 2i, 2i + 1
+        a[2 * i] = _mm512_unpacklo_epi32(in[2 * i], in[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(in[2 * i], in[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {  // b[4i + j], 128-bit lane L: word 4L + j of rows 4i..4i+3
+        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {  // the lanes of rows 0-3, 4-7, 8-11 and 12-15 side by side
+        const __m512i p0 = _mm512_shuffle_i32x4(b[j], b[4 + j], _MM_SHUFFLE(2, 0, 2, 0));
+        const __m512i p1 = _mm512_shuffle_i32x4(b[j], b[4 + j], _MM_SHUFFLE(3, 1, 3, 1));
+        const __m512i q0 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], _MM_SHUFFLE(2, 0, 2, 0));
+        const __m512i q1 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], _MM_SHUFFLE(3, 1, 3, 1));
+        out[j] = _mm512_shuffle_i32x4(p0, q0, _MM_SHUFFLE(2, 0, 2, 0));
+        out[8 + j] = _mm512_shuffle_i32x4(p0, q0, _MM_SHUFFLE(3, 1, 3, 1));
+        out[4 + j] = _mm512_shuffle_i32x4(p1, q1, _MM_SHUFFLE(2, 0, 2, 0));
+        out[12 + j] = _mm512_shuffle_i32x4(p1, q1, _MM_SHUFFLE(3, 1, 3, 1));
+    }
+}
+
+// Words 16h .. 16h + 15 of the 16 rows from w (row r at w + r * row_bytes) as columns.
+static inline void columns16(const uint8_t *w, int64_t row_bytes, __m512i out[16]) {
+    __m512i in[16];
+    for (int r = 0; r < KT_ROWS; r++) in[r] = _mm512_loadu_si512((const void *)(w + r * row_bytes));
+    transpose16(in, out);
+}
+
+// The 4 words of 16 bytes from w of each row, as columns (out[q], lane r: word q of row r):
+// rows r, r + 4, r + 8, r + 12 side by side, then a 4 x 4 transposition in each 128-bit lane.
+static inline void columns4(const uint8_t *w, int64_t row_bytes, __m512i out[4]) {
+    __m512i x[4];
+    for (int q = 0; q < 4; q++) {
+        x[q] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(w + q * row_bytes)));
+        for (int l = 1; l < 4; l++)
+            x[q] = _mm512_inserti32x4(
+                x[q], _mm_loadu_si128((const __m128i *)(w + (q + 4 * l) * row_bytes)), l);
+    }
+    const __m512i lo01 = _mm512_unpacklo_epi32(x[0], x[1]);
+    const __m512i hi01 = _mm512_unpackhi_epi32(x[0], x[1]);
+    const __m512i lo23 = _mm512_unpacklo_epi32(x[2], x[3]);
+    const __m512i hi23 = _mm512_unpackhi_epi32(x[2], x[3]);
+    out[0] = _mm512_unpacklo_epi64(lo01, lo23);
+    out[1] = _mm512_unpackhi_epi64(lo01, lo23);
+    out[2] = _mm512_unpacklo_epi64(hi01, hi23);
+    out[3] = _mm512_unpackhi_epi64(hi01, hi23);
+}
+
+// Byte i of each word, as a word.
+static inline __m512i byte_word(__m512i v, int i) {
+    return _mm512_and_si512(_mm512_srli_epi32(v, 8 * i), _mm512_set1_epi32(0xFF));
+}
+// Byte i of each word, sign-extended to a word.
+static inline __m512i signed_byte_word(__m512i v, int i) {
+    return _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * i), 24);
+}
+// Both float16 halves of each word widened: the low ones (lane r of *low) and the high.
+static inline void halves_to_float(__m512i v, __m512 *low, __m512 *high) {
+    *low = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v));
+    *high = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)));
+}
+static inline __m512i nibbles_low(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+static inline __m512i nibbles_high(__m512i v) {
+    return _mm512_and_si512(_mm512_srli_epi32(v, 4), _mm512_set1_epi8(0x0F));
+}
+static inline void store_lanes(int32_t *p, __m512i v) { _mm512_storeu_si512((void *)p, v); }
+
+// Q4_K: d and dmin, 12 bytes of 6-bit scales and minimums, then 4 chunks of 32 bytes whose
+// low nibbles are values 64c + [0, 32) and high ones 64c + [32, 64) (q4_k_parts).
+static inline void q4_k_tile_direct(const uint8_t *w, int64_t row_bytes, k_tile *t) {
+    for (int h = 0; h < 2; h++) {  // chunks 2h and 2h + 1
+        __m512i cols[16];
+        columns16(w + 16 + 64 * h, row_bytes, cols);
+        for (int j = 0; j < 16; j++) {  // word k = j % 8 of chunk c: values 64c + 4k, + 32
+            const int c = 2 * h + j / 8, k = j % 8;
+            store_lanes(t->u[16 * c + k], nibbles_low(cols[j]));
+            store_lanes(t->u[16 * c + 8 + k], nibbles_high(cols[j]));
+        }
+    }
+    __m512i head[4];  // d and dmin, then the scale bytes as k4_scales reads them
+    columns4(w, row_bytes, head);
+    const __m512i six = _mm512_set1_epi8(0x3F), four = _mm512_set1_epi8(0x0F);
+    const __m512i two = _mm512_set1_epi8(0x03);
+    // the two high bits of scales (and minimums) 4..7: bits 6 and 7 of bytes 0..3
+    const __m512i high_two_0 =
+        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(head[1], 6), two), 4);
+    const __m512i high_two_1 =
+        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(head[2], 6), two), 4);
+    const __m512i scales[2] = {
+        _mm512_and_si512(head[1], six),
+        _mm512_or_si512(_mm512_and_si512(head[3], four), high_two_0)};
+    const __m512i mins[2] = {
+        _mm512_and_si512(head[2], six),
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(head[3], 4), four), high_two_1)};
+    for (int j = 0; j < 8; j++) {  // sub-block j: values 32j .. 32j + 31
+        const __m512i scale = byte_word(scales[j / 4], j % 4);
+        const __m512i least = byte_word(mins[j / 4], j % 4);
+        store_lanes(t->scales[2 * j], scale);
+        store_lanes(t->scales[2 * j + 1], scale);
+        store_lanes(t->offsets[j], _mm512_or_si512(least, _mm512_slli_epi32(least, 16)));
+    }
+    __m512 d, dmin;
+    halves_to_float(head[0], &d, &dmin);
+    _mm512_storeu_ps(t->d, d);
+    _mm512_storeu_ps(t->dmin, _mm512_xor_ps(dmin, _mm512_set1_ps(-0.0f)));
+}
+
+#endif
+
+// The tile of block b of KT_ROWS weight rows (w: its first row's block), its next block's
+// rows asked for ahead: straight from the blocks where K_DIRECT_FILL has the format, else
+// from each row's parts.
+#define DEFINE_K_TILE_FILL(NAME, BYTES, DIRECT)                                                  \
+    static inline void NAME##_tile_fill(const uint8_t *w, int64_t row_bytes, k_tile *t) {      \
+        for (int r = 0; r < KT_ROWS; r++) prefetch_ahead(w, r * row_bytes + BYTES, BYTES);     \
+        DIRECT(NAME, w, row_bytes, t)                                                           \
+    }
+#define K_FILL_BY_PARTS(NAME, w, row_bytes, t)                                                  \
+    k_parts parts[KT_ROWS];                                                                     \
+    for (int r = 0; r < KT_ROWS; r++) NAME##_parts(w + r * row_bytes, &parts[r]);              \
+    k_tile_fill(parts, t);
+#define K_FILL_DIRECT(NAME, w, row_bytes, t) NAME##_tile_direct(w, row_bytes, t);
+#ifdef K_DIRECT_FILL
+#define K_FILL_q4_k K_FILL_DIRECT
+enum { q4_k_blockwise = 1 };
+#else
+#define K_FILL_q4_k K_FILL_BY_PARTS
+enum { q4_k_blockwise = 0 };
+#endif
+#define K_FILL_q6_k K_FILL_BY_PARTS
+enum { q2_k_blockwise = 0, q3_k_blockwise = 0, q5_k_blockwise = 0, q6_k_blockwise = 0 };
+#define K_FILL_q2_k K_FILL_BY_PARTS
+#define K_FILL_q3_k K_FILL_BY_PARTS
+#define K_FILL_q5_k K_FILL_BY_PARTS
+
+// Block b of the tile against activation rows m..m+mr-1, their two float sums (acc[2i] and
+// acc[2i + 1] for row m + i) carried in memory from block to block.
+static inline __attribute__((always_inline)) void k_tile_step(int mr, const k_tile *t,
+                                                              const act_rows *x, int64_t m,
+                                                              int sub, int narrow, int64_t b,
+                                                              flanes16 *acc) {
+    flanes16 ss[KT_MR], ms[KT_MR];
+    for (int i = 0; i < mr; i++) ss[i] = acc[2 * i], ms[i] = acc[2 * i + 1];
+    k_tile_rows(t, x, m, mr, sub, narrow, b, ss, ms);
+    for (int i = 0; i < mr; i++) acc[2 * i] = ss[i], acc[2 * i + 1] = ms[i];
+}
+
 // The k-quants' kernel. Below KT_MIN_ROWS activation rows, or for a last tile of fewer than
 // KT_ROWS weight rows, each weight row goes alone (four activation rows sharing each
 // unpacked block); otherwise the blocks of KT_ROWS weight rows are laid side by side in a
@@ -1704,38 +1870,46 @@ static inline float q6_k_per_block(const act_rows *x, int64_t blocks, const uint
 // its sums in registers. Both find the same integers and add them in the same order
 // (k_dot), so a row's result does not depend on the path.
 #define KT_MIN_ROWS 4
+#define KT_STACK_ROWS 64  // activation rows whose sums the stack holds (by block); more: the heap
+
+// The two float sums of `rows` activation rows (NULL: no memory).
+static inline flanes16 *sums_alloc(int64_t rows) {
+    return aligned_alloc(64, (size_t)rows * 2 * sizeof(flanes16));
+}
+
 #define DEFINE_K_KERNEL(NAME, BYTES, SUB)                                                          \
-    /* y[r * stride] for activation rows m..m+mr-1 (mr <= 4) against one weight row */            \
+    DEFINE_K_TILE_FILL(NAME, BYTES, K_FILL_##NAME)                                                 \
+    /* y[r * stride] for activation rows m..m+mr-1 (mr <= 4) against one weight row */             \
     static inline __attribute__((always_inline)) void NAME##_by_rows(                              \
-        int mr, const act_rows *x, int64_t m, int64_t blocks, const uint8_t *w, float *y,         \
+        int mr, const act_rows *x, int64_t m, int64_t blocks, const uint8_t *w, float *y,          \
         int64_t stride) {                                                                          \
         __m128 acc[4];                                                                             \
         int64_t first[4]; /* each row's first block */                                             \
-        for (int r = 0; r < mr; r++) acc[r] = _mm_setzero_ps(), first[r] = (m + r) * blocks;      \
+        for (int r = 0; r < mr; r++) acc[r] = _mm_setzero_ps(), first[r] = (m + r) * blocks;       \
         for (int64_t b = 0; b < blocks; b++) {                                                     \
             prefetch_block(w + b * BYTES, BYTES);                                                  \
             k_w wb;                                                                                \
             NAME##_unpack(w + b * BYTES, &wb);                                                     \
-            for (int r = 0; r < mr; r++) acc[r] = k_dot(&wb, acts_256(x, first[r] + b), acc[r]);  \
+            for (int r = 0; r < mr; r++) acc[r] = k_dot(&wb, acts_256(x, first[r] + b), acc[r]);   \
         }                                                                                          \
         for (int r = 0; r < mr; r++) y[r * stride] = k_result(acc[r]);                             \
     }                                                                                              \
-    static inline float NAME##_by_dot(const act_rows *x, int64_t blocks, const uint8_t *w) {     \
+    static inline float NAME##_by_dot(const act_rows *x, int64_t blocks, const uint8_t *w) {       \
         float y;                                                                                   \
         NAME##_by_rows(1, x, 0, blocks, w, &y, 1);                                                 \
         return y;                                                                                  \
     }                                                                                              \
     static void NAME##_rowwise(const act_rows *x, int64_t rows, int64_t blocks,                    \
                                const uint8_t *w, float *y, int64_t stride) {                       \
-        if (rows == 1) { /* a decode: its own kernel, the same bits */                            \
+        if (rows == 1) { /* a decode: its own kernel, the same bits */                             \
             y[0] = ONE_ROW_##NAME(x, blocks, w, NAME##_by_dot);                                    \
             return;                                                                                \
         }                                                                                          \
         for (int64_t m = 0; m < rows; m += 4)                                                      \
             FOUR_ROWS(NAME##_by_rows, rows - m, x, m, blocks, w, y + m * stride, stride)           \
     }                                                                                              \
-    /* the blocks of KT_ROWS weight rows into tiles[b], then every activation row past them */ \
-    static void NAME##_tiled(const act_rows *x, int64_t rows, int64_t blocks,                      \
+    /* the blocks of KT_ROWS weight rows into tiles[b], then every activation row past them */     \
+    static inline void NAME##_tiled(const act_rows *x, int64_t rows, int64_t blocks,               \
                              const uint8_t *w, float *y, int64_t stride, k_tile *tiles) {          \
         const int64_t row_bytes = blocks * BYTES;                                                  \
         k_parts parts[KT_ROWS];                                                                    \
@@ -1750,14 +1924,45 @@ static inline float q6_k_per_block(const act_rows *x, int64_t blocks, const uint
             FOUR_ROWS(k_tile_all, rows - m, tiles, x, m, SUB, NAME##_narrow, blocks,               \
                       y + m * stride, stride)                                                      \
     }                                                                                              \
+    /* KT_ROWS weight rows against every activation row, block by block: the block's tile          \
+       filled once, then met by the rows four at a time, each row's two sums carried in acc */     \
+    static inline void NAME##_by_block(const act_rows *x, int64_t rows, int64_t blocks,            \
+                               const uint8_t *w, float *y, int64_t stride, k_tile *tile,           \
+                               flanes16 *acc) {                                                    \
+        const int64_t row_bytes = blocks * BYTES;                                                  \
+        for (int64_t i = 0; i < 2 * rows; i++) acc[i] = f16_zero();                                \
+        for (int64_t b = 0; b < blocks; b++) {                                                     \
+            NAME##_tile_fill(w + b * BYTES, row_bytes, tile);                                      \
+            for (int64_t m = 0; m < rows; m += KT_MR)                                              \
+                FOUR_ROWS(k_tile_step, rows - m, tile, x, m, SUB, NAME##_narrow, b, acc + 2 * m)   \
+        }                                                                                          \
+        for (int64_t m = 0; m < rows; m++)                                                         \
+            f16_store_sum(y + m * stride, acc[2 * m], acc[2 * m + 1]);                             \
+    }                                                                                              \
+    /* every tile by block (stack memory: a tile, and up to KT_STACK_ROWS rows' sums) */           \
+    static int64_t NAME##_tiles_by_block(const act_rows *x, int64_t rows, int64_t blocks,          \
+                                         const uint8_t *w, int64_t count, float *y,                \
+                                         int64_t stride) {                                         \
+        k_tile tile;                                                                               \
+        flanes16 near[2 * KT_STACK_ROWS];                                                          \
+        flanes16 *acc = rows <= KT_STACK_ROWS ? near : sums_alloc(rows);                           \
+        int64_t n = 0;                                                                             \
+        for (; acc && n + KT_ROWS <= count; n += KT_ROWS)                                          \
+            NAME##_by_block(x, rows, blocks, w + n * blocks * BYTES, y + n, stride, &tile, acc);   \
+        if (acc != near) free(acc);                                                                \
+        return n;                                                                                  \
+    }                                                                                              \
     static void NAME##_i8(const void *acts, int64_t rows, int64_t k_in, const uint8_t *w,          \
                           int64_t count, float *y, int64_t stride) {                               \
         const act_rows *x = (const act_rows *)acts;                                                \
         const int64_t blocks = k_in / 256, row_bytes = blocks * BYTES;                             \
         int64_t n = 0;                                                                             \
-        /* no memory for the tiles: each weight row alone, the same bits */                       \
-        k_tile *tiles = rows >= KT_MIN_ROWS && count >= KT_ROWS                                    \
-                            ? malloc((size_t)blocks * sizeof *tiles) : NULL;                       \
+        const bool tiled = rows >= KT_MIN_ROWS && count >= KT_ROWS;                                \
+        if (tiled && NAME##_blockwise)                                                             \
+            n = NAME##_tiles_by_block(x, rows, blocks, w, count, y, stride);                       \
+        /* no memory for the tiles: each weight row alone, the same bits */                        \
+        k_tile *tiles =                                                                            \
+            tiled && !NAME##_blockwise ? malloc((size_t)blocks * sizeof *tiles) : NULL;            \
         if (tiles)                                                                                 \
             for (; n + KT_ROWS <= count; n += KT_ROWS)                                             \
                 NAME##_tiled(x, rows, blocks, w + n * row_bytes, y + n, stride, tiles);            \
