@@ -1,7 +1,10 @@
 """The CPU's compiled kernels against their torch twins."""
 
 import dataclasses
+import os
 import platform
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -474,6 +477,37 @@ def test_tiles_of_32_value_blocks_give_each_row_alone_bits(kernels, qtype, rows)
     together = quantized_matmuls(native, x, weights)
     alone = torch.cat([quantized_matmuls(native, x[i : i + 1], weights) for i in range(rows)])
     assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize(
+    "build", ["plain", pytest.param("checked", marks=pytest.mark.slow)], ids=str
+)
+def test_products_read_nothing_past_their_weights_or_activations(build):
+    """Every format's products, int8 and exact, one row (the one-row kernels, 4 blocks per
+    vector), a few and the tiles, at 1 to 9 blocks of 32 (whole groups and tails) and odd
+    weight row counts, on weights and activations flush against an unreadable page after
+    them (and, apart, before them): a load out of bounds faults, in a child process so
+    the fault is this test's failure, with the case it was on."""
+    if platform.system() != "Linux":
+        pytest.skip("mprotect through ctypes: Linux only")
+    root = Path(__file__).parents[1]  # this checkout's package, not an installed one
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    script = Path(__file__).parent / "guarded_products.py"
+    done = subprocess.run(
+        [sys.executable, str(script), build],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=root,
+        env=env,
+    )
+    last = (done.stdout.strip().splitlines() or ["(no case started)"])[-1]
+    assert done.returncode == 0, f"exit {done.returncode} at {last}\n{done.stderr[-2000:]}"
+    assert last == "done"
+    assert done.stdout.startswith(f"package {root / 'spnl_backend'}")
 
 
 @pytest.mark.parametrize("qtype", BLOCKS_OF_32, ids=lambda t: t.name)
