@@ -1147,3 +1147,33 @@ def test_the_selective_scan_refuses_what_it_cannot_run(kernels):
         kernels.selective_scan_(x, dt[:, :4], a, b, c, state)
     with pytest.raises(KernelArgumentError, match="state"):
         kernels.selective_scan_(x, dt, a, b, c, state.double())
+
+
+def test_the_build_cache_tells_cpus_apart_without_proc_cpuinfo(monkeypatch):
+    """Where /proc/cpuinfo cannot be read (macOS, a locked-down container), the cached
+    build is still keyed by what ``-march=native`` compiles for (the compiler's own
+    macros: AVX-512 VBMI among them), so a cache shared between machines never hands
+    one CPU's instructions to another."""
+    from spnl_backend.kernels.cpu import build
+    from spnl_backend.settings.platform import find_c_compiler
+
+    compiler = find_c_compiler()
+    if compiler is None:
+        pytest.skip("needs a C compiler")
+    real_open = open
+
+    def no_cpuinfo(path, *args, **kwargs):
+        if str(path) == "/proc/cpuinfo":
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", no_cpuinfo)
+    build._native_macros.cache_clear()
+    native = build._native_macros(compiler)
+    assert native in build._cpu_identity(compiler)
+    if platform.machine() == "x86_64":
+        assert "__SSE2__" in native
+    here = build._target(b"sources", compiler, build._BASE_FLAGS)
+    # another CPU (the same compiler, other macros): another cache entry
+    monkeypatch.setattr(build, "_native_macros", lambda _compiler: native + " __AVX512VBMI__")
+    assert build._target(b"sources", compiler, build._BASE_FLAGS) != here
