@@ -28,16 +28,17 @@ _libc.mprotect.restype = ctypes.c_int
 
 def guarded(tensor: torch.Tensor, flush: str) -> torch.Tensor:
     """A copy of ``tensor`` between two unreadable pages: its last byte the last readable
-    one (``flush="end"``) or its first byte the first (``"start"``). The mapping lives as
-    long as the returned tensor."""
+    one (``flush="end"``), its first byte the first (``"start"``), or one byte past that
+    (``"odd"``: a GGUF file's alignment may be 1). The mapping lives as long as the
+    returned tensor."""
     nbytes = tensor.numel() * tensor.element_size()
-    pages = -(-nbytes // PAGE)
+    pages = -(-(nbytes + 1) // PAGE)
     region = mmap.mmap(-1, (pages + 2) * PAGE)
     base = ctypes.addressof(ctypes.c_char.from_buffer(region))
     for page in (0, pages + 1):
         if _libc.mprotect(base + page * PAGE, PAGE, PROT_NONE):
             raise OSError(ctypes.get_errno(), "mprotect of a guard page failed")
-    offset = PAGE + (pages * PAGE - nbytes if flush == "end" else 0)
+    offset = PAGE + {"end": pages * PAGE - nbytes, "start": 0, "odd": 1}[flush]
     out = torch.frombuffer(region, dtype=tensor.dtype, count=tensor.numel(), offset=offset)
     return out.view(tensor.shape).copy_(tensor)
 
@@ -90,10 +91,11 @@ def main(build: str) -> int:
         for exact in (False, True):
             kernels = dataclasses.replace(native, exact=exact)
             plain = CpuMatmuls(kernels)(x, [weight])
-            for flush in ("end", "start"):
+            for flush in ("end", "start", "odd"):
                 print("case", qtype.name, rows_w, k, rows_x, exact, flush, flush=True)
                 w = QuantizedWeight(guarded(weight.data, flush), qtype, weight.shape)
-                got = CpuMatmuls(kernels)(guarded(x, flush), [w])
+                xs = guarded(x, "start" if flush == "odd" else flush)  # floats stay aligned
+                got = CpuMatmuls(kernels)(xs, [w])
                 if not torch.equal(got, plain):
                     print("different bits on guarded memory", flush=True)
                     return 1

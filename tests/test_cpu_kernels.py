@@ -486,8 +486,9 @@ def test_products_read_nothing_past_their_weights_or_activations(build):
     """Every format's products, int8 and exact, one row (the one-row kernels, 4 blocks per
     vector), a few and the tiles, at 1 to 9 blocks of 32 (whole groups and tails) and odd
     weight row counts, on weights and activations flush against an unreadable page after
-    them (and, apart, before them): a load out of bounds faults, in a child process so
-    the fault is this test's failure, with the case it was on."""
+    them (and, apart, before them; and weights one byte past a page's start): a load out
+    of bounds faults, in a child process so the fault is this test's failure, with the
+    case it was on."""
     if platform.system() != "Linux":
         pytest.skip("mprotect through ctypes: Linux only")
     root = Path(__file__).parents[1]  # this checkout's package, not an installed one
