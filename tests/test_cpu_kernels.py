@@ -1,7 +1,10 @@
 """The CPU's compiled kernels against their torch twins."""
 
 import dataclasses
+import os
 import platform
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -493,6 +496,38 @@ def test_tiles_of_32_value_blocks_give_each_row_alone_bits(kernels, qtype, rows)
     together = quantized_matmuls(native, x, weights)
     alone = torch.cat([quantized_matmuls(native, x[i : i + 1], weights) for i in range(rows)])
     assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize(
+    "build", ["plain", pytest.param("checked", marks=pytest.mark.slow)], ids=str
+)
+def test_products_read_nothing_past_their_weights_or_activations(build):
+    """Every format's products, int8 and exact, one row (the one-row kernels, 4 blocks per
+    vector), a few and the tiles, at 1 to 9 blocks of 32 (whole groups and tails) and odd
+    weight row counts, on weights and activations flush against an unreadable page after
+    them (and, apart, before them; and weights one byte past a page's start): a load out
+    of bounds faults, in a child process so the fault is this test's failure, with the
+    case it was on."""
+    if platform.system() != "Linux":
+        pytest.skip("mprotect through ctypes: Linux only")
+    root = Path(__file__).parents[1]  # this checkout's package, not an installed one
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    script = Path(__file__).parent / "guarded_products.py"
+    done = subprocess.run(
+        [sys.executable, str(script), build],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=root,
+        env=env,
+    )
+    last = (done.stdout.strip().splitlines() or ["(no case started)"])[-1]
+    assert done.returncode == 0, f"exit {done.returncode} at {last}\n{done.stderr[-2000:]}"
+    assert last == "done"
+    assert done.stdout.startswith(f"package {root / 'spnl_backend'}")
 
 
 @pytest.mark.parametrize("qtype", BLOCKS_OF_32, ids=lambda t: t.name)
@@ -1168,3 +1203,33 @@ def test_the_selective_scan_refuses_what_it_cannot_run(kernels):
         kernels.selective_scan_(x, dt[:, :4], a, b, c, state)
     with pytest.raises(KernelArgumentError, match="state"):
         kernels.selective_scan_(x, dt, a, b, c, state.double())
+
+
+def test_the_build_cache_tells_cpus_apart_without_proc_cpuinfo(monkeypatch):
+    """Where /proc/cpuinfo cannot be read (macOS, a locked-down container), the cached
+    build is still keyed by what ``-march=native`` compiles for (the compiler's own
+    macros: AVX-512 VBMI among them), so a cache shared between machines never hands
+    one CPU's instructions to another."""
+    from spnl_backend.kernels.cpu import build
+    from spnl_backend.settings.platform import find_c_compiler
+
+    compiler = find_c_compiler()
+    if compiler is None:
+        pytest.skip("needs a C compiler")
+    real_open = open
+
+    def no_cpuinfo(path, *args, **kwargs):
+        if str(path) == "/proc/cpuinfo":
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", no_cpuinfo)
+    build._native_macros.cache_clear()
+    native = build._native_macros(compiler)
+    assert native in build._cpu_identity(compiler)
+    if platform.machine() == "x86_64":
+        assert "__SSE2__" in native
+    here = build._target(b"sources", compiler, build._BASE_FLAGS)
+    # another CPU (the same compiler, other macros): another cache entry
+    monkeypatch.setattr(build, "_native_macros", lambda _compiler: native + " __AVX512VBMI__")
+    assert build._target(b"sources", compiler, build._BASE_FLAGS) != here

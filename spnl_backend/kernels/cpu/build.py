@@ -6,6 +6,7 @@ of the mirror checked against the library's."""
 
 import ctypes
 import hashlib
+import os
 import platform
 import subprocess
 import tempfile
@@ -112,7 +113,10 @@ def _load(path: Path) -> CpuKernels:
 def built_before(compiler: str, checks: bool = False) -> bool:
     """Whether this machine's cache holds a build of these sources by ``compiler`` (so
     loading them compiles nothing)."""
-    return any(target.exists() for _, target in _targets(compiler, checks))
+    try:
+        return any(target.exists() for _, target in _targets(compiler, checks))
+    except (OSError, subprocess.CalledProcessError):  # no key for this CPU: loading says why
+        return False
 
 
 def _targets(compiler: str, checks: bool) -> list[tuple[list[str], Path]]:
@@ -150,7 +154,7 @@ def _build(compiler: str, checks: bool) -> Path:
 
 
 def _target(source: bytes, compiler: str, flags: list[str]) -> Path:
-    key = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_identity()]).encode())
+    key = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_identity(compiler)]).encode())
     return cache_dir("native") / key.hexdigest()[:24] / "libspnlcpu.so"
 
 
@@ -163,15 +167,31 @@ def _source_digest() -> bytes:
     return digest.digest()
 
 
-def _cpu_identity() -> str:
+def _cpu_identity(compiler: str) -> str:
     """What ``-march=native`` compiles for: a cache shared by machines with different CPUs
-    (a network home) must not hand one's instructions to another."""
+    (a network home) must not hand one's instructions to another. The CPU's flags where
+    /proc/cpuinfo has them; elsewhere (macOS, a container that hides it) the macros the
+    compiler defines for this CPU, which name every instruction set it may use."""
     try:
         with open("/proc/cpuinfo") as info:
             flags = next((line for line in info if line.startswith(("flags", "Features"))), "")
     except OSError:
         flags = ""
-    return f"{platform.machine()} {platform.processor()} {flags.strip()}"
+    machine = f"{platform.machine()} {platform.processor()}"
+    return f"{machine} {flags.strip()}" if flags else f"{machine} {_native_macros(compiler)}"
+
+
+@cache
+def _native_macros(compiler: str) -> str:
+    """The macros ``compiler -march=native`` predefines, sorted (an error where it cannot
+    say: the build could not be keyed by its CPU, so none is built or loaded)."""
+    done = subprocess.run(
+        [compiler, "-march=native", "-dM", "-E", "-x", "c", os.devnull],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return " ".join(sorted(line.removeprefix("#define ") for line in done.stdout.splitlines()))
 
 
 def _compile(compiler: str, flags: list[str], target: Path) -> None:
