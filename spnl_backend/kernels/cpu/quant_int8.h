@@ -1484,36 +1484,42 @@ static inline __attribute__((always_inline)) k8_terms q4_k_eight(
     return k8_terms_of(k8_sums(v), _mm512_cvtph_ps(halves), ad, n);
 }
 
+// A row of n k-quant blocks of BYTES bytes, 8 at a time through EIGHT, against the
+// activations x->ACTS. Each group's FMAs come after the next group's integers: the chain of
+// FMAs runs while those are found, instead of holding them back. The rest of the row takes
+// EIGHT with its count a constant in each case (the work of absent blocks left out).
+#define K8_REST(EIGHT, N) \
+    case N: rest = EIGHT(rw, ra, rs, x->d256 + b, N), rest_n = N; break;
+#define DEFINE_K8_ROW(NAME, EIGHT, BYTES, ACTS)                                                \
+    static inline float NAME(const act_rows *x, int64_t blocks, const uint8_t *w) {            \
+        if (blocks == 0) return 0.0f;                                                          \
+        __m128 acc = _mm_setzero_ps();                                                         \
+        k8_terms last = {_mm512_setzero_ps(), _mm512_setzero_ps()};                            \
+        int last_n = 0;                                                                        \
+        int64_t b = 0;                                                                         \
+        for (; b + 8 <= blocks; b += 8) {                                                      \
+            const k8_terms t =                                                                 \
+                EIGHT(w + b * BYTES, x->ACTS + b * 256, x->bsums + b * 16, x->d256 + b, 8);    \
+            if (last_n) acc = k8_fma(last, 8, acc);                                            \
+            last = t, last_n = 8;                                                              \
+        }                                                                                      \
+        const uint8_t *rw = w + b * BYTES;                                                     \
+        const int8_t *ra = x->ACTS + b * 256;                                                  \
+        const int16_t *rs = x->bsums + b * 16;                                                 \
+        k8_terms rest = last;                                                                  \
+        int rest_n = 0;                                                                        \
+        switch (blocks - b) {                                                                  \
+            K8_REST(EIGHT, 1) K8_REST(EIGHT, 2) K8_REST(EIGHT, 3) K8_REST(EIGHT, 4)            \
+            K8_REST(EIGHT, 5) K8_REST(EIGHT, 6) K8_REST(EIGHT, 7)                              \
+        default: break;                                                                        \
+        }                                                                                      \
+        if (last_n) acc = k8_fma(last, 8, acc);                                                \
+        if (rest_n) acc = k8_fma(rest, rest_n, acc);                                           \
+        return k_result(acc);                                                                  \
+    }
+
 // Q4_K against activations in K4_ORDER.
-static inline float q4_k_reordered(const act_rows *x, int64_t blocks, const uint8_t *w) {
-    if (blocks == 0) return 0.0f;
-    // Each group's FMAs come after the next group's integers: the chain of FMAs runs while
-    // those are found, instead of holding them back.
-    __m128 acc = _mm_setzero_ps();
-    k8_terms last = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    int last_n = 0;
-    int64_t b = 0;
-    for (; b + 8 <= blocks; b += 8) {
-        const k8_terms t = q4_k_eight(w + b * 144, x->q256_k4 + b * 256, x->bsums + b * 16, x->d256 + b, 8);
-        if (last_n) acc = k8_fma(last, 8, acc);
-        last = t, last_n = 8;
-    }
-    // the rest, its count a constant in each case (the work of absent blocks left out)
-    const uint8_t *rw = w + b * 144;
-    const int8_t *ra = x->q256_k4 + b * 256;
-    const int16_t *rs = x->bsums + b * 16;
-    k8_terms rest = last;
-    int rest_n = 0;
-    switch (blocks - b) {
-#define REST(N) case N: rest = q4_k_eight(rw, ra, rs, x->d256 + b, N), rest_n = N; break;
-        REST(1) REST(2) REST(3) REST(4) REST(5) REST(6) REST(7)
-#undef REST
-    default: break;
-    }
-    if (last_n) acc = k8_fma(last, 8, acc);
-    if (rest_n) acc = k8_fma(rest, rest_n, acc);
-    return k_result(acc);
-}
+DEFINE_K8_ROW(q4_k_reordered, q4_k_eight, 144, q256_k4)
 
 // Q6_K block's S: 128 values a half, its low nibbles of 64 bytes 64 consecutive values
 // (the activations as they are), the high ones the next 64; two bits each from qh. Scale
@@ -1581,35 +1587,7 @@ static inline __attribute__((always_inline)) k8_terms q6_k_eight(
 }
 
 // Q6_K: its activations as they are.
-static inline float q6_k_wide(const act_rows *x, int64_t blocks, const uint8_t *w) {
-    if (blocks == 0) return 0.0f;
-    // Each group's FMAs come after the next group's integers: the chain of FMAs runs while
-    // those are found, instead of holding them back.
-    __m128 acc = _mm_setzero_ps();
-    k8_terms last = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    int last_n = 0;
-    int64_t b = 0;
-    for (; b + 8 <= blocks; b += 8) {
-        const k8_terms t = q6_k_eight(w + b * 210, x->q256 + b * 256, x->bsums + b * 16, x->d256 + b, 8);
-        if (last_n) acc = k8_fma(last, 8, acc);
-        last = t, last_n = 8;
-    }
-    // the rest, its count a constant in each case (the work of absent blocks left out)
-    const uint8_t *rw = w + b * 210;
-    const int8_t *ra = x->q256 + b * 256;
-    const int16_t *rs = x->bsums + b * 16;
-    k8_terms rest = last;
-    int rest_n = 0;
-    switch (blocks - b) {
-#define REST(N) case N: rest = q6_k_eight(rw, ra, rs, x->d256 + b, N), rest_n = N; break;
-        REST(1) REST(2) REST(3) REST(4) REST(5) REST(6) REST(7)
-#undef REST
-    default: break;
-    }
-    if (last_n) acc = k8_fma(last, 8, acc);
-    if (rest_n) acc = k8_fma(rest, rest_n, acc);
-    return k_result(acc);
-}
+DEFINE_K8_ROW(q6_k_wide, q6_k_eight, 210, q256)
 #define Q6_K_GROUPED_MIN 16
 
 // 16-bit scales for 64 values: scale index[i] for the pair of values 2i, 2i + 1.
