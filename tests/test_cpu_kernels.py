@@ -17,6 +17,7 @@ from spnl_backend.kernels.matmuls import CpuMatmuls, int8_activations_ref
 from spnl_backend.kernels.metadata import PagedMetadata
 from spnl_backend.kernels.ops import (
     add_rms_norm_ref,
+    gated_act_ref,
     qk_norm_rope_ref,
     rms_norm_ref,
     rotate_ref,
@@ -151,6 +152,49 @@ def test_many_rows_fast_path(kernels, small_slices, bf16):
 def test_rms_norm(kernels):
     x, scale = torch.randn(3, 640), torch.rand(640) + 0.5
     torch.testing.assert_close(kernels.rms_norm(x, scale, 1e-6), rms_norm_ref(x, scale, 1e-6))
+
+
+@pytest.mark.parametrize("kind", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("rows,inner", [(1, 1), (3, 17), (5, 2048 + 37), (9, 4100)])
+def test_gated_act_is_close_to_torch_and_alike_on_any_threads_and_rows(kernels, kind, rows, inner):
+    """act(gate) * up on a product's halves (rows apart, tails past whole vectors and pieces):
+    close to torch's SiLU or tanh-GELU, closer still to the function in float64 (torch's
+    float32 1 + tanh cancels for negative gates), and the same bits on 1 to 3 threads and
+    for each row alone."""
+    gate_up = torch.randn(rows, 2 * inner, generator=torch.Generator().manual_seed(inner)) * 4
+    gate_up[0, :5] = torch.tensor([0.0, -30.0, 30.0, -90.0, 90.0])[: min(5, inner)]
+    gate, up = gate_up[:, :inner], gate_up[:, inner:]
+    out = kernels.gated_act(kind, gate, up)
+    torch.testing.assert_close(out, gated_act_ref(kind, gate, up), rtol=1e-5, atol=1e-5)
+    g = gate.double()  # both as x * sigmoid(z): GELU-tanh's z is 2 sqrt(2/pi) (x + 0.044715 x^3)
+    z = g if kind == "silu" else 2 * (2 / torch.pi) ** 0.5 * (g + 0.044715 * g**3)
+    exact = g * torch.sigmoid(z) * up.double()
+    torch.testing.assert_close(out.double(), exact, rtol=100 * 2**-23, atol=1e-30)
+    for threads in (1, 2, 3):
+        on = dataclasses.replace(kernels, threads=threads)
+        assert torch.equal(on.gated_act(kind, gate, up), out)
+    for r in range(rows):
+        assert torch.equal(kernels.gated_act(kind, gate[r : r + 1], up[r : r + 1]), out[r : r + 1])
+
+
+def test_gated_act_is_the_tanh_gelu_not_the_exact_one(kernels):
+    """GELU's tanh form, told apart from erf's where they differ most (near |x| = 2)."""
+    gate = torch.linspace(-3, 3, 64).reshape(1, 64)
+    out = kernels.gated_act("gelu_tanh", gate, torch.ones_like(gate))
+    torch.testing.assert_close(out, F.gelu(gate, approximate="tanh"), rtol=2e-6, atol=1e-6)
+    assert (out - F.gelu(gate)).abs().max() > 1e-4
+
+
+def test_gated_act_keeps_nan_and_refuses_bad_input(kernels):
+    gate = torch.tensor([[float("nan"), 1.0]])
+    for kind in ("silu", "gelu_tanh"):
+        assert kernels.gated_act(kind, gate, torch.ones_like(gate))[0, 0].isnan()
+    with pytest.raises(KernelArgumentError, match="relu2.*silu, gelu_tanh"):
+        kernels.gated_act("relu2", gate, gate)
+    with pytest.raises(KernelArgumentError, match="float32"):
+        kernels.gated_act("silu", gate, gate.double())
+    with pytest.raises(KernelArgumentError, match="consecutive"):
+        kernels.gated_act("silu", torch.ones(4, 3).T, torch.ones(4, 3).T)
 
 
 def _tables(tokens: int, rotary: int) -> tuple[torch.Tensor, torch.Tensor]:

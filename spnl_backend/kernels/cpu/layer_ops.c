@@ -85,3 +85,50 @@ int spnl_qk_norm_rope(const spnl_qk_args *a) {
     }
     return 0;
 }
+
+#define ACT_PIECE 2048           // values per task: a row of a wide MLP is a few tasks
+#define ACT_PARALLEL_FROM 16384  // values from which the pool shares the work out
+
+typedef struct {
+    int kind;
+    const float *gate, *up;
+    int64_t inner, pieces, gate_stride, up_stride;
+    float *out;
+} gated_act_call;
+
+// One piece of one row: 16 values at a time, the tail through the same vector code (each
+// value's arithmetic is its own, so where a value falls changes no bit).
+static void gated_act_piece(void *ctx, int64_t task, int worker) {
+    (void)worker;
+    const gated_act_call *c = ctx;
+    const int64_t row = task / c->pieces, lo = task % c->pieces * ACT_PIECE;
+    const int64_t hi = lo + ACT_PIECE < c->inner ? lo + ACT_PIECE : c->inner;
+    const float *g = c->gate + row * c->gate_stride, *u = c->up + row * c->up_stride;
+    float *out = c->out + row * c->inner;
+    int64_t i = lo;
+    for (; i + 16 <= hi; i += 16) {
+        const v16f a = gated16(c->kind, load_f32(g + i), load_f32(u + i));
+        memcpy(out + i, &a, sizeof a);
+    }
+    if (i == hi) return;
+    float gs[16] = {0}, us[16] = {0};
+    memcpy(gs, g + i, (size_t)(hi - i) * sizeof(float));
+    memcpy(us, u + i, (size_t)(hi - i) * sizeof(float));
+    const v16f a = gated16(c->kind, load_f32(gs), load_f32(us));
+    memcpy(out + i, &a, (size_t)(hi - i) * sizeof(float));
+}
+
+// out[r][i] = act(gate[r][i]) * up[r][i] (twin: gated_act_ref in spnl_backend/kernels/ops.py):
+// gate's rows gate_stride floats apart, up's up_stride, out's inner. Element-wise, so the
+// same bits at any thread count and for any rows beside a row.
+int spnl_gated_act(int kind, const float *gate, const float *up, int64_t rows, int64_t inner,
+                   int64_t gate_stride, int64_t up_stride, float *out, int threads) {
+    if ((kind != SPNL_ACT_SILU && kind != SPNL_ACT_GELU_TANH) || rows < 0 || inner < 1 ||
+        gate_stride < inner || up_stride < inner)
+        return BAD_ARGUMENT;
+    const int64_t pieces = (inner + ACT_PIECE - 1) / ACT_PIECE;
+    gated_act_call call = {kind, gate, up, inner, pieces, gate_stride, up_stride, out};
+    spnl_parallel(rows * pieces, gated_act_piece, &call,
+                  rows * inner < ACT_PARALLEL_FROM ? 1 : threads);
+    return 0;
+}
