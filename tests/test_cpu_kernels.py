@@ -155,7 +155,7 @@ def test_rms_norm(kernels):
 
 
 @pytest.mark.parametrize("kind", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("rows,inner", [(1, 1), (3, 17), (5, 2048 + 37), (9, 4100)])
+@pytest.mark.parametrize(("rows", "inner"), [(1, 1), (3, 17), (5, 2048 + 37), (9, 4100)])
 def test_gated_act_is_close_to_torch_and_alike_on_any_threads_and_rows(kernels, kind, rows, inner):
     """act(gate) * up on a product's halves (rows apart, tails past whole vectors and pieces):
     close to torch's SiLU or tanh-GELU, closer still to the function in float64 (torch's
@@ -189,7 +189,7 @@ def test_gated_act_keeps_nan_and_refuses_bad_input(kernels):
     gate = torch.tensor([[float("nan"), 1.0]])
     for kind in ("silu", "gelu_tanh"):
         assert kernels.gated_act(kind, gate, torch.ones_like(gate))[0, 0].isnan()
-    with pytest.raises(KernelArgumentError, match="relu2.*silu, gelu_tanh"):
+    with pytest.raises(KernelArgumentError, match=r"relu2.*silu, gelu_tanh"):
         kernels.gated_act("relu2", gate, gate)
     with pytest.raises(KernelArgumentError, match="float32"):
         kernels.gated_act("silu", gate, gate.double())
