@@ -214,9 +214,12 @@ def test_rope_is_bit_identical(kernels, rotary):
     assert torch.equal(k, expected[1])
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("tokens", [3, 77])  # 77 rows: shared out among the threads
 @pytest.mark.parametrize("post_norm", [False, True], ids=["plain", "normed-delta"])
-def test_add_rms_norm_is_the_unfused_kernels_bit_for_bit(kernels, post_norm):
-    x, delta = torch.randn(3, 640), torch.randn(3, 640) * 4
+def test_add_rms_norm_is_the_unfused_kernels_bit_for_bit(kernels, post_norm, tokens, threads):
+    kernels = dataclasses.replace(kernels, threads=threads)
+    x, delta = torch.randn(tokens, 640), torch.randn(tokens, 640) * 4
     scale, delta_scale = torch.rand(640) + 0.5, torch.rand(640) + 0.5
     delta_norm = (delta_scale, 1e-5) if post_norm else None
     added = x + (kernels.rms_norm(delta, delta_scale, 1e-5) if post_norm else delta)
@@ -229,9 +232,13 @@ def test_add_rms_norm_is_the_unfused_kernels_bit_for_bit(kernels, post_norm):
     torch.testing.assert_close(out, twin_out)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("normed", [False, True], ids=["rope", "norm-rope"])
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_qk_norm_rope_on_a_qkv_row_is_norm_then_rotation_bit_for_bit(kernels, normed, tokens):
+@pytest.mark.parametrize("tokens", [1, 3, 90])  # 90 tokens: shared out among the threads
+def test_qk_norm_rope_on_a_qkv_row_is_norm_then_rotation_bit_for_bit(
+    kernels, normed, tokens, threads
+):
+    kernels = dataclasses.replace(kernels, threads=threads)
     heads, kv_heads, dim, rotary = 4, 2, 32, 16
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
     q = qkv[:, : heads * dim].view(tokens, heads, dim)

@@ -251,8 +251,9 @@ int spnl_gather_rows(int qtype, const uint8_t *w, int64_t n_rows, const int64_t 
 int spnl_rms_norm(const float *x, const float *scale, float *out, int64_t rows, int64_t dim,
                   float eps);
 int spnl_add_rms_norm(float *x, const float *delta, const float *delta_scale, float delta_eps,
-                      const float *scale, float eps, float *out, int64_t rows, int64_t dim);
-int spnl_qk_norm_rope(const spnl_qk_args *a);
+                      const float *scale, float eps, float *out, int64_t rows, int64_t dim,
+                      int threads);
+int spnl_qk_norm_rope(const spnl_qk_args *a, int threads);
 int spnl_gated_act(int kind, const float *gate, const float *up, int64_t rows, int64_t inner,
                    int64_t gate_stride, int64_t up_stride, float *out, int threads);
 

@@ -13,7 +13,7 @@
 static int add_norm(const spnl_step_args *s, const spnl_layer_args *l, const float *delta,
                     const float *delta_scale, const float *scale) {
     return spnl_add_rms_norm(s->x, delta, delta_scale, l->eps, scale, l->eps, s->h, s->tokens,
-                             l->hidden);
+                             l->hidden, s->threads);
 }
 
 // A projection's adapters on this step's rows: out (rows out_stride apart) += their products
@@ -67,7 +67,7 @@ int spnl_attention_block(const spnl_step_args *s, const spnl_layer_args *l) {
         .k_scale = l->qk_full ? NULL : l->k_norm,
         .eps = l->eps, .cos = s->cos[l->local], .sin = s->sin[l->local],
     };
-    if ((status = spnl_qk_norm_rope(&qk))) return status;
+    if ((status = spnl_qk_norm_rope(&qk, s->threads))) return status;
     // q, k and v each made contiguous, as the per-op path's views are before their kernels
     float *q = s->q, *k = s->kv, *v = s->kv + tokens * kv_size;
     for (int64_t t = 0; t < tokens; t++) {

@@ -184,6 +184,7 @@ class CpuKernels:
                 out.data_ptr(),
                 x.numel() // dim,
                 dim,
+                self.threads,
             ),
             "add_rms_norm",
         )
@@ -247,7 +248,7 @@ class CpuKernels:
             cos=cos.data_ptr(),
             sin=sin.data_ptr(),
         )
-        check_status(self.library.spnl_qk_norm_rope(args), "qk_norm_rope")
+        check_status(self.library.spnl_qk_norm_rope(args, self.threads), "qk_norm_rope")
 
     def delta_rule_(
         self,
