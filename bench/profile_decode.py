@@ -5,10 +5,10 @@ where the time of an N-token prompt's prefill goes).
                                    [--context N] [--cpu-time] [--markdown FILE]
 
 Timers around every native call (each quantized product, by its weight shape; attention;
-the norms, RoPE, the KV store and embedding lookups), over a greedy generation of
---tokens + 1 tokens less the same prompt's generation of 1 token: what is left is decode
-alone, against the engine's own decode time. Each product's rate is its weight bytes
-over its time; the read bandwidth at the same thread count (bench/read_bound.py) is
+the MLP's activation; the norms, RoPE, the KV store and embedding lookups), over a greedy
+generation of --tokens + 1 tokens less the same prompt's generation of 1 token: what is
+left is decode alone, against the engine's own decode time. Each product's rate is its
+weight bytes over its time; the read bandwidth at the same thread count (bench/read_bound.py) is
 measured after, for comparison. What the timers do not cover is Python and torch's small
 operations between the kernels, and sampling. With --prefill, the parts are those of one
 generation of a single token from an N-token prompt (the shipped English text, repeated
@@ -29,6 +29,7 @@ import read_bound
 
 BLOCK_SIZE = 32  # the default paged KV block; a --context pool is whole blocks
 OTHER_KERNELS = ("rms_norm", "add_rms_norm", "qk_norm_rope_", "store_kv", "gather_rows")
+LABELS = {"paged_decode": "attention", "gated_act": "activation (act(gate) * up)"}
 
 
 class Timers:
@@ -69,11 +70,11 @@ def installed(timers: Timers):
     """Wrap the kernels' entry points in ``timers``; restored on exit."""
     from spnl_backend.kernels import cpu
 
-    originals = {name: getattr(cpu.CpuKernels, name) for name in (*OTHER_KERNELS, "paged_decode")}
+    originals = {name: getattr(cpu.CpuKernels, name) for name in (*OTHER_KERNELS, *LABELS)}
     products_call = cpu.Products.__call__
 
     def wrap(name, original):
-        label = "attention" if name == "paged_decode" else "norms, RoPE, KV store, lookups"
+        label = LABELS.get(name, "norms, RoPE, KV store, lookups")
         return lambda self, *a, **k: timers.timed(label, original, self, *a, **k)
 
     def products(self, x):

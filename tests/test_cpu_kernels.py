@@ -22,6 +22,7 @@ from spnl_backend.kernels.matmuls import CpuMatmuls, int8_activations_ref
 from spnl_backend.kernels.metadata import PagedMetadata
 from spnl_backend.kernels.ops import (
     add_rms_norm_ref,
+    gated_act_ref,
     qk_norm_rope_ref,
     rms_norm_ref,
     rotate_ref,
@@ -159,6 +160,49 @@ def test_rms_norm(kernels):
     torch.testing.assert_close(kernels.rms_norm(x, scale, 1e-6), rms_norm_ref(x, scale, 1e-6))
 
 
+@pytest.mark.parametrize("kind", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize(("rows", "inner"), [(1, 1), (3, 17), (5, 2048 + 37), (9, 4100)])
+def test_gated_act_is_close_to_torch_and_alike_on_any_threads_and_rows(kernels, kind, rows, inner):
+    """act(gate) * up on a product's halves (rows apart, tails past whole vectors and pieces):
+    close to torch's SiLU or tanh-GELU, closer still to the function in float64 (torch's
+    float32 1 + tanh cancels for negative gates), and the same bits on 1 to 3 threads and
+    for each row alone."""
+    gate_up = torch.randn(rows, 2 * inner, generator=torch.Generator().manual_seed(inner)) * 4
+    gate_up[0, :5] = torch.tensor([0.0, -30.0, 30.0, -90.0, 90.0])[: min(5, inner)]
+    gate, up = gate_up[:, :inner], gate_up[:, inner:]
+    out = kernels.gated_act(kind, gate, up)
+    torch.testing.assert_close(out, gated_act_ref(kind, gate, up), rtol=1e-5, atol=1e-5)
+    g = gate.double()  # both as x * sigmoid(z): GELU-tanh's z is 2 sqrt(2/pi) (x + 0.044715 x^3)
+    z = g if kind == "silu" else 2 * (2 / torch.pi) ** 0.5 * (g + 0.044715 * g**3)
+    exact = g * torch.sigmoid(z) * up.double()
+    torch.testing.assert_close(out.double(), exact, rtol=100 * 2**-23, atol=1e-30)
+    for threads in (1, 2, 3):
+        on = dataclasses.replace(kernels, threads=threads)
+        assert torch.equal(on.gated_act(kind, gate, up), out)
+    for r in range(rows):
+        assert torch.equal(kernels.gated_act(kind, gate[r : r + 1], up[r : r + 1]), out[r : r + 1])
+
+
+def test_gated_act_is_the_tanh_gelu_not_the_exact_one(kernels):
+    """GELU's tanh form, told apart from erf's where they differ most (near |x| = 2)."""
+    gate = torch.linspace(-3, 3, 64).reshape(1, 64)
+    out = kernels.gated_act("gelu_tanh", gate, torch.ones_like(gate))
+    torch.testing.assert_close(out, F.gelu(gate, approximate="tanh"), rtol=2e-6, atol=1e-6)
+    assert (out - F.gelu(gate)).abs().max() > 1e-4
+
+
+def test_gated_act_keeps_nan_and_refuses_bad_input(kernels):
+    gate = torch.tensor([[float("nan"), 1.0]])
+    for kind in ("silu", "gelu_tanh"):
+        assert kernels.gated_act(kind, gate, torch.ones_like(gate))[0, 0].isnan()
+    with pytest.raises(KernelArgumentError, match=r"relu2.*silu, gelu_tanh"):
+        kernels.gated_act("relu2", gate, gate)
+    with pytest.raises(KernelArgumentError, match="float32"):
+        kernels.gated_act("silu", gate, gate.double())
+    with pytest.raises(KernelArgumentError, match="consecutive"):
+        kernels.gated_act("silu", torch.ones(4, 3).T, torch.ones(4, 3).T)
+
+
 def _tables(tokens: int, rotary: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin ``[tokens, 1, rotary]`` laid out for rotate-half, as RotaryTables."""
     angles = torch.randn(tokens, 1, rotary // 2)
@@ -176,9 +220,12 @@ def test_rope_is_bit_identical(kernels, rotary):
     assert torch.equal(k, expected[1])
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("tokens", [3, 77])  # 77 rows: shared out among the threads
 @pytest.mark.parametrize("post_norm", [False, True], ids=["plain", "normed-delta"])
-def test_add_rms_norm_is_the_unfused_kernels_bit_for_bit(kernels, post_norm):
-    x, delta = torch.randn(3, 640), torch.randn(3, 640) * 4
+def test_add_rms_norm_is_the_unfused_kernels_bit_for_bit(kernels, post_norm, tokens, threads):
+    kernels = dataclasses.replace(kernels, threads=threads)
+    x, delta = torch.randn(tokens, 640), torch.randn(tokens, 640) * 4
     scale, delta_scale = torch.rand(640) + 0.5, torch.rand(640) + 0.5
     delta_norm = (delta_scale, 1e-5) if post_norm else None
     added = x + (kernels.rms_norm(delta, delta_scale, 1e-5) if post_norm else delta)
@@ -191,9 +238,13 @@ def test_add_rms_norm_is_the_unfused_kernels_bit_for_bit(kernels, post_norm):
     torch.testing.assert_close(out, twin_out)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("normed", [False, True], ids=["rope", "norm-rope"])
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_qk_norm_rope_on_a_qkv_row_is_norm_then_rotation_bit_for_bit(kernels, normed, tokens):
+@pytest.mark.parametrize("tokens", [1, 3, 90])  # 90 tokens: shared out among the threads
+def test_qk_norm_rope_on_a_qkv_row_is_norm_then_rotation_bit_for_bit(
+    kernels, normed, tokens, threads
+):
+    kernels = dataclasses.replace(kernels, threads=threads)
     heads, kv_heads, dim, rotary = 4, 2, 32, 16
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
     q = qkv[:, : heads * dim].view(tokens, heads, dim)

@@ -1,5 +1,6 @@
 """Per-layer operations with a native CPU kernel: RMSNorm, alone or fused with its
-neighbours (the residual add before it; for queries and keys, the rotation after it).
+neighbours (the residual add before it; for queries and keys, the rotation after it), and
+a gated MLP's activation.
 
 Each runs the compiled kernel ``native`` (where the layer was given one) for float32 CPU
 tensors and the torch reference (its twin) everywhere else. The layers' forms
@@ -11,8 +12,10 @@ model's own order of rounding is kept.
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from .cpu import CpuKernels
+from .cpu.abi import GATED_ACTS
 
 
 def native_for(native: CpuKernels | None, x: torch.Tensor) -> CpuKernels | None:
@@ -33,6 +36,29 @@ def rms_norm(
     """``x * rsqrt(mean(x²) + eps) * scale`` over the last dim (float32 ``scale``)."""
     native = native_for(native, x)
     return native.rms_norm(x, scale, eps) if native else rms_norm_ref(x, scale, eps)
+
+
+def gated_act_ref(kind: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``act(gate) * up``: SiLU, or GELU's tanh approximation (``kind`` gelu_tanh)."""
+    act = F.silu(gate) if kind == "silu" else F.gelu(gate, approximate="tanh")
+    return act.mul_(up)
+
+
+def gated_act(
+    kind: str, gate: torch.Tensor, up: torch.Tensor, native: CpuKernels | None = None
+) -> torch.Tensor:
+    """`gated_act_ref` (``kind``: one of `GATED_ACTS`), in one native call over the pool's
+    threads for float32 CPU tensors: the layer blocks call the same kernel, so both paths
+    round it alike."""
+    native = native_for(native, gate)
+    if native is None or up.dtype is not torch.float32 or kind not in GATED_ACTS:
+        return gated_act_ref(kind, gate, up)
+    inner = gate.shape[-1]
+    if not inner or not gate.numel():
+        return gated_act_ref(kind, gate, up)
+    flat = [t.reshape(-1, inner) for t in (gate, up)]  # views where the strides allow
+    flat = [t if t.stride(-1) == 1 else t.contiguous() for t in flat]
+    return native.gated_act(kind, *flat).reshape(gate.shape)
 
 
 def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

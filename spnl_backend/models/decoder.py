@@ -61,7 +61,7 @@ class DecoderLayer(nn.Module):
         if isinstance(spec.ffn, MoeFFN):
             self.mlp: nn.Module = SparseMoE(config, kernels)
         elif spec.ffn.gated:
-            self.mlp = GatedMLP(config, spec.ffn.intermediate_size, spec.ffn.bias)
+            self.mlp = GatedMLP(config, spec.ffn.intermediate_size, spec.ffn.bias, native)
         else:
             self.mlp = PlainMLP(config, spec.ffn.intermediate_size, spec.ffn.bias)
         # A shared expert beside the routed ones, and the projection that gates it.

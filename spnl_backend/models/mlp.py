@@ -8,6 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import ops
+from ..kernels.cpu import CpuKernels
+from ..kernels.ops import GATED_ACTS
 from .config import ModelConfig
 from .linear import Linear, project
 
@@ -17,17 +20,30 @@ Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) -> acti
 class GatedMLP(nn.Module):
     """``down(glu(gate(x), up(x)))``; ``bias``: every projection biased (gpt-oss's
     experts). ``act`` is the gate's activation where the glu is ``act(gate) * up`` (what
-    the native and fused kernels run), else None."""
+    the native and fused kernels run), else None. ``native``: the compiled kernels, whose
+    activation (SiLU or GELU-tanh) runs in float32 on the CPU, as the native layer blocks
+    run it (`kernels.ops.gated_act`)."""
 
-    def __init__(self, config: ModelConfig, inner: int | None = None, bias: bool = False) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        inner: int | None = None,
+        bias: bool = False,
+        native: CpuKernels | None = None,
+    ) -> None:
         super().__init__()
         hidden, inner = config.hidden_size, inner or config.intermediate_size
         self.gate_proj = Linear(hidden, inner, bias=bias)
         self.up_proj = Linear(hidden, inner, bias=bias)
         self.down_proj = Linear(inner, hidden, bias=bias)
         self.act: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # The kernel's activation where the glu is its call (the native layer blocks' too).
+        self.native_act: str | None = None
         if config.activation == "swiglu_oai":
             self.glu: Glu = ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit)
+        elif config.activation in GATED_ACTS and native is not None:
+            self.act, self.native_act = activation_fn(config.activation), config.activation
+            self.glu = _native_glu(config.activation, native)
         else:
             self.act = activation_fn(config.activation)
             self.glu = _plain_glu(self.act)
@@ -96,6 +112,10 @@ class ClampedSwiGLU:
 
 def _plain_glu(act: Callable[[torch.Tensor], torch.Tensor]) -> Glu:
     return lambda gate, up: act(gate).mul_(up)
+
+
+def _native_glu(kind: str, native: CpuKernels) -> Glu:
+    return lambda gate, up: ops.gated_act(kind, gate, up, native)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """A decoder's layers as two native calls each on the CPU: the attention block and the MLP
-block of ``layer_blocks.c``, with the activation applied by torch between them. This module
+block of ``layer_blocks.c`` (the gated activation at its start, the per-op path's kernel for
+it). This module
 reads the model into each layer's fixed arguments; `kernels.cpu.layer_blocks` runs a step.
 
 The per-op path (`DecoderLayer.forward`) is the twin: each block runs the very kernels
@@ -16,9 +17,9 @@ Anything else takes the per-op path.
 import ctypes
 
 import torch
-import torch.nn.functional as F
 
 from ..kernels.cpu import CpuKernels, LayerArgs, scoring_args
+from ..kernels.cpu.abi import GATED_ACTS
 from ..kernels.cpu.layer_blocks import LayerStack
 from ..kernels.cpu.lora import LoraTables, lora_groups
 from ..kernels.cpu.moe import NativeMoe
@@ -27,12 +28,10 @@ from ..quant.linear import QuantLinear
 from .attention import Attention
 from .decoder import DecoderLayer
 from .linear import Linear
-from .mlp import GatedMLP, gelu_tanh
+from .mlp import GatedMLP
 from .moe import SparseMoE
 from .norms import RMSNorm
 from .rope import RotaryTables
-
-ACTIVATIONS = (F.silu, gelu_tanh)
 
 
 class LayerBlocks:
@@ -52,9 +51,8 @@ class LayerBlocks:
         self.inner = dense[0].gate_proj.out_features if dense else 0
         self.keep: list = []  # what the structs point into
         self.moe: NativeMoe | None = None  # one MoE layer: the scratch all of them take
-        # Each layer's arguments and its MLP's activation (None: experts, the MoE block).
         args = [
-            (self._layer_args(layer, nxt, i in local_layers), _activation(layer))
+            self._layer_args(layer, nxt, i in local_layers)
             for i, (layer, nxt) in enumerate(
                 zip(layers, [*(lay.input_layernorm for lay in layers[1:]), final_norm], strict=True)
             )
@@ -145,6 +143,7 @@ class LayerBlocks:
             qk_full=int(attn.qk_norm_full),
             has_clip=int(attn.clip_qkv is not None),
             clip=attn.clip_qkv or 0.0,
+            act=0 if moe else GATED_ACTS[mlp.native_act],
             moe=None if moe is None else ctypes.pointer(moe.args),
         )
 
@@ -190,7 +189,7 @@ class LayerBlocks:
         sites = [lin.lora for lins in self.lora_projections for lin in lins if lin.lora]
         if not sites or not sites[0].step.groups:
             return None
-        for (args, _), lins, tables in zip(
+        for args, lins, tables in zip(
             self.stack.layers, self.lora_projections, self.lora_tables, strict=True
         ):
             for i, (lin, table) in enumerate(zip(lins, tables, strict=True)):
@@ -242,7 +241,7 @@ def _blocks_run(layers: list[DecoderLayer], final_norm: RMSNorm) -> bool:
             if moe is None or moe.hidden != attn.q_proj.in_features:
                 return False
             moes.add((moe.args.experts, moe.args.top_k, moe.args.inner))
-        elif isinstance(mlp, GatedMLP) and mlp.act in ACTIVATIONS:
+        elif isinstance(mlp, GatedMLP) and mlp.native_act is not None:
             linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
             inners.add(mlp.gate_proj.out_features)
         else:
@@ -264,11 +263,6 @@ def _lora_projections(layer: DecoderLayer) -> list[QuantLinear]:
     if isinstance(mlp, GatedMLP):
         projections += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
     return projections
-
-
-def _activation(layer: DecoderLayer):
-    """The activation of a dense layer's MLP; None for experts (the MoE block's own)."""
-    return None if isinstance(layer.mlp, SparseMoE) else layer.mlp.act
 
 
 def _norms(layer: DecoderLayer) -> list[RMSNorm]:

@@ -78,6 +78,7 @@ class LoraTable(ctypes.Structure):
 
 
 LORA_PROJECTIONS = 7  # q, k, v, o, gate, up, down (common.h's enum)
+GATED_ACTS = {"silu": 0, "gelu_tanh": 1}  # common.h's SPNL_ACT_*: a gated MLP's activation
 
 
 class ScoringArgs(ctypes.Structure):
@@ -216,6 +217,7 @@ class LayerArgs(ctypes.Structure):
         ("qk_full", I32),
         ("has_clip", I32),
         ("clip", F32),
+        ("act", I32),
         ("moe", ctypes.POINTER(MoeArgs)),
         ("lora", ctypes.POINTER(LoraTable) * LORA_PROJECTIONS),
     )
@@ -253,8 +255,9 @@ SIGNATURES = {  # name: (argument types, result type)
     "spnl_dequantize": ([I32, PTR, I64, I64, I64, PTR, I32], I32),
     "spnl_gather_rows": ([I32, PTR, I64, PTR, I64, I64, PTR], I32),
     "spnl_rms_norm": ([PTR, PTR, PTR, I64, I64, F32], I32),
-    "spnl_add_rms_norm": ([PTR, PTR, PTR, F32, PTR, F32, PTR, I64, I64], I32),
-    "spnl_qk_norm_rope": ([ctypes.POINTER(QkArgs)], I32),
+    "spnl_add_rms_norm": ([PTR, PTR, PTR, F32, PTR, F32, PTR, I64, I64, I32], I32),
+    "spnl_qk_norm_rope": ([ctypes.POINTER(QkArgs), I32], I32),
+    "spnl_gated_act": ([I32, PTR, PTR, I64, I64, I64, I64, PTR, I32], I32),
     "spnl_attention_block": ([ctypes.POINTER(StepArgs), ctypes.POINTER(LayerArgs)], I32),
     "spnl_mlp_block": ([ctypes.POINTER(StepArgs), ctypes.POINTER(LayerArgs)], I32),
     "spnl_moe_block": ([ctypes.POINTER(StepArgs), ctypes.POINTER(LayerArgs)], I32),

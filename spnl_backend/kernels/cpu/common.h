@@ -105,6 +105,10 @@ typedef struct {
 // The projections a layer's table list follows, in order.
 enum { LORA_Q, LORA_K, LORA_V, LORA_O, LORA_GATE, LORA_UP, LORA_DOWN, LORA_PROJECTIONS };
 
+// A gated MLP's activation of the gate (layer_ops.c's spnl_gated_act): SiLU or GELU's tanh
+// form.
+enum { SPNL_ACT_SILU, SPNL_ACT_GELU_TANH };
+
 // How a layer's scores become softmax weights (kernels/scoring.py): scale * q.k, capped
 // to softcap * tanh(s / softcap) where softcap > 0, over the last `window` keys where
 // window > 0, with a logit per query head in the denominator alone where sinks is set
@@ -175,7 +179,7 @@ typedef struct {
     int64_t tokens;
     float *x, *h;
     float *qkv, *q, *kv, *attn, *out, *gate_up;  // scratch
-    const float *act;                             // [tokens][inner]
+    float *act;                                   // [tokens][inner]
     const int64_t *slot_mapping;
     int64_t num_slots;
     spnl_attention at;
@@ -211,6 +215,7 @@ typedef struct {
     // clamped to [-clip, clip] where has_clip.
     int qk_full, has_clip;
     float clip;
+    int act;                   // a dense MLP's activation (SPNL_ACT_*)
     const spnl_moe_args *moe;  // NULL: a dense MLP (gate_up and down)
     const spnl_lora_table *lora[LORA_PROJECTIONS];  // NULL: no adapter at that projection
 } spnl_layer_args;
@@ -246,8 +251,11 @@ int spnl_gather_rows(int qtype, const uint8_t *w, int64_t n_rows, const int64_t 
 int spnl_rms_norm(const float *x, const float *scale, float *out, int64_t rows, int64_t dim,
                   float eps);
 int spnl_add_rms_norm(float *x, const float *delta, const float *delta_scale, float delta_eps,
-                      const float *scale, float eps, float *out, int64_t rows, int64_t dim);
-int spnl_qk_norm_rope(const spnl_qk_args *a);
+                      const float *scale, float eps, float *out, int64_t rows, int64_t dim,
+                      int threads);
+int spnl_qk_norm_rope(const spnl_qk_args *a, int threads);
+int spnl_gated_act(int kind, const float *gate, const float *up, int64_t rows, int64_t inner,
+                   int64_t gate_stride, int64_t up_stride, float *out, int threads);
 
 // paged_attention.c
 int spnl_store_kv(const float *k, const float *v, void *k_cache, void *v_cache,
@@ -501,6 +509,23 @@ static inline v16f exp16(v16f x) {
     p = p * r * r + r + splat(1.0f);
     const v16i two_n = (__builtin_convertvector(n, v16i) + 127) << 23;
     return (v16f)((v16i)(p * (v16f)two_n) & ~under);
+}
+
+// sigmoid(z) through e^-|z| (at most 1: never overflows).
+static inline v16f sigmoid16(v16f z) {
+    const v16i negative = z < splat(0.0f);
+    const v16f e = exp16((v16f)((v16i)z | INT32_MIN));  // e^-|z|: the sign bit set
+    const v16f up = splat(1.0f) / (splat(1.0f) + e);           // sigmoid(|z|)
+    return (v16f)(((v16i)(e * up) & negative) | ((v16i)up & ~negative));
+}
+
+// A gated MLP's activation of 16 gate and up values: act(g) * u. GELU's tanh form,
+// g/2 * (1 + tanh(y)) with y = sqrt(2/pi) (g + 0.044715 g^3), is g * sigmoid(2y): the same
+// function, through the sigmoid that cannot overflow.
+static inline v16f gated16(int kind, v16f g, v16f u) {
+    if (kind == SPNL_ACT_SILU) return g * sigmoid16(g) * u;
+    const v16f z = (g + splat(0.044715f) * g * g * g) * splat(1.5957691216f);  // 2y
+    return g * sigmoid16(z) * u;
 }
 
 // Bit (first + lane) of a 32-bit word, per lane.

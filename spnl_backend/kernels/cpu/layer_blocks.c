@@ -1,7 +1,8 @@
 // A decoder layer as two calls (twin: DecoderLayer.forward in spnl_backend/models/layers.py,
 // the per-op path): the attention block, from the normed residual to the gate/up product,
 // and the MLP block, from the activated product to the next layer's normed input. Between
-// them the caller applies the activation (torch's, so both paths round it alike). A layer
+// them the gate is activated and multiplied by up (spnl_gated_act, which the per-op path
+// calls too, so both paths round it alike), at the MLP block's start. A layer
 // with experts instead ends its attention block at the MLP's input norm and runs its
 // experts as the MoE block (spnl_moe, which the per-op path calls too). Each step is the
 // very kernel the per-op path calls, in the same order on the same values, so the two paths
@@ -12,7 +13,7 @@
 static int add_norm(const spnl_step_args *s, const spnl_layer_args *l, const float *delta,
                     const float *delta_scale, const float *scale) {
     return spnl_add_rms_norm(s->x, delta, delta_scale, l->eps, scale, l->eps, s->h, s->tokens,
-                             l->hidden);
+                             l->hidden, s->threads);
 }
 
 // A projection's adapters on this step's rows: out (rows out_stride apart) += their products
@@ -66,7 +67,7 @@ int spnl_attention_block(const spnl_step_args *s, const spnl_layer_args *l) {
         .k_scale = l->qk_full ? NULL : l->k_norm,
         .eps = l->eps, .cos = s->cos[l->local], .sin = s->sin[l->local],
     };
-    if ((status = spnl_qk_norm_rope(&qk))) return status;
+    if ((status = spnl_qk_norm_rope(&qk, s->threads))) return status;
     // q, k and v each made contiguous, as the per-op path's views are before their kernels
     float *q = s->q, *k = s->kv, *v = s->kv + tokens * kv_size;
     for (int64_t t = 0; t < tokens; t++) {
@@ -105,11 +106,16 @@ int spnl_attention_block(const spnl_step_args *s, const spnl_layer_args *l) {
     return lora(s, l, LORA_UP, s->h, hidden, hidden, s->gate_up + inner, 2 * inner, inner);
 }
 
-// act (the activated gate times up) -> the down product -> x += ..., h = the next norm.
+// gate_up -> act (the activated gate times up) -> the down product -> x += ...,
+// h = the next norm.
 int spnl_mlp_block(const spnl_step_args *s, const spnl_layer_args *l) {
     if (s->tokens < 1 || l->hidden < 1 || l->inner < 1 || l->moe) return BAD_ARGUMENT;
-    int status = spnl_qmatmul(l->down, s->act, s->tokens, l->inner, s->out, l->hidden,
-                              s->threads, s->exact);
+    const int64_t inner = l->inner;
+    int status = spnl_gated_act(l->act, s->gate_up, s->gate_up + inner, s->tokens, inner,
+                                2 * inner, 2 * inner, s->act, s->threads);
+    if (status) return status;
+    status = spnl_qmatmul(l->down, s->act, s->tokens, l->inner, s->out, l->hidden, s->threads,
+                          s->exact);
     if (status) return status;
     status = lora(s, l, LORA_DOWN, s->act, l->inner, l->inner, s->out, l->hidden, l->hidden);
     if (status) return status;

@@ -1,12 +1,12 @@
 """The native layer blocks' step (``layer_blocks.c``): a decoder's layers as two calls each,
-the attention block and the MLP block, with the activation torch applies between them.
+the attention block and the MLP block (which starts with the gated activation).
 
 `models.native_blocks` reads the model into each layer's fixed arguments (`LayerArgs`);
 this module checks a step's tensors and pools, lays out its buffers and runs every layer.
 """
 
 import ctypes
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -18,9 +18,6 @@ from .checks import KernelArgumentError, check_keys, pool_row, require
 from .moe import NativeMoe, scratch
 from .wrappers import CpuKernels
 
-# An activation torch applies between a layer's two calls; None: the MoE block's own.
-Activation = Callable[[torch.Tensor], torch.Tensor] | None
-
 
 class RotaryTables(Protocol):
     """One step's rotary tables (`models.rope.RotaryTables`): ``[T, 1, rotary_dim]``."""
@@ -31,9 +28,9 @@ class RotaryTables(Protocol):
 
 @dataclass
 class LayerStack:
-    """Every layer's fixed arguments and activation, over one model's shapes: what a step
-    runs (`run`). ``moe``: one of its MoE layers (every one has the same shapes), whose
-    scratch all of them take."""
+    """Every layer's fixed arguments, over one model's shapes: what a step runs (`run`).
+    ``moe``: one of its MoE layers (every one has the same shapes), whose scratch all of
+    them take."""
 
     native: CpuKernels
     hidden: int
@@ -41,7 +38,7 @@ class LayerStack:
     heads: int
     kv_heads: int
     head_dim: int
-    layers: list[tuple[LayerArgs, Activation]]
+    layers: list[LayerArgs]
     moe: NativeMoe | None = None
     pools_key: tuple | None = field(default=None, init=False)  # the pools' addresses, dtype, shape
 
@@ -107,16 +104,13 @@ class LayerStack:
         for i, table in enumerate(tables):
             step.cos[i], step.sin[i] = table.cos.data_ptr(), table.sin.data_ptr()
             step.rotary_dim[i] = table.cos.shape[-1]
-        gate_up, act = buffers["gate_up"], buffers["act"]
-        gate, up = gate_up[:, : self.inner], gate_up[:, self.inner :]
         native = self.native
-        for args, activation in self.layers:
+        for args in self.layers:
             native.attention_block(step, args)
-            if activation is None:
+            if args.moe:  # a pointer to the layer's experts, or NULL: a dense MLP
                 native.moe_block(step, args)
-                continue
-            torch.mul(activation(gate), up, out=act)
-            native.mlp_block(step, args)
+            else:
+                native.mlp_block(step, args)
         return h
 
     def _check_step(self, x, h, tables, keys: NativeKeys) -> None:
@@ -164,7 +158,7 @@ class LayerStack:
                         f"layer blocks: a pool of {pool.dtype} {tuple(pool.shape)}"
                     )
             pool_row(*pair, "layer blocks")  # each a float pool the kernels read
-        for (args, _), (k_cache, v_cache) in zip(self.layers, pools, strict=True):
+        for args, (k_cache, v_cache) in zip(self.layers, pools, strict=True):
             args.k_cache, args.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
             args.half = int(first.dtype is torch.float16)
         self.pools_key = key

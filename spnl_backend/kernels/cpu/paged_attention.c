@@ -532,6 +532,14 @@ static bool joins(const spnl_attention *at, int64_t leader, int64_t s, int64_t c
     return mine == theirs || !memcmp(mine, theirs, KEY_CHUNK * sizeof(int64_t));
 }
 
+// The query block of the n-th task of each KV head: 0, last, 1, last - 1, ... A prefill's
+// later queries see more keys; so taken, any run of consecutive tasks (each thread's part
+// of the pool's job, and the chunks stolen from its end) costs about its length, and the
+// threads end together rather than one waiting on the other's costliest blocks.
+static inline int64_t zigzag(int64_t n, int64_t blocks) {
+    return n % 2 ? blocks - 1 - n / 2 : n / 2;
+}
+
 // Block task: up to p->block consecutive queries of one KV head. Chunk by chunk, the
 // queries that see it whole over the same table go together, the others alone; then each
 // query's partials combine, in chunk order. scratch: the chunk's work, then per query its
@@ -540,7 +548,9 @@ static void block_task(void *ctx, int64_t task, int worker) {
     const attention_call *call = ctx;
     const attention_plan *p = call->p;
     const spnl_attention *at = &p->a->at;
-    const int64_t kvh = task % at->kv_heads, s0 = task / at->kv_heads * p->block;
+    const int64_t blocks = (at->seqs + p->block - 1) / p->block;
+    const int64_t kvh = task % at->kv_heads;
+    const int64_t s0 = zigzag(task / at->kv_heads, blocks) * p->block;
     const int64_t count = at->seqs - s0 < p->block ? at->seqs - s0 : p->block;
     float *scores = call->scratch + (size_t)worker * call->floats;
     float *parts = scores + p->work;

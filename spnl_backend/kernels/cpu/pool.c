@@ -98,14 +98,18 @@ static bool running_job(uint64_t *generation, int *threads) {
     return true;
 }
 
-// Take up to `want` tasks from part p: from its front (its owner) or its back (another
-// thread). The first task taken, or -1 where it has none (or belongs to another job).
+// Take up to `want` tasks from part p, and at most half of what it has left (rounded up):
+// from its front (its owner) or its back (another thread). The first task taken, or -1
+// where it has none (or belongs to another job). Halving the last claims leaves the
+// threads a few tasks' difference at the job's end, not a chunk's (a prefill's chunk is
+// milliseconds of products), when one was slowed or stole.
 static int64_t take(int p, uint64_t generation, int64_t want, bool front, int64_t *count) {
     uint64_t part = atomic_load_explicit(&pool.parts[p], memory_order_acquire);
     for (;;) {
         const int64_t first = first_of_part(part), end = end_of_part(part);
         if (generation_of(part) != generation || first >= end) return -1;
-        const int64_t n = want < end - first ? want : end - first;
+        const int64_t half = (end - first + 1) / 2;
+        const int64_t n = want < half ? want : half;
         const uint64_t rest = front ? pack(generation, (uint64_t)(first + n), (uint64_t)end)
                                     : pack(generation, (uint64_t)first, (uint64_t)(end - n));
         if (atomic_compare_exchange_weak_explicit(&pool.parts[p], &part, rest,

@@ -10,6 +10,7 @@ import torch
 
 from ..scoring import Scoring
 from .abi import (
+    GATED_ACTS,
     I32,
     I64,
     MAX_HEAD_DIM,
@@ -110,6 +111,47 @@ class CpuKernels:
         )
         return out
 
+    def gated_act(self, kind: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``act(gate) * up`` for ``kind`` (silu or gelu_tanh: `GATED_ACTS`) over ``[rows,
+        inner]`` float32 views whose rows may lie apart (a product's halves), their values
+        consecutive within a row."""
+        if kind not in GATED_ACTS:
+            raise KernelArgumentError(
+                f"gated_act: activation {kind!r}; the kernel has {', '.join(GATED_ACTS)}"
+            )
+        for t, name in ((gate, "gate"), (up, "up")):
+            if not (
+                t.dtype is torch.float32
+                and t.is_cpu
+                and t.dim() == 2
+                and t.shape == gate.shape
+                and t.shape[1] > 0
+                and t.stride(1) == 1
+                and (t.shape[0] < 2 or t.stride(0) >= t.shape[1])
+            ):
+                raise KernelArgumentError(
+                    f"gated_act: {name} of {t.dtype} on {t.device}, shape {tuple(t.shape)}, "
+                    f"strides {t.stride()}; wanted float32 on the CPU, gate's 2-D shape "
+                    f"{tuple(gate.shape)}, each row's values consecutive, rows apart"
+                )
+        rows, inner = gate.shape
+        out = torch.empty(rows, inner, dtype=torch.float32)
+        check_status(
+            self.library.spnl_gated_act(
+                GATED_ACTS[kind],
+                gate.data_ptr(),
+                up.data_ptr(),
+                rows,
+                inner,
+                gate.stride(0) if rows > 1 else inner,
+                up.stride(0) if rows > 1 else inner,
+                out.data_ptr(),
+                self.threads,
+            ),
+            "gated_act",
+        )
+        return out
+
     def add_rms_norm(
         self,
         x: torch.Tensor,
@@ -142,6 +184,7 @@ class CpuKernels:
                 out.data_ptr(),
                 x.numel() // dim,
                 dim,
+                self.threads,
             ),
             "add_rms_norm",
         )
@@ -205,7 +248,7 @@ class CpuKernels:
             cos=cos.data_ptr(),
             sin=sin.data_ptr(),
         )
-        check_status(self.library.spnl_qk_norm_rope(args), "qk_norm_rope")
+        check_status(self.library.spnl_qk_norm_rope(args, self.threads), "qk_norm_rope")
 
     def delta_rule_(
         self,
