@@ -10,7 +10,7 @@ from torch import nn
 
 from ..kernels import ops
 from ..kernels.cpu import CpuKernels
-from ..kernels.ops import GATED_ACTS
+from ..kernels.cpu.abi import GATED_ACTS
 from .config import ModelConfig
 from .linear import Linear, project
 
