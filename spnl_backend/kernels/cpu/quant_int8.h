@@ -1095,6 +1095,16 @@ static inline __m128i lane_sums(__m512i s, const int16_t *sums32, int bias) {
     return _mm_sub_epi32(_mm512_castsi512_si128(_mm512_permutexvar_epi32(firsts, s)), offsets);
 }
 
+// acc plus group g's 4 blocks: lane_sums' integers of s, each weighed by its block's float16
+// scale (the first 4 halves of d) times its activations' scale, as the group path weighs it.
+static inline __m128 group_fma(__m128 acc, __m512i s, __m512i d, const act_rows *x, int64_t g,
+                               int bias) {
+    const __m128i sums = lane_sums(s, x->sums32 + g * CHAINS, bias);
+    const __m128 scale = _mm_mul_ps(_mm_cvtph_ps(_mm512_castsi512_si128(d)),
+                                    _mm_loadu_ps(x->d32 + g * CHAINS));
+    return _mm_fmadd_ps(_mm_cvtepi32_ps(sums), scale, acc);
+}
+
 // The activations of 4 blocks from a: their first 16 values (lo) and last 16 (hi), block i
 // in 128-bit lane i.
 static inline void lane_acts(const int8_t *a, __m512i *lo, __m512i *hi) {
@@ -1151,10 +1161,7 @@ static inline __m128 q5_0_row1(const act_rows *x, int64_t groups, const uint8_t 
         lane_acts(x->q32 + g * CHAINS * 32, &alo, &ahi);
         __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ulo, alo);
         s = _mm512_dpbusd_epi32(s, uhi, ahi);
-        const __m128i sums = lane_sums(s, x->sums32 + g * CHAINS, 4);
-        const __m128 scale = _mm_mul_ps(_mm_cvtph_ps(_mm512_castsi512_si128(d)),
-                                        _mm_loadu_ps(x->d32 + g * CHAINS));
-        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(sums), scale, acc);
+        acc = group_fma(acc, s, d, x, g, 4);
     }
     return acc;
 }
@@ -1208,10 +1215,7 @@ static inline __m128 q8_0_row1(const act_rows *x, int64_t groups, const uint8_t 
         // block i's lanes into 128-bit lane i
         const __m512i s = _mm512_add_epi32(_mm512_shuffle_i64x2(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
                                            _mm512_shuffle_i64x2(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
-        const __m128i sums = lane_sums(s, x->sums32 + g * CHAINS, 7);
-        const __m128 scale = _mm_mul_ps(_mm_cvtph_ps(_mm512_castsi512_si128(d)),
-                                        _mm_loadu_ps(x->d32 + g * CHAINS));
-        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(sums), scale, acc);
+        acc = group_fma(acc, s, d, x, g, 7);
     }
     return acc;
 }
