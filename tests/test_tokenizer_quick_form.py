@@ -48,7 +48,9 @@ def _same_as_saved(directory: Path) -> None:
 def test_made_once_with_string_merges_and_read_from_then_on(plain, monkeypatch):
     _same_as_saved(plain)
     (quick,) = _quick(plain)
-    assert json.loads(quick.read_text())["model"]["merges"] == ["a b", "ab ab", "c a"]
+    model = json.loads(quick.read_text())["model"]
+    assert model["merges"] == ["a b", "ab ab", "c a"]
+    assert list(model["vocab"]) == sorted(model["vocab"], key=str.encode)
 
     def no_saved(*args):
         raise AssertionError("tokenizer.json parsed although the quick form exists")

@@ -241,9 +241,11 @@ def _load_converted(directory: Path) -> VocabTokenizer:
 # of ["a", "b"]. The library turns every JSON array into a tree of values before it builds
 # the model; on the default model's 515k merges the pairs cost 0.15-0.2 s of the parse
 # and 190 MB of its peak. A space inside a token would make "a b" ambiguous, so such a
-# vocabulary keeps its pairs. The name holds what the form depends on (this format, the
-# library's version, the saved conversion's size and time) and the file's CRC-32.
-_QUICK_FORMAT = 1
+# vocabulary keeps its pairs. The vocabulary goes in the byte order of its strings, the
+# order of the sorted map the library reads it into first (~5% less of the parse). The
+# name holds what the form depends on (this format, the library's version, the saved
+# conversion's size and time) and the file's CRC-32.
+_QUICK_FORMAT = 2
 
 
 def _read_quick(directory: Path) -> RustTokenizer:
@@ -320,6 +322,9 @@ def _quick_form(rust: RustTokenizer) -> bytes:
     merges = model.get("merges")
     if model.get("type") == "BPE" and merges and _spaceless_pairs(merges):
         model["merges"] = [f"{left} {right}" for left, right in merges]
+    vocab = model.get("vocab")
+    if isinstance(vocab, dict):
+        model["vocab"] = dict(sorted(vocab.items(), key=lambda item: item[0].encode()))
     return json.dumps(definition, ensure_ascii=False, separators=(",", ":")).encode()
 
 
