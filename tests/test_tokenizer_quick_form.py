@@ -118,6 +118,26 @@ def test_a_cache_that_cannot_be_written_costs_only_speed(plain, monkeypatch):
     assert _quick(plain) == []
 
 
+@pytest.mark.parametrize(
+    "form",
+    [
+        lambda rust: b"{",  # does not parse
+        lambda rust: rust.to_str().replace('"ab":4', '"ab":5').encode(),  # another definition
+    ],
+)
+def test_a_quick_form_that_is_not_the_conversion_is_refused_once(plain, monkeypatch, form):
+    monkeypatch.setattr(tokenizer_module, "_quick_form", form)
+    _same_as_saved(plain)
+    assert _quick(plain) == []
+    assert len(list(plain.glob("tokenizer.quick-*.none"))) == 1
+
+    def again(rust):
+        raise AssertionError("a refused quick form was made again")
+
+    monkeypatch.setattr(tokenizer_module, "_quick_form", again)
+    _same_as_saved(plain)
+
+
 def test_a_damaged_saved_conversion_is_a_model_file_error(plain):
     (plain / "tokenizer.json").write_text('{"model": ')
     with pytest.raises(ModelFileError, match=r"cached conversion cannot be read.*delete"):

@@ -252,13 +252,21 @@ def _read_quick(directory: Path) -> RustTokenizer:
     """The saved conversion in ``directory``, parsed from its quick form (made from
     tokenizer.json and checked against it on first use; a damaged one is made again)."""
     key = _quick_key(directory)
+    saved = directory / "tokenizer.json"
+    if _refusal(directory, key).exists():  # tried once: this conversion has none
+        return _parse_saved(saved, directory)
     for found in sorted(directory.glob(f"tokenizer.quick-{key}.*.json")):
         rust = _parse_quick(found)
         if rust is not None:
             return rust
-    rust = _parse_saved(directory / "tokenizer.json", directory)
+    rust = _parse_saved(saved, directory)
     _write_quick(rust, directory, key)
     return rust
+
+
+def _refusal(directory: Path, key: str) -> Path:
+    """The mark left where a conversion's quick form did not parse back to it."""
+    return directory / f"tokenizer.quick-{key}.none"
 
 
 def _quick_key(directory: Path) -> str:
@@ -288,13 +296,12 @@ def _parse_quick(path: Path) -> RustTokenizer | None:
             return RustTokenizer.from_buffer(data)
         except Exception as exc:  # the library raises bare Exceptions on a damaged file
             problem = f"{type(exc).__name__}: {exc}"
-    log.warning(
-        "tokenizer.quick_form_damaged",
-        file=str(path),
-        problem=problem,
-        action="removed; parsed from tokenizer.json and written again",
-    )
-    path.unlink(missing_ok=True)
+    try:
+        path.unlink(missing_ok=True)
+        action = "removed; parsed from tokenizer.json and written again"
+    except OSError as exc:
+        action = f"cannot be removed ({exc}); parsed from tokenizer.json"
+    log.warning("tokenizer.quick_form_damaged", file=str(path), problem=problem, action=action)
     return None
 
 
@@ -336,22 +343,36 @@ def _spaceless_pairs(merges: list[Any]) -> bool:
 
 def _write_quick(rust: RustTokenizer, directory: Path, key: str) -> None:
     """Write the quick form of ``rust`` if the library parses it back to the very same
-    definition; a cache that cannot be written costs speed only, so it is logged."""
+    definition, else a mark that it has none (tokenizer.json is then read, as before);
+    a cache that cannot be written costs speed only, so it is logged."""
     data = _quick_form(rust)
-    if RustTokenizer.from_buffer(data).to_str() != rust.to_str():
+    problem = _round_trip_problem(rust, data)
+    target = directory / f"tokenizer.quick-{key}.{zlib.crc32(data):08x}.json"
+    if problem is not None:
         log.warning(
             "tokenizer.quick_form_refused",
             directory=str(directory),
-            reason="it does not parse back to the saved conversion; tokenizer.json is read",
+            problem=problem,
+            action="tokenizer.json is read, as the quick form's absence is marked",
         )
-        return
-    target = directory / f"tokenizer.quick-{key}.{zlib.crc32(data):08x}.json"
+        target, data = _refusal(directory, key), b""
     try:
         _write_whole(data, target)
     except OSError as exc:
         log.warning("tokenizer.quick_form_not_written", file=str(target), error=str(exc))
         return
     log.info("tokenizer.quick_form_written", file=str(target), bytes=len(data))
+
+
+def _round_trip_problem(rust: RustTokenizer, data: bytes) -> str | None:
+    """Why ``data`` is not ``rust``'s definition once the library parses it, or None."""
+    try:
+        back = RustTokenizer.from_buffer(data)
+    except Exception as exc:  # the library raises bare Exceptions on what it cannot read
+        return f"it does not parse: {type(exc).__name__}: {exc}"
+    if back.to_str() != rust.to_str():
+        return "it parses to another definition than the saved conversion"
+    return None
 
 
 def _write_whole(data: bytes, target: Path) -> None:
