@@ -9,6 +9,7 @@ import sys
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from spnl_backend import ModelFileError, load_backend
@@ -84,6 +85,22 @@ def test_the_same_special_tokens_vocabulary_and_decoding_of_any_ids(pair):
         assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(
             ids, skip_special_tokens=skip
         )
+
+
+def test_the_quick_form_is_the_saved_conversion_with_string_merges(converted, pair):
+    """What a load parses (the quick form) against tokenizer.json parsed as saved: the
+    same definition (all 262k tokens, 515k merges in order, specials, pipeline)."""
+    (quick,) = converted.glob("tokenizer.quick-*.json")
+    merges = json.loads(quick.read_text())["model"]["merges"]
+    assert len(merges) > 500_000
+    assert all(isinstance(m, str) and m.count(" ") == 1 for m in merges)
+    saved = Tokenizer.from_file(str(converted / "tokenizer.json"))
+    ours = pair[0].rust
+    assert ours.to_str() == saved.to_str()
+    for text in TEXTS:
+        for special in (True, False):
+            got = ours.encode(text, add_special_tokens=special).ids
+            assert got == saved.encode(text, add_special_tokens=special).ids, text
 
 
 def test_a_damaged_cached_conversion_is_a_model_file_error(converted, tmp_path, monkeypatch):
