@@ -858,4 +858,6 @@ def _cache_room(engine: Engine, settings: BackendSettings, loaded: LoadedModel) 
         info.block_size,
         info.bytes_per_token,
         loaded.config.max_position_embeddings,
+        info.window_bytes_per_token or 0,
+        info.window_most_tokens or 0,
     )

@@ -427,6 +427,12 @@ class Engine:
                 "its model's KV layers differ in shape or are read by other layers "
                 "(Gemma 4): PIC's moves and probes take one shape and a layer each"
             )
+        if info.window_blocks is not None:
+            return (
+                "its sliding-window layers keep K and V for their windows alone (a pool of "
+                "their own), and a PIC block is placed anywhere in the context; any "
+                "MISTRALRS_PIC_* setting given at load keeps every layer's whole context"
+            )
         if info.chunked_attention:
             return (
                 "its model attends within chunks of absolute positions (Llama 4): a block "

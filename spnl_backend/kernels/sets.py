@@ -4,6 +4,7 @@ Every set has the same signatures (`AttentionKernels`); `kernels.dispatch` picks
 """
 
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 
@@ -148,6 +149,9 @@ class NativeKeys:
     lens: torch.Tensor  # [queries] int64
     num_slots: int
     windowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Where the layers with a window keep their own pool (`engine.window_pool`): their
+    # tokens' slots there and its slot count (their keys are then ``windowed``'s).
+    window_pool: tuple[torch.Tensor, int] | None = None
 
 
 def native_keys(
@@ -177,6 +181,32 @@ def native_keys(
     slot_mapping = meta.slot_mapping.to(torch.int64).contiguous()
     slots = slots if slots.stride(1) == 1 else slots.contiguous()
     return NativeKeys(slot_mapping, slots, lens, num_slots, windowed)
+
+
+def windowed_native_keys(
+    kernels: AttentionKernels,
+    meta: PagedMetadata,
+    pool: torch.Tensor,
+    window_meta: PagedMetadata,
+    window_pool: torch.Tensor,
+    window: int,
+) -> NativeKeys | None:
+    """The step's `NativeKeys` where the layers with ``window`` keep a pool of their own
+    (``window_pool``, one layer's key cache of it, read through ``window_meta``) beside
+    the other layers' (``pool``, through ``meta``); None where either would not run
+    natively, or a sequence is a PIC one (its keys are listed by position)."""
+    if meta.pic is not None:
+        return None
+    keys = native_keys(kernels, meta, pool, ())
+    own = native_keys(kernels, window_meta, window_pool, ())
+    if keys is None or own is None:
+        return None
+    firsts = first_keys(own.lens, window)
+    return dataclasses.replace(
+        keys,
+        windowed=(own.slots, own.lens, firsts),
+        window_pool=(own.slot_mapping, own.num_slots),
+    )
 
 
 def _contiguous_rows(keys: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
