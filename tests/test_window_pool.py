@@ -10,7 +10,6 @@ from helpers import PROMPT, SHARED_PREFIX_PROMPTS, engine_internals
 from spnl_backend import BackendSettings, load_backend
 from spnl_backend.engine import build
 from spnl_backend.engine.window_pool import WindowSlots
-from spnl_backend.engine.window_pool import WindowSlots
 
 BLOCK = 8
 
@@ -68,7 +67,7 @@ def test_a_batch_gives_the_same_tokens_from_a_smaller_pool(tiny, arch, small_win
     on, info = _run(tiny, arch, True, prompts)
     off, whole = _run(tiny, arch, False, prompts)
     assert on == off
-    assert info.window_blocks == 2 * 2 + 1  # two sequences' windows and the chunk's block
+    assert info.window_blocks == 2 * 2 + 1  # two sequences' windows, the chunk's block
     with _load(tiny, arch, True) as backend:
         nbytes = engine_internals(backend).runner.cache.cache.nbytes
     tokens, window_tokens = info.num_blocks * BLOCK, info.window_blocks * BLOCK
@@ -139,20 +138,28 @@ def test_window_slots_are_held_dropped_kept_and_reclaimed():
     slots.start(1, [], 0)
     assert slots.missing(1, table, 3) == 3
     slots.extend(1, table, 3)
-    assert [slots.slot_of[b] for b in table] == [0, 1, 2] and slots.available == 0
+    assert [slots.slot_of[b] for b in table] == [0, 1, 2]
+    assert slots.available == 0
     slots.advance(1, table, 12, registered)  # position 12 reads from 5 on: not block 5
-    assert slots.holders[5] == 0 and list(slots.kept) == [5] and slots.available == 1
+    assert slots.holders[5] == 0
+    assert list(slots.kept) == [5]
+    assert slots.available == 1
     assert slots.room(1, table, 12) == 3 + 1
     slots.finish(1, table, registered)
-    assert slots.slot_of[6] == -1 and list(slots.kept) == [5, 7] and slots.available == 3
+    assert slots.slot_of[6] == -1
+    assert list(slots.kept) == [5, 7]
+    assert slots.available == 3
     assert not slots.has_window(table, 12)  # block 6 (positions 4..7) lost its K and V
     assert slots.has_window([5], 4)
     slots.start(2, [], 0)
     assert slots.missing(2, [1, 2], 2) == 2
     slots.extend(2, [1, 2], 2)  # the free slot, then the least recently kept one
-    assert slots.slot_of[5] == -1 and list(slots.kept) == [7] and slots.available == 1
+    assert slots.slot_of[5] == -1
+    assert list(slots.kept) == [7]
+    assert slots.available == 1
     slots.finish(2, [1, 2], [False, False])
-    assert slots.available == 3 and slots.slot_of[1] == slots.slot_of[2] == -1
+    assert slots.available == 3
+    assert slots.slot_of[1] == slots.slot_of[2] == -1
 
 
 def test_a_retaken_block_gives_its_kept_slot_back():
@@ -162,7 +169,9 @@ def test_a_retaken_block_gives_its_kept_slot_back():
     slots.finish(1, [2], keep=[True])
     assert list(slots.kept) == [2]
     slots.forget(2)
-    assert slots.slot_of[2] == -1 and len(slots.free) == 2 and not slots.kept
+    assert slots.slot_of[2] == -1
+    assert len(slots.free) == 2
+    assert not slots.kept
 
 
 def test_the_native_layer_blocks_run_over_both_pools(tiny, arch, small_window_pool, block_runs):

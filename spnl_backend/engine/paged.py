@@ -241,7 +241,8 @@ class PagedStep:
             return None if keys is None else (keys, cache.layers)
         window_layer = cache.windowed.index(True)
         full_layer = cache.windowed.index(False)
-        assert self.window_meta is not None and len(set(windows)) == 1
+        assert self.window_meta is not None
+        assert len(set(windows)) == 1
         keys = windowed_native_keys(
             self.kernels,
             self.meta,

@@ -3,8 +3,8 @@
 Every set has the same signatures (`AttentionKernels`); `kernels.dispatch` picks one per model.
 """
 
-from collections.abc import Callable
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
