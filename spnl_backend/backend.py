@@ -110,6 +110,7 @@ class Backend:
             self._limit,
             engine.cache_info.block_size or 1,
             engine.pic_refusal(),
+            engine.pic_context(),
         )
         self._special_ids: dict[str, int | None] = {}  # tool-call markers, once looked up
         self._gates: dict[str, GateTokens | str] = {}  # reasoning markers' ids, once looked up

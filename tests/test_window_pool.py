@@ -8,6 +8,7 @@ import pytest
 from helpers import PROMPT, SHARED_PREFIX_PROMPTS, engine_internals
 
 from spnl_backend import BackendSettings, load_backend
+from spnl_backend.errors import ContextLengthError
 from spnl_backend.engine import build
 from spnl_backend.engine.window_pool import WindowSlots
 
@@ -190,3 +191,27 @@ def test_the_native_layer_blocks_run_over_both_pools(tiny, arch, small_window_po
             assert (block_runs[0] > runs) == blocks
             found.append([r.token_ids for r in results])
     assert found[0] == found[1] == found[2]
+
+
+def test_pic_prompts_pin_their_blocks_and_hit_with_the_same_tokens(tiny, arch, monkeypatch):
+    """A PIC prompt's queries read any of its blocks: it keeps them all in the windowed
+    pool, its hits (documents computed by an earlier prompt) give the tokens a pool
+    without one gives, and one longer than the windowed pool is refused up front."""
+    monkeypatch.setattr(build, "WINDOW_SEQS", 2)
+    monkeypatch.setattr(build, "WINDOW_CHUNK_TOKENS", 160)  # a windowed pool of 24 blocks
+    docs = [f" Document {i}: the fox and the dog met on day {i} near the river." for i in range(2)]
+    pieces = [("cross", "Read these."), *[("plus", d) for d in docs], ("cross", " Who met?")]
+    found = {}
+    for windowed in (True, False):
+        with _load(tiny, arch, windowed, _settings(paged_attn_context_len=256)) as backend:
+            first = backend.generate(blocks=pieces, max_tokens=12, temperature=0)
+            asked = [*pieces[:-1], ("cross", " Where was it?")]
+            again = backend.generate(blocks=asked, max_tokens=12, temperature=0)
+            found[windowed] = [first.token_ids, again.token_ids], again.usage.pic_hit_tokens
+            if windowed:
+                holds = backend.cache_info().window_blocks * BLOCK
+                long = [("plus", " the fox" * holds)]
+                with pytest.raises(ContextLengthError, match="sliding-window layers' own pool"):
+                    backend.generate(blocks=long, max_tokens=1)
+    assert found[True] == found[False]
+    assert found[True][1] > 0

@@ -658,12 +658,7 @@ def _paged_cache(
     # parallelism, whose other ranks hold pools of their own; and layer by layer of one
     # shape (PIC refuses KV groups).
     shift = None
-    if (
-        isinstance(cache, PagedKVCache)
-        and loaded.model.tp is None
-        and loaded.config.uniform_kv
-        and slots is None
-    ):
+    if isinstance(cache, PagedKVCache) and loaded.model.tp is None and loaded.config.uniform_kv:
         shift = KeyShift(loaded.config, cache.move_blocks)
     manager = PagedCacheManager(cache, blocks, loaded.kernels.attention, shift, slots)
     return manager, info, plan.states
@@ -709,8 +704,8 @@ def _window_pool_refusal(
             loaded.model.model.layer_spans is not None
         ),
         "tensor parallelism shards the pool": loaded.model.tp is not None,
-        "PIC settings ask for PIC prompts, whose blocks every layer keeps": bool(
-            given_pic_settings(settings)
+        "PIC's deviation probes read one layer's whole pool": (
+            settings.pic_recompute > 0 and settings.pic_recompute_select == "deviation"
         ),
         "the KV tier (MISTRALRS_KV_TIER_DIR) stores blocks of every layer": (
             settings.kv_tier_dir is not None

@@ -85,6 +85,8 @@ class PagedKVCache:
         self.data = self.parts[0] if len(self.parts) == 1 else None  # the whole pool
         self.bytes_per_token = kv_bytes_per_token(config, cache_dtype)
         self.nbytes = sum(part.numel() * part.element_size() for part in self.parts)
+        # Each block's slot in the windowed pool, -1 for none (`window_pool.WindowSlots`).
+        self.window_slot_of: list[int] | None = None
         self.is_fp8 = cache_dtype == torch.float8_e4m3fn
         self.k_scale = [1.0] * config.num_kv_layers
         self.v_scale = [1.0] * config.num_kv_layers
@@ -128,9 +130,16 @@ class PagedKVCache:
     def move_blocks(self, sources: list[int], targets: list[int], angles: Angles) -> None:
         """Blocks ``targets`` of every layer set to blocks ``sources``, their keys turned by
         each layer's ``angles`` (`engine.kv_shift`)."""
+        slot_of = self.window_slot_of
         for layer, (keys, values) in enumerate(self.layers):
             cos, sin = angles[layer]
-            src, dst = (torch.tensor(ids, device=keys.device) for ids in (sources, targets))
+            pair = (sources, targets)
+            if self.windowed is not None and self.windowed[layer]:
+                assert slot_of is not None
+                pair = ([slot_of[b] for b in sources], [slot_of[b] for b in targets])
+                if min(*pair[0], *pair[1]) < 0:
+                    raise EngineError("keys moved from or to a block without a windowed slot")
+            src, dst = (torch.tensor(ids, device=keys.device) for ids in pair)
             copy_block_rotated(keys, values, src, dst, cos, sin, self.k_scale[layer])
 
 
@@ -289,9 +298,9 @@ class PagedCacheManager:
         self.shift = shift
         self.window = window
         if window is not None:
-            if shift is not None:
-                raise EngineError("a windowed pool moves no keys (PIC runs without one)")
             blocks.on_take = window.forget
+            if isinstance(cache, PagedKVCache):
+                cache.window_slot_of = window.slot_of  # where moved keys lie (`move_blocks`)
         self.tier: PoolTier | None = None  # the KV tier under the pool, where it is on
         self.tables: dict[int, BlockTable] = {}
         self.pic: dict[int, PicProgress] = {}  # the PIC sequences holding cache
@@ -336,8 +345,6 @@ class PagedCacheManager:
         longest cached prefix; at least its last token is always computed."""
         layout = seq.pic
         if layout is not None:
-            if self.window is not None:
-                raise EngineError("a PIC prompt reached a windowed pool (Engine.pic_refusal)")
             self._admit_pic(seq, layout)
             return
         keys = self.blocks.prefix_keys(seq.token_ids, seq.hash_root)
@@ -401,11 +408,15 @@ class PagedCacheManager:
             promoted = self._promote(closed, prefix=False)
             for block in planned:
                 block_id = self.blocks.lookup(block.digest, block.tokens) if block.closed else None
+                if block_id is not None and not self._has_window_slot(block_id):
+                    block_id = None  # its sliding layers' K and V are gone
                 if block_id is not None and block.last != len(tokens) - 1:
                     hits[block.index], found[block.index] = block, block_id
                     self.blocks.share(block_id)
+                    if self.window is not None:
+                        self.window.pin(seq.seq_id, block_id)
                     from_tier += (block.last + 1 - block.first) * (block_id in promoted)
-            moved = self._move_shifted(hits, found)
+            moved = self._move_shifted(seq, hits, found)
         width = max(hits, default=-1) + 1
         table = BlockTable([found.get(index, UNTAKEN) for index in range(width)])
         progress.admit(hits, len(tokens))
@@ -426,7 +437,21 @@ class PagedCacheManager:
             return set()
         return self.tier.promote(wanted, prefix)
 
-    def _move_shifted(self, hits: dict[int, PlannedBlock], found: dict[int, int]) -> int:
+    def _has_window_slot(self, block_id: int) -> bool:
+        """Whether the block's sliding layers' K and V are in the windowed pool (always,
+        without one)."""
+        return self.window is None or self.window.slot_of[block_id] >= 0
+
+    def _unshare(self, seq: CachedTokens, block_id: int) -> None:
+        """Drop a PIC sequence's reference to a hit (and its pin of the block's slot)."""
+        if self.window is not None:
+            registered = self.blocks.blocks[block_id].hash is not None
+            self.window.unpin(seq.seq_id, [block_id], {block_id} if registered else set())
+        self.blocks.unshare(block_id)
+
+    def _move_shifted(
+        self, seq: CachedTokens, hits: dict[int, PlannedBlock], found: dict[int, int]
+    ) -> int:
         """Hits whose keys the pool holds for other positions (spnl's reuse rule keys an
         element by its tokens alone), copied into blocks of the sequence's own with their
         keys moved to where they now stand; dropped (computed) where that cannot be. The
@@ -443,18 +468,21 @@ class PagedCacheManager:
                 self.shift is None
                 or not self.shift.possible(stored, block.position, length)
                 or not self.blocks.num_available
+                or (self.window is not None and not self.window.available)
             ):
                 del hits[index], found[index]
-                self.blocks.unshare(source)
+                self._unshare(seq, source)
             else:
                 found[index] = self.blocks.take()
+                if self.window is not None:
+                    self.window.pin(seq.seq_id, found[index])
                 moves.setdefault(block.position - stored, []).append((source, found[index]))
                 moved += length
         for delta, pairs in moves.items():
             sources, targets = zip(*pairs, strict=True)
             self.shift.move(list(sources), list(targets), delta)  # type: ignore[union-attr]
             for source in sources:
-                self.blocks.unshare(source)
+                self._unshare(seq, source)
         return moved
 
     def reserve(self, seq: CachedTokens, num_tokens: int) -> bool:
@@ -481,7 +509,7 @@ class PagedCacheManager:
         """Which of a table's blocks keep their windowed slot when no sequence holds them:
         the registered ones (a later prefix hit may end in them)."""
         blocks = self.blocks.blocks
-        return [blocks[b].hash is not None for b in table.block_ids]
+        return [b != UNTAKEN and blocks[b].hash is not None for b in table.block_ids]
 
     def _reserve_pic(self, seq: CachedTokens, progress: PicProgress, num_tokens: int) -> bool:
         """Take blocks for the untaken entries up to the one holding the last token of the
@@ -494,9 +522,13 @@ class PagedCacheManager:
         missing = [i for i in range(last + 1) if i >= len(ids) or ids[i] == UNTAKEN]
         if len(missing) > self.blocks.num_available:
             return False
+        if self.window is not None and len(missing) > self.window.available:
+            return False
         ids.extend([UNTAKEN] * (last + 1 - len(ids)))
         for index in missing:
             ids[index] = self.blocks.take()
+            if self.window is not None:
+                self.window.pin(seq.seq_id, ids[index])
         return True
 
     def release(self, seq: CachedTokens) -> None:
@@ -549,6 +581,10 @@ class PagedCacheManager:
         if seq.num_computed_tokens < progress.admitted_len:
             raise EngineError("a PIC sequence is truncated only after its prompt")
         last = progress.slot(seq.num_computed_tokens - 1) // self.block_size
+        if self.window is not None:
+            dropped = [b for b in table.block_ids[last + 1 :] if b != UNTAKEN]
+            registered = {b for b in dropped if self.blocks.blocks[b].hash is not None}
+            self.window.unpin(seq.seq_id, dropped, registered)
         self.blocks.truncate(table, last + 1)
 
     def after_step(self, batch: list[ScheduledSeq]) -> None:
@@ -617,8 +653,8 @@ class PagedCacheManager:
     def _probe(self, seq: CachedTokens, progress: PicProgress, end: int) -> RecomputeProbe:
         """The group ending at ``end``: its tokens attend as cross over the keys before
         its end as read just before its recomputation begins."""
-        if not isinstance(self.cache, PagedKVCache):
-            raise EngineError("a recomputation probe reads a plain paged pool")
+        if not isinstance(self.cache, PagedKVCache) or self.window is not None:
+            raise EngineError("a recomputation probe reads a plain paged pool, not windowed")
         layout = progress.layout
         group = range(layout.group_start(end), end)
         table = self.tables[seq.seq_id].block_ids
@@ -699,7 +735,8 @@ class PagedCacheManager:
         )
         if self.window is None:
             return self.cache.step(self.kernels, meta)
-        return self.cache.step(self.kernels, meta, self._window_meta(meta, tables, device))  # type: ignore[call-arg]
+        window_meta = self._window_meta(meta, tables, device)
+        return self.cache.step(self.kernels, meta, window_meta)  # type: ignore[call-arg]
 
     def _window_meta(
         self, meta: PagedMetadata, tables: list[list[int]], device: torch.device
@@ -719,7 +756,12 @@ class PagedCacheManager:
         slots = torch.where(written, slots + logical % size, -1)
         if bool((written & (slots < 0)).any()):
             raise EngineError("a token is stored in a block without a windowed slot")
-        return PagedMetadata(mapped.clamp(min=0), meta.seq_lens, meta.query_lens, size, slots)
+        pic = None
+        if meta.pic is not None:
+            pic = [None if keys is None else _mapped_keys(keys, slot_of, size) for keys in meta.pic]
+        return PagedMetadata(
+            mapped.clamp(min=0), meta.seq_lens, meta.query_lens, size, slots, pic=pic
+        )
 
     def _pic_keys(
         self, progress: PicProgress, table: list[int], entries: list[Entry], rank: int
@@ -741,6 +783,15 @@ class PagedCacheManager:
             redone = torch.tensor([entry.recomputed for entry in entries])
             q_blocks = torch.where(redone, CROSS, key_blocks[indices])
         return PicKeys(slots, key_blocks, key_positions, indices, first_plus, q_blocks)
+
+
+def _mapped_keys(keys: PicKeys, slot_of: torch.Tensor, size: int) -> PicKeys:
+    """A PIC sequence's keys in the windowed pool (every block it reads is pinned there)."""
+    slots = keys.key_slots.to(slot_of.device)
+    mapped = slot_of[slots // size] * size + slots % size
+    if bool((mapped < 0).any()):
+        raise EngineError("a PIC sequence's keys reach a block without a windowed slot")
+    return dataclasses.replace(keys, key_slots=mapped.to(keys.key_slots.device), _rows={})
 
 
 def _log_pic_lookup(

@@ -10,6 +10,8 @@ the window of a sequence's next token is no longer read by it: its hold is dropp
 block no sequence holds gives its slot back (to the free slots, or, where the block is a
 registered prefix block, to a least-recently-used list a prefix hit may still reclaim it
 from). A block whose contents change (taken for new content) loses its slot first.
+A PIC sequence's queries read keys of any of its blocks (its elements' positions
+overlap), so it pins every block it takes, for its life, instead.
 """
 
 from collections import OrderedDict, deque
@@ -37,6 +39,7 @@ class WindowSlots:
         self.free: deque[int] = deque(range(num_slots))
         self.kept: OrderedDict[int, None] = OrderedDict()  # unheld blocks keeping a slot, LRU first
         self.holds: dict[int, WindowHold] = {}
+        self.pins: dict[int, list[int]] = {}  # a PIC sequence's blocks, each held
 
     @property
     def available(self) -> int:
@@ -116,6 +119,21 @@ class WindowSlots:
         """A sequence lets go of all its holds."""
         self.shrink(seq_id, table, 0, keep)
         self.holds.pop(seq_id, None)
+        self.unpin(seq_id, list(self.pins.get(seq_id, ())), keep_blocks(table, keep))
+        self.pins.pop(seq_id, None)
+
+    def pin(self, seq_id: int, block_id: int) -> None:
+        """Hold ``block_id`` (taking a slot where it has none) for a PIC sequence's life."""
+        self._hold(block_id)
+        self.pins.setdefault(seq_id, []).append(block_id)
+
+    def unpin(self, seq_id: int, blocks: list[int], registered: set[int]) -> None:
+        """Drop a PIC sequence's pins on ``blocks`` (those in ``registered`` keep their
+        slot for a later hit)."""
+        pinned = self.pins.get(seq_id, [])
+        for block_id in blocks:
+            pinned.remove(block_id)
+            self._unhold(block_id, block_id in registered)
 
     # ---- slots ----------------------------------------------------------------------------
 
@@ -157,3 +175,8 @@ class WindowSlots:
         else:
             self.free.append(self.slot_of[block_id])
             self.slot_of[block_id] = -1
+
+
+def keep_blocks(table: list[int], keep: list[bool]) -> set[int]:
+    """The blocks of ``table`` whose ``keep`` is set."""
+    return {block for block, kept in zip(table, keep, strict=True) if kept}

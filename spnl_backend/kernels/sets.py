@@ -194,18 +194,15 @@ def windowed_native_keys(
     """The step's `NativeKeys` where the layers with ``window`` keep a pool of their own
     (``window_pool``, one layer's key cache of it, read through ``window_meta``) beside
     the other layers' (``pool``, through ``meta``); None where either would not run
-    natively, or a sequence is a PIC one (its keys are listed by position)."""
-    if meta.pic is not None:
-        return None
+    natively."""
     keys = native_keys(kernels, meta, pool, ())
-    own = native_keys(kernels, window_meta, window_pool, ())
+    own = native_keys(kernels, window_meta, window_pool, (window,))
     if keys is None or own is None:
         return None
-    firsts = first_keys(own.lens, window)
+    # a step with PIC sequences lists their keys windowed by position already
+    windowed = own.windowed or (own.slots, own.lens, first_keys(own.lens, window))
     return dataclasses.replace(
-        keys,
-        windowed=(own.slots, own.lens, firsts),
-        window_pool=(own.slot_mapping, own.num_slots),
+        keys, windowed=windowed, window_pool=(own.slot_mapping, own.num_slots)
     )
 
 
