@@ -4,13 +4,18 @@ pool as with every layer holding the whole context, across the window, in batche
 chunks, under preemption and on prefix hits (one whose window was reclaimed); the pool is
 smaller; the slot bookkeeping on its own; the budget and its messages."""
 
+from types import SimpleNamespace
+
 import pytest
 from helpers import PROMPT, SHARED_PREFIX_PROMPTS, engine_internals
 
 from spnl_backend import BackendSettings, load_backend
-from spnl_backend.errors import ContextLengthError
 from spnl_backend.engine import build
+from spnl_backend.engine.budget import WindowPlan, plan_kv_cache
 from spnl_backend.engine.window_pool import WindowSlots
+from spnl_backend.errors import ContextLengthError
+from spnl_backend.request import CacheRoom
+from spnl_backend.settings.backend_settings import KvBudget
 
 BLOCK = 8
 
@@ -215,3 +220,32 @@ def test_pic_prompts_pin_their_blocks_and_hit_with_the_same_tokens(tiny, arch, m
                     backend.generate(blocks=long, max_tokens=1)
     assert found[True] == found[False]
     assert found[True][1] > 0
+
+
+CONFIG = SimpleNamespace(max_position_embeddings=512, kv_shapes=((1, 64),) * 3, kv_planes=(2,) * 3)
+
+
+def test_a_byte_budget_gives_the_global_layers_what_the_windowed_pool_leaves():
+    window = WindowPlan(bytes_per_token=512, window=8, seqs=2, chunk_tokens=8)
+    assert window.most_blocks(BLOCK) == 2 * (1 + 1) + 1
+    budget = KvBudget("memory_mb", 1, explicit=True)
+    plan = plan_kv_cache(CONFIG, budget, BLOCK, 768, 2**34, window=window)  # type: ignore[arg-type]
+    assert plan.window_blocks == 5
+    assert plan.num_blocks == 5 + (2**20 - 5 * BLOCK * 768) // (BLOCK * 256)
+    assert plan.nbytes == plan.num_blocks * BLOCK * 256 + 5 * BLOCK * 512
+    assert plan.nbytes <= 2**20 < plan.nbytes + BLOCK * 256
+    small = plan_kv_cache(
+        CONFIG, KvBudget("memory_mb", 0.02, explicit=True), BLOCK, 768, 2**34, window=window
+    )  # type: ignore[arg-type]
+    assert small.window_blocks == small.num_blocks == int(0.02 * 2**20) // (BLOCK * 768)
+
+
+def test_a_prompt_too_long_is_told_what_both_pools_take():
+    room = CacheRoom("context_len", BLOCK, 768, 512, window_bytes_per_token=512, window_tokens=40)
+    assert room.nbytes(104) == 104 * 256 + 40 * 512
+    says = room.remedy(100)
+    assert "at least 104" in says
+    assert "256 bytes per token, and the sliding-window layers' 512 for at most 40 tokens" in says
+    room = CacheRoom("memory_mb", BLOCK, 768, 512, window_bytes_per_token=512, window_tokens=40)
+    assert room.remedy(3000) == "the model's context holds 512; shorten it"
+    assert "MEMORY_MB to at least 1 (104 tokens)" in room.remedy(100)
