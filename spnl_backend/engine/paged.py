@@ -8,7 +8,9 @@ group (DeepSeek's multi-head latent attention) holds one plane, ``[layers, 1, nu
 block_size, 1, latent_width]``: each token's normed latent and its rotated key, read by
 every head (the values are the latent part of those keys).
 New tokens are written through a slot mapping and attention reads every key through
-the block tables, via the kernels the platform picked.
+the block tables, via the kernels the platform picked. The sliding-window layers may
+keep their own, smaller group (`engine.window_pool`): a step's tables and slot mapping
+for them are the sequences' own, each block mapped to its slot there.
 """
 
 import dataclasses
