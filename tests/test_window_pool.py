@@ -249,3 +249,18 @@ def test_a_prompt_too_long_is_told_what_both_pools_take():
     room = CacheRoom("memory_mb", BLOCK, 768, 512, window_bytes_per_token=512, window_tokens=40)
     assert room.remedy(3000) == "the model's context holds 512; shorten it"
     assert "MEMORY_MB to at least 1 (104 tokens)" in room.remedy(100)
+
+
+def test_rejected_ngram_proposals_leave_the_windowed_pool_as_found(tiny, arch, small_window_pool):
+    """N-gram speculation (on by default) proposes past the window; a rejected proposal's
+    blocks leave both pools, and the tokens are those of a pool without one."""
+    prompt = "1 2 3 4 5 6 1 2 3 4 5 7 1 2 3 4 5 8 1 2 3 4 5 9 1 2 3 4 5"
+    found = {}
+    for windowed in (True, False):
+        with _load(tiny, arch, windowed) as backend:
+            result = backend.generate(prompt, max_tokens=48, temperature=0)
+            found[windowed] = result.token_ids, result.usage
+            assert backend.stats().cache_holders == 0
+    (on, usage), (off, _) = found[True], found[False]
+    assert on == off
+    assert usage.draft_tokens > usage.accepted_tokens
