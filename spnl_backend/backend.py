@@ -110,6 +110,7 @@ class Backend:
             self._limit,
             engine.cache_info.block_size or 1,
             engine.pic_refusal(),
+            engine.pic_context(),
         )
         self._special_ids: dict[str, int | None] = {}  # tool-call markers, once looked up
         self._gates: dict[str, GateTokens | str] = {}  # reasoning markers' ids, once looked up
@@ -858,4 +859,6 @@ def _cache_room(engine: Engine, settings: BackendSettings, loaded: LoadedModel) 
         info.block_size,
         info.bytes_per_token,
         loaded.config.max_position_embeddings,
+        info.window_bytes_per_token or 0,
+        info.window_most_tokens or 0,
     )

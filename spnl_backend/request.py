@@ -378,6 +378,16 @@ class CacheRoom:
     block_size: int
     bytes_per_token: int | None
     model_context: int
+    # The sliding-window layers' own pool, where they have one: their share of
+    # ``bytes_per_token``, held for at most ``window_tokens`` tokens whatever the budget.
+    window_bytes_per_token: int = 0
+    window_tokens: int = 0
+
+    def nbytes(self, tokens: int) -> int:
+        """The KV cache's bytes for a budget of ``tokens`` (``bytes_per_token`` known)."""
+        assert self.bytes_per_token is not None
+        windowed = min(tokens, self.window_tokens) * self.window_bytes_per_token
+        return tokens * (self.bytes_per_token - self.window_bytes_per_token) + windowed
 
     def remedy(self, prompt_tokens: int) -> str:
         """The budget that holds ``prompt_tokens`` and one completion token, in words."""
@@ -387,8 +397,15 @@ class CacheRoom:
         variable = f"MISTRALRS_PAGED_ATTN_{self.budget_kind.upper()}"
         if self.bytes_per_token is None:
             return f"raise MISTRALRS_PAGED_ATTN_CONTEXT_LEN to at least {tokens} or shorten it"
-        mb = -(-tokens * self.bytes_per_token // MIB)
+        mb = -(-self.nbytes(tokens) // MIB)
         cost = f"{mb:,} MB of KV cache at {self.bytes_per_token:,} bytes per token"
+        if self.window_tokens:
+            full = self.bytes_per_token - self.window_bytes_per_token
+            cost = (
+                f"{mb:,} MB of KV cache: {full:,} bytes per token, and the sliding-window "
+                f"layers' {self.window_bytes_per_token:,} for at most {self.window_tokens:,} "
+                "tokens"
+            )
         if self.budget_kind == "memory_mb":
             return f"raise {variable} to at least {mb} ({tokens} tokens) or shorten it"
         if self.budget_kind == "memory_fraction":

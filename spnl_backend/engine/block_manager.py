@@ -13,6 +13,7 @@ element's partial last block is shared too: nothing follows it in its block, see
 import hashlib
 import struct
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -81,6 +82,9 @@ class BlockManager:
         self.cached_ids: OrderedDict[int, None] = OrderedDict()  # LRU first
         self.hash_to_id: dict[int, int] = {}
         self.events: BlockEvents | None = None  # told of registrations and evictions
+        # Told of a block taken for new content, before it is handed out (a windowed pool
+        # drops the slot it kept for the block's old content).
+        self.on_take: Callable[[int], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -200,6 +204,8 @@ class BlockManager:
         else:
             block_id, _ = self.cached_ids.popitem(last=False)
             self._forget(self.blocks[block_id])
+        if self.on_take is not None:
+            self.on_take(block_id)
         self.blocks[block_id].ref_count = 1
         return block_id
 

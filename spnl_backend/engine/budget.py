@@ -22,6 +22,11 @@ STEP_RESERVE_BYTES = 256 * MIB
 # Of a byte budget: the most the state group takes, and of it the most its snapshots take.
 STATE_SHARE = 0.5
 SNAPSHOT_SHARE = 0.25
+# The sliding-window layers' own pool holds the windows of this many sequences at once
+# beside a prefill chunk of this many tokens (`WindowPlan`): more sequences in their
+# windows wait (preempted like any that finds no room), a longer chunk is cut to fit.
+WINDOW_SEQS = 4
+WINDOW_CHUNK_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -54,19 +59,49 @@ class StatePlan:
 
 
 @dataclass(frozen=True)
+class WindowPlan:
+    """The sliding-window layers' own pool (`engine.window_pool`): their K and V per token
+    (``bytes_per_token``, of every layer's), their window, and room for the windows of
+    ``seqs`` sequences at once beside one prefill chunk of ``chunk_tokens`` (a step's
+    queries and the window before them are all in it: a longer chunk is cut to what fits,
+    more sequences in their windows wait). Never more blocks than the whole pool."""
+
+    bytes_per_token: int
+    window: int
+    seqs: int
+    chunk_tokens: int
+
+    def most_blocks(self, block_size: int) -> int:
+        """The blocks the windowed pool takes where the whole pool has as many or more: a
+        window and the block being written per sequence, and the chunk's blocks."""
+        per_seq = -(-self.window // block_size) + 1
+        return self.seqs * per_seq + -(-self.chunk_tokens // block_size)
+
+
+@dataclass(frozen=True)
 class KVCachePlan:
     num_blocks: int
     block_size: int
-    bytes_per_token: int
+    bytes_per_token: int  # K and V of every layer per token
     states: StatePlan | None = None  # a model with state layers: its slots and snapshots
+    # With a windowed pool: its blocks, and the bytes per token of the layers in it (of
+    # ``bytes_per_token``); the other layers hold ``num_blocks``.
+    window_blocks: int | None = None
+    window_bytes_per_token: int = 0
 
     @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
     @property
+    def window_tokens(self) -> int | None:
+        return None if self.window_blocks is None else self.window_blocks * self.block_size
+
+    @property
     def nbytes(self) -> int:
-        return self.num_tokens * self.bytes_per_token
+        full = self.num_tokens * (self.bytes_per_token - self.window_bytes_per_token)
+        windowed = (self.window_tokens or self.num_tokens) * self.window_bytes_per_token
+        return full + windowed
 
 
 def plan_kv_cache(
@@ -76,12 +111,15 @@ def plan_kv_cache(
     per_token: int,
     available_bytes: int,
     states: StatePlan | None = None,
+    window: WindowPlan | None = None,
 ) -> KVCachePlan:
     """Blocks for the budget, at ``per_token`` bytes of K and V per token, and with
     ``states`` (the most slots and snapshots a model with state layers asks for) the
     state group's share (`fit_states`); an error if it gives no block, or more than
     ``available_bytes`` (what the process may still allocate) less `STEP_RESERVE_BYTES`.
-    A memory fraction is of that same usable memory."""
+    A memory fraction is of that same usable memory. ``window``: the sliding-window
+    layers' own pool (their share of ``per_token``), sized by it up to the whole pool's
+    blocks; a byte budget gives the other layers what it leaves."""
     per_block = per_token * block_size
     usable = max(available_bytes - STEP_RESERVE_BYTES, 0)
     variable = env_name(f"paged_attn_{budget.kind}")
@@ -96,8 +134,11 @@ def plan_kv_cache(
     state_bytes = 0 if states is None else states.nbytes
     if budget_bytes is None:
         num_blocks = -(-int(budget.value) // block_size)
-    else:
+    elif window is None:
         num_blocks = (budget_bytes - state_bytes) // per_block
+    else:
+        left = budget_bytes - state_bytes
+        num_blocks = _blocks_beside_window(left, per_token, block_size, window)
     if num_blocks <= 0:
         beside = "" if states is None else f", beside the state group's {states.describe()}"
         raise SettingsError(
@@ -106,6 +147,11 @@ def plan_kv_cache(
             f"{_kv_layers(config)}){beside}; raise the budget"
         )
     plan = KVCachePlan(num_blocks, block_size, per_token, states)
+    if window is not None:
+        window_blocks = min(num_blocks, window.most_blocks(block_size))
+        plan = KVCachePlan(
+            num_blocks, block_size, per_token, states, window_blocks, window.bytes_per_token
+        )
     if plan.nbytes + state_bytes > usable:
         states_too = "" if states is None else f" and its states ({states.describe()})"
         raise PlatformError(
@@ -118,6 +164,19 @@ def plan_kv_cache(
             + ("" if states is None else ", or give it in MB (the states then share it)")
         )
     return plan
+
+
+def _blocks_beside_window(
+    budget_bytes: int, per_token: int, block_size: int, window: WindowPlan
+) -> int:
+    """The most blocks whose K and V fit ``budget_bytes`` with a windowed pool: every layer's
+    for as many as the windowed pool holds, the other layers' for the rest."""
+    per_block = per_token * block_size
+    cap = window.most_blocks(block_size)
+    if budget_bytes <= cap * per_block:
+        return budget_bytes // per_block
+    full_block = (per_token - window.bytes_per_token) * block_size
+    return cap + (budget_bytes - cap * per_block) // full_block
 
 
 def _budget_bytes(budget: KvBudget, usable: int) -> int | None:

@@ -34,7 +34,15 @@ from ..settings.speculation import SpeculationChoice, choose_speculation
 from ..settings.values import lora_adapter_list
 from .adapters import AdapterRegistry
 from .block_manager import BlockManager
-from .budget import KVCachePlan, StatePlan, check_states_fit, plan_kv_cache
+from .budget import (
+    WINDOW_CHUNK_TOKENS,
+    WINDOW_SEQS,
+    KVCachePlan,
+    StatePlan,
+    WindowPlan,
+    check_states_fit,
+    plan_kv_cache,
+)
 from .cache import CacheInfo, CacheManager
 from .calibration import KVStatistics, kv_statistics
 from .compressed import CodedPagedKVCache, ProtocolKV
@@ -42,7 +50,7 @@ from .engine import MAX_NUM_SEQS, Engine, EngineConfig
 from .kv_cache import ContiguousCacheManager, SequenceStore, plain_stores
 from .kv_shift import KeyShift
 from .ngram import NgramRunner
-from .paged import PagedCacheManager, PagedKVCache, PagedKVStorage
+from .paged import PagedCacheManager, PagedKVCache, PagedKVStorage, kv_windows
 from .pool_tier import attach_tier
 from .runner import ModelRunner, Runner
 from .speculative import Drafter, SpeculativeCache, SpeculativeRunner
@@ -55,6 +63,7 @@ from .state_cache import (
     state_shapes,
 )
 from .suffix import SuffixRunner
+from .window_pool import WindowSlots
 
 log = get_logger()
 
@@ -578,20 +587,30 @@ def _paged_cache(
         per_token = kv_bytes_per_token(loaded.config, cache_dtype)
     else:
         per_token = pair.bytes_per_token(loaded.config.num_kv_layers, loaded.config.num_kv_heads)
-    plan = plan_kv_cache(
-        loaded.config,
-        budget,
-        settings.paged_attn_block_size,
-        per_token,
-        _available(loaded) - _adapter_room(loaded, settings),
-        states,
-    )
+    window = _window_plan(loaded, settings, role, cache_dtype, coded=pair is not None)
+
+    def planned(window: WindowPlan | None) -> KVCachePlan:
+        return plan_kv_cache(
+            loaded.config,
+            budget,
+            settings.paged_attn_block_size,
+            per_token,
+            _available(loaded) - _adapter_room(loaded, settings),
+            states,
+            window,
+        )
+
+    plan = planned(window)
+    if plan.window_blocks is not None and plan.window_blocks >= plan.num_blocks:
+        log.info("kv_cache.window_pool_off", model=role, reason="it would be no smaller")
+        plan = planned(None)
     log.info(
         "kv_cache.budget",
         model=role,
         blocks=plan.num_blocks,
         block_size=plan.block_size,
         tokens=plan.num_tokens,
+        window_blocks=plan.window_blocks,
         mb=round(plan.nbytes / MIB, 1),
         cache_dtype=compressor.name if compressor else str(cache_dtype).removeprefix("torch."),
         budget=settings.kv_budget.kind,
@@ -607,6 +626,7 @@ def _paged_cache(
                 loaded.device,
                 kv_absmax=geometry.kv_absmax,
                 layer_spans=loaded.model.model.layer_spans,
+                window_blocks=plan.window_blocks,
             )
         else:
             cache = CodedPagedKVCache(
@@ -616,6 +636,9 @@ def _paged_cache(
     except (RuntimeError, MemoryError) as exc:  # an allocator's refusal, not a crash
         raise _allocation_failed(plan, settings, exc) from None
     blocks = BlockManager(plan.num_blocks, plan.block_size, settings.prefix_cache_enabled)
+    slots = None
+    if plan.window_blocks is not None and window is not None:
+        slots = WindowSlots(plan.window_blocks, plan.num_blocks, window.window, plan.block_size)
     info = CacheInfo(
         "paged",
         plan.num_tokens,
@@ -625,6 +648,11 @@ def _paged_cache(
         per_token,
         compressor.name if compressor else None,
         _kernels_name(loaded.kernels.attention, coded=pair is not None),
+        window_blocks=plan.window_blocks,
+        window_bytes_per_token=plan.window_bytes_per_token if slots else None,
+        window_most_tokens=window.most_blocks(plan.block_size) * plan.block_size
+        if slots and window
+        else None,
     )
     # Moving a block's keys happens in this process's pool alone: not under tensor
     # parallelism, whose other ranks hold pools of their own; and layer by layer of one
@@ -632,8 +660,59 @@ def _paged_cache(
     shift = None
     if isinstance(cache, PagedKVCache) and loaded.model.tp is None and loaded.config.uniform_kv:
         shift = KeyShift(loaded.config, cache.move_blocks)
-    manager = PagedCacheManager(cache, blocks, loaded.kernels.attention, shift)
+    manager = PagedCacheManager(cache, blocks, loaded.kernels.attention, shift, slots)
     return manager, info, plan.states
+
+
+def _window_plan(
+    loaded: LoadedModel, settings: BackendSettings, role: str, dtype: torch.dtype, coded: bool
+) -> WindowPlan | None:
+    """The sliding-window layers' own pool, where the model has such layers and nothing
+    asked for needs every layer to hold the whole context; else None, said in the log."""
+    config = loaded.config
+    windows = kv_windows(config)
+    sliding = {w for w in windows if w is not None}
+    if not sliding:
+        return None
+    why = _window_pool_refusal(loaded, settings, role, coded, sliding, windows)
+    if why is not None:
+        log.info("kv_cache.window_pool_off", model=role, reason=why)
+        return None
+    per_layer = [2 * heads * dim * dtype.itemsize for heads, dim in config.kv_shapes]
+    windowed = sum(b for b, w in zip(per_layer, windows, strict=True) if w is not None)
+    (window,) = sliding
+    return WindowPlan(windowed, window, WINDOW_SEQS, WINDOW_CHUNK_TOKENS)
+
+
+def _window_pool_refusal(
+    loaded: LoadedModel,
+    settings: BackendSettings,
+    role: str,
+    coded: bool,
+    sliding: set[int],
+    windows: list[int | None],
+) -> str | None:
+    """Why the sliding-window layers cannot have a pool of their own here, or None."""
+    config = loaded.config
+    reasons = {
+        "its sliding layers have several windows": len(sliding) > 1,
+        "every layer slides (nothing to size the block table by)": None not in windows,
+        "its KV layers differ in shape or are read by later layers": not config.uniform_kv,
+        "it has state layers": bool(config.num_state_layers),
+        "its KV cache is compressed": coded,
+        "layer mapping (MISTRALRS_DEVICE_LAYERS) splits the pool": (
+            loaded.model.model.layer_spans is not None
+        ),
+        "tensor parallelism shards the pool": loaded.model.tp is not None,
+        "PIC's deviation probes read one layer's whole pool": (
+            settings.pic_recompute > 0 and settings.pic_recompute_select == "deviation"
+        ),
+        "the KV tier (MISTRALRS_KV_TIER_DIR) stores blocks of every layer": (
+            settings.kv_tier_dir is not None
+        ),
+        "a draft model's cache keeps its own counts of the target's tokens": role == "draft",
+    }
+    return next((why for why, refused in reasons.items() if refused), None)
 
 
 def _adapter_room(loaded: LoadedModel, settings: BackendSettings) -> int:

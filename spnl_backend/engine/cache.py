@@ -56,6 +56,12 @@ class CacheInfo:
     # The cache can drop the tokens of a step's rejected proposals (False: a compression
     # plugin's non-paged caches without truncate, which speculation cannot run on).
     rolls_back: bool = True
+    # The sliding-window layers' own pool (`engine.window_pool`), where they have one: its
+    # blocks, those layers' share of ``bytes_per_token`` (the other layers hold
+    # ``num_blocks``), and the most tokens it takes at any budget.
+    window_blocks: int | None = None
+    window_bytes_per_token: int | None = None
+    window_most_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,11 @@ class PoolUsage:
     blocks: int
     in_use: int
     cached: int
+    # The sliding-window layers' own pool, where it has one (`engine.window_pool`): its
+    # blocks, those held by sequences' windows, and those kept for prefix hits.
+    window_blocks: int | None = None
+    window_in_use: int | None = None
+    window_cached: int | None = None
 
 
 @dataclass(frozen=True)

@@ -149,7 +149,7 @@ class Engine:
         max_len = self.config.max_model_len
         if pic is not None and self.cache_info.block_size:
             size = self.cache_info.block_size
-            max_len -= pic.padded_slots(size) - pic.num_prompt_tokens + size
+            max_len = self.pic_context() - (pic.padded_slots(size) - pic.num_prompt_tokens + size)
         seq = Sequence(prompt_ids, params, max_len=max_len, leader=leader, pic=pic)
         for name, _ in params.adapters:
             self.check_adapter(name)
@@ -400,6 +400,15 @@ class Engine:
         if isinstance(self.runner, NgramRunner):
             return "ngram"
         return None
+
+    def pic_context(self) -> int:
+        """The tokens a PIC sequence holds: the context, or where the sliding-window layers
+        keep a pool of their own, at most what it holds (a PIC sequence's queries read any
+        of its blocks there, so it keeps them all)."""
+        info = self.cache_info
+        if info.window_blocks is None or info.block_size is None:
+            return self.config.max_model_len
+        return min(self.config.max_model_len, info.window_blocks * info.block_size)
 
     def pic_refusal(self) -> str | None:
         """Why PIC prompts cannot run on this engine's cache, or None where they can."""

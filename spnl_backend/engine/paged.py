@@ -8,9 +8,12 @@ group (DeepSeek's multi-head latent attention) holds one plane, ``[layers, 1, nu
 block_size, 1, latent_width]``: each token's normed latent and its rotated key, read by
 every head (the values are the latent part of those keys).
 New tokens are written through a slot mapping and attention reads every key through
-the block tables, via the kernels the platform picked.
+the block tables, via the kernels the platform picked. The sliding-window layers may
+keep their own, smaller group (`engine.window_pool`): a step's tables and slot mapping
+for them are the sequences' own, each block mapped to its slot there.
 """
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -26,7 +29,7 @@ from ..kernels.paged_ref import (
     store_latent_ref,
 )
 from ..kernels.pic import PicKeys
-from ..kernels.sets import NativeKeys, native_keys
+from ..kernels.sets import NativeKeys, native_keys, windowed_native_keys
 from ..log import get_logger
 from ..memory import host_tensor, kv_bytes_per_token
 from ..models.config import ModelConfig
@@ -38,6 +41,7 @@ from .kv_shift import Angles, KeyShift
 from .pic_blocks import Entry, PicProgress, PlannedBlock
 from .pic_probe import RecomputeProbe
 from .sequence import CachedTokens, ScheduledSeq
+from .window_pool import WindowSlots
 
 if TYPE_CHECKING:
     from .pool_tier import PoolTier
@@ -55,19 +59,25 @@ class PagedKVCache:
         device: torch.device,
         kv_absmax: torch.Tensor | None = None,
         layer_spans: list[tuple[torch.device, int]] | None = None,
+        window_blocks: int | None = None,
     ) -> None:
         """``kv_absmax [layers, 2]``: each layer's largest K and V magnitude on the reference
         text, from which an FP8 pool's scales are set (needed for float8).
         ``layer_spans``: layer mapping's devices, each with its consecutive layers (a pool
-        tensor each), else all layers on ``device``."""
+        tensor each), else all layers on ``device``. ``window_blocks``: the sliding-window
+        layers' own pool, of that many blocks (`engine.window_pool`); None: every layer
+        holds ``num_blocks``."""
         spans = layer_spans or [(device, config.num_kv_layers)]
         self.parts: list[torch.Tensor] = []
         slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         planes = config.kv_planes
-        for at, places in _kv_groups(config.kv_shapes, planes, spans):
+        windowed = kv_windows(config) if window_blocks is not None else None
+        self.windowed = [w is not None for w in windowed] if windowed else None
+        for at, places in _kv_groups(config.kv_shapes, planes, spans, self.windowed):
             heads, dim = config.kv_shapes[places[0]]
             count = planes[places[0]]  # a latent layer's keys are its values too: one plane
-            shape = (len(places), count, num_blocks, block_size, heads, dim)
+            blocks = window_blocks if self.windowed and self.windowed[places[0]] else num_blocks
+            shape = (len(places), count, blocks, block_size, heads, dim)
             part = _pool_tensor(shape, cache_dtype, at)
             self.parts.append(part)
             slots.update(
@@ -76,6 +86,9 @@ class PagedKVCache:
         self.layers = [slots[place] for place in range(config.num_kv_layers)]
         self.data = self.parts[0] if len(self.parts) == 1 else None  # the whole pool
         self.bytes_per_token = kv_bytes_per_token(config, cache_dtype)
+        self.nbytes = sum(part.numel() * part.element_size() for part in self.parts)
+        # Each block's slot in the windowed pool, -1 for none (`window_pool.WindowSlots`).
+        self.window_slot_of: list[int] | None = None
         self.is_fp8 = cache_dtype == torch.float8_e4m3fn
         self.k_scale = [1.0] * config.num_kv_layers
         self.v_scale = [1.0] * config.num_kv_layers
@@ -86,8 +99,15 @@ class PagedKVCache:
             self.v_scale = [fp8_scale(m) for m in kv_absmax[:, 1]]
             log.debug("kv_cache.fp8_scales", k_scale=self.k_scale, v_scale=self.v_scale)
 
-    def step(self, kernels: AttentionKernels, meta: PagedMetadata) -> "PagedStep":
-        return PagedStep(self, kernels, meta)
+    def step(
+        self,
+        kernels: AttentionKernels,
+        meta: PagedMetadata,
+        window_meta: PagedMetadata | None = None,
+    ) -> "PagedStep":
+        """The step's backend; ``window_meta``: the step in the windowed pool's blocks
+        (for the layers with a window, where the pool has a windowed group)."""
+        return PagedStep(self, kernels, meta, window_meta)
 
     def tier_layout(self) -> dict[str, object]:
         """What a block's bytes are (`block_bytes`), for the KV tier's fingerprint."""
@@ -112,25 +132,44 @@ class PagedKVCache:
     def move_blocks(self, sources: list[int], targets: list[int], angles: Angles) -> None:
         """Blocks ``targets`` of every layer set to blocks ``sources``, their keys turned by
         each layer's ``angles`` (`engine.kv_shift`)."""
+        slot_of = self.window_slot_of
         for layer, (keys, values) in enumerate(self.layers):
             cos, sin = angles[layer]
-            src, dst = (torch.tensor(ids, device=keys.device) for ids in (sources, targets))
+            pair = (sources, targets)
+            if self.windowed is not None and self.windowed[layer]:
+                assert slot_of is not None
+                pair = ([slot_of[b] for b in sources], [slot_of[b] for b in targets])
+                if min(*pair[0], *pair[1]) < 0:
+                    raise EngineError("keys moved from or to a block without a windowed slot")
+            src, dst = (torch.tensor(ids, device=keys.device) for ids in pair)
             copy_block_rotated(keys, values, src, dst, cos, sin, self.k_scale[layer])
+
+
+def kv_windows(config: ModelConfig) -> list[int | None]:
+    """Each KV pool layer's sliding window (None: it attends to the whole context)."""
+    windows: dict[int, int | None] = {}
+    for spec in config.layers:
+        if spec.kv_store is not None and spec.attention is not None:
+            windows[spec.kv_store] = spec.attention.spec.scoring.window
+    return [windows.get(place) for place in range(config.num_kv_layers)]
 
 
 def _kv_groups(
     shapes: tuple[tuple[int, int], ...],
     planes: tuple[int, ...],
     spans: list[tuple[torch.device, int]],
+    windowed: list[bool] | None = None,
 ) -> list[tuple[torch.device, list[int]]]:
     """The pool's tensors: for each device's consecutive KV layers, its layers of each
-    shape and kind (K and V, or a latent), in the order they first appear."""
+    shape and kind (K and V, or a latent; windowed or not, with a windowed pool), in the
+    order they first appear."""
     groups: list[tuple[torch.device, list[int]]] = []
     start = 0
     for device, count in spans:
-        by_shape: dict[tuple[tuple[int, int], int], list[int]] = {}
+        by_shape: dict[tuple[tuple[int, int], int, bool], list[int]] = {}
         for place in range(start, start + count):
-            by_shape.setdefault((shapes[place], planes[place]), []).append(place)
+            key = (shapes[place], planes[place], bool(windowed and windowed[place]))
+            by_shape.setdefault(key, []).append(place)
         groups += [(device, places) for places in by_shape.values()]
         start += count
     return groups
@@ -145,9 +184,21 @@ def _pool_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
 class PagedStep:
     """The attention backend of one step: store through the slot mapping, attend paged."""
 
-    def __init__(self, cache: PagedKVCache, kernels: AttentionKernels, meta: PagedMetadata) -> None:
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        kernels: AttentionKernels,
+        meta: PagedMetadata,
+        window_meta: PagedMetadata | None = None,
+    ) -> None:
+        if (window_meta is None) != (cache.windowed is None):
+            raise EngineError("a step over a windowed pool needs its windowed blocks, and only it")
         self.cache, self.kernels, self.meta = cache, kernels, meta
-        self._metas = {meta.device: meta}  # the step's metadata on each device it reaches
+        self.window_meta = window_meta
+        # the step's metadata on each device it reaches, the windowed pool's apart
+        self._metas = {(meta.device, False): meta}
+        if window_meta is not None:
+            self._metas[(window_meta.device, True)] = window_meta
 
     def attend(
         self,
@@ -158,13 +209,14 @@ class PagedStep:
     ) -> torch.Tensor:
         layer, cache = spec.layer, self.cache
         key_cache, value_cache = cache.layers[layer]
+        windowed = cache.windowed is not None and cache.windowed[layer]
         if spec.latent:  # one plane of keys, the values their first dims
             assert k is not None
-            meta = self._meta_on(key_cache.device)
+            meta = self._meta_on(key_cache.device, windowed)
             store_latent_ref(k, key_cache, meta)
             return paged_latent_attention_ref(q, key_cache, meta, spec.scoring, spec.latent)
         k_scale, v_scale = cache.k_scale[layer], cache.v_scale[layer]
-        meta = self._meta_on(key_cache.device)
+        meta = self._meta_on(key_cache.device, windowed)
         if not spec.shared_kv:  # a shared layer's K and V were stored by their own layer
             self.kernels.store_kv(k, v, key_cache, value_cache, meta, k_scale, v_scale)
         return self.kernels.paged_attention(
@@ -177,12 +229,14 @@ class PagedStep:
             v_scale=v_scale,
         )
 
-    def _meta_on(self, device: torch.device) -> PagedMetadata:
+    def _meta_on(self, device: torch.device, windowed: bool = False) -> PagedMetadata:
         """The step's metadata on ``device`` (a layer-mapping device other than the
-        first), moved once per step."""
-        if device not in self._metas:
-            self._metas[device] = self.meta.to(device)
-        return self._metas[device]
+        first), moved once per step; ``windowed``: in the windowed pool's blocks."""
+        if (device, windowed) not in self._metas:
+            source = self.window_meta if windowed else self.meta
+            assert source is not None
+            self._metas[(device, windowed)] = source.to(device)
+        return self._metas[(device, windowed)]
 
     def native_keys(
         self, windows: tuple[int, ...]
@@ -193,7 +247,21 @@ class PagedStep:
         cache = self.cache
         if cache.is_fp8:
             return None
-        keys = native_keys(self.kernels, self.meta, cache.layers[0][0], windows)
+        if cache.windowed is None:
+            keys = native_keys(self.kernels, self.meta, cache.layers[0][0], windows)
+            return None if keys is None else (keys, cache.layers)
+        window_layer = cache.windowed.index(True)
+        full_layer = cache.windowed.index(False)
+        assert self.window_meta is not None
+        assert len(set(windows)) == 1
+        keys = windowed_native_keys(
+            self.kernels,
+            self.meta,
+            cache.layers[full_layer][0],
+            self.window_meta,
+            cache.layers[window_layer][0],
+            windows[0],
+        )
         return None if keys is None else (keys, cache.layers)
 
 
@@ -221,12 +289,20 @@ class PagedCacheManager:
         blocks: BlockManager,
         kernels: AttentionKernels,
         shift: KeyShift | None = None,
+        window: WindowSlots | None = None,
     ) -> None:
         """``shift``: moves a block's keys to other positions, where the pool can (a PIC
-        hit under spnl's reuse rule computed elsewhere is a miss without it)."""
+        hit under spnl's reuse rule computed elsewhere is a miss without it). ``window``:
+        the slots of the sliding-window layers' own pool, where the pool has one (no PIC
+        prompts then: `Engine.pic_refusal`)."""
         self.cache, self.blocks, self.kernels = cache, blocks, kernels
         self.block_size = blocks.block_size
         self.shift = shift
+        self.window = window
+        if window is not None:
+            blocks.on_take = window.forget
+            if isinstance(cache, PagedKVCache):
+                cache.window_slot_of = window.slot_of  # where moved keys lie (`move_blocks`)
         self.tier: PoolTier | None = None  # the KV tier under the pool, where it is on
         self.tables: dict[int, BlockTable] = {}
         self.pic: dict[int, PicProgress] = {}  # the PIC sequences holding cache
@@ -243,7 +319,15 @@ class PagedCacheManager:
     def pool_usage(self) -> PoolUsage:
         blocks = self.blocks
         cached = len(blocks.cached_ids)
-        return PoolUsage(blocks.num_blocks, blocks.num_blocks - blocks.num_available, cached)
+        usage = PoolUsage(blocks.num_blocks, blocks.num_blocks - blocks.num_available, cached)
+        window = self.window
+        if window is None:
+            return usage
+        held = window.num_slots - window.available
+        cached = len(window.kept)
+        return dataclasses.replace(
+            usage, window_blocks=window.num_slots, window_in_use=held, window_cached=cached
+        )
 
     def arriving(self, seq: CachedTokens) -> None:
         """A request was added: the KV tier starts reading the blocks it may reuse that the
@@ -270,15 +354,32 @@ class PagedCacheManager:
         hits, hashes = self._shareable(seq)
         if len(hits) * self.block_size >= seq.num_tokens:
             hits = hits[:-1]  # recompute the last block rather than write into a shared one
+        hits = self._within_windows(seq, hits)
         for block_id in hits:
             self.blocks.share(block_id)
         self.tables[seq.seq_id] = BlockTable(list(hits), hashes[: len(hits)])
         seq.num_computed_tokens = len(hits) * self.block_size
+        if self.window is not None:
+            self.window.start(seq.seq_id, list(hits), seq.num_computed_tokens)
         if not seq.output_token_ids:  # a new request, not a preempted one coming back
             seq.num_cached_tokens = seq.num_computed_tokens
             from_tier = sum(block_id in promoted for block_id in hits) * self.block_size
             seq.num_tier_hit_tokens = from_tier
             _log_prefix_lookup(seq, len(hits), self.blocks.blocks_for(seq.num_tokens))
+
+    def _within_windows(self, seq: CachedTokens, hits: list[int]) -> list[int]:
+        """The longest start of a prefix hit whose last window of blocks the windowed pool
+        still holds (the sliding layers' K and V before it are gone; what follows it is
+        computed again); the whole hit without a windowed pool."""
+        window = self.window
+        if window is None:
+            return hits
+        kept = len(hits)
+        while kept and not window.has_window(hits, kept * self.block_size):
+            kept -= 1
+        if kept < len(hits):
+            log.debug("prefix_cache.window_cut", seq_id=seq.seq_id, blocks=len(hits), kept=kept)
+        return hits[:kept]
 
     def _shareable(self, seq: CachedTokens) -> tuple[list[int], list[int]]:
         """The blocks ``seq`` may start with, and the hashes known of them: its longest
@@ -309,11 +410,15 @@ class PagedCacheManager:
             promoted = self._promote(closed, prefix=False)
             for block in planned:
                 block_id = self.blocks.lookup(block.digest, block.tokens) if block.closed else None
+                if block_id is not None and not self._has_window_slot(block_id):
+                    block_id = None  # its sliding layers' K and V are gone
                 if block_id is not None and block.last != len(tokens) - 1:
                     hits[block.index], found[block.index] = block, block_id
                     self.blocks.share(block_id)
+                    if self.window is not None:
+                        self.window.pin(seq.seq_id, block_id)
                     from_tier += (block.last + 1 - block.first) * (block_id in promoted)
-            moved = self._move_shifted(hits, found)
+            moved = self._move_shifted(seq, hits, found)
         width = max(hits, default=-1) + 1
         table = BlockTable([found.get(index, UNTAKEN) for index in range(width)])
         progress.admit(hits, len(tokens))
@@ -334,7 +439,21 @@ class PagedCacheManager:
             return set()
         return self.tier.promote(wanted, prefix)
 
-    def _move_shifted(self, hits: dict[int, PlannedBlock], found: dict[int, int]) -> int:
+    def _has_window_slot(self, block_id: int) -> bool:
+        """Whether the block's sliding layers' K and V are in the windowed pool (always,
+        without one)."""
+        return self.window is None or self.window.slot_of[block_id] >= 0
+
+    def _unshare(self, seq: CachedTokens, block_id: int) -> None:
+        """Drop a PIC sequence's reference to a hit (and its pin of the block's slot)."""
+        if self.window is not None:
+            registered = self.blocks.blocks[block_id].hash is not None
+            self.window.unpin(seq.seq_id, [block_id], {block_id} if registered else set())
+        self.blocks.unshare(block_id)
+
+    def _move_shifted(
+        self, seq: CachedTokens, hits: dict[int, PlannedBlock], found: dict[int, int]
+    ) -> int:
         """Hits whose keys the pool holds for other positions (spnl's reuse rule keys an
         element by its tokens alone), copied into blocks of the sequence's own with their
         keys moved to where they now stand; dropped (computed) where that cannot be. The
@@ -351,18 +470,21 @@ class PagedCacheManager:
                 self.shift is None
                 or not self.shift.possible(stored, block.position, length)
                 or not self.blocks.num_available
+                or (self.window is not None and not self.window.available)
             ):
                 del hits[index], found[index]
-                self.blocks.unshare(source)
+                self._unshare(seq, source)
             else:
                 found[index] = self.blocks.take()
+                if self.window is not None:
+                    self.window.pin(seq.seq_id, found[index])
                 moves.setdefault(block.position - stored, []).append((source, found[index]))
                 moved += length
         for delta, pairs in moves.items():
             sources, targets = zip(*pairs, strict=True)
             self.shift.move(list(sources), list(targets), delta)  # type: ignore[union-attr]
             for source in sources:
-                self.blocks.unshare(source)
+                self._unshare(seq, source)
         return moved
 
     def reserve(self, seq: CachedTokens, num_tokens: int) -> bool:
@@ -371,11 +493,25 @@ class PagedCacheManager:
         if progress is not None:
             return self._reserve_pic(seq, progress, num_tokens)
         table = self.tables[seq.seq_id]
-        needed = self.blocks.blocks_for(num_tokens) - len(table.block_ids)
+        total = self.blocks.blocks_for(num_tokens)
+        needed = total - len(table.block_ids)
+        window = self.window
+        if window is not None:
+            window.advance(seq.seq_id, table.block_ids, seq.num_computed_tokens, self._kept(table))
+            if window.missing(seq.seq_id, table.block_ids, total) > window.available:
+                return False
         if needed > self.blocks.num_available:
             return False
         table.block_ids.extend(self.blocks.take() for _ in range(max(needed, 0)))
+        if window is not None:
+            window.extend(seq.seq_id, table.block_ids, total)
         return True
+
+    def _kept(self, table: BlockTable) -> list[bool]:
+        """Which of a table's blocks keep their windowed slot when no sequence holds them:
+        the registered ones (a later prefix hit may end in them)."""
+        blocks = self.blocks.blocks
+        return [b != UNTAKEN and blocks[b].hash is not None for b in table.block_ids]
 
     def _reserve_pic(self, seq: CachedTokens, progress: PicProgress, num_tokens: int) -> bool:
         """Take blocks for the untaken entries up to the one holding the last token of the
@@ -388,15 +524,21 @@ class PagedCacheManager:
         missing = [i for i in range(last + 1) if i >= len(ids) or ids[i] == UNTAKEN]
         if len(missing) > self.blocks.num_available:
             return False
+        if self.window is not None and len(missing) > self.window.available:
+            return False
         ids.extend([UNTAKEN] * (last + 1 - len(ids)))
         for index in missing:
             ids[index] = self.blocks.take()
+            if self.window is not None:
+                self.window.pin(seq.seq_id, ids[index])
         return True
 
     def release(self, seq: CachedTokens) -> None:
         self.pic.pop(seq.seq_id, None)
         table = self.tables.pop(seq.seq_id, None)
         if table is not None:
+            if self.window is not None:
+                self.window.finish(seq.seq_id, table.block_ids, self._kept(table))
             self.blocks.release(table)
 
     def block_hashes(self, seq: CachedTokens) -> Sequence[int]:
@@ -409,6 +551,8 @@ class PagedCacheManager:
         """Keep only the first ``num_blocks`` of an admitted sequence's prefix hit (what
         else must be computed again: a hybrid model's state is known at fewer points)."""
         table = self.tables[seq.seq_id]
+        if self.window is not None:
+            raise EngineError("a windowed pool cuts no prefix hit short (no state layers)")
         self.blocks.truncate(table, num_blocks)
         seq.num_computed_tokens = num_blocks * self.block_size
         if not seq.output_token_ids:
@@ -417,7 +561,10 @@ class PagedCacheManager:
     def reset_prefix_cache(self) -> int:
         """Forget every cached block, prefix and PIC alike, without touching the running
         sequences: blocks they hold stay theirs until they let go. Blocks forgotten."""
-        return self.blocks.reset_cache()
+        forgotten = self.blocks.reset_cache()
+        if self.window is not None:
+            self.window.reset()
+        return forgotten
 
     def truncate(self, seq: CachedTokens) -> None:
         """Return the blocks past the sequence's computed tokens (rejected draft slots)."""
@@ -426,13 +573,20 @@ class PagedCacheManager:
             return
         progress = self.pic.get(seq.seq_id)
         if progress is None:
-            self.blocks.truncate(table, self.blocks.blocks_for(seq.num_computed_tokens))
+            kept = self.blocks.blocks_for(seq.num_computed_tokens)
+            if self.window is not None:
+                self.window.shrink(seq.seq_id, table.block_ids, kept, self._kept(table))
+            self.blocks.truncate(table, kept)
             return
         # A decoding PIC sequence's prompt is all computed; its generated tokens (drafts
         # too) fill the last segment in order, after every other block of its table.
         if seq.num_computed_tokens < progress.admitted_len:
             raise EngineError("a PIC sequence is truncated only after its prompt")
         last = progress.slot(seq.num_computed_tokens - 1) // self.block_size
+        if self.window is not None:
+            dropped = [b for b in table.block_ids[last + 1 :] if b != UNTAKEN]
+            registered = {b for b in dropped if self.blocks.blocks[b].hash is not None}
+            self.window.unpin(seq.seq_id, dropped, registered)
         self.blocks.truncate(table, last + 1)
 
     def after_step(self, batch: list[ScheduledSeq]) -> None:
@@ -470,8 +624,21 @@ class PagedCacheManager:
         sequence whose recomputed tokens fall due among them (`PicProgress.chunk`)."""
         progress = self.pic.get(seq.seq_id)
         if progress is None:
-            return count
+            return count if self.window is None else self._window_chunk(seq, count)
         return progress.chunk(seq.num_computed_tokens - progress.start, count)
+
+    def _window_chunk(self, seq: CachedTokens, count: int) -> int:
+        """At most the tokens whose blocks the windowed pool has room for beside the
+        sequence's window (at least one: where none fits, `reserve` says so and the
+        scheduler preempts)."""
+        window, size = self.window, self.block_size
+        assert window is not None
+        table = self.tables.get(seq.seq_id)
+        if table is None:
+            return count
+        start = seq.num_computed_tokens
+        end = window.room(seq.seq_id, table.block_ids, start)
+        return max(1, min(count, end * size - start))
 
     def probes(self, batch: list[ScheduledSeq]) -> list[RecomputeProbe]:
         """The groups whose recomputation begins in this step with its tokens still to be
@@ -488,8 +655,8 @@ class PagedCacheManager:
     def _probe(self, seq: CachedTokens, progress: PicProgress, end: int) -> RecomputeProbe:
         """The group ending at ``end``: its tokens attend as cross over the keys before
         its end as read just before its recomputation begins."""
-        if not isinstance(self.cache, PagedKVCache):
-            raise EngineError("a recomputation probe reads a plain paged pool")
+        if not isinstance(self.cache, PagedKVCache) or self.window is not None:
+            raise EngineError("a recomputation probe reads a plain paged pool, not windowed")
         layout = progress.layout
         group = range(layout.group_start(end), end)
         table = self.tables[seq.seq_id].block_ids
@@ -568,7 +735,35 @@ class PagedCacheManager:
             torch.tensor(slots, device=device),
             pic=pic if any(p is not None for p in pic) else None,
         )
-        return self.cache.step(self.kernels, meta)
+        if self.window is None:
+            return self.cache.step(self.kernels, meta)
+        window_meta = self._window_meta(meta, tables, device)
+        return self.cache.step(self.kernels, meta, window_meta)  # type: ignore[call-arg]
+
+    def _window_meta(
+        self, meta: PagedMetadata, tables: list[list[int]], device: torch.device
+    ) -> PagedMetadata:
+        """The step in the windowed pool: every block through its windowed slot. A block
+        without one lies before every window of the step's queries, never read (its entry
+        points at slot 0, whose keys the window masks)."""
+        slot_of = torch.tensor([*self.window.slot_of, -1], device=device)  # type: ignore[union-attr]
+        width = meta.block_tables.shape[1]
+        padded = [t + [-1] * (width - len(t)) for t in tables]
+        mapped = slot_of[torch.tensor(padded, device=device)]
+        size = self.block_size
+        logical = meta.slot_mapping
+        assert logical is not None
+        written = logical >= 0  # -1: a token not written
+        slots = torch.where(written, slot_of[logical.clamp(min=0) // size] * size, -1)
+        slots = torch.where(written, slots + logical % size, -1)
+        if bool((written & (slots < 0)).any()):
+            raise EngineError("a token is stored in a block without a windowed slot")
+        pic = None
+        if meta.pic is not None:
+            pic = [None if keys is None else _mapped_keys(keys, slot_of, size) for keys in meta.pic]
+        return PagedMetadata(
+            mapped.clamp(min=0), meta.seq_lens, meta.query_lens, size, slots, pic=pic
+        )
 
     def _pic_keys(
         self, progress: PicProgress, table: list[int], entries: list[Entry], rank: int
@@ -590,6 +785,15 @@ class PagedCacheManager:
             redone = torch.tensor([entry.recomputed for entry in entries])
             q_blocks = torch.where(redone, CROSS, key_blocks[indices])
         return PicKeys(slots, key_blocks, key_positions, indices, first_plus, q_blocks)
+
+
+def _mapped_keys(keys: PicKeys, slot_of: torch.Tensor, size: int) -> PicKeys:
+    """A PIC sequence's keys in the windowed pool (every block it reads is pinned there)."""
+    slots = keys.key_slots.to(slot_of.device)
+    mapped = slot_of[slots // size] * size + slots % size
+    if bool((mapped < 0).any()):
+        raise EngineError("a PIC sequence's keys reach a block without a windowed slot")
+    return dataclasses.replace(keys, key_slots=mapped.to(keys.key_slots.device), _rows={})
 
 
 def _log_pic_lookup(

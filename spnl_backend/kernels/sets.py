@@ -3,6 +3,7 @@
 Every set has the same signatures (`AttentionKernels`); `kernels.dispatch` picks one per model.
 """
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -148,6 +149,9 @@ class NativeKeys:
     lens: torch.Tensor  # [queries] int64
     num_slots: int
     windowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Where the layers with a window keep their own pool (`engine.window_pool`): their
+    # tokens' slots there and its slot count (their keys are then ``windowed``'s).
+    window_pool: tuple[torch.Tensor, int] | None = None
 
 
 def native_keys(
@@ -177,6 +181,29 @@ def native_keys(
     slot_mapping = meta.slot_mapping.to(torch.int64).contiguous()
     slots = slots if slots.stride(1) == 1 else slots.contiguous()
     return NativeKeys(slot_mapping, slots, lens, num_slots, windowed)
+
+
+def windowed_native_keys(
+    kernels: AttentionKernels,
+    meta: PagedMetadata,
+    pool: torch.Tensor,
+    window_meta: PagedMetadata,
+    window_pool: torch.Tensor,
+    window: int,
+) -> NativeKeys | None:
+    """The step's `NativeKeys` where the layers with ``window`` keep a pool of their own
+    (``window_pool``, one layer's key cache of it, read through ``window_meta``) beside
+    the other layers' (``pool``, through ``meta``); None where either would not run
+    natively."""
+    keys = native_keys(kernels, meta, pool, ())
+    own = native_keys(kernels, window_meta, window_pool, (window,))
+    if keys is None or own is None:
+        return None
+    # a step with PIC sequences lists their keys windowed by position already
+    windowed = own.windowed or (own.slots, own.lens, first_keys(own.lens, window))
+    return dataclasses.replace(
+        keys, windowed=windowed, window_pool=(own.slot_mapping, own.num_slots)
+    )
 
 
 def _contiguous_rows(keys: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

@@ -44,11 +44,15 @@ class PicPrompts:
         limit: ContextLimit,
         block_size: int,
         refusal: str | None,
+        pic_context: int | None = None,
     ) -> None:
-        """``refusal``: why the engine cannot run PIC prompts (`Engine.pic_refusal`), or None."""
+        """``refusal``: why the engine cannot run PIC prompts (`Engine.pic_refusal`), or None;
+        ``pic_context``: the tokens a PIC sequence holds where fewer than ``limit``'s
+        (`Engine.pic_context`)."""
         self._tokenizer, self._settings, self._model_name = tokenizer, settings, model_name
         self._vocab_size, self._limit, self._block_size = vocab_size, limit, block_size
         self._refusal = refusal
+        self._pic_context = pic_context or limit.max_model_len
         self._sentinels = pic_sentinels()
         if self._sentinels is not None:
             self._sentinels.check_vocabulary(vocab_size)
@@ -152,20 +156,26 @@ class PicPrompts:
             recompute_select=self._settings.pic_recompute_select,
         )
         prompt = PicPrompt(prompt.token_ids, layout)
-        size, max_len = self._block_size, self._limit.max_model_len
+        size, max_len = self._block_size, self._pic_context
         slots = prompt.layout.padded_slots(size)
         if slots + size >= max_len:
+            holds = (
+                f"a sequence holds {max_len}"
+                if max_len == self._limit.max_model_len
+                else f"a PIC sequence holds {max_len}, all of them in the sliding-window "
+                "layers' own pool,"
+            )
             raise ContextLengthError(
                 f"the PIC prompt has {len(prompt.token_ids)} tokens, {slots} with each span "
-                f"starting a new block of {size}, but a sequence holds {max_len} "
-                f"(prompt and completion together); {self._remedy(prompt)}"
+                f"starting a new block of {size}, but {holds} (prompt and completion "
+                f"together); {self._remedy(prompt)}"
             )
         return prompt
 
     def _remedy(self, prompt: PicPrompt) -> str:
         """What would let a PIC prompt that does not fit run: the largest smaller block
         size it fits with (many short spans each pad a block), else shortening it."""
-        max_len = self._limit.max_model_len
+        max_len = self._pic_context
         for smaller in (s for s in (64, 32, 16, 8) if s < self._block_size):
             if prompt.layout.padded_slots(smaller) + smaller < max_len:
                 return (

@@ -186,6 +186,8 @@ class StepArgs(ctypes.Structure):
         ("scratch_bytes", I64),
         ("lora_groups", ctypes.POINTER(LoraGroup)),
         ("lora_count", I64),
+        ("window_slot_mapping", PTR),
+        ("window_num_slots", I64),
     )
 
 

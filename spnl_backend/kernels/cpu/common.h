@@ -196,6 +196,11 @@ typedef struct {
     // This step's rows of LoRA adapters (lora_count 0: none).
     const spnl_lora_group *lora_groups;
     int64_t lora_count;
+    // Where not NULL, the layers with a window keep their K and V in a pool of their own
+    // (the sliding-window layers' pool): their tokens go to these slots of its
+    // window_num_slots, and their keys are at_windowed's (windowed is then 1).
+    const int64_t *window_slot_mapping;
+    int64_t window_num_slots;
 } spnl_step_args;
 
 // One layer's fixed part: its products, norms (scales, one eps; NULL: none), cache and

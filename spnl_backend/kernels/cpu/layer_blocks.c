@@ -76,8 +76,11 @@ int spnl_attention_block(const spnl_step_args *s, const spnl_layer_args *l) {
         memcpy(k + t * kv_size, row + q_size, kv_size * sizeof(float));
         memcpy(v + t * kv_size, row + q_size + kv_size, kv_size * sizeof(float));
     }
-    status = spnl_store_kv(k, v, l->k_cache, l->v_cache, s->slot_mapping, tokens, kv_size,
-                           s->num_slots, l->half);
+    const int own_pool = s->window_slot_mapping != NULL && l->scoring.window > 0;
+    const int64_t *slot_mapping = own_pool ? s->window_slot_mapping : s->slot_mapping;
+    const int64_t num_slots = own_pool ? s->window_num_slots : s->num_slots;
+    status = spnl_store_kv(k, v, l->k_cache, l->v_cache, slot_mapping, tokens, kv_size,
+                           num_slots, l->half);
     if (status) return status;
     spnl_paged_decode_args attention = {
         .at = s->windowed && l->scoring.window > 0 ? s->at_windowed : s->at,
@@ -85,7 +88,7 @@ int spnl_attention_block(const spnl_step_args *s, const spnl_layer_args *l) {
     attention.at.heads = l->heads;
     attention.at.kv_heads = l->kv_heads;
     attention.at.dim = l->head_dim;
-    attention.at.num_slots = s->num_slots;
+    attention.at.num_slots = num_slots;
     attention.at.scoring = l->scoring;
     attention.at.out = s->attn;
     attention.at.threads = s->threads;

@@ -57,7 +57,8 @@ class LayerStack:
         set in its arguments by the caller."""
         tokens = x.shape[0]
         self._check_step(x, h, tables, keys)
-        self._set_pools(pools, keys.num_slots)
+        window_slots = None if keys.window_pool is None else keys.window_pool[1]
+        self._set_pools(pools, keys.num_slots, window_slots)
         empty = lambda *shape: torch.empty(shape, dtype=torch.float32)  # noqa: E731
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         buffers = {
@@ -101,6 +102,9 @@ class LayerStack:
             windowed.lens, windowed.seqs = lens.data_ptr(), tokens
             windowed.firsts = firsts.data_ptr()
             step.windowed = 1
+        if keys.window_pool is not None:
+            step.window_slot_mapping = keys.window_pool[0].data_ptr()
+            step.window_num_slots = keys.window_pool[1]
         for i, table in enumerate(tables):
             step.cos[i], step.sin[i] = table.cos.data_ptr(), table.sin.data_ptr()
             step.rotary_dim[i] = table.cos.shape[-1]
@@ -133,25 +137,40 @@ class LayerStack:
         if keys.windowed is not None:
             check_keys(*keys.windowed[:2], tokens, "layer blocks", keys.windowed[2])
         require(keys.slot_mapping, torch.int64, "layer blocks: slot mapping", numel=tokens)
+        if keys.window_pool is not None:
+            if keys.windowed is None:
+                raise KernelArgumentError("layer blocks: a windowed pool without its keys")
+            mapping = keys.window_pool[0]
+            require(mapping, torch.int64, "layer blocks: windowed slot mapping", numel=tokens)
 
-    def _set_pools(self, pools: list[tuple[torch.Tensor, torch.Tensor]], num_slots: int) -> None:
+    def _set_pools(
+        self,
+        pools: list[tuple[torch.Tensor, torch.Tensor]],
+        num_slots: int,
+        window_slots: int | None = None,
+    ) -> None:
         """Each layer's pool pair, set again only when the pools are others; every pool is
-        checked before any layer's pointers change."""
+        checked before any layer's pointers change. ``window_slots``: the slots of the
+        windowed layers' own pool, where they keep one."""
         if len(pools) != len(self.layers):
             raise KernelArgumentError(
                 f"layer blocks: {len(pools)} pools for {len(self.layers)} layers"
             )
         first = pools[0][0]
-        if num_slots != first.shape[0] * first.shape[1]:
-            raise KernelArgumentError(f"layer blocks: {num_slots} slots in a pool {first.shape}")
-        key = tuple((k.data_ptr(), v.data_ptr()) for k, v in pools), first.dtype, first.shape
+        slots = [
+            window_slots if window_slots is not None and args.scoring.window > 0 else num_slots
+            for args in self.layers
+        ]
+        shapes = tuple(k.shape for k, _ in pools)
+        key = tuple((k.data_ptr(), v.data_ptr()) for k, v in pools), first.dtype, shapes
         if key == self.pools_key:
             return
-        for pair in pools:
-            for pool in pair:  # every layer's pools alike: one slot count, one element type
+        for pair, count in zip(pools, slots, strict=True):
+            for pool in pair:  # every layer's pools alike but for its slot count
                 if not (
                     pool.dtype is first.dtype
-                    and pool.shape == first.shape
+                    and pool.shape[0] * pool.shape[1] == count
+                    and pool.shape[1:] == first.shape[1:]
                     and pool.shape[2:] == (self.kv_heads, self.head_dim)
                 ):
                     raise KernelArgumentError(
