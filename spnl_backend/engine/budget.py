@@ -25,7 +25,10 @@ SNAPSHOT_SHARE = 0.25
 # The sliding-window layers' own pool holds the windows of this many sequences at once
 # beside a prefill chunk of this many tokens (`WindowPlan`): more sequences in their
 # windows wait (preempted like any that finds no room), a longer chunk is cut to fit.
-WINDOW_SEQS = 4
+# Sixteen: a busy server's batch. Where the global layers' pool holds no more than that
+# (the default 4,096 tokens at a 512-token window), the windowed pool would be no smaller
+# and stays off, so nothing waits that ran before; it pays at longer contexts.
+WINDOW_SEQS = 16
 WINDOW_CHUNK_TOKENS = 512
 
 

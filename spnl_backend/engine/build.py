@@ -649,9 +649,11 @@ def _paged_cache(
         compressor.name if compressor else None,
         _kernels_name(loaded.kernels.attention, coded=pair is not None),
         window_blocks=plan.window_blocks,
-        window_bytes_per_token=plan.window_bytes_per_token if slots else None,
+        # Where the pool is off only for being no smaller at this budget, a larger one
+        # (the remedy a too-long prompt is told) would have it: its figures stay.
+        window_bytes_per_token=window.bytes_per_token if window else None,
         window_most_tokens=window.most_blocks(plan.block_size) * plan.block_size
-        if slots and window
+        if window
         else None,
     )
     # Moving a block's keys happens in this process's pool alone: not under tensor

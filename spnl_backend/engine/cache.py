@@ -56,9 +56,9 @@ class CacheInfo:
     # The cache can drop the tokens of a step's rejected proposals (False: a compression
     # plugin's non-paged caches without truncate, which speculation cannot run on).
     rolls_back: bool = True
-    # The sliding-window layers' own pool (`engine.window_pool`), where they have one: its
-    # blocks, those layers' share of ``bytes_per_token`` (the other layers hold
-    # ``num_blocks``), and the most tokens it takes at any budget.
+    # The sliding-window layers' own pool (`engine.window_pool`): its blocks, where it is
+    # on; where the model can have one (on at a budget where it is smaller), those layers'
+    # share of ``bytes_per_token`` and the most tokens it takes at any budget.
     window_blocks: int | None = None
     window_bytes_per_token: int | None = None
     window_most_tokens: int | None = None
