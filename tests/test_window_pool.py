@@ -266,12 +266,10 @@ def test_rejected_ngram_proposals_leave_the_windowed_pool_as_found(tiny, arch, s
     assert usage.draft_tokens > usage.accepted_tokens
 
 
-def test_a_pool_too_small_for_windows_of_its_own_still_tells_a_long_prompt_both_pools(
-    tiny, arch
-):
+def test_a_pool_too_small_for_windows_of_its_own_still_tells_a_long_prompt_both_pools(tiny, arch):
     """At a budget the windowed pool would not undercut it is off, yet the budget a too-long
     prompt is told to raise to is one where it is on: the message counts both pools."""
     with _load(tiny, arch, windowed=True, settings=_settings(paged_attn_context_len=64)) as b:
         assert b.cache_info().window_blocks is None
-        with pytest.raises(ContextLengthError, match="sliding-window layers' .* for at most"):
+        with pytest.raises(ContextLengthError, match=r"sliding-window layers' .* for at most"):
             b.generate(" the fox" * 64, max_tokens=1)
