@@ -536,6 +536,25 @@ def test_one_row_k_quant_products_give_the_tiles_bits_for_any_block_count(kernel
     torch.testing.assert_close(alone, twin, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("at", [0, 7, 8, 31, 100, 130, 248, 255])
+def test_k_quant_activations_take_their_largest_magnitude_wherever_it_lies(kernels, at):
+    """A block of 256 activations maps its largest magnitude to 127 (found a vector at a
+    time, then the first value of that magnitude): at any position, of either sign, and
+    tied with the other sign later (the first one's sign taken, the same numbers), the
+    product is the twin's on the activations so rounded."""
+    if kernels.exact:
+        pytest.skip("this CPU has no AVX2: the int8 kernels are not built")
+    gen = torch.Generator().manual_seed(at)
+    weights = [_weights(Q.Q4_K, rows=16, cols=512, seed=at)]
+    x = torch.randn(4, 512, generator=gen)
+    x[0, at], x[1, 256 + at] = 9.0, -9.0
+    x[2, at], x[2, 511 - at // 2] = -9.0, 9.0  # a tie: the first is the negative one
+    x[3, :256] = 0.0  # a block of zeros: scale 0
+    out = torch.cat([quantized_matmuls(kernels, x[i : i + 1], weights) for i in range(4)])
+    twin = _twin(int8_activations_ref(x, Q.Q4_K), weights)
+    torch.testing.assert_close(out, twin, rtol=1e-4, atol=1e-3)
+
+
 @pytest.mark.parametrize("qtype", [t for t in TYPES if GGML_QUANT_SIZES[t][0] == 32], ids=str)
 @pytest.mark.parametrize("rows", [6, 7, 13])
 def test_tiles_of_32_value_blocks_give_each_row_alone_bits(kernels, qtype, rows):
