@@ -536,6 +536,27 @@ def test_one_row_k_quant_products_give_the_tiles_bits_for_any_block_count(kernel
     torch.testing.assert_close(alone, twin, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("blocks", range(1, 41))
+def test_a_decode_gives_each_weight_row_its_own_bits_in_a_run_of_rows(kernels, qtype, blocks):
+    """A decode's Q4_K and Q6_K kernels go through a tile's weight rows in one run, a row's
+    last group of 8 blocks (or its rest, 1 to 7) weighed while the next row's first is
+    found: at every block count each row gets the bits it gets alone (a product of that
+    one weight row), the bits of the tiles (5 activation rows) and the twin's values."""
+    if kernels.exact:
+        pytest.skip("this CPU has no AVX2: the int8 kernels are not built")
+    cols = 256 * blocks
+    weight = _raw_k_weights(qtype, rows=19, cols=cols, seed=blocks)  # a tile of 16, then 3
+    x = torch.randn(5, cols, generator=torch.Generator().manual_seed(blocks))
+    run = quantized_matmuls(kernels, x[:1], [weight])
+    rows = weight.data.view(19, -1)
+    alone = [QuantizedWeight(rows[r : r + 1].clone(), qtype, (1, cols)) for r in range(19)]
+    assert torch.equal(run, torch.cat([quantized_matmuls(kernels, x[:1], [w]) for w in alone], -1))
+    assert torch.equal(run, quantized_matmuls(kernels, x, [weight])[:1])
+    twin = _twin(int8_activations_ref(x[:1], qtype), [weight])
+    torch.testing.assert_close(run, twin, rtol=1e-4, atol=1e-4 * twin.abs().max().item())
+
+
 @pytest.mark.parametrize("at", [0, 7, 8, 31, 100, 130, 248, 255])
 def test_k_quant_activations_take_their_largest_magnitude_wherever_it_lies(kernels, at):
     """A block of 256 activations maps its largest magnitude to 127 (found a vector at a

@@ -1508,38 +1508,54 @@ static inline __attribute__((always_inline)) k8_terms q4_k_eight(
     return k8_terms_of(k8_sums(v), _mm512_cvtph_ps(halves), ad, n);
 }
 
-// A row of n k-quant blocks of BYTES bytes, 8 at a time through EIGHT, against the
-// activations x->ACTS. Each group's FMAs come after the next group's integers: the chain of
-// FMAs runs while those are found, instead of holding them back. The rest of the row takes
-// EIGHT with its count a constant in each case (the work of absent blocks left out).
+// `count` weight rows (row_bytes apart) of `blocks` k-quant blocks of BYTES bytes, each
+// against the activations x->ACTS, 8 blocks at a time through EIGHT, into y[0, count).
+// Each group's FMAs come after the next group's integers, the next row's first group
+// included: the chain of FMAs (and a row's last sums) runs while those are found, instead
+// of holding them back. A row's rest takes EIGHT with its count a constant in each case
+// (the work of absent blocks left out). Each row's FMAs are its own, in block order.
 #define K8_REST(EIGHT, N) \
-    case N: rest = EIGHT(rw, ra, rs, x->d256 + b, N), rest_n = N; break;
+    case N: t = EIGHT(rw, ra, rs, x->d256 + b, N), t_n = N; break;
 #define DEFINE_K8_ROW(NAME, EIGHT, BYTES, ACTS)                                                \
-    static inline float NAME(const act_rows *x, int64_t blocks, const uint8_t *w) {            \
-        if (blocks == 0) return 0.0f;                                                          \
-        __m128 acc = _mm_setzero_ps();                                                         \
+    static inline void NAME(const act_rows *x, int64_t blocks, const uint8_t *w, int64_t count, \
+                            int64_t row_bytes, float *y) {                                     \
+        if (blocks == 0) {                                                                     \
+            for (int64_t n = 0; n < count; n++) y[n] = 0.0f;                                   \
+            return;                                                                            \
+        }                                                                                      \
+        __m128 acc = _mm_setzero_ps(); /* the sums of the row of `last` */                     \
         k8_terms last = {_mm512_setzero_ps(), _mm512_setzero_ps()};                            \
         int last_n = 0;                                                                        \
-        int64_t b = 0;                                                                         \
-        for (; b + 8 <= blocks; b += 8) {                                                      \
-            const k8_terms t =                                                                 \
-                EIGHT(w + b * BYTES, x->ACTS + b * 256, x->bsums + b * 16, x->d256 + b, 8);    \
-            if (last_n) acc = k8_fma(last, 8, acc);                                            \
-            last = t, last_n = 8;                                                              \
+        bool last_ends = false; /* whether `last` is its row's last group */                   \
+        for (int64_t n = 0; n < count; n++) {                                                  \
+            const uint8_t *wn = w + n * row_bytes;                                             \
+            for (int64_t b = 0; b < blocks; b += 8) {                                          \
+                k8_terms t;                                                                    \
+                int t_n = 8;                                                                   \
+                if (b + 8 <= blocks) {                                                         \
+                    t = EIGHT(wn + b * BYTES, x->ACTS + b * 256, x->bsums + b * 16,            \
+                              x->d256 + b, 8);                                                 \
+                } else {                                                                       \
+                    const uint8_t *rw = wn + b * BYTES;                                        \
+                    const int8_t *ra = x->ACTS + b * 256;                                      \
+                    const int16_t *rs = x->bsums + b * 16;                                     \
+                    switch (blocks - b) {                                                      \
+                        K8_REST(EIGHT, 1) K8_REST(EIGHT, 2) K8_REST(EIGHT, 3)                  \
+                        K8_REST(EIGHT, 4) K8_REST(EIGHT, 5) K8_REST(EIGHT, 6)                  \
+                        default: t = EIGHT(rw, ra, rs, x->d256 + b, 7), t_n = 7; break;        \
+                    }                                                                          \
+                }                                                                              \
+                if (last_n) {                                                                  \
+                    acc = last_n == 8 ? k8_fma(last, 8, acc) : k8_fma(last, last_n, acc);      \
+                    if (last_ends) y[n - 1] = k_result(acc), acc = _mm_setzero_ps();           \
+                }                                                                              \
+                last = t, last_n = t_n, last_ends = b + 8 >= blocks;                           \
+            }                                                                                  \
         }                                                                                      \
-        const uint8_t *rw = w + b * BYTES;                                                     \
-        const int8_t *ra = x->ACTS + b * 256;                                                  \
-        const int16_t *rs = x->bsums + b * 16;                                                 \
-        k8_terms rest = last;                                                                  \
-        int rest_n = 0;                                                                        \
-        switch (blocks - b) {                                                                  \
-            K8_REST(EIGHT, 1) K8_REST(EIGHT, 2) K8_REST(EIGHT, 3) K8_REST(EIGHT, 4)            \
-            K8_REST(EIGHT, 5) K8_REST(EIGHT, 6) K8_REST(EIGHT, 7)                              \
-        default: break;                                                                        \
+        if (last_n) {                                                                          \
+            acc = last_n == 8 ? k8_fma(last, 8, acc) : k8_fma(last, last_n, acc);              \
+            y[count - 1] = k_result(acc);                                                      \
         }                                                                                      \
-        if (last_n) acc = k8_fma(last, 8, acc);                                                \
-        if (rest_n) acc = k8_fma(rest, rest_n, acc);                                           \
-        return k_result(acc);                                                                  \
     }
 
 // Q4_K against activations in K4_ORDER.
@@ -1686,18 +1702,33 @@ static inline float q6_k_per_block(const act_rows *x, int64_t blocks, const uint
 
 // The one-row kernel each k-quant takes (`by_dot`: one row through k_dot, for the formats
 // without one of their own, and for Q4_K where its activations were not reordered).
+// `count` weight rows (row_bytes apart) against one activation row, into y[0, count):
+// ROWS(x, blocks, w, count, row_bytes, y) where the format has a kernel for a run of rows,
+// else ONE(x, blocks, w) a row at a time.
+#define EACH_ROW(ONE, x, blocks, w, count, row_bytes, y)                                       \
+    do {                                                                                       \
+        for (int64_t n_ = 0; n_ < (count); n_++) (y)[n_] = ONE(x, blocks, (w) + n_ * (row_bytes)); \
+    } while (0)
 #if defined(__AVX512BW__)
-#define ONE_ROW_q4_k(x, blocks, w, by_dot) \
-    ((x)->q256_k4 ? q4_k_reordered(x, blocks, w) : by_dot(x, blocks, w))
-#define ONE_ROW_q6_k(x, blocks, w, by_dot)                                                   \
-    ((blocks) >= Q6_K_GROUPED_MIN ? q6_k_wide(x, blocks, w) : q6_k_per_block(x, blocks, w))
+#define ONE_ROW_q4_k(x, blocks, w, count, row_bytes, y, by_dot)                                \
+    do {                                                                                       \
+        if ((x)->q256_k4) q4_k_reordered(x, blocks, w, count, row_bytes, y);                   \
+        else EACH_ROW(by_dot, x, blocks, w, count, row_bytes, y);                              \
+    } while (0)
+#define ONE_ROW_q6_k(x, blocks, w, count, row_bytes, y, by_dot)                                \
+    do {                                                                                       \
+        if ((blocks) >= Q6_K_GROUPED_MIN) q6_k_wide(x, blocks, w, count, row_bytes, y);        \
+        else EACH_ROW(q6_k_per_block, x, blocks, w, count, row_bytes, y);                      \
+    } while (0)
 #else
-#define ONE_ROW_q4_k(x, blocks, w, by_dot) by_dot(x, blocks, w)
-#define ONE_ROW_q6_k(x, blocks, w, by_dot) by_dot(x, blocks, w)
+#define ONE_ROW_q4_k(x, blocks, w, count, row_bytes, y, by_dot) \
+    EACH_ROW(by_dot, x, blocks, w, count, row_bytes, y)
+#define ONE_ROW_q6_k ONE_ROW_q4_k
 #endif
-#define ONE_ROW_q2_k(x, blocks, w, by_dot) by_dot(x, blocks, w)
-#define ONE_ROW_q3_k(x, blocks, w, by_dot) by_dot(x, blocks, w)
-#define ONE_ROW_q5_k(x, blocks, w, by_dot) by_dot(x, blocks, w)
+#define ONE_ROW_q2_k(x, blocks, w, count, row_bytes, y, by_dot) \
+    EACH_ROW(by_dot, x, blocks, w, count, row_bytes, y)
+#define ONE_ROW_q3_k ONE_ROW_q2_k
+#define ONE_ROW_q5_k ONE_ROW_q2_k
 
 // ---- k-quant tiles filled straight from the blocks (AVX-512BW) -------------------------------
 //
@@ -1903,10 +1934,6 @@ static inline flanes16 *sums_alloc(int64_t rows) {
     }                                                                                              \
     static void NAME##_rowwise(const act_rows *x, int64_t rows, int64_t blocks,                    \
                                const uint8_t *w, float *y, int64_t stride) {                       \
-        if (rows == 1) { /* a decode: its own kernel, the same bits */                             \
-            y[0] = ONE_ROW_##NAME(x, blocks, w, NAME##_by_dot);                                    \
-            return;                                                                                \
-        }                                                                                          \
         for (int64_t m = 0; m < rows; m += 4)                                                      \
             FOUR_ROWS(NAME##_by_rows, rows - m, x, m, blocks, w, y + m * stride, stride)           \
     }                                                                                              \
@@ -1969,7 +1996,12 @@ static inline flanes16 *sums_alloc(int64_t rows) {
             for (; n + KT_ROWS <= count; n += KT_ROWS)                                             \
                 NAME##_tiled(x, rows, blocks, w + n * row_bytes, y + n, stride, tiles);            \
         free(tiles);                                                                               \
-        for (; n < count; n++) NAME##_rowwise(x, rows, blocks, w + n * row_bytes, y + n, stride);  \
+        if (rows == 1) /* a decode: the format's own kernel, the same bits */                     \
+            ONE_ROW_##NAME(x, blocks, w + n * row_bytes, count - n, row_bytes, y + n,              \
+                           NAME##_by_dot);                                                         \
+        else                                                                                       \
+            for (; n < count; n++)                                                                 \
+                NAME##_rowwise(x, rows, blocks, w + n * row_bytes, y + n, stride);                 \
     }
 
 // One kernel per format of quant_matmul.c's BLOCK_FORMATS: the 32-value formats' above,
