@@ -521,7 +521,7 @@ def test_each_rows_product_is_bit_identical_to_that_row_alone(kernels, qtype, mo
 @pytest.mark.parametrize("blocks", [1, 2, 3, 5, 8, 9, 16, 17, 23])
 def test_one_row_k_quant_products_give_the_tiles_bits_for_any_block_count(kernels, qtype, blocks):
     """A decode's Q4_K and Q6_K products take 8 blocks of 256 at a time, then the rest (Q6_K
-    rows under 16 blocks a block at a time): for every rest a row alone gives the bits it
+    rows under 8 blocks a block at a time): for every rest a row alone gives the bits it
     gets beside others (16 weight rows in a tile, the last 2 a row at a time) and the
     twin's values."""
     if kernels.exact:

@@ -1628,7 +1628,7 @@ static inline __attribute__((always_inline)) k8_terms q6_k_eight(
 
 // Q6_K: its activations as they are.
 DEFINE_K8_ROW(q6_k_wide, q6_k_eight, 210, q256)
-#define Q6_K_GROUPED_MIN 16
+#define Q6_K_GROUPED_MIN 8
 
 // 16-bit scales for 64 values: scale index[i] for the pair of values 2i, 2i + 1.
 static inline __m512i spread(__m512i words, const int16_t index[32]) {
@@ -1654,9 +1654,10 @@ static inline __m128 k_add(__m512i s, __m256i m, float d, float dmin, float ad, 
 }
 
 // Q6_K a block at a time (each block's sums reduced and added on their own): faster than
-// q6_k_wide for rows of fewer than Q6_K_GROUPED_MIN blocks, where the fixed cost of a
-// row's last group weighs (10 blocks a row, from memory: 1.1x). Its low nibbles of 64
-// bytes are 64 consecutive values, so the activations go as they are.
+// q6_k_wide for rows of fewer than Q6_K_GROUPED_MIN blocks, where a group's fixed cost
+// weighs (4 blocks a row, from L3: 1.35x); from 8 blocks q6_k_wide's run of rows is the
+// faster (8 blocks from memory 1.06-1.14x, from L3 1.11x). Its low nibbles of 64 bytes are
+// 64 consecutive values, so the activations go as they are.
 static inline float q6_k_per_block(const act_rows *x, int64_t blocks, const uint8_t *w) {
     static const int16_t at[4][32] = {
         {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
