@@ -943,8 +943,9 @@ def test_a_compiler_without_link_time_optimisation_still_builds_the_same_kernels
 @pytest.mark.parametrize("march", ["haswell", "skylake-avx512"])
 def test_an_older_cpus_build_gives_this_builds_bits(kernels, tmp_path, march):
     """The int8 products built for an older CPU give exactly this machine's build's bits,
-    one row and many, at block counts that do and do not fill the one-row kernels' groups:
-    AVX2 alone (haswell: no AVX-512, none of its one-row kernels) and AVX-512 without
+    one row and many, at block counts that do and do not fill the one-row kernels' groups
+    (2304 values: 9 k-quant blocks, a whole group of 8 and a rest, in runs of rows): AVX2
+    alone (haswell: no AVX-512, none of its one-row kernels) and AVX-512 without
     VBMI and BITALG (skylake-avx512: the one-row Q5_0 and Q8_0 kernels' fallback)."""
     from spnl_backend.kernels.cpu import build
     from spnl_backend.settings.platform import find_c_compiler
@@ -959,7 +960,7 @@ def test_an_older_cpus_build_gives_this_builds_bits(kernels, tmp_path, march):
     build._compile(compiler, [*older, *(build._CHECK_FLAGS if kernels.checks else [])], target)
     older_build = build._load(target)
     assert older_build.has_int8
-    for cols in (256, 800, 1280):
+    for cols in (256, 800, 1280, 2304):
         fits = [t for t in TYPES if cols % GGML_QUANT_SIZES[t][0] == 0]
         weights = [_weights(t, rows=40, cols=cols, seed=i) for i, t in enumerate(fits)]
         x = torch.randn(7, cols, generator=torch.Generator().manual_seed(cols))
