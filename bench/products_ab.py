@@ -131,11 +131,13 @@ def shape_row(
     qtype: Q, n_out: int, k_in: int, calls: int, old, new, repeats: int, from_memory: bool
 ) -> list[str]:
     """One row against an n_out x k_in matrix through each library, the bits checked."""
+    from spnl_backend.memory import host_tensor
+
     weight = random_weight(qtype, n_out, k_in)
     copies = [weight]
     if from_memory:  # each call a copy of its own, the copies past the last-level cache
         while len(copies) * weight.numel() < 2 * LAST_LEVEL or len(copies) < calls:
-            copies.append(weight.clone())
+            copies.append(host_tensor(tuple(weight.shape), torch.uint8).copy_(weight))
     x = torch.randn(1, k_in)
     prepared = {
         label: [n.products([(qtype.value, w, n_out)]) for w in copies]
