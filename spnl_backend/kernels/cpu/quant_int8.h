@@ -1708,11 +1708,11 @@ static inline float q6_k_per_block(const act_rows *x, int64_t blocks, const uint
 #undef R4
 #endif
 
-// The one-row kernel each k-quant takes (`by_dot`: one row through k_dot, for the formats
-// without one of their own, and for Q4_K where its activations were not reordered).
-// `count` weight rows (row_bytes apart) against one activation row, into y[0, count):
-// ROWS(x, blocks, w, count, row_bytes, y) where the format has a kernel for a run of rows,
-// else ONE(x, blocks, w) a row at a time.
+// The one-row kernel each k-quant takes: `count` weight rows (row_bytes apart) against one
+// activation row, into y[0, count). Q4_K (activations reordered) and Q6_K (from
+// Q6_K_GROUPED_MIN blocks) take their run of rows; the others, and Q4_K where its
+// activations were not reordered, `by_dot` (one row through k_dot) a row at a time
+// (EACH_ROW).
 #define EACH_ROW(ONE, x, blocks, w, count, row_bytes, y)                                       \
     do {                                                                                       \
         for (int64_t n_ = 0; n_ < (count); n_++) (y)[n_] = ONE(x, blocks, (w) + n_ * (row_bytes)); \
