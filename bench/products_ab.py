@@ -18,7 +18,9 @@ activations' rounding, Python) is measured on a matrix of 16 rows and shown apar
 Compare with bench/read_bound.c, what one core can read. With --gguf, one more row per
 file: every quantized product of one decode token of that model (each product set once on
 a random row, as bench/decode_gap.py's `products`), the sets prepared once and run through
-either library.
+either library. With --shapes 1b, the products of the 1B files' decode instead of CASES
+(gemma3-1b's gate+up, qkv, down and o_proj, llama-1b's), each read from memory: the calls
+go round copies of the matrix that together pass the last-level cache twice over.
 """
 
 import dataclasses
@@ -39,6 +41,19 @@ CASES = [
     (Q.Q6_K, 8192, 14336, 1),
     (Q.Q4_K, 16, 2048, 40),  # the fixed cost of a call
 ]
+# The 1B files' decode products (format, output rows, input width, calls per timing).
+SHAPES_1B = [
+    (Q.Q5_0, 13824, 1152, 8),  # gemma3-1b gate + up
+    (Q.Q5_0, 1536, 1152, 40),  # gemma3-1b q + k + v
+    (Q.Q4_K, 1152, 6912, 8),  # gemma3-1b down
+    (Q.Q6_K, 1152, 6912, 8),  # gemma3-1b down, the layers that keep Q6_K
+    (Q.Q4_K, 1152, 1024, 40),  # gemma3-1b o_proj
+    (Q.Q4_K, 16384, 2048, 4),  # llama-1b gate + up
+    (Q.Q4_K, 2048, 2048, 20),  # llama-1b o_proj
+    (Q.Q4_K, 2048, 8192, 8),  # llama-1b down
+]
+LAST_LEVEL = 32 << 20  # bytes of L3 that copies must pass twice over to be read from memory
+HEADS = {Q.Q4_K: (slice(0, 16), 144), Q.Q6_K: (slice(192, 210), 210), Q.Q5_0: (slice(0, 2), 22)}
 
 
 def random_weight(qtype: Q, n_out: int, k_in: int) -> torch.Tensor:
@@ -50,11 +65,10 @@ def random_weight(qtype: Q, n_out: int, k_in: int) -> torch.Tensor:
     # Scramble the values (not the block scales: where they sit differs by format).
     gen = torch.Generator().manual_seed(0)
     noise = torch.randint(0, 256, rows.shape, dtype=torch.uint8, generator=gen)
-    head = {Q.Q4_K: slice(0, 16), Q.Q6_K: slice(192, 210)}[qtype]
-    block = 144 if qtype == Q.Q4_K else 210
+    head, block = HEADS[qtype]
     keep = torch.zeros(block, dtype=torch.bool)
     keep[head] = True
-    keep = keep.repeat(k_in // 256)
+    keep = keep.repeat(k_in // (32 if qtype == Q.Q5_0 else 256))
     from spnl_backend.memory import host_tensor
 
     return host_tensor(tuple(rows.shape), torch.uint8).copy_(torch.where(keep, rows, noise))
@@ -113,44 +127,64 @@ def token_row(gguf: Path, old, new, repeats: int) -> list[str]:
     ]
 
 
+def shape_row(
+    qtype: Q, n_out: int, k_in: int, calls: int, old, new, repeats: int, from_memory: bool
+) -> list[str]:
+    """One row against an n_out x k_in matrix through each library, the bits checked."""
+    from spnl_backend.memory import host_tensor
+
+    weight = random_weight(qtype, n_out, k_in)
+    copies = [weight]
+    if from_memory:  # each call a copy of its own, the copies past the last-level cache
+        while len(copies) * weight.numel() < 2 * LAST_LEVEL or len(copies) < calls:
+            copies.append(host_tensor(tuple(weight.shape), torch.uint8).copy_(weight))
+    x = torch.randn(1, k_in)
+    prepared = {
+        label: [n.products([(qtype.value, w, n_out)]) for w in copies]
+        for label, n in (("old", old), ("new", new))
+    }
+    if not torch.equal(prepared["old"][0](x), prepared["new"][0](x)):
+        raise SystemExit(f"{qtype.name} {n_out} x {k_in}: the two versions give different bits")
+
+    def turns(calls_of: list):
+        at = iter(range(1 << 62))
+        return lambda: calls_of[next(at) % len(calls_of)](x)
+
+    median = alternate({label: turns(c) for label, c in prepared.items()}, repeats, calls)
+    gb = weight.numel() / 1e9
+    return [
+        f"{qtype.name} {n_out} x {k_in} ({weight.numel() / 2**20:.1f} MiB)",
+        f"{median['old'] * 1e6:.0f} us ({gb / median['old']:.1f} GB/s)",
+        f"{median['new'] * 1e6:.0f} us ({gb / median['new']:.1f} GB/s)",
+        f"{median['old'] / median['new']:.2f}x",
+    ]
+
+
 def main() -> None:
     parser = harness.arguments(__doc__)
     parser.add_argument("--old", default="main", help="git revision of the old sources")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--gguf", type=Path, nargs="*", default=[], help="Q4_K_M files")
+    parser.add_argument(
+        "--shapes",
+        choices=("q4_k_m", "1b"),
+        default="q4_k_m",
+        help="q4_k_m: CASES (in L2 and from memory); 1b: SHAPES_1B, from memory",
+    )
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     old, new = (dataclasses.replace(k, threads=1) for k in build_pair(args.old))
-    rows = []
-    for qtype, n_out, k_in, calls in CASES:
-        weight = random_weight(qtype, n_out, k_in)
-        x = torch.randn(1, k_in)
-        prepared = {
-            label: n.products([(qtype.value, weight, n_out)])
-            for label, n in (("old", old), ("new", new))
-        }
-        if not torch.equal(prepared["old"](x), prepared["new"](x)):
-            raise SystemExit(f"{qtype.name} {n_out} x {k_in}: the two versions give different bits")
-        median = alternate(
-            {label: (lambda call=call, x=x: call(x)) for label, call in prepared.items()},
-            args.repeats,
-            calls,
-        )
-        gb = weight.numel() / 1e9
-        rows.append(
-            [
-                f"{qtype.name} {n_out} x {k_in} ({weight.numel() / 2**20:.1f} MiB)",
-                f"{median['old'] * 1e6:.0f} us ({gb / median['old']:.1f} GB/s)",
-                f"{median['new'] * 1e6:.0f} us ({gb / median['new']:.1f} GB/s)",
-                f"{median['old'] / median['new']:.2f}x",
-            ]
-        )
+    one_b = args.shapes == "1b"
+    rows = [
+        shape_row(*case, old, new, args.repeats, one_b) for case in (SHAPES_1B if one_b else CASES)
+    ]
     rows += [token_row(gguf, old, new, args.repeats) for gguf in args.gguf]
     header = ["one row against", f"old ({args.old})", "new (this checkout)", "old / new"]
     note = (
         f"One thread; CPU time per call, median of {args.repeats}, the two libraries "
-        "alternating; the same bits checked on every case. The 16-row case is the fixed cost."
+        "alternating; the same bits checked on every case. "
+        + ("Each matrix read from memory." if one_b else "The 16-row case is the fixed cost.")
     )
     harness.publish(f"{harness.md_table(header, rows)}\n\n{note}", args.markdown)
 

@@ -521,7 +521,7 @@ def test_each_rows_product_is_bit_identical_to_that_row_alone(kernels, qtype, mo
 @pytest.mark.parametrize("blocks", [1, 2, 3, 5, 8, 9, 16, 17, 23])
 def test_one_row_k_quant_products_give_the_tiles_bits_for_any_block_count(kernels, qtype, blocks):
     """A decode's Q4_K and Q6_K products take 8 blocks of 256 at a time, then the rest (Q6_K
-    rows under 16 blocks a block at a time): for every rest a row alone gives the bits it
+    rows under 8 blocks a block at a time): for every rest a row alone gives the bits it
     gets beside others (16 weight rows in a tile, the last 2 a row at a time) and the
     twin's values."""
     if kernels.exact:
@@ -534,6 +534,46 @@ def test_one_row_k_quant_products_give_the_tiles_bits_for_any_block_count(kernel
     assert torch.equal(alone, together)
     twin = _twin(int8_activations_ref(x, qtype), weights)
     torch.testing.assert_close(alone, twin, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("blocks", range(1, 41))
+def test_a_decode_gives_each_weight_row_its_own_bits_in_a_run_of_rows(kernels, qtype, blocks):
+    """A decode's Q4_K and Q6_K kernels go through a tile's weight rows in one run, a row's
+    last group of 8 blocks (or its rest, 1 to 7) weighed while the next row's first is
+    found: at every block count each row gets the bits it gets alone (a product of that
+    one weight row), the bits of the tiles (5 activation rows) and the twin's values."""
+    if kernels.exact:
+        pytest.skip("this CPU has no AVX2: the int8 kernels are not built")
+    cols = 256 * blocks
+    weight = _raw_k_weights(qtype, rows=19, cols=cols, seed=blocks)  # a tile of 16, then 3
+    x = torch.randn(5, cols, generator=torch.Generator().manual_seed(blocks))
+    run = quantized_matmuls(kernels, x[:1], [weight])
+    rows = weight.data.view(19, -1)
+    alone = [QuantizedWeight(rows[r : r + 1].clone(), qtype, (1, cols)) for r in range(19)]
+    assert torch.equal(run, torch.cat([quantized_matmuls(kernels, x[:1], [w]) for w in alone], -1))
+    assert torch.equal(run, quantized_matmuls(kernels, x, [weight])[:1])
+    twin = _twin(int8_activations_ref(x[:1], qtype), [weight])
+    torch.testing.assert_close(run, twin, rtol=1e-4, atol=1e-4 * twin.abs().max().item())
+
+
+@pytest.mark.parametrize("at", [0, 7, 8, 31, 100, 130, 248, 255])
+def test_k_quant_activations_take_their_largest_magnitude_wherever_it_lies(kernels, at):
+    """A block of 256 activations maps its largest magnitude to 127 (found a vector at a
+    time, then the first value of that magnitude): at any position, of either sign, and
+    tied with the other sign later (the first one's sign taken, the same numbers), the
+    product is the twin's on the activations so rounded."""
+    if kernels.exact:
+        pytest.skip("this CPU has no AVX2: the int8 kernels are not built")
+    gen = torch.Generator().manual_seed(at)
+    weights = [_weights(Q.Q4_K, rows=16, cols=512, seed=at)]
+    x = torch.randn(4, 512, generator=gen)
+    x[0, at], x[1, 256 + at] = 9.0, -9.0
+    x[2, at], x[2, 511 - at // 2] = -9.0, 9.0  # a tie: the first is the negative one
+    x[3, :256] = 0.0  # a block of zeros: scale 0
+    out = torch.cat([quantized_matmuls(kernels, x[i : i + 1], weights) for i in range(4)])
+    twin = _twin(int8_activations_ref(x, Q.Q4_K), weights)
+    torch.testing.assert_close(out, twin, rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.parametrize("qtype", [t for t in TYPES if GGML_QUANT_SIZES[t][0] == 32], ids=str)
@@ -903,8 +943,9 @@ def test_a_compiler_without_link_time_optimisation_still_builds_the_same_kernels
 @pytest.mark.parametrize("march", ["haswell", "skylake-avx512"])
 def test_an_older_cpus_build_gives_this_builds_bits(kernels, tmp_path, march):
     """The int8 products built for an older CPU give exactly this machine's build's bits,
-    one row and many, at block counts that do and do not fill the one-row kernels' groups:
-    AVX2 alone (haswell: no AVX-512, none of its one-row kernels) and AVX-512 without
+    one row and many, at block counts that do and do not fill the one-row kernels' groups
+    (2304 values: 9 k-quant blocks, a whole group of 8 and a rest, in runs of rows): AVX2
+    alone (haswell: no AVX-512, none of its one-row kernels) and AVX-512 without
     VBMI and BITALG (skylake-avx512: the one-row Q5_0 and Q8_0 kernels' fallback)."""
     from spnl_backend.kernels.cpu import build
     from spnl_backend.settings.platform import find_c_compiler
@@ -919,7 +960,7 @@ def test_an_older_cpus_build_gives_this_builds_bits(kernels, tmp_path, march):
     build._compile(compiler, [*older, *(build._CHECK_FLAGS if kernels.checks else [])], target)
     older_build = build._load(target)
     assert older_build.has_int8
-    for cols in (256, 800, 1280):
+    for cols in (256, 800, 1280, 2304):
         fits = [t for t in TYPES if cols % GGML_QUANT_SIZES[t][0] == 0]
         weights = [_weights(t, rows=40, cols=cols, seed=i) for i, t in enumerate(fits)]
         x = torch.randn(7, cols, generator=torch.Generator().manual_seed(cols))

@@ -119,15 +119,35 @@ static void quantize_row_32(const float *x, int64_t k, int8_t *q, float *d, floa
 
 // Blocks of 256: the value of largest magnitude (the first, on ties) maps to -127 or 127,
 // q = round(x * 127 / max), scale = 1 / (127 / max); bsums: the sum of every 16 q.
+// The value of largest magnitude of xb[0, 256): the first on ties, NaNs passed over, 0.0f
+// where every magnitude is 0. The largest magnitude found 4 x 8 lanes at a time (a
+// maximum, whatever the order), then the first value of that magnitude: what one pass in
+// order, keeping each larger magnitude, finds, in a tenth of the time.
+static inline float largest_256(const float *xb) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 most[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                      _mm256_setzero_ps()};
+    for (int i = 0; i < 256; i += 32)
+        for (int j = 0; j < 4; j++)  // NaN first: max_ps then keeps the second operand
+            most[j] = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i + 8 * j)),
+                                    most[j]);
+    const float amax =
+        hmax256(_mm256_max_ps(_mm256_max_ps(most[0], most[1]), _mm256_max_ps(most[2], most[3])));
+    if (amax == 0.0f) return 0.0f;
+    const __m256 target = _mm256_set1_ps(amax);
+    for (int i = 0; i < 256; i += 8) {
+        const __m256 magnitudes = _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i));
+        const int hits = _mm256_movemask_ps(_mm256_cmp_ps(magnitudes, target, _CMP_EQ_OQ));
+        if (hits) return xb[i + __builtin_ctz((unsigned)hits)];
+    }
+    return 0.0f;  // not reached: amax is one of the magnitudes
+}
+
 static void quantize_row_256(const float *x, int64_t k, int8_t *q, float *d, int16_t *bsums) {
     for (int64_t b = 0; b < k / 256; b++) {
         const float *xb = x + b * 256;
-        float amax = 0.0f, max = 0.0f;
-        for (int i = 0; i < 256; i++) {
-            const float a = fabsf(xb[i]);
-            if (a > amax) amax = a, max = xb[i];
-        }
-        if (amax == 0.0f) {
+        const float max = largest_256(xb);
+        if (max == 0.0f) {
             d[b] = 0.0f;
             memset(q + b * 256, 0, 256);
             memset(bsums + b * 16, 0, 16 * sizeof(int16_t));
@@ -1137,6 +1157,11 @@ static const uint8_t Q5_0_SCALES[64] = {0, 1, 22, 23, 44, 45, 106, 107};
 static const uint8_t Q5_0_BITS[2][16] = {
     {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
     {16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31}};
+// As Q8_0's below, twice PREFETCH_BYTES ahead (gate + up of gemma3-1b from memory
+// 1.02-1.06x; 4x: 0.93x).
+#ifndef Q5_0_PREFETCH_BYTES
+#define Q5_0_PREFETCH_BYTES (2 * PREFETCH_BYTES)
+#endif
 static inline __m128 q5_0_row1(const act_rows *x, int64_t groups, const uint8_t *w) {
     const __m512i nibbles = _mm512_loadu_si512((const void *)Q5_0_NIBBLES);
     const __m512i high = _mm512_loadu_si512((const void *)Q5_0_HIGH);
@@ -1147,7 +1172,9 @@ static inline __m128 q5_0_row1(const act_rows *x, int64_t groups, const uint8_t 
     __m128 acc = _mm_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *group = w + g * CHAINS * 22;
-        prefetch_ahead(group, PREFETCH_BYTES, CHAINS * 22);
+        // two groups' lines (176 bytes) asked for every other group: 3 prefetches where 2 a
+        // group ask for most lines twice (q + k + v from memory: 1.04-1.11x)
+        if (!(g & 1)) prefetch_ahead(group, Q5_0_PREFETCH_BYTES, 2 * CHAINS * 22);
         const __m512i first = _mm512_loadu_si512((const void *)group);
         const __m512i second = _mm512_loadu_si512((const void *)(group + 24));
         const __m512i q = _mm512_permutex2var_epi8(first, nibbles, second);
@@ -1488,38 +1515,54 @@ static inline __attribute__((always_inline)) k8_terms q4_k_eight(
     return k8_terms_of(k8_sums(v), _mm512_cvtph_ps(halves), ad, n);
 }
 
-// A row of n k-quant blocks of BYTES bytes, 8 at a time through EIGHT, against the
-// activations x->ACTS. Each group's FMAs come after the next group's integers: the chain of
-// FMAs runs while those are found, instead of holding them back. The rest of the row takes
-// EIGHT with its count a constant in each case (the work of absent blocks left out).
+// `count` weight rows (row_bytes apart) of `blocks` k-quant blocks of BYTES bytes, each
+// against the activations x->ACTS, 8 blocks at a time through EIGHT, into y[0, count).
+// Each group's FMAs come after the next group's integers, the next row's first group
+// included: the chain of FMAs (and a row's last sums) runs while those are found, instead
+// of holding them back. A row's rest takes EIGHT with its count a constant in each case
+// (the work of absent blocks left out). Each row's FMAs are its own, in block order.
 #define K8_REST(EIGHT, N) \
-    case N: rest = EIGHT(rw, ra, rs, x->d256 + b, N), rest_n = N; break;
+    case N: t = EIGHT(rw, ra, rs, x->d256 + b, N), t_n = N; break;
 #define DEFINE_K8_ROW(NAME, EIGHT, BYTES, ACTS)                                                \
-    static inline float NAME(const act_rows *x, int64_t blocks, const uint8_t *w) {            \
-        if (blocks == 0) return 0.0f;                                                          \
-        __m128 acc = _mm_setzero_ps();                                                         \
+    static inline void NAME(const act_rows *x, int64_t blocks, const uint8_t *w, int64_t count, \
+                            int64_t row_bytes, float *y) {                                     \
+        if (blocks == 0) {                                                                     \
+            for (int64_t n = 0; n < count; n++) y[n] = 0.0f;                                   \
+            return;                                                                            \
+        }                                                                                      \
+        __m128 acc = _mm_setzero_ps(); /* the sums of the row of `last` */                     \
         k8_terms last = {_mm512_setzero_ps(), _mm512_setzero_ps()};                            \
         int last_n = 0;                                                                        \
-        int64_t b = 0;                                                                         \
-        for (; b + 8 <= blocks; b += 8) {                                                      \
-            const k8_terms t =                                                                 \
-                EIGHT(w + b * BYTES, x->ACTS + b * 256, x->bsums + b * 16, x->d256 + b, 8);    \
-            if (last_n) acc = k8_fma(last, 8, acc);                                            \
-            last = t, last_n = 8;                                                              \
+        bool last_ends = false; /* whether `last` is its row's last group */                   \
+        for (int64_t n = 0; n < count; n++) {                                                  \
+            const uint8_t *wn = w + n * row_bytes;                                             \
+            for (int64_t b = 0; b < blocks; b += 8) {                                          \
+                k8_terms t;                                                                    \
+                int t_n = 8;                                                                   \
+                if (b + 8 <= blocks) {                                                         \
+                    t = EIGHT(wn + b * BYTES, x->ACTS + b * 256, x->bsums + b * 16,            \
+                              x->d256 + b, 8);                                                 \
+                } else {                                                                       \
+                    const uint8_t *rw = wn + b * BYTES;                                        \
+                    const int8_t *ra = x->ACTS + b * 256;                                      \
+                    const int16_t *rs = x->bsums + b * 16;                                     \
+                    switch (blocks - b) {                                                      \
+                        K8_REST(EIGHT, 1) K8_REST(EIGHT, 2) K8_REST(EIGHT, 3)                  \
+                        K8_REST(EIGHT, 4) K8_REST(EIGHT, 5) K8_REST(EIGHT, 6)                  \
+                        default: t = EIGHT(rw, ra, rs, x->d256 + b, 7), t_n = 7; break;        \
+                    }                                                                          \
+                }                                                                              \
+                if (last_n) {                                                                  \
+                    acc = last_n == 8 ? k8_fma(last, 8, acc) : k8_fma(last, last_n, acc);      \
+                    if (last_ends) y[n - 1] = k_result(acc), acc = _mm_setzero_ps();           \
+                }                                                                              \
+                last = t, last_n = t_n, last_ends = b + 8 >= blocks;                           \
+            }                                                                                  \
         }                                                                                      \
-        const uint8_t *rw = w + b * BYTES;                                                     \
-        const int8_t *ra = x->ACTS + b * 256;                                                  \
-        const int16_t *rs = x->bsums + b * 16;                                                 \
-        k8_terms rest = last;                                                                  \
-        int rest_n = 0;                                                                        \
-        switch (blocks - b) {                                                                  \
-            K8_REST(EIGHT, 1) K8_REST(EIGHT, 2) K8_REST(EIGHT, 3) K8_REST(EIGHT, 4)            \
-            K8_REST(EIGHT, 5) K8_REST(EIGHT, 6) K8_REST(EIGHT, 7)                              \
-        default: break;                                                                        \
+        if (last_n) {                                                                          \
+            acc = last_n == 8 ? k8_fma(last, 8, acc) : k8_fma(last, last_n, acc);              \
+            y[count - 1] = k_result(acc);                                                      \
         }                                                                                      \
-        if (last_n) acc = k8_fma(last, 8, acc);                                                \
-        if (rest_n) acc = k8_fma(rest, rest_n, acc);                                           \
-        return k_result(acc);                                                                  \
     }
 
 // Q4_K against activations in K4_ORDER.
@@ -1592,7 +1635,7 @@ static inline __attribute__((always_inline)) k8_terms q6_k_eight(
 
 // Q6_K: its activations as they are.
 DEFINE_K8_ROW(q6_k_wide, q6_k_eight, 210, q256)
-#define Q6_K_GROUPED_MIN 16
+#define Q6_K_GROUPED_MIN 8
 
 // 16-bit scales for 64 values: scale index[i] for the pair of values 2i, 2i + 1.
 static inline __m512i spread(__m512i words, const int16_t index[32]) {
@@ -1618,9 +1661,10 @@ static inline __m128 k_add(__m512i s, __m256i m, float d, float dmin, float ad, 
 }
 
 // Q6_K a block at a time (each block's sums reduced and added on their own): faster than
-// q6_k_wide for rows of fewer than Q6_K_GROUPED_MIN blocks, where the fixed cost of a
-// row's last group weighs (10 blocks a row, from memory: 1.1x). Its low nibbles of 64
-// bytes are 64 consecutive values, so the activations go as they are.
+// q6_k_wide for rows of fewer than Q6_K_GROUPED_MIN blocks, where a group's fixed cost
+// weighs (4 blocks a row, from L3: 1.35x); from 8 blocks q6_k_wide's run of rows is the
+// faster (8 blocks from memory 1.06-1.14x, from L3 1.11x). Its low nibbles of 64 bytes are
+// 64 consecutive values, so the activations go as they are.
 static inline float q6_k_per_block(const act_rows *x, int64_t blocks, const uint8_t *w) {
     static const int16_t at[4][32] = {
         {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
@@ -1664,20 +1708,35 @@ static inline float q6_k_per_block(const act_rows *x, int64_t blocks, const uint
 #undef R4
 #endif
 
-// The one-row kernel each k-quant takes (`by_dot`: one row through k_dot, for the formats
-// without one of their own, and for Q4_K where its activations were not reordered).
+// The one-row kernel each k-quant takes: `count` weight rows (row_bytes apart) against one
+// activation row, into y[0, count). Q4_K (activations reordered) and Q6_K (from
+// Q6_K_GROUPED_MIN blocks) take their run of rows; the others, and Q4_K where its
+// activations were not reordered, `by_dot` (one row through k_dot) a row at a time
+// (EACH_ROW).
+#define EACH_ROW(ONE, x, blocks, w, count, row_bytes, y)                                       \
+    do {                                                                                       \
+        for (int64_t n_ = 0; n_ < (count); n_++) (y)[n_] = ONE(x, blocks, (w) + n_ * (row_bytes)); \
+    } while (0)
 #if defined(__AVX512BW__)
-#define ONE_ROW_q4_k(x, blocks, w, by_dot) \
-    ((x)->q256_k4 ? q4_k_reordered(x, blocks, w) : by_dot(x, blocks, w))
-#define ONE_ROW_q6_k(x, blocks, w, by_dot)                                                   \
-    ((blocks) >= Q6_K_GROUPED_MIN ? q6_k_wide(x, blocks, w) : q6_k_per_block(x, blocks, w))
+#define ONE_ROW_q4_k(x, blocks, w, count, row_bytes, y, by_dot)                                \
+    do {                                                                                       \
+        if ((x)->q256_k4) q4_k_reordered(x, blocks, w, count, row_bytes, y);                   \
+        else EACH_ROW(by_dot, x, blocks, w, count, row_bytes, y);                              \
+    } while (0)
+#define ONE_ROW_q6_k(x, blocks, w, count, row_bytes, y, by_dot)                                \
+    do {                                                                                       \
+        if ((blocks) >= Q6_K_GROUPED_MIN) q6_k_wide(x, blocks, w, count, row_bytes, y);        \
+        else EACH_ROW(q6_k_per_block, x, blocks, w, count, row_bytes, y);                      \
+    } while (0)
 #else
-#define ONE_ROW_q4_k(x, blocks, w, by_dot) by_dot(x, blocks, w)
-#define ONE_ROW_q6_k(x, blocks, w, by_dot) by_dot(x, blocks, w)
+#define ONE_ROW_q4_k(x, blocks, w, count, row_bytes, y, by_dot) \
+    EACH_ROW(by_dot, x, blocks, w, count, row_bytes, y)
+#define ONE_ROW_q6_k ONE_ROW_q4_k
 #endif
-#define ONE_ROW_q2_k(x, blocks, w, by_dot) by_dot(x, blocks, w)
-#define ONE_ROW_q3_k(x, blocks, w, by_dot) by_dot(x, blocks, w)
-#define ONE_ROW_q5_k(x, blocks, w, by_dot) by_dot(x, blocks, w)
+#define ONE_ROW_q2_k(x, blocks, w, count, row_bytes, y, by_dot) \
+    EACH_ROW(by_dot, x, blocks, w, count, row_bytes, y)
+#define ONE_ROW_q3_k ONE_ROW_q2_k
+#define ONE_ROW_q5_k ONE_ROW_q2_k
 
 // ---- k-quant tiles filled straight from the blocks (AVX-512BW) -------------------------------
 //
@@ -1883,10 +1942,6 @@ static inline flanes16 *sums_alloc(int64_t rows) {
     }                                                                                              \
     static void NAME##_rowwise(const act_rows *x, int64_t rows, int64_t blocks,                    \
                                const uint8_t *w, float *y, int64_t stride) {                       \
-        if (rows == 1) { /* a decode: its own kernel, the same bits */                             \
-            y[0] = ONE_ROW_##NAME(x, blocks, w, NAME##_by_dot);                                    \
-            return;                                                                                \
-        }                                                                                          \
         for (int64_t m = 0; m < rows; m += 4)                                                      \
             FOUR_ROWS(NAME##_by_rows, rows - m, x, m, blocks, w, y + m * stride, stride)           \
     }                                                                                              \
@@ -1949,7 +2004,12 @@ static inline flanes16 *sums_alloc(int64_t rows) {
             for (; n + KT_ROWS <= count; n += KT_ROWS)                                             \
                 NAME##_tiled(x, rows, blocks, w + n * row_bytes, y + n, stride, tiles);            \
         free(tiles);                                                                               \
-        for (; n < count; n++) NAME##_rowwise(x, rows, blocks, w + n * row_bytes, y + n, stride);  \
+        if (rows == 1) /* a decode: the format's own kernel, the same bits */                     \
+            ONE_ROW_##NAME(x, blocks, w + n * row_bytes, count - n, row_bytes, y + n,              \
+                           NAME##_by_dot);                                                         \
+        else                                                                                       \
+            for (; n < count; n++)                                                                 \
+                NAME##_rowwise(x, rows, blocks, w + n * row_bytes, y + n, stride);                 \
     }
 
 // One kernel per format of quant_matmul.c's BLOCK_FORMATS: the 32-value formats' above,
