@@ -11,10 +11,14 @@ from helpers import PROMPT, SHARED_PREFIX_PROMPTS, engine_internals
 
 from spnl_backend import BackendSettings, load_backend
 from spnl_backend.engine import build
+from spnl_backend.engine.block_manager import BlockManager
 from spnl_backend.engine.budget import WindowPlan, plan_kv_cache
+from spnl_backend.engine.paged import PagedCacheManager
+from spnl_backend.engine.sequence import Sequence
 from spnl_backend.engine.window_pool import WindowSlots
 from spnl_backend.errors import ContextLengthError
 from spnl_backend.request import CacheRoom
+from spnl_backend.sampling import SamplingParams
 from spnl_backend.settings.backend_settings import KvBudget
 
 BLOCK = 8
@@ -273,3 +277,19 @@ def test_a_pool_too_small_for_windows_of_its_own_still_tells_a_long_prompt_both_
         assert b.cache_info().window_blocks is None
         with pytest.raises(ContextLengthError, match=r"sliding-window layers' .* for at most"):
             b.generate(" the fox" * 64, max_tokens=1)
+
+
+def test_a_sequence_given_no_tokens_is_not_given_one_by_the_window():
+    """`chunk` never exceeds the tokens the step offers: a prompt the step's prefill budget
+    left none (0) stays out of the step rather than taking one token (and preempting
+    another for it)."""
+    blocks = BlockManager(16, BLOCK, enable_prefix_caching=False)
+    window = WindowSlots(num_slots=4, num_blocks=16, window=8, block_size=BLOCK)
+    manager = PagedCacheManager(None, blocks, None, window=window)  # type: ignore[arg-type]
+    seq = Sequence(list(range(40)), SamplingParams(temperature=0.0), max_len=256)
+    manager.admit(seq)
+    assert manager.reserve(seq, 8)
+    seq.num_computed_tokens = 8
+    assert manager.chunk(seq, 0) == 0
+    assert manager.chunk(seq, 3) == 3
+    assert manager.chunk(seq, 32) == 24  # the window's block and three more

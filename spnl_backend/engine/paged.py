@@ -629,12 +629,12 @@ class PagedCacheManager:
 
     def _window_chunk(self, seq: CachedTokens, count: int) -> int:
         """At most the tokens whose blocks the windowed pool has room for beside the
-        sequence's window (at least one: where none fits, `reserve` says so and the
-        scheduler preempts)."""
+        sequence's window (at least one of those offered: where none fits, `reserve` says
+        so and the scheduler preempts; none where none is offered)."""
         window, size = self.window, self.block_size
         assert window is not None
         table = self.tables.get(seq.seq_id)
-        if table is None:
+        if table is None or not count:
             return count
         start = seq.num_computed_tokens
         end = window.room(seq.seq_id, table.block_ids, start)
