@@ -4,9 +4,12 @@ pool as with every layer holding the whole context, across the window, in batche
 chunks, under preemption and on prefix hits (one whose window was reclaimed); the pool is
 smaller; the slot bookkeeping on its own; the budget and its messages."""
 
+import gc
+import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 from helpers import PROMPT, SHARED_PREFIX_PROMPTS, engine_internals
 
 from spnl_backend import BackendSettings, load_backend
@@ -14,7 +17,7 @@ from spnl_backend.engine import build
 from spnl_backend.engine.block_manager import BlockManager
 from spnl_backend.engine.budget import WindowPlan, plan_kv_cache
 from spnl_backend.engine.paged import PagedCacheManager
-from spnl_backend.engine.sequence import Sequence
+from spnl_backend.engine.sequence import ScheduledSeq, Sequence
 from spnl_backend.engine.window_pool import WindowSlots
 from spnl_backend.errors import ContextLengthError
 from spnl_backend.request import CacheRoom
@@ -170,6 +173,7 @@ def test_window_slots_are_held_dropped_kept_and_reclaimed():
     slots.finish(2, [1, 2], [False, False])
     assert slots.available == 3
     assert slots.slot_of[1] == slots.slot_of[2] == -1
+    assert slots.slot_table.tolist() == [*slots.slot_of, -1]  # the tensor kept in step
 
 
 def test_a_retaken_block_gives_its_kept_slot_back():
@@ -182,6 +186,7 @@ def test_a_retaken_block_gives_its_kept_slot_back():
     assert slots.slot_of[2] == -1
     assert len(slots.free) == 2
     assert not slots.kept
+    assert slots.slot_table.tolist() == [-1] * 5
 
 
 def test_the_native_layer_blocks_run_over_both_pools(tiny, arch, small_window_pool, block_runs):
@@ -293,3 +298,39 @@ def test_a_sequence_given_no_tokens_is_not_given_one_by_the_window():
     assert manager.chunk(seq, 0) == 0
     assert manager.chunk(seq, 3) == 3
     assert manager.chunk(seq, 32) == 24  # the window's block and three more
+
+
+def _window_step_cpu(num_blocks: int) -> float:
+    """CPU seconds of 20 decode steps' metadata for one sequence of 64 blocks, over a pool
+    of ``num_blocks`` blocks with a windowed pool (the step itself not run)."""
+    blocks = BlockManager(num_blocks, BLOCK, enable_prefix_caching=False)
+    window = WindowSlots(num_slots=8, num_blocks=num_blocks, window=8, block_size=BLOCK)
+    manager = PagedCacheManager(None, blocks, None, window=window)  # type: ignore[arg-type]
+    manager.cache = SimpleNamespace(step=lambda kernels, meta, window_meta: window_meta)  # type: ignore[assignment]
+    seq = Sequence(list(range(64 * BLOCK)), SamplingParams(temperature=0.0), max_len=2**20)
+    manager.admit(seq)
+    seq.num_computed_tokens = seq.num_tokens - 1
+    assert manager.reserve(seq, seq.num_tokens)
+    batch = [ScheduledSeq(seq, 1)]
+    meta = manager.attention(batch, torch.device("cpu"))
+    table = manager.tables[seq.seq_id].block_ids
+    assert int(meta.block_tables[0, -1]) == window.slot_of[table[-1]] >= 0
+    assert meta.slot_mapping.tolist() == [window.slot_of[table[-1]] * BLOCK + BLOCK - 1]
+    gc.collect()  # a collection of the pool's million objects is no part of a step
+    gc.disable()
+    try:
+        start = time.process_time()
+        for _ in range(20):
+            manager.attention(batch, torch.device("cpu"))
+        return time.process_time() - start
+    finally:
+        gc.enable()
+
+
+def test_a_steps_windowed_blocks_cost_no_more_in_a_larger_pool():
+    """The windowed pool's part of a step's metadata follows the step's block tables, not
+    the pool's size: a pool of 2**17 blocks (a large device's) costs a decode step about
+    what one of 2**10 does."""
+    _window_step_cpu(2**10)  # warm up
+    small, large = _window_step_cpu(2**10), _window_step_cpu(2**17)
+    assert large < 3 * small + 0.002, (small, large)

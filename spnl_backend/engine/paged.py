@@ -746,13 +746,15 @@ class PagedCacheManager:
         """The step in the windowed pool: every block through its windowed slot. A block
         without one lies before every window of the step's queries, never read (its entry
         points at slot 0, whose keys the window masks)."""
-        slot_of = torch.tensor([*self.window.slot_of, -1], device=device)  # type: ignore[union-attr]
+        # Mapped on the host, through the slots' own tensor (a copy of every block's slot
+        # would cost each step the pool's size, not the step's).
+        slot_of = self.window.slot_table  # type: ignore[union-attr]
         width = meta.block_tables.shape[1]
         padded = [t + [-1] * (width - len(t)) for t in tables]
-        mapped = slot_of[torch.tensor(padded, device=device)]
+        mapped = slot_of[torch.tensor(padded)]
         size = self.block_size
-        logical = meta.slot_mapping
-        assert logical is not None
+        assert meta.slot_mapping is not None
+        logical = meta.slot_mapping.cpu()
         written = logical >= 0  # -1: a token not written
         slots = torch.where(written, slot_of[logical.clamp(min=0) // size] * size, -1)
         slots = torch.where(written, slots + logical % size, -1)
@@ -761,8 +763,9 @@ class PagedCacheManager:
         pic = None
         if meta.pic is not None:
             pic = [None if keys is None else _mapped_keys(keys, slot_of, size) for keys in meta.pic]
+        tables_on = mapped.clamp(min=0).to(device)
         return PagedMetadata(
-            mapped.clamp(min=0), meta.seq_lens, meta.query_lens, size, slots, pic=pic
+            tables_on, meta.seq_lens, meta.query_lens, size, slots.to(device), pic=pic
         )
 
     def _pic_keys(
