@@ -300,22 +300,27 @@ def test_a_sequence_given_no_tokens_is_not_given_one_by_the_window():
     assert manager.chunk(seq, 32) == 24  # the window's block and three more
 
 
-def _window_step_cpu(num_blocks: int) -> float:
-    """CPU seconds of 20 decode steps' metadata for one sequence of 64 blocks, over a pool
-    of ``num_blocks`` blocks with a windowed pool (the step itself not run)."""
+def _window_step_cpu(num_blocks: int, seqs: int = 1, width: int = 64, windowed=True) -> float:
+    """CPU seconds of 20 decode steps' metadata for ``seqs`` sequences of ``width`` blocks,
+    over a pool of ``num_blocks`` blocks with a windowed pool or (``windowed`` False) as
+    if without (the step itself not run)."""
     blocks = BlockManager(num_blocks, BLOCK, enable_prefix_caching=False)
-    window = WindowSlots(num_slots=8, num_blocks=num_blocks, window=8, block_size=BLOCK)
+    window = WindowSlots(num_slots=2 * seqs, num_blocks=num_blocks, window=8, block_size=BLOCK)
     manager = PagedCacheManager(None, blocks, None, window=window)  # type: ignore[arg-type]
-    manager.cache = SimpleNamespace(step=lambda kernels, meta, window_meta: window_meta)  # type: ignore[assignment]
-    seq = Sequence(list(range(64 * BLOCK)), SamplingParams(temperature=0.0), max_len=2**20)
-    manager.admit(seq)
-    seq.num_computed_tokens = seq.num_tokens - 1
-    assert manager.reserve(seq, seq.num_tokens)
-    batch = [ScheduledSeq(seq, 1)]
+    manager.cache = SimpleNamespace(step=lambda kernels, meta, window_meta=None: window_meta)  # type: ignore[assignment]
+    batch = []
+    for _ in range(seqs):
+        seq = Sequence(list(range(width * BLOCK)), SamplingParams(temperature=0.0), max_len=2**20)
+        manager.admit(seq)
+        seq.num_computed_tokens = seq.num_tokens - 1
+        assert manager.reserve(seq, seq.num_tokens)
+        batch.append(ScheduledSeq(seq, 1))
     meta = manager.attention(batch, torch.device("cpu"))
     table = manager.tables[seq.seq_id].block_ids
-    assert int(meta.block_tables[0, -1]) == window.slot_of[table[-1]] >= 0
-    assert meta.slot_mapping.tolist() == [window.slot_of[table[-1]] * BLOCK + BLOCK - 1]
+    assert int(meta.block_tables[-1, -1]) == window.slot_of[table[-1]] >= 0
+    assert int(meta.slot_mapping[-1]) == window.slot_of[table[-1]] * BLOCK + BLOCK - 1
+    if not windowed:
+        manager.window = None
     gc.collect()  # a collection of the pool's million objects is no part of a step
     gc.disable()
     try:
@@ -330,7 +335,11 @@ def _window_step_cpu(num_blocks: int) -> float:
 def test_a_steps_windowed_blocks_cost_no_more_in_a_larger_pool():
     """The windowed pool's part of a step's metadata follows the step's block tables, not
     the pool's size: a pool of 2**17 blocks (a large device's) costs a decode step about
-    what one of 2**10 does."""
+    what one of 2**10 does; and 16 tables of 1,024 blocks cost not much more than the
+    step's own metadata."""
     _window_step_cpu(2**10)  # warm up
     small, large = _window_step_cpu(2**10), _window_step_cpu(2**17)
     assert large < 3 * small + 0.002, (small, large)
+    on = _window_step_cpu(2**14, seqs=16, width=1024)
+    off = _window_step_cpu(2**14, seqs=16, width=1024, windowed=False)
+    assert on < 2.5 * off + 0.002, (on, off)
