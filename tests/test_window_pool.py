@@ -5,6 +5,9 @@ chunks, under preemption and on prefix hits (one whose window was reclaimed); th
 smaller; the slot bookkeeping on its own; the budget and its messages."""
 
 import gc
+import json
+import random
+import shutil
 import time
 from types import SimpleNamespace
 
@@ -21,6 +24,7 @@ from spnl_backend.engine.sequence import ScheduledSeq, Sequence
 from spnl_backend.engine.window_pool import WindowSlots
 from spnl_backend.errors import ContextLengthError
 from spnl_backend.request import CacheRoom
+from spnl_backend.results import read_results
 from spnl_backend.sampling import SamplingParams
 from spnl_backend.settings.backend_settings import KvBudget
 
@@ -343,3 +347,91 @@ def test_a_steps_windowed_blocks_cost_no_more_in_a_larger_pool():
     on = _window_step_cpu(2**14, seqs=16, width=1024)
     off = _window_step_cpu(2**14, seqs=16, width=1024, windowed=False)
     assert on < 2.5 * off + 0.002, (on, off)
+
+
+def _with_window(tiny, arch: str, window: int, root) -> str:
+    """The tiny model with its sliding layers' window set to ``window``."""
+    path = root / f"{arch}-window-{window}"
+    if not path.exists():
+        shutil.copytree(tiny.hf(arch).path, path)
+        config = json.loads((path / "config.json").read_text())
+        config["sliding_window"] = window
+        (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def _reads_only_mapped_blocks(monkeypatch) -> None:
+    """Every step checks that each block its queries read through a sliding layer (the
+    window before its first query on) has a windowed slot: none is read through the stale
+    entry an unmapped block gets."""
+    original = PagedCacheManager._window_meta
+
+    def checked(self, meta, tables, device):
+        window = self.window
+        for table, seq_len, count in zip(tables, meta.seq_lens, meta.query_lens, strict=True):
+            start = seq_len - count
+            read = table[window.first_needed(start) : -(-seq_len // window.block_size)]
+            assert all(window.slot_of[b] >= 0 for b in read), (start, read)
+        return original(self, meta, tables, device)
+
+    monkeypatch.setattr(PagedCacheManager, "_window_meta", checked)
+
+
+def _all_let_go(backend) -> None:
+    """Nothing holds cache, and every windowed slot is free or kept for a prefix block."""
+    assert backend.stats().cache_holders == 0
+    window = engine_internals(backend).scheduler.cache.window
+    assert not window.holds
+    assert not any(window.pins.values())
+    assert not any(window.holders)
+    kept = [window.slot_of[b] for b in window.kept]
+    assert sorted([*window.free, *kept]) == list(range(window.num_slots))
+    assert all(s < 0 or b in window.kept for b, s in enumerate(window.slot_of))
+
+
+@pytest.mark.parametrize(
+    ("arch", "block", "window", "cache", "seed"),
+    [
+        ("gemma3", 8, 8, "f32", 0),
+        ("gemma2", 16, 12, "f16", 1),
+        ("gemma3", 16, 40, "f8e4m3", 2),
+        ("gemma2", 8, 17, "auto", 3),
+    ],
+)
+def test_random_batches_under_a_tiny_windowed_pool(
+    tiny, tmp_path_factory, monkeypatch, arch, block, window, cache, seed
+):
+    """Prompts at and around the window's and blocks' edges, random and repetitive (n-gram
+    proposals, some rejected), in small step budgets, then extended (prefix hits) and as
+    several completions, through a windowed pool for one sequence's window: constant
+    preemption, the same tokens as without the pool, no stale block read, all let go."""
+    rng = random.Random(seed)
+    monkeypatch.setattr(build, "WINDOW_SEQS", 1)
+    monkeypatch.setattr(build, "WINDOW_CHUNK_TOKENS", 1 + 7 * (seed % 2))
+    _reads_only_mapped_blocks(monkeypatch)
+    path = _with_window(tiny, arch, window, tmp_path_factory.mktemp("windows"))
+    base = [rng.randrange(5, 200) for _ in range(120)]
+    lengths = [1, block - 1, block, block + 1, window, window + 1, 2 * block, 90]
+    prompts = [(base if i % 2 else base[:5] * 24)[:n] for i, n in enumerate(lengths)]
+    extra = {"isq": "Q8_0"} if cache == "auto" else {}
+    settings = _settings(paged_attn_block_size=block, paged_cache_type=cache, **extra)
+    found = []
+    for windowed in (True, False):
+        with pytest.MonkeyPatch.context() as patch:
+            if not windowed:
+                patch.setattr(build, "_window_plan", lambda *args, **kwargs: None)
+            backend = load_backend(path, settings=settings)
+        with backend:
+            assert (backend.cache_info().window_blocks is not None) == windowed
+            engine_internals(backend).scheduler.max_num_batched_tokens = 7
+            first = backend.generate(prompt_token_ids=prompts, max_tokens=24, temperature=0)
+            longer = [p + r.token_ids[:5] + [9, 10] for p, r in zip(prompts, first, strict=True)]
+            hits = backend.generate(prompt_token_ids=longer[::-1], max_tokens=24, temperature=0)
+            params = SamplingParams(max_tokens=24, temperature=0)
+            several = read_results(backend.submit(prompts[-2:], params, n=3), single=False)
+            found.append([r.token_ids for r in (*first, *hits, *several)])
+            preempted = backend.stats().preemptions
+            if windowed:
+                _all_let_go(backend)
+                assert preempted > 0
+    assert found[0] == found[1]
