@@ -4,17 +4,28 @@ pool as with every layer holding the whole context, across the window, in batche
 chunks, under preemption and on prefix hits (one whose window was reclaimed); the pool is
 smaller; the slot bookkeeping on its own; the budget and its messages."""
 
+import gc
+import json
+import random
+import shutil
+import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 from helpers import PROMPT, SHARED_PREFIX_PROMPTS, engine_internals
 
 from spnl_backend import BackendSettings, load_backend
 from spnl_backend.engine import build
+from spnl_backend.engine.block_manager import BlockManager
 from spnl_backend.engine.budget import WindowPlan, plan_kv_cache
+from spnl_backend.engine.paged import PagedCacheManager
+from spnl_backend.engine.sequence import ScheduledSeq, Sequence
 from spnl_backend.engine.window_pool import WindowSlots
 from spnl_backend.errors import ContextLengthError
 from spnl_backend.request import CacheRoom
+from spnl_backend.results import read_results
+from spnl_backend.sampling import SamplingParams
 from spnl_backend.settings.backend_settings import KvBudget
 
 BLOCK = 8
@@ -166,6 +177,7 @@ def test_window_slots_are_held_dropped_kept_and_reclaimed():
     slots.finish(2, [1, 2], [False, False])
     assert slots.available == 3
     assert slots.slot_of[1] == slots.slot_of[2] == -1
+    assert slots.slot_table.tolist() == [*slots.slot_of, -1]  # the tensor kept in step
 
 
 def test_a_retaken_block_gives_its_kept_slot_back():
@@ -178,6 +190,7 @@ def test_a_retaken_block_gives_its_kept_slot_back():
     assert slots.slot_of[2] == -1
     assert len(slots.free) == 2
     assert not slots.kept
+    assert slots.slot_table.tolist() == [-1] * 5
 
 
 def test_the_native_layer_blocks_run_over_both_pools(tiny, arch, small_window_pool, block_runs):
@@ -273,3 +286,152 @@ def test_a_pool_too_small_for_windows_of_its_own_still_tells_a_long_prompt_both_
         assert b.cache_info().window_blocks is None
         with pytest.raises(ContextLengthError, match=r"sliding-window layers' .* for at most"):
             b.generate(" the fox" * 64, max_tokens=1)
+
+
+def test_a_sequence_given_no_tokens_is_not_given_one_by_the_window():
+    """`chunk` never exceeds the tokens the step offers: a prompt the step's prefill budget
+    left none (0) stays out of the step rather than taking one token (and preempting
+    another for it)."""
+    blocks = BlockManager(16, BLOCK, enable_prefix_caching=False)
+    window = WindowSlots(num_slots=4, num_blocks=16, window=8, block_size=BLOCK)
+    manager = PagedCacheManager(None, blocks, None, window=window)  # type: ignore[arg-type]
+    seq = Sequence(list(range(40)), SamplingParams(temperature=0.0), max_len=256)
+    manager.admit(seq)
+    assert manager.reserve(seq, 8)
+    seq.num_computed_tokens = 8
+    assert manager.chunk(seq, 0) == 0
+    assert manager.chunk(seq, 3) == 3
+    assert manager.chunk(seq, 32) == 24  # the window's block and three more
+
+
+def _window_step_cpu(num_blocks: int, seqs: int = 1, width: int = 64, windowed=True) -> float:
+    """CPU seconds of 20 decode steps' metadata for ``seqs`` sequences of ``width`` blocks,
+    over a pool of ``num_blocks`` blocks with a windowed pool or (``windowed`` False) as
+    if without (the step itself not run)."""
+    blocks = BlockManager(num_blocks, BLOCK, enable_prefix_caching=False)
+    window = WindowSlots(num_slots=2 * seqs, num_blocks=num_blocks, window=8, block_size=BLOCK)
+    manager = PagedCacheManager(None, blocks, None, window=window)  # type: ignore[arg-type]
+    manager.cache = SimpleNamespace(step=lambda kernels, meta, window_meta=None: window_meta)  # type: ignore[assignment]
+    batch = []
+    for _ in range(seqs):
+        seq = Sequence(list(range(width * BLOCK)), SamplingParams(temperature=0.0), max_len=2**20)
+        manager.admit(seq)
+        seq.num_computed_tokens = seq.num_tokens - 1
+        assert manager.reserve(seq, seq.num_tokens)
+        batch.append(ScheduledSeq(seq, 1))
+    meta = manager.attention(batch, torch.device("cpu"))
+    table = manager.tables[seq.seq_id].block_ids
+    assert int(meta.block_tables[-1, -1]) == window.slot_of[table[-1]] >= 0
+    assert int(meta.slot_mapping[-1]) == window.slot_of[table[-1]] * BLOCK + BLOCK - 1
+    if not windowed:
+        manager.window = None
+    gc.collect()  # a collection of the pool's million objects is no part of a step
+    gc.disable()
+    try:
+        start = time.process_time()
+        for _ in range(20):
+            manager.attention(batch, torch.device("cpu"))
+        return time.process_time() - start
+    finally:
+        gc.enable()
+
+
+def test_a_steps_windowed_blocks_cost_no_more_in_a_larger_pool():
+    """The windowed pool's part of a step's metadata follows the step's block tables, not
+    the pool's size: a pool of 2**17 blocks (a large device's) costs a decode step about
+    what one of 2**10 does; and 16 tables of 1,024 blocks cost not much more than the
+    step's own metadata."""
+    _window_step_cpu(2**10)  # warm up
+    small, large = _window_step_cpu(2**10), _window_step_cpu(2**17)
+    assert large < 3 * small + 0.002, (small, large)
+    on = _window_step_cpu(2**14, seqs=16, width=1024)
+    off = _window_step_cpu(2**14, seqs=16, width=1024, windowed=False)
+    assert on < 2.5 * off + 0.002, (on, off)
+
+
+def _with_window(tiny, arch: str, window: int, root) -> str:
+    """The tiny model with its sliding layers' window set to ``window``."""
+    path = root / f"{arch}-window-{window}"
+    if not path.exists():
+        shutil.copytree(tiny.hf(arch).path, path)
+        config = json.loads((path / "config.json").read_text())
+        config["sliding_window"] = window
+        (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def _reads_only_mapped_blocks(monkeypatch) -> None:
+    """Every step checks that each block its queries read through a sliding layer (the
+    window before its first query on) has a windowed slot: none is read through the stale
+    entry an unmapped block gets."""
+    original = PagedCacheManager._window_meta
+
+    def checked(self, meta, tables, device):
+        window = self.window
+        for table, seq_len, count in zip(tables, meta.seq_lens, meta.query_lens, strict=True):
+            start = seq_len - count
+            read = table[window.first_needed(start) : -(-seq_len // window.block_size)]
+            assert all(window.slot_of[b] >= 0 for b in read), (start, read)
+        return original(self, meta, tables, device)
+
+    monkeypatch.setattr(PagedCacheManager, "_window_meta", checked)
+
+
+def _all_let_go(backend) -> None:
+    """Nothing holds cache, and every windowed slot is free or kept for a prefix block."""
+    assert backend.stats().cache_holders == 0
+    window = engine_internals(backend).scheduler.cache.window
+    assert not window.holds
+    assert not any(window.pins.values())
+    assert not any(window.holders)
+    kept = [window.slot_of[b] for b in window.kept]
+    assert sorted([*window.free, *kept]) == list(range(window.num_slots))
+    assert all(s < 0 or b in window.kept for b, s in enumerate(window.slot_of))
+
+
+@pytest.mark.parametrize(
+    ("arch", "block", "window", "cache", "seed"),
+    [
+        ("gemma3", 8, 8, "f32", 0),
+        ("gemma2", 16, 12, "f16", 1),
+        ("gemma3", 16, 40, "f8e4m3", 2),
+        ("gemma2", 8, 17, "auto", 3),
+    ],
+)
+def test_random_batches_under_a_tiny_windowed_pool(
+    tiny, tmp_path_factory, monkeypatch, arch, block, window, cache, seed
+):
+    """Prompts at and around the window's and blocks' edges, random and repetitive (n-gram
+    proposals, some rejected), in small step budgets, then extended (prefix hits) and as
+    several completions, through a windowed pool for one sequence's window: constant
+    preemption, the same tokens as without the pool, no stale block read, all let go."""
+    rng = random.Random(seed)
+    monkeypatch.setattr(build, "WINDOW_SEQS", 1)
+    monkeypatch.setattr(build, "WINDOW_CHUNK_TOKENS", 1 + 7 * (seed % 2))
+    _reads_only_mapped_blocks(monkeypatch)
+    path = _with_window(tiny, arch, window, tmp_path_factory.mktemp("windows"))
+    base = [rng.randrange(5, 200) for _ in range(120)]
+    lengths = [1, block - 1, block, block + 1, window, window + 1, 2 * block, 90]
+    prompts = [(base if i % 2 else base[:5] * 24)[:n] for i, n in enumerate(lengths)]
+    extra = {"isq": "Q8_0"} if cache == "auto" else {}
+    settings = _settings(paged_attn_block_size=block, paged_cache_type=cache, **extra)
+    found = []
+    for windowed in (True, False):
+        with pytest.MonkeyPatch.context() as patch:
+            if not windowed:
+                patch.setattr(build, "_window_plan", lambda *args, **kwargs: None)
+            backend = load_backend(path, settings=settings)
+        with backend:
+            assert (backend.cache_info().window_blocks is not None) == windowed
+            engine_internals(backend).scheduler.max_num_batched_tokens = 7
+            first = backend.generate(prompt_token_ids=prompts, max_tokens=24, temperature=0)
+            longer = [p + r.token_ids[:5] + [9, 10] for p, r in zip(prompts, first, strict=True)]
+            hits = backend.generate(prompt_token_ids=longer[::-1], max_tokens=24, temperature=0)
+            params = SamplingParams(max_tokens=24, temperature=0)
+            several = read_results(backend.submit(prompts[-2:], params, n=3), single=False)
+            found.append([r.token_ids for r in (*first, *hits, *several)])
+            preempted = backend.stats().preemptions
+            if windowed:
+                _all_let_go(backend)
+                assert preempted > 0
+    assert found[0] == found[1]

@@ -17,6 +17,8 @@ overlap), so it pins every block it takes, for its life, instead.
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass
 class WindowHold:
@@ -35,6 +37,9 @@ class WindowSlots:
             raise ValueError(f"a windowed pool needs at least one block, not {num_slots}")
         self.num_slots, self.window, self.block_size = num_slots, window, block_size
         self.slot_of = [-1] * num_blocks
+        # ``slot_of`` as a tensor, kept in step with it (a step maps its block tables through
+        # it without copying the whole list), and a last -1 for a table's padding (-1).
+        self.slot_table = torch.full((num_blocks + 1,), -1, dtype=torch.long)
         self.holders = [0] * num_blocks
         self.free: deque[int] = deque(range(num_slots))
         self.kept: OrderedDict[int, None] = OrderedDict()  # unheld blocks keeping a slot, LRU first
@@ -146,7 +151,7 @@ class WindowSlots:
             raise AssertionError(f"block {block_id} is retaken while its window slot is held")
         del self.kept[block_id]
         self.free.append(slot)
-        self.slot_of[block_id] = -1
+        self._set(block_id, -1)
 
     def reset(self) -> None:
         """Free the slots of every block no sequence holds (the prefix cache is cleared)."""
@@ -162,8 +167,9 @@ class WindowSlots:
                 slot = self.free.popleft()
             else:
                 evicted, _ = self.kept.popitem(last=False)
-                slot, self.slot_of[evicted] = self.slot_of[evicted], -1
-            self.slot_of[block_id] = slot
+                slot = self.slot_of[evicted]
+                self._set(evicted, -1)
+            self._set(block_id, slot)
         self.holders[block_id] += 1
 
     def _unhold(self, block_id: int, keep: bool) -> None:
@@ -174,7 +180,11 @@ class WindowSlots:
             self.kept[block_id] = None
         else:
             self.free.append(self.slot_of[block_id])
-            self.slot_of[block_id] = -1
+            self._set(block_id, -1)
+
+    def _set(self, block_id: int, slot: int) -> None:
+        self.slot_of[block_id] = slot
+        self.slot_table[block_id] = slot
 
 
 def keep_blocks(table: list[int], keep: list[bool]) -> set[int]:
