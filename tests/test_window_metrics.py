@@ -12,6 +12,7 @@ from test_window_pool import LONG, _load
 
 from spnl_backend.engine import build
 from spnl_backend.engine.cache import PoolUsage
+from spnl_backend.engine.loop import STREAM_BUFFER
 from spnl_backend.server import router_info
 from spnl_backend.server.metrics import ServerMetrics
 
@@ -49,9 +50,11 @@ def windowed(tiny):
 
 def test_a_running_request_holds_windowed_blocks_on_the_gauges(windowed):
     window = windowed.cache_info().window_blocks
-    stream = windowed.stream(LONG, max_tokens=40, temperature=0)
+    # more tokens than a stream buffers unread: it pauses, holding its window, however
+    # fast the engine runs
+    stream = windowed.stream(LONG, max_tokens=STREAM_BUFFER + 40, temperature=0)
     try:
-        next(stream)  # running (or paused behind this reader): its window is held
+        next(stream)
         scraped = _scrape(windowed.stats())
     finally:
         stream.close()
@@ -64,6 +67,12 @@ def test_a_running_request_holds_windowed_blocks_on_the_gauges(windowed):
     usage = scraped["vllm:kv_cache_usage_perc", NAMED]
     assert usage == pytest.approx(max(held / blocks, used / window))
     assert scraped["vllm:gpu_cache_usage_perc", NAMED] == usage
+
+
+def test_the_stream_above_runs_to_its_length(windowed):
+    """The prompt above generates past the stream's buffer (no early end to race)."""
+    (result,) = windowed.generate([LONG], max_tokens=STREAM_BUFFER + 40, temperature=0)
+    assert len(result.token_ids) == STREAM_BUFFER + 40
 
 
 def test_a_finished_request_leaves_its_prefix_kept_in_the_windowed_pool(windowed):
