@@ -78,6 +78,26 @@ class PoolUsage:
     window_in_use: int | None = None
     window_cached: int | None = None
 
+    @property
+    def usage(self) -> float | None:
+        """The fraction of the fuller pool held by sequences (1 is full): a request needs
+        room in both, so the global pool's room alone overstates it. None for no blocks."""
+        if not self.blocks:
+            return None
+        held = self.in_use / self.blocks
+        if self.window_blocks and self.window_in_use is not None:
+            held = max(held, self.window_in_use / self.window_blocks)
+        return held
+
+    def load_blocks(self) -> int:
+        """Blocks held, counted against the global pool's size: its own, or where the
+        windowed pool is fuller, that pool's share of the global pool (rounded up), so a
+        reader that compares the load with the global pool sees how full the fuller is."""
+        if not self.window_blocks or self.window_in_use is None:
+            return self.in_use
+        scaled = -(-self.window_in_use * self.blocks // self.window_blocks)
+        return max(self.in_use, scaled)
+
 
 @dataclass(frozen=True)
 class StateUsage:

@@ -86,6 +86,27 @@ def _tier(name: str) -> _Read:
     return lambda s: None if s.tier is None else float(getattr(s.tier, name))
 
 
+def _window_used(s: EngineStats) -> float | None:
+    """The sliding-window layers' own pool's blocks held (None where there is none)."""
+    return None if s.pool is None else s.pool.window_in_use
+
+
+def _window_free(s: EngineStats) -> float | None:
+    pool = s.pool
+    if pool is None or pool.window_blocks is None or pool.window_in_use is None:
+        return None
+    return pool.window_blocks - pool.window_in_use
+
+
+def _window_cached(s: EngineStats) -> float | None:
+    return None if s.pool is None else s.pool.window_cached
+
+
+def _usage(s: EngineStats) -> float | None:
+    """The fraction of the fuller KV pool held (`PoolUsage.usage`)."""
+    return None if s.pool is None else s.pool.usage
+
+
 # (kind, name, help, value) of each engine metric; a value of None is left out.
 _ENGINE_METRICS: tuple[tuple[str, str, str, _Read], ...] = (
     ("gauge", "spnl_running_sequences", "Sequences in the running batch", lambda s: s.running),
@@ -108,6 +129,14 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, _Read], ...] = (
         "spnl_kv_blocks_cached",
         "Free KV blocks holding a reusable prefix",
         lambda s: s.pool.cached if s.pool else None,
+    ),
+    *(
+        ("gauge", f"spnl_kv_window_blocks_{name}", doc, read)
+        for name, doc, read in (
+            ("used", "Windowed KV pool blocks held by sequences' windows", _window_used),
+            ("free", "Windowed KV pool blocks free or kept for prefix hits", _window_free),
+            ("cached", "Windowed KV pool blocks kept for prefix hits", _window_cached),
+        )
     ),
     (
         "gauge",
@@ -249,14 +278,15 @@ _VLLM_METRICS: tuple[tuple[str, str, str, _Read], ...] = (
     (
         "gauge",
         "vllm:kv_cache_usage_perc",
-        "Fraction of the KV block pool held by requests (1 is full)",
-        lambda s: s.pool.in_use / s.pool.blocks if s.pool and s.pool.blocks else None,
+        "Fraction of the KV block pool held by requests (1 is full; the fuller pool "
+        "where sliding-window layers keep their own)",
+        _usage,
     ),
     (
         "gauge",
         "vllm:gpu_cache_usage_perc",
         "The same fraction under vLLM's former name",
-        lambda s: s.pool.in_use / s.pool.blocks if s.pool and s.pool.blocks else None,
+        _usage,
     ),
     (
         "counter",

@@ -53,14 +53,17 @@ def server_info(name: str, backend: Backend, kv_events: dict[str, Any] | None) -
 
 def load(backends: list[Backend]) -> list[dict[str, Any]]:
     """SGLang's ``/get_load``: one entry (a data-parallel rank's), the requests running
-    and waiting over every loaded model, and the tokens their KV cache holds."""
+    and waiting over every loaded model, and the tokens their KV cache holds: counted
+    against the global pool, scaled up where a windowed pool is fuller
+    (`PoolUsage.load_blocks`), so that its ratio to ``max_total_num_tokens`` is how full
+    the fuller pool is."""
     running = waiting = tokens = 0
     for backend in backends:
         stats = backend.stats()
         running, waiting = running + stats.running, waiting + stats.waiting
         block_size = backend.cache_info().block_size
         if stats.pool is not None and block_size is not None:
-            tokens += stats.pool.in_use * block_size
+            tokens += stats.pool.load_blocks() * block_size
     return [
         {
             "dp_rank": 0,
