@@ -2,7 +2,7 @@
 ones (`engine.window_pool`; Gemma 2 and 3 in tests/test_window_pool.py): with the pool
 shrunk to one sequence's window, in small steps, batched, preempted and on prefix hits,
 greedy tokens equal those of a pool where every layer holds the whole context, from the
-checkpoint and from Cohere 2's GGUF (llama.cpp's converter); and the families it must stay
+checkpoint and from GGUFs (Cohere 2's by llama.cpp's converter, gpt-oss's); and the families it must stay
 off for say why in the log (or, chunked attention, have no sliding layer at all)."""
 
 import random
@@ -53,7 +53,7 @@ def _backend(path, windowed: bool, settings):
         return load_backend(str(path), settings=settings)
 
 
-def _same_tokens_from_a_tiny_windowed_pool(path, monkeypatch, seed: int = 0) -> None:
+def _same_tokens_from_a_tiny_windowed_pool(path, monkeypatch, seed: int = 0, **extra) -> None:
     """Prompts at and around the window's and blocks' edges in a batch, in steps of 7
     tokens, through a windowed pool for one sequence's window (constant preemption), then
     extended (prefix hits): the tokens of a pool without one, no unmapped block read, every
@@ -67,7 +67,7 @@ def _same_tokens_from_a_tiny_windowed_pool(path, monkeypatch, seed: int = 0) -> 
     prompts = [(base if i % 2 else base[:5] * 16)[:n] for i, n in enumerate(lengths)]
     found = []
     for windowed in (True, False):
-        backend = _backend(path, windowed, _settings())
+        backend = _backend(path, windowed, _settings(**extra))
         with backend:
             windows = kv_windows(backend.model.config)
             assert set(windows) == {None, WINDOW}  # sliding layers beside global ones
@@ -89,11 +89,21 @@ def test_a_family_gives_the_same_tokens_from_a_tiny_windowed_pool(models, monkey
     _same_tokens_from_a_tiny_windowed_pool(models(arch, ON[arch] or None).path, monkeypatch)
 
 
-def test_cohere2s_gguf_gives_the_same_tokens_from_a_tiny_windowed_pool(tiny, monkeypatch):
-    """llama.cpp's converter keeps the window; the pattern is the file's default (every
-    fourth layer global), as the tiny checkpoint's."""
-    path = tiny.gguf("cohere2", GGMLQuantizationType.F32)
-    _same_tokens_from_a_tiny_windowed_pool(path, monkeypatch, seed=1)
+def test_gpt_oss_gives_the_same_tokens_from_a_float16_windowed_pool(models, monkeypatch):
+    """Its sinks read beside a window in the pool's own float16 pages."""
+    path = models("gpt_oss").path
+    _same_tokens_from_a_tiny_windowed_pool(path, monkeypatch, seed=2, paged_cache_type="f16")
+
+
+@pytest.mark.parametrize(
+    ("arch", "qtype"),
+    [("cohere2", GGMLQuantizationType.F32), ("gpt_oss", GGMLQuantizationType.Q8_0)],
+)
+def test_a_gguf_gives_the_same_tokens_from_a_tiny_windowed_pool(tiny, monkeypatch, arch, qtype):
+    """Cohere 2's file by llama.cpp's converter (its window kept, its pattern the file's
+    default: every fourth layer global, as the tiny checkpoint's); gpt-oss's quantized,
+    its alternation the file's default (every second layer global)."""
+    _same_tokens_from_a_tiny_windowed_pool(tiny.gguf(arch, qtype), monkeypatch, seed=1)
 
 
 @pytest.fixture
