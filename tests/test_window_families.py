@@ -2,8 +2,8 @@
 ones (`engine.window_pool`; Gemma 2 and 3 in tests/test_window_pool.py): with the pool
 shrunk to one sequence's window, in small steps, batched, preempted and on prefix hits,
 greedy tokens equal those of a pool where every layer holds the whole context, from the
-checkpoint and from GGUFs (Cohere 2's by llama.cpp's converter, gpt-oss's); and the families it must stay
-off for say why in the log (or, chunked attention, have no sliding layer at all)."""
+checkpoint and from GGUFs (Cohere 2's by llama.cpp's converter, gpt-oss's); the families
+it must stay off for say why in the log (or, chunked attention, have no sliding layer)."""
 
 import random
 
@@ -132,8 +132,10 @@ def test_a_family_whose_every_layer_slides_is_refused_the_pool(models, refusals,
 
 
 def test_llama4s_chunked_layers_are_no_window(models, refusals, monkeypatch):
-    """A chunked layer's query at p reads from the start of its chunk, which may be more
-    than a window back, or less: no sliding window, so no windowed pool."""
+    """A chunked layer's query at p reads from the start of its chunk (`Scoring.chunk`),
+    not the last ``window`` positions: its scoring has no window, so the layers are no
+    sliding layers to the pool, which stays off without a refusal (as for a model with
+    none), even where the windowed pool is small enough to be taken."""
     monkeypatch.setattr(build, "WINDOW_SEQS", 1)
     monkeypatch.setattr(build, "WINDOW_CHUNK_TOKENS", 8)
     with _backend(models("llama4").path, True, _settings()) as backend:
