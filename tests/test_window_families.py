@@ -95,6 +95,17 @@ def test_gpt_oss_gives_the_same_tokens_from_a_float16_windowed_pool(models, monk
     _same_tokens_from_a_tiny_windowed_pool(path, monkeypatch, seed=2, paged_cache_type="f16")
 
 
+@pytest.mark.parametrize("arch", ["ministral", "gpt_oss"])
+def test_quantized_layers_over_a_default_windowed_pool(models, monkeypatch, block_runs, arch):
+    """Q8_0 projections over the default float16 pool: Ministral's through the native
+    layer blocks (which store and attend its sliding layers in their own pool), gpt-oss's
+    per op (its sinks and expert biases)."""
+    path = models(arch, ON[arch] or None).path
+    extra = {"isq": "Q8_0", "paged_cache_type": "auto"}
+    _same_tokens_from_a_tiny_windowed_pool(path, monkeypatch, seed=3, **extra)
+    assert (block_runs[0] > 0) == (arch == "ministral")
+
+
 @pytest.mark.parametrize(
     ("arch", "qtype"),
     [("cohere2", GGMLQuantizationType.F32), ("gpt_oss", GGMLQuantizationType.Q8_0)],
