@@ -10,7 +10,7 @@ import random
 import pytest
 from gguf import GGMLQuantizationType
 from helpers import engine_internals
-from test_window_pool import _all_let_go, _reads_only_mapped_blocks, _settings
+from test_window_pool import _all_let_go, _reads_only_mapped_blocks, _settings, _with_window
 from tiny_models import build_hf_model
 
 from spnl_backend import load_backend
@@ -53,7 +53,9 @@ def _backend(path, windowed: bool, settings):
         return load_backend(str(path), settings=settings)
 
 
-def _same_tokens_from_a_tiny_windowed_pool(path, monkeypatch, seed: int = 0, **extra) -> None:
+def _same_tokens_from_a_tiny_windowed_pool(
+    path, monkeypatch, seed: int = 0, window: int = WINDOW, block: int = 8, **extra
+) -> None:
     """Prompts at and around the window's and blocks' edges in a batch, in steps of 7
     tokens, through a windowed pool for one sequence's window (constant preemption), then
     extended (prefix hits): the tokens of a pool without one, no unmapped block read, every
@@ -63,14 +65,14 @@ def _same_tokens_from_a_tiny_windowed_pool(path, monkeypatch, seed: int = 0, **e
     monkeypatch.setattr(build, "WINDOW_CHUNK_TOKENS", 8)
     _reads_only_mapped_blocks(monkeypatch)
     base = [rng.randrange(5, 200) for _ in range(80)]
-    lengths = [1, WINDOW - 1, WINDOW, WINDOW + 1, 2 * WINDOW + 3, 80]
+    lengths = [1, window - 1, window, window + 1, block + 1, 2 * window + 3, 80]
     prompts = [(base if i % 2 else base[:5] * 16)[:n] for i, n in enumerate(lengths)]
     found = []
     for windowed in (True, False):
-        backend = _backend(path, windowed, _settings(**extra))
+        backend = _backend(path, windowed, _settings(paged_attn_block_size=block, **extra))
         with backend:
             windows = kv_windows(backend.model.config)
-            assert set(windows) == {None, WINDOW}  # sliding layers beside global ones
+            assert set(windows) == {None, window}  # sliding layers beside global ones
             assert (backend.cache_info().window_blocks is not None) == windowed
             engine_internals(backend).scheduler.max_num_batched_tokens = 7
             first = backend.generate(prompt_token_ids=prompts, max_tokens=16, temperature=0)
@@ -93,6 +95,13 @@ def test_gpt_oss_gives_the_same_tokens_from_a_float16_windowed_pool(models, monk
     """Its sinks read beside a window in the pool's own float16 pages."""
     path = models("gpt_oss").path
     _same_tokens_from_a_tiny_windowed_pool(path, monkeypatch, seed=2, paged_cache_type="f16")
+
+
+@pytest.mark.parametrize(("window", "block", "seed"), [(12, 16, 4), (17, 8, 5), (5, 16, 6)])
+def test_gpt_oss_at_other_windows_and_blocks(tiny, tmp_path, monkeypatch, window, block, seed):
+    """A window that is not the block size, longer than one block or shorter."""
+    path = _with_window(tiny, "gpt_oss", window, tmp_path)
+    _same_tokens_from_a_tiny_windowed_pool(path, monkeypatch, seed, window, block)
 
 
 @pytest.mark.parametrize("arch", ["ministral", "gpt_oss"])
