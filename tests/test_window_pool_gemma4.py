@@ -141,7 +141,7 @@ def test_prefix_hits_stop_where_the_window_was_reclaimed(tiny, monkeypatch):
     assert on_cached[1] < off_cached[1]  # the others took the slots it kept
 
 
-@pytest.mark.parametrize(("cache", "seed"), [("f32", 0), ("f16", 1), ("f8e4m3", 2)])
+@pytest.mark.parametrize(("cache", "seed"), [("f32", 0), ("f16", 1), ("f8e4m3", 2), ("auto", 3)])
 def test_random_batches_under_a_tiny_windowed_pool(tiny, monkeypatch, cache, seed):
     """Prompts at and around the window's and blocks' edges, random and repetitive (n-gram
     proposals, some rejected), in steps of 7 tokens, then extended (prefix hits) and as
@@ -154,7 +154,8 @@ def test_random_batches_under_a_tiny_windowed_pool(tiny, monkeypatch, cache, see
     base = [rng.randrange(5, 200) for _ in range(80)]
     lengths = [1, BLOCK - 1, BLOCK + 1, 2 * BLOCK, 60]
     prompts = [(base if i % 2 else base[:5] * 16)[:n] for i, n in enumerate(lengths)]
-    settings = _settings(paged_cache_type=cache)
+    extra = {"isq": "Q8_0"} if cache == "auto" else {}  # the CPU's float16 pool, natively
+    settings = _settings(paged_cache_type=cache, **extra)
     found = []
     for windowed in (True, False):
         with _load(tiny, windowed, settings) as backend:
