@@ -1,5 +1,5 @@
 """The KV pool's bytes for the tiny Gemma 4 (`tests/tiny_models.py`: two sliding layers
-of 1 KV head x 16, window 8, one global layer of 1 x 32; two shared layers that store
+of 2 KV heads x 16, window 8, one global layer of 1 x 32; two shared layers that store
 nothing) at a long context, the sliding layers' own pool on or off.
 
     PYTHONPATH=.:tests python bench/window_pool_gemma4.py [--context 32768]

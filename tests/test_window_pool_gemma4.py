@@ -1,5 +1,5 @@
 """Gemma 4's sliding layers in a pool of their own (`engine.window_pool`): its KV layers
-differ in shape (the tiny model's sliding layers 1 KV head x 16, its global one 1 x 32)
+differ in shape (the tiny model's sliding layers 2 KV heads x 16, its global one 1 x 32)
 and its last layers read earlier layers' K and V (a sliding one reading a sliding layer's,
 through the windowed pool, a global one a global layer's), yet it gives the same greedy
 tokens as with every layer holding the whole context: across the window, in a batch,
@@ -51,7 +51,7 @@ def test_the_tiny_model_has_what_the_pool_must_handle(tiny):
         config = backend.model.config
         assert not config.uniform_kv
         assert kv_windows(config) == [8, 8, None]
-        assert len(set(config.kv_shapes)) == 2
+        assert config.kv_shapes == ((2, 16), (2, 16), (1, 32))
         readers = [s.attention.spec for s in config.layers if s.attention.spec.shared_kv]
         assert [(r.layer, r.scoring.window) for r in readers] == [(1, 8), (2, None)]
 
