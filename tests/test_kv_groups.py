@@ -114,13 +114,17 @@ def test_the_pool_holds_a_tensor_per_shape_and_nothing_for_shared_layers(tiny, a
     pool = engine_internals(backend).cache.cache
     stored = [spec for spec in config.layers if spec.kv_store is not None]
     assert len(pool.layers) == config.num_kv_layers == len(stored) < config.num_layers
-    assert len(pool.parts) == len(set(config.kv_shapes))
+    windowed = pool.windowed or [False] * len(pool.layers)  # the sliding layers' own pool
+    assert len(pool.parts) == len(set(zip(config.kv_shapes, windowed, strict=True)))
     for place, (keys, values) in enumerate(pool.layers):
         heads, dim = config.kv_shapes[place]
         assert keys.shape[2:] == values.shape[2:] == (heads, dim)
     held = sum(part.numel() * part.element_size() for part in pool.parts)
     info = backend.cache_info()
-    assert held == info.bytes_per_token * info.capacity_tokens
+    window = info.window_bytes_per_token if info.window_blocks is not None else 0
+    window_tokens = (info.window_blocks or 0) * info.block_size
+    full = (info.bytes_per_token - window) * info.capacity_tokens
+    assert held == full + window * window_tokens
     per_layer = sum(2 * heads * dim for heads, dim in config.kv_shapes)
     assert info.bytes_per_token == kv_bytes_per_token(config, torch.float16) == per_layer * 2
 

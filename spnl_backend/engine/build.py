@@ -699,7 +699,12 @@ def _window_pool_refusal(
     reasons = {
         "its sliding layers have several windows": len(sliding) > 1,
         "every layer slides (nothing to size the block table by)": None not in windows,
-        "its KV layers differ in shape or are read by later layers": not config.uniform_kv,
+        "its layers keep one latent per token (the windowed pool is sized for K and V)": (
+            1 in config.kv_planes
+        ),
+        "a layer reads a sliding layer's K and V further back than its window": (
+            _reads_past_window(config, windows)
+        ),
         "it has state layers": bool(config.num_state_layers),
         "its KV cache is compressed": coded,
         "layer mapping (MISTRALRS_DEVICE_LAYERS) splits the pool": (
@@ -715,6 +720,21 @@ def _window_pool_refusal(
         "a draft model's cache keeps its own counts of the target's tokens": role == "draft",
     }
     return next((why for why, refused in reasons.items() if refused), None)
+
+
+def _reads_past_window(config: ModelConfig, windows: list[int | None]) -> bool:
+    """Whether a layer attending over another's K and V (Gemma 4's shared layers) reads a
+    sliding layer's further back than its window: the windowed pool, which keeps each
+    block only while that window reads it, would have let those blocks go."""
+    for spec in config.layers:
+        attention = spec.attention
+        if attention is None or not attention.spec.shared_kv:
+            continue
+        source = windows[attention.spec.layer]
+        reach = attention.spec.scoring.window
+        if source is not None and (reach is None or reach > source):
+            return True
+    return False
 
 
 def _adapter_room(loaded: LoadedModel, settings: BackendSettings) -> int:

@@ -250,6 +250,8 @@ class PagedStep:
         if cache.windowed is None:
             keys = native_keys(self.kernels, self.meta, cache.layers[0][0], windows)
             return None if keys is None else (keys, cache.layers)
+        # One layer of each pool: the keys are slots and lengths, the same for every shape
+        # in it (Gemma 4's groups; its layers run per op anyway: `models.native_blocks`).
         window_layer = cache.windowed.index(True)
         full_layer = cache.windowed.index(False)
         assert self.window_meta is not None
