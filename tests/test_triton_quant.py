@@ -1,6 +1,8 @@
 """The Triton quantized kernels against their torch twins, for every GGML format: under
 Triton's interpreter on the CPU, compiled on a GPU (where the tests carry `cuda`)."""
 
+import dataclasses
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -86,20 +88,33 @@ def _quantized_layers(backend) -> list:
     return [m for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding)]
 
 
+def _matmuls_of(layer):
+    """The products a quantized layer runs: a linear's own, an embedding's (its tied
+    output projection) those of the kernels it was given."""
+    return layer.kernels.matmuls if isinstance(layer, QuantEmbedding) else layer.matmuls
+
+
+def _use_matmuls(layer, matmuls) -> None:
+    if isinstance(layer, QuantEmbedding):
+        layer.kernels = dataclasses.replace(layer.kernels, matmuls=matmuls)
+    else:
+        layer.matmuls = matmuls
+
+
 @pytest.mark.slow  # ~25 s interpreted
 def test_isq_model_through_triton_gives_the_twins_greedy_tokens(tiny):
     path = str(tiny.trained().path)
     prompts = ["The capital of France is", "def add(a, b):"]
     reference = load_backend(path, settings=BackendSettings(device="cpu", isq="Q4K"))
     for layer in _quantized_layers(reference):
-        layer.matmuls = quantized_matmuls_ref
+        _use_matmuls(layer, quantized_matmuls_ref)
     expected = reference.generate(prompts, max_tokens=4, temperature=0)
     backend = load_backend(path, settings=BackendSettings(device=DEVICE, isq="Q4K"))
     layers = _quantized_layers(backend)
     if DEVICE == "cpu":  # the platform picks the native kernels on the CPU; use Triton's
         for layer in layers:
-            layer.matmuls = quantized_matmuls_triton
+            _use_matmuls(layer, quantized_matmuls_triton)
     assert layers
-    assert all(layer.matmuls is quantized_matmuls_triton for layer in layers)
+    assert all(_matmuls_of(layer) is quantized_matmuls_triton for layer in layers)
     results = backend.generate(prompts, max_tokens=4, temperature=0)
     assert [r.token_ids for r in results] == [r.token_ids for r in expected]
