@@ -1175,8 +1175,12 @@ static inline __m128 q5_0_row1(const act_rows *x, int64_t groups, const uint8_t 
         // two groups' lines (176 bytes) asked for every other group: 3 prefetches where 2 a
         // group ask for most lines twice (q + k + v from memory: 1.04-1.11x)
         if (!(g & 1)) prefetch_ahead(group, Q5_0_PREFETCH_BYTES, 2 * CHAINS * 22);
-        const __m512i first = _mm512_loadu_si512((const void *)group);
-        const __m512i second = _mm512_loadu_si512((const void *)(group + 24));
+        __m512i first = _mm512_loadu_si512((const void *)group);
+        __m512i second = _mm512_loadu_si512((const void *)(group + 24));
+        // held in registers: else GCC folds a load into each of the 3 vpermt2b below (which
+        // overwrite a source), 6 loads of the group where 2 do (gemma3-1b gate + up from
+        // memory 1.06x, bench/read_gap.py)
+        __asm__("" : "+v"(first), "+v"(second));
         const __m512i q = _mm512_permutex2var_epi8(first, nibbles, second);
         const __m512i qh = _mm512_permutex2var_epi8(first, high, second);
         const __m512i d = _mm512_permutex2var_epi8(first, scale_bytes, second);
