@@ -115,7 +115,7 @@ def one_case(case: tuple, gap, reader, libraries: dict, repeats: int, distances:
     x = torch.randn(1, k_in)
     y = torch.empty(1, n_out)
     order = gap.spnl_gap_q5_0 if qtype == Q.Q5_0 else gap.spnl_gap_q4_k
-    ahead = 8192 if qtype == Q.Q5_0 else 16384  # the kernels' own distances
+    ahead = 8192  # the kernels' own distance (Q5_0_PREFETCH_BYTES, ROW1_PREFETCH)
 
     def product(lib, w: torch.Tensor) -> Callable[[], int]:
         rows = w.shape[0]
