@@ -56,7 +56,8 @@ def _weight(qtype: Q, rows: int, cols: int, seed: int):
 
 def cases():
     """(format, weight rows, k, activation rows): 1 to 9 blocks of the 32-value formats
-    (whole groups of 4 and tails), 1 and 2 of the k-quants; one weight row, and a tile of
+    (whole groups of 4 and tails) and 16 and 19 (Q5_0's runs of 4 groups, and a run then
+    groups and a tail), 1 and 2 of the k-quants; one weight row, and a tile of
     16 with a row over; one activation row (the one-row kernels) and 7 (the tiles, and
     4 then 3 rows for each weight row alone)."""
     from spnl_backend.quant.quantize import QUANTIZERS
@@ -64,7 +65,7 @@ def cases():
     formats = [*sorted(QUANTIZERS, key=lambda t: t.value), Q.MXFP4]
     for qtype in formats:
         block = GGML_QUANT_SIZES[qtype][0]
-        widths = range(1, 10) if block == 32 else range(1, 3)
+        widths = [*range(1, 10), 16, 19] if block == 32 else range(1, 3)
         for rows_w in ROWS_W:
             for blocks in widths:
                 for rows_x in (1, 7):

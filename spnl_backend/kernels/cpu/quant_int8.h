@@ -1162,32 +1162,88 @@ static const uint8_t Q5_0_BITS[2][16] = {
 #ifndef Q5_0_PREFETCH_BYTES
 #define Q5_0_PREFETCH_BYTES (2 * PREFETCH_BYTES)
 #endif
+typedef struct {
+    __m512i nibbles, high, scale_bytes, bits_lo, bits_hi, low, sixteen;
+} q5_0_tables;
+
+// Group g's dot products s (block i's in 128-bit lane i, before lane_sums) and its scales'
+// bytes d (the first 4 halves).
+static inline __attribute__((always_inline)) void q5_0_group_sums(
+    const q5_0_tables *t, const act_rows *x, const uint8_t *w, int64_t g, __m512i *s,
+    __m512i *d) {
+    const uint8_t *group = w + g * CHAINS * 22;
+    // two groups' lines (176 bytes) asked for every other group: 3 prefetches where 2 a
+    // group ask for most lines twice (q + k + v from memory: 1.04-1.11x)
+    if (!(g & 1)) prefetch_ahead(group, Q5_0_PREFETCH_BYTES, 2 * CHAINS * 22);
+    __m512i first = _mm512_loadu_si512((const void *)group);
+    __m512i second = _mm512_loadu_si512((const void *)(group + 24));
+    // held in registers: else GCC folds a load into each of the 3 vpermt2b below (which
+    // overwrite a source), 6 loads of the group where 2 do (gemma3-1b gate + up from
+    // memory 1.04-1.05x, q + k + v 1.10x)
+    __asm__("" : "+v"(first), "+v"(second));
+    const __m512i q = _mm512_permutex2var_epi8(first, t->nibbles, second);
+    const __m512i qh = _mm512_permutex2var_epi8(first, t->high, second);
+    *d = _mm512_permutex2var_epi8(first, t->scale_bytes, second);
+    __m512i ulo = _mm512_and_si512(q, t->low);
+    __m512i uhi = _mm512_and_si512(_mm512_srli_epi16(q, 4), t->low);
+    ulo = _mm512_mask_add_epi8(ulo, _mm512_bitshuffle_epi64_mask(qh, t->bits_lo), ulo, t->sixteen);
+    uhi = _mm512_mask_add_epi8(uhi, _mm512_bitshuffle_epi64_mask(qh, t->bits_hi), uhi, t->sixteen);
+    __m512i alo, ahi;
+    lane_acts(x->q32 + g * CHAINS * 32, &alo, &ahi);
+    *s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ulo, alo), uhi, ahi);
+}
+
+// group_fma for groups g..g+3 in turn: their 16 lane sums found in one tree of shuffles,
+// their offsets, conversions and scales in one vector each, about half the instructions
+// of 4 group_fma (from memory: gemma3-1b gate + up 1.04-1.06x, q + k + v 1.07-1.10x). The
+// same integers, the same float steps in the same order: the same bits.
+static inline __m128 four_groups_fma(__m128 acc, const __m512i s[4], const __m512i d[4],
+                                     const act_rows *x, int64_t g, int bias) {
+    // 128-bit lane L of t01: [s0 0+2, s1 0+2, s0 1+3, s1 1+3] of that lane's ints
+    const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(s[0], s[1]),
+                                         _mm512_unpackhi_epi32(s[0], s[1]));
+    const __m512i t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(s[2], s[3]),
+                                         _mm512_unpackhi_epi32(s[2], s[3]));
+    // int 4L + k: group k's block L
+    const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23),
+                                       _mm512_unpackhi_epi64(t01, t23));
+    const __m512i by_group = _mm512_permutexvar_epi32(
+        _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), u);
+    const __m512i offsets = _mm512_slli_epi32(
+        _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(x->sums32 + g * CHAINS))),
+        bias);
+    const __m512 ints = _mm512_cvtepi32_ps(_mm512_sub_epi32(by_group, offsets));
+    const __m256i halves = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_unpacklo_epi64(_mm512_castsi512_si128(d[0]),
+                                                  _mm512_castsi512_si128(d[1]))),
+        _mm_unpacklo_epi64(_mm512_castsi512_si128(d[2]), _mm512_castsi512_si128(d[3])), 1);
+    const __m512 scale =
+        _mm512_mul_ps(_mm512_cvtph_ps(halves), _mm512_loadu_ps(x->d32 + g * CHAINS));
+    acc = _mm_fmadd_ps(_mm512_castps512_ps128(ints), _mm512_castps512_ps128(scale), acc);
+    acc = _mm_fmadd_ps(_mm512_extractf32x4_ps(ints, 1), _mm512_extractf32x4_ps(scale, 1), acc);
+    acc = _mm_fmadd_ps(_mm512_extractf32x4_ps(ints, 2), _mm512_extractf32x4_ps(scale, 2), acc);
+    return _mm_fmadd_ps(_mm512_extractf32x4_ps(ints, 3), _mm512_extractf32x4_ps(scale, 3), acc);
+}
+
 static inline __m128 q5_0_row1(const act_rows *x, int64_t groups, const uint8_t *w) {
-    const __m512i nibbles = _mm512_loadu_si512((const void *)Q5_0_NIBBLES);
-    const __m512i high = _mm512_loadu_si512((const void *)Q5_0_HIGH);
-    const __m512i scale_bytes = _mm512_loadu_si512((const void *)Q5_0_SCALES);
-    const __m512i bits_lo = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)Q5_0_BITS[0]));
-    const __m512i bits_hi = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)Q5_0_BITS[1]));
-    const __m512i low = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+    const q5_0_tables t = {
+        _mm512_loadu_si512((const void *)Q5_0_NIBBLES),
+        _mm512_loadu_si512((const void *)Q5_0_HIGH),
+        _mm512_loadu_si512((const void *)Q5_0_SCALES),
+        _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)Q5_0_BITS[0])),
+        _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)Q5_0_BITS[1])),
+        _mm512_set1_epi8(0x0F),
+        _mm512_set1_epi8(16)};
     __m128 acc = _mm_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *group = w + g * CHAINS * 22;
-        // two groups' lines (176 bytes) asked for every other group: 3 prefetches where 2 a
-        // group ask for most lines twice (q + k + v from memory: 1.04-1.11x)
-        if (!(g & 1)) prefetch_ahead(group, Q5_0_PREFETCH_BYTES, 2 * CHAINS * 22);
-        const __m512i first = _mm512_loadu_si512((const void *)group);
-        const __m512i second = _mm512_loadu_si512((const void *)(group + 24));
-        const __m512i q = _mm512_permutex2var_epi8(first, nibbles, second);
-        const __m512i qh = _mm512_permutex2var_epi8(first, high, second);
-        const __m512i d = _mm512_permutex2var_epi8(first, scale_bytes, second);
-        __m512i ulo = _mm512_and_si512(q, low);
-        __m512i uhi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
-        ulo = _mm512_mask_add_epi8(ulo, _mm512_bitshuffle_epi64_mask(qh, bits_lo), ulo, sixteen);
-        uhi = _mm512_mask_add_epi8(uhi, _mm512_bitshuffle_epi64_mask(qh, bits_hi), uhi, sixteen);
-        __m512i alo, ahi;
-        lane_acts(x->q32 + g * CHAINS * 32, &alo, &ahi);
-        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ulo, alo);
-        s = _mm512_dpbusd_epi32(s, uhi, ahi);
+    int64_t g = 0;
+    for (; g + 4 <= groups; g += 4) {
+        __m512i s[4], d[4];
+        for (int i = 0; i < 4; i++) q5_0_group_sums(&t, x, w, g + i, &s[i], &d[i]);
+        acc = four_groups_fma(acc, s, d, x, g, 4);
+    }
+    for (; g < groups; g++) {
+        __m512i s, d;
+        q5_0_group_sums(&t, x, w, g, &s, &d);
         acc = group_fma(acc, s, d, x, g, 4);
     }
     return acc;
@@ -1353,9 +1409,11 @@ static inline __m128 q8_0_row1(const act_rows *x, int64_t groups, const uint8_t 
 #if defined(__AVX512BW__)
 #define R4(a) a, a, a, a
 // How far ahead the one-row kernels ask for their weights: further than the other kernels
-// (PREFETCH_BYTES), as these spend less time per byte.
+// (PREFETCH_BYTES), as these spend less time per byte; 8 KiB, not 16: the 1B files'
+// Q4_K and Q6_K products from memory 1.00-1.21x, none slower (bench/products_ab.py
+// --shapes 1b, 5 runs), the loads alone 8 KiB ahead the fastest (bench/read_gap.py).
 #ifndef ROW1_PREFETCH
-#define ROW1_PREFETCH 16384
+#define ROW1_PREFETCH 8192
 #endif
 
 // The cache lines of [p, p + bytes), each once.
