@@ -9,8 +9,13 @@ import random
 
 import pytest
 from gguf import GGMLQuantizationType
-from helpers import engine_internals
-from test_window_pool import _all_let_go, _reads_only_mapped_blocks, _settings, _with_window
+from test_window_pool import (
+    _all_let_go,
+    _reads_only_mapped_blocks,
+    _settings,
+    _traffic,
+    _with_window,
+)
 from tiny_models import build_hf_model
 
 from spnl_backend import load_backend
@@ -74,10 +79,7 @@ def _same_tokens_from_a_tiny_windowed_pool(
             windows = kv_windows(backend.model.config)
             assert set(windows) == {None, window}  # sliding layers beside global ones
             assert (backend.cache_info().window_blocks is not None) == windowed
-            engine_internals(backend).scheduler.max_num_batched_tokens = 7
-            first = backend.generate(prompt_token_ids=prompts, max_tokens=16, temperature=0)
-            longer = [p + r.token_ids[:5] + [9, 10] for p, r in zip(prompts, first, strict=True)]
-            hits = backend.generate(prompt_token_ids=longer[::-1], max_tokens=16, temperature=0)
+            first, hits, _ = _traffic(backend, prompts, max_tokens=16)
             found.append([r.token_ids for r in (*first, *hits)])
             if windowed:
                 _all_let_go(backend)

@@ -337,6 +337,21 @@ def test_a_steps_windowed_tables_are_each_blocks_slot_at_any_pool_size():
     _window_step(2**14, seqs=16, width=1024)
 
 
+def _traffic(backend, prompts: list[list[int]], max_tokens: int, n: int = 0) -> tuple:
+    """Greedy results under a 7-token step budget: of ``prompts`` together; of each
+    extended by what it gave (prefix hits, in reverse order); and, with ``n``, of ``n``
+    completions each of the last two prompts."""
+    engine_internals(backend).scheduler.max_num_batched_tokens = 7
+    first = backend.generate(prompt_token_ids=prompts, max_tokens=max_tokens, temperature=0)
+    longer = [p + r.token_ids[:5] + [9, 10] for p, r in zip(prompts, first, strict=True)]
+    hits = backend.generate(prompt_token_ids=longer[::-1], max_tokens=max_tokens, temperature=0)
+    several = []
+    if n:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0)
+        several = read_results(backend.submit(prompts[-2:], params, n=n), single=False)
+    return first, hits, several
+
+
 def _with_window(tiny, arch: str, window: int, root) -> str:
     """The tiny model with its sliding layers' window set to ``window``."""
     path = root / f"{arch}-window-{window}"
@@ -411,12 +426,7 @@ def test_random_batches_under_a_tiny_windowed_pool(
             backend = load_backend(path, settings=settings)
         with backend:
             assert (backend.cache_info().window_blocks is not None) == windowed
-            engine_internals(backend).scheduler.max_num_batched_tokens = 7
-            first = backend.generate(prompt_token_ids=prompts, max_tokens=24, temperature=0)
-            longer = [p + r.token_ids[:5] + [9, 10] for p, r in zip(prompts, first, strict=True)]
-            hits = backend.generate(prompt_token_ids=longer[::-1], max_tokens=24, temperature=0)
-            params = SamplingParams(max_tokens=24, temperature=0)
-            several = read_results(backend.submit(prompts[-2:], params, n=3), single=False)
+            first, hits, several = _traffic(backend, prompts, max_tokens=24, n=3)
             found.append([r.token_ids for r in (*first, *hits, *several)])
             preempted = backend.stats().preemptions
             if windowed:

@@ -22,13 +22,12 @@ from test_window_pool import (
     _all_let_go,
     _reads_only_mapped_blocks,
     _settings,
+    _traffic,
 )
 
 from spnl_backend import load_backend
 from spnl_backend.engine import build
 from spnl_backend.engine.paged import kv_windows
-from spnl_backend.results import read_results
-from spnl_backend.sampling import SamplingParams
 
 ARCH = "gemma4"
 
@@ -160,12 +159,7 @@ def test_random_batches_under_a_tiny_windowed_pool(tiny, monkeypatch, cache, see
     for windowed in (True, False):
         with _load(tiny, windowed, settings) as backend:
             assert (backend.cache_info().window_blocks is not None) == windowed
-            engine_internals(backend).scheduler.max_num_batched_tokens = 7
-            first = backend.generate(prompt_token_ids=prompts, max_tokens=16, temperature=0)
-            longer = [p + r.token_ids[:5] + [9, 10] for p, r in zip(prompts, first, strict=True)]
-            hits = backend.generate(prompt_token_ids=longer[::-1], max_tokens=16, temperature=0)
-            params = SamplingParams(max_tokens=16, temperature=0)
-            several = read_results(backend.submit(prompts[-2:], params, n=2), single=False)
+            first, hits, several = _traffic(backend, prompts, max_tokens=16, n=2)
             found.append([r.token_ids for r in (*first, *hits, *several)])
             if windowed:
                 _all_let_go(backend)
