@@ -149,18 +149,19 @@ def test_prefix_hits_stop_where_the_window_was_reclaimed(tiny, arch, small_windo
 
 def test_window_slots_are_held_dropped_kept_and_reclaimed():
     slots = WindowSlots(num_slots=3, num_blocks=8, window=8, block_size=4)
-    table, registered = [5, 6, 7], [True, False, True]
+    table = [5, 6, 7]
+    slots.registered = {5, 7}.__contains__
     slots.start(1, [], 0)
     assert slots.missing(1, table, 3) == 3
     slots.extend(1, table, 3)
     assert [slots.slot_of[b] for b in table] == [0, 1, 2]
     assert slots.available == 0
-    slots.advance(1, table, 12, registered)  # position 12 reads from 5 on: not block 5
+    slots.advance(1, table, 12)  # position 12 reads from 5 on: not block 5
     assert slots.holders[5] == 0
     assert list(slots.kept) == [5]
     assert slots.available == 1
     assert slots.room(1, table, 12) == 3 + 1
-    slots.finish(1, table, registered)
+    slots.finish(1, table)
     assert slots.slot_of[6] == -1
     assert list(slots.kept) == [5, 7]
     assert slots.available == 3
@@ -172,7 +173,7 @@ def test_window_slots_are_held_dropped_kept_and_reclaimed():
     assert slots.slot_of[5] == -1
     assert list(slots.kept) == [7]
     assert slots.available == 1
-    slots.finish(2, [1, 2], [False, False])
+    slots.finish(2, [1, 2])
     assert slots.available == 3
     assert slots.slot_of[1] == slots.slot_of[2] == -1
     assert slots.slot_table.tolist() == [*slots.slot_of, -1]  # the tensor kept in step
@@ -180,9 +181,10 @@ def test_window_slots_are_held_dropped_kept_and_reclaimed():
 
 def test_a_retaken_block_gives_its_kept_slot_back():
     slots = WindowSlots(num_slots=2, num_blocks=4, window=4, block_size=4)
+    slots.registered = {2}.__contains__
     slots.start(1, [], 0)
     slots.extend(1, [2], 1)
-    slots.finish(1, [2], keep=[True])
+    slots.finish(1, [2])
     assert list(slots.kept) == [2]
     slots.forget(2)
     assert slots.slot_of[2] == -1

@@ -303,6 +303,7 @@ class PagedCacheManager:
         self.window = window
         if window is not None:
             blocks.on_take = window.forget
+            window.registered = lambda block_id: blocks.blocks[block_id].hash is not None
             if isinstance(cache, PagedKVCache):
                 cache.window_slot_of = window.slot_of  # where moved keys lie (`move_blocks`)
         self.tier: PoolTier | None = None  # the KV tier under the pool, where it is on
@@ -449,8 +450,7 @@ class PagedCacheManager:
     def _unshare(self, seq: CachedTokens, block_id: int) -> None:
         """Drop a PIC sequence's reference to a hit (and its pin of the block's slot)."""
         if self.window is not None:
-            registered = self.blocks.blocks[block_id].hash is not None
-            self.window.unpin(seq.seq_id, [block_id], {block_id} if registered else set())
+            self.window.unpin(seq.seq_id, [block_id])
         self.blocks.unshare(block_id)
 
     def _move_shifted(
@@ -499,7 +499,7 @@ class PagedCacheManager:
         needed = total - len(table.block_ids)
         window = self.window
         if window is not None:
-            window.advance(seq.seq_id, table.block_ids, seq.num_computed_tokens, self._kept(table))
+            window.advance(seq.seq_id, table.block_ids, seq.num_computed_tokens)
             if window.missing(seq.seq_id, table.block_ids, total) > window.available:
                 return False
         if needed > self.blocks.num_available:
@@ -508,12 +508,6 @@ class PagedCacheManager:
         if window is not None:
             window.extend(seq.seq_id, table.block_ids, total)
         return True
-
-    def _kept(self, table: BlockTable) -> list[bool]:
-        """Which of a table's blocks keep their windowed slot when no sequence holds them:
-        the registered ones (a later prefix hit may end in them)."""
-        blocks = self.blocks.blocks
-        return [b != UNTAKEN and blocks[b].hash is not None for b in table.block_ids]
 
     def _reserve_pic(self, seq: CachedTokens, progress: PicProgress, num_tokens: int) -> bool:
         """Take blocks for the untaken entries up to the one holding the last token of the
@@ -540,7 +534,7 @@ class PagedCacheManager:
         table = self.tables.pop(seq.seq_id, None)
         if table is not None:
             if self.window is not None:
-                self.window.finish(seq.seq_id, table.block_ids, self._kept(table))
+                self.window.finish(seq.seq_id, table.block_ids)
             self.blocks.release(table)
 
     def block_hashes(self, seq: CachedTokens) -> Sequence[int]:
@@ -577,7 +571,7 @@ class PagedCacheManager:
         if progress is None:
             kept = self.blocks.blocks_for(seq.num_computed_tokens)
             if self.window is not None:
-                self.window.shrink(seq.seq_id, table.block_ids, kept, self._kept(table))
+                self.window.shrink(seq.seq_id, table.block_ids, kept)
             self.blocks.truncate(table, kept)
             return
         # A decoding PIC sequence's prompt is all computed; its generated tokens (drafts
@@ -587,8 +581,7 @@ class PagedCacheManager:
         last = progress.slot(seq.num_computed_tokens - 1) // self.block_size
         if self.window is not None:
             dropped = [b for b in table.block_ids[last + 1 :] if b != UNTAKEN]
-            registered = {b for b in dropped if self.blocks.blocks[b].hash is not None}
-            self.window.unpin(seq.seq_id, dropped, registered)
+            self.window.unpin(seq.seq_id, dropped)
         self.blocks.truncate(table, last + 1)
 
     def after_step(self, batch: list[ScheduledSeq]) -> None:

@@ -15,6 +15,7 @@ overlap), so it pins every block it takes, for its life, instead.
 """
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,10 @@ class WindowSlots:
         self.kept: OrderedDict[int, None] = OrderedDict()  # unheld blocks keeping a slot, LRU first
         self.holds: dict[int, WindowHold] = {}
         self.pins: dict[int, list[int]] = {}  # a PIC sequence's blocks, each held
+        # Whether a block is a registered prefix block (asked when no sequence holds it
+        # any more: its slot is then kept, LRU, for a later hit); the block manager's
+        # answer, given by the cache manager.
+        self.registered: Callable[[int], bool] = lambda block_id: False
 
     @property
     def available(self) -> int:
@@ -70,14 +75,12 @@ class WindowSlots:
         self.holds[seq_id] = WindowHold(first, 0)
         self.extend(seq_id, table, len(table))
 
-    def advance(self, seq_id: int, table: list[int], num_computed: int, keep: list[bool]) -> None:
-        """Drop the holds on blocks before the window of position ``num_computed``;
-        ``keep[i]``: whether block ``table[i]`` is a registered prefix block (its slot is
-        then kept, LRU, for a later hit)."""
+    def advance(self, seq_id: int, table: list[int], num_computed: int) -> None:
+        """Drop the holds on blocks before the window of position ``num_computed``."""
         hold = self.holds[seq_id]
         first = self.first_needed(num_computed)
         while hold.count and hold.first < first:
-            self._unhold(table[hold.first], keep[hold.first])
+            self._unhold(table[hold.first])
             hold.first += 1
             hold.count -= 1
         if not hold.count:
@@ -110,21 +113,21 @@ class WindowSlots:
             1 for i in range(start, num_blocks) if i >= len(table) or not self.holders[table[i]]
         )
 
-    def shrink(self, seq_id: int, table: list[int], num_blocks: int, keep: list[bool]) -> None:
+    def shrink(self, seq_id: int, table: list[int], num_blocks: int) -> None:
         """Drop the holds on the table's blocks from ``num_blocks`` on (they leave it)."""
         hold = self.holds.get(seq_id)
         if hold is None:
             return
         while hold.count and hold.first + hold.count > num_blocks:
             index = hold.first + hold.count - 1
-            self._unhold(table[index], keep[index])
+            self._unhold(table[index])
             hold.count -= 1
 
-    def finish(self, seq_id: int, table: list[int], keep: list[bool]) -> None:
+    def finish(self, seq_id: int, table: list[int]) -> None:
         """A sequence lets go of all its holds."""
-        self.shrink(seq_id, table, 0, keep)
+        self.shrink(seq_id, table, 0)
         self.holds.pop(seq_id, None)
-        self.unpin(seq_id, list(self.pins.get(seq_id, ())), keep_blocks(table, keep))
+        self.unpin(seq_id, list(self.pins.get(seq_id, ())))
         self.pins.pop(seq_id, None)
 
     def pin(self, seq_id: int, block_id: int) -> None:
@@ -132,13 +135,12 @@ class WindowSlots:
         self._hold(block_id)
         self.pins.setdefault(seq_id, []).append(block_id)
 
-    def unpin(self, seq_id: int, blocks: list[int], registered: set[int]) -> None:
-        """Drop a PIC sequence's pins on ``blocks`` (those in ``registered`` keep their
-        slot for a later hit)."""
+    def unpin(self, seq_id: int, blocks: list[int]) -> None:
+        """Drop a PIC sequence's pins on ``blocks``."""
         pinned = self.pins.get(seq_id, [])
         for block_id in blocks:
             pinned.remove(block_id)
-            self._unhold(block_id, block_id in registered)
+            self._unhold(block_id)
 
     # ---- slots ----------------------------------------------------------------------------
 
@@ -172,11 +174,11 @@ class WindowSlots:
             self._set(block_id, slot)
         self.holders[block_id] += 1
 
-    def _unhold(self, block_id: int, keep: bool) -> None:
+    def _unhold(self, block_id: int) -> None:
         self.holders[block_id] -= 1
         if self.holders[block_id]:
             return
-        if keep:
+        if self.registered(block_id):
             self.kept[block_id] = None
         else:
             self.free.append(self.slot_of[block_id])
@@ -185,8 +187,3 @@ class WindowSlots:
     def _set(self, block_id: int, slot: int) -> None:
         self.slot_of[block_id] = slot
         self.slot_table[block_id] = slot
-
-
-def keep_blocks(table: list[int], keep: list[bool]) -> set[int]:
-    """The blocks of ``table`` whose ``keep`` is set."""
-    return {block for block, kept in zip(table, keep, strict=True) if kept}
