@@ -39,6 +39,17 @@ def _clean_mistralrs_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(autouse=True)
+def _fixed_template_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chat templates that print today's date (gpt-oss's Harmony) see one fixed day, so a
+    tiny model's greedy tokens, and the verdicts on them, do not change at midnight."""
+    from datetime import datetime
+
+    from spnl_backend.loader import chat_template
+
+    monkeypatch.setattr(chat_template, "_now", lambda: datetime(2026, 11, 29, 12, 0))
+
+
+@pytest.fixture(autouse=True)
 def _restore_library_logger():
     """The CLI configures the library's logger for the console; undo that after each test."""
     from spnl_backend.log import LOGGER_NAME, set_verbose

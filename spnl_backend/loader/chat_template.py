@@ -213,6 +213,11 @@ class _Dict:
         return dict.fromkeys(*args, **kwargs)
 
 
+def _now() -> datetime:
+    """The clock a template's ``strftime_now`` reads (one place, so a test can fix it)."""
+    return datetime.now()
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
     environment = _BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols]
@@ -221,7 +226,7 @@ def _environment() -> ImmutableSandboxedEnvironment:
     environment.globals.update(
         range=_bounded_range,
         raise_exception=_raise_exception,
-        strftime_now=lambda format: datetime.now().strftime(format),
+        strftime_now=lambda format: _now().strftime(format),
         dict=_Dict(),
         namespace=_Namespace,
     )
