@@ -20,7 +20,8 @@ file: every quantized product of one decode token of that model (each product se
 a random row, as bench/decode_gap.py's `products`), the sets prepared once and run through
 either library. With --shapes 1b, the products of the 1B files' decode instead of CASES
 (gemma3-1b's gate+up, qkv, down and o_proj, llama-1b's), each read from memory: the calls
-go round copies of the matrix that together pass the last-level cache twice over.
+go round copies of the matrix that together pass the last-level cache twice over. With
+--shapes q6_k, so the Q6_K matrices of llama-1b and gemma3-4b (output heads, ffn_down).
 """
 
 import dataclasses
@@ -51,6 +52,13 @@ SHAPES_1B = [
     (Q.Q4_K, 16384, 2048, 4),  # llama-1b gate + up
     (Q.Q4_K, 2048, 2048, 20),  # llama-1b o_proj
     (Q.Q4_K, 2048, 8192, 8),  # llama-1b down
+]
+# The Q6_K matrices of the 1B and 4B Q4_K_M files' decode (the heads one very tall matrix).
+SHAPES_Q6_K = [
+    (Q.Q6_K, 128256, 2048, 1),  # llama-1b output head
+    (Q.Q6_K, 2048, 8192, 8),  # llama-1b ffn_down
+    (Q.Q6_K, 262144, 2560, 1),  # gemma3-4b output head
+    (Q.Q6_K, 2560, 10240, 4),  # gemma3-4b ffn_down
 ]
 LAST_LEVEL = 32 << 20  # bytes of L3 that copies must pass twice over to be read from memory
 HEADS = {Q.Q4_K: (slice(0, 16), 144), Q.Q6_K: (slice(192, 210), 210), Q.Q5_0: (slice(0, 2), 22)}
@@ -167,18 +175,18 @@ def main() -> None:
     parser.add_argument("--gguf", type=Path, nargs="*", default=[], help="Q4_K_M files")
     parser.add_argument(
         "--shapes",
-        choices=("q4_k_m", "1b"),
+        choices=("q4_k_m", "1b", "q6_k"),
         default="q4_k_m",
-        help="q4_k_m: CASES (in L2 and from memory); 1b: SHAPES_1B, from memory",
+        help="q4_k_m: CASES (in L2 and from memory); 1b: SHAPES_1B, q6_k: SHAPES_Q6_K (the"
+        " 1B and 4B files' Q6_K heads and ffn_down), from memory",
     )
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     old, new = (dataclasses.replace(k, threads=1) for k in build_pair(args.old))
-    one_b = args.shapes == "1b"
-    rows = [
-        shape_row(*case, old, new, args.repeats, one_b) for case in (SHAPES_1B if one_b else CASES)
-    ]
+    one_b = args.shapes != "q4_k_m"  # from memory
+    cases = {"q4_k_m": CASES, "1b": SHAPES_1B, "q6_k": SHAPES_Q6_K}[args.shapes]
+    rows = [shape_row(*case, old, new, args.repeats, one_b) for case in cases]
     rows += [token_row(gguf, old, new, args.repeats) for gguf in args.gguf]
     header = ["one row against", f"old ({args.old})", "new (this checkout)", "old / new"]
     note = (

@@ -81,3 +81,32 @@ uint64_t spnl_gap_q4_k(const uint8_t *w, int64_t rows, int64_t row_bytes, int64_
     }
     return folded(a0, _mm512_xor_si512(a1, _mm512_castsi128_si512(h)));
 }
+
+// The Q6_K one-row kernel's loads: per row, 8 blocks of 210 bytes at a time, the lines
+// `ahead` on prefetched once each, then per block its 128 low-bit bytes as two 64-byte
+// loads, its 64 high-bit bytes as two 32-byte loads and its 16 scales (d read with them).
+uint64_t spnl_gap_q6_k(const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t ahead,
+                       int l2) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0;
+    __m256i q = _mm256_setzero_si256();
+    __m128i h = _mm_setzero_si128();
+    const int64_t blocks = row_bytes / 210;
+    for (int64_t n = 0; n < rows; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        for (int64_t b = 0; b < blocks; b += 8) {
+            const int count = blocks - b < 8 ? (int)(blocks - b) : 8;
+            const uintptr_t at = (uintptr_t)(row + b * 210) + (uintptr_t)ahead;
+            if (ahead) prefetch_from(at & ~(uintptr_t)63, (int)((at & 63) + count * 210 + 63) & ~63, l2);
+            for (int i = 0; i < count; i++) {
+                const uint8_t *block = row + (b + i) * 210;
+                FOLD(a0, block);
+                FOLD(a1, block + 64);
+                q = _mm256_xor_si256(q, _mm256_loadu_si256((const __m256i *)(block + 128)));
+                q = _mm256_xor_si256(q, _mm256_loadu_si256((const __m256i *)(block + 160)));
+                h = _mm_xor_si128(h, _mm_loadu_si128((const __m128i *)(block + 192)));
+            }
+        }
+    }
+    a1 = _mm512_xor_si512(a1, _mm512_castsi256_si512(q));
+    return folded(a0, _mm512_xor_si512(a1, _mm512_castsi128_si512(h)));
+}

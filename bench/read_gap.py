@@ -1,10 +1,12 @@
 """Where a one-row product from memory loses to the plain read: the same buffer three ways.
 
     PYTHONPATH=. python bench/read_gap.py [--repeats 15] [--old REV] [--distances BYTES ...]
+                                          [--formats Q5_0 Q4_K Q6_K] [--shape ROWS COLS]
                                           [--variant NAME=-DMACRO=V[,-DMACRO=V]] [--markdown FILE]
 
 One thread, this process's CPU time, the ways alternating on the same copies of each 1B
-decode matrix (bench/products_ab.py's --shapes 1b gate + up: the copies on huge pages as
+decode matrix (bench/products_ab.py's --shapes 1b gate + up, and an 8192-row slice of
+llama-1b's Q6_K output head; --formats picks some: the copies on huge pages as
 the loader holds weights, together twice the last-level cache, so each call reads from
 memory):
   (a) bench/read_bound.c over the matrix's bytes (and its loop copied into read_gap.c),
@@ -37,7 +39,11 @@ from products_ab import LAST_LEVEL, random_weight
 from read_bound import build_reader
 
 HERE = Path(__file__).resolve().parent
-CASES = [(Q.Q5_0, 13824, 1152, 22, 32), (Q.Q4_K, 16384, 2048, 144, 256)]  # gate + up
+CASES = [
+    (Q.Q5_0, 13824, 1152, 22, 32),  # gemma3-1b gate + up
+    (Q.Q4_K, 16384, 2048, 144, 256),  # llama-1b gate + up
+    (Q.Q6_K, 8192, 2048, 210, 256),  # a slice of llama-1b's output head
+]
 FIXED_ROWS = 16  # a product's fixed cost: the call on this many rows
 IN_L2 = 800 << 10  # bytes of a matrix that stays in the core's 1-2 MiB L2
 SMALL_CALLS = 200  # calls per timing of the small matrices
@@ -56,9 +62,9 @@ def build_gap() -> ctypes.CDLL:
         subprocess.run([compiler, *flags, str(HERE / "read_gap.c"), "-o", str(out)], check=True)
         library = ctypes.CDLL(str(out))
     library.spnl_gap_plain.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-    for name in ("spnl_gap_q5_0", "spnl_gap_q4_k"):
+    for name in ("spnl_gap_q5_0", "spnl_gap_q4_k", "spnl_gap_q6_k"):
         getattr(library, name).argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_int]
-    for name in ("spnl_gap_plain", "spnl_gap_q5_0", "spnl_gap_q4_k"):
+    for name in ("spnl_gap_plain", "spnl_gap_q5_0", "spnl_gap_q4_k", "spnl_gap_q6_k"):
         getattr(library, name).restype = ctypes.c_uint64
     return library
 
@@ -114,7 +120,7 @@ def one_case(case: tuple, gap, reader, libraries: dict, repeats: int, distances:
     in_l2 = weight[: IN_L2 // row_bytes].clone()  # stays in L2 between calls
     x = torch.randn(1, k_in)
     y = torch.empty(1, n_out)
-    order = gap.spnl_gap_q5_0 if qtype == Q.Q5_0 else gap.spnl_gap_q4_k
+    order = {Q.Q5_0: gap.spnl_gap_q5_0, Q.Q4_K: gap.spnl_gap_q4_k, Q.Q6_K: gap.spnl_gap_q6_k}[qtype]
     ahead = 8192  # the kernels' own distance (Q5_0_PREFETCH_BYTES, ROW1_PREFETCH)
 
     def product(lib, w: torch.Tensor) -> Callable[[], int]:
@@ -205,7 +211,25 @@ def main() -> None:
     parser.add_argument(
         "--distances", type=int, nargs="*", default=[], help="more prefetch distances for (b)"
     )
+    parser.add_argument(
+        "--formats", nargs="*", default=None, help="only these CASES (Q5_0, Q4_K, Q6_K)"
+    )
+    parser.add_argument(
+        "--shape",
+        type=int,
+        nargs=2,
+        metavar=("ROWS", "COLS"),
+        help="the cases' matrix instead (128256 2048: llama-1b's head)",
+    )
     args = parser.parse_args()
+    cases = [c for c in CASES if args.formats is None or c[0].name in args.formats]
+    if args.shape:
+        rows, cols = args.shape
+        if rows < FIXED_ROWS or cols < 1 or any(cols % c[4] for c in cases):
+            parser.error(f"--shape: at least {FIXED_ROWS} rows, columns whole blocks")
+        cases = [(q, rows, cols, *rest) for q, _, _, *rest in cases]
+    if not cases:
+        raise SystemExit(f"--formats: none of {args.formats} is one of the cases' formats")
     torch.set_num_threads(1)
     old, new = build_pair(args.old)
     libraries = {f"old ({args.old})": old, "this checkout": new}
@@ -215,7 +239,7 @@ def main() -> None:
     libraries = {n: dataclasses.replace(k, threads=1) for n, k in libraries.items()}
     gap, reader = build_gap(), build_reader()
     out = []
-    for case in CASES:
+    for case in cases:
         title, rows = one_case(case, gap, reader, libraries, args.repeats, args.distances)
         table = harness.md_table(["way", "per call", "GB/s", "GB/s, quartiles"], rows)
         out.append(f"{title}\n\n{table}")
