@@ -139,8 +139,11 @@ def main() -> None:
     gguf = args.gguf or harness.default_gguf()
     backend = load(gguf, args.threads)
     figures = shipped(backend, args.tokens, args.runs)
+    import spnl_backend
+
     text = (
-        f"{gguf.name}, {args.threads} threads, shipped decode over {args.tokens} tokens, "
+        f"{gguf.name}, {args.threads} threads, spnl_backend from "
+        f"{Path(spnl_backend.__file__).parent}, shipped decode over {args.tokens} tokens, "
         f"{args.runs} runs: CPU {spread(figures['cpu'])} ms/token, "
         f"wall {spread(figures['wall'])} ms/token"
     )

@@ -2,7 +2,8 @@
 the attention block and the MLP block (which starts with the gated activation).
 
 `models.native_blocks` reads the model into each layer's fixed arguments (`LayerArgs`);
-this module checks a step's tensors and pools, lays out its buffers and runs every layer.
+this module checks a step's tensors and pools, lays out its buffers and runs every layer,
+all in one native call (``spnl_layers``).
 """
 
 import ctypes
