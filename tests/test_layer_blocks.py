@@ -9,6 +9,7 @@ from helpers import SHARED_PREFIX_PROMPTS, engine_internals, engine_logits
 from tiny_models import ARCHITECTURES, KV_GROUP_ARCHITECTURES, MOE_ARCHITECTURES, PER_OP_ONLY
 
 from spnl_backend import BackendSettings, load_backend
+from spnl_backend.errors import EngineError
 from spnl_backend.kernels.cpu import KernelArgumentError
 
 
@@ -87,3 +88,47 @@ def test_olmoe_clamps_q_k_and_v_alike_on_both_paths(tiny, block_runs):
     assert not torch.allclose(free, clipped, atol=1e-3)  # the clip changed something
     assert torch.equal(in_blocks, clipped)
     assert block_texts == texts
+
+
+def test_a_failing_layer_in_the_one_call_names_its_block_and_layer(tiny):
+    settings = BackendSettings(device="cpu", isq="Q8_0")
+    with load_backend(str(tiny.hf("llama").path), settings=settings) as backend:
+        before = backend.generate("The capital of France is", max_tokens=8, temperature=0)
+        stack = backend.model.model._blocks.stack
+        inner = stack.layers[1].inner
+        stack.layers[1].inner = 0  # set in the array the one call takes: layer 1 refuses it
+        try:
+            with pytest.raises(EngineError, match=r"attention_block \(layer 1\) rejected"):
+                backend.generate("The capital of France is", max_tokens=2, temperature=0)
+        finally:
+            stack.layers[1].inner = inner
+        after = backend.generate("The capital of France is", max_tokens=8, temperature=0)
+    assert after.text == before.text
+
+
+def test_decode_steps_keep_their_buffers_and_pools_and_a_prefill_chunk_does_not(tiny):
+    settings = BackendSettings(device="cpu", isq="Q8_0")
+    with load_backend(str(tiny.hf("llama").path), settings=settings) as backend:
+        backend.generate("The capital of France is", max_tokens=2, temperature=0)
+        stack = backend.model.model._blocks.stack
+        buffers = stack._buffers
+        steps: list[tuple[int, list]] = []
+
+        def recorded(tokens: int):
+            addresses, held = buffers(tokens)
+            steps.append((tokens, held))
+            return addresses, held
+
+        stack._buffers = recorded
+        backend.generate("The capital of Spain is", max_tokens=6, temperature=0)
+        assert [tokens for tokens, _ in steps] == [steps[0][0], 1, 1, 1, 1, 1]
+        assert steps[0][0] > 1  # the prompt's prefill
+        first = steps[1][1]
+        for _, held in steps[2:]:  # every later decode step: the first one's buffers
+            assert all(a is b for a, b in zip(held, first, strict=True))
+        pools = engine_internals(backend).cache.cache.layers
+        assert all(k is c() for (k, _), (c, _) in zip(pools, stack.pools_seen[2], strict=True))
+        long = " ".join(["word"] * 80)
+        stack._buffers = buffers
+        backend.generate(long, max_tokens=1, temperature=0)  # an 80-token prefill, last
+        assert stack.kept is None

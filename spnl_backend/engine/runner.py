@@ -59,7 +59,16 @@ class ModelRunner:
                 sampling.append(item.seq)
         if not sampling:
             return {}
-        return pick_next(self.model.compute_logits(hidden[rows]), sampling)
+        return pick_next(self.model.compute_logits(sampled_rows(hidden, rows)), sampling)
+
+
+def sampled_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``hidden``'s ``rows``: a view where they are a run of consecutive rows (a decode
+    step's every row), which skips the copy of an indexed gather."""
+    first = rows[0]
+    if rows[-1] - first == len(rows) - 1:  # increasing, so consecutive
+        return hidden[first : first + len(rows)]
+    return hidden[rows]
 
 
 def forward_with_adapters(

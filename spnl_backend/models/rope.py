@@ -130,13 +130,13 @@ class RotaryEmbedding(nn.Module):
         if self.long_from is not None:
             long = (positions >= self.long_from).unsqueeze(-1)
             freqs = torch.where(long, position * self.long_inv_freq, freqs)
-        cos, sin = freqs.cos() * self.scaling, freqs.sin() * self.scaling
-        return RotaryTables(
-            torch.cat([cos, cos], -1).to(dtype).unsqueeze(1),
-            torch.cat([-sin, sin], -1).to(dtype).unsqueeze(1),
-            self.native,
-            positions,
-        )
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.scaling != 1.0:  # a product by 1.0 changes no bit: each op skipped is
+            cos, sin = cos * self.scaling, sin * self.scaling  # a decode step's saving
+        cos, sin = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+        if cos.dtype != dtype:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        return RotaryTables(cos.unsqueeze(1), sin.unsqueeze(1), self.native, positions)
 
 
 class RotaryTables:

@@ -263,6 +263,10 @@ SIGNATURES = {  # name: (argument types, result type)
     "spnl_attention_block": ([ctypes.POINTER(StepArgs), ctypes.POINTER(LayerArgs)], I32),
     "spnl_mlp_block": ([ctypes.POINTER(StepArgs), ctypes.POINTER(LayerArgs)], I32),
     "spnl_moe_block": ([ctypes.POINTER(StepArgs), ctypes.POINTER(LayerArgs)], I32),
+    "spnl_layers": (
+        [ctypes.POINTER(StepArgs), ctypes.POINTER(LayerArgs), I64, ctypes.POINTER(I64)],
+        I32,
+    ),
     "spnl_store_kv": ([PTR, PTR, PTR, PTR, PTR, I64, I64, I64, I32], I32),
     "spnl_paged_decode": ([ctypes.POINTER(PagedDecodeArgs)], I32),
     "spnl_coded_decode": ([ctypes.POINTER(CodedDecodeArgs)], I32),

@@ -274,6 +274,8 @@ int spnl_coded_decode(const spnl_coded_decode_args *a);
 int spnl_attention_block(const spnl_step_args *s, const spnl_layer_args *l);
 int spnl_mlp_block(const spnl_step_args *s, const spnl_layer_args *l);
 int spnl_moe_block(const spnl_step_args *s, const spnl_layer_args *l);
+int spnl_layers(const spnl_step_args *s, const spnl_layer_args *layers, int64_t count,
+                int64_t *failed);
 
 // moe.c
 int64_t spnl_moe_scratch_bytes(const spnl_moe_args *m, int64_t tokens);

@@ -133,3 +133,27 @@ int spnl_moe_block(const spnl_step_args *s, const spnl_layer_args *l) {
     if (status) return status;
     return add_norm(s, l, s->out, l->mlp_delta_norm, l->mlp_out_norm);
 }
+
+// Every layer of a step in order, each its attention block, then its MoE block where it has
+// experts, else its MLP block: the calls a caller would make one by one, in one call (a
+// decode step's Python then makes one call, not two per layer). On a failure *failed is
+// the call that failed (2 * layer, plus 1 for the layer's MLP or MoE block) and its
+// status is returned; the layers after it are not run.
+int spnl_layers(const spnl_step_args *s, const spnl_layer_args *layers, int64_t count,
+                int64_t *failed) {
+    if (count < 0 || (count && !layers) || !failed) return BAD_ARGUMENT;
+    for (int64_t i = 0; i < count; i++) {
+        const spnl_layer_args *l = layers + i;
+        int status = spnl_attention_block(s, l);
+        if (status) {
+            *failed = 2 * i;
+            return status;
+        }
+        status = l->moe ? spnl_moe_block(s, l) : spnl_mlp_block(s, l);
+        if (status) {
+            *failed = 2 * i + 1;
+            return status;
+        }
+    }
+    return 0;
+}

@@ -362,6 +362,18 @@ class CpuKernels:
         """A layer's experts as its MLP block (layer_blocks.c) over checked arguments."""
         check_status(self.library.spnl_moe_block(step, layer), "moe_block")
 
+    def layers(self, step: "StepArgs", layers: ctypes.Array, failed: ctypes.c_int64) -> None:
+        """Every layer of ``layers`` (an array of `LayerArgs`) over checked arguments: each
+        its attention block, then its MoE or MLP block (layer_blocks.c), in one call;
+        ``failed``: where the failing call's index is written."""
+        status = self.library.spnl_layers(step, layers, len(layers), ctypes.byref(failed))
+        if status:
+            layer, second = divmod(failed.value, 2)
+            block = (
+                ("moe_block" if layers[layer].moe else "mlp_block") if second else "attention_block"
+            )
+            check_status(status, f"{block} (layer {layer})")
+
     def store_kv(
         self,
         key: torch.Tensor,
