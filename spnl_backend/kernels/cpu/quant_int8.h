@@ -1275,51 +1275,33 @@ static const uint8_t Q8_0_SCALES[64] = {0, 1, 34, 35, 68, 69, 102, 103};
 #ifndef Q8_0_PREFETCH_BYTES
 #define Q8_0_PREFETCH_BYTES (2 * PREFETCH_BYTES)
 #endif
-typedef struct {
-    __m512i first, second, scale_bytes, flip;
-} q8_0_tables;
-
-// Group g's dot products s (block i's in 128-bit lane i, before lane_sums) and its scales'
-// bytes d (the first 4 halves).
-static inline __attribute__((always_inline)) void q8_0_group_sums(
-    const q8_0_tables *t, const act_rows *x, const uint8_t *w, int64_t g, __m512i *s,
-    __m512i *d) {
-    const uint8_t *group = w + g * CHAINS * 34;
-    prefetch_ahead(group, Q8_0_PREFETCH_BYTES, CHAINS * 34);
-    const __m512i l0 = _mm512_loadu_si512((const void *)group);
-    const __m512i l1 = _mm512_loadu_si512((const void *)(group + 64));
-    const __m512i l2 = _mm512_loadu_si512((const void *)(group + 72));
-    const __m512i u01 = _mm512_xor_si512(_mm512_permutex2var_epi8(l0, t->first, l1), t->flip);
-    const __m512i u23 = _mm512_xor_si512(_mm512_permutex2var_epi8(l1, t->second, l2), t->flip);
-    *d = _mm512_permutex2var_epi8(l0, t->scale_bytes, l1);
-    const int8_t *a = x->q32 + g * CHAINS * 32;
-    const __m512i s01 =
-        _mm512_dpbusd_epi32(_mm512_setzero_si512(), u01, _mm512_loadu_si512((const void *)a));
-    const __m512i s23 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u23,
-                                            _mm512_loadu_si512((const void *)(a + 64)));
-    // block i's lanes into 128-bit lane i
-    *s = _mm512_add_epi32(_mm512_shuffle_i64x2(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
-                          _mm512_shuffle_i64x2(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// Runs of 4 groups through four_groups_fma (one shuffle tree, one conversion and one
-// scale product for 16 blocks, as Q5_0's), the rest one group_fma each: the same
-// integers and float steps in the same order as one group_fma per group.
 static inline __m128 q8_0_row1(const act_rows *x, int64_t groups, const uint8_t *w) {
-    const q8_0_tables t = {_mm512_loadu_si512((const void *)Q8_0_FIRST),
-                           _mm512_loadu_si512((const void *)Q8_0_SECOND),
-                           _mm512_loadu_si512((const void *)Q8_0_SCALES),
-                           _mm512_set1_epi8((char)0x80)};
+    const __m512i first = _mm512_loadu_si512((const void *)Q8_0_FIRST);
+    const __m512i second = _mm512_loadu_si512((const void *)Q8_0_SECOND);
+    const __m512i scale_bytes = _mm512_loadu_si512((const void *)Q8_0_SCALES);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m128 acc = _mm_setzero_ps();
-    int64_t g = 0;
-    for (; g + 4 <= groups; g += 4) {
-        __m512i s[4], d[4];
-        for (int i = 0; i < 4; i++) q8_0_group_sums(&t, x, w, g + i, &s[i], &d[i]);
-        acc = four_groups_fma(acc, s, d, x, g, 7);
-    }
-    for (; g < groups; g++) {
-        __m512i s, d;
-        q8_0_group_sums(&t, x, w, g, &s, &d);
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *group = w + g * CHAINS * 34;
+        prefetch_ahead(group, Q8_0_PREFETCH_BYTES, CHAINS * 34);
+        __m512i l0 = _mm512_loadu_si512((const void *)group);
+        __m512i l1 = _mm512_loadu_si512((const void *)(group + 64));
+        __m512i l2 = _mm512_loadu_si512((const void *)(group + 72));
+        // held in registers: else GCC loads l0 again for the scales and folds l1 and l2
+        // into the permutes (which overwrite a source), 6 loads of the group where 3 do
+        // (bench/read_gap.py --formats Q8_0, weights in L2: 47 -> 58-60 GB/s)
+        __asm__("" : "+v"(l0), "+v"(l1), "+v"(l2));
+        const __m512i u01 = _mm512_xor_si512(_mm512_permutex2var_epi8(l0, first, l1), flip);
+        const __m512i u23 = _mm512_xor_si512(_mm512_permutex2var_epi8(l1, second, l2), flip);
+        const __m512i d = _mm512_permutex2var_epi8(l0, scale_bytes, l1);
+        const int8_t *a = x->q32 + g * CHAINS * 32;
+        const __m512i s01 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u01,
+                                                _mm512_loadu_si512((const void *)a));
+        const __m512i s23 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u23,
+                                                _mm512_loadu_si512((const void *)(a + 64)));
+        // block i's lanes into 128-bit lane i
+        const __m512i s = _mm512_add_epi32(_mm512_shuffle_i64x2(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                                           _mm512_shuffle_i64x2(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
         acc = group_fma(acc, s, d, x, g, 7);
     }
     return acc;
