@@ -18,7 +18,8 @@ last token). --cpu-time (with --threads 1) times the parts by CPU time instead o
 wall's. At 1 thread each product's rate in decode stands beside its rate "back to back": a
 step's products called in its order with nothing between them (the micro-benchmark's
 rate on the same weights, each read from memory), and "plain read": bench/read_bound.c's
-loop over the same bytes in the same order (the bound for a matrix of that size). The default model unless --gguf.
+loop over the same bytes in the same order (the bound for a matrix of that size). The
+default model unless --gguf.
 """
 
 import collections
@@ -384,7 +385,8 @@ def table(result: dict) -> str:
         "ms per token",
         "share",
         "weights read at",
-        "alone, from memory",
+        "back to back",
+        "plain read, back to back",
     ]
     note = (
         f"{result['model']}, {result['threads']} threads, {result.get('clock', 'wall')} time, "
