@@ -14,11 +14,16 @@ operations between the kernels, and sampling. With --prefill, the parts are thos
 generation of a single token from an N-token prompt (the shipped English text, repeated
 past its length), against its wall time. --context N profiles decode after an N-token
 prompt instead of a short one (prefix caching holds it, so each run recomputes only its
-last token). --cpu-time (with --threads 1) times by CPU time instead of the wall's,
-for --prefill and --batch. The default model unless --gguf.
+last token). --cpu-time (with --threads 1) times the parts by CPU time instead of the
+wall's. At 1 thread each product's rate in decode stands beside its rate "back to back": a
+step's products called in its order with nothing between them (the micro-benchmark's
+rate on the same weights, each read from memory), and "plain read": bench/read_bound.c's
+loop over the same bytes in the same order (the bound for a matrix of that size). The
+default model unless --gguf.
 """
 
 import collections
+import statistics
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,6 +49,7 @@ class Timers:
         self.calls: dict[str, int] = collections.defaultdict(int)
         self.bytes: dict[str, int] = {}
         self.macs: dict[str, int] = collections.defaultdict(int)
+        self.order: dict[int, tuple[str, object]] = {}  # each product, first call first
 
     def timed(self, label: str, fn, *args, **kwargs):
         start = self.clock()
@@ -81,6 +87,7 @@ def installed(timers: Timers):
         label = product_label(self, x.shape[1])
         timers.bytes[label] = sum(w.numel() for w in self.weights)
         timers.macs[label] += x.shape[0] * x.shape[1] * sum(self.widths)
+        timers.order.setdefault(id(self), (label, self))  # for back_to_back
         return timers.timed(label, products_call, self, x)
 
     try:
@@ -123,7 +130,43 @@ def decode_backend(
     return backend, prompt
 
 
-def profile(gguf: Path, threads: int, tokens: int, context: int | None = None) -> dict:
+def back_to_back(timers: Timers, rounds: int = 5) -> dict[str, tuple[float, float]]:
+    """Each product label's GB/s as a micro-benchmark finds it: every product of a decode
+    step called in the step's order on one random row, nothing between them, each timed
+    by the calling thread's CPU time (a step's weights outgrow the last-level cache, so
+    each is read from memory), and the same bytes read in the same order by the plain
+    loop of bench/read_bound.c; the medians over layers and ``rounds``."""
+    import torch
+
+    library = read_bound.build_reader()
+    inputs = {}
+    calls = []  # (label, product, its plain read)
+    for label, product in timers.order.values():
+        inputs.setdefault(product.k_in, torch.randn(1, product.k_in))
+        spans = [(w.data_ptr(), w.numel()) for w in product.weights]
+        calls.append((label, product, read_bound.reader(library, spans, 1, 0)))
+    products, reads = collections.defaultdict(list), collections.defaultdict(list)
+    for _ in range(rounds):  # two passes: a read right after the product would hit L3
+        for label, product, _ in calls:
+            start = time.thread_time()
+            product(inputs[product.k_in])
+            products[label].append(time.thread_time() - start)
+        for label, _, read in calls:
+            start = time.thread_time()
+            read()
+            reads[label].append(time.thread_time() - start)
+    return {
+        label: (
+            timers.bytes[label] / statistics.median(products[label]) / 1e9,
+            timers.bytes[label] / statistics.median(reads[label]) / 1e9,
+        )
+        for label in products
+    }
+
+
+def profile(
+    gguf: Path, threads: int, tokens: int, context: int | None = None, cpu: bool = False
+) -> dict:
     import torch
 
     torch.set_num_threads(threads)
@@ -131,7 +174,7 @@ def profile(gguf: Path, threads: int, tokens: int, context: int | None = None) -
     backend.generate(prompt, max_tokens=4, temperature=0)  # warm-up
     shipped = backend.generate(prompt, max_tokens=tokens + 1, temperature=0).usage
     per_op_path(backend)
-    timers = Timers()
+    timers = Timers(time.thread_time if cpu else time.perf_counter)
     with installed(timers):
         backend.generate(prompt, max_tokens=1, temperature=0)
         prefill, prefill_calls = timers.snapshot()
@@ -161,6 +204,8 @@ def profile(gguf: Path, threads: int, tokens: int, context: int | None = None) -
             }
             for label, s in seconds.items()
         },
+        "clock": "CPU" if cpu else "wall",
+        "back_to_back": back_to_back(timers) if threads == 1 else {},
         "bandwidth": read_bound.read_bandwidth(threads),
         "weight_mb": decode.weight_bytes_per_token(gguf) / 1e6,
     }
@@ -327,12 +372,25 @@ def prefill_table(result: dict) -> str:
 
 def table(result: dict) -> str:
     total = result["ms_per_token"]
+    apart = result.get("back_to_back", {})
     rows = part_rows(
         result, total, lambda p: f"{p['gb_s']:.1f} GB/s" if p["gb_s"] else "", 2, "one decode token"
     )
-    header = ["part", "calls per token", "ms per token", "share", "weights read at"]
+    for row in rows:  # the same products back to back, where measured
+        rates = apart.get(row[0])
+        row += [f"{rates[0]:.1f} GB/s", f"{rates[1]:.1f} GB/s"] if rates else []
+    header = [
+        "part",
+        "calls per token",
+        "ms per token",
+        "share",
+        "weights read at",
+        "back to back",
+        "plain read, back to back",
+    ]
     note = (
-        f"{result['model']}, {result['threads']} threads, {result['tokens']} greedy decode "
+        f"{result['model']}, {result['threads']} threads, {result.get('clock', 'wall')} time, "
+        f"{result['tokens']} greedy decode "
         f"tokens{_after(result.get('context'))} ({1000 / total:.1f} tok/s with the timers "
         "in), on the per-op path the timers see"
         + _blocks_note(result.get("blocks_ms_per_token"), "a token")
@@ -389,7 +447,9 @@ def main() -> None:
         result = profile_prefill(gguf, args.threads, args.prefill, args.cpu_time)
         harness.publish(prefill_table(result), args.markdown)
         return
-    result = profile(gguf, args.threads, args.tokens, args.context)
+    if args.cpu_time and args.threads != 1:
+        parser.error("--cpu-time: the parts are the engine thread's CPU time; run --threads 1")
+    result = profile(gguf, args.threads, args.tokens, args.context, args.cpu_time)
     harness.publish(table(result), args.markdown)
 
 

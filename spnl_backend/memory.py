@@ -28,8 +28,9 @@ except ImportError:  # Windows: no rlimits
 log = get_logger()
 
 MIB = 1 << 20
-# Host buffers from this size on are mapped on their own and marked for huge pages.
-HUGE_PAGE_MIN_BYTES = 4 * MIB
+HUGE_PAGE_BYTES = 2 * MIB  # x86-64's and arm64's (4 KB granule) transparent huge page
+# Host buffers from this size on (a huge page at least) are mapped on their own.
+HUGE_PAGE_MIN_BYTES = HUGE_PAGE_BYTES
 GROWTH_QUANTUM = 256  # tokens; a growing cache takes a multiple of this, at least doubling
 _UNLIMITED = 1 << 62  # cgroup v1 writes "no limit" as a page-rounded 2^63 - 1
 
@@ -66,25 +67,53 @@ def kv_bytes_per_token(shape: KVShape, dtype: torch.dtype) -> int:
 def host_tensor(shape: tuple[int, ...], dtype: torch.dtype, *, zeroed: bool = True) -> torch.Tensor:
     """A zero-filled host tensor (``zeroed=False``: one the caller overwrites whole, whose
     small allocations skip the fill). One of ``HUGE_PAGE_MIN_BYTES`` or more is an anonymous
-    mapping of its own marked for transparent huge pages (Linux's MADV_HUGEPAGE, which
-    the kernel honours where its THP setting is ``madvise`` or ``always``): the products
-    and attention stream weights and caches with a 2 MB page per TLB entry instead of
-    4 KB (bench/decode.py: the default model decodes 11% faster at 2 threads). Elsewhere,
-    or where the mapping is refused, torch's allocator."""
+    mapping of its own that starts on a huge-page boundary, its whole huge pages marked for
+    transparent huge pages (Linux's MADV_HUGEPAGE, which the kernel honours where its THP
+    setting is ``madvise`` or ``always``): the products and attention stream weights and
+    caches with a 2 MB page per TLB entry instead of 4 KB (bench/decode.py: the default
+    model decodes 11% faster at 2 threads). Its last part of a huge page stays on small
+    pages, so that a huge page is never resident for less than its size. Elsewhere, or
+    where the mapping is refused, torch's allocator."""
     nbytes = dtype.itemsize * math.prod(shape)
     if nbytes < HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype) if zeroed else torch.empty(shape, dtype=dtype)
-    try:
-        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:  # a huge page more than it needs: its start moves up to the next boundary
+        region = mmap.mmap(
+            -1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        )
     except OSError as exc:  # the allocator below raises its own error if memory is short
         log.debug("memory.mapping_refused", bytes=nbytes, reason=str(exc))
         return torch.zeros(shape, dtype=dtype)
-    try:
-        region.madvise(mmap.MADV_HUGEPAGE)
+    start = huge_page_offset(torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr())
+    try:  # the pages before the start are never touched, so never resident
+        region.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES)
     except OSError as exc:  # a kernel without transparent huge pages: small pages
         log.debug("memory.huge_pages_refused", bytes=nbytes, reason=str(exc))
+    data = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=start)
+    _fence(data.data_ptr() - start, start, nbytes, len(region))
     # The tensor holds the mapping; it is unmapped when the tensor's storage is freed.
-    return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
+    return data.view(dtype).view(shape)
+
+
+def _fence(base: int, start: int, nbytes: int, length: int) -> None:
+    """Make the mapping at ``base`` unreadable outside its tensor's pages (``nbytes`` from
+    ``start``), as a mapping of the tensor's own size would be: a load past either end
+    faults rather than reading the spare huge page's zeros."""
+    libc = _libc()
+    protect = getattr(libc, "mprotect", None) if libc is not None else None
+    if protect is None:
+        return
+    end = -(-(start + nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE
+    for first, last in ((0, start), (end, length)):
+        if last > first and protect(
+            ctypes.c_void_p(base + first), ctypes.c_size_t(last - first), 0
+        ):
+            log.debug("memory.fence_refused", bytes=last - first)
+
+
+def huge_page_offset(address: int) -> int:
+    """Bytes from ``address`` up to the next huge-page boundary (0 on one)."""
+    return -address % HUGE_PAGE_BYTES
 
 
 def on_host_pages(tensor: torch.Tensor) -> torch.Tensor:

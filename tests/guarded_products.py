@@ -1,8 +1,8 @@
 """The quantized products on weights and activations that sit flush against an unreadable
 page: a load past the end of the last weight row (or before the first) faults, where a
 heap allocation would hand it the next object's bytes unnoticed. Large weights really lie
-so (`memory.host_tensor` maps each on pages of its own, ending at the mapping's end when
-its size is a whole number of pages).
+so (`memory.host_tensor` maps each on pages of its own, the pages around them unreadable,
+so a weight whose size is a whole number of pages ends at its last readable byte).
 
 Run as a script in a child process, so that a fault ends the child, not the test run:
 ``python guarded_products.py plain|checked``. It prints the package it tests, then each

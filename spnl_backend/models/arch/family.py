@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from ...errors import ModelFileError
+from ...memory import host_tensor
 from ...quant.linear import QuantizedWeight
 from ..layers import LayerSpec, describe_layers
 
@@ -94,7 +95,11 @@ def pairs_to_halves(
     within = torch.cat(
         [torch.arange(0, rotary, 2), torch.arange(1, rotary, 2), torch.arange(rotary, head_dim)]
     )
-    data = data[(torch.arange(heads)[:, None] * head_dim + within).flatten()]
+    order = (torch.arange(heads)[:, None] * head_dim + within).flatten()
+    # where the loader put the weight (huge pages for a large one), not torch's allocator
+    data = torch.index_select(
+        data, 0, order, out=host_tensor(tuple(data.shape), data.dtype, zeroed=False)
+    )
     if isinstance(weight, QuantizedWeight):
         return QuantizedWeight(data, weight.qtype, weight.shape)
     return data
