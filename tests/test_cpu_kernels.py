@@ -627,10 +627,10 @@ def test_products_read_nothing_past_their_weights_or_activations(build):
 )
 def test_a_decode_rows_product_at_any_block_count(kernels, qtype, blocks):
     """One activation row (a decode: the formats' own one-row kernels, 4 blocks at a
-    time, Q5_0's and Q8_0's 16 at a time, then the rest) gives the bits of the same row among 2 rows
+    time, Q5_0's 16 at a time, then the rest) gives the bits of the same row among 2 rows
     (each block unpacked for the rows in turn) and among 7 (the tiles), and the twin's
     numbers on the rounded activations, whether or not the row's blocks fill its groups
-    of 4 (and Q5_0's and Q8_0's runs of 16)."""
+    of 4 (and Q5_0's runs of 16)."""
     cols = 32 * blocks
     weights = [_weights(qtype, rows=35, cols=cols, seed=blocks)]
     x = torch.randn(7, cols, generator=torch.Generator().manual_seed(blocks))
