@@ -21,7 +21,8 @@ a random row, as bench/decode_gap.py's `products`), the sets prepared once and r
 either library. With --shapes 1b, the products of the 1B files' decode instead of CASES
 (gemma3-1b's gate+up, qkv, down and o_proj, llama-1b's), each read from memory: the calls
 go round copies of the matrix that together pass the last-level cache twice over. With
---shapes q6_k, so the Q6_K matrices of llama-1b and gemma3-4b (output heads, ffn_down).
+--shapes q6_k, so the Q6_K matrices of llama-1b and gemma3-4b (output heads, ffn_down);
+with --shapes q8_0, the Q8_0 output heads (tied embeddings) of Gemma 3 270M and 1B.
 """
 
 import dataclasses
@@ -31,6 +32,7 @@ from pathlib import Path
 import harness
 import torch
 from attention_ab import build_pair
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 # (format, output rows, input width, calls per timing): in L2, then 3-4x the L3
@@ -60,8 +62,18 @@ SHAPES_Q6_K = [
     (Q.Q6_K, 262144, 2560, 1),  # gemma3-4b output head
     (Q.Q6_K, 2560, 10240, 4),  # gemma3-4b ffn_down
 ]
+# The Q8_0 output heads of the Gemma files (their tied embeddings).
+SHAPES_Q8_0 = [
+    (Q.Q8_0, 262144, 640, 1),  # gemma3-270m output head
+    (Q.Q8_0, 262144, 1152, 1),  # gemma3-1b output head
+]
 LAST_LEVEL = 32 << 20  # bytes of L3 that copies must pass twice over to be read from memory
-HEADS = {Q.Q4_K: (slice(0, 16), 144), Q.Q6_K: (slice(192, 210), 210), Q.Q5_0: (slice(0, 2), 22)}
+HEADS = {
+    Q.Q4_K: (slice(0, 16), 144),
+    Q.Q6_K: (slice(192, 210), 210),
+    Q.Q5_0: (slice(0, 2), 22),
+    Q.Q8_0: (slice(0, 2), 34),
+}
 
 
 def random_weight(qtype: Q, n_out: int, k_in: int) -> torch.Tensor:
@@ -76,7 +88,7 @@ def random_weight(qtype: Q, n_out: int, k_in: int) -> torch.Tensor:
     head, block = HEADS[qtype]
     keep = torch.zeros(block, dtype=torch.bool)
     keep[head] = True
-    keep = keep.repeat(k_in // (32 if qtype == Q.Q5_0 else 256))
+    keep = keep.repeat(k_in // GGML_QUANT_SIZES[qtype][0])
     from spnl_backend.memory import host_tensor
 
     return host_tensor(tuple(rows.shape), torch.uint8).copy_(torch.where(keep, rows, noise))
@@ -175,17 +187,20 @@ def main() -> None:
     parser.add_argument("--gguf", type=Path, nargs="*", default=[], help="Q4_K_M files")
     parser.add_argument(
         "--shapes",
-        choices=("q4_k_m", "1b", "q6_k"),
+        choices=("q4_k_m", "1b", "q6_k", "q8_0"),
         default="q4_k_m",
         help="q4_k_m: CASES (in L2 and from memory); 1b: SHAPES_1B, q6_k: SHAPES_Q6_K (the"
-        " 1B and 4B files' Q6_K heads and ffn_down), from memory",
+        " 1B and 4B files' Q6_K heads and ffn_down), q8_0: SHAPES_Q8_0 (the Gemma 270M and 1B"
+        " Q8_0 heads), from memory",
     )
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     old, new = (dataclasses.replace(k, threads=1) for k in build_pair(args.old))
     one_b = args.shapes != "q4_k_m"  # from memory
-    cases = {"q4_k_m": CASES, "1b": SHAPES_1B, "q6_k": SHAPES_Q6_K}[args.shapes]
+    cases = {"q4_k_m": CASES, "1b": SHAPES_1B, "q6_k": SHAPES_Q6_K, "q8_0": SHAPES_Q8_0}[
+        args.shapes
+    ]
     rows = [shape_row(*case, old, new, args.repeats, one_b) for case in cases]
     rows += [token_row(gguf, old, new, args.repeats) for gguf in args.gguf]
     header = ["one row against", f"old ({args.old})", "new (this checkout)", "old / new"]

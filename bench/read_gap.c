@@ -110,3 +110,22 @@ uint64_t spnl_gap_q6_k(const uint8_t *w, int64_t rows, int64_t row_bytes, int64_
     a1 = _mm512_xor_si512(a1, _mm512_castsi256_si512(q));
     return folded(a0, _mm512_xor_si512(a1, _mm512_castsi128_si512(h)));
 }
+
+// q8_0_row1's loads: each row's groups of 4 blocks (136 bytes) read as [0, 64), [64, 128)
+// and [72, 136), the group's 136 bytes `ahead` on prefetched (3 lines: ahead 0, none).
+uint64_t spnl_gap_q8_0(const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t ahead,
+                       int l2) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0;
+    const int64_t groups = row_bytes / 136;
+    for (int64_t n = 0; n < rows; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *group = row + g * 136;
+            if (ahead) prefetch_from((uintptr_t)group + (uintptr_t)ahead, 136, l2);
+            FOLD(a0, group);
+            FOLD(a1, group + 64);
+            FOLD(a0, group + 72);
+        }
+    }
+    return folded(a0, a1);
+}

@@ -5,10 +5,10 @@
                                           [--variant NAME=-DMACRO=V[,-DMACRO=V]] [--markdown FILE]
 
 One thread, this process's CPU time, the ways alternating on the same copies of each 1B
-decode matrix (bench/products_ab.py's --shapes 1b gate + up, and an 8192-row slice of
-llama-1b's Q6_K output head; --formats picks some: the copies on huge pages as
-the loader holds weights, together twice the last-level cache, so each call reads from
-memory):
+decode matrix (bench/products_ab.py's --shapes 1b gate + up, an 8192-row slice of
+llama-1b's Q6_K output head and a 32768-row slice of gemma3-1b's Q8_0 one; --formats
+picks some: the copies on huge pages as the loader holds weights, together twice the
+last-level cache, so each call reads from memory):
   (a) bench/read_bound.c over the matrix's bytes (and its loop copied into read_gap.c),
   (b) bench/read_gap.c: the product's own loads in its order with its prefetches, no
       arithmetic (and without prefetches; and prefetching into L2 only),
@@ -43,6 +43,7 @@ CASES = [
     (Q.Q5_0, 13824, 1152, 22, 32),  # gemma3-1b gate + up
     (Q.Q4_K, 16384, 2048, 144, 256),  # llama-1b gate + up
     (Q.Q6_K, 8192, 2048, 210, 256),  # a slice of llama-1b's output head
+    (Q.Q8_0, 32768, 1152, 34, 32),  # a slice of gemma3-1b's output head
 ]
 FIXED_ROWS = 16  # a product's fixed cost: the call on this many rows
 IN_L2 = 800 << 10  # bytes of a matrix that stays in the core's 1-2 MiB L2
@@ -62,9 +63,15 @@ def build_gap() -> ctypes.CDLL:
         subprocess.run([compiler, *flags, str(HERE / "read_gap.c"), "-o", str(out)], check=True)
         library = ctypes.CDLL(str(out))
     library.spnl_gap_plain.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-    for name in ("spnl_gap_q5_0", "spnl_gap_q4_k", "spnl_gap_q6_k"):
+    for name in ("spnl_gap_q5_0", "spnl_gap_q4_k", "spnl_gap_q6_k", "spnl_gap_q8_0"):
         getattr(library, name).argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_int]
-    for name in ("spnl_gap_plain", "spnl_gap_q5_0", "spnl_gap_q4_k", "spnl_gap_q6_k"):
+    for name in (
+        "spnl_gap_plain",
+        "spnl_gap_q5_0",
+        "spnl_gap_q4_k",
+        "spnl_gap_q6_k",
+        "spnl_gap_q8_0",
+    ):
         getattr(library, name).restype = ctypes.c_uint64
     return library
 
@@ -120,8 +127,13 @@ def one_case(case: tuple, gap, reader, libraries: dict, repeats: int, distances:
     in_l2 = weight[: IN_L2 // row_bytes].clone()  # stays in L2 between calls
     x = torch.randn(1, k_in)
     y = torch.empty(1, n_out)
-    order = {Q.Q5_0: gap.spnl_gap_q5_0, Q.Q4_K: gap.spnl_gap_q4_k, Q.Q6_K: gap.spnl_gap_q6_k}[qtype]
-    ahead = 8192  # the kernels' own distance (Q5_0_PREFETCH_BYTES, ROW1_PREFETCH)
+    order = {
+        Q.Q5_0: gap.spnl_gap_q5_0,
+        Q.Q4_K: gap.spnl_gap_q4_k,
+        Q.Q6_K: gap.spnl_gap_q6_k,
+        Q.Q8_0: gap.spnl_gap_q8_0,
+    }[qtype]
+    ahead = 8192  # the kernels' own distance (Q5_0/Q8_0_PREFETCH_BYTES, ROW1_PREFETCH)
 
     def product(lib, w: torch.Tensor) -> Callable[[], int]:
         rows = w.shape[0]
@@ -212,7 +224,7 @@ def main() -> None:
         "--distances", type=int, nargs="*", default=[], help="more prefetch distances for (b)"
     )
     parser.add_argument(
-        "--formats", nargs="*", default=None, help="only these CASES (Q5_0, Q4_K, Q6_K)"
+        "--formats", nargs="*", default=None, help="only these CASES (Q5_0, Q4_K, Q6_K, Q8_0)"
     )
     parser.add_argument(
         "--shape",

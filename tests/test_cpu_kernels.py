@@ -622,7 +622,9 @@ def test_products_read_nothing_past_their_weights_or_activations(build):
 
 
 @pytest.mark.parametrize("qtype", BLOCKS_OF_32, ids=lambda t: t.name)
-@pytest.mark.parametrize("blocks", [1, 2, 3, 4, 5, 7, 9, 16, 17, 20, 23, 36])
+@pytest.mark.parametrize(
+    "blocks", [1, 2, 3, 4, 5, 7, 9, 12, 15, 16, 17, 20, 23, 31, 32, 33, 36, 40]
+)
 def test_a_decode_rows_product_at_any_block_count(kernels, qtype, blocks):
     """One activation row (a decode: the formats' own one-row kernels, 4 blocks at a
     time, Q5_0's 16 at a time, then the rest) gives the bits of the same row among 2 rows

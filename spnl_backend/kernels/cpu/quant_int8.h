@@ -1284,9 +1284,13 @@ static inline __m128 q8_0_row1(const act_rows *x, int64_t groups, const uint8_t 
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *group = w + g * CHAINS * 34;
         prefetch_ahead(group, Q8_0_PREFETCH_BYTES, CHAINS * 34);
-        const __m512i l0 = _mm512_loadu_si512((const void *)group);
-        const __m512i l1 = _mm512_loadu_si512((const void *)(group + 64));
-        const __m512i l2 = _mm512_loadu_si512((const void *)(group + 72));
+        __m512i l0 = _mm512_loadu_si512((const void *)group);
+        __m512i l1 = _mm512_loadu_si512((const void *)(group + 64));
+        __m512i l2 = _mm512_loadu_si512((const void *)(group + 72));
+        // held in registers: else GCC loads l0 again for the scales and folds l1 and l2
+        // into the permutes (which overwrite a source), 6 loads of the group where 3 do
+        // (bench/read_gap.py --formats Q8_0, weights in L2: 47 -> 58-60 GB/s)
+        __asm__("" : "+v"(l0), "+v"(l1), "+v"(l2));
         const __m512i u01 = _mm512_xor_si512(_mm512_permutex2var_epi8(l0, first, l1), flip);
         const __m512i u23 = _mm512_xor_si512(_mm512_permutex2var_epi8(l1, second, l2), flip);
         const __m512i d = _mm512_permutex2var_epi8(l0, scale_bytes, l1);
