@@ -26,6 +26,11 @@ static inline void prefetch_from(uintptr_t at, int bytes, int l2) {
     }
 }
 
+// The cache lines of [at, at + bytes), each once, as the kernels' prefetch_lines asks for them.
+static inline void prefetch_lines_from(uintptr_t at, int bytes, int l2) {
+    prefetch_from(at & ~(uintptr_t)63, (int)((at & 63) + bytes + 63) & ~63, l2);
+}
+
 // read_bound.c's loop (256 bytes a step, 4 prefetches `ahead` bytes on) over [p, p + bytes).
 uint64_t spnl_gap_plain(const uint8_t *p, int64_t bytes, int64_t ahead) {
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
@@ -69,8 +74,8 @@ uint64_t spnl_gap_q4_k(const uint8_t *w, int64_t rows, int64_t row_bytes, int64_
         const uint8_t *row = w + n * row_bytes;
         for (int64_t b = 0; b < blocks; b += 8) {
             const int count = blocks - b < 8 ? (int)(blocks - b) : 8;
-            const uintptr_t at = (uintptr_t)(row + b * 144) + (uintptr_t)ahead;
-            if (ahead) prefetch_from(at & ~(uintptr_t)63, (int)((at & 63) + count * 144 + 63) & ~63, l2);
+            if (ahead)
+                prefetch_lines_from((uintptr_t)(row + b * 144) + (uintptr_t)ahead, count * 144, l2);
             for (int i = 0; i < count; i++) {
                 const uint8_t *block = row + (b + i) * 144;
                 h = _mm_xor_si128(h, _mm_loadu_si128((const __m128i *)block));
@@ -95,8 +100,8 @@ uint64_t spnl_gap_q6_k(const uint8_t *w, int64_t rows, int64_t row_bytes, int64_
         const uint8_t *row = w + n * row_bytes;
         for (int64_t b = 0; b < blocks; b += 8) {
             const int count = blocks - b < 8 ? (int)(blocks - b) : 8;
-            const uintptr_t at = (uintptr_t)(row + b * 210) + (uintptr_t)ahead;
-            if (ahead) prefetch_from(at & ~(uintptr_t)63, (int)((at & 63) + count * 210 + 63) & ~63, l2);
+            if (ahead)
+                prefetch_lines_from((uintptr_t)(row + b * 210) + (uintptr_t)ahead, count * 210, l2);
             for (int i = 0; i < count; i++) {
                 const uint8_t *block = row + (b + i) * 210;
                 FOLD(a0, block);
