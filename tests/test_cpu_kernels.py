@@ -975,6 +975,51 @@ def test_an_older_cpus_build_gives_this_builds_bits(kernels, tmp_path, march):
             )
 
 
+@pytest.mark.slow
+def test_every_cpus_tuning_gives_this_builds_bits(kernels, tmp_path):
+    """The per-CPU macros (`build._TUNING`: prefetch distances) move no bit: this CPU's
+    build with each other CPU's tuning, and with none, gives this build's products."""
+    from spnl_backend.kernels.cpu import build
+    from spnl_backend.settings.platform import find_c_compiler
+
+    compiler = find_c_compiler()
+    if compiler is None or not kernels.has_int8:
+        pytest.skip("needs a C compiler and the int8 products")
+    checks = build._CHECK_FLAGS if kernels.checks else []
+    ours = build.tuning_flags()
+    others = [macros for macros in [[], *build._TUNING.values()] if macros != ours]
+    assert others
+    for i, macros in enumerate(others):
+        target = tmp_path / f"tuned{i}" / "libspnlcpu.so"
+        build._compile(compiler, [*build._BASE_FLAGS, *macros, *checks], target)
+        tuned = build._load(target)
+        for cols in (256, 2304):
+            fits = [t for t in TYPES if cols % GGML_QUANT_SIZES[t][0] == 0]
+            weights = [_weights(t, rows=40, cols=cols, seed=i) for i, t in enumerate(fits)]
+            x = torch.randn(3, cols, generator=torch.Generator().manual_seed(cols))
+            for rows in (1, 3):
+                native = quantized_matmuls(kernels, x[:rows], weights)
+                assert torch.equal(quantized_matmuls(tuned, x[:rows], weights), native), macros
+
+
+@pytest.mark.parametrize(
+    ("vendor", "family", "expected"),
+    [
+        ("AuthenticAMD", "25", ["-DROW1_PREFETCH=0"]),  # Zen 4 (and Zen 3, without AVX-512)
+        ("AuthenticAMD", "26", []),  # Zen 5: the defaults were measured there
+        ("GenuineIntel", "6", []),  # not measured: the defaults
+    ],
+)
+def test_the_build_takes_the_tuning_measured_for_its_cpu(tmp_path, vendor, family, expected):
+    from spnl_backend.kernels.cpu import build
+
+    info = tmp_path / "cpuinfo"
+    fields = f"vendor_id\t: {vendor}\ncpu family\t: {family}\nflags\t\t: avx2\n"
+    info.write_text("\n".join(f"processor\t: {i}\n{fields}" for i in range(2)))
+    assert build.tuning_flags(str(info)) == expected
+    assert build.tuning_flags(str(tmp_path / "absent")) == []  # no /proc: the defaults
+
+
 @pytest.mark.parametrize("mode", ["int8", "exact"])
 def test_grouped_products_are_each_rows_one_row_product(kernels, mode):
     """Products on their own rows in one call (`spnl_qmatmul_groups`: an expert with its

@@ -50,6 +50,13 @@ _BASE_FLAGS = [
     "-ffp-contract=off",
 ]
 _CHECK_FLAGS = ["-DSPNL_CHECKS"]
+# Macros measured faster on a CPU than quant_int8.h's defaults (which were measured on a
+# Zen 5), by /proc/cpuinfo's (vendor_id, cpu family). Zen 4 (AMD family 25, its AVX-512
+# two passes of 256 bits): the one-row Q4_K and Q6_K products read from memory 1.29x and
+# 1.33x faster asking for each group's own lines than 8 KiB ahead, which overruns what its
+# hardware prefetchers already fetch (bench/read_gap.py --variant, 2026-11-30). Zen 3
+# shares the family but not AVX-512, where the macro's kernels are.
+_TUNING = {("AuthenticAMD", "25"): ["-DROW1_PREFETCH=0"]}
 
 
 def cpu_kernels(checks: bool = False) -> CpuKernels | None:
@@ -122,7 +129,7 @@ def built_before(compiler: str, checks: bool = False) -> bool:
 def _targets(compiler: str, checks: bool) -> list[tuple[list[str], Path]]:
     """Each way to build, best first: its flags and where its build is cached."""
     source = _source_digest()
-    base = [*_BASE_FLAGS, *(_CHECK_FLAGS if checks else [])]
+    base = [*_BASE_FLAGS, *tuning_flags(), *(_CHECK_FLAGS if checks else [])]
     # Link-time optimisation and OpenMP's simd pragmas where the compiler has them (the
     # threads are pool.c's, not OpenMP's runtime). Link-time optimisation changes no
     # result (no fast-math, no contraction) but the speed: GCC 12 runs the one-row k-quant
@@ -165,6 +172,24 @@ def _source_digest() -> bytes:
         text = path.read_bytes()
         digest.update(f"{path.name} {len(text)}\n".encode() + text)
     return digest.digest()
+
+
+def tuning_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
+    """The macros `_TUNING` gives this CPU (none where it lists no measurement)."""
+    try:
+        with open(cpuinfo) as info:
+            fields = dict(_field(line) for line in info if line.startswith(_TUNING_KEYS))
+    except OSError:
+        return []
+    return list(_TUNING.get((fields.get("vendor_id"), fields.get("cpu family")), []))
+
+
+_TUNING_KEYS = ("vendor_id", "cpu family")
+
+
+def _field(line: str) -> tuple[str, str]:
+    name, _, value = line.partition(":")
+    return name.strip(), value.strip()
 
 
 def _cpu_identity(compiler: str) -> str:

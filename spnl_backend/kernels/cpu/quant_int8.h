@@ -1415,7 +1415,8 @@ static inline __m128 q8_0_row1(const act_rows *x, int64_t groups, const uint8_t 
 // How far ahead the one-row kernels ask for their weights: further than the other kernels
 // (PREFETCH_BYTES), as these spend less time per byte; 8 KiB, not 16: the 1B files'
 // Q4_K and Q6_K products from memory 1.00-1.21x, none slower (bench/products_ab.py
-// --shapes 1b, 5 runs), the loads alone 8 KiB ahead the fastest (bench/read_gap.py).
+// --shapes 1b, 5 runs), the loads alone 8 KiB ahead the fastest (bench/read_gap.py), on
+// a Zen 5. CPUs measured otherwise get their own from build.py (`_TUNING`: Zen 4, 0).
 #ifndef ROW1_PREFETCH
 #define ROW1_PREFETCH 8192
 #endif
