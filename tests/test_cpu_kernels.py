@@ -1018,6 +1018,9 @@ def test_the_build_takes_the_tuning_measured_for_its_cpu(tmp_path, vendor, famil
     info.write_text("\n".join(f"processor\t: {i}\n{fields}" for i in range(2)))
     assert build.tuning_flags(str(info)) == expected
     assert build.tuning_flags(str(tmp_path / "absent")) == []  # no /proc: the defaults
+    odd = tmp_path / "odd"  # a model name that is not UTF-8 reads past, not raises
+    odd.write_bytes(b"model name\t: \xff\xfe\n" + info.read_bytes())
+    assert build.tuning_flags(str(odd)) == expected
 
 
 @pytest.mark.parametrize("mode", ["int8", "exact"])

@@ -177,7 +177,7 @@ def _source_digest() -> bytes:
 def tuning_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
     """The macros `_TUNING` gives this CPU (none where it lists no measurement)."""
     try:
-        with open(cpuinfo) as info:
+        with open(cpuinfo, errors="replace") as info:
             fields = dict(_field(line) for line in info if line.startswith(_TUNING_KEYS))
     except OSError:
         return []
@@ -198,7 +198,7 @@ def _cpu_identity(compiler: str) -> str:
     /proc/cpuinfo has them; elsewhere (macOS, a container that hides it) the macros the
     compiler defines for this CPU, which name every instruction set it may use."""
     try:
-        with open("/proc/cpuinfo") as info:
+        with open("/proc/cpuinfo", errors="replace") as info:
             flags = next((line for line in info if line.startswith(("flags", "Features"))), "")
     except OSError:
         flags = ""
