@@ -995,7 +995,7 @@ def test_every_cpus_tuning_gives_this_builds_bits(kernels, tmp_path):
         tuned = build._load(target)
         for cols in (256, 2304):
             fits = [t for t in TYPES if cols % GGML_QUANT_SIZES[t][0] == 0]
-            weights = [_weights(t, rows=40, cols=cols, seed=i) for i, t in enumerate(fits)]
+            weights = [_weights(t, rows=40, cols=cols, seed=s) for s, t in enumerate(fits)]
             x = torch.randn(3, cols, generator=torch.Generator().manual_seed(cols))
             for rows in (1, 3):
                 native = quantized_matmuls(kernels, x[:rows], weights)

@@ -445,16 +445,37 @@ def find_c_compiler() -> str | None:
     return next((c for c in candidates if c and shutil.which(c)), None)
 
 
+def cpuinfo_lines(*keys: str, path: str = "/proc/cpuinfo") -> dict[str, str] | None:
+    """The first line of ``path`` that starts with each of ``keys`` (a key absent: not in
+    the dict), or None where it cannot be read (macOS, a container that hides it). Bytes
+    that are not UTF-8 are read past."""
+    found: dict[str, str] = {}
+    try:
+        with open(path, errors="replace") as info:
+            for line in info:
+                key = next((k for k in keys if k not in found and line.startswith(k)), None)
+                if key is not None:
+                    found[key] = line
+                    if len(found) == len(keys):
+                        break
+    except OSError:
+        return None
+    return found
+
+
+def cpuinfo_value(line: str) -> str:
+    """The value of a /proc/cpuinfo line (``name : value``)."""
+    return line.partition(":")[2].strip()
+
+
 def _cpu_has_avx2() -> bool:
     """Whether ``-march=native`` compiles the int8 products here (x86 with AVX2)."""
     if _platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
         return False
-    try:
-        with open("/proc/cpuinfo") as info:
-            flags = next((line for line in info if line.startswith("flags")), "")
-    except OSError:
+    lines = cpuinfo_lines("flags")
+    if lines is None:
         return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    return "avx2" in flags.split()
+    return "avx2" in lines.get("flags", "").split()
 
 
 def _bf16_gemm_in_hardware() -> bool:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ...log import get_logger
 from ...settings.paths import cache_dir
-from ...settings.platform import find_c_compiler
+from ...settings.platform import cpuinfo_lines, cpuinfo_value, find_c_compiler
 from .abi import SIGNATURES, STRUCTS
 from .wrappers import CpuKernels
 
@@ -176,20 +176,9 @@ def _source_digest() -> bytes:
 
 def tuning_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
     """The macros `_TUNING` gives this CPU (none where it lists no measurement)."""
-    try:
-        with open(cpuinfo, errors="replace") as info:
-            fields = dict(_field(line) for line in info if line.startswith(_TUNING_KEYS))
-    except OSError:
-        return []
-    return list(_TUNING.get((fields.get("vendor_id"), fields.get("cpu family")), []))
-
-
-_TUNING_KEYS = ("vendor_id", "cpu family")
-
-
-def _field(line: str) -> tuple[str, str]:
-    name, _, value = line.partition(":")
-    return name.strip(), value.strip()
+    lines = cpuinfo_lines("vendor_id", "cpu family", path=cpuinfo) or {}
+    cpu = tuple(cpuinfo_value(lines.get(key, "")) for key in ("vendor_id", "cpu family"))
+    return list(_TUNING.get(cpu, []))
 
 
 def _cpu_identity(compiler: str) -> str:
@@ -197,11 +186,8 @@ def _cpu_identity(compiler: str) -> str:
     (a network home) must not hand one's instructions to another. The CPU's flags where
     /proc/cpuinfo has them; elsewhere (macOS, a container that hides it) the macros the
     compiler defines for this CPU, which name every instruction set it may use."""
-    try:
-        with open("/proc/cpuinfo", errors="replace") as info:
-            flags = next((line for line in info if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        flags = ""
+    lines = cpuinfo_lines("flags", "Features") or {}
+    flags = lines.get("flags") or lines.get("Features", "")
     machine = f"{platform.machine()} {platform.processor()}"
     return f"{machine} {flags.strip()}" if flags else f"{machine} {_native_macros(compiler)}"
 
