@@ -132,6 +132,27 @@ def add_wait_quiet(parser: argparse.ArgumentParser) -> None:
 # ---- measuring ----------------------------------------------------------------------------
 
 
+def compile_shared(source: Path, flags: list[str]):
+    """``source`` (a bench's C file) compiled with ``flags`` into a shared library by the
+    compiler the library's kernels use, and loaded; None where there is none. A failed
+    compile raises with the compiler's message."""
+    import ctypes
+
+    from spnl_backend.settings.platform import find_c_compiler
+
+    compiler = find_c_compiler()
+    if compiler is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix=f"{source.stem}_") as folder:
+        out = Path(folder) / f"{source.stem}.so"
+        built = subprocess.run(
+            [compiler, *flags, str(source), "-o", str(out)], capture_output=True, text=True
+        )
+        if built.returncode != 0:
+            raise RuntimeError(f"{compiler} could not compile {source}: {built.stderr.strip()}")
+        return ctypes.CDLL(str(out))  # loaded: the file may go with its folder
+
+
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 

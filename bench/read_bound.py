@@ -11,9 +11,7 @@ bound from it is low. Each figure says which of the two measured it (``method``)
 """
 
 import ctypes
-import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,19 +29,9 @@ WHOLE, EACH = 0, 1  # read_bound.c's modes: each thread a slice of all, or of ea
 def build_reader() -> ctypes.CDLL | None:
     """bench/read_bound.c compiled for this machine by the compiler the library's kernels
     use; None where there is none. A failed compile raises with the compiler's message."""
-    from spnl_backend.settings.platform import find_c_compiler
-
-    compiler = find_c_compiler()
-    if compiler is None:
+    library = harness.compile_shared(SOURCE, FLAGS)
+    if library is None:
         return None
-    with tempfile.TemporaryDirectory(prefix="read_bound_") as folder:
-        out = Path(folder) / "read_bound.so"
-        built = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True
-        )
-        if built.returncode != 0:
-            raise RuntimeError(f"{compiler} could not compile {SOURCE}: {built.stderr.strip()}")
-        library = ctypes.CDLL(str(out))  # loaded: the file may go with its folder
     library.spnl_bench_read.argtypes = [
         ctypes.POINTER(ctypes.c_void_p),
         ctypes.POINTER(ctypes.c_int64),

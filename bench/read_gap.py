@@ -52,16 +52,11 @@ SMALL_CALLS = 200  # calls per timing of the small matrices
 
 def build_gap() -> ctypes.CDLL:
     """bench/read_gap.c for this machine."""
-    from spnl_backend.settings.platform import find_c_compiler
-
-    compiler = find_c_compiler()
-    if compiler is None:
+    library = harness.compile_shared(
+        HERE / "read_gap.c", ["-O3", "-march=native", "-fPIC", "-shared"]
+    )
+    if library is None:
         raise SystemExit("no C compiler found")
-    with tempfile.TemporaryDirectory(prefix="read_gap_") as folder:
-        out = Path(folder) / "read_gap.so"
-        flags = ["-O3", "-march=native", "-fPIC", "-shared"]
-        subprocess.run([compiler, *flags, str(HERE / "read_gap.c"), "-o", str(out)], check=True)
-        library = ctypes.CDLL(str(out))
     library.spnl_gap_plain.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     for name in ("spnl_gap_q5_0", "spnl_gap_q4_k", "spnl_gap_q6_k", "spnl_gap_q8_0"):
         getattr(library, name).argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_int]
