@@ -13,6 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import read_bound
+import vector_rates
 
 from spnl_backend.settings.platform import find_c_compiler
 
@@ -47,13 +48,19 @@ def test_without_a_compiler_the_bound_is_a_torch_sum(monkeypatch, tmp_path, caps
     assert "no C compiler found" in capsys.readouterr().err
 
 
-def test_a_failed_compile_says_why(monkeypatch, tmp_path):
+@pytest.mark.parametrize(
+    ("build", "source"),
+    [(read_bound.build_reader, "read_bound"), (vector_rates.build, "vector_rates")],
+)
+def test_a_failed_compile_says_why(monkeypatch, tmp_path, build, source):
+    """Every bench's C file goes through harness.compile_shared: the file and the
+    compiler's own message in the error."""
     compiler = tmp_path / "cc"
     compiler.write_text("#!/bin/sh\necho 'cc: fatal error: no space' >&2\nexit 1\n")
     compiler.chmod(0o755)
     monkeypatch.setenv("CC", str(compiler))
-    with pytest.raises(RuntimeError, match=r"could not compile .*read_bound\.c: cc: fatal error"):
-        read_bound.build_reader()
+    with pytest.raises(RuntimeError, match=rf"could not compile .*{source}\.c: cc: fatal error"):
+        build()
 
 
 def task_count() -> int:
