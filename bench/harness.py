@@ -8,6 +8,7 @@ child's peak RSS starts from its parent's, so a parent must stay light.
 """
 
 import argparse
+import ctypes
 import json
 import os
 import resource
@@ -132,12 +133,10 @@ def add_wait_quiet(parser: argparse.ArgumentParser) -> None:
 # ---- measuring ----------------------------------------------------------------------------
 
 
-def compile_shared(source: Path, flags: list[str]):
+def compile_shared(source: Path, flags: list[str]) -> ctypes.CDLL | None:
     """``source`` (a bench's C file) compiled with ``flags`` into a shared library by the
     compiler the library's kernels use, and loaded; None where there is none. A failed
     compile raises with the compiler's message."""
-    import ctypes
-
     from spnl_backend.settings.platform import find_c_compiler
 
     compiler = find_c_compiler()
