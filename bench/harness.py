@@ -134,9 +134,9 @@ def add_wait_quiet(parser: argparse.ArgumentParser) -> None:
 
 
 def compile_shared(source: Path, flags: list[str]) -> ctypes.CDLL | None:
-    """``source`` (a bench's C file) compiled with ``flags`` into a shared library by the
-    compiler the library's kernels use, and loaded; None where there is none. A failed
-    compile raises with the compiler's message."""
+    """``source`` (a bench's C file) compiled with ``flags`` (beside those of any shared
+    library) by the compiler the library's kernels use, and loaded; None where there is
+    none. A failed compile raises with the compiler's message."""
     from spnl_backend.settings.platform import find_c_compiler
 
     compiler = find_c_compiler()
@@ -145,7 +145,9 @@ def compile_shared(source: Path, flags: list[str]) -> ctypes.CDLL | None:
     with tempfile.TemporaryDirectory(prefix=f"{source.stem}_") as folder:
         out = Path(folder) / f"{source.stem}.so"
         built = subprocess.run(
-            [compiler, *flags, str(source), "-o", str(out)], capture_output=True, text=True
+            [compiler, "-fPIC", "-shared", *flags, str(source), "-o", str(out)],
+            capture_output=True,
+            text=True,
         )
         if built.returncode != 0:
             raise RuntimeError(f"{compiler} could not compile {source}: {built.stderr.strip()}")

@@ -18,7 +18,7 @@ from pathlib import Path
 import harness
 
 SOURCE = Path(__file__).resolve().parent / "read_bound.c"
-FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-pthread"]
+FLAGS = ["-O3", "-march=native", "-pthread"]
 NATIVE = "bench/read_bound.c"
 TORCH_SUM = "a torch sum, no C compiler found"
 GIB = 2**30

@@ -52,9 +52,7 @@ SMALL_CALLS = 200  # calls per timing of the small matrices
 
 def build_gap() -> ctypes.CDLL:
     """bench/read_gap.c for this machine."""
-    library = harness.compile_shared(
-        HERE / "read_gap.c", ["-O3", "-march=native", "-fPIC", "-shared"]
-    )
+    library = harness.compile_shared(HERE / "read_gap.c", ["-O3", "-march=native"])
     if library is None:
         raise SystemExit("no C compiler found")
     library.spnl_gap_plain.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]

@@ -15,17 +15,14 @@ static double now(void) {
 
 #define X8(ins) ins ins ins ins ins ins ins ins
 #define ADD "add $1, %%rax\n"
-// 8 copies of `op src1, src2, dst` with dst zmm8..zmm15 (or ymm); srcs zmm1/zmm2.
-#define OPS(op, r)                                                                        \
-    op " %%" r "1, %%" r "2, %%" r "8\n" op " %%" r "1, %%" r "2, %%" r "9\n"              \
-    op " %%" r "1, %%" r "2, %%" r "10\n" op " %%" r "1, %%" r "2, %%" r "11\n"            \
-    op " %%" r "1, %%" r "2, %%" r "12\n" op " %%" r "1, %%" r "2, %%" r "13\n"            \
-    op " %%" r "1, %%" r "2, %%" r "14\n" op " %%" r "1, %%" r "2, %%" r "15\n"
+// 8 instructions `a` then `b` in turn, `op src1, src2, dst` with dst zmm8..zmm15 (or ymm),
+// srcs zmm1/zmm2; OPS: 8 of one.
 #define PAIR(a, b, r)                                                                      \
     a " %%" r "1, %%" r "2, %%" r "8\n" b " %%" r "1, %%" r "2, %%" r "9\n"               \
     a " %%" r "1, %%" r "2, %%" r "10\n" b " %%" r "1, %%" r "2, %%" r "11\n"             \
     a " %%" r "1, %%" r "2, %%" r "12\n" b " %%" r "1, %%" r "2, %%" r "13\n"             \
     a " %%" r "1, %%" r "2, %%" r "14\n" b " %%" r "1, %%" r "2, %%" r "15\n"
+#define OPS(op, r) PAIR(op, op, r)
 #define SHIFTS(op, r)                                                                     \
     op " $4, %%" r "1, %%" r "8\n" op " $4, %%" r "1, %%" r "9\n"                          \
     op " $4, %%" r "1, %%" r "10\n" op " $4, %%" r "1, %%" r "11\n"                        \
@@ -50,9 +47,11 @@ typedef struct {
     double (*run)(long);
 } probe;
 
+#if defined(__x86_64__)
 PROBE(add_chain, X8(ADD))
-PROBE(ymm_load, LOADS("vmovdqu", "ymm", 0, 32))
+#endif
 #if defined(__AVX2__)
+PROBE(ymm_load, LOADS("vmovdqu", "ymm", 0, 32))
 PROBE(ymm_and, OPS("vpand", "ymm"))
 PROBE(ymm_shift, SHIFTS("vpsrlw", "ymm"))
 PROBE(ymm_shuffle, OPS("vpshufb", "ymm"))
@@ -74,10 +73,13 @@ PROBE(zmm_dpbusd_permw, PAIR("vpdpbusd", "vpermw", "zmm"))
 PROBE(zmm_dpbusd_dpwssd, PAIR("vpdpbusd", "vpdpwssd", "zmm"))
 #endif
 
+// Only x86-64 cores have probes (none elsewhere: the count is then 0).
 static const probe probes[] = {
+#if defined(__x86_64__)
     {"add chain (the clock: one a cycle)", add_chain},
-    {"ymm load, aligned", ymm_load},
+#endif
 #if defined(__AVX2__)
+    {"ymm load, aligned", ymm_load},
     {"ymm vpand", ymm_and},
     {"ymm vpsrlw", ymm_shift},
     {"ymm vpshufb", ymm_shuffle},
@@ -100,7 +102,7 @@ static const probe probes[] = {
 #endif
 };
 
-int spnl_rate_count(void) { return (int)(sizeof probes / sizeof probes[0]); }
+int spnl_rate_count(void) { return (int)(sizeof probes / sizeof(probe)); }
 const char *spnl_rate_name(int i) { return probes[i].name; }
 // Seconds for n loop trips of probe i (8 instructions a trip).
 double spnl_rate_run(int i, long n) { return probes[i].run(n); }

@@ -3,6 +3,7 @@ VNNI probes exactly where the CPU has them), each a cycle count; no compiler sai
 compile: tests/test_read_bound_bench.py, for every bench's C file)."""
 
 import math
+import platform
 import sys
 from pathlib import Path
 
@@ -24,6 +25,8 @@ def cpu_flags() -> set[str]:
 def library():
     if find_c_compiler() is None:
         pytest.skip("no C compiler")
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the probes are x86-64 instructions")
     return vector_rates.build()
 
 
