@@ -106,7 +106,7 @@ class KernelChoice:
         the compiled kernels on the CPU, else decoded by the torch twin."""
         if self.native is None or not ids.is_cpu:
             return weight.rows(ids).dequantize()
-        return self.native.gather_rows(weight.qtype.value, weight.data, ids, weight.shape[1])
+        return self.native.gather_rows(weight.native_format, weight.data, ids, weight.shape[1])
 
     def pages(self, compressor: Compressor | None) -> bool:
         """Whether a model's cache is the paged pool: where the platform chose paged

@@ -27,6 +27,9 @@ class PackedWeight(Protocol):
     qtype: GGMLQuantizationType
     shape: tuple[int, int]
 
+    @property
+    def native_format(self) -> int: ...  # the format number the CPU kernels take ``data`` as
+
     def rows(self, index: torch.Tensor | slice) -> "PackedWeight": ...
 
     def dequantize(self) -> torch.Tensor: ...
@@ -67,7 +70,7 @@ class CpuMatmuls:
             prepared = {} if prepared is None else prepared
             if key not in prepared:
                 prepared[key] = self.native.products(
-                    [(w.qtype.value, w.data, w.shape[0]) for w in weights]
+                    [(w.native_format, w.data, w.shape[0]) for w in weights]
                 )
             return prepared[key](x)
         return self._dequantized_gemm(x, weights)
@@ -78,10 +81,11 @@ class CpuMatmuls:
         xg = x.to(self.gemm_dtype)
         column = 0
         for weight in weights:
-            step = max(1, DEQUANT_SLICE_ELEMENTS // weight.shape[1])
+            # whole tiles of 16 rows: a tiled matrix's slices stay tiles (`quant.tiles`)
+            step = max(16, DEQUANT_SLICE_ELEMENTS // weight.shape[1] // 16 * 16)
             for start in range(0, weight.shape[0], step):
                 part = weight.rows(slice(start, start + step))
-                dense = self.native.dequantize(part.qtype.value, part.data, *part.shape)
+                dense = self.native.dequantize(part.native_format, part.data, *part.shape)
                 out[:, column : column + part.shape[0]] = F.linear(xg, dense.to(self.gemm_dtype))
                 column += part.shape[0]
         return out

@@ -24,6 +24,7 @@ from .gguf_file import GGUFFile
 from .hf_config import read_text_config
 from .progress import Progress, step
 from .resolve import ModelSource
+from .tiling import tile_projections
 from .tokenizer import Tokenizer, converted_before, load_gguf_tokenizer, load_text_tokenizer
 from .transformers_path import choose_implementation, load_transformers_model
 from .weights import (
@@ -233,6 +234,7 @@ def _build(
         log.info("layers.mapped", devices=[str(d) for d in devices], why=place.layer_map.why)
     model.eval()
     model.prepare_experts()
+    tile_projections(model, native)
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding)]
     log.info(
         "model.loaded",

@@ -190,7 +190,7 @@ class SparseMoE(nn.Module):
             return None
 
         def weight(p: QuantLinear) -> tuple[int, torch.Tensor, int]:
-            return p.weight_q.qtype.value, p.weight_q.data, p.out_features
+            return p.weight_q.native_format, p.weight_q.data, p.out_features
 
         experts = [
             (weight(e.gate_proj), weight(e.up_proj), weight(e.down_proj)) for e in self.experts

@@ -150,7 +150,7 @@ class LayerBlocks:
     def _products(self, linears: list[QuantLinear]):
         k_in = linears[0].in_features
         weights = [
-            (lin.weight_q.qtype.value, lin.weight_q.data, lin.out_features) for lin in linears
+            (lin.weight_q.native_format, lin.weight_q.data, lin.out_features) for lin in linears
         ]
         for qtype, data, _ in weights:
             self.native.check_row_bytes(qtype, k_in, data.shape[1], "layer block")

@@ -13,17 +13,21 @@ from torch import nn
 from ..kernels.dispatch import TORCH_CHOICE, KernelChoice
 from ..kernels.lora_ref import LoraSite
 from ..kernels.matmuls import Matmuls, quantized_matmuls_ref
+from . import tiles
 from .ggml import dequantize
 from .quantize import quantize
 
 
 @dataclass
 class QuantizedWeight:
-    """A ``[rows, cols]`` matrix as GGML blocks: ``data`` is ``[rows, row_bytes]`` uint8."""
+    """A ``[rows, cols]`` matrix as GGML blocks: ``data`` is ``[rows, row_bytes]`` uint8;
+    where ``tiled``, Q4_K's rows reordered in tiles of 16 for the CPU's products
+    (`quant.tiles`), which every method here reads through."""
 
     data: torch.Tensor
     qtype: GGMLQuantizationType
     shape: tuple[int, int]
+    tiled: bool = False
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, qtype: GGMLQuantizationType) -> "QuantizedWeight":
@@ -33,16 +37,49 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return self.data.numel()
 
+    @property
+    def native_format(self) -> int:
+        """The format number the compiled CPU kernels take these bytes as."""
+        return tiles.TILED_Q4_K if self.tiled else self.qtype.value
+
+    def as_rows(self) -> "QuantizedWeight":
+        """The matrix as GGML stores it (itself where it is not tiled)."""
+        if not self.tiled:
+            return self
+        return QuantizedWeight(tiles.untile(self.data), self.qtype, self.shape)
+
+    def as_tiles(self, native) -> "QuantizedWeight":
+        """The matrix in tiles (`quant.tiles.tileable` says where that is worth it), made
+        by ``native``'s kernels in a buffer of its own."""
+        return QuantizedWeight(
+            native.tile_q4k(self.data, self.shape[1]), self.qtype, self.shape, True
+        )
+
     def dequantize(self) -> torch.Tensor:
         """The torch twin: the whole matrix in float32."""
-        return dequantize(self.data.reshape(-1), self.qtype, self.shape)
+        return dequantize(self.as_rows().data.reshape(-1), self.qtype, self.shape)
 
     def rows(self, index: torch.Tensor | slice) -> "QuantizedWeight":
+        """Some of the rows. Of tiles, a slice that starts and ends on tiles stays tiles
+        (its last rows past the tiles only where the matrix's are); anything else, rows."""
+        if self.tiled and not _whole_tiles(index, self.shape[0]):
+            return self.as_rows().rows(index)
         data = self.data[index]
-        return QuantizedWeight(data, self.qtype, (data.shape[0], self.shape[1]))
+        return QuantizedWeight(data, self.qtype, (data.shape[0], self.shape[1]), self.tiled)
 
     def to(self, device: torch.device) -> "QuantizedWeight":
-        return QuantizedWeight(self.data.to(device), self.qtype, self.shape)
+        """On ``device``: tiles only on the host, where their kernels are."""
+        weight = self if torch.device(device).type == "cpu" else self.as_rows()
+        return QuantizedWeight(weight.data.to(device), self.qtype, self.shape, weight.tiled)
+
+
+def _whole_tiles(index: torch.Tensor | slice, rows: int) -> bool:
+    """Whether ``index`` takes whole tiles of a tiled matrix of ``rows`` (and then, only
+    at the end, its rows past the tiles)."""
+    if not isinstance(index, slice) or index.step not in (None, 1):
+        return False
+    start, stop, _ = index.indices(rows)
+    return start % tiles.TILE_ROWS == 0 and (stop % tiles.TILE_ROWS == 0 or stop == rows)
 
 
 @dataclass

@@ -256,6 +256,8 @@ SIGNATURES = {  # name: (argument types, result type)
     ),
     "spnl_dequantize": ([I32, PTR, I64, I64, I64, PTR, I32], I32),
     "spnl_gather_rows": ([I32, PTR, I64, PTR, I64, I64, PTR], I32),
+    "spnl_q4k_tile": ([PTR, I64, I64, I64, PTR, I32], I32),
+    "spnl_q4k_tiles_native": ([], I32),
     "spnl_rms_norm": ([PTR, PTR, PTR, I64, I64, F32], I32),
     "spnl_add_rms_norm": ([PTR, PTR, PTR, F32, PTR, F32, PTR, I64, I64, I32], I32),
     "spnl_qk_norm_rope": ([ctypes.POINTER(QkArgs), I32], I32),

@@ -14,6 +14,8 @@
 // GGML's type ids (gguf.GGMLQuantizationType).
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q8_1 = 9,
        Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30, MXFP4 = 39 };
+// Not GGML's: Q4_K's bytes reordered in tiles of 16 rows (q4k_tiles.h, quant/tiles.py).
+enum { Q4_K_T16 = 1012 };
 
 // Every block format once: type id, name, values and bytes per block. The float kernels,
 // the int8 kernels (quant_int8.h) and the FORMATS table are each stamped out from it.
@@ -268,13 +270,14 @@ static inline void dq_q6_k(const uint8_t *b, v16f *out) {
 // rows starting at w)
 typedef void (*row_fn)(const void *acts, int64_t rows, int64_t k_in, const uint8_t *w,
                        int64_t count, float *y, int64_t stride);
-typedef void (*rows_fn)(const uint8_t *, const int64_t *, int64_t, int64_t, float *, int);
+typedef void (*rows_fn)(const uint8_t *, const int64_t *, int64_t, int64_t, int64_t, float *,
+                        int);
 
 // Dequantized rows, each a task of the pool: which (ids, or all in order) and where.
 typedef struct {
     const uint8_t *w;
     const int64_t *ids;
-    int64_t k_in;
+    int64_t k_in, n_rows;  // n_rows: the matrix's (where its layout depends on them)
     float *out;
 } rows_call;
 
@@ -328,8 +331,8 @@ typedef struct {
         }                                                                                      \
     }                                                                                          \
     static void NAME##_rows(const uint8_t *w, const int64_t *ids, int64_t count, int64_t k_in, \
-                            float *out, int threads) {                                         \
-        rows_call call = {w, ids, k_in, out};                                                  \
+                            int64_t n_rows, float *out, int threads) {                         \
+        rows_call call = {w, ids, k_in, n_rows, out};                                          \
         spnl_parallel(count, NAME##_row, &call, threads);                                      \
     }
 
@@ -350,6 +353,7 @@ DEFINE_FLOAT_KERNELS(f16, 32, 64, dq_f16)
 #define INT8_PATH 1
 #include "quant_int8.h"
 #endif
+#include "q4k_tiles.h"
 
 // ---- the formats and the entry points ------------------------------------------------------
 
@@ -365,9 +369,17 @@ typedef struct {
 #define FORMAT(T, NAME, BLOCK, BYTES) {T, BLOCK, BYTES, NAME##_f32, NULL, NAME##_rows},
 #endif
 
-static const format FORMATS[] = {BLOCK_FORMATS(FORMAT){F16, 32, 64, f16_f32, NULL, f16_rows}};
+#ifdef INT8_PATH
+#define Q4_K_T16_FAST q4_k_t16_i8
+#else
+#define Q4_K_T16_FAST NULL
+#endif
+static const format FORMATS[] = {
+    BLOCK_FORMATS(FORMAT){F16, 32, 64, f16_f32, NULL, f16_rows},
+    {Q4_K_T16, 256, 144, q4_k_t16_f32, Q4_K_T16_FAST, q4_k_t16_rows}};
 
 static const format *format_of(int qtype, int64_t k_in) {
+    if (qtype == Q4_K_T16 && k_in > Q4K_TILE_MAX_K) return NULL;  // no such tiles are made
     for (size_t i = 0; i < sizeof FORMATS / sizeof FORMATS[0]; i++)
         if (FORMATS[i].qtype == qtype) return k_in % FORMATS[i].block ? NULL : &FORMATS[i];
     return NULL;
@@ -466,7 +478,8 @@ static int plan_products(const spnl_products *p, int64_t k_in, const format **fo
         need->fast = need->fast && formats[i]->fast;
         need->b32 = need->b32 || formats[i]->block == 32;
         need->b256 = need->b256 || formats[i]->block == QK_K;
-        need->k4 = need->k4 || formats[i]->qtype == Q4_K;
+        // Q4_K's one-row order: its rows, and the rows past a tiled matrix's tiles
+        need->k4 = need->k4 || formats[i]->qtype == Q4_K || formats[i]->qtype == Q4_K_T16;
         first[i + 1] = first[i] + p->n_outs[i];
         tile_start[i + 1] = tile_start[i] + (p->n_outs[i] + TILE_ROWS - 1) / TILE_ROWS;
     }
@@ -678,7 +691,7 @@ int spnl_dequantize(int qtype, const uint8_t *w, int64_t w_bytes, int64_t n_rows
     const format *f = format_of(qtype, k_in);
     if (!f || n_rows < 0 || k_in < 1) return BAD_ARGUMENT;
     if (n_rows > w_bytes / (k_in / f->block * f->bytes)) return OUT_OF_BOUNDS;
-    f->rows(w, NULL, n_rows, k_in, out, threads);
+    f->rows(w, NULL, n_rows, k_in, n_rows, out, threads);
     return 0;
 }
 
@@ -689,7 +702,7 @@ int spnl_gather_rows(int qtype, const uint8_t *w, int64_t n_rows, const int64_t 
     if (!f || count < 0) return BAD_ARGUMENT;
     for (int64_t i = 0; i < count; i++)
         if (ids[i] < 0 || ids[i] >= n_rows) return OUT_OF_BOUNDS;
-    f->rows(w, ids, count, k_in, out, 1);
+    f->rows(w, ids, count, k_in, n_rows, out, 1);
     return 0;
 }
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ...memory import host_tensor
 from ..scoring import Scoring
 from .abi import (
     GATED_ACTS,
@@ -27,6 +28,8 @@ from .abi import (
 )
 from .checks import KernelArgumentError, check_keys, check_status, pool_row, qtype_name, require
 
+GGML_Q4_K = 12  # gguf.GGMLQuantizationType.Q4_K
+
 
 @dataclass(frozen=True)
 class CpuKernels:
@@ -40,6 +43,31 @@ class CpuKernels:
     # The threads a call computes on (pool.c's pool, shared by the process's calls): the
     # platform's decision (`PlatformDecisions.threads`).
     threads: int = 1
+
+    @property
+    def q4k_tiles_native(self) -> bool:
+        """Whether Q4_K's tiles of 16 rows (`quant.tiles`) have their own kernel here."""
+        return bool(self.library.spnl_q4k_tiles_native())
+
+    def tile_q4k(self, weight: torch.Tensor, k_in: int) -> torch.Tensor:
+        """The Q4_K rows ``weight`` ``[rows, row_bytes]`` in tiles of 16 rows, in a host
+        buffer of their own (`quant.tiles`)."""
+        require(weight, torch.uint8, "tile_q4k: weight", dims=2)
+        self.check_row_bytes(GGML_Q4_K, k_in, weight.shape[1], "tile_q4k")
+        weight = weight.contiguous()
+        out = host_tensor(tuple(weight.shape), torch.uint8, zeroed=False)
+        check_status(
+            self.library.spnl_q4k_tile(
+                weight.data_ptr(),
+                weight.numel(),
+                weight.shape[0],
+                k_in,
+                out.data_ptr(),
+                self.threads,
+            ),
+            "tile_q4k",
+        )
+        return out
 
     def products(self, weights: list[tuple[int, torch.Tensor, int]]) -> "Products":
         """A prepared call for ``x @ W.T`` of each ``(qtype, W [n_out, row_bytes], n_out)``."""
