@@ -40,12 +40,7 @@ def main() -> None:
         or min(args.kv_heads, args.head_dim) < 1
     ):
         parser.error("contexts and sizes must be at least 1, heads a multiple of --kv-heads")
-    from spnl_backend.kernels.cpu import cpu_kernels
-
-    torch.set_num_threads(args.threads)
-    native = cpu_kernels()
-    if native is None:
-        raise SystemExit("the CPU kernels did not build (is there a C compiler?)")
+    native = harness.native_kernels(args.threads)
     rows = []
     for context in args.contexts:
         cells = [f"{context:,}"]

@@ -22,14 +22,16 @@ import harness
 import torch
 from gguf import GGMLQuantizationType as Q
 
-# (format, output rows, input width): a 1B-like MLP's up and down projections, the
-# default model's Q5_0 and Q8_0 shapes, and its output layer.
+# (format, output rows, input width, in tiles): a 1B-like MLP's up and down projections
+# (the up one also as the loader lays Q4_K out where the kernels have its tiles,
+# `quant.tiles`), the default model's Q5_0 and Q8_0 shapes, and its output layer.
 CASES = [
-    (Q.Q4_K, 4096, 2048),
-    (Q.Q6_K, 2048, 4096),
-    (Q.Q5_0, 2048, 640),
-    (Q.Q8_0, 2048, 640),
-    (Q.Q8_0, 262144, 640),
+    (Q.Q4_K, 4096, 2048, False),
+    (Q.Q4_K, 4096, 2048, True),
+    (Q.Q6_K, 2048, 4096, False),
+    (Q.Q5_0, 2048, 640, False),
+    (Q.Q8_0, 2048, 640, False),
+    (Q.Q8_0, 262144, 640, False),
 ]
 
 
@@ -37,22 +39,27 @@ def median_call(fn) -> float:
     return harness.median_seconds(fn, repeats=5, warmup=1)
 
 
-def measure(native, qtype: Q, n_out: int, k_in: int, rows: list[int]) -> list:
+def measure(native, qtype: Q, n_out: int, k_in: int, tiled: bool, rows: list[int]) -> list:
     from spnl_backend.memory import host_tensor
     from spnl_backend.quant.linear import QuantizedWeight
 
     weight = QuantizedWeight.from_float(torch.randn(n_out, k_in), qtype)
+    if tiled and not native.q4k_tiles_native:
+        return [f"{qtype.name} tiles {n_out} x {k_in}", *["no tile kernel here"] * (len(rows) + 3)]
+    if tiled:
+        weight = weight.as_tiles(native)
     huge = host_tensor(tuple(weight.data.shape), torch.uint8).copy_(weight.data)
     small = torch.empty_like(weight.data).copy_(weight.data)
-    products = native.products([(qtype.value, huge, n_out)])
-    cells = [f"{qtype.name} {n_out} x {k_in}"]
+    fmt = weight.native_format
+    products = native.products([(fmt, huge, n_out)])
+    cells = [f"{qtype.name}{' tiles' if tiled else ''} {n_out} x {k_in}"]
     for m in rows:
         x = torch.randn(m, k_in)
         seconds = median_call(lambda x=x: products(x))
         gmac = m * n_out * k_in / seconds / 1e9
         read = f" ({weight.data.numel() / seconds / 1e9:.1f} GB/s)" if m == 1 else ""
         cells.append(f"{gmac:.1f}{read}")
-    cells.append(page_comparison(native, qtype, n_out, k_in, huge, small))
+    cells.append(page_comparison(native, fmt, k_in, n_out, huge, small))
     x = torch.randn(max(rows), k_in)
     dense = weight.dequantize()
     for dtype in (torch.float32, torch.bfloat16):
@@ -62,11 +69,12 @@ def measure(native, qtype: Q, n_out: int, k_in: int, rows: list[int]) -> list:
     return cells
 
 
-def page_comparison(native, qtype: Q, n_out: int, k_in: int, huge, small) -> str:
-    """One row's time with the weights on huge pages and on small ones, calls alternated."""
+def page_comparison(native, fmt: int, k_in: int, n_out: int, huge, small) -> str:
+    """One row's time with the weights (format number ``fmt``) on huge pages and on small
+    ones, calls alternated."""
     calls = {
-        "huge": native.products([(qtype.value, huge, n_out)]),
-        "small": native.products([(qtype.value, small, n_out)]),
+        "huge": native.products([(fmt, huge, n_out)]),
+        "small": native.products([(fmt, small, n_out)]),
     }
     x = torch.randn(1, k_in)
     times: dict[str, list[float]] = {"huge": [], "small": []}
@@ -116,12 +124,7 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.rows) < 1:
         parser.error(f"--rows: every row count must be at least 1, not {min(args.rows)}")
-    from spnl_backend.kernels.cpu import cpu_kernels
-
-    torch.set_num_threads(args.threads)
-    native = cpu_kernels()
-    if native is None:
-        raise SystemExit("the CPU kernels did not build (is there a C compiler?)")
+    native = harness.native_kernels(args.threads)
     tables = []
     if args.part != "lora":
         header = ["weights", *(f"{m} rows: GMAC/s" for m in args.rows)]

@@ -54,17 +54,19 @@ def step_products(before: set[int]) -> list:
 
 def width(products) -> int:
     """The products' input width, from their first weight's row bytes."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf import GGML_QUANT_SIZES
+
+    from spnl_backend.kernels.cpu.checks import block_type
 
     qtype, row_bytes = products.row_bytes[0]
-    block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    block, block_bytes = GGML_QUANT_SIZES[block_type(qtype)]
     return row_bytes // block_bytes * block
 
 
 def set_label(products) -> str:
-    from gguf import GGMLQuantizationType
+    from spnl_backend.kernels.cpu.checks import qtype_name
 
-    names = "+".join(sorted({GGMLQuantizationType(q).name for q, _ in products.row_bytes}))
+    names = "+".join(sorted({qtype_name(q) for q, _ in products.row_bytes}))
     return f"{'+'.join(str(n) for n in products.widths)} x {width(products)} ({names})"
 
 

@@ -154,6 +154,22 @@ def compile_shared(source: Path, flags: list[str]) -> ctypes.CDLL | None:
         return ctypes.CDLL(str(out))  # loaded: the file may go with its folder
 
 
+def native_kernels(threads: int):
+    """The library's compiled CPU kernels on ``threads`` threads of their pool (its own,
+    which torch's thread count does not set), or an exit that says why there are none."""
+    import dataclasses
+
+    import torch
+
+    from spnl_backend.kernels.cpu import cpu_kernels
+
+    torch.set_num_threads(threads)
+    native = cpu_kernels()
+    if native is None:
+        raise SystemExit("the CPU kernels did not build (is there a C compiler?)")
+    return dataclasses.replace(native, threads=threads)
+
+
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 

@@ -64,9 +64,9 @@ class Timers:
 
 
 def product_label(products, k_in: int) -> str:
-    from gguf import GGMLQuantizationType
+    from spnl_backend.kernels.cpu.checks import qtype_name
 
-    names = "+".join(sorted({GGMLQuantizationType(q).name for q, _ in products.row_bytes}))
+    names = "+".join(sorted({qtype_name(q) for q, _ in products.row_bytes}))
     widths = "+".join(str(n) for n in products.widths)
     return f"product {widths} x {k_in} ({names})"
 

@@ -14,7 +14,6 @@ take without the pieces), and the C kernel (token by token, the CPU's path in fl
 the median of --runs after one untimed run.
 """
 
-import dataclasses
 from collections.abc import Callable
 
 import harness
@@ -68,13 +67,8 @@ def main() -> None:
     parser.add_argument("--ssd-state", type=int, default=128)
     args = parser.parse_args()
     from spnl_backend.kernels import delta_rule, ssd
-    from spnl_backend.kernels.cpu import cpu_kernels
 
-    torch.set_num_threads(args.threads)
-    native = cpu_kernels()
-    if native is None:
-        raise SystemExit("the CPU kernels did not build (is there a C compiler?)")
-    native = dataclasses.replace(native, threads=args.threads)
+    native = harness.native_kernels(args.threads)
     recurrences = {
         f"gated delta rule ({args.heads} heads, dk = dv = {args.head_dim})": (
             delta_inputs(args.tokens, args.heads, args.head_dim),

@@ -144,3 +144,54 @@ def test_tiles_wider_than_any_made_are_refused():
     data = torch.zeros((16, wide // 256 * 144), dtype=torch.uint8)
     with pytest.raises(KernelArgumentError):
         NATIVE.products([(tiles.TILED_Q4_K, data, 16)])(torch.zeros(1, wide))
+
+
+@needs_int8
+def test_grouped_products_on_tiles_are_the_rows_bits():
+    """A mixture's experts go through the grouped call (`spnl_qmatmul_groups`)."""
+    first, second = _weight(40, 512), _weight(32, 512, seed=1)
+    torch.manual_seed(3)
+    x = torch.randn(6, 512)
+    groups = [(0, 0, 1, 0), (1, 1, 5, 40)]  # one row alone, five rows together
+
+    def grouped(weights):
+        call = NATIVE.products([(w.native_format, w.data, w.shape[0]) for w in weights])
+        return call.groups(x, groups, 6)
+
+    want = grouped([first, second])
+    got = grouped([first.as_tiles(NATIVE), second.as_tiles(NATIVE)])
+    assert torch.equal(_bits(got), _bits(want))
+
+
+@needs_int8
+def test_prefill_off_batch_invariance_reads_tiles_as_rows():
+    """Without batch invariance many rows take torch's GEMM on the matrix dequantized a
+    slice at a time; of tiles, whole tiles at a time (the native dequantization's rows of
+    a slice past the first tile included)."""
+    from spnl_backend.kernels.matmuls import CpuMatmuls
+    from spnl_backend.kernels.thresholds import NATIVE_MAX_ROWS
+
+    weight = _weight(40, 512)
+    tiled = weight.as_tiles(NATIVE)
+    part = tiled.rows(slice(16, 40))
+    assert part.tiled
+    dense = NATIVE.dequantize(part.native_format, part.data, 24, 512)
+    assert torch.equal(dense, weight.dequantize()[16:40])
+    matmuls = CpuMatmuls(NATIVE, gemm_dtype=torch.float32)
+    x = torch.randn(NATIVE_MAX_ROWS + 3, 512)
+    assert torch.equal(_bits(matmuls(x, [tiled])), _bits(matmuls(x, [weight])))
+    exact = replace(NATIVE, exact=True)  # more rows than the float kernels meet at once
+    x = torch.randn(70, 512)
+    want = exact.products([(weight.native_format, weight.data, 40)])(x)
+    assert torch.equal(
+        _bits(exact.products([(tiled.native_format, tiled.data, 40)])(x)), _bits(want)
+    )
+
+
+def test_tiles_are_not_stacked_as_experts():
+    from spnl_backend.quant.linear import QuantizedExperts
+
+    rows = [[_weight(16, 256)], [_weight(16, 256, seed=1)]]
+    assert QuantizedExperts.stackable(rows)
+    as_tiles = [[QuantizedWeight(w.data, w.qtype, w.shape, tiled=True)] for [w] in rows]
+    assert not QuantizedExperts.stackable(as_tiles)

@@ -51,9 +51,10 @@ class QuantizedWeight:
     def as_tiles(self, native) -> "QuantizedWeight":
         """The matrix in tiles (`quant.tiles.tileable` says where that is worth it), made
         by ``native``'s kernels in a buffer of its own."""
-        return QuantizedWeight(
-            native.tile_q4k(self.data, self.shape[1]), self.qtype, self.shape, True
-        )
+        if self.tiled:
+            return self
+        data = native.tile_q4k(self.data, self.shape[1])
+        return QuantizedWeight(data, self.qtype, self.shape, tiled=True)
 
     def dequantize(self) -> torch.Tensor:
         """The torch twin: the whole matrix in float32."""
@@ -94,8 +95,11 @@ class QuantizedExperts:
 
     @staticmethod
     def stackable(experts: list[list[QuantizedWeight]]) -> bool:
-        """Whether the weights share one type and width, and the experts one row count."""
+        """Whether the weights share one type and width, and the experts one row count
+        (and are rows: a stack is rows, `quant.tiles` are not)."""
         first = experts[0][0]
+        if any(w.tiled for weights in experts for w in weights):
+            return False
         same = all(
             w.qtype == first.qtype and w.shape[1] == first.shape[1]
             for weights in experts

@@ -17,11 +17,12 @@ import torch
 from gguf import GGMLQuantizationType
 
 from ..kernels.cpu import CpuKernels
+from ..kernels.cpu.abi import Q4K_TILES
 
 TILE_ROWS = 16
 WORD_BYTES = 4
 BLOCK_BYTES = 144  # Q4_K's, 256 values
-TILED_Q4_K = 1012  # the native kernels' format number of such a matrix (not GGML's)
+TILED_Q4_K = Q4K_TILES  # the native kernels' format number of such a matrix (not GGML's)
 MAX_COLUMNS = 65536  # the native fallbacks hold one row on the stack
 
 

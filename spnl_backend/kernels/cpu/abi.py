@@ -238,6 +238,10 @@ STRUCTS = {  # the C function that answers each struct's size
     "spnl_sizeof_lora_group": LoraGroup,
     "spnl_sizeof_lora_table": LoraTable,
 }
+# The format number of Q4_K's bytes in tiles of 16 rows (q4k_tiles.h, `quant.tiles`): the
+# kernels' own, beside GGML's type numbers.
+Q4K_TILES = 1012
+
 SIGNATURES = {  # name: (argument types, result type)
     "spnl_has_int8": ([], I32),
     "spnl_full_checks": ([], I32),

@@ -5,7 +5,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from ...errors import EngineError
-from .abi import STATUS
+from .abi import Q4K_TILES, STATUS
 
 
 class KernelArgumentError(EngineError):
@@ -49,11 +49,19 @@ def _problem(tensor: torch.Tensor, dtype: torch.dtype, dims: int | None, numel: 
     return f"{problem} (shape {tuple(tensor.shape)})"
 
 
+def block_type(fmt: int) -> GGMLQuantizationType:
+    """The GGML type whose blocks the kernels' format number ``fmt`` holds (a ValueError
+    where none does)."""
+    return GGMLQuantizationType.Q4_K if fmt == Q4K_TILES else GGMLQuantizationType(fmt)
+
+
 def qtype_name(qtype: int) -> str:
+    """A format number's name: GGML's, or Q4_K's tiles."""
     try:
-        return GGMLQuantizationType(qtype).name
+        name = block_type(qtype).name
     except ValueError:
         return f"number {qtype} (unknown)"
+    return f"{name} tiles" if qtype == Q4K_TILES else name
 
 
 # The dtypes a float pool may hold: read back exactly, computed in float32.

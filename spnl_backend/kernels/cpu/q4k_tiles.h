@@ -122,6 +122,15 @@ static void q4_k_t16_rows(const uint8_t *w, const int64_t *ids, int64_t count, i
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define Q4K_TILES_NATIVE 1
 
+// Where each block's lines are asked for, in bytes from the block (-1: not at all): its own
+// lines, just before its loads. On a Zen 4 the one-row product from memory read 23.7-25.1
+// GB/s so at 1 thread against 22.9-23.1 without, and 34.8 against 32.9 at 2; half a block
+// or more ahead, slower (17.9-20.8: it overruns the hardware prefetchers), as for the rows'
+// one-row kernels there (build.py's _TUNING).
+#ifndef T16_PREFETCH
+#define T16_PREFETCH 0
+#endif
+
 // Byte i of each 32-bit word, in both of its int16 halves.
 static inline __m512i byte_in_halves(__m512i v, int i) {
     const __m128i at = _mm_setr_epi8(i, -1, i, -1, 4 + i, -1, 4 + i, -1, 8 + i, -1, 8 + i, -1,
@@ -214,6 +223,9 @@ static inline __attribute__((always_inline)) void t16_rows(int mr, const act_row
     for (int64_t b = 0; b < blocks; b++) {
         act_block a[KT_MR];
         for (int i = 0; i < mr; i++) a[i] = acts_256(x, (m + i) * blocks + b);
+#if T16_PREFETCH >= 0
+        prefetch_lines(tile + b * Q4K_TILE_BLOCK + T16_PREFETCH, Q4K_TILE_BLOCK);
+#endif
         t16_block(mr, tile + b * Q4K_TILE_BLOCK, a, ss, ms);
     }
     for (int i = 0; i < mr; i++) _mm512_storeu_ps(y + i * stride, _mm512_add_ps(ss[i], ms[i]));

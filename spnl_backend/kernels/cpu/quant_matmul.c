@@ -401,6 +401,8 @@ int spnl_has_int8(void) {
 
 #define MAX_PRODUCTS 512  // a mixture of experts: gate and up of each of up to 256 experts
 #define TILE_ROWS 16  // weight rows per task: spreads the per-row overhead
+// A task of a tiled Q4_K matrix is one tile, or the rows past the last (q4k_tiles.h).
+_Static_assert(TILE_ROWS == Q4K_TILE_ROWS, "tiled Q4_K's kernels take one tile a task");
 
 #ifdef INT8_PATH
 typedef struct {

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType
 
 from ...memory import host_tensor
 from ..scoring import Scoring
@@ -27,8 +28,6 @@ from .abi import (
     StepArgs,
 )
 from .checks import KernelArgumentError, check_keys, check_status, pool_row, qtype_name, require
-
-GGML_Q4_K = 12  # gguf.GGMLQuantizationType.Q4_K
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,7 @@ class CpuKernels:
         """The Q4_K rows ``weight`` ``[rows, row_bytes]`` in tiles of 16 rows, in a host
         buffer of their own (`quant.tiles`)."""
         require(weight, torch.uint8, "tile_q4k: weight", dims=2)
-        self.check_row_bytes(GGML_Q4_K, k_in, weight.shape[1], "tile_q4k")
+        self.check_row_bytes(GGMLQuantizationType.Q4_K.value, k_in, weight.shape[1], "tile_q4k")
         weight = weight.contiguous()
         out = host_tensor(tuple(weight.shape), torch.uint8, zeroed=False)
         check_status(
