@@ -46,11 +46,21 @@ static void tile_task(void *ctx, int64_t t, int worker) {
     }
     const uint8_t *src = c->src + t * Q4K_TILE_ROWS * row_bytes;
     uint8_t *dst = c->dst + t * Q4K_TILE_ROWS * row_bytes;
-    for (int64_t b = 0; b < c->blocks; b++)
+    for (int64_t b = 0; b < c->blocks; b++) {
+#if defined(INT8_PATH) && defined(K_DIRECT_FILL)
+        // the tile fill's transpositions (quant_int8.h): 4 then 2 x 16 words of 16 rows
+        __m512i words[Q4K_TILE_WORDS];
+        columns4(src + b * 144, row_bytes, words);
+        for (int h = 0; h < 2; h++) columns16(src + b * 144 + 16 + 64 * h, row_bytes, words + 4 + 16 * h);
+        for (int w = 0; w < Q4K_TILE_WORDS; w++)
+            _mm512_storeu_si512((void *)(dst + b * Q4K_TILE_BLOCK + 64 * w), words[w]);
+#else
         for (int w = 0; w < Q4K_TILE_WORDS; w++)
             for (int r = 0; r < Q4K_TILE_ROWS; r++)
                 memcpy(dst + b * Q4K_TILE_BLOCK + 64 * w + 4 * r,
                        src + r * row_bytes + b * 144 + 4 * w, 4);
+#endif
+    }
 }
 
 // dst = the Q4_K matrix src [n_rows][k_in] in tiles (the same number of bytes).
