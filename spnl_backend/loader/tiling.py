@@ -5,7 +5,7 @@ from torch import nn
 
 from ..kernels.cpu import CpuKernels
 from ..log import get_logger
-from ..quant.linear import QuantEmbedding, QuantizedExperts, QuantLinear
+from ..quant.linear import QuantEmbedding, QuantLinear
 from ..quant.tiles import TILE_ROWS, tileable
 
 log = get_logger()
@@ -14,16 +14,15 @@ log = get_logger()
 def tile_projections(model: nn.Module, native: CpuKernels | None) -> int:
     """Every Q4_K projection of ``model`` (its `QuantLinear` layers) in tiles, where
     `tileable`; the number tiled. Before any product is prepared: the layers' prepared
-    calls hold the weights they were made with. A projection whose bytes something else
-    reads as rows stays rows: an embedding's (its lookups, a tied head) and the stacks of
-    a mixture's experts (`models.moe`: tiles beside them would be a second copy)."""
-    shared = set()
-    for m in model.modules():
-        if isinstance(m, QuantEmbedding):
-            shared.add(m.weight_q.data.untyped_storage().data_ptr())
-        for held in getattr(m, "_stacked", None) or ():
-            if isinstance(held, QuantizedExperts):
-                shared.add(held.data.untyped_storage().data_ptr())
+    calls hold the weights they were made with. A projection whose bytes an embedding
+    shares stays rows (its lookups, a tied head, read rows). A mixture's experts are stacked
+    only for the Triton kernels (`models.moe`), where nothing is tiled, and a stack refuses
+    tiles (`QuantizedExperts.stackable`)."""
+    shared = {
+        m.weight_q.data.untyped_storage().data_ptr()
+        for m in model.modules()
+        if isinstance(m, QuantEmbedding)
+    }
     layers: dict[int, tuple] = {}  # by weight: a weight several layers share, tiled once
     for module in model.modules():
         if isinstance(module, QuantLinear):

@@ -26,34 +26,28 @@ TILED_Q4_K = Q4K_TILES  # the native kernels' format number of such a matrix (no
 MAX_COLUMNS = 65536  # the native fallbacks hold one row on the stack
 
 
-def _tiles_view(data: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``data``'s whole tiles as [tiles, rows, blocks, words, 4] and the rows they hold."""
+def _reorder(data: torch.Tensor, to_tiles: bool) -> torch.Tensor:
+    """``data`` [rows, row_bytes] with its whole tiles' words moved between the rows'
+    order [tile, row, block, word] and the tiles' [tile, block, word, row]."""
     rows, row_bytes = data.shape
     tiled = rows // TILE_ROWS * TILE_ROWS
-    blocks = row_bytes // BLOCK_BYTES
-    shape = (tiled // TILE_ROWS, TILE_ROWS, blocks, BLOCK_BYTES // WORD_BYTES, WORD_BYTES)
-    return data[:tiled].reshape(shape), tiled
+    n, r, b, w = tiled // TILE_ROWS, TILE_ROWS, row_bytes // BLOCK_BYTES, BLOCK_BYTES // WORD_BYTES
+    shape, order = ((n, r, b, w), (0, 2, 3, 1)) if to_tiles else ((n, b, w, r), (0, 3, 1, 2))
+    out = data.clone()
+    words = data[:tiled].reshape(*shape, WORD_BYTES)
+    out[:tiled] = words.permute(*order, 4).reshape(tiled, row_bytes)
+    return out
 
 
 def tile(data: torch.Tensor) -> torch.Tensor:
     """Q4_K rows ``[rows, row_bytes]`` uint8 as tiles (the same shape): tile t, block b,
     word w of row r at the place the native kernels read it."""
-    view, tiled = _tiles_view(data)
-    row_bytes = data.shape[1]
-    out = data.clone()
-    out[:tiled] = view.permute(0, 2, 3, 1, 4).reshape(tiled, row_bytes)
-    return out
+    return _reorder(data, to_tiles=True)
 
 
 def untile(data: torch.Tensor) -> torch.Tensor:
     """`tile`'s inverse: the rows as GGUF stores them."""
-    rows, row_bytes = data.shape
-    tiled = rows // TILE_ROWS * TILE_ROWS
-    blocks = row_bytes // BLOCK_BYTES
-    shape = (tiled // TILE_ROWS, blocks, BLOCK_BYTES // WORD_BYTES, TILE_ROWS, WORD_BYTES)
-    out = data.clone()
-    out[:tiled] = data[:tiled].reshape(shape).permute(0, 3, 1, 2, 4).reshape(tiled, row_bytes)
-    return out
+    return _reorder(data, to_tiles=False)
 
 
 def tileable(weight, native: CpuKernels | None) -> bool:

@@ -76,8 +76,6 @@ int spnl_q4k_tile(const uint8_t *src, int64_t src_bytes, int64_t n_rows, int64_t
 
 // ---- the formats' kernels on tiles ----------------------------------------------------------
 
-// The float kernels: a whole tile as rows in scratch memory, then Q4_K's own (exact, rare:
-// batch invariance's float32 mode).
 // Row r of the tile at `tile`, as a row at out.
 static void q4k_untile_row(const uint8_t *tile, int64_t blocks, int r, uint8_t *out) {
     for (int64_t b = 0; b < blocks; b++) q4k_untile_block(tile, blocks, r, b, out + b * 144);
@@ -160,18 +158,9 @@ static inline __attribute__((always_inline)) void t16_block(int mr, const uint8_
                                                             const act_block *a, __m512 *ss,
                                                             __m512 *ms) {
     const __m512i *v = (const __m512i *)tb;
-    const __m512i h0 = _mm512_loadu_si512(v), h1 = _mm512_loadu_si512(v + 1);
-    const __m512i h2 = _mm512_loadu_si512(v + 2), h3 = _mm512_loadu_si512(v + 3);
-    // the 6-bit scales and minimums of sub-blocks 0-3 (sc[0], mn[0]) and 4-7, a byte each
-    // (q4_k_tile_direct's)
-    const __m512i six = _mm512_set1_epi8(0x3F), four = _mm512_set1_epi8(0x0F);
-    const __m512i two = _mm512_set1_epi8(0x03);
-    const __m512i top_sc = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h1, 6), two), 4);
-    const __m512i top_mn = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h2, 6), two), 4);
-    const __m512i sc[2] = {_mm512_and_si512(h1, six),
-                           _mm512_or_si512(_mm512_and_si512(h3, four), top_sc)};
-    const __m512i mn[2] = {_mm512_and_si512(h2, six),
-                           _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(h3, 4), four), top_mn)};
+    __m512i head[4], sc[2], mn[2];
+    for (int q = 0; q < 4; q++) head[q] = _mm512_loadu_si512(v + q);
+    q4_k_scale_bytes(head, sc, mn);
     const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8((char)0xF0);
     __m512i sums[KT_MR];
     for (int i = 0; i < mr; i++) sums[i] = _mm512_setzero_si512();
@@ -209,7 +198,7 @@ static inline __attribute__((always_inline)) void t16_block(int mr, const uint8_
         }
     }
     __m512 d, dmin;
-    halves_to_float(h0, &d, &dmin);
+    halves_to_float(head[0], &d, &dmin);
     dmin = _mm512_xor_ps(dmin, _mm512_set1_ps(-0.0f));  // k_dot takes -dmin
     for (int i = 0; i < mr; i++) {
         __m512i offsets = _mm512_setzero_si512();
@@ -262,8 +251,8 @@ static void q4_k_t16_i8(const void *acts, int64_t rows, int64_t k_in, const uint
 }
 #endif
 
-// Whether the products on tiles have their own kernel here (else they run, exactly, as
-// rows in scratch memory: tiles are worth making only where this is 1).
+// Whether the products on tiles have their own kernel here (else they run, exactly, a row
+// at a time through Q4_K's: tiles are worth making only where this is 1).
 int spnl_q4k_tiles_native(void) {
 #ifdef Q4K_TILES_NATIVE
     return 1;

@@ -1889,6 +1889,23 @@ static inline void store_lanes(int32_t *p, __m512i v) { _mm512_storeu_si512((voi
 
 // Q4_K: d and dmin, 12 bytes of 6-bit scales and minimums, then 4 chunks of 32 bytes whose
 // low nibbles are values 64c + [0, 32) and high ones 64c + [32, 64) (q4_k_parts).
+// The 6-bit scales (sc) and minimums (mn) of 16 rows' Q4_K blocks, a byte each, from their
+// header words 1-3 (head[q], lane r: word q of row r's block): sub-block j at byte j % 4 of
+// sc[j / 4] and mn[j / 4].
+static inline void q4_k_scale_bytes(const __m512i head[4], __m512i sc[2], __m512i mn[2]) {
+    const __m512i six = _mm512_set1_epi8(0x3F), four = _mm512_set1_epi8(0x0F);
+    const __m512i two = _mm512_set1_epi8(0x03);
+    // the two high bits of scales (and minimums) 4..7: bits 6 and 7 of bytes 0..3
+    const __m512i high_two_0 =
+        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(head[1], 6), two), 4);
+    const __m512i high_two_1 =
+        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(head[2], 6), two), 4);
+    sc[0] = _mm512_and_si512(head[1], six);
+    sc[1] = _mm512_or_si512(_mm512_and_si512(head[3], four), high_two_0);
+    mn[0] = _mm512_and_si512(head[2], six);
+    mn[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(head[3], 4), four), high_two_1);
+}
+
 static inline void q4_k_tile_direct(const uint8_t *w, int64_t row_bytes, k_tile *t) {
     for (int h = 0; h < 2; h++) {  // chunks 2h and 2h + 1
         __m512i cols[16];
@@ -1901,19 +1918,8 @@ static inline void q4_k_tile_direct(const uint8_t *w, int64_t row_bytes, k_tile 
     }
     __m512i head[4];  // d and dmin, then the scale bytes as k4_scales reads them
     columns4(w, row_bytes, head);
-    const __m512i six = _mm512_set1_epi8(0x3F), four = _mm512_set1_epi8(0x0F);
-    const __m512i two = _mm512_set1_epi8(0x03);
-    // the two high bits of scales (and minimums) 4..7: bits 6 and 7 of bytes 0..3
-    const __m512i high_two_0 =
-        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(head[1], 6), two), 4);
-    const __m512i high_two_1 =
-        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(head[2], 6), two), 4);
-    const __m512i scales[2] = {
-        _mm512_and_si512(head[1], six),
-        _mm512_or_si512(_mm512_and_si512(head[3], four), high_two_0)};
-    const __m512i mins[2] = {
-        _mm512_and_si512(head[2], six),
-        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(head[3], 4), four), high_two_1)};
+    __m512i scales[2], mins[2];
+    q4_k_scale_bytes(head, scales, mins);
     for (int j = 0; j < 8; j++) {  // sub-block j: values 32j .. 32j + 31
         const __m512i scale = byte_word(scales[j / 4], j % 4);
         const __m512i least = byte_word(mins[j / 4], j % 4);
