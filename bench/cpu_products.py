@@ -23,12 +23,13 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 # (format, output rows, input width, in tiles): a 1B-like MLP's up and down projections
-# (the up one also as the loader lays Q4_K out where the kernels have its tiles,
+# (each also as the loader lays Q4_K and Q6_K out where the kernels have their tiles,
 # `quant.tiles`), the default model's Q5_0 and Q8_0 shapes, and its output layer.
 CASES = [
     (Q.Q4_K, 4096, 2048, False),
     (Q.Q4_K, 4096, 2048, True),
     (Q.Q6_K, 2048, 4096, False),
+    (Q.Q6_K, 2048, 4096, True),
     (Q.Q5_0, 2048, 640, False),
     (Q.Q8_0, 2048, 640, False),
     (Q.Q8_0, 262144, 640, False),
@@ -44,7 +45,7 @@ def measure(native, qtype: Q, n_out: int, k_in: int, tiled: bool, rows: list[int
     from spnl_backend.quant.linear import QuantizedWeight
 
     weight = QuantizedWeight.from_float(torch.randn(n_out, k_in), qtype)
-    if tiled and not native.q4k_tiles_native:
+    if tiled and not native.tiles_native(qtype):
         return [f"{qtype.name} tiles {n_out} x {k_in}", *["no tile kernel here"] * (len(rows) + 3)]
     if tiled:
         weight = weight.as_tiles(native)

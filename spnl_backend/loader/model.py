@@ -234,7 +234,9 @@ def _build(
         log.info("layers.mapped", devices=[str(d) for d in devices], why=place.layer_map.why)
     model.eval()
     model.prepare_experts()
-    tile_projections(model, native)
+    tile_projections(
+        model, native, model.model.embed_tokens if config.tie_word_embeddings else None
+    )
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear | QuantEmbedding)]
     log.info(
         "model.loaded",

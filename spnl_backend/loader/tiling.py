@@ -1,44 +1,53 @@
-"""A loaded model's Q4_K projections made tiles of 16 rows (`quant.tiles`) for the CPU's
-products, one weight at a time."""
+"""A loaded model's Q4_K and Q6_K projections made tiles of 16 rows (`quant.tiles`) for the
+CPU's products, one weight at a time."""
 
 from torch import nn
 
 from ..kernels.cpu import CpuKernels
 from ..log import get_logger
-from ..quant.linear import QuantEmbedding, QuantLinear
+from ..quant.linear import QuantEmbedding, QuantizedWeight, QuantLinear
 from ..quant.tiles import TILE_ROWS, tileable
 
 log = get_logger()
 
 
-def tile_projections(model: nn.Module, native: CpuKernels | None) -> int:
-    """Every Q4_K projection of ``model`` (its `QuantLinear` layers) in tiles, where
-    `tileable`; the number tiled. Before any product is prepared: the layers' prepared
-    calls hold the weights they were made with. A projection whose bytes an embedding
-    shares stays rows (its lookups, a tied head, read rows). A mixture's experts are stacked
-    only for the Triton kernels (`models.moe`), where nothing is tiled, and a stack refuses
-    tiles (`QuantizedExperts.stackable`)."""
-    shared = {
+def tile_projections(
+    model: nn.Module, native: CpuKernels | None, tied_head: nn.Module | None = None
+) -> int:
+    """Every Q4_K and Q6_K projection of ``model`` in tiles, where `tileable`: its
+    `QuantLinear` layers, and ``tied_head``, the embedding that is also its output
+    projection; the number of weights tiled. Before any product is prepared: the layers'
+    prepared calls hold the weights they were made with. Other embeddings stay rows: only
+    looked up, they gain nothing, and tiling one would read in the whole of a table that
+    lookups touch a few rows of; so does a projection whose bytes such an embedding shares. A
+    mixture's experts are stacked only for the Triton kernels (`models.moe`), where nothing
+    is tiled, and a stack refuses tiles (`QuantizedExperts.stackable`)."""
+    heads = [tied_head] if isinstance(tied_head, QuantEmbedding) else []
+    looked_up = {
         m.weight_q.data.untyped_storage().data_ptr()
         for m in model.modules()
-        if isinstance(m, QuantEmbedding)
+        if isinstance(m, QuantEmbedding) and m not in heads
     }
-    layers: dict[int, tuple] = {}  # by weight: a weight several layers share, tiled once
-    for module in model.modules():
-        if isinstance(module, QuantLinear):
-            weight = module.weight_q
-            layers.setdefault(id(weight), (weight, []))[1].append(module)
-    tiled = 0
+    layers: dict[tuple, tuple] = {}  # by bytes: a weight several layers read, tiled once
+    for module in [*(m for m in model.modules() if isinstance(m, QuantLinear)), *heads]:
+        weight = module.weight_q
+        layers.setdefault(_bytes_of(weight), (weight, []))[1].append(module)
+    tiled: dict[str, int] = {}
     while layers:  # each weight's rows let go as its tiles replace them: one at a time
         weight, modules = layers.popitem()[1]
-        if not tileable(weight, native) or weight.data.untyped_storage().data_ptr() in shared:
+        if not tileable(weight, native) or weight.data.untyped_storage().data_ptr() in looked_up:
             continue
         assert native is not None
         tiles = weight.as_tiles(native)
         for module in modules:
             module.weight_q = tiles
-        tiled += 1
+        tiled[weight.qtype.name] = tiled.get(weight.qtype.name, 0) + 1
         del weight, modules, tiles
     if tiled:
-        log.info("weights.tiled", projections=tiled, format="Q4_K", rows=TILE_ROWS)
-    return tiled
+        log.info("weights.tiled", weights=tiled, rows=TILE_ROWS)
+    return sum(tiled.values())
+
+
+def _bytes_of(weight: QuantizedWeight) -> tuple:
+    """What identifies a weight's bytes: their place and shape."""
+    return weight.data.data_ptr(), tuple(weight.data.shape), weight.qtype

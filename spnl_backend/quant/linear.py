@@ -21,7 +21,7 @@ from .quantize import quantize
 @dataclass
 class QuantizedWeight:
     """A ``[rows, cols]`` matrix as GGML blocks: ``data`` is ``[rows, row_bytes]`` uint8;
-    where ``tiled``, Q4_K's rows reordered in tiles of 16 for the CPU's products
+    where ``tiled``, Q4_K's or Q6_K's rows reordered in tiles of 16 for the CPU's products
     (`quant.tiles`), which every method here reads through."""
 
     data: torch.Tensor
@@ -40,20 +40,20 @@ class QuantizedWeight:
     @property
     def native_format(self) -> int:
         """The format number the compiled CPU kernels take these bytes as."""
-        return tiles.TILED_Q4_K if self.tiled else self.qtype.value
+        return tiles.tiled_format(self.qtype) if self.tiled else self.qtype.value
 
     def as_rows(self) -> "QuantizedWeight":
         """The matrix as GGML stores it (itself where it is not tiled)."""
         if not self.tiled:
             return self
-        return QuantizedWeight(tiles.untile(self.data), self.qtype, self.shape)
+        return QuantizedWeight(tiles.untile(self.data, self.qtype), self.qtype, self.shape)
 
     def as_tiles(self, native) -> "QuantizedWeight":
         """The matrix in tiles (`quant.tiles.tileable` says where that is worth it), made
         by ``native``'s kernels in a buffer of its own."""
         if self.tiled:
             return self
-        data = native.tile_q4k(self.data, self.shape[1])
+        data = native.tile(self.qtype, self.data, self.shape[1])
         return QuantizedWeight(data, self.qtype, self.shape, tiled=True)
 
     def dequantize(self) -> torch.Tensor:

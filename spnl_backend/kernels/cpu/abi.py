@@ -238,9 +238,11 @@ STRUCTS = {  # the C function that answers each struct's size
     "spnl_sizeof_lora_group": LoraGroup,
     "spnl_sizeof_lora_table": LoraTable,
 }
-# The format number of Q4_K's bytes in tiles of 16 rows (q4k_tiles.h, `quant.tiles`): the
-# kernels' own, beside GGML's type numbers.
+# The format numbers of Q4_K's and Q6_K's bytes in tiles of 16 rows (tiles.h, `quant.tiles`):
+# the kernels' own, beside GGML's type numbers (1000 past them).
 Q4K_TILES = 1012
+Q6K_TILES = 1014
+TILED_FORMATS = {12: Q4K_TILES, 14: Q6K_TILES}  # by GGML's number of the rows' type
 
 SIGNATURES = {  # name: (argument types, result type)
     "spnl_has_int8": ([], I32),
@@ -260,8 +262,8 @@ SIGNATURES = {  # name: (argument types, result type)
     ),
     "spnl_dequantize": ([I32, PTR, I64, I64, I64, PTR, I32], I32),
     "spnl_gather_rows": ([I32, PTR, I64, PTR, I64, I64, PTR], I32),
-    "spnl_q4k_tile": ([PTR, I64, I64, I64, PTR, I32], I32),
-    "spnl_q4k_tiles_native": ([], I32),
+    "spnl_tile": ([I32, PTR, I64, I64, I64, PTR, I32], I32),
+    "spnl_tiles_native": ([I32], I32),
     "spnl_rms_norm": ([PTR, PTR, PTR, I64, I64, F32], I32),
     "spnl_add_rms_norm": ([PTR, PTR, PTR, F32, PTR, F32, PTR, I64, I64, I32], I32),
     "spnl_qk_norm_rope": ([ctypes.POINTER(QkArgs), I32], I32),

@@ -5,7 +5,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from ...errors import EngineError
-from .abi import Q4K_TILES, STATUS
+from .abi import STATUS, TILED_FORMATS
 
 
 class KernelArgumentError(EngineError):
@@ -52,16 +52,17 @@ def _problem(tensor: torch.Tensor, dtype: torch.dtype, dims: int | None, numel: 
 def block_type(fmt: int) -> GGMLQuantizationType:
     """The GGML type whose blocks the kernels' format number ``fmt`` holds (a ValueError
     where none does)."""
-    return GGMLQuantizationType.Q4_K if fmt == Q4K_TILES else GGMLQuantizationType(fmt)
+    rows = {tiled: ggml for ggml, tiled in TILED_FORMATS.items()}
+    return GGMLQuantizationType(rows.get(fmt, fmt))
 
 
 def qtype_name(qtype: int) -> str:
-    """A format number's name: GGML's, or Q4_K's tiles."""
+    """A format number's name: GGML's, or its tiles'."""
     try:
         name = block_type(qtype).name
     except ValueError:
         return f"number {qtype} (unknown)"
-    return f"{name} tiles" if qtype == Q4K_TILES else name
+    return f"{name} tiles" if qtype in TILED_FORMATS.values() else name
 
 
 # The dtypes a float pool may hold: read back exactly, computed in float32.

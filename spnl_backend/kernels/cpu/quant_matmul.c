@@ -14,8 +14,8 @@
 // GGML's type ids (gguf.GGMLQuantizationType).
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q8_1 = 9,
        Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30, MXFP4 = 39 };
-// Not GGML's: Q4_K's bytes reordered in tiles of 16 rows (q4k_tiles.h, quant/tiles.py).
-enum { Q4_K_T16 = 1012 };
+// Not GGML's: Q4_K's and Q6_K's bytes reordered in tiles of 16 rows (tiles.h, quant/tiles.py).
+enum { Q4_K_T16 = 1012, Q6_K_T16 = 1014 };
 
 // Every block format once: type id, name, values and bytes per block. The float kernels,
 // the int8 kernels (quant_int8.h) and the FORMATS table are each stamped out from it.
@@ -353,7 +353,7 @@ DEFINE_FLOAT_KERNELS(f16, 32, 64, dq_f16)
 #define INT8_PATH 1
 #include "quant_int8.h"
 #endif
-#include "q4k_tiles.h"
+#include "tiles.h"
 
 // ---- the formats and the entry points ------------------------------------------------------
 
@@ -370,16 +370,18 @@ typedef struct {
 #endif
 
 #ifdef INT8_PATH
-#define Q4_K_T16_FAST q4_k_t16_i8
+#define T16_FAST(NAME) NAME##_t16_i8
 #else
-#define Q4_K_T16_FAST NULL
+#define T16_FAST(NAME) NULL
 #endif
 static const format FORMATS[] = {
     BLOCK_FORMATS(FORMAT){F16, 32, 64, f16_f32, NULL, f16_rows},
-    {Q4_K_T16, 256, 144, q4_k_t16_f32, Q4_K_T16_FAST, q4_k_t16_rows}};
+    {Q4_K_T16, 256, 144, q4_k_t16_f32, T16_FAST(q4_k), q4_k_t16_rows},
+    {Q6_K_T16, 256, 210, q6_k_t16_f32, T16_FAST(q6_k), q6_k_t16_rows}};
 
 static const format *format_of(int qtype, int64_t k_in) {
-    if (qtype == Q4_K_T16 && k_in > Q4K_TILE_MAX_K) return NULL;  // no such tiles are made
+    if ((qtype == Q4_K_T16 || qtype == Q6_K_T16) && k_in > TILE_MAX_K)
+        return NULL;  // no such tiles are made
     for (size_t i = 0; i < sizeof FORMATS / sizeof FORMATS[0]; i++)
         if (FORMATS[i].qtype == qtype) return k_in % FORMATS[i].block ? NULL : &FORMATS[i];
     return NULL;
@@ -401,8 +403,8 @@ int spnl_has_int8(void) {
 
 #define MAX_PRODUCTS 512  // a mixture of experts: gate and up of each of up to 256 experts
 #define TILE_ROWS 16  // weight rows per task: spreads the per-row overhead
-// A task of a tiled Q4_K matrix is one tile, or the rows past the last (q4k_tiles.h).
-_Static_assert(TILE_ROWS == Q4K_TILE_ROWS, "tiled Q4_K's kernels take one tile a task");
+// A task of a tiled matrix is one tile, or the rows past the last (tiles.h).
+_Static_assert(TILE_ROWS == TILE16, "the tiles' kernels take one tile a task");
 
 #ifdef INT8_PATH
 typedef struct {

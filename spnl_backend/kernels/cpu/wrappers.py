@@ -17,6 +17,7 @@ from .abi import (
     I64,
     MAX_HEAD_DIM,
     PTR,
+    TILED_FORMATS,
     AttentionArgs,
     CodedDecodeArgs,
     Group,
@@ -43,20 +44,25 @@ class CpuKernels:
     # platform's decision (`PlatformDecisions.threads`).
     threads: int = 1
 
-    @property
-    def q4k_tiles_native(self) -> bool:
-        """Whether Q4_K's tiles of 16 rows (`quant.tiles`) have their own kernel here."""
-        return bool(self.library.spnl_q4k_tiles_native())
+    def tiles_native(self, qtype: GGMLQuantizationType) -> bool:
+        """Whether ``qtype``'s tiles of 16 rows (`quant.tiles`) have their own kernel here."""
+        return bool(self.library.spnl_tiles_native(qtype.value))
 
-    def tile_q4k(self, weight: torch.Tensor, k_in: int) -> torch.Tensor:
-        """The Q4_K rows ``weight`` ``[rows, row_bytes]`` in tiles of 16 rows, in a host
-        buffer of their own (`quant.tiles`)."""
-        require(weight, torch.uint8, "tile_q4k: weight", dims=2)
-        self.check_row_bytes(GGMLQuantizationType.Q4_K.value, k_in, weight.shape[1], "tile_q4k")
+    def tile(self, qtype: GGMLQuantizationType, weight: torch.Tensor, k_in: int) -> torch.Tensor:
+        """The ``qtype`` (Q4_K or Q6_K) rows ``weight`` ``[rows, row_bytes]`` in tiles of 16
+        rows, in a host buffer of their own (`quant.tiles`)."""
+        require(weight, torch.uint8, "tile: weight", dims=2)
+        if qtype.value not in TILED_FORMATS:
+            raise KernelArgumentError(
+                f"tile: {qtype.name} has no tiles; "
+                f"accepted: {', '.join(qtype_name(q) for q in TILED_FORMATS)}"
+            )
+        self.check_row_bytes(qtype.value, k_in, weight.shape[1], "tile")
         weight = weight.contiguous()
         out = host_tensor(tuple(weight.shape), torch.uint8, zeroed=False)
         check_status(
-            self.library.spnl_q4k_tile(
+            self.library.spnl_tile(
+                qtype.value,
                 weight.data_ptr(),
                 weight.numel(),
                 weight.shape[0],
@@ -64,7 +70,7 @@ class CpuKernels:
                 out.data_ptr(),
                 self.threads,
             ),
-            "tile_q4k",
+            "tile",
         )
         return out
 
