@@ -279,8 +279,8 @@ static inline __attribute__((always_inline)) void q4_k_t16_tile(int mr, const ac
 // Q6_K: per block, 32 words of low nibbles (ql), 16 of two-bit crumbs (qh), 4 of int8
 // scales (one per 16 values), then d. Word 16h + j of ql holds, in its low nibbles, values
 // 128h + 4j + [0, 4) and in its high ones those 64 later; word 16h + 8 + j those 32 later
-// again; word 32 + 8h + j of qh their top two bits, in crumbs 0, 2 (for the low nibbles),
-// 1 and 3. The value group 128h + 32k + 4j (k < 4) then belongs to sub-block 8h + 2k + j / 4.
+// again; word 32 + 8h + j of qh their top two bits: value group 128h + 32k + 4j (k < 4) in
+// its crumbs k (bits 2k, 2k + 1). That group belongs to sub-block 8h + 2k + j / 4.
 
 // Scale s of 16 rows (sc: their 4 words of scales) sign-extended to 32 bits.
 static inline __m512i q6_k_scale(const __m512i *sc, int s) {
@@ -296,25 +296,40 @@ static inline __m512i q6_k_scale_pair(const __m512i *sc, int p) {
         _mm512_shuffle_epi8(_mm512_loadu_si512(sc + p / 2), _mm512_broadcast_i32x4(at)), 8);
 }
 
+// A Q6_K block's 4 value vectors of 16 rows from its words at `at` (tile_slot's ql word
+// 16h + j, ql word 16h + 8 + j, qh word 32 + 8h + j): values 128h + 32k + 4j + [0, 4) of
+// each row in u[k], k = 3's 4 times over (their nibble shifted down 2 beside their crumb in
+// place: two operations fewer; their sums shifted back, exactly).
+static inline __attribute__((always_inline)) void q6_k_values(const __m512i *at, __m512i u[4]) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8((char)0xF0);
+    const __m512i crumb = _mm512_set1_epi8(0x30), top = _mm512_set1_epi8((char)0xC0);
+    const __m512i q0 = _mm512_loadu_si512(at), q1 = _mm512_loadu_si512(at + 1);
+    const __m512i qh = _mm512_loadu_si512(at + 2);
+    u[0] = _mm512_ternarylogic_epi32(_mm512_and_si512(q0, low4), _mm512_slli_epi16(qh, 4), crumb,
+                                     0xF8);
+    u[1] = _mm512_ternarylogic_epi32(_mm512_and_si512(q1, low4), _mm512_slli_epi16(qh, 2), crumb,
+                                     0xF8);
+    u[2] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(q0, 4), low4), qh, crumb,
+                                     0xF8);
+    u[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(_mm512_and_si512(q1, high4), 2), qh, top,
+                                     0xF8);
+}
+
 // One Q6_K block of the tile (its 52 words at `words`, in tile_slot's order; its 16 d's at
-// `ds`) against
-// activation rows a[0..mr): each row's S and M for the 16 weight rows, as k_dot finds them,
-// onto its float sums.
+// `ds`) against activation rows a[0..mr): each row's S and M for the 16 weight rows, as
+// k_dot finds them, onto its float sums. Value group 128h + 32k + 4j (k < 4) belongs to
+// sub-block 8h + 2k + j / 4: each k's sums one chain, through j < 4, then 4 <= j < 8, the
+// words read in order. (Each k's chain whole, one after another, holds fewer registers and
+// measured 1.1x faster at 4 to 16 rows in cache, but reads the words out of order: from
+// memory 17-20 GB/s at one row against 27-28.)
 static inline __attribute__((always_inline)) void q6_k_t16_block(int mr, const uint8_t *words,
                                                                  const uint8_t *ds,
                                                                  const act_block *a, __m512 *ss,
                                                                  __m512 *ms) {
     const __m512i *v = (const __m512i *)words;
-    const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8((char)0xF0);
-    const __m512i crumb = _mm512_set1_epi8(0x30), top = _mm512_set1_epi8((char)0xC0);
     __m512i sums[KT_MR];
     for (int i = 0; i < mr; i++) sums[i] = _mm512_setzero_si512();
-    // Words 16h + j and 16h + 8 + j of ql and 32 + 8h + j of qh give value groups
-    // 128h + 32k + 4j for k < 4: each k's sums one chain, through j < 4 (sub-blocks 8h + 2k)
-    // then 4 <= j < 8 (8h + 2k + 1), the words read in order. The values of k = 3 are taken
-    // 4 times over (their nibble shifted down 2 beside their crumb in place: two operations
-    // fewer), their sums shifted back, exactly.
-    // unrolled whole: the shifts below then take constants
+    // unrolled whole: the shifts and offsets below then take constants
 #pragma GCC unroll 2
     for (int h = 0; h < 2; h++) {
 #pragma GCC unroll 2
@@ -325,25 +340,16 @@ static inline __attribute__((always_inline)) void q6_k_t16_block(int mr, const u
 #pragma GCC unroll 4
             for (int jj = 0; jj < 4; jj++) {
                 const int j = 4 * half + jj;
-                const __m512i *at = v + 4 + 24 * h + 3 * j;  // tile_slot
-                const __m512i q0 = _mm512_loadu_si512(at), q1 = _mm512_loadu_si512(at + 1);
-                const __m512i qh = _mm512_loadu_si512(at + 2);
-                const __m512i u[4] = {
-                    _mm512_ternarylogic_epi32(_mm512_and_si512(q0, low4), _mm512_slli_epi16(qh, 4),
-                                              crumb, 0xF8),
-                    _mm512_ternarylogic_epi32(_mm512_and_si512(q1, low4), _mm512_slli_epi16(qh, 2),
-                                              crumb, 0xF8),
-                    _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(q0, 4), low4), qh,
-                                              crumb, 0xF8),
-                    _mm512_ternarylogic_epi32(_mm512_srli_epi16(_mm512_and_si512(q1, high4), 2), qh,
-                                              top, 0xF8)};
+                __m512i u[4];
+                q6_k_values(v + 4 + 24 * h + 3 * j, u);
                 for (int k = 0; k < 4; k++)
                     for (int i = 0; i < mr; i++)
                         acc[i][k] = _mm512_dpbusd_epi32(acc[i][k], u[k],
                                                         bcast4(a[i].q + 128 * h + 32 * k + 4 * j));
             }
             for (int k = 0; k < 4; k++) {
-                const __m512i scale = q6_k_scale(v, 8 * h + 2 * k + half);
+                const int s = 8 * h + 2 * k + half;
+                const __m512i scale = q6_k_scale(v, s);
                 for (int i = 0; i < mr; i++) {
                     const __m512i sum = k == 3 ? _mm512_srai_epi32(acc[i][k], 2) : acc[i][k];
                     sums[i] = _mm512_add_epi32(sums[i], _mm512_mullo_epi32(sum, scale));
@@ -351,13 +357,15 @@ static inline __attribute__((always_inline)) void q6_k_t16_block(int mr, const u
             }
         }
     }
+    __m512i pairs[8];
+    for (int p = 0; p < 8; p++) pairs[p] = q6_k_scale_pair(v, p);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)ds));
     const __m512 dmin = _mm512_mul_ps(d, _mm512_set1_ps(-32.0f));  // k_dot's for Q6_K
     for (int i = 0; i < mr; i++) {
         __m512i offsets = _mm512_setzero_si512();
 #pragma GCC unroll 8
         for (int p = 0; p < 8; p++)  // scales 2p, 2p + 1 against their sums of 16
-            offsets = _mm512_dpwssd_epi32(offsets, q6_k_scale_pair(v, p),
+            offsets = _mm512_dpwssd_epi32(offsets, pairs[p],
                                           bcast4((const int8_t *)(a[i].bsums + 2 * p)));
         const __m512 by = _mm512_set1_ps(a[i].d);
         ss[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[i]), _mm512_mul_ps(d, by), ss[i]);
