@@ -152,6 +152,12 @@ def test_tiling_refuses_what_it_cannot_tile(qtype):
     assert call(qtype.value, at, n, 0, wide, out.data_ptr(), 1) == -1
 
 
+def test_a_format_without_tiles_cannot_be_marked_tiled():
+    weight = _weight(16, 256, qtype=Q.Q5_K)
+    with pytest.raises(ValueError, match="Q5_K has no tiles; tiled weights are Q4_K, Q6_K"):
+        QuantizedWeight(weight.data, Q.Q5_K, weight.shape, tiled=True)
+
+
 def test_what_is_worth_tiling():
     weight = _weight(32, 512)
     assert not tiles.tileable(weight, None)

@@ -29,6 +29,13 @@ class QuantizedWeight:
     shape: tuple[int, int]
     tiled: bool = False
 
+    def __post_init__(self) -> None:
+        if self.tiled and self.qtype not in tiles.BLOCK_BYTES:
+            raise ValueError(
+                f"{self.qtype.name} has no tiles; tiled weights are "
+                + ", ".join(q.name for q in tiles.BLOCK_BYTES)
+            )
+
     @classmethod
     def from_float(cls, weight: torch.Tensor, qtype: GGMLQuantizationType) -> "QuantizedWeight":
         return cls(quantize(weight, qtype), qtype, tuple(weight.shape))
