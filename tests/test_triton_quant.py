@@ -13,7 +13,9 @@ from spnl_backend.kernels.matmuls import (
     quantized_matmul_ref,
     quantized_matmuls_ref,
     quantized_matmuls_triton,
+    quantized_matmuls_triton_fastest,
 )
+from spnl_backend.kernels.thresholds import TRITON_FUSED_ROWS
 from spnl_backend.quant.linear import QuantEmbedding, QuantizedWeight, QuantLinear
 from spnl_backend.quant.quantize import QUANTIZERS
 
@@ -81,6 +83,30 @@ def test_many_rows_unpack_then_multiply():
     x = torch.randn(80, 512, generator=torch.Generator().manual_seed(3))
     out = quantized_matmuls_triton(x.to(DEVICE), [w.to(DEVICE) for w in weights])
     torch.testing.assert_close(out.cpu(), quantized_matmuls_ref(x, weights), rtol=1e-4, atol=1e-4)
+
+
+def test_tiled_weights_reach_triton_as_rows():
+    """The CPU's tiles (`quant.tiles`) are its own kernels' layout: Triton reads a tiled
+    weight's rows (a model loaded on the CPU and handed Triton's products, as below)."""
+    from spnl_backend.kernels.cpu import cpu_kernels
+
+    native = cpu_kernels()
+    if native is None or not native.tiles_native(Q.Q6_K):
+        pytest.skip("no tile kernels compiled here")
+    weights = [_weight(Q.Q6_K, rows=32), _weight(Q.Q4_K, rows=48, seed=2)]
+    tiled = [w.as_tiles(native) for w in weights]
+    assert all(w.tiled for w in tiled)
+    on_device = [w.to(DEVICE) for w in tiled]  # off the host, tiles become rows
+    generator = torch.Generator().manual_seed(4)
+    for rows, matmuls in [
+        (3, quantized_matmuls_triton),
+        (TRITON_FUSED_ROWS + 1, quantized_matmuls_triton_fastest),  # dequantized, then a GEMM
+    ]:
+        x = torch.randn(rows, 512, generator=generator)
+        out = matmuls(x.to(DEVICE), on_device)
+        torch.testing.assert_close(
+            out.cpu(), quantized_matmuls_ref(x, weights), rtol=1e-4, atol=1e-4
+        )
 
 
 def _quantized_layers(backend) -> list:

@@ -32,6 +32,8 @@ class PackedWeight(Protocol):
 
     def rows(self, index: torch.Tensor | slice) -> "PackedWeight": ...
 
+    def as_rows(self) -> "PackedWeight": ...  # as GGML stores it (not the CPU's tiles)
+
     def dequantize(self) -> torch.Tensor: ...
 
     def to(self, device: torch.device) -> "PackedWeight": ...
@@ -98,6 +100,7 @@ def quantized_matmuls_triton(
     row count: the fixed tiles make each row's sums independent of the others."""
     from .triton_quant import qmatmul_triton
 
+    weights = [w.as_rows() for w in weights]  # tiles are the CPU kernels' alone
     return torch.cat([qmatmul_triton(x, w.data, w.qtype, w.shape[0]) for w in weights], dim=-1)
 
 
@@ -108,6 +111,7 @@ def quantized_matmuls_triton_fastest(
     GEMM in the activations' dtype, on the tensor cores."""
     from .triton_quant import dequantize_triton, qmatmul_triton
 
+    weights = [w.as_rows() for w in weights]  # tiles are the CPU kernels' alone
     if x.shape[0] <= TRITON_FUSED_ROWS:
         parts = [qmatmul_triton(x, w.data, w.qtype, w.shape[0]) for w in weights]
     else:  # in the activations' dtype: bf16/fp16 GEMMs on the tensor cores
