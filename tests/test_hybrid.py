@@ -662,3 +662,14 @@ def test_a_config_out_of_range_names_its_key(tiny, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelFileError, match="'linear_num_value_heads' is 3; expected a multiple"):
         load_backend(str(tmp_path), settings=BackendSettings(device="cpu"))
+
+
+def test_a_quantized_hybrid_embeds_texts(tiny):
+    """Embeddings of a model with state layers whose embedding table is quantized (ISQ here,
+    as a GGUF's would be): each text from a fresh state, in the model's dtype."""
+    settings = BackendSettings(device="cpu", isq="Q8_0", paged_cache_type="f32")
+    with load_backend(str(tiny.hf("falcon_h1").path), settings=settings) as backend:
+        assert hasattr(backend.model.model.embed_tokens, "weight_q")
+        vectors = backend.embed(["a first text", "and a second"]).vectors
+    assert vectors.shape == (2, backend.model_config.hidden_size)
+    torch.testing.assert_close(vectors.norm(dim=-1), torch.ones(2))

@@ -65,7 +65,9 @@ def embed(
     positions = torch.cat([torch.arange(n, device=device) for n in lengths])
     attention = SelfAttention(lengths)
     if model.config.num_state_layers:  # each text from a fresh state
-        cache = StateCache(model.config, model.model.embed_tokens.weight.dtype, device)
+        table = model.model.embed_tokens  # a quantized one keeps its dtype, not a weight
+        dtype = table.dtype if hasattr(table, "weight_q") else table.weight.dtype
+        cache = StateCache(model.config, dtype, device)
         attention.states = cache.standalone(lengths)
     hidden = model(input_ids, positions, attention).float()
     pooled = torch.stack([_pool(part, pooling) for part in hidden.split(lengths)])
