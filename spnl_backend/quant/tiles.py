@@ -56,8 +56,7 @@ def tile(data: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
     """``qtype`` rows ``[rows, row_bytes]`` uint8 as tiles (the same shape): tile t, block
     b, word w of row r at the place the native kernels read it."""
     out = data.clone()
-    n, blocks = _counts(data, qtype)
-    words = BLOCK_BYTES[qtype] // WORD_BYTES
+    n, blocks, (words, _) = *_counts(data, qtype), _split(BLOCK_BYTES[qtype])
     if not n:
         return out
     rows = data[: n * TILE_ROWS].reshape(n, TILE_ROWS, blocks, BLOCK_BYTES[qtype])
@@ -65,7 +64,7 @@ def tile(data: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
     order = torch.argsort(torch.tensor(slots(qtype)))  # the word at each slot
     by_word = by_word[:, :, :, order].permute(0, 2, 3, 1, 4).reshape(n, blocks, -1)
     tails = rows[..., words * WORD_BYTES :].permute(0, 2, 1, 3).reshape(n, blocks, -1)
-    odd = (torch.arange(blocks) % 2 == 1).view(1, blocks, 1)
+    odd = _odd_blocks(blocks)
     tiled = torch.where(odd, torch.cat([tails, by_word], -1), torch.cat([by_word, tails], -1))
     out[: n * TILE_ROWS] = tiled.reshape(n * TILE_ROWS, -1)
     return out
@@ -78,7 +77,7 @@ def untile(data: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
     if not n:
         return out
     tiled = data[: n * TILE_ROWS].reshape(n, blocks, TILE_ROWS * BLOCK_BYTES[qtype])
-    odd = (torch.arange(blocks) % 2 == 1).view(1, blocks, 1)
+    odd = _odd_blocks(blocks)
     word_bytes, tail_bytes = TILE_ROWS * words * WORD_BYTES, TILE_ROWS * tail
     by_word = torch.where(odd, tiled[..., tail_bytes:], tiled[..., :word_bytes])
     tails = torch.where(odd, tiled[..., :tail_bytes], tiled[..., word_bytes:])
@@ -88,6 +87,11 @@ def untile(data: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
     rows = torch.cat([by_word.reshape(n, TILE_ROWS, blocks, -1), tails], -1)
     out[: n * TILE_ROWS] = rows.reshape(n * TILE_ROWS, -1)
     return out
+
+
+def _odd_blocks(blocks: int) -> torch.Tensor:
+    """Which tile blocks begin with their tail (odd ones), as a mask over [tile, block, byte]."""
+    return (torch.arange(blocks) % 2 == 1).view(1, blocks, 1)
 
 
 def _counts(data: torch.Tensor, qtype: GGMLQuantizationType) -> tuple[int, int]:
