@@ -77,6 +77,71 @@ def test_the_native_tiling_is_the_twin(rows, cols, threads, qtype):
 
 @needs_int8
 @formats
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(("rows", "cols"), SHAPES)
+def test_tiling_in_place_is_the_twin(rows, cols, threads, qtype):
+    """In place, each worker's tile goes through its own scratch: the twin's bytes, in the
+    weight's own buffer, whatever the threads (rows past the tiles left where they are)."""
+    weight = _weight(rows, cols, qtype=qtype)
+    data = weight.data.clone()
+    tiled = replace(NATIVE, threads=threads).tile(qtype, data, cols, in_place=True)
+    assert tiled.data_ptr() == data.data_ptr()
+    assert torch.equal(data, tiles.tile(weight.data, qtype))
+
+
+@needs_int8
+@formats
+def test_tiling_refuses_an_overlap_that_is_not_in_place(qtype):
+    weight = _weight(32, 512, qtype=qtype)
+    data = weight.data.clone()
+    call, n = NATIVE.library.spnl_tile, data.numel()
+    for shift in (64, -64):  # dst a line past src, or before it: each would read its own writes
+        room = torch.zeros(n + 64, dtype=torch.uint8)
+        src = room[64:] if shift > 0 else room[:n]
+        src.copy_(data.reshape(-1))
+        assert call(qtype.value, src.data_ptr(), n, 32, 512, src.data_ptr() + shift, 2) == -1
+        assert torch.equal(src, data.reshape(-1))  # refused before any write
+    strided = torch.zeros(32, 2 * data.shape[1], dtype=torch.uint8)[:, ::2]
+    with pytest.raises(KernelArgumentError, match="tile: weight is not contiguous"):
+        NATIVE.tile(qtype, strided, 512, in_place=True)
+
+
+@needs_int8
+def test_a_weight_alone_with_its_bytes_is_tiled_in_place_and_a_shared_one_copied():
+    """No second copy of a weight that alone holds its bytes; one whose tensor, or a view of
+    it, something else holds is tiled into a buffer of its own, the holder's rows untouched."""
+    from torch import nn
+
+    from spnl_backend.kernels.matmuls import CpuMatmuls
+    from spnl_backend.loader.tiling import tile_projections
+
+    matmuls = CpuMatmuls(NATIVE)
+    alone, viewed, held = (_weight(32, 512, seed=s) for s in range(3))
+    view, tensor = viewed.data[:16], held.data  # a slice, and the very tensor, held elsewhere
+    twin = QuantizedWeight(held.data, held.qtype, held.shape)  # a second weight of its bytes
+    before = {id(w): (w.data.data_ptr(), w.data.clone()) for w in (alone, viewed, held)}
+    model = nn.ModuleList(QuantLinear(w, matmuls=matmuls) for w in (alone, viewed, held, twin))
+    x = torch.randn(3, 512)
+    want = [_bits(m(x)) for m in model]
+    for module in model:
+        module.prepared.clear()  # tiling comes before any call is prepared (they hold weights)
+    assert tile_projections(model, NATIVE) == 3 * NATIVE.tiles_native(Q.Q4_K)
+    if not NATIVE.tiles_native(Q.Q4_K):
+        return
+    assert model[0].weight_q is alone
+    assert alone.tiled
+    assert alone.data.data_ptr() == before[id(alone)][0]  # in place
+    for weight, kept in ((viewed, view), (held, tensor)):
+        assert not weight.tiled
+        assert torch.equal(weight.data, before[id(weight)][1])
+        assert kept.data_ptr() == before[id(weight)][0]
+    assert model[2].weight_q is model[3].weight_q  # the shared bytes tiled once
+    assert model[1].weight_q.data.data_ptr() != before[id(viewed)][0]
+    assert all(torch.equal(a, _bits(m(x))) for a, m in zip(want, model, strict=True))
+
+
+@needs_int8
+@formats
 @pytest.mark.parametrize("exact", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("rows", "cols"), SHAPES[:3])

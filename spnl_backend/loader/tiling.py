@@ -1,6 +1,7 @@
 """A loaded model's Q4_K and Q6_K projections made tiles of 16 rows (`quant.tiles`) for the
 CPU's products, one weight at a time."""
 
+import torch
 from torch import nn
 
 from ..kernels.cpu import CpuKernels
@@ -38,7 +39,11 @@ def tile_projections(
         if not tileable(weight, native) or weight.data.untyped_storage().data_ptr() in looked_up:
             continue
         assert native is not None
-        tiles = weight.as_tiles(native)
+        if _sole_holder(weight):  # no second copy: the peak stays the model's size
+            weight.tile_in_place(native)
+            tiles = weight
+        else:
+            tiles = weight.as_tiles(native)
         for module in modules:
             module.weight_q = tiles
         tiled[weight.qtype.name] = tiled.get(weight.qtype.name, 0) + 1
@@ -46,6 +51,26 @@ def tile_projections(
     if tiled:
         log.info("weights.tiled", weights=tiled, rows=TILE_ROWS)
     return sum(tiled.values())
+
+
+def _sole_holder(weight: QuantizedWeight) -> bool:
+    """Whether ``weight`` alone reads its bytes, so that they may become tiles in place: no
+    tensor or storage handle views them but ``weight``'s own (none left by the loader, no
+    shard, slice, or second weight made of the same tensor). Other holders of ``weight``
+    itself see its `tiled` change with its bytes. Unsure means no. ``weight.data`` becomes
+    an alias of the same bytes that is no view of the tensor it was cut from, whose hold on
+    them would otherwise count."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    data = weight.data
+    if use_count is None or not data.is_contiguous():
+        return False
+    storage = data.untyped_storage()
+    weight.data = torch.empty(0, dtype=data.dtype).set_(
+        storage, data.storage_offset(), data.shape, data.stride()
+    )
+    del data, storage
+    # the alias, and the storage handle the count is asked through
+    return use_count(weight.data.untyped_storage()._cdata) == 2
 
 
 def _bytes_of(weight: QuantizedWeight) -> tuple:

@@ -63,6 +63,14 @@ class QuantizedWeight:
         data = native.tile(self.qtype, self.data, self.shape[1])
         return QuantizedWeight(data, self.qtype, self.shape, tiled=True)
 
+    def tile_in_place(self, native) -> None:
+        """This weight's own bytes made tiles by ``native``'s kernels, without a second copy:
+        only for a weight that alone holds its bytes (`loader.tiling`), since whatever else
+        read them would then read tiles as rows."""
+        if not self.tiled:
+            native.tile(self.qtype, self.data, self.shape[1], in_place=True)
+            self.tiled = True
+
     def dequantize(self) -> torch.Tensor:
         """The torch twin: the whole matrix in float32."""
         return dequantize(self.as_rows().data.reshape(-1), self.qtype, self.shape)

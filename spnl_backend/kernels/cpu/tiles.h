@@ -57,21 +57,33 @@ static inline void untile_block(const uint8_t *tile, int bytes, int r, int64_t b
 }
 
 // Task t of spnl_tile: tile t reordered (the last task: the rows past the tiles copied).
-typedef struct { const uint8_t *src; uint8_t *dst; int64_t n_rows, blocks; int bytes; } tile_call;
+// In place (src == dst), each worker first copies its tile's 16 rows to its own scratch of
+// one tile: a tile's bytes are its own 16 rows', so tiles never reach into each other.
+typedef struct {
+    const uint8_t *src;
+    uint8_t *dst, *scratch;
+    int64_t n_rows, blocks;
+    int bytes;
+} tile_call;
 
 static void tile_task(void *ctx, int64_t t, int worker) {
-    (void)worker;
     const tile_call *c = ctx;
     const int bytes = c->bytes, n_words = bytes / 4, tail = bytes % 4;
     const int64_t row_bytes = c->blocks * bytes, tiles = c->n_rows / TILE16;
     if (t == tiles) {
         const int64_t first = tiles * TILE16;
-        memcpy(c->dst + first * row_bytes, c->src + first * row_bytes,
-               (size_t)((c->n_rows - first) * row_bytes));
+        if (c->src != c->dst)
+            memcpy(c->dst + first * row_bytes, c->src + first * row_bytes,
+                   (size_t)((c->n_rows - first) * row_bytes));
         return;
     }
     const uint8_t *src = c->src + t * TILE16 * row_bytes;
     uint8_t *dst = c->dst + t * TILE16 * row_bytes;
+    if (c->scratch) {
+        uint8_t *own = c->scratch + (int64_t)worker * TILE16 * row_bytes;
+        memcpy(own, src, (size_t)(TILE16 * row_bytes));
+        src = own;
+    }
     for (int64_t b = 0; b < c->blocks; b++) {
         const uint8_t *from = src + b * bytes;
         uint8_t *block = dst + b * TILE16 * bytes, *words = block + tile_words_at(bytes, b);
@@ -106,15 +118,26 @@ static inline int tile_format_bytes(int qtype) {
 }
 
 // dst = the matrix src [n_rows][k_in] of GGML type qtype (Q4_K or Q6_K) in tiles (the
-// same number of bytes).
+// same number of bytes): a buffer of its own, or src itself (in place, with one tile of
+// scratch a worker); never one that overlaps src otherwise.
 int spnl_tile(int qtype, const uint8_t *src, int64_t src_bytes, int64_t n_rows, int64_t k_in,
               uint8_t *dst, int threads) {
     const int bytes = tile_format_bytes(qtype);
     if (!bytes || n_rows < 0 || k_in < 1 || k_in % QK_K || k_in > TILE_MAX_K) return BAD_ARGUMENT;
     const int64_t blocks = k_in / QK_K;
     if (n_rows > src_bytes / (blocks * bytes)) return OUT_OF_BOUNDS;
-    tile_call call = {src, dst, n_rows, blocks, bytes};
+    const int64_t matrix = n_rows * blocks * bytes;
+    const int in_place = dst == src;
+    if (!in_place && dst < src + matrix && src < dst + matrix) return BAD_ARGUMENT;
+    const int workers = threads < 1 ? 1 : threads;  // spnl_parallel's workers are 0 .. threads - 1
+    uint8_t *scratch = NULL;
+    if (in_place && n_rows >= TILE16) {
+        scratch = malloc((size_t)workers * TILE16 * blocks * bytes);
+        if (!scratch) return NO_MEMORY;
+    }
+    tile_call call = {src, dst, scratch, n_rows, blocks, bytes};
     spnl_parallel(n_rows / TILE16 + 1, tile_task, &call, threads);
+    free(scratch);
     return 0;
 }
 

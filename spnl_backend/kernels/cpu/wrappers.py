@@ -48,9 +48,17 @@ class CpuKernels:
         """Whether ``qtype``'s tiles of 16 rows (`quant.tiles`) have their own kernel here."""
         return bool(self.library.spnl_tiles_native(qtype.value))
 
-    def tile(self, qtype: GGMLQuantizationType, weight: torch.Tensor, k_in: int) -> torch.Tensor:
+    def tile(
+        self,
+        qtype: GGMLQuantizationType,
+        weight: torch.Tensor,
+        k_in: int,
+        *,
+        in_place: bool = False,
+    ) -> torch.Tensor:
         """The ``qtype`` (Q4_K or Q6_K) rows ``weight`` ``[rows, row_bytes]`` in tiles of 16
-        rows, in a host buffer of their own (`quant.tiles`)."""
+        rows (`quant.tiles`): in a host buffer of their own, or ``in_place``, in ``weight``'s
+        own bytes, returned; the caller then holds rows no more."""
         require(weight, torch.uint8, "tile: weight", dims=2)
         if qtype.value not in TILED_FORMATS:
             raise KernelArgumentError(
@@ -58,8 +66,7 @@ class CpuKernels:
                 f"accepted: {', '.join(qtype_name(q) for q in TILED_FORMATS)}"
             )
         self.check_row_bytes(qtype.value, k_in, weight.shape[1], "tile")
-        weight = weight.contiguous()
-        out = host_tensor(tuple(weight.shape), torch.uint8, zeroed=False)
+        out = weight if in_place else host_tensor(tuple(weight.shape), torch.uint8, zeroed=False)
         check_status(
             self.library.spnl_tile(
                 qtype.value,
