@@ -28,6 +28,21 @@ static double now(void) {
     op " $4, %%" r "1, %%" r "10\n" op " $4, %%" r "1, %%" r "11\n"                        \
     op " $4, %%" r "1, %%" r "12\n" op " $4, %%" r "1, %%" r "13\n"                        \
     op " $4, %%" r "1, %%" r "14\n" op " $4, %%" r "1, %%" r "15\n"
+// A three-operand op beside a shift by an immediate, 4 of each.
+#define PAIR_SHIFT(a, b, r)                                                                \
+    a " %%" r "1, %%" r "2, %%" r "8\n" b " $4, %%" r "1, %%" r "9\n"                     \
+    a " %%" r "1, %%" r "2, %%" r "10\n" b " $4, %%" r "1, %%" r "11\n"                   \
+    a " %%" r "1, %%" r "2, %%" r "12\n" b " $4, %%" r "1, %%" r "13\n"                   \
+    a " %%" r "1, %%" r "2, %%" r "14\n" b " $4, %%" r "1, %%" r "15\n"
+#define TERNLOG(r)                                                                        \
+    "vpternlogd $0xF8, %%" r "1, %%" r "2, %%" r "8\n"                                     \
+    "vpternlogd $0xF8, %%" r "1, %%" r "2, %%" r "9\n"                                     \
+    "vpternlogd $0xF8, %%" r "1, %%" r "2, %%" r "10\n"                                    \
+    "vpternlogd $0xF8, %%" r "1, %%" r "2, %%" r "11\n"                                    \
+    "vpternlogd $0xF8, %%" r "1, %%" r "2, %%" r "12\n"                                    \
+    "vpternlogd $0xF8, %%" r "1, %%" r "2, %%" r "13\n"                                    \
+    "vpternlogd $0xF8, %%" r "1, %%" r "2, %%" r "14\n"                                    \
+    "vpternlogd $0xF8, %%" r "1, %%" r "2, %%" r "15\n"
 #define LOADS(op, r, at, step)                                                            \
     op " " #at "+0*" #step "(%0), %%" r "8\n" op " " #at "+1*" #step "(%0), %%" r "9\n"    \
     op " " #at "+2*" #step "(%0), %%" r "10\n" op " " #at "+3*" #step "(%0), %%" r "11\n"  \
@@ -66,11 +81,17 @@ PROBE(zmm_pshufb, OPS("vpshufb", "zmm"))
 PROBE(zmm_permw, OPS("vpermw", "zmm"))
 PROBE(zmm_packs, OPS("vpackssdw", "zmm"))
 PROBE(zmm_shift_permw, PAIR("vpsllvw", "vpermw", "zmm"))
+PROBE(zmm_ternlog, TERNLOG("zmm"))
+PROBE(zmm_mulld, OPS("vpmulld", "zmm"))
+PROBE(zmm_add, OPS("vpaddd", "zmm"))
 #endif
 #if defined(__AVX512VNNI__)
 PROBE(zmm_dpbusd, OPS("vpdpbusd", "zmm"))
 PROBE(zmm_dpbusd_permw, PAIR("vpdpbusd", "vpermw", "zmm"))
 PROBE(zmm_dpbusd_dpwssd, PAIR("vpdpbusd", "vpdpwssd", "zmm"))
+PROBE(zmm_dpbusd_mulld, PAIR("vpdpbusd", "vpmulld", "zmm"))
+PROBE(zmm_dpbusd_shift, PAIR_SHIFT("vpdpbusd", "vpsrlw", "zmm"))
+PROBE(zmm_dpbusd_and, PAIR("vpdpbusd", "vpandd", "zmm"))
 #endif
 
 // Only x86-64 cores have probes (none elsewhere: the count is then 0).
@@ -94,11 +115,17 @@ static const probe probes[] = {
     {"zmm vpermw", zmm_permw},
     {"zmm vpackssdw", zmm_packs},
     {"zmm vpsllvw + vpermw", zmm_shift_permw},
+    {"zmm vpternlogd", zmm_ternlog},
+    {"zmm vpmulld", zmm_mulld},
+    {"zmm vpaddd", zmm_add},
 #endif
 #if defined(__AVX512VNNI__)
     {"zmm vpdpbusd", zmm_dpbusd},
     {"zmm vpdpbusd + vpermw", zmm_dpbusd_permw},
     {"zmm vpdpbusd + vpdpwssd", zmm_dpbusd_dpwssd},
+    {"zmm vpdpbusd + vpmulld", zmm_dpbusd_mulld},
+    {"zmm vpdpbusd + vpsrlw", zmm_dpbusd_shift},
+    {"zmm vpdpbusd + vpandd", zmm_dpbusd_and},
 #endif
 };
 
