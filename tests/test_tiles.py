@@ -1,6 +1,7 @@
 """Q4_K and Q6_K in tiles of 16 rows (`quant.tiles`, kernels/cpu/tiles.h): the same bytes
 reordered, and every product, lookup and dequantization of them the rows' to the bit."""
 
+import logging
 from dataclasses import replace
 
 import pytest
@@ -107,7 +108,7 @@ def test_tiling_refuses_an_overlap_that_is_not_in_place(qtype):
 
 
 @needs_int8
-def test_a_weight_alone_with_its_bytes_is_tiled_in_place_and_a_shared_one_copied():
+def test_a_weight_alone_with_its_bytes_is_tiled_in_place_and_a_shared_one_copied(caplog):
     """No second copy of a weight that alone holds its bytes; one whose tensor, or a view of
     it, something else holds is tiled into a buffer of its own, the holder's rows untouched."""
     from torch import nn
@@ -125,9 +126,12 @@ def test_a_weight_alone_with_its_bytes_is_tiled_in_place_and_a_shared_one_copied
     want = [_bits(m(x)) for m in model]
     for module in model:
         module.prepared.clear()  # tiling comes before any call is prepared (they hold weights)
-    assert tile_projections(model, NATIVE) == 3 * NATIVE.tiles_native(Q.Q4_K)
+    with caplog.at_level(logging.INFO, logger="spnl_backend"):
+        assert tile_projections(model, NATIVE) == 3 * NATIVE.tiles_native(Q.Q4_K)
     if not NATIVE.tiles_native(Q.Q4_K):
         return
+    assert "weights.tiled" in caplog.text
+    assert "copied=2" in caplog.text  # the viewed one and the held one; not the one alone
     assert model[0].weight_q is alone
     assert alone.tiled
     assert alone.data.data_ptr() == before[id(alone)][0]  # in place

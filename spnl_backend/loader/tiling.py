@@ -34,6 +34,7 @@ def tile_projections(
         weight = module.weight_q
         layers.setdefault(_bytes_of(weight), (weight, []))[1].append(module)
     tiled: dict[str, int] = {}
+    copied = 0  # weights whose bytes something else views: tiled into a buffer of their own
     while layers:  # each weight's rows let go as its tiles replace them: one at a time
         weight, modules = layers.popitem()[1]
         if not tileable(weight, native) or weight.data.untyped_storage().data_ptr() in looked_up:
@@ -44,12 +45,13 @@ def tile_projections(
             tiles = weight
         else:
             tiles = weight.as_tiles(native)
+            copied += 1
         for module in modules:
             module.weight_q = tiles
         tiled[weight.qtype.name] = tiled.get(weight.qtype.name, 0) + 1
         del weight, modules, tiles
     if tiled:
-        log.info("weights.tiled", weights=tiled, rows=TILE_ROWS)
+        log.info("weights.tiled", weights=tiled, rows=TILE_ROWS, copied=copied)
     return sum(tiled.values())
 
 
