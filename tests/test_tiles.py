@@ -118,20 +118,29 @@ def test_a_weight_alone_with_its_bytes_is_tiled_in_place_and_a_shared_one_copied
 
     matmuls = CpuMatmuls(NATIVE)
     alone, viewed, held = (_weight(32, 512, seed=s) for s in range(3))
+    stack = _weight(64, 512, seed=3)  # a part of a buffer nothing else holds: copied, so that
+    part = QuantizedWeight(stack.data[32:], stack.qtype, (32, 512))  # the rest may be freed
+    del stack
     view, tensor = viewed.data[:16], held.data  # a slice, and the very tensor, held elsewhere
     twin = QuantizedWeight(held.data, held.qtype, held.shape)  # a second weight of its bytes
-    before = {id(w): (w.data.data_ptr(), w.data.clone()) for w in (alone, viewed, held)}
-    model = nn.ModuleList(QuantLinear(w, matmuls=matmuls) for w in (alone, viewed, held, twin))
+    before = {id(w): (w.data.data_ptr(), w.data.clone()) for w in (alone, viewed, held, part)}
+    weights = (alone, viewed, held, twin, part)
+    model = nn.ModuleList(QuantLinear(w, matmuls=matmuls) for w in weights)
     x = torch.randn(3, 512)
     want = [_bits(m(x)) for m in model]
     for module in model:
         module.prepared.clear()  # tiling comes before any call is prepared (they hold weights)
     with caplog.at_level(logging.INFO, logger="spnl_backend"):
-        assert tile_projections(model, NATIVE) == 3 * NATIVE.tiles_native(Q.Q4_K)
+        assert tile_projections(model, NATIVE) == 4 * NATIVE.tiles_native(Q.Q4_K)
     if not NATIVE.tiles_native(Q.Q4_K):
         return
     assert "weights.tiled" in caplog.text
-    assert "copied=2" in caplog.text  # the viewed one and the held one; not the one alone
+    assert "copied=3" in caplog.text  # the viewed, the held and the part; not the one alone
+    assert not part.tiled
+    assert torch.equal(part.data, before[id(part)][1])
+    tiled_part = model[4].weight_q
+    assert tiled_part.tiled
+    assert tiled_part.data.untyped_storage().nbytes() == tiled_part.data.nbytes  # its own
     assert model[0].weight_q is alone
     assert alone.tiled
     assert alone.data.data_ptr() == before[id(alone)][0]  # in place

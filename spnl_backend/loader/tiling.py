@@ -56,22 +56,23 @@ def tile_projections(
 
 
 def _sole_holder(weight: QuantizedWeight) -> bool:
-    """Whether ``weight`` alone reads its bytes, so that they may become tiles in place: no
-    tensor or storage handle views them but ``weight``'s own (none left by the loader, no
-    shard, slice, or second weight made of the same tensor). Other holders of ``weight``
-    itself see its `tiled` change with its bytes. Unsure means no. ``weight.data`` becomes
-    an alias of the same bytes that is no view of the tensor it was cut from, whose hold on
-    them would otherwise count."""
+    """Whether ``weight`` alone holds its bytes, so that they may become tiles in place: its
+    bytes are its storage's whole (a part of a larger buffer, such as one expert of a stack
+    or one projection of a fused tensor, is copied instead, so that the rest can be freed),
+    and no other tensor views them (none left by the loader, no shard, slice, or second
+    weight made of the same tensor). Other holders of ``weight`` itself see its `tiled`
+    change with its bytes. Unsure means no. ``weight.data`` becomes an alias of the same
+    bytes that is no view of the tensor it was cut from, whose hold on them would otherwise
+    count."""
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     data = weight.data
-    if use_count is None or not data.is_contiguous():
-        return False
     storage = data.untyped_storage()
-    weight.data = torch.empty(0, dtype=data.dtype).set_(
-        storage, data.storage_offset(), data.shape, data.stride()
-    )
+    whole = data.storage_offset() == 0 and data.nbytes == storage.nbytes()
+    if use_count is None or not data.is_contiguous() or not whole:
+        return False
+    weight.data = torch.empty(0, dtype=data.dtype).set_(storage, 0, data.shape, data.stride())
     del data, storage
-    # the alias, and the storage handle the count is asked through
+    # the alias, and the storage's Python handle the count is asked through
     return use_count(weight.data.untyped_storage()._cdata) == 2
 
 
