@@ -34,7 +34,7 @@ def tile_projections(
         weight = module.weight_q
         layers.setdefault(_bytes_of(weight), (weight, []))[1].append(module)
     tiled: dict[str, int] = {}
-    copied = 0  # weights whose bytes something else views: tiled into a buffer of their own
+    copied = 0  # weights `_sole_holder` keeps from tiles in place: tiled into buffers of their own
     while layers:  # each weight's rows let go as its tiles replace them: one at a time
         weight, modules = layers.popitem()[1]
         if not tileable(weight, native) or weight.data.untyped_storage().data_ptr() in looked_up:
