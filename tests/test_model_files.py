@@ -212,6 +212,21 @@ def test_vocabulary_string_that_is_not_utf8(llama_gguf, cases, index):
     _refused(cases.gguf(raw), f"the metadata string at byte {at:,} is not UTF-8", "corrupt")
 
 
+@pytest.mark.parametrize("depth", [17, 400])
+def test_arrays_nested_too_deep(cases, depth):
+    """Arrays of arrays, one inside the next, past what any writer makes: refused by name,
+    not by the interpreter's recursion limit (400 deep raised a RecursionError)."""
+
+    def string(text: str) -> bytes:
+        return struct.pack("<Q", len(text)) + text.encode()
+
+    array, string_type = 9, 8
+    nested = struct.pack("<IQ", array, 1) * depth + struct.pack("<IQ", string_type, 0)
+    entry = string("general.nested") + struct.pack("<I", array) + nested
+    raw = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + entry
+    _refused(cases.gguf(raw), "truncated or corrupt GGUF header", "arrays nested more than 16")
+
+
 def test_vocabulary_string_longer_than_the_file(llama_gguf, cases):
     """A string length in the vocabulary that runs past the end of the file."""
     raw = write_gguf_bytes(llama_gguf)

@@ -60,6 +60,8 @@ _NUMPY = {
 # The fewest bytes one array item takes, so a corrupt count fails before it is read.
 _MIN_ITEM_SIZE = {**{t: struct.calcsize(f) for t, f in _SCALARS.items()}, V.STRING: 8, V.ARRAY: 12}
 _MAX_DIMS = 4
+# Arrays of arrays: no writer nests them deeper than 2; reading is recursive, so bound it.
+MAX_ARRAY_DEPTH = 16
 _MAX_ELEMENTS = 2**63 - 1  # ggml counts elements in int64
 _U64 = struct.Struct("<Q")
 _HEADER_READ = 16 << 20  # bytes read for the header at first; doubled while it is longer
@@ -115,7 +117,12 @@ class _Cursor:
             f"{self.pos:,}; the file is corrupt"
         )
 
-    def array(self) -> Any:
+    def array(self, depth: int = 1) -> Any:
+        if depth > MAX_ARRAY_DEPTH:
+            raise ModelFileError(
+                f"{self.path}: truncated or corrupt GGUF header (arrays nested more than "
+                f"{MAX_ARRAY_DEPTH} deep at byte {self.pos:,})"
+            )
         item_type, count = self.value_type(), self.scalar(V.UINT64)
         left = self.file_size - self.pos
         if count * _MIN_ITEM_SIZE[item_type] > left:
@@ -128,6 +135,8 @@ class _Cursor:
             return np.frombuffer(self.take(count * dtype.itemsize), dtype=dtype).copy()
         if item_type == V.STRING:
             return self.strings(count)
+        if item_type == V.ARRAY:
+            return [self.array(depth + 1) for _ in range(count)]
         return [self.value(item_type) for _ in range(count)]
 
     def strings(self, count: int) -> list[str]:
