@@ -1,6 +1,8 @@
 """Chat templates come with model files: they render as transformers renders them, and no
 template can hang or crash its caller (it fails the call with the library's error)."""
 
+import json
+
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -65,8 +67,8 @@ def test_the_templates_own_refusal_is_a_request_error():
             "iterated over more than 1,000,000 values",
         ),
         ("{{ range(10**9) }}", r"a range\(\) of 1,000,000,000 values"),
-        ("{{ 'x' * 10**9 }}", "would repeat past"),
-        ("{{ [1] * 10**9 }}", "would repeat past"),
+        ("{{ 'x' * 10**9 }}", "a '\\*' .* would make 1,000,000,000 characters"),
+        ("{{ [1] * 10**9 }}", "a '\\*' .* would make 1,000,000,000 characters"),
         ("{% set big = 10**9 %}{{ 7 ** big }}", "exponent past"),  # jinja's ** groups left
         ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "ran away: RecursionError"),
         ("{{ 1 / 0 }}", "ZeroDivisionError"),
@@ -83,3 +85,114 @@ def test_the_iteration_budget_is_per_rendering():
     template = ChatTemplate("{% for i in range(100000) %}{% endfor %}ok", "test")
     for _ in range(20):  # 2,000,000 values in all, never more than 100,000 in one rendering
         assert template.render(MESSAGES) == "ok"
+
+
+DOUBLED = (
+    "{% set ns = namespace(v=START) %}{% for i in range(40) %}{% set ns.v = STEP %}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("{{ '%200000000s' % 'a' }}", "a '%' .* would make 200,000,0"),
+        ("{{ '%.*f' % (10**9, 1.0) }}", "a '%' .* would make"),
+        ("{{ '%200000000s' | format('a') }}", "the filter 'format' .* would make"),
+        ("{{ 'a'.ljust(200000000) }}", "a 'ljust' .* would make 200,000,000"),
+        ("{{ 'a'.zfill(200000000) }}", "a 'zfill' .* would make"),
+        ("{{ '\t'.expandtabs(200000000) }}", "a 'expandtabs' .* would make"),
+        ("{{ ('ab' * 1000).replace('', 'x' * 1000) }}", "a 'replace' .* would make"),
+        ("{{ ('x' * 100000).join(['a'] * 100) }}", "a 'join' .* would make"),
+        ("{{ '{:>200000000}'.format('a') }}", "a 'format' .* would make"),
+        ("{{ '{}'.format_map({'a': 1}) }}", "Key|KeyError|IndexError|failed"),
+        ("{{ 'a' | center(200000000) }}", "the filter 'center' .* would make"),
+        ("{{ 'a\nb' | indent(200000000) }}", "the filter 'indent' .* would make"),
+        ("{{ ('a ' * 1000) | wordwrap(1, wrapstring='x' * 5000) }}", "the filter 'wordwrap'"),
+        ("{{ [1] | batch(10**9, 0) | list }}", "the filter 'batch' .* would make"),
+        ("{{ messages | tojson(indent=1000000000) }}", "the filter 'tojson' .* would make"),
+        ("{{ ('ab' * 1000) | replace('', 'y' * 1000) }}", "the filter 'replace' .* would make"),
+        # values that double at each step: refused at the step that passes the bound
+        (DOUBLED.replace("START", "'x'").replace("STEP", "ns.v ~ ns.v"), "a '~' .* would make"),
+        (DOUBLED.replace("START", "'x'").replace("STEP", "ns.v + ns.v"), "a '\\+' .* would make"),
+        (DOUBLED.replace("START", "[1]").replace("STEP", "ns.v + ns.v"), "a '\\+' .* would make"),
+        # a list holding the one before twice: 40 levels print 2**40 ones
+        (
+            DOUBLED.replace("START", "[1]").replace("STEP", "[ns.v, ns.v]") + "{{ ns.v }}",
+            "a printed value",
+        ),
+        (
+            DOUBLED.replace("START", "[1]").replace("STEP", "[ns.v, ns.v]") + "{{ ns.v ~ '' }}",
+            "a '~'",
+        ),
+        (
+            DOUBLED.replace("START", "[1]").replace("STEP", "[ns.v, ns.v]") + "{{ ns.v | string }}",
+            "the filter 'string'",
+        ),
+        (
+            DOUBLED.replace("START", "[1]").replace("STEP", "[ns.v, ns.v]") + "{{ ns.v | tojson }}",
+            "the filter 'tojson'",
+        ),
+        (
+            DOUBLED.replace("START", "[1]").replace("STEP", "[ns.v, ns.v]") + "{{ ns.v | join }}",
+            "the filter 'join'",
+        ),
+        (
+            DOUBLED.replace("START", "[1]").replace("STEP", "[ns.v, ns.v]")
+            + "{{ '%s' % (ns.v,) }}",
+            "a '%'",
+        ),
+        (
+            DOUBLED.replace("START", "[1]").replace("STEP", "[ns.v, ns.v]") + "{{ ns }}",
+            "a printed value",
+        ),
+        # loops over anything, not only range(), count
+        (
+            "{% set s = 'x' * 100000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}",
+            "iterated over more than 1,000,000 values",
+        ),
+        (
+            "{% for x in [1] recursive %}{{ loop(range(100000)) }}{% endfor %}",
+            "iterated over more than 1,000,000|ran away",
+        ),
+        # the output, and all that is made
+        ("{% for i in range(100000) %}{{ 'x' * 20 }}{% endfor %}", "output passed the"),
+        (
+            "{% set big = 'x' * 1000000 %}{% for i in range(1000) %}{% set y = big ~ i %}"
+            "{% endfor %}",
+            "made more than",
+        ),
+        ("{{ lipsum(10**6) }}", "'lipsum' is undefined"),
+    ],
+)
+def test_no_template_takes_the_memory(source, message):
+    """What a template makes is sized before it is made wherever its arguments say the
+    size: none of these allocates past a few times the bound (before, a per-request
+    template of this kind took a server's memory until the system killed it)."""
+    template = ChatTemplate(source, "test")
+    with pytest.raises(RequestError, match=message):
+        template.render(MESSAGES)
+
+
+def test_the_filter_without_a_bound_is_not_there():
+    """``pprint`` (a debugging aid) indents nested values without a bound: a template that
+    uses it does not compile."""
+    with pytest.raises(ModelFileError, match="No filter named 'pprint'"):
+        ChatTemplate("{{ [1] | pprint }}", "test")
+
+
+def test_the_bounds_grow_with_the_conversation():
+    """A conversation of 3 MB renders whole, as transformers renders it: the one-value
+    bound is a million characters and four times the input's text."""
+    long = [
+        {"role": "user", "content": "word " * 600_000},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "again " * 1000},
+    ]
+    for source in (GEMMA_CHAT_TEMPLATE, CHATML, FEATURES):
+        ours = ChatTemplate(source, "test").render(long, add_generation_prompt=True, **SPECIALS)
+        (theirs,), _ = render_jinja_template(
+            conversations=[long], chat_template=source, add_generation_prompt=True, **SPECIALS
+        )
+        assert ours == theirs
+    tojson = ChatTemplate("{{ messages | tojson(indent=2) }}", "test").render(long)
+    assert tojson == json.dumps(long, indent=2, ensure_ascii=False)

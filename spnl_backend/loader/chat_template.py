@@ -1,36 +1,38 @@
 """A model's chat template, compiled at load and rendered within bounds.
 
-Templates come with the model file, so they are untrusted code: they run in jinja's
-immutable sandbox, set up as transformers sets up its own (the same filters, globals and
-`{% generation %}` tag), with two bounds transformers does not have, so that no template
-can hang its caller: at most `MAX_ITERATIONS` values from ``range()`` per rendering, and
-no ``*`` or ``**`` whose result would be huge. A template that does not compile is a
-`ModelFileError` at load; one that fails on some messages (its own ``raise_exception``
-included) is a `RequestError` for that call.
+Templates come with the model file, or with a request, so they are untrusted code: they
+run in jinja's immutable sandbox, set up as transformers sets up its own (the same
+filters, globals and `{% generation %}` tag), within bounds transformers does not have, so
+that no template can hang its caller or take its memory: the sizes of the values it makes,
+their total and its loop iterations, all counted (`template_bounds`). A template that does
+not compile is a `ModelFileError` at load; one that fails on some messages (its own
+``raise_exception`` and a bound included) is a `RequestError` for that call.
 """
 
-import contextvars
+import functools
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Sized
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
-from jinja2 import nodes
+from jinja2 import nodes, pass_context
+from jinja2.compiler import CodeGenerator, Frame
 from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.ext import Extension, loopcontrols
+from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import ModelFileError, RequestError, SettingsError
+from . import template_bounds as bounds
+from .template_bounds import MAX_ITERATIONS  # noqa: F401  (re-exported: the documented bound)
 
-MAX_ITERATIONS = 1_000_000  # per rendering, over every range() it calls
 MAX_RANGE = 100_000  # one range(), as jinja's sandbox allows
-MAX_REPEATED = 1_000_000  # items or characters a `*` may produce
 MAX_EXPONENT = 1_000
-
-_left: contextvars.ContextVar[int] = contextvars.ContextVar("chat_template_iterations")
+_LOOP_FILTER = "spnl_counted_loop"  # wraps every for-loop's iterable (`_BoundedSandbox`)
 
 
 class ChatTemplate:
@@ -47,9 +49,10 @@ class ChatTemplate:
             ) from None
 
     def render(self, messages: list[dict[str, str]], **variables: Any) -> str:
-        token = _left.set(MAX_ITERATIONS)
+        given = {"messages": messages, **variables}
         try:
-            return self.template.render(messages=messages, **variables)
+            with bounds.rendering(given):
+                return self.template.render(given)
         except RequestError:
             raise
         except TemplateError as exc:
@@ -68,8 +71,6 @@ class ChatTemplate:
             raise RequestError(
                 f"the model's chat template failed on these messages: {type(exc).__name__}: {exc}"
             ) from None
-        finally:
-            _left.reset(token)
 
 
 # Requests' own templates (``chat_template`` on a chat), compiled once each: the most
@@ -124,35 +125,188 @@ def user_chat_template(value: str | None) -> str | None:
     return source
 
 
+class _BoundedCode(CodeGenerator):
+    def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:  # noqa: N802 (jinja's)
+        """``a ~ b``: through the environment's `joined`, which sizes it first."""
+        self.write("environment.joined((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
-    intercepted_binops = frozenset({"*", "**"})
+    """The sandbox with `template_bounds` on everything that makes a value: operators,
+    calls, filters, ``~``, printing, the output, and every loop."""
+
+    code_generator_class = _BoundedCode
+    intercepted_binops = frozenset({"*", "**", "%", "+"})
+
+    def _generate(self, source: nodes.Template, *args: Any, **kwargs: Any) -> str:
+        for loop in source.find_all(nodes.For):
+            loop.iter = nodes.Filter(loop.iter, _LOOP_FILTER, [], [], None, None)
+            loop.iter.set_lineno(loop.lineno)
+        return super()._generate(source, *args, **kwargs)
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        if operator == "*" and _repeats_too_much(left, right):
-            raise SecurityError(f"a '*' in the chat template would repeat past {MAX_REPEATED:,}")
-        if operator == "**" and isinstance(right, int) and abs(right) > MAX_EXPONENT:
-            raise SecurityError(f"a '**' in the chat template has an exponent past {MAX_EXPONENT}")
-        return super().call_binop(context, operator, left, right)
+        size = _binop_size(operator, left, right)
+        if size is not None:
+            bounds.check_size(size, f"a '{operator}' in the chat template")
+        result = super().call_binop(context, operator, left, right)
+        return bounds.made(result, f"a '{operator}' in the chat template")
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        if isinstance(__obj, LoopContext):  # a recursive loop's next level
+            args = (bounds.counted(args[0]), *args[1:])
+        else:
+            args = _sized_call(__obj, args, kwargs)
+        return bounds.made(
+            super().call(__context, __obj, *args, **kwargs), "a call in the chat template"
+        )
+
+    @staticmethod
+    def joined(values: tuple) -> str:
+        bounds.check_size(sum(map(bounds.printed_size, values)), "a '~' in the chat template")
+        return bounds.made("".join(map(str, values)), "a '~' in the chat template")
 
 
-def _repeats_too_much(left: Any, right: Any) -> bool:
-    for sequence, times in ((left, right), (right, left)):
-        if isinstance(sequence, str | list | tuple) and isinstance(times, int):
-            return len(sequence) * times > MAX_REPEATED
-    return False
+def _binop_size(operator: str, left: Any, right: Any) -> int | None:
+    """The size of ``left operator right`` where its operands set it; None elsewhere."""
+    if operator == "*":
+        for sequence, times in ((left, right), (right, left)):
+            if isinstance(sequence, str | list | tuple) and isinstance(times, int):
+                return len(sequence) * times
+    if operator == "**" and isinstance(right, int) and abs(right) > MAX_EXPONENT:
+        raise SecurityError(f"a '**' in the chat template has an exponent past {MAX_EXPONENT}")
+    if operator == "%" and isinstance(left, str):
+        return bounds.percent_size(left, right)
+    if operator == "+" and isinstance(left, str | list | tuple) and isinstance(right, type(left)):
+        return len(left) + len(right)
+    return None
+
+
+def _sized_call(function: Any, args: tuple, kwargs: dict) -> tuple:
+    """Check the size of a string method's result where its arguments set it (widths, joins,
+    replacements, formats); the arguments to call it with (a join's items as a list)."""
+    method = getattr(function, "__wrapped__", function)  # the sandbox wraps str.format
+    text = getattr(method, "__self__", None)
+    if not isinstance(text, str):
+        return args
+    name, what = method.__name__, f"a '{method.__name__}' in the chat template"
+    given = [*args, *kwargs.values()]
+    if name in ("ljust", "rjust", "center", "zfill") and given and isinstance(given[0], int):
+        bounds.check_size(max(len(text), given[0]), what)
+    elif name == "expandtabs":
+        tabsize = given[0] if given and isinstance(given[0], int) else 8
+        bounds.check_size(len(text) + text.count("\t") * max(tabsize, 0), what)
+    elif name == "replace" and len(given) >= 2 and all(isinstance(x, str) for x in given[:2]):
+        count = given[2] if len(given) > 2 and isinstance(given[2], int) else -1
+        bounds.check_size(bounds.replace_size(text, given[0], given[1], count), what)
+    elif name == "join" and args:
+        items = list(bounds.counted(args[0]))
+        bounds.check_size(bounds.join_size(items, text), what)
+        return (items, *args[1:])
+    elif name == "format":
+        bounds.check_size(bounds.format_size(text, args, kwargs), what)
+    elif name == "format_map" and args:
+        bounds.check_size(bounds.format_size(text, (), dict(args[0])), what)
+    return args
+
+
+def _bounded_filters(filters: dict[str, Callable]) -> dict[str, Callable]:
+    """Every filter sized before it runs (by `_FILTER_SIZES`, else the text of its value:
+    nearly all make their value a string first) and its result counted."""
+    return {name: _bounded_filter(name, function) for name, function in filters.items()}
+
+
+def _bounded_filter(name: str, function: Callable) -> Callable:
+    passed = 1 if getattr(function, "jinja_pass_arg", None) is not None else 0
+    size_of = _FILTER_SIZES.get(name, lambda value, *_, **__: bounds.printed_size(value))
+    what = f"the filter '{name}' in the chat template"
+
+    @functools.wraps(function)
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        own = list(args[passed:])
+        if name == "join" and own and not isinstance(own[0], Sized):
+            own[0] = list(bounds.counted(own[0]))  # sized, then joined
+        bounds.check_size(size_of(*own, **kwargs), what)
+        return bounds.made(function(*args[:passed], *own, **kwargs), what)
+
+    return bounded
+
+
+def _text(value: Any) -> int:
+    return bounds.printed_size(value)
+
+
+def _width(width: Any) -> int:
+    return width if isinstance(width, int) else len(str(width))
+
+
+def _indent_size(s: Any, width: Any = 4, *_: Any, **__: Any) -> int:
+    lines = s.count("\n") + 1 if isinstance(s, str) else _text(s) + 1
+    return _text(s) + _width(width) * lines
+
+
+def _format_filter_size(value: Any, *args: Any, **kwargs: Any) -> int:
+    if not isinstance(value, str):
+        return _text(value)
+    return bounds.percent_size(value, kwargs or args)
+
+
+def _replace_filter_size(s: Any, old: Any, new: Any, count: Any = None, **_: Any) -> int:
+    if not (isinstance(s, str) and isinstance(old, str) and isinstance(new, str)):
+        return _text(s) + _text(new) * (_text(s) + 1)
+    return bounds.replace_size(s, old, new, count if isinstance(count, int) else -1)
+
+
+def _join_filter_size(value: Any, d: Any = "", attribute: Any = None) -> int:
+    return bounds.join_size(value, str(d)) if isinstance(value, Sized) else 0
+
+
+def _tojson_size(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: Any = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> int:
+    return bounds.json_size(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators)
+
+
+def _wordwrap_size(s: Any, width: Any = 79, b: Any = True, wrapstring: Any = None, *_: Any) -> int:
+    return _text(s) * (1 + len(str(wrapstring or "\n")))
+
+
+def _urlize_size(value: Any, *_: Any, target: Any = None, rel: Any = None, **__: Any) -> int:
+    return _text(value) * (12 + len(str(target or "")) + len(str(rel or "")))
+
+
+# What a filter's arguments say of its result's size, where its value's text does not.
+_FILTER_SIZES: dict[str, Callable[..., int]] = {
+    "tojson": _tojson_size,
+    "center": lambda value, width=80, *_, **__: max(_text(value), _width(width)),
+    "indent": _indent_size,
+    "format": _format_filter_size,
+    "replace": _replace_filter_size,
+    "join": _join_filter_size,
+    "batch": lambda value, linecount, *_, **__: (
+        (len(value) if isinstance(value, Sized) else 0) + max(_width(linecount), 0)
+    ),
+    "wordwrap": _wordwrap_size,
+    "urlize": _urlize_size,
+}
+
+
+@pass_context
+def _counted_loop(context: Any, iterable: Any) -> Any:
+    return bounds.counted(iterable)
 
 
 def _bounded_range(*args: int) -> range:
     values = range(*args)
     if len(values) > MAX_RANGE:
         raise SecurityError(f"a range() of {len(values):,} values in the chat template")
-    left = _left.get(MAX_ITERATIONS) - len(values)
-    if left < 0:
-        raise RequestError(
-            f"the model's chat template iterated over more than {MAX_ITERATIONS:,} values; "
-            "refused rather than left to run"
-        )
-    _left.set(left)
     return values
 
 
@@ -220,9 +374,17 @@ def _now() -> datetime:
 
 def _environment() -> ImmutableSandboxedEnvironment:
     environment = _BoundedSandbox(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols]
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_Generation, loopcontrols],
+        finalize=_printed,
     )
+    environment.concat = _output  # the output, and each macro's or block's
     environment.filters["tojson"] = _tojson
+    del environment.filters["pprint"]  # a debugging aid, whose indentation has no bound
+    environment.filters = _bounded_filters(environment.filters)
+    environment.filters[_LOOP_FILTER] = _counted_loop
+    del environment.globals["lipsum"]  # paragraphs of filler, as many as asked
     environment.globals.update(
         range=_bounded_range,
         raise_exception=_raise_exception,
@@ -231,6 +393,26 @@ def _environment() -> ImmutableSandboxedEnvironment:
         namespace=_Namespace,
     )
     return environment
+
+
+def _printed(value: Any) -> Any:
+    """A value printed by ``{{ }}``: its text sized before it is made."""
+    bounds.check_size(bounds.printed_size(value), "a printed value in the chat template")
+    return value
+
+
+def _output(chunks: Any) -> str:
+    """The template's output (or a macro's, or a block's), refused once it passes the
+    one-value bound."""
+    cap, parts, size = bounds.current().value, [], 0
+    for chunk in chunks:
+        size += len(chunk)
+        if size > cap:
+            raise SecurityError(
+                f"the chat template's output passed the {cap:,} characters this rendering may make"
+            )
+        parts.append(chunk)
+    return bounds.made("".join(parts), "the chat template's output")
 
 
 _ENVIRONMENT = _environment()
