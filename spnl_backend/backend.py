@@ -500,14 +500,16 @@ class Backend:
                 )
             return pic
         checked = check_messages(messages)
+        self._limit.check_chars(sum(len(m["content"]) for m in checked), "the messages' content")
         own = self.tokenizer.hf.chat_template if template is None else template
         if detect_format(own) == "harmony":
             one_call_a_turn(checked)
-        return self._limit.check(
-            self.tokenizer.apply_chat_template(
-                checked, definitions, self._variables(variables), template
-            )
+        ids = self.tokenizer.apply_chat_template(
+            checked, definitions, self._variables(variables), template
         )
+        if not ids:
+            raise RequestError("the chat template rendered these messages as no text at all")
+        return self._limit.check(ids)
 
     def _variables(self, variables: dict[str, Any] | None) -> dict[str, Any] | None:
         """A chat's template variables over the server-wide defaults
@@ -797,6 +799,7 @@ class Backend:
         return loop
 
     def _encode(self, prompt: str) -> list[int]:
+        self._limit.check_chars(len(prompt))
         return self._limit.check(self.tokenizer.encode(prompt))
 
 
@@ -829,7 +832,10 @@ def _embedding_inputs(texts: object, backend: "Backend") -> list[list[int]]:
         prompts, _ = token_id_prompts(texts, backend.model_config.vocab_size)
     else:
         items = [texts] if isinstance(texts, str) else prompt_list(texts)
-        prompts = [backend.tokenizer.encode(check_prompt(text)) for text in items]
+        prompts = []
+        for i, text in enumerate(items):
+            backend._limit.check_chars(len(check_prompt(text)), f"input[{i}]")
+            prompts.append(backend.tokenizer.encode(text))
     for i, ids in enumerate(prompts):
         if not ids:
             raise RequestError(f"input[{i}] has no tokens; give some text")

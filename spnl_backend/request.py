@@ -416,6 +416,12 @@ class CacheRoom:
         return f"raise {variable} to at least {tokens} ({cost}) or shorten it"
 
 
+# More characters than a token takes: a text of more than this many per token of the
+# context cannot fit, and is refused before it is tokenized (which takes a core a second a
+# megabyte).
+MAX_CHARS_PER_TOKEN = 64
+
+
 @dataclass(frozen=True)
 class ContextLimit:
     """The tokens a sequence holds, prompt and completion together (``max_model_len``),
@@ -424,6 +430,20 @@ class ContextLimit:
 
     max_model_len: int
     room: CacheRoom | None = None
+
+    @property
+    def max_chars(self) -> int:
+        return MAX_CHARS_PER_TOKEN * self.max_model_len
+
+    def check_chars(self, chars: int, what: str = "the prompt") -> None:
+        """Refuse, before it is tokenized, a text of more characters than the context's
+        tokens could hold."""
+        if chars > self.max_chars:
+            raise ContextLengthError(
+                f"{what} has {chars:,} characters: more than {self.max_model_len:,} tokens "
+                f"of at most {MAX_CHARS_PER_TOKEN} characters each hold, before it is "
+                "tokenized; shorten it"
+            )
 
     def check(self, ids: list[int]) -> list[int]:
         """``ids``, where a completion of them fits; else a `ContextLengthError`."""

@@ -74,6 +74,26 @@ def test_random_texts_give_the_same_ids_and_text(pair, text):
     _same(*pair, text)
 
 
+def test_encoding_goes_through_the_call_that_lets_go_of_the_gil(pair):
+    """The tokenizers library's `encode` holds the GIL while it works (a 7 MB prompt
+    stopped every other thread of the host for 5 s); `encode_batch` lets go of it. The
+    ids are the same (above); this checks which call gives them."""
+    ours, _ = pair
+    calls = []
+
+    class Watched:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(ours.rust, name)
+
+    watched = type(ours)(Watched(), {}, None)
+    assert watched("The capital", add_special_tokens=True)["input_ids"] == (
+        ours.rust.encode("The capital").ids
+    )
+    assert "encode_batch" in calls
+    assert "encode" not in calls
+
+
 def test_the_same_special_tokens_vocabulary_and_decoding_of_any_ids(pair):
     ours, reference = pair
     assert len(ours) == len(reference)

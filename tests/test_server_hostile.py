@@ -178,7 +178,7 @@ def test_a_map_of_too_many_inputs_is_refused_before_tokenizing(live, backend, to
 
 
 def test_a_map_input_longer_than_the_context_is_refused_before_tokenizing(live, backend, tokenized):
-    from spnl_backend.pic.prompts import MAX_CHARS_PER_TOKEN
+    from spnl_backend.request import MAX_CHARS_PER_TOKEN
 
     long = "x" * (MAX_CHARS_PER_TOKEN * backend.max_model_len + 1)
     reply = live.post("/v1/query/execute", _map(["a", long]))
@@ -188,6 +188,40 @@ def test_a_map_input_longer_than_the_context_is_refused_before_tokenizing(live, 
     generate = {"g": {"model": MODEL, "input": {"seq": [{"user": long[:-2]}, {"user": "ab"}]}}}
     assert live.post("/v1/query/execute", generate).status_code == 400
     assert tokenized == []
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_tokenizing(live, backend, monkeypatch):
+    """A prompt, a chat or an embedding input of more characters than the context's tokens
+    could hold is refused by its length: tokenizing 7 MB took 5 s, during which the
+    tokenizer held the GIL and every other request and stream waited."""
+    from spnl_backend.request import MAX_CHARS_PER_TOKEN
+
+    encoded = []
+    tokenizer = backend.tokenizer
+    for name in ("encode", "encode_plain"):
+        own = getattr(tokenizer, name)
+        monkeypatch.setattr(
+            tokenizer, name, lambda text, own=own: encoded.append(len(text)) or own(text)
+        )
+    long = "x" * (MAX_CHARS_PER_TOKEN * backend.max_model_len + 1)
+    requests = [
+        ("/v1/completions", {"model": MODEL, "prompt": long, "max_tokens": 1}, "the prompt"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": long}], "max_tokens": 1},
+            "the messages' content",
+        ),
+        ("/v1/embeddings", {"model": MODEL, "input": ["a", long]}, "input[1]"),
+    ]
+    for path, body, what in requests:
+        reply = live.post(path, body)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["code"] == "context_length_exceeded", error
+        assert f"{what} has {len(long):,} characters" in error["message"], error
+    assert max(encoded, default=0) < len(long)
+    fits = {"model": MODEL, "prompt": "x" * 100, "max_tokens": 1}
+    assert live.post("/v1/completions", fits).status_code == 200
 
 
 # ---- the Host header, read strictly ---------------------------------------------------------

@@ -26,10 +26,6 @@ from .turns import ModelTurns, SpnlTurns, Turns
 if TYPE_CHECKING:  # the tokenizer is handed in; the loader is a layer above
     from ..loader.tokenizer import Tokenizer
 
-# More characters than any token takes: a PIC chat with more content than this many per
-# token of the context cannot fit, and is refused before its turns are rendered.
-MAX_CHARS_PER_TOKEN = 64
-
 
 class PicPrompts:
     """The PIC prompts of one loaded model: from ``generate(blocks=...)``, sentinel ids,
@@ -79,7 +75,7 @@ class PicPrompts:
         (each templated alone), else None."""
         if not has_marker(messages):
             return None
-        max_chars = MAX_CHARS_PER_TOKEN * self._limit.max_model_len
+        max_chars = self._limit.max_chars
         pieces = chat_pieces(messages, self._span_tokenizer(), max_chars)
         return None if pieces is None else self.from_pieces(pieces)
 
@@ -115,7 +111,7 @@ class PicPrompts:
         """Each prompt of a span query within what the context could hold, counted in
         characters before anything is tokenized (a map's inputs each, a generate's
         messages together)."""
-        max_chars = MAX_CHARS_PER_TOKEN * self._limit.max_model_len
+        max_chars = self._limit.max_chars
         if isinstance(query, MapQuery):
             sized = [(f"query.map.inputs[{i}]", len(t)) for i, t in enumerate(query.inputs)]
         else:
