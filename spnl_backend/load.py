@@ -191,6 +191,11 @@ def _check_load_arguments(model: object, settings: object, progress: object) -> 
         raise SettingsError(
             f"model={type(model).__name__}: expected a model name or path (str or os.PathLike)"
         )
+    if model is not None and not os.fspath(model).strip():
+        raise SettingsError(
+            f"model={os.fspath(model)!r}: expected a model name or path; leave it out "
+            "(None) for MISTRALRS_MODEL, else the embedded default"
+        )
     if settings is not None and not isinstance(settings, BackendSettings):
         raise SettingsError(
             f"settings={type(settings).__name__}: expected a BackendSettings "

@@ -134,6 +134,11 @@ def test_chat_applies_the_template(tiny):
     assert result.usage.prompt_tokens == rendered.usage.prompt_tokens  # BOS once, not twice
     assert result.token_ids == rendered.token_ids
 
+    backend.tokenizer.hf.chat_template = "{{ '' }}"  # was: "submit takes a list of ..."
+    with pytest.raises(RequestError, match="rendered these messages as no text at all"):
+        backend.chat([{"role": "user", "content": "The capital"}], max_tokens=1)
+    backend.close()
+
 
 BAD_REQUESTS = [
     ({"prompt": ""}, "empty"),
@@ -300,6 +305,9 @@ def test_a_stream_closed_from_another_thread_ends_its_reader(backend):
     [
         ({"model": 123}, "model=int: expected a model name or path"),
         ({"model": b"/tmp"}, "model=bytes"),
+        # an empty name loaded the embedded default, whatever MISTRALRS_MODEL said
+        ({"model": ""}, "model='': expected a model name or path; leave it out"),
+        ({"model": " "}, "model=' ': expected a model name or path"),
         ({"settings": {"device": "cpu"}}, "settings=dict: expected a BackendSettings"),
         ({"progress": object()}, "progress=object: expected a callable"),
     ],
