@@ -195,7 +195,10 @@ def _error(reply: httpx.Response, status: int) -> dict:
         ({"prompt": "hi"}, "model", "model is required"),
         ({"model": MODEL, "prompt": 5}, "prompt", "expected a string"),
         ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, "temperature", "temperature="),
-        ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens", ">= 1"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens", ">= 1, or null"),
+        # the same words for every bad value (a string was told ">= 0 (0 or None: ...")
+        ({"model": MODEL, "prompt": "hi", "max_tokens": "x"}, "max_tokens", ">= 1, or null"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 2.5}, "max_tokens", ">= 1, or null"),
         ({"model": MODEL, "prompt": "hi", "n": 0}, "n", "from 1 to"),
         ({"model": MODEL, "prompt": "hi", "logprobs": 30}, "logprobs", "from 0 to 20"),
         ({"model": MODEL, "prompt": "hi", "stop_token_ids": ["1"]}, "stop_token_ids", "ids"),

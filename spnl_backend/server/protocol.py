@@ -347,8 +347,14 @@ def _sampling(
         values["top_p"] = 1.0
     if values["top_k"] is None or values["top_k"] == -1:  # -1: vLLM's "off"
         values["top_k"] = 0
-    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens < 1:
-        raise bad_request(f"{max_name}={max_tokens}: expected an integer >= 1", max_name)
+    if max_tokens is not None and (
+        not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1
+    ):
+        # the library's 0 ("until the end") is the server's null: one message for both
+        raise bad_request(
+            f"{max_name}={shown(max_tokens)}: expected an integer >= 1, or null for no limit",
+            max_name,
+        )
     try:
         return sampling_params(max_tokens=max_tokens, **values, **options)  # type: ignore[arg-type]
     except RequestError as exc:
