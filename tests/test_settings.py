@@ -153,8 +153,9 @@ INVALID = [
         ("ISQ", text)
         for text in ("Q7K", "Q8K", "Q4", "Q4_2", "Q9_0", "Q4_K_X", "gptq", "1", "7", "9", "0")
     ],
-    *[("PAGED_ATTN_MEMORY_MB", text) for text in ("0", "-5", "4GB", "1.5")],
-    *[("PAGED_ATTN_MEMORY_FRACTION", text) for text in ("0", "1.5", "-0.1", "most")],
+    # other scripts' digits, which int() and float() read, are not numbers here
+    *[("PAGED_ATTN_MEMORY_MB", text) for text in ("0", "-5", "4GB", "1.5", "\uff11", "\u0663")],
+    *[("PAGED_ATTN_MEMORY_FRACTION", text) for text in ("0", "1.5", "-0.1", "most", "\uff10.5")],
     *[("PAGED_ATTN_CONTEXT_LEN", text) for text in ("0", "4k")],
     *[("PAGED_CACHE_TYPE", text) for text in ("fp8", "bf16", "e5m2", "float16", "f64")],
     *[("PIC_REUSE", text) for text in ("approx", "1", "true")],

@@ -253,6 +253,19 @@ def test_a_byte_budget_gives_the_global_layers_what_the_windowed_pool_leaves():
     assert small.window_blocks == small.num_blocks == int(0.02 * 2**20) // (BLOCK * 768)
 
 
+
+def test_a_budget_past_the_memory_is_shown_as_it_was_given():
+    """A whole number of MB as written (it was shown as 1e+08), a fraction as a number."""
+    from spnl_backend.errors import PlatformError
+
+    for budget, shown in (
+        (KvBudget("memory_mb", 99_999_999, explicit=True), "MEMORY_MB=99999999 needs"),
+        (KvBudget("context_len", 123_456_792, explicit=True), "CONTEXT_LEN=123456792 needs"),
+    ):
+        with pytest.raises(PlatformError, match=shown):
+            plan_kv_cache(CONFIG, budget, BLOCK, 768, 2**30)  # type: ignore[arg-type]
+
+
 def test_a_prompt_too_long_is_told_what_both_pools_take():
     room = CacheRoom("context_len", BLOCK, 768, 512, window_bytes_per_token=512, window_tokens=40)
     assert room.nbytes(104) == 104 * 256 + 40 * 512

@@ -145,7 +145,7 @@ def plan_kv_cache(
     if num_blocks <= 0:
         beside = "" if states is None else f", beside the state group's {states.describe()}"
         raise SettingsError(
-            f"{variable}={budget.value:g} gives no KV-cache block: one block of {block_size} "
+            f"{variable}={_given(budget.value)} gives no KV-cache block: one block of {block_size} "
             f"tokens needs {per_block / MIB:.2f} MB ({per_token:,} bytes of K and V per token for "
             f"{_kv_layers(config)}){beside}; raise the budget"
         )
@@ -158,7 +158,7 @@ def plan_kv_cache(
     if plan.nbytes + state_bytes > usable:
         states_too = "" if states is None else f" and its states ({states.describe()})"
         raise PlatformError(
-            f"the KV cache for {variable}={budget.value:g}"
+            f"the KV cache for {variable}={_given(budget.value)}"
             f"{'' if budget.explicit else ' (the default)'} needs {plan.nbytes / MIB:,.0f} MB "
             f"({plan.num_tokens:,} tokens){states_too}, but this process may allocate only "
             f"{available_bytes / MIB:,.0f} MB more on the device (its free memory, cgroup "
@@ -202,8 +202,8 @@ def fit_states(asked: StatePlan, budget: KvBudget, budget_bytes: int | None) -> 
     slots = min(asked.slots, (share - snapshots * asked.bytes_per_seq) // asked.slot_bytes)
     if slots < 1:
         raise SettingsError(
-            f"{env_name(f'paged_attn_{budget.kind}')}={budget.value:g} leaves the state group "
-            f"{share / MIB:,.2f} MB (half of the budget), and one state slot needs "
+            f"{env_name(f'paged_attn_{budget.kind}')}={_given(budget.value)} leaves the state "
+            f"group {share / MIB:,.2f} MB (half of the budget), and one state slot needs "
             f"{asked.slot_bytes:,} bytes ({asked.copies_per_slot} copies of a sequence's "
             f"{asked.bytes_per_seq:,} bytes of conv and recurrent state) beside {snapshots} "
             f"snapshots of {asked.bytes_per_seq:,} bytes; raise the budget"
@@ -236,3 +236,8 @@ def _kv_layers(config: ModelConfig) -> str:
         else f"{count} layers x a latent of {dim} dims"
         for ((heads, dim), planes), count in counts.items()
     )
+
+
+def _given(value: float) -> str:
+    """A budget as its variable was given: a whole number whole (1e+08 was 99999999)."""
+    return str(value) if isinstance(value, int) else f"{value:g}"

@@ -104,7 +104,7 @@ def _parse_int(value: object, expected: str) -> int:
     if isinstance(value, int | float):
         return int(value)
     text = _text(value)
-    if not re.fullmatch(r"[+-]?\d+", text):
+    if not re.fullmatch(r"[+-]?[0-9]+", text):  # not \d: other scripts' digits too
         raise ValueError(expected)
     return int(text)
 
@@ -160,6 +160,8 @@ def _parse_float(
     if isinstance(value, bool):
         raise ValueError(expected)
     try:
+        if isinstance(value, str) and not _text(value).isascii():
+            raise ValueError(expected)  # float() reads other scripts' digits
         number = float(_text(value)) if isinstance(value, str) else float(value)
     except (TypeError, ValueError, OverflowError):
         raise ValueError(expected) from None
