@@ -516,6 +516,17 @@ def test_bad_responses_requests_are_400_naming_the_field(live, body, param):
     assert raised.value.body["param"] == param
 
 
+def test_a_past_calls_bad_arguments_are_named_as_the_input_item():
+    """Not as the chat message they become (it said messages[0]['tool_calls'])."""
+    from spnl_backend.server.protocol import ApiError
+    from spnl_backend.server.responses_api import _item
+
+    item = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{bad"}
+    with pytest.raises(ApiError) as raised:
+        _item(item, "input[0]")
+    assert "input[0].arguments is not valid JSON" in str(raised.value)
+
+
 CITY = {
     "type": "object",
     "properties": {"city": {"enum": ["Paris", "Rome"]}},

@@ -28,6 +28,7 @@ from typing import Any
 
 from ..engine.sequence import Sequence
 from ..errors import RequestError, shown
+from ..plain import json_value
 from ..reasoning import template_variables
 from ..tools.spec import ToolRequest, tool_request
 from .answer import AnswerReader, Piece
@@ -248,6 +249,10 @@ def _item(item: object, where: str) -> dict[str, Any]:
         for name in ("call_id", "name", "arguments"):
             if not isinstance(item.get(name), str):
                 raise bad_request(f"{where}.{name}: expected a string", "input")
+        try:  # here, where the error can name the item (the chat's check names a message)
+            json_value(item["arguments"], f"{where}.arguments")
+        except RequestError as exc:
+            raise bad_request(str(exc), "input") from None
     elif kind == "reasoning":
         checked["text"] = _reasoning_text(item, where)
     else:
