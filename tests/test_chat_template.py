@@ -108,6 +108,7 @@ DOUBLED = (
         ("{{ 'a' | center(200000000) }}", "the filter 'center' .* would make"),
         ("{{ 'a\nb' | indent(200000000) }}", "the filter 'indent' .* would make"),
         ("{{ ('a ' * 1000) | wordwrap(1, wrapstring='x' * 5000) }}", "the filter 'wordwrap'"),
+        ("{{ ('a' * 500000) | wordwrap(1) | length }}", "wordwrap .* takes at most 65,536"),
         ("{{ [1] | batch(10**9, 0) | list }}", "the filter 'batch' .* would make"),
         ("{{ messages | tojson(indent=1000000000) }}", "the filter 'tojson' .* would make"),
         ("{{ ('ab' * 1000) | replace('', 'y' * 1000) }}", "the filter 'replace' .* would make"),
@@ -162,6 +163,55 @@ DOUBLED = (
             "made more than",
         ),
         ("{{ lipsum(10**6) }}", "'lipsum' is undefined"),
+        # a review's attacks: bytes, slices, repeated fields, views, buffers, big integers
+        (
+            "{{ ('a'.encode() * 3000000000) is none }}",
+            "attribute 'encode' of 'str' object is unsafe",
+        ),
+        ("{{ (0).to_bytes(3000000000, 'big') is none }}", "'to_bytes' of 'int' object is unsafe"),
+        ("{{ ('a' * 2000).translate({97: 'b'}) }}", "'translate' of 'str' object is unsafe"),
+        ("{{ ([] | slice(100000000) | list) is none }}", "the filter 'slice' .* would make"),
+        (
+            "{% set big = 'b' * 1000000 %}{{ ('{0}' * 2000).format(big) is none }}",
+            "a 'format' .* would make",
+        ),
+        ("{% set big = 'b' * 1000000 %}{{ ('%(a)s' * 2000) % {'a': big} }}", "a '%' .* would make"),
+        ("{{ '%(a(b)x)1500000000s' % {'a(b)x': 1} }}", "a '%' .* would make"),
+        (
+            "{% set big = 'b' * 1000000 %}"
+            "{% set ns = namespace(x=0) %}{{ ns }}{% set ns.x = big %}"
+            "{{ (([ns] * 2000) | string) is none }}",
+            "the filter 'string' .* would make",
+        ),
+        (
+            "{% set big = 'b' * 1000000 %}"
+            "{% set d = dict.fromkeys(range(100000), big) %}{{ d.values() }}",
+            "a printed value",
+        ),
+        (
+            "{% set L = [1] * 330000 %}{% set out %}{% for i in range(2000) %}{{ L }}"
+            "{% endfor %}{% endset %}",
+            "made more than",
+        ),
+        ("{{ strftime_now('%99999Y' * 140000) | length }}", "strftime_now takes a format"),
+        ("{{ (3 ** 1000 ** 1000 ** 1000) is number }}", "an integer past 65,536 bits"),
+        (
+            "{% set ns = namespace(x=3) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}"
+            "{% endfor %}",
+            "an integer past",
+        ),
+        (
+            "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}"
+            "{{ f(22) }}",
+            "iterated over more than 1,000,000 values",
+        ),
+        ("{{ ([[0]] * 140000) | sum(start=[]) | length }}", "the filter 'sum' .* would make"),
+        # a tuple 300,000 deep crashed the interpreter when hashed
+        (
+            "{% set ns = namespace(t=()) %}{% for i in range(1000) %}{% for j in range(300) %}"
+            "{% set ns.t = (ns.t,) %}{% endfor %}{% endfor %}{{ ns.t in {} }}",
+            "nested more than 100 deep",
+        ),
     ],
 )
 def test_no_template_takes_the_memory(source, message):
@@ -196,3 +246,29 @@ def test_the_bounds_grow_with_the_conversation():
         assert ours == theirs
     tojson = ChatTemplate("{{ messages | tojson(indent=2) }}", "test").render(long)
     assert tojson == json.dumps(long, indent=2, ensure_ascii=False)
+
+
+def test_nothing_runs_while_a_template_compiles():
+    """jinja folds a filter of constants while it compiles, outside any rendering's bounds
+    (2,000 centred constants took 7.6 GB to compile): a filter now refuses to run there."""
+    source = "{% if false %}" + "{{ 'a' | center(1000000) }}" * 2000 + "{% endif %}ok"
+    assert ChatTemplate(source, "test").render(MESSAGES) == "ok"
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}", "{% for a in b %}" * 25 + "{% endfor %}" * 25],
+)
+def test_a_template_nested_past_pythons_limits_does_not_compile(source):
+    with pytest.raises(ModelFileError, match=r"does not compile: (RecursionError|SyntaxError)"):
+        ChatTemplate(source, "test")
+
+
+def test_a_deeply_nested_tool_schema_is_given_whole():
+    """What a template is given is sized by a loop, not recursion: a schema 150 levels deep
+    (transformers renders it) was a RecursionError before the template ran."""
+    schema: dict = {}
+    for _ in range(150):
+        schema = {"type": "object", "properties": {"x": schema}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    assert ChatTemplate(CHATML, "test").render(MESSAGES, tools=[tool]).startswith("<|im_start|>")

@@ -23,7 +23,7 @@ from jinja2 import nodes, pass_context
 from jinja2.compiler import CodeGenerator, Frame
 from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.ext import Extension, loopcontrols
-from jinja2.runtime import LoopContext
+from jinja2.runtime import LoopContext, Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import ModelFileError, RequestError, SettingsError
@@ -46,6 +46,10 @@ class ChatTemplate:
             at = f" (line {line})" if line else ""
             raise ModelFileError(
                 f"{where}: the chat template does not compile{at}: {exc}"
+            ) from None
+        except (RecursionError, SyntaxError, MemoryError) as exc:  # nested past Python's limits
+            raise ModelFileError(
+                f"{where}: the chat template does not compile: {type(exc).__name__}: {exc}"
             ) from None
 
     def render(self, messages: list[dict[str, str]], **variables: Any) -> str:
@@ -142,6 +146,11 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
     code_generator_class = _BoundedCode
     intercepted_binops = frozenset({"*", "**", "%", "+"})
 
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        if attr in _UNSIZED_METHODS and isinstance(obj, str | int | bytes):
+            return False
+        return super().is_safe_attribute(obj, attr, value)
+
     def _generate(self, source: nodes.Template, *args: Any, **kwargs: Any) -> str:
         for loop in source.find_all(nodes.For):
             loop.iter = nodes.Filter(loop.iter, _LOOP_FILTER, [], [], None, None)
@@ -158,6 +167,8 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
         if isinstance(__obj, LoopContext):  # a recursive loop's next level
             args = (bounds.counted(args[0]), *args[1:])
+        elif isinstance(__obj, Macro):  # each call one iteration: recursion doubles them
+            bounds.count_one()
         else:
             args = _sized_call(__obj, args, kwargs)
         return bounds.made(
@@ -170,6 +181,19 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         return bounds.made("".join(map(str, values)), "a '~' in the chat template")
 
 
+# Methods whose results no bound sizes (bytes, translations): no template needs them.
+_UNSIZED_METHODS = frozenset({"encode", "translate", "maketrans", "to_bytes", "from_bytes"})
+MAX_INT_BITS = 1 << 16  # an integer's, made by '*' or '**' (a product's work grows with it)
+
+
+def _integers_too_large(operator: str, left: Any, right: Any) -> bool:
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (left, right)):
+        return False
+    if operator == "*":
+        return left.bit_length() + right.bit_length() > MAX_INT_BITS
+    return operator == "**" and left.bit_length() * max(right, 0) > MAX_INT_BITS
+
+
 def _binop_size(operator: str, left: Any, right: Any) -> int | None:
     """The size of ``left operator right`` where its operands set it; None elsewhere."""
     if operator == "*":
@@ -178,6 +202,10 @@ def _binop_size(operator: str, left: Any, right: Any) -> int | None:
                 return len(sequence) * times
     if operator == "**" and isinstance(right, int) and abs(right) > MAX_EXPONENT:
         raise SecurityError(f"a '**' in the chat template has an exponent past {MAX_EXPONENT}")
+    if _integers_too_large(operator, left, right):
+        raise SecurityError(
+            f"a '{operator}' in the chat template would make an integer past {MAX_INT_BITS:,} bits"
+        )
     if operator == "%" and isinstance(left, str):
         return bounds.percent_size(left, right)
     if operator == "+" and isinstance(left, str | list | tuple) and isinstance(right, type(left)):
@@ -226,6 +254,10 @@ def _bounded_filter(name: str, function: Callable) -> Callable:
 
     @functools.wraps(function)
     def bounded(*args: Any, **kwargs: Any) -> Any:
+        if not bounds.rendering_now():
+            # jinja folds a filter of constants while it compiles (its optimizer, and
+            # every printed constant): refused there, so it runs within a rendering
+            raise RuntimeError("a filter runs only while a template renders")
         own = list(args[passed:])
         if name == "join" and own and not isinstance(own[0], Sized):
             own[0] = list(bounds.counted(own[0]))  # sized, then joined
@@ -274,7 +306,22 @@ def _tojson_size(
     return bounds.json_size(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators)
 
 
+def _sum_size(value: Any) -> int:
+    """A sum of lists or strings copies its total once per item: sized as that work."""
+    if not isinstance(value, list | tuple):
+        return _text(value)
+    total = sum(len(x) for x in value if isinstance(x, str | list | tuple))
+    return total * (len(value) + 1) // 2 // bounds.MADE_PER_VALUE
+
+
+MAX_WRAPPED = 1 << 16  # characters wordwrap takes: its work grows with their square
+
+
 def _wordwrap_size(s: Any, width: Any = 79, b: Any = True, wrapstring: Any = None, *_: Any) -> int:
+    if _text(s) > MAX_WRAPPED:
+        raise SecurityError(
+            f"wordwrap in the chat template takes at most {MAX_WRAPPED:,} characters"
+        )
     return _text(s) * (1 + len(str(wrapstring or "\n")))
 
 
@@ -294,6 +341,10 @@ _FILTER_SIZES: dict[str, Callable[..., int]] = {
         (len(value) if isinstance(value, Sized) else 0) + max(_width(linecount), 0)
     ),
     "wordwrap": _wordwrap_size,
+    "slice": lambda value, slices, *_, **__: (
+        (len(value) if isinstance(value, Sized) else 0) + max(_width(slices), 0)
+    ),
+    "sum": lambda value, *_, **__: _sum_size(value),
     "urlize": _urlize_size,
 }
 
@@ -349,6 +400,7 @@ class _Namespace(jinja2.utils.Namespace):
 
     def __setitem__(self, name: str, value: Any) -> None:
         _Namespace._check(name)
+        bounds.check_depth(value)  # a loop can wrap a value once more each time only here
         jinja2.utils.Namespace.__setitem__(self, name, value)
 
     @staticmethod
@@ -365,6 +417,15 @@ class _Dict:
 
     def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
         return dict.fromkeys(*args, **kwargs)
+
+
+MAX_TIME_FORMAT = 256  # characters of a strftime format (CPython grows its buffer 256-fold)
+
+
+def _strftime_now(format: str) -> str:
+    if not isinstance(format, str) or len(format) > MAX_TIME_FORMAT:
+        raise SecurityError(f"strftime_now takes a format of at most {MAX_TIME_FORMAT} characters")
+    return _now().strftime(format)
 
 
 def _now() -> datetime:
@@ -388,7 +449,7 @@ def _environment() -> ImmutableSandboxedEnvironment:
     environment.globals.update(
         range=_bounded_range,
         raise_exception=_raise_exception,
-        strftime_now=lambda format: _now().strftime(format),
+        strftime_now=_strftime_now,
         dict=_Dict(),
         namespace=_Namespace,
     )
@@ -397,7 +458,9 @@ def _environment() -> ImmutableSandboxedEnvironment:
 
 def _printed(value: Any) -> Any:
     """A value printed by ``{{ }}``: its text sized before it is made."""
-    bounds.check_size(bounds.printed_size(value), "a printed value in the chat template")
+    size = bounds.printed_size(value)
+    bounds.check_size(size, "a printed value in the chat template")
+    bounds.charge(size)  # a block's or macro's buffer holds it before any join sizes it
     return value
 
 

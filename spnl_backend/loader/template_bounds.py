@@ -10,7 +10,10 @@ template's verdict is the same on any machine and under any load.
   as it is made, and no operation can make more than a few times a value that passed.
 - **All values made** over a rendering add up to at most `MADE_PER_VALUE` times that: the
   work is bounded with the memory.
-- **Loop iterations**: at most `MAX_ITERATIONS` per rendering, over every ``for``.
+- **Loop iterations and macro calls**: at most `MAX_ITERATIONS` per rendering, over
+  every ``for``.
+- **Nesting**: a namespace holds no value nested more than `MAX_NESTING` deep (a loop
+  carries values from one iteration to the next only through namespaces).
 
 Each refusal is a jinja `SecurityError` (the caller makes it a `RequestError`), except the
 two totals, which are `RequestError`s of their own.
@@ -19,7 +22,7 @@ two totals, which are `RequestError`s of their own.
 import contextvars
 import json
 import re
-from collections.abc import Iterable, Iterator, Sized
+from collections.abc import Iterable, Iterator, KeysView, Sized, ValuesView
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +36,7 @@ MAX_ITERATIONS = 1_000_000  # per rendering, over every loop
 MIN_VALUE = 1 << 20  # characters or items a value may hold, whatever the input
 INPUT_TIMES = 4  # and this many times the input's own text
 MADE_PER_VALUE = 64  # all values made in a rendering, in units of the one-value bound
+MAX_NESTING = 100  # levels of containers in a value a namespace holds
 
 
 @dataclass
@@ -56,17 +60,42 @@ def current() -> Bounds:
     return bounds if bounds is not None else Bounds(MIN_VALUE, MADE_PER_VALUE * MIN_VALUE)
 
 
+def rendering_now() -> bool:
+    """Whether a rendering is under way (else a template is compiling)."""
+    return _current.get() is not None
+
+
 @contextmanager
 def rendering(given: dict[str, Any]) -> Iterator[Bounds]:
     """The bounds of one rendering of a template given ``given``."""
-    memo: dict = {}
-    value = MIN_VALUE + INPUT_TIMES * text_size(given, cap=1 << 62, memo=memo)
-    bounds = Bounds(value, MADE_PER_VALUE * value, sizes=memo)
+    value = MIN_VALUE + INPUT_TIMES * _input_size(given)
+    bounds = Bounds(value, MADE_PER_VALUE * value)
     token = _current.set(bounds)
     try:
         yield bounds
     finally:
         _current.reset(token)
+
+
+def _input_size(given: Any) -> int:
+    """About the text of what a template is given: its strings and two characters an item,
+    each container once (a loop, not recursion: a tool's schema may nest deep)."""
+    size, stack, seen = 0, [given], set()
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            size += len(value) + 2
+        elif isinstance(value, list | tuple | dict) and id(value) not in seen:
+            seen.add(id(value))
+            if isinstance(value, dict):  # keys and values, not item pairs: a pair is
+                stack.extend(value.keys())  # freed at once, and its id given to the next
+                stack.extend(value.values())
+            else:
+                stack.extend(value)
+            size += 2 * len(value) + 2
+        else:
+            size += 8
+    return size
 
 
 # ---- sizes ------------------------------------------------------------------------------
@@ -86,6 +115,40 @@ def check_size(size: int, what: str) -> None:
         )
 
 
+def charge(size: int) -> None:
+    """Count ``size`` characters or items made against the rendering's total."""
+    bounds = current()
+    bounds.made_left -= size + 1
+    if bounds.made_left < 0:
+        raise RequestError(
+            f"the model's chat template made more than {MADE_PER_VALUE * bounds.value:,} "
+            "characters or items in all; refused rather than left to run"
+        )
+
+
+def check_depth(value: Any) -> None:
+    """Refuse a value nested more than `MAX_NESTING` containers deep (hashing or comparing
+    one nested far deeper crashes the interpreter)."""
+    bounds = current()
+    if _depth(value, bounds.sizes) > MAX_NESTING:
+        raise SecurityError(f"a value nested more than {MAX_NESTING} deep in the chat template")
+
+
+def _depth(value: Any, memo: dict) -> int:
+    if not isinstance(value, list | tuple | dict):
+        return 0
+    key = ("depth", id(value))
+    known = memo.get(key)
+    if known is not None:
+        return known[1]
+    items = value.values() if isinstance(value, dict) else value
+    depth = 1 + max((_depth(x, memo) for x in items), default=0)
+    if depth > MAX_NESTING:
+        return depth  # not kept: the value is refused
+    memo[key] = (value, depth)
+    return depth
+
+
 def made(value: Any, what: str) -> Any:
     """``value`` as made by ``what``: checked against the one-value bound, and counted."""
     bounds = current()
@@ -95,12 +158,7 @@ def made(value: Any, what: str) -> Any:
             f"{what} made {size:,} characters or items, past the {bounds.value:,} a value of "
             "this rendering may hold"
         )
-    bounds.made_left -= size + 1
-    if bounds.made_left < 0:
-        raise RequestError(
-            f"the model's chat template made more than {MADE_PER_VALUE * bounds.value:,} "
-            "characters or items in all; refused rather than left to run"
-        )
+    charge(size)
     return value
 
 
@@ -125,7 +183,10 @@ def _text_size(value: Any, cap: int, memo: dict, top: bool) -> int:
         if top:
             return len(value)
         return _memo(value, memo, ("repr", id(value)), lambda: len(repr(value)), cap)
-    if isinstance(value, list | tuple | set | frozenset | dict | Namespace):
+    if isinstance(value, Namespace):  # its attributes change: sized anew each time
+        attrs = object.__getattribute__(value, "_Namespace__attrs")
+        return len("<Namespace >") + _container(attrs, cap, memo)
+    if isinstance(value, list | tuple | set | frozenset | dict | KeysView | ValuesView):
         return _memo(value, memo, ("str", id(value)), lambda: _container(value, cap, memo), cap)
     try:
         return len(str(value) if top else repr(value))
@@ -145,13 +206,10 @@ def _memo(value: Any, memo: dict, key: Any, size_of: Any, cap: int) -> int:
 
 
 def _container(value: Any, cap: int, memo: dict) -> int:
-    if isinstance(value, Namespace):
-        attrs = object.__getattribute__(value, "_Namespace__attrs")
-        return len("<Namespace >") + _container(attrs, cap, memo)
     items: Iterable[Any] = (
         (x for pair in value.items() for x in pair) if isinstance(value, dict) else value
     )
-    size = 2 + (isinstance(value, tuple) and len(value) == 1)
+    size = 2 + (isinstance(value, tuple) and len(value) == 1) + 14  # a view's "dict_keys()"
     for item in items:
         size += _text_size(item, cap, memo, top=False) + 2
         if size > cap:
@@ -209,33 +267,36 @@ def _json(value: Any, depth: int, shape: tuple, cap: int, memo: dict) -> int:
     return _memo(value, memo, ("json", shape, depth, id(value)), size, cap)
 
 
-# A %-format's conversion specifiers, each with its width and precision (digits or '*').
-_PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?[hlL]?[a-zA-Z%]")
-_BRACE_SPEC_NUMBERS = re.compile(r"\d+")
+# Every run of digits (ASCII: a width or precision is only that), each counted whole.
+_BRACE_SPEC_NUMBERS = re.compile(r"[0-9]+")
 
 
 def percent_size(template: str, values: Any) -> int:
-    """At least the length of ``template % values``: the template, every width and
-    precision it names (a '*' takes one of the values, counted whole), the values' text."""
-    size = len(template)
-    star = False
-    for width, precision in _PERCENT_SPEC.findall(template):
-        for number in (width, precision):
-            star |= number == "*"
-            size += int(number) if number.isdigit() else 0
-    arguments = values if isinstance(values, tuple) else (values,)
-    if star:
-        size += sum(abs(x) for x in arguments if isinstance(x, int))
-    return size + printed_size(values)
+    """At least the length of ``template % values``: the template, every number written
+    in it (each width or precision among them), each conversion the largest value's text
+    (a mapping's key may be named many times), and every integer value ('*' widths)."""
+    fields = template.count("%")
+    if isinstance(values, dict):
+        arguments = list(values.values())
+    else:
+        arguments = list(values) if isinstance(values, tuple) else [values]
+    largest = max(map(printed_size, arguments), default=0)
+    numbers = sum(abs(x) for x in arguments if isinstance(x, int) and not isinstance(x, bool))
+    return len(template) + _numbers_in(template) + fields * largest + numbers * (fields > 0)
+
+
+def _numbers_in(text: str) -> int:
+    return sum(int(run) for run in _BRACE_SPEC_NUMBERS.findall(text))
 
 
 def format_size(template: str, args: tuple, kwargs: dict) -> int:
     """At least the length of ``template.format(*args, **kwargs)``: the template, every
     number in its fields' specs, the arguments' text (a nested field is refused)."""
     fields = re.findall(r"\{[^{}]*\}", template)
-    size = len(template) + printed_size(list(args)) + printed_size(kwargs)
+    largest = max(map(printed_size, [*args, *kwargs.values()]), default=0)
+    size = len(template) + len(fields) * largest
     for spec in fields:
-        size += sum(int(n) for n in _BRACE_SPEC_NUMBERS.findall(spec.partition(":")[2]))
+        size += _numbers_in(spec.partition(":")[2])
     if re.search(r"\{[^{}]*\{", template.replace("{{", "").replace("}}", "")):
         raise SecurityError("a format field nested in another in the chat template")
     return size
@@ -257,12 +318,17 @@ def replace_size(text: str, old: str, new: str, count: int = -1) -> int:
 
 def counted(iterable: Iterable[Any]) -> Iterator[Any]:
     """``iterable``'s items, each one of this rendering's `MAX_ITERATIONS`."""
-    bounds = current()
     for item in iterable:
-        bounds.iterations_left -= 1
-        if bounds.iterations_left < 0:
-            raise RequestError(
-                f"the model's chat template iterated over more than {MAX_ITERATIONS:,} "
-                "values; refused rather than left to run"
-            )
+        count_one()
         yield item
+
+
+def count_one() -> None:
+    """One more iteration (a loop's item, a macro's call) of the rendering's budget."""
+    bounds = current()
+    bounds.iterations_left -= 1
+    if bounds.iterations_left < 0:
+        raise RequestError(
+            f"the model's chat template iterated over more than {MAX_ITERATIONS:,} values "
+            "(loop items and macro calls); refused rather than left to run"
+        )
