@@ -206,6 +206,12 @@ DOUBLED = (
             "iterated over more than 1,000,000 values",
         ),
         ("{{ ([[0]] * 140000) | sum(start=[]) | length }}", "the filter 'sum' .* would make"),
+        # a scan of a large string on each of a million iterations: each one counted
+        (
+            "{% set s = 'b' * 1000000 %}{% for i in range(100000) %}{% set n = s.count('c') %}"
+            "{% endfor %}",
+            "made more than",
+        ),
         # a tuple 300,000 deep crashed the interpreter when hashed
         (
             "{% set ns = namespace(t=()) %}{% for i in range(1000) %}{% for j in range(300) %}"

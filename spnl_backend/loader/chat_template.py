@@ -221,6 +221,7 @@ def _sized_call(function: Any, args: tuple, kwargs: dict) -> tuple:
     if not isinstance(text, str):
         return args
     name, what = method.__name__, f"a '{method.__name__}' in the chat template"
+    bounds.charge(len(text))  # what a scan of it costs (count, find, split, strip...)
     given = [*args, *kwargs.values()]
     if name in ("ljust", "rjust", "center", "zfill") and given and isinstance(given[0], int):
         bounds.check_size(max(len(text), given[0]), what)
