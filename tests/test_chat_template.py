@@ -206,7 +206,18 @@ DOUBLED = (
             "iterated over more than 1,000,000 values",
         ),
         ("{{ ([[0]] * 140000) | sum(start=[]) | length }}", "the filter 'sum' .* would make"),
-        # a scan of a large string on each of a million iterations: each one counted
+        # comparisons of large values, or a scan of a large string, on each iteration
+        (
+            "{% set a = ['b' * 1000000] * 1000 %}{% set b = ['b' * 1000000] * 1000 %}"
+            "{% for i in range(1000) %}{% for j in range(1000) %}{% if a == b %}{% endif %}"
+            "{% endfor %}{% endfor %}",
+            "made more than",
+        ),
+        (
+            "{% set s = 'b' * 1000000 %}{% for i in range(100000) %}{% if 'c' in s %}{% endif %}"
+            "{% endfor %}",
+            "made more than",
+        ),
         (
             "{% set s = 'b' * 1000000 %}{% for i in range(100000) %}{% set n = s.count('c') %}"
             "{% endfor %}",

@@ -20,7 +20,7 @@ from typing import Any
 
 import jinja2
 from jinja2 import nodes, pass_context
-from jinja2.compiler import CodeGenerator, Frame
+from jinja2.compiler import CodeGenerator, Frame, operators
 from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.ext import Extension, loopcontrols
 from jinja2.runtime import LoopContext, Macro
@@ -138,6 +138,18 @@ class _BoundedCode(CodeGenerator):
             self.write(", ")
         self.write("))")
 
+    def visit_Compare(self, node: nodes.Compare, frame: Frame) -> None:  # noqa: N802 (jinja's)
+        """``a == b`` and the rest: each operand through the environment's `compared`,
+        which counts what comparing it may read."""
+        self.write("(environment.compared(")
+        self.visit(node.expr, frame)
+        self.write(")")
+        for operand in node.ops:
+            self.write(f" {operators[operand.op]} environment.compared(")
+            self.visit(operand.expr, frame)
+            self.write(")")
+        self.write(")")
+
 
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
     """The sandbox with `template_bounds` on everything that makes a value: operators,
@@ -174,6 +186,12 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         return bounds.made(
             super().call(__context, __obj, *args, **kwargs), "a call in the chat template"
         )
+
+    @staticmethod
+    def compared(value: Any) -> Any:
+        if isinstance(value, str | list | tuple | dict | set | frozenset):
+            bounds.charge(bounds.printed_size(value))
+        return value
 
     @staticmethod
     def joined(values: tuple) -> str:
