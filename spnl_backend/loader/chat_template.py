@@ -368,6 +368,24 @@ _FILTER_SIZES: dict[str, Callable[..., int]] = {
 }
 
 
+# The tests that compare or scan their values: each counts the text it may read, as a
+# comparison does (`_BoundedSandbox.compared`).
+_READING_TESTS = (
+    *("eq", "equalto", "==", "ne", "!=", "lt", "lessthan", "<", "le", "<="),
+    *("gt", "greaterthan", ">", "ge", ">=", "in", "lower", "upper"),
+)
+
+
+def _counted_test(test: Callable) -> Callable:
+    @functools.wraps(test)
+    def counted(*args: Any) -> bool:
+        for value in args:
+            _BoundedSandbox.compared(value)
+        return test(*args)
+
+    return counted
+
+
 @pass_context
 def _counted_loop(context: Any, iterable: Any) -> Any:
     return bounds.counted(iterable)
@@ -464,6 +482,8 @@ def _environment() -> ImmutableSandboxedEnvironment:
     del environment.filters["pprint"]  # a debugging aid, whose indentation has no bound
     environment.filters = _bounded_filters(environment.filters)
     environment.filters[_LOOP_FILTER] = _counted_loop
+    for name in _READING_TESTS:
+        environment.tests[name] = _counted_test(environment.tests[name])
     del environment.globals["lipsum"]  # paragraphs of filler, as many as asked
     environment.globals.update(
         range=_bounded_range,
