@@ -219,6 +219,11 @@ DOUBLED = (
             "made more than",
         ),
         (
+            "{% set m = ['b' * 10000] * 50 %}{% for i in range(100000) %}"
+            "{% set n = m | sort | length %}{% endfor %}",
+            "made more than",
+        ),
+        (
             "{% set x = 'b' * 10000 %}{% set m = [{'c': x}] * 50 %}{% for i in range(100000) %}"
             "{% set n = m | selectattr('c', 'equalto', x) | list %}{% endfor %}",
             "made more than",

@@ -281,6 +281,9 @@ def _bounded_filter(name: str, function: Callable) -> Callable:
         if name == "join" and own and not isinstance(own[0], Sized):
             own[0] = list(bounds.counted(own[0]))  # sized, then joined
         bounds.check_size(size_of(*own, **kwargs), what)
+        if name in _COMPARING_FILTERS and own and isinstance(own[0], Sized):
+            rounds = max(len(own[0]), 1).bit_length()  # a sort's comparisons an item
+            bounds.charge(bounds.printed_size(own[0]) * rounds)
         return bounds.made(function(*args[:passed], *own, **kwargs), what)
 
     return bounded
@@ -367,6 +370,10 @@ _FILTER_SIZES: dict[str, Callable[..., int]] = {
     "urlize": _urlize_size,
 }
 
+
+# The filters that compare their items with each other: each counts its value's text once
+# a round of comparisons.
+_COMPARING_FILTERS = frozenset({"sort", "unique", "min", "max", "dictsort", "groupby"})
 
 # The tests that compare or scan their values: each counts the text it may read, as a
 # comparison does (`_BoundedSandbox.compared`).
