@@ -253,7 +253,6 @@ def test_a_byte_budget_gives_the_global_layers_what_the_windowed_pool_leaves():
     assert small.window_blocks == small.num_blocks == int(0.02 * 2**20) // (BLOCK * 768)
 
 
-
 def test_a_budget_past_the_memory_is_shown_as_it_was_given():
     """A whole number of MB as written (it was shown as 1e+08), a fraction as a number."""
     from spnl_backend.errors import PlatformError

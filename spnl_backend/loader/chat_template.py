@@ -328,6 +328,11 @@ def _tojson_size(
     return bounds.json_size(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators)
 
 
+def _items_and(value: Any, count: Any, *_: Any, **__: Any) -> int:
+    """``batch`` and ``slice``: the value's items, and as many more lists as asked for."""
+    return (len(value) if isinstance(value, Sized) else 0) + max(_width(count), 0)
+
+
 def _sum_size(value: Any) -> int:
     """A sum of lists or strings copies its total once per item: sized as that work."""
     if not isinstance(value, list | tuple):
@@ -359,13 +364,9 @@ _FILTER_SIZES: dict[str, Callable[..., int]] = {
     "format": _format_filter_size,
     "replace": _replace_filter_size,
     "join": _join_filter_size,
-    "batch": lambda value, linecount, *_, **__: (
-        (len(value) if isinstance(value, Sized) else 0) + max(_width(linecount), 0)
-    ),
+    "batch": _items_and,
     "wordwrap": _wordwrap_size,
-    "slice": lambda value, slices, *_, **__: (
-        (len(value) if isinstance(value, Sized) else 0) + max(_width(slices), 0)
-    ),
+    "slice": _items_and,
     "sum": lambda value, *_, **__: _sum_size(value),
     "urlize": _urlize_size,
 }

@@ -164,18 +164,13 @@ def made(value: Any, what: str) -> Any:
 
 def printed_size(value: Any) -> int:
     """The characters of ``str(value)`` (past the bound: the bound plus one), found
-    without making it."""
+    without making it: containers summed item by item (a shared item once, from the
+    rendering's sizes), strings inside them quoted."""
     bounds = current()
-    return text_size(value, cap=bounds.value, memo=bounds.sizes)
-
-
-def text_size(value: Any, *, cap: int, memo: dict, top: bool = True) -> int:
-    """The length of ``str(value)``, or ``cap + 1`` where it is longer: containers summed
-    item by item (a shared item once, from ``memo``), strings inside them quoted."""
     try:
-        return _text_size(value, cap, memo, top)
+        return _text_size(value, bounds.value, bounds.sizes, top=True)
     except _TooLargeError:
-        return cap + 1
+        return bounds.value + 1
 
 
 def _text_size(value: Any, cap: int, memo: dict, top: bool) -> int:
@@ -268,7 +263,7 @@ def _json(value: Any, depth: int, shape: tuple, cap: int, memo: dict) -> int:
 
 
 # Every run of digits (ASCII: a width or precision is only that), each counted whole.
-_BRACE_SPEC_NUMBERS = re.compile(r"[0-9]+")
+_DIGIT_RUNS = re.compile(r"[0-9]+")
 
 
 def percent_size(template: str, values: Any) -> int:
@@ -286,7 +281,7 @@ def percent_size(template: str, values: Any) -> int:
 
 
 def _numbers_in(text: str) -> int:
-    return sum(int(run) for run in _BRACE_SPEC_NUMBERS.findall(text))
+    return sum(int(run) for run in _DIGIT_RUNS.findall(text))
 
 
 def format_size(template: str, args: tuple, kwargs: dict) -> int:

@@ -111,17 +111,12 @@ class PicPrompts:
         """Each prompt of a span query within what the context could hold, counted in
         characters before anything is tokenized (a map's inputs each, a generate's
         messages together)."""
-        max_chars = self._limit.max_chars
         if isinstance(query, MapQuery):
             sized = [(f"query.map.inputs[{i}]", len(t)) for i, t in enumerate(query.inputs)]
         else:
             sized = [("the query's input", message_chars(query.input))]
         for where, chars in sized:
-            if chars > max_chars:
-                raise ContextLengthError(
-                    f"{where} has {chars:,} characters: more than the context can hold (at "
-                    f"most {max_chars:,} are taken); shorten it"
-                )
+            self._limit.check_chars(chars, where)
 
     def _span_tokenizer(self) -> SpanTokenizer:
         """How span queries and plus chat messages are tokenized (made once)."""
