@@ -299,3 +299,13 @@ def test_a_deeply_nested_tool_schema_is_given_whole():
         schema = {"type": "object", "properties": {"x": schema}}
     tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
     assert ChatTemplate(CHATML, "test").render(MESSAGES, tools=[tool]).startswith("<|im_start|>")
+
+
+@pytest.mark.parametrize("source", [None, 5, ["{{ 1 }}"]])
+def test_a_request_template_that_is_not_source_is_refused(source):
+    """jinja takes any object that is not a string for a parsed template (an
+    AttributeError deep inside it): refused by name first."""
+    from spnl_backend.loader.chat_template import request_template
+
+    with pytest.raises(RequestError, match=r"chat_template=.*expected a Jinja template's source"):
+        request_template(source)

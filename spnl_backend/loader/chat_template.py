@@ -26,7 +26,7 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.runtime import LoopContext, Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ..errors import ModelFileError, RequestError, SettingsError
+from ..errors import ModelFileError, RequestError, SettingsError, shown
 from . import template_bounds as bounds
 from .template_bounds import MAX_ITERATIONS  # noqa: F401  (re-exported: the documented bound)
 
@@ -87,6 +87,8 @@ _request_templates_lock = threading.Lock()
 def request_template(source: str) -> ChatTemplate:
     """A request's chat template compiled (kept among the last `REQUEST_TEMPLATES_KEPT`);
     one that does not compile is a `RequestError` naming the line."""
+    if not isinstance(source, str):  # jinja would take any other object for a parsed one
+        raise RequestError(f"chat_template={shown(source)}: expected a Jinja template's source")
     with _request_templates_lock:
         compiled = _request_templates.get(source)
         if compiled is not None:
